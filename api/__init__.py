@@ -1,0 +1,1 @@
+"""Control plane of Archipelago (FastAPI); see the control-plane issue."""

@@ -1,0 +1,1 @@
+"""Coordinator side of Archipelago: config, outer optimizers, aggregation, the coordinator, the CLI."""

@@ -1,0 +1,52 @@
+"""Token-weighted averaging of pseudo-gradients into one preallocated buffer, with the
+checks that keep a bad update away from the global model."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One island's result for one round: Δ = θ_start − θ_end (or a gradient in ddp)."""
+
+    island: int
+    version: int
+    delta: np.ndarray
+    weight: float
+
+
+def rejection_reason(c: Contribution, numel: int, expected_version: int) -> str | None:
+    """Why `c` must not touch the global model, or None if it is acceptable."""
+    if c.version != expected_version:
+        return f"stale: computed from version {c.version}, round is at {expected_version}"
+    if c.delta.shape != (numel,):
+        return f"wrong shape {c.delta.shape}, expected ({numel},)"
+    if not c.weight > 0:
+        return f"non-positive weight {c.weight}"
+    if not np.isfinite(c.delta).all():
+        return "non-finite values (NaN or inf)"
+    return None
+
+
+class WeightedMean:
+    """Σ w_i Δ_i / Σ w_i, accumulated in place (one vectorised op per contribution)."""
+
+    def __init__(self, numel: int, dtype: torch.dtype) -> None:
+        self.sum = torch.zeros(numel, dtype=dtype)
+        self.total = 0.0
+
+    def reset(self) -> None:
+        self.sum.zero_()
+        self.total = 0.0
+
+    def add(self, delta: np.ndarray, weight: float) -> None:
+        self.sum.add_(torch.from_numpy(delta).to(self.sum.dtype), alpha=weight)
+        self.total += weight
+
+    def mean(self) -> torch.Tensor:
+        if self.total <= 0:
+            raise ValueError("no contributions to average")
+        return self.sum.div_(self.total)

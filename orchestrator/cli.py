@@ -1,0 +1,50 @@
+"""`archipelago` command line: run, config show."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from orchestrator.config_load import ConfigError, dump_config, load_config
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML run config (see `archipelago config show`)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted override, e.g. --set outer.lr=0.5 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="archipelago", description="Low-communication training across islands on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run_p = sub.add_parser("run", help="train (default: sync DiLoCo, 4 CPU islands, small GPT on stdlib text)")
+    _config_args(run_p)
+    run_p.add_argument("--out", help="output folder (overrides out_dir)")
+    cfg_p = sub.add_parser("config", help="configuration helpers")
+    cfg_sub = cfg_p.add_subparsers(dest="config_command", required=True)
+    show = cfg_sub.add_parser("show", help="print the resolved config as YAML")
+    _config_args(show)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    overrides = list(args.overrides)
+    if getattr(args, "out", None):
+        overrides.append(f"out_dir={args.out}")
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as err:
+        print(f"archipelago: invalid config: {err}", file=sys.stderr)
+        return 2
+    if args.command == "config":
+        sys.stdout.write(dump_config(cfg))
+        return 0
+    from orchestrator.run import print_summary, run
+
+    summary = run(cfg)
+    print_summary(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Typed run configuration. Every field is validated here, before anything starts, so a
+mistake is reported by field name instead of surfacing minutes later inside an actor."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from workers.optim import InnerConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class IslandsConfig(_Strict):
+    """How many islands and what each one holds (on a cluster: real GPUs)."""
+
+    count: int = Field(4, ge=1, le=1024)
+    cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per island")
+    gpus: float = Field(0.0, ge=0, description="Ray GPUs per island; CUDA is used when > 0 and available")
+    threads: int | None = Field(None, ge=1, description="torch threads per island (default: cpus, at least 1)")
+
+
+class OuterConfig(_Strict):
+    """Outer optimizer stepped on the token-weighted mean pseudo-gradient (ALGORITHMS §0-1)."""
+
+    optimizer: Literal["nesterov", "sgd", "adam"] = "nesterov"
+    lr: float = Field(0.7, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1, description="nesterov/sgd momentum")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="adam betas")
+    drop_prob: float = Field(0.0, ge=0, lt=1, description="drop each pseudo-gradient with this probability (ablation)")
+
+
+class TaskSpec(_Strict):
+    """The user's model and data: an import path `module:factory` and its keyword arguments."""
+
+    factory: str = "workers.lm_task:make_task"
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class RayConfig(_Strict):
+    address: str | None = Field(None, description="existing cluster; default: $RAY_ADDRESS, else start a local one")
+    num_cpus: int | None = Field(None, ge=1, description="logical CPUs of a local instance (default: what islands need)")
+
+
+class RunConfig(_Strict):
+    """One training run. `mode: diloco` is synchronous DiLoCo; `mode: ddp` is the
+    data-parallel baseline (gradients averaged every step, one AdamW using `inner`)."""
+
+    mode: Literal["diloco", "ddp"] = "diloco"
+    rounds: int = Field(12, ge=1, description="outer rounds (ddp: rounds x inner_steps optimizer steps)")
+    inner_steps: int = Field(30, ge=1, description="H, inner steps per round")
+    seed: int = 0
+    eval_every: int = Field(1, ge=1, description="evaluate the global model every N rounds")
+    round_timeout_s: float = Field(600.0, gt=0, description="a round closes without islands later than this")
+    out_dir: str = "runs/latest"
+    islands: IslandsConfig = Field(default_factory=IslandsConfig)
+    inner: InnerConfig = Field(default_factory=InnerConfig)
+    outer: OuterConfig = Field(default_factory=OuterConfig)
+    task: TaskSpec = Field(default_factory=TaskSpec)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> "RunConfig":
+        if self.mode == "ddp" and self.outer.drop_prob:
+            raise ValueError("outer.drop_prob applies to diloco only")
+        return self
+
+    @property
+    def total_inner_steps(self) -> int:
+        return self.rounds * self.inner_steps
+
+    @property
+    def island_threads(self) -> int:
+        return self.islands.threads or max(1, int(self.islands.cpus))

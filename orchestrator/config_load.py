@@ -1,0 +1,88 @@
+"""Load a `RunConfig` from YAML plus dotted `key=value` overrides, with errors that name
+the field and the reason (and the task's own kwargs validated up front too)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from orchestrator.config import RunConfig
+from workers.task import TaskError, load_task
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names each bad field."""
+
+
+def _format(err: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "") or "config"
+        lines.append(f"{where}: {e['msg']}")
+    return "; ".join(lines)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`outer.lr=0.5` → (['outer', 'lr'], 0.5). Values are parsed as YAML scalars/lists."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} must look like key.path=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{key}: cannot parse value {raw!r}: {err}") from err
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{'.'.join(path)}: {part!r} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                check_task: bool = True) -> RunConfig:
+    """Resolve the run config. Raises `ConfigError` and starts nothing if anything is wrong."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as err:
+            raise ConfigError(f"cannot read config file {path}: {err}") from err
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping, not {type(loaded).__name__}")
+        data = loaded or {}
+    data = apply_overrides(data, overrides or [])
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format(err)) from err
+    if check_task:
+        check_task_spec(cfg)
+    return cfg
+
+
+def check_task_spec(cfg: RunConfig) -> None:
+    """Build the task object (cheap: no data is read) so bad task kwargs fail now."""
+    try:
+        load_task(cfg.task.factory, cfg.task.kwargs)
+    except TaskError as err:
+        cause = err.__cause__
+        if isinstance(cause, ValidationError):
+            raise ConfigError(_format(cause, "task.kwargs")) from err
+        raise ConfigError(f"task.factory: {err}") from err
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,50 @@
+"""Per-island bookkeeping on the coordinator: state, contributions, tokens and bytes.
+
+States: `training` (gets work each round), `late` (missed a round deadline; gets work
+again once its overdue result arrives, which is discarded as stale), `dead` (actor or
+node died, or its code raised; released and never scheduled again)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class IslandStats:
+    index: int
+    state: str = "starting"
+    node: str = ""
+    rounds_contributed: int = 0
+    tokens: int = 0
+    compute_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    last_train_loss: float | None = None
+    rejections: int = 0
+    late_results: int = 0
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Membership:
+    islands: dict[int, IslandStats] = field(default_factory=dict)
+
+    def add(self, index: int, node: str) -> None:
+        self.islands[index] = IslandStats(index=index, state="training", node=node)
+
+    def schedulable(self) -> list[int]:
+        return [i for i, s in self.islands.items() if s.state == "training"]
+
+    def alive(self) -> list[int]:
+        return [i for i, s in self.islands.items() if s.state != "dead"]
+
+    def mark(self, index: int, state: str, error: str | None = None) -> None:
+        self.islands[index].state = state
+        if error:
+            self.islands[index].error = error
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        return {str(i): s.as_dict() for i, s in sorted(self.islands.items())}

@@ -1,0 +1,37 @@
+"""Run outputs in `out_dir`: the resolved config, `metrics.jsonl` (one record per round),
+`summary.json` (stable key names that scripts and dashboards rely on) and `final.pt`."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orchestrator.config import RunConfig
+from orchestrator.config_load import dump_config
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class Recorder:
+    def __init__(self, out_dir: str | Path, cfg: RunConfig) -> None:
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        _atomic_write(self.out / "config.yaml", dump_config(cfg))
+        self._metrics = open(self.out / "metrics.jsonl", "w", buffering=1)
+
+    def record(self, entry: dict[str, Any]) -> None:
+        self._metrics.write(json.dumps(entry) + "\n")
+
+    def finish(self, summary: dict[str, Any], model: torch.nn.Module) -> None:
+        state = {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
+        torch.save(state, self.out / "final.pt.tmp")
+        os.replace(self.out / "final.pt.tmp", self.out / "final.pt")
+        _atomic_write(self.out / "summary.json", json.dumps(summary, indent=2))
+        self._metrics.close()

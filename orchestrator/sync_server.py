@@ -1,0 +1,80 @@
+"""The synchronous outer step (DiLoCo §1, and the ddp baseline): pure torch, no Ray.
+
+Holds the global parameters (a flat buffer shared with the coordinator's model), the
+version number and the optimizer; `close_round` turns one round's contributions into
+one optimizer step. Rejected or dropped contributions never touch the parameters.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from orchestrator.aggregate import Contribution, WeightedMean, rejection_reason
+
+
+@dataclass
+class RoundOutcome:
+    version: int                      # version after the round
+    accepted: list[int] = field(default_factory=list)
+    rejected: dict[int, str] = field(default_factory=dict)
+    dropped: list[int] = field(default_factory=list)
+    stepped: bool = False
+
+
+class SyncServer:
+    def __init__(self, flat_params: torch.Tensor,
+                 build_optimizer, drop_prob: float = 0.0, seed: int = 0, grad_clip: float | None = None) -> None:
+        """`build_optimizer(param) -> (optimizer, scheduler | None)`; `flat_params` is updated in place."""
+        self.param = torch.nn.Parameter(flat_params, requires_grad=True)  # shares storage
+        self.optimizer, self.scheduler = build_optimizer(self.param)
+        self.mean = WeightedMean(self.param.numel(), self.param.dtype)
+        self.drop_prob = drop_prob
+        self.grad_clip = grad_clip
+        self.rng = np.random.default_rng(seed + 7919)
+        self.version = 0
+
+    @property
+    def numel(self) -> int:
+        return self.param.numel()
+
+    def params_numpy(self) -> np.ndarray:
+        """The global parameters as numpy, for one `ray.put` per version (a view: put copies)."""
+        return self.param.detach().numpy()
+
+    def close_round(self, contributions: list[Contribution]) -> RoundOutcome:
+        out = RoundOutcome(version=self.version)
+        self.mean.reset()
+        with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
+            warnings.simplefilter("ignore", UserWarning)
+            for c in contributions:
+                reason = rejection_reason(c, self.numel, self.version)
+                if reason is not None:
+                    out.rejected[c.island] = reason
+                elif self.drop_prob and self.rng.random() < self.drop_prob:
+                    out.dropped.append(c.island)
+                else:
+                    self.mean.add(c.delta, c.weight)
+                    out.accepted.append(c.island)
+        if out.accepted:
+            self._step(self.mean.mean())
+            out.stepped = True
+        self.version += 1
+        out.version = self.version
+        return out
+
+    def _step(self, grad: torch.Tensor) -> None:
+        if self.grad_clip is not None:
+            norm = float(grad.norm())
+            if norm > self.grad_clip:
+                grad.mul_(self.grad_clip / norm)
+        self.param.grad = grad
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.param.grad = None
+
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])

@@ -1,0 +1,31 @@
+"""In-process DiLoCo driver for unit tests: real `Island` and `SyncServer` objects, no Ray."""
+from __future__ import annotations
+
+import torch
+
+from orchestrator.aggregate import Contribution
+from orchestrator.config import RunConfig
+from orchestrator.outer import build_server_optimizer
+from orchestrator.sync_server import SyncServer
+from workers.flat import FlatParams
+from workers.island import Island
+from orchestrator.launcher import island_spec
+from workers.task import load_task
+
+
+def in_process_run(cfg: RunConfig) -> tuple[SyncServer, list[Island], list[torch.Tensor]]:
+    """Run `cfg` synchronously in this process; returns the server, the islands and the
+    global parameters after every round."""
+    task = load_task(cfg.task.factory, cfg.task.kwargs)
+    torch.manual_seed(cfg.seed)
+    flat = FlatParams(task.build_model())
+    server = SyncServer(flat.data, lambda p: build_server_optimizer(cfg, p), drop_prob=cfg.outer.drop_prob,
+                        seed=cfg.seed, grad_clip=cfg.inner.grad_clip if cfg.mode == "ddp" else None)
+    islands = [Island(island_spec(cfg, i)) for i in range(cfg.islands.count)]
+    history = []
+    for _ in range(cfg.rounds):
+        params = server.params_numpy().copy()
+        results = [isl.run_round(server.version, params, cfg.inner_steps) for isl in islands]
+        server.close_round([Contribution(r.island, r.version, r.delta, float(r.weight)) for r in results])
+        history.append(flat.data.clone())
+    return server, islands, history

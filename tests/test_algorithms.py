@@ -1,0 +1,87 @@
+"""ALGORITHMS.md §0–1 vectors in float64, through the production classes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from orchestrator.aggregate import Contribution
+from orchestrator.config import OuterConfig, RunConfig
+from orchestrator.outer import build_outer
+from orchestrator.sync_server import SyncServer
+from tests.helpers import in_process_run
+
+TOL = 1e-6
+CENTERS = [[1.0, 0.0], [-0.5, 2.0]]
+
+
+def _server(theta0, outer: OuterConfig) -> SyncServer:
+    return SyncServer(torch.tensor(theta0, dtype=torch.float64), lambda p: (build_outer(outer, p), None))
+
+
+def _contrib(island, version, g, w=1.0):
+    return Contribution(island, version, np.asarray(g, dtype=np.float64), w)
+
+
+def test_vector_o1_outer_nesterov():
+    server = _server([1.0, -2.0], OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9))
+    expected = [[0.867, -1.734], [0.7438, -1.7536], [0.66442, -1.70824]]
+    for g, want in zip([[0.1, -0.2], [0.05, 0.1], [0.0, 0.0]], expected):
+        server.close_round([_contrib(0, server.version, g)])
+        np.testing.assert_allclose(server.param.detach().numpy(), want, atol=TOL)
+
+
+def test_first_nesterov_step_is_lr_times_one_plus_mu():
+    server = _server([0.0], OuterConfig(lr=0.7, momentum=0.9))
+    server.close_round([_contrib(0, 0, [1.0])])
+    assert server.param.item() == pytest.approx(-0.7 * 1.9, abs=1e-12)
+
+
+def _d1_config(inner: dict, rounds: int = 3) -> RunConfig:
+    return RunConfig.model_validate({
+        "rounds": rounds, "inner_steps": 3, "islands": {"count": 2},
+        "inner": {"warmup_steps": 0, "schedule": "constant", "grad_clip": None, "weight_decay": 0.0, **inner},
+        "outer": {"optimizer": "nesterov", "lr": 0.7, "momentum": 0.9},
+        "task": {"factory": "tests.toy_tasks:make_quadratic", "kwargs": {"centers": CENTERS}},
+    })
+
+
+def test_vector_d1_inner_sgd():
+    _, _, history = in_process_run(_d1_config({"optimizer": "sgd", "lr": 0.1}))
+    expected = [[0.090107, 0.36043], [0.186152, 0.744607], [0.268306, 1.073224]]
+    for got, want in zip(history, expected):
+        np.testing.assert_allclose(got.numpy(), want, atol=TOL)
+
+
+def test_vector_d1_inner_adamw_state_kept_across_rounds():
+    cfg = _d1_config({"optimizer": "adamw", "lr": 0.1, "betas": (0.9, 0.999)})
+    _, _, history = in_process_run(cfg)
+    expected = [[0.002185, 0.199085], [0.006609, 0.346221], [0.012179, 0.47675]]
+    for got, want in zip(history, expected):
+        np.testing.assert_allclose(got.numpy(), want, atol=TOL)
+
+
+def test_outer_sgd_lr1_mu0_is_parameter_averaging():
+    cfg = _d1_config({"optimizer": "sgd", "lr": 0.1}, rounds=1)
+    cfg.outer = OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0)
+    _, islands, history = in_process_run(cfg)
+    local = np.mean([isl.flat.data.numpy() for isl in islands], axis=0)
+    np.testing.assert_allclose(history[0].numpy(), local, atol=1e-12)
+
+
+def test_h1_sgd_outer_lr1_is_synchronous_data_parallel_sgd():
+    cfg = _d1_config({"optimizer": "sgd", "lr": 0.1}, rounds=4)
+    cfg.inner_steps = 1
+    cfg.outer = OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0)
+    _, _, history = in_process_run(cfg)
+    x = np.zeros(2)
+    c = np.array(CENTERS)
+    for got in history:
+        x = x - 0.1 * np.mean(x - c, axis=0)  # mean gradient of the two quadratics
+        np.testing.assert_allclose(got.numpy(), x, atol=1e-12)
+
+
+def test_token_weighted_mean():
+    server = _server([0.0, 0.0], OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0))
+    server.close_round([_contrib(0, 0, [1.0, 0.0], 3.0), _contrib(1, 0, [0.0, 1.0], 1.0)])
+    np.testing.assert_allclose(server.param.detach().numpy(), [-0.75, -0.25], atol=1e-12)

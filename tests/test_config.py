@@ -1,0 +1,81 @@
+"""Config loading: YAML, dotted overrides, and errors that name the field."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from orchestrator.cli import main
+from orchestrator.config_load import ConfigError, load_config
+
+
+def test_defaults_are_sync_diloco_with_four_islands():
+    cfg = load_config()
+    assert cfg.mode == "diloco" and cfg.islands.count == 4
+    assert (cfg.outer.optimizer, cfg.outer.lr, cfg.outer.momentum) == ("nesterov", 0.7, 0.9)
+    assert cfg.task.factory == "workers.lm_task:make_task"
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"rounds": 5, "outer": {"lr": 0.3}, "task": {"kwargs": {"d_model": 64}}}))
+    cfg = load_config(path, ["outer.lr=0.5", "islands.count=2", "task.kwargs.split=non_iid"])
+    assert cfg.rounds == 5 and cfg.outer.lr == 0.5 and cfg.islands.count == 2
+    assert cfg.task.kwargs == {"d_model": 64, "split": "non_iid"}
+
+
+@pytest.mark.parametrize("override, field", [
+    ("outer.lr=-1", "outer.lr"),
+    ("islands.count=0", "islands.count"),
+    ("outer.optimizer=lion", "outer.optimizer"),
+    ("inner.warmup_steps=abc", "inner.warmup_steps"),
+    ("outer.learning_rate=0.1", "outer.learning_rate"),
+    ("task.kwargs.d_model=-3", "task.kwargs.d_model"),
+    ("task.kwargs.source=s3", "task.kwargs.source"),
+    ("task.factory=nosuchmodule:make", "task.factory"),
+    ("task.factory=no_colon", "task.factory"),
+])
+def test_invalid_values_name_the_field(override, field):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert field in str(err.value)
+
+
+def test_cross_field_rules_are_reported():
+    with pytest.raises(ConfigError, match="n_heads"):
+        load_config(None, ["task.kwargs.d_model=130"])
+    with pytest.raises(ConfigError, match="drop_prob"):
+        load_config(None, ["mode=ddp", "outer.drop_prob=0.5"])
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rounds: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("3\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(scalar)
+    with pytest.raises(ConfigError, match="key.path=value"):
+        load_config(None, ["rounds"])
+
+
+def test_cli_invalid_config_exits_2_and_starts_nothing(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["run", "--set", "outer.lr=-1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "outer.lr" in err and "greater than 0" in err
+    assert not out.exists()
+
+
+def test_config_show_round_trips(tmp_path):
+    shown = subprocess.run([sys.executable, "-m", "orchestrator.cli", "config", "show", "--set", "rounds=7"],
+                           capture_output=True, text=True, check=True).stdout
+    path = tmp_path / "shown.yaml"
+    path.write_text(shown)
+    assert load_config(path).rounds == 7

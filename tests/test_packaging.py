@@ -1,0 +1,22 @@
+"""`api`, `workers` and `orchestrator` are generic names: prove we import this repo's."""
+from __future__ import annotations
+
+import importlib
+from importlib import metadata
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_packages_are_this_repos():
+    for name in ("orchestrator", "workers", "api"):
+        module = importlib.import_module(name)
+        assert Path(module.__file__).resolve().parent == REPO / name, module.__file__
+
+
+def test_distribution_declares_the_console_script():
+    dist = metadata.distribution("archipelago-diloco")
+    scripts = {ep.name: ep.value for ep in dist.entry_points if ep.group == "console_scripts"}
+    assert scripts["archipelago"] == "orchestrator.cli:main"
+    torch_req = [r for r in dist.requires or [] if r.startswith("torch")]
+    assert torch_req == ["torch==2.13.0"]

@@ -1,0 +1,51 @@
+"""Inner optimizers and their learning-rate schedule (linear warmup, then cosine decay).
+
+Pure torch. Used by every island for its inner steps and by the coordinator in `ddp`
+mode, where the same optimizer steps once per batch on the averaged gradient.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class InnerConfig(BaseModel):
+    """Inner optimizer of each island (DiLoCo paper: AdamW lr 4e-4, warmup, wd 0.1)."""
+
+    model_config = ConfigDict(extra="forbid")
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(3e-3, gt=0, description="peak learning rate")
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum (sgd only)")
+    warmup_steps: int = Field(50, ge=0)
+    schedule: Literal["cosine", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
+    grad_clip: float | None = Field(1.0, gt=0, description="clip grad norm before each step; null disables")
+
+
+def lr_factor(step: int, cfg: InnerConfig, total_steps: int) -> float:
+    """Multiplier of `cfg.lr` at inner step `step` (0-based) of `total_steps`."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_inner(cfg: InnerConfig, params: Iterable[torch.nn.Parameter], total_steps: int
+                ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    params = list(params)
+    if cfg.optimizer == "adamw":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(
+            params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=True)
+    else:
+        opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg, total_steps))
+    return opt, sched

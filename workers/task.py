@@ -1,0 +1,83 @@
+"""The Task contract: how a user plugs their own model and data into Archipelago.
+
+A task is any object with the methods of `Task`, built by a factory named in config as
+`module:function` with keyword arguments (`task.factory`, `task.kwargs`). The islands and
+the coordinator only ever talk to a task through this protocol, so the default GPT task
+is just one task among many.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+Batch = tuple[torch.Tensor, ...]
+
+
+class TaskError(ValueError):
+    """A task factory could not be imported or rejected its keyword arguments."""
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What Archipelago needs from a model + data pair.
+
+    Methods must be deterministic given their arguments: island *i* of *k* with seed *s*
+    always sees the same batches, which is what makes runs reproducible and comparable.
+    """
+
+    def prepare(self) -> None:
+        """One-time, idempotent data preparation (download, tokenise, cache). Runs on the
+        driver before any island starts, so islands never race to build the same cache."""
+
+    def build_model(self) -> nn.Module:
+        """A freshly initialised model. Called with the same torch seed everywhere."""
+
+    def train_batches(self, island: int, num_islands: int, seed: int) -> Iterator[Batch]:
+        """Endless batches for island `island` of `num_islands`."""
+
+    def eval_batches(self) -> Sequence[Batch]:
+        """A fixed, held-out set of batches; the eval loss is their mean loss."""
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """Scalar mean loss of `model` on `batch`."""
+
+    def batch_weight(self, batch: Batch) -> int:
+        """How much a batch counts (tokens for a language model, examples otherwise);
+        pseudo-gradients are averaged with these weights."""
+
+
+def resolve_factory(spec: str) -> Any:
+    """Import `module:attribute`; raise `TaskError` naming what is wrong."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise TaskError(f"task factory {spec!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise TaskError(f"cannot import task module {module_name!r}: {err}") from err
+    try:
+        return getattr(module, attr)
+    except AttributeError as err:
+        raise TaskError(f"module {module_name!r} has no attribute {attr!r}") from err
+
+
+def load_task(spec: str, kwargs: dict[str, Any] | None = None) -> Task:
+    """Build the task `spec` names with `kwargs`; errors name the bad argument."""
+    factory = resolve_factory(spec)
+    try:
+        task = factory(**(kwargs or {}))
+    except (TypeError, ValueError) as err:
+        raise TaskError(f"task {spec!r} rejected its kwargs: {err}") from err
+    missing = [m for m in ("prepare", "build_model", "train_batches", "eval_batches", "loss", "batch_weight")
+               if not callable(getattr(task, m, None))]
+    if missing:
+        raise TaskError(f"task {spec!r} lacks the Task method(s) {', '.join(missing)}")
+    return task
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    return tuple(t.to(device, non_blocking=True) for t in batch)

@@ -1,0 +1,94 @@
+"""Byte-level text batches for language-model tasks, from Parquet files or a streamed
+Hugging Face dataset.
+
+Island splits:
+- `iid`: documents are shuffled (one fixed corpus-level order) before the stream is cut
+  into k equal parts, so each island sees a random mix of documents;
+- `non_iid`: documents stay in path order, so each island gets a contiguous run of
+  different files (different packages of the standard library): a real distribution shift.
+Within its part an island reads non-overlapping windows in a per-epoch random order.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+Split = str  # "iid" | "non_iid"
+CORPUS_ORDER_SEED = 1234  # the same on every island: the iid shuffle must agree everywhere
+
+
+def read_parquet_texts(files: Sequence[Path | str], column: str = "text") -> list[str]:
+    texts: list[str] = []
+    for f in files:
+        table = pq.read_table(f, columns=[column])
+        texts.extend(table.column(column).to_pylist())
+    return texts
+
+
+def encode(texts: Iterable[str]) -> np.ndarray:
+    """UTF-8 bytes of the documents, joined by a NUL separator, as uint8 tokens."""
+    return np.frombuffer(b"\x00".join(t.encode("utf-8", errors="replace") for t in texts), dtype=np.uint8)
+
+
+def island_tokens(texts: list[str], island: int, num_islands: int, split: Split) -> np.ndarray:
+    """The slice of the corpus that island `island` of `num_islands` trains on."""
+    if not 0 <= island < num_islands:
+        raise ValueError(f"island {island} out of range for {num_islands} islands")
+    order = np.arange(len(texts))
+    if split == "iid":
+        order = np.random.default_rng(CORPUS_ORDER_SEED).permutation(len(texts))
+    tokens = encode(texts[i] for i in order)
+    bounds = np.linspace(0, len(tokens), num_islands + 1).astype(np.int64)
+    return tokens[bounds[island]:bounds[island + 1]]
+
+
+def window_batches(tokens: np.ndarray, context: int, batch_size: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless (input, target) batches of non-overlapping windows, reshuffled every epoch."""
+    n_windows = (len(tokens) - 1) // context
+    if n_windows < batch_size:
+        raise ValueError(f"{len(tokens)} tokens are too few for batches of {batch_size}x{context}")
+    rng = np.random.default_rng(seed)
+    offsets = np.arange(context + 1)
+    while True:
+        perm = rng.permutation(n_windows)
+        for j in range(0, n_windows - batch_size + 1, batch_size):
+            starts = perm[j:j + batch_size] * context
+            yield _as_batch(tokens[starts[:, None] + offsets])
+
+
+def fixed_batches(tokens: np.ndarray, context: int, batch_size: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`count` deterministic batches spread evenly over `tokens` (the eval set)."""
+    n_windows = (len(tokens) - 1) // context
+    need = count * batch_size
+    if n_windows < need:
+        raise ValueError(f"eval split has {n_windows} windows of {context}, need {need}")
+    starts = np.linspace(0, n_windows - 1, need).astype(np.int64) * context
+    windows = tokens[starts[:, None] + np.arange(context + 1)]
+    return [_as_batch(windows[i * batch_size:(i + 1) * batch_size]) for i in range(count)]
+
+
+def stream_batches(texts: Iterable[str], context: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches from an unbounded document stream, read in order (for streamed datasets)."""
+    need = batch_size * (context + 1)
+    buf = bytearray()
+    for text in texts:
+        buf += text.encode("utf-8", errors="replace") + b"\x00"
+        while len(buf) >= need:
+            chunk = np.frombuffer(bytes(buf[:need]), dtype=np.uint8)
+            del buf[:need]
+            yield _as_batch(chunk.reshape(batch_size, context + 1))
+
+
+def stream_shard(texts: Iterable[str], island: int, num_islands: int) -> Iterator[str]:
+    """Round-robin document shard of a stream: island i takes documents i, i+k, i+2k…"""
+    return itertools.islice(texts, island, None, num_islands)
+
+
+def _as_batch(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.from_numpy(windows.astype(np.int64))
+    return w[:, :-1].contiguous(), w[:, 1:].contiguous()
