@@ -23,11 +23,32 @@ def build_parser() -> argparse.ArgumentParser:
     cfg_sub = cfg_p.add_subparsers(dest="config_command", required=True)
     show = cfg_sub.add_parser("show", help="print the resolved config as YAML")
     _config_args(show)
+    bench = sub.add_parser("bench", help="run a benchmark scenario; writes DIR/<scenario>.json, .png, .md")
+    bench.add_argument("scenario", help="quality (more plug into orchestrator/bench/registry.py)")
+    bench.add_argument("--quick", action="store_true", help="smaller budget (minutes)")
+    bench.add_argument("--out", default="bench-out", help="output folder")
+    bench.add_argument("--docs", help="also write the report into this folder and rebuild its benchmarks.md")
     return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from orchestrator.bench.registry import available, run_bench
+
+    if args.scenario not in available():
+        print(f"archipelago: unknown scenario {args.scenario!r}; available: {', '.join(available())}", file=sys.stderr)
+        return 2
+    result = run_bench(args.scenario, args.quick, Path(args.out), Path(args.docs) if args.docs else None)
+    print(result.summary)
+    print(f"results: {Path(args.out) / args.scenario}.json, .png, .md")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        return _bench(args)
     overrides = list(args.overrides)
     if getattr(args, "out", None):
         overrides.append(f"out_dir={args.out}")

@@ -1,0 +1,1 @@
+"""Benchmarks: `archipelago bench <scenario> [--quick] --out DIR` (registry in `registry.py`)."""
