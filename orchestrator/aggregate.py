@@ -18,9 +18,10 @@ class Contribution:
     weight: float
 
 
-def rejection_reason(c: Contribution, numel: int, expected_version: int) -> str | None:
-    """Why `c` must not touch the global model, or None if it is acceptable."""
-    if c.version != expected_version:
+def rejection_reason(c: Contribution, numel: int, expected_version: int | None = None) -> str | None:
+    """Why `c` must not touch the global model, or None if it is acceptable. With
+    `expected_version` (synchronous rounds) a result from another version is refused."""
+    if expected_version is not None and c.version != expected_version:
         return f"stale: computed from version {c.version}, round is at {expected_version}"
     if c.delta.shape != (numel,):
         return f"wrong shape {c.delta.shape}, expected ({numel},)"

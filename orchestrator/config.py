@@ -20,6 +20,21 @@ class IslandsConfig(_Strict):
     cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per island")
     gpus: float = Field(0.0, ge=0, description="Ray GPUs per island; CUDA is used when > 0 and available")
     threads: int | None = Field(None, ge=1, description="torch threads per island (default: cpus, at least 1)")
+    simulated_slowdown: list[float] | None = Field(
+        None, description="SIMULATION: per-island factor >= 1 stretching every inner step (2 = half speed)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "IslandsConfig":
+        s = self.simulated_slowdown
+        if s is not None:
+            if len(s) != self.count:
+                raise ValueError(f"simulated_slowdown has {len(s)} entries for {self.count} islands")
+            if any(f < 1 for f in s):
+                raise ValueError("simulated_slowdown factors must be >= 1")
+        return self
+
+    def slowdown(self, index: int) -> float:
+        return self.simulated_slowdown[index] if self.simulated_slowdown else 1.0
 
 
 class OuterConfig(_Strict):
@@ -30,6 +45,24 @@ class OuterConfig(_Strict):
     momentum: float = Field(0.9, ge=0, lt=1, description="nesterov/sgd momentum")
     betas: tuple[float, float] = Field((0.9, 0.999), description="adam betas")
     drop_prob: float = Field(0.0, ge=0, lt=1, description="drop each pseudo-gradient with this probability (ablation)")
+
+
+class AsyncConfig(_Strict):
+    """`mode: async` settings (section `asynchronous`)."""
+
+    rule: Literal["delayed_nesterov", "naive"] = "delayed_nesterov"
+    delay: int | None = Field(None, ge=1, description="DN's N (default: the number of islands)")
+    c: float = Field(0.0, ge=0, le=1, description="DN momentum fraction between updates, in [0, 1/N]")
+    dylu: bool = Field(True, description="Dynamic Local Updates: H per island from its measured speed")
+    speed_smoothing: float = Field(0.5, ge=0, lt=1, description="EMA factor of measured steps/s")
+    max_staleness: int | None = Field(None, ge=0, description="beyond this, apply stale_policy")
+    stale_policy: Literal["reject", "downweight"] = "reject"
+
+    @model_validator(mode="after")
+    def _check(self) -> "AsyncConfig":
+        if self.delay is not None and self.c > 1.0 / self.delay:
+            raise ValueError(f"c must be at most 1/delay = {1 / self.delay:g}")
+        return self
 
 
 class TaskSpec(_Strict):
@@ -46,9 +79,10 @@ class RayConfig(_Strict):
 
 class RunConfig(_Strict):
     """One training run. `mode: diloco` is synchronous DiLoCo; `mode: ddp` is the
-    data-parallel baseline (gradients averaged every step, one AdamW using `inner`)."""
+    data-parallel baseline (gradients averaged every step, one AdamW using `inner`);
+    `mode: async` is asynchronous Local-SGD (settings in `asynchronous`)."""
 
-    mode: Literal["diloco", "ddp"] = "diloco"
+    mode: Literal["diloco", "ddp", "async"] = "diloco"
     rounds: int = Field(12, ge=1, description="outer rounds (ddp: rounds x inner_steps optimizer steps)")
     inner_steps: int = Field(30, ge=1, description="H, inner steps per round")
     seed: int = 0
@@ -58,13 +92,17 @@ class RunConfig(_Strict):
     islands: IslandsConfig = Field(default_factory=IslandsConfig)
     inner: InnerConfig = Field(default_factory=InnerConfig)
     outer: OuterConfig = Field(default_factory=OuterConfig)
+    asynchronous: AsyncConfig = Field(default_factory=AsyncConfig)
     task: TaskSpec = Field(default_factory=TaskSpec)
     ray: RayConfig = Field(default_factory=RayConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
-        if self.mode == "ddp" and self.outer.drop_prob:
-            raise ValueError("outer.drop_prob applies to diloco only")
+        if self.mode != "diloco" and self.outer.drop_prob:
+            raise ValueError("outer.drop_prob applies to mode diloco only")
+        a = self.asynchronous
+        if a.c > 1.0 / (a.delay or self.islands.count):
+            raise ValueError(f"asynchronous.c must be at most 1/N = {1 / (a.delay or self.islands.count):g}")
         return self
 
     @property

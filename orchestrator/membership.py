@@ -23,9 +23,23 @@ class IslandStats:
     rejections: int = 0
     late_results: int = 0
     error: str | None = None
+    inner_steps: int = 0              # H of its latest round (DyLU changes it in async mode)
+    steps_per_s: float = 0.0          # measured (smoothed) inner steps per second
+    staleness_last: int = 0
+    staleness_max: int = 0
+    staleness_total: int = 0
+    submissions: int = 0
+
+    def observe_staleness(self, staleness: int) -> None:
+        self.staleness_last = staleness
+        self.staleness_max = max(self.staleness_max, staleness)
+        self.staleness_total += staleness
+        self.submissions += 1
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["staleness_mean"] = self.staleness_total / self.submissions if self.submissions else 0.0
+        return d
 
 
 @dataclass

@@ -6,7 +6,7 @@ import json
 
 from orchestrator.bench.quality import HEADLINE, MODEL, methods
 from orchestrator.bench.registry import available
-from orchestrator.bench.report import BenchResult, write_docs_index, write_result
+from orchestrator.bench.report import BenchResult, Panel, write_docs_index, write_result
 from orchestrator.cli import main
 from orchestrator.config_load import load_config
 
@@ -26,7 +26,7 @@ def test_quality_methods_share_one_token_budget_and_the_required_keys():
 
 def test_report_files_and_docs_index(tmp_path):
     result = BenchResult("demo", True, {"a": {"final_eval_loss": 1.0}}, "demo: ok", "| x |\n| - |",
-                         curves={"a": [(0, 2.0), (10, 1.0)]})
+                         [Panel("tokens", {"a": [(0, 2.0), (10, 1.0)]})])
     write_result(result, tmp_path)
     data = json.loads((tmp_path / "demo.json").read_text())
     assert data["methods"]["a"]["final_eval_loss"] == 1.0 and data["machine"]["cpus"]
@@ -40,3 +40,14 @@ def test_unknown_scenario_is_a_clear_error(capsys):
     assert "quality" in available()
     assert main(["bench", "nope", "--out", "unused"]) == 2
     assert "unknown scenario" in capsys.readouterr().err
+
+
+def test_hetero_methods_share_one_budget_and_time_to_reach():
+    from orchestrator.bench.hetero import methods as hetero_methods, time_to_reach
+
+    table = hetero_methods(4)
+    assert set(table) == {"sync", "naive_async", "dn_dylu"}
+    budgets = {name: _tokens(load_config(None, [*MODEL, *ov])) for name, (_, ov) in table.items()}
+    assert len(set(budgets.values())) == 1
+    assert time_to_reach([(0, 5.0), (10, 3.0), (20, 1.0)], 2.0) == 15.0
+    assert time_to_reach([(0, 5.0), (10, 3.0)], 2.0) is None

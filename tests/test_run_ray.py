@@ -84,3 +84,10 @@ def test_a_stalled_island_is_left_behind_by_the_round_deadline(ray_local, tmp_pa
     assert time.perf_counter() - t0 < 25
     assert summary["islands"]["2"]["late_results"] >= 1
     assert summary["islands"]["0"]["rounds_contributed"] == 3
+
+
+def test_dropped_pseudo_gradients_are_trained_but_not_applied(ray_local, tmp_path):
+    cfg = _quadratic(tmp_path, "rounds=6", "inner_steps=2", "outer.drop_prob=0.5", "seed=3")
+    summary = run(cfg, show_progress=False)
+    assert summary["tokens"] == 3 * 6 * 2
+    assert 0 < summary["tokens_applied"] < summary["tokens"]

@@ -21,11 +21,12 @@ class QuadraticTask:
 
     def __init__(self, centers: list[list[float]], dtype: str = "float64",
                  crash_island: int | None = None, crash_after_batches: int = 0,
-                 stall_island: int | None = None, stall_s: float = 0.0) -> None:
+                 stall_island: int | None = None, stall_s: float = 0.0, batch_s: float = 0.0) -> None:
         self.dtype = getattr(torch, dtype)
         self.centers = torch.tensor(centers, dtype=self.dtype)
         self.crash_island, self.crash_after = crash_island, crash_after_batches
         self.stall_island, self.stall_s = stall_island, stall_s
+        self.batch_s = batch_s  # every batch costs this long, like real compute (for speed tests)
 
     def prepare(self) -> None:
         pass
@@ -41,6 +42,8 @@ class QuadraticTask:
                 os._exit(1)  # a real process death, as a crashed node would look
             if island == self.stall_island and n > 1:
                 time.sleep(self.stall_s)
+            if self.batch_s:
+                time.sleep(self.batch_s)
             yield (self.centers[island % len(self.centers)].clone(),)
 
     def eval_batches(self) -> Sequence[tuple[torch.Tensor, ...]]:

@@ -30,6 +30,7 @@ class IslandSpec:
     total_inner_steps: int
     threads: int = 1
     device: str = "auto"
+    slowdown: float = 1.0  # SIMULATION of a slower accelerator: each inner step takes this many times longer
 
 
 @dataclass(frozen=True)
@@ -88,12 +89,15 @@ class Island:
         self.model.train()
         losses, weight = 0.0, 0
         for _ in range(steps):
+            t_step = time.perf_counter()
             loss, w = self._forward_backward()
             self._clip()
             self.optimizer.step()
             self.scheduler.step()
             losses += loss
             weight += w
+            if self.spec.slowdown > 1:
+                time.sleep((self.spec.slowdown - 1) * (time.perf_counter() - t_step))
         delta = (self.start - self.flat.data).cpu().numpy()
         return RoundResult(self.spec.index, version, delta, weight, steps, losses / steps, time.perf_counter() - t0)
 

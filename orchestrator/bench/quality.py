@@ -8,17 +8,13 @@ and `..._drop50` (each pseudo-gradient dropped with probability 0.5).
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
-import ray
-
 from orchestrator.bench.registry import scenario
-from orchestrator.bench.report import BenchResult
-from orchestrator.config_load import load_config
-from orchestrator.run import init_ray, run
+from orchestrator.bench.report import BenchResult, Panel, eval_curve
+from orchestrator.bench.runner import run_methods
 
 K = 4
 MODEL = ["task.kwargs.d_model=64", "task.kwargs.n_layers=2", "task.kwargs.n_heads=2", "task.kwargs.context=64",
@@ -56,36 +52,19 @@ def methods(steps: int) -> dict[str, tuple[str, list[str]]]:
     }
 
 
-def _curve(out_dir: Path) -> list[tuple[float, float]]:
-    points = []
-    for line in (out_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if rec["eval_loss"] is not None:
-            points.append((rec["tokens_total"], rec["eval_loss"]))
-    return points
-
-
 @scenario("quality")
 def quality(quick: bool, work: Path) -> BenchResult:
-    steps = 400 if quick else 1600
+    steps = 200 if quick else 1600  # divisible by every H, so all methods see the same tokens
     table = methods(steps)
+    summaries = run_methods(MODEL, table, work)
     results: dict[str, dict[str, Any]] = {}
     curves: dict[str, list[tuple[float, float]]] = {}
-    started = False
-    try:
-        for name, (desc, overrides) in table.items():
-            cfg = load_config(None, [*MODEL, *overrides, f"out_dir={work / name}"])
-            started = init_ray(cfg) or started
-            summary = run(cfg, show_progress=False)
-            curves[name] = [(0.0, summary["initial_eval_loss"]), *_curve(work / name)]
-            results[name] = {"description": desc, "overrides": overrides, **{k: summary[k] for k in (
-                "initial_eval_loss", "final_eval_loss", "tokens", "outer_steps", "bytes_communicated",
-                "wall_seconds")}}
-            print(f"  {name:26s} final eval loss {summary['final_eval_loss']:.4f}  "
-                  f"{summary['bytes_communicated'] / 1e6:9.1f} MB  {summary['wall_seconds']:.0f}s", flush=True)
-    finally:
-        if started:
-            ray.shutdown()
+    for name, (desc, overrides) in table.items():
+        summary = summaries[name]
+        curves[name] = eval_curve(work / name, summary, "tokens_total")
+        results[name] = {"description": desc, "overrides": overrides, **{k: summary[k] for k in (
+            "initial_eval_loss", "final_eval_loss", "tokens", "outer_steps", "bytes_communicated",
+            "wall_seconds", "train_seconds")}}
     ddp = results["ddp_k"]
     for r in results.values():
         r["byte_ratio_to_ddp"] = r["bytes_communicated"] / ddp["bytes_communicated"]
@@ -97,7 +76,7 @@ def quality(quick: bool, work: Path) -> BenchResult:
                     f"({head['loss_vs_ddp_pct']:+.1f}%) with {1 / head['byte_ratio_to_ddp']:.0f}x fewer bytes; "
                     f"targets met {sum(c['ok'] for c in checks.values())}/{len(checks)}")
     return BenchResult("quality", quick, results, summary_line, _markdown(results, checks, steps),
-                       curves, extra={"checks": checks, "inner_steps_per_island": steps})
+                       [Panel("tokens", curves)], extra={"checks": checks, "inner_steps_per_island": steps})
 
 
 def _checks(r: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -118,12 +97,12 @@ def _checks(r: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def _markdown(r: dict[str, dict[str, Any]], checks: dict[str, dict[str, Any]], steps: int) -> str:
-    rows = ["| method | what | final eval loss | vs ddp | bytes exchanged | ddp bytes / bytes | outer steps | wall s | paper (C4 150M, ppl) |",
+    rows = ["| method | what | final eval loss | vs ddp | bytes exchanged | ddp bytes / bytes | outer steps | train s | paper (C4 150M, ppl) |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, m in r.items():
         rows.append(f"| `{name}` | {m['description']} | {m['final_eval_loss']:.4f} | {m['loss_vs_ddp_pct']:+.1f}% | "
                     f"{m['bytes_communicated'] / 1e6:,.1f} MB | {1 / m['byte_ratio_to_ddp']:,.1f}× | {m['outer_steps']} | "
-                    f"{m['wall_seconds']:.0f} | {PAPER.get(name, '')} |")
+                    f"{m['train_seconds']:.0f} | {PAPER.get(name, '')} |")
     check_rows = ["| target | measured | met |", "| --- | --- | --- |"]
     for name, c in checks.items():
         check_rows.append(f"| {name} | {c['value']:.3f} | {'yes' if c['ok'] else 'no'} |")

@@ -18,15 +18,22 @@ latest run of one scenario, with the machine it ran on. Raw results: `docs/<scen
 
 
 @dataclass
+class Panel:
+    """One plot: a curve (list of (x, y)) per method."""
+
+    x_label: str
+    curves: dict[str, list[tuple[float, float]]]
+    y_label: str = "eval loss"
+
+
+@dataclass
 class BenchResult:
     scenario: str
     quick: bool
     methods: dict[str, dict[str, Any]]
     summary: str                                  # the one-line summary printed at the end
     markdown: str                                 # body of the report (tables, commentary)
-    curves: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # method -> (x, y)
-    x_label: str = "tokens"
-    y_label: str = "eval loss"
+    panels: list[Panel] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -45,16 +52,18 @@ def _plot(result: BenchResult, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for name, points in result.curves.items():
-        if points:
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, label=name, linewidth=2 if "h50" in name and name.count("_") == 2 else 1)
-    ax.set_xlabel(result.x_label)
-    ax.set_ylabel(result.y_label)
-    ax.set_title(f"{result.scenario}{' (quick)' if result.quick else ''}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    n = max(1, len(result.panels))
+    fig, axes = plt.subplots(1, n, figsize=(7 * n, 5), squeeze=False)
+    for ax, panel in zip(axes[0], result.panels):
+        for name, points in panel.curves.items():
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, label=name, marker=".", markersize=3)
+        ax.set_xlabel(panel.x_label)
+        ax.set_ylabel(panel.y_label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{result.scenario}{' (quick)' if result.quick else ''}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -73,6 +82,16 @@ def write_result(result: BenchResult, out: Path) -> None:
     (out / f"{result.scenario}.md").write_text(
         f"## {result.scenario}\n\n{machine_line}\n\n{result.markdown}\n\n"
         f"![{result.scenario}]({result.scenario}.png)\n")
+
+
+def eval_curve(run_dir: Path, summary: dict[str, Any], x_key: str) -> list[tuple[float, float]]:
+    """(x, eval loss) points of a run from its metrics.jsonl, starting at the initial eval."""
+    points = [(0.0, summary["initial_eval_loss"])]
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["eval_loss"] is not None:
+            points.append((rec[x_key], rec["eval_loss"]))
+    return points
 
 
 def write_docs_index(docs: Path) -> None:

@@ -1,0 +1,94 @@
+"""ALGORITHMS §2 in float64: Delayed Nesterov (A1, sync equivalence), DyLU (A2), staleness."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from orchestrator.aggregate import Contribution
+from orchestrator.async_server import AsyncConfig, AsyncServer
+from orchestrator.config import OuterConfig
+from orchestrator.delayed_nesterov import DelayedNesterov
+from orchestrator.dylu import SpeedTracker, dylu_steps
+from orchestrator.outer import build_outer
+
+TOL = 1e-6
+
+
+@pytest.mark.parametrize("c, expected", [
+    (0.0, [0.93, 0.601, 0.566, 0.4309]),
+    (0.25, [0.93, 0.64825, 0.566, 0.473425]),
+])
+def test_vector_a1(c, expected):
+    theta = torch.tensor([1.0], dtype=torch.float64)
+    dn = DelayedNesterov(theta, lr=0.7, momentum=0.9, delay=2, c=c)
+    for g, want in zip([0.2, 0.4, 0.1, -0.1], expected):
+        dn.step(torch.tensor([g], dtype=torch.float64))
+        assert theta.item() == pytest.approx(want, abs=TOL)
+
+
+def test_dn_with_c0_equals_sync_nesterov_every_n_arrivals():
+    rng = np.random.default_rng(0)
+    n, dim = 3, 5
+    theta_dn = torch.tensor(rng.normal(size=dim))
+    param = torch.nn.Parameter(theta_dn.clone())
+    sync = build_outer(OuterConfig(lr=0.7, momentum=0.9), param)
+    dn = DelayedNesterov(theta_dn, lr=0.7, momentum=0.9, delay=n)
+    for _ in range(4):
+        grads = [torch.tensor(rng.normal(size=dim)) for _ in range(n)]
+        for g in grads:
+            dn.step(g)
+        param.grad = torch.stack(grads).mean(0)
+        sync.step()
+        np.testing.assert_allclose(theta_dn.numpy(), param.detach().numpy(), atol=1e-12)
+
+
+def test_dn_rejects_bad_parameters():
+    with pytest.raises(ValueError, match="1/N"):
+        DelayedNesterov(torch.zeros(1), 0.7, 0.9, delay=2, c=0.6)
+    with pytest.raises(ValueError, match="c must be at most"):
+        AsyncConfig(delay=4, c=0.5)
+
+
+def test_vector_a2_dylu():
+    assert list(dylu_steps({0: 1.0, 1: 0.75, 2: 0.5, 3: 0.2}, 50).values()) == [50, 37, 25, 10]
+    assert dylu_steps({0: 0.0, 1: 2.0}, 10) == {0: 10, 1: 10}
+    assert dylu_steps({0: 1.0, 1: 0.001}, 10)[1] == 1
+
+
+def test_speed_tracker_smooths():
+    t = SpeedTracker(smoothing=0.5)
+    t.observe(0, 10, 1.0)
+    t.observe(0, 10, 0.5)
+    assert t.speeds[0] == pytest.approx(15.0)
+    t.observe(1, 10, 2.0)
+    assert t.steps(30) == {0: 30, 1: 10}
+
+
+def _server(**cfg) -> AsyncServer:
+    return AsyncServer(torch.zeros(2, dtype=torch.float64), OuterConfig(lr=1.0, momentum=0.0, optimizer="sgd"),
+                       AsyncConfig(**cfg), num_islands=2)
+
+
+def _c(version, g=(1.0, 1.0), island=0):
+    return Contribution(island, version, np.asarray(g, dtype=np.float64), 1.0)
+
+
+def test_staleness_reject_policy_leaves_params_untouched():
+    s = _server(rule="naive", max_staleness=1, stale_policy="reject")
+    for _ in range(3):
+        assert s.submit(_c(s.version)).accepted
+    before = s.param.detach().clone()
+    out = s.submit(_c(0))
+    assert not out.accepted and out.staleness == 3 and "max_staleness" in out.reason
+    assert torch.equal(s.param.detach(), before) and s.version == 3
+
+
+def test_staleness_downweight_and_bad_values():
+    s = _server(rule="naive", max_staleness=0, stale_policy="downweight")
+    s.submit(_c(0))
+    out = s.submit(_c(0))  # staleness 1 > 0: scale 1/2
+    assert out.accepted and out.scale == 0.5
+    np.testing.assert_allclose(s.param.detach().numpy(), [-1.5, -1.5])
+    assert not s.submit(_c(s.version, (np.nan, 0.0))).accepted
+    assert "future" in s.submit(_c(s.version + 5)).reason

@@ -1,0 +1,46 @@
+"""Asynchronous Local-SGD on a real local Ray instance, with islands of different speeds."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from orchestrator.config_load import load_config
+from orchestrator.run import run
+
+pytestmark = pytest.mark.ray
+
+
+def _cfg(tmp_path, *extra):
+    return load_config(None, ["mode=async", "task.factory=tests.toy_tasks:make_quadratic",
+                              "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]", "task.kwargs.batch_s=0.01",
+                              "islands.count=3", "islands.simulated_slowdown=[1,1,4]", "inner.optimizer=sgd",
+                              "inner.lr=0.1", "inner.warmup_steps=0", "rounds=6", "inner_steps=6",
+                              f"out_dir={tmp_path / 'out'}", *extra])
+
+
+def test_async_fixed_h_fast_islands_submit_more_and_staleness_is_recorded(ray_local, tmp_path):
+    summary = run(_cfg(tmp_path, "asynchronous.dylu=false"), show_progress=False)
+    isl = summary["islands"]
+    assert isl["0"]["submissions"] > 2 * isl["2"]["submissions"]
+    assert isl["2"]["staleness_max"] >= 2 and summary["staleness"]["max"] >= 2
+    assert summary["tokens"] == 3 * 6 * 6  # the same step budget as a synchronous run
+    assert summary["outer_steps"] == sum(s["submissions"] for s in isl.values())
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["round"] == 6 and records[-1]["eval_loss"] is not None
+    assert all("staleness" in r for r in records)
+
+
+def test_dylu_gives_the_slow_island_fewer_steps(ray_local, tmp_path):
+    summary = run(_cfg(tmp_path, "asynchronous.dylu=true"), show_progress=False)
+    isl = summary["islands"]
+    assert isl["2"]["inner_steps"] < isl["0"]["inner_steps"]
+    assert isl["2"]["steps_per_s"] < isl["0"]["steps_per_s"] / 2
+    assert summary["tokens"] == 3 * 6 * 6
+
+
+def test_async_survives_a_crashed_island(ray_local, tmp_path):
+    summary = run(_cfg(tmp_path, "islands.simulated_slowdown=null", "task.kwargs.crash_island=1",
+                       "task.kwargs.crash_after_batches=8"), show_progress=False)
+    assert summary["islands"]["1"]["state"] == "dead"
+    assert summary["tokens"] == 3 * 6 * 6  # the dead island's unfinished steps were redone by others
