@@ -5,8 +5,11 @@ again once its overdue result arrives, which is discarded as stale), `dead` (act
 node died, or its code raised; released and never scheduled again)."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+RECENT = 16  # submissions kept for the "recent" staleness statistics
 
 
 @dataclass
@@ -29,16 +32,20 @@ class IslandStats:
     staleness_max: int = 0
     staleness_total: int = 0
     submissions: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT), repr=False)
 
     def observe_staleness(self, staleness: int) -> None:
         self.staleness_last = staleness
         self.staleness_max = max(self.staleness_max, staleness)
         self.staleness_total += staleness
         self.submissions += 1
+        self.recent.append(staleness)
 
     def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = {k: v for k, v in asdict(self).items() if k != "recent"}
         d["staleness_mean"] = self.staleness_total / self.submissions if self.submissions else 0.0
+        d["staleness_recent_max"] = max(self.recent, default=0)
+        d["staleness_recent_mean"] = sum(self.recent) / len(self.recent) if self.recent else 0.0
         return d
 
 
