@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from orchestrator.aggregate import Contribution
 from orchestrator.async_server import AsyncServer
 from orchestrator.dylu import SpeedTracker
 
@@ -48,10 +47,10 @@ def run_async(co: "Coordinator") -> None:
         h = min(h, remaining)
         if h <= 0:
             return
-        ref = co.handles[i].actor.run_round.remote(server.version, co._params_ref(), h)
+        download_s = co._count_dispatch(i)
+        ref = co.handles[i].actor.run_round.remote(server.version, co._params_ref(), h, download_s)
         inflight[ref] = _Flight(i, server.version, h)
         remaining -= h
-        co._count_dispatch(i)
         co.members.islands[i].inner_steps = h
 
     for i in co.members.schedulable():
@@ -103,7 +102,8 @@ def run_async(co: "Coordinator") -> None:
 def _apply(co: "Coordinator", server: AsyncServer, speeds: SpeedTracker, result, window: dict, losses: dict) -> None:
     """Apply one arrival and account for it (staleness, speed, tokens, bytes)."""
     speeds.observe(result.island, result.steps, result.compute_s)
-    out = server.submit(Contribution(result.island, result.version, result.delta, float(result.weight)))
+    time.sleep(max(0.0, co.delivered_at(result) - time.time()))  # crossing the simulated link
+    out = server.submit(co.contribution(result))
     co._count_result(result, out.accepted, not out.accepted)
     stats = co.members.islands[result.island]
     stats.observe_staleness(out.staleness)

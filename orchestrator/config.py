@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from workers.compress import CODECS
+from workers.links import LinkConfig
 from workers.optim import InnerConfig
 
 
@@ -20,6 +22,8 @@ class IslandsConfig(_Strict):
     cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per island")
     gpus: float = Field(0.0, ge=0, description="Ray GPUs per island; CUDA is used when > 0 and available")
     threads: int | None = Field(None, ge=1, description="torch threads per island (default: cpus, at least 1)")
+    links: list[LinkConfig] | None = Field(
+        None, description="SIMULATION: per-island links (default: the run's `link` for every island)")
     simulated_slowdown: list[float] | None = Field(
         None, description="SIMULATION: per-island factor >= 1 stretching every inner step (2 = half speed)")
 
@@ -31,6 +35,8 @@ class IslandsConfig(_Strict):
                 raise ValueError(f"simulated_slowdown has {len(s)} entries for {self.count} islands")
             if any(f < 1 for f in s):
                 raise ValueError("simulated_slowdown factors must be >= 1")
+        if self.links is not None and len(self.links) != self.count:
+            raise ValueError(f"links has {len(self.links)} entries for {self.count} islands")
         return self
 
     def slowdown(self, index: int) -> float:
@@ -65,6 +71,30 @@ class AsyncConfig(_Strict):
         return self
 
 
+class OverlapConfig(_Strict):
+    """`mode: overlap` (CO2) outer step; defaults are the authors' code defaults for <= 16 workers."""
+
+    lr: float = Field(1.0, gt=0, description="alpha, outer learning rate")
+    momentum: float = Field(0.0, ge=0, lt=1, description="beta, heavy-ball outer momentum")
+    clip: float | None = Field(1.0, gt=0, description="phi, element-wise outer momentum clip; null disables")
+    penalty: Literal["constant", "adaptive"] = "constant"
+    penalty_p: float = Field(1.0, ge=1, description="constant penalty: Lambda = 1/p (1 = none)")
+    penalty_lambda: float = Field(1.0, ge=0, description="adaptive penalty strength")
+
+
+class CompressionConfig(_Strict):
+    """Codec of what islands send (pseudo-gradients; gradients in ddp)."""
+
+    codec: str = Field("none", description=f"one of {sorted(CODECS)}")
+    chunk: int = Field(4096, ge=16, description="values per int8 scale")
+
+    @model_validator(mode="after")
+    def _check(self) -> "CompressionConfig":
+        if self.codec not in CODECS:
+            raise ValueError(f"unknown codec {self.codec!r}; choose one of {sorted(CODECS)}")
+        return self
+
+
 class TaskSpec(_Strict):
     """The user's model and data: an import path `module:factory` and its keyword arguments."""
 
@@ -80,9 +110,10 @@ class RayConfig(_Strict):
 class RunConfig(_Strict):
     """One training run. `mode: diloco` is synchronous DiLoCo; `mode: ddp` is the
     data-parallel baseline (gradients averaged every step, one AdamW using `inner`);
-    `mode: async` is asynchronous Local-SGD (settings in `asynchronous`)."""
+    `mode: async` is asynchronous Local-SGD (settings in `asynchronous`); `mode: overlap`
+    is CO2, communication hidden behind the next round's computation (settings in `overlap`)."""
 
-    mode: Literal["diloco", "ddp", "async"] = "diloco"
+    mode: Literal["diloco", "ddp", "async", "overlap"] = "diloco"
     rounds: int = Field(12, ge=1, description="outer rounds (ddp: rounds x inner_steps optimizer steps)")
     inner_steps: int = Field(30, ge=1, description="H, inner steps per round")
     seed: int = 0
@@ -93,6 +124,9 @@ class RunConfig(_Strict):
     inner: InnerConfig = Field(default_factory=InnerConfig)
     outer: OuterConfig = Field(default_factory=OuterConfig)
     asynchronous: AsyncConfig = Field(default_factory=AsyncConfig)
+    overlap: OverlapConfig = Field(default_factory=OverlapConfig)
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    link: LinkConfig = Field(default_factory=LinkConfig, description="SIMULATION: every island's link")
     task: TaskSpec = Field(default_factory=TaskSpec)
     ray: RayConfig = Field(default_factory=RayConfig)
 
@@ -104,6 +138,9 @@ class RunConfig(_Strict):
         if a.c > 1.0 / (a.delay or self.islands.count):
             raise ValueError(f"asynchronous.c must be at most 1/N = {1 / (a.delay or self.islands.count):g}")
         return self
+
+    def island_link(self, index: int) -> LinkConfig:
+        return self.islands.links[index] if self.islands.links else self.link
 
     @property
     def total_inner_steps(self) -> int:

@@ -21,8 +21,10 @@ from orchestrator.config import RunConfig
 from orchestrator.launcher import IslandHandle, launch_island, release_island
 from orchestrator.membership import Membership
 from orchestrator.outer import build_server_optimizer
+from orchestrator.overlap_server import OverlapServer
 from orchestrator.recorder import Recorder
 from orchestrator.sync_server import RoundOutcome, SyncServer
+from workers.compress import decode
 from workers.flat import FlatParams
 from workers.island import RoundResult
 from workers.task import load_task
@@ -41,9 +43,11 @@ class Coordinator:
         torch.manual_seed(cfg.seed)
         self.model = self.task.build_model()
         self.flat = FlatParams(self.model)
-        self.server: SyncServer | AsyncServer
+        self.server: SyncServer | AsyncServer | OverlapServer
         if cfg.mode == "async":
             self.server = AsyncServer(self.flat.data, cfg.outer, cfg.asynchronous, cfg.islands.count)
+        elif cfg.mode == "overlap":
+            self.server = OverlapServer(self.flat.data, cfg.overlap)
         else:
             self.server = SyncServer(self.flat.data, lambda p: build_server_optimizer(cfg, p),
                                      drop_prob=cfg.outer.drop_prob, seed=cfg.seed,
@@ -103,15 +107,29 @@ class Coordinator:
             self._published = (version, ray.put(self.server.params_numpy()))
         return self._published[1]
 
-    def _count_dispatch(self, island: int) -> None:
-        nbytes = self.server.numel * self.flat.data.element_size()
-        self.members.islands[island].bytes_received += nbytes
-        self.bytes_received += nbytes
+    @property
+    def params_nbytes(self) -> int:
+        return self.server.numel * self.flat.data.element_size()
+
+    def _count_dispatch(self, island: int) -> float:
+        """Account for sending the global parameters to `island`; returns the simulated
+        seconds the download takes on its link."""
+        self.members.islands[island].bytes_received += self.params_nbytes
+        self.bytes_received += self.params_nbytes
+        return self.cfg.island_link(island).seconds(self.params_nbytes)
+
+    def delivered_at(self, r: RoundResult) -> float:
+        """Wall-clock time at which `r` has crossed the island's (simulated) link."""
+        return r.finished_at + self.cfg.island_link(r.island).seconds(r.nbytes)
+
+    @staticmethod
+    def contribution(r: RoundResult) -> Contribution:
+        return Contribution(r.island, r.version, decode(r.payload), float(r.weight))
 
     def _count_result(self, r: RoundResult, applied: bool, rejected: bool) -> None:
         stats = self.members.islands[r.island]
-        stats.bytes_sent += r.delta.nbytes
-        self.bytes_sent += r.delta.nbytes
+        stats.bytes_sent += r.nbytes
+        self.bytes_sent += r.nbytes
         stats.compute_s += r.compute_s
         stats.last_train_loss = r.mean_loss
         stats.tokens += r.weight
@@ -134,11 +152,11 @@ class Coordinator:
         calls = {}
         for i in self.members.schedulable():
             actor = self.handles[i].actor
+            download_s = self._count_dispatch(i)
             if self.cfg.mode == "ddp":
-                calls[actor.gradient.remote(version, params_ref)] = i
+                calls[actor.gradient.remote(version, params_ref, download_s)] = i
             else:
-                calls[actor.run_round.remote(version, params_ref, self.cfg.inner_steps)] = i
-            self._count_dispatch(i)
+                calls[actor.run_round.remote(version, params_ref, self.cfg.inner_steps, download_s)] = i
             self.members.islands[i].inner_steps = self.cfg.inner_steps
         if not calls:
             raise self._no_island_left()
@@ -149,8 +167,9 @@ class Coordinator:
             self.members.mark(i, "late")
             self.members.islands[i].late_results += 1
             self.overdue[i] = ref
-        outcome = self.server.close_round(
-            [Contribution(r.island, r.version, r.delta, float(r.weight)) for r in results])
+        if results:  # the round closes once every result has crossed its (simulated) link
+            time.sleep(max(0.0, max(self.delivered_at(r) for r in results) - time.time()))
+        outcome = self.server.close_round([self.contribution(r) for r in results])
         for r in results:
             self._count_result(r, r.island in outcome.accepted, r.island in outcome.rejected)
             self.members.islands[r.island].observe_staleness(0)  # a synchronous round is never stale
@@ -211,6 +230,10 @@ class Coordinator:
             from orchestrator.async_loop import run_async
 
             run_async(self)
+        elif self.cfg.mode == "overlap":
+            from orchestrator.overlap_loop import run_overlap
+
+            run_overlap(self)
         else:
             self._run_sync()
         summary = self._summary()
@@ -233,15 +256,21 @@ class Coordinator:
     def _summary(self) -> dict[str, Any]:
         now = time.perf_counter()
         islands = self.members.summary()
+        train_s = now - self.t_train
+        for s in islands.values():  # time accounting: the share of the run an island was not computing
+            s["idle_fraction"] = max(0.0, 1.0 - s["compute_s"] / train_s)
         subs = sum(s["submissions"] for s in islands.values())
+        alive = [s for s in islands.values() if s["state"] != "dead"] or list(islands.values())
         return {
             "mode": self.cfg.mode, "rounds": self.cfg.rounds, "inner_steps": self.cfg.inner_steps,
             "initial_eval_loss": self.initial_eval, "final_eval_loss": self.last_eval,
             "tokens": self.tokens, "tokens_applied": self.tokens_applied, "outer_steps": self.server.version,
             "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
             "bytes_communicated": self.bytes_sent + self.bytes_received,
-            "wall_seconds": now - self.t0, "train_seconds": now - self.t_train,
-            "tokens_per_s": self.tokens / max(1e-9, now - self.t_train),
+            "wall_seconds": now - self.t0, "train_seconds": train_s,
+            "tokens_per_s": self.tokens / max(1e-9, train_s),
+            "compute_seconds": sum(s["compute_s"] for s in alive) / len(alive),
+            "idle_fraction": sum(s["idle_fraction"] for s in alive) / len(alive),
             "num_params": self.server.numel, "islands": islands,
             "staleness": {"mean": sum(s["staleness_total"] for s in islands.values()) / subs if subs else 0.0,
                           "max": max((s["staleness_max"] for s in islands.values()), default=0)},

@@ -28,7 +28,8 @@ def island_spec(cfg: RunConfig, index: int) -> IslandSpec:
     return IslandSpec(index=index, num_islands=cfg.islands.count, seed=cfg.seed,
                       task_factory=cfg.task.factory, task_kwargs=dict(cfg.task.kwargs), inner=cfg.inner,
                       total_inner_steps=cfg.total_inner_steps, threads=cfg.island_threads,
-                      slowdown=cfg.islands.slowdown(index))
+                      slowdown=cfg.islands.slowdown(index), codec=cfg.compression.codec,
+                      chunk=cfg.compression.chunk)
 
 
 def launch_island(cfg: RunConfig, index: int, timeout_s: float = 120.0) -> IslandHandle:

@@ -7,6 +7,7 @@ from orchestrator.aggregate import Contribution
 from orchestrator.config import RunConfig
 from orchestrator.outer import build_server_optimizer
 from orchestrator.sync_server import SyncServer
+from workers.compress import decode
 from workers.flat import FlatParams
 from workers.island import Island
 from orchestrator.launcher import island_spec
@@ -26,6 +27,6 @@ def in_process_run(cfg: RunConfig) -> tuple[SyncServer, list[Island], list[torch
     for _ in range(cfg.rounds):
         params = server.params_numpy().copy()
         results = [isl.run_round(server.version, params, cfg.inner_steps) for isl in islands]
-        server.close_round([Contribution(r.island, r.version, r.delta, float(r.weight)) for r in results])
+        server.close_round([Contribution(r.island, r.version, decode(r.payload), float(r.weight)) for r in results])
         history.append(flat.data.clone())
     return server, islands, history

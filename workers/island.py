@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from workers.compress import Payload, encode, payload_nbytes
 from workers.flat import FlatParams
 from workers.optim import InnerConfig, build_inner
 from workers.task import load_task, to_device
@@ -31,19 +32,27 @@ class IslandSpec:
     threads: int = 1
     device: str = "auto"
     slowdown: float = 1.0  # SIMULATION of a slower accelerator: each inner step takes this many times longer
+    codec: str = "none"    # compression of what the island sends
+    chunk: int = 4096
 
 
 @dataclass(frozen=True)
 class RoundResult:
-    """What an island sends back: `delta` is θ_start − θ_end (a gradient in ddp mode)."""
+    """What an island sends back: `payload` encodes Δ = θ_start − θ_end (a gradient in
+    ddp mode) with the configured codec; `nbytes` is its size on the wire."""
 
     island: int
     version: int
-    delta: np.ndarray
+    payload: Payload
     weight: int          # tokens (or examples) trained on this round
     steps: int
     mean_loss: float
-    compute_s: float
+    compute_s: float     # seconds training (simulated slowdown included)
+    finished_at: float   # wall clock (time.time()) when the result was ready to send
+
+    @property
+    def nbytes(self) -> int:
+        return payload_nbytes(self.payload)
 
 
 class Island:
@@ -81,8 +90,14 @@ class Island:
             if norm > clip:
                 self.flat.grad.mul_(clip / norm)
 
-    def run_round(self, version: int, params: np.ndarray, steps: int) -> RoundResult:
-        """DiLoCo inner phase: start from the global `params`, take `steps` inner steps."""
+    def _encode(self, x: torch.Tensor) -> Payload:
+        return encode(x.cpu().numpy(), self.spec.codec, self.spec.chunk)
+
+    def run_round(self, version: int, params: np.ndarray, steps: int, start_delay_s: float = 0.0) -> RoundResult:
+        """DiLoCo inner phase: start from the global `params`, take `steps` inner steps.
+        `start_delay_s` is the simulated time still needed to download `params`."""
+        if start_delay_s > 0:
+            time.sleep(start_delay_s)
         t0 = time.perf_counter()
         self.flat.load(params)
         self.start.copy_(self.flat.data)
@@ -98,14 +113,17 @@ class Island:
             weight += w
             if self.spec.slowdown > 1:
                 time.sleep((self.spec.slowdown - 1) * (time.perf_counter() - t_step))
-        delta = (self.start - self.flat.data).cpu().numpy()
-        return RoundResult(self.spec.index, version, delta, weight, steps, losses / steps, time.perf_counter() - t0)
+        payload = self._encode(self.start - self.flat.data)
+        return RoundResult(self.spec.index, version, payload, weight, steps, losses / steps,
+                           time.perf_counter() - t0, time.time())
 
-    def gradient(self, version: int, params: np.ndarray) -> RoundResult:
+    def gradient(self, version: int, params: np.ndarray, start_delay_s: float = 0.0) -> RoundResult:
         """ddp step: the gradient of one batch at the global `params` (no local update)."""
+        if start_delay_s > 0:
+            time.sleep(start_delay_s)
         t0 = time.perf_counter()
         self.flat.load(params)
         self.model.train()
         loss, weight = self._forward_backward()
-        grad = self.flat.grad.cpu().numpy().copy()
-        return RoundResult(self.spec.index, version, grad, weight, 1, loss, time.perf_counter() - t0)
+        payload = self._encode(self.flat.grad.clone())
+        return RoundResult(self.spec.index, version, payload, weight, 1, loss, time.perf_counter() - t0, time.time())

@@ -1,0 +1,70 @@
+"""The CO2 outer step over rounds (ALGORITHMS §3): pure torch, no Ray.
+
+Round t starts from version max(0, t − 2): islands never wait for the exchange of the
+round they just finished, so round t+1 starts from the global produced by round t − 1,
+and round t's pseudo-gradient is applied one round late. `close_round(t, …)` averages
+the islands' Δ = x_s − θ_i (token-weighted), and steps `CO2Outer` with x_s = the
+parameters round t started from (kept until applied, for the adaptive penalty).
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from orchestrator.aggregate import Contribution, WeightedMean, rejection_reason
+from orchestrator.co2 import CO2Outer
+from orchestrator.config import OverlapConfig
+from orchestrator.sync_server import RoundOutcome
+
+
+def start_version(round_t: int) -> int:
+    """The global version round `round_t` (1-based) starts from."""
+    return max(0, round_t - 2)
+
+
+class OverlapServer:
+    def __init__(self, flat_params: torch.Tensor, cfg: OverlapConfig) -> None:
+        self.param = torch.nn.Parameter(flat_params, requires_grad=True)  # shares storage
+        self.co2 = CO2Outer(self.param.data, cfg.lr, cfg.momentum, cfg.clip, cfg.penalty,
+                            cfg.penalty_p, cfg.penalty_lambda)
+        self.mean = WeightedMean(self.param.numel(), self.param.dtype)
+        self.version = 0
+        self.starts: dict[int, torch.Tensor] = {0: flat_params.detach().clone()}
+        self.last_gap = 1.0
+
+    @property
+    def numel(self) -> int:
+        return self.param.numel()
+
+    def params_numpy(self) -> np.ndarray:
+        return self.param.detach().numpy()
+
+    def close_round(self, round_t: int, contributions: list[Contribution]) -> RoundOutcome:
+        if round_t != self.version + 1:
+            raise ValueError(f"round {round_t} closed out of order (version {self.version})")
+        start = start_version(round_t)
+        out = RoundOutcome(version=self.version)
+        self.mean.reset()
+        with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
+            warnings.simplefilter("ignore", UserWarning)
+            for c in contributions:
+                reason = rejection_reason(c, self.numel, start)
+                if reason is None:
+                    self.mean.add(c.delta, c.weight)
+                    out.accepted.append(c.island)
+                else:
+                    out.rejected[c.island] = reason
+        if out.accepted:
+            self.last_gap = self.co2.step(self.mean.mean(), self.starts[start])
+            out.stepped = True
+        self.version += 1
+        self.starts[self.version] = self.param.detach().clone()
+        for v in [v for v in self.starts if v < start_version(self.version + 1)]:
+            del self.starts[v]
+        out.version = self.version
+        return out
+
+    def lr(self) -> float:
+        return self.co2.lr

@@ -1,0 +1,87 @@
+"""ALGORITHMS §3 (CO2 vectors C1, C2), codecs and link simulation."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from orchestrator.co2 import CO2Outer
+from workers.compress import decode, encode, payload_nbytes
+from workers.links import LinkConfig
+
+TOL = 1e-6
+f64 = torch.float64
+
+
+def test_vector_c1_constant_penalty_and_real_clipping():
+    x = torch.tensor([1.0, -0.5, 0.2], dtype=f64)
+    x_start = x.clone()
+    co2 = CO2Outer(x, lr=1.0, momentum=0.5, clip=0.05, penalty="constant", p=2.0)
+    co2.m.copy_(torch.tensor([0.02, -0.1, 0.0], dtype=f64))
+    x_bar = torch.tensor([0.9, -0.3, 0.25], dtype=f64)
+    gap = co2.step(x_start - x_bar, x_start)
+    assert gap == 0.5
+    np.testing.assert_allclose(co2.m.numpy(), [0.05, -0.05, -0.025], atol=TOL)
+    np.testing.assert_allclose(x.numpy(), [0.95, -0.45, 0.225], atol=TOL)
+
+
+def test_vector_c1_momentum_before_clipping():
+    x = torch.tensor([1.0, -0.5, 0.2], dtype=f64)
+    co2 = CO2Outer(x, lr=1.0, momentum=0.5, clip=None, penalty="constant", p=2.0)
+    co2.m.copy_(torch.tensor([0.02, -0.1, 0.0], dtype=f64))
+    co2.step(torch.tensor([0.1, -0.2, -0.05], dtype=f64), x.clone())
+    np.testing.assert_allclose(co2.m.numpy(), [0.06, -0.15, -0.025], atol=TOL)
+
+
+def test_vector_c2_adaptive_penalty():
+    x_now = torch.tensor([0.97, -0.44, 0.21], dtype=f64)
+    co2 = CO2Outer(x_now, penalty="adaptive", lam=1.0)
+    gap = co2.gap_penalty(torch.tensor([0.1, -0.2, -0.05], dtype=f64), torch.tensor([1.0, -0.5, 0.2], dtype=f64))
+    assert gap == pytest.approx(0.7716019, abs=TOL)
+
+
+@pytest.mark.parametrize("codec, ratio, rel_err", [("none", 1.0, 0.0), ("bf16", 2.0, 4e-3), ("int8", 4.0, 1.2e-2)])
+def test_codecs_shrink_bytes_and_bound_the_error(codec, ratio, rel_err):
+    x = np.random.default_rng(0).normal(size=100_003).astype(np.float32)
+    payload = encode(x, codec, chunk=4096)
+    back = decode(payload)
+    assert back.dtype == np.float32 and back.shape == x.shape
+    assert x.nbytes / payload_nbytes(payload) == pytest.approx(ratio, rel=0.01)
+    assert np.linalg.norm(back - x) / np.linalg.norm(x) <= rel_err
+    if codec == "int8":  # per-chunk bound: |error| <= scale/2 = max|chunk|/254
+        chunk_max = np.abs(np.pad(x, (0, (-x.size) % 4096)).reshape(-1, 4096)).max(1).repeat(4096)[:x.size]
+        assert np.all(np.abs(back - x) <= chunk_max / 254 + 1e-7)
+
+
+def test_int8_handles_zero_chunks():
+    back = decode(encode(np.zeros(10, np.float32), "int8", chunk=4))
+    assert np.all(back == 0)
+
+
+def test_link_times():
+    assert LinkConfig().seconds(10**9) == 0.0
+    assert LinkConfig(preset="wan-1g").seconds(125_000_000) == pytest.approx(1.03)
+    assert LinkConfig(preset="tcp-80g", latency_ms=0).seconds(10**9) == pytest.approx(0.1)
+
+
+def _contrib(island, version, delta):
+    from orchestrator.aggregate import Contribution
+
+    return Contribution(island, version, np.asarray(delta, dtype=np.float64), 1.0)
+
+
+def test_overlap_server_applies_each_round_one_round_late():
+    from orchestrator.config import OverlapConfig
+    from orchestrator.overlap_server import OverlapServer, start_version
+
+    assert [start_version(t) for t in (1, 2, 3, 4)] == [0, 0, 1, 2]
+    server = OverlapServer(torch.zeros(2, dtype=f64), OverlapConfig(lr=1.0, momentum=0.0, clip=None))
+    out = server.close_round(1, [_contrib(0, 0, [0.1, 0.0]), _contrib(1, 0, [0.3, 0.0])])
+    assert out.stepped and server.version == 1
+    np.testing.assert_allclose(server.param.detach().numpy(), [-0.2, 0.0])
+    out = server.close_round(2, [_contrib(0, 0, [0.0, 0.2]), _contrib(1, 1, [0.0, 0.2])])
+    assert out.accepted == [0] and "stale" in out.rejected[1]  # round 2 started from version 0
+    np.testing.assert_allclose(server.param.detach().numpy(), [-0.2, -0.2])
+    with pytest.raises(ValueError, match="out of order"):
+        server.close_round(4, [])
+    assert set(server.starts) == {1, 2}  # round 3 starts from v1, round 4 from v2

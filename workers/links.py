@@ -1,0 +1,38 @@
+"""SIMULATION of slow links between islands and the coordinator, for one machine.
+
+A transfer of `n` bytes over a link takes `latency + n·8 / bandwidth`. Presets name
+typical links; `bandwidth_gbps` / `latency_ms` override them. The coordinator uses these
+times to delay when a transfer counts as delivered, in every mode, so sync, async and
+overlap can be compared under the same links.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PRESETS: dict[str, tuple[float, float]] = {  # name -> (bandwidth Gbit/s, latency ms)
+    "none": (float("inf"), 0.0),
+    "rdma-800g": (800.0, 0.005),
+    "tcp-80g": (80.0, 0.1),
+    "wan-1g": (1.0, 30.0),
+    "wan-100m": (0.1, 50.0),
+}
+
+
+class LinkConfig(BaseModel):
+    """Simulated link of an island (both directions)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    preset: Literal["none", "rdma-800g", "tcp-80g", "wan-1g", "wan-100m"] = "none"
+    bandwidth_gbps: float | None = Field(None, gt=0, description="overrides the preset's bandwidth")
+    latency_ms: float | None = Field(None, ge=0, description="overrides the preset's latency")
+
+    def seconds(self, nbytes: int) -> float:
+        """Simulated time to move `nbytes` over this link."""
+        bw, lat = PRESETS[self.preset]
+        bw = self.bandwidth_gbps if self.bandwidth_gbps is not None else bw
+        lat = self.latency_ms if self.latency_ms is not None else lat
+        if bw == float("inf") and lat == 0:
+            return 0.0
+        return lat / 1000.0 + nbytes * 8 / (bw * 1e9)
