@@ -145,8 +145,8 @@ class Coordinator:
             f"island {i}: {s.state} ({s.error})" for i, s in self.members.islands.items()))
 
     # -- the synchronous loop (diloco, ddp) ---------------------------------------------
-    def _sync_step(self) -> tuple[list[RoundResult], RoundOutcome]:
-        assert isinstance(self.server, SyncServer)
+    def _sync_dispatch(self) -> dict[ray.ObjectRef, int]:
+        """Hand every schedulable island its work for the current version."""
         self._free_overdue()
         version, params_ref = self.server.version, self._params_ref()
         calls = {}
@@ -160,6 +160,11 @@ class Coordinator:
             self.members.islands[i].inner_steps = self.cfg.inner_steps
         if not calls:
             raise self._no_island_left()
+        return calls
+
+    def _sync_collect(self, calls: dict[ray.ObjectRef, int]) -> tuple[list[RoundResult], RoundOutcome]:
+        """Wait for the round (never past its deadline) and step the server."""
+        assert isinstance(self.server, SyncServer)
         ready, pending = ray.wait(list(calls), num_returns=len(calls), timeout=self.cfg.round_timeout_s)
         results = [r for ref in ready if (r := self._fetch(ref, calls[ref])) is not None]
         for ref in pending:
@@ -176,13 +181,22 @@ class Coordinator:
         return results, outcome
 
     def _run_sync(self) -> None:
+        """Rounds of diloco (one outer step each) or ddp (inner_steps optimizer steps each).
+        The next step is dispatched before a round's record is closed, so evaluation runs
+        while the islands train instead of between rounds."""
         steps_per_round = self.cfg.inner_steps if self.cfg.mode == "ddp" else 1
+        total = self.cfg.rounds * steps_per_round
+        calls = self._sync_dispatch()
+        step = 0
         for rnd in range(1, self.cfg.rounds + 1):
             t_round, tokens_before = time.perf_counter(), self.tokens
             losses: dict[int, list[float]] = {}
             outcomes = []
             for _ in range(steps_per_round):
-                results, outcome = self._sync_step()
+                results, outcome = self._sync_collect(calls)
+                step += 1
+                if step < total:
+                    calls = self._sync_dispatch()
                 outcomes.append(outcome)
                 for r in results:
                     losses.setdefault(r.island, []).append(r.mean_loss)

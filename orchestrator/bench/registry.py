@@ -20,7 +20,7 @@ def scenario(name: str) -> Callable[[Scenario], Scenario]:
 
 
 def _load_builtin() -> None:
-    from orchestrator.bench import hetero, quality  # noqa: F401  (they register themselves)
+    from orchestrator.bench import hetero, overlap, quality  # noqa: F401  (they register themselves)
 
 
 def available() -> list[str]:
