@@ -32,6 +32,17 @@ def rejection_reason(c: Contribution, numel: int, expected_version: int | None =
     return None
 
 
+def screen(c: Contribution, numel: int, expected_version: int | None, guard) -> str | None:
+    """`rejection_reason`, then the statistical norm check of `guard` (a `NormGuard` or None);
+    an accepted contribution's norm joins the guard's history."""
+    reason = rejection_reason(c, numel, expected_version)
+    if reason is None and guard is not None:
+        norm, reason = guard.check(c.delta)
+        if reason is None:
+            guard.accept(norm)
+    return reason
+
+
 class WeightedMean:
     """Σ w_i Δ_i / Σ w_i, accumulated in place (one vectorised op per contribution)."""
 

@@ -47,8 +47,8 @@ def run_async(co: "Coordinator") -> None:
         h = min(h, remaining)
         if h <= 0:
             return
-        download_s = co._count_dispatch(i)
-        ref = co.handles[i].actor.run_round.remote(server.version, co._params_ref(), h, download_s)
+        download_s = co.count_dispatch(i)
+        ref = co.handles[i].actor.run_round.remote(server.version, co.params_ref(), h, download_s)
         inflight[ref] = _Flight(i, server.version, h)
         remaining -= h
         co.members.islands[i].inner_steps = h
@@ -72,26 +72,24 @@ def run_async(co: "Coordinator") -> None:
         ready, _ = ray.wait(list(inflight), num_returns=1, timeout=cfg.round_timeout_s)
         if not ready:  # nobody delivered in time: leave the islands in flight behind
             for ref, flight in inflight.items():
-                co.members.mark(flight.island, "late")
-                co.members.islands[flight.island].late_results += 1
-                co.overdue[flight.island] = ref
+                co.mark_late(flight.island, ref)
             inflight.clear()
         else:
             flight = inflight.pop(ready[0])
-            result = co._fetch(ready[0], flight.island)
+            result = co.fetch(ready[0], flight.island)
             if result is None:
                 remaining += flight.steps  # the dead island's steps go back to the budget
             else:
                 completed += flight.steps
                 _apply(co, server, speeds, result, window, losses)
                 dispatch(result.island)
-        co._free_overdue()
+        co.free_overdue()
         busy = {f.island for f in inflight.values()}
         for i in co.members.schedulable():
             if i not in busy:
                 dispatch(i)
         if not inflight and remaining > 0:
-            raise co._no_island_left()
+            raise co.no_island_left()
         if completed // per_round > rnd:
             rnd = min(completed // per_round, cfg.rounds)
             close(rnd)
@@ -104,7 +102,7 @@ def _apply(co: "Coordinator", server: AsyncServer, speeds: SpeedTracker, result,
     speeds.observe(result.island, result.steps, result.compute_s)
     time.sleep(max(0.0, co.delivered_at(result) - time.time()))  # crossing the simulated link
     out = server.submit(co.contribution(result))
-    co._count_result(result, out.accepted, not out.accepted)
+    co.count_result(result, out.accepted, out.reason)
     stats = co.members.islands[result.island]
     stats.observe_staleness(out.staleness)
     stats.steps_per_s = speeds.speeds.get(result.island, 0.0)

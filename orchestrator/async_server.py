@@ -13,10 +13,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from orchestrator.aggregate import Contribution, rejection_reason
+from orchestrator.aggregate import Contribution, screen
 from orchestrator.config import AsyncConfig, OuterConfig
 from orchestrator.delayed_nesterov import DelayedNesterov
 from orchestrator.outer import build_outer
+from orchestrator.robust import NormGuard
 
 
 @dataclass(frozen=True)
@@ -29,9 +30,11 @@ class AsyncOutcome:
 
 
 class AsyncServer:
-    def __init__(self, flat_params: torch.Tensor, outer: OuterConfig, cfg: AsyncConfig, num_islands: int) -> None:
+    def __init__(self, flat_params: torch.Tensor, outer: OuterConfig, cfg: AsyncConfig, num_islands: int,
+                 guard: NormGuard | None = None) -> None:
         self.param = torch.nn.Parameter(flat_params, requires_grad=True)  # shares storage
         self.cfg = cfg
+        self.guard = guard
         self.version = 0
         self.g = torch.zeros_like(flat_params)
         if cfg.rule == "delayed_nesterov":
@@ -51,7 +54,7 @@ class AsyncServer:
 
     def submit(self, c: Contribution) -> AsyncOutcome:
         staleness = self.version - c.version
-        reason = rejection_reason(c, self.numel)
+        reason = screen(c, self.numel, None, self.guard)
         if reason is None and staleness < 0:
             reason = f"from the future: version {c.version} > current {self.version}"
         scale = 1.0

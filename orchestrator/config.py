@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from workers.compress import CODECS
 from workers.links import LinkConfig
+from orchestrator.robust import RobustConfig
 from workers.optim import InnerConfig
 
 
@@ -127,6 +128,7 @@ class RunConfig(_Strict):
     overlap: OverlapConfig = Field(default_factory=OverlapConfig)
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
     link: LinkConfig = Field(default_factory=LinkConfig, description="SIMULATION: every island's link")
+    robust: RobustConfig = Field(default_factory=RobustConfig)
     task: TaskSpec = Field(default_factory=TaskSpec)
     ray: RayConfig = Field(default_factory=RayConfig)
 

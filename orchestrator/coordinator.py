@@ -18,11 +18,13 @@ import torch
 from orchestrator.aggregate import Contribution
 from orchestrator.async_server import AsyncServer
 from orchestrator.config import RunConfig
+from orchestrator.events import EventLog
 from orchestrator.launcher import IslandHandle, launch_island, release_island
 from orchestrator.membership import Membership
 from orchestrator.outer import build_server_optimizer
 from orchestrator.overlap_server import OverlapServer
 from orchestrator.recorder import Recorder
+from orchestrator.robust import NormGuard, Quarantine
 from orchestrator.sync_server import RoundOutcome, SyncServer
 from workers.compress import decode
 from workers.flat import FlatParams
@@ -43,17 +45,20 @@ class Coordinator:
         torch.manual_seed(cfg.seed)
         self.model = self.task.build_model()
         self.flat = FlatParams(self.model)
+        guard = NormGuard(cfg.robust)
         self.server: SyncServer | AsyncServer | OverlapServer
         if cfg.mode == "async":
-            self.server = AsyncServer(self.flat.data, cfg.outer, cfg.asynchronous, cfg.islands.count)
+            self.server = AsyncServer(self.flat.data, cfg.outer, cfg.asynchronous, cfg.islands.count, guard)
         elif cfg.mode == "overlap":
-            self.server = OverlapServer(self.flat.data, cfg.overlap)
+            self.server = OverlapServer(self.flat.data, cfg.overlap, guard)
         else:
             self.server = SyncServer(self.flat.data, lambda p: build_server_optimizer(cfg, p),
                                      drop_prob=cfg.outer.drop_prob, seed=cfg.seed,
-                                     grad_clip=cfg.inner.grad_clip if cfg.mode == "ddp" else None)
+                                     grad_clip=cfg.inner.grad_clip if cfg.mode == "ddp" else None, guard=guard)
+        self.quarantine = Quarantine(cfg.robust.quarantine_after)
         self.eval_batches = list(self.task.eval_batches())
         self.recorder = Recorder(cfg.out_dir, cfg)
+        self.events = EventLog(self.recorder.out / "events.jsonl")
         self.members = Membership()
         self.handles: dict[int, IslandHandle] = {}
         self.overdue: dict[int, ray.ObjectRef] = {}
@@ -71,9 +76,12 @@ class Coordinator:
             self.handles[i] = launch_island(self.cfg, i)
         for info in ray.get([h.actor.describe.remote() for h in self.handles.values()]):
             self.members.add(info["island"], f"{info['host']}:{info['device']}")
+            self.events.add("join", info["island"], node=info["host"], device=info["device"])
 
-    def _fail(self, index: int, reason: str) -> None:
-        self.members.mark(index, "dead", reason)
+    def _fail(self, index: int, reason: str, state: str = "dead") -> None:
+        """Release an island that died, raised, or is quarantined; it gets no more work."""
+        self.members.mark(index, state, reason)
+        self.events.add("crash" if state == "dead" else state, index, reason=reason)
         self.overdue.pop(index, None)
         handle = self.handles.pop(index, None)
         if handle is not None:
@@ -82,7 +90,14 @@ class Coordinator:
             except Exception:  # noqa: BLE001 - releasing a dead actor may fail; it is gone either way
                 pass
 
-    def _free_overdue(self) -> None:
+    def mark_late(self, index: int, ref: ray.ObjectRef) -> None:
+        """`index` missed the deadline; its result, when it comes, is discarded."""
+        self.members.mark(index, "late")
+        self.members.islands[index].late_results += 1
+        self.overdue[index] = ref
+        self.events.add("late", index, deadline_s=self.cfg.round_timeout_s)
+
+    def free_overdue(self) -> None:
         """Islands whose overdue result has now arrived are given work again."""
         for i, ref in list(self.overdue.items()):
             if ray.wait([ref], timeout=0)[0]:
@@ -90,7 +105,7 @@ class Coordinator:
                 if self.members.islands[i].state == "late":
                     self.members.mark(i, "training")
 
-    def _fetch(self, ref: ray.ObjectRef, island: int) -> RoundResult | None:
+    def fetch(self, ref: ray.ObjectRef, island: int) -> RoundResult | None:
         """The island's result, or None (and the island released) if it died or raised."""
         try:
             return ray.get(ref)
@@ -100,7 +115,7 @@ class Coordinator:
             self._fail(island, f"raised: {str(err).strip().splitlines()[-1]}")
         return None
 
-    def _params_ref(self) -> ray.ObjectRef:
+    def params_ref(self) -> ray.ObjectRef:
         """The current global parameters in the object store, put once per version."""
         version = self.server.version
         if self._published is None or self._published[0] != version:
@@ -111,7 +126,7 @@ class Coordinator:
     def params_nbytes(self) -> int:
         return self.server.numel * self.flat.data.element_size()
 
-    def _count_dispatch(self, island: int) -> float:
+    def count_dispatch(self, island: int) -> float:
         """Account for sending the global parameters to `island`; returns the simulated
         seconds the download takes on its link."""
         self.members.islands[island].bytes_received += self.params_nbytes
@@ -126,7 +141,7 @@ class Coordinator:
     def contribution(r: RoundResult) -> Contribution:
         return Contribution(r.island, r.version, decode(r.payload), float(r.weight))
 
-    def _count_result(self, r: RoundResult, applied: bool, rejected: bool) -> None:
+    def count_result(self, r: RoundResult, applied: bool, reason: str | None) -> None:
         stats = self.members.islands[r.island]
         stats.bytes_sent += r.nbytes
         self.bytes_sent += r.nbytes
@@ -137,46 +152,48 @@ class Coordinator:
         if applied:
             stats.rounds_contributed += 1
             self.tokens_applied += r.weight
-        elif rejected:
+        elif reason is not None:
             stats.rejections += 1
+            self.events.add("rejection", r.island, reason=reason, version=r.version)
+        bad = reason is not None and "stale" not in reason  # staleness is the policy's business, not a fault
+        if self.quarantine.record(r.island, bad) and stats.state != "dead":
+            self._fail(r.island, f"quarantined after {self.quarantine.after} bad updates in a row", "quarantined")
 
-    def _no_island_left(self) -> RunFailed:
+    def no_island_left(self) -> RunFailed:
         return RunFailed("no island can train: " + "; ".join(
             f"island {i}: {s.state} ({s.error})" for i, s in self.members.islands.items()))
 
     # -- the synchronous loop (diloco, ddp) ---------------------------------------------
     def _sync_dispatch(self) -> dict[ray.ObjectRef, int]:
         """Hand every schedulable island its work for the current version."""
-        self._free_overdue()
-        version, params_ref = self.server.version, self._params_ref()
+        self.free_overdue()
+        version, params_ref = self.server.version, self.params_ref()
         calls = {}
         for i in self.members.schedulable():
             actor = self.handles[i].actor
-            download_s = self._count_dispatch(i)
+            download_s = self.count_dispatch(i)
             if self.cfg.mode == "ddp":
                 calls[actor.gradient.remote(version, params_ref, download_s)] = i
             else:
                 calls[actor.run_round.remote(version, params_ref, self.cfg.inner_steps, download_s)] = i
             self.members.islands[i].inner_steps = self.cfg.inner_steps
         if not calls:
-            raise self._no_island_left()
+            raise self.no_island_left()
         return calls
 
     def _sync_collect(self, calls: dict[ray.ObjectRef, int]) -> tuple[list[RoundResult], RoundOutcome]:
         """Wait for the round (never past its deadline) and step the server."""
         assert isinstance(self.server, SyncServer)
         ready, pending = ray.wait(list(calls), num_returns=len(calls), timeout=self.cfg.round_timeout_s)
-        results = [r for ref in ready if (r := self._fetch(ref, calls[ref])) is not None]
+        results = [r for ref in ready if (r := self.fetch(ref, calls[ref])) is not None]
         for ref in pending:
             i = calls[ref]
-            self.members.mark(i, "late")
-            self.members.islands[i].late_results += 1
-            self.overdue[i] = ref
+            self.mark_late(i, ref)
         if results:  # the round closes once every result has crossed its (simulated) link
             time.sleep(max(0.0, max(self.delivered_at(r) for r in results) - time.time()))
         outcome = self.server.close_round([self.contribution(r) for r in results])
         for r in results:
-            self._count_result(r, r.island in outcome.accepted, r.island in outcome.rejected)
+            self.count_result(r, r.island in outcome.accepted, outcome.rejected.get(r.island))
             self.members.islands[r.island].observe_staleness(0)  # a synchronous round is never stale
         return results, outcome
 

@@ -43,9 +43,9 @@ def run_overlap(co: "Coordinator") -> None:
         waiting.discard(i)
         delay = 0.0
         if held[i] != s:  # a new global to download (in the background while round t−1 ran)
-            delay = max(0.0, published_at[s] + co._count_dispatch(i) - time.time())
+            delay = max(0.0, published_at[s] + co.count_dispatch(i) - time.time())
             held[i] = s
-        ref = co.handles[i].actor.run_round.remote(s, co._params_ref(), cfg.inner_steps, delay)
+        ref = co.handles[i].actor.run_round.remote(s, co.params_ref(), cfg.inner_steps, delay)
         inflight[ref] = (i, t)
         expected.setdefault(t, set()).add(i)
         co.members.islands[i].inner_steps = cfg.inner_steps
@@ -62,7 +62,7 @@ def run_overlap(co: "Coordinator") -> None:
         t = server.version + 1
         done = results.setdefault(t, [])
         if not expected.get(t) and not done:
-            raise co._no_island_left()
+            raise co.no_island_left()
         if expected.get(t, set()) <= {r.island for r in done}:
             _close(co, server, t, done, t_round, tokens_before)
             published_at[server.version] = time.time()
@@ -73,21 +73,19 @@ def run_overlap(co: "Coordinator") -> None:
         ready, _ = ray.wait(list(inflight), num_returns=1, timeout=cfg.round_timeout_s)
         if not ready:  # nobody delivered in time: leave the islands in flight behind
             for ref, (i, _) in inflight.items():
-                co.members.mark(i, "late")
-                co.members.islands[i].late_results += 1
-                co.overdue[i] = ref
+                co.mark_late(i, ref)
                 forget(i)
             inflight.clear()
             continue
         i, t_done = inflight.pop(ready[0])
-        result = co._fetch(ready[0], i)
+        result = co.fetch(ready[0], i)
         if result is None:
             forget(i)
             continue
         results.setdefault(t_done, []).append(result)
         next_round[i] = t_done + 1
         dispatch(i)
-        co._free_overdue()
+        co.free_overdue()
         for j in co.members.schedulable():
             if j not in {isl for isl, _ in inflight.values()} and j not in waiting and next_round.get(j, 0) <= t_done:
                 next_round[j] = server.version + 2  # re-admitted: starts from the newest version
@@ -102,7 +100,7 @@ def _close(co: "Coordinator", server: OverlapServer, t: int, done: list[RoundRes
     outcome = server.close_round(t, [co.contribution(r) for r in done])
     staleness = (t - 1) - start_version(t)
     for r in done:
-        co._count_result(r, r.island in outcome.accepted, r.island in outcome.rejected)
+        co.count_result(r, r.island in outcome.accepted, outcome.rejected.get(r.island))
         co.members.islands[r.island].observe_staleness(staleness)
     co.close_record(t, t_round, tokens_before, {r.island: r.mean_loss for r in done}, {
         "contributed": outcome.accepted, "rejected": {str(i): w for i, w in outcome.rejected.items()},

@@ -13,9 +13,10 @@ import warnings
 import numpy as np
 import torch
 
-from orchestrator.aggregate import Contribution, WeightedMean, rejection_reason
+from orchestrator.aggregate import Contribution, WeightedMean, screen
 from orchestrator.co2 import CO2Outer
 from orchestrator.config import OverlapConfig
+from orchestrator.robust import NormGuard
 from orchestrator.sync_server import RoundOutcome
 
 
@@ -25,11 +26,12 @@ def start_version(round_t: int) -> int:
 
 
 class OverlapServer:
-    def __init__(self, flat_params: torch.Tensor, cfg: OverlapConfig) -> None:
+    def __init__(self, flat_params: torch.Tensor, cfg: OverlapConfig, guard: NormGuard | None = None) -> None:
         self.param = torch.nn.Parameter(flat_params, requires_grad=True)  # shares storage
         self.co2 = CO2Outer(self.param.data, cfg.lr, cfg.momentum, cfg.clip, cfg.penalty,
                             cfg.penalty_p, cfg.penalty_lambda)
         self.mean = WeightedMean(self.param.numel(), self.param.dtype)
+        self.guard = guard
         self.version = 0
         self.starts: dict[int, torch.Tensor] = {0: flat_params.detach().clone()}
         self.last_gap = 1.0
@@ -50,7 +52,7 @@ class OverlapServer:
         with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
             warnings.simplefilter("ignore", UserWarning)
             for c in contributions:
-                reason = rejection_reason(c, self.numel, start)
+                reason = screen(c, self.numel, start, self.guard)
                 if reason is None:
                     self.mean.add(c.delta, c.weight)
                     out.accepted.append(c.island)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from orchestrator.aggregate import Contribution, WeightedMean, rejection_reason
+from orchestrator.aggregate import Contribution, WeightedMean, screen
+from orchestrator.robust import NormGuard
 
 
 @dataclass
@@ -26,13 +27,15 @@ class RoundOutcome:
 
 class SyncServer:
     def __init__(self, flat_params: torch.Tensor,
-                 build_optimizer, drop_prob: float = 0.0, seed: int = 0, grad_clip: float | None = None) -> None:
+                 build_optimizer, drop_prob: float = 0.0, seed: int = 0, grad_clip: float | None = None,
+                 guard: NormGuard | None = None) -> None:
         """`build_optimizer(param) -> (optimizer, scheduler | None)`; `flat_params` is updated in place."""
         self.param = torch.nn.Parameter(flat_params, requires_grad=True)  # shares storage
         self.optimizer, self.scheduler = build_optimizer(self.param)
         self.mean = WeightedMean(self.param.numel(), self.param.dtype)
         self.drop_prob = drop_prob
         self.grad_clip = grad_clip
+        self.guard = guard
         self.rng = np.random.default_rng(seed + 7919)
         self.version = 0
 
@@ -50,7 +53,7 @@ class SyncServer:
         with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
             warnings.simplefilter("ignore", UserWarning)
             for c in contributions:
-                reason = rejection_reason(c, self.numel, self.version)
+                reason = screen(c, self.numel, self.version, self.guard)
                 if reason is not None:
                     out.rejected[c.island] = reason
                 elif self.drop_prob and self.rng.random() < self.drop_prob:

@@ -21,12 +21,14 @@ class QuadraticTask:
 
     def __init__(self, centers: list[list[float]], dtype: str = "float64",
                  crash_island: int | None = None, crash_after_batches: int = 0,
-                 stall_island: int | None = None, stall_s: float = 0.0, batch_s: float = 0.0) -> None:
+                 stall_island: int | None = None, stall_s: float = 0.0, batch_s: float = 0.0,
+                 nan_island: int | None = None) -> None:
         self.dtype = getattr(torch, dtype)
         self.centers = torch.tensor(centers, dtype=self.dtype)
         self.crash_island, self.crash_after = crash_island, crash_after_batches
         self.stall_island, self.stall_s = stall_island, stall_s
         self.batch_s = batch_s  # every batch costs this long, like real compute (for speed tests)
+        self.nan_island = nan_island  # this island's data is NaN: its pseudo-gradients are NaN
 
     def prepare(self) -> None:
         pass
@@ -44,7 +46,8 @@ class QuadraticTask:
                 time.sleep(self.stall_s)
             if self.batch_s:
                 time.sleep(self.batch_s)
-            yield (self.centers[island % len(self.centers)].clone(),)
+            center = self.centers[island % len(self.centers)].clone()
+            yield (center * float("nan"),) if island == self.nan_island else (center,)
 
     def eval_batches(self) -> Sequence[tuple[torch.Tensor, ...]]:
         return [(c.clone(),) for c in self.centers]
