@@ -47,8 +47,8 @@ def run_async(co: "Coordinator") -> None:
         h = min(h, remaining)
         if h <= 0:
             return
-        download_s = co.count_dispatch(i)
-        ref = co.handles[i].actor.run_round.remote(server.version, co.params_ref(), h, download_s)
+        download_s, shards = co.count_dispatch(i)
+        ref = co.handles[i].actor.run_round.remote(server.version, co.params_ref(), h, download_s, shards)
         inflight[ref] = _Flight(i, server.version, h)
         remaining -= h
         co.members.islands[i].inner_steps = h

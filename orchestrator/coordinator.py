@@ -25,6 +25,7 @@ from orchestrator.outer import build_server_optimizer
 from orchestrator.overlap_server import OverlapServer
 from orchestrator.recorder import Recorder
 from orchestrator.robust import NormGuard, Quarantine
+from orchestrator.shards import ShardBook
 from orchestrator.sync_server import RoundOutcome, SyncServer
 from workers.compress import decode
 from workers.flat import FlatParams
@@ -60,6 +61,7 @@ class Coordinator:
         self.recorder = Recorder(cfg.out_dir, cfg)
         self.events = EventLog(self.recorder.out / "events.jsonl")
         self.members = Membership()
+        self.shards = ShardBook(cfg.num_shards)
         self.handles: dict[int, IslandHandle] = {}
         self.overdue: dict[int, ray.ObjectRef] = {}
         self.snapshot: dict[str, Any] = {"state": "starting", "round": 0, "rounds": cfg.rounds}
@@ -126,12 +128,13 @@ class Coordinator:
     def params_nbytes(self) -> int:
         return self.server.numel * self.flat.data.element_size()
 
-    def count_dispatch(self, island: int) -> float:
+    def count_dispatch(self, island: int) -> tuple[float, dict[int, int]]:
         """Account for sending the global parameters to `island`; returns the simulated
-        seconds the download takes on its link."""
+        seconds the download takes on its link and the island's data shards {shard: start}."""
         self.members.islands[island].bytes_received += self.params_nbytes
         self.bytes_received += self.params_nbytes
-        return self.cfg.island_link(island).seconds(self.params_nbytes)
+        assignment = self.shards.assignment(island, self.members.schedulable())
+        return self.cfg.island_link(island).seconds(self.params_nbytes), assignment
 
     def delivered_at(self, r: RoundResult) -> float:
         """Wall-clock time at which `r` has crossed the island's (simulated) link."""
@@ -149,6 +152,7 @@ class Coordinator:
         stats.last_train_loss = r.mean_loss
         stats.tokens += r.weight
         self.tokens += r.weight  # tokens trained, whether or not the update is applied
+        self.shards.commit(r.positions, r.shard_tokens)
         if applied:
             stats.rounds_contributed += 1
             self.tokens_applied += r.weight
@@ -171,11 +175,11 @@ class Coordinator:
         calls = {}
         for i in self.members.schedulable():
             actor = self.handles[i].actor
-            download_s = self.count_dispatch(i)
+            download_s, shards = self.count_dispatch(i)
             if self.cfg.mode == "ddp":
-                calls[actor.gradient.remote(version, params_ref, download_s)] = i
+                calls[actor.gradient.remote(version, params_ref, download_s, shards)] = i
             else:
-                calls[actor.run_round.remote(version, params_ref, self.cfg.inner_steps, download_s)] = i
+                calls[actor.run_round.remote(version, params_ref, self.cfg.inner_steps, download_s, shards)] = i
             self.members.islands[i].inner_steps = self.cfg.inner_steps
         if not calls:
             raise self.no_island_left()
@@ -303,6 +307,7 @@ class Coordinator:
             "compute_seconds": sum(s["compute_s"] for s in alive) / len(alive),
             "idle_fraction": sum(s["idle_fraction"] for s in alive) / len(alive),
             "num_params": self.server.numel, "islands": islands,
+            "shards": {"position": self.shards.position, "tokens": self.shards.tokens},
             "staleness": {"mean": sum(s["staleness_total"] for s in islands.values()) / subs if subs else 0.0,
                           "max": max((s["staleness_max"] for s in islands.values()), default=0)},
             "out_dir": str(self.recorder.out.resolve()),

@@ -29,7 +29,7 @@ def island_spec(cfg: RunConfig, index: int) -> IslandSpec:
                       task_factory=cfg.task.factory, task_kwargs=dict(cfg.task.kwargs), inner=cfg.inner,
                       total_inner_steps=cfg.total_inner_steps, threads=cfg.island_threads,
                       slowdown=cfg.islands.slowdown(index), codec=cfg.compression.codec,
-                      chunk=cfg.compression.chunk)
+                      chunk=cfg.compression.chunk, num_shards=cfg.num_shards)
 
 
 def launch_island(cfg: RunConfig, index: int, timeout_s: float = 120.0) -> IslandHandle:

@@ -43,9 +43,11 @@ def run_overlap(co: "Coordinator") -> None:
         waiting.discard(i)
         delay = 0.0
         if held[i] != s:  # a new global to download (in the background while round t−1 ran)
-            delay = max(0.0, published_at[s] + co.count_dispatch(i) - time.time())
+            download_s, _ = co.count_dispatch(i)
+            delay = max(0.0, published_at[s] + download_s - time.time())
             held[i] = s
-        ref = co.handles[i].actor.run_round.remote(s, co.params_ref(), cfg.inner_steps, delay)
+        shards = co.shards.assignment(i, co.members.schedulable())
+        ref = co.handles[i].actor.run_round.remote(s, co.params_ref(), cfg.inner_steps, delay, shards)
         inflight[ref] = (i, t)
         expected.setdefault(t, set()).add(i)
         co.members.islands[i].inner_steps = cfg.inner_steps

@@ -62,7 +62,7 @@ def _quadratic(tmp_path, *extra):
     return load_config(None, ["task.factory=tests.toy_tasks:make_quadratic",
                               "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]", "islands.count=3",
                               "inner.optimizer=sgd", "inner.lr=0.1", "inner.warmup_steps=0",
-                              f"out_dir={tmp_path / 'out'}", *extra])
+                              f"task.kwargs.fault_dir={tmp_path}", f"out_dir={tmp_path / 'out'}", *extra])
 
 
 def test_a_crashed_island_does_not_stop_the_run(ray_local, tmp_path):
@@ -74,6 +74,10 @@ def test_a_crashed_island_does_not_stop_the_run(ray_local, tmp_path):
     assert islands["1"]["rounds_contributed"] == 1
     assert islands["0"]["rounds_contributed"] == islands["2"]["rounds_contributed"] == 4
     assert summary["outer_steps"] == 4
+    # the dead island's shard moved to a survivor and continued where it stood: nothing lost or repeated
+    shards = summary["shards"]
+    assert sum(shards["tokens"]) == summary["tokens"] == 3 * 3 + 3 * 2 * 3  # round 1 full, then 2 islands
+    assert shards["position"][1] > 3 and sum(shards["position"]) == summary["tokens"]
 
 
 def test_a_stalled_island_is_left_behind_by_the_round_deadline(ray_local, tmp_path):

@@ -1,10 +1,16 @@
 """Tiny tasks for tests: the quadratic islands of ALGORITHMS.md vector D1, with optional
-fault injection (an island that dies or stalls) for the integration tests."""
+fault injection for the integration tests.
+
+A fault belongs to a *process* (a broken machine), not to data: the first island process
+that reads the faulty shard is the faulty one (recorded in `fault_dir`); when its shard
+moves to another island after the fault, that island is healthy.
+"""
 from __future__ import annotations
 
 import os
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -16,19 +22,33 @@ class Point(nn.Module):
         self.x = nn.Parameter(torch.zeros(dim, dtype=dtype))
 
 
+def _is_faulty_process(fault_dir: str | None, kind: str) -> bool:
+    if fault_dir is None:
+        return True
+    marker = Path(fault_dir) / f"{kind}.pid"
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        return True
+    except FileExistsError:
+        return marker.read_text() == str(os.getpid())
+
+
 class QuadraticTask:
-    """Island i minimises f_i(x) = ½‖x − c_i‖²; one batch is just c_i."""
+    """Shard i minimises f_i(x) = ½‖x − c_i‖²; one batch is just c_i."""
 
     def __init__(self, centers: list[list[float]], dtype: str = "float64",
                  crash_island: int | None = None, crash_after_batches: int = 0,
                  stall_island: int | None = None, stall_s: float = 0.0, batch_s: float = 0.0,
-                 nan_island: int | None = None) -> None:
+                 nan_island: int | None = None, fault_dir: str | None = None) -> None:
         self.dtype = getattr(torch, dtype)
         self.centers = torch.tensor(centers, dtype=self.dtype)
         self.crash_island, self.crash_after = crash_island, crash_after_batches
         self.stall_island, self.stall_s = stall_island, stall_s
         self.batch_s = batch_s  # every batch costs this long, like real compute (for speed tests)
         self.nan_island = nan_island  # this island's data is NaN: its pseudo-gradients are NaN
+        self.fault_dir = fault_dir
 
     def prepare(self) -> None:
         pass
@@ -36,18 +56,22 @@ class QuadraticTask:
     def build_model(self) -> nn.Module:
         return Point(self.centers.shape[1], self.dtype)
 
-    def train_batches(self, island: int, num_islands: int, seed: int) -> Iterator[tuple[torch.Tensor, ...]]:
-        n = 0
+    def train_batches(self, shard: int, num_shards: int, seed: int, start: int = 0
+                      ) -> Iterator[tuple[torch.Tensor, ...]]:
+        crash = shard == self.crash_island and _is_faulty_process(self.fault_dir, "crash")
+        nan = shard == self.nan_island and _is_faulty_process(self.fault_dir, "nan")
+        stall = shard == self.stall_island and _is_faulty_process(self.fault_dir, "stall")
+        n = start
         while True:
             n += 1
-            if island == self.crash_island and n > self.crash_after:
+            if crash and n > self.crash_after:
                 os._exit(1)  # a real process death, as a crashed node would look
-            if island == self.stall_island and n > 1:
+            if stall and n > 1:
                 time.sleep(self.stall_s)
             if self.batch_s:
                 time.sleep(self.batch_s)
-            center = self.centers[island % len(self.centers)].clone()
-            yield (center * float("nan"),) if island == self.nan_island else (center,)
+            center = self.centers[shard % len(self.centers)].clone()
+            yield (center * float("nan"),) if nan else (center,)
 
     def eval_batches(self) -> Sequence[tuple[torch.Tensor, ...]]:
         return [(c.clone(),) for c in self.centers]

@@ -49,12 +49,15 @@ class DigitsTask:
             rows = rows[np.argsort(self.train_y, kind="stable")]
         return np.array_split(rows, num_islands)[island]
 
-    def train_batches(self, island: int, num_islands: int, seed: int) -> Iterator[Batch]:
-        rows = self._island_rows(island, num_islands)
-        rng = np.random.default_rng(seed * 1_000_003 + island)
+    def train_batches(self, shard: int, num_shards: int, seed: int, start: int = 0) -> Iterator[Batch]:
+        rows = self._island_rows(shard, num_shards)
+        rng = np.random.default_rng(seed * 1_000_003 + shard)
+        n = 0
         while True:
             pick = rng.choice(rows, size=self.cfg.batch_size, replace=len(rows) < self.cfg.batch_size)
-            yield torch.from_numpy(self.train_x[pick]), torch.from_numpy(self.train_y[pick])
+            n += 1
+            if n > start:  # sampling is sequential: resume by replaying the generator
+                yield torch.from_numpy(self.train_x[pick]), torch.from_numpy(self.train_y[pick])
 
     def eval_batches(self) -> Sequence[Batch]:
         return [(torch.from_numpy(self.eval_x), torch.from_numpy(self.eval_y))]

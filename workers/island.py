@@ -34,6 +34,7 @@ class IslandSpec:
     slowdown: float = 1.0  # SIMULATION of a slower accelerator: each inner step takes this many times longer
     codec: str = "none"    # compression of what the island sends
     chunk: int = 4096
+    num_shards: int = 0    # data shards of the run (0: one per island, island i owns shard i)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class RoundResult:
     mean_loss: float
     compute_s: float     # seconds training (simulated slowdown included)
     finished_at: float   # wall clock (time.time()) when the result was ready to send
+    positions: dict[int, int]     # shard -> batches consumed after this round
+    shard_tokens: dict[int, int]  # shard -> tokens (weight) trained this round
 
     @property
     def nbytes(self) -> int:
@@ -67,7 +70,28 @@ class Island:
         self.flat = FlatParams(self.model)
         self.start = torch.empty_like(self.flat.data)
         self.optimizer, self.scheduler = build_inner(spec.inner, self.model.parameters(), spec.total_inner_steps)
-        self.batches = self.task.train_batches(spec.index, spec.num_islands, spec.seed)
+        self.num_shards = spec.num_shards or spec.num_islands
+        self.streams: dict[int, tuple[int, Any]] = {}  # shard -> (position, iterator at that position)
+        self.turn = 0
+
+    def _batch(self, assignment: dict[int, int]) -> tuple[int, Any]:
+        """The next batch, taking the island's shards in turn; each shard's stream starts
+        where the coordinator says it stands (the island re-seeks only if it differs)."""
+        shards = sorted(assignment)
+        shard = shards[self.turn % len(shards)]
+        self.turn += 1
+        pos, stream = self.streams.get(shard, (None, None))
+        if pos != assignment[shard]:
+            pos = assignment[shard]
+            stream = self.task.train_batches(shard, self.num_shards, self.spec.seed, pos)
+        batch = next(stream)
+        self.streams[shard] = (pos + 1, stream)
+        assignment[shard] = pos + 1
+        return shard, batch
+
+    def _default_assignment(self) -> dict[int, int]:
+        own = self.spec.index
+        return {own: self.streams.get(own, (0, None))[0]}
 
     def describe(self) -> dict[str, Any]:
         import os
@@ -76,8 +100,8 @@ class Island:
         return {"island": self.spec.index, "device": str(self.device), "host": socket.gethostname(),
                 "pid": os.getpid(), "numel": self.flat.numel}
 
-    def _forward_backward(self) -> tuple[float, int]:
-        batch = to_device(next(self.batches), self.device)
+    def _forward_backward(self, batch: Any) -> tuple[float, int]:
+        batch = to_device(batch, self.device)
         self.flat.grad.zero_()
         loss = self.task.loss(self.model, batch)
         loss.backward()
@@ -93,9 +117,11 @@ class Island:
     def _encode(self, x: torch.Tensor) -> Payload:
         return encode(x.cpu().numpy(), self.spec.codec, self.spec.chunk)
 
-    def run_round(self, version: int, params: np.ndarray, steps: int, start_delay_s: float = 0.0) -> RoundResult:
-        """DiLoCo inner phase: start from the global `params`, take `steps` inner steps.
-        `start_delay_s` is the simulated time still needed to download `params`."""
+    def run_round(self, version: int, params: np.ndarray, steps: int, start_delay_s: float = 0.0,
+                  assignment: dict[int, int] | None = None) -> RoundResult:
+        """DiLoCo inner phase: start from the global `params`, take `steps` inner steps on
+        the shards of `assignment` ({shard: start position}; default: the island's own
+        shard where it left off). `start_delay_s`: simulated time to download `params`."""
         if start_delay_s > 0:
             time.sleep(start_delay_s)
         t0 = time.perf_counter()
@@ -103,9 +129,13 @@ class Island:
         self.start.copy_(self.flat.data)
         self.model.train()
         losses, weight = 0.0, 0
+        assignment = dict(assignment) if assignment is not None else self._default_assignment()
+        shard_tokens = {s: 0 for s in assignment}
         for _ in range(steps):
             t_step = time.perf_counter()
-            loss, w = self._forward_backward()
+            shard, batch = self._batch(assignment)
+            loss, w = self._forward_backward(batch)
+            shard_tokens[shard] += w
             self._clip()
             self.optimizer.step()
             self.scheduler.step()
@@ -115,15 +145,19 @@ class Island:
                 time.sleep((self.spec.slowdown - 1) * (time.perf_counter() - t_step))
         payload = self._encode(self.start - self.flat.data)
         return RoundResult(self.spec.index, version, payload, weight, steps, losses / steps,
-                           time.perf_counter() - t0, time.time())
+                           time.perf_counter() - t0, time.time(), assignment, shard_tokens)
 
-    def gradient(self, version: int, params: np.ndarray, start_delay_s: float = 0.0) -> RoundResult:
+    def gradient(self, version: int, params: np.ndarray, start_delay_s: float = 0.0,
+                 assignment: dict[int, int] | None = None) -> RoundResult:
         """ddp step: the gradient of one batch at the global `params` (no local update)."""
         if start_delay_s > 0:
             time.sleep(start_delay_s)
         t0 = time.perf_counter()
         self.flat.load(params)
         self.model.train()
-        loss, weight = self._forward_backward()
+        assignment = dict(assignment) if assignment is not None else self._default_assignment()
+        shard, batch = self._batch(assignment)
+        loss, weight = self._forward_backward(batch)
         payload = self._encode(self.flat.grad.clone())
-        return RoundResult(self.spec.index, version, payload, weight, 1, loss, time.perf_counter() - t0, time.time())
+        return RoundResult(self.spec.index, version, payload, weight, 1, loss, time.perf_counter() - t0, time.time(),
+                           assignment, {shard: weight})

@@ -6,6 +6,7 @@ column), or `hf` (a Hugging Face dataset, streamed, e.g. `allenai/c4` config `en
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from glob import glob
 from pathlib import Path
@@ -84,14 +85,15 @@ class LanguageModelTask:
         if self.cfg.source != "hf":
             self._files()
 
-    def train_batches(self, island: int, num_islands: int, seed: int) -> Iterator[Batch]:
+    def train_batches(self, shard: int, num_shards: int, seed: int, start: int = 0) -> Iterator[Batch]:
         c = self.cfg
-        if c.source == "hf":
-            return stream_batches(stream_shard(self._hf_texts(c.hf_train_split), island, num_islands),
-                                  c.context, c.batch_size)
+        if c.source == "hf":  # a stream cannot seek: skip what was already consumed
+            stream = stream_batches(stream_shard(self._hf_texts(c.hf_train_split), shard, num_shards),
+                                    c.context, c.batch_size)
+            return itertools.islice(stream, start, None)
         train, _ = self._files()
-        tokens = island_tokens(read_parquet_texts(train, c.text_column), island, num_islands, c.split)
-        return window_batches(tokens, c.context, c.batch_size, seed * 1_000_003 + island)
+        tokens = island_tokens(read_parquet_texts(train, c.text_column), shard, num_shards, c.split)
+        return window_batches(tokens, c.context, c.batch_size, seed * 1_000_003 + shard, start)
 
     def eval_batches(self) -> Sequence[Batch]:
         c = self.cfg

@@ -36,8 +36,13 @@ class Task(Protocol):
     def build_model(self) -> nn.Module:
         """A freshly initialised model. Called with the same torch seed everywhere."""
 
-    def train_batches(self, island: int, num_islands: int, seed: int) -> Iterator[Batch]:
-        """Endless batches for island `island` of `num_islands`."""
+    def train_batches(self, shard: int, num_shards: int, seed: int, start: int = 0) -> Iterator[Batch]:
+        """Endless batches of data shard `shard` of `num_shards`, from batch index `start`.
+
+        Shards are how data follows membership changes: islands own shards, and when an
+        island leaves, another continues its shards at the recorded `start`, so nothing
+        is trained twice or skipped. With one shard per island (the default) shard i is
+        simply island i's data. A task that cannot seek may skip `start` batches."""
 
     def eval_batches(self) -> Sequence[Batch]:
         """A fixed, held-out set of batches; the eval loss is their mean loss."""

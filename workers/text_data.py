@@ -47,18 +47,22 @@ def island_tokens(texts: list[str], island: int, num_islands: int, split: Split)
     return tokens[bounds[island]:bounds[island + 1]]
 
 
-def window_batches(tokens: np.ndarray, context: int, batch_size: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless (input, target) batches of non-overlapping windows, reshuffled every epoch."""
+def window_batches(tokens: np.ndarray, context: int, batch_size: int, seed: int, start: int = 0
+                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless (input, target) batches of non-overlapping windows, in a fresh random order
+    every epoch; batch `start` onwards (any position can be resumed exactly)."""
     n_windows = (len(tokens) - 1) // context
     if n_windows < batch_size:
         raise ValueError(f"{len(tokens)} tokens are too few for batches of {batch_size}x{context}")
-    rng = np.random.default_rng(seed)
+    per_epoch = n_windows // batch_size
     offsets = np.arange(context + 1)
+    epoch, j = divmod(start, per_epoch)
     while True:
-        perm = rng.permutation(n_windows)
-        for j in range(0, n_windows - batch_size + 1, batch_size):
-            starts = perm[j:j + batch_size] * context
+        perm = np.random.default_rng([seed, epoch]).permutation(n_windows)
+        for b in range(j, per_epoch):
+            starts = perm[b * batch_size:(b + 1) * batch_size] * context
             yield _as_batch(tokens[starts[:, None] + offsets])
+        epoch, j = epoch + 1, 0
 
 
 def fixed_batches(tokens: np.ndarray, context: int, batch_size: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
