@@ -35,7 +35,7 @@ def run_async(co: "Coordinator") -> None:
     cfg, server = co.cfg, co.server
     assert isinstance(server, AsyncServer)
     k, h_max = cfg.islands.count, cfg.inner_steps
-    remaining = cfg.rounds * k * h_max
+    remaining = cfg.rounds * k * h_max - co.completed_steps  # after a restart: what is left
     speeds = SpeedTracker(cfg.asynchronous.speed_smoothing)
     for i in co.members.schedulable():
         speeds.add(i)
@@ -55,7 +55,7 @@ def run_async(co: "Coordinator") -> None:
 
     for i in co.members.schedulable():
         dispatch(i)
-    rnd, completed, per_round = 0, 0, k * h_max
+    rnd, completed, per_round = co.rounds_done, co.completed_steps, k * h_max
     t_round, tokens_before = time.perf_counter(), co.tokens
     window: dict[str, list] = {"staleness": [], "contributed": [], "rejected": []}
     losses: dict[int, float] = {}

@@ -84,5 +84,19 @@ class AsyncServer:
         self.optimizer.step()
         self.param.grad = None
 
+    def state_dict(self) -> dict:
+        return {"version": self.version, "dn": self.dn.state_dict() if self.dn is not None else None,
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                "guard": list(self.guard.norms) if self.guard else []}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.version = state["version"]
+        if self.dn is not None:
+            self.dn.load_state_dict(state["dn"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.guard is not None:
+            self.guard.norms.extend(state["guard"])
+
     def lr(self) -> float:
         return self.dn.lr if self.dn is not None else float(self.optimizer.param_groups[0]["lr"])  # type: ignore[union-attr]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from orchestrator.config_load import ConfigError, dump_config, load_config
 
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_p = sub.add_parser("run", help="train (default: sync DiLoCo, 4 CPU islands, small GPT on stdlib text)")
     _config_args(run_p)
     run_p.add_argument("--out", help="output folder (overrides out_dir)")
+    run_p.add_argument("--resume", metavar="DIR", help="continue the run whose outputs are in DIR from its checkpoint")
     cfg_p = sub.add_parser("config", help="configuration helpers")
     cfg_sub = cfg_p.add_subparsers(dest="config_command", required=True)
     show = cfg_sub.add_parser("show", help="print the resolved config as YAML")
@@ -50,19 +52,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return _bench(args)
     overrides = list(args.overrides)
+    resume = getattr(args, "resume", None)
+    if resume:  # the run's own resolved config, pointed at where it now lives
+        overrides.insert(0, f"out_dir={resume}")
     if getattr(args, "out", None):
         overrides.append(f"out_dir={args.out}")
+    config_file = str(Path(resume) / "config.yaml") if resume and not args.config else args.config
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(config_file, overrides)
     except ConfigError as err:
         print(f"archipelago: invalid config: {err}", file=sys.stderr)
         return 2
     if args.command == "config":
         sys.stdout.write(dump_config(cfg))
         return 0
-    from orchestrator.run import print_summary, run
+    from orchestrator.run import RunFailed, print_summary, resume_id, run
 
-    summary = run(cfg)
+    try:
+        summary = run(cfg, run_id=resume_id(cfg) if resume else None)
+    except RunFailed as err:
+        print(f"archipelago: run failed: {err}", file=sys.stderr)
+        return 1
     print_summary(summary)
     return 0
 

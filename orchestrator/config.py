@@ -96,6 +96,14 @@ class CompressionConfig(_Strict):
         return self
 
 
+class CheckpointConfig(_Strict):
+    """Coordinator checkpoints (global params, outer state, version, membership, data positions)."""
+
+    every_rounds: int = Field(5, ge=0, description="checkpoint every N rounds and at the end; 0 disables")
+    path: str | None = Field(None, description="folder (default: out_dir/checkpoint); shared storage on a cluster")
+    max_restarts: int = Field(3, ge=0, description="coordinator restarts from its checkpoint before the run fails")
+
+
 class TaskSpec(_Strict):
     """The user's model and data: an import path `module:factory` and its keyword arguments."""
 
@@ -130,6 +138,7 @@ class RunConfig(_Strict):
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
     link: LinkConfig = Field(default_factory=LinkConfig, description="SIMULATION: every island's link")
     robust: RobustConfig = Field(default_factory=RobustConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     task: TaskSpec = Field(default_factory=TaskSpec)
     ray: RayConfig = Field(default_factory=RayConfig)
 
@@ -141,6 +150,10 @@ class RunConfig(_Strict):
         if a.c > 1.0 / (a.delay or self.islands.count):
             raise ValueError(f"asynchronous.c must be at most 1/N = {1 / (a.delay or self.islands.count):g}")
         return self
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.path or f"{self.out_dir}/checkpoint"
 
     @property
     def num_shards(self) -> int:

@@ -19,7 +19,8 @@ from orchestrator.aggregate import Contribution
 from orchestrator.async_server import AsyncServer
 from orchestrator.config import RunConfig
 from orchestrator.events import EventLog
-from orchestrator.launcher import IslandHandle, launch_island, release_island
+from orchestrator import persist
+from orchestrator.launcher import IslandHandle, find_island, launch_island, release_island
 from orchestrator.membership import Membership
 from orchestrator.outer import build_server_optimizer
 from orchestrator.overlap_server import OverlapServer
@@ -38,9 +39,12 @@ class RunFailed(RuntimeError):
 
 
 class Coordinator:
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, run_id: str = "local") -> None:
+        """Builds the global model; if a checkpoint of this `run_id` exists (Ray restarted
+        this actor, or the user resumed the run) continues from it."""
         torch.set_num_threads(1)
         self.cfg = cfg
+        self.run_id = run_id
         self.task = load_task(cfg.task.factory, cfg.task.kwargs)
         self.task.prepare()
         torch.manual_seed(cfg.seed)
@@ -58,8 +62,6 @@ class Coordinator:
                                      grad_clip=cfg.inner.grad_clip if cfg.mode == "ddp" else None, guard=guard)
         self.quarantine = Quarantine(cfg.robust.quarantine_after)
         self.eval_batches = list(self.task.eval_batches())
-        self.recorder = Recorder(cfg.out_dir, cfg)
-        self.events = EventLog(self.recorder.out / "events.jsonl")
         self.members = Membership()
         self.shards = ShardBook(cfg.num_shards)
         self.handles: dict[int, IslandHandle] = {}
@@ -71,14 +73,38 @@ class Coordinator:
         self.initial_eval: float | None = None
         self.last_eval: float | None = None
         self._published: tuple[int, ray.ObjectRef] | None = None
+        self.rounds_done = self.completed_steps = 0
+        self.train_elapsed = 0.0
+        state = persist.find(cfg.checkpoint_dir, run_id) if cfg.checkpoint.every_rounds else None
+        self.resumed = state is not None
+        if state is not None:
+            persist.restore(self, state)
+        self.recorder = Recorder(cfg.out_dir, cfg, keep_records=self.rounds_done if self.resumed else None)
+        self.events = EventLog(self.recorder.out / "events.jsonl", append=self.resumed)
+        if self.resumed:
+            self.events.add("restart", version=self.server.version, rounds_done=self.rounds_done)
 
     # -- islands ----------------------------------------------------------------------
     def _launch(self) -> None:
-        for i in range(self.cfg.islands.count):
-            self.handles[i] = launch_island(self.cfg, i)
+        """Start the islands, or after a restart re-attach to the live ones (relaunching
+        those that are gone; a relaunched island starts a fresh inner optimizer)."""
+        if self.resumed:
+            indices = [i for i, s in self.members.islands.items() if s.state not in ("dead", "quarantined")]
+        else:
+            indices = list(range(self.cfg.islands.count))
+        reattached = set()
+        for i in indices:
+            handle = find_island(self.run_id, i) if self.resumed else None
+            if handle is not None:
+                reattached.add(i)
+            self.handles[i] = handle or launch_island(self.cfg, i, self.run_id)
         for info in ray.get([h.actor.describe.remote() for h in self.handles.values()]):
-            self.members.add(info["island"], f"{info['host']}:{info['device']}")
-            self.events.add("join", info["island"], node=info["host"], device=info["device"])
+            i = info["island"]
+            if i in self.members.islands:
+                self.members.mark(i, "training")
+            else:
+                self.members.add(i, f"{info['host']}:{info['device']}")
+            self.events.add("reattach" if i in reattached else "join", i, node=info["host"], device=info["device"])
 
     def _fail(self, index: int, reason: str, state: str = "dead") -> None:
         """Release an island that died, raised, or is quarantined; it gets no more work."""
@@ -152,6 +178,7 @@ class Coordinator:
         stats.last_train_loss = r.mean_loss
         stats.tokens += r.weight
         self.tokens += r.weight  # tokens trained, whether or not the update is applied
+        self.completed_steps += r.steps
         self.shards.commit(r.positions, r.shard_tokens)
         if applied:
             stats.rounds_contributed += 1
@@ -206,10 +233,10 @@ class Coordinator:
         The next step is dispatched before a round's record is closed, so evaluation runs
         while the islands train instead of between rounds."""
         steps_per_round = self.cfg.inner_steps if self.cfg.mode == "ddp" else 1
-        total = self.cfg.rounds * steps_per_round
+        total = (self.cfg.rounds - self.rounds_done) * steps_per_round
         calls = self._sync_dispatch()
         step = 0
-        for rnd in range(1, self.cfg.rounds + 1):
+        for rnd in range(self.rounds_done + 1, self.cfg.rounds + 1):
             t_round, tokens_before = time.perf_counter(), self.tokens
             losses: dict[int, list[float]] = {}
             outcomes = []
@@ -254,13 +281,19 @@ class Coordinator:
             "train_seconds": now - self.t_train, "tokens_per_s": self.tokens / max(1e-9, now - self.t_train),
             "lr": self.server.lr(), "islands_alive": len(self.members.alive()),
         })
+        self.rounds_done = rnd
+        every = self.cfg.checkpoint.every_rounds
+        if every and (rnd % every == 0 or rnd == self.cfg.rounds):
+            persist.save(self, now - self.t_train)
+            self.events.add("checkpoint", version=self.server.version, round=rnd)
         self._update_snapshot(rnd, "training")
 
     def run(self) -> dict[str, Any]:
         self._launch()
-        self.t_train = time.perf_counter()
-        self.initial_eval = self.last_eval = self.evaluate()
-        self._update_snapshot(0, "training")
+        self.t_train = time.perf_counter() - self.train_elapsed  # training time continues across restarts
+        if not self.resumed:
+            self.initial_eval = self.last_eval = self.evaluate()
+        self._update_snapshot(self.rounds_done, "training")
         if self.cfg.mode == "async":
             from orchestrator.async_loop import run_async
 

@@ -1,16 +1,28 @@
 """Places island actors: one placement group per island (one bundle holding its CPUs and
-accelerators), so an island's resources come and go as a unit and are released with it."""
+accelerators), so an island's resources come and go as a unit and are released with it.
+
+Islands and their groups are named and detached: they belong to the run, not to the
+coordinator process, so a coordinator that crashes and restarts finds its islands still
+alive (inner optimizer state intact) and re-attaches to them by name."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (PlacementGroup, get_placement_group, placement_group,
+                                      placement_group_table, remove_placement_group)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.config import RunConfig
 from workers.island import Island, IslandSpec
+
+
+NAMESPACE = "archipelago"
+
+
+def island_name(run_id: str, index: int) -> str:
+    return f"archipelago-{run_id}-island-{index}"
 
 
 class PlacementError(RuntimeError):
@@ -32,23 +44,49 @@ def island_spec(cfg: RunConfig, index: int) -> IslandSpec:
                       chunk=cfg.compression.chunk, num_shards=cfg.num_shards)
 
 
-def launch_island(cfg: RunConfig, index: int, timeout_s: float = 120.0) -> IslandHandle:
+def launch_island(cfg: RunConfig, index: int, run_id: str, timeout_s: float = 120.0) -> IslandHandle:
     bundle = {"CPU": cfg.islands.cpus}
     if cfg.islands.gpus:
         bundle["GPU"] = cfg.islands.gpus
-    group = placement_group([bundle], strategy="STRICT_PACK", name=f"archipelago-island-{index}")
+    name = island_name(run_id, index)
+    group = placement_group([bundle], strategy="STRICT_PACK", name=name, lifetime="detached")
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(group)
         raise PlacementError(f"island {index}: no node offers {bundle} within {timeout_s:.0f}s "
                              f"(cluster has {ray.available_resources()})")
     actor = ray.remote(Island).options(
+        name=name, namespace=NAMESPACE, lifetime="detached",
         num_cpus=cfg.islands.cpus, num_gpus=cfg.islands.gpus, max_restarts=0,
         scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
     ).remote(island_spec(cfg, index))
     return IslandHandle(index, actor, group)
 
 
+def find_island(run_id: str, index: int) -> IslandHandle | None:
+    """Re-attach to a live island of this run (after a coordinator restart)."""
+    name = island_name(run_id, index)
+    try:
+        actor = ray.get_actor(name, namespace=NAMESPACE)
+        return IslandHandle(index, actor, get_placement_group(name))
+    except ValueError:
+        return None
+
+
 def release_island(handle: IslandHandle) -> None:
     ray.kill(handle.actor, no_restart=True)
     remove_placement_group(handle.group)
+
+
+def release_run(run_id: str) -> None:
+    """Kill every island actor and group of a run (the driver's cleanup, whatever happened)."""
+    prefix = f"archipelago-{run_id}-island-"
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == NAMESPACE and actor["name"].startswith(prefix):
+            try:
+                ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE), no_restart=True)
+            except ValueError:
+                pass
+    for pg_id, info in placement_group_table().items():
+        if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED":
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))

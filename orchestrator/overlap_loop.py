@@ -27,16 +27,16 @@ def run_overlap(co: "Coordinator") -> None:
     inflight: dict[ray.ObjectRef, tuple[int, int]] = {}     # ref -> (island, round)
     expected: dict[int, set[int]] = {}                      # round -> islands working on it
     results: dict[int, list[RoundResult]] = {}
-    next_round = {i: 1 for i in co.members.schedulable()}
+    next_round = {i: server.version + 1 for i in co.members.schedulable()}
     held = {i: -1 for i in next_round}                      # version each island holds
-    published_at = {0: 0.0}
+    published_at = {server.version: 0.0}
     waiting: set[int] = set()
 
     def dispatch(i: int) -> None:
         t = next_round[i]
         if t > cfg.rounds:
             return
-        s = start_version(t)
+        s = start_version(t, server.base)
         if server.version < s:
             waiting.add(i)
             return
@@ -100,7 +100,7 @@ def _close(co: "Coordinator", server: OverlapServer, t: int, done: list[RoundRes
     if done:
         time.sleep(max(0.0, max(co.delivered_at(r) for r in done) - time.time()))
     outcome = server.close_round(t, [co.contribution(r) for r in done])
-    staleness = (t - 1) - start_version(t)
+    staleness = (t - 1) - start_version(t, server.base)
     for r in done:
         co.count_result(r, r.island in outcome.accepted, outcome.rejected.get(r.island))
         co.members.islands[r.island].observe_staleness(staleness)

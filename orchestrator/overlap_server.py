@@ -20,9 +20,10 @@ from orchestrator.robust import NormGuard
 from orchestrator.sync_server import RoundOutcome
 
 
-def start_version(round_t: int) -> int:
-    """The global version round `round_t` (1-based) starts from."""
-    return max(0, round_t - 2)
+def start_version(round_t: int, base: int = 0) -> int:
+    """The global version round `round_t` (1-based) starts from. After a restart at
+    version `base` the pipeline refills: round base+1 starts from base, like round 1."""
+    return max(base, round_t - 2)
 
 
 class OverlapServer:
@@ -33,6 +34,7 @@ class OverlapServer:
         self.mean = WeightedMean(self.param.numel(), self.param.dtype)
         self.guard = guard
         self.version = 0
+        self.base = 0
         self.starts: dict[int, torch.Tensor] = {0: flat_params.detach().clone()}
         self.last_gap = 1.0
 
@@ -46,7 +48,7 @@ class OverlapServer:
     def close_round(self, round_t: int, contributions: list[Contribution]) -> RoundOutcome:
         if round_t != self.version + 1:
             raise ValueError(f"round {round_t} closed out of order (version {self.version})")
-        start = start_version(round_t)
+        start = start_version(round_t, self.base)
         out = RoundOutcome(version=self.version)
         self.mean.reset()
         with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
@@ -63,10 +65,21 @@ class OverlapServer:
             out.stepped = True
         self.version += 1
         self.starts[self.version] = self.param.detach().clone()
-        for v in [v for v in self.starts if v < start_version(self.version + 1)]:
+        for v in [v for v in self.starts if v < start_version(self.version + 1, self.base)]:
             del self.starts[v]
         out.version = self.version
         return out
 
     def lr(self) -> float:
         return self.co2.lr
+
+    def state_dict(self) -> dict:
+        return {"version": self.version, "m": self.co2.m.clone(), "guard": list(self.guard.norms) if self.guard else []}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at the saved version; the pipeline refills from it (no stale round)."""
+        self.version = self.base = state["version"]
+        self.co2.m.copy_(state["m"])
+        self.starts = {self.version: self.param.detach().clone()}
+        if self.guard is not None:
+            self.guard.norms.extend(state["guard"])

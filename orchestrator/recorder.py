@@ -20,11 +20,17 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 class Recorder:
-    def __init__(self, out_dir: str | Path, cfg: RunConfig) -> None:
+    def __init__(self, out_dir: str | Path, cfg: RunConfig, keep_records: int | None = None) -> None:
+        """A fresh run starts `metrics.jsonl` anew; a resumed one keeps its first
+        `keep_records` records (those the checkpoint covers) and appends after them."""
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         _atomic_write(self.out / "config.yaml", dump_config(cfg))
-        self._metrics = open(self.out / "metrics.jsonl", "w", buffering=1)
+        path = self.out / "metrics.jsonl"
+        if keep_records is not None and path.exists():
+            kept = path.read_text().splitlines()[:keep_records]
+            _atomic_write(path, "".join(line + "\n" for line in kept))
+        self._metrics = open(path, "a" if keep_records is not None else "w", buffering=1)
 
     def record(self, entry: dict[str, Any]) -> None:
         self._metrics.write(json.dumps(entry) + "\n")

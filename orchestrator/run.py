@@ -4,13 +4,15 @@ from __future__ import annotations
 import os
 import sys
 import time
+import uuid
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.config import RunConfig
-from orchestrator.coordinator import Coordinator
+from orchestrator.coordinator import Coordinator, RunFailed  # noqa: F401  (RunFailed is part of this API)
+from orchestrator.launcher import NAMESPACE, release_run
 from orchestrator.progress import ProgressPrinter
 from workers.task import load_task
 
@@ -33,34 +35,71 @@ def init_ray(cfg: RunConfig) -> bool:
     return True
 
 
-def start_coordinator(cfg: RunConfig) -> Any:
-    """The coordinator actor, pinned to this node so its outputs land where the user looks."""
+def start_coordinator(cfg: RunConfig, run_id: str) -> Any:
+    """The coordinator actor, pinned to this node so its outputs land where the user looks.
+    Ray restarts it up to `checkpoint.max_restarts` times; it then resumes from its checkpoint."""
     node_id = ray.get_runtime_context().get_node_id()
+    restarts = cfg.checkpoint.max_restarts if cfg.checkpoint.every_rounds else 0
     return ray.remote(Coordinator).options(
-        num_cpus=0, max_concurrency=4, max_restarts=0,
+        name=f"archipelago-{run_id}-coordinator", namespace=NAMESPACE,
+        num_cpus=0, max_concurrency=4, max_restarts=restarts, max_task_retries=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(cfg)
+    ).remote(cfg, run_id)
 
 
-def run(cfg: RunConfig, poll_s: float = 0.5, show_progress: bool = True) -> dict[str, Any]:
-    """Train to the end; returns the summary (also in `out_dir/summary.json`)."""
+def _poll(coordinator: Any, printer: ProgressPrinter | None) -> None:
+    try:
+        progress = ray.get(coordinator.progress.remote(), timeout=10)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return  # restarting; the next poll will tell
+    if printer:
+        printer.update(progress)
+
+
+def run(cfg: RunConfig, poll_s: float = 0.5, show_progress: bool = True, run_id: str | None = None) -> dict[str, Any]:
+    """Train to the end; returns the summary (also in `out_dir/summary.json`). A coordinator
+    that dies is restarted by Ray and continues from its last checkpoint; pass the `run_id`
+    of an earlier run (with the same `checkpoint.path`) to resume it."""
     load_task(cfg.task.factory, cfg.task.kwargs).prepare()  # build data caches once, before any actor
+    run_id = run_id or uuid.uuid4().hex[:12]
     started = init_ray(cfg)
     printer = ProgressPrinter() if show_progress else None
     try:
-        coordinator = start_coordinator(cfg)
-        done = coordinator.run.remote()
-        while not ray.wait([done], timeout=poll_s)[0]:
-            if printer:
-                printer.update(ray.get(coordinator.progress.remote()))
-        summary = ray.get(done)
+        coordinator = start_coordinator(cfg, run_id)
+        restarts = 0
+        while True:
+            done = coordinator.run.remote()
+            try:
+                while not ray.wait([done], timeout=poll_s)[0]:
+                    _poll(coordinator, printer)
+                summary = ray.get(done)
+                break
+            except ray.exceptions.RayActorError as err:
+                restarts += 1
+                if restarts > cfg.checkpoint.max_restarts or not cfg.checkpoint.every_rounds:
+                    raise RunFailed(f"the coordinator died {restarts} time(s): {err}") from err
+                print(f"\ncoordinator died; Ray restarts it from its last checkpoint ({restarts}/"
+                      f"{cfg.checkpoint.max_restarts})", file=sys.stderr, flush=True)
         if printer:
-            printer.update(ray.get(coordinator.progress.remote()))
+            _poll(coordinator, printer)
             printer.close()
         return summary
     finally:
+        release_run(run_id)
         if started:
             ray.shutdown()
+
+
+def resume_id(cfg: RunConfig) -> str:
+    """The run id stored in `cfg`'s checkpoint folder (for `archipelago run --resume`)."""
+    from pathlib import Path
+
+    from orchestrator.checkpoint import load_checkpoint
+
+    state = load_checkpoint(Path(cfg.checkpoint_dir))
+    if state is None:
+        raise RunFailed(f"no checkpoint in {cfg.checkpoint_dir} to resume from")
+    return str(state["run_id"])
 
 
 def print_summary(summary: dict[str, Any], stream=sys.stdout) -> None:

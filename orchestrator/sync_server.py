@@ -81,3 +81,18 @@ class SyncServer:
 
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue bit-for-bit (params are saved by the coordinator)."""
+        return {"version": self.version, "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "rng": self.rng.bit_generator.state, "guard": list(self.guard.norms) if self.guard else []}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.version = state["version"]
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.rng.bit_generator.state = state["rng"]
+        if self.guard is not None:
+            self.guard.norms.extend(state["guard"])

@@ -1,0 +1,72 @@
+"""Coordinator restarts and resumes on a real local Ray instance."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import ray
+
+from orchestrator.cli import main
+from orchestrator.config_load import dump_config, load_config
+from orchestrator.launcher import NAMESPACE
+from orchestrator.run import run
+
+pytestmark = pytest.mark.ray
+
+
+def _cfg(tmp_path, *extra):
+    return load_config(None, ["task.factory=tests.toy_tasks:make_quadratic",
+                              "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]", "task.kwargs.batch_s=0.05",
+                              "islands.count=3", "inner.optimizer=sgd", "inner.lr=0.1", "inner.warmup_steps=0",
+                              "inner_steps=3", "checkpoint.every_rounds=1", f"out_dir={tmp_path / 'out'}", *extra])
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_killed_coordinator_restarts_from_checkpoint_and_reattaches_islands(ray_local, tmp_path):
+    cfg = _cfg(tmp_path, "rounds=10")
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id="killtest")))
+    thread.start()
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    deadline = time.time() + 60
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    ray.kill(ray.get_actor("archipelago-killtest-coordinator", namespace=NAMESPACE), no_restart=False)
+    thread.join(timeout=120)
+    summary = box["summary"]
+    assert summary["outer_steps"] == 10
+    assert [r["round"] for r in _records(metrics)] == list(range(1, 11))  # no lost or doubled version
+    assert [r["version"] for r in _records(metrics)] == list(range(1, 11))
+    events = _records(tmp_path / "out" / "events.jsonl")
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("restart") == 1 and kinds.count("reattach") == 3
+    restart = next(e for e in events if e["kind"] == "restart")
+    assert restart["rounds_done"] >= 2
+    assert all(s["state"] == "training" for s in summary["islands"].values())
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if "killtest" in a["name"]]
+
+
+def test_resume_a_finished_run_for_more_rounds(ray_local, tmp_path):
+    first = run(_cfg(tmp_path, "rounds=3"), show_progress=False)
+    assert first["outer_steps"] == 3
+    out = tmp_path / "out"
+    assert main(["run", "--resume", str(out), "--set", "rounds=5"]) == 0
+    records = _records(out / "metrics.jsonl")
+    assert [r["version"] for r in records] == [1, 2, 3, 4, 5]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["outer_steps"] == 5 and summary["initial_eval_loss"] == first["initial_eval_loss"]
+    assert summary["tokens"] == 5 * 3 * 3
+    assert "restart" in [e["kind"] for e in _records(out / "events.jsonl")]
+
+
+def test_resume_without_checkpoint_is_a_clear_error(ray_local, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    cfg = _cfg(tmp_path)
+    (tmp_path / "empty" / "config.yaml").write_text(dump_config(cfg))
+    assert main(["run", "--resume", str(tmp_path / "empty")]) == 1
+    assert "no checkpoint" in capsys.readouterr().err
