@@ -82,14 +82,15 @@ def run_async(co: "Coordinator") -> None:
             else:
                 completed += flight.steps
                 _apply(co, server, speeds, result, window, losses)
-                dispatch(result.island)
         co.free_overdue()
         busy = {f.island for f in inflight.values()}
+        co.supervisor.tick(busy)
+        if not inflight and remaining > 0 and not co.members.schedulable():
+            co.wait_for_islands(busy)
         for i in co.members.schedulable():
             if i not in busy:
+                speeds.add(i)
                 dispatch(i)
-        if not inflight and remaining > 0:
-            raise co.no_island_left()
         if completed // per_round > rnd:
             rnd = min(completed // per_round, cfg.rounds)
             close(rnd)

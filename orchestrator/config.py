@@ -104,6 +104,18 @@ class CheckpointConfig(_Strict):
     max_restarts: int = Field(3, ge=0, description="coordinator restarts from its checkpoint before the run fails")
 
 
+class ElasticConfig(_Strict):
+    """Membership changes: target island count, replacement of dead islands, joins, drains."""
+
+    min_islands: int = Field(1, ge=1, description="scale-down floor")
+    max_islands: int = Field(64, ge=1, description="scale-up ceiling")
+    replace_dead: bool = Field(True, description="launch a replacement when an island dies (target kept)")
+    join_weight: float = Field(0.5, gt=0, le=1, description="weight factor of a newcomer's first contribution")
+    join_rewarmup_steps: int = Field(20, ge=0, description="a newcomer ramps its lr up over this many steps")
+    drain: Literal["finish", "abandon"] = Field("finish", description="a draining island finishes its round, or drops it")
+    placement_timeout_s: float = Field(600.0, gt=0, description="give up on a requested island after this long")
+
+
 class TaskSpec(_Strict):
     """The user's model and data: an import path `module:factory` and its keyword arguments."""
 
@@ -139,6 +151,7 @@ class RunConfig(_Strict):
     link: LinkConfig = Field(default_factory=LinkConfig, description="SIMULATION: every island's link")
     robust: RobustConfig = Field(default_factory=RobustConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = Field(default_factory=ElasticConfig)
     task: TaskSpec = Field(default_factory=TaskSpec)
     ray: RayConfig = Field(default_factory=RayConfig)
 

@@ -27,6 +27,7 @@ from orchestrator.overlap_server import OverlapServer
 from orchestrator.recorder import Recorder
 from orchestrator.robust import NormGuard, Quarantine
 from orchestrator.shards import ShardBook
+from orchestrator.supervisor import Supervisor
 from orchestrator.sync_server import RoundOutcome, SyncServer
 from workers.compress import decode
 from workers.flat import FlatParams
@@ -75,6 +76,7 @@ class Coordinator:
         self._published: tuple[int, ray.ObjectRef] | None = None
         self.rounds_done = self.completed_steps = 0
         self.train_elapsed = 0.0
+        self.supervisor = Supervisor(self, cfg.islands.count)
         state = persist.find(cfg.checkpoint_dir, run_id) if cfg.checkpoint.every_rounds else None
         self.resumed = state is not None
         if state is not None:
@@ -107,7 +109,12 @@ class Coordinator:
             self.events.add("reattach" if i in reattached else "join", i, node=info["host"], device=info["device"])
 
     def _fail(self, index: int, reason: str, state: str = "dead") -> None:
-        """Release an island that died, raised, or is quarantined; it gets no more work."""
+        """Release an island that died, raised, or is quarantined; it gets no more work.
+        The supervisor replaces it at the next boundary unless `elastic.replace_dead` is off."""
+        if self.members.islands[index].state == "drained":
+            return  # an abandoned drain: its lost round is expected
+        if not self.cfg.elastic.replace_dead:
+            self.supervisor.target = max(0, self.supervisor.target - 1)
         self.members.mark(index, state, reason)
         self.events.add("crash" if state == "dead" else state, index, reason=reason)
         self.overdue.pop(index, None)
@@ -166,9 +173,32 @@ class Coordinator:
         """Wall-clock time at which `r` has crossed the island's (simulated) link."""
         return r.finished_at + self.cfg.island_link(r.island).seconds(r.nbytes)
 
-    @staticmethod
-    def contribution(r: RoundResult) -> Contribution:
-        return Contribution(r.island, r.version, decode(r.payload), float(r.weight))
+    def contribution(self, r: RoundResult) -> Contribution:
+        """The decoded pseudo-gradient; a newcomer's first one counts `elastic.join_weight`."""
+        stats = self.members.islands[r.island]
+        weight = float(r.weight)
+        if stats.joined_version > 0 and stats.submissions == 0:
+            weight *= self.cfg.elastic.join_weight
+        return Contribution(r.island, r.version, decode(r.payload), weight)
+
+    def wait_for_islands(self, busy: set[int] | None = None) -> None:
+        """Block (ticking the supervisor) until an island can train; fail if none can come."""
+        deadline = time.time() + self.cfg.elastic.placement_timeout_s
+        while not self.members.schedulable():
+            self.supervisor.tick(busy)
+            if not self.supervisor.pending or time.time() > deadline:
+                raise self.no_island_left()
+            time.sleep(0.05)
+
+    # -- thread-safe controls (control plane, tests) -------------------------------------
+    def set_target(self, n: int) -> int:
+        return self.supervisor.set_target(n)
+
+    def add_islands(self, n: int) -> int:
+        return self.supervisor.set_target(self.supervisor.target + n)
+
+    def drain_island(self, island: int) -> None:
+        self.supervisor.drain(island)
 
     def count_result(self, r: RoundResult, applied: bool, reason: str | None) -> None:
         stats = self.members.islands[r.island]
@@ -198,6 +228,9 @@ class Coordinator:
     def _sync_dispatch(self) -> dict[ray.ObjectRef, int]:
         """Hand every schedulable island its work for the current version."""
         self.free_overdue()
+        self.supervisor.tick(set(self.overdue))
+        if not self.members.schedulable():
+            self.wait_for_islands(set(self.overdue))
         version, params_ref = self.server.version, self.params_ref()
         calls = {}
         for i in self.members.schedulable():
@@ -208,8 +241,6 @@ class Coordinator:
             else:
                 calls[actor.run_round.remote(version, params_ref, self.cfg.inner_steps, download_s, shards)] = i
             self.members.islands[i].inner_steps = self.cfg.inner_steps
-        if not calls:
-            raise self.no_island_left()
         return calls
 
     def _sync_collect(self, calls: dict[ray.ObjectRef, int]) -> tuple[list[RoundResult], RoundOutcome]:
@@ -270,7 +301,8 @@ class Coordinator:
             self.last_eval = eval_loss
         now = time.perf_counter()
         self.recorder.record({
-            "round": rnd, "version": self.server.version, "mode": self.cfg.mode, "eval_loss": eval_loss,
+            "round": rnd, "version": self.server.version, "mode": self.cfg.mode, "time": time.time(),
+            "eval_loss": eval_loss,
             "train_loss": sum(train.values()) / len(train) if train else None,
             "island_train_loss": {str(i): v for i, v in sorted(train.items())},
             **extra,

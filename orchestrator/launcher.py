@@ -36,31 +36,43 @@ class IslandHandle:
     group: PlacementGroup
 
 
-def island_spec(cfg: RunConfig, index: int) -> IslandSpec:
+def island_spec(cfg: RunConfig, index: int, start_step: int = 0) -> IslandSpec:
     return IslandSpec(index=index, num_islands=cfg.islands.count, seed=cfg.seed,
                       task_factory=cfg.task.factory, task_kwargs=dict(cfg.task.kwargs), inner=cfg.inner,
                       total_inner_steps=cfg.total_inner_steps, threads=cfg.island_threads,
                       slowdown=cfg.islands.slowdown(index), codec=cfg.compression.codec,
-                      chunk=cfg.compression.chunk, num_shards=cfg.num_shards)
+                      chunk=cfg.compression.chunk, num_shards=cfg.num_shards, start_step=start_step,
+                      rewarmup_steps=cfg.elastic.join_rewarmup_steps if start_step else 0)
 
 
-def launch_island(cfg: RunConfig, index: int, run_id: str, timeout_s: float = 120.0) -> IslandHandle:
+def request_group(cfg: RunConfig, index: int, run_id: str) -> PlacementGroup:
+    """Ask for an island's resources (one bundle: its CPUs and accelerators); returns at once.
+    On an autoscaling cluster a pending group is what makes the autoscaler add a node."""
     bundle = {"CPU": cfg.islands.cpus}
     if cfg.islands.gpus:
         bundle["GPU"] = cfg.islands.gpus
-    name = island_name(run_id, index)
-    group = placement_group([bundle], strategy="STRICT_PACK", name=name, lifetime="detached")
+    return placement_group([bundle], strategy="STRICT_PACK", name=island_name(run_id, index), lifetime="detached")
+
+
+def start_island(cfg: RunConfig, index: int, run_id: str, group: PlacementGroup, start_step: int = 0) -> IslandHandle:
+    """Start the island actor inside its (ready) placement group."""
+    actor = ray.remote(Island).options(
+        name=island_name(run_id, index), namespace=NAMESPACE, lifetime="detached",
+        num_cpus=cfg.islands.cpus, num_gpus=cfg.islands.gpus, max_restarts=0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
+    ).remote(island_spec(cfg, index, start_step))
+    return IslandHandle(index, actor, group)
+
+
+def launch_island(cfg: RunConfig, index: int, run_id: str, timeout_s: float = 120.0) -> IslandHandle:
+    """Request, wait for and start one island (at the start of a run)."""
+    group = request_group(cfg, index, run_id)
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(group)
-        raise PlacementError(f"island {index}: no node offers {bundle} within {timeout_s:.0f}s "
+        raise PlacementError(f"island {index}: no node offers {group.bundle_specs[0]} within {timeout_s:.0f}s "
                              f"(cluster has {ray.available_resources()})")
-    actor = ray.remote(Island).options(
-        name=name, namespace=NAMESPACE, lifetime="detached",
-        num_cpus=cfg.islands.cpus, num_gpus=cfg.islands.gpus, max_restarts=0,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
-    ).remote(island_spec(cfg, index))
-    return IslandHandle(index, actor, group)
+    return start_island(cfg, index, run_id, group)
 
 
 def find_island(run_id: str, index: int) -> IslandHandle | None:

@@ -1,8 +1,10 @@
 """Per-island bookkeeping on the coordinator: state, contributions, tokens and bytes.
 
 States: `training` (gets work each round), `late` (missed a round deadline; gets work
-again once its overdue result arrives, which is discarded as stale), `dead` (actor or
-node died, or its code raised; released and never scheduled again)."""
+again once its overdue result arrives, which is discarded as stale), `draining` (asked to
+leave: gets no new work, released once its round is in), `drained` (left), `dead` (actor
+or node died, or its code raised), `quarantined` (kept sending bad updates). The last
+three are released and never scheduled again."""
 from __future__ import annotations
 
 from collections import deque
@@ -26,6 +28,7 @@ class IslandStats:
     rejections: int = 0
     late_results: int = 0
     error: str | None = None
+    joined_version: int = 0           # global version when it joined (0: from the start)
     inner_steps: int = 0              # H of its latest round (DyLU changes it in async mode)
     steps_per_s: float = 0.0          # measured (smoothed) inner steps per second
     staleness_last: int = 0
@@ -53,14 +56,14 @@ class IslandStats:
 class Membership:
     islands: dict[int, IslandStats] = field(default_factory=dict)
 
-    def add(self, index: int, node: str) -> None:
-        self.islands[index] = IslandStats(index=index, state="training", node=node)
+    def add(self, index: int, node: str, joined_version: int = 0) -> None:
+        self.islands[index] = IslandStats(index=index, state="training", node=node, joined_version=joined_version)
 
     def schedulable(self) -> list[int]:
         return [i for i, s in self.islands.items() if s.state == "training"]
 
     def alive(self) -> list[int]:
-        return [i for i, s in self.islands.items() if s.state != "dead"]
+        return [i for i, s in self.islands.items() if s.state in ("training", "late", "draining")]
 
     def mark(self, index: int, state: str, error: str | None = None) -> None:
         self.islands[index].state = state

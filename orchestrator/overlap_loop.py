@@ -42,7 +42,7 @@ def run_overlap(co: "Coordinator") -> None:
             return
         waiting.discard(i)
         delay = 0.0
-        if held[i] != s:  # a new global to download (in the background while round t−1 ran)
+        if held.get(i, -1) != s:  # a new global to download (in the background while round t−1 ran)
             download_s, _ = co.count_dispatch(i)
             delay = max(0.0, published_at[s] + download_s - time.time())
             held[i] = s
@@ -63,8 +63,15 @@ def run_overlap(co: "Coordinator") -> None:
     while server.version < cfg.rounds:
         t = server.version + 1
         done = results.setdefault(t, [])
+        busy = {isl for isl, _ in inflight.values()}
+        co.supervisor.tick(busy)
         if not expected.get(t) and not done:
-            raise co.no_island_left()
+            co.wait_for_islands(busy)
+            for j in co.members.schedulable():
+                if j not in busy:
+                    next_round[j] = t
+                    dispatch(j)
+            continue
         if expected.get(t, set()) <= {r.island for r in done}:
             _close(co, server, t, done, t_round, tokens_before)
             published_at[server.version] = time.time()
@@ -86,7 +93,8 @@ def run_overlap(co: "Coordinator") -> None:
             continue
         results.setdefault(t_done, []).append(result)
         next_round[i] = t_done + 1
-        dispatch(i)
+        if co.members.islands[i].state == "training":
+            dispatch(i)
         co.free_overdue()
         for j in co.members.schedulable():
             if j not in {isl for isl, _ in inflight.values()} and j not in waiting and next_round.get(j, 0) <= t_done:

@@ -25,6 +25,7 @@ def capture(co: "Coordinator", train_elapsed: float) -> dict[str, Any]:
         "members": {i: dataclasses.asdict(s) for i, s in co.members.islands.items()},
         "shards": co.shards.state(), "quarantine": dict(co.quarantine.streak),
         "counters": {k: getattr(co, k) for k in COUNTERS}, "train_elapsed": train_elapsed,
+        "target": co.supervisor.target,
     }
 
 
@@ -48,3 +49,4 @@ def restore(co: "Coordinator", state: dict[str, Any]) -> None:
     for k, v in state["counters"].items():
         setattr(co, k, v)
     co.train_elapsed = state["train_elapsed"]
+    co.supervisor.target = state["target"]

@@ -10,10 +10,12 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_local():
+    """A local Ray instance per test module (modules with their own cluster need Ray down)."""
     import ray
 
+    ray.shutdown()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     yield ray

@@ -41,7 +41,8 @@ def test_dylu_gives_the_slow_island_fewer_steps(ray_local, tmp_path):
 
 
 def test_async_survives_a_crashed_island(ray_local, tmp_path):
-    summary = run(_cfg(tmp_path, "islands.simulated_slowdown=null", "task.kwargs.crash_island=1",
+    summary = run(_cfg(tmp_path, "islands.simulated_slowdown=null", "elastic.replace_dead=false",
+                       "task.kwargs.crash_island=1",
                        "task.kwargs.crash_after_batches=8"), show_progress=False)
     assert summary["islands"]["1"]["state"] == "dead"
     assert summary["tokens"] == 3 * 6 * 6  # the dead island's unfinished steps were redone by others

@@ -66,7 +66,7 @@ def _quadratic(tmp_path, *extra):
 
 
 def test_a_crashed_island_does_not_stop_the_run(ray_local, tmp_path):
-    cfg = _quadratic(tmp_path, "rounds=4", "inner_steps=3", "task.kwargs.crash_island=1",
+    cfg = _quadratic(tmp_path, "rounds=4", "inner_steps=3", "elastic.replace_dead=false", "task.kwargs.crash_island=1",
                      "task.kwargs.crash_after_batches=4")
     summary = run(cfg, show_progress=False)
     islands = summary["islands"]
@@ -81,7 +81,7 @@ def test_a_crashed_island_does_not_stop_the_run(ray_local, tmp_path):
 
 
 def test_a_stalled_island_is_left_behind_by_the_round_deadline(ray_local, tmp_path):
-    cfg = _quadratic(tmp_path, "rounds=3", "inner_steps=2", "round_timeout_s=1.0",
+    cfg = _quadratic(tmp_path, "rounds=3", "inner_steps=2", "round_timeout_s=1.0", "elastic.replace_dead=false",
                      "task.kwargs.stall_island=2", "task.kwargs.stall_s=30")
     t0 = time.perf_counter()
     summary = run(cfg, show_progress=False)

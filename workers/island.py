@@ -35,6 +35,8 @@ class IslandSpec:
     codec: str = "none"    # compression of what the island sends
     chunk: int = 4096
     num_shards: int = 0    # data shards of the run (0: one per island, island i owns shard i)
+    start_step: int = 0    # a joining island's place in the run's inner schedule
+    rewarmup_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,8 @@ class Island:
         self.model = self.task.build_model().to(self.device)
         self.flat = FlatParams(self.model)
         self.start = torch.empty_like(self.flat.data)
-        self.optimizer, self.scheduler = build_inner(spec.inner, self.model.parameters(), spec.total_inner_steps)
+        self.optimizer, self.scheduler = build_inner(spec.inner, self.model.parameters(), spec.total_inner_steps,
+                                                     spec.start_step, spec.rewarmup_steps)
         self.num_shards = spec.num_shards or spec.num_islands
         self.streams: dict[int, tuple[int, Any]] = {}  # shard -> (position, iterator at that position)
         self.turn = 0

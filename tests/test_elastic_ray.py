@@ -1,0 +1,125 @@
+"""Elasticity on a real local Ray instance: replacement, joins, drains, and a seeded chaos run."""
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+import ray
+
+from orchestrator.config_load import load_config
+from orchestrator.launcher import NAMESPACE, island_name
+from orchestrator.run import run
+
+pytestmark = pytest.mark.ray
+CENTERS = "[[1.0,0.0],[-0.5,2.0],[0.5,0.5],[2.0,1.0]]"
+
+
+def _cfg(tmp_path, name, *extra):
+    return load_config(None, ["task.factory=tests.toy_tasks:make_quadratic", f"task.kwargs.centers={CENTERS}",
+                              "task.kwargs.batch_s=0.05", f"task.kwargs.fault_dir={tmp_path / name}",
+                              "islands.count=3", "islands.cpus=0.5", "data_shards=4", "inner.optimizer=sgd",
+                              "inner.lr=0.1", "inner.warmup_steps=0", "inner_steps=4", "outer.momentum=0.5",
+                              f"out_dir={tmp_path / name}", *extra])
+
+
+def _events(tmp_path, name):
+    return [json.loads(line) for line in (tmp_path / name / "events.jsonl").read_text().splitlines()]
+
+
+def _records(tmp_path, name):
+    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def _in_thread(cfg, run_id):
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id=run_id)))
+    thread.start()
+    return thread, box
+
+
+def _coordinator(run_id):
+    deadline = time.time() + 30
+    while True:
+        try:
+            return ray.get_actor(f"archipelago-{run_id}-coordinator", namespace=NAMESPACE)
+        except ValueError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _wait_rounds(tmp_path, name, n, timeout=60):
+    path = tmp_path / name / "metrics.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline and (not path.exists() or len(path.read_text().splitlines()) < n):
+        time.sleep(0.05)
+
+
+def test_dead_island_is_replaced_and_the_newcomer_contributes(ray_local, tmp_path):
+    cfg = _cfg(tmp_path, "replace", "rounds=40", "task.kwargs.crash_island=2", "task.kwargs.crash_after_batches=6")
+    summary = run(cfg, show_progress=False)
+    isl = summary["islands"]
+    assert isl["1"]["state"] == "dead" and isl["3"]["state"] == "training"
+    assert isl["3"]["joined_version"] > 0 and isl["3"]["rounds_contributed"] > 0
+    events = _events(tmp_path, "replace")
+    crash = next(e for e in events if e["kind"] == "crash")
+    join = next(e for e in events if e["kind"] == "join" and e["island"] == 3)
+    assert join["time"] > crash["time"]
+    assert sum(summary["shards"]["tokens"]) == summary["tokens"]
+    assert [r["version"] for r in _records(tmp_path, "replace")] == list(range(1, 41))
+
+
+def test_join_and_drain_on_request(ray_local, tmp_path):
+    thread, box = _in_thread(_cfg(tmp_path, "scale", "rounds=40"), "scaletest")
+    coordinator = _coordinator("scaletest")
+    _wait_rounds(tmp_path, "scale", 2)
+    ray.get(coordinator.add_islands.remote(1))
+    ray.get(coordinator.drain_island.remote(0))
+    with pytest.raises(ray.exceptions.RayTaskError, match="outside"):
+        ray.get(coordinator.set_target.remote(1000))
+    thread.join(timeout=120)
+    isl = box["summary"]["islands"]
+    assert isl["0"]["state"] == "drained" and isl["3"]["state"] == "training"
+    assert isl["3"]["rounds_contributed"] > 0
+    kinds = [(e["kind"], e["island"]) for e in _events(tmp_path, "scale")]
+    assert ("drain", 0) in kinds and ("released", 0) in kinds and ("join", 3) in kinds
+    assert box["summary"]["outer_steps"] == 40
+
+
+@pytest.mark.parametrize("mode", ["diloco", "async"])
+def test_seeded_chaos_completes_close_to_the_fault_free_run(ray_local, tmp_path, mode):
+    clean = run(_cfg(tmp_path, f"clean-{mode}", f"mode={mode}", "rounds=30"), show_progress=False)
+    rng = random.Random(1234)
+    run_id = f"chaos{mode}"
+    thread, box = _in_thread(_cfg(tmp_path, f"chaos-{mode}", f"mode={mode}", "rounds=30"), run_id)
+    coordinator = _coordinator(run_id)
+    _wait_rounds(tmp_path, f"chaos-{mode}", 2)
+    actions = []
+    for _ in range(4):
+        time.sleep(rng.uniform(0.3, 0.8))
+        if not thread.is_alive():
+            break
+        live = [int(a["name"].rsplit("-", 1)[1]) for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith(f"archipelago-{run_id}-island-")]
+        action = rng.choice(["crash", "drain", "join"])
+        actions.append(action)
+        if action == "join":
+            ray.get(coordinator.add_islands.remote(1))
+        elif live and action == "crash":
+            ray.kill(ray.get_actor(island_name(run_id, rng.choice(live)), namespace=NAMESPACE), no_restart=True)
+        elif live:
+            ray.get(coordinator.drain_island.remote(rng.choice(live)))
+    thread.join(timeout=180)
+    summary = box["summary"]
+    versions = [r["version"] for r in _records(tmp_path, f"chaos-{mode}")]
+    assert versions[-1] == summary["outer_steps"] and len(versions) == 30
+    if mode == "diloco":
+        assert versions == list(range(1, 31))  # no lost outer version
+    assert np.isfinite(summary["final_eval_loss"])
+    assert summary["final_eval_loss"] <= clean["final_eval_loss"] * 1.25 + 0.02, (actions, summary["final_eval_loss"])
+    kinds = {e["kind"] for e in _events(tmp_path, f"chaos-{mode}")}
+    assert kinds & {"crash", "drain", "join"}
