@@ -1,0 +1,69 @@
+"""Node loss and node arrival on a multi-node `ray.cluster_utils.Cluster` (one process tree)."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+from ray.util.placement_group import get_placement_group, placement_group_table
+
+from orchestrator.config_load import load_config
+from orchestrator.launcher import island_name
+from orchestrator.run import run
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4}})
+    workers = [c.add_node(num_cpus=1) for _ in range(3)]
+    ray.init(address=c.address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    yield c, workers
+    ray.shutdown()
+    c.shutdown()
+
+
+def _node_of(run_id: str, index: int) -> str:
+    return placement_group_table(get_placement_group(island_name(run_id, index)))["bundles_to_node_id"][0]
+
+
+def test_node_loss_closes_the_round_and_a_new_node_brings_a_new_island(cluster, tmp_path):
+    c, workers = cluster
+    cfg = load_config(None, ["task.factory=tests.toy_tasks:make_quadratic",
+                             "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]", "task.kwargs.batch_s=0.05",
+                             "islands.count=3", "inner.optimizer=sgd", "inner.lr=0.1", "inner.warmup_steps=0",
+                             "inner_steps=4", "rounds=70", "round_timeout_s=30", f"out_dir={tmp_path / 'out'}"])
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id="nodes")))
+    thread.start()
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
+        time.sleep(0.05)
+    victim = next(w for w in workers if w.node_id == _node_of("nodes", 1))
+    t_remove = time.time()
+    c.remove_node(victim, allow_graceful=False)
+    time.sleep(1.0)
+    t_add = time.time()
+    c.add_node(num_cpus=1)
+    thread.join(timeout=180)
+    summary = box["summary"]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    events = [json.loads(line) for line in (tmp_path / "out" / "events.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in records] == list(range(1, 71))
+    crash = next(e for e in events if e["kind"] == "crash" and e["island"] == 1)
+    closed = next(r for r in records if r["time"] > crash["time"])
+    join = next(e for e in events if e["kind"] == "join" and e["island"] == 3)
+    first = next(r for r in records if 3 in r["contributed"])
+    assert join["time"] > t_add and summary["islands"]["3"]["rounds_contributed"] > 0
+    figures = {"crash_detected_s": crash["time"] - t_remove, "crash_to_round_closed_s": closed["time"] - crash["time"],
+               "node_added_to_join_s": join["time"] - t_add, "join_to_first_contribution_s": first["time"] - join["time"]}
+    (tmp_path / "figures.json").write_text(json.dumps(figures))
+    print("elastic figures:", figures)
+    assert figures["crash_detected_s"] < 15 and figures["crash_to_round_closed_s"] < 5
