@@ -48,7 +48,8 @@ def run_async(co: "Coordinator") -> None:
         if h <= 0:
             return
         download_s, shards = co.count_dispatch(i)
-        ref = co.handles[i].actor.run_round.remote(server.version, co.params_ref(), h, download_s, shards)
+        progress = co.completed_steps // k  # the run's position in each island's lr schedule
+        ref = co.handles[i].actor.run_round.remote(server.version, co.params_ref(), h, download_s, shards, progress)
         inflight[ref] = _Flight(i, server.version, h)
         remaining -= h
         co.members.islands[i].inner_steps = h

@@ -92,3 +92,19 @@ def test_staleness_downweight_and_bad_values():
     np.testing.assert_allclose(s.param.detach().numpy(), [-1.5, -1.5])
     assert not s.submit(_c(s.version, (np.nan, 0.0))).accepted
     assert "future" in s.submit(_c(s.version + 5)).reason
+
+
+def test_island_schedule_can_follow_global_progress():
+    from orchestrator.config_load import load_config
+    from orchestrator.launcher import island_spec
+    from workers.island import Island
+
+    cfg = load_config(None, ["task.factory=tests.toy_tasks:make_quadratic", "task.kwargs.centers=[[1.0,0.0]]",
+                             "islands.count=1", "rounds=10", "inner_steps=10", "inner.warmup_steps=0",
+                             "inner.optimizer=sgd", "inner.lr=1.0", "inner.min_lr_ratio=0.0"])
+    island = Island(island_spec(cfg, 0))
+    params = np.zeros(2)
+    island.run_round(0, params, 5, schedule_step=50)  # the run is half way: cosine at 0.5
+    assert island.optimizer.param_groups[0]["lr"] == pytest.approx(0.5 * (1 + np.cos(np.pi * 55 / 100)))
+    island.run_round(0, params, 1, schedule_step=100)
+    assert island.optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)

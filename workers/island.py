@@ -117,16 +117,26 @@ class Island:
             if norm > clip:
                 self.flat.grad.mul_(clip / norm)
 
+    def _seek_schedule(self, step: int) -> None:
+        """Put the lr schedule at `step` (the scheduler continues from there)."""
+        self.scheduler.last_epoch = step
+        for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
+            group["lr"] = base * fn(step)
+
     def _encode(self, x: torch.Tensor) -> Payload:
         return encode(x.cpu().numpy(), self.spec.codec, self.spec.chunk)
 
     def run_round(self, version: int, params: np.ndarray, steps: int, start_delay_s: float = 0.0,
-                  assignment: dict[int, int] | None = None) -> RoundResult:
+                  assignment: dict[int, int] | None = None, schedule_step: int | None = None) -> RoundResult:
         """DiLoCo inner phase: start from the global `params`, take `steps` inner steps on
         the shards of `assignment` ({shard: start position}; default: the island's own
-        shard where it left off). `start_delay_s`: simulated time to download `params`."""
+        shard where it left off). `start_delay_s`: simulated time to download `params`.
+        `schedule_step` moves the lr schedule to the run's global progress (async mode,
+        where a fast island takes more steps than the schedule's length)."""
         if start_delay_s > 0:
             time.sleep(start_delay_s)
+        if schedule_step is not None:
+            self._seek_schedule(schedule_step)
         t0 = time.perf_counter()
         self.flat.load(params)
         self.start.copy_(self.flat.data)
