@@ -13,7 +13,7 @@ from typing import Any
 
 from orchestrator.bench.quality import MODEL
 from orchestrator.bench.registry import scenario
-from orchestrator.bench.report import BenchResult, Panel, eval_curve
+from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
 from orchestrator.bench.runner import run_methods
 
 SPEEDS = [1, 1, 0.5, 0.25]
@@ -76,25 +76,19 @@ def hetero(quick: bool, work: Path) -> BenchResult:
     line = (f"hetero: sync {sync['final_eval_loss']:.4f} in {sync['wall_seconds']:.0f}s; dn_dylu "
             f"{dn['final_eval_loss']:.4f} in {dn['wall_seconds']:.0f}s (reaches sync's loss at "
             f"{'never' if reach is None else f'{reach:.0f}s'}); naive {naive['final_eval_loss']:.4f}; "
-            f"targets met {sum(c['ok'] for c in checks.values())}/{len(checks)}")
+            f"{targets_met(checks)}")
     return BenchResult("hetero", quick, results, line, _markdown(results, checks, rounds),
                        [Panel("train seconds (wall-clock)", by_wall), Panel("tokens", by_tokens)],
                        extra={"checks": checks, "speeds": SPEEDS})
 
 
 def _markdown(r: dict[str, dict[str, Any]], checks: dict[str, dict[str, Any]], rounds: int) -> str:
-    rows = ["| method | what | final eval loss | train s | s to sync's final loss | outer updates | staleness mean / max |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
-    for name, m in r.items():
-        reach = m["seconds_to_sync_final_loss"]
-        rows.append(f"| `{name}` | {m['description']} | {m['final_eval_loss']:.4f} | {m['wall_seconds']:.1f} | "
-                    f"{'not reached' if reach is None else f'{reach:.1f}'} | {m['outer_updates']} | "
-                    f"{m['staleness']['mean']:.2f} / {m['staleness']['max']} |")
-    check_rows = ["| target | measured | met |", "| --- | --- | --- |"]
-    for name, c in checks.items():
-        value = "n/a" if c["value"] is None else f"{c['value']:.3f}"
-        check_rows.append(f"| {name} | {value} | {'yes' if c['ok'] else 'no'} |")
+    rows = [[f"`{name}`", m["description"], f"{m['final_eval_loss']:.4f}", f"{m['wall_seconds']:.1f}",
+             "not reached" if m["seconds_to_sync_final_loss"] is None else f"{m['seconds_to_sync_final_loss']:.1f}",
+             str(m["outer_updates"]), f"{m['staleness']['mean']:.2f} / {m['staleness']['max']}"] for name, m in r.items()]
+    table = md_table(["method", "what", "final eval loss", "train s", "s to sync's final loss", "outer updates",
+                      "staleness mean / max"], rows)
     return (f"4 islands with simulated speeds {SPEEDS} (each inner step of island i is stretched by 1/speed), "
             f"H = {H}, budget {rounds} rounds x 4 islands x {H} inner steps for every method; same model as `quality`.\n\n"
-            + "\n".join(rows) + "\n\n" + "\n".join(check_rows) +
+            + table + "\n\n" + checks_table(checks) +
             "\n\nPaper (Liu et al. 2024, 20M model, ppl): sync DiLoCo 41.35, naive async 44.27, DN+DyLU 41.13.")

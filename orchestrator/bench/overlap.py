@@ -12,7 +12,7 @@ from typing import Any
 
 from orchestrator.bench.quality import MODEL
 from orchestrator.bench.registry import scenario
-from orchestrator.bench.report import BenchResult, Panel, eval_curve
+from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
 from orchestrator.bench.runner import run_methods
 
 H = 50
@@ -72,8 +72,7 @@ def overlap(quick: bool, work: Path) -> BenchResult:
     line = (f"overlap: wall sync {r['sync']['wall_seconds']:.0f}s, overlap {r['overlap']['wall_seconds']:.0f}s, "
             f"compute-only {compute_only:.0f}s ({r['overlap']['wall_vs_compute_only']:.2f}x); loss sync "
             f"{r['sync']['final_eval_loss']:.4f} overlap {r['overlap']['final_eval_loss']:.4f} int8 "
-            f"{r['overlap_int8']['final_eval_loss']:.4f}; targets met "
-            f"{sum(c['ok'] for c in checks.values())}/{len(checks)}")
+            f"{r['overlap_int8']['final_eval_loss']:.4f}; {targets_met(checks)}")
     curves_wall = {n: eval_curve(work / n, summaries[n], "train_seconds") for n in table}
     curves_tok = {n: eval_curve(work / n, summaries[n], "tokens_total") for n in table}
     md = _markdown(r, checks, rounds, bandwidth, comm_per_round, compute_per_round)
@@ -85,18 +84,14 @@ def overlap(quick: bool, work: Path) -> BenchResult:
 
 def _markdown(r: dict[str, dict[str, Any]], checks: dict[str, dict[str, Any]], rounds: int, bw: float,
               comm: float, compute: float) -> str:
-    rows = ["| method | what | wall s | vs compute-only | compute s / island | idle fraction | final eval loss | bytes sent |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name, m in r.items():
-        rows.append(f"| `{name}` | {m['description']} | {m['wall_seconds']:.1f} | {m['wall_vs_compute_only']:.2f}× | "
-                    f"{m['compute_seconds']:.1f} | {m['idle_fraction']:.2f} | {m['final_eval_loss']:.4f} | "
-                    f"{m['bytes_sent'] / 1e6:.2f} MB |")
-    check_rows = ["| target | measured | met |", "| --- | --- | --- |"]
-    for name, c in checks.items():
-        check_rows.append(f"| {name} | {c['value']:.3f} | {'yes' if c['ok'] else 'no'} |")
+    rows = [[f"`{name}`", m["description"], f"{m['wall_seconds']:.1f}", f"{m['wall_vs_compute_only']:.2f}×",
+             f"{m['compute_seconds']:.1f}", f"{m['idle_fraction']:.2f}", f"{m['final_eval_loss']:.4f}",
+             f"{m['bytes_sent'] / 1e6:.2f} MB"] for name, m in r.items()]
+    table = md_table(["method", "what", "wall s", "vs compute-only", "compute s / island", "idle fraction",
+                      "final eval loss", "bytes sent"], rows)
     return (f"4 islands, H = {H}, {rounds} rounds; simulated link {bw * 1000:.2f} Mbit/s so one exchange "
             f"(params down + pseudo-gradient up, fp32) takes {comm:.2f}s vs {compute:.2f}s of compute per round. "
             f"CO2 with the authors' defaults for <= 16 workers (alpha 1, beta 0, clip 1, no penalty).\n\n"
-            + "\n".join(rows) + "\n\n" + "\n".join(check_rows) +
+            + table + "\n\n" + checks_table(checks) +
             "\n\nPaper (Sun et al. 2024): scalability ratio 1.06 at 128 GPUs on 80 Gbps TCP/IP with tau = 48; "
             "penalty removal GPT-2 small ppl 7.39 -> 7.56.")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.bench.registry import scenario
-from orchestrator.bench.report import BenchResult, Panel, eval_curve
+from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
 from orchestrator.bench.runner import run_methods
 
 K = 4
@@ -74,7 +74,7 @@ def quality(quick: bool, work: Path) -> BenchResult:
     head = results[HEADLINE]
     summary_line = (f"quality: {HEADLINE} eval loss {head['final_eval_loss']:.4f} vs ddp {ddp['final_eval_loss']:.4f} "
                     f"({head['loss_vs_ddp_pct']:+.1f}%) with {1 / head['byte_ratio_to_ddp']:.0f}x fewer bytes; "
-                    f"targets met {sum(c['ok'] for c in checks.values())}/{len(checks)}")
+                    f"{targets_met(checks)}")
     return BenchResult("quality", quick, results, summary_line, _markdown(results, checks, steps),
                        [Panel("tokens", curves)], extra={"checks": checks, "inner_steps_per_island": steps})
 
@@ -97,16 +97,12 @@ def _checks(r: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def _markdown(r: dict[str, dict[str, Any]], checks: dict[str, dict[str, Any]], steps: int) -> str:
-    rows = ["| method | what | final eval loss | vs ddp | bytes exchanged | ddp bytes / bytes | outer steps | train s | paper (C4 150M, ppl) |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name, m in r.items():
-        rows.append(f"| `{name}` | {m['description']} | {m['final_eval_loss']:.4f} | {m['loss_vs_ddp_pct']:+.1f}% | "
-                    f"{m['bytes_communicated'] / 1e6:,.1f} MB | {1 / m['byte_ratio_to_ddp']:,.1f}× | {m['outer_steps']} | "
-                    f"{m['train_seconds']:.0f} | {PAPER.get(name, '')} |")
-    check_rows = ["| target | measured | met |", "| --- | --- | --- |"]
-    for name, c in checks.items():
-        check_rows.append(f"| {name} | {c['value']:.3f} | {'yes' if c['ok'] else 'no'} |")
+    rows = [[f"`{name}`", m["description"], f"{m['final_eval_loss']:.4f}", f"{m['loss_vs_ddp_pct']:+.1f}%",
+             f"{m['bytes_communicated'] / 1e6:,.1f} MB", f"{1 / m['byte_ratio_to_ddp']:,.1f}×", str(m["outer_steps"]),
+             f"{m['train_seconds']:.0f}", PAPER.get(name, "")] for name, m in r.items()]
+    table = md_table(["method", "what", "final eval loss", "vs ddp", "bytes exchanged", "ddp bytes / bytes",
+                      "outer steps", "train s", "paper (C4 150M, ppl)"], rows)
     tokens = next(iter(r.values()))["tokens"]
     return (f"Default task (stdlib bytes), GPT d=64, 2 layers, context 64, batch 16 per island; "
             f"{steps} inner steps per island, {tokens:,} tokens for every method; eval loss in nats per byte.\n\n"
-            + "\n".join(rows) + "\n\n" + "\n".join(check_rows))
+            + table + "\n\n" + checks_table(checks))

@@ -84,6 +84,22 @@ def write_result(result: BenchResult, out: Path) -> None:
         f"![{result.scenario}]({result.scenario}.png)\n")
 
 
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def checks_table(checks: dict[str, dict[str, Any]]) -> str:
+    """The targets of a scenario: measured value and whether it is met."""
+    return md_table(["target", "measured", "met"], [
+        [name, "n/a" if c["value"] is None else f"{c['value']:.3f}", "yes" if c["ok"] else "no"]
+        for name, c in checks.items()])
+
+
+def targets_met(checks: dict[str, dict[str, Any]]) -> str:
+    return f"targets met {sum(c['ok'] for c in checks.values())}/{len(checks)}"
+
+
 def eval_curve(run_dir: Path, summary: dict[str, Any], x_key: str) -> list[tuple[float, float]]:
     """(x, eval loss) points of a run from its metrics.jsonl, starting at the initial eval."""
     points = [(0.0, summary["initial_eval_loss"])]
