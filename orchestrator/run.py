@@ -64,6 +64,7 @@ def run(cfg: RunConfig, poll_s: float = 0.5, show_progress: bool = True, run_id:
     run_id = run_id or uuid.uuid4().hex[:12]
     started = init_ray(cfg)
     printer = ProgressPrinter() if show_progress else None
+    coordinator = None
     try:
         coordinator = start_coordinator(cfg, run_id)
         restarts = 0
@@ -80,14 +81,30 @@ def run(cfg: RunConfig, poll_s: float = 0.5, show_progress: bool = True, run_id:
                     raise RunFailed(f"the coordinator died {restarts} time(s): {err}") from err
                 print(f"\ncoordinator died; Ray restarts it from its last checkpoint ({restarts}/"
                       f"{cfg.checkpoint.max_restarts})", file=sys.stderr, flush=True)
+                _await_restart(coordinator)
         if printer:
             _poll(coordinator, printer)
             printer.close()
         return summary
     finally:
+        if coordinator is not None:
+            ray.kill(coordinator, no_restart=True)
         release_run(run_id)
         if started:
             ray.shutdown()
+
+
+def _await_restart(coordinator: Any, timeout_s: float = 300.0) -> None:
+    """Wait until the restarted coordinator answers (calls made while Ray is still
+    restarting it would fail and be mistaken for another death)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            ray.get(coordinator.progress.remote(), timeout=10)
+            return
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            time.sleep(0.2)
+    raise RunFailed(f"the coordinator did not come back within {timeout_s:.0f}s")
 
 
 def resume_id(cfg: RunConfig) -> str:
