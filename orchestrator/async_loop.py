@@ -107,6 +107,8 @@ def _apply(co: "Coordinator", server: AsyncServer, speeds: SpeedTracker, result,
     co.count_result(result, out.accepted, out.reason)
     stats = co.members.islands[result.island]
     stats.observe_staleness(out.staleness)
+    if out.accepted and out.scale < 1.0:
+        stats.downweighted += 1
     stats.steps_per_s = speeds.speeds.get(result.island, 0.0)
     losses[result.island] = result.mean_loss
     window["staleness"].append(out.staleness)

@@ -312,6 +312,8 @@ class Coordinator:
             "round_seconds": now - t_round, "wall_seconds": now - self.t0,
             "train_seconds": now - self.t_train, "tokens_per_s": self.tokens / max(1e-9, now - self.t_train),
             "lr": self.server.lr(), "islands_alive": len(self.members.alive()),
+            "island_idle_fraction": {str(i): max(0.0, 1 - st.compute_s / max(1e-9, now - self.t_train))
+                                     for i, st in self.members.islands.items() if st.state in ("training", "late")},
         })
         self.rounds_done = rnd
         every = self.cfg.checkpoint.every_rounds

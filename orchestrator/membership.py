@@ -26,6 +26,7 @@ class IslandStats:
     bytes_received: int = 0
     last_train_loss: float | None = None
     rejections: int = 0
+    downweighted: int = 0             # stale submissions applied with a reduced weight (async)
     late_results: int = 0
     error: str | None = None
     joined_version: int = 0           # global version when it joined (0: from the start)

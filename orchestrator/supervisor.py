@@ -55,7 +55,8 @@ class Supervisor:
         return n
 
     def drain(self, island: int) -> None:
-        if island not in self.co.members.islands:
+        """Ask `island` to leave; an island still joining is cancelled instead."""
+        if island not in self.co.members.islands and island not in self.pending:
             raise KeyError(f"no island {island}")
         self.requests.put(("drain", island))
 
@@ -70,8 +71,8 @@ class Supervisor:
             if kind == "target":
                 self.target = value
                 self.co.events.add("target", None, target=value)
-            elif kind == "drain":
-                self._start_drain(value)
+            elif kind == "drain" and self._start_drain(value):
+                self.target = max(0, self.target - 1)  # a drained island is not replaced
         surplus = len(self.live()) + len(self.pending) - self.target
         for i in sorted(self.live(), reverse=True)[:max(0, surplus)]:
             self._start_drain(i)
@@ -82,11 +83,22 @@ class Supervisor:
             if s.state == "draining" and (i not in busy or self.co.cfg.elastic.drain == "abandon"):
                 self._release(i, "drained")
 
-    def _start_drain(self, island: int) -> None:
+    def _start_drain(self, island: int) -> bool:
+        """Start draining (or cancel a join); False if the island is already gone."""
+        pending = self.pending.pop(island, None)
+        if pending is not None:
+            if pending.handle is not None:
+                release_island(pending.handle)
+            else:
+                remove_placement_group(pending.group)
+            self.co.events.add("join_cancelled", island)
+            return True
         stats = self.co.members.islands.get(island)
-        if stats is not None and stats.state in ("training", "late", "starting"):
-            self.co.members.mark(island, "draining")
-            self.co.events.add("drain", island, policy=self.co.cfg.elastic.drain)
+        if stats is None or stats.state not in ("training", "late"):
+            return False
+        self.co.members.mark(island, "draining")
+        self.co.events.add("drain", island, policy=self.co.cfg.elastic.drain)
+        return True
 
     def _release(self, island: int, state: str) -> None:
         self.co.members.mark(island, state)

@@ -46,3 +46,17 @@ def test_async_survives_a_crashed_island(ray_local, tmp_path):
                        "task.kwargs.crash_after_batches=8"), show_progress=False)
     assert summary["islands"]["1"]["state"] == "dead"
     assert summary["tokens"] == 3 * 6 * 6  # the dead island's unfinished steps were redone by others
+
+
+@pytest.mark.parametrize("policy", ["reject", "downweight"])
+def test_staleness_policy_is_applied_and_counted(ray_local, tmp_path, policy):
+    summary = run(_cfg(tmp_path, "asynchronous.dylu=false", "asynchronous.max_staleness=1",
+                       f"asynchronous.stale_policy={policy}"), show_progress=False)
+    slow = summary["islands"]["2"]
+    assert slow["staleness_max"] >= 2
+    if policy == "reject":
+        assert slow["rejections"] >= 1 and slow["downweighted"] == 0
+        assert summary["tokens_applied"] < summary["tokens"]
+    else:
+        assert slow["downweighted"] >= 1 and slow["rejections"] == 0
+        assert summary["tokens_applied"] == summary["tokens"]

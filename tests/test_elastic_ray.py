@@ -87,10 +87,11 @@ def test_join_and_drain_on_request(ray_local, tmp_path):
     assert isl["3"]["rounds_contributed"] > 0
     kinds = [(e["kind"], e["island"]) for e in _events(tmp_path, "scale")]
     assert ("drain", 0) in kinds and ("released", 0) in kinds and ("join", 3) in kinds
+    assert ("requested", 4) not in kinds  # the drained island was not replaced: target 3 + 1 - 1
     assert box["summary"]["outer_steps"] == 40
 
 
-@pytest.mark.parametrize("mode", ["diloco", "async"])
+@pytest.mark.parametrize("mode", ["diloco", "async", "overlap"])
 def test_seeded_chaos_completes_close_to_the_fault_free_run(ray_local, tmp_path, mode):
     clean = run(_cfg(tmp_path, f"clean-{mode}", f"mode={mode}", "rounds=30"), show_progress=False)
     rng = random.Random(1234)
@@ -117,7 +118,7 @@ def test_seeded_chaos_completes_close_to_the_fault_free_run(ray_local, tmp_path,
     summary = box["summary"]
     versions = [r["version"] for r in _records(tmp_path, f"chaos-{mode}")]
     assert versions[-1] == summary["outer_steps"] and len(versions) == 30
-    if mode == "diloco":
+    if mode != "async":
         assert versions == list(range(1, 31))  # no lost outer version
     assert np.isfinite(summary["final_eval_loss"])
     assert summary["final_eval_loss"] <= clean["final_eval_loss"] * 1.25 + 0.02, (actions, summary["final_eval_loss"])
