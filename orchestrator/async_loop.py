@@ -43,6 +43,9 @@ def run_async(co: "Coordinator") -> None:
 
     def dispatch(i: int) -> None:
         nonlocal remaining
+        if not co.controls.boundary(co):
+            return
+        h_max = cfg.inner_steps  # may change between submissions
         h = speeds.steps(h_max)[i] if cfg.asynchronous.dylu else h_max
         h = min(h, remaining)
         if h <= 0:
@@ -86,7 +89,7 @@ def run_async(co: "Coordinator") -> None:
         co.free_overdue()
         busy = {f.island for f in inflight.values()}
         co.supervisor.tick(busy)
-        if not inflight and remaining > 0 and not co.members.schedulable():
+        if not inflight and remaining > 0 and not co.members.schedulable() and not co.controls.stopping.is_set():
             co.wait_for_islands(busy)
         for i in co.members.schedulable():
             if i not in busy:

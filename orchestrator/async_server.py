@@ -98,5 +98,12 @@ class AsyncServer:
         if self.guard is not None:
             self.guard.norms.extend(state["guard"])
 
+    def set_lr(self, lr: float) -> None:
+        if self.dn is not None:
+            self.dn.lr = lr
+        else:
+            for group in self.optimizer.param_groups:  # type: ignore[union-attr]
+                group["lr"] = lr
+
     def lr(self) -> float:
         return self.dn.lr if self.dn is not None else float(self.optimizer.param_groups[0]["lr"])  # type: ignore[union-attr]

@@ -18,6 +18,7 @@ import torch
 from orchestrator.aggregate import Contribution
 from orchestrator.async_server import AsyncServer
 from orchestrator.config import RunConfig
+from orchestrator.controls import OperatorControls, RunControls
 from orchestrator.events import EventLog
 from orchestrator import persist
 from orchestrator.launcher import IslandHandle, find_island, launch_island, release_island
@@ -39,7 +40,7 @@ class RunFailed(RuntimeError):
     """The run cannot continue (for example every island has died)."""
 
 
-class Coordinator:
+class Coordinator(OperatorControls):
     def __init__(self, cfg: RunConfig, run_id: str = "local") -> None:
         """Builds the global model; if a checkpoint of this `run_id` exists (Ray restarted
         this actor, or the user resumed the run) continues from it."""
@@ -77,6 +78,7 @@ class Coordinator:
         self.rounds_done = self.completed_steps = 0
         self.train_elapsed = 0.0
         self.supervisor = Supervisor(self, cfg.islands.count)
+        self.controls = RunControls()
         state = persist.find(cfg.checkpoint_dir, run_id) if cfg.checkpoint.every_rounds else None
         self.resumed = state is not None
         if state is not None:
@@ -190,15 +192,6 @@ class Coordinator:
                 raise self.no_island_left()
             time.sleep(0.05)
 
-    # -- thread-safe controls (control plane, tests) -------------------------------------
-    def set_target(self, n: int) -> int:
-        return self.supervisor.set_target(n)
-
-    def add_islands(self, n: int) -> int:
-        return self.supervisor.set_target(self.supervisor.target + n)
-
-    def drain_island(self, island: int) -> None:
-        self.supervisor.drain(island)
 
     def count_result(self, r: RoundResult, applied: bool, reason: str | None) -> None:
         stats = self.members.islands[r.island]
@@ -225,8 +218,10 @@ class Coordinator:
             f"island {i}: {s.state} ({s.error})" for i, s in self.members.islands.items()))
 
     # -- the synchronous loop (diloco, ddp) ---------------------------------------------
-    def _sync_dispatch(self) -> dict[ray.ObjectRef, int]:
-        """Hand every schedulable island its work for the current version."""
+    def _sync_dispatch(self) -> dict[ray.ObjectRef, int] | None:
+        """Hand every schedulable island its work for the current version (None: stopping)."""
+        if not self.controls.boundary(self):
+            return None
         self.free_overdue()
         self.supervisor.tick(set(self.overdue))
         if not self.members.schedulable():
@@ -262,23 +257,24 @@ class Coordinator:
     def _run_sync(self) -> None:
         """Rounds of diloco (one outer step each) or ddp (inner_steps optimizer steps each).
         The next step is dispatched before a round's record is closed, so evaluation runs
-        while the islands train instead of between rounds."""
-        steps_per_round = self.cfg.inner_steps if self.cfg.mode == "ddp" else 1
-        total = (self.cfg.rounds - self.rounds_done) * steps_per_round
+        while the islands train instead of between rounds. A stop ends after the round."""
         calls = self._sync_dispatch()
-        step = 0
         for rnd in range(self.rounds_done + 1, self.cfg.rounds + 1):
+            if calls is None:
+                break
             t_round, tokens_before = time.perf_counter(), self.tokens
             losses: dict[int, list[float]] = {}
             outcomes = []
-            for _ in range(steps_per_round):
+            steps = self.cfg.inner_steps if self.cfg.mode == "ddp" else 1
+            for j in range(steps):
                 results, outcome = self._sync_collect(calls)
-                step += 1
-                if step < total:
-                    calls = self._sync_dispatch()
+                last = rnd == self.cfg.rounds and j == steps - 1
+                calls = None if last else self._sync_dispatch()
                 outcomes.append(outcome)
                 for r in results:
                     losses.setdefault(r.island, []).append(r.mean_loss)
+                if calls is None:
+                    break
             self.close_record(rnd, t_round, tokens_before, {i: sum(v) / len(v) for i, v in losses.items()}, {
                 "contributed": sorted({i for o in outcomes for i in o.accepted}),
                 "rejected": {str(i): why for o in outcomes for i, why in o.rejected.items()},
@@ -338,9 +334,14 @@ class Coordinator:
             run_overlap(self)
         else:
             self._run_sync()
+        if self.controls.stopping.is_set():  # stopped early: final eval and checkpoint of where it stands
+            self.last_eval = self.evaluate()
+            if self.cfg.checkpoint.every_rounds:
+                persist.save(self, time.perf_counter() - self.t_train)
+            self.events.add("stopped", version=self.server.version, rounds_done=self.rounds_done)
         summary = self._summary()
         self.recorder.finish(summary, self.model)
-        self._update_snapshot(self.cfg.rounds, "finished")
+        self._update_snapshot(self.rounds_done, "stopped" if self.controls.stopping.is_set() else "finished")
         for i in list(self.handles):
             release_island(self.handles.pop(i))
         return summary

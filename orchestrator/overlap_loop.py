@@ -34,7 +34,7 @@ def run_overlap(co: "Coordinator") -> None:
 
     def dispatch(i: int) -> None:
         t = next_round[i]
-        if t > cfg.rounds:
+        if t > cfg.rounds or not co.controls.boundary(co):
             return
         s = start_version(t, server.base)
         if server.version < s:
@@ -63,6 +63,8 @@ def run_overlap(co: "Coordinator") -> None:
     while server.version < cfg.rounds:
         t = server.version + 1
         done = results.setdefault(t, [])
+        if co.controls.stopping.is_set() and not inflight and not (expected.get(t) and expected[t] <= {r.island for r in done}):
+            break
         busy = {isl for isl, _ in inflight.values()}
         co.supervisor.tick(busy)
         if not expected.get(t) and not done:

@@ -70,6 +70,9 @@ class OverlapServer:
         out.version = self.version
         return out
 
+    def set_lr(self, lr: float) -> None:
+        self.co2.lr = lr
+
     def lr(self) -> float:
         return self.co2.lr
 

@@ -79,6 +79,13 @@ class SyncServer:
             self.scheduler.step()
         self.param.grad = None
 
+    def set_lr(self, lr: float) -> None:
+        """Change the outer learning rate (diloco; in ddp the schedule owns the lr)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.scheduler is not None:
+            self.scheduler.base_lrs = [lr for _ in self.scheduler.base_lrs]
+
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 

@@ -1,0 +1,56 @@
+"""Operator controls on a running job: settings at round boundaries, pause/resume, stop."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import ray
+
+from orchestrator.config_load import load_config
+from orchestrator.launcher import NAMESPACE
+from orchestrator.run import run
+
+pytestmark = pytest.mark.ray
+
+
+def _lines(path):
+    return path.read_text().splitlines() if path.exists() else []
+
+
+@pytest.mark.parametrize("mode", ["diloco", "async"])
+def test_settings_pause_resume_and_stop(ray_local, tmp_path, mode):
+    cfg = load_config(None, ["task.factory=tests.toy_tasks:make_quadratic", "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0]]",
+                             "task.kwargs.batch_s=0.03", "islands.count=2", "inner.optimizer=sgd", "inner.lr=0.1",
+                             "inner.warmup_steps=0", "inner_steps=4", "rounds=200", "checkpoint.every_rounds=10",
+                             f"mode={mode}", f"out_dir={tmp_path / 'out'}"])
+    box = {}
+    run_id = f"controls{mode}"
+    thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id=run_id)))
+    thread.start()
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    while len(_lines(metrics)) < 2:
+        time.sleep(0.05)
+    co = ray.get_actor(f"archipelago-{run_id}-coordinator", namespace=NAMESPACE)
+    with pytest.raises(ray.exceptions.RayTaskError, match="inner_steps"):
+        ray.get(co.update_settings.remote({"inner_steps": 0}))
+    assert ray.get(co.update_settings.remote({"inner_steps": 2, "outer_lr": 0.5})) == {"inner_steps": 2, "outer_lr": 0.5}
+    ray.get(co.pause.remote())
+    time.sleep(1.0)
+    frozen = len(_lines(metrics))
+    time.sleep(1.0)
+    assert len(_lines(metrics)) <= frozen + 1 and ray.get(co.status.remote())["paused"]
+    ray.get(co.resume.remote())
+    while len(_lines(metrics)) < frozen + 3:
+        time.sleep(0.05)
+    status = ray.get(co.status.remote())
+    assert status["inner_steps"] == 2 and status["outer_lr"] == 0.5
+    ray.get(co.stop.remote())
+    thread.join(timeout=60)
+    summary = box["summary"]
+    assert summary["outer_steps"] < 200 * (2 if mode == "async" else 1)
+    kinds = [json.loads(line)["kind"] for line in _lines(tmp_path / "out" / "events.jsonl")]
+    for kind in ("settings", "paused", "resumed", "stop_requested", "stopped"):
+        assert kind in kinds
+    assert (tmp_path / "out" / "checkpoint" / "state.pt").exists() and (tmp_path / "out" / "final.pt").exists()
