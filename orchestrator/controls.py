@@ -101,3 +101,7 @@ class OperatorControls:
 
     def events_since(self, index: int = 0) -> list[dict[str, Any]]:
         return self.events.recent[index:]
+
+    def history(self, since: int = 0) -> list[dict[str, Any]]:
+        """metrics.jsonl records from round `since` on (for charts)."""
+        return [r for r in self.recorder.history if r["round"] > since]

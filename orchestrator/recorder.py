@@ -31,9 +31,12 @@ class Recorder:
             kept = path.read_text().splitlines()[:keep_records]
             _atomic_write(path, "".join(line + "\n" for line in kept))
         self._metrics = open(path, "a" if keep_records is not None else "w", buffering=1)
+        self.history: list[dict[str, Any]] = [json.loads(line) for line in path.read_text().splitlines()] \
+            if keep_records is not None else []
 
     def record(self, entry: dict[str, Any]) -> None:
         self._metrics.write(json.dumps(entry) + "\n")
+        self.history.append(entry)
 
     def finish(self, summary: dict[str, Any], model: torch.nn.Module) -> None:
         state = {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}

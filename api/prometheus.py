@@ -1,0 +1,55 @@
+"""The run's metrics in the Prometheus text exposition format (version 0.0.4), built
+from the handle's status and islands, so `/metrics` works without Ray's metrics agent."""
+from __future__ import annotations
+
+from typing import Any
+
+RUN_GAUGES = [  # (metric, status key, help, type)
+    ("archipelago_version", "version", "Global model version (outer steps applied)", "gauge"),
+    ("archipelago_round", "round", "Rounds completed", "gauge"),
+    ("archipelago_eval_loss", "eval_loss", "Latest eval loss of the global model", "gauge"),
+    ("archipelago_tokens_total", "tokens", "Tokens trained by all islands", "counter"),
+    ("archipelago_bytes_total", "bytes_communicated", "Bytes sent plus received by all islands", "counter"),
+    ("archipelago_tokens_per_second", "tokens_per_s", "Training throughput", "gauge"),
+    ("archipelago_islands_alive", "islands_alive", "Islands alive", "gauge"),
+    ("archipelago_islands_target", "target_islands", "Target island count", "gauge"),
+]
+ISLAND_GAUGES = [
+    ("archipelago_island_staleness", "staleness_last", "Staleness of the island's latest submission", "gauge"),
+    ("archipelago_island_staleness_max", "staleness_max", "Largest staleness of the island", "gauge"),
+    ("archipelago_island_train_loss", "last_train_loss", "Island's latest mean train loss", "gauge"),
+    ("archipelago_island_tokens_total", "tokens", "Tokens the island trained", "counter"),
+    ("archipelago_island_bytes_sent_total", "bytes_sent", "Bytes the island sent", "counter"),
+    ("archipelago_island_rejections_total", "rejections", "Island submissions rejected", "counter"),
+    ("archipelago_island_inner_steps", "inner_steps", "H of the island's latest round", "gauge"),
+    ("archipelago_island_steps_per_second", "steps_per_s", "Measured inner steps per second", "gauge"),
+    ("archipelago_island_compute_seconds_total", "compute_s", "Seconds the island spent computing", "counter"),
+]
+
+
+def _label(value: Any) -> str:
+    """Escape a label value as the exposition format requires (backslash, newline, quote)."""
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value: Any) -> str | None:
+    if value is None or isinstance(value, bool):
+        return None if value is None else str(int(value))
+    return repr(float(value))
+
+
+def render(status: dict[str, Any], islands: dict[str, dict[str, Any]]) -> str:
+    run = _label(status.get("run_id", ""))
+    lines: list[str] = []
+    for name, key, help_text, kind in RUN_GAUGES:
+        value = _number(status.get(key))
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        if value is not None:
+            lines.append(f'{name}{{run_id="{run}"}} {value}')
+    for name, key, help_text, kind in ISLAND_GAUGES:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        for island, stats in sorted(islands.items(), key=lambda kv: int(kv[0])):
+            value = _number(stats.get(key))
+            if value is not None:
+                lines.append(f'{name}{{run_id="{run}",island="{_label(island)}",state="{_label(stats.get("state"))}"}} {value}')
+    return "\n".join(lines) + "\n"

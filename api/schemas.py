@@ -1,0 +1,26 @@
+"""Request bodies of the control-plane API (validated; unknown fields rejected)."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AddIslands(_Body):
+    count: int = Field(1, ge=1, le=64, description="islands to add", examples=[2])
+
+
+class Target(_Body):
+    target: int = Field(..., ge=0, le=1024, description="desired number of islands (idempotent)", examples=[4])
+
+
+class Settings(_Body):
+    inner_steps: int | None = Field(None, ge=1, le=100_000, description="H from the next round on", examples=[100])
+    outer_lr: float | None = Field(None, gt=0, le=100, description="outer learning rate", examples=[0.5])
+
+
+class Accepted(BaseModel):
+    accepted: bool = True
+    detail: dict = Field(default_factory=dict)

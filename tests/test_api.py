@@ -1,0 +1,102 @@
+"""The control-plane API over real HTTP (uvicorn + httpx), against an in-process run."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from api.app import create_app
+from tests.fake_handle import FakeRun
+from tests.http_server import serving
+
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def api():
+    run = FakeRun()
+    with serving(create_app(run, TOKEN)) as url:
+        with httpx.Client(base_url=url, timeout=10) as client:
+            yield client, run
+
+
+def test_read_endpoints(api):
+    client, _ = api
+    status = client.get("/v1/run").json()
+    assert status["mode"] == "diloco" and status["version"] == 3
+    islands = client.get("/v1/islands").json()
+    assert [i["id"] for i in islands] == [0, 1, 2] and islands[2]["staleness_max"] == 4
+    assert [r["round"] for r in client.get("/v1/run/history", params={"since": 1}).json()] == [2, 3]
+    spec = client.get("/openapi.json").json()
+    assert "/v1/islands/target" in spec["paths"] and "/v1/run/settings" in spec["paths"]
+
+
+def test_mutations_need_the_token(api):
+    client, run = api
+    assert client.post("/v1/islands", json={"count": 1}).status_code == 401
+    wrong = client.post("/v1/islands", json={"count": 1}, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 403 and run.target == 3
+    ok = client.post("/v1/islands", json={"count": 2}, headers=AUTH)
+    assert ok.status_code == 202 and ok.json()["detail"]["target"] == 5 and run.target == 5
+
+
+def test_scaling_is_idempotent_and_bounded(api):
+    client, run = api
+    for _ in range(2):
+        r = client.put("/v1/islands/target", json={"target": 4}, headers=AUTH)
+        assert r.status_code == 202 and run.target == 4
+    r = client.put("/v1/islands/target", json={"target": 9}, headers=AUTH)
+    assert r.status_code == 422 and "outside" in r.json()["detail"] and run.target == 4
+
+
+@pytest.mark.parametrize("method, path, body, status", [
+    ("post", "/v1/islands", {"count": 0}, 422),
+    ("post", "/v1/islands", {"count": "many"}, 422),
+    ("post", "/v1/islands", {"count": 1, "gpus": 8}, 422),
+    ("put", "/v1/islands/target", {}, 422),
+    ("delete", "/v1/islands/42", None, 404),
+    ("delete", "/v1/islands/-1", None, 422),
+    ("post", "/v1/run/explode", None, 404),
+    ("patch", "/v1/run/settings", {}, 422),
+    ("patch", "/v1/run/settings", {"inner_steps": 0}, 422),
+    ("patch", "/v1/run/settings", {"outer_lr": -1}, 422),
+    ("patch", "/v1/run/settings", {"learning_rate": 1}, 422),
+])
+def test_bad_requests_get_4xx_with_a_reason_and_change_nothing(api, method, path, body, status):
+    client, run = api
+    before = (run.target, dict(run.settings), {k: v["state"] for k, v in run.isl.items()})
+    kwargs = {"headers": AUTH} | ({"json": body} if body is not None else {})
+    r = getattr(client, method)(path, **kwargs)
+    assert r.status_code == status and r.json()["detail"]
+    assert (run.target, run.settings, {k: v["state"] for k, v in run.isl.items()}) == before
+
+
+def test_controls_and_settings(api):
+    client, run = api
+    assert client.post("/v1/run/pause", headers=AUTH).status_code == 202 and run.paused
+    assert client.get("/v1/run").json()["state"] == "paused"
+    assert client.post("/v1/run/resume", headers=AUTH).status_code == 202 and not run.paused
+    r = client.patch("/v1/run/settings", json={"inner_steps": 100}, headers=AUTH)
+    assert r.status_code == 202 and run.settings["inner_steps"] == 100
+    assert client.delete("/v1/islands/1", headers=AUTH).status_code == 202 and run.isl["1"]["state"] == "draining"
+    assert client.post("/v1/run/stop", headers=AUTH).status_code == 202 and run.stopped
+
+
+def test_prometheus_text_format(api):
+    client, _ = api
+    r = client.get("/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    staleness = families["archipelago_island_staleness"]
+    assert {s.labels["island"]: s.value for s in staleness.samples} == {"0": 0.0, "1": 1.0, "2": 2.0}
+    assert families["archipelago_eval_loss"].samples[0].value == 2.25
+    assert families["archipelago_tokens"].type == "counter"
+
+
+def test_mutations_refused_without_a_configured_token():
+    run = FakeRun()
+    with serving(create_app(run, None)) as url:
+        r = httpx.post(f"{url}/v1/run/stop", headers={"Authorization": "Bearer anything"})
+    assert r.status_code == 403 and "no API token" in r.json()["detail"] and not run.stopped
