@@ -25,6 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
     cfg_sub = cfg_p.add_subparsers(dest="config_command", required=True)
     show = cfg_sub.add_parser("show", help="print the resolved config as YAML")
     _config_args(show)
+    serve = sub.add_parser("serve", help="serve the control plane (API + dashboard) of a running job")
+    serve.add_argument("--run-id", help="the job's run id (default: the only running job)")
+    serve.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS or auto)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8600)
     bench = sub.add_parser("bench", help="run a benchmark scenario; writes DIR/<scenario>.json, .png, .md")
     bench.add_argument("scenario", help="quality (more plug into orchestrator/bench/registry.py)")
     bench.add_argument("--quick", action="store_true", help="smaller budget (minutes)")
@@ -47,10 +52,32 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import ray
+    import uvicorn
+
+    from api.app import create_app
+    from api.auth import configured_token
+    from api.handle import RayRunHandle, find_run
+
+    ray.init(address=args.address or "auto", log_to_driver=False)
+    try:
+        run_id = find_run(args.run_id)
+    except LookupError as err:
+        print(f"archipelago: {err}", file=sys.stderr)
+        return 2
+    print(f"control plane of run {run_id}: http://{args.host}:{args.port}/", flush=True)
+    uvicorn.run(create_app(RayRunHandle(run_id), configured_token()), host=args.host, port=args.port,
+                log_level="warning")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "serve":
+        return _serve(args)
     overrides = list(args.overrides)
     resume = getattr(args, "resume", None)
     if resume:  # the run's own resolved config, pointed at where it now lives

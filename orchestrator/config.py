@@ -116,6 +116,14 @@ class ElasticConfig(_Strict):
     placement_timeout_s: float = Field(600.0, gt=0, description="give up on a requested island after this long")
 
 
+class ApiConfig(_Strict):
+    """The control plane served with the run (see the README's control-plane section)."""
+
+    enabled: bool = False
+    host: str = Field("127.0.0.1", description="0.0.0.0 to expose it (on KubeRay: through the head Service)")
+    port: int = Field(8600, ge=1, le=65535)
+
+
 class TaskSpec(_Strict):
     """The user's model and data: an import path `module:factory` and its keyword arguments."""
 
@@ -152,6 +160,7 @@ class RunConfig(_Strict):
     robust: RobustConfig = Field(default_factory=RobustConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = Field(default_factory=ElasticConfig)
+    api: ApiConfig = Field(default_factory=ApiConfig)
     task: TaskSpec = Field(default_factory=TaskSpec)
     ray: RayConfig = Field(default_factory=RayConfig)
 

@@ -47,6 +47,23 @@ def start_coordinator(cfg: RunConfig, run_id: str) -> Any:
     ).remote(cfg, run_id)
 
 
+def start_control_plane(cfg: RunConfig, run_id: str) -> Any:
+    """The API/dashboard actor, on this node, serving `cfg.api.host:port`."""
+    from api.auth import configured_token
+    from api.server import ControlPlane
+
+    node_id = ray.get_runtime_context().get_node_id()
+    token = configured_token()  # the driver's token reaches the actor even if Ray started without it
+    env = {"env_vars": {"ARCHIPELAGO_API_TOKEN": token}} if token else None
+    actor = ray.remote(ControlPlane).options(
+        name=f"archipelago-{run_id}-api", namespace=NAMESPACE, num_cpus=0, runtime_env=env,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(run_id, cfg.api.host, cfg.api.port)
+    print(f"control plane: {ray.get(actor.address.remote())}  (dashboard at /, API at /v1, docs at /docs)",
+          flush=True)
+    return actor
+
+
 def _poll(coordinator: Any, printer: ProgressPrinter | None) -> None:
     try:
         progress = ray.get(coordinator.progress.remote(), timeout=10)
@@ -64,9 +81,12 @@ def run(cfg: RunConfig, poll_s: float = 0.5, show_progress: bool = True, run_id:
     run_id = run_id or uuid.uuid4().hex[:12]
     started = init_ray(cfg)
     printer = ProgressPrinter() if show_progress else None
-    coordinator = None
+    coordinator = control_plane = None
     try:
         coordinator = start_coordinator(cfg, run_id)
+        if cfg.api.enabled:
+            ray.get(coordinator.progress.remote())  # the API resolves the coordinator by name
+            control_plane = start_control_plane(cfg, run_id)
         restarts = 0
         while True:
             done = coordinator.run.remote()
@@ -87,8 +107,9 @@ def run(cfg: RunConfig, poll_s: float = 0.5, show_progress: bool = True, run_id:
             printer.close()
         return summary
     finally:
-        if coordinator is not None:
-            ray.kill(coordinator, no_restart=True)
+        for actor in (control_plane, coordinator):
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
         release_run(run_id)
         if started:
             ray.shutdown()

@@ -1,0 +1,51 @@
+"""The control plane served with a real run on local Ray, over HTTP."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from orchestrator.config_load import load_config
+from orchestrator.run import run
+from tests.http_server import free_port
+
+pytestmark = pytest.mark.ray
+
+
+def test_control_plane_watches_and_scales_a_live_run(ray_local, tmp_path, monkeypatch):
+    monkeypatch.setenv("ARCHIPELAGO_API_TOKEN", "tok")
+    port = free_port()
+    cfg = load_config(None, ["task.factory=tests.toy_tasks:make_quadratic", "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0]]",
+                             "task.kwargs.batch_s=0.03", "islands.count=2", "islands.cpus=0.5", "inner.optimizer=sgd",
+                             "inner.lr=0.1", "inner.warmup_steps=0", "inner_steps=4", "rounds=300",
+                             "api.enabled=true", f"api.port={port}", f"out_dir={tmp_path / 'out'}"])
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id="apitest")))
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    client = httpx.Client(base_url=url, timeout=10)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if client.get("/v1/run").json().get("round", 0) >= 2:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    status = client.get("/v1/run").json()
+    assert status["run_id"] == "apitest" and status["mode"] == "diloco" and status["target_islands"] == 2
+    assert client.post("/v1/islands", json={"count": 1}).status_code == 401
+    r = client.post("/v1/islands", json={"count": 1}, headers={"Authorization": "Bearer tok"})
+    assert r.status_code == 202 and r.json()["detail"]["target"] == 3
+    bad = client.put("/v1/islands/target", json={"target": 500}, headers={"Authorization": "Bearer tok"})
+    assert bad.status_code == 422 and "outside" in bad.json()["detail"]
+    while time.time() < deadline and len(client.get("/v1/islands").json()) < 3:
+        time.sleep(0.2)
+    assert {i["id"] for i in client.get("/v1/islands").json()} == {0, 1, 2}
+    assert 'archipelago_island_staleness{run_id="apitest",island="2"' in client.get("/metrics").text
+    assert any(e["kind"] == "join" and e["island"] == 2 for e in client.get("/v1/events").json())
+    assert client.post("/v1/run/stop", headers={"Authorization": "Bearer tok"}).status_code == 202
+    thread.join(timeout=60)
+    assert box["summary"]["outer_steps"] < 300
