@@ -79,6 +79,7 @@ class Coordinator(OperatorControls):
         self.train_elapsed = 0.0
         self.supervisor = Supervisor(self, cfg.islands.count)
         self.controls = RunControls()
+        self.metrics = None  # RayMetrics, created in run() (inside the actor, where Ray is up)
         state = persist.find(cfg.checkpoint_dir, run_id) if cfg.checkpoint.every_rounds else None
         self.resumed = state is not None
         if state is not None:
@@ -317,8 +318,13 @@ class Coordinator(OperatorControls):
             persist.save(self, now - self.t_train)
             self.events.add("checkpoint", version=self.server.version, round=rnd)
         self._update_snapshot(rnd, "training")
+        if self.metrics is not None:
+            self.metrics.publish(self.status(), self.members.summary())
 
     def run(self) -> dict[str, Any]:
+        from orchestrator.ray_metrics import RayMetrics
+
+        self.metrics = RayMetrics(self.run_id)
         self._launch()
         self.t_train = time.perf_counter() - self.train_elapsed  # training time continues across restarts
         if not self.resumed:
