@@ -97,7 +97,10 @@ class OperatorControls:
                 "stopping": self.controls.stopping.is_set()}
 
     def islands(self) -> dict[str, dict[str, Any]]:
-        return self.members.summary()
+        from orchestrator.launcher import bundle
+
+        resources = bundle(self.cfg)
+        return {i: {**s, "resources": resources} for i, s in self.members.summary().items()}
 
     def events_since(self, index: int = 0) -> list[dict[str, Any]]:
         return self.events.recent[index:]

@@ -45,13 +45,18 @@ def island_spec(cfg: RunConfig, index: int, start_step: int = 0) -> IslandSpec:
                       rewarmup_steps=cfg.elastic.join_rewarmup_steps if start_step else 0)
 
 
-def request_group(cfg: RunConfig, index: int, run_id: str) -> PlacementGroup:
-    """Ask for an island's resources (one bundle: its CPUs and accelerators); returns at once.
-    On an autoscaling cluster a pending group is what makes the autoscaler add a node."""
-    bundle = {"CPU": cfg.islands.cpus}
+def bundle(cfg: RunConfig) -> dict[str, float]:
+    """One island's resources: its CPUs and accelerators."""
+    out = {"CPU": cfg.islands.cpus}
     if cfg.islands.gpus:
-        bundle["GPU"] = cfg.islands.gpus
-    return placement_group([bundle], strategy="STRICT_PACK", name=island_name(run_id, index), lifetime="detached")
+        out["GPU"] = cfg.islands.gpus
+    return out
+
+
+def request_group(cfg: RunConfig, index: int, run_id: str) -> PlacementGroup:
+    """Ask for an island's resources (one bundle); returns at once. On an autoscaling
+    cluster a pending group is what makes the autoscaler add a node."""
+    return placement_group([bundle(cfg)], strategy="STRICT_PACK", name=island_name(run_id, index), lifetime="detached")
 
 
 def start_island(cfg: RunConfig, index: int, run_id: str, group: PlacementGroup, start_step: int = 0) -> IslandHandle:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from orchestrator.launcher import IslandHandle, release_island, request_group, start_island
+from orchestrator.launcher import IslandHandle, bundle, release_island, request_group, start_island
 
 if TYPE_CHECKING:
     from orchestrator.coordinator import Coordinator
@@ -44,6 +44,7 @@ class Supervisor:
         self.target = target
         self.requests: queue.Queue = queue.Queue()
         self.pending: dict[int, _Pending] = {}
+        self.requested_target: int | None = None
 
     # -- thread-safe requests ----------------------------------------------------------
     def set_target(self, n: int) -> int:
@@ -73,6 +74,7 @@ class Supervisor:
                 self.co.events.add("target", None, target=value)
             elif kind == "drain" and self._start_drain(value):
                 self.target = max(0, self.target - 1)  # a drained island is not replaced
+        self._request_resources()
         surplus = len(self.live()) + len(self.pending) - self.target
         for i in sorted(self.live(), reverse=True)[:max(0, surplus)]:
             self._start_drain(i)
@@ -82,6 +84,17 @@ class Supervisor:
         for i, s in list(self.co.members.islands.items()):
             if s.state == "draining" and (i not in busy or self.co.cfg.elastic.drain == "abandon"):
                 self._release(i, "drained")
+
+    def _request_resources(self) -> None:
+        """Tell the (KubeRay) autoscaler which island bundles the run wants, so it adds nodes
+        on scale-up and, once the request is lowered, removes idle nodes on scale-down."""
+        if self.requested_target == self.target:
+            return
+        from ray.autoscaler.sdk import request_resources
+
+        request_resources(bundles=[bundle(self.co.cfg)] * self.target)
+        self.requested_target = self.target
+        self.co.events.add("resources_requested", None, bundles=self.target, bundle=bundle(self.co.cfg))
 
     def _start_drain(self, island: int) -> bool:
         """Start draining (or cancel a join); False if the island is already gone."""

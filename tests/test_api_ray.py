@@ -45,7 +45,10 @@ def test_control_plane_watches_and_scales_a_live_run(ray_local, tmp_path, monkey
         time.sleep(0.2)
     assert {i["id"] for i in client.get("/v1/islands").json()} == {0, 1, 2}
     assert 'archipelago_island_staleness{run_id="apitest",island="2"' in client.get("/metrics").text
-    assert any(e["kind"] == "join" and e["island"] == 2 for e in client.get("/v1/events").json())
+    events = client.get("/v1/events").json()
+    assert any(e["kind"] == "join" and e["island"] == 2 for e in events)
+    assert [e["bundles"] for e in events if e["kind"] == "resources_requested"] == [2, 3]
+    assert client.get("/v1/islands").json()[0]["resources"] == {"CPU": 0.5}
     assert client.post("/v1/run/stop", headers={"Authorization": "Bearer tok"}).status_code == 202
     thread.join(timeout=60)
     assert box["summary"]["outer_steps"] < 300

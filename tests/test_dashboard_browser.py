@@ -1,0 +1,40 @@
+"""The dashboard page in a real headless Chromium: it renders the islands table, the loss
+chart and one staleness series per island, and refreshes by itself."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from api.app import create_app
+from tests.fake_handle import FakeRun
+from tests.http_server import serving
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt-get install chromium)")
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def _chromium(url: str, tmp_path, *extra: str) -> str:
+    out = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=6000",
+                          *extra, url], capture_output=True, text=True, timeout=90)
+    return out.stdout
+
+
+def test_dashboard_renders_live_data(tmp_path):
+    run = FakeRun(islands=3)
+    with serving(create_app(run, None)) as url:
+        dom = _chromium(url + "/", tmp_path, "--dump-dom")
+        _chromium(url + "/", tmp_path, f"--screenshot={tmp_path / 'dashboard.png'}", "--window-size=1100,800")
+    assert "mode diloco" in dom and "round 3/10" in dom and "eval loss 2.2500" in dom
+    assert sorted(re.findall(r'data-island="(\d+)"', dom)) == ["0", "1", "2"]
+    assert len(re.findall(r'class="series" data-series="eval"', dom)) == 1
+    staleness_series = re.findall(r'class="series" data-series="(\d+)"', dom)
+    assert sorted(set(staleness_series)) == ["0", "1", "2"]
+    # the page refreshed several times within the virtual time budget: the staleness paths have several points
+    path = re.search(r'data-series="2" d="([^"]+)"', dom).group(1)
+    assert path.count("L") >= 2
+    assert (tmp_path / "dashboard.png").stat().st_size > 10_000
