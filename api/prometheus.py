@@ -13,6 +13,7 @@ RUN_GAUGES = [  # (metric, status key, help, type)
     ("archipelago_tokens_per_second", "tokens_per_s", "Training throughput", "gauge"),
     ("archipelago_islands_alive", "islands_alive", "Islands alive", "gauge"),
     ("archipelago_islands_target", "target_islands", "Target island count", "gauge"),
+    ("archipelago_round_seconds", "round_seconds", "Duration of the latest round", "gauge"),
 ]
 ISLAND_GAUGES = [
     ("archipelago_island_staleness", "staleness_last", "Staleness of the island's latest submission", "gauge"),
@@ -24,6 +25,9 @@ ISLAND_GAUGES = [
     ("archipelago_island_inner_steps", "inner_steps", "H of the island's latest round", "gauge"),
     ("archipelago_island_steps_per_second", "steps_per_s", "Measured inner steps per second", "gauge"),
     ("archipelago_island_compute_seconds_total", "compute_s", "Seconds the island spent computing", "counter"),
+    ("archipelago_island_tokens_per_second", "tokens_per_s", "Island tokens per second of compute", "gauge"),
+    ("archipelago_island_last_contribution_timestamp_seconds", "last_contribution",
+     "Unix time of the island's last applied update", "gauge"),
 ]
 
 

@@ -50,7 +50,10 @@ def run_async(co: "Coordinator") -> None:
         h = min(h, remaining)
         if h <= 0:
             return
-        download_s, shards = co.count_dispatch(i)
+        sent = co.count_dispatch(i)
+        if sent is None:
+            return  # more islands than data shards: this one idles
+        download_s, shards = sent
         progress = co.completed_steps // k  # the run's position in each island's lr schedule
         ref = co.handles[i].actor.run_round.remote(server.version, co.params_ref(), h, download_s, shards, progress)
         inflight[ref] = _Flight(i, server.version, h)

@@ -146,7 +146,7 @@ class RunConfig(_Strict):
     rounds: int = Field(12, ge=1, description="outer rounds (ddp: rounds x inner_steps optimizer steps)")
     inner_steps: int = Field(30, ge=1, description="H, inner steps per round")
     seed: int = 0
-    data_shards: int | None = Field(None, ge=1, description="data shards islands own (default: one per initial island)")
+    data_shards: int | None = Field(None, ge=1, description="data shards islands own (default: 4 per initial island)")
     eval_every: int = Field(1, ge=1, description="evaluate the global model every N rounds")
     round_timeout_s: float = Field(600.0, gt=0, description="a round closes without islands later than this")
     out_dir: str = "runs/latest"
@@ -179,7 +179,7 @@ class RunConfig(_Strict):
 
     @property
     def num_shards(self) -> int:
-        return self.data_shards or self.islands.count
+        return self.data_shards or 4 * self.islands.count
 
     def island_link(self, index: int) -> LinkConfig:
         return self.islands.links[index] if self.islands.links else self.link

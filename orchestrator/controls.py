@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from orchestrator.membership import IslandStats
+
 if TYPE_CHECKING:
     from orchestrator.coordinator import Coordinator
 
@@ -100,7 +102,10 @@ class OperatorControls:
         from orchestrator.launcher import bundle
 
         resources = bundle(self.cfg)
-        return {i: {**s, "resources": resources} for i, s in self.members.summary().items()}
+        out = {i: {**s, "resources": resources} for i, s in self.members.summary().items()}
+        for i in self.supervisor.pending:  # requested, waiting for resources or starting up
+            out[str(i)] = {**IslandStats(index=i).as_dict(), "state": "starting", "resources": resources}
+        return out
 
     def events_since(self, index: int = 0) -> list[dict[str, Any]]:
         return self.events.recent[index:]

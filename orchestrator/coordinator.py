@@ -164,12 +164,15 @@ class Coordinator(OperatorControls):
     def params_nbytes(self) -> int:
         return self.server.numel * self.flat.data.element_size()
 
-    def count_dispatch(self, island: int) -> tuple[float, dict[int, int]]:
+    def count_dispatch(self, island: int) -> tuple[float, dict[int, int]] | None:
         """Account for sending the global parameters to `island`; returns the simulated
-        seconds the download takes on its link and the island's data shards {shard: start}."""
+        seconds the download takes on its link and the island's data shards {shard: start},
+        or None when there are more islands than shards and this one has no data (it idles)."""
+        assignment = self.shards.assignment(island, self.members.schedulable())
+        if not assignment:
+            return None
         self.members.islands[island].bytes_received += self.params_nbytes
         self.bytes_received += self.params_nbytes
-        assignment = self.shards.assignment(island, self.members.schedulable())
         return self.cfg.island_link(island).seconds(self.params_nbytes), assignment
 
     def delivered_at(self, r: RoundResult) -> float:
@@ -206,6 +209,7 @@ class Coordinator(OperatorControls):
         self.shards.commit(r.positions, r.shard_tokens)
         if applied:
             stats.rounds_contributed += 1
+            stats.last_contribution = time.time()
             self.tokens_applied += r.weight
         elif reason is not None:
             stats.rejections += 1
@@ -231,7 +235,10 @@ class Coordinator(OperatorControls):
         calls = {}
         for i in self.members.schedulable():
             actor = self.handles[i].actor
-            download_s, shards = self.count_dispatch(i)
+            sent = self.count_dispatch(i)
+            if sent is None:
+                continue  # more islands than data shards: this one idles
+            download_s, shards = sent
             if self.cfg.mode == "ddp":
                 calls[actor.gradient.remote(version, params_ref, download_s, shards)] = i
             else:
@@ -360,6 +367,7 @@ class Coordinator(OperatorControls):
             "tokens_per_s": self.tokens / max(1e-9, now - self.t_train),
             "bytes_communicated": self.bytes_sent + self.bytes_received,
             "islands_alive": len(self.members.alive()), "wall_seconds": now - self.t0,
+            "round_seconds": self.recorder.history[-1]["round_seconds"] if self.recorder.history else None,
         }
 
     def _summary(self) -> dict[str, Any]:

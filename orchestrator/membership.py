@@ -30,6 +30,7 @@ class IslandStats:
     late_results: int = 0
     error: str | None = None
     joined_version: int = 0           # global version when it joined (0: from the start)
+    last_contribution: float | None = None  # wall-clock time of its last applied update
     inner_steps: int = 0              # H of its latest round (DyLU changes it in async mode)
     steps_per_s: float = 0.0          # measured (smoothed) inner steps per second
     staleness_last: int = 0
@@ -50,6 +51,7 @@ class IslandStats:
         d["staleness_mean"] = self.staleness_total / self.submissions if self.submissions else 0.0
         d["staleness_recent_max"] = max(self.recent, default=0)
         d["staleness_recent_mean"] = sum(self.recent) / len(self.recent) if self.recent else 0.0
+        d["tokens_per_s"] = self.tokens / self.compute_s if self.compute_s else 0.0
         return d
 
 

@@ -41,12 +41,15 @@ def run_overlap(co: "Coordinator") -> None:
             waiting.add(i)
             return
         waiting.discard(i)
+        shards = co.shards.assignment(i, co.members.schedulable())
+        if not shards:
+            return  # more islands than data shards: this one idles
         delay = 0.0
         if held.get(i, -1) != s:  # a new global to download (in the background while round t−1 ran)
-            download_s, _ = co.count_dispatch(i)
-            delay = max(0.0, published_at[s] + download_s - time.time())
+            sent = co.count_dispatch(i)
+            assert sent is not None
+            delay = max(0.0, published_at[s] + sent[0] - time.time())
             held[i] = s
-        shards = co.shards.assignment(i, co.members.schedulable())
         ref = co.handles[i].actor.run_round.remote(s, co.params_ref(), cfg.inner_steps, delay, shards)
         inflight[ref] = (i, t)
         expected.setdefault(t, set()).add(i)

@@ -19,14 +19,14 @@ def test_control_plane_watches_and_scales_a_live_run(ray_local, tmp_path, monkey
     port = free_port()
     cfg = load_config(None, ["task.factory=tests.toy_tasks:make_quadratic", "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0]]",
                              "task.kwargs.batch_s=0.03", "islands.count=2", "islands.cpus=0.5", "inner.optimizer=sgd",
-                             "inner.lr=0.1", "inner.warmup_steps=0", "inner_steps=4", "rounds=300",
+                             "inner.lr=0.1", "inner.warmup_steps=0", "inner_steps=4", "rounds=3000",
                              "api.enabled=true", f"api.port={port}", f"out_dir={tmp_path / 'out'}"])
     box = {}
     thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id="apitest")))
     thread.start()
     url = f"http://127.0.0.1:{port}"
     client = httpx.Client(base_url=url, timeout=10)
-    deadline = time.time() + 60
+    deadline = time.time() + 120
     while time.time() < deadline:
         try:
             if client.get("/v1/run").json().get("round", 0) >= 2:
@@ -45,10 +45,28 @@ def test_control_plane_watches_and_scales_a_live_run(ray_local, tmp_path, monkey
         time.sleep(0.2)
     assert {i["id"] for i in client.get("/v1/islands").json()} == {0, 1, 2}
     assert 'archipelago_island_staleness{run_id="apitest",island="2"' in client.get("/metrics").text
+    while time.time() < deadline and not client.get("/v1/islands").json()[2]["rounds_contributed"]:
+        time.sleep(0.2)
+    newcomer = client.get("/v1/islands").json()[2]
+    assert newcomer["rounds_contributed"] > 0 and newcomer["last_contribution"] > 0 and newcomer["tokens_per_s"] > 0
+    assert client.post("/v1/islands", json={"count": "two"}, headers={"Authorization": "Bearer tok"}).status_code == 422
+    assert client.delete("/v1/islands/0", headers={"Authorization": "Bearer tok"}).status_code == 202
+    assert client.delete("/v1/islands/77", headers={"Authorization": "Bearer tok"}).status_code == 404
+    while time.time() < deadline and client.get("/v1/islands").json()[0]["state"] != "drained":
+        time.sleep(0.2)
+    assert client.get("/v1/islands").json()[0]["state"] == "drained"
+    latencies = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        assert client.get("/v1/run").status_code == 200
+        latencies.append(time.perf_counter() - t0)
+    latencies.sort()
+    print(f"status latency under a run: p50 {latencies[25] * 1000:.1f} ms, p95 {latencies[47] * 1000:.1f} ms")
+    assert latencies[47] < 1.0
     events = client.get("/v1/events").json()
     assert any(e["kind"] == "join" and e["island"] == 2 for e in events)
-    assert [e["bundles"] for e in events if e["kind"] == "resources_requested"] == [2, 3]
+    assert [e["bundles"] for e in events if e["kind"] == "resources_requested"] == [2, 3, 2]  # drain lowers it
     assert client.get("/v1/islands").json()[0]["resources"] == {"CPU": 0.5}
     assert client.post("/v1/run/stop", headers={"Authorization": "Bearer tok"}).status_code == 202
     thread.join(timeout=60)
-    assert box["summary"]["outer_steps"] < 300
+    assert box["summary"]["outer_steps"] < 3000

@@ -15,7 +15,7 @@ def _cfg(tmp_path, *extra):
     return load_config(None, ["mode=async", "task.factory=tests.toy_tasks:make_quadratic",
                               "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]", "task.kwargs.batch_s=0.01",
                               "islands.count=3", "islands.simulated_slowdown=[1,1,4]", "inner.optimizer=sgd",
-                              "inner.lr=0.1", "inner.warmup_steps=0", "rounds=6", "inner_steps=6",
+                              "inner.lr=0.1", "inner.warmup_steps=0", "rounds=6", "inner_steps=6", "data_shards=3",
                               f"task.kwargs.fault_dir={tmp_path}", f"out_dir={tmp_path / 'out'}", *extra])
 
 

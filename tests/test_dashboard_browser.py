@@ -10,6 +10,7 @@ import pytest
 
 from api.app import create_app
 from tests.fake_handle import FakeRun
+from tests.conftest import REPO
 from tests.http_server import serving
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -38,3 +39,6 @@ def test_dashboard_renders_live_data(tmp_path):
     path = re.search(r'data-series="2" d="([^"]+)"', dom).group(1)
     assert path.count("L") >= 2
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+    artifacts = REPO / "test-artifacts"  # kept for people and CI logs to look at
+    artifacts.mkdir(exist_ok=True)
+    shutil.copy(tmp_path / "dashboard.png", artifacts / "dashboard.png")

@@ -34,7 +34,7 @@ def test_nan_island_is_rejected_then_quarantined_and_the_model_stays_finite(ray_
     cfg = load_config(None, ["task.factory=tests.toy_tasks:make_quadratic",
                              "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]", "task.kwargs.nan_island=2",
                              "islands.count=3", "inner.optimizer=sgd", "inner.lr=0.1", "inner.warmup_steps=0",
-                             "inner.grad_clip=null", "rounds=4", "inner_steps=3", "robust.quarantine_after=2", "elastic.replace_dead=false",
+                             "inner.grad_clip=null", "rounds=4", "inner_steps=3", "robust.quarantine_after=2", "elastic.replace_dead=false", "data_shards=3",
                              f"task.kwargs.fault_dir={tmp_path}", f"out_dir={tmp_path / 'out'}"])
     summary = run(cfg, show_progress=False)
     isl = summary["islands"]

@@ -61,12 +61,13 @@ def test_bytes_are_counted_the_same_way_in_diloco_and_ddp(ray_local, tmp_path, c
 def _quadratic(tmp_path, *extra):
     return load_config(None, ["task.factory=tests.toy_tasks:make_quadratic",
                               "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]", "islands.count=3",
-                              "inner.optimizer=sgd", "inner.lr=0.1", "inner.warmup_steps=0",
+                              "inner.optimizer=sgd", "inner.lr=0.1", "inner.warmup_steps=0", "data_shards=3",
                               f"task.kwargs.fault_dir={tmp_path}", f"out_dir={tmp_path / 'out'}", *extra])
 
 
 def test_a_crashed_island_does_not_stop_the_run(ray_local, tmp_path):
-    cfg = _quadratic(tmp_path, "rounds=4", "inner_steps=3", "elastic.replace_dead=false", "task.kwargs.crash_island=1",
+    cfg = _quadratic(tmp_path, "rounds=4", "inner_steps=3", "elastic.replace_dead=false", "data_shards=3",
+                     "task.kwargs.crash_island=1",
                      "task.kwargs.crash_after_batches=4")
     summary = run(cfg, show_progress=False)
     islands = summary["islands"]
@@ -95,3 +96,10 @@ def test_dropped_pseudo_gradients_are_trained_but_not_applied(ray_local, tmp_pat
     summary = run(cfg, show_progress=False)
     assert summary["tokens"] == 3 * 6 * 2
     assert 0 < summary["tokens_applied"] < summary["tokens"]
+
+
+def test_an_island_without_a_data_shard_idles_instead_of_failing(ray_local, tmp_path):
+    summary = run(_quadratic(tmp_path, "rounds=3", "inner_steps=2", "data_shards=2"), show_progress=False)
+    isl = summary["islands"]
+    assert isl["2"]["state"] == "training" and isl["2"]["rounds_contributed"] == 0
+    assert summary["tokens"] == 3 * 2 * 2 and sum(summary["shards"]["tokens"]) == summary["tokens"]
