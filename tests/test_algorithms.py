@@ -39,7 +39,7 @@ def test_first_nesterov_step_is_lr_times_one_plus_mu():
 
 def _d1_config(inner: dict, rounds: int = 3) -> RunConfig:
     return RunConfig.model_validate({
-        "rounds": rounds, "inner_steps": 3, "islands": {"count": 2},
+        "rounds": rounds, "inner_steps": 3, "islands": {"count": 2}, "data_shards": 2,  # island i sees c_i
         "inner": {"warmup_steps": 0, "schedule": "constant", "grad_clip": None, "weight_decay": 0.0, **inner},
         "outer": {"optimizer": "nesterov", "lr": 0.7, "momentum": 0.9},
         "task": {"factory": "tests.toy_tasks:make_quadratic", "kwargs": {"centers": CENTERS}},

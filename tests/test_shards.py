@@ -26,3 +26,15 @@ def test_positions_only_advance_on_returned_results():
     restored = ShardBook(1)
     restored.load(book.state())
     assert restored.state() == book.state()
+
+
+def test_an_island_without_coordinator_takes_the_block_the_coordinator_would_assign():
+    from orchestrator.config_load import load_config
+    from orchestrator.launcher import island_spec
+    from workers.island import Island
+
+    for shards, islands in ((12, 3), (5, 3), (8, 2)):
+        cfg = load_config(None, ["task.factory=tests.toy_tasks:make_quadratic", "task.kwargs.centers=[[1.0]]",
+                                 f"islands.count={islands}", f"data_shards={shards}"])
+        for i in range(islands):
+            assert sorted(Island(island_spec(cfg, i))._default_assignment()) == assign(shards, list(range(islands)))[i]

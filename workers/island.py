@@ -93,8 +93,11 @@ class Island:
         return shard, batch
 
     def _default_assignment(self) -> dict[int, int]:
-        own = self.spec.index
-        return {own: self.streams.get(own, (0, None))[0]}
+        """Without a coordinator (in-process use): the island's own contiguous block of
+        shards, as the coordinator would assign it with all islands present."""
+        k, n = self.spec.num_islands, self.num_shards
+        own = [s for s in range(n) if s * k // n == self.spec.index]
+        return {s: self.streams.get(s, (0, None))[0] for s in own}
 
     def describe(self) -> dict[str, Any]:
         import os
