@@ -16,6 +16,7 @@ import torch
 from orchestrator.aggregate import Contribution, screen
 from orchestrator.config import AsyncConfig, OuterConfig
 from orchestrator.delayed_nesterov import DelayedNesterov
+from orchestrator.flat_server import FlatServer
 from orchestrator.outer import build_outer
 from orchestrator.robust import NormGuard
 
@@ -29,13 +30,11 @@ class AsyncOutcome:
     reason: str | None = None
 
 
-class AsyncServer:
+class AsyncServer(FlatServer):
     def __init__(self, flat_params: torch.Tensor, outer: OuterConfig, cfg: AsyncConfig, num_islands: int,
                  guard: NormGuard | None = None) -> None:
-        self.param = torch.nn.Parameter(flat_params, requires_grad=True)  # shares storage
+        super().__init__(flat_params, guard)
         self.cfg = cfg
-        self.guard = guard
-        self.version = 0
         self.g = torch.zeros_like(flat_params)
         if cfg.rule == "delayed_nesterov":
             self.dn: DelayedNesterov | None = DelayedNesterov(
@@ -44,13 +43,6 @@ class AsyncServer:
         else:
             self.dn = None
             self.optimizer = build_outer(outer, self.param)
-
-    @property
-    def numel(self) -> int:
-        return self.param.numel()
-
-    def params_numpy(self) -> np.ndarray:
-        return self.param.detach().numpy()
 
     def submit(self, c: Contribution) -> AsyncOutcome:
         staleness = self.version - c.version
@@ -87,7 +79,7 @@ class AsyncServer:
     def state_dict(self) -> dict:
         return {"version": self.version, "dn": self.dn.state_dict() if self.dn is not None else None,
                 "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-                "guard": list(self.guard.norms) if self.guard else []}
+                "guard": self.guard_state()}
 
     def load_state_dict(self, state: dict) -> None:
         self.version = state["version"]
@@ -95,8 +87,7 @@ class AsyncServer:
             self.dn.load_state_dict(state["dn"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
-        if self.guard is not None:
-            self.guard.norms.extend(state["guard"])
+        self.load_guard_state(state["guard"])
 
     def set_lr(self, lr: float) -> None:
         if self.dn is not None:

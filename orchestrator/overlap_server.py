@@ -8,16 +8,13 @@ parameters round t started from (kept until applied, for the adaptive penalty).
 """
 from __future__ import annotations
 
-import warnings
-
-import numpy as np
 import torch
 
-from orchestrator.aggregate import Contribution, WeightedMean, screen
+from orchestrator.aggregate import Contribution, WeightedMean
 from orchestrator.co2 import CO2Outer
 from orchestrator.config import OverlapConfig
+from orchestrator.flat_server import FlatServer, RoundOutcome
 from orchestrator.robust import NormGuard
-from orchestrator.sync_server import RoundOutcome
 
 
 def start_version(round_t: int, base: int = 0) -> int:
@@ -26,40 +23,21 @@ def start_version(round_t: int, base: int = 0) -> int:
     return max(base, round_t - 2)
 
 
-class OverlapServer:
+class OverlapServer(FlatServer):
     def __init__(self, flat_params: torch.Tensor, cfg: OverlapConfig, guard: NormGuard | None = None) -> None:
-        self.param = torch.nn.Parameter(flat_params, requires_grad=True)  # shares storage
+        super().__init__(flat_params, guard)
         self.co2 = CO2Outer(self.param.data, cfg.lr, cfg.momentum, cfg.clip, cfg.penalty,
                             cfg.penalty_p, cfg.penalty_lambda)
         self.mean = WeightedMean(self.param.numel(), self.param.dtype)
-        self.guard = guard
-        self.version = 0
         self.base = 0
         self.starts: dict[int, torch.Tensor] = {0: flat_params.detach().clone()}
         self.last_gap = 1.0
-
-    @property
-    def numel(self) -> int:
-        return self.param.numel()
-
-    def params_numpy(self) -> np.ndarray:
-        return self.param.detach().numpy()
 
     def close_round(self, round_t: int, contributions: list[Contribution]) -> RoundOutcome:
         if round_t != self.version + 1:
             raise ValueError(f"round {round_t} closed out of order (version {self.version})")
         start = start_version(round_t, self.base)
-        out = RoundOutcome(version=self.version)
-        self.mean.reset()
-        with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
-            warnings.simplefilter("ignore", UserWarning)
-            for c in contributions:
-                reason = screen(c, self.numel, start, self.guard)
-                if reason is None:
-                    self.mean.add(c.delta, c.weight)
-                    out.accepted.append(c.island)
-                else:
-                    out.rejected[c.island] = reason
+        out = self.screen_round(self.mean, contributions, start)
         if out.accepted:
             self.last_gap = self.co2.step(self.mean.mean(), self.starts[start])
             out.stepped = True
@@ -77,12 +55,11 @@ class OverlapServer:
         return self.co2.lr
 
     def state_dict(self) -> dict:
-        return {"version": self.version, "m": self.co2.m.clone(), "guard": list(self.guard.norms) if self.guard else []}
+        return {"version": self.version, "m": self.co2.m.clone(), "guard": self.guard_state()}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at the saved version; the pipeline refills from it (no stale round)."""
         self.version = self.base = state["version"]
         self.co2.m.copy_(state["m"])
         self.starts = {self.version: self.param.detach().clone()}
-        if self.guard is not None:
-            self.guard.norms.extend(state["guard"])
+        self.load_guard_state(state["guard"])
