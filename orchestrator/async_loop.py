@@ -76,7 +76,10 @@ def run_async(co: "Coordinator") -> None:
         losses = {}
 
     while inflight:
-        ready, _ = ray.wait(list(inflight), num_returns=1, timeout=cfg.round_timeout_s)
+        waited = co.wait(list(inflight), 1)
+        if waited is None:
+            return  # stopped now: the submissions in flight are abandoned
+        ready = waited[0]
         if not ready:  # nobody delivered in time: leave the islands in flight behind
             for ref, flight in inflight.items():
                 co.mark_late(flight.island, ref)

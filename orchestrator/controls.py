@@ -29,6 +29,7 @@ class RunControls:
         self.lock = threading.Lock()
         self.paused = threading.Event()
         self.stopping = threading.Event()
+        self.aborting = threading.Event()  # stop now: abandon the round in flight (a job being stopped)
         self.pending: SettingsUpdate | None = None
 
     def request(self, update: SettingsUpdate) -> None:
@@ -81,10 +82,14 @@ class OperatorControls:
     def resume(self) -> None:
         self.controls.paused.clear()
 
-    def stop(self) -> None:
-        """Finish the round in flight, checkpoint, write the outputs, end the run."""
+    def stop(self, now: bool = False) -> None:
+        """Finish the round in flight, checkpoint, write the outputs, end the run. With
+        `now` the round in flight is abandoned instead (its data is trained again on
+        resume): what `ray job stop` needs, as Ray kills the job a few seconds later."""
+        if now:
+            self.controls.aborting.set()
         self.controls.stopping.set()
-        self.events.add("stop_requested", version=self.server.version)
+        self.events.add("stop_requested", version=self.server.version, now=now)
 
     def update_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
         """Validate now, apply at the next round boundary; returns what will change."""

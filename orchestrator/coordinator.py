@@ -246,10 +246,13 @@ class Coordinator(OperatorControls):
             self.members.islands[i].inner_steps = self.cfg.inner_steps
         return calls
 
-    def _sync_collect(self, calls: dict[ray.ObjectRef, int]) -> tuple[list[RoundResult], RoundOutcome]:
-        """Wait for the round (never past its deadline) and step the server."""
+    def _sync_collect(self, calls: dict[ray.ObjectRef, int]) -> tuple[list[RoundResult], RoundOutcome] | None:
+        """Wait for the round (never past its deadline) and step the server (None: aborted)."""
         assert isinstance(self.server, SyncServer)
-        ready, pending = ray.wait(list(calls), num_returns=len(calls), timeout=self.cfg.round_timeout_s)
+        waited = self.wait(list(calls), len(calls))
+        if waited is None:
+            return None
+        ready, pending = waited
         results = [r for ref in ready if (r := self.fetch(ref, calls[ref])) is not None]
         for ref in pending:
             i = calls[ref]
@@ -275,7 +278,10 @@ class Coordinator(OperatorControls):
             outcomes = []
             steps = self.cfg.inner_steps if self.cfg.mode == "ddp" else 1
             for j in range(steps):
-                results, outcome = self._sync_collect(calls)
+                collected = self._sync_collect(calls)
+                if collected is None:
+                    return
+                results, outcome = collected
                 last = rnd == self.cfg.rounds and j == steps - 1
                 calls = None if last else self._sync_dispatch()
                 outcomes.append(outcome)
@@ -290,6 +296,18 @@ class Coordinator(OperatorControls):
             })
 
     # -- shared by both loops -------------------------------------------------------------
+    def wait(self, refs: list[ray.ObjectRef], num_returns: int) -> tuple[list, list] | None:
+        """`ray.wait` up to the round deadline, in short slices so that a stop-now (a job
+        being stopped) is seen within 0.2 s instead of after the round. None: aborted."""
+        deadline = time.monotonic() + self.cfg.round_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            ready, pending = ray.wait(refs, num_returns=num_returns, timeout=max(0.0, min(0.2, left)))
+            if self.controls.aborting.is_set():
+                return None
+            if len(ready) >= num_returns or left <= 0.2:
+                return ready, pending
+
     def evaluate(self) -> float:
         self.model.eval()
         with torch.no_grad():
@@ -348,7 +366,8 @@ class Coordinator(OperatorControls):
         else:
             self._run_sync()
         if self.controls.stopping.is_set():  # stopped early: final eval and checkpoint of where it stands
-            self.last_eval = self.evaluate()
+            if not self.controls.aborting.is_set():  # a stop-now has seconds left: keep the last eval
+                self.last_eval = self.evaluate()
             if self.cfg.checkpoint.every_rounds:
                 persist.save(self, time.perf_counter() - self.t_train)
             self.events.add("stopped", version=self.server.version, rounds_done=self.rounds_done)
@@ -379,7 +398,8 @@ class Coordinator(OperatorControls):
         subs = sum(s["submissions"] for s in islands.values())
         alive = [s for s in islands.values() if s["state"] != "dead"] or list(islands.values())
         return {
-            "mode": self.cfg.mode, "rounds": self.cfg.rounds, "inner_steps": self.cfg.inner_steps,
+            "mode": self.cfg.mode, "state": "stopped" if self.controls.stopping.is_set() else "finished",
+            "rounds": self.cfg.rounds, "rounds_done": self.rounds_done, "inner_steps": self.cfg.inner_steps,
             "initial_eval_loss": self.initial_eval, "final_eval_loss": self.last_eval,
             "tokens": self.tokens, "tokens_applied": self.tokens_applied, "outer_steps": self.server.version,
             "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,

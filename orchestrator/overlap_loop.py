@@ -84,7 +84,10 @@ def run_overlap(co: "Coordinator") -> None:
             for i in sorted(waiting):
                 dispatch(i)
             continue
-        ready, _ = ray.wait(list(inflight), num_returns=1, timeout=cfg.round_timeout_s)
+        waited = co.wait(list(inflight), 1)
+        if waited is None:
+            return  # stopped now: the rounds in flight are abandoned
+        ready = waited[0]
         if not ready:  # nobody delivered in time: leave the islands in flight behind
             for ref, (i, _) in inflight.items():
                 co.mark_late(i, ref)

@@ -14,6 +14,7 @@ from orchestrator.config import RunConfig
 from orchestrator.coordinator import Coordinator, RunFailed  # noqa: F401  (RunFailed is part of this API)
 from orchestrator.launcher import NAMESPACE, release_run
 from orchestrator.progress import ProgressPrinter
+from orchestrator.signals import StopRequest, stop_on_signals
 from workers.task import load_task
 
 
@@ -82,38 +83,50 @@ def run(cfg: RunConfig, poll_s: float = 0.5, show_progress: bool = True, run_id:
     started = init_ray(cfg)
     printer = ProgressPrinter() if show_progress else None
     coordinator = control_plane = None
-    try:
-        coordinator = start_coordinator(cfg, run_id)
-        if cfg.api.enabled:
-            ray.get(coordinator.progress.remote())  # the API resolves the coordinator by name
-            control_plane = start_control_plane(cfg, run_id)
-        restarts = 0
-        while True:
-            done = coordinator.run.remote()
-            try:
-                while not ray.wait([done], timeout=poll_s)[0]:
-                    _poll(coordinator, printer)
-                summary = ray.get(done)
-                break
-            except ray.exceptions.RayActorError as err:
-                restarts += 1
-                if restarts > cfg.checkpoint.max_restarts or not cfg.checkpoint.every_rounds:
-                    raise RunFailed(f"the coordinator died {restarts} time(s): {err}") from err
-                print(f"\ncoordinator died; Ray restarts it from its last checkpoint ({restarts}/"
-                      f"{cfg.checkpoint.max_restarts})", file=sys.stderr, flush=True)
-                _await_restart(coordinator)
-        if printer:
-            _poll(coordinator, printer)
-            printer.close()
-        return summary
-    finally:
-        for actor in (control_plane, coordinator):
-            if actor is not None:
-                ray.kill(actor, no_restart=True)
-        release_run(run_id)
-        if started:
-            ray.shutdown()
+    with stop_on_signals() as stop:  # from here on SIGTERM/SIGINT stop the run cleanly
+        try:
+            coordinator = start_coordinator(cfg, run_id)
+            if cfg.api.enabled:
+                ray.get(coordinator.progress.remote())  # the API resolves the coordinator by name
+                control_plane = start_control_plane(cfg, run_id)
+            summary = _drive(cfg, coordinator, printer, poll_s, stop)
+            if printer:
+                _poll(coordinator, printer)
+                printer.close()
+            return summary
+        finally:
+            for actor in (control_plane, coordinator):
+                if actor is not None:
+                    ray.kill(actor, no_restart=True)
+            release_run(run_id)
+            if started:
+                ray.shutdown()
 
+
+def _drive(cfg: RunConfig, coordinator: Any, printer: ProgressPrinter | None, poll_s: float,
+           stop: StopRequest) -> dict[str, Any]:
+    """Wait for the coordinator's run, showing progress, forwarding a stop signal, and
+    waiting out Ray's restarts of a coordinator that died."""
+    restarts, stop_sent = 0, False
+    while True:
+        done = coordinator.run.remote()
+        try:
+            while not ray.wait([done], timeout=poll_s)[0]:
+                _poll(coordinator, printer)
+                if stop.event.is_set() and not stop_sent:
+                    stop_sent = True
+                    print(f"\n{stop.signal_name}: stopping now (checkpoint of the last outer step, outputs written)",
+                          file=sys.stderr, flush=True)
+                    coordinator.stop.remote(now=True)
+            return ray.get(done)
+        except ray.exceptions.RayActorError as err:
+            restarts += 1
+            if restarts > cfg.checkpoint.max_restarts or not cfg.checkpoint.every_rounds:
+                raise RunFailed(f"the coordinator died {restarts} time(s): {err}") from err
+            print(f"\ncoordinator died; Ray restarts it from its last checkpoint ({restarts}/"
+                  f"{cfg.checkpoint.max_restarts})", file=sys.stderr, flush=True)
+            _await_restart(coordinator)
+            stop_sent = False  # a restarted coordinator has not heard it
 
 def _await_restart(coordinator: Any, timeout_s: float = 300.0) -> None:
     """Wait until the restarted coordinator answers (calls made while Ray is still

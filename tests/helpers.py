@@ -13,6 +13,11 @@ from workers.island import Island
 from orchestrator.launcher import island_spec
 from workers.task import load_task
 
+# a GPT small enough for a Ray test to train a few rounds in seconds
+TINY_LM = ["task.kwargs.d_model=32", "task.kwargs.n_layers=1", "task.kwargs.n_heads=2",
+           "task.kwargs.context=32", "task.kwargs.batch_size=8", "task.kwargs.eval_batches=4",
+           "inner.warmup_steps=5", "inner.lr=0.01"]
+
 
 def in_process_run(cfg: RunConfig) -> tuple[SyncServer, list[Island], list[torch.Tensor]]:
     """Run `cfg` synchronously in this process; returns the server, the islands and the

@@ -74,8 +74,11 @@ def test_manifests_match_the_code():
         ports = {p["name"]: p["containerPort"] for p in head["ports"]}
         assert ports["archipelago-api"] == run_cfg.api.port == ApiConfig().port
         assert ports["metrics"] == 8080  # Ray's metrics agent, where ray_archipelago_* are exported
-        env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in head["env"]}
+        env = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef", e.get("value")) for e in head["env"]}
         assert env["ARCHIPELAGO_API_TOKEN"] == {"name": secret["metadata"]["name"], "key": "token"}
+        assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) >= 30  # the final checkpoint of a stopped job
+        claims = {v["persistentVolumeClaim"]["claimName"] for v in spec["headGroupSpec"]["template"]["spec"]["volumes"]}
+        assert claims == {manifest("storage.yaml")["metadata"]["name"]}
         assert "token" in secret["stringData"]
         worker = spec["workerGroupSpecs"][0]
         limits = worker["template"]["spec"]["containers"][0]["resources"]["limits"]
@@ -96,3 +99,14 @@ def test_kustomization_lists_files_that_exist():
     for gen in kust["configMapGenerator"]:
         for f in gen["files"]:
             assert (K8S / f).exists(), f
+
+
+def test_runtime_env_ships_the_package_dependencies():
+    """`k8s/runtime-env.yaml` (code + deps at submit time) lists exactly pyproject's
+    dependencies, Ray itself aside (the image provides it)."""
+    import tomllib
+
+    deps = tomllib.loads((K8S.parent / "pyproject.toml").read_text())["project"]["dependencies"]
+    env = manifest("runtime-env.yaml")
+    assert env["working_dir"] == "."
+    assert env["pip"]["packages"] == [d for d in deps if not d.startswith("ray")]

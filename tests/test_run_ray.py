@@ -9,13 +9,11 @@ import torch
 
 from orchestrator.config_load import load_config
 from orchestrator.run import run
+from tests.helpers import TINY_LM
 from workers.lm_task import make_task
 
 pytestmark = pytest.mark.ray
 
-TINY_LM = ["task.kwargs.d_model=32", "task.kwargs.n_layers=1", "task.kwargs.n_heads=2",
-           "task.kwargs.context=32", "task.kwargs.batch_size=8", "task.kwargs.eval_batches=4",
-           "inner.warmup_steps=5", "inner.lr=0.01"]
 
 
 def _lm_cfg(tmp_path, corpus_cache, *extra):

@@ -1,0 +1,164 @@
+"""`ray job submit` against a real local cluster started with `ray start --head` (fake GPUs,
+token auth on, as Ray 2.59+ defaults to): a short run succeeds with progress in its logs and
+a control plane that answers while it trains; `ray job stop` on a second run leaves a
+checkpoint that a third job resumes from. The cluster is stopped whatever happens."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from orchestrator.checkpoint import load_checkpoint
+from tests.conftest import REPO
+from tests.helpers import TINY_LM
+from tests.http_server import free_port
+
+pytestmark = pytest.mark.ray
+
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A head node with 4 CPUs and 2 fake GPUs; yields (env, dashboard address)."""
+    import ray
+
+    ray.shutdown()  # this module talks to its own cluster only through the job CLI
+    if not shutil.which(RAY):
+        pytest.skip(f"no `ray` command next to {sys.executable}")
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+           "RAY_memory_monitor_refresh_ms": "0"}
+    env.pop("RAY_ADDRESS", None)
+    gcs, dash = free_port(), free_port()
+    temp = tmp_path_factory.mktemp("ray")
+    try:
+        subprocess.run([RAY, "start", "--head", "--num-cpus=4", "--num-gpus=2", f"--port={gcs}",
+                        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+                        "--disable-usage-stats", f"--temp-dir={temp}"],
+                       env=env, check=True, capture_output=True, timeout=120)
+        yield env, f"http://127.0.0.1:{dash}"
+    finally:
+        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def _job(env, address, *args, timeout=120) -> subprocess.CompletedProcess:
+    sub, rest = args[0], list(args[1:])
+    return subprocess.run([RAY, "job", sub, f"--address={address}", *rest], env=env, capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO)
+
+
+def _submit(env, address, job_id, out: Path, corpus_cache: str, *overrides: str, api_port: int = 0,
+            runtime_env: bool = False) -> None:
+    """Submit a tiny 2-island run (one fake GPU each). With `runtime_env` the code and its
+    dependencies go through `k8s/runtime-env.yaml` and the entry point is the module (as on
+    a stock Ray image); otherwise `--working-dir` plus the installed `archipelago` command."""
+    sets = [*TINY_LM, f"task.kwargs.cache_dir={corpus_cache}", "islands.count=2", "islands.gpus=1",
+            "islands.cpus=1", "data_shards=4", *(["api.enabled=true", f"api.port={api_port}"] if api_port else []),
+            *overrides]
+    ship = ["--runtime-env=k8s/runtime-env.yaml"] if runtime_env else [f"--working-dir={REPO}"]
+    entry = ["python", "-m", "orchestrator.cli"] if runtime_env else ["archipelago"]
+    cmd = ["submit", f"--submission-id={job_id}", *ship, "--no-wait", "--",
+           *entry, "run", "--out", str(out), *[a for s in sets for a in ("--set", s)]]
+    proc = _job(env, address, *cmd)
+    assert proc.returncode == 0, proc.stderr
+
+
+def _status(env, address, job_id) -> str:
+    proc = _job(env, address, "status", job_id)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+    for pattern, state in ((rf"Job '{job_id}' succeeded", "SUCCEEDED"), (rf"Job '{job_id}' was stopped", "STOPPED"),
+                           (rf"Job '{job_id}' failed", "FAILED")):
+        if re.search(pattern, text):
+            return state
+    found = re.search(rf"Status for job '{job_id}': (\w+)", text)
+    return found.group(1) if found else "UNKNOWN"
+
+
+def _wait_status(env, address, job_id, states, timeout=240) -> str:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state = _status(env, address, job_id)
+        if state in states:
+            return state
+        time.sleep(1)
+    raise AssertionError(f"job {job_id} not in {states} after {timeout}s; logs:\n"
+                         + _job(env, address, "logs", job_id).stdout[-3000:])
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def test_submitted_run_succeeds_with_progress_and_a_live_control_plane(cluster, tmp_path, corpus_cache):
+    env, address = cluster
+    out, port = tmp_path / "out", free_port()
+    _submit(env, address, "archipelago-ok", out, corpus_cache, "rounds=4", "inner_steps=10", api_port=port,
+            runtime_env=True)
+    seen = None
+    deadline = time.time() + 240
+    while time.time() < deadline and seen is None:
+        try:
+            status = httpx.get(f"http://127.0.0.1:{port}/v1/run", timeout=2).json()
+            if status.get("state") == "training":
+                seen = status
+        except httpx.HTTPError:
+            pass
+        if _status(env, address, "archipelago-ok") in ("SUCCEEDED", "FAILED", "STOPPED"):
+            break
+        time.sleep(0.5)
+    assert _wait_status(env, address, "archipelago-ok", {"SUCCEEDED", "FAILED", "STOPPED"}) == "SUCCEEDED", \
+        _job(env, address, "logs", "archipelago-ok").stdout[-3000:]
+    assert seen is not None and seen["rounds"] == 4 and seen["islands_alive"] == 2, seen
+    logs = _job(env, address, "logs", "archipelago-ok").stdout
+    assert "round 4/4" in logs and "eval loss" in logs and "control plane: http://" in logs
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["state"] == "finished" and summary["outer_steps"] == 4
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    assert (out / "final.pt").exists() and len(_records(out / "metrics.jsonl")) == 4
+    assert load_checkpoint(out / "checkpoint")["server"]["version"] == 4
+
+
+def test_job_stop_leaves_a_checkpoint_a_new_job_resumes(cluster, tmp_path, corpus_cache):
+    env, address = cluster
+    out = tmp_path / "out"
+    _submit(env, address, "archipelago-stop", out, corpus_cache, "rounds=200", "inner_steps=10",
+            "checkpoint.every_rounds=1")
+    deadline = time.time() + 240
+    while len(_records(out / "metrics.jsonl")) < 2:
+        assert time.time() < deadline, _job(env, address, "logs", "archipelago-stop").stdout[-3000:]
+        assert _status(env, address, "archipelago-stop") in ("PENDING", "RUNNING")
+        time.sleep(0.5)
+    t_stop = time.time()
+    stop = _job(env, address, "stop", "archipelago-stop")  # waits for the job to end
+    stop_s = time.time() - t_stop
+    assert stop.returncode == 0, stop.stderr
+    assert _wait_status(env, address, "archipelago-stop", {"STOPPED", "SUCCEEDED", "FAILED"}) == "STOPPED"
+    logs = _job(env, address, "logs", "archipelago-stop").stdout + _job(env, address, "logs", "archipelago-stop").stderr
+    assert "SIGTERM: stopping now" in logs, logs[-3000:]
+    summary = json.loads((out / "summary.json").read_text())  # written by the clean stop, not at the end
+    assert summary["state"] == "stopped" and 2 <= summary["rounds_done"] < 200
+    state = load_checkpoint(out / "checkpoint")
+    assert state["server"]["version"] == summary["outer_steps"] == summary["rounds_done"]
+    assert torch.isfinite(state["params"]).all()
+    print(f"ray job stop → job stopped in {stop_s:.1f}s at round {summary['rounds_done']}")
+
+    # usable: a new job resumes it and carries on from the next version
+    done = summary["rounds_done"]
+    resume = ["submit", "--submission-id=archipelago-resume", f"--working-dir={REPO}", "--no-wait", "--",
+              "archipelago", "run", "--resume", str(out), "--set", f"rounds={done + 2}"]
+    assert _job(env, address, *resume).returncode == 0
+    assert _wait_status(env, address, "archipelago-resume", {"SUCCEEDED", "FAILED", "STOPPED"}) == "SUCCEEDED", \
+        _job(env, address, "logs", "archipelago-resume").stdout[-3000:]
+    versions = [r["version"] for r in _records(out / "metrics.jsonl")]
+    assert versions[-2:] == [done + 1, done + 2]
+    assert json.loads((out / "summary.json").read_text())["outer_steps"] == done + 2
