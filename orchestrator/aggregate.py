@@ -21,13 +21,21 @@ class Contribution:
 def rejection_reason(c: Contribution, numel: int, expected_version: int | None = None) -> str | None:
     """Why `c` must not touch the global model, or None if it is acceptable. With
     `expected_version` (synchronous rounds) a result from another version is refused."""
-    if expected_version is not None and c.version != expected_version:
-        return f"stale: computed from version {c.version}, round is at {expected_version}"
-    if c.delta.shape != (numel,):
-        return f"wrong shape {c.delta.shape}, expected ({numel},)"
-    if not c.weight > 0:
-        return f"non-positive weight {c.weight}"
-    if not np.isfinite(c.delta).all():
+    return reason_from(c.version, c.delta.shape, c.weight, lambda: bool(np.isfinite(c.delta).all()),
+                       numel, expected_version)
+
+
+def reason_from(version: int, shape: tuple[int, ...], weight: float, finite, numel: int,
+                expected_version: int | None) -> str | None:
+    """`rejection_reason` from a contribution's facts (`finite()` is evaluated last, as it
+    reads the whole vector); a sharded coordinator assembles them from its shards."""
+    if expected_version is not None and version != expected_version:
+        return f"stale: computed from version {version}, round is at {expected_version}"
+    if tuple(shape) != (numel,):
+        return f"wrong shape {tuple(shape)}, expected ({numel},)"
+    if not weight > 0:
+        return f"non-positive weight {weight}"
+    if not finite():
         return "non-finite values (NaN or inf)"
     return None
 

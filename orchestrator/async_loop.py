@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from orchestrator.sharded_server import ShardedServer
 from orchestrator.async_server import AsyncServer
 from orchestrator.dylu import SpeedTracker
 
@@ -33,7 +34,7 @@ class _Flight:
 
 def run_async(co: "Coordinator") -> None:
     cfg, server = co.cfg, co.server
-    assert isinstance(server, AsyncServer)
+    assert isinstance(server, (AsyncServer, ShardedServer))
     k, h_max = cfg.islands.count, cfg.inner_steps
     remaining = cfg.rounds * k * h_max - co.completed_steps  # after a restart: what is left
     speeds = SpeedTracker(cfg.asynchronous.speed_smoothing)
@@ -108,7 +109,7 @@ def run_async(co: "Coordinator") -> None:
         close(cfg.rounds)
 
 
-def _apply(co: "Coordinator", server: AsyncServer, speeds: SpeedTracker, result, window: dict, losses: dict) -> None:
+def _apply(co: "Coordinator", server: "AsyncServer | ShardedServer", speeds: SpeedTracker, result, window: dict, losses: dict) -> None:
     """Apply one arrival and account for it (staleness, speed, tokens, bytes)."""
     speeds.observe(result.island, result.steps, result.compute_s)
     time.sleep(max(0.0, co.delivered_at(result) - time.time()))  # crossing the simulated link

@@ -16,6 +16,12 @@ from typing import Literal
 import torch
 
 
+def adaptive_gap(moved: float, delta_norm: float, lam: float, eps: float = 1e-8) -> float:
+    """Λ = 1 / (1 + λ‖x_n − x_s‖ / (‖Δ‖ + ε)) from the two norms (a sharded coordinator
+    sums their squares over its shards)."""
+    return 1.0 / (1.0 + lam * moved / (delta_norm + eps))
+
+
 class CO2Outer:
     def __init__(self, param: torch.Tensor, lr: float = 1.0, momentum: float = 0.0, clip: float | None = 1.0,
                  penalty: Literal["constant", "adaptive"] = "constant", p: float = 1.0, lam: float = 1.0,
@@ -31,13 +37,17 @@ class CO2Outer:
         which shrinks an update by how far the global model moved while it was in flight."""
         if self.penalty == "constant":
             return 1.0 / self.p
-        moved = float(torch.linalg.vector_norm(self.param - x_start))
-        return 1.0 / (1.0 + self.lam * moved / (float(torch.linalg.vector_norm(delta)) + self.eps))
+        return self.adaptive_gap(float(torch.linalg.vector_norm(self.param - x_start)),
+                                 float(torch.linalg.vector_norm(delta)))
+
+    def adaptive_gap(self, moved: float, delta_norm: float) -> float:
+        return adaptive_gap(moved, delta_norm, self.lam, self.eps)
 
     @torch.no_grad()
-    def step(self, delta: torch.Tensor, x_start: torch.Tensor) -> float:
-        """Apply Δ = x_start − x̄ (from the round that started at `x_start`); returns Λ."""
-        gap = self.gap_penalty(delta, x_start)
+    def step(self, delta: torch.Tensor, x_start: torch.Tensor, gap: float | None = None) -> float:
+        """Apply Δ = x_start − x̄ (from the round that started at `x_start`); returns Λ.
+        `gap`: Λ computed over the whole vector when this is one shard's slice."""
+        gap = self.gap_penalty(delta, x_start) if gap is None else gap
         self.m.mul_(self.beta).add_(delta, alpha=gap)
         if self.clip is not None:
             self.m.clamp_(-self.clip, self.clip)

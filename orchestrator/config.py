@@ -136,6 +136,13 @@ class RayConfig(_Strict):
     num_cpus: int | None = Field(None, ge=1, description="logical CPUs of a local instance (default: what islands need)")
 
 
+class CoordinatorConfig(_Strict):
+    """The outer step over S shards: each owns 1/S of the parameters and of the outer
+    optimizer state, and receives 1/S of every pseudo-gradient straight from the islands."""
+
+    shards: int = Field(1, ge=1, le=256, description="coordinator shards S (1: the coordinator steps alone)")
+
+
 class RunConfig(_Strict):
     """One training run. `mode: diloco` is synchronous DiLoCo; `mode: ddp` is the
     data-parallel baseline (gradients averaged every step, one AdamW using `inner`);
@@ -158,6 +165,7 @@ class RunConfig(_Strict):
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
     link: LinkConfig = Field(default_factory=LinkConfig, description="SIMULATION: every island's link")
     robust: RobustConfig = Field(default_factory=RobustConfig)
+    coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = Field(default_factory=ElasticConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
@@ -168,6 +176,9 @@ class RunConfig(_Strict):
     def _check(self) -> "RunConfig":
         if self.mode != "diloco" and self.outer.drop_prob:
             raise ValueError("outer.drop_prob applies to mode diloco only")
+        if self.mode == "ddp" and self.coordinator.shards > 1:
+            raise ValueError("coordinator.shards > 1 needs a DiLoCo-family mode (diloco, async, overlap); "
+                             "the ddp baseline steps on one coordinator")
         a = self.asynchronous
         if a.c > 1.0 / (a.delay or self.islands.count):
             raise ValueError(f"asynchronous.c must be at most 1/N = {1 / (a.delay or self.islands.count):g}")

@@ -16,19 +16,19 @@ import ray
 import torch
 
 from orchestrator.aggregate import Contribution
-from orchestrator.async_server import AsyncServer
 from orchestrator.config import RunConfig
 from orchestrator.controls import OperatorControls, RunControls
 from orchestrator.events import EventLog
 from orchestrator import persist
 from orchestrator.launcher import IslandHandle, find_island, launch_island, release_island
 from orchestrator.membership import Membership
-from orchestrator.outer import build_server_optimizer
-from orchestrator.overlap_server import OverlapServer
 from orchestrator.recorder import Recorder
 from orchestrator.robust import NormGuard, Quarantine
 from orchestrator.shards import ShardBook
 from orchestrator.supervisor import Supervisor
+from orchestrator.servers import Server, build_server
+from orchestrator.shard_actors import start_sharded_server
+from orchestrator.sharded_server import ShardedServer
 from orchestrator.sync_server import RoundOutcome, SyncServer
 from workers.compress import decode
 from workers.flat import FlatParams
@@ -53,15 +53,11 @@ class Coordinator(OperatorControls):
         self.model = self.task.build_model()
         self.flat = FlatParams(self.model)
         guard = NormGuard(cfg.robust)
-        self.server: SyncServer | AsyncServer | OverlapServer
-        if cfg.mode == "async":
-            self.server = AsyncServer(self.flat.data, cfg.outer, cfg.asynchronous, cfg.islands.count, guard)
-        elif cfg.mode == "overlap":
-            self.server = OverlapServer(self.flat.data, cfg.overlap, guard)
+        self.server: Server | ShardedServer
+        if cfg.coordinator.shards > 1:
+            self.server = start_sharded_server(cfg, self.flat.data, guard)
         else:
-            self.server = SyncServer(self.flat.data, lambda p: build_server_optimizer(cfg, p),
-                                     drop_prob=cfg.outer.drop_prob, seed=cfg.seed,
-                                     grad_clip=cfg.inner.grad_clip if cfg.mode == "ddp" else None, guard=guard)
+            self.server = build_server(cfg, self.flat.data, guard)
         self.quarantine = Quarantine(cfg.robust.quarantine_after)
         self.eval_batches = list(self.task.eval_batches())
         self.members = Membership()
@@ -153,8 +149,11 @@ class Coordinator(OperatorControls):
             self._fail(island, f"raised: {str(err).strip().splitlines()[-1]}")
         return None
 
-    def params_ref(self) -> ray.ObjectRef:
-        """The current global parameters in the object store, put once per version."""
+    def params_ref(self) -> ray.ObjectRef | list[ray.ObjectRef]:
+        """The current global parameters in the object store, put once per version (with
+        coordinator shards: one reference per shard's slice, the island joins them)."""
+        if isinstance(self.server, ShardedServer):
+            return self.server.params_slices()
         version = self.server.version
         if self._published is None or self._published[0] != version:
             self._published = (version, ray.put(self.server.params_numpy()))
@@ -185,7 +184,8 @@ class Coordinator(OperatorControls):
         weight = float(r.weight)
         if stats.joined_version > 0 and stats.submissions == 0:
             weight *= self.cfg.elastic.join_weight
-        return Contribution(r.island, r.version, decode(r.payload), weight)
+        delta = r.payload if isinstance(r.payload, list) else decode(r.payload)  # slices stay for the shards
+        return Contribution(r.island, r.version, delta, weight)
 
     def wait_for_islands(self, busy: set[int] | None = None) -> None:
         """Block (ticking the supervisor) until an island can train; fail if none can come."""
@@ -248,7 +248,7 @@ class Coordinator(OperatorControls):
 
     def _sync_collect(self, calls: dict[ray.ObjectRef, int]) -> tuple[list[RoundResult], RoundOutcome] | None:
         """Wait for the round (never past its deadline) and step the server (None: aborted)."""
-        assert isinstance(self.server, SyncServer)
+        assert isinstance(self.server, (SyncServer, ShardedServer))
         waited = self.wait(list(calls), len(calls))
         if waited is None:
             return None
@@ -308,7 +308,14 @@ class Coordinator(OperatorControls):
             if len(ready) >= num_returns or left <= 0.2:
                 return ready, pending
 
+    def sync_model(self) -> None:
+        """Bring the coordinator's model up to the global parameters (held by the shards
+        when the coordinator is sharded) before it is evaluated, checkpointed or saved."""
+        if isinstance(self.server, ShardedServer):
+            self.server.refresh()
+
     def evaluate(self) -> float:
+        self.sync_model()
         self.model.eval()
         with torch.no_grad():
             losses = [float(self.task.loss(self.model, b)) for b in self.eval_batches]
@@ -372,6 +379,7 @@ class Coordinator(OperatorControls):
                 persist.save(self, time.perf_counter() - self.t_train)
             self.events.add("stopped", version=self.server.version, rounds_done=self.rounds_done)
         summary = self._summary()
+        self.sync_model()
         self.recorder.finish(summary, self.model)
         self._update_snapshot(self.rounds_done, "stopped" if self.controls.stopping.is_set() else "finished")
         for i in list(self.handles):

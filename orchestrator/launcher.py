@@ -15,7 +15,8 @@ from ray.util.placement_group import (PlacementGroup, get_placement_group, place
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.config import RunConfig
-from workers.island import Island, IslandSpec
+from workers.island import IslandSpec
+from workers.island_actor import RayIsland
 
 
 NAMESPACE = "archipelago"
@@ -42,7 +43,8 @@ def island_spec(cfg: RunConfig, index: int, start_step: int = 0) -> IslandSpec:
                       total_inner_steps=cfg.total_inner_steps, threads=cfg.island_threads,
                       slowdown=cfg.islands.slowdown(index), codec=cfg.compression.codec,
                       chunk=cfg.compression.chunk, num_shards=cfg.num_shards, start_step=start_step,
-                      rewarmup_steps=cfg.elastic.join_rewarmup_steps if start_step else 0)
+                      rewarmup_steps=cfg.elastic.join_rewarmup_steps if start_step else 0,
+                      coordinator_shards=cfg.coordinator.shards)
 
 
 def bundle(cfg: RunConfig) -> dict[str, float]:
@@ -61,7 +63,7 @@ def request_group(cfg: RunConfig, index: int, run_id: str) -> PlacementGroup:
 
 def start_island(cfg: RunConfig, index: int, run_id: str, group: PlacementGroup, start_step: int = 0) -> IslandHandle:
     """Start the island actor inside its (ready) placement group."""
-    actor = ray.remote(Island).options(
+    actor = ray.remote(RayIsland).options(
         name=island_name(run_id, index), namespace=NAMESPACE, lifetime="detached",
         num_cpus=cfg.islands.cpus, num_gpus=cfg.islands.gpus, max_restarts=0,
         scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from orchestrator.sharded_server import ShardedServer
 from orchestrator.overlap_server import OverlapServer, start_version
 from workers.island import RoundResult
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 def run_overlap(co: "Coordinator") -> None:
     cfg, server = co.cfg, co.server
-    assert isinstance(server, OverlapServer)
+    assert isinstance(server, (OverlapServer, ShardedServer))
     inflight: dict[ray.ObjectRef, tuple[int, int]] = {}     # ref -> (island, round)
     expected: dict[int, set[int]] = {}                      # round -> islands working on it
     results: dict[int, list[RoundResult]] = {}
@@ -110,7 +111,7 @@ def run_overlap(co: "Coordinator") -> None:
                 dispatch(j)
 
 
-def _close(co: "Coordinator", server: OverlapServer, t: int, done: list[RoundResult], t_round: float,
+def _close(co: "Coordinator", server: "OverlapServer | ShardedServer", t: int, done: list[RoundResult], t_round: float,
            tokens_before: int) -> None:
     """Close round t once all its results have crossed their links."""
     if done:

@@ -33,13 +33,23 @@ class OverlapServer(FlatServer):
         self.starts: dict[int, torch.Tensor] = {0: flat_params.detach().clone()}
         self.last_gap = 1.0
 
-    def close_round(self, round_t: int, contributions: list[Contribution]) -> RoundOutcome:
+    def gap_terms(self, round_t: int, contributions: list[Contribution]) -> tuple[float, float]:
+        """(‖x − x_s‖², ‖Δ̄‖²) over this buffer, for the adaptive Λ of a sharded coordinator."""
+        start = start_version(round_t, self.base)
+        mean = WeightedMean(self.numel, self.param.dtype)
+        for c in contributions:
+            mean.add(c.delta, c.weight)
+        moved = float(torch.sum((self.param.detach() - self.starts[start]) ** 2))
+        return moved, float(torch.sum(mean.mean() ** 2))
+
+    def close_round(self, round_t: int, contributions: list[Contribution], gap: float | None = None) -> RoundOutcome:
+        """`gap`: the penalty Λ over the whole vector (a coordinator shard's slice)."""
         if round_t != self.version + 1:
             raise ValueError(f"round {round_t} closed out of order (version {self.version})")
         start = start_version(round_t, self.base)
         out = self.screen_round(self.mean, contributions, start)
         if out.accepted:
-            self.last_gap = self.co2.step(self.mean.mean(), self.starts[start])
+            self.last_gap = self.co2.step(self.mean.mean(), self.starts[start], gap)
             out.stepped = True
         self.version += 1
         self.starts[self.version] = self.param.detach().clone()

@@ -19,6 +19,7 @@ COUNTERS = ("tokens", "tokens_applied", "bytes_sent", "bytes_received", "initial
 
 
 def capture(co: "Coordinator", train_elapsed: float) -> dict[str, Any]:
+    co.sync_model()
     return {
         "run_id": co.run_id, "config": co.cfg.model_dump(mode="json"),
         "params": co.flat.data.detach().clone(), "server": co.server.state_dict(),

@@ -29,12 +29,16 @@ class NormGuard:
     def check(self, delta: np.ndarray) -> tuple[float, str | None]:
         """(norm, reason to reject or None)."""
         norm = float(np.linalg.norm(delta))
+        return norm, self.check_norm(norm)
+
+    def check_norm(self, norm: float) -> str | None:
+        """Why a pseudo-gradient of this norm is rejected, or None."""
         ratio = self.cfg.norm_ratio
         if ratio is not None and len(self.norms) >= self.cfg.min_history:
             median = float(np.median(self.norms))
             if norm > ratio * median:
-                return norm, f"norm {norm:.4g} > {ratio:g} x recent median {median:.4g}"
-        return norm, None
+                return f"norm {norm:.4g} > {ratio:g} x recent median {median:.4g}"
+        return None
 
     def accept(self, norm: float) -> None:
         self.norms.append(norm)

@@ -52,3 +52,10 @@ class FlatParams:
         """A host copy of the parameters (a copy: the result must not alias live weights)."""
         return self.data.detach().cpu().numpy().copy()
 
+
+def slice_bounds(numel: int, shards: int, align: int) -> list[tuple[int, int]]:
+    """S contiguous [lo, hi) slices of `numel`, boundaries on multiples of `align` (the
+    codec chunk, so a slice encodes exactly as its part of the whole vector would)."""
+    blocks = -(-numel // align)
+    cuts = [min(numel, (blocks * k // shards) * align) for k in range(shards + 1)]
+    return [(cuts[k], cuts[k + 1]) for k in range(shards)]

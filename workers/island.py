@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from workers.compress import Payload, encode, payload_nbytes
-from workers.flat import FlatParams
+from workers.flat import FlatParams, slice_bounds
 from workers.optim import InnerConfig, build_inner
 from workers.task import load_task, to_device
 
@@ -37,6 +37,7 @@ class IslandSpec:
     num_shards: int = 0    # data shards of the run (0: one per island, island i owns shard i)
     start_step: int = 0    # a joining island's place in the run's inner schedule
     rewarmup_steps: int = 0
+    coordinator_shards: int = 1  # S > 1: the pseudo-gradient leaves as S slices, one per shard
 
 
 @dataclass(frozen=True)
@@ -54,10 +55,14 @@ class RoundResult:
     finished_at: float   # wall clock (time.time()) when the result was ready to send
     positions: dict[int, int]     # shard -> batches consumed after this round
     shard_tokens: dict[int, int]  # shard -> tokens (weight) trained this round
+    sent_bytes: int | None = None  # set when `payload` holds references to the encoded slices
 
     @property
     def nbytes(self) -> int:
-        return payload_nbytes(self.payload)
+        if self.sent_bytes is not None:
+            return self.sent_bytes
+        parts = self.payload if isinstance(self.payload, list) else [self.payload]
+        return sum(payload_nbytes(p) for p in parts)
 
 
 class Island:
@@ -126,8 +131,13 @@ class Island:
         for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
             group["lr"] = base * fn(step)
 
-    def _encode(self, x: torch.Tensor) -> Payload:
-        return encode(x.cpu().numpy(), self.spec.codec, self.spec.chunk)
+    def _encode(self, x: torch.Tensor) -> Payload | list[Payload]:
+        """The codec's payload; with S coordinator shards, S payloads of aligned slices."""
+        values = x.cpu().numpy()
+        if self.spec.coordinator_shards == 1:
+            return encode(values, self.spec.codec, self.spec.chunk)
+        return [encode(values[lo:hi], self.spec.codec, self.spec.chunk)
+                for lo, hi in slice_bounds(values.size, self.spec.coordinator_shards, self.spec.chunk)]
 
     def run_round(self, version: int, params: np.ndarray, steps: int, start_delay_s: float = 0.0,
                   assignment: dict[int, int] | None = None, schedule_step: int | None = None) -> RoundResult:

@@ -1,0 +1,51 @@
+"""The sharded coordinator in real Ray runs: S = 2 trains the same model as S = 1 (sync
+DiLoCo; round results may arrive in another order, so equal to float rounding), async
+and overlap run on it, and its shards resume from the run's checkpoint."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from orchestrator.cli import main
+from orchestrator.config_load import load_config
+from orchestrator.run import run
+from tests.helpers import TINY_LM
+
+pytestmark = pytest.mark.ray
+
+
+def _cfg(tmp_path, corpus_cache, name, *extra):
+    return load_config(None, [*TINY_LM, f"task.kwargs.cache_dir={corpus_cache}", "islands.count=2",
+                              "rounds=3", "inner_steps=5", "compression.chunk=1024", "checkpoint.every_rounds=1",
+                              f"out_dir={tmp_path / name}", *extra])
+
+
+def _final(path):
+    return torch.cat([t.reshape(-1) for t in torch.load(path, weights_only=True).values()])
+
+
+def test_two_shards_train_the_same_model_as_one(ray_local, tmp_path, corpus_cache):
+    one = run(_cfg(tmp_path, corpus_cache, "s1"), show_progress=False)
+    two = run(_cfg(tmp_path, corpus_cache, "s2", "coordinator.shards=2"), show_progress=False)
+    assert two["outer_steps"] == one["outer_steps"] == 3
+    assert two["bytes_communicated"] == one["bytes_communicated"]
+    assert two["final_eval_loss"] == pytest.approx(one["final_eval_loss"], abs=1e-5)
+    assert torch.allclose(_final(tmp_path / "s2" / "final.pt"), _final(tmp_path / "s1" / "final.pt"), atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["async", "overlap"])
+def test_async_and_overlap_learn_on_three_shards(ray_local, tmp_path, corpus_cache, mode):
+    summary = run(_cfg(tmp_path, corpus_cache, mode, f"mode={mode}", "coordinator.shards=3", "rounds=4"),
+                  show_progress=False)
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    assert summary["outer_steps"] >= 4
+
+
+def test_shards_resume_from_the_checkpoint(ray_local, tmp_path, corpus_cache):
+    run(_cfg(tmp_path, corpus_cache, "out", "coordinator.shards=2"), show_progress=False)
+    out = tmp_path / "out"
+    assert main(["run", "--resume", str(out), "--set", "rounds=5"]) == 0
+    versions = [json.loads(line)["version"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert versions == [1, 2, 3, 4, 5]

@@ -1,0 +1,28 @@
+"""The island as a Ray actor: `Island` plus what only makes sense under Ray. With a
+sharded coordinator the global parameters arrive as S references (one per shard, fetched
+together) and the pseudo-gradient leaves as S objects in this island's object store, so
+each shard pulls its own slice from here and no single process relays the whole vector."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import ray
+
+from workers.island import Island, RoundResult
+
+
+def _whole(params: Any) -> np.ndarray:
+    return np.concatenate(ray.get(list(params))) if isinstance(params, list) else params
+
+
+class RayIsland(Island):
+    def run_round(self, version: int, params: Any, *args: Any, **kwargs: Any) -> RoundResult:
+        result = super().run_round(version, _whole(params), *args, **kwargs)
+        if not isinstance(result.payload, list):
+            return result
+        return dataclasses.replace(result, payload=[ray.put(p) for p in result.payload], sent_bytes=result.nbytes)
+
+    def gradient(self, version: int, params: Any, *args: Any, **kwargs: Any) -> RoundResult:
+        return super().gradient(version, _whole(params), *args, **kwargs)
