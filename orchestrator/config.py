@@ -20,8 +20,9 @@ class IslandsConfig(_Strict):
     """How many islands and what each one holds (on a cluster: real GPUs)."""
 
     count: int = Field(4, ge=1, le=1024)
-    cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per island")
-    gpus: float = Field(0.0, ge=0, description="Ray GPUs per island; CUDA is used when > 0 and available")
+    workers: int = Field(1, ge=1, le=64, description="data-parallel workers per island (one node, STRICT_PACK)")
+    cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per island worker")
+    gpus: float = Field(0.0, ge=0, description="Ray GPUs per island worker; CUDA is used when > 0 and available")
     threads: int | None = Field(None, ge=1, description="torch threads per island (default: cpus, at least 1)")
     links: list[LinkConfig] | None = Field(
         None, description="SIMULATION: per-island links (default: the run's `link` for every island)")

@@ -104,9 +104,9 @@ class OperatorControls:
                 "stopping": self.controls.stopping.is_set()}
 
     def islands(self) -> dict[str, dict[str, Any]]:
-        from orchestrator.launcher import bundle
+        from orchestrator.launcher import island_bundle
 
-        resources = bundle(self.cfg)
+        resources = island_bundle(self.cfg)
         out = {i: {**s, "resources": resources} for i, s in self.members.summary().items()}
         for i in self.supervisor.pending:  # requested, waiting for resources or starting up
             out[str(i)] = {**IslandStats(index=i).as_dict(), "state": "starting", "resources": resources}

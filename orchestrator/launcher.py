@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from orchestrator.config import RunConfig
 from workers.island import IslandSpec
 from workers.island_actor import RayIsland
+from workers.island_group import GroupIsland
 
 
 NAMESPACE = "archipelago"
@@ -48,26 +49,42 @@ def island_spec(cfg: RunConfig, index: int, start_step: int = 0) -> IslandSpec:
 
 
 def bundle(cfg: RunConfig) -> dict[str, float]:
-    """One island's resources: its CPUs and accelerators."""
+    """One island worker's resources: its CPUs and accelerators (an island has `islands.workers`)."""
     out = {"CPU": cfg.islands.cpus}
     if cfg.islands.gpus:
         out["GPU"] = cfg.islands.gpus
     return out
 
 
+def island_bundle(cfg: RunConfig) -> dict[str, float]:
+    """A whole island's resources as one bundle: what a node must offer to host it (what
+    the autoscaler is asked for, so it adds nodes that fit an island's STRICT_PACK group)."""
+    return {k: v * cfg.islands.workers for k, v in bundle(cfg).items()}
+
+
 def request_group(cfg: RunConfig, index: int, run_id: str) -> PlacementGroup:
-    """Ask for an island's resources (one bundle); returns at once. On an autoscaling
-    cluster a pending group is what makes the autoscaler add a node."""
-    return placement_group([bundle(cfg)], strategy="STRICT_PACK", name=island_name(run_id, index), lifetime="detached")
+    """Ask for an island's resources (one bundle per worker, all on one node); returns at
+    once. On an autoscaling cluster a pending group is what makes the autoscaler add a node."""
+    return placement_group([bundle(cfg)] * cfg.islands.workers, strategy="STRICT_PACK",
+                           name=island_name(run_id, index), lifetime="detached")
 
 
 def start_island(cfg: RunConfig, index: int, run_id: str, group: PlacementGroup, start_step: int = 0) -> IslandHandle:
-    """Start the island actor inside its (ready) placement group."""
-    actor = ray.remote(RayIsland).options(
-        name=island_name(run_id, index), namespace=NAMESPACE, lifetime="detached",
-        num_cpus=cfg.islands.cpus, num_gpus=cfg.islands.gpus, max_restarts=0,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
-    ).remote(island_spec(cfg, index, start_step))
+    """Start the island inside its (ready) placement group: one actor, or with
+    `islands.workers` = N a group of N whose rank 0 is the actor the coordinator talks to
+    (the others live and die with the group; `describe` answers once the group formed)."""
+    spec = island_spec(cfg, index, start_step)
+    cls = ray.remote(GroupIsland if cfg.islands.workers > 1 else RayIsland)
+
+    def worker(rank: int, **named: Any) -> Any:
+        return cls.options(
+            namespace=NAMESPACE, lifetime="detached", num_cpus=cfg.islands.cpus, num_gpus=cfg.islands.gpus,
+            max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
+            **named).remote(spec)
+
+    actor = worker(0, name=island_name(run_id, index))
+    if cfg.islands.workers > 1:
+        actor.form_group.remote([worker(r) for r in range(1, cfg.islands.workers)])
     return IslandHandle(index, actor, group)
 
 

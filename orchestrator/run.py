@@ -27,9 +27,10 @@ def init_ray(cfg: RunConfig) -> bool:
     if address:
         ray.init(address=address, log_to_driver=True)
         return True
-    needed = cfg.islands.count * cfg.islands.cpus
+    workers = cfg.islands.count * cfg.islands.workers
+    needed = workers * cfg.islands.cpus
     num_cpus = cfg.ray.num_cpus or max(1, int(needed + 0.999))
-    num_gpus = int(cfg.islands.count * cfg.islands.gpus + 0.999) if cfg.islands.gpus else None
+    num_gpus = int(workers * cfg.islands.gpus + 0.999) if cfg.islands.gpus else None
     pythonpath = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p)
     ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})

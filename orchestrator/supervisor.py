@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from orchestrator.launcher import IslandHandle, bundle, release_island, request_group, start_island
+from orchestrator.launcher import IslandHandle, island_bundle, release_island, request_group, start_island
 
 if TYPE_CHECKING:
     from orchestrator.coordinator import Coordinator
@@ -92,9 +92,9 @@ class Supervisor:
             return
         from ray.autoscaler.sdk import request_resources
 
-        request_resources(bundles=[bundle(self.co.cfg)] * self.target)
+        request_resources(bundles=[island_bundle(self.co.cfg)] * self.target)
         self.requested_target = self.target
-        self.co.events.add("resources_requested", None, bundles=self.target, bundle=bundle(self.co.cfg))
+        self.co.events.add("resources_requested", None, bundles=self.target, bundle=island_bundle(self.co.cfg))
 
     def _start_drain(self, island: int) -> bool:
         """Start draining (or cancel a join); False if the island is already gone."""

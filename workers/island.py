@@ -125,6 +125,9 @@ class Island:
             if norm > clip:
                 self.flat.grad.mul_(clip / norm)
 
+    def _step(self) -> None:
+        self.optimizer.step()
+
     def _seek_schedule(self, step: int) -> None:
         """Put the lr schedule at `step` (the scheduler continues from there)."""
         self.scheduler.last_epoch = step
@@ -163,7 +166,7 @@ class Island:
             loss, w = self._forward_backward(batch)
             shard_tokens[shard] += w
             self._clip()
-            self.optimizer.step()
+            self._step()
             self.scheduler.step()
             losses += loss
             weight += w

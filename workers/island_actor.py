@@ -13,16 +13,17 @@ import ray
 from workers.island import Island, RoundResult
 
 
-def _whole(params: Any) -> np.ndarray:
+def whole_params(params: Any) -> np.ndarray:
+    """The global parameters, from one array or from S shards' slices (fetched together)."""
     return np.concatenate(ray.get(list(params))) if isinstance(params, list) else params
 
 
 class RayIsland(Island):
     def run_round(self, version: int, params: Any, *args: Any, **kwargs: Any) -> RoundResult:
-        result = super().run_round(version, _whole(params), *args, **kwargs)
+        result = super().run_round(version, whole_params(params), *args, **kwargs)
         if not isinstance(result.payload, list):
             return result
         return dataclasses.replace(result, payload=[ray.put(p) for p in result.payload], sent_bytes=result.nbytes)
 
     def gradient(self, version: int, params: Any, *args: Any, **kwargs: Any) -> RoundResult:
-        return super().gradient(version, _whole(params), *args, **kwargs)
+        return super().gradient(version, whole_params(params), *args, **kwargs)

@@ -1,0 +1,132 @@
+"""An island of N workers (`islands.workers`): N accelerators of one node (N CPU processes
+in tests), placed together by a STRICT_PACK placement group, doing ordinary data
+parallelism on the inner steps while only the island's one pseudo-gradient leaves it.
+
+Every worker holds the full model in the island's flat parameter buffer and reads the
+island's batch stream; worker r trains on the r-th 1/N of each batch, and one all-reduce
+of the flat gradient buffer (gloo on CPU, NCCL on GPU) makes every worker's gradient the
+whole batch's. So an island of N workers takes exactly the steps one worker would take on
+the N-times-larger batch.
+
+The inner optimizer state is sharded ZeRO-1 style over the same flat buffer: worker r
+owns a contiguous 1/N slice, keeps the AdamW/SGD state of that slice only, steps it, and
+broadcasts it to the others (N broadcasts per step, no per-parameter loop). The inner
+optimizers are elementwise, so a sliced step is the full step. This is torch's
+`ZeroRedundancyOptimizer` idea without its per-parameter partitioning and bucket views,
+which would fight the flat buffer every other part of Archipelago shares.
+
+Rank 0 is the island the coordinator talks to; it forwards each round to the others.
+"""
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+
+from workers.flat import slice_bounds
+from workers.island import Island, IslandSpec, RoundResult
+from workers.island_actor import RayIsland, whole_params
+from workers.optim import build_inner
+from workers.task import Batch
+
+
+def split_batch(batch: Batch, rank: int, world: int) -> Batch:
+    """Worker `rank`'s 1/world of every tensor of `batch`, along the first dimension."""
+    rows = batch[0].shape[0]
+    if rows % world:
+        raise ValueError(f"a batch of {rows} rows does not split evenly over {world} island workers: "
+                         "make the task's batch size a multiple of islands.workers")
+    return tuple(t.chunk(world)[rank] for t in batch)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class GroupIsland(RayIsland):
+    def __init__(self, spec: IslandSpec) -> None:
+        super().__init__(spec)
+        self.rank, self.world = 0, 1
+        self.bounds = (0, self.flat.numel)
+        self.followers: list[Any] = []
+        self.group_error: str | None = None
+
+    # -- forming the group --------------------------------------------------------------
+    def form_group(self, followers: list[Any]) -> None:
+        """Rank 0: start the process group with `followers` as ranks 1..N-1. A failure
+        is kept and raised by `describe`, the call that tells the coordinator it is ready."""
+        try:
+            address = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+            world = len(followers) + 1
+            joined = [f.join_group.remote(address, r + 1, world) for r, f in enumerate(followers)]
+            self.join_group(address, 0, world)
+            ray.get(joined)
+            self.followers = followers
+        except Exception as err:  # noqa: BLE001  (reported through describe)
+            self.group_error = f"island of {len(followers) + 1} workers could not form: {err}"
+
+    def join_group(self, address: str, rank: int, world: int) -> None:
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=address, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=300))
+        self.rank, self.world = rank, world
+        self.bounds = slice_bounds(self.flat.numel, world, 1)[rank]
+        lo, hi = self.bounds
+        owned = torch.nn.Parameter(self.flat.data[lo:hi])  # a view: stepping it steps the model
+        owned.grad = self.flat.grad[lo:hi]
+        spec = self.spec
+        self.optimizer, self.scheduler = build_inner(spec.inner, [owned], spec.total_inner_steps,
+                                                     spec.start_step, spec.rewarmup_steps)
+
+    # -- one data-parallel inner step -----------------------------------------------------
+    def _forward_backward(self, batch: Batch) -> tuple[float, int]:
+        if self.world == 1:
+            return super()._forward_backward(batch)
+        weight = self.task.batch_weight(batch)  # the island's whole batch
+        loss, _ = super()._forward_backward(split_batch(batch, self.rank, self.world))
+        dist.all_reduce(self.flat.grad)
+        self.flat.grad.div_(self.world)
+        mean_loss = torch.tensor([loss], device=self.flat.grad.device)
+        dist.all_reduce(mean_loss)
+        return float(mean_loss) / self.world, weight
+
+    def _step(self) -> None:
+        self.optimizer.step()  # this worker's slice only
+        if self.world > 1:
+            for r, (lo, hi) in enumerate(slice_bounds(self.flat.numel, self.world, 1)):
+                dist.broadcast(self.flat.data[lo:hi], src=r)
+
+    # -- rounds: rank 0 drives the others ------------------------------------------------
+    def run_round(self, version: int, params: Any, *args: Any, **kwargs: Any) -> RoundResult:
+        params = whole_params(params)
+        shared = ray.put(params) if self.followers else None  # one copy on this node for all workers
+        follow = [f.follow_round.remote(version, shared, *args, **kwargs) for f in self.followers]
+        result = super().run_round(version, params, *args, **kwargs)
+        ray.get(follow)
+        return result
+
+    def gradient(self, version: int, params: Any, *args: Any, **kwargs: Any) -> RoundResult:
+        params = whole_params(params)
+        shared = ray.put(params) if self.followers else None
+        follow = [f.follow_gradient.remote(version, shared, *args, **kwargs) for f in self.followers]
+        result = super().gradient(version, params, *args, **kwargs)
+        ray.get(follow)
+        return result
+
+    def follow_round(self, version: int, params: Any, *args: Any, **kwargs: Any) -> None:
+        Island.run_round(self, version, params, *args, **kwargs)
+
+    def follow_gradient(self, version: int, params: Any, *args: Any, **kwargs: Any) -> None:
+        Island.gradient(self, version, params, *args, **kwargs)
+
+    def describe(self) -> dict[str, Any]:
+        if self.group_error:
+            raise RuntimeError(self.group_error)
+        lo, hi = self.bounds
+        return {**super().describe(), "workers": self.world, "optimizer_slice": [lo, hi]}
