@@ -1,6 +1,6 @@
 """The benchmark registry. A scenario is a function `(quick, work_dir) -> BenchResult`;
 the entry point writes `<scenario>.json`, `.png` and `.md` and prints a one-line summary.
-Other scenarios (hetero, overlap, datapath) register here the same way."""
+Scenarios: quality, hetero, overlap, datapath."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -20,7 +20,7 @@ def scenario(name: str) -> Callable[[Scenario], Scenario]:
 
 
 def _load_builtin() -> None:
-    from orchestrator.bench import hetero, overlap, quality  # noqa: F401  (they register themselves)
+    from orchestrator.bench import datapath, hetero, overlap, quality  # noqa: F401  (they register themselves)
 
 
 def available() -> list[str]:

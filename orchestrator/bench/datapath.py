@@ -1,0 +1,217 @@
+"""`datapath`: how fast the coordinator ingests pseudo-gradients, measured side by side
+in one run on one Ray instance:
+
+- `coordinator_gbps[S]`: K islands' pseudo-gradients (P fp32 values each) already in
+  the islands' object stores; the time for the production servers (one coordinator, or S
+  shard actors) to fetch them, screen them (finite, norm guard), average them and take
+  the outer Nesterov step. Bytes = K·P·4.
+- `gloo_allreduce_gbps`: the same K·P·4 bytes all-reduced by `torch.distributed` (gloo)
+  across K processes (what a data-parallel step would spend instead).
+- `memcpy_gbps`: numpy copying P·4 bytes (bytes copied per second).
+- `overhead_fraction`: in real sync DiLoCo runs at the default H, the share of the
+  islands' steady-state time not spent computing (no simulated link), for S = 1 and 2.
+
+GB/s are 1e9 bytes per second. Each measurement is the median of several repetitions.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from orchestrator.aggregate import Contribution
+from orchestrator.bench.registry import scenario
+from orchestrator.bench.report import BenchResult, Panel, checks_table, md_table, targets_met
+from orchestrator.bench.runner import run_methods
+from orchestrator.config import RunConfig
+from orchestrator.config_load import load_config
+from orchestrator.robust import NormGuard
+from orchestrator.servers import build_server
+from orchestrator.shard_actors import start_sharded_server
+from workers.compress import decode, encode
+from workers.flat import slice_bounds
+from workers.island import RoundResult
+
+
+class _Source:
+    """Stands in for an island's *output* only: it publishes a pseudo-gradient exactly as
+    `RayIsland` does (inline payload for one coordinator; S `ray.put` slices for shards)."""
+
+    def __init__(self, island: int, numel: int, shards: int, chunk: int) -> None:
+        self.island, self.shards, self.chunk = island, shards, chunk
+        self.delta = np.random.default_rng(island).normal(0, 1e-3, numel).astype(np.float32)
+
+    def result(self, version: int) -> RoundResult:
+        if self.shards == 1:
+            payload: Any = encode(self.delta)
+        else:
+            payload = [ray.put(encode(self.delta[lo:hi], "none", self.chunk))
+                       for lo, hi in slice_bounds(self.delta.size, self.shards, self.chunk)]
+        return RoundResult(self.island, version, payload, 1000, 1, 0.0, 0.0, time.time(), {}, {})
+
+
+class _Aggregator:
+    """The coordinator's side of a round, with the production server of `cfg`."""
+
+    def __init__(self, cfg: RunConfig, numel: int) -> None:
+        torch.set_num_threads(1)
+        flat = torch.zeros(numel)
+        guard = NormGuard(cfg.robust)
+        self.server = start_sharded_server(cfg, flat, guard) if cfg.coordinator.shards > 1 else \
+            build_server(cfg, flat, guard)
+
+    def aggregate(self, refs: list[ray.ObjectRef]) -> float:
+        t0 = time.perf_counter()
+        results = ray.get(refs)
+        contributions = [Contribution(r.island, r.version,
+                                      r.payload if isinstance(r.payload, list) else decode(r.payload), r.weight)
+                         for r in results]
+        out = self.server.close_round(contributions)
+        assert len(out.accepted) == len(results), out
+        return time.perf_counter() - t0
+
+    def version(self) -> int:
+        return self.server.version
+
+
+class _Reducer:
+    def __init__(self, numel: int) -> None:
+        torch.set_num_threads(1)
+        self.buf = torch.randn(numel)
+
+    def address(self) -> str:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return f"tcp://{ray.util.get_node_ip_address()}:{s.getsockname()[1]}"
+
+    def join(self, address: str, rank: int, world: int) -> None:
+        torch.distributed.init_process_group("gloo", init_method=address, rank=rank, world_size=world,
+                                             timeout=timedelta(seconds=120))
+
+    def allreduce(self, reps: int) -> float:
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.distributed.all_reduce(self.buf)
+        return (time.perf_counter() - t0) / reps
+
+
+def memcpy_gbps(numel: int, reps: int) -> float:
+    src = np.random.default_rng(0).normal(size=numel).astype(np.float32)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return src.nbytes / statistics.median(times) / 1e9
+
+
+def coordinator_gbps(islands: int, numel: int, shards: int, reps: int) -> dict[str, float]:
+    cfg = load_config(None, ["mode=diloco", f"islands.count={islands}", f"coordinator.shards={shards}",
+                             "compression.chunk=4096"])
+    sources = [ray.remote(_Source).options(num_cpus=0).remote(i, numel, shards, 4096) for i in range(islands)]
+    agg = ray.remote(_Aggregator).options(num_cpus=0, max_concurrency=1).remote(cfg, numel)
+    times = []
+    for v in range(reps + 1):  # the first repetition warms up (allocations, shard start)
+        refs = [s.result.remote(v) for s in sources]
+        ray.wait(refs, num_returns=len(refs))
+        elapsed = ray.get(agg.aggregate.remote(refs))
+        if v:
+            times.append(elapsed)
+    for a in (*sources, agg):
+        ray.kill(a)
+    seconds = statistics.median(times)
+    return {"seconds": seconds, "gbps": islands * numel * 4 / seconds / 1e9}
+
+
+def gloo_allreduce_gbps(processes: int, numel: int, reps: int) -> dict[str, float]:
+    actors = [ray.remote(_Reducer).options(num_cpus=0).remote(numel) for _ in range(processes)]
+    address = ray.get(actors[0].address.remote())
+    ray.get([a.join.remote(address, r, processes) for r, a in enumerate(actors)])
+    ray.get([a.allreduce.remote(1) for a in actors])  # warm-up
+    seconds = max(ray.get([a.allreduce.remote(reps) for a in actors]))
+    for a in actors:
+        ray.kill(a)
+    return {"seconds": seconds, "gbps": processes * numel * 4 / seconds / 1e9}
+
+
+def steady_overhead(run_dir: Path) -> float:
+    """1 − compute / wall between the first and the second-to-last round records (so
+    start-up, the first evaluation and the final one, which nothing overlaps, are out),
+    averaged over islands."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    a, b = records[0], records[-2]
+    fractions = []
+    for island in a["island_idle_fraction"]:
+        busy = [(1 - r["island_idle_fraction"][island]) * r["train_seconds"] for r in (a, b)]
+        fractions.append(1 - (busy[1] - busy[0]) / (b["train_seconds"] - a["train_seconds"]))
+    return sum(fractions) / len(fractions)
+
+
+@scenario("datapath")
+def datapath(quick: bool, work: Path) -> BenchResult:
+    islands, numel, reps = (2, 2_000_000, 3) if quick else (4, 8_000_000, 5)
+    shard_counts = [1, 2] if quick else [1, 2, 4]
+    if not ray.is_initialized():
+        ray.init(num_cpus=islands, include_dashboard=False, log_to_driver=False)
+    try:
+        memcpy = memcpy_gbps(numel, reps * 3)
+        coord = {s: coordinator_gbps(islands, numel, s, reps) for s in shard_counts}
+        gloo = gloo_allreduce_gbps(islands, numel, reps)
+    finally:
+        ray.shutdown()
+    rounds = 3 if quick else 6
+    table = {f"sync_s{s}": (f"sync DiLoCo, default H, {s} coordinator shard(s)",
+                            ["islands.count=2", f"rounds={rounds}", f"coordinator.shards={s}", "ray.num_cpus=2",
+                             "compression.chunk=1024"]) for s in (1, 2)}
+    summaries = run_methods([], table, work)
+    overhead = {name: steady_overhead(work / name) for name in table}
+    best = max(c["gbps"] for c in coord.values())
+    checks = {
+        "coordinator_ge_0.5x_memcpy": {"value": best / memcpy, "ok": best >= 0.5 * memcpy},
+        "coordinator_ge_1x_gloo_allreduce": {"value": best / gloo["gbps"], "ok": best >= gloo["gbps"]},
+        "overhead_lt_5pct_default_h": {"value": overhead["sync_s1"], "ok": overhead["sync_s1"] < 0.05},
+    }
+    methods = {f"coordinator_s{s}": {"gbps": c["gbps"], "seconds_per_round": c["seconds"]} for s, c in coord.items()}
+    methods["gloo_allreduce"] = {"gbps": gloo["gbps"], "seconds_per_round": gloo["seconds"]}
+    methods["memcpy"] = {"gbps": memcpy}
+    for name, s in summaries.items():
+        methods[name] = {"overhead_fraction": overhead[name], "final_eval_loss": s["final_eval_loss"],
+                         "train_seconds": s["train_seconds"], "idle_fraction_whole_run": s["idle_fraction"]}
+    line = (f"datapath: coordinator {', '.join(f'S={s} {c['gbps']:.2f}' for s, c in coord.items())} GB/s; "
+            f"gloo all-reduce {gloo['gbps']:.2f} GB/s; memcpy {memcpy:.2f} GB/s; overhead at default H "
+            f"{100 * overhead['sync_s1']:.1f}% (S=1), {100 * overhead['sync_s2']:.1f}% (S=2); {targets_met(checks)}")
+    bars = {"memcpy": [(0, memcpy)], "gloo all-reduce": [(0, gloo["gbps"])],
+            **{f"coordinator S={s}": [(0, c["gbps"])] for s, c in coord.items()}}
+    scaling = {"coordinator": [(float(s), c["gbps"]) for s, c in coord.items()],
+               "memcpy": [(float(s), memcpy) for s in coord], "gloo all-reduce": [(float(s), gloo["gbps"]) for s in coord]}
+    md = _markdown(islands, numel, coord, gloo, memcpy, overhead, checks)
+    return BenchResult("datapath", quick, methods, line, md,
+                       [Panel("coordinator shards S", scaling, y_label="GB/s aggregated"),
+                        Panel("(one point each)", bars, y_label="GB/s")],
+                       extra={"coordinator_gbps": {str(s): c["gbps"] for s, c in coord.items()},
+                              "gloo_allreduce_gbps": gloo["gbps"], "memcpy_gbps": memcpy,
+                              "overhead_fraction": overhead["sync_s1"],
+                              "overhead_fraction_by_shards": {"1": overhead["sync_s1"], "2": overhead["sync_s2"]},
+                              "islands": islands, "params": numel, "checks": checks})
+
+
+def _markdown(islands: int, numel: int, coord: dict[int, dict[str, float]], gloo: dict[str, float], memcpy: float,
+              overhead: dict[str, float], checks: dict[str, dict[str, Any]]) -> str:
+    mb = islands * numel * 4 / 1e6
+    rows = [[f"coordinator, S = {s}", f"{c['gbps']:.2f}", f"{1000 * c['seconds']:.0f}"] for s, c in coord.items()]
+    rows += [["gloo all-reduce", f"{gloo['gbps']:.2f}", f"{1000 * gloo['seconds']:.0f}"],
+             ["memcpy", f"{memcpy:.2f}", "–"]]
+    over = md_table(["run", "steady-state overhead"], [[k, f"{100 * v:.2f}%"] for k, v in overhead.items()])
+    return (f"{islands} islands × {numel / 1e6:.0f} M fp32 values = {mb:.0f} MB of pseudo-gradient per round, "
+            "all on this machine (shard actors and islands share its cores).\n\n"
+            + md_table(["path", "GB/s", "ms per round"], rows) + "\n\n" + over + "\n\n" + checks_table(checks))
