@@ -187,7 +187,8 @@ def datapath(quick: bool, work: Path) -> BenchResult:
     for name, s in summaries.items():
         methods[name] = {"overhead_fraction": overhead[name], "final_eval_loss": s["final_eval_loss"],
                          "train_seconds": s["train_seconds"], "idle_fraction_whole_run": s["idle_fraction"]}
-    line = (f"datapath: coordinator {', '.join(f'S={s} {c['gbps']:.2f}' for s, c in coord.items())} GB/s; "
+    per_s = ", ".join(f"S={s} {c['gbps']:.2f}" for s, c in coord.items())
+    line = (f"datapath: coordinator {per_s} GB/s; "
             f"gloo all-reduce {gloo['gbps']:.2f} GB/s; memcpy {memcpy:.2f} GB/s; overhead at default H "
             f"{100 * overhead['sync_s1']:.1f}% (S=1), {100 * overhead['sync_s2']:.1f}% (S=2); {targets_met(checks)}")
     bars = {"memcpy": [(0, memcpy)], "gloo all-reduce": [(0, gloo["gbps"])],
