@@ -2,6 +2,7 @@
 checks that keep a bad update away from the global model."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,8 +22,19 @@ class Contribution:
 def rejection_reason(c: Contribution, numel: int, expected_version: int | None = None) -> str | None:
     """Why `c` must not touch the global model, or None if it is acceptable. With
     `expected_version` (synchronous rounds) a result from another version is refused."""
-    return reason_from(c.version, c.delta.shape, c.weight, lambda: bool(np.isfinite(c.delta).all()),
+    return reason_from(c.version, c.delta.shape, c.weight, lambda: all_finite(c.delta, sqnorm(c.delta)),
                        numel, expected_version)
+
+
+def sqnorm(x: np.ndarray) -> float:
+    """‖x‖² in one BLAS pass (NaN or inf in x make it non-finite)."""
+    return float(np.dot(x, x))
+
+
+def all_finite(x: np.ndarray, sq: float) -> bool:
+    """Whether x is finite, given its `sqnorm`: a finite ‖x‖² proves it without another
+    pass; only a non-finite one (NaN, inf, or overflow of huge values) is checked elementwise."""
+    return math.isfinite(sq) or bool(np.isfinite(x).all())
 
 
 def reason_from(version: int, shape: tuple[int, ...], weight: float, finite, numel: int,
@@ -43,9 +55,11 @@ def reason_from(version: int, shape: tuple[int, ...], weight: float, finite, num
 def screen(c: Contribution, numel: int, expected_version: int | None, guard) -> str | None:
     """`rejection_reason`, then the statistical norm check of `guard` (a `NormGuard` or None);
     an accepted contribution's norm joins the guard's history."""
-    reason = rejection_reason(c, numel, expected_version)
+    sq = sqnorm(c.delta) if c.delta.shape == (numel,) else math.nan
+    reason = reason_from(c.version, c.delta.shape, c.weight, lambda: all_finite(c.delta, sq), numel, expected_version)
     if reason is None and guard is not None:
-        norm, reason = guard.check(c.delta)
+        norm = math.sqrt(sq)
+        reason = guard.check_norm(norm)
         if reason is None:
             guard.accept(norm)
     return reason

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from orchestrator.aggregate import Contribution
+from orchestrator.aggregate import Contribution, all_finite, sqnorm
 from orchestrator.config import RunConfig
 from orchestrator.servers import build_server
 from workers.compress import Payload, decode
@@ -43,7 +43,8 @@ class OuterShard:
         """Decode (island, version, payload) slices and keep them for the step of `key`."""
         decoded = [(i, v, decode(p)) for i, v, p in parts]
         self.pending[key] = decoded
-        return [SliceStats(d.size, bool(np.isfinite(d).all()), float(np.dot(d, d))) for _, _, d in decoded]
+        norms = [sqnorm(d) for _, _, d in decoded]
+        return [SliceStats(d.size, all_finite(d, sq), sq) for (_, _, d), sq in zip(decoded, norms)]
 
     def _take(self, key: Any, weights: dict[int, float]) -> list[Contribution]:
         return [Contribution(i, v, d, weights[i]) for i, v, d in self.pending.pop(key) if i in weights]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -140,8 +141,10 @@ class ShardedServer:
 
     def refresh(self) -> None:
         """Copy the shards' parameters into the coordinator's model (before eval/checkpoint)."""
-        for (lo, hi), part in zip(self.bounds, self.calls.fetch(self.params_slices())):
-            self.flat[lo:hi].copy_(torch.from_numpy(np.asarray(part)))
+        with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
+            warnings.simplefilter("ignore", UserWarning)
+            for (lo, hi), part in zip(self.bounds, self.calls.fetch(self.params_slices())):
+                self.flat[lo:hi].copy_(torch.from_numpy(np.asarray(part)))
 
     def set_lr(self, lr: float) -> None:
         self.calls.call("set_lr", [(lr,)] * len(self.bounds))

@@ -7,7 +7,8 @@ in one run on one Ray instance:
   the outer Nesterov step. Bytes = K·P·4.
 - `gloo_allreduce_gbps`: the same K·P·4 bytes all-reduced by `torch.distributed` (gloo)
   across K processes (what a data-parallel step would spend instead).
-- `memcpy_gbps`: numpy copying P·4 bytes (bytes copied per second).
+- `memcpy_gbps`: numpy copying max(K·P, 32 M) fp32 values, beyond the CPU caches
+  (bytes copied per second).
 - `overhead_fraction`: in real sync DiLoCo runs at the default H, the share of the
   islands' steady-state time not spent computing (no simulated link), for S = 1 and 2.
 
@@ -164,7 +165,7 @@ def datapath(quick: bool, work: Path) -> BenchResult:
     if not ray.is_initialized():
         ray.init(num_cpus=islands, include_dashboard=False, log_to_driver=False)
     try:
-        memcpy = memcpy_gbps(numel, reps * 3)
+        memcpy = memcpy_gbps(max(islands * numel, 32_000_000), reps * 3)  # beyond the caches
         coord = {s: coordinator_gbps(islands, numel, s, reps) for s in shard_counts}
         gloo = gloo_allreduce_gbps(islands, numel, reps)
     finally:
