@@ -19,16 +19,11 @@ class Contribution:
     weight: float
 
 
-def rejection_reason(c: Contribution, numel: int, expected_version: int | None = None) -> str | None:
-    """Why `c` must not touch the global model, or None if it is acceptable. With
-    `expected_version` (synchronous rounds) a result from another version is refused."""
-    return reason_from(c.version, c.delta.shape, c.weight, lambda: all_finite(c.delta, sqnorm(c.delta)),
-                       numel, expected_version)
-
-
 def sqnorm(x: np.ndarray) -> float:
-    """‖x‖² in one BLAS pass (NaN or inf in x make it non-finite)."""
-    return float(np.dot(x, x))
+    """‖x‖² in one BLAS pass (NaN or inf in x make it non-finite; so does an overflow,
+    which `all_finite` tells apart)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return float(np.dot(x, x))
 
 
 def all_finite(x: np.ndarray, sq: float) -> bool:
@@ -39,8 +34,10 @@ def all_finite(x: np.ndarray, sq: float) -> bool:
 
 def reason_from(version: int, shape: tuple[int, ...], weight: float, finite, numel: int,
                 expected_version: int | None) -> str | None:
-    """`rejection_reason` from a contribution's facts (`finite()` is evaluated last, as it
-    reads the whole vector); a sharded coordinator assembles them from its shards."""
+    """Why a contribution must not touch the global model, or None, from its facts. With
+    `expected_version` (synchronous rounds) a result from another version is refused;
+    `finite()` is evaluated last, as it may read the whole vector. A sharded coordinator
+    assembles the facts from its shards."""
     if expected_version is not None and version != expected_version:
         return f"stale: computed from version {version}, round is at {expected_version}"
     if tuple(shape) != (numel,):
@@ -53,7 +50,7 @@ def reason_from(version: int, shape: tuple[int, ...], weight: float, finite, num
 
 
 def screen(c: Contribution, numel: int, expected_version: int | None, guard) -> str | None:
-    """`rejection_reason`, then the statistical norm check of `guard` (a `NormGuard` or None);
+    """`reason_from` the contribution, then the statistical norm check of `guard` (a `NormGuard` or None);
     an accepted contribution's norm joins the guard's history."""
     sq = sqnorm(c.delta) if c.delta.shape == (numel,) else math.nan
     reason = reason_from(c.version, c.delta.shape, c.weight, lambda: all_finite(c.delta, sq), numel, expected_version)

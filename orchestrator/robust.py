@@ -1,7 +1,7 @@
 """Robust aggregation guards: reject a pseudo-gradient whose norm is far outside the
 recent distribution, and quarantine an island that keeps sending bad updates.
 
-Pure logic (numpy only). NaN/inf and shape checks live in `aggregate.rejection_reason`;
+Pure logic (numpy only). NaN/inf and shape checks live in `aggregate.reason_from`;
 this adds the statistical check. The threshold is relative to the median of recently
 accepted norms, which follows the natural decay of pseudo-gradients over training.
 """
@@ -25,11 +25,6 @@ class NormGuard:
     def __init__(self, cfg: RobustConfig) -> None:
         self.cfg = cfg
         self.norms: deque[float] = deque(maxlen=cfg.history)
-
-    def check(self, delta: np.ndarray) -> tuple[float, str | None]:
-        """(norm, reason to reject or None)."""
-        norm = float(np.linalg.norm(delta))
-        return norm, self.check_norm(norm)
 
     def check_norm(self, norm: float) -> str | None:
         """Why a pseudo-gradient of this norm is rejected, or None."""

@@ -51,3 +51,16 @@ def test_drop_prob_drops_about_half_and_dropped_rounds_do_not_step():
         accepted += len(out.accepted)
         assert out.stepped == bool(out.accepted)
     assert 70 < dropped < 130 and dropped + accepted == 200
+
+
+def test_finiteness_from_the_norm_pass_and_its_overflow_fallback():
+    from orchestrator.aggregate import all_finite, sqnorm
+
+    x = np.ones(10, dtype=np.float32)
+    assert all_finite(x, sqnorm(x))
+    huge = np.full(10, 3e38, dtype=np.float32)  # finite, but its squared norm overflows
+    assert not np.isfinite(sqnorm(huge)) and all_finite(huge, sqnorm(huge))
+    for bad in (np.nan, np.inf, -np.inf):
+        y = x.copy()
+        y[3] = bad
+        assert not all_finite(y, sqnorm(y))
