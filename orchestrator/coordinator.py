@@ -55,7 +55,7 @@ class Coordinator(OperatorControls):
         guard = NormGuard(cfg.robust)
         self.server: Server | ShardedServer
         if cfg.coordinator.shards > 1:
-            self.server = start_sharded_server(cfg, self.flat.data, guard)
+            self.server = start_sharded_server(cfg, self.flat.data, guard, run_id)
         else:
             self.server = build_server(cfg, self.flat.data, guard)
         self.quarantine = Quarantine(cfg.robust.quarantine_after)

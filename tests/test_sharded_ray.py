@@ -1,6 +1,7 @@
 """The sharded coordinator in real Ray runs: S = 2 trains the same model as S = 1 (sync
 DiLoCo; round results may arrive in another order, so equal to float rounding), async
-and overlap run on it, and its shards resume from the run's checkpoint."""
+and overlap run on it, and a lost shard is rebuilt from the run's checkpoint (the path
+`--resume` takes too)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,6 @@ import json
 import pytest
 import torch
 
-from orchestrator.cli import main
 from orchestrator.config_load import load_config
 from orchestrator.run import run
 from tests.helpers import TINY_LM
@@ -37,15 +37,37 @@ def test_two_shards_train_the_same_model_as_one(ray_local, tmp_path, corpus_cach
 
 @pytest.mark.parametrize("mode", ["async", "overlap"])
 def test_async_and_overlap_learn_on_three_shards(ray_local, tmp_path, corpus_cache, mode):
-    summary = run(_cfg(tmp_path, corpus_cache, mode, f"mode={mode}", "coordinator.shards=3", "rounds=4"),
+    # fixed H and outer lr 0.4 in async: with DyLU, H = 5 and lr 0.7 this tiny model sometimes
+    # diverges whatever S is (arrival timing decides), which is not what this test is about
+    stable = ["asynchronous.dylu=false", "outer.lr=0.4"] if mode == "async" else []
+    summary = run(_cfg(tmp_path, corpus_cache, mode, f"mode={mode}", "coordinator.shards=3", "rounds=4", *stable),
                   show_progress=False)
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert summary["outer_steps"] >= 4
 
 
-def test_shards_resume_from_the_checkpoint(ray_local, tmp_path, corpus_cache):
-    run(_cfg(tmp_path, corpus_cache, "out", "coordinator.shards=2"), show_progress=False)
-    out = tmp_path / "out"
-    assert main(["run", "--resume", str(out), "--set", "rounds=5"]) == 0
-    versions = [json.loads(line)["version"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert versions == [1, 2, 3, 4, 5]
+def test_a_lost_shard_restarts_the_coordinator_from_its_checkpoint(ray_local, tmp_path, corpus_cache):
+    import threading
+    import time
+
+    import ray
+
+    from orchestrator.launcher import NAMESPACE
+
+    cfg = _cfg(tmp_path, corpus_cache, "out", "coordinator.shards=2", "rounds=8")
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id="shardloss")))
+    thread.start()
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    shard = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"].startswith("archipelago-shardloss-shard-1-"))
+    ray.kill(ray.get_actor(shard, namespace=NAMESPACE))
+    thread.join(timeout=240)
+    assert box["summary"]["outer_steps"] == 8
+    versions = [json.loads(line)["version"] for line in metrics.read_text().splitlines()]
+    assert versions == list(range(1, 9))  # rounds after the checkpoint redone, none lost or doubled
+    kinds = [json.loads(line)["kind"] for line in (tmp_path / "out" / "events.jsonl").read_text().splitlines()]
+    assert kinds.count("restart") == 1
