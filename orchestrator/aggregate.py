@@ -70,11 +70,14 @@ class WeightedMean:
         self.total = 0.0
 
     def reset(self) -> None:
-        self.sum.zero_()
-        self.total = 0.0
+        self.total = 0.0  # the next `add` overwrites the buffer: no zeroing pass
 
     def add(self, delta: np.ndarray, weight: float) -> None:
-        self.sum.add_(torch.from_numpy(delta).to(self.sum.dtype), alpha=weight)
+        src = torch.from_numpy(delta).to(self.sum.dtype)
+        if self.total == 0.0:
+            torch.mul(src, weight, out=self.sum)
+        else:
+            self.sum.add_(src, alpha=weight)
         self.total += weight
 
     def mean(self) -> torch.Tensor:

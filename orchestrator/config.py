@@ -142,6 +142,8 @@ class CoordinatorConfig(_Strict):
     optimizer state, and receives 1/S of every pseudo-gradient straight from the islands."""
 
     shards: int = Field(1, ge=1, le=256, description="coordinator shards S (1: the coordinator steps alone)")
+    threads: int = Field(1, ge=1, le=256, description="torch threads of the coordinator and of each shard for "
+                         "the outer step (more when they have cores islands do not use, e.g. a KubeRay head)")
 
 
 class RunConfig(_Strict):

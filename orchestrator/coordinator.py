@@ -44,7 +44,7 @@ class Coordinator(OperatorControls):
     def __init__(self, cfg: RunConfig, run_id: str = "local") -> None:
         """Builds the global model; if a checkpoint of this `run_id` exists (Ray restarted
         this actor, or the user resumed the run) continues from it."""
-        torch.set_num_threads(1)
+        torch.set_num_threads(cfg.coordinator.threads)
         self.cfg = cfg
         self.run_id = run_id
         self.task = load_task(cfg.task.factory, cfg.task.kwargs)

@@ -33,7 +33,7 @@ class SliceStats:
 
 class OuterShard:
     def __init__(self, cfg: RunConfig, bounds: tuple[int, int], params: np.ndarray) -> None:
-        torch.set_num_threads(1)
+        torch.set_num_threads(cfg.coordinator.threads)
         self.lo, self.hi = bounds
         self.param = torch.from_numpy(np.array(params))  # a private copy
         self.server = build_server(cfg, self.param, guard=None, whole=False)

@@ -85,3 +85,22 @@ def test_token_weighted_mean():
     server = _server([0.0, 0.0], OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0))
     server.close_round([_contrib(0, 0, [1.0, 0.0], 3.0), _contrib(1, 0, [0.0, 1.0], 1.0)])
     np.testing.assert_allclose(server.param.detach().numpy(), [-0.75, -0.25], atol=1e-12)
+
+
+@pytest.mark.parametrize("momentum, nesterov", [(0.9, True), (0.9, False), (0.0, False)])
+def test_flat_sgd_is_bitwise_torch_sgd(momentum, nesterov):
+    """The in-place outer SGD/Nesterov computes exactly what `torch.optim.SGD` computes."""
+    from orchestrator.flat_sgd import FlatSGD
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(1000, dtype=torch.float64, generator=gen))
+    b = torch.nn.Parameter(a.detach().clone())
+    ours, stock = FlatSGD([a], 0.7, momentum, nesterov), torch.optim.SGD([b], lr=0.7, momentum=momentum, nesterov=nesterov)
+    for _ in range(6):
+        g = torch.randn(1000, dtype=torch.float64, generator=gen)
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        stock.step()
+        assert torch.equal(a, b)
+    if momentum:
+        assert torch.equal(ours.state[a]["momentum_buffer"], stock.state[b]["momentum_buffer"])

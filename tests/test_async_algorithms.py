@@ -10,7 +10,6 @@ from orchestrator.async_server import AsyncConfig, AsyncServer
 from orchestrator.config import OuterConfig
 from orchestrator.delayed_nesterov import DelayedNesterov
 from orchestrator.dylu import SpeedTracker, dylu_steps
-from orchestrator.outer import build_outer
 
 TOL = 1e-6
 
@@ -32,7 +31,7 @@ def test_dn_with_c0_equals_sync_nesterov_every_n_arrivals():
     n, dim = 3, 5
     theta_dn = torch.tensor(rng.normal(size=dim))
     param = torch.nn.Parameter(theta_dn.clone())
-    sync = build_outer(OuterConfig(lr=0.7, momentum=0.9), param)
+    sync = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True)  # stock torch Nesterov
     dn = DelayedNesterov(theta_dn, lr=0.7, momentum=0.9, delay=n)
     for _ in range(4):
         grads = [torch.tensor(rng.normal(size=dim)) for _ in range(n)]

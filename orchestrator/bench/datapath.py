@@ -4,7 +4,8 @@ in one run on one Ray instance:
 - `coordinator_gbps[S]`: K islands' pseudo-gradients (P fp32 values each) already in
   the islands' object stores; the time for the production servers (one coordinator, or S
   shard actors) to fetch them, screen them (finite, norm guard), average them and take
-  the outer Nesterov step. Bytes = K·P·4.
+  the outer Nesterov step. Bytes = K·P·4. One torch thread per process, plus S = 1
+  with `coordinator.threads: 2`.
 - `gloo_allreduce_gbps`: the same K·P·4 bytes all-reduced by `torch.distributed` (gloo)
   across K processes (what a data-parallel step would spend instead).
 - `memcpy_gbps`: numpy copying max(K·P, 32 M) fp32 values, beyond the CPU caches
@@ -63,7 +64,7 @@ class _Aggregator:
     """The coordinator's side of a round, with the production server of `cfg`."""
 
     def __init__(self, cfg: RunConfig, numel: int) -> None:
-        torch.set_num_threads(1)
+        torch.set_num_threads(cfg.coordinator.threads)
         flat = torch.zeros(numel)
         guard = NormGuard(cfg.robust)
         self.server = start_sharded_server(cfg, flat, guard) if cfg.coordinator.shards > 1 else \
@@ -116,9 +117,9 @@ def memcpy_gbps(numel: int, reps: int) -> float:
     return src.nbytes / statistics.median(times) / 1e9
 
 
-def coordinator_gbps(islands: int, numel: int, shards: int, reps: int) -> dict[str, float]:
+def coordinator_gbps(islands: int, numel: int, shards: int, reps: int, threads: int = 1) -> dict[str, float]:
     cfg = load_config(None, ["mode=diloco", f"islands.count={islands}", f"coordinator.shards={shards}",
-                             "compression.chunk=4096"])
+                             f"coordinator.threads={threads}", "compression.chunk=4096"])
     sources = [ray.remote(_Source).options(num_cpus=0).remote(i, numel, shards, 4096) for i in range(islands)]
     agg = ray.remote(_Aggregator).options(num_cpus=0, max_concurrency=1).remote(cfg, numel)
     times = []
@@ -167,6 +168,7 @@ def datapath(quick: bool, work: Path) -> BenchResult:
     try:
         memcpy = memcpy_gbps(max(islands * numel, 32_000_000), reps * 3)  # beyond the caches
         coord = {s: coordinator_gbps(islands, numel, s, reps) for s in shard_counts}
+        threaded = coordinator_gbps(islands, numel, 1, reps, threads=2)  # S = 1 on both cores
         gloo = gloo_allreduce_gbps(islands, numel, reps)
     finally:
         ray.shutdown()
@@ -176,38 +178,42 @@ def datapath(quick: bool, work: Path) -> BenchResult:
                              "compression.chunk=1024"]) for s in (1, 2)}
     summaries = run_methods([], table, work)
     overhead = {name: steady_overhead(work / name) for name in table}
-    best = max(c["gbps"] for c in coord.values())
+    best = max([c["gbps"] for c in coord.values()] + [threaded["gbps"]])
     checks = {
         "coordinator_ge_0.5x_memcpy": {"value": best / memcpy, "ok": best >= 0.5 * memcpy},
         "coordinator_ge_1x_gloo_allreduce": {"value": best / gloo["gbps"], "ok": best >= gloo["gbps"]},
         "overhead_lt_5pct_default_h": {"value": overhead["sync_s1"], "ok": overhead["sync_s1"] < 0.05},
     }
     methods = {f"coordinator_s{s}": {"gbps": c["gbps"], "seconds_per_round": c["seconds"]} for s, c in coord.items()}
+    methods["coordinator_s1_2threads"] = {"gbps": threaded["gbps"], "seconds_per_round": threaded["seconds"]}
     methods["gloo_allreduce"] = {"gbps": gloo["gbps"], "seconds_per_round": gloo["seconds"]}
     methods["memcpy"] = {"gbps": memcpy}
     for name, s in summaries.items():
         methods[name] = {"overhead_fraction": overhead[name], "final_eval_loss": s["final_eval_loss"],
                          "train_seconds": s["train_seconds"], "idle_fraction_whole_run": s["idle_fraction"]}
-    per_s = ", ".join(f"S={s} {c['gbps']:.2f}" for s, c in coord.items())
+    per_s = ", ".join(f"S={s} {c['gbps']:.2f}" for s, c in coord.items()) + f", S=1 2 threads {threaded['gbps']:.2f}"
     line = (f"datapath: coordinator {per_s} GB/s; "
             f"gloo all-reduce {gloo['gbps']:.2f} GB/s; memcpy {memcpy:.2f} GB/s; overhead at default H "
             f"{100 * overhead['sync_s1']:.1f}% (S=1), {100 * overhead['sync_s2']:.1f}% (S=2); {targets_met(checks)}")
     scaling = {"coordinator": [(float(s), c["gbps"]) for s, c in coord.items()],
                "memcpy": [(float(s), memcpy) for s in coord], "gloo all-reduce": [(float(s), gloo["gbps"]) for s in coord]}
-    md = _markdown(islands, numel, coord, gloo, memcpy, overhead, checks)
+    md = _markdown(islands, numel, coord, threaded, gloo, memcpy, overhead, checks)
     return BenchResult("datapath", quick, methods, line, md,
                        [Panel("coordinator shards S", scaling, y_label="GB/s (1e9 bytes/s)")],
                        extra={"coordinator_gbps": {str(s): c["gbps"] for s, c in coord.items()},
+                              "coordinator_gbps_s1_2threads": threaded["gbps"],
                               "gloo_allreduce_gbps": gloo["gbps"], "memcpy_gbps": memcpy,
                               "overhead_fraction": overhead["sync_s1"],
                               "overhead_fraction_by_shards": {"1": overhead["sync_s1"], "2": overhead["sync_s2"]},
                               "islands": islands, "params": numel, "checks": checks})
 
 
-def _markdown(islands: int, numel: int, coord: dict[int, dict[str, float]], gloo: dict[str, float], memcpy: float,
-              overhead: dict[str, float], checks: dict[str, dict[str, Any]]) -> str:
+def _markdown(islands: int, numel: int, coord: dict[int, dict[str, float]], threaded: dict[str, float],
+              gloo: dict[str, float], memcpy: float, overhead: dict[str, float], checks: dict[str, dict[str, Any]]) -> str:
     mb = islands * numel * 4 / 1e6
     rows = [[f"coordinator, S = {s}", f"{c['gbps']:.2f}", f"{1000 * c['seconds']:.0f}"] for s, c in coord.items()]
+    rows.append(["coordinator, S = 1, `coordinator.threads: 2`", f"{threaded['gbps']:.2f}",
+                 f"{1000 * threaded['seconds']:.0f}"])
     rows += [["gloo all-reduce", f"{gloo['gbps']:.2f}", f"{1000 * gloo['seconds']:.0f}"],
              ["memcpy", f"{memcpy:.2f}", "–"]]
     over = md_table(["run", "steady-state overhead"], [[k, f"{100 * v:.2f}%"] for k, v in overhead.items()])
