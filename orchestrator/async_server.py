@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-import numpy as np
 import torch
 
 from orchestrator.aggregate import Contribution, screen

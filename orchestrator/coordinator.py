@@ -1,11 +1,11 @@
 """The coordinator: owns the global model and runs the rounds of a run.
 
-Orchestration only — the math lives in `SyncServer` / `AsyncServer` (pure torch). It
-publishes the global parameters once per version (`ray.put` of a numpy array), hands
-islands their work, never waits on an island past the round deadline, steps the server,
-evaluates and records. It runs inside a Ray actor (`ray.remote(Coordinator)`, threaded so
-`progress()` answers mid-round). The synchronous loop is here; the asynchronous one is
-in `async_loop.py`.
+Orchestration only — the math lives in the servers (pure torch). It publishes the
+global parameters once per version (`ray.put` of a numpy array), hands islands their
+work, never waits on an island past the round deadline, steps the server, evaluates and
+records. It runs inside a Ray actor (`ray.remote(Coordinator)`, threaded so `progress()`
+answers mid-round). The loops of the modes are `sync_loop.py` (diloco, ddp),
+`async_loop.py` and `overlap_loop.py`.
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ from orchestrator.supervisor import Supervisor
 from orchestrator.servers import Server, build_server
 from orchestrator.shard_actors import start_sharded_server
 from orchestrator.sharded_server import ShardedServer
-from orchestrator.sync_server import RoundOutcome, SyncServer
 from workers.compress import decode
 from workers.flat import FlatParams
 from workers.island import RoundResult
@@ -222,80 +221,7 @@ class Coordinator(OperatorControls):
         return RunFailed("no island can train: " + "; ".join(
             f"island {i}: {s.state} ({s.error})" for i, s in self.members.islands.items()))
 
-    # -- the synchronous loop (diloco, ddp) ---------------------------------------------
-    def _sync_dispatch(self) -> dict[ray.ObjectRef, int] | None:
-        """Hand every schedulable island its work for the current version (None: stopping)."""
-        if not self.controls.boundary(self):
-            return None
-        self.free_overdue()
-        self.supervisor.tick(set(self.overdue))
-        if not self.members.schedulable():
-            self.wait_for_islands(set(self.overdue))
-        version, params_ref = self.server.version, self.params_ref()
-        calls = {}
-        for i in self.members.schedulable():
-            actor = self.handles[i].actor
-            sent = self.count_dispatch(i)
-            if sent is None:
-                continue  # more islands than data shards: this one idles
-            download_s, shards = sent
-            if self.cfg.mode == "ddp":
-                calls[actor.gradient.remote(version, params_ref, download_s, shards)] = i
-            else:
-                calls[actor.run_round.remote(version, params_ref, self.cfg.inner_steps, download_s, shards)] = i
-            self.members.islands[i].inner_steps = self.cfg.inner_steps
-        return calls
-
-    def _sync_collect(self, calls: dict[ray.ObjectRef, int]) -> tuple[list[RoundResult], RoundOutcome] | None:
-        """Wait for the round (never past its deadline) and step the server (None: aborted)."""
-        assert isinstance(self.server, (SyncServer, ShardedServer))
-        waited = self.wait(list(calls), len(calls))
-        if waited is None:
-            return None
-        ready, pending = waited
-        results = [r for ref in ready if (r := self.fetch(ref, calls[ref])) is not None]
-        for ref in pending:
-            i = calls[ref]
-            self.mark_late(i, ref)
-        if results:  # the round closes once every result has crossed its (simulated) link
-            time.sleep(max(0.0, max(self.delivered_at(r) for r in results) - time.time()))
-        outcome = self.server.close_round([self.contribution(r) for r in results])
-        for r in results:
-            self.count_result(r, r.island in outcome.accepted, outcome.rejected.get(r.island))
-            self.members.islands[r.island].observe_staleness(0)  # a synchronous round is never stale
-        return results, outcome
-
-    def _run_sync(self) -> None:
-        """Rounds of diloco (one outer step each) or ddp (inner_steps optimizer steps each).
-        The next step is dispatched before a round's record is closed, so evaluation runs
-        while the islands train instead of between rounds. A stop ends after the round."""
-        calls = self._sync_dispatch()
-        for rnd in range(self.rounds_done + 1, self.cfg.rounds + 1):
-            if calls is None:
-                break
-            t_round, tokens_before = time.perf_counter(), self.tokens
-            losses: dict[int, list[float]] = {}
-            outcomes = []
-            steps = self.cfg.inner_steps if self.cfg.mode == "ddp" else 1
-            for j in range(steps):
-                collected = self._sync_collect(calls)
-                if collected is None:
-                    return
-                results, outcome = collected
-                last = rnd == self.cfg.rounds and j == steps - 1
-                calls = None if last else self._sync_dispatch()
-                outcomes.append(outcome)
-                for r in results:
-                    losses.setdefault(r.island, []).append(r.mean_loss)
-                if calls is None:
-                    break
-            self.close_record(rnd, t_round, tokens_before, {i: sum(v) / len(v) for i, v in losses.items()}, {
-                "contributed": sorted({i for o in outcomes for i in o.accepted}),
-                "rejected": {str(i): why for o in outcomes for i, why in o.rejected.items()},
-                "dropped": sorted({i for o in outcomes for i in o.dropped}),
-            })
-
-    # -- shared by both loops -------------------------------------------------------------
+    # -- shared by the loops ---------------------------------------------------------------
     def wait(self, refs: list[ray.ObjectRef], num_returns: int) -> tuple[list, list] | None:
         """`ray.wait` up to the round deadline, in short slices so that a stop-now (a job
         being stopped) is seen within 0.2 s instead of after the round. None: aborted."""
@@ -371,7 +297,9 @@ class Coordinator(OperatorControls):
 
             run_overlap(self)
         else:
-            self._run_sync()
+            from orchestrator.sync_loop import run_sync
+
+            run_sync(self)
         if self.controls.stopping.is_set():  # stopped early: final eval and checkpoint of where it stands
             if not self.controls.aborting.is_set():  # a stop-now has seconds left: keep the last eval
                 self.last_eval = self.evaluate()

@@ -21,7 +21,6 @@ from orchestrator.aggregate import Contribution, all_finite, sqnorm
 from orchestrator.config import RunConfig
 from orchestrator.servers import build_server
 from workers.compress import Payload, decode
-from workers.flat import slice_bounds  # noqa: F401  (re-exported: shards and islands cut alike)
 
 
 @dataclass(frozen=True)

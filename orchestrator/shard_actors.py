@@ -14,7 +14,8 @@ import torch
 
 from orchestrator.config import RunConfig
 from orchestrator.launcher import NAMESPACE
-from orchestrator.outer_shard import OuterShard, slice_bounds
+from orchestrator.outer_shard import OuterShard
+from workers.flat import slice_bounds
 from orchestrator.robust import NormGuard
 from orchestrator.sharded_server import ShardedServer
 from workers.compress import Payload

@@ -19,6 +19,25 @@ TINY_LM = ["task.kwargs.d_model=32", "task.kwargs.n_layers=1", "task.kwargs.n_he
            "inner.warmup_steps=5", "inner.lr=0.01"]
 
 
+def run_until_records(cfg: RunConfig, run_id: str, records: int, timeout_s: float = 120.0):
+    """Start `run(cfg)` in a thread and return once metrics.jsonl has `records` rounds, so a
+    test can break something mid-run; returns (thread, box), the summary lands in box."""
+    import threading
+    import time
+    from pathlib import Path
+
+    from orchestrator.run import run
+
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id=run_id)))
+    thread.start()
+    metrics = Path(cfg.out_dir) / "metrics.jsonl"
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < records):
+        time.sleep(0.05)
+    return thread, box
+
+
 def in_process_run(cfg: RunConfig) -> tuple[SyncServer, list[Island], list[torch.Tensor]]:
     """Run `cfg` synchronously in this process; returns the server, the islands and the
     global parameters after every round."""

@@ -3,7 +3,6 @@ rejected), and checked against the code: entry point, ports, secret and env name
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import yaml

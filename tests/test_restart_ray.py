@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import pytest
 import ray
@@ -12,6 +10,7 @@ from orchestrator.cli import main
 from orchestrator.config_load import dump_config, load_config
 from orchestrator.launcher import NAMESPACE
 from orchestrator.run import run
+from tests.helpers import run_until_records
 
 pytestmark = pytest.mark.ray
 
@@ -29,13 +28,8 @@ def _records(path):
 
 def test_killed_coordinator_restarts_from_checkpoint_and_reattaches_islands(ray_local, tmp_path, capfd):
     cfg = _cfg(tmp_path, "rounds=10")
-    box = {}
-    thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id="killtest")))
-    thread.start()
+    thread, box = run_until_records(cfg, "killtest", 3, timeout_s=60)
     metrics = tmp_path / "out" / "metrics.jsonl"
-    deadline = time.time() + 60
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.05)
     ray.kill(ray.get_actor("archipelago-killtest-coordinator", namespace=NAMESPACE), no_restart=False)
     thread.join(timeout=120)
     summary = box["summary"]

@@ -10,7 +10,8 @@ import torch
 
 from orchestrator.aggregate import Contribution
 from orchestrator.config_load import load_config
-from orchestrator.outer_shard import LocalShards, slice_bounds
+from orchestrator.outer_shard import LocalShards
+from workers.flat import slice_bounds
 from orchestrator.overlap_server import start_version
 from orchestrator.robust import NormGuard
 from orchestrator.servers import build_server

@@ -11,7 +11,7 @@ import torch
 
 from orchestrator.config_load import load_config
 from orchestrator.run import run
-from tests.helpers import TINY_LM
+from tests.helpers import TINY_LM, run_until_records
 
 pytestmark = pytest.mark.ray
 
@@ -47,21 +47,13 @@ def test_async_and_overlap_learn_on_three_shards(ray_local, tmp_path, corpus_cac
 
 
 def test_a_lost_shard_restarts_the_coordinator_from_its_checkpoint(ray_local, tmp_path, corpus_cache):
-    import threading
-    import time
-
     import ray
 
     from orchestrator.launcher import NAMESPACE
 
     cfg = _cfg(tmp_path, corpus_cache, "out", "coordinator.shards=2", "rounds=8")
-    box = {}
-    thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id="shardloss")))
-    thread.start()
+    thread, box = run_until_records(cfg, "shardloss", 3)
     metrics = tmp_path / "out" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.05)
     shard = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                  if a["name"].startswith("archipelago-shardloss-shard-1-"))
     ray.kill(ray.get_actor(shard, namespace=NAMESPACE))
