@@ -81,7 +81,7 @@ def test_manifests_match_the_code():
         assert "token" in secret["stringData"]
         worker = spec["workerGroupSpecs"][0]
         limits = worker["template"]["spec"]["containers"][0]["resources"]["limits"]
-        assert float(limits["nvidia.com/gpu"]) == run_cfg.islands.gpus
+        assert float(limits["nvidia.com/gpu"]) == run_cfg.islands.gpus * run_cfg.islands.workers  # one island per node
         assert worker["minReplicas"] <= worker["maxReplicas"]
         assert spec["enableInTreeAutoscaling"] and spec["autoscalerOptions"]["idleTimeoutSeconds"] > 0
     assert run_cfg.api.host == "0.0.0.0" and run_cfg.checkpoint.path.startswith("/mnt/archipelago")
