@@ -3,6 +3,7 @@ checks that keep a bad update away from the global model."""
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,7 +74,9 @@ class WeightedMean:
         self.total = 0.0  # the next `add` overwrites the buffer: no zeroing pass
 
     def add(self, delta: np.ndarray, weight: float) -> None:
-        src = torch.from_numpy(delta).to(self.sum.dtype)
+        with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.from_numpy(delta).to(self.sum.dtype)
         if self.total == 0.0:
             torch.mul(src, weight, out=self.sum)
         else:

@@ -29,7 +29,6 @@ from orchestrator.supervisor import Supervisor
 from orchestrator.servers import Server, build_server
 from orchestrator.shard_actors import start_sharded_server
 from orchestrator.sharded_server import ShardedServer
-from workers.compress import decode
 from workers.flat import FlatParams
 from workers.island import RoundResult
 from workers.task import load_task
@@ -183,8 +182,7 @@ class Coordinator(OperatorControls):
         weight = float(r.weight)
         if stats.joined_version > 0 and stats.submissions == 0:
             weight *= self.cfg.elastic.join_weight
-        delta = r.payload if isinstance(r.payload, list) else decode(r.payload)  # slices stay for the shards
-        return Contribution(r.island, r.version, delta, weight)
+        return Contribution(r.island, r.version, r.delta(), weight)
 
     def wait_for_islands(self, busy: set[int] | None = None) -> None:
         """Block (ticking the supervisor) until an island can train; fail if none can come."""

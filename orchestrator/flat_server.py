@@ -3,7 +3,6 @@ flat `Parameter` sharing the coordinator model's storage, the version, the norm 
 and screening a round's contributions into the token-weighted mean. Pure torch."""
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -42,17 +41,15 @@ class FlatServer:
         """Reject what must not touch the model, drop what `drop()` says, average the rest into `mean`."""
         out = RoundOutcome(version=self.version)
         mean.reset()
-        with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
-            warnings.simplefilter("ignore", UserWarning)
-            for c in contributions:
-                reason = screen(c, self.numel, expected_version, self.guard)
-                if reason is not None:
-                    out.rejected[c.island] = reason
-                elif drop is not None and drop():
-                    out.dropped.append(c.island)
-                else:
-                    mean.add(c.delta, c.weight)
-                    out.accepted.append(c.island)
+        for c in contributions:
+            reason = screen(c, self.numel, expected_version, self.guard)
+            if reason is not None:
+                out.rejected[c.island] = reason
+            elif drop is not None and drop():
+                out.dropped.append(c.island)
+            else:
+                mean.add(c.delta, c.weight)
+                out.accepted.append(c.island)
         return out
 
     def guard_state(self) -> list[float]:

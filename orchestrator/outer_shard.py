@@ -10,7 +10,6 @@ so S shards compute what one coordinator does.
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,31 +44,28 @@ class OuterShard:
         norms = [sqnorm(d) for _, _, d in decoded]
         return [SliceStats(d.size, all_finite(d, sq), sq) for (_, _, d), sq in zip(decoded, norms)]
 
-    def _take(self, key: Any, weights: dict[int, float]) -> list[Contribution]:
-        return [Contribution(i, v, d, weights[i]) for i, v, d in self.pending.pop(key) if i in weights]
+    def _accepted(self, key: Any, weights: dict[int, float], keep: bool = False) -> list[Contribution]:
+        """The slices of `key` from the islands in `weights`, as contributions with their weights."""
+        parts = self.pending[key] if keep else self.pending.pop(key)
+        return [Contribution(i, v, d, weights[i]) for i, v, d in parts if i in weights]
 
     def close(self, key: Any, weights: dict[int, float], round_t: int | None = None,
               gap: float | None = None) -> None:
         """Average the accepted slices (island -> weight) and step (sync; overlap with `round_t`)."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # object-store arrays are read-only
-            contributions = self._take(key, weights)
-            if round_t is None:
-                self.server.close_round(contributions)
-            else:
-                self.server.close_round(round_t, contributions, gap)
+        contributions = self._accepted(key, weights)
+        if round_t is None:
+            self.server.close_round(contributions)
+        else:
+            self.server.close_round(round_t, contributions, gap)
 
     def gap_terms(self, key: Any, weights: dict[int, float], round_t: int) -> tuple[float, float]:
         """Partial sums for CO2's adaptive penalty (the slices stay for `close`)."""
-        accepted = [Contribution(i, v, d, weights[i]) for i, v, d in self.pending[key] if i in weights]
-        return self.server.gap_terms(round_t, accepted)
+        return self.server.gap_terms(round_t, self._accepted(key, weights, keep=True))
 
     def submit(self, key: Any, island: int, weight: float) -> dict[str, Any]:
         """Apply one async arrival; the outcome (staleness policy) is the same on every shard."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            (c,) = self._take(key, {island: weight})
-            out = self.server.submit(c)
+        (c,) = self._accepted(key, {island: weight})
+        out = self.server.submit(c)
         return {"staleness": out.staleness, "accepted": out.accepted, "scale": out.scale, "reason": out.reason}
 
     def discard(self, key: Any) -> None:

@@ -57,6 +57,10 @@ class ShardedServer:
         self._keys = itertools.count()
         self._published: tuple[int, list[Any]] | None = None
 
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        """`method(*args)` on every shard."""
+        return self.calls.call(method, [args] * len(self.bounds))
+
     # -- screening over the whole vector --------------------------------------------------
     def _inspect(self, contributions: list[Contribution]) -> tuple[int, list[list[SliceStats]]]:
         key = next(self._keys)
@@ -97,7 +101,7 @@ class ShardedServer:
         drop_prob = self.cfg.outer.drop_prob
         key, out, weights = self._screen(args[0], self.version,
                                          (lambda: self.rng.random() < drop_prob) if drop_prob else None)
-        self.calls.call("close", [(key, weights)] * len(self.bounds))
+        self._all("close", key, weights)
         return self._stepped(out)
 
     def _close_overlap(self, round_t: int, contributions: list[Contribution]) -> RoundOutcome:
@@ -107,12 +111,12 @@ class ShardedServer:
         ov = self.cfg.overlap
         gap = 1.0 / ov.penalty_p
         if weights and ov.penalty == "adaptive":
-            terms = self.calls.call("gap_terms", [(key, weights, round_t)] * len(self.bounds))
+            terms = self._all("gap_terms", key, weights, round_t)
             gap = adaptive_gap(math.sqrt(sum(t[0] for t in terms)), math.sqrt(sum(t[1] for t in terms)),
                                ov.penalty_lambda)
         if weights:
             self.last_gap = gap
-        self.calls.call("close", [(key, weights, round_t, gap)] * len(self.bounds))
+        self._all("close", key, weights, round_t, gap)
         return self._stepped(out)
 
     def _stepped(self, out: RoundOutcome) -> RoundOutcome:
@@ -125,9 +129,9 @@ class ShardedServer:
         key, (parts,) = self._inspect([c])
         reason = self._reason(c, parts, None)
         if reason is not None:
-            self.calls.call("discard", [(key,)] * len(self.bounds))
+            self._all("discard", key)
             return AsyncOutcome(c.island, self.version - c.version, False, 0.0, reason)
-        outcome = self.calls.call("submit", [(key, c.island, c.weight)] * len(self.bounds))[0]
+        outcome = self._all("submit", key, c.island, c.weight)[0]
         if outcome["accepted"]:
             self.version += 1
         return AsyncOutcome(c.island, **outcome)
@@ -147,13 +151,13 @@ class ShardedServer:
                 self.flat[lo:hi].copy_(torch.from_numpy(np.asarray(part)))
 
     def set_lr(self, lr: float) -> None:
-        self.calls.call("set_lr", [(lr,)] * len(self.bounds))
+        self._all("set_lr", lr)
 
     def lr(self) -> float:
-        return float(self.calls.call("lr", [()] * len(self.bounds))[0])
+        return float(self._all("lr")[0])
 
     def state_dict(self) -> dict:
-        return {"version": self.version, "shards": self.calls.call("state_dict", [()] * len(self.bounds)),
+        return {"version": self.version, "shards": self._all("state_dict"),
                 "guard": list(self.guard.norms) if self.guard else [], "rng": self.rng.bit_generator.state,
                 "bounds": self.bounds}
 

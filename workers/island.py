@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from workers.compress import Payload, encode, payload_nbytes
+from workers.compress import Payload, decode, encode, payload_nbytes
 from workers.flat import FlatParams, slice_bounds
 from workers.optim import InnerConfig, build_inner
 from workers.task import load_task, to_device
@@ -56,6 +56,10 @@ class RoundResult:
     positions: dict[int, int]     # shard -> batches consumed after this round
     shard_tokens: dict[int, int]  # shard -> tokens (weight) trained this round
     sent_bytes: int | None = None  # set when `payload` holds references to the encoded slices
+
+    def delta(self) -> Any:
+        """Δ decoded to fp32, or its S slices as they came (each coordinator shard decodes its own)."""
+        return self.payload if isinstance(self.payload, list) else decode(self.payload)
 
     @property
     def nbytes(self) -> int:

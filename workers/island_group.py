@@ -43,10 +43,11 @@ def split_batch(batch: Batch, rank: int, world: int) -> Batch:
     return tuple(t.chunk(world)[rank] for t in batch)
 
 
-def _free_port() -> int:
+def group_address() -> str:
+    """A `tcp://ip:port` rendezvous on this node for `torch.distributed.init_process_group`."""
     with socket.socket() as s:
         s.bind(("", 0))
-        return s.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{s.getsockname()[1]}"
 
 
 class GroupIsland(RayIsland):
@@ -62,7 +63,7 @@ class GroupIsland(RayIsland):
         """Rank 0: start the process group with `followers` as ranks 1..N-1. A failure
         is kept and raised by `describe`, the call that tells the coordinator it is ready."""
         try:
-            address = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+            address = group_address()
             world = len(followers) + 1
             joined = [f.join_group.remote(address, r + 1, world) for r, f in enumerate(followers)]
             self.join_group(address, 0, world)
@@ -103,27 +104,24 @@ class GroupIsland(RayIsland):
                 dist.broadcast(self.flat.data[lo:hi], src=r)
 
     # -- rounds: rank 0 drives the others ------------------------------------------------
-    def run_round(self, version: int, params: Any, *args: Any, **kwargs: Any) -> RoundResult:
+    def _lead(self, method: str, version: int, params: Any, args: tuple, kwargs: dict) -> RoundResult:
+        """Run `method` on every worker at once (the collectives pair up) and return rank 0's result."""
         params = whole_params(params)
         shared = ray.put(params) if self.followers else None  # one copy on this node for all workers
-        follow = [f.follow_round.remote(version, shared, *args, **kwargs) for f in self.followers]
-        result = super().run_round(version, params, *args, **kwargs)
+        follow = [f.follow.remote(method, version, shared, *args, **kwargs) for f in self.followers]
+        result = getattr(super(), method)(version, params, *args, **kwargs)
         ray.get(follow)
         return result
+
+    def run_round(self, version: int, params: Any, *args: Any, **kwargs: Any) -> RoundResult:
+        return self._lead("run_round", version, params, args, kwargs)
 
     def gradient(self, version: int, params: Any, *args: Any, **kwargs: Any) -> RoundResult:
-        params = whole_params(params)
-        shared = ray.put(params) if self.followers else None
-        follow = [f.follow_gradient.remote(version, shared, *args, **kwargs) for f in self.followers]
-        result = super().gradient(version, params, *args, **kwargs)
-        ray.get(follow)
-        return result
+        return self._lead("gradient", version, params, args, kwargs)
 
-    def follow_round(self, version: int, params: Any, *args: Any, **kwargs: Any) -> None:
-        Island.run_round(self, version, params, *args, **kwargs)
-
-    def follow_gradient(self, version: int, params: Any, *args: Any, **kwargs: Any) -> None:
-        Island.gradient(self, version, params, *args, **kwargs)
+    def follow(self, method: str, version: int, params: Any, *args: Any, **kwargs: Any) -> None:
+        """Ranks 1..N-1: the plain island step (their result is rank 0's, so nothing returns)."""
+        getattr(Island, method)(self, version, params, *args, **kwargs)
 
     def describe(self) -> dict[str, Any]:
         if self.group_error:

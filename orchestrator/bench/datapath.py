@@ -18,7 +18,6 @@ GB/s are 1e9 bytes per second. Each measurement is the median of several repetit
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import time
 from datetime import timedelta
@@ -38,9 +37,10 @@ from orchestrator.config_load import load_config
 from orchestrator.robust import NormGuard
 from orchestrator.servers import build_server
 from orchestrator.shard_actors import start_sharded_server
-from workers.compress import decode, encode
+from workers.compress import encode
 from workers.flat import slice_bounds
 from workers.island import RoundResult
+from workers.island_group import group_address
 
 
 class _Source:
@@ -73,9 +73,7 @@ class _Aggregator:
     def aggregate(self, refs: list[ray.ObjectRef]) -> float:
         t0 = time.perf_counter()
         results = ray.get(refs)
-        contributions = [Contribution(r.island, r.version,
-                                      r.payload if isinstance(r.payload, list) else decode(r.payload), r.weight)
-                         for r in results]
+        contributions = [Contribution(r.island, r.version, r.delta(), r.weight) for r in results]
         out = self.server.close_round(contributions)
         assert len(out.accepted) == len(results), out
         return time.perf_counter() - t0
@@ -90,9 +88,7 @@ class _Reducer:
         self.buf = torch.randn(numel)
 
     def address(self) -> str:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return f"tcp://{ray.util.get_node_ip_address()}:{s.getsockname()[1]}"
+        return group_address()
 
     def join(self, address: str, rank: int, world: int) -> None:
         torch.distributed.init_process_group("gloo", init_method=address, rank=rank, world_size=world,
