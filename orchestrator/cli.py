@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         sys.stdout.write(dump_config(cfg))
         return 0
-    from orchestrator.run import RunFailed, print_summary, resume_id, run
+    from orchestrator.runtime.driver import RunFailed, print_summary, resume_id, run
 
     try:
         summary = run(cfg, run_id=resume_id(cfg) if resume else None)

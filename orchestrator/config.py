@@ -2,18 +2,36 @@
 mistake is reported by field name instead of surfacing minutes later inside an actor."""
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from workers.compress import CODECS
 from workers.links import LinkConfig
-from orchestrator.robust import RobustConfig
 from workers.optim import InnerConfig
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class Mode(str, Enum):
+    """How rounds are paced and which outer rule steps (chosen once, in `engine/policies.py`)."""
+
+    DILOCO = "diloco"      # barrier rounds, one outer step per round
+    DDP = "ddp"            # barrier per batch: the data-parallel baseline
+    ASYNC = "async"        # per-arrival: every pseudo-gradient applied when it lands (Delayed Nesterov)
+    OVERLAP = "overlap"    # one-round lag: CO2, the exchange of round t hidden behind round t+1
+
+
+class RobustConfig(_Strict):
+    """Admission checks beyond shape, weight and finiteness (`engine/admission.py`)."""
+
+    norm_ratio: float | None = Field(10.0, gt=1, description="reject if ‖Δ‖ > ratio × median of recent norms; null disables")
+    history: int = Field(32, ge=4, description="accepted norms kept for the median")
+    min_history: int = Field(4, ge=1, description="norms needed before the check applies")
+    quarantine_after: int = Field(3, ge=1, description="consecutive rejections that quarantine an island")
 
 
 class IslandsConfig(_Strict):
@@ -46,7 +64,7 @@ class IslandsConfig(_Strict):
 
 
 class OuterConfig(_Strict):
-    """Outer optimizer stepped on the token-weighted mean pseudo-gradient (ALGORITHMS §0-1)."""
+    """Outer optimizer stepped on the token-weighted mean pseudo-gradient (docs/algorithms.md)."""
 
     optimizer: Literal["nesterov", "sgd", "adam"] = "nesterov"
     lr: float = Field(0.7, gt=0)
@@ -152,7 +170,7 @@ class RunConfig(_Strict):
     `mode: async` is asynchronous Local-SGD (settings in `asynchronous`); `mode: overlap`
     is CO2, communication hidden behind the next round's computation (settings in `overlap`)."""
 
-    mode: Literal["diloco", "ddp", "async", "overlap"] = "diloco"
+    mode: Mode = Mode.DILOCO
     rounds: int = Field(12, ge=1, description="outer rounds (ddp: rounds x inner_steps optimizer steps)")
     inner_steps: int = Field(30, ge=1, description="H, inner steps per round")
     seed: int = 0
@@ -177,9 +195,9 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
-        if self.mode != "diloco" and self.outer.drop_prob:
+        if self.mode != Mode.DILOCO and self.outer.drop_prob:
             raise ValueError("outer.drop_prob applies to mode diloco only")
-        if self.mode == "ddp" and self.coordinator.shards > 1:
+        if self.mode == Mode.DDP and self.coordinator.shards > 1:
             raise ValueError("coordinator.shards > 1 needs a DiLoCo-family mode (diloco, async, overlap); "
                              "the ddp baseline steps on one coordinator")
         a = self.asynchronous

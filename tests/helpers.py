@@ -1,17 +1,16 @@
-"""In-process DiLoCo driver for unit tests: real `Island` and `SyncServer` objects, no Ray."""
+"""Shared test helpers: a tiny GPT config, a mid-run hook for Ray tests, and the in-process
+engine (real `Island` objects through the in-process pool, no Ray)."""
 from __future__ import annotations
+
+import tempfile
+from typing import Any
 
 import torch
 
-from orchestrator.aggregate import Contribution
 from orchestrator.config import RunConfig
-from orchestrator.outer import build_server_optimizer
-from orchestrator.sync_server import SyncServer
-from workers.compress import decode
-from workers.flat import FlatParams
+from orchestrator.engine.engine import RoundEngine, build_engine
+from orchestrator.engine.pool import Fault, InProcessPool
 from workers.island import Island
-from orchestrator.launcher import island_spec
-from workers.task import load_task
 
 # a GPT small enough for a Ray test to train a few rounds in seconds
 TINY_LM = ["task.kwargs.d_model=32", "task.kwargs.n_layers=1", "task.kwargs.n_heads=2",
@@ -26,7 +25,7 @@ def run_until_records(cfg: RunConfig, run_id: str, records: int, timeout_s: floa
     import time
     from pathlib import Path
 
-    from orchestrator.run import run
+    from orchestrator.runtime.driver import run
 
     box: dict = {}
     thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id=run_id)))
@@ -38,19 +37,26 @@ def run_until_records(cfg: RunConfig, run_id: str, records: int, timeout_s: floa
     return thread, box
 
 
-def in_process_run(cfg: RunConfig) -> tuple[SyncServer, list[Island], list[torch.Tensor]]:
-    """Run `cfg` synchronously in this process; returns the server, the islands and the
+def in_process_engine(cfg: RunConfig, faults: list[Fault] | None = None, run_id: str = "local",
+                      **pool: Any) -> tuple[RoundEngine, InProcessPool]:
+    """The engine over an in-process pool; `cfg.out_dir` defaults to a fresh temp folder."""
+    if cfg.out_dir == RunConfig().out_dir:
+        cfg = cfg.model_copy(update={"out_dir": tempfile.mkdtemp(prefix="archipelago-test-")})
+    p = InProcessPool(cfg, faults=faults, **pool)
+    return build_engine(cfg, p, run_id), p
+
+
+def in_process_run(cfg: RunConfig) -> tuple[RoundEngine, list[Island], list[torch.Tensor]]:
+    """Run `cfg` to the end in this process; returns the engine, the islands and the
     global parameters after every round."""
-    task = load_task(cfg.task.factory, cfg.task.kwargs)
-    torch.manual_seed(cfg.seed)
-    flat = FlatParams(task.build_model())
-    server = SyncServer(flat.data, lambda p: build_server_optimizer(cfg, p), drop_prob=cfg.outer.drop_prob,
-                        seed=cfg.seed, grad_clip=cfg.inner.grad_clip if cfg.mode == "ddp" else None)
-    islands = [Island(island_spec(cfg, i)) for i in range(cfg.islands.count)]
-    history = []
-    for _ in range(cfg.rounds):
-        params = server.params_numpy().copy()
-        results = [isl.run_round(server.version, params, cfg.inner_steps) for isl in islands]
-        server.close_round([Contribution(r.island, r.version, decode(r.payload), float(r.weight)) for r in results])
-        history.append(flat.data.clone())
-    return server, islands, history
+    engine, pool = in_process_engine(cfg)
+    islands: list[Island] = []
+    history: list[torch.Tensor] = []
+
+    def record(*_: Any) -> None:
+        history.append(engine.flat.data.clone())
+        islands[:] = [pool.islands[i] for i in sorted(pool.islands)]
+
+    engine.on_record = record
+    engine.execute()
+    return engine, islands, history

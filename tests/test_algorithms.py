@@ -1,40 +1,39 @@
-"""ALGORITHMS.md §0–1 vectors in float64, through the production classes."""
+"""docs/algorithms.md: DiLoCo's outer step (vectors O1, D1) in float64, through the production classes."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from orchestrator.aggregate import Contribution
 from orchestrator.config import OuterConfig, RunConfig
-from orchestrator.outer import build_outer
-from orchestrator.sync_server import SyncServer
+from orchestrator.engine.outer_step import OuterRule, OuterStep
+from orchestrator.engine.policies import outer_optimizer
 from tests.helpers import in_process_run
 
 TOL = 1e-6
 CENTERS = [[1.0, 0.0], [-0.5, 2.0]]
 
 
-def _server(theta0, outer: OuterConfig) -> SyncServer:
-    return SyncServer(torch.tensor(theta0, dtype=torch.float64), lambda p: (build_outer(outer, p), None))
+def _step(theta0, outer: OuterConfig) -> OuterStep:
+    return OuterStep(torch.tensor(theta0, dtype=torch.float64), OuterRule(lambda p: (outer_optimizer(outer, p), None)))
 
 
-def _contrib(island, version, g, w=1.0):
-    return Contribution(island, version, np.asarray(g, dtype=np.float64), w)
+def _g(g, w=1.0):
+    return [(np.asarray(g, dtype=np.float64), w)]
 
 
 def test_vector_o1_outer_nesterov():
-    server = _server([1.0, -2.0], OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9))
+    step = _step([1.0, -2.0], OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9))
     expected = [[0.867, -1.734], [0.7438, -1.7536], [0.66442, -1.70824]]
     for g, want in zip([[0.1, -0.2], [0.05, 0.1], [0.0, 0.0]], expected):
-        server.close_round([_contrib(0, server.version, g)])
-        np.testing.assert_allclose(server.param.detach().numpy(), want, atol=TOL)
+        step.apply(_g(g))
+        np.testing.assert_allclose(step.param.detach().numpy(), want, atol=TOL)
 
 
 def test_first_nesterov_step_is_lr_times_one_plus_mu():
-    server = _server([0.0], OuterConfig(lr=0.7, momentum=0.9))
-    server.close_round([_contrib(0, 0, [1.0])])
-    assert server.param.item() == pytest.approx(-0.7 * 1.9, abs=1e-12)
+    step = _step([0.0], OuterConfig(lr=0.7, momentum=0.9))
+    step.apply(_g([1.0]))
+    assert step.param.item() == pytest.approx(-0.7 * 1.9, abs=1e-12)
 
 
 def _d1_config(inner: dict, rounds: int = 3) -> RunConfig:
@@ -82,15 +81,15 @@ def test_h1_sgd_outer_lr1_is_synchronous_data_parallel_sgd():
 
 
 def test_token_weighted_mean():
-    server = _server([0.0, 0.0], OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0))
-    server.close_round([_contrib(0, 0, [1.0, 0.0], 3.0), _contrib(1, 0, [0.0, 1.0], 1.0)])
-    np.testing.assert_allclose(server.param.detach().numpy(), [-0.75, -0.25], atol=1e-12)
+    step = _step([0.0, 0.0], OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0))
+    step.apply([*_g([1.0, 0.0], 3.0), *_g([0.0, 1.0], 1.0)])
+    np.testing.assert_allclose(step.param.detach().numpy(), [-0.75, -0.25], atol=1e-12)
 
 
 @pytest.mark.parametrize("momentum, nesterov", [(0.9, True), (0.9, False), (0.0, False)])
 def test_flat_sgd_is_bitwise_torch_sgd(momentum, nesterov):
     """The in-place outer SGD/Nesterov computes exactly what `torch.optim.SGD` computes."""
-    from orchestrator.flat_sgd import FlatSGD
+    from orchestrator.algorithms.outer import FlatSGD
 
     gen = torch.Generator().manual_seed(0)
     a = torch.nn.Parameter(torch.randn(1000, dtype=torch.float64, generator=gen))

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from orchestrator.config_load import load_config
-from orchestrator.run import run
+from orchestrator.runtime.driver import run
 from tests.http_server import free_port
 
 pytestmark = pytest.mark.ray

@@ -1,15 +1,33 @@
-"""ALGORITHMS §2 in float64: Delayed Nesterov (A1, sync equivalence), DyLU (A2), staleness."""
+"""docs/algorithms.md, async Local-SGD in float64: Delayed Nesterov (A1, sync equivalence), DyLU (A2), staleness."""
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
-from orchestrator.aggregate import Contribution
-from orchestrator.async_server import AsyncConfig, AsyncServer
-from orchestrator.config import OuterConfig
-from orchestrator.delayed_nesterov import DelayedNesterov
-from orchestrator.dylu import SpeedTracker, dylu_steps
+from orchestrator.algorithms.dylu import SpeedTracker, dylu_steps
+from orchestrator.algorithms.outer import DelayedNesterov
+from orchestrator.algorithms.robust import NormGuard
+from orchestrator.config import AsyncConfig, OuterConfig, RobustConfig
+from orchestrator.engine.admission import Admission, BoundedStaleness
+from orchestrator.engine.outer_step import LocalOuter, OuterRule, take_step
+from orchestrator.engine.policies import outer_optimizer
+from orchestrator.engine.types import Contribution
+
+
+def _dn(theta: torch.Tensor, **kw) -> DelayedNesterov:
+    """A `DelayedNesterov` over `theta`'s storage; `step(g)` sets `.grad` and steps."""
+    p = torch.nn.Parameter(theta)
+    opt = DelayedNesterov([p], **kw)
+
+    def step(g: torch.Tensor) -> None:
+        p.grad = g
+        opt.step()
+
+    opt.apply = step  # type: ignore[attr-defined]
+    return opt
 
 TOL = 1e-6
 
@@ -20,9 +38,9 @@ TOL = 1e-6
 ])
 def test_vector_a1(c, expected):
     theta = torch.tensor([1.0], dtype=torch.float64)
-    dn = DelayedNesterov(theta, lr=0.7, momentum=0.9, delay=2, c=c)
+    dn = _dn(theta, lr=0.7, momentum=0.9, delay=2, c=c)
     for g, want in zip([0.2, 0.4, 0.1, -0.1], expected):
-        dn.step(torch.tensor([g], dtype=torch.float64))
+        dn.apply(torch.tensor([g], dtype=torch.float64))
         assert theta.item() == pytest.approx(want, abs=TOL)
 
 
@@ -32,11 +50,11 @@ def test_dn_with_c0_equals_sync_nesterov_every_n_arrivals():
     theta_dn = torch.tensor(rng.normal(size=dim))
     param = torch.nn.Parameter(theta_dn.clone())
     sync = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True)  # stock torch Nesterov
-    dn = DelayedNesterov(theta_dn, lr=0.7, momentum=0.9, delay=n)
+    dn = _dn(theta_dn, lr=0.7, momentum=0.9, delay=n)
     for _ in range(4):
         grads = [torch.tensor(rng.normal(size=dim)) for _ in range(n)]
         for g in grads:
-            dn.step(g)
+            dn.apply(g.clone())
         param.grad = torch.stack(grads).mean(0)
         sync.step()
         np.testing.assert_allclose(theta_dn.numpy(), param.detach().numpy(), atol=1e-12)
@@ -44,7 +62,7 @@ def test_dn_with_c0_equals_sync_nesterov_every_n_arrivals():
 
 def test_dn_rejects_bad_parameters():
     with pytest.raises(ValueError, match="1/N"):
-        DelayedNesterov(torch.zeros(1), 0.7, 0.9, delay=2, c=0.6)
+        DelayedNesterov([torch.nn.Parameter(torch.zeros(1))], 0.7, 0.9, delay=2, c=0.6)
     with pytest.raises(ValueError, match="c must be at most"):
         AsyncConfig(delay=4, c=0.5)
 
@@ -64,9 +82,22 @@ def test_speed_tracker_smooths():
     assert t.steps(30) == {0: 30, 1: 10}
 
 
-def _server(**cfg) -> AsyncServer:
-    return AsyncServer(torch.zeros(2, dtype=torch.float64), OuterConfig(lr=1.0, momentum=0.0, optimizer="sgd"),
-                       AsyncConfig(**cfg), num_islands=2)
+class _Async:
+    """Per-arrival outer steps with bounded staleness, as the engine applies async arrivals."""
+
+    def __init__(self, **cfg) -> None:
+        a = AsyncConfig(**cfg)
+        self.param = torch.zeros(2, dtype=torch.float64)
+        self.outer = LocalOuter(self.param, OuterRule(lambda p: (outer_optimizer(
+            OuterConfig(lr=1.0, momentum=0.0, optimizer="sgd"), p), None)))
+        self.guard = NormGuard(RobustConfig(min_history=1))
+        self.admission = Admission(2, self.guard, BoundedStaleness(a.max_staleness, a.stale_policy == "downweight"), 3)
+        self.version = 0
+
+    def submit(self, c: Contribution):
+        out = take_step(self.outer, self.admission, [c], None, self.version)
+        self.version += out.stepped
+        return out.verdicts[0]
 
 
 def _c(version, g=(1.0, 1.0), island=0):
@@ -74,28 +105,30 @@ def _c(version, g=(1.0, 1.0), island=0):
 
 
 def test_staleness_reject_policy_leaves_params_untouched():
-    s = _server(rule="naive", max_staleness=1, stale_policy="reject")
+    s = _Async(rule="naive", max_staleness=1, stale_policy="reject")
     for _ in range(3):
-        assert s.submit(_c(s.version)).accepted
-    before = s.param.detach().clone()
-    out = s.submit(_c(0))
-    assert not out.accepted and out.staleness == 3 and "max_staleness" in out.reason
-    assert torch.equal(s.param.detach(), before) and s.version == 3
+        assert s.submit(_c(s.version)).admitted
+    before = s.param.clone()
+    norms = list(s.guard.norms)
+    out = s.submit(_c(0, (100.0, 100.0)))
+    assert not out.admitted and out.staleness == 3 and "max_staleness" in out.why
+    assert torch.equal(s.param, before) and s.version == 3
+    assert list(s.guard.norms) == norms  # a rejected update never enters the norm history
 
 
 def test_staleness_downweight_and_bad_values():
-    s = _server(rule="naive", max_staleness=0, stale_policy="downweight")
+    s = _Async(rule="naive", max_staleness=0, stale_policy="downweight")
     s.submit(_c(0))
     out = s.submit(_c(0))  # staleness 1 > 0: scale 1/2
-    assert out.accepted and out.scale == 0.5
-    np.testing.assert_allclose(s.param.detach().numpy(), [-1.5, -1.5])
-    assert not s.submit(_c(s.version, (np.nan, 0.0))).accepted
-    assert "future" in s.submit(_c(s.version + 5)).reason
+    assert out.admitted and out.scale == 0.5
+    np.testing.assert_allclose(s.param.numpy(), [-1.5, -1.5])
+    assert not s.submit(_c(s.version, (np.nan, 0.0))).admitted
+    assert "future" in s.submit(_c(s.version + 5)).why
 
 
 def test_island_schedule_can_follow_global_progress():
     from orchestrator.config_load import load_config
-    from orchestrator.launcher import island_spec
+    from orchestrator.engine.pool import island_spec
     from workers.island import Island
 
     cfg = load_config(None, ["task.factory=tests.toy_tasks:make_quadratic", "task.kwargs.centers=[[1.0,0.0]]",
@@ -103,7 +136,7 @@ def test_island_schedule_can_follow_global_progress():
                              "inner.optimizer=sgd", "inner.lr=1.0", "inner.min_lr_ratio=0.0"])
     island = Island(island_spec(cfg, 0))
     params = np.zeros(2)
-    island.run_round(0, params, 5, schedule_step=50)  # the run is half way: cosine at 0.5
+    island.run(dataclasses.replace(island.order(0, 5), schedule_step=50), params)  # half way: cosine at 0.5
     assert island.optimizer.param_groups[0]["lr"] == pytest.approx(0.5 * (1 + np.cos(np.pi * 55 / 100)))
-    island.run_round(0, params, 1, schedule_step=100)
+    island.run(dataclasses.replace(island.order(0, 1), schedule_step=100), params)
     assert island.optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)

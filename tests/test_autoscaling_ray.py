@@ -13,7 +13,7 @@ import ray
 from ray.cluster_utils import AutoscalingCluster
 
 from orchestrator.config_load import load_config
-from orchestrator.run import run
+from orchestrator.runtime.driver import run
 from tests.conftest import REPO
 from tests.http_server import free_port
 

@@ -11,8 +11,8 @@ from ray.cluster_utils import Cluster
 from ray.util.placement_group import get_placement_group, placement_group_table
 
 from orchestrator.config_load import load_config
-from orchestrator.launcher import island_name
-from orchestrator.run import run
+from orchestrator.engine.types import island_name
+from orchestrator.runtime.driver import run
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.ray

@@ -1,11 +1,11 @@
-"""ALGORITHMS §3 (CO2 vectors C1, C2), codecs and link simulation."""
+"""docs/algorithms.md, CO2 (vectors C1, C2); codecs and link simulation."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from orchestrator.co2 import CO2Outer
+from orchestrator.algorithms.outer import CO2Outer
 from workers.compress import decode, encode, payload_nbytes
 from workers.links import LinkConfig
 
@@ -13,30 +13,37 @@ TOL = 1e-6
 f64 = torch.float64
 
 
+def _co2(x: torch.Tensor, **kw) -> tuple[CO2Outer, torch.nn.Parameter]:
+    p = torch.nn.Parameter(x)
+    return CO2Outer([p], **kw), p
+
+
 def test_vector_c1_constant_penalty_and_real_clipping():
     x = torch.tensor([1.0, -0.5, 0.2], dtype=f64)
     x_start = x.clone()
-    co2 = CO2Outer(x, lr=1.0, momentum=0.5, clip=0.05, penalty="constant", p=2.0)
-    co2.m.copy_(torch.tensor([0.02, -0.1, 0.0], dtype=f64))
+    co2, p = _co2(x, lr=1.0, momentum=0.5, clip=0.05, penalty="constant", p=2.0)
+    co2.state[p]["momentum"] = torch.tensor([0.02, -0.1, 0.0], dtype=f64)
     x_bar = torch.tensor([0.9, -0.3, 0.25], dtype=f64)
-    gap = co2.step(x_start - x_bar, x_start)
-    assert gap == 0.5
-    np.testing.assert_allclose(co2.m.numpy(), [0.05, -0.05, -0.025], atol=TOL)
+    p.grad = x_start - x_bar
+    co2.step(anchor=x_start)
+    assert co2.last_gap == 0.5
+    np.testing.assert_allclose(co2.state[p]["momentum"].numpy(), [0.05, -0.05, -0.025], atol=TOL)
     np.testing.assert_allclose(x.numpy(), [0.95, -0.45, 0.225], atol=TOL)
 
 
 def test_vector_c1_momentum_before_clipping():
     x = torch.tensor([1.0, -0.5, 0.2], dtype=f64)
-    co2 = CO2Outer(x, lr=1.0, momentum=0.5, clip=None, penalty="constant", p=2.0)
-    co2.m.copy_(torch.tensor([0.02, -0.1, 0.0], dtype=f64))
-    co2.step(torch.tensor([0.1, -0.2, -0.05], dtype=f64), x.clone())
-    np.testing.assert_allclose(co2.m.numpy(), [0.06, -0.15, -0.025], atol=TOL)
+    co2, p = _co2(x, lr=1.0, momentum=0.5, clip=None, penalty="constant", p=2.0)
+    co2.state[p]["momentum"] = torch.tensor([0.02, -0.1, 0.0], dtype=f64)
+    p.grad = torch.tensor([0.1, -0.2, -0.05], dtype=f64)
+    co2.step(anchor=x.clone())
+    np.testing.assert_allclose(co2.state[p]["momentum"].numpy(), [0.06, -0.15, -0.025], atol=TOL)
 
 
 def test_vector_c2_adaptive_penalty():
     x_now = torch.tensor([0.97, -0.44, 0.21], dtype=f64)
-    co2 = CO2Outer(x_now, penalty="adaptive", lam=1.0)
-    gap = co2.gap_penalty(torch.tensor([0.1, -0.2, -0.05], dtype=f64), torch.tensor([1.0, -0.5, 0.2], dtype=f64))
+    co2, p = _co2(x_now, penalty="adaptive", lam=1.0)
+    gap = co2.gap_penalty(p, torch.tensor([0.1, -0.2, -0.05], dtype=f64), torch.tensor([1.0, -0.5, 0.2], dtype=f64))
     assert gap == pytest.approx(0.7716019, abs=TOL)
 
 
@@ -64,24 +71,23 @@ def test_link_times():
     assert LinkConfig(preset="tcp-80g", latency_ms=0).seconds(10**9) == pytest.approx(0.1)
 
 
-def _contrib(island, version, delta):
-    from orchestrator.aggregate import Contribution
-
-    return Contribution(island, version, np.asarray(delta, dtype=np.float64), 1.0)
-
-
-def test_overlap_server_applies_each_round_one_round_late():
+def test_one_round_lag_applies_each_round_one_round_late():
+    """The overlap pacing's versions and the CO2 step with anchors, through the production classes."""
     from orchestrator.config import OverlapConfig
-    from orchestrator.overlap_server import OverlapServer, start_version
+    from orchestrator.engine.outer_step import OuterStep
+    from orchestrator.engine.pacing import start_version
+    from orchestrator.engine.policies import outer_rule
+    from orchestrator.config import RunConfig
 
     assert [start_version(t) for t in (1, 2, 3, 4)] == [0, 0, 1, 2]
-    server = OverlapServer(torch.zeros(2, dtype=f64), OverlapConfig(lr=1.0, momentum=0.0, clip=None))
-    out = server.close_round(1, [_contrib(0, 0, [0.1, 0.0]), _contrib(1, 0, [0.3, 0.0])])
-    assert out.stepped and server.version == 1
-    np.testing.assert_allclose(server.param.detach().numpy(), [-0.2, 0.0])
-    out = server.close_round(2, [_contrib(0, 0, [0.0, 0.2]), _contrib(1, 1, [0.0, 0.2])])
-    assert out.accepted == [0] and "stale" in out.rejected[1]  # round 2 started from version 0
-    np.testing.assert_allclose(server.param.detach().numpy(), [-0.2, -0.2])
-    with pytest.raises(ValueError, match="out of order"):
-        server.close_round(4, [])
-    assert set(server.starts) == {1, 2}  # round 3 starts from v1, round 4 from v2
+    assert [start_version(t, base=5) for t in (6, 7, 8)] == [5, 5, 6]
+    cfg = RunConfig(mode="overlap", overlap=OverlapConfig(lr=1.0, momentum=0.0, clip=None))
+    step = OuterStep(torch.zeros(2, dtype=f64), outer_rule(cfg))
+    d = lambda *v: np.asarray(v, dtype=np.float64)  # noqa: E731
+    step.apply([(d(0.1, 0.0), 1.0), (d(0.3, 0.0), 1.0)], anchor=start_version(1))
+    step.anchor(1, keep_from=0)
+    np.testing.assert_allclose(step.param.detach().numpy(), [-0.2, 0.0])
+    step.apply([(d(0.0, 0.2), 1.0)], anchor=start_version(2))
+    step.anchor(2, keep_from=1)
+    np.testing.assert_allclose(step.param.detach().numpy(), [-0.2, -0.2])
+    assert set(step.anchors) == {1, 2}  # round 3 starts from v1, round 4 from v2

@@ -9,8 +9,8 @@ import pytest
 import ray
 
 from orchestrator.config_load import load_config
-from orchestrator.launcher import NAMESPACE
-from orchestrator.run import run
+from orchestrator.engine.types import NAMESPACE
+from orchestrator.runtime.driver import run
 
 pytestmark = pytest.mark.ray
 

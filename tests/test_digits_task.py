@@ -16,14 +16,14 @@ def test_diloco_trains_digits_classifier(split):
     cfg = load_config(None, ["task.factory=workers.digits_task:make_task", f"task.kwargs.split={split}",
                              "islands.count=3", "rounds=8", "inner_steps=20", "inner.lr=0.01",
                              "inner.warmup_steps=0"])
-    server, islands, _ = in_process_run(cfg)
+    engine, islands, _ = in_process_run(cfg)
     task = islands[0].task
     torch.manual_seed(cfg.seed)
     model = task.build_model()
     x, y = task.eval_batches()[0]
     with torch.no_grad():
         before = float(task.loss(model, (x, y)))
-        FlatParams(model).load(server.params_numpy())
+        FlatParams(model).load(engine.flat.data)
         after = float(task.loss(model, (x, y)))
         accuracy = float((model(x).argmax(1) == y).float().mean())
     assert after < before / 2 and accuracy > 0.8

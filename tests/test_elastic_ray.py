@@ -11,8 +11,8 @@ import pytest
 import ray
 
 from orchestrator.config_load import load_config
-from orchestrator.launcher import NAMESPACE, island_name
-from orchestrator.run import run
+from orchestrator.engine.types import NAMESPACE, island_name
+from orchestrator.runtime.driver import run
 
 pytestmark = pytest.mark.ray
 CENTERS = "[[1.0,0.0],[-0.5,2.0],[0.5,0.5],[2.0,1.0]]"

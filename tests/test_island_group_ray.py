@@ -9,8 +9,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.config_load import load_config
-from orchestrator.launcher import island_spec
-from orchestrator.run import run
+from orchestrator.engine.pool import island_spec
+from orchestrator.runtime.driver import run
 from tests.helpers import TINY_LM
 from workers.compress import decode
 from workers.island import Island

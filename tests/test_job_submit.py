@@ -18,7 +18,7 @@ import httpx
 import pytest
 import torch
 
-from orchestrator.checkpoint import load_checkpoint
+from orchestrator.engine.records import load_checkpoint
 from tests.conftest import REPO
 from tests.helpers import TINY_LM
 from tests.http_server import free_port

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from orchestrator.config_load import load_config
-from orchestrator.run import run
+from orchestrator.runtime.driver import run
 
 pytestmark = pytest.mark.ray
 

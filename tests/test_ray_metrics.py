@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from orchestrator.config_load import load_config
-from orchestrator.run import run
+from orchestrator.runtime.driver import run
 from tests.conftest import REPO
 from tests.http_server import free_port
 

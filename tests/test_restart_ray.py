@@ -8,8 +8,8 @@ import ray
 
 from orchestrator.cli import main
 from orchestrator.config_load import dump_config, load_config
-from orchestrator.launcher import NAMESPACE
-from orchestrator.run import run
+from orchestrator.engine.types import NAMESPACE
+from orchestrator.runtime.driver import run
 from tests.helpers import run_until_records
 
 pytestmark = pytest.mark.ray

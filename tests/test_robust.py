@@ -1,4 +1,4 @@
-"""Robust aggregation: norm outliers, quarantine; and a NaN island on real Ray."""
+"""Robust aggregation: norm outliers, quarantine streaks; and a NaN island on real Ray."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 
 from orchestrator.config_load import load_config
-from orchestrator.robust import NormGuard, Quarantine, RobustConfig
-from orchestrator.run import run
+from orchestrator.algorithms.robust import NormGuard
+from orchestrator.config import RobustConfig
+from orchestrator.engine.admission import Admission, ExactVersion, Verdict
+from orchestrator.engine.types import Decision, Reason
+from orchestrator.runtime.driver import run
 
 
 def test_norm_guard_rejects_outliers_after_history():
@@ -21,12 +24,15 @@ def test_norm_guard_rejects_outliers_after_history():
     assert guard.check_norm(4.0) is None
 
 
-def test_quarantine_needs_consecutive_rejections():
-    q = Quarantine(after=2)
-    assert not q.record(0, True)
-    assert not q.record(0, False)
-    assert not q.record(0, True)
-    assert q.record(0, True)
+def test_quarantine_needs_consecutive_fault_rejections():
+    a = Admission(2, None, ExactVersion(), quarantine_after=2)
+    bad, good = Verdict(Decision.REJECT, Reason.NON_FINITE), Verdict(Decision.ACCEPT)
+    stale = Verdict(Decision.REJECT, Reason.STALE)
+    assert not a.record(0, bad)
+    assert not a.record(0, good)
+    assert not a.record(0, bad)
+    assert not a.record(1, stale) and not a.record(1, stale)  # staleness is the pacing's business, not a fault
+    assert a.record(0, bad) and a.quarantined == {0}
 
 
 @pytest.mark.ray

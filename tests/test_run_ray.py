@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from orchestrator.config_load import load_config
-from orchestrator.run import run
+from orchestrator.runtime.driver import run
 from tests.helpers import TINY_LM
 from workers.lm_task import make_task
 

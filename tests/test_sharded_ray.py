@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from orchestrator.config_load import load_config
-from orchestrator.run import run
+from orchestrator.runtime.driver import run
 from tests.helpers import TINY_LM, run_until_records
 
 pytestmark = pytest.mark.ray
@@ -49,7 +49,7 @@ def test_async_and_overlap_learn_on_three_shards(ray_local, tmp_path, corpus_cac
 def test_a_lost_shard_restarts_the_coordinator_from_its_checkpoint(ray_local, tmp_path, corpus_cache):
     import ray
 
-    from orchestrator.launcher import NAMESPACE
+    from orchestrator.engine.types import NAMESPACE
 
     cfg = _cfg(tmp_path, corpus_cache, "out", "coordinator.shards=2", "rounds=8")
     thread, box = run_until_records(cfg, "shardloss", 3)

@@ -1,7 +1,11 @@
-"""Shard assignment and position accounting across membership changes."""
+"""The data ledger: shard assignment and exactly-once positions across membership changes."""
 from __future__ import annotations
 
-from orchestrator.shards import ShardBook, assign
+import pytest
+
+from orchestrator.engine.ledger import DataLedger, assign
+from orchestrator.engine.types import LedgerError
+from workers.messages import batch_counts
 
 
 def test_assignment_is_contiguous_complete_and_deterministic():
@@ -12,29 +16,61 @@ def test_assignment_is_contiguous_complete_and_deterministic():
     assert assign(4, [7]) == {7: [0, 1, 2, 3]}
 
 
-def test_positions_only_advance_on_returned_results():
-    book = ShardBook(4)
+def test_positions_advance_when_work_is_handed_out_and_lost_work_is_retrained_once():
+    ledger = DataLedger(4)
     islands = [0, 1, 2, 3]
-    start = book.assignment(2, islands)
-    assert start == {2: 0}
-    book.commit({2: 10}, {2: 640})
-    # island 2 dies; blocks are recomputed and shard 2's new owner continues at position 10
-    assert book.assignment(1, [0, 1, 3]) == {2: 10}
-    assert book.assignment(0, [0, 1, 3]) == {0: 0, 1: 0}
-    book.commit({2: 5}, {2: 0})  # a stale, smaller position never moves a shard back
-    assert book.position[2] == 10 and book.tokens[2] == 640
-    restored = ShardBook(1)
-    restored.load(book.state())
-    assert restored.state() == book.state()
+    r = ledger.reserve(1, 2, islands, steps=10)
+    assert r.starts == {2: 0} and ledger.position[2] == 10
+    ledger.check(1, {2: 10})
+    ledger.commit(1, {2: 640})
+    r = ledger.reserve(2, 2, islands, steps=5)
+    assert r.starts == {2: 10}
+    assert ledger.rollback(2) is not None and ledger.position[2] == 10  # island 2 died: its batches go back
+    # blocks are recomputed and shard 2's new owner continues at position 10
+    assert ledger.reserve(3, 1, [0, 1, 3], steps=4).starts == {2: 10}
+    assert ledger.tokens[2] == 640
+
+
+def test_a_shard_in_flight_is_never_handed_to_another_island():
+    ledger = DataLedger(2)
+    ledger.reserve(1, 0, [0, 1], steps=3)           # island 0 trains shard 0
+    r = ledger.reserve(2, 1, [1], steps=3)          # island 0 left the schedule: shard 0 is island 1's now
+    assert r.starts == {1: 0}                       # ... but it is still in flight with island 0
+    assert ledger.reserve(3, 2, [2], steps=1) is None  # no free shard for a third island: it idles
+    ledger.commit(1, {0: 3})
+    # island 1 gets shard 0 once island 0's work resolved, and continues its own after its earlier round
+    assert ledger.reserve(4, 1, [1], steps=2).starts == {0: 3, 1: 3}
+
+
+def test_the_ledger_refuses_miscounts_and_checkpoints_committed_work_only():
+    ledger = DataLedger(2)
+    ledger.reserve(1, 0, [0], steps=4)
+    with pytest.raises(LedgerError):
+        ledger.check(1, {0: 1, 1: 2})   # read 1 of the 2 batches of shard 0
+    ledger.check(1, {0: 2, 1: 2})
+    ledger.reserve(2, 0, [0], steps=2)  # the next round, while round 1 waits for its close
+    state = ledger.state()
+    assert state["position"] == [0, 0] and state["tokens"] == [0, 0]
+    ledger.commit(1, {0: 20, 1: 20})
+    assert ledger.state()["position"] == [2, 2]
+    restored = DataLedger(1)
+    restored.load(ledger.state())
+    assert restored.position == [2, 2] and restored.tokens == [20, 20]
+
+
+def test_batch_counts_round_robin():
+    assert batch_counts([3, 1, 2], turn=0, steps=7) == {1: 3, 2: 2, 3: 2}
+    assert batch_counts([3, 1, 2], turn=1, steps=7) == {1: 2, 2: 3, 3: 2}
+    assert sum(batch_counts([0, 5], 3, 11).values()) == 11
 
 
 def test_an_island_without_coordinator_takes_the_block_the_coordinator_would_assign():
     from orchestrator.config_load import load_config
-    from orchestrator.launcher import island_spec
+    from orchestrator.engine.pool import island_spec
     from workers.island import Island
 
     for shards, islands in ((12, 3), (5, 3), (8, 2)):
         cfg = load_config(None, ["task.factory=tests.toy_tasks:make_quadratic", "task.kwargs.centers=[[1.0]]",
                                  f"islands.count={islands}", f"data_shards={shards}"])
         for i in range(islands):
-            assert sorted(Island(island_spec(cfg, i))._default_assignment()) == assign(shards, list(range(islands)))[i]
+            assert sorted(Island(island_spec(cfg, i)).order(0, 1).shards) == assign(shards, list(range(islands)))[i]

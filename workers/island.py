@@ -8,14 +8,16 @@ data position persist across rounds, as DiLoCo requires.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from workers.compress import Payload, decode, encode, payload_nbytes
+from workers.compress import Payload, encode
 from workers.flat import FlatParams, slice_bounds
+from workers.messages import RoundResult, WorkKind, WorkOrder
 from workers.optim import InnerConfig, build_inner
 from workers.task import load_task, to_device
 
@@ -40,35 +42,6 @@ class IslandSpec:
     coordinator_shards: int = 1  # S > 1: the pseudo-gradient leaves as S slices, one per shard
 
 
-@dataclass(frozen=True)
-class RoundResult:
-    """What an island sends back: `payload` encodes Δ = θ_start − θ_end (a gradient in
-    ddp mode) with the configured codec; `nbytes` is its size on the wire."""
-
-    island: int
-    version: int
-    payload: Payload
-    weight: int          # tokens (or examples) trained on this round
-    steps: int
-    mean_loss: float
-    compute_s: float     # seconds training (simulated slowdown included)
-    finished_at: float   # wall clock (time.time()) when the result was ready to send
-    positions: dict[int, int]     # shard -> batches consumed after this round
-    shard_tokens: dict[int, int]  # shard -> tokens (weight) trained this round
-    sent_bytes: int | None = None  # set when `payload` holds references to the encoded slices
-
-    def delta(self) -> Any:
-        """Δ decoded to fp32, or its S slices as they came (each coordinator shard decodes its own)."""
-        return self.payload if isinstance(self.payload, list) else decode(self.payload)
-
-    @property
-    def nbytes(self) -> int:
-        if self.sent_bytes is not None:
-            return self.sent_bytes
-        parts = self.payload if isinstance(self.payload, list) else [self.payload]
-        return sum(payload_nbytes(p) for p in parts)
-
-
 class Island:
     def __init__(self, spec: IslandSpec) -> None:
         torch.set_num_threads(spec.threads)
@@ -84,29 +57,33 @@ class Island:
                                                      spec.start_step, spec.rewarmup_steps)
         self.num_shards = spec.num_shards or spec.num_islands
         self.streams: dict[int, tuple[int, Any]] = {}  # shard -> (position, iterator at that position)
-        self.turn = 0
+        self.turn = 0  # round-robin offset when used without a coordinator
 
-    def _batch(self, assignment: dict[int, int]) -> tuple[int, Any]:
-        """The next batch, taking the island's shards in turn; each shard's stream starts
-        where the coordinator says it stands (the island re-seeks only if it differs)."""
-        shards = sorted(assignment)
-        shard = shards[self.turn % len(shards)]
-        self.turn += 1
-        pos, stream = self.streams.get(shard, (None, None))
-        if pos != assignment[shard]:
-            pos = assignment[shard]
-            stream = self.task.train_batches(shard, self.num_shards, self.spec.seed, pos)
-        batch = next(stream)
-        self.streams[shard] = (pos + 1, stream)
-        assignment[shard] = pos + 1
-        return shard, batch
+    def _batches(self, order: WorkOrder) -> Iterator[tuple[int, Any]]:
+        """The order's batches: step j reads shard `sorted(shards)[(turn + j) % n]`, each
+        shard from the position the coordinator's ledger gives (the island re-seeks only
+        when its cached stream stands elsewhere)."""
+        shards = sorted(order.shards)
+        at = dict(order.shards)
+        for j in range(order.steps):
+            shard = shards[(order.turn + j) % len(shards)]
+            pos, stream = self.streams.get(shard, (None, None))
+            if pos != at[shard]:
+                pos = at[shard]
+                stream = self.task.train_batches(shard, self.num_shards, self.spec.seed, pos)
+            batch = next(stream)
+            self.streams[shard] = (pos + 1, stream)
+            at[shard] = pos + 1
+            yield shard, batch
 
-    def _default_assignment(self) -> dict[int, int]:
-        """Without a coordinator (in-process use): the island's own contiguous block of
-        shards, as the coordinator would assign it with all islands present."""
+    def order(self, version: int, steps: int, kind: WorkKind = WorkKind.TRAIN) -> WorkOrder:
+        """A work order without a coordinator (in-process use): the island's own contiguous
+        block of shards, as the coordinator would assign it with all islands present."""
         k, n = self.spec.num_islands, self.num_shards
-        own = [s for s in range(n) if s * k // n == self.spec.index]
-        return {s: self.streams.get(s, (0, None))[0] for s in own}
+        own = {s: self.streams.get(s, (0, None))[0] for s in range(n) if s * k // n == self.spec.index}
+        order = WorkOrder(self.spec.index, -1, version, kind, steps, own, self.turn)
+        self.turn += steps
+        return order
 
     def describe(self) -> dict[str, Any]:
         import os
@@ -146,51 +123,41 @@ class Island:
         return [encode(values[lo:hi], self.spec.codec, self.spec.chunk)
                 for lo, hi in slice_bounds(values.size, self.spec.coordinator_shards, self.spec.chunk)]
 
-    def run_round(self, version: int, params: np.ndarray, steps: int, start_delay_s: float = 0.0,
-                  assignment: dict[int, int] | None = None, schedule_step: int | None = None) -> RoundResult:
-        """DiLoCo inner phase: start from the global `params`, take `steps` inner steps on
-        the shards of `assignment` ({shard: start position}; default: the island's own
-        shard where it left off). `start_delay_s`: simulated time to download `params`.
-        `schedule_step` moves the lr schedule to the run's global progress (async mode,
-        where a fast island takes more steps than the schedule's length)."""
-        if start_delay_s > 0:
-            time.sleep(start_delay_s)
-        if schedule_step is not None:
-            self._seek_schedule(schedule_step)
+    def run(self, order: WorkOrder, params: np.ndarray) -> RoundResult:
+        """Do one work order from the global `params`. `TRAIN` is DiLoCo's inner phase:
+        `steps` inner steps, Δ = θ_start − θ_end back; `GRADIENT` is the ddp step: one
+        batch's gradient at `params`, no local update. The inner optimizer state and the
+        data streams persist across orders, as DiLoCo requires."""
+        if order.start_delay_s > 0:
+            time.sleep(order.start_delay_s)
+        if order.schedule_step is not None:
+            self._seek_schedule(order.schedule_step)
         t0 = time.perf_counter()
         self.flat.load(params)
-        self.start.copy_(self.flat.data)
         self.model.train()
+        shard_tokens = {s: 0 for s in order.shards}
+        positions = dict(order.shards)  # advanced per batch actually read: what the ledger checks
         losses, weight = 0.0, 0
-        assignment = dict(assignment) if assignment is not None else self._default_assignment()
-        shard_tokens = {s: 0 for s in assignment}
-        for _ in range(steps):
-            t_step = time.perf_counter()
-            shard, batch = self._batch(assignment)
-            loss, w = self._forward_backward(batch)
-            shard_tokens[shard] += w
-            self._clip()
-            self._step()
-            self.scheduler.step()
-            losses += loss
-            weight += w
-            if self.spec.slowdown > 1:
-                time.sleep((self.spec.slowdown - 1) * (time.perf_counter() - t_step))
-        payload = self._encode(self.start - self.flat.data)
-        return RoundResult(self.spec.index, version, payload, weight, steps, losses / steps,
-                           time.perf_counter() - t0, time.time(), assignment, shard_tokens)
-
-    def gradient(self, version: int, params: np.ndarray, start_delay_s: float = 0.0,
-                 assignment: dict[int, int] | None = None) -> RoundResult:
-        """ddp step: the gradient of one batch at the global `params` (no local update)."""
-        if start_delay_s > 0:
-            time.sleep(start_delay_s)
-        t0 = time.perf_counter()
-        self.flat.load(params)
-        self.model.train()
-        assignment = dict(assignment) if assignment is not None else self._default_assignment()
-        shard, batch = self._batch(assignment)
-        loss, weight = self._forward_backward(batch)
-        payload = self._encode(self.flat.grad.clone())
-        return RoundResult(self.spec.index, version, payload, weight, 1, loss, time.perf_counter() - t0, time.time(),
-                           assignment, {shard: weight})
+        if order.kind == WorkKind.TRAIN:
+            self.start.copy_(self.flat.data)
+            for shard, batch in self._batches(order):
+                t_step = time.perf_counter()
+                loss, w = self._forward_backward(batch)
+                self._clip()
+                self._step()
+                self.scheduler.step()
+                shard_tokens[shard] += w
+                positions[shard] += 1
+                losses += loss
+                weight += w
+                if self.spec.slowdown > 1:
+                    time.sleep((self.spec.slowdown - 1) * (time.perf_counter() - t_step))
+            payload = self._encode(self.start - self.flat.data)
+        else:
+            (shard, batch), = self._batches(order)
+            losses, weight = self._forward_backward(batch)
+            shard_tokens[shard] += weight
+            positions[shard] += 1
+            payload = self._encode(self.flat.grad.clone())
+        return RoundResult(self.spec.index, order.version, payload, weight, order.steps, losses / order.steps,
+                           time.perf_counter() - t0, time.time(), positions, shard_tokens, order.ticket)

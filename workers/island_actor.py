@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 import ray
 
-from workers.island import Island, RoundResult
+from workers.island import Island
+from workers.messages import RoundResult, WorkOrder
 
 
 def whole_params(params: Any) -> np.ndarray:
@@ -19,11 +20,8 @@ def whole_params(params: Any) -> np.ndarray:
 
 
 class RayIsland(Island):
-    def run_round(self, version: int, params: Any, *args: Any, **kwargs: Any) -> RoundResult:
-        result = super().run_round(version, whole_params(params), *args, **kwargs)
+    def run(self, order: WorkOrder, params: Any) -> RoundResult:
+        result = super().run(order, whole_params(params))
         if not isinstance(result.payload, list):
             return result
         return dataclasses.replace(result, payload=[ray.put(p) for p in result.payload], sent_bytes=result.nbytes)
-
-    def gradient(self, version: int, params: Any, *args: Any, **kwargs: Any) -> RoundResult:
-        return super().gradient(version, whole_params(params), *args, **kwargs)

@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 
 from workers.flat import slice_bounds
-from workers.island import Island, IslandSpec, RoundResult
+from workers.island import Island, IslandSpec
 from workers.island_actor import RayIsland, whole_params
+from workers.messages import RoundResult, WorkOrder
 from workers.optim import build_inner
 from workers.task import Batch
 
@@ -104,24 +105,18 @@ class GroupIsland(RayIsland):
                 dist.broadcast(self.flat.data[lo:hi], src=r)
 
     # -- rounds: rank 0 drives the others ------------------------------------------------
-    def _lead(self, method: str, version: int, params: Any, args: tuple, kwargs: dict) -> RoundResult:
-        """Run `method` on every worker at once (the collectives pair up) and return rank 0's result."""
+    def run(self, order: WorkOrder, params: Any) -> RoundResult:
+        """Run the order on every worker at once (the collectives pair up); rank 0's result."""
         params = whole_params(params)
         shared = ray.put(params) if self.followers else None  # one copy on this node for all workers
-        follow = [f.follow.remote(method, version, shared, *args, **kwargs) for f in self.followers]
-        result = getattr(super(), method)(version, params, *args, **kwargs)
+        follow = [f.follow.remote(order, shared) for f in self.followers]
+        result = super().run(order, params)
         ray.get(follow)
         return result
 
-    def run_round(self, version: int, params: Any, *args: Any, **kwargs: Any) -> RoundResult:
-        return self._lead("run_round", version, params, args, kwargs)
-
-    def gradient(self, version: int, params: Any, *args: Any, **kwargs: Any) -> RoundResult:
-        return self._lead("gradient", version, params, args, kwargs)
-
-    def follow(self, method: str, version: int, params: Any, *args: Any, **kwargs: Any) -> None:
+    def follow(self, order: WorkOrder, params: Any) -> None:
         """Ranks 1..N-1: the plain island step (their result is rank 0's, so nothing returns)."""
-        getattr(Island, method)(self, version, params, *args, **kwargs)
+        Island.run(self, order, params)
 
     def describe(self) -> dict[str, Any]:
         if self.group_error:

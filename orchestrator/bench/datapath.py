@@ -28,18 +28,18 @@ import numpy as np
 import ray
 import torch
 
-from orchestrator.aggregate import Contribution
 from orchestrator.bench.registry import scenario
 from orchestrator.bench.report import BenchResult, Panel, checks_table, md_table, targets_met
 from orchestrator.bench.runner import run_methods
 from orchestrator.config import RunConfig
 from orchestrator.config_load import load_config
-from orchestrator.robust import NormGuard
-from orchestrator.servers import build_server
-from orchestrator.shard_actors import start_sharded_server
+from orchestrator.engine.outer_step import LocalOuter, Outer, SlicedOuter
+from orchestrator.engine.policies import build_policies, outer_rule
+from orchestrator.engine.types import Contribution
+from orchestrator.runtime.slices import start_slices
 from workers.compress import encode
 from workers.flat import slice_bounds
-from workers.island import RoundResult
+from workers.messages import RoundResult
 from workers.island_group import group_address
 
 
@@ -61,21 +61,29 @@ class _Source:
 
 
 class _Aggregator:
-    """The coordinator's side of a round, with the production server of `cfg`."""
+    """The coordinator's side of a round, with the production outer step and admission of `cfg`."""
 
     def __init__(self, cfg: RunConfig, numel: int) -> None:
         torch.set_num_threads(cfg.coordinator.threads)
         flat = torch.zeros(numel)
-        guard = NormGuard(cfg.robust)
-        self.server = start_sharded_server(cfg, flat, guard) if cfg.coordinator.shards > 1 else \
-            build_server(cfg, flat, guard)
+        self.outer: Outer
+        if cfg.coordinator.shards > 1:
+            bounds = slice_bounds(numel, cfg.coordinator.shards, cfg.compression.chunk)
+            self.outer = SlicedOuter(flat, bounds, start_slices(cfg, flat.numpy(), bounds, "datapath"))
+        else:
+            self.outer = LocalOuter(flat, outer_rule(cfg))
+        self.admission = build_policies(cfg, numel).admission
+        self.version = 0
 
     def aggregate(self, refs: list[ray.ObjectRef]) -> float:
         t0 = time.perf_counter()
         results = ray.get(refs)
         contributions = [Contribution(r.island, r.version, r.delta(), r.weight) for r in results]
-        out = self.server.close_round(contributions)
-        assert len(out.accepted) == len(results), out
+        key, facts = self.outer.inspect(contributions)
+        verdicts = [self.admission.judge(c, f, self.version, self.version) for c, f in zip(contributions, facts)]
+        assert all(v.admitted for v in verdicts), verdicts
+        self.outer.apply(key, {c.island: c.weight for c in contributions})
+        self.version += 1
         return time.perf_counter() - t0
 
     def version(self) -> int:

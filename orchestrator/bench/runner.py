@@ -8,7 +8,7 @@ from typing import Any
 import ray
 
 from orchestrator.config_load import load_config
-from orchestrator.run import init_ray, run
+from orchestrator.runtime.driver import init_ray, run
 
 Table = dict[str, tuple[str, list[str]]]  # name -> (description, overrides)
 

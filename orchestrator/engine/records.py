@@ -1,9 +1,14 @@
-"""Run outputs in `out_dir`: the resolved config, `metrics.jsonl` (one record per round),
-`summary.json` (stable key names that scripts and dashboards rely on) and `final.pt`."""
+"""What a run leaves on disk: in `out_dir` the resolved config, `metrics.jsonl` (one record
+per round), `events.jsonl` (joins, drains, crashes, rejections, restarts…), `summary.json`
+(stable key names that scripts and dashboards rely on) and `final.pt`; in the checkpoint
+folder the coordinator's state. Writes are atomic (`os.replace`), so a crash mid-write
+never leaves a torn file behind. On a cluster point `checkpoint.path` at shared storage
+so a coordinator restarted on another node finds it."""
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,3 +49,40 @@ class Recorder:
         os.replace(self.out / "final.pt.tmp", self.out / "final.pt")
         _atomic_write(self.out / "summary.json", json.dumps(summary, indent=2))
         self._metrics.close()
+
+
+class EventLog:
+    """One JSON line per event with a timestamp, also kept in memory for the control plane."""
+
+    def __init__(self, path: Path, keep: int = 1000, append: bool = False) -> None:
+        self.path = path
+        if not append:
+            path.write_text("")
+        self.keep = keep
+        self.recent: list[dict[str, Any]] = []
+
+    def add(self, kind: str, island: int | None = None, **detail: Any) -> dict[str, Any]:
+        event = {"time": time.time(), "kind": kind, "island": island, **detail}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(event) + "\n")
+        self.recent.append(event)
+        del self.recent[:-self.keep]
+        return event
+
+
+CHECKPOINT = "state.pt"
+
+
+def save_checkpoint(folder: Path, state: dict[str, Any]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / (CHECKPOINT + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, folder / CHECKPOINT)
+    return folder / CHECKPOINT
+
+
+def load_checkpoint(folder: Path) -> dict[str, Any] | None:
+    path = folder / CHECKPOINT
+    if not path.exists():
+        return None
+    return torch.load(path, weights_only=False)

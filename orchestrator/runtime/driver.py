@@ -1,4 +1,6 @@
-"""Entry point of a run: connect to (or start) Ray, place the coordinator, show progress."""
+"""The driver of a run: connect to (or start) Ray, place the coordinator and the control
+plane, show progress, forward a stop signal, and wait out Ray's restarts of a coordinator
+that died."""
 from __future__ import annotations
 
 import os
@@ -11,10 +13,12 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.config import RunConfig
-from orchestrator.coordinator import Coordinator, RunFailed  # noqa: F401  (RunFailed is part of this API)
-from orchestrator.launcher import NAMESPACE, release_run
-from orchestrator.progress import ProgressPrinter
-from orchestrator.signals import StopRequest, stop_on_signals
+from orchestrator.engine.records import load_checkpoint
+from orchestrator.engine.types import NAMESPACE, RunFailed, control_plane_name, coordinator_name
+from orchestrator.runtime.coordinator import Coordinator
+from orchestrator.runtime.island_pool import release_run
+from orchestrator.runtime.progress import ProgressPrinter
+from orchestrator.runtime.signals import StopRequest, stop_on_signals
 from workers.task import load_task
 
 
@@ -43,7 +47,7 @@ def start_coordinator(cfg: RunConfig, run_id: str) -> Any:
     node_id = ray.get_runtime_context().get_node_id()
     restarts = cfg.checkpoint.max_restarts if cfg.checkpoint.every_rounds else 0
     return ray.remote(Coordinator).options(
-        name=f"archipelago-{run_id}-coordinator", namespace=NAMESPACE,
+        name=coordinator_name(run_id), namespace=NAMESPACE,
         num_cpus=0, max_concurrency=4, max_restarts=restarts, max_task_retries=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(cfg, run_id)
@@ -58,7 +62,7 @@ def start_control_plane(cfg: RunConfig, run_id: str) -> Any:
     token = configured_token()  # the driver's token reaches the actor even if Ray started without it
     env = {"env_vars": {"ARCHIPELAGO_API_TOKEN": token}} if token else None
     actor = ray.remote(ControlPlane).options(
-        name=f"archipelago-{run_id}-api", namespace=NAMESPACE, num_cpus=0, runtime_env=env,
+        name=control_plane_name(run_id), namespace=NAMESPACE, num_cpus=0, runtime_env=env,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(run_id, cfg.api.host, cfg.api.port)
     print(f"control plane: {ray.get(actor.address.remote())}  (dashboard at /, API at /v1, docs at /docs)",
@@ -145,8 +149,6 @@ def _await_restart(coordinator: Any, timeout_s: float = 300.0) -> None:
 def resume_id(cfg: RunConfig) -> str:
     """The run id stored in `cfg`'s checkpoint folder (for `archipelago run --resume`)."""
     from pathlib import Path
-
-    from orchestrator.checkpoint import load_checkpoint
 
     state = load_checkpoint(Path(cfg.checkpoint_dir))
     if state is None:

@@ -1,0 +1,661 @@
+"""The round engine: one explicit state machine that runs a training run in every mode.
+
+`step()` makes one transition: apply what the operator asked (between rounds), hand
+idle islands the work the pacing plans (reserving their batches in the data ledger),
+write the records that are due, wait briefly for the island pool, take in what happened
+(results, deaths, joins), give up on work past its deadline, and close every outer step
+the pacing says is ready (admission → token-weighted mean → outer rule). `run()` is
+`start()` then `step()` until the run ends. The engine has no Ray in it: the pool,
+the outer step (whole or sliced) and the policies are handed in, so the same engine is
+driven by the Ray coordinator and, in tests, by an in-process pool with injected faults.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orchestrator.config import RunConfig
+from orchestrator.engine.admission import Admission, Verdict
+from orchestrator.engine.controls import RunControls, SettingsUpdate
+from orchestrator.engine.ledger import DataLedger
+from orchestrator.engine.membership import IslandStats, Membership
+from orchestrator.engine.outer_step import LocalOuter, LocalSlices, Outer, SlicedOuter, SliceCalls, take_step
+from orchestrator.engine.pacing import Close, Flight, Pacing, RunState, Work
+from orchestrator.engine.policies import Policies, build_policies, outer_rule
+from orchestrator.engine.pool import Done, Failed, IslandPool, Joined, JoinFailed, PoolEvent
+from orchestrator.engine.records import EventLog, Recorder, load_checkpoint, save_checkpoint
+from orchestrator.engine.types import Contribution, Decision, Event, IslandState, RunFailed, RunPhase
+from workers.flat import FlatParams, slice_bounds
+from workers.messages import RoundResult, WorkOrder
+from workers.task import Task, load_task
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.2  # the longest the engine waits on the pool: a stop-now is seen within it
+
+COUNTERS = ("tokens", "tokens_applied", "bytes_sent", "bytes_received", "initial_eval", "last_eval",
+            "rounds_done")
+
+
+class Window:
+    """What happened between two records (one recorded round)."""
+
+    def __init__(self, tokens: int) -> None:
+        self.t0, self.tokens_before = time.perf_counter(), tokens
+        self.contributed: set[int] = set()
+        self.rejected: dict[str, str] = {}
+        self.dropped: set[int] = set()
+        self.staleness: list[int] = []
+        self.losses: dict[int, list[float]] = {}
+        self.extra: dict[str, Any] = {}
+
+
+class RoundEngine:
+    def __init__(self, cfg: RunConfig, task: Task, model: torch.nn.Module, flat: FlatParams, outer: Outer,
+                 policies: Policies, pool: IslandPool, run_id: str = "local",
+                 on_record: Callable[[dict[str, Any], dict[str, dict[str, Any]]], None] | None = None) -> None:
+        """Continues from the checkpoint of `run_id` in `cfg.checkpoint_dir` if there is one."""
+        self.cfg, self.task, self.model, self.flat, self.outer = cfg, task, model, flat, outer
+        self.pacing: Pacing = policies.pacing
+        self.admission: Admission = policies.admission
+        self.pool, self.run_id, self.on_record = pool, run_id, on_record
+        self.eval_batches = list(task.eval_batches())
+        self.members = Membership(cfg.islands.count, cfg.elastic.min_islands, cfg.elastic.max_islands)
+        self.run = RunState(cfg.rounds, cfg.inner_steps, self.members)
+        self.ledger = DataLedger(cfg.num_shards)
+        self.controls = RunControls()
+        self.phase = RunPhase.STARTING
+        self.flights: dict[int, Flight] = {}
+        self.overdue: dict[int, int] = {}         # ticket -> island, abandoned past its deadline
+        self._tickets = itertools.count()
+        self.refs: dict[int, Any] = {}            # version -> published parameters
+        self._demanded: int | None = None
+        self.published_at: dict[int, float] = {}
+        self.held: dict[int, int] = {}            # island -> version it holds (downloaded)
+        self.due: list[int] = []                  # recorded rounds due, written after the next dispatch
+        self.tokens = self.tokens_applied = self.bytes_sent = self.bytes_received = 0
+        self.initial_eval: float | None = None
+        self.last_eval: float | None = None
+        self.rounds_done = 0
+        self.train_elapsed = 0.0
+        self.waiting_since: float | None = None
+        self.t0 = self.t_train = time.perf_counter()
+        state = load_checkpoint(Path(cfg.checkpoint_dir)) if cfg.checkpoint.every_rounds else None
+        self.resumed = state is not None and state["run_id"] == run_id
+        if self.resumed:
+            assert state is not None
+            self._restore(state)
+        self.recorder = Recorder(cfg.out_dir, cfg, keep_records=self.rounds_done if self.resumed else None)
+        self.events = EventLog(self.recorder.out / "events.jsonl", append=self.resumed)
+        self.window = Window(self.tokens)
+        self.snapshot: dict[str, Any] = {"state": RunPhase.STARTING.value, "round": self.rounds_done,
+                                         "rounds": cfg.rounds}
+        if self.resumed:
+            self.events.add(Event.RESTART, version=self.run.version, rounds_done=self.rounds_done)
+
+    # -- the state machine -----------------------------------------------------------------
+    def start(self) -> None:
+        """Ask for the islands (after a restart: re-attach to the live ones, re-place the rest)."""
+        if self.resumed:
+            for i, stats in list(self.members.islands.items()):
+                if stats.state.gone:
+                    continue
+                node = self.pool.reattach(i)
+                if node is not None:
+                    stats.state = IslandState.TRAINING if stats.state != IslandState.DRAINING else stats.state
+                    self.events.add(Event.REATTACH, i, node=node)
+                else:
+                    stats.state = IslandState.STARTING
+                    self._request(i)
+        else:
+            for i in range(self.cfg.islands.count):
+                self._request(i)
+        self._demand()
+
+    def step(self) -> bool:
+        """One transition; False once the run has ended."""
+        if self.phase in (RunPhase.FINISHED, RunPhase.STOPPED, RunPhase.FAILED):
+            return False
+        if self.controls.aborting.is_set():
+            self._finish()
+            return False
+        if self.phase == RunPhase.STARTING:
+            self._handle(self.pool.poll(POLL_S))
+            self._expire_joins()
+            if not self.members.pending:
+                self._begin()
+            return True
+        self._boundary()
+        self._dispatch()
+        self._write_due()
+        self.run.stopping = self.controls.stopping.is_set()
+        if not self._in_flight() and self.pacing.next_close(self.run, []) is None:
+            if self.pacing.done(self.run) or self.run.stopping:
+                self._finish()
+                return False
+            self._check_progress()
+        self._handle(self.pool.poll(self._timeout()))
+        self._expire()
+        while (close := self.pacing.next_close(self.run, self._in_flight())) is not None:
+            self._close(close)
+        return True
+
+    def _in_flight(self) -> list[Flight]:
+        """Work handed out whose result has not come back (arrived results wait in
+        `flights` too, until their outer step closes)."""
+        return [f for f in self.flights.values() if f.result is None]
+
+    def execute(self) -> dict[str, Any]:
+        """Run to the end; returns the summary (also written to `out_dir/summary.json`)."""
+        self.start()
+        while self.step():
+            pass
+        return self.summary
+
+    # -- phases ------------------------------------------------------------------------------
+    def _begin(self) -> None:
+        if not self.members.schedulable():
+            raise self._no_island_left()
+        self.t_train = time.perf_counter() - self.train_elapsed  # training time continues across restarts
+        if not self.resumed:
+            self.initial_eval = self.last_eval = self.evaluate()
+        self.phase = RunPhase.TRAINING
+        self.window = Window(self.tokens)
+        self._publish()
+        self._update_snapshot()
+
+    def _finish(self) -> None:
+        """End the run: work still out is given back to the ledger (trained again on
+        resume); a stopped run is evaluated and checkpointed where it stands."""
+        for ticket in sorted(self.flights, reverse=True):
+            self.ledger.rollback(ticket)
+        self.flights.clear()
+        stopped = self.controls.stopping.is_set()
+        if stopped:
+            if not self.controls.aborting.is_set():
+                self.last_eval = self.evaluate()
+            if self.cfg.checkpoint.every_rounds:
+                self.save()
+            self.events.add(Event.STOPPED, version=self.run.version, rounds_done=self.rounds_done)
+        self.phase = RunPhase.STOPPED if stopped else RunPhase.FINISHED
+        self.outer.copy_to(self.flat.data)
+        self.summary = self._summary()
+        self.recorder.finish(self.summary, self.model)
+        self._update_snapshot()
+        for i in list(self.members.islands):
+            if not self.members.islands[i].state.gone:
+                self.pool.release(i)
+        for i in list(self.members.pending):
+            self.pool.cancel(i)
+
+    # -- operator requests, applied between rounds ------------------------------------------------
+    def _boundary(self) -> None:
+        if self.pacing.between_rounds(list(self.flights.values())):
+            update = self.controls.take()
+            if update is not None:
+                self._apply_settings(update)
+            paused = self.controls.paused.is_set() and not self.controls.stopping.is_set()
+            if paused and self.phase == RunPhase.TRAINING:
+                self.phase = RunPhase.PAUSED
+                self.events.add(Event.PAUSED, version=self.run.version)
+            elif not paused and self.phase == RunPhase.PAUSED:
+                self.phase = RunPhase.TRAINING
+                self.events.add(Event.RESUMED, version=self.run.version)
+            self.snapshot["state"] = self.phase.value
+        self._membership()
+
+    def _apply_settings(self, update: SettingsUpdate) -> None:
+        if update.inner_steps is not None:
+            self.cfg.inner_steps = self.run.inner_steps = update.inner_steps
+        if update.outer_lr is not None:
+            self.outer.set_lr(update.outer_lr)
+        self.events.add(Event.SETTINGS, version=self.run.version, **update.model_dump(exclude_none=True))
+
+    def _membership(self) -> None:
+        """Apply target and drain requests; keep the live islands at the target."""
+        m = self.members
+        for kind, value in m.take_requests():
+            if kind == "target":
+                m.target = value
+                self.events.add(Event.TARGET, None, target=value)
+            elif kind == "drain" and self._start_drain(value):
+                m.target = max(0, m.target - 1)  # a drained island is not replaced
+        self._demand()
+        self._expire_joins()
+        surplus = len(m.live()) + len(m.pending) - m.target
+        for i in sorted(m.live(), reverse=True)[:max(0, surplus)]:
+            self._start_drain(i)
+        for _ in range(max(0, -surplus)):
+            self._request(m.next_index())
+        busy = {f.work.island: f.ticket for f in self._in_flight()}
+        for i, s in list(m.islands.items()):
+            if s.state == IslandState.DRAINING and (i not in busy or self.cfg.elastic.drain == "abandon"):
+                if i in busy:
+                    self._lose(busy[i], "drained while training")
+                self._release(i, IslandState.DRAINED)
+
+    def _demand(self) -> None:
+        """Tell the pool (on KubeRay: the autoscaler) how many islands the run wants."""
+        if self._demanded != self.members.target:
+            self._demanded = self.members.target
+            self.pool.demand(self.members.target)
+            self.events.add(Event.RESOURCES_REQUESTED, None, bundles=self.members.target)
+
+    def _expire_joins(self) -> None:
+        now = self.pool.now()
+        for i, since in list(self.members.pending.items()):
+            if now - since > self.cfg.elastic.placement_timeout_s:
+                del self.members.pending[i]
+                self.pool.cancel(i)
+                self.events.add(Event.JOIN_FAILED, i, reason="no resources within elastic.placement_timeout_s")
+
+    def _request(self, index: int) -> None:
+        start = self.run.completed_steps // max(1, len(self.members.live()))
+        self.members.pending[index] = self.pool.now()
+        self.pool.request(index, start)
+        self.events.add(Event.REQUESTED, index)
+
+    def _start_drain(self, island: int) -> bool:
+        """Start draining (or cancel a join); False if the island is already gone."""
+        if self.members.pending.pop(island, None) is not None:
+            self.pool.cancel(island)
+            self.events.add(Event.JOIN_CANCELLED, island)
+            return True
+        stats = self.members.islands.get(island)
+        if stats is None or stats.state not in (IslandState.TRAINING, IslandState.LATE):
+            return False
+        self.members.mark(island, IslandState.DRAINING)
+        self.events.add(Event.DRAIN, island, policy=self.cfg.elastic.drain)
+        return True
+
+    def _release(self, island: int, state: IslandState, reason: str | None = None) -> None:
+        self.members.mark(island, state, reason)
+        for t in [t for t, i in self.overdue.items() if i == island]:
+            del self.overdue[t]
+        self.pool.release(island)
+        self.events.add(Event.RELEASED, island, state=state.value)
+
+    def _fail(self, island: int, reason: str, state: IslandState = IslandState.DEAD) -> None:
+        """Release an island that died, raised, or is quarantined; the target replaces it
+        unless `elastic.replace_dead` is off."""
+        stats = self.members.islands.get(island)
+        if stats is None or stats.state.gone:
+            return
+        if stats.state == IslandState.DRAINING:
+            self._release(island, IslandState.DRAINED)
+            return
+        if not self.cfg.elastic.replace_dead:
+            self.members.target = max(0, self.members.target - 1)
+        self.events.add(Event.CRASH if state == IslandState.DEAD else Event.QUARANTINED, island, reason=reason)
+        self._release(island, state, reason)
+
+    # -- work out -------------------------------------------------------------------------------
+    def _publish(self) -> None:
+        """Publish the new version once (islands fetch it from there); keep the one before,
+        which a round under a one-round lag starts from."""
+        v = self.run.version
+        self.refs[v] = self.pool.publish(v, self.outer.params())
+        self.published_at.setdefault(v, self.pool.now())
+        for old in [old for old in self.refs if old < v - 1]:
+            del self.refs[old]
+
+    def _dispatch(self) -> None:
+        if self.phase != RunPhase.TRAINING:
+            return
+        busy = {f.work.island for f in self._in_flight()}
+        idle = [i for i in self.members.schedulable() if i not in busy]
+        if not idle:
+            return
+        for work in self.pacing.plan(self.run, idle):
+            self._hand_out(work)
+
+    def _hand_out(self, work: Work) -> None:
+        ticket = next(self._tickets)
+        reservation = self.ledger.reserve(ticket, work.island, self.members.schedulable(), work.steps)
+        if reservation is None:
+            self.pacing.cancel(work)  # no free shard: it idles
+            return
+        stats = self.members.islands[work.island]
+        now = self.pool.now()
+        delay = 0.0
+        if self.held.get(work.island) != work.version:  # a new global to download over its link
+            nbytes = self.outer.numel * self.flat.data.element_size()
+            stats.bytes_received += nbytes
+            self.bytes_received += nbytes
+            delay = max(0.0, self.published_at.get(work.version, now) + self.cfg.island_link(work.island).seconds(nbytes)
+                        - now)
+            self.held[work.island] = work.version
+        order = WorkOrder(work.island, ticket, work.version, work.kind, work.steps, reservation.starts,
+                          reservation.turn, delay, work.schedule_step)
+        stats.inner_steps = work.steps
+        self.flights[ticket] = Flight(ticket, work, now + delay + self.cfg.round_timeout_s)
+        self.pool.dispatch(order, self.refs[work.version])
+
+    # -- work back ------------------------------------------------------------------------------
+    def _timeout(self) -> float:
+        flying = self._in_flight()
+        if not flying:
+            return POLL_S
+        return max(0.0, min(POLL_S, min(f.deadline for f in flying) - self.pool.now()))
+
+    def _handle(self, events: list[PoolEvent]) -> None:
+        for event in events:
+            if isinstance(event, Joined):
+                self._joined(event)
+            elif isinstance(event, JoinFailed):
+                self.members.pending.pop(event.island, None)
+                self.events.add(Event.JOIN_FAILED, event.island, reason=event.reason)
+            elif isinstance(event, Done):
+                self._arrived(event.ticket, event.island, event.result)
+            elif isinstance(event, Failed):
+                if event.ticket in self.flights and self.flights[event.ticket].result is None:
+                    self._lose(event.ticket, event.reason)
+                self.overdue.pop(event.ticket, None)
+                self._fail(event.island, event.reason)
+
+    def _joined(self, event: Joined) -> None:
+        if event.island not in self.members.pending:
+            self.pool.release(event.island)  # cancelled meanwhile
+            return
+        known = self.members.islands.get(event.island)
+        if known is not None:  # re-placed after a coordinator restart: keeps its statistics
+            self.members.pending.pop(event.island, None)
+            known.state, known.node = IslandState.TRAINING, event.node
+            self.events.add(Event.JOIN, event.island, node=event.node, version=self.run.version)
+            return
+        joined = self.run.version if self.phase != RunPhase.STARTING else 0
+        self.members.add(event.island, event.node, joined_version=joined)
+        self.events.add(Event.JOIN, event.island, node=event.node, version=self.run.version)
+
+    def _arrived(self, ticket: int, island: int, result: RoundResult) -> None:
+        flight = self.flights.get(ticket)
+        if flight is None or flight.result is not None:  # an overdue result: discarded, the island trains again
+            if self.overdue.pop(ticket, None) is not None and self.members.islands[island].state == IslandState.LATE:
+                self.members.mark(island, IslandState.TRAINING)
+            return
+        self.ledger.check(ticket, result.positions)
+        flight.result = result
+        flight.delivered_at = result.finished_at + self.cfg.island_link(island).seconds(result.nbytes)
+        self.run.completed_steps += result.steps
+        self.pacing.arrived(flight)
+
+    def _lose(self, ticket: int, reason: str) -> None:
+        flight = self.flights.pop(ticket)
+        reservation = self.ledger.rollback(ticket)
+        self.pacing.lost(flight)
+        spans = {s: list(span) for s, span in reservation.spans.items()} if reservation else {}
+        self.events.add(Event.LOST, flight.work.island, reason=reason, ticket=ticket, spans=spans)
+
+    def _expire(self) -> None:
+        now = self.pool.now()
+        for flight in self._in_flight():
+            ticket = flight.ticket
+            if flight.deadline <= now:
+                i = flight.work.island
+                self._lose(ticket, "past the round deadline")
+                self.overdue[ticket] = i
+                if self.members.islands[i].state == IslandState.TRAINING:
+                    self.members.mark(i, IslandState.LATE)
+                self.members.islands[i].late_results += 1
+                self.events.add(Event.LATE, i, deadline_s=self.cfg.round_timeout_s)
+
+    def _check_progress(self) -> None:
+        """Nothing in flight and nothing to close: someone must be able to train soon."""
+        if self.phase == RunPhase.PAUSED:
+            self.waiting_since = None
+            return
+        now = self.pool.now()
+        if self.members.schedulable():
+            self.waiting_since = None
+            return
+        self.waiting_since = self.waiting_since if self.waiting_since is not None else now
+        coming = self.members.pending or self.overdue
+        if not coming or now - self.waiting_since > self.cfg.elastic.placement_timeout_s:
+            raise self._no_island_left()
+
+    def _no_island_left(self) -> RunFailed:
+        self.phase = RunPhase.FAILED
+        return RunFailed("no island can train: " + ("; ".join(
+            f"island {i}: {s.state.value} ({s.error})" for i, s in self.members.islands.items()) or "none joined"))
+
+    # -- the outer step ------------------------------------------------------------------------------
+    def _weight(self, r: RoundResult) -> float:
+        """A newcomer's first update counts `elastic.join_weight` (no loss spike on a join)."""
+        stats = self.members.islands[r.island]
+        weight = float(r.weight)
+        if stats.joined_version > 0 and stats.submissions == 0:
+            weight *= self.cfg.elastic.join_weight
+        return weight
+
+    def _close(self, close: Close) -> None:
+        flights = [f for f in close.flights if f.result is not None]
+        if flights:  # the step happens once every result has crossed its (simulated) link
+            self.pool.sleep_until(max(f.delivered_at for f in flights))
+        results = [f.result for f in flights if f.result is not None]
+        contributions = [Contribution(r.island, r.version, r.delta(), self._weight(r)) for r in results]
+        outcome = take_step(self.outer, self.admission, contributions, close.expected, self.run.version, close.anchor)
+        verdicts = outcome.verdicts
+        if outcome.gap is not None:
+            self.window.extra["gap_penalty"] = outcome.gap
+        if outcome.stepped or close.advances:
+            self.run.version += 1
+            self.outer.anchor(self.run.version, keep_from=max(self.run.base, self.run.version - 1))
+            self._publish()
+        self.run.closes += 1
+        for flight, r, verdict in zip(flights, results, verdicts):
+            del self.flights[flight.ticket]
+            self.ledger.commit(flight.ticket, r.shard_tokens)
+            self._account(r, verdict, close.staleness if close.staleness is not None else verdict.staleness)
+        due = self.pacing.closed(self.run, close)
+        if due is not None:
+            self.due.append(due)
+
+    def _account(self, r: RoundResult, verdict: Verdict, staleness: int) -> None:
+        stats = self.members.islands[r.island]
+        stats.bytes_sent += r.nbytes
+        self.bytes_sent += r.nbytes
+        stats.compute_s += r.compute_s
+        stats.last_train_loss = r.mean_loss
+        stats.tokens += r.weight
+        self.tokens += r.weight  # tokens trained, whether or not the update is applied
+        stats.observe_staleness(staleness)
+        self.window.staleness.append(staleness)
+        self.window.losses.setdefault(r.island, []).append(r.mean_loss)
+        if verdict.admitted:
+            stats.rounds_contributed += 1
+            stats.last_contribution = time.time()
+            self.tokens_applied += r.weight
+            self.window.contributed.add(r.island)
+            if verdict.decision == Decision.DOWNWEIGHT:
+                stats.downweighted += 1
+        elif verdict.decision == Decision.DROP:
+            self.window.dropped.add(r.island)
+        else:
+            stats.rejections += 1
+            self.window.rejected[str(r.island)] = verdict.why
+            self.events.add(Event.REJECTION, r.island, reason=verdict.why, version=r.version)
+        speeds = getattr(self.pacing, "speeds", None)
+        if speeds is not None:
+            stats.steps_per_s = speeds.speeds.get(r.island, 0.0)
+        if self.admission.record(r.island, verdict):
+            self._fail(r.island, f"quarantined after {self.admission.quarantine_after} bad updates in a row",
+                       IslandState.QUARANTINED)
+
+    # -- records, evaluation, checkpoints -----------------------------------------------------------
+    def evaluate(self) -> float:
+        self.outer.copy_to(self.flat.data)
+        self.model.eval()
+        with torch.no_grad():
+            losses = [float(self.task.loss(self.model, b)) for b in self.eval_batches]
+        return sum(losses) / len(losses)
+
+    def _write_due(self) -> None:
+        for rnd in self.due:
+            self._record(rnd)
+        self.due.clear()
+
+    def _record(self, rnd: int) -> None:
+        """Evaluate if due, append one record to metrics.jsonl, checkpoint if due."""
+        w, cfg = self.window, self.cfg
+        due = rnd % cfg.eval_every == 0 or rnd == cfg.rounds
+        eval_loss = self.evaluate() if due else None
+        if eval_loss is not None:
+            self.last_eval = eval_loss
+        now = time.perf_counter()
+        islands = self.members.islands
+        self.recorder.record({
+            "round": rnd, "version": self.run.version, "mode": cfg.mode.value, "time": time.time(),
+            "eval_loss": eval_loss,
+            "train_loss": (sum(sum(v) / len(v) for v in w.losses.values()) / len(w.losses)) if w.losses else None,
+            "island_train_loss": {str(i): sum(v) / len(v) for i, v in sorted(w.losses.items())},
+            "contributed": sorted(w.contributed), "rejected": w.rejected, "dropped": sorted(w.dropped),
+            "staleness": max(w.staleness, default=0), "staleness_updates": w.staleness,
+            "inner_steps": {str(i): s.inner_steps for i, s in islands.items()}, **w.extra,
+            "tokens": self.tokens - w.tokens_before, "tokens_total": self.tokens,
+            "tokens_applied_total": self.tokens_applied,
+            "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+            "round_seconds": now - w.t0, "wall_seconds": now - self.t0,
+            "train_seconds": now - self.t_train, "tokens_per_s": self.tokens / max(1e-9, now - self.t_train),
+            "lr": self.outer.lr(), "islands_alive": len(self.members.alive()),
+            "island_idle_fraction": {str(i): max(0.0, 1 - st.compute_s / max(1e-9, now - self.t_train))
+                                     for i, st in islands.items() if st.state in (IslandState.TRAINING,
+                                                                                  IslandState.LATE)},
+        })
+        self.rounds_done = rnd
+        every = cfg.checkpoint.every_rounds
+        if every and (rnd % every == 0 or rnd == cfg.rounds):
+            self.save()
+            self.events.add(Event.CHECKPOINT, version=self.run.version, round=rnd)
+        self.window = Window(self.tokens)
+        self._update_snapshot()
+        if self.on_record is not None:
+            self.on_record(self.status(), self.members.summary())
+
+    def capture(self) -> dict[str, Any]:
+        """Everything a restarted coordinator needs: committed work only (work in flight and
+        results waiting for their round are redone), so nothing is lost or counted twice."""
+        self.outer.copy_to(self.flat.data)
+        return {
+            "run_id": self.run_id, "config": self.cfg.model_dump(mode="json"),
+            "params": self.flat.data.detach().clone(), "version": self.run.version,
+            "outer": self.outer.state_dict(), "admission": self.admission.state_dict(),
+            "members": {i: {**dataclasses.asdict(s), "state": s.state.value, "recent": list(s.recent)}
+                        for i, s in self.members.islands.items()},
+            "ledger": self.ledger.state(), "completed_steps": self.run.completed_steps - self._uncommitted_steps(),
+            "counters": {k: getattr(self, k) for k in COUNTERS},
+            "train_elapsed": time.perf_counter() - self.t_train, "target": self.members.target,
+        }
+
+    def _uncommitted_steps(self) -> int:
+        return sum(f.result.steps for f in self.flights.values() if f.result is not None)
+
+    def save(self) -> None:
+        save_checkpoint(Path(self.cfg.checkpoint_dir), self.capture())
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.flat.load(state["params"])
+        self.run.version = self.run.base = self.run.closes = state["version"]
+        self.outer.load_state_dict(state["outer"], state["version"])
+        self.admission.load_state_dict(state["admission"])
+        for i, fields in state["members"].items():
+            fields = dict(fields)
+            recent = fields.pop("recent", [])
+            stats = IslandStats(**{**fields, "state": IslandState(fields["state"])})
+            stats.recent.extend(recent)
+            self.members.islands[int(i)] = stats
+        self.ledger.load(state["ledger"])
+        self.run.completed_steps = state["completed_steps"]
+        for k, v in state["counters"].items():
+            setattr(self, k, v)
+        self.train_elapsed = state["train_elapsed"]
+        self.members.target = state["target"]
+        resume = getattr(self.pacing, "resume", None)
+        if resume is not None:
+            resume(self.run)
+
+    # -- what the control plane reads ----------------------------------------------------------------
+    def _update_snapshot(self) -> None:
+        now = time.perf_counter()
+        self.snapshot = {
+            "state": self.phase.value, "round": self.rounds_done, "rounds": self.cfg.rounds,
+            "version": self.run.version, "eval_loss": self.last_eval, "initial_eval_loss": self.initial_eval,
+            "tokens": self.tokens, "tokens_per_s": self.tokens / max(1e-9, now - self.t_train),
+            "bytes_communicated": self.bytes_sent + self.bytes_received,
+            "islands_alive": len(self.members.alive()), "wall_seconds": now - self.t0,
+            "round_seconds": self.recorder.history[-1]["round_seconds"] if self.recorder.history else None,
+        }
+
+    def status(self) -> dict[str, Any]:
+        return {**self.snapshot, "mode": self.cfg.mode.value, "run_id": self.run_id,
+                "target_islands": self.members.target, "pending_islands": sorted(self.members.pending),
+                "inner_steps": self.cfg.inner_steps, "outer_lr": self.outer.lr(),
+                "paused": self.controls.paused.is_set(), "stopping": self.controls.stopping.is_set()}
+
+    def set_target(self, n: int) -> int:
+        return self.members.set_target(n)
+
+    def add_islands(self, n: int) -> int:
+        return self.members.set_target(self.members.target + n)
+
+    def stop(self, now: bool = False) -> None:
+        """Finish the round in flight, checkpoint, write the outputs, end the run. With
+        `now` the work in flight is abandoned instead (its data is trained again on
+        resume): what `ray job stop` needs, as Ray kills the job a few seconds later."""
+        self.controls.stop(now)
+        self.events.add(Event.STOP_REQUESTED, version=self.run.version, now=now)
+
+    def _summary(self) -> dict[str, Any]:
+        now = time.perf_counter()
+        islands = self.members.summary()
+        train_s = now - self.t_train
+        for s in islands.values():  # time accounting: the share of the run an island was not computing
+            s["idle_fraction"] = max(0.0, 1.0 - s["compute_s"] / train_s)
+        subs = sum(s["submissions"] for s in islands.values())
+        alive = [s for s in islands.values() if s["state"] != IslandState.DEAD.value] or list(islands.values())
+        return {
+            "mode": self.cfg.mode.value, "state": self.phase.value,
+            "rounds": self.cfg.rounds, "rounds_done": self.rounds_done, "inner_steps": self.cfg.inner_steps,
+            "initial_eval_loss": self.initial_eval, "final_eval_loss": self.last_eval,
+            "tokens": self.tokens, "tokens_applied": self.tokens_applied, "outer_steps": self.run.version,
+            "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+            "bytes_communicated": self.bytes_sent + self.bytes_received,
+            "wall_seconds": now - self.t0, "train_seconds": train_s,
+            "tokens_per_s": self.tokens / max(1e-9, train_s),
+            "compute_seconds": sum(s["compute_s"] for s in alive) / len(alive) if alive else 0.0,
+            "idle_fraction": sum(s["idle_fraction"] for s in alive) / len(alive) if alive else 0.0,
+            "num_params": self.outer.numel, "islands": islands,
+            "shards": {"position": self.ledger.position, "tokens": self.ledger.tokens},
+            "staleness": {"mean": sum(s["staleness_total"] for s in islands.values()) / subs if subs else 0.0,
+                          "max": max((s["staleness_max"] for s in islands.values()), default=0)},
+            "out_dir": str(self.recorder.out.resolve()),
+        }
+
+
+
+def build_engine(cfg: RunConfig, pool: IslandPool, run_id: str = "local",
+                 slices: Callable[[RunConfig, Any, list[tuple[int, int]]], SliceCalls] | None = None,
+                 on_record: Callable[[dict[str, Any], dict[str, dict[str, Any]]], None] | None = None) -> RoundEngine:
+    """The task's model (same seed everywhere), the outer step over it — whole, or over
+    `coordinator.shards` slices reached through `slices` (in process by default) — the
+    policies of the mode, and the engine driving `pool`."""
+    task = load_task(cfg.task.factory, cfg.task.kwargs)
+    task.prepare()
+    torch.manual_seed(cfg.seed)
+    model = task.build_model()
+    flat = FlatParams(model)
+    outer: Outer
+    if cfg.coordinator.shards > 1:
+        bounds = slice_bounds(flat.numel, cfg.coordinator.shards, cfg.compression.chunk)
+        params = flat.data.detach().numpy()
+        calls = slices(cfg, params, bounds) if slices is not None else LocalSlices(outer_rule(cfg), params, bounds)
+        outer = SlicedOuter(flat.data, bounds, calls)
+    else:
+        outer = LocalOuter(flat.data, outer_rule(cfg))
+    return RoundEngine(cfg, task, model, flat, outer, build_policies(cfg, flat.numel), pool, run_id, on_record)

@@ -1,0 +1,128 @@
+"""The data ledger: which batches of which shard have been handed out and trained, so
+every batch is trained exactly once into the run whatever the membership and the pacing
+do. Pure logic.
+
+The data is cut into a fixed number of shards when the run starts. Islands own
+contiguous blocks of shards (a non-iid split keeps each island on related data); the
+blocks are recomputed from the sorted ids of the islands that can train. The rules:
+
+- a shard's position advances when its island is *given* the work (`reserve`), by
+  exactly the batches the work order will read (`workers.messages.batch_counts`);
+- a reserved shard belongs to that one island until the work resolves: it is never
+  handed to another island meanwhile, even if the blocks moved (the same island may
+  hold two reservations of it: in overlap mode round t waits for its close while
+  round t+1 trains on the next batches);
+- a result that arrives is `check`ed (the island read exactly what it was given); when
+  the outer step consumes it (applied, rejected or dropped) it is `commit`ted and its
+  tokens count as trained; work that is lost (island died, deadline missed, run
+  stopped) is `rollback`ed: its shards go back to where it started and the next owner
+  trains them, once. A checkpoint keeps only committed work (`state`).
+
+So Σ over shards of tokens = tokens trained, and no batch index is committed twice (the
+ledger checks both on every commit and raises `LedgerError` rather than miscount).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.engine.types import LedgerError
+from workers.messages import batch_counts
+
+
+def assign(shards: int, islands: list[int]) -> dict[int, list[int]]:
+    """Contiguous blocks of shards for each island (sorted ids), as even as possible."""
+    if not islands:
+        return {}
+    order = sorted(islands)
+    out: dict[int, list[int]] = {i: [] for i in order}
+    for s in range(shards):
+        out[order[s * len(order) // shards]].append(s)
+    return out
+
+
+@dataclass(frozen=True)
+class Reservation:
+    island: int
+    spans: dict[int, tuple[int, int]]  # shard -> (start, batches)
+    turn: int
+
+    @property
+    def starts(self) -> dict[int, int]:
+        return {s: start for s, (start, _) in self.spans.items()}
+
+
+class DataLedger:
+    def __init__(self, shards: int) -> None:
+        if shards < 1:
+            raise ValueError(f"need at least one data shard, got {shards}")
+        self.shards = shards
+        self.position = [0] * shards   # batches handed out (in flight or trained), per shard
+        self.tokens = [0] * shards     # tokens trained, per shard
+        self.turns: dict[int, int] = {}  # island -> round-robin offset over its shards
+        self.flights: dict[int, Reservation] = {}  # ticket -> reservation
+
+    def busy_shards(self, except_island: int | None = None) -> set[int]:
+        return {s for r in self.flights.values() if r.island != except_island for s in r.spans}
+
+    def reserve(self, ticket: int, island: int, islands: list[int], steps: int) -> Reservation | None:
+        """Hand `island` its shards for `steps` batches and advance their positions; None
+        when it has no free shard (more islands than shards, or its shards are still in
+        flight with an island that held them before the blocks moved)."""
+        busy = self.busy_shards(except_island=island)
+        own = [s for s in assign(self.shards, islands).get(island, []) if s not in busy]
+        if not own:
+            return None
+        turn = self.turns.get(island, 0)
+        counts = batch_counts(own, turn, steps)
+        spans = {s: (self.position[s], counts[s]) for s in own}
+        for s, n in counts.items():
+            self.position[s] += n
+        self.turns[island] = turn + steps
+        reservation = Reservation(island, spans, turn)
+        self.flights[ticket] = reservation
+        return reservation
+
+    def check(self, ticket: int, positions: dict[int, int]) -> None:
+        """A result arrived: the island must have read exactly the batches it was given."""
+        reservation = self.flights.get(ticket)
+        if reservation is None:
+            raise LedgerError(f"ticket {ticket} is not in flight")
+        for s, (start, n) in reservation.spans.items():
+            got = int(positions.get(s, start))
+            if got != start + n:
+                raise LedgerError(f"shard {s}: island {reservation.island} read up to batch {got}, "
+                                  f"it was given [{start}, {start + n})")
+
+    def commit(self, ticket: int, tokens: dict[int, int]) -> None:
+        """The outer step consumed the result: its tokens count as trained."""
+        if self.flights.pop(ticket, None) is None:
+            raise LedgerError(f"ticket {ticket} is not in flight")
+        for s, t in tokens.items():
+            self.tokens[int(s)] += int(t)
+
+    def rollback(self, ticket: int) -> Reservation | None:
+        """The work is lost: its shards go back to where it started (they were never
+        handed to another island; roll back an island's later reservation first)."""
+        reservation = self.flights.pop(ticket, None)
+        if reservation is None:
+            return None
+        for s, (start, n) in reservation.spans.items():
+            if self.position[s] != start + n:
+                raise LedgerError(f"shard {s} moved past a lost reservation ({self.position[s]} != {start + n})")
+            self.position[s] = start
+        return reservation
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps: committed work only (a restarted coordinator redoes the rest)."""
+        position = list(self.position)
+        for r in self.flights.values():
+            for s, (start, _) in r.spans.items():
+                position[s] = min(position[s], start)
+        return {"shards": self.shards, "position": position, "tokens": list(self.tokens),
+                "turns": {str(i): t for i, t in self.turns.items()}}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.shards, self.position, self.tokens = state["shards"], list(state["position"]), list(state["tokens"])
+        self.turns = {int(i): int(t) for i, t in state.get("turns", {}).items()}
+        self.flights = {}

@@ -1,0 +1,381 @@
+"""The outer step over the global parameters: on the coordinator alone (`LocalOuter`), or
+split over S coordinator slices that each own a contiguous part of the vector and of the
+outer optimizer state (`SlicedOuter`, the ZeRO idea applied to the outer step).
+
+Both do the same two things per update: `inspect` turns the islands' payloads into the
+`Facts` admission needs (a sliced coordinator sums its slices' squared norms, so no
+process but the slice's ever holds a whole pseudo-gradient), then `apply` averages the
+admitted updates with their token weights into one preallocated buffer, sets it as the
+flat parameter's `.grad` and steps the outer rule. Every outer rule is elementwise apart
+from norms, so S slices compute what one coordinator does (tested bit for bit).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from orchestrator.algorithms.aggregate import WeightedMean, all_finite, sqnorm
+from orchestrator.algorithms.outer import CO2Outer, adaptive_gap
+from orchestrator.engine.admission import Admission, Facts, Verdict
+from orchestrator.engine.types import Contribution, Decision
+from workers.compress import decode
+
+Scheduler = torch.optim.lr_scheduler.LRScheduler
+
+
+@dataclass(frozen=True)
+class OuterRule:
+    """How to build the outer optimizer over a flat parameter (chosen in `policies.py`)."""
+
+    build: Callable[[torch.nn.Parameter], tuple[torch.optim.Optimizer, Scheduler | None]]
+    grad_clip: float | None = None   # clip the mean's norm first (the ddp baseline, like its inner steps)
+    anchored: bool = False           # CO2: the rule needs the parameters each round started from
+
+
+def _as_tensor(x: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.asarray(x))
+
+
+class OuterStep:
+    """One buffer's outer state: the rule's optimizer over a flat `Parameter` that shares
+    `flat`'s storage, the mean buffer, and (CO2) the parameters of recent versions."""
+
+    def __init__(self, flat: torch.Tensor, rule: OuterRule) -> None:
+        self.param = torch.nn.Parameter(flat, requires_grad=True)  # shares storage
+        self.optimizer, self.scheduler = rule.build(self.param)
+        self.grad_clip, self.anchored = rule.grad_clip, rule.anchored
+        self.mean = WeightedMean(flat.numel(), flat.dtype)
+        self.anchors: dict[int, torch.Tensor] = {0: flat.detach().clone()} if rule.anchored else {}
+
+    def _mean(self, parts: list[tuple[np.ndarray, float]]) -> torch.Tensor:
+        self.mean.reset()
+        for delta, weight in parts:
+            self.mean.add(delta, weight)
+        return self.mean.mean()
+
+    def gap_terms(self, parts: list[tuple[np.ndarray, float]], anchor: int) -> tuple[float, float, float] | None:
+        """(‖x − x_s‖², ‖Δ̄‖², λ) over this buffer when the rule's Λ is adaptive (a sliced
+        coordinator sums the norms over its slices), else None."""
+        if not isinstance(self.optimizer, CO2Outer) or self.optimizer.param_groups[0]["penalty"] != "adaptive":
+            return None
+        mean = WeightedMean(self.param.numel(), self.param.dtype)
+        for delta, weight in parts:
+            mean.add(delta, weight)
+        moved = float(torch.sum((self.param.detach() - self.anchors[anchor]) ** 2))
+        return moved, float(torch.sum(mean.mean() ** 2)), float(self.optimizer.param_groups[0]["lam"])
+
+    def apply(self, parts: list[tuple[np.ndarray, float]], scale: float = 1.0, anchor: int | None = None,
+              gap: float | None = None) -> float | None:
+        """Step the rule on the weighted mean of `parts` (× `scale`); returns CO2's Λ."""
+        grad = self._mean(parts)
+        if scale != 1.0:
+            grad.mul_(scale)
+        if self.grad_clip is not None:
+            norm = float(grad.norm())
+            if norm > self.grad_clip:
+                grad.mul_(self.grad_clip / norm)
+        self.param.grad = grad
+        if isinstance(self.optimizer, CO2Outer):
+            self.optimizer.step(anchor=self.anchors[anchor if anchor is not None else min(self.anchors)], gap=gap)
+            gap = self.optimizer.last_gap
+        else:
+            self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.param.grad = None
+        return gap
+
+    def anchor(self, version: int, keep_from: int) -> None:
+        """Keep the parameters of `version` for the rounds that will start from it."""
+        if self.anchored:
+            self.anchors[version] = self.param.detach().clone()
+            for v in [v for v in self.anchors if v < keep_from]:
+                del self.anchors[v]
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.scheduler is not None:
+            self.scheduler.base_lrs = [lr for _ in self.scheduler.base_lrs]
+
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any], version: int) -> None:
+        """Resume at `version` (the parameters are already loaded); a CO2 pipeline refills from it."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.anchored:
+            self.anchors = {version: self.param.detach().clone()}
+
+
+class Outer(Protocol):
+    """The engine's view of the outer step, whole or sliced."""
+
+    numel: int
+
+    def inspect(self, contributions: list[Contribution]) -> tuple[int, list[Facts]]: ...
+    def apply(self, key: int, weights: dict[int, float], scale: float = 1.0, anchor: int | None = None) -> float | None: ...
+    def discard(self, key: int) -> None: ...
+    def anchor(self, version: int, keep_from: int) -> None: ...
+    def params(self) -> Any: ...
+    def copy_to(self, flat: torch.Tensor) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any], version: int) -> None: ...
+    def set_lr(self, lr: float) -> None: ...
+    def lr(self) -> float: ...
+
+
+class LocalOuter:
+    """The whole vector on the coordinator: `flat` is the coordinator model's buffer, so
+    evaluating or checkpointing the model needs no copy."""
+
+    def __init__(self, flat: torch.Tensor, rule: OuterRule) -> None:
+        self.step = OuterStep(flat, rule)
+        self.numel = flat.numel()
+        self._keys = itertools.count()
+        self.pending: dict[int, list[tuple[int, np.ndarray, float]]] = {}
+
+    def inspect(self, contributions: list[Contribution]) -> tuple[int, list[Facts]]:
+        key = next(self._keys)
+        decoded = [(c.island, c.delta if isinstance(c.delta, np.ndarray) else decode(c.delta), c.weight)
+                   for c in contributions]
+        self.pending[key] = decoded
+        facts = []
+        for _, d, _ in decoded:
+            sq = sqnorm(d) if d.shape == (self.numel,) else math.nan
+            facts.append(Facts(d.size, d.shape == (self.numel,) and all_finite(d, sq), sq))
+        return key, facts
+
+    def apply(self, key: int, weights: dict[int, float], scale: float = 1.0, anchor: int | None = None) -> float | None:
+        parts = [(d, weights[i]) for i, d, _ in self.pending.pop(key) if i in weights]
+        return self.step.apply(parts, scale, anchor)
+
+    def discard(self, key: int) -> None:
+        self.pending.pop(key, None)
+
+    def anchor(self, version: int, keep_from: int) -> None:
+        self.step.anchor(version, keep_from)
+
+    def params(self) -> np.ndarray:
+        """A view of the parameters as numpy: publishing copies it (`ray.put`)."""
+        return self.step.param.detach().numpy()
+
+    def copy_to(self, flat: torch.Tensor) -> None:
+        pass  # `flat` is the parameter itself
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.step.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any], version: int) -> None:
+        self.step.load_state_dict(state, version)
+
+    def set_lr(self, lr: float) -> None:
+        self.step.set_lr(lr)
+
+    def lr(self) -> float:
+        return self.step.lr()
+
+
+# -- coordinator slices ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SliceStats:
+    size: int
+    finite: bool
+    sqnorm: float
+
+
+class OuterSlice:
+    """One coordinator slice: a contiguous part [lo, hi) of the vector with its part of the
+    outer state. An update takes two calls: `inspect` decodes the islands' slices and
+    returns their stats, then `close` averages and steps the admitted ones."""
+
+    def __init__(self, rule: OuterRule, bounds: tuple[int, int], params: np.ndarray, threads: int = 1) -> None:
+        torch.set_num_threads(threads)
+        self.lo, self.hi = bounds
+        self.param = torch.from_numpy(np.array(params))  # a private copy
+        self.step = OuterStep(self.param, rule)
+        self.pending: dict[int, list[tuple[int, np.ndarray]]] = {}
+
+    def inspect(self, key: int, parts: list[tuple[int, Any]]) -> list[SliceStats]:
+        decoded = [(i, decode(p)) for i, p in parts]
+        self.pending[key] = decoded
+        norms = [sqnorm(d) for _, d in decoded]
+        return [SliceStats(d.size, all_finite(d, sq), sq) for (_, d), sq in zip(decoded, norms)]
+
+    def _parts(self, key: int, weights: dict[int, float], keep: bool = False) -> list[tuple[np.ndarray, float]]:
+        parts = self.pending[key] if keep else self.pending.pop(key)
+        return [(d, weights[i]) for i, d in parts if i in weights]
+
+    def gap_terms(self, key: int, weights: dict[int, float], anchor: int) -> tuple[float, float, float] | None:
+        return self.step.gap_terms(self._parts(key, weights, keep=True), anchor)
+
+    def close(self, key: int, weights: dict[int, float], scale: float, anchor: int | None,
+              gap: float | None) -> float | None:
+        return self.step.apply(self._parts(key, weights), scale, anchor, gap)
+
+    def discard(self, key: int) -> None:
+        self.pending.pop(key, None)
+
+    def anchor(self, version: int, keep_from: int) -> None:
+        self.step.anchor(version, keep_from)
+
+    def params(self) -> np.ndarray:
+        return self.param.numpy()
+
+    def set_lr(self, lr: float) -> None:
+        self.step.set_lr(lr)
+
+    def lr(self) -> float:
+        return self.step.lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.step.state_dict()
+
+    def load(self, params: np.ndarray, state: dict[str, Any], version: int) -> None:
+        self.param.copy_(torch.from_numpy(np.asarray(params)))
+        self.step.load_state_dict(state, version)
+
+
+class SliceCalls(Protocol):
+    """How the slices are reached: in-process objects (tests) or Ray actors (runs)."""
+
+    def call(self, method: str, args: list[tuple]) -> list[Any]:
+        """`method(*args[k])` on slice k, all slices at once; their results in order."""
+        ...
+
+    def params(self) -> list[Any]:
+        """Each slice's parameters (a reference an island can fetch, under Ray)."""
+        ...
+
+    def fetch(self, slices: list[Any]) -> list[np.ndarray]: ...
+
+
+class LocalSlices:
+    """`SliceCalls` over in-process slices (tests, and the engine without Ray)."""
+
+    def __init__(self, rule: OuterRule, params: np.ndarray, bounds: list[tuple[int, int]]) -> None:
+        self.slices = [OuterSlice(rule, b, params[b[0]:b[1]]) for b in bounds]
+
+    def call(self, method: str, args: list[tuple]) -> list[Any]:
+        return [getattr(s, method)(*a) for s, a in zip(self.slices, args)]
+
+    def params(self) -> list[np.ndarray]:
+        return [s.params().copy() for s in self.slices]
+
+    def fetch(self, slices: list[np.ndarray]) -> list[np.ndarray]:
+        return slices
+
+
+class SlicedOuter:
+    """Bytes never pass through here: each island sends its Δ as S slices and each slice
+    pulls its own; the coordinator sees a few numbers per update."""
+
+    def __init__(self, flat: torch.Tensor, bounds: list[tuple[int, int]], calls: SliceCalls) -> None:
+        """`flat`: the coordinator's copy of the parameters (for evaluation and checkpoints)."""
+        self.flat, self.bounds, self.calls = flat, bounds, calls
+        self.numel = flat.numel()
+        self._keys = itertools.count()
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        return self.calls.call(method, [args] * len(self.bounds))
+
+    def inspect(self, contributions: list[Contribution]) -> tuple[int, list[Facts]]:
+        key = next(self._keys)
+        stats = self.calls.call("inspect", [(key, [(c.island, c.delta[k]) for c in contributions])
+                                            for k in range(len(self.bounds))])
+        facts = []
+        for j in range(len(contributions)):
+            parts = [stats[k][j] for k in range(len(self.bounds))]
+            facts.append(Facts(sum(p.size for p in parts), all(p.finite for p in parts), sum(p.sqnorm for p in parts)))
+        return key, facts
+
+    def apply(self, key: int, weights: dict[int, float], scale: float = 1.0, anchor: int | None = None) -> float | None:
+        gap = None
+        if weights and anchor is not None:
+            terms = self._all("gap_terms", key, weights, anchor)
+            if all(t is not None for t in terms):
+                gap = adaptive_gap(math.sqrt(sum(t[0] for t in terms)), math.sqrt(sum(t[1] for t in terms)),
+                                   terms[0][2])
+        return self._all("close", key, weights, scale, anchor, gap)[0]
+
+    def discard(self, key: int) -> None:
+        self._all("discard", key)
+
+    def anchor(self, version: int, keep_from: int) -> None:
+        self._all("anchor", version, keep_from)
+
+    def params(self) -> list[Any]:
+        return self.calls.params()
+
+    def copy_to(self, flat: torch.Tensor) -> None:
+        for (lo, hi), part in zip(self.bounds, self.calls.fetch(self.calls.params())):
+            flat[lo:hi].copy_(_as_tensor(part))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"slices": self._all("state_dict"), "bounds": self.bounds}
+
+    def load_state_dict(self, state: dict[str, Any], version: int) -> None:
+        """Restore every slice from the checkpoint (`flat` already holds its parameters)."""
+        if [tuple(b) for b in state["bounds"]] != self.bounds:
+            raise ValueError(f"checkpoint has coordinator slices {state['bounds']}, this run {self.bounds}")
+        self.calls.call("load", [(self.flat[lo:hi].numpy().copy(), st, version)
+                                 for (lo, hi), st in zip(self.bounds, state["slices"])])
+
+    def set_lr(self, lr: float) -> None:
+        self._all("set_lr", lr)
+
+    def lr(self) -> float:
+        return float(self._all("lr")[0])
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    verdicts: list[Verdict]
+    islands: list[int]
+    stepped: bool
+    gap: float | None = None
+
+    @property
+    def accepted(self) -> list[int]:
+        return [i for i, v in zip(self.islands, self.verdicts) if v.admitted]
+
+    @property
+    def rejected(self) -> dict[int, str]:
+        return {i: v.why for i, v in zip(self.islands, self.verdicts) if v.decision == Decision.REJECT}
+
+    @property
+    def dropped(self) -> list[int]:
+        return [i for i, v in zip(self.islands, self.verdicts) if v.decision == Decision.DROP]
+
+
+def take_step(outer: Outer, admission: Admission, contributions: list[Contribution], expected: int | None,
+              current: int, anchor: int | None = None) -> StepOutcome:
+    """One outer step: the facts of each update, admission's verdicts (against `expected`,
+    or bounded staleness against `current`), then the weighted mean of the admitted ones
+    through the outer rule. Nothing rejected ever touches the parameters."""
+    key, facts = outer.inspect(contributions)
+    verdicts = [admission.judge(c, f, expected if expected is not None else current, current)
+                for c, f in zip(contributions, facts)]
+    weights = {c.island: c.weight for c, v in zip(contributions, verdicts) if v.admitted}
+    if not weights:
+        outer.discard(key)
+        return StepOutcome(verdicts, [c.island for c in contributions], False)
+    scale = min(v.scale for v in verdicts if v.admitted)
+    gap = outer.apply(key, weights, scale, anchor)
+    return StepOutcome(verdicts, [c.island for c in contributions], True, gap)

@@ -1,0 +1,254 @@
+"""Pacing: when islands get work, from which version, and when updates are turned into an
+outer step. The engine asks; a pacing only keeps its own bookkeeping over `RunState`.
+
+- `Barrier` (diloco, ddp): every island trains from the same version; the step closes
+  when every island's work has resolved (arrived, lost or late).
+- `PerArrival` (async): an island gets new work from the newest version as soon as it
+  delivers; every arrival is its own outer step. H per island from its measured speed
+  (DyLU); the token budget equals the synchronous run's.
+- `OneRoundLag` (overlap, CO2): an island that delivers round t starts round t+1 at once,
+  from the version round t−1 produced, so the exchange of round t hides behind round t+1;
+  round t closes (in order) once every island given it has resolved.
+
+A fragment schedule (streaming DiLoCo) is one more class of this protocol.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from orchestrator.algorithms.dylu import SpeedTracker
+from orchestrator.engine.membership import Membership
+from workers.messages import RoundResult, WorkKind
+
+
+@dataclass
+class RunState:
+    """What the policies may read of a run (the engine owns and updates it)."""
+
+    rounds: int
+    inner_steps: int
+    members: Membership
+    version: int = 0
+    base: int = 0               # version the run (re)started from: a CO2 pipeline refills from it
+    completed_steps: int = 0    # inner steps of work that came back
+    closes: int = 0             # outer steps closed (applied or not)
+    stopping: bool = False      # no new work: finish what is in flight
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a pacing wants an island to do; the engine turns it into a `WorkOrder`."""
+
+    island: int
+    round: int
+    version: int
+    steps: int
+    kind: WorkKind = WorkKind.TRAIN
+    schedule_step: int | None = None
+
+
+@dataclass
+class Flight:
+    ticket: int
+    work: Work
+    deadline: float
+    result: RoundResult | None = None
+    delivered_at: float = 0.0
+
+
+@dataclass
+class Close:
+    """One outer step to take: the arrived flights, the version their updates must start
+    from (`None`: bounded staleness against the current version), and CO2's anchor."""
+
+    round: int
+    flights: list[Flight]
+    expected: int | None
+    anchor: int | None = None
+    staleness: int | None = None   # recorded staleness of every update (None: the verdict's)
+    advances: bool = True          # a round advances the version even if nothing is applied
+
+
+class Pacing(Protocol):
+    def plan(self, run: RunState, idle: list[int]) -> list[Work]: ...
+    def cancel(self, work: Work) -> None: ...
+    def arrived(self, flight: Flight) -> None: ...
+    def lost(self, flight: Flight) -> None: ...
+    def next_close(self, run: RunState, in_flight: list[Flight]) -> Close | None: ...
+    def closed(self, run: RunState, close: Close) -> int | None: ...
+    def between_rounds(self, in_flight: list[Flight]) -> bool: ...
+    def done(self, run: RunState) -> bool: ...
+
+
+class Barrier:
+    """`steps_per_record` outer steps make one recorded round (1 for diloco; H for ddp,
+    whose every batch is one step of the inner optimizer on the mean gradient)."""
+
+    def __init__(self, kind: WorkKind, steps_per_record: int) -> None:
+        self.kind, self.per_record = kind, steps_per_record
+        self.open: list[Flight] = []
+        self.out = 0  # work handed out for the open step
+
+    def _steps(self, run: RunState) -> int:
+        return 1 if self.kind == WorkKind.GRADIENT else run.inner_steps
+
+    def plan(self, run: RunState, idle: list[int]) -> list[Work]:
+        if self.out or run.stopping or self.done(run):
+            return []
+        work = [Work(i, run.closes + 1, run.version, self._steps(run), self.kind) for i in idle]
+        self.out = len(work)
+        return work
+
+    def cancel(self, work: Work) -> None:
+        self.out -= 1  # more islands than shards: this one idles this step
+
+    def arrived(self, flight: Flight) -> None:
+        self.open.append(flight)
+
+    def lost(self, flight: Flight) -> None:
+        pass
+
+    def next_close(self, run: RunState, in_flight: list[Flight]) -> Close | None:
+        if not self.out or in_flight:
+            return None
+        flights, self.open, self.out = self.open, [], 0
+        return Close(run.closes + 1, flights, expected=run.version, staleness=0)
+
+    def closed(self, run: RunState, close: Close) -> int | None:
+        return run.closes // self.per_record if run.closes % self.per_record == 0 else None
+
+    def between_rounds(self, in_flight: list[Flight]) -> bool:
+        return not self.out
+
+    def done(self, run: RunState) -> bool:
+        return run.closes >= run.rounds * self.per_record
+
+
+class PerArrival:
+    def __init__(self, dylu: bool, smoothing: float, islands: int) -> None:
+        self.dylu, self.k = dylu, islands
+        self.speeds = SpeedTracker(smoothing)
+        self.handed = 0  # inner steps handed out (in flight or back)
+        self.queue: list[Flight] = []
+        self.recorded = 0
+
+    def budget(self, run: RunState) -> int:
+        return run.rounds * self.k * run.inner_steps
+
+    def plan(self, run: RunState, idle: list[int]) -> list[Work]:
+        if run.stopping:
+            return []
+        out = []
+        for i in idle:
+            self.speeds.add(i)
+            h = self.speeds.steps(run.inner_steps)[i] if self.dylu else run.inner_steps
+            h = min(h, self.budget(run) - self.handed)
+            if h <= 0:
+                break
+            self.handed += h
+            out.append(Work(i, run.closes + 1, run.version, h, schedule_step=run.completed_steps // self.k))
+        return out
+
+    def cancel(self, work: Work) -> None:
+        self.handed -= work.steps
+
+    def arrived(self, flight: Flight) -> None:
+        assert flight.result is not None
+        self.speeds.observe(flight.work.island, flight.result.steps, flight.result.compute_s)
+        self.queue.append(flight)
+
+    def lost(self, flight: Flight) -> None:
+        self.handed -= flight.work.steps  # a lost island's steps go back to the budget
+
+    def next_close(self, run: RunState, in_flight: list[Flight]) -> Close | None:
+        if not self.queue:
+            return None
+        return Close(run.closes + 1, [self.queue.pop(0)], expected=None, advances=False)
+
+    def closed(self, run: RunState, close: Close) -> int | None:
+        per_round = self.k * run.inner_steps
+        due = min(run.completed_steps // per_round, run.rounds)
+        if due > self.recorded or (self.done(run) and self.recorded < run.rounds):
+            self.recorded = run.rounds if self.done(run) else due
+            return self.recorded
+        return None
+
+    def between_rounds(self, in_flight: list[Flight]) -> bool:
+        return True
+
+    def done(self, run: RunState) -> bool:
+        return run.completed_steps >= self.budget(run) and not self.queue
+
+    def resume(self, run: RunState) -> None:
+        self.handed = run.completed_steps
+        self.recorded = min(run.completed_steps // (self.k * run.inner_steps), run.rounds)
+
+
+def start_version(round_t: int, base: int = 0) -> int:
+    """The version round `round_t` (1-based) starts from under a one-round lag. After a
+    restart at version `base` the pipeline refills: round base+1 starts from base."""
+    return max(base, round_t - 2)
+
+
+class OneRoundLag:
+    def __init__(self) -> None:
+        self.next_round: dict[int, int] = {}
+        self.arrivals: dict[int, list[Flight]] = {}
+        self.dispatched: dict[int, int] = {}  # round -> flights handed out for it
+
+    def plan(self, run: RunState, idle: list[int]) -> list[Work]:
+        if run.stopping:
+            return []
+        out = []
+        head = run.version + 1
+        head_free = not self.dispatched.get(head) and not self.arrivals.get(head)
+        for i in idle:
+            t = self.next_round.get(i)
+            if t is None:  # new or re-admitted: the head round if nobody trains it and it starts from
+                # the newest version, else the one after (which does)
+                t = head if head_free and start_version(head, run.base) == run.version else head + 1
+                self.next_round[i] = t
+            if t > run.rounds or run.version < start_version(t, run.base):
+                continue  # past the budget, or waiting for the version its round starts from
+            out.append(Work(i, t, start_version(t, run.base), run.inner_steps))
+            self.dispatched[t] = self.dispatched.get(t, 0) + 1
+        return out
+
+    def cancel(self, work: Work) -> None:
+        self.dispatched[work.round] -= 1
+
+    def arrived(self, flight: Flight) -> None:
+        t = flight.work.round
+        self.arrivals.setdefault(t, []).append(flight)
+        self.next_round[flight.work.island] = t + 1
+
+    def lost(self, flight: Flight) -> None:
+        self.dispatched[flight.work.round] = self.dispatched.get(flight.work.round, 1) - 1
+        self.next_round.pop(flight.work.island, None)
+
+    def next_close(self, run: RunState, in_flight: list[Flight]) -> Close | None:
+        """Round t = version + 1 closes once none of its work is out. A round whose every
+        piece of work was lost closes empty (no step) once a later round has work, so the
+        pipeline never waits on a round nobody trains."""
+        t = run.version + 1
+        if t > run.rounds or any(f.work.round == t for f in in_flight):
+            return None
+        if not self.arrivals.get(t):
+            later = any(r > t for r in self.arrivals) or any(f.work.round > t for f in in_flight)
+            if not later:
+                return None
+        flights = self.arrivals.pop(t, [])
+        self.dispatched.pop(t, None)
+        s = start_version(t, run.base)
+        return Close(t, flights, expected=s, anchor=s, staleness=(t - 1) - s)
+
+    def closed(self, run: RunState, close: Close) -> int | None:
+        return close.round
+
+    def between_rounds(self, in_flight: list[Flight]) -> bool:
+        return True
+
+    def done(self, run: RunState) -> bool:
+        return run.version >= run.rounds
+

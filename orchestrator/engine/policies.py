@@ -1,0 +1,78 @@
+"""The one place where the run's mode is branched: it picks the pacing, the staleness rule
+of admission and the outer rule. Everything downstream (engine, outer step, coordinator
+slices, runtime) works with whatever is chosen here.
+
+| mode      | pacing        | staleness rule      | outer rule                                  |
+| --------- | ------------- | ------------------- | ------------------------------------------- |
+| `diloco`  | Barrier       | exact version       | Nesterov / SGD (`FlatSGD`) or Adam          |
+| `ddp`     | Barrier/batch | exact version       | the inner AdamW + schedule on mean gradients |
+| `async`   | PerArrival    | bounded staleness   | `DelayedNesterov`, or Nesterov per arrival   |
+| `overlap` | OneRoundLag   | exact (lagged) ver. | `CO2Outer`                                  |
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from orchestrator.algorithms.outer import CO2Outer, DelayedNesterov, FlatSGD
+from orchestrator.algorithms.robust import NormGuard
+from orchestrator.config import Mode, OuterConfig, RunConfig
+from orchestrator.engine.admission import Admission, BoundedStaleness, ExactVersion, StalenessRule
+from orchestrator.engine.outer_step import OuterRule, Scheduler
+from orchestrator.engine.pacing import Barrier, OneRoundLag, Pacing, PerArrival
+from workers.messages import WorkKind
+from workers.optim import build_inner
+
+
+def outer_optimizer(cfg: OuterConfig, param: torch.nn.Parameter) -> torch.optim.Optimizer:
+    """DiLoCo's outer optimizer: Nesterov by default; SGD with lr 1, momentum 0 is plain averaging."""
+    if cfg.optimizer == "nesterov":
+        return FlatSGD([param], lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
+    if cfg.optimizer == "sgd":
+        return FlatSGD([param], lr=cfg.lr, momentum=cfg.momentum)
+    return torch.optim.Adam([param], lr=cfg.lr, betas=cfg.betas)
+
+
+def outer_rule(cfg: RunConfig) -> OuterRule:
+    """The outer rule of `cfg.mode` (also built by each coordinator slice)."""
+    def plain(param: torch.nn.Parameter) -> tuple[torch.optim.Optimizer, Scheduler | None]:
+        return outer_optimizer(cfg.outer, param), None
+
+    if cfg.mode == Mode.DDP:
+        return OuterRule(lambda p: build_inner(cfg.inner, [p], cfg.total_inner_steps), grad_clip=cfg.inner.grad_clip)
+    if cfg.mode == Mode.ASYNC:
+        a = cfg.asynchronous
+        if a.rule == "naive":
+            return OuterRule(plain)
+        return OuterRule(lambda p: (DelayedNesterov([p], cfg.outer.lr, cfg.outer.momentum,
+                                                    a.delay or cfg.islands.count, a.c), None))
+    if cfg.mode == Mode.OVERLAP:
+        o = cfg.overlap
+        return OuterRule(lambda p: (CO2Outer([p], o.lr, o.momentum, o.clip, o.penalty, o.penalty_p,
+                                             o.penalty_lambda), None), anchored=True)
+    return OuterRule(plain)
+
+
+@dataclass(frozen=True)
+class Policies:
+    pacing: Pacing
+    admission: Admission
+
+
+def build_policies(cfg: RunConfig, numel: int) -> Policies:
+    staleness: StalenessRule = ExactVersion()
+    pacing: Pacing
+    if cfg.mode == Mode.ASYNC:
+        a = cfg.asynchronous
+        pacing = PerArrival(a.dylu, a.speed_smoothing, cfg.islands.count)
+        staleness = BoundedStaleness(a.max_staleness, a.stale_policy == "downweight")
+    elif cfg.mode == Mode.OVERLAP:
+        pacing = OneRoundLag()
+    elif cfg.mode == Mode.DDP:
+        pacing = Barrier(WorkKind.GRADIENT, steps_per_record=cfg.inner_steps)
+    else:
+        pacing = Barrier(WorkKind.TRAIN, steps_per_record=1)
+    admission = Admission(numel, NormGuard(cfg.robust), staleness, cfg.robust.quarantine_after,
+                          cfg.outer.drop_prob, cfg.seed)
+    return Policies(pacing, admission)

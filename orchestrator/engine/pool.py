@@ -1,0 +1,219 @@
+"""The island-pool seam: how the engine places islands, hands them work and hears back,
+without knowing whether they are Ray actors (`runtime/island_pool.py`) or objects in
+this process (`InProcessPool`, which also injects faults so the engine's behaviour under
+crashes, late and NaN islands, joins, drains and restarts is tested in seconds).
+
+The pool owns the clock too: real time under Ray, a virtual clock in process (compute
+and simulated links advance it, nothing sleeps), so deadlines and link delays mean the
+same in both.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+import numpy as np
+
+from orchestrator.config import RunConfig
+from workers.island import Island, IslandSpec
+from workers.messages import RoundResult, WorkOrder
+
+
+@dataclass(frozen=True)
+class Joined:
+    island: int
+    node: str
+
+
+@dataclass(frozen=True)
+class JoinFailed:
+    island: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Done:
+    ticket: int
+    island: int
+    result: RoundResult
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The island died or its code raised while doing `ticket`."""
+
+    ticket: int
+    island: int
+    reason: str
+
+
+PoolEvent = Joined | JoinFailed | Done | Failed
+
+
+def island_spec(cfg: RunConfig, index: int, start_step: int = 0) -> IslandSpec:
+    """What island `index` is built from (a joining island starts at `start_step` of the
+    run's inner schedule and re-warms its learning rate)."""
+    return IslandSpec(index=index, num_islands=cfg.islands.count, seed=cfg.seed,
+                      task_factory=cfg.task.factory, task_kwargs=dict(cfg.task.kwargs), inner=cfg.inner,
+                      total_inner_steps=cfg.total_inner_steps, threads=cfg.island_threads,
+                      slowdown=cfg.islands.slowdown(index), codec=cfg.compression.codec,
+                      chunk=cfg.compression.chunk, num_shards=cfg.num_shards, start_step=start_step,
+                      rewarmup_steps=cfg.elastic.join_rewarmup_steps if start_step else 0,
+                      coordinator_shards=cfg.coordinator.shards)
+
+
+class IslandPool(Protocol):
+    def now(self) -> float: ...
+    def sleep_until(self, t: float) -> None: ...
+    def request(self, island: int, start_step: int) -> None:
+        """Start placing a new island (returns at once; `Joined`/`JoinFailed` follow)."""
+    def reattach(self, island: int) -> str | None:
+        """After a coordinator restart: the node of a still-live island, or None."""
+    def cancel(self, island: int) -> None: ...
+    def release(self, island: int) -> None: ...
+    def demand(self, islands: int) -> None:
+        """How many islands the run wants (on an autoscaling cluster: the nodes to have)."""
+    def publish(self, version: int, params: Any) -> Any:
+        """The global parameters of `version` in the form islands fetch (once per version)."""
+    def dispatch(self, order: WorkOrder, params: Any) -> None: ...
+    def poll(self, timeout: float) -> list[PoolEvent]:
+        """Events that happened, waiting up to `timeout` seconds for the first one."""
+    def close(self) -> None: ...
+
+
+class FaultKind(str, Enum):
+    CRASH = "crash"   # the island dies during its n-th work order
+    LATE = "late"     # its n-th work order takes `seconds` longer
+    HANG = "hang"     # its n-th work order never returns
+    NAN = "nan"       # its n-th pseudo-gradient is NaN
+    RAISE = "raise"   # its code raises during its n-th work order
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: FaultKind
+    island: int
+    order: int          # 1-based count of the work orders this island was given
+    seconds: float = 0.0
+
+
+@dataclass(order=True)
+class _Pending:
+    at: float
+    seq: int
+    event: Any = field(compare=False)
+
+
+class InProcessPool:
+    """Islands as plain `Island` objects; work runs when dispatched, and its result is
+    delivered at virtual time `now + steps × step_s × slowdown (+ injected delay)`."""
+
+    def __init__(self, cfg: RunConfig, step_s: float = 1.0,
+                 faults: list[Fault] | None = None, join_s: float = 0.0, unplaceable: set[int] | None = None) -> None:
+        self.cfg, self.step_s, self.join_s = cfg, step_s, join_s
+        self.faults = list(faults or [])
+        self.unplaceable = set(unplaceable or ())  # islands whose placement never succeeds
+        self.islands: dict[int, Island] = {}
+        self.dead: set[int] = set()
+        self.orders: dict[int, int] = {}
+        self.t = 0.0
+        self._seq = itertools.count()
+        self._queue: list[_Pending] = []
+        self.published: dict[int, np.ndarray] = {}
+        self.dispatched: list[WorkOrder] = []
+        self.demanded: list[int] = []
+
+    def _at(self, t: float, event: Any) -> None:
+        heapq.heappush(self._queue, _Pending(t, next(self._seq), event))
+
+    def _fault(self, island: int, n: int) -> Fault | None:
+        return next((f for f in self.faults if f.island == island and f.order == n), None)
+
+    # -- the protocol ----------------------------------------------------------------
+    def now(self) -> float:
+        return self.t
+
+    def sleep_until(self, t: float) -> None:
+        self.t = max(self.t, t)
+
+    def request(self, island: int, start_step: int) -> None:
+        if island in self.unplaceable:
+            return
+        self.islands[island] = Island(island_spec(self.cfg, island, start_step))
+        self._at(self.t + self.join_s, Joined(island, f"inprocess:{island}"))
+
+    def reattach(self, island: int) -> str | None:
+        return f"inprocess:{island}" if island in self.islands and island not in self.dead else None
+
+    def cancel(self, island: int) -> None:
+        self.release(island)
+
+    def release(self, island: int) -> None:
+        self.islands.pop(island, None)
+        self._queue = [p for p in self._queue if getattr(p.event, "island", None) != island]
+        heapq.heapify(self._queue)
+
+    def demand(self, islands: int) -> None:
+        self.demanded.append(islands)
+
+    def publish(self, version: int, params: Any) -> np.ndarray:
+        if version not in self.published:
+            self.published[version] = np.concatenate(params) if isinstance(params, list) else np.array(params)
+        return self.published[version]
+
+    def dispatch(self, order: WorkOrder, params: Any) -> None:
+        i = order.island
+        self.dispatched.append(order)
+        if i in self.dead or i not in self.islands:
+            self._at(self.t, Failed(order.ticket, i, "actor died: island is gone"))
+            return
+        n = self.orders[i] = self.orders.get(i, 0) + 1
+        fault = self._fault(i, n)
+        island = self.islands[i]
+        duration = order.start_delay_s + order.steps * self.step_s * island.spec.slowdown
+        if fault is not None and fault.kind == FaultKind.CRASH:
+            self.dead.add(i)
+            self._at(self.t + duration / 2, Failed(order.ticket, i, "actor died: injected crash"))
+            return
+        if fault is not None and fault.kind == FaultKind.RAISE:
+            self._at(self.t + duration / 2, Failed(order.ticket, i, "raised: RuntimeError: injected"))
+            return
+        result = island.run(dataclasses.replace(order, start_delay_s=0.0), params)
+        if fault is not None and fault.kind == FaultKind.NAN:
+            delta = result.delta()
+            result = dataclasses.replace(result, payload=_nan_like(result.payload, delta))
+        if fault is not None and fault.kind == FaultKind.HANG:
+            return
+        if fault is not None and fault.kind == FaultKind.LATE:
+            duration += fault.seconds
+        compute = order.steps * self.step_s * island.spec.slowdown  # virtual, so DyLU sees the simulated speeds
+        self._at(self.t + duration, Done(order.ticket, i, dataclasses.replace(result, finished_at=self.t + duration,
+                                                                            compute_s=compute)))
+
+    def poll(self, timeout: float) -> list[PoolEvent]:
+        if not self._queue or self._queue[0].at > self.t + timeout:
+            self.t += timeout
+            return []
+        first = heapq.heappop(self._queue)
+        self.t = max(self.t, first.at)
+        events = [first.event]
+        while self._queue and self._queue[0].at <= self.t:
+            events.append(heapq.heappop(self._queue).event)
+        return events
+
+    def close(self) -> None:
+        self.islands.clear()
+        self._queue.clear()
+
+
+def _nan_like(payload: Any, delta: Any) -> Any:
+    """A payload of the same codec and layout, all NaN."""
+    from workers.compress import encode
+
+    if isinstance(payload, list):
+        return [{k: np.full_like(v, np.nan) if v.dtype.kind == "f" else v for k, v in p.items()} for p in payload]
+    return encode(np.full_like(delta, np.nan), "none")

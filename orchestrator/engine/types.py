@@ -1,0 +1,135 @@
+"""The engine's vocabulary, in one place: island states, admission reasons and decisions,
+event kinds, the contribution the outer step consumes, typed errors, and the names of a
+run's Ray actors (so the runtime, the control plane and tests agree on them).
+
+Every enum is a `str` enum: it compares equal to, and serialises as, its value, so the
+JSON the control plane and `summary.json` carry is unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+NAMESPACE = "archipelago"
+
+
+def island_name(run_id: str, index: int) -> str:
+    return f"archipelago-{run_id}-island-{index}"
+
+
+def coordinator_name(run_id: str) -> str:
+    return f"archipelago-{run_id}-coordinator"
+
+
+def control_plane_name(run_id: str) -> str:
+    return f"archipelago-{run_id}-api"
+
+
+def slice_name(run_id: str, k: int, incarnation: str) -> str:
+    return f"archipelago-{run_id}-slice-{k}-{incarnation}"
+
+
+class IslandState(str, Enum):
+    """`training` gets work; `late` missed a deadline (its result, when it comes, is
+    discarded, then it trains again); `draining` gets no new work and is released once
+    its round is in; `drained`, `dead` and `quarantined` are released for good."""
+
+    STARTING = "starting"
+    TRAINING = "training"
+    LATE = "late"
+    DRAINING = "draining"
+    DRAINED = "drained"
+    DEAD = "dead"
+    QUARANTINED = "quarantined"
+
+    @property
+    def alive(self) -> bool:
+        return self in (IslandState.TRAINING, IslandState.LATE, IslandState.DRAINING)
+
+    @property
+    def gone(self) -> bool:
+        return self in (IslandState.DRAINED, IslandState.DEAD, IslandState.QUARANTINED)
+
+
+class Decision(str, Enum):
+    ACCEPT = "accept"
+    DOWNWEIGHT = "downweight"   # applied with a reduced weight (too stale, `stale_policy: downweight`)
+    REJECT = "reject"
+    DROP = "drop"               # accepted but left out on purpose (`outer.drop_prob` ablation)
+
+
+class Reason(str, Enum):
+    """Why an update did not count in full. Only `STALE`/`FUTURE` are the pacing's business;
+    the others are faults and count towards quarantine."""
+
+    STALE = "stale"
+    FUTURE = "future"
+    SHAPE = "shape"
+    WEIGHT = "weight"
+    NON_FINITE = "non-finite"
+    NORM_OUTLIER = "norm outlier"
+    QUARANTINED = "quarantined"
+
+    @property
+    def is_fault(self) -> bool:
+        return self not in (Reason.STALE, Reason.FUTURE)
+
+
+class Event(str, Enum):
+    """Kinds of `events.jsonl` lines (and of the control plane's `/v1/events`)."""
+
+    JOIN = "join"
+    REATTACH = "reattach"
+    REQUESTED = "requested"
+    JOIN_FAILED = "join_failed"
+    JOIN_CANCELLED = "join_cancelled"
+    RESOURCES_REQUESTED = "resources_requested"
+    TARGET = "target"
+    DRAIN = "drain"
+    RELEASED = "released"
+    CRASH = "crash"
+    QUARANTINED = "quarantined"
+    LATE = "late"
+    LOST = "lost"
+    REJECTION = "rejection"
+    SETTINGS = "settings"
+    PAUSED = "paused"
+    RESUMED = "resumed"
+    STOP_REQUESTED = "stop_requested"
+    STOPPED = "stopped"
+    CHECKPOINT = "checkpoint"
+    RESTART = "restart"
+
+
+class RunPhase(str, Enum):
+    STARTING = "starting"
+    TRAINING = "training"
+    PAUSED = "paused"
+    FINISHED = "finished"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One island's update for the outer step: Δ = θ_start − θ_end (a gradient in ddp), as
+    one fp32 vector or, for a sliced coordinator, as its S encoded slices."""
+
+    island: int
+    version: int
+    delta: Any
+    weight: float
+
+
+class RunFailed(RuntimeError):
+    """The run cannot continue (for example every island has died)."""
+
+
+class SliceLost(RuntimeError):
+    """A coordinator slice died and took its part of the global state with it; the
+    runtime restarts the coordinator from its last checkpoint."""
+
+
+class LedgerError(RuntimeError):
+    """The data ledger's exactly-once invariant would break (a bug, never a user error)."""

@@ -1,0 +1,238 @@
+"""The island pool on Ray: one placement group per island (one bundle per worker, STRICT_PACK),
+so an island's resources come and go as a unit and are released with it; island actors
+in their groups; work as actor calls, heard back through `ray.wait`.
+
+Islands and their groups are named and detached: they belong to the run, not to the
+coordinator process, so a coordinator that crashes and restarts finds its islands still
+alive (inner optimizer state intact) and re-attaches to them by name. Placing never
+blocks the engine: a requested group is polled with the work in flight, and on an
+autoscaling cluster a pending group is what brings a node up."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import (PlacementGroup, get_placement_group, placement_group,
+                                      placement_group_table, remove_placement_group)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from orchestrator.config import RunConfig
+from orchestrator.engine.pool import Done, Failed, Joined, JoinFailed, PoolEvent, island_spec
+from orchestrator.engine.types import NAMESPACE, island_name
+from workers.island_actor import RayIsland
+from workers.island_group import GroupIsland
+from workers.messages import WorkOrder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class IslandHandle:
+    index: int
+    actor: Any
+    group: PlacementGroup
+
+
+def bundle(cfg: RunConfig) -> dict[str, float]:
+    """One island worker's resources: its CPUs and accelerators (an island has `islands.workers`)."""
+    out = {"CPU": cfg.islands.cpus}
+    if cfg.islands.gpus:
+        out["GPU"] = cfg.islands.gpus
+    return out
+
+
+def island_bundle(cfg: RunConfig) -> dict[str, float]:
+    """A whole island's resources as one bundle: what a node must offer to host it (what
+    the autoscaler is asked for, so it adds nodes that fit an island's STRICT_PACK group)."""
+    return {k: v * cfg.islands.workers for k, v in bundle(cfg).items()}
+
+
+def request_group(cfg: RunConfig, index: int, run_id: str) -> PlacementGroup:
+    """Ask for an island's resources (one bundle per worker, all on one node); returns at
+    once. On an autoscaling cluster a pending group is what makes the autoscaler add a node."""
+    return placement_group([bundle(cfg)] * cfg.islands.workers, strategy="STRICT_PACK",
+                           name=island_name(run_id, index), lifetime="detached")
+
+
+def start_island(cfg: RunConfig, index: int, run_id: str, group: PlacementGroup, start_step: int = 0) -> IslandHandle:
+    """Start the island inside its (ready) placement group: one actor, or with
+    `islands.workers` = N a group of N whose rank 0 is the actor the coordinator talks to
+    (the others live and die with the group; `describe` answers once the group formed)."""
+    spec = island_spec(cfg, index, start_step)
+    cls = ray.remote(GroupIsland if cfg.islands.workers > 1 else RayIsland)
+
+    def worker(rank: int, **named: Any) -> Any:
+        return cls.options(
+            namespace=NAMESPACE, lifetime="detached", num_cpus=cfg.islands.cpus, num_gpus=cfg.islands.gpus,
+            max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
+            **named).remote(spec)
+
+    actor = worker(0, name=island_name(run_id, index))
+    if cfg.islands.workers > 1:
+        actor.form_group.remote([worker(r) for r in range(1, cfg.islands.workers)])
+    return IslandHandle(index, actor, group)
+
+
+def find_island(run_id: str, index: int) -> IslandHandle | None:
+    """Re-attach to a live island of this run (after a coordinator restart)."""
+    name = island_name(run_id, index)
+    try:
+        actor = ray.get_actor(name, namespace=NAMESPACE)
+        return IslandHandle(index, actor, get_placement_group(name))
+    except ValueError:
+        return None
+
+
+def release_island(handle: IslandHandle) -> None:
+    ray.kill(handle.actor, no_restart=True)
+    remove_placement_group(handle.group)
+
+
+def release_run(run_id: str) -> None:
+    """Kill every island actor and group of a run (the driver's cleanup, whatever happened)."""
+    prefix = f"archipelago-{run_id}-island-"
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == NAMESPACE and actor["name"].startswith(prefix):
+            try:
+                ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE), no_restart=True)
+            except ValueError:
+                pass
+    for pg_id, info in placement_group_table().items():
+        if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED":
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+
+
+@dataclass
+class _Placing:
+    index: int
+    group: PlacementGroup
+    placed_ref: Any  # group.ready() starts a task each call: keep the one ref
+    since: float
+    start_step: int
+    handle: IslandHandle | None = None
+    ready_ref: Any = None
+
+
+class RayIslandPool:
+    def __init__(self, cfg: RunConfig, run_id: str) -> None:
+        self.cfg, self.run_id = cfg, run_id
+        self.handles: dict[int, IslandHandle] = {}
+        self.placing: dict[int, _Placing] = {}
+        self.work: dict[Any, tuple[int, int]] = {}  # object ref -> (ticket, island)
+        self.published: tuple[int, Any] | None = None
+        self.demanded: int | None = None
+
+    def now(self) -> float:
+        return time.time()
+
+    def sleep_until(self, t: float) -> None:
+        time.sleep(max(0.0, t - time.time()))
+
+    def request(self, island: int, start_step: int) -> None:
+        group = request_group(self.cfg, island, self.run_id)
+        self.placing[island] = _Placing(island, group, group.ready(), time.time(), start_step)
+
+    def reattach(self, island: int) -> str | None:
+        handle = find_island(self.run_id, island)
+        if handle is None:
+            return None
+        try:
+            info = ray.get(handle.actor.describe.remote(), timeout=30)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            release_island(handle)
+            return None
+        self.handles[island] = handle
+        return f"{info['host']}:{info['device']}"
+
+    def cancel(self, island: int) -> None:
+        p = self.placing.pop(island, None)
+        if p is not None:
+            if p.handle is not None:
+                release_island(p.handle)
+            else:
+                remove_placement_group(p.group)
+        self.release(island)
+
+    def release(self, island: int) -> None:
+        for ref in [r for r, (_, i) in self.work.items() if i == island]:
+            del self.work[ref]
+        handle = self.handles.pop(island, None)
+        if handle is not None:
+            try:
+                release_island(handle)
+            except Exception:  # noqa: BLE001 - releasing a dead actor may fail; it is gone either way
+                log.debug("island %d was already gone", island)
+
+    def demand(self, islands: int) -> None:
+        """Tell the (KubeRay) autoscaler which island bundles the run wants, so it adds nodes
+        on scale-up and, once the request is lowered, removes idle nodes on scale-down."""
+        if self.demanded == islands:
+            return
+        from ray.autoscaler.sdk import request_resources
+
+        request_resources(bundles=[island_bundle(self.cfg)] * islands)
+        self.demanded = islands
+
+    def publish(self, version: int, params: Any) -> Any:
+        """One `ray.put` per version of a numpy array (zero-copy to read; a sliced
+        coordinator's slices are already references)."""
+        if isinstance(params, list):
+            return params
+        return ray.put(params)
+
+    def dispatch(self, order: WorkOrder, params: Any) -> None:
+        handle = self.handles.get(order.island)
+        if handle is None:
+            raise KeyError(f"island {order.island} is not placed")
+        self.work[handle.actor.run.remote(order, params)] = (order.ticket, order.island)
+
+    def poll(self, timeout: float) -> list[PoolEvent]:
+        events: list[PoolEvent] = self._placements()
+        refs = list(self.work)
+        if refs:
+            ready, _ = ray.wait(refs, num_returns=1, timeout=0 if events else timeout)
+            if ready:
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            for ref in ready:
+                ticket, island = self.work.pop(ref)
+                events.append(self._fetch(ref, ticket, island))
+        elif not events:
+            time.sleep(timeout if not self.placing else min(timeout, 0.05))
+        return events
+
+    def _fetch(self, ref: Any, ticket: int, island: int) -> PoolEvent:
+        try:
+            return Done(ticket, island, ray.get(ref))
+        except ray.exceptions.RayActorError as err:
+            return Failed(ticket, island, f"actor died: {type(err).__name__}")
+        except ray.exceptions.RayTaskError as err:
+            return Failed(ticket, island, f"raised: {str(err).strip().splitlines()[-1]}")
+
+    def _placements(self) -> list[PoolEvent]:
+        events: list[PoolEvent] = []
+        for i, p in list(self.placing.items()):
+            if p.handle is None:
+                if ray.wait([p.placed_ref], timeout=0)[0]:
+                    p.handle = start_island(self.cfg, i, self.run_id, p.group, start_step=p.start_step)
+                    p.ready_ref = p.handle.actor.describe.remote()
+                continue
+            if ray.wait([p.ready_ref], timeout=0)[0]:
+                del self.placing[i]
+                try:
+                    info = ray.get(p.ready_ref)
+                except ray.exceptions.RayError as err:
+                    release_island(p.handle)
+                    events.append(JoinFailed(i, str(err).strip().splitlines()[-1]))
+                    continue
+                self.handles[i] = p.handle
+                events.append(Joined(i, f"{info['host']}:{info['device']}"))
+        return events
+
+    def close(self) -> None:
+        for i in list(self.handles):
+            self.release(i)
+        for i in list(self.placing):
+            self.cancel(i)

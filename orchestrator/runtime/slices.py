@@ -1,0 +1,64 @@
+"""Coordinator slices as Ray actors, spread over the cluster's nodes: each pulls its part
+of the islands' pseudo-gradients straight from the islands' object stores and publishes
+its part of the new parameters for the islands to pull, so no single process relays the
+whole vector."""
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import numpy as np
+import ray
+
+from orchestrator.config import RunConfig
+from orchestrator.engine.outer_step import OuterSlice, SliceStats
+from orchestrator.engine.policies import outer_rule
+from orchestrator.engine.types import NAMESPACE, SliceLost, slice_name
+
+
+class RemoteOuterSlice(OuterSlice):
+    def __init__(self, cfg: RunConfig, bounds: tuple[int, int], params: np.ndarray) -> None:
+        super().__init__(outer_rule(cfg), bounds, params, cfg.coordinator.threads)
+
+    def inspect(self, key: int, parts: list[tuple[int, Any]]) -> list[SliceStats]:
+        """The payloads arrive as references (nested, so Ray leaves them to us): one
+        `ray.get` fetches all of this slice's parts at once, island to slice directly."""
+        payloads = ray.get([p for _, p in parts])
+        return super().inspect(key, [(i, p) for (i, _), p in zip(parts, payloads)])
+
+
+class RaySlices:
+    """`SliceCalls` over the slice actors. A slice that dies (its node was lost) takes its
+    part of the global state with it: `SliceLost` is raised and the coordinator restarts
+    from its last checkpoint, as after any coordinator failure."""
+
+    def __init__(self, actors: list[Any]) -> None:
+        self.actors = actors
+
+    def _get(self, refs: list[Any]) -> list[Any]:
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as err:
+            raise SliceLost(f"coordinator slice lost ({type(err).__name__})") from err
+
+    def call(self, method: str, args: list[tuple]) -> list[Any]:
+        return self._get([getattr(a, method).remote(*x) for a, x in zip(self.actors, args)])
+
+    def params(self) -> list[Any]:
+        return [a.params.remote() for a in self.actors]
+
+    def fetch(self, slices: list[Any]) -> list[np.ndarray]:
+        return self._get(slices)
+
+
+def start_slices(cfg: RunConfig, params: np.ndarray, bounds: list[tuple[int, int]], run_id: str) -> RaySlices:
+    """S slice actors (SPREAD over nodes, no CPU reserved: their work is a few vector ops
+    per step) owned by the coordinator, so they go when it goes and a restarted coordinator
+    rebuilds them from its checkpoint. Named `archipelago-<run>-slice-<k>-<id>` (the id
+    differs per coordinator incarnation) so operators find them in `ray list actors`."""
+    incarnation = uuid.uuid4().hex[:6]
+    actors = [ray.remote(RemoteOuterSlice).options(
+        name=slice_name(run_id, k, incarnation), namespace=NAMESPACE, num_cpus=0,
+        scheduling_strategy="SPREAD", max_concurrency=1).remote(cfg, b, params[b[0]:b[1]])
+        for k, b in enumerate(bounds)]
+    return RaySlices(actors)

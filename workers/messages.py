@@ -1,0 +1,73 @@
+"""What crosses between the coordinator and an island, in one home: the work order an
+island is handed and the result it sends back.
+
+The coordinator's data ledger decides, before the island starts, exactly which batches
+it trains: `shards` gives each shard's start position, and step j of the round reads
+shard `sorted(shards)[(turn + j) % len(shards)]`. `batch_counts` is that rule, shared by
+both sides, so the ledger can advance positions when it hands out work and the island
+consumes exactly what was reserved for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from workers.compress import Payload, decode, payload_nbytes
+
+
+class WorkKind(str, Enum):
+    TRAIN = "train"        # H inner steps from the global parameters; returns Δ = θ_start − θ_end
+    GRADIENT = "gradient"  # one batch's gradient at the global parameters (the ddp baseline)
+
+
+def batch_counts(shards: list[int], turn: int, steps: int) -> dict[int, int]:
+    """Batches each shard gives to a round of `steps` steps starting at `turn` (round-robin
+    over `sorted(shards)`)."""
+    order = sorted(shards)
+    n = len(order)
+    base, extra = divmod(steps, n)
+    return {s: base + (1 if (i - turn) % n < extra else 0) for i, s in enumerate(order)}
+
+
+@dataclass(frozen=True)
+class WorkOrder:
+    island: int
+    ticket: int                  # the engine's id of this piece of work
+    version: int                 # global version the island starts from
+    kind: WorkKind
+    steps: int
+    shards: dict[int, int]       # shard -> start position (batches already consumed)
+    turn: int = 0                # round-robin offset over the shards
+    start_delay_s: float = 0.0   # SIMULATION: time to download the parameters over the island's link
+    schedule_step: int | None = None  # move the inner lr schedule to the run's progress (async mode)
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What an island sends back: `payload` encodes Δ (a gradient for `GRADIENT` work)
+    with the configured codec; `nbytes` is its size on the wire."""
+
+    island: int
+    version: int
+    payload: Any                  # Payload, or S payloads (or their object refs) for a sliced coordinator
+    weight: int                   # tokens (or examples) trained on this round
+    steps: int
+    mean_loss: float
+    compute_s: float              # seconds training (simulated slowdown included)
+    finished_at: float            # clock time when the result was ready to send
+    positions: dict[int, int]     # shard -> batches consumed after this round
+    shard_tokens: dict[int, int]  # shard -> tokens (weight) trained this round
+    ticket: int = -1
+    sent_bytes: int | None = None  # set when `payload` holds references to the encoded slices
+
+    def delta(self) -> Any:
+        """Δ decoded to fp32, or its S slices as they came (each coordinator slice decodes its own)."""
+        return self.payload if isinstance(self.payload, list) else decode(self.payload)
+
+    @property
+    def nbytes(self) -> int:
+        if self.sent_bytes is not None:
+            return self.sent_bytes
+        parts: list[Payload] = self.payload if isinstance(self.payload, list) else [self.payload]
+        return sum(payload_nbytes(p) for p in parts)
