@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-NAMESPACE = "archipelago"
+from orchestrator.engine.types import NAMESPACE, coordinator_name, run_id_of_coordinator
 
 
 class HandleError(Exception):
@@ -35,9 +35,8 @@ def find_run(run_id: str | None = None) -> str:
     """The id of the run to serve: the one given, or the only running one."""
     import ray
 
-    suffix = "-coordinator"
-    runs = [a["name"][len("archipelago-"):-len(suffix)] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == NAMESPACE and a["name"].startswith("archipelago-") and a["name"].endswith(suffix)]
+    runs = [run for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == NAMESPACE and (run := run_id_of_coordinator(a["name"])) is not None]
     if run_id is not None:
         if run_id not in runs:
             raise LookupError(f"no running job with id {run_id!r} (running: {runs or 'none'})")
@@ -54,7 +53,7 @@ class RayRunHandle:
         import ray
 
         self.ray = ray
-        self.actor = ray.get_actor(f"archipelago-{run_id}-coordinator", namespace=NAMESPACE)
+        self.actor = ray.get_actor(coordinator_name(run_id), namespace=NAMESPACE)
         self.timeout_s = timeout_s
 
     def _call(self, method: str, *args: Any) -> Any:

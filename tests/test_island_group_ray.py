@@ -15,6 +15,7 @@ from tests.helpers import TINY_LM
 from workers.compress import decode
 from workers.island import Island
 from workers.island_group import GroupIsland, split_batch
+from workers.messages import WorkKind, WorkOrder
 
 pytestmark = pytest.mark.ray
 
@@ -22,6 +23,11 @@ pytestmark = pytest.mark.ray
 def _cfg(corpus_cache, *extra):
     return load_config(None, [*TINY_LM, f"task.kwargs.cache_dir={corpus_cache}", "islands.count=1",
                               "inner.grad_clip=0.5", "inner_steps=6", *extra])
+
+
+def _order(cfg) -> WorkOrder:
+    """H steps on shard 0 from its start, as the coordinator would hand them out."""
+    return WorkOrder(0, 0, 0, WorkKind.TRAIN, cfg.inner_steps, {0: 0})
 
 
 def _group_round(cfg, params, workers: int):
@@ -33,7 +39,7 @@ def _group_round(cfg, params, workers: int):
                   .remote(island_spec(cfg, 0)) for r in range(workers)]
         actors[0].form_group.remote(actors[1:])
         info = ray.get(actors[0].describe.remote())
-        result = ray.get(actors[0].run_round.remote(0, params, cfg.inner_steps, 0.0, {0: 0}))
+        result = ray.get(actors[0].run.remote(_order(cfg), params))
         return info, result
     finally:
         remove_placement_group(group)
@@ -44,7 +50,7 @@ def test_two_workers_equal_one_worker_on_the_double_batch(ray_local, corpus_cach
     cfg = _cfg(corpus_cache, "task.kwargs.batch_size=8", "islands.workers=2", f"inner.optimizer={optimizer}")
     one = Island(island_spec(cfg, 0))
     params = one.flat.numpy()
-    expected = one.run_round(0, params, cfg.inner_steps, 0.0, {0: 0})
+    expected = one.run(_order(cfg), params)
     info, got = _group_round(cfg, params, workers=2)
     assert info["workers"] == 2 and info["optimizer_slice"] == [0, one.flat.numel // 2]  # half the state each
     a, b = decode(got.payload), decode(expected.payload)
@@ -55,7 +61,7 @@ def test_two_workers_equal_one_worker_on_the_double_batch(ray_local, corpus_cach
     assert got.mean_loss == pytest.approx(expected.mean_loss, rel=1e-5)
     # the check can fail: one worker on its own half batch takes visibly different steps
     half = Island(island_spec(_cfg(corpus_cache, "task.kwargs.batch_size=4", f"inner.optimizer={optimizer}"), 0))
-    other = decode(half.run_round(0, params, cfg.inner_steps, 0.0, {0: 0}).payload)
+    other = decode(half.run(_order(cfg), params).payload)
     assert np.abs(other - b).max() > 100 * max(1e-6, float(np.abs(a - b).max()))
     print(f"{optimizer}: max |group - one worker, double batch| = {np.abs(a - b).max():.2e}, "
           f"vs one worker on half the batch {np.abs(other - b).max():.2e}")

@@ -125,7 +125,7 @@ def test_submitted_run_succeeds_with_progress_and_a_live_control_plane(cluster, 
     assert summary["state"] == "finished" and summary["outer_steps"] == 4
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert (out / "final.pt").exists() and len(_records(out / "metrics.jsonl")) == 4
-    assert load_checkpoint(out / "checkpoint")["server"]["version"] == 4
+    assert load_checkpoint(out / "checkpoint")["version"] == 4
 
 
 def test_job_stop_leaves_a_checkpoint_a_new_job_resumes(cluster, tmp_path, corpus_cache):
@@ -148,7 +148,7 @@ def test_job_stop_leaves_a_checkpoint_a_new_job_resumes(cluster, tmp_path, corpu
     summary = json.loads((out / "summary.json").read_text())  # written by the clean stop, not at the end
     assert summary["state"] == "stopped" and 2 <= summary["rounds_done"] < 200
     state = load_checkpoint(out / "checkpoint")
-    assert state["server"]["version"] == summary["outer_steps"] == summary["rounds_done"]
+    assert state["version"] == summary["outer_steps"] == summary["rounds_done"]
     assert torch.isfinite(state["params"]).all()
     print(f"ray job stop → job stopped in {stop_s:.1f}s at round {summary['rounds_done']}")
 

@@ -55,7 +55,7 @@ def test_a_lost_shard_restarts_the_coordinator_from_its_checkpoint(ray_local, tm
     thread, box = run_until_records(cfg, "shardloss", 3)
     metrics = tmp_path / "out" / "metrics.jsonl"
     shard = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["name"].startswith("archipelago-shardloss-shard-1-"))
+                 if a["name"].startswith("archipelago-shardloss-slice-1-"))
     ray.kill(ray.get_actor(shard, namespace=NAMESPACE))
     thread.join(timeout=240)
     assert box["summary"]["outer_steps"] == 8

@@ -1,4 +1,4 @@
-"""Tiny tasks for tests: the quadratic islands of ALGORITHMS.md vector D1, with optional
+"""Tiny tasks for tests: the quadratic islands of vector D1 (docs/algorithms.md), with optional
 fault injection for the integration tests.
 
 A fault belongs to a *process* (a broken machine), not to data: the first island process
@@ -85,3 +85,33 @@ class QuadraticTask:
 
 def make_quadratic(**kwargs: object) -> QuadraticTask:
     return QuadraticTask(**kwargs)  # type: ignore[arg-type]
+
+
+# (shard, batch index) of every batch an in-process island read, per recording key
+READS: dict[str, list[tuple[int, int]]] = {}
+
+
+class RecordingQuadratic(QuadraticTask):
+    """The quadratic task whose batches carry their identity and are recorded when read
+    (in-process islands only: the list lives in this process). A batch of shard s weighs
+    s + 1 tokens, so token accounting is checked per shard, not just counted."""
+
+    def __init__(self, record: str, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.record = record
+
+    def train_batches(self, shard: int, num_shards: int, seed: int, start: int = 0
+                      ) -> Iterator[tuple[torch.Tensor, ...]]:
+        for n, (center,) in enumerate(super().train_batches(shard, num_shards, seed, start), start):
+            READS.setdefault(self.record, []).append((shard, n))
+            yield center, torch.tensor([shard, n])
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return super().loss(model, batch[:1])
+
+    def batch_weight(self, batch: tuple[torch.Tensor, ...]) -> int:
+        return int(batch[1][0]) + 1
+
+
+def make_recording(**kwargs: object) -> RecordingQuadratic:
+    return RecordingQuadratic(**kwargs)  # type: ignore[arg-type]

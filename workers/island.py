@@ -140,8 +140,8 @@ class Island:
         losses, weight = 0.0, 0
         if order.kind == WorkKind.TRAIN:
             self.start.copy_(self.flat.data)
+            t_step = time.perf_counter()  # a step's time includes reading its batch
             for shard, batch in self._batches(order):
-                t_step = time.perf_counter()
                 loss, w = self._forward_backward(batch)
                 self._clip()
                 self._step()
@@ -152,6 +152,7 @@ class Island:
                 weight += w
                 if self.spec.slowdown > 1:
                     time.sleep((self.spec.slowdown - 1) * (time.perf_counter() - t_step))
+                t_step = time.perf_counter()
             payload = self._encode(self.start - self.flat.data)
         else:
             (shard, batch), = self._batches(order)

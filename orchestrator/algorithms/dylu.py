@@ -1,4 +1,4 @@
-"""Dynamic Local Updates (ALGORITHMS §2): each island's H from its measured speed, so a
+"""Dynamic Local Updates (Liu et al. 2024; docs/algorithms.md): each island's H from its measured speed, so a
 slow island does fewer inner steps and its pseudo-gradients arrive about as often as the
 fast islands' — less staleness, no island left behind.
 

@@ -28,7 +28,6 @@ import numpy as np
 import ray
 import torch
 
-from orchestrator.bench.registry import scenario
 from orchestrator.bench.report import BenchResult, Panel, checks_table, md_table, targets_met
 from orchestrator.bench.runner import run_methods
 from orchestrator.config import RunConfig
@@ -163,7 +162,6 @@ def steady_overhead(run_dir: Path) -> float:
     return sum(fractions) / len(fractions)
 
 
-@scenario("datapath")
 def datapath(quick: bool, work: Path) -> BenchResult:
     islands, numel, reps = (2, 2_000_000, 3) if quick else (4, 8_000_000, 5)
     shard_counts = [1, 2] if quick else [1, 2, 4]

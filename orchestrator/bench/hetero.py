@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.bench.quality import MODEL
-from orchestrator.bench.registry import scenario
 from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
 from orchestrator.bench.runner import run_methods
 
@@ -41,7 +40,6 @@ def time_to_reach(curve: list[tuple[float, float]], target: float) -> float | No
     return None
 
 
-@scenario("hetero")
 def hetero(quick: bool, work: Path) -> BenchResult:
     rounds = 6 if quick else 16
     table = methods(rounds)

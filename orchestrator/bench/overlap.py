@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.bench.quality import MODEL
-from orchestrator.bench.registry import scenario
 from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
 from orchestrator.bench.runner import run_methods
 
@@ -32,7 +31,6 @@ def linked_methods(rounds: int, bandwidth_gbps: float) -> dict[str, tuple[str, l
     }
 
 
-@scenario("overlap")
 def overlap(quick: bool, work: Path) -> BenchResult:
     rounds = 4 if quick else 12
     base_table = {"sync_no_link": ("synchronous DiLoCo, no link delay (compute only)", [*_base(rounds), "mode=diloco"])}

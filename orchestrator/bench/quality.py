@@ -12,7 +12,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.registry import scenario
 from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
 from orchestrator.bench.runner import run_methods
 
@@ -52,7 +51,6 @@ def methods(steps: int) -> dict[str, tuple[str, list[str]]]:
     }
 
 
-@scenario("quality")
 def quality(quick: bool, work: Path) -> BenchResult:
     steps = 200 if quick else 1600  # divisible by every H, so all methods see the same tokens
     table = methods(steps)

@@ -3,37 +3,34 @@ the entry point writes `<scenario>.json`, `.png` and `.md` and prints a one-line
 Scenarios: quality, hetero, overlap, datapath."""
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.bench.report import BenchResult, write_docs_index, write_result
 
 Scenario = Callable[[bool, Path], BenchResult]
-SCENARIOS: dict[str, Scenario] = {}
-
-
-def scenario(name: str) -> Callable[[Scenario], Scenario]:
-    def register(fn: Scenario) -> Scenario:
-        SCENARIOS[name] = fn
-        return fn
-    return register
-
-
-def _load_builtin() -> None:
-    from orchestrator.bench import datapath, hetero, overlap, quality  # noqa: F401  (they register themselves)
+# name -> "module:function"; imported when run, so a scenario never imports the registry
+SCENARIOS: dict[str, str] = {name: f"orchestrator.bench.{name}:{name}"
+                             for name in ("quality", "hetero", "overlap", "datapath")}
 
 
 def available() -> list[str]:
-    _load_builtin()
     return sorted(SCENARIOS)
 
 
-def run_bench(name: str, quick: bool, out: Path, docs: Path | None = None) -> BenchResult:
-    _load_builtin()
+def load(name: str) -> Scenario:
     if name not in SCENARIOS:
         raise KeyError(f"unknown scenario {name!r}; available: {', '.join(sorted(SCENARIOS))}")
+    module, _, function = SCENARIOS[name].partition(":")
+    fn: Scenario = getattr(importlib.import_module(module), function)
+    return fn
+
+
+def run_bench(name: str, quick: bool, out: Path, docs: Path | None = None) -> BenchResult:
+    scenario = load(name)
     out.mkdir(parents=True, exist_ok=True)
-    result = SCENARIOS[name](quick, out / f"{name}-runs")
+    result = scenario(quick, out / f"{name}-runs")
     write_result(result, out)
     if docs is not None:
         write_result(result, docs)

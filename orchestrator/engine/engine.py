@@ -86,6 +86,7 @@ class RoundEngine:
         self.rounds_done = 0
         self.train_elapsed = 0.0
         self.waiting_since: float | None = None
+        self.summary: dict[str, Any] = {}
         self.t0 = self.t_train = time.perf_counter()
         state = load_checkpoint(Path(cfg.checkpoint_dir)) if cfg.checkpoint.every_rounds else None
         self.resumed = state is not None and state["run_id"] == run_id
@@ -108,9 +109,12 @@ class RoundEngine:
                 if stats.state.gone:
                     continue
                 node = self.pool.reattach(i)
-                if node is not None:
-                    stats.state = IslandState.TRAINING if stats.state != IslandState.DRAINING else stats.state
+                if node is not None:  # a draining island stays draining: it is released between rounds
+                    if stats.state == IslandState.LATE:
+                        stats.state = IslandState.TRAINING
                     self.events.add(Event.REATTACH, i, node=node)
+                elif stats.state == IslandState.DRAINING:
+                    stats.state = IslandState.DRAINED  # it was leaving anyway
                 else:
                     stats.state = IslandState.STARTING
                     self._request(i)
@@ -132,11 +136,11 @@ class RoundEngine:
             if not self.members.pending:
                 self._begin()
             return True
+        self.run.stopping = self.controls.stopping.is_set()
         self._boundary()
         self._dispatch()
         self._write_due()
-        self.run.stopping = self.controls.stopping.is_set()
-        if not self._in_flight() and self.pacing.next_close(self.run, []) is None:
+        if not self.flights:  # nothing out, nothing waiting to close
             if self.pacing.done(self.run) or self.run.stopping:
                 self._finish()
                 return False
@@ -174,9 +178,8 @@ class RoundEngine:
     def _finish(self) -> None:
         """End the run: work still out is given back to the ledger (trained again on
         resume); a stopped run is evaluated and checkpointed where it stands."""
-        for ticket in sorted(self.flights, reverse=True):
-            self.ledger.rollback(ticket)
-        self.flights.clear()
+        for ticket in sorted(self.flights, reverse=True):  # an island's later reservation first
+            self._lose(ticket, "the run ended before its outer step")
         stopped = self.controls.stopping.is_set()
         if stopped:
             if not self.controls.aborting.is_set():
@@ -234,11 +237,9 @@ class RoundEngine:
             self._start_drain(i)
         for _ in range(max(0, -surplus)):
             self._request(m.next_index())
-        busy = {f.work.island: f.ticket for f in self._in_flight()}
+        busy = {f.work.island for f in self._in_flight()}
         for i, s in list(m.islands.items()):
             if s.state == IslandState.DRAINING and (i not in busy or self.cfg.elastic.drain == "abandon"):
-                if i in busy:
-                    self._lose(busy[i], "drained while training")
                 self._release(i, IslandState.DRAINED)
 
     def _demand(self) -> None:
@@ -276,6 +277,10 @@ class RoundEngine:
         return True
 
     def _release(self, island: int, state: IslandState, reason: str | None = None) -> None:
+        """Release an island for good; its work still out is lost (and retrained by the next
+        owner of its shards), its results already in still count."""
+        for flight in [f for f in self._in_flight() if f.work.island == island]:
+            self._lose(flight.ticket, f"island {state.value}")
         self.members.mark(island, state, reason)
         for t in [t for t, i in self.overdue.items() if i == island]:
             del self.overdue[t]
@@ -560,6 +565,11 @@ class RoundEngine:
         save_checkpoint(Path(self.cfg.checkpoint_dir), self.capture())
 
     def _restore(self, state: dict[str, Any]) -> None:
+        saved = state["config"]
+        for key in ("mode", "data_shards"):
+            if saved.get(key) != self.cfg.model_dump(mode="json").get(key):
+                raise RunFailed(f"the checkpoint in {self.cfg.checkpoint_dir} is of a run with {key} = {saved.get(key)!r}, "
+                                f"this run has {getattr(self.cfg, key)!r}: resume with the same config or another path")
         self.flat.load(state["params"])
         self.run.version = self.run.base = self.run.closes = state["version"]
         self.outer.load_state_dict(state["outer"], state["version"])

@@ -70,6 +70,12 @@ class Close:
     advances: bool = True          # a round advances the version even if nothing is applied
 
 
+def _by_island(flight: Flight) -> int:
+    """Updates are averaged in island order, whatever order they arrived in, so a run's
+    floating-point sums (and so its numbers) do not depend on timing."""
+    return flight.work.island
+
+
 class Pacing(Protocol):
     def plan(self, run: RunState, idle: list[int]) -> list[Work]: ...
     def cancel(self, work: Work) -> None: ...
@@ -112,7 +118,7 @@ class Barrier:
     def next_close(self, run: RunState, in_flight: list[Flight]) -> Close | None:
         if not self.out or in_flight:
             return None
-        flights, self.open, self.out = self.open, [], 0
+        flights, self.open, self.out = sorted(self.open, key=_by_island), [], 0
         return Close(run.closes + 1, flights, expected=run.version, staleness=0)
 
     def closed(self, run: RunState, close: Close) -> int | None:
@@ -234,11 +240,14 @@ class OneRoundLag:
         t = run.version + 1
         if t > run.rounds or any(f.work.round == t for f in in_flight):
             return None
+        busy = {f.work.island for f in in_flight}
+        if not run.stopping and any(self.next_round.get(i) == t for i in run.members.schedulable() if i not in busy):
+            return None  # an island that delivered round t−1 is about to start round t
         if not self.arrivals.get(t):
             later = any(r > t for r in self.arrivals) or any(f.work.round > t for f in in_flight)
             if not later:
                 return None
-        flights = self.arrivals.pop(t, [])
+        flights = sorted(self.arrivals.pop(t, []), key=_by_island)
         self.dispatched.pop(t, None)
         s = start_version(t, run.base)
         return Close(t, flights, expected=s, anchor=s, staleness=(t - 1) - s)

@@ -175,6 +175,7 @@ class InProcessPool:
         fault = self._fault(i, n)
         island = self.islands[i]
         duration = order.start_delay_s + order.steps * self.step_s * island.spec.slowdown
+        result = island.run(dataclasses.replace(order, start_delay_s=0.0), params)  # what it read, it read
         if fault is not None and fault.kind == FaultKind.CRASH:
             self.dead.add(i)
             self._at(self.t + duration / 2, Failed(order.ticket, i, "actor died: injected crash"))
@@ -182,7 +183,6 @@ class InProcessPool:
         if fault is not None and fault.kind == FaultKind.RAISE:
             self._at(self.t + duration / 2, Failed(order.ticket, i, "raised: RuntimeError: injected"))
             return
-        result = island.run(dataclasses.replace(order, start_delay_s=0.0), params)
         if fault is not None and fault.kind == FaultKind.NAN:
             delta = result.delta()
             result = dataclasses.replace(result, payload=_nan_like(result.payload, delta))
@@ -208,6 +208,12 @@ class InProcessPool:
     def close(self) -> None:
         self.islands.clear()
         self._queue.clear()
+
+    def coordinator_lost(self) -> None:
+        """The coordinator process died: the results of its calls die with it (as Ray's
+        object references do); the islands live on for the next coordinator."""
+        self._queue = [p for p in self._queue if not isinstance(p.event, (Done, Failed))]
+        heapq.heapify(self._queue)
 
 
 def _nan_like(payload: Any, delta: Any) -> Any:

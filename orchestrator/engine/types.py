@@ -22,6 +22,12 @@ def coordinator_name(run_id: str) -> str:
     return f"archipelago-{run_id}-coordinator"
 
 
+def run_id_of_coordinator(name: str) -> str | None:
+    """The run id in a coordinator actor's name, or None if `name` is not one."""
+    prefix, suffix = "archipelago-", "-coordinator"
+    return name[len(prefix):-len(suffix)] if name.startswith(prefix) and name.endswith(suffix) else None
+
+
 def control_plane_name(run_id: str) -> str:
     return f"archipelago-{run_id}-api"
 

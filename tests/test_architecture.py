@@ -1,0 +1,96 @@
+"""Guard rails on the architecture: no import cycle among the project's modules (imports
+inside functions and under `TYPE_CHECKING` count too), and the pure layers — algorithms,
+engine and policies — import neither Ray nor FastAPI, so they run and are tested anywhere."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.conftest import REPO
+
+PACKAGES = ("orchestrator", "workers", "api")
+PURE = ("orchestrator.algorithms", "orchestrator.engine", "orchestrator.config", "orchestrator.config_load")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in (REPO / pkg).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(path: Path, name: str) -> set[str]:
+    """Every module `path` imports, wherever the import statement stands."""
+    found: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for imported in _imports(path, name):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name and not name.startswith(imported + "."):
+                deps.add(imported)
+        graph[name] = deps
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return stack[stack.index(dep):] + [dep]
+            if dep not in state and (found := visit(dep)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycle_among_the_projects_modules():
+    graph = _graph()
+    assert len(graph) > 30 and "orchestrator.engine.engine" in graph
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_engine_policies_and_algorithms_import_neither_ray_nor_fastapi():
+    modules = _modules()
+    offenders = {}
+    for name, path in modules.items():
+        if name.startswith(PURE):
+            bad = {m for m in _imports(path, name) if m.split(".")[0] in ("ray", "fastapi", "uvicorn", "api")}
+            reach = {d for d in _graph()[name] if d.startswith(("orchestrator.runtime", "orchestrator.bench", "api"))}
+            if bad or reach:
+                offenders[name] = sorted(bad | reach)
+    assert not offenders, offenders
