@@ -19,7 +19,7 @@ import pytest
 from orchestrator.config import RunConfig
 from orchestrator.config_load import load_config
 from orchestrator.engine.engine import RoundEngine, build_engine
-from orchestrator.engine.pool import Fault, FaultKind, InProcessPool
+from orchestrator.engine.pool import Fault, FaultKind
 from orchestrator.engine.types import RunFailed
 from tests.helpers import in_process_engine
 from tests.toy_tasks import READS
@@ -193,6 +193,22 @@ def test_a_graceful_stop_finishes_the_round_and_checkpoints(tmp_path):
     summary = _run(cfg, at={2: lambda e: e.stop()})
     assert summary["state"] == "stopped" and 2 <= summary["rounds_done"] < 6
     assert (Path(cfg.checkpoint_dir) / "state.pt").exists()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_stop_now_checkpoints_every_step_taken_with_its_record(tmp_path, mode):
+    from orchestrator.engine.records import load_checkpoint
+
+    cfg = _cfg(tmp_path, mode)
+    engine, _ = in_process_engine(cfg)
+    engine.start()
+    while engine.step():
+        if engine.run.version >= 3 and engine.due:  # a step closed, its record not yet written
+            engine.stop(now=True)
+    summary, state = engine.summary, load_checkpoint(Path(cfg.checkpoint_dir))
+    assert summary["state"] == "stopped" and state["counters"]["rounds_done"] == summary["rounds_done"] >= 1
+    assert state["version"] == summary["outer_steps"]
+    _check_exactly_once(cfg, summary)
 
 
 def test_no_island_left_fails_with_the_reason(tmp_path):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from orchestrator.engine.pacing import Close, Flight, Pacing, RunState, Work
 from orchestrator.engine.policies import Policies, build_policies, outer_rule
 from orchestrator.engine.pool import Done, Failed, IslandPool, Joined, JoinFailed, PoolEvent
 from orchestrator.engine.records import EventLog, Recorder, load_checkpoint, save_checkpoint
+from orchestrator.engine.stats import RunStats
 from orchestrator.engine.types import Contribution, Decision, Event, IslandState, RunFailed, RunPhase
 from workers.flat import FlatParams, slice_bounds
 from workers.messages import RoundResult, WorkOrder
@@ -39,23 +39,6 @@ from workers.task import Task, load_task
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2  # the longest the engine waits on the pool: a stop-now is seen within it
-
-COUNTERS = ("tokens", "tokens_applied", "bytes_sent", "bytes_received", "initial_eval", "last_eval",
-            "rounds_done")
-
-
-class Window:
-    """What happened between two records (one recorded round)."""
-
-    def __init__(self, tokens: int) -> None:
-        self.t0, self.tokens_before = time.perf_counter(), tokens
-        self.contributed: set[int] = set()
-        self.rejected: dict[str, str] = {}
-        self.dropped: set[int] = set()
-        self.staleness: list[int] = []
-        self.losses: dict[int, list[float]] = {}
-        self.extra: dict[str, Any] = {}
-
 
 class RoundEngine:
     def __init__(self, cfg: RunConfig, task: Task, model: torch.nn.Module, flat: FlatParams, outer: Outer,
@@ -80,14 +63,9 @@ class RoundEngine:
         self.published_at: dict[int, float] = {}
         self.held: dict[int, int] = {}            # island -> version it holds (downloaded)
         self.due: list[int] = []                  # recorded rounds due, written after the next dispatch
-        self.tokens = self.tokens_applied = self.bytes_sent = self.bytes_received = 0
-        self.initial_eval: float | None = None
-        self.last_eval: float | None = None
-        self.rounds_done = 0
-        self.train_elapsed = 0.0
+        self.stats = RunStats()
         self.waiting_since: float | None = None
         self.summary: dict[str, Any] = {}
-        self.t0 = self.t_train = time.perf_counter()
         state = load_checkpoint(Path(cfg.checkpoint_dir)) if cfg.checkpoint.every_rounds else None
         self.resumed = state is not None and state["run_id"] == run_id
         if self.resumed:
@@ -95,7 +73,6 @@ class RoundEngine:
             self._restore(state)
         self.recorder = Recorder(cfg.out_dir, cfg, keep_records=self.rounds_done if self.resumed else None)
         self.events = EventLog(self.recorder.out / "events.jsonl", append=self.resumed)
-        self.window = Window(self.tokens)
         self.snapshot: dict[str, Any] = {"state": RunPhase.STARTING.value, "round": self.rounds_done,
                                          "rounds": cfg.rounds}
         if self.resumed:
@@ -167,29 +144,30 @@ class RoundEngine:
     def _begin(self) -> None:
         if not self.members.schedulable():
             raise self._no_island_left()
-        self.t_train = time.perf_counter() - self.train_elapsed  # training time continues across restarts
+        self.stats.start_training()
         if not self.resumed:
-            self.initial_eval = self.last_eval = self.evaluate()
+            self.stats.initial_eval = self.stats.last_eval = self.evaluate()
         self.phase = RunPhase.TRAINING
-        self.window = Window(self.tokens)
         self._publish()
         self._update_snapshot()
 
     def _finish(self) -> None:
         """End the run: work still out is given back to the ledger (trained again on
         resume); a stopped run is evaluated and checkpointed where it stands."""
+        self._write_due()  # a step taken is recorded, so the checkpoint's version and rounds agree
         for ticket in sorted(self.flights, reverse=True):  # an island's later reservation first
             self._lose(ticket, "the run ended before its outer step")
         stopped = self.controls.stopping.is_set()
         if stopped:
             if not self.controls.aborting.is_set():
-                self.last_eval = self.evaluate()
+                self.stats.last_eval = self.evaluate()
             if self.cfg.checkpoint.every_rounds:
                 self.save()
             self.events.add(Event.STOPPED, version=self.run.version, rounds_done=self.rounds_done)
         self.phase = RunPhase.STOPPED if stopped else RunPhase.FINISHED
         self.outer.copy_to(self.flat.data)
-        self.summary = self._summary()
+        self.summary = self.stats.summary(self.phase, self.cfg, self.run.version, self.members, self.ledger,
+                                          self.outer.numel, self.recorder.out)
         self.recorder.finish(self.summary, self.model)
         self._update_snapshot()
         for i in list(self.members.islands):
@@ -332,8 +310,7 @@ class RoundEngine:
         delay = 0.0
         if self.held.get(work.island) != work.version:  # a new global to download over its link
             nbytes = self.outer.numel * self.flat.data.element_size()
-            stats.bytes_received += nbytes
-            self.bytes_received += nbytes
+            self.stats.download(stats, nbytes)
             delay = max(0.0, self.published_at.get(work.version, now) + self.cfg.island_link(work.island).seconds(nbytes)
                         - now)
             self.held[work.island] = work.version
@@ -448,7 +425,7 @@ class RoundEngine:
         outcome = take_step(self.outer, self.admission, contributions, close.expected, self.run.version, close.anchor)
         verdicts = outcome.verdicts
         if outcome.gap is not None:
-            self.window.extra["gap_penalty"] = outcome.gap
+            self.stats.window.extra["gap_penalty"] = outcome.gap
         if outcome.stepped or close.advances:
             self.run.version += 1
             self.outer.anchor(self.run.version, keep_from=max(self.run.base, self.run.version - 1))
@@ -464,31 +441,10 @@ class RoundEngine:
 
     def _account(self, r: RoundResult, verdict: Verdict, staleness: int) -> None:
         stats = self.members.islands[r.island]
-        stats.bytes_sent += r.nbytes
-        self.bytes_sent += r.nbytes
-        stats.compute_s += r.compute_s
-        stats.last_train_loss = r.mean_loss
-        stats.tokens += r.weight
-        self.tokens += r.weight  # tokens trained, whether or not the update is applied
-        stats.observe_staleness(staleness)
-        self.window.staleness.append(staleness)
-        self.window.losses.setdefault(r.island, []).append(r.mean_loss)
-        if verdict.admitted:
-            stats.rounds_contributed += 1
-            stats.last_contribution = time.time()
-            self.tokens_applied += r.weight
-            self.window.contributed.add(r.island)
-            if verdict.decision == Decision.DOWNWEIGHT:
-                stats.downweighted += 1
-        elif verdict.decision == Decision.DROP:
-            self.window.dropped.add(r.island)
-        else:
-            stats.rejections += 1
-            self.window.rejected[str(r.island)] = verdict.why
+        self.stats.account(stats, r, verdict, staleness)
+        stats.steps_per_s = self.pacing.speed(r.island)
+        if not verdict.admitted and verdict.decision != Decision.DROP:
             self.events.add(Event.REJECTION, r.island, reason=verdict.why, version=r.version)
-        speeds = getattr(self.pacing, "speeds", None)
-        if speeds is not None:
-            stats.steps_per_s = speeds.speeds.get(r.island, 0.0)
         if self.admission.record(r.island, verdict):
             self._fail(r.island, f"quarantined after {self.admission.quarantine_after} bad updates in a row",
                        IslandState.QUARANTINED)
@@ -508,40 +464,20 @@ class RoundEngine:
 
     def _record(self, rnd: int) -> None:
         """Evaluate if due, append one record to metrics.jsonl, checkpoint if due."""
-        w, cfg = self.window, self.cfg
-        due = rnd % cfg.eval_every == 0 or rnd == cfg.rounds
-        eval_loss = self.evaluate() if due else None
-        if eval_loss is not None:
-            self.last_eval = eval_loss
-        now = time.perf_counter()
-        islands = self.members.islands
-        self.recorder.record({
-            "round": rnd, "version": self.run.version, "mode": cfg.mode.value, "time": time.time(),
-            "eval_loss": eval_loss,
-            "train_loss": (sum(sum(v) / len(v) for v in w.losses.values()) / len(w.losses)) if w.losses else None,
-            "island_train_loss": {str(i): sum(v) / len(v) for i, v in sorted(w.losses.items())},
-            "contributed": sorted(w.contributed), "rejected": w.rejected, "dropped": sorted(w.dropped),
-            "staleness": max(w.staleness, default=0), "staleness_updates": w.staleness,
-            "inner_steps": {str(i): s.inner_steps for i, s in islands.items()}, **w.extra,
-            "tokens": self.tokens - w.tokens_before, "tokens_total": self.tokens,
-            "tokens_applied_total": self.tokens_applied,
-            "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-            "round_seconds": now - w.t0, "wall_seconds": now - self.t0,
-            "train_seconds": now - self.t_train, "tokens_per_s": self.tokens / max(1e-9, now - self.t_train),
-            "lr": self.outer.lr(), "islands_alive": len(self.members.alive()),
-            "island_idle_fraction": {str(i): max(0.0, 1 - st.compute_s / max(1e-9, now - self.t_train))
-                                     for i, st in islands.items() if st.state in (IslandState.TRAINING,
-                                                                                  IslandState.LATE)},
-        })
-        self.rounds_done = rnd
+        cfg = self.cfg
+        eval_loss = self.evaluate() if rnd % cfg.eval_every == 0 or rnd == cfg.rounds else None
+        self.recorder.record(self.stats.record(rnd, cfg, self.run.version, eval_loss, self.outer.lr(), self.members))
         every = cfg.checkpoint.every_rounds
         if every and (rnd % every == 0 or rnd == cfg.rounds):
             self.save()
             self.events.add(Event.CHECKPOINT, version=self.run.version, round=rnd)
-        self.window = Window(self.tokens)
         self._update_snapshot()
         if self.on_record is not None:
             self.on_record(self.status(), self.members.summary())
+
+    @property
+    def rounds_done(self) -> int:
+        return self.stats.rounds_done
 
     def capture(self) -> dict[str, Any]:
         """Everything a restarted coordinator needs: committed work only (work in flight and
@@ -554,8 +490,7 @@ class RoundEngine:
             "members": {i: {**dataclasses.asdict(s), "state": s.state.value, "recent": list(s.recent)}
                         for i, s in self.members.islands.items()},
             "ledger": self.ledger.state(), "completed_steps": self.run.completed_steps - self._uncommitted_steps(),
-            "counters": {k: getattr(self, k) for k in COUNTERS},
-            "train_elapsed": time.perf_counter() - self.t_train, "target": self.members.target,
+            "counters": self.stats.state(), "target": self.members.target,
         }
 
     def _uncommitted_steps(self) -> int:
@@ -582,25 +517,15 @@ class RoundEngine:
             self.members.islands[int(i)] = stats
         self.ledger.load(state["ledger"])
         self.run.completed_steps = state["completed_steps"]
-        for k, v in state["counters"].items():
-            setattr(self, k, v)
-        self.train_elapsed = state["train_elapsed"]
+        self.stats.load(state["counters"])
         self.members.target = state["target"]
-        resume = getattr(self.pacing, "resume", None)
-        if resume is not None:
-            resume(self.run)
+        self.pacing.resume(self.run)
 
     # -- what the control plane reads ----------------------------------------------------------------
     def _update_snapshot(self) -> None:
-        now = time.perf_counter()
-        self.snapshot = {
-            "state": self.phase.value, "round": self.rounds_done, "rounds": self.cfg.rounds,
-            "version": self.run.version, "eval_loss": self.last_eval, "initial_eval_loss": self.initial_eval,
-            "tokens": self.tokens, "tokens_per_s": self.tokens / max(1e-9, now - self.t_train),
-            "bytes_communicated": self.bytes_sent + self.bytes_received,
-            "islands_alive": len(self.members.alive()), "wall_seconds": now - self.t0,
-            "round_seconds": self.recorder.history[-1]["round_seconds"] if self.recorder.history else None,
-        }
+        history = self.recorder.history
+        self.snapshot = self.stats.snapshot(self.phase, self.cfg, self.run.version, self.members,
+                                            history[-1]["round_seconds"] if history else None)
 
     def status(self) -> dict[str, Any]:
         return {**self.snapshot, "mode": self.cfg.mode.value, "run_id": self.run_id,
@@ -620,33 +545,6 @@ class RoundEngine:
         resume): what `ray job stop` needs, as Ray kills the job a few seconds later."""
         self.controls.stop(now)
         self.events.add(Event.STOP_REQUESTED, version=self.run.version, now=now)
-
-    def _summary(self) -> dict[str, Any]:
-        now = time.perf_counter()
-        islands = self.members.summary()
-        train_s = now - self.t_train
-        for s in islands.values():  # time accounting: the share of the run an island was not computing
-            s["idle_fraction"] = max(0.0, 1.0 - s["compute_s"] / train_s)
-        subs = sum(s["submissions"] for s in islands.values())
-        alive = [s for s in islands.values() if s["state"] != IslandState.DEAD.value] or list(islands.values())
-        return {
-            "mode": self.cfg.mode.value, "state": self.phase.value,
-            "rounds": self.cfg.rounds, "rounds_done": self.rounds_done, "inner_steps": self.cfg.inner_steps,
-            "initial_eval_loss": self.initial_eval, "final_eval_loss": self.last_eval,
-            "tokens": self.tokens, "tokens_applied": self.tokens_applied, "outer_steps": self.run.version,
-            "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-            "bytes_communicated": self.bytes_sent + self.bytes_received,
-            "wall_seconds": now - self.t0, "train_seconds": train_s,
-            "tokens_per_s": self.tokens / max(1e-9, train_s),
-            "compute_seconds": sum(s["compute_s"] for s in alive) / len(alive) if alive else 0.0,
-            "idle_fraction": sum(s["idle_fraction"] for s in alive) / len(alive) if alive else 0.0,
-            "num_params": self.outer.numel, "islands": islands,
-            "shards": {"position": self.ledger.position, "tokens": self.ledger.tokens},
-            "staleness": {"mean": sum(s["staleness_total"] for s in islands.values()) / subs if subs else 0.0,
-                          "max": max((s["staleness_max"] for s in islands.values()), default=0)},
-            "out_dir": str(self.recorder.out.resolve()),
-        }
-
 
 
 def build_engine(cfg: RunConfig, pool: IslandPool, run_id: str = "local",

@@ -15,7 +15,7 @@ A fragment schedule (streaming DiLoCo) is one more class of this protocol.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from orchestrator.algorithms.dylu import SpeedTracker
 from orchestrator.engine.membership import Membership
@@ -85,6 +85,10 @@ class Pacing(Protocol):
     def closed(self, run: RunState, close: Close) -> int | None: ...
     def between_rounds(self, in_flight: list[Flight]) -> bool: ...
     def done(self, run: RunState) -> bool: ...
+    def resume(self, run: RunState) -> None:
+        """Continue from a checkpoint's `run` (versions, completed steps)."""
+    def speed(self, island: int) -> float:
+        """The island's measured inner steps per second, where the pacing measures it."""
 
 
 class Barrier:
@@ -129,6 +133,12 @@ class Barrier:
 
     def done(self, run: RunState) -> bool:
         return run.closes >= run.rounds * self.per_record
+
+    def resume(self, run: RunState) -> None:
+        pass
+
+    def speed(self, island: int) -> float:
+        return 0.0
 
 
 class PerArrival:
@@ -189,6 +199,9 @@ class PerArrival:
     def resume(self, run: RunState) -> None:
         self.handed = run.completed_steps
         self.recorded = min(run.completed_steps // (self.k * run.inner_steps), run.rounds)
+
+    def speed(self, island: int) -> float:
+        return self.speeds.speeds.get(island, 0.0)
 
 
 def start_version(round_t: int, base: int = 0) -> int:
@@ -260,4 +273,10 @@ class OneRoundLag:
 
     def done(self, run: RunState) -> bool:
         return run.version >= run.rounds
+
+    def resume(self, run: RunState) -> None:
+        pass  # the pipeline refills from `run.base`
+
+    def speed(self, island: int) -> float:
+        return 0.0
 
