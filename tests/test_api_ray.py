@@ -48,7 +48,8 @@ def test_control_plane_watches_and_scales_a_live_run(ray_local, tmp_path, monkey
     while time.time() < deadline and not client.get("/v1/islands").json()[2]["rounds_contributed"]:
         time.sleep(0.2)
     newcomer = client.get("/v1/islands").json()[2]
-    assert newcomer["rounds_contributed"] > 0 and newcomer["last_contribution"] > 0 and newcomer["tokens_per_s"] > 0
+    assert newcomer["rounds_contributed"] > 0 and newcomer["last_contribution"] > 0 and newcomer["tokens_per_s"] > 0, \
+        (newcomer, [e for e in client.get("/v1/events").json() if e["kind"] not in ("checkpoint",)][-20:])
     assert client.post("/v1/islands", json={"count": "two"}, headers={"Authorization": "Bearer tok"}).status_code == 422
     assert client.delete("/v1/islands/0", headers={"Authorization": "Bearer tok"}).status_code == 202
     assert client.delete("/v1/islands/77", headers={"Authorization": "Bearer tok"}).status_code == 404

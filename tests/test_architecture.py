@@ -38,11 +38,11 @@ def _imports(path: Path, name: str) -> set[str]:
 
 
 def _graph() -> dict[str, set[str]]:
-    modules = _modules()
+    modules = MODULES
     graph = {}
-    for name, path in modules.items():
+    for name in modules:
         deps = set()
-        for imported in _imports(path, name):
+        for imported in IMPORTS[name]:
             while imported and imported not in modules:
                 imported = imported.rpartition(".")[0]
             if imported and imported != name and not name.startswith(imported + "."):
@@ -73,8 +73,16 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+# Parsed once, when the module is collected: CPython 3.11's `ast.parse` can fail with
+# "AST constructor recursion depth mismatch" once another test (hypothesis) has moved the
+# recursion limit, and there is no reason to parse every file more than once anyway.
+MODULES = _modules()
+IMPORTS = {name: _imports(path, name) for name, path in MODULES.items()}
+GRAPH = _graph()
+
+
 def test_no_import_cycle_among_the_projects_modules():
-    graph = _graph()
+    graph = GRAPH
     assert len(graph) > 30 and "orchestrator.engine.engine" in graph
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
 
@@ -85,12 +93,11 @@ def test_the_cycle_check_finds_a_cycle():
 
 
 def test_engine_policies_and_algorithms_import_neither_ray_nor_fastapi():
-    modules = _modules()
     offenders = {}
-    for name, path in modules.items():
+    for name in MODULES:
         if name.startswith(PURE):
-            bad = {m for m in _imports(path, name) if m.split(".")[0] in ("ray", "fastapi", "uvicorn", "api")}
-            reach = {d for d in _graph()[name] if d.startswith(("orchestrator.runtime", "orchestrator.bench", "api"))}
+            bad = {m for m in IMPORTS[name] if m.split(".")[0] in ("ray", "fastapi", "uvicorn", "api")}
+            reach = {d for d in GRAPH[name] if d.startswith(("orchestrator.runtime", "orchestrator.bench", "api"))}
             if bad or reach:
                 offenders[name] = sorted(bad | reach)
     assert not offenders, offenders
