@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,6 @@ from workers.flat import FlatParams, slice_bounds
 from workers.messages import RoundResult, WorkOrder
 from workers.task import Task, load_task
 
-log = logging.getLogger(__name__)
 
 POLL_S = 0.2  # the longest the engine waits on the pool: a stop-now is seen within it
 
