@@ -415,10 +415,10 @@ class RoundEngine:
         return weight
 
     def _close(self, close: Close) -> None:
-        flights = [f for f in close.flights if f.result is not None]
+        flights = close.flights  # every flight a pacing closes has its result
+        results = [f.result for f in flights if f.result is not None]
         if flights:  # the step happens once every result has crossed its (simulated) link
             self.pool.sleep_until(max(f.delivered_at for f in flights))
-        results = [f.result for f in flights if f.result is not None]
         contributions = [Contribution(r.island, r.version, r.delta(), self._weight(r)) for r in results]
         outcome = take_step(self.outer, self.admission, contributions, close.expected, self.run.version, close.anchor)
         verdicts = outcome.verdicts

@@ -67,11 +67,9 @@ class OuterStep:
         coordinator sums the norms over its slices), else None."""
         if not isinstance(self.optimizer, CO2Outer) or self.optimizer.param_groups[0]["penalty"] != "adaptive":
             return None
-        mean = WeightedMean(self.param.numel(), self.param.dtype)
-        for delta, weight in parts:
-            mean.add(delta, weight)
         moved = float(torch.sum((self.param.detach() - self.anchors[anchor]) ** 2))
-        return moved, float(torch.sum(mean.mean() ** 2)), float(self.optimizer.param_groups[0]["lam"])
+        mean_sq = float(torch.sum(self._mean(parts) ** 2))  # the preallocated buffer; `apply` refills it
+        return moved, mean_sq, float(self.optimizer.param_groups[0]["lam"])
 
     def apply(self, parts: list[tuple[np.ndarray, float]], scale: float = 1.0, anchor: int | None = None,
               gap: float | None = None) -> float | None:
@@ -85,7 +83,9 @@ class OuterStep:
                 grad.mul_(self.grad_clip / norm)
         self.param.grad = grad
         if isinstance(self.optimizer, CO2Outer):
-            self.optimizer.step(anchor=self.anchors[anchor if anchor is not None else min(self.anchors)], gap=gap)
+            if anchor is None:
+                raise ValueError("a CO2 step needs the version its round started from (anchor)")
+            self.optimizer.step(anchor=self.anchors[anchor], gap=gap)
             gap = self.optimizer.last_gap
         else:
             self.optimizer.step()

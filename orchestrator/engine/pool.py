@@ -123,7 +123,6 @@ class InProcessPool:
         self.t = 0.0
         self._seq = itertools.count()
         self._queue: list[_Pending] = []
-        self.published: dict[int, np.ndarray] = {}
         self.dispatched: list[WorkOrder] = []
         self.demanded: list[int] = []
 
@@ -161,9 +160,8 @@ class InProcessPool:
         self.demanded.append(islands)
 
     def publish(self, version: int, params: Any) -> np.ndarray:
-        if version not in self.published:
-            self.published[version] = np.concatenate(params) if isinstance(params, list) else np.array(params)
-        return self.published[version]
+        """A copy, as `ray.put` makes one (the engine publishes each version once)."""
+        return np.concatenate(params) if isinstance(params, list) else np.array(params)
 
     def dispatch(self, order: WorkOrder, params: Any) -> None:
         i = order.island
