@@ -1,6 +1,7 @@
 """The control plane: a versioned JSON API over a run handle, `/metrics` for Prometheus,
 and a built-in dashboard page. Mutating calls need the bearer token; every refused
 request gets a 4xx with a reason, and nothing a client sends reaches the run unvalidated."""
+
 from __future__ import annotations
 
 from importlib import resources
@@ -16,8 +17,11 @@ from api.schemas import Accepted, AddIslands, Settings, Target
 
 
 def create_app(handle: RunHandle, token: str | None) -> FastAPI:
-    app = FastAPI(title="Archipelago control plane", version="1",
-                  description="Watch a run, scale its islands, pause/resume/stop it, change settings at round boundaries.")
+    app = FastAPI(
+        title="Archipelago control plane",
+        version="1",
+        description="Watch a run, scale its islands, pause/resume/stop it, change settings at round boundaries.",
+    )
     auth = [Depends(bearer_guard(token))]
 
     @app.exception_handler(HandleError)
@@ -40,24 +44,44 @@ def create_app(handle: RunHandle, token: str | None) -> FastAPI:
     def events(since: int = Query(0, ge=0)) -> list[dict[str, Any]]:
         return handle.events(since)
 
-    @app.post("/v1/islands", status_code=202, dependencies=auth, response_model=Accepted,
-              summary="Add islands (asks the autoscaler for their nodes; they join as resources appear)")
+    @app.post(
+        "/v1/islands",
+        status_code=202,
+        dependencies=auth,
+        response_model=Accepted,
+        summary="Add islands (asks the autoscaler for their nodes; they join as resources appear)",
+    )
     def add_islands(body: AddIslands) -> Accepted:
         return Accepted(detail={"target": handle.add_islands(body.count)})
 
-    @app.put("/v1/islands/target", status_code=202, dependencies=auth, response_model=Accepted,
-             summary="Set the island count (idempotent; bounded by elastic.min/max_islands)")
+    @app.put(
+        "/v1/islands/target",
+        status_code=202,
+        dependencies=auth,
+        response_model=Accepted,
+        summary="Set the island count (idempotent; bounded by elastic.min/max_islands)",
+    )
     def set_target(body: Target) -> Accepted:
         return Accepted(detail={"target": handle.set_target(body.target)})
 
-    @app.delete("/v1/islands/{island}", status_code=202, dependencies=auth, response_model=Accepted,
-                summary="Drain one island: it finishes its round, then its resources are released")
+    @app.delete(
+        "/v1/islands/{island}",
+        status_code=202,
+        dependencies=auth,
+        response_model=Accepted,
+        summary="Drain one island: it finishes its round, then its resources are released",
+    )
     def drain(island: int = Path(..., ge=0)) -> Accepted:
         handle.drain(island)
         return Accepted(detail={"draining": island})
 
-    @app.post("/v1/run/{action}", status_code=202, dependencies=auth, response_model=Accepted,
-              summary="pause, resume or stop (stop: finish the round, checkpoint, write outputs)")
+    @app.post(
+        "/v1/run/{action}",
+        status_code=202,
+        dependencies=auth,
+        response_model=Accepted,
+        summary="pause, resume or stop (stop: finish the round, checkpoint, write outputs)",
+    )
     def control(action: str) -> Accepted:
         actions = {"pause": handle.pause, "resume": handle.resume, "stop": handle.stop}
         if action not in actions:
@@ -65,8 +89,13 @@ def create_app(handle: RunHandle, token: str | None) -> FastAPI:
         actions[action]()
         return Accepted(detail={"action": action})
 
-    @app.patch("/v1/run/settings", status_code=202, dependencies=auth, response_model=Accepted,
-               summary="Change H and the outer lr at the next round boundary")
+    @app.patch(
+        "/v1/run/settings",
+        status_code=202,
+        dependencies=auth,
+        response_model=Accepted,
+        summary="Change H and the outer lr at the next round boundary",
+    )
     def settings(body: Settings) -> Accepted:
         changes = body.model_dump(exclude_none=True)
         if not changes:
@@ -75,8 +104,9 @@ def create_app(handle: RunHandle, token: str | None) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus text format")
     def metrics() -> PlainTextResponse:
-        return PlainTextResponse(prometheus.render(handle.status(), handle.islands()),
-                                 media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            prometheus.render(handle.status(), handle.islands()), media_type="text/plain; version=0.0.4"
+        )
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def dashboard() -> str:

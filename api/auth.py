@@ -1,6 +1,7 @@
 """Bearer-token auth for mutating calls. The token comes from $ARCHIPELAGO_API_TOKEN or a
 file named by $ARCHIPELAGO_API_TOKEN_FILE (a mounted Kubernetes Secret). Without a token
 configured, mutations are refused rather than left open."""
+
 from __future__ import annotations
 
 import hmac
@@ -25,7 +26,7 @@ def bearer_guard(token: str | None):
             raise HTTPException(403, "mutations are disabled: no API token is configured (ARCHIPELAGO_API_TOKEN)")
         if not authorization or not authorization.startswith("Bearer "):
             raise HTTPException(401, "missing bearer token", headers={"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(authorization[len("Bearer "):].strip(), token):
+        if not hmac.compare_digest(authorization[len("Bearer ") :].strip(), token):
             raise HTTPException(403, "wrong token")
 
     return check

@@ -1,6 +1,7 @@
 """The control plane's view of a run: a small protocol, implemented over Ray by calling
 the coordinator actor of a run by name. The API never touches algorithm internals; tests
 of pure API behaviour use an in-process implementation of the same protocol."""
+
 from __future__ import annotations
 
 from typing import Any, Protocol
@@ -35,8 +36,11 @@ def find_run(run_id: str | None = None) -> str:
     """The id of the run to serve: the one given, or the only running one."""
     import ray
 
-    runs = [run for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == NAMESPACE and (run := run_id_of_coordinator(a["name"])) is not None]
+    runs = [
+        run
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == NAMESPACE and (run := run_id_of_coordinator(a["name"])) is not None
+    ]
     if run_id is not None:
         if run_id not in runs:
             raise LookupError(f"no running job with id {run_id!r} (running: {runs or 'none'})")
@@ -68,7 +72,9 @@ class RayRunHandle:
                 raise HandleError(422, str(cause)) from err
             raise HandleError(500, str(err).splitlines()[-1]) from err
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
-            raise HandleError(503, f"the coordinator is not answering ({type(err).__name__}); it may be restarting") from err
+            raise HandleError(
+                503, f"the coordinator is not answering ({type(err).__name__}); it may be restarting"
+            ) from err
 
     def status(self) -> dict[str, Any]:
         return self._call("status")

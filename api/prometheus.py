@@ -1,5 +1,6 @@
 """The run's metrics in the Prometheus text exposition format (version 0.0.4), built
 from the handle's status and islands, so `/metrics` works without Ray's metrics agent."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -26,8 +27,12 @@ ISLAND_GAUGES = [
     ("archipelago_island_steps_per_second", "steps_per_s", "Measured inner steps per second", "gauge"),
     ("archipelago_island_compute_seconds_total", "compute_s", "Seconds the island spent computing", "counter"),
     ("archipelago_island_tokens_per_second", "tokens_per_s", "Island tokens per second of compute", "gauge"),
-    ("archipelago_island_last_contribution_timestamp_seconds", "last_contribution",
-     "Unix time of the island's last applied update", "gauge"),
+    (
+        "archipelago_island_last_contribution_timestamp_seconds",
+        "last_contribution",
+        "Unix time of the island's last applied update",
+        "gauge",
+    ),
 ]
 
 
@@ -55,5 +60,7 @@ def render(status: dict[str, Any], islands: dict[str, dict[str, Any]]) -> str:
         for island, stats in sorted(islands.items(), key=lambda kv: int(kv[0])):
             value = _number(stats.get(key))
             if value is not None:
-                lines.append(f'{name}{{run_id="{run}",island="{_label(island)}",state="{_label(stats.get("state"))}"}} {value}')
+                lines.append(
+                    f'{name}{{run_id="{run}",island="{_label(island)}",state="{_label(stats.get("state"))}"}} {value}'
+                )
     return "\n".join(lines) + "\n"

@@ -1,4 +1,5 @@
 """Request bodies of the control-plane API (validated; unknown fields rejected)."""
+
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field

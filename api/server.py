@@ -1,6 +1,7 @@
 """Serving the control plane: uvicorn in a background thread of a long-lived process —
 a Ray actor started with the run (pinned to the driver's node), or `archipelago serve`
 in a terminal against a running job. A plain class: `ray.remote(ControlPlane)` makes the actor."""
+
 from __future__ import annotations
 
 import threading

@@ -1,4 +1,5 @@
 """`archipelago` command line: run, config show."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,12 +11,20 @@ from orchestrator.config_load import ConfigError, dump_config, load_config
 
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML run config (see `archipelago config show`)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="dotted override, e.g. --set outer.lr=0.5 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted override, e.g. --set outer.lr=0.5 (repeatable)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="archipelago", description="Low-communication training across islands on Ray.")
+    parser = argparse.ArgumentParser(
+        prog="archipelago", description="Low-communication training across islands on Ray."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run_p = sub.add_parser("run", help="train (default: sync DiLoCo, 4 CPU islands, small GPT on stdlib text)")
     _config_args(run_p)
@@ -67,8 +76,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"archipelago: {err}", file=sys.stderr)
         return 2
     print(f"control plane of run {run_id}: http://{args.host}:{args.port}/", flush=True)
-    uvicorn.run(create_app(RayRunHandle(run_id), configured_token()), host=args.host, port=args.port,
-                log_level="warning")
+    uvicorn.run(
+        create_app(RayRunHandle(run_id), configured_token()), host=args.host, port=args.port, log_level="warning"
+    )
     return 0
 
 

@@ -1,5 +1,6 @@
 """Typed run configuration. Every field is validated here, before anything starts, so a
 mistake is reported by field name instead of surfacing minutes later inside an actor."""
+
 from __future__ import annotations
 
 from enum import Enum
@@ -19,16 +20,18 @@ class _Strict(BaseModel):
 class Mode(str, Enum):
     """How rounds are paced and which outer rule steps (chosen once, in `engine/policies.py`)."""
 
-    DILOCO = "diloco"      # barrier rounds, one outer step per round
-    DDP = "ddp"            # barrier per batch: the data-parallel baseline
-    ASYNC = "async"        # per-arrival: every pseudo-gradient applied when it lands (Delayed Nesterov)
-    OVERLAP = "overlap"    # one-round lag: CO2, the exchange of round t hidden behind round t+1
+    DILOCO = "diloco"  # barrier rounds, one outer step per round
+    DDP = "ddp"  # barrier per batch: the data-parallel baseline
+    ASYNC = "async"  # per-arrival: every pseudo-gradient applied when it lands (Delayed Nesterov)
+    OVERLAP = "overlap"  # one-round lag: CO2, the exchange of round t hidden behind round t+1
 
 
 class RobustConfig(_Strict):
     """Admission checks beyond shape, weight and finiteness (`engine/admission.py`)."""
 
-    norm_ratio: float | None = Field(10.0, gt=1, description="reject if ‖Δ‖ > ratio × median of recent norms; null disables")
+    norm_ratio: float | None = Field(
+        10.0, gt=1, description="reject if ‖Δ‖ > ratio × median of recent norms; null disables"
+    )
     history: int = Field(32, ge=4, description="accepted norms kept for the median")
     min_history: int = Field(4, ge=1, description="norms needed before the check applies")
     quarantine_after: int = Field(3, ge=1, description="consecutive rejections that quarantine an island")
@@ -43,12 +46,14 @@ class IslandsConfig(_Strict):
     gpus: float = Field(0.0, ge=0, description="Ray GPUs per island worker; CUDA is used when > 0 and available")
     threads: int | None = Field(None, ge=1, description="torch threads per island (default: cpus, at least 1)")
     links: list[LinkConfig] | None = Field(
-        None, description="SIMULATION: per-island links (default: the run's `link` for every island)")
+        None, description="SIMULATION: per-island links (default: the run's `link` for every island)"
+    )
     simulated_slowdown: list[float] | None = Field(
-        None, description="SIMULATION: per-island factor >= 1 stretching every inner step (2 = half speed)")
+        None, description="SIMULATION: per-island factor >= 1 stretching every inner step (2 = half speed)"
+    )
 
     @model_validator(mode="after")
-    def _check(self) -> "IslandsConfig":
+    def _check(self) -> IslandsConfig:
         s = self.simulated_slowdown
         if s is not None:
             if len(s) != self.count:
@@ -85,7 +90,7 @@ class AsyncConfig(_Strict):
     stale_policy: Literal["reject", "downweight"] = "reject"
 
     @model_validator(mode="after")
-    def _check(self) -> "AsyncConfig":
+    def _check(self) -> AsyncConfig:
         if self.delay is not None and self.c > 1.0 / self.delay:
             raise ValueError(f"c must be at most 1/delay = {1 / self.delay:g}")
         return self
@@ -109,7 +114,7 @@ class CompressionConfig(_Strict):
     chunk: int = Field(4096, ge=16, description="values per int8 scale")
 
     @model_validator(mode="after")
-    def _check(self) -> "CompressionConfig":
+    def _check(self) -> CompressionConfig:
         if self.codec not in CODECS:
             raise ValueError(f"unknown codec {self.codec!r}; choose one of {sorted(CODECS)}")
         return self
@@ -131,7 +136,9 @@ class ElasticConfig(_Strict):
     replace_dead: bool = Field(True, description="launch a replacement when an island dies (target kept)")
     join_weight: float = Field(0.5, gt=0, le=1, description="weight factor of a newcomer's first contribution")
     join_rewarmup_steps: int = Field(20, ge=0, description="a newcomer ramps its lr up over this many steps")
-    drain: Literal["finish", "abandon"] = Field("finish", description="a draining island finishes its round, or drops it")
+    drain: Literal["finish", "abandon"] = Field(
+        "finish", description="a draining island finishes its round, or drops it"
+    )
     placement_timeout_s: float = Field(600.0, gt=0, description="give up on a requested island after this long")
 
 
@@ -152,7 +159,9 @@ class TaskSpec(_Strict):
 
 class RayConfig(_Strict):
     address: str | None = Field(None, description="existing cluster; default: $RAY_ADDRESS, else start a local one")
-    num_cpus: int | None = Field(None, ge=1, description="logical CPUs of a local instance (default: what islands need)")
+    num_cpus: int | None = Field(
+        None, ge=1, description="logical CPUs of a local instance (default: what islands need)"
+    )
 
 
 class CoordinatorConfig(_Strict):
@@ -160,8 +169,13 @@ class CoordinatorConfig(_Strict):
     optimizer state, and receives 1/S of every pseudo-gradient straight from the islands."""
 
     shards: int = Field(1, ge=1, le=256, description="coordinator shards S (1: the coordinator steps alone)")
-    threads: int = Field(1, ge=1, le=256, description="torch threads of the coordinator and of each shard for "
-                         "the outer step (more when they have cores islands do not use, e.g. a KubeRay head)")
+    threads: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="torch threads of the coordinator and of each shard for "
+        "the outer step (more when they have cores islands do not use, e.g. a KubeRay head)",
+    )
 
 
 class RunConfig(_Strict):
@@ -194,12 +208,14 @@ class RunConfig(_Strict):
     ray: RayConfig = Field(default_factory=RayConfig)
 
     @model_validator(mode="after")
-    def _check(self) -> "RunConfig":
+    def _check(self) -> RunConfig:
         if self.mode != Mode.DILOCO and self.outer.drop_prob:
             raise ValueError("outer.drop_prob applies to mode diloco only")
         if self.mode == Mode.DDP and self.coordinator.shards > 1:
-            raise ValueError("coordinator.shards > 1 needs a DiLoCo-family mode (diloco, async, overlap); "
-                             "the ddp baseline steps on one coordinator")
+            raise ValueError(
+                "coordinator.shards > 1 needs a DiLoCo-family mode (diloco, async, overlap); "
+                "the ddp baseline steps on one coordinator"
+            )
         a = self.asynchronous
         if a.c > 1.0 / (a.delay or self.islands.count):
             raise ValueError(f"asynchronous.c must be at most 1/N = {1 / (a.delay or self.islands.count):g}")

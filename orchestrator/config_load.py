@@ -1,5 +1,6 @@
 """Load a `RunConfig` from YAML plus dotted `key=value` overrides, with errors that name
 the field and the reason (and the task's own kwargs validated up front too)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -49,8 +50,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                check_task: bool = True) -> RunConfig:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, check_task: bool = True
+) -> RunConfig:
     """Resolve the run config. Raises `ConfigError` and starts nothing if anything is wrong."""
     data: dict[str, Any] = {}
     if path is not None:

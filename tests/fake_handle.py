@@ -1,5 +1,6 @@
 """An in-process run handle for API tests: the same protocol as `RayRunHandle`, with the
 coordinator's validation rules, over a small in-memory run."""
+
 from __future__ import annotations
 
 import time
@@ -15,16 +16,41 @@ class FakeRun:
         self.settings = {"inner_steps": 50, "outer_lr": 0.7}
         self.round = 3
         self.log: list[dict[str, Any]] = []
-        self.isl = {str(i): {"state": "training", "node": "node-a:cpu", "staleness_last": i, "staleness_max": 2 * i,
-                             "inner_steps": 50, "steps_per_s": 10.0 - i, "tokens": 1000 * (i + 1),
-                             "rounds_contributed": 3, "rejections": 0, "last_train_loss": 2.5 + i / 10,
-                             "bytes_sent": 4096, "compute_s": 12.5} for i in range(islands)}
+        self.isl = {
+            str(i): {
+                "state": "training",
+                "node": "node-a:cpu",
+                "staleness_last": i,
+                "staleness_max": 2 * i,
+                "inner_steps": 50,
+                "steps_per_s": 10.0 - i,
+                "tokens": 1000 * (i + 1),
+                "rounds_contributed": 3,
+                "rejections": 0,
+                "last_train_loss": 2.5 + i / 10,
+                "bytes_sent": 4096,
+                "compute_s": 12.5,
+            }
+            for i in range(islands)
+        }
 
     def status(self) -> dict[str, Any]:
-        return {"state": "paused" if self.paused else "training", "mode": "diloco", "run_id": "fake",
-                "round": self.round, "rounds": 10, "version": self.round, "eval_loss": 2.25, "tokens": 123456,
-                "tokens_per_s": 999.5, "bytes_communicated": 10**6, "islands_alive": len(self.isl),
-                "target_islands": self.target, "paused": self.paused, **self.settings}
+        return {
+            "state": "paused" if self.paused else "training",
+            "mode": "diloco",
+            "run_id": "fake",
+            "round": self.round,
+            "rounds": 10,
+            "version": self.round,
+            "eval_loss": 2.25,
+            "tokens": 123456,
+            "tokens_per_s": 999.5,
+            "bytes_communicated": 10**6,
+            "islands_alive": len(self.isl),
+            "target_islands": self.target,
+            "paused": self.paused,
+            **self.settings,
+        }
 
     def islands(self) -> dict[str, dict[str, Any]]:
         return self.isl

@@ -1,5 +1,6 @@
 """Shared test helpers: a tiny GPT config, a mid-run hook for Ray tests, and the in-process
 engine (real `Island` objects through the in-process pool, no Ray)."""
+
 from __future__ import annotations
 
 import tempfile
@@ -13,9 +14,16 @@ from orchestrator.engine.pool import Fault, InProcessPool
 from workers.island import Island
 
 # a GPT small enough for a Ray test to train a few rounds in seconds
-TINY_LM = ["task.kwargs.d_model=32", "task.kwargs.n_layers=1", "task.kwargs.n_heads=2",
-           "task.kwargs.context=32", "task.kwargs.batch_size=8", "task.kwargs.eval_batches=4",
-           "inner.warmup_steps=5", "inner.lr=0.01"]
+TINY_LM = [
+    "task.kwargs.d_model=32",
+    "task.kwargs.n_layers=1",
+    "task.kwargs.n_heads=2",
+    "task.kwargs.context=32",
+    "task.kwargs.batch_size=8",
+    "task.kwargs.eval_batches=4",
+    "inner.warmup_steps=5",
+    "inner.lr=0.01",
+]
 
 
 def run_until_records(cfg: RunConfig, run_id: str, records: int, timeout_s: float = 120.0):
@@ -37,8 +45,9 @@ def run_until_records(cfg: RunConfig, run_id: str, records: int, timeout_s: floa
     return thread, box
 
 
-def in_process_engine(cfg: RunConfig, faults: list[Fault] | None = None, run_id: str = "local",
-                      **pool: Any) -> tuple[RoundEngine, InProcessPool]:
+def in_process_engine(
+    cfg: RunConfig, faults: list[Fault] | None = None, run_id: str = "local", **pool: Any
+) -> tuple[RoundEngine, InProcessPool]:
     """The engine over an in-process pool; `cfg.out_dir` defaults to a fresh temp folder."""
     if cfg.out_dir == RunConfig().out_dir:
         cfg = cfg.model_copy(update={"out_dir": tempfile.mkdtemp(prefix="archipelago-test-")})

@@ -1,4 +1,5 @@
 """Serve an ASGI app with uvicorn on a free loopback port in a background thread (tests)."""
+
 from __future__ import annotations
 
 import socket

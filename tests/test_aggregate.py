@@ -1,4 +1,5 @@
 """Admission: bad pseudo-gradients never touch the global model; drops are counted."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,5 @@
 """docs/algorithms.md: DiLoCo's outer step (vectors O1, D1) in float64, through the production classes."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -37,12 +38,17 @@ def test_first_nesterov_step_is_lr_times_one_plus_mu():
 
 
 def _d1_config(inner: dict, rounds: int = 3) -> RunConfig:
-    return RunConfig.model_validate({
-        "rounds": rounds, "inner_steps": 3, "islands": {"count": 2}, "data_shards": 2,  # island i sees c_i
-        "inner": {"warmup_steps": 0, "schedule": "constant", "grad_clip": None, "weight_decay": 0.0, **inner},
-        "outer": {"optimizer": "nesterov", "lr": 0.7, "momentum": 0.9},
-        "task": {"factory": "tests.toy_tasks:make_quadratic", "kwargs": {"centers": CENTERS}},
-    })
+    return RunConfig.model_validate(
+        {
+            "rounds": rounds,
+            "inner_steps": 3,
+            "islands": {"count": 2},
+            "data_shards": 2,  # island i sees c_i
+            "inner": {"warmup_steps": 0, "schedule": "constant", "grad_clip": None, "weight_decay": 0.0, **inner},
+            "outer": {"optimizer": "nesterov", "lr": 0.7, "momentum": 0.9},
+            "task": {"factory": "tests.toy_tasks:make_quadratic", "kwargs": {"centers": CENTERS}},
+        }
+    )
 
 
 def test_vector_d1_inner_sgd():
@@ -94,7 +100,10 @@ def test_flat_sgd_is_bitwise_torch_sgd(momentum, nesterov):
     gen = torch.Generator().manual_seed(0)
     a = torch.nn.Parameter(torch.randn(1000, dtype=torch.float64, generator=gen))
     b = torch.nn.Parameter(a.detach().clone())
-    ours, stock = FlatSGD([a], 0.7, momentum, nesterov), torch.optim.SGD([b], lr=0.7, momentum=momentum, nesterov=nesterov)
+    ours, stock = (
+        FlatSGD([a], 0.7, momentum, nesterov),
+        torch.optim.SGD([b], lr=0.7, momentum=momentum, nesterov=nesterov),
+    )
     for _ in range(6):
         g = torch.randn(1000, dtype=torch.float64, generator=gen)
         a.grad, b.grad = g.clone(), g.clone()

@@ -1,4 +1,5 @@
 """The control-plane API over real HTTP (uvicorn + httpx), against an in-process run."""
+
 from __future__ import annotations
 
 import httpx
@@ -15,9 +16,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 @pytest.fixture
 def api():
     run = FakeRun()
-    with serving(create_app(run, TOKEN)) as url:
-        with httpx.Client(base_url=url, timeout=10) as client:
-            yield client, run
+    with serving(create_app(run, TOKEN)) as url, httpx.Client(base_url=url, timeout=10) as client:
+        yield client, run
 
 
 def test_read_endpoints(api):
@@ -49,19 +49,22 @@ def test_scaling_is_idempotent_and_bounded(api):
     assert r.status_code == 422 and "outside" in r.json()["detail"] and run.target == 4
 
 
-@pytest.mark.parametrize("method, path, body, status", [
-    ("post", "/v1/islands", {"count": 0}, 422),
-    ("post", "/v1/islands", {"count": "many"}, 422),
-    ("post", "/v1/islands", {"count": 1, "gpus": 8}, 422),
-    ("put", "/v1/islands/target", {}, 422),
-    ("delete", "/v1/islands/42", None, 404),
-    ("delete", "/v1/islands/-1", None, 422),
-    ("post", "/v1/run/explode", None, 404),
-    ("patch", "/v1/run/settings", {}, 422),
-    ("patch", "/v1/run/settings", {"inner_steps": 0}, 422),
-    ("patch", "/v1/run/settings", {"outer_lr": -1}, 422),
-    ("patch", "/v1/run/settings", {"learning_rate": 1}, 422),
-])
+@pytest.mark.parametrize(
+    "method, path, body, status",
+    [
+        ("post", "/v1/islands", {"count": 0}, 422),
+        ("post", "/v1/islands", {"count": "many"}, 422),
+        ("post", "/v1/islands", {"count": 1, "gpus": 8}, 422),
+        ("put", "/v1/islands/target", {}, 422),
+        ("delete", "/v1/islands/42", None, 404),
+        ("delete", "/v1/islands/-1", None, 422),
+        ("post", "/v1/run/explode", None, 404),
+        ("patch", "/v1/run/settings", {}, 422),
+        ("patch", "/v1/run/settings", {"inner_steps": 0}, 422),
+        ("patch", "/v1/run/settings", {"outer_lr": -1}, 422),
+        ("patch", "/v1/run/settings", {"learning_rate": 1}, 422),
+    ],
+)
 def test_bad_requests_get_4xx_with_a_reason_and_change_nothing(api, method, path, body, status):
     client, run = api
     before = (run.target, dict(run.settings), {k: v["state"] for k, v in run.isl.items()})

@@ -1,5 +1,6 @@
 """Property-based fuzzing of the control plane's OpenAPI spec (schemathesis over real
 HTTP): whatever a client sends, with or without the token, the API never answers 5xx."""
+
 from __future__ import annotations
 
 import pytest

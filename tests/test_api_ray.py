@@ -1,4 +1,5 @@
 """The control plane served with a real run on local Ray, over HTTP."""
+
 from __future__ import annotations
 
 import threading
@@ -17,10 +18,24 @@ pytestmark = pytest.mark.ray
 def test_control_plane_watches_and_scales_a_live_run(ray_local, tmp_path, monkeypatch):
     monkeypatch.setenv("ARCHIPELAGO_API_TOKEN", "tok")
     port = free_port()
-    cfg = load_config(None, ["task.factory=tests.toy_tasks:make_quadratic", "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0]]",
-                             "task.kwargs.batch_s=0.03", "islands.count=2", "islands.cpus=0.5", "inner.optimizer=sgd",
-                             "inner.lr=0.1", "inner.warmup_steps=0", "inner_steps=4", "rounds=3000",
-                             "api.enabled=true", f"api.port={port}", f"out_dir={tmp_path / 'out'}"])
+    cfg = load_config(
+        None,
+        [
+            "task.factory=tests.toy_tasks:make_quadratic",
+            "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0]]",
+            "task.kwargs.batch_s=0.03",
+            "islands.count=2",
+            "islands.cpus=0.5",
+            "inner.optimizer=sgd",
+            "inner.lr=0.1",
+            "inner.warmup_steps=0",
+            "inner_steps=4",
+            "rounds=3000",
+            "api.enabled=true",
+            f"api.port={port}",
+            f"out_dir={tmp_path / 'out'}",
+        ],
+    )
     box = {}
     thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id="apitest")))
     thread.start()
@@ -48,8 +63,10 @@ def test_control_plane_watches_and_scales_a_live_run(ray_local, tmp_path, monkey
     while time.time() < deadline and not client.get("/v1/islands").json()[2]["rounds_contributed"]:
         time.sleep(0.2)
     newcomer = client.get("/v1/islands").json()[2]
-    assert newcomer["rounds_contributed"] > 0 and newcomer["last_contribution"] > 0 and newcomer["tokens_per_s"] > 0, \
-        (newcomer, [e for e in client.get("/v1/events").json() if e["kind"] not in ("checkpoint",)][-20:])
+    assert newcomer["rounds_contributed"] > 0 and newcomer["last_contribution"] > 0 and newcomer["tokens_per_s"] > 0, (
+        newcomer,
+        [e for e in client.get("/v1/events").json() if e["kind"] not in ("checkpoint",)][-20:],
+    )
     assert client.post("/v1/islands", json={"count": "two"}, headers={"Authorization": "Bearer tok"}).status_code == 422
     assert client.delete("/v1/islands/0", headers={"Authorization": "Bearer tok"}).status_code == 202
     assert client.delete("/v1/islands/77", headers={"Authorization": "Bearer tok"}).status_code == 404

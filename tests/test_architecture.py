@@ -1,6 +1,7 @@
 """Guard rails on the architecture: no import cycle among the project's modules (imports
 inside functions and under `TYPE_CHECKING` count too), and the pure layers — algorithms,
 engine and policies — import neither Ray nor FastAPI, so they run and are tested anywhere."""
+
 from __future__ import annotations
 
 import ast
@@ -31,7 +32,9 @@ def _imports(path: Path, name: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             found.add(base)
             found.update(f"{base}.{a.name}" for a in node.names)
     return found
@@ -42,7 +45,8 @@ def _graph() -> dict[str, set[str]]:
     graph = {}
     for name in modules:
         deps = set()
-        for imported in IMPORTS[name]:
+        for full in IMPORTS[name]:
+            imported = full
             while imported and imported not in modules:
                 imported = imported.rpartition(".")[0]
             if imported and imported != name and not name.startswith(imported + "."):
@@ -60,7 +64,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for dep in sorted(graph.get(node, ())):
             if state.get(dep) == 1:
-                return stack[stack.index(dep):] + [dep]
+                return [*stack[stack.index(dep) :], dep]
             if dep not in state and (found := visit(dep)):
                 return found
         stack.pop()

@@ -1,4 +1,5 @@
 """docs/algorithms.md, async Local-SGD in float64: Delayed Nesterov (A1, sync equivalence), DyLU (A2), staleness."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,13 +30,17 @@ def _dn(theta: torch.Tensor, **kw) -> DelayedNesterov:
     opt.apply = step  # type: ignore[attr-defined]
     return opt
 
+
 TOL = 1e-6
 
 
-@pytest.mark.parametrize("c, expected", [
-    (0.0, [0.93, 0.601, 0.566, 0.4309]),
-    (0.25, [0.93, 0.64825, 0.566, 0.473425]),
-])
+@pytest.mark.parametrize(
+    "c, expected",
+    [
+        (0.0, [0.93, 0.601, 0.566, 0.4309]),
+        (0.25, [0.93, 0.64825, 0.566, 0.473425]),
+    ],
+)
 def test_vector_a1(c, expected):
     theta = torch.tensor([1.0], dtype=torch.float64)
     dn = _dn(theta, lr=0.7, momentum=0.9, delay=2, c=c)
@@ -88,8 +93,10 @@ class _Async:
     def __init__(self, **cfg) -> None:
         a = AsyncConfig(**cfg)
         self.param = torch.zeros(2, dtype=torch.float64)
-        self.outer = LocalOuter(self.param, OuterRule(lambda p: (outer_optimizer(
-            OuterConfig(lr=1.0, momentum=0.0, optimizer="sgd"), p), None)))
+        self.outer = LocalOuter(
+            self.param,
+            OuterRule(lambda p: (outer_optimizer(OuterConfig(lr=1.0, momentum=0.0, optimizer="sgd"), p), None)),
+        )
         self.guard = NormGuard(RobustConfig(min_history=1))
         self.admission = Admission(2, self.guard, BoundedStaleness(a.max_staleness, a.stale_policy == "downweight"), 3)
         self.version = 0
@@ -131,9 +138,20 @@ def test_island_schedule_can_follow_global_progress():
     from orchestrator.engine.pool import island_spec
     from workers.island import Island
 
-    cfg = load_config(None, ["task.factory=tests.toy_tasks:make_quadratic", "task.kwargs.centers=[[1.0,0.0]]",
-                             "islands.count=1", "rounds=10", "inner_steps=10", "inner.warmup_steps=0",
-                             "inner.optimizer=sgd", "inner.lr=1.0", "inner.min_lr_ratio=0.0"])
+    cfg = load_config(
+        None,
+        [
+            "task.factory=tests.toy_tasks:make_quadratic",
+            "task.kwargs.centers=[[1.0,0.0]]",
+            "islands.count=1",
+            "rounds=10",
+            "inner_steps=10",
+            "inner.warmup_steps=0",
+            "inner.optimizer=sgd",
+            "inner.lr=1.0",
+            "inner.min_lr_ratio=0.0",
+        ],
+    )
     island = Island(island_spec(cfg, 0))
     params = np.zeros(2)
     island.run(dataclasses.replace(island.order(0, 5), schedule_step=50), params)  # half way: cosine at 0.5

@@ -1,4 +1,5 @@
 """Asynchronous Local-SGD on a real local Ray instance, with islands of different speeds."""
+
 from __future__ import annotations
 
 import json
@@ -12,11 +13,26 @@ pytestmark = pytest.mark.ray
 
 
 def _cfg(tmp_path, *extra):
-    return load_config(None, ["mode=async", "task.factory=tests.toy_tasks:make_quadratic",
-                              "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]", "task.kwargs.batch_s=0.01",
-                              "islands.count=3", "islands.simulated_slowdown=[1,1,4]", "inner.optimizer=sgd",
-                              "inner.lr=0.1", "inner.warmup_steps=0", "rounds=6", "inner_steps=6", "data_shards=3",
-                              f"task.kwargs.fault_dir={tmp_path}", f"out_dir={tmp_path / 'out'}", *extra])
+    return load_config(
+        None,
+        [
+            "mode=async",
+            "task.factory=tests.toy_tasks:make_quadratic",
+            "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]",
+            "task.kwargs.batch_s=0.01",
+            "islands.count=3",
+            "islands.simulated_slowdown=[1,1,4]",
+            "inner.optimizer=sgd",
+            "inner.lr=0.1",
+            "inner.warmup_steps=0",
+            "rounds=6",
+            "inner_steps=6",
+            "data_shards=3",
+            f"task.kwargs.fault_dir={tmp_path}",
+            f"out_dir={tmp_path / 'out'}",
+            *extra,
+        ],
+    )
 
 
 def test_async_fixed_h_fast_islands_submit_more_and_staleness_is_recorded(ray_local, tmp_path):
@@ -41,17 +57,28 @@ def test_dylu_gives_the_slow_island_fewer_steps(ray_local, tmp_path):
 
 
 def test_async_survives_a_crashed_island(ray_local, tmp_path):
-    summary = run(_cfg(tmp_path, "islands.simulated_slowdown=null", "elastic.replace_dead=false",
-                       "task.kwargs.crash_island=1",
-                       "task.kwargs.crash_after_batches=8"), show_progress=False)
+    summary = run(
+        _cfg(
+            tmp_path,
+            "islands.simulated_slowdown=null",
+            "elastic.replace_dead=false",
+            "task.kwargs.crash_island=1",
+            "task.kwargs.crash_after_batches=8",
+        ),
+        show_progress=False,
+    )
     assert summary["islands"]["1"]["state"] == "dead"
     assert summary["tokens"] == 3 * 6 * 6  # the dead island's unfinished steps were redone by others
 
 
 @pytest.mark.parametrize("policy", ["reject", "downweight"])
 def test_staleness_policy_is_applied_and_counted(ray_local, tmp_path, policy):
-    summary = run(_cfg(tmp_path, "asynchronous.dylu=false", "asynchronous.max_staleness=1",
-                       f"asynchronous.stale_policy={policy}"), show_progress=False)
+    summary = run(
+        _cfg(
+            tmp_path, "asynchronous.dylu=false", "asynchronous.max_staleness=1", f"asynchronous.stale_policy={policy}"
+        ),
+        show_progress=False,
+    )
     slow = summary["islands"]["2"]
     assert slow["staleness_max"] >= 2
     if policy == "reject":

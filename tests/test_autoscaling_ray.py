@@ -1,6 +1,7 @@
 """'Add GPU nodes' end to end on Ray's fake autoscaling cluster: a REST call raises the
 target, the autoscaler brings up a fake GPU node, an island starts there and contributes;
 lowering the target drains it and the idle node is scaled down."""
+
 from __future__ import annotations
 
 import copy
@@ -18,8 +19,12 @@ from tests.conftest import REPO
 from tests.http_server import free_port
 
 pytestmark = pytest.mark.ray
-GPU_NODE = {"resources": {"CPU": 1, "GPU": 1, "object_store_memory": 200 * 1024**2}, "node_config": {},
-            "min_workers": 0, "max_workers": 3}
+GPU_NODE = {
+    "resources": {"CPU": 1, "GPU": 1, "object_store_memory": 200 * 1024**2},
+    "node_config": {},
+    "min_workers": 0,
+    "max_workers": 3,
+}
 
 
 class FakeAutoscalingCluster(AutoscalingCluster):
@@ -27,16 +32,35 @@ class FakeAutoscalingCluster(AutoscalingCluster):
 
     def _generate_config(self, head_resources, worker_node_types, autoscaler_v2=False, **config_kwargs):
         config = {
-            "cluster_name": "archipelago-test", "max_workers": 4, "head_node_type": "ray.head.default",
-            "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
-                         "disable_launch_config_check": True},
-            "available_node_types": {**copy.deepcopy(worker_node_types), "ray.head.default": {
-                "resources": dict(head_resources), "node_config": {}, "max_workers": 0}},
-            "auth": {}, "upscaling_speed": 1.0, "idle_timeout_minutes": 0.05, "docker": {},
-            "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
-            "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
-            "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False,
-            "rsync_exclude": [], "rsync_filter": []}
+            "cluster_name": "archipelago-test",
+            "max_workers": 4,
+            "head_node_type": "ray.head.default",
+            "provider": {
+                "type": "fake_multinode",
+                "use_node_id_as_ip": True,
+                "disable_node_updaters": True,
+                "disable_launch_config_check": True,
+            },
+            "available_node_types": {
+                **copy.deepcopy(worker_node_types),
+                "ray.head.default": {"resources": dict(head_resources), "node_config": {}, "max_workers": 0},
+            },
+            "auth": {},
+            "upscaling_speed": 1.0,
+            "idle_timeout_minutes": 0.05,
+            "docker": {},
+            "initialization_commands": [],
+            "setup_commands": [],
+            "head_setup_commands": [],
+            "worker_setup_commands": [],
+            "head_start_ray_commands": [],
+            "worker_start_ray_commands": [],
+            "file_mounts": {},
+            "cluster_synced_files": [],
+            "file_mounts_sync_continuously": False,
+            "rsync_exclude": [],
+            "rsync_filter": [],
+        }
         config.update(config_kwargs)
         return config
 
@@ -59,16 +83,30 @@ def _gpu_nodes() -> int:
 def test_add_gpu_islands_over_rest_and_scale_back_down(autoscaling, tmp_path, monkeypatch):
     monkeypatch.setenv("ARCHIPELAGO_API_TOKEN", "tok")
     port = free_port()
-    cfg = load_config(None, ["task.factory=tests.toy_tasks:make_quadratic", "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0]]",
-                             "task.kwargs.batch_s=0.05", "islands.count=1", "islands.cpus=1", "islands.gpus=1",
-                             "data_shards=4", "inner.optimizer=sgd", "inner.lr=0.1", "inner.warmup_steps=0",
-                             "inner_steps=4", "rounds=100000", "api.enabled=true", f"api.port={port}",
-                             f"out_dir={tmp_path / 'out'}"])
+    cfg = load_config(
+        None,
+        [
+            "task.factory=tests.toy_tasks:make_quadratic",
+            "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0]]",
+            "task.kwargs.batch_s=0.05",
+            "islands.count=1",
+            "islands.cpus=1",
+            "islands.gpus=1",
+            "data_shards=4",
+            "inner.optimizer=sgd",
+            "inner.lr=0.1",
+            "inner.warmup_steps=0",
+            "inner_steps=4",
+            "rounds=100000",
+            "api.enabled=true",
+            f"api.port={port}",
+            f"out_dir={tmp_path / 'out'}",
+        ],
+    )
     box = {}
     thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id="autoscale")))
     thread.start()
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10,
-                          headers={"Authorization": "Bearer tok"})
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10, headers={"Authorization": "Bearer tok"})
     deadline = time.time() + 150
 
     def wait(predicate, what):
@@ -97,6 +135,8 @@ def test_add_gpu_islands_over_rest_and_scale_back_down(autoscaling, tmp_path, mo
     t_down = time.time()
     assert client.post("/v1/run/stop").status_code == 202
     thread.join(timeout=60)
-    print(f"autoscaling: add -> node up {t_node - t_add:.1f}s, add -> first contribution "
-          f"{t_contrib - t_add:.1f}s, target lowered -> node removed {t_down - t_lower:.1f}s")
+    print(
+        f"autoscaling: add -> node up {t_node - t_add:.1f}s, add -> first contribution "
+        f"{t_contrib - t_add:.1f}s, target lowered -> node removed {t_down - t_lower:.1f}s"
+    )
     assert box["summary"]["islands"]["1"]["state"] == "drained"

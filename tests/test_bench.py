@@ -1,5 +1,6 @@
 """Benchmark plumbing: every quality method is a valid config with the same token budget,
 and results are written as JSON, PNG and Markdown (plus the docs index)."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,14 @@ def test_quality_methods_share_one_token_budget_and_the_required_keys():
 
 
 def test_report_files_and_docs_index(tmp_path):
-    result = BenchResult("demo", True, {"a": {"final_eval_loss": 1.0}}, "demo: ok", "| x |\n| - |",
-                         [Panel("tokens", {"a": [(0, 2.0), (10, 1.0)]})])
+    result = BenchResult(
+        "demo",
+        True,
+        {"a": {"final_eval_loss": 1.0}},
+        "demo: ok",
+        "| x |\n| - |",
+        [Panel("tokens", {"a": [(0, 2.0), (10, 1.0)]})],
+    )
     write_result(result, tmp_path)
     data = json.loads((tmp_path / "demo.json").read_text())
     assert data["methods"]["a"]["final_eval_loss"] == 1.0 and data["machine"]["cpus"]
@@ -43,7 +50,8 @@ def test_unknown_scenario_is_a_clear_error(capsys):
 
 
 def test_hetero_methods_share_one_budget_and_time_to_reach():
-    from orchestrator.bench.hetero import methods as hetero_methods, time_to_reach
+    from orchestrator.bench.hetero import methods as hetero_methods
+    from orchestrator.bench.hetero import time_to_reach
 
     table = hetero_methods(4)
     assert set(table) == {"sync", "naive_async", "dn_dylu"}

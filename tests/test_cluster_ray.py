@@ -1,4 +1,5 @@
 """Node loss and node arrival on a multi-node `ray.cluster_utils.Cluster` (one process tree)."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,13 @@ pytestmark = pytest.mark.ray
 @pytest.fixture(scope="module")
 def cluster():
     ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4}})
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 0,
+            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4},
+        },
+    )
     workers = [c.add_node(num_cpus=1) for _ in range(3)]
     ray.init(address=c.address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     yield c, workers
@@ -36,10 +42,22 @@ def _node_of(run_id: str, index: int) -> str:
 
 def test_node_loss_closes_the_round_and_a_new_node_brings_a_new_island(cluster, tmp_path):
     c, workers = cluster
-    cfg = load_config(None, ["task.factory=tests.toy_tasks:make_quadratic",
-                             "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]", "task.kwargs.batch_s=0.05",
-                             "islands.count=3", "inner.optimizer=sgd", "inner.lr=0.1", "inner.warmup_steps=0",
-                             "inner_steps=4", "rounds=70", "round_timeout_s=30", f"out_dir={tmp_path / 'out'}"])
+    cfg = load_config(
+        None,
+        [
+            "task.factory=tests.toy_tasks:make_quadratic",
+            "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]",
+            "task.kwargs.batch_s=0.05",
+            "islands.count=3",
+            "inner.optimizer=sgd",
+            "inner.lr=0.1",
+            "inner.warmup_steps=0",
+            "inner_steps=4",
+            "rounds=70",
+            "round_timeout_s=30",
+            f"out_dir={tmp_path / 'out'}",
+        ],
+    )
     box = {}
     thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id="nodes")))
     thread.start()
@@ -62,8 +80,12 @@ def test_node_loss_closes_the_round_and_a_new_node_brings_a_new_island(cluster, 
     join = next(e for e in events if e["kind"] == "join" and e["island"] == 3)
     first = next(r for r in records if 3 in r["contributed"])
     assert join["time"] > t_add and summary["islands"]["3"]["rounds_contributed"] > 0
-    figures = {"crash_detected_s": crash["time"] - t_remove, "crash_to_round_closed_s": closed["time"] - crash["time"],
-               "node_added_to_join_s": join["time"] - t_add, "join_to_first_contribution_s": first["time"] - join["time"]}
+    figures = {
+        "crash_detected_s": crash["time"] - t_remove,
+        "crash_to_round_closed_s": closed["time"] - crash["time"],
+        "node_added_to_join_s": join["time"] - t_add,
+        "join_to_first_contribution_s": first["time"] - join["time"],
+    }
     (tmp_path / "figures.json").write_text(json.dumps(figures))
     print("elastic figures:", figures)
     assert figures["crash_detected_s"] < 15 and figures["crash_to_round_closed_s"] < 5

@@ -1,4 +1,5 @@
 """docs/algorithms.md, CO2 (vectors C1, C2); codecs and link simulation."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -56,7 +57,7 @@ def test_codecs_shrink_bytes_and_bound_the_error(codec, ratio, rel_err):
     assert x.nbytes / payload_nbytes(payload) == pytest.approx(ratio, rel=0.01)
     assert np.linalg.norm(back - x) / np.linalg.norm(x) <= rel_err
     if codec == "int8":  # per-chunk bound: |error| <= scale/2 = max|chunk|/254
-        chunk_max = np.abs(np.pad(x, (0, (-x.size) % 4096)).reshape(-1, 4096)).max(1).repeat(4096)[:x.size]
+        chunk_max = np.abs(np.pad(x, (0, (-x.size) % 4096)).reshape(-1, 4096)).max(1).repeat(4096)[: x.size]
         assert np.all(np.abs(back - x) <= chunk_max / 254 + 1e-7)
 
 
@@ -73,11 +74,10 @@ def test_link_times():
 
 def test_one_round_lag_applies_each_round_one_round_late():
     """The overlap pacing's versions and the CO2 step with anchors, through the production classes."""
-    from orchestrator.config import OverlapConfig
+    from orchestrator.config import OverlapConfig, RunConfig
     from orchestrator.engine.outer_step import OuterStep
     from orchestrator.engine.pacing import start_version
     from orchestrator.engine.policies import outer_rule
-    from orchestrator.config import RunConfig
 
     assert [start_version(t) for t in (1, 2, 3, 4)] == [0, 0, 1, 2]
     assert [start_version(t, base=5) for t in (6, 7, 8)] == [5, 5, 6]

@@ -1,4 +1,5 @@
 """Operator controls on a running job: settings at round boundaries, pause/resume, stop."""
+
 from __future__ import annotations
 
 import json
@@ -21,10 +22,23 @@ def _lines(path):
 
 @pytest.mark.parametrize("mode", ["diloco", "async"])
 def test_settings_pause_resume_and_stop(ray_local, tmp_path, mode):
-    cfg = load_config(None, ["task.factory=tests.toy_tasks:make_quadratic", "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0]]",
-                             "task.kwargs.batch_s=0.03", "islands.count=2", "inner.optimizer=sgd", "inner.lr=0.1",
-                             "inner.warmup_steps=0", "inner_steps=4", "rounds=200", "checkpoint.every_rounds=10",
-                             f"mode={mode}", f"out_dir={tmp_path / 'out'}"])
+    cfg = load_config(
+        None,
+        [
+            "task.factory=tests.toy_tasks:make_quadratic",
+            "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0]]",
+            "task.kwargs.batch_s=0.03",
+            "islands.count=2",
+            "inner.optimizer=sgd",
+            "inner.lr=0.1",
+            "inner.warmup_steps=0",
+            "inner_steps=4",
+            "rounds=200",
+            "checkpoint.every_rounds=10",
+            f"mode={mode}",
+            f"out_dir={tmp_path / 'out'}",
+        ],
+    )
     box = {}
     run_id = f"controls{mode}"
     thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id=run_id)))
@@ -35,7 +49,10 @@ def test_settings_pause_resume_and_stop(ray_local, tmp_path, mode):
     co = ray.get_actor(f"archipelago-{run_id}-coordinator", namespace=NAMESPACE)
     with pytest.raises(ray.exceptions.RayTaskError, match="inner_steps"):
         ray.get(co.update_settings.remote({"inner_steps": 0}))
-    assert ray.get(co.update_settings.remote({"inner_steps": 2, "outer_lr": 0.5})) == {"inner_steps": 2, "outer_lr": 0.5}
+    assert ray.get(co.update_settings.remote({"inner_steps": 2, "outer_lr": 0.5})) == {
+        "inner_steps": 2,
+        "outer_lr": 0.5,
+    }
     ray.get(co.pause.remote())
     time.sleep(1.0)
     frozen = len(_lines(metrics))

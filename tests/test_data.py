@@ -1,4 +1,5 @@
 """The embedded corpus, island splits, batches, and the other text sources (offline)."""
+
 from __future__ import annotations
 
 import itertools
@@ -21,8 +22,11 @@ def corpus(tmp_path_factory):
 
 def test_corpus_is_real_stdlib_text_with_held_out_files(corpus):
     assert len(stdlib_files()) > 100
-    train_paths = set(itertools.chain.from_iterable(pq.read_table(f, columns=["path"]).column("path").to_pylist()
-                                                   for f in corpus.train))
+    train_paths = set(
+        itertools.chain.from_iterable(
+            pq.read_table(f, columns=["path"]).column("path").to_pylist() for f in corpus.train
+        )
+    )
     eval_paths = set(pq.read_table(corpus.eval[0], columns=["path"]).column("path").to_pylist())
     assert eval_paths and train_paths and not eval_paths & train_paths
     text = "".join(read_parquet_texts(corpus.eval))
@@ -76,14 +80,24 @@ def test_parquet_source_and_streaming_hf_source_offline(tmp_path):
     for name, part in (("train", rows[:50]), ("eval", rows[50:])):
         pq.write_table(pa.table({"text": part}), tmp_path / f"{name}.parquet")
     common = {"context": 32, "batch_size": 4, "d_model": 16, "n_layers": 1, "n_heads": 2, "eval_batches": 2}
-    local = make_task(source="parquet", train_files=str(tmp_path / "train*.parquet"),
-                      eval_files=str(tmp_path / "eval*.parquet"), **common)
-    x, y = next(local.train_batches(0, 2, seed=0))
+    local = make_task(
+        source="parquet",
+        train_files=str(tmp_path / "train*.parquet"),
+        eval_files=str(tmp_path / "eval*.parquet"),
+        **common,
+    )
+    x, _y = next(local.train_batches(0, 2, seed=0))
     assert x.shape == (4, 32) and len(local.eval_batches()) == 2
     # the `hf` path streams through `datasets.load_dataset`; its local parquet builder needs no network
-    streamed = make_task(source="hf", hf_dataset="parquet", hf_config=None,
-                         hf_data_files=str(tmp_path / "train.parquet"), hf_train_split="train",
-                         hf_eval_split="train", **common)
+    streamed = make_task(
+        source="hf",
+        hf_dataset="parquet",
+        hf_config=None,
+        hf_data_files=str(tmp_path / "train.parquet"),
+        hf_train_split="train",
+        hf_eval_split="train",
+        **common,
+    )
     xs, _ = next(streamed.train_batches(1, 2, seed=0))
     assert xs.shape == (4, 32)
     assert bytes(xs[0].to(torch.uint8).numpy()).decode().startswith("document 1:")

@@ -1,4 +1,5 @@
 """The Task contract is not GPT-specific: DiLoCo on scikit-learn's digits with an MLP."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,9 +14,18 @@ pytest.importorskip("sklearn", reason="the digits example needs the 'examples' e
 
 @pytest.mark.parametrize("split", ["iid", "non_iid"])
 def test_diloco_trains_digits_classifier(split):
-    cfg = load_config(None, ["task.factory=workers.digits_task:make_task", f"task.kwargs.split={split}",
-                             "islands.count=3", "rounds=8", "inner_steps=20", "inner.lr=0.01",
-                             "inner.warmup_steps=0"])
+    cfg = load_config(
+        None,
+        [
+            "task.factory=workers.digits_task:make_task",
+            f"task.kwargs.split={split}",
+            "islands.count=3",
+            "rounds=8",
+            "inner_steps=20",
+            "inner.lr=0.01",
+            "inner.warmup_steps=0",
+        ],
+    )
     engine, islands, _ = in_process_run(cfg)
     task = islands[0].task
     torch.manual_seed(cfg.seed)

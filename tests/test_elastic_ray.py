@@ -1,4 +1,5 @@
 """Elasticity on a real local Ray instance: replacement, joins, drains, and a seeded chaos run."""
+
 from __future__ import annotations
 
 import json
@@ -19,11 +20,25 @@ CENTERS = "[[1.0,0.0],[-0.5,2.0],[0.5,0.5],[2.0,1.0]]"
 
 
 def _cfg(tmp_path, name, *extra):
-    return load_config(None, ["task.factory=tests.toy_tasks:make_quadratic", f"task.kwargs.centers={CENTERS}",
-                              "task.kwargs.batch_s=0.05", f"task.kwargs.fault_dir={tmp_path / name}",
-                              "islands.count=3", "islands.cpus=0.5", "data_shards=4", "inner.optimizer=sgd",
-                              "inner.lr=0.1", "inner.warmup_steps=0", "inner_steps=4", "outer.momentum=0.5",
-                              f"out_dir={tmp_path / name}", *extra])
+    return load_config(
+        None,
+        [
+            "task.factory=tests.toy_tasks:make_quadratic",
+            f"task.kwargs.centers={CENTERS}",
+            "task.kwargs.batch_s=0.05",
+            f"task.kwargs.fault_dir={tmp_path / name}",
+            "islands.count=3",
+            "islands.cpus=0.5",
+            "data_shards=4",
+            "inner.optimizer=sgd",
+            "inner.lr=0.1",
+            "inner.warmup_steps=0",
+            "inner_steps=4",
+            "outer.momentum=0.5",
+            f"out_dir={tmp_path / name}",
+            *extra,
+        ],
+    )
 
 
 def _events(tmp_path, name):
@@ -104,8 +119,11 @@ def test_seeded_chaos_completes_close_to_the_fault_free_run(ray_local, tmp_path,
         time.sleep(rng.uniform(0.3, 0.8))
         if not thread.is_alive():
             break
-        live = [int(a["name"].rsplit("-", 1)[1]) for a in ray.util.list_named_actors(all_namespaces=True)
-                if a["name"].startswith(f"archipelago-{run_id}-island-")]
+        live = [
+            int(a["name"].rsplit("-", 1)[1])
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(f"archipelago-{run_id}-island-")
+        ]
         action = rng.choice(["crash", "drain", "join"])
         actions.append(action)
         if action == "join":

@@ -4,6 +4,7 @@ restarts, in all four modes. Every scenario checks exactly-once data: each batch
 islands read is either trained into the run once or belongs to work the engine declared
 lost (and so was read again by its next owner), and Σ positions × batch tokens = tokens
 trained = Σ of the islands' tokens."""
+
 from __future__ import annotations
 
 import itertools
@@ -30,11 +31,28 @@ _keys = itertools.count()
 
 def _cfg(tmp_path: Path, mode: str, *extra: str) -> RunConfig:
     key = f"r{next(_keys)}"
-    return load_config(None, [
-        "task.factory=tests.toy_tasks:make_recording", f"task.kwargs.centers={CENTERS}", f"task.kwargs.record={key}",
-        f"mode={mode}", "islands.count=3", "rounds=6", "inner_steps=4", "inner.optimizer=sgd", "inner.lr=0.1",
-        "inner.warmup_steps=0", "inner.grad_clip=null", "outer.lr=0.7", "round_timeout_s=20",
-        "checkpoint.every_rounds=1", "elastic.placement_timeout_s=100", f"out_dir={tmp_path / key}", *extra])
+    return load_config(
+        None,
+        [
+            "task.factory=tests.toy_tasks:make_recording",
+            f"task.kwargs.centers={CENTERS}",
+            f"task.kwargs.record={key}",
+            f"mode={mode}",
+            "islands.count=3",
+            "rounds=6",
+            "inner_steps=4",
+            "inner.optimizer=sgd",
+            "inner.lr=0.1",
+            "inner.warmup_steps=0",
+            "inner.grad_clip=null",
+            "outer.lr=0.7",
+            "round_timeout_s=20",
+            "checkpoint.every_rounds=1",
+            "elastic.placement_timeout_s=100",
+            f"out_dir={tmp_path / key}",
+            *extra,
+        ],
+    )
 
 
 Action = Callable[[RoundEngine], None]
@@ -72,8 +90,9 @@ def _check_exactly_once(cfg: RunConfig, summary: dict[str, Any], lost: Counter |
     assert sum(tokens) == summary["tokens"] == sum(isl["tokens"] for isl in summary["islands"].values())
 
 
-def _run(cfg: RunConfig, faults: list[Fault] | None = None, at: dict[int, Action] | None = None,
-         **pool: Any) -> dict[str, Any]:
+def _run(
+    cfg: RunConfig, faults: list[Fault] | None = None, at: dict[int, Action] | None = None, **pool: Any
+) -> dict[str, Any]:
     engine, _ = in_process_engine(cfg, faults, **pool)
     _drive(engine, at)
     _check_exactly_once(cfg, engine.summary)
@@ -177,8 +196,12 @@ def test_a_coordinator_restart_resumes_from_its_checkpoint(tmp_path, mode):
     cfg = _cfg(tmp_path, mode)
     first, pool = in_process_engine(cfg, run_id="restart")
     _drive(first, until=3)
-    lost = Counter((s, i) for r in first.ledger.flights.values() for s, (start, n) in r.spans.items()
-                   for i in range(start, start + n))  # work the dead coordinator had out
+    lost = Counter(
+        (s, i)
+        for r in first.ledger.flights.values()
+        for s, (start, n) in r.spans.items()
+        for i in range(start, start + n)
+    )  # work the dead coordinator had out
     pool.coordinator_lost()
     second = build_engine(cfg, pool, run_id="restart")  # what the restarted coordinator does
     assert second.resumed and second.rounds_done == 3
@@ -213,7 +236,7 @@ def test_a_stop_now_checkpoints_every_step_taken_with_its_record(tmp_path, mode)
 
 def test_no_island_left_fails_with_the_reason(tmp_path):
     cfg = _cfg(tmp_path, "diloco", "islands.count=1", "elastic.placement_timeout_s=30")
-    engine, pool = in_process_engine(cfg, [Fault(FaultKind.CRASH, 0, order=2)], unplaceable={1})
+    engine, _pool = in_process_engine(cfg, [Fault(FaultKind.CRASH, 0, order=2)], unplaceable={1})
     with pytest.raises(RunFailed, match="island 0: dead"):
         _drive(engine)
 

@@ -1,4 +1,5 @@
 """Flat parameter/grad buffers: one vectorised op per load and per pseudo-gradient."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -28,4 +29,3 @@ def test_numpy_is_a_copy_and_shapes_are_checked():
     assert not np.allclose(snap, flat.numpy())
     with pytest.raises(ValueError, match="shape"):
         flat.load(np.zeros(flat.numel + 1, dtype=np.float32))
-

@@ -1,4 +1,5 @@
 """The Grafana dashboard in k8s/ queries metrics the code really publishes."""
+
 from __future__ import annotations
 
 import json

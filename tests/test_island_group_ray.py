@@ -1,5 +1,6 @@
 """An island of N workers (gloo data parallelism, ZeRO-sharded inner optimizer) takes the
 same steps as one worker on the N-times-larger batch, in real Ray actors placed together."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -21,8 +22,17 @@ pytestmark = pytest.mark.ray
 
 
 def _cfg(corpus_cache, *extra):
-    return load_config(None, [*TINY_LM, f"task.kwargs.cache_dir={corpus_cache}", "islands.count=1",
-                              "inner.grad_clip=0.5", "inner_steps=6", *extra])
+    return load_config(
+        None,
+        [
+            *TINY_LM,
+            f"task.kwargs.cache_dir={corpus_cache}",
+            "islands.count=1",
+            "inner.grad_clip=0.5",
+            "inner_steps=6",
+            *extra,
+        ],
+    )
 
 
 def _order(cfg) -> WorkOrder:
@@ -35,8 +45,12 @@ def _group_round(cfg, params, workers: int):
     ray.get(group.ready())
     try:
         cls = ray.remote(GroupIsland)
-        actors = [cls.options(num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(group, r))
-                  .remote(island_spec(cfg, 0)) for r in range(workers)]
+        actors = [
+            cls.options(num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(group, r)).remote(
+                island_spec(cfg, 0)
+            )
+            for r in range(workers)
+        ]
         actors[0].form_group.remote(actors[1:])
         info = ray.get(actors[0].describe.remote())
         result = ray.get(actors[0].run.remote(_order(cfg), params))
@@ -63,24 +77,36 @@ def test_two_workers_equal_one_worker_on_the_double_batch(ray_local, corpus_cach
     half = Island(island_spec(_cfg(corpus_cache, "task.kwargs.batch_size=4", f"inner.optimizer={optimizer}"), 0))
     other = decode(half.run(_order(cfg), params).payload)
     assert np.abs(other - b).max() > 100 * max(1e-6, float(np.abs(a - b).max()))
-    print(f"{optimizer}: max |group - one worker, double batch| = {np.abs(a - b).max():.2e}, "
-          f"vs one worker on half the batch {np.abs(other - b).max():.2e}")
+    print(
+        f"{optimizer}: max |group - one worker, double batch| = {np.abs(a - b).max():.2e}, "
+        f"vs one worker on half the batch {np.abs(other - b).max():.2e}"
+    )
 
 
 def test_a_batch_that_does_not_split_is_a_clear_error():
     batch = (np.zeros((6, 3)),)
     import torch
 
-    with pytest.raises(ValueError, match="multiple of islands.workers"):
+    with pytest.raises(ValueError, match=r"multiple of islands\.workers"):
         split_batch(tuple(torch.as_tensor(t) for t in batch), 0, 4)
 
 
 @pytest.mark.parametrize("mode", ["diloco", "async"])
 def test_a_run_with_two_worker_islands_and_two_coordinator_shards(ray_local, tmp_path, corpus_cache, mode):
-    cfg = _cfg(corpus_cache, f"mode={mode}", "islands.count=2", "islands.workers=2", "islands.cpus=1",
-               "coordinator.shards=2", "compression.chunk=1024", "rounds=3", "inner_steps=5",
-               "asynchronous.dylu=false", "outer.lr=0.4" if mode == "async" else "outer.lr=0.7",
-               f"out_dir={tmp_path / 'out'}")
+    cfg = _cfg(
+        corpus_cache,
+        f"mode={mode}",
+        "islands.count=2",
+        "islands.workers=2",
+        "islands.cpus=1",
+        "coordinator.shards=2",
+        "compression.chunk=1024",
+        "rounds=3",
+        "inner_steps=5",
+        "asynchronous.dylu=false",
+        "outer.lr=0.4" if mode == "async" else "outer.lr=0.7",
+        f"out_dir={tmp_path / 'out'}",
+    )
     summary = run(cfg, show_progress=False)
     assert summary["outer_steps"] >= 3 and summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert all(s["state"] == "training" for s in summary["islands"].values())

@@ -2,6 +2,7 @@
 token auth on, as Ray 2.59+ defaults to): a short run succeeds with progress in its logs and
 a control plane that answers while it trains; `ray job stop` on a second run leaves a
 checkpoint that a third job resumes from. The cluster is stopped whatever happens."""
+
 from __future__ import annotations
 
 import json
@@ -36,39 +37,83 @@ def cluster(tmp_path_factory):
     ray.shutdown()  # this module talks to its own cluster only through the job CLI
     if not shutil.which(RAY):
         pytest.skip(f"no `ray` command next to {sys.executable}")
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
-           "RAY_memory_monitor_refresh_ms": "0"}
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(16),
+        "RAY_memory_monitor_refresh_ms": "0",
+    }
     env.pop("RAY_ADDRESS", None)
     gcs, dash = free_port(), free_port()
     temp = tmp_path_factory.mktemp("ray")
     try:
-        subprocess.run([RAY, "start", "--head", "--num-cpus=4", "--num-gpus=2", f"--port={gcs}",
-                        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-                        "--disable-usage-stats", f"--temp-dir={temp}"],
-                       env=env, check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [
+                RAY,
+                "start",
+                "--head",
+                "--num-cpus=4",
+                "--num-gpus=2",
+                f"--port={gcs}",
+                "--include-dashboard=true",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={dash}",
+                "--disable-usage-stats",
+                f"--temp-dir={temp}",
+            ],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         yield env, f"http://127.0.0.1:{dash}"
     finally:
-        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        subprocess.run([RAY, "stop", "--force"], check=False, env=env, capture_output=True, timeout=120)
 
 
 def _job(env, address, *args, timeout=120) -> subprocess.CompletedProcess:
     sub, rest = args[0], list(args[1:])
-    return subprocess.run([RAY, "job", sub, f"--address={address}", *rest], env=env, capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO)
+    return subprocess.run(
+        [RAY, "job", sub, f"--address={address}", *rest],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
 
 
-def _submit(env, address, job_id, out: Path, corpus_cache: str, *overrides: str, api_port: int = 0,
-            runtime_env: bool = False) -> None:
+def _submit(
+    env, address, job_id, out: Path, corpus_cache: str, *overrides: str, api_port: int = 0, runtime_env: bool = False
+) -> None:
     """Submit a tiny 2-island run (one fake GPU each). With `runtime_env` the code and its
     dependencies go through `k8s/runtime-env.yaml` and the entry point is the module (as on
     a stock Ray image); otherwise `--working-dir` plus the installed `archipelago` command."""
-    sets = [*TINY_LM, f"task.kwargs.cache_dir={corpus_cache}", "islands.count=2", "islands.gpus=1",
-            "islands.cpus=1", "data_shards=4", *(["api.enabled=true", f"api.port={api_port}"] if api_port else []),
-            *overrides]
+    sets = [
+        *TINY_LM,
+        f"task.kwargs.cache_dir={corpus_cache}",
+        "islands.count=2",
+        "islands.gpus=1",
+        "islands.cpus=1",
+        "data_shards=4",
+        *(["api.enabled=true", f"api.port={api_port}"] if api_port else []),
+        *overrides,
+    ]
     ship = ["--runtime-env=k8s/runtime-env.yaml"] if runtime_env else [f"--working-dir={REPO}"]
     entry = ["python", "-m", "orchestrator.cli"] if runtime_env else ["archipelago"]
-    cmd = ["submit", f"--submission-id={job_id}", *ship, "--no-wait", "--",
-           *entry, "run", "--out", str(out), *[a for s in sets for a in ("--set", s)]]
+    cmd = [
+        "submit",
+        f"--submission-id={job_id}",
+        *ship,
+        "--no-wait",
+        "--",
+        *entry,
+        "run",
+        "--out",
+        str(out),
+        *[a for s in sets for a in ("--set", s)],
+    ]
     proc = _job(env, address, *cmd)
     assert proc.returncode == 0, proc.stderr
 
@@ -76,8 +121,11 @@ def _submit(env, address, job_id, out: Path, corpus_cache: str, *overrides: str,
 def _status(env, address, job_id) -> str:
     proc = _job(env, address, "status", job_id)
     text = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
-    for pattern, state in ((rf"Job '{job_id}' succeeded", "SUCCEEDED"), (rf"Job '{job_id}' was stopped", "STOPPED"),
-                           (rf"Job '{job_id}' failed", "FAILED")):
+    for pattern, state in (
+        (rf"Job '{job_id}' succeeded", "SUCCEEDED"),
+        (rf"Job '{job_id}' was stopped", "STOPPED"),
+        (rf"Job '{job_id}' failed", "FAILED"),
+    ):
         if re.search(pattern, text):
             return state
     found = re.search(rf"Status for job '{job_id}': (\w+)", text)
@@ -91,8 +139,9 @@ def _wait_status(env, address, job_id, states, timeout=240) -> str:
         if state in states:
             return state
         time.sleep(1)
-    raise AssertionError(f"job {job_id} not in {states} after {timeout}s; logs:\n"
-                         + _job(env, address, "logs", job_id).stdout[-3000:])
+    raise AssertionError(
+        f"job {job_id} not in {states} after {timeout}s; logs:\n" + _job(env, address, "logs", job_id).stdout[-3000:]
+    )
 
 
 def _records(path: Path) -> list[dict]:
@@ -102,8 +151,9 @@ def _records(path: Path) -> list[dict]:
 def test_submitted_run_succeeds_with_progress_and_a_live_control_plane(cluster, tmp_path, corpus_cache):
     env, address = cluster
     out, port = tmp_path / "out", free_port()
-    _submit(env, address, "archipelago-ok", out, corpus_cache, "rounds=4", "inner_steps=10", api_port=port,
-            runtime_env=True)
+    _submit(
+        env, address, "archipelago-ok", out, corpus_cache, "rounds=4", "inner_steps=10", api_port=port, runtime_env=True
+    )
     seen = None
     deadline = time.time() + 240
     while time.time() < deadline and seen is None:
@@ -116,8 +166,9 @@ def test_submitted_run_succeeds_with_progress_and_a_live_control_plane(cluster, 
         if _status(env, address, "archipelago-ok") in ("SUCCEEDED", "FAILED", "STOPPED"):
             break
         time.sleep(0.5)
-    assert _wait_status(env, address, "archipelago-ok", {"SUCCEEDED", "FAILED", "STOPPED"}) == "SUCCEEDED", \
-        _job(env, address, "logs", "archipelago-ok").stdout[-3000:]
+    assert _wait_status(env, address, "archipelago-ok", {"SUCCEEDED", "FAILED", "STOPPED"}) == "SUCCEEDED", _job(
+        env, address, "logs", "archipelago-ok"
+    ).stdout[-3000:]
     assert seen is not None and seen["rounds"] == 4 and seen["islands_alive"] == 2, seen
     logs = _job(env, address, "logs", "archipelago-ok").stdout
     assert "round 4/4" in logs and "eval loss" in logs and "control plane: http://" in logs
@@ -131,8 +182,9 @@ def test_submitted_run_succeeds_with_progress_and_a_live_control_plane(cluster, 
 def test_job_stop_leaves_a_checkpoint_a_new_job_resumes(cluster, tmp_path, corpus_cache):
     env, address = cluster
     out = tmp_path / "out"
-    _submit(env, address, "archipelago-stop", out, corpus_cache, "rounds=200", "inner_steps=10",
-            "checkpoint.every_rounds=1")
+    _submit(
+        env, address, "archipelago-stop", out, corpus_cache, "rounds=200", "inner_steps=10", "checkpoint.every_rounds=1"
+    )
     deadline = time.time() + 240
     while len(_records(out / "metrics.jsonl")) < 2:
         assert time.time() < deadline, _job(env, address, "logs", "archipelago-stop").stdout[-3000:]
@@ -154,11 +206,23 @@ def test_job_stop_leaves_a_checkpoint_a_new_job_resumes(cluster, tmp_path, corpu
 
     # usable: a new job resumes it and carries on from the next version
     done = summary["rounds_done"]
-    resume = ["submit", "--submission-id=archipelago-resume", f"--working-dir={REPO}", "--no-wait", "--",
-              "archipelago", "run", "--resume", str(out), "--set", f"rounds={done + 2}"]
+    resume = [
+        "submit",
+        "--submission-id=archipelago-resume",
+        f"--working-dir={REPO}",
+        "--no-wait",
+        "--",
+        "archipelago",
+        "run",
+        "--resume",
+        str(out),
+        "--set",
+        f"rounds={done + 2}",
+    ]
     assert _job(env, address, *resume).returncode == 0
-    assert _wait_status(env, address, "archipelago-resume", {"SUCCEEDED", "FAILED", "STOPPED"}) == "SUCCEEDED", \
-        _job(env, address, "logs", "archipelago-resume").stdout[-3000:]
+    assert _wait_status(env, address, "archipelago-resume", {"SUCCEEDED", "FAILED", "STOPPED"}) == "SUCCEEDED", _job(
+        env, address, "logs", "archipelago-resume"
+    ).stdout[-3000:]
     versions = [r["version"] for r in _records(out / "metrics.jsonl")]
     assert versions[-2:] == [done + 1, done + 2]
     assert json.loads((out / "summary.json").read_text())["outer_steps"] == done + 2

@@ -1,5 +1,6 @@
 """KubeRay manifests validated offline against the v1.7.0 CRD schemas (unknown fields
 rejected), and checked against the code: entry point, ports, secret and env names."""
+
 from __future__ import annotations
 
 import copy
@@ -23,8 +24,11 @@ def strict(schema):
 
     def walk(node):
         if isinstance(node, dict):
-            if "properties" in node and "additionalProperties" not in node \
-                    and not node.get("x-kubernetes-preserve-unknown-fields"):
+            if (
+                "properties" in node
+                and "additionalProperties" not in node
+                and not node.get("x-kubernetes-preserve-unknown-fields")
+            ):
                 node["additionalProperties"] = False
             for value in node.values():
                 walk(value)
@@ -47,7 +51,9 @@ def manifest(name: str):
 
 
 @needs_crds
-@pytest.mark.parametrize("file, crd", [("raycluster.yaml", "ray.io_rayclusters.yaml"), ("rayjob.yaml", "ray.io_rayjobs.yaml")])
+@pytest.mark.parametrize(
+    "file, crd", [("raycluster.yaml", "ray.io_rayclusters.yaml"), ("rayjob.yaml", "ray.io_rayjobs.yaml")]
+)
 def test_manifests_validate_against_the_crds(file, crd):
     jsonschema.validate(manifest(file), crd_schema(crd))
 

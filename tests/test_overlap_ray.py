@@ -1,4 +1,5 @@
 """CO2 overlap and link simulation on a real local Ray instance."""
+
 from __future__ import annotations
 
 import json
@@ -11,10 +12,19 @@ from orchestrator.runtime.driver import run
 pytestmark = pytest.mark.ray
 
 # 2 parameters of float64 = 16 bytes: a 0.3 s latency dominates every transfer
-BASE = ["task.factory=tests.toy_tasks:make_quadratic", "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0]]",
-        "task.kwargs.batch_s=0.03", "islands.count=2", "inner.optimizer=sgd", "inner.lr=0.1",
-        "inner.warmup_steps=0", "rounds=5", "inner_steps=10", "link.latency_ms=300",
-        "link.bandwidth_gbps=100"]
+BASE = [
+    "task.factory=tests.toy_tasks:make_quadratic",
+    "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0]]",
+    "task.kwargs.batch_s=0.03",
+    "islands.count=2",
+    "inner.optimizer=sgd",
+    "inner.lr=0.1",
+    "inner.warmup_steps=0",
+    "rounds=5",
+    "inner_steps=10",
+    "link.latency_ms=300",
+    "link.bandwidth_gbps=100",
+]
 
 
 def _run(tmp_path, name, *extra):
@@ -37,8 +47,9 @@ def test_overlap_hides_the_link_that_sync_waits_for(ray_local, tmp_path):
 
 def test_int8_compression_quarters_the_bytes_sent(ray_local, tmp_path):
     plain = _run(tmp_path, "plain", "mode=diloco", "link.preset=none", "task.kwargs.dtype=float32")
-    int8 = _run(tmp_path, "int8", "mode=diloco", "link.preset=none", "task.kwargs.dtype=float32",
-                "compression.codec=int8")
+    int8 = _run(
+        tmp_path, "int8", "mode=diloco", "link.preset=none", "task.kwargs.dtype=float32", "compression.codec=int8"
+    )
     # 2 float32 values = 8 bytes; int8: 2 bytes + one 4-byte scale + 4-byte chunk size per result
     assert plain["bytes_sent"] == 5 * 2 * 8 and int8["bytes_sent"] == 5 * 2 * 10
     assert int8["final_eval_loss"] == pytest.approx(plain["final_eval_loss"], rel=0.05)

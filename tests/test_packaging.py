@@ -1,4 +1,5 @@
 """`api`, `workers` and `orchestrator` are generic names: prove we import this repo's."""
+
 from __future__ import annotations
 
 import importlib

@@ -1,5 +1,6 @@
 """Run metrics reach Ray's Prometheus pipeline (`ray.util.metrics`, scraped from the node's
 metrics export port, as Prometheus does on a cluster)."""
+
 from __future__ import annotations
 
 import time
@@ -20,20 +21,38 @@ pytestmark = pytest.mark.ray
 def metrics_port():
     ray.shutdown()
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=port,
-             _system_config={"metrics_report_interval_ms": 500}, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _metrics_export_port=port,
+        _system_config={"metrics_report_interval_ms": 500},
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
+    )
     yield port
     ray.shutdown()
 
 
 def test_island_staleness_is_exported_with_the_ray_prefix(metrics_port, tmp_path):
-    cfg = load_config(None, ["task.factory=tests.toy_tasks:make_quadratic", "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0]]",
-                             "task.kwargs.batch_s=0.05", "islands.count=2", "islands.cpus=0.5", "inner.optimizer=sgd",
-                             "inner.lr=0.1", "inner.warmup_steps=0", "inner_steps=4", "rounds=30",
-                             f"out_dir={tmp_path / 'out'}"])
+    cfg = load_config(
+        None,
+        [
+            "task.factory=tests.toy_tasks:make_quadratic",
+            "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0]]",
+            "task.kwargs.batch_s=0.05",
+            "islands.count=2",
+            "islands.cpus=0.5",
+            "inner.optimizer=sgd",
+            "inner.lr=0.1",
+            "inner.warmup_steps=0",
+            "inner_steps=4",
+            "rounds=30",
+            f"out_dir={tmp_path / 'out'}",
+        ],
+    )
     run(cfg, show_progress=False, run_id="metricstest")
     deadline, text = time.time() + 30, ""
-    while time.time() < deadline and 'ray_archipelago_island_staleness{' not in text:
+    while time.time() < deadline and "ray_archipelago_island_staleness{" not in text:
         time.sleep(0.5)
         text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
     lines = [line for line in text.splitlines() if line.startswith("ray_archipelago_island_staleness{")]

@@ -1,4 +1,5 @@
 """Coordinator restarts and resumes on a real local Ray instance."""
+
 from __future__ import annotations
 
 import json
@@ -16,10 +17,22 @@ pytestmark = pytest.mark.ray
 
 
 def _cfg(tmp_path, *extra):
-    return load_config(None, ["task.factory=tests.toy_tasks:make_quadratic",
-                              "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]", "task.kwargs.batch_s=0.05",
-                              "islands.count=3", "inner.optimizer=sgd", "inner.lr=0.1", "inner.warmup_steps=0",
-                              "inner_steps=3", "checkpoint.every_rounds=1", f"out_dir={tmp_path / 'out'}", *extra])
+    return load_config(
+        None,
+        [
+            "task.factory=tests.toy_tasks:make_quadratic",
+            "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]",
+            "task.kwargs.batch_s=0.05",
+            "islands.count=3",
+            "inner.optimizer=sgd",
+            "inner.lr=0.1",
+            "inner.warmup_steps=0",
+            "inner_steps=3",
+            "checkpoint.every_rounds=1",
+            f"out_dir={tmp_path / 'out'}",
+            *extra,
+        ],
+    )
 
 
 def _records(path):

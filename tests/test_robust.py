@@ -1,4 +1,5 @@
 """Robust aggregation: norm outliers, quarantine streaks; and a NaN island on real Ray."""
+
 from __future__ import annotations
 
 import json
@@ -6,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from orchestrator.config_load import load_config
 from orchestrator.algorithms.robust import NormGuard
 from orchestrator.config import RobustConfig
+from orchestrator.config_load import load_config
 from orchestrator.engine.admission import Admission, ExactVersion, Verdict
 from orchestrator.engine.types import Decision, Reason
 from orchestrator.runtime.driver import run
@@ -37,11 +38,26 @@ def test_quarantine_needs_consecutive_fault_rejections():
 
 @pytest.mark.ray
 def test_nan_island_is_rejected_then_quarantined_and_the_model_stays_finite(ray_local, tmp_path):
-    cfg = load_config(None, ["task.factory=tests.toy_tasks:make_quadratic",
-                             "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]", "task.kwargs.nan_island=2",
-                             "islands.count=3", "inner.optimizer=sgd", "inner.lr=0.1", "inner.warmup_steps=0",
-                             "inner.grad_clip=null", "rounds=4", "inner_steps=3", "robust.quarantine_after=2", "elastic.replace_dead=false", "data_shards=3",
-                             f"task.kwargs.fault_dir={tmp_path}", f"out_dir={tmp_path / 'out'}"])
+    cfg = load_config(
+        None,
+        [
+            "task.factory=tests.toy_tasks:make_quadratic",
+            "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]",
+            "task.kwargs.nan_island=2",
+            "islands.count=3",
+            "inner.optimizer=sgd",
+            "inner.lr=0.1",
+            "inner.warmup_steps=0",
+            "inner.grad_clip=null",
+            "rounds=4",
+            "inner_steps=3",
+            "robust.quarantine_after=2",
+            "elastic.replace_dead=false",
+            "data_shards=3",
+            f"task.kwargs.fault_dir={tmp_path}",
+            f"out_dir={tmp_path / 'out'}",
+        ],
+    )
     summary = run(cfg, show_progress=False)
     isl = summary["islands"]
     assert isl["2"]["state"] == "quarantined" and isl["2"]["rejections"] == 2

@@ -1,4 +1,5 @@
 """End-to-end runs on a real local Ray instance (islands and coordinator as actors)."""
+
 from __future__ import annotations
 
 import json
@@ -15,18 +16,23 @@ from workers.lm_task import make_task
 pytestmark = pytest.mark.ray
 
 
-
 def _lm_cfg(tmp_path, corpus_cache, *extra):
-    return load_config(None, [*TINY_LM, f"task.kwargs.cache_dir={corpus_cache}",
-                              f"out_dir={tmp_path / 'out'}", *extra])
+    return load_config(None, [*TINY_LM, f"task.kwargs.cache_dir={corpus_cache}", f"out_dir={tmp_path / 'out'}", *extra])
 
 
 def test_diloco_three_islands_learns_and_writes_outputs(ray_local, tmp_path, corpus_cache):
     cfg = _lm_cfg(tmp_path, corpus_cache, "islands.count=3", "rounds=4", "inner_steps=15")
     summary = run(cfg, show_progress=False)
     out = tmp_path / "out"
-    for key in ("initial_eval_loss", "final_eval_loss", "tokens", "outer_steps", "bytes_communicated",
-                "wall_seconds", "islands"):
+    for key in (
+        "initial_eval_loss",
+        "final_eval_loss",
+        "tokens",
+        "outer_steps",
+        "bytes_communicated",
+        "wall_seconds",
+        "islands",
+    ):
         assert key in summary
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.5
     assert summary["outer_steps"] == 4 and summary["tokens"] == 3 * 4 * 15 * 8 * 32
@@ -35,8 +41,15 @@ def test_diloco_three_islands_learns_and_writes_outputs(ray_local, tmp_path, cor
     assert json.loads((out / "summary.json").read_text())["final_eval_loss"] == summary["final_eval_loss"]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in records] == [1, 2, 3, 4]
-    assert {"version", "island_train_loss", "eval_loss", "tokens", "bytes_sent", "bytes_received",
-            "round_seconds"} <= set(records[0])
+    assert {
+        "version",
+        "island_train_loss",
+        "eval_loss",
+        "tokens",
+        "bytes_sent",
+        "bytes_received",
+        "round_seconds",
+    } <= set(records[0])
     model = make_task(**cfg.task.kwargs).build_model()
     model.load_state_dict(torch.load(out / "final.pt"))
     assert (out / "config.yaml").exists()
@@ -45,28 +58,44 @@ def test_diloco_three_islands_learns_and_writes_outputs(ray_local, tmp_path, cor
 def test_bytes_are_counted_the_same_way_in_diloco_and_ddp(ray_local, tmp_path, corpus_cache):
     sizes = {}
     for mode in ("diloco", "ddp"):
-        cfg = _lm_cfg(tmp_path / mode, corpus_cache, f"mode={mode}", "islands.count=2", "rounds=2",
-                      "inner_steps=4")
+        cfg = _lm_cfg(tmp_path / mode, corpus_cache, f"mode={mode}", "islands.count=2", "rounds=2", "inner_steps=4")
         summary = run(cfg, show_progress=False)
         sizes[mode] = summary
         assert summary["tokens"] == 2 * 2 * 4 * 8 * 32  # same token budget in both modes
     numel = sizes["diloco"]["num_params"]
-    assert sizes["diloco"]["bytes_communicated"] == 2 * 2 * numel * 4 * 2          # rounds*islands*(send+recv)
-    assert sizes["ddp"]["bytes_communicated"] == 2 * 4 * 2 * numel * 4 * 2         # every step
+    assert sizes["diloco"]["bytes_communicated"] == 2 * 2 * numel * 4 * 2  # rounds*islands*(send+recv)
+    assert sizes["ddp"]["bytes_communicated"] == 2 * 4 * 2 * numel * 4 * 2  # every step
     assert sizes["ddp"]["outer_steps"] == 8
 
 
 def _quadratic(tmp_path, *extra):
-    return load_config(None, ["task.factory=tests.toy_tasks:make_quadratic",
-                              "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]", "islands.count=3",
-                              "inner.optimizer=sgd", "inner.lr=0.1", "inner.warmup_steps=0", "data_shards=3",
-                              f"task.kwargs.fault_dir={tmp_path}", f"out_dir={tmp_path / 'out'}", *extra])
+    return load_config(
+        None,
+        [
+            "task.factory=tests.toy_tasks:make_quadratic",
+            "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]",
+            "islands.count=3",
+            "inner.optimizer=sgd",
+            "inner.lr=0.1",
+            "inner.warmup_steps=0",
+            "data_shards=3",
+            f"task.kwargs.fault_dir={tmp_path}",
+            f"out_dir={tmp_path / 'out'}",
+            *extra,
+        ],
+    )
 
 
 def test_a_crashed_island_does_not_stop_the_run(ray_local, tmp_path):
-    cfg = _quadratic(tmp_path, "rounds=4", "inner_steps=3", "elastic.replace_dead=false", "data_shards=3",
-                     "task.kwargs.crash_island=1",
-                     "task.kwargs.crash_after_batches=4")
+    cfg = _quadratic(
+        tmp_path,
+        "rounds=4",
+        "inner_steps=3",
+        "elastic.replace_dead=false",
+        "data_shards=3",
+        "task.kwargs.crash_island=1",
+        "task.kwargs.crash_after_batches=4",
+    )
     summary = run(cfg, show_progress=False)
     islands = summary["islands"]
     assert islands["1"]["state"] == "dead" and "died" in islands["1"]["error"]
@@ -80,8 +109,15 @@ def test_a_crashed_island_does_not_stop_the_run(ray_local, tmp_path):
 
 
 def test_a_stalled_island_is_left_behind_by_the_round_deadline(ray_local, tmp_path):
-    cfg = _quadratic(tmp_path, "rounds=3", "inner_steps=2", "round_timeout_s=1.0", "elastic.replace_dead=false",
-                     "task.kwargs.stall_island=2", "task.kwargs.stall_s=30")
+    cfg = _quadratic(
+        tmp_path,
+        "rounds=3",
+        "inner_steps=2",
+        "round_timeout_s=1.0",
+        "elastic.replace_dead=false",
+        "task.kwargs.stall_island=2",
+        "task.kwargs.stall_s=30",
+    )
     t0 = time.perf_counter()
     summary = run(cfg, show_progress=False)
     assert time.perf_counter() - t0 < 25

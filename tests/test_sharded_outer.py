@@ -1,8 +1,10 @@
 """A coordinator split into S slices computes exactly what one coordinator computes, for
 every outer rule (float64, in-process slices; the Ray path is in test_sharded_ray.py)."""
+
 from __future__ import annotations
 
 import copy
+import itertools
 
 import numpy as np
 import pytest
@@ -57,7 +59,9 @@ class _Side:
     def __init__(self, cfg, flat, bounds=None):
         rule = outer_rule(cfg)
         self.flat = flat
-        self.outer = SlicedOuter(flat, bounds, LocalSlices(rule, flat.numpy(), bounds)) if bounds else LocalOuter(flat, rule)
+        self.outer = (
+            SlicedOuter(flat, bounds, LocalSlices(rule, flat.numpy(), bounds)) if bounds else LocalOuter(flat, rule)
+        )
         self.admission = build_policies(cfg, NUMEL).admission
         self.version = 0
 
@@ -87,11 +91,13 @@ def test_sliced_outer_step_equals_one_coordinator(rule, shards):
         else:
             v = start_version(rnd) if cfg.mode == "overlap" else single.version
             anchor = v if cfg.mode == "overlap" else None
-            pairs = _contributions(rng, lambda i: v, rnd, bounds)
+            pairs = _contributions(rng, lambda i, v=v: v, rnd, bounds)
             a, b = single.step([w for w, _ in pairs], v, anchor), sliced.step([p for _, p in pairs], v, anchor)
             assert (a.accepted, a.rejected, a.dropped) == (b.accepted, b.rejected, b.dropped)
             if cfg.mode == "overlap":
-                assert (a.gap is None) == (b.gap is None) and (a.gap is None or b.gap == pytest.approx(a.gap, rel=1e-12))
+                assert (a.gap is None) == (b.gap is None) and (
+                    a.gap is None or b.gap == pytest.approx(a.gap, rel=1e-12)
+                )
             reasons += a.rejected.values()
         sliced.outer.copy_to(sliced.flat)
         tol = 1e-12 if rule == "overlap adaptive" else 0.0  # Λ's norms are summed per slice
@@ -126,5 +132,5 @@ def test_slices_align_to_codec_chunks_and_cover_the_vector():
     for numel, s in ((5000, 3), (100, 4), (4096 * 7 + 5, 2)):
         bounds = slice_bounds(numel, s, 256)
         assert bounds[0][0] == 0 and bounds[-1][1] == numel
-        assert all(b[1] == c[0] for b, c in zip(bounds, bounds[1:]))
+        assert all(b[1] == c[0] for b, c in itertools.pairwise(bounds))
         assert all(lo % 256 == 0 for lo, _ in bounds)

@@ -2,6 +2,7 @@
 DiLoCo; round results may arrive in another order, so equal to float rounding), async
 and overlap run on it, and a lost shard is rebuilt from the run's checkpoint (the path
 `--resume` takes too)."""
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,20 @@ pytestmark = pytest.mark.ray
 
 
 def _cfg(tmp_path, corpus_cache, name, *extra):
-    return load_config(None, [*TINY_LM, f"task.kwargs.cache_dir={corpus_cache}", "islands.count=2",
-                              "rounds=3", "inner_steps=5", "compression.chunk=1024", "checkpoint.every_rounds=1",
-                              f"out_dir={tmp_path / name}", *extra])
+    return load_config(
+        None,
+        [
+            *TINY_LM,
+            f"task.kwargs.cache_dir={corpus_cache}",
+            "islands.count=2",
+            "rounds=3",
+            "inner_steps=5",
+            "compression.chunk=1024",
+            "checkpoint.every_rounds=1",
+            f"out_dir={tmp_path / name}",
+            *extra,
+        ],
+    )
 
 
 def _final(path):
@@ -40,8 +52,10 @@ def test_async_and_overlap_learn_on_three_shards(ray_local, tmp_path, corpus_cac
     # fixed H and outer lr 0.4 in async: with DyLU, H = 5 and lr 0.7 this tiny model sometimes
     # diverges whatever S is (arrival timing decides), which is not what this test is about
     stable = ["asynchronous.dylu=false", "outer.lr=0.4"] if mode == "async" else []
-    summary = run(_cfg(tmp_path, corpus_cache, mode, f"mode={mode}", "coordinator.shards=3", "rounds=4", *stable),
-                  show_progress=False)
+    summary = run(
+        _cfg(tmp_path, corpus_cache, mode, f"mode={mode}", "coordinator.shards=3", "rounds=4", *stable),
+        show_progress=False,
+    )
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert summary["outer_steps"] >= 4
 
@@ -54,8 +68,11 @@ def test_a_lost_shard_restarts_the_coordinator_from_its_checkpoint(ray_local, tm
     cfg = _cfg(tmp_path, corpus_cache, "out", "coordinator.shards=2", "rounds=8")
     thread, box = run_until_records(cfg, "shardloss", 3)
     metrics = tmp_path / "out" / "metrics.jsonl"
-    shard = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["name"].startswith("archipelago-shardloss-slice-1-"))
+    shard = next(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("archipelago-shardloss-slice-1-")
+    )
     ray.kill(ray.get_actor(shard, namespace=NAMESPACE))
     thread.join(timeout=240)
     assert box["summary"]["outer_steps"] == 8

@@ -1,4 +1,5 @@
 """The data ledger: shard assignment and exactly-once positions across membership changes."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,9 +34,9 @@ def test_positions_advance_when_work_is_handed_out_and_lost_work_is_retrained_on
 
 def test_a_shard_in_flight_is_never_handed_to_another_island():
     ledger = DataLedger(2)
-    ledger.reserve(1, 0, [0, 1], steps=3)           # island 0 trains shard 0
-    r = ledger.reserve(2, 1, [1], steps=3)          # island 0 left the schedule: shard 0 is island 1's now
-    assert r.starts == {1: 0}                       # ... but it is still in flight with island 0
+    ledger.reserve(1, 0, [0, 1], steps=3)  # island 0 trains shard 0
+    r = ledger.reserve(2, 1, [1], steps=3)  # island 0 left the schedule: shard 0 is island 1's now
+    assert r.starts == {1: 0}  # ... but it is still in flight with island 0
     assert ledger.reserve(3, 2, [2], steps=1) is None  # no free shard for a third island: it idles
     ledger.commit(1, {0: 3})
     # island 1 gets shard 0 once island 0's work resolved, and continues its own after its earlier round
@@ -46,7 +47,7 @@ def test_the_ledger_refuses_miscounts_and_checkpoints_committed_work_only():
     ledger = DataLedger(2)
     ledger.reserve(1, 0, [0], steps=4)
     with pytest.raises(LedgerError):
-        ledger.check(1, {0: 1, 1: 2})   # read 1 of the 2 batches of shard 0
+        ledger.check(1, {0: 1, 1: 2})  # read 1 of the 2 batches of shard 0
     ledger.check(1, {0: 2, 1: 2})
     ledger.reserve(2, 0, [0], steps=2)  # the next round, while round 1 waits for its close
     state = ledger.state()
@@ -70,7 +71,14 @@ def test_an_island_without_coordinator_takes_the_block_the_coordinator_would_ass
     from workers.island import Island
 
     for shards, islands in ((12, 3), (5, 3), (8, 2)):
-        cfg = load_config(None, ["task.factory=tests.toy_tasks:make_quadratic", "task.kwargs.centers=[[1.0]]",
-                                 f"islands.count={islands}", f"data_shards={shards}"])
+        cfg = load_config(
+            None,
+            [
+                "task.factory=tests.toy_tasks:make_quadratic",
+                "task.kwargs.centers=[[1.0]]",
+                f"islands.count={islands}",
+                f"data_shards={shards}",
+            ],
+        )
         for i in range(islands):
             assert sorted(Island(island_spec(cfg, i)).order(0, 1).shards) == assign(shards, list(range(islands)))[i]

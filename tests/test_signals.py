@@ -1,4 +1,5 @@
 """SIGTERM/SIGINT inside `stop_on_signals` become a stop request instead of a dead driver."""
+
 from __future__ import annotations
 
 import os
@@ -19,9 +20,8 @@ def test_sigterm_is_turned_into_a_stop_request_and_handlers_restored():
 
 
 def test_a_second_ctrl_c_interrupts():
-    with pytest.raises(KeyboardInterrupt):
-        with stop_on_signals() as stop:
-            os.kill(os.getpid(), signal.SIGINT)
-            assert stop.event.wait(2)
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(2)  # the handler raises before this returns
+    with pytest.raises(KeyboardInterrupt), stop_on_signals() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.event.wait(2)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(2)  # the handler raises before this returns

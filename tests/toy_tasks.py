@@ -5,6 +5,7 @@ A fault belongs to a *process* (a broken machine), not to data: the first island
 that reads the faulty shard is the faulty one (recorded in `fault_dir`); when its shard
 moves to another island after the fault, that island is healthy.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,10 +39,18 @@ def _is_faulty_process(fault_dir: str | None, kind: str) -> bool:
 class QuadraticTask:
     """Shard i minimises f_i(x) = ½‖x − c_i‖²; one batch is just c_i."""
 
-    def __init__(self, centers: list[list[float]], dtype: str = "float64",
-                 crash_island: int | None = None, crash_after_batches: int = 0,
-                 stall_island: int | None = None, stall_s: float = 0.0, batch_s: float = 0.0,
-                 nan_island: int | None = None, fault_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        centers: list[list[float]],
+        dtype: str = "float64",
+        crash_island: int | None = None,
+        crash_after_batches: int = 0,
+        stall_island: int | None = None,
+        stall_s: float = 0.0,
+        batch_s: float = 0.0,
+        nan_island: int | None = None,
+        fault_dir: str | None = None,
+    ) -> None:
         self.dtype = getattr(torch, dtype)
         self.centers = torch.tensor(centers, dtype=self.dtype)
         self.crash_island, self.crash_after = crash_island, crash_after_batches
@@ -56,8 +65,9 @@ class QuadraticTask:
     def build_model(self) -> nn.Module:
         return Point(self.centers.shape[1], self.dtype)
 
-    def train_batches(self, shard: int, num_shards: int, seed: int, start: int = 0
-                      ) -> Iterator[tuple[torch.Tensor, ...]]:
+    def train_batches(
+        self, shard: int, num_shards: int, seed: int, start: int = 0
+    ) -> Iterator[tuple[torch.Tensor, ...]]:
         crash = shard == self.crash_island and _is_faulty_process(self.fault_dir, "crash")
         nan = shard == self.nan_island and _is_faulty_process(self.fault_dir, "nan")
         stall = shard == self.stall_island and _is_faulty_process(self.fault_dir, "stall")
@@ -100,8 +110,9 @@ class RecordingQuadratic(QuadraticTask):
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.record = record
 
-    def train_batches(self, shard: int, num_shards: int, seed: int, start: int = 0
-                      ) -> Iterator[tuple[torch.Tensor, ...]]:
+    def train_batches(
+        self, shard: int, num_shards: int, seed: int, start: int = 0
+    ) -> Iterator[tuple[torch.Tensor, ...]]:
         for n, (center,) in enumerate(super().train_batches(shard, num_shards, seed, start), start):
             READS.setdefault(self.record, []).append((shard, n))
             yield center, torch.tensor([shard, n])

@@ -4,6 +4,7 @@ fp32 back. `none` (as is: fp32), `bf16` (2×), `int8` with one fp32 scale per ch
 A payload is a small dict of numpy arrays, so it crosses Ray's object store zero-copy;
 `nbytes` is what the link carries. New codecs register in `CODECS`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -39,7 +40,9 @@ def _bf16_decode(p: Payload) -> np.ndarray:
 def _int8_encode(x: np.ndarray, chunk: int) -> Payload:
     n = x.size
     pad = (-n) % chunk
-    padded = np.concatenate([x.astype(np.float32, copy=False), np.zeros(pad, np.float32)]) if pad else x.astype(np.float32)
+    padded = (
+        np.concatenate([x.astype(np.float32, copy=False), np.zeros(pad, np.float32)]) if pad else x.astype(np.float32)
+    )
     blocks = padded.reshape(-1, chunk)
     scale = np.abs(blocks).max(axis=1) / 127.0
     scale[scale == 0] = 1.0

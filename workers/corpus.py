@@ -6,6 +6,7 @@ in a cache folder (keyed by the file list, so a different Python gets its own ca
 held-out files form the eval split, and files keep their path so non-iid island splits
 can give each island different packages.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -42,8 +43,9 @@ class CorpusFiles:
     eval: list[Path]
 
 
-def prepare_stdlib_corpus(cache_dir: Path | None = None, eval_every: int = 20, shard_bytes: int = 2_000_000
-                          ) -> CorpusFiles:
+def prepare_stdlib_corpus(
+    cache_dir: Path | None = None, eval_every: int = 20, shard_bytes: int = 2_000_000
+) -> CorpusFiles:
     """Build (once) and return the Parquet shards of the standard-library corpus."""
     from datasets import Dataset, disable_progress_bars  # heavy import, only needed when building
 
@@ -52,7 +54,8 @@ def prepare_stdlib_corpus(cache_dir: Path | None = None, eval_every: int = 20, s
     root = Path(sysconfig.get_paths()["stdlib"])
     files = stdlib_files()
     key_src = f"{FORMAT_VERSION}|{eval_every}|{shard_bytes}|" + "|".join(
-        f"{p.relative_to(root)}:{p.stat().st_size}" for p in files)
+        f"{p.relative_to(root)}:{p.stat().st_size}" for p in files
+    )
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     target = (cache_dir or default_cache_dir()) / f"stdlib-{key}"
     if not (target / "DONE").exists():

@@ -1,6 +1,7 @@
 """Second example task: handwritten-digit classification on scikit-learn's bundled digits
 (an MLP). It proves the Task contract is not GPT-specific; needs the `examples` extra
 (`pip install -e '.[examples]'`)."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence

@@ -5,6 +5,7 @@ pseudo-gradient or exporting it as numpy is one vectorised op over one buffer in
 a Python loop over parameters, and the buffer goes through Ray's object store as a numpy
 array (zero-copy to read) rather than as pickled tensors.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -33,9 +34,9 @@ class FlatParams:
         with torch.no_grad():
             for p in params:
                 n = p.numel()
-                self.data[offset:offset + n].copy_(p.reshape(-1))
-                p.data = self.data[offset:offset + n].view_as(p)
-                p.grad = self.grad[offset:offset + n].view_as(p)
+                self.data[offset : offset + n].copy_(p.reshape(-1))
+                p.data = self.data[offset : offset + n].view_as(p)
+                p.grad = self.grad[offset : offset + n].view_as(p)
                 offset += n
 
     def load(self, values: np.ndarray | torch.Tensor) -> None:

@@ -3,6 +3,7 @@
 Written here rather than imported so the default run needs no model download and the
 parameter count stays small enough to train on two CPU cores in minutes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -5,6 +5,7 @@ A plain class, so unit tests drive it in-process and production wraps it with
 version) and leave as one flat numpy pseudo-gradient; the inner optimizer state and the
 data position persist across rounds, as DiLoCo requires.
 """
+
 from __future__ import annotations
 
 import time
@@ -34,10 +35,10 @@ class IslandSpec:
     threads: int = 1
     device: str = "auto"
     slowdown: float = 1.0  # SIMULATION of a slower accelerator: each inner step takes this many times longer
-    codec: str = "none"    # compression of what the island sends
+    codec: str = "none"  # compression of what the island sends
     chunk: int = 4096
-    num_shards: int = 0    # data shards of the run (0: one per island, island i owns shard i)
-    start_step: int = 0    # a joining island's place in the run's inner schedule
+    num_shards: int = 0  # data shards of the run (0: one per island, island i owns shard i)
+    start_step: int = 0  # a joining island's place in the run's inner schedule
     rewarmup_steps: int = 0
     coordinator_shards: int = 1  # S > 1: the pseudo-gradient leaves as S slices, one per shard
 
@@ -53,8 +54,9 @@ class Island:
         self.model = self.task.build_model().to(self.device)
         self.flat = FlatParams(self.model)
         self.start = torch.empty_like(self.flat.data)
-        self.optimizer, self.scheduler = build_inner(spec.inner, self.model.parameters(), spec.total_inner_steps,
-                                                     spec.start_step, spec.rewarmup_steps)
+        self.optimizer, self.scheduler = build_inner(
+            spec.inner, self.model.parameters(), spec.total_inner_steps, spec.start_step, spec.rewarmup_steps
+        )
         self.num_shards = spec.num_shards or spec.num_islands
         self.streams: dict[int, tuple[int, Any]] = {}  # shard -> (position, iterator at that position)
         self.turn = 0  # round-robin offset when used without a coordinator
@@ -67,8 +69,10 @@ class Island:
         at = dict(order.shards)
         for j in range(order.steps):
             shard = shards[(order.turn + j) % len(shards)]
-            pos, stream = self.streams.get(shard, (None, None))
-            if pos != at[shard]:
+            cached = self.streams.get(shard)
+            if cached is not None and cached[0] == at[shard]:
+                pos, stream = cached
+            else:
                 pos = at[shard]
                 stream = self.task.train_batches(shard, self.num_shards, self.spec.seed, pos)
             batch = next(stream)
@@ -89,8 +93,13 @@ class Island:
         import os
         import socket
 
-        return {"island": self.spec.index, "device": str(self.device), "host": socket.gethostname(),
-                "pid": os.getpid(), "numel": self.flat.numel}
+        return {
+            "island": self.spec.index,
+            "device": str(self.device),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "numel": self.flat.numel,
+        }
 
     def _forward_backward(self, batch: Any) -> tuple[float, int]:
         batch = to_device(batch, self.device)
@@ -120,8 +129,10 @@ class Island:
         values = x.cpu().numpy()
         if self.spec.coordinator_shards == 1:
             return encode(values, self.spec.codec, self.spec.chunk)
-        return [encode(values[lo:hi], self.spec.codec, self.spec.chunk)
-                for lo, hi in slice_bounds(values.size, self.spec.coordinator_shards, self.spec.chunk)]
+        return [
+            encode(values[lo:hi], self.spec.codec, self.spec.chunk)
+            for lo, hi in slice_bounds(values.size, self.spec.coordinator_shards, self.spec.chunk)
+        ]
 
     def run(self, order: WorkOrder, params: np.ndarray) -> RoundResult:
         """Do one work order from the global `params`. `TRAIN` is DiLoCo's inner phase:
@@ -155,10 +166,21 @@ class Island:
                 t_step = time.perf_counter()
             payload = self._encode(self.start - self.flat.data)
         else:
-            (shard, batch), = self._batches(order)
+            ((shard, batch),) = self._batches(order)
             losses, weight = self._forward_backward(batch)
             shard_tokens[shard] += weight
             positions[shard] += 1
             payload = self._encode(self.flat.grad.clone())
-        return RoundResult(self.spec.index, order.version, payload, weight, order.steps, losses / order.steps,
-                           time.perf_counter() - t0, time.time(), positions, shard_tokens, order.ticket)
+        return RoundResult(
+            self.spec.index,
+            order.version,
+            payload,
+            weight,
+            order.steps,
+            losses / order.steps,
+            time.perf_counter() - t0,
+            time.time(),
+            positions,
+            shard_tokens,
+            order.ticket,
+        )

@@ -2,6 +2,7 @@
 sharded coordinator the global parameters arrive as S references (one per shard, fetched
 together) and the pseudo-gradient leaves as S objects in this island's object store, so
 each shard pulls its own slice from here and no single process relays the whole vector."""
+
 from __future__ import annotations
 
 import dataclasses

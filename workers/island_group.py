@@ -17,6 +17,7 @@ which would fight the flat buffer every other part of Archipelago shares.
 
 Rank 0 is the island the coordinator talks to; it forwards each round to the others.
 """
+
 from __future__ import annotations
 
 import socket
@@ -39,8 +40,10 @@ def split_batch(batch: Batch, rank: int, world: int) -> Batch:
     """Worker `rank`'s 1/world of every tensor of `batch`, along the first dimension."""
     rows = batch[0].shape[0]
     if rows % world:
-        raise ValueError(f"a batch of {rows} rows does not split evenly over {world} island workers: "
-                         "make the task's batch size a multiple of islands.workers")
+        raise ValueError(
+            f"a batch of {rows} rows does not split evenly over {world} island workers: "
+            "make the task's batch size a multiple of islands.workers"
+        )
     return tuple(t.chunk(world)[rank] for t in batch)
 
 
@@ -70,21 +73,23 @@ class GroupIsland(RayIsland):
             self.join_group(address, 0, world)
             ray.get(joined)
             self.followers = followers
-        except Exception as err:  # noqa: BLE001  (reported through describe)
+        except Exception as err:
             self.group_error = f"island of {len(followers) + 1} workers could not form: {err}"
 
     def join_group(self, address: str, rank: int, world: int) -> None:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=address, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=300))
+        dist.init_process_group(
+            backend, init_method=address, rank=rank, world_size=world, timeout=timedelta(seconds=300)
+        )
         self.rank, self.world = rank, world
         self.bounds = slice_bounds(self.flat.numel, world, 1)[rank]
         lo, hi = self.bounds
         owned = torch.nn.Parameter(self.flat.data[lo:hi])  # a view: stepping it steps the model
         owned.grad = self.flat.grad[lo:hi]
         spec = self.spec
-        self.optimizer, self.scheduler = build_inner(spec.inner, [owned], spec.total_inner_steps,
-                                                     spec.start_step, spec.rewarmup_steps)
+        self.optimizer, self.scheduler = build_inner(
+            spec.inner, [owned], spec.total_inner_steps, spec.start_step, spec.rewarmup_steps
+        )
 
     # -- one data-parallel inner step -----------------------------------------------------
     def _forward_backward(self, batch: Batch) -> tuple[float, int]:

@@ -5,6 +5,7 @@ typical links; `bandwidth_gbps` / `latency_ms` override them. The coordinator us
 times to delay when a transfer counts as delivered, in every mode, so sync, async and
 overlap can be compared under the same links.
 """
+
 from __future__ import annotations
 
 from typing import Literal

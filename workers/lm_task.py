@@ -4,6 +4,7 @@
 prepared into Parquet shards once), `parquet` (your own Parquet files with a text
 column), or `hf` (a Hugging Face dataset, streamed, e.g. `allenai/c4` config `en`).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -19,8 +20,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from workers.corpus import default_cache_dir, prepare_stdlib_corpus
 from workers.gpt import GPT, GPTConfig
 from workers.task import Batch
-from workers.text_data import (fixed_batches, island_tokens, read_parquet_texts, stream_batches,
-                               stream_shard, window_batches, encode)
+from workers.text_data import (
+    encode,
+    fixed_batches,
+    island_tokens,
+    read_parquet_texts,
+    stream_batches,
+    stream_shard,
+    window_batches,
+)
 
 
 class LMTaskConfig(BaseModel):
@@ -46,7 +54,7 @@ class LMTaskConfig(BaseModel):
     hf_eval_split: str = "validation"
 
     @model_validator(mode="after")
-    def _check(self) -> "LMTaskConfig":
+    def _check(self) -> LMTaskConfig:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.source == "parquet" and not (self.train_files and self.eval_files):
@@ -77,8 +85,9 @@ class LanguageModelTask:
     def _hf_texts(self, split: str) -> Iterator[str]:
         from datasets import load_dataset
 
-        ds = load_dataset(self.cfg.hf_dataset, self.cfg.hf_config, split=split, streaming=True,
-                          data_files=self.cfg.hf_data_files)
+        ds = load_dataset(
+            self.cfg.hf_dataset, self.cfg.hf_config, split=split, streaming=True, data_files=self.cfg.hf_data_files
+        )
         return (row[self.cfg.text_column] for row in ds)
 
     def prepare(self) -> None:
@@ -88,8 +97,9 @@ class LanguageModelTask:
     def train_batches(self, shard: int, num_shards: int, seed: int, start: int = 0) -> Iterator[Batch]:
         c = self.cfg
         if c.source == "hf":  # a stream cannot seek: skip what was already consumed
-            stream = stream_batches(stream_shard(self._hf_texts(c.hf_train_split), shard, num_shards),
-                                    c.context, c.batch_size)
+            stream = stream_batches(
+                stream_shard(self._hf_texts(c.hf_train_split), shard, num_shards), c.context, c.batch_size
+            )
             return itertools.islice(stream, start, None)
         train, _ = self._files()
         tokens = island_tokens(read_parquet_texts(train, c.text_column), shard, num_shards, c.split)

@@ -7,6 +7,7 @@ shard `sorted(shards)[(turn + j) % len(shards)]`. `batch_counts` is that rule, s
 both sides, so the ledger can advance positions when it hands out work and the island
 consumes exactly what was reserved for it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from workers.compress import Payload, decode, payload_nbytes
 
 
 class WorkKind(str, Enum):
-    TRAIN = "train"        # H inner steps from the global parameters; returns Δ = θ_start − θ_end
+    TRAIN = "train"  # H inner steps from the global parameters; returns Δ = θ_start − θ_end
     GRADIENT = "gradient"  # one batch's gradient at the global parameters (the ddp baseline)
 
 
@@ -33,13 +34,13 @@ def batch_counts(shards: list[int], turn: int, steps: int) -> dict[int, int]:
 @dataclass(frozen=True)
 class WorkOrder:
     island: int
-    ticket: int                  # the engine's id of this piece of work
-    version: int                 # global version the island starts from
+    ticket: int  # the engine's id of this piece of work
+    version: int  # global version the island starts from
     kind: WorkKind
     steps: int
-    shards: dict[int, int]       # shard -> start position (batches already consumed)
-    turn: int = 0                # round-robin offset over the shards
-    start_delay_s: float = 0.0   # SIMULATION: time to download the parameters over the island's link
+    shards: dict[int, int]  # shard -> start position (batches already consumed)
+    turn: int = 0  # round-robin offset over the shards
+    start_delay_s: float = 0.0  # SIMULATION: time to download the parameters over the island's link
     schedule_step: int | None = None  # move the inner lr schedule to the run's progress (async mode)
 
 
@@ -50,13 +51,13 @@ class RoundResult:
 
     island: int
     version: int
-    payload: Any                  # Payload, or S payloads (or their object refs) for a sliced coordinator
-    weight: int                   # tokens (or examples) trained on this round
+    payload: Any  # Payload, or S payloads (or their object refs) for a sliced coordinator
+    weight: int  # tokens (or examples) trained on this round
     steps: int
     mean_loss: float
-    compute_s: float              # seconds training (simulated slowdown included)
-    finished_at: float            # clock time when the result was ready to send
-    positions: dict[int, int]     # shard -> batches consumed after this round
+    compute_s: float  # seconds training (simulated slowdown included)
+    finished_at: float  # clock time when the result was ready to send
+    positions: dict[int, int]  # shard -> batches consumed after this round
     shard_tokens: dict[int, int]  # shard -> tokens (weight) trained this round
     ticket: int = -1
     sent_bytes: int | None = None  # set when `payload` holds references to the encoded slices

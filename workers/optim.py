@@ -3,6 +3,7 @@
 Pure torch. Used by every island for its inner steps and by the coordinator in `ddp`
 mode, where the same optimizer steps once per batch on the averaged gradient.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,18 +49,18 @@ def join_factor(step: int, start_step: int, cfg: InnerConfig, total_steps: int, 
     return ramp * lr_factor(start_step + step, cfg, total_steps)
 
 
-def build_inner(cfg: InnerConfig, params: Iterable[torch.nn.Parameter], total_steps: int,
-                start_step: int = 0, rewarmup: int = 0
-                ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def build_inner(
+    cfg: InnerConfig, params: Iterable[torch.nn.Parameter], total_steps: int, start_step: int = 0, rewarmup: int = 0
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     params = list(params)
     if cfg.optimizer == "adamw":
         opt: torch.optim.Optimizer = torch.optim.AdamW(
-            params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=True)
+            params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=True
+        )
     else:
         opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     if start_step:
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: join_factor(s, start_step, cfg, total_steps, rewarmup))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: join_factor(s, start_step, cfg, total_steps, rewarmup))
     else:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg, total_steps))
     return opt, sched

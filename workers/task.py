@@ -5,6 +5,7 @@ A task is any object with the methods of `Task`, built by a factory named in con
 the coordinator only ever talk to a task through this protocol, so the default GPT task
 is just one task among many.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -77,8 +78,11 @@ def load_task(spec: str, kwargs: dict[str, Any] | None = None) -> Task:
         task = factory(**(kwargs or {}))
     except (TypeError, ValueError) as err:
         raise TaskError(f"task {spec!r} rejected its kwargs: {err}") from err
-    missing = [m for m in ("prepare", "build_model", "train_batches", "eval_batches", "loss", "batch_weight")
-               if not callable(getattr(task, m, None))]
+    missing = [
+        m
+        for m in ("prepare", "build_model", "train_batches", "eval_batches", "loss", "batch_weight")
+        if not callable(getattr(task, m, None))
+    ]
     if missing:
         raise TaskError(f"task {spec!r} lacks the Task method(s) {', '.join(missing)}")
     return task

@@ -8,6 +8,7 @@ Island splits:
   different files (different packages of the standard library): a real distribution shift.
 Within its part an island reads non-overlapping windows in a per-epoch random order.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -44,11 +45,12 @@ def island_tokens(texts: list[str], island: int, num_islands: int, split: Split)
         order = np.random.default_rng(CORPUS_ORDER_SEED).permutation(len(texts))
     tokens = encode(texts[i] for i in order)
     bounds = np.linspace(0, len(tokens), num_islands + 1).astype(np.int64)
-    return tokens[bounds[island]:bounds[island + 1]]
+    return tokens[bounds[island] : bounds[island + 1]]
 
 
-def window_batches(tokens: np.ndarray, context: int, batch_size: int, seed: int, start: int = 0
-                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def window_batches(
+    tokens: np.ndarray, context: int, batch_size: int, seed: int, start: int = 0
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless (input, target) batches of non-overlapping windows, in a fresh random order
     every epoch; batch `start` onwards (any position can be resumed exactly)."""
     n_windows = (len(tokens) - 1) // context
@@ -60,12 +62,14 @@ def window_batches(tokens: np.ndarray, context: int, batch_size: int, seed: int,
     while True:
         perm = np.random.default_rng([seed, epoch]).permutation(n_windows)
         for b in range(j, per_epoch):
-            starts = perm[b * batch_size:(b + 1) * batch_size] * context
+            starts = perm[b * batch_size : (b + 1) * batch_size] * context
             yield _as_batch(tokens[starts[:, None] + offsets])
         epoch, j = epoch + 1, 0
 
 
-def fixed_batches(tokens: np.ndarray, context: int, batch_size: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def fixed_batches(
+    tokens: np.ndarray, context: int, batch_size: int, count: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`count` deterministic batches spread evenly over `tokens` (the eval set)."""
     n_windows = (len(tokens) - 1) // context
     need = count * batch_size
@@ -73,7 +77,7 @@ def fixed_batches(tokens: np.ndarray, context: int, batch_size: int, count: int)
         raise ValueError(f"eval split has {n_windows} windows of {context}, need {need}")
     starts = np.linspace(0, n_windows - 1, need).astype(np.int64) * context
     windows = tokens[starts[:, None] + np.arange(context + 1)]
-    return [_as_batch(windows[i * batch_size:(i + 1) * batch_size]) for i in range(count)]
+    return [_as_batch(windows[i * batch_size : (i + 1) * batch_size]) for i in range(count)]
 
 
 def stream_batches(texts: Iterable[str], context: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

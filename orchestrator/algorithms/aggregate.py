@@ -1,6 +1,7 @@
 """Token-weighted averaging of pseudo-gradients into one preallocated buffer, and the two
 numbers admission needs of a vector (its squared norm, whether it is finite) in one pass.
 The one aggregator of every pacing and of every coordinator slice. Pure numpy/torch."""
+
 from __future__ import annotations
 
 import math

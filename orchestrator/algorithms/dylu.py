@@ -4,6 +4,7 @@ fast islands' — less staleness, no island left behind.
 
     H_i = max(1, ⌊ v_i / max_j v_j · H ⌋),  v_i = island i's inner steps per second
 """
+
 from __future__ import annotations
 
 import math

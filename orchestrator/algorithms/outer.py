@@ -15,10 +15,10 @@ whose `.grad` holds the aggregated pseudo-gradient. The maths and its sources ar
   with a staleness gap penalty Λ and element-wise momentum clipping between the momentum
   update and the parameter step (the authors' code discards the clip; here it clips).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
@@ -30,7 +30,7 @@ class FlatSGD(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov})
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: None = None) -> None:  # type: ignore[override]  # no closure: .grad is a pseudo-gradient
         for group in self.param_groups:
             lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]
             for p in group["params"]:  # the one flat parameter
@@ -63,7 +63,7 @@ class DelayedNesterov(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "momentum": momentum, "delay": delay, "c": c})
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: None = None) -> None:  # type: ignore[override]  # no closure: .grad is a pseudo-gradient
         for group in self.param_groups:
             lr, beta, n, c = group["lr"], group["momentum"], group["delay"], group["c"]
             for p in group["params"]:
@@ -95,14 +95,24 @@ class CO2Outer(torch.optim.Optimizer):
     `x_s`; `gap` overrides Λ (computed over the whole vector when this is one slice).
     Λ of the last step is kept in `last_gap`."""
 
-    def __init__(self, params: Params, lr: float = 1.0, momentum: float = 0.0, clip: float | None = 1.0,
-                 penalty: str = "constant", p: float = 1.0, lam: float = 1.0, eps: float = 1e-8) -> None:
+    def __init__(
+        self,
+        params: Params,
+        lr: float = 1.0,
+        momentum: float = 0.0,
+        clip: float | None = 1.0,
+        penalty: str = "constant",
+        p: float = 1.0,
+        lam: float = 1.0,
+        eps: float = 1e-8,
+    ) -> None:
         if p < 1:
             raise ValueError(f"penalty p must be >= 1, got {p}")
         if penalty not in ("constant", "adaptive"):
             raise ValueError(f"penalty must be 'constant' or 'adaptive', got {penalty!r}")
-        super().__init__(params, {"lr": lr, "momentum": momentum, "clip": clip, "penalty": penalty, "p": p,
-                                  "lam": lam, "eps": eps})
+        super().__init__(
+            params, {"lr": lr, "momentum": momentum, "clip": clip, "penalty": penalty, "p": p, "lam": lam, "eps": eps}
+        )
         self.last_gap = 1.0
 
     def gap_penalty(self, param: torch.Tensor, delta: torch.Tensor, anchor: torch.Tensor) -> float:
@@ -110,12 +120,21 @@ class CO2Outer(torch.optim.Optimizer):
         group = self.param_groups[0]
         if group["penalty"] == "constant":
             return 1.0 / group["p"]
-        return adaptive_gap(float(torch.linalg.vector_norm(param.detach() - anchor)), float(torch.linalg.vector_norm(delta)),
-                            group["lam"], group["eps"])
+        return adaptive_gap(
+            float(torch.linalg.vector_norm(param.detach() - anchor)),
+            float(torch.linalg.vector_norm(delta)),
+            group["lam"],
+            group["eps"],
+        )
 
     @torch.no_grad()
-    def step(self, closure: Any = None, *, anchor: torch.Tensor | None = None,  # type: ignore[override]
-             gap: float | None = None) -> None:
+    def step(  # type: ignore[override]  # no closure: .grad is a pseudo-gradient
+        self,
+        closure: None = None,
+        *,
+        anchor: torch.Tensor | None = None,
+        gap: float | None = None,
+    ) -> None:
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:

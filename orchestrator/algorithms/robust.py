@@ -6,6 +6,7 @@ weight and finiteness checks, and feeds it only the norms of updates it admits. 
 threshold is relative to the median of recently admitted norms, which follows the
 natural decay of pseudo-gradients over training.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
 
 class NormGuard:
-    def __init__(self, cfg: "RobustConfig") -> None:
+    def __init__(self, cfg: RobustConfig) -> None:
         self.cfg = cfg
         self.norms: deque[float] = deque(maxlen=cfg.history)
 

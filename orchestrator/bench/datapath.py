@@ -15,6 +15,7 @@ in one run on one Ray instance:
 
 GB/s are 1e9 bytes per second. Each measurement is the median of several repetitions.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,8 @@ from orchestrator.engine.types import Contribution
 from orchestrator.runtime.slices import start_slices
 from workers.compress import encode
 from workers.flat import slice_bounds
-from workers.messages import RoundResult
 from workers.island_group import group_address
+from workers.messages import RoundResult
 
 
 class _Source:
@@ -54,8 +55,10 @@ class _Source:
         if self.shards == 1:
             payload: Any = encode(self.delta)
         else:
-            payload = [ray.put(encode(self.delta[lo:hi], "none", self.chunk))
-                       for lo, hi in slice_bounds(self.delta.size, self.shards, self.chunk)]
+            payload = [
+                ray.put(encode(self.delta[lo:hi], "none", self.chunk))
+                for lo, hi in slice_bounds(self.delta.size, self.shards, self.chunk)
+            ]
         return RoundResult(self.island, version, payload, 1000, 1, 0.0, 0.0, time.time(), {}, {})
 
 
@@ -85,9 +88,6 @@ class _Aggregator:
         self.version += 1
         return time.perf_counter() - t0
 
-    def version(self) -> int:
-        return self.server.version
-
 
 class _Reducer:
     def __init__(self, numel: int) -> None:
@@ -98,8 +98,9 @@ class _Reducer:
         return group_address()
 
     def join(self, address: str, rank: int, world: int) -> None:
-        torch.distributed.init_process_group("gloo", init_method=address, rank=rank, world_size=world,
-                                             timeout=timedelta(seconds=120))
+        torch.distributed.init_process_group(
+            "gloo", init_method=address, rank=rank, world_size=world, timeout=timedelta(seconds=120)
+        )
 
     def allreduce(self, reps: int) -> float:
         torch.distributed.barrier()
@@ -121,11 +122,22 @@ def memcpy_gbps(numel: int, reps: int) -> float:
 
 
 def coordinator_gbps(islands: int, numel: int, shards: int, reps: int, threads: int = 1) -> dict[str, float]:
-    cfg = load_config(None, ["mode=diloco", f"islands.count={islands}", f"coordinator.shards={shards}",
-                             f"coordinator.threads={threads}", "compression.chunk=4096"])
-    sources = [ray.remote(_Source).options(num_cpus=0).remote(i, numel, shards, 4096) for i in range(islands)]
-    agg = ray.remote(_Aggregator).options(num_cpus=0, max_concurrency=1).remote(cfg, numel)
-    times = []
+    cfg = load_config(
+        None,
+        [
+            "mode=diloco",
+            f"islands.count={islands}",
+            f"coordinator.shards={shards}",
+            f"coordinator.threads={threads}",
+            "compression.chunk=4096",
+        ],
+    )
+    # Ray's stubs type handles of `ray.remote(cls)` loosely; these are plain actor handles
+    sources: list[Any] = [
+        ray.remote(_Source).options(num_cpus=0).remote(i, numel, shards, 4096) for i in range(islands)
+    ]
+    agg: Any = ray.remote(_Aggregator).options(num_cpus=0, max_concurrency=1).remote(cfg, numel)
+    times: list[float] = []
     for v in range(reps + 1):  # the first repetition warms up (allocations, shard start)
         refs = [s.result.remote(v) for s in sources]
         ray.wait(refs, num_returns=len(refs))
@@ -139,7 +151,7 @@ def coordinator_gbps(islands: int, numel: int, shards: int, reps: int, threads: 
 
 
 def gloo_allreduce_gbps(processes: int, numel: int, reps: int) -> dict[str, float]:
-    actors = [ray.remote(_Reducer).options(num_cpus=0).remote(numel) for _ in range(processes)]
+    actors: list[Any] = [ray.remote(_Reducer).options(num_cpus=0).remote(numel) for _ in range(processes)]
     address = ray.get(actors[0].address.remote())
     ray.get([a.join.remote(address, r, processes) for r, a in enumerate(actors)])
     ray.get([a.allreduce.remote(1) for a in actors])  # warm-up
@@ -175,9 +187,19 @@ def datapath(quick: bool, work: Path) -> BenchResult:
     finally:
         ray.shutdown()
     rounds = 3 if quick else 6
-    table = {f"sync_s{s}": (f"sync DiLoCo, default H, {s} coordinator shard(s)",
-                            ["islands.count=2", f"rounds={rounds}", f"coordinator.shards={s}", "ray.num_cpus=2",
-                             "compression.chunk=1024"]) for s in (1, 2)}
+    table = {
+        f"sync_s{s}": (
+            f"sync DiLoCo, default H, {s} coordinator shard(s)",
+            [
+                "islands.count=2",
+                f"rounds={rounds}",
+                f"coordinator.shards={s}",
+                "ray.num_cpus=2",
+                "compression.chunk=1024",
+            ],
+        )
+        for s in (1, 2)
+    }
     summaries = run_methods([], table, work)
     overhead = {name: steady_overhead(work / name) for name in table}
     best = max([c["gbps"] for c in coord.values()] + [threaded["gbps"]])
@@ -191,34 +213,71 @@ def datapath(quick: bool, work: Path) -> BenchResult:
     methods["gloo_allreduce"] = {"gbps": gloo["gbps"], "seconds_per_round": gloo["seconds"]}
     methods["memcpy"] = {"gbps": memcpy}
     for name, s in summaries.items():
-        methods[name] = {"overhead_fraction": overhead[name], "final_eval_loss": s["final_eval_loss"],
-                         "train_seconds": s["train_seconds"], "idle_fraction_whole_run": s["idle_fraction"]}
+        methods[name] = {
+            "overhead_fraction": overhead[name],
+            "final_eval_loss": s["final_eval_loss"],
+            "train_seconds": s["train_seconds"],
+            "idle_fraction_whole_run": s["idle_fraction"],
+        }
     per_s = ", ".join(f"S={s} {c['gbps']:.2f}" for s, c in coord.items()) + f", S=1 2 threads {threaded['gbps']:.2f}"
-    line = (f"datapath: coordinator {per_s} GB/s; "
-            f"gloo all-reduce {gloo['gbps']:.2f} GB/s; memcpy {memcpy:.2f} GB/s; overhead at default H "
-            f"{100 * overhead['sync_s1']:.1f}% (S=1), {100 * overhead['sync_s2']:.1f}% (S=2); {targets_met(checks)}")
-    scaling = {"coordinator": [(float(s), c["gbps"]) for s, c in coord.items()],
-               "memcpy": [(float(s), memcpy) for s in coord], "gloo all-reduce": [(float(s), gloo["gbps"]) for s in coord]}
+    line = (
+        f"datapath: coordinator {per_s} GB/s; "
+        f"gloo all-reduce {gloo['gbps']:.2f} GB/s; memcpy {memcpy:.2f} GB/s; overhead at default H "
+        f"{100 * overhead['sync_s1']:.1f}% (S=1), {100 * overhead['sync_s2']:.1f}% (S=2); {targets_met(checks)}"
+    )
+    scaling = {
+        "coordinator": [(float(s), c["gbps"]) for s, c in coord.items()],
+        "memcpy": [(float(s), memcpy) for s in coord],
+        "gloo all-reduce": [(float(s), gloo["gbps"]) for s in coord],
+    }
     md = _markdown(islands, numel, coord, threaded, gloo, memcpy, overhead, checks)
-    return BenchResult("datapath", quick, methods, line, md,
-                       [Panel("coordinator shards S", scaling, y_label="GB/s (1e9 bytes/s)")],
-                       extra={"coordinator_gbps": {str(s): c["gbps"] for s, c in coord.items()},
-                              "coordinator_gbps_s1_2threads": threaded["gbps"],
-                              "gloo_allreduce_gbps": gloo["gbps"], "memcpy_gbps": memcpy,
-                              "overhead_fraction": overhead["sync_s1"],
-                              "overhead_fraction_by_shards": {"1": overhead["sync_s1"], "2": overhead["sync_s2"]},
-                              "islands": islands, "params": numel, "checks": checks})
+    return BenchResult(
+        "datapath",
+        quick,
+        methods,
+        line,
+        md,
+        [Panel("coordinator shards S", scaling, y_label="GB/s (1e9 bytes/s)")],
+        extra={
+            "coordinator_gbps": {str(s): c["gbps"] for s, c in coord.items()},
+            "coordinator_gbps_s1_2threads": threaded["gbps"],
+            "gloo_allreduce_gbps": gloo["gbps"],
+            "memcpy_gbps": memcpy,
+            "overhead_fraction": overhead["sync_s1"],
+            "overhead_fraction_by_shards": {"1": overhead["sync_s1"], "2": overhead["sync_s2"]},
+            "islands": islands,
+            "params": numel,
+            "checks": checks,
+        },
+    )
 
 
-def _markdown(islands: int, numel: int, coord: dict[int, dict[str, float]], threaded: dict[str, float],
-              gloo: dict[str, float], memcpy: float, overhead: dict[str, float], checks: dict[str, dict[str, Any]]) -> str:
+def _markdown(
+    islands: int,
+    numel: int,
+    coord: dict[int, dict[str, float]],
+    threaded: dict[str, float],
+    gloo: dict[str, float],
+    memcpy: float,
+    overhead: dict[str, float],
+    checks: dict[str, dict[str, Any]],
+) -> str:
     mb = islands * numel * 4 / 1e6
     rows = [[f"coordinator, S = {s}", f"{c['gbps']:.2f}", f"{1000 * c['seconds']:.0f}"] for s, c in coord.items()]
-    rows.append(["coordinator, S = 1, `coordinator.threads: 2`", f"{threaded['gbps']:.2f}",
-                 f"{1000 * threaded['seconds']:.0f}"])
-    rows += [["gloo all-reduce", f"{gloo['gbps']:.2f}", f"{1000 * gloo['seconds']:.0f}"],
-             ["memcpy", f"{memcpy:.2f}", "–"]]
+    rows.append(
+        ["coordinator, S = 1, `coordinator.threads: 2`", f"{threaded['gbps']:.2f}", f"{1000 * threaded['seconds']:.0f}"]
+    )
+    rows += [
+        ["gloo all-reduce", f"{gloo['gbps']:.2f}", f"{1000 * gloo['seconds']:.0f}"],
+        ["memcpy", f"{memcpy:.2f}", "–"],
+    ]
     over = md_table(["run", "steady-state overhead"], [[k, f"{100 * v:.2f}%"] for k, v in overhead.items()])
-    return (f"{islands} islands × {numel / 1e6:.0f} M fp32 values = {mb:.0f} MB of pseudo-gradient per round, "
-            "all on this machine (shard actors and islands share its cores).\n\n"
-            + md_table(["path", "GB/s", "ms per round"], rows) + "\n\n" + over + "\n\n" + checks_table(checks))
+    return (
+        f"{islands} islands × {numel / 1e6:.0f} M fp32 values = {mb:.0f} MB of pseudo-gradient per round, "
+        "all on this machine (shard actors and islands share its cores).\n\n"
+        + md_table(["path", "GB/s", "ms per round"], rows)
+        + "\n\n"
+        + over
+        + "\n\n"
+        + checks_table(checks)
+    )

@@ -1,5 +1,6 @@
 """Writing benchmark results: JSON (machine-readable), PNG (curves), Markdown (tables),
 and the `docs/benchmarks.md` index assembled from every scenario report in a folder."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,8 @@ class BenchResult:
     scenario: str
     quick: bool
     methods: dict[str, dict[str, Any]]
-    summary: str                                  # the one-line summary printed at the end
-    markdown: str                                 # body of the report (tables, commentary)
+    summary: str  # the one-line summary printed at the end
+    markdown: str  # body of the report (tables, commentary)
     panels: list[Panel] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -41,9 +42,15 @@ def machine_info() -> dict[str, Any]:
     import ray
     import torch
 
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "processor": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "ray": ray.__version__, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
 
 
 def _plot(result: BenchResult, path: Path) -> None:
@@ -72,16 +79,24 @@ def _plot(result: BenchResult, path: Path) -> None:
 def write_result(result: BenchResult, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     machine = machine_info()
-    payload = {"scenario": result.scenario, "quick": result.quick, "machine": machine,
-               "methods": result.methods, "summary": result.summary, **result.extra}
+    payload = {
+        "scenario": result.scenario,
+        "quick": result.quick,
+        "machine": machine,
+        "methods": result.methods,
+        "summary": result.summary,
+        **result.extra,
+    }
     (out / f"{result.scenario}.json").write_text(json.dumps(payload, indent=2))
     _plot(result, out / f"{result.scenario}.png")
-    machine_line = (f"Machine: {machine['cpus']} CPUs ({machine['processor']}), {machine['platform']}, "
-                    f"torch {machine['torch']}, ray {machine['ray']}; run {machine['date']}"
-                    f"{', --quick' if result.quick else ''}.")
+    machine_line = (
+        f"Machine: {machine['cpus']} CPUs ({machine['processor']}), {machine['platform']}, "
+        f"torch {machine['torch']}, ray {machine['ray']}; run {machine['date']}"
+        f"{', --quick' if result.quick else ''}."
+    )
     (out / f"{result.scenario}.md").write_text(
-        f"## {result.scenario}\n\n{machine_line}\n\n{result.markdown}\n\n"
-        f"![{result.scenario}]({result.scenario}.png)\n")
+        f"## {result.scenario}\n\n{machine_line}\n\n{result.markdown}\n\n![{result.scenario}]({result.scenario}.png)\n"
+    )
 
 
 def md_table(header: list[str], rows: list[list[str]]) -> str:
@@ -91,9 +106,13 @@ def md_table(header: list[str], rows: list[list[str]]) -> str:
 
 def checks_table(checks: dict[str, dict[str, Any]]) -> str:
     """The targets of a scenario: measured value and whether it is met."""
-    return md_table(["target", "measured", "met"], [
-        [name, "n/a" if c["value"] is None else f"{c['value']:.3f}", "yes" if c["ok"] else "no"]
-        for name, c in checks.items()])
+    return md_table(
+        ["target", "measured", "met"],
+        [
+            [name, "n/a" if c["value"] is None else f"{c['value']:.3f}", "yes" if c["ok"] else "no"]
+            for name, c in checks.items()
+        ],
+    )
 
 
 def targets_met(checks: dict[str, dict[str, Any]]) -> str:

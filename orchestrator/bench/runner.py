@@ -1,5 +1,6 @@
 """Runs a table of configurations one after another on one Ray instance, so every
 method of a scenario is measured side by side on the same machine in one process."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,8 +24,11 @@ def run_methods(base: list[str], table: Table, work: Path) -> dict[str, dict[str
             started = init_ray(cfg) or started
             summary = run(cfg, show_progress=False)
             summaries[name] = summary
-            print(f"  {name:26s} final eval loss {summary['final_eval_loss']:.4f}  "
-                  f"{summary['bytes_communicated'] / 1e6:9.1f} MB  {summary['train_seconds']:.0f}s", flush=True)
+            print(
+                f"  {name:26s} final eval loss {summary['final_eval_loss']:.4f}  "
+                f"{summary['bytes_communicated'] / 1e6:9.1f} MB  {summary['train_seconds']:.0f}s",
+                flush=True,
+            )
     finally:
         if started:
             ray.shutdown()

@@ -8,6 +8,7 @@ threshold. An island whose updates are rejected for a fault (not for staleness) 
 times in a row is quarantined. Pure logic over the `Facts` of an update, which the outer
 step computes from the whole vector or sums over coordinator slices.
 """
+
 from __future__ import annotations
 
 import math
@@ -57,8 +58,12 @@ class ExactVersion:
 
     def judge(self, version: int, expected: int, current: int) -> Verdict | None:
         if version != expected:
-            return Verdict(Decision.REJECT, Reason.STALE, f"computed from version {version}, round is at {expected}",
-                           staleness=max(0, expected - version))
+            return Verdict(
+                Decision.REJECT,
+                Reason.STALE,
+                f"computed from version {version}, round is at {expected}",
+                staleness=max(0, expected - version),
+            )
         return None
 
 
@@ -75,16 +80,32 @@ class BoundedStaleness:
             return Verdict(Decision.REJECT, Reason.FUTURE, f"version {version} > current {current}")
         if self.limit is not None and staleness > self.limit:
             if self.downweight:
-                return Verdict(Decision.DOWNWEIGHT, Reason.STALE, f"staleness {staleness} > {self.limit}",
-                               1.0 / (1 + staleness - self.limit), staleness)
-            return Verdict(Decision.REJECT, Reason.STALE, f"staleness {staleness} > max_staleness {self.limit}",
-                           staleness=staleness)
+                return Verdict(
+                    Decision.DOWNWEIGHT,
+                    Reason.STALE,
+                    f"staleness {staleness} > {self.limit}",
+                    1.0 / (1 + staleness - self.limit),
+                    staleness,
+                )
+            return Verdict(
+                Decision.REJECT,
+                Reason.STALE,
+                f"staleness {staleness} > max_staleness {self.limit}",
+                staleness=staleness,
+            )
         return Verdict(Decision.ACCEPT, staleness=staleness)
 
 
 class Admission:
-    def __init__(self, numel: int, guard: NormGuard | None, staleness: StalenessRule, quarantine_after: int,
-                 drop_prob: float = 0.0, seed: int = 0) -> None:
+    def __init__(
+        self,
+        numel: int,
+        guard: NormGuard | None,
+        staleness: StalenessRule,
+        quarantine_after: int,
+        drop_prob: float = 0.0,
+        seed: int = 0,
+    ) -> None:
         self.numel, self.guard, self.staleness = numel, guard, staleness
         self.quarantine_after = quarantine_after
         self.streak: dict[int, int] = {}
@@ -95,7 +116,9 @@ class Admission:
     def judge(self, c: Contribution, facts: Facts, expected: int, current: int) -> Verdict:
         staleness = max(0, current - c.version)
         if c.island in self.quarantined:
-            return Verdict(Decision.REJECT, Reason.QUARANTINED, f"island {c.island} is quarantined", staleness=staleness)
+            return Verdict(
+                Decision.REJECT, Reason.QUARANTINED, f"island {c.island} is quarantined", staleness=staleness
+            )
         if facts.size != self.numel:
             return Verdict(Decision.REJECT, Reason.SHAPE, f"wrong shape ({facts.size},), expected ({self.numel},)")
         if not c.weight > 0:
@@ -125,8 +148,12 @@ class Admission:
         return False
 
     def state_dict(self) -> dict[str, Any]:
-        return {"norms": list(self.guard.norms) if self.guard else [], "streak": dict(self.streak),
-                "quarantined": sorted(self.quarantined), "rng": self.rng.bit_generator.state}
+        return {
+            "norms": list(self.guard.norms) if self.guard else [],
+            "streak": dict(self.streak),
+            "quarantined": sorted(self.quarantined),
+            "rng": self.rng.bit_generator.state,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.guard is not None:

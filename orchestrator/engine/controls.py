@@ -2,6 +2,7 @@
 the next round boundary. Requests arrive on other threads (the control plane calls the
 coordinator actor concurrently); they only set flags or queue a validated update, and
 the engine applies them between rounds, so a change never tears a round in half."""
+
 from __future__ import annotations
 
 import threading

@@ -9,6 +9,7 @@ the pacing says is ready (admission → token-weighted mean → outer rule). `ru
 the outer step (whole or sliced) and the policies are handed in, so the same engine is
 driven by the Ray coordinator and, in tests, by an in-process pool with injected faults.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,7 +25,7 @@ from orchestrator.engine.admission import Admission, Verdict
 from orchestrator.engine.controls import RunControls, SettingsUpdate
 from orchestrator.engine.ledger import DataLedger
 from orchestrator.engine.membership import IslandStats, Membership
-from orchestrator.engine.outer_step import LocalOuter, LocalSlices, Outer, SlicedOuter, SliceCalls, take_step
+from orchestrator.engine.outer_step import LocalOuter, LocalSlices, Outer, SliceCalls, SlicedOuter, take_step
 from orchestrator.engine.pacing import Close, Flight, Pacing, RunState, Work
 from orchestrator.engine.policies import Policies, build_policies, outer_rule
 from orchestrator.engine.pool import Done, Failed, IslandPool, Joined, JoinFailed, PoolEvent
@@ -35,13 +36,22 @@ from workers.flat import FlatParams, slice_bounds
 from workers.messages import RoundResult, WorkOrder
 from workers.task import Task, load_task
 
-
 POLL_S = 0.2  # the longest the engine waits on the pool: a stop-now is seen within it
 
+
 class RoundEngine:
-    def __init__(self, cfg: RunConfig, task: Task, model: torch.nn.Module, flat: FlatParams, outer: Outer,
-                 policies: Policies, pool: IslandPool, run_id: str = "local",
-                 on_record: Callable[[dict[str, Any], dict[str, dict[str, Any]]], None] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        task: Task,
+        model: torch.nn.Module,
+        flat: FlatParams,
+        outer: Outer,
+        policies: Policies,
+        pool: IslandPool,
+        run_id: str = "local",
+        on_record: Callable[[dict[str, Any], dict[str, dict[str, Any]]], None] | None = None,
+    ) -> None:
         """Continues from the checkpoint of `run_id` in `cfg.checkpoint_dir` if there is one."""
         self.cfg, self.task, self.model, self.flat, self.outer = cfg, task, model, flat, outer
         self.pacing: Pacing = policies.pacing
@@ -54,13 +64,13 @@ class RoundEngine:
         self.controls = RunControls()
         self.phase = RunPhase.STARTING
         self.flights: dict[int, Flight] = {}
-        self.overdue: dict[int, int] = {}         # ticket -> island, abandoned past its deadline
+        self.overdue: dict[int, int] = {}  # ticket -> island, abandoned past its deadline
         self._tickets = itertools.count()
-        self.refs: dict[int, Any] = {}            # version -> published parameters
+        self.refs: dict[int, Any] = {}  # version -> published parameters
         self._demanded: int | None = None
         self.published_at: dict[int, float] = {}
-        self.held: dict[int, int] = {}            # island -> version it holds (downloaded)
-        self.due: list[int] = []                  # recorded rounds due, written after the next dispatch
+        self.held: dict[int, int] = {}  # island -> version it holds (downloaded)
+        self.due: list[int] = []  # recorded rounds due, written after the next dispatch
         self.stats = RunStats()
         self.waiting_since: float | None = None
         self.summary: dict[str, Any] = {}
@@ -71,8 +81,11 @@ class RoundEngine:
             self._restore(state)
         self.recorder = Recorder(cfg.out_dir, cfg, keep_records=self.rounds_done if self.resumed else None)
         self.events = EventLog(self.recorder.out / "events.jsonl", append=self.resumed)
-        self.snapshot: dict[str, Any] = {"state": RunPhase.STARTING.value, "round": self.rounds_done,
-                                         "rounds": cfg.rounds}
+        self.snapshot: dict[str, Any] = {
+            "state": RunPhase.STARTING.value,
+            "round": self.rounds_done,
+            "rounds": cfg.rounds,
+        }
         if self.resumed:
             self.events.add(Event.RESTART, version=self.run.version, rounds_done=self.rounds_done)
 
@@ -164,8 +177,9 @@ class RoundEngine:
             self.events.add(Event.STOPPED, version=self.run.version, rounds_done=self.rounds_done)
         self.phase = RunPhase.STOPPED if stopped else RunPhase.FINISHED
         self.outer.copy_to(self.flat.data)
-        self.summary = self.stats.summary(self.phase, self.cfg, self.run.version, self.members, self.ledger,
-                                          self.outer.numel, self.recorder.out)
+        self.summary = self.stats.summary(
+            self.phase, self.cfg, self.run.version, self.members, self.ledger, self.outer.numel, self.recorder.out
+        )
         self.recorder.finish(self.summary, self.model)
         self._update_snapshot()
         for i in list(self.members.islands):
@@ -209,7 +223,7 @@ class RoundEngine:
         self._demand()
         self._expire_joins()
         surplus = len(m.live()) + len(m.pending) - m.target
-        for i in sorted(m.live(), reverse=True)[:max(0, surplus)]:
+        for i in sorted(m.live(), reverse=True)[: max(0, surplus)]:
             self._start_drain(i)
         for _ in range(max(0, -surplus)):
             self._request(m.next_index())
@@ -309,11 +323,21 @@ class RoundEngine:
         if self.held.get(work.island) != work.version:  # a new global to download over its link
             nbytes = self.outer.numel * self.flat.data.element_size()
             self.stats.download(stats, nbytes)
-            delay = max(0.0, self.published_at.get(work.version, now) + self.cfg.island_link(work.island).seconds(nbytes)
-                        - now)
+            delay = max(
+                0.0, self.published_at.get(work.version, now) + self.cfg.island_link(work.island).seconds(nbytes) - now
+            )
             self.held[work.island] = work.version
-        order = WorkOrder(work.island, ticket, work.version, work.kind, work.steps, reservation.starts,
-                          reservation.turn, delay, work.schedule_step)
+        order = WorkOrder(
+            work.island,
+            ticket,
+            work.version,
+            work.kind,
+            work.steps,
+            reservation.starts,
+            reservation.turn,
+            delay,
+            work.schedule_step,
+        )
         stats.inner_steps = work.steps
         self.flights[ticket] = Flight(ticket, work, now + delay + self.cfg.round_timeout_s)
         self.pool.dispatch(order, self.refs[work.version])
@@ -402,8 +426,13 @@ class RoundEngine:
 
     def _no_island_left(self) -> RunFailed:
         self.phase = RunPhase.FAILED
-        return RunFailed("no island can train: " + ("; ".join(
-            f"island {i}: {s.state.value} ({s.error})" for i, s in self.members.islands.items()) or "none joined"))
+        return RunFailed(
+            "no island can train: "
+            + (
+                "; ".join(f"island {i}: {s.state.value} ({s.error})" for i, s in self.members.islands.items())
+                or "none joined"
+            )
+        )
 
     # -- the outer step ------------------------------------------------------------------------------
     def _weight(self, r: RoundResult) -> float:
@@ -444,8 +473,11 @@ class RoundEngine:
         if not verdict.admitted and verdict.decision != Decision.DROP:
             self.events.add(Event.REJECTION, r.island, reason=verdict.why, version=r.version)
         if self.admission.record(r.island, verdict):
-            self._fail(r.island, f"quarantined after {self.admission.quarantine_after} bad updates in a row",
-                       IslandState.QUARANTINED)
+            self._fail(
+                r.island,
+                f"quarantined after {self.admission.quarantine_after} bad updates in a row",
+                IslandState.QUARANTINED,
+            )
 
     # -- records, evaluation, checkpoints -----------------------------------------------------------
     def evaluate(self) -> float:
@@ -482,13 +514,20 @@ class RoundEngine:
         results waiting for their round are redone), so nothing is lost or counted twice."""
         self.outer.copy_to(self.flat.data)
         return {
-            "run_id": self.run_id, "config": self.cfg.model_dump(mode="json"),
-            "params": self.flat.data.detach().clone(), "version": self.run.version,
-            "outer": self.outer.state_dict(), "admission": self.admission.state_dict(),
-            "members": {i: {**dataclasses.asdict(s), "state": s.state.value, "recent": list(s.recent)}
-                        for i, s in self.members.islands.items()},
-            "ledger": self.ledger.state(), "completed_steps": self.run.completed_steps - self._uncommitted_steps(),
-            "counters": self.stats.state(), "target": self.members.target,
+            "run_id": self.run_id,
+            "config": self.cfg.model_dump(mode="json"),
+            "params": self.flat.data.detach().clone(),
+            "version": self.run.version,
+            "outer": self.outer.state_dict(),
+            "admission": self.admission.state_dict(),
+            "members": {
+                i: {**dataclasses.asdict(s), "state": s.state.value, "recent": list(s.recent)}
+                for i, s in self.members.islands.items()
+            },
+            "ledger": self.ledger.state(),
+            "completed_steps": self.run.completed_steps - self._uncommitted_steps(),
+            "counters": self.stats.state(),
+            "target": self.members.target,
         }
 
     def _uncommitted_steps(self) -> int:
@@ -501,14 +540,16 @@ class RoundEngine:
         saved = state["config"]
         for key in ("mode", "data_shards"):
             if saved.get(key) != self.cfg.model_dump(mode="json").get(key):
-                raise RunFailed(f"the checkpoint in {self.cfg.checkpoint_dir} is of a run with {key} = {saved.get(key)!r}, "
-                                f"this run has {getattr(self.cfg, key)!r}: resume with the same config or another path")
+                raise RunFailed(
+                    f"the checkpoint in {self.cfg.checkpoint_dir} is of a run with {key} = {saved.get(key)!r}, "
+                    f"this run has {getattr(self.cfg, key)!r}: resume with the same config or another path"
+                )
         self.flat.load(state["params"])
         self.run.version = self.run.base = self.run.closes = state["version"]
         self.outer.load_state_dict(state["outer"], state["version"])
         self.admission.load_state_dict(state["admission"])
-        for i, fields in state["members"].items():
-            fields = dict(fields)
+        for i, saved in state["members"].items():
+            fields = dict(saved)
             recent = fields.pop("recent", [])
             stats = IslandStats(**{**fields, "state": IslandState(fields["state"])})
             stats.recent.extend(recent)
@@ -522,14 +563,22 @@ class RoundEngine:
     # -- what the control plane reads ----------------------------------------------------------------
     def _update_snapshot(self) -> None:
         history = self.recorder.history
-        self.snapshot = self.stats.snapshot(self.phase, self.cfg, self.run.version, self.members,
-                                            history[-1]["round_seconds"] if history else None)
+        self.snapshot = self.stats.snapshot(
+            self.phase, self.cfg, self.run.version, self.members, history[-1]["round_seconds"] if history else None
+        )
 
     def status(self) -> dict[str, Any]:
-        return {**self.snapshot, "mode": self.cfg.mode.value, "run_id": self.run_id,
-                "target_islands": self.members.target, "pending_islands": sorted(self.members.pending),
-                "inner_steps": self.cfg.inner_steps, "outer_lr": self.outer.lr(),
-                "paused": self.controls.paused.is_set(), "stopping": self.controls.stopping.is_set()}
+        return {
+            **self.snapshot,
+            "mode": self.cfg.mode.value,
+            "run_id": self.run_id,
+            "target_islands": self.members.target,
+            "pending_islands": sorted(self.members.pending),
+            "inner_steps": self.cfg.inner_steps,
+            "outer_lr": self.outer.lr(),
+            "paused": self.controls.paused.is_set(),
+            "stopping": self.controls.stopping.is_set(),
+        }
 
     def set_target(self, n: int) -> int:
         return self.members.set_target(n)
@@ -545,9 +594,13 @@ class RoundEngine:
         self.events.add(Event.STOP_REQUESTED, version=self.run.version, now=now)
 
 
-def build_engine(cfg: RunConfig, pool: IslandPool, run_id: str = "local",
-                 slices: Callable[[RunConfig, Any, list[tuple[int, int]]], SliceCalls] | None = None,
-                 on_record: Callable[[dict[str, Any], dict[str, dict[str, Any]]], None] | None = None) -> RoundEngine:
+def build_engine(
+    cfg: RunConfig,
+    pool: IslandPool,
+    run_id: str = "local",
+    slices: Callable[[RunConfig, Any, list[tuple[int, int]]], SliceCalls] | None = None,
+    on_record: Callable[[dict[str, Any], dict[str, dict[str, Any]]], None] | None = None,
+) -> RoundEngine:
     """The task's model (same seed everywhere), the outer step over it — whole, or over
     `coordinator.shards` slices reached through `slices` (in process by default) — the
     policies of the mode, and the engine driving `pool`."""

@@ -21,6 +21,7 @@ blocks are recomputed from the sorted ids of the islands that can train. The rul
 So Σ over shards of tokens = tokens trained, and no batch index is committed twice (the
 ledger checks both on every commit and raises `LedgerError` rather than miscount).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,8 +58,8 @@ class DataLedger:
         if shards < 1:
             raise ValueError(f"need at least one data shard, got {shards}")
         self.shards = shards
-        self.position = [0] * shards   # batches handed out (in flight or trained), per shard
-        self.tokens = [0] * shards     # tokens trained, per shard
+        self.position = [0] * shards  # batches handed out (in flight or trained), per shard
+        self.tokens = [0] * shards  # tokens trained, per shard
         self.turns: dict[int, int] = {}  # island -> round-robin offset over its shards
         self.flights: dict[int, Reservation] = {}  # ticket -> reservation
 
@@ -91,8 +92,10 @@ class DataLedger:
         for s, (start, n) in reservation.spans.items():
             got = int(positions.get(s, start))
             if got != start + n:
-                raise LedgerError(f"shard {s}: island {reservation.island} read up to batch {got}, "
-                                  f"it was given [{start}, {start + n})")
+                raise LedgerError(
+                    f"shard {s}: island {reservation.island} read up to batch {got}, "
+                    f"it was given [{start}, {start + n})"
+                )
 
     def commit(self, ticket: int, tokens: dict[int, int]) -> None:
         """The outer step consumed the result: its tokens count as trained."""
@@ -119,8 +122,12 @@ class DataLedger:
         for r in self.flights.values():
             for s, (start, _) in r.spans.items():
                 position[s] = min(position[s], start)
-        return {"shards": self.shards, "position": position, "tokens": list(self.tokens),
-                "turns": {str(i): t for i, t in self.turns.items()}}
+        return {
+            "shards": self.shards,
+            "position": position,
+            "tokens": list(self.tokens),
+            "turns": {str(i): t for i, t in self.turns.items()},
+        }
 
     def load(self, state: dict[str, Any]) -> None:
         self.shards, self.position, self.tokens = state["shards"], list(state["position"]), list(state["tokens"])

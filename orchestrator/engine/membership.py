@@ -6,6 +6,7 @@ never tears a round in half) and the island pool does the placing.
 States are `IslandState` (see `engine/types.py`): `training` gets work, `late` gets work
 again once its overdue result arrives (and is discarded), `draining` finishes or abandons
 its work and is released, `drained`, `dead` and `quarantined` are released for good."""
+
 from __future__ import annotations
 
 import queue
@@ -31,13 +32,13 @@ class IslandStats:
     bytes_received: int = 0
     last_train_loss: float | None = None
     rejections: int = 0
-    downweighted: int = 0             # stale submissions applied with a reduced weight (async)
+    downweighted: int = 0  # stale submissions applied with a reduced weight (async)
     late_results: int = 0
     error: str | None = None
-    joined_version: int = 0           # global version when it joined (0: from the start)
+    joined_version: int = 0  # global version when it joined (0: from the start)
     last_contribution: float | None = None  # wall-clock time of its last applied update
-    inner_steps: int = 0              # H of its latest round (DyLU changes it in async mode)
-    steps_per_s: float = 0.0          # measured (smoothed) inner steps per second
+    inner_steps: int = 0  # H of its latest round (DyLU changes it in async mode)
+    steps_per_s: float = 0.0  # measured (smoothed) inner steps per second
     staleness_last: int = 0
     staleness_max: int = 0
     staleness_total: int = 0
@@ -73,15 +74,17 @@ class Membership:
         self.islands: dict[int, IslandStats] = {}
         self.target = target
         self.min_islands, self.max_islands = min_islands, max_islands
-        self.pending: dict[int, float] = {}   # island index -> when its placement was requested
+        self.pending: dict[int, float] = {}  # island index -> when its placement was requested
         self.requests: queue.Queue[tuple[str, int]] = queue.Queue()
         self._lock = threading.Lock()
 
     # -- requests from other threads ---------------------------------------------------
     def set_target(self, n: int) -> int:
         if not self.min_islands <= n <= self.max_islands:
-            raise MembershipError(f"target {n} is outside [elastic.min_islands, elastic.max_islands] = "
-                                  f"[{self.min_islands}, {self.max_islands}]")
+            raise MembershipError(
+                f"target {n} is outside [elastic.min_islands, elastic.max_islands] = "
+                f"[{self.min_islands}, {self.max_islands}]"
+            )
         self.requests.put(("target", n))
         return n
 
@@ -103,8 +106,9 @@ class Membership:
     def add(self, index: int, node: str, joined_version: int = 0) -> None:
         with self._lock:
             self.pending.pop(index, None)
-            self.islands[index] = IslandStats(index=index, state=IslandState.TRAINING, node=node,
-                                              joined_version=joined_version)
+            self.islands[index] = IslandStats(
+                index=index, state=IslandState.TRAINING, node=node, joined_version=joined_version
+            )
 
     def next_index(self) -> int:
         return max([*self.islands, *self.pending], default=-1) + 1

@@ -9,6 +9,7 @@ admitted updates with their token weights into one preallocated buffer, sets it 
 flat parameter's `.grad` and steps the outer rule. Every outer rule is elementwise apart
 from norms, so S slices compute what one coordinator does (tested bit for bit).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -35,8 +36,8 @@ class OuterRule:
     """How to build the outer optimizer over a flat parameter (chosen in `policies.py`)."""
 
     build: Callable[[torch.nn.Parameter], tuple[torch.optim.Optimizer, Scheduler | None]]
-    grad_clip: float | None = None   # clip the mean's norm first (the ddp baseline, like its inner steps)
-    anchored: bool = False           # CO2: the rule needs the parameters each round started from
+    grad_clip: float | None = None  # clip the mean's norm first (the ddp baseline, like its inner steps)
+    anchored: bool = False  # CO2: the rule needs the parameters each round started from
 
 
 def _as_tensor(x: np.ndarray) -> torch.Tensor:
@@ -71,8 +72,13 @@ class OuterStep:
         mean_sq = float(torch.sum(self._mean(parts) ** 2))  # the preallocated buffer; `apply` refills it
         return moved, mean_sq, float(self.optimizer.param_groups[0]["lam"])
 
-    def apply(self, parts: list[tuple[np.ndarray, float]], scale: float = 1.0, anchor: int | None = None,
-              gap: float | None = None) -> float | None:
+    def apply(
+        self,
+        parts: list[tuple[np.ndarray, float]],
+        scale: float = 1.0,
+        anchor: int | None = None,
+        gap: float | None = None,
+    ) -> float | None:
         """Step the rule on the weighted mean of `parts` (× `scale`); returns CO2's Λ."""
         grad = self._mean(parts)
         if scale != 1.0:
@@ -111,8 +117,10 @@ class OuterStep:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+        }
 
     def load_state_dict(self, state: dict[str, Any], version: int) -> None:
         """Resume at `version` (the parameters are already loaded); a CO2 pipeline refills from it."""
@@ -129,7 +137,9 @@ class Outer(Protocol):
     numel: int
 
     def inspect(self, contributions: list[Contribution]) -> tuple[int, list[Facts]]: ...
-    def apply(self, key: int, weights: dict[int, float], scale: float = 1.0, anchor: int | None = None) -> float | None: ...
+    def apply(
+        self, key: int, weights: dict[int, float], scale: float = 1.0, anchor: int | None = None
+    ) -> float | None: ...
     def discard(self, key: int) -> None: ...
     def anchor(self, version: int, keep_from: int) -> None: ...
     def params(self) -> Any: ...
@@ -152,8 +162,9 @@ class LocalOuter:
 
     def inspect(self, contributions: list[Contribution]) -> tuple[int, list[Facts]]:
         key = next(self._keys)
-        decoded = [(c.island, c.delta if isinstance(c.delta, np.ndarray) else decode(c.delta), c.weight)
-                   for c in contributions]
+        decoded = [
+            (c.island, c.delta if isinstance(c.delta, np.ndarray) else decode(c.delta), c.weight) for c in contributions
+        ]
         self.pending[key] = decoded
         facts = []
         for _, d, _ in decoded:
@@ -193,6 +204,7 @@ class LocalOuter:
 
 # -- coordinator slices ---------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class SliceStats:
     size: int
@@ -225,8 +237,9 @@ class OuterSlice:
     def gap_terms(self, key: int, weights: dict[int, float], anchor: int) -> tuple[float, float, float] | None:
         return self.step.gap_terms(self._parts(key, weights, keep=True), anchor)
 
-    def close(self, key: int, weights: dict[int, float], scale: float, anchor: int | None,
-              gap: float | None) -> float | None:
+    def close(
+        self, key: int, weights: dict[int, float], scale: float, anchor: int | None, gap: float | None
+    ) -> float | None:
         return self.step.apply(self._parts(key, weights), scale, anchor, gap)
 
     def discard(self, key: int) -> None:
@@ -270,7 +283,7 @@ class LocalSlices:
     """`SliceCalls` over in-process slices (tests, and the engine without Ray)."""
 
     def __init__(self, rule: OuterRule, params: np.ndarray, bounds: list[tuple[int, int]]) -> None:
-        self.slices = [OuterSlice(rule, b, params[b[0]:b[1]]) for b in bounds]
+        self.slices = [OuterSlice(rule, b, params[b[0] : b[1]]) for b in bounds]
 
     def call(self, method: str, args: list[tuple]) -> list[Any]:
         return [getattr(s, method)(*a) for s, a in zip(self.slices, args)]
@@ -297,8 +310,9 @@ class SlicedOuter:
 
     def inspect(self, contributions: list[Contribution]) -> tuple[int, list[Facts]]:
         key = next(self._keys)
-        stats = self.calls.call("inspect", [(key, [(c.island, c.delta[k]) for c in contributions])
-                                            for k in range(len(self.bounds))])
+        stats = self.calls.call(
+            "inspect", [(key, [(c.island, c.delta[k]) for c in contributions]) for k in range(len(self.bounds))]
+        )
         facts = []
         for j in range(len(contributions)):
             parts = [stats[k][j] for k in range(len(self.bounds))]
@@ -310,8 +324,9 @@ class SlicedOuter:
         if weights and anchor is not None:
             terms = self._all("gap_terms", key, weights, anchor)
             if all(t is not None for t in terms):
-                gap = adaptive_gap(math.sqrt(sum(t[0] for t in terms)), math.sqrt(sum(t[1] for t in terms)),
-                                   terms[0][2])
+                gap = adaptive_gap(
+                    math.sqrt(sum(t[0] for t in terms)), math.sqrt(sum(t[1] for t in terms)), terms[0][2]
+                )
         return self._all("close", key, weights, scale, anchor, gap)[0]
 
     def discard(self, key: int) -> None:
@@ -334,8 +349,10 @@ class SlicedOuter:
         """Restore every slice from the checkpoint (`flat` already holds its parameters)."""
         if [tuple(b) for b in state["bounds"]] != self.bounds:
             raise ValueError(f"checkpoint has coordinator slices {state['bounds']}, this run {self.bounds}")
-        self.calls.call("load", [(self.flat[lo:hi].numpy().copy(), st, version)
-                                 for (lo, hi), st in zip(self.bounds, state["slices"])])
+        self.calls.call(
+            "load",
+            [(self.flat[lo:hi].numpy().copy(), st, version) for (lo, hi), st in zip(self.bounds, state["slices"])],
+        )
 
     def set_lr(self, lr: float) -> None:
         self._all("set_lr", lr)
@@ -364,14 +381,22 @@ class StepOutcome:
         return [i for i, v in zip(self.islands, self.verdicts) if v.decision == Decision.DROP]
 
 
-def take_step(outer: Outer, admission: Admission, contributions: list[Contribution], expected: int | None,
-              current: int, anchor: int | None = None) -> StepOutcome:
+def take_step(
+    outer: Outer,
+    admission: Admission,
+    contributions: list[Contribution],
+    expected: int | None,
+    current: int,
+    anchor: int | None = None,
+) -> StepOutcome:
     """One outer step: the facts of each update, admission's verdicts (against `expected`,
     or bounded staleness against `current`), then the weighted mean of the admitted ones
     through the outer rule. Nothing rejected ever touches the parameters."""
     key, facts = outer.inspect(contributions)
-    verdicts = [admission.judge(c, f, expected if expected is not None else current, current)
-                for c, f in zip(contributions, facts)]
+    verdicts = [
+        admission.judge(c, f, expected if expected is not None else current, current)
+        for c, f in zip(contributions, facts)
+    ]
     weights = {c.island: c.weight for c, v in zip(contributions, verdicts) if v.admitted}
     if not weights:
         outer.discard(key)

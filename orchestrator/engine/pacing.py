@@ -12,6 +12,7 @@ outer step. The engine asks; a pacing only keeps its own bookkeeping over `RunSt
 
 A fragment schedule (streaming DiLoCo) is one more class of this protocol.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,10 +31,10 @@ class RunState:
     inner_steps: int
     members: Membership
     version: int = 0
-    base: int = 0               # version the run (re)started from: a CO2 pipeline refills from it
-    completed_steps: int = 0    # inner steps of work that came back
-    closes: int = 0             # outer steps closed (applied or not)
-    stopping: bool = False      # no new work: finish what is in flight
+    base: int = 0  # version the run (re)started from: a CO2 pipeline refills from it
+    completed_steps: int = 0  # inner steps of work that came back
+    closes: int = 0  # outer steps closed (applied or not)
+    stopping: bool = False  # no new work: finish what is in flight
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,8 @@ class Close:
     flights: list[Flight]
     expected: int | None
     anchor: int | None = None
-    staleness: int | None = None   # recorded staleness of every update (None: the verdict's)
-    advances: bool = True          # a round advances the version even if nothing is applied
+    staleness: int | None = None  # recorded staleness of every update (None: the verdict's)
+    advances: bool = True  # a round advances the version even if nothing is applied
 
 
 def _by_island(flight: Flight) -> int:
@@ -87,6 +88,7 @@ class Pacing(Protocol):
     def done(self, run: RunState) -> bool: ...
     def resume(self, run: RunState) -> None:
         """Continue from a checkpoint's `run` (versions, completed steps)."""
+
     def speed(self, island: int) -> float:
         """The island's measured inner steps per second, where the pacing measures it."""
 
@@ -279,4 +281,3 @@ class OneRoundLag:
 
     def speed(self, island: int) -> float:
         return 0.0
-

@@ -9,6 +9,7 @@ slices, runtime) works with whatever is chosen here.
 | `async`   | PerArrival    | bounded staleness   | `DelayedNesterov`, or Nesterov per arrival   |
 | `overlap` | OneRoundLag   | exact (lagged) ver. | `CO2Outer`                                  |
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ def outer_optimizer(cfg: OuterConfig, param: torch.nn.Parameter) -> torch.optim.
 
 def outer_rule(cfg: RunConfig) -> OuterRule:
     """The outer rule of `cfg.mode` (also built by each coordinator slice)."""
+
     def plain(param: torch.nn.Parameter) -> tuple[torch.optim.Optimizer, Scheduler | None]:
         return outer_optimizer(cfg.outer, param), None
 
@@ -45,12 +47,15 @@ def outer_rule(cfg: RunConfig) -> OuterRule:
         a = cfg.asynchronous
         if a.rule == "naive":
             return OuterRule(plain)
-        return OuterRule(lambda p: (DelayedNesterov([p], cfg.outer.lr, cfg.outer.momentum,
-                                                    a.delay or cfg.islands.count, a.c), None))
+        return OuterRule(
+            lambda p: (DelayedNesterov([p], cfg.outer.lr, cfg.outer.momentum, a.delay or cfg.islands.count, a.c), None)
+        )
     if cfg.mode == Mode.OVERLAP:
         o = cfg.overlap
-        return OuterRule(lambda p: (CO2Outer([p], o.lr, o.momentum, o.clip, o.penalty, o.penalty_p,
-                                             o.penalty_lambda), None), anchored=True)
+        return OuterRule(
+            lambda p: (CO2Outer([p], o.lr, o.momentum, o.clip, o.penalty, o.penalty_p, o.penalty_lambda), None),
+            anchored=True,
+        )
     return OuterRule(plain)
 
 
@@ -73,6 +78,7 @@ def build_policies(cfg: RunConfig, numel: int) -> Policies:
         pacing = Barrier(WorkKind.GRADIENT, steps_per_record=cfg.inner_steps)
     else:
         pacing = Barrier(WorkKind.TRAIN, steps_per_record=1)
-    admission = Admission(numel, NormGuard(cfg.robust), staleness, cfg.robust.quarantine_after,
-                          cfg.outer.drop_prob, cfg.seed)
+    admission = Admission(
+        numel, NormGuard(cfg.robust), staleness, cfg.robust.quarantine_after, cfg.outer.drop_prob, cfg.seed
+    )
     return Policies(pacing, admission)

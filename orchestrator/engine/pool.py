@@ -7,6 +7,7 @@ The pool owns the clock too: real time under Ray, a virtual clock in process (co
 and simulated links advance it, nothing sleeps), so deadlines and link delays mean the
 same in both.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,13 +58,23 @@ PoolEvent = Joined | JoinFailed | Done | Failed
 def island_spec(cfg: RunConfig, index: int, start_step: int = 0) -> IslandSpec:
     """What island `index` is built from (a joining island starts at `start_step` of the
     run's inner schedule and re-warms its learning rate)."""
-    return IslandSpec(index=index, num_islands=cfg.islands.count, seed=cfg.seed,
-                      task_factory=cfg.task.factory, task_kwargs=dict(cfg.task.kwargs), inner=cfg.inner,
-                      total_inner_steps=cfg.total_inner_steps, threads=cfg.island_threads,
-                      slowdown=cfg.islands.slowdown(index), codec=cfg.compression.codec,
-                      chunk=cfg.compression.chunk, num_shards=cfg.num_shards, start_step=start_step,
-                      rewarmup_steps=cfg.elastic.join_rewarmup_steps if start_step else 0,
-                      coordinator_shards=cfg.coordinator.shards)
+    return IslandSpec(
+        index=index,
+        num_islands=cfg.islands.count,
+        seed=cfg.seed,
+        task_factory=cfg.task.factory,
+        task_kwargs=dict(cfg.task.kwargs),
+        inner=cfg.inner,
+        total_inner_steps=cfg.total_inner_steps,
+        threads=cfg.island_threads,
+        slowdown=cfg.islands.slowdown(index),
+        codec=cfg.compression.codec,
+        chunk=cfg.compression.chunk,
+        num_shards=cfg.num_shards,
+        start_step=start_step,
+        rewarmup_steps=cfg.elastic.join_rewarmup_steps if start_step else 0,
+        coordinator_shards=cfg.coordinator.shards,
+    )
 
 
 class IslandPool(Protocol):
@@ -71,33 +82,38 @@ class IslandPool(Protocol):
     def sleep_until(self, t: float) -> None: ...
     def request(self, island: int, start_step: int) -> None:
         """Start placing a new island (returns at once; `Joined`/`JoinFailed` follow)."""
+
     def reattach(self, island: int) -> str | None:
         """After a coordinator restart: the node of a still-live island, or None."""
+
     def cancel(self, island: int) -> None: ...
     def release(self, island: int) -> None: ...
     def demand(self, islands: int) -> None:
         """How many islands the run wants (on an autoscaling cluster: the nodes to have)."""
+
     def publish(self, version: int, params: Any) -> Any:
         """The global parameters of `version` in the form islands fetch (once per version)."""
+
     def dispatch(self, order: WorkOrder, params: Any) -> None: ...
     def poll(self, timeout: float) -> list[PoolEvent]:
         """Events that happened, waiting up to `timeout` seconds for the first one."""
+
     def close(self) -> None: ...
 
 
 class FaultKind(str, Enum):
-    CRASH = "crash"   # the island dies during its n-th work order
-    LATE = "late"     # its n-th work order takes `seconds` longer
-    HANG = "hang"     # its n-th work order never returns
-    NAN = "nan"       # its n-th pseudo-gradient is NaN
-    RAISE = "raise"   # its code raises during its n-th work order
+    CRASH = "crash"  # the island dies during its n-th work order
+    LATE = "late"  # its n-th work order takes `seconds` longer
+    HANG = "hang"  # its n-th work order never returns
+    NAN = "nan"  # its n-th pseudo-gradient is NaN
+    RAISE = "raise"  # its code raises during its n-th work order
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: FaultKind
     island: int
-    order: int          # 1-based count of the work orders this island was given
+    order: int  # 1-based count of the work orders this island was given
     seconds: float = 0.0
 
 
@@ -112,8 +128,14 @@ class InProcessPool:
     """Islands as plain `Island` objects; work runs when dispatched, and its result is
     delivered at virtual time `now + steps × step_s × slowdown (+ injected delay)`."""
 
-    def __init__(self, cfg: RunConfig, step_s: float = 1.0,
-                 faults: list[Fault] | None = None, join_s: float = 0.0, unplaceable: set[int] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        step_s: float = 1.0,
+        faults: list[Fault] | None = None,
+        join_s: float = 0.0,
+        unplaceable: set[int] | None = None,
+    ) -> None:
         self.cfg, self.step_s, self.join_s = cfg, step_s, join_s
         self.faults = list(faults or [])
         self.unplaceable = set(unplaceable or ())  # islands whose placement never succeeds
@@ -189,8 +211,10 @@ class InProcessPool:
         if fault is not None and fault.kind == FaultKind.LATE:
             duration += fault.seconds
         compute = order.steps * self.step_s * island.spec.slowdown  # virtual, so DyLU sees the simulated speeds
-        self._at(self.t + duration, Done(order.ticket, i, dataclasses.replace(result, finished_at=self.t + duration,
-                                                                            compute_s=compute)))
+        self._at(
+            self.t + duration,
+            Done(order.ticket, i, dataclasses.replace(result, finished_at=self.t + duration, compute_s=compute)),
+        )
 
     def poll(self, timeout: float) -> list[PoolEvent]:
         if not self._queue or self._queue[0].at > self.t + timeout:

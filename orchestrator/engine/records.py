@@ -4,6 +4,7 @@ per round), `events.jsonl` (joins, drains, crashes, rejections, restarts…), `s
 folder the coordinator's state. Writes are atomic (`os.replace`), so a crash mid-write
 never leaves a torn file behind. On a cluster point `checkpoint.path` at shared storage
 so a coordinator restarted on another node finds it."""
+
 from __future__ import annotations
 
 import json
@@ -35,9 +36,11 @@ class Recorder:
         if keep_records is not None and path.exists():
             kept = path.read_text().splitlines()[:keep_records]
             _atomic_write(path, "".join(line + "\n" for line in kept))
-        self._metrics = open(path, "a" if keep_records is not None else "w", buffering=1)
-        self.history: list[dict[str, Any]] = [json.loads(line) for line in path.read_text().splitlines()] \
-            if keep_records is not None else []
+        # held open for the run's life (line-buffered appends), closed by finish()
+        self._metrics = open(path, "a" if keep_records is not None else "w", buffering=1)  # noqa: SIM115
+        self.history: list[dict[str, Any]] = (
+            [json.loads(line) for line in path.read_text().splitlines()] if keep_records is not None else []
+        )
 
     def record(self, entry: dict[str, Any]) -> None:
         self._metrics.write(json.dumps(entry) + "\n")
@@ -66,7 +69,7 @@ class EventLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(event) + "\n")
         self.recent.append(event)
-        del self.recent[:-self.keep]
+        del self.recent[: -self.keep]
         return event
 
 

@@ -1,6 +1,7 @@
 """Run-wide accounting: tokens, bytes, evaluations, time, and what the three views of a
 run say about them — one `metrics.jsonl` record per round, the control plane's snapshot,
 and `summary.json` (stable key names that scripts and dashboards rely on). Pure logic."""
+
 from __future__ import annotations
 
 import time
@@ -74,8 +75,9 @@ class RunStats:
             stats.rejections += 1
             w.rejected[str(r.island)] = verdict.why
 
-    def record(self, rnd: int, cfg: RunConfig, version: int, eval_loss: float | None, lr: float,
-               members: Membership) -> dict[str, Any]:
+    def record(
+        self, rnd: int, cfg: RunConfig, version: int, eval_loss: float | None, lr: float, members: Membership
+    ) -> dict[str, Any]:
         """The `metrics.jsonl` record of round `rnd`; starts the next window."""
         w = self.window
         if eval_loss is not None:
@@ -83,41 +85,71 @@ class RunStats:
         now = time.perf_counter()
         islands = members.islands
         entry = {
-            "round": rnd, "version": version, "mode": cfg.mode.value, "time": time.time(),
+            "round": rnd,
+            "version": version,
+            "mode": cfg.mode.value,
+            "time": time.time(),
             "eval_loss": eval_loss,
             "train_loss": (sum(sum(v) / len(v) for v in w.losses.values()) / len(w.losses)) if w.losses else None,
             "island_train_loss": {str(i): sum(v) / len(v) for i, v in sorted(w.losses.items())},
-            "contributed": sorted(w.contributed), "rejected": w.rejected, "dropped": sorted(w.dropped),
-            "staleness": max(w.staleness, default=0), "staleness_updates": w.staleness,
-            "inner_steps": {str(i): s.inner_steps for i, s in islands.items()}, **w.extra,
-            "tokens": self.tokens - w.tokens_before, "tokens_total": self.tokens,
+            "contributed": sorted(w.contributed),
+            "rejected": w.rejected,
+            "dropped": sorted(w.dropped),
+            "staleness": max(w.staleness, default=0),
+            "staleness_updates": w.staleness,
+            "inner_steps": {str(i): s.inner_steps for i, s in islands.items()},
+            **w.extra,
+            "tokens": self.tokens - w.tokens_before,
+            "tokens_total": self.tokens,
             "tokens_applied_total": self.tokens_applied,
-            "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-            "round_seconds": now - w.t0, "wall_seconds": now - self.t0,
-            "train_seconds": now - self.t_train, "tokens_per_s": self.tokens / max(1e-9, now - self.t_train),
-            "lr": lr, "islands_alive": len(members.alive()),
-            "island_idle_fraction": {str(i): max(0.0, 1 - st.compute_s / max(1e-9, now - self.t_train))
-                                     for i, st in islands.items()
-                                     if st.state in (IslandState.TRAINING, IslandState.LATE)},
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "round_seconds": now - w.t0,
+            "wall_seconds": now - self.t0,
+            "train_seconds": now - self.t_train,
+            "tokens_per_s": self.tokens / max(1e-9, now - self.t_train),
+            "lr": lr,
+            "islands_alive": len(members.alive()),
+            "island_idle_fraction": {
+                str(i): max(0.0, 1 - st.compute_s / max(1e-9, now - self.t_train))
+                for i, st in islands.items()
+                if st.state in (IslandState.TRAINING, IslandState.LATE)
+            },
         }
         self.rounds_done = rnd
         self.window = Window(self.tokens)
         return entry
 
-    def snapshot(self, phase: RunPhase, cfg: RunConfig, version: int, members: Membership,
-                 round_seconds: float | None) -> dict[str, Any]:
+    def snapshot(
+        self, phase: RunPhase, cfg: RunConfig, version: int, members: Membership, round_seconds: float | None
+    ) -> dict[str, Any]:
         """What the control plane and the progress line show."""
         now = time.perf_counter()
         return {
-            "state": phase.value, "round": self.rounds_done, "rounds": cfg.rounds,
-            "version": version, "eval_loss": self.last_eval, "initial_eval_loss": self.initial_eval,
-            "tokens": self.tokens, "tokens_per_s": self.tokens / max(1e-9, now - self.t_train),
+            "state": phase.value,
+            "round": self.rounds_done,
+            "rounds": cfg.rounds,
+            "version": version,
+            "eval_loss": self.last_eval,
+            "initial_eval_loss": self.initial_eval,
+            "tokens": self.tokens,
+            "tokens_per_s": self.tokens / max(1e-9, now - self.t_train),
             "bytes_communicated": self.bytes_sent + self.bytes_received,
-            "islands_alive": len(members.alive()), "wall_seconds": now - self.t0, "round_seconds": round_seconds,
+            "islands_alive": len(members.alive()),
+            "wall_seconds": now - self.t0,
+            "round_seconds": round_seconds,
         }
 
-    def summary(self, phase: RunPhase, cfg: RunConfig, version: int, members: Membership, ledger: DataLedger,
-                numel: int, out: Path) -> dict[str, Any]:
+    def summary(
+        self,
+        phase: RunPhase,
+        cfg: RunConfig,
+        version: int,
+        members: Membership,
+        ledger: DataLedger,
+        numel: int,
+        out: Path,
+    ) -> dict[str, Any]:
         now = time.perf_counter()
         islands = members.summary()
         train_s = now - self.t_train
@@ -126,20 +158,31 @@ class RunStats:
         subs = sum(s["submissions"] for s in islands.values())
         alive = [s for s in islands.values() if s["state"] != IslandState.DEAD.value] or list(islands.values())
         return {
-            "mode": cfg.mode.value, "state": phase.value,
-            "rounds": cfg.rounds, "rounds_done": self.rounds_done, "inner_steps": cfg.inner_steps,
-            "initial_eval_loss": self.initial_eval, "final_eval_loss": self.last_eval,
-            "tokens": self.tokens, "tokens_applied": self.tokens_applied, "outer_steps": version,
-            "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+            "mode": cfg.mode.value,
+            "state": phase.value,
+            "rounds": cfg.rounds,
+            "rounds_done": self.rounds_done,
+            "inner_steps": cfg.inner_steps,
+            "initial_eval_loss": self.initial_eval,
+            "final_eval_loss": self.last_eval,
+            "tokens": self.tokens,
+            "tokens_applied": self.tokens_applied,
+            "outer_steps": version,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
             "bytes_communicated": self.bytes_sent + self.bytes_received,
-            "wall_seconds": now - self.t0, "train_seconds": train_s,
+            "wall_seconds": now - self.t0,
+            "train_seconds": train_s,
             "tokens_per_s": self.tokens / max(1e-9, train_s),
             "compute_seconds": sum(s["compute_s"] for s in alive) / len(alive) if alive else 0.0,
             "idle_fraction": sum(s["idle_fraction"] for s in alive) / len(alive) if alive else 0.0,
-            "num_params": numel, "islands": islands,
+            "num_params": numel,
+            "islands": islands,
             "shards": {"position": ledger.position, "tokens": ledger.tokens},
-            "staleness": {"mean": sum(s["staleness_total"] for s in islands.values()) / subs if subs else 0.0,
-                          "max": max((s["staleness_max"] for s in islands.values()), default=0)},
+            "staleness": {
+                "mean": sum(s["staleness_total"] for s in islands.values()) / subs if subs else 0.0,
+                "max": max((s["staleness_max"] for s in islands.values()), default=0),
+            },
             "out_dir": str(out.resolve()),
         }
 

@@ -5,6 +5,7 @@ run's Ray actors (so the runtime, the control plane and tests agree on them).
 Every enum is a `str` enum: it compares equal to, and serialises as, its value, so the
 JSON the control plane and `summary.json` carry is unchanged.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ def coordinator_name(run_id: str) -> str:
 def run_id_of_coordinator(name: str) -> str | None:
     """The run id in a coordinator actor's name, or None if `name` is not one."""
     prefix, suffix = "archipelago-", "-coordinator"
-    return name[len(prefix):-len(suffix)] if name.startswith(prefix) and name.endswith(suffix) else None
+    return name[len(prefix) : -len(suffix)] if name.startswith(prefix) and name.endswith(suffix) else None
 
 
 def control_plane_name(run_id: str) -> str:
@@ -60,9 +61,9 @@ class IslandState(str, Enum):
 
 class Decision(str, Enum):
     ACCEPT = "accept"
-    DOWNWEIGHT = "downweight"   # applied with a reduced weight (too stale, `stale_policy: downweight`)
+    DOWNWEIGHT = "downweight"  # applied with a reduced weight (too stale, `stale_policy: downweight`)
     REJECT = "reject"
-    DROP = "drop"               # accepted but left out on purpose (`outer.drop_prob` ablation)
+    DROP = "drop"  # accepted but left out on purpose (`outer.drop_prob` ablation)
 
 
 class Reason(str, Enum):

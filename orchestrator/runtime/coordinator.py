@@ -7,6 +7,7 @@ snapshot or queues a request the engine applies between rounds. If a checkpoint 
 `run_id` exists (Ray restarted this actor, or the user resumed the run) the engine
 continues from it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,8 +34,12 @@ class Coordinator:
         self.pool = RayIslandPool(cfg, run_id)
         self.metrics: Any = None
         self.engine: RoundEngine = build_engine(
-            cfg, self.pool, run_id, slices=lambda c, params, bounds: start_slices(c, params, bounds, run_id),
-            on_record=self._publish_metrics)
+            cfg,
+            self.pool,
+            run_id,
+            slices=lambda c, params, bounds: start_slices(c, params, bounds, run_id),
+            on_record=self._publish_metrics,
+        )
 
     def _publish_metrics(self, status: dict[str, Any], islands: dict[str, dict[str, Any]]) -> None:
         if self.metrics is not None:

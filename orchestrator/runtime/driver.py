@@ -1,6 +1,7 @@
 """The driver of a run: connect to (or start) Ray, place the coordinator and the control
 plane, show progress, forward a stop signal, and wait out Ray's restarts of a coordinator
 that died."""
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,13 @@ def init_ray(cfg: RunConfig) -> bool:
     num_cpus = cfg.ray.num_cpus or max(1, int(needed + 0.999))
     num_gpus = int(workers * cfg.islands.gpus + 0.999) if cfg.islands.gpus else None
     pythonpath = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p)
-    ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+    ray.init(
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        include_dashboard=False,
+        log_to_driver=True,
+        runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+    )
     return True
 
 
@@ -46,11 +52,19 @@ def start_coordinator(cfg: RunConfig, run_id: str) -> Any:
     Ray restarts it up to `checkpoint.max_restarts` times; it then resumes from its checkpoint."""
     node_id = ray.get_runtime_context().get_node_id()
     restarts = cfg.checkpoint.max_restarts if cfg.checkpoint.every_rounds else 0
-    return ray.remote(Coordinator).options(
-        name=coordinator_name(run_id), namespace=NAMESPACE,
-        num_cpus=0, max_concurrency=4, max_restarts=restarts, max_task_retries=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(cfg, run_id)
+    return (
+        ray.remote(Coordinator)
+        .options(
+            name=coordinator_name(run_id),
+            namespace=NAMESPACE,
+            num_cpus=0,
+            max_concurrency=4,
+            max_restarts=restarts,
+            max_task_retries=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        .remote(cfg, run_id)
+    )
 
 
 def start_control_plane(cfg: RunConfig, run_id: str) -> Any:
@@ -61,12 +75,18 @@ def start_control_plane(cfg: RunConfig, run_id: str) -> Any:
     node_id = ray.get_runtime_context().get_node_id()
     token = configured_token()  # the driver's token reaches the actor even if Ray started without it
     env = {"env_vars": {"ARCHIPELAGO_API_TOKEN": token}} if token else None
-    actor = ray.remote(ControlPlane).options(
-        name=control_plane_name(run_id), namespace=NAMESPACE, num_cpus=0, runtime_env=env,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(run_id, cfg.api.host, cfg.api.port)
-    print(f"control plane: {ray.get(actor.address.remote())}  (dashboard at /, API at /v1, docs at /docs)",
-          flush=True)
+    actor: Any = (
+        ray.remote(ControlPlane)
+        .options(
+            name=control_plane_name(run_id),
+            namespace=NAMESPACE,
+            num_cpus=0,
+            runtime_env=env,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        .remote(run_id, cfg.api.host, cfg.api.port)
+    )
+    print(f"control plane: {ray.get(actor.address.remote())}  (dashboard at /, API at /v1, docs at /docs)", flush=True)
     return actor
 
 
@@ -108,8 +128,9 @@ def run(cfg: RunConfig, poll_s: float = 0.5, show_progress: bool = True, run_id:
                 ray.shutdown()
 
 
-def _drive(cfg: RunConfig, coordinator: Any, printer: ProgressPrinter | None, poll_s: float,
-           stop: StopRequest) -> dict[str, Any]:
+def _drive(
+    cfg: RunConfig, coordinator: Any, printer: ProgressPrinter | None, poll_s: float, stop: StopRequest
+) -> dict[str, Any]:
     """Wait for the coordinator's run, showing progress, forwarding a stop signal, and
     waiting out Ray's restarts of a coordinator that died."""
     restarts, stop_sent = 0, False
@@ -120,18 +141,26 @@ def _drive(cfg: RunConfig, coordinator: Any, printer: ProgressPrinter | None, po
                 _poll(coordinator, printer)
                 if stop.event.is_set() and not stop_sent:
                     stop_sent = True
-                    print(f"\n{stop.signal_name}: stopping now (checkpoint of the last outer step, outputs written)",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"\n{stop.signal_name}: stopping now (checkpoint of the last outer step, outputs written)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     coordinator.stop.remote(now=True)
             return ray.get(done)
         except ray.exceptions.RayActorError as err:
             restarts += 1
             if restarts > cfg.checkpoint.max_restarts or not cfg.checkpoint.every_rounds:
                 raise RunFailed(f"the coordinator died {restarts} time(s): {err}") from err
-            print(f"\ncoordinator died; Ray restarts it from its last checkpoint ({restarts}/"
-                  f"{cfg.checkpoint.max_restarts})", file=sys.stderr, flush=True)
+            print(
+                f"\ncoordinator died; Ray restarts it from its last checkpoint ({restarts}/"
+                f"{cfg.checkpoint.max_restarts})",
+                file=sys.stderr,
+                flush=True,
+            )
             _await_restart(coordinator)
             stop_sent = False  # a restarted coordinator has not heard it
+
 
 def _await_restart(coordinator: Any, timeout_s: float = 300.0) -> None:
     """Wait until the restarted coordinator answers (calls made while Ray is still
@@ -162,6 +191,7 @@ def print_summary(summary: dict[str, Any], stream=sys.stdout) -> None:
         f"eval loss {summary['initial_eval_loss']:.4f} -> {summary['final_eval_loss']:.4f} | "
         f"{summary['tokens']:,} tokens in {summary['wall_seconds']:.1f}s ({summary['tokens_per_s']:,.0f} tok/s) | "
         f"{summary['bytes_communicated'] / 1e6:.1f} MB exchanged | {summary['outer_steps']} outer steps\n"
-        f"results: {out}/summary.json, {out}/metrics.jsonl, model {out}/final.pt\n")
+        f"results: {out}/summary.json, {out}/metrics.jsonl, model {out}/final.pt\n"
+    )
     stream.flush()
     time.sleep(0)  # keep output ordering with Ray's log forwarding

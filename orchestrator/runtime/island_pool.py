@@ -7,16 +7,23 @@ coordinator process, so a coordinator that crashes and restarts finds its island
 alive (inner optimizer state intact) and re-attaches to them by name. Placing never
 blocks the engine: a requested group is polled with the work in flight, and on an
 autoscaling cluster a pending group is what brings a node up."""
+
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.util.placement_group import (PlacementGroup, get_placement_group, placement_group,
-                                      placement_group_table, remove_placement_group)
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_placement_group,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.config import RunConfig
@@ -53,8 +60,12 @@ def island_bundle(cfg: RunConfig) -> dict[str, float]:
 def request_group(cfg: RunConfig, index: int, run_id: str) -> PlacementGroup:
     """Ask for an island's resources (one bundle per worker, all on one node); returns at
     once. On an autoscaling cluster a pending group is what makes the autoscaler add a node."""
-    return placement_group([bundle(cfg)] * cfg.islands.workers, strategy="STRICT_PACK",
-                           name=island_name(run_id, index), lifetime="detached")
+    return placement_group(
+        [bundle(cfg)] * cfg.islands.workers,
+        strategy="STRICT_PACK",
+        name=island_name(run_id, index),
+        lifetime="detached",
+    )
 
 
 def start_island(cfg: RunConfig, index: int, run_id: str, group: PlacementGroup, start_step: int = 0) -> IslandHandle:
@@ -66,9 +77,14 @@ def start_island(cfg: RunConfig, index: int, run_id: str, group: PlacementGroup,
 
     def worker(rank: int, **named: Any) -> Any:
         return cls.options(
-            namespace=NAMESPACE, lifetime="detached", num_cpus=cfg.islands.cpus, num_gpus=cfg.islands.gpus,
-            max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
-            **named).remote(spec)
+            namespace=NAMESPACE,
+            lifetime="detached",
+            num_cpus=cfg.islands.cpus,
+            num_gpus=cfg.islands.gpus,
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
+            **named,
+        ).remote(spec)
 
     actor = worker(0, name=island_name(run_id, index))
     if cfg.islands.workers > 1:
@@ -96,10 +112,8 @@ def release_run(run_id: str) -> None:
     prefix = f"archipelago-{run_id}-island-"
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if actor["namespace"] == NAMESPACE and actor["name"].startswith(prefix):
-            try:
+            with contextlib.suppress(ValueError):
                 ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE), no_restart=True)
-            except ValueError:
-                pass
     for pg_id, info in placement_group_table().items():
         if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED":
             remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
@@ -163,7 +177,7 @@ class RayIslandPool:
         if handle is not None:
             try:
                 release_island(handle)
-            except Exception:  # noqa: BLE001 - releasing a dead actor may fail; it is gone either way
+            except Exception:
                 log.debug("island %d was already gone", island)
 
     def demand(self, islands: int) -> None:

@@ -1,6 +1,7 @@
 """The run's metrics through `ray.util.metrics`, so they reach Ray's Prometheus pipeline
 (exported with a `ray_` prefix by every node's metrics agent, port 8080 on KubeRay) and
 the Grafana dashboard in `k8s/`. Same names and meaning as the control plane's `/metrics`."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -14,8 +15,9 @@ class RayMetrics:
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
         self.run = {key: Gauge(name, help_text, tag_keys=("run_id",)) for name, key, help_text, _ in RUN_GAUGES}
-        self.island = {key: Gauge(name, help_text, tag_keys=("run_id", "island"))
-                       for name, key, help_text, _ in ISLAND_GAUGES}
+        self.island = {
+            key: Gauge(name, help_text, tag_keys=("run_id", "island")) for name, key, help_text, _ in ISLAND_GAUGES
+        }
 
     def publish(self, status: dict[str, Any], islands: dict[str, dict[str, Any]]) -> None:
         for key, gauge in self.run.items():

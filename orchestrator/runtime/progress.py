@@ -1,5 +1,6 @@
 """Live progress of a run on the terminal (one refreshed line on a TTY, one line per round
 in logs such as `ray job logs`)."""
+
 from __future__ import annotations
 
 import sys
@@ -21,9 +22,11 @@ def format_progress(p: dict[str, Any]) -> str:
     filled = int(width * done / rounds)
     eval_loss = p.get("eval_loss")
     loss = f"{eval_loss:.4f}" if eval_loss is not None else "   -  "
-    return (f"[{'#' * filled}{'.' * (width - filled)}] round {done}/{rounds}  eval loss {loss}  "
-            f"{p.get('tokens_per_s', 0):,.0f} tok/s  {_bytes(p.get('bytes_communicated', 0))} exchanged  "
-            f"islands {p.get('islands_alive', 0)}  {p.get('wall_seconds', 0):.0f}s")
+    return (
+        f"[{'#' * filled}{'.' * (width - filled)}] round {done}/{rounds}  eval loss {loss}  "
+        f"{p.get('tokens_per_s', 0):,.0f} tok/s  {_bytes(p.get('bytes_communicated', 0))} exchanged  "
+        f"islands {p.get('islands_alive', 0)}  {p.get('wall_seconds', 0):.0f}s"
+    )
 
 
 class ProgressPrinter:

@@ -3,6 +3,7 @@ driver and SIGKILLs it a few seconds later (`RAY_JOB_STOP_WAIT_TIME_S`, default 
 Ctrl-C sends SIGINT: either one asks the coordinator to stop now, so the run abandons the
 round in flight, checkpoints the last outer step and writes its outputs in well under a
 second. A second Ctrl-C interrupts for real."""
+
 from __future__ import annotations
 
 import contextlib

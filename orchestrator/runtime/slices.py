@@ -2,6 +2,7 @@
 of the islands' pseudo-gradients straight from the islands' object stores and publishes
 its part of the new parameters for the islands to pull, so no single process relays the
 whole vector."""
+
 from __future__ import annotations
 
 import uuid
@@ -57,8 +58,16 @@ def start_slices(cfg: RunConfig, params: np.ndarray, bounds: list[tuple[int, int
     rebuilds them from its checkpoint. Named `archipelago-<run>-slice-<k>-<id>` (the id
     differs per coordinator incarnation) so operators find them in `ray list actors`."""
     incarnation = uuid.uuid4().hex[:6]
-    actors = [ray.remote(RemoteOuterSlice).options(
-        name=slice_name(run_id, k, incarnation), namespace=NAMESPACE, num_cpus=0,
-        scheduling_strategy="SPREAD", max_concurrency=1).remote(cfg, b, params[b[0]:b[1]])
-        for k, b in enumerate(bounds)]
+    actors = [
+        ray.remote(RemoteOuterSlice)
+        .options(
+            name=slice_name(run_id, k, incarnation),
+            namespace=NAMESPACE,
+            num_cpus=0,
+            scheduling_strategy="SPREAD",
+            max_concurrency=1,
+        )
+        .remote(cfg, b, params[b[0] : b[1]])
+        for k, b in enumerate(bounds)
+    ]
     return RaySlices(actors)
