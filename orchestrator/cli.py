@@ -1,12 +1,21 @@
-"""`archipelago` command line: run, config show."""
+"""`archipelago` command line: run, config show/docs, serve, bench.
+
+What a command produces (the config YAML, the reference page, the final summary, the
+progress line) goes to stdout; everything else is logged (`orchestrator.logs`), to stderr,
+at the level `-v`/`-q` choose.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
 from orchestrator.config_load import ConfigError, dump_config, load_config
+from orchestrator.logs import configure, level_for
+
+log = logging.getLogger(__name__)
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -21,25 +30,46 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _verbosity() -> argparse.ArgumentParser:
+    """-v/-q, accepted before or after the subcommand (`archipelago -v run`, `archipelago run -q`)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more detail (repeatable; -v = debug)"
+    )
+    common.add_argument(
+        "-q", "--quiet", action="count", default=argparse.SUPPRESS, help="warnings and errors only, no progress line"
+    )
+    return common
+
+
 def build_parser() -> argparse.ArgumentParser:
+    common = _verbosity()
     parser = argparse.ArgumentParser(
-        prog="archipelago", description="Low-communication training across islands on Ray."
+        prog="archipelago", description="Low-communication training across islands on Ray.", parents=[common]
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    run_p = sub.add_parser("run", help="train (default: sync DiLoCo, 4 CPU islands, small GPT on stdlib text)")
+    run_p = sub.add_parser(
+        "run", parents=[common], help="train (default: sync DiLoCo, 4 CPU islands, small GPT on stdlib text)"
+    )
     _config_args(run_p)
     run_p.add_argument("--out", help="output folder (overrides out_dir)")
     run_p.add_argument("--resume", metavar="DIR", help="continue the run whose outputs are in DIR from its checkpoint")
-    cfg_p = sub.add_parser("config", help="configuration helpers")
+    cfg_p = sub.add_parser("config", parents=[common], help="configuration helpers")
     cfg_sub = cfg_p.add_subparsers(dest="config_command", required=True)
-    show = cfg_sub.add_parser("show", help="print the resolved config as YAML")
+    show = cfg_sub.add_parser("show", parents=[common], help="print the resolved config as YAML")
     _config_args(show)
-    serve = sub.add_parser("serve", help="serve the control plane (API + dashboard) of a running job")
+    docs = cfg_sub.add_parser(
+        "docs", parents=[common], help="generate the configuration reference (docs/configuration.md) from the models"
+    )
+    docs.add_argument("--out", help="write it to this file (default: stdout)")
+    serve = sub.add_parser("serve", parents=[common], help="serve the control plane (API + dashboard) of a running job")
     serve.add_argument("--run-id", help="the job's run id (default: the only running job)")
     serve.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS or auto)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8600)
-    bench = sub.add_parser("bench", help="run a benchmark scenario; writes DIR/<scenario>.json, .png, .md")
+    bench = sub.add_parser(
+        "bench", parents=[common], help="run a benchmark scenario; writes DIR/<scenario>.json, .png, .md"
+    )
     bench.add_argument("scenario", help="quality (more plug into orchestrator/bench/registry.py)")
     bench.add_argument("--quick", action="store_true", help="smaller budget (minutes)")
     bench.add_argument("--out", default="bench-out", help="output folder")
@@ -48,16 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from orchestrator.bench.registry import available, run_bench
 
     if args.scenario not in available():
-        print(f"archipelago: unknown scenario {args.scenario!r}; available: {', '.join(available())}", file=sys.stderr)
+        log.error("unknown scenario %r; available: %s", args.scenario, ", ".join(available()))
         return 2
     result = run_bench(args.scenario, args.quick, Path(args.out), Path(args.docs) if args.docs else None)
-    print(result.summary)
-    print(f"results: {Path(args.out) / args.scenario}.json, .png, .md")
+    sys.stdout.write(f"{result.summary}\nresults: {Path(args.out) / args.scenario}.json, .png, .md\n")
     return 0
 
 
@@ -73,21 +100,37 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         run_id = find_run(args.run_id)
     except LookupError as err:
-        print(f"archipelago: {err}", file=sys.stderr)
+        log.error("%s", err)
         return 2
-    print(f"control plane of run {run_id}: http://{args.host}:{args.port}/", flush=True)
+    log.info("control plane of run %s: http://%s:%d/", run_id, args.host, args.port)
     uvicorn.run(
         create_app(RayRunHandle(run_id), configured_token()), host=args.host, port=args.port, log_level="warning"
     )
     return 0
 
 
+def _config_docs(args: argparse.Namespace) -> int:
+    from orchestrator.config_docs import render
+
+    page = render()
+    if args.out:
+        Path(args.out).write_text(page)
+        log.info("wrote %s", args.out)
+    else:
+        sys.stdout.write(page)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    level = level_for(getattr(args, "verbose", 0), getattr(args, "quiet", 0))
+    configure(level)
     if args.command == "bench":
         return _bench(args)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "config" and args.config_command == "docs":
+        return _config_docs(args)
     overrides = list(args.overrides)
     resume = getattr(args, "resume", None)
     if resume:  # the run's own resolved config, pointed at where it now lives
@@ -98,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(config_file, overrides)
     except ConfigError as err:
-        print(f"archipelago: invalid config: {err}", file=sys.stderr)
+        log.error("invalid config: %s", err)
         return 2
     if args.command == "config":
         sys.stdout.write(dump_config(cfg))
@@ -106,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     from orchestrator.runtime.driver import RunFailed, print_summary, resume_id, run
 
     try:
-        summary = run(cfg, run_id=resume_id(cfg) if resume else None)
+        summary = run(cfg, run_id=resume_id(cfg) if resume else None, show_progress=level <= logging.INFO)
     except RunFailed as err:
-        print(f"archipelago: run failed: {err}", file=sys.stderr)
+        log.error("run failed: %s", err)
         return 1
     print_summary(summary)
     return 0

@@ -40,7 +40,7 @@ class RobustConfig(_Strict):
 class IslandsConfig(_Strict):
     """How many islands and what each one holds (on a cluster: real GPUs)."""
 
-    count: int = Field(4, ge=1, le=1024)
+    count: int = Field(4, ge=1, le=1024, description="islands at the start (the target count; elastic runs change it)")
     workers: int = Field(1, ge=1, le=64, description="data-parallel workers per island (one node, STRICT_PACK)")
     cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per island worker")
     gpus: float = Field(0.0, ge=0, description="Ray GPUs per island worker; CUDA is used when > 0 and available")
@@ -71,8 +71,12 @@ class IslandsConfig(_Strict):
 class OuterConfig(_Strict):
     """Outer optimizer stepped on the token-weighted mean pseudo-gradient (docs/algorithms.md)."""
 
-    optimizer: Literal["nesterov", "sgd", "adam"] = "nesterov"
-    lr: float = Field(0.7, gt=0)
+    optimizer: Literal["nesterov", "sgd", "adam"] = Field(
+        "nesterov",
+        description="nesterov (torch SGD's Nesterov update, in place); sgd with lr 1 and momentum 0 is plain "
+        "parameter averaging (FedAvg); adam",
+    )
+    lr: float = Field(0.7, gt=0, description="outer learning rate (DiLoCo paper: 0.7)")
     momentum: float = Field(0.9, ge=0, lt=1, description="nesterov/sgd momentum")
     betas: tuple[float, float] = Field((0.9, 0.999), description="adam betas")
     drop_prob: float = Field(0.0, ge=0, lt=1, description="drop each pseudo-gradient with this probability (ablation)")
@@ -81,13 +85,20 @@ class OuterConfig(_Strict):
 class AsyncConfig(_Strict):
     """`mode: async` settings (section `asynchronous`)."""
 
-    rule: Literal["delayed_nesterov", "naive"] = "delayed_nesterov"
+    rule: Literal["delayed_nesterov", "naive"] = Field(
+        "delayed_nesterov",
+        description="Delayed Nesterov, or naive: the `outer` optimizer stepped on every arrival (the paper's "
+        "baseline that over-accelerates)",
+    )
     delay: int | None = Field(None, ge=1, description="DN's N (default: the number of islands)")
     c: float = Field(0.0, ge=0, le=1, description="DN momentum fraction between updates, in [0, 1/N]")
     dylu: bool = Field(True, description="Dynamic Local Updates: H per island from its measured speed")
     speed_smoothing: float = Field(0.5, ge=0, lt=1, description="EMA factor of measured steps/s")
     max_staleness: int | None = Field(None, ge=0, description="beyond this, apply stale_policy")
-    stale_policy: Literal["reject", "downweight"] = "reject"
+    stale_policy: Literal["reject", "downweight"] = Field(
+        "reject",
+        description="past max_staleness: reject, or scale by 1/(1 + staleness - max_staleness)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AsyncConfig:
@@ -102,7 +113,11 @@ class OverlapConfig(_Strict):
     lr: float = Field(1.0, gt=0, description="alpha, outer learning rate")
     momentum: float = Field(0.0, ge=0, lt=1, description="beta, heavy-ball outer momentum")
     clip: float | None = Field(1.0, gt=0, description="phi, element-wise outer momentum clip; null disables")
-    penalty: Literal["constant", "adaptive"] = "constant"
+    penalty: Literal["constant", "adaptive"] = Field(
+        "constant",
+        description="staleness gap penalty Lambda: constant = 1/p (the released code), "
+        "adaptive = 1/(1 + lambda ||x_n - x_s|| / (||delta|| + eps))",
+    )
     penalty_p: float = Field(1.0, ge=1, description="constant penalty: Lambda = 1/p (1 = none)")
     penalty_lambda: float = Field(1.0, ge=0, description="adaptive penalty strength")
 
@@ -110,8 +125,12 @@ class OverlapConfig(_Strict):
 class CompressionConfig(_Strict):
     """Codec of what islands send (pseudo-gradients; gradients in ddp)."""
 
-    codec: str = Field("none", description=f"one of {sorted(CODECS)}")
-    chunk: int = Field(4096, ge=16, description="values per int8 scale")
+    codec: str = Field(
+        "none",
+        description=f"one of {sorted(CODECS)}: fp32, bf16 (2x fewer bytes) or int8 with one fp32 scale per "
+        "chunk (about 4x); decoded and accumulated in fp32",
+    )
+    chunk: int = Field(4096, ge=16, description="values per int8 scale (also the alignment of coordinator slices)")
 
     @model_validator(mode="after")
     def _check(self) -> CompressionConfig:
@@ -145,19 +164,26 @@ class ElasticConfig(_Strict):
 class ApiConfig(_Strict):
     """The control plane served with the run (see the README's control-plane section)."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="serve the REST API, /metrics and the dashboard with the run")
     host: str = Field("127.0.0.1", description="0.0.0.0 to expose it (on KubeRay: through the head Service)")
-    port: int = Field(8600, ge=1, le=65535)
+    port: int = Field(8600, ge=1, le=65535, description="port of the control plane")
 
 
 class TaskSpec(_Strict):
     """The user's model and data: an import path `module:factory` and its keyword arguments."""
 
-    factory: str = "workers.lm_task:make_task"
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    factory: str = Field(
+        "workers.lm_task:make_task", description="`module:function` returning a Task, importable on every node"
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="keyword arguments of the factory, validated by the task before anything starts",
+    )
 
 
 class RayConfig(_Strict):
+    """Where the run's Ray lives."""
+
     address: str | None = Field(None, description="existing cluster; default: $RAY_ADDRESS, else start a local one")
     num_cpus: int | None = Field(
         None, ge=1, description="logical CPUs of a local instance (default: what islands need)"
@@ -184,21 +210,28 @@ class RunConfig(_Strict):
     `mode: async` is asynchronous Local-SGD (settings in `asynchronous`); `mode: overlap`
     is CO2, communication hidden behind the next round's computation (settings in `overlap`)."""
 
-    mode: Mode = Mode.DILOCO
+    mode: Mode = Field(
+        Mode.DILOCO,
+        description="diloco (synchronous DiLoCo), ddp (data-parallel baseline: k islands = k x batch), "
+        "async (asynchronous Local-SGD) or overlap (CO2)",
+    )
     rounds: int = Field(12, ge=1, description="outer rounds (ddp: rounds x inner_steps optimizer steps)")
     inner_steps: int = Field(30, ge=1, description="H, inner steps per round")
-    seed: int = 0
+    seed: int = Field(0, description="model init (identical on every island) and data order")
     data_shards: int | None = Field(None, ge=1, description="data shards islands own (default: 4 per initial island)")
     eval_every: int = Field(1, ge=1, description="evaluate the global model every N rounds")
-    round_timeout_s: float = Field(600.0, gt=0, description="a round closes without islands later than this")
-    out_dir: str = "runs/latest"
+    round_timeout_s: float = Field(
+        600.0, gt=0, description="a round closes without islands later than this (they are marked late)"
+    )
+    out_dir: str = Field("runs/latest", description="outputs: config, metrics, events, summary, final model")
+    # sections (each documented by its model's docstring in docs/configuration.md)
     islands: IslandsConfig = Field(default_factory=IslandsConfig)
     inner: InnerConfig = Field(default_factory=InnerConfig)
     outer: OuterConfig = Field(default_factory=OuterConfig)
     asynchronous: AsyncConfig = Field(default_factory=AsyncConfig)
     overlap: OverlapConfig = Field(default_factory=OverlapConfig)
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
-    link: LinkConfig = Field(default_factory=LinkConfig, description="SIMULATION: every island's link")
+    link: LinkConfig = Field(default_factory=LinkConfig)
     robust: RobustConfig = Field(default_factory=RobustConfig)
     coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

@@ -105,3 +105,15 @@ def test_engine_policies_and_algorithms_import_neither_ray_nor_fastapi():
             if bad or reach:
                 offenders[name] = sorted(bad | reach)
     assert not offenders, offenders
+
+
+def test_the_package_reports_through_logging_not_print():
+    printing = sorted(
+        name
+        for name, path in MODULES.items()
+        if any(
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"
+            for node in ast.walk(ast.parse(path.read_text()))
+        )
+    )
+    assert not printing, printing

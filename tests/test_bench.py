@@ -38,9 +38,10 @@ def test_report_files_and_docs_index(tmp_path):
     data = json.loads((tmp_path / "demo.json").read_text())
     assert data["methods"]["a"]["final_eval_loss"] == 1.0 and data["machine"]["cpus"]
     assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG"
-    write_docs_index(tmp_path)
+    (tmp_path / "architecture.md").write_text("# Architecture\n")  # another docs page: not a report
+    write_docs_index(tmp_path, ["demo", "absent"])
     index = (tmp_path / "benchmarks.md").read_text()
-    assert "## demo" in index and "demo.png" in index
+    assert "## demo" in index and "demo.png" in index and "# Architecture" not in index
 
 
 def test_unknown_scenario_is_a_clear_error(capsys):

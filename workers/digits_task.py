@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Literal
 
 import numpy as np
 import torch
@@ -16,11 +17,13 @@ from workers.task import Batch
 
 
 class DigitsConfig(BaseModel):
+    """Keyword arguments of `workers.digits_task:make_task` (needs the `examples` extra)."""
+
     model_config = ConfigDict(extra="forbid")
-    hidden: int = Field(64, ge=1)
-    batch_size: int = Field(32, ge=1)
-    eval_fraction: float = Field(0.2, gt=0, lt=1)
-    split: str = Field("iid", pattern="^(iid|non_iid)$")
+    hidden: int = Field(64, ge=1, description="MLP hidden width")
+    batch_size: int = Field(32, ge=1, description="examples per batch")
+    eval_fraction: float = Field(0.2, gt=0, lt=1, description="examples held out for the eval loss")
+    split: Literal["iid", "non_iid"] = Field("iid", description="non_iid: each shard gets a different set of labels")
 
 
 class DigitsTask:

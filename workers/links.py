@@ -25,7 +25,9 @@ class LinkConfig(BaseModel):
     """Simulated link of an island (both directions)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    preset: Literal["none", "rdma-800g", "tcp-80g", "wan-1g", "wan-100m"] = "none"
+    preset: Literal["none", "rdma-800g", "tcp-80g", "wan-1g", "wan-100m"] = Field(
+        "none", description="a transfer of n bytes is delivered latency + 8n/bandwidth later; none = instant"
+    )
     bandwidth_gbps: float | None = Field(None, gt=0, description="overrides the preset's bandwidth")
     latency_ms: float | None = Field(None, ge=0, description="overrides the preset's latency")
 

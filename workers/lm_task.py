@@ -35,23 +35,29 @@ class LMTaskConfig(BaseModel):
     """Keyword arguments of `workers.lm_task:make_task` (validated; unknown keys rejected)."""
 
     model_config = ConfigDict(extra="forbid")
-    source: Literal["stdlib", "parquet", "hf"] = "stdlib"
-    split: Literal["iid", "non_iid"] = "iid"
-    context: int = Field(128, ge=8, le=4096)
-    batch_size: int = Field(16, ge=1)
-    d_model: int = Field(128, ge=8)
-    n_layers: int = Field(4, ge=1)
-    n_heads: int = Field(4, ge=1)
-    eval_batches: int = Field(8, ge=1)
+    source: Literal["stdlib", "parquet", "hf"] = Field(
+        "stdlib",
+        description="stdlib: the Python standard library's source (no download; 1 file in 20 held out); "
+        "parquet: your files; hf: a streamed Hugging Face dataset",
+    )
+    split: Literal["iid", "non_iid"] = Field(
+        "iid", description="iid: documents shuffled; non_iid: path order, so each shard holds different packages"
+    )
+    context: int = Field(128, ge=8, le=4096, description="tokens (bytes) per sequence")
+    batch_size: int = Field(16, ge=1, description="sequences per batch")
+    d_model: int = Field(128, ge=8, description="GPT width")
+    n_layers: int = Field(4, ge=1, description="GPT blocks")
+    n_heads: int = Field(4, ge=1, description="attention heads (must divide d_model)")
+    eval_batches: int = Field(8, ge=1, description="held-out batches averaged for the eval loss")
     cache_dir: str | None = Field(None, description="where prepared shards go (default ~/.cache/archipelago)")
     train_files: str | None = Field(None, description="glob of Parquet files (source: parquet)")
     eval_files: str | None = Field(None, description="glob of held-out Parquet files (source: parquet)")
-    text_column: str = "text"
-    hf_dataset: str = "allenai/c4"
-    hf_config: str | None = "en"
+    text_column: str = Field("text", description="column holding the documents (parquet, hf)")
+    hf_dataset: str = Field("allenai/c4", description="dataset name or local builder such as 'parquet' (source: hf)")
+    hf_config: str | None = Field("en", description="dataset config (source: hf)")
     hf_data_files: str | None = Field(None, description="data_files for local builders such as 'parquet'")
-    hf_train_split: str = "train"
-    hf_eval_split: str = "validation"
+    hf_train_split: str = Field("train", description="training split (source: hf)")
+    hf_eval_split: str = Field("validation", description="held-out split (source: hf)")
 
     @model_validator(mode="after")
     def _check(self) -> LMTaskConfig:

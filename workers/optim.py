@@ -18,13 +18,17 @@ class InnerConfig(BaseModel):
     """Inner optimizer of each island (DiLoCo paper: AdamW lr 4e-4, warmup, wd 0.1)."""
 
     model_config = ConfigDict(extra="forbid")
-    optimizer: Literal["adamw", "sgd"] = "adamw"
+    optimizer: Literal["adamw", "sgd"] = Field(
+        "adamw", description="inner optimizer; each island keeps its state across rounds"
+    )
     lr: float = Field(3e-3, gt=0, description="peak learning rate")
-    weight_decay: float = Field(0.1, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay (adamw) or L2 (sgd)")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="adamw betas")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum (sgd only)")
-    warmup_steps: int = Field(50, ge=0)
-    schedule: Literal["cosine", "constant"] = "cosine"
+    warmup_steps: int = Field(50, ge=0, description="linear warmup steps at the start of the run's inner schedule")
+    schedule: Literal["cosine", "constant"] = Field(
+        "cosine", description="after warmup: cosine decay over the run's inner steps, or constant"
+    )
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
     grad_clip: float | None = Field(1.0, gt=0, description="clip grad norm before each step; null disables")
 

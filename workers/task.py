@@ -42,8 +42,9 @@ class Task(Protocol):
 
         Shards are how data follows membership changes: islands own shards, and when an
         island leaves, another continues its shards at the recorded `start`, so nothing
-        is trained twice or skipped. With one shard per island (the default) shard i is
-        simply island i's data. A task that cannot seek may skip `start` batches."""
+        is trained twice or skipped. There are more shards than islands (`data_shards`,
+        default 4 per island), so an island's data is a block of shards. A task that
+        cannot seek may skip `start` batches."""
 
     def eval_batches(self) -> Sequence[Batch]:
         """A fixed, held-out set of batches; the eval loss is their mean loss."""

@@ -36,5 +36,5 @@ def run_bench(name: str, quick: bool, out: Path, docs: Path | None = None) -> Be
     write_result(result, out)
     if docs is not None:
         write_result(result, docs)
-        write_docs_index(docs)
+        write_docs_index(docs, available())
     return result

@@ -3,6 +3,7 @@ method of a scenario is measured side by side on the same machine in one process
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,8 @@ import ray
 
 from orchestrator.config_load import load_config
 from orchestrator.runtime.driver import init_ray, run
+
+log = logging.getLogger(__name__)
 
 Table = dict[str, tuple[str, list[str]]]  # name -> (description, overrides)
 
@@ -24,10 +27,12 @@ def run_methods(base: list[str], table: Table, work: Path) -> dict[str, dict[str
             started = init_ray(cfg) or started
             summary = run(cfg, show_progress=False)
             summaries[name] = summary
-            print(
-                f"  {name:26s} final eval loss {summary['final_eval_loss']:.4f}  "
-                f"{summary['bytes_communicated'] / 1e6:9.1f} MB  {summary['train_seconds']:.0f}s",
-                flush=True,
+            log.info(
+                "  %-26s final eval loss %.4f  %9.1f MB  %.0fs",
+                name,
+                summary["final_eval_loss"],
+                summary["bytes_communicated"] / 1e6,
+                summary["train_seconds"],
             )
     finally:
         if started:

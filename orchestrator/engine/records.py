@@ -8,6 +8,7 @@ so a coordinator restarted on another node finds it."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -17,6 +18,12 @@ import torch
 
 from orchestrator.config import RunConfig
 from orchestrator.config_load import dump_config
+from orchestrator.engine.types import Event
+
+log = logging.getLogger(__name__)
+# Events an operator should see in the job's logs without asking; the rest are logged at
+# DEBUG (`archipelago -v run`) and are always in events.jsonl and /v1/events.
+_WARN = frozenset({Event.CRASH, Event.QUARANTINED, Event.JOIN_FAILED, Event.LOST, Event.LATE, Event.RESTART})
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -70,6 +77,10 @@ class EventLog:
             f.write(json.dumps(event) + "\n")
         self.recent.append(event)
         del self.recent[: -self.keep]
+        if log.isEnabledFor(logging.WARNING if kind in _WARN else logging.DEBUG):
+            where = "" if island is None else f" island {island}"
+            more = " ".join(f"{k}={v}" for k, v in detail.items())
+            log.log(logging.WARNING if kind in _WARN else logging.DEBUG, "%s%s %s", Event(kind).value, where, more)
         return event
 
 

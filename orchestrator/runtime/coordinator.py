@@ -21,6 +21,7 @@ from orchestrator.engine.controls import SettingsUpdate
 from orchestrator.engine.engine import RoundEngine, build_engine
 from orchestrator.engine.membership import IslandStats
 from orchestrator.engine.types import SliceLost
+from orchestrator.logs import configure
 from orchestrator.runtime.island_pool import RayIslandPool, island_bundle
 from orchestrator.runtime.slices import start_slices
 
@@ -28,7 +29,9 @@ log = logging.getLogger(__name__)
 
 
 class Coordinator:
-    def __init__(self, cfg: RunConfig, run_id: str = "local") -> None:
+    def __init__(self, cfg: RunConfig, run_id: str = "local", log_level: int | None = None) -> None:
+        if log_level is not None:  # the driver's -v/-q, for this process's log file too
+            configure(log_level)
         torch.set_num_threads(cfg.coordinator.threads)
         self.cfg, self.run_id = cfg, run_id
         self.pool = RayIslandPool(cfg, run_id)

@@ -4,6 +4,7 @@ that died."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -21,6 +22,8 @@ from orchestrator.runtime.island_pool import release_run
 from orchestrator.runtime.progress import ProgressPrinter
 from orchestrator.runtime.signals import StopRequest, stop_on_signals
 from workers.task import load_task
+
+log = logging.getLogger(__name__)
 
 
 def init_ray(cfg: RunConfig) -> bool:
@@ -63,8 +66,15 @@ def start_coordinator(cfg: RunConfig, run_id: str) -> Any:
             max_task_retries=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
-        .remote(cfg, run_id)
+        .remote(cfg, run_id, _configured_level())
     )
+
+
+def _configured_level() -> int | None:
+    """The level the CLI configured for Archipelago's loggers, for the coordinator's process
+    to use too; None when embedded as a library (the application's logging decides)."""
+    level = logging.getLogger("orchestrator").level
+    return level or None
 
 
 def start_control_plane(cfg: RunConfig, run_id: str) -> Any:
@@ -86,7 +96,7 @@ def start_control_plane(cfg: RunConfig, run_id: str) -> Any:
         )
         .remote(run_id, cfg.api.host, cfg.api.port)
     )
-    print(f"control plane: {ray.get(actor.address.remote())}  (dashboard at /, API at /v1, docs at /docs)", flush=True)
+    log.info("control plane: %s  (dashboard at /, API at /v1, docs at /docs)", ray.get(actor.address.remote()))
     return actor
 
 
@@ -141,10 +151,8 @@ def _drive(
                 _poll(coordinator, printer)
                 if stop.event.is_set() and not stop_sent:
                     stop_sent = True
-                    print(
-                        f"\n{stop.signal_name}: stopping now (checkpoint of the last outer step, outputs written)",
-                        file=sys.stderr,
-                        flush=True,
+                    log.warning(
+                        "%s: stopping now (checkpoint of the last outer step, outputs written)", stop.signal_name
                     )
                     coordinator.stop.remote(now=True)
             return ray.get(done)
@@ -152,11 +160,10 @@ def _drive(
             restarts += 1
             if restarts > cfg.checkpoint.max_restarts or not cfg.checkpoint.every_rounds:
                 raise RunFailed(f"the coordinator died {restarts} time(s): {err}") from err
-            print(
-                f"\ncoordinator died; Ray restarts it from its last checkpoint ({restarts}/"
-                f"{cfg.checkpoint.max_restarts})",
-                file=sys.stderr,
-                flush=True,
+            log.warning(
+                "coordinator died; Ray restarts it from its last checkpoint (%d/%d)",
+                restarts,
+                cfg.checkpoint.max_restarts,
             )
             _await_restart(coordinator)
             stop_sent = False  # a restarted coordinator has not heard it

@@ -1,0 +1,139 @@
+"""`docs/configuration.md`, generated from the pydantic models (`archipelago config docs`).
+
+The models are the one source of truth for every field's type, default, constraint and
+meaning; the page is rendered from them and a test fails when the committed page differs,
+so the reference cannot drift from the code the way a hand-kept table does.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import types
+import typing
+from typing import Any
+
+import annotated_types as at
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from orchestrator.config import RunConfig
+from workers.digits_task import DigitsConfig
+from workers.lm_task import LMTaskConfig
+
+COMMAND = "archipelago config docs --out docs/configuration.md"
+# Bundled tasks whose `task.kwargs` are documented beside the run config.
+TASKS: dict[str, type[BaseModel]] = {
+    "workers.lm_task:make_task": LMTaskConfig,
+    "workers.digits_task:make_task": DigitsConfig,
+}
+
+
+def _type(annotation: Any) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return " \\| ".join(f"`{a}`" for a in args)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        text = " \\| ".join(_type(a) for a in inner)
+        return f"{text} \\| null" if len(inner) < len(args) else text
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return " \\| ".join(f"`{m.value}`" for m in annotation)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return f"[{_section_name(annotation)}](#{_anchor(_section_name(annotation))})"
+    if origin in (list, tuple, dict):
+        parts = ", ".join("…" if a is Ellipsis else _type(a) for a in args)
+        return f"{origin.__name__}[{parts}]"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _section_name(model: type[BaseModel]) -> str:
+    for name, field in RunConfig.model_fields.items():
+        if field.annotation is model:
+            return name
+    return model.__name__
+
+
+def _anchor(title: str) -> str:
+    return "".join(c for c in title.lower().replace(" ", "-") if c.isalnum() or c in "-_")
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, BaseModel):
+        value = value.model_dump(mode="json")
+    return f"`{json.dumps(value, default=str)}`"
+
+
+def _constraints(field: FieldInfo) -> str:
+    bounds = {at.Ge: ("≥", "ge"), at.Gt: (">", "gt"), at.Le: ("≤", "le"), at.Lt: ("<", "lt")}
+    out = []
+    for meta in field.metadata:
+        for kind, (symbol, attr) in bounds.items():
+            if isinstance(meta, kind):
+                out.append(f"{symbol} {getattr(meta, attr)}")
+        if getattr(meta, "pattern", None):
+            out.append(f"matches `{meta.pattern}`")
+    return ", ".join(out)
+
+
+def _rows(prefix: str, model: type[BaseModel]) -> tuple[list[str], list[tuple[str, type[BaseModel]]]]:
+    rows, sections = [], []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel) and model is RunConfig:
+            sections.append((name, annotation))
+            continue
+        default = field.get_default(call_default_factory=True)
+        description = (field.description or "").replace("|", "\\|").replace("\n", " ")
+        rows.append(
+            f"| `{prefix}{name}` | {_type(annotation)} | {_value(default)} | {_constraints(field)} | {description} |"
+        )
+    return rows, sections
+
+
+def _table(prefix: str, model: type[BaseModel]) -> tuple[list[str], list[tuple[str, type[BaseModel]]]]:
+    rows, sections = _rows(prefix, model)
+    head = ["| field | type | default | constraint | meaning |", "| --- | --- | --- | --- | --- |"]
+    return head + rows, sections
+
+
+def _doc(model: type[BaseModel]) -> str:
+    return " ".join((model.__doc__ or "").split())
+
+
+def render() -> str:
+    """The whole page, deterministic (a test compares it with the committed file)."""
+    out = [
+        "# Configuration reference",
+        "",
+        f"Generated from the pydantic models by `{COMMAND}`; do not edit by hand (a test fails",
+        "when this page and the models disagree).",
+        "",
+        "A run is configured by YAML (`archipelago run --config my.yaml`; `archipelago config show` prints",
+        "the resolved config) and dotted overrides (`--set outer.lr=0.5 --set islands.count=2`). Unknown",
+        "keys and out-of-range values are errors that name the field (`outer.lr: Input should be greater",
+        "than 0`); the run exits with status 2 and nothing starts. `null` in YAML is `None`.",
+        "",
+        "## Run",
+        "",
+        _doc(RunConfig),
+        "",
+    ]
+    table, sections = _table("", RunConfig)
+    out += [*table, ""]
+    for name, model in sections:
+        out += [f"## {name}", "", _doc(model), ""]
+        out += [*_table(f"{name}.", model)[0], ""]
+    out += [
+        "## Bundled tasks' `task.kwargs`",
+        "",
+        "Each task validates its own keyword arguments before anything starts (errors name",
+        "`task.kwargs.<field>`). How to write your own task: [tasks.md](tasks.md).",
+        "",
+    ]
+    for factory, model in TASKS.items():
+        out += [f"### `{factory}`", "", _doc(model), ""]
+        out += [*_table("task.kwargs.", model)[0], ""]
+    return "\n".join(out)

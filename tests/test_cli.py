@@ -1,0 +1,71 @@
+"""The command line's logging: -v/-q choose the level anywhere on the line, one handler per
+process however often it is configured, membership faults logged as warnings."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+
+from orchestrator.cli import build_parser, main
+from orchestrator.engine.records import EventLog
+from orchestrator.engine.types import Event
+from orchestrator.logs import PACKAGES, configure, level_for
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    yield
+    for name in PACKAGES:  # leave the process as an embedding application would find it
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.setLevel(logging.NOTSET)
+        logger.propagate = True
+
+
+def test_verbosity_flags_set_the_level_before_or_after_the_subcommand():
+    assert level_for(0, 0) == logging.INFO
+    assert level_for(1, 0) == logging.DEBUG and level_for(3, 0) == logging.DEBUG
+    assert level_for(0, 1) == logging.WARNING and level_for(0, 2) == logging.ERROR
+    parser = build_parser()
+    for argv in (["-v", "config", "show"], ["config", "show", "-v"], ["run", "-v", "--set", "rounds=1"]):
+        assert getattr(parser.parse_args(argv), "verbose", 0) == 1, argv
+    assert getattr(parser.parse_args(["run", "-qq"]), "quiet", 0) == 2
+
+
+def test_one_handler_however_often_configured_and_it_follows_stderr(capsys):
+    configure(logging.INFO)
+    configure(logging.INFO)
+    assert len(logging.getLogger("orchestrator").handlers) == 1
+    logging.getLogger("orchestrator.runtime.driver").info("hello")
+    logging.getLogger("workers.island").debug("not at INFO")
+    assert capsys.readouterr().err == "archipelago: hello\n"
+    configure(logging.DEBUG)
+    logging.getLogger("api.app").debug("detail")
+    err = capsys.readouterr().err
+    assert " DEBUG api.app: detail" in err
+
+
+def test_membership_faults_are_warnings_and_routine_events_debug(tmp_path):
+    stream = io.StringIO()
+    configure(logging.INFO, stream)
+    events = EventLog(tmp_path / "events.jsonl")
+    events.add(Event.JOIN, 1)
+    events.add(Event.CRASH, 2, error="node lost")
+    assert stream.getvalue() == "archipelago: crash island 2 error=node lost\n"
+    assert len((tmp_path / "events.jsonl").read_text().splitlines()) == 2  # the file has every event
+
+
+def test_quiet_config_show_prints_only_the_yaml(capsys):
+    assert main(["-q", "config", "show", "--set", "rounds=3"]) == 0
+    out = capsys.readouterr()
+    assert "rounds: 3" in out.out and out.err == ""
+
+
+def test_config_docs_writes_the_reference(tmp_path, capsys):
+    from orchestrator.config_docs import render
+
+    assert main(["config", "docs", "--out", str(tmp_path / "c.md")]) == 0
+    assert (tmp_path / "c.md").read_text() == render()
+    assert "wrote" in capsys.readouterr().err

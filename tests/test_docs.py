@@ -1,0 +1,162 @@
+"""The documentation cannot drift from the code: the configuration reference is regenerated
+and compared, every config field documents itself, every link and anchor resolves, the
+control-plane routes in operations.md are the app's OpenAPI routes, the task example in
+tasks.md runs, and the README keeps to its size and its two commands."""
+
+from __future__ import annotations
+
+import re
+import sys
+import types
+import typing
+
+import pytest
+from pydantic import BaseModel
+
+from orchestrator.config import RunConfig
+from orchestrator.config_docs import TASKS, render
+from orchestrator.config_load import ConfigError, load_config
+from tests.conftest import REPO
+
+DOCS = REPO / "docs"
+PAGES = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def test_the_configuration_page_is_the_generated_one():
+    committed = (DOCS / "configuration.md").read_text()
+    assert committed == render(), (
+        "docs/configuration.md is stale: run `archipelago config docs --out docs/configuration.md`"
+    )
+
+
+def _models(model: type[BaseModel], seen: set[type[BaseModel]]) -> None:
+    if model in seen:
+        return
+    seen.add(model)
+    for field in model.model_fields.values():
+        for t in (field.annotation, *typing.get_args(field.annotation)):
+            for inner in (t, *typing.get_args(t)):
+                if isinstance(inner, type) and issubclass(inner, BaseModel):
+                    _models(inner, seen)
+
+
+def test_every_config_field_says_what_it_means():
+    models: set[type[BaseModel]] = set()
+    for root in (RunConfig, *TASKS.values()):
+        _models(root, models)
+    assert len(models) > 12
+    missing = [
+        f"{m.__name__}.{name}"
+        for m in models
+        for name, field in m.model_fields.items()
+        if not field.description
+        and not (m is RunConfig and isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel))
+    ]
+    undocumented_sections = [m.__name__ for m in models if not (m.__doc__ or "").strip()]
+    assert not missing and not undocumented_sections, (missing, undocumented_sections)
+
+
+def test_the_generated_page_shows_types_defaults_and_constraints():
+    page = render()
+    assert "| `inner_steps` | int | `30` | ≥ 1 |" in page
+    assert '| `mode` | `diloco` \\| `ddp` \\| `async` \\| `overlap` | `"diloco"` |' in page
+    assert "| `outer.momentum` | float | `0.9` | ≥ 0, < 1 |" in page
+    assert "| `task.kwargs.context` | int | `128` | ≥ 8, ≤ 4096 |" in page
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(text: str) -> set[str]:
+    fence, out = False, set()
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fence = not fence
+        elif not fence and (m := re.match(r"^#{1,6} (.+)$", line)):
+            out.add(_slug(m.group(1)))
+    return out
+
+
+def test_every_relative_link_and_anchor_resolves():
+    broken = []
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text()):
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert not broken, broken
+
+
+def test_the_slug_matches_githubs():
+    assert _slug("DiLoCo (`mode: diloco`) — Douillard et al., 2023, arXiv 2311.08105") == (
+        "diloco-mode-diloco--douillard-et-al-2023-arxiv-231108105"
+    )
+    assert _slug("Bundled tasks' `task.kwargs`") == "bundled-tasks-taskkwargs"
+
+
+def test_the_readme_is_short_and_gives_the_two_commands_ci_runs():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.encode()) <= 8 * 1024, f"README is {len(readme.encode())} bytes"
+    assert "pip install -e . && archipelago run\n" in readme
+    test_command = "pip install -e '.[test]' && python -m pytest -q"
+    assert test_command in readme and test_command in (REPO / ".ci" / "run").read_text()
+    # the maths is cited from the project's own docs/algorithms.md, never an outside document
+    cited = "ALGORITHMS " + "§"
+    sources = [p for pkg in ("orchestrator", "workers", "api") for p in (REPO / pkg).rglob("*.py")]
+    assert not [p.name for p in sources if cited in p.read_text()]
+
+
+def test_operations_lists_exactly_the_control_planes_routes():
+    from api.app import create_app
+    from tests.fake_handle import FakeRun
+
+    app = create_app(FakeRun(), "token")
+    routes = {f"{method.upper()} {path}" for path, ops in app.openapi()["paths"].items() for method in ops} | {
+        "GET /"
+    }  # the dashboard, left out of the schema on purpose
+    text = (DOCS / "operations.md").read_text()
+    documented = {m.group(1) for m in re.finditer(r"^\| `((?:GET|POST|PUT|PATCH|DELETE) /[^` ?]*)", text, re.M)}
+    assert documented == routes, (sorted(routes - documented), sorted(documented - routes))
+
+
+def _example_task_module() -> types.ModuleType:
+    text = (DOCS / "tasks.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S)
+    assert code, "tasks.md has no python example"
+    module = types.ModuleType("docs_task_example")
+    exec(compile(code.group(1), "docs/tasks.md", "exec"), module.__dict__)
+    return module
+
+
+def test_the_task_example_in_the_docs_trains(tmp_path, monkeypatch):
+    from tests.helpers import in_process_engine
+    from workers.task import Task, load_task
+
+    monkeypatch.setitem(sys.modules, "docs_task_example", _example_task_module())
+    assert isinstance(load_task("docs_task_example:make_task", {"dim": 4}), Task)
+    with pytest.raises(ConfigError, match=r"task\.kwargs\.dim"):
+        load_config(None, ["task.factory=docs_task_example:make_task", "task.kwargs.dim=0"])
+    cfg = load_config(
+        None,
+        [
+            "task.factory=docs_task_example:make_task",
+            "islands.count=2",
+            "rounds=4",
+            "inner_steps=10",
+            "inner.lr=0.05",
+            "inner.warmup_steps=0",
+            f"out_dir={tmp_path}",
+        ],
+    )
+    engine, _ = in_process_engine(cfg)
+    summary = engine.execute()
+    assert summary["final_eval_loss"] < 0.5 * summary["initial_eval_loss"], summary
