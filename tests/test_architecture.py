@@ -83,6 +83,14 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 MODULES = _modules()
 IMPORTS = {name: _imports(path, name) for name, path in MODULES.items()}
 GRAPH = _graph()
+PRINTING = sorted(
+    name
+    for name, path in MODULES.items()
+    if any(
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"
+        for node in ast.walk(ast.parse(path.read_text()))
+    )
+)
 
 
 def test_no_import_cycle_among_the_projects_modules():
@@ -108,12 +116,4 @@ def test_engine_policies_and_algorithms_import_neither_ray_nor_fastapi():
 
 
 def test_the_package_reports_through_logging_not_print():
-    printing = sorted(
-        name
-        for name, path in MODULES.items()
-        if any(
-            isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"
-            for node in ast.walk(ast.parse(path.read_text()))
-        )
-    )
-    assert not printing, printing
+    assert not PRINTING, PRINTING
