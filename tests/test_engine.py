@@ -185,6 +185,16 @@ def test_join_and_drain_mid_run(tmp_path, mode):
     assert "drain" in kinds and "released" in kinds
 
 
+@pytest.mark.parametrize("mode", ["diloco", "async", "overlap"])
+def test_an_island_without_a_free_shard_never_holds_a_round_open(tmp_path, mode):
+    """More islands than data shards: one island gets no shard to train. It must sit the
+    round out, not be waited for (overlap's close waits for islands about to start a round:
+    this hung a chaos run whose joins outnumbered the shards)."""
+    cfg = _cfg(tmp_path, mode, "data_shards=4", "rounds=8")
+    summary = _run(cfg, at={2: lambda e: e.add_islands(2)})
+    assert summary["rounds_done"] == 8 and len(summary["islands"]) == 5
+
+
 def test_drain_abandon_gives_its_batches_to_the_next_owner(tmp_path):
     cfg = _cfg(tmp_path, "async", "elastic.drain=abandon")
     summary = _run(cfg, at={2: lambda e: e.members.drain(1)})

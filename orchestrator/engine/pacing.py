@@ -217,6 +217,7 @@ class OneRoundLag:
         self.next_round: dict[int, int] = {}
         self.arrivals: dict[int, list[Flight]] = {}
         self.dispatched: dict[int, int] = {}  # round -> flights handed out for it
+        self.stalled: set[int] = set()  # islands whose last work found no free shard
 
     def plan(self, run: RunState, idle: list[int]) -> list[Work]:
         if run.stopping:
@@ -226,18 +227,26 @@ class OneRoundLag:
         head_free = not self.dispatched.get(head) and not self.arrivals.get(head)
         for i in idle:
             t = self.next_round.get(i)
-            if t is None:  # new or re-admitted: the head round if nobody trains it and it starts from
-                # the newest version, else the one after (which does)
+            if t is None or t <= run.version:  # new, re-admitted, or its round closed while it was
+                # stalled: the head round if nobody trains it and it starts from the newest
+                # version, else the one after (which does)
                 t = head if head_free and start_version(head, run.base) == run.version else head + 1
                 self.next_round[i] = t
             if t > run.rounds or run.version < start_version(t, run.base):
                 continue  # past the budget, or waiting for the version its round starts from
+            self.stalled.discard(i)  # `cancel` marks it again if no shard is free
             out.append(Work(i, t, start_version(t, run.base), run.inner_steps))
             self.dispatched[t] = self.dispatched.get(t, 0) + 1
         return out
 
     def cancel(self, work: Work) -> None:
+        """No free data shard for it now (more islands than shards, or its shards are still
+        reserved by results the next close commits). `next_close` waits for islands about to
+        start a round; waiting for one that cannot start would hold that round, and the
+        commit that frees the shards, open forever. So it is marked stalled, and the round
+        may close without it; it joins a later round once a shard is free."""
         self.dispatched[work.round] -= 1
+        self.stalled.add(work.island)
 
     def arrived(self, flight: Flight) -> None:
         t = flight.work.round
@@ -256,7 +265,8 @@ class OneRoundLag:
         if t > run.rounds or any(f.work.round == t for f in in_flight):
             return None
         busy = {f.work.island for f in in_flight}
-        if not run.stopping and any(self.next_round.get(i) == t for i in run.members.schedulable() if i not in busy):
+        waiting = [i for i in run.members.schedulable() if i not in busy and i not in self.stalled]
+        if not run.stopping and any(self.next_round.get(i) == t for i in waiting):
             return None  # an island that delivered round t−1 is about to start round t
         if not self.arrivals.get(t):
             later = any(r > t for r in self.arrivals) or any(f.work.round > t for f in in_flight)
