@@ -128,6 +128,13 @@ def test_operations_lists_exactly_the_control_planes_routes():
     assert documented == routes, (sorted(routes - documented), sorted(documented - routes))
 
 
+def test_operations_names_every_event_kind():
+    from orchestrator.engine.types import Event
+
+    text = (DOCS / "operations.md").read_text()
+    assert not [e.value for e in Event if f"`{e.value}`" not in text]
+
+
 def _example_task_module() -> types.ModuleType:
     text = (DOCS / "tasks.md").read_text()
     code = re.search(r"```python\n(.*?)```", text, re.S)
