@@ -4,10 +4,13 @@ request gets a 4xx with a reason, and nothing a client sends reaches the run unv
 
 from __future__ import annotations
 
+import math
 from importlib import resources
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 
 from api import prometheus
@@ -16,17 +19,40 @@ from api.handle import HandleError, RunHandle
 from api.schemas import Accepted, AddIslands, Settings, Target
 
 
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+class FiniteJSONResponse(JSONResponse):
+    """JSON has no NaN or Infinity, and Starlette refuses to write them (a 500): a diverged
+    run's loss, or a client's `NaN` echoed back in a 422, is written as `null`."""
+
+    def render(self, content: Any) -> bytes:
+        return super().render(_finite(content))
+
+
 def create_app(handle: RunHandle, token: str | None) -> FastAPI:
     app = FastAPI(
         title="Archipelago control plane",
         version="1",
         description="Watch a run, scale its islands, pause/resume/stop it, change settings at round boundaries.",
+        default_response_class=FiniteJSONResponse,
     )
     auth = [Depends(bearer_guard(token))]
 
     @app.exception_handler(HandleError)
     async def _refused(_: Request, err: HandleError) -> JSONResponse:
-        return JSONResponse({"detail": err.message}, status_code=err.status)
+        return FiniteJSONResponse({"detail": err.message}, status_code=err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        return FiniteJSONResponse({"detail": jsonable_encoder(err.errors())}, status_code=422)
 
     @app.get("/v1/run", summary="Run status: mode, version, tokens, eval loss, rounds, islands, state")
     def run_status() -> dict[str, Any]:

@@ -26,7 +26,10 @@ def bearer_guard(token: str | None):
             raise HTTPException(403, "mutations are disabled: no API token is configured (ARCHIPELAGO_API_TOKEN)")
         if not authorization or not authorization.startswith("Bearer "):
             raise HTTPException(401, "missing bearer token", headers={"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(authorization[len("Bearer ") :].strip(), token):
+        # On bytes: the server decodes header bytes as latin-1, so any bytes a client sends
+        # come back as they were; comparing str would raise on non-ASCII (a 500).
+        given = authorization[len("Bearer ") :].strip().encode("latin-1", errors="replace")
+        if not hmac.compare_digest(given, token.encode("utf-8")):
             raise HTTPException(403, "wrong token")
 
     return check

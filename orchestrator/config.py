@@ -46,10 +46,13 @@ class IslandsConfig(_Strict):
     gpus: float = Field(0.0, ge=0, description="Ray GPUs per island worker; CUDA is used when > 0 and available")
     threads: int | None = Field(None, ge=1, description="torch threads per island (default: cpus, at least 1)")
     links: list[LinkConfig] | None = Field(
-        None, description="SIMULATION: per-island links (default: the run's `link` for every island)"
+        None,
+        description="SIMULATION: one link per initial island; joiners and replacements use the run's `link`",
     )
     simulated_slowdown: list[float] | None = Field(
-        None, description="SIMULATION: per-island factor >= 1 stretching every inner step (2 = half speed)"
+        None,
+        description="SIMULATION: one factor >= 1 per initial island stretching every inner step (2 = half speed); "
+        "joiners and replacements run at 1",
     )
 
     @model_validator(mode="after")
@@ -65,7 +68,9 @@ class IslandsConfig(_Strict):
         return self
 
     def slowdown(self, index: int) -> float:
-        return self.simulated_slowdown[index] if self.simulated_slowdown else 1.0
+        """Island `index`'s factor; islands past the list (joiners, replacements) run at full speed."""
+        s = self.simulated_slowdown
+        return s[index] if s and index < len(s) else 1.0
 
 
 class OuterConfig(_Strict):
@@ -263,7 +268,9 @@ class RunConfig(_Strict):
         return self.data_shards or 4 * self.islands.count
 
     def island_link(self, index: int) -> LinkConfig:
-        return self.islands.links[index] if self.islands.links else self.link
+        """Island `index`'s link; islands past `islands.links` (joiners, replacements) use `link`."""
+        links = self.islands.links
+        return links[index] if links and index < len(links) else self.link
 
     @property
     def total_inner_steps(self) -> int:

@@ -103,3 +103,37 @@ def test_mutations_refused_without_a_configured_token():
     with serving(create_app(run, None)) as url:
         r = httpx.post(f"{url}/v1/run/stop", headers={"Authorization": "Bearer anything"})
     assert r.status_code == 403 and "no API token" in r.json()["detail"] and not run.stopped
+
+
+def test_a_non_ascii_bearer_is_refused_with_a_403_not_a_500(api):
+    client, run = api
+    for raw in (b"Bearer \xe9\xff", "Bearer é".encode(), b"Bearer " + TOKEN.encode() + b"\xe9"):
+        r = client.post("/v1/run/pause", headers=[(b"Authorization", raw)])
+        assert r.status_code == 403, (raw, r.status_code, r.text)
+    assert not run.paused
+    assert client.post("/v1/run/pause", headers=AUTH).status_code == 202 and run.paused
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/v1/islands", b'{"count": NaN}'),
+        ("PUT", "/v1/islands/target", b'{"target": Infinity}'),
+        ("PATCH", "/v1/run/settings", b'{"outer_lr": -Infinity}'),
+        ("PATCH", "/v1/run/settings", b'{"outer_lr": NaN, "inner_steps": 5}'),
+    ],
+)
+def test_non_finite_numbers_in_a_body_get_a_422_in_valid_json(api, method, path, body):
+    client, run = api
+    before = (run.target, dict(run.settings))
+    r = client.request(method, path, content=body, headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["detail"], r.text  # parseable JSON, with a reason
+    assert (run.target, run.settings) == before
+
+
+def test_a_diverged_runs_nan_loss_is_served_as_null(api, monkeypatch):
+    client, run = api
+    status = {**run.status(), "eval_loss": float("nan"), "train_loss": float("inf")}
+    monkeypatch.setattr(run, "status", lambda: status)
+    r = client.get("/v1/run")
+    assert r.status_code == 200 and r.json()["eval_loss"] is None and r.json()["train_loss"] is None

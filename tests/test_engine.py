@@ -21,7 +21,7 @@ from orchestrator.config import RunConfig
 from orchestrator.config_load import load_config
 from orchestrator.engine.engine import RoundEngine, build_engine
 from orchestrator.engine.pool import Fault, FaultKind
-from orchestrator.engine.types import RunFailed
+from orchestrator.engine.types import Event, RunFailed
 from tests.helpers import in_process_engine
 from tests.toy_tasks import READS
 
@@ -193,6 +193,57 @@ def test_an_island_without_a_free_shard_never_holds_a_round_open(tmp_path, mode)
     cfg = _cfg(tmp_path, mode, "data_shards=4", "rounds=8")
     summary = _run(cfg, at={2: lambda e: e.add_islands(2)})
     assert summary["rounds_done"] == 8 and len(summary["islands"]) == 5
+
+
+@pytest.mark.parametrize("sim", ["islands.simulated_slowdown=[1.0,2.0,3.0]", "islands.links=[{},{},{preset: wan-1g}]"])
+def test_simulated_speeds_and_links_survive_joins_and_replacements(tmp_path, sim):
+    """Per-island simulation lists cover the initial islands; a joiner or a replacement (an
+    index past the list) used to crash the run with IndexError."""
+    cfg = _cfg(tmp_path, "async", sim)
+    summary = _run(cfg, [Fault(FaultKind.CRASH, 1, order=2)], at={2: lambda e: e.add_islands(1)})
+    assert summary["rounds_done"] == 6 and {"3", "4"} <= set(summary["islands"])
+
+
+def test_operator_requests_compose_within_a_round(tmp_path):
+    """Requests made between two engine steps: two adds make +2 (each used to read the stale
+    target: both answered 4), a target then an add compose, and draining below
+    elastic.min_islands is refused when asked (DELETE on every island emptied the run)."""
+    from orchestrator.engine.membership import MembershipError
+
+    cfg = _cfg(tmp_path, "diloco", "elastic.min_islands=2")
+    engine, _ = in_process_engine(cfg)
+    engine.start()
+    engine.step()
+    assert engine.add_islands(1) == 4 and engine.add_islands(1) == 5
+    assert engine.set_target(3) == 3 and engine.add_islands(2) == 5
+    engine.step()
+    assert engine.members.target == 5
+    engine.members.drain(0)
+    engine.members.drain(1)
+    engine.members.drain(2)
+    with pytest.raises(MembershipError, match=r"below elastic\.min_islands"):
+        engine.members.drain(3)
+    with pytest.raises(MembershipError, match="not training"):
+        engine.step()
+        engine.members.drain(0)
+    while engine.step():
+        pass
+    assert engine.summary["rounds_done"] == 6 and engine.members.target == 2
+    assert sorted(i for i, s in engine.summary["islands"].items() if s["state"] == "drained") == ["0", "1", "2"]
+
+
+def test_the_event_cursor_survives_trimming(tmp_path):
+    from orchestrator.engine.records import EventLog
+
+    log = EventLog(tmp_path / "events.jsonl", keep=5)
+    for i in range(12):
+        log.add(Event.TARGET, target=i)
+    assert [e["target"] for e in log.since(10)] == [10, 11]  # was [] once more than `keep` existed
+    assert [e["target"] for e in log.since(0)] == [7, 8, 9, 10, 11]  # a reader far behind: what is kept
+    assert log.since(12) == []
+    resumed = EventLog(tmp_path / "events.jsonl", keep=5, append=True)  # a restarted coordinator
+    resumed.add(Event.RESTART)
+    assert resumed.count == 13 and [e["kind"] for e in resumed.since(12)] == ["restart"]
 
 
 def test_drain_abandon_gives_its_batches_to_the_next_owner(tmp_path):

@@ -220,6 +220,7 @@ class RoundEngine:
                 self.events.add(Event.TARGET, None, target=value)
             elif kind == "drain" and self._start_drain(value):
                 m.target = max(0, m.target - 1)  # a drained island is not replaced
+        m.settle()
         self._demand()
         self._expire_joins()
         surplus = len(m.live()) + len(m.pending) - m.target
@@ -557,7 +558,7 @@ class RoundEngine:
         self.ledger.load(state["ledger"])
         self.run.completed_steps = state["completed_steps"]
         self.stats.load(state["counters"])
-        self.members.target = state["target"]
+        self.members.target = self.members.requested = state["target"]
         self.pacing.resume(self.run)
 
     # -- what the control plane reads ----------------------------------------------------------------
@@ -584,7 +585,7 @@ class RoundEngine:
         return self.members.set_target(n)
 
     def add_islands(self, n: int) -> int:
-        return self.members.set_target(self.members.target + n)
+        return self.members.add_islands(n)
 
     def stop(self, now: bool = False) -> None:
         """Finish the round in flight, checkpoint, write the outputs, end the run. With

@@ -66,16 +66,25 @@ class EventLog:
 
     def __init__(self, path: Path, keep: int = 1000, append: bool = False) -> None:
         self.path = path
-        if not append:
+        if not append or not path.exists():
             path.write_text("")
         self.keep = keep
         self.recent: list[dict[str, Any]] = []
+        self.count = len(path.read_text().splitlines())  # events ever logged, the file's too
+
+    def since(self, index: int) -> list[dict[str, Any]]:
+        """Events from absolute index `index` on (a cursor: pass how many you have seen).
+        Only the last `keep` are held in memory; a reader further behind gets those, and
+        the whole log is in the file."""
+        first = self.count - len(self.recent)
+        return self.recent[max(0, index - first) :]
 
     def add(self, kind: str, island: int | None = None, **detail: Any) -> dict[str, Any]:
         event = {"time": time.time(), "kind": kind, "island": island, **detail}
         with open(self.path, "a") as f:
             f.write(json.dumps(event) + "\n")
         self.recent.append(event)
+        self.count += 1
         del self.recent[: -self.keep]
         if log.isEnabledFor(logging.WARNING if kind in _WARN else logging.DEBUG):
             where = "" if island is None else f" island {island}"

@@ -78,7 +78,7 @@ class Coordinator:
         return out
 
     def events_since(self, index: int = 0) -> list[dict[str, Any]]:
-        return self.engine.events.recent[index:]
+        return self.engine.events.since(index)
 
     def history(self, since: int = 0) -> list[dict[str, Any]]:
         """metrics.jsonl records from round `since` on (for charts)."""
