@@ -26,6 +26,24 @@ TINY_LM = [
 ]
 
 
+_CENTERS = ("[1.0,0.0]", "[-0.5,2.0]", "[0.5,0.5]")
+
+
+def toy_quadratic(islands: int, batch_s: float, *extra: str) -> list[str]:
+    """Overrides for the toy quadratic task most Ray tests train: one center per island,
+    `batch_s` seconds per batch (so rounds take real time), plain SGD with no warmup."""
+    return [
+        "task.factory=tests.toy_tasks:make_quadratic",
+        f"task.kwargs.centers=[{','.join(_CENTERS[:islands])}]",
+        f"task.kwargs.batch_s={batch_s}",
+        f"islands.count={islands}",
+        "inner.optimizer=sgd",
+        "inner.lr=0.1",
+        "inner.warmup_steps=0",
+        *extra,
+    ]
+
+
 def run_until_records(cfg: RunConfig, run_id: str, records: int, timeout_s: float = 120.0):
     """Start `run(cfg)` in a thread and return once metrics.jsonl has `records` rounds, so a
     test can break something mid-run; returns (thread, box), the summary lands in box."""

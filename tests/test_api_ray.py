@@ -10,6 +10,7 @@ import pytest
 
 from orchestrator.config_load import load_config
 from orchestrator.runtime.driver import run
+from tests.helpers import toy_quadratic
 from tests.http_server import free_port
 
 pytestmark = pytest.mark.ray
@@ -20,21 +21,16 @@ def test_control_plane_watches_and_scales_a_live_run(ray_local, tmp_path, monkey
     port = free_port()
     cfg = load_config(
         None,
-        [
-            "task.factory=tests.toy_tasks:make_quadratic",
-            "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0]]",
-            "task.kwargs.batch_s=0.03",
-            "islands.count=2",
+        toy_quadratic(
+            2,
+            0.03,
             "islands.cpus=0.5",
-            "inner.optimizer=sgd",
-            "inner.lr=0.1",
-            "inner.warmup_steps=0",
             "inner_steps=4",
             "rounds=3000",
             "api.enabled=true",
             f"api.port={port}",
             f"out_dir={tmp_path / 'out'}",
-        ],
+        ),
     )
     box = {}
     thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id="apitest")))

@@ -15,6 +15,7 @@ from orchestrator.config_load import load_config
 from orchestrator.engine.types import island_name
 from orchestrator.runtime.driver import run
 from tests.conftest import REPO
+from tests.helpers import toy_quadratic
 
 pytestmark = pytest.mark.ray
 
@@ -44,19 +45,7 @@ def test_node_loss_closes_the_round_and_a_new_node_brings_a_new_island(cluster, 
     c, workers = cluster
     cfg = load_config(
         None,
-        [
-            "task.factory=tests.toy_tasks:make_quadratic",
-            "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]",
-            "task.kwargs.batch_s=0.05",
-            "islands.count=3",
-            "inner.optimizer=sgd",
-            "inner.lr=0.1",
-            "inner.warmup_steps=0",
-            "inner_steps=4",
-            "rounds=70",
-            "round_timeout_s=30",
-            f"out_dir={tmp_path / 'out'}",
-        ],
+        toy_quadratic(3, 0.05, "inner_steps=4", "rounds=70", "round_timeout_s=30", f"out_dir={tmp_path / 'out'}"),
     )
     box = {}
     thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id="nodes")))

@@ -12,6 +12,7 @@ import ray
 from orchestrator.config_load import load_config
 from orchestrator.engine.types import NAMESPACE
 from orchestrator.runtime.driver import run
+from tests.helpers import toy_quadratic
 
 pytestmark = pytest.mark.ray
 
@@ -24,20 +25,15 @@ def _lines(path):
 def test_settings_pause_resume_and_stop(ray_local, tmp_path, mode):
     cfg = load_config(
         None,
-        [
-            "task.factory=tests.toy_tasks:make_quadratic",
-            "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0]]",
-            "task.kwargs.batch_s=0.03",
-            "islands.count=2",
-            "inner.optimizer=sgd",
-            "inner.lr=0.1",
-            "inner.warmup_steps=0",
+        toy_quadratic(
+            2,
+            0.03,
             "inner_steps=4",
             "rounds=200",
             "checkpoint.every_rounds=10",
             f"mode={mode}",
             f"out_dir={tmp_path / 'out'}",
-        ],
+        ),
     )
     box = {}
     run_id = f"controls{mode}"

@@ -8,23 +8,12 @@ import pytest
 
 from orchestrator.config_load import load_config
 from orchestrator.runtime.driver import run
+from tests.helpers import toy_quadratic
 
 pytestmark = pytest.mark.ray
 
 # 2 parameters of float64 = 16 bytes: a 0.3 s latency dominates every transfer
-BASE = [
-    "task.factory=tests.toy_tasks:make_quadratic",
-    "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0]]",
-    "task.kwargs.batch_s=0.03",
-    "islands.count=2",
-    "inner.optimizer=sgd",
-    "inner.lr=0.1",
-    "inner.warmup_steps=0",
-    "rounds=5",
-    "inner_steps=10",
-    "link.latency_ms=300",
-    "link.bandwidth_gbps=100",
-]
+BASE = toy_quadratic(2, 0.03, "rounds=5", "inner_steps=10", "link.latency_ms=300", "link.bandwidth_gbps=100")
 
 
 def _run(tmp_path, name, *extra):

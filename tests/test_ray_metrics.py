@@ -12,6 +12,7 @@ import ray
 from orchestrator.config_load import load_config
 from orchestrator.runtime.driver import run
 from tests.conftest import REPO
+from tests.helpers import toy_quadratic
 from tests.http_server import free_port
 
 pytestmark = pytest.mark.ray
@@ -36,19 +37,7 @@ def metrics_port():
 def test_island_staleness_is_exported_with_the_ray_prefix(metrics_port, tmp_path):
     cfg = load_config(
         None,
-        [
-            "task.factory=tests.toy_tasks:make_quadratic",
-            "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0]]",
-            "task.kwargs.batch_s=0.05",
-            "islands.count=2",
-            "islands.cpus=0.5",
-            "inner.optimizer=sgd",
-            "inner.lr=0.1",
-            "inner.warmup_steps=0",
-            "inner_steps=4",
-            "rounds=30",
-            f"out_dir={tmp_path / 'out'}",
-        ],
+        toy_quadratic(2, 0.05, "islands.cpus=0.5", "inner_steps=4", "rounds=30", f"out_dir={tmp_path / 'out'}"),
     )
     run(cfg, show_progress=False, run_id="metricstest")
     deadline, text = time.time() + 30, ""

@@ -11,7 +11,7 @@ from orchestrator.cli import main
 from orchestrator.config_load import dump_config, load_config
 from orchestrator.engine.types import NAMESPACE
 from orchestrator.runtime.driver import run
-from tests.helpers import run_until_records
+from tests.helpers import run_until_records, toy_quadratic
 
 pytestmark = pytest.mark.ray
 
@@ -19,19 +19,7 @@ pytestmark = pytest.mark.ray
 def _cfg(tmp_path, *extra):
     return load_config(
         None,
-        [
-            "task.factory=tests.toy_tasks:make_quadratic",
-            "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]",
-            "task.kwargs.batch_s=0.05",
-            "islands.count=3",
-            "inner.optimizer=sgd",
-            "inner.lr=0.1",
-            "inner.warmup_steps=0",
-            "inner_steps=3",
-            "checkpoint.every_rounds=1",
-            f"out_dir={tmp_path / 'out'}",
-            *extra,
-        ],
+        toy_quadratic(3, 0.05, "inner_steps=3", "checkpoint.every_rounds=1", f"out_dir={tmp_path / 'out'}", *extra),
     )
 
 

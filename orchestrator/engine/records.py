@@ -86,10 +86,11 @@ class EventLog:
         self.recent.append(event)
         self.count += 1
         del self.recent[: -self.keep]
-        if log.isEnabledFor(logging.WARNING if kind in _WARN else logging.DEBUG):
+        level = logging.WARNING if kind in _WARN else logging.DEBUG
+        if log.isEnabledFor(level):  # the message is built only when it is shown
             where = "" if island is None else f" island {island}"
             more = " ".join(f"{k}={v}" for k, v in detail.items())
-            log.log(logging.WARNING if kind in _WARN else logging.DEBUG, "%s%s %s", Event(kind).value, where, more)
+            log.log(level, "%s%s %s", Event(kind).value, where, more)
         return event
 
 
