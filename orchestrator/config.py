@@ -164,6 +164,12 @@ class ElasticConfig(_Strict):
         "finish", description="a draining island finishes its round, or drops it"
     )
     placement_timeout_s: float = Field(600.0, gt=0, description="give up on a requested island after this long")
+    late_grace_s: float = Field(
+        600.0,
+        gt=0,
+        description="an island whose work is past its deadline is waited for this long more, then released "
+        "as hung and replaced (its work is retrained by the next owner of its shards)",
+    )
 
 
 class ApiConfig(_Strict):
@@ -226,7 +232,16 @@ class RunConfig(_Strict):
     data_shards: int | None = Field(None, ge=1, description="data shards islands own (default: 4 per initial island)")
     eval_every: int = Field(1, ge=1, description="evaluate the global model every N rounds")
     round_timeout_s: float = Field(
-        600.0, gt=0, description="a round closes without islands later than this (they are marked late)"
+        300.0,
+        gt=0,
+        description="fixed part of a work order's deadline (start-up, download); the deadline is "
+        "round_timeout_s + H x step_timeout_s, and an island past it is left out of its round (marked late)",
+    )
+    step_timeout_s: float = Field(
+        10.0,
+        ge=0,
+        description="allowance per inner step in a work order's deadline, so the deadline scales with H "
+        "(a PATCH of inner_steps or a large H never makes every island late)",
     )
     out_dir: str = Field("runs/latest", description="outputs: config, metrics, events, summary, final model")
     # sections (each documented by its model's docstring in docs/configuration.md)
@@ -271,6 +286,10 @@ class RunConfig(_Strict):
         """Island `index`'s link; islands past `islands.links` (joiners, replacements) use `link`."""
         links = self.islands.links
         return links[index] if links and index < len(links) else self.link
+
+    def deadline_s(self, steps: int) -> float:
+        """How long work of `steps` inner steps may take before its island is late."""
+        return self.round_timeout_s + steps * self.step_timeout_s
 
     @property
     def total_inner_steps(self) -> int:

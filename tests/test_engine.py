@@ -47,6 +47,8 @@ def _cfg(tmp_path: Path, mode: str, *extra: str) -> RunConfig:
             "inner.grad_clip=null",
             "outer.lr=0.7",
             "round_timeout_s=20",
+            "step_timeout_s=0",
+            "elastic.late_grace_s=100",
             "checkpoint.every_rounds=1",
             "elastic.placement_timeout_s=100",
             f"out_dir={tmp_path / key}",
@@ -146,6 +148,58 @@ def test_a_hung_island_never_stalls_the_run(tmp_path):
     summary = _run(cfg, [Fault(FaultKind.HANG, 0, order=1)])
     assert summary["rounds_done"] == 6 and summary["islands"]["0"]["state"] == "late"
     assert summary["islands"]["0"]["rounds_contributed"] == 0
+
+
+@pytest.mark.parametrize("mode", ["diloco", "async", "overlap"])
+def test_a_hung_island_is_released_after_the_grace_and_replaced(tmp_path, mode):
+    """Before: a hung island stayed `late` to the end of the run, holding its resources."""
+    cfg = _cfg(tmp_path, mode, "rounds=8", "elastic.late_grace_s=10")
+    summary = _run(cfg, [Fault(FaultKind.HANG, 0, order=2)])
+    isl = summary["islands"]
+    assert isl["0"]["state"] == "dead" and "hung" in isl["0"]["error"]
+    assert isl["3"]["state"] == "training" and isl["3"]["rounds_contributed"] >= 1
+    assert summary["rounds_done"] == 8
+
+
+def test_a_round_in_which_every_island_is_late_does_not_fail_the_run(tmp_path):
+    cfg = _cfg(tmp_path, "diloco")
+    summary = _run(cfg, [Fault(FaultKind.LATE, i, order=2, seconds=25.0) for i in range(3)])
+    assert summary["state"] == "finished" and summary["rounds_done"] == 6
+    assert all(s["late_results"] == 1 and s["state"] == "training" for s in summary["islands"].values())
+    # the empty round took no outer step, and the version says so
+    assert summary["outer_steps"] == 5
+
+
+def test_the_deadline_scales_with_h_so_a_larger_h_is_never_late(tmp_path):
+    """Before: a fixed round_timeout_s made every island late once H grew (an in-range
+    PATCH of inner_steps, or the shipped k8s config's H = 500), and the run failed."""
+    cfg = _cfg(tmp_path, "diloco", "round_timeout_s=5", "step_timeout_s=2")
+    from orchestrator.engine.controls import SettingsUpdate
+
+    summary = _run(cfg, at={2: lambda e: e.controls.request(SettingsUpdate(inner_steps=60))})
+    kinds = [e["kind"] for e in _events(cfg)]
+    assert "settings" in kinds and "late" not in kinds
+    assert summary["rounds_done"] == 6 and summary["outer_steps"] == 6
+
+
+def test_rejected_updates_give_their_batches_back_and_take_no_step(tmp_path):
+    """Before: a round whose every update was rejected still advanced the version, and the
+    rejected batches counted as trained though they never reached the model."""
+    cfg = _cfg(tmp_path, "diloco", "robust.quarantine_after=3")
+    summary = _run(cfg, [Fault(FaultKind.NAN, i, order=2) for i in range(3)])
+    assert summary["rounds_done"] == 6 and summary["outer_steps"] == 5
+    lost = [e for e in _events(cfg) if e["kind"] == "lost"]
+    assert len(lost) == 3 and all(e["reason"].startswith("rejected (non-finite") for e in lost)
+    assert summary["tokens"] == summary["tokens_applied"]  # nothing counted that the model did not get
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_measures_island_speed(tmp_path, mode):
+    """Before: in diloco (and ddp, overlap) every island's steps_per_s was 0.0."""
+    cfg = _cfg(tmp_path, mode, "islands.simulated_slowdown=[1.0,2.0,4.0]")
+    summary = _run(cfg)
+    speeds = [summary["islands"][str(i)]["steps_per_s"] for i in range(3)]
+    assert speeds == pytest.approx([1.0, 0.5, 0.25], rel=0.01)
 
 
 def test_nan_updates_are_rejected_then_the_island_is_quarantined(tmp_path):

@@ -91,6 +91,8 @@ def test_manifests_match_the_code():
         assert worker["minReplicas"] <= worker["maxReplicas"]
         assert spec["enableInTreeAutoscaling"] and spec["autoscalerOptions"]["idleTimeoutSeconds"] > 0
     assert run_cfg.api.host == "0.0.0.0" and run_cfg.checkpoint.path.startswith("/mnt/archipelago")
+    # a round of the shipped H may take several seconds per inner step before an island is late
+    assert run_cfg.deadline_s(run_cfg.inner_steps) >= 5 * run_cfg.inner_steps
     entry = job["entrypoint"].split()
     assert entry[:2] == ["archipelago", "run"] and entry[entry.index("--config") + 1] == "/app/k8s/run-config.yaml"
     dockerfile = (K8S / "Dockerfile").read_text()

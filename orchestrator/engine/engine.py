@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from orchestrator.algorithms.dylu import SpeedTracker
 from orchestrator.config import RunConfig
 from orchestrator.engine.admission import Admission, Verdict
 from orchestrator.engine.controls import RunControls, SettingsUpdate
@@ -64,7 +65,9 @@ class RoundEngine:
         self.controls = RunControls()
         self.phase = RunPhase.STARTING
         self.flights: dict[int, Flight] = {}
-        self.overdue: dict[int, int] = {}  # ticket -> island, abandoned past its deadline
+        self.overdue: dict[int, tuple[int, float]] = {}  # ticket -> (island, deadline), abandoned past it
+        self.returned: set[int] = set()  # tickets of rejected updates whose batches went back
+        self.speeds = SpeedTracker()  # measured inner steps per second, every mode (the operator's view)
         self._tickets = itertools.count()
         self.refs: dict[int, Any] = {}  # version -> published parameters
         self._demanded: int | None = None
@@ -72,7 +75,7 @@ class RoundEngine:
         self.held: dict[int, int] = {}  # island -> version it holds (downloaded)
         self.due: list[int] = []  # recorded rounds due, written after the next dispatch
         self.stats = RunStats()
-        self.waiting_since: float | None = None
+        self.waiting_since: float | None = None  # since when no island could train
         self.summary: dict[str, Any] = {}
         state = load_checkpoint(Path(cfg.checkpoint_dir)) if cfg.checkpoint.every_rounds else None
         self.resumed = state is not None and state["run_id"] == run_id
@@ -273,7 +276,7 @@ class RoundEngine:
         for flight in [f for f in self._in_flight() if f.work.island == island]:
             self._lose(flight.ticket, f"island {state.value}")
         self.members.mark(island, state, reason)
-        for t in [t for t, i in self.overdue.items() if i == island]:
+        for t in [t for t, (i, _) in self.overdue.items() if i == island]:
             del self.overdue[t]
         self.pool.release(island)
         self.events.add(Event.RELEASED, island, state=state.value)
@@ -340,7 +343,7 @@ class RoundEngine:
             work.schedule_step,
         )
         stats.inner_steps = work.steps
-        self.flights[ticket] = Flight(ticket, work, now + delay + self.cfg.round_timeout_s)
+        self.flights[ticket] = Flight(ticket, work, now + delay + self.cfg.deadline_s(work.steps))
         self.pool.dispatch(order, self.refs[work.version])
 
     # -- work back ------------------------------------------------------------------------------
@@ -385,6 +388,7 @@ class RoundEngine:
             if self.overdue.pop(ticket, None) is not None and self.members.islands[island].state == IslandState.LATE:
                 self.members.mark(island, IslandState.TRAINING)
             return
+        self.speeds.observe(island, result.steps, result.compute_s)
         self.ledger.check(ticket, result.positions)
         flight.result = result
         flight.delivered_at = result.finished_at + self.cfg.island_link(island).seconds(result.nbytes)
@@ -399,30 +403,40 @@ class RoundEngine:
         self.events.add(Event.LOST, flight.work.island, reason=reason, ticket=ticket, spans=spans)
 
     def _expire(self) -> None:
+        """Work past its deadline is given up (its round closes without it; its batches go
+        back to the ledger) and its island is late: it gets work again once the overdue
+        result arrives. One whose result has not come `elastic.late_grace_s` later is hung:
+        it is released, and replaced like a dead island, so it never holds its resources
+        (or the run) for good."""
         now = self.pool.now()
         for flight in self._in_flight():
             ticket = flight.ticket
             if flight.deadline <= now:
                 i = flight.work.island
                 self._lose(ticket, "past the round deadline")
-                self.overdue[ticket] = i
+                self.overdue[ticket] = (i, flight.deadline)
                 if self.members.islands[i].state == IslandState.TRAINING:
                     self.members.mark(i, IslandState.LATE)
                 self.members.islands[i].late_results += 1
-                self.events.add(Event.LATE, i, deadline_s=self.cfg.round_timeout_s)
+                self.events.add(Event.LATE, i, deadline_s=self.cfg.deadline_s(flight.work.steps))
+        grace = self.cfg.elastic.late_grace_s
+        for ticket, (i, deadline) in list(self.overdue.items()):
+            if ticket in self.overdue and now - deadline > grace:
+                self._fail(i, f"hung: no result {grace:g}s past its deadline (elastic.late_grace_s)")
 
     def _check_progress(self) -> None:
-        """Nothing in flight and nothing to close: someone must be able to train soon."""
-        if self.phase == RunPhase.PAUSED:
+        """Nothing in flight and nothing to close: someone must be able to train soon — an
+        island being placed, or a late one whose result may still come. The longest that
+        can take is a late island's grace, then its replacement's placement; a run that has
+        had no island able to train for that long (replacements keep failing to place) or
+        has nothing coming at all has failed."""
+        if self.phase == RunPhase.PAUSED or self.members.schedulable():
             self.waiting_since = None
             return
         now = self.pool.now()
-        if self.members.schedulable():
-            self.waiting_since = None
-            return
-        self.waiting_since = self.waiting_since if self.waiting_since is not None else now
-        coming = self.members.pending or self.overdue
-        if not coming or now - self.waiting_since > self.cfg.elastic.placement_timeout_s:
+        self.waiting_since = now if self.waiting_since is None else self.waiting_since
+        patience = self.cfg.elastic.late_grace_s + self.cfg.elastic.placement_timeout_s
+        if not (self.members.pending or self.overdue) or now - self.waiting_since > patience:
             raise self._no_island_left()
 
     def _no_island_left(self) -> RunFailed:
@@ -460,17 +474,33 @@ class RoundEngine:
             self._publish()
         self.run.closes += 1
         for flight, r, verdict in zip(flights, results, verdicts):
-            del self.flights[flight.ticket]
-            self.ledger.commit(flight.ticket, r.shard_tokens)
-            self._account(r, verdict, close.staleness if close.staleness is not None else verdict.staleness)
+            staleness = close.staleness if close.staleness is not None else verdict.staleness
+            refused = not verdict.admitted and verdict.decision != Decision.DROP
+            if refused and self.ledger.newest(flight.ticket):
+                self._return(flight, verdict)
+            else:
+                del self.flights[flight.ticket]
+                self.ledger.commit(flight.ticket, r.shard_tokens)
+            self._account(r, verdict, staleness, trained=flight.ticket not in self.returned)
+        self.returned.clear()
         due = self.pacing.closed(self.run, close)
         if due is not None:
             self.due.append(due)
 
-    def _account(self, r: RoundResult, verdict: Verdict, staleness: int) -> None:
+    def _return(self, flight: Flight, verdict: Verdict) -> None:
+        """A rejected update never touched the model, so its batches go back to the ledger
+        and are trained again (by the shard's owner), as lost work is. Only possible while
+        no later work holds the same shards (under CO2's one-round lag the island is
+        already training the next batches: there the rejected batches stay consumed)."""
+        assert flight.result is not None
+        self.run.completed_steps -= flight.result.steps
+        self.returned.add(flight.ticket)
+        self._lose(flight.ticket, f"rejected ({verdict.why})")
+
+    def _account(self, r: RoundResult, verdict: Verdict, staleness: int, trained: bool) -> None:
         stats = self.members.islands[r.island]
-        self.stats.account(stats, r, verdict, staleness)
-        stats.steps_per_s = self.pacing.speed(r.island)
+        self.stats.account(stats, r, verdict, staleness, trained)
+        stats.steps_per_s = self.speeds.speeds.get(r.island, 0.0)
         if not verdict.admitted and verdict.decision != Decision.DROP:
             self.events.add(Event.REJECTION, r.island, reason=verdict.why, version=r.version)
         if self.admission.record(r.island, verdict):

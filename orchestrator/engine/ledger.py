@@ -13,9 +13,9 @@ blocks are recomputed from the sorted ids of the islands that can train. The rul
   hold two reservations of it: in overlap mode round t waits for its close while
   round t+1 trains on the next batches);
 - a result that arrives is `check`ed (the island read exactly what it was given); when
-  the outer step consumes it (applied, rejected or dropped) it is `commit`ted and its
-  tokens count as trained; work that is lost (island died, deadline missed, run
-  stopped) is `rollback`ed: its shards go back to where it started and the next owner
+  the outer step consumes it (applied or dropped) it is `commit`ted and its tokens
+  count as trained; work that is lost (island died, deadline missed, run stopped, or
+  its update rejected while no later work holds its shards) is `rollback`ed: its shards go back to where it started and the next owner
   trains them, once. A checkpoint keeps only committed work (`state`).
 
 So Σ over shards of tokens = tokens trained, and no batch index is committed twice (the
@@ -103,6 +103,14 @@ class DataLedger:
             raise LedgerError(f"ticket {ticket} is not in flight")
         for s, t in tokens.items():
             self.tokens[int(s)] += int(t)
+
+    def newest(self, ticket: int) -> bool:
+        """Whether no later reservation continues any of this one's shards (so it can be
+        rolled back)."""
+        reservation = self.flights.get(ticket)
+        return reservation is not None and all(
+            self.position[s] == start + n for s, (start, n) in reservation.spans.items()
+        )
 
     def rollback(self, ticket: int) -> Reservation | None:
         """The work is lost: its shards go back to where it started (they were never

@@ -89,9 +89,6 @@ class Pacing(Protocol):
     def resume(self, run: RunState) -> None:
         """Continue from a checkpoint's `run` (versions, completed steps)."""
 
-    def speed(self, island: int) -> float:
-        """The island's measured inner steps per second, where the pacing measures it."""
-
 
 class Barrier:
     """`steps_per_record` outer steps make one recorded round (1 for diloco; H for ddp,
@@ -125,7 +122,9 @@ class Barrier:
         if not self.out or in_flight:
             return None
         flights, self.open, self.out = sorted(self.open, key=_by_island), [], 0
-        return Close(run.closes + 1, flights, expected=run.version, staleness=0)
+        # the version counts outer steps taken: a step whose every update was lost or
+        # rejected does not advance it (the round still counts), so lost steps show
+        return Close(run.closes + 1, flights, expected=run.version, staleness=0, advances=False)
 
     def closed(self, run: RunState, close: Close) -> int | None:
         return run.closes // self.per_record if run.closes % self.per_record == 0 else None
@@ -138,9 +137,6 @@ class Barrier:
 
     def resume(self, run: RunState) -> None:
         pass
-
-    def speed(self, island: int) -> float:
-        return 0.0
 
 
 class PerArrival:
@@ -201,9 +197,6 @@ class PerArrival:
     def resume(self, run: RunState) -> None:
         self.handed = run.completed_steps
         self.recorded = min(run.completed_steps // (self.k * run.inner_steps), run.rounds)
-
-    def speed(self, island: int) -> float:
-        return self.speeds.speeds.get(island, 0.0)
 
 
 def start_version(round_t: int, base: int = 0) -> int:
@@ -288,6 +281,3 @@ class OneRoundLag:
 
     def resume(self, run: RunState) -> None:
         pass  # the pipeline refills from `run.base`
-
-    def speed(self, island: int) -> float:
-        return 0.0

@@ -50,14 +50,16 @@ class RunStats:
         stats.bytes_received += nbytes
         self.bytes_received += nbytes
 
-    def account(self, stats: IslandStats, r: RoundResult, verdict: Verdict, staleness: int) -> None:
-        """One consumed result: its tokens count as trained, applied or not."""
+    def account(self, stats: IslandStats, r: RoundResult, verdict: Verdict, staleness: int, trained: bool) -> None:
+        """One result the outer step consumed. Its tokens count as trained (applied or not)
+        unless its batches were `trained=False`: given back to be trained again."""
         stats.bytes_sent += r.nbytes
         self.bytes_sent += r.nbytes
         stats.compute_s += r.compute_s
         stats.last_train_loss = r.mean_loss
-        stats.tokens += r.weight
-        self.tokens += r.weight
+        if trained:
+            stats.tokens += r.weight
+            self.tokens += r.weight
         stats.observe_staleness(staleness)
         w = self.window
         w.staleness.append(staleness)
