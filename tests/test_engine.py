@@ -330,12 +330,12 @@ def test_a_graceful_stop_finishes_the_round_and_checkpoints(tmp_path):
     cfg = _cfg(tmp_path, "overlap")
     summary = _run(cfg, at={2: lambda e: e.stop()})
     assert summary["state"] == "stopped" and 2 <= summary["rounds_done"] < 6
-    assert (Path(cfg.checkpoint_dir) / "state.pt").exists()
+    assert list(Path(cfg.checkpoint_dir).glob("state-*.pt"))
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_stop_now_checkpoints_every_step_taken_with_its_record(tmp_path, mode):
-    from orchestrator.engine.records import load_checkpoint
+    from orchestrator.engine.checkpoints import load_checkpoint
 
     cfg = _cfg(tmp_path, mode)
     engine, _ = in_process_engine(cfg)
@@ -367,3 +367,49 @@ def test_overlap_rounds_start_where_the_round_before_ended(tmp_path):
         starts.setdefault(order.island, []).append(order.shards[order.island])
     assert starts == {0: [0, 4, 8, 12, 16, 20], 1: [0, 4, 8, 12, 16, 20]}
     _check_exactly_once(cfg, engine.summary)
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
+    from orchestrator.engine.checkpoints import load_checkpoint
+
+    cfg = _cfg(tmp_path, "diloco", "checkpoint.keep=2")
+    first, pool = in_process_engine(cfg, run_id="corrupt")
+    _drive(first, until=4)
+    saved = sorted(Path(cfg.checkpoint_dir).glob("state-*.pt"))
+    assert [p.name for p in saved] == ["state-000003.pt", "state-000004.pt"]  # the newest 2 kept
+    data = bytearray(saved[-1].read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte in the newest
+    saved[-1].write_bytes(bytes(data))
+    assert load_checkpoint(Path(cfg.checkpoint_dir))["counters"]["rounds_done"] == 3
+    pool.coordinator_lost()
+    second = build_engine(cfg, pool, run_id="corrupt")
+    assert second.resumed and second.rounds_done == 3
+    _drive(second)
+    assert second.summary["rounds_done"] == 6 and second.summary["state"] == "finished"
+
+
+def test_a_planted_checkpoint_cannot_run_code(tmp_path):
+    """Before: `torch.load(weights_only=False)`: anyone who could write the checkpoint volume
+    could run code in the coordinator (a matching checksum does not help: they write both)."""
+    import hashlib
+    import io
+    import pickle
+
+    from orchestrator.engine.checkpoints import CheckpointError, load_checkpoint
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    buffer = io.BytesIO()
+    torch_save = __import__("torch").save
+    torch_save({"run_id": "x", "evil": Payload()}, buffer, pickle_module=pickle)
+    (folder / "state-000001.pt").write_bytes(buffer.getvalue())
+    (folder / "state-000001.pt.sha256").write_text(hashlib.sha256(buffer.getvalue()).hexdigest())
+    with pytest.raises(CheckpointError, match=r"state-000001\.pt"):
+        load_checkpoint(folder)
+    assert not marker.exists()

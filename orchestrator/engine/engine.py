@@ -23,6 +23,7 @@ import torch
 from orchestrator.algorithms.dylu import SpeedTracker
 from orchestrator.config import RunConfig
 from orchestrator.engine.admission import Admission, Verdict
+from orchestrator.engine.checkpoints import load_checkpoint, save_checkpoint
 from orchestrator.engine.controls import RunControls, SettingsUpdate
 from orchestrator.engine.ledger import DataLedger
 from orchestrator.engine.membership import IslandStats, Membership
@@ -30,7 +31,7 @@ from orchestrator.engine.outer_step import LocalOuter, LocalSlices, Outer, Slice
 from orchestrator.engine.pacing import Close, Flight, Pacing, RunState, Work
 from orchestrator.engine.policies import Policies, build_policies, outer_rule
 from orchestrator.engine.pool import Done, Failed, IslandPool, Joined, JoinFailed, PoolEvent
-from orchestrator.engine.records import EventLog, Recorder, load_checkpoint, save_checkpoint
+from orchestrator.engine.records import EventLog, Recorder
 from orchestrator.engine.stats import RunStats
 from orchestrator.engine.types import Contribution, Decision, Event, IslandState, RunFailed, RunPhase
 from workers.flat import FlatParams, slice_bounds
@@ -565,7 +566,7 @@ class RoundEngine:
         return sum(f.result.steps for f in self.flights.values() if f.result is not None)
 
     def save(self) -> None:
-        save_checkpoint(Path(self.cfg.checkpoint_dir), self.capture())
+        save_checkpoint(Path(self.cfg.checkpoint_dir), self.capture(), self.cfg.checkpoint.keep)
 
     def _restore(self, state: dict[str, Any]) -> None:
         saved = state["config"]

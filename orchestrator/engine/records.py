@@ -1,15 +1,16 @@
 """What a run leaves on disk: in `out_dir` the resolved config, `metrics.jsonl` (one record
 per round), `events.jsonl` (joins, drains, crashes, rejections, restarts…), `summary.json`
 (stable key names that scripts and dashboards rely on) and `final.pt`; in the checkpoint
-folder the coordinator's state. Writes are atomic (`os.replace`), so a crash mid-write
-never leaves a torn file behind. On a cluster point `checkpoint.path` at shared storage
-so a coordinator restarted on another node finds it."""
+folder the coordinator's state (`engine/checkpoints.py`). Writes are atomic and durable
+(`durable_write`), so a crash mid-write never leaves a torn file behind. On a cluster
+point `checkpoint.path` at shared storage so a coordinator restarted on another node
+finds it."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 
 from orchestrator.config import RunConfig
 from orchestrator.config_load import dump_config
+from orchestrator.engine.checkpoints import durable_write
 from orchestrator.engine.types import Event
 
 log = logging.getLogger(__name__)
@@ -27,9 +29,7 @@ _WARN = frozenset({Event.CRASH, Event.QUARANTINED, Event.JOIN_FAILED, Event.LOST
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    durable_write(path, text.encode())
 
 
 class Recorder:
@@ -55,8 +55,9 @@ class Recorder:
 
     def finish(self, summary: dict[str, Any], model: torch.nn.Module) -> None:
         state = {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
-        torch.save(state, self.out / "final.pt.tmp")
-        os.replace(self.out / "final.pt.tmp", self.out / "final.pt")
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        durable_write(self.out / "final.pt", buffer.getvalue())
         _atomic_write(self.out / "summary.json", json.dumps(summary, indent=2))
         self._metrics.close()
 
@@ -92,21 +93,3 @@ class EventLog:
             more = " ".join(f"{k}={v}" for k, v in detail.items())
             log.log(level, "%s%s %s", Event(kind).value, where, more)
         return event
-
-
-CHECKPOINT = "state.pt"
-
-
-def save_checkpoint(folder: Path, state: dict[str, Any]) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / (CHECKPOINT + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, folder / CHECKPOINT)
-    return folder / CHECKPOINT
-
-
-def load_checkpoint(folder: Path) -> dict[str, Any] | None:
-    path = folder / CHECKPOINT
-    if not path.exists():
-        return None
-    return torch.load(path, weights_only=False)

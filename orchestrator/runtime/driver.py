@@ -15,7 +15,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.records import load_checkpoint
+from orchestrator.engine.checkpoints import load_checkpoint
 from orchestrator.engine.types import NAMESPACE, RunFailed, control_plane_name, coordinator_name
 from orchestrator.runtime.coordinator import Coordinator
 from orchestrator.runtime.island_pool import release_run

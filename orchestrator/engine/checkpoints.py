@@ -1,0 +1,110 @@
+"""Coordinator checkpoints that a restart can trust, on storage others may write to.
+
+A checkpoint is tensors and plain values (numbers, strings, lists, dicts) only, so it is
+loaded with `torch.load(weights_only=True)`: a file planted on the shared volume cannot
+run code in the coordinator. Each save is a new numbered file (`state-000012.pt`) with its
+SHA-256 beside it (`state-000012.pt.sha256`), written under a unique temporary name,
+fsynced, renamed into place, and the folder fsynced, so a crash at any instant leaves
+either the previous set or the new one, never a torn file; two runs pointed at one folder
+never share a temporary file. The newest `keep` are kept. Loading walks from the newest
+back and takes the first whose checksum matches and that loads: one corrupt or truncated
+file costs the rounds since the one before it, not the run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orchestrator.engine.types import RunFailed
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^state-(\d{6,})\.pt$")
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def durable_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` atomically and durably (unique temp, fsync, rename, fsync dir)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def _saved(folder: Path) -> list[tuple[int, Path]]:
+    """(sequence, path) of the checkpoints in `folder`, newest first."""
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
+    return sorted(found, reverse=True)
+
+
+def _digest_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def save_checkpoint(folder: Path, state: dict[str, Any], keep: int = 3) -> Path:
+    """Write `state` as the newest checkpoint; keep the newest `keep`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    saved = _saved(folder)
+    path = folder / f"state-{(saved[0][0] + 1) if saved else 1:06d}.pt"
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getvalue()
+    # the digest first: a checkpoint file without its digest is never trusted
+    durable_write(_digest_path(path), hashlib.sha256(data).hexdigest().encode())
+    durable_write(path, data)
+    for _, old in _saved(folder)[keep:]:
+        old.unlink(missing_ok=True)
+        _digest_path(old).unlink(missing_ok=True)
+    return path
+
+
+class CheckpointError(RunFailed):
+    """Checkpoints exist but none of them is valid (the run does not silently start over)."""
+
+
+def load_checkpoint(folder: Path) -> dict[str, Any] | None:
+    """The newest valid checkpoint in `folder`, None if there is none at all; raises
+    `CheckpointError` when there are checkpoints and every one is corrupt."""
+    saved = _saved(folder)
+    problems = []
+    for _, path in saved:
+        try:
+            data = path.read_bytes()
+            expected = _digest_path(path).read_text().strip()
+            if hashlib.sha256(data).hexdigest() != expected:
+                raise ValueError("checksum mismatch")
+            state = torch.load(io.BytesIO(data), weights_only=True)
+            if not isinstance(state, dict) or "run_id" not in state:
+                raise ValueError("not a coordinator checkpoint")
+        except Exception as err:  # any defect of one file: fall back to the one before
+            problems.append(f"{path.name}: {type(err).__name__}: {err}")
+            log.warning("checkpoint %s is unusable (%s: %s); trying the one before", path, type(err).__name__, err)
+            continue
+        return state
+    if problems:
+        raise CheckpointError(f"no valid checkpoint in {folder}: " + "; ".join(problems))
+    return None
