@@ -1,6 +1,7 @@
 """The control plane: a versioned JSON API over a run handle, `/metrics` for Prometheus,
-and a built-in dashboard page. Mutating calls need the bearer token; every refused
-request gets a 4xx with a reason, and nothing a client sends reaches the run unvalidated."""
+and a built-in dashboard page. Mutating calls need the bearer token, and reads too unless
+`api.public_reads`; every refused request gets a 4xx with a reason, and nothing a client
+sends reaches the run unvalidated."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from api import prometheus
 from api.auth import bearer_guard
 from api.handle import HandleError, RunHandle
+from api.limits import MAX_BODY, FrontDoor
 from api.schemas import Accepted, AddIslands, Settings, Target
+
+PAGE, MAX_PAGE = 500, 5000  # records or events per page: a page is bounded whatever the run's length
 
 
 def _finite(value: Any) -> Any:
@@ -37,7 +41,9 @@ class FiniteJSONResponse(JSONResponse):
         return super().render(_finite(content))
 
 
-def create_app(handle: RunHandle, token: str | None) -> FastAPI:
+def create_app(handle: RunHandle, token: str | None, public_reads: bool = False, max_body: int = MAX_BODY) -> FastAPI:
+    """The app over `handle`. Mutations need `token`; so do reads unless `public_reads`
+    (or no token is configured, which `check_exposure` allows on loopback only)."""
     app = FastAPI(
         title="Archipelago control plane",
         version="1",
@@ -45,6 +51,8 @@ def create_app(handle: RunHandle, token: str | None) -> FastAPI:
         default_response_class=FiniteJSONResponse,
     )
     auth = [Depends(bearer_guard(token))]
+    reads = [] if public_reads or token is None else [Depends(bearer_guard(token, "reads"))]
+    app.add_middleware(FrontDoor, token=token, max_body=max_body)
 
     @app.exception_handler(HandleError)
     async def _refused(_: Request, err: HandleError) -> JSONResponse:
@@ -52,23 +60,36 @@ def create_app(handle: RunHandle, token: str | None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
-        return FiniteJSONResponse({"detail": jsonable_encoder(err.errors())}, status_code=422)
+        # a body that is not UTF-8 comes back in the error as bytes, which the default
+        # encoder fails to decode (a 500): decode what can be, replace the rest
+        errors = jsonable_encoder(err.errors(), custom_encoder={bytes: lambda b: b.decode("utf-8", "replace")})
+        return FiniteJSONResponse({"detail": errors}, status_code=422)
 
-    @app.get("/v1/run", summary="Run status: mode, version, tokens, eval loss, rounds, islands, state")
+    @app.get(
+        "/v1/run", dependencies=reads, summary="Run status: mode, version, tokens, eval loss, rounds, islands, state"
+    )
     def run_status() -> dict[str, Any]:
         return handle.status()
 
-    @app.get("/v1/run/history", summary="Per-round records (metrics.jsonl) from round `since` on")
-    def run_history(since: int = Query(0, ge=0)) -> list[dict[str, Any]]:
-        return handle.history(since)
+    @app.get(
+        "/v1/run/history",
+        dependencies=reads,
+        summary="Per-round records (metrics.jsonl) after round `since`, at most `limit` (page on with the last round)",
+    )
+    def run_history(since: int = Query(0, ge=0), limit: int = Query(PAGE, ge=1, le=MAX_PAGE)) -> list[dict[str, Any]]:
+        return handle.history(since, limit)
 
-    @app.get("/v1/islands", summary="Islands with state, node, staleness, tokens, H, rejections")
+    @app.get("/v1/islands", dependencies=reads, summary="Islands with state, node, staleness, tokens, H, rejections")
     def islands() -> list[dict[str, Any]]:
         return [{"id": int(i), **s} for i, s in sorted(handle.islands().items(), key=lambda kv: int(kv[0]))]
 
-    @app.get("/v1/events", summary="The run's event log from index `since` on")
-    def events(since: int = Query(0, ge=0)) -> list[dict[str, Any]]:
-        return handle.events(since)
+    @app.get(
+        "/v1/events",
+        dependencies=reads,
+        summary="The run's event log from index `since` on, at most `limit` (page on with since + count)",
+    )
+    def events(since: int = Query(0, ge=0), limit: int = Query(PAGE, ge=1, le=MAX_PAGE)) -> list[dict[str, Any]]:
+        return handle.events(since, limit)
 
     @app.post(
         "/v1/islands",
@@ -128,7 +149,7 @@ def create_app(handle: RunHandle, token: str | None) -> FastAPI:
             raise HTTPException(422, "nothing to change: give inner_steps and/or outer_lr")
         return Accepted(detail=handle.update_settings(changes))
 
-    @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus text format")
+    @app.get("/metrics", dependencies=reads, response_class=PlainTextResponse, summary="Prometheus text format")
     def metrics() -> PlainTextResponse:
         return PlainTextResponse(
             prometheus.render(handle.status(), handle.islands()), media_type="text/plain; version=0.0.4"

@@ -1,35 +1,99 @@
-"""Bearer-token auth for mutating calls. The token comes from $ARCHIPELAGO_API_TOKEN or a
-file named by $ARCHIPELAGO_API_TOKEN_FILE (a mounted Kubernetes Secret). Without a token
-configured, mutations are refused rather than left open."""
+"""Who may use the control plane: a bearer token, and where it may be served.
+
+The token comes from a file named by $ARCHIPELAGO_API_TOKEN_FILE (a mounted Kubernetes
+Secret: what the shipped manifests do) or from $ARCHIPELAGO_API_TOKEN. It guards every
+mutation, and every read (run status, islands with their hostnames and errors, events,
+history, metrics) unless `api.public_reads` is set. Without a token, mutations are
+refused rather than left open, and the server refuses to listen on anything but
+loopback; a token known to be a placeholder (the `change-me` of a copied manifest) or
+too short to resist guessing is refused outright, so a deploy that forgot to set one
+fails at start instead of running open. See docs/operations.md, "Threat model".
+"""
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 from pathlib import Path
+from typing import Annotated
 
-from fastapi import Header, HTTPException
+from fastapi import Depends, HTTPException, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+MIN_TOKEN_LENGTH = 16
+PLACEHOLDERS = frozenset({"change-me", "changeme", "change_me", "secret", "token", "password", "replace-me"})
+LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})
+
+
+class ExposureError(ValueError):
+    """The control plane would be reachable without a usable token."""
 
 
 def configured_token() -> str | None:
     path = os.environ.get("ARCHIPELAGO_API_TOKEN_FILE")
-    if path and Path(path).exists():
-        return Path(path).read_text().strip() or None
+    if path:
+        file = Path(path)
+        if not file.is_file():
+            raise ExposureError(f"ARCHIPELAGO_API_TOKEN_FILE={path} is not a readable file")
+        return file.read_text().strip() or None
     return os.environ.get("ARCHIPELAGO_API_TOKEN") or None
 
 
-def bearer_guard(token: str | None):
-    """A FastAPI dependency: 401 without credentials, 403 with wrong ones."""
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
-    def check(authorization: str | None = Header(None)) -> None:
-        if token is None:
-            raise HTTPException(403, "mutations are disabled: no API token is configured (ARCHIPELAGO_API_TOKEN)")
-        if not authorization or not authorization.startswith("Bearer "):
-            raise HTTPException(401, "missing bearer token", headers={"WWW-Authenticate": "Bearer"})
-        # On bytes: the server decodes header bytes as latin-1, so any bytes a client sends
-        # come back as they were; comparing str would raise on non-ASCII (a 500).
-        given = authorization[len("Bearer ") :].strip().encode("latin-1", errors="replace")
-        if not hmac.compare_digest(given, token.encode("utf-8")):
-            raise HTTPException(403, "wrong token")
+
+def check_exposure(host: str, token: str | None) -> None:
+    """Raise `ExposureError` unless serving on `host` with `token` is safe to start."""
+    if token is not None:
+        if token.lower() in PLACEHOLDERS:
+            raise ExposureError(
+                f"the API token is the placeholder {token!r}: set a real one, e.g. "
+                "`kubectl create secret generic archipelago-api --from-literal=token=$(openssl rand -hex 32)`"
+            )
+        if len(token) < MIN_TOKEN_LENGTH:
+            raise ExposureError(f"the API token is {len(token)} characters; use at least {MIN_TOKEN_LENGTH}")
+    elif not is_loopback(host):
+        raise ExposureError(
+            f"api.host = {host!r} exposes the control plane beyond this machine, and no API token is set: "
+            "set ARCHIPELAGO_API_TOKEN_FILE (or ARCHIPELAGO_API_TOKEN), or serve on 127.0.0.1"
+        )
+
+
+# auto_error=False: the missing-credentials answer is ours (401 with a reason); the scheme
+# still appears in the OpenAPI document, so clients and the docs page know to send it.
+_bearer = HTTPBearer(auto_error=False, description="the run's API token (ARCHIPELAGO_API_TOKEN_FILE)")
+
+
+def token_status(header: bytes, expected: bytes | None, what: str = "mutations") -> tuple[int, str] | None:
+    """(status, reason) refusing a request with this raw `Authorization` header, or None.
+    On bytes, in constant time: any bytes a client sends are compared as they came (a str
+    comparison would raise on non-ASCII: a 500)."""
+    if expected is None:
+        return 403, f"{what} are disabled: no API token is configured (ARCHIPELAGO_API_TOKEN_FILE)"
+    if header[:7].lower() != b"bearer ":
+        return 401, "missing bearer token"
+    if not hmac.compare_digest(header[7:].strip(), expected):
+        return 403, "wrong token"
+    return None
+
+
+def bearer_guard(token: str | None, what: str = "mutations"):
+    """A FastAPI dependency: 401 without credentials, 403 with wrong ones."""
+    expected = token.encode("utf-8") if token is not None else None
+
+    def check(request: Request, _scheme: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+        # `_scheme` puts the bearer scheme in the OpenAPI document; the check reads the raw
+        # header. The server decodes header bytes as latin-1: encoding back gives the bytes sent
+        refused = token_status(request.headers.get("authorization", "").encode("latin-1"), expected, what)
+        if refused is not None:
+            status, reason = refused
+            raise HTTPException(status, reason, headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
 
     return check

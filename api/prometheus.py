@@ -1,9 +1,12 @@
 """The run's metrics in the Prometheus text exposition format (version 0.0.4), built
-from the handle's status and islands, so `/metrics` works without Ray's metrics agent."""
+from the handle's status and islands, so `/metrics` works without Ray's metrics agent.
+Islands that left the run (drained, dead, quarantined) have no series."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from orchestrator.engine.types import IslandState
 
 RUN_GAUGES = [  # (metric, status key, help, type)
     ("archipelago_version", "version", "Global model version (outer steps applied)", "gauge"),
@@ -47,8 +50,15 @@ def _number(value: Any) -> str | None:
     return repr(float(value))
 
 
+def current(islands: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Islands still in the run: a released island's series end (a run with many
+    replacements would otherwise grow its series without bound)."""
+    return {i: s for i, s in islands.items() if not IslandState(s.get("state", "starting")).gone}
+
+
 def render(status: dict[str, Any], islands: dict[str, dict[str, Any]]) -> str:
     run = _label(status.get("run_id", ""))
+    islands = current(islands)
     lines: list[str] = []
     for name, key, help_text, kind in RUN_GAUGES:
         value = _number(status.get(key))

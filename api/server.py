@@ -10,13 +10,21 @@ import time
 import uvicorn
 
 from api.app import create_app
-from api.auth import configured_token
+from api.auth import check_exposure
 from api.handle import RayRunHandle
 
 
 class ControlPlane:
-    def __init__(self, run_id: str, host: str = "127.0.0.1", port: int = 8600) -> None:
-        app = create_app(RayRunHandle(run_id), configured_token())
+    def __init__(
+        self,
+        run_id: str,
+        host: str = "127.0.0.1",
+        port: int = 8600,
+        token: str | None = None,
+        public_reads: bool = False,
+    ) -> None:
+        check_exposure(host, token)
+        app = create_app(RayRunHandle(run_id), token, public_reads)
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

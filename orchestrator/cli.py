@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS or auto)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8600)
+    serve.add_argument("--public-reads", action="store_true", help="serve reads without the token (mutations need it)")
     bench = sub.add_parser(
         "bench", parents=[common], help="run a benchmark scenario; writes DIR/<scenario>.json, .png, .md"
     )
@@ -93,8 +94,15 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api.app import create_app
-    from api.auth import configured_token
+    from api.auth import ExposureError, check_exposure, configured_token
     from api.handle import RayRunHandle, find_run
+
+    try:
+        token = configured_token()
+        check_exposure(args.host, token)
+    except ExposureError as err:
+        log.error("control plane refused: %s", err)
+        return 2
 
     ray.init(address=args.address or "auto", log_to_driver=False)
     try:
@@ -104,7 +112,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     log.info("control plane of run %s: http://%s:%d/", run_id, args.host, args.port)
     uvicorn.run(
-        create_app(RayRunHandle(run_id), configured_token()), host=args.host, port=args.port, log_level="warning"
+        create_app(RayRunHandle(run_id), token, args.public_reads), host=args.host, port=args.port, log_level="warning"
     )
     return 0
 

@@ -167,6 +167,12 @@ class ElasticConfig(_Strict):
         "finish", description="a draining island finishes its round, or drops it"
     )
     placement_timeout_s: float = Field(600.0, gt=0, description="give up on a requested island after this long")
+    orphan_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="an island whose coordinator has been gone this long (driver killed, restarts exhausted) "
+        "releases itself and its node",
+    )
     late_grace_s: float = Field(
         600.0,
         gt=0,
@@ -181,6 +187,11 @@ class ApiConfig(_Strict):
     enabled: bool = Field(False, description="serve the REST API, /metrics and the dashboard with the run")
     host: str = Field("127.0.0.1", description="0.0.0.0 to expose it (on KubeRay: through the head Service)")
     port: int = Field(8600, ge=1, le=65535, description="port of the control plane")
+    public_reads: bool = Field(
+        False,
+        description="serve reads (status, islands, events, history, metrics) without the token; mutations "
+        "always need it",
+    )
 
 
 class TaskSpec(_Strict):

@@ -55,11 +55,11 @@ class FakeRun:
     def islands(self) -> dict[str, dict[str, Any]]:
         return self.isl
 
-    def events(self, since: int) -> list[dict[str, Any]]:
-        return self.log[since:]
+    def events(self, since: int, limit: int) -> list[dict[str, Any]]:
+        return self.log[since : since + limit]
 
-    def history(self, since: int) -> list[dict[str, Any]]:
-        return [{"round": r, "eval_loss": 5.0 - r * 0.5} for r in range(1, self.round + 1) if r > since]
+    def history(self, since: int, limit: int) -> list[dict[str, Any]]:
+        return [{"round": r, "eval_loss": 5.0 - r * 0.5} for r in range(since + 1, min(self.round, since + limit) + 1)]
 
     def set_target(self, n: int) -> int:
         if not 1 <= n <= self.max_islands:

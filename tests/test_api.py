@@ -22,11 +22,11 @@ def api():
 
 def test_read_endpoints(api):
     client, _ = api
-    status = client.get("/v1/run").json()
+    status = client.get("/v1/run", headers=AUTH).json()
     assert status["mode"] == "diloco" and status["version"] == 3
-    islands = client.get("/v1/islands").json()
+    islands = client.get("/v1/islands", headers=AUTH).json()
     assert [i["id"] for i in islands] == [0, 1, 2] and islands[2]["staleness_max"] == 4
-    assert [r["round"] for r in client.get("/v1/run/history", params={"since": 1}).json()] == [2, 3]
+    assert [r["round"] for r in client.get("/v1/run/history", params={"since": 1}, headers=AUTH).json()] == [2, 3]
     spec = client.get("/openapi.json").json()
     assert "/v1/islands/target" in spec["paths"] and "/v1/run/settings" in spec["paths"]
 
@@ -77,7 +77,7 @@ def test_bad_requests_get_4xx_with_a_reason_and_change_nothing(api, method, path
 def test_controls_and_settings(api):
     client, run = api
     assert client.post("/v1/run/pause", headers=AUTH).status_code == 202 and run.paused
-    assert client.get("/v1/run").json()["state"] == "paused"
+    assert client.get("/v1/run", headers=AUTH).json()["state"] == "paused"
     assert client.post("/v1/run/resume", headers=AUTH).status_code == 202 and not run.paused
     r = client.patch("/v1/run/settings", json={"inner_steps": 100}, headers=AUTH)
     assert r.status_code == 202 and run.settings["inner_steps"] == 100
@@ -87,7 +87,7 @@ def test_controls_and_settings(api):
 
 def test_prometheus_text_format(api):
     client, _ = api
-    r = client.get("/metrics")
+    r = client.get("/metrics", headers=AUTH)
     assert r.headers["content-type"].startswith("text/plain")
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -135,5 +135,86 @@ def test_a_diverged_runs_nan_loss_is_served_as_null(api, monkeypatch):
     client, run = api
     status = {**run.status(), "eval_loss": float("nan"), "train_loss": float("inf")}
     monkeypatch.setattr(run, "status", lambda: status)
-    r = client.get("/v1/run")
+    r = client.get("/v1/run", headers=AUTH)
     assert r.status_code == 200 and r.json()["eval_loss"] is None and r.json()["train_loss"] is None
+
+
+def test_reads_need_the_token_unless_public():
+    """Before: every GET (status, islands with hostnames and errors, events, metrics) was open."""
+    run = FakeRun()
+    with serving(create_app(run, TOKEN)) as url:
+        for path in ("/v1/run", "/v1/islands", "/v1/events", "/v1/run/history", "/metrics"):
+            assert httpx.get(url + path).status_code == 401, path
+            assert httpx.get(url + path, headers={"Authorization": "Bearer wrong"}).status_code == 403, path
+            assert httpx.get(url + path, headers=AUTH).status_code == 200, path
+        spec = httpx.get(url + "/openapi.json").json()  # the API's shape is public; the run's data is not
+        assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+        assert {"HTTPBearer": []} in spec["paths"]["/v1/islands"]["post"]["security"]
+    with serving(create_app(run, TOKEN, public_reads=True)) as url:
+        assert httpx.get(url + "/v1/run").status_code == 200
+        assert httpx.post(url + "/v1/run/stop").status_code == 401 and not run.stopped
+
+
+def test_request_bodies_are_bounded_and_unauthenticated_ones_are_never_read(api):
+    """Before: a body was read whole, with no limit, before the auth check."""
+    client, run = api
+    big = b'{"count": 1, "pad": "' + b"x" * 200_000 + b'"}'
+    r = client.post("/v1/islands", content=big, headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 413 and "bytes" in r.json()["detail"]
+
+    def chunks():  # no Content-Length: the server must stop reading at the limit
+        for _ in range(100):
+            yield b"x" * 10_000
+
+    r = client.post("/v1/islands", content=chunks(), headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 413
+    r = client.post("/v1/islands", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 401  # refused before its body is read
+    assert run.target == 3
+    assert client.post("/v1/islands", json={"count": 1}, headers=AUTH).status_code == 202 and run.target == 4
+
+
+def test_history_and_events_are_paged(api):
+    client, run = api
+    run.round = 9
+    page = client.get("/v1/run/history", params={"since": 2, "limit": 3}, headers=AUTH).json()
+    assert [r["round"] for r in page] == [3, 4, 5]
+    assert client.get("/v1/run/history", params={"limit": 0}, headers=AUTH).status_code == 422
+    assert client.get("/v1/run/history", params={"limit": 10**6}, headers=AUTH).status_code == 422
+    for n in range(5):
+        client.put("/v1/islands/target", json={"target": 1 + n}, headers=AUTH)
+    events = client.get("/v1/events", params={"since": 1, "limit": 2}, headers=AUTH).json()
+    assert [e["target"] for e in events] == [2, 3]
+
+
+def test_released_islands_have_no_metric_series(api):
+    client, run = api
+    run.isl["1"]["state"] = "dead"
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics", headers=AUTH).text)}
+    assert {s.labels["island"] for s in families["archipelago_island_staleness"].samples} == {"0", "2"}
+
+
+@pytest.mark.parametrize(
+    ("host", "token", "error"),
+    [
+        ("0.0.0.0", None, "no API token"),
+        ("10.1.2.3", None, "no API token"),
+        ("127.0.0.1", "change-me", "placeholder"),
+        ("0.0.0.0", "short", "at least 16"),
+    ],
+)
+def test_an_exposed_control_plane_without_a_usable_token_is_refused(host, token, error):
+    from api.auth import ExposureError, check_exposure
+
+    with pytest.raises(ExposureError, match=error):
+        check_exposure(host, token)
+
+
+def test_loopback_without_a_token_and_any_host_with_a_real_token_are_allowed():
+    from api.auth import check_exposure
+
+    for host in ("127.0.0.1", "::1", "localhost"):
+        check_exposure(host, None)
+    check_exposure("0.0.0.0", "a" * 32)

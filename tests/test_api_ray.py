@@ -14,10 +14,12 @@ from tests.helpers import toy_quadratic
 from tests.http_server import free_port
 
 pytestmark = pytest.mark.ray
+TOKEN = "api-ray-test-token-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def test_control_plane_watches_and_scales_a_live_run(ray_local, tmp_path, monkeypatch):
-    monkeypatch.setenv("ARCHIPELAGO_API_TOKEN", "tok")
+    monkeypatch.setenv("ARCHIPELAGO_API_TOKEN", TOKEN)
     port = free_port()
     cfg = load_config(
         None,
@@ -36,7 +38,7 @@ def test_control_plane_watches_and_scales_a_live_run(ray_local, tmp_path, monkey
     thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id="apitest")))
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    client = httpx.Client(base_url=url, timeout=10)
+    client = httpx.Client(base_url=url, timeout=10, headers=AUTH)  # reads need the token too
     deadline = time.time() + 120
     while time.time() < deadline:
         try:
@@ -47,10 +49,11 @@ def test_control_plane_watches_and_scales_a_live_run(ray_local, tmp_path, monkey
         time.sleep(0.2)
     status = client.get("/v1/run").json()
     assert status["run_id"] == "apitest" and status["mode"] == "diloco" and status["target_islands"] == 2
-    assert client.post("/v1/islands", json={"count": 1}).status_code == 401
-    r = client.post("/v1/islands", json={"count": 1}, headers={"Authorization": "Bearer tok"})
+    assert client.post("/v1/islands", json={"count": 1}, headers={"Authorization": ""}).status_code == 401
+    assert client.get("/v1/islands", headers={"Authorization": ""}).status_code == 401
+    r = client.post("/v1/islands", json={"count": 1}, headers=AUTH)
     assert r.status_code == 202 and r.json()["detail"]["target"] == 3
-    bad = client.put("/v1/islands/target", json={"target": 500}, headers={"Authorization": "Bearer tok"})
+    bad = client.put("/v1/islands/target", json={"target": 500}, headers=AUTH)
     assert bad.status_code == 422 and "outside" in bad.json()["detail"]
     while time.time() < deadline and len(client.get("/v1/islands").json()) < 3:
         time.sleep(0.2)
@@ -63,9 +66,9 @@ def test_control_plane_watches_and_scales_a_live_run(ray_local, tmp_path, monkey
         newcomer,
         [e for e in client.get("/v1/events").json() if e["kind"] not in ("checkpoint",)][-20:],
     )
-    assert client.post("/v1/islands", json={"count": "two"}, headers={"Authorization": "Bearer tok"}).status_code == 422
-    assert client.delete("/v1/islands/0", headers={"Authorization": "Bearer tok"}).status_code == 202
-    assert client.delete("/v1/islands/77", headers={"Authorization": "Bearer tok"}).status_code == 404
+    assert client.post("/v1/islands", json={"count": "two"}, headers=AUTH).status_code == 422
+    assert client.delete("/v1/islands/0", headers=AUTH).status_code == 202
+    assert client.delete("/v1/islands/77", headers=AUTH).status_code == 404
     while time.time() < deadline and client.get("/v1/islands").json()[0]["state"] != "drained":
         time.sleep(0.2)
     assert client.get("/v1/islands").json()[0]["state"] == "drained"
@@ -81,6 +84,6 @@ def test_control_plane_watches_and_scales_a_live_run(ray_local, tmp_path, monkey
     assert any(e["kind"] == "join" and e["island"] == 2 for e in events)
     assert [e["bundles"] for e in events if e["kind"] == "resources_requested"] == [2, 3, 2]  # drain lowers it
     assert client.get("/v1/islands").json()[0]["resources"] == {"CPU": 0.5}
-    assert client.post("/v1/run/stop", headers={"Authorization": "Bearer tok"}).status_code == 202
+    assert client.post("/v1/run/stop", headers=AUTH).status_code == 202
     thread.join(timeout=60)
     assert box["summary"]["outer_steps"] < 3000

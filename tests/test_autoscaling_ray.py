@@ -81,7 +81,7 @@ def _gpu_nodes() -> int:
 
 
 def test_add_gpu_islands_over_rest_and_scale_back_down(autoscaling, tmp_path, monkeypatch):
-    monkeypatch.setenv("ARCHIPELAGO_API_TOKEN", "tok")
+    monkeypatch.setenv("ARCHIPELAGO_API_TOKEN", "autoscaling-test-token-0123")
     port = free_port()
     cfg = load_config(
         None,
@@ -106,7 +106,9 @@ def test_add_gpu_islands_over_rest_and_scale_back_down(autoscaling, tmp_path, mo
     box = {}
     thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id="autoscale")))
     thread.start()
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10, headers={"Authorization": "Bearer tok"})
+    client = httpx.Client(
+        base_url=f"http://127.0.0.1:{port}", timeout=10, headers={"Authorization": "Bearer autoscaling-test-token-0123"}
+    )
     deadline = time.time() + 150
 
     def wait(predicate, what):

@@ -56,3 +56,25 @@ def test_dashboard_renders_live_data(tmp_path):
     artifacts = REPO / "test-artifacts"  # kept for people and CI logs to look at
     artifacts.mkdir(exist_ok=True)
     shutil.copy(tmp_path / "dashboard.png", artifacts / "dashboard.png")
+
+
+def test_text_from_the_run_is_shown_as_text_never_as_markup(tmp_path):
+    """Before: island node and state went into innerHTML unescaped (a node name could run script)."""
+    run = FakeRun(islands=2)
+    run.isl["1"]["node"] = "<img src=x onerror=\"document.title='pwned'\">"
+    run.isl["1"]["state"] = "<b>draining</b>"
+    with serving(create_app(run, None)) as url:
+        dom = _chromium(url + "/", tmp_path, "--dump-dom")
+    table = dom[dom.index('<table id="islands"') :]
+    assert "<img" not in table and "<b>" not in table
+    assert "&lt;img src=x onerror=" in table and "&lt;b&gt;draining&lt;/b&gt;" in table
+    assert "pwned" not in dom[: dom.index("<body")]  # the title was never rewritten
+
+
+def test_a_control_plane_with_a_token_asks_for_it_and_shows_the_run_with_it(tmp_path):
+    token = "dashboard-token-0123456789"
+    with serving(create_app(FakeRun(islands=2), token)) as url:
+        without = _chromium(url + "/", tmp_path, "--dump-dom")
+        with_token = _chromium(f"{url}/#token={token}", tmp_path, "--dump-dom")
+    assert "needs the API token" in without and 'data-island="0"' not in without
+    assert "mode diloco" in with_token and sorted(re.findall(r'data-island="(\d+)"', with_token)) == ["0", "1"]

@@ -66,6 +66,7 @@ def cluster(tmp_path_factory):
             capture_output=True,
             timeout=120,
         )
+        env["ARCHIPELAGO_TEST_GCS"] = f"127.0.0.1:{gcs}"  # for tests that drive from this process
         yield env, f"http://127.0.0.1:{dash}"
     finally:
         subprocess.run([RAY, "stop", "--force"], check=False, env=env, capture_output=True, timeout=120)
@@ -226,3 +227,66 @@ def test_job_stop_leaves_a_checkpoint_a_new_job_resumes(cluster, tmp_path, corpu
     versions = [r["version"] for r in _records(out / "metrics.jsonl")]
     assert versions[-2:] == [done + 1, done + 2]
     assert json.loads((out / "summary.json").read_text())["outer_steps"] == done + 2
+
+
+def test_a_sigkilled_driver_leaves_no_island_holding_resources(cluster, tmp_path, corpus_cache):
+    """Before: islands are detached (they must outlive a coordinator Ray restarts), so a
+    driver killed with SIGKILL — no cleanup runs — left them holding their nodes for good.
+    Now each island watches its coordinator and releases itself once it is gone."""
+    import signal
+
+    env, _ = cluster
+    gcs, out = env["ARCHIPELAGO_TEST_GCS"], tmp_path / "orphaned"
+    sets = [*TINY_LM, f"task.kwargs.cache_dir={corpus_cache}", "islands.count=2", "islands.cpus=1", "rounds=1000",
+            "inner_steps=20", f"ray.address={gcs}", "elastic.orphan_timeout_s=3", f"out_dir={out}"]  # fmt: skip
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "-q", "run", *[a for s in sets for a in ("--set", s)]],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and len(_lines(out / "metrics.jsonl")) < 2:
+            assert driver.poll() is None, "the driver ended early"
+            time.sleep(0.5)
+        assert len(_lines(out / "metrics.jsonl")) >= 2
+    finally:
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait(timeout=30)
+    # from another process: this one's Ray reads its auth settings once, at import
+    assert _leftovers(env, gcs)["islands"], "the islands should still be there right after the kill"
+    deadline = time.time() + 60
+    while time.time() < deadline and _leftovers(env, gcs)["islands"]:
+        time.sleep(1)
+    left = _leftovers(env, gcs)
+    assert not left["islands"] and left["cpus_free"] == left["cpus"], left
+
+
+_LEFTOVERS = """
+import json, ray
+from ray.util.placement_group import placement_group_table
+ray.init(address="{gcs}", log_to_driver=False)
+actors = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "-island-" in a["name"]]
+groups = [g["name"] for g in placement_group_table().values() if g["state"] != "REMOVED" and "-island-" in g["name"]]
+print(json.dumps({{"islands": actors + groups, "cpus": ray.cluster_resources().get("CPU"),
+                   "cpus_free": ray.available_resources().get("CPU")}}))
+"""
+
+
+def _leftovers(env, gcs) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", _LEFTOVERS.format(gcs=gcs)],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []

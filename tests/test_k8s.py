@@ -4,10 +4,12 @@ rejected), and checked against the code: entry point, ports, secret and env name
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import yaml
 
+from api.auth import ExposureError, check_exposure
 from orchestrator.config import ApiConfig
 from orchestrator.config_load import load_config
 from tests.conftest import REPO
@@ -70,6 +72,10 @@ def _head(cluster_spec):
     return cluster_spec["headGroupSpec"]["template"]["spec"]["containers"][0]
 
 
+def _head_volumes(spec: dict) -> list[dict]:
+    return spec["headGroupSpec"]["template"]["spec"]["volumes"]
+
+
 def test_manifests_match_the_code():
     cluster, job = manifest("raycluster.yaml")["spec"], manifest("rayjob.yaml")["spec"]
     secret = manifest("secret.yaml")
@@ -80,9 +86,14 @@ def test_manifests_match_the_code():
         assert ports["archipelago-api"] == run_cfg.api.port == ApiConfig().port
         assert ports["metrics"] == 8080  # Ray's metrics agent, where ray_archipelago_* are exported
         env = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef", e.get("value")) for e in head["env"]}
-        assert env["ARCHIPELAGO_API_TOKEN"] == {"name": secret["metadata"]["name"], "key": "token"}
+        token_file = Path(env["ARCHIPELAGO_API_TOKEN_FILE"])  # the Secret as a file, not an env value
+        assert "ARCHIPELAGO_API_TOKEN" not in env
+        mounts = {m["name"]: m["mountPath"] for m in head["volumeMounts"]}
+        secrets = {v["name"]: v["secret"]["secretName"] for v in _head_volumes(spec) if "secret" in v}
+        assert secrets == {"archipelago-api-token": secret["metadata"]["name"]}
+        assert mounts["archipelago-api-token"] == str(token_file.parent) and token_file.name == "token"
         assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) >= 30  # the final checkpoint of a stopped job
-        claims = {v["persistentVolumeClaim"]["claimName"] for v in spec["headGroupSpec"]["template"]["spec"]["volumes"]}
+        claims = {v["persistentVolumeClaim"]["claimName"] for v in _head_volumes(spec) if "persistentVolumeClaim" in v}
         assert claims == {manifest("storage.yaml")["metadata"]["name"]}
         assert "token" in secret["stringData"]
         worker = spec["workerGroupSpecs"][0]
@@ -91,6 +102,8 @@ def test_manifests_match_the_code():
         assert worker["minReplicas"] <= worker["maxReplicas"]
         assert spec["enableInTreeAutoscaling"] and spec["autoscalerOptions"]["idleTimeoutSeconds"] > 0
     assert run_cfg.api.host == "0.0.0.0" and run_cfg.checkpoint.path.startswith("/mnt/archipelago")
+    with pytest.raises(ExposureError, match="placeholder"):  # the shipped placeholder is refused, not served
+        check_exposure(run_cfg.api.host, secret["stringData"]["token"])
     # a round of the shipped H may take several seconds per inner step before an island is late
     assert run_cfg.deadline_s(run_cfg.inner_steps) >= 5 * run_cfg.inner_steps
     entry = job["entrypoint"].split()

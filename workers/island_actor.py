@@ -1,11 +1,20 @@
 """The island as a Ray actor: `Island` plus what only makes sense under Ray. With a
 sharded coordinator the global parameters arrive as S references (one per shard, fetched
 together) and the pseudo-gradient leaves as S objects in this island's object store, so
-each shard pulls its own slice from here and no single process relays the whole vector."""
+each shard pulls its own slice from here and no single process relays the whole vector.
+
+Islands are detached (they outlive a coordinator that Ray restarts), so each watches its
+coordinator: if the coordinator's name is gone for `orphan_after_s` — the driver was
+SIGKILLed, or the coordinator ran out of restarts — the island removes its own placement
+group, which ends it and its group, and gives its node back to the autoscaler."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -14,6 +23,28 @@ import ray
 from workers.island import Island
 from workers.messages import RoundResult, WorkOrder
 
+log = logging.getLogger(__name__)
+
+
+def _orphan_watch(coordinator: str, namespace: str, group: str, orphan_after_s: float, poll_s: float) -> None:
+    missing_since: float | None = None
+    while True:
+        time.sleep(poll_s)
+        try:
+            ray.get_actor(coordinator, namespace=namespace)  # a restarting coordinator keeps its name
+            missing_since = None
+            continue
+        except ValueError:
+            missing_since = missing_since if missing_since is not None else time.monotonic()
+        if time.monotonic() - missing_since >= orphan_after_s:
+            log.warning("coordinator %s gone for %.0fs: releasing island %s", coordinator, orphan_after_s, group)
+            from ray.util.placement_group import get_placement_group, remove_placement_group
+
+            try:
+                remove_placement_group(get_placement_group(group))
+            finally:
+                os._exit(0)
+
 
 def whole_params(params: Any) -> np.ndarray:
     """The global parameters, from one array or from S shards' slices (fetched together)."""
@@ -21,6 +52,12 @@ def whole_params(params: Any) -> np.ndarray:
 
 
 class RayIsland(Island):
+    def watch(self, coordinator: str, namespace: str, group: str, orphan_after_s: float, poll_s: float = 2.0) -> None:
+        """Release this island (its placement group, `group`) once `coordinator` has been
+        gone for `orphan_after_s`; returns at once (a daemon thread watches)."""
+        args = (coordinator, namespace, group, orphan_after_s, poll_s)
+        threading.Thread(target=_orphan_watch, args=args, daemon=True, name="orphan-watch").start()
+
     def run(self, order: WorkOrder, params: Any) -> RoundResult:
         result = super().run(order, whole_params(params))
         if not isinstance(result.payload, list):

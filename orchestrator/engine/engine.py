@@ -76,6 +76,8 @@ class RoundEngine:
         self.held: dict[int, int] = {}  # island -> version it holds (downloaded)
         self.due: list[int] = []  # recorded rounds due, written after the next dispatch
         self.stats = RunStats()
+        self.islands_view: dict[str, dict[str, Any]] = {}  # what /v1/islands serves (`_refresh_islands`)
+        self._islands_seen: tuple[int, int] | None = None
         self.waiting_since: float | None = None  # since when no island could train
         self.summary: dict[str, Any] = {}
         state = load_checkpoint(Path(cfg.checkpoint_dir)) if cfg.checkpoint.every_rounds else None
@@ -141,6 +143,7 @@ class RoundEngine:
         self._expire()
         while (close := self.pacing.next_close(self.run, self._in_flight())) is not None:
             self._close(close)
+        self._refresh_islands()
         return True
 
     def _in_flight(self) -> list[Flight]:
@@ -186,6 +189,7 @@ class RoundEngine:
         )
         self.recorder.finish(self.summary, self.model)
         self._update_snapshot()
+        self._refresh_islands()
         for i in list(self.members.islands):
             if not self.members.islands[i].state.gone:
                 self.pool.release(i)
@@ -598,6 +602,19 @@ class RoundEngine:
         self.snapshot = self.stats.snapshot(
             self.phase, self.cfg, self.run.version, self.members, history[-1]["round_seconds"] if history else None
         )
+
+    def _refresh_islands(self) -> None:
+        """Rebuild the control plane's view of the islands, on this thread, when something
+        happened (an event or a record): the API's threads read the finished dict and never
+        iterate what the engine mutates."""
+        seen = (self.events.count, self.rounds_done)
+        if seen == self._islands_seen:
+            return
+        self._islands_seen = seen
+        view = self.members.summary()
+        for i in sorted(self.members.pending):  # requested, waiting for resources or starting up
+            view[str(i)] = IslandStats(index=i).as_dict()
+        self.islands_view = view
 
     def status(self) -> dict[str, Any]:
         return {

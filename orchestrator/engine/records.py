@@ -11,7 +11,9 @@ from __future__ import annotations
 import io
 import json
 import logging
+import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from orchestrator.engine.types import Event
 log = logging.getLogger(__name__)
 # Events an operator should see in the job's logs without asking; the rest are logged at
 # DEBUG (`archipelago -v run`) and are always in events.jsonl and /v1/events.
+HISTORY = 10_000  # per-round records held in memory for the control plane
 _WARN = frozenset({Event.CRASH, Event.QUARANTINED, Event.JOIN_FAILED, Event.LOST, Event.LATE, Event.RESTART})
 
 
@@ -45,13 +48,19 @@ class Recorder:
             _atomic_write(path, "".join(line + "\n" for line in kept))
         # held open for the run's life (line-buffered appends), closed by finish()
         self._metrics = open(path, "a" if keep_records is not None else "w", buffering=1)  # noqa: SIM115
-        self.history: list[dict[str, Any]] = (
-            [json.loads(line) for line in path.read_text().splitlines()] if keep_records is not None else []
-        )
+        # the newest records, for the control plane (the whole run is in metrics.jsonl)
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        if keep_records is not None:
+            self.history.extend(json.loads(line) for line in path.read_text().splitlines())
 
     def record(self, entry: dict[str, Any]) -> None:
         self._metrics.write(json.dumps(entry) + "\n")
         self.history.append(entry)
+
+    def page(self, since: int, limit: int) -> list[dict[str, Any]]:
+        """Records after round `since`, at most `limit` (safe from the control plane's threads:
+        the copy is one C-level step, which appends from the engine's thread cannot tear)."""
+        return [r for r in list(self.history) if r["round"] > since][:limit]
 
     def finish(self, summary: dict[str, Any], model: torch.nn.Module) -> None:
         state = {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
@@ -69,24 +78,26 @@ class EventLog:
         self.path = path
         if not append or not path.exists():
             path.write_text("")
-        self.keep = keep
-        self.recent: list[dict[str, Any]] = []
+        self.recent: deque[dict[str, Any]] = deque(maxlen=keep)
+        self._lock = threading.Lock()
         self.count = len(path.read_text().splitlines())  # events ever logged, the file's too
 
-    def since(self, index: int) -> list[dict[str, Any]]:
-        """Events from absolute index `index` on (a cursor: pass how many you have seen).
-        Only the last `keep` are held in memory; a reader further behind gets those, and
-        the whole log is in the file."""
-        first = self.count - len(self.recent)
-        return self.recent[max(0, index - first) :]
+    def since(self, index: int, limit: int | None = None) -> list[dict[str, Any]]:
+        """Events from absolute index `index` on, at most `limit` (a cursor: pass how many
+        you have seen). Only the last `keep` are held in memory; a reader further behind
+        gets those, and the whole log is in the file."""
+        with self._lock:  # read by the control plane's threads while the engine adds
+            recent, first = list(self.recent), self.count - len(self.recent)
+        start = max(0, index - first)
+        return recent[start : None if limit is None else start + limit]
 
     def add(self, kind: str, island: int | None = None, **detail: Any) -> dict[str, Any]:
         event = {"time": time.time(), "kind": kind, "island": island, **detail}
         with open(self.path, "a") as f:
             f.write(json.dumps(event) + "\n")
-        self.recent.append(event)
-        self.count += 1
-        del self.recent[: -self.keep]
+        with self._lock:
+            self.recent.append(event)
+            self.count += 1
         level = logging.WARNING if kind in _WARN else logging.DEBUG
         if log.isEnabledFor(level):  # the message is built only when it is shown
             where = "" if island is None else f" island {island}"

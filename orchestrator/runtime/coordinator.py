@@ -19,7 +19,6 @@ import torch
 from orchestrator.config import RunConfig
 from orchestrator.engine.controls import SettingsUpdate
 from orchestrator.engine.engine import RoundEngine, build_engine
-from orchestrator.engine.membership import IslandStats
 from orchestrator.engine.types import SliceLost
 from orchestrator.logs import configure
 from orchestrator.runtime.island_pool import RayIslandPool, island_bundle
@@ -72,17 +71,14 @@ class Coordinator:
 
     def islands(self) -> dict[str, dict[str, Any]]:
         resources = island_bundle(self.cfg)
-        out = {i: {**s, "resources": resources} for i, s in self.engine.members.summary().items()}
-        for i in list(self.engine.members.pending):  # requested, waiting for resources or starting up
-            out[str(i)] = {**IslandStats(index=i).as_dict(), "resources": resources}
-        return out
+        return {i: {**s, "resources": resources} for i, s in self.engine.islands_view.items()}
 
-    def events_since(self, index: int = 0) -> list[dict[str, Any]]:
-        return self.engine.events.since(index)
+    def events_since(self, index: int = 0, limit: int | None = None) -> list[dict[str, Any]]:
+        return self.engine.events.since(index, limit)
 
-    def history(self, since: int = 0) -> list[dict[str, Any]]:
-        """metrics.jsonl records from round `since` on (for charts)."""
-        return [r for r in self.engine.recorder.history if r["round"] > since]
+    def history(self, since: int = 0, limit: int = 500) -> list[dict[str, Any]]:
+        """metrics.jsonl records after round `since`, at most `limit` (for charts)."""
+        return self.engine.recorder.page(since, limit)
 
     def set_target(self, n: int) -> int:
         return self.engine.set_target(n)

@@ -27,8 +27,14 @@ log = logging.getLogger(__name__)
 
 
 def init_ray(cfg: RunConfig) -> bool:
-    """Connect to `ray.address` / $RAY_ADDRESS, or start a local instance sized for the
-    islands. Returns True when this call started Ray (and so should shut it down)."""
+    """Connect to `ray.address` / $RAY_ADDRESS (`auto`: the cluster `ray start` started on
+    this machine), or else start a private local instance sized for the islands. Returns
+    True when this call started Ray (and so should shut it down).
+
+    A private instance even when a cluster runs here (`ray start --head`) or a killed
+    head left its address file behind: Ray would otherwise join that cluster on its own
+    and refuse the sizes we pass (or fail to reach a dead head). Using a cluster is
+    always asked for by name."""
     if ray.is_initialized():
         return False
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
@@ -41,6 +47,7 @@ def init_ray(cfg: RunConfig) -> bool:
     num_gpus = int(workers * cfg.islands.gpus + 0.999) if cfg.islands.gpus else None
     pythonpath = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p)
     ray.init(
+        address="local",
         num_cpus=num_cpus,
         num_gpus=num_gpus,
         include_dashboard=False,
@@ -51,8 +58,10 @@ def init_ray(cfg: RunConfig) -> bool:
 
 
 def start_coordinator(cfg: RunConfig, run_id: str) -> Any:
-    """The coordinator actor, pinned to this node so its outputs land where the user looks.
-    Ray restarts it up to `checkpoint.max_restarts` times; it then resumes from its checkpoint."""
+    """The coordinator actor, on this node while it lives, so its outputs land where the
+    user looks. Ray restarts it up to `checkpoint.max_restarts` times and it resumes from
+    its checkpoint; the affinity is soft, so if this node is lost it restarts on another
+    (which finds the checkpoint when `checkpoint.path` is on shared storage)."""
     node_id = ray.get_runtime_context().get_node_id()
     restarts = cfg.checkpoint.max_restarts if cfg.checkpoint.every_rounds else 0
     return (
@@ -64,7 +73,7 @@ def start_coordinator(cfg: RunConfig, run_id: str) -> Any:
             max_concurrency=4,
             max_restarts=restarts,
             max_task_retries=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
         )
         .remote(cfg, run_id, _configured_level())
     )
@@ -77,27 +86,40 @@ def _configured_level() -> int | None:
     return level or None
 
 
-def start_control_plane(cfg: RunConfig, run_id: str) -> Any:
-    """The API/dashboard actor, on this node, serving `cfg.api.host:port`."""
-    from api.auth import configured_token
+def start_control_plane(cfg: RunConfig, run_id: str, token: str | None) -> Any:
+    """The API/dashboard actor, on this node (the address the user is told), serving
+    `cfg.api.host:port`. The token travels as a constructor argument, never in the
+    actor's runtime env, which anyone who can list actors could read."""
     from api.server import ControlPlane
 
     node_id = ray.get_runtime_context().get_node_id()
-    token = configured_token()  # the driver's token reaches the actor even if Ray started without it
-    env = {"env_vars": {"ARCHIPELAGO_API_TOKEN": token}} if token else None
     actor: Any = (
         ray.remote(ControlPlane)
         .options(
             name=control_plane_name(run_id),
             namespace=NAMESPACE,
             num_cpus=0,
-            runtime_env=env,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
-        .remote(run_id, cfg.api.host, cfg.api.port)
+        .remote(run_id, cfg.api.host, cfg.api.port, token, cfg.api.public_reads)
     )
     log.info("control plane: %s  (dashboard at /, API at /v1, docs at /docs)", ray.get(actor.address.remote()))
     return actor
+
+
+def _api_token(cfg: RunConfig) -> str | None:
+    """The control plane's token, checked before anything starts: an exposed control plane
+    without a usable token is refused (api/auth.py)."""
+    if not cfg.api.enabled:
+        return None
+    from api.auth import ExposureError, check_exposure, configured_token
+
+    try:
+        token = configured_token()
+        check_exposure(cfg.api.host, token)
+    except ExposureError as err:
+        raise RunFailed(f"control plane refused: {err}") from err
+    return token
 
 
 def _poll(coordinator: Any, printer: ProgressPrinter | None) -> None:
@@ -113,6 +135,7 @@ def run(cfg: RunConfig, poll_s: float = 0.5, show_progress: bool = True, run_id:
     """Train to the end; returns the summary (also in `out_dir/summary.json`). A coordinator
     that dies is restarted by Ray and continues from its last checkpoint; pass the `run_id`
     of an earlier run (with the same `checkpoint.path`) to resume it."""
+    token = _api_token(cfg)
     load_task(cfg.task.factory, cfg.task.kwargs).prepare()  # build data caches once, before any actor
     run_id = run_id or uuid.uuid4().hex[:12]
     started = init_ray(cfg)
@@ -123,7 +146,7 @@ def run(cfg: RunConfig, poll_s: float = 0.5, show_progress: bool = True, run_id:
             coordinator = start_coordinator(cfg, run_id)
             if cfg.api.enabled:
                 ray.get(coordinator.progress.remote())  # the API resolves the coordinator by name
-                control_plane = start_control_plane(cfg, run_id)
+                control_plane = start_control_plane(cfg, run_id, token)
             summary = _drive(cfg, coordinator, printer, poll_s, stop)
             if printer:
                 _poll(coordinator, printer)

@@ -28,7 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.config import RunConfig
 from orchestrator.engine.pool import Done, Failed, Joined, JoinFailed, PoolEvent, island_spec
-from orchestrator.engine.types import NAMESPACE, island_name
+from orchestrator.engine.types import NAMESPACE, coordinator_name, island_name
 from workers.island_actor import RayIsland
 from workers.island_group import GroupIsland
 from workers.messages import WorkOrder
@@ -87,6 +87,8 @@ def start_island(cfg: RunConfig, index: int, run_id: str, group: PlacementGroup,
         ).remote(spec)
 
     actor = worker(0, name=island_name(run_id, index))
+    # detached, so it must end itself if the run is gone (a SIGKILLed driver runs no cleanup)
+    actor.watch.remote(coordinator_name(run_id), NAMESPACE, island_name(run_id, index), cfg.elastic.orphan_timeout_s)
     if cfg.islands.workers > 1:
         actor.form_group.remote([worker(r) for r in range(1, cfg.islands.workers)])
     return IslandHandle(index, actor, group)

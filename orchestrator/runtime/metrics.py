@@ -8,7 +8,7 @@ from typing import Any
 
 from ray.util.metrics import Gauge
 
-from api.prometheus import ISLAND_GAUGES, RUN_GAUGES
+from api.prometheus import ISLAND_GAUGES, RUN_GAUGES, current
 
 
 class RayMetrics:
@@ -23,7 +23,8 @@ class RayMetrics:
         for key, gauge in self.run.items():
             if isinstance(status.get(key), (int, float)):
                 gauge.set(float(status[key]), tags={"run_id": self.run_id})
-        for island, stats in islands.items():
+        for island, stats in current(islands).items():  # a gone island's gauges are no longer
+            # re-reported, and Ray's metrics agent ages them out
             for key, gauge in self.island.items():
                 if isinstance(stats.get(key), (int, float)):
                     gauge.set(float(stats[key]), tags={"run_id": self.run_id, "island": island})
