@@ -413,3 +413,60 @@ def test_a_planted_checkpoint_cannot_run_code(tmp_path):
     with pytest.raises(CheckpointError, match=r"state-000001\.pt"):
         load_checkpoint(folder)
     assert not marker.exists()
+
+
+def _restart_after(tmp_path, mode: str, change: Action, crash_at: int, *extra: str):
+    """Checkpoints every 2 rounds; `change` right after round 2's; the coordinator dies at
+    `crash_at` (after the change took effect, before the next checkpoint) and a new one
+    resumes. Returns (config, the engine before, the resumed engine's summary)."""
+    from orchestrator.engine.checkpoints import load_checkpoint
+
+    cfg = _cfg(tmp_path, mode, "rounds=8", "checkpoint.every_rounds=2", "elastic.placement_timeout_s=5", *extra)
+    first, pool = in_process_engine(cfg, run_id="intent")
+    _drive(first, at={2: change}, until=crash_at)
+    saved = load_checkpoint(Path(cfg.checkpoint_dir))["ledger"]["position"]
+    # everything read since the checkpoint is redone by the restarted coordinator
+    lost = Counter((s, i) for s, p in enumerate(first.ledger.position) for i in range(saved[s], p))
+    pool.coordinator_lost()
+    second = build_engine(cfg, pool, run_id="intent")
+    assert second.resumed and second.rounds_done == 2
+    _drive(second)
+    _check_exactly_once(cfg, second.summary, lost)
+    return cfg, first, second
+
+
+@pytest.mark.parametrize("mode", ["diloco", "async"])
+def test_an_island_added_after_the_checkpoint_is_adopted_on_restart(tmp_path, mode):
+    """Before: the restarted coordinator restored the checkpoint's target and membership;
+    an island that joined since was orphaned (still holding its resources) and a later
+    join could collide with its name."""
+    cfg, first, second = _restart_after(tmp_path, mode, lambda e: e.add_islands(1), crash_at=3)
+    assert first.members.islands[3].state.value == "training"  # it had joined before the crash
+    summary = second.summary
+    assert second.members.target == 4 and set(summary["islands"]) == {"0", "1", "2", "3"}
+    assert summary["islands"]["3"]["state"] == "training" and summary["islands"]["3"]["rounds_contributed"] >= 1
+    assert any(e["kind"] == "reattach" and e["island"] == 3 for e in _events(cfg))
+
+
+@pytest.mark.parametrize("mode", ["diloco", "async"])
+def test_a_drained_island_stays_drained_across_a_restart(tmp_path, mode):
+    _, first, second = _restart_after(tmp_path, mode, lambda e: e.members.drain(1), crash_at=3)
+    assert first.members.islands[1].state.value == "drained"
+    summary = second.summary
+    assert summary["islands"]["1"]["state"] == "drained" and second.members.target == 2
+    assert set(summary["islands"]) == {"0", "1", "2"}  # not replaced, not relaunched
+
+
+def test_a_draining_island_goes_on_draining_across_a_restart(tmp_path):
+    slow = "islands.simulated_slowdown=[1.0,10.0,1.0]"  # island 1's round is still out at the crash
+    _, first, second = _restart_after(tmp_path, "async", lambda e: e.members.drain(1), 3, slow, "round_timeout_s=100")
+    assert first.members.islands[1].state.value == "draining"
+    summary = second.summary
+    assert summary["islands"]["1"]["state"] == "drained" and second.members.target == 2
+    assert set(summary["islands"]) == {"0", "1", "2"}
+
+
+def test_a_lowered_target_holds_across_a_restart(tmp_path):
+    _, _, second = _restart_after(tmp_path, "diloco", lambda e: e.set_target(2), crash_at=3)
+    summary = second.summary
+    assert second.members.target == 2 and sum(s["state"] == "training" for s in summary["islands"].values()) == 2

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
 import os
 import re
@@ -108,3 +109,23 @@ def load_checkpoint(folder: Path) -> dict[str, Any] | None:
     if problems:
         raise CheckpointError(f"no valid checkpoint in {folder}: " + "; ".join(problems))
     return None
+
+
+INTENT = "membership.json"
+
+
+def save_intent(folder: Path, intent: dict[str, Any]) -> None:
+    """The operator's membership intent (target, islands asked to leave), written at once
+    whenever it changes: a checkpoint is taken every few rounds, and an add or a drain made
+    between two must survive a coordinator restart too."""
+    folder.mkdir(parents=True, exist_ok=True)
+    durable_write(folder / INTENT, json.dumps(intent).encode())
+
+
+def load_intent(folder: Path, run_id: str) -> dict[str, Any] | None:
+    path = folder / INTENT
+    try:
+        intent = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return intent if isinstance(intent, dict) and intent.get("run_id") == run_id else None

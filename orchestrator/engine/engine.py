@@ -23,7 +23,7 @@ import torch
 from orchestrator.algorithms.dylu import SpeedTracker
 from orchestrator.config import RunConfig
 from orchestrator.engine.admission import Admission, Verdict
-from orchestrator.engine.checkpoints import load_checkpoint, save_checkpoint
+from orchestrator.engine.checkpoints import load_checkpoint, load_intent, save_checkpoint, save_intent
 from orchestrator.engine.controls import RunControls, SettingsUpdate
 from orchestrator.engine.ledger import DataLedger
 from orchestrator.engine.membership import IslandStats, Membership
@@ -76,6 +76,7 @@ class RoundEngine:
         self.held: dict[int, int] = {}  # island -> version it holds (downloaded)
         self.due: list[int] = []  # recorded rounds due, written after the next dispatch
         self.stats = RunStats()
+        self._intent: dict[str, Any] | None = None  # last membership intent written (`_journal`)
         self.islands_view: dict[str, dict[str, Any]] = {}  # what /v1/islands serves (`_refresh_islands`)
         self._islands_seen: tuple[int, int] | None = None
         self.waiting_since: float | None = None  # since when no island could train
@@ -99,23 +100,60 @@ class RoundEngine:
     def start(self) -> None:
         """Ask for the islands (after a restart: re-attach to the live ones, re-place the rest)."""
         if self.resumed:
-            for i, stats in list(self.members.islands.items()):
-                if stats.state.gone:
-                    continue
-                node = self.pool.reattach(i)
-                if node is not None:  # a draining island stays draining: it is released between rounds
-                    if stats.state == IslandState.LATE:
-                        stats.state = IslandState.TRAINING
-                    self.events.add(Event.REATTACH, i, node=node)
-                elif stats.state == IslandState.DRAINING:
-                    stats.state = IslandState.DRAINED  # it was leaving anyway
-                else:
-                    stats.state = IslandState.STARTING
-                    self._request(i)
+            self._reattach()
         else:
             for i in range(self.cfg.islands.count):
                 self._request(i)
         self._demand()
+
+    def _reattach(self) -> None:
+        """After a restart, membership as it was, not as the checkpoint saw it: the target
+        and the islands asked to leave come from the intent journal (written at each
+        change), islands that joined after the checkpoint are adopted, a draining island
+        goes on draining, a drained one stays drained, and whatever else of this run is
+        left in the pool is released by name before any index is handed out again."""
+        intent = load_intent(Path(self.cfg.checkpoint_dir), self.run_id) or {}
+        leaving = set(intent.get("leaving", []))
+        if "target" in intent:
+            self.members.target = self.members.requested = int(intent["target"])
+        known = set(self.members.islands)
+        for i in self.pool.survivors():
+            if i not in known and i not in leaving and (node := self.pool.reattach(i)) is not None:
+                self.members.add(i, node, joined_version=self.run.version)
+                self.events.add(Event.REATTACH, i, node=node, joined_after_checkpoint=True)
+        replace = []
+        for i in sorted(known):
+            stats = self.members.islands[i]
+            if stats.state.gone:
+                continue
+            node = self.pool.reattach(i)
+            if node is not None:
+                if i in leaving and stats.state in (IslandState.TRAINING, IslandState.LATE):
+                    stats.state = IslandState.DRAINING  # released between rounds, as asked
+                elif stats.state == IslandState.LATE:
+                    stats.state = IslandState.TRAINING
+                self.events.add(Event.REATTACH, i, node=node)
+            elif stats.state == IslandState.DRAINING or i in leaving:
+                stats.state = IslandState.DRAINED  # it was leaving anyway
+            else:
+                stats.state = IslandState.STARTING
+                replace.append(i)
+        self.pool.sweep({i for i, s in self.members.islands.items() if s.state.alive})
+        for i in replace:
+            self._request(i)
+        self._journal()
+
+    def _journal(self) -> None:
+        """Write the membership intent when it changed (see `_reattach`)."""
+        if not self.cfg.checkpoint.every_rounds:
+            return
+        leaving = sorted(
+            i for i, s in self.members.islands.items() if s.state in (IslandState.DRAINING, IslandState.DRAINED)
+        )
+        intent = {"run_id": self.run_id, "target": self.members.target, "leaving": leaving}
+        if intent != self._intent:
+            save_intent(Path(self.cfg.checkpoint_dir), intent)
+            self._intent = intent
 
     def step(self) -> bool:
         """One transition; False once the run has ended."""
@@ -144,6 +182,7 @@ class RoundEngine:
         while (close := self.pacing.next_close(self.run, self._in_flight())) is not None:
             self._close(close)
         self._refresh_islands()
+        self._journal()
         return True
 
     def _in_flight(self) -> list[Flight]:

@@ -86,6 +86,14 @@ class IslandPool(Protocol):
     def reattach(self, island: int) -> str | None:
         """After a coordinator restart: the node of a still-live island, or None."""
 
+    def survivors(self) -> list[int]:
+        """After a coordinator restart: the islands of this run still alive (or still being
+        placed), known to the checkpoint or not."""
+
+    def sweep(self, keep: set[int]) -> None:
+        """Release, by name, every island of this run not in `keep` (so none holds resources
+        unknown to the engine, and none collides with an index the engine hands out)."""
+
     def cancel(self, island: int) -> None: ...
     def release(self, island: int) -> None: ...
     def demand(self, islands: int) -> None:
@@ -169,6 +177,13 @@ class InProcessPool:
 
     def reattach(self, island: int) -> str | None:
         return f"inprocess:{island}" if island in self.islands and island not in self.dead else None
+
+    def survivors(self) -> list[int]:
+        return sorted(i for i in self.islands if i not in self.dead)
+
+    def sweep(self, keep: set[int]) -> None:
+        for i in [i for i in self.islands if i not in keep]:
+            self.release(i)
 
     def cancel(self, island: int) -> None:
         self.release(island)

@@ -109,16 +109,39 @@ def release_island(handle: IslandHandle) -> None:
     remove_placement_group(handle.group)
 
 
+def _index(run_id: str, name: str) -> int | None:
+    prefix = island_name(run_id, 0)[:-1]
+    rest = name[len(prefix) :] if name.startswith(prefix) else ""
+    return int(rest) if rest.isdigit() else None
+
+
+def run_islands(run_id: str) -> dict[int, tuple[list[str], list[str]]]:
+    """Index -> (actor names, placement group ids) of this run's islands that exist."""
+    found: dict[int, tuple[list[str], list[str]]] = {}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == NAMESPACE and (i := _index(run_id, actor["name"])) is not None:
+            found.setdefault(i, ([], []))[0].append(actor["name"])
+    for pg_id, info in placement_group_table().items():
+        if info.get("state") != "REMOVED" and (i := _index(run_id, info.get("name", ""))) is not None:
+            found.setdefault(i, ([], []))[1].append(pg_id)
+    return found
+
+
+def release_islands(run_id: str, indices: set[int] | None = None) -> None:
+    """Kill the island actors and groups of a run (all, or those of `indices`), by name."""
+    for i, (actors, groups) in run_islands(run_id).items():
+        if indices is not None and i not in indices:
+            continue
+        for name in actors:
+            with contextlib.suppress(ValueError):
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        for pg_id in groups:
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+
+
 def release_run(run_id: str) -> None:
     """Kill every island actor and group of a run (the driver's cleanup, whatever happened)."""
-    prefix = f"archipelago-{run_id}-island-"
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        if actor["namespace"] == NAMESPACE and actor["name"].startswith(prefix):
-            with contextlib.suppress(ValueError):
-                ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE), no_restart=True)
-    for pg_id, info in placement_group_table().items():
-        if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED":
-            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+    release_islands(run_id)
 
 
 @dataclass
@@ -162,6 +185,12 @@ class RayIslandPool:
             return None
         self.handles[island] = handle
         return f"{info['host']}:{info['device']}"
+
+    def survivors(self) -> list[int]:
+        return sorted(i for i, (actors, _) in run_islands(self.run_id).items() if actors)
+
+    def sweep(self, keep: set[int]) -> None:
+        release_islands(self.run_id, set(run_islands(self.run_id)) - keep)
 
     def cancel(self, island: int) -> None:
         p = self.placing.pop(island, None)
