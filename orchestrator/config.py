@@ -32,7 +32,13 @@ class RobustConfig(_Strict):
     norm_ratio: float | None = Field(
         10.0, gt=1, description="reject if ‖Δ‖ > ratio × median of recent norms; null disables"
     )
-    history: int = Field(32, ge=4, description="accepted norms kept for the median")
+    weight_ratio: float | None = Field(
+        4.0,
+        gt=1,
+        description="reject if the token weight per inner step > ratio x median of recent ones (an island "
+        "reports its own weight); null disables",
+    )
+    history: int = Field(32, ge=4, description="accepted norms (and weights) kept for the medians")
     min_history: int = Field(4, ge=1, description="norms needed before the check applies")
     quarantine_after: int = Field(3, ge=1, description="consecutive rejections that quarantine an island")
 

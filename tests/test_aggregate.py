@@ -59,7 +59,7 @@ def test_drop_prob_drops_about_half_and_dropped_rounds_do_not_step():
     h = _Harness(drop_prob=0.5)
     dropped = accepted = 0
     for _ in range(200):
-        out = h.close([Contribution(0, h.version, np.zeros(3, dtype=np.float32), 1.0)])
+        out = h.close([Contribution(0, h.version, np.ones(3, dtype=np.float32), 1.0)])
         dropped += len(out.dropped)
         accepted += len(out.accepted)
         assert out.stepped == bool(out.accepted)

@@ -49,6 +49,7 @@ def _cfg(tmp_path: Path, mode: str, *extra: str) -> RunConfig:
             "round_timeout_s=20",
             "step_timeout_s=0",
             "elastic.late_grace_s=100",
+            "robust.weight_ratio=null",  # the recording task's batches weigh 1 to 12 tokens on purpose
             "checkpoint.every_rounds=1",
             "elastic.placement_timeout_s=100",
             f"out_dir={tmp_path / key}",
@@ -470,3 +471,14 @@ def test_a_lowered_target_holds_across_a_restart(tmp_path):
     _, _, second = _restart_after(tmp_path, "diloco", lambda e: e.set_target(2), crash_at=3)
     summary = second.summary
     assert second.members.target == 2 and sum(s["state"] == "training" for s in summary["islands"].values()) == 2
+
+
+def test_an_island_misreporting_its_data_is_refused_not_trusted(tmp_path):
+    """Before: shard positions and tokens reported by an island were trusted (a wrong
+    position raised out of the engine; tokens on other shards were committed)."""
+    cfg = _cfg(tmp_path, "diloco", "robust.quarantine_after=2")
+    summary = _run(cfg, [Fault(FaultKind.MISREPORT, 1, order=n) for n in (2, 3)])
+    assert summary["islands"]["1"]["state"] == "quarantined"
+    rejections = [e for e in _events(cfg) if e["kind"] == "rejection" and e["island"] == 1]
+    assert len(rejections) == 2 and all("shards [19]" in e["reason"] for e in rejections)
+    assert summary["rounds_done"] == 6

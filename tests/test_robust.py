@@ -20,9 +20,43 @@ def test_norm_guard_rejects_outliers_after_history():
     for scale in (1.0, 1.2, 0.9):
         norm = float(np.linalg.norm(np.full(4, scale / 2)))
         assert guard.check_norm(norm) is None
-        guard.accept(norm)
+        guard.accept(norm, 1.0)
     assert guard.check_norm(100.0) is not None  # > 10 x the median 1.0
     assert guard.check_norm(4.0) is None
+
+
+def _admission(**robust) -> Admission:
+    return Admission(3, NormGuard(RobustConfig(min_history=3, **robust)), ExactVersion(), quarantine_after=3)
+
+
+def _judge(a: Admission, delta, weight: float = 64.0, steps: int = 4, island: int = 0) -> Verdict:
+    from orchestrator.engine.admission import Facts
+    from orchestrator.engine.types import Contribution
+
+    d = np.asarray(delta, dtype=np.float32)
+    return a.judge(Contribution(island, 0, d, weight, steps), Facts(3, True, float(d @ d)), 0, 0)
+
+
+def test_an_island_cannot_outvote_the_others_with_a_huge_weight():
+    """Before: an island-reported weight had no upper bound."""
+    a = _admission()
+    for _ in range(3):
+        assert _judge(a, [1.0, 0.0, 0.0]).admitted  # 16 tokens per step
+    heavy = _judge(a, [1.0, 0.0, 0.0], weight=1e9)
+    assert heavy.decision == Decision.REJECT and heavy.reason == Reason.WEIGHT and "per step" in heavy.detail
+    assert _judge(a, [1.0, 0.0, 0.0], weight=64.0 * 8, steps=32).admitted  # more steps, more tokens: fine
+
+
+def test_zero_updates_are_refused_and_never_drag_the_median_to_zero():
+    """Before: admitted zero-norm updates pulled the median to 0, after which every real
+    update was rejected as a norm outlier."""
+    a = _admission()
+    for _ in range(5):
+        zero = _judge(a, [0.0, 0.0, 0.0])
+        assert zero.decision == Decision.REJECT and "zero" in zero.detail
+    assert a.guard is not None and not a.guard.norms
+    for scale in (1.0, 1.1, 0.9, 1.0):
+        assert _judge(a, [scale, 0.0, 0.0]).admitted
 
 
 def test_quarantine_needs_consecutive_fault_rejections():

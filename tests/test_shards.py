@@ -22,7 +22,7 @@ def test_positions_advance_when_work_is_handed_out_and_lost_work_is_retrained_on
     islands = [0, 1, 2, 3]
     r = ledger.reserve(1, 2, islands, steps=10)
     assert r.starts == {2: 0} and ledger.position[2] == 10
-    ledger.check(1, {2: 10})
+    assert ledger.check(1, {2: 10}, {2: 640}) is None
     ledger.commit(1, {2: 640})
     r = ledger.reserve(2, 2, islands, steps=5)
     assert r.starts == {2: 10}
@@ -46,9 +46,12 @@ def test_a_shard_in_flight_is_never_handed_to_another_island():
 def test_the_ledger_refuses_miscounts_and_checkpoints_committed_work_only():
     ledger = DataLedger(2)
     ledger.reserve(1, 0, [0], steps=4)
-    with pytest.raises(LedgerError):
-        ledger.check(1, {0: 1, 1: 2})  # read 1 of the 2 batches of shard 0
-    ledger.check(1, {0: 2, 1: 2})
+    assert "shard 0" in ledger.check(1, {0: 1, 1: 2}, {0: 10, 1: 20})  # read 1 of the 2 batches of shard 0
+    assert "shards [3]" in ledger.check(1, {0: 2, 1: 2}, {0: 20, 3: 20})  # tokens on a shard it was not given
+    assert "malformed" in ledger.check(1, {0: "x", 1: 2}, {})
+    assert ledger.check(1, {0: 2, 1: 2}, {0: 20, 1: 20}) is None
+    with pytest.raises(LedgerError):  # a ticket not in flight is the engine's bug, not the island's
+        ledger.check(99, {}, {})
     ledger.reserve(2, 0, [0], steps=2)  # the next round, while round 1 waits for its close
     state = ledger.state()
     assert state["position"] == [0, 0] and state["tokens"] == [0, 0]

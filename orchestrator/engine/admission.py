@@ -2,7 +2,7 @@
 
 Checks run in a fixed order, cheapest and most certain first: shape, weight, finiteness,
 staleness (the pacing's rule: the exact version of the round, or bounded staleness for
-asynchronous arrivals), then the statistical norm check. Only updates that pass all of
+asynchronous arrivals), then the statistical checks (weight per step, norm). Only updates that pass all of
 them add their norm to the guard's history, so rejected updates never shape the outlier
 threshold. An island whose updates are rejected for a fault (not for staleness) several
 times in a row is quarantined. Pure logic over the `Facts` of an update, which the outer
@@ -130,10 +130,14 @@ class Admission:
             return verdict
         norm = math.sqrt(facts.sqnorm)
         if self.guard is not None:
+            per_step = c.weight / max(1, c.steps)
+            heavy = self.guard.check_weight(per_step)
+            if heavy is not None:
+                return Verdict(Decision.REJECT, Reason.WEIGHT, heavy, staleness=verdict.staleness)
             outlier = self.guard.check_norm(norm)
             if outlier is not None:
                 return Verdict(Decision.REJECT, Reason.NORM_OUTLIER, outlier, staleness=verdict.staleness)
-            self.guard.accept(norm)
+            self.guard.accept(norm, per_step)
         if self.drop_prob and self.rng.random() < self.drop_prob:
             return Verdict(Decision.DROP, staleness=verdict.staleness)
         return verdict
@@ -150,6 +154,7 @@ class Admission:
     def state_dict(self) -> dict[str, Any]:
         return {
             "norms": list(self.guard.norms) if self.guard else [],
+            "weights": list(self.guard.weights) if self.guard else [],
             "streak": dict(self.streak),
             "quarantined": sorted(self.quarantined),
             "rng": self.rng.bit_generator.state,
@@ -158,6 +163,7 @@ class Admission:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.guard is not None:
             self.guard.norms.extend(state["norms"])
+            self.guard.weights.extend(state.get("weights", []))
         self.streak = {int(i): int(n) for i, n in state["streak"].items()}
         self.quarantined = set(state["quarantined"])
         self.rng.bit_generator.state = state["rng"]

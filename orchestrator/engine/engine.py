@@ -33,7 +33,7 @@ from orchestrator.engine.policies import Policies, build_policies, outer_rule
 from orchestrator.engine.pool import Done, Failed, IslandPool, Joined, JoinFailed, PoolEvent
 from orchestrator.engine.records import EventLog, Recorder
 from orchestrator.engine.stats import RunStats
-from orchestrator.engine.types import Contribution, Decision, Event, IslandState, RunFailed, RunPhase
+from orchestrator.engine.types import Contribution, Decision, Event, IslandState, Reason, RunFailed, RunPhase
 from workers.flat import FlatParams, slice_bounds
 from workers.messages import RoundResult, WorkOrder
 from workers.task import Task, load_task
@@ -432,12 +432,34 @@ class RoundEngine:
             if self.overdue.pop(ticket, None) is not None and self.members.islands[island].state == IslandState.LATE:
                 self.members.mark(island, IslandState.TRAINING)
             return
+        problem = self.ledger.check(ticket, result.positions, result.shard_tokens)
+        if problem is None and result.weight != sum(result.shard_tokens.values()):
+            problem = (
+                f"weight {result.weight} is not the {sum(result.shard_tokens.values())} tokens it reports per shard"
+            )
+        if problem is not None:
+            self._refuse(ticket, island, problem)
+            return
         self.speeds.observe(island, result.steps, result.compute_s)
-        self.ledger.check(ticket, result.positions)
         flight.result = result
         flight.delivered_at = result.finished_at + self.cfg.island_link(island).seconds(result.nbytes)
         self.run.completed_steps += result.steps
         self.pacing.arrived(flight)
+
+    def _refuse(self, ticket: int, island: int, problem: str) -> None:
+        """A result whose report of what it read and trained does not match its work order:
+        refused before the outer step sees it (its batches go back to the ledger) and
+        counted towards quarantine like any faulty update."""
+        verdict = Verdict(Decision.REJECT, Reason.SHARDS, problem)
+        self._lose(ticket, f"rejected ({verdict.why})")
+        self.members.islands[island].rejections += 1
+        self.events.add(Event.REJECTION, island, reason=verdict.why)
+        if self.admission.record(island, verdict):
+            self._fail(
+                island,
+                f"quarantined after {self.admission.quarantine_after} bad updates in a row",
+                IslandState.QUARANTINED,
+            )
 
     def _lose(self, ticket: int, reason: str) -> None:
         flight = self.flights.pop(ticket)
@@ -507,7 +529,7 @@ class RoundEngine:
         results = [f.result for f in flights if f.result is not None]
         if flights:  # the step happens once every result has crossed its (simulated) link
             self.pool.sleep_until(max(f.delivered_at for f in flights))
-        contributions = [Contribution(r.island, r.version, r.delta(), self._weight(r)) for r in results]
+        contributions = [Contribution(r.island, r.version, r.delta(), self._weight(r), r.steps) for r in results]
         outcome = take_step(self.outer, self.admission, contributions, close.expected, self.run.version, close.anchor)
         verdicts = outcome.verdicts
         if outcome.gap is not None:

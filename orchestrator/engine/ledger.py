@@ -84,18 +84,26 @@ class DataLedger:
         self.flights[ticket] = reservation
         return reservation
 
-    def check(self, ticket: int, positions: dict[int, int]) -> None:
-        """A result arrived: the island must have read exactly the batches it was given."""
+    def check(self, ticket: int, positions: dict[int, int], tokens: dict[int, int]) -> str | None:
+        """A result arrived: what is wrong with what the island says it read (exactly the
+        batches it was given) and trained (tokens only on its own shards), or None. An
+        island's report is input, not truth: a wrong one is refused, never committed."""
         reservation = self.flights.get(ticket)
         if reservation is None:
             raise LedgerError(f"ticket {ticket} is not in flight")
-        for s, (start, n) in reservation.spans.items():
-            got = int(positions.get(s, start))
-            if got != start + n:
-                raise LedgerError(
-                    f"shard {s}: island {reservation.island} read up to batch {got}, "
-                    f"it was given [{start}, {start + n})"
-                )
+        try:
+            for s, (start, n) in reservation.spans.items():
+                got = int(positions.get(s, start))
+                if got != start + n:
+                    return f"shard {s}: read up to batch {got}, was given [{start}, {start + n})"
+            stray = {int(s) for s in tokens} - set(reservation.spans)
+            if stray:
+                return f"tokens reported on shards {sorted(stray)} it was not given"
+            if any(int(t) < 0 for t in tokens.values()):
+                return "negative token counts"
+        except (TypeError, ValueError) as err:
+            return f"malformed report ({err})"
+        return None
 
     def commit(self, ticket: int, tokens: dict[int, int]) -> None:
         """The outer step consumed the result: its tokens count as trained."""

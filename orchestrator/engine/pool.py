@@ -115,6 +115,7 @@ class FaultKind(str, Enum):
     HANG = "hang"  # its n-th work order never returns
     NAN = "nan"  # its n-th pseudo-gradient is NaN
     RAISE = "raise"  # its code raises during its n-th work order
+    MISREPORT = "misreport"  # its n-th result claims tokens on a shard it was not given
 
 
 @dataclass(frozen=True)
@@ -221,6 +222,9 @@ class InProcessPool:
         if fault is not None and fault.kind == FaultKind.NAN:
             delta = result.delta()
             result = dataclasses.replace(result, payload=_nan_like(result.payload, delta))
+        if fault is not None and fault.kind == FaultKind.MISREPORT:
+            tokens = {**result.shard_tokens, self.cfg.num_shards + 7: 1000}
+            result = dataclasses.replace(result, shard_tokens=tokens, weight=sum(tokens.values()))
         if fault is not None and fault.kind == FaultKind.HANG:
             return
         if fault is not None and fault.kind == FaultKind.LATE:

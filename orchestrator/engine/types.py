@@ -76,6 +76,7 @@ class Reason(str, Enum):
     WEIGHT = "weight"
     NON_FINITE = "non-finite"
     NORM_OUTLIER = "norm outlier"
+    SHARDS = "shards"  # what it says it read or trained differs from the work it was given
     QUARANTINED = "quarantined"
 
     @property
@@ -127,6 +128,7 @@ class Contribution:
     version: int
     delta: Any
     weight: float
+    steps: int = 1  # inner steps behind it (weights are compared per step)
 
 
 class RunFailed(RuntimeError):
