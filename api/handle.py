@@ -50,8 +50,20 @@ def find_run(run_id: str | None = None) -> str:
     return runs[0]
 
 
+RESTARTING = "the coordinator is starting or restarting; retry in a few seconds"
+
+
+class Restarting(Exception):
+    """The coordinator did not answer: Ray is restarting it."""
+
+
 class RayRunHandle:
-    """Calls the coordinator actor `archipelago-<run_id>-coordinator`."""
+    """Calls the coordinator actor `archipelago-<run_id>-coordinator`.
+
+    While Ray restarts a coordinator that died (seconds), reads answer with the last answer
+    seen (the status says `"coordinator": "restarting"`; cursor reads return nothing new)
+    and mutations are refused with 409: the client is told to retry, nothing is lost, and
+    the API never answers 5xx for a fault the run is built to survive."""
 
     def __init__(self, run_id: str, timeout_s: float = 10.0) -> None:
         import ray
@@ -59,6 +71,7 @@ class RayRunHandle:
         self.ray = ray
         self.actor = ray.get_actor(coordinator_name(run_id), namespace=NAMESPACE)
         self.timeout_s = timeout_s
+        self.last: dict[str, Any] = {}  # method -> its last answer, for reads during a restart
 
     def _call(self, method: str, *args: Any) -> Any:
         ray = self.ray
@@ -72,39 +85,67 @@ class RayRunHandle:
                 raise HandleError(422, str(cause)) from err
             raise HandleError(500, str(err).splitlines()[-1]) from err
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+            raise Restarting(type(err).__name__) from err
+
+    def _latest(self, method: str) -> Any:
+        """A read that, during a restart, answers with the last answer seen."""
+        try:
+            self.last[method] = self._call(method)
+        except Restarting:
+            if method not in self.last:
+                raise HandleError(409, RESTARTING) from None
+        return self.last[method]
+
+    def _since(self, method: str, since: int, limit: int) -> list[dict[str, Any]]:
+        """A cursor read: nothing new during a restart (the reader asks again)."""
+        try:
+            return self._call(method, since, limit)
+        except Restarting:
+            return []
+
+    def _mutate(self, method: str, *args: Any) -> Any:
+        try:
+            return self._call(method, *args)
+        except Restarting as err:
             raise HandleError(
-                503, f"the coordinator is not answering ({type(err).__name__}); it may be restarting"
+                409, f"the coordinator is restarting ({err}); nothing was changed: retry in a few seconds"
             ) from err
 
     def status(self) -> dict[str, Any]:
-        return self._call("status")
+        try:
+            self.last["status"] = {**self._call("status"), "coordinator": "running"}
+        except Restarting:
+            if "status" not in self.last:
+                raise HandleError(409, RESTARTING) from None
+            return {**self.last["status"], "coordinator": "restarting"}
+        return self.last["status"]
 
     def islands(self) -> dict[str, dict[str, Any]]:
-        return self._call("islands")
+        return self._latest("islands")
 
     def events(self, since: int, limit: int) -> list[dict[str, Any]]:
-        return self._call("events_since", since, limit)
+        return self._since("events_since", since, limit)
 
     def history(self, since: int, limit: int) -> list[dict[str, Any]]:
-        return self._call("history", since, limit)
+        return self._since("history", since, limit)
 
     def set_target(self, n: int) -> int:
-        return self._call("set_target", n)
+        return self._mutate("set_target", n)
 
     def add_islands(self, n: int) -> int:
-        return self._call("add_islands", n)
+        return self._mutate("add_islands", n)
 
     def drain(self, island: int) -> None:
-        self._call("drain_island", island)
+        self._mutate("drain_island", island)
 
     def pause(self) -> None:
-        self._call("pause")
+        self._mutate("pause")
 
     def resume(self) -> None:
-        self._call("resume")
+        self._mutate("resume")
 
     def stop(self) -> None:
-        self._call("stop")
+        self._mutate("stop")
 
     def update_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
-        return self._call("update_settings", changes)
+        return self._mutate("update_settings", changes)
