@@ -1,6 +1,6 @@
 """Shared fixtures and guard rails.
 
-- One local Ray instance per test module, started only when a test asks for it.
+- One local Ray instance shared across modules, started only when a test asks for it.
 - Per-test time limits (pytest-timeout): `timeout` in pyproject for unit tests, a longer one
   for tests marked `ray`, so a hung Ray test fails in minutes instead of hanging CI.
 - A test that starts Ray must be marked `ray`: `-m "not ray"` is the contributors' fast loop
@@ -29,11 +29,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.timeout(RAY_TEST_TIMEOUT_S))
 
 
+def _ray_up() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item):
+    before = _ray_up()
     yield
-    ray = sys.modules.get("ray")
-    if ray is not None and not item.get_closest_marker("ray") and ray.is_initialized():
+    if not before and not item.get_closest_marker("ray") and _ray_up():
         pytest.fail(f"{item.nodeid} started Ray but is not marked `ray` (the `-m 'not ray'` loop must stay Ray-free)")
 
 
@@ -41,20 +46,32 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.write_line(f"suite wall time: {time.monotonic() - _STARTED:.1f} s")
 
 
-@pytest.fixture(scope="module")
+_SHARED_RAY: dict[str, str] = {}  # the GCS address of the local instance `ray_local` started
+
+
+@pytest.fixture
 def ray_local():
-    """A local Ray instance per test module (modules with their own cluster need Ray down)."""
+    """One local Ray instance shared by the tests that ask for it, across modules (starting
+    Ray costs seconds each time). A module with its own cluster shuts Ray down first; the
+    next test that asks for this one starts it again. Shut down at the end of the session."""
     import ray
 
-    ray.shutdown()
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
-    )
-    yield ray
-    ray.shutdown()
+    ours = ray.is_initialized() and ray.get_runtime_context().gcs_address == _SHARED_RAY.get("address")
+    if not ours:
+        ray.shutdown()
+        ray.init(
+            num_cpus=4,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
+        )
+        _SHARED_RAY["address"] = ray.get_runtime_context().gcs_address
+    return ray
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _ray_up():
+        sys.modules["ray"].shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -148,7 +148,7 @@ def test_rest_chaos_with_killed_islands_and_coordinator(ray_local, tmp_path, mon
     thread.start()
     client = Client(f"http://127.0.0.1:{port}")
     deadline = time.time() + 120
-    while time.time() < deadline and not (_up(client) and _round(client) >= 2):
+    while time.time() < deadline and not (_up(client) and _round(client) >= 1):
         time.sleep(0.2)
     stop_reading = threading.Event()
     reader = threading.Thread(target=_reader, args=(client, stop_reading), daemon=True)
@@ -219,7 +219,8 @@ def test_rest_chaos_with_killed_islands_and_coordinator(ray_local, tmp_path, mon
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert summary["state"] == "finished" and [r["round"] for r in records] == list(range(1, ROUNDS + 1))
     kinds = [json.loads(line)["kind"] for line in (out / "events.jsonl").read_text().splitlines()]
-    assert kinds.count("restart") == 2 and kinds.count("crash") >= 2 and "paused" in kinds and "settings" in kinds
+    # (an island killed while the coordinator restarts is found gone and re-placed: no crash event)
+    assert kinds.count("restart") == 2 and kinds.count("crash") >= 1 and "paused" in kinds and "settings" in kinds
     # exact token identities: every batch trained once (a batch of this task weighs 1)
     shards = summary["shards"]
     assert shards["position"] == shards["tokens"]

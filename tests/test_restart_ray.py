@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import ray
@@ -27,8 +28,20 @@ def _records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_killed_coordinator_restarts_from_checkpoint_and_reattaches_islands(ray_local, tmp_path, caplog):
+class _Messages(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_killed_coordinator_restarts_from_checkpoint_and_reattaches_islands(ray_local, tmp_path):
     cfg = _cfg(tmp_path, "rounds=10")
+    driver_log, messages = logging.getLogger("orchestrator.runtime.driver"), _Messages()
+    driver_log.addHandler(messages)  # on the logger itself: whatever the CLI tests configured before
+    driver_log.setLevel(logging.WARNING)
     thread, box = run_until_records(cfg, "killtest", 3, timeout_s=60)
     metrics = tmp_path / "out" / "metrics.jsonl"
     ray.kill(ray.get_actor("archipelago-killtest-coordinator", namespace=NAMESPACE), no_restart=False)
@@ -42,7 +55,9 @@ def test_killed_coordinator_restarts_from_checkpoint_and_reattaches_islands(ray_
     assert kinds.count("restart") == 1 and kinds.count("reattach") == 3
     restart = next(e for e in events if e["kind"] == "restart")
     assert restart["rounds_done"] >= 2
-    assert sum("coordinator died" in r.getMessage() for r in caplog.records) == 1
+    driver_log.removeHandler(messages)
+    driver_log.setLevel(logging.NOTSET)
+    assert sum("coordinator died" in m for m in messages.messages) == 1
     assert all(s["state"] == "training" for s in summary["islands"].values())
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if "killtest-island" in a["name"]]
 

@@ -114,6 +114,7 @@ def test_a_stalled_island_is_left_behind_by_the_round_deadline(ray_local, tmp_pa
         "rounds=3",
         "inner_steps=2",
         "round_timeout_s=1.0",
+        "step_timeout_s=0",
         "elastic.replace_dead=false",
         "task.kwargs.stall_island=2",
         "task.kwargs.stall_s=30",
