@@ -482,3 +482,44 @@ def test_an_island_misreporting_its_data_is_refused_not_trusted(tmp_path):
     rejections = [e for e in _events(cfg) if e["kind"] == "rejection" and e["island"] == 1]
     assert len(rejections) == 2 and all("shards [19]" in e["reason"] for e in rejections)
     assert summary["rounds_done"] == 6
+
+
+def test_the_islands_view_shows_islands_still_joining(tmp_path):
+    engine, _ = in_process_engine(_cfg(tmp_path, "diloco"), join_s=5.0)
+    engine.start()
+    engine.step()
+    assert sorted(engine.islands_view) == ["0", "1", "2"]
+    assert {v["state"] for v in engine.islands_view.values()} == {"starting"}
+
+
+def test_control_plane_reads_never_race_the_training_thread(tmp_path):
+    """The API's threads read while the engine trains: they must never iterate what the
+    engine mutates (a 'changed size during iteration' error is a 500)."""
+    import threading
+
+    cfg = _cfg(tmp_path, "async", "rounds=40")
+    engine, _ = in_process_engine(cfg)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            try:
+                engine.status()
+                json.dumps(engine.islands_view)
+                engine.events.since(0, 50)
+                engine.recorder.page(0, 50)
+            except BaseException as err:  # any error is the failure this test looks for
+                errors.append(err)
+                return
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    for t in readers:
+        t.start()
+    try:
+        _drive(engine)
+    finally:
+        done.set()
+        for t in readers:
+            t.join()
+    assert not errors and engine.summary["rounds_done"] == 40

@@ -167,6 +167,7 @@ class RoundEngine:
             self._expire_joins()
             if not self.members.pending:
                 self._begin()
+            self._refresh_islands()
             return True
         self.run.stopping = self.controls.stopping.is_set()
         self._boundary()
