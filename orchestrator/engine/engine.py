@@ -181,6 +181,9 @@ class RoundEngine:
         self._handle(self.pool.poll(self._timeout()))
         self._expire()
         while (close := self.pacing.next_close(self.run, self._in_flight())) is not None:
+            # a record describes the model its step produced: written before another step
+            # changes it (two rounds can close at once, e.g. after a round lost all its work)
+            self._write_due()
             self._close(close)
         self._refresh_islands()
         self._journal()
