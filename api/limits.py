@@ -55,10 +55,10 @@ class FrontDoor:
         await self.app(scope, replay, send)
 
 
-async def _answer(send: Any, status: int, detail: str, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+async def _answer(send: Any, status: int, detail: str) -> None:
     body = json.dumps({"detail": detail}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
-    await send({"type": "http.response.start", "status": status, "headers": headers + (extra or [])})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

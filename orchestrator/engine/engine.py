@@ -67,7 +67,6 @@ class RoundEngine:
         self.phase = RunPhase.STARTING
         self.flights: dict[int, Flight] = {}
         self.overdue: dict[int, tuple[int, float]] = {}  # ticket -> (island, deadline), abandoned past it
-        self.returned: set[int] = set()  # tickets of rejected updates whose batches went back
         self.speeds = SpeedTracker()  # measured inner steps per second, every mode (the operator's view)
         self._tickets = itertools.count()
         self.refs: dict[int, Any] = {}  # version -> published parameters
@@ -546,13 +545,13 @@ class RoundEngine:
         for flight, r, verdict in zip(flights, results, verdicts):
             staleness = close.staleness if close.staleness is not None else verdict.staleness
             refused = not verdict.admitted and verdict.decision != Decision.DROP
-            if refused and self.ledger.newest(flight.ticket):
+            returned = refused and self.ledger.newest(flight.ticket)
+            if returned:
                 self._return(flight, verdict)
             else:
                 del self.flights[flight.ticket]
                 self.ledger.commit(flight.ticket, r.shard_tokens)
-            self._account(r, verdict, staleness, trained=flight.ticket not in self.returned)
-        self.returned.clear()
+            self._account(r, verdict, staleness, trained=not returned)
         due = self.pacing.closed(self.run, close)
         if due is not None:
             self.due.append(due)
@@ -564,7 +563,6 @@ class RoundEngine:
         already training the next batches: there the rejected batches stay consumed)."""
         assert flight.result is not None
         self.run.completed_steps -= flight.result.steps
-        self.returned.add(flight.ticket)
         self._lose(flight.ticket, f"rejected ({verdict.why})")
 
     def _account(self, r: RoundResult, verdict: Verdict, staleness: int, trained: bool) -> None:
