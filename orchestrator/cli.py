@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _config_args(run_p)
     run_p.add_argument("--out", help="output folder (overrides out_dir)")
+    run_p.add_argument(
+        "--init-from", metavar="CHECKPOINT", help="start from a final.pt or a checkpoint folder (sets init_from)"
+    )
     run_p.add_argument("--resume", metavar="DIR", help="continue the run whose outputs are in DIR from its checkpoint")
     cfg_p = sub.add_parser("config", parents=[common], help="configuration helpers")
     cfg_sub = cfg_p.add_subparsers(dest="config_command", required=True)
@@ -145,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides.insert(0, f"out_dir={resume}")
     if getattr(args, "out", None):
         overrides.append(f"out_dir={args.out}")
+    if getattr(args, "init_from", None):
+        overrides.append(f"init_from={args.init_from}")
     config_file = str(Path(resume) / "config.yaml") if resume and not args.config else args.config
     try:
         cfg = load_config(config_file, overrides)

@@ -4,9 +4,10 @@ mistake is reported by field name instead of surfacing minutes later inside an a
 from __future__ import annotations
 
 from enum import Enum
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from workers.compress import CODECS
 from workers.links import LinkConfig
@@ -264,6 +265,11 @@ class RunConfig(_Strict):
         "(a PATCH of inner_steps or a large H never makes every island late)",
     )
     out_dir: str = Field("runs/latest", description="outputs: config, metrics, events, summary, final model")
+    init_from: str | None = Field(
+        None,
+        description="start from these weights instead of the seed's initialisation: a final.pt, or a "
+        "checkpoint folder (its newest valid checkpoint); recorded in summary.json",
+    )
     # sections (each documented by its model's docstring in docs/configuration.md)
     islands: IslandsConfig = Field(default_factory=IslandsConfig)
     inner: InnerConfig = Field(default_factory=InnerConfig)
@@ -279,6 +285,13 @@ class RunConfig(_Strict):
     api: ApiConfig = Field(default_factory=ApiConfig)
     task: TaskSpec = Field(default_factory=TaskSpec)
     ray: RayConfig = Field(default_factory=RayConfig)
+
+    @field_validator("init_from")
+    @classmethod
+    def _exists(cls, path: str | None) -> str | None:
+        if path is not None and not Path(path).exists():
+            raise ValueError(f"no such file or folder: {path}")
+        return path
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

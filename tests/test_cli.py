@@ -69,3 +69,9 @@ def test_config_docs_writes_the_reference(tmp_path, capsys):
     assert main(["config", "docs", "--out", str(tmp_path / "c.md")]) == 0
     assert (tmp_path / "c.md").read_text() == render()
     assert "wrote" in capsys.readouterr().err
+
+
+def test_run_init_from_sets_the_field_and_a_missing_file_is_named(tmp_path, capsys):
+    assert main(["run", "--init-from", str(tmp_path / "missing.pt")]) == 2  # before anything starts
+    err = capsys.readouterr().err
+    assert "invalid config: init_from" in err and "missing.pt" in err

@@ -537,3 +537,33 @@ def test_every_record_carries_the_version_its_round_produced(tmp_path):
     records = [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in records] == list(range(1, 9))
     assert [r["version"] for r in records] == list(range(1, 9)) and summary["outer_steps"] == 8
+
+
+@pytest.mark.parametrize("source", ["final", "checkpoint"])
+def test_a_run_starts_from_a_final_model_or_a_checkpoint_folder(tmp_path, source):
+    """`init_from` (`archipelago run --init-from`): the new run's first evaluation is the
+    earlier run's last, and summary.json says where its weights came from."""
+    first = _run(_cfg(tmp_path, "diloco"))
+    path = Path(first["out_dir"]) / "final.pt" if source == "final" else Path(first["out_dir"]) / "checkpoint"
+    second = _run(_cfg(tmp_path, "diloco", f"init_from={path}"))
+    assert second["initial_eval_loss"] == pytest.approx(first["final_eval_loss"], rel=1e-9)
+    assert second["init_from"]["kind"] == source and second["init_from"]["path"] == str(path.resolve())
+    assert len(second["init_from"]["sha256"]) == 64 and first["init_from"] is None
+    assert second["rounds_done"] == 6 and np.isfinite(second["final_eval_loss"])
+
+
+def test_init_from_refuses_what_does_not_fit(tmp_path):
+    from orchestrator.config_load import ConfigError
+
+    with pytest.raises(ConfigError, match="init_from"):
+        _cfg(tmp_path, "diloco", f"init_from={tmp_path / 'missing.pt'}")
+    import torch
+
+    wrong = tmp_path / "wrong.pt"
+    torch.save({"x": torch.zeros(7, dtype=torch.float64)}, wrong)  # the toy model has 2 parameters
+    with pytest.raises(RunFailed, match="does not fit"):
+        in_process_engine(_cfg(tmp_path, "diloco", f"init_from={wrong}"))
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a model")
+    with pytest.raises(RunFailed, match="not a model state_dict"):
+        in_process_engine(_cfg(tmp_path, "diloco", f"init_from={garbage}"))

@@ -90,13 +90,19 @@ class CheckpointError(RunFailed):
 def load_checkpoint(folder: Path) -> dict[str, Any] | None:
     """The newest valid checkpoint in `folder`, None if there is none at all; raises
     `CheckpointError` when there are checkpoints and every one is corrupt."""
+    found = _newest_valid(folder)
+    return found[1] if found is not None else None
+
+
+def _newest_valid(folder: Path) -> tuple[str, dict[str, Any]] | None:
+    """(SHA-256, state) of the newest checkpoint whose checksum matches and that loads."""
     saved = _saved(folder)
     problems = []
     for _, path in saved:
         try:
             data = path.read_bytes()
-            expected = _digest_path(path).read_text().strip()
-            if hashlib.sha256(data).hexdigest() != expected:
+            digest = hashlib.sha256(data).hexdigest()
+            if digest != _digest_path(path).read_text().strip():
                 raise ValueError("checksum mismatch")
             state = torch.load(io.BytesIO(data), weights_only=True)
             if not isinstance(state, dict) or "run_id" not in state:
@@ -105,7 +111,7 @@ def load_checkpoint(folder: Path) -> dict[str, Any] | None:
             problems.append(f"{path.name}: {type(err).__name__}: {err}")
             log.warning("checkpoint %s is unusable (%s: %s); trying the one before", path, type(err).__name__, err)
             continue
-        return state
+        return digest, state
     if problems:
         raise CheckpointError(f"no valid checkpoint in {folder}: " + "; ".join(problems))
     return None
@@ -129,3 +135,23 @@ def load_intent(folder: Path, run_id: str) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return intent if isinstance(intent, dict) and intent.get("run_id") == run_id else None
+
+
+def load_initial_weights(path: Path) -> tuple[str, dict[str, torch.Tensor] | torch.Tensor, str]:
+    """The weights a run starts from (`init_from`): a `final.pt` (a model `state_dict`) or a
+    checkpoint folder (its newest valid checkpoint's flat parameters). Returns (kind,
+    weights, SHA-256 of the file read), loaded `weights_only` like every checkpoint."""
+    if path.is_dir():
+        found = _newest_valid(path)
+        if found is None:
+            raise RunFailed(f"init_from: no checkpoint in {path}")
+        digest, state = found
+        return "checkpoint", state["params"], digest
+    data = path.read_bytes()
+    try:
+        weights = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as err:
+        raise RunFailed(f"init_from: {path} is not a model state_dict ({type(err).__name__}: {err})") from err
+    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+        raise RunFailed(f"init_from: {path} is not a model state_dict (a final.pt)")
+    return "final", weights, hashlib.sha256(data).hexdigest()

@@ -23,7 +23,13 @@ import torch
 from orchestrator.algorithms.dylu import SpeedTracker
 from orchestrator.config import RunConfig
 from orchestrator.engine.admission import Admission, Verdict
-from orchestrator.engine.checkpoints import load_checkpoint, load_intent, save_checkpoint, save_intent
+from orchestrator.engine.checkpoints import (
+    load_checkpoint,
+    load_initial_weights,
+    load_intent,
+    save_checkpoint,
+    save_intent,
+)
 from orchestrator.engine.controls import RunControls, SettingsUpdate
 from orchestrator.engine.ledger import DataLedger
 from orchestrator.engine.membership import IslandStats, Membership
@@ -53,8 +59,10 @@ class RoundEngine:
         pool: IslandPool,
         run_id: str = "local",
         on_record: Callable[[dict[str, Any], dict[str, dict[str, Any]]], None] | None = None,
+        init_from: dict[str, str] | None = None,
     ) -> None:
-        """Continues from the checkpoint of `run_id` in `cfg.checkpoint_dir` if there is one."""
+        """Continues from the checkpoint of `run_id` in `cfg.checkpoint_dir` if there is one.
+        `init_from` describes the weights the model was loaded with (`start_from`)."""
         self.cfg, self.task, self.model, self.flat, self.outer = cfg, task, model, flat, outer
         self.pacing: Pacing = policies.pacing
         self.admission: Admission = policies.admission
@@ -75,6 +83,7 @@ class RoundEngine:
         self.held: dict[int, int] = {}  # island -> version it holds (downloaded)
         self.due: list[int] = []  # recorded rounds due, written after the next dispatch
         self.stats = RunStats()
+        self.init_from = init_from
         self._intent: dict[str, Any] | None = None  # last membership intent written (`_journal`)
         self.islands_view: dict[str, dict[str, Any]] = {}  # what /v1/islands serves (`_refresh_islands`)
         self._islands_seen: tuple[int, int] | None = None
@@ -229,6 +238,7 @@ class RoundEngine:
         self.summary = self.stats.summary(
             self.phase, self.cfg, self.run.version, self.members, self.ledger, self.outer.numel, self.recorder.out
         )
+        self.summary["init_from"] = self.init_from
         self.recorder.finish(self.summary, self.model)
         self._update_snapshot()
         self._refresh_islands()
@@ -721,6 +731,7 @@ def build_engine(
     torch.manual_seed(cfg.seed)
     model = task.build_model()
     flat = FlatParams(model)
+    initial = start_from(Path(cfg.init_from), model, flat) if cfg.init_from else None
     outer: Outer
     if cfg.coordinator.shards > 1:
         bounds = slice_bounds(flat.numel, cfg.coordinator.shards, cfg.compression.chunk)
@@ -729,4 +740,21 @@ def build_engine(
         outer = SlicedOuter(flat.data, bounds, calls)
     else:
         outer = LocalOuter(flat.data, outer_rule(cfg))
-    return RoundEngine(cfg, task, model, flat, outer, build_policies(cfg, flat.numel), pool, run_id, on_record)
+    policies = build_policies(cfg, flat.numel)
+    return RoundEngine(cfg, task, model, flat, outer, policies, pool, run_id, on_record, initial)
+
+
+def start_from(path: Path, model: torch.nn.Module, flat: FlatParams) -> dict[str, str]:
+    """Load `init_from` into the model before anything else sees it (the outer state and
+    the first published version start from it); what `summary.json` records of it."""
+    kind, weights, digest = load_initial_weights(path)
+    if isinstance(weights, torch.Tensor):
+        if weights.numel() != flat.numel:
+            raise RunFailed(f"init_from: {path} holds {weights.numel()} parameters, this task's model {flat.numel}")
+        flat.load(weights)
+    else:
+        try:
+            model.load_state_dict(weights, strict=True)
+        except RuntimeError as err:
+            raise RunFailed(f"init_from: {path} does not fit this task's model: {err}") from err
+    return {"path": str(path.resolve()), "kind": kind, "sha256": digest}
