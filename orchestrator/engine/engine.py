@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from orchestrator.algorithms.dylu import SpeedTracker
 from orchestrator.config import RunConfig
 from orchestrator.engine.admission import Admission, Verdict
 from orchestrator.engine.checkpoints import (
@@ -75,7 +74,7 @@ class RoundEngine:
         self.phase = RunPhase.STARTING
         self.flights: dict[int, Flight] = {}
         self.overdue: dict[int, tuple[int, float]] = {}  # ticket -> (island, deadline), abandoned past it
-        self.speeds = SpeedTracker()  # measured inner steps per second, every mode (the operator's view)
+        self.speeds = policies.speeds  # measured inner steps per second, every mode
         self._tickets = itertools.count()
         self.refs: dict[int, Any] = {}  # version -> published parameters
         self._demanded: int | None = None

@@ -140,9 +140,10 @@ class Barrier:
 
 
 class PerArrival:
-    def __init__(self, dylu: bool, smoothing: float, islands: int) -> None:
+    def __init__(self, dylu: bool, speeds: SpeedTracker, islands: int) -> None:
+        """`speeds` is the run's tracker, fed by the engine with every arrival."""
         self.dylu, self.k = dylu, islands
-        self.speeds = SpeedTracker(smoothing)
+        self.speeds = speeds
         self.handed = 0  # inner steps handed out (in flight or back)
         self.queue: list[Flight] = []
         self.recorded = 0
@@ -168,8 +169,6 @@ class PerArrival:
         self.handed -= work.steps
 
     def arrived(self, flight: Flight) -> None:
-        assert flight.result is not None
-        self.speeds.observe(flight.work.island, flight.result.steps, flight.result.compute_s)
         self.queue.append(flight)
 
     def lost(self, flight: Flight) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from orchestrator.algorithms.dylu import SpeedTracker
 from orchestrator.algorithms.outer import CO2Outer, DelayedNesterov, FlatSGD
 from orchestrator.algorithms.robust import NormGuard
 from orchestrator.config import Mode, OuterConfig, RunConfig
@@ -63,14 +64,16 @@ def outer_rule(cfg: RunConfig) -> OuterRule:
 class Policies:
     pacing: Pacing
     admission: Admission
+    speeds: SpeedTracker  # islands' measured steps/s: the engine feeds it, DyLU and the operator read it
 
 
 def build_policies(cfg: RunConfig, numel: int) -> Policies:
     staleness: StalenessRule = ExactVersion()
+    speeds = SpeedTracker(cfg.asynchronous.speed_smoothing)
     pacing: Pacing
     if cfg.mode == Mode.ASYNC:
         a = cfg.asynchronous
-        pacing = PerArrival(a.dylu, a.speed_smoothing, cfg.islands.count)
+        pacing = PerArrival(a.dylu, speeds, cfg.islands.count)
         staleness = BoundedStaleness(a.max_staleness, a.stale_policy == "downweight")
     elif cfg.mode == Mode.OVERLAP:
         pacing = OneRoundLag()
@@ -81,4 +84,4 @@ def build_policies(cfg: RunConfig, numel: int) -> Policies:
     admission = Admission(
         numel, NormGuard(cfg.robust), staleness, cfg.robust.quarantine_after, cfg.outer.drop_prob, cfg.seed
     )
-    return Policies(pacing, admission)
+    return Policies(pacing, admission, speeds)
