@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from importlib import resources
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.encoders import jsonable_encoder
@@ -21,6 +21,8 @@ from api.limits import MAX_BODY, FrontDoor
 from api.schemas import Accepted, AddIslands, Settings, Target
 
 PAGE, MAX_PAGE = 500, 5000  # records or events per page: a page is bounded whatever the run's length
+Since = Annotated[int, Query(ge=0, description="cursor: the last round seen (history) or events seen (events)")]
+Limit = Annotated[int, Query(ge=1, le=MAX_PAGE, description="page size")]
 
 
 def _finite(value: Any) -> Any:
@@ -76,7 +78,7 @@ def create_app(handle: RunHandle, token: str | None, public_reads: bool = False,
         dependencies=reads,
         summary="Per-round records (metrics.jsonl) after round `since`, at most `limit` (page on with the last round)",
     )
-    def run_history(since: int = Query(0, ge=0), limit: int = Query(PAGE, ge=1, le=MAX_PAGE)) -> list[dict[str, Any]]:
+    def run_history(since: Since = 0, limit: Limit = PAGE) -> list[dict[str, Any]]:
         return handle.history(since, limit)
 
     @app.get("/v1/islands", dependencies=reads, summary="Islands with state, node, staleness, tokens, H, rejections")
@@ -88,7 +90,7 @@ def create_app(handle: RunHandle, token: str | None, public_reads: bool = False,
         dependencies=reads,
         summary="The run's event log from index `since` on, at most `limit` (page on with since + count)",
     )
-    def events(since: int = Query(0, ge=0), limit: int = Query(PAGE, ge=1, le=MAX_PAGE)) -> list[dict[str, Any]]:
+    def events(since: Since = 0, limit: Limit = PAGE) -> list[dict[str, Any]]:
         return handle.events(since, limit)
 
     @app.post(

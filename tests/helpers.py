@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.engine import RoundEngine, build_engine
+from orchestrator.engine.build import build_engine
+from orchestrator.engine.engine import RoundEngine
 from orchestrator.engine.pool import Fault, InProcessPool
 from workers.island import Island
 

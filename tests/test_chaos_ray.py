@@ -88,9 +88,7 @@ class Client:
         self.lock = threading.Lock()
 
     def call(self, method: str, path: str, body=None, headers=None, content: bytes | None = None) -> httpx.Response:
-        kwargs = {"json": body} if content is None and body is not None else {}
-        if content is not None:
-            kwargs = {"content": content}
+        kwargs = {"content": content} if content is not None else {"json": body} if body is not None else {}
         r = self.http.request(method, path, headers=headers if headers is not None else AUTH, **kwargs)
         with self.lock:
             self.statuses.append((f"{method} {path}", r.status_code))

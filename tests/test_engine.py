@@ -19,7 +19,8 @@ import pytest
 
 from orchestrator.config import RunConfig
 from orchestrator.config_load import load_config
-from orchestrator.engine.engine import RoundEngine, build_engine
+from orchestrator.engine.build import build_engine
+from orchestrator.engine.engine import RoundEngine
 from orchestrator.engine.pool import Fault, FaultKind
 from orchestrator.engine.types import Event, RunFailed
 from tests.helpers import in_process_engine

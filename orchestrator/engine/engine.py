@@ -24,7 +24,6 @@ from orchestrator.config import RunConfig
 from orchestrator.engine.admission import Admission, Verdict
 from orchestrator.engine.checkpoints import (
     load_checkpoint,
-    load_initial_weights,
     load_intent,
     save_checkpoint,
     save_intent,
@@ -32,16 +31,16 @@ from orchestrator.engine.checkpoints import (
 from orchestrator.engine.controls import RunControls, SettingsUpdate
 from orchestrator.engine.ledger import DataLedger
 from orchestrator.engine.membership import IslandStats, Membership
-from orchestrator.engine.outer_step import LocalOuter, LocalSlices, Outer, SliceCalls, SlicedOuter, take_step
+from orchestrator.engine.outer_step import Outer, take_step
 from orchestrator.engine.pacing import Close, Flight, Pacing, RunState, Work
-from orchestrator.engine.policies import Policies, build_policies, outer_rule
+from orchestrator.engine.policies import Policies
 from orchestrator.engine.pool import Done, Failed, IslandPool, Joined, JoinFailed, PoolEvent
 from orchestrator.engine.records import EventLog, Recorder
 from orchestrator.engine.stats import RunStats
 from orchestrator.engine.types import Contribution, Decision, Event, IslandState, Reason, RunFailed, RunPhase
-from workers.flat import FlatParams, slice_bounds
+from workers.flat import FlatParams
 from workers.messages import RoundResult, WorkOrder
-from workers.task import Task, load_task
+from workers.task import Task
 
 POLL_S = 0.2  # the longest the engine waits on the pool: a stop-now is seen within it
 
@@ -465,13 +464,7 @@ class RoundEngine:
         verdict = Verdict(Decision.REJECT, Reason.SHARDS, problem)
         self._lose(ticket, f"rejected ({verdict.why})")
         self.members.islands[island].rejections += 1
-        self.events.add(Event.REJECTION, island, reason=verdict.why)
-        if self.admission.record(island, verdict):
-            self._fail(
-                island,
-                f"quarantined after {self.admission.quarantine_after} bad updates in a row",
-                IslandState.QUARANTINED,
-            )
+        self._judged(island, verdict)
 
     def _lose(self, ticket: int, reason: str) -> None:
         flight = self.flights.pop(ticket)
@@ -578,11 +571,15 @@ class RoundEngine:
         stats = self.members.islands[r.island]
         self.stats.account(stats, r, verdict, staleness, trained)
         stats.steps_per_s = self.speeds.speeds.get(r.island, 0.0)
+        self._judged(r.island, verdict, version=r.version)
+
+    def _judged(self, island: int, verdict: Verdict, **detail: Any) -> None:
+        """Log a rejection; quarantine an island at its `quarantine_after`-th fault in a row."""
         if not verdict.admitted and verdict.decision != Decision.DROP:
-            self.events.add(Event.REJECTION, r.island, reason=verdict.why, version=r.version)
-        if self.admission.record(r.island, verdict):
+            self.events.add(Event.REJECTION, island, reason=verdict.why, **detail)
+        if self.admission.record(island, verdict):
             self._fail(
-                r.island,
+                island,
                 f"quarantined after {self.admission.quarantine_after} bad updates in a row",
                 IslandState.QUARANTINED,
             )
@@ -713,47 +710,3 @@ class RoundEngine:
         resume): what `ray job stop` needs, as Ray kills the job a few seconds later."""
         self.controls.stop(now)
         self.events.add(Event.STOP_REQUESTED, version=self.run.version, now=now)
-
-
-def build_engine(
-    cfg: RunConfig,
-    pool: IslandPool,
-    run_id: str = "local",
-    slices: Callable[[RunConfig, Any, list[tuple[int, int]]], SliceCalls] | None = None,
-    on_record: Callable[[dict[str, Any], dict[str, dict[str, Any]]], None] | None = None,
-) -> RoundEngine:
-    """The task's model (same seed everywhere), the outer step over it — whole, or over
-    `coordinator.shards` slices reached through `slices` (in process by default) — the
-    policies of the mode, and the engine driving `pool`."""
-    task = load_task(cfg.task.factory, cfg.task.kwargs)
-    task.prepare()
-    torch.manual_seed(cfg.seed)
-    model = task.build_model()
-    flat = FlatParams(model)
-    initial = start_from(Path(cfg.init_from), model, flat) if cfg.init_from else None
-    outer: Outer
-    if cfg.coordinator.shards > 1:
-        bounds = slice_bounds(flat.numel, cfg.coordinator.shards, cfg.compression.chunk)
-        params = flat.data.detach().numpy()
-        calls = slices(cfg, params, bounds) if slices is not None else LocalSlices(outer_rule(cfg), params, bounds)
-        outer = SlicedOuter(flat.data, bounds, calls)
-    else:
-        outer = LocalOuter(flat.data, outer_rule(cfg))
-    policies = build_policies(cfg, flat.numel)
-    return RoundEngine(cfg, task, model, flat, outer, policies, pool, run_id, on_record, initial)
-
-
-def start_from(path: Path, model: torch.nn.Module, flat: FlatParams) -> dict[str, str]:
-    """Load `init_from` into the model before anything else sees it (the outer state and
-    the first published version start from it); what `summary.json` records of it."""
-    kind, weights, digest = load_initial_weights(path)
-    if isinstance(weights, torch.Tensor):
-        if weights.numel() != flat.numel:
-            raise RunFailed(f"init_from: {path} holds {weights.numel()} parameters, this task's model {flat.numel}")
-        flat.load(weights)
-    else:
-        try:
-            model.load_state_dict(weights, strict=True)
-        except RuntimeError as err:
-            raise RunFailed(f"init_from: {path} does not fit this task's model: {err}") from err
-    return {"path": str(path.resolve()), "kind": kind, "sha256": digest}

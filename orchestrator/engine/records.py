@@ -31,21 +31,17 @@ HISTORY = 10_000  # per-round records held in memory for the control plane
 _WARN = frozenset({Event.CRASH, Event.QUARANTINED, Event.JOIN_FAILED, Event.LOST, Event.LATE, Event.RESTART})
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    durable_write(path, text.encode())
-
-
 class Recorder:
     def __init__(self, out_dir: str | Path, cfg: RunConfig, keep_records: int | None = None) -> None:
         """A fresh run starts `metrics.jsonl` anew; a resumed one keeps its first
         `keep_records` records (those the checkpoint covers) and appends after them."""
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
-        _atomic_write(self.out / "config.yaml", dump_config(cfg))
+        durable_write(self.out / "config.yaml", dump_config(cfg).encode())
         path = self.out / "metrics.jsonl"
         if keep_records is not None and path.exists():
             kept = path.read_text().splitlines()[:keep_records]
-            _atomic_write(path, "".join(line + "\n" for line in kept))
+            durable_write(path, "".join(line + "\n" for line in kept).encode())
         # held open for the run's life (line-buffered appends), closed by finish()
         self._metrics = open(path, "a" if keep_records is not None else "w", buffering=1)  # noqa: SIM115
         # the newest records, for the control plane (the whole run is in metrics.jsonl)
@@ -67,7 +63,7 @@ class Recorder:
         buffer = io.BytesIO()
         torch.save(state, buffer)
         durable_write(self.out / "final.pt", buffer.getvalue())
-        _atomic_write(self.out / "summary.json", json.dumps(summary, indent=2))
+        durable_write(self.out / "summary.json", json.dumps(summary, indent=2).encode())
         self._metrics.close()
 
 

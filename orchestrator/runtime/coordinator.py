@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from orchestrator.config import RunConfig
+from orchestrator.engine.build import build_engine
 from orchestrator.engine.controls import SettingsUpdate
-from orchestrator.engine.engine import RoundEngine, build_engine
+from orchestrator.engine.engine import RoundEngine
 from orchestrator.engine.types import SliceLost
 from orchestrator.logs import configure
 from orchestrator.runtime.island_pool import RayIslandPool, island_bundle

@@ -1,0 +1,65 @@
+"""Assembling a run: the task's model (same seed everywhere, or `init_from`'s weights), the
+outer step over it — whole, or over coordinator slices — the mode's policies, and the
+round engine driving an island pool. The coordinator actor and the tests build through
+here, so both run exactly the same engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orchestrator.config import RunConfig
+from orchestrator.engine.checkpoints import load_initial_weights
+from orchestrator.engine.engine import RoundEngine
+from orchestrator.engine.outer_step import LocalOuter, LocalSlices, Outer, SliceCalls, SlicedOuter
+from orchestrator.engine.policies import build_policies, outer_rule
+from orchestrator.engine.pool import IslandPool
+from orchestrator.engine.types import RunFailed
+from workers.flat import FlatParams, slice_bounds
+from workers.task import load_task
+
+
+def build_engine(
+    cfg: RunConfig,
+    pool: IslandPool,
+    run_id: str = "local",
+    slices: Callable[[RunConfig, Any, list[tuple[int, int]]], SliceCalls] | None = None,
+    on_record: Callable[[dict[str, Any], dict[str, dict[str, Any]]], None] | None = None,
+) -> RoundEngine:
+    """The engine for `cfg` driving `pool`; with `coordinator.shards` > 1 the outer step is
+    split over slices reached through `slices` (in process by default)."""
+    task = load_task(cfg.task.factory, cfg.task.kwargs)
+    task.prepare()
+    torch.manual_seed(cfg.seed)
+    model = task.build_model()
+    flat = FlatParams(model)
+    initial = start_from(Path(cfg.init_from), model, flat) if cfg.init_from else None
+    outer: Outer
+    if cfg.coordinator.shards > 1:
+        bounds = slice_bounds(flat.numel, cfg.coordinator.shards, cfg.compression.chunk)
+        params = flat.data.detach().numpy()
+        calls = slices(cfg, params, bounds) if slices is not None else LocalSlices(outer_rule(cfg), params, bounds)
+        outer = SlicedOuter(flat.data, bounds, calls)
+    else:
+        outer = LocalOuter(flat.data, outer_rule(cfg))
+    policies = build_policies(cfg, flat.numel)
+    return RoundEngine(cfg, task, model, flat, outer, policies, pool, run_id, on_record, initial)
+
+
+def start_from(path: Path, model: torch.nn.Module, flat: FlatParams) -> dict[str, str]:
+    """Load `init_from` into the model before anything else sees it (the outer state and
+    the first published version start from it); what `summary.json` records of it."""
+    kind, weights, digest = load_initial_weights(path)
+    if isinstance(weights, torch.Tensor):
+        if weights.numel() != flat.numel:
+            raise RunFailed(f"init_from: {path} holds {weights.numel()} parameters, this task's model {flat.numel}")
+        flat.load(weights)
+    else:
+        try:
+            model.load_state_dict(weights, strict=True)
+        except RuntimeError as err:
+            raise RunFailed(f"init_from: {path} does not fit this task's model: {err}") from err
+    return {"path": str(path.resolve()), "kind": kind, "sha256": digest}
