@@ -83,6 +83,7 @@ class RoundEngine:
         self.stats = RunStats()
         self.init_from = init_from
         self._intent: dict[str, Any] | None = None  # last membership intent written (`_journal`)
+        self._journalled_at = -1  # events.count when the intent was last looked at
         self.islands_view: dict[str, dict[str, Any]] = {}  # what /v1/islands serves (`_refresh_islands`)
         self._islands_seen: tuple[int, int] | None = None
         self.waiting_since: float | None = None  # since when no island could train
@@ -150,9 +151,11 @@ class RoundEngine:
         self._journal()
 
     def _journal(self) -> None:
-        """Write the membership intent when it changed (see `_reattach`)."""
-        if not self.cfg.checkpoint.every_rounds:
+        """Write the membership intent when it changed (see `_reattach`); every membership
+        change logs an event, so nothing is looked at in steps without one."""
+        if not self.cfg.checkpoint.every_rounds or self.events.count == self._journalled_at:
             return
+        self._journalled_at = self.events.count
         leaving = sorted(
             i for i, s in self.members.islands.items() if s.state in (IslandState.DRAINING, IslandState.DRAINED)
         )
