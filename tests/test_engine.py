@@ -568,3 +568,16 @@ def test_init_from_refuses_what_does_not_fit(tmp_path):
     garbage.write_bytes(b"not a model")
     with pytest.raises(RunFailed, match="not a model state_dict"):
         in_process_engine(_cfg(tmp_path, "diloco", f"init_from={garbage}"))
+
+
+def test_a_restart_before_the_first_checkpoint_releases_the_islands_it_replaces(tmp_path):
+    """Found on a multi-node cluster: a coordinator restarted with no checkpoint yet started
+    afresh and asked for islands under names its predecessor's islands still held."""
+    cfg = _cfg(tmp_path, "diloco", "checkpoint.every_rounds=0")
+    first, pool = in_process_engine(cfg, run_id="early")
+    _drive(first, until=2)
+    pool.coordinator_lost()
+    second = build_engine(cfg, pool, run_id="early")
+    assert not second.resumed
+    _drive(second)
+    assert second.summary["rounds_done"] == 6 and second.summary["state"] == "finished"

@@ -271,8 +271,10 @@ def islands():
     actors = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "-island-" in a["name"]]
     groups = [g["name"] for g in placement_group_table().values() if g["state"] != "REMOVED" and "-island-" in g["name"]]
     return actors + groups
+def busy():  # resources come back a moment after the groups are gone
+    return islands() or ray.available_resources().get("CPU") != ray.cluster_resources().get("CPU")
 t0, at_kill = time.time(), islands()
-while islands() and time.time() - t0 < 60:
+while busy() and time.time() - t0 < 60:
     time.sleep(0.25)
 print(json.dumps({{"at_kill": at_kill, "islands": islands(), "seconds": time.time() - t0,
                    "cpus": ray.cluster_resources().get("CPU"), "cpus_free": ray.available_resources().get("CPU")}}))

@@ -109,6 +109,9 @@ class RoundEngine:
         if self.resumed:
             self._reattach()
         else:
+            # a coordinator Ray restarted before its first checkpoint starts afresh: the islands
+            # its predecessor placed are released by name, or their names would collide
+            self.pool.sweep(set())
             for i in range(self.cfg.islands.count):
                 self._request(i)
         self._demand()

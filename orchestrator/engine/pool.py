@@ -171,6 +171,8 @@ class InProcessPool:
         self.t = max(self.t, t)
 
     def request(self, island: int, start_step: int) -> None:
+        if island in self.islands:  # as Ray refuses a second placement group of one name
+            raise ValueError(f"island {island} already exists")
         if island in self.unplaceable:
             return
         self.islands[island] = Island(island_spec(self.cfg, island, start_step))

@@ -58,10 +58,10 @@ def init_ray(cfg: RunConfig) -> bool:
 
 
 def start_coordinator(cfg: RunConfig, run_id: str) -> Any:
-    """The coordinator actor, on this node while it lives, so its outputs land where the
-    user looks. Ray restarts it up to `checkpoint.max_restarts` times and it resumes from
-    its checkpoint; the affinity is soft, so if this node is lost it restarts on another
-    (which finds the checkpoint when `checkpoint.path` is on shared storage)."""
+    """The coordinator actor, pinned to this node so its outputs land where the user looks.
+    Ray restarts it up to `checkpoint.max_restarts` times; it then resumes from its
+    checkpoint. The pin is hard: with a soft one Ray at times placed it on an island's node
+    (seen in the multi-node test), where losing that node took the coordinator down too."""
     node_id = ray.get_runtime_context().get_node_id()
     restarts = cfg.checkpoint.max_restarts if cfg.checkpoint.every_rounds else 0
     return (
@@ -73,7 +73,7 @@ def start_coordinator(cfg: RunConfig, run_id: str) -> Any:
             max_concurrency=4,
             max_restarts=restarts,
             max_task_retries=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
         .remote(cfg, run_id, _configured_level())
     )
