@@ -27,6 +27,37 @@ class Mode(str, Enum):
     OVERLAP = "overlap"  # one-round lag: CO2, the exchange of round t hidden behind round t+1
 
 
+class WarmStartMode(str, Enum):
+    """How the shared start of a run is trained before its islands fork."""
+
+    DDP = "ddp"  # data-parallel over the run's islands (k x batch, one optimizer)
+    SINGLE = "single"  # one island trains alone
+
+
+class WarmStartConfig(_Strict):
+    """Training shared by every island before they fork (the DiLoCo paper forks from a
+    model trained 24k of 88k steps): from scratch, the first pseudo-gradients are huge and
+    an outer Nesterov step amplifies them for many rounds; from a warm start the outer
+    step refines instead. The islands continue its data (nothing is trained twice) and its
+    learning-rate schedule (the inner warmup is over before the first outer step)."""
+
+    steps: int | None = Field(
+        None,
+        ge=0,
+        description="inner steps of the warm start; null (auto): for a run from scratch in a DiLoCo-family "
+        "mode, a quarter of the run's rounds x inner_steps and at least inner.warmup_steps, else 0; 0 disables",
+    )
+    mode: WarmStartMode = Field(
+        WarmStartMode.DDP,
+        description="ddp (data-parallel over the run's islands) or single (one island alone, batch x 1)",
+    )
+    path: str | None = Field(
+        None,
+        description="reuse the finished warm start in this folder (a run's out_dir/warm_start) instead of "
+        "training one: e.g. to compare methods from one warm start; same task, seed and data shards",
+    )
+
+
 class RobustConfig(_Strict):
     """Admission checks beyond shape, weight and finiteness (`engine/admission.py`)."""
 
@@ -284,7 +315,21 @@ class RunConfig(_Strict):
     elastic: ElasticConfig = Field(default_factory=ElasticConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
     task: TaskSpec = Field(default_factory=TaskSpec)
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="after")
+    def _warm_steps(self) -> RunConfig:
+        """Resolve `warm_start.steps: null` (auto) once, so every part of the run reads one number."""
+        w = self.warm_start
+        if w.steps is None:
+            scratch = self.init_from is None and self.mode != Mode.DDP
+            w.steps = max(self.total_inner_steps // 4, self.inner.warmup_steps) if scratch else 0
+        if w.steps and self.mode == Mode.DDP:
+            raise ValueError("warm_start.steps applies to the DiLoCo-family modes; mode ddp has no fork (set 0)")
+        if w.path is not None and not Path(w.path).is_dir():
+            raise ValueError(f"warm_start.path: no such folder: {w.path}")
+        return self
 
     @field_validator("init_from")
     @classmethod
@@ -326,7 +371,18 @@ class RunConfig(_Strict):
 
     @property
     def total_inner_steps(self) -> int:
+        """Inner steps per island of this run's rounds (the warm start not included)."""
         return self.rounds * self.inner_steps
+
+    @property
+    def warm_steps(self) -> int:
+        """Inner steps trained before the fork (resolved: never null after validation)."""
+        return self.warm_start.steps or 0
+
+    @property
+    def schedule_steps(self) -> int:
+        """Length of the inner learning-rate schedule: the warm start, then the rounds."""
+        return self.inner.schedule_steps or self.warm_steps + self.total_inner_steps
 
     @property
     def island_threads(self) -> int:

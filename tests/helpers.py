@@ -14,8 +14,12 @@ from orchestrator.engine.engine import RoundEngine
 from orchestrator.engine.pool import Fault, InProcessPool
 from workers.island import Island
 
+# tests of one phase leave the warm start out (its own tests are in test_warm_start.py)
+NO_WARM = "warm_start.steps=0"
+
 # a GPT small enough for a Ray test to train a few rounds in seconds
 TINY_LM = [
+    NO_WARM,
     "task.kwargs.d_model=32",
     "task.kwargs.n_layers=1",
     "task.kwargs.n_heads=2",
@@ -41,6 +45,7 @@ def toy_quadratic(islands: int, batch_s: float, *extra: str) -> list[str]:
         "inner.optimizer=sgd",
         "inner.lr=0.1",
         "inner.warmup_steps=0",
+        NO_WARM,
         *extra,
     ]
 

@@ -44,6 +44,7 @@ def _d1_config(inner: dict, rounds: int = 3) -> RunConfig:
             "inner_steps": 3,
             "islands": {"count": 2},
             "data_shards": 2,  # island i sees c_i
+            "warm_start": {"steps": 0},
             "inner": {"warmup_steps": 0, "schedule": "constant", "grad_clip": None, "weight_decay": 0.0, **inner},
             "outer": {"optimizer": "nesterov", "lr": 0.7, "momentum": 0.9},
             "task": {"factory": "tests.toy_tasks:make_quadratic", "kwargs": {"centers": CENTERS}},

@@ -142,6 +142,7 @@ def test_island_schedule_can_follow_global_progress():
         None,
         [
             "task.factory=tests.toy_tasks:make_quadratic",
+            "warm_start.steps=0",
             "task.kwargs.centers=[[1.0,0.0]]",
             "islands.count=1",
             "rounds=10",

@@ -18,6 +18,7 @@ def _cfg(tmp_path, *extra):
         [
             "mode=async",
             "task.factory=tests.toy_tasks:make_quadratic",
+            "warm_start.steps=0",
             "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]",
             "task.kwargs.batch_s=0.01",
             "islands.count=3",

@@ -87,6 +87,7 @@ def test_add_gpu_islands_over_rest_and_scale_back_down(autoscaling, tmp_path, mo
         None,
         [
             "task.factory=tests.toy_tasks:make_quadratic",
+            "warm_start.steps=0",
             "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0]]",
             "task.kwargs.batch_s=0.05",
             "islands.count=1",

@@ -18,6 +18,7 @@ def test_diloco_trains_digits_classifier(split):
         None,
         [
             "task.factory=workers.digits_task:make_task",
+            "warm_start.steps=0",
             f"task.kwargs.split={split}",
             "islands.count=3",
             "rounds=8",

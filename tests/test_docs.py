@@ -156,6 +156,7 @@ def test_the_task_example_in_the_docs_trains(tmp_path, monkeypatch):
         None,
         [
             "task.factory=docs_task_example:make_task",
+            "warm_start.steps=0",
             "islands.count=2",
             "rounds=4",
             "inner_steps=10",

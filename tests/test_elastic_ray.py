@@ -24,6 +24,7 @@ def _cfg(tmp_path, name, *extra):
         None,
         [
             "task.factory=tests.toy_tasks:make_quadratic",
+            "warm_start.steps=0",
             f"task.kwargs.centers={CENTERS}",
             "task.kwargs.batch_s=0.05",
             f"task.kwargs.fault_dir={tmp_path / name}",

@@ -36,6 +36,7 @@ def _cfg(tmp_path: Path, mode: str, *extra: str) -> RunConfig:
         None,
         [
             "task.factory=tests.toy_tasks:make_recording",
+            "warm_start.steps=0",
             f"task.kwargs.centers={CENTERS}",
             f"task.kwargs.record={key}",
             f"mode={mode}",

@@ -76,6 +76,7 @@ def test_nan_island_is_rejected_then_quarantined_and_the_model_stays_finite(ray_
         None,
         [
             "task.factory=tests.toy_tasks:make_quadratic",
+            "warm_start.steps=0",
             "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]",
             "task.kwargs.nan_island=2",
             "islands.count=3",

@@ -55,6 +55,23 @@ def test_diloco_three_islands_learns_and_writes_outputs(ray_local, tmp_path, cor
     assert (out / "config.yaml").exists()
 
 
+def test_a_warm_started_run_forks_on_ray_and_continues_the_warm_starts_data(ray_local, tmp_path, corpus_cache):
+    """The coordinator actor trains the warm start (ddp over the run's islands), then the
+    islands fork from it: no batch of the warm start is read again, progress says which
+    phase it is in, and the warm start's islands are gone from Ray when the run ends."""
+    from orchestrator.runtime.island_pool import run_islands
+
+    cfg = _lm_cfg(tmp_path, corpus_cache, "islands.count=2", "rounds=2", "inner_steps=4", "warm_start.steps=8")
+    summary = run(cfg, show_progress=False)
+    warm = summary["warm_start"]
+    assert warm["steps"] == 8 and warm["mode"] == "ddp" and warm["tokens"] == 2 * 8 * 8 * 32
+    assert summary["initial_eval_loss"] == pytest.approx(warm["final_eval_loss"], rel=1e-6)
+    assert summary["tokens"] == 2 * 2 * 4 * 8 * 32
+    # 8 shards, each read (8 + 8) x 2 / 8 = 4 batches: the fork's reads follow the warm start's
+    assert summary["shards"]["position"] == [4] * 8
+    assert not run_islands(warm["run_id"]) and not run_islands(warm["run_id"][: -len("-warm")])
+
+
 def test_bytes_are_counted_the_same_way_in_diloco_and_ddp(ray_local, tmp_path, corpus_cache):
     sizes = {}
     for mode in ("diloco", "ddp"):
@@ -73,6 +90,7 @@ def _quadratic(tmp_path, *extra):
         None,
         [
             "task.factory=tests.toy_tasks:make_quadratic",
+            "warm_start.steps=0",
             "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]",
             "islands.count=3",
             "inner.optimizer=sgd",

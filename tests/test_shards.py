@@ -78,6 +78,7 @@ def test_an_island_without_coordinator_takes_the_block_the_coordinator_would_ass
             None,
             [
                 "task.factory=tests.toy_tasks:make_quadratic",
+                "warm_start.steps=0",
                 "task.kwargs.centers=[[1.0]]",
                 f"islands.count={islands}",
                 f"data_shards={shards}",

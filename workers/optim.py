@@ -30,6 +30,11 @@ class InnerConfig(BaseModel):
         "cosine", description="after warmup: cosine decay over the run's inner steps, or constant"
     )
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
+    schedule_steps: int | None = Field(
+        None,
+        ge=1,
+        description="length of the schedule in inner steps per island (default: the run's, its warm start included)",
+    )
     grad_clip: float | None = Field(1.0, gt=0, description="clip grad norm before each step; null disables")
 
 

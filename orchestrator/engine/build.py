@@ -1,7 +1,8 @@
-"""Assembling a run: the task's model (same seed everywhere, or `init_from`'s weights), the
-outer step over it — whole, or over coordinator slices — the mode's policies, and the
-round engine driving an island pool. The coordinator actor and the tests build through
-here, so both run exactly the same engine."""
+"""Assembling a run: the task's model (same seed everywhere, `init_from`'s weights, or the
+warm start's), the outer step over it — whole, or over coordinator slices — the mode's
+policies, and the round engine driving an island pool; and `PhasedRun`, a run with its
+warm start in front. The coordinator actor and the tests build through here, so both run
+exactly the same engine."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from orchestrator.engine.outer_step import LocalOuter, LocalSlices, Outer, Slice
 from orchestrator.engine.policies import build_policies, outer_rule
 from orchestrator.engine.pool import IslandPool
 from orchestrator.engine.types import RunFailed
+from orchestrator.engine.warm_start import WarmStart, load_warm_start, mark_finished, pending, warm_config, warm_run_id
 from workers.flat import FlatParams, slice_bounds
 from workers.task import load_task
 
@@ -36,7 +38,13 @@ def build_engine(
     torch.manual_seed(cfg.seed)
     model = task.build_model()
     flat = FlatParams(model)
-    initial = start_from(Path(cfg.init_from), model, flat) if cfg.init_from else None
+    warm: WarmStart | None = None
+    initial = None
+    if cfg.warm_steps:
+        warm = load_warm_start(cfg, flat.numel)
+        flat.load(warm.params)
+    elif cfg.init_from:
+        initial = start_from(Path(cfg.init_from), model, flat)
     outer: Outer
     if cfg.coordinator.shards > 1:
         bounds = slice_bounds(flat.numel, cfg.coordinator.shards, cfg.compression.chunk)
@@ -46,7 +54,7 @@ def build_engine(
     else:
         outer = LocalOuter(flat.data, outer_rule(cfg))
     policies = build_policies(cfg, flat.numel)
-    return RoundEngine(cfg, task, model, flat, outer, policies, pool, run_id, on_record, initial)
+    return RoundEngine(cfg, task, model, flat, outer, policies, pool, run_id, on_record, initial, warm)
 
 
 def start_from(path: Path, model: torch.nn.Module, flat: FlatParams) -> dict[str, str]:
@@ -63,3 +71,41 @@ def start_from(path: Path, model: torch.nn.Module, flat: FlatParams) -> dict[str
         except RuntimeError as err:
             raise RunFailed(f"init_from: {path} does not fit this task's model: {err}") from err
     return {"path": str(path.resolve()), "kind": kind, "sha256": digest}
+
+
+PoolFactory = Callable[[RunConfig, str], IslandPool]
+
+
+class PhasedRun:
+    """A run from its warm start, when it has one still to train, to its end: the warm
+    phase is a run of its own (`engine/warm_start.py`, run id `<run_id>-warm`), then the
+    main run forks from it. `engine` is the phase running now (what the control plane
+    reads and steers). A coordinator restarted in either phase resumes that phase."""
+
+    def __init__(self, cfg: RunConfig, run_id: str, make_pool: PoolFactory, **engine: Any) -> None:
+        self.cfg, self.run_id, self.make_pool, self.options = cfg, run_id, make_pool, engine
+        self.warm_cfg = warm_config(cfg) if pending(cfg, run_id) else None
+        if self.warm_cfg is not None:
+            wid = warm_run_id(run_id)
+            self.engine = build_engine(self.warm_cfg, make_pool(self.warm_cfg, wid), wid, **engine)
+        else:
+            self.engine = self._main()
+
+    def _main(self) -> RoundEngine:
+        return build_engine(self.cfg, self.make_pool(self.cfg, self.run_id), self.run_id, **self.options)
+
+    @property
+    def warming(self) -> bool:
+        return self.warm_cfg is not None and self.engine.cfg is self.warm_cfg
+
+    def execute(self) -> dict[str, Any]:
+        """Run to the end; a warm phase that was stopped ends the run there (its summary,
+        marked `phase: warm_start`, says so)."""
+        if self.warming:
+            summary = self.engine.execute()
+            self.engine.pool.close()
+            if summary["state"] != "finished":
+                return {**summary, "phase": "warm_start"}
+            mark_finished(self.cfg, self.run_id, summary)
+            self.engine = self._main()
+        return self.engine.execute()

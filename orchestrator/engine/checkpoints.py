@@ -90,11 +90,11 @@ class CheckpointError(RunFailed):
 def load_checkpoint(folder: Path) -> dict[str, Any] | None:
     """The newest valid checkpoint in `folder`, None if there is none at all; raises
     `CheckpointError` when there are checkpoints and every one is corrupt."""
-    found = _newest_valid(folder)
+    found = newest_valid(folder)
     return found[1] if found is not None else None
 
 
-def _newest_valid(folder: Path) -> tuple[str, dict[str, Any]] | None:
+def newest_valid(folder: Path) -> tuple[str, dict[str, Any]] | None:
     """(SHA-256, state) of the newest checkpoint whose checksum matches and that loads."""
     saved = _saved(folder)
     problems = []
@@ -142,7 +142,7 @@ def load_initial_weights(path: Path) -> tuple[str, dict[str, torch.Tensor] | tor
     checkpoint folder (its newest valid checkpoint's flat parameters). Returns (kind,
     weights, SHA-256 of the file read), loaded `weights_only` like every checkpoint."""
     if path.is_dir():
-        found = _newest_valid(path)
+        found = newest_valid(path)
         if found is None:
             raise RunFailed(f"init_from: no checkpoint in {path}")
         digest, state = found

@@ -38,6 +38,7 @@ from orchestrator.engine.pool import Done, Failed, IslandPool, Joined, JoinFaile
 from orchestrator.engine.records import EventLog, Recorder
 from orchestrator.engine.stats import RunStats
 from orchestrator.engine.types import Contribution, Decision, Event, IslandState, Reason, RunFailed, RunPhase
+from orchestrator.engine.warm_start import WarmStart
 from workers.flat import FlatParams
 from workers.messages import RoundResult, WorkOrder
 from workers.task import Task
@@ -58,9 +59,11 @@ class RoundEngine:
         run_id: str = "local",
         on_record: Callable[[dict[str, Any], dict[str, dict[str, Any]]], None] | None = None,
         init_from: dict[str, str] | None = None,
+        warm: WarmStart | None = None,
     ) -> None:
         """Continues from the checkpoint of `run_id` in `cfg.checkpoint_dir` if there is one.
-        `init_from` describes the weights the model was loaded with (`start_from`)."""
+        `init_from` describes the weights the model was loaded with (`start_from`); `warm`
+        is the warm start the model was loaded from, whose data positions the run continues."""
         self.cfg, self.task, self.model, self.flat, self.outer = cfg, task, model, flat, outer
         self.pacing: Pacing = policies.pacing
         self.admission: Admission = policies.admission
@@ -82,6 +85,7 @@ class RoundEngine:
         self.due: list[int] = []  # recorded rounds due, written after the next dispatch
         self.stats = RunStats()
         self.init_from = init_from
+        self.warm = warm
         self._intent: dict[str, Any] | None = None  # last membership intent written (`_journal`)
         self._journalled_at = -1  # events.count when the intent was last looked at
         self.islands_view: dict[str, dict[str, Any]] = {}  # what /v1/islands serves (`_refresh_islands`)
@@ -93,6 +97,8 @@ class RoundEngine:
         if self.resumed:
             assert state is not None
             self._restore(state)
+        elif warm is not None:  # the data the warm start trained is not trained again
+            self.ledger.load({**warm.ledger, "tokens": [0] * cfg.num_shards})
         self.recorder = Recorder(cfg.out_dir, cfg, keep_records=self.rounds_done if self.resumed else None)
         self.events = EventLog(self.recorder.out / "events.jsonl", append=self.resumed)
         self.snapshot: dict[str, Any] = {
@@ -243,6 +249,7 @@ class RoundEngine:
             self.phase, self.cfg, self.run.version, self.members, self.ledger, self.outer.numel, self.recorder.out
         )
         self.summary["init_from"] = self.init_from
+        self.summary["warm_start"] = self.warm.record if self.warm is not None else None
         self.recorder.finish(self.summary, self.model)
         self._update_snapshot()
         self._refresh_islands()
@@ -313,7 +320,7 @@ class RoundEngine:
                 self.events.add(Event.JOIN_FAILED, i, reason="no resources within elastic.placement_timeout_s")
 
     def _request(self, index: int) -> None:
-        start = self.run.completed_steps // max(1, len(self.members.live()))
+        start = self.cfg.warm_steps + self.run.completed_steps // max(1, len(self.members.live()))
         self.members.pending[index] = self.pool.now()
         self.pool.request(index, start)
         self.events.add(Event.REQUESTED, index)

@@ -140,9 +140,10 @@ class Barrier:
 
 
 class PerArrival:
-    def __init__(self, dylu: bool, speeds: SpeedTracker, islands: int) -> None:
-        """`speeds` is the run's tracker, fed by the engine with every arrival."""
-        self.dylu, self.k = dylu, islands
+    def __init__(self, dylu: bool, speeds: SpeedTracker, islands: int, schedule_offset: int = 0) -> None:
+        """`speeds` is the run's tracker, fed by the engine with every arrival;
+        `schedule_offset` is where the run's inner schedule starts (after a warm start)."""
+        self.dylu, self.k, self.offset = dylu, islands, schedule_offset
         self.speeds = speeds
         self.handed = 0  # inner steps handed out (in flight or back)
         self.queue: list[Flight] = []
@@ -162,7 +163,9 @@ class PerArrival:
             if h <= 0:
                 break
             self.handed += h
-            out.append(Work(i, run.closes + 1, run.version, h, schedule_step=run.completed_steps // self.k))
+            out.append(
+                Work(i, run.closes + 1, run.version, h, schedule_step=self.offset + run.completed_steps // self.k)
+            )
         return out
 
     def cancel(self, work: Work) -> None:

@@ -43,7 +43,7 @@ def outer_rule(cfg: RunConfig) -> OuterRule:
         return outer_optimizer(cfg.outer, param), None
 
     if cfg.mode == Mode.DDP:
-        return OuterRule(lambda p: build_inner(cfg.inner, [p], cfg.total_inner_steps), grad_clip=cfg.inner.grad_clip)
+        return OuterRule(lambda p: build_inner(cfg.inner, [p], cfg.schedule_steps), grad_clip=cfg.inner.grad_clip)
     if cfg.mode == Mode.ASYNC:
         a = cfg.asynchronous
         if a.rule == "naive":
@@ -73,7 +73,7 @@ def build_policies(cfg: RunConfig, numel: int) -> Policies:
     pacing: Pacing
     if cfg.mode == Mode.ASYNC:
         a = cfg.asynchronous
-        pacing = PerArrival(a.dylu, speeds, cfg.islands.count)
+        pacing = PerArrival(a.dylu, speeds, cfg.islands.count, cfg.warm_steps)
         staleness = BoundedStaleness(a.max_staleness, a.stale_policy == "downweight")
     elif cfg.mode == Mode.OVERLAP:
         pacing = OneRoundLag()

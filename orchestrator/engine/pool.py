@@ -56,8 +56,9 @@ PoolEvent = Joined | JoinFailed | Done | Failed
 
 
 def island_spec(cfg: RunConfig, index: int, start_step: int = 0) -> IslandSpec:
-    """What island `index` is built from (a joining island starts at `start_step` of the
-    run's inner schedule and re-warms its learning rate)."""
+    """What island `index` is built from (an island that starts past step 0 of the run's
+    inner schedule — a joiner, or any island after a warm start — re-warms its learning
+    rate while its fresh optimizer state settles)."""
     return IslandSpec(
         index=index,
         num_islands=cfg.islands.count,
@@ -65,7 +66,7 @@ def island_spec(cfg: RunConfig, index: int, start_step: int = 0) -> IslandSpec:
         task_factory=cfg.task.factory,
         task_kwargs=dict(cfg.task.kwargs),
         inner=cfg.inner,
-        total_inner_steps=cfg.total_inner_steps,
+        total_inner_steps=cfg.schedule_steps,
         threads=cfg.island_threads,
         slowdown=cfg.islands.slowdown(index),
         codec=cfg.compression.codec,

@@ -1,7 +1,8 @@
 """The coordinator actor: a thin Ray shell over the round engine.
 
 It builds the engine with the Ray island pool and, with `coordinator.shards > 1`, slice
-actors; runs it to the end on the actor's main call (`run`), and answers the control
+actors (after the warm start's engine, when the run has one to train: `PhasedRun`);
+runs it to the end on the actor's main call (`run`), and answers the control
 plane on the actor's other threads (`max_concurrency`), where every method only reads a
 snapshot or queues a request the engine applies between rounds. If a checkpoint of this
 `run_id` exists (Ray restarted this actor, or the user resumed the run) the engine
@@ -17,10 +18,10 @@ from typing import Any
 import torch
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.build import build_engine
+from orchestrator.engine.build import PhasedRun
 from orchestrator.engine.controls import SettingsUpdate
 from orchestrator.engine.engine import RoundEngine
-from orchestrator.engine.types import SliceLost
+from orchestrator.engine.types import SliceLost, coordinator_name
 from orchestrator.logs import configure
 from orchestrator.runtime.island_pool import RayIslandPool, island_bundle
 from orchestrator.runtime.slices import start_slices
@@ -34,15 +35,20 @@ class Coordinator:
             configure(log_level)
         torch.set_num_threads(cfg.coordinator.threads)
         self.cfg, self.run_id = cfg, run_id
-        self.pool = RayIslandPool(cfg, run_id)
         self.metrics: Any = None
-        self.engine: RoundEngine = build_engine(
+        # every phase's islands watch this actor (they release themselves once it is gone)
+        self.phases = PhasedRun(
             cfg,
-            self.pool,
             run_id,
+            lambda c, rid: RayIslandPool(c, rid, coordinator_name(run_id)),
             slices=lambda c, params, bounds: start_slices(c, params, bounds, run_id),
             on_record=self._publish_metrics,
         )
+
+    @property
+    def engine(self) -> RoundEngine:
+        """The phase running now (the warm start's engine, then the run's)."""
+        return self.phases.engine
 
     def _publish_metrics(self, status: dict[str, Any], islands: dict[str, dict[str, Any]]) -> None:
         if self.metrics is not None:
@@ -53,7 +59,7 @@ class Coordinator:
 
         self.metrics = RayMetrics(self.run_id)  # inside the actor, where Ray is up
         try:
-            return self.engine.execute()
+            return self.phases.execute()
         except SliceLost as err:
             # The slice's part of the global state is gone: this process exits so that Ray
             # restarts it (`checkpoint.max_restarts`) and the new coordinator rebuilds every
@@ -61,17 +67,20 @@ class Coordinator:
             log.error("%s; restarting the coordinator from its checkpoint", err)
             os._exit(1)
         finally:
-            self.pool.close()
+            self.engine.pool.close()
 
     # -- what the control plane calls (other threads) ----------------------------------------
+    def _phase(self) -> str:
+        return "warm_start" if self.phases.warming else "rounds"
+
     def progress(self) -> dict[str, Any]:
-        return dict(self.engine.snapshot)
+        return {**self.engine.snapshot, "phase": self._phase()}
 
     def status(self) -> dict[str, Any]:
-        return self.engine.status()
+        return {**self.engine.status(), "phase": self._phase()}
 
     def islands(self) -> dict[str, dict[str, Any]]:
-        resources = island_bundle(self.cfg)
+        resources = island_bundle(self.engine.cfg)
         return {i: {**s, "resources": resources} for i, s in self.engine.islands_view.items()}
 
     def events_since(self, index: int = 0, limit: int | None = None) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from orchestrator.config import RunConfig
 from orchestrator.engine.checkpoints import load_checkpoint
 from orchestrator.engine.types import NAMESPACE, RunFailed, control_plane_name, coordinator_name
+from orchestrator.engine.warm_start import warm_run_id
 from orchestrator.runtime.coordinator import Coordinator
 from orchestrator.runtime.island_pool import release_run
 from orchestrator.runtime.progress import ProgressPrinter
@@ -157,6 +158,7 @@ def run(cfg: RunConfig, poll_s: float = 0.5, show_progress: bool = True, run_id:
                 if actor is not None:
                     ray.kill(actor, no_restart=True)
             release_run(run_id)
+            release_run(warm_run_id(run_id))
             if started:
                 ray.shutdown()
 
@@ -217,6 +219,12 @@ def resume_id(cfg: RunConfig) -> str:
 
 def print_summary(summary: dict[str, Any], stream=sys.stdout) -> None:
     out = summary["out_dir"]
+    warm = summary.get("warm_start")
+    if warm:
+        stream.write(
+            f"warm start ({warm['mode']}, {warm['steps']} steps): eval loss {warm['initial_eval_loss']:.4f} -> "
+            f"{warm['final_eval_loss']:.4f} in {warm['train_seconds']:.1f}s; then the islands forked\n"
+        )
     stream.write(
         f"eval loss {summary['initial_eval_loss']:.4f} -> {summary['final_eval_loss']:.4f} | "
         f"{summary['tokens']:,} tokens in {summary['wall_seconds']:.1f}s ({summary['tokens_per_s']:,.0f} tok/s) | "

@@ -68,7 +68,9 @@ def request_group(cfg: RunConfig, index: int, run_id: str) -> PlacementGroup:
     )
 
 
-def start_island(cfg: RunConfig, index: int, run_id: str, group: PlacementGroup, start_step: int = 0) -> IslandHandle:
+def start_island(
+    cfg: RunConfig, index: int, run_id: str, group: PlacementGroup, start_step: int = 0, coordinator: str | None = None
+) -> IslandHandle:
     """Start the island inside its (ready) placement group: one actor, or with
     `islands.workers` = N a group of N whose rank 0 is the actor the coordinator talks to
     (the others live and die with the group; `describe` answers once the group formed)."""
@@ -88,7 +90,8 @@ def start_island(cfg: RunConfig, index: int, run_id: str, group: PlacementGroup,
 
     actor = worker(0, name=island_name(run_id, index))
     # detached, so it must end itself if the run is gone (a SIGKILLed driver runs no cleanup)
-    actor.watch.remote(coordinator_name(run_id), NAMESPACE, island_name(run_id, index), cfg.elastic.orphan_timeout_s)
+    watched = coordinator or coordinator_name(run_id)
+    actor.watch.remote(watched, NAMESPACE, island_name(run_id, index), cfg.elastic.orphan_timeout_s)
     if cfg.islands.workers > 1:
         actor.form_group.remote([worker(r) for r in range(1, cfg.islands.workers)])
     return IslandHandle(index, actor, group)
@@ -156,8 +159,9 @@ class _Placing:
 
 
 class RayIslandPool:
-    def __init__(self, cfg: RunConfig, run_id: str) -> None:
-        self.cfg, self.run_id = cfg, run_id
+    def __init__(self, cfg: RunConfig, run_id: str, coordinator: str | None = None) -> None:
+        """`coordinator`: the actor name islands watch (default: `run_id`'s coordinator)."""
+        self.cfg, self.run_id, self.coordinator = cfg, run_id, coordinator
         self.handles: dict[int, IslandHandle] = {}
         self.placing: dict[int, _Placing] = {}
         self.work: dict[Any, tuple[int, int]] = {}  # object ref -> (ticket, island)
@@ -261,7 +265,9 @@ class RayIslandPool:
         for i, p in list(self.placing.items()):
             if p.handle is None:
                 if ray.wait([p.placed_ref], timeout=0)[0]:
-                    p.handle = start_island(self.cfg, i, self.run_id, p.group, start_step=p.start_step)
+                    p.handle = start_island(
+                        self.cfg, i, self.run_id, p.group, start_step=p.start_step, coordinator=self.coordinator
+                    )
                     p.ready_ref = p.handle.actor.describe.remote()
                 continue
             if ray.wait([p.ready_ref], timeout=0)[0]:

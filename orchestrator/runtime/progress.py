@@ -22,8 +22,9 @@ def format_progress(p: dict[str, Any]) -> str:
     filled = int(width * done / rounds)
     eval_loss = p.get("eval_loss")
     loss = f"{eval_loss:.4f}" if eval_loss is not None else "   -  "
+    phase = "warm start " if p.get("phase") == "warm_start" else ""
     return (
-        f"[{'#' * filled}{'.' * (width - filled)}] round {done}/{rounds}  eval loss {loss}  "
+        f"{phase}[{'#' * filled}{'.' * (width - filled)}] round {done}/{rounds}  eval loss {loss}  "
         f"{p.get('tokens_per_s', 0):,.0f} tok/s  {_bytes(p.get('bytes_communicated', 0))} exchanged  "
         f"islands {p.get('islands_alive', 0)}  {p.get('wall_seconds', 0):.0f}s"
     )
@@ -33,7 +34,7 @@ class ProgressPrinter:
     def __init__(self, stream: TextIO = sys.stdout) -> None:
         self.stream = stream
         self.tty = stream.isatty()
-        self.last_round = -1
+        self.last: tuple[Any, Any] = (None, -1)  # (phase, round) last written
 
     def update(self, p: dict[str, Any]) -> None:
         if p.get("state") == "starting":
@@ -42,10 +43,10 @@ class ProgressPrinter:
         if self.tty:
             self.stream.write("\r" + line)
             self.stream.flush()
-        elif p.get("round") != self.last_round:
+        elif (p.get("phase"), p.get("round")) != self.last:
             self.stream.write(line + "\n")
             self.stream.flush()
-        self.last_round = p.get("round", -1)
+        self.last = (p.get("phase"), p.get("round", -1))
 
     def close(self) -> None:
         if self.tty:

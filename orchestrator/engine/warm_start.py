@@ -1,0 +1,138 @@
+"""The warm start: training shared by every island before they fork (`warm_start` in the
+config). It is a run of its own — data-parallel over the run's islands, or one island
+alone — under `out_dir/warm_start`, with its own checkpoints, so a coordinator restarted
+during it resumes it and one restarted after it does not train it again. When it ends,
+`warm_start.json` there says so; the main run then starts from its weights, continues
+its data positions (no batch is trained twice) and its learning-rate schedule (its
+inner warmup is over before the first outer step). A finished warm start can be reused
+by other runs (`warm_start.path`), which is how a benchmark compares methods from one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orchestrator.config import Mode, RunConfig, WarmStartMode
+from orchestrator.engine.checkpoints import durable_write, newest_valid
+from orchestrator.engine.types import RunFailed
+
+log = logging.getLogger(__name__)
+
+MARKER = "warm_start.json"
+
+
+def warm_dir(cfg: RunConfig) -> Path:
+    """Where the run's warm start is (or is trained)."""
+    return Path(cfg.warm_start.path) if cfg.warm_start.path else Path(cfg.out_dir) / "warm_start"
+
+
+def warm_run_id(run_id: str) -> str:
+    return f"{run_id}-warm"
+
+
+def warm_config(cfg: RunConfig) -> RunConfig:
+    """The warm phase of `cfg`: `warm_steps` inner steps in rounds of `inner_steps` (one
+    round when they do not divide), on the main run's data shards and seed, following the
+    main run's learning-rate schedule from its start, checkpointed at least at its end."""
+    steps = cfg.warm_steps
+    h = cfg.inner_steps if steps % cfg.inner_steps == 0 else steps
+    out = warm_dir(cfg)
+    data = cfg.model_dump(mode="json")
+    data.update(rounds=steps // h, inner_steps=h, out_dir=str(out), data_shards=cfg.num_shards)
+    data["warm_start"] = {"steps": 0, "mode": cfg.warm_start.mode.value, "path": None}
+    data["inner"]["schedule_steps"] = cfg.schedule_steps
+    data["checkpoint"].update(every_rounds=max(1, cfg.checkpoint.every_rounds), path=str(out / "checkpoint"))
+    data["coordinator"]["shards"] = 1
+    data["outer"]["drop_prob"] = 0.0
+    if cfg.warm_start.mode == WarmStartMode.DDP:
+        data["mode"] = Mode.DDP.value
+    else:  # one island; outer SGD lr 1 without momentum applies its Δ whole: plain training
+        data["mode"] = Mode.DILOCO.value
+        data["outer"].update(optimizer="sgd", lr=1.0, momentum=0.0)
+        islands = data["islands"]
+        islands["count"] = 1
+        for key in ("simulated_slowdown", "links"):
+            if islands[key] is not None:
+                islands[key] = islands[key][:1]
+        data["elastic"]["min_islands"] = 1
+    return RunConfig.model_validate(data)
+
+
+def pending(cfg: RunConfig, run_id: str) -> bool:
+    """Whether `cfg` has a warm start still to train (none given to reuse, none finished
+    by this run before a restart)."""
+    if not cfg.warm_steps or cfg.warm_start.path is not None:
+        return False
+    record = _record(warm_dir(cfg))
+    return record is None or record.get("run_id") != warm_run_id(run_id)
+
+
+def _record(folder: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def mark_finished(cfg: RunConfig, run_id: str, summary: dict[str, Any]) -> None:
+    """Record that the warm phase of `cfg` (the main run's config) ended, and what it was."""
+    record = {
+        "run_id": warm_run_id(run_id),
+        "steps": cfg.warm_steps,
+        "mode": cfg.warm_start.mode.value,
+        "seed": cfg.seed,
+        "data_shards": cfg.num_shards,
+        "task": cfg.task.model_dump(mode="json"),
+        "islands": 1 if cfg.warm_start.mode == WarmStartMode.SINGLE else cfg.islands.count,
+        **{
+            k: summary[k]
+            for k in ("tokens", "initial_eval_loss", "final_eval_loss", "train_seconds", "bytes_communicated")
+        },
+    }
+    durable_write(warm_dir(cfg) / MARKER, json.dumps(record, indent=2).encode())
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    """What the main run takes from a finished warm start."""
+
+    params: torch.Tensor  # flat parameters at the fork
+    ledger: dict[str, Any]  # the data ledger at the fork (positions continue from it)
+    record: dict[str, Any]  # what summary.json reports of it
+
+
+def load_warm_start(cfg: RunConfig, numel: int) -> WarmStart:
+    """The finished warm start of `cfg`, checked to fit it (same steps, seed, task, data
+    shards and model size): a mismatch would retrain or skip data, or load wrong weights."""
+    folder = warm_dir(cfg)
+    record = _record(folder)
+    if record is None:
+        raise RunFailed(f"warm_start: no finished warm start in {folder} ({MARKER} missing)")
+    expected = {
+        "steps": cfg.warm_steps,
+        "seed": cfg.seed,
+        "data_shards": cfg.num_shards,
+        "task": cfg.task.model_dump(mode="json"),
+    }
+    for key, want in expected.items():
+        if record.get(key) != want:
+            field = "warm_start.steps" if key == "steps" else key
+            raise RunFailed(
+                f"warm_start: the warm start in {folder} has {key} = {record.get(key)!r}, this run {want!r} "
+                f"(set {field} to match, or train a new one)"
+            )
+    found = newest_valid(folder / "checkpoint")
+    if found is None:
+        raise RunFailed(f"warm_start: no checkpoint in {folder / 'checkpoint'}")
+    digest, state = found
+    params = state["params"]
+    if params.numel() != numel:
+        raise RunFailed(f"warm_start: {folder} holds {params.numel()} parameters, this task's model {numel}")
+    return WarmStart(params, state["ledger"], {**record, "path": str(folder.resolve()), "sha256": digest})

@@ -1,0 +1,187 @@
+"""The warm start (`warm_start`): a phase of its own before the fork, whose data the main
+run continues (each batch trained once over both phases), whose learning-rate schedule
+it continues, and which a restarted coordinator or another run does not train again."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from orchestrator.config import RunConfig
+from orchestrator.config_load import ConfigError, load_config
+from orchestrator.engine.build import PhasedRun
+from orchestrator.engine.pool import Fault, FaultKind, InProcessPool
+from orchestrator.engine.types import RunFailed
+from orchestrator.engine.warm_start import warm_config
+from tests.toy_tasks import READS
+from workers.optim import lr_factor
+
+_keys = itertools.count()
+
+
+def _cfg(tmp_path: Path, mode: str = "diloco", *extra: str) -> RunConfig:
+    return load_config(
+        None,
+        [
+            "task.factory=tests.toy_tasks:make_recording",
+            "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]",
+            f"task.kwargs.record=w{next(_keys)}",
+            f"mode={mode}",
+            "islands.count=3",
+            "rounds=6",
+            "inner_steps=4",
+            "warm_start.steps=8",
+            "inner.lr=0.05",
+            "inner.warmup_steps=4",
+            "checkpoint.every_rounds=2",
+            f"out_dir={tmp_path / 'run'}",
+            *extra,
+        ],
+    )
+
+
+class KeepingPool(InProcessPool):
+    """Keeps the islands it released, so a test can look at them after the run."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.released: dict[int, Any] = {}
+
+    def release(self, island: int) -> None:
+        if island in self.islands:
+            self.released[island] = self.islands[island]
+        super().release(island)
+
+
+class Pools:
+    """The pool factory a `PhasedRun` calls, keeping every pool it made."""
+
+    def __init__(self, faults: list[Fault] | None = None) -> None:
+        self.made: list[tuple[str, KeepingPool]] = []
+        self.faults = faults
+
+    def __call__(self, cfg: RunConfig, run_id: str) -> KeepingPool:
+        pool = KeepingPool(cfg, faults=self.faults if run_id.endswith("-warm") else None)
+        self.made.append((run_id, pool))
+        return pool
+
+
+def _events(folder: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
+
+
+def _check_each_batch_once(cfg: RunConfig, summary: dict[str, Any]) -> None:
+    """Over both phases: reads − lost work = each batch below its shard's final position,
+    once; the two phases' tokens add up to the ledger's."""
+    lost: Counter = Counter()
+    for folder in (Path(cfg.out_dir), Path(cfg.out_dir) / "warm_start"):
+        for e in _events(folder):
+            if e["kind"] == "lost":
+                for s, (start, n) in e["spans"].items():
+                    lost.update((int(s), i) for i in range(start, start + n))
+    trained = Counter(READS[cfg.task.kwargs["record"]]) - lost
+    assert all(c == 1 for c in trained.values()), [k for k, c in trained.items() if c > 1][:5]
+    position = summary["shards"]["position"]
+    assert set(trained) == {(s, i) for s, p in enumerate(position) for i in range(p)}
+    everything = sum(p * (s + 1) for s, p in enumerate(position))  # a batch of shard s weighs s + 1
+    assert summary["warm_start"]["tokens"] + summary["tokens"] == everything
+
+
+@pytest.mark.parametrize(("mode", "warm"), [("diloco", "ddp"), ("async", "ddp"), ("overlap", "single")])
+def test_the_fork_continues_the_warm_starts_data_and_schedule(tmp_path, mode, warm):
+    cfg = _cfg(tmp_path, mode, f"warm_start.mode={warm}")
+    pools = Pools()
+    run = PhasedRun(cfg, "w", pools)
+    assert run.warming and run.engine.cfg.mode.value == ("ddp" if warm == "ddp" else "diloco")
+    summary = run.execute()
+    assert summary["state"] == "finished" and summary["rounds_done"] == 6
+    record = summary["warm_start"]
+    assert record["steps"] == 8 and record["mode"] == warm and record["islands"] == (3 if warm == "ddp" else 1)
+    assert record["final_eval_loss"] < record["initial_eval_loss"]
+    # the fork starts where the warm start ended (its last eval), not from the initialisation
+    assert summary["initial_eval_loss"] == pytest.approx(record["final_eval_loss"], rel=1e-6)
+    _check_each_batch_once(cfg, summary)
+    # the islands after the fork stand at step 8 of one schedule of 8 + 6 x 4 steps
+    (_, warm_pool), (_, main_pool) = pools.made
+    spec = main_pool.released[0].spec
+    assert (spec.start_step, spec.total_inner_steps) == (8, 32)
+    assert warm_pool.cfg.schedule_steps == 32
+
+
+def test_the_islands_learning_rate_after_the_fork_is_the_schedules_past_its_warmup(tmp_path):
+    cfg = _cfg(tmp_path, "diloco", "elastic.join_rewarmup_steps=0")
+    pools = Pools()
+    PhasedRun(cfg, "lr", pools).execute()
+    island = pools.made[1][1].released[0]
+    done = 6 * 4  # inner steps each island took after the fork
+    want = cfg.inner.lr * lr_factor(8 + done, cfg.inner, 32)
+    assert island.optimizer.param_groups[0]["lr"] == pytest.approx(want)
+
+
+def test_a_crash_in_the_warm_start_loses_no_batch(tmp_path):
+    cfg = _cfg(tmp_path, "diloco")
+    summary = PhasedRun(cfg, "crash", Pools([Fault(FaultKind.CRASH, 1, order=3)])).execute()
+    assert summary["state"] == "finished"
+    assert any(e["kind"] == "crash" for e in _events(Path(cfg.out_dir) / "warm_start"))
+    _check_each_batch_once(cfg, summary)
+
+
+def test_a_restart_after_the_warm_start_does_not_train_it_again(tmp_path):
+    cfg = _cfg(tmp_path)
+    first = PhasedRun(cfg, "again", Pools())
+    first.execute()
+    pools = Pools()
+    second = PhasedRun(cfg, "again", pools)  # what a coordinator Ray restarts builds
+    assert not second.warming and [rid for rid, _ in pools.made] == ["again"]
+    assert second.engine.resumed
+
+
+def test_a_warm_start_is_reused_by_another_run_and_checked_to_fit(tmp_path):
+    cfg = _cfg(tmp_path)
+    summary = PhasedRun(cfg, "first", Pools()).execute()
+    folder = Path(cfg.out_dir) / "warm_start"
+    other = _cfg(tmp_path / "b", "async", f"warm_start.path={folder}")
+    other = other.model_copy(update={"task": cfg.task})  # same task (and recording key)
+    pools = Pools()
+    reused = PhasedRun(other, "second", pools)
+    assert not reused.warming and len(pools.made) == 1
+    again = reused.execute()
+    assert again["initial_eval_loss"] == pytest.approx(summary["warm_start"]["final_eval_loss"])
+    assert again["warm_start"]["path"] == str(folder.resolve())
+    for bad, field in (("seed=3", "seed"), ("warm_start.steps=4", "warm_start.steps")):
+        wrong = _cfg(tmp_path / "c", "diloco", f"warm_start.path={folder}", bad)
+        with pytest.raises(RunFailed, match=re.escape(field)):
+            PhasedRun(wrong.model_copy(update={"task": cfg.task}), "x", Pools())
+
+
+def test_a_run_stopped_in_its_warm_start_says_so(tmp_path):
+    run = PhasedRun(_cfg(tmp_path), "stop", Pools())
+    run.engine.stop(now=True)
+    summary = run.execute()
+    assert summary["phase"] == "warm_start" and summary["state"] == "stopped"
+    assert not (Path(run.cfg.out_dir) / "warm_start" / "warm_start.json").exists()
+
+
+def test_warm_start_settings(tmp_path):
+    auto = load_config(None, ["rounds=12", "inner_steps=30", "inner.warmup_steps=50"])
+    assert auto.warm_steps == 90 and auto.schedule_steps == 450  # a quarter of 12 x 30, then the rounds
+    assert load_config(None, ["rounds=2", "inner_steps=10", "inner.warmup_steps=50"]).warm_steps == 50
+    assert load_config(None, ["mode=ddp"]).warm_steps == 0
+    model = tmp_path / "final.pt"
+    torch.save({"x": torch.zeros(1)}, model)
+    assert load_config(None, [f"init_from={model}"]).warm_steps == 0  # already trained
+    with pytest.raises(ConfigError, match=r"warm_start\.steps"):
+        load_config(None, ["mode=ddp", "warm_start.steps=10"])
+    with pytest.raises(ConfigError, match="warm_start"):
+        load_config(None, [f"warm_start.path={tmp_path / 'nowhere'}"])
+    # the warm phase: rounds of H when they divide its steps, else one round
+    assert (warm_config(auto).rounds, warm_config(auto).inner_steps) == (3, 30)
+    odd = load_config(None, ["inner_steps=30", "warm_start.steps=45"])
+    assert (warm_config(odd).rounds, warm_config(odd).inner_steps) == (1, 45)
