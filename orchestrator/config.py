@@ -93,6 +93,15 @@ class IslandsConfig(_Strict):
         "joiners and replacements run at 1",
     )
 
+    virtual_step_s: float | None = Field(
+        None,
+        gt=0,
+        description="SIMULATION: a virtual clock. Island i's inner step takes virtual_step_s x its "
+        "simulated_slowdown simulated seconds and nothing sleeps; results are taken in the order of their "
+        "simulated finish times and the run's clock (deadlines, links, clock_seconds) is simulated, while "
+        "the islands really train; so measured speeds are exact on a contended machine",
+    )
+
     @model_validator(mode="after")
     def _check(self) -> IslandsConfig:
         s = self.simulated_slowdown
@@ -109,6 +118,10 @@ class IslandsConfig(_Strict):
         """Island `index`'s factor; islands past the list (joiners, replacements) run at full speed."""
         s = self.simulated_slowdown
         return s[index] if s and index < len(s) else 1.0
+
+    def virtual_seconds(self, index: int, steps: int) -> float:
+        """Simulated seconds of `steps` inner steps of island `index` under the virtual clock."""
+        return steps * (self.virtual_step_s or 0.0) * self.slowdown(index)
 
 
 class OuterConfig(_Strict):
@@ -325,8 +338,11 @@ class RunConfig(_Strict):
         if w.steps is None:
             scratch = self.init_from is None and self.mode != Mode.DDP
             w.steps = max(self.total_inner_steps // 4, self.inner.warmup_steps) if scratch else 0
-        if w.steps and self.mode == Mode.DDP:
-            raise ValueError("warm_start.steps applies to the DiLoCo-family modes; mode ddp has no fork (set 0)")
+        if w.steps and self.mode == Mode.DDP and w.path is None:
+            raise ValueError(
+                "warm_start.steps in mode ddp needs warm_start.path (it continues a finished warm start; "
+                "there is no fork to train one for)"
+            )
         if w.path is not None and not Path(w.path).is_dir():
             raise ValueError(f"warm_start.path: no such folder: {w.path}")
         return self

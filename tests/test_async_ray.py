@@ -89,3 +89,17 @@ def test_staleness_policy_is_applied_and_counted(ray_local, tmp_path, policy):
     else:
         assert slow["downweighted"] >= 1 and slow["rejections"] == 0
         assert summary["tokens_applied"] == summary["tokens"]
+
+
+def test_a_virtual_clock_gives_exact_speeds_and_arrivals_in_simulated_order(ray_local, tmp_path):
+    """With `islands.virtual_step_s` the islands really train on Ray but nothing sleeps:
+    each result counts at its simulated finish (steps x 0.5 s x slowdown), so the speeds
+    DyLU sees are exactly 2, 2 and 0.5 steps/s on this contended machine, the slow
+    island works a quarter of H, and the run's clock is simulated."""
+    summary = run(_cfg(tmp_path, "islands.virtual_step_s=0.5", "inner_steps=8"), show_progress=False)
+    isl = summary["islands"]
+    assert [isl[i]["steps_per_s"] for i in ("0", "1", "2")] == pytest.approx([2.0, 2.0, 0.5])
+    assert [isl[i]["inner_steps"] for i in ("0", "1", "2")] == [8, 8, 2]
+    # 6 rounds x 3 islands x 8 steps of budget, at 2 + 2 + 0.5 steps per simulated second
+    assert summary["clock_seconds"] == pytest.approx(6 * 3 * 8 / 4.5, rel=0.35)
+    assert summary["train_seconds"] < summary["clock_seconds"]  # nothing slept the simulated time

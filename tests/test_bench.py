@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from orchestrator.bench.quality import HEADLINE, MODEL, methods
+from orchestrator.bench.quality import MODEL, h_row, methods
 from orchestrator.bench.registry import available
 from orchestrator.bench.report import BenchResult, Panel, write_docs_index, write_result
 from orchestrator.cli import main
@@ -18,11 +18,18 @@ def _tokens(cfg) -> int:
 
 
 def test_quality_methods_share_one_token_budget_and_the_required_keys():
-    table = methods(400)
-    assert {"single", "ddp_k", HEADLINE, "diloco_k4_h10", "diloco_k4_h200"} <= set(table)
-    budgets = {name: _tokens(load_config(None, [*MODEL, *ov])) for name, (_, ov) in table.items()}
-    assert len(set(budgets.values())) == 1, budgets
-    assert load_config(None, [*MODEL, *table["ddp_k"][1]]).mode == "ddp"
+    h_rows = {h: h_row(1200, h, 0.7) for h in (25, 50, 100)}
+    table = {m.key: m for m in methods(1200, False, h_rows)}
+    required = {"single_1x", "single_4x", "ddp_k", "diloco_k4_h25", "diloco_k4_h50", "diloco_k4_h100", "fedavg_k4_h50"}
+    assert required <= set(table)
+    budgets = {k: _tokens(load_config(None, [*MODEL, *m.overrides])) for k, m in table.items()}
+    assert budgets["single_4x"] == budgets["ddp_k"] == 4 * budgets["single_1x"]
+    assert len({v for k, v in budgets.items() if k != "single_1x"}) == 1, budgets
+    assert load_config(None, [*MODEL, *table["ddp_k"].overrides]).mode == "ddp"
+    # the headline rows run three seeds; quick keeps them and FedAvg
+    assert all(table[k].seeds == (0, 1, 2) for k in ("ddp_k", "diloco_k4_h50", "fedavg_k4_h50"))
+    quick = {m.key for m in methods(600, True, {50: h_row(600, 50, 0.7)})}
+    assert quick == {"ddp_k", "diloco_k4_h50", "fedavg_k4_h50"}
 
 
 def test_report_files_and_docs_index(tmp_path):

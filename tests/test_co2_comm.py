@@ -79,8 +79,9 @@ def test_one_round_lag_applies_each_round_one_round_late():
     from orchestrator.engine.pacing import start_version
     from orchestrator.engine.policies import outer_rule
 
-    assert [start_version(t) for t in (1, 2, 3, 4)] == [0, 0, 1, 2]
-    assert [start_version(t, base=5) for t in (6, 7, 8)] == [5, 5, 6]
+    # one synchronous round, then the lag: round 2 waits for v1, round 3 starts from v1 too
+    assert [start_version(t) for t in (1, 2, 3, 4, 5)] == [0, 1, 1, 2, 3]
+    assert [start_version(t, base=5) for t in (6, 7, 8, 9)] == [5, 6, 6, 7]
     cfg = RunConfig(mode="overlap", overlap=OverlapConfig(lr=1.0, momentum=0.0, clip=None))
     step = OuterStep(torch.zeros(2, dtype=f64), outer_rule(cfg))
     d = lambda *v: np.asarray(v, dtype=np.float64)  # noqa: E731

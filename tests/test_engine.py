@@ -582,3 +582,15 @@ def test_a_restart_before_the_first_checkpoint_releases_the_islands_it_replaces(
     assert not second.resumed
     _drive(second)
     assert second.summary["rounds_done"] == 6 and second.summary["state"] == "finished"
+
+
+def test_dylu_sizes_a_slow_islands_first_work_from_its_known_speed(tmp_path):
+    """No cold start at full H: a new island's speed is known (virtual clock) or probed
+    (Ray: `Island.probe`) when it joins, so the slow island's first work is already short."""
+    cfg = _cfg(tmp_path, "async", "inner_steps=8", "islands.simulated_slowdown=[1.0,1.0,4.0]")
+    engine, pool = in_process_engine(cfg)
+    _drive(engine, until=1)
+    first = {}
+    for order in pool.dispatched:
+        first.setdefault(order.island, order.steps)
+    assert first == {0: 8, 1: 8, 2: 2}

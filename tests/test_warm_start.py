@@ -155,6 +155,12 @@ def test_a_warm_start_is_reused_by_another_run_and_checked_to_fit(tmp_path):
     again = reused.execute()
     assert again["initial_eval_loss"] == pytest.approx(summary["warm_start"]["final_eval_loss"])
     assert again["warm_start"]["path"] == str(folder.resolve())
+    # data-parallel continues the same warm start (the baseline a method is compared with)
+    ddp = _cfg(tmp_path / "d", "ddp", f"warm_start.path={folder}").model_copy(update={"task": cfg.task})
+    continued = PhasedRun(ddp, "ddp", Pools()).execute()
+    assert continued["initial_eval_loss"] == pytest.approx(summary["warm_start"]["final_eval_loss"])
+    warm_batches = 8 * 3  # steps x islands of the warm start
+    assert sum(continued["shards"]["position"]) == warm_batches + 6 * 4 * 3
     for bad, field in (("seed=3", "seed"), ("warm_start.steps=4", "warm_start.steps")):
         wrong = _cfg(tmp_path / "c", "diloco", f"warm_start.path={folder}", bad)
         with pytest.raises(RunFailed, match=re.escape(field)):
@@ -177,7 +183,7 @@ def test_warm_start_settings(tmp_path):
     model = tmp_path / "final.pt"
     torch.save({"x": torch.zeros(1)}, model)
     assert load_config(None, [f"init_from={model}"]).warm_steps == 0  # already trained
-    with pytest.raises(ConfigError, match=r"warm_start\.steps"):
+    with pytest.raises(ConfigError, match=r"warm_start\.path"):
         load_config(None, ["mode=ddp", "warm_start.steps=10"])
     with pytest.raises(ConfigError, match="warm_start"):
         load_config(None, [f"warm_start.path={tmp_path / 'nowhere'}"])

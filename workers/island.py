@@ -35,6 +35,7 @@ class IslandSpec:
     threads: int = 1
     device: str = "auto"
     slowdown: float = 1.0  # SIMULATION of a slower accelerator: each inner step takes this many times longer
+    sleeps: bool = True  # stretch steps by sleeping (False under a virtual clock: the pool keeps the time)
     codec: str = "none"  # compression of what the island sends
     chunk: int = 4096
     num_shards: int = 0  # data shards of the run (0: one per island, island i owns shard i)
@@ -99,7 +100,20 @@ class Island:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "numel": self.flat.numel,
+            "steps_per_s": self.probe(),
         }
+
+    def probe(self, steps: int = 2) -> float:
+        """Inner steps per second, measured on an eval batch before any work (forward and
+        backward, no update; a simulated slowdown counted), so the coordinator can size a
+        new island's first H to its speed."""
+        batch = next(iter(self.task.eval_batches()))
+        self._forward_backward(batch)  # the first pass pays one-off costs
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self._forward_backward(batch)
+        self.flat.grad.zero_()
+        return steps / ((time.perf_counter() - t0) * self.spec.slowdown)
 
     def _forward_backward(self, batch: Any) -> tuple[float, int]:
         batch = to_device(batch, self.device)
@@ -161,7 +175,7 @@ class Island:
                 positions[shard] += 1
                 losses += loss
                 weight += w
-                if self.spec.slowdown > 1:
+                if self.spec.slowdown > 1 and self.spec.sleeps:
                     time.sleep((self.spec.slowdown - 1) * (time.perf_counter() - t_step))
                 t_step = time.perf_counter()
             payload = self._encode(self.start - self.flat.data)

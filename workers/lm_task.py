@@ -75,9 +75,18 @@ class LanguageModelTask:
 
     def __init__(self, cfg: LMTaskConfig) -> None:
         self.cfg = cfg
+        # read once per process: an island opens a stream per shard it owns, and each used to
+        # walk the standard library and read the whole corpus again (seconds apiece)
+        self._found: tuple[list[Path], list[Path]] | None = None
+        self._train_texts: list[str] | None = None
 
     # -- data -------------------------------------------------------------------------
     def _files(self) -> tuple[list[Path], list[Path]]:
+        if self._found is None:
+            self._found = self._find_files()
+        return self._found
+
+    def _find_files(self) -> tuple[list[Path], list[Path]]:
         if self.cfg.source == "stdlib":
             cache = Path(self.cfg.cache_dir) if self.cfg.cache_dir else default_cache_dir()
             files = prepare_stdlib_corpus(cache)
@@ -107,8 +116,9 @@ class LanguageModelTask:
                 stream_shard(self._hf_texts(c.hf_train_split), shard, num_shards), c.context, c.batch_size
             )
             return itertools.islice(stream, start, None)
-        train, _ = self._files()
-        tokens = island_tokens(read_parquet_texts(train, c.text_column), shard, num_shards, c.split)
+        if self._train_texts is None:
+            self._train_texts = read_parquet_texts(self._files()[0], c.text_column)
+        tokens = island_tokens(self._train_texts, shard, num_shards, c.split)
         return window_batches(tokens, c.context, c.batch_size, seed * 1_000_003 + shard, start)
 
     def eval_batches(self) -> Sequence[Batch]:

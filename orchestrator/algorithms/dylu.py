@@ -36,6 +36,13 @@ class SpeedTracker:
         old = self.speeds.get(island)
         self.speeds[island] = v if old is None else self.smoothing * old + (1 - self.smoothing) * v
 
+    def know(self, island: int, steps_per_s: float) -> None:
+        """A speed known (or probed) before the island's first work, so its first H is
+        already its own rather than the full H (a slow island's first update would
+        otherwise arrive many versions stale)."""
+        if steps_per_s > 0:
+            self.speeds[island] = steps_per_s
+
     def add(self, island: int) -> None:
         self.speeds.setdefault(island, 0.0)
 

@@ -1,167 +1,285 @@
-"""`quality`: the DiLoCo paper's comparisons at small scale, same seed and token budget.
+"""`quality`: the DiLoCo paper's comparisons, done its way.
 
-Every method trains the same model on the same data for the same number of tokens:
-4 islands × S inner steps × batch (a single island takes 4·S steps). Keys: `single`,
-`ddp_k` (data-parallel, 4× batch, one optimizer), `diloco_k4_h{10,50,200}`, outer-optimizer
-ablation `diloco_k4_h50_outer_sgd` (plain averaging) and `..._outer_adam`, `..._non_iid`,
-and `..._drop50` (each pseudo-gradient dropped with probability 0.5).
+The paper forks every method from one checkpoint trained with data-parallel (24k of 88k
+steps), tunes the outer step, and compares at equal tokens. Here: per seed, one warm
+start (`WARM` data-parallel steps over 4 islands, the product's `warm_start`) is trained
+once and every method continues it (`warm_start.path`: its weights, data positions and
+learning-rate schedule), then trains `steps` more inner steps per island. Rows:
+`single_1x` (1 island, same steps), `single_4x` (1 island, same tokens), `ddp_k`
+(data-parallel, 4x batch), `diloco_k4_h{25,50,100}` each at its best outer lr from a
+sweep, `fedavg_k4_h50` (outer SGD lr 1 = parameter averaging), outer Adam, non-iid,
+50% of pseudo-gradients dropped, and the peer `torchft_diloco_k4_h50` when torchft is
+installed. Headline rows run `SEEDS` seeds (mean and spread).
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import math
+import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
-from orchestrator.bench.runner import run_methods
+from orchestrator.bench.runner import one_ray, run_methods, train_warm_start
+
+log = logging.getLogger(__name__)
 
 K = 4
+WARM = 400  # data-parallel steps shared by every method (a quarter of the full run, like the paper's 24k of 88k)
+SEEDS = (0, 1, 2)
+H_VALUES = (25, 50, 100)
+OUTER_LRS = (0.3, 0.5, 0.7, 1.0)
 MODEL = [
     "task.kwargs.d_model=64",
     "task.kwargs.n_layers=2",
     "task.kwargs.n_heads=2",
     "task.kwargs.context=64",
     "task.kwargs.batch_size=16",
-    "task.kwargs.eval_batches=16",
+    "task.kwargs.eval_batches=64",
     "inner.warmup_steps=40",
-    "seed=0",
+    "data_shards=16",  # the same shards for 1 and 4 islands, so every method continues one warm start
     f"ray.num_cpus={K}",
 ]
-HEADLINE = "diloco_k4_h50"
 PAPER = {  # DiLoCo paper, C4, 150M model, perplexity (lower is better)
-    "single": "16.23 (1 worker, 8× fewer tokens)",
+    "single_1x": "16.23 (1 worker, 8× fewer tokens)",
     "ddp_k": "15.30 (8× batch)",
     "diloco_k4_h50": "15.02 (k=8, H=500)",
     "diloco_k4_h50_non_iid": "15.18 (k=4, non-iid)",
     "diloco_k4_h50_drop50": "≈ +2% vs no drop",
-    "diloco_k4_h50_outer_sgd": "much worse than Nesterov",
-    "diloco_k4_h50_outer_adam": "much worse than Nesterov",
+    "fedavg_k4_h50": "much worse than Nesterov",
+    "diloco_k4_h50_outer_adam": "worse than Nesterov",
 }
 
 
-def methods(steps: int) -> dict[str, tuple[str, list[str]]]:
-    """name -> (description, overrides). `steps` = inner steps per island."""
+DEFAULT_LR = 0.7  # quick runs skip the sweep and use the product's default for this regime
 
-    def diloco(h: int, *extra: str) -> list[str]:
-        return [
-            f"islands.count={K}",
-            f"inner_steps={h}",
-            f"rounds={steps // h}",
-            f"eval_every={max(1, 50 // h)}",
-            *extra,
-        ]
 
-    return {
-        "single": (
-            "1 island, same tokens (4x the steps)",
-            [
-                "islands.count=1",
-                "inner_steps=50",
-                f"rounds={K * steps // 50}",
-                f"eval_every={K}",
-                "outer.optimizer=sgd",
-                "outer.lr=1.0",
-                "outer.momentum=0.0",
-            ],
-        ),
-        "ddp_k": (
-            "data-parallel, 4 islands = 4x batch, AdamW every step",
-            ["mode=ddp", f"islands.count={K}", "inner_steps=50", f"rounds={steps // 50}"],
-        ),
-        "diloco_k4_h10": ("DiLoCo k=4 H=10", diloco(10)),
-        HEADLINE: ("DiLoCo k=4 H=50 (Nesterov 0.7/0.9)", diloco(50)),
-        "diloco_k4_h200": ("DiLoCo k=4 H=200", diloco(200)),
-        "diloco_k4_h50_outer_sgd": (
-            "outer SGD lr 1 = plain averaging",
-            diloco(50, "outer.optimizer=sgd", "outer.lr=1.0", "outer.momentum=0.0"),
-        ),
-        "diloco_k4_h50_outer_adam": ("outer Adam lr 0.05", diloco(50, "outer.optimizer=adam", "outer.lr=0.05")),
-        "diloco_k4_h50_non_iid": ("non-iid islands (different packages)", diloco(50, "task.kwargs.split=non_iid")),
-        "diloco_k4_h50_drop50": ("50% of pseudo-gradients dropped", diloco(50, "outer.drop_prob=0.5")),
-    }
+@dataclass
+class Method:
+    key: str
+    description: str
+    overrides: list[str]
+    seeds: tuple[int, ...] = (0,)
+    outer_lr: float | None = None  # the DiLoCo rows' Nesterov lr
+    work: Path | None = None  # where its runs are (set by `_run`)
+    runs: dict[int, dict[str, Any]] = field(default_factory=dict)  # seed -> summary
+
+
+def diloco(steps: int, h: int, *extra: str) -> list[str]:
+    return [f"islands.count={K}", f"inner_steps={h}", f"rounds={steps // h}", f"eval_every={max(1, 100 // h)}", *extra]
+
+
+def nesterov(lr: float) -> list[str]:
+    return ["outer.optimizer=nesterov", f"outer.lr={lr}", "outer.momentum=0.9"]
+
+
+FEDAVG = ["outer.optimizer=sgd", "outer.lr=1.0", "outer.momentum=0.0"]
+
+
+def h_row(steps: int, h: int, lr: float) -> Method:
+    return Method(
+        f"diloco_k4_h{h}", f"DiLoCo k=4 H={h}, Nesterov lr {lr} / 0.9", diloco(steps, h, *nesterov(lr)), SEEDS, lr
+    )
+
+
+def methods(steps: int, quick: bool, h_rows: dict[int, Method]) -> list[Method]:
+    """The rows; `h_rows` (H -> row) are the DiLoCo rows at their chosen outer lr."""
+    single = ["islands.count=1", "inner_steps=50", "eval_every=2", *FEDAVG]
+    ddp = ["mode=ddp", f"islands.count={K}", "inner_steps=50", f"rounds={steps // 50}"]
+    rows = [
+        Method("ddp_k", "data-parallel, 4 islands = 4x batch, AdamW every step", ddp, SEEDS),
+        *h_rows.values(),
+        Method("fedavg_k4_h50", "outer SGD lr 1 = parameter averaging", diloco(steps, 50, *FEDAVG), SEEDS),
+    ]
+    if quick:
+        return rows
+    lr50 = h_rows[50].outer_lr
+    assert lr50 is not None
+    best50 = diloco(steps, 50, *nesterov(lr50))  # the H = 50 row's outer settings
+    return [
+        Method("single_1x", "1 island, same inner steps (1/4 the tokens)", [*single, f"rounds={steps // 50}"]),
+        Method("single_4x", "1 island, same tokens (4x the steps)", [*single, f"rounds={K * steps // 50}"]),
+        *rows,
+        Method("diloco_k4_h50_outer_adam", "outer Adam lr 0.01", diloco(steps, 50, "outer.optimizer=adam", "outer.lr=0.01")),
+        Method("diloco_k4_h50_non_iid", "non-iid islands (different packages)", [*best50, "task.kwargs.split=non_iid"]),
+        Method("diloco_k4_h50_drop50", "50% of pseudo-gradients dropped", [*best50, "outer.drop_prob=0.5"]),
+    ]  # fmt: skip
+
+
+def _run(m: Method, warm: dict[int, Path], work: Path, seeds: tuple[int, ...] | None = None) -> None:
+    """The seeds of `m` not run yet, each continuing its seed's warm start."""
+    m.work = m.work or work
+    table = {
+        f"{m.key}@s{s}": (m.description, [*m.overrides, f"seed={s}", f"warm_start.steps={WARM}", f"warm_start.path={warm[s]}"])
+        for s in seeds or m.seeds
+        if s not in m.runs
+    }  # fmt: skip
+    for name, summary in run_methods(MODEL, table, m.work).items():
+        m.runs[int(name.rsplit("@s", 1)[1])] = summary
+    m.runs = dict(sorted(m.runs.items()))
+
+
+def _sweep(steps: int, warm: dict[int, Path], work: Path) -> tuple[dict[int, dict[float, float]], dict[int, Method]]:
+    """Seed 0 of every H at every outer lr; the row of each H is its best lr's."""
+    sweep: dict[int, dict[float, float]] = {}
+    chosen: dict[int, Method] = {}
+    for h in H_VALUES:
+        tried = {lr: h_row(steps, h, lr) for lr in OUTER_LRS}
+        for lr, m in tried.items():
+            _run(m, warm, work / "sweep" / f"lr{lr}", seeds=(0,))
+        sweep[h] = {lr: m.runs[0]["final_eval_loss"] for lr, m in tried.items()}
+        chosen[h] = tried[min(sweep[h], key=sweep[h].__getitem__)]
+    return sweep, chosen
 
 
 def quality(quick: bool, work: Path) -> BenchResult:
-    steps = 200 if quick else 1600  # divisible by every H, so all methods see the same tokens
-    table = methods(steps)
-    summaries = run_methods(MODEL, table, work)
-    results: dict[str, dict[str, Any]] = {}
-    curves: dict[str, list[tuple[float, float]]] = {}
-    for name, (desc, overrides) in table.items():
-        summary = summaries[name]
-        curves[name] = eval_curve(work / name, summary, "tokens_total")
-        results[name] = {
-            "description": desc,
-            "overrides": overrides,
-            **{
-                k: summary[k]
-                for k in (
-                    "initial_eval_loss",
-                    "final_eval_loss",
-                    "tokens",
-                    "outer_steps",
-                    "bytes_communicated",
-                    "wall_seconds",
-                    "train_seconds",
-                )
-            },
-        }
+    with one_ray(K):
+        return _quality(quick, work)
+
+
+def _quality(quick: bool, work: Path) -> BenchResult:
+    steps = 600 if quick else 1200  # after the fork; divisible by every H, so all methods see the same tokens
+    base = [*MODEL, f"islands.count={K}", "inner_steps=50", f"rounds={steps // 50}"]
+    warm = {s: train_warm_start(base, s, WARM, work / f"warm@s{s}") for s in SEEDS}
+    sweep: dict[int, dict[float, float]] = {}
+    if quick:
+        h_rows = {50: h_row(steps, 50, DEFAULT_LR)}
+    else:
+        sweep, h_rows = _sweep(steps, warm, work)
+    table = methods(steps, quick, h_rows)
+    for m in table:
+        _run(m, warm, work)
+    results = {m.key: _result(m) for m in table}
+    peer = _peer(steps, warm, work, quick)
+    if peer is not None:
+        results["torchft_diloco_k4_h50"] = peer
     ddp = results["ddp_k"]
     for r in results.values():
         r["byte_ratio_to_ddp"] = r["bytes_communicated"] / ddp["bytes_communicated"]
         r["loss_vs_ddp_pct"] = 100 * (r["final_eval_loss"] / ddp["final_eval_loss"] - 1)
         r["perplexity_per_byte"] = math.exp(r["final_eval_loss"])
-    checks = _checks(results)
-    head = results[HEADLINE]
-    summary_line = (
-        f"quality: {HEADLINE} eval loss {head['final_eval_loss']:.4f} vs ddp {ddp['final_eval_loss']:.4f} "
-        f"({head['loss_vs_ddp_pct']:+.1f}%) with {1 / head['byte_ratio_to_ddp']:.0f}x fewer bytes; "
-        f"{targets_met(checks)}"
+    record = _warm_record(warm[0])
+    curves = {"warm start (ddp)": eval_curve(warm[0], record, "tokens_total")}
+    for m in table:
+        assert m.work is not None
+        points = eval_curve(m.work / f"{m.key}@s0", m.runs[0], "tokens_total")
+        curves[m.key] = [(x + record["tokens"], y) for x, y in points]
+    checks = _checks(results, quick)
+    best = _best(results)
+    head = results[best]
+    line = (
+        f"quality: best DiLoCo {best} {head['final_eval_loss']:.4f} vs ddp {ddp['final_eval_loss']:.4f} "
+        f"({head['loss_vs_ddp_pct']:+.2f}%, means of {len(head['final_eval_loss_seeds'])} seeds) with "
+        f"{1 / head['byte_ratio_to_ddp']:.0f}x fewer bytes; {targets_met(checks)}"
     )
     return BenchResult(
         "quality",
         quick,
         results,
-        summary_line,
-        _markdown(results, checks, steps),
-        [Panel("tokens", curves)],
-        extra={"checks": checks, "inner_steps_per_island": steps},
+        line,
+        _markdown(results, checks, steps, sweep, {h: m.outer_lr for h, m in h_rows.items()}),
+        [Panel("tokens (warm start included)", curves)],
+        extra={
+            "checks": checks,
+            "inner_steps_per_island": steps,
+            "warm_start": {"steps": WARM, "mode": "ddp", "islands": K, "seeds": {s: _warm_record(warm[s]) for s in SEEDS}},
+            "outer_lr_sweep": {f"h{h}": {str(lr): v for lr, v in sweep[h].items()} for h in sweep},
+            "best_diloco": best,
+        },
+    )  # fmt: skip
+
+
+def _best(r: dict[str, dict[str, Any]]) -> str:
+    """The best DiLoCo row (the H rows at their chosen outer lr)."""
+    return min(
+        (k for k in r if k.startswith("diloco_k4_h") and k[11:].isdigit()), key=lambda k: r[k]["final_eval_loss"]
     )
 
 
-def _checks(r: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    h50, ddp = r[HEADLINE], r["ddp_k"]
-    fewer = ddp["bytes_communicated"] / h50["bytes_communicated"]
+def _warm_record(folder: Path) -> dict[str, Any]:
+    import json
+
+    record: dict[str, Any] = json.loads((folder / "warm_start.json").read_text())
+    return record
+
+
+def _result(m: Method) -> dict[str, Any]:
+    losses = [m.runs[s]["final_eval_loss"] for s in sorted(m.runs)]
+    first = m.runs[min(m.runs)]
     return {
-        "h50_within_2pct_of_ddp": {"value": h50["loss_vs_ddp_pct"], "ok": h50["loss_vs_ddp_pct"] <= 2.0},
-        "h50_at_least_40x_fewer_bytes": {"value": fewer, "ok": fewer >= 40},
-        "nesterov_beats_plain_averaging": {
-            "value": r["diloco_k4_h50_outer_sgd"]["final_eval_loss"] - h50["final_eval_loss"],
-            "ok": h50["final_eval_loss"] < r["diloco_k4_h50_outer_sgd"]["final_eval_loss"],
-        },
-        "nesterov_beats_adam": {
-            "value": r["diloco_k4_h50_outer_adam"]["final_eval_loss"] - h50["final_eval_loss"],
-            "ok": h50["final_eval_loss"] < r["diloco_k4_h50_outer_adam"]["final_eval_loss"],
-        },
-        "non_iid_costs_under_5pct": {
-            "value": 100 * (r["diloco_k4_h50_non_iid"]["final_eval_loss"] / h50["final_eval_loss"] - 1),
-            "ok": r["diloco_k4_h50_non_iid"]["final_eval_loss"] <= 1.05 * h50["final_eval_loss"],
-        },
-        "drop50_costs_under_5pct": {
-            "value": 100 * (r["diloco_k4_h50_drop50"]["final_eval_loss"] / h50["final_eval_loss"] - 1),
-            "ok": r["diloco_k4_h50_drop50"]["final_eval_loss"] <= 1.05 * h50["final_eval_loss"],
-        },
+        "description": m.description,
+        "overrides": m.overrides,
+        "final_eval_loss": statistics.fmean(losses),
+        "final_eval_loss_seeds": losses,
+        "final_eval_loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
+        **{k: first[k] for k in ("initial_eval_loss", "tokens", "outer_steps", "bytes_communicated", "train_seconds")},
     }
 
 
-def _markdown(r: dict[str, dict[str, Any]], checks: dict[str, dict[str, Any]], steps: int) -> str:
+def _peer(steps: int, warm: dict[int, Path], work: Path, quick: bool) -> dict[str, Any] | None:
+    """torchft's DiLoCo on the same task, split, hyperparameters and warm start (the
+    `[peer]` extra); None, logged, when torchft is not installed."""
+    try:
+        from orchestrator.bench.peer import torchft_diloco
+    except ImportError as err:
+        log.warning("peer row skipped: %s (pip install -e '.[peer]')", err)
+        return None
+    return torchft_diloco(MODEL, K, 50, steps, warm, work / "torchft", SEEDS)
+
+
+def _checks(r: dict[str, dict[str, Any]], quick: bool) -> dict[str, dict[str, Any]]:
+    ddp = r["ddp_k"]
+    best = _best(r)
+    ratio = r[best]["final_eval_loss"] / ddp["final_eval_loss"]
+    fewer = ddp["bytes_communicated"] / r[best]["bytes_communicated"]
+    h50, fedavg = r["diloco_k4_h50"], r["fedavg_k4_h50"]
+    checks = {
+        "best_diloco_le_1.02x_ddp": {"value": ratio, "ok": ratio <= 1.02},
+        "best_diloco_le_1.00x_ddp (goal)": {"value": ratio, "ok": ratio <= 1.0},
+        "best_diloco_ge_40x_fewer_bytes": {"value": fewer, "ok": fewer >= 40},
+        "nesterov_h50_beats_fedavg": {
+            "value": fedavg["final_eval_loss"] - h50["final_eval_loss"],
+            "ok": h50["final_eval_loss"] < fedavg["final_eval_loss"],
+        },
+    }
+    if not quick:
+        losses = [r[f"diloco_k4_h{h}"]["final_eval_loss"] for h in H_VALUES]
+        checks["smaller_h_at_least_as_good"] = {
+            "value": losses[0] - losses[-1],
+            "ok": all(a <= b for a, b in itertools.pairwise(losses)),
+        }
+    peer = r.get("torchft_diloco_k4_h50")
+    if peer is not None:
+        gap = 100 * (peer["final_eval_loss"] / h50["final_eval_loss"] - 1)
+        checks["torchft_within_1pct_of_ours"] = {"value": gap, "ok": abs(gap) <= 1.0}
+        ours, theirs = h50.get("overhead_vs_islands_alone"), peer.get("overhead_vs_islands_alone")
+        if ours is not None and theirs is not None:
+            checks["our_overhead_le_torchft"] = {"value": ours - theirs, "ok": ours <= theirs}
+    return checks
+
+
+def _markdown(
+    r: dict[str, dict[str, Any]],
+    checks: dict[str, dict[str, Any]],
+    steps: int,
+    sweep: dict[int, dict[float, float]],
+    best_lr: dict[int, float | None],
+) -> str:
+    def loss(m: dict[str, Any]) -> str:
+        seeds = m["final_eval_loss_seeds"]
+        return f"{m['final_eval_loss']:.4f}" + (
+            f" ± {m['final_eval_loss_std']:.4f} ({len(seeds)})" if len(seeds) > 1 else ""
+        )
+
     rows = [
         [
             f"`{name}`",
             m["description"],
-            f"{m['final_eval_loss']:.4f}",
-            f"{m['loss_vs_ddp_pct']:+.1f}%",
+            loss(m),
+            f"{m['loss_vs_ddp_pct']:+.2f}%",
             f"{m['bytes_communicated'] / 1e6:,.1f} MB",
             f"{1 / m['byte_ratio_to_ddp']:,.1f}×",
             str(m["outer_steps"]),
@@ -170,25 +288,21 @@ def _markdown(r: dict[str, dict[str, Any]], checks: dict[str, dict[str, Any]], s
         ]
         for name, m in r.items()
     ]
-    table = md_table(
-        [
-            "method",
-            "what",
-            "final eval loss",
-            "vs ddp",
-            "bytes exchanged",
-            "ddp bytes / bytes",
-            "outer steps",
-            "train s",
-            "paper (C4 150M, ppl)",
-        ],
-        rows,
+    header = ["method", "what", "final eval loss (mean ± sd, seeds)", "vs ddp", "bytes exchanged",
+              "ddp bytes / bytes", "outer steps", "train s", "paper (C4 150M, ppl)"]  # fmt: skip
+    text = (
+        f"Default task (stdlib bytes), GPT d=64, 2 layers, context 64, batch 16 per island, 64 eval batches. "
+        f"Per seed one warm start ({WARM} data-parallel steps, 4 islands) continued by every method for "
+        f"{steps} more inner steps per island ({next(iter(r.values()))['tokens']:,} tokens for the 4-island rows); "
+        f"eval loss in nats per byte.\n\n" + md_table(header, rows)
     )
-    tokens = next(iter(r.values()))["tokens"]
-    return (
-        f"Default task (stdlib bytes), GPT d=64, 2 layers, context 64, batch 16 per island; "
-        f"{steps} inner steps per island, {tokens:,} tokens for every method; eval loss in nats per byte.\n\n"
-        + table
-        + "\n\n"
-        + checks_table(checks)
-    )
+    if sweep:
+        lrs = sorted(next(iter(sweep.values())))
+        sweep_rows = [
+            [f"H = {h}", *(f"**{sweep[h][lr]:.4f}**" if lr == best_lr[h] else f"{sweep[h][lr]:.4f}" for lr in lrs)]
+            for h in sorted(sweep)
+        ]
+        text += "\n\nOuter Nesterov lr sweep (momentum 0.9, seed 0; bold: chosen):\n\n" + md_table(
+            ["", *(f"lr {lr}" for lr in lrs)], sweep_rows
+        )
+    return text + "\n\n" + checks_table(checks)

@@ -4,17 +4,32 @@ method of a scenario is measured side by side on the same machine in one process
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import ray
 
 from orchestrator.config_load import load_config
+from orchestrator.engine.warm_start import mark_finished, warm_config, warm_dir
 from orchestrator.runtime.driver import init_ray, run
 
 log = logging.getLogger(__name__)
 
 Table = dict[str, tuple[str, list[str]]]  # name -> (description, overrides)
+
+
+@contextmanager
+def one_ray(num_cpus: int) -> Iterator[None]:
+    """One local Ray instance for a whole scenario: every run in it joins this one (a
+    fresh instance per run costs about ten seconds of start and stop each)."""
+    started = init_ray(load_config(None, [f"ray.num_cpus={num_cpus}", "warm_start.steps=0"]))
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
 
 
 def run_methods(base: list[str], table: Table, work: Path) -> dict[str, dict[str, Any]]:
@@ -38,3 +53,20 @@ def run_methods(base: list[str], table: Table, work: Path) -> dict[str, dict[str
         if started:
             ray.shutdown()
     return summaries
+
+
+def train_warm_start(base: list[str], seed: int, steps: int, out: Path) -> Path:
+    """Train the warm start of the run `base` describes (the product's warm phase, alone)
+    once, for every method of a scenario to continue (`warm_start.path`); its folder."""
+    cfg = load_config(None, [*base, f"seed={seed}", f"warm_start.steps={steps}", f"out_dir={out}"])
+    warm = warm_config(cfg)
+    started = init_ray(warm)
+    try:
+        summary = run(warm, show_progress=False)
+    finally:
+        if started:
+            ray.shutdown()
+    mark_finished(cfg, f"bench-s{seed}", summary)
+    log.info("  warm start seed %d: eval loss %.4f -> %.4f in %.0fs", seed, summary["initial_eval_loss"],
+             summary["final_eval_loss"], summary["train_seconds"])  # fmt: skip
+    return warm_dir(cfg)

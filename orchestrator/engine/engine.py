@@ -91,6 +91,7 @@ class RoundEngine:
         self.islands_view: dict[str, dict[str, Any]] = {}  # what /v1/islands serves (`_refresh_islands`)
         self._islands_seen: tuple[int, int] | None = None
         self.waiting_since: float | None = None  # since when no island could train
+        self.clock0 = 0.0  # the pool's clock when training began (`_clock`)
         self.summary: dict[str, Any] = {}
         state = load_checkpoint(Path(cfg.checkpoint_dir)) if cfg.checkpoint.every_rounds else None
         self.resumed = state is not None and state["run_id"] == run_id
@@ -224,6 +225,7 @@ class RoundEngine:
         if not self.members.schedulable():
             raise self._no_island_left()
         self.stats.start_training()
+        self.clock0 = self.pool.now()
         if not self.resumed:
             self.stats.initial_eval = self.stats.last_eval = self.evaluate()
         self.phase = RunPhase.TRAINING
@@ -248,6 +250,7 @@ class RoundEngine:
         self.summary = self.stats.summary(
             self.phase, self.cfg, self.run.version, self.members, self.ledger, self.outer.numel, self.recorder.out
         )
+        self.summary["clock_seconds"] = self._clock()
         self.summary["init_from"] = self.init_from
         self.summary["warm_start"] = self.warm.record if self.warm is not None else None
         self.recorder.finish(self.summary, self.model)
@@ -448,6 +451,8 @@ class RoundEngine:
             return
         joined = self.run.version if self.phase != RunPhase.STARTING else 0
         self.members.add(event.island, event.node, joined_version=joined)
+        if event.steps_per_s is not None:
+            self.speeds.know(event.island, event.steps_per_s)
         self.events.add(Event.JOIN, event.island, node=event.node, version=self.run.version)
 
     def _arrived(self, ticket: int, island: int, result: RoundResult) -> None:
@@ -614,7 +619,9 @@ class RoundEngine:
         """Evaluate if due, append one record to metrics.jsonl, checkpoint if due."""
         cfg = self.cfg
         eval_loss = self.evaluate() if rnd % cfg.eval_every == 0 or rnd == cfg.rounds else None
-        self.recorder.record(self.stats.record(rnd, cfg, self.run.version, eval_loss, self.outer.lr(), self.members))
+        entry = self.stats.record(rnd, cfg, self.run.version, eval_loss, self.outer.lr(), self.members)
+        entry["clock_seconds"] = self._clock()
+        self.recorder.record(entry)
         every = cfg.checkpoint.every_rounds
         if every and (rnd % every == 0 or rnd == cfg.rounds):
             self.save()
@@ -622,6 +629,11 @@ class RoundEngine:
         self._update_snapshot()
         if self.on_record is not None:
             self.on_record(self.status(), self.members.summary())
+
+    def _clock(self) -> float:
+        """Seconds on the pool's clock since training began here: real time, or simulated
+        time under a virtual clock (`islands.virtual_step_s`, and the in-process pool)."""
+        return self.pool.now() - self.clock0
 
     @property
     def rounds_done(self) -> int:

@@ -202,9 +202,12 @@ class PerArrival:
 
 
 def start_version(round_t: int, base: int = 0) -> int:
-    """The version round `round_t` (1-based) starts from under a one-round lag. After a
-    restart at version `base` the pipeline refills: round base+1 starts from base."""
-    return max(base, round_t - 2)
+    """The version round `round_t` (1-based) starts from under a one-round lag, after one
+    synchronous round: round base+1 starts from `base` (0, or the version a restart
+    resumed from), round base+2 from base+1 (it waits for that first step), and from then
+    on round t from t−2. Lagging from the first round would apply the first two
+    pseudo-gradients both against `base`, where they are largest."""
+    return base if round_t <= base + 1 else max(base + 1, round_t - 2)
 
 
 class OneRoundLag:

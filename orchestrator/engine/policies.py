@@ -43,7 +43,12 @@ def outer_rule(cfg: RunConfig) -> OuterRule:
         return outer_optimizer(cfg.outer, param), None
 
     if cfg.mode == Mode.DDP:
-        return OuterRule(lambda p: build_inner(cfg.inner, [p], cfg.schedule_steps), grad_clip=cfg.inner.grad_clip)
+        # after a warm start its fresh AdamW continues the schedule and re-warms like an island's
+        rewarm = cfg.elastic.join_rewarmup_steps if cfg.warm_steps else 0
+        return OuterRule(
+            lambda p: build_inner(cfg.inner, [p], cfg.schedule_steps, cfg.warm_steps, rewarm),
+            grad_clip=cfg.inner.grad_clip,
+        )
     if cfg.mode == Mode.ASYNC:
         a = cfg.asynchronous
         if a.rule == "naive":

@@ -28,6 +28,7 @@ from workers.messages import RoundResult, WorkOrder
 class Joined:
     island: int
     node: str
+    steps_per_s: float | None = None  # its speed, when known or probed before its first work
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ def island_spec(cfg: RunConfig, index: int, start_step: int = 0) -> IslandSpec:
         total_inner_steps=cfg.schedule_steps,
         threads=cfg.island_threads,
         slowdown=cfg.islands.slowdown(index),
+        sleeps=cfg.islands.virtual_step_s is None,
         codec=cfg.compression.codec,
         chunk=cfg.compression.chunk,
         num_shards=cfg.num_shards,
@@ -177,7 +179,11 @@ class InProcessPool:
         if island in self.unplaceable:
             return
         self.islands[island] = Island(island_spec(self.cfg, island, start_step))
-        self._at(self.t + self.join_s, Joined(island, f"inprocess:{island}"))
+        self._at(self.t + self.join_s, Joined(island, f"inprocess:{island}", self._known_speed(island)))
+
+    def _known_speed(self, island: int) -> float:
+        """Steps per second of a new island: known exactly on the virtual clock."""
+        return 1.0 / (self.step_s * self.islands[island].spec.slowdown)
 
     def reattach(self, island: int) -> str | None:
         return f"inprocess:{island}" if island in self.islands and island not in self.dead else None

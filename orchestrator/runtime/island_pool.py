@@ -11,6 +11,7 @@ autoscaling cluster a pending group is what brings a node up."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -162,6 +163,10 @@ class RayIslandPool:
     def __init__(self, cfg: RunConfig, run_id: str, coordinator: str | None = None) -> None:
         """`coordinator`: the actor name islands watch (default: `run_id`'s coordinator)."""
         self.cfg, self.run_id, self.coordinator = cfg, run_id, coordinator
+        # the virtual clock (`islands.virtual_step_s`): simulated now, and each work's simulated finish
+        self.virtual = cfg.islands.virtual_step_s is not None
+        self.vt = 0.0
+        self.finish: dict[Any, float] = {}
         self.handles: dict[int, IslandHandle] = {}
         self.placing: dict[int, _Placing] = {}
         self.work: dict[Any, tuple[int, int]] = {}  # object ref -> (ticket, island)
@@ -169,10 +174,13 @@ class RayIslandPool:
         self.demanded: int | None = None
 
     def now(self) -> float:
-        return time.time()
+        return self.vt if self.virtual else time.time()
 
     def sleep_until(self, t: float) -> None:
-        time.sleep(max(0.0, t - time.time()))
+        if self.virtual:
+            self.vt = max(self.vt, t)
+        else:
+            time.sleep(max(0.0, t - time.time()))
 
     def request(self, island: int, start_step: int) -> None:
         group = request_group(self.cfg, island, self.run_id)
@@ -208,6 +216,7 @@ class RayIslandPool:
     def release(self, island: int) -> None:
         for ref in [r for r, (_, i) in self.work.items() if i == island]:
             del self.work[ref]
+            self.finish.pop(ref, None)
         handle = self.handles.pop(island, None)
         if handle is not None:
             try:
@@ -236,10 +245,19 @@ class RayIslandPool:
         handle = self.handles.get(order.island)
         if handle is None:
             raise KeyError(f"island {order.island} is not placed")
-        self.work[handle.actor.run.remote(order, params)] = (order.ticket, order.island)
+        if self.virtual:  # the link delay is simulated time too: nothing waits for it
+            ref = handle.actor.run.remote(dataclasses.replace(order, start_delay_s=0.0), params)
+            self.finish[ref] = (
+                self.vt + order.start_delay_s + self.cfg.islands.virtual_seconds(order.island, order.steps)
+            )
+        else:
+            ref = handle.actor.run.remote(order, params)
+        self.work[ref] = (order.ticket, order.island)
 
     def poll(self, timeout: float) -> list[PoolEvent]:
         events: list[PoolEvent] = self._placements()
+        if self.virtual:
+            return events + self._next_in_simulated_order(0 if events else timeout)
         refs = list(self.work)
         if refs:
             ready, _ = ray.wait(refs, num_returns=1, timeout=0 if events else timeout)
@@ -251,6 +269,25 @@ class RayIslandPool:
         elif not events:
             time.sleep(timeout if not self.placing else min(timeout, 0.05))
         return events
+
+    def _next_in_simulated_order(self, timeout: float) -> list[PoolEvent]:
+        """The work that finishes first on the virtual clock, once it has really finished
+        (work due later waits its turn even if it is done); the clock moves to its finish."""
+        if not self.work:
+            time.sleep(timeout if not self.placing else min(timeout, 0.05))
+            return []
+        ref = min(self.work, key=lambda r: self.finish[r])
+        if not ray.wait([ref], timeout=timeout)[0]:
+            return []
+        ticket, island = self.work.pop(ref)
+        at = self.finish.pop(ref)
+        self.vt = max(self.vt, at)
+        event = self._fetch(ref, ticket, island)
+        if isinstance(event, Done):
+            steps = event.result.steps
+            compute = self.cfg.islands.virtual_seconds(island, steps)
+            event = Done(ticket, island, dataclasses.replace(event.result, finished_at=at, compute_s=compute))
+        return [event]
 
     def _fetch(self, ref: Any, ticket: int, island: int) -> PoolEvent:
         try:
@@ -279,7 +316,8 @@ class RayIslandPool:
                     events.append(JoinFailed(i, str(err).strip().splitlines()[-1]))
                     continue
                 self.handles[i] = p.handle
-                events.append(Joined(i, f"{info['host']}:{info['device']}"))
+                speed = 1.0 / self.cfg.islands.virtual_seconds(i, 1) if self.virtual else info.get("steps_per_s")
+                events.append(Joined(i, f"{info['host']}:{info['device']}", speed))
         return events
 
     def close(self) -> None:
