@@ -153,9 +153,11 @@ def _quality(quick: bool, work: Path) -> BenchResult:
     for m in table:
         _run(m, warm, work)
     results = {m.key: _result(m) for m in table}
-    peer = _peer(steps, warm, work, quick)
+    peer = _peer(h_rows[50], warm, work)
     if peer is not None:
         results["torchft_diloco_k4_h50"] = peer
+        results["diloco_k4_h50"]["overhead_vs_islands_alone"] = peer.pop("ours_overhead_vs_islands_alone")
+        results["diloco_k4_h50"]["train_seconds_eval_at_end"] = peer.pop("ours_train_seconds_eval_at_end")
     ddp = results["ddp_k"]
     for r in results.values():
         r["byte_ratio_to_ddp"] = r["bytes_communicated"] / ddp["bytes_communicated"]
@@ -219,15 +221,24 @@ def _result(m: Method) -> dict[str, Any]:
     }
 
 
-def _peer(steps: int, warm: dict[int, Path], work: Path, quick: bool) -> dict[str, Any] | None:
-    """torchft's DiLoCo on the same task, split, hyperparameters and warm start (the
-    `[peer]` extra); None, logged, when torchft is not installed."""
+def _peer(h50: Method, warm: dict[int, Path], work: Path) -> dict[str, Any] | None:
+    """torchft's DiLoCo with the H = 50 row's settings, and both tools' overhead over the
+    same replicas training alone (ours from one more run of that row evaluating only at
+    the end, as the peer does); None, logged, when torchft is not installed."""
     try:
         from orchestrator.bench.peer import torchft_diloco
     except ImportError as err:
         log.warning("peer row skipped: %s (pip install -e '.[peer]')", err)
         return None
-    return torchft_diloco(MODEL, K, 50, steps, warm, work / "torchft", SEEDS)
+    peer = torchft_diloco(MODEL, h50.overrides, K, warm, SEEDS, WARM)
+    rounds = next(o for o in h50.overrides if o.startswith("rounds="))
+    timed = Method(f"{h50.key}_eval_at_end", h50.description, [*h50.overrides, f"eval_every={rounds[7:]}"])
+    _run(timed, warm, work)
+    ours = timed.runs[0]["train_seconds"]
+    h50_overhead = ours / peer["islands_alone_seconds"] - 1
+    peer["ours_train_seconds_eval_at_end"] = ours
+    peer["ours_overhead_vs_islands_alone"] = h50_overhead
+    return peer
 
 
 def _checks(r: dict[str, dict[str, Any]], quick: bool) -> dict[str, dict[str, Any]]:
@@ -304,5 +315,16 @@ def _markdown(
         ]
         text += "\n\nOuter Nesterov lr sweep (momentum 0.9, seed 0; bold: chosen):\n\n" + md_table(
             ["", *(f"lr {lr}" for lr in lrs)], sweep_rows
+        )
+    peer = r.get("torchft_diloco_k4_h50")
+    if peer is not None:
+        ours = r["diloco_k4_h50"]
+        text += (
+            f"\n\nPeer, same run: torchft's DiLoCo with the `diloco_k4_h50` settings, warm starts and batches. "
+            f"Wall-clock over the same {K} replicas training alone ({peer['islands_alone_seconds']:.1f} s, no "
+            f"exchange): torchft {100 * peer['overhead_vs_islands_alone']:+.1f}%, Archipelago "
+            f"{100 * ours['overhead_vs_islands_alone']:+.1f}% ({ours['train_seconds_eval_at_end']:.1f} s, one run "
+            f"evaluating only at the end). torchft's bytes are a ring all-reduce's, 2(k-1)/k of the pseudo-gradient "
+            f"per replica each way; Archipelago's are measured."
         )
     return text + "\n\n" + checks_table(checks)

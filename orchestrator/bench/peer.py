@@ -1,0 +1,174 @@
+"""The peer row of `quality`: torchft's DiLoCo (`torchft.local_sgd.DiLoCo`, the `[peer]`
+extra) on the same task, data, hyperparameters and warm start as Archipelago's islands.
+
+K replica groups (one process each, gloo, a torchft lighthouse in this process) start
+from the warm start's weights; replica r reads exactly the batches Archipelago's island r
+reads (the same shards, continuing from the warm start's positions, in the same round-robin
+order), steps the same inner AdamW and schedule, and every H steps torchft all-reduces the
+pseudo-gradients and steps the same outer Nesterov. The same replicas run once more with no
+exchange at all ("islands alone"), the baseline of both tools' overhead.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import socket
+import statistics
+import time
+from datetime import timedelta
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orchestrator.config import RunConfig
+from orchestrator.config_load import load_config
+from orchestrator.engine.ledger import assign
+from orchestrator.engine.warm_start import load_warm_start
+from workers.flat import FlatParams
+from workers.optim import build_inner
+from workers.task import load_task
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _replica(rank: int, k: int, cfg_json: str, lighthouse: str | None, out: Any) -> None:
+    """Replica group `rank`: Archipelago's island `rank` re-done with torchft (or alone,
+    without `lighthouse`); puts (rank, loop seconds, eval loss or None) on `out`."""
+    from contextlib import nullcontext
+
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.local_sgd import DiLoCo
+
+    cfg = RunConfig.model_validate_json(cfg_json)
+    torch.set_num_threads(cfg.island_threads)
+    task = load_task(cfg.task.factory, cfg.task.kwargs)
+    torch.manual_seed(cfg.seed)
+    model = task.build_model()
+    flat = FlatParams(model)
+    warm = load_warm_start(cfg, flat.numel)
+    flat.load(warm.params)
+    inner, schedule = build_inner(
+        cfg.inner, model.parameters(), cfg.schedule_steps, cfg.warm_steps, cfg.elastic.join_rewarmup_steps
+    )
+    outer = torch.optim.SGD(model.parameters(), lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=True)
+    shards = sorted(assign(cfg.num_shards, list(range(k)))[rank])
+    position = warm.ledger["position"]
+    turn = int(warm.ledger.get("turns", {}).get(str(rank), 0))
+    streams = {s: task.train_batches(s, cfg.num_shards, cfg.seed, position[s]) for s in shards}
+    diloco: Any = nullcontext()
+    manager = None
+    if lighthouse is not None:
+        store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        manager = Manager(
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=120)),
+            min_replica_size=k,
+            use_async_quorum=False,
+            load_state_dict=lambda sd: model.load_state_dict(sd["model"]),
+            state_dict=lambda: {"model": model.state_dict()},
+            replica_id=f"replica{rank}",
+            store_addr="localhost",
+            store_port=store.port,
+            rank=0,
+            world_size=1,
+            lighthouse_addr=lighthouse,
+            port=_free_port(),
+            timeout=timedelta(seconds=120),
+            quorum_timeout=timedelta(seconds=120),
+            connect_timeout=timedelta(seconds=120),
+        )
+        diloco = DiLoCo(manager, [model], inner, outer, sync_every=cfg.inner_steps)
+    model.train()
+    t0 = time.perf_counter()
+    with diloco:
+        for j in range(cfg.total_inner_steps):
+            batch = next(streams[shards[(turn + j) % len(shards)]])
+            inner.zero_grad()
+            task.loss(model, batch).backward()
+            if cfg.inner.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
+            inner.step()
+            schedule.step()
+    seconds = time.perf_counter() - t0
+    loss = None
+    if rank == 0 and lighthouse is not None:  # the global model, as every replica holds it after the last sync
+        model.eval()
+        with torch.no_grad():
+            losses = [float(task.loss(model, b)) for b in task.eval_batches()]
+        loss = sum(losses) / len(losses)
+    if manager is not None:
+        manager.shutdown(wait=False)
+    out.put((rank, seconds, loss))
+
+
+def _replicas(cfg: RunConfig, k: int, exchange: bool) -> tuple[float, float | None]:
+    """(wall seconds of the slowest replica's loop, eval loss of the global model)."""
+    from torchft._torchft import LighthouseServer
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    server = LighthouseServer(bind="[::]:0", min_replicas=k) if exchange else None
+    address = server.address() if server is not None else None
+    procs = [ctx.Process(target=_replica, args=(r, k, cfg.model_dump_json(), address, out)) for r in range(k)]
+    try:
+        for p in procs:
+            p.start()
+        results = [out.get(timeout=1800) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        if server is not None:
+            server.shutdown()
+    if any(p.exitcode not in (0, None) for p in procs):
+        raise RuntimeError(f"a torchft replica failed: exit codes {[p.exitcode for p in procs]}")
+    losses = [loss for _, _, loss in results if loss is not None]
+    return max(s for _, s, _ in results), (losses[0] if losses else None)
+
+
+def torchft_diloco(
+    base: list[str], overrides: list[str], k: int, warm: dict[int, Path], seeds: tuple[int, ...], warm_steps: int
+) -> dict[str, Any]:
+    """The peer row: torchft's DiLoCo for each seed, and islands alone (seed 0)."""
+    losses, walls = [], []
+    cfg = None
+    for s in seeds:
+        cfg = load_config(
+            None, [*base, *overrides, f"seed={s}", f"warm_start.steps={warm_steps}", f"warm_start.path={warm[s]}"]
+        )
+        wall, loss = _replicas(cfg, k, exchange=True)
+        assert loss is not None
+        losses.append(loss)
+        walls.append(wall)
+        log.info("  %-26s final eval loss %.4f  %.0fs", f"torchft_diloco@s{s}", loss, wall)
+    assert cfg is not None
+    alone, _ = _replicas(cfg.model_copy(update={"seed": seeds[0]}), k, exchange=False)
+    numel = FlatParams(load_task(cfg.task.factory, cfg.task.kwargs).build_model()).numel
+    rounds = cfg.rounds
+    return {
+        "description": f"torchft {version('torchft')} DiLoCo (local_sgd.DiLoCo, gloo all-reduce), same everything",
+        "overrides": overrides,
+        "final_eval_loss": statistics.fmean(losses),
+        "final_eval_loss_seeds": losses,
+        "final_eval_loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
+        "initial_eval_loss": None,
+        "tokens": rounds * k * cfg.inner_steps * cfg.task.kwargs["batch_size"] * cfg.task.kwargs["context"],
+        "outer_steps": rounds,
+        # a ring all-reduce moves 2(k-1)/k of the fp32 pseudo-gradient per replica, each way
+        "bytes_communicated": int(rounds * k * 2 * 2 * (k - 1) / k * numel * 4),
+        "train_seconds": walls[0],
+        "islands_alone_seconds": alone,
+        "overhead_vs_islands_alone": walls[0] / alone - 1,
+    }  # fmt: skip
