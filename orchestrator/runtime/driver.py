@@ -223,7 +223,8 @@ def print_summary(summary: dict[str, Any], stream=sys.stdout) -> None:
     if warm:
         stream.write(
             f"warm start ({warm['mode']}, {warm['steps']} steps): eval loss {warm['initial_eval_loss']:.4f} -> "
-            f"{warm['final_eval_loss']:.4f} in {warm['train_seconds']:.1f}s; then the islands forked\n"
+            f"{warm['final_eval_loss']:.4f} in {warm['train_seconds']:.1f}s, {warm['bytes_communicated'] / 1e6:.1f} MB "
+            "exchanged; then the islands forked\n"
         )
     stream.write(
         f"eval loss {summary['initial_eval_loss']:.4f} -> {summary['final_eval_loss']:.4f} | "
