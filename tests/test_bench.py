@@ -67,3 +67,20 @@ def test_hetero_methods_share_one_budget_and_time_to_reach():
     assert len(set(budgets.values())) == 1
     assert time_to_reach([(0, 5.0), (10, 3.0), (20, 1.0)], 2.0) == 15.0
     assert time_to_reach([(0, 5.0), (10, 3.0)], 2.0) is None
+
+
+def test_a_finished_run_of_the_same_config_is_reused_and_no_other(tmp_path):
+    """A scenario run again into its folder (after an interruption) reuses finished runs."""
+    from orchestrator.bench.runner import finished
+    from orchestrator.config_load import dump_config
+
+    cfg = load_config(None, [*MODEL, "rounds=2", f"out_dir={tmp_path / 'a'}"])
+    out = tmp_path / "a"
+    out.mkdir()
+    (out / "config.yaml").write_text(dump_config(cfg))
+    assert finished(cfg) is None  # no summary: it did not finish
+    (out / "summary.json").write_text(json.dumps({"state": "finished", "final_eval_loss": 1.5}))
+    assert finished(cfg) == {"state": "finished", "final_eval_loss": 1.5}
+    assert finished(cfg.model_copy(update={"rounds": 3})) is None  # another config is run afresh
+    (out / "summary.json").write_text(json.dumps({"state": "stopped"}))
+    assert finished(cfg) is None

@@ -3,6 +3,7 @@ method of a scenario is measured side by side on the same machine in one process
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,8 +12,9 @@ from typing import Any
 
 import ray
 
-from orchestrator.config_load import load_config
-from orchestrator.engine.warm_start import mark_finished, warm_config, warm_dir
+from orchestrator.config import RunConfig
+from orchestrator.config_load import dump_config, load_config
+from orchestrator.engine.warm_start import MARKER, mark_finished, warm_config, warm_dir
 from orchestrator.runtime.driver import init_ray, run
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,22 @@ def one_ray(num_cpus: int) -> Iterator[None]:
             ray.shutdown()
 
 
+def finished(cfg: RunConfig) -> dict[str, Any] | None:
+    """The summary of a finished run of exactly `cfg` in its `out_dir` (a scenario run
+    again into the same folder, e.g. after it was interrupted, reuses it: runs are
+    deterministic in everything but their seconds), else None."""
+    out = Path(cfg.out_dir)
+    try:
+        summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+        same = (out / "config.yaml").read_text() == dump_config(cfg)
+    except (OSError, ValueError):
+        return None
+    if not same or summary.get("state") != "finished":
+        return None
+    log.info("  %-26s reused (finished with the same config)", out.name)
+    return summary
+
+
 def run_methods(base: list[str], table: Table, work: Path) -> dict[str, dict[str, Any]]:
     """The summary of every method's run (its outputs are in `work/<name>`)."""
     summaries: dict[str, dict[str, Any]] = {}
@@ -39,8 +57,10 @@ def run_methods(base: list[str], table: Table, work: Path) -> dict[str, dict[str
     try:
         for name, (_, overrides) in table.items():
             cfg = load_config(None, [*base, *overrides, f"out_dir={work / name}"])
-            started = init_ray(cfg) or started
-            summary = run(cfg, show_progress=False)
+            summary = finished(cfg)
+            if summary is None:
+                started = init_ray(cfg) or started
+                summary = run(cfg, show_progress=False)
             summaries[name] = summary
             log.info(
                 "  %-26s final eval loss %.4f  %9.1f MB  %.0fs",
@@ -60,6 +80,8 @@ def train_warm_start(base: list[str], seed: int, steps: int, out: Path) -> Path:
     once, for every method of a scenario to continue (`warm_start.path`); its folder."""
     cfg = load_config(None, [*base, f"seed={seed}", f"warm_start.steps={steps}", f"out_dir={out}"])
     warm = warm_config(cfg)
+    if (warm_dir(cfg) / MARKER).exists() and finished(warm) is not None:
+        return warm_dir(cfg)
     started = init_ray(warm)
     try:
         summary = run(warm, show_progress=False)
