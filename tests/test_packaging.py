@@ -19,5 +19,7 @@ def test_distribution_declares_the_console_script():
     dist = metadata.distribution("archipelago-diloco")
     scripts = {ep.name: ep.value for ep in dist.entry_points if ep.group == "console_scripts"}
     assert scripts["archipelago"] == "orchestrator.cli:main"
-    torch_req = [r for r in dist.requires or [] if r.startswith("torch")]
+    torch_req = [r for r in dist.requires or [] if r.startswith("torch") and "extra ==" not in r]
     assert torch_req == ["torch==2.13.0"]
+    # the peer (torchft) is an extra, never a dependency of the default install
+    assert all("extra ==" in r for r in dist.requires or [] if r.startswith("torchft"))

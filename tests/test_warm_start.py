@@ -191,3 +191,15 @@ def test_warm_start_settings(tmp_path):
     assert (warm_config(auto).rounds, warm_config(auto).inner_steps) == (3, 30)
     odd = load_config(None, ["inner_steps=30", "warm_start.steps=45"])
     assert (warm_config(odd).rounds, warm_config(odd).inner_steps) == (1, 45)
+
+
+def test_the_driver_refuses_a_warm_start_that_does_not_fit_before_ray_starts(tmp_path):
+    """Not a coordinator failing in its constructor (and restarted by Ray) minutes later."""
+    from orchestrator.runtime.driver import run
+
+    cfg = _cfg(tmp_path)
+    PhasedRun(cfg, "fits", Pools()).execute()
+    folder = Path(cfg.out_dir) / "warm_start"
+    wrong = _cfg(tmp_path / "b", "diloco", f"warm_start.path={folder}", "seed=4")
+    with pytest.raises(RunFailed, match="seed"):
+        run(wrong.model_copy(update={"task": cfg.task}), show_progress=False)

@@ -104,14 +104,22 @@ def methods(steps: int, quick: bool, h_rows: dict[int, Method]) -> list[Method]:
         Method("single_4x", "1 island, same tokens (4x the steps)", [*single, f"rounds={K * steps // 50}"]),
         *rows,
         Method("diloco_k4_h50_outer_adam", "outer Adam lr 0.01", diloco(steps, 50, "outer.optimizer=adam", "outer.lr=0.01")),
-        Method("diloco_k4_h50_non_iid", "non-iid islands (different packages)", [*best50, "task.kwargs.split=non_iid"]),
+        Method("diloco_k4_h50_non_iid", "non-iid islands (different packages; own warm start on that split)",
+               [*best50, NON_IID]),
         Method("diloco_k4_h50_drop50", "50% of pseudo-gradients dropped", [*best50, "outer.drop_prob=0.5"]),
     ]  # fmt: skip
 
 
+NON_IID = "task.kwargs.split=non_iid"
+
+
 def _run(m: Method, warm: dict[int, Path], work: Path, seeds: tuple[int, ...] | None = None) -> None:
-    """The seeds of `m` not run yet, each continuing its seed's warm start."""
+    """The seeds of `m` not run yet, each continuing its seed's warm start (a non-iid row
+    its own, trained on its split: a warm start is continued only by runs of its task)."""
     m.work = m.work or work
+    if NON_IID in m.overrides:
+        base = [*MODEL, NON_IID, f"islands.count={K}", "inner_steps=50", f"rounds={_rounds(m)}"]
+        warm = {s: train_warm_start(base, s, WARM, work / f"warm_non_iid@s{s}") for s in seeds or m.seeds}
     table = {
         f"{m.key}@s{s}": (m.description, [*m.overrides, f"seed={s}", f"warm_start.steps={WARM}", f"warm_start.path={warm[s]}"])
         for s in seeds or m.seeds
@@ -120,6 +128,11 @@ def _run(m: Method, warm: dict[int, Path], work: Path, seeds: tuple[int, ...] | 
     for name, summary in run_methods(MODEL, table, m.work).items():
         m.runs[int(name.rsplit("@s", 1)[1])] = summary
     m.runs = dict(sorted(m.runs.items()))
+
+
+def _rounds(m: Method) -> int:
+    """The rounds of a 4-island row at H = 50 (its warm start's schedule ends with them)."""
+    return int(next(o for o in m.overrides if o.startswith("rounds="))[len("rounds=") :])
 
 
 def _sweep(steps: int, warm: dict[int, Path], work: Path) -> tuple[dict[int, dict[float, float]], dict[int, Method]]:

@@ -108,9 +108,10 @@ class WarmStart:
     record: dict[str, Any]  # what summary.json reports of it
 
 
-def load_warm_start(cfg: RunConfig, numel: int) -> WarmStart:
-    """The finished warm start of `cfg`, checked to fit it (same steps, seed, task, data
-    shards and model size): a mismatch would retrain or skip data, or load wrong weights."""
+def check_warm_start(cfg: RunConfig) -> dict[str, Any]:
+    """The record of the finished warm start of `cfg`, checked to fit it (same steps,
+    seed, task and data shards: a mismatch would retrain or skip data). The driver checks
+    before anything starts, so a misfit is refused at once, not by the coordinator."""
     folder = warm_dir(cfg)
     record = _record(folder)
     if record is None:
@@ -128,6 +129,14 @@ def load_warm_start(cfg: RunConfig, numel: int) -> WarmStart:
                 f"warm_start: the warm start in {folder} has {key} = {record.get(key)!r}, this run {want!r} "
                 f"(set {field} to match, or train a new one)"
             )
+    return record
+
+
+def load_warm_start(cfg: RunConfig, numel: int) -> WarmStart:
+    """The finished warm start of `cfg`: its record (`check_warm_start`), weights (of this
+    model's size) and data ledger."""
+    record = check_warm_start(cfg)
+    folder = warm_dir(cfg)
     found = newest_valid(folder / "checkpoint")
     if found is None:
         raise RunFailed(f"warm_start: no checkpoint in {folder / 'checkpoint'}")

@@ -17,7 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from orchestrator.config import RunConfig
 from orchestrator.engine.checkpoints import load_checkpoint
 from orchestrator.engine.types import NAMESPACE, RunFailed, control_plane_name, coordinator_name
-from orchestrator.engine.warm_start import warm_run_id
+from orchestrator.engine.warm_start import check_warm_start, pending, warm_run_id
 from orchestrator.runtime.coordinator import Coordinator
 from orchestrator.runtime.island_pool import release_run
 from orchestrator.runtime.progress import ProgressPrinter
@@ -139,6 +139,8 @@ def run(cfg: RunConfig, poll_s: float = 0.5, show_progress: bool = True, run_id:
     token = _api_token(cfg)
     load_task(cfg.task.factory, cfg.task.kwargs).prepare()  # build data caches once, before any actor
     run_id = run_id or uuid.uuid4().hex[:12]
+    if cfg.warm_steps and not pending(cfg, run_id):
+        check_warm_start(cfg)  # one to reuse, or this run's finished one: it must fit
     started = init_ray(cfg)
     printer = ProgressPrinter() if show_progress else None
     coordinator = control_plane = None
