@@ -31,6 +31,9 @@ def test_control_plane_watches_and_scales_a_live_run(ray_local, tmp_path, monkey
             "rounds=3000",
             "api.enabled=true",
             f"api.port={port}",
+            # about the control plane, not admission: on a loaded machine the newcomer can join
+            # after the others converged, and the norm guard would rightly flag its first update
+            "robust.norm_ratio=null",
             f"out_dir={tmp_path / 'out'}",
         ),
     )
