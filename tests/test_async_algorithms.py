@@ -87,6 +87,17 @@ def test_speed_tracker_smooths():
     assert t.steps(30) == {0: 30, 1: 10}
 
 
+def test_a_probed_speed_sizes_the_first_h_and_the_first_real_round_replaces_it():
+    t = SpeedTracker(smoothing=0.5)
+    t.observe(0, 10, 1.0)
+    t.know(1, 1000.0)  # a probe that saw compute only
+    assert t.steps(10) == {0: 1, 1: 10}
+    t.observe(1, 5, 1.0)  # its first real round: 5 steps/s, not smoothed with the probe
+    assert t.speeds[1] == 5.0
+    t.observe(1, 15, 1.0)
+    assert t.speeds[1] == pytest.approx(10.0)  # later rounds are smoothed
+
+
 class _Async:
     """Per-arrival outer steps with bounded staleness, as the engine applies async arrivals."""
 

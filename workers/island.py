@@ -61,6 +61,7 @@ class Island:
         self.num_shards = spec.num_shards or spec.num_islands
         self.streams: dict[int, tuple[int, Any]] = {}  # shard -> (position, iterator at that position)
         self.turn = 0  # round-robin offset when used without a coordinator
+        self.probed_steps_per_s: float | None = None
 
     def _batches(self, order: WorkOrder) -> Iterator[tuple[int, Any]]:
         """The order's batches: step j reads shard `sorted(shards)[(turn + j) % n]`, each
@@ -104,18 +105,30 @@ class Island:
         }
 
     def probe(self, steps: int = 2) -> float:
-        """Inner steps per second, measured on an eval batch before any work (forward and
-        backward, no update; a simulated slowdown counted), so the coordinator can size a
-        new island's first H to its speed."""
-        batch = next(iter(self.task.eval_batches()))
-        self._forward_backward(batch)  # the first pass pays one-off costs
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            self._forward_backward(batch)
-        self.flat.grad.zero_()
-        return steps / ((time.perf_counter() - t0) * self.spec.slowdown)
+        """Inner steps per second, measured once on an eval batch before any work (this
+        worker's forward and backward, no update, no collective; a simulated slowdown
+        counted), so the coordinator can size a new island's first H to its speed. It is a
+        prior: the first measured round replaces it (it does not see data loading)."""
+        if self.probed_steps_per_s is None:
+            batch = self._worker_share(next(iter(self.task.eval_batches())))
+            self._local_pass(batch)  # the first pass pays one-off costs
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                self._local_pass(batch)
+            self.flat.grad.zero_()
+            self.probed_steps_per_s = steps / ((time.perf_counter() - t0) * self.spec.slowdown)
+        return self.probed_steps_per_s
+
+    def _worker_share(self, batch: Any) -> Any:
+        """The part of an island's batch this worker computes (all of it on one worker)."""
+        return batch
 
     def _forward_backward(self, batch: Any) -> tuple[float, int]:
+        """One inner step's gradient of the island's batch (a group overrides this)."""
+        return self._local_pass(batch)
+
+    def _local_pass(self, batch: Any) -> tuple[float, int]:
+        """Forward and backward of `batch` in this process: loss and token weight."""
         batch = to_device(batch, self.device)
         self.flat.grad.zero_()
         loss = self.task.loss(self.model, batch)

@@ -96,12 +96,15 @@ class GroupIsland(RayIsland):
         if self.world == 1:
             return super()._forward_backward(batch)
         weight = self.task.batch_weight(batch)  # the island's whole batch
-        loss, _ = super()._forward_backward(split_batch(batch, self.rank, self.world))
+        loss, _ = self._local_pass(self._worker_share(batch))
         dist.all_reduce(self.flat.grad)
         self.flat.grad.div_(self.world)
         mean_loss = torch.tensor([loss], device=self.flat.grad.device)
         dist.all_reduce(mean_loss)
         return float(mean_loss) / self.world, weight
+
+    def _worker_share(self, batch: Batch) -> Batch:
+        return split_batch(batch, self.rank, self.world) if self.world > 1 else batch
 
     def _step(self) -> None:
         self.optimizer.step()  # this worker's slice only

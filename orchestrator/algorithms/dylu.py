@@ -28,20 +28,24 @@ class SpeedTracker:
             raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
         self.smoothing = smoothing
         self.speeds: dict[int, float] = {}
+        self.priors: set[int] = set()  # islands whose speed is still a probe, not a measured round
 
     def observe(self, island: int, steps: int, seconds: float) -> None:
         if steps <= 0 or seconds <= 0:
             return
         v = steps / seconds
-        old = self.speeds.get(island)
+        old = None if island in self.priors else self.speeds.get(island)
+        self.priors.discard(island)
         self.speeds[island] = v if old is None else self.smoothing * old + (1 - self.smoothing) * v
 
     def know(self, island: int, steps_per_s: float) -> None:
         """A speed known (or probed) before the island's first work, so its first H is
         already its own rather than the full H (a slow island's first update would
-        otherwise arrive many versions stale)."""
+        otherwise arrive many versions stale). The first measured round replaces it: a
+        probe sees compute only, not data loading, so it is not smoothed with real rounds."""
         if steps_per_s > 0:
             self.speeds[island] = steps_per_s
+            self.priors.add(island)
 
     def add(self, island: int) -> None:
         self.speeds.setdefault(island, 0.0)
