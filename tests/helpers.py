@@ -3,7 +3,10 @@ engine (real `Island` objects through the in-process pool, no Ray)."""
 
 from __future__ import annotations
 
+import json
 import tempfile
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,6 +15,7 @@ from orchestrator.config import RunConfig
 from orchestrator.engine.build import build_engine
 from orchestrator.engine.engine import RoundEngine
 from orchestrator.engine.pool import Fault, InProcessPool
+from tests.toy_tasks import READS
 from workers.island import Island
 
 # tests of one phase leave the warm start out (its own tests are in test_warm_start.py)
@@ -29,6 +33,27 @@ TINY_LM = [
     "inner.warmup_steps=5",
     "inner.lr=0.01",
 ]
+
+
+def events(folder: str | Path) -> list[dict[str, Any]]:
+    """A run folder's events.jsonl."""
+    return [json.loads(line) for line in (Path(folder) / "events.jsonl").read_text().splitlines()]
+
+
+def assert_trained_once(
+    record: str, position: list[int], folders: list[str | Path], lost: Counter | None = None
+) -> None:
+    """Every batch a toy island read (`READS[record]`), less the work its runs' `lost` events
+    (and `lost`) gave back, is each batch below its shard's ledger `position` exactly once."""
+    lost = Counter(lost or ())
+    for folder in folders:
+        for e in events(folder):
+            if e["kind"] == "lost":
+                for s, (start, n) in e["spans"].items():
+                    lost.update((int(s), i) for i in range(start, start + n))
+    trained = Counter(READS[record]) - lost
+    assert all(c == 1 for c in trained.values()), [k for k, c in trained.items() if c > 1][:5]
+    assert set(trained) == {(s, i) for s, p in enumerate(position) for i in range(p)}
 
 
 _CENTERS = ("[1.0,0.0]", "[-0.5,2.0]", "[0.5,0.5]")

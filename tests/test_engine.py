@@ -23,8 +23,7 @@ from orchestrator.engine.build import build_engine
 from orchestrator.engine.engine import RoundEngine
 from orchestrator.engine.pool import Fault, FaultKind
 from orchestrator.engine.types import Event, RunFailed
-from tests.helpers import in_process_engine
-from tests.toy_tasks import READS
+from tests.helpers import assert_trained_once, events, in_process_engine
 
 CENTERS = "[[1.0,0.0],[-0.5,2.0],[0.5,0.5],[2.0,-1.0]]"
 _keys = itertools.count()
@@ -76,21 +75,10 @@ def _drive(engine: RoundEngine, at: dict[int, Action] | None = None, until: int 
             return
 
 
-def _events(cfg: RunConfig) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (Path(cfg.out_dir) / "events.jsonl").read_text().splitlines()]
-
-
 def _check_exactly_once(cfg: RunConfig, summary: dict[str, Any], lost: Counter | None = None) -> None:
     """Reads − lost work = each batch below its shard's position, once; tokens agree."""
-    lost = Counter(lost or ())
-    for e in _events(cfg):
-        if e["kind"] == "lost":
-            for s, (start, n) in e["spans"].items():
-                lost.update((int(s), i) for i in range(start, start + n))
-    trained = Counter(READS[cfg.task.kwargs["record"]]) - lost
-    assert all(c == 1 for c in trained.values()), [k for k, c in trained.items() if c > 1][:5]
     position, tokens = summary["shards"]["position"], summary["shards"]["tokens"]
-    assert set(trained) == {(s, i) for s, p in enumerate(position) for i in range(p)}
+    assert_trained_once(cfg.task.kwargs["record"], position, [cfg.out_dir], lost)
     assert [p * (s + 1) for s, p in enumerate(position)] == tokens  # a batch of shard s weighs s + 1
     assert sum(tokens) == summary["tokens"] == sum(isl["tokens"] for isl in summary["islands"].values())
 
@@ -130,7 +118,7 @@ def test_a_crashed_island_is_replaced_and_its_round_retrained(tmp_path, mode):
     summary = _run(cfg, [Fault(FaultKind.CRASH, 1, order=2)])
     isl = summary["islands"]
     assert isl["1"]["state"] == "dead" and "3" in isl and isl["3"]["state"] == "training"
-    kinds = [e["kind"] for e in _events(cfg)]
+    kinds = [e["kind"] for e in events(cfg.out_dir)]
     assert "crash" in kinds and "lost" in kinds and kinds.count("join") == 4
     assert summary["rounds_done"] == 6 and np.isfinite(summary["final_eval_loss"])
 
@@ -143,7 +131,7 @@ def test_a_late_island_is_left_behind_then_trains_again(tmp_path, mode):
     assert isl["2"]["late_results"] == 1 and isl["2"]["state"] == "training"
     # its first update, and (with rounds left) more after its overdue result arrived
     assert isl["2"]["rounds_contributed"] >= (1 if mode == "async" else 2)
-    assert any(e["kind"] == "late" and e["island"] == 2 for e in _events(cfg))
+    assert any(e["kind"] == "late" and e["island"] == 2 for e in events(cfg.out_dir))
 
 
 def test_a_hung_island_never_stalls_the_run(tmp_path):
@@ -180,7 +168,7 @@ def test_the_deadline_scales_with_h_so_a_larger_h_is_never_late(tmp_path):
     from orchestrator.engine.controls import SettingsUpdate
 
     summary = _run(cfg, at={2: lambda e: e.controls.request(SettingsUpdate(inner_steps=60))})
-    kinds = [e["kind"] for e in _events(cfg)]
+    kinds = [e["kind"] for e in events(cfg.out_dir)]
     assert "settings" in kinds and "late" not in kinds
     assert summary["rounds_done"] == 6 and summary["outer_steps"] == 6
 
@@ -191,7 +179,7 @@ def test_rejected_updates_give_their_batches_back_and_take_no_step(tmp_path):
     cfg = _cfg(tmp_path, "diloco", "robust.quarantine_after=3")
     summary = _run(cfg, [Fault(FaultKind.NAN, i, order=2) for i in range(3)])
     assert summary["rounds_done"] == 6 and summary["outer_steps"] == 5
-    lost = [e for e in _events(cfg) if e["kind"] == "lost"]
+    lost = [e for e in events(cfg.out_dir) if e["kind"] == "lost"]
     assert len(lost) == 3 and all(e["reason"].startswith("rejected (non-finite") for e in lost)
     assert summary["tokens"] == summary["tokens_applied"]  # nothing counted that the model did not get
 
@@ -215,7 +203,7 @@ def test_nan_updates_are_rejected_then_the_island_is_quarantined(tmp_path):
     _check_exactly_once(cfg, summary)
     assert summary["islands"]["2"]["state"] == "quarantined" and summary["islands"]["2"]["rejections"] == 2
     assert np.isfinite(engine.flat.data.numpy()).all() and not engine.flat.data.equal(before)
-    rejections = [e for e in _events(cfg) if e["kind"] == "rejection"]
+    rejections = [e for e in events(cfg.out_dir) if e["kind"] == "rejection"]
     assert len(rejections) == 2 and all(e["reason"].startswith("non-finite") for e in rejections)
 
 
@@ -238,7 +226,7 @@ def test_join_and_drain_mid_run(tmp_path, mode):
     isl = summary["islands"]
     assert isl["3"]["rounds_contributed"] >= 1 and isl["3"]["joined_version"] > 0
     assert isl["0"]["state"] == "drained"
-    kinds = [e["kind"] for e in _events(cfg)]
+    kinds = [e["kind"] for e in events(cfg.out_dir)]
     assert "drain" in kinds and "released" in kinds
 
 
@@ -325,7 +313,9 @@ def test_a_coordinator_restart_resumes_from_its_checkpoint(tmp_path, mode):
     _drive(second)
     _check_exactly_once(cfg, second.summary, lost)
     assert second.summary["rounds_done"] == 6
-    assert any(e["kind"] == "reattach" for e in _events(cfg)) and any(e["kind"] == "restart" for e in _events(cfg))
+    assert any(e["kind"] == "reattach" for e in events(cfg.out_dir)) and any(
+        e["kind"] == "restart" for e in events(cfg.out_dir)
+    )
 
 
 def test_a_graceful_stop_finishes_the_round_and_checkpoints(tmp_path):
@@ -449,7 +439,7 @@ def test_an_island_added_after_the_checkpoint_is_adopted_on_restart(tmp_path, mo
     summary = second.summary
     assert second.members.target == 4 and set(summary["islands"]) == {"0", "1", "2", "3"}
     assert summary["islands"]["3"]["state"] == "training" and summary["islands"]["3"]["rounds_contributed"] >= 1
-    assert any(e["kind"] == "reattach" and e["island"] == 3 for e in _events(cfg))
+    assert any(e["kind"] == "reattach" and e["island"] == 3 for e in events(cfg.out_dir))
 
 
 @pytest.mark.parametrize("mode", ["diloco", "async"])
@@ -482,7 +472,7 @@ def test_an_island_misreporting_its_data_is_refused_not_trusted(tmp_path):
     cfg = _cfg(tmp_path, "diloco", "robust.quarantine_after=2")
     summary = _run(cfg, [Fault(FaultKind.MISREPORT, 1, order=n) for n in (2, 3)])
     assert summary["islands"]["1"]["state"] == "quarantined"
-    rejections = [e for e in _events(cfg) if e["kind"] == "rejection" and e["island"] == 1]
+    rejections = [e for e in events(cfg.out_dir) if e["kind"] == "rejection" and e["island"] == 1]
     assert len(rejections) == 2 and all("shards [19]" in e["reason"] for e in rejections)
     assert summary["rounds_done"] == 6
 

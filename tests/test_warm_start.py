@@ -5,9 +5,7 @@ it continues, and which a restarted coordinator or another run does not train ag
 from __future__ import annotations
 
 import itertools
-import json
 import re
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,7 @@ from orchestrator.engine.build import PhasedRun
 from orchestrator.engine.pool import Fault, FaultKind, InProcessPool
 from orchestrator.engine.types import RunFailed
 from orchestrator.engine.warm_start import warm_config
-from tests.toy_tasks import READS
+from tests.helpers import assert_trained_once, events
 from workers.optim import lr_factor
 
 _keys = itertools.count()
@@ -73,23 +71,11 @@ class Pools:
         return pool
 
 
-def _events(folder: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
-
-
 def _check_each_batch_once(cfg: RunConfig, summary: dict[str, Any]) -> None:
     """Over both phases: reads − lost work = each batch below its shard's final position,
     once; the two phases' tokens add up to the ledger's."""
-    lost: Counter = Counter()
-    for folder in (Path(cfg.out_dir), Path(cfg.out_dir) / "warm_start"):
-        for e in _events(folder):
-            if e["kind"] == "lost":
-                for s, (start, n) in e["spans"].items():
-                    lost.update((int(s), i) for i in range(start, start + n))
-    trained = Counter(READS[cfg.task.kwargs["record"]]) - lost
-    assert all(c == 1 for c in trained.values()), [k for k, c in trained.items() if c > 1][:5]
     position = summary["shards"]["position"]
-    assert set(trained) == {(s, i) for s, p in enumerate(position) for i in range(p)}
+    assert_trained_once(cfg.task.kwargs["record"], position, [cfg.out_dir, Path(cfg.out_dir) / "warm_start"])
     everything = sum(p * (s + 1) for s, p in enumerate(position))  # a batch of shard s weighs s + 1
     assert summary["warm_start"]["tokens"] + summary["tokens"] == everything
 
@@ -129,7 +115,7 @@ def test_a_crash_in_the_warm_start_loses_no_batch(tmp_path):
     cfg = _cfg(tmp_path, "diloco")
     summary = PhasedRun(cfg, "crash", Pools([Fault(FaultKind.CRASH, 1, order=3)])).execute()
     assert summary["state"] == "finished"
-    assert any(e["kind"] == "crash" for e in _events(Path(cfg.out_dir) / "warm_start"))
+    assert any(e["kind"] == "crash" for e in events(Path(cfg.out_dir) / "warm_start"))
     _check_each_batch_once(cfg, summary)
 
 

@@ -94,10 +94,13 @@ def _hetero(quick: bool, work: Path) -> BenchResult:
             "outer_updates": s["outer_steps"],
             "staleness": s["staleness"],
             "islands": {
-                i: {k: v[k] for k in ("submissions", "inner_steps", "steps_per_s", "staleness_mean", "staleness_max", "tokens")}
+                i: {
+                    k: v[k]
+                    for k in ("submissions", "inner_steps", "steps_per_s", "staleness_mean", "staleness_max", "tokens")
+                }
                 for i, v in s["islands"].items()
             },
-        }  # fmt: skip
+        }
     sync, dn, naive = results["sync"], results["dn_dylu"], results["naive_async"]
     reach = dn["sim_seconds_to_sync_final_loss"]
     checks = {
@@ -138,18 +141,28 @@ def _markdown(r: dict[str, dict[str, Any]], checks: dict[str, dict[str, Any]], r
             m["description"],
             f"{m['final_eval_loss']:.4f}",
             f"{m['sim_seconds']:.1f}",
-            "not reached" if m["sim_seconds_to_sync_final_loss"] is None else f"{m['sim_seconds_to_sync_final_loss']:.1f}",
+            "not reached"
+            if m["sim_seconds_to_sync_final_loss"] is None
+            else f"{m['sim_seconds_to_sync_final_loss']:.1f}",
             str(m["outer_updates"]),
             f"{m['staleness']['mean']:.2f} / {m['staleness']['max']}",
             " / ".join(f"{v['steps_per_s']:.1f}" for v in m["islands"].values()),
         ]
         for name, m in r.items()
-    ]  # fmt: skip
+    ]
     table = md_table(
-        ["method", "what", "final eval loss", "simulated s", "simulated s to sync's final loss", "outer updates",
-         "staleness mean / max", "measured steps/s per island"],
+        [
+            "method",
+            "what",
+            "final eval loss",
+            "simulated s",
+            "simulated s to sync's final loss",
+            "outer updates",
+            "staleness mean / max",
+            "measured steps/s per island",
+        ],
         rows,
-    )  # fmt: skip
+    )
     return (
         f"{K} islands of speeds {SPEEDS} on a virtual clock ({STEP_S} simulated s per inner step at speed 1; "
         f"the islands really train on Ray, nothing sleeps), after a shared warm start ({WARM} data-parallel steps); "

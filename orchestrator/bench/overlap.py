@@ -107,7 +107,7 @@ def _overlap(quick: bool, work: Path) -> BenchResult:
     walls = {
         name: _median_wall(name if name != "overlap" else _key(best), table, summaries[name], work)
         for name in ("sync_no_link", "sync", "overlap")
-    }  # fmt: skip
+    }
     compute_only = statistics.median(walls["sync_no_link"])
     results: dict[str, dict[str, Any]] = {}
     for name, (desc, overrides) in table.items():

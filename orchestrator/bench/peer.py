@@ -172,4 +172,4 @@ def torchft_diloco(
         "train_seconds": walls[0],
         "islands_alone_seconds": alone,
         "overhead_vs_islands_alone": walls[0] / alone - 1,
-    }  # fmt: skip
+    }

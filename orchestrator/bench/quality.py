@@ -24,6 +24,7 @@ from typing import Any
 
 from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
 from orchestrator.bench.runner import one_ray, run_methods, train_warm_start
+from orchestrator.engine.warm_start import finished_record
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +104,16 @@ def methods(steps: int, quick: bool, h_rows: dict[int, Method]) -> list[Method]:
         Method("single_1x", "1 island, same inner steps (1/4 the tokens)", [*single, f"rounds={steps // 50}"]),
         Method("single_4x", "1 island, same tokens (4x the steps)", [*single, f"rounds={K * steps // 50}"]),
         *rows,
-        Method("diloco_k4_h50_outer_adam", "outer Adam lr 0.01", diloco(steps, 50, "outer.optimizer=adam", "outer.lr=0.01")),
-        Method("diloco_k4_h50_non_iid", "non-iid islands (different packages; own warm start on that split)",
-               [*best50, NON_IID]),
+        Method(
+            "diloco_k4_h50_outer_adam", "outer Adam lr 0.01", diloco(steps, 50, "outer.optimizer=adam", "outer.lr=0.01")
+        ),
+        Method(
+            "diloco_k4_h50_non_iid",
+            "non-iid islands (different packages; own warm start on that split)",
+            [*best50, NON_IID],
+        ),
         Method("diloco_k4_h50_drop50", "50% of pseudo-gradients dropped", [*best50, "outer.drop_prob=0.5"]),
-    ]  # fmt: skip
+    ]
 
 
 NON_IID = "task.kwargs.split=non_iid"
@@ -121,10 +127,13 @@ def _run(m: Method, warm: dict[int, Path], work: Path, seeds: tuple[int, ...] | 
         base = [*MODEL, NON_IID, f"islands.count={K}", "inner_steps=50", f"rounds={_rounds(m)}"]
         warm = {s: train_warm_start(base, s, WARM, work / f"warm_non_iid@s{s}") for s in seeds or m.seeds}
     table = {
-        f"{m.key}@s{s}": (m.description, [*m.overrides, f"seed={s}", f"warm_start.steps={WARM}", f"warm_start.path={warm[s]}"])
+        f"{m.key}@s{s}": (
+            m.description,
+            [*m.overrides, f"seed={s}", f"warm_start.steps={WARM}", f"warm_start.path={warm[s]}"],
+        )
         for s in seeds or m.seeds
         if s not in m.runs
-    }  # fmt: skip
+    }
     for name, summary in run_methods(MODEL, table, m.work).items():
         m.runs[int(name.rsplit("@s", 1)[1])] = summary
     m.runs = dict(sorted(m.runs.items()))
@@ -168,9 +177,8 @@ def _quality(quick: bool, work: Path) -> BenchResult:
     results = {m.key: _result(m) for m in table}
     peer = _peer(h_rows[50], warm, work)
     if peer is not None:
-        results["torchft_diloco_k4_h50"] = peer
-        results["diloco_k4_h50"]["overhead_vs_islands_alone"] = peer.pop("ours_overhead_vs_islands_alone")
-        results["diloco_k4_h50"]["train_seconds_eval_at_end"] = peer.pop("ours_train_seconds_eval_at_end")
+        results["torchft_diloco_k4_h50"], ours = peer
+        results["diloco_k4_h50"].update(ours)
     ddp = results["ddp_k"]
     for r in results.values():
         r["byte_ratio_to_ddp"] = r["bytes_communicated"] / ddp["bytes_communicated"]
@@ -200,11 +208,16 @@ def _quality(quick: bool, work: Path) -> BenchResult:
         extra={
             "checks": checks,
             "inner_steps_per_island": steps,
-            "warm_start": {"steps": WARM, "mode": "ddp", "islands": K, "seeds": {s: _warm_record(warm[s]) for s in SEEDS}},
+            "warm_start": {
+                "steps": WARM,
+                "mode": "ddp",
+                "islands": K,
+                "seeds": {s: _warm_record(warm[s]) for s in SEEDS},
+            },
             "outer_lr_sweep": {f"h{h}": {str(lr): v for lr, v in sweep[h].items()} for h in sweep},
             "best_diloco": best,
         },
-    )  # fmt: skip
+    )
 
 
 def _best(r: dict[str, dict[str, Any]]) -> str:
@@ -215,9 +228,9 @@ def _best(r: dict[str, dict[str, Any]]) -> str:
 
 
 def _warm_record(folder: Path) -> dict[str, Any]:
-    import json
-
-    record: dict[str, Any] = json.loads((folder / "warm_start.json").read_text())
+    record = finished_record(folder)
+    if record is None:
+        raise FileNotFoundError(f"no finished warm start in {folder}")
     return record
 
 
@@ -234,10 +247,11 @@ def _result(m: Method) -> dict[str, Any]:
     }
 
 
-def _peer(h50: Method, warm: dict[int, Path], work: Path) -> dict[str, Any] | None:
+def _peer(h50: Method, warm: dict[int, Path], work: Path) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """torchft's DiLoCo with the H = 50 row's settings, and both tools' overhead over the
-    same replicas training alone (ours from one more run of that row evaluating only at
-    the end, as the peer does); None, logged, when torchft is not installed."""
+    same replicas training alone: (the peer's row, what the H = 50 row adds: its time from
+    one more run evaluating only at the end, as the peer does, and its overhead); None,
+    logged, when torchft is not installed."""
     try:
         from orchestrator.bench.peer import torchft_diloco
     except ImportError as err:
@@ -248,10 +262,10 @@ def _peer(h50: Method, warm: dict[int, Path], work: Path) -> dict[str, Any] | No
     timed = Method(f"{h50.key}_eval_at_end", h50.description, [*h50.overrides, f"eval_every={rounds[7:]}"])
     _run(timed, warm, work)
     ours = timed.runs[0]["train_seconds"]
-    h50_overhead = ours / peer["islands_alone_seconds"] - 1
-    peer["ours_train_seconds_eval_at_end"] = ours
-    peer["ours_overhead_vs_islands_alone"] = h50_overhead
-    return peer
+    return peer, {
+        "train_seconds_eval_at_end": ours,
+        "overhead_vs_islands_alone": ours / peer["islands_alone_seconds"] - 1,
+    }
 
 
 def _checks(r: dict[str, dict[str, Any]], quick: bool) -> dict[str, dict[str, Any]]:
@@ -312,8 +326,17 @@ def _markdown(
         ]
         for name, m in r.items()
     ]
-    header = ["method", "what", "final eval loss (mean ± sd, seeds)", "vs ddp", "bytes exchanged",
-              "ddp bytes / bytes", "outer steps", "train s", "paper (C4 150M, ppl)"]  # fmt: skip
+    header = [
+        "method",
+        "what",
+        "final eval loss (mean ± sd, seeds)",
+        "vs ddp",
+        "bytes exchanged",
+        "ddp bytes / bytes",
+        "outer steps",
+        "train s",
+        "paper (C4 150M, ppl)",
+    ]
     text = (
         f"Default task (stdlib bytes), GPT d=64, 2 layers, context 64, batch 16 per island, 64 eval batches. "
         f"Per seed one warm start ({WARM} data-parallel steps, 4 islands) continued by every method for "

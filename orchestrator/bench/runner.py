@@ -89,6 +89,11 @@ def train_warm_start(base: list[str], seed: int, steps: int, out: Path) -> Path:
         if started:
             ray.shutdown()
     mark_finished(cfg, f"bench-s{seed}", summary)
-    log.info("  warm start seed %d: eval loss %.4f -> %.4f in %.0fs", seed, summary["initial_eval_loss"],
-             summary["final_eval_loss"], summary["train_seconds"])  # fmt: skip
+    log.info(
+        "  warm start seed %d: eval loss %.4f -> %.4f in %.0fs",
+        seed,
+        summary["initial_eval_loss"],
+        summary["final_eval_loss"],
+        summary["train_seconds"],
+    )
     return warm_dir(cfg)

@@ -69,11 +69,12 @@ def pending(cfg: RunConfig, run_id: str) -> bool:
     by this run before a restart)."""
     if not cfg.warm_steps or cfg.warm_start.path is not None:
         return False
-    record = _record(warm_dir(cfg))
+    record = finished_record(warm_dir(cfg))
     return record is None or record.get("run_id") != warm_run_id(run_id)
 
 
-def _record(folder: Path) -> dict[str, Any] | None:
+def finished_record(folder: Path) -> dict[str, Any] | None:
+    """The record a finished warm start left in `folder`, or None if there is none."""
     try:
         record = json.loads((folder / MARKER).read_text())
     except (OSError, ValueError):
@@ -113,7 +114,7 @@ def check_warm_start(cfg: RunConfig) -> dict[str, Any]:
     seed, task and data shards: a mismatch would retrain or skip data). The driver checks
     before anything starts, so a misfit is refused at once, not by the coordinator."""
     folder = warm_dir(cfg)
-    record = _record(folder)
+    record = finished_record(folder)
     if record is None:
         raise RunFailed(f"warm_start: no finished warm start in {folder} ({MARKER} missing)")
     expected = {
