@@ -1,4 +1,4 @@
-"""`archipelago` command line: run, config show/docs, serve, bench.
+"""`archipelago` command line: run, config show/docs, serve, export, bench.
 
 What a command produces (the config YAML, the reference page, the final summary, the
 progress line) goes to stdout; everything else is logged (`orchestrator.logs`), to stderr,
@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8600)
     serve.add_argument("--public-reads", action="store_true", help="serve reads without the token (mutations need it)")
+    export = sub.add_parser(
+        "export", parents=[common], help="write a finished run's model in its ecosystem's format (Hugging Face)"
+    )
+    export.add_argument("run_dir", metavar="RUN_DIR", help="the run's output folder (config.yaml and final.pt)")
+    export.add_argument("out_dir", metavar="OUT_DIR", help="where the exported model goes")
+    export.add_argument("--format", choices=["hf"], default="hf", help="hf: save_pretrained with safetensors")
     bench = sub.add_parser(
         "bench", parents=[common], help="run a benchmark scenario; writes DIR/<scenario>.json, .png, .md"
     )
@@ -132,6 +138,23 @@ def _config_docs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    import torch
+
+    from workers.task import TaskError, export_pretrained, load_task
+
+    run_dir = Path(args.run_dir)
+    try:
+        cfg = load_config(str(run_dir / "config.yaml"), [])
+        state = torch.load(run_dir / "final.pt", map_location="cpu", weights_only=True)
+        out = export_pretrained(load_task(cfg.task.factory, cfg.task.kwargs), state, Path(args.out_dir))
+    except (ConfigError, OSError, TaskError, RuntimeError) as err:
+        log.error("cannot export %s: %s", run_dir, err)
+        return 2
+    sys.stdout.write(f"{out}\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = level_for(getattr(args, "verbose", 0), getattr(args, "quiet", 0))
@@ -140,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(args)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "export":
+        return _export(args)
     if args.command == "config" and args.config_command == "docs":
         return _config_docs(args)
     overrides = list(args.overrides)

@@ -167,10 +167,10 @@ class OverlapConfig(_Strict):
     """`mode: overlap` (CO2) outer step; defaults are the authors' code defaults for <= 16 workers."""
 
     lr: float = Field(
-        0.5,
+        0.7,
         gt=0,
         description="alpha, outer learning rate (the authors' code uses 1; under the one-round lag 1 is marginally "
-        "stable: 0.5 damps the lag's oscillation, see docs/benchmarks.md)",
+        "stable: 0.7 was best of 0.5, 0.7 and 1 in `bench overlap`, see docs/benchmarks.md)",
     )
     momentum: float = Field(0.0, ge=0, lt=1, description="beta, heavy-ball outer momentum")
     clip: float | None = Field(1.0, gt=0, description="phi, element-wise outer momentum clip; null disables")

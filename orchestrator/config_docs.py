@@ -19,12 +19,14 @@ from pydantic.fields import FieldInfo
 
 from orchestrator.config import RunConfig
 from workers.digits_task import DigitsConfig
+from workers.hf_task import HFTaskConfig
 from workers.lm_task import LMTaskConfig
 
 COMMAND = "archipelago config docs --out docs/configuration.md"
 # Bundled tasks whose `task.kwargs` are documented beside the run config.
 TASKS: dict[str, type[BaseModel]] = {
     "workers.lm_task:make_task": LMTaskConfig,
+    "workers.hf_task:make_task": HFTaskConfig,
     "workers.digits_task:make_task": DigitsConfig,
 }
 
@@ -88,7 +90,7 @@ def _rows(prefix: str, model: type[BaseModel]) -> tuple[list[str], list[tuple[st
         default = field.get_default(call_default_factory=True)
         description = (field.description or "").replace("|", "\\|").replace("\n", " ")
         rows.append(
-            f"| `{prefix}{name}` | {_type(annotation)} | {_value(default)} | {_constraints(field)} | {description} |"
+            f"| `{prefix}{field.alias or name}` | {_type(annotation)} | {_value(default)} | {_constraints(field)} | {description} |"
         )
     return rows, sections
 

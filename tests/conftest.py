@@ -24,9 +24,14 @@ _STARTED = time.monotonic()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    import torch
+
+    no_cuda = pytest.mark.skip(reason="no CUDA device here (torch.cuda.is_available() is False)")
     for item in items:
         if item.get_closest_marker("ray") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(RAY_TEST_TIMEOUT_S))
+        if item.get_closest_marker("cuda") and not torch.cuda.is_available():
+            item.add_marker(no_cuda)
 
 
 def _ray_up() -> bool:

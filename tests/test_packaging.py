@@ -21,5 +21,6 @@ def test_distribution_declares_the_console_script():
     assert scripts["archipelago"] == "orchestrator.cli:main"
     torch_req = [r for r in dist.requires or [] if r.startswith("torch") and "extra ==" not in r]
     assert torch_req == ["torch==2.13.0"]
-    # the peer (torchft) is an extra, never a dependency of the default install
-    assert all("extra ==" in r for r in dist.requires or [] if r.startswith("torchft"))
+    # the peer (torchft) and the Hugging Face stack are extras, never the default install's
+    for extra in ("torchft", "transformers", "tokenizers", "safetensors"):
+        assert all("extra ==" in r for r in dist.requires or [] if r.startswith(extra)), extra

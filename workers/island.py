@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -19,8 +19,8 @@ import torch
 from workers.compress import Payload, encode
 from workers.flat import FlatParams, slice_bounds
 from workers.messages import RoundResult, WorkKind, WorkOrder
-from workers.optim import InnerConfig, build_inner
-from workers.task import load_task, to_device
+from workers.optim import InnerConfig, Precision, build_inner
+from workers.task import load_task, split_batch, to_device
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,9 @@ class Island:
         torch.manual_seed(spec.seed)
         self.model = self.task.build_model().to(self.device)
         self.flat = FlatParams(self.model)
+        # compiled for the forward passes only: the parameters stay the flat buffer's views
+        self.forward_model = cast(torch.nn.Module, torch.compile(self.model)) if spec.inner.compile else self.model
+        self.bf16 = spec.inner.precision == Precision.BF16
         self.start = torch.empty_like(self.flat.data)
         self.optimizer, self.scheduler = build_inner(
             spec.inner, self.model.parameters(), spec.total_inner_steps, spec.start_step, spec.rewarmup_steps
@@ -128,12 +131,22 @@ class Island:
         return self._local_pass(batch)
 
     def _local_pass(self, batch: Any) -> tuple[float, int]:
-        """Forward and backward of `batch` in this process: loss and token weight."""
+        """Forward and backward of `batch` in this process, in `inner.micro_batches` equal
+        parts whose gradients accumulate (each weighted by its share of the batch's tokens,
+        so the gradient is the whole batch's), under bf16 autocast if asked: loss and weight."""
         batch = to_device(batch, self.device)
         self.flat.grad.zero_()
-        loss = self.task.loss(self.model, batch)
-        loss.backward()
-        return float(loss.detach()), self.task.batch_weight(batch)
+        parts = self.spec.inner.micro_batches
+        weight = self.task.batch_weight(batch)
+        total = 0.0
+        for i in range(parts):
+            part = split_batch(batch, i, parts, "inner.micro_batches") if parts > 1 else batch
+            share = self.task.batch_weight(part) / weight
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                loss = self.task.loss(self.forward_model, part)
+            (loss * share).backward()
+            total += float(loss.detach()) * share
+        return total, weight
 
     def _clip(self) -> None:
         clip = self.spec.inner.grad_clip

@@ -33,18 +33,7 @@ from workers.island import Island, IslandSpec
 from workers.island_actor import RayIsland, whole_params
 from workers.messages import RoundResult, WorkOrder
 from workers.optim import build_inner
-from workers.task import Batch
-
-
-def split_batch(batch: Batch, rank: int, world: int) -> Batch:
-    """Worker `rank`'s 1/world of every tensor of `batch`, along the first dimension."""
-    rows = batch[0].shape[0]
-    if rows % world:
-        raise ValueError(
-            f"a batch of {rows} rows does not split evenly over {world} island workers: "
-            "make the task's batch size a multiple of islands.workers"
-        )
-    return tuple(t.chunk(world)[rank] for t in batch)
+from workers.task import Batch, split_batch
 
 
 def group_address() -> str:
@@ -104,7 +93,7 @@ class GroupIsland(RayIsland):
         return float(mean_loss) / self.world, weight
 
     def _worker_share(self, batch: Batch) -> Batch:
-        return split_batch(batch, self.rank, self.world) if self.world > 1 else batch
+        return split_batch(batch, self.rank, self.world, "islands.workers") if self.world > 1 else batch
 
     def _step(self) -> None:
         self.optimizer.step()  # this worker's slice only

@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from enum import Enum
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+
+
+class Precision(str, Enum):
+    FP32 = "fp32"
+    BF16 = "bf16"  # autocast: bf16 matmuls, fp32 master weights, optimizer state and pseudo-gradients
 
 
 class InnerConfig(BaseModel):
@@ -36,6 +42,15 @@ class InnerConfig(BaseModel):
         description="length of the schedule in inner steps per island (default: the run's, its warm start included)",
     )
     grad_clip: float | None = Field(1.0, gt=0, description="clip grad norm before each step; null disables")
+    precision: Precision = Field(
+        Precision.FP32,
+        description="fp32, or bf16: forward and backward under bfloat16 autocast; weights, optimizer state and "
+        "pseudo-gradients stay fp32",
+    )
+    micro_batches: int = Field(
+        1, ge=1, description="gradient accumulation: each batch in this many equal parts (same step, less memory)"
+    )
+    compile: bool = Field(False, description="torch.compile the model for the islands' forward passes")
 
 
 def lr_factor(step: int, cfg: InnerConfig, total_steps: int) -> float:

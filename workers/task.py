@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -57,6 +58,28 @@ class Task(Protocol):
         pseudo-gradients are averaged with these weights."""
 
 
+@runtime_checkable
+class ExportableTask(Protocol):
+    """A task whose model can be written in its ecosystem's own format (the Hugging Face
+    task: `save_pretrained` with safetensors and the tokenizer)."""
+
+    def save_pretrained(self, model: Any, out_dir: Path) -> None:
+        """Write `model` (a freshly built model holding the trained weights) to `out_dir`."""
+
+
+def export_pretrained(task: Task, state: dict[str, torch.Tensor], out_dir: Path) -> Path:
+    """Write trained weights `state` (a `final.pt`) in the task's own format: loaded into a
+    freshly built model, so what is saved owns its tensors (the live model's parameters
+    are views of one flat buffer, which safetensors rightly refuses)."""
+    if not isinstance(task, ExportableTask):
+        raise TaskError(f"task {type(task).__name__} cannot export its model (it has no save_pretrained)")
+    model = task.build_model()
+    model.load_state_dict(state)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    task.save_pretrained(model, out_dir)
+    return out_dir
+
+
 def resolve_factory(spec: str) -> Any:
     """Import `module:attribute`; raise `TaskError` naming what is wrong."""
     module_name, sep, attr = spec.partition(":")
@@ -87,6 +110,18 @@ def load_task(spec: str, kwargs: dict[str, Any] | None = None) -> Task:
     if missing:
         raise TaskError(f"task {spec!r} lacks the Task method(s) {', '.join(missing)}")
     return task
+
+
+def split_batch(batch: Batch, part: int, parts: int, setting: str) -> Batch:
+    """Part `part` of `parts` equal parts of every tensor of `batch` along the first
+    dimension (an island worker's share, or a micro-batch); `setting` is the config field
+    that asked for the split, named when the batch does not divide evenly."""
+    rows = batch[0].shape[0]
+    if rows % parts:
+        raise ValueError(
+            f"a batch of {rows} rows does not split into {parts} equal parts: make it a multiple of {setting}"
+        )
+    return tuple(t.chunk(parts)[part] for t in batch)
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:

@@ -1,5 +1,6 @@
-"""Byte-level text batches for language-model tasks, from Parquet files or a streamed
-Hugging Face dataset.
+"""Text batches for language-model tasks, from Parquet files or a streamed Hugging Face
+dataset: bytes as tokens (the default GPT) or any tokenizer's ids (`Documents`), documents
+joined by a separator token and packed into fixed-length windows.
 
 Island splits:
 - `iid`: documents are shuffled (one fixed corpus-level order) before the stream is cut
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,16 +38,59 @@ def encode(texts: Iterable[str]) -> np.ndarray:
     return np.frombuffer(b"\x00".join(t.encode("utf-8", errors="replace") for t in texts), dtype=np.uint8)
 
 
-def island_tokens(texts: list[str], island: int, num_islands: int, split: Split) -> np.ndarray:
-    """The slice of the corpus that island `island` of `num_islands` trains on."""
+def document_order(n: int, split: Split) -> np.ndarray:
+    """The corpus-level order of `n` documents: shuffled once (the same everywhere) for
+    `iid`, path order for `non_iid`."""
+    if split == "iid":
+        return np.random.default_rng(CORPUS_ORDER_SEED).permutation(n)
+    return np.arange(n)
+
+
+def island_part(tokens: np.ndarray, island: int, num_islands: int) -> np.ndarray:
+    """Part `island` of `num_islands` equal contiguous parts of a packed token stream."""
     if not 0 <= island < num_islands:
         raise ValueError(f"island {island} out of range for {num_islands} islands")
-    order = np.arange(len(texts))
-    if split == "iid":
-        order = np.random.default_rng(CORPUS_ORDER_SEED).permutation(len(texts))
-    tokens = encode(texts[i] for i in order)
     bounds = np.linspace(0, len(tokens), num_islands + 1).astype(np.int64)
     return tokens[bounds[island] : bounds[island + 1]]
+
+
+def island_tokens(texts: list[str], island: int, num_islands: int, split: Split) -> np.ndarray:
+    """The slice of the byte-level corpus that island `island` of `num_islands` trains on."""
+    order = document_order(len(texts), split)
+    return island_part(encode(texts[i] for i in order), island, num_islands)
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Tokenised documents stored flat (document i is `tokens[offsets[i]:offsets[i + 1]]`),
+    so a corpus is two arrays to cache and pack, not a list of thousands of arrays."""
+
+    tokens: np.ndarray
+    offsets: np.ndarray
+
+    @classmethod
+    def of(cls, docs: Sequence[Sequence[int]], dtype: type = np.int32) -> Documents:
+        arrays: list[np.ndarray] = [np.asarray(d, dtype=dtype) for d in docs]
+        offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+        np.cumsum([len(a) for a in arrays], out=offsets[1:])
+        tokens = np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
+        return cls(tokens, offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def packed(self, order: np.ndarray, sep: int) -> np.ndarray:
+        """The documents in `order`, each followed by the separator token `sep`."""
+        lengths = np.diff(self.offsets)[order] + 1
+        out = np.full(int(lengths.sum()), sep, dtype=self.tokens.dtype)
+        at = 0
+        for i, n in zip(order, lengths, strict=True):
+            out[at : at + n - 1] = self.tokens[self.offsets[i] : self.offsets[i + 1]]
+            at += n
+        return out
+
+    def island_tokens(self, island: int, num_islands: int, split: Split, sep: int) -> np.ndarray:
+        return island_part(self.packed(document_order(len(self), split), sep), island, num_islands)
 
 
 def window_batches(
@@ -81,15 +126,32 @@ def fixed_batches(
 
 
 def stream_batches(texts: Iterable[str], context: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Batches from an unbounded document stream, read in order (for streamed datasets)."""
+    """Byte-level batches from an unbounded document stream, read in order."""
+    return stream_token_batches(
+        (np.frombuffer(t.encode("utf-8", errors="replace") + b"\x00", dtype=np.uint8) for t in texts),
+        context,
+        batch_size,
+    )
+
+
+def stream_token_batches(
+    docs: Iterable[np.ndarray], context: int, batch_size: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches from an unbounded stream of tokenised documents (each ending in its
+    separator), packed in order (for streamed datasets)."""
     need = batch_size * (context + 1)
-    buf = bytearray()
-    for text in texts:
-        buf += text.encode("utf-8", errors="replace") + b"\x00"
-        while len(buf) >= need:
-            chunk = np.frombuffer(bytes(buf[:need]), dtype=np.uint8)
-            del buf[:need]
-            yield _as_batch(chunk.reshape(batch_size, context + 1))
+    parts: list[np.ndarray] = []
+    held = 0
+    for doc in docs:
+        parts.append(doc)
+        held += len(doc)
+        if held < need:
+            continue
+        buf = np.concatenate(parts)
+        n = len(buf) // need
+        for b in range(n):
+            yield _as_batch(buf[b * need : (b + 1) * need].reshape(batch_size, context + 1))
+        parts, held = [buf[n * need :]], len(buf) - n * need
 
 
 def stream_shard(texts: Iterable[str], island: int, num_islands: int) -> Iterator[str]:

@@ -41,7 +41,7 @@ from orchestrator.engine.types import Contribution, Decision, Event, IslandState
 from orchestrator.engine.warm_start import WarmStart
 from workers.flat import FlatParams
 from workers.messages import RoundResult, WorkOrder
-from workers.task import Task
+from workers.task import ExportableTask, Task, export_pretrained
 
 POLL_S = 0.2  # the longest the engine waits on the pool: a stop-now is seen within it
 
@@ -253,6 +253,9 @@ class RoundEngine:
         self.summary["clock_seconds"] = self._clock()
         self.summary["init_from"] = self.init_from
         self.summary["warm_start"] = self.warm.record if self.warm is not None else None
+        if isinstance(self.task, ExportableTask):  # the model back in its ecosystem's format, too
+            out = export_pretrained(self.task, self.model.state_dict(), self.recorder.out / "export")
+            self.summary["export"] = str(out)
         self.recorder.finish(self.summary, self.model)
         self._update_snapshot()
         self._refresh_islands()

@@ -1,0 +1,155 @@
+"""The Hugging Face task: a tokenizer trained on the embedded corpus, documents packed with
+EOS through the shard contract, a tiny Llama built from config, and the export that
+transformers loads back with the same logits. In process (the Ray runs are in
+test_hf_ray.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+
+from orchestrator.config_load import dump_config, load_config
+from tests.helpers import in_process_run
+from workers.hf_task import HFTaskConfig, make_task
+from workers.task import TaskError, export_pretrained, load_task
+from workers.text_data import Documents
+
+TINY = {"preset": "tiny-llama", "context": 32, "batch_size": 8, "eval_batches": 2}
+
+
+@pytest.fixture(scope="module")
+def task(corpus_cache):
+    t = make_task(**TINY, cache_dir=corpus_cache)
+    t.prepare()
+    return t
+
+
+def test_the_trained_tokenizer_round_trips_text_and_is_cached(task, corpus_cache):
+    tok = task.tokenizer
+    assert len(tok) == 2048 and tok.eos_token == "<|endoftext|>"
+    text = "def f(x):\n    return {'a': x ** 2}  # ünïcode\n"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == text
+    held_out = sum(len(t.encode()) for t in task.corpus.texts("eval"))
+    assert len(task.documents("eval").tokens) < held_out / 2.5  # BPE merges: far fewer tokens than bytes
+    again = make_task(**TINY, cache_dir=corpus_cache).tokenizer  # loaded from the cache, not retrained
+    assert again.get_vocab() == tok.get_vocab()
+
+
+def test_documents_pack_with_eos_and_shards_cover_the_corpus_once(task):
+    docs = Documents.of([[1, 2], [3], [4, 5, 6]])
+    assert docs.packed(np.array([2, 0, 1]), 0).tolist() == [4, 5, 6, 0, 1, 2, 0, 3, 0]
+    train = task.documents("train")
+    whole = train.island_tokens(0, 1, "iid", task.eos)
+    parts = [train.island_tokens(i, 4, "iid", task.eos) for i in range(4)]
+    assert np.array_equal(np.concatenate(parts), whole)
+    assert (whole == task.eos).sum() == len(train)  # one EOS after every document
+    x, y = next(task.train_batches(1, 4, seed=0))
+    assert x.shape == (8, 32) and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="exactly one of model, model_config, preset"):
+        HFTaskConfig(preset="tiny-llama", model_config={"model_type": "llama"})
+    with pytest.raises(ValueError, match="model_type"):
+        HFTaskConfig(model_config={"hidden_size": 64})
+    with pytest.raises(TaskError, match="rejected its kwargs"):
+        load_task("workers.hf_task:make_task", {"preset": "tiny-llama", "context_length": 64})
+
+
+def test_a_model_from_config_trains_and_exports_to_transformers_with_the_same_logits(task, corpus_cache, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = task.build_model()
+    assert 1e6 <= sum(p.numel() for p in model.parameters()) <= 5e6
+    assert type(model).__name__ == "LlamaForCausalLM"
+    batch = next(task.train_batches(0, 4, seed=0))
+    before = float(task.loss(model, batch).detach())
+    assert before == pytest.approx(np.log(2048), rel=0.1)  # an untrained model: uniform over the vocabulary
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(10):
+        opt.zero_grad()
+        task.loss(model, batch).backward()
+        opt.step()
+    assert float(task.loss(model, batch).detach()) < before
+
+    out = export_pretrained(task, model.state_dict(), tmp_path / "hf")
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    x = batch[0][:2]
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=x).logits, model(input_ids=x).logits, atol=1e-5)
+    generated = loaded.generate(x[:1, :8], max_new_tokens=5, do_sample=False)
+    assert generated.shape == (1, 13)
+
+
+def test_a_run_with_the_hf_task_exports_at_the_end_and_the_cli_exports_again(corpus_cache, tmp_path):
+    cfg = load_config(
+        None,
+        [
+            "task.factory=workers.hf_task:make_task",
+            "task.kwargs.preset=tiny-llama",
+            "task.kwargs.context=32",
+            "task.kwargs.batch_size=8",
+            "task.kwargs.eval_batches=2",
+            f"task.kwargs.cache_dir={corpus_cache}",
+            "warm_start.steps=0",
+            "islands.count=2",
+            "rounds=2",
+            "inner_steps=3",
+            f"out_dir={tmp_path / 'run'}",
+        ],
+    )
+    in_process_run(cfg)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["export"] == str(tmp_path / "run" / "export")
+    assert (tmp_path / "run" / "export" / "config.json").exists()
+    cli = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "export", str(tmp_path / "run"), str(tmp_path / "again")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 0, cli.stderr
+    a = (tmp_path / "run" / "export" / "model.safetensors").read_bytes()
+    assert a == (tmp_path / "again" / "model.safetensors").read_bytes()
+
+
+def test_export_of_a_task_without_save_pretrained_is_a_clear_error(tmp_path):
+    cfg = load_config(None, ["task.kwargs.d_model=16", "task.kwargs.n_layers=1", "task.kwargs.n_heads=2"])
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(dump_config(cfg))
+    task = load_task(cfg.task.factory, cfg.task.kwargs)
+    torch.save(task.build_model().state_dict(), tmp_path / "run" / "final.pt")
+    cli = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "export", str(tmp_path / "run"), str(tmp_path / "out")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 2 and "no save_pretrained" in cli.stderr
+
+
+def test_the_shipped_llama_config_validates_and_builds_a_model_of_about_100m_parameters():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.conftest import REPO
+
+    cfg = load_config(str(REPO / "k8s" / "hf-llama-config.yaml"), [])
+    kwargs = HFTaskConfig(**cfg.task.kwargs)
+    assert kwargs.source == "hf" and cfg.inner.precision.value == "bf16" and cfg.islands.gpus == 1
+    arch = dict(kwargs.architecture or {})
+    conf = AutoConfig.for_model(arch.pop("model_type"), vocab_size=50257, **arch)  # GPT-2's tokenizer
+    with torch.device("meta"):  # the shape only: no memory, no download
+        model = AutoModelForCausalLM.from_config(conf)
+    assert 100e6 <= sum(p.numel() for p in model.parameters()) <= 150e6

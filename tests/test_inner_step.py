@@ -1,0 +1,78 @@
+"""An island's inner step options: gradient accumulation over micro-batches, bf16
+autocast, torch.compile; and batches that do not split are clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from orchestrator.config_load import load_config
+from orchestrator.engine.pool import island_spec
+from tests.helpers import NO_WARM, in_process_run
+from workers.island import Island
+from workers.task import split_batch
+
+TINY_GPT = [
+    NO_WARM,
+    "task.kwargs.d_model=32",
+    "task.kwargs.n_layers=1",
+    "task.kwargs.n_heads=2",
+    "task.kwargs.context=32",
+    "task.kwargs.batch_size=8",
+    "task.kwargs.eval_batches=2",
+    "islands.count=2",
+    "inner.lr=0.01",
+    "inner.warmup_steps=2",
+]
+
+
+def _cfg(cache: str, *extra: str):
+    return load_config(None, [*TINY_GPT, f"task.kwargs.cache_dir={cache}", *extra])
+
+
+def _round(cfg) -> np.ndarray:
+    torch.manual_seed(cfg.seed)
+    island = Island(island_spec(cfg, 0))
+    return island.run(island.order(0, 4), island.flat.numpy()).delta()
+
+
+def test_micro_batches_give_the_whole_batchs_step(corpus_cache):
+    # SGD: the update is the gradient itself (Adam would magnify fp32 rounding of near-zero
+    # gradients into visible differences)
+    one = _round(_cfg(corpus_cache, "inner.optimizer=sgd"))
+    four = _round(_cfg(corpus_cache, "inner.optimizer=sgd", "inner.micro_batches=4"))
+    assert np.abs(one).max() > 1e-3  # it moved
+    np.testing.assert_allclose(four, one, rtol=0, atol=1e-7)
+
+
+def test_a_batch_that_does_not_split_is_a_clear_error(corpus_cache):
+    with pytest.raises(ValueError, match=r"multiple of islands\.workers"):
+        split_batch((torch.zeros(6, 3),), 0, 4, "islands.workers")
+    with pytest.raises(ValueError, match=r"multiple of inner\.micro_batches"):
+        _round(_cfg(corpus_cache, "inner.micro_batches=3"))
+
+
+def test_bf16_autocast_trains_within_2_percent_of_fp32(corpus_cache, tmp_path):
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        cfg = _cfg(
+            corpus_cache,
+            f"inner.precision={precision}",
+            "rounds=4",
+            "inner_steps=10",
+            f"out_dir={tmp_path / precision}",
+        )
+        engine, _, _ = in_process_run(cfg)
+        runs[precision] = engine.summary
+    fp32, bf16 = runs["fp32"]["final_eval_loss"], runs["bf16"]["final_eval_loss"]
+    assert fp32 < 0.8 * runs["fp32"]["initial_eval_loss"]  # it trained
+    assert abs(bf16 / fp32 - 1) < 0.02, (fp32, bf16)
+    assert bf16 != fp32  # autocast really ran in bf16
+
+
+def test_an_unknown_precision_names_the_field():
+    from orchestrator.config_load import ConfigError
+
+    with pytest.raises(ConfigError, match=r"inner\.precision"):
+        load_config(None, ["inner.precision=fp8"])

@@ -1,0 +1,218 @@
+"""A Hugging Face causal language model as an Archipelago task (`workers.hf_task:make_task`).
+
+Any `AutoModelForCausalLM`: loaded by name or local path (`model`), or built from a config
+and initialised from scratch (`model_config: {model_type: llama, hidden_size: ...}`, or
+`preset: tiny-llama`). The tokenizer is the model's, one named by `tokenizer`, or a
+byte-level BPE trained on the corpus and cached (the default: no download). Documents are
+tokenised, joined by EOS and packed into fixed-length windows through the same shard and
+position contract as the default task, so data is trained exactly once across membership
+changes. Needs the `[hf]` extra (`pip install -e '.[hf]'`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import ConfigDict, Field, model_validator
+
+from workers.task import Batch
+from workers.text_data import Documents, fixed_batches, stream_shard, stream_token_batches, window_batches
+from workers.text_source import TextCorpus, TextDataConfig
+from workers.tokenizer import trained_tokenizer
+
+log = logging.getLogger(__name__)
+
+# A Llama small enough to train on a laptop CPU in minutes (~1 M parameters with the
+# 2,048-token trained tokenizer; the embedding is tied to the output layer).
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-llama": {
+        "model_type": "llama",
+        "hidden_size": 128,
+        "intermediate_size": 352,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+    },
+}
+TOKENS_FORMAT = 1
+
+
+class HFTaskConfig(TextDataConfig):
+    """Keyword arguments of `workers.hf_task:make_task` (validated; unknown keys rejected)."""
+
+    model: str | None = Field(None, description="a model name on the Hub or a local path: train from its weights")
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), populate_by_name=True)
+    architecture: dict[str, Any] | None = Field(
+        None,
+        alias="model_config",
+        description="a transformers config with model_type (e.g. {model_type: llama, hidden_size: 512}): "
+        "a model initialised from scratch; vocab_size and max_position_embeddings default to the tokenizer's and context",
+    )
+    preset: Literal["tiny-llama"] | None = Field(None, description="a bundled model_config (tiny-llama: ~1 M params)")
+    tokenizer: str | None = Field(
+        None, description="tokenizer name or path (default: the model's, or a BPE trained on the corpus and cached)"
+    )
+    vocab_size: int = Field(2048, ge=259, description="size of the trained tokenizer (when one is trained)")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward (less memory)")
+
+    @model_validator(mode="after")
+    def _check_model(self) -> HFTaskConfig:
+        given = [
+            k for k, v in (("model", self.model), ("model_config", self.architecture), ("preset", self.preset)) if v
+        ]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of model, model_config, preset (got {given or 'none'})")
+        if self.architecture is not None and "model_type" not in self.architecture:
+            raise ValueError("model_config needs a model_type (e.g. llama, gpt2, qwen2)")
+        return self
+
+
+class HFCausalLMTask:
+    """Implements `workers.task.Task` (and `ExportableTask`) for a Hugging Face causal LM."""
+
+    def __init__(self, cfg: HFTaskConfig) -> None:
+        self.cfg = cfg
+        self.corpus = TextCorpus(cfg)
+        self._tokenizer: Any = None
+        self._documents: dict[str, Documents] = {}
+
+    # -- tokens ----------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            c = self.cfg
+            if c.tokenizer or c.model:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(c.tokenizer or c.model)
+            elif self.corpus.streamed:  # train on the stream's first documents
+                texts, size = [], 0
+                for text in self.corpus.stream("train"):
+                    texts.append(text)
+                    size += len(text)
+                    if size >= 8_000_000:
+                        break
+                self._tokenizer = trained_tokenizer(texts, c.vocab_size, c.cache)
+            else:
+                self._tokenizer = trained_tokenizer(self.corpus.texts("train"), c.vocab_size, c.cache)
+            if self._tokenizer.eos_token_id is None:
+                raise ValueError(f"tokenizer {c.tokenizer or c.model!r} has no EOS token to separate documents")
+        return self._tokenizer
+
+    @property
+    def eos(self) -> int:
+        return int(self.tokenizer.eos_token_id)
+
+    def _encode(self, texts: Sequence[str]) -> list[list[int]]:
+        return list(self.tokenizer(list(texts), add_special_tokens=False)["input_ids"])
+
+    def documents(self, part: Literal["train", "eval"]) -> Documents:
+        """A file-backed source's documents tokenised, cached in memory and on disk (keyed by
+        the tokenizer and the files), so islands load arrays instead of re-tokenising."""
+        if part not in self._documents:
+            train, evals = self.corpus.files()
+            key = hashlib.sha1(f"{TOKENS_FORMAT}:{self.tokenizer.backend_tokenizer.to_str()}".encode())
+            for f in train if part == "train" else evals:
+                key.update(f"{f}:{f.stat().st_size}".encode())
+            path = self.cfg.cache / f"tokens-{key.hexdigest()[:16]}" / f"{part}.npz"
+            if path.exists():
+                with np.load(path) as z:
+                    docs = Documents(z["tokens"], z["offsets"])
+            else:
+                docs = Documents.of(self._encode(self.corpus.texts(part)))
+                _save_documents(docs, path)
+            self._documents[part] = docs
+        return self._documents[part]
+
+    # -- data ------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Prepare the corpus, train the tokenizer and tokenise once, on the driver."""
+        self.corpus.prepare()
+        if not self.corpus.streamed:
+            self.documents("train")
+            self.documents("eval")
+
+    def _token_stream(
+        self, part: Literal["train", "eval"], shard: int = 0, num_shards: int = 1
+    ) -> Iterator[np.ndarray]:
+        texts = stream_shard(self.corpus.stream(part), shard, num_shards)
+        return (np.asarray([*self._encode([t])[0], self.eos], dtype=np.int64) for t in texts)
+
+    def train_batches(self, shard: int, num_shards: int, seed: int, start: int = 0) -> Iterator[Batch]:
+        c = self.cfg
+        if self.corpus.streamed:  # a stream cannot seek: skip what was already consumed
+            stream = stream_token_batches(self._token_stream("train", shard, num_shards), c.context, c.batch_size)
+            return itertools.islice(stream, start, None)
+        tokens = self.documents("train").island_tokens(shard, num_shards, c.split, self.eos)
+        return window_batches(tokens, c.context, c.batch_size, seed * 1_000_003 + shard, start)
+
+    def eval_batches(self) -> Sequence[Batch]:
+        c = self.cfg
+        if self.corpus.streamed:
+            stream = stream_token_batches(self._token_stream("eval"), c.context, c.batch_size)
+            return [next(stream) for _ in range(c.eval_batches)]
+        docs = self.documents("eval")
+        return fixed_batches(docs.packed(np.arange(len(docs)), self.eos), c.context, c.batch_size, c.eval_batches)
+
+    # -- model -----------------------------------------------------------------------------
+    def build_model(self) -> torch.nn.Module:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        c = self.cfg
+        if c.model:
+            model = AutoModelForCausalLM.from_pretrained(c.model, dtype=torch.float32)
+        else:
+            arch = dict(PRESETS[c.preset] if c.preset else c.architecture or {})
+            model_type = arch.pop("model_type")
+            arch.setdefault("vocab_size", len(self.tokenizer))
+            arch.setdefault("max_position_embeddings", c.context)
+            arch.setdefault("eos_token_id", self.eos)
+            arch.setdefault("bos_token_id", self.tokenizer.bos_token_id)
+            arch.setdefault("pad_token_id", self.tokenizer.pad_token_id)
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **arch), dtype=torch.float32)
+        if c.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+        return model
+
+    def loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        x, y = batch
+        logits = model(input_ids=x).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+    def batch_weight(self, batch: Batch) -> int:
+        return int(batch[1].numel())
+
+    # -- export ----------------------------------------------------------------------------
+    def save_pretrained(self, model: Any, out_dir: Path) -> None:
+        """The model (safetensors) and its tokenizer, loadable with `from_pretrained`."""
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # a bar per shard written is noise in run logs
+        model.save_pretrained(out_dir)
+        self.tokenizer.save_pretrained(out_dir)
+
+
+def _save_documents(docs: Documents, path: Path) -> None:
+    import os
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz")
+    with os.fdopen(fd, "wb") as f:
+        np.savez(f, tokens=docs.tokens, offsets=docs.offsets)
+    os.replace(tmp, path)
+
+
+def make_task(**kwargs: object) -> HFCausalLMTask:
+    """Factory named in config as `workers.hf_task:make_task`."""
+    return HFCausalLMTask(HFTaskConfig(**kwargs))

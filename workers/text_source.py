@@ -1,0 +1,108 @@
+"""Where a text task's documents come from: the embedded standard-library corpus, your
+Parquet files, or a streamed Hugging Face dataset. Shared by the byte-level GPT task and
+the Hugging Face task, which differ only in how they tokenise and what they train."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from glob import glob
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from workers.corpus import default_cache_dir, prepare_stdlib_corpus
+from workers.text_data import read_parquet_texts
+
+
+class TextDataConfig(BaseModel):
+    """The data keyword arguments of the text tasks (validated; unknown keys rejected)."""
+
+    model_config = ConfigDict(extra="forbid")
+    source: Literal["stdlib", "parquet", "hf"] = Field(
+        "stdlib",
+        description="stdlib: the Python standard library's source (no download; 1 file in 20 held out); "
+        "parquet: your files; hf: a streamed Hugging Face dataset",
+    )
+    split: Literal["iid", "non_iid"] = Field(
+        "iid", description="iid: documents shuffled; non_iid: path order, so each shard holds different packages"
+    )
+    context: int = Field(128, ge=8, le=32768, description="tokens per sequence")
+    batch_size: int = Field(16, ge=1, description="sequences per batch")
+    eval_batches: int = Field(8, ge=1, description="held-out batches averaged for the eval loss")
+    cache_dir: str | None = Field(None, description="where prepared shards go (default ~/.cache/archipelago)")
+    train_files: str | None = Field(None, description="glob of Parquet files (source: parquet)")
+    eval_files: str | None = Field(None, description="glob of held-out Parquet files (source: parquet)")
+    text_column: str = Field("text", description="column holding the documents (parquet, hf)")
+    hf_dataset: str = Field("allenai/c4", description="dataset name or local builder such as 'parquet' (source: hf)")
+    hf_config: str | None = Field("en", description="dataset config (source: hf)")
+    hf_data_files: str | None = Field(None, description="data_files for local builders such as 'parquet'")
+    hf_train_split: str = Field("train", description="training split (source: hf)")
+    hf_eval_split: str = Field("validation", description="held-out split (source: hf)")
+
+    @model_validator(mode="after")
+    def _check_source(self) -> TextDataConfig:
+        if self.source == "parquet" and not (self.train_files and self.eval_files):
+            raise ValueError("source 'parquet' needs train_files and eval_files globs")
+        if self.source == "hf" and self.split != "iid":
+            raise ValueError("source 'hf' streams documents and supports only split 'iid'")
+        return self
+
+    @property
+    def cache(self) -> Path:
+        return Path(self.cache_dir) if self.cache_dir else default_cache_dir()
+
+
+class TextCorpus:
+    """The documents of a `TextDataConfig`, read once per process: an island opens a stream
+    per shard it owns, and each used to walk the standard library and read it again."""
+
+    def __init__(self, cfg: TextDataConfig) -> None:
+        self.cfg = cfg
+        self._found: tuple[list[Path], list[Path]] | None = None
+        self._texts: dict[str, list[str]] = {}
+
+    @property
+    def streamed(self) -> bool:
+        return self.cfg.source == "hf"
+
+    def files(self) -> tuple[list[Path], list[Path]]:
+        """(train, eval) Parquet files, the stdlib corpus prepared on first use."""
+        if self._found is None:
+            self._found = self._find_files()
+        return self._found
+
+    def _find_files(self) -> tuple[list[Path], list[Path]]:
+        if self.cfg.source == "stdlib":
+            files = prepare_stdlib_corpus(self.cfg.cache)
+            return files.train, files.eval
+        train = sorted(Path(p) for p in glob(self.cfg.train_files or ""))
+        evals = sorted(Path(p) for p in glob(self.cfg.eval_files or ""))
+        if not train or not evals:
+            raise FileNotFoundError(f"no Parquet files match {self.cfg.train_files!r} / {self.cfg.eval_files!r}")
+        return train, evals
+
+    def texts(self, part: Literal["train", "eval"]) -> list[str]:
+        """All documents of a file-backed source's part, in path order."""
+        if part not in self._texts:
+            train, evals = self.files()
+            self._texts[part] = read_parquet_texts(train if part == "train" else evals, self.cfg.text_column)
+        return self._texts[part]
+
+    def stream(self, part: Literal["train", "eval"]) -> Iterator[str]:
+        """The documents of a streamed dataset's split, in order."""
+        from datasets import load_dataset
+
+        c = self.cfg
+        ds = load_dataset(
+            c.hf_dataset,
+            c.hf_config,
+            split=c.hf_train_split if part == "train" else c.hf_eval_split,
+            streaming=True,
+            data_files=c.hf_data_files,
+        )
+        return (row[c.text_column] for row in ds)
+
+    def prepare(self) -> None:
+        if not self.streamed:
+            self.files()
