@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import queue
 import socket
 import statistics
 import time
@@ -124,7 +125,13 @@ def _replicas(cfg: RunConfig, k: int, exchange: bool) -> tuple[float, float | No
     try:
         for p in procs:
             p.start()
-        results = [out.get(timeout=1800) for _ in procs]
+        results = []
+        while len(results) < len(procs):  # a replica that died fails the row now, not in half an hour
+            try:
+                results.append(out.get(timeout=5))
+            except queue.Empty:
+                if any(p.exitcode not in (0, None) for p in procs):
+                    break
         for p in procs:
             p.join(timeout=60)
     finally:
@@ -144,18 +151,20 @@ def torchft_diloco(
 ) -> dict[str, Any]:
     """The peer row: torchft's DiLoCo for each seed, and islands alone (seed 0)."""
     losses, walls = [], []
-    cfg = None
-    for s in seeds:
-        cfg = load_config(
+    configs = {
+        s: load_config(
             None, [*base, *overrides, f"seed={s}", f"warm_start.steps={warm_steps}", f"warm_start.path={warm[s]}"]
         )
+        for s in seeds
+    }
+    for s, cfg in configs.items():
         wall, loss = _replicas(cfg, k, exchange=True)
         assert loss is not None
         losses.append(loss)
         walls.append(wall)
         log.info("  %-26s final eval loss %.4f  %.0fs", f"torchft_diloco@s{s}", loss, wall)
-    assert cfg is not None
-    alone, _ = _replicas(cfg.model_copy(update={"seed": seeds[0]}), k, exchange=False)
+    cfg = configs[seeds[0]]
+    alone, _ = _replicas(cfg, k, exchange=False)  # seed 0's replicas, training alone
     numel = FlatParams(load_task(cfg.task.factory, cfg.task.kwargs).build_model()).numel
     rounds = cfg.rounds
     return {
