@@ -89,11 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _bench(args: argparse.Namespace) -> int:
     from orchestrator.bench.registry import available, run_bench
+    from orchestrator.bench.report import ScenarioUnavailable
 
     if args.scenario not in available():
         log.error("unknown scenario %r; available: %s", args.scenario, ", ".join(available()))
         return 2
-    result = run_bench(args.scenario, args.quick, Path(args.out), Path(args.docs) if args.docs else None)
+    try:
+        result = run_bench(args.scenario, args.quick, Path(args.out), Path(args.docs) if args.docs else None)
+    except ScenarioUnavailable as err:
+        log.error("%s", err)
+        return 2
     sys.stdout.write(f"{result.summary}\nresults: {Path(args.out) / args.scenario}.json, .png, .md\n")
     return 0
 

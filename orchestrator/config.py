@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from workers.compress import CODECS
+from workers.island import Sharding
 from workers.links import LinkConfig
 from workers.optim import InnerConfig
 
@@ -80,6 +81,11 @@ class IslandsConfig(_Strict):
 
     count: int = Field(4, ge=1, le=1024, description="islands at the start (the target count; elastic runs change it)")
     workers: int = Field(1, ge=1, le=64, description="data-parallel workers per island (one node, STRICT_PACK)")
+    sharding: Sharding = Field(
+        Sharding.ZERO1,
+        description="with workers > 1: zero1 (each worker holds the model, optimizer state sliced) or fsdp "
+        "(FSDP2: parameters, gradients and optimizer state sharded, for a model one accelerator cannot hold)",
+    )
     cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per island worker")
     gpus: float = Field(0.0, ge=0, description="Ray GPUs per island worker; CUDA is used when > 0 and available")
     threads: int | None = Field(None, ge=1, description="torch threads per island (default: cpus, at least 1)")

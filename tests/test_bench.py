@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from orchestrator.bench.quality import MODEL, h_row, methods
 from orchestrator.bench.registry import available
 from orchestrator.bench.report import BenchResult, Panel, write_docs_index, write_result
@@ -55,6 +57,15 @@ def test_unknown_scenario_is_a_clear_error(capsys):
     assert "quality" in available()
     assert main(["bench", "nope", "--out", "unused"]) == 2
     assert "unknown scenario" in capsys.readouterr().err
+
+
+def test_the_gpu_check_refuses_a_machine_without_cuda(capsys, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: `archipelago bench gpu` runs here")
+    assert main(["bench", "gpu", "--out", str(tmp_path)]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
 
 
 def test_hetero_methods_share_one_budget_and_time_to_reach():

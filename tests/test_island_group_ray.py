@@ -59,14 +59,24 @@ def _group_round(cfg, params, workers: int):
         remove_placement_group(group)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_two_workers_equal_one_worker_on_the_double_batch(ray_local, corpus_cache, optimizer):
-    cfg = _cfg(corpus_cache, "task.kwargs.batch_size=8", "islands.workers=2", f"inner.optimizer={optimizer}")
+@pytest.mark.parametrize(("sharding", "optimizer"), [("zero1", "adamw"), ("zero1", "sgd"), ("fsdp", "adamw")])
+def test_two_workers_equal_one_worker_on_the_double_batch(ray_local, corpus_cache, sharding, optimizer):
+    cfg = _cfg(
+        corpus_cache,
+        "task.kwargs.batch_size=8",
+        "islands.workers=2",
+        f"islands.sharding={sharding}",
+        f"inner.optimizer={optimizer}",
+    )
     one = Island(island_spec(cfg, 0))
     params = one.flat.numpy()
     expected = one.run(_order(cfg), params)
     info, got = _group_round(cfg, params, workers=2)
-    assert info["workers"] == 2 and info["optimizer_slice"] == [0, one.flat.numel // 2]  # half the state each
+    assert info["workers"] == 2 and info["sharding"] == sharding
+    if sharding == "zero1":
+        assert info["optimizer_slice"] == [0, one.flat.numel // 2]  # half the optimizer state each
+    else:
+        assert info["steps_per_s"] is None  # an FSDP2 island cannot be probed by rank 0 alone
     a, b = decode(got.payload), decode(expected.payload)
     assert got.weight == expected.weight and got.steps == expected.steps
     # float32: the two half-batch means are summed in another order; AdamW's 1/sqrt(v)
@@ -78,16 +88,17 @@ def test_two_workers_equal_one_worker_on_the_double_batch(ray_local, corpus_cach
     other = decode(half.run(_order(cfg), params).payload)
     assert np.abs(other - b).max() > 100 * max(1e-6, float(np.abs(a - b).max()))
     print(
-        f"{optimizer}: max |group - one worker, double batch| = {np.abs(a - b).max():.2e}, "
+        f"{sharding} {optimizer}: max |group - one worker, double batch| = {np.abs(a - b).max():.2e}, "
         f"vs one worker on half the batch {np.abs(other - b).max():.2e}"
     )
 
 
-@pytest.mark.parametrize("mode", ["diloco", "async"])
-def test_a_run_with_two_worker_islands_and_two_coordinator_shards(ray_local, tmp_path, corpus_cache, mode):
+@pytest.mark.parametrize(("mode", "sharding"), [("diloco", "zero1"), ("async", "zero1"), ("diloco", "fsdp")])
+def test_a_run_with_two_worker_islands_and_two_coordinator_shards(ray_local, tmp_path, corpus_cache, mode, sharding):
     cfg = _cfg(
         corpus_cache,
         f"mode={mode}",
+        f"islands.sharding={sharding}",
         "islands.count=2",
         "islands.workers=2",
         "islands.cpus=1",

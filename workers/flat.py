@@ -9,10 +9,33 @@ array (zero-copy to read) rather than as pickled tensors.
 from __future__ import annotations
 
 import warnings
+from typing import Protocol
 
 import numpy as np
 import torch
 from torch import nn
+
+
+class ParamStore(Protocol):
+    """What an island needs of its parameters, whether one flat buffer (`FlatParams`) or
+    shards across the island's workers (`workers.fsdp.ShardedParams`)."""
+
+    numel: int
+
+    def load(self, values: np.ndarray | torch.Tensor) -> None: ...
+    def full(self) -> torch.Tensor: ...
+    def full_grad(self) -> torch.Tensor: ...
+    def zero_grad(self) -> None: ...
+    def clip_grad(self, max_norm: float) -> None: ...
+    def numpy(self) -> np.ndarray: ...
+
+
+def as_tensor(values: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """A tensor over `values` without a copy (object-store arrays are read-only; we only
+    read them, so torch's warning about it is silenced)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.as_tensor(values)
 
 
 class FlatParams:
@@ -41,13 +64,27 @@ class FlatParams:
 
     def load(self, values: np.ndarray | torch.Tensor) -> None:
         """Overwrite all parameters from a flat array of the same length."""
-        with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
-            warnings.simplefilter("ignore", UserWarning)
-            src = torch.as_tensor(values)
+        src = as_tensor(values)
         if src.shape != (self.numel,):
             raise ValueError(f"flat parameters have shape {tuple(src.shape)}, expected ({self.numel},)")
         with torch.no_grad():
             self.data.copy_(src)
+
+    def full(self) -> torch.Tensor:
+        """The whole flat parameter vector (here the live buffer itself)."""
+        return self.data
+
+    def full_grad(self) -> torch.Tensor:
+        return self.grad
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+
+    def clip_grad(self, max_norm: float) -> None:
+        """Scale the gradient to norm `max_norm` if it is longer (one pass over one buffer)."""
+        norm = float(self.grad.norm())
+        if norm > max_norm:
+            self.grad.mul_(max_norm / norm)
 
     def numpy(self) -> np.ndarray:
         """A host copy of the parameters (a copy: the result must not alias live weights)."""

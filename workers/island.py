@@ -11,16 +11,24 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, cast
 
 import numpy as np
 import torch
 
 from workers.compress import Payload, encode
-from workers.flat import FlatParams, slice_bounds
+from workers.flat import FlatParams, ParamStore, as_tensor, slice_bounds
 from workers.messages import RoundResult, WorkKind, WorkOrder
 from workers.optim import InnerConfig, Precision, build_inner
 from workers.task import load_task, split_batch, to_device
+
+
+class Sharding(str, Enum):
+    """How an island of several workers splits its state (`islands.sharding`)."""
+
+    ZERO1 = "zero1"  # every worker holds the model; the optimizer state is sliced
+    FSDP = "fsdp"  # parameters, gradients and optimizer state are sharded (FSDP2)
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,7 @@ class IslandSpec:
     start_step: int = 0  # a joining island's place in the run's inner schedule
     rewarmup_steps: int = 0
     coordinator_shards: int = 1  # S > 1: the pseudo-gradient leaves as S slices, one per shard
+    sharding: Sharding = Sharding.ZERO1
 
 
 class Island:
@@ -53,11 +62,12 @@ class Island:
         self.task = load_task(spec.task_factory, spec.task_kwargs)
         torch.manual_seed(spec.seed)
         self.model = self.task.build_model().to(self.device)
-        self.flat = FlatParams(self.model)
+        flat = FlatParams(self.model)
+        self.flat: ParamStore = flat
         # compiled for the forward passes only: the parameters stay the flat buffer's views
         self.forward_model = cast(torch.nn.Module, torch.compile(self.model)) if spec.inner.compile else self.model
         self.bf16 = spec.inner.precision == Precision.BF16
-        self.start = torch.empty_like(self.flat.data)
+        self.start = torch.empty_like(flat.data)
         self.optimizer, self.scheduler = build_inner(
             spec.inner, self.model.parameters(), spec.total_inner_steps, spec.start_step, spec.rewarmup_steps
         )
@@ -107,7 +117,7 @@ class Island:
             "steps_per_s": self.probe(),
         }
 
-    def probe(self, steps: int = 2) -> float:
+    def probe(self, steps: int = 2) -> float | None:
         """Inner steps per second, measured once on an eval batch before any work (this
         worker's forward and backward, no update, no collective; a simulated slowdown
         counted), so the coordinator can size a new island's first H to its speed. It is a
@@ -118,7 +128,7 @@ class Island:
             t0 = time.perf_counter()
             for _ in range(steps):
                 self._local_pass(batch)
-            self.flat.grad.zero_()
+            self.flat.zero_grad()
             self.probed_steps_per_s = steps / ((time.perf_counter() - t0) * self.spec.slowdown)
         return self.probed_steps_per_s
 
@@ -135,7 +145,7 @@ class Island:
         parts whose gradients accumulate (each weighted by its share of the batch's tokens,
         so the gradient is the whole batch's), under bf16 autocast if asked: loss and weight."""
         batch = to_device(batch, self.device)
-        self.flat.grad.zero_()
+        self.flat.zero_grad()
         parts = self.spec.inner.micro_batches
         weight = self.task.batch_weight(batch)
         total = 0.0
@@ -149,11 +159,8 @@ class Island:
         return total, weight
 
     def _clip(self) -> None:
-        clip = self.spec.inner.grad_clip
-        if clip is not None:
-            norm = float(self.flat.grad.norm())
-            if norm > clip:
-                self.flat.grad.mul_(clip / norm)
+        if self.spec.inner.grad_clip is not None:
+            self.flat.clip_grad(self.spec.inner.grad_clip)
 
     def _step(self) -> None:
         self.optimizer.step()
@@ -184,13 +191,14 @@ class Island:
         if order.schedule_step is not None:
             self._seek_schedule(order.schedule_step)
         t0 = time.perf_counter()
-        self.flat.load(params)
+        src = as_tensor(params)
+        self.flat.load(src)
         self.model.train()
         shard_tokens = {s: 0 for s in order.shards}
         positions = dict(order.shards)  # advanced per batch actually read: what the ledger checks
         losses, weight = 0.0, 0
         if order.kind == WorkKind.TRAIN:
-            self.start.copy_(self.flat.data)
+            self.start.copy_(src)
             t_step = time.perf_counter()  # a step's time includes reading its batch
             for shard, batch in self._batches(order):
                 loss, w = self._forward_backward(batch)
@@ -204,13 +212,13 @@ class Island:
                 if self.spec.slowdown > 1 and self.spec.sleeps:
                     time.sleep((self.spec.slowdown - 1) * (time.perf_counter() - t_step))
                 t_step = time.perf_counter()
-            payload = self._encode(self.start - self.flat.data)
+            payload = self._encode(self.start - self.flat.full())
         else:
             ((shard, batch),) = self._batches(order)
             losses, weight = self._forward_backward(batch)
             shard_tokens[shard] += weight
             positions[shard] += 1
-            payload = self._encode(self.flat.grad.clone())
+            payload = self._encode(self.flat.full_grad().clone())
         return RoundResult(
             self.spec.index,
             order.version,

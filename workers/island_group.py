@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import socket
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import ray
 import torch
 import torch.distributed as dist
 
-from workers.flat import slice_bounds
-from workers.island import Island, IslandSpec
+from workers.flat import FlatParams, slice_bounds
+from workers.fsdp import ShardedParams, shard_model
+from workers.island import Island, IslandSpec, Sharding
 from workers.island_actor import RayIsland, whole_params
 from workers.messages import RoundResult, WorkOrder
 from workers.optim import build_inner
@@ -71,14 +72,29 @@ class GroupIsland(RayIsland):
             backend, init_method=address, rank=rank, world_size=world, timeout=timedelta(seconds=300)
         )
         self.rank, self.world = rank, world
-        self.bounds = slice_bounds(self.flat.numel, world, 1)[rank]
-        lo, hi = self.bounds
-        owned = torch.nn.Parameter(self.flat.data[lo:hi])  # a view: stepping it steps the model
-        owned.grad = self.flat.grad[lo:hi]
         spec = self.spec
+        if self.sharded:
+            layout = ShardedParams.layout(self.model)
+            shard_model(self.model, self.device.type, world)
+            self.flat = ShardedParams(self.model, layout, rank, world)
+            self.start = torch.empty(self.flat.numel)  # host memory: the device holds shards only
+            self.forward_model = cast(torch.nn.Module, torch.compile(self.model)) if spec.inner.compile else self.model
+            params: Any = self.model.parameters()
+        else:
+            assert isinstance(self.flat, FlatParams)
+            self.bounds = slice_bounds(self.flat.numel, world, 1)[rank]
+            lo, hi = self.bounds
+            owned = torch.nn.Parameter(self.flat.data[lo:hi])  # a view: stepping it steps the model
+            owned.grad = self.flat.grad[lo:hi]
+            params = [owned]
         self.optimizer, self.scheduler = build_inner(
-            spec.inner, [owned], spec.total_inner_steps, spec.start_step, spec.rewarmup_steps
+            spec.inner, params, spec.total_inner_steps, spec.start_step, spec.rewarmup_steps
         )
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 over the group (a group of one has nothing to shard)."""
+        return self.spec.sharding == Sharding.FSDP and self.world > 1
 
     # -- one data-parallel inner step -----------------------------------------------------
     def _forward_backward(self, batch: Batch) -> tuple[float, int]:
@@ -86,18 +102,26 @@ class GroupIsland(RayIsland):
             return super()._forward_backward(batch)
         weight = self.task.batch_weight(batch)  # the island's whole batch
         loss, _ = self._local_pass(self._worker_share(batch))
-        dist.all_reduce(self.flat.grad)
-        self.flat.grad.div_(self.world)
-        mean_loss = torch.tensor([loss], device=self.flat.grad.device)
+        if not self.sharded:  # FSDP2's backward reduce-scatters the mean gradient itself
+            assert isinstance(self.flat, FlatParams)
+            dist.all_reduce(self.flat.grad)
+            self.flat.grad.div_(self.world)
+        mean_loss = torch.tensor([loss], device=self.device)
         dist.all_reduce(mean_loss)
         return float(mean_loss) / self.world, weight
 
     def _worker_share(self, batch: Batch) -> Batch:
         return split_batch(batch, self.rank, self.world, "islands.workers") if self.world > 1 else batch
 
+    def probe(self, steps: int = 2) -> float | None:
+        """None for an FSDP2 island: its forward pass needs every worker, and only rank 0
+        is asked (its first round measures the speed)."""
+        return None if self.sharded else super().probe(steps)
+
     def _step(self) -> None:
-        self.optimizer.step()  # this worker's slice only
-        if self.world > 1:
+        self.optimizer.step()  # this worker's slice (ZeRO-1) or shards (FSDP2) only
+        if self.world > 1 and not self.sharded:
+            assert isinstance(self.flat, FlatParams)
             for r, (lo, hi) in enumerate(slice_bounds(self.flat.numel, self.world, 1)):
                 dist.broadcast(self.flat.data[lo:hi], src=r)
 
@@ -119,4 +143,5 @@ class GroupIsland(RayIsland):
         if self.group_error:
             raise RuntimeError(self.group_error)
         lo, hi = self.bounds
-        return {**super().describe(), "workers": self.world, "optimizer_slice": [lo, hi]}
+        described = {**super().describe(), "workers": self.world, "sharding": self.spec.sharding.value}
+        return described if self.sharded else {**described, "optimizer_slice": [lo, hi]}

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.report import BenchResult, md_table
+from orchestrator.bench.report import BenchResult, ScenarioUnavailable, md_table
 from orchestrator.bench.runner import Table, one_ray, run_methods
 from orchestrator.config_load import load_config
 from workers.flat import FlatParams
@@ -64,7 +64,9 @@ def gpu(quick: bool, work: Path) -> BenchResult:
     import torch
 
     if not torch.cuda.is_available():
-        raise RuntimeError("bench gpu needs a CUDA device and none is visible (torch.cuda.is_available() is False)")
+        raise ScenarioUnavailable(
+            "bench gpu needs a CUDA device and none is visible (torch.cuda.is_available() is False)"
+        )
     gpus = torch.cuda.device_count()
     rounds, steps = (2, 20) if quick else (4, 50)
     shape = [f"rounds={rounds}", f"inner_steps={steps}"]

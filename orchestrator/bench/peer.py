@@ -125,7 +125,7 @@ def _replicas(cfg: RunConfig, k: int, exchange: bool) -> tuple[float, float | No
     try:
         for p in procs:
             p.start()
-        results = []
+        results: list[tuple[int, float, float | None]] = []
         while len(results) < len(procs):  # a replica that died fails the row now, not in half an hour
             try:
                 results.append(out.get(timeout=5))

@@ -29,6 +29,11 @@ class Panel:
     y_label: str = "eval loss"
 
 
+class ScenarioUnavailable(RuntimeError):
+    """This machine cannot run the scenario (no CUDA for `gpu`): a clear refusal, not a
+    figure measured on the wrong hardware."""
+
+
 @dataclass
 class BenchResult:
     scenario: str

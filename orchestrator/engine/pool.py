@@ -77,6 +77,7 @@ def island_spec(cfg: RunConfig, index: int, start_step: int = 0) -> IslandSpec:
         start_step=start_step,
         rewarmup_steps=cfg.elastic.join_rewarmup_steps if start_step else 0,
         coordinator_shards=cfg.coordinator.shards,
+        sharding=cfg.islands.sharding,
     )
 
 
