@@ -153,3 +153,17 @@ def test_the_shipped_llama_config_validates_and_builds_a_model_of_about_100m_par
     with torch.device("meta"):  # the shape only: no memory, no download
         model = AutoModelForCausalLM.from_config(conf)
     assert 100e6 <= sum(p.numel() for p in model.parameters()) <= 150e6
+
+
+def test_activation_checkpointing_gives_the_same_gradient(corpus_cache):
+    grads = []
+    for checkpointing in (False, True):
+        t = make_task(**TINY, cache_dir=corpus_cache, activation_checkpointing=checkpointing)
+        torch.manual_seed(0)
+        model = t.build_model().train()
+        newer = hasattr(type(model), "is_activation_checkpointing")  # transformers' newer name
+        assert (model.is_activation_checkpointing if newer else model.is_gradient_checkpointing) == checkpointing
+        t.loss(model, next(t.train_batches(0, 4, seed=0))).backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-6)

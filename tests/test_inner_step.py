@@ -76,3 +76,10 @@ def test_an_unknown_precision_names_the_field():
 
     with pytest.raises(ConfigError, match=r"inner\.precision"):
         load_config(None, ["inner.precision=fp8"])
+
+
+def test_a_compiled_model_takes_the_eager_step(corpus_cache):
+    eager = _round(_cfg(corpus_cache, "inner.optimizer=sgd"))
+    compiled = _round(_cfg(corpus_cache, "inner.optimizer=sgd", "inner.compile=true"))
+    assert np.abs(eager).max() > 1e-3
+    np.testing.assert_allclose(compiled, eager, rtol=0, atol=1e-7)

@@ -62,7 +62,7 @@ class HFTaskConfig(TextDataConfig):
         None, description="tokenizer name or path (default: the model's, or a BPE trained on the corpus and cached)"
     )
     vocab_size: int = Field(2048, ge=259, description="size of the trained tokenizer (when one is trained)")
-    gradient_checkpointing: bool = Field(False, description="recompute activations in backward (less memory)")
+    activation_checkpointing: bool = Field(False, description="recompute activations in backward (less memory)")
 
     @model_validator(mode="after")
     def _check_model(self) -> HFTaskConfig:
@@ -179,8 +179,9 @@ class HFCausalLMTask:
             arch.setdefault("bos_token_id", self.tokenizer.bos_token_id)
             arch.setdefault("pad_token_id", self.tokenizer.pad_token_id)
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **arch), dtype=torch.float32)
-        if c.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+        if c.activation_checkpointing:  # transformers' newer name first, the older one before it existed
+            enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
+            enable()
         model.config.use_cache = False
         return model
 
