@@ -68,6 +68,18 @@ def test_the_gpu_check_refuses_a_machine_without_cuda(capsys, tmp_path):
     assert "needs a CUDA device" in capsys.readouterr().err
 
 
+def test_every_gpu_check_row_is_a_valid_config():
+    from orchestrator.bench.gpu import methods
+    from workers.task import load_task
+
+    base, table = methods(quick=False, gpus=2)
+    assert set(table) == {"gpt_4x0.25gpu", "llama_4x0.25gpu", "llama_1x2workers"}
+    for _, overrides in table.values():
+        cfg = load_config(None, [*base, *overrides])
+        assert cfg.inner.precision.value == "bf16"
+        load_task(cfg.task.factory, cfg.task.kwargs)  # the task validates its kwargs (nothing downloads)
+
+
 def test_hetero_methods_share_one_budget_and_time_to_reach():
     from orchestrator.bench.hetero import methods as hetero_methods
     from orchestrator.bench.hetero import time_to_reach

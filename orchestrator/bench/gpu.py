@@ -60,6 +60,22 @@ def _params(overrides: list[str]) -> int:
     return FlatParams(task.build_model()).numel
 
 
+def methods(quick: bool, gpus: int) -> tuple[list[str], Table]:
+    """The base overrides and the rows: fractional-GPU islands of each task, and an island
+    of two workers (FSDP2) where there are two GPUs."""
+    rounds, steps = (2, 20) if quick else (4, 50)
+    table: Table = {
+        "gpt_4x0.25gpu": ("default GPT, 4 islands on 1 GPU", [*GPT, "islands.count=4", "islands.gpus=0.25"]),
+        "llama_4x0.25gpu": ("HF Llama, 4 islands on 1 GPU", [*LLAMA, "islands.count=4", "islands.gpus=0.25"]),
+    }
+    if gpus >= 2:
+        table["llama_1x2workers"] = (
+            "HF Llama, 1 island of 2 FSDP2 workers (2 GPUs)",
+            [*LLAMA, "islands.count=1", "islands.workers=2", "islands.gpus=1", "islands.sharding=fsdp"],
+        )
+    return [*COMMON, f"rounds={rounds}", f"inner_steps={steps}"], table
+
+
 def gpu(quick: bool, work: Path) -> BenchResult:
     import torch
 
@@ -68,20 +84,10 @@ def gpu(quick: bool, work: Path) -> BenchResult:
             "bench gpu needs a CUDA device and none is visible (torch.cuda.is_available() is False)"
         )
     gpus = torch.cuda.device_count()
-    rounds, steps = (2, 20) if quick else (4, 50)
-    shape = [f"rounds={rounds}", f"inner_steps={steps}"]
-    table: Table = {
-        "gpt_4x0.25gpu": ("default GPT, 4 islands on 1 GPU", [*GPT, "islands.count=4", "islands.gpus=0.25"]),
-        "llama_4x0.25gpu": ("HF Llama, 4 islands on 1 GPU", [*LLAMA, "islands.count=4", "islands.gpus=0.25"]),
-    }
-    if gpus >= 2:
-        table["llama_1x2workers"] = (
-            "HF Llama, 1 island of 2 workers (2 GPUs)",
-            [*LLAMA, "islands.count=1", "islands.workers=2", "islands.gpus=1"],
-        )
+    base, table = methods(quick, gpus)
     peak = peak_bf16_flops()
     with one_ray(8):
-        summaries = run_methods([*COMMON, *shape], table, work)
+        summaries = run_methods(base, table, work)
     rows: dict[str, dict[str, Any]] = {}
     for name, (description, overrides) in table.items():
         s = summaries[name]
