@@ -194,10 +194,10 @@ class CompressionConfig(_Strict):
 
     codec: str = Field(
         "none",
-        description=f"one of {sorted(CODECS)}: fp32, bf16 (2x fewer bytes) or int8 with one fp32 scale per "
-        "chunk (about 4x); decoded and accumulated in fp32",
+        description=f"one of {sorted(CODECS)}: fp32, bf16 (2x fewer bytes), int8 or int4 with one fp32 scale per "
+        "chunk (about 4x, 8x); decoded and accumulated in fp32",
     )
-    chunk: int = Field(4096, ge=16, description="values per int8 scale (also the alignment of coordinator slices)")
+    chunk: int = Field(4096, ge=16, description="values per int8/int4 scale (also the alignment of coordinator slices)")
 
     @model_validator(mode="after")
     def _check(self) -> CompressionConfig:

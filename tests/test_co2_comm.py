@@ -48,7 +48,9 @@ def test_vector_c2_adaptive_penalty():
     assert gap == pytest.approx(0.7716019, abs=TOL)
 
 
-@pytest.mark.parametrize("codec, ratio, rel_err", [("none", 1.0, 0.0), ("bf16", 2.0, 4e-3), ("int8", 4.0, 1.2e-2)])
+@pytest.mark.parametrize(
+    "codec, ratio, rel_err", [("none", 1.0, 0.0), ("bf16", 2.0, 4e-3), ("int8", 4.0, 1.2e-2), ("int4", 8.0, 0.2)]
+)
 def test_codecs_shrink_bytes_and_bound_the_error(codec, ratio, rel_err):
     x = np.random.default_rng(0).normal(size=100_003).astype(np.float32)
     payload = encode(x, codec, chunk=4096)
@@ -56,14 +58,19 @@ def test_codecs_shrink_bytes_and_bound_the_error(codec, ratio, rel_err):
     assert back.dtype == np.float32 and back.shape == x.shape
     assert x.nbytes / payload_nbytes(payload) == pytest.approx(ratio, rel=0.01)
     assert np.linalg.norm(back - x) / np.linalg.norm(x) <= rel_err
-    if codec == "int8":  # per-chunk bound: |error| <= scale/2 = max|chunk|/254
+    levels = {"int8": 127, "int4": 7}.get(codec)
+    if levels:  # per-chunk bound: |error| <= scale/2 = max|chunk| / (2 levels)
         chunk_max = np.abs(np.pad(x, (0, (-x.size) % 4096)).reshape(-1, 4096)).max(1).repeat(4096)[: x.size]
-        assert np.all(np.abs(back - x) <= chunk_max / 254 + 1e-7)
+        assert np.all(np.abs(back - x) <= chunk_max / (2 * levels) * (1 + 1e-6) + 1e-7)
 
 
-def test_int8_handles_zero_chunks():
-    back = decode(encode(np.zeros(10, np.float32), "int8", chunk=4))
-    assert np.all(back == 0)
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_integer_codecs_handle_zero_chunks_and_odd_lengths(codec):
+    assert np.all(decode(encode(np.zeros(10, np.float32), codec, chunk=4)) == 0)
+    x = np.array([0.7, -0.7, 0.1, 0.0, -0.35], np.float32)  # odd length: int4 pads one nibble
+    back = decode(encode(x, codec, chunk=16))
+    assert back.shape == (5,) and back[0] == pytest.approx(0.7) and back[1] == pytest.approx(-0.7)
+    assert np.abs(back - x).max() <= 0.7 / (2 * (127 if codec == "int8" else 7)) + 1e-7
 
 
 def test_link_times():
@@ -92,3 +99,31 @@ def test_one_round_lag_applies_each_round_one_round_late():
     step.anchor(2, keep_from=1)
     np.testing.assert_allclose(step.param.detach().numpy(), [-0.2, -0.2])
     assert set(step.anchors) == {1, 2}  # round 3 starts from v1, round 4 from v2
+
+
+def test_int4_pseudo_gradients_train_a_gpt_on_an_eighth_of_the_bytes(corpus_cache, tmp_path):
+    from orchestrator.config_load import load_config
+    from tests.helpers import TINY_LM, in_process_run
+
+    runs = {}
+    for codec in ("none", "int4"):
+        cfg = load_config(
+            None,
+            [
+                *TINY_LM,
+                f"task.kwargs.cache_dir={corpus_cache}",
+                "islands.count=2",
+                "rounds=4",
+                "inner_steps=10",
+                f"compression.codec={codec}",
+                f"out_dir={tmp_path / codec}",
+            ],
+        )
+        runs[codec] = in_process_run(cfg)[0].summary
+    fp32, int4 = runs["none"], runs["int4"]
+    assert fp32["bytes_sent"] / int4["bytes_sent"] == pytest.approx(8.0, rel=0.02)
+    assert int4["final_eval_loss"] < 0.8 * int4["initial_eval_loss"]  # it trained
+    assert abs(int4["final_eval_loss"] / fp32["final_eval_loss"] - 1) < 0.02, (
+        fp32["final_eval_loss"],
+        int4["final_eval_loss"],
+    )

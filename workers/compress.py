@@ -1,5 +1,6 @@
 """Pseudo-gradient codecs: what an island puts on the wire, and how the coordinator gets
-fp32 back. `none` (as is: fp32), `bf16` (2×), `int8` with one fp32 scale per chunk (≈ 4×).
+fp32 back. `none` (as is: fp32), `bf16` (2×), `int8` with one fp32 scale per chunk (≈ 4×),
+`int4` with one fp32 scale per chunk, two values per byte (≈ 8×).
 
 A payload is a small dict of numpy arrays, so it crosses Ray's object store zero-copy;
 `nbytes` is what the link carries. New codecs register in `CODECS`.
@@ -37,26 +38,53 @@ def _bf16_decode(p: Payload) -> np.ndarray:
     return torch.from_numpy(np.array(p["bf16"])).view(torch.bfloat16).float().numpy()
 
 
-def _int8_encode(x: np.ndarray, chunk: int) -> Payload:
+def _quantise(x: np.ndarray, chunk: int, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric round-to-nearest onto integers in [-levels, levels], one fp32 scale per
+    chunk (the chunk's largest magnitude maps to `levels`): (integers, scales)."""
     n = x.size
     pad = (-n) % chunk
     padded = (
         np.concatenate([x.astype(np.float32, copy=False), np.zeros(pad, np.float32)]) if pad else x.astype(np.float32)
     )
     blocks = padded.reshape(-1, chunk)
-    scale = np.abs(blocks).max(axis=1) / 127.0
+    scale = np.abs(blocks).max(axis=1) / levels
     scale[scale == 0] = 1.0
     q = np.rint(blocks / scale[:, None]).astype(np.int8)
-    return {"int8": q.reshape(-1)[:n], "scale": scale.astype(np.float32), "chunk": np.array([chunk], np.int32)}
+    return q.reshape(-1)[:n], scale.astype(np.float32)
+
+
+def _dequantise(q: np.ndarray, scale: np.ndarray, chunk: int) -> np.ndarray:
+    n = q.size
+    out = np.zeros(scale.size * chunk, dtype=np.float32)
+    out[:n] = q
+    return (out.reshape(-1, chunk) * scale[:, None]).reshape(-1)[:n]
+
+
+def _int8_encode(x: np.ndarray, chunk: int) -> Payload:
+    q, scale = _quantise(x, chunk, 127)
+    return {"int8": q, "scale": scale, "chunk": np.array([chunk], np.int32)}
 
 
 def _int8_decode(p: Payload) -> np.ndarray:
-    q, scale, chunk = p["int8"], p["scale"], int(p["chunk"][0])
-    n = q.size
-    out = np.empty(scale.size * chunk, dtype=np.float32)
-    out[:n] = q
-    out[n:] = 0
-    return (out.reshape(-1, chunk) * scale[:, None]).reshape(-1)[:n]
+    return _dequantise(p["int8"], p["scale"], int(p["chunk"][0]))
+
+
+def _int4_encode(x: np.ndarray, chunk: int) -> Payload:
+    """Integers in [-7, 7] stored offset by 8 as nibbles, two per byte (low nibble first)."""
+    q, scale = _quantise(x, chunk, 7)
+    u = (q + 8).astype(np.uint8)
+    if u.size % 2:
+        u = np.append(u, np.uint8(8))  # a zero in the unused last nibble
+    packed = u[0::2] | (u[1::2] << 4)
+    return {"int4": packed, "n": np.array([x.size], np.int64), "scale": scale, "chunk": np.array([chunk], np.int32)}
+
+
+def _int4_decode(p: Payload) -> np.ndarray:
+    packed, n = p["int4"], int(p["n"][0])
+    q = np.empty(packed.size * 2, dtype=np.int8)
+    q[0::2] = (packed & 0x0F).astype(np.int8) - 8
+    q[1::2] = (packed >> 4).astype(np.int8) - 8
+    return _dequantise(q[:n], p["scale"], int(p["chunk"][0]))
 
 
 @dataclass(frozen=True)
@@ -69,6 +97,7 @@ CODECS: dict[str, Codec] = {
     "none": Codec(_none_encode, _none_decode),
     "bf16": Codec(_bf16_encode, _bf16_decode),
     "int8": Codec(_int8_encode, _int8_decode),
+    "int4": Codec(_int4_encode, _int4_decode),
 }
 
 
@@ -78,7 +107,7 @@ def encode(x: np.ndarray, codec: str = "none", chunk: int = 4096) -> Payload:
 
 def decode(payload: Payload) -> np.ndarray:
     """fp32 values of any payload (the codec is recognised by its keys)."""
-    for name, key in (("none", "raw"), ("bf16", "bf16"), ("int8", "int8")):
+    for name, key in (("none", "raw"), ("bf16", "bf16"), ("int8", "int8"), ("int4", "int4")):
         if key in payload:
             return CODECS[name].decode(payload)
     raise ValueError(f"unknown payload with keys {sorted(payload)}")

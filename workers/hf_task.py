@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import logging
+import os
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -27,8 +28,6 @@ from workers.task import Batch
 from workers.text_data import Documents, fixed_batches, stream_shard, stream_token_batches, window_batches
 from workers.text_source import TextCorpus, TextDataConfig
 from workers.tokenizer import trained_tokenizer
-
-log = logging.getLogger(__name__)
 
 # A Llama small enough to train on a laptop CPU in minutes (~1 M parameters with the
 # 2,048-token trained tokenizer; the embedding is tied to the output layer).
@@ -49,8 +48,10 @@ TOKENS_FORMAT = 1
 class HFTaskConfig(TextDataConfig):
     """Keyword arguments of `workers.hf_task:make_task` (validated; unknown keys rejected)."""
 
-    model: str | None = Field(None, description="a model name on the Hub or a local path: train from its weights")
+    # `model` and the `model_config` alias are the names transformers users know; pydantic
+    # reserves `model_config` for this class setting, so the field is `architecture`.
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), populate_by_name=True)
+    model: str | None = Field(None, description="a model name on the Hub or a local path: train from its weights")
     architecture: dict[str, Any] | None = Field(
         None,
         alias="model_config",
@@ -204,9 +205,7 @@ class HFCausalLMTask:
 
 
 def _save_documents(docs: Documents, path: Path) -> None:
-    import os
-    import tempfile
-
+    """Written by rename, so an island never reads a half-written cache."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz")
     with os.fdopen(fd, "wb") as f:
