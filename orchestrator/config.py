@@ -198,6 +198,11 @@ class CompressionConfig(_Strict):
         "chunk (about 4x, 8x); decoded and accumulated in fp32",
     )
     chunk: int = Field(4096, ge=16, description="values per int8/int4 scale (also the alignment of coordinator slices)")
+    error_feedback: bool = Field(
+        False,
+        description="islands keep what a lossy codec rounded away and add it to their next pseudo-gradient, so "
+        "the rounding does not accumulate over rounds",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> CompressionConfig:

@@ -101,12 +101,12 @@ def test_one_round_lag_applies_each_round_one_round_late():
     assert set(step.anchors) == {1, 2}  # round 3 starts from v1, round 4 from v2
 
 
-def test_int4_pseudo_gradients_train_a_gpt_on_an_eighth_of_the_bytes(corpus_cache, tmp_path):
+def test_int4_pseudo_gradients_with_and_without_error_feedback_train_on_an_eighth_of_the_bytes(corpus_cache, tmp_path):
     from orchestrator.config_load import load_config
     from tests.helpers import TINY_LM, in_process_run
 
     runs = {}
-    for codec in ("none", "int4"):
+    for name, codec, feedback in (("none", "none", False), ("int4", "int4", False), ("int4_ef", "int4", True)):
         cfg = load_config(
             None,
             [
@@ -116,14 +116,38 @@ def test_int4_pseudo_gradients_train_a_gpt_on_an_eighth_of_the_bytes(corpus_cach
                 "rounds=4",
                 "inner_steps=10",
                 f"compression.codec={codec}",
-                f"out_dir={tmp_path / codec}",
+                f"compression.error_feedback={feedback}",
+                f"out_dir={tmp_path / name}",
             ],
         )
-        runs[codec] = in_process_run(cfg)[0].summary
-    fp32, int4 = runs["none"], runs["int4"]
-    assert fp32["bytes_sent"] / int4["bytes_sent"] == pytest.approx(8.0, rel=0.02)
-    assert int4["final_eval_loss"] < 0.8 * int4["initial_eval_loss"]  # it trained
-    assert abs(int4["final_eval_loss"] / fp32["final_eval_loss"] - 1) < 0.02, (
-        fp32["final_eval_loss"],
-        int4["final_eval_loss"],
-    )
+        runs[name] = in_process_run(cfg)[0].summary
+    fp32 = runs["none"]
+    for name in ("int4", "int4_ef"):
+        run = runs[name]
+        assert fp32["bytes_sent"] / run["bytes_sent"] == pytest.approx(8.0, rel=0.02)
+        assert run["final_eval_loss"] < 0.8 * run["initial_eval_loss"]  # it trained
+        assert abs(run["final_eval_loss"] / fp32["final_eval_loss"] - 1) < 0.02, (
+            name,
+            fp32["final_eval_loss"],
+            run["final_eval_loss"],
+        )
+    print({k: round(v["final_eval_loss"], 4) for k, v in runs.items()})
+
+
+def test_error_feedback_keeps_the_sum_of_what_was_sent_within_one_step():
+    from workers.compress import ErrorFeedback
+
+    rng = np.random.default_rng(0)
+    deltas = [rng.normal(size=4096).astype(np.float32) * 0.01 + 0.002 for _ in range(50)]  # a consistent drift
+    feedback = ErrorFeedback()
+    plain_sum, fed_sum = np.zeros(4096, np.float32), np.zeros(4096, np.float32)
+    for d in deltas:
+        plain_sum += decode(encode(d, "int4", chunk=512))
+        values = feedback.compensate(d)
+        sent = decode(encode(values, "int4", chunk=512))
+        feedback.sent(values, sent)
+        fed_sum += sent
+    truth = np.sum(deltas, axis=0)
+    fed_err, plain_err = np.abs(fed_sum - truth).max(), np.abs(plain_sum - truth).max()
+    assert fed_err <= np.abs(feedback.residual).max() + 1e-5  # exactly the last residual
+    assert fed_err < plain_err / 4, (fed_err, plain_err)

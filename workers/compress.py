@@ -101,6 +101,23 @@ CODECS: dict[str, Codec] = {
 }
 
 
+class ErrorFeedback:
+    """What the codec rounded away last time, added to the next vector before it is encoded
+    (error feedback, as in 1-bit SGD and EF-SGD): over rounds the coordinator receives the
+    sum of the island's pseudo-gradients to within one quantisation step, instead of an
+    error that grows with every round."""
+
+    def __init__(self) -> None:
+        self.residual: np.ndarray | None = None
+
+    def compensate(self, values: np.ndarray) -> np.ndarray:
+        return values if self.residual is None else values + self.residual
+
+    def sent(self, values: np.ndarray, decoded: np.ndarray) -> None:
+        """`values` (compensated) were encoded and decode to `decoded`."""
+        self.residual = values - decoded
+
+
 def encode(x: np.ndarray, codec: str = "none", chunk: int = 4096) -> Payload:
     return CODECS[codec].encode(x, chunk)
 

@@ -17,7 +17,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from workers.compress import Payload, encode
+from workers.compress import ErrorFeedback, Payload, decode, encode
 from workers.flat import FlatParams, ParamStore, as_tensor, slice_bounds
 from workers.messages import RoundResult, WorkKind, WorkOrder
 from workers.optim import InnerConfig, Precision, build_inner
@@ -51,6 +51,7 @@ class IslandSpec:
     rewarmup_steps: int = 0
     coordinator_shards: int = 1  # S > 1: the pseudo-gradient leaves as S slices, one per shard
     sharding: Sharding = Sharding.ZERO1
+    error_feedback: bool = False  # keep what the codec rounds away for the next pseudo-gradient
 
 
 class Island:
@@ -75,6 +76,8 @@ class Island:
         self.streams: dict[int, tuple[int, Any]] = {}  # shard -> (position, iterator at that position)
         self.turn = 0  # round-robin offset when used without a coordinator
         self.probed_steps_per_s: float | None = None
+        lossy = spec.codec != "none"
+        self.feedback = ErrorFeedback() if spec.error_feedback and lossy else None
 
     def _batches(self, order: WorkOrder) -> Iterator[tuple[int, Any]]:
         """The order's batches: step j reads shard `sorted(shards)[(turn + j) % n]`, each
@@ -174,12 +177,18 @@ class Island:
     def _encode(self, x: torch.Tensor) -> Payload | list[Payload]:
         """The codec's payload; with S coordinator shards, S payloads of aligned slices."""
         values = x.cpu().numpy()
+        if self.feedback is not None:
+            values = self.feedback.compensate(values)
         if self.spec.coordinator_shards == 1:
-            return encode(values, self.spec.codec, self.spec.chunk)
-        return [
-            encode(values[lo:hi], self.spec.codec, self.spec.chunk)
-            for lo, hi in slice_bounds(values.size, self.spec.coordinator_shards, self.spec.chunk)
-        ]
+            payloads = [encode(values, self.spec.codec, self.spec.chunk)]
+        else:
+            payloads = [
+                encode(values[lo:hi], self.spec.codec, self.spec.chunk)
+                for lo, hi in slice_bounds(values.size, self.spec.coordinator_shards, self.spec.chunk)
+            ]
+        if self.feedback is not None:
+            self.feedback.sent(values, np.concatenate([decode(p) for p in payloads]))
+        return payloads[0] if self.spec.coordinator_shards == 1 else payloads
 
     def run(self, order: WorkOrder, params: np.ndarray) -> RoundResult:
         """Do one work order from the global `params`. `TRAIN` is DiLoCo's inner phase:

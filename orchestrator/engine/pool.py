@@ -78,6 +78,7 @@ def island_spec(cfg: RunConfig, index: int, start_step: int = 0) -> IslandSpec:
         rewarmup_steps=cfg.elastic.join_rewarmup_steps if start_step else 0,
         coordinator_shards=cfg.coordinator.shards,
         sharding=cfg.islands.sharding,
+        error_feedback=cfg.compression.error_feedback,
     )
 
 
