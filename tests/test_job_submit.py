@@ -153,10 +153,13 @@ def test_submitted_run_succeeds_with_progress_and_a_live_control_plane(cluster, 
     env, address = cluster
     out, port = tmp_path / "out", free_port()
     _submit(
-        env, address, "archipelago-ok", out, corpus_cache, "rounds=4", "inner_steps=10", api_port=port, runtime_env=True
+        env, address, "archipelago-ok", out, corpus_cache, "rounds=4", "inner_steps=25", api_port=port, runtime_env=True
     )
+    # poll the control plane often and the job (a `ray job status` process, about a second)
+    # rarely: a short run's training phase must not slip between two slow job checks
     seen = None
     deadline = time.time() + 240
+    next_job_check = time.time() + 5
     while time.time() < deadline and seen is None:
         try:
             status = httpx.get(f"http://127.0.0.1:{port}/v1/run", timeout=2).json()
@@ -164,9 +167,11 @@ def test_submitted_run_succeeds_with_progress_and_a_live_control_plane(cluster, 
                 seen = status
         except httpx.HTTPError:
             pass
-        if _status(env, address, "archipelago-ok") in ("SUCCEEDED", "FAILED", "STOPPED"):
-            break
-        time.sleep(0.5)
+        if time.time() >= next_job_check:
+            if _status(env, address, "archipelago-ok") in ("SUCCEEDED", "FAILED", "STOPPED"):
+                break
+            next_job_check = time.time() + 5
+        time.sleep(0.2)
     assert _wait_status(env, address, "archipelago-ok", {"SUCCEEDED", "FAILED", "STOPPED"}) == "SUCCEEDED", _job(
         env, address, "logs", "archipelago-ok"
     ).stdout[-3000:]
