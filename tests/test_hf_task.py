@@ -91,6 +91,12 @@ def test_a_model_from_config_trains_and_exports_to_transformers_with_the_same_lo
     assert generated.shape == (1, 13)
 
 
+def _export_cli(run_dir, out_dir) -> subprocess.CompletedProcess:
+    """`archipelago export RUN_DIR OUT_DIR` in a fresh process."""
+    cmd = [sys.executable, "-m", "orchestrator.cli", "export", str(run_dir), str(out_dir)]
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+
+
 def test_a_run_with_the_hf_task_exports_at_the_end_and_the_cli_exports_again(corpus_cache, tmp_path):
     cfg = load_config(
         None,
@@ -112,13 +118,7 @@ def test_a_run_with_the_hf_task_exports_at_the_end_and_the_cli_exports_again(cor
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["export"] == str(tmp_path / "run" / "export")
     assert (tmp_path / "run" / "export" / "config.json").exists()
-    cli = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "export", str(tmp_path / "run"), str(tmp_path / "again")],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    cli = _export_cli(tmp_path / "run", tmp_path / "again")
     assert cli.returncode == 0, cli.stderr
     a = (tmp_path / "run" / "export" / "model.safetensors").read_bytes()
     assert a == (tmp_path / "again" / "model.safetensors").read_bytes()
@@ -130,13 +130,7 @@ def test_export_of_a_task_without_save_pretrained_is_a_clear_error(tmp_path):
     (tmp_path / "run" / "config.yaml").write_text(dump_config(cfg))
     task = load_task(cfg.task.factory, cfg.task.kwargs)
     torch.save(task.build_model().state_dict(), tmp_path / "run" / "final.pt")
-    cli = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "export", str(tmp_path / "run"), str(tmp_path / "out")],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    cli = _export_cli(tmp_path / "run", tmp_path / "out")
     assert cli.returncode == 2 and "no save_pretrained" in cli.stderr
 
 

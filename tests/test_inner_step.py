@@ -9,22 +9,12 @@ import torch
 
 from orchestrator.config_load import load_config
 from orchestrator.engine.pool import island_spec
-from tests.helpers import NO_WARM, in_process_run
+from tests.helpers import TINY_LM, in_process_run
 from workers.island import Island
 from workers.task import split_batch
 
-TINY_GPT = [
-    NO_WARM,
-    "task.kwargs.d_model=32",
-    "task.kwargs.n_layers=1",
-    "task.kwargs.n_heads=2",
-    "task.kwargs.context=32",
-    "task.kwargs.batch_size=8",
-    "task.kwargs.eval_batches=2",
-    "islands.count=2",
-    "inner.lr=0.01",
-    "inner.warmup_steps=2",
-]
+# the shared tiny GPT (later overrides win), on 2 islands with fewer eval batches and a shorter warmup
+TINY_GPT = [*TINY_LM, "task.kwargs.eval_batches=2", "islands.count=2", "inner.warmup_steps=2"]
 
 
 def _cfg(cache: str, *extra: str):
