@@ -86,7 +86,15 @@ def _job(env, address, *args, timeout=120) -> subprocess.CompletedProcess:
 
 
 def _submit(
-    env, address, job_id, out: Path, corpus_cache: str, *overrides: str, api_port: int = 0, runtime_env: bool = False
+    env,
+    address,
+    job_id,
+    out: Path,
+    corpus_cache: str,
+    *overrides: str,
+    api_port: int = 0,
+    api_token: str | None = None,
+    runtime_env: bool = False,
 ) -> None:
     """Submit a tiny 2-island run (one fake GPU each). With `runtime_env` the code and its
     dependencies go through `k8s/runtime-env.yaml` and the entry point is the module (as on
@@ -103,6 +111,8 @@ def _submit(
     ]
     ship = ["--runtime-env=k8s/runtime-env.yaml"] if runtime_env else [f"--working-dir={REPO}"]
     entry = ["python", "-m", "orchestrator.cli"] if runtime_env else ["archipelago"]
+    if api_token:  # the driver's environment: what a Secret mounted into the head pod gives
+        entry = ["env", f"ARCHIPELAGO_API_TOKEN={api_token}", *entry]
     cmd = [
         "submit",
         f"--submission-id={job_id}",
@@ -150,32 +160,55 @@ def _records(path: Path) -> list[dict]:
 
 
 def test_submitted_run_succeeds_with_progress_and_a_live_control_plane(cluster, tmp_path, corpus_cache):
+    """The control plane answers while the job runs and steers it: the test pauses the run
+    as soon as the API is up (so a short run cannot slip past a poll), reads the paused
+    run's status and islands, then resumes it to the end."""
     env, address = cluster
-    out, port = tmp_path / "out", free_port()
+    out, port, token = tmp_path / "out", free_port(), secrets.token_hex(16)
     _submit(
-        env, address, "archipelago-ok", out, corpus_cache, "rounds=4", "inner_steps=25", api_port=port, runtime_env=True
+        env,
+        address,
+        "archipelago-ok",
+        out,
+        corpus_cache,
+        "rounds=4",
+        "inner_steps=25",
+        api_port=port,
+        api_token=token,
+        runtime_env=True,
     )
-    # poll the control plane often and the job (a `ray job status` process, about a second)
-    # rarely: a short run's training phase must not slip between two slow job checks
-    seen = None
-    deadline = time.time() + 240
-    next_job_check = time.time() + 5
-    while time.time() < deadline and seen is None:
-        try:
-            status = httpx.get(f"http://127.0.0.1:{port}/v1/run", timeout=2).json()
-            if status.get("state") == "training":
-                seen = status
-        except httpx.HTTPError:
-            pass
-        if time.time() >= next_job_check:
-            if _status(env, address, "archipelago-ok") in ("SUCCEEDED", "FAILED", "STOPPED"):
-                break
-            next_job_check = time.time() + 5
-        time.sleep(0.2)
+    api = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"}, timeout=5)
+
+    def wait_for(predicate, what: str, timeout: float = 240) -> dict:
+        deadline, next_job_check = time.time() + timeout, time.time() + 5
+        while time.time() < deadline:
+            try:
+                status = api.get("/v1/run").json()
+                if predicate(status):
+                    return status
+            except (httpx.HTTPError, ValueError):
+                pass  # not serving yet
+            if time.time() >= next_job_check:  # a `ray job status` process takes about a second
+                state = _status(env, address, "archipelago-ok")
+                assert state in ("PENDING", "RUNNING"), (
+                    what,
+                    state,
+                    _job(env, address, "logs", "archipelago-ok").stdout[-3000:],
+                )
+                next_job_check = time.time() + 5
+            time.sleep(0.2)
+        raise AssertionError(f"no {what} within {timeout} s")
+
+    wait_for(lambda s: "state" in s, "control plane")
+    assert api.post("/v1/run/pause").status_code == 202
+    paused = wait_for(lambda s: s["state"] == "paused", "paused run")
+    assert paused["rounds"] == 4 and paused["islands_alive"] == 2, paused
+    islands = api.get("/v1/islands").json()
+    assert len(islands) == 2, islands
+    assert api.post("/v1/run/resume").status_code == 202
     assert _wait_status(env, address, "archipelago-ok", {"SUCCEEDED", "FAILED", "STOPPED"}) == "SUCCEEDED", _job(
         env, address, "logs", "archipelago-ok"
     ).stdout[-3000:]
-    assert seen is not None and seen["rounds"] == 4 and seen["islands_alive"] == 2, seen
     logs = _job(env, address, "logs", "archipelago-ok").stdout
     assert "round 4/4" in logs and "eval loss" in logs and "control plane: http://" in logs
     summary = json.loads((out / "summary.json").read_text())
