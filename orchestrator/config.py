@@ -26,6 +26,7 @@ class Mode(str, Enum):
     DDP = "ddp"  # barrier per batch: the data-parallel baseline
     ASYNC = "async"  # per-arrival: every pseudo-gradient applied when it lands (Delayed Nesterov)
     OVERLAP = "overlap"  # one-round lag: CO2, the exchange of round t hidden behind round t+1
+    STREAMING = "streaming"  # Streaming DiLoCo: P fragments synchronised on a staggered schedule
 
 
 class WarmStartMode(str, Enum):
@@ -189,13 +190,41 @@ class OverlapConfig(_Strict):
     penalty_lambda: float = Field(1.0, ge=0, description="adaptive penalty strength")
 
 
+class StreamingConfig(_Strict):
+    """`mode: streaming` (Streaming DiLoCo, Douillard et al. 2025): the model is cut into P
+    fragments by layer; a round of H inner steps is P segments of H/P, and the segment
+    that ends at step t sends fragment (t / (H/P) - 1) mod P, so each fragment is
+    synchronised every H steps and the link carries 1/P of the model at a time. Each
+    fragment has its own outer optimizer state."""
+
+    fragments: int = Field(4, ge=1, le=64, description="P: fragments (inner_steps must be a multiple of it)")
+    overlap: bool = Field(
+        True,
+        description="tau = H/P: an island trains the next segment while its fragment is exchanged and merges the "
+        "new global fragment one segment later (False: tau = 0, it waits for the outer step)",
+    )
+    alpha: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="merge of a received fragment: local <- alpha x local + (1 - alpha) x global (0: replace, "
+        "as DiLoCo does; the paper uses 0.5 with overlap)",
+    )
+
+
 class CompressionConfig(_Strict):
-    """Codec of what islands send (pseudo-gradients; gradients in ddp)."""
+    """Codecs of what islands send (pseudo-gradients; gradients in ddp) and receive."""
 
     codec: str = Field(
         "none",
         description=f"one of {sorted(CODECS)}: fp32, bf16 (2x fewer bytes), int8 or int4 with one fp32 scale per "
         "chunk (about 4x, 8x); decoded and accumulated in fp32",
+    )
+    downlink: str = Field(
+        "none",
+        description="codec of what islands receive: none sends the new parameters (a fragment of them in mode "
+        "streaming); a lossy codec sends the change of the copy islands hold, and the coordinator applies the "
+        "same decoded change to its published copy, so islands and coordinator never drift",
     )
     chunk: int = Field(4096, ge=16, description="values per int8/int4 scale (also the alignment of coordinator slices)")
     error_feedback: bool = Field(
@@ -206,8 +235,9 @@ class CompressionConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> CompressionConfig:
-        if self.codec not in CODECS:
-            raise ValueError(f"unknown codec {self.codec!r}; choose one of {sorted(CODECS)}")
+        for name in ("codec", "downlink"):
+            if getattr(self, name) not in CODECS:
+                raise ValueError(f"{name}: unknown codec {getattr(self, name)!r}; choose one of {sorted(CODECS)}")
         return self
 
 
@@ -300,12 +330,13 @@ class RunConfig(_Strict):
     """One training run. `mode: diloco` is synchronous DiLoCo; `mode: ddp` is the
     data-parallel baseline (gradients averaged every step, one AdamW using `inner`);
     `mode: async` is asynchronous Local-SGD (settings in `asynchronous`); `mode: overlap`
-    is CO2, communication hidden behind the next round's computation (settings in `overlap`)."""
+    is CO2, communication hidden behind the next round's computation (settings in `overlap`);
+    `mode: streaming` is Streaming DiLoCo (settings in `streaming`)."""
 
     mode: Mode = Field(
         Mode.DILOCO,
         description="diloco (synchronous DiLoCo), ddp (data-parallel baseline: k islands = k x batch), "
-        "async (asynchronous Local-SGD) or overlap (CO2)",
+        "async (asynchronous Local-SGD), overlap (CO2) or streaming (Streaming DiLoCo)",
     )
     rounds: int = Field(8, ge=1, description="outer rounds (ddp: rounds x inner_steps optimizer steps)")
     inner_steps: int = Field(
@@ -341,6 +372,7 @@ class RunConfig(_Strict):
     outer: OuterConfig = Field(default_factory=OuterConfig)
     asynchronous: AsyncConfig = Field(default_factory=AsyncConfig)
     overlap: OverlapConfig = Field(default_factory=OverlapConfig)
+    streaming: StreamingConfig = Field(default_factory=StreamingConfig)
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
     link: LinkConfig = Field(default_factory=LinkConfig)
     robust: RobustConfig = Field(default_factory=RobustConfig)
@@ -384,10 +416,37 @@ class RunConfig(_Strict):
                 "coordinator.shards > 1 needs a DiLoCo-family mode (diloco, async, overlap); "
                 "the ddp baseline steps on one coordinator"
             )
+        if self.tracks_copy:
+            self._check_tracked_copy()
         a = self.asynchronous
         if a.c > 1.0 / (a.delay or self.islands.count):
             raise ValueError(f"asynchronous.c must be at most 1/N = {1 / (a.delay or self.islands.count):g}")
         return self
+
+    def _check_tracked_copy(self) -> None:
+        what = "mode streaming" if self.mode == Mode.STREAMING else "compression.downlink"
+        if self.mode == Mode.DDP:
+            raise ValueError(
+                "compression.downlink needs a DiLoCo-family mode: the ddp baseline receives exact parameters"
+            )
+        if self.coordinator.shards > 1:
+            raise ValueError(f"{what} needs coordinator.shards = 1 (the published copy lives on the coordinator)")
+        if self.islands.workers > 1 and self.islands.sharding == Sharding.FSDP:
+            raise ValueError(f"{what} needs islands.sharding = zero1 (an FSDP island holds no whole copy)")
+        p = self.streaming.fragments
+        if self.mode == Mode.STREAMING:
+            if self.inner_steps % p:
+                raise ValueError(f"inner_steps = {self.inner_steps} must be a multiple of streaming.fragments = {p}")
+            if self.streaming.overlap and p < 2:
+                raise ValueError(
+                    "streaming.overlap needs streaming.fragments >= 2 (a fragment's merge must land "
+                    "before its next exchange)"
+                )
+
+    @property
+    def tracks_copy(self) -> bool:
+        """Islands hold a copy of the published parameters that changes keep up to date."""
+        return self.mode == Mode.STREAMING or self.compression.downlink != "none"
 
     @property
     def checkpoint_dir(self) -> str:

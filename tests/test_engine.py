@@ -54,6 +54,8 @@ def _cfg(tmp_path: Path, mode: str, *extra: str) -> RunConfig:
             "checkpoint.every_rounds=1",
             "elastic.placement_timeout_s=100",
             f"out_dir={tmp_path / key}",
+            # streaming: two fragments, over a point with one layer per coordinate
+            *(["task.kwargs.split=true", "streaming.fragments=2"] if mode == "streaming" else []),
             *extra,
         ],
     )
@@ -92,7 +94,7 @@ def _run(
     return engine.summary
 
 
-MODES = ["diloco", "ddp", "async", "overlap"]
+MODES = ["diloco", "ddp", "async", "overlap", "streaming"]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -123,7 +125,7 @@ def test_a_crashed_island_is_replaced_and_its_round_retrained(tmp_path, mode):
     assert summary["rounds_done"] == 6 and np.isfinite(summary["final_eval_loss"])
 
 
-@pytest.mark.parametrize("mode", ["diloco", "overlap", "async"])
+@pytest.mark.parametrize("mode", ["diloco", "overlap", "async", "streaming"])
 def test_a_late_island_is_left_behind_then_trains_again(tmp_path, mode):
     cfg = _cfg(tmp_path, mode)
     summary = _run(cfg, [Fault(FaultKind.LATE, 2, order=2, seconds=21.0)])
@@ -141,7 +143,7 @@ def test_a_hung_island_never_stalls_the_run(tmp_path):
     assert summary["islands"]["0"]["rounds_contributed"] == 0
 
 
-@pytest.mark.parametrize("mode", ["diloco", "async", "overlap"])
+@pytest.mark.parametrize("mode", ["diloco", "async", "overlap", "streaming"])
 def test_a_hung_island_is_released_after_the_grace_and_replaced(tmp_path, mode):
     """Before: a hung island stayed `late` to the end of the run, holding its resources."""
     cfg = _cfg(tmp_path, mode, "rounds=8", "elastic.late_grace_s=10")
@@ -219,7 +221,7 @@ def test_an_island_whose_code_raises_is_released_and_replaced(tmp_path):
     assert summary["islands"]["0"]["state"] == "dead" and "raised" in summary["islands"]["0"]["error"]
 
 
-@pytest.mark.parametrize("mode", ["diloco", "async", "overlap"])
+@pytest.mark.parametrize("mode", ["diloco", "async", "overlap", "streaming"])
 def test_join_and_drain_mid_run(tmp_path, mode):
     cfg = _cfg(tmp_path, mode)
     summary = _run(cfg, at={2: lambda e: e.add_islands(1), 4: lambda e: e.members.drain(0)})
@@ -230,7 +232,7 @@ def test_join_and_drain_mid_run(tmp_path, mode):
     assert "drain" in kinds and "released" in kinds
 
 
-@pytest.mark.parametrize("mode", ["diloco", "async", "overlap"])
+@pytest.mark.parametrize("mode", ["diloco", "async", "overlap", "streaming"])
 def test_an_island_without_a_free_shard_never_holds_a_round_open(tmp_path, mode):
     """More islands than data shards: one island gets no shard to train. It must sit the
     round out, not be waited for (overlap's close waits for islands about to start a round:
@@ -297,7 +299,7 @@ def test_drain_abandon_gives_its_batches_to_the_next_owner(tmp_path):
     assert summary["islands"]["1"]["state"] == "drained"
 
 
-@pytest.mark.parametrize("mode", ["diloco", "overlap", "async"])
+@pytest.mark.parametrize("mode", ["diloco", "overlap", "async", "streaming"])
 def test_a_coordinator_restart_resumes_from_its_checkpoint(tmp_path, mode):
     cfg = _cfg(tmp_path, mode)
     first, pool = in_process_engine(cfg, run_id="restart")

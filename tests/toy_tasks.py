@@ -23,6 +23,25 @@ class Point(nn.Module):
         self.x = nn.Parameter(torch.zeros(dim, dtype=dtype))
 
 
+class _Coordinate(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.value = nn.Parameter(torch.zeros(1, dtype=dtype))
+
+
+class SplitPoint(nn.Module):
+    """`Point` with one module per coordinate in a `ModuleList` (the same flat layout), so
+    streaming's fragments have layers to stride over."""
+
+    def __init__(self, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.coordinates = nn.ModuleList(_Coordinate(dtype) for _ in range(dim))
+
+    @property
+    def x(self) -> torch.Tensor:
+        return torch.cat([c.value for c in self.coordinates])
+
+
 def _is_faulty_process(fault_dir: str | None, kind: str) -> bool:
     if fault_dir is None:
         return True
@@ -50,6 +69,7 @@ class QuadraticTask:
         batch_s: float = 0.0,
         nan_island: int | None = None,
         fault_dir: str | None = None,
+        split: bool = False,
     ) -> None:
         self.dtype = getattr(torch, dtype)
         self.centers = torch.tensor(centers, dtype=self.dtype)
@@ -58,12 +78,13 @@ class QuadraticTask:
         self.batch_s = batch_s  # every batch costs this long, like real compute (for speed tests)
         self.nan_island = nan_island  # this island's data is NaN: its pseudo-gradients are NaN
         self.fault_dir = fault_dir
+        self.split = split  # a model of one layer per coordinate (`SplitPoint`)
 
     def prepare(self) -> None:
         pass
 
     def build_model(self) -> nn.Module:
-        return Point(self.centers.shape[1], self.dtype)
+        return (SplitPoint if self.split else Point)(self.centers.shape[1], self.dtype)
 
     def train_batches(
         self, shard: int, num_shards: int, seed: int, start: int = 0

@@ -19,8 +19,10 @@ import torch
 
 from workers.compress import ErrorFeedback, Payload, decode, encode
 from workers.flat import FlatParams, ParamStore, as_tensor, slice_bounds
+from workers.fragments import FragmentedTask, fragment_model
 from workers.messages import RoundResult, WorkKind, WorkOrder
 from workers.optim import InnerConfig, Precision, build_inner
+from workers.sync import ChangeOutOfOrder, apply_change
 from workers.task import load_task, split_batch, to_device
 
 
@@ -52,6 +54,9 @@ class IslandSpec:
     coordinator_shards: int = 1  # S > 1: the pseudo-gradient leaves as S slices, one per shard
     sharding: Sharding = Sharding.ZERO1
     error_feedback: bool = False  # keep what the codec rounds away for the next pseudo-gradient
+    tracks_copy: bool = False  # hold the published parameters and follow their changes (`workers/sync.py`)
+    fragments: int = 0  # streaming: P fragments; the island trains on and merges fragment by fragment
+    merge_alpha: float = 0.0  # streaming: local <- alpha x local + (1 - alpha) x received global fragment
 
 
 class Island:
@@ -76,8 +81,11 @@ class Island:
         self.streams: dict[int, tuple[int, Any]] = {}  # shard -> (position, iterator at that position)
         self.turn = 0  # round-robin offset when used without a coordinator
         self.probed_steps_per_s: float | None = None
-        lossy = spec.codec != "none"
-        self.feedback = ErrorFeedback() if spec.error_feedback and lossy else None
+        self.feedback: dict[int | None, ErrorFeedback] = {}  # per fragment: each has its own residual
+        groups = self.task.layer_groups(self.model) if isinstance(self.task, FragmentedTask) else None
+        self.fragments = fragment_model(self.model, spec.fragments, groups) if spec.fragments else None
+        self.copy: torch.Tensor | None = None  # the published parameters as this island holds them
+        self.held: int | None = None  # their version
 
     def _batches(self, order: WorkOrder) -> Iterator[tuple[int, Any]]:
         """The order's batches: step j reads shard `sorted(shards)[(turn + j) % n]`, each
@@ -174,11 +182,13 @@ class Island:
         for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
             group["lr"] = base * fn(step)
 
-    def _encode(self, x: torch.Tensor) -> Payload | list[Payload]:
+    def _encode(self, x: torch.Tensor, fragment: int | None = None) -> Payload | list[Payload]:
         """The codec's payload; with S coordinator shards, S payloads of aligned slices."""
         values = x.cpu().numpy()
-        if self.feedback is not None:
-            values = self.feedback.compensate(values)
+        feedback = None
+        if self.spec.error_feedback and self.spec.codec != "none":
+            feedback = self.feedback.setdefault(fragment, ErrorFeedback())
+            values = feedback.compensate(values)
         if self.spec.coordinator_shards == 1:
             payloads = [encode(values, self.spec.codec, self.spec.chunk)]
         else:
@@ -186,8 +196,8 @@ class Island:
                 encode(values[lo:hi], self.spec.codec, self.spec.chunk)
                 for lo, hi in slice_bounds(values.size, self.spec.coordinator_shards, self.spec.chunk)
             ]
-        if self.feedback is not None:
-            self.feedback.sent(values, np.concatenate([decode(p) for p in payloads]))
+        if feedback is not None:
+            feedback.sent(values, np.concatenate([decode(p) for p in payloads]))
         return payloads[0] if self.spec.coordinator_shards == 1 else payloads
 
     def run(self, order: WorkOrder, params: np.ndarray) -> RoundResult:
@@ -200,14 +210,16 @@ class Island:
         if order.schedule_step is not None:
             self._seek_schedule(order.schedule_step)
         t0 = time.perf_counter()
-        src = as_tensor(params)
-        self.flat.load(src)
+        src = self._sync(order, params)
+        if src is not None:
+            self.flat.load(src)
         self.model.train()
         shard_tokens = {s: 0 for s in order.shards}
         positions = dict(order.shards)  # advanced per batch actually read: what the ledger checks
         losses, weight = 0.0, 0
         if order.kind == WorkKind.TRAIN:
-            self.start.copy_(src)
+            if src is not None:
+                self.start.copy_(src)
             t_step = time.perf_counter()  # a step's time includes reading its batch
             for shard, batch in self._batches(order):
                 loss, w = self._forward_backward(batch)
@@ -221,7 +233,7 @@ class Island:
                 if self.spec.slowdown > 1 and self.spec.sleeps:
                     time.sleep((self.spec.slowdown - 1) * (time.perf_counter() - t_step))
                 t_step = time.perf_counter()
-            payload = self._encode(self.start - self.flat.full())
+            payload = self._encode(self._delta(order.fragment), order.fragment)
         else:
             ((shard, batch),) = self._batches(order)
             losses, weight = self._forward_backward(batch)
@@ -240,4 +252,46 @@ class Island:
             positions,
             shard_tokens,
             order.ticket,
+            fragment=order.fragment,
         )
+
+    def _sync(self, order: WorkOrder, params: Any) -> torch.Tensor | None:
+        """Bring this island's copy of the global parameters to `order.version`: the full
+        copy (`params`), or the changes since the version it holds. Returns what to start
+        from, or None for a streaming island that continues from its local parameters
+        (a received fragment is merged into them instead)."""
+        if not self.spec.tracks_copy:
+            return as_tensor(params)
+        full = self.copy is None or params is not None
+        if params is not None:  # joining, after a coordinator restart, or too far behind for changes
+            self.copy = as_tensor(params).to(self.device, self.flat.full().dtype).clone()
+            self.held = order.version
+        else:
+            copy = self.copy
+            assert copy is not None  # `full` otherwise
+            for change in order.changes:
+                if self.held is None or change.version != self.held + 1:
+                    raise ChangeOutOfOrder(f"change to version {change.version} given to a copy of {self.held}")
+                positions = self.fragments.positions(change.fragment) if self.fragments else slice(None)
+                apply_change(copy, change, positions)
+                self.held = change.version
+                if self.fragments is not None:
+                    self._merge(positions)
+        if self.held != order.version:
+            raise ChangeOutOfOrder(f"work from version {order.version} given to a copy of {self.held}")
+        return self.copy if self.fragments is None or full else None
+
+    def _merge(self, positions: Any) -> None:
+        """Streaming DiLoCo's merge of a fragment that came back: α·local + (1 − α)·global."""
+        assert self.copy is not None
+        local = self.flat.full()  # the live buffer (an FSDP island, with no whole buffer, cannot stream)
+        with torch.no_grad():
+            local[positions] = torch.lerp(self.copy[positions], local[positions], self.spec.merge_alpha)
+
+    def _delta(self, fragment: int | None) -> torch.Tensor:
+        """Δ = θ_start − θ_end; for a fragment, its global copy minus its local values."""
+        if fragment is None:
+            return self.start - self.flat.full()
+        assert self.copy is not None and self.fragments is not None
+        positions = self.fragments.positions(fragment)
+        return self.copy[positions] - self.flat.full()[positions]

@@ -15,6 +15,7 @@ from enum import Enum
 from typing import Any
 
 from workers.compress import Payload, decode, payload_nbytes
+from workers.sync import Change
 
 
 class WorkKind(str, Enum):
@@ -42,6 +43,8 @@ class WorkOrder:
     turn: int = 0  # round-robin offset over the shards
     start_delay_s: float = 0.0  # SIMULATION: time to download the parameters over the island's link
     schedule_step: int | None = None  # move the inner lr schedule to the run's progress (async mode)
+    fragment: int | None = None  # streaming: the fragment whose pseudo-gradient to send (None: all)
+    changes: tuple[Change, ...] = ()  # the published copy's changes since the version the island holds
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class RoundResult:
     shard_tokens: dict[int, int]  # shard -> tokens (weight) trained this round
     ticket: int = -1
     sent_bytes: int | None = None  # set when `payload` holds references to the encoded slices
+    fragment: int | None = None  # streaming: the fragment `payload` is the pseudo-gradient of
 
     def delta(self) -> Any:
         """Δ decoded to fp32, or its S slices as they came (each coordinator slice decodes its own)."""

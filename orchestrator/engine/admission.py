@@ -105,8 +105,11 @@ class Admission:
         quarantine_after: int,
         drop_prob: float = 0.0,
         seed: int = 0,
+        fragment_sizes: list[int] | None = None,
     ) -> None:
+        """`fragment_sizes`: streaming's fragments, whose updates are checked against their own size."""
         self.numel, self.guard, self.staleness = numel, guard, staleness
+        self.fragment_sizes = fragment_sizes or []
         self.quarantine_after = quarantine_after
         self.streak: dict[int, int] = {}
         self.quarantined: set[int] = set()
@@ -119,8 +122,9 @@ class Admission:
             return Verdict(
                 Decision.REJECT, Reason.QUARANTINED, f"island {c.island} is quarantined", staleness=staleness
             )
-        if facts.size != self.numel:
-            return Verdict(Decision.REJECT, Reason.SHAPE, f"wrong shape ({facts.size},), expected ({self.numel},)")
+        size = self.numel if c.fragment is None else self.fragment_sizes[c.fragment]
+        if facts.size != size:
+            return Verdict(Decision.REJECT, Reason.SHAPE, f"wrong shape ({facts.size},), expected ({size},)")
         if not c.weight > 0:
             return Verdict(Decision.REJECT, Reason.WEIGHT, f"non-positive weight {c.weight}")
         if not facts.finite:
@@ -128,7 +132,8 @@ class Admission:
         verdict = self.staleness.judge(c.version, expected, current) or Verdict(Decision.ACCEPT, staleness=staleness)
         if not verdict.admitted:
             return verdict
-        norm = math.sqrt(facts.sqnorm)
+        # a fragment's norm as the whole vector's at the same RMS: one history serves all fragments
+        norm = math.sqrt(facts.sqnorm * self.numel / size)
         if self.guard is not None:
             per_step = c.weight / max(1, c.steps)
             heavy = self.guard.check_weight(per_step)

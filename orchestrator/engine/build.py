@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from orchestrator.config import RunConfig
+from orchestrator.config import Mode, RunConfig
 from orchestrator.engine.checkpoints import load_initial_weights
 from orchestrator.engine.engine import RoundEngine
 from orchestrator.engine.outer_step import LocalOuter, LocalSlices, Outer, SliceCalls, SlicedOuter
@@ -21,6 +21,7 @@ from orchestrator.engine.pool import IslandPool
 from orchestrator.engine.types import RunFailed
 from orchestrator.engine.warm_start import WarmStart, load_warm_start, mark_finished, pending, warm_config, warm_run_id
 from workers.flat import FlatParams, slice_bounds
+from workers.fragments import FragmentedTask, fragment_model
 from workers.task import load_task
 
 
@@ -45,6 +46,10 @@ def build_engine(
         flat.load(warm.params)
     elif cfg.init_from:
         initial = start_from(Path(cfg.init_from), model, flat)
+    fragments = None
+    if cfg.mode == Mode.STREAMING:  # the same fragments as every island computes from its model
+        groups = task.layer_groups(model) if isinstance(task, FragmentedTask) else None
+        fragments = fragment_model(model, cfg.streaming.fragments, groups)
     outer: Outer
     if cfg.coordinator.shards > 1:
         bounds = slice_bounds(flat.numel, cfg.coordinator.shards, cfg.compression.chunk)
@@ -52,9 +57,9 @@ def build_engine(
         calls = slices(cfg, params, bounds) if slices is not None else LocalSlices(outer_rule(cfg), params, bounds)
         outer = SlicedOuter(flat.data, bounds, calls)
     else:
-        outer = LocalOuter(flat.data, outer_rule(cfg))
-    policies = build_policies(cfg, flat.numel)
-    return RoundEngine(cfg, task, model, flat, outer, policies, pool, run_id, on_record, initial, warm)
+        outer = LocalOuter(flat.data, outer_rule(cfg), fragments)
+    policies = build_policies(cfg, flat.numel, fragments)
+    return RoundEngine(cfg, task, model, flat, outer, policies, pool, run_id, on_record, initial, warm, fragments)
 
 
 def start_from(path: Path, model: torch.nn.Module, flat: FlatParams) -> dict[str, str]:

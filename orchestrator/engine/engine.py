@@ -29,6 +29,7 @@ from orchestrator.engine.checkpoints import (
     save_intent,
 )
 from orchestrator.engine.controls import RunControls, SettingsUpdate
+from orchestrator.engine.downlink import Downlink
 from orchestrator.engine.ledger import DataLedger
 from orchestrator.engine.membership import IslandStats, Membership
 from orchestrator.engine.outer_step import Outer, take_step
@@ -40,7 +41,9 @@ from orchestrator.engine.stats import RunStats
 from orchestrator.engine.types import Contribution, Decision, Event, IslandState, Reason, RunFailed, RunPhase
 from orchestrator.engine.warm_start import WarmStart
 from workers.flat import FlatParams
+from workers.fragments import Fragments
 from workers.messages import RoundResult, WorkOrder
+from workers.sync import Change
 from workers.task import ExportableTask, Task, export_pretrained
 
 POLL_S = 0.2  # the longest the engine waits on the pool: a stop-now is seen within it
@@ -60,10 +63,12 @@ class RoundEngine:
         on_record: Callable[[dict[str, Any], dict[str, dict[str, Any]]], None] | None = None,
         init_from: dict[str, str] | None = None,
         warm: WarmStart | None = None,
+        fragments: Fragments | None = None,
     ) -> None:
         """Continues from the checkpoint of `run_id` in `cfg.checkpoint_dir` if there is one.
         `init_from` describes the weights the model was loaded with (`start_from`); `warm`
-        is the warm start the model was loaded from, whose data positions the run continues."""
+        is the warm start the model was loaded from, whose data positions the run continues;
+        `fragments` are streaming's (the outer step and the published copy work by fragment)."""
         self.cfg, self.task, self.model, self.flat, self.outer = cfg, task, model, flat, outer
         self.pacing: Pacing = policies.pacing
         self.admission: Admission = policies.admission
@@ -93,6 +98,17 @@ class RoundEngine:
         self.waiting_since: float | None = None  # since when no island could train
         self.clock0 = 0.0  # the pool's clock when training began (`_clock`)
         self.summary: dict[str, Any] = {}
+        self.downlink = (
+            Downlink(
+                flat.data,
+                cfg.compression.downlink,
+                cfg.compression.chunk,
+                fragments,
+                keep=2 * cfg.streaming.fragments + 4,
+            )
+            if cfg.tracks_copy
+            else None
+        )
         state = load_checkpoint(Path(cfg.checkpoint_dir)) if cfg.checkpoint.every_rounds else None
         self.resumed = state is not None and state["run_id"] == run_id
         if self.resumed:
@@ -350,6 +366,7 @@ class RoundEngine:
         for flight in [f for f in self._in_flight() if f.work.island == island]:
             self._lose(flight.ticket, f"island {state.value}")
         self.members.mark(island, state, reason)
+        self.held.pop(island, None)
         for t in [t for t, (i, _) in self.overdue.items() if i == island]:
             del self.overdue[t]
         self.pool.release(island)
@@ -374,7 +391,8 @@ class RoundEngine:
         """Publish the new version once (islands fetch it from there); keep the one before,
         which a round under a one-round lag starts from."""
         v = self.run.version
-        self.refs[v] = self.pool.publish(v, self.outer.params())
+        params = self.downlink.copy.numpy() if self.downlink is not None else self.outer.params()
+        self.refs[v] = self.pool.publish(v, params)
         self.published_at.setdefault(v, self.pool.now())
         for old in [old for old in self.refs if old < v - 1]:
             del self.refs[old]
@@ -397,14 +415,14 @@ class RoundEngine:
             return
         stats = self.members.islands[work.island]
         now = self.pool.now()
+        params, changes, nbytes, bootstrap = self._downlink(work)
         delay = 0.0
-        if self.held.get(work.island) != work.version:  # a new global to download over its link
-            nbytes = self.outer.numel * self.flat.data.element_size()
+        if nbytes:  # a new global (or its changes) to download over its link
             self.stats.download(stats, nbytes)
             delay = max(
                 0.0, self.published_at.get(work.version, now) + self.cfg.island_link(work.island).seconds(nbytes) - now
             )
-            self.held[work.island] = work.version
+        self.held[work.island] = work.version
         order = WorkOrder(
             work.island,
             ticket,
@@ -415,10 +433,27 @@ class RoundEngine:
             reservation.turn,
             delay,
             work.schedule_step,
+            work.fragment,
+            tuple(changes),
         )
         stats.inner_steps = work.steps
-        self.flights[ticket] = Flight(ticket, work, now + delay + self.cfg.deadline_s(work.steps))
-        self.pool.dispatch(order, self.refs[work.version])
+        flight = Flight(ticket, work, now + delay + self.cfg.deadline_s(work.steps))
+        flight.received = 0 if bootstrap else nbytes
+        self.flights[ticket] = flight
+        self.pool.dispatch(order, params)
+
+    def _downlink(self, work: Work) -> tuple[Any, list[Change], int, bool]:
+        """What island `work.island` receives for its work: (full parameters or None, the
+        changes since the version it holds, bytes on its link, whether it is a first
+        download, which is not one of the run's exchanges)."""
+        held = self.held.get(work.island)
+        if self.downlink is None:  # the full parameters of each new version
+            nbytes = 0 if held == work.version else self.outer.numel * self.flat.data.element_size()
+            return self.refs[work.version], [], nbytes, held is None
+        changes = self.downlink.route(held, work.version)
+        if changes is None:
+            return self.refs[work.version], [], self.downlink.full_nbytes(), held is None
+        return None, changes, sum(c.nbytes for c in changes), False
 
     # -- work back ------------------------------------------------------------------------------
     def _timeout(self) -> float:
@@ -473,6 +508,7 @@ class RoundEngine:
             self._refuse(ticket, island, problem)
             return
         self.speeds.observe(island, result.steps, result.compute_s)
+        self.stats.exchange(flight.received + result.nbytes)
         flight.result = result
         flight.delivered_at = result.finished_at + self.cfg.island_link(island).seconds(result.nbytes)
         self.run.completed_steps += result.steps
@@ -555,13 +591,19 @@ class RoundEngine:
         results = [f.result for f in flights if f.result is not None]
         if flights:  # the step happens once every result has crossed its (simulated) link
             self.pool.sleep_until(max(f.delivered_at for f in flights))
-        contributions = [Contribution(r.island, r.version, r.delta(), self._weight(r), r.steps) for r in results]
-        outcome = take_step(self.outer, self.admission, contributions, close.expected, self.run.version, close.anchor)
+        contributions = [
+            Contribution(r.island, r.version, r.delta(), self._weight(r), r.steps, close.fragment) for r in results
+        ]
+        outcome = take_step(
+            self.outer, self.admission, contributions, close.expected, self.run.version, close.anchor, close.fragment
+        )
         verdicts = outcome.verdicts
         if outcome.gap is not None:
             self.stats.window.extra["gap_penalty"] = outcome.gap
         if outcome.stepped or close.advances:
             self.run.version += 1
+            if self.downlink is not None:
+                self.downlink.step(self.run.version, self.flat.data, close.fragment)
             self.outer.anchor(self.run.version, keep_from=max(self.run.base, self.run.version - 1))
             self._publish()
         self.run.closes += 1
@@ -678,6 +720,8 @@ class RoundEngine:
                     f"this run has {getattr(self.cfg, key)!r}: resume with the same config or another path"
                 )
         self.flat.load(state["params"])
+        if self.downlink is not None:
+            self.downlink.reset(self.flat.data)
         self.run.version = self.run.base = self.run.closes = state["version"]
         self.outer.load_state_dict(state["outer"], state["version"])
         self.admission.load_state_dict(state["admission"])

@@ -27,6 +27,7 @@ from orchestrator.algorithms.outer import CO2Outer, adaptive_gap
 from orchestrator.engine.admission import Admission, Facts, Verdict
 from orchestrator.engine.types import Contribution, Decision
 from workers.compress import decode
+from workers.fragments import Fragments
 
 Scheduler = torch.optim.lr_scheduler.LRScheduler
 
@@ -138,7 +139,12 @@ class Outer(Protocol):
 
     def inspect(self, contributions: list[Contribution]) -> tuple[int, list[Facts]]: ...
     def apply(
-        self, key: int, weights: dict[int, float], scale: float = 1.0, anchor: int | None = None
+        self,
+        key: int,
+        weights: dict[int, float],
+        scale: float = 1.0,
+        anchor: int | None = None,
+        fragment: int | None = None,
     ) -> float | None: ...
     def discard(self, key: int) -> None: ...
     def anchor(self, version: int, keep_from: int) -> None: ...
@@ -152,13 +158,22 @@ class Outer(Protocol):
 
 class LocalOuter:
     """The whole vector on the coordinator: `flat` is the coordinator model's buffer, so
-    evaluating or checkpointing the model needs no copy."""
+    evaluating or checkpointing the model needs no copy. With streaming's `fragments`,
+    each fragment has its own outer state over a gathered copy of its positions, written
+    back into `flat` after each of its steps (no other step touches those positions)."""
 
-    def __init__(self, flat: torch.Tensor, rule: OuterRule) -> None:
-        self.step = OuterStep(flat, rule)
+    def __init__(self, flat: torch.Tensor, rule: OuterRule, fragments: Fragments | None = None) -> None:
+        self.flat, self.fragments = flat, fragments
         self.numel = flat.numel()
+        if fragments is None:
+            self.steps = [OuterStep(flat, rule)]
+        else:
+            self.steps = [OuterStep(flat[torch.from_numpy(ix)].clone(), rule) for ix in fragments.index]
         self._keys = itertools.count()
         self.pending: dict[int, list[tuple[int, np.ndarray, float]]] = {}
+
+    def _size(self, fragment: int | None) -> int:
+        return self.numel if fragment is None or self.fragments is None else self.fragments.size(fragment)
 
     def inspect(self, contributions: list[Contribution]) -> tuple[int, list[Facts]]:
         key = next(self._keys)
@@ -167,39 +182,66 @@ class LocalOuter:
         ]
         self.pending[key] = decoded
         facts = []
-        for _, d, _ in decoded:
-            sq = sqnorm(d) if d.shape == (self.numel,) else math.nan
-            facts.append(Facts(d.size, d.shape == (self.numel,) and all_finite(d, sq), sq))
+        for c, (_, d, _) in zip(contributions, decoded):
+            fits = d.shape == (self._size(c.fragment),)
+            sq = sqnorm(d) if fits else math.nan
+            facts.append(Facts(d.size, fits and all_finite(d, sq), sq))
         return key, facts
 
-    def apply(self, key: int, weights: dict[int, float], scale: float = 1.0, anchor: int | None = None) -> float | None:
+    def apply(
+        self,
+        key: int,
+        weights: dict[int, float],
+        scale: float = 1.0,
+        anchor: int | None = None,
+        fragment: int | None = None,
+    ) -> float | None:
         parts = [(d, weights[i]) for i, d, _ in self.pending.pop(key) if i in weights]
-        return self.step.apply(parts, scale, anchor)
+        if self.fragments is None:
+            return self.steps[0].apply(parts, scale, anchor)
+        if fragment is None:
+            raise ValueError("a fragmented outer step needs the fragment it updates")
+        step = self.steps[fragment]
+        gap = step.apply(parts, scale, anchor)
+        with torch.no_grad():
+            self.flat[torch.from_numpy(self.fragments.index[fragment])] = step.param.detach()
+        return gap
 
     def discard(self, key: int) -> None:
         self.pending.pop(key, None)
 
     def anchor(self, version: int, keep_from: int) -> None:
-        self.step.anchor(version, keep_from)
+        for step in self.steps:
+            step.anchor(version, keep_from)
 
     def params(self) -> np.ndarray:
         """A view of the parameters as numpy: publishing copies it (`ray.put`)."""
-        return self.step.param.detach().numpy()
+        return self.flat.detach().numpy()
 
     def copy_to(self, flat: torch.Tensor) -> None:
         pass  # `flat` is the parameter itself
 
     def state_dict(self) -> dict[str, Any]:
-        return self.step.state_dict()
+        if self.fragments is None:
+            return self.steps[0].state_dict()
+        return {"fragments": [step.state_dict() for step in self.steps]}
 
     def load_state_dict(self, state: dict[str, Any], version: int) -> None:
-        self.step.load_state_dict(state, version)
+        """Resume at `version`, `flat` already loaded: each fragment's copy is gathered again."""
+        if self.fragments is None:
+            self.steps[0].load_state_dict(state, version)
+            return
+        with torch.no_grad():
+            for step, ix, st in zip(self.steps, self.fragments.index, state["fragments"]):
+                step.param.copy_(self.flat[torch.from_numpy(ix)])
+                step.load_state_dict(st, version)
 
     def set_lr(self, lr: float) -> None:
-        self.step.set_lr(lr)
+        for step in self.steps:
+            step.set_lr(lr)
 
     def lr(self) -> float:
-        return self.step.lr()
+        return self.steps[0].lr()
 
 
 # -- coordinator slices ---------------------------------------------------------------------
@@ -319,7 +361,16 @@ class SlicedOuter:
             facts.append(Facts(sum(p.size for p in parts), all(p.finite for p in parts), sum(p.sqnorm for p in parts)))
         return key, facts
 
-    def apply(self, key: int, weights: dict[int, float], scale: float = 1.0, anchor: int | None = None) -> float | None:
+    def apply(
+        self,
+        key: int,
+        weights: dict[int, float],
+        scale: float = 1.0,
+        anchor: int | None = None,
+        fragment: int | None = None,
+    ) -> float | None:
+        if fragment is not None:  # refused by the config too: the published copy lives on the coordinator
+            raise ValueError("coordinator slices do not take fragment steps")
         gap = None
         if weights and anchor is not None:
             terms = self._all("gap_terms", key, weights, anchor)
@@ -388,6 +439,7 @@ def take_step(
     expected: int | None,
     current: int,
     anchor: int | None = None,
+    fragment: int | None = None,
 ) -> StepOutcome:
     """One outer step: the facts of each update, admission's verdicts (against `expected`,
     or bounded staleness against `current`), then the weighted mean of the admitted ones
@@ -402,5 +454,5 @@ def take_step(
         outer.discard(key)
         return StepOutcome(verdicts, [c.island for c in contributions], False)
     scale = min(v.scale for v in verdicts if v.admitted)
-    gap = outer.apply(key, weights, scale, anchor)
+    gap = outer.apply(key, weights, scale, anchor, fragment)
     return StepOutcome(verdicts, [c.island for c in contributions], True, gap)

@@ -10,11 +10,14 @@ outer step. The engine asks; a pacing only keeps its own bookkeeping over `RunSt
   from the version round t−1 produced, so the exchange of round t hides behind round t+1;
   round t closes (in order) once every island given it has resolved.
 
-A fragment schedule (streaming DiLoCo) is one more class of this protocol.
+- `FragmentSchedule` (streaming): rounds are P segments of H/P steps, each ending with
+  one fragment's exchange; the segments are paced by a `Barrier` (τ = 0) or a
+  `OneRoundLag` (τ = H/P: a fragment's exchange hides behind the next segment).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,6 +50,7 @@ class Work:
     steps: int
     kind: WorkKind = WorkKind.TRAIN
     schedule_step: int | None = None
+    fragment: int | None = None  # streaming: the fragment this work's exchange sends
 
 
 @dataclass
@@ -56,6 +60,7 @@ class Flight:
     deadline: float
     result: RoundResult | None = None
     delivered_at: float = 0.0
+    received: int = 0  # bytes its island received for it (a first, full download not counted)
 
 
 @dataclass
@@ -69,6 +74,7 @@ class Close:
     anchor: int | None = None
     staleness: int | None = None  # recorded staleness of every update (None: the verdict's)
     advances: bool = True  # a round advances the version even if nothing is applied
+    fragment: int | None = None  # streaming: the fragment this step updates (None: the whole model)
 
 
 def _by_island(flight: Flight) -> int:
@@ -286,3 +292,54 @@ class OneRoundLag:
 
     def resume(self, run: RunState) -> None:
         pass  # the pipeline refills from `run.base`
+
+
+class FragmentSchedule:
+    """Streaming DiLoCo's staggered schedule over another pacing. Segment t (1-based over
+    the run, H/P inner steps) ends with fragment (t − 1) mod P's exchange and outer step,
+    so fragment p is synchronised every H steps, H/P after fragment p − 1; a round (H
+    steps, what records and the budget count) is P segments. `inner` paces the segments
+    through a view of the run in segments, so its rules (barrier, one-round lag,
+    membership, stalls) hold unchanged."""
+
+    def __init__(self, inner: Pacing, fragments: int) -> None:
+        self.inner, self.p = inner, fragments
+
+    def _view(self, run: RunState) -> RunState:
+        return dataclasses.replace(run, rounds=run.rounds * self.p, inner_steps=max(1, run.inner_steps // self.p))
+
+    def _fragment(self, segment: int) -> int:
+        return (segment - 1) % self.p
+
+    def plan(self, run: RunState, idle: list[int]) -> list[Work]:
+        return [
+            dataclasses.replace(w, fragment=self._fragment(w.round)) for w in self.inner.plan(self._view(run), idle)
+        ]
+
+    def cancel(self, work: Work) -> None:
+        self.inner.cancel(work)
+
+    def arrived(self, flight: Flight) -> None:
+        self.inner.arrived(flight)
+
+    def lost(self, flight: Flight) -> None:
+        self.inner.lost(flight)
+
+    def next_close(self, run: RunState, in_flight: list[Flight]) -> Close | None:
+        close = self.inner.next_close(self._view(run), in_flight)
+        if close is not None:
+            close.fragment = self._fragment(close.round)
+        return close
+
+    def closed(self, run: RunState, close: Close) -> int | None:
+        segment = self.inner.closed(self._view(run), close)
+        return segment // self.p if segment is not None and segment % self.p == 0 else None
+
+    def between_rounds(self, in_flight: list[Flight]) -> bool:
+        return self.inner.between_rounds(in_flight)
+
+    def done(self, run: RunState) -> bool:
+        return self.inner.done(self._view(run))
+
+    def resume(self, run: RunState) -> None:
+        self.inner.resume(self._view(run))

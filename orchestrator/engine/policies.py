@@ -8,6 +8,7 @@ slices, runtime) works with whatever is chosen here.
 | `ddp`     | Barrier/batch | exact version       | the inner AdamW + schedule on mean gradients |
 | `async`   | PerArrival    | bounded staleness   | `DelayedNesterov`, or Nesterov per arrival   |
 | `overlap` | OneRoundLag   | exact (lagged) ver. | `CO2Outer`                                  |
+| `streaming` | FragmentSchedule over Barrier (τ = 0) or OneRoundLag (τ = H/P) | exact version | Nesterov / SGD / Adam per fragment |
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from orchestrator.algorithms.robust import NormGuard
 from orchestrator.config import Mode, OuterConfig, RunConfig
 from orchestrator.engine.admission import Admission, BoundedStaleness, ExactVersion, StalenessRule
 from orchestrator.engine.outer_step import OuterRule, Scheduler
-from orchestrator.engine.pacing import Barrier, OneRoundLag, Pacing, PerArrival
+from orchestrator.engine.pacing import Barrier, FragmentSchedule, OneRoundLag, Pacing, PerArrival
+from workers.fragments import Fragments
 from workers.messages import WorkKind
 from workers.optim import build_inner
 
@@ -72,7 +74,7 @@ class Policies:
     speeds: SpeedTracker  # islands' measured steps/s: the engine feeds it, DyLU and the operator read it
 
 
-def build_policies(cfg: RunConfig, numel: int) -> Policies:
+def build_policies(cfg: RunConfig, numel: int, fragments: Fragments | None = None) -> Policies:
     staleness: StalenessRule = ExactVersion()
     speeds = SpeedTracker(cfg.asynchronous.speed_smoothing)
     pacing: Pacing
@@ -84,9 +86,18 @@ def build_policies(cfg: RunConfig, numel: int) -> Policies:
         pacing = OneRoundLag()
     elif cfg.mode == Mode.DDP:
         pacing = Barrier(WorkKind.GRADIENT, steps_per_record=cfg.inner_steps)
+    elif cfg.mode == Mode.STREAMING:
+        segments = OneRoundLag() if cfg.streaming.overlap else Barrier(WorkKind.TRAIN, steps_per_record=1)
+        pacing = FragmentSchedule(segments, cfg.streaming.fragments)
     else:
         pacing = Barrier(WorkKind.TRAIN, steps_per_record=1)
     admission = Admission(
-        numel, NormGuard(cfg.robust), staleness, cfg.robust.quarantine_after, cfg.outer.drop_prob, cfg.seed
+        numel,
+        NormGuard(cfg.robust),
+        staleness,
+        cfg.robust.quarantine_after,
+        cfg.outer.drop_prob,
+        cfg.seed,
+        [fragments.size(p) for p in range(fragments.count)] if fragments else None,
     )
     return Policies(pacing, admission, speeds)

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from orchestrator.config import RunConfig
+from orchestrator.config import Mode, RunConfig
 from workers.island import Island, IslandSpec
 from workers.messages import RoundResult, WorkOrder
 
@@ -79,6 +79,9 @@ def island_spec(cfg: RunConfig, index: int, start_step: int = 0) -> IslandSpec:
         coordinator_shards=cfg.coordinator.shards,
         sharding=cfg.islands.sharding,
         error_feedback=cfg.compression.error_feedback,
+        tracks_copy=cfg.tracks_copy,
+        fragments=cfg.streaming.fragments if cfg.mode == Mode.STREAMING else 0,
+        merge_alpha=cfg.streaming.alpha,
     )
 
 

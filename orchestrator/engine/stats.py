@@ -15,7 +15,17 @@ from orchestrator.engine.membership import IslandStats, Membership
 from orchestrator.engine.types import Decision, IslandState, RunPhase
 from workers.messages import RoundResult
 
-COUNTERS = ("tokens", "tokens_applied", "bytes_sent", "bytes_received", "initial_eval", "last_eval", "rounds_done")
+COUNTERS = (
+    "tokens",
+    "tokens_applied",
+    "bytes_sent",
+    "bytes_received",
+    "peak_exchange_bytes",
+    "fragments",
+    "initial_eval",
+    "last_eval",
+    "rounds_done",
+)
 
 
 class Window:
@@ -34,6 +44,8 @@ class Window:
 class RunStats:
     def __init__(self) -> None:
         self.tokens = self.tokens_applied = self.bytes_sent = self.bytes_received = 0
+        self.peak_exchange_bytes = 0  # most bytes one island moved for one piece of work (up + down)
+        self.fragments: dict[str, dict[str, int]] = {}  # streaming: per fragment updates, bytes, staleness
         self.initial_eval: float | None = None
         self.last_eval: float | None = None
         self.rounds_done = 0
@@ -50,6 +62,21 @@ class RunStats:
         stats.bytes_received += nbytes
         self.bytes_received += nbytes
 
+    def exchange(self, nbytes: int) -> None:
+        """One island's exchange for one piece of work: what it received for it (a first,
+        full download excluded) and what it sent back."""
+        self.peak_exchange_bytes = max(self.peak_exchange_bytes, nbytes)
+
+    def _fragment(self, r: RoundResult, verdict: Verdict, staleness: int) -> None:
+        f = self.fragments.setdefault(
+            str(r.fragment), {"updates": 0, "applied": 0, "bytes_sent": 0, "staleness_total": 0, "staleness_max": 0}
+        )
+        f["updates"] += 1
+        f["applied"] += int(verdict.admitted)
+        f["bytes_sent"] += r.nbytes
+        f["staleness_total"] += staleness
+        f["staleness_max"] = max(f["staleness_max"], staleness)
+
     def account(self, stats: IslandStats, r: RoundResult, verdict: Verdict, staleness: int, trained: bool) -> None:
         """One result the outer step consumed. Its tokens count as trained (applied or not)
         unless its batches were `trained=False`: given back to be trained again."""
@@ -61,6 +88,8 @@ class RunStats:
             stats.tokens += r.weight
             self.tokens += r.weight
         stats.observe_staleness(staleness)
+        if r.fragment is not None:
+            self._fragment(r, verdict, staleness)
         w = self.window
         w.staleness.append(staleness)
         w.losses.setdefault(r.island, []).append(r.mean_loss)
@@ -173,6 +202,8 @@ class RunStats:
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "bytes_communicated": self.bytes_sent + self.bytes_received,
+            "peak_exchange_bytes": self.peak_exchange_bytes,
+            "fragments": self.fragments or None,
             "wall_seconds": now - self.t0,
             "train_seconds": train_s,
             "tokens_per_s": self.tokens / max(1e-9, train_s),
@@ -193,5 +224,5 @@ class RunStats:
 
     def load(self, state: dict[str, Any]) -> None:
         for k in COUNTERS:
-            setattr(self, k, state[k])
+            setattr(self, k, state.get(k, getattr(self, k)))  # a checkpoint older than a counter: from 0
         self.train_elapsed = state["train_elapsed"]

@@ -129,6 +129,7 @@ class Contribution:
     delta: Any
     weight: float
     steps: int = 1  # inner steps behind it (weights are compared per step)
+    fragment: int | None = None  # streaming: the fragment it updates (None: the whole vector)
 
 
 class RunFailed(RuntimeError):

@@ -50,6 +50,7 @@ def warm_config(cfg: RunConfig) -> RunConfig:
     data["checkpoint"].update(every_rounds=max(1, cfg.checkpoint.every_rounds), path=str(out / "checkpoint"))
     data["coordinator"]["shards"] = 1
     data["outer"]["drop_prob"] = 0.0
+    data["compression"]["downlink"] = "none"  # the shared start is trained exactly
     if cfg.warm_start.mode == WarmStartMode.DDP:
         data["mode"] = Mode.DDP.value
     else:  # one island; outer SGD lr 1 without momentum applies its Δ whole: plain training

@@ -1,0 +1,212 @@
+"""Streaming DiLoCo and the downlink, without Ray: fragments, the staggered schedule, the
+published copy islands and coordinator share, bytes per direction, and the limits of
+the config. (Membership changes and faults with fragments in flight run in
+test_engine.py, where the fault tests are parametrised over the modes, streaming too.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+from torch import nn
+
+from orchestrator.config import RunConfig
+from orchestrator.config_load import apply_overrides
+from orchestrator.engine.pool import Fault, FaultKind, island_spec
+from tests.helpers import NO_WARM, TINY_LM, in_process_engine
+from tests.toy_tasks import SplitPoint
+from workers.compress import encode
+from workers.fragments import fragment_model
+from workers.island import Island
+from workers.messages import WorkKind, WorkOrder
+from workers.sync import Change, ChangeOutOfOrder
+
+QUADRATIC = [
+    "task.factory=tests.toy_tasks:make_quadratic",
+    "task.kwargs.centers=[[1.0,0.0,2.0,-1.0],[-0.5,2.0,0.0,1.0]]",
+    "task.kwargs.split=true",
+    NO_WARM,
+    "islands.count=2",
+    "rounds=5",
+    "inner_steps=4",
+    "inner.optimizer=sgd",
+    "inner.lr=0.1",
+    "inner.warmup_steps=0",
+    "inner.grad_clip=null",
+    "checkpoint.every_rounds=0",
+]
+
+
+def _cfg(*overrides: str, base: list[str] = QUADRATIC) -> RunConfig:
+    return RunConfig.model_validate(apply_overrides({}, [*base, *overrides]))
+
+
+def _gpt(*overrides: str) -> RunConfig:
+    return _cfg("task.kwargs.n_layers=4", "rounds=3", "inner_steps=8", *overrides, base=[*TINY_LM, "islands.count=2"])
+
+
+# -- fragments ----------------------------------------------------------------------------------
+
+
+class _Stack(nn.Module):
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(layers))
+        self.head = nn.Linear(8, 3)
+
+
+def test_fragments_stride_over_blocks_and_pour_the_rest_evenly():
+    model = _Stack(4)
+    f = fragment_model(model, 2)
+    offsets, at = {}, 0
+    for name, p in model.named_parameters():
+        offsets[name] = (at, at + p.numel())
+        at += p.numel()
+    assert np.array_equal(np.sort(np.concatenate(f.index)), np.arange(at))  # every position once
+    for b in range(4):  # block b in fragment b mod 2
+        lo, hi = offsets[f"blocks.{b}.weight"]
+        assert np.isin(np.arange(lo, hi), f.index[b % 2]).all()
+    assert abs(f.size(0) - f.size(1)) <= 1  # the embedding and head split to balance them
+
+
+def test_too_many_fragments_for_the_model_is_a_clear_error():
+    with pytest.raises(ValueError, match="fill only 2 fragments"):
+        fragment_model(SplitPoint(2, torch.float64), 3)
+
+
+# -- exactness --------------------------------------------------------------------------------------
+
+
+def _final(cfg: RunConfig) -> torch.Tensor:
+    engine, _ = in_process_engine(cfg)
+    engine.execute()
+    return engine.flat.data.clone()
+
+
+def test_one_fragment_without_overlap_or_merge_is_diloco_exactly():
+    """P = 1, τ = 0, α = 0: one fragment replaced at every outer step is DiLoCo, to the bit."""
+    diloco = _final(_cfg("mode=diloco"))
+    streaming = _final(_cfg("mode=streaming", "streaming.fragments=1", "streaming.overlap=false", "streaming.alpha=0"))
+    assert torch.equal(diloco, streaming)
+
+
+def test_the_schedule_staggers_fragments_and_each_is_stepped_every_round():
+    cfg = _cfg("mode=streaming", "streaming.fragments=4")
+    engine, pool = in_process_engine(cfg)
+    summary = engine.execute()
+    # segment t sends fragment (t - 1) mod 4, H/P = 1 step each, in every island's orders
+    for island in (0, 1):
+        orders = [o for o in pool.dispatched if o.island == island]
+        assert [o.fragment for o in orders] == [t % 4 for t in range(20)]
+        assert all(o.steps == 1 for o in orders)
+    assert summary["outer_steps"] == 20 and summary["rounds_done"] == 5
+    assert {k: v["applied"] for k, v in summary["fragments"].items()} == {str(p): 10 for p in range(4)}
+    # with overlap, a fragment's update lands one segment after it is sent
+    assert all(v["staleness_max"] == 1 for v in summary["fragments"].values())
+
+
+def _copies(engine) -> dict[int, torch.Tensor]:
+    """The coordinator's published copy after every change (keyed by version)."""
+    copies = {0: engine.downlink.copy.clone()}
+    step = engine.downlink.step
+
+    def recording(version, params, fragment):
+        change = step(version, params, fragment)
+        copies[version] = engine.downlink.copy.clone()
+        return change
+
+    engine.downlink.step = recording
+    return copies
+
+
+@pytest.mark.parametrize("mode", ["streaming", "diloco", "overlap"])
+def test_islands_hold_exactly_the_coordinators_published_copy_under_a_lossy_downlink(mode):
+    cfg = _gpt(f"mode={mode}", "compression.codec=int4", "compression.downlink=int4")
+    engine, pool = in_process_engine(cfg)
+    copies = _copies(engine)
+    summary = engine.execute()
+    assert summary["state"] == "finished"
+    for island in pool.islands.values():
+        assert island.held is not None and island.held >= summary["outer_steps"] - 2
+        assert torch.equal(island.copy, copies[island.held])  # bit for bit: never drift
+    # the copy follows the outer parameters to within what int4 rounds away
+    gap = (copies[summary["outer_steps"]] - engine.flat.data).abs().max()
+    assert 0 < gap < 0.05 * engine.flat.data.abs().max()
+
+
+def test_a_lossless_streaming_copy_is_the_outer_parameters():
+    cfg = _gpt("mode=streaming")
+    engine, _ = in_process_engine(cfg)
+    engine.execute()
+    assert torch.equal(engine.downlink.copy, engine.flat.data)
+
+
+def test_an_island_refuses_a_change_it_already_applied_or_one_that_skips():
+    cfg = _gpt("mode=streaming", "compression.downlink=int8", "streaming.overlap=false")
+    island = Island(island_spec(cfg, 0))
+    params = island.flat.numpy()
+    order = WorkOrder(0, 0, 0, WorkKind.TRAIN, 2, {0: 0}, fragment=0)
+    island.run(order, params)
+    part = encode(np.full(island.fragments.size(0), 0.01, np.float32), "int8", 64)
+    change = Change(1, 0, part, absolute=False)
+    island.run(WorkOrder(0, 1, 1, WorkKind.TRAIN, 2, {0: 2}, fragment=1, changes=(change,)), None)
+    before = island.copy.clone()
+    with pytest.raises(ChangeOutOfOrder):  # version 1 again: it would be applied twice
+        island.run(WorkOrder(0, 2, 1, WorkKind.TRAIN, 2, {0: 4}, fragment=1, changes=(change,)), None)
+    with pytest.raises(ChangeOutOfOrder):  # version 3 from 1: version 2 would be skipped
+        island.run(WorkOrder(0, 2, 3, WorkKind.TRAIN, 2, {0: 4}, changes=(Change(3, 0, part, False),)), None)
+    assert torch.equal(island.copy, before)
+
+
+# -- bytes ------------------------------------------------------------------------------------------
+
+
+def test_streaming_moves_a_fragment_at_a_time_and_4_bits_both_ways():
+    diloco = in_process_engine(_gpt("mode=diloco"))[0].execute()
+    fp32 = in_process_engine(_gpt("mode=streaming"))[0].execute()
+    fp4 = in_process_engine(_gpt("mode=streaming", "compression.codec=int4", "compression.downlink=int4"))[0].execute()
+    numel = diloco["num_params"]
+    assert diloco["peak_exchange_bytes"] == 2 * 4 * numel  # the model up and down
+    assert fp32["peak_exchange_bytes"] <= diloco["peak_exchange_bytes"] / 4 * 1.01  # balanced fragments
+    assert fp32["bytes_sent"] == diloco["bytes_sent"]  # P fragments a round: the model once
+    assert fp4["peak_exchange_bytes"] < diloco["peak_exchange_bytes"] / 4 / 7
+    assert fp4["bytes_sent"] < diloco["bytes_sent"] / 7
+    # received: the first full download (a bootstrap) plus 4-bit changes
+    assert fp4["bytes_received"] < 2 * 4 * numel + diloco["bytes_received"] / 7
+    for s in (diloco, fp32, fp4):
+        assert s["final_eval_loss"] < s["initial_eval_loss"]
+
+
+# -- bad updates and config -----------------------------------------------------------------------
+
+
+def test_a_nan_fragment_is_rejected_and_its_fragment_untouched():
+    cfg = _cfg("mode=streaming", "streaming.fragments=2", "streaming.overlap=false", "robust.quarantine_after=5")
+    engine, _ = in_process_engine(cfg, [Fault(FaultKind.NAN, i, order=3) for i in (0, 1)])
+    engine.start()
+    while engine.run.closes < 2:
+        engine.step()
+    before = engine.flat.data.clone()
+    while engine.run.closes < 3:  # segment 3 (fragment 0): both updates NaN
+        engine.step()
+    assert torch.equal(engine.flat.data, before) and engine.run.version == 2
+    while engine.step():
+        pass
+    assert torch.isfinite(engine.flat.data).all() and engine.summary["state"] == "finished"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["mode=streaming", "inner_steps=10", "streaming.fragments=4"], "multiple of streaming.fragments"),
+        (["mode=streaming", "streaming.fragments=1"], "overlap needs streaming.fragments >= 2"),
+        (["mode=streaming", "coordinator.shards=2"], "coordinator.shards = 1"),
+        (["mode=ddp", "compression.downlink=int8"], "DiLoCo-family mode"),
+        (["compression.downlink=int3"], "downlink: unknown codec"),
+    ],
+)
+def test_config_errors_name_the_field(overrides, message):
+    with pytest.raises(ValidationError, match=message):
+        _cfg(*overrides)

@@ -1,0 +1,50 @@
+"""The downlink: how an island's copy of the global parameters follows the coordinator's
+without the full model crossing the link every round.
+
+The coordinator keeps a *published copy*: what islands hold. After each outer step it
+sends the change of that copy (the whole vector, or one fragment under Streaming
+DiLoCo) as a `Change`, and applies to its own copy exactly what islands apply with
+`apply_change`, so the two never drift. Under a lossy codec the change is the encoded
+difference between the outer parameters and the published copy, so what one change
+rounds away is sent with the next (error feedback for free); lossless changes carry the
+new values themselves, so a copy is bit-identical to the outer parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from workers.compress import Payload, decode, payload_nbytes
+from workers.flat import as_tensor
+
+
+@dataclass(frozen=True)
+class Change:
+    """Version `version` of the published copy, from version − 1."""
+
+    version: int
+    fragment: int | None  # None: the whole vector
+    payload: Payload
+    absolute: bool  # the payload holds the new values, not a difference
+
+    @property
+    def nbytes(self) -> int:
+        return payload_nbytes(self.payload)
+
+
+class ChangeOutOfOrder(RuntimeError):
+    """A change that does not continue the version a copy holds: applying it could apply an
+    update twice or skip one, so it is refused and the island asks for the full copy."""
+
+
+def apply_change(copy: torch.Tensor, change: Change, positions: np.ndarray | slice) -> None:
+    """Apply `change` to `copy` (a flat tensor) at `positions` (its fragment's)."""
+    values = as_tensor(decode(change.payload)).to(copy.device, copy.dtype)
+    index = positions if isinstance(positions, slice) else torch.from_numpy(positions).to(copy.device)
+    if change.absolute:
+        copy[index] = values
+    else:
+        copy[index] += values
