@@ -188,6 +188,12 @@ class OverlapConfig(_Strict):
     )
     penalty_p: float = Field(1.0, ge=1, description="constant penalty: Lambda = 1/p (1 = none)")
     penalty_lambda: float = Field(1.0, ge=0, description="adaptive penalty strength")
+    eager: bool = Field(
+        False,
+        description="eager updates (Kale et al. 2025): an island starting round t+1 from the version before its "
+        "round t landed starts from that version moved by its own round-t pseudo-gradient, standing in for the "
+        "average still in flight (lr x Lambda, clipped like the momentum), instead of from the lagged version",
+    )
 
 
 class StreamingConfig(_Strict):

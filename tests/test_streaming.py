@@ -210,3 +210,25 @@ def test_a_nan_fragment_is_rejected_and_its_fragment_untouched():
 def test_config_errors_name_the_field(overrides, message):
     with pytest.raises(ValidationError, match=message):
         _cfg(*overrides)
+
+
+# -- eager updates (overlap) -------------------------------------------------------------------------
+
+
+def test_eager_overlap_starts_each_lagged_round_from_the_islands_own_update():
+    cfg = _gpt("mode=overlap", "overlap.eager=true", "overlap.clip=0.001", "rounds=4")
+    engine, pool = in_process_engine(cfg)
+    summary = engine.execute()
+    # rounds 1 and 2 start from versions 0 and 1 (nothing in flight), rounds 3 and 4 lag
+    for island in (0, 1):
+        assert [o.eager for o in pool.dispatched if o.island == island] == [False, False, True, True]
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    # the start of an eager round: the lagged version moved by lr x clip(Λ Δ_own)
+    island = Island(island_spec(cfg, 0))
+    params = island.flat.numpy()
+    island.run(WorkOrder(0, 0, 0, WorkKind.TRAIN, 3, {0: 0}), params)
+    own = island.last_delta.clone()
+    island.run(WorkOrder(0, 1, 0, WorkKind.TRAIN, 3, {0: 3}, eager=True), params)
+    lr, clip = cfg.overlap.lr, cfg.overlap.clip
+    expected = torch.from_numpy(params) - lr * own.clamp(-clip, clip)
+    assert torch.allclose(island.start, expected, atol=1e-7) and (own.abs() > clip).any()

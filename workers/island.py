@@ -57,6 +57,8 @@ class IslandSpec:
     tracks_copy: bool = False  # hold the published parameters and follow their changes (`workers/sync.py`)
     fragments: int = 0  # streaming: P fragments; the island trains on and merges fragment by fragment
     merge_alpha: float = 0.0  # streaming: local <- alpha x local + (1 - alpha) x received global fragment
+    eager_step: float = 0.0  # overlap, eager updates: the outer step size applied to its own last Δ
+    eager_clip: float | None = None  # ... clipped elementwise like CO2's momentum
 
 
 class Island:
@@ -86,6 +88,7 @@ class Island:
         self.fragments = fragment_model(self.model, spec.fragments, groups) if spec.fragments else None
         self.copy: torch.Tensor | None = None  # the published parameters as this island holds them
         self.held: int | None = None  # their version
+        self.last_delta: torch.Tensor | None = None  # eager updates: the island's own last Δ
 
     def _batches(self, order: WorkOrder) -> Iterator[tuple[int, Any]]:
         """The order's batches: step j reads shard `sorted(shards)[(turn + j) % n]`, each
@@ -211,6 +214,8 @@ class Island:
             self._seek_schedule(order.schedule_step)
         t0 = time.perf_counter()
         src = self._sync(order, params)
+        if order.eager and self.last_delta is not None and src is not None:
+            src = self._eager(src, self.last_delta)
         if src is not None:
             self.flat.load(src)
         self.model.train()
@@ -233,7 +238,10 @@ class Island:
                 if self.spec.slowdown > 1 and self.spec.sleeps:
                     time.sleep((self.spec.slowdown - 1) * (time.perf_counter() - t_step))
                 t_step = time.perf_counter()
-            payload = self._encode(self._delta(order.fragment), order.fragment)
+            delta = self._delta(order.fragment)
+            if self.spec.eager_step:
+                self.last_delta = delta.clone()
+            payload = self._encode(delta, order.fragment)
         else:
             ((shard, batch),) = self._batches(order)
             losses, weight = self._forward_backward(batch)
@@ -287,6 +295,15 @@ class Island:
         local = self.flat.full()  # the live buffer (an FSDP island, with no whole buffer, cannot stream)
         with torch.no_grad():
             local[positions] = torch.lerp(self.copy[positions], local[positions], self.spec.merge_alpha)
+
+    def _eager(self, src: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Eager updates (Kale et al. 2025): the start of a round whose version lacks this
+        island's last update, moved by that update as CO2's outer step would move it were
+        it the average (lr × Λ, clipped): the island's Δ stands in for the mean in flight."""
+        step = delta.to(src.dtype) * self.spec.eager_step
+        if self.spec.eager_clip is not None:
+            step.clamp_(-self.spec.eager_clip * self.spec.eager_step, self.spec.eager_clip * self.spec.eager_step)
+        return src.to(self.device) - step
 
     def _delta(self, fragment: int | None) -> torch.Tensor:
         """Δ = θ_start − θ_end; for a fragment, its global copy minus its local values."""

@@ -45,6 +45,7 @@ class WorkOrder:
     schedule_step: int | None = None  # move the inner lr schedule to the run's progress (async mode)
     fragment: int | None = None  # streaming: the fragment whose pseudo-gradient to send (None: all)
     changes: tuple[Change, ...] = ()  # the published copy's changes since the version the island holds
+    eager: bool = False  # overlap: start from `version` moved by this island's last update (not in it yet)
 
 
 @dataclass(frozen=True)

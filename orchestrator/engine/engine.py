@@ -435,6 +435,7 @@ class RoundEngine:
             work.schedule_step,
             work.fragment,
             tuple(changes),
+            work.eager,
         )
         stats.inner_steps = work.steps
         flight = Flight(ticket, work, now + delay + self.cfg.deadline_s(work.steps))

@@ -51,6 +51,7 @@ class Work:
     kind: WorkKind = WorkKind.TRAIN
     schedule_step: int | None = None
     fragment: int | None = None  # streaming: the fragment this work's exchange sends
+    eager: bool = False  # start from `version` moved by the island's own last update (not yet in it)
 
 
 @dataclass
@@ -217,7 +218,9 @@ def start_version(round_t: int, base: int = 0) -> int:
 
 
 class OneRoundLag:
-    def __init__(self) -> None:
+    def __init__(self, eager: bool = False) -> None:
+        """`eager`: mark work whose start version lacks its island's own last update."""
+        self.eager = eager
         self.next_round: dict[int, int] = {}
         self.arrivals: dict[int, list[Flight]] = {}
         self.dispatched: dict[int, int] = {}  # round -> flights handed out for it
@@ -231,6 +234,7 @@ class OneRoundLag:
         head_free = not self.dispatched.get(head) and not self.arrivals.get(head)
         for i in idle:
             t = self.next_round.get(i)
+            delivered = t is not None and t > run.version  # it delivered round t − 1 and goes on
             if t is None or t <= run.version:  # new, re-admitted, or its round closed while it was
                 # stalled: the head round if nobody trains it and it starts from the newest
                 # version, else the one after (which does)
@@ -239,7 +243,8 @@ class OneRoundLag:
             if t > run.rounds or run.version < start_version(t, run.base):
                 continue  # past the budget, or waiting for the version its round starts from
             self.stalled.discard(i)  # `cancel` marks it again if no shard is free
-            out.append(Work(i, t, start_version(t, run.base), run.inner_steps))
+            s = start_version(t, run.base)
+            out.append(Work(i, t, s, run.inner_steps, eager=self.eager and delivered and s < t - 1))
             self.dispatched[t] = self.dispatched.get(t, 0) + 1
         return out
 

@@ -83,7 +83,7 @@ def build_policies(cfg: RunConfig, numel: int, fragments: Fragments | None = Non
         pacing = PerArrival(a.dylu, speeds, cfg.islands.count, cfg.warm_steps)
         staleness = BoundedStaleness(a.max_staleness, a.stale_policy == "downweight")
     elif cfg.mode == Mode.OVERLAP:
-        pacing = OneRoundLag()
+        pacing = OneRoundLag(eager=cfg.overlap.eager)
     elif cfg.mode == Mode.DDP:
         pacing = Barrier(WorkKind.GRADIENT, steps_per_record=cfg.inner_steps)
     elif cfg.mode == Mode.STREAMING:

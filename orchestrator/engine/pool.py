@@ -82,6 +82,8 @@ def island_spec(cfg: RunConfig, index: int, start_step: int = 0) -> IslandSpec:
         tracks_copy=cfg.tracks_copy,
         fragments=cfg.streaming.fragments if cfg.mode == Mode.STREAMING else 0,
         merge_alpha=cfg.streaming.alpha,
+        eager_step=cfg.overlap.lr / cfg.overlap.penalty_p if cfg.overlap.eager else 0.0,
+        eager_clip=cfg.overlap.clip,
     )
 
 
