@@ -107,3 +107,28 @@ def test_a_finished_run_of_the_same_config_is_reused_and_no_other(tmp_path):
     assert finished(cfg.model_copy(update={"rounds": 3})) is None  # another config is run afresh
     (out / "summary.json").write_text(json.dumps({"state": "stopped"}))
     assert finished(cfg) is None
+
+
+def test_streaming_rows_are_the_issue_s_and_share_one_token_budget():
+    from pathlib import Path
+
+    from orchestrator.bench.streaming import BASE, H, K, _common, methods
+
+    table = methods(["link.bandwidth_gbps=0.01", "link.latency_ms=0"])
+    assert set(table) | {"compute_only"} == {
+        "diloco",
+        "streaming_p2",
+        "streaming_p4",
+        "streaming_p4_fp4",
+        "diloco_int8",
+        "overlap",
+        "overlap_eager",
+        "ddp_k",
+        "compute_only",
+    }
+    configs = {n: load_config(None, [*BASE, *_common(3, 0, Path(".")), *ov]) for n, (_, ov) in table.items()}
+    assert len({_tokens(c) for c in configs.values()}) == 1  # every method sees the same tokens
+    s4 = configs["streaming_p4_fp4"]
+    assert s4.streaming.fragments == 4 and s4.compression.codec == s4.compression.downlink == "int4"
+    assert configs["diloco_int8"].compression.downlink == "int8" and configs["overlap_eager"].overlap.eager
+    assert configs["ddp_k"].link.bandwidth_gbps is None and s4.inner_steps == H and s4.islands.count == K

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torchft  # noqa: F401  (not installed: ImportError, and `quality` skips the peer row)
 
-from orchestrator.config import RunConfig
+from orchestrator.config import Mode, RunConfig
 from orchestrator.config_load import load_config
 from orchestrator.engine.ledger import assign
 from orchestrator.engine.warm_start import load_warm_start
@@ -63,7 +63,10 @@ def _replica(rank: int, k: int, cfg_json: str, lighthouse: str | None, out: Any)
     inner, schedule = build_inner(
         cfg.inner, model.parameters(), cfg.schedule_steps, cfg.warm_steps, cfg.elastic.join_rewarmup_steps
     )
-    outer = torch.optim.SGD(model.parameters(), lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=True)
+    fragments = _module_fragments(model, cfg.streaming.fragments) if cfg.mode == Mode.STREAMING else [model]
+    outers = [
+        torch.optim.SGD(f.parameters(), lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=True) for f in fragments
+    ]
     shards = sorted(assign(cfg.num_shards, list(range(k)))[rank])
     position = warm.ledger["position"]
     turn = int(warm.ledger.get("turns", {}).get(str(rank), 0))
@@ -89,7 +92,13 @@ def _replica(rank: int, k: int, cfg_json: str, lighthouse: str | None, out: Any)
             quorum_timeout=timedelta(seconds=120),
             connect_timeout=timedelta(seconds=120),
         )
-        diloco = DiLoCo(manager, [model], inner, outer, sync_every=cfg.inner_steps)
+        streaming = {}
+        if len(fragments) > 1:  # torchft's delay must stay below H/P; ours (tau) is H/P
+            streaming = {
+                "fragment_sync_delay": cfg.inner_steps // len(fragments) - 1,
+                "fragment_update_alpha": cfg.streaming.alpha,
+            }
+        diloco = DiLoCo(manager, fragments, inner, outers, sync_every=cfg.inner_steps, **streaming)
     model.train()
     t0 = time.perf_counter()
     with diloco:
@@ -111,6 +120,19 @@ def _replica(rank: int, k: int, cfg_json: str, lighthouse: str | None, out: Any)
     if manager is not None:
         manager.shutdown(wait=False)
     out.put((rank, seconds, loss))
+
+
+def _module_fragments(model: torch.nn.Module, p: int) -> list[torch.nn.Module]:
+    """torchft's fragments are modules: the blocks strided over P, the other top-level
+    modules (embeddings, final norm) with the first fragment (torchft cannot split a
+    tensor across fragments, as Archipelago's position-based fragments do)."""
+    lists = [m for m in model.children() if isinstance(m, torch.nn.ModuleList)]
+    blocks = max(lists, key=len)
+    rest = [m for m in model.children() if m is not blocks and any(True for _ in m.parameters())]
+    return [
+        torch.nn.ModuleList([*(rest if i == 0 else []), *(blocks[j] for j in range(i, len(blocks), p))])
+        for i in range(p)
+    ]
 
 
 def _replicas(cfg: RunConfig, k: int, exchange: bool) -> tuple[float, float | None]:
@@ -167,8 +189,12 @@ def torchft_diloco(
     alone, _ = _replicas(cfg, k, exchange=False)  # seed 0's replicas, training alone
     numel = FlatParams(load_task(cfg.task.factory, cfg.task.kwargs).build_model()).numel
     rounds = cfg.rounds
+    what = "DiLoCo"
+    if cfg.mode == Mode.STREAMING:
+        p = cfg.streaming.fragments
+        what = f"Streaming DiLoCo (P={p} module fragments, delay H/P-1 = {cfg.inner_steps // p - 1}, alpha {cfg.streaming.alpha})"
     return {
-        "description": f"torchft {version('torchft')} DiLoCo (local_sgd.DiLoCo, gloo all-reduce), same everything",
+        "description": f"torchft {version('torchft')} {what} (local_sgd.DiLoCo, gloo all-reduce), same everything",
         "overrides": overrides,
         "final_eval_loss": statistics.fmean(losses),
         "final_eval_loss_seeds": losses,

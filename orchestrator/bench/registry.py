@@ -1,6 +1,6 @@
 """The benchmark registry. A scenario is a function `(quick, work_dir) -> BenchResult`;
 the entry point writes `<scenario>.json`, `.png` and `.md` and prints a one-line summary.
-Scenarios: quality, hetero, overlap, datapath, gpu (needs CUDA)."""
+Scenarios: quality, hetero, overlap, streaming, datapath, gpu (needs CUDA)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from orchestrator.bench.report import BenchResult, write_docs_index, write_resul
 Scenario = Callable[[bool, Path], BenchResult]
 # name -> "module:function"; imported when run, so a scenario never imports the registry
 SCENARIOS: dict[str, str] = {
-    name: f"orchestrator.bench.{name}:{name}" for name in ("quality", "hetero", "overlap", "datapath", "gpu")
+    name: f"orchestrator.bench.{name}:{name}"
+    for name in ("quality", "hetero", "overlap", "streaming", "datapath", "gpu")
 }
 
 

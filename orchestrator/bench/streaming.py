@@ -1,0 +1,286 @@
+"""`streaming`: Streaming DiLoCo (Douillard et al. 2025) against DiLoCo, done the papers'
+way (every row continues one warm start per seed, as in `quality`) under a simulated link
+on which one full-model exchange (fp32 parameters down + pseudo-gradient up) takes one
+round of compute (as in `overlap`).
+
+Rows: `diloco` (fp32 both ways), `streaming_p2`, `streaming_p4` (fp32), `streaming_p4_fp4`
+(4-bit both ways), `diloco_int8` (int8 both ways), `overlap` (CO2) and `overlap_eager`
+(CO2 with eager updates), `compute_only` (the `streaming_p4_fp4` run with no link),
+`ddp_k` (data-parallel, for its bytes), and the peer `torchft_streaming_p4` when torchft
+is installed. The headline rows (`diloco`, `streaming_p4_fp4`, `compute_only`) run
+`SEEDS` seeds; their wall times are medians over the seeds.
+
+The link is calibrated from `compute_only`, which runs first: bandwidth = 2 · fp32
+parameter bytes · 8 / (its compute seconds per round).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from pathlib import Path
+from typing import Any
+
+from orchestrator.bench.quality import MODEL
+from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
+from orchestrator.bench.runner import one_ray, run_methods, train_warm_start
+
+log = logging.getLogger(__name__)
+
+H = 100
+K = 2  # no more islands than this machine's cores: compute is not contended, so wall time means something
+WARM = 200
+SEEDS = (0, 1, 2)
+HEADLINE = ("diloco", "streaming_p4_fp4", "compute_only")
+BASE = [*MODEL, "task.kwargs.n_layers=4", f"ray.num_cpus={K}"]  # 4 blocks: 4 equal fragments
+FP4 = ["compression.codec=int4", "compression.downlink=int4"]
+INT8 = ["compression.codec=int8", "compression.downlink=int8"]
+CO2 = ["mode=overlap", "overlap.lr=0.7", "overlap.momentum=0.0"]
+
+
+def fragmented(p: int) -> list[str]:
+    return ["mode=streaming", f"streaming.fragments={p}", "streaming.overlap=true", "streaming.alpha=0.5"]
+
+
+def methods(link: list[str]) -> dict[str, tuple[str, list[str]]]:
+    """Every row but `compute_only` (which calibrates `link`) and the peer."""
+    return {
+        "diloco": ("DiLoCo, fp32 both ways (Nesterov 0.7 / 0.9)", ["mode=diloco", *link]),
+        "streaming_p2": ("Streaming DiLoCo P=2, tau = H/P, alpha 0.5, fp32", [*fragmented(2), *link]),
+        "streaming_p4": ("Streaming DiLoCo P=4, tau = H/P, alpha 0.5, fp32", [*fragmented(4), *link]),
+        "streaming_p4_fp4": ("Streaming DiLoCo P=4, 4-bit (int4) both ways", [*fragmented(4), *FP4, *link]),
+        "diloco_int8": ("DiLoCo, int8 both ways", ["mode=diloco", *INT8, *link]),
+        "overlap": ("CO2 overlap (alpha 0.7), one-round lag", [*CO2, *link]),
+        "overlap_eager": ("CO2 overlap with eager updates (Kale et al. 2025)", [*CO2, "overlap.eager=true", *link]),
+        "ddp_k": ("data-parallel, 2 islands = 2x batch, every step (no link: its bytes)", ["mode=ddp"]),
+    }
+
+
+def _common(rounds: int, seed: int, warm: Path) -> list[str]:
+    return [
+        f"islands.count={K}",
+        f"inner_steps={H}",
+        f"rounds={rounds}",
+        f"seed={seed}",
+        f"warm_start.steps={WARM}",
+        f"warm_start.path={warm}",
+    ]
+
+
+def _run(
+    name: str, desc: str, overrides: list[str], rounds: int, warm: dict[int, Path], seeds: tuple[int, ...], work: Path
+) -> list[dict[str, Any]]:
+    table = {f"{name}@s{s}": (desc, [*_common(rounds, s, warm[s]), *overrides]) for s in seeds}
+    runs = run_methods(BASE, table, work)
+    return [runs[f"{name}@s{s}"] for s in seeds]
+
+
+def streaming(quick: bool, work: Path) -> BenchResult:
+    with one_ray(K):
+        return _streaming(quick, work)
+
+
+def _streaming(quick: bool, work: Path) -> BenchResult:
+    rounds = 3 if quick else 8
+    seeds = (0,) if quick else SEEDS
+    warm_base = [*BASE, f"islands.count={K}", f"inner_steps={H}", f"rounds={rounds}"]
+    warm = {s: train_warm_start(warm_base, s, WARM, work / f"warm@s{s}") for s in seeds}
+    runs: dict[str, list[dict[str, Any]]] = {}
+    descriptions: dict[str, tuple[str, list[str]]] = {
+        "compute_only": ("the streaming_p4_fp4 run with no link (compute only)", [*fragmented(4), *FP4])
+    }
+    runs["compute_only"] = _run("compute_only", *descriptions["compute_only"], rounds, warm, seeds, work)
+    ref = runs["compute_only"][0]
+    compute_per_round = ref["compute_seconds"] / rounds
+    params_bytes = ref["num_params"] * 4
+    bandwidth = 2 * params_bytes * 8 / (compute_per_round * 1e9)
+    link = [f"link.bandwidth_gbps={bandwidth:.6g}", "link.latency_ms=0"]
+    for name, (desc, overrides) in methods(link).items():
+        descriptions[name] = (desc, overrides)
+        runs[name] = _run(name, desc, overrides, rounds, warm, seeds if name in HEADLINE else seeds[:1], work)
+    results = {name: _result(descriptions[name], summaries) for name, summaries in runs.items()}
+    peer = _peer(rounds, warm, seeds[:1])
+    if peer is not None:
+        results["torchft_streaming_p4"] = peer
+    compute_only = results["compute_only"]["wall_seconds"]
+    for r in results.values():
+        r["wall_vs_compute_only"] = r["wall_seconds"] / compute_only
+    checks = _checks(results)
+    r = results
+    line = (
+        f"streaming: P=4 fp4 {r['streaming_p4_fp4']['final_eval_loss']:.4f} vs DiLoCo {r['diloco']['final_eval_loss']:.4f} "
+        f"(means of {len(seeds)} seeds), {r['diloco']['bytes_communicated'] / r['streaming_p4_fp4']['bytes_communicated']:.1f}x "
+        f"fewer bytes, peak {r['diloco']['peak_exchange_bytes'] / r['streaming_p4_fp4']['peak_exchange_bytes']:.1f}x lower, "
+        f"wall {r['streaming_p4_fp4']['wall_vs_compute_only']:.2f}x compute-only; {targets_met(checks)}"
+    )
+    curves = {
+        name: eval_curve(work / f"{name}@s{seeds[0]}", runs[name][0], "tokens_total")
+        for name in runs
+        if name != "ddp_k"
+    }
+    walls = {name: eval_curve(work / f"{name}@s{seeds[0]}", runs[name][0], "train_seconds") for name in runs}
+    return BenchResult(
+        "streaming",
+        quick,
+        results,
+        line,
+        _markdown(results, checks, rounds, seeds, bandwidth, compute_per_round),
+        [Panel("tokens (after the warm start)", curves), Panel("train seconds (wall-clock)", walls)],
+        extra={
+            "checks": checks,
+            "link_bandwidth_gbps": bandwidth,
+            "compute_seconds_per_round": compute_per_round,
+            "warm_start": {"steps": WARM, "mode": "ddp", "islands": K},
+        },
+    )
+
+
+def _result(described: tuple[str, list[str]], summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    desc, overrides = described
+    losses = [s["final_eval_loss"] for s in summaries]
+    walls = [s["train_seconds"] for s in summaries]
+    first = summaries[0]
+    return {
+        "description": desc,
+        "overrides": overrides,
+        "final_eval_loss": statistics.fmean(losses),
+        "final_eval_loss_seeds": losses,
+        "final_eval_loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
+        "wall_seconds": statistics.median(walls),
+        "wall_seconds_runs": walls,
+        **{
+            k: first[k]
+            for k in (
+                "bytes_communicated",
+                "bytes_sent",
+                "bytes_received",
+                "peak_exchange_bytes",
+                "compute_seconds",
+                "idle_fraction",
+                "outer_steps",
+                "tokens",
+            )
+        },
+    }
+
+
+def _peer(rounds: int, warm: dict[int, Path], seeds: tuple[int, ...]) -> dict[str, Any] | None:
+    """torchft's Streaming DiLoCo with the `streaming_p4` settings; None, logged, when
+    torchft is not installed."""
+    try:
+        from orchestrator.bench.peer import torchft_diloco
+    except ImportError as err:
+        log.warning("peer row skipped: %s (pip install -e '.[peer]')", err)
+        return None
+    overrides = [f"islands.count={K}", f"inner_steps={H}", f"rounds={rounds}", *fragmented(4)]
+    peer = torchft_diloco(BASE, overrides, K, warm, seeds, WARM)
+    half = peer["bytes_communicated"] // 2  # a ring all-reduce: as much in as out
+    return {
+        **peer,
+        "bytes_sent": half,
+        "bytes_received": half,
+        "peak_exchange_bytes": None,  # not measured: torchft does not report it
+        "wall_seconds": peer["train_seconds"],
+        "wall_seconds_runs": [peer["train_seconds"]],
+    }
+
+
+def _pct(a: float, b: float) -> float:
+    return 100 * (a / b - 1)
+
+
+def _checks(r: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    d, s4 = r["diloco"], r["streaming_p4_fp4"]
+    int8, ddp = r["diloco_int8"], r["ddp_k"]
+    checks = {
+        "streaming_p4_fp4_within_1pct_of_diloco": {
+            "value": _pct(s4["final_eval_loss"], d["final_eval_loss"]),
+            "ok": s4["final_eval_loss"] <= 1.01 * d["final_eval_loss"],
+        },
+        "peak_exchange_le_1/P_of_diloco (fp32, P=4)": {
+            "value": r["streaming_p4"]["peak_exchange_bytes"] / d["peak_exchange_bytes"],
+            "ok": r["streaming_p4"]["peak_exchange_bytes"] <= d["peak_exchange_bytes"] / 4,
+        },
+        "fp4_total_bytes_ge_7x_fewer_than_diloco": {
+            "value": d["bytes_communicated"] / s4["bytes_communicated"],
+            "ok": d["bytes_communicated"] >= 7 * s4["bytes_communicated"],
+        },
+        "fp4_total_bytes_ge_300x_fewer_than_ddp": {
+            "value": ddp["bytes_communicated"] / s4["bytes_communicated"],
+            "ok": ddp["bytes_communicated"] >= 300 * s4["bytes_communicated"],
+        },
+        "fp4_wall_le_1.05x_compute_only": {
+            "value": s4["wall_vs_compute_only"],
+            "ok": s4["wall_vs_compute_only"] <= 1.05,
+        },
+        "int8_both_ways_bytes_ge_3.5x_fewer": {
+            "value": d["bytes_communicated"] / int8["bytes_communicated"],
+            "ok": d["bytes_communicated"] >= 3.5 * int8["bytes_communicated"],
+        },
+        "int8_loss_within_1pct": {
+            "value": _pct(int8["final_eval_loss"], d["final_eval_loss"]),
+            "ok": int8["final_eval_loss"] <= 1.01 * d["final_eval_loss"],
+        },
+        "eager_beats_co2_lag": {
+            "value": r["overlap_eager"]["final_eval_loss"] - r["overlap"]["final_eval_loss"],
+            "ok": r["overlap_eager"]["final_eval_loss"] < r["overlap"]["final_eval_loss"],
+        },
+    }
+    peer = r.get("torchft_streaming_p4")
+    if peer is not None:
+        gap = _pct(peer["final_eval_loss"], r["streaming_p4"]["final_eval_loss"])
+        checks["torchft_streaming_within_1pct_of_ours"] = {"value": gap, "ok": abs(gap) <= 1.0}
+    return checks
+
+
+def _markdown(
+    r: dict[str, dict[str, Any]],
+    checks: dict[str, dict[str, Any]],
+    rounds: int,
+    seeds: tuple[int, ...],
+    bandwidth: float,
+    compute: float,
+) -> str:
+    def loss(m: dict[str, Any]) -> str:
+        n = len(m["final_eval_loss_seeds"])
+        return f"{m['final_eval_loss']:.4f}" + (f" ± {m['final_eval_loss_std']:.4f} ({n})" if n > 1 else "")
+
+    d = r["diloco"]
+    rows = [
+        [
+            f"`{name}`",
+            m["description"],
+            loss(m),
+            f"{_pct(m['final_eval_loss'], d['final_eval_loss']):+.2f}%",
+            f"{m['bytes_sent'] / 1e6:.2f}",
+            f"{m['bytes_received'] / 1e6:.2f}",
+            f"{d['bytes_communicated'] / m['bytes_communicated']:.1f}×",
+            f"{m['peak_exchange_bytes'] / 1e6:.3f}" if m.get("peak_exchange_bytes") is not None else "",
+            f"{m['wall_seconds']:.1f}",
+            f"{m['wall_vs_compute_only']:.2f}×",
+        ]
+        for name, m in r.items()
+    ]
+    header = [
+        "method",
+        "what",
+        "final eval loss (mean ± sd, seeds)",
+        "vs diloco",
+        "MB sent",
+        "MB received",
+        "diloco bytes / bytes",
+        "peak MB per exchange",
+        "wall s",
+        "vs compute-only",
+    ]
+    return (
+        f"GPT d=64, 4 layers, context 64, batch 16 per island, {K} islands (no more than this machine's cores), "
+        f"H = {H}, {rounds} rounds after a shared warm start ({WARM} data-parallel steps) per seed; headline rows "
+        f"run seeds {list(seeds)}. Simulated link {bandwidth * 1000:.2f} Mbit/s: one fp32 full-model exchange "
+        f"(parameters down + pseudo-gradient up) takes one round of compute ({compute:.1f} s). Bytes per island "
+        f"link, both directions; received bytes include each island's first full download (fp32). Peak: the most "
+        f"bytes one island moved for one piece of work (what it received for it plus what it sent).\n\n"
+        + md_table(header, rows)
+        + "\n\n"
+        + checks_table(checks)
+    )
