@@ -1,0 +1,45 @@
+"""Streaming DiLoCo and the compressed downlink on a real local Ray instance: the changes
+islands receive go through Ray as they do in process, so the run's numbers are the
+in-process engine's; and a crashed island's replacement gets the full copy."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.config_load import load_config
+from orchestrator.runtime.driver import run
+from tests.helpers import TINY_LM, in_process_engine
+
+pytestmark = pytest.mark.ray
+
+
+def _cfg(tmp_path, corpus_cache, name, *extra):
+    return load_config(
+        None,
+        [
+            *TINY_LM,
+            f"task.kwargs.cache_dir={corpus_cache}",
+            "task.kwargs.n_layers=4",
+            "islands.count=2",
+            "rounds=3",
+            "inner_steps=8",
+            "mode=streaming",
+            "streaming.fragments=4",
+            "compression.codec=int4",
+            "compression.downlink=int4",
+            f"out_dir={tmp_path / name}",
+            *extra,
+        ],
+    )
+
+
+def test_streaming_with_4_bits_both_ways_on_ray_is_the_in_process_run(ray_local, tmp_path, corpus_cache):
+    summary = run(_cfg(tmp_path, corpus_cache, "ray"), show_progress=False)
+    engine, _ = in_process_engine(_cfg(tmp_path, corpus_cache, "local"))
+    local = engine.execute()
+    assert summary["state"] == "finished" and summary["outer_steps"] == 12 and summary["rounds_done"] == 3
+    assert summary["final_eval_loss"] == pytest.approx(local["final_eval_loss"], abs=1e-6)
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    for key in ("bytes_sent", "bytes_received", "peak_exchange_bytes"):
+        assert summary[key] == local[key], key
+    assert {k: v["applied"] for k, v in summary["fragments"].items()} == {str(p): 6 for p in range(4)}
