@@ -155,6 +155,7 @@ def _result(described: tuple[str, list[str]], summaries: list[dict[str, Any]]) -
                 "bytes_sent",
                 "bytes_received",
                 "peak_exchange_bytes",
+                "bytes_bootstrap",
                 "compute_seconds",
                 "idle_fraction",
                 "outer_steps",
@@ -177,6 +178,7 @@ def _peer(rounds: int, warm: dict[int, Path], seeds: tuple[int, ...]) -> dict[st
     half = peer["bytes_communicated"] // 2  # a ring all-reduce: as much in as out
     return {
         **peer,
+        "bytes_bootstrap": 0,  # its replicas load the warm start from disk
         "bytes_sent": half,
         "bytes_received": half,
         "peak_exchange_bytes": None,  # not measured: torchft does not report it
@@ -273,6 +275,15 @@ def _markdown(
         "wall s",
         "vs compute-only",
     ]
+    s4 = r["streaming_p4_fp4"]
+    exchanged = (d["bytes_communicated"] - d["bytes_bootstrap"]) / (s4["bytes_communicated"] - s4["bytes_bootstrap"])
+    context = (
+        f"\n\nEvery island's first download is the whole model in fp32 ({d['bytes_bootstrap'] / 1e6:.2f} MB in all, "
+        f"the same in every row): counted above, it is "
+        f"{100 * s4['bytes_bootstrap'] / s4['bytes_communicated']:.0f}% of `streaming_p4_fp4`'s bytes over these "
+        f"{rounds} rounds. Without it (the exchanges alone) DiLoCo moves {exchanged:.1f}× the bytes of "
+        f"`streaming_p4_fp4`; the share shrinks as a run gets longer."
+    )
     return (
         f"GPT d=64, 4 layers, context 64, batch 16 per island, {K} islands (no more than this machine's cores), "
         f"H = {H}, {rounds} rounds after a shared warm start ({WARM} data-parallel steps) per seed; headline rows "
@@ -281,6 +292,7 @@ def _markdown(
         f"link, both directions; received bytes include each island's first full download (fp32). Peak: the most "
         f"bytes one island moved for one piece of work (what it received for it plus what it sent).\n\n"
         + md_table(header, rows)
+        + context
         + "\n\n"
         + checks_table(checks)
     )

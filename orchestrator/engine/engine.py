@@ -418,7 +418,7 @@ class RoundEngine:
         params, changes, nbytes, bootstrap = self._downlink(work)
         delay = 0.0
         if nbytes:  # a new global (or its changes) to download over its link
-            self.stats.download(stats, nbytes)
+            self.stats.download(stats, nbytes, bootstrap)
             delay = max(
                 0.0, self.published_at.get(work.version, now) + self.cfg.island_link(work.island).seconds(nbytes) - now
             )

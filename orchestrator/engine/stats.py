@@ -21,6 +21,7 @@ COUNTERS = (
     "bytes_sent",
     "bytes_received",
     "peak_exchange_bytes",
+    "bytes_bootstrap",
     "fragments",
     "initial_eval",
     "last_eval",
@@ -45,6 +46,7 @@ class RunStats:
     def __init__(self) -> None:
         self.tokens = self.tokens_applied = self.bytes_sent = self.bytes_received = 0
         self.peak_exchange_bytes = 0  # most bytes one island moved for one piece of work (up + down)
+        self.bytes_bootstrap = 0  # islands' first full downloads (part of bytes_received)
         self.fragments: dict[str, dict[str, int]] = {}  # streaming: per fragment updates, bytes, staleness
         self.initial_eval: float | None = None
         self.last_eval: float | None = None
@@ -58,9 +60,11 @@ class RunStats:
         self.t_train = time.perf_counter() - self.train_elapsed
         self.window = Window(self.tokens)
 
-    def download(self, stats: IslandStats, nbytes: int) -> None:
+    def download(self, stats: IslandStats, nbytes: int, bootstrap: bool = False) -> None:
         stats.bytes_received += nbytes
         self.bytes_received += nbytes
+        if bootstrap:
+            self.bytes_bootstrap += nbytes
 
     def exchange(self, nbytes: int) -> None:
         """One island's exchange for one piece of work: what it received for it (a first,
@@ -203,6 +207,7 @@ class RunStats:
             "bytes_received": self.bytes_received,
             "bytes_communicated": self.bytes_sent + self.bytes_received,
             "peak_exchange_bytes": self.peak_exchange_bytes,
+            "bytes_bootstrap": self.bytes_bootstrap,
             "fragments": self.fragments or None,
             "wall_seconds": now - self.t0,
             "train_seconds": train_s,
