@@ -232,3 +232,14 @@ def test_eager_overlap_starts_each_lagged_round_from_the_islands_own_update():
     lr, clip = cfg.overlap.lr, cfg.overlap.clip
     expected = torch.from_numpy(params) - lr * own.clamp(-clip, clip)
     assert torch.allclose(island.start, expected, atol=1e-7) and (own.abs() > clip).any()
+
+
+def test_a_live_change_of_h_must_keep_whole_segments():
+    from orchestrator.engine.controls import SettingsUpdate
+    from orchestrator.engine.policies import check_settings
+
+    cfg = _cfg("mode=streaming", "streaming.fragments=4", "inner_steps=8")
+    with pytest.raises(ValueError, match="multiple of streaming.fragments = 4"):
+        check_settings(cfg, SettingsUpdate(inner_steps=10))
+    check_settings(cfg, SettingsUpdate(inner_steps=12, outer_lr=0.5))
+    check_settings(_cfg("mode=diloco"), SettingsUpdate(inner_steps=10))

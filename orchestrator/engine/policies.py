@@ -22,6 +22,7 @@ from orchestrator.algorithms.outer import CO2Outer, DelayedNesterov, FlatSGD
 from orchestrator.algorithms.robust import NormGuard
 from orchestrator.config import Mode, OuterConfig, RunConfig
 from orchestrator.engine.admission import Admission, BoundedStaleness, ExactVersion, StalenessRule
+from orchestrator.engine.controls import SettingsUpdate
 from orchestrator.engine.outer_step import OuterRule, Scheduler
 from orchestrator.engine.pacing import Barrier, FragmentSchedule, OneRoundLag, Pacing, PerArrival
 from workers.fragments import Fragments
@@ -65,6 +66,14 @@ def outer_rule(cfg: RunConfig) -> OuterRule:
             anchored=True,
         )
     return OuterRule(plain)
+
+
+def check_settings(cfg: RunConfig, update: SettingsUpdate) -> None:
+    """Refuse (ValueError: a 422 from the control plane) a settings change the mode
+    cannot take: streaming's H must stay a whole number of segments."""
+    p = cfg.streaming.fragments
+    if cfg.mode == Mode.STREAMING and update.inner_steps is not None and update.inner_steps % p:
+        raise ValueError(f"inner_steps = {update.inner_steps} must be a multiple of streaming.fragments = {p}")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from orchestrator.config import RunConfig
 from orchestrator.engine.build import PhasedRun
 from orchestrator.engine.controls import SettingsUpdate
 from orchestrator.engine.engine import RoundEngine
+from orchestrator.engine.policies import check_settings
 from orchestrator.engine.types import SliceLost, coordinator_name
 from orchestrator.logs import configure
 from orchestrator.runtime.island_pool import RayIslandPool, island_bundle
@@ -111,5 +112,6 @@ class Coordinator:
     def update_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
         """Validate now, apply at the next round boundary; returns what will change."""
         update = SettingsUpdate(**changes)
+        check_settings(self.cfg, update)
         self.engine.controls.request(update)
         return update.model_dump(exclude_none=True)
