@@ -204,10 +204,12 @@ class StreamingConfig(_Strict):
     fragment has its own outer optimizer state."""
 
     fragments: int = Field(4, ge=1, le=64, description="P: fragments (inner_steps must be a multiple of it)")
-    overlap: bool = Field(
-        True,
-        description="tau = H/P: an island trains the next segment while its fragment is exchanged and merges the "
-        "new global fragment one segment later (False: tau = 0, it waits for the outer step)",
+    tau: int | None = Field(
+        None,
+        ge=0,
+        description="overlap in inner steps: a fragment's pseudo-gradient leaves tau steps before its segment "
+        "ends and the new global fragment is merged when the segment ends, so its exchange hides behind tau "
+        "steps of compute; 0 to H/P - 1; null: a fifth of a segment (5 steps at H = 100, P = 4)",
     )
     alpha: float = Field(
         0.5,
@@ -443,11 +445,18 @@ class RunConfig(_Strict):
         if self.mode == Mode.STREAMING:
             if self.inner_steps % p:
                 raise ValueError(f"inner_steps = {self.inner_steps} must be a multiple of streaming.fragments = {p}")
-            if self.streaming.overlap and p < 2:
+            segment = self.inner_steps // p
+            if self.streaming.tau is not None and self.streaming.tau >= segment:
                 raise ValueError(
-                    "streaming.overlap needs streaming.fragments >= 2 (a fragment's merge must land "
-                    "before its next exchange)"
+                    f"streaming.tau = {self.streaming.tau} must be shorter than a segment (inner_steps / fragments "
+                    f"= {segment}): a fragment leaves after at least one step of its segment"
                 )
+
+    @property
+    def streaming_tau(self) -> int:
+        """τ resolved: `streaming.tau`, or a fifth of a segment when null."""
+        tau = self.streaming.tau
+        return tau if tau is not None else self.inner_steps // self.streaming.fragments // 5
 
     @property
     def tracks_copy(self) -> bool:

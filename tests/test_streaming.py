@@ -88,23 +88,44 @@ def _final(cfg: RunConfig) -> torch.Tensor:
 def test_one_fragment_without_overlap_or_merge_is_diloco_exactly():
     """P = 1, τ = 0, α = 0: one fragment replaced at every outer step is DiLoCo, to the bit."""
     diloco = _final(_cfg("mode=diloco"))
-    streaming = _final(_cfg("mode=streaming", "streaming.fragments=1", "streaming.overlap=false", "streaming.alpha=0"))
+    streaming = _final(_cfg("mode=streaming", "streaming.fragments=1", "streaming.tau=0", "streaming.alpha=0"))
     assert torch.equal(diloco, streaming)
 
 
 def test_the_schedule_staggers_fragments_and_each_is_stepped_every_round():
-    cfg = _cfg("mode=streaming", "streaming.fragments=4")
+    cfg = _cfg("mode=streaming", "streaming.fragments=2", "inner_steps=8", "streaming.tau=1")
     engine, pool = in_process_engine(cfg)
     summary = engine.execute()
-    # segment t sends fragment (t - 1) mod 4, H/P = 1 step each, in every island's orders
+    # segment t sends fragment (t - 1) mod 2, H/P = 4 steps each, Δ taken τ = 1 step early
     for island in (0, 1):
         orders = [o for o in pool.dispatched if o.island == island]
-        assert [o.fragment for o in orders] == [t % 4 for t in range(20)]
-        assert all(o.steps == 1 for o in orders)
-    assert summary["outer_steps"] == 20 and summary["rounds_done"] == 5
-    assert {k: v["applied"] for k, v in summary["fragments"].items()} == {str(p): 10 for p in range(4)}
-    # with overlap, a fragment's update lands one segment after it is sent
-    assert all(v["staleness_max"] == 1 for v in summary["fragments"].values())
+        assert [o.fragment for o in orders] == [t % 2 for t in range(10)]
+        assert all(o.steps == 4 and o.send_after == 3 for o in orders)
+    assert summary["outer_steps"] == 10 and summary["rounds_done"] == 5
+    assert {k: v["applied"] for k, v in summary["fragments"].items()} == {"0": 10, "1": 10}
+    assert all(v["staleness_max"] == 0 for v in summary["fragments"].values())
+
+
+@pytest.mark.parametrize(("tau", "hidden"), [(0, False), (3, True)])
+def test_tau_steps_hide_a_fragment_exchange_on_the_run_s_clock(tau, hidden):
+    """Segments of 4 one-second steps (virtual clock) over a link of 1.5 s each way: with
+    τ = 0 every segment waits 3 s for its exchange; with τ = 3 the pseudo-gradient leaves
+    after the segment's first step and the merged fragment is back as it ends."""
+    cfg = _cfg(
+        "mode=streaming",
+        "streaming.fragments=2",
+        "inner_steps=8",
+        f"streaming.tau={tau}",
+        "link.latency_ms=1500",
+        "link.bandwidth_gbps=1000",
+    )
+    engine, _ = in_process_engine(cfg)
+    summary = engine.execute()
+    compute = 10 * 4  # 10 segments of 4 steps
+    if hidden:  # only the first download of the model shows
+        assert summary["clock_seconds"] == pytest.approx(compute + 1.5)
+    else:
+        assert summary["clock_seconds"] == pytest.approx(compute + 10 * 3.0)
 
 
 def _copies(engine) -> dict[int, torch.Tensor]:
@@ -144,7 +165,7 @@ def test_a_lossless_streaming_copy_is_the_outer_parameters():
 
 
 def test_an_island_refuses_a_change_it_already_applied_or_one_that_skips():
-    cfg = _gpt("mode=streaming", "compression.downlink=int8", "streaming.overlap=false")
+    cfg = _gpt("mode=streaming", "compression.downlink=int8", "streaming.tau=0")
     island = Island(island_spec(cfg, 0))
     params = island.flat.numpy()
     order = WorkOrder(0, 0, 0, WorkKind.TRAIN, 2, {0: 0}, fragment=0)
@@ -183,7 +204,7 @@ def test_streaming_moves_a_fragment_at_a_time_and_4_bits_both_ways():
 
 
 def test_a_nan_fragment_is_rejected_and_its_fragment_untouched():
-    cfg = _cfg("mode=streaming", "streaming.fragments=2", "streaming.overlap=false", "robust.quarantine_after=5")
+    cfg = _cfg("mode=streaming", "streaming.fragments=2", "streaming.tau=0", "robust.quarantine_after=5")
     engine, _ = in_process_engine(cfg, [Fault(FaultKind.NAN, i, order=3) for i in (0, 1)])
     engine.start()
     while engine.run.closes < 2:
@@ -201,7 +222,7 @@ def test_a_nan_fragment_is_rejected_and_its_fragment_untouched():
     ("overrides", "message"),
     [
         (["mode=streaming", "inner_steps=10", "streaming.fragments=4"], "multiple of streaming.fragments"),
-        (["mode=streaming", "streaming.fragments=1"], "overlap needs streaming.fragments >= 2"),
+        (["mode=streaming", "inner_steps=8", "streaming.fragments=4", "streaming.tau=2"], "shorter than a segment"),
         (["mode=streaming", "coordinator.shards=2"], "coordinator.shards = 1"),
         (["mode=ddp", "compression.downlink=int8"], "DiLoCo-family mode"),
         (["compression.downlink=int3"], "downlink: unknown codec"),
@@ -239,7 +260,7 @@ def test_a_live_change_of_h_must_keep_whole_segments():
     from orchestrator.engine.policies import check_settings
 
     cfg = _cfg("mode=streaming", "streaming.fragments=4", "inner_steps=8")
-    with pytest.raises(ValueError, match="multiple of streaming.fragments = 4"):
+    with pytest.raises(ValueError, match=r"multiple of streaming\.fragments = 4"):
         check_settings(cfg, SettingsUpdate(inner_steps=10))
     check_settings(cfg, SettingsUpdate(inner_steps=12, outer_lr=0.5))
     check_settings(_cfg("mode=diloco"), SettingsUpdate(inner_steps=10))

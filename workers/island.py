@@ -222,11 +222,15 @@ class Island:
         shard_tokens = {s: 0 for s in order.shards}
         positions = dict(order.shards)  # advanced per batch actually read: what the ledger checks
         losses, weight = 0.0, 0
+        tail_steps, tail_s = 0, 0.0
         if order.kind == WorkKind.TRAIN:
             if src is not None:
                 self.start.copy_(src)
-            t_step = time.perf_counter()  # a step's time includes reading its batch
-            for shard, batch in self._batches(order):
+            delta: torch.Tensor | None = None
+            t_sent = t_step = time.perf_counter()  # a step's time includes reading its batch
+            for j, (shard, batch) in enumerate(self._batches(order)):
+                if delta is not None:
+                    tail_steps += 1
                 loss, w = self._forward_backward(batch)
                 self._clip()
                 self._step()
@@ -238,7 +242,12 @@ class Island:
                 if self.spec.slowdown > 1 and self.spec.sleeps:
                     time.sleep((self.spec.slowdown - 1) * (time.perf_counter() - t_step))
                 t_step = time.perf_counter()
-            delta = self._delta(order.fragment)
+                if delta is None and order.send_after == j + 1 and j + 1 < order.steps:
+                    delta, t_sent = self._delta(order.fragment).clone(), t_step  # Streaming DiLoCo's τ
+            if delta is None:
+                delta = self._delta(order.fragment)
+            else:
+                tail_s = time.perf_counter() - t_sent
             if self.spec.eager_step:
                 self.last_delta = delta.clone()
             payload = self._encode(delta, order.fragment)
@@ -261,6 +270,8 @@ class Island:
             shard_tokens,
             order.ticket,
             fragment=order.fragment,
+            tail_steps=tail_steps,
+            tail_s=tail_s,
         )
 
     def _sync(self, order: WorkOrder, params: Any) -> torch.Tensor | None:

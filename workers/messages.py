@@ -46,6 +46,7 @@ class WorkOrder:
     fragment: int | None = None  # streaming: the fragment whose pseudo-gradient to send (None: all)
     changes: tuple[Change, ...] = ()  # the published copy's changes since the version the island holds
     eager: bool = False  # overlap: start from `version` moved by this island's last update (not in it yet)
+    send_after: int | None = None  # streaming: take Δ after this many steps (τ before the end); None: at the end
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,8 @@ class RoundResult:
     ticket: int = -1
     sent_bytes: int | None = None  # set when `payload` holds references to the encoded slices
     fragment: int | None = None  # streaming: the fragment `payload` is the pseudo-gradient of
+    tail_steps: int = 0  # streaming: steps trained after Δ was taken (τ): its exchange overlapped them
+    tail_s: float = 0.0  # ... and their seconds (on the pool's clock once the pool has set it)
 
     def delta(self) -> Any:
         """Δ decoded to fp32, or its S slices as they came (each coordinator slice decodes its own)."""

@@ -39,15 +39,15 @@ CO2 = ["mode=overlap", "overlap.lr=0.7", "overlap.momentum=0.0"]
 
 
 def fragmented(p: int) -> list[str]:
-    return ["mode=streaming", f"streaming.fragments={p}", "streaming.overlap=true", "streaming.alpha=0.5"]
+    return ["mode=streaming", f"streaming.fragments={p}", "streaming.alpha=0.5"]  # tau: a fifth of a segment
 
 
 def methods(link: list[str]) -> dict[str, tuple[str, list[str]]]:
     """Every row but `compute_only` (which calibrates `link`) and the peer."""
     return {
         "diloco": ("DiLoCo, fp32 both ways (Nesterov 0.7 / 0.9)", ["mode=diloco", *link]),
-        "streaming_p2": ("Streaming DiLoCo P=2, tau = H/P, alpha 0.5, fp32", [*fragmented(2), *link]),
-        "streaming_p4": ("Streaming DiLoCo P=4, tau = H/P, alpha 0.5, fp32", [*fragmented(4), *link]),
+        "streaming_p2": ("Streaming DiLoCo P=2, tau = 10, alpha 0.5, fp32", [*fragmented(2), *link]),
+        "streaming_p4": ("Streaming DiLoCo P=4, tau = 5, alpha 0.5, fp32", [*fragmented(4), *link]),
         "streaming_p4_fp4": ("Streaming DiLoCo P=4, 4-bit (int4) both ways", [*fragmented(4), *FP4, *link]),
         "diloco_int8": ("DiLoCo, int8 both ways", ["mode=diloco", *INT8, *link]),
         "overlap": ("CO2 overlap (alpha 0.7), one-round lag", [*CO2, *link]),

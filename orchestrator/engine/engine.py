@@ -387,13 +387,16 @@ class RoundEngine:
         self._release(island, state, reason)
 
     # -- work out -------------------------------------------------------------------------------
-    def _publish(self) -> None:
+    def _publish(self, at: float | None = None) -> None:
         """Publish the new version once (islands fetch it from there); keep the one before,
-        which a round under a one-round lag starts from."""
+        which a round under a one-round lag starts from. `at`: when it was ready on the
+        run's clock, if earlier than now (streaming: its pseudo-gradients left τ steps
+        before their islands' work ended, so the step was due before the results came back)."""
         v = self.run.version
         params = self.downlink.copy.numpy() if self.downlink is not None else self.outer.params()
         self.refs[v] = self.pool.publish(v, params)
-        self.published_at.setdefault(v, self.pool.now())
+        now = self.pool.now()
+        self.published_at.setdefault(v, now if at is None else min(at, now))
         for old in [old for old in self.refs if old < v - 1]:
             del self.refs[old]
 
@@ -436,6 +439,7 @@ class RoundEngine:
             work.fragment,
             tuple(changes),
             work.eager,
+            work.send_after,
         )
         stats.inner_steps = work.steps
         flight = Flight(ticket, work, now + delay + self.cfg.deadline_s(work.steps))
@@ -511,7 +515,9 @@ class RoundEngine:
         self.speeds.observe(island, result.steps, result.compute_s)
         self.stats.exchange(flight.received + result.nbytes)
         flight.result = result
-        flight.delivered_at = result.finished_at + self.cfg.island_link(island).seconds(result.nbytes)
+        # a pseudo-gradient taken τ steps before the end (streaming) was on its link meanwhile
+        sent_at = result.finished_at - result.tail_s
+        flight.delivered_at = sent_at + self.cfg.island_link(island).seconds(result.nbytes)
         self.run.completed_steps += result.steps
         self.pacing.arrived(flight)
 
@@ -590,8 +596,9 @@ class RoundEngine:
     def _close(self, close: Close) -> None:
         flights = close.flights  # every flight a pacing closes has its result
         results = [f.result for f in flights if f.result is not None]
-        if flights:  # the step happens once every result has crossed its (simulated) link
-            self.pool.sleep_until(max(f.delivered_at for f in flights))
+        due = max((f.delivered_at for f in flights), default=None)
+        if due is not None:  # the step happens once every result has crossed its (simulated) link
+            self.pool.sleep_until(due)
         contributions = [
             Contribution(r.island, r.version, r.delta(), self._weight(r), r.steps, close.fragment) for r in results
         ]
@@ -606,7 +613,7 @@ class RoundEngine:
             if self.downlink is not None:
                 self.downlink.step(self.run.version, self.flat.data, close.fragment)
             self.outer.anchor(self.run.version, keep_from=max(self.run.base, self.run.version - 1))
-            self._publish()
+            self._publish(due)
         self.run.closes += 1
         for flight, r, verdict in zip(flights, results, verdicts):
             staleness = close.staleness if close.staleness is not None else verdict.staleness

@@ -10,9 +10,9 @@ outer step. The engine asks; a pacing only keeps its own bookkeeping over `RunSt
   from the version round t−1 produced, so the exchange of round t hides behind round t+1;
   round t closes (in order) once every island given it has resolved.
 
-- `FragmentSchedule` (streaming): rounds are P segments of H/P steps, each ending with
-  one fragment's exchange; the segments are paced by a `Barrier` (τ = 0) or a
-  `OneRoundLag` (τ = H/P: a fragment's exchange hides behind the next segment).
+- `FragmentSchedule` (streaming): rounds are P segments of H/P steps, each sending one
+  fragment τ steps before it ends (its exchange hides behind those τ steps), paced by a
+  `Barrier`: the next segment merges the fragment's new global values as it starts.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ class Work:
     schedule_step: int | None = None
     fragment: int | None = None  # streaming: the fragment this work's exchange sends
     eager: bool = False  # start from `version` moved by the island's own last update (not yet in it)
+    send_after: int | None = None  # streaming: Δ is taken after this many steps (τ before the end)
 
 
 @dataclass
@@ -301,14 +302,15 @@ class OneRoundLag:
 
 class FragmentSchedule:
     """Streaming DiLoCo's staggered schedule over another pacing. Segment t (1-based over
-    the run, H/P inner steps) ends with fragment (t − 1) mod P's exchange and outer step,
-    so fragment p is synchronised every H steps, H/P after fragment p − 1; a round (H
+    the run, H/P inner steps) sends fragment (t − 1) mod P, taken `tau` steps before the
+    segment ends, and its outer step closes the segment, so fragment p is synchronised
+    every H steps, H/P after fragment p − 1, and merged τ steps after it left; a round (H
     steps, what records and the budget count) is P segments. `inner` paces the segments
-    through a view of the run in segments, so its rules (barrier, one-round lag,
-    membership, stalls) hold unchanged."""
+    through a view of the run in segments, so its rules (barrier, membership) hold
+    unchanged."""
 
-    def __init__(self, inner: Pacing, fragments: int) -> None:
-        self.inner, self.p = inner, fragments
+    def __init__(self, inner: Pacing, fragments: int, tau: int) -> None:
+        self.inner, self.p, self.tau = inner, fragments, tau
 
     def _view(self, run: RunState) -> RunState:
         return dataclasses.replace(run, rounds=run.rounds * self.p, inner_steps=max(1, run.inner_steps // self.p))
@@ -318,7 +320,8 @@ class FragmentSchedule:
 
     def plan(self, run: RunState, idle: list[int]) -> list[Work]:
         return [
-            dataclasses.replace(w, fragment=self._fragment(w.round)) for w in self.inner.plan(self._view(run), idle)
+            dataclasses.replace(w, fragment=self._fragment(w.round), send_after=max(0, w.steps - self.tau))
+            for w in self.inner.plan(self._view(run), idle)
         ]
 
     def cancel(self, work: Work) -> None:

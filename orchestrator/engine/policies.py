@@ -8,7 +8,7 @@ slices, runtime) works with whatever is chosen here.
 | `ddp`     | Barrier/batch | exact version       | the inner AdamW + schedule on mean gradients |
 | `async`   | PerArrival    | bounded staleness   | `DelayedNesterov`, or Nesterov per arrival   |
 | `overlap` | OneRoundLag   | exact (lagged) ver. | `CO2Outer`                                  |
-| `streaming` | FragmentSchedule over Barrier (τ = 0) or OneRoundLag (τ = H/P) | exact version | Nesterov / SGD / Adam per fragment |
+| `streaming` | FragmentSchedule (a Barrier over segments, Δ taken τ steps early) | exact version | Nesterov / SGD / Adam per fragment |
 """
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ def build_policies(cfg: RunConfig, numel: int, fragments: Fragments | None = Non
     elif cfg.mode == Mode.DDP:
         pacing = Barrier(WorkKind.GRADIENT, steps_per_record=cfg.inner_steps)
     elif cfg.mode == Mode.STREAMING:
-        segments = OneRoundLag() if cfg.streaming.overlap else Barrier(WorkKind.TRAIN, steps_per_record=1)
-        pacing = FragmentSchedule(segments, cfg.streaming.fragments)
+        segments = Barrier(WorkKind.TRAIN, steps_per_record=1)
+        pacing = FragmentSchedule(segments, cfg.streaming.fragments, cfg.streaming_tau)
     else:
         pacing = Barrier(WorkKind.TRAIN, steps_per_record=1)
     admission = Admission(

@@ -245,11 +245,12 @@ class InProcessPool:
             return
         if fault is not None and fault.kind == FaultKind.LATE:
             duration += fault.seconds
-        compute = order.steps * self.step_s * island.spec.slowdown  # virtual, so DyLU sees the simulated speeds
-        self._at(
-            self.t + duration,
-            Done(order.ticket, i, dataclasses.replace(result, finished_at=self.t + duration, compute_s=compute)),
+        step = self.step_s * island.spec.slowdown
+        compute = order.steps * step  # virtual, so DyLU sees the simulated speeds
+        timed = dataclasses.replace(
+            result, finished_at=self.t + duration, compute_s=compute, tail_s=result.tail_steps * step
         )
+        self._at(self.t + duration, Done(order.ticket, i, timed))
 
     def poll(self, timeout: float) -> list[PoolEvent]:
         if not self._queue or self._queue[0].at > self.t + timeout:

@@ -284,9 +284,10 @@ class RayIslandPool:
         self.vt = max(self.vt, at)
         event = self._fetch(ref, ticket, island)
         if isinstance(event, Done):
-            steps = event.result.steps
-            compute = self.cfg.islands.virtual_seconds(island, steps)
-            event = Done(ticket, island, dataclasses.replace(event.result, finished_at=at, compute_s=compute))
+            r = event.result
+            compute = self.cfg.islands.virtual_seconds(island, r.steps)
+            tail = self.cfg.islands.virtual_seconds(island, r.tail_steps)
+            event = Done(ticket, island, dataclasses.replace(r, finished_at=at, compute_s=compute, tail_s=tail))
         return [event]
 
     def _fetch(self, ref: Any, ticket: int, island: int) -> PoolEvent:
