@@ -114,7 +114,7 @@ def test_streaming_rows_are_the_issue_s_and_share_one_token_budget():
 
     from orchestrator.bench.streaming import BASE, H, K, _common, methods
 
-    table = methods(["link.bandwidth_gbps=0.01", "link.latency_ms=0"])
+    table = methods(["link.bandwidth_gbps=0.01", "link.latency_ms=0"], 0.7, 1.0)
     assert set(table) | {"compute_only"} == {
         "diloco",
         "streaming_p2",
@@ -130,5 +130,6 @@ def test_streaming_rows_are_the_issue_s_and_share_one_token_budget():
     assert len({_tokens(c) for c in configs.values()}) == 1  # every method sees the same tokens
     s4 = configs["streaming_p4_fp4"]
     assert s4.streaming.fragments == 4 and s4.compression.codec == s4.compression.downlink == "int4"
+    assert s4.outer.lr == 1.0 and configs["diloco"].outer.lr == configs["diloco_int8"].outer.lr == 0.7
     assert configs["diloco_int8"].compression.downlink == "int8" and configs["overlap_eager"].overlap.eager
     assert configs["ddp_k"].link.bandwidth_gbps is None and s4.inner_steps == H and s4.islands.count == K

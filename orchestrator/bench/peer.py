@@ -93,11 +93,8 @@ def _replica(rank: int, k: int, cfg_json: str, lighthouse: str | None, out: Any)
             connect_timeout=timedelta(seconds=120),
         )
         streaming = {}
-        if len(fragments) > 1:  # torchft's delay must stay below H/P; ours (tau) is H/P
-            streaming = {
-                "fragment_sync_delay": cfg.inner_steps // len(fragments) - 1,
-                "fragment_update_alpha": cfg.streaming.alpha,
-            }
+        if len(fragments) > 1:  # our tau and alpha
+            streaming = {"fragment_sync_delay": cfg.streaming_tau, "fragment_update_alpha": cfg.streaming.alpha}
         diloco = DiLoCo(manager, fragments, inner, outers, sync_every=cfg.inner_steps, **streaming)
     model.train()
     t0 = time.perf_counter()
@@ -192,7 +189,7 @@ def torchft_diloco(
     what = "DiLoCo"
     if cfg.mode == Mode.STREAMING:
         p = cfg.streaming.fragments
-        what = f"Streaming DiLoCo (P={p} module fragments, delay H/P-1 = {cfg.inner_steps // p - 1}, alpha {cfg.streaming.alpha})"
+        what = f"Streaming DiLoCo (P={p} module fragments, delay {cfg.streaming_tau}, alpha {cfg.streaming.alpha})"
     return {
         "description": f"torchft {version('torchft')} {what} (local_sgd.DiLoCo, gloo all-reduce), same everything",
         "overrides": overrides,

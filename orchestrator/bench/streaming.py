@@ -32,24 +32,31 @@ K = 2  # no more islands than this machine's cores: compute is not contended, so
 WARM = 200
 SEEDS = (0, 1, 2)
 HEADLINE = ("diloco", "streaming_p4_fp4", "compute_only")
+OUTER_LRS = (0.7, 1.0)  # the headline rows each run at their best (seed 0), as the papers tune the outer step
 BASE = [*MODEL, "task.kwargs.n_layers=4", f"ray.num_cpus={K}"]  # 4 blocks: 4 equal fragments
-FP4 = ["compression.codec=int4", "compression.downlink=int4"]
+FP4 = ["compression.codec=int4", "compression.downlink=int4"]  # chunk 512 (the default): one scale per 512
 INT8 = ["compression.codec=int8", "compression.downlink=int8"]
 CO2 = ["mode=overlap", "overlap.lr=0.7", "overlap.momentum=0.0"]
 
 
 def fragmented(p: int) -> list[str]:
-    return ["mode=streaming", f"streaming.fragments={p}", "streaming.alpha=0.5"]  # tau: a fifth of a segment
+    """Streaming with the product's defaults (tau a fifth of a segment, alpha 0)."""
+    return ["mode=streaming", f"streaming.fragments={p}"]
 
 
-def methods(link: list[str]) -> dict[str, tuple[str, list[str]]]:
-    """Every row but `compute_only` (which calibrates `link`) and the peer."""
+def methods(link: list[str], lr_diloco: float, lr_streaming: float) -> dict[str, tuple[str, list[str]]]:
+    """Every row but `compute_only` (which calibrates `link`) and the peer; the DiLoCo and
+    streaming rows at their tuned outer lr (Nesterov, momentum 0.9)."""
+    d, s = [f"outer.lr={lr_diloco}"], [f"outer.lr={lr_streaming}"]
     return {
-        "diloco": ("DiLoCo, fp32 both ways (Nesterov 0.7 / 0.9)", ["mode=diloco", *link]),
-        "streaming_p2": ("Streaming DiLoCo P=2, tau = 10, alpha 0.5, fp32", [*fragmented(2), *link]),
-        "streaming_p4": ("Streaming DiLoCo P=4, tau = 5, alpha 0.5, fp32", [*fragmented(4), *link]),
-        "streaming_p4_fp4": ("Streaming DiLoCo P=4, 4-bit (int4) both ways", [*fragmented(4), *FP4, *link]),
-        "diloco_int8": ("DiLoCo, int8 both ways", ["mode=diloco", *INT8, *link]),
+        "diloco": (f"DiLoCo, fp32 both ways, outer lr {lr_diloco}", ["mode=diloco", *d, *link]),
+        "streaming_p2": ("Streaming DiLoCo P=2, tau 10, fp32", [*fragmented(2), *s, *link]),
+        "streaming_p4": ("Streaming DiLoCo P=4, tau 5, fp32", [*fragmented(4), *s, *link]),
+        "streaming_p4_fp4": (
+            f"Streaming DiLoCo P=4, tau 5, 4-bit (int4) both ways, outer lr {lr_streaming}",
+            [*fragmented(4), *FP4, *s, *link],
+        ),
+        "diloco_int8": ("DiLoCo, int8 both ways", ["mode=diloco", *INT8, *d, *link]),
         "overlap": ("CO2 overlap (alpha 0.7), one-round lag", [*CO2, *link]),
         "overlap_eager": ("CO2 overlap with eager updates (Kale et al. 2025)", [*CO2, "overlap.eager=true", *link]),
         "ddp_k": ("data-parallel, 2 islands = 2x batch, every step (no link: its bytes)", ["mode=ddp"]),
@@ -68,11 +75,20 @@ def _common(rounds: int, seed: int, warm: Path) -> list[str]:
 
 
 def _run(
-    name: str, desc: str, overrides: list[str], rounds: int, warm: dict[int, Path], seeds: tuple[int, ...], work: Path
+    folder: str, desc: str, overrides: list[str], rounds: int, warm: dict[int, Path], seeds: tuple[int, ...], work: Path
 ) -> list[dict[str, Any]]:
-    table = {f"{name}@s{s}": (desc, [*_common(rounds, s, warm[s]), *overrides]) for s in seeds}
+    """Runs `folder@s<seed>` (a finished one of the same config is reused)."""
+    table = {f"{folder}@s{s}": (desc, [*_common(rounds, s, warm[s]), *overrides]) for s in seeds}
     runs = run_methods(BASE, table, work)
-    return [runs[f"{name}@s{s}"] for s in seeds]
+    return [runs[f"{folder}@s{s}"] for s in seeds]
+
+
+def _tune(key: str, overrides: list[str], rounds: int, warm: dict[int, Path], work: Path) -> dict[float, float]:
+    """Seed 0 of `key` at every outer lr: lr -> final eval loss."""
+    return {
+        lr: _run(f"{key}_lr{lr}", key, [*overrides, f"outer.lr={lr}"], rounds, warm, (0,), work)[0]["final_eval_loss"]
+        for lr in OUTER_LRS
+    }
 
 
 def streaming(quick: bool, work: Path) -> BenchResult:
@@ -85,21 +101,30 @@ def _streaming(quick: bool, work: Path) -> BenchResult:
     seeds = (0,) if quick else SEEDS
     warm_base = [*BASE, f"islands.count={K}", f"inner_steps={H}", f"rounds={rounds}"]
     warm = {s: train_warm_start(warm_base, s, WARM, work / f"warm@s{s}") for s in seeds}
-    runs: dict[str, list[dict[str, Any]]] = {}
-    descriptions: dict[str, tuple[str, list[str]]] = {
-        "compute_only": ("the streaming_p4_fp4 run with no link (compute only)", [*fragmented(4), *FP4])
-    }
-    runs["compute_only"] = _run("compute_only", *descriptions["compute_only"], rounds, warm, seeds, work)
-    ref = runs["compute_only"][0]
-    compute_per_round = ref["compute_seconds"] / rounds
-    params_bytes = ref["num_params"] * 4
+    # the link: calibrated on the streaming run's compute with none
+    calibration = _run("calibration", "", [*fragmented(4), *FP4], rounds, warm, (0,), work)[0]
+    compute_per_round = calibration["compute_seconds"] / rounds
+    params_bytes = calibration["num_params"] * 4
     bandwidth = 2 * params_bytes * 8 / (compute_per_round * 1e9)
     link = [f"link.bandwidth_gbps={bandwidth:.6g}", "link.latency_ms=0"]
-    for name, (desc, overrides) in methods(link).items():
-        descriptions[name] = (desc, overrides)
-        runs[name] = _run(name, desc, overrides, rounds, warm, seeds if name in HEADLINE else seeds[:1], work)
-    results = {name: _result(descriptions[name], summaries) for name, summaries in runs.items()}
-    peer = _peer(rounds, warm, seeds[:1])
+    sweep = {
+        "diloco": _tune("diloco", ["mode=diloco", *link], rounds, warm, work),
+        "streaming_p4_fp4": _tune("streaming_p4_fp4", [*fragmented(4), *FP4, *link], rounds, warm, work),
+    }
+    best = {key: min(losses, key=losses.__getitem__) for key, losses in sweep.items()}
+    table = methods(link, best["diloco"], best["streaming_p4_fp4"])
+    table["compute_only"] = (
+        "the streaming_p4_fp4 run with no link (compute only)",
+        [*fragmented(4), *FP4, f"outer.lr={best['streaming_p4_fp4']}"],
+    )
+    folders = {name: name for name in table}
+    folders.update({key: f"{key}_lr{lr}" for key, lr in best.items()})  # seed 0 is the sweep's run
+    runs = {
+        name: _run(folders[name], desc, overrides, rounds, warm, seeds if name in HEADLINE else seeds[:1], work)
+        for name, (desc, overrides) in table.items()
+    }
+    results = {name: _result(table[name], summaries) for name, summaries in runs.items()}
+    peer = _peer(rounds, warm, seeds[:1], best["streaming_p4_fp4"])
     if peer is not None:
         results["torchft_streaming_p4"] = peer
     compute_only = results["compute_only"]["wall_seconds"]
@@ -113,21 +138,19 @@ def _streaming(quick: bool, work: Path) -> BenchResult:
         f"fewer bytes, peak {r['diloco']['peak_exchange_bytes'] / r['streaming_p4_fp4']['peak_exchange_bytes']:.1f}x lower, "
         f"wall {r['streaming_p4_fp4']['wall_vs_compute_only']:.2f}x compute-only; {targets_met(checks)}"
     )
-    curves = {
-        name: eval_curve(work / f"{name}@s{seeds[0]}", runs[name][0], "tokens_total")
-        for name in runs
-        if name != "ddp_k"
-    }
-    walls = {name: eval_curve(work / f"{name}@s{seeds[0]}", runs[name][0], "train_seconds") for name in runs}
+    first = {name: work / f"{folders[name]}@s{seeds[0]}" for name in runs}
+    curves = {name: eval_curve(first[name], runs[name][0], "tokens_total") for name in runs if name != "ddp_k"}
+    walls = {name: eval_curve(first[name], runs[name][0], "train_seconds") for name in runs}
     return BenchResult(
         "streaming",
         quick,
         results,
         line,
-        _markdown(results, checks, rounds, seeds, bandwidth, compute_per_round),
+        _markdown(results, checks, rounds, seeds, bandwidth, compute_per_round, sweep),
         [Panel("tokens (after the warm start)", curves), Panel("train seconds (wall-clock)", walls)],
         extra={
             "checks": checks,
+            "outer_lr_sweep": {k: {str(lr): v for lr, v in losses.items()} for k, losses in sweep.items()},
             "link_bandwidth_gbps": bandwidth,
             "compute_seconds_per_round": compute_per_round,
             "warm_start": {"steps": WARM, "mode": "ddp", "islands": K},
@@ -165,7 +188,7 @@ def _result(described: tuple[str, list[str]], summaries: list[dict[str, Any]]) -
     }
 
 
-def _peer(rounds: int, warm: dict[int, Path], seeds: tuple[int, ...]) -> dict[str, Any] | None:
+def _peer(rounds: int, warm: dict[int, Path], seeds: tuple[int, ...], lr: float) -> dict[str, Any] | None:
     """torchft's Streaming DiLoCo with the `streaming_p4` settings; None, logged, when
     torchft is not installed."""
     try:
@@ -173,7 +196,7 @@ def _peer(rounds: int, warm: dict[int, Path], seeds: tuple[int, ...]) -> dict[st
     except ImportError as err:
         log.warning("peer row skipped: %s (pip install -e '.[peer]')", err)
         return None
-    overrides = [f"islands.count={K}", f"inner_steps={H}", f"rounds={rounds}", *fragmented(4)]
+    overrides = [f"islands.count={K}", f"inner_steps={H}", f"rounds={rounds}", *fragmented(4), f"outer.lr={lr}"]
     peer = torchft_diloco(BASE, overrides, K, warm, seeds, WARM)
     half = peer["bytes_communicated"] // 2  # a ring all-reduce: as much in as out
     return {
@@ -242,6 +265,7 @@ def _markdown(
     seeds: tuple[int, ...],
     bandwidth: float,
     compute: float,
+    sweep: dict[str, dict[float, float]],
 ) -> str:
     def loss(m: dict[str, Any]) -> str:
         n = len(m["final_eval_loss_seeds"])
@@ -284,6 +308,10 @@ def _markdown(
         f"{rounds} rounds. Without it (the exchanges alone) DiLoCo moves {exchanged:.1f}× the bytes of "
         f"`streaming_p4_fp4`; the share shrinks as a run gets longer."
     )
+    tuned = "; ".join(
+        f"`{key}` " + ", ".join(f"lr {lr}: {loss:.4f}" for lr, loss in losses.items()) for key, losses in sweep.items()
+    )
+    context += f"\n\nOuter Nesterov lr (momentum 0.9) tried on seed 0, the best kept for every seed: {tuned}."
     return (
         f"GPT d=64, 4 layers, context 64, batch 16 per island, {K} islands (no more than this machine's cores), "
         f"H = {H}, {rounds} rounds after a shared warm start ({WARM} data-parallel steps) per seed; headline rows "
