@@ -32,7 +32,7 @@ K = 2  # no more islands than this machine's cores: compute is not contended, so
 WARM = 200
 SEEDS = (0, 1, 2)
 HEADLINE = ("diloco", "streaming_p4_fp4", "compute_only")
-OUTER_LRS = (0.7, 1.0)  # the headline rows each run at their best (seed 0), as the papers tune the outer step
+OUTER_LRS = (0.7, 1.0, 1.3)  # the headline rows each run at their best (seed 0), as the papers tune the outer step
 BASE = [*MODEL, "task.kwargs.n_layers=4", f"ray.num_cpus={K}"]  # 4 blocks: 4 equal fragments
 FP4 = ["compression.codec=int4", "compression.downlink=int4"]  # chunk 512 (the default): one scale per 512
 INT8 = ["compression.codec=int8", "compression.downlink=int8"]
