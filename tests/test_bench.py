@@ -107,6 +107,12 @@ def test_a_finished_run_of_the_same_config_is_reused_and_no_other(tmp_path):
     assert finished(cfg.model_copy(update={"rounds": 3})) is None  # another config is run afresh
     (out / "summary.json").write_text(json.dumps({"state": "stopped"}))
     assert finished(cfg) is None
+    # a run of this config that starts over an earlier run's outputs, and is interrupted
+    (out / "summary.json").write_text(json.dumps({"state": "finished", "final_eval_loss": 1.5}))
+    from orchestrator.engine.records import Recorder
+
+    Recorder(out, cfg)
+    assert finished(cfg) is None
 
 
 def test_streaming_rows_are_the_issue_s_and_share_one_token_budget():

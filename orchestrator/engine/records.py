@@ -37,6 +37,9 @@ class Recorder:
         `keep_records` records (those the checkpoint covers) and appends after them."""
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
+        # a summary says a run finished: one left by an earlier run in this folder would
+        # pass for this one's if this one is interrupted (a benchmark would reuse it)
+        (self.out / "summary.json").unlink(missing_ok=True)
         durable_write(self.out / "config.yaml", dump_config(cfg).encode())
         path = self.out / "metrics.jsonl"
         if keep_records is not None and path.exists():
