@@ -168,10 +168,11 @@ def test_an_island_refuses_a_change_it_already_applied_or_one_that_skips():
     cfg = _gpt("mode=streaming", "compression.downlink=int8", "streaming.tau=0")
     island = Island(island_spec(cfg, 0))
     params = island.flat.numpy()
-    order = WorkOrder(0, 0, 0, WorkKind.TRAIN, 2, {0: 0}, fragment=0)
-    island.run(order, params)
     part = encode(np.full(island.fragments.size(0), 0.01, np.float32), "int8", 64)
     change = Change(1, 0, part, absolute=False)
+    with pytest.raises(ChangeOutOfOrder, match="holds no copy"):  # a change needs a copy to change
+        island.run(WorkOrder(0, 0, 1, WorkKind.TRAIN, 2, {0: 0}, fragment=0, changes=(change,)), None)
+    island.run(WorkOrder(0, 0, 0, WorkKind.TRAIN, 2, {0: 0}, fragment=0), params)
     island.run(WorkOrder(0, 1, 1, WorkKind.TRAIN, 2, {0: 2}, fragment=1, changes=(change,)), None)
     before = island.copy.clone()
     with pytest.raises(ChangeOutOfOrder):  # version 1 again: it would be applied twice

@@ -281,13 +281,14 @@ class Island:
         (a received fragment is merged into them instead)."""
         if not self.spec.tracks_copy:
             return as_tensor(params)
-        full = self.copy is None or params is not None
-        if params is not None:  # joining, after a coordinator restart, or too far behind for changes
+        full = params is not None
+        if full:  # joining, after a coordinator restart, or too far behind for changes
             self.copy = as_tensor(params).to(self.device, self.flat.full().dtype).clone()
             self.held = order.version
+        elif self.copy is None:
+            raise ChangeOutOfOrder(f"changes to version {order.version} given to an island that holds no copy")
         else:
             copy = self.copy
-            assert copy is not None  # `full` otherwise
             for change in order.changes:
                 if self.held is None or change.version != self.held + 1:
                     raise ChangeOutOfOrder(f"change to version {change.version} given to a copy of {self.held}")

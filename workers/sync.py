@@ -37,7 +37,8 @@ class Change:
 
 class ChangeOutOfOrder(RuntimeError):
     """A change that does not continue the version a copy holds: applying it could apply an
-    update twice or skip one, so it is refused and the island asks for the full copy."""
+    update twice or skip one, so the island refuses the work (the engine releases it like
+    any island whose code raised, and its replacement starts from the full copy)."""
 
 
 def apply_change(copy: torch.Tensor, change: Change, positions: np.ndarray | slice) -> None:
