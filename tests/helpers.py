@@ -35,6 +35,13 @@ TINY_LM = [
 ]
 
 
+def tiny_lm_config(out: str | Path, corpus_cache: str, *extra: str) -> RunConfig:
+    """The tiny GPT on the session's cached corpus, writing to `out`, with `extra` overrides."""
+    from orchestrator.config_load import load_config
+
+    return load_config(None, [*TINY_LM, f"task.kwargs.cache_dir={corpus_cache}", f"out_dir={out}", *extra])
+
+
 def events(folder: str | Path) -> list[dict[str, Any]]:
     """A run folder's events.jsonl."""
     return [json.loads(line) for line in (Path(folder) / "events.jsonl").read_text().splitlines()]

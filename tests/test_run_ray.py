@@ -10,14 +10,14 @@ import torch
 
 from orchestrator.config_load import load_config
 from orchestrator.runtime.driver import run
-from tests.helpers import TINY_LM
+from tests.helpers import tiny_lm_config
 from workers.lm_task import make_task
 
 pytestmark = pytest.mark.ray
 
 
 def _lm_cfg(tmp_path, corpus_cache, *extra):
-    return load_config(None, [*TINY_LM, f"task.kwargs.cache_dir={corpus_cache}", f"out_dir={tmp_path / 'out'}", *extra])
+    return tiny_lm_config(tmp_path / "out", corpus_cache, *extra)
 
 
 def test_diloco_three_islands_learns_and_writes_outputs(ray_local, tmp_path, corpus_cache):

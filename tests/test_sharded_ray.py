@@ -10,27 +10,22 @@ import json
 import pytest
 import torch
 
-from orchestrator.config_load import load_config
 from orchestrator.runtime.driver import run
-from tests.helpers import TINY_LM, run_until_records
+from tests.helpers import run_until_records, tiny_lm_config
 
 pytestmark = pytest.mark.ray
 
 
 def _cfg(tmp_path, corpus_cache, name, *extra):
-    return load_config(
-        None,
-        [
-            *TINY_LM,
-            f"task.kwargs.cache_dir={corpus_cache}",
-            "islands.count=2",
-            "rounds=3",
-            "inner_steps=5",
-            "compression.chunk=1024",
-            "checkpoint.every_rounds=1",
-            f"out_dir={tmp_path / name}",
-            *extra,
-        ],
+    return tiny_lm_config(
+        tmp_path / name,
+        corpus_cache,
+        "islands.count=2",
+        "rounds=3",
+        "inner_steps=5",
+        "compression.chunk=1024",
+        "checkpoint.every_rounds=1",
+        *extra,
     )
 
 

@@ -6,30 +6,25 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.config_load import load_config
 from orchestrator.runtime.driver import run
-from tests.helpers import TINY_LM, in_process_engine
+from tests.helpers import in_process_engine, tiny_lm_config
 
 pytestmark = pytest.mark.ray
 
 
 def _cfg(tmp_path, corpus_cache, name, *extra):
-    return load_config(
-        None,
-        [
-            *TINY_LM,
-            f"task.kwargs.cache_dir={corpus_cache}",
-            "task.kwargs.n_layers=4",
-            "islands.count=2",
-            "rounds=3",
-            "inner_steps=8",
-            "mode=streaming",
-            "streaming.fragments=4",
-            "compression.codec=int4",
-            "compression.downlink=int4",
-            f"out_dir={tmp_path / name}",
-            *extra,
-        ],
+    return tiny_lm_config(
+        tmp_path / name,
+        corpus_cache,
+        "task.kwargs.n_layers=4",
+        "islands.count=2",
+        "rounds=3",
+        "inner_steps=8",
+        "mode=streaming",
+        "streaming.fragments=4",
+        "compression.codec=int4",
+        "compression.downlink=int4",
+        *extra,
     )
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+import torch
 from torch import nn
 
 
@@ -40,6 +41,7 @@ class Fragments:
         if covered.size != numel or np.unique(covered).size != numel:
             raise ValueError("fragments must cover every parameter exactly once")
         self.index, self.numel = index, numel
+        self._torch: dict[torch.device, list[torch.Tensor]] = {}  # the index as tensors, once per device
 
     @property
     def count(self) -> int:
@@ -48,9 +50,23 @@ class Fragments:
     def size(self, fragment: int) -> int:
         return int(self.index[fragment].size)
 
-    def positions(self, fragment: int | None) -> np.ndarray | slice:
-        """Where `fragment` lies in the flat vector (None: all of it)."""
-        return slice(None) if fragment is None else self.index[fragment]
+    def positions(self, fragment: int | None, device: torch.device | str = "cpu") -> torch.Tensor | slice:
+        """Where `fragment` lies in the flat vector (None: all of it), as an index tensor on
+        `device`, built there once: every merge, Δ and outer step of a fragment indexes
+        with it, so none converts or copies the index again."""
+        if fragment is None:
+            return slice(None)
+        device = torch.device(device)
+        if device not in self._torch:
+            self._torch[device] = [torch.from_numpy(ix).to(device) for ix in self.index]
+        return self._torch[device][fragment]
+
+
+def positions(
+    fragments: Fragments | None, fragment: int | None, device: torch.device | str = "cpu"
+) -> torch.Tensor | slice:
+    """`fragments.positions(...)`, or the whole vector when there are no fragments."""
+    return slice(None) if fragments is None else fragments.positions(fragment, device)
 
 
 def _ranges(model: nn.Module) -> dict[str, tuple[int, int]]:

@@ -20,6 +20,7 @@ import torch
 from workers.compress import ErrorFeedback, Payload, decode, encode
 from workers.flat import FlatParams, ParamStore, as_tensor, slice_bounds
 from workers.fragments import FragmentedTask, fragment_model
+from workers.fragments import positions as fragment_positions
 from workers.messages import RoundResult, WorkKind, WorkOrder
 from workers.optim import InnerConfig, Precision, build_inner
 from workers.sync import ChangeOutOfOrder, apply_change
@@ -224,7 +225,7 @@ class Island:
         losses, weight = 0.0, 0
         tail_steps, tail_s = 0, 0.0
         if order.kind == WorkKind.TRAIN:
-            if src is not None:
+            if order.fragment is None and src is not None:  # a fragment's Δ is taken from the copy instead
                 self.start.copy_(src)
             delta: torch.Tensor | None = None
             t_sent = t_step = time.perf_counter()  # a step's time includes reading its batch
@@ -292,7 +293,7 @@ class Island:
             for change in order.changes:
                 if self.held is None or change.version != self.held + 1:
                     raise ChangeOutOfOrder(f"change to version {change.version} given to a copy of {self.held}")
-                positions = self.fragments.positions(change.fragment) if self.fragments else slice(None)
+                positions = fragment_positions(self.fragments, change.fragment, self.device)
                 apply_change(copy, change, positions)
                 self.held = change.version
                 if self.fragments is not None:
@@ -322,5 +323,5 @@ class Island:
         if fragment is None:
             return self.start - self.flat.full()
         assert self.copy is not None and self.fragments is not None
-        positions = self.fragments.positions(fragment)
+        positions = self.fragments.positions(fragment, self.device)
         return self.copy[positions] - self.flat.full()[positions]

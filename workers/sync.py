@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from workers.compress import Payload, decode, payload_nbytes
@@ -41,11 +40,10 @@ class ChangeOutOfOrder(RuntimeError):
     any island whose code raised, and its replacement starts from the full copy)."""
 
 
-def apply_change(copy: torch.Tensor, change: Change, positions: np.ndarray | slice) -> None:
-    """Apply `change` to `copy` (a flat tensor) at `positions` (its fragment's)."""
+def apply_change(copy: torch.Tensor, change: Change, positions: torch.Tensor | slice) -> None:
+    """Apply `change` to `copy` (a flat tensor) at `positions` (its fragment's, on its device)."""
     values = as_tensor(decode(change.payload)).to(copy.device, copy.dtype)
-    index = positions if isinstance(positions, slice) else torch.from_numpy(positions).to(copy.device)
     if change.absolute:
-        copy[index] = values
+        copy[positions] = values
     else:
-        copy[index] += values
+        copy[positions] += values

@@ -7,11 +7,10 @@ what each holds), which is what keeps a restarted run from applying a change twi
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from workers.compress import encode
-from workers.fragments import Fragments
+from workers.fragments import Fragments, positions
 from workers.sync import Change, apply_change
 
 
@@ -33,13 +32,12 @@ class Downlink:
     def step(self, version: int, params: torch.Tensor, fragment: int | None) -> Change:
         """The change to `version` after an outer step of `fragment`; applied to the copy
         with the islands' own `apply_change`, so the copy is what they will hold."""
-        where = self.fragments.positions(fragment) if self.fragments else slice(None)
-        positions = torch.from_numpy(where) if isinstance(where, np.ndarray) else where
-        new = params.detach()[positions]
+        where = positions(self.fragments, fragment)
+        new = params.detach()[where]
         if self.codec == "none":
             change = Change(version, fragment, encode(new.numpy().copy(), "none"), absolute=True)
         else:
-            diff = (new - self.copy[positions]).numpy()
+            diff = (new - self.copy[where]).numpy()
             change = Change(version, fragment, encode(diff, self.codec, self.chunk), absolute=False)
         apply_change(self.copy, change, where)
         self.changes[version] = change

@@ -442,9 +442,8 @@ class RoundEngine:
             work.send_after,
         )
         stats.inner_steps = work.steps
-        flight = Flight(ticket, work, now + delay + self.cfg.deadline_s(work.steps))
-        flight.received = 0 if bootstrap else nbytes
-        self.flights[ticket] = flight
+        deadline = now + delay + self.cfg.deadline_s(work.steps)
+        self.flights[ticket] = Flight(ticket, work, deadline, received=0 if bootstrap else nbytes)
         self.pool.dispatch(order, params)
 
     def _downlink(self, work: Work) -> tuple[Any, list[Change], int, bool]:

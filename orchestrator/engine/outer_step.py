@@ -168,7 +168,7 @@ class LocalOuter:
         if fragments is None:
             self.steps = [OuterStep(flat, rule)]
         else:
-            self.steps = [OuterStep(flat[torch.from_numpy(ix)].clone(), rule) for ix in fragments.index]
+            self.steps = [OuterStep(flat[fragments.positions(p)].clone(), rule) for p in range(fragments.count)]
         self._keys = itertools.count()
         self.pending: dict[int, list[tuple[int, np.ndarray, float]]] = {}
 
@@ -204,7 +204,7 @@ class LocalOuter:
         step = self.steps[fragment]
         gap = step.apply(parts, scale, anchor)
         with torch.no_grad():
-            self.flat[torch.from_numpy(self.fragments.index[fragment])] = step.param.detach()
+            self.flat[self.fragments.positions(fragment)] = step.param.detach()
         return gap
 
     def discard(self, key: int) -> None:
@@ -232,8 +232,8 @@ class LocalOuter:
             self.steps[0].load_state_dict(state, version)
             return
         with torch.no_grad():
-            for step, ix, st in zip(self.steps, self.fragments.index, state["fragments"]):
-                step.param.copy_(self.flat[torch.from_numpy(ix)])
+            for p, (step, st) in enumerate(zip(self.steps, state["fragments"])):
+                step.param.copy_(self.flat[self.fragments.positions(p)])
                 step.load_state_dict(st, version)
 
     def set_lr(self, lr: float) -> None:
