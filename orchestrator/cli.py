@@ -12,7 +12,7 @@ import logging
 import sys
 from pathlib import Path
 
-from orchestrator.config_load import ConfigError, dump_config, load_config
+from orchestrator.config_load import ConfigError, check_folders, dump_config, load_config
 from orchestrator.logs import configure, level_for
 
 log = logging.getLogger(__name__)
@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     config_file = str(Path(resume) / "config.yaml") if resume and not args.config else args.config
     try:
         cfg = load_config(config_file, overrides)
+        if args.command == "run":
+            check_folders(cfg)
     except ConfigError as err:
         log.error("invalid config: %s", err)
         return 2

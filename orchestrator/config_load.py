@@ -3,6 +3,7 @@ the field and the reason (and the task's own kwargs validated up front too)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -88,3 +89,23 @@ def check_task_spec(cfg: RunConfig) -> None:
 
 def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def check_folders(cfg: RunConfig) -> None:
+    """Refuse, before any compute, a run whose outputs or checkpoints could not be written:
+    each folder is created and a probe file written and removed in it. Without this an
+    unwritable `checkpoint.path` (a regular file, a read-only mount) was found only at the
+    first checkpoint, after that much training."""
+    folders = [("out_dir", cfg.out_dir)]
+    if cfg.checkpoint.every_rounds or cfg.checkpoint.path:
+        folders.append(("checkpoint.path", cfg.checkpoint_dir))
+    for field, folder in folders:
+        path = Path(folder)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            probe = path / f".archipelago-probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as err:
+            what = "is a file, not a folder" if path.is_file() else f"is not writable: {err.strerror or err}"
+            raise ConfigError(f"{field}: {folder} {what}") from err

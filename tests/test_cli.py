@@ -75,3 +75,23 @@ def test_run_init_from_sets_the_field_and_a_missing_file_is_named(tmp_path, caps
     assert main(["run", "--init-from", str(tmp_path / "missing.pt")]) == 2  # before anything starts
     err = capsys.readouterr().err
     assert "invalid config: init_from" in err and "missing.pt" in err
+
+
+@pytest.mark.parametrize("field", ["checkpoint.path", "out_dir"])
+def test_run_refuses_a_folder_it_cannot_write_before_anything_starts(tmp_path, capsys, field):
+    """Before: a `checkpoint.path` that is a regular file was found at the first checkpoint,
+    after that much training (a traceback ended the run)."""
+    import sys
+    import time
+
+    taken = tmp_path / "a-file"
+    taken.write_text("not a folder")
+    out = taken if field == "out_dir" else tmp_path / "out"
+    started = time.monotonic()
+    assert main(["run", "--set", f"{field}={taken}", "--set", f"out_dir={out}"]) == 2
+    assert time.monotonic() - started < 10
+    err = capsys.readouterr().err
+    assert f"invalid config: {field}: {taken} is a file, not a folder" in err
+    assert taken.read_text() == "not a folder"
+    ray = sys.modules.get("ray")
+    assert ray is None or not ray.is_initialized()  # refused before Ray, let alone training

@@ -7,107 +7,33 @@ trained = Σ of the islands' tokens."""
 
 from __future__ import annotations
 
-import itertools
 import json
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
-from orchestrator.config import RunConfig
-from orchestrator.config_load import load_config
 from orchestrator.engine.build import build_engine
-from orchestrator.engine.engine import RoundEngine
 from orchestrator.engine.pool import Fault, FaultKind
 from orchestrator.engine.types import Event, RunFailed
-from tests.helpers import assert_trained_once, events, in_process_engine
-
-CENTERS = "[[1.0,0.0],[-0.5,2.0],[0.5,0.5],[2.0,-1.0]]"
-_keys = itertools.count()
-
-
-def _cfg(tmp_path: Path, mode: str, *extra: str) -> RunConfig:
-    key = f"r{next(_keys)}"
-    return load_config(
-        None,
-        [
-            "task.factory=tests.toy_tasks:make_recording",
-            "warm_start.steps=0",
-            f"task.kwargs.centers={CENTERS}",
-            f"task.kwargs.record={key}",
-            f"mode={mode}",
-            "islands.count=3",
-            "rounds=6",
-            "inner_steps=4",
-            "inner.optimizer=sgd",
-            "inner.lr=0.1",
-            "inner.warmup_steps=0",
-            "inner.grad_clip=null",
-            "outer.lr=0.7",
-            "round_timeout_s=20",
-            "step_timeout_s=0",
-            "elastic.late_grace_s=100",
-            "robust.weight_ratio=null",  # the recording task's batches weigh 1 to 12 tokens on purpose
-            "checkpoint.every_rounds=1",
-            "elastic.placement_timeout_s=100",
-            f"out_dir={tmp_path / key}",
-            # streaming: two fragments, over a point with one layer per coordinate
-            *(["task.kwargs.split=true", "streaming.fragments=2"] if mode == "streaming" else []),
-            *extra,
-        ],
-    )
-
-
-Action = Callable[[RoundEngine], None]
-
-
-def _drive(engine: RoundEngine, at: dict[int, Action] | None = None, until: int | None = None) -> None:
-    """Step `engine`; once it has recorded round r, run `at[r]`; stop stepping after round `until`."""
-    done: set[int] = set()
-    engine.start()
-    while engine.step():
-        for r, act in (at or {}).items():
-            if r not in done and engine.rounds_done >= r:
-                done.add(r)
-                act(engine)
-        if until is not None and engine.rounds_done >= until:
-            return
-
-
-def _check_exactly_once(cfg: RunConfig, summary: dict[str, Any], lost: Counter | None = None) -> None:
-    """Reads − lost work = each batch below its shard's position, once; tokens agree."""
-    position, tokens = summary["shards"]["position"], summary["shards"]["tokens"]
-    assert_trained_once(cfg.task.kwargs["record"], position, [cfg.out_dir], lost)
-    assert [p * (s + 1) for s, p in enumerate(position)] == tokens  # a batch of shard s weighs s + 1
-    assert sum(tokens) == summary["tokens"] == sum(isl["tokens"] for isl in summary["islands"].values())
-
-
-def _run(
-    cfg: RunConfig, faults: list[Fault] | None = None, at: dict[int, Action] | None = None, **pool: Any
-) -> dict[str, Any]:
-    engine, _ = in_process_engine(cfg, faults, **pool)
-    _drive(engine, at)
-    _check_exactly_once(cfg, engine.summary)
-    return engine.summary
-
+from tests.engine_scenarios import Action, check_exactly_once, drive, run_scenario, scenario_cfg
+from tests.helpers import events, in_process_engine
 
 MODES = ["diloco", "ddp", "async", "overlap", "streaming"]
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_no_fault_every_mode_trains_each_batch_once(tmp_path, mode):
-    summary = _run(_cfg(tmp_path, mode))
+    summary = run_scenario(scenario_cfg(tmp_path, mode))
     assert summary["state"] == "finished" and summary["rounds_done"] == 6
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_islands_of_different_speeds_every_batch_once(tmp_path, mode):
-    cfg = _cfg(tmp_path, mode, "islands.simulated_slowdown=[1.0,1.5,3.0]")
-    summary = _run(cfg)
+    cfg = scenario_cfg(tmp_path, mode, "islands.simulated_slowdown=[1.0,1.5,3.0]")
+    summary = run_scenario(cfg)
     assert summary["rounds_done"] == 6 and summary["final_eval_loss"] < summary["initial_eval_loss"]
     if mode == "overlap":  # every island that did round t-1 is in round t: none is left out by timing
         records = [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -116,8 +42,8 @@ def test_islands_of_different_speeds_every_batch_once(tmp_path, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_crashed_island_is_replaced_and_its_round_retrained(tmp_path, mode):
-    cfg = _cfg(tmp_path, mode)
-    summary = _run(cfg, [Fault(FaultKind.CRASH, 1, order=2)])
+    cfg = scenario_cfg(tmp_path, mode)
+    summary = run_scenario(cfg, [Fault(FaultKind.CRASH, 1, order=2)])
     isl = summary["islands"]
     assert isl["1"]["state"] == "dead" and "3" in isl and isl["3"]["state"] == "training"
     kinds = [e["kind"] for e in events(cfg.out_dir)]
@@ -127,8 +53,8 @@ def test_a_crashed_island_is_replaced_and_its_round_retrained(tmp_path, mode):
 
 @pytest.mark.parametrize("mode", ["diloco", "overlap", "async", "streaming"])
 def test_a_late_island_is_left_behind_then_trains_again(tmp_path, mode):
-    cfg = _cfg(tmp_path, mode)
-    summary = _run(cfg, [Fault(FaultKind.LATE, 2, order=2, seconds=21.0)])
+    cfg = scenario_cfg(tmp_path, mode)
+    summary = run_scenario(cfg, [Fault(FaultKind.LATE, 2, order=2, seconds=21.0)])
     isl = summary["islands"]
     assert isl["2"]["late_results"] == 1 and isl["2"]["state"] == "training"
     # its first update, and (with rounds left) more after its overdue result arrived
@@ -136,9 +62,9 @@ def test_a_late_island_is_left_behind_then_trains_again(tmp_path, mode):
     assert any(e["kind"] == "late" and e["island"] == 2 for e in events(cfg.out_dir))
 
 
-def test_a_hung_island_never_stalls_the_run(tmp_path):
-    cfg = _cfg(tmp_path, "async")
-    summary = _run(cfg, [Fault(FaultKind.HANG, 0, order=1)])
+def test_a_hung_island_never_stalls_therun_scenario(tmp_path):
+    cfg = scenario_cfg(tmp_path, "async")
+    summary = run_scenario(cfg, [Fault(FaultKind.HANG, 0, order=1)])
     assert summary["rounds_done"] == 6 and summary["islands"]["0"]["state"] == "late"
     assert summary["islands"]["0"]["rounds_contributed"] == 0
 
@@ -146,17 +72,17 @@ def test_a_hung_island_never_stalls_the_run(tmp_path):
 @pytest.mark.parametrize("mode", ["diloco", "async", "overlap", "streaming"])
 def test_a_hung_island_is_released_after_the_grace_and_replaced(tmp_path, mode):
     """Before: a hung island stayed `late` to the end of the run, holding its resources."""
-    cfg = _cfg(tmp_path, mode, "rounds=8", "elastic.late_grace_s=10")
-    summary = _run(cfg, [Fault(FaultKind.HANG, 0, order=2)])
+    cfg = scenario_cfg(tmp_path, mode, "rounds=8", "elastic.late_grace_s=10")
+    summary = run_scenario(cfg, [Fault(FaultKind.HANG, 0, order=2)])
     isl = summary["islands"]
     assert isl["0"]["state"] == "dead" and "hung" in isl["0"]["error"]
     assert isl["3"]["state"] == "training" and isl["3"]["rounds_contributed"] >= 1
     assert summary["rounds_done"] == 8
 
 
-def test_a_round_in_which_every_island_is_late_does_not_fail_the_run(tmp_path):
-    cfg = _cfg(tmp_path, "diloco")
-    summary = _run(cfg, [Fault(FaultKind.LATE, i, order=2, seconds=25.0) for i in range(3)])
+def test_a_round_in_which_every_island_is_late_does_not_fail_therun_scenario(tmp_path):
+    cfg = scenario_cfg(tmp_path, "diloco")
+    summary = run_scenario(cfg, [Fault(FaultKind.LATE, i, order=2, seconds=25.0) for i in range(3)])
     assert summary["state"] == "finished" and summary["rounds_done"] == 6
     assert all(s["late_results"] == 1 and s["state"] == "training" for s in summary["islands"].values())
     # the empty round took no outer step, and the version says so
@@ -166,10 +92,10 @@ def test_a_round_in_which_every_island_is_late_does_not_fail_the_run(tmp_path):
 def test_the_deadline_scales_with_h_so_a_larger_h_is_never_late(tmp_path):
     """Before: a fixed round_timeout_s made every island late once H grew (an in-range
     PATCH of inner_steps, or the shipped k8s config's H = 500), and the run failed."""
-    cfg = _cfg(tmp_path, "diloco", "round_timeout_s=5", "step_timeout_s=2")
+    cfg = scenario_cfg(tmp_path, "diloco", "round_timeout_s=5", "step_timeout_s=2")
     from orchestrator.engine.controls import SettingsUpdate
 
-    summary = _run(cfg, at={2: lambda e: e.controls.request(SettingsUpdate(inner_steps=60))})
+    summary = run_scenario(cfg, at={2: lambda e: e.controls.request(SettingsUpdate(inner_steps=60))})
     kinds = [e["kind"] for e in events(cfg.out_dir)]
     assert "settings" in kinds and "late" not in kinds
     assert summary["rounds_done"] == 6 and summary["outer_steps"] == 6
@@ -178,8 +104,8 @@ def test_the_deadline_scales_with_h_so_a_larger_h_is_never_late(tmp_path):
 def test_rejected_updates_give_their_batches_back_and_take_no_step(tmp_path):
     """Before: a round whose every update was rejected still advanced the version, and the
     rejected batches counted as trained though they never reached the model."""
-    cfg = _cfg(tmp_path, "diloco", "robust.quarantine_after=3")
-    summary = _run(cfg, [Fault(FaultKind.NAN, i, order=2) for i in range(3)])
+    cfg = scenario_cfg(tmp_path, "diloco", "robust.quarantine_after=3")
+    summary = run_scenario(cfg, [Fault(FaultKind.NAN, i, order=2) for i in range(3)])
     assert summary["rounds_done"] == 6 and summary["outer_steps"] == 5
     lost = [e for e in events(cfg.out_dir) if e["kind"] == "lost"]
     assert len(lost) == 3 and all(e["reason"].startswith("rejected (non-finite") for e in lost)
@@ -189,20 +115,20 @@ def test_rejected_updates_give_their_batches_back_and_take_no_step(tmp_path):
 @pytest.mark.parametrize("mode", MODES)
 def test_every_mode_measures_island_speed(tmp_path, mode):
     """Before: in diloco (and ddp, overlap) every island's steps_per_s was 0.0."""
-    cfg = _cfg(tmp_path, mode, "islands.simulated_slowdown=[1.0,2.0,4.0]")
-    summary = _run(cfg)
+    cfg = scenario_cfg(tmp_path, mode, "islands.simulated_slowdown=[1.0,2.0,4.0]")
+    summary = run_scenario(cfg)
     speeds = [summary["islands"][str(i)]["steps_per_s"] for i in range(3)]
     assert speeds == pytest.approx([1.0, 0.5, 0.25], rel=0.01)
 
 
 def test_nan_updates_are_rejected_then_the_island_is_quarantined(tmp_path):
-    cfg = _cfg(tmp_path, "diloco", "robust.quarantine_after=2", "elastic.replace_dead=false")
+    cfg = scenario_cfg(tmp_path, "diloco", "robust.quarantine_after=2", "elastic.replace_dead=false")
     faults = [Fault(FaultKind.NAN, 2, order=n) for n in (2, 3)]
     engine, _ = in_process_engine(cfg, faults)
     before = engine.flat.data.clone()
-    _drive(engine)
+    drive(engine)
     summary = engine.summary
-    _check_exactly_once(cfg, summary)
+    check_exactly_once(cfg, summary)
     assert summary["islands"]["2"]["state"] == "quarantined" and summary["islands"]["2"]["rejections"] == 2
     assert np.isfinite(engine.flat.data.numpy()).all() and not engine.flat.data.equal(before)
     rejections = [e for e in events(cfg.out_dir) if e["kind"] == "rejection"]
@@ -210,21 +136,21 @@ def test_nan_updates_are_rejected_then_the_island_is_quarantined(tmp_path):
 
 
 def test_nan_update_on_a_sliced_coordinator_leaves_the_model_finite(tmp_path):
-    cfg = _cfg(tmp_path, "overlap", "coordinator.shards=2", "compression.chunk=16")
-    summary = _run(cfg, [Fault(FaultKind.NAN, 0, order=3)])
+    cfg = scenario_cfg(tmp_path, "overlap", "coordinator.shards=2", "compression.chunk=16")
+    summary = run_scenario(cfg, [Fault(FaultKind.NAN, 0, order=3)])
     assert summary["islands"]["0"]["rejections"] == 1 and np.isfinite(summary["final_eval_loss"])
 
 
 def test_an_island_whose_code_raises_is_released_and_replaced(tmp_path):
-    cfg = _cfg(tmp_path, "diloco")
-    summary = _run(cfg, [Fault(FaultKind.RAISE, 0, order=3)])
+    cfg = scenario_cfg(tmp_path, "diloco")
+    summary = run_scenario(cfg, [Fault(FaultKind.RAISE, 0, order=3)])
     assert summary["islands"]["0"]["state"] == "dead" and "raised" in summary["islands"]["0"]["error"]
 
 
 @pytest.mark.parametrize("mode", ["diloco", "async", "overlap", "streaming"])
-def test_join_and_drain_mid_run(tmp_path, mode):
-    cfg = _cfg(tmp_path, mode)
-    summary = _run(cfg, at={2: lambda e: e.add_islands(1), 4: lambda e: e.members.drain(0)})
+def test_join_and_drain_midrun_scenario(tmp_path, mode):
+    cfg = scenario_cfg(tmp_path, mode)
+    summary = run_scenario(cfg, at={2: lambda e: e.add_islands(1), 4: lambda e: e.members.drain(0)})
     isl = summary["islands"]
     assert isl["3"]["rounds_contributed"] >= 1 and isl["3"]["joined_version"] > 0
     assert isl["0"]["state"] == "drained"
@@ -237,8 +163,8 @@ def test_an_island_without_a_free_shard_never_holds_a_round_open(tmp_path, mode)
     """More islands than data shards: one island gets no shard to train. It must sit the
     round out, not be waited for (overlap's close waits for islands about to start a round:
     this hung a chaos run whose joins outnumbered the shards)."""
-    cfg = _cfg(tmp_path, mode, "data_shards=4", "rounds=8")
-    summary = _run(cfg, at={2: lambda e: e.add_islands(2)})
+    cfg = scenario_cfg(tmp_path, mode, "data_shards=4", "rounds=8")
+    summary = run_scenario(cfg, at={2: lambda e: e.add_islands(2)})
     assert summary["rounds_done"] == 8 and len(summary["islands"]) == 5
 
 
@@ -246,8 +172,8 @@ def test_an_island_without_a_free_shard_never_holds_a_round_open(tmp_path, mode)
 def test_simulated_speeds_and_links_survive_joins_and_replacements(tmp_path, sim):
     """Per-island simulation lists cover the initial islands; a joiner or a replacement (an
     index past the list) used to crash the run with IndexError."""
-    cfg = _cfg(tmp_path, "async", sim)
-    summary = _run(cfg, [Fault(FaultKind.CRASH, 1, order=2)], at={2: lambda e: e.add_islands(1)})
+    cfg = scenario_cfg(tmp_path, "async", sim)
+    summary = run_scenario(cfg, [Fault(FaultKind.CRASH, 1, order=2)], at={2: lambda e: e.add_islands(1)})
     assert summary["rounds_done"] == 6 and {"3", "4"} <= set(summary["islands"])
 
 
@@ -257,7 +183,7 @@ def test_operator_requests_compose_within_a_round(tmp_path):
     elastic.min_islands is refused when asked (DELETE on every island emptied the run)."""
     from orchestrator.engine.membership import MembershipError
 
-    cfg = _cfg(tmp_path, "diloco", "elastic.min_islands=2")
+    cfg = scenario_cfg(tmp_path, "diloco", "elastic.min_islands=2")
     engine, _ = in_process_engine(cfg)
     engine.start()
     engine.step()
@@ -294,26 +220,26 @@ def test_the_event_cursor_survives_trimming(tmp_path):
 
 
 def test_drain_abandon_gives_its_batches_to_the_next_owner(tmp_path):
-    cfg = _cfg(tmp_path, "async", "elastic.drain=abandon")
-    summary = _run(cfg, at={2: lambda e: e.members.drain(1)})
+    cfg = scenario_cfg(tmp_path, "async", "elastic.drain=abandon")
+    summary = run_scenario(cfg, at={2: lambda e: e.members.drain(1)})
     assert summary["islands"]["1"]["state"] == "drained"
 
 
 @pytest.mark.parametrize("mode", ["diloco", "overlap", "async", "streaming"])
 def test_a_coordinator_restart_resumes_from_its_checkpoint(tmp_path, mode):
-    cfg = _cfg(tmp_path, mode)
+    cfg = scenario_cfg(tmp_path, mode)
     first, pool = in_process_engine(cfg, run_id="restart")
     from orchestrator.engine.checkpoints import load_checkpoint
 
-    _drive(first, until=3)
+    drive(first, until=3)
     saved = load_checkpoint(Path(cfg.checkpoint_dir))["ledger"]["position"]
     # everything read since the checkpoint (work out, and results closed after it) is redone
     lost = Counter((s, i) for s, p in enumerate(first.ledger.position) for i in range(saved[s], p))
     pool.coordinator_lost()
     second = build_engine(cfg, pool, run_id="restart")  # what the restarted coordinator does
     assert second.resumed and second.rounds_done == 3
-    _drive(second)
-    _check_exactly_once(cfg, second.summary, lost)
+    drive(second)
+    check_exactly_once(cfg, second.summary, lost)
     assert second.summary["rounds_done"] == 6
     assert any(e["kind"] == "reattach" for e in events(cfg.out_dir)) and any(
         e["kind"] == "restart" for e in events(cfg.out_dir)
@@ -321,8 +247,8 @@ def test_a_coordinator_restart_resumes_from_its_checkpoint(tmp_path, mode):
 
 
 def test_a_graceful_stop_finishes_the_round_and_checkpoints(tmp_path):
-    cfg = _cfg(tmp_path, "overlap")
-    summary = _run(cfg, at={2: lambda e: e.stop()})
+    cfg = scenario_cfg(tmp_path, "overlap")
+    summary = run_scenario(cfg, at={2: lambda e: e.stop()})
     assert summary["state"] == "stopped" and 2 <= summary["rounds_done"] < 6
     assert list(Path(cfg.checkpoint_dir).glob("state-*.pt"))
 
@@ -331,7 +257,7 @@ def test_a_graceful_stop_finishes_the_round_and_checkpoints(tmp_path):
 def test_a_stop_now_checkpoints_every_step_taken_with_its_record(tmp_path, mode):
     from orchestrator.engine.checkpoints import load_checkpoint
 
-    cfg = _cfg(tmp_path, mode)
+    cfg = scenario_cfg(tmp_path, mode)
     engine, _ = in_process_engine(cfg)
     engine.start()
     while engine.step():
@@ -342,35 +268,35 @@ def test_a_stop_now_checkpoints_every_step_taken_with_its_record(tmp_path, mode)
     summary, state = engine.summary, load_checkpoint(Path(cfg.checkpoint_dir))
     assert summary["state"] == "stopped" and state["counters"]["rounds_done"] == summary["rounds_done"] >= 1
     assert state["version"] == summary["outer_steps"]
-    _check_exactly_once(cfg, summary)
+    check_exactly_once(cfg, summary)
 
 
 def test_no_island_left_fails_with_the_reason(tmp_path):
-    cfg = _cfg(tmp_path, "diloco", "islands.count=1", "elastic.placement_timeout_s=30")
+    cfg = scenario_cfg(tmp_path, "diloco", "islands.count=1", "elastic.placement_timeout_s=30")
     engine, _pool = in_process_engine(cfg, [Fault(FaultKind.CRASH, 0, order=2)], unplaceable={1})
     with pytest.raises(RunFailed, match="island 0: dead"):
-        _drive(engine)
+        drive(engine)
 
 
 def test_overlap_rounds_start_where_the_round_before_ended(tmp_path):
     """The defect this engine fixes: an island handed round t+1 as soon as it returned
     round t started from the shard positions of round t (every second round retrained)."""
-    cfg = _cfg(tmp_path, "overlap", "islands.count=2", "data_shards=2")
+    cfg = scenario_cfg(tmp_path, "overlap", "islands.count=2", "data_shards=2")
     engine, pool = in_process_engine(cfg)
-    _drive(engine)
+    drive(engine)
     starts: dict[int, list[int]] = {}
     for order in pool.dispatched:
         starts.setdefault(order.island, []).append(order.shards[order.island])
     assert starts == {0: [0, 4, 8, 12, 16, 20], 1: [0, 4, 8, 12, 16, 20]}
-    _check_exactly_once(cfg, engine.summary)
+    check_exactly_once(cfg, engine.summary)
 
 
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
     from orchestrator.engine.checkpoints import load_checkpoint
 
-    cfg = _cfg(tmp_path, "diloco", "checkpoint.keep=2")
+    cfg = scenario_cfg(tmp_path, "diloco", "checkpoint.keep=2")
     first, pool = in_process_engine(cfg, run_id="corrupt")
-    _drive(first, until=4)
+    drive(first, until=4)
     saved = sorted(Path(cfg.checkpoint_dir).glob("state-*.pt"))
     assert [p.name for p in saved] == ["state-000003.pt", "state-000004.pt"]  # the newest 2 kept
     data = bytearray(saved[-1].read_bytes())
@@ -380,7 +306,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
     pool.coordinator_lost()
     second = build_engine(cfg, pool, run_id="corrupt")
     assert second.resumed and second.rounds_done == 3
-    _drive(second)
+    drive(second)
     assert second.summary["rounds_done"] == 6 and second.summary["state"] == "finished"
 
 
@@ -417,17 +343,17 @@ def _restart_after(tmp_path, mode: str, change: Action, crash_at: int, *extra: s
     resumes. Returns (config, the engine before, the resumed engine's summary)."""
     from orchestrator.engine.checkpoints import load_checkpoint
 
-    cfg = _cfg(tmp_path, mode, "rounds=8", "checkpoint.every_rounds=2", "elastic.placement_timeout_s=5", *extra)
+    cfg = scenario_cfg(tmp_path, mode, "rounds=8", "checkpoint.every_rounds=2", "elastic.placement_timeout_s=5", *extra)
     first, pool = in_process_engine(cfg, run_id="intent")
-    _drive(first, at={2: change}, until=crash_at)
+    drive(first, at={2: change}, until=crash_at)
     saved = load_checkpoint(Path(cfg.checkpoint_dir))["ledger"]["position"]
     # everything read since the checkpoint is redone by the restarted coordinator
     lost = Counter((s, i) for s, p in enumerate(first.ledger.position) for i in range(saved[s], p))
     pool.coordinator_lost()
     second = build_engine(cfg, pool, run_id="intent")
     assert second.resumed and second.rounds_done == 2
-    _drive(second)
-    _check_exactly_once(cfg, second.summary, lost)
+    drive(second)
+    check_exactly_once(cfg, second.summary, lost)
     return cfg, first, second
 
 
@@ -471,8 +397,8 @@ def test_a_lowered_target_holds_across_a_restart(tmp_path):
 def test_an_island_misreporting_its_data_is_refused_not_trusted(tmp_path):
     """Before: shard positions and tokens reported by an island were trusted (a wrong
     position raised out of the engine; tokens on other shards were committed)."""
-    cfg = _cfg(tmp_path, "diloco", "robust.quarantine_after=2")
-    summary = _run(cfg, [Fault(FaultKind.MISREPORT, 1, order=n) for n in (2, 3)])
+    cfg = scenario_cfg(tmp_path, "diloco", "robust.quarantine_after=2")
+    summary = run_scenario(cfg, [Fault(FaultKind.MISREPORT, 1, order=n) for n in (2, 3)])
     assert summary["islands"]["1"]["state"] == "quarantined"
     rejections = [e for e in events(cfg.out_dir) if e["kind"] == "rejection" and e["island"] == 1]
     assert len(rejections) == 2 and all("shards [19]" in e["reason"] for e in rejections)
@@ -480,7 +406,7 @@ def test_an_island_misreporting_its_data_is_refused_not_trusted(tmp_path):
 
 
 def test_the_islands_view_shows_islands_still_joining(tmp_path):
-    engine, _ = in_process_engine(_cfg(tmp_path, "diloco"), join_s=5.0)
+    engine, _ = in_process_engine(scenario_cfg(tmp_path, "diloco"), join_s=5.0)
     engine.start()
     engine.step()
     assert sorted(engine.islands_view) == ["0", "1", "2"]
@@ -492,7 +418,7 @@ def test_control_plane_reads_never_race_the_training_thread(tmp_path):
     engine mutates (a 'changed size during iteration' error is a 500)."""
     import threading
 
-    cfg = _cfg(tmp_path, "async", "rounds=40")
+    cfg = scenario_cfg(tmp_path, "async", "rounds=40")
     engine, _ = in_process_engine(cfg)
     errors: list[BaseException] = []
     done = threading.Event()
@@ -512,7 +438,7 @@ def test_control_plane_reads_never_race_the_training_thread(tmp_path):
     for t in readers:
         t.start()
     try:
-        _drive(engine)
+        drive(engine)
     finally:
         done.set()
         for t in readers:
@@ -525,9 +451,9 @@ def test_every_record_carries_the_version_its_round_produced(tmp_path):
     slow island that dies closes together with the next one, already delivered): before,
     both were recorded with the later version, and a checkpoint written then paired
     rounds with the wrong version."""
-    cfg = _cfg(tmp_path, "overlap", "rounds=8", "islands.simulated_slowdown=[1.0,1.0,3.0]")
+    cfg = scenario_cfg(tmp_path, "overlap", "rounds=8", "islands.simulated_slowdown=[1.0,1.0,3.0]")
     # the slow island dies in round 3 while the others already delivered round 4
-    summary = _run(cfg, [Fault(FaultKind.CRASH, 2, order=3)])
+    summary = run_scenario(cfg, [Fault(FaultKind.CRASH, 2, order=3)])
     records = [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in records] == list(range(1, 9))
     assert [r["version"] for r in records] == list(range(1, 9)) and summary["outer_steps"] == 8
@@ -537,9 +463,9 @@ def test_every_record_carries_the_version_its_round_produced(tmp_path):
 def test_a_run_starts_from_a_final_model_or_a_checkpoint_folder(tmp_path, source):
     """`init_from` (`archipelago run --init-from`): the new run's first evaluation is the
     earlier run's last, and summary.json says where its weights came from."""
-    first = _run(_cfg(tmp_path, "diloco"))
+    first = run_scenario(scenario_cfg(tmp_path, "diloco"))
     path = Path(first["out_dir"]) / "final.pt" if source == "final" else Path(first["out_dir"]) / "checkpoint"
-    second = _run(_cfg(tmp_path, "diloco", f"init_from={path}"))
+    second = run_scenario(scenario_cfg(tmp_path, "diloco", f"init_from={path}"))
     assert second["initial_eval_loss"] == pytest.approx(first["final_eval_loss"], rel=1e-9)
     assert second["init_from"]["kind"] == source and second["init_from"]["path"] == str(path.resolve())
     assert len(second["init_from"]["sha256"]) == 64 and first["init_from"] is None
@@ -550,38 +476,38 @@ def test_init_from_refuses_what_does_not_fit(tmp_path):
     from orchestrator.config_load import ConfigError
 
     with pytest.raises(ConfigError, match="init_from"):
-        _cfg(tmp_path, "diloco", f"init_from={tmp_path / 'missing.pt'}")
+        scenario_cfg(tmp_path, "diloco", f"init_from={tmp_path / 'missing.pt'}")
     import torch
 
     wrong = tmp_path / "wrong.pt"
     torch.save({"x": torch.zeros(7, dtype=torch.float64)}, wrong)  # the toy model has 2 parameters
     with pytest.raises(RunFailed, match="does not fit"):
-        in_process_engine(_cfg(tmp_path, "diloco", f"init_from={wrong}"))
+        in_process_engine(scenario_cfg(tmp_path, "diloco", f"init_from={wrong}"))
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a model")
     with pytest.raises(RunFailed, match="not a model state_dict"):
-        in_process_engine(_cfg(tmp_path, "diloco", f"init_from={garbage}"))
+        in_process_engine(scenario_cfg(tmp_path, "diloco", f"init_from={garbage}"))
 
 
 def test_a_restart_before_the_first_checkpoint_releases_the_islands_it_replaces(tmp_path):
     """Found on a multi-node cluster: a coordinator restarted with no checkpoint yet started
     afresh and asked for islands under names its predecessor's islands still held."""
-    cfg = _cfg(tmp_path, "diloco", "checkpoint.every_rounds=0")
+    cfg = scenario_cfg(tmp_path, "diloco", "checkpoint.every_rounds=0")
     first, pool = in_process_engine(cfg, run_id="early")
-    _drive(first, until=2)
+    drive(first, until=2)
     pool.coordinator_lost()
     second = build_engine(cfg, pool, run_id="early")
     assert not second.resumed
-    _drive(second)
+    drive(second)
     assert second.summary["rounds_done"] == 6 and second.summary["state"] == "finished"
 
 
 def test_dylu_sizes_a_slow_islands_first_work_from_its_known_speed(tmp_path):
     """No cold start at full H: a new island's speed is known (virtual clock) or probed
     (Ray: `Island.probe`) when it joins, so the slow island's first work is already short."""
-    cfg = _cfg(tmp_path, "async", "inner_steps=8", "islands.simulated_slowdown=[1.0,1.0,4.0]")
+    cfg = scenario_cfg(tmp_path, "async", "inner_steps=8", "islands.simulated_slowdown=[1.0,1.0,4.0]")
     engine, pool = in_process_engine(cfg)
-    _drive(engine, until=1)
+    drive(engine, until=1)
     first = {}
     for order in pool.dispatched:
         first.setdefault(order.island, order.steps)

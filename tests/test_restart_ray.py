@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import pytest
 import ray
@@ -81,3 +82,56 @@ def test_resume_without_checkpoint_is_a_clear_error(ray_local, tmp_path, capsys)
     (tmp_path / "empty" / "config.yaml").write_text(dump_config(cfg))
     assert main(["run", "--resume", str(tmp_path / "empty")]) == 1
     assert "no checkpoint" in capsys.readouterr().err
+
+
+def _islands(run_id: str, count: int) -> list[dict]:
+    """Each island's identity, asked in its `control` group (answered beside a round)."""
+    actors = [ray.get_actor(f"archipelago-{run_id}-island-{i}", namespace=NAMESPACE) for i in range(count)]
+    return ray.get([a.identity.remote() for a in actors], timeout=10)
+
+
+def _wait_busy(run_id: str, count: int, steps_past: int, timeout_s: float = 120.0) -> list[dict]:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            seen = _islands(run_id, count)
+            if all(s["busy"] and s["inner_steps_done"] >= steps_past for s in seen):
+                return seen
+        except (ValueError, ray.exceptions.RayError):
+            pass  # not placed yet
+        time.sleep(0.2)
+    raise AssertionError(f"the islands of {run_id} were not all {steps_past} steps into a round")
+
+
+def test_a_coordinator_killed_mid_round_keeps_every_busy_island_and_its_state(ray_local, tmp_path):
+    """Rounds of 60 s. Before: the restarted coordinator's `describe` waited behind each
+    island's round in flight; after 30 s it killed the island and placed a new one (a fresh
+    inner optimizer), one island after another."""
+    out = f"out_dir={tmp_path / 'out'}"
+    common = ("inner.optimizer=adamw", "checkpoint.every_rounds=1", "elastic.placement_timeout_s=60", out)
+    # a first round of 2 steps leaves the checkpoint a restart resumes from ...
+    run(
+        load_config(None, toy_quadratic(2, 1.0, "inner_steps=2", "rounds=1", *common)),
+        show_progress=False,
+        run_id="busy",
+    )
+    # ... then the run goes on with rounds of 60 inner steps of 1 s
+    cfg = load_config(None, toy_quadratic(2, 1.0, "inner_steps=60", "rounds=2", *common))
+    thread, box = run_until_records(cfg, "busy", 1, timeout_s=5)
+    before = _wait_busy("busy", 2, steps_past=5)
+    ray.kill(ray.get_actor("archipelago-busy-coordinator", namespace=NAMESPACE), no_restart=False)
+    killed = time.time()
+    # the new coordinator takes every island over and its round starts at once (the old one's
+    # round is given up), within a few seconds, not 30 s an island
+    after = _wait_busy("busy", 2, steps_past=max(s["inner_steps_done"] for s in before) + 1, timeout_s=60)
+    assert time.time() - killed < 30
+    for b, a in zip(before, after):
+        assert a["pid"] == b["pid"]  # the same process: kept, not replaced
+        assert a["inner_steps_done"] > b["inner_steps_done"] and a["optimizer_state"] == b["optimizer_state"] > 0
+    thread.join(timeout=180)
+    summary = box["summary"]
+    assert summary["outer_steps"] == 2 and summary["state"] == "finished"
+    events = _records(tmp_path / "out" / "events.jsonl")
+    restart = max(i for i, e in enumerate(events) if e["kind"] == "restart")
+    later = [e["kind"] for e in events[restart:]]
+    assert later.count("reattach") == 2 and "requested" not in later and "crash" not in later

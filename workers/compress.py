@@ -122,9 +122,60 @@ def encode(x: np.ndarray, codec: str = "none", chunk: int = 4096) -> Payload:
     return CODECS[codec].encode(x, chunk)
 
 
+_KEYS = (("none", "raw"), ("bf16", "bf16"), ("int8", "int8"), ("int4", "int4"))
+
+
 def decode(payload: Payload) -> np.ndarray:
     """fp32 values of any payload (the codec is recognised by its keys)."""
-    for name, key in (("none", "raw"), ("bf16", "bf16"), ("int8", "int8"), ("int4", "int4")):
+    for name, key in _KEYS:
         if key in payload:
             return CODECS[name].decode(payload)
-    raise ValueError(f"unknown payload with keys {sorted(payload)}")
+    raise PayloadError(f"unknown payload with keys {sorted(payload)}")
+
+
+class PayloadError(ValueError):
+    """A payload that no codec can decode into the values it should hold."""
+
+
+# each codec's arrays: key -> the dtypes it may have
+_LAYOUT: dict[str, dict[str, tuple[str, ...]]] = {
+    "none": {"raw": ("float16", "float32", "float64")},
+    "bf16": {"bf16": ("int16",)},
+    "int8": {"int8": ("int8",), "scale": ("float32",), "chunk": ("int32",)},
+    "int4": {"int4": ("uint8",), "n": ("int64",), "scale": ("float32",), "chunk": ("int32",)},
+}
+
+
+def check_payload(payload: object, size: int) -> None:
+    """Raise `PayloadError` unless `payload` decodes to `size` values: a dict of exactly one
+    codec's 1-D arrays with that codec's dtypes and consistent lengths. A result comes from
+    another process (or node): what it sends is checked before anything decodes it, so a
+    malformed one is refused with a reason instead of raising in the coordinator, and an
+    integer array can never pass as a float one (its squared norm would overflow to 0)."""
+    if not isinstance(payload, dict):
+        raise PayloadError(f"the payload is a {type(payload).__name__}, not a codec's arrays")
+    codec = next((name for name, key in _KEYS if key in payload), None)
+    if codec is None:
+        raise PayloadError(f"no codec has the keys {sorted(map(str, payload))}")
+    layout = _LAYOUT[codec]
+    if set(payload) != set(layout):
+        raise PayloadError(f"a {codec} payload has the keys {sorted(layout)}, not {sorted(map(str, payload))}")
+    for key, dtypes in layout.items():
+        a = payload[key]
+        if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype.name not in dtypes:
+            what = f"{a.dtype.name} of shape {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+            raise PayloadError(f"{codec} payload's {key!r} is {what}, not 1-D {'/'.join(dtypes)}")
+    n = _values(codec, payload)
+    if n != size:
+        raise PayloadError(f"the {codec} payload holds {n} values, not the {size} expected")
+    if codec in ("int8", "int4"):
+        chunk = int(payload["chunk"][0]) if payload["chunk"].size == 1 else 0
+        if chunk < 1 or payload["scale"].size != -(-n // chunk):
+            raise PayloadError(f"the {codec} payload's scales do not cover its values in chunks of {chunk}")
+
+
+def _values(codec: str, payload: Payload) -> int:
+    if codec == "int4":
+        n = int(payload["n"][0]) if payload["n"].size == 1 else -1
+        return n if n >= 0 and (n + 1) // 2 == payload["int4"].size else -1
+    return int(payload[dict(_KEYS)[codec]].size)

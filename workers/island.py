@@ -8,6 +8,7 @@ data position persist across rounds, as DiLoCo requires.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,6 +63,10 @@ class IslandSpec:
     eager_clip: float | None = None  # ... clipped elementwise like CO2's momentum
 
 
+class Superseded(RuntimeError):
+    """The work in flight was abandoned: the coordinator that handed it out is gone."""
+
+
 class Island:
     def __init__(self, spec: IslandSpec) -> None:
         torch.set_num_threads(spec.threads)
@@ -90,6 +95,9 @@ class Island:
         self.copy: torch.Tensor | None = None  # the published parameters as this island holds them
         self.held: int | None = None  # their version
         self.last_delta: torch.Tensor | None = None  # eager updates: the island's own last Δ
+        self.inner_steps_done = 0  # over the island's life: a restarted coordinator's test that it kept its state
+        self.running = False
+        self.superseded = threading.Event()  # the work in flight was given by a coordinator that is gone
 
     def _batches(self, order: WorkOrder) -> Iterator[tuple[int, Any]]:
         """The order's batches: step j reads shard `sorted(shards)[(turn + j) % n]`, each
@@ -119,7 +127,9 @@ class Island:
         self.turn += steps
         return order
 
-    def describe(self) -> dict[str, Any]:
+    def identity(self) -> dict[str, Any]:
+        """Where this island runs and how far it has trained (no compute: safe to answer
+        while a round is in flight)."""
         import os
         import socket
 
@@ -129,8 +139,23 @@ class Island:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "numel": self.flat.numel,
-            "steps_per_s": self.probe(),
+            "inner_steps_done": self.inner_steps_done,
+            "optimizer_state": len(self.optimizer.state),
+            "busy": self.running,
         }
+
+    def describe(self) -> dict[str, Any]:
+        """`identity` and the probed speed (its first call runs the probe)."""
+        return {**self.identity(), "steps_per_s": self.probe()}
+
+    def attach(self) -> dict[str, Any]:
+        """A restarted coordinator takes this island over: the round it is training was
+        handed out by the coordinator that died (its result would go nowhere), so it is
+        given up at its next inner step, and the new coordinator's work starts at once. The
+        inner optimizer state, the data streams and the copy it holds are kept."""
+        if self.running:
+            self.superseded.set()
+        return self.identity()
 
     def probe(self, steps: int = 2) -> float | None:
         """Inner steps per second, measured once on an eval batch before any work (this
@@ -209,6 +234,14 @@ class Island:
         `steps` inner steps, Δ = θ_start − θ_end back; `GRADIENT` is the ddp step: one
         batch's gradient at `params`, no local update. The inner optimizer state and the
         data streams persist across orders, as DiLoCo requires."""
+        self.superseded.clear()
+        self.running = True
+        try:
+            return self._run(order, params)
+        finally:
+            self.running = False
+
+    def _run(self, order: WorkOrder, params: np.ndarray) -> RoundResult:
         if order.start_delay_s > 0:
             time.sleep(order.start_delay_s)
         if order.schedule_step is not None:
@@ -230,12 +263,15 @@ class Island:
             delta: torch.Tensor | None = None
             t_sent = t_step = time.perf_counter()  # a step's time includes reading its batch
             for j, (shard, batch) in enumerate(self._batches(order)):
+                if self.superseded.is_set():
+                    raise Superseded(f"island {self.spec.index}: its coordinator restarted; round given up")
                 if delta is not None:
                     tail_steps += 1
                 loss, w = self._forward_backward(batch)
                 self._clip()
                 self._step()
                 self.scheduler.step()
+                self.inner_steps_done += 1
                 shard_tokens[shard] += w
                 positions[shard] += 1
                 losses += loss

@@ -51,7 +51,23 @@ def whole_params(params: Any) -> np.ndarray:
     return np.concatenate(ray.get(list(params))) if isinstance(params, list) else params
 
 
+CONTROL = "control"  # the concurrency group of calls answered while a round is in flight
+
+
 class RayIsland(Island):
+    """Rounds run one at a time (Ray's default group); `attach` runs in the `control`
+    group, beside a round in flight, so a restarted coordinator re-attaches at once instead
+    of waiting behind a round that may last minutes (and giving up on the island)."""
+
+    # (Ray's typing of `ray.method` makes each a remote method, not the override it is)
+    @ray.method(concurrency_group=CONTROL)
+    def attach(self) -> dict[str, Any]:  # type: ignore[override]
+        return super().attach()
+
+    @ray.method(concurrency_group=CONTROL)
+    def identity(self) -> dict[str, Any]:  # type: ignore[override]
+        return super().identity()
+
     def watch(self, coordinator: str, namespace: str, group: str, orphan_after_s: float, poll_s: float = 2.0) -> None:
         """Release this island (its placement group, `group`) once `coordinator` has been
         gone for `orphan_after_s`; returns at once (a daemon thread watches)."""

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from workers.flat import FlatParams, slice_bounds
 from workers.fsdp import ShardedParams, shard_model
 from workers.island import Island, IslandSpec, Sharding
-from workers.island_actor import RayIsland, whole_params
+from workers.island_actor import CONTROL, RayIsland, whole_params
 from workers.messages import RoundResult, WorkOrder
 from workers.optim import build_inner
 from workers.task import Batch, split_batch
@@ -138,6 +138,12 @@ class GroupIsland(RayIsland):
     def follow(self, order: WorkOrder, params: Any) -> None:
         """Ranks 1..N-1: the plain island step (their result is rank 0's, so nothing returns)."""
         Island.run(self, order, params)
+
+    @ray.method(concurrency_group=CONTROL)
+    def attach(self) -> dict[str, Any]:  # type: ignore[override]
+        """A group's round is not given up on rank 0 alone (its followers' collectives would
+        hang): the new coordinator's work waits for it."""
+        return Island.identity(self)
 
     def describe(self) -> dict[str, Any]:
         if self.group_error:

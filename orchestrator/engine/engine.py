@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,13 +34,23 @@ from orchestrator.engine.controls import RunControls, SettingsUpdate
 from orchestrator.engine.downlink import Downlink
 from orchestrator.engine.ledger import DataLedger
 from orchestrator.engine.membership import IslandStats, Membership
-from orchestrator.engine.outer_step import Outer, take_step
+from orchestrator.engine.outer_step import Outer, SlicedOuter, take_step
 from orchestrator.engine.pacing import Close, Flight, Pacing, RunState, Work
 from orchestrator.engine.policies import Policies
 from orchestrator.engine.pool import Done, Failed, IslandPool, Joined, JoinFailed, PoolEvent
-from orchestrator.engine.records import EventLog, Recorder
+from orchestrator.engine.records import DiskFaults, EventLog, Recorder
+from orchestrator.engine.screen import Sizes, screen
 from orchestrator.engine.stats import RunStats
-from orchestrator.engine.types import Contribution, Decision, Event, IslandState, Reason, RunFailed, RunPhase
+from orchestrator.engine.types import (
+    Contribution,
+    Decision,
+    Event,
+    IslandState,
+    Reason,
+    RunFailed,
+    RunPhase,
+    SliceLost,
+)
 from orchestrator.engine.warm_start import WarmStart
 from workers.flat import FlatParams
 from workers.fragments import Fragments
@@ -46,6 +58,7 @@ from workers.messages import RoundResult, WorkOrder
 from workers.sync import Change
 from workers.task import ExportableTask, Task, export_pretrained
 
+log = logging.getLogger(__name__)
 POLL_S = 0.2  # the longest the engine waits on the pool: a stop-now is seen within it
 
 
@@ -98,6 +111,8 @@ class RoundEngine:
         self.waiting_since: float | None = None  # since when no island could train
         self.clock0 = 0.0  # the pool's clock when training began (`_clock`)
         self.summary: dict[str, Any] = {}
+        slices = tuple(outer.bounds) if isinstance(outer, SlicedOuter) else None
+        self.sizes = Sizes(outer.numel, fragments, slices)
         self.downlink = (
             Downlink(
                 flat.data,
@@ -116,8 +131,11 @@ class RoundEngine:
             self._restore(state)
         elif warm is not None:  # the data the warm start trained is not trained again
             self.ledger.load({**warm.ledger, "tokens": [0] * cfg.num_shards})
-        self.recorder = Recorder(cfg.out_dir, cfg, keep_records=self.rounds_done if self.resumed else None)
-        self.events = EventLog(self.recorder.out / "events.jsonl", append=self.resumed)
+        self.disk = DiskFaults()
+        self.checkpoint_owed = False  # a checkpoint that could not be written: retried at the next record
+        keep = self.rounds_done if self.resumed else None
+        self.recorder = Recorder(cfg.out_dir, cfg, keep_records=keep, faults=self.disk)
+        self.events = EventLog(self.recorder.out / "events.jsonl", append=self.resumed, faults=self.disk)
         self.snapshot: dict[str, Any] = {
             "state": RunPhase.STARTING.value,
             "round": self.rounds_done,
@@ -186,8 +204,9 @@ class RoundEngine:
             i for i, s in self.members.islands.items() if s.state in (IslandState.DRAINING, IslandState.DRAINED)
         )
         intent = {"run_id": self.run_id, "target": self.members.target, "leaving": leaving}
-        if intent != self._intent:
-            save_intent(Path(self.cfg.checkpoint_dir), intent)
+        if intent != self._intent and self.disk.attempt(
+            "the membership intent", lambda: save_intent(Path(self.cfg.checkpoint_dir), intent)
+        ):
             self._intent = intent
 
     def step(self) -> bool:
@@ -230,10 +249,23 @@ class RoundEngine:
         return [f for f in self.flights.values() if f.result is None]
 
     def execute(self) -> dict[str, Any]:
-        """Run to the end; returns the summary (also written to `out_dir/summary.json`)."""
-        self.start()
-        while self.step():
-            pass
+        """Run to the end; returns the summary (also written to `out_dir/summary.json`).
+        An error nothing below foresaw ends the run as a `RunFailed` naming it, with the
+        last checkpoint as it was (a lost coordinator slice still restarts the coordinator)."""
+        try:
+            self.start()
+            while self.step():
+                pass
+        except (RunFailed, SliceLost):
+            raise
+        except Exception as err:
+            log.exception("the round engine failed")
+            self.phase = RunPhase.FAILED
+            self.snapshot["state"] = self.phase.value
+            raise RunFailed(
+                f"the round engine failed at version {self.run.version}: {type(err).__name__}: {err} "
+                f"(the last checkpoint in {self.cfg.checkpoint_dir} is intact)"
+            ) from err
         return self.summary
 
     # -- phases ------------------------------------------------------------------------------
@@ -259,7 +291,7 @@ class RoundEngine:
             if not self.controls.aborting.is_set():
                 self.stats.last_eval = self.evaluate()
             if self.cfg.checkpoint.every_rounds:
-                self.save()
+                self._checkpoint()
             self.events.add(Event.STOPPED, version=self.run.version, rounds_done=self.rounds_done)
         self.phase = RunPhase.STOPPED if stopped else RunPhase.FINISHED
         self.outer.copy_to(self.flat.data)
@@ -270,8 +302,9 @@ class RoundEngine:
         self.summary["init_from"] = self.init_from
         self.summary["warm_start"] = self.warm.record if self.warm is not None else None
         if isinstance(self.task, ExportableTask):  # the model back in its ecosystem's format, too
-            out = export_pretrained(self.task, self.model.state_dict(), self.recorder.out / "export")
-            self.summary["export"] = str(out)
+            export = self.recorder.out / "export"
+            if self.disk.attempt("the export", lambda: export_pretrained(self.task, self.model.state_dict(), export)):
+                self.summary["export"] = str(export)
         self.recorder.finish(self.summary, self.model)
         self._update_snapshot()
         self._refresh_islands()
@@ -503,28 +536,36 @@ class RoundEngine:
             if self.overdue.pop(ticket, None) is not None and self.members.islands[island].state == IslandState.LATE:
                 self.members.mark(island, IslandState.TRAINING)
             return
+        malformed = screen(result, flight.work, self.sizes)
+        if malformed is not None:
+            self._refuse(ticket, island, malformed, Reason.MALFORMED)
+            return
         problem = self.ledger.check(ticket, result.positions, result.shard_tokens)
         if problem is None and result.weight != sum(result.shard_tokens.values()):
             problem = (
                 f"weight {result.weight} is not the {sum(result.shard_tokens.values())} tokens it reports per shard"
             )
         if problem is not None:
-            self._refuse(ticket, island, problem)
+            self._refuse(ticket, island, problem, Reason.SHARDS)
             return
         self.speeds.observe(island, result.steps, result.compute_s)
         self.stats.exchange(flight.received + result.nbytes)
         flight.result = result
+        # Arrival is on the coordinator's clock: an island's own clock (a node running fast,
+        # or a value of 1e18) is never slept on; it may only place its finish earlier.
+        now = self.pool.now()
+        finished = min(result.finished_at, now) if math.isfinite(result.finished_at) else now
         # a pseudo-gradient taken τ steps before the end (streaming) was on its link meanwhile
-        sent_at = result.finished_at - result.tail_s
+        sent_at = finished - min(result.tail_s, result.compute_s)
         flight.delivered_at = sent_at + self.cfg.island_link(island).seconds(result.nbytes)
         self.run.completed_steps += result.steps
         self.pacing.arrived(flight)
 
-    def _refuse(self, ticket: int, island: int, problem: str) -> None:
-        """A result whose report of what it read and trained does not match its work order:
-        refused before the outer step sees it (its batches go back to the ledger) and
-        counted towards quarantine like any faulty update."""
-        verdict = Verdict(Decision.REJECT, Reason.SHARDS, problem)
+    def _refuse(self, ticket: int, island: int, problem: str, reason: Reason) -> None:
+        """A result that cannot be decoded, or whose report of what it read and trained does
+        not match its work order: refused before the outer step sees it (its batches go back
+        to the ledger) and counted towards quarantine like any faulty update."""
+        verdict = Verdict(Decision.REJECT, reason, problem)
         self._lose(ticket, f"rejected ({verdict.why})")
         self.members.islands[island].rejections += 1
         self._judged(island, verdict)
@@ -599,7 +640,7 @@ class RoundEngine:
         if due is not None:  # the step happens once every result has crossed its (simulated) link
             self.pool.sleep_until(due)
         contributions = [
-            Contribution(r.island, r.version, r.delta(), self._weight(r), r.steps, close.fragment) for r in results
+            Contribution(r.island, r.version, r.payload, self._weight(r), r.steps, close.fragment) for r in results
         ]
         outcome = take_step(
             self.outer, self.admission, contributions, close.expected, self.run.version, close.anchor, close.fragment
@@ -675,9 +716,8 @@ class RoundEngine:
         entry["clock_seconds"] = self._clock()
         self.recorder.record(entry)
         every = cfg.checkpoint.every_rounds
-        if every and (rnd % every == 0 or rnd == cfg.rounds):
-            self.save()
-            self.events.add(Event.CHECKPOINT, version=self.run.version, round=rnd)
+        if every and (rnd % every == 0 or rnd == cfg.rounds or self.checkpoint_owed):
+            self._checkpoint(rnd)
         self._update_snapshot()
         if self.on_record is not None:
             self.on_record(self.status(), self.members.summary())
@@ -717,6 +757,15 @@ class RoundEngine:
 
     def save(self) -> None:
         save_checkpoint(Path(self.cfg.checkpoint_dir), self.capture(), self.cfg.checkpoint.keep)
+
+    def _checkpoint(self, rnd: int | None = None) -> None:
+        """Save, or owe the checkpoint to the next record if the disk refused it (the run goes
+        on from memory; the checkpoints before it stay intact)."""
+        self.checkpoint_owed = not self.disk.attempt("a checkpoint", self.save)
+        if not self.checkpoint_owed:
+            self.events.add(
+                Event.CHECKPOINT, version=self.run.version, round=rnd if rnd is not None else self.rounds_done
+            )
 
     def _restore(self, state: dict[str, Any]) -> None:
         saved = state["config"]
@@ -775,6 +824,8 @@ class RoundEngine:
             "outer_lr": self.outer.lr(),
             "paused": self.controls.paused.is_set(),
             "stopping": self.controls.stopping.is_set(),
+            "disk_errors": self.disk.count,
+            "last_disk_error": self.disk.last,
         }
 
     def set_target(self, n: int) -> int:

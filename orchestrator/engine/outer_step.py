@@ -26,7 +26,7 @@ from orchestrator.algorithms.aggregate import WeightedMean, all_finite, sqnorm
 from orchestrator.algorithms.outer import CO2Outer, adaptive_gap
 from orchestrator.engine.admission import Admission, Facts, Verdict
 from orchestrator.engine.types import Contribution, Decision
-from workers.compress import decode
+from workers.compress import PayloadError, check_payload, decode
 from workers.fragments import Fragments
 
 Scheduler = torch.optim.lr_scheduler.LRScheduler
@@ -267,10 +267,22 @@ class OuterSlice:
         self.pending: dict[int, list[tuple[int, np.ndarray]]] = {}
 
     def inspect(self, key: int, parts: list[tuple[int, Any]]) -> list[SliceStats]:
-        decoded = [(i, decode(p)) for i, p in parts]
+        """Each part's stats; a part that does not decode to this slice's size (it came from
+        an island's object store, unscreened) is reported as unfit, never raised: admission
+        then rejects that island's update as misshapen."""
+        decoded, stats = [], []
+        for i, p in parts:
+            try:
+                check_payload(p, self.hi - self.lo)
+            except PayloadError:
+                stats.append(SliceStats(0, False, math.nan))
+                continue
+            d = decode(p)
+            sq = sqnorm(d)
+            decoded.append((i, d))
+            stats.append(SliceStats(d.size, all_finite(d, sq), sq))
         self.pending[key] = decoded
-        norms = [sqnorm(d) for _, d in decoded]
-        return [SliceStats(d.size, all_finite(d, sq), sq) for (_, d), sq in zip(decoded, norms)]
+        return stats
 
     def _parts(self, key: int, weights: dict[int, float], keep: bool = False) -> list[tuple[np.ndarray, float]]:
         parts = self.pending[key] if keep else self.pending.pop(key)

@@ -126,6 +126,8 @@ class FaultKind(str, Enum):
     NAN = "nan"  # its n-th pseudo-gradient is NaN
     RAISE = "raise"  # its code raises during its n-th work order
     MISREPORT = "misreport"  # its n-th result claims tokens on a shard it was not given
+    MALFORMED = "malformed"  # its n-th result carries `payload` instead of its pseudo-gradient
+    CLOCK = "clock"  # its n-th result says it finished at `seconds` on its own clock
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,7 @@ class Fault:
     island: int
     order: int  # 1-based count of the work orders this island was given
     seconds: float = 0.0
+    payload: Any = None
 
 
 @dataclass(order=True)
@@ -241,6 +244,8 @@ class InProcessPool:
         if fault is not None and fault.kind == FaultKind.MISREPORT:
             tokens = {**result.shard_tokens, self.cfg.num_shards + 7: 1000}
             result = dataclasses.replace(result, shard_tokens=tokens, weight=sum(tokens.values()))
+        if fault is not None and fault.kind == FaultKind.MALFORMED:
+            result = dataclasses.replace(result, payload=fault.payload)
         if fault is not None and fault.kind == FaultKind.HANG:
             return
         if fault is not None and fault.kind == FaultKind.LATE:
@@ -250,6 +255,8 @@ class InProcessPool:
         timed = dataclasses.replace(
             result, finished_at=self.t + duration, compute_s=compute, tail_s=result.tail_steps * step
         )
+        if fault is not None and fault.kind == FaultKind.CLOCK:
+            timed = dataclasses.replace(timed, finished_at=fault.seconds)
         self._at(self.t + duration, Done(order.ticket, i, timed))
 
     def poll(self, timeout: float) -> list[PoolEvent]:

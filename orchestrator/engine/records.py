@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,55 @@ HISTORY = 10_000  # per-round records held in memory for the control plane
 _WARN = frozenset({Event.CRASH, Event.QUARANTINED, Event.JOIN_FAILED, Event.LOST, Event.LATE, Event.RESTART})
 
 
+def append_lines(path: Path, lines: list[str]) -> None:
+    """Append whole lines to `path` in one write (the one seam every record and event goes through)."""
+    with open(path, "a") as f:
+        f.write("".join(lines))
+
+
+class DiskFaults:
+    """The `OSError`s met writing a run's files (a full or unmounted disk, a read-only
+    volume). A run must not end because it could not write a record or a checkpoint: each
+    failure is logged and counted here (the status shows both), and what was not written is
+    written at the next chance (`Backlog`, the engine's owed checkpoint)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.last: str | None = None
+
+    def attempt(self, what: str, write: Callable[[], object]) -> bool:
+        """Run `write`; False, logged and counted, if it raised an `OSError`."""
+        try:
+            write()
+        except OSError as err:
+            self.count += 1
+            self.last = f"{what}: {err}"
+            log.error("could not write %s (%s); the run goes on and retries at the next boundary", what, err)
+            return False
+        return True
+
+
+class Backlog:
+    """Lines for an append-only file, written in order: those a failed write left behind go
+    out first with the next line, so a disk that fills and frees loses none of them."""
+
+    def __init__(self, path: Path, faults: DiskFaults) -> None:
+        self.path, self.faults = path, faults
+        self.unwritten: list[str] = []
+
+    def add(self, line: str) -> None:
+        self.unwritten.append(line)
+        self.flush()
+
+    def flush(self) -> None:
+        if self.unwritten and self.faults.attempt(self.path.name, lambda: append_lines(self.path, self.unwritten)):
+            self.unwritten = []
+
+
 class Recorder:
-    def __init__(self, out_dir: str | Path, cfg: RunConfig, keep_records: int | None = None) -> None:
+    def __init__(
+        self, out_dir: str | Path, cfg: RunConfig, keep_records: int | None = None, faults: DiskFaults | None = None
+    ) -> None:
         """A fresh run starts `metrics.jsonl` anew; a resumed one keeps its first
         `keep_records` records (those the checkpoint covers) and appends after them."""
         self.out = Path(out_dir)
@@ -45,16 +93,18 @@ class Recorder:
         if keep_records is not None and path.exists():
             kept = path.read_text().splitlines()[:keep_records]
             durable_write(path, "".join(line + "\n" for line in kept).encode())
-        # held open for the run's life (line-buffered appends), closed by finish()
-        self._metrics = open(path, "a" if keep_records is not None else "w", buffering=1)  # noqa: SIM115
+        if keep_records is None:
+            path.write_text("")
+        self.faults = faults or DiskFaults()
+        self._metrics = Backlog(path, self.faults)
         # the newest records, for the control plane (the whole run is in metrics.jsonl)
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
         if keep_records is not None:
             self.history.extend(json.loads(line) for line in path.read_text().splitlines())
 
     def record(self, entry: dict[str, Any]) -> None:
-        self._metrics.write(json.dumps(entry) + "\n")
         self.history.append(entry)
+        self._metrics.add(json.dumps(entry) + "\n")
 
     def page(self, since: int, limit: int) -> list[dict[str, Any]]:
         """Records after round `since`, at most `limit` (safe from the control plane's threads:
@@ -62,21 +112,25 @@ class Recorder:
         return [r for r in list(self.history) if r["round"] > since][:limit]
 
     def finish(self, summary: dict[str, Any], model: torch.nn.Module) -> None:
+        """The final model and the summary; a disk still failing then is logged and counted
+        (the summary is still returned to the driver, which prints it)."""
         state = {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
         buffer = io.BytesIO()
         torch.save(state, buffer)
-        durable_write(self.out / "final.pt", buffer.getvalue())
-        durable_write(self.out / "summary.json", json.dumps(summary, indent=2).encode())
-        self._metrics.close()
+        self._metrics.flush()
+        self.faults.attempt("final.pt", lambda: durable_write(self.out / "final.pt", buffer.getvalue()))
+        data = json.dumps(summary, indent=2).encode()
+        self.faults.attempt("summary.json", lambda: durable_write(self.out / "summary.json", data))
 
 
 class EventLog:
     """One JSON line per event with a timestamp, also kept in memory for the control plane."""
 
-    def __init__(self, path: Path, keep: int = 1000, append: bool = False) -> None:
+    def __init__(self, path: Path, keep: int = 1000, append: bool = False, faults: DiskFaults | None = None) -> None:
         self.path = path
         if not append or not path.exists():
             path.write_text("")
+        self._file = Backlog(path, faults or DiskFaults())
         self.recent: deque[dict[str, Any]] = deque(maxlen=keep)
         self._lock = threading.Lock()
         self.count = len(path.read_text().splitlines())  # events ever logged, the file's too
@@ -92,8 +146,7 @@ class EventLog:
 
     def add(self, kind: str, island: int | None = None, **detail: Any) -> dict[str, Any]:
         event = {"time": time.time(), "kind": kind, "island": island, **detail}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(event) + "\n")
+        self._file.add(json.dumps(event) + "\n")
         with self._lock:
             self.recent.append(event)
             self.count += 1

@@ -77,6 +77,7 @@ class Reason(str, Enum):
     NON_FINITE = "non-finite"
     NORM_OUTLIER = "norm outlier"
     SHARDS = "shards"  # what it says it read or trained differs from the work it was given
+    MALFORMED = "malformed"  # its payload or its numbers cannot be decoded or trusted
     QUARANTINED = "quarantined"
 
     @property

@@ -30,9 +30,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from orchestrator.config import RunConfig
 from orchestrator.engine.pool import Done, Failed, Joined, JoinFailed, PoolEvent, island_spec
 from orchestrator.engine.types import NAMESPACE, coordinator_name, island_name
-from workers.island_actor import RayIsland
+from workers.island_actor import CONTROL, RayIsland
 from workers.island_group import GroupIsland
-from workers.messages import WorkOrder
+from workers.messages import RoundResult, WorkOrder
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def start_island(
     `islands.workers` = N a group of N whose rank 0 is the actor the coordinator talks to
     (the others live and die with the group; `describe` answers once the group formed)."""
     spec = island_spec(cfg, index, start_step)
-    cls = ray.remote(GroupIsland if cfg.islands.workers > 1 else RayIsland)
+    cls = ray.remote(concurrency_groups={CONTROL: 1})(GroupIsland if cfg.islands.workers > 1 else RayIsland)
 
     def worker(rank: int, **named: Any) -> Any:
         return cls.options(
@@ -190,8 +190,8 @@ class RayIslandPool:
         handle = find_island(self.run_id, island)
         if handle is None:
             return None
-        try:
-            info = ray.get(handle.actor.describe.remote(), timeout=30)
+        try:  # answered beside a round in flight (the `control` group): O(1), busy or not
+            info = ray.get(handle.actor.attach.remote(), timeout=30)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
             release_island(handle)
             return None
@@ -291,12 +291,21 @@ class RayIslandPool:
         return [event]
 
     def _fetch(self, ref: Any, ticket: int, island: int) -> PoolEvent:
+        """The result of `ref`, or the island's failure: any Ray error fetching it (the actor
+        died, its code raised, the object was lost or its owner died between `ray.wait` and
+        here) is that island's, never the run's. Under the real clock the result is stamped
+        with the coordinator's arrival time: an island's clock is never trusted."""
         try:
-            return Done(ticket, island, ray.get(ref))
+            result = ray.get(ref)
         except ray.exceptions.RayActorError as err:
             return Failed(ticket, island, f"actor died: {type(err).__name__}")
         except ray.exceptions.RayTaskError as err:
             return Failed(ticket, island, f"raised: {str(err).strip().splitlines()[-1]}")
+        except ray.exceptions.RayError as err:
+            return Failed(ticket, island, f"result lost: {type(err).__name__}")
+        if not isinstance(result, RoundResult):
+            return Failed(ticket, island, f"sent a {type(result).__name__}, not a round result")
+        return Done(ticket, island, result if self.virtual else dataclasses.replace(result, finished_at=time.time()))
 
     def _placements(self) -> list[PoolEvent]:
         events: list[PoolEvent] = []

@@ -1,0 +1,85 @@
+"""The engine scenarios' shared parts: a small config over the recording quadratic task,
+driving an engine with actions at given rounds, and the exactly-once check every scenario
+ends with."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from orchestrator.config import RunConfig
+from orchestrator.config_load import load_config
+from orchestrator.engine.engine import RoundEngine
+from orchestrator.engine.pool import Fault
+from tests.helpers import assert_trained_once, in_process_engine
+
+CENTERS = "[[1.0,0.0],[-0.5,2.0],[0.5,0.5],[2.0,-1.0]]"
+_keys = itertools.count()
+
+
+def scenario_cfg(tmp_path: Path, mode: str, *extra: str) -> RunConfig:
+    key = f"r{next(_keys)}"
+    return load_config(
+        None,
+        [
+            "task.factory=tests.toy_tasks:make_recording",
+            "warm_start.steps=0",
+            f"task.kwargs.centers={CENTERS}",
+            f"task.kwargs.record={key}",
+            f"mode={mode}",
+            "islands.count=3",
+            "rounds=6",
+            "inner_steps=4",
+            "inner.optimizer=sgd",
+            "inner.lr=0.1",
+            "inner.warmup_steps=0",
+            "inner.grad_clip=null",
+            "outer.lr=0.7",
+            "round_timeout_s=20",
+            "step_timeout_s=0",
+            "elastic.late_grace_s=100",
+            "robust.weight_ratio=null",  # the recording task's batches weigh 1 to 12 tokens on purpose
+            "checkpoint.every_rounds=1",
+            "elastic.placement_timeout_s=100",
+            f"out_dir={tmp_path / key}",
+            # streaming: two fragments, over a point with one layer per coordinate
+            *(["task.kwargs.split=true", "streaming.fragments=2"] if mode == "streaming" else []),
+            *extra,
+        ],
+    )
+
+
+Action = Callable[[RoundEngine], None]
+
+
+def drive(engine: RoundEngine, at: dict[int, Action] | None = None, until: int | None = None) -> None:
+    """Step `engine`; once it has recorded round r, run `at[r]`; stop stepping after round `until`."""
+    done: set[int] = set()
+    engine.start()
+    while engine.step():
+        for r, act in (at or {}).items():
+            if r not in done and engine.rounds_done >= r:
+                done.add(r)
+                act(engine)
+        if until is not None and engine.rounds_done >= until:
+            return
+
+
+def check_exactly_once(cfg: RunConfig, summary: dict[str, Any], lost: Counter | None = None) -> None:
+    """Reads − lost work = each batch below its shard's position, once; tokens agree."""
+    position, tokens = summary["shards"]["position"], summary["shards"]["tokens"]
+    assert_trained_once(cfg.task.kwargs["record"], position, [cfg.out_dir], lost)
+    assert [p * (s + 1) for s, p in enumerate(position)] == tokens  # a batch of shard s weighs s + 1
+    assert sum(tokens) == summary["tokens"] == sum(isl["tokens"] for isl in summary["islands"].values())
+
+
+def run_scenario(
+    cfg: RunConfig, faults: list[Fault] | None = None, at: dict[int, Action] | None = None, **pool: Any
+) -> dict[str, Any]:
+    engine, _ = in_process_engine(cfg, faults, **pool)
+    drive(engine, at)
+    check_exactly_once(cfg, engine.summary)
+    return engine.summary

@@ -1,0 +1,187 @@
+"""What a long run meets in the real world, in the engine without Ray: results that cannot
+be decoded or trusted, an island's clock far off, a disk that fills mid-run, an error
+nothing foresaw. Each scenario failed before the engine screened results, kept its own
+clock and survived its disk: the run ended with a traceback, slept until 1e18, or lost
+its checkpoints."""
+
+from __future__ import annotations
+
+import errno
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from orchestrator.engine import checkpoints, records
+from orchestrator.engine.checkpoints import load_checkpoint
+from orchestrator.engine.pool import Fault, FaultKind
+from orchestrator.engine.types import RunFailed
+from tests.engine_scenarios import check_exactly_once, drive, run_scenario, scenario_cfg
+from tests.helpers import events, in_process_engine
+from workers.flat import slice_bounds
+
+MALFORMED = {
+    "unknown codec": {"zstd": np.zeros(2, np.float32)},
+    "no payload": None,
+    "integer values": {"raw": np.full(2, 1 << 40, np.int64)},  # its squared norm overflows to 0
+    "2-D values": {"raw": np.zeros((1, 2), np.float32)},
+    "too few values": {"raw": np.zeros(1, np.float32)},
+    "int4 that lies about its length": {
+        "int4": np.zeros(1, np.uint8),
+        "n": np.array([99], np.int64),
+        "scale": np.ones(1, np.float32),
+        "chunk": np.array([16], np.int32),
+    },
+}
+
+
+@pytest.mark.parametrize("what", sorted(MALFORMED))
+def test_a_malformed_result_is_refused_and_its_island_quarantined(tmp_path, what):
+    cfg = scenario_cfg(tmp_path, "diloco", "robust.quarantine_after=2")
+    faults = [Fault(FaultKind.MALFORMED, 1, order=n, payload=MALFORMED[what]) for n in (2, 3)]
+    summary = run_scenario(cfg, faults)
+    assert summary["state"] == "finished" and summary["rounds_done"] == 6
+    assert summary["islands"]["1"]["state"] == "quarantined" and summary["islands"]["1"]["rejections"] == 2
+    refused = [e for e in events(cfg.out_dir) if e["kind"] == "rejection" and e["island"] == 1]
+    assert len(refused) == 2 and all(e["reason"].startswith("malformed") for e in refused)
+    assert np.isfinite(summary["final_eval_loss"])
+
+
+def test_a_2d_slice_on_a_sliced_coordinator_is_refused(tmp_path):
+    cfg = scenario_cfg(tmp_path, "diloco", "coordinator.shards=2", "compression.chunk=16", "robust.quarantine_after=2")
+    bad = [{"raw": np.zeros((1, hi - lo), np.float32)} for lo, hi in slice_bounds(2, 2, 16)]
+    summary = run_scenario(cfg, [Fault(FaultKind.MALFORMED, 0, order=n, payload=bad) for n in (2, 3)])
+    assert summary["islands"]["0"]["state"] == "quarantined" and summary["rounds_done"] == 6
+
+
+def test_a_slice_that_does_not_decode_is_reported_unfit_by_its_slice():
+    """Under Ray a slice's part stays in the island's object store until the slice fetches it:
+    the slice checks it (the engine cannot) and reports it unfit instead of raising."""
+    from orchestrator.config import RunConfig
+    from orchestrator.engine.outer_step import OuterSlice
+    from orchestrator.engine.policies import outer_rule
+
+    part = OuterSlice(outer_rule(RunConfig()), (0, 4), np.zeros(4, np.float32))
+    good = {"raw": np.ones(4, np.float32)}
+    stats = part.inspect(0, [(0, good), (1, {"raw": np.zeros((2, 2), np.float32)}), (2, None)])
+    assert [s.finite for s in stats] == [True, False, False] and stats[0].size == 4 and stats[1].size == 0
+
+
+@pytest.mark.parametrize("clock", [1e18, math.inf, math.nan])
+@pytest.mark.parametrize("mode", ["diloco", "async", "streaming"])
+def test_an_islands_clock_is_reported_never_slept_on(tmp_path, mode, clock):
+    """Before: the coordinator slept until the island's own `finished_at`: 1e18 froze the
+    virtual clock there (every later deadline passed at once), inf poisoned it."""
+    cfg = scenario_cfg(tmp_path, mode)
+    engine, _ = in_process_engine(cfg, [Fault(FaultKind.CLOCK, 2, order=n, seconds=clock) for n in (1, 3)])
+    drive(engine)
+    summary = engine.summary
+    check_exactly_once(cfg, summary)
+    assert summary["state"] == "finished" and summary["rounds_done"] == 6
+    assert math.isfinite(summary["clock_seconds"]) and summary["clock_seconds"] < 200
+    assert not any(e["kind"] in ("late", "crash") for e in events(cfg.out_dir))
+
+
+class FullDisk:
+    """The run's folders on a disk that is full while `full` is set: every append and every
+    durable write raises ENOSPC, as a real full disk does (the two seams every file of a run
+    is written through)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.full = False
+        real_append, real_write = records.append_lines, checkpoints.durable_write
+
+        def append(path: Path, lines: list[str]) -> None:
+            self._check()
+            real_append(path, lines)
+
+        def write(path: Path, data: bytes) -> None:
+            self._check()
+            real_write(path, data)
+
+        monkeypatch.setattr(records, "append_lines", append)
+        monkeypatch.setattr(records, "durable_write", write)
+        monkeypatch.setattr(checkpoints, "durable_write", write)
+
+    def _check(self) -> None:
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("mode", ["diloco", "async"])
+def test_a_disk_that_fills_mid_run_is_survived_and_checkpoints_resume(tmp_path, monkeypatch, mode):
+    disk = FullDisk(monkeypatch)
+    cfg = scenario_cfg(tmp_path, mode, "rounds=8", "checkpoint.every_rounds=2")
+    engine, _ = in_process_engine(cfg)
+
+    def fill(_engine) -> None:
+        disk.full = True
+
+    def free(_engine) -> None:
+        assert engine.status()["disk_errors"] > 0 and "No space left" in engine.status()["last_disk_error"]
+        assert engine.checkpoint_owed  # round 4's checkpoint could not be written
+        disk.full = False
+
+    drive(engine, at={3: fill, 5: free})
+    summary = engine.summary
+    assert summary["state"] == "finished" and summary["rounds_done"] == 8
+    check_exactly_once(cfg, summary)
+    # the owed checkpoint was written at the first record after the disk freed, then on schedule
+    state = load_checkpoint(Path(cfg.checkpoint_dir))
+    assert state["counters"]["rounds_done"] == 8 and not engine.checkpoint_owed
+    # nothing written while the disk was full is missing from the files
+    lines = (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 8
+    assert len(events(cfg.out_dir)) == engine.events.count
+    assert (Path(cfg.out_dir) / "summary.json").exists()
+
+
+def test_a_disk_still_full_at_the_end_still_returns_the_summary(tmp_path, monkeypatch):
+    disk = FullDisk(monkeypatch)
+    cfg = scenario_cfg(tmp_path, "diloco")
+    engine, _ = in_process_engine(cfg)
+    drive(engine, at={5: lambda _e: setattr(disk, "full", True)})
+    assert engine.summary["state"] == "finished" and engine.summary["rounds_done"] == 6
+    assert not (Path(cfg.out_dir) / "summary.json").exists() and engine.status()["disk_errors"] >= 3
+
+
+def test_an_unforeseen_error_is_a_clean_run_failed_with_the_checkpoint_intact(tmp_path, monkeypatch):
+    cfg = scenario_cfg(tmp_path, "diloco")
+    engine, _ = in_process_engine(cfg)
+    calls = {"n": 0}
+    real = engine.pacing.next_close
+
+    def broken(*args, **kwargs):
+        calls["n"] += 1
+        if engine.rounds_done >= 3:
+            raise ZeroDivisionError("a bug")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.pacing, "next_close", broken)
+    with pytest.raises(RunFailed, match=r"round engine failed at version \d+: ZeroDivisionError: a bug"):
+        engine.execute()
+    assert engine.status()["state"] == "failed"
+    assert load_checkpoint(Path(cfg.checkpoint_dir))["counters"]["rounds_done"] == 3
+
+
+@pytest.mark.parametrize("mode", ["diloco", "async", "streaming"])
+def test_a_restart_with_every_island_mid_round_at_long_h_keeps_them_all(tmp_path, mode):
+    from orchestrator.engine.build import build_engine
+
+    cfg = scenario_cfg(tmp_path, mode, "inner_steps=40", "inner.optimizer=adamw", "round_timeout_s=100")
+    first, pool = in_process_engine(cfg, run_id="busy")
+    drive(first, until=2)
+    while not first.flights or any(f.result is not None for f in first.flights.values()):
+        first.step()  # until every island has work out and none has delivered it
+    kept = {i: (island, island.optimizer, len(island.optimizer.state)) for i, island in pool.islands.items()}
+    pool.coordinator_lost()
+    second = build_engine(cfg, pool, run_id="busy")
+    seen: dict = {}
+    drive(second, at={3: lambda _e: seen.update({i: (isl, isl.optimizer) for i, isl in pool.islands.items()})})
+    assert second.summary["state"] == "finished" and second.summary["rounds_done"] == 6
+    assert seen == {i: k[:2] for i, k in kept.items()}
+    assert all(k[2] > 0 for k in kept.values())  # the inner optimizer had state, and it is the same object
+    after = [e["kind"] for e in events(cfg.out_dir)]
+    after = after[after.index("restart") :]
+    assert after.count("reattach") == 3 and "requested" not in after and "crash" not in after
