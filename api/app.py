@@ -18,8 +18,30 @@ from api import prometheus
 from api.auth import bearer_guard
 from api.handle import HandleError, RunHandle
 from api.limits import MAX_BODY, FrontDoor
-from api.schemas import Accepted, AddIslands, Settings, Target
+from api.schemas import Accepted, Target
+from api.schemas import AddIslands as AddIslandsBody
+from orchestrator.engine.commands import (
+    AddIslands,
+    Command,
+    Drain,
+    Pause,
+    Refusal,
+    Refused,
+    Resume,
+    SetTarget,
+    SettingsUpdate,
+    Stop,
+    UpdateSettings,
+)
 
+# the HTTP status of each refusal reason
+REFUSAL_STATUS = {
+    Refusal.OUT_OF_BOUNDS: 422,
+    Refusal.INVALID: 422,
+    Refusal.UNKNOWN_ISLAND: 404,
+    Refusal.NOT_NOW: 409,
+}
+RUN_ACTIONS: dict[str, Command] = {"pause": Pause(), "resume": Resume(), "stop": Stop()}
 PAGE, MAX_PAGE = 500, 5000  # records or events per page: a page is bounded whatever the run's length
 Since = Annotated[int, Query(ge=0, description="cursor: the last round seen (history) or events seen (events)")]
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE, description="page size")]
@@ -93,6 +115,14 @@ def create_app(handle: RunHandle, token: str | None, public_reads: bool = False,
     def events(since: Since = 0, limit: Limit = PAGE) -> list[dict[str, Any]]:
         return handle.events(since, limit)
 
+    def answer(command: Command) -> Accepted:
+        """Put `command` to the run: its acknowledgement is a 202, its refusal a 4xx from
+        the refusal's reason."""
+        reply = handle.submit(command)
+        if isinstance(reply, Refused):
+            raise HandleError(REFUSAL_STATUS[reply.reason], reply.message)
+        return Accepted(detail=reply.detail)
+
     @app.post(
         "/v1/islands",
         status_code=202,
@@ -100,8 +130,8 @@ def create_app(handle: RunHandle, token: str | None, public_reads: bool = False,
         response_model=Accepted,
         summary="Add islands (asks the autoscaler for their nodes; they join as resources appear)",
     )
-    def add_islands(body: AddIslands) -> Accepted:
-        return Accepted(detail={"target": handle.add_islands(body.count)})
+    def add_islands(body: AddIslandsBody) -> Accepted:
+        return answer(AddIslands(count=body.count))
 
     @app.put(
         "/v1/islands/target",
@@ -111,7 +141,7 @@ def create_app(handle: RunHandle, token: str | None, public_reads: bool = False,
         summary="Set the island count (idempotent; bounded by elastic.min/max_islands)",
     )
     def set_target(body: Target) -> Accepted:
-        return Accepted(detail={"target": handle.set_target(body.target)})
+        return answer(SetTarget(islands=body.target))
 
     @app.delete(
         "/v1/islands/{island}",
@@ -121,8 +151,7 @@ def create_app(handle: RunHandle, token: str | None, public_reads: bool = False,
         summary="Drain one island: it finishes its round, then its resources are released",
     )
     def drain(island: int = Path(..., ge=0)) -> Accepted:
-        handle.drain(island)
-        return Accepted(detail={"draining": island})
+        return answer(Drain(island=island))
 
     @app.post(
         "/v1/run/{action}",
@@ -132,11 +161,10 @@ def create_app(handle: RunHandle, token: str | None, public_reads: bool = False,
         summary="pause, resume or stop (stop: finish the round, checkpoint, write outputs)",
     )
     def control(action: str) -> Accepted:
-        actions = {"pause": handle.pause, "resume": handle.resume, "stop": handle.stop}
-        if action not in actions:
-            raise HTTPException(404, f"unknown action {action!r}; use one of {sorted(actions)}")
-        actions[action]()
-        return Accepted(detail={"action": action})
+        command = RUN_ACTIONS.get(action)
+        if command is None:
+            raise HTTPException(404, f"unknown action {action!r}; use one of {sorted(RUN_ACTIONS)}")
+        return answer(command)
 
     @app.patch(
         "/v1/run/settings",
@@ -145,11 +173,8 @@ def create_app(handle: RunHandle, token: str | None, public_reads: bool = False,
         response_model=Accepted,
         summary="Change H and the outer lr at the next round boundary",
     )
-    def settings(body: Settings) -> Accepted:
-        changes = body.model_dump(exclude_none=True)
-        if not changes:
-            raise HTTPException(422, "nothing to change: give inner_steps and/or outer_lr")
-        return Accepted(detail=handle.update_settings(changes))
+    def settings(body: SettingsUpdate) -> Accepted:
+        return answer(UpdateSettings(settings=body))
 
     @app.get("/metrics", dependencies=reads, response_class=PlainTextResponse, summary="Prometheus text format")
     def metrics() -> PlainTextResponse:

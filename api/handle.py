@@ -4,13 +4,16 @@ of pure API behaviour use an in-process implementation of the same protocol."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
+from orchestrator.engine.commands import Answer, Command
 from orchestrator.engine.types import NAMESPACE, coordinator_name, run_id_of_coordinator
 
 
 class HandleError(Exception):
-    """A request the run refused; `status` is the HTTP status the API answers with."""
+    """A request the handle could not put to the run; `status` is the HTTP status the API
+    answers with (a run's own refusals come back as `Refused`, not as this)."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -19,17 +22,13 @@ class HandleError(Exception):
 
 
 class RunHandle(Protocol):
+    """Views out (status, islands, events, history), commands in (`submit`)."""
+
     def status(self) -> dict[str, Any]: ...
     def islands(self) -> dict[str, dict[str, Any]]: ...
     def events(self, since: int, limit: int) -> list[dict[str, Any]]: ...
     def history(self, since: int, limit: int) -> list[dict[str, Any]]: ...
-    def set_target(self, n: int) -> int: ...
-    def add_islands(self, n: int) -> int: ...
-    def drain(self, island: int) -> None: ...
-    def pause(self) -> None: ...
-    def resume(self) -> None: ...
-    def stop(self) -> None: ...
-    def update_settings(self, changes: dict[str, Any]) -> dict[str, Any]: ...
+    def submit(self, command: Command) -> Answer: ...
 
 
 def find_run(run_id: str | None = None) -> str:
@@ -73,47 +72,36 @@ class RayRunHandle:
         self.timeout_s = timeout_s
         self.last: dict[str, Any] = {}  # method -> its last answer, for reads during a restart
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, call: Callable[[], Any]) -> Any:
+        """`ray.get` of the coordinator call `call` makes. A coordinator that raised is a
+        fault of ours (500, its last line); one restarting is `Restarting`."""
         ray = self.ray
         try:
-            return ray.get(getattr(self.actor, method).remote(*args), timeout=self.timeout_s)
+            return ray.get(call(), timeout=self.timeout_s)
         except ray.exceptions.RayTaskError as err:
-            cause = getattr(err, "cause", None)
-            if isinstance(cause, KeyError):
-                raise HandleError(404, str(cause).strip("'\"")) from err
-            if isinstance(cause, ValueError):
-                raise HandleError(422, str(cause)) from err
             raise HandleError(500, str(err).splitlines()[-1]) from err
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
             raise Restarting(type(err).__name__) from err
 
-    def _latest(self, method: str) -> Any:
+    def _latest(self, key: str, call: Callable[[], Any]) -> Any:
         """A read that, during a restart, answers with the last answer seen."""
         try:
-            self.last[method] = self._call(method)
+            self.last[key] = self._call(call)
         except Restarting:
-            if method not in self.last:
+            if key not in self.last:
                 raise HandleError(409, RESTARTING) from None
-        return self.last[method]
+        return self.last[key]
 
-    def _since(self, method: str, since: int, limit: int) -> list[dict[str, Any]]:
+    def _since(self, call: Callable[[], Any]) -> list[dict[str, Any]]:
         """A cursor read: nothing new during a restart (the reader asks again)."""
         try:
-            return self._call(method, since, limit)
+            return self._call(call)
         except Restarting:
             return []
 
-    def _mutate(self, method: str, *args: Any) -> Any:
-        try:
-            return self._call(method, *args)
-        except Restarting as err:
-            raise HandleError(
-                409, f"the coordinator is restarting ({err}); nothing was changed: retry in a few seconds"
-            ) from err
-
     def status(self) -> dict[str, Any]:
         try:
-            self.last["status"] = {**self._call("status"), "coordinator": "running"}
+            self.last["status"] = {**self._call(self.actor.status.remote), "coordinator": "running"}
         except Restarting:
             if "status" not in self.last:
                 raise HandleError(409, RESTARTING) from None
@@ -121,31 +109,18 @@ class RayRunHandle:
         return self.last["status"]
 
     def islands(self) -> dict[str, dict[str, Any]]:
-        return self._latest("islands")
+        return self._latest("islands", self.actor.islands.remote)
 
     def events(self, since: int, limit: int) -> list[dict[str, Any]]:
-        return self._since("events_since", since, limit)
+        return self._since(lambda: self.actor.events_since.remote(since, limit))
 
     def history(self, since: int, limit: int) -> list[dict[str, Any]]:
-        return self._since("history", since, limit)
+        return self._since(lambda: self.actor.history.remote(since, limit))
 
-    def set_target(self, n: int) -> int:
-        return self._mutate("set_target", n)
-
-    def add_islands(self, n: int) -> int:
-        return self._mutate("add_islands", n)
-
-    def drain(self, island: int) -> None:
-        self._mutate("drain_island", island)
-
-    def pause(self) -> None:
-        self._mutate("pause")
-
-    def resume(self) -> None:
-        self._mutate("resume")
-
-    def stop(self) -> None:
-        self._mutate("stop")
-
-    def update_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
-        return self._mutate("update_settings", changes)
+    def submit(self, command: Command) -> Answer:
+        try:
+            return self._call(lambda: self.actor.submit.remote(command))
+        except Restarting as err:
+            raise HandleError(
+                409, f"the coordinator is restarting ({err}); nothing was changed: retry in a few seconds"
+            ) from err

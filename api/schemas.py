@@ -1,4 +1,5 @@
-"""Request bodies of the control-plane API (validated; unknown fields rejected)."""
+"""Request bodies of the control-plane API (validated; unknown fields rejected). The settings
+body is the engine's own `SettingsUpdate`: the mid-run settings schema exists once."""
 
 from __future__ import annotations
 
@@ -15,11 +16,6 @@ class AddIslands(_Body):
 
 class Target(_Body):
     target: int = Field(..., ge=0, le=1024, description="desired number of islands (idempotent)", examples=[4])
-
-
-class Settings(_Body):
-    inner_steps: int | None = Field(None, ge=1, le=100_000, description="H from the next round on", examples=[100])
-    outer_lr: float | None = Field(None, gt=0, le=100, description="outer learning rate", examples=[0.5])
 
 
 class Accepted(BaseModel):

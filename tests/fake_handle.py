@@ -1,19 +1,26 @@
-"""An in-process run handle for API tests: the same protocol as `RayRunHandle`, with the
-coordinator's validation rules, over a small in-memory run."""
+"""An in-process run handle for API tests: the same protocol as `RayRunHandle`, over a small
+in-memory run whose commands go through the engine's own `Inbox` (the same validation,
+bounds and refusal reasons as a real run), applied at once."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from api.handle import HandleError
+from orchestrator.engine.commands import Ack, Answer, Command, Drain, Inbox, SettingsUpdate, Stop
+from orchestrator.engine.membership import IslandStats, Membership
+from orchestrator.engine.types import IslandState
 
 
 class FakeRun:
     def __init__(self, islands: int = 3, max_islands: int = 8) -> None:
-        self.target, self.max_islands = islands, max_islands
-        self.paused = self.stopped = False
-        self.settings = {"inner_steps": 50, "outer_lr": 0.7}
+        self.members = Membership(islands)
+        for i in range(islands):
+            self.members.islands[i] = IslandStats(index=i, state=IslandState.TRAINING)
+        self.inbox = Inbox(target=islands, min_islands=1, max_islands=max_islands, check=lambda _: None)
+        self.inbox.members = self.members
+        self.stopped = False
+        self.settings: dict[str, Any] = {"inner_steps": 50, "outer_lr": 0.7}
         self.round = 3
         self.log: list[dict[str, Any]] = []
         self.isl = {
@@ -34,9 +41,18 @@ class FakeRun:
             for i in range(islands)
         }
 
+    @property
+    def target(self) -> int:
+        return self.inbox.requested
+
+    @property
+    def paused(self) -> bool:
+        return self.inbox.paused.is_set()
+
     def status(self) -> dict[str, Any]:
         return {
             "state": "paused" if self.paused else "training",
+            "phase": "main",
             "mode": "diloco",
             "run_id": "fake",
             "round": self.round,
@@ -61,30 +77,18 @@ class FakeRun:
     def history(self, since: int, limit: int) -> list[dict[str, Any]]:
         return [{"round": r, "eval_loss": 5.0 - r * 0.5} for r in range(since + 1, min(self.round, since + limit) + 1)]
 
-    def set_target(self, n: int) -> int:
-        if not 1 <= n <= self.max_islands:
-            raise HandleError(422, f"target {n} is outside [1, {self.max_islands}]")
-        self.target = n
-        self.log.append({"time": time.time(), "kind": "target", "target": n})
-        return n
-
-    def add_islands(self, n: int) -> int:
-        return self.set_target(self.target + n)
-
-    def drain(self, island: int) -> None:
-        if str(island) not in self.isl:
-            raise HandleError(404, f"no island {island}")
-        self.isl[str(island)]["state"] = "draining"
-
-    def pause(self) -> None:
-        self.paused = True
-
-    def resume(self) -> None:
-        self.paused = False
-
-    def stop(self) -> None:
-        self.stopped = True
-
-    def update_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
-        self.settings.update(changes)
-        return changes
+    def submit(self, command: Command) -> Answer:
+        """The inbox's answer; what it accepted is applied at once (a real run applies it at
+        its next step or round boundary)."""
+        reply = self.inbox.submit(command)
+        if isinstance(reply, Ack):
+            self.log.append({"time": time.time(), "kind": type(command).__name__.lower(), **reply.detail})
+            for change in self.inbox.take_membership():
+                if isinstance(change, Drain):
+                    self.members.islands[change.island].state = IslandState.DRAINING
+                    self.isl[str(change.island)]["state"] = "draining"
+            update: SettingsUpdate | None = self.inbox.take_settings()
+            if update is not None:
+                self.settings.update(update.model_dump(exclude_none=True))
+            self.stopped = self.stopped or isinstance(command, Stop)
+        return reply

@@ -8,8 +8,10 @@ import time
 
 import pytest
 import ray
+from pydantic import ValidationError
 
 from orchestrator.config_load import load_config
+from orchestrator.engine.commands import Ack, Pause, Resume, SettingsUpdate, Stop, UpdateSettings
 from orchestrator.engine.types import NAMESPACE
 from orchestrator.runtime.driver import run
 from tests.helpers import toy_quadratic
@@ -43,23 +45,21 @@ def test_settings_pause_resume_and_stop(ray_local, tmp_path, mode):
     while len(_lines(metrics)) < 2:
         time.sleep(0.05)
     co = ray.get_actor(f"archipelago-{run_id}-coordinator", namespace=NAMESPACE)
-    with pytest.raises(ray.exceptions.RayTaskError, match="inner_steps"):
-        ray.get(co.update_settings.remote({"inner_steps": 0}))
-    assert ray.get(co.update_settings.remote({"inner_steps": 2, "outer_lr": 0.5})) == {
-        "inner_steps": 2,
-        "outer_lr": 0.5,
-    }
-    ray.get(co.pause.remote())
+    with pytest.raises(ValidationError, match="inner_steps"):  # refused on the caller's side
+        SettingsUpdate(inner_steps=0)
+    update = UpdateSettings(settings=SettingsUpdate(inner_steps=2, outer_lr=0.5))
+    assert ray.get(co.submit.remote(update)) == Ack(detail={"inner_steps": 2, "outer_lr": 0.5})
+    assert ray.get(co.submit.remote(Pause())) == Ack(detail={"action": "pause"})
     time.sleep(1.0)
     frozen = len(_lines(metrics))
     time.sleep(1.0)
     assert len(_lines(metrics)) <= frozen + 1 and ray.get(co.status.remote())["paused"]
-    ray.get(co.resume.remote())
+    ray.get(co.submit.remote(Resume()))
     while len(_lines(metrics)) < frozen + 3:
         time.sleep(0.05)
     status = ray.get(co.status.remote())
     assert status["inner_steps"] == 2 and status["outer_lr"] == 0.5
-    ray.get(co.stop.remote())
+    ray.get(co.submit.remote(Stop()))
     thread.join(timeout=60)
     summary = box["summary"]
     assert summary["outer_steps"] < 200 * (2 if mode == "async" else 1)

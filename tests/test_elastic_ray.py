@@ -12,6 +12,7 @@ import pytest
 import ray
 
 from orchestrator.config_load import load_config
+from orchestrator.engine.commands import Ack, AddIslands, Drain, Refusal, SetTarget
 from orchestrator.engine.types import NAMESPACE, island_name
 from orchestrator.runtime.driver import run
 
@@ -93,10 +94,10 @@ def test_join_and_drain_on_request(ray_local, tmp_path):
     thread, box = _in_thread(_cfg(tmp_path, "scale", "rounds=40"), "scaletest")
     coordinator = _coordinator("scaletest")
     _wait_rounds(tmp_path, "scale", 2)
-    ray.get(coordinator.add_islands.remote(1))
-    ray.get(coordinator.drain_island.remote(0))
-    with pytest.raises(ray.exceptions.RayTaskError, match="outside"):
-        ray.get(coordinator.set_target.remote(1000))
+    assert ray.get(coordinator.submit.remote(AddIslands(count=1))) == Ack(detail={"target": 4})
+    assert ray.get(coordinator.submit.remote(Drain(island=0))) == Ack(detail={"draining": 0})
+    refused = ray.get(coordinator.submit.remote(SetTarget(islands=1000)))
+    assert refused.reason == Refusal.OUT_OF_BOUNDS and "outside" in refused.message
     thread.join(timeout=120)
     isl = box["summary"]["islands"]
     assert isl["0"]["state"] == "drained" and isl["3"]["state"] == "training"
@@ -128,11 +129,11 @@ def test_seeded_chaos_completes_close_to_the_fault_free_run(ray_local, tmp_path,
         action = rng.choice(["crash", "drain", "join"])
         actions.append(action)
         if action == "join":
-            ray.get(coordinator.add_islands.remote(1))
+            ray.get(coordinator.submit.remote(AddIslands(count=1)))
         elif live and action == "crash":
             ray.kill(ray.get_actor(island_name(run_id, rng.choice(live)), namespace=NAMESPACE), no_restart=True)
         elif live:
-            ray.get(coordinator.drain_island.remote(rng.choice(live)))
+            ray.get(coordinator.submit.remote(Drain(island=rng.choice(live))))
     thread.join(timeout=180)
     summary = box["summary"]
     versions = [r["version"] for r in _records(tmp_path, f"chaos-{mode}")]

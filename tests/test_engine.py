@@ -15,6 +15,18 @@ import numpy as np
 import pytest
 
 from orchestrator.engine.build import build_engine
+from orchestrator.engine.commands import (
+    Ack,
+    AddIslands,
+    Drain,
+    Pause,
+    Refusal,
+    Refused,
+    SetTarget,
+    SettingsUpdate,
+    Stop,
+    UpdateSettings,
+)
 from orchestrator.engine.pool import Fault, FaultKind
 from orchestrator.engine.types import Event, RunFailed
 from tests.engine_scenarios import Action, check_exactly_once, drive, run_scenario, scenario_cfg
@@ -93,9 +105,7 @@ def test_the_deadline_scales_with_h_so_a_larger_h_is_never_late(tmp_path):
     """Before: a fixed round_timeout_s made every island late once H grew (an in-range
     PATCH of inner_steps, or the shipped k8s config's H = 500), and the run failed."""
     cfg = scenario_cfg(tmp_path, "diloco", "round_timeout_s=5", "step_timeout_s=2")
-    from orchestrator.engine.controls import SettingsUpdate
-
-    summary = run_scenario(cfg, at={2: lambda e: e.controls.request(SettingsUpdate(inner_steps=60))})
+    summary = run_scenario(cfg, at={2: lambda e: e.submit(UpdateSettings(settings=SettingsUpdate(inner_steps=60)))})
     kinds = [e["kind"] for e in events(cfg.out_dir)]
     assert "settings" in kinds and "late" not in kinds
     assert summary["rounds_done"] == 6 and summary["outer_steps"] == 6
@@ -150,7 +160,7 @@ def test_an_island_whose_code_raises_is_released_and_replaced(tmp_path):
 @pytest.mark.parametrize("mode", ["diloco", "async", "overlap", "streaming"])
 def test_join_and_drain_midrun_scenario(tmp_path, mode):
     cfg = scenario_cfg(tmp_path, mode)
-    summary = run_scenario(cfg, at={2: lambda e: e.add_islands(1), 4: lambda e: e.members.drain(0)})
+    summary = run_scenario(cfg, at={2: lambda e: e.submit(AddIslands(count=1)), 4: lambda e: e.submit(Drain(island=0))})
     isl = summary["islands"]
     assert isl["3"]["rounds_contributed"] >= 1 and isl["3"]["joined_version"] > 0
     assert isl["0"]["state"] == "drained"
@@ -164,7 +174,7 @@ def test_an_island_without_a_free_shard_never_holds_a_round_open(tmp_path, mode)
     round out, not be waited for (overlap's close waits for islands about to start a round:
     this hung a chaos run whose joins outnumbered the shards)."""
     cfg = scenario_cfg(tmp_path, mode, "data_shards=4", "rounds=8")
-    summary = run_scenario(cfg, at={2: lambda e: e.add_islands(2)})
+    summary = run_scenario(cfg, at={2: lambda e: e.submit(AddIslands(count=2))})
     assert summary["rounds_done"] == 8 and len(summary["islands"]) == 5
 
 
@@ -173,36 +183,39 @@ def test_simulated_speeds_and_links_survive_joins_and_replacements(tmp_path, sim
     """Per-island simulation lists cover the initial islands; a joiner or a replacement (an
     index past the list) used to crash the run with IndexError."""
     cfg = scenario_cfg(tmp_path, "async", sim)
-    summary = run_scenario(cfg, [Fault(FaultKind.CRASH, 1, order=2)], at={2: lambda e: e.add_islands(1)})
+    summary = run_scenario(cfg, [Fault(FaultKind.CRASH, 1, order=2)], at={2: lambda e: e.submit(AddIslands(count=1))})
     assert summary["rounds_done"] == 6 and {"3", "4"} <= set(summary["islands"])
 
 
-def test_operator_requests_compose_within_a_round(tmp_path):
-    """Requests made between two engine steps: two adds make +2 (each used to read the stale
-    target: both answered 4), a target then an add compose, and draining below
+def test_operator_commands_compose_within_a_round(tmp_path):
+    """Commands given between two engine steps: two adds make +2 (each used to read the
+    stale target: both answered 4), a target then an add compose, and draining below
     elastic.min_islands is refused when asked (DELETE on every island emptied the run)."""
-    from orchestrator.engine.membership import MembershipError
-
     cfg = scenario_cfg(tmp_path, "diloco", "elastic.min_islands=2")
     engine, _ = in_process_engine(cfg)
     engine.start()
     engine.step()
-    assert engine.add_islands(1) == 4 and engine.add_islands(1) == 5
-    assert engine.set_target(3) == 3 and engine.add_islands(2) == 5
+    assert engine.submit(AddIslands(count=1)) == Ack(detail={"target": 4})
+    assert engine.submit(AddIslands(count=1)) == Ack(detail={"target": 5})
+    assert engine.submit(SetTarget(islands=3)) == Ack(detail={"target": 3})
+    assert engine.submit(AddIslands(count=2)) == Ack(detail={"target": 5})
     engine.step()
     assert engine.members.target == 5
-    engine.members.drain(0)
-    engine.members.drain(1)
-    engine.members.drain(2)
-    with pytest.raises(MembershipError, match=r"below elastic\.min_islands"):
-        engine.members.drain(3)
-    with pytest.raises(MembershipError, match="not training"):
-        engine.step()
-        engine.members.drain(0)
+    for i in range(3):
+        assert engine.submit(Drain(island=i)) == Ack(detail={"draining": i})
+    refused = engine.submit(Drain(island=3))
+    assert isinstance(refused, Refused) and refused.reason == Refusal.OUT_OF_BOUNDS
+    assert "below elastic.min_islands" in refused.message
+    assert engine.submit(Drain(island=99)).reason == Refusal.UNKNOWN_ISLAND  # type: ignore[union-attr]
+    assert engine.submit(SetTarget(islands=1)).reason == Refusal.OUT_OF_BOUNDS  # type: ignore[union-attr]
+    engine.step()
+    again = engine.submit(Drain(island=0))
+    assert isinstance(again, Refused) and again.reason == Refusal.NOT_NOW and "not training" in again.message
     while engine.step():
         pass
     assert engine.summary["rounds_done"] == 6 and engine.members.target == 2
     assert sorted(i for i, s in engine.summary["islands"].items() if s["state"] == "drained") == ["0", "1", "2"]
+    assert engine.submit(Pause()) == Refused(reason=Refusal.NOT_NOW, message="the run has ended")
 
 
 def test_the_event_cursor_survives_trimming(tmp_path):
@@ -221,7 +234,7 @@ def test_the_event_cursor_survives_trimming(tmp_path):
 
 def test_drain_abandon_gives_its_batches_to_the_next_owner(tmp_path):
     cfg = scenario_cfg(tmp_path, "async", "elastic.drain=abandon")
-    summary = run_scenario(cfg, at={2: lambda e: e.members.drain(1)})
+    summary = run_scenario(cfg, at={2: lambda e: e.submit(Drain(island=1))})
     assert summary["islands"]["1"]["state"] == "drained"
 
 
@@ -248,7 +261,7 @@ def test_a_coordinator_restart_resumes_from_its_checkpoint(tmp_path, mode):
 
 def test_a_graceful_stop_finishes_the_round_and_checkpoints(tmp_path):
     cfg = scenario_cfg(tmp_path, "overlap")
-    summary = run_scenario(cfg, at={2: lambda e: e.stop()})
+    summary = run_scenario(cfg, at={2: lambda e: e.submit(Stop())})
     assert summary["state"] == "stopped" and 2 <= summary["rounds_done"] < 6
     assert list(Path(cfg.checkpoint_dir).glob("state-*.pt"))
 
@@ -264,7 +277,7 @@ def test_a_stop_now_checkpoints_every_step_taken_with_its_record(tmp_path, mode)
         # a step closed and its record not yet written (barrier, lag), or mid-run (async,
         # whose records are written as soon as they are due)
         if engine.run.version >= 3 and (engine.due or mode == "async"):
-            engine.stop(now=True)
+            engine.submit(Stop(now=True))
     summary, state = engine.summary, load_checkpoint(Path(cfg.checkpoint_dir))
     assert summary["state"] == "stopped" and state["counters"]["rounds_done"] == summary["rounds_done"] >= 1
     assert state["version"] == summary["outer_steps"]
@@ -362,7 +375,7 @@ def test_an_island_added_after_the_checkpoint_is_adopted_on_restart(tmp_path, mo
     """Before: the restarted coordinator restored the checkpoint's target and membership;
     an island that joined since was orphaned (still holding its resources) and a later
     join could collide with its name."""
-    cfg, first, second = _restart_after(tmp_path, mode, lambda e: e.add_islands(1), crash_at=3)
+    cfg, first, second = _restart_after(tmp_path, mode, lambda e: e.submit(AddIslands(count=1)), crash_at=3)
     assert first.members.islands[3].state.value == "training"  # it had joined before the crash
     summary = second.summary
     assert second.members.target == 4 and set(summary["islands"]) == {"0", "1", "2", "3"}
@@ -372,7 +385,7 @@ def test_an_island_added_after_the_checkpoint_is_adopted_on_restart(tmp_path, mo
 
 @pytest.mark.parametrize("mode", ["diloco", "async"])
 def test_a_drained_island_stays_drained_across_a_restart(tmp_path, mode):
-    _, first, second = _restart_after(tmp_path, mode, lambda e: e.members.drain(1), crash_at=3)
+    _, first, second = _restart_after(tmp_path, mode, lambda e: e.submit(Drain(island=1)), crash_at=3)
     assert first.members.islands[1].state.value == "drained"
     summary = second.summary
     assert summary["islands"]["1"]["state"] == "drained" and second.members.target == 2
@@ -381,7 +394,9 @@ def test_a_drained_island_stays_drained_across_a_restart(tmp_path, mode):
 
 def test_a_draining_island_goes_on_draining_across_a_restart(tmp_path):
     slow = "islands.simulated_slowdown=[1.0,10.0,1.0]"  # island 1's round is still out at the crash
-    _, first, second = _restart_after(tmp_path, "async", lambda e: e.members.drain(1), 3, slow, "round_timeout_s=100")
+    _, first, second = _restart_after(
+        tmp_path, "async", lambda e: e.submit(Drain(island=1)), 3, slow, "round_timeout_s=100"
+    )
     assert first.members.islands[1].state.value == "draining"
     summary = second.summary
     assert summary["islands"]["1"]["state"] == "drained" and second.members.target == 2
@@ -389,7 +404,7 @@ def test_a_draining_island_goes_on_draining_across_a_restart(tmp_path):
 
 
 def test_a_lowered_target_holds_across_a_restart(tmp_path):
-    _, _, second = _restart_after(tmp_path, "diloco", lambda e: e.set_target(2), crash_at=3)
+    _, _, second = _restart_after(tmp_path, "diloco", lambda e: e.submit(SetTarget(islands=2)), crash_at=3)
     summary = second.summary
     assert second.members.target == 2 and sum(s["state"] == "training" for s in summary["islands"].values()) == 2
 

@@ -257,7 +257,7 @@ def test_eager_overlap_starts_each_lagged_round_from_the_islands_own_update():
 
 
 def test_a_live_change_of_h_must_keep_whole_segments():
-    from orchestrator.engine.controls import SettingsUpdate
+    from orchestrator.engine.commands import SettingsUpdate
     from orchestrator.engine.policies import check_settings
 
     cfg = _cfg("mode=streaming", "streaming.fragments=4", "inner_steps=8")

@@ -15,6 +15,7 @@ import torch
 from orchestrator.config import RunConfig
 from orchestrator.config_load import ConfigError, load_config
 from orchestrator.engine.build import PhasedRun
+from orchestrator.engine.commands import Stop
 from orchestrator.engine.pool import Fault, FaultKind, InProcessPool
 from orchestrator.engine.types import RunFailed
 from orchestrator.engine.warm_start import warm_config
@@ -155,7 +156,7 @@ def test_a_warm_start_is_reused_by_another_run_and_checked_to_fit(tmp_path):
 
 def test_a_run_stopped_in_its_warm_start_says_so(tmp_path):
     run = PhasedRun(_cfg(tmp_path), "stop", Pools())
-    run.engine.stop(now=True)
+    run.engine.submit(Stop(now=True))
     summary = run.execute()
     assert summary["phase"] == "warm_start" and summary["state"] == "stopped"
     assert not (Path(run.cfg.out_dir) / "warm_start" / "warm_start.json").exists()

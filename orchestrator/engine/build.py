@@ -7,6 +7,7 @@ exactly the same engine."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +15,12 @@ import torch
 
 from orchestrator.config import Mode, RunConfig
 from orchestrator.engine.checkpoints import load_initial_weights
+from orchestrator.engine.commands import Inbox
 from orchestrator.engine.engine import RoundEngine
 from orchestrator.engine.outer_step import LocalOuter, LocalSlices, Outer, SliceCalls, SlicedOuter
-from orchestrator.engine.policies import build_policies, outer_rule
+from orchestrator.engine.policies import build_policies, outer_rule, run_inbox
 from orchestrator.engine.pool import IslandPool
-from orchestrator.engine.types import RunFailed
+from orchestrator.engine.types import RunFailed, RunPhase
 from orchestrator.engine.warm_start import WarmStart, load_warm_start, mark_finished, pending, warm_config, warm_run_id
 from workers.flat import FlatParams, slice_bounds
 from workers.fragments import FragmentedTask, fragment_model
@@ -31,9 +33,12 @@ def build_engine(
     run_id: str = "local",
     slices: Callable[[RunConfig, Any, list[tuple[int, int]]], SliceCalls] | None = None,
     on_record: Callable[[dict[str, Any], dict[str, dict[str, Any]]], None] | None = None,
+    inbox: Inbox | None = None,
+    takes_changes: bool = True,
 ) -> RoundEngine:
     """The engine for `cfg` driving `pool`; with `coordinator.shards` > 1 the outer step is
-    split over slices reached through `slices` (in process by default)."""
+    split over slices reached through `slices` (in process by default). `inbox` and
+    `takes_changes`: see `RoundEngine`."""
     task = load_task(cfg.task.factory, cfg.task.kwargs)
     task.prepare()
     torch.manual_seed(cfg.seed)
@@ -59,7 +64,22 @@ def build_engine(
     else:
         outer = LocalOuter(flat.data, outer_rule(cfg), fragments)
     policies = build_policies(cfg, flat.numel, fragments)
-    return RoundEngine(cfg, task, model, flat, outer, policies, pool, run_id, on_record, initial, warm, fragments)
+    return RoundEngine(
+        cfg,
+        task,
+        model,
+        flat,
+        outer,
+        policies,
+        pool,
+        run_id,
+        on_record,
+        initial,
+        warm,
+        fragments,
+        inbox=inbox,
+        takes_changes=takes_changes,
+    )
 
 
 def start_from(path: Path, model: torch.nn.Module, flat: FlatParams) -> dict[str, str]:
@@ -81,23 +101,54 @@ def start_from(path: Path, model: torch.nn.Module, flat: FlatParams) -> dict[str
 PoolFactory = Callable[[RunConfig, str], IslandPool]
 
 
+class Phase(str, Enum):
+    WARM_START = "warm_start"
+    MAIN = "main"
+
+
 class PhasedRun:
     """A run from its warm start, when it has one still to train, to its end: the warm
     phase is a run of its own (`engine/warm_start.py`, run id `<run_id>-warm`), then the
-    main run forks from it. `engine` is the phase running now (what the control plane
-    reads and steers). A coordinator restarted in either phase resumes that phase."""
+    main run forks from it. `engine` is the phase running now. Both phases share one
+    inbox, so what an operator asks during the warm start carries across the fork (a
+    pause stays paused, a stop stops, a target or settings change waits for the main
+    phase), and one status (`status`): the run's id, its phase as a field, and `finished`
+    only when the main phase is. A coordinator restarted in either phase resumes it."""
 
     def __init__(self, cfg: RunConfig, run_id: str, make_pool: PoolFactory, **engine: Any) -> None:
         self.cfg, self.run_id, self.make_pool, self.options = cfg, run_id, make_pool, engine
+        self.inbox = run_inbox(cfg)
         self.warm_cfg = warm_config(cfg) if pending(cfg, run_id) else None
         if self.warm_cfg is not None:
             wid = warm_run_id(run_id)
-            self.engine = build_engine(self.warm_cfg, make_pool(self.warm_cfg, wid), wid, **engine)
+            pool = make_pool(self.warm_cfg, wid)
+            self.engine = build_engine(self.warm_cfg, pool, wid, inbox=self.inbox, takes_changes=False, **engine)
         else:
             self.engine = self._main()
 
     def _main(self) -> RoundEngine:
-        return build_engine(self.cfg, self.make_pool(self.cfg, self.run_id), self.run_id, **self.options)
+        pool = self.make_pool(self.cfg, self.run_id)
+        return build_engine(self.cfg, pool, self.run_id, inbox=self.inbox, **self.options)
+
+    @property
+    def phase(self) -> Phase:
+        return Phase.WARM_START if self.warming else Phase.MAIN
+
+    def _of_run(self, view: dict[str, Any]) -> dict[str, Any]:
+        """A phase's view as the run's: the warm phase reports the run's id, rounds and
+        settings, and its end is the main phase's start, not the run's end."""
+        if not self.warming:
+            return {**view, "phase": Phase.MAIN.value}
+        state = view.get("state")
+        if state == RunPhase.FINISHED.value:
+            state = RunPhase.STARTING.value
+        return {**view, "state": state, "phase": Phase.WARM_START.value, "run_id": self.run_id}
+
+    def status(self) -> dict[str, Any]:
+        return self._of_run(self.engine.status())
+
+    def progress(self) -> dict[str, Any]:
+        return self._of_run(self.engine.snapshot)
 
     @property
     def warming(self) -> bool:
@@ -110,7 +161,8 @@ class PhasedRun:
             summary = self.engine.execute()
             self.engine.pool.close()
             if summary["state"] != "finished":
-                return {**summary, "phase": "warm_start"}
+                self.inbox.ended = True
+                return {**summary, "phase": Phase.WARM_START.value}
             mark_finished(self.cfg, self.run_id, summary)
             self.engine = self._main()
         return self.engine.execute()

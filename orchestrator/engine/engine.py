@@ -24,19 +24,15 @@ import torch
 
 from orchestrator.config import RunConfig
 from orchestrator.engine.admission import Admission, Verdict
-from orchestrator.engine.checkpoints import (
-    load_checkpoint,
-    load_intent,
-    save_checkpoint,
-    save_intent,
-)
-from orchestrator.engine.controls import RunControls, SettingsUpdate
+from orchestrator.engine.checkpoints import load_checkpoint, save_checkpoint
+from orchestrator.engine.commands import Answer, Command, Inbox, SettingsUpdate
 from orchestrator.engine.downlink import Downlink
+from orchestrator.engine.fleet import Fleet
 from orchestrator.engine.ledger import DataLedger
 from orchestrator.engine.membership import IslandStats, Membership
 from orchestrator.engine.outer_step import Outer, SlicedOuter, take_step
 from orchestrator.engine.pacing import Close, Flight, Pacing, RunState, Work
-from orchestrator.engine.policies import Policies
+from orchestrator.engine.policies import Policies, run_inbox
 from orchestrator.engine.pool import Done, Failed, IslandPool, Joined, JoinFailed, PoolEvent
 from orchestrator.engine.records import DiskFaults, EventLog, Recorder
 from orchestrator.engine.screen import Sizes, screen
@@ -77,38 +73,40 @@ class RoundEngine:
         init_from: dict[str, str] | None = None,
         warm: WarmStart | None = None,
         fragments: Fragments | None = None,
+        inbox: Inbox | None = None,
+        takes_changes: bool = True,
     ) -> None:
         """Continues from the checkpoint of `run_id` in `cfg.checkpoint_dir` if there is one.
         `init_from` describes the weights the model was loaded with (`start_from`); `warm`
         is the warm start the model was loaded from, whose data positions the run continues;
-        `fragments` are streaming's (the outer step and the published copy work by fragment)."""
+        `fragments` are streaming's (the outer step and the published copy work by fragment).
+        `inbox`: the run's operator commands (shared by its phases); a phase that does not
+        `takes_changes` (the warm start) honours pause and stop and leaves settings and
+        membership changes for the next."""
         self.cfg, self.task, self.model, self.flat, self.outer = cfg, task, model, flat, outer
         self.pacing: Pacing = policies.pacing
         self.admission: Admission = policies.admission
         self.pool, self.run_id, self.on_record = pool, run_id, on_record
         self.eval_batches = list(task.eval_batches())
-        self.members = Membership(cfg.islands.count, cfg.elastic.min_islands, cfg.elastic.max_islands)
+        self.members = Membership(cfg.islands.count)
         self.run = RunState(cfg.rounds, cfg.inner_steps, self.members)
         self.ledger = DataLedger(cfg.num_shards)
-        self.controls = RunControls()
+        self.inbox = inbox or run_inbox(cfg)
+        self.takes_changes = takes_changes
         self.phase = RunPhase.STARTING
         self.flights: dict[int, Flight] = {}
         self.overdue: dict[int, tuple[int, float]] = {}  # ticket -> (island, deadline), abandoned past it
         self.speeds = policies.speeds  # measured inner steps per second, every mode
         self._tickets = itertools.count()
         self.refs: dict[int, Any] = {}  # version -> published parameters
-        self._demanded: int | None = None
         self.published_at: dict[int, float] = {}
         self.held: dict[int, int] = {}  # island -> version it holds (downloaded)
         self.due: list[int] = []  # recorded rounds due, written after the next dispatch
         self.stats = RunStats()
         self.init_from = init_from
         self.warm = warm
-        self._intent: dict[str, Any] | None = None  # last membership intent written (`_journal`)
-        self._journalled_at = -1  # events.count when the intent was last looked at
         self.islands_view: dict[str, dict[str, Any]] = {}  # what /v1/islands serves (`_refresh_islands`)
         self._islands_seen: tuple[int, int] | None = None
-        self.waiting_since: float | None = None  # since when no island could train
         self.clock0 = 0.0  # the pool's clock when training began (`_clock`)
         self.summary: dict[str, Any] = {}
         slices = tuple(outer.bounds) if isinstance(outer, SlicedOuter) else None
@@ -143,87 +141,46 @@ class RoundEngine:
         }
         if self.resumed:
             self.events.add(Event.RESTART, version=self.run.version, rounds_done=self.rounds_done)
+        self.fleet = Fleet(
+            cfg=cfg,
+            run_id=run_id,
+            pool=pool,
+            members=self.members,
+            run=self.run,
+            events=self.events,
+            disk=self.disk,
+            forget=self._forget,
+        )
+        self.stop_seen = False
+        if takes_changes:
+            self.inbox.members = self.members
+            self.inbox.settle(self.members.target)
 
     # -- the state machine -----------------------------------------------------------------
     def start(self) -> None:
         """Ask for the islands (after a restart: re-attach to the live ones, re-place the rest)."""
-        if self.resumed:
-            self._reattach()
-        else:
-            # a coordinator Ray restarted before its first checkpoint starts afresh: the islands
-            # its predecessor placed are released by name, or their names would collide
-            self.pool.sweep(set())
-            for i in range(self.cfg.islands.count):
-                self._request(i)
-        self._demand()
+        self.fleet.start(self.resumed)
 
-    def _reattach(self) -> None:
-        """After a restart, membership as it was, not as the checkpoint saw it: the target
-        and the islands asked to leave come from the intent journal (written at each
-        change), islands that joined after the checkpoint are adopted, a draining island
-        goes on draining, a drained one stays drained, and whatever else of this run is
-        left in the pool is released by name before any index is handed out again."""
-        intent = load_intent(Path(self.cfg.checkpoint_dir), self.run_id) or {}
-        leaving = set(intent.get("leaving", []))
-        if "target" in intent:
-            self.members.target = self.members.requested = int(intent["target"])
-        known = set(self.members.islands)
-        for i in self.pool.survivors():
-            if i not in known and i not in leaving and (node := self.pool.reattach(i)) is not None:
-                self.members.add(i, node, joined_version=self.run.version)
-                self.events.add(Event.REATTACH, i, node=node, joined_after_checkpoint=True)
-        replace = []
-        for i in sorted(known):
-            stats = self.members.islands[i]
-            if stats.state.gone:
-                continue
-            node = self.pool.reattach(i)
-            if node is not None:
-                if i in leaving and stats.state in (IslandState.TRAINING, IslandState.LATE):
-                    stats.state = IslandState.DRAINING  # released between rounds, as asked
-                elif stats.state == IslandState.LATE:
-                    stats.state = IslandState.TRAINING
-                self.events.add(Event.REATTACH, i, node=node)
-            elif stats.state == IslandState.DRAINING or i in leaving:
-                stats.state = IslandState.DRAINED  # it was leaving anyway
-            else:
-                stats.state = IslandState.STARTING
-                replace.append(i)
-        self.pool.sweep({i for i, s in self.members.islands.items() if s.state.alive})
-        for i in replace:
-            self._request(i)
-        self._journal()
-
-    def _journal(self) -> None:
-        """Write the membership intent when it changed (see `_reattach`); every membership
-        change logs an event, so nothing is looked at in steps without one."""
-        if not self.cfg.checkpoint.every_rounds or self.events.count == self._journalled_at:
-            return
-        self._journalled_at = self.events.count
-        leaving = sorted(
-            i for i, s in self.members.islands.items() if s.state in (IslandState.DRAINING, IslandState.DRAINED)
-        )
-        intent = {"run_id": self.run_id, "target": self.members.target, "leaving": leaving}
-        if intent != self._intent and self.disk.attempt(
-            "the membership intent", lambda: save_intent(Path(self.cfg.checkpoint_dir), intent)
-        ):
-            self._intent = intent
+    def submit(self, command: Command) -> Answer:
+        """An operator's command, validated now, applied by the engine at its own pace."""
+        return self.inbox.submit(command)
 
     def step(self) -> bool:
         """One transition; False once the run has ended."""
         if self.phase in (RunPhase.FINISHED, RunPhase.STOPPED, RunPhase.FAILED):
             return False
-        if self.controls.aborting.is_set():
+        self._heard_stop()
+        if self.inbox.aborting.is_set():
             self._finish()
             return False
         if self.phase == RunPhase.STARTING:
             self._handle(self.pool.poll(POLL_S))
-            self._expire_joins()
+            self.fleet.expire_joins()
             if not self.members.pending:
                 self._begin()
             self._refresh_islands()
             return True
-        self.run.stopping = self.controls.stopping.is_set()
+        self.run.stopping = self.inbox.stopping.is_set()
         self._boundary()
         self._dispatch()
         self._write_due()
@@ -231,7 +188,7 @@ class RoundEngine:
             if self.pacing.done(self.run) or self.run.stopping:
                 self._finish()
                 return False
-            self._check_progress()
+            self.fleet.check_progress(self.phase == RunPhase.PAUSED, bool(self.overdue))
         self._handle(self.pool.poll(self._timeout()))
         self._expire()
         while (close := self.pacing.next_close(self.run, self._in_flight())) is not None:
@@ -240,8 +197,14 @@ class RoundEngine:
             self._write_due()
             self._close(close)
         self._refresh_islands()
-        self._journal()
+        self.fleet.journal()
         return True
+
+    def _heard_stop(self) -> None:
+        """Log a stop the inbox accepted, once (its `now` says whether work is abandoned)."""
+        if self.inbox.stopping.is_set() and not self.stop_seen:
+            self.stop_seen = True
+            self.events.add(Event.STOP_REQUESTED, version=self.run.version, now=self.inbox.aborting.is_set())
 
     def _in_flight(self) -> list[Flight]:
         """Work handed out whose result has not come back (arrived results wait in
@@ -271,7 +234,8 @@ class RoundEngine:
     # -- phases ------------------------------------------------------------------------------
     def _begin(self) -> None:
         if not self.members.schedulable():
-            raise self._no_island_left()
+            self.phase = RunPhase.FAILED
+            raise self.fleet.no_island_left()
         self.stats.start_training()
         self.clock0 = self.pool.now()
         if not self.resumed:
@@ -286,14 +250,16 @@ class RoundEngine:
         self._write_due()  # a step taken is recorded, so the checkpoint's version and rounds agree
         for ticket in sorted(self.flights, reverse=True):  # an island's later reservation first
             self._lose(ticket, "the run ended before its outer step")
-        stopped = self.controls.stopping.is_set()
+        stopped = self.inbox.stopping.is_set()
         if stopped:
-            if not self.controls.aborting.is_set():
+            if not self.inbox.aborting.is_set():
                 self.stats.last_eval = self.evaluate()
             if self.cfg.checkpoint.every_rounds:
                 self._checkpoint()
             self.events.add(Event.STOPPED, version=self.run.version, rounds_done=self.rounds_done)
         self.phase = RunPhase.STOPPED if stopped else RunPhase.FINISHED
+        if self.takes_changes:  # the run's last phase: nothing more can be asked of it
+            self.inbox.ended = True
         self.outer.copy_to(self.flat.data)
         self.summary = self.stats.summary(
             self.phase, self.cfg, self.run.version, self.members, self.ledger, self.outer.numel, self.recorder.out
@@ -317,10 +283,10 @@ class RoundEngine:
     # -- operator requests, applied between rounds ------------------------------------------------
     def _boundary(self) -> None:
         if self.pacing.between_rounds(list(self.flights.values())):
-            update = self.controls.take()
+            update = self.inbox.take_settings() if self.takes_changes else None
             if update is not None:
                 self._apply_settings(update)
-            paused = self.controls.paused.is_set() and not self.controls.stopping.is_set()
+            paused = self.inbox.paused.is_set() and not self.inbox.stopping.is_set()
             if paused and self.phase == RunPhase.TRAINING:
                 self.phase = RunPhase.PAUSED
                 self.events.add(Event.PAUSED, version=self.run.version)
@@ -328,7 +294,7 @@ class RoundEngine:
                 self.phase = RunPhase.TRAINING
                 self.events.add(Event.RESUMED, version=self.run.version)
             self.snapshot["state"] = self.phase.value
-        self._membership()
+        self.fleet.apply(self.inbox if self.takes_changes else None, {f.work.island for f in self._in_flight()})
 
     def _apply_settings(self, update: SettingsUpdate) -> None:
         if update.inner_steps is not None:
@@ -336,88 +302,6 @@ class RoundEngine:
         if update.outer_lr is not None:
             self.outer.set_lr(update.outer_lr)
         self.events.add(Event.SETTINGS, version=self.run.version, **update.model_dump(exclude_none=True))
-
-    def _membership(self) -> None:
-        """Apply target and drain requests; keep the live islands at the target."""
-        m = self.members
-        for kind, value in m.take_requests():
-            if kind == "target":
-                m.target = value
-                self.events.add(Event.TARGET, None, target=value)
-            elif kind == "drain" and self._start_drain(value):
-                m.target = max(0, m.target - 1)  # a drained island is not replaced
-        m.settle()
-        self._demand()
-        self._expire_joins()
-        surplus = len(m.live()) + len(m.pending) - m.target
-        for i in sorted(m.live(), reverse=True)[: max(0, surplus)]:
-            self._start_drain(i)
-        for _ in range(max(0, -surplus)):
-            self._request(m.next_index())
-        busy = {f.work.island for f in self._in_flight()}
-        for i, s in list(m.islands.items()):
-            if s.state == IslandState.DRAINING and (i not in busy or self.cfg.elastic.drain == "abandon"):
-                self._release(i, IslandState.DRAINED)
-
-    def _demand(self) -> None:
-        """Tell the pool (on KubeRay: the autoscaler) how many islands the run wants."""
-        if self._demanded != self.members.target:
-            self._demanded = self.members.target
-            self.pool.demand(self.members.target)
-            self.events.add(Event.RESOURCES_REQUESTED, None, bundles=self.members.target)
-
-    def _expire_joins(self) -> None:
-        now = self.pool.now()
-        for i, since in list(self.members.pending.items()):
-            if now - since > self.cfg.elastic.placement_timeout_s:
-                del self.members.pending[i]
-                self.pool.cancel(i)
-                self.events.add(Event.JOIN_FAILED, i, reason="no resources within elastic.placement_timeout_s")
-
-    def _request(self, index: int) -> None:
-        start = self.cfg.warm_steps + self.run.completed_steps // max(1, len(self.members.live()))
-        self.members.pending[index] = self.pool.now()
-        self.pool.request(index, start)
-        self.events.add(Event.REQUESTED, index)
-
-    def _start_drain(self, island: int) -> bool:
-        """Start draining (or cancel a join); False if the island is already gone."""
-        if self.members.pending.pop(island, None) is not None:
-            self.pool.cancel(island)
-            self.events.add(Event.JOIN_CANCELLED, island)
-            return True
-        stats = self.members.islands.get(island)
-        if stats is None or stats.state not in (IslandState.TRAINING, IslandState.LATE):
-            return False
-        self.members.mark(island, IslandState.DRAINING)
-        self.events.add(Event.DRAIN, island, policy=self.cfg.elastic.drain)
-        return True
-
-    def _release(self, island: int, state: IslandState, reason: str | None = None) -> None:
-        """Release an island for good; its work still out is lost (and retrained by the next
-        owner of its shards), its results already in still count."""
-        for flight in [f for f in self._in_flight() if f.work.island == island]:
-            self._lose(flight.ticket, f"island {state.value}")
-        self.members.mark(island, state, reason)
-        self.held.pop(island, None)
-        for t in [t for t, (i, _) in self.overdue.items() if i == island]:
-            del self.overdue[t]
-        self.pool.release(island)
-        self.events.add(Event.RELEASED, island, state=state.value)
-
-    def _fail(self, island: int, reason: str, state: IslandState = IslandState.DEAD) -> None:
-        """Release an island that died, raised, or is quarantined; the target replaces it
-        unless `elastic.replace_dead` is off."""
-        stats = self.members.islands.get(island)
-        if stats is None or stats.state.gone:
-            return
-        if stats.state == IslandState.DRAINING:
-            self._release(island, IslandState.DRAINED)
-            return
-        if not self.cfg.elastic.replace_dead:
-            self.members.target = max(0, self.members.target - 1)
-        self.events.add(Event.CRASH if state == IslandState.DEAD else Event.QUARANTINED, island, reason=reason)
-        self._release(island, state, reason)
 
     # -- work out -------------------------------------------------------------------------------
     def _publish(self, at: float | None = None) -> None:
@@ -502,33 +386,18 @@ class RoundEngine:
     def _handle(self, events: list[PoolEvent]) -> None:
         for event in events:
             if isinstance(event, Joined):
-                self._joined(event)
+                speed = self.fleet.joined(event, starting=self.phase == RunPhase.STARTING)
+                if speed is not None:
+                    self.speeds.know(event.island, speed)
             elif isinstance(event, JoinFailed):
-                self.members.pending.pop(event.island, None)
-                self.events.add(Event.JOIN_FAILED, event.island, reason=event.reason)
+                self.fleet.join_failed(event)
             elif isinstance(event, Done):
                 self._arrived(event.ticket, event.island, event.result)
             elif isinstance(event, Failed):
                 if event.ticket in self.flights and self.flights[event.ticket].result is None:
                     self._lose(event.ticket, event.reason)
                 self.overdue.pop(event.ticket, None)
-                self._fail(event.island, event.reason)
-
-    def _joined(self, event: Joined) -> None:
-        if event.island not in self.members.pending:
-            self.pool.release(event.island)  # cancelled meanwhile
-            return
-        known = self.members.islands.get(event.island)
-        if known is not None:  # re-placed after a coordinator restart: keeps its statistics
-            self.members.pending.pop(event.island, None)
-            known.state, known.node = IslandState.TRAINING, event.node
-            self.events.add(Event.JOIN, event.island, node=event.node, version=self.run.version)
-            return
-        joined = self.run.version if self.phase != RunPhase.STARTING else 0
-        self.members.add(event.island, event.node, joined_version=joined)
-        if event.steps_per_s is not None:
-            self.speeds.know(event.island, event.steps_per_s)
-        self.events.add(Event.JOIN, event.island, node=event.node, version=self.run.version)
+                self.fleet.fail(event.island, event.reason)
 
     def _arrived(self, ticket: int, island: int, result: RoundResult) -> None:
         flight = self.flights.get(ticket)
@@ -597,32 +466,16 @@ class RoundEngine:
         grace = self.cfg.elastic.late_grace_s
         for ticket, (i, deadline) in list(self.overdue.items()):
             if ticket in self.overdue and now - deadline > grace:
-                self._fail(i, f"hung: no result {grace:g}s past its deadline (elastic.late_grace_s)")
+                self.fleet.fail(i, f"hung: no result {grace:g}s past its deadline (elastic.late_grace_s)")
 
-    def _check_progress(self) -> None:
-        """Nothing in flight and nothing to close: someone must be able to train soon — an
-        island being placed, or a late one whose result may still come. The longest that
-        can take is a late island's grace, then its replacement's placement; a run that has
-        had no island able to train for that long (replacements keep failing to place) or
-        has nothing coming at all has failed."""
-        if self.phase == RunPhase.PAUSED or self.members.schedulable():
-            self.waiting_since = None
-            return
-        now = self.pool.now()
-        self.waiting_since = now if self.waiting_since is None else self.waiting_since
-        patience = self.cfg.elastic.late_grace_s + self.cfg.elastic.placement_timeout_s
-        if not (self.members.pending or self.overdue) or now - self.waiting_since > patience:
-            raise self._no_island_left()
-
-    def _no_island_left(self) -> RunFailed:
-        self.phase = RunPhase.FAILED
-        return RunFailed(
-            "no island can train: "
-            + (
-                "; ".join(f"island {i}: {s.state.value} ({s.error})" for i, s in self.members.islands.items())
-                or "none joined"
-            )
-        )
+    def _forget(self, island: int, state: IslandState) -> None:
+        """An island is released for good (the fleet's call): its work still out is lost
+        (retrained by the next owner of its shards); its results already in still count."""
+        for flight in [f for f in self._in_flight() if f.work.island == island]:
+            self._lose(flight.ticket, f"island {state.value}")
+        self.held.pop(island, None)
+        for t in [t for t, (i, _) in self.overdue.items() if i == island]:
+            del self.overdue[t]
 
     # -- the outer step ------------------------------------------------------------------------------
     def _weight(self, r: RoundResult) -> float:
@@ -689,7 +542,7 @@ class RoundEngine:
         if not verdict.admitted and verdict.decision != Decision.DROP:
             self.events.add(Event.REJECTION, island, reason=verdict.why, **detail)
         if self.admission.record(island, verdict):
-            self._fail(
+            self.fleet.fail(
                 island,
                 f"quarantined after {self.admission.quarantine_after} bad updates in a row",
                 IslandState.QUARANTINED,
@@ -790,7 +643,7 @@ class RoundEngine:
         self.ledger.load(state["ledger"])
         self.run.completed_steps = state["completed_steps"]
         self.stats.load(state["counters"])
-        self.members.target = self.members.requested = state["target"]
+        self.members.target = state["target"]
         self.pacing.resume(self.run)
 
     # -- what the control plane reads ----------------------------------------------------------------
@@ -822,21 +675,8 @@ class RoundEngine:
             "pending_islands": sorted(self.members.pending),
             "inner_steps": self.cfg.inner_steps,
             "outer_lr": self.outer.lr(),
-            "paused": self.controls.paused.is_set(),
-            "stopping": self.controls.stopping.is_set(),
+            "paused": self.inbox.paused.is_set(),
+            "stopping": self.inbox.stopping.is_set(),
             "disk_errors": self.disk.count,
             "last_disk_error": self.disk.last,
         }
-
-    def set_target(self, n: int) -> int:
-        return self.members.set_target(n)
-
-    def add_islands(self, n: int) -> int:
-        return self.members.add_islands(n)
-
-    def stop(self, now: bool = False) -> None:
-        """Finish the round in flight, checkpoint, write the outputs, end the run. With
-        `now` the work in flight is abandoned instead (its data is trained again on
-        resume): what `ray job stop` needs, as Ray kills the job a few seconds later."""
-        self.controls.stop(now)
-        self.events.add(Event.STOP_REQUESTED, version=self.run.version, now=now)

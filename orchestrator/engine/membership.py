@@ -1,7 +1,6 @@
 """Who is in the run: per-island bookkeeping (state, contributions, tokens, bytes,
-staleness), the target island count, joins still being placed, and the operator's
-membership requests. Pure logic; the engine applies requests at its own pace (a change
-never tears a round in half) and the island pool does the placing.
+staleness), the target island count and joins still being placed. Pure logic: the fleet
+(`engine/fleet.py`) changes it, the island pool does the placing.
 
 States are `IslandState` (see `engine/types.py`): `training` gets work, `late` gets work
 again once its overdue result arrives (and is discarded), `draining` finishes or abandons
@@ -9,7 +8,6 @@ its work and is released, `drained`, `dead` and `quarantined` are released for g
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -62,77 +60,28 @@ class IslandStats:
         return d
 
 
-class MembershipError(ValueError):
-    """An operator's membership request that cannot be honoured (the API answers 4xx)."""
+JOINING = "joining"  # `standing` of an island still being placed
 
 
 class Membership:
-    """Thread-safe for the operator's calls (`set_target`, `add_islands`, `drain`), which only
-    queue a request; everything else runs on the engine's thread.
+    """The islands of one phase and its target. The engine's thread changes it; the
+    control plane's threads read it under the lock (`standing`, `summary`). Operator
+    changes arrive through the run's `Inbox` (`engine/commands.py`)."""
 
-    `requested` is the target once every queued request is applied. Operator calls read and
-    move it under the lock, so two adds in one round make +2 (not both "target 4 from 3"),
-    a PUT then an add compose, and a drain that would go below `min_islands` is refused when
-    asked, not discovered rounds later when the run has no island left."""
-
-    def __init__(self, target: int, min_islands: int, max_islands: int) -> None:
+    def __init__(self, target: int) -> None:
         self.islands: dict[int, IslandStats] = {}
-        self.target = self.requested = target
-        self.min_islands, self.max_islands = min_islands, max_islands
+        self.target = target
         self.pending: dict[int, float] = {}  # island index -> when its placement was requested
-        self.requests: queue.Queue[tuple[str, int]] = queue.Queue()
         self._lock = threading.Lock()
 
-    # -- requests from other threads ---------------------------------------------------
-    def _bounded(self, n: int) -> int:
-        if not self.min_islands <= n <= self.max_islands:
-            raise MembershipError(
-                f"target {n} is outside [elastic.min_islands, elastic.max_islands] = "
-                f"[{self.min_islands}, {self.max_islands}]"
-            )
-        return n
-
-    def set_target(self, n: int) -> int:
-        with self._lock:
-            self.requested = self._bounded(n)
-            self.requests.put(("target", n))
-        return n
-
-    def add_islands(self, n: int) -> int:
-        with self._lock:
-            self.requested = self._bounded(self.requested + n)
-            self.requests.put(("target", self.requested))
-            return self.requested
-
-    def drain(self, island: int) -> None:
-        """Ask `island` to leave (it is not replaced: the target drops by one); an island
-        still joining is cancelled instead."""
+    def standing(self, island: int) -> str | None:
+        """An island's state (its value), `JOINING` while it is being placed, None if there
+        is no such island."""
         with self._lock:
             stats = self.islands.get(island)
-            if stats is None and island not in self.pending:
-                raise KeyError(f"no island {island}")
-            if stats is not None and stats.state not in (IslandState.TRAINING, IslandState.LATE):
-                raise MembershipError(f"island {island} is {stats.state.value}, not training")
-            if self.requested - 1 < self.min_islands:
-                raise MembershipError(
-                    f"draining island {island} would leave {self.requested - 1} islands, "
-                    f"below elastic.min_islands = {self.min_islands}"
-                )
-            self.requested -= 1
-            self.requests.put(("drain", island))
-
-    def take_requests(self) -> list[tuple[str, int]]:
-        out = []
-        while not self.requests.empty():
-            out.append(self.requests.get_nowait())
-        return out
-
-    def settle(self) -> None:
-        """After the engine applied the requests: with none queued, `requested` is the target
-        (a drain that found its island already gone did not lower it)."""
-        with self._lock:
-            if self.requests.empty():
-                self.requested = self.target
+            if stats is not None:
+                return stats.state.value
+            return JOINING if island in self.pending else None
 
     # -- the engine's side --------------------------------------------------------------
     def add(self, index: int, node: str, joined_version: int = 0) -> None:

@@ -22,7 +22,7 @@ from orchestrator.algorithms.outer import CO2Outer, DelayedNesterov, FlatSGD
 from orchestrator.algorithms.robust import NormGuard
 from orchestrator.config import Mode, OuterConfig, RunConfig
 from orchestrator.engine.admission import Admission, BoundedStaleness, ExactVersion, StalenessRule
-from orchestrator.engine.controls import SettingsUpdate
+from orchestrator.engine.commands import Inbox, SettingsUpdate
 from orchestrator.engine.outer_step import OuterRule, Scheduler
 from orchestrator.engine.pacing import Barrier, FragmentSchedule, OneRoundLag, Pacing, PerArrival
 from workers.fragments import Fragments
@@ -74,6 +74,16 @@ def check_settings(cfg: RunConfig, update: SettingsUpdate) -> None:
     p = cfg.streaming.fragments
     if cfg.mode == Mode.STREAMING and update.inner_steps is not None and update.inner_steps % p:
         raise ValueError(f"inner_steps = {update.inner_steps} must be a multiple of streaming.fragments = {p}")
+
+
+def run_inbox(cfg: RunConfig) -> Inbox:
+    """The inbox of a run of `cfg`: its island bounds, and the settings its mode can take."""
+    return Inbox(
+        target=cfg.islands.count,
+        min_islands=cfg.elastic.min_islands,
+        max_islands=cfg.elastic.max_islands,
+        check=lambda update: check_settings(cfg, update),
+    )
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,8 @@ import torch
 
 from orchestrator.config import RunConfig
 from orchestrator.engine.build import PhasedRun
-from orchestrator.engine.controls import SettingsUpdate
+from orchestrator.engine.commands import Answer, Command
 from orchestrator.engine.engine import RoundEngine
-from orchestrator.engine.policies import check_settings
 from orchestrator.engine.types import SliceLost, coordinator_name
 from orchestrator.logs import configure
 from orchestrator.runtime.island_pool import RayIslandPool, island_bundle
@@ -71,14 +70,11 @@ class Coordinator:
             self.engine.pool.close()
 
     # -- what the control plane calls (other threads) ----------------------------------------
-    def _phase(self) -> str:
-        return "warm_start" if self.phases.warming else "rounds"
-
     def progress(self) -> dict[str, Any]:
-        return {**self.engine.snapshot, "phase": self._phase()}
+        return self.phases.progress()
 
     def status(self) -> dict[str, Any]:
-        return {**self.engine.status(), "phase": self._phase()}
+        return self.phases.status()
 
     def islands(self) -> dict[str, dict[str, Any]]:
         resources = island_bundle(self.engine.cfg)
@@ -91,27 +87,7 @@ class Coordinator:
         """metrics.jsonl records after round `since`, at most `limit` (for charts)."""
         return self.engine.recorder.page(since, limit)
 
-    def set_target(self, n: int) -> int:
-        return self.engine.set_target(n)
-
-    def add_islands(self, n: int) -> int:
-        return self.engine.add_islands(n)
-
-    def drain_island(self, island: int) -> None:
-        self.engine.members.drain(island)
-
-    def pause(self) -> None:
-        self.engine.controls.paused.set()
-
-    def resume(self) -> None:
-        self.engine.controls.paused.clear()
-
-    def stop(self, now: bool = False) -> None:
-        self.engine.stop(now)
-
-    def update_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
-        """Validate now, apply at the next round boundary; returns what will change."""
-        update = SettingsUpdate(**changes)
-        check_settings(self.cfg, update)
-        self.engine.controls.request(update)
-        return update.model_dump(exclude_none=True)
+    def submit(self, command: Command) -> Answer:
+        """An operator's command: validated now, answered with an acknowledgement or a
+        refusal and its reason; the run applies it at its own pace, in whichever phase."""
+        return self.phases.inbox.submit(command)

@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.config import RunConfig
 from orchestrator.engine.checkpoints import load_checkpoint
+from orchestrator.engine.commands import Stop
 from orchestrator.engine.types import NAMESPACE, RunFailed, control_plane_name, coordinator_name
 from orchestrator.engine.warm_start import check_warm_start, pending, warm_run_id
 from orchestrator.runtime.coordinator import Coordinator
@@ -181,7 +182,7 @@ def _drive(
                     log.warning(
                         "%s: stopping now (checkpoint of the last outer step, outputs written)", stop.signal_name
                     )
-                    coordinator.stop.remote(now=True)
+                    coordinator.submit.remote(Stop(now=True))
             return ray.get(done)
         except ray.exceptions.RayActorError as err:
             restarts += 1

@@ -1,0 +1,205 @@
+"""The one way an operator's request reaches a run: a typed, frozen command per action,
+validated on the caller's thread (the control plane's, a signal handler's, a test's) by
+`Inbox.submit`, and answered there with an `Ack` or a `Refused` carrying a `Refusal`
+reason. The engine takes what was accepted at its own pace: a stop at its next step,
+pause, settings and membership changes at a round boundary, so a change never tears a
+round in half.
+
+The inbox belongs to the run, not to a phase: a run with a warm start hands the same
+inbox to both phases, so a pause, a stop, a target or a settings change made during the
+warm start is honoured by the main phase (settings and membership changes wait for it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestrator.engine.membership import JOINING, Membership
+from orchestrator.engine.types import IslandState
+
+
+class SettingsUpdate(BaseModel):
+    """Settings that may change mid-run (validated like the config file); the control
+    plane's request body is this model too."""
+
+    model_config = ConfigDict(extra="forbid")
+    inner_steps: int | None = Field(None, ge=1, le=100_000, description="H from the next round on", examples=[100])
+    outer_lr: float | None = Field(None, gt=0, le=100, description="outer learning rate from the next step on")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SetTarget:
+    islands: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class AddIslands:
+    count: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Drain:
+    island: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pause:
+    pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resume:
+    pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stop:
+    now: bool = False  # abandon the work in flight (a job being stopped) instead of finishing the round
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateSettings:
+    settings: SettingsUpdate
+
+
+Command = SetTarget | AddIslands | Drain | Pause | Resume | Stop | UpdateSettings
+
+
+class Refusal(str, Enum):
+    """Why a command was refused (the control plane answers 4xx from this, never from an
+    exception class)."""
+
+    OUT_OF_BOUNDS = "out_of_bounds"  # a target outside [elastic.min_islands, elastic.max_islands]
+    UNKNOWN_ISLAND = "unknown_island"
+    NOT_NOW = "not_now"  # the run or the island is in a state that cannot take it
+    INVALID = "invalid"  # settings the mode cannot take, or nothing to change
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ack:
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Refused:
+    reason: Refusal
+    message: str
+
+
+Answer = Ack | Refused
+
+
+class Inbox:
+    """Accepted commands, waiting for the engine. Thread-safe: `submit` runs on any thread,
+    `take_*` on the engine's. `requested` is the island target once every queued change is
+    applied: commands read and move it under the lock, so two adds make +2, a target then
+    an add compose, and a drain below `min_islands` is refused when asked."""
+
+    def __init__(
+        self, *, target: int, min_islands: int, max_islands: int, check: Callable[[SettingsUpdate], None]
+    ) -> None:
+        self._lock = threading.Lock()
+        self.min_islands, self.max_islands, self._check = min_islands, max_islands, check
+        self.requested = target
+        self.paused = threading.Event()
+        self.stopping = threading.Event()
+        self.aborting = threading.Event()  # stop now
+        self.ended = False  # the whole run has ended: nothing more is taken
+        self.members: Membership | None = None  # the phase that takes membership changes (None: warm start)
+        self._settings: SettingsUpdate | None = None
+        self._membership: list[SetTarget | Drain] = []
+
+    def submit(self, command: Command) -> Answer:
+        with self._lock:
+            if self.ended:
+                return Refused(reason=Refusal.NOT_NOW, message="the run has ended")
+            match command:
+                case SetTarget(islands=n):
+                    return self._target(n)
+                case AddIslands(count=k):
+                    if k < 1:
+                        return Refused(reason=Refusal.OUT_OF_BOUNDS, message=f"count {k} must be at least 1")
+                    return self._target(self.requested + k)
+                case Drain(island=i):
+                    return self._drain(i)
+                case Pause():
+                    self.paused.set()
+                    return Ack(detail={"action": "pause"})
+                case Resume():
+                    self.paused.clear()
+                    return Ack(detail={"action": "resume"})
+                case Stop(now=now):
+                    if now:
+                        self.aborting.set()
+                    self.stopping.set()
+                    return Ack(detail={"action": "stop", "now": now})
+                case UpdateSettings(settings=update):
+                    return self._update(update)
+        raise TypeError(f"not a command: {command!r}")
+
+    def _target(self, n: int) -> Answer:
+        if not self.min_islands <= n <= self.max_islands:
+            return Refused(
+                reason=Refusal.OUT_OF_BOUNDS,
+                message=f"target {n} is outside [elastic.min_islands, elastic.max_islands] = "
+                f"[{self.min_islands}, {self.max_islands}]",
+            )
+        self.requested = n
+        self._membership.append(SetTarget(islands=n))
+        return Ack(detail={"target": n})
+
+    def _drain(self, island: int) -> Answer:
+        """Ask `island` to leave (not replaced: the target drops by one); one still joining
+        is cancelled instead."""
+        if self.members is None:
+            return Refused(reason=Refusal.NOT_NOW, message="the run is in its warm start: drain islands after it")
+        standing = self.members.standing(island)
+        if standing is None:
+            return Refused(reason=Refusal.UNKNOWN_ISLAND, message=f"no island {island}")
+        if standing not in (JOINING, IslandState.TRAINING.value, IslandState.LATE.value):
+            return Refused(reason=Refusal.NOT_NOW, message=f"island {island} is {standing}, not training")
+        if self.requested - 1 < self.min_islands:
+            return Refused(
+                reason=Refusal.OUT_OF_BOUNDS,
+                message=f"draining island {island} would leave {self.requested - 1} islands, "
+                f"below elastic.min_islands = {self.min_islands}",
+            )
+        self.requested -= 1
+        self._membership.append(Drain(island=island))
+        return Ack(detail={"draining": island})
+
+    def _update(self, update: SettingsUpdate) -> Answer:
+        changes = update.model_dump(exclude_none=True)
+        if not changes:
+            return Refused(reason=Refusal.INVALID, message="nothing to change: give inner_steps and/or outer_lr")
+        try:
+            self._check(update)
+        except ValueError as err:
+            return Refused(reason=Refusal.INVALID, message=str(err))
+        merged = self._settings.model_dump(exclude_none=True) if self._settings else {}
+        self._settings = SettingsUpdate(**{**merged, **changes})
+        return Ack(detail=changes)
+
+    # -- the engine's side ------------------------------------------------------------------
+    def take_settings(self) -> SettingsUpdate | None:
+        with self._lock:
+            update, self._settings = self._settings, None
+        return update
+
+    def take_membership(self) -> list[SetTarget | Drain]:
+        with self._lock:
+            taken, self._membership = self._membership, []
+        return taken
+
+    def settle(self, target: int) -> None:
+        """After the engine applied the changes: with none queued, `requested` is the target
+        (a drain that found its island already gone did not lower it)."""
+        with self._lock:
+            if not self._membership:
+                self.requested = target

@@ -1,0 +1,301 @@
+"""The fleet: every island's life from request to release — placing, joining, draining,
+releasing, replacing and, after a coordinator restart, re-attaching — so the round engine
+only hands out work and takes it back.
+
+What to do is decided by two small policies that return decisions and touch nothing:
+`ScalingPolicy` (keep the live islands at the target: which to place, which to drain,
+which drained ones to release) and `FailurePolicy` (an island that died, hung or is
+quarantined: release it, and replace it or lower the target). `Fleet` carries the
+decisions out through the island pool and logs each as an event. The engine tells the
+fleet what it needs of it through `forget`: work of a released island is lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.config import RunConfig
+from orchestrator.engine.checkpoints import load_intent, save_intent
+from orchestrator.engine.commands import Drain, Inbox, SetTarget
+from orchestrator.engine.membership import Membership
+from orchestrator.engine.pacing import RunState
+from orchestrator.engine.pool import IslandPool, Joined, JoinFailed
+from orchestrator.engine.records import DiskFaults, EventLog
+from orchestrator.engine.types import Event, IslandState, RunFailed
+
+
+@dataclass(frozen=True, kw_only=True)
+class Place:
+    island: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StartDrain:
+    island: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Release:
+    island: int
+    state: IslandState
+    reason: str | None = None
+
+
+FleetDecision = Place | StartDrain | Release
+
+
+class ScalingPolicy:
+    """Live islands (training or late) plus those being placed meet the target: a surplus
+    drains the highest indices, a shortfall places new ones; a draining island is released
+    once its round is in (at once with `elastic.drain: abandon`)."""
+
+    def __init__(self, abandon: bool) -> None:
+        self.abandon = abandon
+
+    def decide(self, members: Membership, busy: set[int]) -> list[FleetDecision]:
+        live = members.live()
+        surplus = len(live) + len(members.pending) - members.target
+        decisions: list[FleetDecision] = [StartDrain(island=i) for i in sorted(live, reverse=True)[: max(0, surplus)]]
+        first = members.next_index()
+        decisions += [Place(island=first + k) for k in range(max(0, -surplus))]
+        leaving = {d.island for d in decisions if isinstance(d, StartDrain)}
+        decisions += [
+            Release(island=i, state=IslandState.DRAINED)
+            for i, s in members.islands.items()
+            if (s.state == IslandState.DRAINING or i in leaving) and (i not in busy or self.abandon)
+        ]
+        return decisions
+
+
+@dataclass(frozen=True, kw_only=True)
+class Retire:
+    """Release a failed island; `replace`: the target stays (a new island takes its place)."""
+
+    state: IslandState
+    replace: bool
+
+
+class FailurePolicy:
+    def __init__(self, replace_dead: bool) -> None:
+        self.replace_dead = replace_dead
+
+    def decide(self, state_now: IslandState, failure: IslandState) -> Retire | None:
+        """None for an island already gone; one that was draining just leaves as drained."""
+        if state_now.gone:
+            return None
+        if state_now == IslandState.DRAINING:
+            return Retire(state=IslandState.DRAINED, replace=False)
+        return Retire(state=failure, replace=self.replace_dead)
+
+
+class Fleet:
+    def __init__(
+        self,
+        *,
+        cfg: RunConfig,
+        run_id: str,
+        pool: IslandPool,
+        members: Membership,
+        run: RunState,
+        events: EventLog,
+        disk: DiskFaults,
+        forget: Callable[[int, IslandState], None],
+    ) -> None:
+        self.cfg, self.run_id, self.pool, self.members, self.run = cfg, run_id, pool, members, run
+        self.events, self.disk, self.forget = events, disk, forget
+        self.scaling = ScalingPolicy(abandon=cfg.elastic.drain == "abandon")
+        self.failures = FailurePolicy(cfg.elastic.replace_dead)
+        self._demanded: int | None = None
+        self._intent: dict | None = None  # last membership intent written (`journal`)
+        self._journalled_at = -1  # events.count when the intent was last looked at
+        self.waiting_since: float | None = None  # since when no island could train
+
+    # -- start and restart -----------------------------------------------------------------
+    def start(self, resumed: bool) -> None:
+        """Ask for the islands (after a restart: re-attach to the live ones, re-place the rest)."""
+        if resumed:
+            self._reattach()
+        else:
+            # a coordinator Ray restarted before its first checkpoint starts afresh: the islands
+            # its predecessor placed are released by name, or their names would collide
+            self.pool.sweep(set())
+            for i in range(self.members.target):
+                self.place(i)
+        self.demand()
+
+    def _reattach(self) -> None:
+        """After a restart, membership as it was, not as the checkpoint saw it: the target
+        and the islands asked to leave come from the intent journal (written at each
+        change), islands that joined after the checkpoint are adopted, a draining island
+        goes on draining, a drained one stays drained, and whatever else of this run is
+        left in the pool is released by name before any index is handed out again."""
+        intent = load_intent(Path(self.cfg.checkpoint_dir), self.run_id) or {}
+        leaving = set(intent.get("leaving", []))
+        if "target" in intent:
+            self.members.target = int(intent["target"])
+        known = set(self.members.islands)
+        for i in self.pool.survivors():
+            if i not in known and i not in leaving and (node := self.pool.reattach(i)) is not None:
+                self.members.add(i, node, joined_version=self.run.version)
+                self.events.add(Event.REATTACH, i, node=node, joined_after_checkpoint=True)
+        replace = []
+        for i in sorted(known):
+            stats = self.members.islands[i]
+            if stats.state.gone:
+                continue
+            node = self.pool.reattach(i)
+            if node is not None:
+                if i in leaving and stats.state in (IslandState.TRAINING, IslandState.LATE):
+                    stats.state = IslandState.DRAINING  # released between rounds, as asked
+                elif stats.state == IslandState.LATE:
+                    stats.state = IslandState.TRAINING
+                self.events.add(Event.REATTACH, i, node=node)
+            elif stats.state == IslandState.DRAINING or i in leaving:
+                stats.state = IslandState.DRAINED  # it was leaving anyway
+            else:
+                stats.state = IslandState.STARTING
+                replace.append(i)
+        self.pool.sweep({i for i, s in self.members.islands.items() if s.state.alive})
+        for i in replace:
+            self.place(i)
+        self.journal()
+
+    def journal(self) -> None:
+        """Write the membership intent when it changed (see `_reattach`); every membership
+        change logs an event, so nothing is looked at in steps without one."""
+        if not self.cfg.checkpoint.every_rounds or self.events.count == self._journalled_at:
+            return
+        self._journalled_at = self.events.count
+        leaving = sorted(
+            i for i, s in self.members.islands.items() if s.state in (IslandState.DRAINING, IslandState.DRAINED)
+        )
+        intent = {"run_id": self.run_id, "target": self.members.target, "leaving": leaving}
+        if intent != self._intent and self.disk.attempt(
+            "the membership intent", lambda: save_intent(Path(self.cfg.checkpoint_dir), intent)
+        ):
+            self._intent = intent
+
+    # -- between rounds ----------------------------------------------------------------------
+    def apply(self, inbox: Inbox | None, busy: set[int]) -> None:
+        """Apply the operator's accepted target and drain commands (from `inbox`, when this
+        phase takes them), then carry out the scaling policy's decisions."""
+        m = self.members
+        for command in inbox.take_membership() if inbox is not None else []:
+            if isinstance(command, SetTarget):
+                m.target = command.islands
+                self.events.add(Event.TARGET, None, target=command.islands)
+            elif isinstance(command, Drain) and self.start_drain(command.island):
+                m.target = max(0, m.target - 1)  # a drained island is not replaced
+        if inbox is not None:
+            inbox.settle(m.target)
+        self.demand()
+        self.expire_joins()
+        for decision in self.scaling.decide(m, busy):
+            if isinstance(decision, StartDrain):
+                self.start_drain(decision.island)
+            elif isinstance(decision, Place):
+                self.place(decision.island)
+            else:
+                self.release(decision.island, decision.state, decision.reason)
+
+    def demand(self) -> None:
+        """Tell the pool (on KubeRay: the autoscaler) how many islands the run wants."""
+        if self._demanded != self.members.target:
+            self._demanded = self.members.target
+            self.pool.demand(self.members.target)
+            self.events.add(Event.RESOURCES_REQUESTED, None, bundles=self.members.target)
+
+    def expire_joins(self) -> None:
+        now = self.pool.now()
+        for i, since in list(self.members.pending.items()):
+            if now - since > self.cfg.elastic.placement_timeout_s:
+                del self.members.pending[i]
+                self.pool.cancel(i)
+                self.events.add(Event.JOIN_FAILED, i, reason="no resources within elastic.placement_timeout_s")
+
+    def place(self, index: int) -> None:
+        start = self.cfg.warm_steps + self.run.completed_steps // max(1, len(self.members.live()))
+        self.members.pending[index] = self.pool.now()
+        self.pool.request(index, start)
+        self.events.add(Event.REQUESTED, index)
+
+    def start_drain(self, island: int) -> bool:
+        """Start draining (or cancel a join); False if the island is already gone."""
+        if self.members.pending.pop(island, None) is not None:
+            self.pool.cancel(island)
+            self.events.add(Event.JOIN_CANCELLED, island)
+            return True
+        stats = self.members.islands.get(island)
+        if stats is None or stats.state not in (IslandState.TRAINING, IslandState.LATE):
+            return False
+        self.members.mark(island, IslandState.DRAINING)
+        self.events.add(Event.DRAIN, island, policy=self.cfg.elastic.drain)
+        return True
+
+    def release(self, island: int, state: IslandState, reason: str | None = None) -> None:
+        """Release an island for good; its work still out is lost (and retrained by the next
+        owner of its shards), its results already in still count."""
+        self.forget(island, state)
+        self.members.mark(island, state, reason)
+        self.pool.release(island)
+        self.events.add(Event.RELEASED, island, state=state.value)
+
+    def fail(self, island: int, reason: str, state: IslandState = IslandState.DEAD) -> None:
+        """An island died, raised, hung or is quarantined: as the failure policy decides."""
+        stats = self.members.islands.get(island)
+        retire = self.failures.decide(stats.state, state) if stats is not None else None
+        if retire is None:
+            return
+        if retire.state == IslandState.DRAINED:
+            self.release(island, IslandState.DRAINED)
+            return
+        if not retire.replace:
+            self.members.target = max(0, self.members.target - 1)
+        self.events.add(Event.CRASH if state == IslandState.DEAD else Event.QUARANTINED, island, reason=reason)
+        self.release(island, retire.state, reason)
+
+    # -- the pool's news ---------------------------------------------------------------------
+    def joined(self, event: Joined, starting: bool) -> float | None:
+        """Take in a placed island; returns its known speed (steps/s) for the pacing, if any."""
+        if event.island not in self.members.pending:
+            self.pool.release(event.island)  # cancelled meanwhile
+            return None
+        known = self.members.islands.get(event.island)
+        if known is not None:  # re-placed after a coordinator restart: keeps its statistics
+            self.members.pending.pop(event.island, None)
+            known.state, known.node = IslandState.TRAINING, event.node
+            self.events.add(Event.JOIN, event.island, node=event.node, version=self.run.version)
+            return None
+        self.members.add(event.island, event.node, joined_version=0 if starting else self.run.version)
+        self.events.add(Event.JOIN, event.island, node=event.node, version=self.run.version)
+        return event.steps_per_s
+
+    def join_failed(self, event: JoinFailed) -> None:
+        self.members.pending.pop(event.island, None)
+        self.events.add(Event.JOIN_FAILED, event.island, reason=event.reason)
+
+    def check_progress(self, paused: bool, overdue: bool) -> None:
+        """Nothing in flight and nothing to close: someone must be able to train soon — an
+        island being placed, or a late one (`overdue`) whose result may still come. The
+        longest that can take is a late island's grace, then its replacement's placement;
+        a run that has had no island able to train for that long (replacements keep failing
+        to place) or has nothing coming at all has failed."""
+        if paused or self.members.schedulable():
+            self.waiting_since = None
+            return
+        now = self.pool.now()
+        self.waiting_since = now if self.waiting_since is None else self.waiting_since
+        patience = self.cfg.elastic.late_grace_s + self.cfg.elastic.placement_timeout_s
+        if not (self.members.pending or overdue) or now - self.waiting_since > patience:
+            raise self.no_island_left()
+
+    def no_island_left(self) -> RunFailed:
+        return RunFailed(
+            "no island can train: "
+            + (
+                "; ".join(f"island {i}: {s.state.value} ({s.error})" for i, s in self.members.islands.items())
+                or "none joined"
+            )
+        )
