@@ -32,11 +32,11 @@ def test_nan_wrong_shape_stale_and_zero_weight_are_rejected_and_params_untouched
     h = _Harness()
     before = h.param.clone()
     bad = [
-        Contribution(0, 0, np.array([1.0, np.nan, 0.0], dtype=np.float32), 1.0),
-        Contribution(1, 0, np.array([np.inf, 0.0, 0.0], dtype=np.float32), 1.0),
-        Contribution(2, 0, np.zeros(4, dtype=np.float32), 1.0),
-        Contribution(3, 5, np.zeros(3, dtype=np.float32), 1.0),
-        Contribution(4, 0, np.zeros(3, dtype=np.float32), 0.0),
+        Contribution(island=0, version=0, delta=np.array([1.0, np.nan, 0.0], dtype=np.float32), weight=1.0),
+        Contribution(island=1, version=0, delta=np.array([np.inf, 0.0, 0.0], dtype=np.float32), weight=1.0),
+        Contribution(island=2, version=0, delta=np.zeros(4, dtype=np.float32), weight=1.0),
+        Contribution(island=3, version=5, delta=np.zeros(3, dtype=np.float32), weight=1.0),
+        Contribution(island=4, version=0, delta=np.zeros(3, dtype=np.float32), weight=0.0),
     ]
     out = h.close(bad)
     assert not out.stepped and out.accepted == []
@@ -48,8 +48,8 @@ def test_nan_wrong_shape_stale_and_zero_weight_are_rejected_and_params_untouched
 
 def test_good_updates_apply_while_bad_ones_are_excluded():
     h = _Harness()
-    good = Contribution(0, 0, np.full(3, 0.1, dtype=np.float32), 1.0)
-    bad = Contribution(1, 0, np.full(3, np.nan, dtype=np.float32), 1.0)
+    good = Contribution(island=0, version=0, delta=np.full(3, 0.1, dtype=np.float32), weight=1.0)
+    bad = Contribution(island=1, version=0, delta=np.full(3, np.nan, dtype=np.float32), weight=1.0)
     out = h.close([good, bad])
     assert out.accepted == [0] and 1 in out.rejected
     np.testing.assert_allclose(h.param.numpy(), 1 - 0.7 * 1.9 * 0.1, rtol=1e-6)
@@ -59,7 +59,7 @@ def test_drop_prob_drops_about_half_and_dropped_rounds_do_not_step():
     h = _Harness(drop_prob=0.5)
     dropped = accepted = 0
     for _ in range(200):
-        out = h.close([Contribution(0, h.version, np.ones(3, dtype=np.float32), 1.0)])
+        out = h.close([Contribution(island=0, version=h.version, delta=np.ones(3, dtype=np.float32), weight=1.0)])
         dropped += len(out.dropped)
         accepted += len(out.accepted)
         assert out.stepped == bool(out.accepted)

@@ -119,7 +119,7 @@ class _Async:
 
 
 def _c(version, g=(1.0, 1.0), island=0):
-    return Contribution(island, version, np.asarray(g, dtype=np.float64), 1.0)
+    return Contribution(island=island, version=version, delta=np.asarray(g, dtype=np.float64), weight=1.0)
 
 
 def test_staleness_reject_policy_leaves_params_untouched():

@@ -37,7 +37,7 @@ def _cfg(corpus_cache, *extra):
 
 def _order(cfg) -> WorkOrder:
     """H steps on shard 0 from its start, as the coordinator would hand them out."""
-    return WorkOrder(0, 0, 0, WorkKind.TRAIN, cfg.inner_steps, {0: 0})
+    return WorkOrder(island=0, ticket=0, version=0, kind=WorkKind.TRAIN, steps=cfg.inner_steps, shards={0: 0})
 
 
 def _group_round(cfg, params, workers: int):

@@ -34,7 +34,9 @@ def _judge(a: Admission, delta, weight: float = 64.0, steps: int = 4, island: in
     from orchestrator.engine.types import Contribution
 
     d = np.asarray(delta, dtype=np.float32)
-    return a.judge(Contribution(island, 0, d, weight, steps), Facts(3, True, float(d @ d)), 0, 0)
+    return a.judge(
+        Contribution(island=island, version=0, delta=d, weight=weight, steps=steps), Facts(3, True, float(d @ d)), 0, 0
+    )
 
 
 def test_an_island_cannot_outvote_the_others_with_a_huge_weight():

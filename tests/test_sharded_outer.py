@@ -47,9 +47,9 @@ def _contributions(rng, version_of, rnd, bounds):
             delta[17] = np.nan
         if rnd == 4 and i == 2:
             delta *= 50
-        whole = Contribution(i, version_of(i), decode(encode(delta)), float(10 + i))
+        whole = Contribution(island=i, version=version_of(i), delta=decode(encode(delta)), weight=float(10 + i))
         slices = [encode(delta[lo:hi], "none", CHUNK) for lo, hi in bounds]
-        out.append((whole, Contribution(i, version_of(i), slices, float(10 + i))))
+        out.append((whole, Contribution(island=i, version=version_of(i), delta=slices, weight=float(10 + i))))
     return out
 
 

@@ -169,16 +169,58 @@ def test_an_island_refuses_a_change_it_already_applied_or_one_that_skips():
     island = Island(island_spec(cfg, 0))
     params = island.flat.numpy()
     part = encode(np.full(island.fragments.size(0), 0.01, np.float32), "int8", 64)
-    change = Change(1, 0, part, absolute=False)
+    change = Change(version=1, fragment=0, payload=part, absolute=False)
     with pytest.raises(ChangeOutOfOrder, match="holds no copy"):  # a change needs a copy to change
-        island.run(WorkOrder(0, 0, 1, WorkKind.TRAIN, 2, {0: 0}, fragment=0, changes=(change,)), None)
-    island.run(WorkOrder(0, 0, 0, WorkKind.TRAIN, 2, {0: 0}, fragment=0), params)
-    island.run(WorkOrder(0, 1, 1, WorkKind.TRAIN, 2, {0: 2}, fragment=1, changes=(change,)), None)
+        island.run(
+            WorkOrder(
+                island=0,
+                ticket=0,
+                version=1,
+                kind=WorkKind.TRAIN,
+                steps=2,
+                shards={0: 0},
+                fragment=0,
+                changes=(change,),
+            ),
+            None,
+        )
+    island.run(
+        WorkOrder(island=0, ticket=0, version=0, kind=WorkKind.TRAIN, steps=2, shards={0: 0}, fragment=0), params
+    )
+    island.run(
+        WorkOrder(
+            island=0, ticket=1, version=1, kind=WorkKind.TRAIN, steps=2, shards={0: 2}, fragment=1, changes=(change,)
+        ),
+        None,
+    )
     before = island.copy.clone()
     with pytest.raises(ChangeOutOfOrder):  # version 1 again: it would be applied twice
-        island.run(WorkOrder(0, 2, 1, WorkKind.TRAIN, 2, {0: 4}, fragment=1, changes=(change,)), None)
+        island.run(
+            WorkOrder(
+                island=0,
+                ticket=2,
+                version=1,
+                kind=WorkKind.TRAIN,
+                steps=2,
+                shards={0: 4},
+                fragment=1,
+                changes=(change,),
+            ),
+            None,
+        )
     with pytest.raises(ChangeOutOfOrder):  # version 3 from 1: version 2 would be skipped
-        island.run(WorkOrder(0, 2, 3, WorkKind.TRAIN, 2, {0: 4}, changes=(Change(3, 0, part, False),)), None)
+        island.run(
+            WorkOrder(
+                island=0,
+                ticket=2,
+                version=3,
+                kind=WorkKind.TRAIN,
+                steps=2,
+                shards={0: 4},
+                changes=(Change(version=3, fragment=0, payload=part, absolute=False),),
+            ),
+            None,
+        )
     assert torch.equal(island.copy, before)
 
 
@@ -248,9 +290,11 @@ def test_eager_overlap_starts_each_lagged_round_from_the_islands_own_update():
     # the start of an eager round: the lagged version moved by lr x clip(Λ Δ_own)
     island = Island(island_spec(cfg, 0))
     params = island.flat.numpy()
-    island.run(WorkOrder(0, 0, 0, WorkKind.TRAIN, 3, {0: 0}), params)
+    island.run(WorkOrder(island=0, ticket=0, version=0, kind=WorkKind.TRAIN, steps=3, shards={0: 0}), params)
     own = island.last_delta.clone()
-    island.run(WorkOrder(0, 1, 0, WorkKind.TRAIN, 3, {0: 3}, eager=True), params)
+    island.run(
+        WorkOrder(island=0, ticket=1, version=0, kind=WorkKind.TRAIN, steps=3, shards={0: 3}, eager=True), params
+    )
     lr, clip = cfg.overlap.lr, cfg.overlap.clip
     expected = torch.from_numpy(params) - lr * own.clamp(-clip, clip)
     assert torch.allclose(island.start, expected, atol=1e-7) and (own.abs() > clip).any()

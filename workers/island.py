@@ -123,7 +123,9 @@ class Island:
         block of shards, as the coordinator would assign it with all islands present."""
         k, n = self.spec.num_islands, self.num_shards
         own = {s: self.streams.get(s, (0, None))[0] for s in range(n) if s * k // n == self.spec.index}
-        order = WorkOrder(self.spec.index, -1, version, kind, steps, own, self.turn)
+        order = WorkOrder(
+            island=self.spec.index, ticket=-1, version=version, kind=kind, steps=steps, shards=own, turn=self.turn
+        )
         self.turn += steps
         return order
 
@@ -295,17 +297,17 @@ class Island:
             positions[shard] += 1
             payload = self._encode(self.flat.full_grad().clone())
         return RoundResult(
-            self.spec.index,
-            order.version,
-            payload,
-            weight,
-            order.steps,
-            losses / order.steps,
-            time.perf_counter() - t0,
-            time.time(),
-            positions,
-            shard_tokens,
-            order.ticket,
+            island=self.spec.index,
+            version=order.version,
+            payload=payload,
+            weight=weight,
+            steps=order.steps,
+            mean_loss=losses / order.steps,
+            compute_s=time.perf_counter() - t0,
+            finished_at=time.time(),
+            positions=positions,
+            shard_tokens=shard_tokens,
+            ticket=order.ticket,
             fragment=order.fragment,
             tail_steps=tail_steps,
             tail_s=tail_s,

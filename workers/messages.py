@@ -32,7 +32,7 @@ def batch_counts(shards: list[int], turn: int, steps: int) -> dict[int, int]:
     return {s: base + (1 if (i - turn) % n < extra else 0) for i, s in enumerate(order)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WorkOrder:
     island: int
     ticket: int  # the engine's id of this piece of work
@@ -49,7 +49,7 @@ class WorkOrder:
     send_after: int | None = None  # streaming: take Δ after this many steps (τ before the end); None: at the end
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RoundResult:
     """What an island sends back: `payload` encodes Δ (a gradient for `GRADIENT` work)
     with the configured codec; `nbytes` is its size on the wire."""

@@ -20,7 +20,7 @@ from workers.compress import Payload, decode, payload_nbytes
 from workers.flat import as_tensor
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Change:
     """Version `version` of the published copy, from version − 1."""
 

@@ -59,7 +59,18 @@ class _Source:
                 ray.put(encode(self.delta[lo:hi], "none", self.chunk))
                 for lo, hi in slice_bounds(self.delta.size, self.shards, self.chunk)
             ]
-        return RoundResult(self.island, version, payload, 1000, 1, 0.0, 0.0, time.time(), {}, {})
+        return RoundResult(
+            island=self.island,
+            version=version,
+            payload=payload,
+            weight=1000,
+            steps=1,
+            mean_loss=0.0,
+            compute_s=0.0,
+            finished_at=time.time(),
+            positions={},
+            shard_tokens={},
+        )
 
 
 class _Aggregator:
@@ -80,7 +91,9 @@ class _Aggregator:
     def aggregate(self, refs: list[ray.ObjectRef]) -> float:
         t0 = time.perf_counter()
         results = ray.get(refs)
-        contributions = [Contribution(r.island, r.version, r.delta(), r.weight) for r in results]
+        contributions = [
+            Contribution(island=r.island, version=r.version, delta=r.delta(), weight=r.weight) for r in results
+        ]
         key, facts = self.outer.inspect(contributions)
         verdicts = [self.admission.judge(c, f, self.version, self.version) for c, f in zip(contributions, facts)]
         assert all(v.admitted for v in verdicts), verdicts

@@ -35,10 +35,14 @@ class Downlink:
         where = positions(self.fragments, fragment)
         new = params.detach()[where]
         if self.codec == "none":
-            change = Change(version, fragment, encode(new.numpy().copy(), "none"), absolute=True)
+            change = Change(
+                version=version, fragment=fragment, payload=encode(new.numpy().copy(), "none"), absolute=True
+            )
         else:
             diff = (new - self.copy[where]).numpy()
-            change = Change(version, fragment, encode(diff, self.codec, self.chunk), absolute=False)
+            change = Change(
+                version=version, fragment=fragment, payload=encode(diff, self.codec, self.chunk), absolute=False
+            )
         apply_change(self.copy, change, where)
         self.changes[version] = change
         for old in [v for v in self.changes if v <= version - self.keep]:

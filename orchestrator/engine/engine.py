@@ -344,19 +344,19 @@ class RoundEngine:
             )
         self.held[work.island] = work.version
         order = WorkOrder(
-            work.island,
-            ticket,
-            work.version,
-            work.kind,
-            work.steps,
-            reservation.starts,
-            reservation.turn,
-            delay,
-            work.schedule_step,
-            work.fragment,
-            tuple(changes),
-            work.eager,
-            work.send_after,
+            island=work.island,
+            ticket=ticket,
+            version=work.version,
+            kind=work.kind,
+            steps=work.steps,
+            shards=reservation.starts,
+            turn=reservation.turn,
+            start_delay_s=delay,
+            schedule_step=work.schedule_step,
+            fragment=work.fragment,
+            changes=tuple(changes),
+            eager=work.eager,
+            send_after=work.send_after,
         )
         stats.inner_steps = work.steps
         deadline = now + delay + self.cfg.deadline_s(work.steps)
@@ -493,7 +493,15 @@ class RoundEngine:
         if due is not None:  # the step happens once every result has crossed its (simulated) link
             self.pool.sleep_until(due)
         contributions = [
-            Contribution(r.island, r.version, r.payload, self._weight(r), r.steps, close.fragment) for r in results
+            Contribution(
+                island=r.island,
+                version=r.version,
+                delta=r.payload,
+                weight=self._weight(r),
+                steps=r.steps,
+                fragment=close.fragment,
+            )
+            for r in results
         ]
         outcome = take_step(
             self.outer, self.admission, contributions, close.expected, self.run.version, close.anchor, close.fragment

@@ -24,27 +24,27 @@ from workers.island import Island, IslandSpec
 from workers.messages import RoundResult, WorkOrder
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Joined:
     island: int
     node: str
     steps_per_s: float | None = None  # its speed, when known or probed before its first work
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class JoinFailed:
     island: int
     reason: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Done:
     ticket: int
     island: int
     result: RoundResult
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Failed:
     """The island died or its code raised while doing `ticket`."""
 
@@ -189,7 +189,10 @@ class InProcessPool:
         if island in self.unplaceable:
             return
         self.islands[island] = Island(island_spec(self.cfg, island, start_step))
-        self._at(self.t + self.join_s, Joined(island, f"inprocess:{island}", self._known_speed(island)))
+        self._at(
+            self.t + self.join_s,
+            Joined(island=island, node=f"inprocess:{island}", steps_per_s=self._known_speed(island)),
+        )
 
     def _known_speed(self, island: int) -> float:
         """Steps per second of a new island: known exactly on the virtual clock."""
@@ -224,7 +227,7 @@ class InProcessPool:
         i = order.island
         self.dispatched.append(order)
         if i in self.dead or i not in self.islands:
-            self._at(self.t, Failed(order.ticket, i, "actor died: island is gone"))
+            self._at(self.t, Failed(ticket=order.ticket, island=i, reason="actor died: island is gone"))
             return
         n = self.orders[i] = self.orders.get(i, 0) + 1
         fault = self._fault(i, n)
@@ -233,10 +236,12 @@ class InProcessPool:
         result = island.run(dataclasses.replace(order, start_delay_s=0.0), params)  # what it read, it read
         if fault is not None and fault.kind == FaultKind.CRASH:
             self.dead.add(i)
-            self._at(self.t + duration / 2, Failed(order.ticket, i, "actor died: injected crash"))
+            self._at(self.t + duration / 2, Failed(ticket=order.ticket, island=i, reason="actor died: injected crash"))
             return
         if fault is not None and fault.kind == FaultKind.RAISE:
-            self._at(self.t + duration / 2, Failed(order.ticket, i, "raised: RuntimeError: injected"))
+            self._at(
+                self.t + duration / 2, Failed(ticket=order.ticket, island=i, reason="raised: RuntimeError: injected")
+            )
             return
         if fault is not None and fault.kind == FaultKind.NAN:
             delta = result.delta()
@@ -257,7 +262,7 @@ class InProcessPool:
         )
         if fault is not None and fault.kind == FaultKind.CLOCK:
             timed = dataclasses.replace(timed, finished_at=fault.seconds)
-        self._at(self.t + duration, Done(order.ticket, i, timed))
+        self._at(self.t + duration, Done(ticket=order.ticket, island=i, result=timed))
 
     def poll(self, timeout: float) -> list[PoolEvent]:
         if not self._queue or self._queue[0].at > self.t + timeout:

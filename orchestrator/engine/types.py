@@ -120,7 +120,7 @@ class RunPhase(str, Enum):
     FAILED = "failed"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Contribution:
     """One island's update for the outer step: Δ = θ_start − θ_end (a gradient in ddp), as
     one fp32 vector or, for a sliced coordinator, as its S encoded slices."""

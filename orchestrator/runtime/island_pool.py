@@ -76,7 +76,8 @@ def start_island(
     `islands.workers` = N a group of N whose rank 0 is the actor the coordinator talks to
     (the others live and die with the group; `describe` answers once the group formed)."""
     spec = island_spec(cfg, index, start_step)
-    cls = ray.remote(concurrency_groups={CONTROL: 1})(GroupIsland if cfg.islands.workers > 1 else RayIsland)
+    # a `control` group answers `attach` beside a round in flight (Ray's stubs omit the keyword)
+    cls = ray.remote(concurrency_groups={CONTROL: 1})(GroupIsland if cfg.islands.workers > 1 else RayIsland)  # type: ignore[call-overload]
 
     def worker(rank: int, **named: Any) -> Any:
         return cls.options(
@@ -287,7 +288,11 @@ class RayIslandPool:
             r = event.result
             compute = self.cfg.islands.virtual_seconds(island, r.steps)
             tail = self.cfg.islands.virtual_seconds(island, r.tail_steps)
-            event = Done(ticket, island, dataclasses.replace(r, finished_at=at, compute_s=compute, tail_s=tail))
+            event = Done(
+                ticket=ticket,
+                island=island,
+                result=dataclasses.replace(r, finished_at=at, compute_s=compute, tail_s=tail),
+            )
         return [event]
 
     def _fetch(self, ref: Any, ticket: int, island: int) -> PoolEvent:
@@ -298,14 +303,18 @@ class RayIslandPool:
         try:
             result = ray.get(ref)
         except ray.exceptions.RayActorError as err:
-            return Failed(ticket, island, f"actor died: {type(err).__name__}")
+            return Failed(ticket=ticket, island=island, reason=f"actor died: {type(err).__name__}")
         except ray.exceptions.RayTaskError as err:
-            return Failed(ticket, island, f"raised: {str(err).strip().splitlines()[-1]}")
+            return Failed(ticket=ticket, island=island, reason=f"raised: {str(err).strip().splitlines()[-1]}")
         except ray.exceptions.RayError as err:
-            return Failed(ticket, island, f"result lost: {type(err).__name__}")
+            return Failed(ticket=ticket, island=island, reason=f"result lost: {type(err).__name__}")
         if not isinstance(result, RoundResult):
-            return Failed(ticket, island, f"sent a {type(result).__name__}, not a round result")
-        return Done(ticket, island, result if self.virtual else dataclasses.replace(result, finished_at=time.time()))
+            return Failed(ticket=ticket, island=island, reason=f"sent a {type(result).__name__}, not a round result")
+        return Done(
+            ticket=ticket,
+            island=island,
+            result=result if self.virtual else dataclasses.replace(result, finished_at=time.time()),
+        )
 
     def _placements(self) -> list[PoolEvent]:
         events: list[PoolEvent] = []
@@ -323,11 +332,11 @@ class RayIslandPool:
                     info = ray.get(p.ready_ref)
                 except ray.exceptions.RayError as err:
                     release_island(p.handle)
-                    events.append(JoinFailed(i, str(err).strip().splitlines()[-1]))
+                    events.append(JoinFailed(island=i, reason=str(err).strip().splitlines()[-1]))
                     continue
                 self.handles[i] = p.handle
                 speed = 1.0 / self.cfg.islands.virtual_seconds(i, 1) if self.virtual else info.get("steps_per_s")
-                events.append(Joined(i, f"{info['host']}:{info['device']}", speed))
+                events.append(Joined(island=i, node=f"{info['host']}:{info['device']}", steps_per_s=speed))
         return events
 
     def close(self) -> None:
