@@ -59,7 +59,7 @@ def test_a_slice_that_does_not_decode_is_reported_unfit_by_its_slice():
     """Under Ray a slice's part stays in the island's object store until the slice fetches it:
     the slice checks it (the engine cannot) and reports it unfit instead of raising."""
     from orchestrator.config import RunConfig
-    from orchestrator.engine.outer_step import OuterSlice
+    from orchestrator.engine.outer_slices import OuterSlice
     from orchestrator.engine.policies import outer_rule
 
     part = OuterSlice(outer_rule(RunConfig()), (0, 4), np.zeros(4, np.float32))
@@ -120,7 +120,7 @@ def test_a_disk_that_fills_mid_run_is_survived_and_checkpoints_resume(tmp_path, 
 
     def free(_engine) -> None:
         assert engine.status()["disk_errors"] > 0 and "No space left" in engine.status()["last_disk_error"]
-        assert engine.checkpoint_owed  # round 4's checkpoint could not be written
+        assert engine.outputs.checkpoint_owed  # round 4's checkpoint could not be written
         disk.full = False
 
     drive(engine, at={3: fill, 5: free})
@@ -129,7 +129,7 @@ def test_a_disk_that_fills_mid_run_is_survived_and_checkpoints_resume(tmp_path, 
     check_exactly_once(cfg, summary)
     # the owed checkpoint was written at the first record after the disk freed, then on schedule
     state = load_checkpoint(Path(cfg.checkpoint_dir))
-    assert state["counters"]["rounds_done"] == 8 and not engine.checkpoint_owed
+    assert state["counters"]["rounds_done"] == 8 and not engine.outputs.checkpoint_owed
     # nothing written while the disk was full is missing from the files
     lines = (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 8

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from orchestrator.config_load import load_config
-from orchestrator.engine.outer_step import LocalOuter, LocalSlices, SlicedOuter, take_step
+from orchestrator.engine.outer_slices import LocalSlices, SlicedOuter
+from orchestrator.engine.outer_step import LocalOuter, take_step
 from orchestrator.engine.pacing import start_version
 from orchestrator.engine.policies import build_policies, outer_rule
 from orchestrator.engine.types import Contribution

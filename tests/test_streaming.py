@@ -130,15 +130,15 @@ def test_tau_steps_hide_a_fragment_exchange_on_the_run_s_clock(tau, hidden):
 
 def _copies(engine) -> dict[int, torch.Tensor]:
     """The coordinator's published copy after every change (keyed by version)."""
-    copies = {0: engine.downlink.copy.clone()}
-    step = engine.downlink.step
+    copies = {0: engine.publisher.downlink.copy.clone()}
+    step = engine.publisher.downlink.step
 
     def recording(version, params, fragment):
         change = step(version, params, fragment)
-        copies[version] = engine.downlink.copy.clone()
+        copies[version] = engine.publisher.downlink.copy.clone()
         return change
 
-    engine.downlink.step = recording
+    engine.publisher.downlink.step = recording
     return copies
 
 
@@ -161,7 +161,7 @@ def test_a_lossless_streaming_copy_is_the_outer_parameters():
     cfg = _gpt("mode=streaming")
     engine, _ = in_process_engine(cfg)
     engine.execute()
-    assert torch.equal(engine.downlink.copy, engine.flat.data)
+    assert torch.equal(engine.publisher.downlink.copy, engine.flat.data)
 
 
 def test_an_island_refuses_a_change_it_already_applied_or_one_that_skips():

@@ -33,7 +33,8 @@ from orchestrator.bench.report import BenchResult, Panel, checks_table, md_table
 from orchestrator.bench.runner import run_methods
 from orchestrator.config import RunConfig
 from orchestrator.config_load import load_config
-from orchestrator.engine.outer_step import LocalOuter, Outer, SlicedOuter
+from orchestrator.engine.outer_slices import SlicedOuter
+from orchestrator.engine.outer_step import LocalOuter, Outer
 from orchestrator.engine.policies import build_policies, outer_rule
 from orchestrator.engine.types import Contribution
 from orchestrator.runtime.slices import start_slices

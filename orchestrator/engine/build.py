@@ -17,7 +17,8 @@ from orchestrator.config import Mode, RunConfig
 from orchestrator.engine.checkpoints import load_initial_weights
 from orchestrator.engine.commands import Inbox
 from orchestrator.engine.engine import RoundEngine
-from orchestrator.engine.outer_step import LocalOuter, LocalSlices, Outer, SliceCalls, SlicedOuter
+from orchestrator.engine.outer_slices import LocalSlices, SliceCalls, SlicedOuter
+from orchestrator.engine.outer_step import LocalOuter, Outer
 from orchestrator.engine.policies import build_policies, outer_rule, run_inbox
 from orchestrator.engine.pool import IslandPool
 from orchestrator.engine.types import RunFailed, RunPhase
@@ -65,18 +66,18 @@ def build_engine(
         outer = LocalOuter(flat.data, outer_rule(cfg), fragments)
     policies = build_policies(cfg, flat.numel, fragments)
     return RoundEngine(
-        cfg,
-        task,
-        model,
-        flat,
-        outer,
-        policies,
-        pool,
-        run_id,
-        on_record,
-        initial,
-        warm,
-        fragments,
+        cfg=cfg,
+        task=task,
+        model=model,
+        flat=flat,
+        outer=outer,
+        policies=policies,
+        pool=pool,
+        run_id=run_id,
+        on_record=on_record,
+        init_from=initial,
+        warm=warm,
+        fragments=fragments,
         inbox=inbox,
         takes_changes=takes_changes,
     )

@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 from orchestrator.algorithms.aggregate import WeightedMean, all_finite, sqnorm
-from orchestrator.algorithms.outer import CO2Outer, adaptive_gap
+from orchestrator.algorithms.outer import CO2Outer
 from orchestrator.engine.admission import Admission, Facts, Verdict
 from orchestrator.engine.types import Contribution, Decision
-from workers.compress import PayloadError, check_payload, decode
+from workers.compress import decode
 from workers.fragments import Fragments
 
 Scheduler = torch.optim.lr_scheduler.LRScheduler
@@ -41,7 +41,7 @@ class OuterRule:
     anchored: bool = False  # CO2: the rule needs the parameters each round started from
 
 
-def _as_tensor(x: np.ndarray) -> torch.Tensor:
+def as_tensor(x: np.ndarray) -> torch.Tensor:
     with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(np.asarray(x))
@@ -242,186 +242,6 @@ class LocalOuter:
 
     def lr(self) -> float:
         return self.steps[0].lr()
-
-
-# -- coordinator slices ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SliceStats:
-    size: int
-    finite: bool
-    sqnorm: float
-
-
-class OuterSlice:
-    """One coordinator slice: a contiguous part [lo, hi) of the vector with its part of the
-    outer state. An update takes two calls: `inspect` decodes the islands' slices and
-    returns their stats, then `close` averages and steps the admitted ones."""
-
-    def __init__(self, rule: OuterRule, bounds: tuple[int, int], params: np.ndarray, threads: int = 1) -> None:
-        torch.set_num_threads(threads)
-        self.lo, self.hi = bounds
-        self.param = torch.from_numpy(np.array(params))  # a private copy
-        self.step = OuterStep(self.param, rule)
-        self.pending: dict[int, list[tuple[int, np.ndarray]]] = {}
-
-    def inspect(self, key: int, parts: list[tuple[int, Any]]) -> list[SliceStats]:
-        """Each part's stats; a part that does not decode to this slice's size (it came from
-        an island's object store, unscreened) is reported as unfit, never raised: admission
-        then rejects that island's update as misshapen."""
-        decoded, stats = [], []
-        for i, p in parts:
-            try:
-                check_payload(p, self.hi - self.lo)
-            except PayloadError:
-                stats.append(SliceStats(0, False, math.nan))
-                continue
-            d = decode(p)
-            sq = sqnorm(d)
-            decoded.append((i, d))
-            stats.append(SliceStats(d.size, all_finite(d, sq), sq))
-        self.pending[key] = decoded
-        return stats
-
-    def _parts(self, key: int, weights: dict[int, float], keep: bool = False) -> list[tuple[np.ndarray, float]]:
-        parts = self.pending[key] if keep else self.pending.pop(key)
-        return [(d, weights[i]) for i, d in parts if i in weights]
-
-    def gap_terms(self, key: int, weights: dict[int, float], anchor: int) -> tuple[float, float, float] | None:
-        return self.step.gap_terms(self._parts(key, weights, keep=True), anchor)
-
-    def close(
-        self, key: int, weights: dict[int, float], scale: float, anchor: int | None, gap: float | None
-    ) -> float | None:
-        return self.step.apply(self._parts(key, weights), scale, anchor, gap)
-
-    def discard(self, key: int) -> None:
-        self.pending.pop(key, None)
-
-    def anchor(self, version: int, keep_from: int) -> None:
-        self.step.anchor(version, keep_from)
-
-    def params(self) -> np.ndarray:
-        return self.param.numpy()
-
-    def set_lr(self, lr: float) -> None:
-        self.step.set_lr(lr)
-
-    def lr(self) -> float:
-        return self.step.lr()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.step.state_dict()
-
-    def load(self, params: np.ndarray, state: dict[str, Any], version: int) -> None:
-        self.param.copy_(torch.from_numpy(np.asarray(params)))
-        self.step.load_state_dict(state, version)
-
-
-class SliceCalls(Protocol):
-    """How the slices are reached: in-process objects (tests) or Ray actors (runs)."""
-
-    def call(self, method: str, args: list[tuple]) -> list[Any]:
-        """`method(*args[k])` on slice k, all slices at once; their results in order."""
-        ...
-
-    def params(self) -> list[Any]:
-        """Each slice's parameters (a reference an island can fetch, under Ray)."""
-        ...
-
-    def fetch(self, slices: list[Any]) -> list[np.ndarray]: ...
-
-
-class LocalSlices:
-    """`SliceCalls` over in-process slices (tests, and the engine without Ray)."""
-
-    def __init__(self, rule: OuterRule, params: np.ndarray, bounds: list[tuple[int, int]]) -> None:
-        self.slices = [OuterSlice(rule, b, params[b[0] : b[1]]) for b in bounds]
-
-    def call(self, method: str, args: list[tuple]) -> list[Any]:
-        return [getattr(s, method)(*a) for s, a in zip(self.slices, args)]
-
-    def params(self) -> list[np.ndarray]:
-        return [s.params().copy() for s in self.slices]
-
-    def fetch(self, slices: list[np.ndarray]) -> list[np.ndarray]:
-        return slices
-
-
-class SlicedOuter:
-    """Bytes never pass through here: each island sends its Δ as S slices and each slice
-    pulls its own; the coordinator sees a few numbers per update."""
-
-    def __init__(self, flat: torch.Tensor, bounds: list[tuple[int, int]], calls: SliceCalls) -> None:
-        """`flat`: the coordinator's copy of the parameters (for evaluation and checkpoints)."""
-        self.flat, self.bounds, self.calls = flat, bounds, calls
-        self.numel = flat.numel()
-        self._keys = itertools.count()
-
-    def _all(self, method: str, *args: Any) -> list[Any]:
-        return self.calls.call(method, [args] * len(self.bounds))
-
-    def inspect(self, contributions: list[Contribution]) -> tuple[int, list[Facts]]:
-        key = next(self._keys)
-        stats = self.calls.call(
-            "inspect", [(key, [(c.island, c.delta[k]) for c in contributions]) for k in range(len(self.bounds))]
-        )
-        facts = []
-        for j in range(len(contributions)):
-            parts = [stats[k][j] for k in range(len(self.bounds))]
-            facts.append(Facts(sum(p.size for p in parts), all(p.finite for p in parts), sum(p.sqnorm for p in parts)))
-        return key, facts
-
-    def apply(
-        self,
-        key: int,
-        weights: dict[int, float],
-        scale: float = 1.0,
-        anchor: int | None = None,
-        fragment: int | None = None,
-    ) -> float | None:
-        if fragment is not None:  # refused by the config too: the published copy lives on the coordinator
-            raise ValueError("coordinator slices do not take fragment steps")
-        gap = None
-        if weights and anchor is not None:
-            terms = self._all("gap_terms", key, weights, anchor)
-            if all(t is not None for t in terms):
-                gap = adaptive_gap(
-                    math.sqrt(sum(t[0] for t in terms)), math.sqrt(sum(t[1] for t in terms)), terms[0][2]
-                )
-        return self._all("close", key, weights, scale, anchor, gap)[0]
-
-    def discard(self, key: int) -> None:
-        self._all("discard", key)
-
-    def anchor(self, version: int, keep_from: int) -> None:
-        self._all("anchor", version, keep_from)
-
-    def params(self) -> list[Any]:
-        return self.calls.params()
-
-    def copy_to(self, flat: torch.Tensor) -> None:
-        for (lo, hi), part in zip(self.bounds, self.calls.fetch(self.calls.params())):
-            flat[lo:hi].copy_(_as_tensor(part))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"slices": self._all("state_dict"), "bounds": self.bounds}
-
-    def load_state_dict(self, state: dict[str, Any], version: int) -> None:
-        """Restore every slice from the checkpoint (`flat` already holds its parameters)."""
-        if [tuple(b) for b in state["bounds"]] != self.bounds:
-            raise ValueError(f"checkpoint has coordinator slices {state['bounds']}, this run {self.bounds}")
-        self.calls.call(
-            "load",
-            [(self.flat[lo:hi].numpy().copy(), st, version) for (lo, hi), st in zip(self.bounds, state["slices"])],
-        )
-
-    def set_lr(self, lr: float) -> None:
-        self._all("set_lr", lr)
-
-    def lr(self) -> float:
-        return float(self._all("lr")[0])
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import numpy as np
 import ray
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.outer_step import OuterSlice, SliceStats
+from orchestrator.engine.outer_slices import OuterSlice, SliceStats
 from orchestrator.engine.policies import outer_rule
 from orchestrator.engine.types import NAMESPACE, SliceLost, slice_name
 

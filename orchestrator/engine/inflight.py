@@ -1,0 +1,196 @@
+"""The work in flight: handing it out (its batches reserved in the data ledger, its
+parameters or their changes delivered over its link), taking its result back (screened,
+checked against what it was given, timed on the coordinator's clock), and giving it up
+— lost, refused or past its deadline — with its batches returned to the ledger, so each
+batch is trained exactly once whatever happens to the island that read it."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+
+from orchestrator.config import RunConfig
+from orchestrator.engine.admission import Verdict
+from orchestrator.engine.ledger import DataLedger
+from orchestrator.engine.membership import Membership
+from orchestrator.engine.pacing import Flight, Pacing, RunState, Work
+from orchestrator.engine.policies import SpeedTracker
+from orchestrator.engine.pool import IslandPool
+from orchestrator.engine.publisher import Publisher
+from orchestrator.engine.records import EventLog
+from orchestrator.engine.screen import Sizes, screen
+from orchestrator.engine.stats import RunStats
+from orchestrator.engine.types import Contribution, Decision, Event, IslandState, Reason
+from workers.messages import RoundResult, WorkOrder
+
+POLL_S = 0.2  # the longest the engine waits on the pool: a stop-now is seen within it
+
+
+class InFlight:
+    def __init__(
+        self,
+        *,
+        cfg: RunConfig,
+        pool: IslandPool,
+        ledger: DataLedger,
+        pacing: Pacing,
+        run: RunState,
+        members: Membership,
+        stats: RunStats,
+        speeds: SpeedTracker,
+        publisher: Publisher,
+        events: EventLog,
+        sizes: Sizes,
+        judged: Callable[[int, Verdict], None],
+        fail: Callable[[int, str], None],
+    ) -> None:
+        """`judged`: a refused result's verdict, towards quarantine; `fail`: a hung island."""
+        self.cfg, self.pool, self.ledger, self.pacing, self.run = cfg, pool, ledger, pacing, run
+        self.members, self.stats, self.speeds, self.publisher = members, stats, speeds, publisher
+        self.events, self.sizes, self.judged, self.fail = events, sizes, judged, fail
+        self.flights: dict[int, Flight] = {}  # handed out; arrived results wait here until their step closes
+        self.overdue: dict[int, tuple[int, float]] = {}  # ticket -> (island, deadline), abandoned past it
+        self.tickets = itertools.count()
+
+    def in_flight(self) -> list[Flight]:
+        """Work handed out whose result has not come back."""
+        return [f for f in self.flights.values() if f.result is None]
+
+    def busy(self) -> set[int]:
+        return {f.work.island for f in self.in_flight()}
+
+    def hand_out(self, work: Work) -> None:
+        ticket = next(self.tickets)
+        reservation = self.ledger.reserve(ticket, work.island, self.members.schedulable(), work.steps)
+        if reservation is None:
+            self.pacing.cancel(work)  # no free shard: it idles
+            return
+        stats = self.members.islands[work.island]
+        delivery = self.publisher.deliver(work)
+        if delivery.nbytes:
+            self.stats.download(stats, delivery.nbytes, delivery.bootstrap)
+        order = WorkOrder(
+            island=work.island,
+            ticket=ticket,
+            version=work.version,
+            kind=work.kind,
+            steps=work.steps,
+            shards=reservation.starts,
+            turn=reservation.turn,
+            start_delay_s=delivery.delay_s,
+            schedule_step=work.schedule_step,
+            fragment=work.fragment,
+            changes=delivery.changes,
+            eager=work.eager,
+            send_after=work.send_after,
+        )
+        stats.inner_steps = work.steps
+        deadline = self.pool.now() + delivery.delay_s + self.cfg.deadline_s(work.steps)
+        received = 0 if delivery.bootstrap else delivery.nbytes
+        self.flights[ticket] = Flight(ticket, work, deadline, received=received)
+        self.pool.dispatch(order, delivery.params)
+
+    def timeout(self) -> float:
+        flying = self.in_flight()
+        if not flying:
+            return POLL_S
+        return max(0.0, min(POLL_S, min(f.deadline for f in flying) - self.pool.now()))
+
+    def arrived(self, ticket: int, island: int, result: RoundResult) -> None:
+        flight = self.flights.get(ticket)
+        if flight is None or flight.result is not None:  # an overdue result: discarded, the island trains again
+            if self.overdue.pop(ticket, None) is not None and self.members.islands[island].state == IslandState.LATE:
+                self.members.mark(island, IslandState.TRAINING)
+            return
+        malformed = screen(result, flight.work, self.sizes)
+        if malformed is not None:
+            self.refuse(ticket, island, malformed, Reason.MALFORMED)
+            return
+        problem = self.ledger.check(ticket, result.positions, result.shard_tokens)
+        if problem is None and result.weight != sum(result.shard_tokens.values()):
+            problem = (
+                f"weight {result.weight} is not the {sum(result.shard_tokens.values())} tokens it reports per shard"
+            )
+        if problem is not None:
+            self.refuse(ticket, island, problem, Reason.SHARDS)
+            return
+        self.speeds.observe(island, result.steps, result.compute_s)
+        self.stats.exchange(flight.received + result.nbytes)
+        flight.result = result
+        # Arrival is on the coordinator's clock: an island's own clock (a node running fast,
+        # or a value of 1e18) is never slept on; it may only place its finish earlier.
+        now = self.pool.now()
+        finished = min(result.finished_at, now) if math.isfinite(result.finished_at) else now
+        # a pseudo-gradient taken τ steps before the end (streaming) was on its link meanwhile
+        sent_at = finished - min(result.tail_s, result.compute_s)
+        flight.delivered_at = sent_at + self.cfg.island_link(island).seconds(result.nbytes)
+        self.run.completed_steps += result.steps
+        self.pacing.arrived(flight)
+
+    def refuse(self, ticket: int, island: int, problem: str, reason: Reason) -> None:
+        """A result that cannot be decoded, or whose report of what it read and trained does
+        not match its work order: refused before the outer step sees it (its batches go back
+        to the ledger) and counted towards quarantine like any faulty update."""
+        verdict = Verdict(Decision.REJECT, reason, problem)
+        self.lose(ticket, f"rejected ({verdict.why})")
+        self.members.islands[island].rejections += 1
+        self.judged(island, verdict)
+
+    def lose(self, ticket: int, reason: str) -> None:
+        flight = self.flights.pop(ticket)
+        reservation = self.ledger.rollback(ticket)
+        self.pacing.lost(flight)
+        spans = {s: list(span) for s, span in reservation.spans.items()} if reservation else {}
+        self.events.add(Event.LOST, flight.work.island, reason=reason, ticket=ticket, spans=spans)
+
+    def expire(self) -> None:
+        """Work past its deadline is given up (its round closes without it; its batches go
+        back to the ledger) and its island is late: it gets work again once the overdue
+        result arrives. One whose result has not come `elastic.late_grace_s` later is hung:
+        it is released, and replaced like a dead island, so it never holds its resources
+        (or the run) for good."""
+        now = self.pool.now()
+        for flight in self.in_flight():
+            ticket = flight.ticket
+            if flight.deadline <= now:
+                i = flight.work.island
+                self.lose(ticket, "past the round deadline")
+                self.overdue[ticket] = (i, flight.deadline)
+                if self.members.islands[i].state == IslandState.TRAINING:
+                    self.members.mark(i, IslandState.LATE)
+                self.members.islands[i].late_results += 1
+                self.events.add(Event.LATE, i, deadline_s=self.cfg.deadline_s(flight.work.steps))
+        grace = self.cfg.elastic.late_grace_s
+        for ticket, (i, deadline) in list(self.overdue.items()):
+            if ticket in self.overdue and now - deadline > grace:
+                self.fail(i, f"hung: no result {grace:g}s past its deadline (elastic.late_grace_s)")
+
+    def forget(self, island: int, state: IslandState) -> None:
+        """An island is released for good (the fleet's call): its work still out is lost
+        (retrained by the next owner of its shards); its results already in still count."""
+        for flight in [f for f in self.in_flight() if f.work.island == island]:
+            self.lose(flight.ticket, f"island {state.value}")
+        self.publisher.forget(island)
+        for t in [t for t, (i, _) in self.overdue.items() if i == island]:
+            del self.overdue[t]
+
+    def contribution(self, r: RoundResult, fragment: int | None) -> Contribution:
+        """What an arrived result gives its outer step; a newcomer's first update counts
+        `elastic.join_weight` (no loss spike on a join)."""
+        stats = self.members.islands[r.island]
+        weight = float(r.weight)
+        if stats.joined_version > 0 and stats.submissions == 0:
+            weight *= self.cfg.elastic.join_weight
+        return Contribution(
+            island=r.island, version=r.version, delta=r.payload, weight=weight, steps=r.steps, fragment=fragment
+        )
+
+    def give_back(self, flight: Flight, verdict: Verdict) -> None:
+        """A rejected update never touched the model, so its batches go back to the ledger
+        and are trained again (by the shard's owner), as lost work is. Only possible while
+        no later work holds the same shards (under CO2's one-round lag the island is
+        already training the next batches: there the rejected batches stay consumed)."""
+        assert flight.result is not None
+        self.run.completed_steps -= flight.result.steps
+        self.lose(flight.ticket, f"rejected ({verdict.why})")

@@ -1,0 +1,138 @@
+"""What a run gives back: evaluations, per-round records, checkpoints, the summary and the
+views the control plane reads — everything the round engine produces but does not need
+to decide its next transition.
+
+Every write goes through `DiskFaults`: a full or unwritable disk is logged, counted in
+the status and retried (a checkpoint the disk refused is owed to the next record), and
+never ends the run. The views are rebuilt on the engine's thread when something changed,
+so the control plane's threads only ever read finished objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orchestrator.config import RunConfig
+from orchestrator.engine.checkpoints import save_checkpoint
+from orchestrator.engine.commands import Inbox
+from orchestrator.engine.membership import IslandStats, Membership
+from orchestrator.engine.outer_step import Outer
+from orchestrator.engine.records import DiskFaults, EventLog, Recorder
+from orchestrator.engine.stats import RunStats
+from orchestrator.engine.types import Event, RunPhase
+from workers.flat import FlatParams
+from workers.task import ExportableTask, Task, export_pretrained
+
+OnRecord = Callable[[dict[str, Any], dict[str, dict[str, Any]]], None]
+
+
+class Outputs:
+    def __init__(
+        self,
+        *,
+        cfg: RunConfig,
+        run_id: str,
+        task: Task,
+        model: torch.nn.Module,
+        flat: FlatParams,
+        outer: Outer,
+        members: Membership,
+        stats: RunStats,
+        inbox: Inbox,
+        resumed: bool,
+        on_record: OnRecord | None = None,
+    ) -> None:
+        self.cfg, self.run_id, self.task, self.model, self.flat, self.outer = cfg, run_id, task, model, flat, outer
+        self.members, self.stats, self.inbox, self.on_record = members, stats, inbox, on_record
+        self.eval_batches = list(task.eval_batches())
+        self.disk = DiskFaults()
+        self.checkpoint_owed = False  # a checkpoint the disk refused: retried at the next record
+        keep = stats.rounds_done if resumed else None
+        self.recorder = Recorder(cfg.out_dir, cfg, keep_records=keep, faults=self.disk)
+        self.events = EventLog(self.recorder.out / "events.jsonl", append=resumed, faults=self.disk)
+        self.snapshot: dict[str, Any] = {
+            "state": RunPhase.STARTING.value,
+            "round": stats.rounds_done,
+            "rounds": cfg.rounds,
+        }
+        self.islands_view: dict[str, dict[str, Any]] = {}  # what /v1/islands serves (`refresh_islands`)
+        self._islands_seen: tuple[int, int] | None = None
+
+    def evaluate(self) -> float:
+        self.outer.copy_to(self.flat.data)
+        self.model.eval()
+        with torch.no_grad():
+            losses = [float(self.task.loss(self.model, b)) for b in self.eval_batches]
+        return sum(losses) / len(losses)
+
+    def record(self, rnd: int, version: int, clock_s: float, phase: RunPhase, capture: Callable[[], dict]) -> None:
+        """Evaluate if due, append one record to metrics.jsonl, checkpoint if due (or owed)."""
+        cfg = self.cfg
+        eval_loss = self.evaluate() if rnd % cfg.eval_every == 0 or rnd == cfg.rounds else None
+        entry = self.stats.record(rnd, cfg, version, eval_loss, self.outer.lr(), self.members)
+        entry["clock_seconds"] = clock_s
+        self.recorder.record(entry)
+        every = cfg.checkpoint.every_rounds
+        if every and (rnd % every == 0 or rnd == cfg.rounds or self.checkpoint_owed):
+            self.checkpoint(version, rnd, capture)
+        self.update_snapshot(phase, version)
+        if self.on_record is not None:
+            self.on_record(self.status(), self.members.summary())
+
+    def checkpoint(self, version: int, rnd: int, capture: Callable[[], dict]) -> None:
+        """Save, or owe the checkpoint to the next record if the disk refused it (the run goes
+        on from memory; the checkpoints before it stay intact)."""
+        folder, keep = Path(self.cfg.checkpoint_dir), self.cfg.checkpoint.keep
+        self.checkpoint_owed = not self.disk.attempt("a checkpoint", lambda: save_checkpoint(folder, capture(), keep))
+        if not self.checkpoint_owed:
+            self.events.add(Event.CHECKPOINT, version=version, round=rnd)
+
+    def summarise(self, phase: RunPhase, version: int, extra: dict[str, Any], ledger: Any) -> dict[str, Any]:
+        """The run's summary (also `summary.json`), the final model and, for a task of
+        another ecosystem, its export."""
+        self.outer.copy_to(self.flat.data)
+        out = self.recorder.out
+        summary = self.stats.summary(phase, self.cfg, version, self.members, ledger, self.outer.numel, out)
+        summary.update(extra)
+        if isinstance(self.task, ExportableTask):  # the model back in its ecosystem's format, too
+            export = out / "export"
+            if self.disk.attempt("the export", lambda: export_pretrained(self.task, self.model.state_dict(), export)):
+                summary["export"] = str(export)
+        self.recorder.finish(summary, self.model)
+        return summary
+
+    # -- what the control plane reads ------------------------------------------------------------
+    def update_snapshot(self, phase: RunPhase, version: int) -> None:
+        history = self.recorder.history
+        last = history[-1]["round_seconds"] if history else None
+        self.snapshot = self.stats.snapshot(phase, self.cfg, version, self.members, last)
+
+    def refresh_islands(self) -> None:
+        """Rebuild the view of the islands when something happened (an event or a record)."""
+        seen = (self.events.count, self.stats.rounds_done)
+        if seen == self._islands_seen:
+            return
+        self._islands_seen = seen
+        view = self.members.summary()
+        for i in sorted(self.members.pending):  # requested, waiting for resources or starting up
+            view[str(i)] = IslandStats(index=i).as_dict()
+        self.islands_view = view
+
+    def status(self) -> dict[str, Any]:
+        return {
+            **self.snapshot,
+            "mode": self.cfg.mode.value,
+            "run_id": self.run_id,
+            "target_islands": self.members.target,
+            "pending_islands": sorted(self.members.pending),
+            "inner_steps": self.cfg.inner_steps,
+            "outer_lr": self.outer.lr(),
+            "paused": self.inbox.paused.is_set(),
+            "stopping": self.inbox.stopping.is_set(),
+            "disk_errors": self.disk.count,
+            "last_disk_error": self.disk.last,
+        }

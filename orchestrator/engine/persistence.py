@@ -1,0 +1,68 @@
+"""What a coordinator checkpoint holds of a running engine, and putting it back.
+
+Only committed work is captured — results waiting for their outer step and work in
+flight are redone by a restarted coordinator — so nothing is lost or counted twice. The
+file format and its integrity are `engine/checkpoints.py`'s."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.engine.membership import IslandStats
+from orchestrator.engine.types import IslandState, RunFailed
+
+if TYPE_CHECKING:
+    from orchestrator.engine.engine import RoundEngine
+
+RESUMABLE = ("mode", "data_shards")  # settings a checkpoint must share with the run resuming it
+
+
+def capture(engine: RoundEngine) -> dict[str, Any]:
+    """Everything a restarted coordinator needs (tensors and plain values only)."""
+    engine.outer.copy_to(engine.flat.data)
+    uncommitted = sum(f.result.steps for f in engine.flights.values() if f.result is not None)
+    return {
+        "run_id": engine.run_id,
+        "config": engine.cfg.model_dump(mode="json"),
+        "params": engine.flat.data.detach().clone(),
+        "version": engine.run.version,
+        "outer": engine.outer.state_dict(),
+        "admission": engine.admission.state_dict(),
+        "members": {
+            i: {**dataclasses.asdict(s), "state": s.state.value, "recent": list(s.recent)}
+            for i, s in engine.members.islands.items()
+        },
+        "ledger": engine.ledger.state(),
+        "completed_steps": engine.run.completed_steps - uncommitted,
+        "counters": engine.stats.state(),
+        "target": engine.members.target,
+    }
+
+
+def restore(engine: RoundEngine, state: dict[str, Any]) -> None:
+    """Put a captured state back into a freshly built engine of the same run."""
+    saved, cfg = state["config"], engine.cfg
+    for key in RESUMABLE:
+        if saved.get(key) != cfg.model_dump(mode="json").get(key):
+            raise RunFailed(
+                f"the checkpoint in {cfg.checkpoint_dir} is of a run with {key} = {saved.get(key)!r}, "
+                f"this run has {getattr(cfg, key)!r}: resume with the same config or another path"
+            )
+    engine.flat.load(state["params"])
+    engine.publisher.restored()
+    run = engine.run
+    run.version = run.base = run.closes = state["version"]
+    engine.outer.load_state_dict(state["outer"], state["version"])
+    engine.admission.load_state_dict(state["admission"])
+    for i, saved_stats in state["members"].items():
+        fields = dict(saved_stats)
+        recent = fields.pop("recent", [])
+        stats = IslandStats(**{**fields, "state": IslandState(fields["state"])})
+        stats.recent.extend(recent)
+        engine.members.islands[int(i)] = stats
+    engine.ledger.load(state["ledger"])
+    run.completed_steps = state["completed_steps"]
+    engine.stats.load(state["counters"])
+    engine.members.target = state["target"]
+    engine.pacing.resume(run)

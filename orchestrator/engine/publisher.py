@@ -1,0 +1,99 @@
+"""Publishing the global parameters and working out what each island downloads.
+
+Each version is put in the pool once (`ray.put` under Ray); the one before is kept, as a
+round under a one-round lag starts from it. What an island receives for its work is the
+full parameters of its version, or — in modes that track a published copy (a lossy or
+fragmented downlink) — only the changes since the version it holds. The bytes either way
+cross its (simulated) link, so its work starts that much later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from orchestrator.config import RunConfig
+from orchestrator.engine.downlink import Downlink
+from orchestrator.engine.outer_step import Outer
+from orchestrator.engine.pacing import Work
+from orchestrator.engine.pool import IslandPool
+from workers.fragments import Fragments
+from workers.sync import Change
+
+
+@dataclass(frozen=True, kw_only=True)
+class Delivery:
+    """What an island receives for its work."""
+
+    params: Any  # the published parameters of its version, or None when changes suffice
+    changes: tuple[Change, ...]
+    nbytes: int  # on its link
+    bootstrap: bool  # its first full download (not one of the run's exchanges)
+    delay_s: float  # until it has them, on the run's clock
+
+
+class Publisher:
+    def __init__(
+        self, *, cfg: RunConfig, pool: IslandPool, outer: Outer, flat: torch.Tensor, fragments: Fragments | None
+    ) -> None:
+        self.cfg, self.pool, self.outer, self.flat = cfg, pool, outer, flat
+        self.refs: dict[int, Any] = {}  # version -> published parameters
+        self.published_at: dict[int, float] = {}
+        self.held: dict[int, int] = {}  # island -> version it holds (downloaded)
+        self.downlink = (
+            Downlink(
+                flat, cfg.compression.downlink, cfg.compression.chunk, fragments, keep=2 * cfg.streaming.fragments + 4
+            )
+            if cfg.tracks_copy
+            else None
+        )
+
+    def publish(self, version: int, at: float | None = None) -> None:
+        """Publish `version` once (islands fetch it from there); keep the one before. `at`:
+        when it was ready on the run's clock, if earlier than now (streaming: its
+        pseudo-gradients left τ steps before their islands' work ended, so the step was due
+        before the results came back)."""
+        params = self.downlink.copy.numpy() if self.downlink is not None else self.outer.params()
+        self.refs[version] = self.pool.publish(version, params)
+        now = self.pool.now()
+        self.published_at.setdefault(version, now if at is None else min(at, now))
+        for old in [old for old in self.refs if old < version - 1]:
+            del self.refs[old]
+
+    def stepped(self, version: int, fragment: int | None) -> None:
+        """The outer step made `version`: the published copy takes its change."""
+        if self.downlink is not None:
+            self.downlink.step(version, self.flat, fragment)
+
+    def restored(self) -> None:
+        """The parameters were loaded from a checkpoint: the published copy is them."""
+        if self.downlink is not None:
+            self.downlink.reset(self.flat)
+
+    def deliver(self, work: Work) -> Delivery:
+        """What `work.island` receives for `work`; it then holds `work.version`."""
+        held = self.held.get(work.island)
+        self.held[work.island] = work.version
+        params: Any = None
+        changes: list[Change] = []
+        if self.downlink is None:  # the full parameters of each new version
+            params, bootstrap = self.refs[work.version], held is None
+            nbytes = 0 if held == work.version else self.outer.numel * self.flat.element_size()
+        elif (routed := self.downlink.route(held, work.version)) is None:
+            params, bootstrap = self.refs[work.version], held is None
+            nbytes = self.downlink.full_nbytes()
+        else:
+            changes, bootstrap = routed, False
+            nbytes = sum(c.nbytes for c in changes)
+        delay = 0.0
+        if nbytes:  # a new global (or its changes) to download over its link
+            now = self.pool.now()
+            ready = self.published_at.get(work.version, now)
+            delay = max(0.0, ready + self.cfg.island_link(work.island).seconds(nbytes) - now)
+        return Delivery(params=params, changes=tuple(changes), nbytes=nbytes, bootstrap=bootstrap, delay_s=delay)
+
+    def forget(self, island: int) -> None:
+        """A released island holds nothing any more."""
+        self.held.pop(island, None)
