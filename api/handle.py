@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from orchestrator.engine.commands import Answer, Command
-from orchestrator.engine.types import NAMESPACE, coordinator_name, run_id_of_coordinator
+from orchestrator.runtime.names import NAMESPACE, coordinator_name, run_id_of_coordinator
 
 
 class HandleError(Exception):

@@ -19,8 +19,8 @@ import pytest
 import ray
 
 from orchestrator.config_load import load_config
-from orchestrator.engine.types import NAMESPACE, coordinator_name, island_name
 from orchestrator.runtime.driver import run
+from orchestrator.runtime.names import NAMESPACE, coordinator_name, island_name
 from tests.helpers import toy_quadratic
 from tests.http_server import free_port
 

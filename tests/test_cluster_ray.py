@@ -12,8 +12,8 @@ from ray.cluster_utils import Cluster
 from ray.util.placement_group import get_placement_group, placement_group_table
 
 from orchestrator.config_load import load_config
-from orchestrator.engine.types import island_name
 from orchestrator.runtime.driver import run
+from orchestrator.runtime.names import island_name
 from tests.conftest import REPO
 from tests.helpers import toy_quadratic
 

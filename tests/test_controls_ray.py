@@ -12,8 +12,8 @@ from pydantic import ValidationError
 
 from orchestrator.config_load import load_config
 from orchestrator.engine.commands import Ack, Pause, Resume, SettingsUpdate, Stop, UpdateSettings
-from orchestrator.engine.types import NAMESPACE
 from orchestrator.runtime.driver import run
+from orchestrator.runtime.names import NAMESPACE
 from tests.helpers import toy_quadratic
 
 pytestmark = pytest.mark.ray

@@ -13,8 +13,8 @@ import ray
 
 from orchestrator.config_load import load_config
 from orchestrator.engine.commands import Ack, AddIslands, Drain, Refusal, SetTarget
-from orchestrator.engine.types import NAMESPACE, island_name
 from orchestrator.runtime.driver import run
+from orchestrator.runtime.names import NAMESPACE, island_name
 
 pytestmark = pytest.mark.ray
 CENTERS = "[[1.0,0.0],[-0.5,2.0],[0.5,0.5],[2.0,1.0]]"

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import re
 
-from api.prometheus import ISLAND_GAUGES, RUN_GAUGES
+from orchestrator.engine.views import ISLAND_METRICS, RUN_METRICS
 from tests.conftest import REPO
 
 
 def test_every_panel_queries_a_published_metric():
     dash = json.loads((REPO / "k8s" / "grafana-dashboard.json").read_text())
-    published = {f"ray_{name}" for name, *_ in RUN_GAUGES + ISLAND_GAUGES}
+    published = {f"ray_{name}" for name, *_ in RUN_METRICS + ISLAND_METRICS}
     used = set()
     for panel in dash["panels"]:
         assert panel["targets"], panel["title"]

@@ -11,8 +11,8 @@ import ray
 
 from orchestrator.cli import main
 from orchestrator.config_load import dump_config, load_config
-from orchestrator.engine.types import NAMESPACE
 from orchestrator.runtime.driver import run
+from orchestrator.runtime.names import NAMESPACE
 from tests.helpers import run_until_records, toy_quadratic
 
 pytestmark = pytest.mark.ray

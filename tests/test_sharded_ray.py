@@ -58,7 +58,7 @@ def test_async_and_overlap_learn_on_three_shards(ray_local, tmp_path, corpus_cac
 def test_a_lost_shard_restarts_the_coordinator_from_its_checkpoint(ray_local, tmp_path, corpus_cache):
     import ray
 
-    from orchestrator.engine.types import NAMESPACE
+    from orchestrator.runtime.names import NAMESPACE
 
     cfg = _cfg(tmp_path, corpus_cache, "out", "coordinator.shards=2", "rounds=8")
     thread, box = run_until_records(cfg, "shardloss", 3)

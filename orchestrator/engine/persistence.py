@@ -7,18 +7,42 @@ file format and its integrity are `engine/checkpoints.py`'s."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from orchestrator.engine.membership import IslandStats
+from orchestrator.config import RunConfig
+from orchestrator.engine.admission import Admission
+from orchestrator.engine.ledger import DataLedger
+from orchestrator.engine.membership import IslandStats, Membership
+from orchestrator.engine.outer_step import Outer
+from orchestrator.engine.pacing import Flight, Pacing, RunState
+from orchestrator.engine.publisher import Publisher
+from orchestrator.engine.stats import RunStats
 from orchestrator.engine.types import IslandState, RunFailed
-
-if TYPE_CHECKING:
-    from orchestrator.engine.engine import RoundEngine
+from workers.flat import FlatParams
 
 RESUMABLE = ("mode", "data_shards")  # settings a checkpoint must share with the run resuming it
 
 
-def capture(engine: RoundEngine) -> dict[str, Any]:
+class Engine(Protocol):
+    """The parts of a round engine a checkpoint captures and restores."""
+
+    cfg: RunConfig
+    run_id: str
+    flat: FlatParams
+    outer: Outer
+    admission: Admission
+    members: Membership
+    ledger: DataLedger
+    run: RunState
+    stats: RunStats
+    pacing: Pacing
+    publisher: Publisher
+
+    @property
+    def flights(self) -> dict[int, Flight]: ...
+
+
+def capture(engine: Engine) -> dict[str, Any]:
     """Everything a restarted coordinator needs (tensors and plain values only)."""
     engine.outer.copy_to(engine.flat.data)
     uncommitted = sum(f.result.steps for f in engine.flights.values() if f.result is not None)
@@ -40,7 +64,7 @@ def capture(engine: RoundEngine) -> dict[str, Any]:
     }
 
 
-def restore(engine: RoundEngine, state: dict[str, Any]) -> None:
+def restore(engine: Engine, state: dict[str, Any]) -> None:
     """Put a captured state back into a freshly built engine of the same run."""
     saved, cfg = state["config"], engine.cfg
     for key in RESUMABLE:

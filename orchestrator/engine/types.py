@@ -1,6 +1,5 @@
 """The engine's vocabulary, in one place: island states, admission reasons and decisions,
-event kinds, the contribution the outer step consumes, typed errors, and the names of a
-run's Ray actors (so the runtime, the control plane and tests agree on them).
+event kinds, the contribution the outer step consumes, and typed errors.
 
 Every enum is a `str` enum: it compares equal to, and serialises as, its value, so the
 JSON the control plane and `summary.json` carry is unchanged.
@@ -11,30 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
-
-NAMESPACE = "archipelago"
-
-
-def island_name(run_id: str, index: int) -> str:
-    return f"archipelago-{run_id}-island-{index}"
-
-
-def coordinator_name(run_id: str) -> str:
-    return f"archipelago-{run_id}-coordinator"
-
-
-def run_id_of_coordinator(name: str) -> str | None:
-    """The run id in a coordinator actor's name, or None if `name` is not one."""
-    prefix, suffix = "archipelago-", "-coordinator"
-    return name[len(prefix) : -len(suffix)] if name.startswith(prefix) and name.endswith(suffix) else None
-
-
-def control_plane_name(run_id: str) -> str:
-    return f"archipelago-{run_id}-api"
-
-
-def slice_name(run_id: str, k: int, incarnation: str) -> str:
-    return f"archipelago-{run_id}-slice-{k}-{incarnation}"
 
 
 class IslandState(str, Enum):

@@ -21,9 +21,10 @@ from orchestrator.config import RunConfig
 from orchestrator.engine.build import PhasedRun
 from orchestrator.engine.commands import Answer, Command
 from orchestrator.engine.engine import RoundEngine
-from orchestrator.engine.types import SliceLost, coordinator_name
+from orchestrator.engine.types import SliceLost
 from orchestrator.logs import configure
 from orchestrator.runtime.island_pool import RayIslandPool, island_bundle
+from orchestrator.runtime.names import coordinator_name
 from orchestrator.runtime.slices import start_slices
 
 log = logging.getLogger(__name__)

@@ -17,10 +17,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from orchestrator.config import RunConfig
 from orchestrator.engine.checkpoints import load_checkpoint
 from orchestrator.engine.commands import Stop
-from orchestrator.engine.types import NAMESPACE, RunFailed, control_plane_name, coordinator_name
+from orchestrator.engine.types import RunFailed
 from orchestrator.engine.warm_start import check_warm_start, pending, warm_run_id
 from orchestrator.runtime.coordinator import Coordinator
 from orchestrator.runtime.island_pool import release_run
+from orchestrator.runtime.names import NAMESPACE, control_plane_name, coordinator_name
 from orchestrator.runtime.progress import ProgressPrinter
 from orchestrator.runtime.signals import StopRequest, stop_on_signals
 from workers.task import load_task

@@ -8,15 +8,15 @@ from typing import Any
 
 from ray.util.metrics import Gauge
 
-from api.prometheus import ISLAND_GAUGES, RUN_GAUGES, current
+from orchestrator.engine.views import ISLAND_METRICS, RUN_METRICS, current
 
 
 class RayMetrics:
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
-        self.run = {key: Gauge(name, help_text, tag_keys=("run_id",)) for name, key, help_text, _ in RUN_GAUGES}
+        self.run = {key: Gauge(name, help_text, tag_keys=("run_id",)) for name, key, help_text, _ in RUN_METRICS}
         self.island = {
-            key: Gauge(name, help_text, tag_keys=("run_id", "island")) for name, key, help_text, _ in ISLAND_GAUGES
+            key: Gauge(name, help_text, tag_keys=("run_id", "island")) for name, key, help_text, _ in ISLAND_METRICS
         }
 
     def publish(self, status: dict[str, Any], islands: dict[str, dict[str, Any]]) -> None:

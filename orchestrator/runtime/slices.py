@@ -14,7 +14,8 @@ import ray
 from orchestrator.config import RunConfig
 from orchestrator.engine.outer_slices import OuterSlice, SliceStats
 from orchestrator.engine.policies import outer_rule
-from orchestrator.engine.types import NAMESPACE, SliceLost, slice_name
+from orchestrator.engine.types import SliceLost
+from orchestrator.runtime.names import NAMESPACE, slice_name
 
 
 class RemoteOuterSlice(OuterSlice):
