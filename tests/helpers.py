@@ -122,6 +122,6 @@ def in_process_run(cfg: RunConfig) -> tuple[RoundEngine, list[Island], list[torc
         history.append(engine.flat.data.clone())
         islands[:] = [pool.islands[i] for i in sorted(pool.islands)]
 
-    engine.on_record = record
+    engine.outputs.on_record = record
     engine.execute()
     return engine, islands, history
