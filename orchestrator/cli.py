@@ -146,7 +146,7 @@ def _config_docs(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     import torch
 
-    from workers.task import TaskError, export_pretrained, load_task
+    from workers.tasks.task import TaskError, export_pretrained, load_task
 
     run_dir = Path(args.run_dir)
     try:

@@ -9,10 +9,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from workers.compress import CODECS
-from workers.island import Sharding
-from workers.links import LinkConfig
-from workers.optim import InnerConfig
+from workers.runtime.island import Sharding
+from workers.runtime.optim import InnerConfig
+from workers.wire.compress import CODECS
+from workers.wire.links import LinkConfig
 
 
 class _Strict(BaseModel):
@@ -308,7 +308,7 @@ class TaskSpec(_Strict):
     """The user's model and data: an import path `module:factory` and its keyword arguments."""
 
     factory: str = Field(
-        "workers.lm_task:make_task", description="`module:function` returning a Task, importable on every node"
+        "workers.tasks.lm_task:make_task", description="`module:function` returning a Task, importable on every node"
     )
     kwargs: dict[str, Any] = Field(
         default_factory=dict,

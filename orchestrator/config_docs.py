@@ -18,16 +18,16 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from orchestrator.config import RunConfig
-from workers.digits_task import DigitsConfig
-from workers.hf_task import HFTaskConfig
-from workers.lm_task import LMTaskConfig
+from workers.tasks.digits_task import DigitsConfig
+from workers.tasks.hf_task import HFTaskConfig
+from workers.tasks.lm_task import LMTaskConfig
 
 COMMAND = "archipelago config docs --out docs/configuration.md"
 # Bundled tasks whose `task.kwargs` are documented beside the run config.
 TASKS: dict[str, type[BaseModel]] = {
-    "workers.lm_task:make_task": LMTaskConfig,
-    "workers.hf_task:make_task": HFTaskConfig,
-    "workers.digits_task:make_task": DigitsConfig,
+    "workers.tasks.lm_task:make_task": LMTaskConfig,
+    "workers.tasks.hf_task:make_task": HFTaskConfig,
+    "workers.tasks.digits_task:make_task": DigitsConfig,
 }
 
 

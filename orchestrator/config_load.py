@@ -11,7 +11,7 @@ import yaml
 from pydantic import ValidationError
 
 from orchestrator.config import RunConfig
-from workers.task import TaskError, load_task
+from workers.tasks.task import TaskError, load_task
 
 
 class ConfigError(ValueError):

@@ -83,7 +83,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def corpus_cache(tmp_path_factory):
     """A private corpus cache, so tests never depend on (or disturb) the user's cache."""
     path = tmp_path_factory.mktemp("corpus-cache")
-    from workers.corpus import prepare_stdlib_corpus
+    from workers.tasks.corpus import prepare_stdlib_corpus
 
     prepare_stdlib_corpus(path)
     return str(path)

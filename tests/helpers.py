@@ -16,7 +16,7 @@ from orchestrator.engine.build import build_engine
 from orchestrator.engine.engine import RoundEngine
 from orchestrator.engine.pool import Fault, InProcessPool
 from tests.toy_tasks import READS
-from workers.island import Island
+from workers.runtime.island import Island
 
 # tests of one phase leave the warm start out (its own tests are in test_warm_start.py)
 NO_WARM = "warm_start.steps=0"

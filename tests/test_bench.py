@@ -70,7 +70,7 @@ def test_the_gpu_check_refuses_a_machine_without_cuda(capsys, tmp_path):
 
 def test_every_gpu_check_row_is_a_valid_config():
     from orchestrator.bench.gpu import methods
-    from workers.task import load_task
+    from workers.tasks.task import load_task
 
     base, table = methods(quick=False, gpus=2)
     assert set(table) == {"gpt_4x0.25gpu", "llama_4x0.25gpu", "llama_1x2workers"}

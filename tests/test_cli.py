@@ -39,7 +39,7 @@ def test_one_handler_however_often_configured_and_it_follows_stderr(capsys):
     configure(logging.INFO)
     assert len(logging.getLogger("orchestrator").handlers) == 1
     logging.getLogger("orchestrator.runtime.driver").info("hello")
-    logging.getLogger("workers.island").debug("not at INFO")
+    logging.getLogger("workers.runtime.island").debug("not at INFO")
     assert capsys.readouterr().err == "archipelago: hello\n"
     configure(logging.DEBUG)
     logging.getLogger("api.app").debug("detail")

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from orchestrator.algorithms.outer import CO2Outer
-from workers.compress import decode, encode, payload_nbytes
-from workers.links import LinkConfig
+from workers.wire.compress import decode, encode, payload_nbytes
+from workers.wire.links import LinkConfig
 
 TOL = 1e-6
 f64 = torch.float64
@@ -135,7 +135,7 @@ def test_int4_pseudo_gradients_with_and_without_error_feedback_train_on_an_eight
 
 
 def test_error_feedback_keeps_the_sum_of_what_was_sent_within_one_step():
-    from workers.compress import ErrorFeedback
+    from workers.wire.compress import ErrorFeedback
 
     rng = np.random.default_rng(0)
     deltas = [rng.normal(size=4096).astype(np.float32) * 0.01 + 0.002 for _ in range(50)]  # a consistent drift

@@ -16,7 +16,7 @@ def test_defaults_are_sync_diloco_with_four_islands():
     cfg = load_config()
     assert cfg.mode == "diloco" and cfg.islands.count == 4
     assert (cfg.outer.optimizer, cfg.outer.lr, cfg.outer.momentum) == ("nesterov", 0.7, 0.9)
-    assert cfg.task.factory == "workers.lm_task:make_task"
+    assert cfg.task.factory == "workers.tasks.lm_task:make_task"
 
 
 def test_yaml_and_overrides(tmp_path):

@@ -13,7 +13,7 @@ import torch
 from orchestrator.config_load import load_config
 from orchestrator.engine.pool import island_spec
 from tests.helpers import TINY_LM
-from workers.island import Island
+from workers.runtime.island import Island
 
 pytestmark = pytest.mark.cuda
 
@@ -26,7 +26,7 @@ def _round(cfg, device: str) -> tuple[Island, np.ndarray]:
 
 @pytest.mark.parametrize("task", ["gpt", "llama"])
 def test_a_bf16_island_on_cuda_matches_fp32_on_cpu(corpus_cache, task):
-    extra = [] if task == "gpt" else ["task.factory=workers.hf_task:make_task", "task.kwargs.preset=tiny-llama"]
+    extra = [] if task == "gpt" else ["task.factory=workers.tasks.hf_task:make_task", "task.kwargs.preset=tiny-llama"]
     if task == "llama":
         pytest.importorskip("transformers")
     common = [*TINY_LM, f"task.kwargs.cache_dir={corpus_cache}", "islands.count=2", *extra]

@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from workers.corpus import prepare_stdlib_corpus, stdlib_files
-from workers.lm_task import make_task
-from workers.text_data import fixed_batches, island_tokens, read_parquet_texts, window_batches
+from workers.tasks.corpus import prepare_stdlib_corpus, stdlib_files
+from workers.tasks.lm_task import make_task
+from workers.tasks.text_data import fixed_batches, island_tokens, read_parquet_texts, window_batches
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import torch
 
 from orchestrator.config_load import load_config
 from tests.helpers import in_process_run
-from workers.flat import FlatParams
+from workers.wire.flat import FlatParams
 
 pytest.importorskip("sklearn", reason="the digits example needs the 'examples' extra (scikit-learn)")
 
@@ -17,7 +17,7 @@ def test_diloco_trains_digits_classifier(split):
     cfg = load_config(
         None,
         [
-            "task.factory=workers.digits_task:make_task",
+            "task.factory=workers.tasks.digits_task:make_task",
             "warm_start.steps=0",
             f"task.kwargs.split={split}",
             "islands.count=3",

@@ -146,7 +146,7 @@ def _example_task_module() -> types.ModuleType:
 
 def test_the_task_example_in_the_docs_trains(tmp_path, monkeypatch):
     from tests.helpers import in_process_engine
-    from workers.task import Task, load_task
+    from workers.tasks.task import Task, load_task
 
     monkeypatch.setitem(sys.modules, "docs_task_example", _example_task_module())
     assert isinstance(load_task("docs_task_example:make_task", {"dim": 4}), Task)

@@ -19,7 +19,7 @@ from orchestrator.engine.pool import Fault, FaultKind
 from orchestrator.engine.types import RunFailed
 from tests.engine_scenarios import check_exactly_once, drive, run_scenario, scenario_cfg
 from tests.helpers import events, in_process_engine
-from workers.flat import slice_bounds
+from workers.wire.flat import slice_bounds
 
 MALFORMED = {
     "unknown codec": {"zstd": np.zeros(2, np.float32)},

@@ -19,7 +19,7 @@ from orchestrator.runtime.driver import run
 pytestmark = pytest.mark.ray
 
 TINY_LLAMA = [
-    "task.factory=workers.hf_task:make_task",
+    "task.factory=workers.tasks.hf_task:make_task",
     "task.kwargs.preset=tiny-llama",
     "task.kwargs.context=64",
     "task.kwargs.batch_size=16",

@@ -17,9 +17,9 @@ pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
 from orchestrator.config_load import dump_config, load_config
 from tests.helpers import in_process_run
-from workers.hf_task import HFTaskConfig, make_task
-from workers.task import TaskError, export_pretrained, load_task
-from workers.text_data import Documents
+from workers.tasks.hf_task import HFTaskConfig, make_task
+from workers.tasks.task import TaskError, export_pretrained, load_task
+from workers.tasks.text_data import Documents
 
 TINY = {"preset": "tiny-llama", "context": 32, "batch_size": 8, "eval_batches": 2}
 
@@ -61,7 +61,7 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="model_type"):
         HFTaskConfig(model_config={"hidden_size": 64})
     with pytest.raises(TaskError, match="rejected its kwargs"):
-        load_task("workers.hf_task:make_task", {"preset": "tiny-llama", "context_length": 64})
+        load_task("workers.tasks.hf_task:make_task", {"preset": "tiny-llama", "context_length": 64})
 
 
 def test_a_model_from_config_trains_and_exports_to_transformers_with_the_same_logits(task, corpus_cache, tmp_path):
@@ -101,7 +101,7 @@ def test_a_run_with_the_hf_task_exports_at_the_end_and_the_cli_exports_again(cor
     cfg = load_config(
         None,
         [
-            "task.factory=workers.hf_task:make_task",
+            "task.factory=workers.tasks.hf_task:make_task",
             "task.kwargs.preset=tiny-llama",
             "task.kwargs.context=32",
             "task.kwargs.batch_size=8",

@@ -10,8 +10,8 @@ import torch
 from orchestrator.config_load import load_config
 from orchestrator.engine.pool import island_spec
 from tests.helpers import TINY_LM, in_process_run
-from workers.island import Island
-from workers.task import split_batch
+from workers.runtime.island import Island
+from workers.tasks.task import split_batch
 
 # the shared tiny GPT (later overrides win), on 2 islands with fewer eval batches and a shorter warmup
 TINY_GPT = [*TINY_LM, "task.kwargs.eval_batches=2", "islands.count=2", "inner.warmup_steps=2"]

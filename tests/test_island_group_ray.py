@@ -13,10 +13,10 @@ from orchestrator.config_load import load_config
 from orchestrator.engine.pool import island_spec
 from orchestrator.runtime.driver import run
 from tests.helpers import TINY_LM
-from workers.compress import decode
-from workers.island import Island
-from workers.island_group import GroupIsland
-from workers.messages import WorkKind, WorkOrder
+from workers.runtime.island import Island
+from workers.runtime.island_group import GroupIsland
+from workers.wire.compress import decode
+from workers.wire.messages import WorkKind, WorkOrder
 
 pytestmark = pytest.mark.ray
 

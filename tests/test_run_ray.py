@@ -11,7 +11,7 @@ import torch
 from orchestrator.config_load import load_config
 from orchestrator.runtime.driver import run
 from tests.helpers import tiny_lm_config
-from workers.lm_task import make_task
+from workers.tasks.lm_task import make_task
 
 pytestmark = pytest.mark.ray
 

@@ -16,8 +16,8 @@ from orchestrator.engine.outer_step import LocalOuter, take_step
 from orchestrator.engine.pacing import start_version
 from orchestrator.engine.policies import build_policies, outer_rule
 from orchestrator.engine.types import Contribution
-from workers.compress import decode, encode
-from workers.flat import slice_bounds
+from workers.wire.compress import decode, encode
+from workers.wire.flat import slice_bounds
 
 NUMEL, CHUNK = 5000, 256
 

@@ -6,7 +6,7 @@ import pytest
 
 from orchestrator.engine.ledger import DataLedger, assign
 from orchestrator.engine.types import LedgerError
-from workers.messages import batch_counts
+from workers.wire.messages import batch_counts
 
 
 def test_assignment_is_contiguous_complete_and_deterministic():
@@ -71,7 +71,7 @@ def test_batch_counts_round_robin():
 def test_an_island_without_coordinator_takes_the_block_the_coordinator_would_assign():
     from orchestrator.config_load import load_config
     from orchestrator.engine.pool import island_spec
-    from workers.island import Island
+    from workers.runtime.island import Island
 
     for shards, islands in ((12, 3), (5, 3), (8, 2)):
         cfg = load_config(

@@ -16,11 +16,11 @@ from orchestrator.config_load import apply_overrides
 from orchestrator.engine.pool import Fault, FaultKind, island_spec
 from tests.helpers import NO_WARM, TINY_LM, in_process_engine
 from tests.toy_tasks import SplitPoint
-from workers.compress import encode
-from workers.fragments import fragment_model
-from workers.island import Island
-from workers.messages import WorkKind, WorkOrder
-from workers.sync import Change, ChangeOutOfOrder
+from workers.runtime.island import Island
+from workers.wire.compress import encode
+from workers.wire.fragments import fragment_model
+from workers.wire.messages import WorkKind, WorkOrder
+from workers.wire.sync import Change, ChangeOutOfOrder
 
 QUADRATIC = [
     "task.factory=tests.toy_tasks:make_quadratic",

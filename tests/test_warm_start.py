@@ -20,7 +20,7 @@ from orchestrator.engine.pool import Fault, FaultKind, InProcessPool
 from orchestrator.engine.types import RunFailed
 from orchestrator.engine.warm_start import warm_config
 from tests.helpers import assert_trained_once, events
-from workers.optim import lr_factor
+from workers.runtime.optim import lr_factor
 
 _keys = itertools.count()
 

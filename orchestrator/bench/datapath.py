@@ -38,10 +38,10 @@ from orchestrator.engine.outer_step import LocalOuter, Outer
 from orchestrator.engine.policies import build_policies, outer_rule
 from orchestrator.engine.types import Contribution
 from orchestrator.runtime.slices import start_slices
-from workers.compress import encode
-from workers.flat import slice_bounds
-from workers.island_group import group_address
-from workers.messages import RoundResult
+from workers.runtime.island_group import group_address
+from workers.wire.compress import encode
+from workers.wire.flat import slice_bounds
+from workers.wire.messages import RoundResult
 
 
 class _Source:

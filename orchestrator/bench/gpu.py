@@ -14,8 +14,8 @@ from typing import Any
 from orchestrator.bench.report import BenchResult, ScenarioUnavailable, md_table
 from orchestrator.bench.runner import Table, one_ray, run_methods
 from orchestrator.config_load import load_config
-from workers.flat import FlatParams
-from workers.task import load_task
+from workers.tasks.task import load_task
+from workers.wire.flat import FlatParams
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ GPT = [
     "task.kwargs.batch_size=32",
 ]
 LLAMA = [
-    "task.factory=workers.hf_task:make_task",
+    "task.factory=workers.tasks.hf_task:make_task",
     "task.kwargs.model_config={model_type: llama, hidden_size: 768, intermediate_size: 2048, num_hidden_layers: 12, "
     "num_attention_heads: 12, num_key_value_heads: 4, tie_word_embeddings: true}",
     "task.kwargs.context=1024",

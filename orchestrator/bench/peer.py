@@ -29,9 +29,9 @@ from orchestrator.config import Mode, RunConfig
 from orchestrator.config_load import load_config
 from orchestrator.engine.ledger import assign
 from orchestrator.engine.warm_start import load_warm_start
-from workers.flat import FlatParams
-from workers.optim import build_inner
-from workers.task import load_task
+from workers.runtime.optim import build_inner
+from workers.tasks.task import load_task
+from workers.wire.flat import FlatParams
 
 log = logging.getLogger(__name__)
 

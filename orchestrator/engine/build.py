@@ -23,9 +23,9 @@ from orchestrator.engine.policies import build_policies, outer_rule, run_inbox
 from orchestrator.engine.pool import IslandPool
 from orchestrator.engine.types import RunFailed, RunPhase
 from orchestrator.engine.warm_start import WarmStart, load_warm_start, mark_finished, pending, warm_config, warm_run_id
-from workers.flat import FlatParams, slice_bounds
-from workers.fragments import FragmentedTask, fragment_model
-from workers.task import load_task
+from workers.tasks.task import load_task
+from workers.wire.flat import FlatParams, slice_bounds
+from workers.wire.fragments import FragmentedTask, fragment_model
 
 
 def build_engine(

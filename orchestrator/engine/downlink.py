@@ -1,4 +1,4 @@
-"""The coordinator's side of the downlink (`workers/sync.py`): the published copy islands
+"""The coordinator's side of the downlink (`workers/wire/sync.py`): the published copy islands
 hold, one `Change` per version, and which changes take an island from the version it
 holds to the one its work starts from. An island too far behind (or new) gets the full
 copy instead; so does every island after a coordinator restart (the engine forgets
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from workers.compress import encode
-from workers.fragments import Fragments, positions
-from workers.sync import Change, apply_change
+from workers.wire.compress import encode
+from workers.wire.fragments import Fragments, positions
+from workers.wire.sync import Change, apply_change
 
 
 class Downlink:

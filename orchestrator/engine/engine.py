@@ -46,10 +46,10 @@ from orchestrator.engine.types import (
     SliceLost,
 )
 from orchestrator.engine.warm_start import WarmStart
-from workers.flat import FlatParams
-from workers.fragments import Fragments
-from workers.messages import RoundResult
-from workers.task import Task
+from workers.tasks.task import Task
+from workers.wire.flat import FlatParams
+from workers.wire.fragments import Fragments
+from workers.wire.messages import RoundResult
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from orchestrator.engine.records import EventLog
 from orchestrator.engine.screen import Sizes, screen
 from orchestrator.engine.stats import RunStats
 from orchestrator.engine.types import Contribution, Decision, Event, IslandState, Reason
-from workers.messages import RoundResult, WorkOrder
+from workers.wire.messages import RoundResult, WorkOrder
 
 POLL_S = 0.2  # the longest the engine waits on the pool: a stop-now is seen within it
 

@@ -21,7 +21,7 @@ from orchestrator.algorithms.outer import adaptive_gap
 from orchestrator.engine.admission import Facts
 from orchestrator.engine.outer_step import OuterRule, OuterStep, as_tensor
 from orchestrator.engine.types import Contribution
-from workers.compress import PayloadError, check_payload, decode
+from workers.wire.compress import PayloadError, check_payload, decode
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from orchestrator.algorithms.aggregate import WeightedMean, all_finite, sqnorm
 from orchestrator.algorithms.outer import CO2Outer
 from orchestrator.engine.admission import Admission, Facts, Verdict
 from orchestrator.engine.types import Contribution, Decision
-from workers.compress import decode
-from workers.fragments import Fragments
+from workers.wire.compress import decode
+from workers.wire.fragments import Fragments
 
 Scheduler = torch.optim.lr_scheduler.LRScheduler
 

@@ -24,8 +24,8 @@ from orchestrator.engine.outer_step import Outer
 from orchestrator.engine.records import DiskFaults, EventLog, Recorder
 from orchestrator.engine.stats import RunStats
 from orchestrator.engine.types import Event, RunPhase
-from workers.flat import FlatParams
-from workers.task import ExportableTask, Task, export_pretrained
+from workers.tasks.task import ExportableTask, Task, export_pretrained
+from workers.wire.flat import FlatParams
 
 OnRecord = Callable[[dict[str, Any], dict[str, dict[str, Any]]], None]
 

@@ -23,7 +23,7 @@ from typing import Protocol
 
 from orchestrator.algorithms.dylu import SpeedTracker
 from orchestrator.engine.membership import Membership
-from workers.messages import RoundResult, WorkKind
+from workers.wire.messages import RoundResult, WorkKind
 
 
 @dataclass

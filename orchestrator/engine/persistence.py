@@ -18,7 +18,7 @@ from orchestrator.engine.pacing import Flight, Pacing, RunState
 from orchestrator.engine.publisher import Publisher
 from orchestrator.engine.stats import RunStats
 from orchestrator.engine.types import IslandState, RunFailed
-from workers.flat import FlatParams
+from workers.wire.flat import FlatParams
 
 RESUMABLE = ("mode", "data_shards")  # settings a checkpoint must share with the run resuming it
 

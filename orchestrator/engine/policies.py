@@ -25,9 +25,9 @@ from orchestrator.engine.admission import Admission, BoundedStaleness, ExactVers
 from orchestrator.engine.commands import Inbox, SettingsUpdate
 from orchestrator.engine.outer_step import OuterRule, Scheduler
 from orchestrator.engine.pacing import Barrier, FragmentSchedule, OneRoundLag, Pacing, PerArrival
-from workers.fragments import Fragments
-from workers.messages import WorkKind
-from workers.optim import build_inner
+from workers.runtime.optim import build_inner
+from workers.wire.fragments import Fragments
+from workers.wire.messages import WorkKind
 
 
 def outer_optimizer(cfg: OuterConfig, param: torch.nn.Parameter) -> torch.optim.Optimizer:

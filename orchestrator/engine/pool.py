@@ -20,8 +20,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from orchestrator.config import Mode, RunConfig
-from workers.island import Island, IslandSpec
-from workers.messages import RoundResult, WorkOrder
+from workers.runtime.island import Island, IslandSpec
+from workers.wire.messages import RoundResult, WorkOrder
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -288,7 +288,7 @@ class InProcessPool:
 
 def _nan_like(payload: Any, delta: Any) -> Any:
     """A payload of the same codec and layout, all NaN."""
-    from workers.compress import encode
+    from workers.wire.compress import encode
 
     if isinstance(payload, list):
         return [{k: np.full_like(v, np.nan) if v.dtype.kind == "f" else v for k, v in p.items()} for p in payload]

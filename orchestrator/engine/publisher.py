@@ -19,8 +19,8 @@ from orchestrator.engine.downlink import Downlink
 from orchestrator.engine.outer_step import Outer
 from orchestrator.engine.pacing import Work
 from orchestrator.engine.pool import IslandPool
-from workers.fragments import Fragments
-from workers.sync import Change
+from workers.wire.fragments import Fragments
+from workers.wire.sync import Change
 
 
 @dataclass(frozen=True, kw_only=True)

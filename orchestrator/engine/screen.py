@@ -11,9 +11,9 @@ import math
 from dataclasses import dataclass
 
 from orchestrator.engine.pacing import Work
-from workers.compress import PayloadError, check_payload
-from workers.fragments import Fragments
-from workers.messages import RoundResult
+from workers.wire.compress import PayloadError, check_payload
+from workers.wire.fragments import Fragments
+from workers.wire.messages import RoundResult
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from orchestrator.engine.admission import Verdict
 from orchestrator.engine.ledger import DataLedger
 from orchestrator.engine.membership import IslandStats, Membership
 from orchestrator.engine.types import Decision, IslandState, RunPhase
-from workers.messages import RoundResult
+from workers.wire.messages import RoundResult
 
 COUNTERS = (
     "tokens",

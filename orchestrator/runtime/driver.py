@@ -24,7 +24,7 @@ from orchestrator.runtime.island_pool import release_run
 from orchestrator.runtime.names import NAMESPACE, control_plane_name, coordinator_name
 from orchestrator.runtime.progress import ProgressPrinter
 from orchestrator.runtime.signals import StopRequest, stop_on_signals
-from workers.task import load_task
+from workers.tasks.task import load_task
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from orchestrator.config import RunConfig
 from orchestrator.engine.pool import Done, Failed, Joined, JoinFailed, PoolEvent, island_spec
 from orchestrator.runtime.names import NAMESPACE, coordinator_name, island_name
-from workers.island_actor import CONTROL, RayIsland
-from workers.island_group import GroupIsland
-from workers.messages import RoundResult, WorkOrder
+from workers.runtime.island_actor import CONTROL, RayIsland
+from workers.runtime.island_group import GroupIsland
+from workers.wire.messages import RoundResult, WorkOrder
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""A Hugging Face causal language model as an Archipelago task (`workers.hf_task:make_task`).
+"""A Hugging Face causal language model as an Archipelago task (`workers.tasks.hf_task:make_task`).
 
 Any `AutoModelForCausalLM`: loaded by name or local path (`model`), or built from a config
 and initialised from scratch (`model_config: {model_type: llama, hidden_size: ...}`, or
@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from pydantic import ConfigDict, Field, model_validator
 
-from workers.task import Batch
-from workers.text_data import Documents, fixed_batches, stream_shard, stream_token_batches, window_batches
-from workers.text_source import TextCorpus, TextDataConfig
-from workers.tokenizer import trained_tokenizer
+from workers.tasks.task import Batch
+from workers.tasks.text_data import Documents, fixed_batches, stream_shard, stream_token_batches, window_batches
+from workers.tasks.text_source import TextCorpus, TextDataConfig
+from workers.tasks.tokenizer import trained_tokenizer
 
 # A Llama small enough to train on a laptop CPU in minutes (~1 M parameters with the
 # 2,048-token trained tokenizer; the embedding is tied to the output layer).
@@ -46,7 +46,7 @@ TOKENS_FORMAT = 1
 
 
 class HFTaskConfig(TextDataConfig):
-    """Keyword arguments of `workers.hf_task:make_task` (validated; unknown keys rejected)."""
+    """Keyword arguments of `workers.tasks.hf_task:make_task` (validated; unknown keys rejected)."""
 
     # `model` and the `model_config` alias are the names transformers users know; pydantic
     # reserves `model_config` for this class setting, so the field is `architecture`.
@@ -78,7 +78,7 @@ class HFTaskConfig(TextDataConfig):
 
 
 class HFCausalLMTask:
-    """Implements `workers.task.Task` (and `ExportableTask`) for a Hugging Face causal LM."""
+    """Implements `workers.tasks.task.Task` (and `ExportableTask`) for a Hugging Face causal LM."""
 
     def __init__(self, cfg: HFTaskConfig) -> None:
         self.cfg = cfg
@@ -214,5 +214,5 @@ def _save_documents(docs: Documents, path: Path) -> None:
 
 
 def make_task(**kwargs: object) -> HFCausalLMTask:
-    """Factory named in config as `workers.hf_task:make_task`."""
+    """Factory named in config as `workers.tasks.hf_task:make_task`."""
     return HFCausalLMTask(HFTaskConfig(**kwargs))

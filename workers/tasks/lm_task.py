@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 
-from workers.gpt import GPT, GPTConfig
-from workers.task import Batch
-from workers.text_data import encode, fixed_batches, island_tokens, stream_batches, stream_shard, window_batches
-from workers.text_source import TextCorpus, TextDataConfig
+from workers.tasks.gpt import GPT, GPTConfig
+from workers.tasks.task import Batch
+from workers.tasks.text_data import encode, fixed_batches, island_tokens, stream_batches, stream_shard, window_batches
+from workers.tasks.text_source import TextCorpus, TextDataConfig
 
 
 class LMTaskConfig(TextDataConfig):
-    """Keyword arguments of `workers.lm_task:make_task` (validated; unknown keys rejected)."""
+    """Keyword arguments of `workers.tasks.lm_task:make_task` (validated; unknown keys rejected)."""
 
     context: int = Field(128, ge=8, le=4096, description="tokens (bytes) per sequence")
     d_model: int = Field(128, ge=8, description="GPT width")
@@ -36,7 +36,7 @@ class LMTaskConfig(TextDataConfig):
 
 
 class LanguageModelTask:
-    """Implements `workers.task.Task` for next-byte prediction."""
+    """Implements `workers.tasks.task.Task` for next-byte prediction."""
 
     def __init__(self, cfg: LMTaskConfig) -> None:
         self.cfg = cfg
@@ -78,5 +78,5 @@ class LanguageModelTask:
 
 
 def make_task(**kwargs: object) -> LanguageModelTask:
-    """Factory named in config as `workers.lm_task:make_task`."""
+    """Factory named in config as `workers.tasks.lm_task:make_task`."""
     return LanguageModelTask(LMTaskConfig(**kwargs))

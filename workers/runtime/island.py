@@ -18,14 +18,14 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from workers.compress import ErrorFeedback, Payload, decode, encode
-from workers.flat import FlatParams, ParamStore, as_tensor, slice_bounds
-from workers.fragments import FragmentedTask, fragment_model
-from workers.fragments import positions as fragment_positions
-from workers.messages import RoundResult, WorkKind, WorkOrder
-from workers.optim import InnerConfig, Precision, build_inner
-from workers.sync import ChangeOutOfOrder, apply_change
-from workers.task import load_task, split_batch, to_device
+from workers.runtime.optim import InnerConfig, Precision, build_inner
+from workers.tasks.task import load_task, split_batch, to_device
+from workers.wire.compress import ErrorFeedback, Payload, decode, encode
+from workers.wire.flat import FlatParams, ParamStore, as_tensor, slice_bounds
+from workers.wire.fragments import FragmentedTask, fragment_model
+from workers.wire.fragments import positions as fragment_positions
+from workers.wire.messages import RoundResult, WorkKind, WorkOrder
+from workers.wire.sync import ChangeOutOfOrder, apply_change
 
 
 class Sharding(str, Enum):
@@ -56,7 +56,7 @@ class IslandSpec:
     coordinator_shards: int = 1  # S > 1: the pseudo-gradient leaves as S slices, one per shard
     sharding: Sharding = Sharding.ZERO1
     error_feedback: bool = False  # keep what the codec rounds away for the next pseudo-gradient
-    tracks_copy: bool = False  # hold the published parameters and follow their changes (`workers/sync.py`)
+    tracks_copy: bool = False  # hold the published parameters and follow their changes (`workers/wire/sync.py`)
     fragments: int = 0  # streaming: P fragments; the island trains on and merges fragment by fragment
     merge_alpha: float = 0.0  # streaming: local <- alpha x local + (1 - alpha) x received global fragment
     eager_step: float = 0.0  # overlap, eager updates: the outer step size applied to its own last Δ

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from workers.compress import Payload, decode, payload_nbytes
-from workers.sync import Change
+from workers.wire.compress import Payload, decode, payload_nbytes
+from workers.wire.sync import Change
 
 
 class WorkKind(str, Enum):

@@ -11,8 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from workers.corpus import default_cache_dir, prepare_stdlib_corpus
-from workers.text_data import read_parquet_texts
+from workers.tasks.corpus import default_cache_dir, prepare_stdlib_corpus
+from workers.tasks.text_data import read_parquet_texts
 
 
 class TextDataConfig(BaseModel):

@@ -28,13 +28,13 @@ import ray
 import torch
 import torch.distributed as dist
 
-from workers.flat import FlatParams, slice_bounds
-from workers.fsdp import ShardedParams, shard_model
-from workers.island import Island, IslandSpec, Sharding
-from workers.island_actor import CONTROL, RayIsland, whole_params
-from workers.messages import RoundResult, WorkOrder
-from workers.optim import build_inner
-from workers.task import Batch, split_batch
+from workers.runtime.fsdp import ShardedParams, shard_model
+from workers.runtime.island import Island, IslandSpec, Sharding
+from workers.runtime.island_actor import CONTROL, RayIsland, whole_params
+from workers.runtime.optim import build_inner
+from workers.tasks.task import Batch, split_batch
+from workers.wire.flat import FlatParams, slice_bounds
+from workers.wire.messages import RoundResult, WorkOrder
 
 
 def group_address() -> str:

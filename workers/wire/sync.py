@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.compress import Payload, decode, payload_nbytes
-from workers.flat import as_tensor
+from workers.wire.compress import Payload, decode, payload_nbytes
+from workers.wire.flat import as_tensor
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import ray
 
-from workers.island import Island
-from workers.messages import RoundResult, WorkOrder
+from workers.runtime.island import Island
+from workers.wire.messages import RoundResult, WorkOrder
 
 log = logging.getLogger(__name__)
 
