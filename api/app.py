@@ -33,6 +33,7 @@ from orchestrator.engine.commands import (
     Stop,
     UpdateSettings,
 )
+from orchestrator.engine.views import EventRecord, IslandView, RoundRecord, RunStatus
 
 # the HTTP status of each refusal reason
 REFUSAL_STATUS = {
@@ -90,7 +91,10 @@ def create_app(handle: RunHandle, token: str | None, public_reads: bool = False,
         return FiniteJSONResponse({"detail": errors}, status_code=422)
 
     @app.get(
-        "/v1/run", dependencies=reads, summary="Run status: mode, version, tokens, eval loss, rounds, islands, state"
+        "/v1/run",
+        dependencies=reads,
+        response_model=RunStatus,
+        summary="Run status: phase, mode, version, tokens, eval loss, rounds, islands, state",
     )
     def run_status() -> dict[str, Any]:
         return handle.status()
@@ -98,18 +102,25 @@ def create_app(handle: RunHandle, token: str | None, public_reads: bool = False,
     @app.get(
         "/v1/run/history",
         dependencies=reads,
+        response_model=list[RoundRecord],
         summary="Per-round records (metrics.jsonl) after round `since`, at most `limit` (page on with the last round)",
     )
     def run_history(since: Since = 0, limit: Limit = PAGE) -> list[dict[str, Any]]:
         return handle.history(since, limit)
 
-    @app.get("/v1/islands", dependencies=reads, summary="Islands with state, node, staleness, tokens, H, rejections")
+    @app.get(
+        "/v1/islands",
+        dependencies=reads,
+        response_model=list[IslandView],
+        summary="Islands with state, node, staleness, tokens, H, rejections",
+    )
     def islands() -> list[dict[str, Any]]:
         return [{"id": int(i), **s} for i, s in sorted(handle.islands().items(), key=lambda kv: int(kv[0]))]
 
     @app.get(
         "/v1/events",
         dependencies=reads,
+        response_model=list[EventRecord],
         summary="The run's event log from index `since` on, at most `limit` (page on with since + count)",
     )
     def events(since: Since = 0, limit: Limit = PAGE) -> list[dict[str, Any]]:

@@ -7,9 +7,33 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from orchestrator.engine.commands import Ack, Answer, Command, Drain, Inbox, SettingsUpdate, Stop
+from orchestrator.engine.commands import (
+    Ack,
+    AddIslands,
+    Answer,
+    Command,
+    Drain,
+    Inbox,
+    Pause,
+    Resume,
+    SetTarget,
+    SettingsUpdate,
+    Stop,
+    UpdateSettings,
+)
 from orchestrator.engine.membership import IslandStats, Membership
-from orchestrator.engine.types import IslandState
+from orchestrator.engine.types import Event, IslandState
+
+# the event a real run logs when it takes each command
+LOGGED_AS = {
+    SetTarget: Event.TARGET,
+    AddIslands: Event.TARGET,
+    Drain: Event.DRAIN,
+    Pause: Event.PAUSED,
+    Resume: Event.RESUMED,
+    Stop: Event.STOP_REQUESTED,
+    UpdateSettings: Event.SETTINGS,
+}
 
 
 class FakeRun:
@@ -82,7 +106,7 @@ class FakeRun:
         its next step or round boundary)."""
         reply = self.inbox.submit(command)
         if isinstance(reply, Ack):
-            self.log.append({"time": time.time(), "kind": type(command).__name__.lower(), **reply.detail})
+            self.log.append({"time": time.time(), "kind": LOGGED_AS[type(command)].value, **reply.detail})
             for change in self.inbox.take_membership():
                 if isinstance(change, Drain):
                     self.members.islands[change.island].state = IslandState.DRAINING

@@ -7,7 +7,6 @@ exactly the same engine."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from orchestrator.engine.outer_slices import LocalSlices, SliceCalls, SlicedOute
 from orchestrator.engine.outer_step import LocalOuter, Outer
 from orchestrator.engine.policies import build_policies, outer_rule, run_inbox
 from orchestrator.engine.pool import IslandPool
-from orchestrator.engine.types import RunFailed, RunPhase
+from orchestrator.engine.types import Phase, RunFailed, RunPhase
 from orchestrator.engine.warm_start import WarmStart, load_warm_start, mark_finished, pending, warm_config, warm_run_id
 from workers.tasks.task import load_task
 from workers.wire.flat import FlatParams, slice_bounds
@@ -100,11 +99,6 @@ def start_from(path: Path, model: torch.nn.Module, flat: FlatParams) -> dict[str
 
 
 PoolFactory = Callable[[RunConfig, str], IslandPool]
-
-
-class Phase(str, Enum):
-    WARM_START = "warm_start"
-    MAIN = "main"
 
 
 class PhasedRun:

@@ -86,6 +86,13 @@ class Event(str, Enum):
     RESTART = "restart"
 
 
+class Phase(str, Enum):
+    """Which part of a run is training: its warm start, or the run itself."""
+
+    WARM_START = "warm_start"
+    MAIN = "main"
+
+
 class RunPhase(str, Enum):
     STARTING = "starting"
     TRAINING = "training"

@@ -1,12 +1,160 @@
-"""What a run shows of itself to the outside: the metrics every exporter publishes (the
-control plane's `/metrics` and Ray's metrics pipeline alike), each named once here with
-the status or island key it reads, and which islands still count as the run's."""
+"""What a run shows of itself to the outside, typed: the run's status, an island's view, a
+round's record, an event and the summary (the control plane's response models, checked
+against what the engine produces), and the metrics every exporter publishes (the control
+plane's `/metrics` and Ray's metrics pipeline alike), each named once here with the key
+it reads."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from orchestrator.engine.types import IslandState
+from pydantic import BaseModel, ConfigDict
+
+from orchestrator.engine.types import Event, IslandState, Phase, RunPhase
+
+
+class _View(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RunStatus(_View):
+    """`GET /v1/run`. Before training begins only `state`, `round` and `rounds` are known."""
+
+    state: RunPhase
+    phase: Phase = Phase.MAIN
+    round: int
+    rounds: int
+    mode: str | None = None
+    run_id: str | None = None
+    version: int = 0
+    eval_loss: float | None = None
+    initial_eval_loss: float | None = None
+    tokens: int = 0
+    tokens_per_s: float = 0.0
+    bytes_communicated: int = 0
+    islands_alive: int = 0
+    wall_seconds: float | None = None
+    round_seconds: float | None = None
+    target_islands: int | None = None
+    pending_islands: list[int] = []
+    inner_steps: int | None = None
+    outer_lr: float | None = None
+    paused: bool = False
+    stopping: bool = False
+    disk_errors: int = 0
+    last_disk_error: str | None = None
+    coordinator: Literal["running", "restarting"] | None = None  # set by the Ray handle
+
+
+class IslandView(_View):
+    """One island of `GET /v1/islands` (and of `summary.json`'s `islands`)."""
+
+    state: IslandState
+    id: int | None = None  # the control plane's list carries it
+    index: int | None = None
+    node: str = ""
+    resources: dict[str, float] | None = None  # what the island holds (set by the coordinator actor)
+    rounds_contributed: int = 0
+    tokens: int = 0
+    compute_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    last_train_loss: float | None = None
+    rejections: int = 0
+    downweighted: int = 0
+    late_results: int = 0
+    error: str | None = None
+    joined_version: int = 0
+    last_contribution: float | None = None
+    inner_steps: int = 0
+    steps_per_s: float = 0.0
+    staleness_last: int = 0
+    staleness_max: int = 0
+    staleness_total: int = 0
+    staleness_mean: float = 0.0
+    staleness_recent_max: int = 0
+    staleness_recent_mean: float = 0.0
+    submissions: int = 0
+    tokens_per_s: float = 0.0
+    idle_fraction: float | None = None  # in the summary: the share of the run it was not computing
+
+
+class RoundRecord(_View):
+    """One line of `metrics.jsonl` (and of `GET /v1/run/history`)."""
+
+    round: int
+    version: int | None = None
+    mode: str | None = None
+    time: float | None = None
+    eval_loss: float | None = None
+    train_loss: float | None = None
+    island_train_loss: dict[str, float] = {}
+    contributed: list[int] = []
+    rejected: dict[str, str] = {}
+    dropped: list[int] = []
+    staleness: int = 0
+    staleness_updates: list[int] = []
+    inner_steps: dict[str, int] = {}
+    gap_penalty: float | None = None  # overlap with an adaptive penalty: CO2's Λ of the step
+    tokens: int = 0
+    tokens_total: int = 0
+    tokens_applied_total: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    round_seconds: float | None = None
+    wall_seconds: float | None = None
+    train_seconds: float | None = None
+    tokens_per_s: float = 0.0
+    lr: float | None = None
+    islands_alive: int = 0
+    island_idle_fraction: dict[str, float] = {}
+    clock_seconds: float | None = None
+
+
+class EventRecord(BaseModel):
+    """One line of `events.jsonl` (and of `GET /v1/events`): its details depend on its kind."""
+
+    model_config = ConfigDict(extra="allow")
+    time: float
+    kind: Event
+    island: int | None = None
+
+
+class Summary(_View):
+    """`summary.json`: the keys scripts and dashboards rely on."""
+
+    mode: str
+    state: RunPhase
+    phase: Phase | None = None  # set when a run ended in its warm start
+    rounds: int
+    rounds_done: int
+    inner_steps: int
+    initial_eval_loss: float | None
+    final_eval_loss: float | None
+    tokens: int
+    tokens_applied: int
+    outer_steps: int
+    bytes_sent: int
+    bytes_received: int
+    bytes_communicated: int
+    peak_exchange_bytes: int
+    bytes_bootstrap: int
+    fragments: dict[str, dict[str, int]] | None
+    wall_seconds: float
+    train_seconds: float
+    tokens_per_s: float
+    compute_seconds: float
+    idle_fraction: float
+    num_params: int
+    islands: dict[str, IslandView]
+    shards: dict[str, list[int]]
+    staleness: dict[str, float]
+    out_dir: str
+    clock_seconds: float
+    init_from: dict[str, str] | None
+    warm_start: dict[str, Any] | None
+    export: str | None = None
+
 
 RUN_METRICS = [  # (metric, status key, help, type)
     ("archipelago_version", "version", "Global model version (outer steps applied)", "gauge"),
