@@ -14,6 +14,7 @@ from orchestrator.engine.pool import island_spec
 from orchestrator.runtime.driver import run
 from tests.helpers import TINY_LM
 from workers.runtime.island import Island
+from workers.runtime.island_actor import actor_class
 from workers.runtime.island_group import GroupIsland
 from workers.wire.compress import decode
 from workers.wire.messages import WorkKind, WorkOrder
@@ -44,7 +45,7 @@ def _group_round(cfg, params, workers: int):
     group = placement_group([{"CPU": 1}] * workers, strategy="STRICT_PACK")
     ray.get(group.ready())
     try:
-        cls = ray.remote(GroupIsland)
+        cls = actor_class(GroupIsland)
         actors = [
             cls.options(num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(group, r)).remote(
                 island_spec(cfg, 0)

@@ -30,7 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from orchestrator.config import RunConfig
 from orchestrator.engine.pool import Done, Failed, Joined, JoinFailed, PoolEvent, island_spec
 from orchestrator.runtime.names import NAMESPACE, coordinator_name, island_name
-from workers.runtime.island_actor import CONTROL, RayIsland
+from workers.runtime.island_actor import RayIsland, actor_class
 from workers.runtime.island_group import GroupIsland
 from workers.wire.messages import RoundResult, WorkOrder
 
@@ -76,8 +76,7 @@ def start_island(
     `islands.workers` = N a group of N whose rank 0 is the actor the coordinator talks to
     (the others live and die with the group; `describe` answers once the group formed)."""
     spec = island_spec(cfg, index, start_step)
-    # a `control` group answers `attach` beside a round in flight (Ray's stubs omit the keyword)
-    cls = ray.remote(concurrency_groups={CONTROL: 1})(GroupIsland if cfg.islands.workers > 1 else RayIsland)  # type: ignore[call-overload]
+    cls = actor_class(GroupIsland if cfg.islands.workers > 1 else RayIsland)
 
     def worker(rank: int, **named: Any) -> Any:
         return cls.options(

@@ -54,6 +54,12 @@ def whole_params(params: Any) -> np.ndarray:
 CONTROL = "control"  # the concurrency group of calls answered while a round is in flight
 
 
+def actor_class(cls: type) -> Any:
+    """`cls` (an island class) as a Ray actor class with its `control` concurrency group:
+    Ray refuses a class whose methods name a group the actor class does not declare."""
+    return ray.remote(concurrency_groups={CONTROL: 1})(cls)  # type: ignore[call-overload]
+
+
 class RayIsland(Island):
     """Rounds run one at a time (Ray's default group); `attach` runs in the `control`
     group, beside a round in flight, so a restarted coordinator re-attaches at once instead
