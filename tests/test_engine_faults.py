@@ -20,6 +20,7 @@ from orchestrator.engine.types import RunFailed
 from tests.engine_scenarios import check_exactly_once, drive, run_scenario, scenario_cfg
 from tests.helpers import events, in_process_engine
 from workers.wire.flat import slice_bounds
+from workers.wire.messages import Sliced
 
 MALFORMED = {
     "unknown codec": {"zstd": np.zeros(2, np.float32)},
@@ -50,7 +51,7 @@ def test_a_malformed_result_is_refused_and_its_island_quarantined(tmp_path, what
 
 def test_a_2d_slice_on_a_sliced_coordinator_is_refused(tmp_path):
     cfg = scenario_cfg(tmp_path, "diloco", "coordinator.shards=2", "compression.chunk=16", "robust.quarantine_after=2")
-    bad = [{"raw": np.zeros((1, hi - lo), np.float32)} for lo, hi in slice_bounds(2, 2, 16)]
+    bad = Sliced(parts=tuple({"raw": np.zeros((1, hi - lo), np.float32)} for lo, hi in slice_bounds(2, 2, 16)))
     summary = run_scenario(cfg, [Fault(FaultKind.MALFORMED, 0, order=n, payload=bad) for n in (2, 3)])
     assert summary["islands"]["0"]["state"] == "quarantined" and summary["rounds_done"] == 6
 

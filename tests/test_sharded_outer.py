@@ -18,6 +18,7 @@ from orchestrator.engine.policies import build_policies, outer_rule
 from orchestrator.engine.types import Contribution
 from workers.wire.compress import decode, encode
 from workers.wire.flat import slice_bounds
+from workers.wire.messages import Sliced
 
 NUMEL, CHUNK = 5000, 256
 
@@ -49,7 +50,7 @@ def _contributions(rng, version_of, rnd, bounds):
         if rnd == 4 and i == 2:
             delta *= 50
         whole = Contribution(island=i, version=version_of(i), delta=decode(encode(delta)), weight=float(10 + i))
-        slices = [encode(delta[lo:hi], "none", CHUNK) for lo, hi in bounds]
+        slices = Sliced(parts=tuple(encode(delta[lo:hi], "none", CHUNK) for lo, hi in bounds))
         out.append((whole, Contribution(island=i, version=version_of(i), delta=slices, weight=float(10 + i))))
     return out
 

@@ -41,7 +41,7 @@ from orchestrator.runtime.slices import start_slices
 from workers.runtime.island_group import group_address
 from workers.wire.compress import encode
 from workers.wire.flat import slice_bounds
-from workers.wire.messages import RoundResult
+from workers.wire.messages import RoundResult, Sliced
 
 
 class _Source:
@@ -56,10 +56,8 @@ class _Source:
         if self.shards == 1:
             payload: Any = encode(self.delta)
         else:
-            payload = [
-                ray.put(encode(self.delta[lo:hi], "none", self.chunk))
-                for lo, hi in slice_bounds(self.delta.size, self.shards, self.chunk)
-            ]
+            bounds = slice_bounds(self.delta.size, self.shards, self.chunk)
+            payload = Sliced(parts=tuple(ray.put(encode(self.delta[lo:hi], "none", self.chunk)) for lo, hi in bounds))
         return RoundResult(
             island=self.island,
             version=version,

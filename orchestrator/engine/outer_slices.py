@@ -142,7 +142,7 @@ class SlicedOuter:
     def inspect(self, contributions: list[Contribution]) -> tuple[int, list[Facts]]:
         key = next(self._keys)
         stats = self.calls.call(
-            "inspect", [(key, [(c.island, c.delta[k]) for c in contributions]) for k in range(len(self.bounds))]
+            "inspect", [(key, [(c.island, c.delta.parts[k]) for c in contributions]) for k in range(len(self.bounds))]
         )
         facts = []
         for j in range(len(contributions)):

@@ -21,7 +21,7 @@ import numpy as np
 
 from orchestrator.config import Mode, RunConfig
 from workers.runtime.island import Island, IslandSpec
-from workers.wire.messages import RoundResult, WorkOrder
+from workers.wire.messages import RoundResult, Sliced, WorkOrder
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -290,6 +290,7 @@ def _nan_like(payload: Any, delta: Any) -> Any:
     """A payload of the same codec and layout, all NaN."""
     from workers.wire.compress import encode
 
-    if isinstance(payload, list):
-        return [{k: np.full_like(v, np.nan) if v.dtype.kind == "f" else v for k, v in p.items()} for p in payload]
+    if isinstance(payload, Sliced):
+        nan = ({k: np.full_like(v, np.nan) if v.dtype.kind == "f" else v for k, v in p.items()} for p in payload.parts)
+        return Sliced(parts=tuple(nan))
     return encode(np.full_like(delta, np.nan), "none")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from orchestrator.engine.pacing import Work
 from workers.wire.compress import PayloadError, check_payload
 from workers.wire.fragments import Fragments
-from workers.wire.messages import RoundResult
+from workers.wire.messages import RoundResult, Sliced
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,10 @@ def screen(result: RoundResult, work: Work, sizes: Sizes) -> str | None:
         if sizes.slices is None:
             check_payload(result.payload, sizes.of(work.fragment))
             return None
-        parts = result.payload
-        if not isinstance(parts, list) or len(parts) != len(sizes.slices):
-            return f"a sliced coordinator takes {len(sizes.slices)} slices, not a {type(parts).__name__}"
-        for (lo, hi), part in zip(sizes.slices, parts):
+        sliced = result.payload
+        if not isinstance(sliced, Sliced) or len(sliced) != len(sizes.slices):
+            return f"a sliced coordinator takes {len(sizes.slices)} slices, not a {type(sliced).__name__}"
+        for (lo, hi), part in zip(sizes.slices, sliced.parts):
             if isinstance(part, dict) or part is None:  # in this process; references are the slices' to check
                 check_payload(part, hi - lo)
     except PayloadError as err:

@@ -320,9 +320,15 @@ class RayIslandPool:
         for i, p in list(self.placing.items()):
             if p.handle is None:
                 if ray.wait([p.placed_ref], timeout=0)[0]:
-                    p.handle = start_island(
-                        self.cfg, i, self.run_id, p.group, start_step=p.start_step, coordinator=self.coordinator
-                    )
+                    try:
+                        p.handle = start_island(
+                            self.cfg, i, self.run_id, p.group, start_step=p.start_step, coordinator=self.coordinator
+                        )
+                    except (ValueError, ray.exceptions.RayError) as err:  # e.g. its name still taken
+                        del self.placing[i]
+                        remove_placement_group(p.group)
+                        events.append(JoinFailed(island=i, reason=f"could not start: {err}"))
+                        continue
                     p.ready_ref = p.handle.actor.describe.remote()
                 continue
             if ray.wait([p.ready_ref], timeout=0)[0]:

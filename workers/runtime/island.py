@@ -20,11 +20,11 @@ import torch
 
 from workers.runtime.optim import InnerConfig, Precision, build_inner
 from workers.tasks.task import load_task, split_batch, to_device
-from workers.wire.compress import ErrorFeedback, Payload, decode, encode
+from workers.wire.compress import ErrorFeedback, decode, encode
 from workers.wire.flat import FlatParams, ParamStore, as_tensor, slice_bounds
 from workers.wire.fragments import FragmentedTask, fragment_model
 from workers.wire.fragments import positions as fragment_positions
-from workers.wire.messages import RoundResult, WorkKind, WorkOrder
+from workers.wire.messages import RoundResult, Sliced, Wire, WorkKind, WorkOrder
 from workers.wire.sync import ChangeOutOfOrder, apply_change
 
 
@@ -213,7 +213,7 @@ class Island:
         for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
             group["lr"] = base * fn(step)
 
-    def _encode(self, x: torch.Tensor, fragment: int | None = None) -> Payload | list[Payload]:
+    def _encode(self, x: torch.Tensor, fragment: int | None = None) -> Wire:
         """The codec's payload; with S coordinator shards, S payloads of aligned slices."""
         values = x.cpu().numpy()
         feedback = None
@@ -229,7 +229,7 @@ class Island:
             ]
         if feedback is not None:
             feedback.sent(values, np.concatenate([decode(p) for p in payloads]))
-        return payloads[0] if self.spec.coordinator_shards == 1 else payloads
+        return payloads[0] if self.spec.coordinator_shards == 1 else Sliced(parts=tuple(payloads))
 
     def run(self, order: WorkOrder, params: np.ndarray) -> RoundResult:
         """Do one work order from the global `params`. `TRAIN` is DiLoCo's inner phase:

@@ -21,7 +21,7 @@ import numpy as np
 import ray
 
 from workers.runtime.island import Island
-from workers.wire.messages import RoundResult, WorkOrder
+from workers.wire.messages import RoundResult, Sliced, WorkOrder
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,7 @@ class RayIsland(Island):
 
     def run(self, order: WorkOrder, params: Any) -> RoundResult:
         result = super().run(order, whole_params(params))
-        if not isinstance(result.payload, list):
+        if not isinstance(result.payload, Sliced):
             return result
-        return dataclasses.replace(result, payload=[ray.put(p) for p in result.payload], sent_bytes=result.nbytes)
+        refs = Sliced(parts=tuple(ray.put(p) for p in result.payload.parts))
+        return dataclasses.replace(result, payload=refs, sent_bytes=result.nbytes)

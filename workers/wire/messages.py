@@ -50,13 +50,28 @@ class WorkOrder:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Sliced:
+    """A pseudo-gradient as S aligned slices, one per coordinator slice: encoded payloads in
+    the island's process, then (under Ray) references to them in its object store, which
+    each slice pulls directly. A whole pseudo-gradient is a plain `Payload`."""
+
+    parts: tuple[Any, ...]
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+
+Wire = Payload | Sliced  # what a result carries
+
+
+@dataclass(frozen=True, kw_only=True)
 class RoundResult:
     """What an island sends back: `payload` encodes Δ (a gradient for `GRADIENT` work)
     with the configured codec; `nbytes` is its size on the wire."""
 
     island: int
     version: int
-    payload: Any  # Payload, or S payloads (or their object refs) for a sliced coordinator
+    payload: Wire
     weight: int  # tokens (or examples) trained on this round
     steps: int
     mean_loss: float
@@ -72,11 +87,11 @@ class RoundResult:
 
     def delta(self) -> Any:
         """Δ decoded to fp32, or its S slices as they came (each coordinator slice decodes its own)."""
-        return self.payload if isinstance(self.payload, list) else decode(self.payload)
+        return self.payload if isinstance(self.payload, Sliced) else decode(self.payload)
 
     @property
     def nbytes(self) -> int:
         if self.sent_bytes is not None:
             return self.sent_bytes
-        parts: list[Payload] = self.payload if isinstance(self.payload, list) else [self.payload]
+        parts = self.payload.parts if isinstance(self.payload, Sliced) else (self.payload,)
         return sum(payload_nbytes(p) for p in parts)
