@@ -78,12 +78,17 @@ def test_run_init_from_sets_the_field_and_a_missing_file_is_named(tmp_path, caps
 
 
 @pytest.mark.parametrize("field", ["checkpoint.path", "out_dir"])
-def test_run_refuses_a_folder_it_cannot_write_before_anything_starts(tmp_path, capsys, field):
+def test_run_refuses_a_folder_it_cannot_write_before_anything_starts(tmp_path, capsys, monkeypatch, field):
     """Before: a `checkpoint.path` that is a regular file was found at the first checkpoint,
     after that much training (a traceback ended the run)."""
-    import sys
     import time
 
+    import orchestrator.runtime.driver as driver
+
+    def never(*_args, **_kwargs):
+        raise AssertionError("the run was started")
+
+    monkeypatch.setattr(driver, "run", never)  # refused before the driver (and Ray) is reached
     taken = tmp_path / "a-file"
     taken.write_text("not a folder")
     out = taken if field == "out_dir" else tmp_path / "out"
@@ -93,5 +98,3 @@ def test_run_refuses_a_folder_it_cannot_write_before_anything_starts(tmp_path, c
     err = capsys.readouterr().err
     assert f"invalid config: {field}: {taken} is a file, not a folder" in err
     assert taken.read_text() == "not a folder"
-    ray = sys.modules.get("ray")
-    assert ray is None or not ray.is_initialized()  # refused before Ray, let alone training

@@ -59,15 +59,17 @@ def test_dashboard_renders_live_data(tmp_path):
 
 
 def test_text_from_the_run_is_shown_as_text_never_as_markup(tmp_path):
-    """Before: island node and state went into innerHTML unescaped (a node name could run script)."""
+    """Before: island node and state went into innerHTML unescaped (a node name could run
+    script). The state is an `IslandState` now (a typed view cannot carry markup there); the
+    free text an island reports, its node and its error, is escaped."""
     run = FakeRun(islands=2)
     run.isl["1"]["node"] = "<img src=x onerror=\"document.title='pwned'\">"
-    run.isl["1"]["state"] = "<b>draining</b>"
+    run.isl["1"]["error"] = '"><b>raised</b>'
     with serving(create_app(run, None)) as url:
         dom = _chromium(url + "/", tmp_path, "--dump-dom")
     table = dom[dom.index('<table id="islands"') :]
     assert "<img" not in table and "<b>" not in table
-    assert "&lt;img src=x onerror=" in table and "&lt;b&gt;draining&lt;/b&gt;" in table
+    assert "&lt;img src=x onerror=" in table and "&lt;b&gt;raised&lt;/b&gt;" in table
     assert "pwned" not in dom[: dom.index("<body")]  # the title was never rewritten
 
 
