@@ -9,10 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from workers.runtime.island import Sharding
-from workers.runtime.optim import InnerConfig
-from workers.wire.compress import CODECS
 from workers.wire.links import LinkConfig
+from workers.wire.spec import CODEC_NAMES, InnerConfig, Sharding
 
 
 class _Strict(BaseModel):
@@ -225,7 +223,7 @@ class CompressionConfig(_Strict):
 
     codec: str = Field(
         "none",
-        description=f"one of {sorted(CODECS)}: fp32, bf16 (2x fewer bytes), int8 or int4 with one fp32 scale per "
+        description=f"one of {sorted(CODEC_NAMES)}: fp32, bf16 (2x fewer bytes), int8 or int4 with one fp32 scale per "
         "chunk (about 4x, 8x); decoded and accumulated in fp32",
     )
     downlink: str = Field(
@@ -249,8 +247,8 @@ class CompressionConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> CompressionConfig:
         for name in ("codec", "downlink"):
-            if getattr(self, name) not in CODECS:
-                raise ValueError(f"{name}: unknown codec {getattr(self, name)!r}; choose one of {sorted(CODECS)}")
+            if getattr(self, name) not in CODEC_NAMES:
+                raise ValueError(f"{name}: unknown codec {getattr(self, name)!r}; choose one of {sorted(CODEC_NAMES)}")
         return self
 
 

@@ -87,3 +87,18 @@ def test_config_show_round_trips(tmp_path):
     path = tmp_path / "shown.yaml"
     path.write_text(shown)
     assert load_config(path).rounds == 7
+
+
+def test_the_config_validates_without_the_island_runtime_or_torch():
+    """The run config imports only the island's part of the contract (`workers/wire/spec.py`),
+    so validating a config (the CLI's first step) does not pay for torch."""
+    probe = "import sys, orchestrator.config as c; c.RunConfig(); print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ray')))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_codec_names_the_config_accepts_are_the_registered_codecs():
+    from workers.wire.compress import CODECS
+    from workers.wire.spec import CODEC_NAMES
+
+    assert tuple(CODECS) == CODEC_NAMES

@@ -12,27 +12,20 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any, cast
 
 import numpy as np
 import torch
 
-from workers.runtime.optim import InnerConfig, Precision, build_inner
+from workers.runtime.optim import build_inner
 from workers.tasks.task import load_task, split_batch, to_device
 from workers.wire.compress import ErrorFeedback, decode, encode
 from workers.wire.flat import FlatParams, ParamStore, as_tensor, slice_bounds
 from workers.wire.fragments import FragmentedTask, fragment_model
 from workers.wire.fragments import positions as fragment_positions
 from workers.wire.messages import RoundResult, Sliced, Wire, WorkKind, WorkOrder
+from workers.wire.spec import InnerConfig, Precision, Sharding
 from workers.wire.sync import ChangeOutOfOrder, apply_change
-
-
-class Sharding(str, Enum):
-    """How an island of several workers splits its state (`islands.sharding`)."""
-
-    ZERO1 = "zero1"  # every worker holds the model; the optimizer state is sliced
-    FSDP = "fsdp"  # parameters, gradients and optimizer state are sharded (FSDP2)
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,13 @@ import torch
 import torch.distributed as dist
 
 from workers.runtime.fsdp import ShardedParams, shard_model
-from workers.runtime.island import Island, IslandSpec, Sharding
+from workers.runtime.island import Island, IslandSpec
 from workers.runtime.island_actor import CONTROL, RayIsland, whole_params
 from workers.runtime.optim import build_inner
 from workers.tasks.task import Batch, split_batch
 from workers.wire.flat import FlatParams, slice_bounds
 from workers.wire.messages import RoundResult, WorkOrder
+from workers.wire.spec import Sharding
 
 
 def group_address() -> str:

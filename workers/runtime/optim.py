@@ -8,49 +8,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from enum import Enum
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-
-class Precision(str, Enum):
-    FP32 = "fp32"
-    BF16 = "bf16"  # autocast: bf16 matmuls, fp32 master weights, optimizer state and pseudo-gradients
-
-
-class InnerConfig(BaseModel):
-    """Inner optimizer of each island (DiLoCo paper: AdamW lr 4e-4, warmup, wd 0.1)."""
-
-    model_config = ConfigDict(extra="forbid")
-    optimizer: Literal["adamw", "sgd"] = Field(
-        "adamw", description="inner optimizer; each island keeps its state across rounds"
-    )
-    lr: float = Field(3e-3, gt=0, description="peak learning rate")
-    weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay (adamw) or L2 (sgd)")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="adamw betas")
-    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum (sgd only)")
-    warmup_steps: int = Field(50, ge=0, description="linear warmup steps at the start of the run's inner schedule")
-    schedule: Literal["cosine", "constant"] = Field(
-        "cosine", description="after warmup: cosine decay over the run's inner steps, or constant"
-    )
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
-    schedule_steps: int | None = Field(
-        None,
-        ge=1,
-        description="length of the schedule in inner steps per island (default: the run's, its warm start included)",
-    )
-    grad_clip: float | None = Field(1.0, gt=0, description="clip grad norm before each step; null disables")
-    precision: Precision = Field(
-        Precision.FP32,
-        description="fp32, or bf16: forward and backward under bfloat16 autocast; weights, optimizer state and "
-        "pseudo-gradients stay fp32",
-    )
-    micro_batches: int = Field(
-        1, ge=1, description="gradient accumulation: each batch in this many equal parts (same step, less memory)"
-    )
-    compile: bool = Field(False, description="torch.compile the model for the islands' forward passes")
+from workers.wire.spec import InnerConfig
 
 
 def lr_factor(step: int, cfg: InnerConfig, total_steps: int) -> float:
