@@ -154,3 +154,26 @@ def test_a_coordinator_killed_mid_round_keeps_every_busy_island_and_its_state(ra
     restart = max(i for i, e in enumerate(events) if e["kind"] == "restart")
     later = [e["kind"] for e in events[restart:]]
     assert later.count("reattach") == 2 and "requested" not in later and "crash" not in later
+
+
+def test_a_result_lost_with_its_owner_is_that_islands_failure_not_the_runs(ray_local, tmp_path):
+    """Before: only `RayActorError` and `RayTaskError` were caught fetching a result; an
+    `OwnerDiedError` (an `ObjectLostError`) between `ray.wait` and `ray.get` ended the run."""
+    import numpy as np
+
+    from orchestrator.engine.pool import Failed
+    from orchestrator.runtime.island_pool import RayIslandPool
+
+    @ray.remote(num_cpus=0)
+    class Owner:
+        def hold(self) -> list:
+            return [ray.put(np.zeros(3))]  # nested: the object is owned by this actor
+
+    owner = Owner.remote()
+    (ref,) = ray.get(owner.hold.remote())
+    ray.kill(owner)
+    pool = RayIslandPool(_cfg(tmp_path), "lost")
+    event = pool._fetch(ref, 7, 2)
+    assert event == Failed(ticket=7, island=2, reason="result lost: OwnerDiedError")
+    junk = pool._fetch(ray.put("not a result"), 8, 2)
+    assert junk == Failed(ticket=8, island=2, reason="sent a str, not a round result")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -97,11 +98,15 @@ class OuterSlice:
 
 
 class SliceCalls(Protocol):
-    """How the slices are reached: in-process objects (tests) or Ray actors (runs)."""
+    """How the slices are reached: in-process objects (tests) or Ray actors (runs). Each of
+    `slices` answers `OuterSlice`'s methods, with its answer (in process) or a future of it
+    (Ray); `gather` waits for a list of them. Every call is made by name in the code, on
+    all slices at once."""
 
-    def call(self, method: str, args: list[tuple]) -> list[Any]:
-        """`method(*args[k])` on slice k, all slices at once; their results in order."""
-        ...
+    @property
+    def slices(self) -> Sequence[Any]: ...
+
+    def gather(self, answers: list[Any]) -> list[Any]: ...
 
     def params(self) -> list[Any]:
         """Each slice's parameters (a reference an island can fetch, under Ray)."""
@@ -116,8 +121,8 @@ class LocalSlices:
     def __init__(self, rule: OuterRule, params: np.ndarray, bounds: list[tuple[int, int]]) -> None:
         self.slices = [OuterSlice(rule, b, params[b[0] : b[1]]) for b in bounds]
 
-    def call(self, method: str, args: list[tuple]) -> list[Any]:
-        return [getattr(s, method)(*a) for s, a in zip(self.slices, args)]
+    def gather(self, answers: list[Any]) -> list[Any]:
+        return answers
 
     def params(self) -> list[np.ndarray]:
         return [s.params().copy() for s in self.slices]
@@ -136,13 +141,14 @@ class SlicedOuter:
         self.numel = flat.numel()
         self._keys = itertools.count()
 
-    def _all(self, method: str, *args: Any) -> list[Any]:
-        return self.calls.call(method, [args] * len(self.bounds))
+    @property
+    def _slices(self) -> Sequence[Any]:
+        return self.calls.slices
 
     def inspect(self, contributions: list[Contribution]) -> tuple[int, list[Facts]]:
         key = next(self._keys)
-        stats = self.calls.call(
-            "inspect", [(key, [(c.island, c.delta.parts[k]) for c in contributions]) for k in range(len(self.bounds))]
+        stats = self.calls.gather(
+            [s.inspect(key, [(c.island, c.delta.parts[k]) for c in contributions]) for k, s in enumerate(self._slices)]
         )
         facts = []
         for j in range(len(contributions)):
@@ -162,18 +168,18 @@ class SlicedOuter:
             raise ValueError("coordinator slices do not take fragment steps")
         gap = None
         if weights and anchor is not None:
-            terms = self._all("gap_terms", key, weights, anchor)
+            terms = self.calls.gather([s.gap_terms(key, weights, anchor) for s in self._slices])
             if all(t is not None for t in terms):
                 gap = adaptive_gap(
                     math.sqrt(sum(t[0] for t in terms)), math.sqrt(sum(t[1] for t in terms)), terms[0][2]
                 )
-        return self._all("close", key, weights, scale, anchor, gap)[0]
+        return self.calls.gather([s.close(key, weights, scale, anchor, gap) for s in self._slices])[0]
 
     def discard(self, key: int) -> None:
-        self._all("discard", key)
+        self.calls.gather([s.discard(key) for s in self._slices])
 
     def anchor(self, version: int, keep_from: int) -> None:
-        self._all("anchor", version, keep_from)
+        self.calls.gather([s.anchor(version, keep_from) for s in self._slices])
 
     def params(self) -> list[Any]:
         return self.calls.params()
@@ -183,19 +189,21 @@ class SlicedOuter:
             flat[lo:hi].copy_(as_tensor(part))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"slices": self._all("state_dict"), "bounds": self.bounds}
+        return {"slices": self.calls.gather([s.state_dict() for s in self._slices]), "bounds": self.bounds}
 
     def load_state_dict(self, state: dict[str, Any], version: int) -> None:
         """Restore every slice from the checkpoint (`flat` already holds its parameters)."""
         if [tuple(b) for b in state["bounds"]] != self.bounds:
             raise ValueError(f"checkpoint has coordinator slices {state['bounds']}, this run {self.bounds}")
-        self.calls.call(
-            "load",
-            [(self.flat[lo:hi].numpy().copy(), st, version) for (lo, hi), st in zip(self.bounds, state["slices"])],
+        self.calls.gather(
+            [
+                s.load(self.flat[lo:hi].numpy().copy(), st, version)
+                for s, (lo, hi), st in zip(self._slices, self.bounds, state["slices"])
+            ]
         )
 
     def set_lr(self, lr: float) -> None:
-        self._all("set_lr", lr)
+        self.calls.gather([s.set_lr(lr) for s in self._slices])
 
     def lr(self) -> float:
-        return float(self._all("lr")[0])
+        return float(self.calls.gather([s.lr() for s in self._slices])[0])

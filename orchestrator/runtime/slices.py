@@ -29,6 +29,40 @@ class RemoteOuterSlice(OuterSlice):
         return super().inspect(key, [(i, p) for (i, _), p in zip(parts, payloads)])
 
 
+class ActorSlice:
+    """A slice actor answering `OuterSlice`'s methods with futures (`RaySlices.gather` waits)."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def inspect(self, key: int, parts: list[tuple[int, Any]]) -> Any:
+        return self.actor.inspect.remote(key, parts)
+
+    def gap_terms(self, key: int, weights: dict[int, float], anchor: int) -> Any:
+        return self.actor.gap_terms.remote(key, weights, anchor)
+
+    def close(self, key: int, weights: dict[int, float], scale: float, anchor: int | None, gap: float | None) -> Any:
+        return self.actor.close.remote(key, weights, scale, anchor, gap)
+
+    def discard(self, key: int) -> Any:
+        return self.actor.discard.remote(key)
+
+    def anchor(self, version: int, keep_from: int) -> Any:
+        return self.actor.anchor.remote(version, keep_from)
+
+    def state_dict(self) -> Any:
+        return self.actor.state_dict.remote()
+
+    def load(self, params: np.ndarray, state: dict[str, Any], version: int) -> Any:
+        return self.actor.load.remote(params, state, version)
+
+    def set_lr(self, lr: float) -> Any:
+        return self.actor.set_lr.remote(lr)
+
+    def lr(self) -> Any:
+        return self.actor.lr.remote()
+
+
 class RaySlices:
     """`SliceCalls` over the slice actors. A slice that dies (its node was lost) takes its
     part of the global state with it: `SliceLost` is raised and the coordinator restarts
@@ -36,21 +70,19 @@ class RaySlices:
 
     def __init__(self, actors: list[Any]) -> None:
         self.actors = actors
+        self.slices = [ActorSlice(a) for a in actors]
 
-    def _get(self, refs: list[Any]) -> list[Any]:
+    def gather(self, answers: list[Any]) -> list[Any]:
         try:
-            return ray.get(refs)
+            return ray.get(answers)
         except ray.exceptions.RayActorError as err:
             raise SliceLost(f"coordinator slice lost ({type(err).__name__})") from err
-
-    def call(self, method: str, args: list[tuple]) -> list[Any]:
-        return self._get([getattr(a, method).remote(*x) for a, x in zip(self.actors, args)])
 
     def params(self) -> list[Any]:
         return [a.params.remote() for a in self.actors]
 
     def fetch(self, slices: list[Any]) -> list[np.ndarray]:
-        return self._get(slices)
+        return self.gather(slices)
 
 
 def start_slices(cfg: RunConfig, params: np.ndarray, bounds: list[tuple[int, int]], run_id: str) -> RaySlices:
