@@ -65,6 +65,7 @@ def ray_local():
     if not ours:
         ray.shutdown()
         ray.init(
+            address="local",  # never join a cluster that another process (`ray start`, a run) left here
             num_cpus=4,
             include_dashboard=False,
             log_to_driver=False,
