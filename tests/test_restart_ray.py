@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import time
 
 import pytest
@@ -118,9 +120,9 @@ def _events_after_restart(path, kind: str, count: int, timeout_s: float = 60.0) 
 
 
 def test_a_coordinator_killed_mid_round_keeps_every_busy_island_and_its_state(ray_local, tmp_path):
-    """Rounds of 60 s. Before: the restarted coordinator's `describe` waited behind each
-    island's round in flight; after 30 s it killed the island and placed a new one (a fresh
-    inner optimizer), one island after another."""
+    """Rounds of 60 s, the coordinator's process SIGKILLed mid-round. Before: the restarted
+    coordinator's `describe` waited behind each island's round in flight; after 30 s it
+    killed the island and placed a new one (a fresh inner optimizer), one after another."""
     out = f"out_dir={tmp_path / 'out'}"
     common = ("inner.optimizer=adamw", "checkpoint.every_rounds=1", "elastic.placement_timeout_s=60", out)
     # a first round of 2 steps leaves the checkpoint a restart resumes from ...
@@ -133,7 +135,9 @@ def test_a_coordinator_killed_mid_round_keeps_every_busy_island_and_its_state(ra
     cfg = load_config(None, toy_quadratic(2, 1.0, "inner_steps=60", "rounds=2", *common))
     thread, box = run_until_records(cfg, "busy", 1, timeout_s=5)
     before = _wait_busy("busy", 2, steps_past=5)
-    ray.kill(ray.get_actor("archipelago-busy-coordinator", namespace=NAMESPACE), no_restart=False)
+    coordinator = ray.get_actor("archipelago-busy-coordinator", namespace=NAMESPACE)
+    pid = ray.get(coordinator.__ray_call__.remote(lambda _self: os.getpid()))  # answered beside its run()
+    os.kill(pid, signal.SIGKILL)
     killed = time.time()
     # the new coordinator takes every island over within seconds (not 30 s an island behind
     # its round); each gives up the dead coordinator's round at its next 1 s step
@@ -167,11 +171,15 @@ def test_a_result_lost_with_its_owner_is_that_islands_failure_not_the_runs(ray_l
     @ray.remote(num_cpus=0)
     class Owner:
         def hold(self) -> list:
-            return [ray.put(np.zeros(3))]  # nested: the object is owned by this actor
+            return [ray.put(np.zeros(1_000_000))]  # nested, in the object store, owned by this actor
+
+        def pid(self) -> int:
+            return os.getpid()
 
     owner = Owner.remote()
     (ref,) = ray.get(owner.hold.remote())
-    ray.kill(owner)
+    os.kill(ray.get(owner.pid.remote()), signal.SIGKILL)  # the owner's process dies, its objects with it
+    time.sleep(2)
     pool = RayIslandPool(_cfg(tmp_path), "lost")
     event = pool._fetch(ref, 7, 2)
     assert event == Failed(ticket=7, island=2, reason="result lost: OwnerDiedError")
