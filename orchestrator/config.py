@@ -143,13 +143,32 @@ class OuterConfig(_Strict):
     drop_prob: float = Field(0.0, ge=0, lt=1, description="drop each pseudo-gradient with this probability (ablation)")
 
 
+class AsyncRule(str, Enum):
+    QUORUM = "quorum"  # a step per quorum + adaptive grace window, token-weighted and age-aware
+    DELAYED_NESTEROV = "delayed_nesterov"  # Liu et al. 2024: a step per arrival, momentum every N
+    NAIVE = "naive"  # the `outer` optimizer stepped on every arrival (over-accelerates)
+
+
 class AsyncConfig(_Strict):
     """`mode: async` settings (section `asynchronous`)."""
 
-    rule: Literal["delayed_nesterov", "naive"] = Field(
-        "delayed_nesterov",
-        description="Delayed Nesterov, or naive: the `outer` optimizer stepped on every arrival (the paper's "
-        "baseline that over-accelerates)",
+    rule: AsyncRule = Field(
+        AsyncRule.DELAYED_NESTEROV,
+        description="quorum (the `outer` optimizer stepped on what a quorum and its grace window bring, "
+        "token-weighted, stale results discounted by age), delayed_nesterov (Liu et al. 2024, per arrival), or "
+        "naive (the `outer` optimizer stepped on every arrival: the paper's baseline that over-accelerates)",
+    )
+    quorum: int | None = Field(
+        None, ge=1, description="rule quorum: results that open a step (null: half the live islands, rounded up)"
+    )
+    grace_cap: float = Field(
+        0.25, ge=0, description="rule quorum: the grace window is at most this fraction of a round's duration"
+    )
+    grace_k: float = Field(
+        3.0, ge=0, description="rule quorum: grace window = median + k x MAD of recent arrival offsets (capped)"
+    )
+    age_power: float = Field(
+        1.0, ge=0, description="rule quorum: a result a versions old merges with weight tokens x (1 + a)^-age_power"
     )
     delay: int | None = Field(None, ge=1, description="DN's N (default: the number of islands)")
     c: float = Field(0.0, ge=0, le=1, description="DN momentum fraction between updates, in [0, 1/N]")
@@ -166,6 +185,16 @@ class AsyncConfig(_Strict):
         if self.delay is not None and self.c > 1.0 / self.delay:
             raise ValueError(f"c must be at most 1/delay = {1 / self.delay:g}")
         return self
+
+
+class DilocoConfig(_Strict):
+    """`mode: diloco` settings (section `diloco`)."""
+
+    dylu: bool = Field(
+        False,
+        description="Dynamic Local Updates in a barrier round: each island's H follows its measured speed, so "
+        "the islands of a round finish together and none waits for the slowest (sync_dylu)",
+    )
 
 
 class OverlapConfig(_Strict):
@@ -382,6 +411,7 @@ class RunConfig(_Strict):
     inner: InnerConfig = Field(default_factory=InnerConfig)
     outer: OuterConfig = Field(default_factory=OuterConfig)
     asynchronous: AsyncConfig = Field(default_factory=AsyncConfig)
+    diloco: DilocoConfig = Field(default_factory=DilocoConfig)
     overlap: OverlapConfig = Field(default_factory=OverlapConfig)
     streaming: StreamingConfig = Field(default_factory=StreamingConfig)
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
@@ -430,6 +460,10 @@ class RunConfig(_Strict):
         if self.tracks_copy:
             self._check_tracked_copy()
         a = self.asynchronous
+        if a.quorum is not None and a.quorum > self.islands.count:
+            raise ValueError(f"asynchronous.quorum = {a.quorum} is above islands.count = {self.islands.count}")
+        if self.diloco.dylu and self.mode != Mode.DILOCO:
+            raise ValueError("diloco.dylu applies to mode diloco only")
         if a.c > 1.0 / (a.delay or self.islands.count):
             raise ValueError(f"asynchronous.c must be at most 1/N = {1 / (a.delay or self.islands.count):g}")
         return self

@@ -20,8 +20,16 @@ CENTERS = "[[1.0,0.0],[-0.5,2.0],[0.5,0.5],[2.0,-1.0]]"
 _keys = itertools.count()
 
 
+# scenario modes that are a mode plus settings: the quorum rule of async, and sync + DyLU
+VARIANTS = {
+    "quorum": ["mode=async", "asynchronous.rule=quorum"],
+    "sync_dylu": ["mode=diloco", "diloco.dylu=true"],
+}
+
+
 def scenario_cfg(tmp_path: Path, mode: str, *extra: str) -> RunConfig:
     key = f"r{next(_keys)}"
+    chosen = VARIANTS.get(mode, [f"mode={mode}"])
     return load_config(
         None,
         [
@@ -29,7 +37,7 @@ def scenario_cfg(tmp_path: Path, mode: str, *extra: str) -> RunConfig:
             "warm_start.steps=0",
             f"task.kwargs.centers={CENTERS}",
             f"task.kwargs.record={key}",
-            f"mode={mode}",
+            *chosen,
             "islands.count=3",
             "rounds=6",
             "inner_steps=4",

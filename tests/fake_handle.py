@@ -41,7 +41,7 @@ class FakeRun:
         self.members = Membership(islands)
         for i in range(islands):
             self.members.islands[i] = IslandStats(index=i, state=IslandState.TRAINING)
-        self.inbox = Inbox(target=islands, min_islands=1, max_islands=max_islands, check=lambda _: None)
+        self.inbox = Inbox(target=islands, min_islands=1, max_islands=max_islands, check=lambda _update, _islands: None)
         self.inbox.members = self.members
         self.stopped = False
         self.settings: dict[str, Any] = {"inner_steps": 50, "outer_lr": 0.7}

@@ -32,7 +32,7 @@ from orchestrator.engine.types import Event, RunFailed
 from tests.engine_scenarios import Action, check_exactly_once, drive, run_scenario, scenario_cfg
 from tests.helpers import events, in_process_engine
 
-MODES = ["diloco", "ddp", "async", "overlap", "streaming"]
+MODES = ["diloco", "ddp", "async", "overlap", "streaming", "quorum", "sync_dylu"]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -63,14 +63,14 @@ def test_a_crashed_island_is_replaced_and_its_round_retrained(tmp_path, mode):
     assert summary["rounds_done"] == 6 and np.isfinite(summary["final_eval_loss"])
 
 
-@pytest.mark.parametrize("mode", ["diloco", "overlap", "async", "streaming"])
+@pytest.mark.parametrize("mode", ["diloco", "overlap", "async", "streaming", "quorum"])
 def test_a_late_island_is_left_behind_then_trains_again(tmp_path, mode):
     cfg = scenario_cfg(tmp_path, mode)
     summary = run_scenario(cfg, [Fault(FaultKind.LATE, 2, order=2, seconds=21.0)])
     isl = summary["islands"]
     assert isl["2"]["late_results"] == 1 and isl["2"]["state"] == "training"
     # its first update, and (with rounds left) more after its overdue result arrived
-    assert isl["2"]["rounds_contributed"] >= (1 if mode == "async" else 2)
+    assert isl["2"]["rounds_contributed"] >= (1 if mode in ("async", "quorum") else 2)
     assert any(e["kind"] == "late" and e["island"] == 2 for e in events(cfg.out_dir))
 
 
@@ -81,7 +81,7 @@ def test_a_hung_island_never_stalls_therun_scenario(tmp_path):
     assert summary["islands"]["0"]["rounds_contributed"] == 0
 
 
-@pytest.mark.parametrize("mode", ["diloco", "async", "overlap", "streaming"])
+@pytest.mark.parametrize("mode", ["diloco", "async", "overlap", "streaming", "quorum"])
 def test_a_hung_island_is_released_after_the_grace_and_replaced(tmp_path, mode):
     """Before: a hung island stayed `late` to the end of the run, holding its resources."""
     cfg = scenario_cfg(tmp_path, mode, "rounds=8", "elastic.late_grace_s=10")
@@ -157,7 +157,7 @@ def test_an_island_whose_code_raises_is_released_and_replaced(tmp_path):
     assert summary["islands"]["0"]["state"] == "dead" and "raised" in summary["islands"]["0"]["error"]
 
 
-@pytest.mark.parametrize("mode", ["diloco", "async", "overlap", "streaming"])
+@pytest.mark.parametrize("mode", ["diloco", "async", "overlap", "streaming", "quorum"])
 def test_join_and_drain_midrun_scenario(tmp_path, mode):
     cfg = scenario_cfg(tmp_path, mode)
     summary = run_scenario(cfg, at={2: lambda e: e.submit(AddIslands(count=1)), 4: lambda e: e.submit(Drain(island=0))})
@@ -168,7 +168,7 @@ def test_join_and_drain_midrun_scenario(tmp_path, mode):
     assert "drain" in kinds and "released" in kinds
 
 
-@pytest.mark.parametrize("mode", ["diloco", "async", "overlap", "streaming"])
+@pytest.mark.parametrize("mode", ["diloco", "async", "overlap", "streaming", "quorum"])
 def test_an_island_without_a_free_shard_never_holds_a_round_open(tmp_path, mode):
     """More islands than data shards: one island gets no shard to train. It must sit the
     round out, not be waited for (overlap's close waits for islands about to start a round:
@@ -238,7 +238,7 @@ def test_drain_abandon_gives_its_batches_to_the_next_owner(tmp_path):
     assert summary["islands"]["1"]["state"] == "drained"
 
 
-@pytest.mark.parametrize("mode", ["diloco", "overlap", "async", "streaming"])
+@pytest.mark.parametrize("mode", ["diloco", "overlap", "async", "streaming", "quorum"])
 def test_a_coordinator_restart_resumes_from_its_checkpoint(tmp_path, mode):
     cfg = scenario_cfg(tmp_path, mode)
     first, pool = in_process_engine(cfg, run_id="restart")
@@ -276,7 +276,7 @@ def test_a_stop_now_checkpoints_every_step_taken_with_its_record(tmp_path, mode)
     while engine.step():
         # a step closed and its record not yet written (barrier, lag), or mid-run (async,
         # whose records are written as soon as they are due)
-        if engine.run.version >= 3 and (engine.due or mode == "async"):
+        if engine.run.version >= 3 and (engine.due or mode in ("async", "quorum")):
             engine.submit(Stop(now=True))
     summary, state = engine.summary, load_checkpoint(Path(cfg.checkpoint_dir))
     assert summary["state"] == "stopped" and state["counters"]["rounds_done"] == summary["rounds_done"] >= 1
@@ -370,7 +370,7 @@ def _restart_after(tmp_path, mode: str, change: Action, crash_at: int, *extra: s
     return cfg, first, second
 
 
-@pytest.mark.parametrize("mode", ["diloco", "async"])
+@pytest.mark.parametrize("mode", ["diloco", "async", "quorum"])
 def test_an_island_added_after_the_checkpoint_is_adopted_on_restart(tmp_path, mode):
     """Before: the restarted coordinator restored the checkpoint's target and membership;
     an island that joined since was orphaned (still holding its resources) and a later
@@ -383,7 +383,7 @@ def test_an_island_added_after_the_checkpoint_is_adopted_on_restart(tmp_path, mo
     assert any(e["kind"] == "reattach" and e["island"] == 3 for e in events(cfg.out_dir))
 
 
-@pytest.mark.parametrize("mode", ["diloco", "async"])
+@pytest.mark.parametrize("mode", ["diloco", "async", "quorum"])
 def test_a_drained_island_stays_drained_across_a_restart(tmp_path, mode):
     _, first, second = _restart_after(tmp_path, mode, lambda e: e.submit(Drain(island=1)), crash_at=3)
     assert first.members.islands[1].state.value == "drained"

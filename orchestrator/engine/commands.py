@@ -31,6 +31,10 @@ class SettingsUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     inner_steps: int | None = Field(None, ge=1, le=100_000, description="H from the next round on", examples=[100])
     outer_lr: float | None = Field(None, gt=0, le=100, description="outer learning rate from the next step on")
+    quorum: int | None = Field(None, ge=1, description="async quorum rule: results that open a step", examples=[3])
+    grace_cap: float | None = Field(None, ge=0, le=100, description="async quorum rule: window cap, x a round")
+    grace_k: float | None = Field(None, ge=0, le=100, description="async quorum rule: window = median + k x MAD")
+    age_power: float | None = Field(None, ge=0, le=100, description="async quorum rule: weight x (1 + age)^-power")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,7 +106,7 @@ class Inbox:
     an add compose, and a drain below `min_islands` is refused when asked."""
 
     def __init__(
-        self, *, target: int, min_islands: int, max_islands: int, check: Callable[[SettingsUpdate], None]
+        self, *, target: int, min_islands: int, max_islands: int, check: Callable[[SettingsUpdate, int], None]
     ) -> None:
         self._lock = threading.Lock()
         self.min_islands, self.max_islands, self._check = min_islands, max_islands, check
@@ -177,9 +181,10 @@ class Inbox:
     def _update(self, update: SettingsUpdate) -> Answer:
         changes = update.model_dump(exclude_none=True)
         if not changes:
-            return Refused(reason=Refusal.INVALID, message="nothing to change: give inner_steps and/or outer_lr")
+            fields = ", ".join(SettingsUpdate.model_fields)
+            return Refused(reason=Refusal.INVALID, message=f"nothing to change: give one or more of {fields}")
         try:
-            self._check(update)
+            self._check(update, self.requested)
         except ValueError as err:
             return Refused(reason=Refusal.INVALID, message=str(err))
         merged = self._settings.model_dump(exclude_none=True) if self._settings else {}

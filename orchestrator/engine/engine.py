@@ -32,7 +32,7 @@ from orchestrator.engine.outer_step import Outer, take_step
 from orchestrator.engine.outputs import Outputs
 from orchestrator.engine.pacing import Close, Flight, Pacing, RunState
 from orchestrator.engine.persistence import capture, restore
-from orchestrator.engine.policies import Policies, run_inbox
+from orchestrator.engine.policies import QUORUM_SETTINGS, Policies, run_inbox
 from orchestrator.engine.pool import Done, Failed, IslandPool, Joined, JoinFailed, PoolEvent
 from orchestrator.engine.publisher import Publisher
 from orchestrator.engine.screen import Sizes
@@ -83,6 +83,7 @@ class RoundEngine:
         self.cfg, self.task, self.model, self.flat, self.outer = cfg, task, model, flat, outer
         self.pacing: Pacing = policies.pacing
         self.admission: Admission = policies.admission
+        self.quorum = policies.quorum  # the quorum pacing's live settings (None: another pacing)
         self.pool, self.run_id = pool, run_id
         self.members = Membership(cfg.islands.count)
         self.run = RunState(cfg.rounds, cfg.inner_steps, self.members)
@@ -117,6 +118,7 @@ class RoundEngine:
             inbox=self.inbox,
             resumed=self.resumed,
             on_record=on_record,
+            quorum=self.quorum,
         )
         self.events, self.recorder, self.disk = self.outputs.events, self.outputs.recorder, self.outputs.disk
         if self.resumed:
@@ -185,8 +187,11 @@ class RoundEngine:
                 self._finish()
                 return False
             self.fleet.check_progress(self.phase == RunPhase.PAUSED, bool(self.inflight.overdue))
-        self._handle(self.pool.poll(self.inflight.timeout()))
+        self.run.now = self.pool.now()
+        wake = self.pacing.wake(self.run, self.inflight.in_flight())
+        self._handle(self.pool.poll(self.inflight.timeout(wake), wake=wake))
         self.inflight.expire()
+        self.run.now = self.pool.now()
         while (close := self.pacing.next_close(self.run, self.inflight.in_flight())) is not None:
             # a record describes the model its step produced: written before another step
             # changes it (two rounds can close at once, e.g. after a round lost all its work)
@@ -286,6 +291,10 @@ class RoundEngine:
             self.cfg.inner_steps = self.run.inner_steps = update.inner_steps
         if update.outer_lr is not None:
             self.outer.set_lr(update.outer_lr)
+        if self.quorum is not None:
+            for name in QUORUM_SETTINGS:
+                if (value := getattr(update, name)) is not None:
+                    setattr(self.quorum, name, value)
         self.events.add(Event.SETTINGS, version=self.run.version, **update.model_dump(exclude_none=True))
 
     # -- work out -------------------------------------------------------------------------------
@@ -322,7 +331,7 @@ class RoundEngine:
         due = max((f.delivered_at for f in flights), default=None)
         if due is not None:  # the step happens once every result has crossed its (simulated) link
             self.pool.sleep_until(due)
-        contributions = [self.inflight.contribution(r, close.fragment) for r in results]
+        contributions = [self.inflight.contribution(r, close.fragment, close.factors) for r in results]
         outcome = take_step(
             self.outer, self.admission, contributions, close.expected, self.run.version, close.anchor, close.fragment
         )

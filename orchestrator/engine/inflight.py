@@ -88,14 +88,16 @@ class InFlight:
         stats.inner_steps = work.steps
         deadline = self.pool.now() + delivery.delay_s + self.cfg.deadline_s(work.steps)
         received = 0 if delivery.bootstrap else delivery.nbytes
-        self.flights[ticket] = Flight(ticket, work, deadline, received=received)
+        self.flights[ticket] = Flight(ticket, work, deadline, sent_at=self.pool.now(), received=received)
         self.pool.dispatch(order, delivery.params)
 
-    def timeout(self) -> float:
-        flying = self.in_flight()
-        if not flying:
+    def timeout(self, wake: float | None = None) -> float:
+        """How long the engine may wait on the pool: until the first deadline, or the
+        pacing's `wake` (a step due on time), never more than `POLL_S`."""
+        due = [f.deadline for f in self.in_flight()] + ([wake] if wake is not None else [])
+        if not due:
             return POLL_S
-        return max(0.0, min(POLL_S, min(f.deadline for f in flying) - self.pool.now()))
+        return max(0.0, min(POLL_S, min(due) - self.pool.now()))
 
     def arrived(self, ticket: int, island: int, result: RoundResult) -> None:
         flight = self.flights.get(ticket)
@@ -175,11 +177,12 @@ class InFlight:
         for t in [t for t, (i, _) in self.overdue.items() if i == island]:
             del self.overdue[t]
 
-    def contribution(self, r: RoundResult, fragment: int | None) -> Contribution:
-        """What an arrived result gives its outer step; a newcomer's first update counts
-        `elastic.join_weight` (no loss spike on a join)."""
+    def contribution(self, r: RoundResult, fragment: int | None, factors: dict[int, float] | None) -> Contribution:
+        """What an arrived result gives its outer step: its tokens, times its pacing's
+        factor (age-aware merging); a newcomer's first update counts `elastic.join_weight`
+        (no loss spike on a join)."""
         stats = self.members.islands[r.island]
-        weight = float(r.weight)
+        weight = float(r.weight) * (factors.get(r.island, 1.0) if factors else 1.0)
         if stats.joined_version > 0 and stats.submissions == 0:
             weight *= self.cfg.elastic.join_weight
         return Contribution(

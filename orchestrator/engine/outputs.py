@@ -10,6 +10,7 @@ so the control plane's threads only ever read finished objects.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from orchestrator.engine.checkpoints import save_checkpoint
 from orchestrator.engine.commands import Inbox
 from orchestrator.engine.membership import IslandStats, Membership
 from orchestrator.engine.outer_step import Outer
+from orchestrator.engine.quorum import QuorumRule
 from orchestrator.engine.records import DiskFaults, EventLog, Recorder
 from orchestrator.engine.stats import RunStats
 from orchestrator.engine.types import Event, RunPhase
@@ -45,7 +47,9 @@ class Outputs:
         inbox: Inbox,
         resumed: bool,
         on_record: OnRecord | None = None,
+        quorum: QuorumRule | None = None,
     ) -> None:
+        self.quorum = quorum  # the quorum pacing's live settings, shown in the status
         self.cfg, self.run_id, self.task, self.model, self.flat, self.outer = cfg, run_id, task, model, flat, outer
         self.members, self.stats, self.inbox, self.on_record = members, stats, inbox, on_record
         self.eval_batches = list(task.eval_batches())
@@ -135,4 +139,5 @@ class Outputs:
             "stopping": self.inbox.stopping.is_set(),
             "disk_errors": self.disk.count,
             "last_disk_error": self.disk.last,
+            **(dataclasses.asdict(self.quorum) if self.quorum is not None else {}),
         }

@@ -3,9 +3,12 @@ outer step. The engine asks; a pacing only keeps its own bookkeeping over `RunSt
 
 - `Barrier` (diloco, ddp): every island trains from the same version; the step closes
   when every island's work has resolved (arrived, lost or late).
-- `PerArrival` (async): an island gets new work from the newest version as soon as it
-  delivers; every arrival is its own outer step. H per island from its measured speed
-  (DyLU); the token budget equals the synchronous run's.
+- `PerArrival` (async, Delayed Nesterov / naive): an island gets new work from the newest
+  version as soon as it delivers; every arrival is its own outer step. H per island from
+  its measured speed (DyLU); the token budget equals the synchronous run's (`TokenBudget`).
+- `Quorum` (async, the default rule; `engine/quorum.py`): a step fires once a quorum has
+  arrived and an adaptive grace window has passed, merging what arrived token-weighted
+  and discounted by age; a straggler's result merges into a later step.
 - `OneRoundLag` (overlap, CO2): an island that delivers round t starts round t+1 at once,
   from the version round t−1 produced, so the exchange of round t hides behind round t+1;
   round t closes (in order) once every island given it has resolved.
@@ -38,6 +41,7 @@ class RunState:
     completed_steps: int = 0  # inner steps of work that came back
     closes: int = 0  # outer steps closed (applied or not)
     stopping: bool = False  # no new work: finish what is in flight
+    now: float = 0.0  # the pool's clock when the engine last asked (a pacing may close on time)
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class Flight:
     ticket: int
     work: Work
     deadline: float
+    sent_at: float = 0.0  # when it was handed out (the pool's clock)
     result: RoundResult | None = None
     delivered_at: float = 0.0
     received: int = 0  # bytes its island received for it (a first, full download not counted)
@@ -77,6 +82,7 @@ class Close:
     staleness: int | None = None  # recorded staleness of every update (None: the verdict's)
     advances: bool = True  # a round advances the version even if nothing is applied
     fragment: int | None = None  # streaming: the fragment this step updates (None: the whole model)
+    factors: dict[int, float] | None = None  # island -> multiplier of its token weight (age-aware merging)
 
 
 def _by_island(flight: Flight) -> int:
@@ -91,6 +97,9 @@ class Pacing(Protocol):
     def arrived(self, flight: Flight) -> None: ...
     def lost(self, flight: Flight) -> None: ...
     def next_close(self, run: RunState, in_flight: list[Flight]) -> Close | None: ...
+    def wake(self, run: RunState, in_flight: list[Flight]) -> float | None:
+        """When (the pool's clock) a step may close with nothing arriving, or None."""
+
     def closed(self, run: RunState, close: Close) -> int | None: ...
     def between_rounds(self, in_flight: list[Flight]) -> bool: ...
     def done(self, run: RunState) -> bool: ...
@@ -134,6 +143,9 @@ class Barrier:
         # rejected does not advance it (the round still counts), so lost steps show
         return Close(run.closes + 1, flights, expected=run.version, staleness=0, advances=False)
 
+    def wake(self, run: RunState, in_flight: list[Flight]) -> float | None:
+        return None
+
     def closed(self, run: RunState, close: Close) -> int | None:
         return run.closes // self.per_record if run.closes % self.per_record == 0 else None
 
@@ -147,34 +159,33 @@ class Barrier:
         pass
 
 
-class PerArrival:
+class TokenBudget:
+    """What the asynchronous pacings share: the synchronous run's token budget (rounds ×
+    islands × H inner steps) handed out as work of H_i steps (from the island's measured
+    speed with DyLU), results queued until their step, and a round recorded each time
+    islands × H steps have come back."""
+
     def __init__(self, dylu: bool, speeds: SpeedTracker, islands: int, schedule_offset: int = 0) -> None:
         """`speeds` is the run's tracker, fed by the engine with every arrival;
         `schedule_offset` is where the run's inner schedule starts (after a warm start)."""
         self.dylu, self.k, self.offset = dylu, islands, schedule_offset
         self.speeds = speeds
         self.handed = 0  # inner steps handed out (in flight or back)
-        self.queue: list[Flight] = []
+        self.queue: list[Flight] = []  # arrived, waiting for their step
         self.recorded = 0
 
     def budget(self, run: RunState) -> int:
         return run.rounds * self.k * run.inner_steps
 
-    def plan(self, run: RunState, idle: list[int]) -> list[Work]:
-        if run.stopping:
-            return []
-        out = []
-        for i in idle:
-            self.speeds.add(i)
-            h = self.speeds.steps(run.inner_steps)[i] if self.dylu else run.inner_steps
-            h = min(h, self.budget(run) - self.handed)
-            if h <= 0:
-                break
-            self.handed += h
-            out.append(
-                Work(i, run.closes + 1, run.version, h, schedule_step=self.offset + run.completed_steps // self.k)
-            )
-        return out
+    def work(self, run: RunState, island: int) -> Work | None:
+        """Work for `island` from the newest version, or None once the budget is out."""
+        self.speeds.add(island)
+        h = self.speeds.steps(run.inner_steps)[island] if self.dylu else run.inner_steps
+        h = min(h, self.budget(run) - self.handed)
+        if h <= 0:
+            return None
+        self.handed += h
+        return Work(island, run.closes + 1, run.version, h, schedule_step=self.offset + run.completed_steps // self.k)
 
     def cancel(self, work: Work) -> None:
         self.handed -= work.steps
@@ -185,10 +196,8 @@ class PerArrival:
     def lost(self, flight: Flight) -> None:
         self.handed -= flight.work.steps  # a lost island's steps go back to the budget
 
-    def next_close(self, run: RunState, in_flight: list[Flight]) -> Close | None:
-        if not self.queue:
-            return None
-        return Close(run.closes + 1, [self.queue.pop(0)], expected=None, advances=False)
+    def wake(self, run: RunState, in_flight: list[Flight]) -> float | None:
+        return None
 
     def closed(self, run: RunState, close: Close) -> int | None:
         per_round = self.k * run.inner_steps
@@ -207,6 +216,24 @@ class PerArrival:
     def resume(self, run: RunState) -> None:
         self.handed = run.completed_steps
         self.recorded = min(run.completed_steps // (self.k * run.inner_steps), run.rounds)
+
+
+class PerArrival(TokenBudget):
+    def plan(self, run: RunState, idle: list[int]) -> list[Work]:
+        if run.stopping:
+            return []
+        out = []
+        for i in idle:
+            work = self.work(run, i)
+            if work is None:
+                break
+            out.append(work)
+        return out
+
+    def next_close(self, run: RunState, in_flight: list[Flight]) -> Close | None:
+        if not self.queue:
+            return None
+        return Close(run.closes + 1, [self.queue.pop(0)], expected=None, advances=False)
 
 
 def start_version(round_t: int, base: int = 0) -> int:
@@ -287,6 +314,9 @@ class OneRoundLag:
         s = start_version(t, run.base)
         return Close(t, flights, expected=s, anchor=s, staleness=(t - 1) - s)
 
+    def wake(self, run: RunState, in_flight: list[Flight]) -> float | None:
+        return None
+
     def closed(self, run: RunState, close: Close) -> int | None:
         return close.round
 
@@ -338,6 +368,9 @@ class FragmentSchedule:
         if close is not None:
             close.fragment = self._fragment(close.round)
         return close
+
+    def wake(self, run: RunState, in_flight: list[Flight]) -> float | None:
+        return self.inner.wake(self._view(run), in_flight)
 
     def closed(self, run: RunState, close: Close) -> int | None:
         segment = self.inner.closed(self._view(run), close)

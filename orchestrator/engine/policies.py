@@ -6,13 +6,16 @@ slices, runtime) works with whatever is chosen here.
 | --------- | ------------- | ------------------- | ------------------------------------------- |
 | `diloco`  | Barrier       | exact version       | Nesterov / SGD (`FlatSGD`) or Adam          |
 | `ddp`     | Barrier/batch | exact version       | the inner AdamW + schedule on mean gradients |
-| `async`   | PerArrival    | bounded staleness   | `DelayedNesterov`, or Nesterov per arrival   |
+| `async`   | Quorum        | bounded staleness   | Nesterov / SGD / Adam on the age-weighted mean |
+| `async`, delayed_nesterov / naive | PerArrival | bounded staleness | `DelayedNesterov`, or Nesterov per arrival |
+| `diloco`, `diloco.dylu` | Quorum of every island (a barrier, H per speed) | bounded staleness | as `diloco` |
 | `overlap` | OneRoundLag   | exact (lagged) ver. | `CO2Outer`                                  |
 | `streaming` | FragmentSchedule (a Barrier over segments, Δ taken τ steps early) | exact version | Nesterov / SGD / Adam per fragment |
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,11 +23,12 @@ import torch
 from orchestrator.algorithms.dylu import SpeedTracker
 from orchestrator.algorithms.outer import CO2Outer, DelayedNesterov, FlatSGD
 from orchestrator.algorithms.robust import NormGuard
-from orchestrator.config import Mode, OuterConfig, RunConfig
+from orchestrator.config import AsyncRule, Mode, OuterConfig, RunConfig
 from orchestrator.engine.admission import Admission, BoundedStaleness, ExactVersion, StalenessRule
 from orchestrator.engine.commands import Inbox, SettingsUpdate
 from orchestrator.engine.outer_step import OuterRule, Scheduler
 from orchestrator.engine.pacing import Barrier, FragmentSchedule, OneRoundLag, Pacing, PerArrival
+from orchestrator.engine.quorum import Quorum, QuorumRule
 from workers.runtime.optim import build_inner
 from workers.wire.fragments import Fragments
 from workers.wire.messages import WorkKind
@@ -54,7 +58,7 @@ def outer_rule(cfg: RunConfig) -> OuterRule:
         )
     if cfg.mode == Mode.ASYNC:
         a = cfg.asynchronous
-        if a.rule == "naive":
+        if a.rule in (AsyncRule.NAIVE, AsyncRule.QUORUM):
             return OuterRule(plain)
         return OuterRule(
             lambda p: (DelayedNesterov([p], cfg.outer.lr, cfg.outer.momentum, a.delay or cfg.islands.count, a.c), None)
@@ -68,12 +72,36 @@ def outer_rule(cfg: RunConfig) -> OuterRule:
     return OuterRule(plain)
 
 
-def check_settings(cfg: RunConfig, update: SettingsUpdate) -> None:
+def check_settings(cfg: RunConfig, update: SettingsUpdate, islands: int) -> None:
     """Refuse (ValueError: a 422 from the control plane) a settings change the mode
-    cannot take: streaming's H must stay a whole number of segments."""
+    cannot take: streaming's H must stay a whole number of segments; the quorum rule's
+    settings need that rule, and a quorum no more than the `islands` the run targets."""
     p = cfg.streaming.fragments
     if cfg.mode == Mode.STREAMING and update.inner_steps is not None and update.inner_steps % p:
         raise ValueError(f"inner_steps = {update.inner_steps} must be a multiple of streaming.fragments = {p}")
+    is_quorum = cfg.mode == Mode.ASYNC and cfg.asynchronous.rule == AsyncRule.QUORUM
+    asked = [k for k in QUORUM_SETTINGS if getattr(update, k) is not None]
+    if asked and not is_quorum:
+        raise ValueError(f"{', '.join(asked)}: needs mode async with asynchronous.rule = quorum")
+    if update.quorum is not None and update.quorum > islands:
+        raise ValueError(f"quorum = {update.quorum} is above the run's {islands} islands")
+
+
+QUORUM_SETTINGS = ("quorum", "grace_cap", "grace_k", "age_power")
+
+
+def quorum_rule(cfg: RunConfig) -> QuorumRule | None:
+    """The quorum pacing's live settings for `cfg`, or None if it runs none (sync_dylu is
+    a quorum of every island with no window cap)."""
+    a = cfg.asynchronous
+    if cfg.mode == Mode.ASYNC and a.rule == AsyncRule.QUORUM:
+        return QuorumRule(quorum=a.quorum, grace_cap=a.grace_cap, grace_k=a.grace_k, age_power=a.age_power)
+    if cfg.mode == Mode.DILOCO and cfg.diloco.dylu:
+        return QuorumRule(quorum=ALL, grace_cap=math.inf, grace_k=0.0, age_power=0.0)
+    return None
+
+
+ALL = 1 << 30  # a quorum of every live island
 
 
 def run_inbox(cfg: RunConfig) -> Inbox:
@@ -82,7 +110,7 @@ def run_inbox(cfg: RunConfig) -> Inbox:
         target=cfg.islands.count,
         min_islands=cfg.elastic.min_islands,
         max_islands=cfg.elastic.max_islands,
-        check=lambda update: check_settings(cfg, update),
+        check=lambda update, islands: check_settings(cfg, update, islands),
     )
 
 
@@ -91,14 +119,20 @@ class Policies:
     pacing: Pacing
     admission: Admission
     speeds: SpeedTracker  # islands' measured steps/s: the engine feeds it, DyLU and the operator read it
+    quorum: QuorumRule | None = None  # the quorum pacing's live settings (the engine applies changes to it)
 
 
 def build_policies(cfg: RunConfig, numel: int, fragments: Fragments | None = None) -> Policies:
     staleness: StalenessRule = ExactVersion()
     speeds = SpeedTracker(cfg.asynchronous.speed_smoothing)
     pacing: Pacing
-    if cfg.mode == Mode.ASYNC:
-        a = cfg.asynchronous
+    a = cfg.asynchronous
+    rule = quorum_rule(cfg)
+    if rule is not None:
+        dylu = a.dylu if cfg.mode == Mode.ASYNC else True
+        pacing = Quorum(rule, dylu, speeds, cfg.islands.count, cfg.warm_steps)
+        staleness = BoundedStaleness(a.max_staleness, a.stale_policy == "downweight")
+    elif cfg.mode == Mode.ASYNC:
         pacing = PerArrival(a.dylu, speeds, cfg.islands.count, cfg.warm_steps)
         staleness = BoundedStaleness(a.max_staleness, a.stale_policy == "downweight")
     elif cfg.mode == Mode.OVERLAP:
@@ -119,4 +153,4 @@ def build_policies(cfg: RunConfig, numel: int, fragments: Fragments | None = Non
         cfg.seed,
         [fragments.size(p) for p in range(fragments.count)] if fragments else None,
     )
-    return Policies(pacing, admission, speeds)
+    return Policies(pacing, admission, speeds, rule)

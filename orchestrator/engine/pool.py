@@ -113,8 +113,9 @@ class IslandPool(Protocol):
         """The global parameters of `version` in the form islands fetch (once per version)."""
 
     def dispatch(self, order: WorkOrder, params: Any) -> None: ...
-    def poll(self, timeout: float) -> list[PoolEvent]:
-        """Events that happened, waiting up to `timeout` seconds for the first one."""
+    def poll(self, timeout: float, wake: float | None = None) -> list[PoolEvent]:
+        """Events that happened, waiting up to `timeout` seconds for the first one; a
+        virtual clock with nothing due before `wake` moves to `wake` and returns none."""
 
     def close(self) -> None: ...
 
@@ -264,7 +265,7 @@ class InProcessPool:
             timed = dataclasses.replace(timed, finished_at=fault.seconds)
         self._at(self.t + duration, Done(ticket=order.ticket, island=i, result=timed))
 
-    def poll(self, timeout: float) -> list[PoolEvent]:
+    def poll(self, timeout: float, wake: float | None = None) -> list[PoolEvent]:
         if not self._queue or self._queue[0].at > self.t + timeout:
             self.t += timeout
             return []

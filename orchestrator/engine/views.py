@@ -39,6 +39,10 @@ class RunStatus(_View):
     pending_islands: list[int] = []
     inner_steps: int | None = None
     outer_lr: float | None = None
+    quorum: int | None = None  # async quorum rule: its live settings (absent under other rules)
+    grace_cap: float | None = None
+    grace_k: float | None = None
+    age_power: float | None = None
     paused: bool = False
     stopping: bool = False
     disk_errors: int = 0

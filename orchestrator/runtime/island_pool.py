@@ -254,10 +254,10 @@ class RayIslandPool:
             ref = handle.actor.run.remote(order, params)
         self.work[ref] = (order.ticket, order.island)
 
-    def poll(self, timeout: float) -> list[PoolEvent]:
+    def poll(self, timeout: float, wake: float | None = None) -> list[PoolEvent]:
         events: list[PoolEvent] = self._placements()
         if self.virtual:
-            return events + self._next_in_simulated_order(0 if events else timeout)
+            return events + self._next_in_simulated_order(0 if events else timeout, wake)
         refs = list(self.work)
         if refs:
             ready, _ = ray.wait(refs, num_returns=1, timeout=0 if events else timeout)
@@ -270,13 +270,17 @@ class RayIslandPool:
             time.sleep(timeout if not self.placing else min(timeout, 0.05))
         return events
 
-    def _next_in_simulated_order(self, timeout: float) -> list[PoolEvent]:
+    def _next_in_simulated_order(self, timeout: float, wake: float | None) -> list[PoolEvent]:
         """The work that finishes first on the virtual clock, once it has really finished
-        (work due later waits its turn even if it is done); the clock moves to its finish."""
-        if not self.work:
+        (work due later waits its turn even if it is done); the clock moves to its finish,
+        or to `wake` if that comes first (a step due on time, with nothing arriving)."""
+        ref = min(self.work, key=lambda r: self.finish[r]) if self.work else None
+        if wake is not None and (ref is None or self.finish[ref] > wake):
+            self.vt = max(self.vt, wake)
+            return []
+        if ref is None:
             time.sleep(timeout if not self.placing else min(timeout, 0.05))
             return []
-        ref = min(self.work, key=lambda r: self.finish[r])
         if not ray.wait([ref], timeout=timeout)[0]:
             return []
         ticket, island = self.work.pop(ref)

@@ -1,0 +1,177 @@
+"""Quorum pacing (`mode: async`, `asynchronous.rule: quorum`) and sync + DyLU
+(`diloco.dylu`): the window's arithmetic, that no straggler or hung island holds a step,
+that late results merge discounted by age, and that the rule's settings change live
+through the control plane (real HTTP into a real engine on the in-process pool)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from api.app import create_app
+from orchestrator.algorithms.aggregate import WeightedMean
+from orchestrator.config import OuterConfig
+from orchestrator.engine.commands import Answer, Command, Refused, SettingsUpdate, UpdateSettings
+from orchestrator.engine.engine import RoundEngine
+from orchestrator.engine.outer_step import OuterRule, OuterStep
+from orchestrator.engine.pacing import Close
+from orchestrator.engine.policies import outer_optimizer
+from orchestrator.engine.pool import Fault, FaultKind
+from orchestrator.engine.quorum import QuorumRule, age_factor, grace_window
+from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
+from tests.helpers import in_process_engine
+from tests.http_server import serving
+
+versions: dict[int, int] = {}  # id(close) -> the version it stepped from
+
+
+def _watch(engine: RoundEngine) -> list[tuple[float, Close]]:
+    """Every close the pacing hands the engine, with the pool's clock when it did (and,
+    in `versions`, the version it steps from)."""
+    closes: list[tuple[float, Close]] = []
+    ask = engine.pacing.next_close
+
+    def next_close(run: Any, in_flight: Any) -> Close | None:
+        close = ask(run, in_flight)
+        if close is not None:
+            closes.append((engine.pool.now(), close))
+            versions[id(close)] = run.version
+        return close
+
+    engine.pacing.next_close = next_close  # type: ignore[method-assign]
+    return closes
+
+
+def test_the_window_is_median_plus_k_mad_capped_and_the_cap_until_enough_offsets():
+    rule = QuorumRule(quorum=None, grace_cap=0.25, grace_k=3.0, age_power=1.0)
+    # median 0.2, MAD 0.1: 0.2 + 3 × 0.1 = 0.5 (the 5 s outlier moves neither)
+    assert grace_window([0.1, 0.2, 0.3, 0.2, 5.0], 10.0, rule) == pytest.approx(0.5)
+    assert grace_window([0.1, 0.2, 0.3], 10.0, rule) == 2.5  # too few offsets: the cap
+    assert grace_window([3.0, 4.0, 5.0, 4.0], 10.0, rule) == 2.5  # the cap bounds any wait
+    assert [rule.needed(n) for n in (1, 2, 3, 4, 5)] == [1, 1, 2, 2, 3]  # half, rounded up
+    assert QuorumRule(quorum=4, grace_cap=0, grace_k=0, age_power=0).needed(3) == 3  # never above the fleet
+
+
+def test_age_discount_and_the_merge_reference_vector():
+    """docs/algorithms.md's vector: Δ₁ = (1, 0) of 10 tokens, fresh; Δ₂ = (0, 2) of 30
+    tokens, one version old, α = 1 → weights 10 and 15 → mean (0.4, 1.2); one Nesterov
+    step (lr 0.7, β 0.9, first step: buffer = mean) moves θ by −0.7 × 1.9 × mean."""
+    assert age_factor(0, 1.0) == 1.0 and age_factor(3, 1.0) == 0.25 and age_factor(3, 0.5) == 0.5
+    assert age_factor(2, 0.0) == 1.0
+    mean = WeightedMean(2, torch.float64)
+    mean.add(np.array([1.0, 0.0]), 10 * age_factor(0, 1.0))
+    mean.add(np.array([0.0, 2.0]), 30 * age_factor(1, 1.0))
+    assert mean.mean().numpy() == pytest.approx([0.4, 1.2], abs=1e-12)
+    theta = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    cfg = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
+    step = OuterStep(theta, OuterRule(lambda p: (outer_optimizer(cfg, p), None)))
+    step.apply([(np.array([1.0, 0.0]), 10.0), (np.array([0.0, 2.0]), 15.0)])
+    assert theta.numpy() == pytest.approx([1 - 0.7 * 1.9 * 0.4, 1 - 0.7 * 1.9 * 1.2], abs=1e-12)
+
+
+def test_a_straggler_never_holds_a_step_and_merges_later_discounted(tmp_path):
+    """Island 2's second work takes 10 s more than its 4: the others step without it
+    (within the window's cap after their quorum), and its result, when it lands, merges
+    into a later step with weight × 1 / (1 + age)."""
+    cfg = scenario_cfg(tmp_path, "quorum", "rounds=8")
+    engine, _ = in_process_engine(cfg, [Fault(FaultKind.LATE, island=2, order=2, seconds=10.0)])
+    closes = _watch(engine)
+    drive(engine)
+    check_exactly_once(cfg, engine.summary)
+    times = [t for t, _ in closes]
+    assert max(b - a for a, b in itertools.pairwise(times)) <= 4 + 0.25 * 4 + 1e-9  # H = 4 s, cap 1 s
+    late = [c for _, c in closes if c.factors and any(f < 1 for f in c.factors.values())]
+    assert late, "the straggler's result merged nowhere"
+    factors = late[0].factors or {}
+    flight = next(f for f in late[0].flights if f.work.island == 2)
+    age = versions[id(late[0])] - flight.work.version
+    assert age >= 2 and factors[2] == pytest.approx(1 / (1 + age))
+    assert all(factors[f.work.island] == 1.0 for f in late[0].flights if f.work.version == versions[id(late[0])])
+    assert engine.summary["islands"]["2"]["staleness_max"] == age
+
+
+def test_a_hung_island_holds_no_step_and_is_replaced(tmp_path):
+    cfg = scenario_cfg(tmp_path, "quorum", "rounds=8", "elastic.late_grace_s=10")
+    engine, _ = in_process_engine(cfg, [Fault(FaultKind.HANG, island=1, order=2)])
+    closes = _watch(engine)
+    drive(engine)
+    check_exactly_once(cfg, engine.summary)
+    times = [t for t, _ in closes]
+    assert max(b - a for a, b in itertools.pairwise(times)) <= 4 + 0.25 * 4 + 1e-9
+    without = [c for _, c in closes if 1 not in {f.work.island for f in c.flights}]
+    assert len(without) >= 4  # steps went on while it hung (its deadline is 20 s away)
+    assert engine.summary["islands"]["1"]["state"] == "dead"
+
+
+def test_sync_dylu_is_a_barrier_whose_h_follows_speed(tmp_path):
+    cfg = scenario_cfg(tmp_path, "sync_dylu", "islands.simulated_slowdown=[1.0,1.0,4.0]")
+    engine, pool = in_process_engine(cfg)
+    closes = _watch(engine)
+    drive(engine)
+    check_exactly_once(cfg, engine.summary)
+    assert {o.island: o.steps for o in pool.dispatched[:3]} == {0: 4, 1: 4, 2: 1}
+    assert all(sorted(f.work.island for f in c.flights) == [0, 1, 2] for _, c in closes[:-1])
+    assert engine.summary["staleness"]["max"] == 0
+
+
+class _EngineHandle:
+    """The control plane's handle over an engine in this process (what the coordinator
+    actor answers, minus Ray)."""
+
+    def __init__(self, engine: RoundEngine) -> None:
+        self.engine = engine
+
+    def status(self) -> dict[str, Any]:
+        return self.engine.status()
+
+    def islands(self) -> dict[str, dict[str, Any]]:
+        return self.engine.islands_view
+
+    def events(self, since: int, limit: int) -> list[dict[str, Any]]:
+        return self.engine.events.since(since, limit)
+
+    def history(self, since: int, limit: int) -> list[dict[str, Any]]:
+        return self.engine.recorder.page(since, limit)
+
+    def submit(self, command: Command) -> Answer:
+        return self.engine.submit(command)
+
+
+def test_quorum_and_grace_change_over_rest_at_the_next_step(tmp_path):
+    cfg = scenario_cfg(tmp_path, "quorum", "rounds=12", "asynchronous.quorum=1", "asynchronous.grace_cap=0")
+    engine, _ = in_process_engine(cfg, [Fault(FaultKind.LATE, island=2, order=3, seconds=3.0)])
+    closes = _watch(engine)
+    auth = {"Authorization": "Bearer t"}
+    with serving(create_app(_EngineHandle(engine), "t")) as url, httpx.Client(base_url=url, timeout=10) as client:
+        for body, field in (({"quorum": 0}, "quorum"), ({"quorum": 4}, "quorum"), ({"grace_cap": -1}, "grace_cap")):
+            r = client.patch("/v1/run/settings", json=body, headers=auth)
+            assert r.status_code == 422 and field in r.text, (body, r.text)
+        drive(engine, until=3)
+        assert any(len(c.flights) < 3 for _, c in closes)  # a quorum of one, no window: steps alone
+        r = client.patch("/v1/run/settings", json={"quorum": 3, "grace_cap": 100}, headers=auth)
+        assert r.status_code == 202, r.text
+        mark = len(closes)
+        while engine.step():
+            pass
+        status = client.get("/v1/run", headers=auth).json()
+    assert status["quorum"] == 3 and status["grace_cap"] == 100
+    after = [c for _, c in closes[mark + 1 : -1]]  # from the step after the change (the last may be short)
+    assert after and all(len(c.flights) == 3 for c in after)
+    check_exactly_once(cfg, engine.summary)
+
+
+def test_quorum_settings_are_refused_for_another_rule(tmp_path):
+    cfg = scenario_cfg(tmp_path, "diloco")
+    engine, _ = in_process_engine(cfg)
+    reply = engine.submit(UpdateSettings(settings=SettingsUpdate(quorum=2)))
+    assert isinstance(reply, Refused) and "asynchronous.rule = quorum" in reply.message
+
+
+def test_a_quorum_above_the_island_count_is_a_config_error_naming_the_field(tmp_path):
+    with pytest.raises(ValueError, match=r"asynchronous\.quorum"):
+        scenario_cfg(tmp_path, "quorum", "asynchronous.quorum=4")
