@@ -81,8 +81,14 @@ def test_a_straggler_never_holds_a_step_and_merges_later_discounted(tmp_path):
     cfg = scenario_cfg(tmp_path, "quorum", "rounds=8")
     engine, _ = in_process_engine(cfg, [Fault(FaultKind.LATE, island=2, order=2, seconds=10.0)])
     closes = _watch(engine)
-    drive(engine)
+    seen: dict[str, set[str]] = {}  # what the dashboard's `result` column showed per island
+    engine.start()
+    while engine.step():
+        for i, view in engine.islands_view.items():
+            seen.setdefault(i, set()).add(view["merge"] or "-")
     check_exactly_once(cfg, engine.summary)
+    assert {"training", "merged", "late"} <= seen["2"]  # the straggler's result merged late
+    assert "waiting" in seen["0"] | seen["1"]  # the others waited in the window for it
     times = [t for t, _ in closes]
     assert max(b - a for a, b in itertools.pairwise(times)) <= 4 + 0.25 * 4 + 1e-9  # H = 4 s, cap 1 s
     late = [c for _, c in closes if c.factors and any(f < 1 for f in c.factors.values())]

@@ -1,57 +1,82 @@
-"""`hetero`: islands of speeds 1, 1, 0.5, 0.25 on a virtual clock.
+"""`hetero`: islands of different speeds on a virtual clock — does asynchrony win time?
 
-Each island's inner step advances simulated time by `STEP_S` / speed (exactly the speeds
-asked for, whatever else this machine runs); results are taken in the order of their
-simulated finish times while the islands really train on Ray (`islands.virtual_step_s`).
-Every method continues one warm start and trains the same token budget: synchronous
-DiLoCo (`sync`: every round waits for the slowest island), naive async (`naive_async`:
-Nesterov stepped on every arrival, fixed H, its outer lr scaled by 1/k so k arrivals
-make about one synchronous step) and `dn_dylu` (Delayed Nesterov, N = k, with Dynamic
-Local Updates, speeds known before the first work). Reports loss against tokens and
-against simulated time, and the simulated time to reach sync's final loss.
+Two fleets of 4 islands: speeds 1, 1, ½, ¼ (`mild`) and 1, ½, ¼, ⅛ (`harsh`). Each island's
+inner step advances simulated time by `STEP_S` / speed; the runs use the in-process island
+pool (the real engine, policies and island code; the islands take turns in this process
+and the clock is simulated, so the speeds are exactly the ones asked for). Every method
+continues one warm start per seed and trains the same token budget:
+
+- `sync`: synchronous DiLoCo, every round waits for the slowest island;
+- `sync_dylu`: a barrier round whose H per island follows its speed (`diloco.dylu`);
+- `naive_async`: Nesterov stepped on every arrival, fixed H, outer lr ÷ k;
+- `dn_dylu`: Delayed Nesterov (N = k) with Dynamic Local Updates (Liu et al. 2024);
+- `quorum`: the quorum rule — a step once half the islands are in and the adaptive grace
+  window has passed, token-weighted, stale results discounted by (1 + age)^−1.
+
+Fairness: every method's outer lr is tuned on the same grid (`LRS`, ×1/k for naive) on
+seed 0 of the mild fleet; the headline rows then run 3 seeds at their best lr and at the
+shipped default (0.7). Reported: loss against simulated time and against tokens, the
+simulated time to reach sync's final loss, and (`equal_time`) each method's loss when it
+runs for as much simulated time as sync needed.
 """
 
 from __future__ import annotations
 
 import itertools
+import statistics
 from pathlib import Path
 from typing import Any
 
 from orchestrator.bench.quality import MODEL
 from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
-from orchestrator.bench.runner import one_ray, run_methods, train_warm_start
+from orchestrator.bench.runner import Table, run_methods, train_warm_start
 
 K = 4
-SPEEDS = [1, 1, 0.5, 0.25]
+FLEETS = {"mild": [1, 1, 0.5, 0.25], "harsh": [1, 0.5, 0.25, 0.125]}
 H = 50
 STEP_S = 0.1  # simulated seconds per inner step of a speed-1 island
 WARM = 200
-OUTER_LR = 0.7
+DEFAULT_LR = 0.7
+LRS = (0.5, 0.7, 1.0)
+SEEDS = (0, 1, 2)
+ROWS = {
+    "sync": ("synchronous DiLoCo (Nesterov, β 0.9)", ["mode=diloco"]),
+    "sync_dylu": ("barrier round, H per island from its speed", ["mode=diloco", "diloco.dylu=true"]),
+    "naive_async": (
+        "Nesterov on every arrival, fixed H, lr ÷ k",
+        ["mode=async", "asynchronous.rule=naive", "asynchronous.dylu=false"],
+    ),
+    "dn_dylu": (
+        "Delayed Nesterov N = k + Dynamic Local Updates",
+        ["mode=async", "asynchronous.rule=delayed_nesterov", "asynchronous.dylu=true"],
+    ),
+    "quorum": (
+        "quorum ⌈k/2⌉ + adaptive grace, token- and age-weighted, DyLU",
+        ["mode=async", "asynchronous.rule=quorum"],
+    ),
+}
 
 
-def methods(rounds: int, warm: Path | None = None) -> dict[str, tuple[str, list[str]]]:
-    slowdown = ",".join(f"{1 / v:g}" for v in SPEEDS)
-    base = [
+def row(name: str, lr: float, seed: int, rounds: int, fleet: str, warm: Path | None) -> list[str]:
+    """The overrides of one run of method `name`."""
+    slowdown = ",".join(f"{1 / v:g}" for v in FLEETS[fleet])
+    scaled = lr / K if name == "naive_async" else lr
+    out = [
         f"islands.count={K}",
         f"islands.simulated_slowdown=[{slowdown}]",
         f"islands.virtual_step_s={STEP_S}",
         f"inner_steps={H}",
         f"rounds={rounds}",
-        f"outer.lr={OUTER_LR}",
+        f"seed={seed}",
+        *ROWS[name][1],
+        f"outer.lr={scaled:g}",
     ]
-    if warm is not None:
-        base += [f"warm_start.steps={WARM}", f"warm_start.path={warm}"]
-    return {
-        "sync": ("synchronous DiLoCo (Nesterov 0.7/0.9)", [*base, "mode=diloco"]),
-        "naive_async": (
-            f"async, Nesterov lr {OUTER_LR}/{K} stepped on every arrival, fixed H",
-            [*base, "mode=async", "asynchronous.rule=naive", "asynchronous.dylu=false", f"outer.lr={OUTER_LR / K:g}"],
-        ),
-        "dn_dylu": (
-            f"async, Delayed Nesterov N={K} + Dynamic Local Updates",
-            [*base, "mode=async", "asynchronous.rule=delayed_nesterov", "asynchronous.dylu=true"],
-        ),
-    }
+    return out + ([f"warm_start.steps={WARM}", f"warm_start.path={warm}"] if warm is not None else [])
+
+
+def methods(rounds: int, warm: Path | None = None, lr: float = DEFAULT_LR) -> Table:
+    """Every method on the mild fleet at one lr and seed 0 (the table the tests check)."""
+    return {name: (desc, row(name, lr, 0, rounds, "mild", warm)) for name, (desc, _) in ROWS.items()}
 
 
 def time_to_reach(curve: list[tuple[float, float]], target: float) -> float | None:
@@ -65,109 +90,189 @@ def time_to_reach(curve: list[tuple[float, float]], target: float) -> float | No
 
 
 def hetero(quick: bool, work: Path) -> BenchResult:
-    with one_ray(K):
-        return _hetero(quick, work)
-
-
-def _hetero(quick: bool, work: Path) -> BenchResult:
     rounds = 6 if quick else 16
-    warm = train_warm_start(
-        [*MODEL, f"islands.count={K}", f"inner_steps={H}", f"rounds={rounds}"], 0, WARM, work / "warm"
+    lrs, seeds = ((DEFAULT_LR,), (0,)) if quick else (LRS, SEEDS)
+    base = [*MODEL, f"islands.count={K}", f"inner_steps={H}", f"rounds={rounds}", f"islands.virtual_step_s={STEP_S}"]
+    warm = {s: train_warm_start(base, s, WARM, work / f"warm@s{s}", in_process=True) for s in seeds}
+
+    def run(table: Table) -> dict[str, dict[str, Any]]:
+        return run_methods(MODEL, table, work, in_process=True)
+
+    # 1. the lr grid, every method, seed 0, mild fleet
+    grid = run(
+        {f"{n}@lr{lr:g}": (d, row(n, lr, 0, rounds, "mild", warm[0])) for n, (d, _) in ROWS.items() for lr in lrs}
     )
-    table = methods(rounds, warm)
-    summaries = run_methods(MODEL, table, work)
-    by_clock = {n: eval_curve(work / n, s, "clock_seconds") for n, s in summaries.items()}
-    by_tokens = {n: eval_curve(work / n, s, "tokens_total") for n, s in summaries.items()}
-    target = summaries["sync"]["final_eval_loss"]
-    results: dict[str, dict[str, Any]] = {}
-    for name, (desc, overrides) in table.items():
-        s = summaries[name]
-        results[name] = {
-            "description": desc,
-            "overrides": overrides,
-            "final_eval_loss": s["final_eval_loss"],
-            "initial_eval_loss": s["initial_eval_loss"],
-            "sim_seconds": s["clock_seconds"],
-            "sim_seconds_to_sync_final_loss": time_to_reach(by_clock[name], target),
-            "wall_seconds": s["train_seconds"],
-            "tokens": s["tokens"],
-            "outer_updates": s["outer_steps"],
-            "staleness": s["staleness"],
-            "islands": {
-                i: {
-                    k: v[k]
-                    for k in ("submissions", "inner_steps", "steps_per_s", "staleness_mean", "staleness_max", "tokens")
-                }
-                for i, v in s["islands"].items()
-            },
+    best = {n: min(lrs, key=lambda lr, n=n: grid[f"{n}@lr{lr:g}"]["final_eval_loss"]) for n in ROWS}
+    # 2. every method at its best lr over the seeds (at the default lr: seed 0, in the grid)
+    seeded: dict[str, dict[str, Any]] = {}
+    for tag, lr_of in (("best", best),):
+        table = {
+            f"{n}@lr{lr_of[n]:g}@s{s}": (d, row(n, lr_of[n], s, rounds, "mild", warm[s]))
+            for n, (d, _) in ROWS.items()
+            for s in seeds
+            if s
         }
-    sync, dn, naive = results["sync"], results["dn_dylu"], results["naive_async"]
-    reach = dn["sim_seconds_to_sync_final_loss"]
+        done = {
+            **{f"{n}@lr{lr_of[n]:g}@s0": grid[f"{n}@lr{lr_of[n]:g}"] for n in ROWS},
+            **(run(table) if table else {}),
+        }
+        seeded[tag] = done
+    # 3. the harsh fleet at each method's best lr, seed 0
+    harsh = run({f"{n}@harsh": (d, row(n, best[n], 0, rounds, "harsh", warm[0])) for n, (d, _) in ROWS.items()})
+    # 4. equal simulated time: each method given the simulated seconds sync took
+    sync_s = grid[f"sync@lr{best['sync']:g}"]["clock_seconds"]
+    stretch = {
+        n: max(rounds, round(rounds * sync_s / grid[f"{n}@lr{best[n]:g}"]["clock_seconds"]))
+        for n in ROWS
+        if n != "sync"
+    }
+    equal = (
+        {}
+        if quick
+        else run(
+            {
+                f"{n}@time": (d, row(n, best[n], 0, stretch[n], "mild", warm[0]))
+                for n, (d, _) in ROWS.items()
+                if n != "sync"
+            }
+        )
+    )
+    return _report(quick, work, rounds, grid, best, seeded, harsh, equal, seeds, lrs)
+
+
+def _stats(summaries: list[dict[str, Any]]) -> tuple[float, list[float]]:
+    losses = [s["final_eval_loss"] for s in summaries]
+    return statistics.mean(losses), losses
+
+
+def _report(
+    quick: bool,
+    work: Path,
+    rounds: int,
+    grid: dict[str, dict[str, Any]],
+    best: dict[str, float],
+    seeded: dict[str, dict[str, dict[str, Any]]],
+    harsh: dict[str, dict[str, Any]],
+    equal: dict[str, dict[str, Any]],
+    seeds: tuple[int, ...],
+    lrs: tuple[float, ...],
+) -> BenchResult:
+    def of(tag: str, n: str) -> list[dict[str, Any]]:
+        return [seeded[tag][f"{n}@lr{best[n]:g}@s{s}"] for s in seeds]
+
+    name0 = {n: f"{n}@lr{best[n]:g}" for n in ROWS}
+    by_clock = {n: eval_curve(work / name0[n], grid[name0[n]], "clock_seconds") for n in ROWS}
+    by_tokens = {n: eval_curve(work / name0[n], grid[name0[n]], "tokens_total") for n in ROWS}
+    sync_final, _ = _stats(of("best", "sync"))
+    results: dict[str, dict[str, Any]] = {}
+    for n, (desc, _) in ROWS.items():
+        s0 = grid[name0[n]]
+        mean, losses = _stats(of("best", n))
+        reach = [
+            time_to_reach(eval_curve(work / key, seeded["best"][key], "clock_seconds"), sync_final)
+            for key in (f"{n}@lr{best[n]:g}@s{s}" for s in seeds)
+        ]
+        results[n] = {
+            "description": desc,
+            "overrides": ROWS[n][1],
+            "best_outer_lr": best[n],
+            "lr_grid": {f"{lr:g}": grid[f"{n}@lr{lr:g}"]["final_eval_loss"] for lr in lrs},
+            "final_eval_loss": mean,
+            "final_eval_loss_seeds": losses,
+            "final_eval_loss_default_lr_seed0": grid[f"{n}@lr{DEFAULT_LR:g}"]["final_eval_loss"]
+            if DEFAULT_LR in lrs
+            else None,
+            "sim_seconds": s0["clock_seconds"],
+            # on the run given sync's simulated time (a run of sync's tokens may end before sync's loss)
+            "sim_seconds_to_sync_final_loss": time_to_reach(
+                eval_curve(work / f"{n}@time", equal[f"{n}@time"], "clock_seconds"), sync_final
+            )
+            if f"{n}@time" in equal
+            else (None if None in reach else statistics.mean(r for r in reach if r is not None)),
+            "sim_seconds_to_sync_final_loss_equal_tokens_seeds": reach,
+            "loss_at_sync_time": (equal[f"{n}@time"]["final_eval_loss"] if f"{n}@time" in equal else None)
+            if n != "sync"
+            else mean,
+            "harsh_final_eval_loss": harsh[f"{n}@harsh"]["final_eval_loss"],
+            "harsh_sim_seconds": harsh[f"{n}@harsh"]["clock_seconds"],
+            "tokens": s0["tokens"],
+            "outer_updates": s0["outer_steps"],
+            "staleness": s0["staleness"],
+        }
+    sync, q, dn = results["sync"], results["quorum"], results["dn_dylu"]
+    reach_q = q["sim_seconds_to_sync_final_loss"]
     checks = {
-        "dn_dylu_sim_time_to_sync_loss_le_0.5x": {
-            "value": reach / sync["sim_seconds"] if reach is not None else None,
-            "ok": reach is not None and reach <= 0.5 * sync["sim_seconds"],
+        "quorum_sim_time_to_sync_loss_le_0.5x": {
+            "value": reach_q / sync["sim_seconds"] if reach_q is not None else None,
+            "ok": reach_q is not None and reach_q <= 0.5 * sync["sim_seconds"],
         },
-        "dn_dylu_loss_le_1.01x_sync_at_equal_tokens": {
+        "quorum_loss_le_1.01x_sync_at_equal_tokens": {
+            "value": q["final_eval_loss"] / sync["final_eval_loss"],
+            "ok": q["final_eval_loss"] <= 1.01 * sync["final_eval_loss"],
+        },
+        "dn_dylu_loss_le_1.01x_sync_at_equal_tokens (the paper's parity)": {
             "value": dn["final_eval_loss"] / sync["final_eval_loss"],
             "ok": dn["final_eval_loss"] <= 1.01 * sync["final_eval_loss"],
         },
-        "naive_async_worse_than_dn_dylu_but_finite": {
-            "value": naive["final_eval_loss"] - dn["final_eval_loss"],
-            "ok": dn["final_eval_loss"] < naive["final_eval_loss"] < 2 * naive["initial_eval_loss"],
-        },
     }
+    reach_txt = "never" if reach_q is None else f"{reach_q:.0f}s"
     line = (
-        f"hetero: sync {sync['final_eval_loss']:.4f} in {sync['sim_seconds']:.0f} simulated s; dn_dylu "
-        f"{dn['final_eval_loss']:.4f} in {dn['sim_seconds']:.0f} s (reaches sync's loss at "
-        f"{'never' if reach is None else f'{reach:.0f}s'}); naive {naive['final_eval_loss']:.4f}; "
-        f"{targets_met(checks)}"
+        f"hetero: sync {sync['final_eval_loss']:.4f} in {sync['sim_seconds']:.0f} simulated s; quorum "
+        f"{q['final_eval_loss']:.4f} in {q['sim_seconds']:.0f} s (reaches sync's loss at {reach_txt}); dn_dylu "
+        f"{dn['final_eval_loss']:.4f}; {targets_met(checks)}"
     )
     return BenchResult(
         "hetero",
         quick,
         results,
         line,
-        _markdown(results, checks, rounds),
+        _markdown(results, checks, rounds, len(seeds)),
         [Panel("simulated seconds (virtual clock)", by_clock), Panel("tokens", by_tokens)],
-        extra={"checks": checks, "speeds": SPEEDS, "virtual_step_s": STEP_S, "warm_start_steps": WARM},
+        extra={"checks": checks, "fleets": FLEETS, "virtual_step_s": STEP_S, "warm_start_steps": WARM, "lrs": LRS},
     )
 
 
-def _markdown(r: dict[str, dict[str, Any]], checks: dict[str, dict[str, Any]], rounds: int) -> str:
+def _markdown(r: dict[str, dict[str, Any]], checks: dict[str, dict[str, Any]], rounds: int, seeds: int) -> str:
+    def num(x: float | None, fmt: str = ".4f") -> str:
+        return "n/a" if x is None else format(x, fmt)
+
     rows = [
         [
-            f"`{name}`",
+            f"`{n}`",
             m["description"],
-            f"{m['final_eval_loss']:.4f}",
+            f"{m['best_outer_lr']:g}",
+            f"{m['final_eval_loss']:.4f} ({', '.join(f'{x:.4f}' for x in m['final_eval_loss_seeds'])})",
+            num(m["final_eval_loss_default_lr_seed0"]),
             f"{m['sim_seconds']:.1f}",
             "not reached"
             if m["sim_seconds_to_sync_final_loss"] is None
             else f"{m['sim_seconds_to_sync_final_loss']:.1f}",
+            num(m["loss_at_sync_time"]),
+            f"{m['harsh_final_eval_loss']:.4f} in {m['harsh_sim_seconds']:.0f} s",
             str(m["outer_updates"]),
             f"{m['staleness']['mean']:.2f} / {m['staleness']['max']}",
-            " / ".join(f"{v['steps_per_s']:.1f}" for v in m["islands"].values()),
         ]
-        for name, m in r.items()
+        for n, m in r.items()
     ]
-    table = md_table(
-        [
-            "method",
-            "what",
-            "final eval loss",
-            "simulated s",
-            "simulated s to sync's final loss",
-            "outer updates",
-            "staleness mean / max",
-            "measured steps/s per island",
-        ],
-        rows,
-    )
+    header = [
+        "method",
+        "what",
+        "best outer lr",
+        f"final eval loss, mean of {seeds} seeds (each)",
+        "at lr 0.7 (default), seed 0",
+        "simulated s",
+        "simulated s to sync's final loss",
+        "loss at sync's simulated time",
+        "harsh fleet (1, ½, ¼, ⅛)",
+        "outer updates",
+        "staleness mean / max",
+    ]
     return (
-        f"{K} islands of speeds {SPEEDS} on a virtual clock ({STEP_S} simulated s per inner step at speed 1; "
-        f"the islands really train on Ray, nothing sleeps), after a shared warm start ({WARM} data-parallel steps); "
-        f"H = {H}, budget {rounds} rounds x {K} islands x {H} inner steps for every method.\n\n"
-        + table
+        f"{K} islands on a virtual clock ({STEP_S} simulated s per inner step at speed 1), the in-process island "
+        f"pool (real engine, islands and training; simulated time); after a shared warm start ({WARM} data-parallel "
+        f"steps per seed); H = {H}, budget {rounds} rounds x {K} islands x {H} inner steps for every method; outer "
+        f"lr tuned per method over {list(LRS)} (naive: ÷ {K}) on seed 0, mild fleet (1, 1, ½, ¼).\n\n"
+        + md_table(header, rows)
         + "\n\n"
         + checks_table(checks)
         + "\n\nPaper (Liu et al. 2024, 20M model, ppl): sync DiLoCo 41.35, naive async 44.27, DN+DyLU 41.13."

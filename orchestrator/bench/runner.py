@@ -14,6 +14,8 @@ import ray
 
 from orchestrator.config import RunConfig
 from orchestrator.config_load import dump_config, load_config
+from orchestrator.engine.build import PhasedRun
+from orchestrator.engine.pool import InProcessPool
 from orchestrator.engine.warm_start import MARKER, mark_finished, warm_config, warm_dir
 from orchestrator.runtime.driver import init_ray, run
 
@@ -50,15 +52,29 @@ def finished(cfg: RunConfig) -> dict[str, Any] | None:
     return summary
 
 
-def run_methods(base: list[str], table: Table, work: Path) -> dict[str, dict[str, Any]]:
-    """The summary of every method's run (its outputs are in `work/<name>`)."""
+def run_in_process(cfg: RunConfig) -> dict[str, Any]:
+    """`cfg` run to the end on the in-process island pool: the same engine, policies and
+    island code as under Ray, with the islands as objects of this process taking turns
+    and the virtual clock (`islands.virtual_step_s`) for time — what a scenario of many
+    simulated islands on two cores can afford. Its summary."""
+    step_s = cfg.islands.virtual_step_s
+    if step_s is None:
+        raise ValueError("an in-process run needs islands.virtual_step_s (its clock is simulated)")
+    return PhasedRun(cfg, "bench", lambda c, _rid: InProcessPool(c, step_s=step_s)).execute()
+
+
+def run_methods(base: list[str], table: Table, work: Path, in_process: bool = False) -> dict[str, dict[str, Any]]:
+    """The summary of every method's run (its outputs are in `work/<name>`), on Ray or,
+    with `in_process`, on the in-process pool (`run_in_process`)."""
     summaries: dict[str, dict[str, Any]] = {}
     started = False
     try:
         for name, (_, overrides) in table.items():
             cfg = load_config(None, [*base, *overrides, f"out_dir={work / name}"])
             summary = finished(cfg)
-            if summary is None:
+            if summary is None and in_process:
+                summary = run_in_process(cfg)
+            elif summary is None:
                 started = init_ray(cfg) or started
                 summary = run(cfg, show_progress=False)
             summaries[name] = summary
@@ -75,19 +91,22 @@ def run_methods(base: list[str], table: Table, work: Path) -> dict[str, dict[str
     return summaries
 
 
-def train_warm_start(base: list[str], seed: int, steps: int, out: Path) -> Path:
+def train_warm_start(base: list[str], seed: int, steps: int, out: Path, in_process: bool = False) -> Path:
     """Train the warm start of the run `base` describes (the product's warm phase, alone)
     once, for every method of a scenario to continue (`warm_start.path`); its folder."""
     cfg = load_config(None, [*base, f"seed={seed}", f"warm_start.steps={steps}", f"out_dir={out}"])
     warm = warm_config(cfg)
     if (warm_dir(cfg) / MARKER).exists() and finished(warm) is not None:
         return warm_dir(cfg)
-    started = init_ray(warm)
-    try:
-        summary = run(warm, show_progress=False)
-    finally:
-        if started:
-            ray.shutdown()
+    if in_process:
+        summary = run_in_process(warm)
+    else:
+        started = init_ray(warm)
+        try:
+            summary = run(warm, show_progress=False)
+        finally:
+            if started:
+                ray.shutdown()
     mark_finished(cfg, f"bench-s{seed}", summary)
     log.info(
         "  warm start seed %d: eval loss %.4f -> %.4f in %.0fs",

@@ -41,6 +41,7 @@ from orchestrator.engine.types import (
     Decision,
     Event,
     IslandState,
+    Merge,
     RunFailed,
     RunPhase,
     SliceLost,
@@ -362,6 +363,8 @@ class RoundEngine:
         stats = self.members.islands[r.island]
         self.stats.account(stats, r, verdict, staleness, trained)
         stats.steps_per_s = self.speeds.speeds.get(r.island, 0.0)
+        if verdict.admitted:
+            stats.merge = Merge.LATE if staleness > 0 else Merge.MERGED
         self._judged(r.island, verdict, version=r.version)
 
     def _fail(self, island: int, reason: str) -> None:

@@ -21,7 +21,7 @@ from orchestrator.engine.publisher import Publisher
 from orchestrator.engine.records import EventLog
 from orchestrator.engine.screen import Sizes, screen
 from orchestrator.engine.stats import RunStats
-from orchestrator.engine.types import Contribution, Decision, Event, IslandState, Reason
+from orchestrator.engine.types import Contribution, Decision, Event, IslandState, Merge, Reason
 from workers.wire.messages import RoundResult, WorkOrder
 
 POLL_S = 0.2  # the longest the engine waits on the pool: a stop-now is seen within it
@@ -85,7 +85,7 @@ class InFlight:
             eager=work.eager,
             send_after=work.send_after,
         )
-        stats.inner_steps = work.steps
+        stats.inner_steps, stats.merge = work.steps, Merge.TRAINING
         deadline = self.pool.now() + delivery.delay_s + self.cfg.deadline_s(work.steps)
         received = 0 if delivery.bootstrap else delivery.nbytes
         self.flights[ticket] = Flight(ticket, work, deadline, sent_at=self.pool.now(), received=received)
@@ -128,6 +128,7 @@ class InFlight:
         sent_at = finished - min(result.tail_s, result.compute_s)
         flight.delivered_at = sent_at + self.cfg.island_link(island).seconds(result.nbytes)
         self.run.completed_steps += result.steps
+        self.members.islands[island].merge = Merge.WAITING
         self.pacing.arrived(flight)
 
     def refuse(self, ticket: int, island: int, problem: str, reason: Reason) -> None:

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from orchestrator.engine.types import IslandState
+from orchestrator.engine.types import IslandState, Merge
 
 RECENT = 16  # submissions kept for the "recent" staleness statistics
 
@@ -41,6 +41,7 @@ class IslandStats:
     staleness_max: int = 0
     staleness_total: int = 0
     submissions: int = 0
+    merge: Merge | None = None  # where its latest work stands against the outer step
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT), repr=False)
 
     def observe_staleness(self, staleness: int) -> None:
@@ -53,6 +54,7 @@ class IslandStats:
     def as_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "recent"}
         d["state"] = self.state.value
+        d["merge"] = self.merge.value if self.merge is not None else None
         d["staleness_mean"] = self.staleness_total / self.submissions if self.submissions else 0.0
         d["staleness_recent_max"] = max(self.recent, default=0)
         d["staleness_recent_mean"] = sum(self.recent) / len(self.recent) if self.recent else 0.0

@@ -64,7 +64,7 @@ class Outputs:
             "rounds": cfg.rounds,
         }
         self.islands_view: dict[str, dict[str, Any]] = {}  # what /v1/islands serves (`refresh_islands`)
-        self._islands_seen: tuple[int, int] | None = None
+        self._islands_seen: tuple[Any, ...] | None = None
 
     def evaluate(self) -> float:
         self.outer.copy_to(self.flat.data)
@@ -117,7 +117,7 @@ class Outputs:
 
     def refresh_islands(self) -> None:
         """Rebuild the view of the islands when something happened (an event or a record)."""
-        seen = (self.events.count, self.stats.rounds_done)
+        seen = (self.events.count, self.stats.rounds_done, tuple(s.merge for s in self.members.islands.values()))
         if seen == self._islands_seen:
             return
         self._islands_seen = seen

@@ -93,6 +93,18 @@ class Phase(str, Enum):
     MAIN = "main"
 
 
+class Merge(str, Enum):
+    """Where an island's latest work stands against the outer step (the dashboard's
+    `result` column): `training` it; `waiting` for its step (in the quorum's grace window,
+    or for the rest of a barrier round); `merged` into the step of its version; `late`,
+    merged into a later step (discounted by its age)."""
+
+    TRAINING = "training"
+    WAITING = "waiting"
+    MERGED = "merged"
+    LATE = "late"
+
+
 class RunPhase(str, Enum):
     STARTING = "starting"
     TRAINING = "training"

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from orchestrator.engine.types import Event, IslandState, Phase, RunPhase
+from orchestrator.engine.types import Event, IslandState, Merge, Phase, RunPhase
 
 
 class _View(BaseModel):
@@ -79,6 +79,7 @@ class IslandView(_View):
     staleness_recent_max: int = 0
     staleness_recent_mean: float = 0.0
     submissions: int = 0
+    merge: Merge | None = None
     tokens_per_s: float = 0.0
     idle_fraction: float | None = None  # in the summary: the share of the run it was not computing
 
