@@ -292,12 +292,24 @@ class CheckpointConfig(_Strict):
     )
 
 
+class OnFailure(str, Enum):
+    CONTINUE = "continue"
+    RESTART = "restart"
+
+
 class ElasticConfig(_Strict):
     """Membership changes: target island count, replacement of dead islands, joins, drains."""
 
     min_islands: int = Field(1, ge=1, description="scale-down floor")
     max_islands: int = Field(64, ge=1, description="scale-up ceiling")
     replace_dead: bool = Field(True, description="launch a replacement when an island dies (target kept)")
+    on_failure: OnFailure = Field(
+        OnFailure.CONTINUE,
+        description="continue (the others train on; only the failed island's work is lost) or restart (every "
+        "failure stops every island's work, the run resumes from its last step after restart_s: the "
+        "stop-the-world recovery of a checkpoint-restart job, kept as a baseline)",
+    )
+    restart_s: float = Field(30.0, ge=0, description="on_failure restart: seconds the fleet stands still per failure")
     join_weight: float = Field(0.5, gt=0, le=1, description="weight factor of a newcomer's first contribution")
     join_rewarmup_steps: int = Field(20, ge=0, description="a newcomer ramps its lr up over this many steps")
     drain: Literal["finish", "abandon"] = Field(

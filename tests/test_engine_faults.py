@@ -216,3 +216,22 @@ def test_seeded_chaos_trains_each_batch_once_and_ends_close_to_the_clean_run(tmp
     assert summary["final_eval_loss"] <= clean["final_eval_loss"] * 1.25 + 0.02, (actions, summary["final_eval_loss"])
     kinds = {e["kind"] for e in events(cfg.out_dir)}
     assert "crash" in kinds and kinds & {"join", "drain"}
+
+
+@pytest.mark.parametrize("mode", ["diloco", "ddp", "async", "overlap", "streaming", "quorum"])
+def test_restart_on_failure_gives_up_every_islands_work_and_stands_still(tmp_path, mode):
+    """`elastic.on_failure: restart` (the checkpoint-restart baseline): a crash costs every
+    island's work in progress and `restart_s` of standing still; each batch is still
+    trained exactly once and the run trains its full budget of batches."""
+    clean = run_scenario(scenario_cfg(tmp_path, mode))
+    cfg = scenario_cfg(tmp_path, mode, "elastic.on_failure=restart", "elastic.restart_s=7")
+    engine, _ = in_process_engine(cfg, [Fault(FaultKind.CRASH, island=1, order=2)])
+    drive(engine)
+    check_exactly_once(cfg, engine.summary)
+    restarts = [e for e in engine.events.since(0) if e["kind"] == "restart"]
+    assert len(restarts) == 1 and restarts[0]["halt_s"] == 7
+    gave_up = [e for e in engine.events.since(0) if e["kind"] == "lost" and "restarts" in e["reason"]]
+    assert gave_up  # the other islands' work went with it
+    assert engine.summary["clock_seconds"] >= clean["clock_seconds"] + 7
+    batches = sum(engine.summary["shards"]["position"])
+    assert batches == sum(clean["shards"]["position"])  # the full budget, the given-up round redone

@@ -149,6 +149,7 @@ class RoundEngine:
             events=self.events,
             disk=self.disk,
             forget=self.inflight.forget,
+            halt=self._halt,
         )
         self.stop_seen = False
         if takes_changes:
@@ -366,6 +367,21 @@ class RoundEngine:
         if verdict.admitted:
             stats.merge = Merge.LATE if staleness > 0 else Merge.MERGED
         self._judged(r.island, verdict, version=r.version)
+
+    def _halt(self, seconds: float, reason: str) -> None:
+        """Stop-the-world recovery (`elastic.on_failure: restart`): every island's work,
+        out or arrived and not yet stepped, is given up (its batches go back to the
+        ledger), and nothing trains for `seconds` — what a job restarted from its last
+        checkpoint loses; the run goes on from its last outer step."""
+        for ticket in sorted(self.flights, reverse=True):
+            flight = self.flights[ticket]
+            if flight.result is not None:
+                self.run.completed_steps -= flight.result.steps
+            self.inflight.lose(ticket, f"the run restarts: {reason}")
+        self.pacing.restart(self.run)
+        self.events.add(Event.RESTART, version=self.run.version, reason=reason, halt_s=seconds)
+        self.pool.sleep_until(self.pool.now() + seconds)
+        self._handle(self.pool.poll(0.0))  # replacements that joined while it stood still train at once
 
     def _fail(self, island: int, reason: str) -> None:
         self.fleet.fail(island, reason)

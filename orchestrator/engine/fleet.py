@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.config import RunConfig
+from orchestrator.config import OnFailure, RunConfig
 from orchestrator.engine.checkpoints import load_intent, save_intent
 from orchestrator.engine.commands import Drain, Inbox, SetTarget
 from orchestrator.engine.membership import Membership
@@ -75,11 +75,13 @@ class Retire:
 
     state: IslandState
     replace: bool
+    halt_s: float | None = None  # then every island's work is given up and the fleet stands still this long
 
 
 class FailurePolicy:
-    def __init__(self, replace_dead: bool) -> None:
-        self.replace_dead = replace_dead
+    def __init__(self, replace_dead: bool, restart_s: float | None) -> None:
+        """`restart_s`: every failure halts the whole fleet this long (None: never)."""
+        self.replace_dead, self.restart_s = replace_dead, restart_s
 
     def decide(self, state_now: IslandState, failure: IslandState) -> Retire | None:
         """None for an island already gone; one that was draining just leaves as drained."""
@@ -87,7 +89,7 @@ class FailurePolicy:
             return None
         if state_now == IslandState.DRAINING:
             return Retire(state=IslandState.DRAINED, replace=False)
-        return Retire(state=failure, replace=self.replace_dead)
+        return Retire(state=failure, replace=self.replace_dead, halt_s=self.restart_s)
 
 
 class Fleet:
@@ -102,11 +104,15 @@ class Fleet:
         events: EventLog,
         disk: DiskFaults,
         forget: Callable[[int, IslandState], None],
+        halt: Callable[[float, str], None],
     ) -> None:
+        """`forget`: give up an island's work; `halt`: give up every island's work and
+        stand still (a restart after a failure)."""
         self.cfg, self.run_id, self.pool, self.members, self.run = cfg, run_id, pool, members, run
-        self.events, self.disk, self.forget = events, disk, forget
+        self.events, self.disk, self.forget, self.halt = events, disk, forget, halt
         self.scaling = ScalingPolicy(abandon=cfg.elastic.drain == "abandon")
-        self.failures = FailurePolicy(cfg.elastic.replace_dead)
+        restart = cfg.elastic.restart_s if cfg.elastic.on_failure == OnFailure.RESTART else None
+        self.failures = FailurePolicy(cfg.elastic.replace_dead, restart)
         self._demanded: int | None = None
         self._intent: dict | None = None  # last membership intent written (`journal`)
         self._journalled_at = -1  # events.count when the intent was last looked at
@@ -255,6 +261,9 @@ class Fleet:
             self.members.target = max(0, self.members.target - 1)
         self.events.add(Event.CRASH if state == IslandState.DEAD else Event.QUARANTINED, island, reason=reason)
         self.release(island, retire.state, reason)
+        if retire.halt_s is not None:  # its replacement is placed while the fleet stands still
+            self.apply(None, set())
+            self.halt(retire.halt_s, f"island {island} failed ({reason})")
 
     # -- the pool's news ---------------------------------------------------------------------
     def joined(self, event: Joined, starting: bool) -> float | None:

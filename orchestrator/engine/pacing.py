@@ -106,6 +106,10 @@ class Pacing(Protocol):
     def resume(self, run: RunState) -> None:
         """Continue from a checkpoint's `run` (versions, completed steps)."""
 
+    def restart(self, run: RunState) -> None:
+        """Every island's work was given up (a stop-the-world restart): start the step
+        over from the current version."""
+
 
 class Barrier:
     """`steps_per_record` outer steps make one recorded round (1 for diloco; H for ddp,
@@ -157,6 +161,9 @@ class Barrier:
 
     def resume(self, run: RunState) -> None:
         pass
+
+    def restart(self, run: RunState) -> None:
+        self.open, self.out = [], 0
 
 
 class TokenBudget:
@@ -216,6 +223,9 @@ class TokenBudget:
     def resume(self, run: RunState) -> None:
         self.handed = run.completed_steps
         self.recorded = min(run.completed_steps // (self.k * run.inner_steps), run.rounds)
+
+    def restart(self, run: RunState) -> None:
+        self.queue = []  # their steps went back to the budget as they were lost
 
 
 class PerArrival(TokenBudget):
@@ -329,6 +339,14 @@ class OneRoundLag:
     def resume(self, run: RunState) -> None:
         pass  # the pipeline refills from `run.base`
 
+    def restart(self, run: RunState) -> None:
+        """The pipeline refills from the current version, as after a resume."""
+        self.next_round.clear()
+        self.arrivals.clear()
+        self.dispatched.clear()
+        self.stalled.clear()
+        run.base = run.version
+
 
 class FragmentSchedule:
     """Streaming DiLoCo's staggered schedule over another pacing. Segment t (1-based over
@@ -384,3 +402,6 @@ class FragmentSchedule:
 
     def resume(self, run: RunState) -> None:
         self.inner.resume(self._view(run))
+
+    def restart(self, run: RunState) -> None:
+        self.inner.restart(self._view(run))

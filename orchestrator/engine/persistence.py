@@ -17,7 +17,7 @@ from orchestrator.engine.outer_step import Outer
 from orchestrator.engine.pacing import Flight, Pacing, RunState
 from orchestrator.engine.publisher import Publisher
 from orchestrator.engine.stats import RunStats
-from orchestrator.engine.types import IslandState, RunFailed
+from orchestrator.engine.types import IslandState, Merge, RunFailed
 from workers.wire.flat import FlatParams
 
 RESUMABLE = ("mode", "data_shards")  # settings a checkpoint must share with the run resuming it
@@ -54,7 +54,12 @@ def capture(engine: Engine) -> dict[str, Any]:
         "outer": engine.outer.state_dict(),
         "admission": engine.admission.state_dict(),
         "members": {
-            i: {**dataclasses.asdict(s), "state": s.state.value, "recent": list(s.recent)}
+            i: {
+                **dataclasses.asdict(s),
+                "state": s.state.value,
+                "merge": s.merge.value if s.merge is not None else None,
+                "recent": list(s.recent),
+            }
             for i, s in engine.members.islands.items()
         },
         "ledger": engine.ledger.state(),
@@ -82,7 +87,10 @@ def restore(engine: Engine, state: dict[str, Any]) -> None:
     for i, saved_stats in state["members"].items():
         fields = dict(saved_stats)
         recent = fields.pop("recent", [])
-        stats = IslandStats(**{**fields, "state": IslandState(fields["state"])})
+        merge = fields.get("merge")  # absent from a checkpoint older than the field
+        stats = IslandStats(
+            **{**fields, "state": IslandState(fields["state"]), "merge": Merge(merge) if merge else None}
+        )
         stats.recent.extend(recent)
         engine.members.islands[int(i)] = stats
     engine.ledger.load(state["ledger"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
@@ -20,6 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from orchestrator.config import Mode, RunConfig
+from orchestrator.engine.chaos import Strike, TimedFault
 from workers.runtime.island import Island, IslandSpec
 from workers.wire.messages import RoundResult, Sliced, WorkOrder
 
@@ -158,8 +160,15 @@ class InProcessPool:
         faults: list[Fault] | None = None,
         join_s: float = 0.0,
         unplaceable: set[int] | None = None,
+        chaos: list[TimedFault] | None = None,
+        chaos_seed: int = 0,
     ) -> None:
+        """`faults` strike an island's n-th work order; `chaos` strikes in time, each
+        fault whichever island (drawn with `chaos_seed`) is working when it comes."""
         self.cfg, self.step_s, self.join_s = cfg, step_s, join_s
+        self.chaos = sorted(chaos or [], key=lambda f: f.at)
+        self.rng = np.random.default_rng(chaos_seed)
+        self.slow: dict[int, tuple[float, float]] = {}  # island -> (factor, until)
         self.faults = list(faults or [])
         self.unplaceable = set(unplaceable or ())  # islands whose placement never succeeds
         self.islands: dict[int, Island] = {}
@@ -233,7 +242,9 @@ class InProcessPool:
         n = self.orders[i] = self.orders.get(i, 0) + 1
         fault = self._fault(i, n)
         island = self.islands[i]
-        duration = order.start_delay_s + order.steps * self.step_s * island.spec.slowdown
+        factor, until = self.slow.get(i, (1.0, 0.0))
+        step = self.step_s * island.spec.slowdown * (factor if self.t < until else 1.0)
+        duration = order.start_delay_s + order.steps * step
         result = island.run(dataclasses.replace(order, start_delay_s=0.0), params)  # what it read, it read
         if fault is not None and fault.kind == FaultKind.CRASH:
             self.dead.add(i)
@@ -256,7 +267,6 @@ class InProcessPool:
             return
         if fault is not None and fault.kind == FaultKind.LATE:
             duration += fault.seconds
-        step = self.step_s * island.spec.slowdown
         compute = order.steps * step  # virtual, so DyLU sees the simulated speeds
         timed = dataclasses.replace(
             result, finished_at=self.t + duration, compute_s=compute, tail_s=result.tail_steps * step
@@ -266,6 +276,8 @@ class InProcessPool:
         self._at(self.t + duration, Done(ticket=order.ticket, island=i, result=timed))
 
     def poll(self, timeout: float, wake: float | None = None) -> list[PoolEvent]:
+        while self.chaos and self.chaos[0].at <= min(self._queue[0].at if self._queue else math.inf, self.t + timeout):
+            self._strike(self.chaos.pop(0))
         if not self._queue or self._queue[0].at > self.t + timeout:
             self.t += timeout
             return []
@@ -275,6 +287,29 @@ class InProcessPool:
         while self._queue and self._queue[0].at <= self.t:
             events.append(heapq.heappop(self._queue).event)
         return events
+
+    def _strike(self, fault: TimedFault) -> None:
+        """`fault` hits one island with work due (none working: it passes harmlessly)."""
+        working = [p for p in self._queue if isinstance(p.event, Done)]
+        if not working:
+            return
+        hit = working[int(self.rng.integers(len(working)))]
+        at, i = max(fault.at, self.t), hit.event.island
+        self._queue.remove(hit)
+        if fault.kind == Strike.CRASH:
+            self.dead.add(i)
+            self._queue.append(
+                _Pending(
+                    at, next(self._seq), Failed(ticket=hit.event.ticket, island=i, reason="actor died: injected crash")
+                )
+            )
+        elif fault.kind == Strike.SLOW:
+            self.slow[i] = (fault.factor, at + fault.lasts)
+            r = hit.event.result
+            due = at + (hit.at - at) * fault.factor
+            slowed = dataclasses.replace(r, finished_at=due, compute_s=r.compute_s + (due - hit.at))
+            self._queue.append(_Pending(due, next(self._seq), Done(ticket=hit.event.ticket, island=i, result=slowed)))
+        heapq.heapify(self._queue)  # a hang: its result is gone, it never answers
 
     def close(self) -> None:
         self.islands.clear()

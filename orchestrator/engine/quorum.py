@@ -120,3 +120,7 @@ class Quorum(TokenBudget):
         factors = {f.work.island: age_factor(run.version - f.work.version, self.rule.age_power) for f in flights}
         self.queue, self.last_reached, self.reached_at = [], self.reached_at, None
         return Close(run.closes + 1, flights, expected=None, advances=False, factors=factors)
+
+    def restart(self, run: RunState) -> None:
+        super().restart(run)
+        self.reached_at = None

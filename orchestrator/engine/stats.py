@@ -26,6 +26,7 @@ COUNTERS = (
     "initial_eval",
     "last_eval",
     "rounds_done",
+    "useful_compute_s",
 )
 
 
@@ -51,6 +52,7 @@ class RunStats:
         self.initial_eval: float | None = None
         self.last_eval: float | None = None
         self.rounds_done = 0
+        self.useful_compute_s = 0.0  # island-seconds of work whose update reached the model (goodput)
         self.train_elapsed = 0.0
         self.t0 = self.t_train = time.perf_counter()
         self.window = Window(0)
@@ -98,6 +100,7 @@ class RunStats:
         w.staleness.append(staleness)
         w.losses.setdefault(r.island, []).append(r.mean_loss)
         if verdict.admitted:
+            self.useful_compute_s += r.compute_s
             stats.rounds_contributed += 1
             stats.last_contribution = time.time()
             self.tokens_applied += r.weight
@@ -213,6 +216,7 @@ class RunStats:
             "train_seconds": train_s,
             "tokens_per_s": self.tokens / max(1e-9, train_s),
             "compute_seconds": sum(s["compute_s"] for s in alive) / len(alive) if alive else 0.0,
+            "useful_compute_seconds": self.useful_compute_s,
             "idle_fraction": sum(s["idle_fraction"] for s in alive) / len(alive) if alive else 0.0,
             "num_params": numel,
             "islands": islands,

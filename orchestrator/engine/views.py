@@ -149,6 +149,7 @@ class Summary(_View):
     train_seconds: float
     tokens_per_s: float
     compute_seconds: float
+    useful_compute_seconds: float = 0.0  # island-seconds of work whose update reached the model
     idle_fraction: float
     num_params: int
     islands: dict[str, IslandView]
