@@ -171,6 +171,11 @@ class AsyncConfig(_Strict):
         1.0, ge=0, description="rule quorum: a result a versions old merges with weight tokens x (1 + a)^-age_power"
     )
     delay: int | None = Field(None, ge=1, description="DN's N (default: the number of islands)")
+    token_weighted: bool = Field(
+        True,
+        description="delayed_nesterov / naive: scale each arrival by its inner steps over the islands' mean H, so "
+        "DyLU's short and long updates weigh by their tokens (false: equally, as in the paper)",
+    )
     c: float = Field(0.0, ge=0, le=1, description="DN momentum fraction between updates, in [0, 1/N]")
     dylu: bool = Field(True, description="Dynamic Local Updates: H per island from its measured speed")
     speed_smoothing: float = Field(0.5, ge=0, lt=1, description="EMA factor of measured steps/s")

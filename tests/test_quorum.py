@@ -181,3 +181,17 @@ def test_quorum_settings_are_refused_for_another_rule(tmp_path):
 def test_a_quorum_above_the_island_count_is_a_config_error_naming_the_field(tmp_path):
     with pytest.raises(ValueError, match=r"asynchronous\.quorum"):
         scenario_cfg(tmp_path, "quorum", "asynchronous.quorum=4")
+
+
+def test_delayed_nesterov_accumulates_arrivals_by_their_tokens(tmp_path):
+    """Token-weighted DN (`asynchronous.token_weighted`, the default): with DyLU's H of 8, 8
+    and 2 steps, each arrival's update is scaled by its H over their mean (6), so N arrivals
+    fill the momentum buffer by the tokens behind them; false gives the paper's equal weights."""
+    slow = "islands.simulated_slowdown=[1.0,1.0,4.0]"
+    for weighted, expected in ((True, {0: 8 / 6, 1: 8 / 6, 2: 2 / 6}), (False, {0: 1.0, 1: 1.0, 2: 1.0})):
+        cfg = scenario_cfg(tmp_path, "async", "inner_steps=8", slow, f"asynchronous.token_weighted={weighted}")
+        engine, _ = in_process_engine(cfg)
+        closes = _watch(engine)
+        drive(engine, until=1)
+        first = {c.flights[0].work.island: c.scale for _, c in closes[:3]}
+        assert first == pytest.approx(expected)

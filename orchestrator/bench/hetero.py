@@ -37,7 +37,7 @@ H = 50
 STEP_S = 0.1  # simulated seconds per inner step of a speed-1 island
 WARM = 200
 DEFAULT_LR = 0.7
-LRS = (0.5, 0.7, 1.0)
+LRS = (0.5, 0.7, 1.0, 1.4)
 SEEDS = (0, 1, 2)
 ROWS = {
     "sync": ("synchronous DiLoCo (Nesterov, β 0.9)", ["mode=diloco"]),
@@ -57,10 +57,32 @@ ROWS = {
 }
 
 
+# ablations of the async rules, each at its row's best lr (seed 0, mild fleet): what each part buys
+ABLATIONS = {
+    "quorum_fixed_h": ("quorum without DyLU: fixed H, slow islands merge late", "quorum", ["asynchronous.dylu=false"]),
+    "quorum_fixed_h_no_age": (
+        "quorum, fixed H, stale results at full token weight (α = 0)",
+        "quorum",
+        ["asynchronous.dylu=false", "asynchronous.age_power=0"],
+    ),
+    "quorum_fixed_h_sqrt_age": (
+        "quorum, fixed H, α = ½",
+        "quorum",
+        ["asynchronous.dylu=false", "asynchronous.age_power=0.5"],
+    ),
+    "dn_dylu_equal_weights": (
+        "Delayed Nesterov + DyLU, arrivals weighed equally (the paper's)",
+        "dn_dylu",
+        ["asynchronous.token_weighted=false"],
+    ),
+}
+
+
 def row(name: str, lr: float, seed: int, rounds: int, fleet: str, warm: Path | None) -> list[str]:
-    """The overrides of one run of method `name`."""
+    """The overrides of one run of method `name` (a row or an ablation)."""
     slowdown = ",".join(f"{1 / v:g}" for v in FLEETS[fleet])
     scaled = lr / K if name == "naive_async" else lr
+    extra = ROWS[name][1] if name in ROWS else [*ROWS[ABLATIONS[name][1]][1], *ABLATIONS[name][2]]
     out = [
         f"islands.count={K}",
         f"islands.simulated_slowdown=[{slowdown}]",
@@ -68,7 +90,7 @@ def row(name: str, lr: float, seed: int, rounds: int, fleet: str, warm: Path | N
         f"inner_steps={H}",
         f"rounds={rounds}",
         f"seed={seed}",
-        *ROWS[name][1],
+        *extra,
         f"outer.lr={scaled:g}",
     ]
     return out + ([f"warm_start.steps={WARM}", f"warm_start.path={warm}"] if warm is not None else [])
@@ -137,7 +159,12 @@ def hetero(quick: bool, work: Path) -> BenchResult:
             }
         )
     )
-    return _report(quick, work, rounds, grid, best, seeded, harsh, equal, seeds, lrs)
+    ablations = (
+        {}
+        if quick
+        else run({n: (d, row(n, best[of], 0, rounds, "mild", warm[0])) for n, (d, of, _) in ABLATIONS.items()})
+    )
+    return _report(quick, work, rounds, grid, best, seeded, harsh, equal, seeds, lrs, ablations)
 
 
 def _stats(summaries: list[dict[str, Any]]) -> tuple[float, list[float]]:
@@ -156,6 +183,7 @@ def _report(
     equal: dict[str, dict[str, Any]],
     seeds: tuple[int, ...],
     lrs: tuple[float, ...],
+    ablations: dict[str, dict[str, Any]],
 ) -> BenchResult:
     def of(tag: str, n: str) -> list[dict[str, Any]]:
         return [seeded[tag][f"{n}@lr{best[n]:g}@s{s}"] for s in seeds]
@@ -226,9 +254,19 @@ def _report(
         quick,
         results,
         line,
-        _markdown(results, checks, rounds, len(seeds)),
+        _markdown(results, checks, rounds, len(seeds)) + _ablation_table(ablations, grid, best),
         [Panel("simulated seconds (virtual clock)", by_clock), Panel("tokens", by_tokens)],
-        extra={"checks": checks, "fleets": FLEETS, "virtual_step_s": STEP_S, "warm_start_steps": WARM, "lrs": LRS},
+        extra={
+            "ablations": {
+                n: {"of": ABLATIONS[n][1], "final_eval_loss": a["final_eval_loss"], "staleness": a["staleness"]}
+                for n, a in ablations.items()
+            },
+            "checks": checks,
+            "fleets": FLEETS,
+            "virtual_step_s": STEP_S,
+            "warm_start_steps": WARM,
+            "lrs": LRS,
+        },
     )
 
 
@@ -277,3 +315,33 @@ def _markdown(r: dict[str, dict[str, Any]], checks: dict[str, dict[str, Any]], r
         + checks_table(checks)
         + "\n\nPaper (Liu et al. 2024, 20M model, ppl): sync DiLoCo 41.35, naive async 44.27, DN+DyLU 41.13."
     )
+
+
+def _ablation_table(
+    ablations: dict[str, dict[str, Any]], grid: dict[str, dict[str, Any]], best: dict[str, float]
+) -> str:
+    if not ablations:
+        return ""
+    rows = []
+    for n, a in ablations.items():
+        desc, of, _ = ABLATIONS[n]
+        base = grid[f"{of}@lr{best[of]:g}"]["final_eval_loss"]
+        rows.append(
+            [
+                f"`{n}`",
+                desc,
+                f"{a['final_eval_loss']:.4f}",
+                f"{base:.4f} (`{of}`)",
+                f"{a['clock_seconds']:.1f}",
+                f"{a['staleness']['mean']:.2f} / {a['staleness']['max']}",
+            ]
+        )
+    header = [
+        "ablation",
+        "what",
+        "final eval loss (seed 0)",
+        "the row it ablates",
+        "simulated s",
+        "staleness mean / max",
+    ]
+    return "\n\nAblations (seed 0, mild fleet, each at its row's best lr):\n\n" + md_table(header, rows)

@@ -335,7 +335,14 @@ class RoundEngine:
             self.pool.sleep_until(due)
         contributions = [self.inflight.contribution(r, close.fragment, close.factors) for r in results]
         outcome = take_step(
-            self.outer, self.admission, contributions, close.expected, self.run.version, close.anchor, close.fragment
+            self.outer,
+            self.admission,
+            contributions,
+            close.expected,
+            self.run.version,
+            close.anchor,
+            close.fragment,
+            close.scale,
         )
         verdicts = outcome.verdicts
         if outcome.gap is not None:

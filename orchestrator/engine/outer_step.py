@@ -272,10 +272,11 @@ def take_step(
     current: int,
     anchor: int | None = None,
     fragment: int | None = None,
+    scale: float = 1.0,
 ) -> StepOutcome:
     """One outer step: the facts of each update, admission's verdicts (against `expected`,
     or bounded staleness against `current`), then the weighted mean of the admitted ones
-    through the outer rule. Nothing rejected ever touches the parameters."""
+    through the outer rule, × `scale` (the pacing's). Nothing rejected ever touches the parameters."""
     key, facts = outer.inspect(contributions)
     verdicts = [
         admission.judge(c, f, expected if expected is not None else current, current)
@@ -285,6 +286,6 @@ def take_step(
     if not weights:
         outer.discard(key)
         return StepOutcome(verdicts, [c.island for c in contributions], False)
-    scale = min(v.scale for v in verdicts if v.admitted)
+    scale *= min(v.scale for v in verdicts if v.admitted)
     gap = outer.apply(key, weights, scale, anchor, fragment)
     return StepOutcome(verdicts, [c.island for c in contributions], True, gap)

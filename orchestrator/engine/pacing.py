@@ -83,6 +83,7 @@ class Close:
     advances: bool = True  # a round advances the version even if nothing is applied
     fragment: int | None = None  # streaming: the fragment this step updates (None: the whole model)
     factors: dict[int, float] | None = None  # island -> multiplier of its token weight (age-aware merging)
+    scale: float = 1.0  # multiplies the merged update (a per-arrival step's share of a round's tokens)
 
 
 def _by_island(flight: Flight) -> int:
@@ -229,6 +230,16 @@ class TokenBudget:
 
 
 class PerArrival(TokenBudget):
+    """`token_weighted`: each arrival's update is scaled by its inner steps over the mean
+    H of the islands' current work, so N arrivals of unequal H (DyLU) accumulate in
+    Delayed Nesterov's buffer in proportion to the tokens behind them, not equally."""
+
+    def __init__(
+        self, dylu: bool, speeds: SpeedTracker, islands: int, schedule_offset: int = 0, token_weighted: bool = False
+    ) -> None:
+        super().__init__(dylu, speeds, islands, schedule_offset)
+        self.token_weighted = token_weighted
+
     def plan(self, run: RunState, idle: list[int]) -> list[Work]:
         if run.stopping:
             return []
@@ -243,7 +254,13 @@ class PerArrival(TokenBudget):
     def next_close(self, run: RunState, in_flight: list[Flight]) -> Close | None:
         if not self.queue:
             return None
-        return Close(run.closes + 1, [self.queue.pop(0)], expected=None, advances=False)
+        flight = self.queue.pop(0)
+        scale = 1.0
+        if self.token_weighted:
+            h = self.speeds.steps(run.inner_steps) if self.dylu else {}
+            mean_h = sum(h.values()) / len(h) if h else run.inner_steps
+            scale = flight.work.steps / mean_h
+        return Close(run.closes + 1, [flight], expected=None, advances=False, scale=scale)
 
 
 def start_version(round_t: int, base: int = 0) -> int:

@@ -133,7 +133,7 @@ def build_policies(cfg: RunConfig, numel: int, fragments: Fragments | None = Non
         pacing = Quorum(rule, dylu, speeds, cfg.islands.count, cfg.warm_steps)
         staleness = BoundedStaleness(a.max_staleness, a.stale_policy == "downweight")
     elif cfg.mode == Mode.ASYNC:
-        pacing = PerArrival(a.dylu, speeds, cfg.islands.count, cfg.warm_steps)
+        pacing = PerArrival(a.dylu, speeds, cfg.islands.count, cfg.warm_steps, a.token_weighted)
         staleness = BoundedStaleness(a.max_staleness, a.stale_policy == "downweight")
     elif cfg.mode == Mode.OVERLAP:
         pacing = OneRoundLag(eager=cfg.overlap.eager)
