@@ -10,6 +10,7 @@ third crashes; a crashed or hung island is replaced after `JOIN_S` (its rejoin).
 - `sync`: synchronous DiLoCo, every round waits for its slowest island (and a hung one
   until its deadline);
 - `quorum`: the quorum rule of `mode: async` (DyLU, half the islands, adaptive grace);
+- `dn_dylu`: Delayed Nesterov with DyLU and token-weighted arrivals (`mode: async`);
 - `restart_from_checkpoint`: synchronous DiLoCo where every failure stops every island,
   gives up the round in progress and stands still `RESTART_S` (`elastic.on_failure:
   restart`: what a job restarted from its last checkpoint by Ray Train does);
@@ -56,6 +57,10 @@ MODEL = [
 ROWS = {
     "sync": ("synchronous DiLoCo", ["mode=diloco"]),
     "quorum": ("async quorum rule (DyLU, ⌈k/2⌉, adaptive grace)", ["mode=async", "asynchronous.rule=quorum"]),
+    "dn_dylu": (
+        "async Delayed Nesterov + DyLU, token-weighted",
+        ["mode=async", "asynchronous.rule=delayed_nesterov", "asynchronous.dylu=true"],
+    ),
     "restart_from_checkpoint": (
         f"synchronous DiLoCo, every failure restarts the fleet ({RESTART_S:g} s)",
         ["mode=diloco", "elastic.on_failure=restart", f"elastic.restart_s={RESTART_S:g}"],
@@ -94,7 +99,7 @@ def run_one(name: str, islands: int, rounds: int, seed: int, work: Path) -> dict
 
 
 def goodput(quick: bool, work: Path) -> BenchResult:
-    rounds, sizes, seeds = (4, (16,), (0,)) if quick else (8, SIZES, SEEDS)
+    rounds, sizes, seeds = (4, (16,), (0,)) if quick else (12, SIZES, SEEDS)
     runs = {(n, k, s): run_one(n, k, rounds, s, work) for k in sizes for s in seeds for n in ROWS}
     results: dict[str, dict[str, Any]] = {}
     curves: dict[str, list[tuple[float, float]]] = {}
