@@ -306,6 +306,6 @@ def test_a_live_change_of_h_must_keep_whole_segments():
 
     cfg = _cfg("mode=streaming", "streaming.fragments=4", "inner_steps=8")
     with pytest.raises(ValueError, match=r"multiple of streaming\.fragments = 4"):
-        check_settings(cfg, SettingsUpdate(inner_steps=10))
-    check_settings(cfg, SettingsUpdate(inner_steps=12, outer_lr=0.5))
-    check_settings(_cfg("mode=diloco"), SettingsUpdate(inner_steps=10))
+        check_settings(cfg, SettingsUpdate(inner_steps=10), 3)
+    check_settings(cfg, SettingsUpdate(inner_steps=12, outer_lr=0.5), 3)
+    check_settings(_cfg("mode=diloco"), SettingsUpdate(inner_steps=10), 3)
