@@ -32,7 +32,7 @@ from orchestrator.engine.outer_step import Outer, take_step
 from orchestrator.engine.outputs import Outputs
 from orchestrator.engine.pacing import Close, Flight, Pacing, RunState
 from orchestrator.engine.persistence import capture, restore
-from orchestrator.engine.policies import QUORUM_SETTINGS, Policies, run_inbox
+from orchestrator.engine.policies import Policies, run_inbox
 from orchestrator.engine.pool import Done, Failed, IslandPool, Joined, JoinFailed, PoolEvent
 from orchestrator.engine.publisher import Publisher
 from orchestrator.engine.screen import Sizes
@@ -41,7 +41,6 @@ from orchestrator.engine.types import (
     Decision,
     Event,
     IslandState,
-    Merge,
     RunFailed,
     RunPhase,
     SliceLost,
@@ -50,7 +49,6 @@ from orchestrator.engine.warm_start import WarmStart
 from workers.tasks.task import Task
 from workers.wire.flat import FlatParams
 from workers.wire.fragments import Fragments
-from workers.wire.messages import RoundResult
 
 log = logging.getLogger(__name__)
 
@@ -246,8 +244,7 @@ class RoundEngine:
         """End the run: work still out is given back to the ledger (trained again on
         resume); a stopped run is evaluated and checkpointed where it stands."""
         self._write_due()  # a step taken is recorded, so the checkpoint's version and rounds agree
-        for ticket in sorted(self.flights, reverse=True):  # an island's later reservation first
-            self.inflight.lose(ticket, "the run ended before its outer step")
+        self.inflight.abandon("the run ended before its outer step")
         stopped = self.inbox.stopping.is_set()
         if stopped:
             if not self.inbox.aborting.is_set():
@@ -294,9 +291,7 @@ class RoundEngine:
         if update.outer_lr is not None:
             self.outer.set_lr(update.outer_lr)
         if self.quorum is not None:
-            for name in QUORUM_SETTINGS:
-                if (value := getattr(update, name)) is not None:
-                    setattr(self.quorum, name, value)
+            self.quorum.apply(update)
         self.events.add(Event.SETTINGS, version=self.run.version, **update.model_dump(exclude_none=True))
 
     # -- work out -------------------------------------------------------------------------------
@@ -353,38 +348,18 @@ class RoundEngine:
             self.outer.anchor(self.run.version, keep_from=max(self.run.base, self.run.version - 1))
             self.publisher.publish(self.run.version, due)
         self.run.closes += 1
-        for flight, r, verdict in zip(flights, results, verdicts):
-            staleness = close.staleness if close.staleness is not None else verdict.staleness
-            refused = not verdict.admitted and verdict.decision != Decision.DROP
-            returned = refused and self.ledger.newest(flight.ticket)
-            if returned:
-                self.inflight.give_back(flight, verdict)
-            else:
-                del self.flights[flight.ticket]
-                self.ledger.commit(flight.ticket, r.shard_tokens)
-            self._account(r, verdict, staleness, trained=not returned)
+        for flight, verdict in zip(flights, verdicts):
+            self.inflight.settle(flight, verdict, close.staleness if close.staleness is not None else verdict.staleness)
         due = self.pacing.closed(self.run, close)
         if due is not None:
             self.due.append(due)
-
-    def _account(self, r: RoundResult, verdict: Verdict, staleness: int, trained: bool) -> None:
-        stats = self.members.islands[r.island]
-        self.stats.account(stats, r, verdict, staleness, trained)
-        stats.steps_per_s = self.speeds.speeds.get(r.island, 0.0)
-        if verdict.admitted:
-            stats.merge = Merge.LATE if staleness > 0 else Merge.MERGED
-        self._judged(r.island, verdict, version=r.version)
 
     def _halt(self, seconds: float, reason: str) -> None:
         """Stop-the-world recovery (`elastic.on_failure: restart`): every island's work,
         out or arrived and not yet stepped, is given up (its batches go back to the
         ledger), and nothing trains for `seconds` — what a job restarted from its last
         checkpoint loses; the run goes on from its last outer step."""
-        for ticket in sorted(self.flights, reverse=True):
-            flight = self.flights[ticket]
-            if flight.result is not None:
-                self.run.completed_steps -= flight.result.steps
-            self.inflight.lose(ticket, f"the run restarts: {reason}")
+        self.inflight.abandon(f"the run restarts: {reason}")
         self.pacing.restart(self.run)
         self.events.add(Event.RESTART, version=self.run.version, reason=reason, halt_s=seconds)
         self.pool.sleep_until(self.pool.now() + seconds)

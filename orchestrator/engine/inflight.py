@@ -42,7 +42,7 @@ class InFlight:
         publisher: Publisher,
         events: EventLog,
         sizes: Sizes,
-        judged: Callable[[int, Verdict], None],
+        judged: Callable[..., None],
         fail: Callable[[int, str], None],
     ) -> None:
         """`judged`: a refused result's verdict, towards quarantine; `fail`: a hung island."""
@@ -147,6 +147,15 @@ class InFlight:
         spans = {s: list(span) for s, span in reservation.spans.items()} if reservation else {}
         self.events.add(Event.LOST, flight.work.island, reason=reason, ticket=ticket, spans=spans)
 
+    def abandon(self, reason: str) -> None:
+        """Give up every piece of work, out or arrived and not yet stepped (its batches go
+        back to the ledger; an arrived result's steps no longer count as completed)."""
+        for ticket in sorted(self.flights, reverse=True):  # an island's later reservation first
+            result = self.flights[ticket].result
+            if result is not None:
+                self.run.completed_steps -= result.steps
+            self.lose(ticket, reason)
+
     def expire(self) -> None:
         """Work past its deadline is given up (its round closes without it; its batches go
         back to the ledger) and its island is late: it gets work again once the overdue
@@ -189,6 +198,25 @@ class InFlight:
         return Contribution(
             island=r.island, version=r.version, delta=r.payload, weight=weight, steps=r.steps, fragment=fragment
         )
+
+    def settle(self, flight: Flight, verdict: Verdict, staleness: int) -> None:
+        """A result its outer step has judged: committed to the ledger (trained), or given
+        back if it was refused and its batches can still be retrained; counted either way."""
+        r = flight.result
+        assert r is not None
+        refused = not verdict.admitted and verdict.decision != Decision.DROP
+        returned = refused and self.ledger.newest(flight.ticket)
+        if returned:
+            self.give_back(flight, verdict)
+        else:
+            del self.flights[flight.ticket]
+            self.ledger.commit(flight.ticket, r.shard_tokens)
+        stats = self.members.islands[r.island]
+        self.stats.account(stats, r, verdict, staleness, trained=not returned)
+        stats.steps_per_s = self.speeds.speeds.get(r.island, 0.0)
+        if verdict.admitted:
+            stats.merge = Merge.LATE if staleness > 0 else Merge.MERGED
+        self.judged(r.island, verdict, version=r.version)
 
     def give_back(self, flight: Flight, verdict: Verdict) -> None:
         """A rejected update never touched the model, so its batches go back to the ledger

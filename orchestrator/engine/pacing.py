@@ -5,8 +5,9 @@ outer step. The engine asks; a pacing only keeps its own bookkeeping over `RunSt
   when every island's work has resolved (arrived, lost or late).
 - `PerArrival` (async, Delayed Nesterov / naive): an island gets new work from the newest
   version as soon as it delivers; every arrival is its own outer step. H per island from
-  its measured speed (DyLU); the token budget equals the synchronous run's (`TokenBudget`).
-- `Quorum` (async, the default rule; `engine/quorum.py`): a step fires once a quorum has
+  its measured speed (DyLU); the token budget equals the synchronous run's
+  (`TokenBudget`; both in `engine/arrivals.py`).
+- `Quorum` (async, `asynchronous.rule: quorum`; `engine/quorum.py`): a step fires once a quorum has
   arrived and an adaptive grace window has passed, merging what arrived token-weighted
   and discounted by age; a straggler's result merges into a later step.
 - `OneRoundLag` (overlap, CO2): an island that delivers round t starts round t+1 at once,
@@ -24,7 +25,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
-from orchestrator.algorithms.dylu import SpeedTracker
 from orchestrator.engine.membership import Membership
 from workers.wire.messages import RoundResult, WorkKind
 
@@ -165,102 +165,6 @@ class Barrier:
 
     def restart(self, run: RunState) -> None:
         self.open, self.out = [], 0
-
-
-class TokenBudget:
-    """What the asynchronous pacings share: the synchronous run's token budget (rounds ×
-    islands × H inner steps) handed out as work of H_i steps (from the island's measured
-    speed with DyLU), results queued until their step, and a round recorded each time
-    islands × H steps have come back."""
-
-    def __init__(self, dylu: bool, speeds: SpeedTracker, islands: int, schedule_offset: int = 0) -> None:
-        """`speeds` is the run's tracker, fed by the engine with every arrival;
-        `schedule_offset` is where the run's inner schedule starts (after a warm start)."""
-        self.dylu, self.k, self.offset = dylu, islands, schedule_offset
-        self.speeds = speeds
-        self.handed = 0  # inner steps handed out (in flight or back)
-        self.queue: list[Flight] = []  # arrived, waiting for their step
-        self.recorded = 0
-
-    def budget(self, run: RunState) -> int:
-        return run.rounds * self.k * run.inner_steps
-
-    def work(self, run: RunState, island: int) -> Work | None:
-        """Work for `island` from the newest version, or None once the budget is out."""
-        self.speeds.add(island)
-        h = self.speeds.steps(run.inner_steps)[island] if self.dylu else run.inner_steps
-        h = min(h, self.budget(run) - self.handed)
-        if h <= 0:
-            return None
-        self.handed += h
-        return Work(island, run.closes + 1, run.version, h, schedule_step=self.offset + run.completed_steps // self.k)
-
-    def cancel(self, work: Work) -> None:
-        self.handed -= work.steps
-
-    def arrived(self, flight: Flight) -> None:
-        self.queue.append(flight)
-
-    def lost(self, flight: Flight) -> None:
-        self.handed -= flight.work.steps  # a lost island's steps go back to the budget
-
-    def wake(self, run: RunState, in_flight: list[Flight]) -> float | None:
-        return None
-
-    def closed(self, run: RunState, close: Close) -> int | None:
-        per_round = self.k * run.inner_steps
-        due = min(run.completed_steps // per_round, run.rounds)
-        if due > self.recorded or (self.done(run) and self.recorded < run.rounds):
-            self.recorded = run.rounds if self.done(run) else due
-            return self.recorded
-        return None
-
-    def between_rounds(self, in_flight: list[Flight]) -> bool:
-        return True
-
-    def done(self, run: RunState) -> bool:
-        return run.completed_steps >= self.budget(run) and not self.queue
-
-    def resume(self, run: RunState) -> None:
-        self.handed = run.completed_steps
-        self.recorded = min(run.completed_steps // (self.k * run.inner_steps), run.rounds)
-
-    def restart(self, run: RunState) -> None:
-        self.queue = []  # their steps went back to the budget as they were lost
-
-
-class PerArrival(TokenBudget):
-    """`token_weighted`: each arrival's update is scaled by its inner steps over the mean
-    H of the islands' current work, so N arrivals of unequal H (DyLU) accumulate in
-    Delayed Nesterov's buffer in proportion to the tokens behind them, not equally."""
-
-    def __init__(
-        self, dylu: bool, speeds: SpeedTracker, islands: int, schedule_offset: int = 0, token_weighted: bool = False
-    ) -> None:
-        super().__init__(dylu, speeds, islands, schedule_offset)
-        self.token_weighted = token_weighted
-
-    def plan(self, run: RunState, idle: list[int]) -> list[Work]:
-        if run.stopping:
-            return []
-        out = []
-        for i in idle:
-            work = self.work(run, i)
-            if work is None:
-                break
-            out.append(work)
-        return out
-
-    def next_close(self, run: RunState, in_flight: list[Flight]) -> Close | None:
-        if not self.queue:
-            return None
-        flight = self.queue.pop(0)
-        scale = 1.0
-        if self.token_weighted:
-            h = self.speeds.steps(run.inner_steps) if self.dylu else {}
-            mean_h = sum(h.values()) / len(h) if h else run.inner_steps
-            scale = flight.work.steps / mean_h
-        return Close(run.closes + 1, [flight], expected=None, advances=False, scale=scale)
 
 
 def start_version(round_t: int, base: int = 0) -> int:

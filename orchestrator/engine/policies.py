@@ -25,9 +25,10 @@ from orchestrator.algorithms.outer import CO2Outer, DelayedNesterov, FlatSGD
 from orchestrator.algorithms.robust import NormGuard
 from orchestrator.config import AsyncRule, Mode, OuterConfig, RunConfig
 from orchestrator.engine.admission import Admission, BoundedStaleness, ExactVersion, StalenessRule
+from orchestrator.engine.arrivals import PerArrival
 from orchestrator.engine.commands import Inbox, SettingsUpdate
 from orchestrator.engine.outer_step import OuterRule, Scheduler
-from orchestrator.engine.pacing import Barrier, FragmentSchedule, OneRoundLag, Pacing, PerArrival
+from orchestrator.engine.pacing import Barrier, FragmentSchedule, OneRoundLag, Pacing
 from orchestrator.engine.quorum import Quorum, QuorumRule
 from workers.runtime.optim import build_inner
 from workers.wire.fragments import Fragments
@@ -80,14 +81,11 @@ def check_settings(cfg: RunConfig, update: SettingsUpdate, islands: int) -> None
     if cfg.mode == Mode.STREAMING and update.inner_steps is not None and update.inner_steps % p:
         raise ValueError(f"inner_steps = {update.inner_steps} must be a multiple of streaming.fragments = {p}")
     is_quorum = cfg.mode == Mode.ASYNC and cfg.asynchronous.rule == AsyncRule.QUORUM
-    asked = [k for k in QUORUM_SETTINGS if getattr(update, k) is not None]
+    asked = [k for k in ("quorum", "grace_cap", "grace_k", "age_power") if getattr(update, k) is not None]
     if asked and not is_quorum:
         raise ValueError(f"{', '.join(asked)}: needs mode async with asynchronous.rule = quorum")
     if update.quorum is not None and update.quorum > islands:
         raise ValueError(f"quorum = {update.quorum} is above the run's {islands} islands")
-
-
-QUORUM_SETTINGS = ("quorum", "grace_cap", "grace_k", "age_power")
 
 
 def quorum_rule(cfg: RunConfig) -> QuorumRule | None:

@@ -27,7 +27,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from orchestrator.algorithms.dylu import SpeedTracker
-from orchestrator.engine.pacing import Close, Flight, RunState, TokenBudget, Work
+from orchestrator.engine.arrivals import TokenBudget
+from orchestrator.engine.commands import SettingsUpdate
+from orchestrator.engine.pacing import Close, Flight, RunState, Work
 
 OFFSETS = 32  # arrival offsets remembered for the window (recent fleet behaviour only)
 MIN_OFFSETS = 4  # fewer than this: the window is the cap (no spread to read yet)
@@ -41,6 +43,12 @@ class QuorumRule:
     grace_cap: float  # the window is at most this × the median duration of recent work
     grace_k: float  # the window is median + k·MAD of recent arrival offsets
     age_power: float  # a result `a` versions old merges with weight tokens × (1 + a)^−α
+
+    def apply(self, update: SettingsUpdate) -> None:
+        """Take the rule's settings an operator changed (from the next step on)."""
+        for name in ("quorum", "grace_cap", "grace_k", "age_power"):
+            if (value := getattr(update, name)) is not None:
+                setattr(self, name, value)
 
     def needed(self, live: int) -> int:
         """Results that make a quorum among `live` islands (never more than there are)."""
