@@ -139,3 +139,20 @@ def test_streaming_rows_are_the_issue_s_and_share_one_token_budget():
     assert s4.outer.lr == 1.0 and configs["diloco"].outer.lr == configs["diloco_int8"].outer.lr == 0.7
     assert configs["diloco_int8"].compression.downlink == "int8" and configs["overlap_eager"].overlap.eager
     assert configs["ddp_k"].link.bandwidth_gbps is None and s4.inner_steps == H and s4.islands.count == K
+
+
+def test_an_earlier_run_of_another_config_is_removed_not_resumed(tmp_path):
+    """Its checkpoint would be resumed as the new run's (a finished one ends at once with
+    its clock at zero); an interrupted run of the same config is kept to resume."""
+    from orchestrator.bench.runner import fresh
+    from orchestrator.config_load import dump_config
+
+    cfg = load_config(None, [*MODEL, "rounds=2", f"out_dir={tmp_path / 'a'}"])
+    out = tmp_path / "a"
+    (out / "checkpoint").mkdir(parents=True)
+    (out / "config.yaml").write_text(dump_config(cfg))
+    fresh(cfg)
+    assert (out / "checkpoint").exists()  # the same config: resumed
+    fresh(cfg.model_copy(update={"rounds": 3}))
+    assert not out.exists()
+    fresh(cfg)  # nothing there: nothing to do

@@ -29,7 +29,7 @@ from typing import Any
 
 from orchestrator.bench.hetero import time_to_reach
 from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
-from orchestrator.bench.runner import finished
+from orchestrator.bench.runner import finished, fresh
 from orchestrator.config_load import load_config
 from orchestrator.engine.build import PhasedRun
 from orchestrator.engine.chaos import mttf_schedule
@@ -93,6 +93,7 @@ def run_one(name: str, islands: int, rounds: int, seed: int, work: Path) -> dict
     summary = finished(cfg)
     if summary is not None:
         return summary
+    fresh(cfg)
     chaos = mttf_schedule(seed=seed, horizon_s=50 * rounds * ROUND_S, mean_gap_s=2 * ROUND_S)
     pool = lambda c, _rid: InProcessPool(c, step_s=STEP_S, chaos=chaos, chaos_seed=seed, join_s=JOIN_S)  # noqa: E731
     return PhasedRun(cfg, "bench", pool).execute()

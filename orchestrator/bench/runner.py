@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,6 +53,20 @@ def finished(cfg: RunConfig) -> dict[str, Any] | None:
     return summary
 
 
+def fresh(cfg: RunConfig) -> None:
+    """Remove what an earlier run of another config left in `cfg.out_dir`: its checkpoint
+    would otherwise be resumed as this run's (a finished one ends at once, its clock at
+    zero). An interrupted run of exactly `cfg` is kept, and resumes."""
+    out = Path(cfg.out_dir)
+    try:
+        same = (out / "config.yaml").read_text() == dump_config(cfg)
+    except OSError:
+        return
+    if not same:
+        log.info("  %-26s an earlier run of another config is removed", out.name)
+        shutil.rmtree(out)
+
+
 def run_in_process(cfg: RunConfig) -> dict[str, Any]:
     """`cfg` run to the end on the in-process island pool: the same engine, policies and
     island code as under Ray, with the islands as objects of this process taking turns
@@ -72,6 +87,8 @@ def run_methods(base: list[str], table: Table, work: Path, in_process: bool = Fa
         for name, (_, overrides) in table.items():
             cfg = load_config(None, [*base, *overrides, f"out_dir={work / name}"])
             summary = finished(cfg)
+            if summary is None:
+                fresh(cfg)
             if summary is None and in_process:
                 summary = run_in_process(cfg)
             elif summary is None:
