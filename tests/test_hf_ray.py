@@ -49,7 +49,9 @@ def test_archipelago_run_trains_a_tiny_llama_in_sync_mode(corpus_cache, tmp_path
 
 
 def test_the_driver_trains_a_tiny_llama_in_async_mode(ray_local, corpus_cache, tmp_path):
-    cfg = load_config(None, [*TINY_LLAMA, "mode=async", f"task.kwargs.cache_dir={corpus_cache}", f"out_dir={tmp_path}"])
+    # async at 64-token contexts: on 32 the 20 % drop is reached only just (19.9 % in one CI run)
+    sets = [*TINY_LLAMA, "task.kwargs.context=64", "mode=async", f"task.kwargs.cache_dir={corpus_cache}"]
+    cfg = load_config(None, [*sets, f"out_dir={tmp_path}"])
     summary = run(cfg, show_progress=False)
     assert summary["state"] == "finished" and summary["outer_steps"] >= 6
     _fell_20_percent(summary)
