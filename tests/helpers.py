@@ -35,6 +35,28 @@ TINY_LM = [
 ]
 
 
+# a tiny Llama from config (the [hf] extra) that two islands train in seconds
+TINY_LLAMA = [
+    "task.factory=workers.tasks.hf_task:make_task",
+    "task.kwargs.preset=tiny-llama",
+    "task.kwargs.context=32",
+    "task.kwargs.batch_size=16",
+    "task.kwargs.eval_batches=4",
+    "islands.count=2",
+    "ray.num_cpus=2",
+    "rounds=6",
+    "inner_steps=15",
+    "inner.lr=0.01",
+    "inner.warmup_steps=5",
+]
+
+
+def fell_20_percent(summary: dict[str, Any]) -> None:
+    """The eval loss fell by at least 20 % from the untrained model's (before the warm start)."""
+    untrained = summary["warm_start"]["initial_eval_loss"]
+    assert summary["final_eval_loss"] <= 0.8 * untrained, (untrained, summary["final_eval_loss"])
+
+
 def tiny_lm_config(out: str | Path, corpus_cache: str, *extra: str) -> RunConfig:
     """The tiny GPT on the session's cached corpus, writing to `out`, with `extra` overrides."""
     from orchestrator.config_load import load_config

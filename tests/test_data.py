@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -10,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from tests.conftest import REPO
 from workers.tasks.corpus import prepare_stdlib_corpus, stdlib_files
 from workers.tasks.lm_task import make_task
 from workers.tasks.text_data import fixed_batches, island_tokens, read_parquet_texts, window_batches
@@ -33,9 +36,20 @@ def test_corpus_is_real_stdlib_text_with_held_out_files(corpus):
     assert "def " in text and "import " in text
 
 
-def test_prepare_is_cached(corpus, tmp_path_factory):
-    again = prepare_stdlib_corpus(corpus.eval[0].parent.parent)
-    assert again == corpus
+def test_prepare_is_cached(corpus):
+    """A cached corpus is found by another process without rebuilding it, without walking
+    the stdlib and without importing `datasets` (every island and the coordinator do this)."""
+    cache, done = corpus.eval[0].parent.parent, corpus.eval[0].parent / "DONE"
+    built_at = done.stat().st_mtime_ns
+    probe = (
+        "import sys; from pathlib import Path; import workers.tasks.corpus as c\n"
+        "c.stdlib_files = None  # a walk of the stdlib would fail\n"
+        f"files = c.prepare_stdlib_corpus(Path({str(cache)!r}))\n"
+        "print(len(files.train), files.eval[0], 'datasets' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.split() == [str(len(corpus.train)), str(corpus.eval[0]), "False"]
+    assert done.stat().st_mtime_ns == built_at
 
 
 @pytest.mark.parametrize("split", ["iid", "non_iid"])

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
 from orchestrator.config_load import dump_config, load_config
-from tests.helpers import in_process_run
+from tests.helpers import TINY_LLAMA, fell_20_percent, in_process_run
 from workers.tasks.hf_task import HFTaskConfig, make_task
 from workers.tasks.task import TaskError, export_pretrained, load_task
 from workers.tasks.text_data import Documents
@@ -161,3 +161,15 @@ def test_activation_checkpointing_gives_the_same_gradient(corpus_cache):
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
     assert grads[0].abs().max() > 0
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-6)
+
+
+def test_a_tiny_llama_trains_in_async_mode_with_its_warm_start(corpus_cache, tmp_path):
+    """Asynchronous mode on the HF task, in process on the virtual clock (the Ray run of the
+    same model is the sync one in test_hf_ray.py): the default warm start, then two islands'
+    asynchronous updates, take the eval loss 20 % below the untrained model's."""
+    from orchestrator.bench.runner import run_in_process
+
+    sets = [*TINY_LLAMA, "mode=async", "islands.virtual_step_s=0.05", f"task.kwargs.cache_dir={corpus_cache}"]
+    summary = run_in_process(load_config(None, [*sets, f"out_dir={tmp_path}"]))
+    assert summary["state"] == "finished" and summary["outer_steps"] >= 6
+    fell_20_percent(summary)
