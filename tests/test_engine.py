@@ -164,8 +164,9 @@ def test_join_and_drain_midrun_scenario(tmp_path, mode):
     isl = summary["islands"]
     assert isl["3"]["rounds_contributed"] >= 1 and isl["3"]["joined_version"] > 0
     assert isl["0"]["state"] == "drained"
-    kinds = [e["kind"] for e in events(cfg.out_dir)]
-    assert "drain" in kinds and "released" in kinds
+    kinds = [(e["kind"], e.get("island")) for e in events(cfg.out_dir)]
+    assert ("drain", 0) in kinds and ("released", 0) in kinds and ("join", 3) in kinds
+    assert ("requested", 4) not in kinds  # the drained island was not replaced: target 3 + 1 - 1
 
 
 @pytest.mark.parametrize("mode", ["diloco", "async", "overlap", "streaming", "quorum"])

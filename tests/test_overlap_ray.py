@@ -34,13 +34,3 @@ def test_overlap_hides_the_link_that_sync_waits_for(ray_local, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "overlap" / "metrics.jsonl").read_text().splitlines()]
     assert [r["staleness"] for r in records] == [0, 0, 1, 1, 1, 1, 1, 1]
     assert all(not r["rejected"] for r in records)
-
-
-def test_int8_compression_quarters_the_bytes_sent(ray_local, tmp_path):
-    plain = _run(tmp_path, "plain", "mode=diloco", "link.preset=none", "task.kwargs.dtype=float32")
-    int8 = _run(
-        tmp_path, "int8", "mode=diloco", "link.preset=none", "task.kwargs.dtype=float32", "compression.codec=int8"
-    )
-    # 2 float32 values = 8 bytes; int8: 2 bytes + one 4-byte scale + 4-byte chunk size per result
-    assert plain["bytes_sent"] == 5 * 2 * 8 and int8["bytes_sent"] == 5 * 2 * 10
-    assert int8["final_eval_loss"] == pytest.approx(plain["final_eval_loss"], rel=0.05)
