@@ -18,6 +18,7 @@ import httpx
 import pytest
 import ray
 
+from orchestrator.bench.runner import run_in_process
 from orchestrator.config_load import load_config
 from orchestrator.runtime.driver import run
 from orchestrator.runtime.names import NAMESPACE, coordinator_name, island_name
@@ -59,7 +60,7 @@ MALFORMED = [
 ]  # fmt: skip
 
 
-def _cfg(tmp_path: Path, name: str, port: int | None = None):
+def _cfg(tmp_path: Path, name: str, port: int | None = None, *extra: str):
     api = ["api.enabled=true", f"api.port={port}"] if port else []
     return load_config(
         None,
@@ -75,6 +76,7 @@ def _cfg(tmp_path: Path, name: str, port: int | None = None):
             "seed=0",
             f"out_dir={tmp_path / name}",
             *api,
+            *extra,
         ),
     )
 
@@ -136,7 +138,8 @@ def _kill_island(run_id: str, client: Client) -> int:
 
 
 def test_rest_chaos_with_killed_islands_and_coordinator(ray_local, tmp_path, monkeypatch):
-    baseline = run(_cfg(tmp_path, "baseline"), show_progress=False)
+    # the fault-free run of the same seed, in process (the same engine and islands, no sleeps)
+    baseline = run_in_process(_cfg(tmp_path, "baseline", None, "task.kwargs.batch_s=0", "islands.virtual_step_s=0.01"))
     rng = random.Random(7)
     port, run_id = free_port(), "chaos"
     cfg = _cfg(tmp_path, "chaos", port)

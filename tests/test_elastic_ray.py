@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import ray
 
+from orchestrator.bench.runner import run_in_process
 from orchestrator.config_load import load_config
 from orchestrator.engine.commands import AddIslands, Drain
 from orchestrator.runtime.driver import run
@@ -96,7 +97,9 @@ def test_dead_island_is_replaced_and_the_newcomer_contributes(ray_local, tmp_pat
 def test_seeded_chaos_completes_close_to_the_fault_free_run(ray_local, tmp_path, mode):
     """Real actors killed, drained and added. One mode here: what the engine does with them
     in every mode is checked in process (`test_engine_faults.py`, seeded chaos)."""
-    clean = run(_cfg(tmp_path, f"clean-{mode}", f"mode={mode}", "rounds=20"), show_progress=False)
+    # the fault-free run, in process (the same engine and islands, no sleeps)
+    clean_sets = (f"mode={mode}", "rounds=20", "task.kwargs.batch_s=0", "islands.virtual_step_s=0.01")
+    clean = run_in_process(_cfg(tmp_path, f"clean-{mode}", *clean_sets))
     rng = random.Random(1234)
     run_id = f"chaos{mode}"
     thread, box = _in_thread(_cfg(tmp_path, f"chaos-{mode}", f"mode={mode}", "rounds=20"), run_id)

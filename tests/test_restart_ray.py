@@ -41,7 +41,7 @@ class _Messages(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def test_killed_coordinator_restarts_from_checkpoint_and_reattaches_islands(ray_local, tmp_path):
+def test_killed_coordinator_restarts_from_checkpoint_and_reattaches_islands_then_resumes(ray_local, tmp_path):
     cfg = _cfg(tmp_path, "rounds=10")
     driver_log, messages = logging.getLogger("orchestrator.runtime.driver"), _Messages()
     driver_log.addHandler(messages)  # on the logger itself: whatever the CLI tests configured before
@@ -65,18 +65,13 @@ def test_killed_coordinator_restarts_from_checkpoint_and_reattaches_islands(ray_
     assert all(s["state"] == "training" for s in summary["islands"].values())
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if "killtest-island" in a["name"]]
 
-
-def test_resume_a_finished_run_for_more_rounds(ray_local, tmp_path):
-    first = run(_cfg(tmp_path, "rounds=3"), show_progress=False)
-    assert first["outer_steps"] == 3
-    out = tmp_path / "out"
-    assert main(["run", "--resume", str(out), "--set", "rounds=5"]) == 0
-    records = _records(out / "metrics.jsonl")
-    assert [r["version"] for r in records] == [1, 2, 3, 4, 5]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["outer_steps"] == 5 and summary["initial_eval_loss"] == first["initial_eval_loss"]
-    assert summary["tokens"] == 5 * 3 * 3
-    assert "restart" in [e["kind"] for e in _records(out / "events.jsonl")]
+    # the finished run, resumed from its folder for more rounds, carries on from version 11
+    assert main(["run", "--resume", str(tmp_path / "out"), "--set", "rounds=12"]) == 0
+    assert [r["version"] for r in _records(metrics)] == list(range(1, 13))
+    resumed = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert resumed["outer_steps"] == 12 and resumed["initial_eval_loss"] == summary["initial_eval_loss"]
+    assert resumed["tokens"] == 12 * 3 * 3
+    assert [e["kind"] for e in _records(tmp_path / "out" / "events.jsonl")].count("restart") == 2
 
 
 def test_resume_without_checkpoint_is_a_clear_error(ray_local, tmp_path, capsys):
