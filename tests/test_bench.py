@@ -143,7 +143,8 @@ def test_streaming_rows_are_the_issue_s_and_share_one_token_budget():
 
 def test_an_earlier_run_of_another_config_is_removed_not_resumed(tmp_path):
     """Its checkpoint would be resumed as the new run's (a finished one ends at once with
-    its clock at zero); an interrupted run of the same config is kept to resume."""
+    its clock at zero); an interrupted run of the same config is kept to resume, unless its
+    clock is simulated."""
     from orchestrator.bench.runner import fresh
     from orchestrator.config_load import dump_config
 
@@ -156,3 +157,8 @@ def test_an_earlier_run_of_another_config_is_removed_not_resumed(tmp_path):
     fresh(cfg.model_copy(update={"rounds": 3}))
     assert not out.exists()
     fresh(cfg)  # nothing there: nothing to do
+    simulated = cfg.model_copy(update={"islands": cfg.islands.model_copy(update={"virtual_step_s": 0.5})})
+    (out / "checkpoint").mkdir(parents=True)
+    (out / "config.yaml").write_text(dump_config(simulated))
+    fresh(simulated)  # the same config, but its resumed clock would restart at zero
+    assert not out.exists()

@@ -56,14 +56,17 @@ def finished(cfg: RunConfig) -> dict[str, Any] | None:
 def fresh(cfg: RunConfig) -> None:
     """Remove what an earlier run of another config left in `cfg.out_dir`: its checkpoint
     would otherwise be resumed as this run's (a finished one ends at once, its clock at
-    zero). An interrupted run of exactly `cfg` is kept, and resumes."""
+    zero). An interrupted run of exactly `cfg` is kept, and resumes — unless its clock is
+    simulated (`islands.virtual_step_s`): a resumed pool's clock starts again at zero, and
+    the run's loss-against-time curve would fold back, so such a run starts over."""
     out = Path(cfg.out_dir)
     try:
         same = (out / "config.yaml").read_text() == dump_config(cfg)
     except OSError:
         return
-    if not same:
-        log.info("  %-26s an earlier run of another config is removed", out.name)
+    if not same or cfg.islands.virtual_step_s is not None:
+        why = "of another config" if not same else "on a simulated clock, interrupted,"
+        log.info("  %-26s an earlier run %s is removed", out.name, why)
         shutil.rmtree(out)
 
 
