@@ -195,3 +195,24 @@ def test_delayed_nesterov_accumulates_arrivals_by_their_tokens(tmp_path):
         drive(engine, until=1)
         first = {c.flights[0].work.island: c.scale for _, c in closes[:3]}
         assert first == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["compression.codec=int8", "compression.downlink=int8"], ["coordinator.shards=2", "compression.chunk=16"]],
+    ids=["int8-both-ways", "sliced-coordinator"],
+)
+def test_quorum_composes_with_compression_and_a_sliced_coordinator(tmp_path, extra):
+    """The quorum's discounted late merge on compressed pseudo-gradients (and a compressed
+    downlink) and on a coordinator in 2 slices: every batch once, the straggler's result
+    merged at its age's weight, the model finite and better."""
+    cfg = scenario_cfg(tmp_path, "quorum", "rounds=8", *extra)
+    engine, _ = in_process_engine(cfg, [Fault(FaultKind.LATE, island=2, order=2, seconds=10.0)])
+    closes = _watch(engine)
+    drive(engine)
+    summary = engine.summary
+    check_exactly_once(cfg, summary)
+    late = [c for _, c in closes if c.factors and any(f < 1 for f in c.factors.values())]
+    assert late and summary["islands"]["2"]["staleness_max"] >= 2
+    assert np.isfinite(engine.flat.data.numpy()).all()
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
