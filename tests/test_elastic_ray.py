@@ -80,7 +80,7 @@ def _wait_rounds(tmp_path, name, n, timeout=60):
 
 
 def test_dead_island_is_replaced_and_the_newcomer_contributes(ray_local, tmp_path):
-    cfg = _cfg(tmp_path, "replace", "rounds=20", "task.kwargs.crash_island=2", "task.kwargs.crash_after_batches=6")
+    cfg = _cfg(tmp_path, "replace", "rounds=40", "task.kwargs.crash_island=2", "task.kwargs.crash_after_batches=6")
     summary = run(cfg, show_progress=False)
     isl = summary["islands"]
     assert isl["1"]["state"] == "dead" and isl["3"]["state"] == "training"
@@ -90,7 +90,7 @@ def test_dead_island_is_replaced_and_the_newcomer_contributes(ray_local, tmp_pat
     join = next(e for e in events if e["kind"] == "join" and e["island"] == 3)
     assert join["time"] > crash["time"]
     assert sum(summary["shards"]["tokens"]) == summary["tokens"]
-    assert [r["version"] for r in _records(tmp_path, "replace")] == list(range(1, 21))
+    assert [r["version"] for r in _records(tmp_path, "replace")] == list(range(1, 41))
 
 
 @pytest.mark.parametrize("mode", ["diloco"])
