@@ -11,7 +11,7 @@ import torch
 
 from orchestrator.config_load import load_config
 from orchestrator.runtime.driver import run
-from tests.helpers import tiny_lm_config
+from tests.helpers import tiny_lm_config, toy_quadratic
 from workers.tasks.lm_task import make_task
 
 pytestmark = pytest.mark.ray
@@ -74,22 +74,8 @@ def test_a_warm_started_run_forks_on_ray_and_continues_the_warm_starts_data(ray_
 
 
 def _quadratic(tmp_path, *extra):
-    return load_config(
-        None,
-        [
-            "task.factory=tests.toy_tasks:make_quadratic",
-            "warm_start.steps=0",
-            "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]",
-            "islands.count=3",
-            "inner.optimizer=sgd",
-            "inner.lr=0.1",
-            "inner.warmup_steps=0",
-            "data_shards=3",
-            f"task.kwargs.fault_dir={tmp_path}",
-            f"out_dir={tmp_path / 'out'}",
-            *extra,
-        ],
-    )
+    sets = toy_quadratic(3, 0.0, "data_shards=3", f"task.kwargs.fault_dir={tmp_path}", f"out_dir={tmp_path / 'out'}")
+    return load_config(None, [*sets, *extra])
 
 
 def test_a_crashed_island_does_not_stop_the_run(ray_local, tmp_path):

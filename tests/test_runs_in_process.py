@@ -16,17 +16,7 @@ from orchestrator.config_load import load_config
 from tests.helpers import tiny_lm_config, toy_quadratic
 
 VIRTUAL = ["islands.virtual_step_s=0.01"]  # the in-process pool's clock: simulated seconds per step
-QUADRATIC = [
-    "task.factory=tests.toy_tasks:make_quadratic",
-    "warm_start.steps=0",
-    "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]",
-    "islands.count=3",
-    "inner.optimizer=sgd",
-    "inner.lr=0.1",
-    "inner.warmup_steps=0",
-    "data_shards=3",
-    *VIRTUAL,
-]
+QUADRATIC = [*toy_quadratic(3, 0.0, "data_shards=3"), *VIRTUAL]
 # three islands, the third four times slower, six steps a round (asynchronous)
 SLOW_THIRD = ["mode=async", "islands.simulated_slowdown=[1,1,4]", "rounds=6", "inner_steps=6"]
 
