@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
+from typing import Any, Protocol
 
 from orchestrator.config import RunConfig
 from orchestrator.engine.admission import Verdict
@@ -27,6 +28,12 @@ from workers.wire.messages import RoundResult, WorkOrder
 POLL_S = 0.2  # the longest the engine waits on the pool: a stop-now is seen within it
 
 
+class Judged(Protocol):
+    """Hears each verdict on a result (towards quarantine), with what the event should say."""
+
+    def __call__(self, island: int, verdict: Verdict, **detail: Any) -> None: ...
+
+
 class InFlight:
     def __init__(
         self,
@@ -42,7 +49,7 @@ class InFlight:
         publisher: Publisher,
         events: EventLog,
         sizes: Sizes,
-        judged: Callable[..., None],
+        judged: Judged,
         fail: Callable[[int, str], None],
     ) -> None:
         """`judged`: a refused result's verdict, towards quarantine; `fail`: a hung island."""
