@@ -7,14 +7,19 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from orchestrator.config_sections import (
+    AsyncConfig,
+    CompressionConfig,
+    DilocoConfig,
+    OuterConfig,
+    OverlapConfig,
+    StreamingConfig,
+    Strict,
+)
 from workers.wire.links import LinkConfig
-from workers.wire.spec import CODEC_NAMES, InnerConfig, Sharding
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from workers.wire.spec import InnerConfig, Sharding
 
 
 class Mode(str, Enum):
@@ -34,7 +39,7 @@ class WarmStartMode(str, Enum):
     SINGLE = "single"  # one island trains alone
 
 
-class WarmStartConfig(_Strict):
+class WarmStartConfig(Strict):
     """Training shared by every island before they fork (the DiLoCo paper forks from a
     model trained 24k of 88k steps): from scratch, the first pseudo-gradients are huge and
     an outer Nesterov step amplifies them for many rounds; from a warm start the outer
@@ -58,7 +63,7 @@ class WarmStartConfig(_Strict):
     )
 
 
-class RobustConfig(_Strict):
+class RobustConfig(Strict):
     """Admission checks beyond shape, weight and finiteness (`engine/admission.py`)."""
 
     norm_ratio: float | None = Field(
@@ -75,7 +80,7 @@ class RobustConfig(_Strict):
     quarantine_after: int = Field(3, ge=1, description="consecutive rejections that quarantine an island")
 
 
-class IslandsConfig(_Strict):
+class IslandsConfig(Strict):
     """How many islands and what each one holds (on a cluster: real GPUs)."""
 
     count: int = Field(4, ge=1, le=1024, description="islands at the start (the target count; elastic runs change it)")
@@ -129,164 +134,7 @@ class IslandsConfig(_Strict):
         return steps * (self.virtual_step_s or 0.0) * self.slowdown(index)
 
 
-class OuterConfig(_Strict):
-    """Outer optimizer stepped on the token-weighted mean pseudo-gradient (docs/algorithms.md)."""
-
-    optimizer: Literal["nesterov", "sgd", "adam"] = Field(
-        "nesterov",
-        description="nesterov (torch SGD's Nesterov update, in place); sgd with lr 1 and momentum 0 is plain "
-        "parameter averaging (FedAvg); adam",
-    )
-    lr: float = Field(0.7, gt=0, description="outer learning rate (DiLoCo paper: 0.7)")
-    momentum: float = Field(0.9, ge=0, lt=1, description="nesterov/sgd momentum")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="adam betas")
-    drop_prob: float = Field(0.0, ge=0, lt=1, description="drop each pseudo-gradient with this probability (ablation)")
-
-
-class AsyncRule(str, Enum):
-    QUORUM = "quorum"  # a step per quorum + adaptive grace window, token-weighted and age-aware
-    DELAYED_NESTEROV = "delayed_nesterov"  # Liu et al. 2024: a step per arrival, momentum every N
-    NAIVE = "naive"  # the `outer` optimizer stepped on every arrival (over-accelerates)
-
-
-class AsyncConfig(_Strict):
-    """`mode: async` settings (section `asynchronous`)."""
-
-    rule: AsyncRule = Field(
-        AsyncRule.DELAYED_NESTEROV,
-        description="quorum (the `outer` optimizer stepped on what a quorum and its grace window bring, "
-        "token-weighted, stale results discounted by age), delayed_nesterov (Liu et al. 2024, per arrival), or "
-        "naive (the `outer` optimizer stepped on every arrival: the paper's baseline that over-accelerates)",
-    )
-    quorum: int | None = Field(
-        None, ge=1, description="rule quorum: results that open a step (null: half the live islands, rounded up)"
-    )
-    grace_cap: float = Field(
-        0.25, ge=0, description="rule quorum: the grace window is at most this fraction of a round's duration"
-    )
-    grace_k: float = Field(
-        3.0, ge=0, description="rule quorum: grace window = median + k x MAD of recent arrival offsets (capped)"
-    )
-    age_power: float = Field(
-        1.0, ge=0, description="rule quorum: a result a versions old merges with weight tokens x (1 + a)^-age_power"
-    )
-    delay: int | None = Field(None, ge=1, description="DN's N (default: the number of islands)")
-    token_weighted: bool = Field(
-        True,
-        description="delayed_nesterov / naive: scale each arrival by its inner steps over the islands' mean H, so "
-        "DyLU's short and long updates weigh by their tokens (false: equally, as in the paper)",
-    )
-    c: float = Field(0.0, ge=0, le=1, description="DN momentum fraction between updates, in [0, 1/N]")
-    dylu: bool = Field(True, description="Dynamic Local Updates: H per island from its measured speed")
-    speed_smoothing: float = Field(0.5, ge=0, lt=1, description="EMA factor of measured steps/s")
-    max_staleness: int | None = Field(None, ge=0, description="beyond this, apply stale_policy")
-    stale_policy: Literal["reject", "downweight"] = Field(
-        "reject",
-        description="past max_staleness: reject, or scale by 1/(1 + staleness - max_staleness)",
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> AsyncConfig:
-        if self.delay is not None and self.c > 1.0 / self.delay:
-            raise ValueError(f"c must be at most 1/delay = {1 / self.delay:g}")
-        return self
-
-
-class DilocoConfig(_Strict):
-    """`mode: diloco` settings (section `diloco`)."""
-
-    dylu: bool = Field(
-        False,
-        description="Dynamic Local Updates in a barrier round: each island's H follows its measured speed, so "
-        "the islands of a round finish together and none waits for the slowest (sync_dylu)",
-    )
-
-
-class OverlapConfig(_Strict):
-    """`mode: overlap` (CO2) outer step; defaults are the authors' code defaults for <= 16 workers."""
-
-    lr: float = Field(
-        0.7,
-        gt=0,
-        description="alpha, outer learning rate (the authors' code uses 1; under the one-round lag 1 is marginally "
-        "stable: 0.7 was best of 0.5, 0.7 and 1 in `bench overlap`, see docs/benchmarks.md)",
-    )
-    momentum: float = Field(0.0, ge=0, lt=1, description="beta, heavy-ball outer momentum")
-    clip: float | None = Field(1.0, gt=0, description="phi, element-wise outer momentum clip; null disables")
-    penalty: Literal["constant", "adaptive"] = Field(
-        "constant",
-        description="staleness gap penalty Lambda: constant = 1/p (the released code), "
-        "adaptive = 1/(1 + lambda ||x_n - x_s|| / (||delta|| + eps))",
-    )
-    penalty_p: float = Field(1.0, ge=1, description="constant penalty: Lambda = 1/p (1 = none)")
-    penalty_lambda: float = Field(1.0, ge=0, description="adaptive penalty strength")
-    eager: bool = Field(
-        False,
-        description="eager updates (Kale et al. 2025): an island starting round t+1 from the version before its "
-        "round t landed starts from that version moved by its own round-t pseudo-gradient, standing in for the "
-        "average still in flight (lr x Lambda, clipped like the momentum), instead of from the lagged version",
-    )
-
-
-class StreamingConfig(_Strict):
-    """`mode: streaming` (Streaming DiLoCo, Douillard et al. 2025): the model is cut into P
-    fragments by layer; a round of H inner steps is P segments of H/P, and the segment
-    that ends at step t sends fragment (t / (H/P) - 1) mod P, so each fragment is
-    synchronised every H steps and the link carries 1/P of the model at a time. Each
-    fragment has its own outer optimizer state."""
-
-    fragments: int = Field(4, ge=1, le=64, description="P: fragments (inner_steps must be a multiple of it)")
-    tau: int | None = Field(
-        None,
-        ge=0,
-        description="overlap in inner steps: a fragment's pseudo-gradient leaves tau steps before its segment "
-        "ends and the new global fragment is merged when the segment ends, so its exchange hides behind tau "
-        "steps of compute; 0 to H/P - 1; null: a fifth of a segment (5 steps at H = 100, P = 4)",
-    )
-    alpha: float = Field(
-        0.0,
-        ge=0,
-        le=1,
-        description="merge of a received fragment: local <- alpha x local + (1 - alpha) x global (0: replace, "
-        "as DiLoCo does; the paper uses 0.5 with overlap, 0 measured better here: see docs/modes.md)",
-    )
-
-
-class CompressionConfig(_Strict):
-    """Codecs of what islands send (pseudo-gradients; gradients in ddp) and receive."""
-
-    codec: str = Field(
-        "none",
-        description=f"one of {sorted(CODEC_NAMES)}: fp32, bf16 (2x fewer bytes), int8 or int4 with one fp32 scale per "
-        "chunk (about 4x, 8x); decoded and accumulated in fp32",
-    )
-    downlink: str = Field(
-        "none",
-        description="codec of what islands receive: none sends the new parameters (a fragment of them in mode "
-        "streaming); a lossy codec sends the change of the copy islands hold, and the coordinator applies the "
-        "same decoded change to its published copy, so islands and coordinator never drift",
-    )
-    chunk: int = Field(
-        512,
-        ge=16,
-        description="values per int8/int4 scale (also the alignment of coordinator slices); 512 costs int4 1.6% "
-        "more bytes than 4096 and cost streaming 0.25% of eval loss against 1.4% (bench streaming)",
-    )
-    error_feedback: bool = Field(
-        False,
-        description="islands keep what a lossy codec rounded away and add it to their next pseudo-gradient, so "
-        "the rounding does not accumulate over rounds",
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> CompressionConfig:
-        for name in ("codec", "downlink"):
-            if getattr(self, name) not in CODEC_NAMES:
-                raise ValueError(f"{name}: unknown codec {getattr(self, name)!r}; choose one of {sorted(CODEC_NAMES)}")
-        return self
-
-
-class CheckpointConfig(_Strict):
+class CheckpointConfig(Strict):
     """Coordinator checkpoints (global params, outer state, version, membership, data positions)."""
 
     every_rounds: int = Field(5, ge=0, description="checkpoint every N rounds and at the end; 0 disables")
@@ -302,7 +150,7 @@ class OnFailure(str, Enum):
     RESTART = "restart"
 
 
-class ElasticConfig(_Strict):
+class ElasticConfig(Strict):
     """Membership changes: target island count, replacement of dead islands, joins, drains."""
 
     min_islands: int = Field(1, ge=1, description="scale-down floor")
@@ -335,7 +183,7 @@ class ElasticConfig(_Strict):
     )
 
 
-class ApiConfig(_Strict):
+class ApiConfig(Strict):
     """The control plane served with the run (see the README's control-plane section)."""
 
     enabled: bool = Field(False, description="serve the REST API, /metrics and the dashboard with the run")
@@ -348,7 +196,7 @@ class ApiConfig(_Strict):
     )
 
 
-class TaskSpec(_Strict):
+class TaskSpec(Strict):
     """The user's model and data: an import path `module:factory` and its keyword arguments."""
 
     factory: str = Field(
@@ -360,7 +208,7 @@ class TaskSpec(_Strict):
     )
 
 
-class RayConfig(_Strict):
+class RayConfig(Strict):
     """Where the run's Ray lives."""
 
     address: str | None = Field(None, description="existing cluster; default: $RAY_ADDRESS, else start a local one")
@@ -369,7 +217,7 @@ class RayConfig(_Strict):
     )
 
 
-class CoordinatorConfig(_Strict):
+class CoordinatorConfig(Strict):
     """The outer step over S shards: each owns 1/S of the parameters and of the outer
     optimizer state, and receives 1/S of every pseudo-gradient straight from the islands."""
 
@@ -383,7 +231,7 @@ class CoordinatorConfig(_Strict):
     )
 
 
-class RunConfig(_Strict):
+class RunConfig(Strict):
     """One training run. `mode: diloco` is synchronous DiLoCo; `mode: ddp` is the
     data-parallel baseline (gradients averaged every step, one AdamW using `inner`);
     `mode: async` is asynchronous Local-SGD (settings in `asynchronous`); `mode: overlap`

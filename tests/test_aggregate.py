@@ -6,7 +6,8 @@ import numpy as np
 import torch
 
 from orchestrator.algorithms.robust import NormGuard
-from orchestrator.config import OuterConfig, RobustConfig
+from orchestrator.config import RobustConfig
+from orchestrator.config_sections import OuterConfig
 from orchestrator.engine.admission import Admission, ExactVersion
 from orchestrator.engine.outer_step import LocalOuter, OuterRule, take_step
 from orchestrator.engine.policies import outer_optimizer

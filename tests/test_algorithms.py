@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.config import OuterConfig, RunConfig
+from orchestrator.config import RunConfig
+from orchestrator.config_sections import OuterConfig
 from orchestrator.engine.outer_step import OuterRule, OuterStep
 from orchestrator.engine.policies import outer_optimizer
 from tests.helpers import in_process_run

@@ -11,7 +11,8 @@ import torch
 from orchestrator.algorithms.dylu import SpeedTracker, dylu_steps
 from orchestrator.algorithms.outer import DelayedNesterov
 from orchestrator.algorithms.robust import NormGuard
-from orchestrator.config import AsyncConfig, OuterConfig, RobustConfig
+from orchestrator.config import RobustConfig
+from orchestrator.config_sections import AsyncConfig, OuterConfig
 from orchestrator.engine.admission import Admission, BoundedStaleness
 from orchestrator.engine.outer_step import LocalOuter, OuterRule, take_step
 from orchestrator.engine.policies import outer_optimizer

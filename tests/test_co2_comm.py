@@ -81,7 +81,8 @@ def test_link_times():
 
 def test_one_round_lag_applies_each_round_one_round_late():
     """The overlap pacing's versions and the CO2 step with anchors, through the production classes."""
-    from orchestrator.config import OverlapConfig, RunConfig
+    from orchestrator.config import RunConfig
+    from orchestrator.config_sections import OverlapConfig
     from orchestrator.engine.outer_step import OuterStep
     from orchestrator.engine.pacing import start_version
     from orchestrator.engine.policies import outer_rule
