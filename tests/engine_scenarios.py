@@ -20,9 +20,11 @@ CENTERS = "[[1.0,0.0],[-0.5,2.0],[0.5,0.5],[2.0,-1.0]]"
 _keys = itertools.count()
 
 
-# scenario modes that are a mode plus settings: the quorum rule of async, and sync + DyLU
+# scenario modes that are a mode plus settings: the quorum rule of async and of streaming
+# (per fragment), and sync + DyLU
 VARIANTS = {
     "quorum": ["mode=async", "asynchronous.rule=quorum"],
+    "streaming_quorum": ["mode=streaming", "streaming.pacing=quorum"],
     "sync_dylu": ["mode=diloco", "diloco.dylu=true"],
 }
 
@@ -54,7 +56,7 @@ def scenario_cfg(tmp_path: Path, mode: str, *extra: str) -> RunConfig:
             "elastic.placement_timeout_s=100",
             f"out_dir={tmp_path / key}",
             # streaming: two fragments, over a point with one layer per coordinate
-            *(["task.kwargs.split=true", "streaming.fragments=2"] if mode == "streaming" else []),
+            *(["task.kwargs.split=true", "streaming.fragments=2"] if mode.startswith("streaming") else []),
             *extra,
         ],
     )

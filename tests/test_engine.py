@@ -32,7 +32,7 @@ from orchestrator.engine.types import Event, RunFailed
 from tests.engine_scenarios import Action, check_exactly_once, drive, run_scenario, scenario_cfg
 from tests.helpers import events, in_process_engine
 
-MODES = ["diloco", "ddp", "async", "overlap", "streaming", "quorum", "sync_dylu"]
+MODES = ["diloco", "ddp", "async", "overlap", "streaming", "quorum", "streaming_quorum", "sync_dylu"]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -63,7 +63,7 @@ def test_a_crashed_island_is_replaced_and_its_round_retrained(tmp_path, mode):
     assert summary["rounds_done"] == 6 and np.isfinite(summary["final_eval_loss"])
 
 
-@pytest.mark.parametrize("mode", ["diloco", "overlap", "async", "streaming", "quorum"])
+@pytest.mark.parametrize("mode", ["diloco", "overlap", "async", "streaming", "quorum", "streaming_quorum"])
 def test_a_late_island_is_left_behind_then_trains_again(tmp_path, mode):
     cfg = scenario_cfg(tmp_path, mode)
     summary = run_scenario(cfg, [Fault(FaultKind.LATE, 2, order=2, seconds=21.0)])
@@ -81,7 +81,7 @@ def test_a_hung_island_never_stalls_therun_scenario(tmp_path):
     assert summary["islands"]["0"]["rounds_contributed"] == 0
 
 
-@pytest.mark.parametrize("mode", ["diloco", "async", "overlap", "streaming", "quorum"])
+@pytest.mark.parametrize("mode", ["diloco", "async", "overlap", "streaming", "quorum", "streaming_quorum"])
 def test_a_hung_island_is_released_after_the_grace_and_replaced(tmp_path, mode):
     """Before: a hung island stayed `late` to the end of the run, holding its resources."""
     cfg = scenario_cfg(tmp_path, mode, "rounds=8", "elastic.late_grace_s=10")
@@ -157,7 +157,7 @@ def test_an_island_whose_code_raises_is_released_and_replaced(tmp_path):
     assert summary["islands"]["0"]["state"] == "dead" and "raised" in summary["islands"]["0"]["error"]
 
 
-@pytest.mark.parametrize("mode", ["diloco", "async", "overlap", "streaming", "quorum"])
+@pytest.mark.parametrize("mode", ["diloco", "async", "overlap", "streaming", "quorum", "streaming_quorum"])
 def test_join_and_drain_midrun_scenario(tmp_path, mode):
     cfg = scenario_cfg(tmp_path, mode)
     summary = run_scenario(cfg, at={2: lambda e: e.submit(AddIslands(count=1)), 4: lambda e: e.submit(Drain(island=0))})
@@ -169,7 +169,7 @@ def test_join_and_drain_midrun_scenario(tmp_path, mode):
     assert ("requested", 4) not in kinds  # the drained island was not replaced: target 3 + 1 - 1
 
 
-@pytest.mark.parametrize("mode", ["diloco", "async", "overlap", "streaming", "quorum"])
+@pytest.mark.parametrize("mode", ["diloco", "async", "overlap", "streaming", "quorum", "streaming_quorum"])
 def test_an_island_without_a_free_shard_never_holds_a_round_open(tmp_path, mode):
     """More islands than data shards: one island gets no shard to train. It must sit the
     round out, not be waited for (overlap's close waits for islands about to start a round:
@@ -239,7 +239,7 @@ def test_drain_abandon_gives_its_batches_to_the_next_owner(tmp_path):
     assert summary["islands"]["1"]["state"] == "drained"
 
 
-@pytest.mark.parametrize("mode", ["diloco", "overlap", "async", "streaming", "quorum"])
+@pytest.mark.parametrize("mode", ["diloco", "overlap", "async", "streaming", "quorum", "streaming_quorum"])
 def test_a_coordinator_restart_resumes_from_its_checkpoint(tmp_path, mode):
     cfg = scenario_cfg(tmp_path, mode)
     first, pool = in_process_engine(cfg, run_id="restart")
@@ -371,7 +371,7 @@ def _restart_after(tmp_path, mode: str, change: Action, crash_at: int, *extra: s
     return cfg, first, second
 
 
-@pytest.mark.parametrize("mode", ["diloco", "async", "quorum"])
+@pytest.mark.parametrize("mode", ["diloco", "async", "quorum", "streaming_quorum"])
 def test_an_island_added_after_the_checkpoint_is_adopted_on_restart(tmp_path, mode):
     """Before: the restarted coordinator restored the checkpoint's target and membership;
     an island that joined since was orphaned (still holding its resources) and a later
@@ -384,7 +384,7 @@ def test_an_island_added_after_the_checkpoint_is_adopted_on_restart(tmp_path, mo
     assert any(e["kind"] == "reattach" and e["island"] == 3 for e in events(cfg.out_dir))
 
 
-@pytest.mark.parametrize("mode", ["diloco", "async", "quorum"])
+@pytest.mark.parametrize("mode", ["diloco", "async", "quorum", "streaming_quorum"])
 def test_a_drained_island_stays_drained_across_a_restart(tmp_path, mode):
     _, first, second = _restart_after(tmp_path, mode, lambda e: e.submit(Drain(island=1)), crash_at=3)
     assert first.members.islands[1].state.value == "drained"

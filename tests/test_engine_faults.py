@@ -70,7 +70,7 @@ def test_a_slice_that_does_not_decode_is_reported_unfit_by_its_slice():
 
 
 @pytest.mark.parametrize("clock", [1e18, math.inf, math.nan])
-@pytest.mark.parametrize("mode", ["diloco", "async", "streaming", "quorum"])
+@pytest.mark.parametrize("mode", ["diloco", "async", "streaming", "quorum", "streaming_quorum"])
 def test_an_islands_clock_is_reported_never_slept_on(tmp_path, mode, clock):
     """Before: the coordinator slept until the island's own `finished_at`: 1e18 froze the
     virtual clock there (every later deadline passed at once), inf poisoned it."""
@@ -110,7 +110,7 @@ class FullDisk:
             raise OSError(errno.ENOSPC, "No space left on device")
 
 
-@pytest.mark.parametrize("mode", ["diloco", "async", "quorum"])
+@pytest.mark.parametrize("mode", ["diloco", "async", "quorum", "streaming_quorum"])
 def test_a_disk_that_fills_mid_run_is_survived_and_checkpoints_resume(tmp_path, monkeypatch, mode):
     disk = FullDisk(monkeypatch)
     cfg = scenario_cfg(tmp_path, mode, "rounds=8", "checkpoint.every_rounds=2")
@@ -166,7 +166,7 @@ def test_an_unforeseen_error_is_a_clean_run_failed_with_the_checkpoint_intact(tm
     assert load_checkpoint(Path(cfg.checkpoint_dir))["counters"]["rounds_done"] == 3
 
 
-@pytest.mark.parametrize("mode", ["diloco", "async", "streaming", "quorum"])
+@pytest.mark.parametrize("mode", ["diloco", "async", "streaming", "quorum", "streaming_quorum"])
 def test_a_restart_with_every_island_mid_round_at_long_h_keeps_them_all(tmp_path, mode):
     from orchestrator.engine.build import build_engine
 
@@ -188,7 +188,7 @@ def test_a_restart_with_every_island_mid_round_at_long_h_keeps_them_all(tmp_path
     assert after.count("reattach") == 3 and "requested" not in after and "crash" not in after
 
 
-@pytest.mark.parametrize("mode", ["diloco", "async", "overlap", "streaming", "quorum"])
+@pytest.mark.parametrize("mode", ["diloco", "async", "overlap", "streaming", "quorum", "streaming_quorum"])
 def test_seeded_chaos_trains_each_batch_once_and_ends_close_to_the_clean_run(tmp_path, mode):
     """Crashes, joins and drains drawn from a seed, in every mode (the Ray chaos test runs
     one mode on real actors; the logic it checks is the engine's, checked here in all)."""
@@ -218,7 +218,7 @@ def test_seeded_chaos_trains_each_batch_once_and_ends_close_to_the_clean_run(tmp
     assert "crash" in kinds and kinds & {"join", "drain"}
 
 
-@pytest.mark.parametrize("mode", ["diloco", "ddp", "async", "overlap", "streaming", "quorum"])
+@pytest.mark.parametrize("mode", ["diloco", "ddp", "async", "overlap", "streaming", "quorum", "streaming_quorum"])
 def test_restart_on_failure_gives_up_every_islands_work_and_stands_still(tmp_path, mode):
     """`elastic.on_failure: restart` (the checkpoint-restart baseline): a crash costs every
     island's work in progress and `restart_s` of standing still; each batch is still

@@ -15,14 +15,14 @@ import torch
 
 from api.app import create_app
 from orchestrator.algorithms.aggregate import WeightedMean
-from orchestrator.config import OuterConfig
+from orchestrator.config_sections import OuterConfig
 from orchestrator.engine.commands import Answer, Command, Refused, SettingsUpdate, UpdateSettings
 from orchestrator.engine.engine import RoundEngine
 from orchestrator.engine.outer_step import OuterRule, OuterStep
 from orchestrator.engine.pacing import Close
 from orchestrator.engine.policies import outer_optimizer
 from orchestrator.engine.pool import Fault, FaultKind
-from orchestrator.engine.quorum import QuorumRule, age_factor, grace_window
+from orchestrator.engine.quorum import QuorumRule, age_factor, final_shares, grace_window
 from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
 from tests.helpers import in_process_engine
 from tests.http_server import serving
@@ -45,6 +45,12 @@ def _watch(engine: RoundEngine) -> list[tuple[float, Close]]:
 
     engine.pacing.next_close = next_close  # type: ignore[method-assign]
     return closes
+
+
+def _merged_per_step(closes: list[tuple[float, Close]]) -> list[int]:
+    """Results merged by each step, in time order (with fragments, a step is the fragment
+    steps fired at one instant)."""
+    return [sum(len(c.flights) for t, c in closes if t == at) for at in sorted({t for t, _ in closes})]
 
 
 def test_the_window_is_median_plus_k_mad_capped_and_the_cap_until_enough_offsets():
@@ -101,6 +107,47 @@ def test_a_straggler_never_holds_a_step_and_merges_later_discounted(tmp_path):
     assert engine.summary["islands"]["2"]["staleness_max"] == age
 
 
+def test_fragments_on_a_quorum_step_each_fragment_on_its_own_results_aged_by_its_own_steps(tmp_path):
+    """Streaming on the quorum rule (2 fragments, fixed H, island 2 four times slower):
+    islands 0 and 1 never wait for it, every step updates one fragment from that
+    fragment's results only, and island 2's late fragment merges with weight × 1 / (1 + a),
+    a = the steps *its fragment* took meanwhile (counted here from the steps themselves)."""
+    cfg = scenario_cfg(
+        tmp_path,
+        "streaming_quorum",
+        "rounds=8",
+        "asynchronous.dylu=false",
+        "asynchronous.quorum=2",
+        "islands.simulated_slowdown=[1.0,1.0,4.0]",
+    )
+    engine, pool = in_process_engine(cfg)
+    closes = _watch(engine)
+    drive(engine)
+    check_exactly_once(cfg, engine.summary)
+    assert {o.steps for o in pool.dispatched} == {2}  # segments of H / P = 4 / 2 steps
+    stepped_to: dict[int, list[int]] = {0: [], 1: []}  # fragment -> versions its steps made
+    aged, oldest = 0, 0
+    for _, close in closes:
+        assert close.fragment is not None and close.factors is not None
+        assert {f.work.fragment for f in close.flights} == {close.fragment}
+        for f in close.flights:
+            age = sum(v > f.work.version for v in stepped_to[close.fragment])
+            assert close.factors[f.work.island] == pytest.approx(1 / (1 + age))
+            aged += age > 0
+            oldest = max(oldest, age) if f.work.island == 2 else oldest
+        # a step of late results alone moves by the youngest one's factor, else by the mean's
+        fresh = any(f.work.version >= max(stepped_to[close.fragment], default=0) for f in close.flights)
+        assert close.scale == (1.0 if fresh else pytest.approx(max(close.factors.values())))
+        stepped_to[close.fragment].append(versions[id(close)] + 1)
+    assert aged and len(stepped_to[0]) >= 8 and len(stepped_to[1]) >= 8
+    assert any(c.scale < 1 for _, c in closes)  # island 2's late fragments stepped alone, discounted
+    assert engine.summary["islands"]["2"]["staleness_max"] == oldest == 2  # in its fragment's steps
+    assert engine.summary["islands"]["0"]["staleness_max"] == 0  # fresh, though two fragments stepped at once
+    # each island sends the fragments in turn
+    sent = [o.fragment for o in pool.dispatched if o.island == 0]
+    assert sent[:4] == [0, 1, 0, 1]
+
+
 def test_a_hung_island_holds_no_step_and_is_replaced(tmp_path):
     cfg = scenario_cfg(tmp_path, "quorum", "rounds=8", "elastic.late_grace_s=10")
     engine, _ = in_process_engine(cfg, [Fault(FaultKind.HANG, island=1, order=2)])
@@ -121,8 +168,16 @@ def test_sync_dylu_is_a_barrier_whose_h_follows_speed(tmp_path):
     drive(engine)
     check_exactly_once(cfg, engine.summary)
     assert {o.island: o.steps for o in pool.dispatched[:3]} == {0: 4, 1: 4, 2: 1}
-    assert all(sorted(f.work.island for f in c.flights) == [0, 1, 2] for _, c in closes[:-1])
+    # every step, the last one too (the budget's rest shared, not one island's remainder)
+    assert all(sorted(f.work.island for f in c.flights) == [0, 1, 2] for _, c in closes)
     assert engine.summary["staleness"]["max"] == 0
+
+
+def test_the_budget_s_rest_is_shared_by_the_islands_starting_together():
+    assert final_shares({0: 50, 1: 50, 2: 25, 3: 12}, 500) == {0: 50, 1: 50, 2: 25, 3: 12}
+    # 49 left of 137 wanted: in proportion (17, 17, 8, 4 → 46), the first take the rounding
+    assert final_shares({0: 50, 1: 50, 2: 25, 3: 12}, 49) == {0: 18, 1: 18, 2: 9, 3: 4}
+    assert final_shares({0: 4, 1: 4, 2: 1}, 2) == {0: 1, 1: 1, 2: 1}  # at least one each; the budget caps
 
 
 class _EngineHandle:
@@ -148,8 +203,9 @@ class _EngineHandle:
         return self.engine.submit(command)
 
 
-def test_quorum_and_grace_change_over_rest_at_the_next_step(tmp_path):
-    cfg = scenario_cfg(tmp_path, "quorum", "rounds=12", "asynchronous.quorum=1", "asynchronous.grace_cap=0")
+@pytest.mark.parametrize("mode", ["quorum", "streaming_quorum"])
+def test_quorum_and_grace_change_over_rest_at_the_next_step(tmp_path, mode):
+    cfg = scenario_cfg(tmp_path, mode, "rounds=12", "asynchronous.quorum=1", "asynchronous.grace_cap=0")
     engine, _ = in_process_engine(cfg, [Fault(FaultKind.LATE, island=2, order=3, seconds=3.0)])
     closes = _watch(engine)
     auth = {"Authorization": "Bearer t"}
@@ -166,8 +222,8 @@ def test_quorum_and_grace_change_over_rest_at_the_next_step(tmp_path):
             pass
         status = client.get("/v1/run", headers=auth).json()
     assert status["quorum"] == 3 and status["grace_cap"] == 100
-    after = [c for _, c in closes[mark + 1 : -1]]  # from the step after the change (the last may be short)
-    assert after and all(len(c.flights) == 3 for c in after)
+    after = _merged_per_step(closes[mark:])[1:-1]  # from the step after the change (the last may be short)
+    assert after and all(n == 3 for n in after)
     check_exactly_once(cfg, engine.summary)
 
 

@@ -142,9 +142,16 @@ def _copies(engine) -> dict[int, torch.Tensor]:
     return copies
 
 
-@pytest.mark.parametrize("mode", ["streaming", "diloco", "overlap"])
+QUORUM_FRAGMENTS = ["mode=streaming", "streaming.pacing=quorum", "asynchronous.quorum=1", "asynchronous.dylu=false"]
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [["mode=streaming"], ["mode=diloco"], ["mode=overlap"], [*QUORUM_FRAGMENTS, "islands.simulated_slowdown=[1,3]"]],
+    ids=["streaming", "diloco", "overlap", "streaming_quorum"],
+)
 def test_islands_hold_exactly_the_coordinators_published_copy_under_a_lossy_downlink(mode):
-    cfg = _gpt(f"mode={mode}", "compression.codec=int4", "compression.downlink=int4")
+    cfg = _gpt(*mode, "compression.codec=int4", "compression.downlink=int4")
     engine, pool = in_process_engine(cfg)
     copies = _copies(engine)
     summary = engine.execute()

@@ -26,11 +26,18 @@ class TokenBudget:
     def budget(self, run: RunState) -> int:
         return run.rounds * self.k * run.inner_steps
 
-    def work(self, run: RunState, island: int) -> Work | None:
-        """Work for `island` from the newest version, or None once the budget is out."""
+    def wanted(self, run: RunState, island: int) -> int:
+        """The inner steps `island`'s next work would have with budget to spare."""
         self.speeds.add(island)
-        h = self.speeds.steps(run.inner_steps)[island] if self.dylu else run.inner_steps
-        h = min(h, self.budget(run) - self.handed)
+        return self.speeds.steps(run.inner_steps)[island] if self.dylu else run.inner_steps
+
+    def left(self, run: RunState) -> int:
+        return self.budget(run) - self.handed
+
+    def work(self, run: RunState, island: int, steps: int | None = None) -> Work | None:
+        """Work for `island` from the newest version (`steps` inner steps, or what it
+        `wanted`), or None once the budget is out."""
+        h = min(self.wanted(run, island) if steps is None else steps, self.left(run))
         if h <= 0:
             return None
         self.handed += h

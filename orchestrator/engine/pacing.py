@@ -80,6 +80,7 @@ class Close:
     expected: int | None
     anchor: int | None = None
     staleness: int | None = None  # recorded staleness of every update (None: the verdict's)
+    ages: dict[int, int] | None = None  # island -> its recorded staleness, where the pacing counts it itself
     advances: bool = True  # a round advances the version even if nothing is applied
     fragment: int | None = None  # streaming: the fragment this step updates (None: the whole model)
     factors: dict[int, float] | None = None  # island -> multiplier of its token weight (age-aware merging)

@@ -11,6 +11,7 @@ slices, runtime) works with whatever is chosen here.
 | `diloco`, `diloco.dylu` | Quorum of every island (a barrier, H per speed) | bounded staleness | as `diloco` |
 | `overlap` | OneRoundLag   | exact (lagged) ver. | `CO2Outer`                                  |
 | `streaming` | FragmentSchedule (a Barrier over segments, Δ taken τ steps early) | exact version | Nesterov / SGD / Adam per fragment |
+| `streaming`, `streaming.pacing: quorum` | Quorum over segments, a step per fragment present | bounded staleness | as `streaming` |
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch
 from orchestrator.algorithms.dylu import SpeedTracker
 from orchestrator.algorithms.outer import CO2Outer, DelayedNesterov, FlatSGD
 from orchestrator.algorithms.robust import NormGuard
-from orchestrator.config import AsyncRule, Mode, OuterConfig, RunConfig
+from orchestrator.config import Mode, RunConfig
+from orchestrator.config_sections import AsyncRule, OuterConfig, StreamingPacing
 from orchestrator.engine.admission import Admission, BoundedStaleness, ExactVersion, StalenessRule
 from orchestrator.engine.arrivals import PerArrival
 from orchestrator.engine.commands import Inbox, SettingsUpdate
@@ -80,19 +82,28 @@ def check_settings(cfg: RunConfig, update: SettingsUpdate, islands: int) -> None
     p = cfg.streaming.fragments
     if cfg.mode == Mode.STREAMING and update.inner_steps is not None and update.inner_steps % p:
         raise ValueError(f"inner_steps = {update.inner_steps} must be a multiple of streaming.fragments = {p}")
-    is_quorum = cfg.mode == Mode.ASYNC and cfg.asynchronous.rule == AsyncRule.QUORUM
     asked = [k for k in ("quorum", "grace_cap", "grace_k", "age_power") if getattr(update, k) is not None]
-    if asked and not is_quorum:
-        raise ValueError(f"{', '.join(asked)}: needs mode async with asynchronous.rule = quorum")
+    if asked and not runs_quorum(cfg):
+        raise ValueError(
+            f"{', '.join(asked)}: needs mode async with asynchronous.rule = quorum, "
+            "or mode streaming with streaming.pacing = quorum"
+        )
     if update.quorum is not None and update.quorum > islands:
         raise ValueError(f"quorum = {update.quorum} is above the run's {islands} islands")
+
+
+def runs_quorum(cfg: RunConfig) -> bool:
+    """Whether `cfg` paces its steps by the (live-tunable) quorum rule."""
+    if cfg.mode == Mode.STREAMING:
+        return cfg.streaming.pacing == StreamingPacing.QUORUM
+    return cfg.mode == Mode.ASYNC and cfg.asynchronous.rule == AsyncRule.QUORUM
 
 
 def quorum_rule(cfg: RunConfig) -> QuorumRule | None:
     """The quorum pacing's live settings for `cfg`, or None if it runs none (sync_dylu is
     a quorum of every island with no window cap)."""
     a = cfg.asynchronous
-    if cfg.mode == Mode.ASYNC and a.rule == AsyncRule.QUORUM:
+    if runs_quorum(cfg):
         return QuorumRule(quorum=a.quorum, grace_cap=a.grace_cap, grace_k=a.grace_k, age_power=a.age_power)
     if cfg.mode == Mode.DILOCO and cfg.diloco.dylu:
         return QuorumRule(quorum=ALL, grace_cap=math.inf, grace_k=0.0, age_power=0.0)
@@ -127,8 +138,9 @@ def build_policies(cfg: RunConfig, numel: int, fragments: Fragments | None = Non
     a = cfg.asynchronous
     rule = quorum_rule(cfg)
     if rule is not None:
-        dylu = a.dylu if cfg.mode == Mode.ASYNC else True
-        pacing = Quorum(rule, dylu, speeds, cfg.islands.count, cfg.warm_steps)
+        dylu = a.dylu if cfg.mode != Mode.DILOCO else True
+        p, tau = (cfg.streaming.fragments, cfg.streaming_tau) if cfg.mode == Mode.STREAMING else (0, 0)
+        pacing = Quorum(rule, dylu, speeds, cfg.islands.count, cfg.warm_steps, p, tau)
         staleness = BoundedStaleness(a.max_staleness, a.stale_policy == "downweight")
     elif cfg.mode == Mode.ASYNC:
         pacing = PerArrival(a.dylu, speeds, cfg.islands.count, cfg.warm_steps, a.token_weighted)
