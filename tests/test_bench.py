@@ -105,6 +105,15 @@ def test_a_finished_run_of_the_same_config_is_reused_and_no_other(tmp_path):
     (out / "summary.json").write_text(json.dumps({"state": "finished", "final_eval_loss": 1.5}))
     assert finished(cfg) == {"state": "finished", "final_eval_loss": 1.5}
     assert finished(cfg.model_copy(update={"rounds": 3})) is None  # another config is run afresh
+    # a setting added since the run (absent from its file) counts at its default, and only then
+    written = dump_config(cfg)
+    assert "pacing: barrier" in written
+    (out / "config.yaml").write_text(written.replace("  pacing: barrier\n", ""))
+    assert finished(cfg) is not None
+    assert finished(load_config(None, [*MODEL, "rounds=2", "streaming.pacing=quorum", f"out_dir={out}"])) is None
+    (out / "config.yaml").write_text(written.replace("  pacing: barrier\n", "  pacing: barrier\n  gone: 1\n"))
+    assert finished(cfg) is None  # a setting since removed: not the same run
+    (out / "config.yaml").write_text(written)
     (out / "summary.json").write_text(json.dumps({"state": "stopped"}))
     assert finished(cfg) is None
     # a run of this config that starts over an earlier run's outputs, and is interrupted
@@ -162,3 +171,24 @@ def test_an_earlier_run_of_another_config_is_removed_not_resumed(tmp_path):
     (out / "config.yaml").write_text(dump_config(simulated))
     fresh(simulated)  # the same config, but its resumed clock would restart at zero
     assert not out.exists()
+
+
+def test_overlap_rows_tune_every_method_on_one_grid_over_a_link_that_leaves_slack():
+    from pathlib import Path
+
+    from orchestrator.bench.overlap import LRS, TUNED, bandwidth_for, grid_table
+
+    # the link: one fp32 exchange (down + up) of 1e6 parameters in 0.8 of a 2-second round
+    bw = bandwidth_for(1_000_000, 2.0)
+    assert 2 * 4e6 * 8 / (bw * 1e9) == pytest.approx(1.6)
+    table = grid_table(12, Path("."), bw)
+    configs = {n: load_config(None, [*MODEL, *ov]) for n, (_, ov) in table.items()}
+    assert set(configs) == {f"{n}@lr{lr:g}" for n in TUNED for lr in LRS}
+    for lr in LRS:
+        sync, co2, eager = (configs[f"{n}@lr{lr:g}"] for n in ("sync", "overlap", "overlap_eager"))
+        assert sync.mode.value == "diloco" and sync.outer.optimizer == "nesterov" and sync.outer.lr == lr
+        for c in (co2, eager):  # CO2 the paper's way: momentum kept stable by the penalty and the clip
+            assert c.mode.value == "overlap" and c.overlap.lr == lr and c.overlap.momentum > 0
+            assert c.overlap.penalty == "adaptive" and c.overlap.clip is not None
+        assert eager.overlap.eager and not co2.overlap.eager
+        assert sync.link.bandwidth_gbps == co2.link.bandwidth_gbps == pytest.approx(bw, rel=1e-5)

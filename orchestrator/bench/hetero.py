@@ -197,7 +197,8 @@ def _report(
         s0 = grid[name0[n]]
         mean, losses = _stats(of("best", n))
         reach = [
-            time_to_reach(eval_curve(work / key, seeded["best"][key], "clock_seconds"), sync_final)
+            # seed 0 ran in the lr grid: its outputs are under the grid run's name
+            time_to_reach(eval_curve(work / key.removesuffix("@s0"), seeded["best"][key], "clock_seconds"), sync_final)
             for key in (f"{n}@lr{best[n]:g}@s{s}" for s in seeds)
         ]
         results[n] = {

@@ -37,6 +37,18 @@ def one_ray(num_cpus: int) -> Iterator[None]:
             ray.shutdown()
 
 
+def same_config(out: Path, cfg: RunConfig) -> bool:
+    """Whether the run in `out` had `cfg`: its `config.yaml` read back equals it (a
+    setting added since, absent from the file, compares at its default, so a new option
+    whose default is the old behaviour does not invalidate earlier runs). Raises OSError
+    if `out` holds no config."""
+    text = (out / "config.yaml").read_text()
+    try:
+        return text == dump_config(cfg) or load_config(out / "config.yaml", []) == cfg
+    except ValueError:  # a setting since removed or renamed
+        return False
+
+
 def finished(cfg: RunConfig) -> dict[str, Any] | None:
     """The summary of a finished run of exactly `cfg` in its `out_dir` (a scenario run
     again into the same folder, e.g. after it was interrupted, reuses it: runs are
@@ -44,7 +56,7 @@ def finished(cfg: RunConfig) -> dict[str, Any] | None:
     out = Path(cfg.out_dir)
     try:
         summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
-        same = (out / "config.yaml").read_text() == dump_config(cfg)
+        same = same_config(out, cfg)
     except (OSError, ValueError):
         return None
     if not same or summary.get("state") != "finished":
@@ -61,7 +73,7 @@ def fresh(cfg: RunConfig) -> None:
     the run's loss-against-time curve would fold back, so such a run starts over."""
     out = Path(cfg.out_dir)
     try:
-        same = (out / "config.yaml").read_text() == dump_config(cfg)
+        same = same_config(out, cfg)
     except OSError:
         return
     if not same or cfg.islands.virtual_step_s is not None:
