@@ -85,7 +85,7 @@ def test_hetero_methods_share_one_budget_and_time_to_reach():
     from orchestrator.bench.hetero import time_to_reach
 
     table = hetero_methods(4)
-    assert set(table) == {"sync", "sync_dylu", "naive_async", "dn_dylu", "quorum"}
+    assert set(table) == {"sync", "sync_dylu", "naive_async", "dn_dylu", "quorum", "streaming_quorum"}
     budgets = {name: _tokens(load_config(None, [*MODEL, *ov])) for name, (_, ov) in table.items()}
     assert len(set(budgets.values())) == 1
     assert time_to_reach([(0, 5.0), (10, 3.0), (20, 1.0)], 2.0) == 15.0

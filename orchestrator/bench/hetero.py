@@ -11,7 +11,8 @@ continues one warm start per seed and trains the same token budget:
 - `naive_async`: Nesterov stepped on every arrival, fixed H, outer lr ÷ k;
 - `dn_dylu`: Delayed Nesterov (N = k) with Dynamic Local Updates (Liu et al. 2024);
 - `quorum`: the quorum rule — a step once half the islands are in and the adaptive grace
-  window has passed, token-weighted, stale results discounted by (1 + age)^−1.
+  window has passed, token-weighted, stale results discounted by (1 + age)^−1;
+- `streaming_quorum`: the same rule per fragment (2 fragments, one per layer).
 
 Fairness: every method's outer lr is tuned on the same grid (`LRS`, ×1/k for naive) on
 seed 0 of the mild fleet; the headline rows then run 3 seeds at their best lr and at the
@@ -53,6 +54,10 @@ ROWS = {
     "quorum": (
         "quorum ⌈k/2⌉ + adaptive grace, token- and age-weighted, DyLU",
         ["mode=async", "asynchronous.rule=quorum"],
+    ),
+    "streaming_quorum": (
+        "the quorum rule per fragment: Streaming DiLoCo, P = 2, on the quorum (Decoupled DiLoCo's pacing)",
+        ["mode=streaming", "streaming.fragments=2", "streaming.pacing=quorum"],
     ),
 }
 
