@@ -36,7 +36,7 @@ OUTER_LRS = (0.7, 1.0, 1.3)  # the headline rows each run at their best (seed 0)
 BASE = [*MODEL, "task.kwargs.n_layers=4", f"ray.num_cpus={K}"]  # 4 blocks: 4 equal fragments
 FP4 = ["compression.codec=int4", "compression.downlink=int4"]  # chunk 512 (the default): one scale per 512
 INT8 = ["compression.codec=int8", "compression.downlink=int8"]
-CO2 = ["mode=overlap", "overlap.lr=0.7", "overlap.momentum=0.0"]
+CO2 = ["mode=overlap", "overlap.lr=0.7", "overlap.momentum=0.0", "overlap.eager=false"]
 
 
 def fragmented(p: int) -> list[str]:
