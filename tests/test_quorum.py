@@ -148,6 +148,24 @@ def test_fragments_on_a_quorum_step_each_fragment_on_its_own_results_aged_by_its
     assert sent[:4] == [0, 1, 0, 1]
 
 
+def test_fragments_sent_early_wait_for_the_window_from_when_they_are_in_hand(tmp_path):
+    """Streaming's τ: each Δ crosses its link before its island finishes. With DyLU the
+    three islands finish within the window (the slow one ½ s after the others' 4 s), so
+    each step merges all three — the window opens when
+    the coordinator has the quorum's results, not when they crossed the link (counted
+    from the crossing, it had closed before the others' results, alike, were in hand).
+    And τ is time: a segment a quarter as long sends its Δ a quarter as many steps early."""
+    cfg = scenario_cfg(
+        tmp_path, "streaming_quorum", "inner_steps=8", "streaming.tau=2", "islands.simulated_slowdown=[1.0,1.0,4.5]"
+    )
+    engine, pool = in_process_engine(cfg)
+    closes = _watch(engine)
+    drive(engine)
+    check_exactly_once(cfg, engine.summary)
+    assert {(o.island, o.steps, o.send_after) for o in pool.dispatched[:3]} == {(0, 4, 2), (1, 4, 2), (2, 1, 1)}
+    assert all(len(c.flights) == 3 for _, c in closes[:-1])
+
+
 def test_a_hung_island_holds_no_step_and_is_replaced(tmp_path):
     cfg = scenario_cfg(tmp_path, "quorum", "rounds=8", "elastic.late_grace_s=10")
     engine, _ = in_process_engine(cfg, [Fault(FaultKind.HANG, island=1, order=2)])

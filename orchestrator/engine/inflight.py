@@ -134,6 +134,7 @@ class InFlight:
         # a pseudo-gradient taken τ steps before the end (streaming) was on its link meanwhile
         sent_at = finished - min(result.tail_s, result.compute_s)
         flight.delivered_at = sent_at + self.cfg.island_link(island).seconds(result.nbytes)
+        flight.received_at = now
         self.run.completed_steps += result.steps
         self.members.islands[island].merge = Merge.WAITING
         self.pacing.arrived(flight)

@@ -66,8 +66,14 @@ class Flight:
     deadline: float
     sent_at: float = 0.0  # when it was handed out (the pool's clock)
     result: RoundResult | None = None
-    delivered_at: float = 0.0
+    delivered_at: float = 0.0  # when its pseudo-gradient crossed the link (streaming: τ steps before the end)
+    received_at: float = 0.0  # when the coordinator had the result in hand (the pool's clock)
     received: int = 0  # bytes its island received for it (a first, full download not counted)
+
+    @property
+    def usable_at(self) -> float:
+        """From when a step can merge it: crossed its link and in the coordinator's hands."""
+        return max(self.delivered_at, self.received_at)
 
 
 @dataclass
