@@ -20,9 +20,10 @@ CENTERS = "[[1.0,0.0],[-0.5,2.0],[0.5,0.5],[2.0,-1.0]]"
 _keys = itertools.count()
 
 
-# scenario modes that are a mode plus settings: the quorum rule of async and of streaming
-# (per fragment), and sync + DyLU
+# scenario modes that are a mode plus settings: async's per-arrival Delayed Nesterov and its
+# quorum rule (the default), the quorum rule of streaming (per fragment), and sync + DyLU
 VARIANTS = {
+    "async": ["mode=async", "asynchronous.rule=delayed_nesterov"],
     "quorum": ["mode=async", "asynchronous.rule=quorum"],
     "streaming_quorum": ["mode=streaming", "streaming.pacing=quorum"],
     "sync_dylu": ["mode=diloco", "diloco.dylu=true"],

@@ -15,6 +15,7 @@ import torch
 
 from api.app import create_app
 from orchestrator.algorithms.aggregate import WeightedMean
+from orchestrator.config_load import load_config
 from orchestrator.config_sections import OuterConfig
 from orchestrator.engine.commands import Answer, Command, Refused, SettingsUpdate, UpdateSettings
 from orchestrator.engine.engine import RoundEngine
@@ -243,6 +244,18 @@ def test_quorum_and_grace_change_over_rest_at_the_next_step(tmp_path, mode):
     after = _merged_per_step(closes[mark:])[1:-1]  # from the step after the change (the last may be short)
     assert after and all(n == 3 for n in after)
     check_exactly_once(cfg, engine.summary)
+
+
+def test_mode_async_alone_runs_the_quorum_rule_and_delayed_nesterov_stays_selectable():
+    from orchestrator.engine.arrivals import PerArrival
+    from orchestrator.engine.policies import build_policies
+    from orchestrator.engine.quorum import Quorum
+
+    cfg = load_config(None, ["mode=async"])
+    assert cfg.asynchronous == type(cfg.asynchronous)() and cfg.asynchronous.rule.value == "quorum"
+    assert isinstance(build_policies(cfg, 4).pacing, Quorum)
+    dn = load_config(None, ["mode=async", "asynchronous.rule=delayed_nesterov"])
+    assert isinstance(build_policies(dn, 4).pacing, PerArrival)
 
 
 def test_quorum_settings_are_refused_for_another_rule(tmp_path):
