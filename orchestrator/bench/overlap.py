@@ -159,6 +159,7 @@ def _overlap(quick: bool, work: Path) -> BenchResult:
         work,
     )
     long_walls = {n: statistics.median(long[f"{n}@long@s{s}"]["train_seconds"] for s in seeds) for n in timed}
+    long_loss = {n: statistics.mean(long[f"{n}@long@s{s}"]["final_eval_loss"] for s in seeds) for n in timed}
     seeded = {"compute_only": [f"compute_only@s{s}" for s in seeds]}
     seeded.update({n: [f"{n}@lr{best[n]:g}" + (f"@s{s}" if s else "") for s in seeds] for n in TUNED})
     singles = {n: [n] for n in [*ABLATIONS, "overlap_default"]}
@@ -178,6 +179,7 @@ def _overlap(quick: bool, work: Path) -> BenchResult:
                 {
                     "wall_seconds_long": long_walls[name],
                     "wall_vs_compute_only_long": long_walls[name] / long_walls["compute_only"],
+                    "final_eval_loss_long": long_loss[name],
                 }
                 if name in long_walls
                 else {}
@@ -267,6 +269,7 @@ def _markdown(
             f"{m['wall_seconds']:.1f}",
             f"{m['wall_vs_compute_only']:.2f}×",
             f"{m['wall_vs_compute_only_long']:.3f}×" if "wall_vs_compute_only_long" in m else "",
+            f"{m['final_eval_loss_long']:.4f}" if "final_eval_loss_long" in m else "",
             f"{m['idle_fraction']:.2f}",
             f"{m['final_eval_loss']:.4f}",
             " / ".join(f"{x:.4f}" for x in m["final_eval_loss_seeds"]),
@@ -282,6 +285,7 @@ def _markdown(
             "wall s",
             "vs compute-only",
             f"vs compute-only, {lengths[1]} rounds",
+            f"final eval loss, {lengths[1]} rounds",
             "idle",
             "final eval loss",
             "per seed",
