@@ -32,6 +32,7 @@ step; nobody waits for a fragment to come round again.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import statistics
 from collections import deque
@@ -162,8 +163,8 @@ class Quorum(TokenBudget):
         together send the same one, and a late island falls back in step at its next start.
         Its pseudo-gradient leaves τ·steps/`full` steps before the end: τ is time to hide
         (τ steps of a full segment), and a slower island's shorter segment covers that time
-        in fewer steps. (A fixed τ left an island of H/8 one step of five: the four trained
-        after it left were replaced by the merge — +7.8 % eval loss in `bench hetero`.)"""
+        in fewer steps (a fixed τ of 5 would send an island of 6-step segments its Δ after
+        one step, and the merge would replace the five it trained after)."""
         tail = round(self.tau * work.steps / max(1, full))
         return dataclasses.replace(work, fragment=self.cursor, send_after=max(0, work.steps - tail))
 
@@ -214,7 +215,8 @@ class Quorum(TokenBudget):
         self.cursor = (max(groups, key=lambda p: len(groups[p])) + 1) % self.p
         for n, (fragment, group) in enumerate(sorted(groups.items())):
             # a result's age: the steps *its fragment* took since its work started
-            ages = {f.work.island: sum(v > f.work.version for v in self.stepped[fragment]) for f in group}
+            done = self.stepped[fragment]  # increasing
+            ages = {f.work.island: len(done) - bisect.bisect_right(done, f.work.version) for f in group}
             factors = {i: age_factor(a, self.rule.age_power) for i, a in ages.items()}
             self.pending.append(_close(run.closes + 1 + n, group, factors, fragment, ages))
         return self.pending.pop(0)
