@@ -349,10 +349,8 @@ class RoundEngine:
             self.publisher.publish(self.run.version, due)
         self.run.closes += 1
         for flight, verdict in zip(flights, verdicts):
-            staleness = close.staleness if close.staleness is not None else verdict.staleness
-            self.inflight.settle(
-                flight, verdict, close.ages.get(flight.work.island, staleness) if close.ages else staleness
-            )
+            staleness = close.ages.get(flight.work.island, verdict.staleness) if close.ages else verdict.staleness
+            self.inflight.settle(flight, verdict, staleness)
         due = self.pacing.closed(self.run, close)
         if due is not None:
             self.due.append(due)

@@ -85,12 +85,17 @@ class Close:
     flights: list[Flight]
     expected: int | None
     anchor: int | None = None
-    staleness: int | None = None  # recorded staleness of every update (None: the verdict's)
-    ages: dict[int, int] | None = None  # island -> its recorded staleness, where the pacing counts it itself
+    ages: dict[int, int] | None = (
+        None  # island -> its recorded staleness, where the pacing knows it (else the verdict's)
+    )
     advances: bool = True  # a round advances the version even if nothing is applied
     fragment: int | None = None  # streaming: the fragment this step updates (None: the whole model)
     factors: dict[int, float] | None = None  # island -> multiplier of its token weight (age-aware merging)
     scale: float = 1.0  # multiplies the merged update (a per-arrival step's share of a round's tokens)
+
+
+def _islands(flights: list[Flight]) -> list[int]:
+    return [f.work.island for f in flights]
 
 
 def _by_island(flight: Flight) -> int:
@@ -153,7 +158,9 @@ class Barrier:
         flights, self.open, self.out = sorted(self.open, key=_by_island), [], 0
         # the version counts outer steps taken: a step whose every update was lost or
         # rejected does not advance it (the round still counts), so lost steps show
-        return Close(run.closes + 1, flights, expected=run.version, staleness=0, advances=False)
+        return Close(
+            run.closes + 1, flights, expected=run.version, ages=dict.fromkeys(_islands(flights), 0), advances=False
+        )
 
     def wake(self, run: RunState, in_flight: list[Flight]) -> float | None:
         return None
@@ -250,7 +257,7 @@ class OneRoundLag:
         flights = sorted(self.arrivals.pop(t, []), key=_by_island)
         self.dispatched.pop(t, None)
         s = start_version(t, run.base)
-        return Close(t, flights, expected=s, anchor=s, staleness=(t - 1) - s)
+        return Close(t, flights, expected=s, anchor=s, ages=dict.fromkeys(_islands(flights), (t - 1) - s))
 
     def wake(self, run: RunState, in_flight: list[Flight]) -> float | None:
         return None
