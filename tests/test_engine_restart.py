@@ -1,0 +1,222 @@
+"""The round engine without Ray across stops and coordinator restarts: checkpoints (graceful
+and stop-now, corrupt or planted ones), what a restart keeps of the membership, and runs
+started from a final model or a checkpoint folder. The other scenarios are in
+test_engine.py. Every scenario checks exactly-once data: each batch the
+islands read is either trained into the run once or belongs to work the engine declared
+lost (and so was read again by its next owner), and Σ positions × batch tokens = tokens
+trained = Σ of the islands' tokens."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from orchestrator.engine.build import build_engine
+from orchestrator.engine.commands import (
+    AddIslands,
+    Drain,
+    SetTarget,
+    Stop,
+)
+from orchestrator.engine.types import RunFailed
+from tests.engine_scenarios import Action, check_exactly_once, drive, run_scenario, scenario_cfg
+from tests.helpers import events, in_process_engine
+
+MODES = ["diloco", "ddp", "async", "overlap", "streaming", "quorum", "streaming_quorum", "sync_dylu"]
+
+
+@pytest.mark.parametrize("mode", ["diloco", "overlap", "async", "streaming", "quorum", "streaming_quorum"])
+def test_a_coordinator_restart_resumes_from_its_checkpoint(tmp_path, mode):
+    cfg = scenario_cfg(tmp_path, mode)
+    first, pool = in_process_engine(cfg, run_id="restart")
+    from orchestrator.engine.checkpoints import load_checkpoint
+
+    drive(first, until=3)
+    saved = load_checkpoint(Path(cfg.checkpoint_dir))["ledger"]["position"]
+    # everything read since the checkpoint (work out, and results closed after it) is redone
+    lost = Counter((s, i) for s, p in enumerate(first.ledger.position) for i in range(saved[s], p))
+    pool.coordinator_lost()
+    second = build_engine(cfg, pool, run_id="restart")  # what the restarted coordinator does
+    assert second.resumed and second.rounds_done == 3
+    drive(second)
+    check_exactly_once(cfg, second.summary, lost)
+    assert second.summary["rounds_done"] == 6
+    assert any(e["kind"] == "reattach" for e in events(cfg.out_dir)) and any(
+        e["kind"] == "restart" for e in events(cfg.out_dir)
+    )
+
+
+def test_a_graceful_stop_finishes_the_round_and_checkpoints(tmp_path):
+    cfg = scenario_cfg(tmp_path, "overlap")
+    summary = run_scenario(cfg, at={2: lambda e: e.submit(Stop())})
+    assert summary["state"] == "stopped" and 2 <= summary["rounds_done"] < 6
+    assert list(Path(cfg.checkpoint_dir).glob("state-*.pt"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_stop_now_checkpoints_every_step_taken_with_its_record(tmp_path, mode):
+    from orchestrator.engine.checkpoints import load_checkpoint
+
+    cfg = scenario_cfg(tmp_path, mode)
+    engine, _ = in_process_engine(cfg)
+    engine.start()
+    while engine.step():
+        # a step closed and its record not yet written (barrier, lag), or mid-run (async,
+        # whose records are written as soon as they are due)
+        if engine.run.version >= 3 and (engine.due or mode in ("async", "quorum")):
+            engine.submit(Stop(now=True))
+    summary, state = engine.summary, load_checkpoint(Path(cfg.checkpoint_dir))
+    assert summary["state"] == "stopped" and state["counters"]["rounds_done"] == summary["rounds_done"] >= 1
+    assert state["version"] == summary["outer_steps"]
+    check_exactly_once(cfg, summary)
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
+    from orchestrator.engine.checkpoints import load_checkpoint
+
+    cfg = scenario_cfg(tmp_path, "diloco", "checkpoint.keep=2")
+    first, pool = in_process_engine(cfg, run_id="corrupt")
+    drive(first, until=4)
+    saved = sorted(Path(cfg.checkpoint_dir).glob("state-*.pt"))
+    assert [p.name for p in saved] == ["state-000003.pt", "state-000004.pt"]  # the newest 2 kept
+    data = bytearray(saved[-1].read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte in the newest
+    saved[-1].write_bytes(bytes(data))
+    assert load_checkpoint(Path(cfg.checkpoint_dir))["counters"]["rounds_done"] == 3
+    pool.coordinator_lost()
+    second = build_engine(cfg, pool, run_id="corrupt")
+    assert second.resumed and second.rounds_done == 3
+    drive(second)
+    assert second.summary["rounds_done"] == 6 and second.summary["state"] == "finished"
+
+
+def test_a_planted_checkpoint_cannot_run_code(tmp_path):
+    """Before: `torch.load(weights_only=False)`: anyone who could write the checkpoint volume
+    could run code in the coordinator (a matching checksum does not help: they write both)."""
+    import hashlib
+    import io
+    import pickle
+
+    from orchestrator.engine.checkpoints import CheckpointError, load_checkpoint
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    buffer = io.BytesIO()
+    torch_save = __import__("torch").save
+    torch_save({"run_id": "x", "evil": Payload()}, buffer, pickle_module=pickle)
+    (folder / "state-000001.pt").write_bytes(buffer.getvalue())
+    (folder / "state-000001.pt.sha256").write_text(hashlib.sha256(buffer.getvalue()).hexdigest())
+    with pytest.raises(CheckpointError, match=r"state-000001\.pt"):
+        load_checkpoint(folder)
+    assert not marker.exists()
+
+
+def _restart_after(tmp_path, mode: str, change: Action, crash_at: int, *extra: str):
+    """Checkpoints every 2 rounds; `change` right after round 2's; the coordinator dies at
+    `crash_at` (after the change took effect, before the next checkpoint) and a new one
+    resumes. Returns (config, the engine before, the resumed engine's summary)."""
+    from orchestrator.engine.checkpoints import load_checkpoint
+
+    cfg = scenario_cfg(tmp_path, mode, "rounds=8", "checkpoint.every_rounds=2", "elastic.placement_timeout_s=5", *extra)
+    first, pool = in_process_engine(cfg, run_id="intent")
+    drive(first, at={2: change}, until=crash_at)
+    saved = load_checkpoint(Path(cfg.checkpoint_dir))["ledger"]["position"]
+    # everything read since the checkpoint is redone by the restarted coordinator
+    lost = Counter((s, i) for s, p in enumerate(first.ledger.position) for i in range(saved[s], p))
+    pool.coordinator_lost()
+    second = build_engine(cfg, pool, run_id="intent")
+    assert second.resumed and second.rounds_done == 2
+    drive(second)
+    check_exactly_once(cfg, second.summary, lost)
+    return cfg, first, second
+
+
+@pytest.mark.parametrize("mode", ["diloco", "async", "quorum", "streaming_quorum"])
+def test_an_island_added_after_the_checkpoint_is_adopted_on_restart(tmp_path, mode):
+    """Before: the restarted coordinator restored the checkpoint's target and membership;
+    an island that joined since was orphaned (still holding its resources) and a later
+    join could collide with its name."""
+    cfg, first, second = _restart_after(tmp_path, mode, lambda e: e.submit(AddIslands(count=1)), crash_at=3)
+    assert first.members.islands[3].state.value == "training"  # it had joined before the crash
+    summary = second.summary
+    assert second.members.target == 4 and set(summary["islands"]) == {"0", "1", "2", "3"}
+    assert summary["islands"]["3"]["state"] == "training" and summary["islands"]["3"]["rounds_contributed"] >= 1
+    assert any(e["kind"] == "reattach" and e["island"] == 3 for e in events(cfg.out_dir))
+
+
+@pytest.mark.parametrize("mode", ["diloco", "async", "quorum", "streaming_quorum"])
+def test_a_drained_island_stays_drained_across_a_restart(tmp_path, mode):
+    _, first, second = _restart_after(tmp_path, mode, lambda e: e.submit(Drain(island=1)), crash_at=3)
+    assert first.members.islands[1].state.value == "drained"
+    summary = second.summary
+    assert summary["islands"]["1"]["state"] == "drained" and second.members.target == 2
+    assert set(summary["islands"]) == {"0", "1", "2"}  # not replaced, not relaunched
+
+
+def test_a_draining_island_goes_on_draining_across_a_restart(tmp_path):
+    slow = "islands.simulated_slowdown=[1.0,10.0,1.0]"  # island 1's round is still out at the crash
+    _, first, second = _restart_after(
+        tmp_path, "async", lambda e: e.submit(Drain(island=1)), 3, slow, "round_timeout_s=100"
+    )
+    assert first.members.islands[1].state.value == "draining"
+    summary = second.summary
+    assert summary["islands"]["1"]["state"] == "drained" and second.members.target == 2
+    assert set(summary["islands"]) == {"0", "1", "2"}
+
+
+def test_a_lowered_target_holds_across_a_restart(tmp_path):
+    _, _, second = _restart_after(tmp_path, "diloco", lambda e: e.submit(SetTarget(islands=2)), crash_at=3)
+    summary = second.summary
+    assert second.members.target == 2 and sum(s["state"] == "training" for s in summary["islands"].values()) == 2
+
+
+@pytest.mark.parametrize("source", ["final", "checkpoint"])
+def test_a_run_starts_from_a_final_model_or_a_checkpoint_folder(tmp_path, source):
+    """`init_from` (`archipelago run --init-from`): the new run's first evaluation is the
+    earlier run's last, and summary.json says where its weights came from."""
+    first = run_scenario(scenario_cfg(tmp_path, "diloco"))
+    path = Path(first["out_dir"]) / "final.pt" if source == "final" else Path(first["out_dir"]) / "checkpoint"
+    second = run_scenario(scenario_cfg(tmp_path, "diloco", f"init_from={path}"))
+    assert second["initial_eval_loss"] == pytest.approx(first["final_eval_loss"], rel=1e-9)
+    assert second["init_from"]["kind"] == source and second["init_from"]["path"] == str(path.resolve())
+    assert len(second["init_from"]["sha256"]) == 64 and first["init_from"] is None
+    assert second["rounds_done"] == 6 and np.isfinite(second["final_eval_loss"])
+
+
+def test_init_from_refuses_what_does_not_fit(tmp_path):
+    from orchestrator.config_load import ConfigError
+
+    with pytest.raises(ConfigError, match="init_from"):
+        scenario_cfg(tmp_path, "diloco", f"init_from={tmp_path / 'missing.pt'}")
+    import torch
+
+    wrong = tmp_path / "wrong.pt"
+    torch.save({"x": torch.zeros(7, dtype=torch.float64)}, wrong)  # the toy model has 2 parameters
+    with pytest.raises(RunFailed, match="does not fit"):
+        in_process_engine(scenario_cfg(tmp_path, "diloco", f"init_from={wrong}"))
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a model")
+    with pytest.raises(RunFailed, match="not a model state_dict"):
+        in_process_engine(scenario_cfg(tmp_path, "diloco", f"init_from={garbage}"))
+
+
+def test_a_restart_before_the_first_checkpoint_releases_the_islands_it_replaces(tmp_path):
+    """Found on a multi-node cluster: a coordinator restarted with no checkpoint yet started
+    afresh and asked for islands under names its predecessor's islands still held."""
+    cfg = scenario_cfg(tmp_path, "diloco", "checkpoint.every_rounds=0")
+    first, pool = in_process_engine(cfg, run_id="early")
+    drive(first, until=2)
+    pool.coordinator_lost()
+    second = build_engine(cfg, pool, run_id="early")
+    assert not second.resumed
+    drive(second)
+    assert second.summary["rounds_done"] == 6 and second.summary["state"] == "finished"
