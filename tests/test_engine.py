@@ -331,3 +331,20 @@ def test_dylu_sizes_a_slow_islands_first_work_from_its_known_speed(tmp_path):
     for order in pool.dispatched:
         first.setdefault(order.island, order.steps)
     assert first == {0: 8, 1: 8, 2: 2}
+
+
+@pytest.mark.parametrize("mode", ["overlap", "diloco", "async"])
+def test_an_upload_crossing_its_link_holds_only_the_step_that_merges_it(tmp_path, mode):
+    """Each transfer takes 1 s (virtual) against 4 s of compute per work order. The step
+    waits for the pseudo-gradients to cross, but the engine does not sleep meanwhile: under
+    the one-round lag the islands start their next round at once, so only the transfers
+    of the synchronous start (the first download, upload, and version 1's download) and
+    the last upload show: 24 + 4 s (the engine used to sleep through every upload, so each
+    lagged round paid it too: 32 s). Synchronous rounds pay the whole exchange, 6 × (4 + 2)
+    s, and an asynchronous island, which restarts from the step that merges its own
+    update, waits for that step and its download."""
+    cfg = scenario_cfg(tmp_path, mode, "link.latency_ms=1000")
+    summary = run_scenario(cfg)
+    compute = cfg.rounds * cfg.inner_steps  # 1 s per inner step on the in-process pool
+    expected = {"overlap": compute + 4, "diloco": compute + cfg.rounds * 2, "async": compute + cfg.rounds * 2}
+    assert summary["clock_seconds"] == pytest.approx(expected[mode], abs=0.01)

@@ -92,7 +92,10 @@ class PerArrival(TokenBudget):
         if run.stopping:
             return []
         out = []
+        waiting = {f.work.island for f in self.queue}  # restarted from the step that merges it
         for i in idle:
+            if i in waiting:
+                continue
             work = self.work(run, i)
             if work is None:
                 break
@@ -100,12 +103,18 @@ class PerArrival(TokenBudget):
         return out
 
     def next_close(self, run: RunState, in_flight: list[Flight]) -> Close | None:
-        if not self.queue:
+        """A step per result, in the order they finish crossing their links."""
+        ready = [f for f in self.queue if f.usable_at <= run.now]
+        if not ready:
             return None
-        flight = self.queue.pop(0)
+        flight = min(ready, key=lambda f: f.usable_at)
+        self.queue.remove(flight)
         scale = 1.0
         if self.token_weighted:
             h = self.speeds.steps(run.inner_steps) if self.dylu else {}
             mean_h = sum(h.values()) / len(h) if h else run.inner_steps
             scale = flight.work.steps / mean_h
         return Close(run.closes + 1, [flight], expected=None, advances=False, scale=scale)
+
+    def wake(self, run: RunState, in_flight: list[Flight]) -> float | None:
+        return min((f.usable_at for f in self.queue), default=None)

@@ -325,9 +325,9 @@ class RoundEngine:
     def _close(self, close: Close) -> None:
         flights = close.flights  # every flight a pacing closes has its result
         results = [f.result for f in flights if f.result is not None]
+        # a pacing closes once every result has crossed its (simulated) link, so `due` is
+        # past: when the new version could first have left for the islands
         due = max((f.delivered_at for f in flights), default=None)
-        if due is not None:  # the step happens once every result has crossed its (simulated) link
-            self.pool.sleep_until(due)
         contributions = [self.inflight.contribution(r, close.fragment, close.factors) for r in results]
         outcome = take_step(
             self.outer,

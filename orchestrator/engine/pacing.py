@@ -98,6 +98,15 @@ def _islands(flights: list[Flight]) -> list[int]:
     return [f.work.island for f in flights]
 
 
+def _crossing(flights: list[Flight], now: float) -> float | None:
+    """When the last of `flights` is usable, if that is still to come: a step waits for its
+    results to cross their (simulated) links without the engine sleeping, so islands not
+    waiting on that step keep being served meanwhile (under a one-round lag, the very
+    islands whose upload is crossing)."""
+    due = max((f.usable_at for f in flights), default=now)
+    return due if due > now else None
+
+
 def _by_island(flight: Flight) -> int:
     """Updates are averaged in island order, whatever order they arrived in, so a run's
     floating-point sums (and so its numbers) do not depend on timing."""
@@ -153,7 +162,7 @@ class Barrier:
         pass
 
     def next_close(self, run: RunState, in_flight: list[Flight]) -> Close | None:
-        if not self.out or in_flight:
+        if not self.out or in_flight or _crossing(self.open, run.now) is not None:
             return None
         flights, self.open, self.out = sorted(self.open, key=_by_island), [], 0
         # the version counts outer steps taken: a step whose every update was lost or
@@ -163,7 +172,7 @@ class Barrier:
         )
 
     def wake(self, run: RunState, in_flight: list[Flight]) -> float | None:
-        return None
+        return None if not self.out or in_flight else _crossing(self.open, run.now)
 
     def closed(self, run: RunState, close: Close) -> int | None:
         return run.closes // self.per_record if run.closes % self.per_record == 0 else None
@@ -254,13 +263,18 @@ class OneRoundLag:
             later = any(r > t for r in self.arrivals) or any(f.work.round > t for f in in_flight)
             if not later:
                 return None
+        if _crossing(self.arrivals.get(t, []), run.now) is not None:
+            return None  # its islands meanwhile start round t + 1 from the version before
         flights = sorted(self.arrivals.pop(t, []), key=_by_island)
         self.dispatched.pop(t, None)
         s = start_version(t, run.base)
         return Close(t, flights, expected=s, anchor=s, ages=dict.fromkeys(_islands(flights), (t - 1) - s))
 
     def wake(self, run: RunState, in_flight: list[Flight]) -> float | None:
-        return None
+        t = run.version + 1
+        if any(f.work.round == t for f in in_flight):
+            return None
+        return _crossing(self.arrivals.get(t, []), run.now)
 
     def closed(self, run: RunState, close: Close) -> int | None:
         return close.round
