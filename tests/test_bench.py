@@ -176,12 +176,16 @@ def test_an_earlier_run_of_another_config_is_removed_not_resumed(tmp_path):
 def test_overlap_rows_tune_every_method_on_one_grid_over_a_link_that_leaves_slack(tmp_path):
     from pathlib import Path
 
-    from orchestrator.bench.overlap import LRS, TUNED, bandwidth_for, grid_table, steady_round_seconds
+    from orchestrator.bench.overlap import LRS, TUNED, bandwidth_for, grid_table, steady_compute_seconds
 
-    # the link: one fp32 exchange (down + up) of 1e6 parameters in 0.8 of a 2-second round,
-    # the round being compute-only's median (its first rounds warm up)
-    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"round_seconds": {x}}}\n' for x in (5.6, 2.2, 2.0, 1.9, 2.1)))
-    assert steady_round_seconds(tmp_path) == 2.1
+    # the link: one fp32 exchange (down + up) of 1e6 parameters in 0.8 of 2 seconds, the
+    # islands' median computation per round in compute-only (records carry it so far; the
+    # first rounds warm up, and the islands' mean is taken per round)
+    so_far = [(5.6, 5.0), (7.8, 7.2), (9.8, 9.0), (11.6, 11.0), (13.8, 12.8)]  # per round: 5.3, 2.2, 1.9, 1.9, 2.0
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"island_compute_seconds": {"0": a, "1": b}}) + "\n" for a, b in so_far)
+    )
+    assert steady_compute_seconds(tmp_path) == pytest.approx(2.0)
     bw = bandwidth_for(1_000_000, 2.0)
     assert 2 * 4e6 * 8 / (bw * 1e9) == pytest.approx(1.6)
     table = grid_table(12, Path("."), bw)

@@ -180,9 +180,9 @@ def steady_overhead(run_dir: Path) -> float:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     a, b = records[0], records[-2]
     fractions = []
-    for island in a["island_idle_fraction"]:
-        busy = [(1 - r["island_idle_fraction"][island]) * r["train_seconds"] for r in (a, b)]
-        fractions.append(1 - (busy[1] - busy[0]) / (b["train_seconds"] - a["train_seconds"]))
+    for island in a["island_compute_seconds"]:
+        busy = b["island_compute_seconds"][island] - a["island_compute_seconds"][island]
+        fractions.append(1 - busy / (b["train_seconds"] - a["train_seconds"]))
     return sum(fractions) / len(fractions)
 
 

@@ -13,9 +13,9 @@ Fairness: `sync`, `overlap` and `overlap_eager` sweep the outer lr over the same
 (`LRS`) on seed 0; each then runs seeds 0–2 at its best lr, and a row's wall time is the
 median of those three runs (the work is the same; only the data order differs), and
 again over `LONG_ROUNDS` rounds, where the unhidden first and last exchanges weigh less. Every
-run continues its seed's warm start. The link is calibrated from the measured compute of
-`compute_only` (seed 0): bandwidth = 2 · fp32 parameter bytes · 8 / (fraction · its
-median round's seconds).
+run continues its seed's warm start. The link is calibrated from the islands' measured
+computation per round in `compute_only` (seed 0, `steady_compute_seconds`): bandwidth =
+2 · fp32 parameter bytes · 8 / (fraction · those seconds).
 """
 
 from __future__ import annotations
@@ -80,13 +80,22 @@ def link(bandwidth_gbps: float) -> list[str]:
     return [f"link.bandwidth_gbps={bandwidth_gbps:.6g}", "link.latency_ms=0"]
 
 
-def steady_round_seconds(run_dir: Path) -> float:
-    """The median round of a run with no link: what one round of computation takes once
-    the run is under way. (Its mean would count the first rounds' warm-up — 5.6 s, then
-    2.2 and 2.5 s against ≈ 1.3 s after — and size the link past the steady round, so
-    the lag could hide none of it.)"""
-    rounds = [json.loads(line)["round_seconds"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return float(statistics.median(rounds))
+def steady_compute_seconds(run_dir: Path) -> float:
+    """The islands' own computation per round once a run is under way: the median over
+    rounds of the mean over islands of what each computed in that round (the first rounds
+    warm up: 2.8, 2.2 s against ≈ 1.1 s after). The link is sized from this, not from a
+    whole round, which also holds the coordinator's step and evaluation: sized from the
+    round, one exchange took as long as the islands' computation and left the lag no
+    slack to hide it in."""
+    records = [
+        json.loads(line)["island_compute_seconds"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+    per_round: list[float] = []
+    before: dict[str, float] = {}
+    for record in records:
+        per_round.append(statistics.mean(record[i] - before.get(i, 0.0) for i in record))
+        before = record
+    return float(statistics.median(per_round))
 
 
 def bandwidth_for(num_params: int, compute_per_round: float, fraction: float = LINK_FRACTION) -> float:
@@ -120,7 +129,7 @@ def _overlap(quick: bool, work: Path) -> BenchResult:
     }
     compute = run_methods(MODEL, tables, work)
     ref = compute["compute_only@s0"]
-    compute_per_round = steady_round_seconds(work / "compute_only@s0")
+    compute_per_round = steady_compute_seconds(work / "compute_only@s0")
     bw = bandwidth_for(ref["num_params"], compute_per_round)
     swept = grid_table(rounds, warm[0], bw)
     tables.update(swept)
@@ -300,8 +309,8 @@ def _markdown(
     return (
         f"{K} islands (no more than this machine's cores), H = {H}, {lengths[0]} rounds after a shared warm start "
         f"({WARM} data-parallel steps) per seed; simulated link {bw * 1000:.2f} Mbit/s, so one exchange "
-        f"(params down + pseudo-gradient up, fp32) takes {exchange:.2f}s against {compute:.2f}s, compute-only's "
-        f"median round ({LINK_FRACTION:g}×). Tuned rows: the outer lr is the best of the grid on seed 0, then the mean "
+        f"(params down + pseudo-gradient up, fp32) takes {exchange:.2f}s against {compute:.2f}s, the islands' "
+        f"median computation per round in compute-only ({LINK_FRACTION:g}×). Tuned rows: the outer lr is the best of the grid on seed 0, then the mean "
         f"of {seeds} seeds at it; wall is the median of those runs. CO2 rows: the first round synchronous, "
         f"then a one-round lag. That first round's exchange and the last upload are hidden by nothing (≈ 1.2 "
         f"rounds' exchange on top of the compute), so the wall is timed again over {lengths[1]} rounds (the "

@@ -153,6 +153,11 @@ class RunStats:
                 for i, st in islands.items()
                 if st.state in (IslandState.TRAINING, IslandState.LATE)
             },
+            "island_compute_seconds": {
+                str(i): st.compute_s
+                for i, st in islands.items()
+                if st.state in (IslandState.TRAINING, IslandState.LATE)
+            },
         }
         self.rounds_done = rnd
         self.window = Window(self.tokens)

@@ -113,6 +113,7 @@ class RoundRecord(_View):
     lr: float | None = None
     islands_alive: int = 0
     island_idle_fraction: dict[str, float] = {}
+    island_compute_seconds: dict[str, float] = {}  # so far: what a round's computation took is a difference
     clock_seconds: float | None = None
 
 
