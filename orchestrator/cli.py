@@ -108,7 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api.app import create_app
-    from api.auth import ExposureError, check_exposure, configured_token
+    from api.auth import ExposureError, check_exposure, configured_token, is_loopback
     from api.handle import RayRunHandle, find_run
 
     try:
@@ -126,7 +126,10 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     log.info("control plane of run %s: http://%s:%d/", run_id, args.host, args.port)
     uvicorn.run(
-        create_app(RayRunHandle(run_id), token, args.public_reads), host=args.host, port=args.port, log_level="warning"
+        create_app(RayRunHandle(run_id), token, args.public_reads, loopback=is_loopback(args.host)),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
     )
     return 0
 
@@ -191,10 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         sys.stdout.write(dump_config(cfg))
         return 0
-    from orchestrator.runtime.driver import RunFailed, print_summary, resume_id, run
+    from orchestrator.runtime.driver import ResumeRefused, RunFailed, print_summary, resume_id, run
 
     try:
-        summary = run(cfg, run_id=resume_id(cfg) if resume else None, show_progress=level <= logging.INFO)
+        run_id = resume_id(cfg) if resume else None
+    except ResumeRefused as err:
+        log.error("cannot resume: %s", err)
+        return 2
+    try:
+        summary = run(cfg, run_id=run_id, show_progress=level <= logging.INFO)
     except RunFailed as err:
         log.error("run failed: %s", err)
         return 1

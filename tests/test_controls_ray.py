@@ -66,4 +66,4 @@ def test_settings_pause_resume_and_stop(ray_local, tmp_path):
     kinds = [json.loads(line)["kind"] for line in _lines(tmp_path / "out" / "events.jsonl")]
     for kind in ("settings", "paused", "resumed", "stop_requested", "stopped"):
         assert kind in kinds
-    assert list((tmp_path / "out" / "checkpoint").glob("state-*.pt")) and (tmp_path / "out" / "final.pt").exists()
+    assert list((tmp_path / "out" / "checkpoint").glob("*/state-*.pt")) and (tmp_path / "out" / "final.pt").exists()

@@ -7,6 +7,7 @@ its checkpoints."""
 from __future__ import annotations
 
 import errno
+import json
 import math
 from pathlib import Path
 
@@ -129,7 +130,7 @@ def test_a_disk_that_fills_mid_run_is_survived_and_checkpoints_resume(tmp_path, 
     assert summary["state"] == "finished" and summary["rounds_done"] == 8
     check_exactly_once(cfg, summary)
     # the owed checkpoint was written at the first record after the disk freed, then on schedule
-    state = load_checkpoint(Path(cfg.checkpoint_dir))
+    state = load_checkpoint(engine.checkpoints)
     assert state["counters"]["rounds_done"] == 8 and not engine.outputs.checkpoint_owed
     # nothing written while the disk was full is missing from the files
     lines = (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()
@@ -163,7 +164,7 @@ def test_an_unforeseen_error_is_a_clean_run_failed_with_the_checkpoint_intact(tm
     with pytest.raises(RunFailed, match=r"round engine failed at version \d+: ZeroDivisionError: a bug"):
         engine.execute()
     assert engine.status()["state"] == "failed"
-    assert load_checkpoint(Path(cfg.checkpoint_dir))["counters"]["rounds_done"] == 3
+    assert load_checkpoint(engine.checkpoints)["counters"]["rounds_done"] == 3
 
 
 @pytest.mark.parametrize("mode", ["diloco", "async", "streaming", "quorum", "streaming_quorum"])
@@ -235,3 +236,19 @@ def test_restart_on_failure_gives_up_every_islands_work_and_stands_still(tmp_pat
     assert engine.summary["clock_seconds"] >= clean["clock_seconds"] + 7
     batches = sum(engine.summary["shards"]["position"])
     assert batches == sum(clean["shards"]["position"])  # the full budget, the given-up round redone
+
+
+def test_an_export_that_fails_at_the_end_loses_neither_final_pt_nor_the_summary(tmp_path):
+    """The export used to be written first: one that raised left no final.pt."""
+    cfg = scenario_cfg(tmp_path, "diloco")
+    engine, _ = in_process_engine(cfg)
+
+    def refuse(model, out_dir):
+        raise ValueError("this model cannot be saved in that format")
+
+    engine.outputs.task.save_pretrained = refuse  # an exportable task whose library refuses
+    drive(engine)
+    summary = json.loads((Path(cfg.out_dir) / "summary.json").read_text())
+    assert summary["state"] == "finished" and "export" not in summary
+    assert summary["export_error"] == "ValueError: this model cannot be saved in that format"
+    assert (Path(cfg.out_dir) / "final.pt").exists()

@@ -35,7 +35,7 @@ def test_a_coordinator_restart_resumes_from_its_checkpoint(tmp_path, mode):
     from orchestrator.engine.checkpoints import load_checkpoint
 
     drive(first, until=3)
-    saved = load_checkpoint(Path(cfg.checkpoint_dir))["ledger"]["position"]
+    saved = load_checkpoint(Path(cfg.checkpoint_dir) / "restart")["ledger"]["position"]
     # everything read since the checkpoint (work out, and results closed after it) is redone
     lost = Counter((s, i) for s, p in enumerate(first.ledger.position) for i in range(saved[s], p))
     pool.coordinator_lost()
@@ -53,7 +53,7 @@ def test_a_graceful_stop_finishes_the_round_and_checkpoints(tmp_path):
     cfg = scenario_cfg(tmp_path, "overlap")
     summary = run_scenario(cfg, at={2: lambda e: e.submit(Stop())})
     assert summary["state"] == "stopped" and 2 <= summary["rounds_done"] < 6
-    assert list(Path(cfg.checkpoint_dir).glob("state-*.pt"))
+    assert list((Path(cfg.checkpoint_dir) / "local").glob("state-*.pt"))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -68,7 +68,7 @@ def test_a_stop_now_checkpoints_every_step_taken_with_its_record(tmp_path, mode)
         # whose records are written as soon as they are due)
         if engine.run.version >= 3 and (engine.due or mode in ("async", "quorum")):
             engine.submit(Stop(now=True))
-    summary, state = engine.summary, load_checkpoint(Path(cfg.checkpoint_dir))
+    summary, state = engine.summary, load_checkpoint(engine.checkpoints)
     assert summary["state"] == "stopped" and state["counters"]["rounds_done"] == summary["rounds_done"] >= 1
     assert state["version"] == summary["outer_steps"]
     check_exactly_once(cfg, summary)
@@ -80,12 +80,12 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
     cfg = scenario_cfg(tmp_path, "diloco", "checkpoint.keep=2")
     first, pool = in_process_engine(cfg, run_id="corrupt")
     drive(first, until=4)
-    saved = sorted(Path(cfg.checkpoint_dir).glob("state-*.pt"))
+    saved = sorted(first.checkpoints.glob("state-*.pt"))
     assert [p.name for p in saved] == ["state-000003.pt", "state-000004.pt"]  # the newest 2 kept
     data = bytearray(saved[-1].read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte in the newest
     saved[-1].write_bytes(bytes(data))
-    assert load_checkpoint(Path(cfg.checkpoint_dir))["counters"]["rounds_done"] == 3
+    assert load_checkpoint(first.checkpoints)["counters"]["rounds_done"] == 3
     pool.coordinator_lost()
     second = build_engine(cfg, pool, run_id="corrupt")
     assert second.resumed and second.rounds_done == 3
@@ -129,7 +129,7 @@ def _restart_after(tmp_path, mode: str, change: Action, crash_at: int, *extra: s
     cfg = scenario_cfg(tmp_path, mode, "rounds=8", "checkpoint.every_rounds=2", "elastic.placement_timeout_s=5", *extra)
     first, pool = in_process_engine(cfg, run_id="intent")
     drive(first, at={2: change}, until=crash_at)
-    saved = load_checkpoint(Path(cfg.checkpoint_dir))["ledger"]["position"]
+    saved = load_checkpoint(Path(cfg.checkpoint_dir) / "intent")["ledger"]["position"]
     # everything read since the checkpoint is redone by the restarted coordinator
     lost = Counter((s, i) for s, p in enumerate(first.ledger.position) for i in range(saved[s], p))
     pool.coordinator_lost()
@@ -220,3 +220,51 @@ def test_a_restart_before_the_first_checkpoint_releases_the_islands_it_replaces(
     assert not second.resumed
     drive(second)
     assert second.summary["rounds_done"] == 6 and second.summary["state"] == "finished"
+
+
+def test_two_runs_on_one_checkpoint_folder_keep_apart_and_each_resumes_its_own(tmp_path):
+    """Each run checkpoints under its own id. Before, a second run on a shared folder
+    numbered its files after the first run's and pruned them (seen live: 3 of 5 gone),
+    and a restart loaded whichever run's file was newest, silently starting over when
+    the run id did not match."""
+    shared = tmp_path / "shared"
+    a = scenario_cfg(tmp_path, "diloco", f"checkpoint.path={shared}", "checkpoint.keep=2")
+    b = scenario_cfg(tmp_path, "diloco", f"checkpoint.path={shared}", "checkpoint.keep=2", "seed=1")
+    first, pool = in_process_engine(a, run_id="first")
+    drive(first, until=3)
+    kept = {p.name: p.read_bytes() for p in (shared / "first").iterdir()}
+    second, _ = in_process_engine(b, run_id="second")
+    assert not second.resumed
+    drive(second)
+    assert second.summary["rounds_done"] == 6
+    assert {p.name: p.read_bytes() for p in (shared / "first").iterdir()} == kept
+    assert sorted(p.name for p in (shared / "second").glob("state-*.pt")) == ["state-000005.pt", "state-000006.pt"]
+    pool.coordinator_lost()
+    again = build_engine(a, pool, run_id="first")
+    assert again.resumed and again.rounds_done == 3
+    drive(again)
+    assert again.summary["rounds_done"] == 6
+
+
+def test_resume_continues_the_run_its_outputs_name_and_refuses_a_guess(tmp_path):
+    from orchestrator.cli import main
+    from orchestrator.config_load import dump_config
+    from orchestrator.runtime.driver import ResumeRefused, resume_id
+
+    shared = tmp_path / "shared"
+    cfgs = {
+        rid: scenario_cfg(tmp_path, "diloco", f"checkpoint.path={shared}", "rounds=2") for rid in ("first", "second")
+    }
+    for rid, cfg in cfgs.items():
+        drive(in_process_engine(cfg, run_id=rid)[0])
+    assert [resume_id(cfg) for cfg in cfgs.values()] == ["first", "second"]
+    (Path(cfgs["first"].out_dir) / "run_id").unlink()  # outputs that name no run: which of two?
+    with pytest.raises(ResumeRefused, match="runs second, first"):
+        resume_id(cfgs["first"])
+    lone = scenario_cfg(tmp_path, "diloco", f"checkpoint.path={tmp_path / 'empty'}")
+    (Path(lone.out_dir)).mkdir(parents=True)
+    (Path(lone.out_dir) / "config.yaml").write_text(dump_config(lone))
+    (Path(lone.out_dir) / "run_id").write_text("gone")
+    with pytest.raises(ResumeRefused, match="no checkpoint of run gone"):
+        resume_id(lone)
+    assert main(["run", "--resume", lone.out_dir]) == 2  # before anything starts

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import torch
 
-from orchestrator.engine.checkpoints import load_checkpoint
+from orchestrator.engine.checkpoints import load_checkpoint, one_run
 from tests.conftest import REPO
 from tests.helpers import TINY_LM
 from tests.http_server import free_port
@@ -206,7 +206,7 @@ def test_a_submitted_run_is_steered_live_and_a_stopped_job_is_resumed_by_a_new_o
     assert "SIGTERM: stopping now" in logs and "control plane: http://" in logs, logs[-3000:]
     summary = json.loads((out / "summary.json").read_text())  # written by the clean stop, not at the end
     assert summary["state"] == "stopped" and 2 <= summary["rounds_done"] < 200
-    state = load_checkpoint(out / "checkpoint")
+    state = load_checkpoint(one_run(out / "checkpoint"))
     assert state["version"] == summary["outer_steps"] == summary["rounds_done"]
     assert torch.isfinite(state["params"]).all()
     print(f"ray job stop → job stopped in {stop_s:.1f}s at round {summary['rounds_done']}")
@@ -225,7 +225,7 @@ def test_a_submitted_run_is_steered_live_and_a_stopped_job_is_resumed_by_a_new_o
     summary = json.loads((out / "summary.json").read_text())
     assert summary["state"] == "finished" and summary["outer_steps"] == done + 2
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
-    assert (out / "final.pt").exists() and load_checkpoint(out / "checkpoint")["version"] == done + 2
+    assert (out / "final.pt").exists() and load_checkpoint(one_run(out / "checkpoint"))["version"] == done + 2
 
 
 def _logs(env, address, job_id) -> str:

@@ -1,5 +1,10 @@
 """Coordinator checkpoints that a restart can trust, on storage others may write to.
 
+Each run checkpoints into its own subfolder, `<checkpoint.path>/<run id>/`, so runs
+pointed at one folder (a fixed path on a shared volume, a rerun into `runs/latest`)
+never number, prune or load each other's files: a new run starts fresh beside the
+others, and each resumes its own.
+
 A checkpoint is tensors and plain values (numbers, strings, lists, dicts) only, so it is
 loaded with `torch.load(weights_only=True)`: a file planted on the shared volume cannot
 run code in the coordinator. Each save is a new numbered file (`state-000012.pt`) with its
@@ -52,6 +57,35 @@ def durable_write(path: Path, data: bytes) -> None:
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
+
+
+def run_folder(checkpoint_dir: str | Path, run_id: str) -> Path:
+    """Where run `run_id` keeps its checkpoints and membership intent."""
+    if not run_id or run_id in (".", "..") or "/" in run_id or "\\" in run_id:
+        raise ValueError(f"run id {run_id!r} cannot name a folder")
+    return Path(checkpoint_dir) / run_id
+
+
+def runs_in(checkpoint_dir: str | Path) -> list[str]:
+    """The runs with checkpoints in `checkpoint_dir`, the most recently saved first."""
+    folder = Path(checkpoint_dir)
+    if not folder.is_dir():
+        return []
+    held = [(saved[0][1].stat().st_mtime, p.name) for p in folder.iterdir() if p.is_dir() and (saved := _saved(p))]
+    return [name for _, name in sorted(held, reverse=True)]
+
+
+def one_run(checkpoint_dir: str | Path) -> Path:
+    """The checkpoints of the one run in `checkpoint_dir` (a folder given as `init_from`
+    or a reused warm start); refused when there is none or the choice is not clear."""
+    folder = Path(checkpoint_dir)
+    if _saved(folder):  # a run's own folder
+        return folder
+    runs = runs_in(folder)
+    if len(runs) != 1:
+        what = "no checkpoint" if not runs else f"the checkpoints of {len(runs)} runs ({', '.join(runs)}): name one"
+        raise RunFailed(f"{folder} holds {what}")
+    return folder / runs[0]
 
 
 def _saved(folder: Path) -> list[tuple[int, Path]]:
@@ -142,7 +176,7 @@ def load_initial_weights(path: Path) -> tuple[str, dict[str, torch.Tensor] | tor
     checkpoint folder (its newest valid checkpoint's flat parameters). Returns (kind,
     weights, SHA-256 of the file read), loaded `weights_only` like every checkpoint."""
     if path.is_dir():
-        found = newest_valid(path)
+        found = newest_valid(one_run(path))
         if found is None:
             raise RunFailed(f"init_from: no checkpoint in {path}")
         digest, state = found

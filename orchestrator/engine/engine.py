@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from orchestrator.config import RunConfig
 from orchestrator.engine.admission import Admission, Verdict
-from orchestrator.engine.checkpoints import load_checkpoint
+from orchestrator.engine.checkpoints import load_checkpoint, run_folder
 from orchestrator.engine.commands import Answer, Command, Inbox, SettingsUpdate
 from orchestrator.engine.fleet import Fleet
 from orchestrator.engine.inflight import POLL_S, InFlight
@@ -72,7 +71,7 @@ class RoundEngine:
         inbox: Inbox | None = None,
         takes_changes: bool = True,
     ) -> None:
-        """Continues from the checkpoint of `run_id` in `cfg.checkpoint_dir` if there is one.
+        """Continues from the checkpoint of `run_id` in `cfg.checkpoint_dir`/`run_id` if there is one.
         `init_from` describes the weights the model was loaded with (`start_from`); `warm`
         is the warm start the model was loaded from, whose data positions the run continues;
         `fragments` are streaming's (the outer step and the published copy work by fragment).
@@ -98,10 +97,12 @@ class RoundEngine:
         self.clock0 = 0.0  # the pool's clock when training began (`_clock`)
         self.summary: dict[str, Any] = {}
         self.publisher = Publisher(cfg=cfg, pool=pool, outer=outer, flat=flat.data, fragments=fragments)
-        state = load_checkpoint(Path(cfg.checkpoint_dir)) if cfg.checkpoint.every_rounds else None
-        self.resumed = state is not None and state["run_id"] == run_id
-        if self.resumed:
-            assert state is not None
+        self.checkpoints = run_folder(cfg.checkpoint_dir, run_id)
+        state = load_checkpoint(self.checkpoints) if cfg.checkpoint.every_rounds else None
+        if state is not None and state["run_id"] != run_id:  # a folder copied or renamed by hand
+            raise RunFailed(f"{self.checkpoints} holds the checkpoints of run {state['run_id']}, not of {run_id}")
+        self.resumed = state is not None
+        if state is not None:
             restore(self, state)
         elif warm is not None:  # the data the warm start trained is not trained again
             self.ledger.load({**warm.ledger, "tokens": [0] * cfg.num_shards})
@@ -223,7 +224,7 @@ class RoundEngine:
             self.outputs.snapshot["state"] = self.phase.value
             raise RunFailed(
                 f"the round engine failed at version {self.run.version}: {type(err).__name__}: {err} "
-                f"(the last checkpoint in {self.cfg.checkpoint_dir} is intact)"
+                f"(the last checkpoint in {self.checkpoints} is intact)"
             ) from err
         return self.summary
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-from orchestrator.config import OnFailure, RunConfig
-from orchestrator.engine.checkpoints import load_intent, save_intent
+from orchestrator.config import RunConfig
+from orchestrator.config_operations import OnFailure
+from orchestrator.engine.checkpoints import load_intent, run_folder, save_intent
 from orchestrator.engine.commands import Drain, Inbox, SetTarget
 from orchestrator.engine.membership import Membership
 from orchestrator.engine.pacing import RunState
@@ -137,7 +137,7 @@ class Fleet:
         change), islands that joined after the checkpoint are adopted, a draining island
         goes on draining, a drained one stays drained, and whatever else of this run is
         left in the pool is released by name before any index is handed out again."""
-        intent = load_intent(Path(self.cfg.checkpoint_dir), self.run_id) or {}
+        intent = load_intent(run_folder(self.cfg.checkpoint_dir, self.run_id), self.run_id) or {}
         leaving = set(intent.get("leaving", []))
         if "target" in intent:
             self.members.target = int(intent["target"])
@@ -179,7 +179,7 @@ class Fleet:
         )
         intent = {"run_id": self.run_id, "target": self.members.target, "leaving": leaving}
         if intent != self._intent and self.disk.attempt(
-            "the membership intent", lambda: save_intent(Path(self.cfg.checkpoint_dir), intent)
+            "the membership intent", lambda: save_intent(run_folder(self.cfg.checkpoint_dir, self.run_id), intent)
         ):
             self._intent = intent
 

@@ -11,14 +11,14 @@ so the control plane's threads only ever read finished objects.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.checkpoints import save_checkpoint
+from orchestrator.engine.checkpoints import run_folder, save_checkpoint
 from orchestrator.engine.commands import Inbox
 from orchestrator.engine.membership import IslandStats, Membership
 from orchestrator.engine.outer_step import Outer
@@ -28,6 +28,8 @@ from orchestrator.engine.stats import RunStats
 from orchestrator.engine.types import Event, RunPhase
 from workers.tasks.task import ExportableTask, Task, export_pretrained
 from workers.wire.flat import FlatParams
+
+log = logging.getLogger(__name__)
 
 OnRecord = Callable[[dict[str, Any], dict[str, dict[str, Any]]], None]
 
@@ -56,7 +58,7 @@ class Outputs:
         self.disk = DiskFaults()
         self.checkpoint_owed = False  # a checkpoint the disk refused: retried at the next record
         keep = stats.rounds_done if resumed else None
-        self.recorder = Recorder(cfg.out_dir, cfg, keep_records=keep, faults=self.disk)
+        self.recorder = Recorder(cfg.out_dir, cfg, keep_records=keep, faults=self.disk, run_id=run_id)
         self.events = EventLog(self.recorder.out / "events.jsonl", append=resumed, faults=self.disk)
         self.snapshot: dict[str, Any] = {
             "state": RunPhase.STARTING.value,
@@ -90,7 +92,7 @@ class Outputs:
     def checkpoint(self, version: int, rnd: int, capture: Callable[[], dict]) -> None:
         """Save, or owe the checkpoint to the next record if the disk refused it (the run goes
         on from memory; the checkpoints before it stay intact)."""
-        folder, keep = Path(self.cfg.checkpoint_dir), self.cfg.checkpoint.keep
+        folder, keep = run_folder(self.cfg.checkpoint_dir, self.run_id), self.cfg.checkpoint.keep
         self.checkpoint_owed = not self.disk.attempt("a checkpoint", lambda: save_checkpoint(folder, capture(), keep))
         if not self.checkpoint_owed:
             self.events.add(Event.CHECKPOINT, version=version, round=rnd)
@@ -102,11 +104,20 @@ class Outputs:
         out = self.recorder.out
         summary = self.stats.summary(phase, self.cfg, version, self.members, ledger, self.outer.numel, out)
         summary.update(extra)
+        self.recorder.finish(summary, self.model)  # first: an export that fails loses neither
         if isinstance(self.task, ExportableTask):  # the model back in its ecosystem's format, too
             export = out / "export"
-            if self.disk.attempt("the export", lambda: export_pretrained(self.task, self.model.state_dict(), export)):
-                summary["export"] = str(export)
-        self.recorder.finish(summary, self.model)
+            try:
+                exported = self.disk.attempt(
+                    "the export", lambda: export_pretrained(self.task, self.model.state_dict(), export)
+                )
+            except Exception as err:  # the export's library refused it: the run's outputs stand
+                log.exception("the export to %s failed; final.pt and summary.json are written", export)
+                summary["export_error"] = f"{type(err).__name__}: {err}"
+            else:
+                if exported:
+                    summary["export"] = str(export)
+            self.recorder.write_summary(summary)
         return summary
 
     # -- what the control plane reads ------------------------------------------------------------

@@ -77,18 +77,28 @@ class Backlog:
             self.unwritten = []
 
 
+RUN_ID = "run_id"  # in a run's out_dir: the id its checkpoints are kept under
+
+
 class Recorder:
     def __init__(
-        self, out_dir: str | Path, cfg: RunConfig, keep_records: int | None = None, faults: DiskFaults | None = None
+        self,
+        out_dir: str | Path,
+        cfg: RunConfig,
+        keep_records: int | None = None,
+        faults: DiskFaults | None = None,
+        run_id: str = "local",
     ) -> None:
         """A fresh run starts `metrics.jsonl` anew; a resumed one keeps its first
-        `keep_records` records (those the checkpoint covers) and appends after them."""
+        `keep_records` records (those the checkpoint covers) and appends after them.
+        `RUN_ID` names the run whose outputs these are (`--resume` finds its checkpoints)."""
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         # a summary says a run finished: one left by an earlier run in this folder would
         # pass for this one's if this one is interrupted (a benchmark would reuse it)
         (self.out / "summary.json").unlink(missing_ok=True)
         durable_write(self.out / "config.yaml", dump_config(cfg).encode())
+        durable_write(self.out / RUN_ID, run_id.encode())
         path = self.out / "metrics.jsonl"
         if keep_records is not None and path.exists():
             kept = path.read_text().splitlines()[:keep_records]
@@ -119,6 +129,9 @@ class Recorder:
         torch.save(state, buffer)
         self._metrics.flush()
         self.faults.attempt("final.pt", lambda: durable_write(self.out / "final.pt", buffer.getvalue()))
+        self.write_summary(summary)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
         data = json.dumps(summary, indent=2).encode()
         self.faults.attempt("summary.json", lambda: durable_write(self.out / "summary.json", data))
 

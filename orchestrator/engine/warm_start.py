@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from orchestrator.config import Mode, RunConfig, WarmStartMode
-from orchestrator.engine.checkpoints import durable_write, newest_valid
+from orchestrator.engine.checkpoints import durable_write, newest_valid, run_folder
 from orchestrator.engine.types import RunFailed
 
 log = logging.getLogger(__name__)
@@ -139,9 +139,10 @@ def load_warm_start(cfg: RunConfig, numel: int) -> WarmStart:
     model's size) and data ledger."""
     record = check_warm_start(cfg)
     folder = warm_dir(cfg)
-    found = newest_valid(folder / "checkpoint")
+    checkpoints = run_folder(folder / "checkpoint", record["run_id"])
+    found = newest_valid(checkpoints)
     if found is None:
-        raise RunFailed(f"warm_start: no checkpoint in {folder / 'checkpoint'}")
+        raise RunFailed(f"warm_start: no checkpoint in {checkpoints}")
     digest, state = found
     params = state["params"]
     if params.numel() != numel:

@@ -15,8 +15,9 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.checkpoints import load_checkpoint
+from orchestrator.engine.checkpoints import runs_in
 from orchestrator.engine.commands import Stop
+from orchestrator.engine.records import RUN_ID
 from orchestrator.engine.types import RunFailed
 from orchestrator.engine.warm_start import check_warm_start, pending, warm_run_id
 from orchestrator.runtime.coordinator import Coordinator
@@ -211,14 +212,26 @@ def _await_restart(coordinator: Any, timeout_s: float = 300.0) -> None:
     raise RunFailed(f"the coordinator did not come back within {timeout_s:.0f}s")
 
 
+class ResumeRefused(RunFailed):
+    """`--resume` cannot tell which run to continue (bad input: the command exits 2)."""
+
+
 def resume_id(cfg: RunConfig) -> str:
-    """The run id stored in `cfg`'s checkpoint folder (for `archipelago run --resume`)."""
+    """The id of the run whose outputs are in `cfg.out_dir` (for `archipelago run --resume`):
+    the one it recorded, or the only run with checkpoints in `checkpoint.path`."""
     from pathlib import Path
 
-    state = load_checkpoint(Path(cfg.checkpoint_dir))
-    if state is None:
-        raise RunFailed(f"no checkpoint in {cfg.checkpoint_dir} to resume from")
-    return str(state["run_id"])
+    runs = runs_in(cfg.checkpoint_dir)
+    recorded = Path(cfg.out_dir) / RUN_ID
+    if recorded.is_file():
+        run_id = recorded.read_text().strip()
+        if run_id not in runs:
+            raise ResumeRefused(f"no checkpoint of run {run_id} (recorded in {recorded}) in {cfg.checkpoint_dir}")
+        return run_id
+    if len(runs) != 1:
+        held = f"the checkpoints of runs {', '.join(runs)}" if runs else "no checkpoint"
+        raise ResumeRefused(f"{cfg.checkpoint_dir} holds {held}, and {cfg.out_dir} names no run to resume")
+    return runs[0]
 
 
 def print_summary(summary: dict[str, Any], stream=sys.stdout) -> None:
