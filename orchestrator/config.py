@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
+from orchestrator.config_operations import ApiConfig, CheckpointConfig, ElasticConfig
 from orchestrator.config_sections import (
     AsyncConfig,
     CompressionConfig,
@@ -134,68 +135,6 @@ class IslandsConfig(Strict):
         return steps * (self.virtual_step_s or 0.0) * self.slowdown(index)
 
 
-class CheckpointConfig(Strict):
-    """Coordinator checkpoints (global params, outer state, version, membership, data positions)."""
-
-    every_rounds: int = Field(5, ge=0, description="checkpoint every N rounds and at the end; 0 disables")
-    path: str | None = Field(None, description="folder (default: out_dir/checkpoint); shared storage on a cluster")
-    max_restarts: int = Field(3, ge=0, description="coordinator restarts from its checkpoint before the run fails")
-    keep: int = Field(
-        3, ge=1, description="checkpoints kept; a restart falls back to an older one if the newest is corrupt"
-    )
-
-
-class OnFailure(str, Enum):
-    CONTINUE = "continue"
-    RESTART = "restart"
-
-
-class ElasticConfig(Strict):
-    """Membership changes: target island count, replacement of dead islands, joins, drains."""
-
-    min_islands: int = Field(1, ge=1, description="scale-down floor")
-    max_islands: int = Field(64, ge=1, description="scale-up ceiling")
-    replace_dead: bool = Field(True, description="launch a replacement when an island dies (target kept)")
-    on_failure: OnFailure = Field(
-        OnFailure.CONTINUE,
-        description="continue (the others train on; only the failed island's work is lost) or restart (every "
-        "failure stops every island's work, the run resumes from its last step after restart_s: the "
-        "stop-the-world recovery of a checkpoint-restart job, kept as a baseline)",
-    )
-    restart_s: float = Field(30.0, ge=0, description="on_failure restart: seconds the fleet stands still per failure")
-    join_weight: float = Field(0.5, gt=0, le=1, description="weight factor of a newcomer's first contribution")
-    join_rewarmup_steps: int = Field(20, ge=0, description="a newcomer ramps its lr up over this many steps")
-    drain: Literal["finish", "abandon"] = Field(
-        "finish", description="a draining island finishes its round, or drops it"
-    )
-    placement_timeout_s: float = Field(600.0, gt=0, description="give up on a requested island after this long")
-    orphan_timeout_s: float = Field(
-        60.0,
-        gt=0,
-        description="an island whose coordinator has been gone this long (driver killed, restarts exhausted) "
-        "releases itself and its node",
-    )
-    late_grace_s: float = Field(
-        600.0,
-        gt=0,
-        description="an island whose work is past its deadline is waited for this long more, then released "
-        "as hung and replaced (its work is retrained by the next owner of its shards)",
-    )
-
-
-class ApiConfig(Strict):
-    """The control plane served with the run (see the README's control-plane section)."""
-
-    enabled: bool = Field(False, description="serve the REST API, /metrics and the dashboard with the run")
-    host: str = Field("127.0.0.1", description="0.0.0.0 to expose it (on KubeRay: through the head Service)")
-    port: int = Field(8600, ge=1, le=65535, description="port of the control plane")
-    public_reads: bool = Field(
-        False,
-        description="serve reads (status, islands, events, history, metrics) without the token; mutations "
-        "always need it",
-    )
-
-
 class TaskSpec(Strict):
     """The user's model and data: an import path `module:factory` and its keyword arguments."""
 
@@ -264,6 +203,12 @@ class RunConfig(Strict):
         ge=0,
         description="allowance per inner step in a work order's deadline, so the deadline scales with H "
         "(a PATCH of inner_steps or a large H never makes every island late)",
+    )
+    speed_timeout_factor: float | None = Field(
+        3.0,
+        gt=1,
+        description="once an island's speed is measured, its deadline is this many times the time its work "
+        "should take, at least round_timeout_s and at most the bound above (null: the bound only)",
     )
     out_dir: str = Field("runs/latest", description="outputs: config, metrics, events, summary, final model")
     init_from: str | None = Field(
@@ -378,9 +323,14 @@ class RunConfig(Strict):
         links = self.islands.links
         return links[index] if links and index < len(links) else self.link
 
-    def deadline_s(self, steps: int) -> float:
-        """How long work of `steps` inner steps may take before its island is late."""
-        return self.round_timeout_s + steps * self.step_timeout_s
+    def deadline_s(self, steps: int, steps_per_s: float | None = None) -> float:
+        """How long work of `steps` inner steps may take before its island is late: the
+        configured bound, or less once the island's speed is known (at the shipped H = 500
+        the bound is 88 minutes, which a hung island would hold a barrier round for)."""
+        bound = self.round_timeout_s + steps * self.step_timeout_s
+        if not steps_per_s or self.speed_timeout_factor is None:
+            return bound
+        return min(bound, max(self.round_timeout_s, self.speed_timeout_factor * steps / steps_per_s))
 
     @property
     def total_inner_steps(self) -> int:

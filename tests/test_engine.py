@@ -108,6 +108,19 @@ def test_the_deadline_scales_with_h_so_a_larger_h_is_never_late(tmp_path):
     assert summary["rounds_done"] == 6 and summary["outer_steps"] == 6
 
 
+@pytest.mark.parametrize(("factor", "allowed"), [("3", 12.0), ("null", 45.0)])
+def test_a_hung_island_is_late_after_a_multiple_of_its_measured_time(tmp_path, factor, allowed):
+    """Once an island's speed is known its deadline is `speed_timeout_factor` × the time its
+    work should take (3 × 4 steps at 1 step/s here), floored at round_timeout_s; the bound
+    round_timeout_s + H × step_timeout_s (45 s here) is only the cap. At the shipped H = 500
+    the bound alone let a hung island hold a barrier round for 88 minutes."""
+    cfg = scenario_cfg(tmp_path, "diloco", "round_timeout_s=5", "step_timeout_s=10", f"speed_timeout_factor={factor}")
+    summary = run_scenario(cfg, [Fault(FaultKind.HANG, 1, order=3)])
+    late = [e for e in events(cfg.out_dir) if e["kind"] == "late"]
+    assert [e["island"] for e in late] == [1] and late[0]["deadline_s"] == pytest.approx(allowed)
+    assert summary["rounds_done"] == 6
+
+
 def test_rejected_updates_give_their_batches_back_and_take_no_step(tmp_path):
     """Before: a round whose every update was rejected still advanced the version, and the
     rejected batches counted as trained though they never reached the model."""

@@ -93,7 +93,8 @@ class InFlight:
             send_after=work.send_after,
         )
         stats.inner_steps, stats.merge = work.steps, Merge.TRAINING
-        deadline = self.pool.now() + delivery.delay_s + self.cfg.deadline_s(work.steps)
+        allowed = self.cfg.deadline_s(work.steps, self.speeds.speeds.get(work.island))
+        deadline = self.pool.now() + delivery.delay_s + allowed
         received = 0 if delivery.bootstrap else delivery.nbytes
         self.flights[ticket] = Flight(ticket, work, deadline, sent_at=self.pool.now(), received=received)
         self.pool.dispatch(order, delivery.params)
@@ -180,7 +181,7 @@ class InFlight:
                 if self.members.islands[i].state == IslandState.TRAINING:
                     self.members.mark(i, IslandState.LATE)
                 self.members.islands[i].late_results += 1
-                self.events.add(Event.LATE, i, deadline_s=self.cfg.deadline_s(flight.work.steps))
+                self.events.add(Event.LATE, i, deadline_s=flight.deadline - flight.sent_at)
         grace = self.cfg.elastic.late_grace_s
         for ticket, (i, deadline) in list(self.overdue.items()):
             if ticket in self.overdue and now - deadline > grace:

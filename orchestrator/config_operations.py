@@ -1,0 +1,75 @@
+"""The run config's sections that say how a run is operated rather than what it trains:
+checkpoints, elasticity (membership, failures, drains) and the control plane. Kept apart
+from `config.py` (the run as a whole and its cross-field checks), which imports them;
+every section is strict, so a misspelt key is an error naming it."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Literal
+
+from pydantic import Field
+
+from orchestrator.config_sections import Strict
+
+
+class CheckpointConfig(Strict):
+    """Coordinator checkpoints (global params, outer state, version, membership, data positions)."""
+
+    every_rounds: int = Field(5, ge=0, description="checkpoint every N rounds and at the end; 0 disables")
+    path: str | None = Field(None, description="folder (default: out_dir/checkpoint); shared storage on a cluster")
+    max_restarts: int = Field(3, ge=0, description="coordinator restarts from its checkpoint before the run fails")
+    keep: int = Field(
+        3, ge=1, description="checkpoints kept; a restart falls back to an older one if the newest is corrupt"
+    )
+
+
+class OnFailure(str, Enum):
+    CONTINUE = "continue"
+    RESTART = "restart"
+
+
+class ElasticConfig(Strict):
+    """Membership changes: target island count, replacement of dead islands, joins, drains."""
+
+    min_islands: int = Field(1, ge=1, description="scale-down floor")
+    max_islands: int = Field(64, ge=1, description="scale-up ceiling")
+    replace_dead: bool = Field(True, description="launch a replacement when an island dies (target kept)")
+    on_failure: OnFailure = Field(
+        OnFailure.CONTINUE,
+        description="continue (the others train on; only the failed island's work is lost) or restart (every "
+        "failure stops every island's work, the run resumes from its last step after restart_s: the "
+        "stop-the-world recovery of a checkpoint-restart job, kept as a baseline)",
+    )
+    restart_s: float = Field(30.0, ge=0, description="on_failure restart: seconds the fleet stands still per failure")
+    join_weight: float = Field(0.5, gt=0, le=1, description="weight factor of a newcomer's first contribution")
+    join_rewarmup_steps: int = Field(20, ge=0, description="a newcomer ramps its lr up over this many steps")
+    drain: Literal["finish", "abandon"] = Field(
+        "finish", description="a draining island finishes its round, or drops it"
+    )
+    placement_timeout_s: float = Field(600.0, gt=0, description="give up on a requested island after this long")
+    orphan_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="an island whose coordinator has been gone this long (driver killed, restarts exhausted) "
+        "releases itself and its node",
+    )
+    late_grace_s: float = Field(
+        600.0,
+        gt=0,
+        description="an island whose work is past its deadline is waited for this long more, then released "
+        "as hung and replaced (its work is retrained by the next owner of its shards)",
+    )
+
+
+class ApiConfig(Strict):
+    """The control plane served with the run (see the README's control-plane section)."""
+
+    enabled: bool = Field(False, description="serve the REST API, /metrics and the dashboard with the run")
+    host: str = Field("127.0.0.1", description="0.0.0.0 to expose it (on KubeRay: through the head Service)")
+    port: int = Field(8600, ge=1, le=65535, description="port of the control plane")
+    public_reads: bool = Field(
+        False,
+        description="serve reads (status, islands, events, history, metrics) without the token; mutations "
+        "always need it",
+    )
