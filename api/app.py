@@ -5,6 +5,9 @@ sends reaches the run unvalidated."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
 import math
 from importlib import resources
 from typing import Annotated, Any
@@ -60,15 +63,37 @@ def _finite(value: Any) -> Any:
 
 class FiniteJSONResponse(JSONResponse):
     """JSON has no NaN or Infinity, and Starlette refuses to write them (a 500): a diverged
-    run's loss, or a client's `NaN` echoed back in a 422, is written as `null`."""
+    run's loss, or a client's `NaN` echoed back in a 422, is written as `null`. And it is
+    written as ASCII: a client's lone surrogate (`"\\ud800"`) echoed back in a 422 cannot be
+    encoded as UTF-8 (a 500), but it can be escaped."""
 
     def render(self, content: Any) -> bytes:
-        return super().render(_finite(content))
+        return json.dumps(_finite(content), ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
-def create_app(handle: RunHandle, token: str | None, public_reads: bool = False, max_body: int = MAX_BODY) -> FastAPI:
+def _dashboard() -> tuple[str, str]:
+    """The dashboard page and its Content-Security-Policy: only the page's own inline script
+    and style run (pinned by hash), it fetches from this origin only, submits no form and
+    is framed by no other site."""
+    page = resources.files("api").joinpath("dashboard.html").read_text()
+
+    def pinned(tag: str) -> str:
+        inline = page.split(f"<{tag}>", 1)[1].split(f"</{tag}>", 1)[0]
+        return f"'sha256-{base64.b64encode(hashlib.sha256(inline.encode()).digest()).decode()}'"
+
+    policy = (
+        f"default-src 'none'; script-src {pinned('script')}; style-src {pinned('style')}; connect-src 'self'; "
+        "img-src 'self'; form-action 'none'; frame-ancestors 'none'; base-uri 'none'"
+    )
+    return page, policy
+
+
+def create_app(
+    handle: RunHandle, token: str | None, public_reads: bool = False, max_body: int = MAX_BODY, loopback: bool = False
+) -> FastAPI:
     """The app over `handle`. Mutations need `token`; so do reads unless `public_reads`
-    (or no token is configured, which `check_exposure` allows on loopback only)."""
+    (or no token is configured, which `check_exposure` allows on loopback only).
+    `loopback`: it is served on loopback, so it answers loopback Host names only."""
     app = FastAPI(
         title="Archipelago control plane",
         version="1",
@@ -77,7 +102,8 @@ def create_app(handle: RunHandle, token: str | None, public_reads: bool = False,
     )
     auth = [Depends(bearer_guard(token))]
     reads = [] if public_reads or token is None else [Depends(bearer_guard(token, "reads"))]
-    app.add_middleware(FrontDoor, token=token, max_body=max_body)
+    app.add_middleware(FrontDoor, token=token, max_body=max_body, loopback=loopback)
+    page, policy = _dashboard()
 
     @app.exception_handler(HandleError)
     async def _refused(_: Request, err: HandleError) -> JSONResponse:
@@ -194,7 +220,7 @@ def create_app(handle: RunHandle, token: str | None, public_reads: bool = False,
         )
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
-    def dashboard() -> str:
-        return resources.files("api").joinpath("dashboard.html").read_text()
+    def dashboard() -> HTMLResponse:
+        return HTMLResponse(page, headers={"content-security-policy": policy})
 
     return app

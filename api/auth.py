@@ -34,9 +34,13 @@ def configured_token() -> str | None:
     path = os.environ.get("ARCHIPELAGO_API_TOKEN_FILE")
     if path:
         file = Path(path)
-        if not file.is_file():
-            raise ExposureError(f"ARCHIPELAGO_API_TOKEN_FILE={path} is not a readable file")
-        return file.read_text().strip() or None
+        try:
+            return file.read_text().strip() or None
+        except (OSError, UnicodeDecodeError) as err:  # missing, a folder, or not readable by this uid
+            raise ExposureError(
+                f"ARCHIPELAGO_API_TOKEN_FILE={path} cannot be read by uid {os.getuid()} "
+                f"({type(err).__name__}: {err}); mount the Secret readable by the Ray user (fsGroup)"
+            ) from err
     return os.environ.get("ARCHIPELAGO_API_TOKEN") or None
 
 
@@ -55,7 +59,7 @@ def check_exposure(host: str, token: str | None) -> None:
         if token.lower() in PLACEHOLDERS:
             raise ExposureError(
                 f"the API token is the placeholder {token!r}: set a real one, e.g. "
-                "`kubectl create secret generic archipelago-api --from-literal=token=$(openssl rand -hex 32)`"
+                "`kubectl create secret generic archipelago-api-token --from-literal=token=$(openssl rand -hex 32)`"
             )
         if len(token) < MIN_TOKEN_LENGTH:
             raise ExposureError(f"the API token is {len(token)} characters; use at least {MIN_TOKEN_LENGTH}")

@@ -1,29 +1,61 @@
 """A front door for the control plane, before any route runs: a request body is read at
 most `max_body` bytes (413 beyond, whatever Content-Length claims), and a mutating
 request without the right token is answered before its body is read at all, so an
-unauthenticated client can make the server neither buffer nor parse anything."""
+unauthenticated client can make the server neither buffer nor parse anything.
+
+It also gives every request one reading: a request with two `Authorization` headers is
+refused (a front door reading the last and a route reading the first would disagree on
+who is asking); a server listening on loopback answers only requests addressed to a
+loopback name (a web page whose DNS name is rebound to 127.0.0.1 cannot read the run);
+HEAD is answered as GET without the body; every response says not to sniff, frame or
+cache it."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from api.auth import token_status
+from api.auth import is_loopback, token_status
 
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 MAX_BODY = 64 * 1024  # the largest valid body is a few dozen bytes
+SECURITY_HEADERS = [
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"cache-control", b"no-store"),
+]
+
+
+def host_name(header: bytes) -> str:
+    """The name in a Host header, without its port (`[::1]:8600` → `::1`)."""
+    text = header.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1 : text.find("]")] if "]" in text else text
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
 
 
 class FrontDoor:
-    def __init__(self, app: Any, token: str | None, max_body: int = MAX_BODY) -> None:
-        self.app, self.max_body = app, max_body
+    def __init__(self, app: Any, token: str | None, max_body: int = MAX_BODY, loopback: bool = False) -> None:
+        """`loopback`: the server listens on loopback only, so only loopback Host names are answered."""
+        self.app, self.max_body, self.loopback = app, max_body, loopback
         self.expected = token.encode("utf-8") if token is not None else None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers") or [])
+        send = _secured(send, head=scope["method"] == "HEAD")
+        raw = scope.get("headers") or []
+        headers = dict(raw)
+        if sum(1 for name, _ in raw if name == b"authorization") > 1:
+            await _answer(send, 400, "more than one Authorization header")
+            return
+        if self.loopback and not is_loopback(host_name(headers.get(b"host", b""))):
+            await _answer(send, 421, "this control plane listens on loopback: address it as localhost or 127.0.0.1")
+            return
+        if scope["method"] == "HEAD":
+            scope = {**scope, "method": "GET"}
         if scope["method"] in MUTATING:
             refused = token_status(headers.get(b"authorization", b""), self.expected)
             if refused is not None:
@@ -53,6 +85,21 @@ class FrontDoor:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+def _secured(send: Any, head: bool) -> Any:
+    """`send` with the security headers on every response, and no body for a HEAD."""
+
+    async def wrapped(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            present = {name.lower() for name, _ in message.get("headers", [])}
+            extra = [(n, v) for n, v in SECURITY_HEADERS if n not in present]
+            message = {**message, "headers": [*message.get("headers", []), *extra]}
+        elif message["type"] == "http.response.body" and head:
+            message = {**message, "body": b""}
+        await send(message)
+
+    return wrapped
 
 
 async def _answer(send: Any, status: int, detail: str) -> None:

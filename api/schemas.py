@@ -7,7 +7,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields and loose types refused: `true`, `"2"` and `2.0` are not a count."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class AddIslands(_Body):

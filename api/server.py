@@ -10,7 +10,7 @@ import time
 import uvicorn
 
 from api.app import create_app
-from api.auth import check_exposure
+from api.auth import check_exposure, is_loopback
 from api.handle import RayRunHandle
 
 
@@ -24,7 +24,7 @@ class ControlPlane:
         public_reads: bool = False,
     ) -> None:
         check_exposure(host, token)
-        app = create_app(RayRunHandle(run_id), token, public_reads)
+        app = create_app(RayRunHandle(run_id), token, public_reads, loopback=is_loopback(host))
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

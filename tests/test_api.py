@@ -218,3 +218,20 @@ def test_loopback_without_a_token_and_any_host_with_a_real_token_are_allowed():
     for host in ("127.0.0.1", "::1", "localhost"):
         check_exposure(host, None)
     check_exposure("0.0.0.0", "a" * 32)
+
+
+def test_a_token_file_that_cannot_be_read_is_an_exposure_error_naming_it(tmp_path, monkeypatch):
+    """A Secret mounted root-only under a non-root Ray user raised a bare PermissionError,
+    which the start-up did not catch as an exposure error."""
+    from api.auth import ExposureError, configured_token
+
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"\xff\xfe token")
+    for path in (tmp_path / "missing", tmp_path, binary):
+        monkeypatch.setenv("ARCHIPELAGO_API_TOKEN_FILE", str(path))
+        with pytest.raises(ExposureError, match=f"ARCHIPELAGO_API_TOKEN_FILE={path} cannot be read by uid"):
+            configured_token()
+    good = tmp_path / "token"
+    good.write_text("a-real-token-0123456789\n")
+    monkeypatch.setenv("ARCHIPELAGO_API_TOKEN_FILE", str(good))
+    assert configured_token() == "a-real-token-0123456789"

@@ -68,7 +68,12 @@ _VALUE = st.binary(max_size=64).map(lambda b: b.replace(b"\r", b"").replace(b"\n
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(
     route=st.sampled_from(_ROUTES),
-    body=st.one_of(st.binary(max_size=256), st.sampled_from([b"{", b'{"count": NaN}', b"[]", b"null", b'{"count":1}'])),
+    body=st.one_of(
+        st.binary(max_size=256),
+        st.sampled_from(
+            [b"{", b'{"count": NaN}', b"[]", b"null", b'{"count":1}', rb'{"count":"\ud800"}', rb'{"\udfff":1}']
+        ),
+    ),
     auth=st.one_of(_VALUE.map(lambda v: b"Bearer " + v), _VALUE, st.just(b"Bearer " + TOKEN.encode())),
     extra=_VALUE,
     content_type=st.sampled_from([b"application/json", b"text/plain", b"application/json; charset=\xff"]),

@@ -49,6 +49,8 @@ def test_dashboard_renders_live_data(tmp_path):
     assert len(re.findall(r'class="series" data-series="eval"', dom)) == 1
     staleness_series = re.findall(r'class="series" data-series="(\d+)"', dom)
     assert sorted(set(staleness_series)) == ["0", "1", "2"]
+    # the script ran under the page's Content-Security-Policy (pinned by hash), legend included
+    assert re.findall(r'<span class="(c\d)">■ island', dom) == ["c0", "c1", "c2"]
     # the page refreshed several times within the virtual time budget: the staleness paths have several points
     path = re.search(r'data-series="2" d="([^"]+)"', dom).group(1)
     assert path.count("L") >= 2

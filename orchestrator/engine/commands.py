@@ -26,9 +26,9 @@ from orchestrator.engine.types import IslandState
 
 class SettingsUpdate(BaseModel):
     """Settings that may change mid-run (validated like the config file); the control
-    plane's request body is this model too."""
+    plane's request body is this model too. Strict: `true`, `"2"` and `2.0` are not an H."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     inner_steps: int | None = Field(None, ge=1, le=100_000, description="H from the next round on", examples=[100])
     outer_lr: float | None = Field(None, gt=0, le=100, description="outer learning rate from the next step on")
     quorum: int | None = Field(None, ge=1, description="async quorum rule: results that open a step", examples=[3])
