@@ -76,9 +76,11 @@ def _head_volumes(spec: dict) -> list[dict]:
     return spec["headGroupSpec"]["template"]["spec"]["volumes"]
 
 
+SECRET = "archipelago-api-token"  # created with `kubectl create secret` (docs/deploy.md), never a tracked file
+
+
 def test_manifests_match_the_code():
     cluster, job = manifest("raycluster.yaml")["spec"], manifest("rayjob.yaml")["spec"]
-    secret = manifest("secret.yaml")
     run_cfg = load_config(K8S / "run-config.yaml")
     for spec in (cluster, job["rayClusterSpec"]):
         head = _head(spec)
@@ -90,20 +92,19 @@ def test_manifests_match_the_code():
         assert "ARCHIPELAGO_API_TOKEN" not in env
         mounts = {m["name"]: m["mountPath"] for m in head["volumeMounts"]}
         secrets = {v["name"]: v["secret"]["secretName"] for v in _head_volumes(spec) if "secret" in v}
-        assert secrets == {"archipelago-api-token": secret["metadata"]["name"]}
+        assert secrets == {SECRET: SECRET}
         assert mounts["archipelago-api-token"] == str(token_file.parent) and token_file.name == "token"
         assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) >= 30  # the final checkpoint of a stopped job
         claims = {v["persistentVolumeClaim"]["claimName"] for v in _head_volumes(spec) if "persistentVolumeClaim" in v}
         assert claims == {manifest("storage.yaml")["metadata"]["name"]}
-        assert "token" in secret["stringData"]
         worker = spec["workerGroupSpecs"][0]
         limits = worker["template"]["spec"]["containers"][0]["resources"]["limits"]
         assert float(limits["nvidia.com/gpu"]) == run_cfg.islands.gpus * run_cfg.islands.workers  # one island per node
         assert worker["minReplicas"] <= worker["maxReplicas"]
         assert spec["enableInTreeAutoscaling"] and spec["autoscalerOptions"]["idleTimeoutSeconds"] > 0
     assert run_cfg.api.host == "0.0.0.0" and run_cfg.checkpoint.path.startswith("/mnt/archipelago")
-    with pytest.raises(ExposureError, match="placeholder"):  # the shipped placeholder is refused, not served
-        check_exposure(run_cfg.api.host, secret["stringData"]["token"])
+    with pytest.raises(ExposureError, match=f"create secret generic {SECRET} "):  # the name the manifests mount
+        check_exposure(run_cfg.api.host, "change-me")
     # a round of the shipped H may take several seconds per inner step before an island is late
     assert run_cfg.deadline_s(run_cfg.inner_steps) >= 5 * run_cfg.inner_steps
     entry = job["entrypoint"].split()
@@ -130,3 +131,76 @@ def test_runtime_env_ships_the_package_dependencies():
     env = manifest("runtime-env.yaml")
     assert env["working_dir"] == "."
     assert env["pip"]["packages"] == [d for d in deps if not d.startswith("ray")]
+
+
+def _pods() -> dict[str, dict]:
+    """Every pod template the manifests ship, by where it is."""
+    cluster, job = manifest("raycluster.yaml")["spec"], manifest("rayjob.yaml")["spec"]
+    pods = {}
+    for name, spec in (("raycluster", cluster), ("rayjob", job["rayClusterSpec"])):
+        pods[f"{name} head"] = spec["headGroupSpec"]["template"]
+        for group in spec["workerGroupSpecs"]:
+            pods[f"{name} {group['groupName']}"] = group["template"]
+    pods["rayjob submitter"] = job["submitterPodTemplate"]
+    return pods
+
+
+def test_the_rayjob_runs_the_same_cluster_as_the_raycluster():
+    assert manifest("rayjob.yaml")["spec"]["rayClusterSpec"] == manifest("raycluster.yaml")["spec"]
+
+
+def test_every_pod_runs_unprivileged_as_the_images_user_with_resources():
+    """The Ray image's user is uid 1000 in group users (100): the Dockerfile copies the code
+    `--chown=ray:users`. Root-owned 0400 Secret files were unreadable by it, so the control
+    plane could not start as shipped."""
+    assert "--chown=ray:users" in (K8S / "Dockerfile").read_text()
+    for where, pod in _pods().items():
+        spec = pod["spec"]
+        context = spec["securityContext"]
+        assert context["runAsNonRoot"] and context["runAsUser"] == 1000 and context["runAsGroup"] == 100, where
+        assert context["seccompProfile"] == {"type": "RuntimeDefault"}, where
+        assert pod["metadata"]["labels"]["app.kubernetes.io/part-of"] == "archipelago", where
+        for container in spec["containers"]:
+            c = container["securityContext"]
+            assert c["allowPrivilegeEscalation"] is False and c["capabilities"] == {"drop": ["ALL"]}, where
+            resources = container["resources"]
+            assert resources["requests"] == resources["limits"], where  # Guaranteed: evicted last
+        for volume in spec.get("volumes", []):
+            if "secret" in volume:  # readable by uid 1000: by its group (fsGroup) or by anyone
+                mode = volume["secret"]["defaultMode"]
+                assert (mode & 0o040 and context.get("fsGroup") == context["runAsGroup"]) or mode & 0o004, where
+        mounts = [m for c in spec["containers"] for m in c.get("volumeMounts", [])]
+        if "head" not in where:  # islands only read the shared volume
+            assert all(m.get("readOnly") for m in mounts), where
+    for spec in (manifest("raycluster.yaml")["spec"], manifest("rayjob.yaml")["spec"]["rayClusterSpec"]):
+        assert spec["authOptions"] == {"mode": "token"}  # Ray's job server and GCS need Ray's token too
+
+
+def test_a_network_policy_admits_only_the_runs_pods_and_metrics_scrapes():
+    assert "networkpolicy.yaml" in manifest("kustomization.yaml")["resources"]
+    policy = manifest("networkpolicy.yaml")
+    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress"]
+    label = policy["spec"]["podSelector"]["matchLabels"]
+    assert label == {"app.kubernetes.io/part-of": "archipelago"}
+    rules = policy["spec"]["ingress"]
+    assert rules[0] == {"from": [{"podSelector": {"matchLabels": label}}]}  # the run's own pods
+    opened = {p["port"] for rule in rules[1:] for p in rule["ports"]}
+    assert opened == {8265, ApiConfig().port, 8080}  # job server, control plane, metrics: nothing else
+    everywhere = [r for r in rules[1:] if r["from"] == [{"namespaceSelector": {}}]]
+    assert [p["port"] for r in everywhere for p in r["ports"]] == [8080]
+
+
+def test_no_token_value_is_tracked_or_shipped():
+    """The Secret is created with `kubectl create secret`; a tracked secret.yaml invited
+    `sed`-ing the real token into a file that `working_dir: .` then uploads to every node."""
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    for name in tracked.split():
+        path = REPO / name
+        if path.suffix in (".yaml", ".yml") and path.is_file():
+            for doc in yaml.safe_load_all(path.read_text()):
+                assert not (isinstance(doc, dict) and doc.get("kind") == "Secret"), name
+    assert "k8s/secret.yaml" in (REPO / ".gitignore").read_text().split()
+    deploy = (REPO / "docs" / "deploy.md").read_text()
+    assert f"kubectl create secret generic {SECRET}" in deploy and "sed -i" not in deploy
