@@ -361,3 +361,15 @@ def test_an_upload_crossing_its_link_holds_only_the_step_that_merges_it(tmp_path
     compute = cfg.rounds * cfg.inner_steps  # 1 s per inner step on the in-process pool
     expected = {"overlap": compute + 4, "diloco": compute + cfg.rounds * 2, "async": compute + cfg.rounds * 2}
     assert summary["clock_seconds"] == pytest.approx(expected[mode], abs=0.01)
+
+
+def test_what_the_coordinator_keeps_per_version_and_per_island_stays_bounded(tmp_path):
+    """Publication times were never pruned (≈ 54 MiB by 640 k async versions) and every
+    record listed H for every island ever seen (29 KiB a line after 2,000 replacements)."""
+    cfg = scenario_cfg(tmp_path, "async", "rounds=8")
+    engine, _ = in_process_engine(cfg, [Fault(FaultKind.CRASH, 1, order=2)])
+    drive(engine)
+    assert engine.run.version >= 20 and len(engine.publisher.published_at) <= 3
+    last = json.loads((Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()[-1])
+    dead = {i for i, s in engine.summary["islands"].items() if s["state"] == "dead"}
+    assert dead == {"1"} and not dead & set(last["inner_steps"]) and len(last["inner_steps"]) == 3

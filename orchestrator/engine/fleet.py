@@ -12,6 +12,7 @@ fleet what it needs of it through `forget`: work of a released island is lost.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ from orchestrator.engine.pacing import RunState
 from orchestrator.engine.pool import IslandPool, Joined, JoinFailed
 from orchestrator.engine.records import DiskFaults, EventLog
 from orchestrator.engine.types import Event, IslandState, RunFailed
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,9 +141,19 @@ class Fleet:
         goes on draining, a drained one stays drained, and whatever else of this run is
         left in the pool is released by name before any index is handed out again."""
         intent = load_intent(run_folder(self.cfg.checkpoint_dir, self.run_id), self.run_id) or {}
-        leaving = set(intent.get("leaving", []))
-        if "target" in intent:
-            self.members.target = int(intent["target"])
+        # the journal lives on a writable volume: its values are held to what the config allows
+        # (a planted target of 1,000,000 asked for a million placement groups)
+        leaving = {i for i in intent.get("leaving", []) if isinstance(i, int) and not isinstance(i, bool)}
+        target = intent.get("target")
+        if isinstance(target, int) and not isinstance(target, bool):
+            elastic = self.cfg.elastic
+            self.members.target = min(max(target, elastic.min_islands), elastic.max_islands)
+            if self.members.target != target:
+                log.warning(
+                    "membership intent: target %d is outside elastic.min/max_islands; using %d",
+                    target,
+                    self.members.target,
+                )
         known = set(self.members.islands)
         for i in self.pool.survivors():
             if i not in known and i not in leaving and (node := self.pool.reattach(i)) is not None:

@@ -61,6 +61,11 @@ class Publisher:
         self.published_at.setdefault(version, now if at is None else min(at, now))
         for old in [old for old in self.refs if old < version - 1]:
             del self.refs[old]
+        # work starts from a version at most this far back (the lag's t − 2, or a change
+        # routed from what the downlink keeps): older publication times are never read again
+        horizon = version - (self.downlink.keep if self.downlink is not None else 2)
+        for old in [old for old in self.published_at if old < horizon]:
+            del self.published_at[old]
 
     def stepped(self, version: int, fragment: int | None) -> None:
         """The outer step made `version`: the published copy takes its change."""

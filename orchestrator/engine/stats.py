@@ -135,7 +135,8 @@ class RunStats:
             "dropped": sorted(w.dropped),
             "staleness": max(w.staleness, default=0),
             "staleness_updates": w.staleness,
-            "inner_steps": {str(i): s.inner_steps for i, s in islands.items()},
+            # live islands only: a line per round must not grow with every island ever seen
+            "inner_steps": {str(i): s.inner_steps for i, s in islands.items() if s.state.alive},
             **w.extra,
             "tokens": self.tokens - w.tokens_before,
             "tokens_total": self.tokens,
