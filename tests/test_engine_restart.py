@@ -258,6 +258,11 @@ def test_resume_continues_the_run_its_outputs_name_and_refuses_a_guess(tmp_path)
     for rid, cfg in cfgs.items():
         drive(in_process_engine(cfg, run_id=rid)[0])
     assert [resume_id(cfg) for cfg in cfgs.values()] == ["first", "second"]
+    # config.yaml sits on a writable volume and names code to import: only the checkpoint's own factory
+    second = cfgs["second"]
+    planted = second.model_copy(update={"task": second.task.model_copy(update={"factory": "os:system"})})
+    with pytest.raises(ResumeRefused, match=r"'os:system' .* trained with 'tests\.toy_tasks:make_recording'"):
+        resume_id(planted)
     (Path(cfgs["first"].out_dir) / "run_id").unlink()  # outputs that name no run: which of two?
     with pytest.raises(ResumeRefused, match="runs second, first"):
         resume_id(cfgs["first"])
@@ -268,3 +273,23 @@ def test_resume_continues_the_run_its_outputs_name_and_refuses_a_guess(tmp_path)
     with pytest.raises(ResumeRefused, match="no checkpoint of run gone"):
         resume_id(lone)
     assert main(["run", "--resume", lone.out_dir]) == 2  # before anything starts
+    (Path(lone.out_dir) / "run_id").unlink()
+    with pytest.raises(ResumeRefused, match="holds no checkpoint"):
+        resume_id(lone)
+
+
+def test_a_planted_membership_intent_is_held_to_the_configs_bounds(tmp_path):
+    """The intent journal is on a writable volume: a target of 1,000,000 used to ask for a
+    million placement groups."""
+    import json
+
+    cfg = scenario_cfg(tmp_path, "diloco", "checkpoint.every_rounds=2", "elastic.max_islands=4")
+    first, pool = in_process_engine(cfg, run_id="planted")
+    drive(first, until=3)
+    intent = first.checkpoints / "membership.json"
+    intent.write_text(json.dumps({"run_id": "planted", "target": 10**6, "leaving": ["0", True, 2.5]}))
+    pool.coordinator_lost()
+    second = build_engine(cfg, pool, run_id="planted")
+    drive(second)
+    assert second.members.target == 4 and second.summary["rounds_done"] == 6
+    assert not any(s["state"] in ("draining", "drained") for s in second.summary["islands"].values())

@@ -15,7 +15,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.checkpoints import runs_in
+from orchestrator.engine.checkpoints import CheckpointError, load_checkpoint, run_folder, runs_in
 from orchestrator.engine.commands import Stop
 from orchestrator.engine.records import RUN_ID
 from orchestrator.engine.types import RunFailed
@@ -105,7 +105,15 @@ def start_control_plane(cfg: RunConfig, run_id: str, token: str | None) -> Any:
             num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
-        .remote(run_id, cfg.api.host, cfg.api.port, token, cfg.api.public_reads)
+        .remote(
+            run_id,
+            cfg.api.host,
+            cfg.api.port,
+            token,
+            cfg.api.public_reads,
+            os.environ.get("ARCHIPELAGO_API_TOKEN_FILE") if token is not None else None,
+            (cfg.api.tls_cert, cfg.api.tls_key) if cfg.api.tls_cert and cfg.api.tls_key else None,
+        )
     )
     log.info("control plane: %s  (dashboard at /, API at /v1, docs at /docs)", ray.get(actor.address.remote()))
     return actor
@@ -218,7 +226,10 @@ class ResumeRefused(RunFailed):
 
 def resume_id(cfg: RunConfig) -> str:
     """The id of the run whose outputs are in `cfg.out_dir` (for `archipelago run --resume`):
-    the one it recorded, or the only run with checkpoints in `checkpoint.path`."""
+    the one it recorded, or the only run with checkpoints in `checkpoint.path`. Checked
+    before any task code is imported: `DIR/config.yaml` may name only the task factory the
+    checkpoint was trained with (the file is on a writable volume, and its `module:callable`
+    is imported and called)."""
     from pathlib import Path
 
     runs = runs_in(cfg.checkpoint_dir)
@@ -227,11 +238,22 @@ def resume_id(cfg: RunConfig) -> str:
         run_id = recorded.read_text().strip()
         if run_id not in runs:
             raise ResumeRefused(f"no checkpoint of run {run_id} (recorded in {recorded}) in {cfg.checkpoint_dir}")
-        return run_id
-    if len(runs) != 1:
+    elif len(runs) == 1:
+        run_id = runs[0]
+    else:
         held = f"the checkpoints of runs {', '.join(runs)}" if runs else "no checkpoint"
         raise ResumeRefused(f"{cfg.checkpoint_dir} holds {held}, and {cfg.out_dir} names no run to resume")
-    return runs[0]
+    try:
+        state = load_checkpoint(run_folder(cfg.checkpoint_dir, run_id))
+    except CheckpointError as err:
+        raise ResumeRefused(str(err)) from err
+    trained = (state or {}).get("config", {}).get("task", {}).get("factory")
+    if trained != cfg.task.factory:
+        raise ResumeRefused(
+            f"task.factory is {cfg.task.factory!r} in {cfg.out_dir}/config.yaml, but run {run_id} was trained "
+            f"with {trained!r}: a resume imports only the factory its checkpoint recorded"
+        )
+    return run_id
 
 
 def print_summary(summary: dict[str, Any], stream=sys.stdout) -> None:
