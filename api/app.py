@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 
 from api import prometheus
-from api.auth import bearer_guard
+from api.auth import TokenSource, bearer_guard
 from api.handle import HandleError, RunHandle
 from api.limits import MAX_BODY, FrontDoor
 from api.schemas import Accepted, Target
@@ -46,7 +46,9 @@ REFUSAL_STATUS = {
     Refusal.NOT_NOW: 409,
 }
 RUN_ACTIONS: dict[str, Command] = {"pause": Pause(), "resume": Resume(), "stop": Stop()}
-PAGE, MAX_PAGE = 500, 5000  # records or events per page: a page is bounded whatever the run's length
+PAGE = MAX_PAGE = (
+    500  # records or events per page: a page (≈ 2.4 MiB of JSON at 64 islands) is bounded whatever the run's length
+)
 Since = Annotated[int, Query(ge=0, description="cursor: the last round seen (history) or events seen (events)")]
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE, description="page size")]
 
@@ -89,20 +91,26 @@ def _dashboard() -> tuple[str, str]:
 
 
 def create_app(
-    handle: RunHandle, token: str | None, public_reads: bool = False, max_body: int = MAX_BODY, loopback: bool = False
+    handle: RunHandle,
+    token: str | TokenSource | None,
+    public_reads: bool = False,
+    max_body: int = MAX_BODY,
+    loopback: bool = False,
 ) -> FastAPI:
-    """The app over `handle`. Mutations need `token`; so do reads unless `public_reads`
-    (or no token is configured, which `check_exposure` allows on loopback only).
-    `loopback`: it is served on loopback, so it answers loopback Host names only."""
+    """The app over `handle`. Mutations need `token` (a `TokenSource` follows a token file
+    as it is rotated); so do reads unless `public_reads` (or no token is configured, which
+    `check_exposure` allows on loopback only). `loopback`: it is served on loopback, so it
+    answers loopback Host names only."""
+    source = token if isinstance(token, TokenSource) else TokenSource(token)
     app = FastAPI(
         title="Archipelago control plane",
         version="1",
         description="Watch a run, scale its islands, pause/resume/stop it, change settings at round boundaries.",
         default_response_class=FiniteJSONResponse,
     )
-    auth = [Depends(bearer_guard(token))]
-    reads = [] if public_reads or token is None else [Depends(bearer_guard(token, "reads"))]
-    app.add_middleware(FrontDoor, token=token, max_body=max_body, loopback=loopback)
+    auth = [Depends(bearer_guard(source))]
+    reads = [] if public_reads or source.current() is None else [Depends(bearer_guard(source, "reads"))]
+    app.add_middleware(FrontDoor, token=source, max_body=max_body, loopback=loopback)
     page, policy = _dashboard()
 
     @app.exception_handler(HandleError)

@@ -1,7 +1,8 @@
 """Who may use the control plane: a bearer token, and where it may be served.
 
 The token comes from a file named by $ARCHIPELAGO_API_TOKEN_FILE (a mounted Kubernetes
-Secret: what the shipped manifests do) or from $ARCHIPELAGO_API_TOKEN. It guards every
+Secret: what the shipped manifests do; re-read when it changes) or from
+$ARCHIPELAGO_API_TOKEN. It guards every
 mutation, and every read (run status, islands with their hostnames and errors, events,
 history, metrics) unless `api.public_reads` is set. Without a token, mutations are
 refused rather than left open, and the server refuses to listen on anything but
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 import os
 from pathlib import Path
 from typing import Annotated
@@ -24,6 +26,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 MIN_TOKEN_LENGTH = 16
 PLACEHOLDERS = frozenset({"change-me", "changeme", "change_me", "secret", "token", "password", "replace-me"})
 LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})
+
+log = logging.getLogger(__name__)
 
 
 class ExposureError(ValueError):
@@ -42,6 +46,44 @@ def configured_token() -> str | None:
                 f"({type(err).__name__}: {err}); mount the Secret readable by the Ray user (fsGroup)"
             ) from err
     return os.environ.get("ARCHIPELAGO_API_TOKEN") or None
+
+
+class TokenSource:
+    """The token requests are checked against. From a file it is re-read when the file
+    changes (Kubernetes swaps a mounted Secret in place), so a rotated token takes effect
+    without a restart. A change to a file that cannot be read, or to a token that
+    `check_exposure` would refuse, keeps the previous token and says so in the log."""
+
+    def __init__(self, token: str | None = None, path: str | Path | None = None) -> None:
+        self.path = Path(path) if path else None
+        self._token = token.encode("utf-8") if token is not None else None
+        self._seen = self._stamp()
+
+    def _stamp(self) -> tuple[int, int, int] | None:
+        if self.path is None:
+            return None
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size, st.st_ino
+
+    def current(self) -> bytes | None:
+        stamp = self._stamp()
+        if stamp is not None and stamp != self._seen:
+            self._seen = stamp
+            assert self.path is not None
+            try:
+                token = self.path.read_text().strip()
+                check_exposure("0.0.0.0", token)
+            except (OSError, UnicodeDecodeError, ExposureError) as err:
+                log.error(
+                    "the API token file %s changed but is not usable (%s); the previous token stays", self.path, err
+                )
+            else:
+                self._token = token.encode("utf-8")
+                log.warning("the API token was re-read from %s", self.path)
+        return self._token
 
 
 def is_loopback(host: str) -> bool:
@@ -88,14 +130,13 @@ def token_status(header: bytes, expected: bytes | None, what: str = "mutations")
     return None
 
 
-def bearer_guard(token: str | None, what: str = "mutations"):
+def bearer_guard(token: TokenSource, what: str = "mutations"):
     """A FastAPI dependency: 401 without credentials, 403 with wrong ones."""
-    expected = token.encode("utf-8") if token is not None else None
 
     def check(request: Request, _scheme: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
         # `_scheme` puts the bearer scheme in the OpenAPI document; the check reads the raw
         # header. The server decodes header bytes as latin-1: encoding back gives the bytes sent
-        refused = token_status(request.headers.get("authorization", "").encode("latin-1"), expected, what)
+        refused = token_status(request.headers.get("authorization", "").encode("latin-1"), token.current(), what)
         if refused is not None:
             status, reason = refused
             raise HTTPException(status, reason, headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from api.auth import is_loopback, token_status
+from api.auth import TokenSource, is_loopback, token_status
 
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 MAX_BODY = 64 * 1024  # the largest valid body is a few dozen bytes
@@ -36,10 +36,9 @@ def host_name(header: bytes) -> str:
 
 
 class FrontDoor:
-    def __init__(self, app: Any, token: str | None, max_body: int = MAX_BODY, loopback: bool = False) -> None:
+    def __init__(self, app: Any, token: TokenSource, max_body: int = MAX_BODY, loopback: bool = False) -> None:
         """`loopback`: the server listens on loopback only, so only loopback Host names are answered."""
-        self.app, self.max_body, self.loopback = app, max_body, loopback
-        self.expected = token.encode("utf-8") if token is not None else None
+        self.app, self.token, self.max_body, self.loopback = app, token, max_body, loopback
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -57,7 +56,7 @@ class FrontDoor:
         if scope["method"] == "HEAD":
             scope = {**scope, "method": "GET"}
         if scope["method"] in MUTATING:
-            refused = token_status(headers.get(b"authorization", b""), self.expected)
+            refused = token_status(headers.get(b"authorization", b""), self.token.current())
             if refused is not None:
                 await _answer(send, *refused)
                 return

@@ -6,12 +6,21 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import uvicorn
 
 from api.app import create_app
-from api.auth import check_exposure, is_loopback
+from api.auth import TokenSource, check_exposure, is_loopback
 from api.handle import RayRunHandle
+
+
+def server_config(app: Any, host: str, port: int, tls: tuple[str, str] | None = None) -> uvicorn.Config:
+    """How uvicorn serves the app: HTTPS when `tls` names a certificate and its key. The
+    token travels in every request, so beyond a private network it should only travel
+    encrypted (or behind a TLS-terminating ingress)."""
+    cert, key = tls if tls else (None, None)
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", ssl_certfile=cert, ssl_keyfile=key)
 
 
 class ControlPlane:
@@ -22,10 +31,14 @@ class ControlPlane:
         port: int = 8600,
         token: str | None = None,
         public_reads: bool = False,
+        token_file: str | None = None,
+        tls: tuple[str, str] | None = None,
     ) -> None:
+        """`token_file`: where `token` was read from, re-read when it changes (rotation);
+        `tls`: (certificate, key) PEM files to serve HTTPS with."""
         check_exposure(host, token)
-        app = create_app(RayRunHandle(run_id), token, public_reads, loopback=is_loopback(host))
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        app = create_app(RayRunHandle(run_id), TokenSource(token, token_file), public_reads, loopback=is_loopback(host))
+        self.server = uvicorn.Server(server_config(app, host, port, tls))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 15
@@ -33,7 +46,7 @@ class ControlPlane:
             time.sleep(0.02)
         if not self.server.started:
             raise RuntimeError(f"the control plane could not listen on {host}:{port}")
-        self.url = f"http://{host}:{port}"
+        self.url = f"{'https' if tls else 'http'}://{host}:{port}"
 
     def address(self) -> str:
         return self.url

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8600)
     serve.add_argument("--public-reads", action="store_true", help="serve reads without the token (mutations need it)")
+    serve.add_argument("--tls-cert", help="PEM certificate: serve HTTPS (with --tls-key)")
+    serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
     export = sub.add_parser(
         "export", parents=[common], help="write a finished run's model in its ecosystem's format (Hugging Face)"
     )
@@ -108,9 +111,13 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api.app import create_app
-    from api.auth import ExposureError, check_exposure, configured_token, is_loopback
+    from api.auth import ExposureError, TokenSource, check_exposure, configured_token, is_loopback
     from api.handle import RayRunHandle, find_run
+    from api.server import server_config
 
+    if (args.tls_cert is None) != (args.tls_key is None):
+        log.error("--tls-cert and --tls-key go together")
+        return 2
     try:
         token = configured_token()
         check_exposure(args.host, token)
@@ -124,13 +131,15 @@ def _serve(args: argparse.Namespace) -> int:
     except LookupError as err:
         log.error("%s", err)
         return 2
-    log.info("control plane of run %s: http://%s:%d/", run_id, args.host, args.port)
-    uvicorn.run(
-        create_app(RayRunHandle(run_id), token, args.public_reads, loopback=is_loopback(args.host)),
-        host=args.host,
-        port=args.port,
-        log_level="warning",
+    tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
+    log.info("control plane of run %s: %s://%s:%d/", run_id, "https" if tls else "http", args.host, args.port)
+    app = create_app(
+        RayRunHandle(run_id),
+        TokenSource(token, os.environ.get("ARCHIPELAGO_API_TOKEN_FILE") if token is not None else None),
+        args.public_reads,
+        loopback=is_loopback(args.host),
     )
+    uvicorn.Server(server_config(app, args.host, args.port, tls)).run()
     return 0
 
 

@@ -6,9 +6,10 @@ every section is strict, so a misspelt key is an error naming it."""
 from __future__ import annotations
 
 from enum import Enum
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from orchestrator.config_sections import Strict
 
@@ -73,3 +74,17 @@ class ApiConfig(Strict):
         description="serve reads (status, islands, events, history, metrics) without the token; mutations "
         "always need it",
     )
+    tls_cert: str | None = Field(None, description="PEM certificate file: serve HTTPS (with tls_key)")
+    tls_key: str | None = Field(None, description="PEM private key file of tls_cert")
+
+    @model_validator(mode="after")
+    def _tls(self) -> ApiConfig:
+        """Both files or neither, and readable now: a bad path found when the actor starts
+        would cost the run's start-up first."""
+        given = [f for f in ("tls_cert", "tls_key") if getattr(self, f) is not None]
+        if len(given) == 1:
+            raise ValueError(f"api.{given[0]} needs api.{'tls_key' if given[0] == 'tls_cert' else 'tls_cert'} too")
+        for field in given:
+            if not Path(getattr(self, field)).is_file():
+                raise ValueError(f"api.{field}: {getattr(self, field)} is not a file")
+        return self

@@ -181,6 +181,7 @@ def test_history_and_events_are_paged(api):
     assert [r["round"] for r in page] == [3, 4, 5]
     assert client.get("/v1/run/history", params={"limit": 0}, headers=AUTH).status_code == 422
     assert client.get("/v1/run/history", params={"limit": 10**6}, headers=AUTH).status_code == 422
+    assert client.get("/v1/run/history", params={"limit": 501}, headers=AUTH).status_code == 422  # 24 MiB pages were
     for n in range(5):
         client.put("/v1/islands/target", json={"target": 1 + n}, headers=AUTH)
     events = client.get("/v1/events", params={"since": 1, "limit": 2}, headers=AUTH).json()

@@ -140,3 +140,84 @@ def test_a_loopback_server_answers_loopback_host_names_only():
 )
 def test_host_name_drops_the_port(header, name):
     assert host_name(header) == name
+
+
+def test_a_rotated_token_file_takes_effect_without_a_restart(tmp_path):
+    """Kubernetes updates a mounted Secret in place; the token was read once at start, so
+    rotating it needed a restart. A rotation to a token the start would refuse keeps the
+    previous one."""
+    import logging
+
+    from api.auth import TokenSource
+
+    said: list[str] = []
+    listener = logging.Handler(logging.WARNING)
+    listener.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("api.auth").addHandler(listener)  # on the logger: whatever the CLI configured
+    first, second = "first-token-0123456789", "second-token-0123456789"
+    token_file = tmp_path / "token"
+    token_file.write_text(first + "\n")
+    run = FakeRun()
+    with serving(create_app(run, TokenSource(first, token_file))) as url:
+
+        def pause_with(token: str) -> int:
+            return httpx.post(f"{url}/v1/run/pause", headers={"Authorization": f"Bearer {token}"}).status_code
+
+        assert pause_with(first) == 202
+        replacement = tmp_path / "token.new"
+        replacement.write_text(second + "\n")
+        replacement.replace(token_file)  # as the kubelet swaps the Secret's files
+        assert pause_with(first) == 403 and pause_with(second) == 202
+        assert httpx.get(f"{url}/v1/run", headers={"Authorization": f"Bearer {second}"}).status_code == 200
+        token_file.write_text("change-me")
+        assert pause_with(second) == 202 and pause_with("change-me") == 403
+    logging.getLogger("api.auth").removeHandler(listener)
+    assert any("re-read" in m for m in said) and any("not usable" in m and "previous token stays" in m for m in said)
+
+
+def test_the_control_plane_serves_https_with_a_certificate_and_its_key(tmp_path):
+    """`api.tls_cert` / `api.tls_key` (`archipelago serve --tls-cert --tls-key`): the token
+    travels in every request, so beyond a private network it should travel encrypted."""
+    import shutil
+    import subprocess
+    import threading
+    import time
+
+    import uvicorn
+
+    from api.server import server_config
+    from tests.http_server import free_port
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    port = free_port()
+    server = uvicorn.Server(server_config(create_app(FakeRun(), TOKEN), "127.0.0.1", port, (str(cert), str(key))))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 10
+    while not server.started and time.time() < deadline:
+        time.sleep(0.02)
+    try:
+        r = httpx.get(f"https://127.0.0.1:{port}/v1/run", headers=AUTH, verify=str(cert))
+        assert r.status_code == 200 and r.json()["mode"] == "diloco"
+        with pytest.raises(httpx.HTTPError):  # plain HTTP on the TLS port is not served
+            httpx.get(f"http://127.0.0.1:{port}/v1/run", headers=AUTH)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_tls_settings_are_checked_before_anything_starts(tmp_path):
+    from orchestrator.config_load import ConfigError, load_config
+
+    (tmp_path / "cert.pem").write_text("x")
+    with pytest.raises(ConfigError, match=r"api\.tls_cert needs api\.tls_key"):
+        load_config(None, [f"api.tls_cert={tmp_path / 'cert.pem'}"])
+    with pytest.raises(ConfigError, match=r"api\.tls_key: .*missing\.pem is not a file"):
+        load_config(None, [f"api.tls_cert={tmp_path / 'cert.pem'}", f"api.tls_key={tmp_path / 'missing.pem'}"])
