@@ -131,6 +131,7 @@ class FaultKind(str, Enum):
     MISREPORT = "misreport"  # its n-th result claims tokens on a shard it was not given
     MALFORMED = "malformed"  # its n-th result carries `payload` instead of its pseudo-gradient
     CLOCK = "clock"  # its n-th result says it finished at `seconds` on its own clock
+    CORRUPT = "corrupt"  # its n-th work order's full parameters arrive with one byte flipped
 
 
 @dataclass(frozen=True)
@@ -245,7 +246,14 @@ class InProcessPool:
         factor, until = self.slow.get(i, (1.0, 0.0))
         step = self.step_s * island.spec.slowdown * (factor if self.t < until else 1.0)
         duration = order.start_delay_s + order.steps * step
-        result = island.run(dataclasses.replace(order, start_delay_s=0.0), params)  # what it read, it read
+        if fault is not None and fault.kind == FaultKind.CORRUPT and params is not None:
+            params = np.array(params)
+            params.view(np.uint8)[len(params.view(np.uint8)) // 2] ^= 0xFF
+        try:
+            result = island.run(dataclasses.replace(order, start_delay_s=0.0), params)  # what it read, it read
+        except Exception as err:  # an island's exception is its failure, as Ray reports it, never the run's
+            self._at(self.t, Failed(ticket=order.ticket, island=i, reason=f"raised: {type(err).__name__}: {err}"))
+            return
         if fault is not None and fault.kind == FaultKind.CRASH:
             self.dead.add(i)
             self._at(self.t + duration / 2, Failed(ticket=order.ticket, island=i, reason="actor died: injected crash"))

@@ -20,6 +20,7 @@ from orchestrator.engine.outer_step import Outer
 from orchestrator.engine.pacing import Work
 from orchestrator.engine.pool import IslandPool
 from workers.wire.fragments import Fragments
+from workers.wire.handoff import params_sha256
 from workers.wire.sync import Change
 
 
@@ -28,6 +29,7 @@ class Delivery:
     """What an island receives for its work."""
 
     params: Any  # the published parameters of its version, or None when changes suffice
+    params_sha256: str | None  # of `params` as published (None: changes, or remote slices)
     changes: tuple[Change, ...]
     nbytes: int  # on its link
     bootstrap: bool  # its first full download (not one of the run's exchanges)
@@ -41,6 +43,7 @@ class Publisher:
         self.cfg, self.pool, self.outer, self.flat = cfg, pool, outer, flat
         self.refs: dict[int, Any] = {}  # version -> published parameters
         self.published_at: dict[int, float] = {}
+        self.digests: dict[int, str | None] = {}  # version -> SHA-256 of what was published (hand-offs)
         self.held: dict[int, int] = {}  # island -> version it holds (downloaded)
         self.downlink = (
             Downlink(
@@ -57,10 +60,12 @@ class Publisher:
         before the results came back)."""
         params = self.downlink.copy.numpy() if self.downlink is not None else self.outer.params()
         self.refs[version] = self.pool.publish(version, params)
+        self.digests[version] = params_sha256(params)
         now = self.pool.now()
         self.published_at.setdefault(version, now if at is None else min(at, now))
         for old in [old for old in self.refs if old < version - 1]:
             del self.refs[old]
+            self.digests.pop(old, None)
         # work starts from a version at most this far back (the lag's t − 2, or a change
         # routed from what the downlink keeps): older publication times are never read again
         horizon = version - (self.downlink.keep if self.downlink is not None else 2)
@@ -97,7 +102,15 @@ class Publisher:
             now = self.pool.now()
             ready = self.published_at.get(work.version, now)
             delay = max(0.0, ready + self.cfg.island_link(work.island).seconds(nbytes) - now)
-        return Delivery(params=params, changes=tuple(changes), nbytes=nbytes, bootstrap=bootstrap, delay_s=delay)
+        digest = self.digests.get(work.version) if params is not None else None
+        return Delivery(
+            params=params,
+            params_sha256=digest,
+            changes=tuple(changes),
+            nbytes=nbytes,
+            bootstrap=bootstrap,
+            delay_s=delay,
+        )
 
     def forget(self, island: int) -> None:
         """A released island holds nothing any more."""

@@ -23,6 +23,7 @@ from workers.wire.compress import ErrorFeedback, decode, encode
 from workers.wire.flat import FlatParams, ParamStore, as_tensor, slice_bounds
 from workers.wire.fragments import FragmentedTask, fragment_model
 from workers.wire.fragments import positions as fragment_positions
+from workers.wire.handoff import verify
 from workers.wire.messages import RoundResult, Sliced, Wire, WorkKind, WorkOrder
 from workers.wire.spec import InnerConfig, Precision, Sharding
 from workers.wire.sync import ChangeOutOfOrder, apply_change
@@ -237,6 +238,8 @@ class Island:
             self.running = False
 
     def _run(self, order: WorkOrder, params: np.ndarray) -> RoundResult:
+        if order.handoff_sha256 is not None:  # before anything of it is used
+            verify(order.handoff_sha256, params, order.version, order.schedule_step, order.shards)
         if order.start_delay_s > 0:
             time.sleep(order.start_delay_s)
         if order.schedule_step is not None:

@@ -47,6 +47,7 @@ class WorkOrder:
     changes: tuple[Change, ...] = ()  # the published copy's changes since the version the island holds
     eager: bool = False  # overlap: start from `version` moved by this island's last update (not in it yet)
     send_after: int | None = None  # streaming: take Δ after this many steps (τ before the end); None: at the end
+    handoff_sha256: str | None = None  # with full parameters: what they and this order's position hash to
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,61 @@
+"""The verified hand-off (`workers/wire/handoff.py`): full parameters come with a digest of
+what the coordinator published and of the order's position in the run; an island refuses
+what does not match before training on it, and the engine replaces it, every batch still
+trained once (the in-process pool flips a byte of a delivery: `FaultKind.CORRUPT`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from orchestrator.engine.pool import Fault, FaultKind
+from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
+from tests.helpers import events, in_process_engine
+from workers.wire.handoff import HandOffMismatch, handoff_sha256, params_sha256, verify
+
+
+def test_the_digest_covers_the_parameters_and_the_orders_place_in_the_run():
+    params = np.linspace(-1, 1, 1001, dtype=np.float32)
+    expected = handoff_sha256(params_sha256(params), 7, 120, {3: 10, 1: 4})
+    verify(expected, params, 7, 120, {1: 4, 3: 10})  # the same hand-off (shard order does not matter)
+    verify(expected, [params[:500], params[500:]], 7, 120, {1: 4, 3: 10})  # as a sliced coordinator's
+    flipped = params.copy()
+    flipped.view(np.uint8)[2001] ^= 0x01
+    for received, version, step, shards in [
+        (flipped, 7, 120, {1: 4, 3: 10}),  # one bit of the parameters
+        (params, 8, 120, {1: 4, 3: 10}),  # another version's order
+        (params, 7, 0, {1: 4, 3: 10}),  # a schedule at the start (a joiner's wrong lr)
+        (params, 7, 120, {1: 0, 3: 10}),  # a data cursor from the beginning
+    ]:
+        with pytest.raises(HandOffMismatch, match="refused before training"):
+            verify(expected, received, version, step, shards)
+
+
+@pytest.mark.parametrize("mode", ["diloco", "streaming", "quorum"])
+def test_a_corrupted_hand_off_is_refused_and_its_island_replaced(tmp_path, mode):
+    """Island 1's first download (the full parameters, in every mode) arrives with a flipped
+    byte: it raises before training, its work is lost (its batches go back), and its
+    replacement receives a hand-off that verifies."""
+    cfg = scenario_cfg(tmp_path, mode)
+    engine, _ = in_process_engine(cfg, [Fault(FaultKind.CORRUPT, 1, order=1)])
+    drive(engine)
+    summary = engine.summary
+    # exactly once: the refused work's batches were never read (the island refused before
+    # reading), so its `lost` spans give back nothing; their next owner read them once
+    unread = Counter(
+        {
+            (int(s), i): -1
+            for e in events(cfg.out_dir)
+            if e["kind"] == "lost" and "HandOffMismatch" in e["reason"]
+            for s, (start, n) in e["spans"].items()
+            for i in range(start, start + n)
+        }
+    )
+    assert unread
+    check_exactly_once(cfg, summary, unread)
+    crashes = [e for e in events(cfg.out_dir) if e["kind"] == "crash"]
+    assert [e["island"] for e in crashes] == [1] and "HandOffMismatch" in crashes[0]["reason"]
+    assert summary["islands"]["1"]["state"] == "dead" and summary["islands"]["3"]["state"] == "training"
+    assert summary["rounds_done"] == 6
