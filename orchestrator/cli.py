@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from orchestrator.config_load import ConfigError, check_folders, dump_config, load_config
+from orchestrator.config_load import ConfigError, check_folders, check_task_spec, dump_config, load_config
 from orchestrator.logs import configure, level_for
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir", metavar="RUN_DIR", help="the run's output folder (config.yaml and final.pt)")
     export.add_argument("out_dir", metavar="OUT_DIR", help="where the exported model goes")
     export.add_argument("--format", choices=["hf"], default="hf", help="hf: save_pretrained with safetensors")
+    export.add_argument(
+        "--trust-config",
+        action="store_true",
+        help="import the task factory RUN_DIR/config.yaml names even if no checkpoint of the run records it",
+    )
     bench = sub.add_parser(
         "bench", parents=[common], help="run a benchmark scenario; writes DIR/<scenario>.json, .png, .md"
     )
@@ -158,11 +163,18 @@ def _config_docs(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     import torch
 
+    from orchestrator.runtime.driver import ResumeRefused, resume_id
     from workers.tasks.task import TaskError, export_pretrained, load_task
 
     run_dir = Path(args.run_dir)
     try:
-        cfg = load_config(str(run_dir / "config.yaml"), [])
+        cfg = load_config(str(run_dir / "config.yaml"), [f"out_dir={run_dir}"], check_task=False)
+        if not args.trust_config:  # config.yaml names code to import: only what the run's checkpoint recorded
+            resume_id(cfg)
+    except (ConfigError, ResumeRefused) as err:
+        log.error("cannot export %s: %s (--trust-config imports what its config.yaml names)", run_dir, err)
+        return 2
+    try:
         state = torch.load(run_dir / "final.pt", map_location="cpu", weights_only=True)
         out = export_pretrained(load_task(cfg.task.factory, cfg.task.kwargs), state, Path(args.out_dir))
     except (ConfigError, OSError, TaskError, RuntimeError) as err:
@@ -194,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"init_from={args.init_from}")
     config_file = str(Path(resume) / "config.yaml") if resume and not args.config else args.config
     try:
-        cfg = load_config(config_file, overrides)
+        # a resumed run's task factory is built only once its checkpoint vouches for it
+        cfg = load_config(config_file, overrides, check_task=not resume)
         if args.command == "run":
             check_folders(cfg)
     except ConfigError as err:
@@ -207,8 +220,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run_id = resume_id(cfg) if resume else None
+        if resume:
+            check_task_spec(cfg)
     except ResumeRefused as err:
         log.error("cannot resume: %s", err)
+        return 2
+    except ConfigError as err:
+        log.error("invalid config: %s", err)
         return 2
     try:
         summary = run(cfg, run_id=run_id, show_progress=level <= logging.INFO)

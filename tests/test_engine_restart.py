@@ -263,6 +263,13 @@ def test_resume_continues_the_run_its_outputs_name_and_refuses_a_guess(tmp_path)
     planted = second.model_copy(update={"task": second.task.model_copy(update={"factory": "os:system"})})
     with pytest.raises(ResumeRefused, match=r"'os:system' .* trained with 'tests\.toy_tasks:make_recording'"):
         resume_id(planted)
+    marker = tmp_path / "planted-code-ran"
+    config = Path(second.out_dir) / "config.yaml"
+    kept = config.read_text()
+    task = second.task.model_copy(update={"factory": "tests.toy_tasks:make_planted", "kwargs": {"marker": str(marker)}})
+    config.write_text(dump_config(second.model_copy(update={"task": task})))
+    assert main(["run", "--resume", second.out_dir]) == 2 and not marker.exists()  # refused, never imported
+    config.write_text(kept)
     (Path(cfgs["first"].out_dir) / "run_id").unlink()  # outputs that name no run: which of two?
     with pytest.raises(ResumeRefused, match="runs second, first"):
         resume_id(cfgs["first"])

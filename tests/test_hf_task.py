@@ -91,9 +91,9 @@ def test_a_model_from_config_trains_and_exports_to_transformers_with_the_same_lo
     assert generated.shape == (1, 13)
 
 
-def _export_cli(run_dir, out_dir) -> subprocess.CompletedProcess:
+def _export_cli(run_dir, out_dir, *extra: str) -> subprocess.CompletedProcess:
     """`archipelago export RUN_DIR OUT_DIR` in a fresh process."""
-    cmd = [sys.executable, "-m", "orchestrator.cli", "export", str(run_dir), str(out_dir)]
+    cmd = [sys.executable, "-m", "orchestrator.cli", "export", str(run_dir), str(out_dir), *extra]
     return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
 
 
@@ -122,6 +122,12 @@ def test_a_run_with_the_hf_task_exports_at_the_end_and_the_cli_exports_again(cor
     assert cli.returncode == 0, cli.stderr
     a = (tmp_path / "run" / "export" / "model.safetensors").read_bytes()
     assert a == (tmp_path / "again" / "model.safetensors").read_bytes()
+    # config.yaml is on a writable volume and names code to import: only what the checkpoint recorded
+    config = tmp_path / "run" / "config.yaml"
+    config.write_text(config.read_text().replace("workers.tasks.hf_task:make_task", "tests.toy_tasks:make_recording"))
+    planted = _export_cli(tmp_path / "run", tmp_path / "planted")
+    assert planted.returncode == 2 and "trained with 'workers.tasks.hf_task:make_task'" in planted.stderr
+    assert not (tmp_path / "planted").exists()
 
 
 def test_export_of_a_task_without_save_pretrained_is_a_clear_error(tmp_path):
@@ -130,7 +136,8 @@ def test_export_of_a_task_without_save_pretrained_is_a_clear_error(tmp_path):
     (tmp_path / "run" / "config.yaml").write_text(dump_config(cfg))
     task = load_task(cfg.task.factory, cfg.task.kwargs)
     torch.save(task.build_model().state_dict(), tmp_path / "run" / "final.pt")
-    cli = _export_cli(tmp_path / "run", tmp_path / "out")
+    assert _export_cli(tmp_path / "run", tmp_path / "out").returncode == 2  # no checkpoint vouches for its factory
+    cli = _export_cli(tmp_path / "run", tmp_path / "out", "--trust-config")
     assert cli.returncode == 2 and "no save_pretrained" in cli.stderr
 
 

@@ -147,3 +147,12 @@ class RecordingQuadratic(QuadraticTask):
 
 def make_recording(**kwargs: object) -> RecordingQuadratic:
     return RecordingQuadratic(**kwargs)  # type: ignore[arg-type]
+
+
+def make_planted(marker: str) -> None:
+    """A factory a planted config.yaml could name: calling it leaves `marker` behind, so a
+    test sees whether anything imported and called it."""
+    from pathlib import Path
+
+    Path(marker).touch()
+    raise RuntimeError("planted code ran")
