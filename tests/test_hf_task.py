@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
+from orchestrator.cli import main
 from orchestrator.config_load import dump_config, load_config
 from tests.helpers import TINY_LLAMA, fell_20_percent, in_process_run
 from workers.tasks.hf_task import HFTaskConfig, make_task
@@ -97,7 +98,7 @@ def _export_cli(run_dir, out_dir, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
 
 
-def test_a_run_with_the_hf_task_exports_at_the_end_and_the_cli_exports_again(corpus_cache, tmp_path):
+def test_a_run_with_the_hf_task_exports_at_the_end_and_the_cli_exports_again(corpus_cache, tmp_path, capsys):
     cfg = load_config(
         None,
         [
@@ -125,8 +126,8 @@ def test_a_run_with_the_hf_task_exports_at_the_end_and_the_cli_exports_again(cor
     # config.yaml is on a writable volume and names code to import: only what the checkpoint recorded
     config = tmp_path / "run" / "config.yaml"
     config.write_text(config.read_text().replace("workers.tasks.hf_task:make_task", "tests.toy_tasks:make_recording"))
-    planted = _export_cli(tmp_path / "run", tmp_path / "planted")
-    assert planted.returncode == 2 and "trained with 'workers.tasks.hf_task:make_task'" in planted.stderr
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "planted")]) == 2  # refused before any import
+    assert "trained with 'workers.tasks.hf_task:make_task'" in capsys.readouterr().err
     assert not (tmp_path / "planted").exists()
 
 
@@ -136,7 +137,7 @@ def test_export_of_a_task_without_save_pretrained_is_a_clear_error(tmp_path):
     (tmp_path / "run" / "config.yaml").write_text(dump_config(cfg))
     task = load_task(cfg.task.factory, cfg.task.kwargs)
     torch.save(task.build_model().state_dict(), tmp_path / "run" / "final.pt")
-    assert _export_cli(tmp_path / "run", tmp_path / "out").returncode == 2  # no checkpoint vouches for its factory
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 2  # no checkpoint vouches for it
     cli = _export_cli(tmp_path / "run", tmp_path / "out", "--trust-config")
     assert cli.returncode == 2 and "no save_pretrained" in cli.stderr
 
