@@ -1,6 +1,7 @@
-"""Asynchronous Local-SGD on a real local Ray instance: an island's actor dying mid-run, and
-the Ray pool's virtual clock. What the engine decides in async mode (staleness, DyLU's
-step counts, the stale policies) is checked on the in-process pool (test_runs_in_process.py)."""
+"""Asynchronous Local-SGD on a real local Ray instance: the Ray pool's virtual clock. What
+the engine decides in async mode (staleness, DyLU's step counts, the stale policies, a
+crashed island in every mode) is checked on the in-process pool (test_runs_in_process.py,
+test_engine*.py); an island's actor dying on Ray, in test_run_ray.py and test_chaos_ray.py."""
 
 from __future__ import annotations
 
@@ -35,21 +36,6 @@ def _cfg(tmp_path, *extra):
             *extra,
         ],
     )
-
-
-def test_async_survives_a_crashed_island(ray_local, tmp_path):
-    summary = run(
-        _cfg(
-            tmp_path,
-            "islands.simulated_slowdown=null",
-            "elastic.replace_dead=false",
-            "task.kwargs.crash_island=1",
-            "task.kwargs.crash_after_batches=8",
-        ),
-        show_progress=False,
-    )
-    assert summary["islands"]["1"]["state"] == "dead"
-    assert summary["tokens"] == 3 * 6 * 6  # the dead island's unfinished steps were redone by others
 
 
 def test_a_virtual_clock_gives_exact_speeds_and_arrivals_in_simulated_order(ray_local, tmp_path):

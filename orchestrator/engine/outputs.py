@@ -122,8 +122,7 @@ class Outputs:
 
     # -- what the control plane reads ------------------------------------------------------------
     def update_snapshot(self, phase: RunPhase, version: int) -> None:
-        history = self.recorder.history
-        last = history[-1]["round_seconds"] if history else None
+        last = self.recorder.last["round_seconds"] if self.recorder.last is not None else None
         self.snapshot = self.stats.snapshot(phase, self.cfg, version, self.members, last)
 
     def refresh_islands(self) -> None:
