@@ -4,6 +4,7 @@ the field and the reason (and the task's own kwargs validated up front too)."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,23 @@ from workers.tasks.task import TaskError, load_task
 
 class ConfigError(ValueError):
     """The configuration is invalid; the message names each bad field."""
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML with 1.2's floats: PyYAML (YAML 1.1) reads `1e4` or `3e-4` as a *string*, which
+    typed fields coerced but a task's free-form kwargs (a model architecture's `rope_theta:
+    1e4`) passed on to transformers as the text '1e4'."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # a SafeLoader: builds plain values only
 
 
 def _format(err: ValidationError, prefix: str = "") -> str:
@@ -32,7 +50,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not sep or not key.strip():
         raise ConfigError(f"override {item!r} must look like key.path=value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = _yaml(raw) if raw.strip() else None
     except yaml.YAMLError as err:
         raise ConfigError(f"{key}: cannot parse value {raw!r}: {err}") from err
     return key.strip().split("."), value
@@ -58,7 +76,7 @@ def load_config(
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            loaded = yaml.safe_load(Path(path).read_text())
+            loaded = _yaml(Path(path).read_text())
         except OSError as err:
             raise ConfigError(f"cannot read config file {path}: {err}") from err
         except yaml.YAMLError as err:

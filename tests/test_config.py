@@ -102,3 +102,17 @@ def test_the_codec_names_the_config_accepts_are_the_registered_codecs():
     from workers.wire.spec import CODEC_NAMES
 
     assert tuple(CODECS) == CODEC_NAMES
+
+
+def test_exponent_floats_are_numbers_in_files_and_overrides(tmp_path):
+    """PyYAML reads `1e4` as a string: typed fields coerced it, but a task's free-form kwargs
+    (an architecture's `rope_theta: 1e4`) reached transformers as the text '1e4'."""
+    from orchestrator.config_load import parse_override
+
+    assert parse_override("task.kwargs.architecture.rope_theta=1e4")[1] == 10000.0
+    assert parse_override("x=-2.5E-3")[1] == -0.0025 and parse_override("x=1e4x")[1] == "1e4x"
+    path = tmp_path / "c.yaml"
+    path.write_text("outer:\n  lr: 7e-1\ntask:\n  kwargs:\n    architecture: {rope_theta: 1e4}\n")
+    cfg = load_config(path, [], check_task=False)
+    assert cfg.outer.lr == 0.7 and cfg.task.kwargs["architecture"] == {"rope_theta": 10000.0}
+    assert isinstance(cfg.task.kwargs["architecture"]["rope_theta"], float)
