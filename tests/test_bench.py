@@ -199,3 +199,13 @@ def test_overlap_rows_tune_every_method_on_one_grid_over_a_link_that_leaves_slac
             assert c.overlap.penalty == "adaptive" and c.overlap.clip is not None
         assert eager.overlap.eager and not co2.overlap.eager
         assert sync.link.bandwidth_gbps == co2.link.bandwidth_gbps == pytest.approx(bw, rel=1e-5)
+
+
+def test_a_benchmark_without_matplotlib_is_refused_before_any_run(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from orchestrator.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the `bench` extra were not installed
+    assert main(["bench", "overlap", "--quick", "--out", str(tmp_path)]) == 2
+    assert "pip install -e '.[bench]'" in capsys.readouterr().err and not list(tmp_path.iterdir())

@@ -24,3 +24,14 @@ def test_distribution_declares_the_console_script():
     # the peer (torchft) and the Hugging Face stack are extras, never the default install's
     for extra in ("torchft", "transformers", "tokenizers", "safetensors"):
         assert all("extra ==" in r for r in dist.requires or [] if r.startswith(extra)), extra
+
+
+def test_a_training_install_pulls_no_plotting_library():
+    """matplotlib was a dependency of every install; it is the `bench` extra now, and a
+    benchmark without it is refused before any run, saying how to get it."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("matplotlib")]
+    assert project["optional-dependencies"]["bench"] == ["matplotlib>=3.8"]
+    assert "archipelago-diloco[bench]" in project["optional-dependencies"]["test"]

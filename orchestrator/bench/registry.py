@@ -8,7 +8,7 @@ import importlib
 from collections.abc import Callable
 from pathlib import Path
 
-from orchestrator.bench.report import BenchResult, write_docs_index, write_result
+from orchestrator.bench.report import BenchResult, require_plotting, write_docs_index, write_result
 
 Scenario = Callable[[bool, Path], BenchResult]
 # name -> "module:function"; imported when run, so a scenario never imports the registry
@@ -31,6 +31,7 @@ def load(name: str) -> Scenario:
 
 
 def run_bench(name: str, quick: bool, out: Path, docs: Path | None = None) -> BenchResult:
+    require_plotting()  # before the runs: a report without its plot would cost them all
     scenario = load(name)
     out.mkdir(parents=True, exist_ok=True)
     result = scenario(quick, out / f"{name}-runs")

@@ -34,6 +34,15 @@ class ScenarioUnavailable(RuntimeError):
     figure measured on the wrong hardware."""
 
 
+def require_plotting() -> None:
+    """Benchmarks write a plot with each report: matplotlib is the `bench` extra, not a
+    dependency of a training run."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as err:
+        raise ScenarioUnavailable("benchmark plots need matplotlib: pip install -e '.[bench]'") from err
+
+
 @dataclass
 class BenchResult:
     scenario: str
