@@ -86,6 +86,11 @@ class TokenSource:
         return self._token
 
 
+def configured_source(token: str | None) -> TokenSource:
+    """`token` (from `configured_token`), followed in its file when it came from one."""
+    return TokenSource(token, os.environ.get("ARCHIPELAGO_API_TOKEN_FILE") if token is not None else None)
+
+
 def is_loopback(host: str) -> bool:
     if host in LOOPBACK_NAMES:
         return True

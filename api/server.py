@@ -29,15 +29,16 @@ class ControlPlane:
         run_id: str,
         host: str = "127.0.0.1",
         port: int = 8600,
-        token: str | None = None,
+        token: TokenSource | None = None,
         public_reads: bool = False,
-        token_file: str | None = None,
         tls: tuple[str, str] | None = None,
     ) -> None:
-        """`token_file`: where `token` was read from, re-read when it changes (rotation);
-        `tls`: (certificate, key) PEM files to serve HTTPS with."""
-        check_exposure(host, token)
-        app = create_app(RayRunHandle(run_id), TokenSource(token, token_file), public_reads, loopback=is_loopback(host))
+        """`token`: the configured token, followed in its file (rotation); `tls`:
+        (certificate, key) PEM files to serve HTTPS with."""
+        token = token or TokenSource()
+        current = token.current()
+        check_exposure(host, current.decode("utf-8") if current is not None else None)
+        app = create_app(RayRunHandle(run_id), token, public_reads, loopback=is_loopback(host))
         self.server = uvicorn.Server(server_config(app, host, port, tls))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -116,7 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api.app import create_app
-    from api.auth import ExposureError, TokenSource, check_exposure, configured_token, is_loopback
+    from api.auth import ExposureError, check_exposure, configured_source, configured_token, is_loopback
     from api.handle import RayRunHandle, find_run
     from api.server import server_config
 
@@ -140,7 +139,7 @@ def _serve(args: argparse.Namespace) -> int:
     log.info("control plane of run %s: %s://%s:%d/", run_id, "https" if tls else "http", args.host, args.port)
     app = create_app(
         RayRunHandle(run_id),
-        TokenSource(token, os.environ.get("ARCHIPELAGO_API_TOKEN_FILE") if token is not None else None),
+        configured_source(token),
         args.public_reads,
         loopback=is_loopback(args.host),
     )

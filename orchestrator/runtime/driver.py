@@ -94,6 +94,7 @@ def start_control_plane(cfg: RunConfig, run_id: str, token: str | None) -> Any:
     """The API/dashboard actor, on this node (the address the user is told), serving
     `cfg.api.host:port`. The token travels as a constructor argument, never in the
     actor's runtime env, which anyone who can list actors could read."""
+    from api.auth import configured_source
     from api.server import ControlPlane
 
     node_id = ray.get_runtime_context().get_node_id()
@@ -109,9 +110,8 @@ def start_control_plane(cfg: RunConfig, run_id: str, token: str | None) -> Any:
             run_id,
             cfg.api.host,
             cfg.api.port,
-            token,
+            configured_source(token),
             cfg.api.public_reads,
-            os.environ.get("ARCHIPELAGO_API_TOKEN_FILE") if token is not None else None,
             (cfg.api.tls_cert, cfg.api.tls_key) if cfg.api.tls_cert and cfg.api.tls_key else None,
         )
     )
