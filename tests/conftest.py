@@ -105,3 +105,13 @@ def corpus_cache(tmp_path_factory):
 
     prepare_stdlib_corpus(path)
     return str(path)
+
+
+@pytest.fixture
+def api():
+    """A fake run behind the control plane over real HTTP, as (client, run); the
+    token is `tests.fake_handle.TOKEN`."""
+    from tests.fake_handle import served
+
+    with served() as client_and_run:
+        yield client_and_run

@@ -5,7 +5,11 @@ bounds and refusal reasons as a real run), applied at once."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+
+import httpx
 
 from orchestrator.engine.commands import (
     Ack,
@@ -116,3 +120,18 @@ class FakeRun:
                 self.settings.update(update.model_dump(exclude_none=True))
             self.stopped = self.stopped or isinstance(command, Stop)
         return reply
+
+
+TOKEN = "s3cret-token"  # the API token of the served fake run (`served`)
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@contextmanager
+def served(token: str | None = TOKEN) -> Iterator[tuple[httpx.Client, FakeRun]]:
+    """A fake run behind the control plane over real HTTP, and a client of it."""
+    from api.app import create_app
+    from tests.http_server import serving
+
+    run = FakeRun()
+    with serving(create_app(run, token)) as url, httpx.Client(base_url=url, timeout=10) as client:
+        yield client, run

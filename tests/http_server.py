@@ -17,16 +17,20 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(app):
+def serving(app, tls: tuple[str, str] | None = None):
+    """`app` on a free loopback port, as the control plane serves it (HTTPS with `tls`:
+    certificate and key files); yields its base URL."""
+    from api.server import server_config
+
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(server_config(app, "127.0.0.1", port, tls))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 10
     while not server.started and time.time() < deadline:
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=10)

@@ -6,18 +6,8 @@ import httpx
 import pytest
 
 from api.app import create_app
-from tests.fake_handle import FakeRun
+from tests.fake_handle import AUTH, TOKEN, FakeRun
 from tests.http_server import serving
-
-TOKEN = "s3cret-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-@pytest.fixture
-def api():
-    run = FakeRun()
-    with serving(create_app(run, TOKEN)) as url, httpx.Client(base_url=url, timeout=10) as client:
-        yield client, run
 
 
 def test_read_endpoints(api):

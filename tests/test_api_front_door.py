@@ -13,18 +13,8 @@ import pytest
 
 from api.app import create_app
 from api.limits import host_name
-from tests.fake_handle import FakeRun
+from tests.fake_handle import AUTH, TOKEN, FakeRun
 from tests.http_server import serving
-
-TOKEN = "front-door-token-0123"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-@pytest.fixture
-def api():
-    run = FakeRun()
-    with serving(create_app(run, TOKEN)) as url, httpx.Client(base_url=url, timeout=10) as client:
-        yield client, run
 
 
 def _unchanged(run: FakeRun) -> tuple:
@@ -180,13 +170,6 @@ def test_the_control_plane_serves_https_with_a_certificate_and_its_key(tmp_path)
     travels in every request, so beyond a private network it should travel encrypted."""
     import shutil
     import subprocess
-    import threading
-    import time
-
-    import uvicorn
-
-    from api.server import server_config
-    from tests.http_server import free_port
 
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
@@ -196,21 +179,12 @@ def test_the_control_plane_serves_https_with_a_certificate_and_its_key(tmp_path)
          "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
         check=True, capture_output=True,
     )  # fmt: skip
-    port = free_port()
-    server = uvicorn.Server(server_config(create_app(FakeRun(), TOKEN), "127.0.0.1", port, (str(cert), str(key))))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 10
-    while not server.started and time.time() < deadline:
-        time.sleep(0.02)
-    try:
-        r = httpx.get(f"https://127.0.0.1:{port}/v1/run", headers=AUTH, verify=str(cert))
+    with serving(create_app(FakeRun(), TOKEN), tls=(str(cert), str(key))) as url:
+        assert url.startswith("https://")
+        r = httpx.get(f"{url}/v1/run", headers=AUTH, verify=str(cert))
         assert r.status_code == 200 and r.json()["mode"] == "diloco"
         with pytest.raises(httpx.HTTPError):  # plain HTTP on the TLS port is not served
-            httpx.get(f"http://127.0.0.1:{port}/v1/run", headers=AUTH)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+            httpx.get(url.replace("https://", "http://") + "/v1/run", headers=AUTH)
 
 
 def test_tls_settings_are_checked_before_anything_starts(tmp_path):

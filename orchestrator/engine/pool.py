@@ -248,7 +248,8 @@ class InProcessPool:
         duration = order.start_delay_s + order.steps * step
         if fault is not None and fault.kind == FaultKind.CORRUPT and params is not None:
             params = np.array(params)
-            params.view(np.uint8)[len(params.view(np.uint8)) // 2] ^= 0xFF
+            raw = params.view(np.uint8)
+            raw[len(raw) // 2] ^= 0xFF
         try:
             result = island.run(dataclasses.replace(order, start_delay_s=0.0), params)  # what it read, it read
         except Exception as err:  # an island's exception is its failure, as Ray reports it, never the run's
