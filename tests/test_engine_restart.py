@@ -14,14 +14,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from orchestrator.engine import membership
 from orchestrator.engine.build import build_engine
+from orchestrator.engine.checkpoints import load_checkpoint
 from orchestrator.engine.commands import (
     AddIslands,
     Drain,
     SetTarget,
     Stop,
 )
-from orchestrator.engine.types import RunFailed
+from orchestrator.engine.pool import Fault, FaultKind
+from orchestrator.engine.types import IslandState, RunFailed
 from tests.engine_scenarios import Action, check_exactly_once, drive, run_scenario, scenario_cfg
 from tests.helpers import events, in_process_engine
 
@@ -32,7 +35,6 @@ MODES = ["diloco", "ddp", "async", "overlap", "streaming", "quorum", "streaming_
 def test_a_coordinator_restart_resumes_from_its_checkpoint(tmp_path, mode):
     cfg = scenario_cfg(tmp_path, mode)
     first, pool = in_process_engine(cfg, run_id="restart")
-    from orchestrator.engine.checkpoints import load_checkpoint
 
     drive(first, until=3)
     saved = load_checkpoint(Path(cfg.checkpoint_dir) / "restart")["ledger"]["position"]
@@ -58,7 +60,6 @@ def test_a_graceful_stop_finishes_the_round_and_checkpoints(tmp_path):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_stop_now_checkpoints_every_step_taken_with_its_record(tmp_path, mode):
-    from orchestrator.engine.checkpoints import load_checkpoint
 
     cfg = scenario_cfg(tmp_path, mode)
     engine, _ = in_process_engine(cfg)
@@ -75,7 +76,6 @@ def test_a_stop_now_checkpoints_every_step_taken_with_its_record(tmp_path, mode)
 
 
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
-    from orchestrator.engine.checkpoints import load_checkpoint
 
     cfg = scenario_cfg(tmp_path, "diloco", "checkpoint.keep=2")
     first, pool = in_process_engine(cfg, run_id="corrupt")
@@ -124,7 +124,6 @@ def _restart_after(tmp_path, mode: str, change: Action, crash_at: int, *extra: s
     """Checkpoints every 2 rounds; `change` right after round 2's; the coordinator dies at
     `crash_at` (after the change took effect, before the next checkpoint) and a new one
     resumes. Returns (config, the engine before, the resumed engine's summary)."""
-    from orchestrator.engine.checkpoints import load_checkpoint
 
     cfg = scenario_cfg(tmp_path, mode, "rounds=8", "checkpoint.every_rounds=2", "elastic.placement_timeout_s=5", *extra)
     first, pool = in_process_engine(cfg, run_id="intent")
@@ -300,3 +299,31 @@ def test_a_planted_membership_intent_is_held_to_the_configs_bounds(tmp_path):
     drive(second)
     assert second.members.target == 4 and second.summary["rounds_done"] == 6
     assert not any(s["state"] in ("draining", "drained") for s in second.summary["islands"].values())
+
+
+def test_long_released_islands_fold_into_totals_that_a_restart_keeps(tmp_path, monkeypatch):
+    """A run that keeps replacing dead islands lists only the newest released ones (2 here,
+    64 shipped); the rest are totals that still add up, survive a coordinator restart,
+    and whose indexes are never handed out again."""
+    monkeypatch.setattr(membership, "RETAINED", 2)
+    cfg = scenario_cfg(tmp_path, "diloco", "rounds=16")
+    chain = (0, *range(3, 12))  # island 0 dies at its 2nd work order, then each replacement at its 2nd
+    first, pool = in_process_engine(cfg, [Fault(FaultKind.CRASH, i, order=2) for i in chain], run_id="prune")
+    drive(first, until=8)
+    gone = [i for i, s in first.members.islands.items() if s.state.gone]
+    assert len(gone) == 2 and first.members.retired.islands >= 2
+    assert first.members.retired.last_index < min(gone)
+    saved_at = load_checkpoint(Path(cfg.checkpoint_dir) / "prune")["ledger"]["position"]
+    lost = Counter((s, i) for s, p in enumerate(first.ledger.position) for i in range(saved_at[s], p))
+    pool.coordinator_lost()
+    second = build_engine(cfg, pool, run_id="prune")
+    saved = second.members.retired.islands
+    assert saved >= 2 and second.members.retired.tokens > 0
+    drive(second)
+    summary = second.summary
+    replaced = summary["retired_islands"]["islands"] + sum(
+        1 for s in summary["islands"].values() if IslandState(s["state"]).gone
+    )
+    assert max(int(i) for i in summary["islands"]) == 2 + replaced  # 3 islands, then one index per replacement
+    assert summary["retired_islands"]["islands"] > saved
+    check_exactly_once(cfg, summary, lost)

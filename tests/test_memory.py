@@ -5,13 +5,19 @@ test_engine.py for the last)."""
 
 from __future__ import annotations
 
+import os
 import random
 
 from orchestrator.config_load import load_config
+from orchestrator.engine.membership import RETAINED
+from orchestrator.engine.pool import Fault, FaultKind
 from orchestrator.engine.records import HISTORY, Recorder
+from orchestrator.engine.types import IslandState
+from tests.helpers import in_process_engine
 
 ISLANDS, ROUNDS = 64, 10_000
 BOUND_MIB = 80  # docs/operations.md quotes this bound
+RSS_BOUND_MIB, GROWTH_BOUND_MIB = 1024, 160  # the whole process, and its growth after round 50 (ditto)
 
 
 def _record(rnd: int, rng: random.Random) -> dict:
@@ -46,3 +52,57 @@ def test_the_history_of_64_islands_over_10000_rounds_stays_under_its_bound(tmp_p
     assert held < BOUND_MIB * 2**20
     page = recorder.page(ROUNDS - 3, 500)
     assert [r["round"] for r in page] == [ROUNDS - 2, ROUNDS - 1, ROUNDS] and page[-1] == records[-1]
+
+
+RUN_ROUNDS = int(os.environ.get("ARCHIPELAGO_MEMORY_ROUNDS", "120"))  # docs/operations.md: 10,000
+CHURN = 40  # each island that replaces a dead one dies at its 40th work order
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_a_64_island_run_with_churn_holds_its_coordinator_memory_bounded(tmp_path):
+    """The whole engine, in process, at 64 islands with an island dying and replaced every
+    ~40 rounds (tiny model, H = 1): the coordinator's state must not grow with rounds or with
+    every island ever seen. CI runs 120 rounds; `ARCHIPELAGO_MEMORY_ROUNDS=10000` gives the
+    figure in docs/operations.md (resident memory of the process, islands included)."""
+    cfg = load_config(
+        None,
+        [
+            "task.factory=tests.toy_tasks:make_quadratic",
+            "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0]]",
+            "warm_start.steps=0",
+            f"islands.count={ISLANDS}",
+            f"elastic.max_islands={ISLANDS}",
+            f"data_shards={ISLANDS}",
+            f"rounds={RUN_ROUNDS}",
+            "inner_steps=1",
+            "inner.optimizer=sgd",
+            "inner.warmup_steps=0",
+            "eval_every=50",
+            "checkpoint.every_rounds=50",
+            f"out_dir={tmp_path / 'out'}",
+        ],
+    )
+    chain = RUN_ROUNDS // CHURN + 1
+    faults = [Fault(FaultKind.CRASH, i, order=CHURN) for i in (0, *range(ISLANDS, ISLANDS + chain))]
+    engine, _ = in_process_engine(cfg, faults)
+    rss: list[tuple[int, float]] = []
+    engine.outputs.on_record = lambda *_: rss.append((engine.rounds_done, _rss_mib()))
+    engine.execute()
+    summary = engine.summary
+    retired = summary["retired_islands"]
+    gone = [s for s in summary["islands"].values() if IslandState(s["state"]).gone]
+    print(
+        f"{ISLANDS} islands x {RUN_ROUNDS} rounds: {len(gone) + retired['islands']} replaced, rss {rss[-1][1]:.0f} MiB"
+    )
+    assert len(gone) + retired["islands"] >= RUN_ROUNDS // CHURN - 1  # the churn happened
+    assert len(gone) <= RETAINED and len(summary["islands"]) <= ISLANDS + RETAINED
+    replaced = len(gone) + retired["islands"]
+    assert max(int(i) for i in summary["islands"]) == ISLANDS - 1 + replaced  # no index reused
+    listed = sum(s["tokens"] for s in summary["islands"].values())
+    assert listed + retired["tokens"] == summary["tokens"] == sum(summary["shards"]["tokens"])
+    grown = rss[-1][1] - next(m for r, m in rss if r >= min(50, RUN_ROUNDS // 2))
+    assert rss[-1][1] < RSS_BOUND_MIB and grown < GROWTH_BOUND_MIB

@@ -284,7 +284,7 @@ class RoundEngine:
                 self.phase = RunPhase.TRAINING
                 self.events.add(Event.RESUMED, version=self.run.version)
             self.outputs.snapshot["state"] = self.phase.value
-        self.fleet.apply(self.inbox if self.takes_changes else None, self.inflight.busy())
+        self.fleet.apply(self.inbox if self.takes_changes else None, self.inflight.busy(), self.inflight.held())
 
     def _apply_settings(self, update: SettingsUpdate) -> None:
         if update.inner_steps is not None:

@@ -197,9 +197,11 @@ class Fleet:
             self._intent = intent
 
     # -- between rounds ----------------------------------------------------------------------
-    def apply(self, inbox: Inbox | None, busy: set[int]) -> None:
+    def apply(self, inbox: Inbox | None, busy: set[int], held: set[int] | None = None) -> None:
         """Apply the operator's accepted target and drain commands (from `inbox`, when this
-        phase takes them), then carry out the scaling policy's decisions."""
+        phase takes them), then carry out the scaling policy's decisions; with `held` (the
+        islands whose work is still to be judged) long-released islands are folded into
+        the membership's totals."""
         m = self.members
         for command in inbox.take_membership() if inbox is not None else []:
             if isinstance(command, SetTarget):
@@ -218,6 +220,8 @@ class Fleet:
                 self.place(decision.island)
             else:
                 self.release(decision.island, decision.state, decision.reason)
+        if held is not None:
+            m.prune(held)
 
     def demand(self) -> None:
         """Tell the pool (on KubeRay: the autoscaler) how many islands the run wants."""

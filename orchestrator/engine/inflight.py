@@ -68,6 +68,10 @@ class InFlight:
     def busy(self) -> set[int]:
         return {f.work.island for f in self.in_flight()}
 
+    def held(self) -> set[int]:
+        """Islands with work out, arrived and waiting for its step, or overdue."""
+        return {f.work.island for f in self.flights.values()} | {i for i, _ in self.overdue.values()}
+
     def hand_out(self, work: Work) -> None:
         ticket = next(self.tickets)
         reservation = self.ledger.reserve(ticket, work.island, self.members.schedulable(), work.steps)

@@ -16,6 +16,7 @@ from typing import Any
 from orchestrator.engine.types import IslandState, Merge
 
 RECENT = 16  # submissions kept for the "recent" staleness statistics
+RETAINED = 64  # released islands listed one by one; older ones are folded into `Retired`
 
 
 @dataclass
@@ -62,6 +63,48 @@ class IslandStats:
         return d
 
 
+@dataclass
+class Retired:
+    """The totals of released islands no longer listed one by one: a run that replaces
+    islands for weeks must not hold (and checkpoint, and serve) every island it ever saw,
+    yet its tokens, bytes and staleness still add up."""
+
+    islands: int = 0
+    last_index: int = -1  # the highest retired index: a new island never reuses one
+    rounds_contributed: int = 0
+    tokens: int = 0
+    compute_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    rejections: int = 0
+    downweighted: int = 0
+    late_results: int = 0
+    submissions: int = 0
+    staleness_total: int = 0
+    staleness_max: int = 0
+
+    def fold(self, stats: IslandStats) -> None:
+        self.islands += 1
+        self.last_index = max(self.last_index, stats.index)
+        for name in SUMMED:
+            setattr(self, name, getattr(self, name) + getattr(stats, name))
+        self.staleness_max = max(self.staleness_max, stats.staleness_max)
+
+
+SUMMED = (
+    "rounds_contributed",
+    "tokens",
+    "compute_s",
+    "bytes_sent",
+    "bytes_received",
+    "rejections",
+    "downweighted",
+    "late_results",
+    "submissions",
+    "staleness_total",
+)
+
+
 JOINING = "joining"  # `standing` of an island still being placed
 
 
@@ -74,6 +117,7 @@ class Membership:
         self.islands: dict[int, IslandStats] = {}
         self.target = target
         self.pending: dict[int, float] = {}  # island index -> when its placement was requested
+        self.retired = Retired()
         self._lock = threading.Lock()
 
     def standing(self, island: int) -> str | None:
@@ -94,7 +138,17 @@ class Membership:
             )
 
     def next_index(self) -> int:
-        return max([*self.islands, *self.pending], default=-1) + 1
+        return max([*self.islands, *self.pending, self.retired.last_index]) + 1
+
+    def prune(self, held: set[int]) -> None:
+        """Fold all but the newest `RETAINED` released islands into `retired`; islands in
+        `held` (work of theirs still waiting to be judged) stay listed."""
+        gone = sorted(i for i, s in self.islands.items() if s.state.gone and i not in held)
+        if len(gone) <= RETAINED:
+            return
+        with self._lock:
+            for i in gone[: len(gone) - RETAINED]:
+                self.retired.fold(self.islands.pop(i))
 
     def schedulable(self) -> list[int]:
         return [i for i, s in self.islands.items() if s.state == IslandState.TRAINING]

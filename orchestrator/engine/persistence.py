@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from orchestrator.config import RunConfig
 from orchestrator.engine.admission import Admission
 from orchestrator.engine.ledger import DataLedger
-from orchestrator.engine.membership import IslandStats, Membership
+from orchestrator.engine.membership import IslandStats, Membership, Retired
 from orchestrator.engine.outer_step import Outer
 from orchestrator.engine.pacing import Flight, Pacing, RunState
 from orchestrator.engine.publisher import Publisher
@@ -62,6 +62,7 @@ def capture(engine: Engine) -> dict[str, Any]:
             }
             for i, s in engine.members.islands.items()
         },
+        "retired": dataclasses.asdict(engine.members.retired),
         "ledger": engine.ledger.state(),
         "completed_steps": engine.run.completed_steps - uncommitted,
         "counters": engine.stats.state(),
@@ -93,6 +94,7 @@ def restore(engine: Engine, state: dict[str, Any]) -> None:
         )
         stats.recent.extend(recent)
         engine.members.islands[int(i)] = stats
+    engine.members.retired = Retired(**state.get("retired", {}))  # absent from a checkpoint older than it
     engine.ledger.load(state["ledger"])
     run.completed_steps = state["completed_steps"]
     engine.stats.load(state["counters"])

@@ -4,6 +4,7 @@ and `summary.json` (stable key names that scripts and dashboards rely on). Pure 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -199,7 +200,8 @@ class RunStats:
         train_s = now - self.t_train
         for s in islands.values():  # time accounting: the share of the run an island was not computing
             s["idle_fraction"] = max(0.0, 1.0 - s["compute_s"] / train_s)
-        subs = sum(s["submissions"] for s in islands.values())
+        retired = members.retired
+        subs = sum(s["submissions"] for s in islands.values()) + retired.submissions
         alive = [s for s in islands.values() if s["state"] != IslandState.DEAD.value] or list(islands.values())
         return {
             "mode": cfg.mode.value,
@@ -226,10 +228,13 @@ class RunStats:
             "idle_fraction": sum(s["idle_fraction"] for s in alive) / len(alive) if alive else 0.0,
             "num_params": numel,
             "islands": islands,
+            "retired_islands": dataclasses.asdict(retired),
             "shards": {"position": ledger.position, "tokens": ledger.tokens},
             "staleness": {
-                "mean": sum(s["staleness_total"] for s in islands.values()) / subs if subs else 0.0,
-                "max": max((s["staleness_max"] for s in islands.values()), default=0),
+                "mean": (sum(s["staleness_total"] for s in islands.values()) + retired.staleness_total) / subs
+                if subs
+                else 0.0,
+                "max": max([retired.staleness_max, *(s["staleness_max"] for s in islands.values())]),
             },
             "out_dir": str(out.resolve()),
         }

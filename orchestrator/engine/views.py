@@ -126,6 +126,24 @@ class EventRecord(BaseModel):
     island: int | None = None
 
 
+class RetiredView(_View):
+    """Released islands folded into totals (a run lists its newest 64 released islands)."""
+
+    islands: int
+    last_index: int
+    rounds_contributed: int
+    tokens: int
+    compute_s: float
+    bytes_sent: int
+    bytes_received: int
+    rejections: int
+    downweighted: int
+    late_results: int
+    submissions: int
+    staleness_total: int
+    staleness_max: int
+
+
 class Summary(_View):
     """`summary.json`: the keys scripts and dashboards rely on."""
 
@@ -153,7 +171,8 @@ class Summary(_View):
     useful_compute_seconds: float = 0.0  # island-seconds of work whose update reached the model
     idle_fraction: float
     num_params: int
-    islands: dict[str, IslandView]
+    islands: dict[str, IslandView]  # the live islands and the newest released ones
+    retired_islands: RetiredView | None = None  # the totals of released islands no longer listed
     shards: dict[str, list[int]]
     staleness: dict[str, float]
     out_dir: str
