@@ -25,6 +25,18 @@ class CheckpointConfig(Strict):
     )
 
 
+class RecordsConfig(Strict):
+    """`metrics.jsonl` and `events.jsonl`, rotated by size: at 64 islands a record is ~7 KB,
+    so a run of weeks would otherwise fill its volume with one file."""
+
+    rotate_mib: float = Field(
+        64.0, gt=0, description="a log past this size becomes <name>.1 (the older ones .2, .3, ...) and starts anew"
+    )
+    keep: int = Field(
+        8, ge=0, description="rotated files kept per log, the oldest beyond are deleted (totals: summary.json)"
+    )
+
+
 class OnFailure(str, Enum):
     CONTINUE = "continue"
     RESTART = "restart"

@@ -14,6 +14,7 @@ import torch
 from orchestrator.config import RunConfig
 from orchestrator.engine.build import build_engine
 from orchestrator.engine.engine import RoundEngine
+from orchestrator.engine.logfiles import read_lines
 from orchestrator.engine.pool import Fault, InProcessPool
 from tests.toy_tasks import READS
 from workers.runtime.island import Island
@@ -66,7 +67,7 @@ def tiny_lm_config(out: str | Path, corpus_cache: str, *extra: str) -> RunConfig
 
 def events(folder: str | Path) -> list[dict[str, Any]]:
     """A run folder's events.jsonl."""
-    return [json.loads(line) for line in (Path(folder) / "events.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in read_lines(Path(folder) / "events.jsonl")]
 
 
 def assert_trained_once(

@@ -9,6 +9,7 @@ import logging
 import pytest
 
 from orchestrator.cli import build_parser, main
+from orchestrator.config_operations import RecordsConfig
 from orchestrator.engine.records import EventLog
 from orchestrator.engine.types import Event
 from orchestrator.logs import PACKAGES, configure, level_for
@@ -50,7 +51,7 @@ def test_one_handler_however_often_configured_and_it_follows_stderr(capsys):
 def test_membership_faults_are_warnings_and_routine_events_debug(tmp_path):
     stream = io.StringIO()
     configure(logging.INFO, stream)
-    events = EventLog(tmp_path / "events.jsonl")
+    events = EventLog(tmp_path / "events.jsonl", RecordsConfig())
     events.add(Event.JOIN, 1)
     events.add(Event.CRASH, 2, error="node lost")
     assert stream.getvalue() == "archipelago: crash island 2 error=node lost\n"

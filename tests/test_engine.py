@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from orchestrator.config_operations import RecordsConfig
 from orchestrator.engine.commands import (
     Ack,
     AddIslands,
@@ -232,13 +233,13 @@ def test_operator_commands_compose_within_a_round(tmp_path):
 def test_the_event_cursor_survives_trimming(tmp_path):
     from orchestrator.engine.records import EventLog
 
-    log = EventLog(tmp_path / "events.jsonl", keep=5)
+    log = EventLog(tmp_path / "events.jsonl", RecordsConfig(), keep=5)
     for i in range(12):
         log.add(Event.TARGET, target=i)
     assert [e["target"] for e in log.since(10)] == [10, 11]  # was [] once more than `keep` existed
     assert [e["target"] for e in log.since(0)] == [7, 8, 9, 10, 11]  # a reader far behind: what is kept
     assert log.since(12) == []
-    resumed = EventLog(tmp_path / "events.jsonl", keep=5, append=True)  # a restarted coordinator
+    resumed = EventLog(tmp_path / "events.jsonl", RecordsConfig(), keep=5, append=True)  # a restarted coordinator
     resumed.add(Event.RESTART)
     assert resumed.count == 13 and [e["kind"] for e in resumed.since(12)] == ["restart"]
 

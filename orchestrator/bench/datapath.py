@@ -33,6 +33,7 @@ from orchestrator.bench.report import BenchResult, Panel, checks_table, md_table
 from orchestrator.bench.runner import run_methods
 from orchestrator.config import RunConfig
 from orchestrator.config_load import load_config
+from orchestrator.engine.logfiles import read_lines
 from orchestrator.engine.outer_slices import SlicedOuter
 from orchestrator.engine.outer_step import LocalOuter, Outer
 from orchestrator.engine.policies import build_policies, outer_rule
@@ -177,7 +178,7 @@ def steady_overhead(run_dir: Path) -> float:
     """1 − compute / wall between the first and the second-to-last round records (so
     start-up, the first evaluation and the final one, which nothing overlaps, are out),
     averaged over islands."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in read_lines(run_dir / "metrics.jsonl")]
     a, b = records[0], records[-2]
     fractions = []
     for island in a["island_compute_seconds"]:

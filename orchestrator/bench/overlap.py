@@ -29,6 +29,7 @@ from typing import Any
 from orchestrator.bench.quality import MODEL
 from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
 from orchestrator.bench.runner import Table, one_ray, run_methods, train_warm_start
+from orchestrator.engine.logfiles import read_lines
 
 H = 50
 K = 2  # no more islands than this machine's cores: compute is not contended, so wall time means something
@@ -87,9 +88,7 @@ def steady_compute_seconds(run_dir: Path) -> float:
     whole round, which also holds the coordinator's step and evaluation: sized from the
     round, one exchange took as long as the islands' computation and left the lag no
     slack to hide it in."""
-    records = [
-        json.loads(line)["island_compute_seconds"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-    ]
+    records = [json.loads(line)["island_compute_seconds"] for line in read_lines(run_dir / "metrics.jsonl")]
     per_round: list[float] = []
     before: dict[str, float] = {}
     for record in records:

@@ -57,9 +57,9 @@ class Outputs:
         self.eval_batches = list(task.eval_batches())
         self.disk = DiskFaults()
         self.checkpoint_owed = False  # a checkpoint the disk refused: retried at the next record
-        keep = stats.rounds_done if resumed else None
-        self.recorder = Recorder(cfg.out_dir, cfg, keep_records=keep, faults=self.disk, run_id=run_id)
-        self.events = EventLog(self.recorder.out / "events.jsonl", append=resumed, faults=self.disk)
+        last = stats.rounds_done if resumed else None
+        self.recorder = Recorder(cfg.out_dir, cfg, last_round=last, faults=self.disk, run_id=run_id)
+        self.events = EventLog(self.recorder.out / "events.jsonl", cfg.records, append=resumed, faults=self.disk)
         self.snapshot: dict[str, Any] = {
             "state": RunPhase.STARTING.value,
             "round": stats.rounds_done,

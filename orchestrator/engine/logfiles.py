@@ -1,0 +1,78 @@
+"""A run's append-only JSON-lines logs (`metrics.jsonl`, `events.jsonl`) rotated by size, as
+logrotate does: past `records.rotate_mib` the file becomes `<name>.1`, the older ones move
+up one (`.2`, `.3`, ...) and the one past `records.keep` is deleted. Every rename is atomic,
+so a crash mid-rotation leaves whole files in order. Readers go through `read_lines`, which
+returns the kept lines oldest first, whatever has rotated."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from orchestrator.engine.checkpoints import durable_write
+
+
+def rotated(path: Path, n: int) -> Path:
+    return path.with_name(f"{path.name}.{n}")
+
+
+def segments(path: Path) -> list[Path]:
+    """The log's files, newest first: `path` itself, then `.1`, `.2`, ... as they exist."""
+    numbers = sorted(
+        int(p.name.rpartition(".")[2])
+        for p in path.parent.glob(f"{path.name}.*")
+        if p.name.rpartition(".")[2].isdigit()
+    )
+    return [path, *(rotated(path, n) for n in numbers)]
+
+
+def read_lines(path: Path) -> list[str]:
+    """Every kept line of the log, oldest first."""
+    lines: list[str] = []
+    for segment in reversed(segments(path)):
+        if segment.exists():
+            lines.extend(segment.read_text().splitlines())
+    return lines
+
+
+def restart(path: Path) -> None:
+    """A fresh run's log: empty, and no rotated file of an earlier run in this folder."""
+    for segment in segments(path)[1:]:
+        segment.unlink()
+    path.write_text("")
+
+
+def rotate(path: Path, keep: int) -> None:
+    """`path` becomes `.1`, each `.n` becomes `.n+1`, and what would pass `.keep` is deleted
+    (oldest first, so an interrupted rotation never overwrites a kept file)."""
+    for segment in segments(path)[1:]:
+        n = int(segment.name.rpartition(".")[2])
+        if n >= keep:
+            segment.unlink(missing_ok=True)
+    for n in range(keep - 1, 0, -1):
+        if rotated(path, n).exists():
+            os.replace(rotated(path, n), rotated(path, n + 1))
+    if keep:
+        os.replace(path, rotated(path, 1))
+    else:
+        path.unlink(missing_ok=True)
+
+
+def rewind(path: Path, last_round: int) -> None:
+    """A resumed run's `metrics.jsonl` back to the records its checkpoint covers (rounds up
+    to `last_round`), even when the log rotated after that checkpoint: the newer files go,
+    the one holding the boundary becomes `path` again and the older ones follow it."""
+    chain = segments(path)
+    n, kept = len(chain) - 1, []
+    for index, segment in enumerate(chain):
+        lines = segment.read_text().splitlines() if segment.exists() else []
+        kept = [line for line in lines if json.loads(line)["round"] <= last_round]
+        if kept:
+            n = index
+            break
+    durable_write(path, "".join(line + "\n" for line in kept).encode())
+    for segment in chain[1 : n + 1]:
+        segment.unlink()
+    for j, segment in enumerate(chain[n + 1 :], start=1):
+        os.replace(segment, rotated(path, j))
