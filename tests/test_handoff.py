@@ -6,6 +6,7 @@ trained once (the in-process pool flips a byte of a delivery: `FaultKind.CORRUPT
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,24 +14,34 @@ import pytest
 from orchestrator.engine.pool import Fault, FaultKind
 from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
 from tests.helpers import events, in_process_engine
-from workers.wire.handoff import HandOffMismatch, handoff_sha256, params_sha256, verify
+from workers.wire.handoff import HandOffMismatch, params_sha256, seal, verify
+from workers.wire.messages import WorkKind, WorkOrder
 
 
 def test_the_digest_covers_the_parameters_and_the_orders_place_in_the_run():
     params = np.linspace(-1, 1, 1001, dtype=np.float32)
-    expected = handoff_sha256(params_sha256(params), 7, 120, {3: 10, 1: 4})
-    verify(expected, params, 7, 120, {1: 4, 3: 10})  # the same hand-off (shard order does not matter)
-    verify(expected, [params[:500], params[500:]], 7, 120, {1: 4, 3: 10})  # as a sliced coordinator's
+    order = WorkOrder(
+        island=2, ticket=9, version=7, kind=WorkKind.TRAIN, steps=20, shards={3: 10, 1: 4},
+        schedule_step=120, fragment=1, send_after=15,
+    )  # fmt: skip
+    sealed = seal(order, params_sha256(params))
+    verify(sealed, params)
+    verify(replace(sealed, shards={1: 4, 3: 10}), params)  # the same hand-off (shard order does not matter)
+    verify(sealed, [params[:500], params[500:]])  # as a sliced coordinator's
     flipped = params.copy()
     flipped.view(np.uint8)[2001] ^= 0x01
-    for received, version, step, shards in [
-        (flipped, 7, 120, {1: 4, 3: 10}),  # one bit of the parameters
-        (params, 8, 120, {1: 4, 3: 10}),  # another version's order
-        (params, 7, 0, {1: 4, 3: 10}),  # a schedule at the start (a joiner's wrong lr)
-        (params, 7, 120, {1: 0, 3: 10}),  # a data cursor from the beginning
+    with pytest.raises(HandOffMismatch, match="refused before training"):
+        verify(sealed, flipped)  # one bit of the parameters
+    for change in [
+        {"version": 8},  # another version's order
+        {"schedule_step": 0},  # a schedule at the start (a joiner's wrong lr)
+        {"shards": {1: 0, 3: 10}},  # a data cursor from the beginning
+        {"fragment": 0},  # a streaming joiner told to send another fragment
+        {"send_after": 20},  # ... or at another step
+        {"island": 3},  # an order meant for another island
     ]:
         with pytest.raises(HandOffMismatch, match="refused before training"):
-            verify(expected, received, version, step, shards)
+            verify(replace(sealed, **change), params)
 
 
 @pytest.mark.parametrize("mode", ["diloco", "streaming", "quorum"])

@@ -23,7 +23,7 @@ from orchestrator.engine.records import EventLog
 from orchestrator.engine.screen import Sizes, screen
 from orchestrator.engine.stats import RunStats
 from orchestrator.engine.types import Contribution, Decision, Event, IslandState, Merge, Reason
-from workers.wire.handoff import handoff_sha256
+from workers.wire.handoff import seal
 from workers.wire.messages import RoundResult, WorkOrder
 
 POLL_S = 0.2  # the longest the engine waits on the pool: a stop-now is seen within it
@@ -96,12 +96,9 @@ class InFlight:
             changes=delivery.changes,
             eager=work.eager,
             send_after=work.send_after,
-            handoff_sha256=(
-                handoff_sha256(delivery.params_sha256, work.version, work.schedule_step, reservation.starts)
-                if delivery.params_sha256 is not None
-                else None
-            ),
         )
+        if delivery.params_sha256 is not None:
+            order = seal(order, delivery.params_sha256)
         stats.inner_steps, stats.merge = work.steps, Merge.TRAINING
         allowed = self.cfg.deadline_s(work.steps, self.speeds.speeds.get(work.island))
         deadline = self.pool.now() + delivery.delay_s + allowed

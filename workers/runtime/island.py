@@ -239,7 +239,7 @@ class Island:
 
     def _run(self, order: WorkOrder, params: np.ndarray) -> RoundResult:
         if order.handoff_sha256 is not None:  # before anything of it is used
-            verify(order.handoff_sha256, params, order.version, order.schedule_step, order.shards)
+            verify(order, params)
         if order.start_delay_s > 0:
             time.sleep(order.start_delay_s)
         if order.schedule_step is not None:

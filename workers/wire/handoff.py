@@ -1,6 +1,7 @@
 """A verified hand-off: the full parameters an island downloads (a joiner's first state, a
 replacement's, any full download) come with a SHA-256 of what the coordinator published
-and of the work order's schedule position, data cursor and version. The island checks it
+and of the work order's place in the run (`position`: version, schedule position, data
+cursor, and for a streaming island its fragment and when it sends). The island checks it
 before it trains, so a torn or corrupted transfer, or an order that does not belong to
 the parameters it came with, is refused instead of trained into the run (torchtitan users
 report joiners with the wrong lr or stale state; prime verifies its hand-off by hash).
@@ -13,10 +14,13 @@ carry no digest: their version chain is checked change by change (`workers/wire/
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Any
 
 import numpy as np
+
+from workers.wire.messages import WorkOrder
 
 
 class HandOffMismatch(RuntimeError):
@@ -35,17 +39,29 @@ def params_sha256(params: Any) -> str | None:
     return digest.hexdigest()
 
 
-def handoff_sha256(params_digest: str, version: int, schedule_step: int | None, shards: dict[int, int]) -> str:
-    """The digest a hand-off carries: the parameters' and the order's position in the run."""
-    cursor = ",".join(f"{s}:{p}" for s, p in sorted(shards.items()))
-    return hashlib.sha256(f"{params_digest}|v{version}|s{schedule_step}|{cursor}".encode()).hexdigest()
+def position(order: WorkOrder) -> str:
+    """What an order asks of the parameters it comes with: whose it is, the version, the lr
+    schedule's position, the data cursor, and the fragment state a streaming island needs
+    (which fragment it sends, and after how many steps), plus the overlap's eager start."""
+    cursor = ",".join(f"{s}:{p}" for s, p in sorted(order.shards.items()))
+    return (
+        f"i{order.island}|v{order.version}|{order.kind.value}|h{order.steps}|s{order.schedule_step}|{cursor}"
+        f"|t{order.turn}|f{order.fragment}|a{order.send_after}|e{int(order.eager)}"
+    )
 
 
-def verify(expected: str, params: Any, version: int, schedule_step: int | None, shards: dict[int, int]) -> None:
-    """Raise `HandOffMismatch` unless `params` and the order's position hash to `expected`."""
+def seal(order: WorkOrder, params_digest: str) -> WorkOrder:
+    """The order with the digest of its hand-off: the parameters' and its `position`."""
+    joined = f"{params_digest}|{position(order)}"
+    return dataclasses.replace(order, handoff_sha256=hashlib.sha256(joined.encode()).hexdigest())
+
+
+def verify(order: WorkOrder, params: Any) -> None:
+    """Raise `HandOffMismatch` unless `params` and the order's position hash to its digest."""
     received = params_sha256(params)
-    if received is None or handoff_sha256(received, version, schedule_step, shards) != expected:
+    if received is None or seal(order, received).handoff_sha256 != order.handoff_sha256:
         raise HandOffMismatch(
-            f"the parameters of version {version} (schedule step {schedule_step}, data {dict(sorted(shards.items()))}) "
-            "do not match the coordinator's digest: refused before training"
+            f"the parameters of version {order.version} (schedule step {order.schedule_step}, data "
+            f"{dict(sorted(order.shards.items()))}, fragment {order.fragment}) do not match the coordinator's "
+            "digest: refused before training"
         )
