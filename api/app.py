@@ -224,7 +224,7 @@ def create_app(
     @app.get("/metrics", dependencies=reads, response_class=PlainTextResponse, summary="Prometheus text format")
     def metrics() -> PlainTextResponse:
         return PlainTextResponse(
-            prometheus.render(handle.status(), handle.islands()), media_type="text/plain; version=0.0.4"
+            prometheus.render(handle.status(), handle.islands()), media_type=prometheus.CONTENT_TYPE
         )
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)

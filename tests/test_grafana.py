@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import re
 
-from orchestrator.engine.views import ISLAND_METRICS, RUN_METRICS
+from orchestrator.engine.views import HISTOGRAMS, ISLAND_METRICS, ISLAND_STATE, RUN_METRICS
 from tests.conftest import REPO
 
 
 def test_every_panel_queries_a_published_metric():
     dash = json.loads((REPO / "k8s" / "grafana-dashboard.json").read_text())
-    published = {f"ray_{name}" for name, *_ in RUN_METRICS + ISLAND_METRICS}
+    published = {f"ray_{m.name}" for m in [*RUN_METRICS, *ISLAND_METRICS, ISLAND_STATE]}
+    published |= {f"ray_{m.name}_bucket" for m in HISTOGRAMS}
     used = set()
     for panel in dash["panels"]:
         assert panel["targets"], panel["title"]
@@ -19,3 +20,4 @@ def test_every_panel_queries_a_published_metric():
             used |= set(re.findall(r"ray_archipelago_[a-z_]+", target["expr"]))
     assert used and used <= published, used - published
     assert any("staleness" in p["title"].lower() for p in dash["panels"])
+    assert {f"ray_{m.name}_bucket" for m in HISTOGRAMS} <= used  # the distributions are shown

@@ -190,6 +190,20 @@ def test_a_network_policy_admits_only_the_runs_pods_and_metrics_scrapes():
     assert [p["port"] for r in everywhere for p in r["ports"]] == [8080]
 
 
+def test_the_pod_monitor_scrapes_the_metrics_port_of_every_pod_of_the_run():
+    monitor = manifest("podmonitor.yaml")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["kind"] == "PodMonitor"
+    assert "podmonitor.yaml" not in manifest("kustomization.yaml")["resources"]  # needs the operator's CRDs
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    for where, pod in _pods().items():
+        if "submitter" in where:
+            continue
+        assert selector.items() <= pod["metadata"]["labels"].items(), where
+        ports = {p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+        assert ports[endpoint["port"]] == 8080, where  # Ray's metrics agent, admitted by the NetworkPolicy
+
+
 def test_no_token_value_is_tracked_or_shipped():
     """The Secret is created with `kubectl create secret`; a tracked secret.yaml invited
     `sed`-ing the real token into a file that `working_dir: .` then uploads to every node."""

@@ -45,7 +45,7 @@ def _phased(cfg: RunConfig, run_id: str, fork: Fork, at_warm_end=None) -> Phased
     """A phased run; `at_warm_end(run)` is called once the warm phase recorded its last round."""
     box: dict[str, PhasedRun] = {}
 
-    def on_record(status: dict[str, Any], _islands: Any) -> None:
+    def on_record(status: dict[str, Any], _islands: Any, _record: Any) -> None:
         run = box.get("run")
         if run is not None and run.warming and status["round"] == status["rounds"] and at_warm_end is not None:
             at_warm_end(run)

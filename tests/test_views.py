@@ -26,7 +26,7 @@ def test_every_view_of_a_run_with_faults_and_joins_is_typed(tmp_path, mode):
     faults = [Fault(FaultKind.CRASH, 1, order=2), Fault(FaultKind.NAN, 2, order=3)]
     engine, _ = in_process_engine(cfg, faults, join_s=2.0)
     seen: list[tuple[dict[str, Any], dict[str, dict[str, Any]]]] = []
-    engine.outputs.on_record = lambda status, islands: seen.append((status, dict(engine.islands_view)))
+    engine.outputs.on_record = lambda status, islands, record: seen.append((status, dict(engine.islands_view)))
     engine.start()
     engine.step()
     RunStatus.model_validate(engine.status())  # before training began

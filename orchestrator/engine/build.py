@@ -18,6 +18,7 @@ from orchestrator.engine.commands import Inbox
 from orchestrator.engine.engine import RoundEngine
 from orchestrator.engine.outer_slices import LocalSlices, SliceCalls, SlicedOuter
 from orchestrator.engine.outer_step import LocalOuter, Outer
+from orchestrator.engine.outputs import OnRecord
 from orchestrator.engine.policies import build_policies, outer_rule, run_inbox
 from orchestrator.engine.pool import IslandPool
 from orchestrator.engine.types import Phase, RunFailed, RunPhase
@@ -32,7 +33,7 @@ def build_engine(
     pool: IslandPool,
     run_id: str = "local",
     slices: Callable[[RunConfig, Any, list[tuple[int, int]]], SliceCalls] | None = None,
-    on_record: Callable[[dict[str, Any], dict[str, dict[str, Any]]], None] | None = None,
+    on_record: OnRecord | None = None,
     inbox: Inbox | None = None,
     takes_changes: bool = True,
 ) -> RoundEngine:

@@ -13,7 +13,6 @@ driven by the Ray coordinator and, in tests, by an in-process pool with injected
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +27,7 @@ from orchestrator.engine.ledger import DataLedger
 from orchestrator.engine.membership import Membership
 from orchestrator.engine.outer_slices import SlicedOuter
 from orchestrator.engine.outer_step import Outer, take_step
-from orchestrator.engine.outputs import Outputs
+from orchestrator.engine.outputs import OnRecord, Outputs
 from orchestrator.engine.pacing import Close, Flight, Pacing, RunState
 from orchestrator.engine.persistence import capture, restore
 from orchestrator.engine.policies import Policies, run_inbox
@@ -64,7 +63,7 @@ class RoundEngine:
         policies: Policies,
         pool: IslandPool,
         run_id: str = "local",
-        on_record: Callable[[dict[str, Any], dict[str, dict[str, Any]]], None] | None = None,
+        on_record: OnRecord | None = None,
         init_from: dict[str, str] | None = None,
         warm: WarmStart | None = None,
         fragments: Fragments | None = None,

@@ -31,7 +31,7 @@ from workers.wire.flat import FlatParams
 
 log = logging.getLogger(__name__)
 
-OnRecord = Callable[[dict[str, Any], dict[str, dict[str, Any]]], None]
+OnRecord = Callable[[dict[str, Any], dict[str, dict[str, Any]], dict[str, Any]], None]  # status, islands, record
 
 
 class Outputs:
@@ -87,7 +87,7 @@ class Outputs:
             self.checkpoint(version, rnd, capture)
         self.update_snapshot(phase, version)
         if self.on_record is not None:
-            self.on_record(self.status(), self.members.summary())
+            self.on_record(self.status(), self.members.summary(), entry)
 
     def checkpoint(self, version: int, rnd: int, capture: Callable[[], dict]) -> None:
         """Save, or owe the checkpoint to the next record if the disk refused it (the run goes

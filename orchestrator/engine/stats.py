@@ -11,6 +11,7 @@ from typing import Any
 
 from orchestrator.config import RunConfig
 from orchestrator.engine.admission import Verdict
+from orchestrator.engine.distributions import ROUND_SECONDS, STALENESS, Distribution
 from orchestrator.engine.ledger import DataLedger
 from orchestrator.engine.membership import IslandStats, Membership
 from orchestrator.engine.types import Decision, IslandState, RunPhase
@@ -57,6 +58,8 @@ class RunStats:
         self.train_elapsed = 0.0
         self.t0 = self.t_train = time.perf_counter()
         self.window = Window(0)
+        self.round_time = Distribution(ROUND_SECONDS)
+        self.staleness = Distribution(STALENESS)
 
     def start_training(self) -> None:
         """Training time continues across restarts (`train_elapsed` from the checkpoint)."""
@@ -95,6 +98,7 @@ class RunStats:
             stats.tokens += r.weight
             self.tokens += r.weight
         stats.observe_staleness(staleness)
+        self.staleness.observe(staleness)
         if r.fragment is not None:
             self._fragment(r, verdict, staleness)
         w = self.window
@@ -161,6 +165,7 @@ class RunStats:
                 if st.state in (IslandState.TRAINING, IslandState.LATE)
             },
         }
+        self.round_time.observe(entry["round_seconds"])
         self.rounds_done = rnd
         self.window = Window(self.tokens)
         return entry
@@ -183,6 +188,7 @@ class RunStats:
             "islands_alive": len(members.alive()),
             "wall_seconds": now - self.t0,
             "round_seconds": round_seconds,
+            "histograms": {"round_seconds": self.round_time.view(), "staleness": self.staleness.view()},
         }
 
     def summary(

@@ -6,7 +6,8 @@ it reads."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from enum import Enum
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
@@ -48,6 +49,15 @@ class RunStatus(_View):
     disk_errors: int = 0
     last_disk_error: str | None = None
     coordinator: Literal["running", "restarting"] | None = None  # set by the Ray handle
+    histograms: dict[str, HistogramView] = {}  # `HISTOGRAMS`' keys: round seconds, update staleness
+
+
+class HistogramView(_View):
+    """Observations per bucket (`counts` has one more entry than `bounds`: +Inf) and their sum."""
+
+    bounds: list[float]
+    counts: list[int]
+    sum: float
 
 
 class IslandView(_View):
@@ -182,35 +192,57 @@ class Summary(_View):
     export: str | None = None
 
 
-RUN_METRICS = [  # (metric, status key, help, type)
-    ("archipelago_version", "version", "Global model version (outer steps applied)", "gauge"),
-    ("archipelago_round", "round", "Rounds completed", "gauge"),
-    ("archipelago_eval_loss", "eval_loss", "Latest eval loss of the global model", "gauge"),
-    ("archipelago_tokens_total", "tokens", "Tokens trained by all islands", "counter"),
-    ("archipelago_bytes_total", "bytes_communicated", "Bytes sent plus received by all islands", "counter"),
-    ("archipelago_tokens_per_second", "tokens_per_s", "Training throughput", "gauge"),
-    ("archipelago_islands_alive", "islands_alive", "Islands alive", "gauge"),
-    ("archipelago_islands_target", "target_islands", "Target island count", "gauge"),
-    ("archipelago_round_seconds", "round_seconds", "Duration of the latest round", "gauge"),
+class MetricKind(str, Enum):
+    GAUGE = "gauge"
+    COUNTER = "counter"  # named `_total`: cumulative, only reset by a restarted coordinator
+    HISTOGRAM = "histogram"
+
+
+class Metric(NamedTuple):
+    name: str  # units in the name (`_seconds`, `_bytes`); a counter's ends in `_total`
+    key: str  # what it reads: a key of the status (run), of an island's view, or of `histograms`
+    help: str
+    kind: MetricKind
+
+
+G, C, H = MetricKind.GAUGE, MetricKind.COUNTER, MetricKind.HISTOGRAM
+RUN_METRICS = [
+    Metric("archipelago_version", "version", "Global model version (outer steps applied)", G),
+    Metric("archipelago_round", "round", "Rounds completed", G),
+    Metric("archipelago_eval_loss", "eval_loss", "Latest eval loss of the global model", G),
+    Metric("archipelago_tokens_total", "tokens", "Tokens trained by all islands", C),
+    Metric("archipelago_bytes_total", "bytes_communicated", "Bytes sent plus received by all islands", C),
+    Metric("archipelago_tokens_per_second", "tokens_per_s", "Training throughput", G),
+    Metric("archipelago_islands_alive", "islands_alive", "Islands alive", G),
+    Metric("archipelago_islands_target", "target_islands", "Target island count", G),
+    Metric("archipelago_round_seconds", "round_seconds", "Duration of the latest round", G),
+    Metric("archipelago_disk_errors_total", "disk_errors", "Writes the disk refused (the run went on)", C),
 ]
-ISLAND_METRICS = [
-    ("archipelago_island_staleness", "staleness_last", "Staleness of the island's latest submission", "gauge"),
-    ("archipelago_island_staleness_max", "staleness_max", "Largest staleness of the island", "gauge"),
-    ("archipelago_island_train_loss", "last_train_loss", "Island's latest mean train loss", "gauge"),
-    ("archipelago_island_tokens_total", "tokens", "Tokens the island trained", "counter"),
-    ("archipelago_island_bytes_sent_total", "bytes_sent", "Bytes the island sent", "counter"),
-    ("archipelago_island_rejections_total", "rejections", "Island submissions rejected", "counter"),
-    ("archipelago_island_inner_steps", "inner_steps", "H of the island's latest round", "gauge"),
-    ("archipelago_island_steps_per_second", "steps_per_s", "Measured inner steps per second", "gauge"),
-    ("archipelago_island_compute_seconds_total", "compute_s", "Seconds the island spent computing", "counter"),
-    ("archipelago_island_tokens_per_second", "tokens_per_s", "Island tokens per second of compute", "gauge"),
-    (
+HISTOGRAMS = [
+    Metric("archipelago_round_duration_seconds", "round_seconds", "Duration of each round", H),
+    Metric("archipelago_update_staleness_versions", "staleness", "Versions each judged update was behind", H),
+]
+ISLAND_METRICS = [  # labelled run_id and island only: an island's state is `ISLAND_STATE`'s
+    Metric("archipelago_island_staleness", "staleness_last", "Staleness of the island's latest submission", G),
+    Metric("archipelago_island_staleness_max", "staleness_max", "Largest staleness of the island", G),
+    Metric("archipelago_island_train_loss", "last_train_loss", "Island's latest mean train loss", G),
+    Metric("archipelago_island_tokens_total", "tokens", "Tokens the island trained", C),
+    Metric("archipelago_island_bytes_sent_total", "bytes_sent", "Bytes the island sent", C),
+    Metric("archipelago_island_bytes_received_total", "bytes_received", "Bytes the island received", C),
+    Metric("archipelago_island_rejections_total", "rejections", "Island submissions rejected", C),
+    Metric("archipelago_island_inner_steps", "inner_steps", "H of the island's latest round", G),
+    Metric("archipelago_island_steps_per_second", "steps_per_s", "Measured inner steps per second", G),
+    Metric("archipelago_island_compute_seconds_total", "compute_s", "Seconds the island spent computing", C),
+    Metric("archipelago_island_tokens_per_second", "tokens_per_s", "Island tokens per second of compute", G),
+    Metric(
         "archipelago_island_last_contribution_timestamp_seconds",
         "last_contribution",
         "Unix time of the island's last applied update",
-        "gauge",
+        G,
     ),
 ]
+# a state set: one series per state, 1 for the island's state, so no series changes a label
+ISLAND_STATE = Metric("archipelago_island_state", "state", "1 for the island's current state, else 0", G)
 
 
 def current(islands: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

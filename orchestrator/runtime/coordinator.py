@@ -51,9 +51,11 @@ class Coordinator:
         """The phase running now (the warm start's engine, then the run's)."""
         return self.phases.engine
 
-    def _publish_metrics(self, status: dict[str, Any], islands: dict[str, dict[str, Any]]) -> None:
+    def _publish_metrics(
+        self, status: dict[str, Any], islands: dict[str, dict[str, Any]], record: dict[str, Any]
+    ) -> None:
         if self.metrics is not None:
-            self.metrics.publish(status, islands)
+            self.metrics.publish(status, islands, record)
 
     def run(self) -> dict[str, Any]:
         from orchestrator.runtime.metrics import RayMetrics

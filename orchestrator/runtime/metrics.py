@@ -1,30 +1,61 @@
 """The run's metrics through `ray.util.metrics`, so they reach Ray's Prometheus pipeline
 (exported with a `ray_` prefix by every node's metrics agent, port 8080 on KubeRay) and
-the Grafana dashboard in `k8s/`. Same names and meaning as the control plane's `/metrics`."""
+the Grafana dashboard in `k8s/`. Same names, kinds and meaning as the control plane's
+`/metrics` (`engine/views.py`): counters are Ray counters, fed the growth since the last
+record; histograms observe each record's round time and update staleness; an island's
+state is a state set, not a label of its series."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ray.util.metrics import Gauge
+from ray.util.metrics import Counter, Gauge, Histogram
 
-from orchestrator.engine.views import ISLAND_METRICS, RUN_METRICS, current
+from orchestrator.engine.distributions import ROUND_SECONDS, STALENESS
+from orchestrator.engine.types import IslandState
+from orchestrator.engine.views import HISTOGRAMS, ISLAND_METRICS, ISLAND_STATE, RUN_METRICS, Metric, MetricKind, current
+
+
+def _instrument(metric: Metric, tags: tuple[str, ...]) -> Gauge | Counter:
+    kind = Counter if metric.kind == MetricKind.COUNTER else Gauge
+    return kind(metric.name, metric.help, tag_keys=tags)
 
 
 class RayMetrics:
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
-        self.run = {key: Gauge(name, help_text, tag_keys=("run_id",)) for name, key, help_text, _ in RUN_METRICS}
-        self.island = {
-            key: Gauge(name, help_text, tag_keys=("run_id", "island")) for name, key, help_text, _ in ISLAND_METRICS
-        }
+        self.run = {m.key: (m, _instrument(m, ("run_id",))) for m in RUN_METRICS}
+        self.island = {m.key: (m, _instrument(m, ("run_id", "island"))) for m in ISLAND_METRICS}
+        round_time, staleness = HISTOGRAMS
+        self.round_time = Histogram(round_time.name, round_time.help, list(ROUND_SECONDS), tag_keys=("run_id",))
+        self.staleness = Histogram(staleness.name, staleness.help, list(STALENESS), tag_keys=("run_id",))
+        self.state = Gauge(ISLAND_STATE.name, ISLAND_STATE.help, tag_keys=("run_id", "island", "state"))
+        self._counted: dict[tuple[str, str | None], float] = {}  # what each counter was fed so far
 
-    def publish(self, status: dict[str, Any], islands: dict[str, dict[str, Any]]) -> None:
-        for key, gauge in self.run.items():
-            if isinstance(status.get(key), (int, float)):
-                gauge.set(float(status[key]), tags={"run_id": self.run_id})
-        for island, stats in current(islands).items():  # a gone island's gauges are no longer
+    def _set(self, metric: Metric, instrument: Gauge | Counter, value: Any, island: str | None) -> None:
+        if not isinstance(value, (int, float)):
+            return
+        tags = {"run_id": self.run_id} if island is None else {"run_id": self.run_id, "island": island}
+        if isinstance(instrument, Counter):
+            seen = self._counted.get((metric.key, island), 0.0)
+            if value > seen:
+                instrument.inc(float(value) - seen, tags=tags)
+                self._counted[(metric.key, island)] = float(value)
+        else:
+            instrument.set(float(value), tags=tags)
+
+    def publish(self, status: dict[str, Any], islands: dict[str, dict[str, Any]], record: dict[str, Any]) -> None:
+        tags = {"run_id": self.run_id}
+        for metric, instrument in self.run.values():
+            self._set(metric, instrument, status.get(metric.key), None)
+        self.round_time.observe(record["round_seconds"], tags=tags)
+        for staleness in record["staleness_updates"]:
+            self.staleness.observe(staleness, tags=tags)
+        for island, stats in current(islands).items():  # a gone island's series are no longer
             # re-reported, and Ray's metrics agent ages them out
-            for key, gauge in self.island.items():
-                if isinstance(stats.get(key), (int, float)):
-                    gauge.set(float(stats[key]), tags={"run_id": self.run_id, "island": island})
+            for metric, instrument in self.island.values():
+                self._set(metric, instrument, stats.get(metric.key), island)
+            for state in IslandState:
+                self.state.set(
+                    float(stats["state"] == state.value), tags={**tags, "island": island, "state": state.value}
+                )
