@@ -49,7 +49,9 @@ def test_metrics_parse_with_counters_histograms_and_stable_labels(tmp_path):
     assert round_time["archipelago_round_duration_seconds_count"].value == len(records)
     assert round_time["archipelago_round_duration_seconds_sum"].value == sum(r["round_seconds"] for r in records)
     staleness = [r for record in records for r in record["staleness_updates"]]
-    buckets = {s.labels["le"]: s.value for s in last["archipelago_update_staleness_versions"].samples if "le" in s.labels}
+    buckets = {
+        s.labels["le"]: s.value for s in last["archipelago_update_staleness_versions"].samples if "le" in s.labels
+    }
     assert buckets["+Inf"] == len(staleness) and buckets["0.5"] == staleness.count(0) < len(staleness)
     # an island's series are labelled by the island alone (nothing that changes while it
     # lives: no state, no node); its state is the state set's, a series per state always

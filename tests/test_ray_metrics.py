@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.config_load import load_config
 from orchestrator.runtime.driver import run
@@ -41,9 +42,18 @@ def test_island_staleness_is_exported_with_the_ray_prefix(metrics_port, tmp_path
     )
     run(cfg, show_progress=False, run_id="metricstest")
     deadline, text = time.time() + 30, ""
-    while time.time() < deadline and "ray_archipelago_island_staleness{" not in text:
+    wanted = ("ray_archipelago_island_staleness{", "ray_archipelago_round_duration_seconds_bucket{")
+    while time.time() < deadline and not all(w in text for w in wanted):
         time.sleep(0.5)
         text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
     lines = [line for line in text.splitlines() if line.startswith("ray_archipelago_island_staleness{")]
     assert any('island="1"' in line and 'run_id="metricstest"' in line for line in lines), text[-2000:]
-    assert "ray_archipelago_eval_loss{" in text
+    families = {f.name: f for f in text_string_to_metric_families(text) if f.name.startswith("ray_archipelago")}
+    assert families["ray_archipelago_tokens"].type == "counter"  # counters as counters, named _total
+    assert families["ray_archipelago_island_tokens"].type == "counter"
+    rounds = families["ray_archipelago_round_duration_seconds"]
+    assert rounds.type == "histogram"
+    assert max(s.value for s in rounds.samples if s.name.endswith("_count")) == 30
+    states = [s for s in families["ray_archipelago_island_state"].samples if s.labels["run_id"] == "metricstest"]
+    assert {s.labels["state"] for s in states if s.value == 1} == {"training"}
+    assert "ray_archipelago_eval_loss" in families
