@@ -163,7 +163,7 @@ def test_fragments_sent_early_wait_for_the_window_from_when_they_are_in_hand(tmp
     closes = _watch(engine)
     drive(engine)
     check_exactly_once(cfg, engine.summary)
-    assert {(o.island, o.steps, o.send_after) for o in pool.dispatched[:3]} == {(0, 4, 2), (1, 4, 2), (2, 1, 1)}
+    assert {(o.island, o.steps, o.send_after) for o in list(pool.dispatched)[:3]} == {(0, 4, 2), (1, 4, 2), (2, 1, 1)}
     assert all(len(c.flights) == 3 for _, c in closes[:-1])
 
 
@@ -186,7 +186,7 @@ def test_sync_dylu_is_a_barrier_whose_h_follows_speed(tmp_path):
     closes = _watch(engine)
     drive(engine)
     check_exactly_once(cfg, engine.summary)
-    assert {o.island: o.steps for o in pool.dispatched[:3]} == {0: 4, 1: 4, 2: 1}
+    assert {o.island: o.steps for o in list(pool.dispatched)[:3]} == {0: 4, 1: 4, 2: 1}
     # every step, the last one too (the budget's rest shared, not one island's remainder)
     assert all(sorted(f.work.island for f in c.flights) == [0, 1, 2] for _, c in closes)
     assert engine.summary["staleness"]["max"] == 0

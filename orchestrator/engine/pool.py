@@ -14,6 +14,7 @@ import dataclasses
 import heapq
 import itertools
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
@@ -122,6 +123,9 @@ class IslandPool(Protocol):
     def close(self) -> None: ...
 
 
+DISPATCH_LOG = 4096  # orders the in-process pool remembers
+
+
 class FaultKind(str, Enum):
     CRASH = "crash"  # the island dies during its n-th work order
     LATE = "late"  # its n-th work order takes `seconds` longer
@@ -178,7 +182,8 @@ class InProcessPool:
         self.t = 0.0
         self._seq = itertools.count()
         self._queue: list[_Pending] = []
-        self.dispatched: list[WorkOrder] = []
+        # the newest orders, for tests that inspect them (bounded: a long run's would grow)
+        self.dispatched: deque[WorkOrder] = deque(maxlen=DISPATCH_LOG)
         self.demanded: list[int] = []
 
     def _at(self, t: float, event: Any) -> None:
