@@ -12,6 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from orchestrator.config import RunConfig
+from orchestrator.engine.storage import Folder, is_url
 from workers.tasks.task import TaskError, load_task
 
 
@@ -109,6 +110,19 @@ def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
+def _probe_store(field: str, location: str) -> None:
+    """Object storage: its fsspec package installed, the bucket reachable and writable."""
+    try:
+        folder = Folder(location)
+        probe = f".archipelago-probe-{os.getpid()}"
+        folder.write(probe, b"")
+        folder.delete(probe)
+    except ImportError as err:
+        raise ConfigError(f"{field}: {location} needs its storage package ({err}); the s3 extra has s3fs") from err
+    except Exception as err:  # the SDK's errors vary by store: any means the run could not checkpoint
+        raise ConfigError(f"{field}: {location} is not writable: {type(err).__name__}: {err}") from err
+
+
 def check_folders(cfg: RunConfig) -> None:
     """Refuse, before any compute, a run whose outputs or checkpoints could not be written:
     each folder is created and a probe file written and removed in it. Without this an
@@ -118,6 +132,9 @@ def check_folders(cfg: RunConfig) -> None:
     if cfg.checkpoint.every_rounds or cfg.checkpoint.path:
         folders.append(("checkpoint.path", cfg.checkpoint_dir))
     for field, folder in folders:
+        if is_url(folder):
+            _probe_store(field, folder)
+            continue
         path = Path(folder)
         try:
             path.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,11 @@ class CheckpointConfig(Strict):
     """Coordinator checkpoints (global params, outer state, version, membership, data positions)."""
 
     every_rounds: int = Field(5, ge=0, description="checkpoint every N rounds and at the end; 0 disables")
-    path: str | None = Field(None, description="folder (default: out_dir/checkpoint); shared storage on a cluster")
+    path: str | None = Field(
+        None,
+        description="folder (default: out_dir/checkpoint) or object storage (s3://bucket/prefix, with the s3 "
+        "extra; gs:// with gcs); shared storage on a cluster",
+    )
     max_restarts: int = Field(3, ge=0, description="coordinator restarts from its checkpoint before the run fails")
     keep: int = Field(
         3, ge=1, description="checkpoints kept; a restart falls back to an older one if the newest is corrupt"

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.engine import checkpoints, records
+from orchestrator.engine import records, storage
 from orchestrator.engine.checkpoints import load_checkpoint
 from orchestrator.engine.pool import Fault, FaultKind
 from orchestrator.engine.types import RunFailed
@@ -92,7 +92,7 @@ class FullDisk:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.full = False
-        real_append, real_write = records.append_lines, checkpoints.durable_write
+        real_append, real_write = records.append_lines, storage.durable_write
 
         def append(path: Path, lines: list[str]) -> None:
             self._check()
@@ -104,7 +104,7 @@ class FullDisk:
 
         monkeypatch.setattr(records, "append_lines", append)
         monkeypatch.setattr(records, "durable_write", write)
-        monkeypatch.setattr(checkpoints, "durable_write", write)
+        monkeypatch.setattr(storage, "durable_write", write)
 
     def _check(self) -> None:
         if self.full:

@@ -80,7 +80,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
     cfg = scenario_cfg(tmp_path, "diloco", "checkpoint.keep=2")
     first, pool = in_process_engine(cfg, run_id="corrupt")
     drive(first, until=4)
-    saved = sorted(first.checkpoints.glob("state-*.pt"))
+    saved = sorted(Path(str(first.checkpoints)).glob("state-*.pt"))
     assert [p.name for p in saved] == ["state-000003.pt", "state-000004.pt"]  # the newest 2 kept
     data = bytearray(saved[-1].read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte in the newest
@@ -292,7 +292,7 @@ def test_a_planted_membership_intent_is_held_to_the_configs_bounds(tmp_path):
     cfg = scenario_cfg(tmp_path, "diloco", "checkpoint.every_rounds=2", "elastic.max_islands=4")
     first, pool = in_process_engine(cfg, run_id="planted")
     drive(first, until=3)
-    intent = first.checkpoints / "membership.json"
+    intent = Path(str(first.checkpoints)) / "membership.json"
     intent.write_text(json.dumps({"run_id": "planted", "target": 10**6, "leaving": ["0", True, 2.5]}))
     pool.coordinator_lost()
     second = build_engine(cfg, pool, run_id="planted")

@@ -22,63 +22,48 @@ import hashlib
 import io
 import json
 import logging
-import os
 import re
-import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from orchestrator.engine.storage import Folder
 from orchestrator.engine.types import RunFailed
+
+Location = str | Path | Folder  # a local folder, or object storage by URL (`engine/storage.py`)
 
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^state-(\d{6,})\.pt$")
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _folder(location: Location) -> Folder:
+    return location if isinstance(location, Folder) else Folder(location)
 
 
-def durable_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` atomically and durably (unique temp, fsync, rename, fsync dir)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
-
-
-def run_folder(checkpoint_dir: str | Path, run_id: str) -> Path:
+def run_folder(checkpoint_dir: Location, run_id: str) -> Folder:
     """Where run `run_id` keeps its checkpoints and membership intent."""
     if not run_id or run_id in (".", "..") or "/" in run_id or "\\" in run_id:
         raise ValueError(f"run id {run_id!r} cannot name a folder")
-    return Path(checkpoint_dir) / run_id
+    return _folder(checkpoint_dir) / run_id
 
 
-def runs_in(checkpoint_dir: str | Path) -> list[str]:
+def runs_in(checkpoint_dir: Location) -> list[str]:
     """The runs with checkpoints in `checkpoint_dir`, the most recently saved first."""
-    folder = Path(checkpoint_dir)
-    if not folder.is_dir():
-        return []
-    held = [(saved[0][1].stat().st_mtime, p.name) for p in folder.iterdir() if p.is_dir() and (saved := _saved(p))]
+    folder = _folder(checkpoint_dir)
+    held = []
+    for name, is_dir in folder.entries():
+        run = folder / name
+        if is_dir and (saved := _saved(run)):
+            held.append((run.modified(saved[0][1]), name))
     return [name for _, name in sorted(held, reverse=True)]
 
 
-def one_run(checkpoint_dir: str | Path) -> Path:
+def one_run(checkpoint_dir: Location) -> Folder:
     """The checkpoints of the one run in `checkpoint_dir` (a folder given as `init_from`
     or a reused warm start); refused when there is none or the choice is not clear."""
-    folder = Path(checkpoint_dir)
+    folder = _folder(checkpoint_dir)
     if _saved(folder):  # a run's own folder
         return folder
     runs = runs_in(folder)
@@ -88,62 +73,62 @@ def one_run(checkpoint_dir: str | Path) -> Path:
     return folder / runs[0]
 
 
-def _saved(folder: Path) -> list[tuple[int, Path]]:
-    """(sequence, path) of the checkpoints in `folder`, newest first."""
-    if not folder.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
+def _saved(folder: Folder) -> list[tuple[int, str]]:
+    """(sequence, file name) of the checkpoints in `folder`, newest first."""
+    found = [(int(m.group(1)), name) for name, _ in folder.entries() if (m := _NAME.match(name))]
     return sorted(found, reverse=True)
 
 
-def _digest_path(path: Path) -> Path:
-    return path.with_name(path.name + ".sha256")
+def _digest(name: str) -> str:
+    return name + ".sha256"
 
 
-def save_checkpoint(folder: Path, state: dict[str, Any], keep: int = 3) -> Path:
-    """Write `state` as the newest checkpoint; keep the newest `keep`."""
-    folder.mkdir(parents=True, exist_ok=True)
+def save_checkpoint(location: Location, state: dict[str, Any], keep: int = 3) -> str:
+    """Write `state` as the newest checkpoint; keep the newest `keep`. Returns its name."""
+    folder = _folder(location)
     saved = _saved(folder)
-    path = folder / f"state-{(saved[0][0] + 1) if saved else 1:06d}.pt"
+    name = f"state-{(saved[0][0] + 1) if saved else 1:06d}.pt"
     buffer = io.BytesIO()
     torch.save(state, buffer)
     data = buffer.getvalue()
     # the digest first: a checkpoint file without its digest is never trusted
-    durable_write(_digest_path(path), hashlib.sha256(data).hexdigest().encode())
-    durable_write(path, data)
-    for _, old in _saved(folder)[keep:]:
-        old.unlink(missing_ok=True)
-        _digest_path(old).unlink(missing_ok=True)
-    return path
+    folder.write(_digest(name), hashlib.sha256(data).hexdigest().encode())
+    folder.write(name, data)
+    for _, old in [(0, name), *saved][keep:]:
+        folder.delete(old)
+        folder.delete(_digest(old))
+    return name
 
 
 class CheckpointError(RunFailed):
     """Checkpoints exist but none of them is valid (the run does not silently start over)."""
 
 
-def load_checkpoint(folder: Path) -> dict[str, Any] | None:
+def load_checkpoint(folder: Location) -> dict[str, Any] | None:
     """The newest valid checkpoint in `folder`, None if there is none at all; raises
     `CheckpointError` when there are checkpoints and every one is corrupt."""
     found = newest_valid(folder)
     return found[1] if found is not None else None
 
 
-def newest_valid(folder: Path) -> tuple[str, dict[str, Any]] | None:
+def newest_valid(location: Location) -> tuple[str, dict[str, Any]] | None:
     """(SHA-256, state) of the newest checkpoint whose checksum matches and that loads."""
-    saved = _saved(folder)
+    folder = _folder(location)
     problems = []
-    for _, path in saved:
+    for _, path in _saved(folder):
         try:
-            data = path.read_bytes()
+            data = folder.read(path)
             digest = hashlib.sha256(data).hexdigest()
-            if digest != _digest_path(path).read_text().strip():
+            if digest != folder.read(_digest(path)).decode().strip():
                 raise ValueError("checksum mismatch")
             state = torch.load(io.BytesIO(data), weights_only=True)
             if not isinstance(state, dict) or "run_id" not in state:
                 raise ValueError("not a coordinator checkpoint")
         except Exception as err:  # any defect of one file: fall back to the one before
-            problems.append(f"{path.name}: {type(err).__name__}: {err}")
-            log.warning("checkpoint %s is unusable (%s: %s); trying the one before", path, type(err).__name__, err)
+            problems.append(f"{path}: {type(err).__name__}: {err}")
+            log.warning(
+                "checkpoint %s/%s is unusable (%s: %s); trying the one before", folder, path, type(err).__name__, err
+            )
             continue
         return digest, state
     if problems:
@@ -154,18 +139,16 @@ def newest_valid(folder: Path) -> tuple[str, dict[str, Any]] | None:
 INTENT = "membership.json"
 
 
-def save_intent(folder: Path, intent: dict[str, Any]) -> None:
+def save_intent(folder: Location, intent: dict[str, Any]) -> None:
     """The operator's membership intent (target, islands asked to leave), written at once
     whenever it changes: a checkpoint is taken every few rounds, and an add or a drain made
     between two must survive a coordinator restart too."""
-    folder.mkdir(parents=True, exist_ok=True)
-    durable_write(folder / INTENT, json.dumps(intent).encode())
+    _folder(folder).write(INTENT, json.dumps(intent).encode())
 
 
-def load_intent(folder: Path, run_id: str) -> dict[str, Any] | None:
-    path = folder / INTENT
+def load_intent(folder: Location, run_id: str) -> dict[str, Any] | None:
     try:
-        intent = json.loads(path.read_text())
+        intent = json.loads(_folder(folder).read(INTENT))
     except (OSError, ValueError):
         return None
     return intent if isinstance(intent, dict) and intent.get("run_id") == run_id else None

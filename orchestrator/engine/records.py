@@ -23,8 +23,8 @@ import torch
 from orchestrator.config import RunConfig
 from orchestrator.config_load import dump_config
 from orchestrator.config_operations import RecordsConfig
-from orchestrator.engine.checkpoints import durable_write
 from orchestrator.engine.logfiles import read_lines, restart, rewind, rotate
+from orchestrator.engine.storage import durable_write
 from orchestrator.engine.types import Event
 
 log = logging.getLogger(__name__)

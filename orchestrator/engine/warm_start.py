@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from orchestrator.config import Mode, RunConfig, WarmStartMode
-from orchestrator.engine.checkpoints import durable_write, newest_valid, run_folder
+from orchestrator.engine.checkpoints import newest_valid, run_folder
+from orchestrator.engine.storage import durable_write
 from orchestrator.engine.types import RunFailed
 
 log = logging.getLogger(__name__)
