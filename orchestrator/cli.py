@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--init-from", metavar="CHECKPOINT", help="start from a final.pt or a checkpoint folder (sets init_from)"
     )
     run_p.add_argument("--resume", metavar="DIR", help="continue the run whose outputs are in DIR from its checkpoint")
+    run_p.add_argument(
+        "--run-id",
+        help="name the run; if checkpoint.path holds checkpoints of that id, continue it (a retried job resumes)",
+    )
     cfg_p = sub.add_parser("config", parents=[common], help="configuration helpers")
     cfg_sub = cfg_p.add_subparsers(dest="config_command", required=True)
     show = cfg_sub.add_parser("show", parents=[common], help="print the resolved config as YAML")
@@ -215,10 +219,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         sys.stdout.write(dump_config(cfg))
         return 0
-    from orchestrator.runtime.driver import ResumeRefused, RunFailed, print_summary, resume_id, run
+    from orchestrator.runtime.driver import ResumeRefused, RunFailed, check_resumable, print_summary, resume_id, run
 
+    if resume and args.run_id:
+        log.error("--resume continues the run its folder records: --run-id names another way, give one")
+        return 2
     try:
-        run_id = resume_id(cfg) if resume else None
+        run_id = resume_id(cfg) if resume else args.run_id
+        if resume or (run_id is not None and check_resumable(cfg, run_id)):
+            log.info("continuing run %s from its checkpoint in %s", run_id, cfg.checkpoint_dir)
         if resume:
             check_task_spec(cfg)
     except ResumeRefused as err:

@@ -23,7 +23,7 @@ from orchestrator.engine.commands import (
     SetTarget,
     Stop,
 )
-from orchestrator.engine.pool import Fault, FaultKind
+from orchestrator.engine.pool import Fault, FaultKind, InProcessPool
 from orchestrator.engine.types import IslandState, RunFailed
 from tests.engine_scenarios import Action, check_exactly_once, drive, run_scenario, scenario_cfg
 from tests.helpers import events, in_process_engine
@@ -282,6 +282,26 @@ def test_resume_continues_the_run_its_outputs_name_and_refuses_a_guess(tmp_path)
     (Path(lone.out_dir) / "run_id").unlink()
     with pytest.raises(ResumeRefused, match="holds no checkpoint"):
         resume_id(lone)
+
+
+def test_a_named_run_continues_its_checkpoints_the_way_a_retried_job_does(tmp_path):
+    """`archipelago run --run-id ID` (a RayJob's entrypoint, retried after a failure):
+    checkpoints of ID in checkpoint.path mean continue, none mean start under that id."""
+    from orchestrator.cli import main
+    from orchestrator.runtime.driver import ResumeRefused, check_resumable
+
+    cfg = scenario_cfg(tmp_path, "diloco", "rounds=2")
+    assert not check_resumable(cfg, "retried")  # first attempt: starts afresh
+    drive(in_process_engine(cfg, run_id="retried")[0])
+    assert check_resumable(cfg, "retried")  # the retry: continues it
+    retry = build_engine(cfg.model_copy(update={"rounds": 4}), InProcessPool(cfg), run_id="retried")
+    assert retry.resumed and retry.rounds_done == 2
+    other = cfg.model_copy(update={"task": cfg.task.model_copy(update={"factory": "tests.toy_tasks:make_quadratic"})})
+    with pytest.raises(ResumeRefused, match=r"trained with 'tests\.toy_tasks:make_recording'"):
+        check_resumable(other, "retried")
+    with pytest.raises(ResumeRefused, match="cannot name a folder"):
+        check_resumable(cfg, "../elsewhere")
+    assert main(["run", "--resume", str(tmp_path), "--run-id", "retried"]) == 2
 
 
 def test_a_planted_membership_intent_is_held_to_the_configs_bounds(tmp_path):

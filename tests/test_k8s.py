@@ -149,6 +149,19 @@ def test_the_rayjob_runs_the_same_cluster_as_the_raycluster():
     assert manifest("rayjob.yaml")["spec"]["rayClusterSpec"] == manifest("raycluster.yaml")["spec"]
 
 
+def test_a_retried_rayjob_continues_its_run():
+    """Each retry is a new cluster and a new submission: the entrypoint's `--run-id` is what
+    makes it continue the run from the shared volume's checkpoints."""
+    from orchestrator.cli import build_parser
+
+    job = manifest("rayjob.yaml")["spec"]
+    assert job["backoffLimit"] >= 1
+    args = build_parser().parse_args(job["entrypoint"].split()[1:])
+    assert args.command == "run" and args.run_id == manifest("rayjob.yaml")["metadata"]["name"]
+    run_config = manifest("run-config.yaml")
+    assert run_config["checkpoint"]["path"].startswith("/mnt/archipelago/")  # on the shared volume
+
+
 def test_every_pod_runs_unprivileged_as_the_images_user_with_resources():
     """The Ray image's user is uid 1000 in group users (100): the Dockerfile copies the code
     `--chown=ray:users`. Root-owned 0400 Secret files were unreadable by it, so the control

@@ -91,5 +91,5 @@ def test_a_corrupt_newest_object_falls_back_to_the_one_before(tmp_path, s3):
 
 def test_a_bucket_that_cannot_be_written_is_refused_before_any_compute(tmp_path, s3):
     cfg = load_config(None, [f"out_dir={tmp_path}", "checkpoint.path=s3://no-such-bucket/runs"])
-    with pytest.raises(ConfigError, match="checkpoint.path: s3://no-such-bucket/runs is not writable"):
+    with pytest.raises(ConfigError, match=r"checkpoint\.path: s3://no-such-bucket/runs is not writable"):
         check_folders(cfg)

@@ -243,17 +243,29 @@ def resume_id(cfg: RunConfig) -> str:
     else:
         held = f"the checkpoints of runs {', '.join(runs)}" if runs else "no checkpoint"
         raise ResumeRefused(f"{cfg.checkpoint_dir} holds {held}, and {cfg.out_dir} names no run to resume")
+    check_resumable(cfg, run_id)
+    return run_id
+
+
+def check_resumable(cfg: RunConfig, run_id: str) -> bool:
+    """Whether run `run_id` has checkpoints in `checkpoint.path` to continue from (False: it
+    starts afresh under that id); refused when they are all corrupt or were trained with
+    another task factory than `cfg` names (the config may come from a writable volume)."""
     try:
         state = load_checkpoint(run_folder(cfg.checkpoint_dir, run_id))
     except CheckpointError as err:
         raise ResumeRefused(str(err)) from err
-    trained = (state or {}).get("config", {}).get("task", {}).get("factory")
+    except ValueError as err:  # an id that cannot name a folder
+        raise ResumeRefused(str(err)) from err
+    if state is None:
+        return False
+    trained = state.get("config", {}).get("task", {}).get("factory")
     if trained != cfg.task.factory:
         raise ResumeRefused(
-            f"task.factory is {cfg.task.factory!r} in {cfg.out_dir}/config.yaml, but run {run_id} was trained "
+            f"task.factory is {cfg.task.factory!r} in the config, but run {run_id} was trained "
             f"with {trained!r}: a resume imports only the factory its checkpoint recorded"
         )
-    return run_id
+    return True
 
 
 def print_summary(summary: dict[str, Any], stream=sys.stdout) -> None:
