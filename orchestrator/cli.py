@@ -56,7 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     run_p.add_argument(
         "--init-from", metavar="CHECKPOINT", help="start from a final.pt or a checkpoint folder (sets init_from)"
     )
-    run_p.add_argument("--resume", metavar="DIR", help="continue the run whose outputs are in DIR from its checkpoint")
+    run_p.add_argument(
+        "--resume",
+        metavar="DIR[@N]",
+        help="continue the run whose outputs are in DIR from its newest checkpoint (@N: from checkpoint N)",
+    )
     run_p.add_argument(
         "--run-id",
         help="name the run; if checkpoint.path holds checkpoints of that id, continue it (a retried job resumes)",
@@ -202,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.overrides)
     resume = getattr(args, "resume", None)
     if resume:  # the run's own resolved config, pointed at where it now lives
+        folder, at, chosen = resume.rpartition("@")
+        if at and chosen.isdigit():  # DIR@N: from checkpoint N
+            resume = folder
+            overrides.append(f"checkpoint.resume_from={chosen}")
         overrides.insert(0, f"out_dir={resume}")
     if getattr(args, "out", None):
         overrides.append(f"out_dir={args.out}")

@@ -24,6 +24,12 @@ class CheckpointConfig(Strict):
         "extra; gs:// with gcs); shared storage on a cluster",
     )
     max_restarts: int = Field(3, ge=0, description="coordinator restarts from its checkpoint before the run fails")
+    resume_from: int | None = Field(
+        None,
+        ge=1,
+        description="continue from checkpoint N (state-N.pt, `--resume DIR@N`) instead of the newest; the run's "
+        "new checkpoints continue that branch, so a restart does too",
+    )
     keep: int = Field(
         3, ge=1, description="checkpoints kept; a restart falls back to an older one if the newest is corrupt"
     )

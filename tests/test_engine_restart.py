@@ -8,6 +8,7 @@ trained = Σ of the islands' tokens."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -302,6 +303,28 @@ def test_a_named_run_continues_its_checkpoints_the_way_a_retried_job_does(tmp_pa
     with pytest.raises(ResumeRefused, match="cannot name a folder"):
         check_resumable(cfg, "../elsewhere")
     assert main(["run", "--resume", str(tmp_path), "--run-id", "retried"]) == 2
+
+
+def test_a_resume_from_a_chosen_checkpoint_continues_that_branch_through_restarts(tmp_path):
+    """`--resume DIR@N`: from checkpoint N, not the newest; the later ones stay, the run's
+    new checkpoints are tagged with N, so a coordinator restart continues the branch."""
+    from orchestrator.cli import main
+
+    cfg = scenario_cfg(tmp_path, "diloco", "checkpoint.keep=20")
+    first, pool = in_process_engine(cfg, run_id="branching")
+    drive(first)  # checkpoints 1..6
+    chosen = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume_from": 3})})
+    second = build_engine(chosen, pool, run_id="branching")
+    assert second.resumed and second.rounds_done == 3
+    drive(second, until=4)  # saves state-7 on the branch
+    pool.coordinator_lost()
+    third = build_engine(chosen, pool, run_id="branching")  # a restart mid-branch: not back to 3
+    assert third.rounds_done == 4
+    drive(third)
+    assert third.summary["rounds_done"] == 6
+    records = [json.loads(line)["round"] for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert records == [1, 2, 3, 4, 5, 6]  # the log rewound to checkpoint 3, then the branch's rounds
+    assert main(["run", "--resume", f"{cfg.out_dir}@99", "--set", "rounds=6"]) == 2  # no checkpoint 99
 
 
 def test_a_planted_membership_intent_is_held_to_the_configs_bounds(tmp_path):

@@ -104,36 +104,65 @@ class CheckpointError(RunFailed):
     """Checkpoints exist but none of them is valid (the run does not silently start over)."""
 
 
-def load_checkpoint(folder: Location) -> dict[str, Any] | None:
+def load_checkpoint(folder: Location, branch: int | None = None) -> dict[str, Any] | None:
     """The newest valid checkpoint in `folder`, None if there is none at all; raises
-    `CheckpointError` when there are checkpoints and every one is corrupt."""
-    found = newest_valid(folder)
+    `CheckpointError` when there are checkpoints and every one is corrupt. With `branch`
+    (`checkpoint.resume_from`): the newest checkpoint saved on that branch, else checkpoint
+    `branch` itself, which must be valid (a resume from a chosen one never falls back)."""
+    found = newest_valid(folder, branch)
     return found[1] if found is not None else None
 
 
-def newest_valid(location: Location) -> tuple[str, dict[str, Any]] | None:
-    """(SHA-256, state) of the newest checkpoint whose checksum matches and that loads."""
+def _load_one(folder: Folder, name: str) -> tuple[str, dict[str, Any]]:
+    """(SHA-256, state) of one checkpoint; raises on any defect (digest, format, content)."""
+    data = folder.read(name)
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != folder.read(_digest(name)).decode().strip():
+        raise ValueError("checksum mismatch")
+    state = torch.load(io.BytesIO(data), weights_only=True)
+    if not isinstance(state, dict) or "run_id" not in state:
+        raise ValueError("not a coordinator checkpoint")
+    return digest, state
+
+
+def newest_valid(location: Location, branch: int | None = None) -> tuple[str, dict[str, Any]] | None:
+    """(SHA-256, state) of the newest checkpoint whose checksum matches and that loads; with
+    `branch`, see `load_checkpoint`."""
     folder = _folder(location)
+    saved = _saved(folder)
+    if branch is not None:
+        return _on_branch(folder, saved, branch)
     problems = []
-    for _, path in _saved(folder):
+    for _, name in saved:
         try:
-            data = folder.read(path)
-            digest = hashlib.sha256(data).hexdigest()
-            if digest != folder.read(_digest(path)).decode().strip():
-                raise ValueError("checksum mismatch")
-            state = torch.load(io.BytesIO(data), weights_only=True)
-            if not isinstance(state, dict) or "run_id" not in state:
-                raise ValueError("not a coordinator checkpoint")
+            return _load_one(folder, name)
         except Exception as err:  # any defect of one file: fall back to the one before
-            problems.append(f"{path}: {type(err).__name__}: {err}")
+            problems.append(f"{name}: {type(err).__name__}: {err}")
             log.warning(
-                "checkpoint %s/%s is unusable (%s: %s); trying the one before", folder, path, type(err).__name__, err
+                "checkpoint %s/%s is unusable (%s: %s); trying the one before", folder, name, type(err).__name__, err
             )
-            continue
-        return digest, state
     if problems:
         raise CheckpointError(f"no valid checkpoint in {folder}: " + "; ".join(problems))
     return None
+
+
+def _on_branch(folder: Folder, saved: list[tuple[int, str]], branch: int) -> tuple[str, dict[str, Any]]:
+    for seq, name in saved:  # newest first: what the run resumed from `branch` saved since
+        if seq <= branch:
+            break
+        try:
+            found = _load_one(folder, name)
+        except Exception:  # a defective later file: the branch falls back, as any restart does
+            continue
+        if found[1].get("branch") == branch:
+            return found
+    chosen = [name for seq, name in saved if seq == branch]
+    if not chosen:
+        raise CheckpointError(f"checkpoint.resume_from: {folder} has no checkpoint {branch}")
+    try:
+        return _load_one(folder, chosen[0])
+    except Exception as err:
+        raise CheckpointError(f"checkpoint.resume_from: {folder}/{chosen[0]} is unusable ({err})") from err
 
 
 INTENT = "membership.json"

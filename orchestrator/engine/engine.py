@@ -97,7 +97,8 @@ class RoundEngine:
         self.summary: dict[str, Any] = {}
         self.publisher = Publisher(cfg=cfg, pool=pool, outer=outer, flat=flat.data, fragments=fragments)
         self.checkpoints = run_folder(cfg.checkpoint_dir, run_id)
-        state = load_checkpoint(self.checkpoints) if cfg.checkpoint.every_rounds else None
+        every = cfg.checkpoint.every_rounds
+        state = load_checkpoint(self.checkpoints, cfg.checkpoint.resume_from) if every else None
         if state is not None and state["run_id"] != run_id:  # a folder copied or renamed by hand
             raise RunFailed(f"{self.checkpoints} holds the checkpoints of run {state['run_id']}, not of {run_id}")
         self.resumed = state is not None

@@ -48,6 +48,7 @@ def capture(engine: Engine) -> dict[str, Any]:
     uncommitted = sum(f.result.steps for f in engine.flights.values() if f.result is not None)
     return {
         "run_id": engine.run_id,
+        "branch": engine.cfg.checkpoint.resume_from,  # resumed from a chosen checkpoint: its number
         "config": engine.cfg.model_dump(mode="json"),
         "params": engine.flat.data.detach().clone(),
         "version": engine.run.version,

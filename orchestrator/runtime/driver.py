@@ -252,7 +252,7 @@ def check_resumable(cfg: RunConfig, run_id: str) -> bool:
     starts afresh under that id); refused when they are all corrupt or were trained with
     another task factory than `cfg` names (the config may come from a writable volume)."""
     try:
-        state = load_checkpoint(run_folder(cfg.checkpoint_dir, run_id))
+        state = load_checkpoint(run_folder(cfg.checkpoint_dir, run_id), cfg.checkpoint.resume_from)
     except CheckpointError as err:
         raise ResumeRefused(str(err)) from err
     except ValueError as err:  # an id that cannot name a folder
