@@ -17,7 +17,7 @@ from tests.helpers import in_process_engine
 
 ISLANDS, ROUNDS = 64, 10_000
 BOUND_MIB = 80  # docs/operations.md quotes this bound
-RSS_BOUND_MIB, GROWTH_BOUND_MIB = 1024, 160  # the whole process, and its growth after round 50 (ditto)
+RSS_BOUND_MIB, GROWTH_BOUND_MIB = 640, 96  # the whole process, and its growth after round 50 (ditto)
 
 
 def _record(rnd: int, rng: random.Random) -> dict:
