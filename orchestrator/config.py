@@ -9,7 +9,13 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from orchestrator.config_operations import ApiConfig, CheckpointConfig, ElasticConfig, RecordsConfig
+from orchestrator.config_operations import (
+    ApiConfig,
+    CheckpointConfig,
+    ElasticConfig,
+    RecordsConfig,
+    TrackingConfig,
+)
 from orchestrator.config_sections import (
     AsyncConfig,
     CompressionConfig,
@@ -230,6 +236,7 @@ class RunConfig(Strict):
     coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     records: RecordsConfig = Field(default_factory=RecordsConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     elastic: ElasticConfig = Field(default_factory=ElasticConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
     task: TaskSpec = Field(default_factory=TaskSpec)

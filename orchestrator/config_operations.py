@@ -47,6 +47,29 @@ class RecordsConfig(Strict):
     )
 
 
+class TrackingBackend(str, Enum):
+    TENSORBOARD = "tensorboard"
+    MLFLOW = "mlflow"
+    WANDB = "wandb"
+
+
+class TrackingConfig(Strict):
+    """Experiment tracking: the run's config, per-round losses, bytes, staleness per island,
+    membership events and the final summary, sent to the trackers its users already read.
+    Each back-end is an optional extra (`tracking`) and is imported only when listed."""
+
+    backends: list[TrackingBackend] = Field(
+        default_factory=list, description="any of tensorboard, mlflow, wandb; [] (default): none is imported"
+    )
+    project: str = Field("archipelago", min_length=1, description="W&B project and MLflow experiment")
+    mlflow_uri: str | None = Field(
+        None, description="MLflow tracking URI (default: a file store in out_dir/tracking/mlruns)"
+    )
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="offline writes out_dir/tracking/wandb (`wandb sync` uploads it later)"
+    )
+
+
 class OnFailure(str, Enum):
     CONTINUE = "continue"
     RESTART = "restart"

@@ -35,3 +35,17 @@ def test_a_training_install_pulls_no_plotting_library():
     assert not [d for d in project["dependencies"] if d.startswith("matplotlib")]
     assert project["optional-dependencies"]["bench"] == ["matplotlib>=3.8"]
     assert "archipelago-diloco[bench]" in project["optional-dependencies"]["test"]
+
+
+def test_a_training_install_pulls_no_tracking_or_object_store_library():
+    """Tracking back-ends and object-store file systems are extras: a run imports them only
+    when its config asks (tests/test_tracking.py checks the imports)."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    optional = {"tensorboard", "mlflow", "wandb", "s3fs", "gcsfs", "boto3", "moto"}
+    assert not [d for d in project["dependencies"] if d.split(">")[0].split("=")[0].split("[")[0] in optional]
+    assert {d.split(">")[0] for d in project["optional-dependencies"]["tracking"]} == {
+        "tensorboard", "mlflow-skinny", "wandb",
+    }  # fmt: skip
+    assert project["optional-dependencies"]["s3"] == ["s3fs>=2024.2"]

@@ -1,5 +1,6 @@
 """Run metrics reach Ray's Prometheus pipeline (`ray.util.metrics`, scraped from the node's
-metrics export port, as Prometheus does on a cluster)."""
+metrics export port, as Prometheus does on a cluster), and the coordinator feeds the
+experiment trackers."""
 
 from __future__ import annotations
 
@@ -38,9 +39,23 @@ def metrics_port():
 def test_island_staleness_is_exported_with_the_ray_prefix(metrics_port, tmp_path):
     cfg = load_config(
         None,
-        toy_quadratic(2, 0.05, "islands.cpus=0.5", "inner_steps=4", "rounds=30", f"out_dir={tmp_path / 'out'}"),
+        toy_quadratic(
+            2,
+            0.05,
+            "islands.cpus=0.5",
+            "inner_steps=4",
+            "rounds=30",
+            f"out_dir={tmp_path / 'out'}",
+            "tracking.backends=[tensorboard]",
+        ),
     )
     run(cfg, show_progress=False, run_id="metricstest")
+    # the coordinator feeds the trackers too (read back: tests/test_tracking.py)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(tmp_path / "out" / "tracking" / "tensorboard"), size_guidance={"scalars": 0})
+    board.Reload()
+    assert [e.step for e in board.Scalars("eval_loss")] == list(range(1, 31))
     deadline, text = time.time() + 30, ""
     wanted = ("ray_archipelago_island_staleness{", "ray_archipelago_round_duration_seconds_bucket{")
     while time.time() < deadline and not all(w in text for w in wanted):

@@ -37,6 +37,9 @@ class Coordinator:
         torch.set_num_threads(cfg.coordinator.threads)
         self.cfg, self.run_id = cfg, run_id
         self.metrics: Any = None
+        self.tracking: Any = None  # `runtime/tracking.py`, when tracking.backends lists any
+        self._events: Any = None  # the event log the trackers follow, and how far
+        self._seen = 0
         # every phase's islands watch this actor (they release themselves once it is gone)
         self.phases = PhasedRun(
             cfg,
@@ -56,13 +59,27 @@ class Coordinator:
     ) -> None:
         if self.metrics is not None:
             self.metrics.publish(status, islands, record)
+        if self.tracking is not None and not self.phases.warming:
+            events = self.engine.events
+            if self._events is not events:  # the main phase's log; a restarted one's from its end
+                self._events, self._seen = events, events.count if self.engine.resumed else 0
+            new = events.since(self._seen)
+            self._seen += len(new)
+            self.tracking.record(record, islands, new)
 
     def run(self) -> dict[str, Any]:
         from orchestrator.runtime.metrics import RayMetrics
 
         self.metrics = RayMetrics(self.run_id)  # inside the actor, where Ray is up
+        if self.cfg.tracking.backends:
+            from orchestrator.runtime.tracking import Tracking
+
+            self.tracking = Tracking(self.cfg, self.run_id)
         try:
-            return self.phases.execute()
+            summary = self.phases.execute()
+            if self.tracking is not None:
+                self.tracking.finish(summary)
+            return summary
         except SliceLost as err:
             # The slice's part of the global state is gone: this process exits so that Ray
             # restarts it (`checkpoint.max_restarts`) and the new coordinator rebuilds every
