@@ -7,6 +7,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.config_load import load_config
 from orchestrator.runtime.driver import run
@@ -61,7 +62,8 @@ def test_control_plane_watches_and_scales_a_live_run(ray_local, tmp_path, monkey
     while time.time() < deadline and len(client.get("/v1/islands").json()) < 3:
         time.sleep(0.2)
     assert {i["id"] for i in client.get("/v1/islands").json()} == {0, 1, 2}
-    assert 'archipelago_island_staleness{run_id="apitest",island="2"' in client.get("/metrics").text
+    scraped = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    assert {"run_id": "apitest", "island": "2"} in [s.labels for s in scraped["archipelago_island_staleness"].samples]
     while time.time() < deadline and not client.get("/v1/islands").json()[2]["rounds_contributed"]:
         time.sleep(0.2)
     newcomer = client.get("/v1/islands").json()[2]
