@@ -13,6 +13,7 @@ from orchestrator.config_operations import (
     ApiConfig,
     CheckpointConfig,
     ElasticConfig,
+    ExportConfig,
     RecordsConfig,
     TrackingConfig,
 )
@@ -237,6 +238,7 @@ class RunConfig(Strict):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     records: RecordsConfig = Field(default_factory=RecordsConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
     elastic: ElasticConfig = Field(default_factory=ElasticConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
     task: TaskSpec = Field(default_factory=TaskSpec)

@@ -47,6 +47,14 @@ class RecordsConfig(Strict):
     )
 
 
+class ExportConfig(Strict):
+    """Snapshots of the global model in its ecosystem's format during the run (tasks that can
+    export, e.g. the Hugging Face task), for evaluation harnesses that read that format."""
+
+    every_rounds: int = Field(0, ge=0, description="write out_dir/snapshots/round-N every N rounds; 0: at the end only")
+    keep: int = Field(2, ge=1, description="snapshots kept (the oldest are deleted)")
+
+
 class TrackingBackend(str, Enum):
     TENSORBOARD = "tensorboard"
     MLFLOW = "mlflow"

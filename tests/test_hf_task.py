@@ -112,10 +112,15 @@ def test_a_run_with_the_hf_task_exports_at_the_end_and_the_cli_exports_again(cor
             "islands.count=2",
             "rounds=2",
             "inner_steps=3",
+            "export.every_rounds=1",
+            "export.keep=1",
             f"out_dir={tmp_path / 'run'}",
         ],
     )
     in_process_run(cfg)
+    snapshots = sorted((tmp_path / "run" / "snapshots").iterdir())  # one per round, the newest kept
+    assert [s.name for s in snapshots] == ["round-000002"] and (snapshots[0] / "config.json").exists()
+    assert (snapshots[0] / "model.safetensors").read_bytes() == (tmp_path / "run/export/model.safetensors").read_bytes()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["export"] == str(tmp_path / "run" / "export")
     assert (tmp_path / "run" / "export" / "config.json").exists()

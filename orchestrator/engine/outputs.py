@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +28,7 @@ from orchestrator.engine.quorum import QuorumRule
 from orchestrator.engine.records import DiskFaults, EventLog, Recorder
 from orchestrator.engine.stats import RunStats
 from orchestrator.engine.types import Event, RunPhase
-from workers.tasks.task import ExportableTask, Task, export_pretrained
+from workers.tasks.task import ExportableTask, MetricTask, Task, export_pretrained
 from workers.wire.flat import FlatParams
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ class Outputs:
         self.cfg, self.run_id, self.task, self.model, self.flat, self.outer = cfg, run_id, task, model, flat, outer
         self.members, self.stats, self.inbox, self.on_record = members, stats, inbox, on_record
         self.eval_batches = list(task.eval_batches())
+        self.eval_metrics: dict[str, float] | None = None  # the task's own, at the latest evaluation
         self.disk = DiskFaults()
         self.checkpoint_owed = False  # a checkpoint the disk refused: retried at the next record
         last = stats.rounds_done if resumed else None
@@ -73,7 +76,34 @@ class Outputs:
         self.model.eval()
         with torch.no_grad():
             losses = [float(self.task.loss(self.model, b)) for b in self.eval_batches]
+            if isinstance(self.task, MetricTask):
+                self.eval_metrics = self._metrics(self.task)
         return sum(losses) / len(losses)
+
+    def _metrics(self, task: MetricTask) -> dict[str, float] | None:
+        """The task's own metrics, kept to finite numbers by name; a task whose hook raises
+        is logged and the run goes on without them this time."""
+        try:
+            found = task.eval_metrics(self.model, self.eval_batches)
+            return {str(k): float(v) for k, v in found.items() if math.isfinite(float(v))}
+        except Exception:
+            log.exception("the task's eval_metrics failed; this evaluation records the loss only")
+            return None
+
+    def snapshot_export(self, rnd: int) -> None:
+        """Every `export.every_rounds`, the global model in its ecosystem's format under
+        `out_dir/snapshots/round-N` (the newest `export.keep` kept): an evaluation harness
+        can follow the run without stopping it."""
+        every = self.cfg.export.every_rounds
+        if not (every and rnd % every == 0 and isinstance(self.task, ExportableTask)):
+            return
+        self.outer.copy_to(self.flat.data)
+        folder = self.recorder.out / "snapshots"
+        target = folder / f"round-{rnd:06d}"
+        state = self.model.state_dict()
+        if self.disk.attempt("a snapshot", lambda: export_pretrained(self.task, state, target)):
+            for old in sorted(folder.glob("round-*"))[: -self.cfg.export.keep]:
+                shutil.rmtree(old, ignore_errors=True)
 
     def record(self, rnd: int, version: int, clock_s: float, phase: RunPhase, capture: Callable[[], dict]) -> None:
         """Evaluate if due, append one record to metrics.jsonl, checkpoint if due (or owed)."""
@@ -81,7 +111,9 @@ class Outputs:
         eval_loss = self.evaluate() if rnd % cfg.eval_every == 0 or rnd == cfg.rounds else None
         entry = self.stats.record(rnd, cfg, version, eval_loss, self.outer.lr(), self.members)
         entry["clock_seconds"] = clock_s
+        entry["eval_metrics"] = self.eval_metrics if eval_loss is not None else None
         self.recorder.record(entry)
+        self.snapshot_export(rnd)
         every = cfg.checkpoint.every_rounds
         if every and (rnd % every == 0 or rnd == cfg.rounds or self.checkpoint_owed):
             self.checkpoint(version, rnd, capture)
@@ -104,6 +136,7 @@ class Outputs:
         out = self.recorder.out
         summary = self.stats.summary(phase, self.cfg, version, self.members, ledger, self.outer.numel, out)
         summary.update(extra)
+        summary["eval_metrics"] = self.eval_metrics
         self.recorder.finish(summary, self.model)  # first: an export that fails loses neither
         if isinstance(self.task, ExportableTask):  # the model back in its ecosystem's format, too
             export = out / "export"

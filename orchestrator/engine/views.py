@@ -102,6 +102,7 @@ class RoundRecord(_View):
     mode: str | None = None
     time: float | None = None
     eval_loss: float | None = None
+    eval_metrics: dict[str, float] | None = None  # the task's own (`MetricTask`), when it evaluated
     train_loss: float | None = None
     island_train_loss: dict[str, float] = {}
     contributed: list[int] = []
@@ -190,6 +191,7 @@ class Summary(_View):
     init_from: dict[str, str] | None
     warm_start: dict[str, Any] | None
     export: str | None = None
+    eval_metrics: dict[str, float] | None = None  # the task's own metrics at the final evaluation
 
 
 class MetricKind(str, Enum):

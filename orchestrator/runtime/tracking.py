@@ -43,6 +43,7 @@ def scalars(record: dict[str, Any], islands: dict[str, dict[str, Any]]) -> dict[
     """The numbers one round gives the trackers: the run's, and each live island's staleness
     and train loss (`island/<i>/…`)."""
     out = {k: float(record[k]) for k in SCALARS if isinstance(record.get(k), (int, float))}
+    out.update({f"eval/{name}": value for name, value in (record.get("eval_metrics") or {}).items()})
     for island, stats in islands.items():
         if IslandState(stats.get("state", "starting")).gone:
             continue

@@ -73,6 +73,11 @@ class DigitsTask:
     def batch_weight(self, batch: Batch) -> int:
         return int(batch[1].shape[0])
 
+    def eval_metrics(self, model: nn.Module, batches: Sequence[Batch]) -> dict[str, float]:
+        """Classification accuracy on the held-out digits (the `MetricTask` hook)."""
+        right = sum(int((model(x).argmax(dim=1) == y).sum()) for x, y in batches)
+        return {"accuracy": right / sum(int(y.shape[0]) for _, y in batches)}
+
 
 def make_task(**kwargs: object) -> DigitsTask:
     return DigitsTask(DigitsConfig(**kwargs))

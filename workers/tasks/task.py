@@ -59,6 +59,16 @@ class Task(Protocol):
 
 
 @runtime_checkable
+class MetricTask(Protocol):
+    """A task with evaluation metrics beyond the loss (accuracy, a downstream score): the
+    coordinator computes them with each evaluation of the global model and records them
+    (`eval_metrics` in `metrics.jsonl`, the summary and the trackers)."""
+
+    def eval_metrics(self, model: nn.Module, batches: Sequence[Batch]) -> dict[str, float]:
+        """Named numbers for `model` (in eval mode, under `no_grad`) on the eval batches."""
+
+
+@runtime_checkable
 class ExportableTask(Protocol):
     """A task whose model can be written in its ecosystem's own format (the Hugging Face
     task: `save_pretrained` with safetensors and the tokenizer)."""
