@@ -43,6 +43,6 @@ def test_diloco_trains_digits_classifier(split):
     assert after < before / 2 and accuracy > 0.8
     # the task's own metric (`MetricTask`), computed by the coordinator at each evaluation
     assert engine.summary["eval_metrics"] == {"accuracy": pytest.approx(accuracy)}
-    records = [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (Path(engine.cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
     assert all(0 <= r["eval_metrics"]["accuracy"] <= 1 for r in records) and len(records) == 8
     assert records[-1]["eval_metrics"]["accuracy"] > records[0]["eval_metrics"]["accuracy"]

@@ -17,7 +17,9 @@ from tests.helpers import in_process_engine
 
 ISLANDS, ROUNDS = 64, 10_000
 BOUND_MIB = 80  # docs/operations.md quotes this bound
-RSS_BOUND_MIB, GROWTH_BOUND_MIB = 640, 96  # the whole process, and its growth after round 50 (ditto)
+# growth of the process's resident memory over the run, and after round 50 (ditto); growth,
+# not the absolute figure, since the suite runs every test in one process
+RUN_GROWTH_MIB, GROWTH_BOUND_MIB = 128, 96
 
 
 def _record(rnd: int, rng: random.Random) -> dict:
@@ -106,4 +108,4 @@ def test_a_64_island_run_with_churn_holds_its_coordinator_memory_bounded(tmp_pat
     print(
         f"{ISLANDS} islands x {RUN_ROUNDS} rounds, {replaced} replaced: rss MiB by round {marks}, +{grown:.0f} after 50"
     )
-    assert rss[-1][1] < RSS_BOUND_MIB and grown < GROWTH_BOUND_MIB
+    assert rss[-1][1] - rss[0][1] < RUN_GROWTH_MIB and grown < GROWTH_BOUND_MIB
