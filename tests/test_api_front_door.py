@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
+import ssl
 
 import httpx
 import pytest
@@ -181,7 +182,7 @@ def test_the_control_plane_serves_https_with_a_certificate_and_its_key(tmp_path)
     )  # fmt: skip
     with serving(create_app(FakeRun(), TOKEN), tls=(str(cert), str(key))) as url:
         assert url.startswith("https://")
-        r = httpx.get(f"{url}/v1/run", headers=AUTH, verify=str(cert))
+        r = httpx.get(f"{url}/v1/run", headers=AUTH, verify=ssl.create_default_context(cafile=str(cert)))
         assert r.status_code == 200 and r.json()["mode"] == "diloco"
         with pytest.raises(httpx.HTTPError):  # plain HTTP on the TLS port is not served
             httpx.get(url.replace("https://", "http://") + "/v1/run", headers=AUTH)
