@@ -64,7 +64,8 @@ class OuterSlice:
 
     def _parts(self, key: int, weights: dict[int, float], keep: bool = False) -> list[tuple[np.ndarray, float]]:
         parts = self.pending[key] if keep else self.pending.pop(key)
-        return [(d, weights[i]) for i, d in parts if i in weights]
+        # in island order, not arrival order: float sums depend on their order (`LocalOuter`)
+        return [(d, weights[i]) for i, d in sorted(parts, key=lambda part: part[0]) if i in weights]
 
     def gap_terms(self, key: int, weights: dict[int, float], anchor: int) -> tuple[float, float, float] | None:
         return self.step.gap_terms(self._parts(key, weights, keep=True), anchor)

@@ -196,7 +196,10 @@ class LocalOuter:
         anchor: int | None = None,
         fragment: int | None = None,
     ) -> float | None:
-        parts = [(d, weights[i]) for i, d, _ in self.pending.pop(key) if i in weights]
+        # summed in island order, not arrival order: float sums depend on their order, and the
+        # same run must give the same model whichever island's result came first
+        pending = sorted(self.pending.pop(key), key=lambda part: part[0])
+        parts = [(d, weights[i]) for i, d, _ in pending if i in weights]
         if self.fragments is None:
             return self.steps[0].apply(parts, scale, anchor)
         if fragment is None:
