@@ -16,9 +16,9 @@ import contextlib
 import os
 import uuid
 from pathlib import Path
+from typing import Any
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -54,10 +54,11 @@ class Folder:
     def __init__(self, location: str | Path) -> None:
         self.location = str(location).rstrip("/")
         self.remote = is_url(self.location)
+        # local folders go through pathlib (and `durable_write`); fsspec only for object storage
+        self.fs: Any = None
+        self.path: str = str(Path(self.location))
         if self.remote:
             self.fs, self.path = fsspec.core.url_to_fs(self.location)
-        else:
-            self.fs, self.path = LocalFileSystem(), str(Path(self.location))
 
     def __truediv__(self, name: str) -> Folder:
         return Folder(f"{self.location}/{name}")
