@@ -12,7 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.storage import Folder, is_url
+from workers.runtime.storage import Folder, is_url
 from workers.tasks.task import TaskError, load_task
 
 

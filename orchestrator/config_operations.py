@@ -33,6 +33,11 @@ class CheckpointConfig(Strict):
     keep: int = Field(
         3, ge=1, description="checkpoints kept; a restart falls back to an older one if the newest is corrupt"
     )
+    island_state: bool = Field(
+        True,
+        description="islands write their inner optimizer state (moments, error feedback) beside the checkpoints "
+        "in the rounds before each one, and a resumed run's islands continue from it",
+    )
 
 
 class RecordsConfig(Strict):

@@ -14,12 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.engine import records, storage
+from orchestrator.engine import records
 from orchestrator.engine.checkpoints import load_checkpoint
 from orchestrator.engine.pool import Fault, FaultKind
 from orchestrator.engine.types import RunFailed
 from tests.engine_scenarios import check_exactly_once, drive, run_scenario, scenario_cfg
 from tests.helpers import events, in_process_engine
+from workers.runtime import storage
 from workers.wire.flat import slice_bounds
 from workers.wire.messages import Sliced
 

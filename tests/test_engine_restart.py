@@ -232,12 +232,12 @@ def test_two_runs_on_one_checkpoint_folder_keep_apart_and_each_resumes_its_own(t
     b = scenario_cfg(tmp_path, "diloco", f"checkpoint.path={shared}", "checkpoint.keep=2", "seed=1")
     first, pool = in_process_engine(a, run_id="first")
     drive(first, until=3)
-    kept = {p.name: p.read_bytes() for p in (shared / "first").iterdir()}
+    kept = {p.relative_to(shared): p.read_bytes() for p in (shared / "first").rglob("*") if p.is_file()}
     second, _ = in_process_engine(b, run_id="second")
     assert not second.resumed
     drive(second)
     assert second.summary["rounds_done"] == 6
-    assert {p.name: p.read_bytes() for p in (shared / "first").iterdir()} == kept
+    assert {p.relative_to(shared): p.read_bytes() for p in (shared / "first").rglob("*") if p.is_file()} == kept
     assert sorted(p.name for p in (shared / "second").glob("state-*.pt")) == ["state-000005.pt", "state-000006.pt"]
     pool.coordinator_lost()
     again = build_engine(a, pool, run_id="first")

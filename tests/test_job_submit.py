@@ -226,6 +226,9 @@ def test_a_submitted_run_is_steered_live_and_a_stopped_job_is_resumed_by_a_new_o
     assert summary["state"] == "finished" and summary["outer_steps"] == done + 2
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert (out / "final.pt").exists() and load_checkpoint(one_run(out / "checkpoint"))["version"] == done + 2
+    # the new job's islands are new actors, yet each continued from its predecessor's inner state
+    joins = [e for e in _records(out / "events.jsonl") if e["kind"] == "join" and "inner_state" in e]
+    assert sorted(e["island"] for e in joins) == [0, 1] and {e["inner_state"] for e in joins} == {"restored"}
 
 
 def _logs(env, address, job_id) -> str:

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from orchestrator.config_load import ConfigError, check_folders, load_config
 from orchestrator.engine.build import build_engine
 from orchestrator.engine.checkpoints import load_checkpoint, run_folder, runs_in
+from orchestrator.engine.pool import InProcessPool
 from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
 from tests.helpers import in_process_engine
+from workers.runtime import inner_state
+from workers.runtime.island import Island
 
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("s3fs")
@@ -54,27 +58,67 @@ def s3(endpoint, monkeypatch):
 
 def _objects(client, prefix: str) -> list[str]:
     listed = client.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])
-    return sorted(o["Key"].rsplit("/", 1)[-1] for o in listed)
+    return sorted(o["Key"][len(prefix) :] for o in listed)
 
 
-def test_a_run_checkpointed_to_s3_resumes_from_the_bucket_after_its_coordinator_is_lost(tmp_path, s3):
+def _moments(island: Island) -> dict[str, np.ndarray]:
+    """The island's AdamW state, flat (as `inner_state.capture` lays it out)."""
+    return inner_state.capture(island.optimizer, {})
+
+
+def test_a_run_checkpointed_to_s3_is_killed_and_resumes_from_the_bucket_with_its_islands_moments(
+    tmp_path, s3, monkeypatch
+):
+    """Everything is lost — coordinator and islands — and a new run resumes from the
+    bucket: each new island continues from the AdamW moments its predecessor had when the
+    result the checkpoint counts was sent (not fresh ones), and every batch is trained once."""
+    moments: dict[str, dict[str, np.ndarray]] = {}  # the islands' moments as each saved state was written
+    run = Island.run
+
+    def run_and_remember(island: Island, order, params):
+        result = run(island, order, params)
+        if result.saved_state is not None:
+            moments[result.saved_state.name] = _moments(island)
+        return result
+
+    monkeypatch.setattr(Island, "run", run_and_remember)
     location = f"s3://{BUCKET}/{tmp_path.name}"
-    cfg = scenario_cfg(tmp_path, "diloco", f"checkpoint.path={location}", "checkpoint.keep=2")
+    cfg = scenario_cfg(
+        tmp_path, "diloco", f"checkpoint.path={location}", "checkpoint.keep=2", "inner.optimizer=adamw", "inner.lr=0.01"
+    )
     check_folders(cfg)
-    first, pool = in_process_engine(cfg, run_id="bucket")
+    first, _ = in_process_engine(cfg, run_id="bucket")
     drive(first, until=3)
-    assert _objects(s3, f"{tmp_path.name}/bucket/") == [
+    objects = _objects(s3, f"{tmp_path.name}/bucket/")
+    assert [o for o in objects if not o.startswith("islands/")] == [
         "membership.json", "state-000002.pt", "state-000002.pt.sha256", "state-000003.pt", "state-000003.pt.sha256",
     ]  # fmt: skip
     assert runs_in(location) == ["bucket"]
-    saved = load_checkpoint(run_folder(location, "bucket"))["ledger"]["position"]
+    checkpoint = load_checkpoint(run_folder(location, "bucket"))
+    named = {int(i): m["inner_state"] for i, m in checkpoint["members"].items()}
+    assert sorted(named) == [0, 1, 2] and all(f"islands/{n}" in objects for n in named.values())
+    saved = checkpoint["ledger"]["position"]
     lost = Counter((s, i) for s, p in enumerate(first.ledger.position) for i in range(saved[s], p))
-    pool.coordinator_lost()
-    second = build_engine(cfg, pool, run_id="bucket")  # a new process would read the same objects
+    fresh = InProcessPool(cfg)  # a new job: no island of the first is left
+    second = build_engine(cfg, fresh, run_id="bucket")
     assert second.resumed and second.rounds_done == 3
-    drive(second)
+    second.start()
+    for i, name in named.items():
+        island = fresh.islands[i]
+        assert island.restored is True
+        restored = _moments(island)
+        assert sorted(restored) == ["exp_avg", "exp_avg_sq", "scalar:step"]
+        for kind, values in moments[name].items():
+            np.testing.assert_array_equal(restored[kind], values)
+        assert float(np.abs(restored["exp_avg_sq"]).sum()) > 0  # trained moments, not zeros
+    while second.step():
+        pass
     check_exactly_once(cfg, second.summary, lost)
     assert second.summary["rounds_done"] == 6
+    final = load_checkpoint(run_folder(location, "bucket"))
+    left = {o for o in _objects(s3, f"{tmp_path.name}/bucket/islands/")}
+    # the finished run keeps exactly the states its kept checkpoints name
+    assert left == set(final["island_states"]) and len(left) <= 2 * 3
 
 
 def test_a_corrupt_newest_object_falls_back_to_the_one_before(tmp_path, s3):

@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from orchestrator.engine.storage import Folder
 from orchestrator.engine.types import RunFailed
+from workers.runtime.storage import Folder
 
-Location = str | Path | Folder  # a local folder, or object storage by URL (`engine/storage.py`)
+Location = str | Path | Folder  # a local folder, or object storage by URL (`workers/runtime/storage.py`)
 
 log = logging.getLogger(__name__)
 

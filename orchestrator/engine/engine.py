@@ -23,6 +23,7 @@ from orchestrator.engine.checkpoints import load_checkpoint, run_folder
 from orchestrator.engine.commands import Answer, Command, Inbox, SettingsUpdate
 from orchestrator.engine.fleet import Fleet
 from orchestrator.engine.inflight import POLL_S, InFlight
+from orchestrator.engine.island_states import IslandStates
 from orchestrator.engine.ledger import DataLedger
 from orchestrator.engine.membership import Membership
 from orchestrator.engine.outer_slices import SlicedOuter
@@ -35,14 +36,7 @@ from orchestrator.engine.pool import Done, Failed, IslandPool, Joined, JoinFaile
 from orchestrator.engine.publisher import Publisher
 from orchestrator.engine.screen import Sizes
 from orchestrator.engine.stats import RunStats
-from orchestrator.engine.types import (
-    Decision,
-    Event,
-    IslandState,
-    RunFailed,
-    RunPhase,
-    SliceLost,
-)
+from orchestrator.engine.types import Decision, Event, IslandState, RunFailed, RunPhase, SliceLost
 from orchestrator.engine.warm_start import WarmStart
 from workers.tasks.task import Task
 from workers.wire.flat import FlatParams
@@ -96,6 +90,7 @@ class RoundEngine:
         self.clock0 = 0.0  # the pool's clock when training began (`_clock`)
         self.summary: dict[str, Any] = {}
         self.publisher = Publisher(cfg=cfg, pool=pool, outer=outer, flat=flat.data, fragments=fragments)
+        self.states = IslandStates(cfg, run_id)
         self.checkpoints = run_folder(cfg.checkpoint_dir, run_id)
         every = cfg.checkpoint.every_rounds
         state = load_checkpoint(self.checkpoints, cfg.checkpoint.resume_from) if every else None
@@ -119,6 +114,7 @@ class RoundEngine:
             resumed=self.resumed,
             on_record=on_record,
             quorum=self.quorum,
+            states=self.states,
         )
         self.events, self.recorder, self.disk = self.outputs.events, self.outputs.recorder, self.outputs.disk
         if self.resumed:
@@ -136,6 +132,7 @@ class RoundEngine:
             publisher=self.publisher,
             events=self.events,
             sizes=Sizes(outer.numel, fragments, slices),
+            states=self.states,
             judged=self._judged,
             fail=self._fail,
         )
@@ -147,6 +144,7 @@ class RoundEngine:
             run=self.run,
             events=self.events,
             disk=self.disk,
+            states=self.states,
             forget=self.inflight.forget,
             halt=self._halt,
         )
@@ -264,6 +262,7 @@ class RoundEngine:
         self.summary = self.outputs.summarise(self.phase, self.run.version, extra, self.ledger)
         self.outputs.update_snapshot(self.phase, self.run.version)
         self.outputs.refresh_islands()
+        self.states.sweep(self.disk)  # nothing is in flight: the states no checkpoint names go
         for i in list(self.members.islands):
             if not self.members.islands[i].state.gone:
                 self.pool.release(i)

@@ -20,6 +20,7 @@ from orchestrator.config import RunConfig
 from orchestrator.config_operations import OnFailure
 from orchestrator.engine.checkpoints import load_intent, run_folder, save_intent
 from orchestrator.engine.commands import Drain, Inbox, SetTarget
+from orchestrator.engine.island_states import IslandStates
 from orchestrator.engine.membership import Membership
 from orchestrator.engine.pacing import RunState
 from orchestrator.engine.pool import IslandPool, Joined, JoinFailed
@@ -106,12 +107,15 @@ class Fleet:
         run: RunState,
         events: EventLog,
         disk: DiskFaults,
+        states: IslandStates,
         forget: Callable[[int, IslandState], None],
         halt: Callable[[float, str], None],
     ) -> None:
-        """`forget`: give up an island's work; `halt`: give up every island's work and
-        stand still (a restart after a failure)."""
+        """`states`: where islands keep their inner state, and what an island placed again
+        continues from; `forget`: give up an island's work; `halt`: give up every island's
+        work and stand still (a restart after a failure)."""
         self.cfg, self.run_id, self.pool, self.members, self.run = cfg, run_id, pool, members, run
+        self.states = states
         self.events, self.disk, self.forget, self.halt = events, disk, forget, halt
         self.scaling = ScalingPolicy(abandon=cfg.elastic.drain == "abandon")
         restart = cfg.elastic.restart_s if cfg.elastic.on_failure == OnFailure.RESTART else None
@@ -241,7 +245,8 @@ class Fleet:
     def place(self, index: int) -> None:
         start = self.cfg.warm_steps + self.run.completed_steps // max(1, len(self.members.live()))
         self.members.pending[index] = self.pool.now()
-        self.pool.request(index, start)
+        restore = self.states.restore_for(self.members.islands.get(index))
+        self.pool.request(index, start, state_folder=self.states.folder, restore=restore)
         self.events.add(Event.REQUESTED, index)
 
     def start_drain(self, island: int) -> bool:
@@ -292,7 +297,8 @@ class Fleet:
         if known is not None:  # re-placed after a coordinator restart: keeps its statistics
             self.members.pending.pop(event.island, None)
             known.state, known.node = IslandState.TRAINING, event.node
-            self.events.add(Event.JOIN, event.island, node=event.node, version=self.run.version)
+            restored = {} if event.restored is None else {"inner_state": "restored" if event.restored else "lost"}
+            self.events.add(Event.JOIN, event.island, node=event.node, version=self.run.version, **restored)
             return None
         self.members.add(event.island, event.node, joined_version=0 if starting else self.run.version)
         self.events.add(Event.JOIN, event.island, node=event.node, version=self.run.version)

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from orchestrator.config import RunConfig
 from orchestrator.engine.admission import Verdict
+from orchestrator.engine.island_states import IslandStates, save_due
 from orchestrator.engine.ledger import DataLedger
 from orchestrator.engine.membership import Membership
 from orchestrator.engine.pacing import Flight, Pacing, RunState, Work
@@ -50,13 +51,16 @@ class InFlight:
         publisher: Publisher,
         events: EventLog,
         sizes: Sizes,
+        states: IslandStates,
         judged: Judged,
         fail: Callable[[int, str], None],
     ) -> None:
-        """`judged`: a refused result's verdict, towards quarantine; `fail`: a hung island."""
+        """`states`: the islands' inner states a checkpoint names; `judged`: a refused
+        result's verdict, towards quarantine; `fail`: a hung island."""
         self.cfg, self.pool, self.ledger, self.pacing, self.run = cfg, pool, ledger, pacing, run
         self.members, self.stats, self.speeds, self.publisher = members, stats, speeds, publisher
         self.events, self.sizes, self.judged, self.fail = events, sizes, judged, fail
+        self.states = states
         self.flights: dict[int, Flight] = {}  # handed out; arrived results wait here until their step closes
         self.overdue: dict[int, tuple[int, float]] = {}  # ticket -> (island, deadline), abandoned past it
         self.tickets = itertools.count()
@@ -96,6 +100,8 @@ class InFlight:
             changes=delivery.changes,
             eager=work.eager,
             send_after=work.send_after,
+            save_state=self.states.folder is not None
+            and save_due(self.cfg, work.kind, self.stats.rounds_done, len(self.members.schedulable())),
         )
         if delivery.params_sha256 is not None:
             order = seal(order, delivery.params_sha256)
@@ -228,6 +234,8 @@ class InFlight:
             del self.flights[flight.ticket]
             self.ledger.commit(flight.ticket, r.shard_tokens)
         stats = self.members.islands[r.island]
+        if r.saved_state is not None:  # the island trained it, taken or not: its moments moved
+            self.states.settled(stats, r.saved_state)
         self.stats.account(stats, r, verdict, staleness, trained=not returned)
         stats.steps_per_s = self.speeds.speeds.get(r.island, 0.0)
         if verdict.admitted:

@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from orchestrator.engine.storage import durable_write
+from workers.runtime.storage import durable_write
 
 
 def rotated(path: Path, n: int) -> Path:

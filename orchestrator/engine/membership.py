@@ -43,6 +43,8 @@ class IslandStats:
     staleness_total: int = 0
     submissions: int = 0
     merge: Merge | None = None  # where its latest work stands against the outer step
+    inner_state: str | None = None  # the file of its inner state a checkpoint names (`engine/island_states.py`)
+    inner_state_sha256: str | None = None
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT), repr=False)
 
     def observe_staleness(self, staleness: int) -> None:

@@ -22,6 +22,7 @@ import torch
 from orchestrator.config import RunConfig
 from orchestrator.engine.checkpoints import run_folder, save_checkpoint
 from orchestrator.engine.commands import Inbox
+from orchestrator.engine.island_states import IslandStates
 from orchestrator.engine.membership import IslandStats, Membership
 from orchestrator.engine.outer_step import Outer
 from orchestrator.engine.quorum import QuorumRule
@@ -50,12 +51,14 @@ class Outputs:
         stats: RunStats,
         inbox: Inbox,
         resumed: bool,
+        states: IslandStates,
         on_record: OnRecord | None = None,
         quorum: QuorumRule | None = None,
     ) -> None:
         self.quorum = quorum  # the quorum pacing's live settings, shown in the status
         self.cfg, self.run_id, self.task, self.model, self.flat, self.outer = cfg, run_id, task, model, flat, outer
         self.members, self.stats, self.inbox, self.on_record = members, stats, inbox, on_record
+        self.states = states
         self.eval_batches = list(task.eval_batches())
         self.eval_metrics: dict[str, float] | None = None  # the task's own, at the latest evaluation
         self.disk = DiskFaults()
@@ -128,6 +131,7 @@ class Outputs:
         self.checkpoint_owed = not self.disk.attempt("a checkpoint", lambda: save_checkpoint(folder, capture(), keep))
         if not self.checkpoint_owed:
             self.events.add(Event.CHECKPOINT, version=version, round=rnd)
+            self.states.checkpointed(self.members, self.disk)
 
     def summarise(self, phase: RunPhase, version: int, extra: dict[str, Any], ledger: Any) -> dict[str, Any]:
         """The run's summary (also `summary.json`), the final model and, for a task of

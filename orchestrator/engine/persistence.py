@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from orchestrator.config import RunConfig
 from orchestrator.engine.admission import Admission
+from orchestrator.engine.island_states import IslandStates
 from orchestrator.engine.ledger import DataLedger
 from orchestrator.engine.membership import IslandStats, Membership, Retired
 from orchestrator.engine.outer_step import Outer
@@ -37,6 +38,7 @@ class Engine(Protocol):
     stats: RunStats
     pacing: Pacing
     publisher: Publisher
+    states: IslandStates
 
     @property
     def flights(self) -> dict[int, Flight]: ...
@@ -68,6 +70,7 @@ def capture(engine: Engine) -> dict[str, Any]:
         "completed_steps": engine.run.completed_steps - uncommitted,
         "counters": engine.stats.state(),
         "target": engine.members.target,
+        "island_states": engine.states.kept(engine.members),  # every inner-state file a kept checkpoint names
     }
 
 
@@ -100,4 +103,5 @@ def restore(engine: Engine, state: dict[str, Any]) -> None:
     run.completed_steps = state["completed_steps"]
     engine.stats.load(state["counters"])
     engine.members.target = state["target"]
+    engine.states.load(state.get("island_states", []))  # absent from a checkpoint older than it
     engine.pacing.resume(run)

@@ -24,7 +24,7 @@ import numpy as np
 from orchestrator.config import Mode, RunConfig
 from orchestrator.engine.chaos import Strike, TimedFault
 from workers.runtime.island import Island, IslandSpec
-from workers.wire.messages import RoundResult, Sliced, WorkOrder
+from workers.wire.messages import RoundResult, SavedState, Sliced, WorkOrder
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +32,7 @@ class Joined:
     island: int
     node: str
     steps_per_s: float | None = None  # its speed, when known or probed before its first work
+    restored: bool | None = None  # placed to continue a saved inner state: whether it could (None: fresh)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,10 +60,18 @@ class Failed:
 PoolEvent = Joined | JoinFailed | Done | Failed
 
 
-def island_spec(cfg: RunConfig, index: int, start_step: int = 0) -> IslandSpec:
+def island_spec(
+    cfg: RunConfig,
+    index: int,
+    start_step: int = 0,
+    *,
+    state_folder: str | None = None,
+    restore: SavedState | None = None,
+) -> IslandSpec:
     """What island `index` is built from (an island that starts past step 0 of the run's
     inner schedule — a joiner, or any island after a warm start — re-warms its learning
-    rate while its fresh optimizer state settles)."""
+    rate while its fresh optimizer state settles; one that continues from its saved
+    state, `restore`, has no fresh state to settle)."""
     return IslandSpec(
         index=index,
         num_islands=cfg.islands.count,
@@ -78,7 +87,7 @@ def island_spec(cfg: RunConfig, index: int, start_step: int = 0) -> IslandSpec:
         chunk=cfg.compression.chunk,
         num_shards=cfg.num_shards,
         start_step=start_step,
-        rewarmup_steps=cfg.elastic.join_rewarmup_steps if start_step else 0,
+        rewarmup_steps=cfg.elastic.join_rewarmup_steps if start_step and restore is None else 0,
         coordinator_shards=cfg.coordinator.shards,
         sharding=cfg.islands.sharding,
         error_feedback=cfg.compression.error_feedback,
@@ -87,14 +96,19 @@ def island_spec(cfg: RunConfig, index: int, start_step: int = 0) -> IslandSpec:
         merge_alpha=cfg.streaming.alpha,
         eager_step=cfg.overlap.lr / cfg.overlap.penalty_p if cfg.overlap.eager else 0.0,
         eager_clip=cfg.overlap.clip,
+        state_folder=state_folder,
+        restore_state=restore,
     )
 
 
 class IslandPool(Protocol):
     def now(self) -> float: ...
     def sleep_until(self, t: float) -> None: ...
-    def request(self, island: int, start_step: int) -> None:
-        """Start placing a new island (returns at once; `Joined`/`JoinFailed` follow)."""
+    def request(
+        self, island: int, start_step: int, *, state_folder: str | None = None, restore: SavedState | None = None
+    ) -> None:
+        """Start placing a new island (returns at once; `Joined`/`JoinFailed` follow); it
+        writes its inner state to `state_folder` when asked and continues from `restore`."""
 
     def reattach(self, island: int) -> str | None:
         """After a coordinator restart: the node of a still-live island, or None."""
@@ -199,15 +213,23 @@ class InProcessPool:
     def sleep_until(self, t: float) -> None:
         self.t = max(self.t, t)
 
-    def request(self, island: int, start_step: int) -> None:
+    def request(
+        self, island: int, start_step: int, *, state_folder: str | None = None, restore: SavedState | None = None
+    ) -> None:
         if island in self.islands:  # as Ray refuses a second placement group of one name
             raise ValueError(f"island {island} already exists")
         if island in self.unplaceable:
             return
-        self.islands[island] = Island(island_spec(self.cfg, island, start_step))
+        spec = island_spec(self.cfg, island, start_step, state_folder=state_folder, restore=restore)
+        self.islands[island] = Island(spec)
         self._at(
             self.t + self.join_s,
-            Joined(island=island, node=f"inprocess:{island}", steps_per_s=self._known_speed(island)),
+            Joined(
+                island=island,
+                node=f"inprocess:{island}",
+                steps_per_s=self._known_speed(island),
+                restored=self.islands[island].restored,
+            ),
         )
 
     def _known_speed(self, island: int) -> float:

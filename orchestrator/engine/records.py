@@ -24,8 +24,8 @@ from orchestrator.config import RunConfig
 from orchestrator.config_load import dump_config
 from orchestrator.config_operations import RecordsConfig
 from orchestrator.engine.logfiles import read_lines, restart, rewind, rotate
-from orchestrator.engine.storage import durable_write
 from orchestrator.engine.types import Event
+from workers.runtime.storage import durable_write
 
 log = logging.getLogger(__name__)
 # Events an operator should see in the job's logs without asking; the rest are logged at

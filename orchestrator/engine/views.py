@@ -90,6 +90,8 @@ class IslandView(_View):
     staleness_recent_mean: float = 0.0
     submissions: int = 0
     merge: Merge | None = None
+    inner_state: str | None = None  # its newest saved inner state (a resumed run's island continues from it)
+    inner_state_sha256: str | None = None
     tokens_per_s: float = 0.0
     idle_fraction: float | None = None  # in the summary: the share of the run it was not computing
 

@@ -20,8 +20,8 @@ import torch
 
 from orchestrator.config import Mode, RunConfig, WarmStartMode
 from orchestrator.engine.checkpoints import newest_valid, run_folder
-from orchestrator.engine.storage import durable_write
 from orchestrator.engine.types import RunFailed
+from workers.runtime.storage import durable_write
 
 log = logging.getLogger(__name__)
 

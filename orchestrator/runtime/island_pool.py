@@ -30,9 +30,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from orchestrator.config import RunConfig
 from orchestrator.engine.pool import Done, Failed, Joined, JoinFailed, PoolEvent, island_spec
 from orchestrator.runtime.names import NAMESPACE, coordinator_name, island_name
+from workers.runtime.island import IslandSpec
 from workers.runtime.island_actor import RayIsland, actor_class
 from workers.runtime.island_group import GroupIsland
-from workers.wire.messages import RoundResult, WorkOrder
+from workers.wire.messages import RoundResult, SavedState, WorkOrder
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +71,12 @@ def request_group(cfg: RunConfig, index: int, run_id: str) -> PlacementGroup:
 
 
 def start_island(
-    cfg: RunConfig, index: int, run_id: str, group: PlacementGroup, start_step: int = 0, coordinator: str | None = None
+    cfg: RunConfig, spec: IslandSpec, run_id: str, group: PlacementGroup, coordinator: str | None = None
 ) -> IslandHandle:
     """Start the island inside its (ready) placement group: one actor, or with
     `islands.workers` = N a group of N whose rank 0 is the actor the coordinator talks to
     (the others live and die with the group; `describe` answers once the group formed)."""
-    spec = island_spec(cfg, index, start_step)
+    index = spec.index
     cls = actor_class(GroupIsland if cfg.islands.workers > 1 else RayIsland)
 
     def worker(rank: int, **named: Any) -> Any:
@@ -154,7 +155,7 @@ class _Placing:
     group: PlacementGroup
     placed_ref: Any  # group.ready() starts a task each call: keep the one ref
     since: float
-    start_step: int
+    spec: IslandSpec
     handle: IslandHandle | None = None
     ready_ref: Any = None
 
@@ -182,9 +183,12 @@ class RayIslandPool:
         else:
             time.sleep(max(0.0, t - time.time()))
 
-    def request(self, island: int, start_step: int) -> None:
+    def request(
+        self, island: int, start_step: int, *, state_folder: str | None = None, restore: SavedState | None = None
+    ) -> None:
+        spec = island_spec(self.cfg, island, start_step, state_folder=state_folder, restore=restore)
         group = request_group(self.cfg, island, self.run_id)
-        self.placing[island] = _Placing(island, group, group.ready(), time.time(), start_step)
+        self.placing[island] = _Placing(island, group, group.ready(), time.time(), spec)
 
     def reattach(self, island: int) -> str | None:
         handle = find_island(self.run_id, island)
@@ -325,9 +329,7 @@ class RayIslandPool:
             if p.handle is None:
                 if ray.wait([p.placed_ref], timeout=0)[0]:
                     try:
-                        p.handle = start_island(
-                            self.cfg, i, self.run_id, p.group, start_step=p.start_step, coordinator=self.coordinator
-                        )
+                        p.handle = start_island(self.cfg, p.spec, self.run_id, p.group, coordinator=self.coordinator)
                     except (ValueError, ray.exceptions.RayError) as err:  # e.g. its name still taken
                         del self.placing[i]
                         remove_placement_group(p.group)
@@ -345,7 +347,9 @@ class RayIslandPool:
                     continue
                 self.handles[i] = p.handle
                 speed = 1.0 / self.cfg.islands.virtual_seconds(i, 1) if self.virtual else info.get("steps_per_s")
-                events.append(Joined(island=i, node=f"{info['host']}:{info['device']}", steps_per_s=speed))
+                node = f"{info['host']}:{info['device']}"
+                restored = info.get("inner_state_restored")
+                events.append(Joined(island=i, node=node, steps_per_s=speed, restored=restored))
         return events
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ data position persist across rounds, as DiLoCo requires.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +18,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from workers.runtime import inner_state
+from workers.runtime.inner_state import InnerStateError
 from workers.runtime.optim import build_inner
 from workers.tasks.task import load_task, split_batch, to_device
 from workers.wire.compress import ErrorFeedback, decode, encode
@@ -24,9 +27,11 @@ from workers.wire.flat import FlatParams, ParamStore, as_tensor, slice_bounds
 from workers.wire.fragments import FragmentedTask, fragment_model
 from workers.wire.fragments import positions as fragment_positions
 from workers.wire.handoff import verify
-from workers.wire.messages import RoundResult, Sliced, Wire, WorkKind, WorkOrder
+from workers.wire.messages import RoundResult, SavedState, Sliced, Wire, WorkKind, WorkOrder
 from workers.wire.spec import InnerConfig, Precision, Sharding
 from workers.wire.sync import ChangeOutOfOrder, apply_change
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,8 @@ class IslandSpec:
     merge_alpha: float = 0.0  # streaming: local <- alpha x local + (1 - alpha) x received global fragment
     eager_step: float = 0.0  # overlap, eager updates: the outer step size applied to its own last Δ
     eager_clip: float | None = None  # ... clipped elementwise like CO2's momentum
+    state_folder: str | None = None  # where it writes its inner state when an order asks (None: never)
+    restore_state: SavedState | None = None  # the inner state it continues from (a resumed run's island)
 
 
 class Superseded(RuntimeError):
@@ -92,6 +99,40 @@ class Island:
         self.inner_steps_done = 0  # over the island's life: a restarted coordinator's test that it kept its state
         self.running = False
         self.superseded = threading.Event()  # the work in flight was given by a coordinator that is gone
+        self.restored = self._restore() if spec.restore_state is not None else None
+
+    def _restore(self) -> bool:
+        """Continue from the inner state a checkpoint names; one that cannot be used (gone,
+        corrupt, another model) is logged and the island starts with fresh moments, as a
+        joining island does: a resume is never refused for it."""
+        assert self.spec.restore_state is not None and self.spec.state_folder is not None
+        try:
+            arrays = inner_state.load(self.spec.state_folder, self.spec.restore_state)
+            residuals = inner_state.restore(self.optimizer, arrays)
+        except InnerStateError as err:
+            self.optimizer.state.clear()
+            log.warning("island %d starts with a fresh optimizer: %s", self.spec.index, err)
+            return False
+        for name, residual in residuals.items():
+            self.feedback[None if name == "all" else int(name)] = feedback = ErrorFeedback()
+            feedback.residual = residual
+        return True
+
+    def _save_state(self) -> SavedState | None:
+        """Write the inner state as it stands after this order's last step (the state the
+        order's result leaves the island in), when the coordinator asked for it; a write
+        that fails is logged and the result goes back without it (the previous one stands)."""
+        if self.spec.state_folder is None:
+            return None
+        residuals = {
+            "all" if k is None else str(k): f.residual for k, f in self.feedback.items() if f.residual is not None
+        }
+        try:
+            arrays = inner_state.capture(self.optimizer, residuals)
+            return inner_state.save(self.spec.state_folder, self.spec.index, arrays)
+        except (OSError, InnerStateError) as err:
+            log.warning("island %d could not save its inner state: %s", self.spec.index, err)
+            return None
 
     def _batches(self, order: WorkOrder) -> Iterator[tuple[int, Any]]:
         """The order's batches: step j reads shard `sorted(shards)[(turn + j) % n]`, each
@@ -137,6 +178,7 @@ class Island:
             "numel": self.flat.numel,
             "inner_steps_done": self.inner_steps_done,
             "optimizer_state": len(self.optimizer.state),
+            "inner_state_restored": self.restored,
             "busy": self.running,
         }
 
@@ -286,12 +328,14 @@ class Island:
             if self.spec.eager_step:
                 self.last_delta = delta.clone()
             payload = self._encode(delta, order.fragment)
+            saved = self._save_state() if order.save_state else None
         else:
             ((shard, batch),) = self._batches(order)
             losses, weight = self._forward_backward(batch)
             shard_tokens[shard] += weight
             positions[shard] += 1
             payload = self._encode(self.flat.full_grad().clone())
+            saved = None
         return RoundResult(
             island=self.spec.index,
             version=order.version,
@@ -307,6 +351,7 @@ class Island:
             fragment=order.fragment,
             tail_steps=tail_steps,
             tail_s=tail_s,
+            saved_state=saved,
         )
 
     def _sync(self, order: WorkOrder, params: Any) -> torch.Tensor | None:

@@ -33,6 +33,15 @@ def batch_counts(shards: list[int], turn: int, steps: int) -> dict[int, int]:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SavedState:
+    """Where an island wrote its inner state (`workers/runtime/inner_state.py`), and what
+    the file's bytes hash to."""
+
+    name: str
+    sha256: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class WorkOrder:
     island: int
     ticket: int  # the engine's id of this piece of work
@@ -48,6 +57,7 @@ class WorkOrder:
     eager: bool = False  # overlap: start from `version` moved by this island's last update (not in it yet)
     send_after: int | None = None  # streaming: take Δ after this many steps (τ before the end); None: at the end
     handoff_sha256: str | None = None  # with full parameters: what they and this order's position hash to
+    save_state: bool = False  # write the inner state after the last step (a checkpoint is near)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +95,7 @@ class RoundResult:
     fragment: int | None = None  # streaming: the fragment `payload` is the pseudo-gradient of
     tail_steps: int = 0  # streaming: steps trained after Δ was taken (τ): its exchange overlapped them
     tail_s: float = 0.0  # ... and their seconds (on the pool's clock once the pool has set it)
+    saved_state: SavedState | None = None  # where the order's `save_state` went
 
     def delta(self) -> Any:
         """Δ decoded to fp32, or its S slices as they came (each coordinator slice decodes its own)."""

@@ -1,0 +1,137 @@
+"""Islands' inner state across a resume (`workers/runtime/inner_state.py`,
+`engine/island_states.py`): the flat arrays give back an optimizer that steps exactly as
+the original would; a state file that is gone or altered costs that island its moments,
+never the run; the coordinator asks for states only before checkpoints; and every
+mode's resumed islands continue from the moments the checkpoint named."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from orchestrator.config_load import load_config
+from orchestrator.engine.build import build_engine
+from orchestrator.engine.checkpoints import load_checkpoint
+from orchestrator.engine.island_states import FOLDER, save_due
+from orchestrator.engine.pool import InProcessPool
+from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
+from tests.helpers import events, in_process_engine
+from workers.runtime import inner_state
+from workers.runtime.inner_state import InnerStateError
+from workers.runtime.island import Island
+from workers.wire.messages import SavedState, WorkKind
+
+
+def _trained(optimizer_cls, **kwargs) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+    opt = optimizer_cls(model.parameters(), **kwargs)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+    return model, opt
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:
+    torch.manual_seed(1)
+    opt.zero_grad()
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "kinds"),
+    [
+        (torch.optim.AdamW, {"lr": 0.01}, ["exp_avg", "exp_avg_sq", "scalar:step"]),
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, ["momentum_buffer"]),
+        (torch.optim.SGD, {"lr": 0.1}, []),  # no momentum: nothing to keep
+    ],
+)
+def test_a_restored_optimizer_steps_exactly_as_the_original(cls, kwargs, kinds):
+    model, opt = _trained(cls, **kwargs)
+    arrays = inner_state.capture(opt, {"all": np.arange(3, dtype=np.float32)})
+    assert sorted(k for k in arrays if not k.startswith("feedback:")) == kinds
+    twin = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+    twin.load_state_dict(model.state_dict())
+    fresh = cls(twin.parameters(), **kwargs)
+    residuals = inner_state.restore(fresh, arrays)
+    np.testing.assert_array_equal(residuals["all"], np.arange(3, dtype=np.float32))
+    assert torch.equal(_step(model, opt), _step(twin, fresh))
+
+
+def test_a_state_file_is_checked_before_use(tmp_path):
+    _, opt = _trained(torch.optim.AdamW, lr=0.01)
+    saved = inner_state.save(str(tmp_path), 3, inner_state.capture(opt, {}))
+    assert saved.name.startswith("island-00003-") and len(inner_state.load(str(tmp_path), saved)) == 3
+    data = bytearray((tmp_path / saved.name).read_bytes())
+    data[-40] ^= 1
+    (tmp_path / saved.name).write_bytes(bytes(data))
+    with pytest.raises(InnerStateError, match="SHA-256"):
+        inner_state.load(str(tmp_path), saved)
+    with pytest.raises(InnerStateError, match=r"gone\.npz"):
+        inner_state.load(str(tmp_path), SavedState(name="gone.npz", sha256=saved.sha256))
+    other = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
+    with pytest.raises(InnerStateError, match="this model needs"):
+        inner_state.restore(other, inner_state.capture(opt, {}))
+
+
+def test_states_are_asked_for_only_in_the_rounds_before_a_checkpoint():
+    every5 = load_config(None, ["rounds=12", "checkpoint.every_rounds=5"])
+    asked = [r for r in range(12) if save_due(every5, WorkKind.TRAIN, r, 4)]
+    assert asked == [4, 9, 11]  # the work of rounds 5, 10 and the last (12)
+    assert not save_due(every5, WorkKind.GRADIENT, 4, 4)
+    lagged = load_config(None, ["rounds=12", "checkpoint.every_rounds=5", "mode=overlap"])
+    assert [r for r in range(12) if save_due(lagged, WorkKind.TRAIN, r, 4)] == [3, 4, 8, 9, 10, 11]
+    per_arrival = load_config(None, ["rounds=40", "checkpoint.every_rounds=20", "mode=async"])
+    assert [r for r in range(40) if save_due(per_arrival, WorkKind.TRAIN, r, 4)] == [15, 16, 17, 18, 19, *range(35, 40)]
+
+
+def _moments(island: Island) -> dict[str, np.ndarray]:
+    return inner_state.capture(island.optimizer, {})
+
+
+@pytest.mark.parametrize("mode", ["diloco", "overlap", "async", "streaming"])
+def test_a_killed_run_resumes_with_every_islands_moments_and_a_lost_file_costs_only_its_own(
+    tmp_path, mode, monkeypatch
+):
+    """Coordinator and islands gone; a new pool's islands continue from the moments the
+    checkpoint named — except island 1, whose file was deleted: it starts fresh, says so in
+    its join event, and the run still trains every batch once."""
+    written: dict[str, dict[str, np.ndarray]] = {}
+    run = Island.run
+
+    def run_and_remember(island: Island, order, params):
+        result = run(island, order, params)
+        if result.saved_state is not None:
+            written[result.saved_state.name] = _moments(island)
+        return result
+
+    monkeypatch.setattr(Island, "run", run_and_remember)
+    cfg = scenario_cfg(tmp_path, mode, "inner.optimizer=adamw", "inner.lr=0.01", "checkpoint.every_rounds=2")
+    first, _ = in_process_engine(cfg, run_id="kill")
+    drive(first, until=4)
+    checkpoint = load_checkpoint(Path(cfg.checkpoint_dir) / "kill")
+    named = {int(i): m["inner_state"] for i, m in checkpoint["members"].items() if m["state"] == "training"}
+    assert sorted(named) == [0, 1, 2]
+    (Path(cfg.checkpoint_dir) / "kill" / FOLDER / named[1]).unlink()
+    saved = checkpoint["ledger"]["position"]
+    lost = Counter((s, i) for s, p in enumerate(first.ledger.position) for i in range(saved[s], p))
+    pool = InProcessPool(cfg)
+    second = build_engine(cfg, pool, run_id="kill")
+    second.start()
+    for i in (0, 2):
+        restored = _moments(pool.islands[i])
+        for kind, values in written[named[i]].items():
+            np.testing.assert_array_equal(restored[kind], values)
+    assert pool.islands[1].restored is False and not pool.islands[1].optimizer.state
+    while second.step():
+        pass
+    check_exactly_once(cfg, second.summary, lost)
+    joins = {e["island"]: e["inner_state"] for e in events(cfg.out_dir) if e["kind"] == "join" and "inner_state" in e}
+    assert joins == {0: "restored", 1: "lost", 2: "restored"}
