@@ -4,6 +4,7 @@ in logs such as `ray job logs`)."""
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any, TextIO
 
 
@@ -15,7 +16,13 @@ def _bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def format_progress(p: dict[str, Any]) -> str:
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def format_progress(p: dict[str, Any], eta_s: float | None = None) -> str:
     rounds = p.get("rounds") or 1
     done = p.get("round", 0)
     width = 20
@@ -27,7 +34,28 @@ def format_progress(p: dict[str, Any]) -> str:
         f"{phase}[{'#' * filled}{'.' * (width - filled)}] round {done}/{rounds}  eval loss {loss}  "
         f"{p.get('tokens_per_s', 0):,.0f} tok/s  {_bytes(p.get('bytes_communicated', 0))} exchanged  "
         f"islands {p.get('islands_alive', 0)}  {p.get('wall_seconds', 0):.0f}s"
+        + (f"  ETA {_duration(eta_s)}" if eta_s is not None else "")
     )
+
+
+class Eta:
+    """Time left in a phase, from the pace of the rounds this process has seen: a resumed
+    run's earlier rounds, or a phase's first round (start-up, the first evaluation), do
+    not distort it. None until two rounds of the phase were seen, and at its end."""
+
+    def __init__(self, clock: Any = time.monotonic) -> None:
+        self.clock = clock
+        self.first: tuple[Any, int, float] | None = None  # (phase, round, when) of the phase's first round seen
+
+    def update(self, p: dict[str, Any]) -> float | None:
+        phase, done, rounds = p.get("phase"), p.get("round", 0), p.get("rounds") or 0
+        now = self.clock()
+        if self.first is None or self.first[0] != phase or done < self.first[1]:
+            self.first = (phase, done, now)
+        _, done0, t0 = self.first
+        if done <= done0 or done >= rounds:
+            return None
+        return (now - t0) / (done - done0) * (rounds - done)
 
 
 class ProgressPrinter:
@@ -35,11 +63,12 @@ class ProgressPrinter:
         self.stream = stream
         self.tty = stream.isatty()
         self.last: tuple[Any, Any] = (None, -1)  # (phase, round) last written
+        self.eta = Eta()
 
     def update(self, p: dict[str, Any]) -> None:
         if p.get("state") == "starting":
             return
-        line = format_progress(p)
+        line = format_progress(p, self.eta.update(p))
         if self.tty:
             self.stream.write("\r" + line)
             self.stream.flush()
