@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="smaller budget (minutes)")
     bench.add_argument("--out", default="bench-out", help="output folder")
     bench.add_argument("--docs", help="also write the report into this folder and rebuild its benchmarks.md")
+    bench.add_argument(
+        "--replot", action="store_true", help="only draw DIR/<scenario>.png again from DIR/<scenario>.json (no run)"
+    )
     return parser
 
 
@@ -109,6 +112,16 @@ def _bench(args: argparse.Namespace) -> int:
     if args.scenario not in available():
         log.error("unknown scenario %r; available: %s", args.scenario, ", ".join(available()))
         return 2
+    if args.replot:
+        from orchestrator.bench.report import replot, require_plotting
+
+        try:
+            require_plotting()
+            sys.stdout.write(f"{replot(Path(args.out) / f'{args.scenario}.json')}\n")
+        except (ScenarioUnavailable, OSError, ValueError) as err:
+            log.error("cannot replot %s: %s", args.scenario, err)
+            return 2
+        return 0
     try:
         result = run_bench(args.scenario, args.quick, Path(args.out), Path(args.docs) if args.docs else None)
     except ScenarioUnavailable as err:

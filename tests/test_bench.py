@@ -9,7 +9,7 @@ import pytest
 
 from orchestrator.bench.quality import MODEL, h_row, methods
 from orchestrator.bench.registry import available
-from orchestrator.bench.report import BenchResult, Panel, write_docs_index, write_result
+from orchestrator.bench.report import BenchResult, Panel, draw, write_docs_index, write_result
 from orchestrator.cli import main
 from orchestrator.config_load import load_config
 
@@ -51,6 +51,37 @@ def test_report_files_and_docs_index(tmp_path):
     write_docs_index(tmp_path, ["demo", "absent"])
     index = (tmp_path / "benchmarks.md").read_text()
     assert "## demo" in index and "demo.png" in index and "# Architecture" not in index
+
+
+def test_a_plot_gives_each_method_one_colour_across_panels_and_draws_references_as_references(tmp_path):
+    """Before: colours came from each panel's own cycle (a method absent from one panel
+    shifted every colour after it; the eleventh method took the first's), constants were
+    plotted as data lines, and an integer axis had fractional ticks."""
+    methods_ = [f"m{i}" for i in range(12)]
+    tokens = Panel("tokens", {m: [(0, 5.0), (10, 2.0 + i / 100), (20, 1.9 + i / 100)] for i, m in enumerate(methods_)})
+    tokens.zoom_from = 10  # the warm start's drop from 5.0 must not squash the comparison
+    walls = Panel(
+        "S", {m: [(1, 1.0 + i), (2, 2.0 + i)] for i, m in enumerate(methods_[1:])}, references={"memcpy": 9.5}
+    )
+    result = BenchResult("demo", False, {}, "", "", [tokens, walls])
+    fig = draw(result)
+    left, right = fig.axes[:2]
+    colour = {line.get_label(): (line.get_color(), line.get_linestyle()) for line in left.get_lines()}
+    assert len(set(colour.values())) == 12  # no two methods alike
+    for line in right.get_lines():
+        if line.get_label() in colour:
+            assert (line.get_color(), line.get_linestyle()) == colour[line.get_label()]
+    reference = next(line for line in right.get_lines() if line.get_label() == "memcpy (reference)")
+    assert set(reference.get_ydata()) == {9.5} and reference.get_linestyle() == "--"
+    assert all(float(t).is_integer() for t in right.get_xticks())
+    low, high = left.get_ylim()
+    assert low > 1.8 and high < 2.2
+    write_result(result, tmp_path)  # the JSON keeps the panels: the plot can be drawn again without a run
+    (tmp_path / "demo.png").unlink()
+    assert main(["bench", "quality", "--replot", "--out", str(tmp_path)]) == 2  # no quality.json there
+    (tmp_path / "demo.json").rename(tmp_path / "quality.json")
+    assert main(["bench", "quality", "--replot", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "quality.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_unknown_scenario_is_a_clear_error(capsys):

@@ -204,7 +204,7 @@ def _quality(quick: bool, work: Path) -> BenchResult:
         results,
         line,
         _markdown(results, checks, steps, sweep, {h: m.outer_lr for h, m in h_rows.items()}),
-        [Panel("tokens (warm start included)", curves)],
+        [Panel("tokens (warm start included)", curves, zoom_from=record["tokens"])],
         extra={
             "checks": checks,
             "inner_steps_per_island": steps,

@@ -3,6 +3,7 @@ and the `docs/benchmarks.md` index assembled from every scenario report in a fol
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -24,11 +25,16 @@ What the numbers say across scenarios, and how they compare with the papers:
 
 @dataclass
 class Panel:
-    """One plot: a curve (list of (x, y)) per method."""
+    """One plot: a curve (list of (x, y)) per method; `references` are constants (memcpy,
+    a peer's figure) drawn as dashed horizontal lines, not as data; with `zoom_from` the
+    y-axis shows the curves from that x on (a warm start's drop would squash the part
+    where the methods differ)."""
 
     x_label: str
     curves: dict[str, list[tuple[float, float]]]
     y_label: str = "eval loss"
+    references: dict[str, float] = field(default_factory=dict)
+    zoom_from: float | None = None
 
 
 class ScenarioUnavailable(RuntimeError):
@@ -71,27 +77,83 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def _plot(result: BenchResult, path: Path) -> None:
+def styles(panels: list[Panel]) -> dict[str, dict[str, Any]]:
+    """One colour (and line style) per name across every panel of a figure: a method is the
+    same line wherever it appears, and no two share one (tab10 up to ten, then tab20,
+    then line styles)."""
+    import matplotlib
+
+    names = list(dict.fromkeys(n for p in panels for n in (*p.curves, *p.references)))
+    cmap = matplotlib.colormaps["tab10" if len(names) <= 10 else "tab20"]
+    dashes = ("-", "--", "-.", ":")
+    return {n: {"color": cmap(i % cmap.N), "linestyle": dashes[i // cmap.N % len(dashes)]} for i, n in enumerate(names)}
+
+
+def draw(result: BenchResult) -> Any:
+    """The report's figure (returned open, for `write_result` to save and tests to read)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     n = max(1, len(result.panels))
     fig, axes = plt.subplots(1, n, figsize=(7 * n, 5), squeeze=False)
+    style = styles(result.panels)
     for ax, panel in zip(axes[0], result.panels):
+        shown: list[float] = []
+        xs_all: list[float] = []
         for name, points in panel.curves.items():
             if points:
                 xs, ys = zip(*points)
-                ax.plot(xs, ys, label=name, marker=".", markersize=3)
+                ax.plot(xs, ys, label=name, marker=".", markersize=3, **style[name])
+                xs_all += xs
+                shown += [y for x, y in points if panel.zoom_from is None or x >= panel.zoom_from]
+        for name, value in panel.references.items():
+            ax.axhline(value, label=f"{name} (reference)", color=style[name]["color"], linestyle="--", linewidth=1)
+        if xs_all and all(float(x).is_integer() for x in xs_all):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if panel.zoom_from is not None and shown:
+            low, high = min(shown), max(shown)
+            pad = 0.05 * (high - low or abs(high) or 1.0)
+            ax.set_ylim(low - pad, high + pad)
         ax.set_xlabel(panel.x_label)
         ax.set_ylabel(panel.y_label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"{result.scenario}{' (quick)' if result.quick else ''}")
     fig.tight_layout()
+    return fig
+
+
+def _plot(result: BenchResult, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = draw(result)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def replot(report: Path) -> Path:
+    """Draw a report's plot again from its JSON (after a change to how plots are drawn, no
+    benchmark needs to run again); returns the PNG written beside it."""
+    payload = json.loads(report.read_text())
+    if "panels" not in payload:
+        raise ValueError(f"{report} was written before reports kept their curves: run its benchmark again")
+    panels = [
+        Panel(
+            x_label=p["x_label"],
+            curves={name: [(x, y) for x, y in points] for name, points in p["curves"].items()},
+            y_label=p["y_label"],
+            references=p["references"],
+            zoom_from=p["zoom_from"],
+        )
+        for p in payload["panels"]
+    ]
+    result = BenchResult(payload["scenario"], payload["quick"], payload["methods"], payload["summary"], "", panels)
+    png = report.with_suffix(".png")
+    _plot(result, png)
+    return png
 
 
 def write_result(result: BenchResult, out: Path) -> None:
@@ -104,6 +166,7 @@ def write_result(result: BenchResult, out: Path) -> None:
         "methods": result.methods,
         "summary": result.summary,
         **result.extra,
+        "panels": [dataclasses.asdict(p) for p in result.panels],  # what the plot draws: `replot` redraws it
     }
     (out / f"{result.scenario}.json").write_text(json.dumps(payload, indent=2))
     _plot(result, out / f"{result.scenario}.png")
