@@ -15,6 +15,23 @@ def test_packages_are_this_repos():
         assert Path(module.__file__).resolve().parent == REPO / name, module.__file__
 
 
+def test_a_foreign_package_of_the_same_name_is_refused_naming_both(tmp_path):
+    """An `api` folder earlier on sys.path (here: the working directory of `python -c`)
+    would be imported in place of ours; importing Archipelago says so at once."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "api").mkdir()
+    (tmp_path / "api" / "__init__.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # ours importable, after the working directory
+    probe = subprocess.run(
+        [sys.executable, "-c", "import orchestrator"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert probe.returncode == 1
+    assert f"should be {REPO / 'api'}" in probe.stderr and str(tmp_path / "api") in probe.stderr
+
+
 def test_distribution_declares_the_console_script():
     dist = metadata.distribution("archipelago-diloco")
     scripts = {ep.name: ep.value for ep in dist.entry_points if ep.group == "console_scripts"}
