@@ -175,6 +175,13 @@ class CoordinatorConfig(Strict):
         description="torch threads of the coordinator and of each shard for "
         "the outer step (more when they have cores islands do not use, e.g. a KubeRay head)",
     )
+    eval_threads: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="torch threads of the coordinator's evaluations (default: the cores of its node that its "
+        "islands there do not reserve, at least `threads`)",
+    )
 
 
 class RunConfig(Strict):

@@ -26,7 +26,13 @@ def test_a_foreign_package_of_the_same_name_is_refused_naming_both(tmp_path):
     (tmp_path / "api" / "__init__.py").write_text("")
     env = {**os.environ, "PYTHONPATH": str(REPO)}  # ours importable, after the working directory
     probe = subprocess.run(
-        [sys.executable, "-c", "import orchestrator"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", "import orchestrator"],
+        check=False,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert probe.returncode == 1
     assert f"should be {REPO / 'api'}" in probe.stderr and str(tmp_path / "api") in probe.stderr

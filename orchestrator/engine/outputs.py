@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import shutil
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -77,11 +79,29 @@ class Outputs:
     def evaluate(self) -> float:
         self.outer.copy_to(self.flat.data)
         self.model.eval()
-        with torch.no_grad():
-            losses = [float(self.task.loss(self.model, b)) for b in self.eval_batches]
-            if isinstance(self.task, MetricTask):
-                self.eval_metrics = self._metrics(self.task)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.eval_threads())
+        try:
+            with torch.no_grad():
+                losses = [float(self.task.loss(self.model, b)) for b in self.eval_batches]
+                if isinstance(self.task, MetricTask):
+                    self.eval_metrics = self._metrics(self.task)
+        finally:
+            torch.set_num_threads(threads)
         return sum(losses) / len(losses)
+
+    def eval_threads(self) -> int:
+        """`coordinator.eval_threads`, or the cores this process may run on less those its
+        islands on this host reserve (`islands.cpus` each), at least `coordinator.threads`:
+        a KubeRay head's spare cores evaluate, cores islands train on are not taken."""
+        cfg = self.cfg
+        if cfg.coordinator.eval_threads is not None:
+            return cfg.coordinator.eval_threads
+        host = socket.gethostname()
+        here = sum(1 for s in self.members.islands.values() if s.state.alive and s.node.split(":")[0] == host)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        free = cores - math.ceil(here * cfg.islands.workers * cfg.islands.cpus)
+        return max(cfg.coordinator.threads, free)
 
     def _metrics(self, task: MetricTask) -> dict[str, float] | None:
         """The task's own metrics, kept to finite numbers by name; a task whose hook raises
