@@ -240,7 +240,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         sys.stdout.write(dump_config(cfg))
         return 0
-    from orchestrator.runtime.driver import ResumeRefused, RunFailed, check_resumable, print_summary, resume_id, run
+    from orchestrator.runtime.driver import (
+        ResumeRefused,
+        RunFailed,
+        check_resumable,
+        print_summary,
+        process_started_at,
+        resume_id,
+        run,
+    )
 
     if resume and args.run_id:
         log.error("--resume continues the run its folder records: --run-id names another way, give one")
@@ -258,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("invalid config: %s", err)
         return 2
     try:
-        summary = run(cfg, run_id=run_id, show_progress=level <= logging.INFO)
+        summary = run(cfg, run_id=run_id, show_progress=level <= logging.INFO, started_at=process_started_at())
     except RunFailed as err:
         log.error("run failed: %s", err)
         return 1

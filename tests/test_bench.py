@@ -84,6 +84,17 @@ def test_a_plot_gives_each_method_one_colour_across_panels_and_draws_references_
     assert (tmp_path / "quality.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_startup_rows_are_valid_configs_that_reach_an_outer_step_quickly():
+    from orchestrator.bench.startup import COUNTS, DEFAULT
+
+    default = load_config(None, DEFAULT)
+    assert default.warm_steps > 0 and default.rounds == 1  # the default's fork is part of its start-up
+    assert default.islands.count == load_config(None, []).islands.count
+    for k in COUNTS:
+        cfg = load_config(None, [f"islands.count={k}", "warm_start.steps=0", "rounds=1", "inner_steps=5"])
+        assert cfg.islands.count == k and cfg.warm_steps == 0
+
+
 def test_unknown_scenario_is_a_clear_error(capsys):
     assert "quality" in available()
     assert main(["bench", "nope", "--out", "unused"]) == 2

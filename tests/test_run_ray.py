@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,7 +64,21 @@ def test_a_warm_started_run_forks_on_ray_and_continues_the_warm_starts_data(ray_
     from orchestrator.runtime.island_pool import run_islands
 
     cfg = _lm_cfg(tmp_path, corpus_cache, "islands.count=2", "rounds=2", "inner_steps=4", "warm_start.steps=8")
-    summary = run(cfg, show_progress=False)
+    called = time.time()
+    summary = run(cfg, show_progress=False, started_at=called)
+    # start-up, measured where it happens: the run's first step is the warm start's, and its
+    # parts (Ray, the coordinator, the islands, the first eval) come before it in that order
+    startup = summary["startup"]
+    first = startup["first_inner_step_at"]
+    assert startup["engine_created_at"] < first < startup["first_outer_step_at"] < time.time()
+    assert summary["startup_seconds"] == pytest.approx(first - called)
+    assert 0 < startup["command"]["ray_s"] + startup["command"]["coordinator_s"] < summary["startup_seconds"]
+    assert 0 < startup["islands_joined_s"] <= startup["engine_to_first_step_s"]
+    assert startup["island_task_s"] > 0 and startup["island_model_s"] > 0 and startup["island_probe_s"] > 0
+    assert startup["first_eval_s"] > 0 and startup["dispatch_to_first_step_s"] > 0
+    fork = startup["fork"]  # the main phase started its islands again after the warm start
+    assert fork["engine_created_at"] > startup["first_outer_step_at"] and fork["islands_joined_s"] > 0
+    assert json.loads((Path(cfg.out_dir) / "summary.json").read_text())["startup_seconds"] == summary["startup_seconds"]
     warm = summary["warm_start"]
     assert warm["steps"] == 8 and warm["mode"] == "ddp" and warm["tokens"] == 2 * 8 * 8 * 32
     assert summary["initial_eval_loss"] == pytest.approx(warm["final_eval_loss"], rel=1e-6)

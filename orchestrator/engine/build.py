@@ -153,12 +153,15 @@ class PhasedRun:
     def execute(self) -> dict[str, Any]:
         """Run to the end; a warm phase that was stopped ends the run there (its summary,
         marked `phase: warm_start`, says so)."""
-        if self.warming:
-            summary = self.engine.execute()
-            self.engine.pool.close()
-            if summary["state"] != "finished":
-                self.inbox.ended = True
-                return {**summary, "phase": Phase.WARM_START.value}
-            mark_finished(self.cfg, self.run_id, summary)
-            self.engine = self._main()
-        return self.engine.execute()
+        if not self.warming:
+            return self.engine.execute()
+        summary = self.engine.execute()
+        self.engine.pool.close()
+        if summary["state"] != "finished":
+            self.inbox.ended = True
+            return {**summary, "phase": Phase.WARM_START.value}
+        mark_finished(self.cfg, self.run_id, summary)
+        self.engine = self._main()
+        main = self.engine.execute()
+        # the run started with the warm phase; the main phase's start-up is the fork's
+        return {**main, "startup": {**summary["startup"], "fork": main["startup"]}}

@@ -13,6 +13,7 @@ driven by the Ray coordinator and, in tests, by an in-process pool with injected
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from orchestrator.config import RunConfig
 from orchestrator.engine.admission import Admission, Verdict
 from orchestrator.engine.checkpoints import load_checkpoint, run_folder
-from orchestrator.engine.commands import Answer, Command, Inbox, SettingsUpdate
+from orchestrator.engine.commands import Answer, Command, Inbox
 from orchestrator.engine.fleet import Fleet
 from orchestrator.engine.inflight import POLL_S, InFlight
 from orchestrator.engine.island_states import IslandStates
@@ -34,7 +35,9 @@ from orchestrator.engine.persistence import capture, restore
 from orchestrator.engine.policies import Policies, run_inbox
 from orchestrator.engine.pool import Done, Failed, IslandPool, Joined, JoinFailed, PoolEvent
 from orchestrator.engine.publisher import Publisher
+from orchestrator.engine.requests import OperatorRequests
 from orchestrator.engine.screen import Sizes
+from orchestrator.engine.startup import Startup
 from orchestrator.engine.stats import RunStats
 from orchestrator.engine.types import Decision, Event, IslandState, RunFailed, RunPhase, SliceLost
 from orchestrator.engine.warm_start import WarmStart
@@ -91,6 +94,7 @@ class RoundEngine:
         self.summary: dict[str, Any] = {}
         self.publisher = Publisher(cfg=cfg, pool=pool, outer=outer, flat=flat.data, fragments=fragments)
         self.states = IslandStates(cfg, run_id)
+        self.startup = Startup()
         self.checkpoints = run_folder(cfg.checkpoint_dir, run_id)
         every = cfg.checkpoint.every_rounds
         state = load_checkpoint(self.checkpoints, cfg.checkpoint.resume_from) if every else None
@@ -148,7 +152,15 @@ class RoundEngine:
             forget=self.inflight.forget,
             halt=self._halt,
         )
-        self.stop_seen = False
+        self.requests = OperatorRequests(
+            cfg=cfg,
+            inbox=self.inbox,
+            run=self.run,
+            outer=outer,
+            quorum=self.quorum,
+            events=self.events,
+            takes_changes=takes_changes,
+        )
         if takes_changes:
             self.inbox.members = self.members
             self.inbox.settle(self.members.target)
@@ -166,7 +178,7 @@ class RoundEngine:
         """One transition; False once the run has ended."""
         if self.phase in (RunPhase.FINISHED, RunPhase.STOPPED, RunPhase.FAILED):
             return False
-        self._heard_stop()
+        self.requests.heard_stop()
         if self.inbox.aborting.is_set():
             self._finish()
             return False
@@ -180,6 +192,8 @@ class RoundEngine:
         self.run.stopping = self.inbox.stopping.is_set()
         self._boundary()
         self._dispatch()
+        if self.stats.initial_eval is None:  # off the critical path: the islands train meanwhile
+            self._initial_eval()
         self._write_due()
         if not self.flights:  # nothing out, nothing waiting to close
             if self.pacing.done(self.run) or self.run.stopping:
@@ -199,12 +213,6 @@ class RoundEngine:
         self.outputs.refresh_islands()
         self.fleet.journal()
         return True
-
-    def _heard_stop(self) -> None:
-        """Log a stop the inbox accepted, once (its `now` says whether work is abandoned)."""
-        if self.inbox.stopping.is_set() and not self.stop_seen:
-            self.stop_seen = True
-            self.events.add(Event.STOP_REQUESTED, version=self.run.version, now=self.inbox.aborting.is_set())
 
     def execute(self) -> dict[str, Any]:
         """Run to the end; returns the summary (also written to `out_dir/summary.json`).
@@ -233,8 +241,7 @@ class RoundEngine:
             raise self.fleet.no_island_left()
         self.stats.start_training()
         self.clock0 = self.pool.now()
-        if not self.resumed:
-            self.stats.initial_eval = self.stats.last_eval = self.outputs.evaluate()
+        self.startup.began()
         self.phase = RunPhase.TRAINING
         self.publisher.publish(self.run.version)
         self.outputs.update_snapshot(self.phase, self.run.version)
@@ -258,6 +265,7 @@ class RoundEngine:
             "clock_seconds": self._clock(),
             "init_from": self.init_from,
             "warm_start": self.warm.record if self.warm is not None else None,
+            "startup": self.startup.as_dict(),
         }
         self.summary = self.outputs.summarise(self.phase, self.run.version, extra, self.ledger)
         self.outputs.update_snapshot(self.phase, self.run.version)
@@ -272,29 +280,18 @@ class RoundEngine:
     # -- operator requests, applied between rounds ------------------------------------------------
     def _boundary(self) -> None:
         if self.pacing.between_rounds(list(self.flights.values())):
-            update = self.inbox.take_settings() if self.takes_changes else None
-            if update is not None:
-                self._apply_settings(update)
-            paused = self.inbox.paused.is_set() and not self.inbox.stopping.is_set()
-            if paused and self.phase == RunPhase.TRAINING:
-                self.phase = RunPhase.PAUSED
-                self.events.add(Event.PAUSED, version=self.run.version)
-            elif not paused and self.phase == RunPhase.PAUSED:
-                self.phase = RunPhase.TRAINING
-                self.events.add(Event.RESUMED, version=self.run.version)
+            self.phase = self.requests.between_rounds(self.phase)
             self.outputs.snapshot["state"] = self.phase.value
         self.fleet.apply(self.inbox if self.takes_changes else None, self.inflight.busy(), self.inflight.held())
 
-    def _apply_settings(self, update: SettingsUpdate) -> None:
-        if update.inner_steps is not None:
-            self.cfg.inner_steps = self.run.inner_steps = update.inner_steps
-        if update.outer_lr is not None:
-            self.outer.set_lr(update.outer_lr)
-        if self.quorum is not None:
-            self.quorum.apply(update)
-        self.events.add(Event.SETTINGS, version=self.run.version, **update.model_dump(exclude_none=True))
-
     # -- work out -------------------------------------------------------------------------------
+    def _initial_eval(self) -> None:
+        """The evaluation of the version the run starts from, once its first work is out:
+        nothing changes the global model before the first outer step, which comes later."""
+        t0 = time.perf_counter()
+        self.stats.initial_eval = self.stats.last_eval = self.outputs.evaluate()
+        self.startup.first_eval_s = time.perf_counter() - t0
+
     def _dispatch(self) -> None:
         if self.phase != RunPhase.TRAINING:
             return
@@ -308,12 +305,14 @@ class RoundEngine:
     def _handle(self, events: list[PoolEvent]) -> None:
         for event in events:
             if isinstance(event, Joined):
+                self.startup.joined(event.startup)
                 speed = self.fleet.joined(event, starting=self.phase == RunPhase.STARTING)
                 if speed is not None:
                     self.speeds.know(event.island, speed)
             elif isinstance(event, JoinFailed):
                 self.fleet.join_failed(event)
             elif isinstance(event, Done):
+                self.startup.stepped(event.result.started_at)
                 self.inflight.arrived(event.ticket, event.island, event.result)
             elif isinstance(event, Failed):
                 if event.ticket in self.flights and self.flights[event.ticket].result is None:
@@ -343,6 +342,7 @@ class RoundEngine:
         if outcome.gap is not None:
             self.stats.window.extra["gap_penalty"] = outcome.gap
         if outcome.stepped or close.advances:
+            self.startup.outer()
             self.run.version += 1
             self.publisher.stepped(self.run.version, close.fragment)
             self.outer.anchor(self.run.version, keep_from=max(self.run.base, self.run.version - 1))

@@ -33,6 +33,7 @@ class Joined:
     node: str
     steps_per_s: float | None = None  # its speed, when known or probed before its first work
     restored: bool | None = None  # placed to continue a saved inner state: whether it could (None: fresh)
+    startup: dict[str, float] | None = None  # the island's seconds building its task and model, and probing
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,6 +230,7 @@ class InProcessPool:
                 node=f"inprocess:{island}",
                 steps_per_s=self._known_speed(island),
                 restored=self.islands[island].restored,
+                startup=dict(self.islands[island].startup),
             ),
         )
 

@@ -194,6 +194,10 @@ class Summary(_View):
     warm_start: dict[str, Any] | None
     export: str | None = None
     eval_metrics: dict[str, float] | None = None  # the task's own metrics at the final evaluation
+    # where start-up went (`engine/startup.py`): seconds per part, epoch times of the first steps
+    startup: dict[str, Any] | None = None
+    startup_seconds: float | None = None  # the command's start to the first inner step (set by the driver)
+    first_outer_step_seconds: float | None = None
 
 
 class MetricKind(str, Enum):

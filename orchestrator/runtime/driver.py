@@ -4,11 +4,13 @@ that died."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -25,6 +27,7 @@ from orchestrator.runtime.island_pool import release_run
 from orchestrator.runtime.names import NAMESPACE, control_plane_name, coordinator_name
 from orchestrator.runtime.progress import ProgressPrinter
 from orchestrator.runtime.signals import StopRequest, stop_on_signals
+from workers.runtime.storage import durable_write
 from workers.tasks.task import load_task
 
 log = logging.getLogger(__name__)
@@ -143,29 +146,55 @@ def _poll(coordinator: Any, printer: ProgressPrinter | None) -> None:
         printer.update(progress)
 
 
-def run(cfg: RunConfig, poll_s: float = 0.5, show_progress: bool = True, run_id: str | None = None) -> dict[str, Any]:
+def process_started_at() -> float:
+    """When this process started (Linux: from /proc, so the interpreter's and the imports'
+    seconds count in a run's start-up); elsewhere, now."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(
+            float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line[:5] == "btime"
+        )
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+def run(
+    cfg: RunConfig,
+    poll_s: float = 0.5,
+    show_progress: bool = True,
+    run_id: str | None = None,
+    started_at: float | None = None,
+) -> dict[str, Any]:
     """Train to the end; returns the summary (also in `out_dir/summary.json`). A coordinator
     that dies is restarted by Ray and continues from its last checkpoint; pass the `run_id`
-    of an earlier run (with the same `checkpoint.path`) to resume it."""
+    of an earlier run (with the same `checkpoint.path`) to resume it. `started_at`: when the
+    command started (default: now), what `startup_seconds` counts from."""
+    started_at = started_at or time.time()
     token = _api_token(cfg)
     load_task(cfg.task.factory, cfg.task.kwargs).prepare()  # build data caches once, before any actor
     run_id = run_id or uuid.uuid4().hex[:12]
     if cfg.warm_steps and not pending(cfg, run_id):
         check_warm_start(cfg)  # one to reuse, or this run's finished one: it must fit
+    command = {"before_ray_s": time.time() - started_at}
+    t0 = time.time()
     started = init_ray(cfg)
+    command["ray_s"] = time.time() - t0
     printer = ProgressPrinter() if show_progress else None
     coordinator = control_plane = None
     with stop_on_signals() as stop:  # from here on SIGTERM/SIGINT stop the run cleanly
         try:
+            t0 = time.time()
             coordinator = start_coordinator(cfg, run_id)
+            ray.get(coordinator.progress.remote())  # up; the API resolves the coordinator by name
+            command["coordinator_s"] = time.time() - t0
             if cfg.api.enabled:
-                ray.get(coordinator.progress.remote())  # the API resolves the coordinator by name
                 control_plane = start_control_plane(cfg, run_id, token)
             summary = _drive(cfg, coordinator, printer, poll_s, stop)
             if printer:
                 _poll(coordinator, printer)
                 printer.close()
-            return summary
+            return record_startup(cfg, summary, started_at, command)
         finally:
             for actor in (control_plane, coordinator):
                 if actor is not None:
@@ -174,6 +203,29 @@ def run(cfg: RunConfig, poll_s: float = 0.5, show_progress: bool = True, run_id:
             release_run(warm_run_id(run_id))
             if started:
                 ray.shutdown()
+
+
+def record_startup(
+    cfg: RunConfig, summary: dict[str, Any], started_at: float, command: dict[str, float]
+) -> dict[str, Any]:
+    """`startup_seconds` (command start to the first inner step on any island) and
+    `first_outer_step_seconds`, with the command's own parts, added to the summary and to
+    `summary.json` (the coordinator runs on this node: its out_dir is here)."""
+    startup = summary.get("startup") or {}
+
+    def since(at: float | None) -> float | None:
+        return at - started_at if at is not None else None
+
+    summary = {
+        **summary,
+        "startup_seconds": since(startup.get("first_inner_step_at")),
+        "first_outer_step_seconds": since(startup.get("first_outer_step_at")),
+        "startup": {**startup, "command": command},
+    }
+    path = Path(cfg.out_dir) / "summary.json"
+    if path.exists():
+        durable_write(path, json.dumps(summary, indent=2).encode())
+    return summary
 
 
 def _drive(
@@ -230,8 +282,6 @@ def resume_id(cfg: RunConfig) -> str:
     before any task code is imported: `DIR/config.yaml` may name only the task factory the
     checkpoint was trained with (the file is on a writable volume, and its `module:callable`
     is imported and called)."""
-    from pathlib import Path
-
     runs = runs_in(cfg.checkpoint_dir)
     recorded = Path(cfg.out_dir) / RUN_ID
     if recorded.is_file():

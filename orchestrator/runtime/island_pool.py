@@ -349,7 +349,8 @@ class RayIslandPool:
                 speed = 1.0 / self.cfg.islands.virtual_seconds(i, 1) if self.virtual else info.get("steps_per_s")
                 node = f"{info['host']}:{info['device']}"
                 restored = info.get("inner_state_restored")
-                events.append(Joined(island=i, node=node, steps_per_s=speed, restored=restored))
+                startup = info.get("startup")
+                events.append(Joined(island=i, node=node, steps_per_s=speed, restored=restored, startup=startup))
         return events
 
     def close(self) -> None:

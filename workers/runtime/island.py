@@ -70,11 +70,14 @@ class Superseded(RuntimeError):
 
 class Island:
     def __init__(self, spec: IslandSpec) -> None:
+        t0 = time.perf_counter()
         torch.set_num_threads(spec.threads)
         self.spec = spec
         use_cuda = spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
         self.device = torch.device("cuda" if use_cuda else "cpu")
         self.task = load_task(spec.task_factory, spec.task_kwargs)
+        # where an island's start-up goes (`startup` in summary.json): its task, its model, its probe
+        self.startup = {"task_s": time.perf_counter() - t0}
         torch.manual_seed(spec.seed)
         self.model = self.task.build_model().to(self.device)
         flat = FlatParams(self.model)
@@ -100,6 +103,7 @@ class Island:
         self.running = False
         self.superseded = threading.Event()  # the work in flight was given by a coordinator that is gone
         self.restored = self._restore() if spec.restore_state is not None else None
+        self.startup["model_s"] = time.perf_counter() - t0 - self.startup["task_s"]
 
     def _restore(self) -> bool:
         """Continue from the inner state a checkpoint names; one that cannot be used (gone,
@@ -179,12 +183,14 @@ class Island:
             "inner_steps_done": self.inner_steps_done,
             "optimizer_state": len(self.optimizer.state),
             "inner_state_restored": self.restored,
+            "startup": dict(self.startup),
             "busy": self.running,
         }
 
     def describe(self) -> dict[str, Any]:
         """`identity` and the probed speed (its first call runs the probe)."""
-        return {**self.identity(), "steps_per_s": self.probe()}
+        speed = self.probe()  # first: its seconds are part of the identity's start-up
+        return {**self.identity(), "steps_per_s": speed}
 
     def attach(self) -> dict[str, Any]:
         """A restarted coordinator takes this island over: the round it is training was
@@ -201,6 +207,7 @@ class Island:
         counted), so the coordinator can size a new island's first H to its speed. It is a
         prior: the first measured round replaces it (it does not see data loading)."""
         if self.probed_steps_per_s is None:
+            started = time.perf_counter()
             batch = self._worker_share(next(iter(self.task.eval_batches())))
             self._local_pass(batch)  # the first pass pays one-off costs
             t0 = time.perf_counter()
@@ -208,6 +215,7 @@ class Island:
                 self._local_pass(batch)
             self.flat.zero_grad()
             self.probed_steps_per_s = steps / ((time.perf_counter() - t0) * self.spec.slowdown)
+            self.startup["probe_s"] = time.perf_counter() - started
         return self.probed_steps_per_s
 
     def _worker_share(self, batch: Any) -> Any:
@@ -293,6 +301,7 @@ class Island:
         if src is not None:
             self.flat.load(src)
         self.model.train()
+        started_at = time.time()  # its first step begins: the parameters are in place
         shard_tokens = {s: 0 for s in order.shards}
         positions = dict(order.shards)  # advanced per batch actually read: what the ledger checks
         losses, weight = 0.0, 0
@@ -352,6 +361,7 @@ class Island:
             tail_steps=tail_steps,
             tail_s=tail_s,
             saved_state=saved,
+            started_at=started_at,
         )
 
     def _sync(self, order: WorkOrder, params: Any) -> torch.Tensor | None:

@@ -96,6 +96,7 @@ class RoundResult:
     tail_steps: int = 0  # streaming: steps trained after Δ was taken (τ): its exchange overlapped them
     tail_s: float = 0.0  # ... and their seconds (on the pool's clock once the pool has set it)
     saved_state: SavedState | None = None  # where the order's `save_state` went
+    started_at: float | None = None  # wall time its first step began (start-up is measured to the run's first)
 
     def delta(self) -> Any:
         """Δ decoded to fp32, or its S slices as they came (each coordinator slice decodes its own)."""
