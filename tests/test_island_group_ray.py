@@ -68,6 +68,7 @@ def test_two_workers_equal_one_worker_on_the_double_batch(ray_local, corpus_cach
         "islands.workers=2",
         f"islands.sharding={sharding}",
         f"inner.optimizer={optimizer}",
+        "diloco.dylu=true",  # a pacing that sizes first work by speed: the islands are probed
     )
     one = Island(island_spec(cfg, 0))
     params = one.flat.numpy()
@@ -76,6 +77,7 @@ def test_two_workers_equal_one_worker_on_the_double_batch(ray_local, corpus_cach
     assert info["workers"] == 2 and info["sharding"] == sharding
     if sharding == "zero1":
         assert info["optimizer_slice"] == [0, one.flat.numel // 2]  # half the optimizer state each
+        assert info["steps_per_s"] > 0
     else:
         assert info["steps_per_s"] is None  # an FSDP2 island cannot be probed by rank 0 alone
     a, b = decode(got.payload), decode(expected.payload)

@@ -74,7 +74,8 @@ def test_a_warm_started_run_forks_on_ray_and_continues_the_warm_starts_data(ray_
     assert summary["startup_seconds"] == pytest.approx(first - called)
     assert 0 < startup["command"]["ray_s"] + startup["command"]["coordinator_s"] < summary["startup_seconds"]
     assert 0 < startup["islands_joined_s"] <= startup["engine_to_first_step_s"]
-    assert startup["island_task_s"] > 0 and startup["island_model_s"] > 0 and startup["island_probe_s"] > 0
+    assert startup["island_task_s"] > 0 and startup["island_model_s"] > 0
+    assert "island_probe_s" not in startup  # equal H for every island: the first round measures the speed
     assert startup["first_eval_s"] > 0 and startup["dispatch_to_first_step_s"] > 0
     fork = startup["fork"]  # the main phase started its islands again after the warm start
     assert fork["engine_created_at"] > startup["first_outer_step_at"] and fork["islands_joined_s"] > 0

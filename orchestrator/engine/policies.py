@@ -113,6 +113,16 @@ def quorum_rule(cfg: RunConfig) -> QuorumRule | None:
 ALL = 1 << 30  # a quorum of every live island
 
 
+def sizes_first_work_by_speed(cfg: RunConfig) -> bool:
+    """Whether the pacing gives an island its first work by its speed (Dynamic Local
+    Updates): then a new island's speed is probed before it joins, or a slow island's first
+    update would be a full H and arrive many versions stale. Elsewhere every island gets
+    the same H and the first round measures the speed (a probe would only delay the start)."""
+    if quorum_rule(cfg) is not None:
+        return cfg.asynchronous.dylu if cfg.mode != Mode.DILOCO else True
+    return cfg.mode == Mode.ASYNC and cfg.asynchronous.dylu
+
+
 def run_inbox(cfg: RunConfig) -> Inbox:
     """The inbox of a run of `cfg`: its island bounds, and the settings its mode can take."""
     return Inbox(

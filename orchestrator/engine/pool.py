@@ -23,6 +23,7 @@ import numpy as np
 
 from orchestrator.config import Mode, RunConfig
 from orchestrator.engine.chaos import Strike, TimedFault
+from orchestrator.engine.policies import sizes_first_work_by_speed
 from workers.runtime.island import Island, IslandSpec
 from workers.wire.messages import RoundResult, SavedState, Sliced, WorkOrder
 
@@ -99,6 +100,7 @@ def island_spec(
         eager_clip=cfg.overlap.clip,
         state_folder=state_folder,
         restore_state=restore,
+        probe=sizes_first_work_by_speed(cfg),
     )
 
 

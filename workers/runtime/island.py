@@ -62,6 +62,7 @@ class IslandSpec:
     eager_clip: float | None = None  # ... clipped elementwise like CO2's momentum
     state_folder: str | None = None  # where it writes its inner state when an order asks (None: never)
     restore_state: SavedState | None = None  # the inner state it continues from (a resumed run's island)
+    probe: bool = True  # measure its speed before any work (only a pacing that sizes first work by speed needs it)
 
 
 class Superseded(RuntimeError):
@@ -188,8 +189,9 @@ class Island:
         }
 
     def describe(self) -> dict[str, Any]:
-        """`identity` and the probed speed (its first call runs the probe)."""
-        speed = self.probe()  # first: its seconds are part of the identity's start-up
+        """`identity` and the probed speed (its first call runs the probe, when the spec
+        asks for one: otherwise the first round measures it, and the island joins sooner)."""
+        speed = self.probe() if self.spec.probe else None  # first: its seconds are part of the start-up
         return {**self.identity(), "steps_per_s": speed}
 
     def attach(self) -> dict[str, Any]:
