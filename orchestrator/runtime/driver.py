@@ -33,9 +33,6 @@ from workers.tasks.task import load_task
 log = logging.getLogger(__name__)
 
 
-PRELOAD = ("torch", "workers.runtime.island")  # what every actor of a run imports first
-
-
 def init_ray(cfg: RunConfig) -> bool:
     """Connect to `ray.address` / $RAY_ADDRESS (`auto`: the cluster `ray start` started on
     this machine), or else start a private local instance sized for the islands. Returns
@@ -57,20 +54,14 @@ def init_ray(cfg: RunConfig) -> bool:
     num_gpus = int(workers * cfg.islands.gpus + 0.999) if cfg.islands.gpus else None
     # The task's module may live in the working directory: its workers import from there.
     # Through the environment Ray starts with, not a runtime env: the workers Ray starts
-    # ahead of time have no runtime env, and only then can the coordinator's and islands'
-    # actors use them; those workers import torch and the island while the command goes on
-    # (measured: 4 actors importing torch ready 3.5 s after a 3 s head start, 1.95 s preloaded)
+    # ahead of time have no runtime env, and only then can the islands' actors use them
+    # (measured: 4 actors importing torch ready in 3.4 s instead of 4.3 s). Having those
+    # workers import torch ahead (`preload_python_modules`) saved 1.5 s in isolation but
+    # nothing in `bench startup` on 2 cores (they compete with the coordinator's start).
     before = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), before] if p)
     try:
-        ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            num_gpus=num_gpus,
-            include_dashboard=False,
-            log_to_driver=True,
-            _system_config={"preload_python_modules": list(PRELOAD)},
-        )
+        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=True)
     finally:
         if before is None:
             del os.environ["PYTHONPATH"]
