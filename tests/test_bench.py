@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from orchestrator.bench.quality import MODEL, h_row, methods
+from orchestrator.bench.quality import DDP_LRS, MODEL, OUTER_LRS, ddp_row, h_row, methods
 from orchestrator.bench.registry import available
 from orchestrator.bench.report import BenchResult, Panel, draw, write_docs_index, write_result
 from orchestrator.cli import main
@@ -32,6 +32,21 @@ def test_quality_methods_share_one_token_budget_and_the_required_keys():
     assert all(table[k].seeds == (0, 1, 2) for k in ("ddp_k", "diloco_k4_h50", "fedavg_k4_h50"))
     quick = {m.key for m in methods(600, True, {50: h_row(600, 50, 0.7)})}
     assert quick == {"ddp_k", "diloco_k4_h50", "fedavg_k4_h50"}
+
+
+def test_data_parallel_is_tuned_like_diloco_and_the_shipped_default_is_reported():
+    """ddp_k gets as many lr settings as DiLoCo's outer lr per H (its AdamW lr, the
+    only knob it has), each continuing the same warm start; when the sweep picks an
+    outer lr other than the shipped one, the shipped one is a row of its own (3 seeds)."""
+    assert len(DDP_LRS) >= len(OUTER_LRS) >= 3 and 3e-3 in DDP_LRS
+    tuned = load_config(None, [*MODEL, *ddp_row(1200, DDP_LRS[-1]).overrides])
+    assert tuned.mode == "ddp" and tuned.inner.lr == DDP_LRS[-1]
+    h_rows = {h: h_row(1200, h, 1.0) for h in (25, 50, 100)}
+    table = {m.key: m for m in methods(1200, False, h_rows, ddp_row(1200, DDP_LRS[-1]))}
+    assert table["ddp_k"].overrides[-1] == f"inner.lr={DDP_LRS[-1]}"
+    shipped = table["diloco_k4_h50_default"]
+    assert shipped.seeds == (0, 1, 2) and load_config(None, [*MODEL, *shipped.overrides]).outer.lr == 0.7
+    assert "diloco_k4_h50_default" not in {m.key for m in methods(1200, False, {**h_rows, 50: h_row(1200, 50, 0.7)})}
 
 
 def test_report_files_and_docs_index(tmp_path):

@@ -33,6 +33,9 @@ WARM = 400  # data-parallel steps shared by every method (a quarter of the full 
 SEEDS = (0, 1, 2)
 H_VALUES = (25, 50, 100)
 OUTER_LRS = (0.3, 0.5, 0.7, 1.0)
+# data-parallel's tuning: its (inner) AdamW lr, as many settings as DiLoCo's outer lr per H,
+# around the shipped 3e-3 (its 4x batch may want more)
+DDP_LRS = (1.5e-3, 3e-3, 6e-3, 1.2e-2)
 MODEL = [
     "task.kwargs.d_model=64",
     "task.kwargs.n_layers=2",
@@ -86,12 +89,21 @@ def h_row(steps: int, h: int, lr: float) -> Method:
     )
 
 
-def methods(steps: int, quick: bool, h_rows: dict[int, Method]) -> list[Method]:
-    """The rows; `h_rows` (H -> row) are the DiLoCo rows at their chosen outer lr."""
-    single = ["islands.count=1", "inner_steps=50", "eval_every=2", *FEDAVG]
+def ddp_row(steps: int, lr: float | None) -> Method:
+    """Data-parallel at AdamW lr `lr` (None: the shipped one)."""
     ddp = ["mode=ddp", f"islands.count={K}", "inner_steps=50", f"rounds={steps // 50}"]
+    tuned = [f"inner.lr={lr}"] if lr is not None else []
+    what = f"AdamW lr {lr:g} every step" if lr is not None else "AdamW every step"
+    return Method("ddp_k", f"data-parallel, 4 islands = 4x batch, {what}", [*ddp, *tuned], SEEDS)
+
+
+def methods(steps: int, quick: bool, h_rows: dict[int, Method], ddp: Method | None = None) -> list[Method]:
+    """The rows; `h_rows` (H -> row) are the DiLoCo rows at their chosen outer lr, `ddp`
+    data-parallel at its chosen lr (default: the shipped one). A full run adds the H = 50
+    row at the shipped outer lr when the sweep chose another: the figure a user gets."""
+    single = ["islands.count=1", "inner_steps=50", "eval_every=2", *FEDAVG]
     rows = [
-        Method("ddp_k", "data-parallel, 4 islands = 4x batch, AdamW every step", ddp, SEEDS),
+        ddp or ddp_row(steps, None),
         *h_rows.values(),
         Method("fedavg_k4_h50", "outer SGD lr 1 = parameter averaging", diloco(steps, 50, *FEDAVG), SEEDS),
     ]
@@ -100,6 +112,17 @@ def methods(steps: int, quick: bool, h_rows: dict[int, Method]) -> list[Method]:
     lr50 = h_rows[50].outer_lr
     assert lr50 is not None
     best50 = diloco(steps, 50, *nesterov(lr50))  # the H = 50 row's outer settings
+    if lr50 != DEFAULT_LR:
+        shipped = h_row(steps, 50, DEFAULT_LR)
+        rows.append(
+            Method(
+                f"{shipped.key}_default",
+                f"{shipped.description} (the shipped default)",
+                shipped.overrides,
+                SEEDS,
+                DEFAULT_LR,
+            )
+        )
     return [
         Method("single_1x", "1 island, same inner steps (1/4 the tokens)", [*single, f"rounds={steps // 50}"]),
         Method("single_4x", "1 island, same tokens (4x the steps)", [*single, f"rounds={K * steps // 50}"]),
@@ -144,6 +167,15 @@ def _rounds(m: Method) -> int:
     return int(next(o for o in m.overrides if o.startswith("rounds="))[len("rounds=") :])
 
 
+def _ddp_sweep(steps: int, warm: dict[int, Path], work: Path) -> tuple[dict[float, float], Method]:
+    """Seed 0 of data-parallel at every lr of `DDP_LRS`; its row is the best lr's."""
+    tried = {lr: ddp_row(steps, lr) for lr in DDP_LRS}
+    for lr, m in tried.items():
+        _run(m, warm, work / "sweep" / f"ddp_lr{lr:g}", seeds=(0,))
+    losses = {lr: m.runs[0]["final_eval_loss"] for lr, m in tried.items()}
+    return losses, tried[min(losses, key=losses.__getitem__)]
+
+
 def _sweep(steps: int, warm: dict[int, Path], work: Path) -> tuple[dict[int, dict[float, float]], dict[int, Method]]:
     """Seed 0 of every H at every outer lr; the row of each H is its best lr's."""
     sweep: dict[int, dict[float, float]] = {}
@@ -167,11 +199,14 @@ def _quality(quick: bool, work: Path) -> BenchResult:
     base = [*MODEL, f"islands.count={K}", "inner_steps=50", f"rounds={steps // 50}"]
     warm = {s: train_warm_start(base, s, WARM, work / f"warm@s{s}") for s in SEEDS}
     sweep: dict[int, dict[float, float]] = {}
+    ddp_sweep: dict[float, float] = {}
+    tuned_ddp: Method | None = None
     if quick:
         h_rows = {50: h_row(steps, 50, DEFAULT_LR)}
     else:
         sweep, h_rows = _sweep(steps, warm, work)
-    table = methods(steps, quick, h_rows)
+        ddp_sweep, tuned_ddp = _ddp_sweep(steps, warm, work)
+    table = methods(steps, quick, h_rows, tuned_ddp)
     for m in table:
         _run(m, warm, work)
     results = {m.key: _result(m) for m in table}
@@ -203,7 +238,7 @@ def _quality(quick: bool, work: Path) -> BenchResult:
         quick,
         results,
         line,
-        _markdown(results, checks, steps, sweep, {h: m.outer_lr for h, m in h_rows.items()}),
+        _markdown(results, checks, steps, sweep, {h: m.outer_lr for h, m in h_rows.items()}, ddp_sweep),
         [Panel("tokens (warm start included)", curves, zoom_from=record["tokens"])],
         extra={
             "checks": checks,
@@ -215,6 +250,7 @@ def _quality(quick: bool, work: Path) -> BenchResult:
                 "seeds": {s: _warm_record(warm[s]) for s in SEEDS},
             },
             "outer_lr_sweep": {f"h{h}": {str(lr): v for lr, v in sweep[h].items()} for h in sweep},
+            "lr_sweep": {"ddp_k": {f"{lr:g}": v for lr, v in ddp_sweep.items()}},  # its AdamW lr, seed 0
             "best_diloco": best,
         },
     )
@@ -305,6 +341,7 @@ def _markdown(
     steps: int,
     sweep: dict[int, dict[float, float]],
     best_lr: dict[int, float | None],
+    ddp_sweep: dict[float, float],
 ) -> str:
     def loss(m: dict[str, Any]) -> str:
         seeds = m["final_eval_loss_seeds"]
@@ -351,6 +388,12 @@ def _markdown(
         ]
         text += "\n\nOuter Nesterov lr sweep (momentum 0.9, seed 0; bold: chosen):\n\n" + md_table(
             ["", *(f"lr {lr}" for lr in lrs)], sweep_rows
+        )
+    if ddp_sweep:
+        chosen = min(ddp_sweep, key=ddp_sweep.__getitem__)
+        text += "\n\nData-parallel AdamW lr sweep (seed 0; bold: chosen):\n\n" + md_table(
+            [f"lr {lr:g}" for lr in ddp_sweep],
+            [[f"**{v:.4f}**" if lr == chosen else f"{v:.4f}" for lr, v in ddp_sweep.items()]],
         )
     peer = r.get("torchft_diloco_k4_h50")
     if peer is not None:
