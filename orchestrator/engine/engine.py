@@ -39,7 +39,7 @@ from orchestrator.engine.requests import OperatorRequests
 from orchestrator.engine.screen import Sizes
 from orchestrator.engine.startup import Startup
 from orchestrator.engine.stats import RunStats
-from orchestrator.engine.types import Decision, Event, IslandState, RunFailed, RunPhase, SliceLost
+from orchestrator.engine.types import Event, RunFailed, RunPhase, SliceLost
 from orchestrator.engine.warm_start import WarmStart
 from workers.tasks.task import Task
 from workers.wire.flat import FlatParams
@@ -149,6 +149,7 @@ class RoundEngine:
             events=self.events,
             disk=self.disk,
             states=self.states,
+            admission=self.admission,
             forget=self.inflight.forget,
             halt=self._halt,
         )
@@ -370,15 +371,7 @@ class RoundEngine:
         self.fleet.fail(island, reason)
 
     def _judged(self, island: int, verdict: Verdict, **detail: Any) -> None:
-        """Log a rejection; quarantine an island at its `quarantine_after`-th fault in a row."""
-        if not verdict.admitted and verdict.decision != Decision.DROP:
-            self.events.add(Event.REJECTION, island, reason=verdict.why, **detail)
-        if self.admission.record(island, verdict):
-            self.fleet.fail(
-                island,
-                f"quarantined after {self.admission.quarantine_after} bad updates in a row",
-                IslandState.QUARANTINED,
-            )
+        self.fleet.judged(island, verdict, **detail)
 
     # -- records, evaluation, checkpoints -----------------------------------------------------------
     def _clock(self) -> float:

@@ -15,9 +15,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from orchestrator.config import RunConfig
 from orchestrator.config_operations import OnFailure
+from orchestrator.engine.admission import Admission, Verdict
 from orchestrator.engine.checkpoints import load_intent, run_folder, save_intent
 from orchestrator.engine.commands import Drain, Inbox, SetTarget
 from orchestrator.engine.island_states import IslandStates
@@ -25,7 +27,7 @@ from orchestrator.engine.membership import Membership
 from orchestrator.engine.pacing import RunState
 from orchestrator.engine.pool import IslandPool, Joined, JoinFailed
 from orchestrator.engine.records import DiskFaults, EventLog
-from orchestrator.engine.types import Event, IslandState, RunFailed
+from orchestrator.engine.types import Decision, Event, IslandState, RunFailed
 
 log = logging.getLogger(__name__)
 
@@ -108,14 +110,16 @@ class Fleet:
         events: EventLog,
         disk: DiskFaults,
         states: IslandStates,
+        admission: Admission,
         forget: Callable[[int, IslandState], None],
         halt: Callable[[float, str], None],
     ) -> None:
         """`states`: where islands keep their inner state, and what an island placed again
-        continues from; `forget`: give up an island's work; `halt`: give up every island's
+        continues from; `admission`: counts each island's bad updates in a row (towards
+        quarantine); `forget`: give up an island's work; `halt`: give up every island's
         work and stand still (a restart after a failure)."""
         self.cfg, self.run_id, self.pool, self.members, self.run = cfg, run_id, pool, members, run
-        self.states = states
+        self.states, self.admission = states, admission
         self.events, self.disk, self.forget, self.halt = events, disk, forget, halt
         self.scaling = ScalingPolicy(abandon=cfg.elastic.drain == "abandon")
         restart = cfg.elastic.restart_s if cfg.elastic.on_failure == OnFailure.RESTART else None
@@ -286,6 +290,15 @@ class Fleet:
         if retire.halt_s is not None:  # its replacement is placed while the fleet stands still
             self.apply(None, set())
             self.halt(retire.halt_s, f"island {island} failed ({reason})")
+
+    def judged(self, island: int, verdict: Verdict, **detail: Any) -> None:
+        """A verdict on an island's result: a rejection is logged; an island is quarantined
+        at its `quarantine_after`-th bad update in a row."""
+        if not verdict.admitted and verdict.decision != Decision.DROP:
+            self.events.add(Event.REJECTION, island, reason=verdict.why, **detail)
+        if self.admission.record(island, verdict):
+            reason = f"quarantined after {self.admission.quarantine_after} bad updates in a row"
+            self.fail(island, reason, IslandState.QUARANTINED)
 
     # -- the pool's news ---------------------------------------------------------------------
     def joined(self, event: Joined, starting: bool) -> float | None:

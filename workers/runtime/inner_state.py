@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import uuid
 
 import numpy as np
 import torch
 
 from workers.runtime.storage import Folder
+from workers.wire.compress import ErrorFeedback
 from workers.wire.messages import SavedState
+
+log = logging.getLogger(__name__)
 
 SCALAR = "scalar:"  # prefix of per-parameter scalar state (AdamW's `step`)
 FEEDBACK = "feedback:"  # prefix of an error-feedback residual (by fragment; "all" for none)
@@ -101,3 +105,44 @@ def load(folder: str, saved: SavedState) -> dict[str, np.ndarray]:
             return {key: npz[key] for key in npz.files}
     except (ValueError, OSError) as err:
         raise InnerStateError(f"{folder}/{saved.name}: {err}") from err
+
+
+def _name(fragment: int | None) -> str:
+    return "all" if fragment is None else str(fragment)
+
+
+def continue_from(
+    folder: str,
+    saved: SavedState,
+    optimizer: torch.optim.Optimizer,
+    feedback: dict[int | None, ErrorFeedback],
+    island: int,
+) -> bool:
+    """Put an island's saved state into its fresh optimizer and error-feedback residuals
+    (by fragment). A state that cannot be used (gone, altered, of another model) is logged
+    and the island starts with fresh moments, as a joining island does: a resume is never
+    refused for it. Returns whether it was restored."""
+    try:
+        residuals = restore(optimizer, load(folder, saved))
+    except InnerStateError as err:
+        optimizer.state.clear()
+        log.warning("island %d starts with a fresh optimizer: %s", island, err)
+        return False
+    for name, residual in residuals.items():
+        feedback[None if name == "all" else int(name)] = kept = ErrorFeedback()
+        kept.residual = residual
+    return True
+
+
+def write(
+    folder: str, island: int, optimizer: torch.optim.Optimizer, feedback: dict[int | None, ErrorFeedback]
+) -> SavedState | None:
+    """Save the island's state as it stands (after an order's last step: the state its
+    result leaves the island in); a write that fails is logged and None returned (the
+    state saved before stands)."""
+    residuals = {_name(k): f.residual for k, f in feedback.items() if f.residual is not None}
+    try:
+        return save(folder, island, capture(optimizer, residuals))
+    except (OSError, InnerStateError) as err:
+        log.warning("island %d could not save its inner state: %s", island, err)
+        return None

@@ -8,7 +8,6 @@ data position persist across rounds, as DiLoCo requires.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +18,6 @@ import numpy as np
 import torch
 
 from workers.runtime import inner_state
-from workers.runtime.inner_state import InnerStateError
 from workers.runtime.optim import build_inner
 from workers.tasks.task import load_task, split_batch, to_device
 from workers.wire.compress import ErrorFeedback, decode, encode
@@ -30,8 +28,6 @@ from workers.wire.handoff import verify
 from workers.wire.messages import RoundResult, SavedState, Sliced, Wire, WorkKind, WorkOrder
 from workers.wire.spec import InnerConfig, Precision, Sharding
 from workers.wire.sync import ChangeOutOfOrder, apply_change
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -103,41 +99,12 @@ class Island:
         self.inner_steps_done = 0  # over the island's life: a restarted coordinator's test that it kept its state
         self.running = False
         self.superseded = threading.Event()  # the work in flight was given by a coordinator that is gone
-        self.restored = self._restore() if spec.restore_state is not None else None
+        self.restored = None  # placed to continue a saved inner state: whether it could
+        if spec.restore_state is not None and spec.state_folder is not None:
+            self.restored = inner_state.continue_from(
+                spec.state_folder, spec.restore_state, self.optimizer, self.feedback, spec.index
+            )
         self.startup["model_s"] = time.perf_counter() - t0 - self.startup["task_s"]
-
-    def _restore(self) -> bool:
-        """Continue from the inner state a checkpoint names; one that cannot be used (gone,
-        corrupt, another model) is logged and the island starts with fresh moments, as a
-        joining island does: a resume is never refused for it."""
-        assert self.spec.restore_state is not None and self.spec.state_folder is not None
-        try:
-            arrays = inner_state.load(self.spec.state_folder, self.spec.restore_state)
-            residuals = inner_state.restore(self.optimizer, arrays)
-        except InnerStateError as err:
-            self.optimizer.state.clear()
-            log.warning("island %d starts with a fresh optimizer: %s", self.spec.index, err)
-            return False
-        for name, residual in residuals.items():
-            self.feedback[None if name == "all" else int(name)] = feedback = ErrorFeedback()
-            feedback.residual = residual
-        return True
-
-    def _save_state(self) -> SavedState | None:
-        """Write the inner state as it stands after this order's last step (the state the
-        order's result leaves the island in), when the coordinator asked for it; a write
-        that fails is logged and the result goes back without it (the previous one stands)."""
-        if self.spec.state_folder is None:
-            return None
-        residuals = {
-            "all" if k is None else str(k): f.residual for k, f in self.feedback.items() if f.residual is not None
-        }
-        try:
-            arrays = inner_state.capture(self.optimizer, residuals)
-            return inner_state.save(self.spec.state_folder, self.spec.index, arrays)
-        except (OSError, InnerStateError) as err:
-            log.warning("island %d could not save its inner state: %s", self.spec.index, err)
-            return None
 
     def _batches(self, order: WorkOrder) -> Iterator[tuple[int, Any]]:
         """The order's batches: step j reads shard `sorted(shards)[(turn + j) % n]`, each
@@ -339,7 +306,12 @@ class Island:
             if self.spec.eager_step:
                 self.last_delta = delta.clone()
             payload = self._encode(delta, order.fragment)
-            saved = self._save_state() if order.save_state else None
+            folder = self.spec.state_folder
+            saved = (
+                inner_state.write(folder, self.spec.index, self.optimizer, self.feedback)
+                if folder and order.save_state
+                else None
+            )
         else:
             ((shard, batch),) = self._batches(order)
             losses, weight = self._forward_backward(batch)
