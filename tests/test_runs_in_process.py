@@ -121,3 +121,20 @@ def test_async_and_overlap_learn_on_three_coordinator_shards(tmp_path, corpus_ca
     summary = run_in_process(tiny_lm_config(tmp_path, corpus_cache, *sets, "coordinator.shards=3", *stable, *VIRTUAL))
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert summary["outer_steps"] >= 4
+
+
+def test_a_bench_warm_start_is_continued_by_the_runs_that_name_it(tmp_path):
+    """`train_warm_start` trains a scenario's shared warm start once; every run of the
+    scenario then reads its checkpoint through the run id its marker records (a warm start
+    checkpointed under another id fails every run that continues it)."""
+    from orchestrator.bench.runner import train_warm_start
+
+    base = [*QUADRATIC, f"task.kwargs.fault_dir={tmp_path}", "inner_steps=4", "rounds=2"]
+    warm = train_warm_start(base, 0, 8, tmp_path / "warm", in_process=True)
+    assert train_warm_start(base, 0, 8, tmp_path / "warm", in_process=True) == warm  # trained once, then reused
+    cfg = load_config(
+        None, [*base, "seed=0", "warm_start.steps=8", f"warm_start.path={warm}", f"out_dir={tmp_path / 'run'}"]
+    )
+    summary = run_in_process(cfg)
+    assert summary["state"] == "finished" and summary["warm_start"]["run_id"] == "bench-s0-warm"
+    assert summary["initial_eval_loss"] == pytest.approx(summary["warm_start"]["final_eval_loss"])

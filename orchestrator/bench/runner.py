@@ -17,7 +17,7 @@ from orchestrator.config import RunConfig
 from orchestrator.config_load import dump_config, load_config
 from orchestrator.engine.build import PhasedRun
 from orchestrator.engine.pool import InProcessPool
-from orchestrator.engine.warm_start import MARKER, mark_finished, warm_config, warm_dir
+from orchestrator.engine.warm_start import MARKER, mark_finished, warm_config, warm_dir, warm_run_id
 from orchestrator.runtime.driver import init_ray, run
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def fresh(cfg: RunConfig) -> None:
         shutil.rmtree(out)
 
 
-def run_in_process(cfg: RunConfig) -> dict[str, Any]:
+def run_in_process(cfg: RunConfig, run_id: str = "bench") -> dict[str, Any]:
     """`cfg` run to the end on the in-process island pool: the same engine, policies and
     island code as under Ray, with the islands as objects of this process taking turns
     and the virtual clock (`islands.virtual_step_s`) for time — what a scenario of many
@@ -90,7 +90,7 @@ def run_in_process(cfg: RunConfig) -> dict[str, Any]:
     step_s = cfg.islands.virtual_step_s
     if step_s is None:
         raise ValueError("an in-process run needs islands.virtual_step_s (its clock is simulated)")
-    return PhasedRun(cfg, "bench", lambda c, _rid: InProcessPool(c, step_s=step_s)).execute()
+    return PhasedRun(cfg, run_id, lambda c, _rid: InProcessPool(c, step_s=step_s)).execute()
 
 
 def run_methods(base: list[str], table: Table, work: Path, in_process: bool = False) -> dict[str, dict[str, Any]]:
@@ -130,16 +130,17 @@ def train_warm_start(base: list[str], seed: int, steps: int, out: Path, in_proce
     warm = warm_config(cfg)
     if (warm_dir(cfg) / MARKER).exists() and finished(warm) is not None:
         return warm_dir(cfg)
+    run_id = f"bench-s{seed}"  # the marker names it: a run continuing this warm start reads its checkpoint folder
     if in_process:
-        summary = run_in_process(warm)
+        summary = run_in_process(warm, warm_run_id(run_id))
     else:
         started = init_ray(warm)
         try:
-            summary = run(warm, show_progress=False)
+            summary = run(warm, show_progress=False, run_id=warm_run_id(run_id))
         finally:
             if started:
                 ray.shutdown()
-    mark_finished(cfg, f"bench-s{seed}", summary)
+    mark_finished(cfg, run_id, summary)
     log.info(
         "  warm start seed %d: eval loss %.4f -> %.4f in %.0fs",
         seed,
