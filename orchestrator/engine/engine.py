@@ -26,6 +26,7 @@ from orchestrator.engine.fleet import Fleet
 from orchestrator.engine.inflight import POLL_S, InFlight
 from orchestrator.engine.island_states import IslandStates
 from orchestrator.engine.ledger import DataLedger
+from orchestrator.engine.loop_time import Part
 from orchestrator.engine.membership import Membership
 from orchestrator.engine.outer_slices import SlicedOuter
 from orchestrator.engine.outer_step import Outer, take_step
@@ -192,7 +193,8 @@ class RoundEngine:
             return True
         self.run.stopping = self.inbox.stopping.is_set()
         self._boundary()
-        self._dispatch()
+        with self.stats.loop.timed(Part.DISPATCH):
+            self._dispatch()
         if self.stats.initial_eval is None:  # off the critical path: the islands train meanwhile
             self._initial_eval()
         self._write_due()
@@ -203,14 +205,17 @@ class RoundEngine:
             self.fleet.check_progress(self.phase == RunPhase.PAUSED, bool(self.inflight.overdue))
         self.run.now = self.pool.now()
         wake = self.pacing.wake(self.run, self.inflight.in_flight())
-        self._handle(self.pool.poll(self.inflight.timeout(wake), wake=wake))
+        with self.stats.loop.timed(Part.WAIT):
+            events = self.pool.poll(self.inflight.timeout(wake), wake=wake)
+        self._handle(events)
         self.inflight.expire()
         self.run.now = self.pool.now()
         while (close := self.pacing.next_close(self.run, self.inflight.in_flight())) is not None:
             # a record describes the model its step produced: written before another step
             # changes it (two rounds can close at once, e.g. after a round lost all its work)
             self._write_due()
-            self._close(close)
+            with self.stats.loop.timed(Part.STEP):
+                self._close(close)
         self.outputs.refresh_islands()
         self.fleet.journal()
         return True
@@ -347,7 +352,8 @@ class RoundEngine:
             self.run.version += 1
             self.publisher.stepped(self.run.version, close.fragment)
             self.outer.anchor(self.run.version, keep_from=max(self.run.base, self.run.version - 1))
-            self.publisher.publish(self.run.version, due)
+            with self.stats.loop.timed(Part.PUBLISH):
+                self.publisher.publish(self.run.version, due)
         self.run.closes += 1
         for flight, verdict in zip(flights, verdicts):
             staleness = close.ages.get(flight.work.island, verdict.staleness) if close.ages else verdict.staleness
@@ -388,8 +394,9 @@ class RoundEngine:
         return capture(self)
 
     def _write_due(self) -> None:
-        for rnd in self.due:
-            self.outputs.record(rnd, self.run.version, self._clock(), self.phase, self.capture)
+        with self.stats.loop.timed(Part.RECORD):
+            for rnd in self.due:
+                self.outputs.record(rnd, self.run.version, self._clock(), self.phase, self.capture)
         self.due.clear()
 
     @property

@@ -25,6 +25,7 @@ from orchestrator.config import RunConfig
 from orchestrator.engine.checkpoints import run_folder, save_checkpoint
 from orchestrator.engine.commands import Inbox
 from orchestrator.engine.island_states import IslandStates
+from orchestrator.engine.loop_time import Part
 from orchestrator.engine.membership import IslandStats, Membership
 from orchestrator.engine.outer_step import Outer
 from orchestrator.engine.quorum import QuorumRule
@@ -77,6 +78,10 @@ class Outputs:
         self._islands_seen: tuple[Any, ...] | None = None
 
     def evaluate(self) -> float:
+        with self.stats.loop.timed(Part.EVALUATE):
+            return self._evaluate()
+
+    def _evaluate(self) -> float:
         self.outer.copy_to(self.flat.data)
         self.model.eval()
         threads = torch.get_num_threads()

@@ -13,6 +13,7 @@ from orchestrator.config import RunConfig
 from orchestrator.engine.admission import Verdict
 from orchestrator.engine.distributions import ROUND_SECONDS, STALENESS, Distribution
 from orchestrator.engine.ledger import DataLedger
+from orchestrator.engine.loop_time import LoopClock
 from orchestrator.engine.membership import IslandStats, Membership
 from orchestrator.engine.types import Decision, IslandState, RunPhase
 from workers.wire.messages import RoundResult
@@ -60,11 +61,13 @@ class RunStats:
         self.window = Window(0)
         self.round_time = Distribution(ROUND_SECONDS)
         self.staleness = Distribution(STALENESS)
+        self.loop = LoopClock()  # where the coordinator's time goes, per round and in all
 
     def start_training(self) -> None:
         """Training time continues across restarts (`train_elapsed` from the checkpoint)."""
         self.t_train = time.perf_counter() - self.train_elapsed
         self.window = Window(self.tokens)
+        self.loop.restart()
 
     def download(self, stats: IslandStats, nbytes: int, bootstrap: bool = False) -> None:
         stats.bytes_received += nbytes
@@ -149,6 +152,7 @@ class RunStats:
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "round_seconds": now - w.t0,
+            "coordinator_seconds": self.loop.take_window(),
             "wall_seconds": now - self.t0,
             "train_seconds": now - self.t_train,
             "tokens_per_s": self.tokens / max(1e-9, now - self.t_train),
@@ -228,6 +232,7 @@ class RunStats:
             "fragments": self.fragments or None,
             "wall_seconds": now - self.t0,
             "train_seconds": train_s,
+            "coordinator_seconds": self.loop.totals(),  # this process's, since training (re)started
             "tokens_per_s": self.tokens / max(1e-9, train_s),
             "compute_seconds": sum(s["compute_s"] for s in alive) / len(alive) if alive else 0.0,
             "useful_compute_seconds": self.useful_compute_s,

@@ -120,6 +120,7 @@ class RoundRecord(_View):
     bytes_sent: int = 0
     bytes_received: int = 0
     round_seconds: float | None = None
+    coordinator_seconds: dict[str, float] = {}  # the round's seconds per part of the coordinator's loop (`Part`)
     wall_seconds: float | None = None
     train_seconds: float | None = None
     tokens_per_s: float = 0.0
@@ -179,6 +180,7 @@ class Summary(_View):
     fragments: dict[str, dict[str, int]] | None
     wall_seconds: float
     train_seconds: float
+    coordinator_seconds: dict[str, float] = {}  # per part of the coordinator's loop, since training (re)started
     tokens_per_s: float
     compute_seconds: float
     useful_compute_seconds: float = 0.0  # island-seconds of work whose update reached the model
