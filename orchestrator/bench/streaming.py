@@ -8,7 +8,9 @@ Rows: `diloco` (fp32 both ways), `streaming_p2`, `streaming_p4` (fp32), `streami
 (CO2 with eager updates), `compute_only` (the `streaming_p4_fp4` run with no link),
 `ddp_k` (data-parallel, for its bytes), and the peer `torchft_streaming_p4` when torchft
 is installed. The headline rows (`diloco`, `streaming_p4_fp4`, `compute_only`) run
-`SEEDS` seeds; their wall times are medians over the seeds.
+`SEEDS` seeds; their wall times are medians over the seeds. With the peer, one more run
+(`TIMED`: the peer's work, no link, evaluated only at the end as the peer is) is set
+beside it, wall against wall, with where a round's time goes (`bench/overhead.py`).
 
 The link is calibrated from `compute_only`, which runs first: bandwidth = 2 · fp32
 parameter bytes · 8 / (its compute seconds per round).
@@ -21,6 +23,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from orchestrator.bench.overhead import breakdown_table, round_breakdown
 from orchestrator.bench.quality import MODEL
 from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
 from orchestrator.bench.runner import one_ray, run_methods, train_warm_start
@@ -36,6 +39,7 @@ OUTER_LRS = (0.7, 1.0, 1.3)  # the headline rows each run at their best (seed 0)
 BASE = [*MODEL, "task.kwargs.n_layers=4", f"ray.num_cpus={K}"]  # 4 blocks: 4 equal fragments
 FP4 = ["compression.codec=int4", "compression.downlink=int4"]  # chunk 512 (the default): one scale per 512
 INT8 = ["compression.codec=int8", "compression.downlink=int8"]
+TIMED = "streaming_p4_no_link_eval_at_end"  # the peer's work, timed as the peer is
 CO2 = ["mode=overlap", "overlap.lr=0.7", "overlap.momentum=0.0", "overlap.eager=false"]
 
 
@@ -125,12 +129,20 @@ def _streaming(quick: bool, work: Path) -> BenchResult:
     }
     results = {name: _result(table[name], summaries) for name, summaries in runs.items()}
     peer = _peer(rounds, warm, seeds[:1], best["streaming_p4_fp4"])
+    breakdown = None
     if peer is not None:
         results["torchft_streaming_p4"] = peer
+        # the peer's work with no link, evaluating once at the end as the peer does: the walls compared
+        timed = [*fragmented(4), f"outer.lr={best['streaming_p4_fp4']}", f"eval_every={rounds}"]
+        ours = _run(TIMED, "streaming_p4 with no link, evaluated at the end only", timed, rounds, warm, (0,), work)
+        breakdown = round_breakdown(ours[0], peer, rounds)
     compute_only = results["compute_only"]["wall_seconds"]
     for r in results.values():
         r["wall_vs_compute_only"] = r["wall_seconds"] / compute_only
     checks = _checks(results)
+    if breakdown is not None:
+        ratio = breakdown["archipelago"]["wall"] / breakdown["peer"]["wall"]
+        checks["no_link_wall_le_torchft (same work, same evaluation)"] = {"value": ratio, "ok": ratio <= 1.0}
     r = results
     line = (
         f"streaming: P=4 fp4 {r['streaming_p4_fp4']['final_eval_loss']:.4f} vs DiLoCo {r['diloco']['final_eval_loss']:.4f} "
@@ -146,7 +158,7 @@ def _streaming(quick: bool, work: Path) -> BenchResult:
         quick,
         results,
         line,
-        _markdown(results, checks, rounds, seeds, bandwidth, compute_per_round, sweep),
+        _markdown(results, checks, rounds, seeds, bandwidth, compute_per_round, sweep, breakdown),
         [Panel("tokens (after the warm start)", curves), Panel("train seconds (wall-clock)", walls)],
         extra={
             "checks": checks,
@@ -154,6 +166,7 @@ def _streaming(quick: bool, work: Path) -> BenchResult:
             "link_bandwidth_gbps": bandwidth,
             "compute_seconds_per_round": compute_per_round,
             "warm_start": {"steps": WARM, "mode": "ddp", "islands": K},
+            "round_breakdown": breakdown,
         },
     )
 
@@ -266,6 +279,7 @@ def _markdown(
     bandwidth: float,
     compute: float,
     sweep: dict[str, dict[float, float]],
+    breakdown: dict[str, dict[str, float]] | None,
 ) -> str:
     def loss(m: dict[str, Any]) -> str:
         n = len(m["final_eval_loss_seeds"])
@@ -312,6 +326,12 @@ def _markdown(
         f"`{key}` " + ", ".join(f"lr {lr}: {loss:.4f}" for lr, loss in losses.items()) for key, losses in sweep.items()
     )
     context += f"\n\nOuter Nesterov lr (momentum 0.9) tried on seed 0, the best kept for every seed: {tuned}."
+    if breakdown is not None:
+        context += (
+            f"\n\nThe walls side by side on the peer's work (`streaming_p4`, seed 0, no link; `{TIMED}` is ours "
+            "evaluating only at the end, as the peer does; the rows above evaluate every round, on the same two "
+            "cores the islands train on). Where a round's time goes:\n\n" + breakdown_table(breakdown, "torchft")
+        )
     return (
         f"GPT d=64, 4 layers, context 64, batch 16 per island, {K} islands (no more than this machine's cores), "
         f"H = {H}, {rounds} rounds after a shared warm start ({WARM} data-parallel steps) per seed; headline rows "

@@ -1,0 +1,57 @@
+"""Where a round's time goes, ours beside the peer's, on the same work and the same
+evaluation schedule (both evaluate once, at the end, and that evaluation is left out of
+both walls: the peer's loop time excludes its own).
+
+Ours comes from one run's `summary.json`: the islands' computing (measured on the
+islands, per work order), the rest of the wall (what kept them waiting), and the
+coordinator's loop by part (`coordinator_seconds`; `wait` is its idle time while the
+islands compute). The peer's is its wall against the same replicas training alone with no
+exchange (a second run of its loop): what its exchange adds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestrator.bench.report import md_table
+
+
+def round_breakdown(ours: dict[str, Any], peer: dict[str, Any], rounds: int) -> dict[str, dict[str, float]]:
+    """Seconds per round of `ours` (a summary evaluating only at the end) and of `peer`
+    (a peer row with `train_seconds` and `islands_alone_seconds`)."""
+    parts = dict(ours["coordinator_seconds"])
+    wall = ours["train_seconds"] - parts.pop("evaluate")
+    compute = ours["compute_seconds"]
+    return {
+        "archipelago": {
+            "wall": wall / rounds,
+            "islands_computing": compute / rounds,
+            "islands_not_computing": (wall - compute) / rounds,
+            **{f"coordinator_{part}": seconds / rounds for part, seconds in parts.items()},
+        },
+        "peer": {
+            "wall": peer["train_seconds"] / rounds,
+            "islands_computing": peer["islands_alone_seconds"] / rounds,
+            "islands_not_computing": (peer["train_seconds"] - peer["islands_alone_seconds"]) / rounds,
+        },
+    }
+
+
+LABELS = {
+    "wall": "wall (the final evaluation left out)",
+    "islands_computing": "islands computing (peer: its replicas alone, another run)",
+    "islands_not_computing": "islands not computing (exchange, barriers, the coordinator)",
+    "coordinator_wait": "coordinator: waiting for results (idle)",
+    "coordinator_step": "coordinator: decode, screen, aggregate, outer step",
+    "coordinator_publish": "coordinator: publish the new version",
+    "coordinator_dispatch": "coordinator: hand out work",
+    "coordinator_record": "coordinator: records and checkpoints",
+}
+
+
+def breakdown_table(breakdown: dict[str, dict[str, float]], peer_name: str) -> str:
+    ours, peer = breakdown["archipelago"], breakdown["peer"]
+    rows = [
+        [LABELS.get(key, key), f"{seconds:.3f}", f"{peer[key]:.3f}" if key in peer else "–"]
+        for key, seconds in ours.items()
+    ]
+    return md_table(["seconds per round", "Archipelago", peer_name], rows)
