@@ -272,11 +272,17 @@ def test_a_round_breakdown_leaves_the_final_evaluation_out_and_adds_up():
     from orchestrator.bench.overhead import breakdown_table, round_breakdown
 
     parts = {"wait": 28.0, "step": 0.8, "publish": 0.1, "dispatch": 0.2, "evaluate": 0.5, "record": 0.4}
-    ours = {"train_seconds": 31.5, "compute_seconds": 28.0, "coordinator_seconds": parts}
+    parts["evaluate"] = 0.8  # the start's evaluation (0.3 s, while the first work trains) and the final one
+    ours = {
+        "train_seconds": 31.5,
+        "compute_seconds": 28.0,
+        "coordinator_seconds": parts,
+        "startup": {"first_eval_s": 0.3},
+    }
     peer = {"train_seconds": 32.0, "islands_alone_seconds": 26.0}
     b = round_breakdown(ours, peer, rounds=8)
     a, p = b["archipelago"], b["peer"]
-    assert a["wall"] == pytest.approx(31.0 / 8)  # the one evaluation, at the end, is not the loop's
+    assert a["wall"] == pytest.approx(31.0 / 8)  # the final evaluation is not the loop's
     assert a["islands_computing"] + a["islands_not_computing"] == pytest.approx(a["wall"])
     assert p["islands_not_computing"] == pytest.approx(6.0 / 8)
     assert sum(v for k, v in a.items() if k.startswith("coordinator_")) <= a["wall"]

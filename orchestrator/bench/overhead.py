@@ -19,7 +19,9 @@ def round_breakdown(ours: dict[str, Any], peer: dict[str, Any], rounds: int) -> 
     """Seconds per round of `ours` (a summary evaluating only at the end) and of `peer`
     (a peer row with `train_seconds` and `islands_alone_seconds`)."""
     parts = dict(ours["coordinator_seconds"])
-    wall = ours["train_seconds"] - parts.pop("evaluate")
+    # its evaluations: the start's (while the first work trains: not on the islands' path) and the final one
+    final_eval = parts.pop("evaluate") - (ours["startup"].get("first_eval_s") or 0.0)
+    wall = ours["train_seconds"] - final_eval
     compute = ours["compute_seconds"]
     return {
         "archipelago": {
