@@ -290,3 +290,11 @@ def test_a_round_breakdown_leaves_the_final_evaluation_out_and_adds_up():
     table = breakdown_table(b, "torchft")
     assert "| wall (the final evaluation left out) | 3.875 | 4.000 |" in table
     assert "| coordinator: waiting for results (idle) | 3.500 | – |" in table
+
+
+def test_the_peer_baseline_is_a_lower_bound_of_k_replicas_on_the_cores():
+    from orchestrator.bench.overhead import lower_bound
+
+    assert lower_bound(10.0, k=4, threads=1, cores=2) == 20.0  # 4 single-thread replicas on 2 cores
+    assert lower_bound(10.0, k=2, threads=1, cores=2) == 10.0  # one core each: as fast as one alone
+    assert lower_bound(10.0, k=2, threads=1, cores=16) == 10.0  # idle cores do not make one faster

@@ -5,14 +5,20 @@ both walls: the peer's loop time excludes its own).
 Ours comes from one run's `summary.json`: the islands' computing (measured on the
 islands, per work order), the rest of the wall (what kept them waiting), and the
 coordinator's loop by part (`coordinator_seconds`; `wait` is its idle time while the
-islands compute). The peer's is its wall against the same replicas training alone with no
-exchange (a second run of its loop): what its exchange adds."""
+islands compute). The peer's is its wall against its lower bound (one replica alone with no
+exchange, scaled to the cores: `bench/peer.py`): what its exchange and contention add."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from orchestrator.bench.report import md_table
+
+
+def lower_bound(one_alone_s: float, k: int, threads: int, cores: int) -> float:
+    """No schedule runs k replicas of `threads` threads, each `one_alone_s` alone, on
+    `cores` cores in less than this."""
+    return one_alone_s * max(1.0, k * threads / cores)
 
 
 def round_breakdown(ours: dict[str, Any], peer: dict[str, Any], rounds: int) -> dict[str, dict[str, float]]:
@@ -40,7 +46,7 @@ def round_breakdown(ours: dict[str, Any], peer: dict[str, Any], rounds: int) -> 
 
 LABELS = {
     "wall": "wall (the final evaluation left out)",
-    "islands_computing": "islands computing (peer: its replicas alone, another run)",
+    "islands_computing": "islands computing (peer: the lower bound, one replica alone scaled to the cores)",
     "islands_not_computing": "islands not computing (exchange, barriers, the coordinator)",
     "coordinator_wait": "coordinator: waiting for results (idle)",
     "coordinator_step": "coordinator: decode, screen, aggregate, outer step",
