@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from orchestrator.bench.quality import DDP_LRS, MODEL, OUTER_LRS, ddp_row, h_row, methods
+from orchestrator.bench.quality_rows import DDP_LRS, MODEL, OUTER_LRS, ddp_row, h_row, methods
 from orchestrator.bench.registry import available
 from orchestrator.bench.report import BenchResult, Panel, draw, write_docs_index, write_result
 from orchestrator.cli import main
@@ -47,6 +47,37 @@ def test_data_parallel_is_tuned_like_diloco_and_the_shipped_default_is_reported(
     shipped = table["diloco_k4_h50_default"]
     assert shipped.seeds == (0, 1, 2) and load_config(None, [*MODEL, *shipped.overrides]).outer.lr == 0.7
     assert "diloco_k4_h50_default" not in {m.key for m in methods(1200, False, {**h_rows, 50: h_row(1200, 50, 0.7)})}
+
+
+def test_a_grid_whose_best_is_its_top_is_widened_until_it_is_not():
+    from orchestrator.bench.quality_rows import WIDEN, widened
+
+    tried: list[float] = []
+
+    def loss_at(lr: float) -> float:
+        tried.append(lr)
+        return (lr - 0.02) ** 2  # best at 2e-2: past the grid's top
+
+    losses = widened((1.5e-3, 3e-3, 6e-3, 1.2e-2), loss_at, lambda lr: 2 * lr)
+    assert tried == [1.5e-3, 3e-3, 6e-3, 1.2e-2, 2.4e-2, 4.8e-2]  # until the top is not the best
+    assert min(losses, key=losses.__getitem__) == 2.4e-2
+    far = widened((1.0, 2.0), lambda lr: -lr, lambda lr: lr + 1)  # better and better: at most WIDEN more
+    assert sorted(far) == [1.0, 2.0, *(2.0 + i for i in range(1, WIDEN + 1))]
+    inside = widened((1.0, 2.0, 3.0), lambda lr: abs(lr - 2.0), lambda lr: lr + 1)
+    assert sorted(inside) == [1.0, 2.0, 3.0]  # a best inside the grid: nothing more
+
+
+def test_diloco_s_inner_lr_is_tuned_like_data_parallel_s_and_the_tuned_row_can_be_the_best():
+    from orchestrator.bench.quality import _best
+    from orchestrator.bench.quality_rows import SHIPPED_INNER_LR, Method
+
+    assert load_config(None, [*MODEL]).inner.lr == SHIPPED_INNER_LR  # the rows' untuned inner lr is the product's
+    h_rows = {h: h_row(1200, h, 1.0) for h in (25, 50, 100)}
+    inner = Method("diloco_k4_h50_tuned_inner", "", [*h_rows[50].overrides, "inner.lr=0.012"], (0, 1, 2), 1.0)
+    table = {m.key: m for m in methods(1200, False, h_rows, ddp_row(1200, 1.2e-2), inner)}
+    assert load_config(None, [*MODEL, *table["diloco_k4_h50_tuned_inner"].overrides]).inner.lr == 0.012
+    losses = {"diloco_k4_h25": 1.52, "diloco_k4_h50": 1.54, "diloco_k4_h50_tuned_inner": 1.50, "fedavg_k4_h50": 1.4}
+    assert _best({k: {"final_eval_loss": v} for k, v in losses.items()}) == "diloco_k4_h50_tuned_inner"
 
 
 def test_report_files_and_docs_index(tmp_path):

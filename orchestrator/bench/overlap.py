@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.quality import MODEL
+from orchestrator.bench.quality_rows import MODEL
 from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
 from orchestrator.bench.runner import Table, one_ray, run_methods, train_warm_start
 from orchestrator.engine.logfiles import read_lines

@@ -18,35 +18,30 @@ import itertools
 import logging
 import math
 import statistics
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.bench.quality_rows import (
+    DEFAULT_LR,
+    H_VALUES,
+    MODEL,
+    SEEDS,
+    WARM,
+    K,
+    Method,
+    h_row,
+    methods,
+    run_row,
+    tune_ddp,
+    tune_inner,
+    tune_outer,
+)
 from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
-from orchestrator.bench.runner import one_ray, run_methods, train_warm_start
+from orchestrator.bench.runner import one_ray, train_warm_start
 from orchestrator.engine.warm_start import finished_record
 
 log = logging.getLogger(__name__)
 
-K = 4
-WARM = 400  # data-parallel steps shared by every method (a quarter of the full run, like the paper's 24k of 88k)
-SEEDS = (0, 1, 2)
-H_VALUES = (25, 50, 100)
-OUTER_LRS = (0.3, 0.5, 0.7, 1.0)
-# data-parallel's tuning: its (inner) AdamW lr, as many settings as DiLoCo's outer lr per H,
-# around the shipped 3e-3 (its 4x batch may want more)
-DDP_LRS = (1.5e-3, 3e-3, 6e-3, 1.2e-2)
-MODEL = [
-    "task.kwargs.d_model=64",
-    "task.kwargs.n_layers=2",
-    "task.kwargs.n_heads=2",
-    "task.kwargs.context=64",
-    "task.kwargs.batch_size=16",
-    "task.kwargs.eval_batches=64",
-    "inner.warmup_steps=40",
-    "data_shards=16",  # the same shards for 1 and 4 islands, so every method continues one warm start
-    f"ray.num_cpus={K}",
-]
 PAPER = {  # DiLoCo paper, C4, 150M model, perplexity (lower is better)
     "single_1x": "16.23 (1 worker, 8× fewer tokens)",
     "ddp_k": "15.30 (8× batch)",
@@ -56,137 +51,6 @@ PAPER = {  # DiLoCo paper, C4, 150M model, perplexity (lower is better)
     "fedavg_k4_h50": "much worse than Nesterov",
     "diloco_k4_h50_outer_adam": "worse than Nesterov",
 }
-
-
-DEFAULT_LR = 0.7  # quick runs skip the sweep and use the product's default for this regime
-
-
-@dataclass
-class Method:
-    key: str
-    description: str
-    overrides: list[str]
-    seeds: tuple[int, ...] = (0,)
-    outer_lr: float | None = None  # the DiLoCo rows' Nesterov lr
-    work: Path | None = None  # where its runs are (set by `_run`)
-    runs: dict[int, dict[str, Any]] = field(default_factory=dict)  # seed -> summary
-
-
-def diloco(steps: int, h: int, *extra: str) -> list[str]:
-    return [f"islands.count={K}", f"inner_steps={h}", f"rounds={steps // h}", f"eval_every={max(1, 100 // h)}", *extra]
-
-
-def nesterov(lr: float) -> list[str]:
-    return ["outer.optimizer=nesterov", f"outer.lr={lr}", "outer.momentum=0.9"]
-
-
-FEDAVG = ["outer.optimizer=sgd", "outer.lr=1.0", "outer.momentum=0.0"]
-
-
-def h_row(steps: int, h: int, lr: float) -> Method:
-    return Method(
-        f"diloco_k4_h{h}", f"DiLoCo k=4 H={h}, Nesterov lr {lr} / 0.9", diloco(steps, h, *nesterov(lr)), SEEDS, lr
-    )
-
-
-def ddp_row(steps: int, lr: float | None) -> Method:
-    """Data-parallel at AdamW lr `lr` (None: the shipped one)."""
-    ddp = ["mode=ddp", f"islands.count={K}", "inner_steps=50", f"rounds={steps // 50}"]
-    tuned = [f"inner.lr={lr}"] if lr is not None else []
-    what = f"AdamW lr {lr:g} every step" if lr is not None else "AdamW every step"
-    return Method("ddp_k", f"data-parallel, 4 islands = 4x batch, {what}", [*ddp, *tuned], SEEDS)
-
-
-def methods(steps: int, quick: bool, h_rows: dict[int, Method], ddp: Method | None = None) -> list[Method]:
-    """The rows; `h_rows` (H -> row) are the DiLoCo rows at their chosen outer lr, `ddp`
-    data-parallel at its chosen lr (default: the shipped one). A full run adds the H = 50
-    row at the shipped outer lr when the sweep chose another: the figure a user gets."""
-    single = ["islands.count=1", "inner_steps=50", "eval_every=2", *FEDAVG]
-    rows = [
-        ddp or ddp_row(steps, None),
-        *h_rows.values(),
-        Method("fedavg_k4_h50", "outer SGD lr 1 = parameter averaging", diloco(steps, 50, *FEDAVG), SEEDS),
-    ]
-    if quick:
-        return rows
-    lr50 = h_rows[50].outer_lr
-    assert lr50 is not None
-    best50 = diloco(steps, 50, *nesterov(lr50))  # the H = 50 row's outer settings
-    if lr50 != DEFAULT_LR:
-        shipped = h_row(steps, 50, DEFAULT_LR)
-        rows.append(
-            Method(
-                f"{shipped.key}_default",
-                f"{shipped.description} (the shipped default)",
-                shipped.overrides,
-                SEEDS,
-                DEFAULT_LR,
-            )
-        )
-    return [
-        Method("single_1x", "1 island, same inner steps (1/4 the tokens)", [*single, f"rounds={steps // 50}"]),
-        Method("single_4x", "1 island, same tokens (4x the steps)", [*single, f"rounds={K * steps // 50}"]),
-        *rows,
-        Method(
-            "diloco_k4_h50_outer_adam", "outer Adam lr 0.01", diloco(steps, 50, "outer.optimizer=adam", "outer.lr=0.01")
-        ),
-        Method(
-            "diloco_k4_h50_non_iid",
-            "non-iid islands (different packages; own warm start on that split)",
-            [*best50, NON_IID],
-        ),
-        Method("diloco_k4_h50_drop50", "50% of pseudo-gradients dropped", [*best50, "outer.drop_prob=0.5"]),
-    ]
-
-
-NON_IID = "task.kwargs.split=non_iid"
-
-
-def _run(m: Method, warm: dict[int, Path], work: Path, seeds: tuple[int, ...] | None = None) -> None:
-    """The seeds of `m` not run yet, each continuing its seed's warm start (a non-iid row
-    its own, trained on its split: a warm start is continued only by runs of its task)."""
-    m.work = m.work or work
-    if NON_IID in m.overrides:
-        base = [*MODEL, NON_IID, f"islands.count={K}", "inner_steps=50", f"rounds={_rounds(m)}"]
-        warm = {s: train_warm_start(base, s, WARM, work / f"warm_non_iid@s{s}") for s in seeds or m.seeds}
-    table = {
-        f"{m.key}@s{s}": (
-            m.description,
-            [*m.overrides, f"seed={s}", f"warm_start.steps={WARM}", f"warm_start.path={warm[s]}"],
-        )
-        for s in seeds or m.seeds
-        if s not in m.runs
-    }
-    for name, summary in run_methods(MODEL, table, m.work).items():
-        m.runs[int(name.rsplit("@s", 1)[1])] = summary
-    m.runs = dict(sorted(m.runs.items()))
-
-
-def _rounds(m: Method) -> int:
-    """The rounds of a 4-island row at H = 50 (its warm start's schedule ends with them)."""
-    return int(next(o for o in m.overrides if o.startswith("rounds="))[len("rounds=") :])
-
-
-def _ddp_sweep(steps: int, warm: dict[int, Path], work: Path) -> tuple[dict[float, float], Method]:
-    """Seed 0 of data-parallel at every lr of `DDP_LRS`; its row is the best lr's."""
-    tried = {lr: ddp_row(steps, lr) for lr in DDP_LRS}
-    for lr, m in tried.items():
-        _run(m, warm, work / "sweep" / f"ddp_lr{lr:g}", seeds=(0,))
-    losses = {lr: m.runs[0]["final_eval_loss"] for lr, m in tried.items()}
-    return losses, tried[min(losses, key=losses.__getitem__)]
-
-
-def _sweep(steps: int, warm: dict[int, Path], work: Path) -> tuple[dict[int, dict[float, float]], dict[int, Method]]:
-    """Seed 0 of every H at every outer lr; the row of each H is its best lr's."""
-    sweep: dict[int, dict[float, float]] = {}
-    chosen: dict[int, Method] = {}
-    for h in H_VALUES:
-        tried = {lr: h_row(steps, h, lr) for lr in OUTER_LRS}
-        for lr, m in tried.items():
-            _run(m, warm, work / "sweep" / f"lr{lr}", seeds=(0,))
-        sweep[h] = {lr: m.runs[0]["final_eval_loss"] for lr, m in tried.items()}
-        chosen[h] = tried[min(sweep[h], key=sweep[h].__getitem__)]
-    return sweep, chosen
 
 
 def quality(quick: bool, work: Path) -> BenchResult:
@@ -199,16 +63,17 @@ def _quality(quick: bool, work: Path) -> BenchResult:
     base = [*MODEL, f"islands.count={K}", "inner_steps=50", f"rounds={steps // 50}"]
     warm = {s: train_warm_start(base, s, WARM, work / f"warm@s{s}") for s in SEEDS}
     sweep: dict[int, dict[float, float]] = {}
-    ddp_sweep: dict[float, float] = {}
-    tuned_ddp: Method | None = None
+    lr_sweep: dict[str, dict[float, float]] = {}
+    tuned_ddp = tuned_inner = None
     if quick:
         h_rows = {50: h_row(steps, 50, DEFAULT_LR)}
     else:
-        sweep, h_rows = _sweep(steps, warm, work)
-        ddp_sweep, tuned_ddp = _ddp_sweep(steps, warm, work)
-    table = methods(steps, quick, h_rows, tuned_ddp)
+        sweep, h_rows = tune_outer(steps, warm, work)
+        lr_sweep["ddp_k"], tuned_ddp = tune_ddp(steps, warm, work)
+        lr_sweep["diloco_k4_h50"], tuned_inner = tune_inner(h_rows[50], warm, work)
+    table = methods(steps, quick, h_rows, tuned_ddp, tuned_inner)
     for m in table:
-        _run(m, warm, work)
+        run_row(m, warm, work)
     results = {m.key: _result(m) for m in table}
     peer = _peer(h_rows[50], warm, work)
     if peer is not None:
@@ -238,7 +103,7 @@ def _quality(quick: bool, work: Path) -> BenchResult:
         quick,
         results,
         line,
-        _markdown(results, checks, steps, sweep, {h: m.outer_lr for h, m in h_rows.items()}, ddp_sweep),
+        _markdown(results, checks, steps, sweep, lr_sweep),
         [Panel("tokens (warm start included)", curves, zoom_from=record["tokens"])],
         extra={
             "checks": checks,
@@ -250,17 +115,17 @@ def _quality(quick: bool, work: Path) -> BenchResult:
                 "seeds": {s: _warm_record(warm[s]) for s in SEEDS},
             },
             "outer_lr_sweep": {f"h{h}": {str(lr): v for lr, v in sweep[h].items()} for h in sweep},
-            "lr_sweep": {"ddp_k": {f"{lr:g}": v for lr, v in ddp_sweep.items()}},  # its AdamW lr, seed 0
+            # inner AdamW lr, seed 0: data-parallel's, and DiLoCo's at H = 50 (its chosen outer lr)
+            "lr_sweep": {key: {f"{lr:g}": v for lr, v in losses.items()} for key, losses in lr_sweep.items()},
             "best_diloco": best,
         },
     )
 
 
 def _best(r: dict[str, dict[str, Any]]) -> str:
-    """The best DiLoCo row (the H rows at their chosen outer lr)."""
-    return min(
-        (k for k in r if k.startswith("diloco_k4_h") and k[11:].isdigit()), key=lambda k: r[k]["final_eval_loss"]
-    )
+    """The best DiLoCo row (the H rows at their chosen outer lr, and H = 50 at its tuned inner lr)."""
+    tuned = [k for k in r if (k.startswith("diloco_k4_h") and k[11:].isdigit()) or k == "diloco_k4_h50_tuned_inner"]
+    return min(tuned, key=lambda k: r[k]["final_eval_loss"])
 
 
 def _warm_record(folder: Path) -> dict[str, Any]:
@@ -296,7 +161,7 @@ def _peer(h50: Method, warm: dict[int, Path], work: Path) -> tuple[dict[str, Any
     peer = torchft_diloco(MODEL, h50.overrides, K, warm, SEEDS, WARM)
     rounds = next(o for o in h50.overrides if o.startswith("rounds="))
     timed = Method(f"{h50.key}_eval_at_end", h50.description, [*h50.overrides, f"eval_every={rounds[7:]}"])
-    _run(timed, warm, work)
+    run_row(timed, warm, work)
     ours = timed.runs[0]["train_seconds"]
     return peer, {
         "train_seconds_eval_at_end": ours,
@@ -335,13 +200,25 @@ def _checks(r: dict[str, dict[str, Any]], quick: bool) -> dict[str, dict[str, An
     return checks
 
 
+def _grid(rows: dict[str, dict[float, float]], column: str) -> str:
+    """A sweep as a table: a row per swept thing, a column per setting any of them tried."""
+    settings = sorted({x for losses in rows.values() for x in losses})
+    cells = [[name, *(_cell(losses, x) for x in settings)] for name, losses in rows.items()]
+    return md_table(["", *(column.format(x) for x in settings)], cells)
+
+
+def _cell(losses: dict[float, float], x: float) -> str:
+    if x not in losses:
+        return "–"
+    return f"**{losses[x]:.4f}**" if x == min(losses, key=losses.__getitem__) else f"{losses[x]:.4f}"
+
+
 def _markdown(
     r: dict[str, dict[str, Any]],
     checks: dict[str, dict[str, Any]],
     steps: int,
     sweep: dict[int, dict[float, float]],
-    best_lr: dict[int, float | None],
-    ddp_sweep: dict[float, float],
+    lr_sweep: dict[str, dict[float, float]],
 ) -> str:
     def loss(m: dict[str, Any]) -> str:
         seeds = m["final_eval_loss_seeds"]
@@ -381,20 +258,11 @@ def _markdown(
         f"eval loss in nats per byte.\n\n" + md_table(header, rows)
     )
     if sweep:
-        lrs = sorted(next(iter(sweep.values())))
-        sweep_rows = [
-            [f"H = {h}", *(f"**{sweep[h][lr]:.4f}**" if lr == best_lr[h] else f"{sweep[h][lr]:.4f}" for lr in lrs)]
-            for h in sorted(sweep)
-        ]
-        text += "\n\nOuter Nesterov lr sweep (momentum 0.9, seed 0; bold: chosen):\n\n" + md_table(
-            ["", *(f"lr {lr}" for lr in lrs)], sweep_rows
-        )
-    if ddp_sweep:
-        chosen = min(ddp_sweep, key=ddp_sweep.__getitem__)
-        text += "\n\nData-parallel AdamW lr sweep (seed 0; bold: chosen):\n\n" + md_table(
-            [f"lr {lr:g}" for lr in ddp_sweep],
-            [[f"**{v:.4f}**" if lr == chosen else f"{v:.4f}" for lr, v in ddp_sweep.items()]],
-        )
+        text += "\n\nOuter Nesterov lr sweep (momentum 0.9, seed 0; bold: chosen; a grid is widened past its top while "
+        text += "the top is the best):\n\n" + _grid({f"H = {h}": sweep[h] for h in sorted(sweep)}, "lr {:g}")
+    if lr_sweep:
+        text += "\n\nInner AdamW lr sweep (seed 0; bold: chosen; DiLoCo at H = 50 and its chosen outer lr):\n\n"
+        text += _grid({f"`{key}`": losses for key, losses in lr_sweep.items()}, "lr {:g}")
     peer = r.get("torchft_diloco_k4_h50")
     if peer is not None:
         ours = r["diloco_k4_h50"]

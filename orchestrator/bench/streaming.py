@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.bench.overhead import breakdown_table, round_breakdown
-from orchestrator.bench.quality import MODEL
+from orchestrator.bench.quality_rows import MODEL
 from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
 from orchestrator.bench.runner import one_ray, run_methods, train_warm_start
 
