@@ -27,8 +27,7 @@ class LoopClock:
     loop's time in them."""
 
     def __init__(self) -> None:
-        self.total = dict.fromkeys(Part, 0.0)
-        self.window = dict.fromkeys(Part, 0.0)
+        self.restart()
         self._open: list[list[float]] = []  # per open part: [start, seconds of the parts inside it]
 
     @contextmanager
