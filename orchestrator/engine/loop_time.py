@@ -27,7 +27,8 @@ class LoopClock:
     loop's time in them."""
 
     def __init__(self) -> None:
-        self.restart()
+        self.total = dict.fromkeys(Part, 0.0)
+        self.window = dict.fromkeys(Part, 0.0)
         self._open: list[list[float]] = []  # per open part: [start, seconds of the parts inside it]
 
     @contextmanager
