@@ -44,6 +44,7 @@ class WarmStartMode(str, Enum):
     """How the shared start of a run is trained before its islands fork."""
 
     DDP = "ddp"  # data-parallel over the run's islands (k x batch, one optimizer)
+    AVERAGE = "average"  # Local SGD: every island trains `inner_steps` steps, then they average
     SINGLE = "single"  # one island trains alone
 
 
@@ -62,7 +63,14 @@ class WarmStartConfig(Strict):
     )
     mode: WarmStartMode = Field(
         WarmStartMode.DDP,
-        description="ddp (data-parallel over the run's islands) or single (one island alone, batch x 1)",
+        description="ddp (data-parallel over the run's islands: a gradient exchange every step), average "
+        "(Local SGD over the run's islands: parameters averaged every warm_start.inner_steps steps, bytes / H) "
+        "or single (one island alone, batch x 1)",
+    )
+    inner_steps: int = Field(
+        10,
+        ge=1,
+        description="mode average: steps between two averages (one round when they do not divide warm_start.steps)",
     )
     path: str | None = Field(
         None,

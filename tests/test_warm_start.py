@@ -81,16 +81,21 @@ def _check_each_batch_once(cfg: RunConfig, summary: dict[str, Any]) -> None:
     assert summary["warm_start"]["tokens"] + summary["tokens"] == everything
 
 
-@pytest.mark.parametrize(("mode", "warm"), [("diloco", "ddp"), ("async", "ddp"), ("overlap", "single")])
+@pytest.mark.parametrize(
+    ("mode", "warm"), [("diloco", "ddp"), ("async", "ddp"), ("overlap", "single"), ("diloco", "average")]
+)
 def test_the_fork_continues_the_warm_starts_data_and_schedule(tmp_path, mode, warm):
-    cfg = _cfg(tmp_path, mode, f"warm_start.mode={warm}")
+    cfg = _cfg(tmp_path, mode, f"warm_start.mode={warm}", "warm_start.inner_steps=2")
     pools = Pools()
     run = PhasedRun(cfg, "w", pools)
     assert run.warming and run.engine.cfg.mode.value == ("ddp" if warm == "ddp" else "diloco")
+    # average: Local SGD, rounds of warm_start.inner_steps whose outer step is the plain mean
+    h = 2 if warm == "average" else 4
+    assert (run.engine.cfg.inner_steps, run.engine.cfg.rounds) == (h, 8 // h)
     summary = run.execute()
     assert summary["state"] == "finished" and summary["rounds_done"] == 6
     record = summary["warm_start"]
-    assert record["steps"] == 8 and record["mode"] == warm and record["islands"] == (3 if warm == "ddp" else 1)
+    assert record["steps"] == 8 and record["mode"] == warm and record["islands"] == (1 if warm == "single" else 3)
     assert record["final_eval_loss"] < record["initial_eval_loss"]
     # the fork starts where the warm start ended (its last eval), not from the initialisation
     assert summary["initial_eval_loss"] == pytest.approx(record["final_eval_loss"], rel=1e-6)

@@ -35,6 +35,7 @@ class Panel:
     y_label: str = "eval loss"
     references: dict[str, float] = field(default_factory=dict)
     zoom_from: float | None = None
+    log_x: bool = False  # for x spanning orders of magnitude (bytes of methods far apart)
 
 
 class ScenarioUnavailable(RuntimeError):
@@ -117,6 +118,8 @@ def draw(result: BenchResult) -> Any:
             low, high = min(shown), max(shown)
             pad = 0.05 * (high - low or abs(high) or 1.0)
             ax.set_ylim(low - pad, high + pad)
+        if panel.log_x:
+            ax.set_xscale("log")  # points at x <= 0 (a run's start) are left out
         ax.set_xlabel(panel.x_label)
         ax.set_ylabel(panel.y_label)
         ax.grid(alpha=0.3)

@@ -1,5 +1,6 @@
 """The warm start: training shared by every island before they fork (`warm_start` in the
-config). It is a run of its own — data-parallel over the run's islands, or one island
+config). It is a run of its own — data-parallel over the run's islands, Local SGD over them
+(an average every few steps: the bytes of data-parallel divided by that H), or one island
 alone — under `out_dir/warm_start`, with its own checkpoints, so a coordinator restarted
 during it resumes it and one restarted after it does not train it again. When it ends,
 `warm_start.json` there says so; the main run then starts from its weights, continues
@@ -38,25 +39,30 @@ def warm_run_id(run_id: str) -> str:
 
 
 def warm_config(cfg: RunConfig) -> RunConfig:
-    """The warm phase of `cfg`: `warm_steps` inner steps in rounds of `inner_steps` (one
-    round when they do not divide), on the main run's data shards and seed, following the
-    main run's learning-rate schedule from its start, checkpointed at least at its end."""
-    steps = cfg.warm_steps
-    h = cfg.inner_steps if steps % cfg.inner_steps == 0 else steps
+    """The warm phase of `cfg`: `warm_steps` inner steps in rounds of `inner_steps` (of
+    `warm_start.inner_steps` in mode average; one round when they do not divide), on the
+    main run's data shards and seed, following the main run's learning-rate schedule from
+    its start, checkpointed at least at its end."""
+    steps, mode = cfg.warm_steps, cfg.warm_start.mode
+    h = cfg.warm_start.inner_steps if mode == WarmStartMode.AVERAGE else cfg.inner_steps
+    h = h if steps % h == 0 else steps
     out = warm_dir(cfg)
     data = cfg.model_dump(mode="json")
     data.update(rounds=steps // h, inner_steps=h, out_dir=str(out), data_shards=cfg.num_shards)
-    data["warm_start"] = {"steps": 0, "mode": cfg.warm_start.mode.value, "path": None}
+    data["warm_start"] = {"steps": 0, "mode": mode.value, "path": None}
     data["inner"]["schedule_steps"] = cfg.schedule_steps
     data["checkpoint"].update(every_rounds=max(1, cfg.checkpoint.every_rounds), path=str(out / "checkpoint"))
     data["coordinator"]["shards"] = 1
     data["outer"]["drop_prob"] = 0.0
     data["compression"]["downlink"] = "none"  # the shared start is trained exactly
-    if cfg.warm_start.mode == WarmStartMode.DDP:
+    if mode == WarmStartMode.DDP:
         data["mode"] = Mode.DDP.value
-    else:  # one island; outer SGD lr 1 without momentum applies its Δ whole: plain training
-        data["mode"] = Mode.DILOCO.value
-        data["outer"].update(optimizer="sgd", lr=1.0, momentum=0.0)
+        return RunConfig.model_validate(data)
+    # outer SGD lr 1 without momentum applies the mean Δ whole: the islands' average (one
+    # island: its own training), with nothing of DiLoCo's outer rule yet
+    data["mode"] = Mode.DILOCO.value
+    data["outer"].update(optimizer="sgd", lr=1.0, momentum=0.0)
+    if mode == WarmStartMode.SINGLE:
         islands = data["islands"]
         islands["count"] = 1
         for key in ("simulated_slowdown", "links"):

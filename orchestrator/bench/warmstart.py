@@ -1,0 +1,150 @@
+"""`warmstart`: the default run's bytes, warm start and first downloads included, against
+data-parallel reaching the same loss.
+
+The default run trains a warm start on the run's islands before they fork. Trained
+data-parallel it exchanges a gradient every step, which over slow links costs many times
+the DiLoCo phase. Each row here is the default config (`archipelago run` with no
+arguments) with one warm-start mode: `ddp`, `average` (Local SGD, an average every
+`warm_start.inner_steps` steps) and `single` (one island, then the fork's downloads).
+
+The baseline is data-parallel on the same islands (4× batch), run for the default run's
+steps, at each lr of a grid (the shipped one and two above it: its tuned lr is above the
+shipped one in `bench quality`), evaluated every `DDP_EVAL_EVERY` steps. Its bytes to
+reach a row's final loss are read off its curve of eval loss against cumulative bytes
+(bootstrap included), linearly interpolated between evaluations; the best lr (fewest
+bytes) is the baseline. A baseline that never reaches a row's loss gives that row's ratio
+as a lower bound (its whole run's bytes), and says so.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from orchestrator.bench.hetero import time_to_reach
+from orchestrator.bench.report import BenchResult, Panel, checks_table, md_table, targets_met
+from orchestrator.bench.runner import run_methods
+from orchestrator.config_load import load_config
+from orchestrator.engine.logfiles import read_lines
+
+TARGET_RATIO = 20.0  # the issue's: total bytes >= 20x fewer than data-parallel at equal loss
+WARM_MODES = ("ddp", "average", "single")
+DDP_LRS = (3e-3, 6e-3, 1.2e-2)
+DDP_EVAL_EVERY = 20  # steps between the baseline's evaluations (its curve's resolution)
+QUICK = ["rounds=2", "inner_steps=10"]  # the default model and islands, cut short
+
+
+def _cumulative_bytes(run_dir: Path, summary: dict[str, Any], offset: int = 0) -> list[tuple[float, float]]:
+    """(bytes moved so far, eval loss) of a run, `offset` bytes before its first round."""
+    points = [(float(offset), summary["initial_eval_loss"])]
+    for line in read_lines(run_dir / "metrics.jsonl"):
+        rec = json.loads(line)
+        if rec["eval_loss"] is not None:
+            points.append((float(offset + rec["bytes_sent"] + rec["bytes_received"]), rec["eval_loss"]))
+    return points
+
+
+def warmstart(quick: bool, work: Path) -> BenchResult:
+    base = [*(QUICK if quick else []), "api.enabled=false"]
+    default = load_config(None, base)
+    steps = default.warm_steps + default.total_inner_steps
+    rows = {f"default_warm_{m}": (f"the default run, warm start {m}", [f"warm_start.mode={m}"]) for m in WARM_MODES}
+    ddp_sets = ["mode=ddp", "warm_start.steps=0", f"inner_steps={DDP_EVAL_EVERY}", f"rounds={steps // DDP_EVAL_EVERY}"]
+    lrs = DDP_LRS[:1] if quick else DDP_LRS
+    baselines = {f"ddp_k@lr{lr:g}": (f"data-parallel, lr {lr:g}", [*ddp_sets, f"inner.lr={lr}"]) for lr in lrs}
+    summaries = run_methods(base, {**rows, **baselines}, work)
+
+    curves = {name: _cumulative_bytes(work / name, summaries[name]) for name in baselines}
+    results: dict[str, dict[str, Any]] = {}
+    for name in baselines:
+        s = summaries[name]
+        results[name] = {
+            "final_eval_loss": s["final_eval_loss"],
+            "bytes_communicated": s["bytes_communicated"],
+            "train_seconds": s["train_seconds"],
+            "lr": float(name.split("@lr")[1]),
+        }
+    for name in rows:
+        s = summaries[name]
+        warm = s["warm_start"]
+        total = warm["bytes_communicated"] + s["bytes_communicated"]
+        target = s["final_eval_loss"]
+        reach = {b: time_to_reach(curves[b], target) for b in baselines}
+        reached = {b: x for b, x in reach.items() if x is not None}
+        best = min(reached, key=lambda b: reached[b]) if reached else None
+        ddp_bytes = reached[best] if best is not None else max(results[b]["bytes_communicated"] for b in baselines)
+        results[name] = {
+            "final_eval_loss": target,
+            "warm_start_final_eval_loss": warm["final_eval_loss"],
+            "bytes_warm_start": warm["bytes_communicated"],
+            "bytes_main": s["bytes_communicated"],
+            "bytes_communicated": total,
+            "train_seconds": warm["train_seconds"] + s["train_seconds"],
+            "ddp_bytes_to_reach": ddp_bytes,
+            "ddp_bytes_to_reach_by_lr": {results[b]["lr"]: x for b, x in reach.items()},
+            "ddp_reached": best is not None,
+            "ddp_best": best,
+            "bytes_ratio_vs_ddp_at_equal_loss": ddp_bytes / total,
+        }
+        curves[name] = _cumulative_bytes(work / name, s, offset=warm["bytes_communicated"])
+
+    mb = {n: [(x / 1e6, y) for x, y in c] for n, c in curves.items()}
+    shipped = f"default_warm_{default.warm_start.mode.value}"
+    ratio = results[shipped]["bytes_ratio_vs_ddp_at_equal_loss"]
+    checks = {
+        f"default_run_bytes_ratio_vs_ddp_ge_{TARGET_RATIO:g}x (shipped warm start: {default.warm_start.mode.value})": {
+            "value": ratio,
+            "target": TARGET_RATIO,
+            "ok": ratio >= TARGET_RATIO,
+            "lower_bound": not results[shipped]["ddp_reached"],
+        }
+    }
+    line = (
+        f"warmstart: the default run (warm start {default.warm_start.mode.value}) moves {ratio:.1f}x fewer bytes "
+        f"than data-parallel reaching its loss ({targets_met(checks)})"
+    )
+    return BenchResult(
+        "warmstart",
+        quick,
+        results,
+        line,
+        _markdown(results, checks, shipped),
+        [Panel("MB moved (warm start and first downloads included)", mb, y_label="eval loss", log_x=True)],
+        extra={"checks": checks, "shipped_warm_start": default.warm_start.mode.value, "ddp_lrs": list(lrs)},
+    )
+
+
+def _markdown(results: dict[str, dict[str, Any]], checks: dict[str, dict[str, Any]], shipped: str) -> str:
+    rows = []
+    for name, r in results.items():
+        if "bytes_ratio_vs_ddp_at_equal_loss" in r:
+            bound = "" if r["ddp_reached"] else " (at least: never reached)"
+            rows.append(
+                [
+                    name + (" (shipped)" if name == shipped else ""),
+                    f"{r['warm_start_final_eval_loss']:.4f}",
+                    f"{r['final_eval_loss']:.4f}",
+                    f"{r['bytes_warm_start'] / 1e6:,.1f}",
+                    f"{r['bytes_communicated'] / 1e6:,.1f}",
+                    f"{r['ddp_bytes_to_reach'] / 1e6:,.0f}",
+                    f"{r['bytes_ratio_vs_ddp_at_equal_loss']:.1f}x{bound}",
+                    f"{r['train_seconds']:.0f}",
+                ]
+            )
+    table = md_table(
+        ["run", "warm-start loss", "final loss", "warm MB", "total MB", "DDP MB to reach", "ratio", "train s"], rows
+    )
+    ddp = md_table(
+        ["baseline", "final loss", "MB", "train s"],
+        [
+            [n, f"{r['final_eval_loss']:.4f}", f"{r['bytes_communicated'] / 1e6:,.0f}", f"{r['train_seconds']:.0f}"]
+            for n, r in results.items()
+            if "lr" in r
+        ],
+    )
+    return (
+        "## Warm start: the default run's bytes against data-parallel\n\n"
+        f"{(__doc__ or '').split(chr(10) + chr(10), 1)[1]}\n"
+        f"{table}\n\n{ddp}\n\n{checks_table(checks)}\n"
+    )
