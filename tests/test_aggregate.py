@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from orchestrator.algorithms.robust import NormGuard
 from orchestrator.config import RobustConfig
 from orchestrator.config_sections import OuterConfig
 from orchestrator.engine.admission import Admission, ExactVersion
-from orchestrator.engine.outer_step import LocalOuter, OuterRule, take_step
+from orchestrator.engine.outer_step import LocalOuter, OuterRule, OuterStep, take_step
 from orchestrator.engine.policies import outer_optimizer
 from orchestrator.engine.types import Contribution
 
@@ -78,3 +79,56 @@ def test_finiteness_from_the_norm_pass_and_its_overflow_fallback():
         y = x.copy()
         y[3] = bad
         assert not all_finite(y, sqnorm(y))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_blocked_mean_and_norms_are_the_whole_vector_ones(dtype):
+    """`WeightedMean.fill` runs block by block (each update read once, norms from the same
+    reads): its mean is bitwise the whole-vector ops' Σ wΔ / Σ w, its norms equal `sqnorm`'s."""
+    from orchestrator.algorithms.aggregate import CHUNK, WeightedMean, sqnorm
+
+    rng = np.random.default_rng(0)
+    n = 3 * CHUNK + 77
+    parts = [(rng.normal(size=n).astype(dtype), w) for w in (3.0, 1.0, 5.5)]
+    ttype = torch.float32 if dtype == np.float32 else torch.float64
+    want = torch.from_numpy(parts[0][0]) * parts[0][1]
+    for d, w in parts[1:]:
+        want.add_(torch.from_numpy(d), alpha=w)
+    want.div_(9.5)
+    sq = [0.0] * 3
+    got = WeightedMean(n, ttype).fill(parts, sq)
+    assert torch.equal(got, want)
+    assert sq == pytest.approx([sqnorm(d) for d, _ in parts], rel=1e-5)
+    with pytest.raises(ValueError, match="no contributions"):
+        WeightedMean(n, ttype).fill([])
+
+
+def test_a_mean_taken_while_screening_steps_exactly_as_one_taken_after_it():
+    """`LocalOuter.inspect` averages every update in the pass that screens them; when all
+    are admitted `apply` steps on that mean, else it averages the admitted ones again. Both
+    must give bitwise the model of averaging after admission, in island order whatever the
+    arrival order."""
+    rng = np.random.default_rng(1)
+    n = 70_000
+    deltas = {i: rng.normal(0, 1e-2, n).astype(np.float32) for i in range(3)}
+    weights = {0: 2.0, 1: 3.0, 2: 1.0}
+
+    def stepped(arrivals: list[int], poisoned: int | None = None) -> torch.Tensor:
+        param = torch.ones(n)
+        outer = LocalOuter(param, OuterRule(lambda p: (outer_optimizer(OuterConfig(), p), None)))
+        admission = Admission(n, NormGuard(RobustConfig()), ExactVersion(), 3, 0.0, seed=1)
+        batch = [
+            Contribution(island=i, version=0, delta=deltas[i] * (np.nan if i == poisoned else 1), weight=weights[i])
+            for i in arrivals
+        ]
+        take_step(outer, admission, batch, 0, 0)
+        return param
+
+    def reference(islands: list[int]) -> torch.Tensor:
+        param = torch.ones(n)
+        step = OuterStep(param, OuterRule(lambda p: (outer_optimizer(OuterConfig(), p), None)))
+        step.apply([(deltas[i], weights[i]) for i in islands])
+        return param
+
+    assert torch.equal(stepped([2, 0, 1]), reference([0, 1, 2]))
+    assert torch.equal(stepped([1, 2, 0], poisoned=1), reference([0, 2]))

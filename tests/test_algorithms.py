@@ -95,19 +95,22 @@ def test_token_weighted_mean():
 
 
 @pytest.mark.parametrize("momentum, nesterov", [(0.9, True), (0.9, False), (0.0, False)])
-def test_flat_sgd_is_bitwise_torch_sgd(momentum, nesterov):
-    """The in-place outer SGD/Nesterov computes exactly what `torch.optim.SGD` computes."""
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_flat_sgd_is_bitwise_torch_sgd(momentum, nesterov, dtype):
+    """The in-place outer SGD/Nesterov, block by block, computes exactly what
+    `torch.optim.SGD` computes over the whole vector (a size of several blocks and a tail)."""
+    from orchestrator.algorithms.aggregate import CHUNK
     from orchestrator.algorithms.outer import FlatSGD
 
-    gen = torch.Generator().manual_seed(0)
-    a = torch.nn.Parameter(torch.randn(1000, dtype=torch.float64, generator=gen))
+    gen, n = torch.Generator().manual_seed(0), 2 * CHUNK + 1001
+    a = torch.nn.Parameter(torch.randn(n, dtype=dtype, generator=gen))
     b = torch.nn.Parameter(a.detach().clone())
     ours, stock = (
         FlatSGD([a], 0.7, momentum, nesterov),
         torch.optim.SGD([b], lr=0.7, momentum=momentum, nesterov=nesterov),
     )
     for _ in range(6):
-        g = torch.randn(1000, dtype=torch.float64, generator=gen)
+        g = torch.randn(n, dtype=dtype, generator=gen)
         a.grad, b.grad = g.clone(), g.clone()
         ours.step()
         stock.step()

@@ -329,3 +329,22 @@ def test_the_peer_baseline_is_a_lower_bound_of_k_replicas_on_the_cores():
     assert lower_bound(10.0, k=4, threads=1, cores=2) == 20.0  # 4 single-thread replicas on 2 cores
     assert lower_bound(10.0, k=2, threads=1, cores=2) == 10.0  # one core each: as fast as one alone
     assert lower_bound(10.0, k=2, threads=1, cores=16) == 10.0  # idle cores do not make one faster
+
+
+def test_warmstart_rows_differ_only_in_the_warm_start_mode_and_the_fewest_bytes_baseline_wins(tmp_path):
+    from orchestrator.bench.warmstart import WARM_MODES, _cumulative_bytes, fewest, rows
+
+    configs = {name: load_config(None, ov).model_dump(mode="json") for name, (_, ov) in rows().items()}
+    assert {c["warm_start"].pop("mode") for c in configs.values()} == set(WARM_MODES)
+    assert all(c == configs["default_warm_ddp"] for c in configs.values())  # nothing else differs
+    assert fewest({"a": 300.0, "b": None, "c": 200.0}) == "c"
+    assert fewest({"a": None}) is None
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [
+        {"eval_loss": None, "bytes_sent": 10, "bytes_received": 30},
+        {"eval_loss": 2.0, "bytes_sent": 20, "bytes_received": 60},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    # bytes are cumulative in the records; a continued run starts where its warm start ended
+    assert _cumulative_bytes(run, {"initial_eval_loss": 3.0}, offset=5) == [(5.0, 3.0), (85.0, 2.0)]

@@ -71,9 +71,8 @@ def test_age_discount_and_the_merge_reference_vector():
     assert age_factor(0, 1.0) == 1.0 and age_factor(3, 1.0) == 0.25 and age_factor(3, 0.5) == 0.5
     assert age_factor(2, 0.0) == 1.0
     mean = WeightedMean(2, torch.float64)
-    mean.add(np.array([1.0, 0.0]), 10 * age_factor(0, 1.0))
-    mean.add(np.array([0.0, 2.0]), 30 * age_factor(1, 1.0))
-    assert mean.mean().numpy() == pytest.approx([0.4, 1.2], abs=1e-12)
+    parts = [(np.array([1.0, 0.0]), 10 * age_factor(0, 1.0)), (np.array([0.0, 2.0]), 30 * age_factor(1, 1.0))]
+    assert mean.fill(parts).numpy() == pytest.approx([0.4, 1.2], abs=1e-12)
     theta = torch.tensor([1.0, 1.0], dtype=torch.float64)
     cfg = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
     step = OuterStep(theta, OuterRule(lambda p: (outer_optimizer(cfg, p), None)))

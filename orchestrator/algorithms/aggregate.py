@@ -1,11 +1,13 @@
 """Token-weighted averaging of pseudo-gradients into one preallocated buffer, and the two
-numbers admission needs of a vector (its squared norm, whether it is finite) in one pass.
-The one aggregator of every pacing and of every coordinator slice. Pure numpy/torch."""
+numbers admission needs of a vector (its squared norm, whether it is finite), computed in
+the same pass over memory. The one aggregator of every pacing and of every coordinator
+slice. Pure numpy/torch."""
 
 from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -24,27 +26,44 @@ def all_finite(x: np.ndarray, sq: float) -> bool:
     return math.isfinite(sq) or bool(np.isfinite(x).all())
 
 
+CHUNK = 1 << 16  # elements per block: 256 KB of fp32, so a block of every operand stays in L2
+
+
+def blocks(n: int) -> Iterator[slice]:
+    """The blocks of a vector of `n` elements. Running every operation of a step on one
+    block before the next reads each operand from memory once (a step of several
+    vectorised ops over whole vectors reads and writes each of them once per op); the
+    arithmetic per element is unchanged, so the result is bitwise the whole-vector one."""
+    return (slice(lo, min(lo + CHUNK, n)) for lo in range(0, n, CHUNK))
+
+
 class WeightedMean:
-    """Σ w_i Δ_i / Σ w_i, accumulated in place (one vectorised op per contribution)."""
+    """Σ w_i Δ_i / Σ w_i into one preallocated buffer."""
 
     def __init__(self, numel: int, dtype: torch.dtype) -> None:
         self.sum = torch.zeros(numel, dtype=dtype)
-        self.total = 0.0
 
-    def reset(self) -> None:
-        self.total = 0.0  # the next `add` overwrites the buffer: no zeroing pass
-
-    def add(self, delta: np.ndarray, weight: float) -> None:
+    def fill(self, parts: Sequence[tuple[np.ndarray, float]], sqnorms: list[float] | None = None) -> torch.Tensor:
+        """The weighted mean of `parts` (in their order: float sums depend on it), block by
+        block: each Δ_i is read once and the buffer written once. With `sqnorms` (one
+        entry per part, filled in), each Δ_i's squared norm is summed from the same reads,
+        so screening an update costs no pass of its own."""
+        total = sum(w for _, w in parts)
+        if total <= 0:
+            raise ValueError("no contributions to average")
         with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
             warnings.simplefilter("ignore", UserWarning)
-            src = torch.from_numpy(delta).to(self.sum.dtype)
-        if self.total == 0.0:
-            torch.mul(src, weight, out=self.sum)
-        else:
-            self.sum.add_(src, alpha=weight)
-        self.total += weight
-
-    def mean(self) -> torch.Tensor:
-        if self.total <= 0:
-            raise ValueError("no contributions to average")
-        return self.sum.div_(self.total)
+            sources = [(torch.from_numpy(np.asarray(d)), w) for d, w in parts]
+        dtype = self.sum.dtype
+        for block in blocks(self.sum.numel()):
+            out = self.sum[block]
+            for i, (src, w) in enumerate(sources):
+                piece = src[block]
+                if sqnorms is not None:
+                    sqnorms[i] += sqnorm(piece.numpy())
+                if i == 0:
+                    torch.mul(piece.to(dtype), w, out=out)
+                else:
+                    out.add_(piece.to(dtype), alpha=w)
+            out.div_(total)
+        return self.sum

@@ -24,7 +24,7 @@ from typing import Any
 
 from orchestrator.bench.hetero import time_to_reach
 from orchestrator.bench.report import BenchResult, Panel, checks_table, md_table, targets_met
-from orchestrator.bench.runner import run_methods
+from orchestrator.bench.runner import Table, run_methods
 from orchestrator.config_load import load_config
 from orchestrator.engine.logfiles import read_lines
 
@@ -45,15 +45,26 @@ def _cumulative_bytes(run_dir: Path, summary: dict[str, Any], offset: int = 0) -
     return points
 
 
+def fewest(reach: dict[str, float | None]) -> str | None:
+    """The baseline that reached the target with the fewest bytes; None if none reached it."""
+    reached = {name: x for name, x in reach.items() if x is not None}
+    return min(reached, key=lambda name: reached[name]) if reached else None
+
+
+def rows() -> Table:
+    """The default config once per warm-start mode, nothing else changed."""
+    return {f"default_warm_{m}": (f"the default run, warm start {m}", [f"warm_start.mode={m}"]) for m in WARM_MODES}
+
+
 def warmstart(quick: bool, work: Path) -> BenchResult:
     base = [*(QUICK if quick else []), "api.enabled=false"]
     default = load_config(None, base)
     steps = default.warm_steps + default.total_inner_steps
-    rows = {f"default_warm_{m}": (f"the default run, warm start {m}", [f"warm_start.mode={m}"]) for m in WARM_MODES}
+    runs = rows()
     ddp_sets = ["mode=ddp", "warm_start.steps=0", f"inner_steps={DDP_EVAL_EVERY}", f"rounds={steps // DDP_EVAL_EVERY}"]
     lrs = DDP_LRS[:1] if quick else DDP_LRS
     baselines = {f"ddp_k@lr{lr:g}": (f"data-parallel, lr {lr:g}", [*ddp_sets, f"inner.lr={lr}"]) for lr in lrs}
-    summaries = run_methods(base, {**rows, **baselines}, work)
+    summaries = run_methods(base, {**runs, **baselines}, work)
 
     curves = {name: _cumulative_bytes(work / name, summaries[name]) for name in baselines}
     results: dict[str, dict[str, Any]] = {}
@@ -65,15 +76,14 @@ def warmstart(quick: bool, work: Path) -> BenchResult:
             "train_seconds": s["train_seconds"],
             "lr": float(name.split("@lr")[1]),
         }
-    for name in rows:
+    for name in runs:
         s = summaries[name]
         warm = s["warm_start"]
         total = warm["bytes_communicated"] + s["bytes_communicated"]
         target = s["final_eval_loss"]
         reach = {b: time_to_reach(curves[b], target) for b in baselines}
-        reached = {b: x for b, x in reach.items() if x is not None}
-        best = min(reached, key=lambda b: reached[b]) if reached else None
-        ddp_bytes = reached[best] if best is not None else max(results[b]["bytes_communicated"] for b in baselines)
+        best = fewest(reach)
+        ddp_bytes = reach[best] if best is not None else max(results[b]["bytes_communicated"] for b in baselines)
         results[name] = {
             "final_eval_loss": target,
             "warm_start_final_eval_loss": warm["final_eval_loss"],

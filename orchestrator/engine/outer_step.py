@@ -59,10 +59,7 @@ class OuterStep:
         self.anchors: dict[int, torch.Tensor] = {0: flat.detach().clone()} if rule.anchored else {}
 
     def _mean(self, parts: list[tuple[np.ndarray, float]]) -> torch.Tensor:
-        self.mean.reset()
-        for delta, weight in parts:
-            self.mean.add(delta, weight)
-        return self.mean.mean()
+        return self.mean.fill(parts)
 
     def gap_terms(self, parts: list[tuple[np.ndarray, float]], anchor: int) -> tuple[float, float, float] | None:
         """(‖x − x_s‖², ‖Δ̄‖², λ) over this buffer when the rule's Λ is adaptive (a sliced
@@ -75,13 +72,14 @@ class OuterStep:
 
     def apply(
         self,
-        parts: list[tuple[np.ndarray, float]],
+        parts: list[tuple[np.ndarray, float]] | None,
         scale: float = 1.0,
         anchor: int | None = None,
         gap: float | None = None,
     ) -> float | None:
-        """Step the rule on the weighted mean of `parts` (× `scale`); returns CO2's Λ."""
-        grad = self._mean(parts)
+        """Step the rule on the weighted mean of `parts` (× `scale`; None: the mean buffer
+        already holds it, filled while screening); returns CO2's Λ."""
+        grad = self._mean(parts) if parts is not None else self.mean.sum
         if scale != 1.0:
             grad.mul_(scale)
         if self.grad_clip is not None:
@@ -171,22 +169,34 @@ class LocalOuter:
             self.steps = [OuterStep(flat[fragments.positions(p)].clone(), rule) for p in range(fragments.count)]
         self._keys = itertools.count()
         self.pending: dict[int, list[tuple[int, np.ndarray, float]]] = {}
+        self.filled: tuple[int, dict[int, float]] | None = None  # the update whose mean the buffer holds
 
     def _size(self, fragment: int | None) -> int:
         return self.numel if fragment is None or self.fragments is None else self.fragments.size(fragment)
 
     def inspect(self, contributions: list[Contribution]) -> tuple[int, list[Facts]]:
+        """The facts of each update. Unfragmented, with every update of the right shape,
+        the mean of all of them is taken in the same pass (`WeightedMean.fill`): admission
+        nearly always admits every update, and `apply` then steps on it without reading
+        them again (`filled`); otherwise `apply` averages the admitted ones itself."""
         key = next(self._keys)
         decoded = [
             (c.island, c.delta if isinstance(c.delta, np.ndarray) else decode(c.delta), c.weight) for c in contributions
         ]
         self.pending[key] = decoded
-        facts = []
-        for c, (_, d, _) in zip(contributions, decoded):
-            fits = d.shape == (self._size(c.fragment),)
-            sq = sqnorm(d) if fits else math.nan
-            facts.append(Facts(d.size, fits and all_finite(d, sq), sq))
-        return key, facts
+        fits = [d.shape == (self._size(c.fragment),) for c, (_, d, _) in zip(contributions, decoded)]
+        self.filled = None
+        if self.fragments is None and all(fits) and decoded and all(w > 0 for _, _, w in decoded):
+            order = sorted(range(len(decoded)), key=lambda j: decoded[j][0])
+            sq = [0.0] * len(decoded)
+            self.steps[0].mean.fill([(decoded[j][1], decoded[j][2]) for j in order], sq)
+            sqs = [math.nan] * len(decoded)
+            for j, value in zip(order, sq):
+                sqs[j] = value
+            self.filled = (key, {decoded[j][0]: decoded[j][2] for j in order})
+        else:
+            sqs = [sqnorm(d) if ok else math.nan for ok, (_, d, _) in zip(fits, decoded)]
+        return key, [Facts(d.size, ok and all_finite(d, q), q) for ok, q, (_, d, _) in zip(fits, sqs, decoded)]
 
     def apply(
         self,
@@ -201,7 +211,8 @@ class LocalOuter:
         pending = sorted(self.pending.pop(key), key=lambda part: part[0])
         parts = [(d, weights[i]) for i, d, _ in pending if i in weights]
         if self.fragments is None:
-            return self.steps[0].apply(parts, scale, anchor)
+            filled, self.filled = self.filled == (key, weights), None
+            return self.steps[0].apply(None if filled else parts, scale, anchor)
         if fragment is None:
             raise ValueError("a fragmented outer step needs the fragment it updates")
         step = self.steps[fragment]
@@ -212,6 +223,7 @@ class LocalOuter:
 
     def discard(self, key: int) -> None:
         self.pending.pop(key, None)
+        self.filled = None
 
     def anchor(self, version: int, keep_from: int) -> None:
         for step in self.steps:
