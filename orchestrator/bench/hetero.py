@@ -30,7 +30,7 @@ from typing import Any
 
 from orchestrator.bench.quality_rows import MODEL
 from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
-from orchestrator.bench.runner import Table, run_methods, train_warm_start
+from orchestrator.bench.runner import Table, continue_warm, run_methods, train_warm_start
 
 K = 4
 FLEETS = {"mild": [1, 1, 0.5, 0.25], "harsh": [1, 0.5, 0.25, 0.125]}
@@ -98,7 +98,7 @@ def row(name: str, lr: float, seed: int, rounds: int, fleet: str, warm: Path | N
         *extra,
         f"outer.lr={scaled:g}",
     ]
-    return out + ([f"warm_start.steps={WARM}", f"warm_start.path={warm}"] if warm is not None else [])
+    return out + (continue_warm(WARM, warm) if warm is not None else [])
 
 
 def methods(rounds: int, warm: Path | None = None, lr: float = DEFAULT_LR) -> Table:

@@ -28,7 +28,7 @@ from typing import Any
 
 from orchestrator.bench.quality_rows import MODEL
 from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
-from orchestrator.bench.runner import Table, one_ray, run_methods, train_warm_start
+from orchestrator.bench.runner import Table, continue_warm, one_ray, run_methods, train_warm_start
 from orchestrator.engine.logfiles import read_lines
 
 H = 50
@@ -72,8 +72,7 @@ def _base(rounds: int, warm: Path, seed: int) -> list[str]:
         f"rounds={rounds}",
         f"ray.num_cpus={K}",
         f"seed={seed}",
-        f"warm_start.steps={WARM}",
-        f"warm_start.path={warm}",
+        *continue_warm(WARM, warm),
     ]
 
 

@@ -32,6 +32,7 @@ import torch
 import torchft  # noqa: F401  (not installed: ImportError, and `quality` skips the peer row)
 
 from orchestrator.bench.overhead import lower_bound
+from orchestrator.bench.runner import continue_warm
 from orchestrator.config import Mode, RunConfig
 from orchestrator.config_load import load_config
 from orchestrator.engine.ledger import assign
@@ -180,10 +181,7 @@ def torchft_diloco(
     """The peer row: torchft's DiLoCo for each seed, and islands alone (seed 0)."""
     losses, walls = [], []
     configs = {
-        s: load_config(
-            None, [*base, *overrides, f"seed={s}", f"warm_start.steps={warm_steps}", f"warm_start.path={warm[s]}"]
-        )
-        for s in seeds
+        s: load_config(None, [*base, *overrides, f"seed={s}", *continue_warm(warm_steps, warm[s])]) for s in seeds
     }
     for s, cfg in configs.items():
         wall, loss = _replicas(cfg, k, exchange=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.runner import run_methods, train_warm_start
+from orchestrator.bench.runner import continue_warm, run_methods, train_warm_start
 
 K = 4
 WARM = 400  # data-parallel steps shared by every method (a quarter of the full run, like the paper's 24k of 88k)
@@ -129,7 +129,7 @@ def run_row(m: Method, warm: dict[int, Path], work: Path, seeds: tuple[int, ...]
     table = {
         f"{m.key}@s{s}": (
             m.description,
-            [*m.overrides, f"seed={s}", f"warm_start.steps={WARM}", f"warm_start.path={warm[s]}"],
+            [*m.overrides, f"seed={s}", *continue_warm(WARM, warm[s])],
         )
         for s in seeds or m.seeds
         if s not in m.runs

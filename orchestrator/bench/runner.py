@@ -23,6 +23,14 @@ from orchestrator.runtime.driver import init_ray, run
 log = logging.getLogger(__name__)
 
 Table = dict[str, tuple[str, list[str]]]  # name -> (description, overrides)
+# the benchmarks compare methods from one data-parallel warm start, as the DiLoCo paper
+# does (pinned: the product's default mode may change without changing these runs)
+WARM_MODE = "ddp"
+
+
+def continue_warm(steps: int, folder: Path) -> list[str]:
+    """The overrides of a run that continues the finished warm start in `folder`."""
+    return [f"warm_start.steps={steps}", f"warm_start.path={folder}", f"warm_start.mode={WARM_MODE}"]
 
 
 @contextmanager
@@ -126,7 +134,9 @@ def run_methods(base: list[str], table: Table, work: Path, in_process: bool = Fa
 def train_warm_start(base: list[str], seed: int, steps: int, out: Path, in_process: bool = False) -> Path:
     """Train the warm start of the run `base` describes (the product's warm phase, alone)
     once, for every method of a scenario to continue (`warm_start.path`); its folder."""
-    cfg = load_config(None, [*base, f"seed={seed}", f"warm_start.steps={steps}", f"out_dir={out}"])
+    cfg = load_config(
+        None, [*base, f"seed={seed}", f"warm_start.steps={steps}", f"warm_start.mode={WARM_MODE}", f"out_dir={out}"]
+    )
     warm = warm_config(cfg)
     if (warm_dir(cfg) / MARKER).exists() and finished(warm) is not None:
         return warm_dir(cfg)

@@ -26,7 +26,7 @@ from typing import Any
 from orchestrator.bench.overhead import breakdown_table, round_breakdown
 from orchestrator.bench.quality_rows import MODEL
 from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
-from orchestrator.bench.runner import one_ray, run_methods, train_warm_start
+from orchestrator.bench.runner import continue_warm, one_ray, run_methods, train_warm_start
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,7 @@ def _common(rounds: int, seed: int, warm: Path) -> list[str]:
         f"inner_steps={H}",
         f"rounds={rounds}",
         f"seed={seed}",
-        f"warm_start.steps={WARM}",
-        f"warm_start.path={warm}",
+        *continue_warm(WARM, warm),
     ]
 
 
