@@ -8,8 +8,7 @@ arguments) with one warm-start mode: `ddp`, `average` (Local SGD, an average eve
 `warm_start.inner_steps` steps) and `single` (one island, then the fork's downloads).
 
 The baseline is data-parallel on the same islands (4× batch), run for the default run's
-steps, at each lr of a grid (the shipped one and two above it: its tuned lr is above the
-shipped one in `bench quality`), evaluated every `DDP_EVAL_EVERY` steps. Its bytes to
+steps, at each lr of a grid around the shipped one (half of it to four times), evaluated every `DDP_EVAL_EVERY` steps. Its bytes to
 reach a row's final loss are read off its curve of eval loss against cumulative bytes
 (bootstrap included), linearly interpolated between evaluations; the best lr (fewest
 bytes) is the baseline. A baseline that never reaches a row's loss gives that row's ratio
@@ -30,7 +29,8 @@ from orchestrator.engine.logfiles import read_lines
 
 TARGET_RATIO = 20.0  # the issue's: total bytes >= 20x fewer than data-parallel at equal loss
 WARM_MODES = ("ddp", "average", "single")
-DDP_LRS = (3e-3, 6e-3, 1.2e-2)
+AVERAGE_H = (25, 50)  # besides the shipped warm_start.inner_steps
+DDP_LRS = (1.5e-3, 3e-3, 6e-3, 1.2e-2)
 DDP_EVAL_EVERY = 20  # steps between the baseline's evaluations (its curve's resolution)
 QUICK = ["rounds=2", "inner_steps=10"]  # the default model and islands, cut short
 
@@ -52,8 +52,15 @@ def fewest(reach: dict[str, float | None]) -> str | None:
 
 
 def rows() -> Table:
-    """The default config once per warm-start mode, nothing else changed."""
-    return {f"default_warm_{m}": (f"the default run, warm start {m}", [f"warm_start.mode={m}"]) for m in WARM_MODES}
+    """The default config once per warm-start mode (average also at longer H), nothing
+    else changed."""
+    table = {f"default_warm_{m}": (f"the default run, warm start {m}", [f"warm_start.mode={m}"]) for m in WARM_MODES}
+    for h in AVERAGE_H:
+        table[f"default_warm_average_h{h}"] = (
+            f"the default run, warm start average every {h} steps",
+            ["warm_start.mode=average", f"warm_start.inner_steps={h}"],
+        )
+    return table
 
 
 def warmstart(quick: bool, work: Path) -> BenchResult:
@@ -62,7 +69,7 @@ def warmstart(quick: bool, work: Path) -> BenchResult:
     steps = default.warm_steps + default.total_inner_steps
     runs = rows()
     ddp_sets = ["mode=ddp", "warm_start.steps=0", f"inner_steps={DDP_EVAL_EVERY}", f"rounds={steps // DDP_EVAL_EVERY}"]
-    lrs = DDP_LRS[:1] if quick else DDP_LRS
+    lrs = DDP_LRS[1:2] if quick else DDP_LRS
     baselines = {f"ddp_k@lr{lr:g}": (f"data-parallel, lr {lr:g}", [*ddp_sets, f"inner.lr={lr}"]) for lr in lrs}
     summaries = run_methods(base, {**runs, **baselines}, work)
 
