@@ -62,15 +62,16 @@ class WarmStartConfig(Strict):
         "mode, a quarter of the run's rounds x inner_steps and at least inner.warmup_steps, else 0; 0 disables",
     )
     mode: WarmStartMode = Field(
-        WarmStartMode.DDP,
+        WarmStartMode.AVERAGE,
         description="ddp (data-parallel over the run's islands: a gradient exchange every step), average "
         "(Local SGD over the run's islands: parameters averaged every warm_start.inner_steps steps, bytes / H) "
         "or single (one island alone, batch x 1)",
     )
     inner_steps: int = Field(
-        10,
+        25,
         ge=1,
-        description="mode average: steps between two averages (one round when they do not divide warm_start.steps)",
+        description="mode average: steps between two averages (one round when they do not divide warm_start.steps); "
+        "25 moves 24x fewer bytes than data-parallel at the default run's loss (bench warmstart)",
     )
     path: str | None = Field(
         None,

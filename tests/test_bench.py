@@ -332,13 +332,16 @@ def test_the_peer_baseline_is_a_lower_bound_of_k_replicas_on_the_cores():
 
 
 def test_warmstart_rows_differ_only_in_the_warm_start_mode_and_the_fewest_bytes_baseline_wins(tmp_path):
-    from orchestrator.bench.warmstart import WARM_MODES, _cumulative_bytes, fewest, rows
+    from orchestrator.bench.warmstart import _cumulative_bytes, fewest, row_name, rows
+    from orchestrator.config import WarmStartMode
 
     configs = {name: load_config(None, ov).model_dump(mode="json") for name, (_, ov) in rows().items()}
-    assert {c["warm_start"].pop("mode") for c in configs.values()} == set(WARM_MODES)
+    assert {c["warm_start"].pop("mode") for c in configs.values()} == {m.value for m in WarmStartMode}
     for c in configs.values():
         c["warm_start"].pop("inner_steps")
     assert all(c == configs["default_warm_ddp"] for c in configs.values())  # nothing else differs
+    shipped = load_config(None, []).warm_start
+    assert row_name(shipped.mode, shipped.inner_steps) in configs  # the shipped default is a row
     assert fewest({"a": 300.0, "b": None, "c": 200.0}) == "c"
     assert fewest({"a": None}) is None
     run = tmp_path / "run"
