@@ -58,9 +58,10 @@ def test_diloco_three_islands_learns_and_writes_outputs(ray_local, tmp_path, cor
 
 
 def test_a_warm_started_run_forks_on_ray_and_continues_the_warm_starts_data(ray_local, tmp_path, corpus_cache):
-    """The coordinator actor trains the warm start (ddp over the run's islands), then the
-    islands fork from it: no batch of the warm start is read again, progress says which
-    phase it is in, and the warm start's islands are gone from Ray when the run ends."""
+    """The coordinator actor trains the warm start (the default: Local SGD over the run's
+    islands, here one round of 8 steps), then the islands fork from it: no batch of the
+    warm start is read again, progress says which phase it is in, and the warm start's
+    islands are gone from Ray when the run ends."""
     from orchestrator.runtime.island_pool import run_islands
 
     cfg = _lm_cfg(tmp_path, corpus_cache, "islands.count=2", "rounds=2", "inner_steps=4", "warm_start.steps=8")
@@ -81,7 +82,7 @@ def test_a_warm_started_run_forks_on_ray_and_continues_the_warm_starts_data(ray_
     assert fork["engine_created_at"] > startup["first_outer_step_at"] and fork["islands_joined_s"] > 0
     assert json.loads((Path(cfg.out_dir) / "summary.json").read_text())["startup_seconds"] == summary["startup_seconds"]
     warm = summary["warm_start"]
-    assert warm["steps"] == 8 and warm["mode"] == "ddp" and warm["tokens"] == 2 * 8 * 8 * 32
+    assert warm["steps"] == 8 and warm["mode"] == "average" and warm["tokens"] == 2 * 8 * 8 * 32
     assert summary["initial_eval_loss"] == pytest.approx(warm["final_eval_loss"], rel=1e-6)
     assert summary["tokens"] == 2 * 2 * 4 * 8 * 32
     # 8 shards, each read (8 + 8) x 2 / 8 = 4 batches: the fork's reads follow the warm start's

@@ -168,8 +168,4 @@ def _markdown(results: dict[str, dict[str, Any]], checks: dict[str, dict[str, An
             if "lr" in r
         ],
     )
-    return (
-        "## Warm start: the default run's bytes against data-parallel\n\n"
-        f"{(__doc__ or '').split(chr(10) + chr(10), 1)[1]}\n"
-        f"{table}\n\n{ddp}\n\n{checks_table(checks)}\n"
-    )
+    return f"{(__doc__ or '').split(chr(10) + chr(10), 1)[1]}\n{table}\n\n{ddp}\n\n{checks_table(checks)}\n"
