@@ -8,6 +8,7 @@ trained = Σ of the islands' tokens."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -309,6 +310,7 @@ def test_control_plane_reads_never_race_the_training_thread(tmp_path):
             except BaseException as err:  # any error is the failure this test looks for
                 errors.append(err)
                 return
+            time.sleep(0.0005)  # hundreds of reads a second each, not a GIL-bound spin
 
     readers = [threading.Thread(target=read) for _ in range(2)]
     for t in readers:

@@ -104,7 +104,9 @@ def draw(result: BenchResult) -> Any:
     for ax, panel in zip(axes[0], result.panels):
         shown: list[float] = []
         xs_all: list[float] = []
-        for name, points in panel.curves.items():
+        for name, curve in panel.curves.items():
+            # a point at x <= 0 (a run's start) has no place on a log axis
+            points = [(x, y) for x, y in curve if x > 0 or not panel.log_x]
             if points:
                 xs, ys = zip(*points)
                 ax.plot(xs, ys, label=name, marker=".", markersize=3, **style[name])
@@ -119,7 +121,7 @@ def draw(result: BenchResult) -> Any:
             pad = 0.05 * (high - low or abs(high) or 1.0)
             ax.set_ylim(low - pad, high + pad)
         if panel.log_x:
-            ax.set_xscale("log")  # points at x <= 0 (a run's start) are left out
+            ax.set_xscale("log")
         ax.set_xlabel(panel.x_label)
         ax.set_ylabel(panel.y_label)
         ax.grid(alpha=0.3)

@@ -112,7 +112,8 @@ def warmstart(quick: bool, work: Path) -> BenchResult:
             "ddp_best": best,
             "bytes_ratio_vs_ddp_at_equal_loss": ddp_bytes / total,
         }
-        curves[name] = _cumulative_bytes(work / name, s, offset=warm["bytes_communicated"])
+        warm_curve = _cumulative_bytes(work / name / "warm_start", {"initial_eval_loss": warm["initial_eval_loss"]})
+        curves[name] = warm_curve + _cumulative_bytes(work / name, s, offset=warm["bytes_communicated"])[1:]
 
     mb = {n: [(x / 1e6, y) for x, y in c] for n, c in curves.items()}
     shipped = row_name(default.warm_start.mode, default.warm_start.inner_steps)
