@@ -117,8 +117,9 @@ def test_the_islands_learning_rate_after_the_fork_is_the_schedules_past_its_warm
     assert island.optimizer.param_groups[0]["lr"] == pytest.approx(want)
 
 
-def test_a_crash_in_the_warm_start_loses_no_batch(tmp_path):
-    cfg = _cfg(tmp_path, "diloco")
+@pytest.mark.parametrize("warm", ["average", "ddp"])
+def test_a_crash_in_the_warm_start_loses_no_batch(tmp_path, warm):
+    cfg = _cfg(tmp_path, "diloco", f"warm_start.mode={warm}", "warm_start.inner_steps=2")
     summary = PhasedRun(cfg, "crash", Pools([Fault(FaultKind.CRASH, 1, order=3)])).execute()
     assert summary["state"] == "finished"
     assert any(e["kind"] == "crash" for e in events(Path(cfg.out_dir) / "warm_start"))
@@ -179,9 +180,14 @@ def test_warm_start_settings(tmp_path):
         load_config(None, ["mode=ddp", "warm_start.steps=10"])
     with pytest.raises(ConfigError, match="warm_start"):
         load_config(None, [f"warm_start.path={tmp_path / 'nowhere'}"])
-    # the warm phase: rounds of H when they divide its steps, else one round
-    assert (warm_config(auto).rounds, warm_config(auto).inner_steps) == (3, 30)
-    odd = load_config(None, ["inner_steps=30", "warm_start.steps=45"])
+    # the warm phase: rounds of its H when they divide its steps, else one round; its H is
+    # warm_start.inner_steps averaging (the default), the run's inner_steps data-parallel
+    assert (warm_config(auto).rounds, warm_config(auto).inner_steps) == (1, 90)  # 25 does not divide 90
+    every_15 = auto.model_copy(update={"warm_start": auto.warm_start.model_copy(update={"inner_steps": 15})})
+    assert (warm_config(every_15).rounds, warm_config(every_15).inner_steps) == (6, 15)
+    ddp = load_config(None, ["rounds=12", "inner_steps=30", "inner.warmup_steps=50", "warm_start.mode=ddp"])
+    assert (warm_config(ddp).rounds, warm_config(ddp).inner_steps) == (3, 30)
+    odd = load_config(None, ["inner_steps=30", "warm_start.steps=45", "warm_start.mode=ddp"])
     assert (warm_config(odd).rounds, warm_config(odd).inner_steps) == (1, 45)
 
 
