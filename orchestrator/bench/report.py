@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import os
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -205,13 +207,17 @@ def targets_met(checks: dict[str, dict[str, Any]]) -> str:
     return f"targets met {sum(c['ok'] for c in checks.values())}/{len(checks)}"
 
 
-def eval_curve(run_dir: Path, summary: dict[str, Any], x_key: str) -> list[tuple[float, float]]:
-    """(x, eval loss) points of a run from its metrics.jsonl, starting at the initial eval."""
-    points = [(0.0, summary["initial_eval_loss"])]
+def eval_curve(
+    run_dir: Path, summary: dict[str, Any], x_key: str | Callable[[dict[str, Any]], float], start: float = 0.0
+) -> list[tuple[float, float]]:
+    """(x, eval loss) points of a run from its metrics.jsonl, starting at the initial eval
+    at x = `start`; x is a record's `x_key`, or what `x_key` computes from the record."""
+    x: Callable[[dict[str, Any]], float] = x_key if callable(x_key) else operator.itemgetter(x_key)
+    points = [(start, summary["initial_eval_loss"])]
     for line in read_lines(run_dir / "metrics.jsonl"):
         rec = json.loads(line)
         if rec["eval_loss"] is not None:
-            points.append((rec[x_key], rec["eval_loss"]))
+            points.append((x(rec), rec["eval_loss"]))
     return points
 
 

@@ -18,16 +18,14 @@ as a lower bound (its whole run's bytes), and says so.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from orchestrator.bench.hetero import time_to_reach
-from orchestrator.bench.report import BenchResult, Panel, checks_table, md_table, targets_met
+from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
 from orchestrator.bench.runner import Table, run_methods
 from orchestrator.config import WarmStartMode
 from orchestrator.config_load import load_config
-from orchestrator.engine.logfiles import read_lines
 
 TARGET_RATIO = 20.0  # the issue's: total bytes >= 20x fewer than data-parallel at equal loss
 AVERAGE_H = (10, 25, 50)  # warm_start.inner_steps of mode average
@@ -37,13 +35,11 @@ QUICK = ["rounds=2", "inner_steps=10"]  # the default model and islands, cut sho
 
 
 def _cumulative_bytes(run_dir: Path, summary: dict[str, Any], offset: int = 0) -> list[tuple[float, float]]:
-    """(bytes moved so far, eval loss) of a run, `offset` bytes before its first round."""
-    points = [(float(offset), summary["initial_eval_loss"])]
-    for line in read_lines(run_dir / "metrics.jsonl"):
-        rec = json.loads(line)
-        if rec["eval_loss"] is not None:
-            points.append((float(offset + rec["bytes_sent"] + rec["bytes_received"]), rec["eval_loss"]))
-    return points
+    """(bytes moved so far, eval loss) of a run, `offset` bytes before its first round
+    (the records' byte counts are cumulative)."""
+    return eval_curve(
+        run_dir, summary, lambda rec: float(offset + rec["bytes_sent"] + rec["bytes_received"]), start=float(offset)
+    )
 
 
 def fewest(reach: dict[str, float | None]) -> str | None:

@@ -58,16 +58,13 @@ class OuterStep:
         self.mean = WeightedMean(flat.numel(), flat.dtype)
         self.anchors: dict[int, torch.Tensor] = {0: flat.detach().clone()} if rule.anchored else {}
 
-    def _mean(self, parts: list[tuple[np.ndarray, float]]) -> torch.Tensor:
-        return self.mean.fill(parts)
-
     def gap_terms(self, parts: list[tuple[np.ndarray, float]], anchor: int) -> tuple[float, float, float] | None:
         """(‖x − x_s‖², ‖Δ̄‖², λ) over this buffer when the rule's Λ is adaptive (a sliced
         coordinator sums the norms over its slices), else None."""
         if not isinstance(self.optimizer, CO2Outer) or self.optimizer.param_groups[0]["penalty"] != "adaptive":
             return None
         moved = float(torch.sum((self.param.detach() - self.anchors[anchor]) ** 2))
-        mean_sq = float(torch.sum(self._mean(parts) ** 2))  # the preallocated buffer; `apply` refills it
+        mean_sq = float(torch.sum(self.mean.fill(parts) ** 2))  # the preallocated buffer; `apply` refills it
         return moved, mean_sq, float(self.optimizer.param_groups[0]["lam"])
 
     def apply(
@@ -79,7 +76,7 @@ class OuterStep:
     ) -> float | None:
         """Step the rule on the weighted mean of `parts` (× `scale`; None: the mean buffer
         already holds it, filled while screening); returns CO2's Λ."""
-        grad = self._mean(parts) if parts is not None else self.mean.sum
+        grad = self.mean.fill(parts) if parts is not None else self.mean.sum
         if scale != 1.0:
             grad.mul_(scale)
         if self.grad_clip is not None:
@@ -183,17 +180,17 @@ class LocalOuter:
         decoded = [
             (c.island, c.delta if isinstance(c.delta, np.ndarray) else decode(c.delta), c.weight) for c in contributions
         ]
-        self.pending[key] = decoded
+        # kept in island order, not arrival order: float sums depend on their order, and the
+        # same run must give the same model whichever island's result came first
+        ordered = self.pending[key] = sorted(decoded, key=lambda part: part[0])
         fits = [d.shape == (self._size(c.fragment),) for c, (_, d, _) in zip(contributions, decoded)]
         self.filled = None
         if self.fragments is None and all(fits) and decoded and all(w > 0 for _, _, w in decoded):
-            order = sorted(range(len(decoded)), key=lambda j: decoded[j][0])
-            sq = [0.0] * len(decoded)
-            self.steps[0].mean.fill([(decoded[j][1], decoded[j][2]) for j in order], sq)
-            sqs = [math.nan] * len(decoded)
-            for j, value in zip(order, sq):
-                sqs[j] = value
-            self.filled = (key, {decoded[j][0]: decoded[j][2] for j in order})
+            sq = [0.0] * len(ordered)
+            self.steps[0].mean.fill([(d, w) for _, d, w in ordered], sq)
+            by_island = {i: q for (i, _, _), q in zip(ordered, sq)}
+            sqs = [by_island[i] for i, _, _ in decoded]
+            self.filled = (key, {i: w for i, _, w in ordered})
         else:
             sqs = [sqnorm(d) if ok else math.nan for ok, (_, d, _) in zip(fits, decoded)]
         return key, [Facts(d.size, ok and all_finite(d, q), q) for ok, q, (_, d, _) in zip(fits, sqs, decoded)]
@@ -206,10 +203,7 @@ class LocalOuter:
         anchor: int | None = None,
         fragment: int | None = None,
     ) -> float | None:
-        # summed in island order, not arrival order: float sums depend on their order, and the
-        # same run must give the same model whichever island's result came first
-        pending = sorted(self.pending.pop(key), key=lambda part: part[0])
-        parts = [(d, weights[i]) for i, d, _ in pending if i in weights]
+        parts = [(d, weights[i]) for i, d, _ in self.pending.pop(key) if i in weights]  # island order
         if self.fragments is None:
             filled, self.filled = self.filled == (key, weights), None
             return self.steps[0].apply(None if filled else parts, scale, anchor)
