@@ -1,4 +1,4 @@
-"""`archipelago` command line: run, config show/docs, serve, export, bench.
+"""`archipelago` command line: run, config show/docs, serve, export, bench, data prepare.
 
 What a command produces (the config YAML, the reference page, the final summary, the
 progress line) goes to stdout; everything else is logged (`orchestrator.logs`), to stderr,
@@ -92,6 +92,31 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="import the task factory RUN_DIR/config.yaml names even if no checkpoint of the run records it",
     )
+    data = sub.add_parser("data", parents=[common], help="data helpers")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prep = data_sub.add_parser(
+        "prepare",
+        parents=[common],
+        help="tokenise a text source once into token shards a run reads by position (source: prepared)",
+    )
+    prep.add_argument(
+        "source",
+        metavar="SOURCE",
+        help="stdlib; Parquet/JSON-lines files (a file, folder or glob); a save_to_disk folder; hf:NAME[:CONFIG]",
+    )
+    prep.add_argument(
+        "out", metavar="OUT", help="folder for the shards and manifest.json (empty, or a prepare to resume)"
+    )
+    _config_args(prep)
+    prep.add_argument("--text-column", default="text", help="the column or field holding the documents")
+    prep.add_argument("--shard-tokens", type=int, default=1 << 25, help="tokens per shard file")
+    prep.add_argument("--eval-every", type=int, default=200, help="hold out one document in this many for evaluation")
+    prep.add_argument("--workers", type=int, default=0, help="tokenising processes (default: one per core)")
+    prep.add_argument(
+        "--ray", nargs="?", const="auto", metavar="ADDRESS", help="tokenise with Ray tasks on this cluster instead"
+    )
+    prep.add_argument("--split", default="train", help="split of an hf: source")
+    prep.add_argument("--data-files", help="data_files of an hf: local builder (hf:json, hf:parquet)")
     bench = sub.add_parser(
         "bench", parents=[common], help="run a benchmark scenario; writes DIR/<scenario>.json, .png, .md"
     )
@@ -216,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         return _export(args)
     if args.command == "config" and args.config_command == "docs":
         return _config_docs(args)
+    if args.command == "data":
+        from orchestrator.data_cli import prepare_command
+
+        return prepare_command(args)
     overrides = list(args.overrides)
     resume = getattr(args, "resume", None)
     if resume:  # the run's own resolved config, pointed at where it now lives
@@ -265,8 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         log.error("invalid config: %s", err)
         return 2
+    from workers.data.manifest import DataError
+
     try:
         summary = run(cfg, run_id=run_id, show_progress=level <= logging.INFO, started_at=process_started_at())
+    except DataError as err:  # refused before any training: nothing was lost
+        log.error("data refused: %s", err)
+        return 2
     except RunFailed as err:
         log.error("run failed: %s", err)
         return 1

@@ -87,10 +87,10 @@ def _rows(prefix: str, model: type[BaseModel]) -> tuple[list[str], list[tuple[st
         if isinstance(annotation, type) and issubclass(annotation, BaseModel) and model is RunConfig:
             sections.append((name, annotation))
             continue
-        default = field.get_default(call_default_factory=True)
+        default = "required" if field.is_required() else _value(field.get_default(call_default_factory=True))
         description = (field.description or "").replace("|", "\\|").replace("\n", " ")
         rows.append(
-            f"| `{prefix}{field.alias or name}` | {_type(annotation)} | {_value(default)} | {_constraints(field)} | {description} |"
+            f"| `{prefix}{field.alias or name}` | {_type(annotation)} | {default} | {_constraints(field)} | {description} |"
         )
     return rows, sections
 
@@ -135,7 +135,20 @@ def render() -> str:
         "`task.kwargs.<field>`). How to write your own task: [tasks.md](tasks.md).",
         "",
     ]
+    nested: dict[str, type[BaseModel]] = {}
     for factory, model in TASKS.items():
         out += [f"### `{factory}`", "", _doc(model), ""]
         out += [*_table("task.kwargs.", model)[0], ""]
+        for name, field in model.model_fields.items():
+            nested.update({f"task.kwargs.{name}[]": m for m in _models_in(field.annotation)})
+    for prefix, model in nested.items():  # models the task tables link to, each once
+        out += [f"### {model.__name__}", "", _doc(model), ""]
+        out += [*_table(f"{prefix}.", model)[0], ""]
     return "\n".join(out)
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models inside an annotation such as `list[PreparedSource]`."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for a in typing.get_args(annotation) for m in _models_in(a)]

@@ -15,7 +15,7 @@ import torch
 from tests.conftest import REPO
 from workers.tasks.corpus import prepare_stdlib_corpus, stdlib_files
 from workers.tasks.lm_task import make_task
-from workers.tasks.text_data import fixed_batches, island_tokens, read_parquet_texts, window_batches
+from workers.tasks.text_data import fixed_batches, island_part, read_parquet_texts, window_batches
 
 
 @pytest.fixture(scope="module")
@@ -52,23 +52,26 @@ def test_prepare_is_cached(corpus):
     assert done.stat().st_mtime_ns == built_at
 
 
+def _packed(corpus, split):
+    return make_task(split=split, cache_dir=str(corpus.eval[0].parent.parent)).packed()
+
+
 @pytest.mark.parametrize("split", ["iid", "non_iid"])
 def test_island_splits_partition_the_corpus(corpus, split):
-    texts = read_parquet_texts(corpus.train)
-    parts = [island_tokens(texts, i, 3, split) for i in range(3)]
-    total = sum(len(p) for p in parts)
-    assert total == len(island_tokens(texts, 0, 1, split))
-    assert min(len(p) for p in parts) >= total // 3 - 1
+    packed = _packed(corpus, split)
+    parts = [island_part(packed, i, 3) for i in range(3)]
+    assert np.array_equal(np.concatenate(parts), packed)
+    assert len(packed) == sum(len(t.encode()) + 1 for t in read_parquet_texts(corpus.train)) - 1
+    assert min(len(p) for p in parts) >= len(packed) // 3 - 1
 
 
 def test_non_iid_islands_see_different_distributions(corpus):
-    texts = read_parquet_texts(corpus.train)
-
     def hist(tokens):
         return np.bincount(tokens, minlength=256) / len(tokens)
 
     def spread(split):
-        h = [hist(island_tokens(texts, i, 4, split)) for i in range(4)]
+        packed = _packed(corpus, split)
+        h = [hist(island_part(packed, i, 4)) for i in range(4)]
         return max(np.abs(a - b).sum() for a, b in itertools.combinations(h, 2))
 
     assert spread("non_iid") > 2 * spread("iid")

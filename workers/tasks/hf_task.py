@@ -24,8 +24,18 @@ import torch
 import torch.nn.functional as F
 from pydantic import ConfigDict, Field, model_validator
 
+from workers.data.encoders import HFEncoder
+from workers.data.manifest import DataError
 from workers.tasks.task import Batch
-from workers.tasks.text_data import Documents, fixed_batches, stream_shard, stream_token_batches, window_batches
+from workers.tasks.text_data import (
+    Documents,
+    document_order,
+    fixed_batches,
+    island_part,
+    stream_shard,
+    stream_token_batches,
+    window_batches,
+)
 from workers.tasks.text_source import TextCorpus, TextDataConfig
 from workers.tasks.tokenizer import trained_tokenizer
 
@@ -85,6 +95,7 @@ class HFCausalLMTask:
         self.corpus = TextCorpus(cfg)
         self._tokenizer: Any = None
         self._documents: dict[str, Documents] = {}
+        self._packed: np.ndarray | None = None
 
     # -- tokens ----------------------------------------------------------------------------
     @property
@@ -95,6 +106,8 @@ class HFCausalLMTask:
                 from transformers import AutoTokenizer
 
                 self._tokenizer = AutoTokenizer.from_pretrained(c.tokenizer or c.model)
+            elif self.corpus.is_prepared:  # the tokenizer `data prepare` stored with the corpus
+                self._tokenizer = _prepared_tokenizer(Path(c.prepared[0].path))
             elif self.corpus.streamed:  # train on the stream's first documents
                 texts, size = [], 0
                 for text in self.corpus.stream("train"):
@@ -134,13 +147,24 @@ class HFCausalLMTask:
             self._documents[part] = docs
         return self._documents[part]
 
+    def encoder(self) -> HFEncoder:
+        """How this task turns text into tokens (`archipelago data prepare` uses it)."""
+        return HFEncoder(self.tokenizer.name_or_path)
+
     # -- data ------------------------------------------------------------------------------
     def prepare(self) -> None:
         """Prepare the corpus, train the tokenizer and tokenise once, on the driver."""
-        self.corpus.prepare()
-        if not self.corpus.streamed:
+        self.corpus.prepare(self.encoder().identity if self.corpus.is_prepared else None)
+        if not (self.corpus.streamed or self.corpus.is_prepared):
             self.documents("train")
             self.documents("eval")
+
+    def packed(self) -> np.ndarray:
+        """The training documents packed in their split's order, once per process."""
+        if self._packed is None:
+            docs = self.documents("train")
+            self._packed = docs.packed(document_order(len(docs), self.cfg.split), self.eos)
+        return self._packed
 
     def _token_stream(
         self, part: Literal["train", "eval"], shard: int = 0, num_shards: int = 1
@@ -150,14 +174,18 @@ class HFCausalLMTask:
 
     def train_batches(self, shard: int, num_shards: int, seed: int, start: int = 0) -> Iterator[Batch]:
         c = self.cfg
+        if self.corpus.is_prepared:
+            return self.corpus.prepared(self.encoder().identity).train_batches(shard, num_shards, seed, start)
         if self.corpus.streamed:  # a stream cannot seek: skip what was already consumed
             stream = stream_token_batches(self._token_stream("train", shard, num_shards), c.context, c.batch_size)
             return itertools.islice(stream, start, None)
-        tokens = self.documents("train").island_tokens(shard, num_shards, c.split, self.eos)
+        tokens = island_part(self.packed(), shard, num_shards)
         return window_batches(tokens, c.context, c.batch_size, seed * 1_000_003 + shard, start)
 
     def eval_batches(self) -> Sequence[Batch]:
         c = self.cfg
+        if self.corpus.is_prepared:
+            return self.corpus.prepared(self.encoder().identity).eval_batches(c.eval_batches)
         if self.corpus.streamed:
             stream = stream_token_batches(self._token_stream("eval"), c.context, c.batch_size)
             return [next(stream) for _ in range(c.eval_batches)]
@@ -202,6 +230,17 @@ class HFCausalLMTask:
         hf_logging.disable_progress_bar()  # a bar per shard written is noise in run logs
         model.save_pretrained(out_dir)
         self.tokenizer.save_pretrained(out_dir)
+
+
+def _prepared_tokenizer(corpus: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    folder = corpus / "tokenizer"
+    if not (folder / "tokenizer_config.json").is_file():
+        raise DataError(
+            f"prepared corpus {corpus} carries no tokenizer (prepared by a byte-level task?): name one with `tokenizer`"
+        )
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def _save_documents(docs: Documents, path: Path) -> None:

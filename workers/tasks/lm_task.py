@@ -2,7 +2,8 @@
 
 `source` picks the text: `stdlib` (embedded default, the standard library's source,
 prepared into Parquet shards once), `parquet` (your own Parquet files with a text
-column), or `hf` (a Hugging Face dataset, streamed, e.g. `allenai/c4` config `en`).
+column), `hf` (a Hugging Face dataset, streamed, e.g. `allenai/c4` config `en`), or
+`prepared` (corpora tokenised once by `archipelago data prepare`, read by position).
 """
 
 from __future__ import annotations
@@ -10,13 +11,23 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 
+from workers.data.encoders import ByteEncoder
 from workers.tasks.gpt import GPT, GPTConfig
 from workers.tasks.task import Batch
-from workers.tasks.text_data import encode, fixed_batches, island_tokens, stream_batches, stream_shard, window_batches
+from workers.tasks.text_data import (
+    document_order,
+    encode,
+    fixed_batches,
+    island_part,
+    stream_batches,
+    stream_shard,
+    window_batches,
+)
 from workers.tasks.text_source import TextCorpus, TextDataConfig
 
 
@@ -41,23 +52,40 @@ class LanguageModelTask:
     def __init__(self, cfg: LMTaskConfig) -> None:
         self.cfg = cfg
         self.corpus = TextCorpus(cfg)
+        self._packed: np.ndarray | None = None
 
     # -- data -------------------------------------------------------------------------
+    def encoder(self) -> ByteEncoder:
+        """How this task turns text into tokens (`archipelago data prepare` uses it)."""
+        return ByteEncoder()
+
     def prepare(self) -> None:
-        self.corpus.prepare()
+        self.corpus.prepare(self.encoder().identity)
+
+    def packed(self) -> np.ndarray:
+        """The training corpus encoded and in its split's document order, once per process
+        (every data shard an island opens is a part of it)."""
+        if self._packed is None:
+            texts = self.corpus.texts("train")
+            self._packed = encode(texts[i] for i in document_order(len(texts), self.cfg.split))
+        return self._packed
 
     def train_batches(self, shard: int, num_shards: int, seed: int, start: int = 0) -> Iterator[Batch]:
         c = self.cfg
+        if self.corpus.is_prepared:
+            return self.corpus.prepared(self.encoder().identity).train_batches(shard, num_shards, seed, start)
         if self.corpus.streamed:  # a stream cannot seek: skip what was already consumed
             stream = stream_batches(
                 stream_shard(self.corpus.stream("train"), shard, num_shards), c.context, c.batch_size
             )
             return itertools.islice(stream, start, None)
-        tokens = island_tokens(self.corpus.texts("train"), shard, num_shards, c.split)
+        tokens = island_part(self.packed(), shard, num_shards)
         return window_batches(tokens, c.context, c.batch_size, seed * 1_000_003 + shard, start)
 
     def eval_batches(self) -> Sequence[Batch]:
         c = self.cfg
+        if self.corpus.is_prepared:
+            return self.corpus.prepared(self.encoder().identity).eval_batches(c.eval_batches)
         if self.corpus.streamed:
             stream = stream_batches(self.corpus.stream("eval"), c.context, c.batch_size)
             return [next(stream) for _ in range(c.eval_batches)]

@@ -54,12 +54,6 @@ def island_part(tokens: np.ndarray, island: int, num_islands: int) -> np.ndarray
     return tokens[bounds[island] : bounds[island + 1]]
 
 
-def island_tokens(texts: list[str], island: int, num_islands: int, split: Split) -> np.ndarray:
-    """The slice of the byte-level corpus that island `island` of `num_islands` trains on."""
-    order = document_order(len(texts), split)
-    return island_part(encode(texts[i] for i in order), island, num_islands)
-
-
 @dataclass(frozen=True)
 class Documents:
     """Tokenised documents stored flat (document i is `tokens[offsets[i]:offsets[i + 1]]`),
@@ -88,9 +82,6 @@ class Documents:
             out[at : at + n - 1] = self.tokens[self.offsets[i] : self.offsets[i + 1]]
             at += n
         return out
-
-    def island_tokens(self, island: int, num_islands: int, split: Split, sep: int) -> np.ndarray:
-        return island_part(self.packed(document_order(len(self), split), sep), island, num_islands)
 
 
 def window_batches(

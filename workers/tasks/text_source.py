@@ -7,22 +7,37 @@ from __future__ import annotations
 from collections.abc import Iterator
 from glob import glob
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from workers.tasks.corpus import default_cache_dir, prepare_stdlib_corpus
 from workers.tasks.text_data import read_parquet_texts
 
+if TYPE_CHECKING:
+    from workers.data.reader import PreparedCorpus
+
+
+class PreparedSource(BaseModel):
+    """One corpus written by `archipelago data prepare`, and its share of a mixture."""
+
+    model_config = ConfigDict(extra="forbid")
+    path: str = Field(description="the prepared corpus's folder (it holds manifest.json)")
+    weight: float = Field(1.0, gt=0, description="its share of every batch, relative to the other sources' weights")
+
 
 class TextDataConfig(BaseModel):
     """The data keyword arguments of the text tasks (validated; unknown keys rejected)."""
 
     model_config = ConfigDict(extra="forbid")
-    source: Literal["stdlib", "parquet", "hf"] = Field(
+    source: Literal["stdlib", "parquet", "hf", "prepared"] = Field(
         "stdlib",
         description="stdlib: the Python standard library's source (no download; 1 file in 20 held out); "
-        "parquet: your files; hf: a streamed Hugging Face dataset",
+        "parquet: your files; hf: a streamed Hugging Face dataset; prepared: corpora written by "
+        "`archipelago data prepare` (read by position, any size)",
+    )
+    prepared: list[PreparedSource] = Field(
+        default_factory=list, description="source prepared: the corpora, mixed by weight (deterministic per seed)"
     )
     split: Literal["iid", "non_iid"] = Field(
         "iid", description="iid: documents shuffled; non_iid: path order, so each shard holds different packages"
@@ -46,6 +61,8 @@ class TextDataConfig(BaseModel):
             raise ValueError("source 'parquet' needs train_files and eval_files globs")
         if self.source == "hf" and self.split != "iid":
             raise ValueError("source 'hf' streams documents and supports only split 'iid'")
+        if (self.source == "prepared") != bool(self.prepared):
+            raise ValueError("source 'prepared' and the prepared list go together (give both or neither)")
         return self
 
     @property
@@ -61,6 +78,22 @@ class TextCorpus:
         self.cfg = cfg
         self._found: tuple[list[Path], list[Path]] | None = None
         self._texts: dict[str, list[str]] = {}
+        self._prepared: PreparedCorpus | None = None
+
+    @property
+    def is_prepared(self) -> bool:
+        return self.cfg.source == "prepared"
+
+    def prepared(self, tokenizer: str) -> PreparedCorpus:
+        """The prepared corpora, opened once per process and checked against `tokenizer`
+        (the task's encoder identity)."""
+        if self._prepared is None:
+            from workers.data.reader import PreparedCorpus, Source
+
+            c = self.cfg
+            sources = [Source(p.path, p.weight) for p in c.prepared]
+            self._prepared = PreparedCorpus(sources, tokenizer, c.context, c.batch_size, iid=c.split == "iid")
+        return self._prepared
 
     @property
     def streamed(self) -> bool:
@@ -103,6 +136,12 @@ class TextCorpus:
         )
         return (row[c.text_column] for row in ds)
 
-    def prepare(self) -> None:
-        if not self.streamed:
+    def prepare(self, tokenizer: str | None = None) -> None:
+        """On the driver, before any island: the files found (the embedded corpus built), or
+        the prepared corpora checked whole (their hashes, unless unchanged since the last
+        check this cache recorded) against the task's `tokenizer`."""
+        if self.is_prepared:
+            assert tokenizer is not None
+            self.prepared(tokenizer).check(verified=self.cfg.cache / "verified-corpora.json")
+        elif not self.streamed:
             self.files()
