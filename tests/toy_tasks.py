@@ -156,3 +156,37 @@ def make_planted(marker: str) -> None:
 
     Path(marker).touch()
     raise RuntimeError("planted code ran")
+
+
+# (shard, batch index) -> the rows of that batch as bytes, per recording key
+ROWS: dict[str, dict[tuple[int, int], tuple[bytes, ...]]] = {}
+
+
+class RecordingPrepared:
+    """The default GPT task (tiny) over a prepared corpus, recording the (shard, batch
+    index) and the rows of every batch an in-process island takes from its iterator, so a
+    scenario checks exactly-once against the real shards' data, read ahead on threads."""
+
+    def __init__(self, record: str, path: str) -> None:
+        from workers.tasks.lm_task import make_task
+
+        self.record = record
+        self.task = make_task(
+            source="prepared", prepared=[{"path": path}], context=16, batch_size=2, d_model=8, n_layers=1, n_heads=1
+        )
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.task, name)
+
+    def train_batches(
+        self, shard: int, num_shards: int, seed: int, start: int = 0
+    ) -> Iterator[tuple[torch.Tensor, ...]]:
+        for n, batch in enumerate(self.task.train_batches(shard, num_shards, seed, start), start):
+            READS.setdefault(self.record, []).append((shard, n))
+            rows = tuple(bytes(r.numpy().astype("uint8")) for r in torch.cat([batch[0], batch[1][:, -1:]], dim=1))
+            assert ROWS.setdefault(self.record, {}).setdefault((shard, n), rows) == rows  # a re-read is the same data
+            yield batch
+
+
+def make_recording_prepared(**kwargs: object) -> RecordingPrepared:
+    return RecordingPrepared(**kwargs)  # type: ignore[arg-type]
