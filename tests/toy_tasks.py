@@ -190,3 +190,74 @@ class RecordingPrepared:
 
 def make_recording_prepared(**kwargs: object) -> RecordingPrepared:
     return RecordingPrepared(**kwargs)  # type: ignore[arg-type]
+
+
+# the ids of the items a streamed training source gave, in order, per recording key
+SEEN: dict[str, list[int]] = {}
+
+
+class _Recorded:
+    """A task's batch iterator that records what it yields and keeps its `state()`."""
+
+    def __init__(self, record: str, shard: int, start: int, stream: Iterator[tuple[torch.Tensor, ...]]) -> None:
+        self.record, self.shard, self.at, self.stream = record, shard, start, stream
+
+    def __iter__(self) -> _Recorded:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, ...]:
+        batch = next(self.stream)
+        READS.setdefault(self.record, []).append((self.shard, self.at))
+        ROWS.setdefault(self.record, {})[(self.shard, self.at)] = tuple(
+            bytes(r.numpy().astype("uint8")) for r in batch[0]
+        )
+        self.at += 1
+        return batch
+
+    def state(self) -> object:
+        return self.stream.state()  # type: ignore[attr-defined]
+
+
+class CountingStream:
+    """The default GPT task (tiny) on a streamed local `datasets` source whose items carry
+    an `id`: every item the source hands over is recorded (`SEEN`), and every batch."""
+
+    def __init__(self, record: str, files: str) -> None:
+        from workers.tasks.lm_task import make_task
+
+        self.record = record
+        self.task = make_task(
+            source="hf",
+            hf_dataset="parquet",
+            hf_config=None,
+            hf_data_files=files,
+            hf_eval_split="train",
+            context=16,
+            batch_size=2,
+            d_model=8,
+            n_layers=1,
+            n_heads=1,
+            eval_batches=2,
+        )
+        dataset = self.task.corpus.dataset
+        self.task.corpus.dataset = lambda part: (  # type: ignore[method-assign]
+            dataset(part).map(self._seen) if part == "train" else dataset(part)
+        )
+
+    def _seen(self, row: dict) -> dict:
+        """The training stream's items only (the eval batches read the split's first items)."""
+        SEEN.setdefault(self.record, []).append(int(row["id"]))
+        return row
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.task, name)
+
+    def train_batches(self, shard: int, num_shards: int, seed: int, start: int = 0) -> _Recorded:
+        return _Recorded(self.record, shard, start, self.task.train_batches(shard, num_shards, seed, start))
+
+    def resume_batches(self, shard: int, num_shards: int, seed: int, start: int, state: dict) -> _Recorded:
+        return _Recorded(self.record, shard, start, self.task.resume_batches(shard, num_shards, seed, start, state))
+
+
+def make_counting_stream(**kwargs: object) -> CountingStream:
+    return CountingStream(**kwargs)  # type: ignore[arg-type]

@@ -93,6 +93,7 @@ class InFlight:
             kind=work.kind,
             steps=work.steps,
             shards=reservation.starts,
+            streams=self.ledger.resume_points(reservation.starts),
             turn=reservation.turn,
             start_delay_s=delivery.delay_s,
             schedule_step=work.schedule_step,
@@ -130,7 +131,7 @@ class InFlight:
         if malformed is not None:
             self.refuse(ticket, island, malformed, Reason.MALFORMED)
             return
-        problem = self.ledger.check(ticket, result.positions, result.shard_tokens)
+        problem = self.ledger.check(ticket, result.positions, result.shard_tokens, result.stream_states)
         if problem is None and result.weight != sum(result.shard_tokens.values()):
             problem = (
                 f"weight {result.weight} is not the {sum(result.shard_tokens.values())} tokens it reports per shard"
@@ -232,7 +233,7 @@ class InFlight:
             self.give_back(flight, verdict)
         else:
             del self.flights[flight.ticket]
-            self.ledger.commit(flight.ticket, r.shard_tokens)
+            self.ledger.commit(flight.ticket, r.shard_tokens, r.stream_states)
         stats = self.members.islands[r.island]
         if r.saved_state is not None:  # the island trained it, taken or not: its moments moved
             self.states.settled(stats, r.saved_state)

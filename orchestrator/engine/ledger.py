@@ -20,15 +20,22 @@ blocks are recomputed from the sorted ids of the islands that can train. The rul
 
 So Σ over shards of tokens = tokens trained, and no batch index is committed twice (the
 ledger checks both on every commit and raises `LedgerError` rather than miscount).
+
+A streamed source cannot seek, so with each committed position the ledger keeps the
+stream's saved state there (what the island reported) and hands it with the shard's next
+work: the next owner, after a move or a coordinator restart, continues from it.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.engine.types import LedgerError
 from workers.wire.messages import batch_counts
+
+MAX_STREAM_STATE = 1 << 20  # bytes of JSON: a stream's state is a few numbers and a partial batch
 
 
 def assign(shards: int, islands: list[int]) -> dict[int, list[int]]:
@@ -62,6 +69,7 @@ class DataLedger:
         self.tokens = [0] * shards  # tokens trained, per shard
         self.turns: dict[int, int] = {}  # island -> round-robin offset over its shards
         self.flights: dict[int, Reservation] = {}  # ticket -> reservation
+        self.streams: dict[int, tuple[int, Any]] = {}  # shard -> (committed position, its stream's state there)
 
     def busy_shards(self, except_island: int | None = None) -> set[int]:
         return {s for r in self.flights.values() if r.island != except_island for s in r.spans}
@@ -84,7 +92,9 @@ class DataLedger:
         self.flights[ticket] = reservation
         return reservation
 
-    def check(self, ticket: int, positions: dict[int, int], tokens: dict[int, int]) -> str | None:
+    def check(
+        self, ticket: int, positions: dict[int, int], tokens: dict[int, int], states: dict[int, Any] | None = None
+    ) -> str | None:
         """A result arrived: what is wrong with what the island says it read (exactly the
         batches it was given) and trained (tokens only on its own shards), or None. An
         island's report is input, not truth: a wrong one is refused, never committed."""
@@ -101,16 +111,33 @@ class DataLedger:
                 return f"tokens reported on shards {sorted(stray)} it was not given"
             if any(int(t) < 0 for t in tokens.values()):
                 return "negative token counts"
+            if not isinstance(states, (dict, type(None))):
+                return f"stream states as a {type(states).__name__}, not a mapping"
+            for s, state in (states or {}).items():
+                if s not in reservation.spans:
+                    return f"a stream state for shard {s} it was not given"
+                if not isinstance(state, dict) or len(json.dumps(state)) > MAX_STREAM_STATE:
+                    return f"shard {s}: its stream state is not a JSON object under {MAX_STREAM_STATE} bytes"
         except (TypeError, ValueError) as err:
             return f"malformed report ({err})"
         return None
 
-    def commit(self, ticket: int, tokens: dict[int, int]) -> None:
-        """The outer step consumed the result: its tokens count as trained."""
-        if self.flights.pop(ticket, None) is None:
+    def commit(self, ticket: int, tokens: dict[int, int], states: dict[int, Any] | None = None) -> None:
+        """The outer step consumed the result: its tokens count as trained, and its
+        streams' states are where those shards now resume."""
+        reservation = self.flights.pop(ticket, None)
+        if reservation is None:
             raise LedgerError(f"ticket {ticket} is not in flight")
         for s, t in tokens.items():
             self.tokens[int(s)] += int(t)
+        for s, state in (states or {}).items():
+            start, n = reservation.spans[s]
+            if self.streams.get(s, (-1, None))[0] < start + n:
+                self.streams[s] = (start + n, state)
+
+    def resume_points(self, shards: dict[int, int]) -> dict[int, tuple[int, Any]]:
+        """The saved stream states at or before each of `shards`' start positions."""
+        return {s: self.streams[s] for s, at in shards.items() if s in self.streams and self.streams[s][0] <= at}
 
     def newest(self, ticket: int) -> bool:
         """Whether no later reservation continues any of this one's shards (so it can be
@@ -143,9 +170,11 @@ class DataLedger:
             "position": position,
             "tokens": list(self.tokens),
             "turns": {str(i): t for i, t in self.turns.items()},
+            "streams": {str(s): [at, st] for s, (at, st) in self.streams.items() if at <= position[s]},
         }
 
     def load(self, state: dict[str, Any]) -> None:
         self.shards, self.position, self.tokens = state["shards"], list(state["position"]), list(state["tokens"])
         self.turns = {int(i): int(t) for i, t in state.get("turns", {}).items()}
+        self.streams = {int(s): (int(at), st) for s, (at, st) in state.get("streams", {}).items()}
         self.flights = {}

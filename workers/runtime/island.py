@@ -19,7 +19,7 @@ import torch
 
 from workers.runtime import inner_state
 from workers.runtime.optim import build_inner
-from workers.tasks.task import load_task, split_batch, to_device
+from workers.tasks.task import ResumableTask, load_task, split_batch, to_device
 from workers.wire.compress import ErrorFeedback, decode, encode
 from workers.wire.flat import FlatParams, ParamStore, as_tensor, slice_bounds
 from workers.wire.fragments import FragmentedTask, fragment_model
@@ -119,11 +119,32 @@ class Island:
                 pos, stream = cached
             else:
                 pos = at[shard]
-                stream = self.task.train_batches(shard, self.num_shards, self.spec.seed, pos)
+                stream = self._open(shard, pos, order.streams.get(shard))
             batch = next(stream)
             self.streams[shard] = (pos + 1, stream)
             at[shard] = pos + 1
             yield shard, batch
+
+    def _open(self, shard: int, pos: int, saved: tuple[int, Any] | None) -> Iterator[Any]:
+        """Shard `shard` at batch `pos`: a streamed task continues from the state its stream
+        saved at `saved[0]` ≤ `pos` (reading the few batches between), any other seeks."""
+        if saved is not None and isinstance(self.task, ResumableTask) and saved[0] <= pos:
+            at, state = saved
+            stream = self.task.resume_batches(shard, self.num_shards, self.spec.seed, at, state)
+            for _ in range(pos - at):
+                next(stream)
+            return stream
+        return self.task.train_batches(shard, self.num_shards, self.spec.seed, pos)
+
+    def stream_states(self, shards: dict[int, int]) -> dict[int, Any]:
+        """The saved state of each stream of `shards` that can save one, where it stands."""
+        out = {}
+        for shard in shards:
+            stream = self.streams.get(shard, (0, None))[1]
+            state = stream.state() if callable(getattr(stream, "state", None)) else None
+            if state is not None:
+                out[shard] = state
+        return out
 
     def order(self, version: int, steps: int, kind: WorkKind = WorkKind.TRAIN) -> WorkOrder:
         """A work order without a coordinator (in-process use): the island's own contiguous
@@ -336,6 +357,7 @@ class Island:
             tail_s=tail_s,
             saved_state=saved,
             started_at=started_at,
+            stream_states=self.stream_states(order.shards),
         )
 
     def _sync(self, order: WorkOrder, params: Any) -> torch.Tensor | None:

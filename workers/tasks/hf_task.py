@@ -12,7 +12,6 @@ changes. Needs the `[hf]` extra (`pip install -e '.[hf]'`).
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -32,8 +31,6 @@ from workers.tasks.text_data import (
     document_order,
     fixed_batches,
     island_part,
-    stream_shard,
-    stream_token_batches,
     window_batches,
 )
 from workers.tasks.text_source import TextCorpus, TextDataConfig
@@ -166,29 +163,28 @@ class HFCausalLMTask:
             self._packed = docs.packed(document_order(len(docs), self.cfg.split), self.eos)
         return self._packed
 
-    def _token_stream(
-        self, part: Literal["train", "eval"], shard: int = 0, num_shards: int = 1
-    ) -> Iterator[np.ndarray]:
-        texts = stream_shard(self.corpus.stream(part), shard, num_shards)
-        return (np.asarray([*self._encode([t])[0], self.eos], dtype=np.int64) for t in texts)
+    def _encode_one(self, text: str) -> np.ndarray:
+        return np.asarray([*self._encode([text])[0], self.eos], dtype=np.int64)
 
     def train_batches(self, shard: int, num_shards: int, seed: int, start: int = 0) -> Iterator[Batch]:
         c = self.cfg
         if self.corpus.is_prepared:
             return self.corpus.prepared(self.encoder().identity).train_batches(shard, num_shards, seed, start)
-        if self.corpus.streamed:  # a stream cannot seek: skip what was already consumed
-            stream = stream_token_batches(self._token_stream("train", shard, num_shards), c.context, c.batch_size)
-            return itertools.islice(stream, start, None)
+        if self.corpus.streamed:
+            return self.corpus.stream_batches(shard, num_shards, self._encode_one, start)
         tokens = island_part(self.packed(), shard, num_shards)
         return window_batches(tokens, c.context, c.batch_size, seed * 1_000_003 + shard, start)
+
+    def resume_batches(self, shard: int, num_shards: int, seed: int, start: int, state: dict) -> Iterator[Batch]:
+        """A streamed shard's batches from position `start`, where `state` left it."""
+        return self.corpus.stream_batches(shard, num_shards, self._encode_one, start, state)
 
     def eval_batches(self) -> Sequence[Batch]:
         c = self.cfg
         if self.corpus.is_prepared:
             return self.corpus.prepared(self.encoder().identity).eval_batches(c.eval_batches)
         if self.corpus.streamed:
-            stream = stream_token_batches(self._token_stream("eval"), c.context, c.batch_size)
-            return [next(stream) for _ in range(c.eval_batches)]
+            return self.corpus.eval_stream(self._encode_one, c.eval_batches)
         docs = self.documents("eval")
         return fixed_batches(docs.packed(np.arange(len(docs)), self.eos), c.context, c.batch_size, c.eval_batches)
 

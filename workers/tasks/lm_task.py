@@ -8,7 +8,6 @@ column), `hf` (a Hugging Face dataset, streamed, e.g. `allenai/c4` config `en`),
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -24,8 +23,6 @@ from workers.tasks.text_data import (
     encode,
     fixed_batches,
     island_part,
-    stream_batches,
-    stream_shard,
     window_batches,
 )
 from workers.tasks.text_source import TextCorpus, TextDataConfig
@@ -74,21 +71,21 @@ class LanguageModelTask:
         c = self.cfg
         if self.corpus.is_prepared:
             return self.corpus.prepared(self.encoder().identity).train_batches(shard, num_shards, seed, start)
-        if self.corpus.streamed:  # a stream cannot seek: skip what was already consumed
-            stream = stream_batches(
-                stream_shard(self.corpus.stream("train"), shard, num_shards), c.context, c.batch_size
-            )
-            return itertools.islice(stream, start, None)
+        if self.corpus.streamed:
+            return self.corpus.stream_batches(shard, num_shards, _encode, start)
         tokens = island_part(self.packed(), shard, num_shards)
         return window_batches(tokens, c.context, c.batch_size, seed * 1_000_003 + shard, start)
+
+    def resume_batches(self, shard: int, num_shards: int, seed: int, start: int, state: dict) -> Iterator[Batch]:
+        """A streamed shard's batches from position `start`, where `state` left it."""
+        return self.corpus.stream_batches(shard, num_shards, _encode, start, state)
 
     def eval_batches(self) -> Sequence[Batch]:
         c = self.cfg
         if self.corpus.is_prepared:
             return self.corpus.prepared(self.encoder().identity).eval_batches(c.eval_batches)
         if self.corpus.streamed:
-            stream = stream_batches(self.corpus.stream("eval"), c.context, c.batch_size)
-            return [next(stream) for _ in range(c.eval_batches)]
+            return self.corpus.eval_stream(_encode, c.eval_batches)
         return fixed_batches(encode(self.corpus.texts("eval")), c.context, c.batch_size, c.eval_batches)
 
     # -- model ------------------------------------------------------------------------
@@ -103,6 +100,11 @@ class LanguageModelTask:
 
     def batch_weight(self, batch: Batch) -> int:
         return int(batch[1].numel())
+
+
+def _encode(text: str) -> np.ndarray:
+    """A streamed document's bytes and its NUL separator."""
+    return np.frombuffer(text.encode("utf-8", errors="replace") + b"\x00", dtype=np.uint8)
 
 
 def make_task(**kwargs: object) -> LanguageModelTask:

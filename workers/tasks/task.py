@@ -59,6 +59,18 @@ class Task(Protocol):
 
 
 @runtime_checkable
+class ResumableTask(Protocol):
+    """A task whose data is a stream that cannot seek but can save where it stands (a
+    streamed `datasets` source): its `train_batches` iterators have a `state()` (JSON-able,
+    or None when the source cannot save one), which the island reports with each result and
+    the coordinator keeps with the shard's committed position, so whoever continues the
+    shard, after a move or a restart, resumes there instead of reading the stream again."""
+
+    def resume_batches(self, shard: int, num_shards: int, seed: int, start: int, state: dict) -> Iterator[Batch]:
+        """Shard `shard`'s batches from position `start`, at which its stream's state was `state`."""
+
+
+@runtime_checkable
 class MetricTask(Protocol):
     """A task with evaluation metrics beyond the loss (accuracy, a downstream score): the
     coordinator computes them with each evaluation of the global model and records them

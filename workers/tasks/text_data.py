@@ -12,7 +12,6 @@ Within its part an island reads non-overlapping windows in a per-epoch random or
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,40 +113,6 @@ def fixed_batches(
     starts = np.linspace(0, n_windows - 1, need).astype(np.int64) * context
     windows = tokens[starts[:, None] + np.arange(context + 1)]
     return [_as_batch(windows[i * batch_size : (i + 1) * batch_size]) for i in range(count)]
-
-
-def stream_batches(texts: Iterable[str], context: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Byte-level batches from an unbounded document stream, read in order."""
-    return stream_token_batches(
-        (np.frombuffer(t.encode("utf-8", errors="replace") + b"\x00", dtype=np.uint8) for t in texts),
-        context,
-        batch_size,
-    )
-
-
-def stream_token_batches(
-    docs: Iterable[np.ndarray], context: int, batch_size: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Batches from an unbounded stream of tokenised documents (each ending in its
-    separator), packed in order (for streamed datasets)."""
-    need = batch_size * (context + 1)
-    parts: list[np.ndarray] = []
-    held = 0
-    for doc in docs:
-        parts.append(doc)
-        held += len(doc)
-        if held < need:
-            continue
-        buf = np.concatenate(parts)
-        n = len(buf) // need
-        for b in range(n):
-            yield _as_batch(buf[b * need : (b + 1) * need].reshape(batch_size, context + 1))
-        parts, held = [buf[n * need :]], len(buf) - n * need
-
-
-def stream_shard(texts: Iterable[str], island: int, num_islands: int) -> Iterator[str]:
-    """Round-robin document shard of a stream: island i takes documents i, i+k, i+2k…"""
-    return itertools.islice(texts, island, None, num_islands)
 
 
 def _as_batch(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

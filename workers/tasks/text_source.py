@@ -4,18 +4,22 @@ the Hugging Face task, which differ only in how they tokenise and what they trai
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from glob import glob
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from workers.data.streams import Encode, StreamBatches, can_resume, shard_stream
 from workers.tasks.corpus import default_cache_dir, prepare_stdlib_corpus
 from workers.tasks.text_data import read_parquet_texts
 
 if TYPE_CHECKING:
     from workers.data.reader import PreparedCorpus
+
+log = logging.getLogger(__name__)
 
 
 class PreparedSource(BaseModel):
@@ -122,19 +126,41 @@ class TextCorpus:
             self._texts[part] = read_parquet_texts(train if part == "train" else evals, self.cfg.text_column)
         return self._texts[part]
 
-    def stream(self, part: Literal["train", "eval"]) -> Iterator[str]:
-        """The documents of a streamed dataset's split, in order."""
+    def dataset(self, part: Literal["train", "eval"]) -> Any:
+        """A streamed dataset's split (a `datasets.IterableDataset`)."""
         from datasets import load_dataset
 
         c = self.cfg
-        ds = load_dataset(
+        return load_dataset(
             c.hf_dataset,
             c.hf_config,
             split=c.hf_train_split if part == "train" else c.hf_eval_split,
             streaming=True,
             data_files=c.hf_data_files,
         )
-        return (row[c.text_column] for row in ds)
+
+    def stream(self, part: Literal["train", "eval"]) -> Iterator[str]:
+        """The documents of a streamed dataset's split, in order."""
+        return (row[self.cfg.text_column] for row in self.dataset(part))
+
+    def stream_batches(
+        self, shard: int, num_shards: int, encode: Encode, start: int, state: dict | None = None
+    ) -> StreamBatches:
+        """Data shard `shard`'s batches from position `start`: continued from `state` (the
+        stream's saved state at `start`), or read from the stream's start and skipped."""
+        c = self.cfg
+        ds = shard_stream(self.dataset("train"), shard, num_shards)
+        stream = StreamBatches(ds, c.text_column, encode, c.context, c.batch_size, state)
+        if state is None:
+            for _ in range(start):
+                next(stream)
+        return stream
+
+    def eval_stream(self, encode: Encode, count: int) -> list[tuple[Any, Any]]:
+        """The eval split's first `count` batches."""
+        c = self.cfg
+        stream = StreamBatches(self.dataset("eval"), c.text_column, encode, c.context, c.batch_size)
+        return [next(stream) for _ in range(count)]
 
     def prepare(self, tokenizer: str | None = None) -> None:
         """On the driver, before any island: the files found (the embedded corpus built), or
@@ -143,5 +169,13 @@ class TextCorpus:
         if self.is_prepared:
             assert tokenizer is not None
             self.prepared(tokenizer).check(verified=self.cfg.cache / "verified-corpora.json")
-        elif not self.streamed:
+        elif self.streamed:
+            name = self.cfg.hf_dataset
+            if can_resume(self.dataset("train")):
+                log.info("streamed source %s resumes each data shard from its saved state", name)
+            else:
+                log.warning(
+                    "streamed source %s cannot save its state: a resumed shard re-reads up to its position", name
+                )
+        else:
             self.files()

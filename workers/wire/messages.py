@@ -10,7 +10,7 @@ consumes exactly what was reserved for it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -58,6 +58,7 @@ class WorkOrder:
     send_after: int | None = None  # streaming: take Δ after this many steps (τ before the end); None: at the end
     handoff_sha256: str | None = None  # with full parameters: what they and this order's position hash to
     save_state: bool = False  # write the inner state after the last step (a checkpoint is near)
+    streams: dict[int, tuple[int, Any]] = field(default_factory=dict)  # shard -> (position, its stream's saved state)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +98,7 @@ class RoundResult:
     tail_s: float = 0.0  # ... and their seconds (on the pool's clock once the pool has set it)
     saved_state: SavedState | None = None  # where the order's `save_state` went
     started_at: float | None = None  # wall time its first step began (start-up is measured to the run's first)
+    stream_states: dict[int, Any] = field(default_factory=dict)  # shard -> its stream's state at `positions[shard]`
 
     def delta(self) -> Any:
         """Δ decoded to fp32, or its S slices as they came (each coordinator slice decodes its own)."""

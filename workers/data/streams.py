@@ -1,0 +1,92 @@
+"""Batches from a streamed `datasets` source, split by data shard and resumable from a
+saved state instead of by reading everything before the position again.
+
+Each data shard reads its own part of the stream (`split_dataset_by_node`: whole files
+when the file count divides by the shards, else every k-th item). Documents are tokenised
+as they arrive and packed into fixed windows; a batch's windows may end inside a document,
+so a shard's state at a position is the dataset's own `state_dict()` after the last item
+read plus the tokens carried into the next batch. The island reports that state with its
+result, the coordinator's ledger keeps it with the committed position (and in its
+checkpoint), and whichever island takes the shard next continues from it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+Encode = Callable[[str], np.ndarray]  # a document's tokens, its separator included
+
+
+def shard_stream(dataset: Any, shard: int, num_shards: int) -> Any:
+    """Data shard `shard` of `num_shards` of an iterable dataset."""
+    from datasets.distributed import split_dataset_by_node
+
+    if dataset.num_shards % num_shards:
+        log.warning(
+            "the stream has %d files, not a multiple of %d data shards: every shard reads every item and keeps "
+            "its own (datasets' fallback); a multiple of the shard count reads each file once",
+            dataset.num_shards,
+            num_shards,
+        )
+    return split_dataset_by_node(dataset, rank=shard, world_size=num_shards)
+
+
+def can_resume(dataset: Any) -> bool:
+    return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+
+
+class StreamBatches(Iterator[Batch]):
+    """Batches of `batch_size` × `context` from a shard's stream, from `state` (a previous
+    `state()`, or None for the stream's start). `items_read` counts the items this
+    iterator took from the source; `state()["items"]` counts them since the stream's start."""
+
+    def __init__(
+        self, dataset: Any, column: str, encode: Encode, context: int, batch_size: int, state: dict | None = None
+    ) -> None:
+        self.dataset, self.column, self.encode = dataset, column, encode
+        self.need = batch_size * (context + 1)
+        self.shape = (batch_size, context + 1)
+        self.resumable = can_resume(dataset)
+        self.carry = np.zeros(0, dtype=np.int64)
+        self.items = 0
+        self.saved: dict | None = None
+        if state is not None:
+            if state["dataset"] is not None:  # None: saved before its first batch
+                dataset.load_state_dict(state["dataset"])
+            self.carry = np.asarray(state["carry"], dtype=np.int64)
+            self.items = int(state["items"])
+            self.saved = state["dataset"]
+        self.items_read = 0
+        self._rows = iter(dataset)
+
+    def __next__(self) -> Batch:
+        parts, held = [self.carry], len(self.carry)
+        while held < self.need:
+            row = next(self._rows)  # StopIteration: the stream ran out
+            self.items_read += 1
+            self.items += 1
+            text = row[self.column]
+            if isinstance(text, str) and text:
+                tokens = self.encode(text).astype(np.int64)
+                parts.append(tokens)
+                held += len(tokens)
+        buf = np.concatenate(parts)
+        self.carry = buf[self.need :]
+        if self.resumable:
+            self.saved = self.dataset.state_dict()
+        w = torch.from_numpy(buf[: self.need].reshape(self.shape))
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+    def state(self) -> dict | None:
+        """Where this stream stands after its last batch (None: the source cannot resume)."""
+        if not self.resumable:
+            return None
+        return {"dataset": self.saved, "carry": self.carry.tolist(), "items": self.items}
