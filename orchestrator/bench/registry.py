@@ -1,7 +1,7 @@
 """The benchmark registry. A scenario is a function `(quick, work_dir) -> BenchResult`;
 the entry point writes `<scenario>.json`, `.png` and `.md` and prints a one-line summary.
-Scenarios: quality, hetero, goodput, overlap, streaming, datapath, startup, warmstart, gpu (needs
-CUDA)."""
+Scenarios: quality, hetero, goodput, overlap, streaming, datapath, startup, warmstart, data, gpu
+(needs CUDA)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,18 @@ Scenario = Callable[[bool, Path], BenchResult]
 # name -> "module:function"; imported when run, so a scenario never imports the registry
 SCENARIOS: dict[str, str] = {
     name: f"orchestrator.bench.{name}:{name}"
-    for name in ("quality", "hetero", "goodput", "overlap", "streaming", "datapath", "startup", "warmstart", "gpu")
+    for name in (
+        "quality",
+        "hetero",
+        "goodput",
+        "overlap",
+        "streaming",
+        "datapath",
+        "startup",
+        "warmstart",
+        "data",
+        "gpu",
+    )
 }
 
 
