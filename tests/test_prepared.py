@@ -210,3 +210,23 @@ def test_a_run_refuses_bad_prepared_data_with_exit_2_before_ray(corpus, tmp_path
     manifest["tokenizer"] = "hf/0123456789abcdef"
     (copy / "manifest.json").write_text(json.dumps(manifest))
     assert _run(copy, tmp_path) == 2 and "tokenised by 'hf/0123456789abcdef'" in capsys.readouterr().err
+
+
+def test_a_process_exits_cleanly_with_prefetching_iterators_dropped_or_alive(corpus):
+    """A producer thread still inside torch at the interpreter's teardown aborted the
+    process ("terminate called without an active exception"): each is stopped first."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    code = (
+        "from workers.tasks.lm_task import make_task\n"
+        f"t = make_task(source='prepared', prepared=[{{'path': {str(corpus)!r}}}], context=32, batch_size=4)\n"
+        "kept = [t.train_batches(s % 5, 5, 0, s) for s in range(12)]\n"
+        "for s in range(12): next(t.train_batches(s % 5, 5, 0, s))\n"
+        "[next(k) for k in kept]\n"
+    )
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=False)
+        assert proc.returncode == 0 and "terminate" not in proc.stderr, proc.stderr[-500:]

@@ -4,11 +4,12 @@ and prepared with `archipelago data prepare` (timed). Then a fresh process per r
 real island of the default task (the default GPT, one thread) on it and measures:
 
 - time to the first batch at the shard's start and at 90 % of its epoch, each in a new task
-  (nothing opened or cached), median of five;
-- the loader's throughput (batches read ahead on its thread, no training) against what the
-  island's training consumes (inner steps of the default model, timed by the island);
-- the island's peak resident memory (`ru_maxrss`: torch, the model, training and the
-  loader), at both corpus sizes.
+  (nothing opened or cached), median of five; the loader's throughput (batches read ahead
+  on its thread, no training);
+- in another process, an island as a run builds it, training its shards from their start
+  and then from 90 % of their epoch: what its training consumes (inner steps of the
+  default model, timed by the island) and its peak resident memory (`ru_maxrss`: torch,
+  the model, training and the loader), at both corpus sizes.
 
 The same measures for the Parquet source the task read before (`source: parquet`: every
 text held in memory and the whole corpus packed in each island) are the "before" rows.
@@ -97,37 +98,42 @@ def _sets(kind: str, location: Path) -> list[str]:
     ]
 
 
-def probe(kind: str, location: str) -> dict[str, Any]:
-    """In a fresh process: one island of the default task on the source; what it measures
-    is in the module's docstring."""
-    import resource
-
+def _config(kind: str, location: str) -> Any:
     from orchestrator.config_load import load_config
-    from orchestrator.engine.pool import island_spec
-    from workers.runtime.island import Island
-    from workers.tasks.task import load_task
-    from workers.tasks.text_data import island_part
 
-    cfg = load_config(None, ["warm_start.steps=0", *_sets(kind, Path(location))])
-    kwargs, shards, seed = cfg.task.kwargs, cfg.num_shards, cfg.seed
-    batch, context = int(cfg.task.kwargs.get("batch_size", 16)), int(cfg.task.kwargs.get("context", 128))
+    return load_config(None, ["warm_start.steps=0", *_sets(kind, Path(location))])
 
-    def first_batch(fraction: float, per_epoch: int) -> float:
-        task = load_task(cfg.task.factory, kwargs)  # nothing opened, read or cached yet
-        t0 = time.perf_counter()
-        next(iter(task.train_batches(0, shards, seed, int(fraction * per_epoch))))
-        return time.perf_counter() - t0
 
-    task: Any = load_task(cfg.task.factory, kwargs)
+def _per_epoch(task: Any, kind: str, shards: int) -> int:
+    """Batches in one epoch of data shard 0."""
+    c = task.cfg
     if kind == "prepared":
         from workers.data.order import ShardWindows
 
         corpus = task.corpus.prepared(task.encoder().identity)
-        per_epoch = ShardWindows(corpus.windows(0, "train"), 0, shards, iid=True).count // batch
-        repeats = 5
-    else:
-        per_epoch = (len(island_part(task.packed(), 0, shards)) - 1) // context // batch
-        repeats = 1  # each costs reading and packing the whole corpus
+        return ShardWindows(corpus.windows(0, "train"), 0, shards, iid=True).count // c.batch_size
+    from workers.tasks.text_data import island_part
+
+    return (len(island_part(task.packed(), 0, shards)) - 1) // c.context // c.batch_size
+
+
+def probe_reads(kind: str, location: str) -> dict[str, Any]:
+    """In a fresh process: the first batch at the shard's start and at 90 % of its epoch,
+    each from a new task (nothing opened, read or cached), and the loader's throughput."""
+    from workers.tasks.task import load_task
+
+    cfg = _config(kind, location)
+    shards, seed = cfg.num_shards, cfg.seed
+
+    def first_batch(fraction: float, per_epoch: int) -> float:
+        task = load_task(cfg.task.factory, cfg.task.kwargs)
+        t0 = time.perf_counter()
+        next(iter(task.train_batches(0, shards, seed, int(fraction * per_epoch))))
+        return time.perf_counter() - t0
+
+    task: Any = load_task(cfg.task.factory, cfg.task.kwargs)
+    per_epoch = _per_epoch(task, kind, shards)
+    repeats = 5 if kind == "prepared" else 1  # a parquet row reads and packs the whole corpus each time
     at_start = statistics.median(first_batch(0.0, per_epoch) for _ in range(repeats))
     at_end = statistics.median(first_batch(0.9, per_epoch) for _ in range(repeats))
     stream = iter(task.train_batches(1, shards, seed, 0))
@@ -136,29 +142,51 @@ def probe(kind: str, location: str) -> dict[str, Any]:
     n = 2000
     for _ in range(n):
         next(stream)
-    loader = n * batch * context / (time.perf_counter() - t0)
-    island = Island(island_spec(cfg, 0))
-    params = island.flat.full().detach().cpu().numpy().copy()
-    island.run(island.order(0, 3), params)  # the first steps allocate and warm up
-    result = island.run(island.order(0, TRAIN_STEPS), params)
+    c = task.cfg
     return {
         "first_batch_seconds_at_start": at_start,
         "first_batch_seconds_at_end": at_end,
         "batches_per_epoch": per_epoch,
-        "loader_tokens_per_s": loader,
+        "loader_tokens_per_s": n * c.batch_size * c.context / (time.perf_counter() - t0),
+    }
+
+
+def probe_island(kind: str, location: str) -> dict[str, Any]:
+    """In a fresh process, what an island does: built from the run config, it trains its
+    shards from their start, then from 90 % of their epoch (a joiner's or a restart's
+    seek); its training throughput (the island's own compute time) and peak memory."""
+    import dataclasses
+    import resource
+
+    from orchestrator.engine.pool import island_spec
+    from workers.runtime.island import Island
+
+    cfg = _config(kind, location)
+    island = Island(island_spec(cfg, 0))
+    params = island.flat.full().detach().cpu().numpy().copy()
+    island.run(island.order(0, 3), params)  # the first steps allocate and warm up
+    result = island.run(island.order(0, TRAIN_STEPS), params)
+    late = int(0.9 * _per_epoch(island.task, kind, cfg.num_shards))
+    order = island.order(0, TRAIN_STEPS)
+    island.run(dataclasses.replace(order, shards=dict.fromkeys(order.shards, late)), params)
+    return {
         "train_tokens_per_s": result.weight / result.compute_s,
         "island_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
 
 def _probe(kind: str, location: Path) -> dict[str, Any]:
-    code = "import json, sys; from orchestrator.bench.data import probe; print(json.dumps(probe(*sys.argv[1:])))"
-    proc = subprocess.run(
-        [sys.executable, "-c", code, kind, str(location)], cwd=REPO, capture_output=True, text=True, check=False
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"data probe {kind} {location} failed: {proc.stderr[-2000:]}")
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    """Both probes, each in a process of its own."""
+    out: dict[str, Any] = {}
+    for name in ("probe_reads", "probe_island"):
+        code = f"import json, sys; from orchestrator.bench.data import {name}; print(json.dumps({name}(*sys.argv[1:])))"
+        proc = subprocess.run(
+            [sys.executable, "-c", code, kind, str(location)], cwd=REPO, capture_output=True, text=True, check=False
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"data {name} {kind} {location} failed: {proc.stderr[-2000:]}")
+        out.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return out
 
 
 def data(quick: bool, work: Path) -> BenchResult:
