@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pyarrow.parquet as pq
 import pytest
 
 from orchestrator.bench.quality_rows import DDP_LRS, MODEL, OUTER_LRS, ddp_row, h_row, methods
@@ -353,3 +354,20 @@ def test_warmstart_rows_differ_only_in_the_warm_start_mode_and_the_fewest_bytes_
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     # bytes are cumulative in the records; a continued run starts where its warm start ended
     assert _cumulative_bytes(run, {"initial_eval_loss": 3.0}, offset=5) == [(5.0, 3.0), (85.0, 2.0)]
+
+
+def test_data_rows_generate_prepare_and_read_a_corpus_by_position(tmp_path):
+    from orchestrator.bench.data import _prepared, _sets, generate, probe_island, probe_reads
+
+    files = generate(tmp_path / "text", 2_000_000, seed=0)
+    assert sum(len(t) for f in files for t in pq.read_table(f).column("text").to_pylist()) == 2_000_000
+    stats = _prepared(tmp_path / "text", tmp_path / "prepared")
+    assert 1_950_000 < stats["tokens"] < 2_000_000 and stats["prepare_tokens_per_s"] > 0
+    assert _prepared(tmp_path / "text", tmp_path / "prepared") == stats  # prepared once, its timing kept
+    for kind, where in (("prepared", tmp_path / "prepared"), ("parquet", tmp_path / "text")):
+        load_config(None, _sets(kind, where))  # each row is a valid run config
+        reads = probe_reads(kind, str(where))
+        assert reads["batches_per_epoch"] > 20 and 0 < reads["first_batch_seconds_at_end"] < 30
+        assert reads["loader_tokens_per_s"] > 0
+    island = probe_island("prepared", str(tmp_path / "prepared"))
+    assert island["train_tokens_per_s"] > 0 and island["island_rss_mb"] > 100
