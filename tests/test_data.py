@@ -138,3 +138,17 @@ def test_default_model_trains_on_the_corpus(tmp_path):
     with torch.no_grad():
         after = float(np.mean([float(task.loss(model, b)) for b in evals]))
     assert after < before - 1.0
+
+
+def test_a_source_without_its_text_column_or_files_is_refused_before_training(tmp_path):
+    from workers.data.manifest import DataError
+
+    pq.write_table(pa.table({"body": ["some text"] * 20}), tmp_path / "train.parquet")
+    files = {"train_files": str(tmp_path / "train*.parquet"), "eval_files": str(tmp_path / "train*.parquet")}
+    with pytest.raises(DataError, match="no text column 'text'.*body"):
+        make_task(source="parquet", **files).prepare()
+    with pytest.raises(DataError, match="no Parquet files match"):
+        make_task(source="parquet", train_files=str(tmp_path / "none*"), eval_files=str(tmp_path / "none*")).prepare()
+    streamed = make_task(source="hf", hf_dataset="parquet", hf_config=None, hf_data_files=files["train_files"])
+    with pytest.raises(DataError, match="streamed source parquet: no text column 'text'"):
+        streamed.prepare()

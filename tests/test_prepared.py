@@ -230,3 +230,28 @@ def test_a_process_exits_cleanly_with_prefetching_iterators_dropped_or_alive(cor
     for _ in range(3):
         proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=False)
         assert proc.returncode == 0 and "terminate" not in proc.stderr, proc.stderr[-500:]
+
+
+@pytest.mark.ray
+def test_ray_tasks_prepare_the_same_corpus_and_a_ray_run_trains_on_it(
+    ray_local, source, corpus, tmp_path, corpus_cache
+):
+    from orchestrator.runtime.driver import run
+    from tests.helpers import tiny_lm_config
+
+    out = tmp_path / "by-ray"
+    opts = PrepareOptions(shard_tokens=20000, eval_every=10, ray_address="auto")
+    m = prepare(str(source[0]), out, ByteEncoder(), opts, lambda *_: None)
+    assert m.content_sha256 == read_manifest(corpus).content_sha256  # the same bytes as worker processes made
+    cfg = tiny_lm_config(
+        tmp_path / "run",
+        corpus_cache,
+        "task.kwargs.source=prepared",
+        f"task.kwargs.prepared=[{{path: {out}}}]",
+        "islands.count=2",
+        "rounds=2",
+        "inner_steps=10",
+    )
+    summary = run(cfg, show_progress=False)
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    assert summary["shards"]["position"] == [5] * 8 and summary["tokens"] == 2 * 2 * 10 * 8 * 32

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from workers.data.prefetch import Prefetch
+
 log = logging.getLogger(__name__)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -45,8 +47,8 @@ def can_resume(dataset: Any) -> bool:
 
 class StreamBatches(Iterator[Batch]):
     """Batches of `batch_size` × `context` from a shard's stream, from `state` (a previous
-    `state()`, or None for the stream's start). `items_read` counts the items this
-    iterator took from the source; `state()["items"]` counts them since the stream's start."""
+    `state()`, or None for the stream's start); `state()["items"]` counts the items read
+    since the stream's start."""
 
     def __init__(
         self, dataset: Any, column: str, encode: Encode, context: int, batch_size: int, state: dict | None = None
@@ -64,14 +66,12 @@ class StreamBatches(Iterator[Batch]):
             self.carry = np.asarray(state["carry"], dtype=np.int64)
             self.items = int(state["items"])
             self.saved = state["dataset"]
-        self.items_read = 0
         self._rows = iter(dataset)
 
     def __next__(self) -> Batch:
         parts, held = [self.carry], len(self.carry)
         while held < self.need:
             row = next(self._rows)  # StopIteration: the stream ran out
-            self.items_read += 1
             self.items += 1
             text = row[self.column]
             if isinstance(text, str) and text:
@@ -90,3 +90,20 @@ class StreamBatches(Iterator[Batch]):
         if not self.resumable:
             return None
         return {"dataset": self.saved, "carry": self.carry.tolist(), "items": self.items}
+
+
+class ReadAhead(Iterator[Batch]):
+    """A stream's next batches read, tokenised and packed on a background thread, each
+    with the stream's state after it: `state()` is the state after the last batch taken,
+    not after what was read ahead."""
+
+    def __init__(self, stream: StreamBatches, depth: int = 4) -> None:
+        self._state = stream.state()
+        self._ahead = Prefetch(lambda _: (next(stream), stream.state()), 0, depth)
+
+    def __next__(self) -> Batch:
+        batch, self._state = next(self._ahead)
+        return batch
+
+    def state(self) -> dict | None:
+        return self._state

@@ -10,9 +10,11 @@ from glob import glob
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from workers.data.streams import Encode, StreamBatches, can_resume, shard_stream
+from workers.data.manifest import DataError
+from workers.data.streams import Encode, ReadAhead, StreamBatches, can_resume, shard_stream
 from workers.tasks.corpus import default_cache_dir, prepare_stdlib_corpus
 from workers.tasks.text_data import read_parquet_texts
 
@@ -116,7 +118,12 @@ class TextCorpus:
         train = sorted(Path(p) for p in glob(self.cfg.train_files or ""))
         evals = sorted(Path(p) for p in glob(self.cfg.eval_files or ""))
         if not train or not evals:
-            raise FileNotFoundError(f"no Parquet files match {self.cfg.train_files!r} / {self.cfg.eval_files!r}")
+            raise DataError(f"no Parquet files match {self.cfg.train_files!r} / {self.cfg.eval_files!r}")
+        for f in (train[0], evals[0]):
+            if self.cfg.text_column not in pq.read_schema(f).names:
+                raise DataError(
+                    f"source {f}: no text column {self.cfg.text_column!r} (it has {pq.read_schema(f).names})"
+                )
         return train, evals
 
     def texts(self, part: Literal["train", "eval"]) -> list[str]:
@@ -145,16 +152,17 @@ class TextCorpus:
 
     def stream_batches(
         self, shard: int, num_shards: int, encode: Encode, start: int, state: dict | None = None
-    ) -> StreamBatches:
-        """Data shard `shard`'s batches from position `start`: continued from `state` (the
-        stream's saved state at `start`), or read from the stream's start and skipped."""
+    ) -> ReadAhead:
+        """Data shard `shard`'s batches from position `start`, read ahead on a thread:
+        continued from `state` (the stream's saved state at `start`), or read from the
+        stream's start and skipped."""
         c = self.cfg
         ds = shard_stream(self.dataset("train"), shard, num_shards)
         stream = StreamBatches(ds, c.text_column, encode, c.context, c.batch_size, state)
         if state is None:
             for _ in range(start):
                 next(stream)
-        return stream
+        return ReadAhead(stream)
 
     def eval_stream(self, encode: Encode, count: int) -> list[tuple[Any, Any]]:
         """The eval split's first `count` batches."""
@@ -170,7 +178,15 @@ class TextCorpus:
             assert tokenizer is not None
             self.prepared(tokenizer).check(verified=self.cfg.cache / "verified-corpora.json")
         elif self.streamed:
-            name = self.cfg.hf_dataset
+            name, column = self.cfg.hf_dataset, self.cfg.text_column
+            try:
+                first = next(iter(self.dataset("train")))
+            except (FileNotFoundError, ValueError, ConnectionError, StopIteration) as err:
+                raise DataError(
+                    f"streamed source {name}: cannot read its first item ({type(err).__name__}: {err})"
+                ) from err
+            if column not in first:
+                raise DataError(f"streamed source {name}: no text column {column!r} (it has {sorted(first)})")
             if can_resume(self.dataset("train")):
                 log.info("streamed source %s resumes each data shard from its saved state", name)
             else:
