@@ -145,7 +145,7 @@ def test_a_source_without_its_text_column_or_files_is_refused_before_training(tm
 
     pq.write_table(pa.table({"body": ["some text"] * 20}), tmp_path / "train.parquet")
     files = {"train_files": str(tmp_path / "train*.parquet"), "eval_files": str(tmp_path / "train*.parquet")}
-    with pytest.raises(DataError, match="no text column 'text'.*body"):
+    with pytest.raises(DataError, match=r"no text column 'text'.*body"):
         make_task(source="parquet", **files).prepare()
     with pytest.raises(DataError, match="no Parquet files match"):
         make_task(source="parquet", train_files=str(tmp_path / "none*"), eval_files=str(tmp_path / "none*")).prepare()
