@@ -186,3 +186,26 @@ def test_a_tiny_llama_trains_in_async_mode_with_its_warm_start(corpus_cache, tmp
     summary = run_in_process(load_config(None, [*sets, f"out_dir={tmp_path}"]))
     assert summary["state"] == "finished" and summary["outer_steps"] >= 6
     fell_20_percent(summary)
+
+
+def test_a_corpus_prepared_with_the_hf_tokenizer_carries_it_and_trains_the_task(task, corpus_cache, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from workers.data.manifest import read_manifest
+
+    docs = [f"def f{i}(x):\n    return x * {i}  # document {i}\n" * 20 for i in range(200)]
+    pq.write_table(pa.table({"text": docs}), tmp_path / "code.parquet")
+    out = tmp_path / "prepared"
+    sets = ["task.factory=workers.tasks.hf_task:make_task", "task.kwargs.preset=tiny-llama"]
+    args = [a for s in [*sets, f"task.kwargs.cache_dir={corpus_cache}"] for a in ("--set", s)]
+    assert main(["-q", "data", "prepare", str(tmp_path / "code.parquet"), str(out), "--eval-every", "10", *args]) == 0
+    m = read_manifest(out)
+    assert m.tokenizer == task.encoder().identity and m.dtype == "uint16" and m.separator == task.eos
+    assert (out / "tokenizer" / "tokenizer.json").is_file()
+    # a run on the corpus names no tokenizer: the one prepared with it is used
+    on_it = make_task(**TINY, source="prepared", prepared=[{"path": str(out)}], cache_dir=str(tmp_path / "cache"))
+    on_it.prepare()
+    x, y = next(on_it.train_batches(0, 4, seed=0))
+    assert x.shape == (8, 32) and int(x.max()) < len(on_it.tokenizer) and torch.equal(x[:, 1:], y[:, :-1])
+    assert "return x *" in on_it.tokenizer.decode(x[0].tolist())
