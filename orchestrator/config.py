@@ -298,6 +298,15 @@ class RunConfig(Strict):
         a = self.asynchronous
         if a.quorum is not None and a.quorum > self.islands.count:
             raise ValueError(f"asynchronous.quorum = {a.quorum} is above islands.count = {self.islands.count}")
+        if self.inner.optimizer == "muon" and (self.mode == Mode.DDP or self.islands.workers > 1):
+            raise ValueError(
+                "inner.optimizer muon needs whole matrices on one worker: a DiLoCo-family mode and islands.workers = 1"
+            )
+        if self.outer.optimizer == "sparseloco" and not self.compression.error_feedback:
+            raise ValueError(
+                "outer.optimizer sparseloco steps without momentum: it needs compression.error_feedback = true "
+                "(and a lossy compression.codec such as topk:0.02+int2)"
+            )
         if self.diloco.dylu and self.mode != Mode.DILOCO:
             raise ValueError("diloco.dylu applies to mode diloco only")
         if a.c > 1.0 / (a.delay or self.islands.count):

@@ -8,9 +8,9 @@ from __future__ import annotations
 from enum import Enum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from workers.wire.spec import CODEC_NAMES
+from workers.wire.spec import CODEC_NAMES, CodecSpecError, parse_codec
 
 
 class Strict(BaseModel):
@@ -20,10 +20,11 @@ class Strict(BaseModel):
 class OuterConfig(Strict):
     """Outer optimizer stepped on the token-weighted mean pseudo-gradient (docs/algorithms.md)."""
 
-    optimizer: Literal["nesterov", "sgd", "adam"] = Field(
+    optimizer: Literal["nesterov", "sgd", "adam", "sparseloco"] = Field(
         "nesterov",
         description="nesterov (torch SGD's Nesterov update, in place); sgd with lr 1 and momentum 0 is plain "
-        "parameter averaging (FedAvg); adam",
+        "parameter averaging (FedAvg); adam; sparseloco (SparseLoCo: a plain step on the mean of what the islands "
+        "sent, their error-feedback buffers taking momentum's place; needs compression.error_feedback)",
     )
     lr: float = Field(0.7, gt=0, description="outer learning rate (DiLoCo paper: 0.7)")
     momentum: float = Field(0.9, ge=0, lt=1, description="nesterov/sgd momentum")
@@ -160,8 +161,10 @@ class CompressionConfig(Strict):
 
     codec: str = Field(
         "none",
-        description=f"one of {sorted(CODEC_NAMES)}: fp32, bf16 (2x fewer bytes), int8 or int4 with one fp32 scale per "
-        "chunk (about 4x, 8x); decoded and accumulated in fp32",
+        description=f"one of {sorted(CODEC_NAMES)}: fp32, bf16 (2x fewer bytes), int8, int4 or int2 with one fp32 "
+        "scale per chunk (about 4x, 8x, 16x); or a chain topk:K+<codec>: in each chunk only the fraction K of "
+        "largest magnitudes, their positions (2 bytes each) and values in that codec (SparseLoCo: topk:0.02+int2 "
+        "with error_feedback); decoded and accumulated in fp32",
     )
     downlink: str = Field(
         "none",
@@ -180,10 +183,19 @@ class CompressionConfig(Strict):
         description="islands keep what a lossy codec rounded away and add it to their next pseudo-gradient, so "
         "the rounding does not accumulate over rounds",
     )
+    feedback_decay: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="error feedback's residual is decay x residual + the new pseudo-gradient (1: classic error "
+        "feedback; SparseLoCo uses 0.95, the buffer then acting as outer momentum)",
+    )
 
-    @model_validator(mode="after")
-    def _check(self) -> CompressionConfig:
-        for name in ("codec", "downlink"):
-            if getattr(self, name) not in CODEC_NAMES:
-                raise ValueError(f"{name}: unknown codec {getattr(self, name)!r}; choose one of {sorted(CODEC_NAMES)}")
-        return self
+    @field_validator("codec", "downlink")
+    @classmethod
+    def _chain(cls, spec: str) -> str:
+        try:
+            parse_codec(spec)
+        except CodecSpecError as err:
+            raise ValueError(str(err)) from None
+        return spec

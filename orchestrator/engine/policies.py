@@ -43,6 +43,8 @@ def outer_optimizer(cfg: OuterConfig, param: torch.nn.Parameter) -> torch.optim.
         return FlatSGD([param], lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
     if cfg.optimizer == "sgd":
         return FlatSGD([param], lr=cfg.lr, momentum=cfg.momentum)
+    if cfg.optimizer == "sparseloco":  # the islands' error feedback is the momentum
+        return FlatSGD([param], lr=cfg.lr)
     return torch.optim.Adam([param], lr=cfg.lr, betas=cfg.betas)
 
 

@@ -93,6 +93,7 @@ def island_spec(
         coordinator_shards=cfg.coordinator.shards,
         sharding=cfg.islands.sharding,
         error_feedback=cfg.compression.error_feedback,
+        feedback_decay=cfg.compression.feedback_decay,
         tracks_copy=cfg.tracks_copy,
         fragments=cfg.streaming.fragments if cfg.mode == Mode.STREAMING else 0,
         merge_alpha=cfg.streaming.alpha,

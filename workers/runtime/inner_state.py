@@ -117,9 +117,10 @@ def continue_from(
     optimizer: torch.optim.Optimizer,
     feedback: dict[int | None, ErrorFeedback],
     island: int,
+    decay: float = 1.0,
 ) -> bool:
     """Put an island's saved state into its fresh optimizer and error-feedback residuals
-    (by fragment). A state that cannot be used (gone, altered, of another model) is logged
+    (by fragment, each decaying by `decay`). A state that cannot be used (gone, altered, of another model) is logged
     and the island starts with fresh moments, as a joining island does: a resume is never
     refused for it. Returns whether it was restored."""
     try:
@@ -129,7 +130,7 @@ def continue_from(
         log.warning("island %d starts with a fresh optimizer: %s", island, err)
         return False
     for name, residual in residuals.items():
-        feedback[None if name == "all" else int(name)] = kept = ErrorFeedback()
+        feedback[None if name == "all" else int(name)] = kept = ErrorFeedback(decay)
         kept.residual = residual
     return True
 

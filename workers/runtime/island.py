@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from workers.runtime import inner_state
-from workers.runtime.optim import build_inner
+from workers.runtime.optim import build_inner, muon_params
 from workers.tasks.task import ResumableTask, load_task, split_batch, to_device
 from workers.wire.compress import ErrorFeedback, decode, encode
 from workers.wire.flat import FlatParams, ParamStore, as_tensor, slice_bounds
@@ -51,6 +51,7 @@ class IslandSpec:
     coordinator_shards: int = 1  # S > 1: the pseudo-gradient leaves as S slices, one per shard
     sharding: Sharding = Sharding.ZERO1
     error_feedback: bool = False  # keep what the codec rounds away for the next pseudo-gradient
+    feedback_decay: float = 1.0  # ... as decay x residual + Δ (SparseLoCo's 0.95)
     tracks_copy: bool = False  # hold the published parameters and follow their changes (`workers/wire/sync.py`)
     fragments: int = 0  # streaming: P fragments; the island trains on and merges fragment by fragment
     merge_alpha: float = 0.0  # streaming: local <- alpha x local + (1 - alpha) x received global fragment
@@ -84,7 +85,12 @@ class Island:
         self.bf16 = spec.inner.precision == Precision.BF16
         self.start = torch.empty_like(flat.data)
         self.optimizer, self.scheduler = build_inner(
-            spec.inner, self.model.parameters(), spec.total_inner_steps, spec.start_step, spec.rewarmup_steps
+            spec.inner,
+            self.model.parameters(),
+            spec.total_inner_steps,
+            spec.start_step,
+            spec.rewarmup_steps,
+            muon_params(self.model),
         )
         self.num_shards = spec.num_shards or spec.num_islands
         self.streams: dict[int, tuple[int, Any]] = {}  # shard -> (position, iterator at that position)
@@ -102,7 +108,7 @@ class Island:
         self.restored = None  # placed to continue a saved inner state: whether it could
         if spec.restore_state is not None and spec.state_folder is not None:
             self.restored = inner_state.continue_from(
-                spec.state_folder, spec.restore_state, self.optimizer, self.feedback, spec.index
+                spec.state_folder, spec.restore_state, self.optimizer, self.feedback, spec.index, spec.feedback_decay
             )
         self.startup["model_s"] = time.perf_counter() - t0 - self.startup["task_s"]
 
@@ -252,7 +258,7 @@ class Island:
         values = x.cpu().numpy()
         feedback = None
         if self.spec.error_feedback and self.spec.codec != "none":
-            feedback = self.feedback.setdefault(fragment, ErrorFeedback())
+            feedback = self.feedback.setdefault(fragment, ErrorFeedback(self.spec.feedback_decay))
             values = feedback.compensate(values)
         if self.spec.coordinator_shards == 1:
             payloads = [encode(values, self.spec.codec, self.spec.chunk)]

@@ -34,14 +34,37 @@ def join_factor(step: int, start_step: int, cfg: InnerConfig, total_steps: int, 
     return ramp * lr_factor(start_step + step, cfg, total_steps)
 
 
+def muon_params(model: torch.nn.Module) -> set[int]:
+    """The parameters Muon updates (by `id`): the weights of linear layers, except one an
+    embedding shares (tied) and an output layer as wide as the vocabulary (the largest
+    embedding); the rest (embeddings, the head, norms, biases) stays with AdamW, as in MuLoCo."""
+    embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    shared = {id(m.weight) for m in embeddings}
+    vocab = max((m.num_embeddings for m in embeddings), default=None)
+    return {
+        id(m.weight)
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) and id(m.weight) not in shared and m.out_features != vocab
+    }
+
+
 def build_inner(
-    cfg: InnerConfig, params: Iterable[torch.nn.Parameter], total_steps: int, start_step: int = 0, rewarmup: int = 0
+    cfg: InnerConfig,
+    params: Iterable[torch.nn.Parameter],
+    total_steps: int,
+    start_step: int = 0,
+    rewarmup: int = 0,
+    muon: set[int] | None = None,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """The inner optimizer and its schedule; `muon` (ids from `muon_params`) are the
+    parameters optimizer `muon` gives to Muon."""
     params = list(params)
     if cfg.optimizer == "adamw":
         opt: torch.optim.Optimizer = torch.optim.AdamW(
             params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=True
         )
+    elif cfg.optimizer == "muon":
+        opt = _MuonAdamW(cfg, params, muon or set())
     else:
         opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     if start_step:
@@ -49,3 +72,36 @@ def build_inner(
     else:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg, total_steps))
     return opt, sched
+
+
+class _MuonAdamW(torch.optim.Optimizer):
+    """Muon on the hidden matrices and AdamW on the rest, stepped as one optimizer (one
+    schedule, one state to save), each keeping its own parameter group and lr."""
+
+    def __init__(self, cfg: InnerConfig, params: list[torch.nn.Parameter], muon: set[int]) -> None:
+        hidden = [p for p in params if id(p) in muon and p.ndim == 2]
+        rest = [p for p in params if not (id(p) in muon and p.ndim == 2)]
+        self.muon = torch.optim.Muon(
+            hidden,
+            lr=cfg.muon_lr or cfg.lr,
+            weight_decay=cfg.weight_decay,
+            momentum=cfg.muon_momentum,
+            adjust_lr_fn="match_rms_adamw",
+        )
+        self.adamw = torch.optim.AdamW(rest, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=True)
+        # the same group dicts: the schedule's lr reaches both; one state dict: saved and restored as one
+        super().__init__([*self.muon.param_groups, *self.adamw.param_groups], {})
+        self._share_state()
+
+    def _share_state(self) -> None:
+        self.muon.state = self.adamw.state = self.state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._share_state()
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]  # no closure: the island's inner step
+        if self.muon.param_groups[0]["params"]:
+            self.muon.step()
+        self.adamw.step()

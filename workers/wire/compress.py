@@ -1,9 +1,10 @@
 """Pseudo-gradient codecs: what an island puts on the wire, and how the coordinator gets
 fp32 back. `none` (as is: fp32), `bf16` (2×), `int8` with one fp32 scale per chunk (≈ 4×),
-`int4` with one fp32 scale per chunk, two values per byte (≈ 8×).
+`int4` with one fp32 scale per chunk, two values per byte (≈ 8×), `int2`, four values per
+byte (≈ 16×); and any of them after chunked top-k (`topk:K+int2`, `workers/wire/sparse.py`).
 
 A payload is a small dict of numpy arrays, so it crosses Ray's object store zero-copy;
-`nbytes` is what the link carries. New codecs register in `CODECS`.
+`nbytes` is what the link carries. New value codecs register in `CODECS`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from workers.wire import sparse
+from workers.wire.spec import parse_codec
 
 Payload = dict[str, np.ndarray]
 
@@ -87,6 +91,36 @@ def _int4_decode(p: Payload) -> np.ndarray:
     return _dequantise(q[:n], p["scale"], int(p["chunk"][0]))
 
 
+def _int2_encode(x: np.ndarray, chunk: int) -> Payload:
+    """Four levels per chunk, (q − 1.5) × scale for q in 0..3 with scale = max |x| / 1.5 (no
+    zero level: what is sent is mostly what top-k kept), four values per byte."""
+    n = x.size
+    pad = (-n) % chunk
+    blocks = np.concatenate([x.astype(np.float32), np.zeros(pad, np.float32)]).reshape(-1, chunk)
+    scale = np.abs(blocks).max(axis=1) / 1.5
+    scale[scale == 0] = 1.0
+    q = np.clip(np.floor(blocks / scale[:, None] + 2.0), 0, 3).astype(np.uint8).reshape(-1)[:n]
+    q = np.concatenate([q, np.zeros((-n) % 4, np.uint8)])
+    packed = q[0::4] | (q[1::4] << 2) | (q[2::4] << 4) | (q[3::4] << 6)
+    return {
+        "int2": packed,
+        "n": np.array([n], np.int64),
+        "scale": scale.astype(np.float32),
+        "chunk": np.array([chunk], np.int32),
+    }
+
+
+def _int2_decode(p: Payload) -> np.ndarray:
+    packed, n = p["int2"], int(p["n"][0])
+    q = np.empty(packed.size * 4, dtype=np.float32)
+    for j in range(4):
+        q[j::4] = (packed >> (2 * j)) & 3
+    chunk = int(p["chunk"][0])
+    out = np.zeros(p["scale"].size * chunk, dtype=np.float32)
+    out[:n] = q[:n] - 1.5
+    return (out.reshape(-1, chunk) * p["scale"][:, None]).reshape(-1)[:n]
+
+
 @dataclass(frozen=True)
 class Codec:
     encode: Callable[[np.ndarray, int], Payload]
@@ -98,6 +132,7 @@ CODECS: dict[str, Codec] = {
     "bf16": Codec(_bf16_encode, _bf16_decode),
     "int8": Codec(_int8_encode, _int8_decode),
     "int4": Codec(_int4_encode, _int4_decode),
+    "int2": Codec(_int2_encode, _int2_decode),
 }
 
 
@@ -105,13 +140,17 @@ class ErrorFeedback:
     """What the codec rounded away last time, added to the next vector before it is encoded
     (error feedback, as in 1-bit SGD and EF-SGD): over rounds the coordinator receives the
     sum of the island's pseudo-gradients to within one quantisation step, instead of an
-    error that grows with every round."""
+    error that grows with every round. With `decay` β < 1 the residual is β e + Δ
+    (SparseLoCo: the buffer then also plays outer momentum's part)."""
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float = 1.0) -> None:
+        self.decay = decay
         self.residual: np.ndarray | None = None
 
     def compensate(self, values: np.ndarray) -> np.ndarray:
-        return values if self.residual is None else values + self.residual
+        if self.residual is None:
+            return values
+        return values + (self.residual if self.decay == 1.0 else self.decay * self.residual)
 
     def sent(self, values: np.ndarray, decoded: np.ndarray) -> None:
         """`values` (compensated) were encoded and decode to `decoded`."""
@@ -119,14 +158,42 @@ class ErrorFeedback:
 
 
 def encode(x: np.ndarray, codec: str = "none", chunk: int = 4096) -> Payload:
-    return CODECS[codec].encode(x, chunk)
+    """`x` under the codec config names (a value codec, or a chain `topk:K+<codec>`)."""
+    chain = parse_codec(codec)
+    if chain.topk is None:
+        return CODECS[chain.value].encode(x, chunk)
+    return _topk_encode(x, chain.topk, chain.value, chunk)
 
 
-_KEYS = (("none", "raw"), ("bf16", "bf16"), ("int8", "int8"), ("int4", "int4"))
+def _topk_encode(x: np.ndarray, fraction: float, value_codec: str, chunk: int) -> Payload:
+    """Top-k of every chunk, positions bit-packed, the kept values in `value_codec` with one
+    scale per chunk's k values (`v.` keys)."""
+    if chunk > 1 << 16:
+        raise ValueError(f"top-k chunks hold at most 65,536 values, not {chunk}")
+    k = sparse.kept_per_chunk(fraction, chunk)
+    idx, values = sparse.select(x, k, chunk)
+    inner = CODECS[value_codec].encode(values, k)
+    return {
+        "topk_idx": sparse.pack_indices(idx, sparse.index_bits(chunk)),
+        "topk_shape": np.array([x.size, chunk, k], np.int64),
+        **{f"v.{key}": a for key, a in inner.items()},
+    }
+
+
+def _topk_decode(p: Payload) -> np.ndarray:
+    n, chunk, k = (int(v) for v in p["topk_shape"])
+    chunks = -(-n // chunk)
+    idx = sparse.unpack_indices(p["topk_idx"], chunks * k, sparse.index_bits(chunk)).reshape(chunks, k)
+    return sparse.scatter(idx, decode({key[2:]: a for key, a in p.items() if key.startswith("v.")}), n, chunk)
+
+
+_KEYS = (("none", "raw"), ("bf16", "bf16"), ("int8", "int8"), ("int4", "int4"), ("int2", "int2"))
 
 
 def decode(payload: Payload) -> np.ndarray:
     """fp32 values of any payload (the codec is recognised by its keys)."""
+    if "topk_idx" in payload:
+        return _topk_decode(payload)
     for name, key in _KEYS:
         if key in payload:
             return CODECS[name].decode(payload)
@@ -143,6 +210,7 @@ _LAYOUT: dict[str, dict[str, tuple[str, ...]]] = {
     "bf16": {"bf16": ("int16",)},
     "int8": {"int8": ("int8",), "scale": ("float32",), "chunk": ("int32",)},
     "int4": {"int4": ("uint8",), "n": ("int64",), "scale": ("float32",), "chunk": ("int32",)},
+    "int2": {"int2": ("uint8",), "n": ("int64",), "scale": ("float32",), "chunk": ("int32",)},
 }
 
 
@@ -154,6 +222,9 @@ def check_payload(payload: object, size: int) -> None:
     integer array can never pass as a float one (its squared norm would overflow to 0)."""
     if not isinstance(payload, dict):
         raise PayloadError(f"the payload is a {type(payload).__name__}, not a codec's arrays")
+    if "topk_idx" in payload:
+        _check_topk(payload, size)
+        return
     codec = next((name for name, key in _KEYS if key in payload), None)
     if codec is None:
         raise PayloadError(f"no codec has the keys {sorted(map(str, payload))}")
@@ -168,14 +239,37 @@ def check_payload(payload: object, size: int) -> None:
     n = _values(codec, payload)
     if n != size:
         raise PayloadError(f"the {codec} payload holds {n} values, not the {size} expected")
-    if codec in ("int8", "int4"):
+    if codec in ("int8", "int4", "int2"):
         chunk = int(payload["chunk"][0]) if payload["chunk"].size == 1 else 0
         if chunk < 1 or payload["scale"].size != -(-n // chunk):
             raise PayloadError(f"the {codec} payload's scales do not cover its values in chunks of {chunk}")
 
 
+def _check_topk(payload: Payload, size: int) -> None:
+    shape, idx = payload.get("topk_shape"), payload.get("topk_idx")
+    if not (isinstance(shape, np.ndarray) and shape.dtype == np.int64 and shape.shape == (3,)):
+        raise PayloadError("a top-k payload's 'topk_shape' is not 3 int64 values")
+    n, chunk, k = (int(v) for v in shape)
+    if n != size or not (1 <= k <= chunk <= 1 << 16):
+        raise PayloadError(f"the top-k payload holds {n} values in chunks of {chunk} keeping {k}, not {size} values")
+    kept = -(-n // chunk) * k
+    if not (
+        isinstance(idx, np.ndarray)
+        and idx.dtype == np.uint8
+        and idx.shape == (-(-kept * sparse.index_bits(chunk) // 8),)
+    ):
+        raise PayloadError("the top-k payload's positions do not cover its kept values")
+    inner = {key[2:]: a for key, a in payload.items() if key.startswith("v.")}
+    if set(payload) != {"topk_idx", "topk_shape", *(f"v.{key}" for key in inner)} or "topk_idx" in inner:
+        raise PayloadError(f"a top-k payload has keys {sorted(map(str, payload))}")
+    check_payload(inner, kept)
+    if any(key in inner for key in ("int8", "int4", "int2")) and int(inner["chunk"][0]) != k:
+        raise PayloadError("the top-k payload's value scales are not one per chunk")
+
+
 def _values(codec: str, payload: Payload) -> int:
-    if codec == "int4":
+    per_byte = {"int4": 2, "int2": 4}.get(codec)
+    if per_byte:
         n = int(payload["n"][0]) if payload["n"].size == 1 else -1
-        return n if n >= 0 and (n + 1) // 2 == payload["int4"].size else -1
+        return n if n >= 0 and -(-n // per_byte) == payload[codec].size else -1
     return int(payload[dict(_KEYS)[codec]].size)

@@ -5,13 +5,59 @@ importing the island runtime (or torch): `import orchestrator.config` stays ligh
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# the codecs `wire/compress.py` registers (a test keeps the two in step)
-CODEC_NAMES = ("none", "bf16", "int8", "int4")
+# the value codecs `wire/compress.py` registers (a test keeps the two in step)
+CODEC_NAMES = ("none", "bf16", "int8", "int4", "int2")
+QUANT_BITS = {"int8": 8, "int4": 4, "int2": 2}
+
+
+class CodecSpecError(ValueError):
+    """A codec chain that cannot be built: the message says which part and why."""
+
+
+@dataclass(frozen=True)
+class CodecChain:
+    """A codec as config names it: a value codec (`int2`), optionally after chunked top-k
+    (`topk:0.02+int2`: in each chunk keep the 2 % largest magnitudes, then quantise them)."""
+
+    value: str
+    topk: float | None = None
+
+    @property
+    def name(self) -> str:
+        return self.value if self.topk is None else f"topk:{self.topk:g}+{self.value}"
+
+
+def parse_codec(spec: str) -> CodecChain:
+    """`none`, `bf16`, `int8`, `int4`, `int2` (also `int:B` for B bits), or `topk:K+<value
+    codec>` with K in (0, 1]; raises `CodecSpecError` naming what is wrong."""
+    parts = [p.strip() for p in spec.split("+")]
+    topk = None
+    if len(parts) == 2 and parts[0].startswith("topk"):
+        _, _, k = parts[0].partition(":")
+        try:
+            topk = float(k)
+        except ValueError:
+            raise CodecSpecError(f"{parts[0]!r}: top-k needs a fraction, as in topk:0.02") from None
+        if not 0 < topk <= 1:
+            raise CodecSpecError(f"top-k fraction {topk:g} is outside (0, 1]")
+        parts = parts[1:]
+    if len(parts) != 1:
+        raise CodecSpecError(f"{spec!r}: a chain is one value codec, optionally after topk:K (as in topk:0.02+int2)")
+    value = parts[0]
+    if value.startswith("int:"):
+        bits = value[4:]
+        if bits not in {"2", "4", "8"}:
+            raise CodecSpecError(f"{value!r}: quantisation bits must be 2, 4 or 8")
+        value = f"int{bits}"
+    if value not in CODEC_NAMES:
+        raise CodecSpecError(f"unknown codec {value!r}; choose one of {sorted(CODEC_NAMES)}, optionally after topk:K")
+    return CodecChain(value, topk)
 
 
 class Sharding(str, Enum):
@@ -30,10 +76,19 @@ class InnerConfig(BaseModel):
     """Inner optimizer of each island (DiLoCo paper: AdamW lr 4e-4, warmup, wd 0.1)."""
 
     model_config = ConfigDict(extra="forbid")
-    optimizer: Literal["adamw", "sgd"] = Field(
-        "adamw", description="inner optimizer; each island keeps its state across rounds"
+    optimizer: Literal["adamw", "sgd", "muon"] = Field(
+        "adamw",
+        description="inner optimizer; each island keeps its state across rounds. muon (MuLoCo): torch's Muon for "
+        "the hidden matrices (linear layers' weights), AdamW for embeddings, the output layer, norms and biases",
     )
     lr: float = Field(3e-3, gt=0, description="peak learning rate")
+    muon_lr: float | None = Field(
+        None,
+        gt=0,
+        description="optimizer muon: peak lr of the Muon group (null: lr; Muon's update is scaled to AdamW's RMS, "
+        "so one lr suits both groups as a start)",
+    )
+    muon_momentum: float = Field(0.95, ge=0, lt=1, description="optimizer muon: Muon's Nesterov momentum")
     weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay (adamw) or L2 (sgd)")
     betas: tuple[float, float] = Field((0.9, 0.95), description="adamw betas")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum (sgd only)")
