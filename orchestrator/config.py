@@ -107,6 +107,12 @@ class IslandsConfig(Strict):
         description="with workers > 1: zero1 (each worker holds the model, optimizer state sliced) or fsdp "
         "(FSDP2: parameters, gradients and optimizer state sharded, for a model one accelerator cannot hold)",
     )
+    build_version0: bool = Field(
+        False,
+        description="islands build the run's first parameters themselves (the same seed) and check them against "
+        "the coordinator's SHA-256 instead of downloading them (bytes_bootstrap 0); one that differs downloads "
+        "them and its join event says so. Applies to a run from scratch (no warm start to fork from, no init_from)",
+    )
     cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per island worker")
     gpus: float = Field(0.0, ge=0, description="Ray GPUs per island worker; CUDA is used when > 0 and available")
     threads: int | None = Field(None, ge=1, description="torch threads per island (default: cpus, at least 1)")

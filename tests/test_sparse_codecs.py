@@ -15,6 +15,7 @@ from workers.wire.sparse import pack_indices, unpack_indices
 from workers.wire.spec import CodecSpecError, parse_codec
 
 # vector S1 (docs/algorithms.md): chunks of 4, keep 2, values in 2 bits with one scale per chunk's 2
+CENTERS = "[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]"
 S1_X = np.array([0.1, -2.0, 0.5, 3.0, 0.0, -0.2, 1.0, -1.0], np.float32)
 S1_DECODED = [0.0, -1.0, 0.0, 3.0, 0.0, 0.0, 1.0, -1.0]
 
@@ -142,3 +143,53 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     assert isinstance(opt.muon, torch.optim.Muon) and opt.param_groups[0]["lr"] == pytest.approx(0.02 / 50)
     with pytest.raises(ConfigError, match="muon"):
         load_config(None, ["inner.optimizer=muon", "mode=ddp", "warm_start.steps=0"])
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ["mode=diloco"],
+        ["mode=streaming", "streaming.fragments=2", "task.kwargs.split=true"],
+        ["compression.downlink=int4"],
+    ],
+)
+def test_islands_that_build_version0_download_nothing_and_one_that_differs_downloads_it(tmp_path, mode):
+    from tests.helpers import events, in_process_engine
+
+    def run(name: str, *extra: str):
+        cfg = load_config(
+            None,
+            [
+                f"task.kwargs.centers={CENTERS}",
+                "warm_start.steps=0",
+                "islands.count=3",
+                "rounds=3",
+                "inner_steps=4",
+                "inner.optimizer=sgd",
+                "inner.lr=0.1",
+                "inner.warmup_steps=0",
+                f"out_dir={tmp_path / name}",
+                *mode,
+                *extra,
+            ],
+        )
+        engine, _ = in_process_engine(cfg)
+        engine.execute()
+        joins = [e.get("version0") for e in events(cfg.out_dir) if e["kind"] == "join"]
+        return engine.summary, joins, engine.flat.data.clone()
+
+    quad = "task.factory=tests.toy_tasks:make_quadratic"
+    plain, _, plain_params = run("plain", quad)
+    built, joins, built_params = run("built", quad, "islands.build_version0=true")
+    assert plain["bytes_bootstrap"] > 0 and built["bytes_bootstrap"] == 0 and joins == ["built"] * 3
+    assert built["bytes_communicated"] == plain["bytes_communicated"] - plain["bytes_bootstrap"]
+    assert torch.equal(built_params, plain_params)  # the same run, bit for bit
+    planted, joins, planted_params = run(
+        "planted",
+        "task.factory=tests.toy_tasks:make_planted_build",
+        f"task.kwargs.record={tmp_path.name}{len(mode)}",
+        "islands.build_version0=true",
+    )
+    assert joins == ["built", "built differently: downloads it", "built"]
+    assert planted["bytes_bootstrap"] == plain["bytes_bootstrap"] // 3  # that island's download only
+    assert torch.equal(planted_params, plain_params)  # it trained from the coordinator's version 0

@@ -261,3 +261,28 @@ class CountingStream:
 
 def make_counting_stream(**kwargs: object) -> CountingStream:
     return CountingStream(**kwargs)  # type: ignore[arg-type]
+
+
+BUILDS: dict[str, int] = {}
+
+
+class PlantedBuild(QuadraticTask):
+    """The quadratic task whose third model built in this process (the coordinator's comes
+    first, then island 0's, island 1's) starts elsewhere: an island whose version 0 differs."""
+
+    def __init__(self, record: str, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.record = record
+
+    def build_model(self) -> nn.Module:
+        model = super().build_model()
+        BUILDS[self.record] = BUILDS.get(self.record, 0) + 1
+        if BUILDS[self.record] == 3:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.5)
+        return model
+
+
+def make_planted_build(**kwargs: object) -> PlantedBuild:
+    return PlantedBuild(**kwargs)  # type: ignore[arg-type]

@@ -45,6 +45,7 @@ from orchestrator.engine.warm_start import WarmStart
 from workers.tasks.task import Task
 from workers.wire.flat import FlatParams
 from workers.wire.fragments import Fragments
+from workers.wire.handoff import params_sha256
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,8 @@ class RoundEngine:
             restore(self, state)
         elif warm is not None:  # the data the warm start trained is not trained again
             self.ledger.load({**warm.ledger, "tokens": [0] * cfg.num_shards})
+        if cfg.islands.build_version0 and state is None and warm is None and init_from is None:
+            self.publisher.version0 = params_sha256(flat.data.detach().cpu().numpy())  # the seed's model
         self.outputs = Outputs(
             cfg=cfg,
             run_id=run_id,
@@ -312,7 +315,8 @@ class RoundEngine:
         for event in events:
             if isinstance(event, Joined):
                 self.startup.joined(event.startup)
-                speed = self.fleet.joined(event, starting=self.phase == RunPhase.STARTING)
+                built = self.publisher.joined(event.island, event.built_sha256)
+                speed = self.fleet.joined(event, starting=self.phase == RunPhase.STARTING, built=built)
                 if speed is not None:
                     self.speeds.know(event.island, speed)
             elif isinstance(event, JoinFailed):

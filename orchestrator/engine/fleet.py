@@ -301,8 +301,12 @@ class Fleet:
             self.fail(island, reason, IslandState.QUARANTINED)
 
     # -- the pool's news ---------------------------------------------------------------------
-    def joined(self, event: Joined, starting: bool) -> float | None:
-        """Take in a placed island; returns its known speed (steps/s) for the pacing, if any."""
+    def joined(self, event: Joined, starting: bool, built: bool | None = None) -> float | None:
+        """Take in a placed island; returns its known speed (steps/s) for the pacing, if any.
+        `built`: whether the version 0 it built matched the coordinator's (None: not asked)."""
+        version0 = {} if built is None else {"version0": "built" if built else "built differently: downloads it"}
+        if built is False:
+            log.warning("island %d built version 0 differently from the coordinator: it downloads it", event.island)
         if event.island not in self.members.pending:
             self.pool.release(event.island)  # cancelled meanwhile
             return None
@@ -314,7 +318,7 @@ class Fleet:
             self.events.add(Event.JOIN, event.island, node=event.node, version=self.run.version, **restored)
             return None
         self.members.add(event.island, event.node, joined_version=0 if starting else self.run.version)
-        self.events.add(Event.JOIN, event.island, node=event.node, version=self.run.version)
+        self.events.add(Event.JOIN, event.island, node=event.node, version=self.run.version, **version0)
         return event.steps_per_s
 
     def join_failed(self, event: JoinFailed) -> None:

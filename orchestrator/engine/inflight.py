@@ -101,6 +101,7 @@ class InFlight:
             changes=delivery.changes,
             eager=work.eager,
             send_after=work.send_after,
+            built=delivery.built,
             save_state=self.states.folder is not None
             and save_due(self.cfg, work.kind, self.stats.rounds_done, len(self.members.schedulable())),
         )

@@ -35,6 +35,7 @@ class Joined:
     steps_per_s: float | None = None  # its speed, when known or probed before its first work
     restored: bool | None = None  # placed to continue a saved inner state: whether it could (None: fresh)
     startup: dict[str, float] | None = None  # the island's seconds building its task and model, and probing
+    built_sha256: str | None = None  # of the first parameters it built itself (`islands.build_version0`)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +103,7 @@ def island_spec(
         state_folder=state_folder,
         restore_state=restore,
         probe=sizes_first_work_by_speed(cfg),
+        builds_version0=cfg.islands.build_version0,
     )
 
 
@@ -234,6 +236,7 @@ class InProcessPool:
                 steps_per_s=self._known_speed(island),
                 restored=self.islands[island].restored,
                 startup=dict(self.islands[island].startup),
+                built_sha256=self.islands[island].built_sha256,
             ),
         )
 

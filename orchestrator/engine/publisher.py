@@ -34,6 +34,7 @@ class Delivery:
     nbytes: int  # on its link
     bootstrap: bool  # its first full download (not one of the run's exchanges)
     delay_s: float  # until it has them, on the run's clock
+    built: bool = False  # none: the island starts from the version 0 it built
 
 
 class Publisher:
@@ -45,6 +46,8 @@ class Publisher:
         self.published_at: dict[int, float] = {}
         self.digests: dict[int, str | None] = {}  # version -> SHA-256 of what was published (hand-offs)
         self.held: dict[int, int] = {}  # island -> version it holds (downloaded)
+        self.version0: str | None = None  # digest of version 0 when islands can build it (`islands.build_version0`)
+        self.built: set[int] = set()  # islands that hold the version 0 they built
         self.downlink = (
             Downlink(
                 flat, cfg.compression.downlink, cfg.compression.chunk, fragments, keep=2 * cfg.streaming.fragments + 4
@@ -82,8 +85,25 @@ class Publisher:
         if self.downlink is not None:
             self.downlink.reset(self.flat)
 
+    def joined(self, island: int, built_sha256: str | None) -> bool | None:
+        """An island that built version 0 itself holds it if it hashes to the coordinator's
+        (True); if it differs (False) it downloads it as any island does; None: no check."""
+        if self.version0 is None or built_sha256 is None:
+            return None
+        if built_sha256 != self.version0:
+            return False
+        self.held[island] = 0
+        self.built.add(island)
+        return True
+
     def deliver(self, work: Work) -> Delivery:
         """What `work.island` receives for `work`; it then holds `work.version`."""
+        if work.island in self.built:
+            if work.version == 0:
+                return Delivery(
+                    params=None, params_sha256=None, changes=(), nbytes=0, bootstrap=False, delay_s=0.0, built=True
+                )
+            self.built.discard(work.island)  # past version 0: changes from it, or the new version
         held = self.held.get(work.island)
         self.held[work.island] = work.version
         params: Any = None
@@ -115,3 +135,4 @@ class Publisher:
     def forget(self, island: int) -> None:
         """A released island holds nothing any more."""
         self.held.pop(island, None)
+        self.built.discard(island)

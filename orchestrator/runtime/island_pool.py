@@ -350,7 +350,16 @@ class RayIslandPool:
                 node = f"{info['host']}:{info['device']}"
                 restored = info.get("inner_state_restored")
                 startup = info.get("startup")
-                events.append(Joined(island=i, node=node, steps_per_s=speed, restored=restored, startup=startup))
+                events.append(
+                    Joined(
+                        island=i,
+                        node=node,
+                        steps_per_s=speed,
+                        restored=restored,
+                        startup=startup,
+                        built_sha256=info.get("built_sha256"),
+                    )
+                )
         return events
 
     def close(self) -> None:

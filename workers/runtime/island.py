@@ -24,7 +24,7 @@ from workers.wire.compress import ErrorFeedback, decode, encode
 from workers.wire.flat import FlatParams, ParamStore, as_tensor, slice_bounds
 from workers.wire.fragments import FragmentedTask, fragment_model
 from workers.wire.fragments import positions as fragment_positions
-from workers.wire.handoff import verify
+from workers.wire.handoff import params_sha256, verify
 from workers.wire.messages import RoundResult, SavedState, Sliced, Wire, WorkKind, WorkOrder
 from workers.wire.spec import InnerConfig, Precision, Sharding
 from workers.wire.sync import ChangeOutOfOrder, apply_change
@@ -60,6 +60,7 @@ class IslandSpec:
     state_folder: str | None = None  # where it writes its inner state when an order asks (None: never)
     restore_state: SavedState | None = None  # the inner state it continues from (a resumed run's island)
     probe: bool = True  # measure its speed before any work (only a pacing that sizes first work by speed needs it)
+    builds_version0: bool = False  # keep the parameters it built, to start from them instead of a download
 
 
 class Superseded(RuntimeError):
@@ -110,6 +111,9 @@ class Island:
             self.restored = inner_state.continue_from(
                 spec.state_folder, spec.restore_state, self.optimizer, self.feedback, spec.index, spec.feedback_decay
             )
+        # the first parameters as built here (same seed as the coordinator), kept until the run moves past them
+        self.built: torch.Tensor | None = flat.full().detach().clone() if spec.builds_version0 else None
+        self.built_sha256 = params_sha256(self.built.cpu().numpy()) if self.built is not None else None
         self.startup["model_s"] = time.perf_counter() - t0 - self.startup["task_s"]
 
     def _batches(self, order: WorkOrder) -> Iterator[tuple[int, Any]]:
@@ -180,6 +184,7 @@ class Island:
             "inner_state_restored": self.restored,
             "startup": dict(self.startup),
             "busy": self.running,
+            "built_sha256": self.built_sha256,
         }
 
     def describe(self) -> dict[str, Any]:
@@ -371,6 +376,12 @@ class Island:
         copy (`params`), or the changes since the version it holds. Returns what to start
         from, or None for a streaming island that continues from its local parameters
         (a received fragment is merged into them instead)."""
+        if order.built:  # version 0 as this island built it, which hashes to the coordinator's
+            if self.built is None:
+                raise ChangeOutOfOrder("told to start from the parameters it built, which it no longer holds")
+            params = self.built
+        elif self.built is not None and order.version > 0:
+            self.built = None  # the run moved past them
         if not self.spec.tracks_copy:
             return as_tensor(params)
         full = params is not None

@@ -59,6 +59,7 @@ class WorkOrder:
     handoff_sha256: str | None = None  # with full parameters: what they and this order's position hash to
     save_state: bool = False  # write the inner state after the last step (a checkpoint is near)
     streams: dict[int, tuple[int, Any]] = field(default_factory=dict)  # shard -> (position, its stream's saved state)
+    built: bool = False  # start from the version-0 parameters the island built (they hash to the coordinator's)
 
 
 @dataclass(frozen=True, kw_only=True)
