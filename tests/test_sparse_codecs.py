@@ -193,3 +193,34 @@ def test_islands_that_build_version0_download_nothing_and_one_that_differs_downl
     assert joins == ["built", "built differently: downloads it", "built"]
     assert planted["bytes_bootstrap"] == plain["bytes_bootstrap"] // 3  # that island's download only
     assert torch.equal(planted_params, plain_params)  # it trained from the coordinator's version 0
+
+
+def test_islands_forking_from_a_warm_start_load_it_from_storage_instead_of_downloading(tmp_path):
+    from orchestrator.engine.build import PhasedRun
+    from orchestrator.engine.pool import InProcessPool
+    from tests.helpers import events
+
+    def run(name: str, *extra: str):
+        cfg = load_config(
+            None,
+            [
+                "task.factory=tests.toy_tasks:make_quadratic",
+                f"task.kwargs.centers={CENTERS}",
+                "islands.count=3",
+                "rounds=3",
+                "inner_steps=4",
+                "warm_start.steps=8",
+                "inner.warmup_steps=0",
+                f"out_dir={tmp_path / name}",
+                *extra,
+            ],
+        )
+        summary = PhasedRun(cfg, name, lambda c, rid: InProcessPool(c)).execute()
+        return cfg, summary
+
+    _, plain = run("plain")
+    cfg, built = run("built", "islands.build_version0=true")
+    assert plain["bytes_bootstrap"] > 0 and built["bytes_bootstrap"] == 0
+    assert (tmp_path / "built" / "warm_start" / "version0.npy").is_file()
+    assert [e.get("version0") for e in events(cfg.out_dir) if e["kind"] == "join"] == ["built"] * 3
+    assert built["final_eval_loss"] == plain["final_eval_loss"]

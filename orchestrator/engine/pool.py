@@ -24,6 +24,7 @@ import numpy as np
 from orchestrator.config import Mode, RunConfig
 from orchestrator.engine.chaos import Strike, TimedFault
 from orchestrator.engine.policies import sizes_first_work_by_speed
+from orchestrator.engine.warm_start import version0_file
 from workers.runtime.island import Island, IslandSpec
 from workers.wire.messages import RoundResult, SavedState, Sliced, WorkOrder
 
@@ -104,6 +105,7 @@ def island_spec(
         restore_state=restore,
         probe=sizes_first_work_by_speed(cfg),
         builds_version0=cfg.islands.build_version0,
+        version0_file=str(path) if (path := version0_file(cfg)) is not None else None,
     )
 
 

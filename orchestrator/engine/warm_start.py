@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from orchestrator.config import Mode, RunConfig, WarmStartMode
@@ -32,6 +34,25 @@ MARKER = "warm_start.json"
 def warm_dir(cfg: RunConfig) -> Path:
     """Where the run's warm start is (or is trained)."""
     return Path(cfg.warm_start.path) if cfg.warm_start.path else Path(cfg.out_dir) / "warm_start"
+
+
+def version0_file(cfg: RunConfig) -> Path | None:
+    """Where the run's first parameters are for islands to load instead of downloading
+    them (`islands.build_version0`): the finished warm start's, written beside it by the
+    coordinator that forks from it (None: islands build them from the seed)."""
+    if not cfg.islands.build_version0 or not cfg.warm_steps:
+        return None
+    return warm_dir(cfg) / "version0.npy"
+
+
+def write_version0(path: Path, params: np.ndarray) -> None:
+    """Written once, by rename: an island never reads a half-written file."""
+    if path.exists():
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, params)
+    os.replace(tmp, path)
 
 
 def warm_run_id(run_id: str) -> str:

@@ -8,6 +8,7 @@ data position persist across rounds, as DiLoCo requires.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +29,8 @@ from workers.wire.handoff import params_sha256, verify
 from workers.wire.messages import RoundResult, SavedState, Sliced, Wire, WorkKind, WorkOrder
 from workers.wire.spec import InnerConfig, Precision, Sharding
 from workers.wire.sync import ChangeOutOfOrder, apply_change
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class IslandSpec:
     restore_state: SavedState | None = None  # the inner state it continues from (a resumed run's island)
     probe: bool = True  # measure its speed before any work (only a pacing that sizes first work by speed needs it)
     builds_version0: bool = False  # keep the parameters it built, to start from them instead of a download
+    version0_file: str | None = None  # ... loaded from this file (a warm start's, on shared storage) instead
 
 
 class Superseded(RuntimeError):
@@ -111,9 +115,9 @@ class Island:
             self.restored = inner_state.continue_from(
                 spec.state_folder, spec.restore_state, self.optimizer, self.feedback, spec.index, spec.feedback_decay
             )
-        # the first parameters as built here (same seed as the coordinator), kept until the run moves past them
-        self.built: torch.Tensor | None = flat.full().detach().clone() if spec.builds_version0 else None
-        self.built_sha256 = params_sha256(self.built.cpu().numpy()) if self.built is not None else None
+        # the run's first parameters as this island has them (built from the seed, or the warm
+        # start's file), kept until the run moves past them; their hash decides whether it downloads them
+        self.built, self.built_sha256 = _version0(spec, flat.full()) if spec.builds_version0 else (None, None)
         self.startup["model_s"] = time.perf_counter() - t0 - self.startup["task_s"]
 
     def _batches(self, order: WorkOrder) -> Iterator[tuple[int, Any]]:
@@ -427,3 +431,18 @@ class Island:
         assert self.copy is not None and self.fragments is not None
         positions = self.fragments.positions(fragment, self.device)
         return self.copy[positions] - self.flat.full()[positions]
+
+
+def _version0(spec: IslandSpec, params: torch.Tensor) -> tuple[torch.Tensor | None, str | None]:
+    """The first parameters this island can start from without a download, and their hash."""
+    if spec.version0_file is None:
+        built = params.detach().clone()
+    else:
+        try:
+            built = torch.from_numpy(np.load(spec.version0_file)).to(params.device, params.dtype)
+        except (OSError, ValueError) as err:  # not on this node's storage: it downloads them
+            log.warning(
+                "island %d cannot read %s (%s): it downloads the first parameters", spec.index, spec.version0_file, err
+            )
+            return None, "unreadable"
+    return built, params_sha256(built.cpu().numpy())
