@@ -1,0 +1,180 @@
+"""`compression`: how few bytes train as well as DiLoCo. The protocol of `streaming` (every
+row continues one warm start per seed; 2 islands, H = 100; each row's outer lr tuned on
+the same grid on seed 0; the headline rows on 3 seeds), without a simulated link: bytes
+are the measure here, not wall time.
+
+Rows: `diloco` (fp32 both ways, Nesterov), `streaming_p4_fp4` (Streaming DiLoCo, 4
+fragments, int4 both ways), `sparse` (the same fragments, SparseLoCo's compression both
+ways: top-k 2 % of every 512 values, 2-bit values, error feedback with decay 0.95, the
+`sparseloco` outer rule), `sparse_muon` (`sparse` with the Muon inner optimizer) and
+`ddp_k` (data-parallel, for its bytes). Every row's islands load the warm start from
+storage instead of downloading it (`islands.build_version0`), so `bytes_bootstrap` is 0
+and `bytes_communicated` counts everything that crossed a link.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from orchestrator.bench.quality_rows import MODEL
+from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
+from orchestrator.bench.runner import continue_warm, one_ray, run_methods, train_warm_start
+
+H = 100
+K = 2
+WARM = 200
+SEEDS = (0, 1, 2)
+HEADLINE = ("diloco", "sparse")
+OUTER_LRS = (0.7, 1.0, 1.3)
+BASE = [*MODEL, "task.kwargs.n_layers=4", f"ray.num_cpus={K}", "islands.build_version0=true"]
+SPARSE_CODEC = "topk:0.02+int2"
+LOSS_TARGET = 1.01  # sparse within 1 % of diloco fp32
+DDP_RATIO_TARGET = 1000.0
+DILOCO_RATIO_TARGET = 50.0
+
+
+def rows() -> dict[str, tuple[str, list[str]]]:
+    """Each row's description and overrides (its outer lr is added by the sweep)."""
+    streaming = ["mode=streaming", "streaming.fragments=4"]
+    sparse = [
+        *streaming,
+        f"compression.codec={SPARSE_CODEC}",
+        f"compression.downlink={SPARSE_CODEC}",
+        "compression.error_feedback=true",
+        "compression.feedback_decay=0.95",
+        "outer.optimizer=sparseloco",
+    ]
+    return {
+        "diloco": ("DiLoCo, fp32 both ways, Nesterov", ["mode=diloco"]),
+        "streaming_p4_fp4": (
+            "Streaming DiLoCo P=4, int4 both ways, Nesterov",
+            [*streaming, "compression.codec=int4", "compression.downlink=int4"],
+        ),
+        "sparse": (f"P=4, {SPARSE_CODEC} both ways, error feedback 0.95, SparseLoCo outer step", sparse),
+        "sparse_muon": ("`sparse` with the Muon inner optimizer", [*sparse, "inner.optimizer=muon"]),
+    }
+
+
+def _common(rounds: int, seed: int, warm: Path) -> list[str]:
+    return [f"islands.count={K}", f"inner_steps={H}", f"rounds={rounds}", f"seed={seed}", *continue_warm(WARM, warm)]
+
+
+def _runs(
+    name: str, overrides: list[str], rounds: int, warm: dict[int, Path], seeds: tuple[int, ...], work: Path
+) -> list[dict[str, Any]]:
+    table = {f"{name}@s{s}": (name, [*_common(rounds, s, warm[s]), *overrides]) for s in seeds}
+    runs = run_methods(BASE, table, work)
+    return [runs[f"{name}@s{s}"] for s in seeds]
+
+
+def compression(quick: bool, work: Path) -> BenchResult:
+    with one_ray(K):
+        return _compression(quick, work)
+
+
+def _compression(quick: bool, work: Path) -> BenchResult:
+    rounds = 3 if quick else 8
+    seeds = (0,) if quick else SEEDS
+    warm_base = [*BASE, f"islands.count={K}", f"inner_steps={H}", f"rounds={rounds}"]
+    warm = {s: train_warm_start(warm_base, s, WARM, work / f"warm@s{s}") for s in seeds}
+    methods: dict[str, dict[str, Any]] = {}
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for key, (desc, overrides) in rows().items():
+        sweep = {
+            lr: _runs(f"{key}_lr{lr}", [*overrides, f"outer.lr={lr}"], rounds, warm, (0,), work)[0] for lr in OUTER_LRS
+        }
+        lr = min(sweep, key=lambda v: sweep[v]["final_eval_loss"])
+        more = (
+            _runs(f"{key}_lr{lr}", [*overrides, f"outer.lr={lr}"], rounds, warm, seeds, work)
+            if key in HEADLINE
+            else [sweep[lr]]
+        )
+        methods[key] = _row(desc, more, lr, {str(v): r["final_eval_loss"] for v, r in sweep.items()})
+        best = f"{key}_lr{lr}@s{seeds[0]}" if key in HEADLINE else f"{key}_lr{lr}@s0"
+        curves[key] = eval_curve(work / best, more[0], "tokens_total")
+    ddp = _runs("ddp_k", ["mode=ddp"], rounds, warm, (0,), work)
+    methods["ddp_k"] = _row("data-parallel, 2 islands = 2x batch, every step (its bytes)", ddp, None, {})
+    curves["ddp_k"] = eval_curve(work / "ddp_k@s0", ddp[0], "tokens_total")
+    d, s, k = methods["diloco"], methods["sparse"], methods["ddp_k"]
+    checks = {
+        "sparse_within_1pct_of_diloco_fp32": {
+            "value": s["final_eval_loss"] / d["final_eval_loss"],
+            "target": LOSS_TARGET,
+            "ok": s["final_eval_loss"] <= LOSS_TARGET * d["final_eval_loss"],
+        },
+        "sparse_1000x_fewer_bytes_than_ddp_k": {
+            "value": k["bytes_communicated"] / s["bytes_communicated"],
+            "target": DDP_RATIO_TARGET,
+            "ok": k["bytes_communicated"] >= DDP_RATIO_TARGET * s["bytes_communicated"],
+        },
+        "sparse_50x_fewer_bytes_than_diloco_fp32": {
+            "value": d["bytes_communicated"] / s["bytes_communicated"],
+            "target": DILOCO_RATIO_TARGET,
+            "ok": d["bytes_communicated"] >= DILOCO_RATIO_TARGET * s["bytes_communicated"],
+        },
+        "sparse_bootstrap_is_zero": {
+            "value": float(s["bytes_bootstrap"]),
+            "target": 0.0,
+            "ok": s["bytes_bootstrap"] == 0,
+        },
+    }
+    m = methods["sparse_muon"]
+    summary = (
+        f"compression: sparse {s['final_eval_loss']:.4f} vs diloco {d['final_eval_loss']:.4f} "
+        f"({100 * (s['final_eval_loss'] / d['final_eval_loss'] - 1):+.2f}%), "
+        f"{d['bytes_communicated'] / s['bytes_communicated']:.0f}x fewer bytes than diloco, "
+        f"{k['bytes_communicated'] / s['bytes_communicated']:.0f}x fewer than ddp_k; sparse_muon {m['final_eval_loss']:.4f}; "
+        f"{targets_met(checks)}"
+    )
+    return BenchResult(
+        scenario="compression",
+        quick=quick,
+        methods=methods,
+        summary=summary,
+        markdown=_markdown(methods, checks),
+        panels=[Panel(x_label="tokens", curves=curves, zoom_from=0.0)],
+        extra={"checks": checks, "h": H, "islands": K, "rounds": rounds, "seeds": list(seeds)},
+    )
+
+
+def _row(desc: str, runs: list[dict[str, Any]], lr: float | None, sweep: dict[str, float]) -> dict[str, Any]:
+    losses = [r["final_eval_loss"] for r in runs]
+    head = runs[0]
+    return {
+        "description": desc,
+        "final_eval_loss": statistics.mean(losses),
+        "final_eval_loss_seeds": losses,
+        "bytes_communicated": head["bytes_communicated"],
+        "bytes_bootstrap": head["bytes_bootstrap"],
+        "peak_exchange_bytes": head.get("peak_exchange_bytes"),
+        "outer_lr": lr,
+        "outer_lr_sweep": sweep,
+        "wall_seconds": statistics.median(r["wall_seconds"] for r in runs),
+    }
+
+
+def _markdown(methods: dict[str, dict[str, Any]], checks: dict[str, dict[str, Any]]) -> str:
+    base = methods["diloco"]["bytes_communicated"]
+    table = md_table(
+        ["row", "final eval loss (mean)", "seeds", "outer lr", "bytes (all)", "bootstrap", "vs diloco fp32 bytes"],
+        [
+            [
+                f"`{name}`",
+                f"{m['final_eval_loss']:.4f}",
+                ", ".join(f"{v:.4f}" for v in m["final_eval_loss_seeds"]),
+                "-" if m["outer_lr"] is None else f"{m['outer_lr']:g}",
+                f"{m['bytes_communicated'] / 1e6:,.2f} MB",
+                f"{m['bytes_bootstrap']:,}",
+                f"{base / m['bytes_communicated']:,.1f}x fewer",
+            ]
+            for name, m in methods.items()
+        ],
+    )
+    return (
+        f"2 islands, H = {H}, continuing one warm start per seed; each row's outer lr is the best of "
+        f"{list(OUTER_LRS)} on seed 0 (the sweeps are in the JSON); `diloco` and `sparse` on 3 seeds. "
+        "Islands load the warm start from storage and check its hash, so nothing is downloaded at the start.\n\n"
+        f"{table}\n\n{checks_table(checks)}"
+    )
