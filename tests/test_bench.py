@@ -371,3 +371,19 @@ def test_data_rows_generate_prepare_and_read_a_corpus_by_position(tmp_path):
         assert reads["loader_tokens_per_s"] > 0
     island = probe_island("prepared", str(tmp_path / "prepared"))
     assert island["train_tokens_per_s"] > 0 and island["island_rss_mb"] > 100
+
+
+def test_compression_rows_are_the_issue_s_and_valid_configs(tmp_path):
+    from orchestrator.bench.compression import BASE, OUTER_LRS, rows
+
+    table = rows()
+    assert set(table) == {"diloco", "streaming_p4_fp4", "sparse", "sparse_muon"}
+    for _, overrides in table.values():
+        cfg = load_config(None, [*BASE, *overrides, f"outer.lr={OUTER_LRS[0]}", "warm_start.steps=0", "inner_steps=100"])
+        assert cfg.islands.build_version0  # nothing downloaded at the start, in every row
+    sparse = load_config(None, [*BASE, *table["sparse"], "warm_start.steps=0", "inner_steps=100"])
+    assert sparse.compression.codec == sparse.compression.downlink == "topk:0.02+int2"
+    assert sparse.compression.error_feedback and sparse.outer.optimizer == "sparseloco"
+    assert sparse.streaming.fragments == 4
+    muon = load_config(None, [*BASE, *table["sparse_muon"], "warm_start.steps=0", "inner_steps=100"])
+    assert muon.inner.optimizer == "muon" and muon.compression == sparse.compression
