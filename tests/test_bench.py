@@ -381,9 +381,9 @@ def test_compression_rows_are_the_issue_s_and_valid_configs(tmp_path):
     for _, overrides in table.values():
         cfg = load_config(None, [*BASE, *overrides, f"outer.lr={OUTER_LRS[0]}", "warm_start.steps=0", "inner_steps=100"])
         assert cfg.islands.build_version0  # nothing downloaded at the start, in every row
-    sparse = load_config(None, [*BASE, *table["sparse"], "warm_start.steps=0", "inner_steps=100"])
+    sparse = load_config(None, [*BASE, *table["sparse"][1], "warm_start.steps=0", "inner_steps=100"])
     assert sparse.compression.codec == sparse.compression.downlink == "topk:0.02+int2"
     assert sparse.compression.error_feedback and sparse.outer.optimizer == "sparseloco"
     assert sparse.streaming.fragments == 4
-    muon = load_config(None, [*BASE, *table["sparse_muon"], "warm_start.steps=0", "inner_steps=100"])
+    muon = load_config(None, [*BASE, *table["sparse_muon"][1], "warm_start.steps=0", "inner_steps=100"])
     assert muon.inner.optimizer == "muon" and muon.compression == sparse.compression
