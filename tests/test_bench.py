@@ -379,7 +379,9 @@ def test_compression_rows_are_the_issue_s_and_valid_configs(tmp_path):
     table = rows()
     assert set(table) == {"diloco", "streaming_p4_fp4", "sparse", "sparse_muon"}
     for _, overrides in table.values():
-        cfg = load_config(None, [*BASE, *overrides, f"outer.lr={OUTER_LRS[0]}", "warm_start.steps=0", "inner_steps=100"])
+        cfg = load_config(
+            None, [*BASE, *overrides, f"outer.lr={OUTER_LRS[0]}", "warm_start.steps=0", "inner_steps=100"]
+        )
         assert cfg.islands.build_version0  # nothing downloaded at the start, in every row
     sparse = load_config(None, [*BASE, *table["sparse"][1], "warm_start.steps=0", "inner_steps=100"])
     assert sparse.compression.codec == sparse.compression.downlink == "topk:0.02+int2"

@@ -79,10 +79,11 @@ def test_a_restarted_coordinator_resumes_each_stream_without_reading_before_its_
     drive(first, until=3)
     saved = load_checkpoint(Path(cfg.checkpoint_dir) / "s")["ledger"]
     assert sorted(int(s) for s in saved["streams"]) == list(range(SHARDS))  # each shard's state is checkpointed
-    mark = len(SEEN["restart"])
-    # the whole job restarts: a new coordinator and new islands, with no stream open
+    # the whole job restarts: a new coordinator and new islands, with no stream open (the
+    # driver's check of the text column may read the first item: the streams start after it)
     second = build_engine(cfg, InProcessPool(cfg), run_id="s")
     assert second.resumed
+    mark = len(SEEN["restart"])
     drive(second)
     assert second.summary["rounds_done"] == 6
     after = set(SEEN["restart"][mark:])
