@@ -20,11 +20,9 @@ from typing import Any
 
 from orchestrator.bench.quality_rows import MODEL
 from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
-from orchestrator.bench.runner import continue_warm, one_ray, run_methods, train_warm_start
+from orchestrator.bench.runner import one_ray
+from orchestrator.bench.streaming import H, K, warm_runs, warm_starts
 
-H = 100
-K = 2
-WARM = 200
 SEEDS = (0, 1, 2)
 HEADLINE = ("diloco", "sparse")
 OUTER_LRS = (0.7, 1.0, 1.3)
@@ -57,16 +55,10 @@ def rows() -> dict[str, tuple[str, list[str]]]:
     }
 
 
-def _common(rounds: int, seed: int, warm: Path) -> list[str]:
-    return [f"islands.count={K}", f"inner_steps={H}", f"rounds={rounds}", f"seed={seed}", *continue_warm(WARM, warm)]
-
-
 def _runs(
     name: str, overrides: list[str], rounds: int, warm: dict[int, Path], seeds: tuple[int, ...], work: Path
 ) -> list[dict[str, Any]]:
-    table = {f"{name}@s{s}": (name, [*_common(rounds, s, warm[s]), *overrides]) for s in seeds}
-    runs = run_methods(BASE, table, work)
-    return [runs[f"{name}@s{s}"] for s in seeds]
+    return warm_runs(BASE, name, name, overrides, rounds, warm, seeds, work)
 
 
 def compression(quick: bool, work: Path) -> BenchResult:
@@ -77,8 +69,7 @@ def compression(quick: bool, work: Path) -> BenchResult:
 def _compression(quick: bool, work: Path) -> BenchResult:
     rounds = 3 if quick else 8
     seeds = (0,) if quick else SEEDS
-    warm_base = [*BASE, f"islands.count={K}", f"inner_steps={H}", f"rounds={rounds}"]
-    warm = {s: train_warm_start(warm_base, s, WARM, work / f"warm@s{s}") for s in seeds}
+    warm = warm_starts(BASE, rounds, seeds, work)
     methods: dict[str, dict[str, Any]] = {}
     curves: dict[str, list[tuple[float, float]]] = {}
     for key, (desc, overrides) in rows().items():

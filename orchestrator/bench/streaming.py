@@ -67,23 +67,34 @@ def methods(link: list[str], lr_diloco: float, lr_streaming: float) -> dict[str,
     }
 
 
-def _common(rounds: int, seed: int, warm: Path) -> list[str]:
-    return [
-        f"islands.count={K}",
-        f"inner_steps={H}",
-        f"rounds={rounds}",
-        f"seed={seed}",
-        *continue_warm(WARM, warm),
-    ]
+def warm_starts(base: list[str], rounds: int, seeds: tuple[int, ...], work: Path) -> dict[int, Path]:
+    """One warm start per seed (this scenario's K islands, H and rounds), trained once."""
+    warm_base = [*base, f"islands.count={K}", f"inner_steps={H}", f"rounds={rounds}"]
+    return {s: train_warm_start(warm_base, s, WARM, work / f"warm@s{s}") for s in seeds}
+
+
+def warm_runs(
+    base: list[str],
+    folder: str,
+    desc: str,
+    overrides: list[str],
+    rounds: int,
+    warm: dict[int, Path],
+    seeds: tuple[int, ...],
+    work: Path,
+) -> list[dict[str, Any]]:
+    """Runs `folder@s<seed>`, each continuing its seed's warm start (a finished one of the
+    same config is reused)."""
+    common = [f"islands.count={K}", f"inner_steps={H}", f"rounds={rounds}"]
+    table = {f"{folder}@s{s}": (desc, [*common, f"seed={s}", *continue_warm(WARM, warm[s]), *overrides]) for s in seeds}
+    runs = run_methods(base, table, work)
+    return [runs[f"{folder}@s{s}"] for s in seeds]
 
 
 def _run(
     folder: str, desc: str, overrides: list[str], rounds: int, warm: dict[int, Path], seeds: tuple[int, ...], work: Path
 ) -> list[dict[str, Any]]:
-    """Runs `folder@s<seed>` (a finished one of the same config is reused)."""
-    table = {f"{folder}@s{s}": (desc, [*_common(rounds, s, warm[s]), *overrides]) for s in seeds}
-    runs = run_methods(BASE, table, work)
-    return [runs[f"{folder}@s{s}"] for s in seeds]
+    return warm_runs(BASE, folder, desc, overrides, rounds, warm, seeds, work)
 
 
 def _tune(key: str, overrides: list[str], rounds: int, warm: dict[int, Path], work: Path) -> dict[float, float]:
@@ -102,8 +113,7 @@ def streaming(quick: bool, work: Path) -> BenchResult:
 def _streaming(quick: bool, work: Path) -> BenchResult:
     rounds = 3 if quick else 8
     seeds = (0,) if quick else SEEDS
-    warm_base = [*BASE, f"islands.count={K}", f"inner_steps={H}", f"rounds={rounds}"]
-    warm = {s: train_warm_start(warm_base, s, WARM, work / f"warm@s{s}") for s in seeds}
+    warm = warm_starts(BASE, rounds, seeds, work)
     # the link: calibrated on the streaming run's compute with none
     calibration = _run("calibration", "", [*fragmented(4), *FP4], rounds, warm, (0,), work)[0]
     compute_per_round = calibration["compute_seconds"] / rounds
