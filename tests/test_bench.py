@@ -216,7 +216,7 @@ def test_a_finished_run_of_the_same_config_is_reused_and_no_other(tmp_path):
 def test_streaming_rows_are_the_issue_s_and_share_one_token_budget():
     from pathlib import Path
 
-    from orchestrator.bench.streaming import BASE, H, K, _common, methods
+    from orchestrator.bench.streaming import BASE, H, K, common, methods
 
     table = methods(["link.bandwidth_gbps=0.01", "link.latency_ms=0"], 0.7, 1.0)
     assert set(table) | {"compute_only"} == {
@@ -230,7 +230,7 @@ def test_streaming_rows_are_the_issue_s_and_share_one_token_budget():
         "ddp_k",
         "compute_only",
     }
-    configs = {n: load_config(None, [*BASE, *_common(3, 0, Path(".")), *ov]) for n, (_, ov) in table.items()}
+    configs = {n: load_config(None, [*BASE, *common(3, 0, Path(".")), *ov]) for n, (_, ov) in table.items()}
     assert len({_tokens(c) for c in configs.values()}) == 1  # every method sees the same tokens
     s4 = configs["streaming_p4_fp4"]
     assert s4.streaming.fragments == 4 and s4.compression.codec == s4.compression.downlink == "int4"

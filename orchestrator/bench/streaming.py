@@ -67,6 +67,11 @@ def methods(link: list[str], lr_diloco: float, lr_streaming: float) -> dict[str,
     }
 
 
+def common(rounds: int, seed: int, warm: Path) -> list[str]:
+    """The overrides every row shares: K islands, H, the rounds, the seed and its warm start."""
+    return [f"islands.count={K}", f"inner_steps={H}", f"rounds={rounds}", f"seed={seed}", *continue_warm(WARM, warm)]
+
+
 def warm_starts(base: list[str], rounds: int, seeds: tuple[int, ...], work: Path) -> dict[int, Path]:
     """One warm start per seed (this scenario's K islands, H and rounds), trained once."""
     warm_base = [*base, f"islands.count={K}", f"inner_steps={H}", f"rounds={rounds}"]
@@ -85,8 +90,7 @@ def warm_runs(
 ) -> list[dict[str, Any]]:
     """Runs `folder@s<seed>`, each continuing its seed's warm start (a finished one of the
     same config is reused)."""
-    common = [f"islands.count={K}", f"inner_steps={H}", f"rounds={rounds}"]
-    table = {f"{folder}@s{s}": (desc, [*common, f"seed={s}", *continue_warm(WARM, warm[s]), *overrides]) for s in seeds}
+    table = {f"{folder}@s{s}": (desc, [*common(rounds, s, warm[s]), *overrides]) for s in seeds}
     runs = run_methods(base, table, work)
     return [runs[f"{folder}@s{s}"] for s in seeds]
 
