@@ -255,3 +255,28 @@ def test_ray_tasks_prepare_the_same_corpus_and_a_ray_run_trains_on_it(
     summary = run(cfg, show_progress=False)
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert summary["shards"]["position"] == [5] * 8 and summary["tokens"] == 2 * 2 * 10 * 8 * 32
+
+
+def test_datasets_sources_prepare_the_same_documents_as_their_files(source, corpus, tmp_path):
+    """A `save_to_disk` folder and `hf:json` with data files give the documents of the
+    same texts; pieces are slices of the dataset instead of files."""
+    from datasets import Dataset
+
+    _, docs = source
+    Dataset.from_dict({"text": docs}).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "all.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    opts = PrepareOptions(shard_tokens=20000, eval_every=10, workers=1)
+    saved = prepare(str(tmp_path / "saved"), tmp_path / "o1", ByteEncoder(), opts, lambda *_: None)
+    hub = prepare(
+        "hf:json",
+        tmp_path / "o2",
+        ByteEncoder(),
+        PrepareOptions(**{**opts.__dict__, "data_files": str(tmp_path / "all.jsonl")}),
+        lambda *_: None,
+    )
+    for m in (saved, hub):  # every document once, in one split or the other
+        assert m.splits["train"].documents + m.splits["eval"].documents == len(docs)
+        assert m.splits["train"].tokens + m.splits["eval"].tokens == sum(len(t) + 1 for t in docs)
+    assert saved.content_sha256 == hub.content_sha256  # the same pieces of the same rows
+    with pytest.raises(DataError, match="no text column 'body'"):
+        prepare(str(tmp_path / "saved"), tmp_path / "o3", ByteEncoder(), PrepareOptions(column="body"), lambda *_: None)
