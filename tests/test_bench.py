@@ -389,3 +389,19 @@ def test_compression_rows_are_the_issue_s_and_valid_configs(tmp_path):
     assert sparse.streaming.fragments == 4
     muon = load_config(None, [*BASE, *table["sparse_muon"][1], "warm_start.steps=0", "inner_steps=100"])
     assert muon.inner.optimizer == "muon" and muon.compression == sparse.compression
+    from orchestrator.bench.compression import ablations
+
+    changed = {  # each ablation changes one thing of `sparse`
+        k: load_config(None, [*BASE, *o, "warm_start.steps=0", "inner_steps=100"])
+        for k, (_, o) in ablations(1.0).items()
+    }
+    assert changed["sparse_fp32_downlink"].compression.downlink == "none"
+    assert (
+        changed["sparse_unfragmented"].mode.value == "diloco"
+        and changed["sparse_unfragmented"].compression == sparse.compression
+    )
+    assert changed["sparse_topk10"].compression.codec == "topk:0.1+int2"
+    assert (
+        changed["sparse_nesterov"].outer.optimizer == "nesterov"
+        and changed["sparse_nesterov"].compression.feedback_decay == 1.0
+    )

@@ -7,7 +7,8 @@ Rows: `diloco` (fp32 both ways, Nesterov), `streaming_p4_fp4` (Streaming DiLoCo,
 fragments, int4 both ways), `sparse` (the same fragments, SparseLoCo's compression both
 ways: top-k 2 % of every 512 values, 2-bit values, error feedback with decay 0.95, the
 `sparseloco` outer rule), `sparse_muon` (`sparse` with the Muon inner optimizer) and
-`ddp_k` (data-parallel, for its bytes). Every row's islands load the warm start from
+`ddp_k` (data-parallel, for its bytes); and ablations of `sparse` (seed 0), one change each,
+for where its loss goes. Every row's islands load the warm start from
 storage instead of downloading it (`islands.build_version0`), so `bytes_bootstrap` is 0
 and `bytes_communicated` counts everything that crossed a link.
 """
@@ -55,6 +56,32 @@ def rows() -> dict[str, tuple[str, list[str]]]:
     }
 
 
+def ablations(best_sparse_lr: float) -> dict[str, tuple[str, list[str]]]:
+    """What `sparse` gives up, one change each (seed 0, at `sparse`'s outer lr but for the
+    Nesterov row, which takes DiLoCo's grid's usual 0.7)."""
+    sparse = rows()["sparse"][1]
+    lr = [f"outer.lr={best_sparse_lr}"]
+    down = [o for o in sparse if not o.startswith("compression.downlink")]
+    return {
+        "sparse_fp32_downlink": ("ablation: `sparse` with the new parameters sent whole (fp32 downlink)", [*down, *lr]),
+        "sparse_unfragmented": (
+            "ablation: `sparse` without fragments (mode diloco)",
+            ["mode=diloco", *(o for o in sparse if o.startswith(("compression", "outer"))), *lr],
+        ),
+        "sparse_topk10": (
+            "ablation: `sparse` keeping 10 % instead of 2 %",
+            [*(o.replace("topk:0.02", "topk:0.1") for o in sparse), *lr],
+        ),
+        "sparse_nesterov": (
+            "ablation: `sparse`'s codecs with plain error feedback and Nesterov (outer lr 0.7)",
+            [
+                *(o for o in sparse if not o.startswith(("outer.optimizer", "compression.feedback_decay"))),
+                "outer.lr=0.7",
+            ],
+        ),
+    }
+
+
 def _runs(
     name: str, overrides: list[str], rounds: int, warm: dict[int, Path], seeds: tuple[int, ...], work: Path
 ) -> list[dict[str, Any]]:
@@ -85,6 +112,8 @@ def _compression(quick: bool, work: Path) -> BenchResult:
         methods[key] = _row(desc, more, lr, {str(v): r["final_eval_loss"] for v, r in sweep.items()})
         best = f"{key}_lr{lr}@s{seeds[0]}" if key in HEADLINE else f"{key}_lr{lr}@s0"
         curves[key] = eval_curve(work / best, more[0], "tokens_total")
+    for key, (desc, overrides) in ablations(methods["sparse"]["outer_lr"]).items():
+        methods[key] = _row(desc, _runs(key, overrides, rounds, warm, (0,), work), None, {})
     ddp = _runs("ddp_k", ["mode=ddp"], rounds, warm, (0,), work)
     methods["ddp_k"] = _row("data-parallel, 2 islands = 2x batch, every step (its bytes)", ddp, None, {})
     curves["ddp_k"] = eval_curve(work / "ddp_k@s0", ddp[0], "tokens_total")
