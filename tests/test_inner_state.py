@@ -135,3 +135,30 @@ def test_a_killed_run_resumes_with_every_islands_moments_and_a_lost_file_costs_o
     check_exactly_once(cfg, second.summary, lost)
     joins = {e["island"]: e["inner_state"] for e in events(cfg.out_dir) if e["kind"] == "join" and "inner_state" in e}
     assert joins == {0: "restored", 1: "lost", 2: "restored"}
+
+
+def test_muon_beside_adamw_is_saved_group_by_group_and_steps_exactly_as_the_original():
+    from workers.runtime.optim import build_inner, muon_params
+    from workers.wire.spec import InnerConfig
+
+    cfg = InnerConfig(optimizer="muon", warmup_steps=0)
+
+    def build(model: torch.nn.Module) -> torch.optim.Optimizer:
+        return build_inner(cfg, model.parameters(), 100, muon=muon_params(model))[0]
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+    opt = build(model)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+    arrays = inner_state.capture(opt, {})
+    assert {k.split("/")[0] for k in arrays} == {"g0", "g1"} and "g0/momentum_buffer" in arrays
+    twin = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+    twin.load_state_dict(model.state_dict())
+    fresh = build(twin)
+    inner_state.restore(fresh, arrays)
+    assert torch.equal(_step(model, opt), _step(twin, fresh))
+    with pytest.raises(inner_state.InnerStateError, match="parameter groups"):
+        inner_state.restore(build(twin), {"g7/exp_avg": np.zeros(3, np.float32)})

@@ -40,8 +40,19 @@ class InnerStateError(RuntimeError):
 
 def capture(optimizer: torch.optim.Optimizer, feedback: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The optimizer's state as flat arrays: a tensor state of every parameter's shape
-    becomes one array over all parameters; a scalar state one value per parameter."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    becomes one array over all parameters; a scalar state one value per parameter. An
+    optimizer of several parameter groups whose states differ (Muon's momentum beside
+    AdamW's moments) is captured group by group (keys `g<i>/<kind>`)."""
+    groups = [list(g["params"]) for g in optimizer.param_groups]
+    if len(groups) == 1:
+        arrays = _capture(optimizer, groups[0])
+    else:
+        arrays = {f"g{i}/{k}": v for i, params in enumerate(groups) for k, v in _capture(optimizer, params).items()}
+    arrays.update({FEEDBACK + name: residual for name, residual in feedback.items()})
+    return arrays
+
+
+def _capture(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict[str, np.ndarray]:
     kinds = sorted({k for p in params for k in optimizer.state.get(p, {})})
     arrays: dict[str, np.ndarray] = {}
     for kind in kinds:
@@ -54,7 +65,6 @@ def capture(optimizer: torch.optim.Optimizer, feedback: dict[str, np.ndarray]) -
             arrays[SCALAR + kind] = np.array([float(v) for v in values], dtype=np.float64)
         else:
             arrays[kind] = torch.cat([v.detach().reshape(-1) for v in values]).cpu().numpy()
-    arrays.update({FEEDBACK + name: residual for name, residual in feedback.items()})
     return arrays
 
 
@@ -62,25 +72,34 @@ def restore(optimizer: torch.optim.Optimizer, arrays: dict[str, np.ndarray]) -> 
     """Put `capture`'s arrays back into a fresh optimizer over the same parameters;
     returns the error-feedback residuals. (The learning-rate schedule is not state: a
     resumed island is placed at the run's position in it, as a joining island is.)"""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    numel = sum(p.numel() for p in params)
+    groups = [list(g["params"]) for g in optimizer.param_groups]
     for key, values in arrays.items():
         if key.startswith(FEEDBACK):
             continue
-        scalar = key.startswith(SCALAR)
-        expected = len(params) if scalar else numel
-        if values.size != expected:
-            raise InnerStateError(f"{key!r} holds {values.size} values; this model needs {expected}")
-        offset = 0
-        for i, p in enumerate(params):
-            state = optimizer.state[p]
-            if scalar:
-                state[key[len(SCALAR) :]] = torch.tensor(float(values[i]), dtype=torch.float32)
-            else:
-                n = p.numel()
-                state[key] = torch.from_numpy(values[offset : offset + n].copy()).to(p.device).view_as(p)
-                offset += n
+        group, slash, kind = key.partition("/")
+        if slash and group[1:].isdigit() and int(group[1:]) < len(groups):
+            _restore(optimizer, groups[int(group[1:])], kind, values)
+        elif not slash and len(groups) == 1:
+            _restore(optimizer, groups[0], key, values)
+        else:
+            raise InnerStateError(f"{key!r} does not fit this optimizer's {len(groups)} parameter groups")
     return {k[len(FEEDBACK) :]: v for k, v in arrays.items() if k.startswith(FEEDBACK)}
+
+
+def _restore(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], key: str, values: np.ndarray) -> None:
+    scalar = key.startswith(SCALAR)
+    expected = len(params) if scalar else sum(p.numel() for p in params)
+    if values.size != expected:
+        raise InnerStateError(f"{key!r} holds {values.size} values; this model needs {expected}")
+    offset = 0
+    for i, p in enumerate(params):
+        state = optimizer.state[p]
+        if scalar:
+            state[key[len(SCALAR) :]] = torch.tensor(float(values[i]), dtype=torch.float32)
+        else:
+            n = p.numel()
+            state[key] = torch.from_numpy(values[offset : offset + n].copy()).to(p.device).view_as(p)
+            offset += n
 
 
 def save(folder: str, island: int, arrays: dict[str, np.ndarray]) -> SavedState:
