@@ -405,3 +405,17 @@ def test_compression_rows_are_the_issue_s_and_valid_configs(tmp_path):
         changed["sparse_nesterov"].outer.optimizer == "nesterov"
         and changed["sparse_nesterov"].compression.feedback_decay == 1.0
     )
+
+
+def test_a_grid_whose_best_is_its_bottom_is_widened_below_it_when_asked():
+    from orchestrator.bench.quality_rows import widened
+
+    tried = []
+
+    def loss_at(x: float) -> float:
+        tried.append(x)
+        return abs(x - 0.3)
+
+    losses = widened((0.7, 1.0, 1.3), loss_at, lambda x: x + 0.3, lambda x: x / 2)
+    assert tried == [0.7, 1.0, 1.3, 0.35, 0.175] and min(losses, key=losses.__getitem__) == 0.35
+    assert widened((0.7, 1.0), lambda x: x, lambda x: x + 0.3) == {0.7: 0.7, 1.0: 1.0}  # no shrink: as before

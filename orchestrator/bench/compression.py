@@ -19,7 +19,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.quality_rows import MODEL
+from orchestrator.bench.quality_rows import MODEL, widened
 from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
 from orchestrator.bench.runner import one_ray
 from orchestrator.bench.streaming import H, K, warm_runs, warm_starts
@@ -88,6 +88,21 @@ def _runs(
     return warm_runs(BASE, name, name, overrides, rounds, warm, seeds, work)
 
 
+def _sweep(
+    key: str, overrides: list[str], rounds: int, warm: dict[int, Path], work: Path
+) -> dict[float, dict[str, Any]]:
+    """Seed 0 of `key` at every outer lr of the grid, widened past an edge while the edge is
+    the best (+0.3 past the top, halved past the bottom): lr -> its run's summary."""
+    at: dict[float, dict[str, Any]] = {}
+
+    def loss_at(lr: float) -> float:
+        at[lr] = _runs(f"{key}_lr{lr}", [*overrides, f"outer.lr={lr}"], rounds, warm, (0,), work)[0]
+        return float(at[lr]["final_eval_loss"])
+
+    losses = widened(OUTER_LRS, loss_at, lambda lr: round(lr + 0.3, 2), lambda lr: round(lr / 2, 3))
+    return {lr: at[lr] for lr in sorted(losses)}
+
+
 def compression(quick: bool, work: Path) -> BenchResult:
     with one_ray(K):
         return _compression(quick, work)
@@ -100,9 +115,7 @@ def _compression(quick: bool, work: Path) -> BenchResult:
     methods: dict[str, dict[str, Any]] = {}
     curves: dict[str, list[tuple[float, float]]] = {}
     for key, (desc, overrides) in rows().items():
-        sweep = {
-            lr: _runs(f"{key}_lr{lr}", [*overrides, f"outer.lr={lr}"], rounds, warm, (0,), work)[0] for lr in OUTER_LRS
-        }
+        sweep = _sweep(key, overrides, rounds, warm, work)
         lr = min(sweep, key=lambda v: sweep[v]["final_eval_loss"])
         more = (
             _runs(f"{key}_lr{lr}", [*overrides, f"outer.lr={lr}"], rounds, warm, seeds, work)

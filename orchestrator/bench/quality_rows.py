@@ -149,16 +149,24 @@ SHIPPED_INNER_LR = 3e-3  # the product's inner AdamW lr (inner.lr), DiLoCo's in 
 
 
 def widened(
-    grid: tuple[float, ...], loss_at: Callable[[float], float], grow: Callable[[float], float]
+    grid: tuple[float, ...],
+    loss_at: Callable[[float], float],
+    grow: Callable[[float], float],
+    shrink: Callable[[float], float] | None = None,
 ) -> dict[float, float]:
     """`loss_at` every setting of `grid`, then past its top (`grow` of it) while the top
-    is the best, at most `WIDEN` more: a best on the edge of a grid is not a tuned one."""
+    is the best, or with `shrink` past its bottom while the bottom is, at most `WIDEN` more:
+    a best on the edge of a grid is not a tuned one."""
     losses = {x: loss_at(x) for x in grid}
     for _ in range(WIDEN):
-        top = max(losses)
-        if min(losses, key=losses.__getitem__) != top:
+        best = min(losses, key=losses.__getitem__)
+        if best == max(losses):
+            edge = grow(best)
+        elif shrink is not None and best == min(losses):
+            edge = shrink(best)
+        else:
             break
-        losses[grow(top)] = loss_at(grow(top))
+        losses[edge] = loss_at(edge)
     return losses
 
 
