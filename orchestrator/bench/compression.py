@@ -76,6 +76,10 @@ def ablations(best_sparse_lr: float) -> dict[str, tuple[str, list[str]]]:
             "ablation: `sparse` with H = 20 over 40 rounds (the same tokens, 5x the exchanges)",
             [*sparse, *lr, "inner_steps=20", "rounds=40"],
         ),
+        "diloco_no_momentum": (
+            "ablation: `diloco` (fp32, no compression) stepped as `sparse` is: a plain outer step at its lr",
+            ["mode=diloco", "outer.optimizer=sgd", "outer.momentum=0.0", *lr],
+        ),
         "sparse_nesterov": (
             "ablation: `sparse`'s codecs with plain error feedback and Nesterov (outer lr 0.7)",
             [
