@@ -38,3 +38,27 @@ def test_streaming_with_4_bits_both_ways_on_ray_is_the_in_process_run(ray_local,
     for key in ("bytes_sent", "bytes_received", "peak_exchange_bytes"):
         assert summary[key] == local[key], key
     assert {k: v["applied"] for k, v in summary["fragments"].items()} == {str(p): 6 for p in range(4)}
+
+
+SPARSE = [
+    "compression.codec=topk:0.02+int2",
+    "compression.downlink=topk:0.02+int2",
+    "compression.error_feedback=true",
+    "compression.feedback_decay=0.95",
+    "outer.optimizer=sparseloco",
+    "outer.lr=0.7",
+    "islands.build_version0=true",
+]
+
+
+def test_a_sparse_streaming_run_on_ray_is_the_in_process_run_and_downloads_nothing_at_the_start(
+    ray_local, tmp_path, corpus_cache
+):
+    summary = run(_cfg(tmp_path, corpus_cache, "ray", *SPARSE), show_progress=False)
+    engine, _ = in_process_engine(_cfg(tmp_path, corpus_cache, "local", *SPARSE))
+    local = engine.execute()
+    assert summary["state"] == "finished" and summary["outer_steps"] == 12
+    assert summary["final_eval_loss"] == pytest.approx(local["final_eval_loss"], abs=1e-6)
+    for key in ("bytes_sent", "bytes_received", "peak_exchange_bytes", "bytes_bootstrap"):
+        assert summary[key] == local[key], key
+    assert summary["bytes_bootstrap"] == 0 and summary["bytes_communicated"] < 0.02 * summary["num_params"] * 4 * 24
