@@ -275,7 +275,7 @@ def test_a_nan_fragment_is_rejected_and_its_fragment_untouched():
         (["mode=streaming", "inner_steps=8", "streaming.fragments=4", "streaming.tau=2"], "shorter than a segment"),
         (["mode=streaming", "coordinator.shards=2"], "coordinator.shards = 1"),
         (["mode=ddp", "compression.downlink=int8"], "DiLoCo-family mode"),
-        (["compression.downlink=int3"], "downlink: unknown codec"),
+        (["compression.downlink=int3"], r"(?s)compression\.downlink.*unknown codec .int3."),
     ],
 )
 def test_config_errors_name_the_field(overrides, message):
