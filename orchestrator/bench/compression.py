@@ -76,6 +76,10 @@ def ablations(best_sparse_lr: float) -> dict[str, tuple[str, list[str]]]:
             "ablation: `sparse` with its kept values in 8 bits instead of 2",
             [*(o.replace("+int2", "+int8") for o in sparse), *lr],
         ),
+        "sparse_no_decay": (
+            "ablation: `sparse` with plain error feedback (decay 1)",
+            [*(o.replace("feedback_decay=0.95", "feedback_decay=1.0") for o in sparse), *lr],
+        ),
         "sparse_h20_40_rounds": (
             "ablation: `sparse` with H = 20 over 40 rounds (the same tokens, 5x the exchanges)",
             [*sparse, *lr, "inner_steps=20", "rounds=40"],
