@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -20,7 +19,8 @@ import torch
 
 from workers.runtime import inner_state
 from workers.runtime.optim import build_inner, muon_params
-from workers.tasks.task import ResumableTask, load_task, split_batch, to_device
+from workers.runtime.shard_streams import ShardStreams
+from workers.tasks.task import load_task, split_batch, to_device
 from workers.wire.compress import ErrorFeedback, decode, encode
 from workers.wire.flat import FlatParams, ParamStore, as_tensor, slice_bounds
 from workers.wire.fragments import FragmentedTask, fragment_model
@@ -98,7 +98,7 @@ class Island:
             muon_params(self.model),
         )
         self.num_shards = spec.num_shards or spec.num_islands
-        self.streams: dict[int, tuple[int, Any]] = {}  # shard -> (position, iterator at that position)
+        self.data = ShardStreams(self.task, self.num_shards, spec.seed)
         self.turn = 0  # round-robin offset when used without a coordinator
         self.probed_steps_per_s: float | None = None
         self.feedback: dict[int | None, ErrorFeedback] = {}  # per fragment: each has its own residual
@@ -120,51 +120,11 @@ class Island:
         self.built, self.built_sha256 = _version0(spec, flat.full()) if spec.builds_version0 else (None, None)
         self.startup["model_s"] = time.perf_counter() - t0 - self.startup["task_s"]
 
-    def _batches(self, order: WorkOrder) -> Iterator[tuple[int, Any]]:
-        """The order's batches: step j reads shard `sorted(shards)[(turn + j) % n]`, each
-        shard from the position the coordinator's ledger gives (the island re-seeks only
-        when its cached stream stands elsewhere)."""
-        shards = sorted(order.shards)
-        at = dict(order.shards)
-        for j in range(order.steps):
-            shard = shards[(order.turn + j) % len(shards)]
-            cached = self.streams.get(shard)
-            if cached is not None and cached[0] == at[shard]:
-                pos, stream = cached
-            else:
-                pos = at[shard]
-                stream = self._open(shard, pos, order.streams.get(shard))
-            batch = next(stream)
-            self.streams[shard] = (pos + 1, stream)
-            at[shard] = pos + 1
-            yield shard, batch
-
-    def _open(self, shard: int, pos: int, saved: tuple[int, Any] | None) -> Iterator[Any]:
-        """Shard `shard` at batch `pos`: a streamed task continues from the state its stream
-        saved at `saved[0]` ≤ `pos` (reading the few batches between), any other seeks."""
-        if saved is not None and isinstance(self.task, ResumableTask) and saved[0] <= pos:
-            at, state = saved
-            stream = self.task.resume_batches(shard, self.num_shards, self.spec.seed, at, state)
-            for _ in range(pos - at):
-                next(stream)
-            return stream
-        return self.task.train_batches(shard, self.num_shards, self.spec.seed, pos)
-
-    def stream_states(self, shards: dict[int, int]) -> dict[int, Any]:
-        """The saved state of each stream of `shards` that can save one, where it stands."""
-        out = {}
-        for shard in shards:
-            stream = self.streams.get(shard, (0, None))[1]
-            state = stream.state() if callable(getattr(stream, "state", None)) else None
-            if state is not None:
-                out[shard] = state
-        return out
-
     def order(self, version: int, steps: int, kind: WorkKind = WorkKind.TRAIN) -> WorkOrder:
         """A work order without a coordinator (in-process use): the island's own contiguous
         block of shards, as the coordinator would assign it with all islands present."""
         k, n = self.spec.num_islands, self.num_shards
-        own = {s: self.streams.get(s, (0, None))[0] for s in range(n) if s * k // n == self.spec.index}
+        own = {s: self.data.position(s) for s in range(n) if s * k // n == self.spec.index}
         order = WorkOrder(
             island=self.spec.index, ticket=-1, version=version, kind=kind, steps=steps, shards=own, turn=self.turn
         )
@@ -316,7 +276,7 @@ class Island:
                 self.start.copy_(src)
             delta: torch.Tensor | None = None
             t_sent = t_step = time.perf_counter()  # a step's time includes reading its batch
-            for j, (shard, batch) in enumerate(self._batches(order)):
+            for j, (shard, batch) in enumerate(self.data.batches(order)):
                 if self.superseded.is_set():
                     raise Superseded(f"island {self.spec.index}: its coordinator restarted; round given up")
                 if delta is not None:
@@ -349,7 +309,7 @@ class Island:
                 else None
             )
         else:
-            ((shard, batch),) = self._batches(order)
+            ((shard, batch),) = self.data.batches(order)
             losses, weight = self._forward_backward(batch)
             shard_tokens[shard] += weight
             positions[shard] += 1
@@ -372,7 +332,7 @@ class Island:
             tail_s=tail_s,
             saved_state=saved,
             started_at=started_at,
-            stream_states=self.stream_states(order.shards),
+            stream_states=self.data.states(order.shards),
         )
 
     def _sync(self, order: WorkOrder, params: Any) -> torch.Tensor | None:
