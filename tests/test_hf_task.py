@@ -199,7 +199,18 @@ def test_a_corpus_prepared_with_the_hf_tokenizer_carries_it_and_trains_the_task(
     out = tmp_path / "prepared"
     sets = ["task.factory=workers.tasks.hf_task:make_task", "task.kwargs.preset=tiny-llama"]
     args = [a for s in [*sets, f"task.kwargs.cache_dir={corpus_cache}"] for a in ("--set", s)]
-    assert main(["-q", "data", "prepare", str(tmp_path / "code.parquet"), str(out), "--eval-every", "10", *args]) == 0
+    prepare = [
+        "-q",
+        "data",
+        "prepare",
+        str(tmp_path / "code.parquet"),
+        str(out),
+        "--eval-every",
+        "10",
+        "--workers",
+        "1",
+    ]
+    assert main([*prepare, *args]) == 0
     m = read_manifest(out)
     assert m.tokenizer == task.encoder().identity and m.dtype == "uint16" and m.separator == task.eos
     assert (out / "tokenizer" / "tokenizer.json").is_file()

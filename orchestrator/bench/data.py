@@ -151,7 +151,7 @@ def probe_reads(kind: str, location: str) -> dict[str, Any]:
     }
 
 
-def probe_island(kind: str, location: str) -> dict[str, Any]:
+def probe_island(kind: str, location: str, steps: int = TRAIN_STEPS) -> dict[str, Any]:
     """In a fresh process, what an island does: built from the run config, it trains its
     shards from their start, then from 90 % of their epoch (a joiner's or a restart's
     seek); its training throughput (the island's own compute time) and peak memory."""
@@ -165,9 +165,9 @@ def probe_island(kind: str, location: str) -> dict[str, Any]:
     island = Island(island_spec(cfg, 0))
     params = island.flat.full().detach().cpu().numpy().copy()
     island.run(island.order(0, 3), params)  # the first steps allocate and warm up
-    result = island.run(island.order(0, TRAIN_STEPS), params)
+    result = island.run(island.order(0, steps), params)
     late = int(0.9 * _per_epoch(island.task, kind, cfg.num_shards))
-    order = island.order(0, TRAIN_STEPS)
+    order = island.order(0, steps)
     island.run(dataclasses.replace(order, shards=dict.fromkeys(order.shards, late)), params)
     return {
         "train_tokens_per_s": result.weight / result.compute_s,

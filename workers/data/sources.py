@@ -21,7 +21,8 @@ from typing import Any
 from workers.data.manifest import DataError
 
 FILE_SUFFIXES = (".parquet", ".jsonl", ".json")
-DATASET_PIECES = 64  # a datasets dataset is cut into this many contiguous pieces (at most one per row)
+DATASET_PIECES = 64  # a datasets dataset is cut into this many contiguous pieces at most
+PIECE_ROWS = 200  # ... of at least this many rows each
 
 
 @dataclass(frozen=True)
@@ -47,13 +48,13 @@ def find_pieces(source: str, column: str, split: str = "train", data_files: str 
         name, _, config = source[3:].partition(":")
         ds = _load_hub(name, config or None, split, data_files, source)
         _check_column(list(ds.column_names), column, source)
-        n = min(DATASET_PIECES, max(1, len(ds)))
+        n = min(DATASET_PIECES, max(1, len(ds) // PIECE_ROWS))
         return [Piece("hub", name, column, i, n, config or None, split, data_files) for i in range(n)]
     path = Path(source)
     if path.is_dir() and (path / "state.json").is_file():
         ds = _load_saved(str(path))
         _check_column(list(ds.column_names), column, source)
-        n = min(DATASET_PIECES, max(1, len(ds)))
+        n = min(DATASET_PIECES, max(1, len(ds) // PIECE_ROWS))
         return [Piece("saved", str(path), column, i, n) for i in range(n)]
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in FILE_SUFFIXES and p.is_file())
