@@ -113,7 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--eval-every", type=int, default=200, help="hold out one document in this many for evaluation")
     prep.add_argument("--workers", type=int, default=0, help="tokenising processes (default: one per core)")
     prep.add_argument(
-        "--ray", nargs="?", const="auto", metavar="ADDRESS", help="tokenise with Ray tasks on this cluster instead"
+        "--ray",
+        nargs="?",
+        const="auto",
+        metavar="ADDRESS",
+        help="tokenise with Ray tasks on this cluster (default when RAY_ADDRESS is set, as in a Ray job)",
     )
     prep.add_argument("--split", default="train", help="split of an hf: source")
     prep.add_argument("--data-files", help="data_files of an hf: local builder (hf:json, hf:parquet)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 import sys
 import time
@@ -41,7 +42,7 @@ def prepare_command(args: argparse.Namespace) -> int:
         shard_tokens=args.shard_tokens,
         eval_every=args.eval_every,
         workers=args.workers,
-        ray_address=args.ray,
+        ray_address=args.ray or os.environ.get("RAY_ADDRESS"),  # a job on a cluster tokenises on it
         split=args.split,
         data_files=args.data_files,
     )
