@@ -18,6 +18,7 @@ from workers.data.manifest import DataError, Manifest, read_manifest
 from workers.data.order import MixSchedule, ShardWindows
 from workers.data.prefetch import Prefetch
 from workers.data.shards import TokenStore
+from workers.data.windows import as_batch
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -81,7 +82,7 @@ class PreparedCorpus:
         for j, first, slots in schedule.batch(b):
             order = ShardWindows(self.windows(j, "train"), shard, num_shards, self.iid)
             rows[slots] = self.store(j, "train").windows(order.rows(first, len(slots), seed), self.context)
-        return _as_batch(rows)
+        return as_batch(rows, pin=True)
 
     def train_batches(self, shard: int, num_shards: int, seed: int, start: int, prefetch: int = 4) -> Prefetch[Batch]:
         """Batch `start`, `start + 1`, … of data shard `shard`, read ahead on a thread."""
@@ -98,15 +99,7 @@ class PreparedCorpus:
             n = self.windows(j, "eval")
             index = np.linspace(0, n - 1, len(slots)).astype(np.int64)
             rows[slots] = self.store(j, "eval").windows(index, self.context)
-        return [_as_batch(rows[i * self.batch_size : (i + 1) * self.batch_size]) for i in range(count)]
-
-
-def _as_batch(rows: np.ndarray) -> Batch:
-    w = torch.from_numpy(rows)
-    batch = (w[:, :-1].contiguous(), w[:, 1:].contiguous())
-    if torch.cuda.is_available():  # a GPU island copies them without a staging copy
-        return (batch[0].pin_memory(), batch[1].pin_memory())
-    return batch
+        return [as_batch(rows[i * self.batch_size : (i + 1) * self.batch_size], pin=True) for i in range(count)]
 
 
 def _stat_key(store: TokenStore) -> str:

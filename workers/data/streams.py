@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from workers.data.prefetch import Prefetch
+from workers.data.windows import as_batch
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +83,7 @@ class StreamBatches(Iterator[Batch]):
         self.carry = buf[self.need :]
         if self.resumable:
             self.saved = self.dataset.state_dict()
-        w = torch.from_numpy(buf[: self.need].reshape(self.shape))
-        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        return as_batch(buf[: self.need].reshape(self.shape))
 
     def state(self) -> dict | None:
         """Where this stream stands after its last batch (None: the source cannot resume)."""

@@ -20,6 +20,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from workers.data.windows import as_batch
+
 Split = str  # "iid" | "non_iid"
 CORPUS_ORDER_SEED = 1234  # the same on every island: the iid shuffle must agree everywhere
 
@@ -98,7 +100,7 @@ def window_batches(
         perm = np.random.default_rng([seed, epoch]).permutation(n_windows)
         for b in range(j, per_epoch):
             starts = perm[b * batch_size : (b + 1) * batch_size] * context
-            yield _as_batch(tokens[starts[:, None] + offsets])
+            yield as_batch(tokens[starts[:, None] + offsets])
         epoch, j = epoch + 1, 0
 
 
@@ -112,9 +114,4 @@ def fixed_batches(
         raise ValueError(f"eval split has {n_windows} windows of {context}, need {need}")
     starts = np.linspace(0, n_windows - 1, need).astype(np.int64) * context
     windows = tokens[starts[:, None] + np.arange(context + 1)]
-    return [_as_batch(windows[i * batch_size : (i + 1) * batch_size]) for i in range(count)]
-
-
-def _as_batch(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    w = torch.from_numpy(windows.astype(np.int64))
-    return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+    return [as_batch(windows[i * batch_size : (i + 1) * batch_size]) for i in range(count)]

@@ -42,15 +42,18 @@ def _bf16_decode(p: Payload) -> np.ndarray:
     return torch.from_numpy(np.array(p["bf16"])).view(torch.bfloat16).float().numpy()
 
 
+def _blocks(x: np.ndarray, chunk: int) -> np.ndarray:
+    """`x` as fp32 rows of `chunk` values, the last one zero-padded."""
+    pad = (-x.size) % chunk
+    flat = x.astype(np.float32, copy=False)
+    return (np.concatenate([flat, np.zeros(pad, np.float32)]) if pad else flat).reshape(-1, chunk)
+
+
 def _quantise(x: np.ndarray, chunk: int, levels: int) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric round-to-nearest onto integers in [-levels, levels], one fp32 scale per
     chunk (the chunk's largest magnitude maps to `levels`): (integers, scales)."""
     n = x.size
-    pad = (-n) % chunk
-    padded = (
-        np.concatenate([x.astype(np.float32, copy=False), np.zeros(pad, np.float32)]) if pad else x.astype(np.float32)
-    )
-    blocks = padded.reshape(-1, chunk)
+    blocks = _blocks(x, chunk)
     scale = np.abs(blocks).max(axis=1) / levels
     scale[scale == 0] = 1.0
     q = np.rint(blocks / scale[:, None]).astype(np.int8)
@@ -95,8 +98,7 @@ def _int2_encode(x: np.ndarray, chunk: int) -> Payload:
     """Four levels per chunk, (q − 1.5) × scale for q in 0..3 with scale = max |x| / 1.5 (no
     zero level: what is sent is mostly what top-k kept), four values per byte."""
     n = x.size
-    pad = (-n) % chunk
-    blocks = np.concatenate([x.astype(np.float32), np.zeros(pad, np.float32)]).reshape(-1, chunk)
+    blocks = _blocks(x, chunk)
     scale = np.abs(blocks).max(axis=1) / 1.5
     scale[scale == 0] = 1.0
     q = np.clip(np.floor(blocks / scale[:, None] + 2.0), 0, 3).astype(np.uint8).reshape(-1)[:n]
@@ -115,10 +117,7 @@ def _int2_decode(p: Payload) -> np.ndarray:
     q = np.empty(packed.size * 4, dtype=np.float32)
     for j in range(4):
         q[j::4] = (packed >> (2 * j)) & 3
-    chunk = int(p["chunk"][0])
-    out = np.zeros(p["scale"].size * chunk, dtype=np.float32)
-    out[:n] = q[:n] - 1.5
-    return (out.reshape(-1, chunk) * p["scale"][:, None]).reshape(-1)[:n]
+    return _dequantise(q[:n] - 1.5, p["scale"], int(p["chunk"][0]))
 
 
 @dataclass(frozen=True)
