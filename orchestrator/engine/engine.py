@@ -41,11 +41,10 @@ from orchestrator.engine.screen import Sizes
 from orchestrator.engine.startup import Startup
 from orchestrator.engine.stats import RunStats
 from orchestrator.engine.types import Event, RunFailed, RunPhase, SliceLost
-from orchestrator.engine.warm_start import WarmStart, version0_file, write_version0
+from orchestrator.engine.warm_start import WarmStart, version0_digest
 from workers.tasks.task import Task
 from workers.wire.flat import FlatParams
 from workers.wire.fragments import Fragments
-from workers.wire.handoff import params_sha256
 
 log = logging.getLogger(__name__)
 
@@ -107,11 +106,8 @@ class RoundEngine:
             restore(self, state)
         elif warm is not None:  # the data the warm start trained is not trained again
             self.ledger.load({**warm.ledger, "tokens": [0] * cfg.num_shards})
-        if cfg.islands.build_version0 and state is None and init_from is None:  # the seed's model, or the warm start's
-            version0 = flat.data.detach().cpu().numpy()
-            if (path := version0_file(cfg)) is not None:
-                write_version0(path, version0)
-            self.publisher.version0 = params_sha256(version0)
+        if state is None and init_from is None:  # version 0 is the seed's model, or the warm start's
+            self.publisher.version0 = version0_digest(cfg, flat.data.detach().cpu().numpy())
         self.outputs = Outputs(
             cfg=cfg,
             run_id=run_id,

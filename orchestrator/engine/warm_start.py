@@ -25,6 +25,7 @@ from orchestrator.config import Mode, RunConfig, WarmStartMode
 from orchestrator.engine.checkpoints import newest_valid, run_folder
 from orchestrator.engine.types import RunFailed
 from workers.runtime.storage import durable_write
+from workers.wire.handoff import params_sha256
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +46,18 @@ def version0_file(cfg: RunConfig) -> Path | None:
     return warm_dir(cfg) / "version0.npy"
 
 
-def write_version0(path: Path, params: np.ndarray) -> None:
-    """Written once, by rename: an island never reads a half-written file."""
-    if path.exists():
-        return
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, params)
-    os.replace(tmp, path)
+def version0_digest(cfg: RunConfig, params: np.ndarray) -> str | None:
+    """With `islands.build_version0`: the SHA-256 islands' first parameters must match, the
+    warm start's written where they load it (once, by rename: never read half-written)."""
+    if not cfg.islands.build_version0:
+        return None
+    path = version0_file(cfg)
+    if path is not None and not path.exists():
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, params)
+        os.replace(tmp, path)
+    return params_sha256(params)
 
 
 def warm_run_id(run_id: str) -> str:
