@@ -12,7 +12,7 @@ import torch
 
 from orchestrator.config_load import load_config
 from orchestrator.runtime.driver import run
-from tests.helpers import tiny_lm_config, toy_quadratic
+from tests.helpers import events, tiny_lm_config, toy_quadratic
 from workers.tasks.lm_task import make_task
 
 pytestmark = pytest.mark.ray
@@ -59,9 +59,9 @@ def test_diloco_three_islands_learns_and_writes_outputs(ray_local, tmp_path, cor
 
 def test_a_warm_started_run_forks_on_ray_and_continues_the_warm_starts_data(ray_local, tmp_path, corpus_cache):
     """The coordinator actor trains the warm start (the default: Local SGD over the run's
-    islands, here one round of 8 steps), then the islands fork from it: no batch of the
-    warm start is read again, progress says which phase it is in, and the warm start's
-    islands are gone from Ray when the run ends."""
+    islands, here one round of 8 steps), then the islands fork from it, each renewed in
+    its own process: no batch of the warm start is read again, progress says which phase
+    it is in, and the islands are gone from Ray when the run ends."""
     from orchestrator.runtime.island_pool import run_islands
 
     cfg = _lm_cfg(tmp_path, corpus_cache, "islands.count=2", "rounds=2", "inner_steps=4", "warm_start.steps=8")
@@ -78,8 +78,10 @@ def test_a_warm_started_run_forks_on_ray_and_continues_the_warm_starts_data(ray_
     assert startup["island_task_s"] > 0 and startup["island_model_s"] > 0
     assert "island_probe_s" not in startup  # equal H for every island: the first round measures the speed
     assert startup["first_eval_s"] > 0 and startup["dispatch_to_first_step_s"] > 0
-    fork = startup["fork"]  # the main phase started its islands again after the warm start
+    fork = startup["fork"]  # the main phase took the warm start's islands over, in their processes
     assert fork["engine_created_at"] > startup["first_outer_step_at"] and fork["islands_joined_s"] > 0
+    joins = [e for e in events(cfg.out_dir) if e["kind"] == "join"]
+    assert sorted(e["island"] for e in joins if e.get("adopted")) == [0, 1]
     assert json.loads((Path(cfg.out_dir) / "summary.json").read_text())["startup_seconds"] == summary["startup_seconds"]
     warm = summary["warm_start"]
     assert warm["steps"] == 8 and warm["mode"] == "average" and warm["tokens"] == 2 * 8 * 8 * 32

@@ -107,6 +107,35 @@ def test_the_fork_continues_the_warm_starts_data_and_schedule(tmp_path, mode, wa
     assert warm_pool.cfg.schedule_steps == 32
 
 
+class FreshPools(Pools):
+    """Pools that take nothing over: the main phase places new islands, as forks did
+    before islands were carried over."""
+
+    def __call__(self, cfg: RunConfig, run_id: str) -> KeepingPool:
+        pool = super().__call__(cfg, run_id)
+        pool.adopt = lambda islands: None  # type: ignore[method-assign]
+        return pool
+
+
+@pytest.mark.parametrize(("warm", "carried"), [("average", [0, 1, 2]), ("single", [0])])
+def test_the_main_phase_takes_the_warm_starts_islands_over_and_trains_the_same(tmp_path, warm, carried):
+    """The warm start's islands go on as the main phase's (renewed in their processes, not
+    placed again); the run is the one new islands give, loss for loss and batch for batch."""
+    runs = {}
+    for name, pools in (("carried", Pools()), ("fresh", FreshPools())):
+        cfg = _cfg(tmp_path / name, "diloco", f"warm_start.mode={warm}", "warm_start.inner_steps=2")
+        summary = PhasedRun(cfg, "w", pools).execute()
+        _check_each_batch_once(cfg, summary)
+        joins = [e for e in events(cfg.out_dir) if e["kind"] == "join"]
+        runs[name] = (summary, pools, joins)
+    (summary, pools, joins), (fresh, _, fresh_joins) = runs["carried"], runs["fresh"]
+    assert summary["final_eval_loss"] == fresh["final_eval_loss"] and summary["tokens"] == fresh["tokens"]
+    (_, warm_pool), (_, main_pool) = pools.made
+    assert [i for i in range(3) if main_pool.released[i] is warm_pool.released.get(i)] == carried
+    assert sorted(e["island"] for e in joins if e.get("adopted")) == carried
+    assert not any(e.get("adopted") for e in fresh_joins)
+
+
 def test_the_islands_learning_rate_after_the_fork_is_the_schedules_past_its_warmup(tmp_path):
     cfg = _cfg(tmp_path, "diloco", "elastic.join_rewarmup_steps=0")
     pools = Pools()

@@ -7,7 +7,8 @@ Where the seconds go comes from the run's own `summary.json` (`startup`): the co
 before Ray (interpreter, imports, config, data cache), Ray's start, the coordinator
 actor, the islands' placement and start (the slowest island's task, model and speed
 probe), the evaluation before the first dispatch, and dispatch to the first step; for the
-default config also the warm start's fork (the main phase's islands started again).
+default config also the warm start's fork (the main phase renewing the warm start's
+islands in their processes).
 Nothing is reused between rows: every row is a new run, timed once (start-up is
 dominated by process starts and imports, not by noise of a few percent).
 """
@@ -25,7 +26,9 @@ from typing import Any
 from orchestrator.bench.report import BenchResult, Panel, checks_table, md_table, targets_met
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout the runs import
-TARGET_S = 5.0  # first inner step within 5 s of the command (torchft forms a quorum in about 5 s)
+# first inner step within 8 s of the command with its own Ray, 5 s joining a running one
+# (torchft spawns and forms a quorum in about 5 s)
+TARGET_S = {"cold": 8.0, "warm": 5.0}
 COUNTS = (1, 2, 4, 8)
 # the default config, cut to what reaching the first outer step needs (its start-up does
 # not depend on how long it trains): a 2-step warm start still forks, 1 round of 5 steps
@@ -40,7 +43,7 @@ PARTS = (
     ("  island probe", ("island_probe_s",)),
     ("first eval", ("first_eval_s",)),
     ("dispatch to step", ("dispatch_to_first_step_s",)),
-    ("fork (islands again)", ("fork", "engine_to_first_step_s")),
+    ("fork (islands renewed)", ("fork", "engine_to_first_step_s")),
 )
 
 
@@ -104,10 +107,10 @@ def startup(quick: bool, work: Path) -> BenchResult:
     finally:
         subprocess.run(["ray", "stop", "--force"], capture_output=True, check=False)
     checks = {
-        f"default_{ray}_first_inner_step_within_{TARGET_S:.0f}s": {
+        f"default_{ray}_first_inner_step_within_{TARGET_S[ray]:.0f}s": {
             "value": results[f"default_{ray}"]["startup_seconds"],
-            "target": TARGET_S,
-            "ok": results[f"default_{ray}"]["startup_seconds"] <= TARGET_S,
+            "target": TARGET_S[ray],
+            "ok": results[f"default_{ray}"]["startup_seconds"] <= TARGET_S[ray],
         }
         for ray in ("cold", "warm")
     }
@@ -128,7 +131,14 @@ def startup(quick: bool, work: Path) -> BenchResult:
         results,
         line,
         _markdown(results, checks),
-        [Panel("islands k", curves, y_label="seconds from the command", references={"target": TARGET_S})],
+        [
+            Panel(
+                "islands k",
+                curves,
+                y_label="seconds from the command",
+                references={f"target, {r} Ray": t for r, t in TARGET_S.items()},
+            )
+        ],
         extra={"checks": checks, "target_seconds": TARGET_S},
     )
 
@@ -150,7 +160,8 @@ def _markdown(results: dict[str, dict[str, Any]], checks: dict[str, dict[str, An
         ["part (s)", *names], [[label, *(cell(_part(results[n], p)) for n in names)] for label, p in PARTS]
     )
     return (
-        f"Command to first inner step, target ≤ {TARGET_S:.0f} s on an idle machine.\n\n{totals}\n\n"
+        f"Command to first inner step on an idle machine, target ≤ {TARGET_S['cold']:.0f} s with the "
+        f"command's own Ray and ≤ {TARGET_S['warm']:.0f} s with Ray running.\n\n{totals}\n\n"
         f"Where it goes (island parts: the slowest island's; the fork: the main phase's engine "
         f"to its first step, after the warm start):\n\n{parts}\n\n{checks_table(checks)}"
     )

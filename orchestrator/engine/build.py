@@ -36,10 +36,11 @@ def build_engine(
     on_record: OnRecord | None = None,
     inbox: Inbox | None = None,
     takes_changes: bool = True,
+    hands_over: bool = False,
 ) -> RoundEngine:
     """The engine for `cfg` driving `pool`; with `coordinator.shards` > 1 the outer step is
-    split over slices reached through `slices` (in process by default). `inbox` and
-    `takes_changes`: see `RoundEngine`."""
+    split over slices reached through `slices` (in process by default). `inbox`,
+    `takes_changes` and `hands_over`: see `RoundEngine`."""
     task = load_task(cfg.task.factory, cfg.task.kwargs)
     task.prepare()
     torch.manual_seed(cfg.seed)
@@ -80,6 +81,7 @@ def build_engine(
         fragments=fragments,
         inbox=inbox,
         takes_changes=takes_changes,
+        hands_over=hands_over,
     )
 
 
@@ -105,7 +107,8 @@ PoolFactory = Callable[[RunConfig, str], IslandPool]
 class PhasedRun:
     """A run from its warm start, when it has one still to train, to its end: the warm
     phase is a run of its own (`engine/warm_start.py`, run id `<run_id>-warm`), then the
-    main run forks from it. `engine` is the phase running now. Both phases share one
+    main run forks from it, taking its islands over (`IslandPool.hand_over`/`adopt`).
+    `engine` is the phase running now. Both phases share one
     inbox, so what an operator asks during the warm start carries across the fork (a
     pause stays paused, a stop stops, a target or settings change waits for the main
     phase), and one status (`status`): the run's id, its phase as a field, and `finished`
@@ -118,7 +121,9 @@ class PhasedRun:
         if self.warm_cfg is not None:
             wid = warm_run_id(run_id)
             pool = make_pool(self.warm_cfg, wid)
-            self.engine = build_engine(self.warm_cfg, pool, wid, inbox=self.inbox, takes_changes=False, **engine)
+            self.engine = build_engine(
+                self.warm_cfg, pool, wid, inbox=self.inbox, takes_changes=False, hands_over=True, **engine
+            )
         else:
             self.engine = self._main()
 
@@ -156,12 +161,18 @@ class PhasedRun:
         if not self.warming:
             return self.engine.execute()
         summary = self.engine.execute()
-        self.engine.pool.close()
-        if summary["state"] != "finished":
-            self.inbox.ended = True
-            return {**summary, "phase": Phase.WARM_START.value}
-        mark_finished(self.cfg, self.run_id, summary)
-        self.engine = self._main()
+        warm_pool = self.engine.pool
+        try:
+            if summary["state"] != "finished":
+                self.inbox.ended = True
+                return {**summary, "phase": Phase.WARM_START.value}
+            mark_finished(self.cfg, self.run_id, summary)
+            self.engine = self._main()
+            # the warm start's islands go on as the main phase's, each renewed in its own
+            # process (a new process importing torch and loading its task is most of a start)
+            self.engine.pool.adopt(warm_pool.hand_over(set(range(self.engine.members.target))))
+        finally:
+            warm_pool.close()
         main = self.engine.execute()
         # the run started with the warm phase; the main phase's start-up is the fork's
         return {**main, "startup": {**summary["startup"], "fork": main["startup"]}}

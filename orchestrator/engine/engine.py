@@ -67,6 +67,7 @@ class RoundEngine:
         fragments: Fragments | None = None,
         inbox: Inbox | None = None,
         takes_changes: bool = True,
+        hands_over: bool = False,
     ) -> None:
         """Continues from the checkpoint of `run_id` in `cfg.checkpoint_dir`/`run_id` if there is one.
         `init_from` describes the weights the model was loaded with (`start_from`); `warm`
@@ -74,7 +75,8 @@ class RoundEngine:
         `fragments` are streaming's (the outer step and the published copy work by fragment).
         `inbox`: the run's operator commands (shared by its phases); a phase that does not
         `takes_changes` (the warm start) honours pause and stop and leaves settings and
-        membership changes for the next."""
+        membership changes for the next; one that `hands_over` (the warm start again) leaves
+        its islands running when it finishes, for the next phase's pool to take over."""
         self.cfg, self.task, self.model, self.flat, self.outer = cfg, task, model, flat, outer
         self.pacing: Pacing = policies.pacing
         self.admission: Admission = policies.admission
@@ -84,7 +86,7 @@ class RoundEngine:
         self.run = RunState(cfg.rounds, cfg.inner_steps, self.members)
         self.ledger = DataLedger(cfg.num_shards)
         self.inbox = inbox or run_inbox(cfg)
-        self.takes_changes = takes_changes
+        self.takes_changes, self.hands_over = takes_changes, hands_over
         self.phase = RunPhase.STARTING
         self.speeds = policies.speeds  # measured inner steps per second, every mode
         self.due: list[int] = []  # recorded rounds due, written after the next dispatch
@@ -279,9 +281,10 @@ class RoundEngine:
         self.outputs.update_snapshot(self.phase, self.run.version)
         self.outputs.refresh_islands()
         self.states.sweep(self.disk)  # nothing is in flight: the states no checkpoint names go
-        for i in list(self.members.islands):
-            if not self.members.islands[i].state.gone:
-                self.pool.release(i)
+        if not (self.hands_over and self.phase == RunPhase.FINISHED):
+            for i in list(self.members.islands):
+                if not self.members.islands[i].state.gone:
+                    self.pool.release(i)
         for i in list(self.members.pending):
             self.pool.cancel(i)
 

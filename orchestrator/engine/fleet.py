@@ -318,7 +318,8 @@ class Fleet:
             self.events.add(Event.JOIN, event.island, node=event.node, version=self.run.version, **restored)
             return None
         self.members.add(event.island, event.node, joined_version=0 if starting else self.run.version)
-        self.events.add(Event.JOIN, event.island, node=event.node, version=self.run.version, **version0)
+        adopted = {"adopted": True} if event.adopted else {}
+        self.events.add(Event.JOIN, event.island, node=event.node, version=self.run.version, **version0, **adopted)
         return event.steps_per_s
 
     def join_failed(self, event: JoinFailed) -> None:

@@ -32,9 +32,12 @@ from orchestrator.engine.commands import Inbox, SettingsUpdate
 from orchestrator.engine.outer_step import OuterRule, Scheduler
 from orchestrator.engine.pacing import Barrier, FragmentSchedule, OneRoundLag, Pacing
 from orchestrator.engine.quorum import Quorum, QuorumRule
+from workers.runtime.no_dynamo import plain_step
 from workers.runtime.optim import build_inner
 from workers.wire.fragments import Fragments
 from workers.wire.messages import WorkKind
+
+Adam = plain_step(torch.optim.Adam)  # stepped without importing torch._dynamo (`no_dynamo.py`)
 
 
 def outer_optimizer(cfg: OuterConfig, param: torch.nn.Parameter) -> torch.optim.Optimizer:
@@ -45,7 +48,7 @@ def outer_optimizer(cfg: OuterConfig, param: torch.nn.Parameter) -> torch.optim.
         return FlatSGD([param], lr=cfg.lr, momentum=cfg.momentum)
     if cfg.optimizer == "sparseloco":  # the islands' error feedback is the momentum
         return FlatSGD([param], lr=cfg.lr)
-    return torch.optim.Adam([param], lr=cfg.lr, betas=cfg.betas)
+    return Adam([param], lr=cfg.lr, betas=cfg.betas)
 
 
 def outer_rule(cfg: RunConfig) -> OuterRule:

@@ -37,6 +37,7 @@ class Joined:
     restored: bool | None = None  # placed to continue a saved inner state: whether it could (None: fresh)
     startup: dict[str, float] | None = None  # the island's seconds building its task and model, and probing
     built_sha256: str | None = None  # of the first parameters it built itself (`islands.build_version0`)
+    adopted: bool = False  # its process started before this pool asked (`IslandPool.adopt`)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,6 +143,16 @@ class IslandPool(Protocol):
         """Events that happened, waiting up to `timeout` seconds for the first one; a
         virtual clock with nothing due before `wake` moves to `wake` and returns none."""
 
+    def hand_over(self, keep: set[int]) -> dict[int, Any]:
+        """At the end of a phase (the warm start): the live islands of `keep`, now no longer
+        this pool's, for the next phase's pool to `adopt`; the others are released."""
+
+    def adopt(self, islands: dict[int, Any]) -> None:
+        """Islands another phase handed over: a `request` for one of their indices renews
+        that island in its process (a new island in every respect but its process, its
+        imports and its task's caches) instead of placing a new one; `close` releases
+        those never requested."""
+
     def close(self) -> None: ...
 
 
@@ -207,6 +218,7 @@ class InProcessPool:
         # the newest orders, for tests that inspect them (bounded: a long run's would grow)
         self.dispatched: deque[WorkOrder] = deque(maxlen=DISPATCH_LOG)
         self.demanded: list[int] = []
+        self.adopted: dict[int, Island] = {}
 
     def _at(self, t: float, event: Any) -> None:
         heapq.heappush(self._queue, _Pending(t, next(self._seq), event))
@@ -229,7 +241,10 @@ class InProcessPool:
         if island in self.unplaceable:
             return
         spec = island_spec(self.cfg, island, start_step, state_folder=state_folder, restore=restore)
-        self.islands[island] = Island(spec)
+        carried = self.adopted.pop(island, None)
+        if carried is not None:
+            carried.reset(spec)
+        self.islands[island] = carried or Island(spec)
         self._at(
             self.t + self.join_s,
             Joined(
@@ -239,6 +254,7 @@ class InProcessPool:
                 restored=self.islands[island].restored,
                 startup=dict(self.islands[island].startup),
                 built_sha256=self.islands[island].built_sha256,
+                adopted=carried is not None,
             ),
         )
 
@@ -357,8 +373,18 @@ class InProcessPool:
             self._queue.append(_Pending(due, next(self._seq), Done(ticket=hit.event.ticket, island=i, result=slowed)))
         heapq.heapify(self._queue)  # a hang: its result is gone, it never answers
 
+    def hand_over(self, keep: set[int]) -> dict[int, Any]:
+        out = {i: self.islands[i] for i in keep if i in self.islands and i not in self.dead}
+        for i in list(self.islands):
+            self.release(i)
+        return out
+
+    def adopt(self, islands: dict[int, Any]) -> None:
+        self.adopted.update(islands)
+
     def close(self) -> None:
         self.islands.clear()
+        self.adopted.clear()
         self._queue.clear()
 
     def coordinator_lost(self) -> None:

@@ -15,6 +15,7 @@ import logging
 import os
 from typing import Any
 
+import ray
 import torch
 
 from orchestrator.config import RunConfig
@@ -26,28 +27,46 @@ from orchestrator.logs import configure
 from orchestrator.runtime.island_pool import RayIslandPool, island_bundle
 from orchestrator.runtime.names import coordinator_name
 from orchestrator.runtime.slices import start_slices
+from workers.runtime.no_dynamo import skip_dynamo_import
 
 log = logging.getLogger(__name__)
 
 
 class Coordinator:
-    def __init__(self, cfg: RunConfig, run_id: str = "local", log_level: int | None = None) -> None:
+    def __init__(
+        self, cfg: RunConfig, run_id: str = "local", log_level: int | None = None, prestarted: int = 0
+    ) -> None:
+        """`prestarted`: how many islands the command started for this run before this actor
+        (`prestart_islands`); its first pool adopts them, in this process's first life only
+        (a restarted coordinator re-attaches to its islands or replaces them, as after any
+        restart)."""
         if log_level is not None:  # the driver's -v/-q, for this process's log file too
             configure(log_level)
+        skip_dynamo_import()
         torch.set_num_threads(cfg.coordinator.threads)
         self.cfg, self.run_id = cfg, run_id
         self.metrics: Any = None
         self.tracking: Any = None  # `runtime/tracking.py`, when tracking.backends lists any
         self._events: Any = None  # the event log the trackers follow, and how far
         self._seen = 0
-        # every phase's islands watch this actor (they release themselves once it is gone)
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self._prestarted = 0 if restarted else prestarted
         self.phases = PhasedRun(
             cfg,
             run_id,
-            lambda c, rid: RayIslandPool(c, rid, coordinator_name(run_id)),
+            self._pool,
             slices=lambda c, params, bounds: start_slices(c, params, bounds, run_id),
             on_record=self._publish_metrics,
         )
+
+    def _pool(self, cfg: RunConfig, _phase_id: str) -> RayIslandPool:
+        """A phase's pool. Every phase's islands watch this actor (they release themselves
+        once it is gone) and are named by the run, not the phase: the main phase takes the
+        warm start's over, and finds them by those names after a restart."""
+        pool = RayIslandPool(cfg, self.run_id, coordinator_name(self.run_id))
+        pool.adopt_started(self._prestarted)
+        self._prestarted = 0
+        return pool
 
     @property
     def engine(self) -> RoundEngine:

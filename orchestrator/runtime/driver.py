@@ -23,7 +23,7 @@ from orchestrator.engine.records import RUN_ID
 from orchestrator.engine.types import RunFailed
 from orchestrator.engine.warm_start import check_warm_start, pending, warm_run_id
 from orchestrator.runtime.coordinator import Coordinator
-from orchestrator.runtime.island_pool import release_run
+from orchestrator.runtime.island_pool import prestart_islands, release_run
 from orchestrator.runtime.names import NAMESPACE, control_plane_name, coordinator_name
 from orchestrator.runtime.progress import ProgressPrinter
 from orchestrator.runtime.signals import StopRequest, stop_on_signals
@@ -70,7 +70,7 @@ def init_ray(cfg: RunConfig) -> bool:
     return True
 
 
-def start_coordinator(cfg: RunConfig, run_id: str) -> Any:
+def start_coordinator(cfg: RunConfig, run_id: str, prestarted: int = 0) -> Any:
     """The coordinator actor, pinned to this node so its outputs land where the user looks.
     Ray restarts it up to `checkpoint.max_restarts` times; it then resumes from its
     checkpoint. The pin is hard: with a soft one Ray at times placed it on an island's node
@@ -88,7 +88,7 @@ def start_coordinator(cfg: RunConfig, run_id: str) -> Any:
             max_task_retries=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
-        .remote(cfg, run_id, _configured_level())
+        .remote(cfg, run_id, _configured_level(), prestarted)
     )
 
 
@@ -179,6 +179,7 @@ def run(
     started_at = started_at or time.time()
     token = _api_token(cfg)
     load_task(cfg.task.factory, cfg.task.kwargs).prepare()  # build data caches once, before any actor
+    new_run = run_id is None
     run_id = run_id or uuid.uuid4().hex[:12]
     if cfg.warm_steps and not pending(cfg, run_id):
         check_warm_start(cfg)  # one to reuse, or this run's finished one: it must fit
@@ -191,7 +192,9 @@ def run(
     with stop_on_signals() as stop:  # from here on SIGTERM/SIGINT stop the run cleanly
         try:
             t0 = time.time()
-            coordinator = start_coordinator(cfg, run_id)
+            # a new run's islands start beside the coordinator, not after it (it adopts them)
+            prestarted = prestart_islands(cfg, run_id) if new_run else 0
+            coordinator = start_coordinator(cfg, run_id, prestarted)
             ray.get(coordinator.progress.remote())  # up; the API resolves the coordinator by name
             command["coordinator_s"] = time.time() - t0
             if cfg.api.enabled:

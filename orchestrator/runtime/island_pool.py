@@ -28,7 +28,9 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.config import RunConfig
+from orchestrator.engine.island_states import state_folder
 from orchestrator.engine.pool import Done, Failed, Joined, JoinFailed, PoolEvent, island_spec
+from orchestrator.engine.warm_start import pending, warm_config, warm_run_id
 from orchestrator.runtime.names import NAMESPACE, coordinator_name, island_name
 from workers.runtime.island import IslandSpec
 from workers.runtime.island_actor import RayIsland, actor_class
@@ -99,6 +101,22 @@ def start_island(
     return IslandHandle(index, actor, group)
 
 
+def prestart_islands(cfg: RunConfig, run_id: str) -> int:
+    """Start a new run's first islands from the command, before its coordinator exists,
+    so that their processes start (and import torch, and load the task) while the
+    coordinator's does: the coordinator's pool adopts them by name (`RayIslandPool.adopt`).
+    Returns how many. Islands of several workers are left to the coordinator (their group
+    forms when it places them)."""
+    phase, phase_id = (warm_config(cfg), warm_run_id(run_id)) if pending(cfg, run_id) else (cfg, run_id)
+    if phase.islands.workers != 1:
+        return 0
+    folder = state_folder(phase, phase_id)
+    for i in range(phase.islands.count):  # the specs the phase's engine asks for (else it renews them)
+        spec = island_spec(phase, i, phase.warm_steps, state_folder=folder)
+        start_island(phase, spec, run_id, request_group(phase, i, run_id))
+    return phase.islands.count
+
+
 def find_island(run_id: str, index: int) -> IslandHandle | None:
     """Re-attach to a live island of this run (after a coordinator restart)."""
     name = island_name(run_id, index)
@@ -158,6 +176,7 @@ class _Placing:
     spec: IslandSpec
     handle: IslandHandle | None = None
     ready_ref: Any = None
+    adopted: bool = False  # its process was started before this pool asked for it
 
 
 class RayIslandPool:
@@ -173,6 +192,7 @@ class RayIslandPool:
         self.work: dict[Any, tuple[int, int]] = {}  # object ref -> (ticket, island)
         self.published: tuple[int, Any] | None = None
         self.demanded: int | None = None
+        self.adopted: dict[int, IslandHandle] = {}  # the previous phase's islands (`adopt`)
 
     def now(self) -> float:
         return self.vt if self.virtual else time.time()
@@ -187,6 +207,11 @@ class RayIslandPool:
         self, island: int, start_step: int, *, state_folder: str | None = None, restore: SavedState | None = None
     ) -> None:
         spec = island_spec(self.cfg, island, start_step, state_folder=state_folder, restore=restore)
+        adopted = self.adopted.pop(island, None)
+        if adopted is not None:  # placed already: taken over in its process, it answers as `describe` does
+            ready = adopted.actor.rejoin.remote(spec)
+            self.placing[island] = _Placing(island, adopted.group, None, time.time(), spec, adopted, ready, True)
+            return
         group = request_group(self.cfg, island, self.run_id)
         self.placing[island] = _Placing(island, group, group.ready(), time.time(), spec)
 
@@ -206,7 +231,7 @@ class RayIslandPool:
         return sorted(i for i, (actors, _) in run_islands(self.run_id).items() if actors)
 
     def sweep(self, keep: set[int]) -> None:
-        release_islands(self.run_id, set(run_islands(self.run_id)) - keep)
+        release_islands(self.run_id, set(run_islands(self.run_id)) - keep - set(self.adopted))
 
     def cancel(self, island: int) -> None:
         p = self.placing.pop(island, None)
@@ -358,12 +383,34 @@ class RayIslandPool:
                         restored=restored,
                         startup=startup,
                         built_sha256=info.get("built_sha256"),
+                        adopted=p.adopted,
                     )
                 )
         return events
+
+    def hand_over(self, keep: set[int]) -> dict[int, Any]:
+        """Only single-worker islands carry over: an island of N workers is a process group
+        whose followers would have to be renewed with it, so it is placed anew."""
+        out = {}
+        for i in list(self.handles):
+            if i in keep and self.cfg.islands.workers == 1:
+                out[i] = self.handles.pop(i)
+            else:
+                self.release(i)
+        return out
+
+    def adopt(self, islands: dict[int, Any]) -> None:
+        self.adopted.update(islands)
+
+    def adopt_started(self, count: int) -> None:
+        """Adopt islands 0..count-1 of this run, found by name (`prestart_islands`)."""
+        self.adopt({i: h for i in range(count) if (h := find_island(self.run_id, i)) is not None})
 
     def close(self) -> None:
         for i in list(self.handles):
             self.release(i)
         for i in list(self.placing):
             self.cancel(i)
+        for handle in self.adopted.values():
+            release_island(handle)
+        self.adopted.clear()

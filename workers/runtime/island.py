@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from workers.runtime import inner_state
+from workers.runtime.no_dynamo import skip_dynamo_import
 from workers.runtime.optim import build_inner, muon_params
 from workers.runtime.shard_streams import ShardStreams
 from workers.tasks.task import load_task, split_batch, to_device
@@ -74,6 +75,7 @@ class Superseded(RuntimeError):
 class Island:
     def __init__(self, spec: IslandSpec) -> None:
         t0 = time.perf_counter()
+        skip_dynamo_import()
         torch.set_num_threads(spec.threads)
         self.spec = spec
         use_cuda = spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
@@ -119,6 +121,14 @@ class Island:
         # start's file), kept until the run moves past them; their hash decides whether it downloads them
         self.built, self.built_sha256 = _version0(spec, flat.full()) if spec.builds_version0 else (None, None)
         self.startup["model_s"] = time.perf_counter() - t0 - self.startup["task_s"]
+
+    def reset(self, spec: IslandSpec) -> None:
+        """Become the new island `spec` describes, in this process (the run's main phase
+        taking over a warm start's island): built exactly as a newly placed island is, so
+        training is the same; what carries over is the process, its imports and the task's
+        per-process caches, which are most of an island's start."""
+        self.data.close()
+        self.__init__(spec)  # type: ignore[misc]
 
     def order(self, version: int, steps: int, kind: WorkKind = WorkKind.TRAIN) -> WorkOrder:
         """A work order without a coordinator (in-process use): the island's own contiguous

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from workers.runtime.island import Island
+from workers.runtime.island import Island, IslandSpec
 from workers.wire.messages import RoundResult, Sliced, WorkOrder
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,15 @@ class RayIsland(Island):
         gone for `orphan_after_s`; returns at once (a daemon thread watches)."""
         args = (coordinator, namespace, group, orphan_after_s, poll_s)
         threading.Thread(target=_orphan_watch, args=args, daemon=True, name="orphan-watch").start()
+
+    def rejoin(self, spec: IslandSpec) -> dict[str, Any]:
+        """Taken over by a pool as the island `spec` describes; answers as `describe`. An
+        island started for this very spec that has not trained yet (the command starts a
+        new run's islands while the coordinator's process starts) is kept as it is; any
+        other is renewed (`Island.reset`)."""
+        if spec != self.spec or self.inner_steps_done or self.held is not None:
+            self.reset(spec)
+        return self.describe()
 
     def run(self, order: WorkOrder, params: Any) -> RoundResult:
         result = super().run(order, whole_params(params))

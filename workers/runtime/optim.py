@@ -11,7 +11,12 @@ from collections.abc import Iterable
 
 import torch
 
+from workers.runtime.no_dynamo import plain_step
 from workers.wire.spec import InnerConfig
+
+# torch's own optimizers, stepped without importing torch._dynamo (`no_dynamo.py`)
+AdamW = plain_step(torch.optim.AdamW)
+SGD = plain_step(torch.optim.SGD)
 
 
 def lr_factor(step: int, cfg: InnerConfig, total_steps: int) -> float:
@@ -60,13 +65,13 @@ def build_inner(
     parameters optimizer `muon` gives to Muon."""
     params = list(params)
     if cfg.optimizer == "adamw":
-        opt: torch.optim.Optimizer = torch.optim.AdamW(
+        opt: torch.optim.Optimizer = AdamW(
             params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=True
         )
     elif cfg.optimizer == "muon":
         opt = _MuonAdamW(cfg, params, muon or set())
     else:
-        opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        opt = SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     if start_step:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: join_factor(s, start_step, cfg, total_steps, rewarmup))
     else:
@@ -88,7 +93,7 @@ class _MuonAdamW(torch.optim.Optimizer):
             momentum=cfg.muon_momentum,
             adjust_lr_fn="match_rms_adamw",
         )
-        self.adamw = torch.optim.AdamW(rest, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=True)
+        self.adamw = AdamW(rest, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=True)
         # the same group dicts: the schedule's lr reaches both; one state dict: saved and restored as one
         super().__init__([*self.muon.param_groups, *self.adamw.param_groups], {})
         self._share_state()

@@ -49,6 +49,13 @@ class ShardStreams:
             return stream
         return self.task.train_batches(shard, self.num_shards, self.seed, pos)
 
+    def close(self) -> None:
+        """Stop every open stream (a read-ahead thread ends with its stream)."""
+        for _, stream in self.open.values():
+            if callable(getattr(stream, "close", None)):
+                stream.close()
+        self.open.clear()
+
     def states(self, shards: dict[int, int]) -> dict[int, Any]:
         """The saved state of each stream of `shards` that can save one, where it stands."""
         out = {}
