@@ -14,7 +14,7 @@ import pytest
 from orchestrator.engine.pool import Fault, FaultKind
 from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
 from tests.helpers import events, in_process_engine
-from workers.wire.handoff import HandOffMismatch, params_sha256, seal, verify
+from workers.wire.handoff import HandOffMismatch, params_digest, seal, verify
 from workers.wire.messages import WorkKind, WorkOrder
 
 
@@ -24,7 +24,7 @@ def test_the_digest_covers_the_parameters_and_the_orders_place_in_the_run():
         island=2, ticket=9, version=7, kind=WorkKind.TRAIN, steps=20, shards={3: 10, 1: 4},
         schedule_step=120, fragment=1, send_after=15,
     )  # fmt: skip
-    sealed = seal(order, params_sha256(params))
+    sealed = seal(order, params_digest(params))
     verify(sealed, params)
     verify(replace(sealed, shards={1: 4, 3: 10}), params)  # the same hand-off (shard order does not matter)
     verify(sealed, [params[:500], params[500:]])  # as a sliced coordinator's

@@ -7,7 +7,7 @@ in one run on one Ray instance:
   the outer Nesterov step. Bytes = K·P·4. One torch thread per process (the default),
   plus S = 1 with `coordinator.threads: 2`.
 - `round_gbps` (S = 1): the same, plus the broadcast, as a round has it: the coordinator
-  publishes the new parameters (`ray.put` and their SHA-256, as `Publisher` does) and
+  publishes the new parameters (`ray.put` and their digest, as `Publisher` does) and
   every island fetches them, checks the digest (a verified hand-off) and copies them into
   its model. This is what an all-reduce's result in every process compares with.
 - `gloo_allreduce_gbps`: the same K·P·4 bytes all-reduced by `torch.distributed` (gloo)
@@ -47,7 +47,7 @@ from orchestrator.runtime.slices import start_slices
 from workers.runtime.island_group import group_address
 from workers.wire.compress import encode
 from workers.wire.flat import slice_bounds
-from workers.wire.handoff import params_sha256
+from workers.wire.handoff import params_digest
 from workers.wire.messages import RoundResult, Sliced
 
 
@@ -64,7 +64,7 @@ class _Source:
     def receive(self, published: list[ray.ObjectRef], digest: str) -> None:
         """What an island does with a full download: fetch, check the digest, load it."""
         params = ray.get(published[0])
-        if params_sha256(params) != digest:
+        if params_digest(params) != digest:
             raise RuntimeError("the published parameters do not match their digest")
         np.copyto(self.model, params)
 
@@ -119,7 +119,7 @@ class _Aggregator:
     def publish(self) -> tuple[list[ray.ObjectRef], str | None]:
         """The new version as `Publisher.publish` makes it: put once, with its digest."""
         params = self.outer.params()
-        return [ray.put(params)], params_sha256(params)
+        return [ray.put(params)], params_digest(params)
 
 
 class _Reducer:

@@ -105,8 +105,8 @@ class InFlight:
             save_state=self.states.folder is not None
             and save_due(self.cfg, work.kind, self.stats.rounds_done, len(self.members.schedulable())),
         )
-        if delivery.params_sha256 is not None:
-            order = seal(order, delivery.params_sha256)
+        if delivery.params_digest is not None:
+            order = seal(order, delivery.params_digest)
         stats.inner_steps, stats.merge = work.steps, Merge.TRAINING
         allowed = self.cfg.deadline_s(work.steps, self.speeds.speeds.get(work.island))
         deadline = self.pool.now() + delivery.delay_s + allowed

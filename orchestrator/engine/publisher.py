@@ -20,7 +20,7 @@ from orchestrator.engine.outer_step import Outer
 from orchestrator.engine.pacing import Work
 from orchestrator.engine.pool import IslandPool
 from workers.wire.fragments import Fragments
-from workers.wire.handoff import params_sha256
+from workers.wire.handoff import params_digest
 from workers.wire.sync import Change
 
 
@@ -29,7 +29,7 @@ class Delivery:
     """What an island receives for its work."""
 
     params: Any  # the published parameters of its version, or None when changes suffice
-    params_sha256: str | None  # of `params` as published (None: changes, or remote slices)
+    params_digest: str | None  # of `params` as published (None: changes, or remote slices)
     changes: tuple[Change, ...]
     nbytes: int  # on its link
     bootstrap: bool  # its first full download (not one of the run's exchanges)
@@ -44,7 +44,7 @@ class Publisher:
         self.cfg, self.pool, self.outer, self.flat = cfg, pool, outer, flat
         self.refs: dict[int, Any] = {}  # version -> published parameters
         self.published_at: dict[int, float] = {}
-        self.digests: dict[int, str | None] = {}  # version -> SHA-256 of what was published (hand-offs)
+        self.digests: dict[int, str | None] = {}  # version -> digest of what was published (hand-offs)
         self.held: dict[int, int] = {}  # island -> version it holds (downloaded)
         self.version0: str | None = None  # digest of version 0 when islands can build it (`islands.build_version0`)
         self.built: set[int] = set()  # islands that hold the version 0 they built
@@ -63,7 +63,7 @@ class Publisher:
         before the results came back)."""
         params = self.downlink.copy.numpy() if self.downlink is not None else self.outer.params()
         self.refs[version] = self.pool.publish(version, params)
-        self.digests[version] = params_sha256(params)
+        self.digests[version] = params_digest(params)
         now = self.pool.now()
         self.published_at.setdefault(version, now if at is None else min(at, now))
         for old in [old for old in self.refs if old < version - 1]:
@@ -101,7 +101,7 @@ class Publisher:
         if work.island in self.built:
             if work.version == 0:
                 return Delivery(
-                    params=None, params_sha256=None, changes=(), nbytes=0, bootstrap=False, delay_s=0.0, built=True
+                    params=None, params_digest=None, changes=(), nbytes=0, bootstrap=False, delay_s=0.0, built=True
                 )
             self.built.discard(work.island)  # past version 0: changes from it, or the new version
         held = self.held.get(work.island)
@@ -125,7 +125,7 @@ class Publisher:
         digest = self.digests.get(work.version) if params is not None else None
         return Delivery(
             params=params,
-            params_sha256=digest,
+            params_digest=digest,
             changes=tuple(changes),
             nbytes=nbytes,
             bootstrap=bootstrap,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Any
 
 import ray
@@ -49,7 +50,9 @@ class Coordinator:
         self.tracking: Any = None  # `runtime/tracking.py`, when tracking.backends lists any
         self._events: Any = None  # the event log the trackers follow, and how far
         self._seen = 0
-        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        with warnings.catch_warnings():  # Ray's property reads its own deprecated `actor_id`
+            warnings.simplefilter("ignore", DeprecationWarning)
+            restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self._prestarted = 0 if restarted else prestarted
         self.phases = PhasedRun(
             cfg,
