@@ -23,6 +23,7 @@ from orchestrator.engine.checkpoints import load_checkpoint, one_run
 from tests.conftest import REPO
 from tests.helpers import TINY_LM
 from tests.http_server import free_port
+from tests.ray_processes import stop_ray
 
 pytestmark = pytest.mark.ray
 
@@ -69,7 +70,7 @@ def cluster(tmp_path_factory):
         env["ARCHIPELAGO_TEST_GCS"] = f"127.0.0.1:{gcs}"  # for tests that drive from this process
         yield env, f"http://127.0.0.1:{dash}"
     finally:
-        subprocess.run([RAY, "stop", "--force"], check=False, env=env, capture_output=True, timeout=120)
+        stop_ray()
 
 
 def _job(env, address, *args, timeout=120) -> subprocess.CompletedProcess:
