@@ -5,6 +5,7 @@ tasks.md runs, and the README keeps to its size and its two commands."""
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import types
@@ -113,6 +114,21 @@ def test_the_readme_is_short_and_gives_the_two_commands_ci_runs():
     cited = "ALGORITHMS " + "§"
     sources = [p for pkg in ("orchestrator", "workers", "api") for p in (REPO / pkg).rglob("*.py")]
     assert not [p.name for p in sources if cited in p.read_text()]
+
+
+def test_the_readmes_figures_are_the_benchmarks_json():
+    """What the README quotes from a benchmark is what that benchmark's JSON in docs/ holds."""
+    readme = (REPO / "README.md").read_text()
+    startup = json.loads((REPO / "docs" / "startup.json").read_text())["methods"]["default_cold"]
+    first = re.search(r"first step (\d+) s in", readme)
+    assert first is not None and int(first.group(1)) == round(startup["startup_seconds"])
+    warm = json.loads((REPO / "docs" / "warmstart.json").read_text())
+    row = warm["methods"][f"default_warm_{warm['shipped_warm_start']}_h25"]
+    moved = re.search(r"(\d+) MB moved, (\d+)× fewer than data-parallel", readme)
+    assert moved is not None
+    assert int(moved.group(1)) == int(row["bytes_communicated"] / 1e6)
+    assert int(moved.group(2)) == int(row["bytes_ratio_vs_ddp_at_equal_loss"])
+    assert f"eval loss {row['final_eval_loss']:.2f}," in readme and f"-> {row['final_eval_loss']:.4f} |" in readme
 
 
 def test_operations_lists_exactly_the_control_planes_routes():

@@ -25,7 +25,8 @@ from orchestrator.engine.commands import Answer, Command
 from orchestrator.engine.engine import RoundEngine
 from orchestrator.engine.types import SliceLost
 from orchestrator.logs import configure
-from orchestrator.runtime.island_pool import RayIslandPool, island_bundle
+from orchestrator.runtime.island_actors import island_bundle
+from orchestrator.runtime.island_pool import RayIslandPool
 from orchestrator.runtime.names import coordinator_name
 from orchestrator.runtime.slices import start_slices
 from workers.runtime.no_dynamo import skip_dynamo_import

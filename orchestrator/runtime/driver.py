@@ -23,7 +23,7 @@ from orchestrator.engine.records import RUN_ID
 from orchestrator.engine.types import RunFailed
 from orchestrator.engine.warm_start import check_warm_start, pending, warm_run_id
 from orchestrator.runtime.coordinator import Coordinator
-from orchestrator.runtime.island_pool import prestart_islands, release_run
+from orchestrator.runtime.island_actors import prestart_islands, release_run
 from orchestrator.runtime.names import NAMESPACE, control_plane_name, coordinator_name
 from orchestrator.runtime.progress import ProgressPrinter
 from orchestrator.runtime.signals import StopRequest, stop_on_signals
