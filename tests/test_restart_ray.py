@@ -98,19 +98,19 @@ def _events_after_restart(path, kind: str, count: int, timeout_s: float = 60.0) 
 
 
 def test_a_coordinator_killed_mid_round_keeps_every_busy_island_and_its_state(ray_local, tmp_path):
-    """Rounds of 60 s, the coordinator's process SIGKILLed mid-round. Before: the restarted
+    """Rounds of 60 s (120 steps of 0.5 s), the coordinator's process SIGKILLed mid-round. Before: the restarted
     coordinator's `describe` waited behind each island's round in flight; after 30 s it
     killed the island and placed a new one (a fresh inner optimizer), one after another."""
     out = f"out_dir={tmp_path / 'out'}"
     common = ("inner.optimizer=adamw", "checkpoint.every_rounds=1", "elastic.placement_timeout_s=60", out)
     # a first round of 2 steps leaves the checkpoint a restart resumes from ...
     run(
-        load_config(None, toy_quadratic(2, 1.0, "inner_steps=2", "rounds=1", *common)),
+        load_config(None, toy_quadratic(2, 0.5, "inner_steps=2", "rounds=1", *common)),
         show_progress=False,
         run_id="busy",
     )
-    # ... then the run goes on with rounds of 60 inner steps of 1 s
-    cfg = load_config(None, toy_quadratic(2, 1.0, "inner_steps=60", "rounds=2", *common))
+    # ... then the run goes on with rounds of 120 inner steps of 0.5 s
+    cfg = load_config(None, toy_quadratic(2, 0.5, "inner_steps=120", "rounds=2", *common))
     thread, box = run_until_records(cfg, "busy", 1, timeout_s=5)
     before = _wait_busy("busy", 2, steps_past=5)
     coordinator = ray.get_actor("archipelago-busy-coordinator", namespace=NAMESPACE)
@@ -118,7 +118,7 @@ def test_a_coordinator_killed_mid_round_keeps_every_busy_island_and_its_state(ra
     os.kill(pid, signal.SIGKILL)
     killed = time.time()
     # the new coordinator takes every island over within seconds (not 30 s an island behind
-    # its round); each gives up the dead coordinator's round at its next 1 s step
+    # its round); each gives up the dead coordinator's round at its next 0.5 s step
     reattached = _events_after_restart(tmp_path / "out" / "events.jsonl", "reattach", 2)
     assert max(e["time"] for e in reattached) - killed < 30
     now = max(s["inner_steps_done"] for s in _islands("busy", 2))
