@@ -74,7 +74,7 @@ def read_piece(piece: Piece) -> list[str]:
     if piece.kind == "parquet":
         import pyarrow.parquet as pq
 
-        texts = pq.read_table(piece.location, columns=[piece.column]).column(0).to_pylist()
+        texts = pq.ParquetFile(piece.location).read(columns=[piece.column]).column(0).to_pylist()
     elif piece.kind == "jsonl":
         from pyarrow import json as pa_json
 

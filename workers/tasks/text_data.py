@@ -27,9 +27,12 @@ CORPUS_ORDER_SEED = 1234  # the same on every island: the iid shuffle must agree
 
 
 def read_parquet_texts(files: Sequence[Path | str], column: str = "text") -> list[str]:
+    """The column's texts, file by file. `ParquetFile.read`, not `read_table`: the latter
+    imports `pyarrow.dataset` and pandas (0.27 s against 5 ms for the default corpus, on
+    the coordinator's path to its first dispatch)."""
     texts: list[str] = []
     for f in files:
-        table = pq.read_table(f, columns=[column])
+        table = pq.ParquetFile(f).read(columns=[column])
         texts.extend(table.column(column).to_pylist())
     return texts
 
