@@ -18,7 +18,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 
 from api import prometheus
-from api.auth import TokenSource, bearer_guard
+from api.auth import TokenSource
+from api.guard import bearer_guard
 from api.handle import HandleError, RunHandle
 from api.limits import MAX_BODY, FrontDoor
 from api.schemas import Accepted, Target

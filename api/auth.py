@@ -18,10 +18,6 @@ import ipaddress
 import logging
 import os
 from pathlib import Path
-from typing import Annotated
-
-from fastapi import Depends, HTTPException, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 MIN_TOKEN_LENGTH = 16
 PLACEHOLDERS = frozenset({"change-me", "changeme", "change_me", "secret", "token", "password", "replace-me"})
@@ -117,11 +113,6 @@ def check_exposure(host: str, token: str | None) -> None:
         )
 
 
-# auto_error=False: the missing-credentials answer is ours (401 with a reason); the scheme
-# still appears in the OpenAPI document, so clients and the docs page know to send it.
-_bearer = HTTPBearer(auto_error=False, description="the run's API token (ARCHIPELAGO_API_TOKEN_FILE)")
-
-
 def token_status(header: bytes, expected: bytes | None, what: str = "mutations") -> tuple[int, str] | None:
     """(status, reason) refusing a request with this raw `Authorization` header, or None.
     On bytes, in constant time: any bytes a client sends are compared as they came (a str
@@ -133,17 +124,3 @@ def token_status(header: bytes, expected: bytes | None, what: str = "mutations")
     if not hmac.compare_digest(header[7:].strip(), expected):
         return 403, "wrong token"
     return None
-
-
-def bearer_guard(token: TokenSource, what: str = "mutations"):
-    """A FastAPI dependency: 401 without credentials, 403 with wrong ones."""
-
-    def check(request: Request, _scheme: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
-        # `_scheme` puts the bearer scheme in the OpenAPI document; the check reads the raw
-        # header. The server decodes header bytes as latin-1: encoding back gives the bytes sent
-        refused = token_status(request.headers.get("authorization", "").encode("latin-1"), token.current(), what)
-        if refused is not None:
-            status, reason = refused
-            raise HTTPException(status, reason, headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
-
-    return check

@@ -22,9 +22,10 @@ from orchestrator.engine.commands import Stop
 from orchestrator.engine.records import RUN_ID
 from orchestrator.engine.types import RunFailed
 from orchestrator.engine.warm_start import check_warm_start, pending, warm_run_id
+from orchestrator.runtime.control_plane import ControlPlane, api_token
 from orchestrator.runtime.coordinator import Coordinator
 from orchestrator.runtime.island_actors import prestart_islands, release_run
-from orchestrator.runtime.names import NAMESPACE, control_plane_name, coordinator_name
+from orchestrator.runtime.names import NAMESPACE, coordinator_name
 from orchestrator.runtime.progress import ProgressPrinter
 from orchestrator.runtime.signals import StopRequest, stop_on_signals
 from workers.runtime.storage import durable_write
@@ -99,50 +100,6 @@ def _configured_level() -> int | None:
     return level or None
 
 
-def start_control_plane(cfg: RunConfig, run_id: str, token: str | None) -> Any:
-    """The API/dashboard actor, on this node (the address the user is told), serving
-    `cfg.api.host:port`. The token travels as a constructor argument, never in the
-    actor's runtime env, which anyone who can list actors could read."""
-    from api.auth import configured_source
-    from api.server import ControlPlane
-
-    node_id = ray.get_runtime_context().get_node_id()
-    actor: Any = (
-        ray.remote(ControlPlane)
-        .options(
-            name=control_plane_name(run_id),
-            namespace=NAMESPACE,
-            num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        )
-        .remote(
-            run_id,
-            cfg.api.host,
-            cfg.api.port,
-            configured_source(token),
-            cfg.api.public_reads,
-            (cfg.api.tls_cert, cfg.api.tls_key) if cfg.api.tls_cert and cfg.api.tls_key else None,
-        )
-    )
-    log.info("control plane: %s  (dashboard at /, API at /v1, docs at /docs)", ray.get(actor.address.remote()))
-    return actor
-
-
-def _api_token(cfg: RunConfig) -> str | None:
-    """The control plane's token, checked before anything starts: an exposed control plane
-    without a usable token is refused (api/auth.py)."""
-    if not cfg.api.enabled:
-        return None
-    from api.auth import ExposureError, check_exposure, configured_token
-
-    try:
-        token = configured_token()
-        check_exposure(cfg.api.host, token)
-    except ExposureError as err:
-        raise RunFailed(f"control plane refused: {err}") from err
-    return token
-
-
 def _poll(coordinator: Any, printer: ProgressPrinter | None) -> None:
     try:
         progress = ray.get(coordinator.progress.remote(), timeout=10)
@@ -177,7 +134,7 @@ def run(
     of an earlier run (with the same `checkpoint.path`) to resume it. `started_at`: when the
     command started (default: now), what `startup_seconds` counts from."""
     started_at = started_at or time.time()
-    token = _api_token(cfg)
+    token = api_token(cfg)
     load_task(cfg.task.factory, cfg.task.kwargs).prepare()  # build data caches once, before any actor
     new_run = run_id is None
     run_id = run_id or uuid.uuid4().hex[:12]
@@ -188,26 +145,26 @@ def run(
     started = init_ray(cfg)
     command["ray_s"] = time.time() - t0
     printer = ProgressPrinter() if show_progress else None
-    coordinator = control_plane = None
+    coordinator = None
+    control_plane = ControlPlane(cfg, run_id, token)
     with stop_on_signals() as stop:  # from here on SIGTERM/SIGINT stop the run cleanly
         try:
             t0 = time.time()
             # a new run's islands start beside the coordinator, not after it (it adopts them)
             prestarted = prestart_islands(cfg, run_id) if new_run else 0
             coordinator = start_coordinator(cfg, run_id, prestarted)
-            ray.get(coordinator.progress.remote())  # up; the API resolves the coordinator by name
+            control_plane.start()  # while the coordinator starts: its handle resolves the coordinator's name
+            ray.get(coordinator.progress.remote())  # up
             command["coordinator_s"] = time.time() - t0
-            if cfg.api.enabled:
-                control_plane = start_control_plane(cfg, run_id, token)
             summary = _drive(cfg, coordinator, printer, poll_s, stop)
             if printer:
                 _poll(coordinator, printer)
                 printer.close()
             return record_startup(cfg, summary, started_at, command)
         finally:
-            for actor in (control_plane, coordinator):
-                if actor is not None:
-                    ray.kill(actor, no_restart=True)
+            control_plane.close()
+            if coordinator is not None:
+                ray.kill(coordinator, no_restart=True)
             release_run(run_id)
             release_run(warm_run_id(run_id))
             if started:
@@ -238,7 +195,11 @@ def record_startup(
 
 
 def _drive(
-    cfg: RunConfig, coordinator: Any, printer: ProgressPrinter | None, poll_s: float, stop: StopRequest
+    cfg: RunConfig,
+    coordinator: Any,
+    printer: ProgressPrinter | None,
+    poll_s: float,
+    stop: StopRequest,
 ) -> dict[str, Any]:
     """Wait for the coordinator's run, showing progress, forwarding a stop signal, and
     waiting out Ray's restarts of a coordinator that died."""

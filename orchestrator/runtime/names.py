@@ -20,9 +20,5 @@ def run_id_of_coordinator(name: str) -> str | None:
     return name[len(prefix) : -len(suffix)] if name.startswith(prefix) and name.endswith(suffix) else None
 
 
-def control_plane_name(run_id: str) -> str:
-    return f"archipelago-{run_id}-api"
-
-
 def slice_name(run_id: str, k: int, incarnation: str) -> str:
     return f"archipelago-{run_id}-slice-{k}-{incarnation}"

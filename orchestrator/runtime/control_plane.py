@@ -1,0 +1,69 @@
+"""The run's control plane (`api/`) as the driver runs it: served from a thread of the
+driver's own process, which lives as long as the run on the node the user was told, and
+outlives a coordinator that Ray restarts. It is started right after the coordinator is
+asked for (its handle resolves the coordinator's name) and serves before the run begins,
+so the API can see and steer a run from its first round.
+
+It was an actor of its own: one more process starting (Ray's worker, FastAPI, uvicorn:
+about 1 s of CPU) beside the coordinator and the islands, which added 1–2 s to the first
+inner step on 2 cores; and an actor outlived a driver killed with SIGKILL, where a thread
+ends with it. The token never leaves this process."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from orchestrator.config import RunConfig
+from orchestrator.engine.types import RunFailed
+
+log = logging.getLogger(__name__)
+
+
+def api_token(cfg: RunConfig) -> str | None:
+    """The control plane's token, checked before anything starts: an exposed control plane
+    without a usable token is refused (api/auth.py)."""
+    if not cfg.api.enabled:
+        return None
+    from api.auth import ExposureError, check_exposure, configured_token
+
+    try:
+        token = configured_token()
+        check_exposure(cfg.api.host, token)
+    except ExposureError as err:
+        raise RunFailed(f"control plane refused: {err}") from err
+    return token
+
+
+class ControlPlane:
+    """`start` serves `cfg.api.host:port` (returns once it listens; a port it cannot take
+    fails the run before it trains), `close` stops it. Nothing when `api.enabled` is off."""
+
+    def __init__(self, cfg: RunConfig, run_id: str, token: str | None) -> None:
+        self.cfg, self.run_id, self.token = cfg, run_id, token
+        self.server: Any = None
+
+    def start(self) -> None:
+        if not self.cfg.api.enabled:
+            return
+        from api.auth import configured_source
+        from api.server import ControlPlane as Server
+
+        api = self.cfg.api
+        try:
+            self.server = Server(
+                self.run_id,
+                api.host,
+                api.port,
+                configured_source(self.token),
+                api.public_reads,
+                (api.tls_cert, api.tls_key) if api.tls_cert and api.tls_key else None,
+            )
+        except (RuntimeError, OSError, ValueError) as err:
+            raise RunFailed(f"the control plane did not start: {err}") from err
+        log.info("control plane: %s  (dashboard at /, API at /v1, docs at /docs)", self.server.address())
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server = None
