@@ -1,8 +1,9 @@
 """`startup`: from the command to the first inner step (and to the first outer step), as a
 user meets it: each row is `python -m orchestrator.cli run` in a fresh process (its
 imports counted), with its own private Ray (cold) or joining a Ray already running
-(`ray start --head`, warm), for the default config as shipped (its control plane
-included) and for k = 1, 2, 4, 8 islands (without one).
+(`ray start --head`, warm), for the default config and for k = 1, 2, 4, 8 islands (none
+serves the control plane: `api.enabled` is off by default, and its start is measured
+apart, in `docs/benchmark-findings.md`).
 
 Where the seconds go comes from the run's own `summary.json` (`startup`): the command
 before Ray (interpreter, imports, config, data cache), Ray's start, the coordinator
@@ -34,7 +35,7 @@ COUNTS = (1, 2, 4, 8)
 REPEATS = 3  # the default config's rows (the checks): the median of 3 fresh runs, each one shown
 # the default config, cut to what reaching the first outer step needs (its start-up does
 # not depend on how long it trains): a 2-step warm start still forks, 1 round of 5 steps
-DEFAULT = ["warm_start.steps=2", "rounds=1", "inner_steps=5"]  # with its control plane, as shipped
+DEFAULT = ["warm_start.steps=2", "rounds=1", "inner_steps=5"]  # as shipped: `api.enabled` is off by default
 PARTS = (
     ("before Ray", ("command", "before_ray_s")),
     ("Ray start", ("command", "ray_s")),
