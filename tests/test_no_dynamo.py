@@ -22,9 +22,8 @@ RUN = textwrap.dedent(
     from orchestrator.config_load import load_config
     from orchestrator.engine.build import PhasedRun
     from orchestrator.engine.pool import InProcessPool
-    from workers.runtime.no_dynamo import skip_dynamo_import
 
-    skip_dynamo_import()  # as the coordinator and every island do first
+    # nothing called first: importing the modules that build optimizers applies it
     for i, sets in enumerate(sys.argv[2:]):
         cfg = load_config(None, [*sets.split(), "checkpoint.every_rounds=1", f"out_dir={sys.argv[1]}/{i}"])
         summary = PhasedRun(cfg, f"r{i}", lambda c, _: InProcessPool(c)).execute()

@@ -22,7 +22,7 @@ from orchestrator.engine.outputs import OnRecord
 from orchestrator.engine.policies import build_policies, outer_rule, run_inbox
 from orchestrator.engine.pool import IslandPool
 from orchestrator.engine.types import Phase, RunFailed, RunPhase
-from orchestrator.engine.warm_start import WarmStart, load_warm_start, mark_finished, pending, warm_config, warm_run_id
+from orchestrator.engine.warm_start import WarmStart, first_phase, load_warm_start, mark_finished
 from workers.tasks.task import load_task
 from workers.wire.flat import FlatParams, slice_bounds
 from workers.wire.fragments import FragmentedTask, fragment_model
@@ -117,9 +117,10 @@ class PhasedRun:
     def __init__(self, cfg: RunConfig, run_id: str, make_pool: PoolFactory, **engine: Any) -> None:
         self.cfg, self.run_id, self.make_pool, self.options = cfg, run_id, make_pool, engine
         self.inbox = run_inbox(cfg)
-        self.warm_cfg = warm_config(cfg) if pending(cfg, run_id) else None
-        if self.warm_cfg is not None:
-            wid = warm_run_id(run_id)
+        warm = first_phase(cfg, run_id)
+        self.warm_cfg: RunConfig | None = None
+        if warm is not None:
+            self.warm_cfg, wid = warm
             pool = make_pool(self.warm_cfg, wid)
             self.engine = build_engine(
                 self.warm_cfg, pool, wid, inbox=self.inbox, takes_changes=False, hands_over=True, **engine

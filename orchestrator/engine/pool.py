@@ -241,10 +241,10 @@ class InProcessPool:
         if island in self.unplaceable:
             return
         spec = island_spec(self.cfg, island, start_step, state_folder=state_folder, restore=restore)
-        carried = self.adopted.pop(island, None)
-        if carried is not None:
-            carried.reset(spec)
-        self.islands[island] = carried or Island(spec)
+        adopted = self.adopted.pop(island, None)
+        if adopted is not None:
+            adopted.reset(spec)
+        self.islands[island] = adopted or Island(spec)
         self._at(
             self.t + self.join_s,
             Joined(
@@ -254,7 +254,7 @@ class InProcessPool:
                 restored=self.islands[island].restored,
                 startup=dict(self.islands[island].startup),
                 built_sha256=self.islands[island].built_sha256,
-                adopted=carried is not None,
+                adopted=adopted is not None,
             ),
         )
 

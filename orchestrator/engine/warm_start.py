@@ -107,6 +107,12 @@ def pending(cfg: RunConfig, run_id: str) -> bool:
     return record is None or record.get("run_id") != warm_run_id(run_id)
 
 
+def first_phase(cfg: RunConfig, run_id: str) -> tuple[RunConfig, str] | None:
+    """The warm phase's config and run id when run `run_id` has its warm start still to
+    train (what runs first, and so what its first islands are built for), else None."""
+    return (warm_config(cfg), warm_run_id(run_id)) if pending(cfg, run_id) else None
+
+
 def finished_record(folder: Path) -> dict[str, Any] | None:
     """The record a finished warm start left in `folder`, or None if there is none."""
     try:

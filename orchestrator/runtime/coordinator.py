@@ -29,7 +29,6 @@ from orchestrator.runtime.island_actors import island_bundle
 from orchestrator.runtime.island_pool import RayIslandPool
 from orchestrator.runtime.names import coordinator_name
 from orchestrator.runtime.slices import start_slices
-from workers.runtime.no_dynamo import skip_dynamo_import
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +43,6 @@ class Coordinator:
         restart)."""
         if log_level is not None:  # the driver's -v/-q, for this process's log file too
             configure(log_level)
-        skip_dynamo_import()
         torch.set_num_threads(cfg.coordinator.threads)
         self.cfg, self.run_id = cfg, run_id
         self.metrics: Any = None

@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from orchestrator.config import RunConfig
 from orchestrator.engine.island_states import state_folder
 from orchestrator.engine.pool import island_spec
-from orchestrator.engine.warm_start import pending, warm_config, warm_run_id
+from orchestrator.engine.warm_start import first_phase
 from orchestrator.runtime.names import NAMESPACE, coordinator_name, island_name
 from workers.runtime.island import IslandSpec
 from workers.runtime.island_actor import RayIsland, actor_class
@@ -100,7 +100,7 @@ def prestart_islands(cfg: RunConfig, run_id: str) -> int:
     coordinator's does: the coordinator's pool adopts them by name (`RayIslandPool.adopt`).
     Returns how many. Islands of several workers are left to the coordinator (their group
     forms when it places them)."""
-    phase, phase_id = (warm_config(cfg), warm_run_id(run_id)) if pending(cfg, run_id) else (cfg, run_id)
+    phase, phase_id = first_phase(cfg, run_id) or (cfg, run_id)
     if phase.islands.workers != 1:
         return 0
     folder = state_folder(phase, phase_id)

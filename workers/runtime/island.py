@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from workers.runtime import inner_state
-from workers.runtime.no_dynamo import skip_dynamo_import
 from workers.runtime.optim import build_inner, muon_params
 from workers.runtime.shard_streams import ShardStreams
 from workers.tasks.task import load_task, split_batch, to_device
@@ -75,7 +74,6 @@ class Superseded(RuntimeError):
 class Island:
     def __init__(self, spec: IslandSpec) -> None:
         t0 = time.perf_counter()
-        skip_dynamo_import()
         torch.set_num_threads(spec.threads)
         self.spec = spec
         use_cuda = spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())

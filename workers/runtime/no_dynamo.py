@@ -10,7 +10,11 @@ it was the largest part of every island's start and of the coordinator's, paid b
 processes side by side on 2 cores. Archipelago never compiles an optimizer
 (`inner.compile` compiles the model's forward only), so its processes skip it.
 
-Both changes call the very functions torch would, so results are bitwise the same
+Importing this module applies the first change (`skip_dynamo_import`, idempotent): the
+modules that build optimizers (`workers/runtime/optim.py` for the islands and ddp,
+`orchestrator/engine/policies.py` for the outer step, in the coordinator and in every
+coordinator slice) import it, so no process has to remember a call before its first
+optimizer. Both changes call the very functions torch would, so results are bitwise the same
 (`tests/test_no_dynamo.py`); where torch's wrappers are not what this module expects, it
 changes nothing and torch imports `torch._dynamo` as before.
 """
@@ -54,3 +58,6 @@ def plain_step(cls: T) -> T:
             return raw(self, closure)
 
     return type(cls.__name__, (cls,), {"step": step, "__doc__": cls.__doc__, "__module__": __name__})  # type: ignore[return-value]
+
+
+skip_dynamo_import()
