@@ -99,3 +99,23 @@ def test_run_refuses_a_folder_it_cannot_write_before_anything_starts(tmp_path, c
     err = capsys.readouterr().err
     assert f"invalid config: {field}: {taken} is a file, not a folder" in err
     assert taken.read_text() == "not a folder"
+
+
+def test_a_commands_start_is_read_to_the_tick_not_to_the_boot_times_second():
+    """`startup_seconds` counts from the process's start: a child stamps its own start
+    within a few clock ticks after its parent's clock read before spawning it (the
+    boot time in whole seconds put it up to a second early)."""
+    import subprocess
+    import sys
+    import time
+
+    before = time.time()
+    out = subprocess.run(
+        [sys.executable, "-c", "from orchestrator.runtime.driver import process_started_at; print(process_started_at())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    after = time.time()
+    tick = 0.011  # /proc counts in clock ticks of 10 ms
+    assert before - tick <= float(out.stdout) <= after
