@@ -138,3 +138,27 @@ def test_a_stalled_island_is_left_behind_by_the_round_deadline(ray_local, tmp_pa
     assert time.perf_counter() - t0 < 25
     assert summary["islands"]["2"]["late_results"] >= 1
     assert summary["islands"]["0"]["rounds_contributed"] == 3
+
+
+def test_the_first_run_forking_from_a_warm_start_builds_version_0_on_every_island(ray_local, tmp_path):
+    """With `islands.build_version0`, the first run to fork from a finished warm start
+    writes the file its islands load version 0 from (its coordinator does): the command
+    starts no island before that file is there, so none finds it missing and downloads
+    the model instead."""
+    first = _quadratic(tmp_path, "rounds=1", "inner_steps=2", "warm_start.steps=4")
+    run(first, show_progress=False)
+    warm = Path(first.out_dir) / "warm_start"
+    assert not (warm / "version0.npy").exists()
+    cfg = _quadratic(
+        tmp_path,
+        "rounds=1",
+        "inner_steps=2",
+        "warm_start.steps=4",
+        f"warm_start.path={warm}",
+        "islands.build_version0=true",
+        f"out_dir={tmp_path / 'fork'}",
+    )
+    summary = run(cfg, show_progress=False)
+    assert summary["bytes_bootstrap"] == 0
+    joins = [e for e in events(Path(cfg.out_dir)) if e["kind"] == "join"]
+    assert [e["version0"] for e in joins] == ["built"] * 3

@@ -5,7 +5,11 @@ in one run on one Ray instance:
   the islands' object stores; the time for the production servers (one coordinator, or S
   shard actors) to fetch them, screen them (finite, norm guard), average them and take
   the outer Nesterov step. Bytes = K·P·4. One torch thread per process (the default),
-  plus S = 1 with `coordinator.threads: 2`.
+  plus S = 1 with `coordinator.threads: 2`. With the page faults the coordinator's process
+  took per round: the store's pages it had not mapped yet.
+- `coordinator_gbps_s1_mapped`: the same work for S = 1 on the same pseudo-gradients
+  copied once into the coordinator's own memory, so no page is mapped on the way: how
+  much of the gap to memcpy is reading fresh object-store pages.
 - `round_gbps` (S = 1): the same, plus the broadcast, as a round has it: the coordinator
   publishes the new parameters (`ray.put` and their digest, as `Publisher` does) and
   every island fetches them, checks the digest (a verified hand-off) and copies them into
@@ -24,6 +28,7 @@ GB/s are 1e9 bytes per second. Each measurement is the median of several repetit
 from __future__ import annotations
 
 import json
+import resource
 import statistics
 import time
 from datetime import timedelta
@@ -102,13 +107,28 @@ class _Aggregator:
             self.outer = LocalOuter(flat, outer_rule(cfg))
         self.admission = build_policies(cfg, numel).admission
         self.version = 0
+        self.local: list[tuple[int, np.ndarray]] = []
 
-    def aggregate(self, refs: list[ray.ObjectRef]) -> float:
+    def aggregate(self, refs: list[ray.ObjectRef]) -> tuple[float, int]:
+        """A round's aggregation of the results in the object store: (seconds, the page
+        faults this process took meanwhile: the store's pages it had not mapped yet)."""
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         results = ray.get(refs)
-        contributions = [
-            Contribution(island=r.island, version=r.version, delta=r.delta(), weight=r.weight) for r in results
-        ]
+        deltas = [(r.island, r.delta()) for r in results]  # arrays, or S slices' references
+        seconds = self._step(deltas, t0)
+        if not self.local and all(isinstance(d, np.ndarray) for _, d in deltas):
+            self.local = [(i, np.array(d)) for i, d in deltas]
+        return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+
+    def aggregate_mapped(self) -> float:
+        """The same work on the first round's pseudo-gradients copied into this process's
+        own memory once (pages mapped): what reading the store's fresh pages costs is the
+        difference."""
+        return self._step(self.local, time.perf_counter())
+
+    def _step(self, deltas: list[tuple[int, Any]], t0: float) -> float:
+        contributions = [Contribution(island=i, version=self.version, delta=d, weight=1000) for i, d in deltas]
         key, facts = self.outer.inspect(contributions)
         verdicts = [self.admission.judge(c, f, self.version, self.version) for c, f in zip(contributions, facts)]
         assert all(v.admitted for v in verdicts), verdicts
@@ -174,21 +194,28 @@ def coordinator_gbps(
     agg: Any = ray.remote(_Aggregator).options(num_cpus=0, max_concurrency=1).remote(cfg, numel)
     times: list[float] = []
     rounds: list[float] = []
+    mapped: list[float] = []
+    faults: list[int] = []
     for v in range(reps + 1):  # the first repetition warms up (allocations, shard start)
         refs = [s.result.remote(v) for s in sources]
         ray.wait(refs, num_returns=len(refs))
         t0 = time.perf_counter()
-        elapsed = ray.get(agg.aggregate.remote(refs))
+        elapsed, faulted = ray.get(agg.aggregate.remote(refs))
         if broadcast:
             published, digest = ray.get(agg.publish.remote())
             ray.get([s.receive.remote(published, digest) for s in sources])
         if v:
             times.append(elapsed)
+            faults.append(faulted)
             rounds.append(time.perf_counter() - t0)
+            if shards == 1:
+                mapped.append(ray.get(agg.aggregate_mapped.remote()))
     for a in (*sources, agg):
         ray.kill(a)
     seconds, nbytes = statistics.median(times), islands * numel * 4
-    out = {"seconds": seconds, "gbps": nbytes / seconds / 1e9}
+    out = {"seconds": seconds, "gbps": nbytes / seconds / 1e9, "page_faults": statistics.median(faults)}
+    if mapped:
+        out.update(mapped_seconds=statistics.median(mapped), mapped_gbps=nbytes / statistics.median(mapped) / 1e9)
     if broadcast:
         round_s = statistics.median(rounds)
         out.update(round_seconds=round_s, round_gbps=nbytes / round_s / 1e9)
@@ -261,7 +288,18 @@ def datapath(quick: bool, work: Path) -> BenchResult:
         },
         "overhead_lt_5pct_default_h": {"value": overhead["sync_s1"], "ok": overhead["sync_s1"] < 0.05},
     }
-    methods = {f"coordinator_s{s}": {"gbps": c["gbps"], "seconds_per_round": c["seconds"]} for s, c in coord.items()}
+    methods = {
+        f"coordinator_s{s}": {
+            "gbps": c["gbps"],
+            "seconds_per_round": c["seconds"],
+            "page_faults_per_round": c["page_faults"],
+        }
+        for s, c in coord.items()
+    }
+    methods["coordinator_s1_mapped"] = {
+        "gbps": coord[1]["mapped_gbps"],
+        "seconds_per_round": coord[1]["mapped_seconds"],
+    }
     methods["round_s1_with_broadcast"] = {"gbps": with_broadcast, "seconds_per_round": coord[1]["round_seconds"]}
     methods["coordinator_s1_2threads"] = {"gbps": threaded["gbps"], "seconds_per_round": threaded["seconds"]}
     methods["gloo_allreduce"] = {"gbps": gloo["gbps"], "seconds_per_round": gloo["seconds"]}
@@ -292,6 +330,8 @@ def datapath(quick: bool, work: Path) -> BenchResult:
         extra={
             "coordinator_gbps": {str(s): c["gbps"] for s, c in coord.items()},
             "coordinator_gbps_s1_2threads": threaded["gbps"],
+            "coordinator_gbps_s1_mapped": coord[1]["mapped_gbps"],
+            "coordinator_page_faults_per_round": {str(s): c["page_faults"] for s, c in coord.items()},
             "round_gbps_with_broadcast": with_broadcast,
             "gloo_allreduce_gbps": gloo["gbps"],
             "memcpy_gbps": memcpy,
@@ -315,9 +355,25 @@ def _markdown(
     checks: dict[str, dict[str, Any]],
 ) -> str:
     mb = islands * numel * 4 / 1e6
-    rows = [[f"coordinator, S = {s}", f"{c['gbps']:.2f}", f"{1000 * c['seconds']:.0f}"] for s, c in coord.items()]
+    rows = [
+        [f"coordinator, S = {s}", f"{c['gbps']:.2f}", f"{1000 * c['seconds']:.0f}", f"{c['page_faults']:.0f}"]
+        for s, c in coord.items()
+    ]
     rows.append(
-        ["coordinator, S = 1, `coordinator.threads: 2`", f"{threaded['gbps']:.2f}", f"{1000 * threaded['seconds']:.0f}"]
+        [
+            "coordinator, S = 1, `coordinator.threads: 2`",
+            f"{threaded['gbps']:.2f}",
+            f"{1000 * threaded['seconds']:.0f}",
+            f"{threaded['page_faults']:.0f}",
+        ]
+    )
+    rows.append(
+        [
+            "coordinator, S = 1, the same pseudo-gradients already in its memory (pages mapped)",
+            f"{coord[1]['mapped_gbps']:.2f}",
+            f"{1000 * coord[1]['mapped_seconds']:.0f}",
+            "0",
+        ]
     )
     first = coord[1]
     rows.append(
@@ -325,17 +381,21 @@ def _markdown(
             "a round, S = 1, with the broadcast (publish, fetch, verify, load)",
             f"{first['round_gbps']:.2f}",
             f"{1000 * first['round_seconds']:.0f}",
+            "–",
         ]
     )
     rows += [
-        ["gloo all-reduce", f"{gloo['gbps']:.2f}", f"{1000 * gloo['seconds']:.0f}"],
-        ["memcpy", f"{memcpy:.2f}", "–"],
+        ["gloo all-reduce", f"{gloo['gbps']:.2f}", f"{1000 * gloo['seconds']:.0f}", "–"],
+        ["memcpy", f"{memcpy:.2f}", "–", "–"],
     ]
     over = md_table(["run", "steady-state overhead"], [[k, f"{100 * v:.2f}%"] for k, v in overhead.items()])
     return (
         f"{islands} islands × {numel / 1e6:.0f} M fp32 values = {mb:.0f} MB of pseudo-gradient per round, "
-        "all on this machine (shard actors and islands share its cores).\n\n"
-        + md_table(["path", "GB/s", "ms per round"], rows)
+        "all on this machine (shard actors and islands share its cores). The coordinator reads "
+        "the islands' results where Ray's object store put them: pages its process has not "
+        "mapped yet, each mapped on first touch (a page fault); the row with the "
+        "pseudo-gradients already in its memory is the same work without that.\n\n"
+        + md_table(["path", "GB/s", "ms per round", "coordinator's page faults per round"], rows)
         + "\n\n"
         + over
         + "\n\n"

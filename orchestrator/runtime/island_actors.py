@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -104,8 +105,12 @@ def prestart_islands(cfg: RunConfig, run_id: str) -> int:
     if phase.islands.workers != 1:
         return 0
     folder = state_folder(phase, phase_id)
-    for i in range(phase.islands.count):  # the specs the phase's engine asks for (else it renews them)
-        spec = island_spec(phase, i, phase.warm_steps, state_folder=folder)
+    specs = [island_spec(phase, i, phase.warm_steps, state_folder=folder) for i in range(phase.islands.count)]
+    if any(s.version0_file is not None and not Path(s.version0_file).exists() for s in specs):
+        # the first run forking from this warm start: its coordinator writes the file the
+        # islands build version 0 from, and an island started now would not find it
+        return 0
+    for i, spec in enumerate(specs):  # the specs the phase's engine asks for (else it renews them)
         start_island(phase, spec, run_id, request_group(phase, i, run_id))
     return phase.islands.count
 
