@@ -111,7 +111,11 @@ def test_a_commands_start_is_read_to_the_tick_not_to_the_boot_times_second():
 
     before = time.time()
     out = subprocess.run(
-        [sys.executable, "-c", "from orchestrator.runtime.driver import process_started_at; print(process_started_at())"],
+        [
+            sys.executable,
+            "-c",
+            "from orchestrator.runtime.driver import process_started_at; print(process_started_at())",
+        ],
         capture_output=True,
         text=True,
         check=True,
