@@ -401,6 +401,8 @@ def test_compression_rows_are_the_issue_s_and_valid_configs(tmp_path):
         and changed["sparse_unfragmented"].compression == sparse.compression
     )
     assert changed["sparse_topk10"].compression.codec == "topk:0.1+int2"
+    dense = changed["sparse_dense_int2"].compression
+    assert dense.codec == dense.downlink == "topk:1.0+int2" and dense.error_feedback
     assert (
         changed["sparse_nesterov"].outer.optimizer == "nesterov"
         and changed["sparse_nesterov"].compression.feedback_decay == 1.0

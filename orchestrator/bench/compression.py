@@ -72,6 +72,10 @@ def ablations(best_sparse_lr: float) -> dict[str, tuple[str, list[str]]]:
             "ablation: `sparse` keeping 10 % instead of 2 %",
             [*(o.replace("topk:0.02", "topk:0.1") for o in sparse), *lr],
         ),
+        "sparse_dense_int2": (
+            "ablation: `sparse` keeping every value (top-k 100 %: 2-bit values and error feedback only)",
+            [*(o.replace("topk:0.02", "topk:1.0") for o in sparse), *lr],
+        ),
         "sparse_int8_values": (
             "ablation: `sparse` with its kept values in 8 bits instead of 2",
             [*(o.replace("+int2", "+int8") for o in sparse), *lr],
