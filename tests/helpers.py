@@ -148,3 +148,10 @@ def in_process_run(cfg: RunConfig) -> tuple[RoundEngine, list[Island], list[torc
     engine.outputs.on_record = record
     engine.execute()
     return engine, islands, history
+
+
+def run_tokens(cfg: RunConfig) -> int:
+    """The tokens a run of `cfg` trains: its islands × rounds × H × a batch's tokens (the
+    budget every row of a benchmark must share)."""
+    per_step = cfg.task.kwargs["batch_size"] * cfg.task.kwargs["context"]
+    return cfg.islands.count * cfg.rounds * cfg.inner_steps * per_step

@@ -1,5 +1,5 @@
-"""Benchmark plumbing: every quality method is a valid config with the same token budget,
-and results are written as JSON, PNG and Markdown (plus the docs index)."""
+"""Benchmark plumbing: results are written as JSON, PNG and Markdown (plus the docs index),
+and every scenario's rows are valid configs of the protocol it states."""
 
 from __future__ import annotations
 
@@ -8,77 +8,12 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from orchestrator.bench.quality_rows import DDP_LRS, MODEL, OUTER_LRS, ddp_row, h_row, methods
+from orchestrator.bench.quality_rows import MODEL
 from orchestrator.bench.registry import available
 from orchestrator.bench.report import BenchResult, Panel, draw, write_docs_index, write_result
 from orchestrator.cli import main
 from orchestrator.config_load import load_config
-
-
-def _tokens(cfg) -> int:
-    per_step = cfg.task.kwargs["batch_size"] * cfg.task.kwargs["context"]
-    return cfg.islands.count * cfg.rounds * cfg.inner_steps * per_step
-
-
-def test_quality_methods_share_one_token_budget_and_the_required_keys():
-    h_rows = {h: h_row(1200, h, 0.7) for h in (25, 50, 100)}
-    table = {m.key: m for m in methods(1200, False, h_rows)}
-    required = {"single_1x", "single_4x", "ddp_k", "diloco_k4_h25", "diloco_k4_h50", "diloco_k4_h100", "fedavg_k4_h50"}
-    assert required <= set(table)
-    budgets = {k: _tokens(load_config(None, [*MODEL, *m.overrides])) for k, m in table.items()}
-    assert budgets["single_4x"] == budgets["ddp_k"] == 4 * budgets["single_1x"]
-    assert len({v for k, v in budgets.items() if k != "single_1x"}) == 1, budgets
-    assert load_config(None, [*MODEL, *table["ddp_k"].overrides]).mode == "ddp"
-    # the headline rows run three seeds; quick keeps them and FedAvg
-    assert all(table[k].seeds == (0, 1, 2) for k in ("ddp_k", "diloco_k4_h50", "fedavg_k4_h50"))
-    quick = {m.key for m in methods(600, True, {50: h_row(600, 50, 0.7)})}
-    assert quick == {"ddp_k", "diloco_k4_h50", "fedavg_k4_h50"}
-
-
-def test_data_parallel_is_tuned_like_diloco_and_the_shipped_default_is_reported():
-    """ddp_k gets as many lr settings as DiLoCo's outer lr per H (its AdamW lr, the
-    only knob it has), each continuing the same warm start; when the sweep picks an
-    outer lr other than the shipped one, the shipped one is a row of its own (3 seeds)."""
-    assert len(DDP_LRS) >= len(OUTER_LRS) >= 3 and 3e-3 in DDP_LRS
-    tuned = load_config(None, [*MODEL, *ddp_row(1200, DDP_LRS[-1]).overrides])
-    assert tuned.mode == "ddp" and tuned.inner.lr == DDP_LRS[-1]
-    h_rows = {h: h_row(1200, h, 1.0) for h in (25, 50, 100)}
-    table = {m.key: m for m in methods(1200, False, h_rows, ddp_row(1200, DDP_LRS[-1]))}
-    assert table["ddp_k"].overrides[-1] == f"inner.lr={DDP_LRS[-1]}"
-    shipped = table["diloco_k4_h50_default"]
-    assert shipped.seeds == (0, 1, 2) and load_config(None, [*MODEL, *shipped.overrides]).outer.lr == 0.7
-    assert "diloco_k4_h50_default" not in {m.key for m in methods(1200, False, {**h_rows, 50: h_row(1200, 50, 0.7)})}
-
-
-def test_a_grid_whose_best_is_its_top_is_widened_until_it_is_not():
-    from orchestrator.bench.quality_rows import WIDEN, widened
-
-    tried: list[float] = []
-
-    def loss_at(lr: float) -> float:
-        tried.append(lr)
-        return (lr - 0.02) ** 2  # best at 2e-2: past the grid's top
-
-    losses = widened((1.5e-3, 3e-3, 6e-3, 1.2e-2), loss_at, lambda lr: 2 * lr)
-    assert tried == [1.5e-3, 3e-3, 6e-3, 1.2e-2, 2.4e-2, 4.8e-2]  # until the top is not the best
-    assert min(losses, key=losses.__getitem__) == 2.4e-2
-    far = widened((1.0, 2.0), lambda lr: -lr, lambda lr: lr + 1)  # better and better: at most WIDEN more
-    assert sorted(far) == [1.0, 2.0, *(2.0 + i for i in range(1, WIDEN + 1))]
-    inside = widened((1.0, 2.0, 3.0), lambda lr: abs(lr - 2.0), lambda lr: lr + 1)
-    assert sorted(inside) == [1.0, 2.0, 3.0]  # a best inside the grid: nothing more
-
-
-def test_diloco_s_inner_lr_is_tuned_like_data_parallel_s_and_the_tuned_row_can_be_the_best():
-    from orchestrator.bench.quality import _best
-    from orchestrator.bench.quality_rows import SHIPPED_INNER_LR, Method
-
-    assert load_config(None, [*MODEL]).inner.lr == SHIPPED_INNER_LR  # the rows' untuned inner lr is the product's
-    h_rows = {h: h_row(1200, h, 1.0) for h in (25, 50, 100)}
-    inner = Method("diloco_k4_h50_tuned_inner", "", [*h_rows[50].overrides, "inner.lr=0.012"], (0, 1, 2), 1.0)
-    table = {m.key: m for m in methods(1200, False, h_rows, ddp_row(1200, 1.2e-2), inner)}
-    assert load_config(None, [*MODEL, *table["diloco_k4_h50_tuned_inner"].overrides]).inner.lr == 0.012
-    losses = {"diloco_k4_h25": 1.52, "diloco_k4_h50": 1.54, "diloco_k4_h50_tuned_inner": 1.50, "fedavg_k4_h50": 1.4}
-    assert _best({k: {"final_eval_loss": v} for k, v in losses.items()}) == "diloco_k4_h50_tuned_inner"
+from tests.helpers import run_tokens
 
 
 def test_report_files_and_docs_index(tmp_path):
@@ -175,7 +110,7 @@ def test_hetero_methods_share_one_budget_and_time_to_reach():
 
     table = hetero_methods(4)
     assert set(table) == {"sync", "sync_dylu", "naive_async", "dn_dylu", "quorum", "streaming_quorum"}
-    budgets = {name: _tokens(load_config(None, [*MODEL, *ov])) for name, (_, ov) in table.items()}
+    budgets = {name: run_tokens(load_config(None, [*MODEL, *ov])) for name, (_, ov) in table.items()}
     assert len(set(budgets.values())) == 1
     assert time_to_reach([(0, 5.0), (10, 3.0), (20, 1.0)], 2.0) == 15.0
     assert time_to_reach([(0, 5.0), (10, 3.0)], 2.0) is None
@@ -231,7 +166,7 @@ def test_streaming_rows_are_the_issue_s_and_share_one_token_budget():
         "compute_only",
     }
     configs = {n: load_config(None, [*BASE, *common(3, 0, Path(".")), *ov]) for n, (_, ov) in table.items()}
-    assert len({_tokens(c) for c in configs.values()}) == 1  # every method sees the same tokens
+    assert len({run_tokens(c) for c in configs.values()}) == 1  # every method sees the same tokens
     s4 = configs["streaming_p4_fp4"]
     assert s4.streaming.fragments == 4 and s4.compression.codec == s4.compression.downlink == "int4"
     assert s4.outer.lr == 1.0 and configs["diloco"].outer.lr == configs["diloco_int8"].outer.lr == 0.7
@@ -407,17 +342,3 @@ def test_compression_rows_are_the_issue_s_and_valid_configs(tmp_path):
         changed["sparse_nesterov"].outer.optimizer == "nesterov"
         and changed["sparse_nesterov"].compression.feedback_decay == 1.0
     )
-
-
-def test_a_grid_whose_best_is_its_bottom_is_widened_below_it_when_asked():
-    from orchestrator.bench.quality_rows import widened
-
-    tried = []
-
-    def loss_at(x: float) -> float:
-        tried.append(x)
-        return abs(x - 0.3)
-
-    losses = widened((0.7, 1.0, 1.3), loss_at, lambda x: x + 0.3, lambda x: x / 2)
-    assert tried == [0.7, 1.0, 1.3, 0.35, 0.175] and min(losses, key=losses.__getitem__) == 0.35
-    assert widened((0.7, 1.0), lambda x: x, lambda x: x + 0.3) == {0.7: 0.7, 1.0: 1.0}  # no shrink: as before

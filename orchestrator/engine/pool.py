@@ -25,7 +25,8 @@ from orchestrator.config import Mode, RunConfig
 from orchestrator.engine.chaos import Strike, TimedFault
 from orchestrator.engine.policies import sizes_first_work_by_speed
 from orchestrator.engine.warm_start import version0_file
-from workers.runtime.island import Island, IslandSpec
+from workers.runtime.island import Island
+from workers.runtime.island_spec import IslandSpec
 from workers.wire.messages import RoundResult, SavedState, Sliced, WorkOrder
 
 

@@ -29,9 +29,9 @@ from orchestrator.engine.island_states import state_folder
 from orchestrator.engine.pool import island_spec
 from orchestrator.engine.warm_start import first_phase
 from orchestrator.runtime.names import NAMESPACE, coordinator_name, island_name
-from workers.runtime.island import IslandSpec
 from workers.runtime.island_actor import RayIsland, actor_class
 from workers.runtime.island_group import GroupIsland
+from workers.runtime.island_spec import IslandSpec
 
 
 @dataclass

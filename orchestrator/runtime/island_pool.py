@@ -28,7 +28,7 @@ from orchestrator.runtime.island_actors import (
     run_islands,
     start_island,
 )
-from workers.runtime.island import IslandSpec
+from workers.runtime.island_spec import IslandSpec
 from workers.wire.messages import RoundResult, SavedState, WorkOrder
 
 log = logging.getLogger(__name__)

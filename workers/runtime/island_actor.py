@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import ray
 
-from workers.runtime.island import Island, IslandSpec
+from workers.runtime.island import Island
+from workers.runtime.island_spec import IslandSpec
 from workers.wire.messages import RoundResult, Sliced, WorkOrder
 
 log = logging.getLogger(__name__)

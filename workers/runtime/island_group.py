@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 
 from workers.runtime.fsdp import ShardedParams, shard_model
-from workers.runtime.island import Island, IslandSpec
+from workers.runtime.island import Island
 from workers.runtime.island_actor import CONTROL, RayIsland, whole_params
+from workers.runtime.island_spec import IslandSpec
 from workers.runtime.optim import build_inner
 from workers.tasks.task import Batch, split_batch
 from workers.wire.flat import FlatParams, slice_bounds
