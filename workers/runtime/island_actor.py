@@ -31,12 +31,10 @@ def _orphan_watch(coordinator: str, namespace: str, group: str, orphan_after_s: 
     missing_since: float | None = None
     while True:
         time.sleep(poll_s)
-        try:
-            ray.get_actor(coordinator, namespace=namespace)  # a restarting coordinator keeps its name
+        if _named_actor_exists(coordinator, namespace):  # a restarting coordinator keeps its name
             missing_since = None
             continue
-        except ValueError:
-            missing_since = missing_since if missing_since is not None else time.monotonic()
+        missing_since = missing_since if missing_since is not None else time.monotonic()
         if time.monotonic() - missing_since >= orphan_after_s:
             log.warning("coordinator %s gone for %.0fs: releasing island %s", coordinator, orphan_after_s, group)
             from ray.util.placement_group import get_placement_group, remove_placement_group
@@ -45,6 +43,16 @@ def _orphan_watch(coordinator: str, namespace: str, group: str, orphan_after_s: 
                 remove_placement_group(get_placement_group(group))
             finally:
                 os._exit(0)
+
+
+def _named_actor_exists(name: str, namespace: str) -> bool:
+    """Whether an actor of that name lives, asked of Ray's name table. Not `ray.get_actor`:
+    building a handle imports the actor's class module in this process, and the
+    coordinator's pulls the engine, the run config and their imports into every island
+    (0.13 s of CPU each, measured; no change in `bench startup` within its noise)."""
+    return any(
+        a["name"] == name and a["namespace"] == namespace for a in ray.util.list_named_actors(all_namespaces=True)
+    )
 
 
 def whole_params(params: Any) -> np.ndarray:
