@@ -11,12 +11,16 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
-Batch = tuple[torch.Tensor, ...]
+# torch is named, not imported: the run config's checks (and so the command line) import
+# this contract without importing torch (0.8 s), which only the processes that build
+# models and batches need
+Batch = tuple["torch.Tensor", ...]
 
 
 class TaskError(ValueError):
