@@ -24,7 +24,7 @@ from orchestrator.engine.types import RunFailed
 from orchestrator.engine.warm_start import check_warm_start, pending, warm_run_id
 from orchestrator.runtime.control_plane import ControlPlane, api_token
 from orchestrator.runtime.coordinator import Coordinator
-from orchestrator.runtime.island_actors import prestart_islands, release_run
+from orchestrator.runtime.island_actors import prestart_islands, release_islands
 from orchestrator.runtime.names import NAMESPACE, coordinator_name
 from orchestrator.runtime.progress import ProgressPrinter
 from orchestrator.runtime.signals import StopRequest, stop_on_signals
@@ -168,8 +168,8 @@ def run(
             control_plane.close()
             if coordinator is not None:
                 ray.kill(coordinator, no_restart=True)
-            release_run(run_id)
-            release_run(warm_run_id(run_id))
+            release_islands(run_id)  # the driver's cleanup, whatever happened
+            release_islands(warm_run_id(run_id))
             if started:
                 ray.shutdown()
 

@@ -158,8 +158,3 @@ def release_islands(run_id: str, indices: set[int] | None = None) -> None:
                 ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
         for pg_id in groups:
             remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
-
-
-def release_run(run_id: str) -> None:
-    """Kill every island actor and group of a run (the driver's cleanup, whatever happened)."""
-    release_islands(run_id)
