@@ -147,7 +147,7 @@ def test_staleness_downweight_and_bad_values():
 
 def test_island_schedule_can_follow_global_progress():
     from orchestrator.config_load import load_config
-    from orchestrator.engine.pool import island_spec
+    from orchestrator.engine.specs import island_spec
     from workers.runtime.island import Island
 
     cfg = load_config(

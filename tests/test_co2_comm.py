@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from orchestrator.algorithms.outer import CO2Outer
-from workers.wire.compress import decode, encode, payload_nbytes
+from workers.wire.compress import decode, encode
 from workers.wire.links import LinkConfig
+from workers.wire.spec import payload_nbytes
 
 TOL = 1e-6
 f64 = torch.float64

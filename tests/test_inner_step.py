@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from orchestrator.config_load import load_config
-from orchestrator.engine.pool import island_spec
+from orchestrator.engine.specs import island_spec
 from tests.helpers import TINY_LM, in_process_run
 from workers.runtime.island import Island
 from workers.tasks.task import split_batch

@@ -10,12 +10,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.config_load import load_config
-from orchestrator.engine.pool import island_spec
+from orchestrator.engine.specs import island_spec
 from orchestrator.runtime.driver import run
 from tests.helpers import TINY_LM
 from workers.runtime.island import Island
-from workers.runtime.island_actor import actor_class
-from workers.runtime.island_group import GroupIsland
+from workers.runtime.island_actor import island_actor_class
 from workers.wire.compress import decode
 from workers.wire.messages import WorkKind, WorkOrder
 
@@ -45,10 +44,10 @@ def _group_round(cfg, params, workers: int):
     group = placement_group([{"CPU": 1}] * workers, strategy="STRICT_PACK")
     ray.get(group.ready())
     try:
-        cls = actor_class(GroupIsland)
+        cls = island_actor_class()
         actors = [
             cls.options(num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(group, r)).remote(
-                island_spec(cfg, 0)
+                island_spec(cfg, 0), grouped=True
             )
             for r in range(workers)
         ]

@@ -11,10 +11,9 @@ import textwrap
 import pytest
 import torch
 
-from orchestrator.engine.policies import Adam
 from tests.conftest import REPO
 from tests.helpers import TINY_LM
-from workers.runtime.optim import SGD, AdamW
+from workers.runtime.optim import SGD, Adam, AdamW
 
 RUN = textwrap.dedent(
     """

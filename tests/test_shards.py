@@ -70,7 +70,7 @@ def test_batch_counts_round_robin():
 
 def test_an_island_without_coordinator_takes_the_block_the_coordinator_would_assign():
     from orchestrator.config_load import load_config
-    from orchestrator.engine.pool import island_spec
+    from orchestrator.engine.specs import island_spec
     from workers.runtime.island import Island
 
     for shards, islands in ((12, 3), (5, 3), (8, 2)):

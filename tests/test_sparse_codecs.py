@@ -10,9 +10,9 @@ import torch
 
 from orchestrator.cli import main
 from orchestrator.config_load import ConfigError, load_config
-from workers.wire.compress import ErrorFeedback, check_payload, decode, encode, payload_nbytes
+from workers.wire.compress import ErrorFeedback, check_payload, decode, encode
 from workers.wire.sparse import pack_indices, unpack_indices
-from workers.wire.spec import CodecSpecError, parse_codec
+from workers.wire.spec import CodecSpecError, parse_codec, payload_nbytes
 
 # vector S1 (docs/algorithms.md): chunks of 4, keep 2, values in 2 bits with one scale per chunk's 2
 CENTERS = "[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]"

@@ -13,7 +13,8 @@ from torch import nn
 
 from orchestrator.config import RunConfig
 from orchestrator.config_load import apply_overrides
-from orchestrator.engine.pool import Fault, FaultKind, island_spec
+from orchestrator.engine.pool import Fault, FaultKind
+from orchestrator.engine.specs import island_spec
 from tests.helpers import NO_WARM, TINY_LM, in_process_engine
 from tests.toy_tasks import SplitPoint
 from workers.runtime.island import Island

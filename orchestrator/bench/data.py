@@ -158,7 +158,7 @@ def probe_island(kind: str, location: str, steps: int = TRAIN_STEPS) -> dict[str
     import dataclasses
     import resource
 
-    from orchestrator.engine.pool import island_spec
+    from orchestrator.engine.specs import island_spec
     from workers.runtime.island import Island
 
     cfg = _config(kind, location)

@@ -31,7 +31,7 @@ from workers.wire.messages import RoundResult, Sliced
 
 class _Source:
     """Stands in for an island's exchange only: it publishes a pseudo-gradient exactly as
-    `RayIsland` does (inline payload for one coordinator; S `ray.put` slices for shards)
+    `IslandActor` does (inline payload for one coordinator; S `ray.put` slices for shards)
     and takes the new parameters as an island's full download does."""
 
     def __init__(self, island: int, numel: int, shards: int, chunk: int) -> None:

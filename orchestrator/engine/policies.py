@@ -12,36 +12,41 @@ slices, runtime) works with whatever is chosen here.
 | `overlap` | OneRoundLag   | exact (lagged) ver. | `CO2Outer`                                  |
 | `streaming` | FragmentSchedule (a Barrier over segments, Δ taken τ steps early) | exact version | Nesterov / SGD / Adam per fragment |
 | `streaming`, `streaming.pacing: quorum` | Quorum over segments, a step per fragment present | bounded staleness | as `streaming` |
+
+The outer rules are torch optimizers, imported by the functions that build them: the
+command (`archipelago run`) asks this module what an island's spec holds
+(`sizes_first_work_by_speed`) and never needs torch (0.8 s of its start-up).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from orchestrator.algorithms.dylu import SpeedTracker
-from orchestrator.algorithms.outer import CO2Outer, DelayedNesterov, FlatSGD
 from orchestrator.algorithms.robust import NormGuard
 from orchestrator.config import Mode, RunConfig
 from orchestrator.config_sections import AsyncRule, OuterConfig, StreamingPacing
 from orchestrator.engine.admission import Admission, BoundedStaleness, ExactVersion, StalenessRule
 from orchestrator.engine.arrivals import PerArrival
 from orchestrator.engine.commands import Inbox, SettingsUpdate
-from orchestrator.engine.outer_step import OuterRule, Scheduler
 from orchestrator.engine.pacing import Barrier, FragmentSchedule, OneRoundLag, Pacing
 from orchestrator.engine.quorum import Quorum, QuorumRule
-from workers.runtime.no_dynamo import plain_step
-from workers.runtime.optim import build_inner
-from workers.wire.fragments import Fragments
 from workers.wire.messages import WorkKind
 
-Adam = plain_step(torch.optim.Adam)  # stepped without importing torch._dynamo (`no_dynamo.py`)
+if TYPE_CHECKING:
+    import torch
+
+    from orchestrator.engine.outer_step import OuterRule, Scheduler
+    from workers.wire.fragments import Fragments
 
 
 def outer_optimizer(cfg: OuterConfig, param: torch.nn.Parameter) -> torch.optim.Optimizer:
     """DiLoCo's outer optimizer: Nesterov by default; SGD with lr 1, momentum 0 is plain averaging."""
+    from orchestrator.algorithms.outer import FlatSGD
+    from workers.runtime.optim import Adam
+
     if cfg.optimizer == "nesterov":
         return FlatSGD([param], lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
     if cfg.optimizer == "sgd":
@@ -53,6 +58,9 @@ def outer_optimizer(cfg: OuterConfig, param: torch.nn.Parameter) -> torch.optim.
 
 def outer_rule(cfg: RunConfig) -> OuterRule:
     """The outer rule of `cfg.mode` (also built by each coordinator slice)."""
+    from orchestrator.algorithms.outer import CO2Outer, DelayedNesterov
+    from orchestrator.engine.outer_step import OuterRule
+    from workers.runtime.optim import build_inner
 
     def plain(param: torch.nn.Parameter) -> tuple[torch.optim.Optimizer, Scheduler | None]:
         return outer_optimizer(cfg.outer, param), None

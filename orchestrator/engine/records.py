@@ -16,9 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.config import RunConfig
 from orchestrator.config_load import dump_config
@@ -26,6 +24,9 @@ from orchestrator.config_operations import RecordsConfig
 from orchestrator.engine.logfiles import read_lines, restart, rewind, rotate
 from orchestrator.engine.types import Event
 from workers.runtime.storage import durable_write
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 # Events an operator should see in the job's logs without asking; the rest are logged at
@@ -142,6 +143,8 @@ class Recorder:
     def finish(self, summary: dict[str, Any], model: torch.nn.Module) -> None:
         """The final model and the summary; a disk still failing then is logged and counted
         (the summary is still returned to the driver, which prints it)."""
+        import torch  # here: the command imports this module (its file names) without torch
+
         state = {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
         buffer = io.BytesIO()
         torch.save(state, buffer)

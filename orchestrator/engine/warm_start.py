@@ -16,16 +16,18 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from orchestrator.config import Mode, RunConfig, WarmStartMode
 from orchestrator.engine.checkpoints import newest_valid, run_folder
 from orchestrator.engine.types import RunFailed
 from workers.runtime.storage import durable_write
 from workers.wire.handoff import params_sha256
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 

@@ -7,6 +7,10 @@ plane on the actor's other threads (`max_concurrency`), where every method only 
 snapshot or queues a request the engine applies between rounds. If a checkpoint of this
 `run_id` exists (Ray restarted this actor, or the user resumed the run) the engine
 continues from it.
+
+The module imports neither torch nor the engine: the command defines this actor class to
+start it, and they would add 0.8 s to its start-up (`bench startup`). The actor's process
+imports them when it builds the engine.
 """
 
 from __future__ import annotations
@@ -14,21 +18,20 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-import torch
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.build import PhasedRun
 from orchestrator.engine.commands import Answer, Command
-from orchestrator.engine.engine import RoundEngine
 from orchestrator.engine.types import SliceLost
 from orchestrator.logs import configure
 from orchestrator.runtime.island_actors import island_bundle
-from orchestrator.runtime.island_pool import RayIslandPool
 from orchestrator.runtime.names import coordinator_name
-from orchestrator.runtime.slices import start_slices
+
+if TYPE_CHECKING:
+    from orchestrator.engine.engine import RoundEngine
+    from orchestrator.runtime.island_pool import RayIslandPool
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,11 @@ class Coordinator:
         (`prestart_islands`); its first pool adopts them, in this process's first life only
         (a restarted coordinator re-attaches to its islands or replaces them, as after any
         restart)."""
+        import torch
+
+        from orchestrator.engine.build import PhasedRun
+        from orchestrator.runtime.slices import start_slices
+
         if log_level is not None:  # the driver's -v/-q, for this process's log file too
             configure(log_level)
         torch.set_num_threads(cfg.coordinator.threads)
@@ -65,6 +73,8 @@ class Coordinator:
         """A phase's pool. Every phase's islands watch this actor (they release themselves
         once it is gone) and are named by the run, not the phase: the main phase takes the
         warm start's over, and finds them by those names after a restart."""
+        from orchestrator.runtime.island_pool import RayIslandPool
+
         pool = RayIslandPool(cfg, self.run_id, coordinator_name(self.run_id))
         pool.adopt_started(self._prestarted)
         self._prestarted = 0

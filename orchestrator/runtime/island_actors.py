@@ -26,11 +26,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.config import RunConfig
 from orchestrator.engine.island_states import state_folder
-from orchestrator.engine.pool import island_spec
+from orchestrator.engine.specs import island_spec
 from orchestrator.engine.warm_start import first_phase
 from orchestrator.runtime.names import NAMESPACE, coordinator_name, island_name
-from workers.runtime.island_actor import RayIsland, actor_class
-from workers.runtime.island_group import GroupIsland
+from workers.runtime.island_actor import island_actor_class
 from workers.runtime.island_spec import IslandSpec
 
 
@@ -73,7 +72,8 @@ def start_island(
     `islands.workers` = N a group of N whose rank 0 is the actor the coordinator talks to
     (the others live and die with the group; `describe` answers once the group formed)."""
     index = spec.index
-    cls = actor_class(GroupIsland if cfg.islands.workers > 1 else RayIsland)
+    cls = island_actor_class()
+    grouped = cfg.islands.workers > 1
 
     def worker(rank: int, **named: Any) -> Any:
         return cls.options(
@@ -84,7 +84,7 @@ def start_island(
             max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
             **named,
-        ).remote(spec)
+        ).remote(spec, grouped)
 
     actor = worker(0, name=island_name(run_id, index))
     # detached, so it must end itself if the run is gone (a SIGKILLed driver runs no cleanup)

@@ -17,7 +17,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.pool import Done, Failed, Joined, JoinFailed, PoolEvent, island_spec
+from orchestrator.engine.pool import Done, Failed, Joined, JoinFailed, PoolEvent
+from orchestrator.engine.specs import island_spec
 from orchestrator.runtime.island_actors import (
     IslandHandle,
     find_island,

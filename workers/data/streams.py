@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from workers.data.prefetch import Prefetch
 from workers.data.windows import as_batch
 
 log = logging.getLogger(__name__)
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+if TYPE_CHECKING:
+    import torch
+
+Batch = tuple["torch.Tensor", "torch.Tensor"]
 Encode = Callable[[str], np.ndarray]  # a document's tokens, its separator included
 
 

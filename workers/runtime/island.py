@@ -1,7 +1,7 @@
 """An island: one model replica, its inner optimizer and its data stream.
 
-A plain class, so unit tests drive it in-process and production wraps it with
-`ray.remote`. Parameters arrive as a flat numpy array (one object-store read per
+A plain class, so unit tests drive it in-process and production holds it in a Ray actor
+(`IslandActor`, `workers/runtime/island_actor.py`). Parameters arrive as a flat numpy array (one object-store read per
 version) and leave as one flat numpy pseudo-gradient; the inner optimizer state and the
 data position persist across rounds, as DiLoCo requires.
 """

@@ -1,7 +1,13 @@
-"""The island as a Ray actor: `Island` plus what only makes sense under Ray. With a
-sharded coordinator the global parameters arrive as S references (one per shard, fetched
-together) and the pseudo-gradient leaves as S objects in this island's object store, so
-each shard pulls its own slice from here and no single process relays the whole vector.
+"""The island as a Ray actor: a thin shell over `Island` (or, for an island of several
+workers, `GroupIsland`) with what only makes sense under Ray. With a sharded coordinator
+the global parameters arrive as S references (one per shard, fetched together) and the
+pseudo-gradient leaves as S objects in this island's object store, so each shard pulls
+its own slice from here and no single process relays the whole vector.
+
+The shell imports neither torch nor the island runtime: it builds its island in the
+actor's own process. The command starts a new run's islands (`prestart_islands`), and
+an actor class that subclassed `Island` pulled torch into the command before it could
+start anything (0.8 s of its start-up, `bench startup`).
 
 Islands are detached (they outlive a coordinator that Ray restarts), so each watches its
 coordinator: if the coordinator's name is gone for `orphan_after_s` — the driver was
@@ -15,14 +21,17 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import ray
 
-from workers.runtime.island import Island
 from workers.runtime.island_spec import IslandSpec
 from workers.wire.messages import RoundResult, Sliced, WorkOrder
+
+if TYPE_CHECKING:
+    from workers.runtime.island import Island
+    from workers.runtime.island_group import GroupIsland
 
 log = logging.getLogger(__name__)
 
@@ -63,25 +72,39 @@ def whole_params(params: Any) -> np.ndarray:
 CONTROL = "control"  # the concurrency group of calls answered while a round is in flight
 
 
-def actor_class(cls: type) -> Any:
-    """`cls` (an island class) as a Ray actor class with its `control` concurrency group:
-    Ray refuses a class whose methods name a group the actor class does not declare."""
-    return ray.remote(concurrency_groups={CONTROL: 1})(cls)  # type: ignore[call-overload]
+def island_actor_class() -> Any:
+    """`IslandActor` as a Ray actor class with its `control` concurrency group: Ray
+    refuses a class whose methods name a group the actor class does not declare."""
+    return ray.remote(concurrency_groups={CONTROL: 1})(IslandActor)  # type: ignore[call-overload]
 
 
-class RayIsland(Island):
-    """Rounds run one at a time (Ray's default group); `attach` runs in the `control`
-    group, beside a round in flight, so a restarted coordinator re-attaches at once instead
-    of waiting behind a round that may last minutes (and giving up on the island)."""
+class IslandActor:
+    """One island worker. Rounds run one at a time (Ray's default group); `attach` and
+    `identity` run in the `control` group, beside a round in flight, so a restarted
+    coordinator re-attaches at once instead of waiting behind a round that may last
+    minutes (and giving up on the island). `grouped`: a worker of an island of several
+    (`islands.workers`), which rank 0 forms with `form_group`."""
 
-    # (Ray's typing of `ray.method` makes each a remote method, not the override it is)
+    def __init__(self, spec: IslandSpec, grouped: bool = False) -> None:
+        if grouped:
+            from workers.runtime.island_group import GroupIsland
+
+            self.island: Island = GroupIsland(spec)
+        else:
+            from workers.runtime.island import Island
+
+            self.island = Island(spec)
+
     @ray.method(concurrency_group=CONTROL)
-    def attach(self) -> dict[str, Any]:  # type: ignore[override]
-        return super().attach()
+    def attach(self) -> dict[str, Any]:
+        return self.island.attach()
 
     @ray.method(concurrency_group=CONTROL)
-    def identity(self) -> dict[str, Any]:  # type: ignore[override]
-        return super().identity()
+    def identity(self) -> dict[str, Any]:
+        return self.island.identity()
+
+    def describe(self) -> dict[str, Any]:
+        return self.island.describe()
 
     def watch(self, coordinator: str, namespace: str, group: str, orphan_after_s: float, poll_s: float = 2.0) -> None:
         """Release this island (its placement group, `group`) once `coordinator` has been
@@ -94,13 +117,24 @@ class RayIsland(Island):
         island started for this very spec that has not trained yet (the command starts a
         new run's islands while the coordinator's process starts) is kept as it is; any
         other is renewed (`Island.reset`)."""
-        if spec != self.spec or self.inner_steps_done or self.held is not None:
-            self.reset(spec)
-        return self.describe()
+        island = self.island
+        if spec != island.spec or island.inner_steps_done or island.held is not None:
+            island.reset(spec)
+        return island.describe()
 
     def run(self, order: WorkOrder, params: Any) -> RoundResult:
-        result = super().run(order, whole_params(params))
+        result = self.island.run(order, whole_params(params))
         if not isinstance(result.payload, Sliced):
             return result
         refs = Sliced(parts=tuple(ray.put(p) for p in result.payload.parts))
         return dataclasses.replace(result, payload=refs, sent_bytes=result.nbytes)
+
+    # -- an island of several workers: rank 0 forms the group and drives the others ---------
+    def form_group(self, followers: list[Any]) -> None:
+        cast("GroupIsland", self.island).form_group(followers)
+
+    def join_group(self, address: str, rank: int, world: int) -> None:
+        cast("GroupIsland", self.island).join_group(address, rank, world)
+
+    def follow(self, order: WorkOrder, params: np.ndarray) -> None:
+        cast("GroupIsland", self.island).follow(order, params)

@@ -16,6 +16,7 @@ optimizers are elementwise, so a sliced step is the full step. This is torch's
 which would fight the flat buffer every other part of Archipelago shares.
 
 Rank 0 is the island the coordinator talks to; it forwards each round to the others.
+Each worker is an `IslandActor` holding a `GroupIsland` (`workers/runtime/island_actor.py`).
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ import socket
 from datetime import timedelta
 from typing import Any, cast
 
+import numpy as np
 import ray
 import torch
 import torch.distributed as dist
 
 from workers.runtime.fsdp import ShardedParams, shard_model
 from workers.runtime.island import Island
-from workers.runtime.island_actor import CONTROL, RayIsland, whole_params
 from workers.runtime.island_spec import IslandSpec
 from workers.runtime.optim import build_inner
 from workers.tasks.task import Batch, split_batch
@@ -46,7 +47,7 @@ def group_address() -> str:
         return f"tcp://{ray.util.get_node_ip_address()}:{s.getsockname()[1]}"
 
 
-class GroupIsland(RayIsland):
+class GroupIsland(Island):
     def __init__(self, spec: IslandSpec) -> None:
         super().__init__(spec)
         self.rank, self.world = 0, 1
@@ -128,24 +129,22 @@ class GroupIsland(RayIsland):
                 dist.broadcast(self.flat.data[lo:hi], src=r)
 
     # -- rounds: rank 0 drives the others ------------------------------------------------
-    def run(self, order: WorkOrder, params: Any) -> RoundResult:
+    def run(self, order: WorkOrder, params: np.ndarray) -> RoundResult:
         """Run the order on every worker at once (the collectives pair up); rank 0's result."""
-        params = whole_params(params)
         shared = ray.put(params) if self.followers else None  # one copy on this node for all workers
         follow = [f.follow.remote(order, shared) for f in self.followers]
         result = super().run(order, params)
         ray.get(follow)
         return result
 
-    def follow(self, order: WorkOrder, params: Any) -> None:
+    def follow(self, order: WorkOrder, params: np.ndarray) -> None:
         """Ranks 1..N-1: the plain island step (their result is rank 0's, so nothing returns)."""
         Island.run(self, order, params)
 
-    @ray.method(concurrency_group=CONTROL)
-    def attach(self) -> dict[str, Any]:  # type: ignore[override]
+    def attach(self) -> dict[str, Any]:
         """A group's round is not given up on rank 0 alone (its followers' collectives would
         hang): the new coordinator's work waits for it."""
-        return Island.identity(self)
+        return self.identity()
 
     def describe(self) -> dict[str, Any]:
         if self.group_error:

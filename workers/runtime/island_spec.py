@@ -2,15 +2,17 @@
 island (its task, inner optimizer, codec, data shards, place in the schedule, and the
 state it continues from). A frozen dataclass of plain values, so it crosses to an
 island's process as is, and an island started ahead of its engine can tell whether it
-was built for the spec it is now asked for (`RayIsland.rejoin`)."""
+was built for the spec it is now asked for (`IslandActor.rejoin`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from workers.wire.messages import SavedState
 from workers.wire.spec import InnerConfig, Sharding
+
+if TYPE_CHECKING:  # the wire's messages import torch; the command builds specs without it
+    from workers.wire.messages import SavedState
 
 
 @dataclass(frozen=True)

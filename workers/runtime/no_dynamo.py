@@ -11,10 +11,10 @@ processes side by side on 2 cores. Archipelago never compiles an optimizer
 (`inner.compile` compiles the model's forward only), so its processes skip it.
 
 Importing this module applies the first change (`skip_dynamo_import`, idempotent): the
-modules that build optimizers (`workers/runtime/optim.py` for the islands and ddp,
-`orchestrator/engine/policies.py` for the outer step, in the coordinator and in every
-coordinator slice) import it, so no process has to remember a call before its first
-optimizer. Both changes call the very functions torch would, so results are bitwise the same
+module that defines the optimizers (`workers/runtime/optim.py`: the islands', ddp's and
+the outer step's Adam) imports it, and `orchestrator/engine/policies.py` imports that
+module before it builds any outer optimizer (in the coordinator and in every coordinator
+slice), so no process has to remember a call before its first optimizer. Both changes call the very functions torch would, so results are bitwise the same
 (`tests/test_no_dynamo.py`); where torch's wrappers are not what this module expects, it
 changes nothing and torch imports `torch._dynamo` as before.
 """

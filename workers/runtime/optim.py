@@ -16,6 +16,7 @@ from workers.wire.spec import InnerConfig
 
 # torch's own optimizers, stepped without importing torch._dynamo (`no_dynamo.py`)
 AdamW = plain_step(torch.optim.AdamW)
+Adam = plain_step(torch.optim.Adam)  # the outer step's (`outer.optimizer: adam`)
 SGD = plain_step(torch.optim.SGD)
 
 

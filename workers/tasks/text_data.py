@@ -15,12 +15,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow.parquet as pq
-import torch
 
 from workers.data.windows import as_batch
+
+if TYPE_CHECKING:
+    import torch
 
 Split = str  # "iid" | "non_iid"
 CORPUS_ORDER_SEED = 1234  # the same on every island: the iid shuffle must agree everywhere

@@ -16,13 +16,7 @@ import numpy as np
 import torch
 
 from workers.wire import sparse
-from workers.wire.spec import parse_codec
-
-Payload = dict[str, np.ndarray]
-
-
-def payload_nbytes(payload: Payload) -> int:
-    return sum(a.nbytes for a in payload.values())
+from workers.wire.spec import Payload, parse_codec
 
 
 def _none_encode(x: np.ndarray, chunk: int) -> Payload:

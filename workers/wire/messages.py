@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from workers.wire.compress import Payload, decode, payload_nbytes
-from workers.wire.sync import Change
+from workers.wire.spec import Payload, payload_nbytes
+
+if TYPE_CHECKING:
+    from workers.wire.sync import Change
 
 
 class WorkKind(str, Enum):
@@ -103,6 +105,8 @@ class RoundResult:
 
     def delta(self) -> Any:
         """Δ decoded to fp32, or its S slices as they came (each coordinator slice decodes its own)."""
+        from workers.wire.compress import decode  # here: the codecs import torch, the messages do not
+
         return self.payload if isinstance(self.payload, Sliced) else decode(self.payload)
 
     @property

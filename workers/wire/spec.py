@@ -9,11 +9,20 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 # the value codecs `wire/compress.py` registers (a test keeps the two in step)
 CODEC_NAMES = ("none", "bf16", "int8", "int4", "int2")
 QUANT_BITS = {"int8": 8, "int4": 4, "int2": 2}
+
+
+Payload = dict[str, np.ndarray]  # what a codec puts on the wire (`wire/compress.py`)
+
+
+def payload_nbytes(payload: Payload) -> int:
+    """The bytes a payload puts on the link."""
+    return sum(a.nbytes for a in payload.values())
 
 
 class CodecSpecError(ValueError):

@@ -1,0 +1,59 @@
+"""What the engine hands each island: its `IslandSpec`, from the run config.
+
+A module of its own, free of torch, because the command (`archipelago run`) builds the
+specs of a new run's first islands to start them beside the coordinator
+(`prestart_islands`), and the coordinator's pool must ask for exactly the same specs to
+adopt them."""
+
+from __future__ import annotations
+
+from orchestrator.config import Mode, RunConfig
+from orchestrator.engine.policies import sizes_first_work_by_speed
+from orchestrator.engine.warm_start import version0_file
+from workers.runtime.island_spec import IslandSpec
+from workers.wire.messages import SavedState
+
+
+def island_spec(
+    cfg: RunConfig,
+    index: int,
+    start_step: int = 0,
+    *,
+    state_folder: str | None = None,
+    restore: SavedState | None = None,
+) -> IslandSpec:
+    """What island `index` is built from (an island that starts past step 0 of the run's
+    inner schedule — a joiner, or any island after a warm start — re-warms its learning
+    rate while its fresh optimizer state settles; one that continues from its saved
+    state, `restore`, has no fresh state to settle)."""
+    return IslandSpec(
+        index=index,
+        num_islands=cfg.islands.count,
+        seed=cfg.seed,
+        task_factory=cfg.task.factory,
+        task_kwargs=dict(cfg.task.kwargs),
+        inner=cfg.inner,
+        total_inner_steps=cfg.schedule_steps,
+        threads=cfg.island_threads,
+        slowdown=cfg.islands.slowdown(index),
+        sleeps=cfg.islands.virtual_step_s is None,
+        codec=cfg.compression.codec,
+        chunk=cfg.compression.chunk,
+        num_shards=cfg.num_shards,
+        start_step=start_step,
+        rewarmup_steps=cfg.elastic.join_rewarmup_steps if start_step and restore is None else 0,
+        coordinator_shards=cfg.coordinator.shards,
+        sharding=cfg.islands.sharding,
+        error_feedback=cfg.compression.error_feedback,
+        feedback_decay=cfg.compression.feedback_decay,
+        tracks_copy=cfg.tracks_copy,
+        fragments=cfg.streaming.fragments if cfg.mode == Mode.STREAMING else 0,
+        merge_alpha=cfg.streaming.alpha,
+        eager_step=cfg.overlap.lr / cfg.overlap.penalty_p if cfg.overlap.eager else 0.0,
+        eager_clip=cfg.overlap.clip,
+        state_folder=state_folder,
+        restore_state=restore,
+        probe=sizes_first_work_by_speed(cfg),
+        builds_version0=cfg.islands.build_version0,
+        version0_file=str(path) if (path := version0_file(cfg)) is not None else None,
+    )
