@@ -211,7 +211,8 @@ def _drive(
         done = coordinator.run.remote()
         try:
             while not ray.wait([done], timeout=poll_s)[0]:
-                _poll(coordinator, printer)
+                if printer:  # nothing to show otherwise: each poll is CPU the islands' cores lose
+                    _poll(coordinator, printer)
                 if stop.event.is_set() and not stop_sent:
                     stop_sent = True
                     log.warning(
