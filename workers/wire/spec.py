@@ -1,7 +1,8 @@
 """The island's part of the run config: its inner optimizer, how a group of workers
 shares its state, and the names of the pseudo-gradient codecs. Part of the contract the
 coordinator hands an island (`IslandSpec`), so the run config can validate it without
-importing the island runtime (or torch): `import orchestrator.config` stays light."""
+importing the island runtime (or torch): `import orchestrator.config` stays light. The
+codecs' payload type is here too, so the wire's messages name it without the codecs."""
 
 from __future__ import annotations
 
