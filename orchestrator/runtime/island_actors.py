@@ -84,7 +84,7 @@ def start_island(
             max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
             **named,
-        ).remote(spec, grouped)
+        ).remote(spec, grouped=grouped)
 
     actor = worker(0, name=island_name(run_id, index))
     # detached, so it must end itself if the run is gone (a SIGKILLed driver runs no cleanup)

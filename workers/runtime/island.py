@@ -94,6 +94,15 @@ class Island:
         self.data.close()
         self.__init__(spec)  # type: ignore[misc]
 
+    def rejoin(self, spec: IslandSpec) -> dict[str, Any]:
+        """Taken over by a pool as the island `spec` describes; answers as `describe`. An
+        island started for this very spec that has not trained yet (the command starts a
+        new run's islands while the coordinator's process starts) is kept as it is; any
+        other is renewed (`reset`)."""
+        if spec != self.spec or self.inner_steps_done or self.held is not None:
+            self.reset(spec)
+        return self.describe()
+
     def order(self, version: int, steps: int, kind: WorkKind = WorkKind.TRAIN) -> WorkOrder:
         """A work order without a coordinator (in-process use): the island's own contiguous
         block of shards, as the coordinator would assign it with all islands present."""

@@ -113,14 +113,7 @@ class IslandActor:
         threading.Thread(target=_orphan_watch, args=args, daemon=True, name="orphan-watch").start()
 
     def rejoin(self, spec: IslandSpec) -> dict[str, Any]:
-        """Taken over by a pool as the island `spec` describes; answers as `describe`. An
-        island started for this very spec that has not trained yet (the command starts a
-        new run's islands while the coordinator's process starts) is kept as it is; any
-        other is renewed (`Island.reset`)."""
-        island = self.island
-        if spec != island.spec or island.inner_steps_done or island.held is not None:
-            island.reset(spec)
-        return island.describe()
+        return self.island.rejoin(spec)
 
     def run(self, order: WorkOrder, params: Any) -> RoundResult:
         result = self.island.run(order, whole_params(params))

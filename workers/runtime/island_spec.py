@@ -2,7 +2,7 @@
 island (its task, inner optimizer, codec, data shards, place in the schedule, and the
 state it continues from). A frozen dataclass of plain values, so it crosses to an
 island's process as is, and an island started ahead of its engine can tell whether it
-was built for the spec it is now asked for (`IslandActor.rejoin`)."""
+was built for the spec it is now asked for (`Island.rejoin`)."""
 
 from __future__ import annotations
 
