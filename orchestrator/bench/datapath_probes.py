@@ -82,9 +82,11 @@ class _Aggregator:
         self.version = 0
         self.local: list[tuple[int, np.ndarray, int]] = []
 
-    def aggregate(self, refs: list[ray.ObjectRef]) -> tuple[float, int]:
+    def aggregate(self, refs: list[ray.ObjectRef], publish: bool = False) -> tuple[float, int, Any]:
         """A round's aggregation of the results in the object store: (seconds, the page
-        faults this process took meanwhile: the store's pages it had not mapped yet)."""
+        faults this process took meanwhile: the store's pages it had not mapped yet, and
+        with `publish` the new version as `publish` makes it, right after the step in the
+        same call, as the coordinator does)."""
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         results = ray.get(refs)
@@ -92,7 +94,8 @@ class _Aggregator:
         seconds = self._step(deltas, t0)
         if not self.local and all(isinstance(d, np.ndarray) for _, d, _ in deltas):
             self.local = [(i, np.array(d), w) for i, d, w in deltas]
-        return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        return seconds, faulted, self.publish() if publish else None
 
     def aggregate_mapped(self) -> float:
         """The same work on the first round's pseudo-gradients copied into this process's
@@ -148,8 +151,13 @@ def memcpy_gbps(numel: int, reps: int) -> float:
 
 
 def coordinator_gbps(
-    islands: int, numel: int, shards: int, reps: int, threads: int = 1, broadcast: bool = False
+    islands: int, numel: int, shards: int, reps: int, threads: int = 1, broadcast: bool = False, gap_s: float = 0.0
 ) -> dict[str, float]:
+    """The production coordinator's rounds on `islands` fresh pseudo-gradients each.
+    Back to back (`gap_s` 0), each round's results are created while Ray is still freeing
+    the previous round's, so the store places them on pages the coordinator has not
+    touched; `gap_s` apart (islands computing between rounds, as in a run), the store
+    reuses the freed pages."""
     cfg = load_config(
         None,
         [
@@ -173,9 +181,9 @@ def coordinator_gbps(
         refs = [s.result.remote(v) for s in sources]
         ray.wait(refs, num_returns=len(refs))
         t0 = time.perf_counter()
-        elapsed, faulted = ray.get(agg.aggregate.remote(refs))
+        elapsed, faulted, new_version = ray.get(agg.aggregate.remote(refs, publish=broadcast))
         if broadcast:
-            published, digest = ray.get(agg.publish.remote())
+            published, digest = new_version
             ray.get([s.receive.remote(published, digest) for s in sources])
         if v:
             times.append(elapsed)
@@ -183,6 +191,8 @@ def coordinator_gbps(
             rounds.append(time.perf_counter() - t0)
             if shards == 1:
                 mapped.append(ray.get(agg.aggregate_mapped.remote()))
+        del refs  # the round's results are freed, as a coordinator's are once it has stepped
+        time.sleep(gap_s)
     for a in (*sources, agg):
         ray.kill(a)
     seconds, nbytes = statistics.median(times), islands * numel * 4
