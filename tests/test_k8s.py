@@ -12,6 +12,7 @@ import yaml
 from api.auth import ExposureError, check_exposure
 from orchestrator.config import ApiConfig
 from orchestrator.config_load import load_config
+from orchestrator.runtime.driver import RAY_SYSTEM_CONFIG
 from tests.conftest import REPO
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -95,6 +96,11 @@ def test_manifests_match_the_code():
         assert secrets == {SECRET: SECRET}
         assert mounts["archipelago-api-token"] == str(token_file.parent) and token_file.name == "token"
         assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) >= 30  # the final checkpoint of a stopped job
+        # every node's Ray frees objects as often as the Ray a run starts on one machine does
+        ray_pods = [head, *(g["template"]["spec"]["containers"][0] for g in spec["workerGroupSpecs"])]
+        for container in ray_pods:
+            period = {e["name"]: e["value"] for e in container["env"]}["RAY_free_objects_period_milliseconds"]
+            assert int(period) == RAY_SYSTEM_CONFIG["free_objects_period_milliseconds"]
         claims = {v["persistentVolumeClaim"]["claimName"] for v in _head_volumes(spec) if "persistentVolumeClaim" in v}
         assert claims == {manifest("storage.yaml")["metadata"]["name"]}
         worker = spec["workerGroupSpecs"][0]

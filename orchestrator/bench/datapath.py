@@ -9,8 +9,8 @@ in one run on one Ray instance:
   took per round: the store's pages it had not mapped yet.
 - `coordinator_gbps_paced` (S = 1, 1 and 2 threads, and its round with the broadcast):
   the same rounds `GAP_S` apart, as a run's rounds are (its islands compute between
-  them): the rows above run back to back, so each round's results land on store pages
-  the coordinator has not touched while the previous round's are still being freed.
+  them). Back to back, a round's results land on store pages the coordinator has not
+  touched unless Ray has freed the previous round's first (`RAY_SYSTEM_CONFIG`).
 - `coordinator_gbps_s1_mapped`: the same work for S = 1 on the same pseudo-gradients
   copied once into the coordinator's own memory, so no page is mapped on the way: how
   much of the gap to memcpy is reading fresh object-store pages.
@@ -41,6 +41,7 @@ from orchestrator.bench.datapath_probes import coordinator_gbps, gloo_allreduce_
 from orchestrator.bench.report import BenchResult, Panel, checks_table, md_table, targets_met
 from orchestrator.bench.runner import run_methods
 from orchestrator.engine.logfiles import read_lines
+from orchestrator.runtime.driver import RAY_SYSTEM_CONFIG
 
 GAP_S = 1.0  # between paced rounds: less than one default round's compute on this machine
 
@@ -62,7 +63,7 @@ def datapath(quick: bool, work: Path) -> BenchResult:
     islands, numel, reps = (2, 2_000_000, 3) if quick else (4, 8_000_000, 5)
     shard_counts = [1, 2] if quick else [1, 2, 4]
     if not ray.is_initialized():
-        ray.init(num_cpus=islands, include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=islands, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
     try:
         memcpy = memcpy_gbps(max(islands * numel, 32_000_000), reps * 3)  # beyond the caches
         coord = {s: coordinator_gbps(islands, numel, s, reps, broadcast=s == 1) for s in shard_counts}
@@ -249,12 +250,14 @@ def _markdown(
     return (
         f"{islands} islands × {numel / 1e6:.0f} M fp32 values = {mb:.0f} MB of pseudo-gradient per round, "
         "all on this machine (shard actors and islands share its cores). The coordinator reads "
-        "the islands' results where Ray's object store put them. Rounds back to back, each "
-        "round's results are made while Ray is still freeing the previous round's, so they land "
-        "on pages the coordinator's process has not mapped yet, each mapped on first touch (a "
-        f"page fault); rounds {GAP_S:g} s apart, as a run's are (its islands compute between "
-        "them), the store reuses the freed pages. The row with the pseudo-gradients already in "
-        "the coordinator's memory is the same work with no page to map.\n\n"
+        "the islands' results where Ray's object store put them. A round's results land on "
+        "pages the store freed earlier if Ray has freed the previous round's by then (it frees "
+        f"in batches, every {RAY_SYSTEM_CONFIG['free_objects_period_milliseconds']} ms in the Ray "
+        "instances Archipelago starts, once a second by Ray's default), else on pages the "
+        "coordinator's process has not mapped yet, each mapped on first touch (a page fault). "
+        f"The rows back to back, and the same rounds {GAP_S:g} s apart as a run's are (its "
+        "islands compute between them). The row with the pseudo-gradients already in the "
+        "coordinator's memory is the same work with no page to map.\n\n"
         + md_table(["path", "GB/s", "ms per round", "coordinator's page faults per round"], rows)
         + "\n\n"
         + over
