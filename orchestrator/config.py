@@ -183,19 +183,19 @@ class CoordinatorConfig(Strict):
     optimizer state, and receives 1/S of every pseudo-gradient straight from the islands."""
 
     shards: int = Field(1, ge=1, le=256, description="coordinator shards S (1: the coordinator steps alone)")
-    threads: int = Field(
-        1,
+    threads: int | None = Field(
+        None,
         ge=1,
         le=256,
-        description="torch threads of the coordinator and of each shard for "
-        "the outer step (more when they have cores islands do not use, e.g. a KubeRay head)",
+        description="torch threads of the coordinator's outer step (default: the cores of its node that its "
+        "islands there do not reserve, at least 1) and of each shard's (default 1)",
     )
     eval_threads: int | None = Field(
         None,
         ge=1,
         le=256,
         description="torch threads of the coordinator's evaluations (default: the cores of its node that its "
-        "islands there do not reserve, at least `threads`)",
+        "islands there do not reserve, at least the outer step's)",
     )
 
 

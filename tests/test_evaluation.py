@@ -1,5 +1,6 @@
-"""The coordinator's evaluations use the cores it has: those of its host that its islands
-there do not reserve (a KubeRay head's spare cores), or `coordinator.eval_threads`."""
+"""The coordinator's evaluations and outer steps use the cores it has: those of its host
+that its islands there do not reserve (a KubeRay head's spare cores), or
+`coordinator.eval_threads` / `coordinator.threads`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import socket
 
 import torch
 
+from orchestrator.engine import engine as engine_module
+from orchestrator.engine.outputs import step_threads
 from tests.engine_scenarios import drive, scenario_cfg
 from tests.helpers import in_process_engine
 
@@ -23,7 +26,7 @@ def test_evaluations_take_the_cores_no_island_on_this_host_reserves(tmp_path, mo
     for stats in list(engine.members.islands.values())[:2]:
         stats.state = type(stats.state).TRAINING
         stats.node = f"{host}:cpu"
-    assert outputs.eval_threads() == max(cfg.coordinator.threads, cores - 2)
+    assert outputs.eval_threads() == outputs.step_threads() == max(1, cores - 2)
     outputs.cfg = cfg.model_copy(update={"coordinator": cfg.coordinator.model_copy(update={"eval_threads": 3})})
     seen = []
     loss = outputs.task.loss
@@ -33,3 +36,25 @@ def test_evaluations_take_the_cores_no_island_on_this_host_reserves(tmp_path, mo
     before = torch.get_num_threads()
     outputs.evaluate()
     assert set(seen) == {3} and torch.get_num_threads() == before  # the step's threads are put back
+
+
+def test_outer_steps_take_the_spare_cores_and_put_the_count_back(tmp_path, monkeypatch):
+    cfg = scenario_cfg(tmp_path, "diloco", "islands.cpus=1", "rounds=2")
+    engine, _ = in_process_engine(cfg)
+    cores = len(os.sched_getaffinity(0))
+    seen: list[tuple[int, int]] = []
+    take_step = engine_module.take_step
+
+    def spy(*args, **kwargs):
+        seen.append((torch.get_num_threads(), engine.outputs.step_threads()))
+        return take_step(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "take_step", spy)
+    before = torch.get_num_threads()
+    drive(engine)
+    assert seen and all(used == wanted for used, wanted in seen)  # every step on the threads it asked for
+    assert seen[0][0] == cores  # in-process islands reserve no core of this host
+    assert torch.get_num_threads() == before
+    pinned = cfg.model_copy(update={"coordinator": cfg.coordinator.model_copy(update={"threads": 3})})
+    assert step_threads(pinned, islands_here=99) == 3  # set, it is what it says
+    assert step_threads(cfg, islands_here=cores + 4) == 1  # islands reserve every core: one thread

@@ -4,10 +4,11 @@ in one run on one Ray instance:
 - `coordinator_gbps[S]`: K islands' pseudo-gradients (P fp32 values each) already in
   the islands' object stores; the time for the production servers (one coordinator, or S
   shard actors) to fetch them, screen them (finite, norm guard), average them and take
-  the outer Nesterov step. Bytes = K·P·4. One torch thread per process (the default),
-  plus S = 1 with `coordinator.threads: 2`. With the page faults the coordinator's process
-  took per round: the store's pages it had not mapped yet.
-- `coordinator_gbps_paced` (S = 1, 1 and 2 threads, and its round with the broadcast):
+  the outer Nesterov step. Bytes = K·P·4. The default's torch threads (the coordinator:
+  `step_threads`, the cores of this machine its K islands leave, at least one; a shard:
+  one), plus S = 1 with `coordinator.threads: 2`. With the page faults the coordinator's
+  process took per round: the store's pages it had not mapped yet.
+- `coordinator_gbps_paced` (S = 1, the default's threads and 2, and its round with the broadcast):
   the same rounds `GAP_S` apart, as a run's rounds are (its islands compute between
   them). Back to back, a round's results land on store pages the coordinator has not
   touched unless Ray has freed the previous round's first (`RAY_SYSTEM_CONFIG`).
@@ -91,7 +92,7 @@ def datapath(quick: bool, work: Path) -> BenchResult:
     overhead = {name: steady_overhead(work / name) for name in table}
     default, with_broadcast = coord[1]["gbps"], coord[1]["round_gbps"]
     checks = {
-        "coordinator_ge_0.7x_memcpy (default settings: S = 1, 1 thread)": {
+        "coordinator_ge_0.7x_memcpy (default settings: S = 1)": {
             "value": default / memcpy,
             "target": 0.7,
             "ok": default >= 0.7 * memcpy,
@@ -183,6 +184,11 @@ def datapath(quick: bool, work: Path) -> BenchResult:
     )
 
 
+def _threads(n: float) -> str:
+    """The default's thread count (`step_threads`: this machine's cores its islands leave)."""
+    return f"{n:.0f} thread{'s' if n != 1 else ''} (the default here)"
+
+
 def _markdown(
     islands: int,
     numel: int,
@@ -196,7 +202,12 @@ def _markdown(
 ) -> str:
     mb = islands * numel * 4 / 1e6
     rows = [
-        [f"coordinator, S = {s}", f"{c['gbps']:.2f}", f"{1000 * c['seconds']:.0f}", f"{c['page_faults']:.0f}"]
+        [
+            f"coordinator, S = {s}" + (f", {_threads(c['threads'])}" if s == 1 else ""),
+            f"{c['gbps']:.2f}",
+            f"{1000 * c['seconds']:.0f}",
+            f"{c['page_faults']:.0f}",
+        ]
         for s, c in coord.items()
     ]
     rows.append(
@@ -232,7 +243,7 @@ def _markdown(
             f"{1000 * c['seconds']:.0f}",
             f"{c['page_faults']:.0f}",
         ]
-        for what, c in (("1 thread", one), ("`coordinator.threads: 2`", two))
+        for what, c in ((_threads(one["threads"]), one), ("`coordinator.threads: 2`", two))
     ]
     rows.append(
         [

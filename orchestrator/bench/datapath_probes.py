@@ -19,6 +19,7 @@ from orchestrator.config import RunConfig
 from orchestrator.config_load import load_config
 from orchestrator.engine.outer_slices import SlicedOuter
 from orchestrator.engine.outer_step import LocalOuter, Outer
+from orchestrator.engine.outputs import step_threads
 from orchestrator.engine.policies import build_policies, outer_rule
 from orchestrator.engine.types import Contribution
 from orchestrator.runtime.slices import start_slices
@@ -70,7 +71,7 @@ class _Aggregator:
     """The coordinator's side of a round, with the production outer step and admission of `cfg`."""
 
     def __init__(self, cfg: RunConfig, numel: int) -> None:
-        torch.set_num_threads(cfg.coordinator.threads)
+        torch.set_num_threads(step_threads(cfg, cfg.islands.count))  # every island on this machine
         flat = torch.zeros(numel)
         self.outer: Outer
         if cfg.coordinator.shards > 1:
@@ -112,6 +113,9 @@ class _Aggregator:
         self.version += 1
         return time.perf_counter() - t0
 
+    def threads(self) -> int:
+        return torch.get_num_threads()
+
     def publish(self) -> tuple[list[ray.ObjectRef], str | None]:
         """The new version as `Publisher.publish` makes it: put once, with its digest."""
         params = self.outer.params()
@@ -151,7 +155,13 @@ def memcpy_gbps(numel: int, reps: int) -> float:
 
 
 def coordinator_gbps(
-    islands: int, numel: int, shards: int, reps: int, threads: int = 1, broadcast: bool = False, gap_s: float = 0.0
+    islands: int,
+    numel: int,
+    shards: int,
+    reps: int,
+    threads: int | None = None,
+    broadcast: bool = False,
+    gap_s: float = 0.0,
 ) -> dict[str, float]:
     """The production coordinator's rounds on `islands` fresh pseudo-gradients each.
     Back to back (`gap_s` 0), each round's results are created while Ray is still freeing
@@ -164,7 +174,7 @@ def coordinator_gbps(
             "mode=diloco",
             f"islands.count={islands}",
             f"coordinator.shards={shards}",
-            f"coordinator.threads={threads}",
+            *([f"coordinator.threads={threads}"] if threads is not None else []),  # else the default's
             "compression.chunk=4096",
         ],
     )
@@ -193,10 +203,16 @@ def coordinator_gbps(
                 mapped.append(ray.get(agg.aggregate_mapped.remote()))
         del refs  # the round's results are freed, as a coordinator's are once it has stepped
         time.sleep(gap_s)
+    used = ray.get(agg.threads.remote())
     for a in (*sources, agg):
         ray.kill(a)
     seconds, nbytes = statistics.median(times), islands * numel * 4
-    out = {"seconds": seconds, "gbps": nbytes / seconds / 1e9, "page_faults": statistics.median(faults)}
+    out = {
+        "seconds": seconds,
+        "gbps": nbytes / seconds / 1e9,
+        "page_faults": statistics.median(faults),
+        "threads": used,
+    }
     if mapped:
         out.update(mapped_seconds=statistics.median(mapped), mapped_gbps=nbytes / statistics.median(mapped) / 1e9)
     if broadcast:

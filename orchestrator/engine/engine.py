@@ -30,7 +30,7 @@ from orchestrator.engine.loop_time import Part
 from orchestrator.engine.membership import Membership
 from orchestrator.engine.outer_slices import SlicedOuter
 from orchestrator.engine.outer_step import Outer, take_step
-from orchestrator.engine.outputs import OnRecord, Outputs
+from orchestrator.engine.outputs import OnRecord, Outputs, torch_threads
 from orchestrator.engine.pacing import Close, Flight, Pacing, RunState
 from orchestrator.engine.persistence import capture, restore
 from orchestrator.engine.policies import Policies, run_inbox
@@ -340,16 +340,17 @@ class RoundEngine:
         # past: when the new version could first have left for the islands
         due = max((f.delivered_at for f in flights), default=None)
         contributions = [self.inflight.contribution(r, close.fragment, close.factors) for r in results]
-        outcome = take_step(
-            self.outer,
-            self.admission,
-            contributions,
-            close.expected,
-            self.run.version,
-            close.anchor,
-            close.fragment,
-            close.scale,
-        )
+        with torch_threads(self.outputs.step_threads()):
+            outcome = take_step(
+                self.outer,
+                self.admission,
+                contributions,
+                close.expected,
+                self.run.version,
+                close.anchor,
+                close.fragment,
+                close.scale,
+            )
         verdicts = outcome.verdicts
         if outcome.gap is not None:
             self.stats.window.extra["gap_penalty"] = outcome.gap

@@ -51,7 +51,7 @@ class Coordinator:
 
         if log_level is not None:  # the driver's -v/-q, for this process's log file too
             configure(log_level)
-        torch.set_num_threads(cfg.coordinator.threads)
+        torch.set_num_threads(cfg.coordinator.threads or 1)  # the outer step takes its own (`step_threads`)
         self.cfg, self.run_id = cfg, run_id
         self.metrics: Any = None
         self.tracking: Any = None  # `runtime/tracking.py`, when tracking.backends lists any

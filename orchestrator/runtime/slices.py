@@ -20,7 +20,7 @@ from orchestrator.runtime.names import NAMESPACE, slice_name
 
 class RemoteOuterSlice(OuterSlice):
     def __init__(self, cfg: RunConfig, bounds: tuple[int, int], params: np.ndarray) -> None:
-        super().__init__(outer_rule(cfg), bounds, params, cfg.coordinator.threads)
+        super().__init__(outer_rule(cfg), bounds, params, cfg.coordinator.threads or 1)
 
     def inspect(self, key: int, parts: list[tuple[int, Any]]) -> list[SliceStats]:
         """The payloads arrive as references (nested, so Ray leaves them to us): one
