@@ -172,6 +172,40 @@ def test_a_lossless_streaming_copy_is_the_outer_parameters():
     assert torch.equal(engine.publisher.downlink.copy, engine.flat.data)
 
 
+@pytest.mark.parametrize(
+    ("mode", "every_version"),
+    [
+        (["mode=streaming"], False),
+        (["mode=diloco", "compression.downlink=int4"], False),
+        (["mode=diloco"], True),
+        (["mode=overlap", "compression.downlink=int4"], True),
+    ],
+    ids=["streaming", "lossy_downlink", "full_downlink", "lagged"],
+)
+def test_the_full_copy_is_put_only_when_an_island_needs_it(mode, every_version, monkeypatch):
+    engine, pool = in_process_engine(_gpt(*mode))
+    put: list[int] = []
+    publish = pool.publish
+    monkeypatch.setattr(pool, "publish", lambda version, params: put.append(version) or publish(version, params))
+    summary = engine.execute()
+    assert summary["state"] == "finished"
+    if every_version:  # islands take the full parameters, or a lagged round may start from the one before
+        assert put == list(range(summary["outer_steps"] + 1))
+    else:  # islands follow the copy by changes: only their first download needs it whole
+        assert put == [0]
+
+
+def test_each_change_is_shared_once_however_many_islands_take_it(monkeypatch):
+    engine, pool = in_process_engine(_gpt("mode=streaming", "islands.count=3"))
+    shared: list[int] = []
+    share = pool.share
+    monkeypatch.setattr(pool, "share", lambda change: shared.append(change.version) or share(change))
+    summary = engine.execute()
+    assert shared == list(range(1, summary["outer_steps"] + 1))  # one per version, not one per island
+    taken = [c for order in pool.dispatched for c in order.changes]
+    assert len(taken) > len(shared) and {c.version for c in taken} <= set(shared)
+
+
 def test_an_island_refuses_a_change_it_already_applied_or_one_that_skips():
     cfg = _gpt("mode=streaming", "compression.downlink=int8", "streaming.tau=0")
     island = Island(island_spec(cfg, 0))

@@ -98,7 +98,6 @@ class InFlight:
             start_delay_s=delivery.delay_s,
             schedule_step=work.schedule_step,
             fragment=work.fragment,
-            changes=delivery.changes,
             eager=work.eager,
             send_after=work.send_after,
             built=delivery.built,
@@ -112,7 +111,7 @@ class InFlight:
         deadline = self.pool.now() + delivery.delay_s + allowed
         received = 0 if delivery.bootstrap else delivery.nbytes
         self.flights[ticket] = Flight(ticket, work, deadline, sent_at=self.pool.now(), received=received)
-        self.pool.dispatch(order, delivery.params)
+        self.pool.dispatch(order, delivery.params, delivery.changes)
 
     def timeout(self, wake: float | None = None) -> float:
         """How long the engine may wait on the pool: until the first deadline, or the

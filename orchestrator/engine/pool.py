@@ -26,6 +26,7 @@ from orchestrator.engine.chaos import Strike, TimedFault
 from orchestrator.engine.specs import island_spec
 from workers.runtime.island import Island
 from workers.wire.messages import RoundResult, SavedState, Sliced, WorkOrder
+from workers.wire.sync import Change
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +93,13 @@ class IslandPool(Protocol):
     def publish(self, version: int, params: Any) -> Any:
         """The global parameters of `version` in the form islands fetch (once per version)."""
 
-    def dispatch(self, order: WorkOrder, params: Any) -> None: ...
+    def share(self, change: Change) -> Any:
+        """A change of the published copy in the form islands fetch (once, however many take it)."""
+
+    def dispatch(self, order: WorkOrder, params: Any, changes: tuple[Any, ...] = ()) -> None:
+        """Start `order` from `params` (as `publish` made them) and `changes` (as `share`
+        made them), which the island takes as the order's own."""
+
     def poll(self, timeout: float, wake: float | None = None) -> list[PoolEvent]:
         """Events that happened, waiting up to `timeout` seconds for the first one; a
         virtual clock with nothing due before `wake` moves to `wake` and returns none."""
@@ -241,7 +248,12 @@ class InProcessPool:
         """A copy, as `ray.put` makes one (the engine publishes each version once)."""
         return np.concatenate(params) if isinstance(params, list) else np.array(params)
 
-    def dispatch(self, order: WorkOrder, params: Any) -> None:
+    def share(self, change: Change) -> Change:
+        return change
+
+    def dispatch(self, order: WorkOrder, params: Any, changes: tuple[Any, ...] = ()) -> None:
+        if changes:
+            order = dataclasses.replace(order, changes=changes)
         i = order.island
         self.dispatched.append(order)
         if i in self.dead or i not in self.islands:

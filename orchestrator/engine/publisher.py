@@ -5,6 +5,14 @@ round under a one-round lag starts from it. What an island receives for its work
 full parameters of its version, or — in modes that track a published copy (a lossy or
 fragmented downlink) — only the changes since the version it holds. The bytes either way
 cross its (simulated) link, so its work starts that much later.
+
+Where islands follow the copy through changes, the full copy is put only when an island
+needs it (a joiner, a replacement, one whose changes are no longer kept), not every
+version: under Streaming DiLoCo a version comes every H/P steps, and putting the whole
+model each time cost the coordinator a copy of every byte per fragment step for nothing.
+Only a one-round lag (`overlap`) can start work from the version before the current one,
+so there the copy is still put every version. Each change is shared once too (`share`:
+one `ray.put`), and every island's order names it rather than carrying a pickled copy.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from typing import Any
 
 import torch
 
-from orchestrator.config import RunConfig
+from orchestrator.config import Mode, RunConfig
 from orchestrator.engine.downlink import Downlink
 from orchestrator.engine.outer_step import Outer
 from orchestrator.engine.pacing import Work
@@ -30,7 +38,7 @@ class Delivery:
 
     params: Any  # the published parameters of its version, or None when changes suffice
     params_digest: str | None  # of `params` as published (None: changes, or remote slices)
-    changes: tuple[Change, ...]
+    changes: tuple[Any, ...]  # the changes since the version it holds, as the pool shared them
     nbytes: int  # on its link
     bootstrap: bool  # its first full download (not one of the run's exchanges)
     delay_s: float  # until it has them, on the run's clock
@@ -48,6 +56,9 @@ class Publisher:
         self.held: dict[int, int] = {}  # island -> version it holds (downloaded)
         self.version0: str | None = None  # digest of version 0 when islands can build it (`islands.build_version0`)
         self.built: set[int] = set()  # islands that hold the version 0 they built
+        self.unput: int | None = None  # the version the copy holds, not put yet (put when an island needs it)
+        self.shared: dict[int, Any] = {}  # version -> its change as the pool shared it (once, for every island)
+        self.eager = cfg.mode == Mode.OVERLAP  # work may start from the version before: put each one
         self.downlink = (
             Downlink(
                 flat, cfg.compression.downlink, cfg.compression.chunk, fragments, keep=2 * cfg.streaming.fragments + 4
@@ -61,9 +72,10 @@ class Publisher:
         when it was ready on the run's clock, if earlier than now (streaming: its
         pseudo-gradients left τ steps before their islands' work ended, so the step was due
         before the results came back)."""
-        params = self.downlink.copy.numpy() if self.downlink is not None else self.outer.params()
-        self.refs[version] = self.pool.publish(version, params)
-        self.digests[version] = params_digest(params)
+        if self.downlink is not None and not self.eager:
+            self.unput = version
+        else:
+            self._put(version)
         now = self.pool.now()
         self.published_at.setdefault(version, now if at is None else min(at, now))
         for old in [old for old in self.refs if old < version - 1]:
@@ -75,15 +87,29 @@ class Publisher:
         for old in [old for old in self.published_at if old < horizon]:
             del self.published_at[old]
 
+    def _put(self, version: int) -> None:
+        """Put `version` in the pool with its digest: the copy islands hold (or the outer
+        parameters, where islands take the full parameters every version)."""
+        params = self.downlink.copy.numpy() if self.downlink is not None else self.outer.params()
+        self.refs[version] = self.pool.publish(version, params)
+        self.digests[version] = params_digest(params)
+        if self.unput == version:
+            self.unput = None
+
     def stepped(self, version: int, fragment: int | None) -> None:
-        """The outer step made `version`: the published copy takes its change."""
+        """The outer step made `version`: the published copy takes its change (the version
+        it held, never put, is never needed again: work starts from the newest)."""
         if self.downlink is not None:
-            self.downlink.step(version, self.flat, fragment)
+            self.unput = None
+            self.shared[version] = self.pool.share(self.downlink.step(version, self.flat, fragment))
+            for old in [v for v in self.shared if v not in self.downlink.changes]:
+                del self.shared[old]
 
     def restored(self) -> None:
         """The parameters were loaded from a checkpoint: the published copy is them."""
         if self.downlink is not None:
             self.downlink.reset(self.flat)
+            self.shared.clear()
 
     def joined(self, island: int, built_sha256: str | None) -> bool | None:
         """An island that built version 0 itself holds it if it hashes to the coordinator's
@@ -112,6 +138,8 @@ class Publisher:
             params, bootstrap = self.refs[work.version], held is None
             nbytes = 0 if held == work.version else self.outer.numel * self.flat.element_size()
         elif (routed := self.downlink.route(held, work.version)) is None:
+            if self.unput == work.version:
+                self._put(work.version)
             params, bootstrap = self.refs[work.version], held is None
             nbytes = self.downlink.full_nbytes()
         else:
@@ -126,7 +154,7 @@ class Publisher:
         return Delivery(
             params=params,
             params_digest=digest,
-            changes=tuple(changes),
+            changes=tuple(self.shared[c.version] for c in changes),
             nbytes=nbytes,
             bootstrap=bootstrap,
             delay_s=delay,

@@ -31,6 +31,7 @@ from orchestrator.runtime.island_actors import (
 )
 from workers.runtime.island_spec import IslandSpec
 from workers.wire.messages import RoundResult, SavedState, WorkOrder
+from workers.wire.sync import Change
 
 log = logging.getLogger(__name__)
 
@@ -138,17 +139,22 @@ class RayIslandPool:
             return params
         return ray.put(params)
 
-    def dispatch(self, order: WorkOrder, params: Any) -> None:
+    def share(self, change: Change) -> Any:
+        """One `ray.put` per change: an order names it (a top-level argument, which Ray
+        resolves before the call) instead of carrying a pickled copy per island."""
+        return ray.put(change)
+
+    def dispatch(self, order: WorkOrder, params: Any, changes: tuple[Any, ...] = ()) -> None:
         handle = self.handles.get(order.island)
         if handle is None:
             raise KeyError(f"island {order.island} is not placed")
         if self.virtual:  # the link delay is simulated time too: nothing waits for it
-            ref = handle.actor.run.remote(dataclasses.replace(order, start_delay_s=0.0), params)
+            ref = handle.actor.run.remote(dataclasses.replace(order, start_delay_s=0.0), params, *changes)
             self.finish[ref] = (
                 self.vt + order.start_delay_s + self.cfg.islands.virtual_seconds(order.island, order.steps)
             )
         else:
-            ref = handle.actor.run.remote(order, params)
+            ref = handle.actor.run.remote(order, params, *changes)
         self.work[ref] = (order.ticket, order.island)
 
     def poll(self, timeout: float, wake: float | None = None) -> list[PoolEvent]:

@@ -32,6 +32,7 @@ from workers.wire.messages import RoundResult, Sliced, WorkOrder
 if TYPE_CHECKING:
     from workers.runtime.island import Island
     from workers.runtime.island_group import GroupIsland
+    from workers.wire.sync import Change
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,11 @@ class IslandActor:
     def rejoin(self, spec: IslandSpec) -> dict[str, Any]:
         return self.island.rejoin(spec)
 
-    def run(self, order: WorkOrder, params: Any) -> RoundResult:
+    def run(self, order: WorkOrder, params: Any, *changes: Change) -> RoundResult:
+        """`changes`: the order's downlink changes, each put once by the coordinator and
+        resolved by Ray before this call (the order itself travels without them)."""
+        if changes:
+            order = dataclasses.replace(order, changes=changes)
         result = self.island.run(order, whole_params(params))
         if not isinstance(result.payload, Sliced):
             return result
