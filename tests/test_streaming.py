@@ -193,6 +193,9 @@ def test_the_full_copy_is_put_only_when_an_island_needs_it(mode, every_version, 
         assert put == list(range(summary["outer_steps"] + 1))
     else:  # islands follow the copy by changes: only their first download needs it whole
         assert put == [0]
+    # the publisher holds the current version only, and the one before only under a lag
+    held = sorted(engine.publisher.refs)
+    assert held == ([summary["outer_steps"] - 1, summary["outer_steps"]] if "mode=overlap" in mode else held[-1:])
 
 
 def test_each_change_is_shared_once_however_many_islands_take_it(monkeypatch):

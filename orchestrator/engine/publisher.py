@@ -1,7 +1,7 @@
 """Publishing the global parameters and working out what each island downloads.
 
-Each version is put in the pool once (`ray.put` under Ray); the one before is kept, as a
-round under a one-round lag starts from it. What an island receives for its work is the
+Each version is put in the pool once (`ray.put` under Ray); under a one-round lag the one
+before is kept, as a round starts from it. What an island receives for its work is the
 full parameters of its version, or — in modes that track a published copy (a lossy or
 fragmented downlink) — only the changes since the version it holds. The bytes either way
 cross its (simulated) link, so its work starts that much later.
@@ -58,7 +58,7 @@ class Publisher:
         self.built: set[int] = set()  # islands that hold the version 0 they built
         self.unput: int | None = None  # the version the copy holds, not put yet (put when an island needs it)
         self.shared: dict[int, Any] = {}  # version -> its change as the pool shared it (once, for every island)
-        self.eager = cfg.mode == Mode.OVERLAP  # work may start from the version before: put each one
+        self.lagged = cfg.mode == Mode.OVERLAP  # work may start from the version before: put and keep each one
         self.downlink = (
             Downlink(
                 flat, cfg.compression.downlink, cfg.compression.chunk, fragments, keep=2 * cfg.streaming.fragments + 4
@@ -68,17 +68,19 @@ class Publisher:
         )
 
     def publish(self, version: int, at: float | None = None) -> None:
-        """Publish `version` once (islands fetch it from there); keep the one before. `at`:
+        """Publish `version` once (islands fetch it from there); under a one-round lag keep
+        the one before, else let it go at once (work already out holds its own reference),
+        so the object store can reuse its pages for the next version. `at`:
         when it was ready on the run's clock, if earlier than now (streaming: its
         pseudo-gradients left τ steps before their islands' work ended, so the step was due
         before the results came back)."""
-        if self.downlink is not None and not self.eager:
+        if self.downlink is not None and not self.lagged:
             self.unput = version
         else:
             self._put(version)
         now = self.pool.now()
         self.published_at.setdefault(version, now if at is None else min(at, now))
-        for old in [old for old in self.refs if old < version - 1]:
+        for old in [old for old in self.refs if old < version - int(self.lagged)]:
             del self.refs[old]
             self.digests.pop(old, None)
         # work starts from a version at most this far back (the lag's t − 2, or a change
