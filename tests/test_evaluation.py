@@ -10,7 +10,7 @@ import socket
 import torch
 
 from orchestrator.engine import engine as engine_module
-from orchestrator.engine.outputs import step_threads
+from orchestrator.engine.threads import step_threads
 from tests.engine_scenarios import drive, scenario_cfg
 from tests.helpers import in_process_engine
 

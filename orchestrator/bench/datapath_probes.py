@@ -19,8 +19,8 @@ from orchestrator.config import RunConfig
 from orchestrator.config_load import load_config
 from orchestrator.engine.outer_slices import SlicedOuter
 from orchestrator.engine.outer_step import LocalOuter, Outer
-from orchestrator.engine.outputs import step_threads
 from orchestrator.engine.policies import build_policies, outer_rule
+from orchestrator.engine.threads import step_threads
 from orchestrator.engine.types import Contribution
 from orchestrator.runtime.slices import start_slices
 from workers.runtime.island_group import group_address

@@ -14,6 +14,8 @@ class TokenBudget:
     speed with DyLU), results queued until their step, and a round recorded each time
     islands × H steps have come back."""
 
+    lag = 0  # work starts from the newest version
+
     def __init__(self, dylu: bool, speeds: SpeedTracker, islands: int, schedule_offset: int = 0) -> None:
         """`speeds` is the run's tracker, fed by the engine with every arrival;
         `schedule_offset` is where the run's inner schedule starts (after a warm start)."""

@@ -30,7 +30,7 @@ from orchestrator.engine.loop_time import Part
 from orchestrator.engine.membership import Membership
 from orchestrator.engine.outer_slices import SlicedOuter
 from orchestrator.engine.outer_step import Outer, take_step
-from orchestrator.engine.outputs import OnRecord, Outputs, torch_threads
+from orchestrator.engine.outputs import OnRecord, Outputs
 from orchestrator.engine.pacing import Close, Flight, Pacing, RunState
 from orchestrator.engine.persistence import capture, restore
 from orchestrator.engine.policies import Policies, run_inbox
@@ -40,6 +40,7 @@ from orchestrator.engine.requests import OperatorRequests
 from orchestrator.engine.screen import Sizes
 from orchestrator.engine.startup import Startup
 from orchestrator.engine.stats import RunStats
+from orchestrator.engine.threads import torch_threads
 from orchestrator.engine.types import Event, RunFailed, RunPhase, SliceLost
 from orchestrator.engine.warm_start import WarmStart, version0_digest
 from workers.tasks.task import Task
@@ -95,7 +96,9 @@ class RoundEngine:
         self.warm = warm
         self.clock0 = 0.0  # the pool's clock when training began (`_clock`)
         self.summary: dict[str, Any] = {}
-        self.publisher = Publisher(cfg=cfg, pool=pool, outer=outer, flat=flat.data, fragments=fragments)
+        self.publisher = Publisher(
+            cfg=cfg, pool=pool, outer=outer, flat=flat.data, fragments=fragments, lag=self.pacing.lag
+        )
         self.states = IslandStates(cfg, run_id)
         self.startup = Startup()
         self.checkpoints = run_folder(cfg.checkpoint_dir, run_id)

@@ -10,14 +10,12 @@ so the control plane's threads only ever read finished objects.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
-import os
 import shutil
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,38 +30,12 @@ from orchestrator.engine.outer_step import Outer
 from orchestrator.engine.quorum import QuorumRule
 from orchestrator.engine.records import DiskFaults, EventLog, Recorder
 from orchestrator.engine.stats import RunStats
+from orchestrator.engine.threads import spare_cores, step_threads, torch_threads
 from orchestrator.engine.types import Event, RunPhase
 from workers.tasks.task import ExportableTask, MetricTask, Task, export_pretrained
 from workers.wire.flat import FlatParams
 
 log = logging.getLogger(__name__)
-
-
-def spare_cores(cfg: RunConfig, islands_here: int) -> int:
-    """The cores this process may run on less those `islands_here` islands on its host
-    reserve (`islands.cpus` per worker); can be 0 or less."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cores - math.ceil(islands_here * cfg.islands.workers * cfg.islands.cpus)
-
-
-def step_threads(cfg: RunConfig, islands_here: int) -> int:
-    """The outer step's torch threads: `coordinator.threads`, or the spare cores, at least
-    one. The step is bound by memory bandwidth, which one core does not saturate (one
-    process, 128 MB of updates: 13.0 ms a step on 1 thread, 10.4 ms on 2); a KubeRay head
-    whose islands are on worker nodes steps on all its cores, while a machine whose
-    islands reserve every core keeps one thread for it."""
-    return cfg.coordinator.threads or max(1, spare_cores(cfg, islands_here))
-
-
-@contextlib.contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """Run the block on `n` torch threads, then put the process's count back."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 OnRecord = Callable[[dict[str, Any], dict[str, dict[str, Any]], dict[str, Any]], None]  # status, islands, record

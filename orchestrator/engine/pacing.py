@@ -114,6 +114,8 @@ def _by_island(flight: Flight) -> int:
 
 
 class Pacing(Protocol):
+    lag: int  # how many versions behind the newest work may start (a one-round lag: 1)
+
     def plan(self, run: RunState, idle: list[int]) -> list[Work]: ...
     def cancel(self, work: Work) -> None: ...
     def arrived(self, flight: Flight) -> None: ...
@@ -136,6 +138,8 @@ class Pacing(Protocol):
 class Barrier:
     """`steps_per_record` outer steps make one recorded round (1 for diloco; H for ddp,
     whose every batch is one step of the inner optimizer on the mean gradient)."""
+
+    lag = 0
 
     def __init__(self, kind: WorkKind, steps_per_record: int) -> None:
         self.kind, self.per_record = kind, steps_per_record
@@ -200,6 +204,8 @@ def start_version(round_t: int, base: int = 0) -> int:
 
 
 class OneRoundLag:
+    lag = 1
+
     def __init__(self, eager: bool = False) -> None:
         """`eager`: mark work whose start version lacks its island's own last update."""
         self.eager = eager
@@ -308,6 +314,7 @@ class FragmentSchedule:
 
     def __init__(self, inner: Pacing, fragments: int, tau: int) -> None:
         self.inner, self.p, self.tau = inner, fragments, tau
+        self.lag = inner.lag
 
     def _view(self, run: RunState) -> RunState:
         return dataclasses.replace(run, rounds=run.rounds * self.p, inner_steps=max(1, run.inner_steps // self.p))

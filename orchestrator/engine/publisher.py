@@ -10,8 +10,8 @@ Where islands follow the copy through changes, the full copy is put only when an
 needs it (a joiner, a replacement, one whose changes are no longer kept), not every
 version: under Streaming DiLoCo a version comes every H/P steps, and putting the whole
 model each time cost the coordinator a copy of every byte per fragment step for nothing.
-Only a one-round lag (`overlap`) can start work from the version before the current one,
-so there the copy is still put every version. Each change is shared once too (`share`:
+Only a pacing with a lag (`overlap`'s one round) can start work from a version before
+the newest, so there the copy is still put every version. Each change is shared once too (`share`:
 one `ray.put`), and every island's order names it rather than carrying a pickled copy.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from orchestrator.config import Mode, RunConfig
+from orchestrator.config import RunConfig
 from orchestrator.engine.downlink import Downlink
 from orchestrator.engine.outer_step import Outer
 from orchestrator.engine.pacing import Work
@@ -47,8 +47,16 @@ class Delivery:
 
 class Publisher:
     def __init__(
-        self, *, cfg: RunConfig, pool: IslandPool, outer: Outer, flat: torch.Tensor, fragments: Fragments | None
+        self,
+        *,
+        cfg: RunConfig,
+        pool: IslandPool,
+        outer: Outer,
+        flat: torch.Tensor,
+        fragments: Fragments | None,
+        lag: int,
     ) -> None:
+        """`lag`: how many versions behind the newest the pacing may start work (its `lag`)."""
         self.cfg, self.pool, self.outer, self.flat = cfg, pool, outer, flat
         self.refs: dict[int, Any] = {}  # version -> published parameters
         self.published_at: dict[int, float] = {}
@@ -58,7 +66,7 @@ class Publisher:
         self.built: set[int] = set()  # islands that hold the version 0 they built
         self.unput: int | None = None  # the version the copy holds, not put yet (put when an island needs it)
         self.shared: dict[int, Any] = {}  # version -> its change as the pool shared it (once, for every island)
-        self.lagged = cfg.mode == Mode.OVERLAP  # work may start from the version before: put and keep each one
+        self.lag = lag  # work may start from versions this far back: those are put and kept
         self.downlink = (
             Downlink(
                 flat, cfg.compression.downlink, cfg.compression.chunk, fragments, keep=2 * cfg.streaming.fragments + 4
@@ -68,19 +76,19 @@ class Publisher:
         )
 
     def publish(self, version: int, at: float | None = None) -> None:
-        """Publish `version` once (islands fetch it from there); under a one-round lag keep
-        the one before, else let it go at once (work already out holds its own reference),
-        so the object store can reuse its pages for the next version. `at`:
+        """Publish `version` once (islands fetch it from there); keep the `lag` before it
+        and let older ones go at once (work already out holds its own reference), so the
+        object store can reuse their pages. `at`:
         when it was ready on the run's clock, if earlier than now (streaming: its
         pseudo-gradients left τ steps before their islands' work ended, so the step was due
         before the results came back)."""
-        if self.downlink is not None and not self.lagged:
+        if self.downlink is not None and not self.lag:
             self.unput = version
         else:
             self._put(version)
         now = self.pool.now()
         self.published_at.setdefault(version, now if at is None else min(at, now))
-        for old in [old for old in self.refs if old < version - int(self.lagged)]:
+        for old in [old for old in self.refs if old < version - self.lag]:
             del self.refs[old]
             self.digests.pop(old, None)
         # work starts from a version at most this far back (the lag's t − 2, or a change
