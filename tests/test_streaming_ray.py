@@ -40,6 +40,22 @@ def test_streaming_with_4_bits_both_ways_on_ray_is_the_in_process_run(ray_local,
     assert {k: v["applied"] for k, v in summary["fragments"].items()} == {str(p): 6 for p in range(4)}
 
 
+def test_streaming_islands_answer_before_their_tau_steps_and_the_run_is_the_in_process_one(
+    ray_local, tmp_path, corpus_cache
+):
+    """Segments of 4 steps with Δ taken after 2: on Ray each island answers at that point
+    and trains the other 2 while the coordinator steps (`workers/runtime/order_steps.py`); in
+    process it trains them first. The same steps in the same order: the same run."""
+    tail = ("streaming.fragments=2", "streaming.tau=2")
+    summary = run(_cfg(tmp_path, corpus_cache, "ray", *tail), show_progress=False)
+    engine, _ = in_process_engine(_cfg(tmp_path, corpus_cache, "local", *tail))
+    local = engine.execute()
+    assert summary["state"] == "finished" and summary["outer_steps"] == 6
+    assert summary["final_eval_loss"] == pytest.approx(local["final_eval_loss"], abs=1e-6)
+    for key in ("bytes_sent", "bytes_received", "peak_exchange_bytes"):
+        assert summary[key] == local[key], key
+
+
 SPARSE = [
     "compression.codec=topk:0.02+int2",
     "compression.downlink=topk:0.02+int2",

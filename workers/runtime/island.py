@@ -8,9 +8,11 @@ data position persist across rounds, as DiLoCo requires.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any, cast
 
 import numpy as np
@@ -18,7 +20,8 @@ import torch
 
 from workers.runtime import inner_state
 from workers.runtime.island_spec import IslandSpec
-from workers.runtime.optim import build_inner, muon_params
+from workers.runtime.optim import build_inner, inner_params, muon_params
+from workers.runtime.order_steps import Tail, Tally
 from workers.runtime.shard_streams import ShardStreams
 from workers.tasks.task import load_task, split_batch, to_device
 from workers.wire.compress import ErrorFeedback, decode, encode
@@ -57,7 +60,7 @@ class Island:
         self.start = torch.empty_like(flat.data)
         self.optimizer, self.scheduler = build_inner(
             spec.inner,
-            self.model.parameters(),
+            inner_params(spec.inner, self.model, flat),
             spec.total_inner_steps,
             spec.start_step,
             spec.rewarmup_steps,
@@ -75,6 +78,7 @@ class Island:
         self.last_delta: torch.Tensor | None = None  # eager updates: the island's own last Δ
         self.inner_steps_done = 0  # over the island's life: a restarted coordinator's test that it kept its state
         self.running = False
+        self.tail: Tail | None = None  # a streaming order's τ steps, training after its result left
         self.superseded = threading.Event()  # the work in flight was given by a coordinator that is gone
         self.restored = None  # placed to continue a saved inner state: whether it could
         if spec.restore_state is not None and spec.state_folder is not None:
@@ -91,6 +95,10 @@ class Island:
         taking over a warm start's island): built exactly as a newly placed island is, so
         training is the same; what carries over is the process, its imports and the task's
         per-process caches, which are most of an island's start."""
+        try:
+            self.settle()
+        except Exception:  # the island is renewed whatever its last steps did
+            log.warning("island %d: its last streaming tail failed before a reset", self.spec.index, exc_info=True)
         self.data.close()
         self.__init__(spec)  # type: ignore[misc]
 
@@ -130,7 +138,7 @@ class Island:
             "optimizer_state": len(self.optimizer.state),
             "inner_state_restored": self.restored,
             "startup": dict(self.startup),
-            "busy": self.running,
+            "busy": self.running or (self.tail is not None and self.tail.alive()),
             "built_sha256": self.built_sha256,
         }
 
@@ -223,23 +231,40 @@ class Island:
             feedback.sent(values, np.concatenate([decode(p) for p in payloads]))
         return payloads[0] if self.spec.coordinator_shards == 1 else Sliced(parts=tuple(payloads))
 
-    def run(self, order: WorkOrder, params: np.ndarray) -> RoundResult:
+    def run(self, order: WorkOrder, params: np.ndarray, *, detach_tail: bool = False) -> RoundResult:
         """Do one work order from the global `params`. `TRAIN` is DiLoCo's inner phase:
         `steps` inner steps, Δ = θ_start − θ_end back; `GRADIENT` is the ddp step: one
         batch's gradient at `params`, no local update. The inner optimizer state and the
-        data streams persist across orders, as DiLoCo requires."""
+        data streams persist across orders, as DiLoCo requires.
+
+        `detach_tail` (the Ray actor asks for it): a streaming order whose Δ is taken τ
+        steps before its end answers at that point and trains the τ steps after it has
+        answered (`order_steps.py`), so its exchange really overlaps them. The result reports the
+        whole order (every batch is read before it leaves); the next order, or `reset`,
+        waits for the tail first. The in-process pool keeps them inline: its clock
+        simulates the overlap, and the numbers are the same either way."""
+        called = time.perf_counter()
+        self.settle()
         self.superseded.clear()
         self.running = True
         try:
-            return self._run(order, params)
+            return self._run(order, params, detach_tail, called)
         finally:
             self.running = False
 
-    def _run(self, order: WorkOrder, params: np.ndarray) -> RoundResult:
+    def settle(self) -> None:
+        """Wait for a detached tail to finish training (raising what it raised): the model,
+        the optimizer and the data streams are this thread's again."""
+        tail, self.tail = self.tail, None
+        if tail is not None:
+            tail.wait()
+
+    def _run(self, order: WorkOrder, params: np.ndarray, detach_tail: bool, called: float) -> RoundResult:
         if order.handoff_sha256 is not None:  # before anything of it is used
             verify(order, params)
-        if order.start_delay_s > 0:
-            time.sleep(order.start_delay_s)
+        delay = order.start_delay_s - (time.perf_counter() - called)  # the download went on beside a tail
+        if delay > 0:
+            time.sleep(delay)
         if order.schedule_step is not None:
             self._seek_schedule(order.schedule_step)
         t0 = time.perf_counter()
@@ -250,41 +275,31 @@ class Island:
             self.flat.load(src)
         self.model.train()
         started_at = time.time()  # its first step begins: the parameters are in place
-        shard_tokens = {s: 0 for s in order.shards}
-        positions = dict(order.shards)  # advanced per batch actually read: what the ledger checks
-        losses, weight = 0.0, 0
-        tail_steps, tail_s = 0, 0.0
+        tally = Tally(positions=dict(order.shards), shard_tokens=dict.fromkeys(order.shards, 0))
+        tail_steps, tail_s, pace = 0, 0.0, 0.0
         if order.kind == WorkKind.TRAIN:
             if order.fragment is None and src is not None:  # a fragment's Δ is taken from the copy instead
                 self.start.copy_(src)
-            delta: torch.Tensor | None = None
-            t_sent = t_step = time.perf_counter()  # a step's time includes reading its batch
-            for j, (shard, batch) in enumerate(self.data.batches(order)):
-                if self.superseded.is_set():
-                    raise Superseded(f"island {self.spec.index}: its coordinator restarted; round given up")
-                if delta is not None:
-                    tail_steps += 1
-                loss, w = self._forward_backward(batch)
-                self._clip()
-                self._step()
-                self.scheduler.step()
-                self.inner_steps_done += 1
-                shard_tokens[shard] += w
-                positions[shard] += 1
-                losses += loss
-                weight += w
-                if self.spec.slowdown > 1 and self.spec.sleeps:
-                    time.sleep((self.spec.slowdown - 1) * (time.perf_counter() - t_step))
-                t_step = time.perf_counter()
-                if delta is None and order.send_after == j + 1 and j + 1 < order.steps:
-                    delta, t_sent = self._delta(order.fragment).clone(), t_step  # Streaming DiLoCo's τ
-            if delta is None:
-                delta = self._delta(order.fragment)
-            else:
+            send = order.send_after if order.send_after and order.send_after < order.steps else order.steps
+            batches = self.data.batches(order)
+            stepping = time.perf_counter()
+            self._train(itertools.islice(batches, send), tally)
+            t_sent = time.perf_counter()
+            delta = self._delta(order.fragment)
+            tail_steps = order.steps - send
+            detach = detach_tail and tail_steps > 0 and not order.save_state
+            if tail_steps and not detach:  # Streaming DiLoCo's τ: Δ (a new tensor) stays as it was taken
+                self._train(batches, tally)
                 tail_s = time.perf_counter() - t_sent
             if self.spec.eager_step:
                 self.last_delta = delta.clone()
             payload = self._encode(delta, order.fragment)
+            if detach:
+                rest = list(batches)  # read now: the result reports what the tail reads
+                for shard, batch in rest:
+                    tally.read(shard, self.task.batch_weight(batch))
+                self.tail = Tail(self._inner_step, [batch for _, batch in rest])
+                pace = (t_sent - stepping) / send  # the tail's steps counted at the pace of those before
             folder = self.spec.state_folder
             saved = (
                 inner_state.write(folder, self.spec.index, self.optimizer, self.feedback)
@@ -293,22 +308,22 @@ class Island:
             )
         else:
             ((shard, batch),) = self.data.batches(order)
-            losses, weight = self._forward_backward(batch)
-            shard_tokens[shard] += weight
-            positions[shard] += 1
+            loss, weight = self._forward_backward(batch)
+            tally.trained(shard, loss, weight)
             payload = self._encode(self.flat.full_grad().clone())
             saved = None
+        compute_s = time.perf_counter() - t0 + pace * tail_steps
         return RoundResult(
             island=self.spec.index,
             version=order.version,
             payload=payload,
-            weight=weight,
+            weight=tally.weight,
             steps=order.steps,
-            mean_loss=losses / order.steps,
-            compute_s=time.perf_counter() - t0,
+            mean_loss=tally.losses / max(1, tally.steps),
+            compute_s=compute_s,
             finished_at=time.time(),
-            positions=positions,
-            shard_tokens=shard_tokens,
+            positions=tally.positions,
+            shard_tokens=tally.shard_tokens,
             ticket=order.ticket,
             fragment=order.fragment,
             tail_steps=tail_steps,
@@ -317,6 +332,29 @@ class Island:
             started_at=started_at,
             stream_states=self.data.states(order.shards),
         )
+
+    def _train(self, batches: Iterable[tuple[int, Any]], tally: Tally) -> None:
+        """Inner steps on `batches`, each counted in `tally`; a step's time includes
+        reading its batch (what a simulated slowdown stretches)."""
+        started = time.perf_counter()
+        for shard, batch in batches:
+            if self.superseded.is_set():
+                raise Superseded(f"island {self.spec.index}: its coordinator restarted; round given up")
+            loss, weight = self._inner_step(batch, started)
+            tally.trained(shard, loss, weight)
+            started = time.perf_counter()
+
+    def _inner_step(self, batch: Any, started: float | None = None) -> tuple[float, int]:
+        """One inner step; a simulated slowdown stretches it from `started` (default: now)."""
+        started = time.perf_counter() if started is None else started
+        loss, weight = self._forward_backward(batch)
+        self._clip()
+        self._step()
+        self.scheduler.step()
+        self.inner_steps_done += 1
+        if self.spec.slowdown > 1 and self.spec.sleeps:
+            time.sleep((self.spec.slowdown - 1) * (time.perf_counter() - started))
+        return loss, weight
 
     def _sync(self, order: WorkOrder, params: Any) -> torch.Tensor | None:
         """Bring this island's copy of the global parameters to `order.version`: the full

@@ -118,10 +118,11 @@ class IslandActor:
 
     def run(self, order: WorkOrder, params: Any, *changes: Change) -> RoundResult:
         """`changes`: the order's downlink changes, each put once by the coordinator and
-        resolved by Ray before this call (the order itself travels without them)."""
+        resolved by Ray before this call (the order itself travels without them). A
+        streaming order answers at its send point and trains its τ steps after (`order_steps.py`)."""
         if changes:
             order = dataclasses.replace(order, changes=changes)
-        result = self.island.run(order, whole_params(params))
+        result = self.island.run(order, whole_params(params), detach_tail=True)
         if not isinstance(result.payload, Sliced):
             return result
         refs = Sliced(parts=tuple(ray.put(p) for p in result.payload.parts))

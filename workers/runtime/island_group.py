@@ -87,9 +87,7 @@ class GroupIsland(Island):
             assert isinstance(self.flat, FlatParams)
             self.bounds = slice_bounds(self.flat.numel, world, 1)[rank]
             lo, hi = self.bounds
-            owned = torch.nn.Parameter(self.flat.data[lo:hi])  # a view: stepping it steps the model
-            owned.grad = self.flat.grad[lo:hi]
-            params = [owned]
+            params = [self.flat.parameter(lo, hi)]
         self.optimizer, self.scheduler = build_inner(
             spec.inner, params, spec.total_inner_steps, spec.start_step, spec.rewarmup_steps
         )
@@ -129,8 +127,10 @@ class GroupIsland(Island):
                 dist.broadcast(self.flat.data[lo:hi], src=r)
 
     # -- rounds: rank 0 drives the others ------------------------------------------------
-    def run(self, order: WorkOrder, params: np.ndarray) -> RoundResult:
-        """Run the order on every worker at once (the collectives pair up); rank 0's result."""
+    def run(self, order: WorkOrder, params: np.ndarray, *, detach_tail: bool = False) -> RoundResult:
+        """Run the order on every worker at once (the collectives pair up); rank 0's result.
+        A streaming tail is trained before answering (`detach_tail` is not taken): the
+        workers' collectives pair up step by step, within each worker's one call."""
         shared = ray.put(params) if self.followers else None  # one copy on this node for all workers
         follow = [f.follow.remote(order, shared) for f in self.followers]
         result = super().run(order, params)
