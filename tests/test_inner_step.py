@@ -11,6 +11,7 @@ from orchestrator.config_load import load_config
 from orchestrator.engine.specs import island_spec
 from tests.helpers import TINY_LM, in_process_run
 from workers.runtime.island import Island
+from workers.runtime.optim import build_inner
 from workers.tasks.task import split_batch
 
 # the shared tiny GPT (later overrides win), on 2 islands with fewer eval batches and a shorter warmup
@@ -73,3 +74,25 @@ def test_a_compiled_model_takes_the_eager_step(corpus_cache):
     compiled = _round(_cfg(corpus_cache, "inner.optimizer=sgd", "inner.compile=true"))
     assert np.abs(eager).max() > 1e-3
     np.testing.assert_allclose(compiled, eager, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_the_inner_optimizer_steps_one_flat_parameter_as_it_would_each_tensor(corpus_cache, optimizer):
+    """AdamW and SGD step one parameter over the flat buffer (`inner_params`): the same
+    round as the optimizer over the model's own tensors, to float rounding."""
+    cfg = _cfg(corpus_cache, f"inner.optimizer={optimizer}", "inner.weight_decay=0.1")
+    torch.manual_seed(cfg.seed)
+    island = Island(island_spec(cfg, 0))
+    assert [p.numel() for g in island.optimizer.param_groups for p in g["params"]] == [island.flat.numel]
+    start = island.flat.numpy()
+    flat = island.run(island.order(0, 4), start).delta()
+    torch.manual_seed(cfg.seed)
+    spec = island_spec(cfg, 0)
+    each = Island(spec)
+    each.optimizer, each.scheduler = build_inner(
+        cfg.inner, each.model.parameters(), spec.total_inner_steps, spec.start_step, spec.rewarmup_steps
+    )
+    assert len(each.optimizer.param_groups[0]["params"]) > 10
+    per_tensor = each.run(each.order(0, 4), start).delta()
+    assert np.abs(flat).max() > 1e-3  # it moved
+    np.testing.assert_allclose(flat, per_tensor, rtol=0, atol=1e-6)

@@ -80,6 +80,14 @@ class FlatParams:
     def zero_grad(self) -> None:
         self.grad.zero_()
 
+    def parameter(self, lo: int = 0, hi: int | None = None) -> nn.Parameter:
+        """One parameter over [lo, hi) of the buffer, its grad the same slice of the grads:
+        an elementwise optimizer (AdamW, SGD) given it steps the model's parameters in a
+        few kernels over one tensor instead of a few per tensor."""
+        owned = nn.Parameter(self.data[lo:hi])  # a view: stepping it steps the model
+        owned.grad = self.grad[lo:hi]
+        return owned
+
     def clip_grad(self, max_norm: float) -> None:
         """Scale the gradient to norm `max_norm` if it is longer (one pass over one buffer)."""
         norm = float(self.grad.norm())
