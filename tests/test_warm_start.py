@@ -5,6 +5,7 @@ it continues, and which a restarted coordinator or another run does not train ag
 from __future__ import annotations
 
 import itertools
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from orchestrator.config import RunConfig
 from orchestrator.config_load import ConfigError, load_config
 from orchestrator.engine.build import PhasedRun
 from orchestrator.engine.commands import Stop
+from orchestrator.engine.outputs import Outputs
 from orchestrator.engine.pool import Fault, FaultKind, InProcessPool
 from orchestrator.engine.types import RunFailed
 from orchestrator.engine.warm_start import warm_config
@@ -187,6 +189,33 @@ def test_a_warm_start_is_reused_by_another_run_and_checked_to_fit(tmp_path):
         wrong = _cfg(tmp_path / "c", "diloco", f"warm_start.path={folder}", bad)
         with pytest.raises(RunFailed, match=re.escape(field)):
             PhasedRun(wrong.model_copy(update={"task": cfg.task}), "x", Pools())
+
+
+def test_the_fork_takes_the_warm_starts_final_evaluation_only_for_the_model_it_was_of(tmp_path, monkeypatch):
+    """The main phase starts from the warm start's last model: its evaluation there is the
+    main run's first, taken, not run again beside the islands' first work. Loaded
+    parameters that do not hash to the recorded digest are evaluated as before."""
+    calls = []
+    evaluate = Outputs.evaluate
+    monkeypatch.setattr(Outputs, "evaluate", lambda self: calls.append(1) or evaluate(self))
+    cfg = _cfg(tmp_path)
+    summary = PhasedRun(cfg, "first", Pools()).execute()
+    record = summary["warm_start"]
+    assert summary["initial_eval_loss"] == record["final_eval_loss"]  # the same number, not one recomputed
+    assert len(record["final_params_digest"]) == 32
+    folder = Path(cfg.out_dir) / "warm_start"
+    marker = folder / "warm_start.json"
+    stamped = json.loads(marker.read_text())
+    calls.clear()
+    reused = _cfg(tmp_path / "b", "diloco", f"warm_start.path={folder}").model_copy(update={"task": cfg.task})
+    PhasedRun(reused, "second", Pools()).execute()
+    taken = len(calls)
+    marker.write_text(json.dumps({**stamped, "final_params_digest": "0" * 32}))  # not the loaded model's
+    calls.clear()
+    other = _cfg(tmp_path / "c", "diloco", f"warm_start.path={folder}").model_copy(update={"task": cfg.task})
+    again = PhasedRun(other, "third", Pools()).execute()
+    assert len(calls) == taken + 1  # the first evaluation ran
+    assert again["initial_eval_loss"] == pytest.approx(record["final_eval_loss"], rel=1e-6)
 
 
 def test_a_run_stopped_in_its_warm_start_says_so(tmp_path):

@@ -24,7 +24,7 @@ from orchestrator.config import Mode, RunConfig, WarmStartMode
 from orchestrator.engine.checkpoints import newest_valid, run_folder
 from orchestrator.engine.types import RunFailed
 from workers.runtime.storage import durable_write
-from workers.wire.handoff import params_sha256
+from workers.wire.handoff import params_digest, params_sha256
 
 if TYPE_CHECKING:
     import torch
@@ -138,6 +138,7 @@ def mark_finished(cfg: RunConfig, run_id: str, summary: dict[str, Any]) -> None:
             k: summary[k]
             for k in ("tokens", "initial_eval_loss", "final_eval_loss", "train_seconds", "bytes_communicated")
         },
+        "final_params_digest": summary.get("final_params_digest"),  # the model `final_eval_loss` is of
     }
     durable_write(warm_dir(cfg) / MARKER, json.dumps(record, indent=2).encode())
 
@@ -149,6 +150,16 @@ class WarmStart:
     params: torch.Tensor  # flat parameters at the fork
     ledger: dict[str, Any]  # the data ledger at the fork (positions continue from it)
     record: dict[str, Any]  # what summary.json reports of it
+
+    def evaluated(self, params: Any) -> float | None:
+        """The warm start's final eval loss if `params` are the model it was taken of
+        (their XXH3 digest is the one it recorded), else None: loaded from an earlier
+        checkpoint than its last, or recorded before the digest was."""
+        digest = self.record.get("final_params_digest")
+        loss = self.record.get("final_eval_loss")
+        if digest is None or loss is None or params_digest(params) != digest:
+            return None
+        return float(loss)
 
 
 def check_warm_start(cfg: RunConfig) -> dict[str, Any]:
