@@ -90,7 +90,7 @@ class RoundResult:
     weight: int  # tokens (or examples) trained on this round
     steps: int
     mean_loss: float
-    compute_s: float  # seconds training (simulated slowdown included)
+    compute_s: float  # seconds training (slowdown included; a detached tail at the pace of the steps before)
     finished_at: float  # clock time when the result was ready to send
     positions: dict[int, int]  # shard -> batches consumed after this round
     shard_tokens: dict[int, int]  # shard -> tokens (weight) trained this round
@@ -98,7 +98,7 @@ class RoundResult:
     sent_bytes: int | None = None  # set when `payload` holds references to the encoded slices
     fragment: int | None = None  # streaming: the fragment `payload` is the pseudo-gradient of
     tail_steps: int = 0  # streaming: steps trained after Δ was taken (τ): its exchange overlapped them
-    tail_s: float = 0.0  # ... and their seconds (on the pool's clock once the pool has set it)
+    tail_s: float = 0.0  # ... their seconds before it left (0: detached, on Ray); a virtual clock sets it
     saved_state: SavedState | None = None  # where the order's `save_state` went
     started_at: float | None = None  # wall time its first step began (start-up is measured to the run's first)
     stream_states: dict[int, Any] = field(default_factory=dict)  # shard -> its stream's state at `positions[shard]`
