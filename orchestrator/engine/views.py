@@ -194,6 +194,7 @@ class Summary(_View):
     clock_seconds: float
     init_from: dict[str, str] | None
     warm_start: dict[str, Any] | None
+    final_params_digest: str | None = None  # XXH3-128 of the final global parameters (None: sliced on Ray)
     export: str | None = None
     eval_metrics: dict[str, float] | None = None  # the task's own metrics at the final evaluation
     # where start-up went (`engine/startup.py`): seconds per part, epoch times of the first steps
