@@ -44,9 +44,9 @@ from orchestrator.engine.threads import torch_threads
 from orchestrator.engine.types import Event, RunFailed, RunPhase, SliceLost
 from orchestrator.engine.warm_start import WarmStart, version0_digest
 from workers.tasks.task import Task
-from workers.wire.handoff import params_digest
 from workers.wire.flat import FlatParams
 from workers.wire.fragments import Fragments
+from workers.wire.handoff import params_digest
 
 log = logging.getLogger(__name__)
 

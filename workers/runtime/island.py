@@ -23,13 +23,15 @@ from workers.runtime.island_spec import IslandSpec
 from workers.runtime.optim import build_inner, inner_params, muon_params
 from workers.runtime.order_steps import Tail, Tally
 from workers.runtime.shard_streams import ShardStreams
+from workers.runtime.uplink import encode_update
+from workers.runtime.version0 import version0
 from workers.tasks.task import load_task, split_batch, to_device
-from workers.wire.compress import ErrorFeedback, decode, encode
-from workers.wire.flat import FlatParams, ParamStore, as_tensor, slice_bounds
+from workers.wire.compress import ErrorFeedback
+from workers.wire.flat import FlatParams, ParamStore, as_tensor
 from workers.wire.fragments import FragmentedTask, fragment_model
 from workers.wire.fragments import positions as fragment_positions
-from workers.wire.handoff import params_sha256, verify
-from workers.wire.messages import RoundResult, Sliced, Wire, WorkKind, WorkOrder
+from workers.wire.handoff import verify
+from workers.wire.messages import RoundResult, WorkKind, WorkOrder
 from workers.wire.spec import Precision
 from workers.wire.sync import ChangeOutOfOrder, apply_change
 
@@ -87,7 +89,7 @@ class Island:
             )
         # the run's first parameters as this island has them (built from the seed, or the warm
         # start's file), kept until the run moves past them; their hash decides whether it downloads them
-        self.built, self.built_sha256 = _version0(spec, flat.full()) if spec.builds_version0 else (None, None)
+        self.built, self.built_sha256 = version0(spec, flat.full()) if spec.builds_version0 else (None, None)
         self.startup["model_s"] = time.perf_counter() - t0 - self.startup["task_s"]
 
     def reset(self, spec: IslandSpec) -> None:
@@ -213,24 +215,6 @@ class Island:
         for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
             group["lr"] = base * fn(step)
 
-    def _encode(self, x: torch.Tensor, fragment: int | None = None) -> Wire:
-        """The codec's payload; with S coordinator shards, S payloads of aligned slices."""
-        values = x.cpu().numpy()
-        feedback = None
-        if self.spec.error_feedback and self.spec.codec != "none":
-            feedback = self.feedback.setdefault(fragment, ErrorFeedback(self.spec.feedback_decay))
-            values = feedback.compensate(values)
-        if self.spec.coordinator_shards == 1:
-            payloads = [encode(values, self.spec.codec, self.spec.chunk)]
-        else:
-            payloads = [
-                encode(values[lo:hi], self.spec.codec, self.spec.chunk)
-                for lo, hi in slice_bounds(values.size, self.spec.coordinator_shards, self.spec.chunk)
-            ]
-        if feedback is not None:
-            feedback.sent(values, np.concatenate([decode(p) for p in payloads]))
-        return payloads[0] if self.spec.coordinator_shards == 1 else Sliced(parts=tuple(payloads))
-
     def run(self, order: WorkOrder, params: np.ndarray, *, detach_tail: bool = False) -> RoundResult:
         """Do one work order from the global `params`. `TRAIN` is DiLoCo's inner phase:
         `steps` inner steps, Δ = θ_start − θ_end back; `GRADIENT` is the ddp step: one
@@ -293,7 +277,7 @@ class Island:
                 tail_s = time.perf_counter() - t_sent
             if self.spec.eager_step:
                 self.last_delta = delta.clone()
-            payload = self._encode(delta, order.fragment)
+            payload = encode_update(delta, self.spec, self.feedback, order.fragment)
             if detach:
                 rest = list(batches)  # read now: the result reports what the tail reads
                 for shard, batch in rest:
@@ -310,7 +294,7 @@ class Island:
             ((shard, batch),) = self.data.batches(order)
             loss, weight = self._forward_backward(batch)
             tally.trained(shard, loss, weight)
-            payload = self._encode(self.flat.full_grad().clone())
+            payload = encode_update(self.flat.full_grad().clone(), self.spec, self.feedback)
             saved = None
         compute_s = time.perf_counter() - t0 + pace * tail_steps
         return RoundResult(
@@ -412,18 +396,3 @@ class Island:
         assert self.copy is not None and self.fragments is not None
         positions = self.fragments.positions(fragment, self.device)
         return self.copy[positions] - self.flat.full()[positions]
-
-
-def _version0(spec: IslandSpec, params: torch.Tensor) -> tuple[torch.Tensor | None, str | None]:
-    """The first parameters this island can start from without a download, and their hash."""
-    if spec.version0_file is None:
-        built = params.detach().clone()
-    else:
-        try:
-            built = torch.from_numpy(np.load(spec.version0_file)).to(params.device, params.dtype)
-        except (OSError, ValueError) as err:  # not on this node's storage: it downloads them
-            log.warning(
-                "island %d cannot read %s (%s): it downloads the first parameters", spec.index, spec.version0_file, err
-            )
-            return None, "unreadable"
-    return built, params_sha256(built.cpu().numpy())
