@@ -130,6 +130,7 @@ class Island:
         import os
         import socket
 
+        tail = self.tail  # read once: `run`, on another thread, may be letting it go
         return {
             "island": self.spec.index,
             "device": str(self.device),
@@ -140,7 +141,7 @@ class Island:
             "optimizer_state": len(self.optimizer.state),
             "inner_state_restored": self.restored,
             "startup": dict(self.startup),
-            "busy": self.running or (self.tail is not None and self.tail.alive()),
+            "busy": self.running or (tail is not None and tail.alive()),
             "built_sha256": self.built_sha256,
         }
 
