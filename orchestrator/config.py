@@ -111,7 +111,8 @@ class IslandsConfig(Strict):
         False,
         description="islands build the run's first parameters themselves (the same seed) and check them against "
         "the coordinator's SHA-256 instead of downloading them (bytes_bootstrap 0); one that differs downloads "
-        "them and its join event says so. Applies to a run from scratch (no warm start to fork from, no init_from)",
+        "them and its join event says so. With a warm start they read its weights from version0.npy beside it (shared "
+        "storage; unreadable: they download them); not with init_from",
     )
     cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per island worker")
     gpus: float = Field(0.0, ge=0, description="Ray GPUs per island worker; CUDA is used when > 0 and available")

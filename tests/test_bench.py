@@ -172,6 +172,7 @@ def test_streaming_rows_are_the_issue_s_and_share_one_token_budget():
     assert s4.outer.lr == 1.0 and configs["diloco"].outer.lr == configs["diloco_int8"].outer.lr == 0.7
     assert configs["diloco_int8"].compression.downlink == "int8" and configs["overlap_eager"].overlap.eager
     assert configs["ddp_k"].link.bandwidth_gbps is None and s4.inner_steps == H and s4.islands.count == K
+    assert all(c.islands.build_version0 for c in configs.values())  # loaded from storage, as the peer's replicas
 
 
 def test_an_earlier_run_of_another_config_is_removed_not_resumed(tmp_path):
