@@ -40,8 +40,13 @@ class _Messages(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def test_killed_coordinator_restarts_from_checkpoint_and_reattaches_islands(ray_local, tmp_path):
-    cfg = _cfg(tmp_path, "rounds=10")
+# streaming with τ: islands answer mid-segment and train on (`order_steps.py`) while the coordinator dies
+STREAMING = ("task.kwargs.split=true", "mode=streaming", "streaming.fragments=2", "streaming.tau=1", "inner_steps=4")
+
+
+@pytest.mark.parametrize(("mode", "steps_a_round"), [((), 1), (STREAMING, 2)], ids=["diloco", "streaming_tau"])
+def test_killed_coordinator_restarts_from_checkpoint_and_reattaches_islands(ray_local, tmp_path, mode, steps_a_round):
+    cfg = _cfg(tmp_path, "rounds=10", *mode)
     driver_log, messages = logging.getLogger("orchestrator.runtime.driver"), _Messages()
     driver_log.addHandler(messages)  # on the logger itself: whatever the CLI tests configured before
     driver_log.setLevel(logging.WARNING)
@@ -50,9 +55,9 @@ def test_killed_coordinator_restarts_from_checkpoint_and_reattaches_islands(ray_
     ray.kill(ray.get_actor("archipelago-killtest-coordinator", namespace=NAMESPACE), no_restart=False)
     thread.join(timeout=120)
     summary = box["summary"]
-    assert summary["outer_steps"] == 10
+    assert summary["outer_steps"] == 10 * steps_a_round  # streaming: one outer step per fragment
     assert [r["round"] for r in _records(metrics)] == list(range(1, 11))  # no lost or doubled version
-    assert [r["version"] for r in _records(metrics)] == list(range(1, 11))
+    assert [r["version"] for r in _records(metrics)] == [steps_a_round * r for r in range(1, 11)]
     events = _records(tmp_path / "out" / "events.jsonl")
     kinds = [e["kind"] for e in events]
     assert kinds.count("restart") == 1 and kinds.count("reattach") == 3
