@@ -89,7 +89,7 @@ class RoundResult:
     payload: Wire
     weight: int  # tokens (or examples) trained on this round
     steps: int
-    mean_loss: float
+    mean_loss: float  # over the steps trained before it left (a detached tail trains after)
     compute_s: float  # seconds training (slowdown included; a detached tail at the pace of the steps before)
     finished_at: float  # clock time when the result was ready to send
     positions: dict[int, int]  # shard -> batches consumed after this round
