@@ -49,6 +49,7 @@ FP4 = ["compression.codec=int4", "compression.downlink=int4"]  # chunk 512 (the 
 INT8 = ["compression.codec=int8", "compression.downlink=int8"]
 TIMED = "streaming_p4_no_link_eval_at_end"  # the peer's work, timed as the peer is
 WALL_REPEATS = 3  # pairs of (peer, ours) on that work, alternated
+PEER = "torchft_streaming_p4"
 CO2 = ["mode=overlap", "overlap.lr=0.7", "overlap.momentum=0.0", "overlap.eager=false"]
 
 
@@ -165,7 +166,7 @@ def _streaming(quick: bool, work: Path) -> BenchResult:
     if pairs:
         ratios = [b["archipelago"]["wall"] / b["peer"]["wall"] for b, _ in pairs]
         median = sorted(range(len(pairs)), key=ratios.__getitem__)[len(pairs) // 2]
-        breakdown, results["torchft_streaming_p4"] = pairs[median]  # the pair of the median ratio
+        breakdown, results[PEER] = pairs[median]  # the pair of the median ratio
     compute_only = results["compute_only"]["wall_seconds"]
     for r in results.values():
         r["wall_vs_compute_only"] = r["wall_seconds"] / compute_only
@@ -263,10 +264,11 @@ def _peer(rounds: int, warm: dict[int, Path], seeds: tuple[int, ...], lr: float)
 
 
 def shipped_default_ratios(r: dict[str, dict[str, Any]], download: int) -> dict[str, float]:
-    """DiLoCo's bytes ÷ each row's had every island downloaded version 0 in fp32 (the
-    shipped `islands.build_version0: false`): `download` more bytes in every row."""
+    """DiLoCo's bytes ÷ each of our rows' had every island downloaded version 0 in fp32
+    (the shipped `islands.build_version0: false`): `download` more bytes in every row.
+    Not the peer's: its replicas load the warm start from disk whatever our default."""
     base = r["diloco"]["bytes_communicated"] + download
-    return {name: base / (m["bytes_communicated"] + download) for name, m in r.items() if name != "diloco"}
+    return {name: base / (m["bytes_communicated"] + download) for name, m in r.items() if name not in ("diloco", PEER)}
 
 
 def _pct(a: float, b: float) -> float:
@@ -310,7 +312,7 @@ def _checks(r: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "ok": r["overlap_eager"]["final_eval_loss"] < r["overlap"]["final_eval_loss"],
         },
     }
-    peer = r.get("torchft_streaming_p4")
+    peer = r.get(PEER)
     if peer is not None:
         gap = _pct(peer["final_eval_loss"], r["streaming_p4"]["final_eval_loss"])
         checks["torchft_streaming_within_1pct_of_ours"] = {"value": gap, "ok": abs(gap) <= 1.0}

@@ -46,7 +46,6 @@ from orchestrator.engine.warm_start import WarmStart, version0_digest
 from workers.tasks.task import Task
 from workers.wire.flat import FlatParams
 from workers.wire.fragments import Fragments
-from workers.wire.handoff import params_digest
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +278,6 @@ class RoundEngine:
             "clock_seconds": self._clock(),
             "init_from": self.init_from,
             "warm_start": self.warm.record if self.warm is not None else None,
-            "final_params_digest": params_digest(self.outer.params()),  # what a warm start's fork checks
             "startup": self.startup.as_dict(),
         }
         self.summary = self.outputs.summarise(self.phase, self.run.version, extra, self.ledger)
@@ -303,13 +301,10 @@ class RoundEngine:
     # -- work out -------------------------------------------------------------------------------
     def _initial_eval(self) -> None:
         """The evaluation of the version the run starts from, once its first work is out:
-        nothing changes the global model before the first outer step, which comes later.
-        Starting from a warm start's final model, bit for bit, the warm start's final
-        evaluation is that evaluation (the same model, the same task's batches): it is
-        taken, not run again beside the islands' first work."""
+        nothing changes the global model before the first outer step, which comes later
+        (`Outputs.first_evaluation`: a warm start's final one when it is of this model)."""
         t0 = time.perf_counter()
-        known = self.warm.evaluated(self.outer.params()) if self.warm is not None else None
-        self.stats.initial_eval = self.stats.last_eval = known if known is not None else self.outputs.evaluate()
+        self.stats.initial_eval = self.stats.last_eval = self.outputs.first_evaluation(self.warm)
         self.startup.first_eval_s = time.perf_counter() - t0
 
     def _dispatch(self) -> None:

@@ -32,8 +32,10 @@ from orchestrator.engine.records import DiskFaults, EventLog, Recorder
 from orchestrator.engine.stats import RunStats
 from orchestrator.engine.threads import spare_cores, step_threads, torch_threads
 from orchestrator.engine.types import Event, RunPhase
+from orchestrator.engine.warm_start import WarmStart
 from workers.tasks.task import ExportableTask, MetricTask, Task, export_pretrained
 from workers.wire.flat import FlatParams
+from workers.wire.handoff import params_digest
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,14 @@ class Outputs:
             if isinstance(self.task, MetricTask):
                 self.eval_metrics = self._metrics(self.task)
         return sum(losses) / len(losses)
+
+    def first_evaluation(self, warm: WarmStart | None) -> float:
+        """The evaluation of the version a run starts from. Starting from a warm start's
+        final model, bit for bit, the warm start's final evaluation is that evaluation
+        (the same model, the same task's batches): it is taken, not run again beside the
+        islands' first work."""
+        known = warm.evaluated(self.outer.params()) if warm is not None else None
+        return known if known is not None else self.evaluate()
 
     def _islands_here(self) -> int:
         host = socket.gethostname()
@@ -167,6 +177,7 @@ class Outputs:
         summary = self.stats.summary(phase, self.cfg, version, self.members, ledger, self.outer.numel, out)
         summary.update(extra)
         summary["eval_metrics"] = self.eval_metrics
+        summary["final_params_digest"] = params_digest(self.outer.params())  # what a warm start's fork checks
         self.recorder.finish(summary, self.model)  # first: an export that fails loses neither
         if isinstance(self.task, ExportableTask):  # the model back in its ecosystem's format, too
             export = out / "export"
