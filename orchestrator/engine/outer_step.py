@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from orchestrator.algorithms.aggregate import WeightedMean, all_finite, sqnorm
-from orchestrator.algorithms.outer import CO2Outer
+from orchestrator.algorithms.fused_step import SGDRule, mean_step
+from orchestrator.algorithms.outer import CO2Outer, FlatSGD
 from orchestrator.engine.admission import Admission, Facts, Verdict
 from orchestrator.engine.types import Contribution, Decision
 from workers.wire.compress import decode
@@ -112,6 +113,19 @@ class OuterStep:
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def one_pass(self) -> OnePass | None:
+        """The one-pass path for this rule, if it has one: `FlatSGD` on the mean as it is
+        (no clipping, no anchors), over float32 parameters (the kernel's; float64 is the
+        reference vectors' precision, and they take the usual step)."""
+        if (
+            isinstance(self.optimizer, FlatSGD)
+            and self.grad_clip is None
+            and not self.anchored
+            and self.param.dtype == torch.float32
+        ):
+            return OnePass(self)
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "optimizer": self.optimizer.state_dict(),
@@ -125,6 +139,44 @@ class OuterStep:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.anchored:
             self.anchors = {version: self.param.detach().clone()}
+
+
+class OnePass:
+    """`FlatSGD`'s step taken in the pass that reads the updates (`fused_step.mean_step`),
+    into spare buffers beside the parameters and momentum, which it only reads. `commit`
+    makes the spares current (the `Parameter` and the optimizer's momentum point at them;
+    the old ones become the spares); a refused or rescaled update is never committed, and
+    the step is then taken from the untouched state as usual."""
+
+    def __init__(self, step: OuterStep) -> None:
+        self.step = step
+        self.spare_p = torch.empty_like(step.param.detach())
+        self.spare_b: torch.Tensor | None = None
+
+    def fill(self, parts: list[tuple[np.ndarray, float]]) -> list[float]:
+        """The step on the weighted mean of `parts` into the spares; each part's ‖Δ‖²."""
+        group = self.step.optimizer.param_groups[0]
+        rule = SGDRule(float(group["lr"]), float(group["momentum"]), bool(group["nesterov"]))
+        buffer = self.step.optimizer.state[self.step.param].get("momentum_buffer") if rule.momentum else None
+        if rule.momentum and self.spare_b is None:
+            self.spare_b = torch.empty_like(self.spare_p)
+        return mean_step(
+            parts,
+            rule,
+            self.step.param.detach().numpy(),
+            buffer.numpy() if buffer is not None else None,
+            self.spare_p.numpy(),
+            self.spare_b.numpy() if self.spare_b is not None else None,
+            threads=torch.get_num_threads(),
+        )
+
+    def commit(self) -> None:
+        param, state = self.step.param, self.step.optimizer.state[self.step.param]
+        param.data, self.spare_p = self.spare_p, param.data
+        if self.spare_b is not None:
+            state["momentum_buffer"], self.spare_b = self.spare_b, state.get("momentum_buffer")
+        if self.step.scheduler is not None:
+            self.step.scheduler.step()
 
 
 class Outer(Protocol):
@@ -152,16 +204,26 @@ class Outer(Protocol):
 
 
 class LocalOuter:
-    """The whole vector on the coordinator: `flat` is the coordinator model's buffer, so
-    evaluating or checkpointing the model needs no copy. With streaming's `fragments`,
-    each fragment has its own outer state over a gathered copy of its positions, written
-    back into `flat` after each of its steps (no other step touches those positions)."""
+    """The whole vector on the coordinator, starting in `flat`, the coordinator model's
+    buffer. With streaming's `fragments`, each fragment has its own outer state over a
+    gathered copy of its positions, written back into `flat` after each of its steps (no
+    other step touches those positions). With `one_pass` (and a rule that has one,
+    `OuterStep.one_pass`), the step is taken in the pass that reads the updates, into
+    spare buffers: the parameters then alternate between `flat` and a spare, and
+    `copy_to` brings `flat` up to date when the model is evaluated or saved (nothing
+    else reads it: publishing reads `params()`). Without it (`one_pass` False where
+    something reads `flat` after every step: the published copy's changes), `flat` is
+    the parameter itself."""
 
-    def __init__(self, flat: torch.Tensor, rule: OuterRule, fragments: Fragments | None = None) -> None:
+    def __init__(
+        self, flat: torch.Tensor, rule: OuterRule, fragments: Fragments | None = None, one_pass: bool = True
+    ) -> None:
         self.flat, self.fragments = flat, fragments
         self.numel = flat.numel()
+        self.one_pass: OnePass | None = None
         if fragments is None:
             self.steps = [OuterStep(flat, rule)]
+            self.one_pass = self.steps[0].one_pass() if one_pass else None
         else:
             self.steps = [OuterStep(flat[fragments.positions(p)].clone(), rule) for p in range(fragments.count)]
         self._keys = itertools.count()
@@ -173,9 +235,10 @@ class LocalOuter:
 
     def inspect(self, contributions: list[Contribution]) -> tuple[int, list[Facts]]:
         """The facts of each update. Unfragmented, with every update of the right shape,
-        the mean of all of them is taken in the same pass (`WeightedMean.fill`): admission
-        nearly always admits every update, and `apply` then steps on it without reading
-        them again (`filled`); otherwise `apply` averages the admitted ones itself."""
+        the mean of all of them is taken in the same pass (`WeightedMean.fill`), and with
+        `one_pass` the step on it too (`OnePass.fill`): admission nearly always admits
+        every update, and `apply` then uses what the pass made without reading the
+        updates again (`filled`); otherwise `apply` averages the admitted ones itself."""
         key = next(self._keys)
         decoded = [
             (c.island, c.delta if isinstance(c.delta, np.ndarray) else decode(c.delta), c.weight) for c in contributions
@@ -186,8 +249,12 @@ class LocalOuter:
         fits = [d.shape == (self._size(c.fragment),) for c, (_, d, _) in zip(contributions, decoded)]
         self.filled = None
         if self.fragments is None and all(fits) and decoded and all(w > 0 for _, _, w in decoded):
-            sq = [0.0] * len(ordered)
-            self.steps[0].mean.fill([(d, w) for _, d, w in ordered], sq)
+            parts = [(d, w) for _, d, w in ordered]
+            if self.one_pass is not None:
+                sq = self.one_pass.fill(parts)
+            else:
+                sq = [0.0] * len(ordered)
+                self.steps[0].mean.fill(parts, sq)
             by_island = {i: q for (i, _, _), q in zip(ordered, sq)}
             sqs = [by_island[i] for i, _, _ in decoded]
             self.filled = (key, {i: w for i, _, w in ordered})
@@ -206,7 +273,12 @@ class LocalOuter:
         parts = [(d, weights[i]) for i, d, _ in self.pending.pop(key) if i in weights]  # island order
         if self.fragments is None:
             filled, self.filled = self.filled == (key, weights), None
-            return self.steps[0].apply(None if filled else parts, scale, anchor)
+            if self.one_pass is None:
+                return self.steps[0].apply(None if filled else parts, scale, anchor)
+            if filled and scale == 1.0:
+                self.one_pass.commit()
+                return None
+            return self.steps[0].apply(parts, scale, anchor)  # from the state the pass only read
         if fragment is None:
             raise ValueError("a fragmented outer step needs the fragment it updates")
         step = self.steps[fragment]
@@ -225,10 +297,16 @@ class LocalOuter:
 
     def params(self) -> np.ndarray:
         """A view of the parameters as numpy: publishing copies it (`ray.put`)."""
+        if self.fragments is None:
+            return self.steps[0].param.detach().numpy()
         return self.flat.detach().numpy()
 
     def copy_to(self, flat: torch.Tensor) -> None:
-        pass  # `flat` is the parameter itself
+        """Bring `flat` up to date: only after one-pass steps left the parameters in a spare."""
+        current = self.steps[0].param.detach()
+        if self.fragments is None and current.data_ptr() != flat.data_ptr():
+            with torch.no_grad():
+                flat.copy_(current)
 
     def state_dict(self) -> dict[str, Any]:
         if self.fragments is None:
@@ -238,6 +316,7 @@ class LocalOuter:
     def load_state_dict(self, state: dict[str, Any], version: int) -> None:
         """Resume at `version`, `flat` already loaded: each fragment's copy is gathered again."""
         if self.fragments is None:
+            self.steps[0].param.data = self.flat  # loaded there, wherever one-pass steps had left them
             self.steps[0].load_state_dict(state, version)
             return
         with torch.no_grad():
