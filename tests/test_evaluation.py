@@ -58,3 +58,30 @@ def test_outer_steps_take_the_spare_cores_and_put_the_count_back(tmp_path, monke
     pinned = cfg.model_copy(update={"coordinator": cfg.coordinator.model_copy(update={"threads": 3})})
     assert step_threads(pinned, islands_here=99) == 3  # set, it is what it says
     assert step_threads(cfg, islands_here=cores + 4) == 1  # islands reserve every core: one thread
+    monkeypatch.setattr(engine.outputs, "_islands_here", lambda: cores + 4)
+    assert engine.outputs.step_threads(islands_wait=False) == 1
+    assert engine.outputs.step_threads(islands_wait=True) == cores  # they wait for the step: their cores are idle
+
+
+def test_only_a_barrier_s_islands_wait_for_its_step(tmp_path):
+    """Which pacings let the step take the islands' cores: a barrier's islands have all
+    answered when it closes; a one-round lag's next round, a streaming island's τ tail and
+    the asynchronous pacings' other islands train during it."""
+    waits = {}
+    for mode, extra in [
+        ("diloco", []),
+        ("overlap", []),
+        ("async", []),
+        ("streaming", ["streaming.tau=0"]),
+        ("streaming", ["streaming.tau=1"]),
+    ]:
+        cfg = scenario_cfg(tmp_path, mode, *extra)
+        engine, _ = in_process_engine(cfg)
+        waits[(mode, tuple(extra))] = engine.pacing.islands_wait
+    assert waits == {
+        ("diloco", ()): True,
+        ("overlap", ()): False,
+        ("async", ()): False,
+        ("streaming", ("streaming.tau=0",)): True,
+        ("streaming", ("streaming.tau=1",)): False,
+    }

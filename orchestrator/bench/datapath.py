@@ -4,11 +4,13 @@ in one run on one Ray instance:
 - `coordinator_gbps[S]`: K islands' pseudo-gradients (P fp32 values each) already in
   the islands' object stores; the time for the production servers (one coordinator, or S
   shard actors) to fetch them, screen them (finite, norm guard), average them and take
-  the outer Nesterov step. Bytes = K·P·4. The default's torch threads (the coordinator:
-  `step_threads`, the cores of this machine its K islands leave, at least one; a shard:
-  one), plus S = 1 with `coordinator.threads: 2`. With the page faults the coordinator's
-  process took per round: the store's pages it had not mapped yet.
-- `coordinator_gbps_paced` (S = 1, the default's threads and 2, and its round with the broadcast):
+  the outer Nesterov step, in one pass over the updates (`fused_step`). Bytes = K·P·4.
+  The default's torch threads (the coordinator: `step_threads`; sync DiLoCo's islands all
+  wait for its step, so it takes every core of the machine; a shard: one), plus S = 1
+  with `coordinator.threads: 1` (one core, as before the step took the waiting islands'
+  cores). With the page faults the coordinator's process took per round: the store's
+  pages it had not mapped yet.
+- `coordinator_gbps_paced` (S = 1, the default's threads and 1, and its round with the broadcast):
   the same rounds `GAP_S` apart, as a run's rounds are (its islands compute between
   them). Back to back, a round's results land on store pages the coordinator has not
   touched unless Ray has freed the previous round's first (`RAY_SYSTEM_CONFIG`).
@@ -68,9 +70,9 @@ def datapath(quick: bool, work: Path) -> BenchResult:
     try:
         memcpy = memcpy_gbps(max(islands * numel, 32_000_000), reps * 3)  # beyond the caches
         coord = {s: coordinator_gbps(islands, numel, s, reps, broadcast=s == 1) for s in shard_counts}
-        threaded = coordinator_gbps(islands, numel, 1, reps, threads=2)  # S = 1 on both cores
+        threaded = coordinator_gbps(islands, numel, 1, reps, threads=1)  # S = 1 on one core
         paced = coordinator_gbps(islands, numel, 1, reps, broadcast=True, gap_s=GAP_S)
-        paced_threaded = coordinator_gbps(islands, numel, 1, reps, threads=2, gap_s=GAP_S)
+        paced_threaded = coordinator_gbps(islands, numel, 1, reps, threads=1, gap_s=GAP_S)
         gloo = gloo_allreduce_gbps(islands, numel, reps)
     finally:
         ray.shutdown()
@@ -122,7 +124,7 @@ def datapath(quick: bool, work: Path) -> BenchResult:
         }
         for s, c in coord.items()
     }
-    for name, c in (("coordinator_s1_paced", paced), ("coordinator_s1_2threads_paced", paced_threaded)):
+    for name, c in (("coordinator_s1_paced", paced), ("coordinator_s1_1thread_paced", paced_threaded)):
         methods[name] = {
             "gbps": c["gbps"],
             "seconds_per_round": c["seconds"],
@@ -137,7 +139,7 @@ def datapath(quick: bool, work: Path) -> BenchResult:
         "seconds_per_round": coord[1]["mapped_seconds"],
     }
     methods["round_s1_with_broadcast"] = {"gbps": with_broadcast, "seconds_per_round": coord[1]["round_seconds"]}
-    methods["coordinator_s1_2threads"] = {"gbps": threaded["gbps"], "seconds_per_round": threaded["seconds"]}
+    methods["coordinator_s1_1thread"] = {"gbps": threaded["gbps"], "seconds_per_round": threaded["seconds"]}
     methods["gloo_allreduce"] = {"gbps": gloo["gbps"], "seconds_per_round": gloo["seconds"]}
     methods["memcpy"] = {"gbps": memcpy}
     for name, s in summaries.items():
@@ -147,7 +149,7 @@ def datapath(quick: bool, work: Path) -> BenchResult:
             "train_seconds": s["train_seconds"],
             "idle_fraction_whole_run": s["idle_fraction"],
         }
-    per_s = ", ".join(f"S={s} {c['gbps']:.2f}" for s, c in coord.items()) + f", S=1 2 threads {threaded['gbps']:.2f}"
+    per_s = ", ".join(f"S={s} {c['gbps']:.2f}" for s, c in coord.items()) + f", S=1 1 thread {threaded['gbps']:.2f}"
     line = (
         f"datapath: coordinator {per_s} GB/s; a round with its broadcast {with_broadcast:.2f} GB/s; "
         f"gloo all-reduce {gloo['gbps']:.2f} GB/s; memcpy {memcpy:.2f} GB/s; overhead at default H "
@@ -165,9 +167,9 @@ def datapath(quick: bool, work: Path) -> BenchResult:
         [Panel("coordinator shards S", scaling, y_label="GB/s (1e9 bytes/s)", references=references)],
         extra={
             "coordinator_gbps": {str(s): c["gbps"] for s, c in coord.items()},
-            "coordinator_gbps_s1_2threads": threaded["gbps"],
+            "coordinator_gbps_s1_1thread": threaded["gbps"],
             "coordinator_gbps_s1_mapped": coord[1]["mapped_gbps"],
-            "coordinator_gbps_paced": {"1": paced["gbps"], "2_threads": paced_threaded["gbps"]},
+            "coordinator_gbps_paced": {"1": paced["gbps"], "1_thread": paced_threaded["gbps"]},
             "coordinator_page_faults_per_round_paced": paced["page_faults"],
             "round_gbps_with_broadcast_paced": paced["round_gbps"],
             "paced_gap_seconds": GAP_S,
@@ -185,7 +187,8 @@ def datapath(quick: bool, work: Path) -> BenchResult:
 
 
 def _threads(n: float) -> str:
-    """The default's thread count (`step_threads`: this machine's cores its islands leave)."""
+    """The default's thread count (`step_threads`: sync DiLoCo's islands wait for the
+    step, so every core of this machine)."""
     return f"{n:.0f} thread{'s' if n != 1 else ''} (the default here)"
 
 
@@ -212,7 +215,7 @@ def _markdown(
     ]
     rows.append(
         [
-            "coordinator, S = 1, `coordinator.threads: 2`",
+            "coordinator, S = 1, `coordinator.threads: 1`",
             f"{threaded['gbps']:.2f}",
             f"{1000 * threaded['seconds']:.0f}",
             f"{threaded['page_faults']:.0f}",
@@ -243,7 +246,7 @@ def _markdown(
             f"{1000 * c['seconds']:.0f}",
             f"{c['page_faults']:.0f}",
         ]
-        for what, c in ((_threads(one["threads"]), one), ("`coordinator.threads: 2`", two))
+        for what, c in ((_threads(one["threads"]), one), ("`coordinator.threads: 1`", two))
     ]
     rows.append(
         [

@@ -71,7 +71,10 @@ class _Aggregator:
     """The coordinator's side of a round, with the production outer step and admission of `cfg`."""
 
     def __init__(self, cfg: RunConfig, numel: int) -> None:
-        torch.set_num_threads(step_threads(cfg, cfg.islands.count))  # every island on this machine
+        policies = build_policies(cfg, numel)
+        # every island on this machine, whose cores the step takes if they all wait for it
+        # (a barrier's), as `Outputs.step_threads` decides
+        torch.set_num_threads(step_threads(cfg, 0 if policies.pacing.islands_wait else cfg.islands.count))
         flat = torch.zeros(numel)
         self.outer: Outer
         if cfg.coordinator.shards > 1:
@@ -79,7 +82,7 @@ class _Aggregator:
             self.outer = SlicedOuter(flat, bounds, start_slices(cfg, flat.numpy(), bounds, "datapath"))
         else:
             self.outer = LocalOuter(flat, outer_rule(cfg))
-        self.admission = build_policies(cfg, numel).admission
+        self.admission = policies.admission
         self.version = 0
         self.local: list[tuple[int, np.ndarray, int]] = []
 

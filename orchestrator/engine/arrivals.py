@@ -15,6 +15,7 @@ class TokenBudget:
     islands × H steps have come back."""
 
     lag = 0  # work starts from the newest version
+    islands_wait = False  # the other islands train while one's arrival is stepped
 
     def __init__(self, dylu: bool, speeds: SpeedTracker, islands: int, schedule_offset: int = 0) -> None:
         """`speeds` is the run's tracker, fed by the engine with every arrival;

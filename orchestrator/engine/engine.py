@@ -344,7 +344,7 @@ class RoundEngine:
         # past: when the new version could first have left for the islands
         due = max((f.delivered_at for f in flights), default=None)
         contributions = [self.inflight.contribution(r, close.fragment, close.factors) for r in results]
-        with torch_threads(self.outputs.step_threads()):
+        with torch_threads(self.outputs.step_threads(self.pacing.islands_wait)):
             outcome = take_step(
                 self.outer,
                 self.admission,

@@ -115,9 +115,11 @@ class Outputs:
         here = self._islands_here()
         return max(step_threads(cfg, here), spare_cores(cfg, here))
 
-    def step_threads(self) -> int:
-        """The outer step's torch threads now (`step_threads`, with the islands alive on this host)."""
-        return step_threads(self.cfg, self._islands_here())
+    def step_threads(self, islands_wait: bool = False) -> int:
+        """The outer step's torch threads now (`step_threads`): with the cores the islands
+        alive on this host reserve left out, unless every island waits for this step
+        (`islands_wait`, a barrier's), whose cores are then idle."""
+        return step_threads(self.cfg, 0 if islands_wait else self._islands_here())
 
     def _metrics(self, task: MetricTask) -> dict[str, float] | None:
         """The task's own metrics, kept to finite numbers by name; a task whose hook raises

@@ -115,6 +115,9 @@ def _by_island(flight: Flight) -> int:
 
 class Pacing(Protocol):
     lag: int  # how many versions behind the newest work may start (a one-round lag: 1)
+    # every island waits for a step this pacing closes (none trains meanwhile), so the step
+    # may take the cores the islands on its host reserve (`Outputs.step_threads`)
+    islands_wait: bool
 
     def plan(self, run: RunState, idle: list[int]) -> list[Work]: ...
     def cancel(self, work: Work) -> None: ...
@@ -140,6 +143,7 @@ class Barrier:
     whose every batch is one step of the inner optimizer on the mean gradient)."""
 
     lag = 0
+    islands_wait = True  # a step closes once every island handed work has answered
 
     def __init__(self, kind: WorkKind, steps_per_record: int) -> None:
         self.kind, self.per_record = kind, steps_per_record
@@ -205,6 +209,7 @@ def start_version(round_t: int, base: int = 0) -> int:
 
 class OneRoundLag:
     lag = 1
+    islands_wait = False  # the next round trains during the step
 
     def __init__(self, eager: bool = False) -> None:
         """`eager`: mark work whose start version lacks its island's own last update."""
@@ -315,6 +320,7 @@ class FragmentSchedule:
     def __init__(self, inner: Pacing, fragments: int, tau: int) -> None:
         self.inner, self.p, self.tau = inner, fragments, tau
         self.lag = inner.lag
+        self.islands_wait = inner.islands_wait and tau == 0  # with τ, islands train on while their fragment travels
 
     def _view(self, run: RunState) -> RunState:
         return dataclasses.replace(run, rounds=run.rounds * self.p, inner_steps=max(1, run.inner_steps // self.p))
