@@ -67,7 +67,9 @@ def test_a_slice_that_does_not_decode_is_reported_unfit_by_its_slice():
 
     part = OuterSlice(outer_rule(RunConfig()), (0, 4), np.zeros(4, np.float32))
     good = {"raw": np.ones(4, np.float32)}
-    stats = part.inspect(0, [(0, good), (1, {"raw": np.zeros((2, 2), np.float32)}), (2, None)])
+    stats = part.inspect(
+        0, [(0, good), (1, {"raw": np.zeros((2, 2), np.float32)}), (2, None)], {0: 1.0, 1: 1.0, 2: 1.0}
+    )
     assert [s.finite for s in stats] == [True, False, False] and stats[0].size == 4 and stats[1].size == 0
 
 

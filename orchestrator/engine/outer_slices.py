@@ -35,32 +35,49 @@ class SliceStats:
 class OuterSlice:
     """One coordinator slice: a contiguous part [lo, hi) of the vector with its part of the
     outer state. An update takes two calls: `inspect` decodes the islands' slices and
-    returns their stats, then `close` averages and steps the admitted ones."""
+    returns their stats, then `close` averages and steps the admitted ones. With a rule
+    that has one, `inspect` takes the step in the pass that reads them, into spare buffers
+    (`OnePass`, as `LocalOuter` does), and `close` keeps it if it is the step admission
+    asked for."""
 
     def __init__(self, rule: OuterRule, bounds: tuple[int, int], params: np.ndarray, threads: int = 1) -> None:
         torch.set_num_threads(threads)
         self.lo, self.hi = bounds
         self.param = torch.from_numpy(np.array(params))  # a private copy
         self.step = OuterStep(self.param, rule)
+        self.one_pass = self.step.one_pass()
+        self.filled: tuple[int, dict[int, float]] | None = None  # the update the spares hold the step of
         self.pending: dict[int, list[tuple[int, np.ndarray]]] = {}
 
-    def inspect(self, key: int, parts: list[tuple[int, Any]]) -> list[SliceStats]:
+    def inspect(self, key: int, parts: list[tuple[int, Any]], weights: dict[int, float]) -> list[SliceStats]:
         """Each part's stats; a part that does not decode to this slice's size (it came from
         an island's object store, unscreened) is reported as unfit, never raised: admission
-        then rejects that island's update as misshapen."""
-        decoded, stats = [], []
+        then rejects that island's update as misshapen. `weights`: each island's token
+        weight, for the step taken in the same pass."""
+        decoded: list[tuple[int, np.ndarray]] = []
+        unfit: set[int] = set()
         for i, p in parts:
             try:
                 check_payload(p, self.hi - self.lo)
             except PayloadError:
-                stats.append(SliceStats(0, False, math.nan))
+                unfit.add(i)
                 continue
-            d = decode(p)
-            sq = sqnorm(d)
-            decoded.append((i, d))
-            stats.append(SliceStats(d.size, all_finite(d, sq), sq))
+            decoded.append((i, decode(p)))
         self.pending[key] = decoded
-        return stats
+        self.filled = None
+        if self.one_pass is not None and not unfit and decoded and all(weights[i] > 0 for i, _ in decoded):
+            ordered = sorted(decoded, key=lambda part: part[0])  # island order, as `_parts`
+            sqs = dict(zip([i for i, _ in ordered], self.one_pass.fill([(d, weights[i]) for i, d in ordered])))
+            self.filled = (key, dict(weights))
+        else:
+            sqs = {i: sqnorm(d) for i, d in decoded}
+        found = dict(decoded)
+        return [
+            SliceStats(0, False, math.nan)
+            if i in unfit
+            else SliceStats(found[i].size, all_finite(found[i], sqs[i]), sqs[i])
+            for i, _ in parts
+        ]
 
     def _parts(self, key: int, weights: dict[int, float], keep: bool = False) -> list[tuple[np.ndarray, float]]:
         parts = self.pending[key] if keep else self.pending.pop(key)
@@ -73,16 +90,22 @@ class OuterSlice:
     def close(
         self, key: int, weights: dict[int, float], scale: float, anchor: int | None, gap: float | None
     ) -> float | None:
-        return self.step.apply(self._parts(key, weights), scale, anchor, gap)
+        filled, self.filled = self.filled == (key, weights), None
+        if self.one_pass is not None and filled and scale == 1.0:
+            self.pending.pop(key)
+            self.one_pass.commit()
+            return None
+        return self.step.apply(self._parts(key, weights), scale, anchor, gap)  # from the state the pass only read
 
     def discard(self, key: int) -> None:
         self.pending.pop(key, None)
+        self.filled = None
 
     def anchor(self, version: int, keep_from: int) -> None:
         self.step.anchor(version, keep_from)
 
     def params(self) -> np.ndarray:
-        return self.param.numpy()
+        return self.step.param.detach().numpy()  # where the last one-pass step left them
 
     def set_lr(self, lr: float) -> None:
         self.step.set_lr(lr)
@@ -94,6 +117,7 @@ class OuterSlice:
         return self.step.state_dict()
 
     def load(self, params: np.ndarray, state: dict[str, Any], version: int) -> None:
+        self.step.param.data = self.param
         self.param.copy_(torch.from_numpy(np.asarray(params)))
         self.step.load_state_dict(state, version)
 
@@ -148,8 +172,12 @@ class SlicedOuter:
 
     def inspect(self, contributions: list[Contribution]) -> tuple[int, list[Facts]]:
         key = next(self._keys)
+        weights = {c.island: c.weight for c in contributions}
         stats = self.calls.gather(
-            [s.inspect(key, [(c.island, c.delta.parts[k]) for c in contributions]) for k, s in enumerate(self._slices)]
+            [
+                s.inspect(key, [(c.island, c.delta.parts[k]) for c in contributions], weights)
+                for k, s in enumerate(self._slices)
+            ]
         )
         facts = []
         for j in range(len(contributions)):
