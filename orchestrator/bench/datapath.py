@@ -19,8 +19,11 @@ in one run on one Ray instance:
   much of the gap to memcpy is reading fresh object-store pages.
 - `round_gbps` (S = 1): the same, plus the broadcast, as a round has it: the coordinator
   publishes the new parameters (`ray.put` and their digest, as `Publisher` does) and
-  every island fetches them, checks the digest (a verified hand-off) and copies them into
-  its model. This is what an all-reduce's result in every process compares with.
+  hands them to every island in a call of its own (as it sends its next work orders);
+  each fetches them, checks the digest (a verified hand-off) and copies them into its
+  model; the round ends when the last has. Timed from the driver's call with the
+  results' references to its return. This is what an all-reduce's result in every
+  process compares with.
 - `gloo_allreduce_gbps`: the same K·P·4 bytes all-reduced by `torch.distributed` (gloo)
   across K processes (what a data-parallel step would spend instead; every process
   ends with the sum, so nothing is left to broadcast).

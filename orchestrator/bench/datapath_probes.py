@@ -40,9 +40,10 @@ class _Source:
         self.delta = np.random.default_rng(island).normal(0, 1e-3, numel).astype(np.float32)
         self.model = np.zeros(numel, dtype=np.float32)  # the island's copy of the parameters
 
-    def receive(self, published: list[ray.ObjectRef], digest: str) -> None:
-        """What an island does with a full download: fetch, check the digest, load it."""
-        params = ray.get(published[0])
+    def receive(self, params: np.ndarray, digest: str) -> None:
+        """What an island does with a full download: fetch (Ray resolves the reference, a
+        top-level argument as in a work order, from the object store), check the digest,
+        load it."""
         if params_digest(params) != digest:
             raise RuntimeError("the published parameters do not match their digest")
         np.copyto(self.model, params)
@@ -86,11 +87,13 @@ class _Aggregator:
         self.version = 0
         self.local: list[tuple[int, np.ndarray, int]] = []
 
-    def aggregate(self, refs: list[ray.ObjectRef], publish: bool = False) -> tuple[float, int, Any]:
+    def aggregate(self, refs: list[ray.ObjectRef], islands: list[Any] | None = None) -> tuple[float, int]:
         """A round's aggregation of the results in the object store: (seconds, the page
-        faults this process took meanwhile: the store's pages it had not mapped yet, and
-        with `publish` the new version as `publish` makes it, right after the step in the
-        same call, as the coordinator does)."""
+        faults this process took meanwhile: the store's pages it had not mapped yet). With
+        `islands`, the round goes on as the coordinator's does: the new version published
+        right after the step, handed to every island in a call of this actor's (as the
+        coordinator sends its next orders) and the call returns once every island holds
+        it."""
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         results = ray.get(refs)
@@ -99,7 +102,10 @@ class _Aggregator:
         if not self.local and all(isinstance(d, np.ndarray) for _, d, _ in deltas):
             self.local = [(i, np.array(d), w) for i, d, w in deltas]
         faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-        return seconds, faulted, self.publish() if publish else None
+        if islands:
+            published, digest = self.publish()
+            ray.get([s.receive.remote(published, digest) for s in islands])
+        return seconds, faulted
 
     def aggregate_mapped(self) -> float:
         """The same work on the first round's pseudo-gradients copied into this process's
@@ -119,10 +125,10 @@ class _Aggregator:
     def threads(self) -> int:
         return torch.get_num_threads()
 
-    def publish(self) -> tuple[list[ray.ObjectRef], str | None]:
+    def publish(self) -> tuple[ray.ObjectRef, str | None]:
         """The new version as `Publisher.publish` makes it: put once, with its digest."""
         params = self.outer.params()
-        return [ray.put(params)], params_digest(params)
+        return ray.put(params), params_digest(params)
 
 
 class _Reducer:
@@ -194,10 +200,7 @@ def coordinator_gbps(
         refs = [s.result.remote(v) for s in sources]
         ray.wait(refs, num_returns=len(refs))
         t0 = time.perf_counter()
-        elapsed, faulted, new_version = ray.get(agg.aggregate.remote(refs, publish=broadcast))
-        if broadcast:
-            published, digest = new_version
-            ray.get([s.receive.remote(published, digest) for s in sources])
+        elapsed, faulted = ray.get(agg.aggregate.remote(refs, sources if broadcast else None))
         if v:
             times.append(elapsed)
             faults.append(faulted)
