@@ -188,8 +188,9 @@ class CoordinatorConfig(Strict):
         None,
         ge=1,
         le=256,
-        description="torch threads of the coordinator's outer step (default: the cores of its node that its "
-        "islands there do not reserve, at least 1) and of each shard's (default 1)",
+        description="threads of the coordinator's outer step (default: the cores of its node that its "
+        "islands there do not reserve, at least 1; all its cores for a step every island waits for, sync "
+        "DiLoCo's) and of each shard's (default 1)",
     )
     eval_threads: int | None = Field(
         None,
