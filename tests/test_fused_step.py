@@ -15,15 +15,26 @@ from orchestrator.algorithms.aggregate import WeightedMean, sqnorm
 from orchestrator.algorithms.fused_step import SGDRule, mean_step
 from orchestrator.algorithms.outer import FlatSGD
 from orchestrator.engine.outer_step import LocalOuter, OuterRule
+from tests.engine_scenarios import drive, scenario_cfg
+from tests.helpers import in_process_engine
 
 
 @pytest.mark.parametrize(
-    "k, momentum, nesterov, threads",
-    [(1, 0.9, True, 1), (3, 0.9, True, 2), (4, 0.0, False, 1), (5, 0.8, False, 2), (2, 0.9, True, 3)],
+    "k, momentum, nesterov, threads, scale",
+    [
+        (1, 0.9, True, 1, 1.0),
+        (3, 0.9, True, 2, 0.37),
+        (4, 0.0, False, 1, 1.0),
+        (5, 0.8, False, 2, 1.0),
+        (2, 0.9, True, 3, 0.61),
+    ],
 )
-def test_one_pass_is_bitwise_the_mean_then_flat_sgd(k: int, momentum: float, nesterov: bool, threads: int):
+def test_one_pass_is_bitwise_the_mean_then_flat_sgd(
+    k: int, momentum: float, nesterov: bool, threads: int, scale: float
+):
     """Three steps (the first creates the momentum), with token weights that are not
-    float32-exact after scaling and a length that no thread split divides evenly."""
+    float32-exact after scaling, a pacing's scale or none, and a length that no thread
+    split divides evenly."""
     torch.set_num_threads(1)
     rng = np.random.default_rng(k)
     n = 300_007
@@ -37,8 +48,10 @@ def test_one_pass_is_bitwise_the_mean_then_flat_sgd(k: int, momentum: float, nes
         parts = [(rng.normal(0, 1e-3, n).astype(np.float32), float(rng.integers(100, 5000)) / 3) for _ in range(k)]
         want_sq = [0.0] * k
         param.grad = mean.fill(parts, want_sq)
+        if scale != 1.0:
+            param.grad.mul_(scale)  # as `OuterStep.apply` scales the mean
         reference.step()
-        got_sq = mean_step(parts, SGDRule(0.7, momentum, nesterov), p, b, p_out, b_out, threads=threads)
+        got_sq = mean_step(parts, SGDRule(0.7, momentum, nesterov), p, b, p_out, b_out, threads=threads, scale=scale)
         p, p_out = p_out, p
         if momentum:
             b, b_out = b_out, (b if b is not None else np.empty_like(p))
@@ -64,9 +77,10 @@ def test_a_non_finite_update_shows_in_its_norm_and_the_state_the_pass_read_is_un
 
 def test_the_outer_alternates_buffers_and_keeps_the_models_copy_and_a_checkpoint_right():
     """After one-pass steps the parameters may sit in the spare: `params()` reads them
-    where they are, `copy_to` brings the model's buffer up to date, a rescaled step is
-    taken from the state the pass left alone, and loading a state puts the parameters
-    back in the model's buffer."""
+    where they are, `copy_to` brings the model's buffer up to date, a step at the scale
+    the pass took (the pacing's) is committed, one admission rescaled is taken from the
+    state the pass left alone, and loading a state puts the parameters back in the
+    model's buffer."""
     torch.set_num_threads(1)
     n = 50_000
     rng = np.random.default_rng(3)
@@ -80,12 +94,15 @@ def test_the_outer_alternates_buffers_and_keeps_the_models_copy_and_a_checkpoint
     reference = FlatSGD([ref_param], lr=0.7, momentum=0.9, nesterov=True)
     from orchestrator.engine.types import Contribution
 
-    for version, scale in enumerate([1.0, 1.0, 0.5, 1.0]):
+    # (the pacing's scale the pass took, the scale of the step admission asks for)
+    for version, (paced, scale) in enumerate([(1.0, 1.0), (1.0, 1.0), (1.0, 0.5), (0.25, 0.25)]):
         deltas = [rng.normal(0, 1e-2, n).astype(np.float32) for _ in range(2)]
         key, _ = outer.inspect(
-            [Contribution(island=i, version=version, delta=d, weight=1.0) for i, d in enumerate(deltas)]
+            [Contribution(island=i, version=version, delta=d, weight=1.0) for i, d in enumerate(deltas)], paced
         )
+        before = outer.steps[0].param.data_ptr()
         outer.apply(key, {0: 1.0, 1: 1.0}, scale=scale)
+        assert (outer.steps[0].param.data_ptr() != before) == (paced == scale)  # committed: the buffers swapped
         ref_param.grad = WeightedMean(n, torch.float32).fill([(d, 1.0) for d in deltas])
         ref_param.grad.mul_(scale)
         reference.step()
@@ -100,3 +117,59 @@ def test_the_outer_alternates_buffers_and_keeps_the_models_copy_and_a_checkpoint
         outer.steps[0].optimizer.state[outer.steps[0].param]["momentum_buffer"],
         reference.state[ref_param]["momentum_buffer"],
     )
+
+
+@pytest.mark.parametrize("mode", ["diloco", "quorum"])
+def test_every_step_of_a_clean_run_is_the_one_pass_one(tmp_path, monkeypatch, mode: str):
+    """The pass is not wasted: with nothing refused, every outer step commits what it
+    computed, the quorum's pacing scale (its youngest result's factor) included."""
+    cfg = scenario_cfg(tmp_path, mode, "task.kwargs.dtype=float32")  # float64 takes the other path
+    engine, _ = in_process_engine(cfg)
+    assert isinstance(engine.outer, LocalOuter) and engine.outer.one_pass is not None
+    one_pass, commits = engine.outer.one_pass, []
+    commit = one_pass.commit
+    monkeypatch.setattr(one_pass, "commit", lambda: (commits.append(1), commit())[1])
+    drive(engine)
+    assert engine.summary["outer_steps"] > 0 and len(commits) == engine.summary["outer_steps"]
+
+
+@pytest.mark.parametrize("mode", ["diloco", "quorum"])
+def test_a_run_through_faults_and_a_restart_is_bitwise_the_mean_then_step_run(tmp_path, monkeypatch, mode: str):
+    """The engine's fault scenarios run in float64, which takes the mean-then-step path; in
+    float32 the one pass meets them all here: NaN updates refused (the pass's spares
+    dropped), a crash, a malformed result, a corrupted hand-off and a coordinator restart
+    from its checkpoint (written from wherever the one pass left the parameters). Same
+    parameters, bit for bit, and the same verdicts as with the one pass switched off."""
+    from orchestrator.engine.build import build_engine
+    from orchestrator.engine.outer_step import OuterStep
+    from orchestrator.engine.pool import Fault, FaultKind
+
+    faults = [
+        Fault(FaultKind.NAN, 2, order=2),
+        Fault(FaultKind.NAN, 0, order=4),
+        Fault(FaultKind.CRASH, 1, order=3),
+        Fault(FaultKind.MALFORMED, 0, order=5, payload=None),
+        Fault(FaultKind.CORRUPT, 2, order=5),
+    ]
+
+    def run(one_pass: bool) -> tuple[torch.Tensor, dict]:
+        if not one_pass:
+            monkeypatch.setattr(OuterStep, "one_pass", lambda self: None)
+        cfg = scenario_cfg(tmp_path, mode, "task.kwargs.dtype=float32", "rounds=8")
+        first, pool = in_process_engine(cfg, faults, run_id=f"r{one_pass}")
+        assert (isinstance(first.outer, LocalOuter) and first.outer.one_pass is not None) == one_pass
+        drive(first, until=5)
+        pool.coordinator_lost()
+        second = build_engine(cfg, pool, run_id=f"r{one_pass}")
+        drive(second)
+        second.outer.copy_to(second.flat.data)
+        return second.flat.data.clone(), second.summary
+
+    with_pass, summary = run(True)
+    without, reference = run(False)
+    assert summary["state"] == "finished" and summary["outer_steps"] == reference["outer_steps"]
+    assert torch.equal(with_pass, without)
+    assert [summary["islands"][i]["rejections"] for i in sorted(summary["islands"])] == [
+        reference["islands"][i]["rejections"] for i in sorted(reference["islands"])
+    ]
+    assert sum(s["rejections"] for s in summary["islands"].values()) >= 2  # the NaNs were refused

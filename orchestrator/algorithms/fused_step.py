@@ -62,19 +62,35 @@ def _fma() -> Any:
     return fma
 
 
+@functools.cache
+def _square_add() -> Any:
+    """s + a² in float64: the norms' sums, the one operation the compiler may reassociate
+    (so it vectorises them). A function of its own because fast-math flags are per
+    function in numba and stay on its instructions when LLVM inlines it: in the kernel
+    itself `reassoc` would also let it reorder the arithmetic that reaches the
+    parameters (it turned `acc / total * scale` into other roundings)."""
+    import numba
+
+    def square_add(s: float, a: float) -> float:
+        v = np.float64(a)
+        return s + v * v
+
+    return numba.njit(nogil=True, fastmath={"reassoc"})(square_add)
+
+
 def _source(k: int, momentum: bool, has_buffer: bool, nesterov: bool) -> str:
     """The kernel for k updates: one loop over the elements, K float64 norm sums."""
     xs = ", ".join(f"x{i}" for i in range(k))
     ws = ", ".join(f"w{i}" for i in range(k))
     lines = [
-        f"def kernel({xs}, {ws}, total, lr, mom, p, b, p_out, b_out, sq):",
+        f"def kernel({xs}, {ws}, total, scale, lr, mom, p, b, p_out, b_out, sq):",
         *(f"    s{i} = 0.0" for i in range(k)),
         "    for j in range(p.size):",
         *(f"        a{i} = x{i}[j]" for i in range(k)),
-        *(f"        s{i} += np.float64(a{i}) * np.float64(a{i})" for i in range(k)),
+        *(f"        s{i} = square_add(s{i}, a{i})" for i in range(k)),
         "        acc = a0 * w0",
         *(f"        acc = fma(a{i}, w{i}, acc)" for i in range(1, k)),
-        "        g = acc / total",
+        "        g = acc / total * scale",  # × 1 is exact: the unscaled step's numbers
     ]
     if not momentum:
         lines.append("        p_out[j] = fma(-lr, g, p[j])")
@@ -93,12 +109,13 @@ def _source(k: int, momentum: bool, has_buffer: bool, nesterov: bool) -> str:
 @functools.cache
 def kernel(k: int, momentum: bool, has_buffer: bool, nesterov: bool) -> Callable[..., None]:
     """The compiled kernel (memoised per process). Only the norms' additions may be
-    reassociated: every operation on the values is one IEEE float32 operation or fma."""
+    reassociated (`_square_add`): every operation on the values is one IEEE float32
+    operation or fma, in the order written."""
     import numba
 
-    namespace: dict[str, Any] = {"np": np, "fma": _fma()}
+    namespace: dict[str, Any] = {"np": np, "fma": _fma(), "square_add": _square_add()}
     exec(compile(_source(k, momentum, has_buffer, nesterov), f"<fused_step k={k}>", "exec"), namespace)
-    fn: Callable[..., None] = numba.njit(nogil=True, fastmath={"reassoc"})(namespace["kernel"])
+    fn: Callable[..., None] = numba.njit(nogil=True)(namespace["kernel"])
     return fn
 
 
@@ -115,11 +132,12 @@ def mean_step(
     p_out: np.ndarray,
     b_out: np.ndarray | None,
     threads: int = 1,
+    scale: float = 1.0,
 ) -> list[float]:
     """p_out (and, with momentum, b_out) = one outer step from p (and momentum b; None:
-    its first step) on Σ w_i x_i / Σ w_i over `parts`; returns each x_i's ‖x_i‖² (not
-    finite if x_i is not). `threads` split the vector into contiguous ranges, each its own
-    pass (the kernel releases the GIL)."""
+    its first step) on Σ w_i x_i / Σ w_i × `scale` (a pacing's) over `parts`; returns
+    each x_i's ‖x_i‖² (not finite if x_i is not). `threads` split the vector into
+    contiguous ranges, each its own pass (the kernel releases the GIL)."""
     total = sum(w for _, w in parts)
     if total <= 0:
         raise ValueError("no contributions to average")
@@ -139,6 +157,7 @@ def mean_step(
             *(x[lo:hi] for x in xs),
             *ws,
             f32(total),
+            f32(scale),
             f32(rule.lr),
             f32(rule.momentum),
             p[lo:hi],

@@ -46,14 +46,16 @@ class OuterSlice:
         self.param = torch.from_numpy(np.array(params))  # a private copy
         self.step = OuterStep(self.param, rule)
         self.one_pass = self.step.one_pass()
-        self.filled: tuple[int, dict[int, float]] | None = None  # the update the spares hold the step of
+        self.filled: tuple[int, dict[int, float], float] | None = None  # the update (and scale) the spares step
         self.pending: dict[int, list[tuple[int, np.ndarray]]] = {}
 
-    def inspect(self, key: int, parts: list[tuple[int, Any]], weights: dict[int, float]) -> list[SliceStats]:
+    def inspect(
+        self, key: int, parts: list[tuple[int, Any]], weights: dict[int, float], scale: float = 1.0
+    ) -> list[SliceStats]:
         """Each part's stats; a part that does not decode to this slice's size (it came from
         an island's object store, unscreened) is reported as unfit, never raised: admission
         then rejects that island's update as misshapen. `weights`: each island's token
-        weight, for the step taken in the same pass."""
+        weight, and `scale` the pacing's, for the step taken in the same pass."""
         decoded: list[tuple[int, np.ndarray]] = []
         unfit: set[int] = set()
         for i, p in parts:
@@ -67,8 +69,8 @@ class OuterSlice:
         self.filled = None
         if self.one_pass is not None and not unfit and decoded and all(weights[i] > 0 for i, _ in decoded):
             ordered = sorted(decoded, key=lambda part: part[0])  # island order, as `_parts`
-            sqs = dict(zip([i for i, _ in ordered], self.one_pass.fill([(d, weights[i]) for i, d in ordered])))
-            self.filled = (key, dict(weights))
+            sqs = dict(zip([i for i, _ in ordered], self.one_pass.fill([(d, weights[i]) for i, d in ordered], scale)))
+            self.filled = (key, dict(weights), scale)
         else:
             sqs = {i: sqnorm(d) for i, d in decoded}
         found = dict(decoded)
@@ -90,8 +92,8 @@ class OuterSlice:
     def close(
         self, key: int, weights: dict[int, float], scale: float, anchor: int | None, gap: float | None
     ) -> float | None:
-        filled, self.filled = self.filled == (key, weights), None
-        if self.one_pass is not None and filled and scale == 1.0:
+        filled, self.filled = self.filled == (key, weights, scale), None
+        if self.one_pass is not None and filled:
             self.pending.pop(key)
             self.one_pass.commit()
             return None
@@ -170,12 +172,12 @@ class SlicedOuter:
     def _slices(self) -> Sequence[Any]:
         return self.calls.slices
 
-    def inspect(self, contributions: list[Contribution]) -> tuple[int, list[Facts]]:
+    def inspect(self, contributions: list[Contribution], scale: float = 1.0) -> tuple[int, list[Facts]]:
         key = next(self._keys)
         weights = {c.island: c.weight for c in contributions}
         stats = self.calls.gather(
             [
-                s.inspect(key, [(c.island, c.delta.parts[k]) for c in contributions], weights)
+                s.inspect(key, [(c.island, c.delta.parts[k]) for c in contributions], weights, scale)
                 for k, s in enumerate(self._slices)
             ]
         )

@@ -145,16 +145,19 @@ class OnePass:
     """`FlatSGD`'s step taken in the pass that reads the updates (`fused_step.mean_step`),
     into spare buffers beside the parameters and momentum, which it only reads. `commit`
     makes the spares current (the `Parameter` and the optimizer's momentum point at them;
-    the old ones become the spares); a refused or rescaled update is never committed, and
-    the step is then taken from the untouched state as usual."""
+    the old ones become the spares); a step admission changed (an update refused, or
+    downweighted: another scale) is never committed, and is then taken from the
+    untouched state as usual."""
 
     def __init__(self, step: OuterStep) -> None:
         self.step = step
         self.spare_p = torch.empty_like(step.param.detach())
         self.spare_b: torch.Tensor | None = None
+        self.scale = 1.0  # what the spares' step scaled the mean by
 
-    def fill(self, parts: list[tuple[np.ndarray, float]]) -> list[float]:
-        """The step on the weighted mean of `parts` into the spares; each part's ‖Δ‖²."""
+    def fill(self, parts: list[tuple[np.ndarray, float]], scale: float) -> list[float]:
+        """The step on the weighted mean of `parts` × `scale` into the spares; each part's ‖Δ‖²."""
+        self.scale = scale
         group = self.step.optimizer.param_groups[0]
         rule = SGDRule(float(group["lr"]), float(group["momentum"]), bool(group["nesterov"]))
         buffer = self.step.optimizer.state[self.step.param].get("momentum_buffer") if rule.momentum else None
@@ -168,6 +171,7 @@ class OnePass:
             self.spare_p.numpy(),
             self.spare_b.numpy() if self.spare_b is not None else None,
             threads=torch.get_num_threads(),
+            scale=scale,
         )
 
     def commit(self) -> None:
@@ -184,7 +188,7 @@ class Outer(Protocol):
 
     numel: int
 
-    def inspect(self, contributions: list[Contribution]) -> tuple[int, list[Facts]]: ...
+    def inspect(self, contributions: list[Contribution], scale: float = 1.0) -> tuple[int, list[Facts]]: ...
     def apply(
         self,
         key: int,
@@ -233,10 +237,10 @@ class LocalOuter:
     def _size(self, fragment: int | None) -> int:
         return self.numel if fragment is None or self.fragments is None else self.fragments.size(fragment)
 
-    def inspect(self, contributions: list[Contribution]) -> tuple[int, list[Facts]]:
+    def inspect(self, contributions: list[Contribution], scale: float = 1.0) -> tuple[int, list[Facts]]:
         """The facts of each update. Unfragmented, with every update of the right shape,
         the mean of all of them is taken in the same pass (`WeightedMean.fill`), and with
-        `one_pass` the step on it too (`OnePass.fill`): admission nearly always admits
+        `one_pass` the step on it (× the pacing's `scale`) too (`OnePass.fill`): admission nearly always admits
         every update, and `apply` then uses what the pass made without reading the
         updates again (`filled`); otherwise `apply` averages the admitted ones itself."""
         key = next(self._keys)
@@ -251,7 +255,7 @@ class LocalOuter:
         if self.fragments is None and all(fits) and decoded and all(w > 0 for _, _, w in decoded):
             parts = [(d, w) for _, d, w in ordered]
             if self.one_pass is not None:
-                sq = self.one_pass.fill(parts)
+                sq = self.one_pass.fill(parts, scale)
             else:
                 sq = [0.0] * len(ordered)
                 self.steps[0].mean.fill(parts, sq)
@@ -275,7 +279,7 @@ class LocalOuter:
             filled, self.filled = self.filled == (key, weights), None
             if self.one_pass is None:
                 return self.steps[0].apply(None if filled else parts, scale, anchor)
-            if filled and scale == 1.0:
+            if filled and scale == self.one_pass.scale:
                 self.one_pass.commit()
                 return None
             return self.steps[0].apply(parts, scale, anchor)  # from the state the pass only read
@@ -365,7 +369,7 @@ def take_step(
     """One outer step: the facts of each update, admission's verdicts (against `expected`,
     or bounded staleness against `current`), then the weighted mean of the admitted ones
     through the outer rule, × `scale` (the pacing's). Nothing rejected ever touches the parameters."""
-    key, facts = outer.inspect(contributions)
+    key, facts = outer.inspect(contributions, scale)
     verdicts = [
         admission.judge(c, f, expected if expected is not None else current, current)
         for c, f in zip(contributions, facts)

@@ -22,11 +22,13 @@ class RemoteOuterSlice(OuterSlice):
     def __init__(self, cfg: RunConfig, bounds: tuple[int, int], params: np.ndarray) -> None:
         super().__init__(outer_rule(cfg), bounds, params, cfg.coordinator.threads or 1)
 
-    def inspect(self, key: int, parts: list[tuple[int, Any]], weights: dict[int, float]) -> list[SliceStats]:
+    def inspect(
+        self, key: int, parts: list[tuple[int, Any]], weights: dict[int, float], scale: float = 1.0
+    ) -> list[SliceStats]:
         """The payloads arrive as references (nested, so Ray leaves them to us): one
         `ray.get` fetches all of this slice's parts at once, island to slice directly."""
         payloads = ray.get([p for _, p in parts])
-        return super().inspect(key, [(i, p) for (i, _), p in zip(parts, payloads)], weights)
+        return super().inspect(key, [(i, p) for (i, _), p in zip(parts, payloads)], weights, scale)
 
 
 class ActorSlice:
@@ -35,8 +37,8 @@ class ActorSlice:
     def __init__(self, actor: Any) -> None:
         self.actor = actor
 
-    def inspect(self, key: int, parts: list[tuple[int, Any]], weights: dict[int, float]) -> Any:
-        return self.actor.inspect.remote(key, parts, weights)
+    def inspect(self, key: int, parts: list[tuple[int, Any]], weights: dict[int, float], scale: float = 1.0) -> Any:
+        return self.actor.inspect.remote(key, parts, weights, scale)
 
     def gap_terms(self, key: int, weights: dict[int, float], anchor: int) -> Any:
         return self.actor.gap_terms.remote(key, weights, anchor)
