@@ -115,13 +115,14 @@ class OuterStep:
 
     def one_pass(self) -> OnePass | None:
         """The one-pass path for this rule, if it has one: `FlatSGD` on the mean as it is
-        (no clipping, no anchors), over float32 parameters (the kernel's; float64 is the
-        reference vectors' precision, and they take the usual step)."""
+        (no clipping, no anchors), over float32 parameters in host memory (the kernel's;
+        float64 is the reference vectors' precision, and they take the usual step)."""
         if (
             isinstance(self.optimizer, FlatSGD)
             and self.grad_clip is None
             and not self.anchored
             and self.param.dtype == torch.float32
+            and self.param.device.type == "cpu"
         ):
             return OnePass(self)
         return None
@@ -240,9 +241,10 @@ class LocalOuter:
     def inspect(self, contributions: list[Contribution], scale: float = 1.0) -> tuple[int, list[Facts]]:
         """The facts of each update. Unfragmented, with every update of the right shape,
         the mean of all of them is taken in the same pass (`WeightedMean.fill`), and with
-        `one_pass` the step on it (× the pacing's `scale`) too (`OnePass.fill`): admission nearly always admits
-        every update, and `apply` then uses what the pass made without reading the
-        updates again (`filled`); otherwise `apply` averages the admitted ones itself."""
+        `one_pass` the step on it (× the pacing's `scale`) too (`OnePass.fill`):
+        admission nearly always admits every update, and `apply` then uses what the pass
+        made without reading the updates again (`filled`); otherwise `apply` averages the
+        admitted ones itself."""
         key = next(self._keys)
         decoded = [
             (c.island, c.delta if isinstance(c.delta, np.ndarray) else decode(c.delta), c.weight) for c in contributions
