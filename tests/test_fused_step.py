@@ -127,8 +127,14 @@ def test_every_step_of_a_clean_run_is_the_one_pass_one(tmp_path, monkeypatch, mo
     engine, _ = in_process_engine(cfg)
     assert isinstance(engine.outer, LocalOuter) and engine.outer.one_pass is not None
     one_pass, commits = engine.outer.one_pass, []
-    commit = one_pass.commit
-    monkeypatch.setattr(one_pass, "commit", lambda: (commits.append(1), commit())[1])
+    take = one_pass.take
+
+    def counted(*args: object) -> bool:
+        taken = take(*args)  # type: ignore[arg-type]
+        commits.extend([1] if taken else [])
+        return taken
+
+    monkeypatch.setattr(one_pass, "take", counted)
     drive(engine)
     assert engine.summary["outer_steps"] > 0 and len(commits) == engine.summary["outer_steps"]
 

@@ -46,7 +46,6 @@ class OuterSlice:
         self.param = torch.from_numpy(np.array(params))  # a private copy
         self.step = OuterStep(self.param, rule)
         self.one_pass = self.step.one_pass()
-        self.filled: tuple[int, dict[int, float], float] | None = None  # the update (and scale) the spares step
         self.pending: dict[int, list[tuple[int, np.ndarray]]] = {}
 
     def inspect(
@@ -66,11 +65,9 @@ class OuterSlice:
                 continue
             decoded.append((i, decode(p)))
         self.pending[key] = decoded
-        self.filled = None
         if self.one_pass is not None and not unfit and decoded and all(weights[i] > 0 for i, _ in decoded):
-            ordered = sorted(decoded, key=lambda part: part[0])  # island order, as `_parts`
-            sqs = dict(zip([i for i, _ in ordered], self.one_pass.fill([(d, weights[i]) for i, d in ordered], scale)))
-            self.filled = (key, dict(weights), scale)
+            ordered = sorted(((i, d, weights[i]) for i, d in decoded), key=lambda part: part[0])  # as `_parts`
+            sqs = self.one_pass.fill(key, ordered, scale)
         else:
             sqs = {i: sqnorm(d) for i, d in decoded}
         found = dict(decoded)
@@ -92,16 +89,13 @@ class OuterSlice:
     def close(
         self, key: int, weights: dict[int, float], scale: float, anchor: int | None, gap: float | None
     ) -> float | None:
-        filled, self.filled = self.filled == (key, weights, scale), None
-        if self.one_pass is not None and filled:
+        if self.one_pass is not None and self.one_pass.take(key, weights, scale):
             self.pending.pop(key)
-            self.one_pass.commit()
             return None
         return self.step.apply(self._parts(key, weights), scale, anchor, gap)  # from the state the pass only read
 
     def discard(self, key: int) -> None:
         self.pending.pop(key, None)
-        self.filled = None
 
     def anchor(self, version: int, keep_from: int) -> None:
         self.step.anchor(version, keep_from)

@@ -144,28 +144,29 @@ class OuterStep:
 
 class OnePass:
     """`FlatSGD`'s step taken in the pass that reads the updates (`fused_step.mean_step`),
-    into spare buffers beside the parameters and momentum, which it only reads. `commit`
+    into spare buffers beside the parameters and momentum, which it only reads. `take`
     makes the spares current (the `Parameter` and the optimizer's momentum point at them;
-    the old ones become the spares); a step admission changed (an update refused, or
-    downweighted: another scale) is never committed, and is then taken from the
-    untouched state as usual."""
+    the old ones become the spares) if they hold the step asked for; a step admission
+    changed (an update refused, or downweighted: another scale) is never taken, and is
+    then stepped from the untouched state as usual."""
 
     def __init__(self, step: OuterStep) -> None:
         self.step = step
         self.spare_p = torch.empty_like(step.param.detach())
         self.spare_b: torch.Tensor | None = None
-        self.scale = 1.0  # what the spares' step scaled the mean by
+        self.filled: tuple[int, dict[int, float], float] | None = None  # (key, weights, scale) the spares hold
 
-    def fill(self, parts: list[tuple[np.ndarray, float]], scale: float) -> list[float]:
-        """The step on the weighted mean of `parts` × `scale` into the spares; each part's ‖Δ‖²."""
-        self.scale = scale
+    def fill(self, key: int, ordered: list[tuple[int, np.ndarray, float]], scale: float) -> dict[int, float]:
+        """The step on the weighted mean of `ordered` (island, Δ, weight, in island order)
+        × `scale` into the spares, for update `key`; each island's ‖Δ‖²."""
+        self.filled = (key, {i: w for i, _, w in ordered}, scale)
         group = self.step.optimizer.param_groups[0]
         rule = SGDRule(float(group["lr"]), float(group["momentum"]), bool(group["nesterov"]))
         buffer = self.step.optimizer.state[self.step.param].get("momentum_buffer") if rule.momentum else None
         if rule.momentum and self.spare_b is None:
             self.spare_b = torch.empty_like(self.spare_p)
-        return mean_step(
-            parts,
+        sq = mean_step(
+            [(d, w) for _, d, w in ordered],
             rule,
             self.step.param.detach().numpy(),
             buffer.numpy() if buffer is not None else None,
@@ -174,14 +175,21 @@ class OnePass:
             threads=torch.get_num_threads(),
             scale=scale,
         )
+        return {i: q for (i, _, _), q in zip(ordered, sq)}
 
-    def commit(self) -> None:
+    def take(self, key: int, weights: dict[int, float], scale: float) -> bool:
+        """Make the spares current if they hold the step of update `key` with `weights`
+        and `scale` (what admission asked for); False, with nothing changed, otherwise."""
+        filled, self.filled = self.filled == (key, weights, scale), None
+        if not filled:
+            return False
         param, state = self.step.param, self.step.optimizer.state[self.step.param]
         param.data, self.spare_p = self.spare_p, param.data
         if self.spare_b is not None:
             state["momentum_buffer"], self.spare_b = self.spare_b, state.get("momentum_buffer")
         if self.step.scheduler is not None:
             self.step.scheduler.step()
+        return True
 
 
 class Outer(Protocol):
@@ -255,15 +263,14 @@ class LocalOuter:
         fits = [d.shape == (self._size(c.fragment),) for c, (_, d, _) in zip(contributions, decoded)]
         self.filled = None
         if self.fragments is None and all(fits) and decoded and all(w > 0 for _, _, w in decoded):
-            parts = [(d, w) for _, d, w in ordered]
             if self.one_pass is not None:
-                sq = self.one_pass.fill(parts, scale)
+                by_island = self.one_pass.fill(key, ordered, scale)
             else:
                 sq = [0.0] * len(ordered)
-                self.steps[0].mean.fill(parts, sq)
-            by_island = {i: q for (i, _, _), q in zip(ordered, sq)}
+                self.steps[0].mean.fill([(d, w) for _, d, w in ordered], sq)
+                by_island = {i: q for (i, _, _), q in zip(ordered, sq)}
+                self.filled = (key, {i: w for i, _, w in ordered})
             sqs = [by_island[i] for i, _, _ in decoded]
-            self.filled = (key, {i: w for i, _, w in ordered})
         else:
             sqs = [sqnorm(d) if ok else math.nan for ok, (_, d, _) in zip(fits, decoded)]
         return key, [Facts(d.size, ok and all_finite(d, q), q) for ok, q, (_, d, _) in zip(fits, sqs, decoded)]
@@ -279,12 +286,10 @@ class LocalOuter:
         parts = [(d, weights[i]) for i, d, _ in self.pending.pop(key) if i in weights]  # island order
         if self.fragments is None:
             filled, self.filled = self.filled == (key, weights), None
-            if self.one_pass is None:
-                return self.steps[0].apply(None if filled else parts, scale, anchor)
-            if filled and scale == self.one_pass.scale:
-                self.one_pass.commit()
+            if self.one_pass is not None and self.one_pass.take(key, weights, scale):
                 return None
-            return self.steps[0].apply(parts, scale, anchor)  # from the state the pass only read
+            # the mean filled while screening, or the admitted ones from the state a pass only read
+            return self.steps[0].apply(None if filled else parts, scale, anchor)
         if fragment is None:
             raise ValueError("a fragmented outer step needs the fragment it updates")
         step = self.steps[fragment]
