@@ -38,10 +38,19 @@ def blocks(n: int) -> Iterator[slice]:
 
 
 class WeightedMean:
-    """Σ w_i Δ_i / Σ w_i into one preallocated buffer."""
+    """Σ w_i Δ_i / Σ w_i into one buffer, reused from step to step."""
 
     def __init__(self, numel: int, dtype: torch.dtype) -> None:
-        self.sum = torch.zeros(numel, dtype=dtype)
+        self.numel, self.dtype = numel, dtype
+        self._sum: torch.Tensor | None = None
+
+    @property
+    def sum(self) -> torch.Tensor:
+        """The buffer, allocated at its first use: a coordinator whose every step takes the
+        one pass (`OnePass`, which needs no mean) never holds it."""
+        if self._sum is None:
+            self._sum = torch.zeros(self.numel, dtype=self.dtype)
+        return self._sum
 
     def fill(self, parts: Sequence[tuple[np.ndarray, float]], sqnorms: list[float] | None = None) -> torch.Tensor:
         """The weighted mean of `parts` (in their order: float sums depend on it), block by
