@@ -104,7 +104,7 @@ def test_the_blocked_mean_and_norms_are_the_whole_vector_ones(dtype):
 
 
 @pytest.mark.parametrize("one_pass", [True, False], ids=["one_pass", "mean_then_step"])
-def test_a_mean_taken_while_screening_steps_exactly_as_one_taken_after_it(one_pass: bool):
+def test_a_mean_taken_while_screening_steps_exactly_as_one_taken_after_it(one_pass: bool, monkeypatch):
     """`LocalOuter.inspect` averages every update in the pass that screens them (with
     `one_pass`, and steps on the mean in that pass too, into spare buffers); when all are
     admitted `apply` uses what the pass made, else it averages the admitted ones again
@@ -115,9 +115,12 @@ def test_a_mean_taken_while_screening_steps_exactly_as_one_taken_after_it(one_pa
     deltas = {i: rng.normal(0, 1e-2, n).astype(np.float32) for i in range(3)}
     weights = {0: 2.0, 1: 3.0, 2: 1.0}
 
+    if not one_pass:  # the rule's one-pass path switched off: the mean, then the step
+        monkeypatch.setattr(OuterStep, "one_pass", lambda self: None)
+
     def stepped(arrivals: list[int], poisoned: int | None = None) -> torch.Tensor:
         param = torch.ones(n)
-        outer = LocalOuter(param, OuterRule(lambda p: (outer_optimizer(OuterConfig(), p), None)), one_pass=one_pass)
+        outer = LocalOuter(param, OuterRule(lambda p: (outer_optimizer(OuterConfig(), p), None)))
         assert (outer.one_pass is not None) == one_pass
         admission = Admission(n, NormGuard(RobustConfig()), ExactVersion(), 3, 0.0, seed=1)
         batch = [

@@ -64,7 +64,7 @@ def build_engine(
         calls = slices(cfg, params, bounds) if slices is not None else LocalSlices(outer_rule(cfg), params, bounds)
         outer = SlicedOuter(flat.data, bounds, calls)
     else:
-        outer = LocalOuter(flat.data, outer_rule(cfg), fragments, one_pass=not cfg.tracks_copy)
+        outer = LocalOuter(flat.data, outer_rule(cfg), fragments)
     policies = build_policies(cfg, flat.numel, fragments)
     return RoundEngine(
         cfg=cfg,

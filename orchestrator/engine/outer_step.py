@@ -220,23 +220,19 @@ class LocalOuter:
     """The whole vector on the coordinator, starting in `flat`, the coordinator model's
     buffer. With streaming's `fragments`, each fragment has its own outer state over a
     gathered copy of its positions, written back into `flat` after each of its steps (no
-    other step touches those positions). With `one_pass` (and a rule that has one,
-    `OuterStep.one_pass`), the step is taken in the pass that reads the updates, into
+    other step touches those positions). Unfragmented, with a rule that has one
+    (`OuterStep.one_pass`), the step is taken in the pass that reads the updates, into
     spare buffers: the parameters then alternate between `flat` and a spare, and
     `copy_to` brings `flat` up to date when the model is evaluated or saved (nothing
-    else reads it: publishing reads `params()`). Without it (`one_pass` False where
-    something reads `flat` after every step: the published copy's changes), `flat` is
-    the parameter itself."""
+    else reads it: publishing, and the published copy's changes, read `params()`)."""
 
-    def __init__(
-        self, flat: torch.Tensor, rule: OuterRule, fragments: Fragments | None = None, one_pass: bool = True
-    ) -> None:
+    def __init__(self, flat: torch.Tensor, rule: OuterRule, fragments: Fragments | None = None) -> None:
         self.flat, self.fragments = flat, fragments
         self.numel = flat.numel()
         self.one_pass: OnePass | None = None
         if fragments is None:
             self.steps = [OuterStep(flat, rule)]
-            self.one_pass = self.steps[0].one_pass() if one_pass else None
+            self.one_pass = self.steps[0].one_pass()
         else:
             self.steps = [OuterStep(flat[fragments.positions(p)].clone(), rule) for p in range(fragments.count)]
         self._keys = itertools.count()

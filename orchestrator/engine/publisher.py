@@ -27,6 +27,7 @@ from orchestrator.engine.downlink import Downlink
 from orchestrator.engine.outer_step import Outer
 from orchestrator.engine.pacing import Work
 from orchestrator.engine.pool import IslandPool
+from workers.wire.flat import as_tensor
 from workers.wire.fragments import Fragments
 from workers.wire.handoff import params_digest
 from workers.wire.sync import Change
@@ -111,7 +112,8 @@ class Publisher:
         it held, never put, is never needed again: work starts from the newest)."""
         if self.downlink is not None:
             self.unput = None
-            self.shared[version] = self.pool.share(self.downlink.step(version, self.flat, fragment))
+            params = as_tensor(self.outer.params())  # where the step left them (`LocalOuter`'s one pass: a spare)
+            self.shared[version] = self.pool.share(self.downlink.step(version, params, fragment))
             for old in [v for v in self.shared if v not in self.downlink.changes]:
                 del self.shared[old]
 
