@@ -28,6 +28,17 @@ def test_with_ray_s_default_back_to_back_rounds_fault_on_fresh_pages_and_paced_o
     assert paced["page_faults"] <= 8
     # the round with its broadcast: every island fetched, checked the digest and loaded it
     assert paced["round_seconds"] >= paced["seconds"] > 0
+    # where it went, each part timed where it ran: the coordinator's step, put and digest and
+    # the islands' calls follow one another inside the round; each island's check and load
+    # inside its call
+    inside = sum(paced[f"round_{k}_seconds"] for k in ("step", "put", "digest", "islands"))
+    assert 0 < inside <= paced["round_seconds"]
+    for part in ("put", "digest", "island_check", "island_load"):
+        assert paced[f"round_{part}_seconds"] > 0
+    assert paced["round_island_check_seconds"] + paced["round_island_load_seconds"] <= paced["round_islands_seconds"]
+    assert (
+        paced["round_islands_work_seconds"] >= paced["round_island_check_seconds"] + paced["round_island_load_seconds"]
+    )
 
 
 def test_the_ray_archipelago_starts_reuses_the_pages_of_rounds_a_quarter_second_apart():

@@ -23,7 +23,9 @@ in one run on one Ray instance:
   each fetches them, checks the digest (a verified hand-off) and copies them into its
   model; the round ends when the last has. Timed from the driver's call with the
   results' references to its return. This is what an all-reduce's result in every
-  process compares with.
+  process compares with. `round_breakdown_seconds`: where it went (the step, the put, the
+  digest, the islands' calls with each island's check and load, the rest), each part
+  timed in the process that ran it.
 - `gloo_allreduce_gbps`: the same K·P·4 bytes all-reduced by `torch.distributed` (gloo)
   across K processes (what a data-parallel step would spend instead; every process
   ends with the sum, so nothing is left to broadcast).
@@ -38,6 +40,7 @@ GB/s are 1e9 bytes per second. Each measurement is the median of several repetit
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -160,7 +163,9 @@ def datapath(quick: bool, work: Path) -> BenchResult:
     )
     scaling = {"coordinator": [(float(s), c["gbps"]) for s, c in coord.items()]}
     references = {"memcpy": memcpy, "gloo all-reduce": gloo["gbps"]}
+    breakdown = {"back_to_back": _breakdown(coord[1]), "paced": _breakdown(paced)}
     md = _markdown(islands, numel, coord, threaded, (paced, paced_threaded), gloo, memcpy, overhead, checks)
+    md += "\n\n" + _breakdown_markdown(breakdown, gloo["seconds"])
     return BenchResult(
         "datapath",
         quick,
@@ -178,6 +183,7 @@ def datapath(quick: bool, work: Path) -> BenchResult:
             "paced_gap_seconds": GAP_S,
             "coordinator_page_faults_per_round": {str(s): c["page_faults"] for s, c in coord.items()},
             "round_gbps_with_broadcast": with_broadcast,
+            "round_breakdown_seconds": breakdown,
             "gloo_allreduce_gbps": gloo["gbps"],
             "memcpy_gbps": memcpy,
             "overhead_fraction": overhead["sync_s1"],
@@ -186,6 +192,37 @@ def datapath(quick: bool, work: Path) -> BenchResult:
             "params": numel,
             "checks": checks,
         },
+    )
+
+
+BREAKDOWN = (
+    ("step", "the coordinator's step: fetch the results, screen them, mean and outer step (one pass)"),
+    ("put", "publish: `ray.put` of the new parameters (one copy into the object store)"),
+    ("digest", "publish: their digest (XXH3-128)"),
+    ("islands", "the islands' calls, from the coordinator's call to the last island's return"),
+    ("island_check", "of which one island's digest check (median over islands)"),
+    ("island_load", "of which one island's load into its model (median over islands)"),
+    ("islands_work", "every island's check and load added up (CPU time the islands share)"),
+    ("rest", "the rest: the driver's call to the coordinator and its return (Ray)"),
+)
+
+
+def _breakdown(c: dict[str, float]) -> dict[str, float]:
+    """Where a round with its broadcast went (medians over the repetitions, seconds); `rest`
+    is the round less the coordinator's four parts."""
+    parts = {key: c[f"round_{key}_seconds"] for key, _ in BREAKDOWN if key != "rest"}
+    parts["rest"] = c["round_seconds"] - sum(parts[k] for k in ("step", "put", "digest", "islands"))
+    parts["round"] = c["round_seconds"]
+    return parts
+
+
+def _breakdown_markdown(breakdown: dict[str, dict[str, float]], gloo_s: float) -> str:
+    rows = [[what, *(f"{1000 * b[key]:.1f}" for b in breakdown.values())] for key, what in BREAKDOWN]
+    rows.append(["the round", *(f"{1000 * b['round']:.1f}" for b in breakdown.values())])
+    rows.append(["1.5× gloo's all-reduce would need at most", *(f"{1000 * gloo_s / 1.5:.1f}" for _ in breakdown)])
+    return (
+        f"Where a round with its broadcast goes (S = 1, ms, medians; {os.cpu_count()} cores for "
+        "the coordinator and every island):\n\n" + md_table(["part", "back to back", f"rounds {GAP_S:g} s apart"], rows)
     )
 
 

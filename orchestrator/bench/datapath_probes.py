@@ -40,13 +40,16 @@ class _Source:
         self.delta = np.random.default_rng(island).normal(0, 1e-3, numel).astype(np.float32)
         self.model = np.zeros(numel, dtype=np.float32)  # the island's copy of the parameters
 
-    def receive(self, params: np.ndarray, digest: str) -> None:
+    def receive(self, params: np.ndarray, digest: str) -> tuple[float, float]:
         """What an island does with a full download: fetch (Ray resolves the reference, a
         top-level argument as in a work order, from the object store), check the digest,
-        load it."""
+        load it. Returns the seconds of the check and of the load."""
+        t0 = time.perf_counter()
         if params_digest(params) != digest:
             raise RuntimeError("the published parameters do not match their digest")
+        t1 = time.perf_counter()
         np.copyto(self.model, params)
+        return t1 - t0, time.perf_counter() - t1
 
     def result(self, version: int) -> RoundResult:
         if self.shards == 1:
@@ -87,13 +90,15 @@ class _Aggregator:
         self.version = 0
         self.local: list[tuple[int, np.ndarray, int]] = []
 
-    def aggregate(self, refs: list[ray.ObjectRef], islands: list[Any] | None = None) -> tuple[float, int]:
+    def aggregate(
+        self, refs: list[ray.ObjectRef], islands: list[Any] | None = None
+    ) -> tuple[float, int, dict[str, float]]:
         """A round's aggregation of the results in the object store: (seconds, the page
-        faults this process took meanwhile: the store's pages it had not mapped yet). With
-        `islands`, the round goes on as the coordinator's does: the new version published
-        right after the step, handed to every island in a call of this actor's (as the
-        coordinator sends its next orders) and the call returns once every island holds
-        it."""
+        faults this process took meanwhile: the store's pages it had not mapped yet, and
+        where a round with its broadcast spent its time). With `islands`, the round goes on
+        as the coordinator's does: the new version published right after the step, handed
+        to every island in a call of this actor's (as the coordinator sends its next
+        orders) and the call returns once every island holds it."""
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         results = ray.get(refs)
@@ -102,10 +107,25 @@ class _Aggregator:
         if not self.local and all(isinstance(d, np.ndarray) for _, d, _ in deltas):
             self.local = [(i, np.array(d), w) for i, d, w in deltas]
         faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        parts: dict[str, float] = {}
         if islands:
-            published, digest = self.publish()
-            ray.get([s.receive.remote(published, digest) for s in islands])
-        return seconds, faulted
+            t1 = time.perf_counter()
+            params = self.outer.params()
+            published = ray.put(params)  # as `Publisher.publish`: put once, with its digest
+            t2 = time.perf_counter()
+            digest = params_digest(params)
+            t3 = time.perf_counter()
+            checks, loads = zip(*ray.get([s.receive.remote(published, digest) for s in islands]))
+            parts = {
+                "step": seconds,
+                "put": t2 - t1,
+                "digest": t3 - t2,
+                "islands": time.perf_counter() - t3,
+                "island_check": statistics.median(checks),
+                "island_load": statistics.median(loads),
+                "islands_work": sum(checks) + sum(loads),
+            }
+        return seconds, faulted, parts
 
     def aggregate_mapped(self) -> float:
         """The same work on the first round's pseudo-gradients copied into this process's
@@ -124,11 +144,6 @@ class _Aggregator:
 
     def threads(self) -> int:
         return torch.get_num_threads()
-
-    def publish(self) -> tuple[ray.ObjectRef, str | None]:
-        """The new version as `Publisher.publish` makes it: put once, with its digest."""
-        params = self.outer.params()
-        return ray.put(params), params_digest(params)
 
 
 class _Reducer:
@@ -196,15 +211,17 @@ def coordinator_gbps(
     rounds: list[float] = []
     mapped: list[float] = []
     faults: list[int] = []
+    parts: list[dict[str, float]] = []
     for v in range(reps + 1):  # the first repetition warms up (allocations, shard start)
         refs = [s.result.remote(v) for s in sources]
         ray.wait(refs, num_returns=len(refs))
         t0 = time.perf_counter()
-        elapsed, faulted = ray.get(agg.aggregate.remote(refs, sources if broadcast else None))
+        elapsed, faulted, split = ray.get(agg.aggregate.remote(refs, sources if broadcast else None))
         if v:
             times.append(elapsed)
             faults.append(faulted)
             rounds.append(time.perf_counter() - t0)
+            parts.append(split)
             if shards == 1:
                 mapped.append(ray.get(agg.aggregate_mapped.remote()))
         del refs  # the round's results are freed, as a coordinator's are once it has stepped
@@ -224,6 +241,7 @@ def coordinator_gbps(
     if broadcast:
         round_s = statistics.median(rounds)
         out.update(round_seconds=round_s, round_gbps=nbytes / round_s / 1e9)
+        out.update({f"round_{key}_seconds": statistics.median(p[key] for p in parts) for key in parts[0]})
     return out
 
 
