@@ -36,9 +36,7 @@ def test_with_ray_s_default_back_to_back_rounds_fault_on_fresh_pages_and_paced_o
     for part in ("put", "digest", "island_check", "island_load"):
         assert paced[f"round_{part}_seconds"] > 0
     assert paced["round_island_check_seconds"] + paced["round_island_load_seconds"] <= paced["round_islands_seconds"]
-    assert (
-        paced["round_islands_work_seconds"] >= paced["round_island_check_seconds"] + paced["round_island_load_seconds"]
-    )
+    assert paced["round_islands_cpu_seconds"] > 0
 
 
 def test_the_ray_archipelago_starts_reuses_the_pages_of_rounds_a_quarter_second_apart():

@@ -40,16 +40,17 @@ class _Source:
         self.delta = np.random.default_rng(island).normal(0, 1e-3, numel).astype(np.float32)
         self.model = np.zeros(numel, dtype=np.float32)  # the island's copy of the parameters
 
-    def receive(self, params: np.ndarray, digest: str) -> tuple[float, float]:
+    def receive(self, params: np.ndarray, digest: str) -> tuple[float, float, float]:
         """What an island does with a full download: fetch (Ray resolves the reference, a
         top-level argument as in a work order, from the object store), check the digest,
-        load it. Returns the seconds of the check and of the load."""
-        t0 = time.perf_counter()
+        load it. Returns the seconds of the check and of the load, and the CPU seconds of
+        both (4 islands on 2 cores also wait for a core: the first two count that)."""
+        c0, t0 = time.thread_time(), time.perf_counter()
         if params_digest(params) != digest:
             raise RuntimeError("the published parameters do not match their digest")
         t1 = time.perf_counter()
         np.copyto(self.model, params)
-        return t1 - t0, time.perf_counter() - t1
+        return t1 - t0, time.perf_counter() - t1, time.thread_time() - c0
 
     def result(self, version: int) -> RoundResult:
         if self.shards == 1:
@@ -74,7 +75,9 @@ class _Source:
 class _Aggregator:
     """The coordinator's side of a round, with the production outer step and admission of `cfg`."""
 
-    def __init__(self, cfg: RunConfig, numel: int) -> None:
+    def __init__(self, cfg: RunConfig, numel: int, islands: list[Any] | None = None) -> None:
+        """`islands`: the sources to hand each new version to (None: no broadcast), held
+        as a coordinator holds its islands' handles."""
         policies = build_policies(cfg, numel)
         # every island on this machine, whose cores the step takes if they all wait for it
         # (a barrier's), as `Outputs.step_threads` decides
@@ -87,15 +90,14 @@ class _Aggregator:
         else:
             self.outer = LocalOuter(flat, outer_rule(cfg))
         self.admission = policies.admission
+        self.islands = islands
         self.version = 0
         self.local: list[tuple[int, np.ndarray, int]] = []
 
-    def aggregate(
-        self, refs: list[ray.ObjectRef], islands: list[Any] | None = None
-    ) -> tuple[float, int, dict[str, float]]:
+    def aggregate(self, refs: list[ray.ObjectRef]) -> tuple[float, int, dict[str, float]]:
         """A round's aggregation of the results in the object store: (seconds, the page
         faults this process took meanwhile: the store's pages it had not mapped yet, and
-        where a round with its broadcast spent its time). With `islands`, the round goes on
+        where a round with its broadcast spent its time). With islands, the round goes on
         as the coordinator's does: the new version published right after the step, handed
         to every island in a call of this actor's (as the coordinator sends its next
         orders) and the call returns once every island holds it."""
@@ -108,14 +110,14 @@ class _Aggregator:
             self.local = [(i, np.array(d), w) for i, d, w in deltas]
         faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         parts: dict[str, float] = {}
-        if islands:
+        if self.islands:
             t1 = time.perf_counter()
             params = self.outer.params()
             published = ray.put(params)  # as `Publisher.publish`: put once, with its digest
             t2 = time.perf_counter()
             digest = params_digest(params)
             t3 = time.perf_counter()
-            checks, loads = zip(*ray.get([s.receive.remote(published, digest) for s in islands]))
+            checks, loads, cpu = zip(*ray.get([s.receive.remote(published, digest) for s in self.islands]))
             parts = {
                 "step": seconds,
                 "put": t2 - t1,
@@ -123,7 +125,7 @@ class _Aggregator:
                 "islands": time.perf_counter() - t3,
                 "island_check": statistics.median(checks),
                 "island_load": statistics.median(loads),
-                "islands_work": sum(checks) + sum(loads),
+                "islands_cpu": sum(cpu),
             }
         return seconds, faulted, parts
 
@@ -206,7 +208,11 @@ def coordinator_gbps(
     sources: list[Any] = [
         ray.remote(_Source).options(num_cpus=0).remote(i, numel, shards, 4096) for i in range(islands)
     ]
-    agg: Any = ray.remote(_Aggregator).options(num_cpus=0, max_concurrency=1).remote(cfg, numel)
+    agg: Any = (
+        ray.remote(_Aggregator)
+        .options(num_cpus=0, max_concurrency=1)
+        .remote(cfg, numel, sources if broadcast else None)
+    )
     times: list[float] = []
     rounds: list[float] = []
     mapped: list[float] = []
@@ -216,7 +222,7 @@ def coordinator_gbps(
         refs = [s.result.remote(v) for s in sources]
         ray.wait(refs, num_returns=len(refs))
         t0 = time.perf_counter()
-        elapsed, faulted, split = ray.get(agg.aggregate.remote(refs, sources if broadcast else None))
+        elapsed, faulted, split = ray.get(agg.aggregate.remote(refs))
         if v:
             times.append(elapsed)
             faults.append(faulted)
