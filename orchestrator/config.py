@@ -13,6 +13,7 @@ from orchestrator.config_operations import (
     ApiConfig,
     CheckpointConfig,
     ElasticConfig,
+    EvaluationConfig,
     ExportConfig,
     RecordsConfig,
     TrackingConfig,
@@ -259,6 +260,7 @@ class RunConfig(Strict):
     link: LinkConfig = Field(default_factory=LinkConfig)
     robust: RobustConfig = Field(default_factory=RobustConfig)
     coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     records: RecordsConfig = Field(default_factory=RecordsConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)

@@ -14,6 +14,28 @@ from pydantic import Field, model_validator
 from orchestrator.config_sections import Strict
 
 
+class EvalPlace(str, Enum):
+    COORDINATOR = "coordinator"  # in the coordinator's process (the head): small models
+    ACTOR = "actor"  # an evaluation actor placed on its own resources (an accelerator)
+
+
+class EvaluationConfig(Strict):
+    """Where the global model is evaluated (every `eval_every` rounds). The coordinator's
+    process suits a small model; at scale an evaluation actor on an accelerator evaluates
+    while the run goes on, and the coordinator only records the result."""
+
+    where: EvalPlace = Field(
+        EvalPlace.COORDINATOR,
+        description="coordinator (its own process, synchronously: small models) or actor (an evaluation actor "
+        "with the resources below, sent each version's parameters; the run does not wait for it)",
+    )
+    cpus: float = Field(1.0, ge=0, description="Ray CPUs of the evaluation actor")
+    gpus: float = Field(0.0, ge=0, description="Ray GPUs of the evaluation actor (CUDA, bf16 per inner.precision)")
+    timeout_s: float = Field(
+        900.0, gt=0, description="an evaluation not back in this long is recorded as lost (the run goes on)"
+    )
+
+
 class CheckpointConfig(Strict):
     """Coordinator checkpoints (global params, outer state, version, membership, data positions)."""
 

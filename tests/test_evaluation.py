@@ -34,7 +34,7 @@ def test_evaluations_take_the_cores_no_island_on_this_host_reserves(tmp_path, mo
         outputs.task, "loss", lambda model, batch: seen.append(torch.get_num_threads()) or loss(model, batch)
     )
     before = torch.get_num_threads()
-    outputs.evaluate()
+    outputs.evaluate(engine.run.version)
     assert set(seen) == {3} and torch.get_num_threads() == before  # the step's threads are put back
 
 

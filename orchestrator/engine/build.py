@@ -13,9 +13,11 @@ from typing import Any
 import torch
 
 from orchestrator.config import Mode, RunConfig
+from orchestrator.config_operations import EvalPlace
 from orchestrator.engine.checkpoints import load_initial_weights
 from orchestrator.engine.commands import Inbox
 from orchestrator.engine.engine import RoundEngine
+from orchestrator.engine.evaluation import Evaluator
 from orchestrator.engine.outer_slices import LocalSlices, SliceCalls, SlicedOuter
 from orchestrator.engine.outer_step import LocalOuter, Outer
 from orchestrator.engine.outputs import OnRecord
@@ -37,10 +39,14 @@ def build_engine(
     inbox: Inbox | None = None,
     takes_changes: bool = True,
     hands_over: bool = False,
+    evaluator: Callable[[RunConfig], Evaluator | None] | None = None,
 ) -> RoundEngine:
     """The engine for `cfg` driving `pool`; with `coordinator.shards` > 1 the outer step is
-    split over slices reached through `slices` (in process by default). `inbox`,
+    split over slices reached through `slices` (in process by default); `evaluation.where:
+    actor` evaluates through the evaluator `evaluator` starts (a Ray actor). `inbox`,
     `takes_changes` and `hands_over`: see `RoundEngine`."""
+    if cfg.evaluation.where != EvalPlace.COORDINATOR and evaluator is None:
+        raise RunFailed(f"evaluation.where: {cfg.evaluation.where.value} needs a coordinator on Ray (archipelago run)")
     task = load_task(cfg.task.factory, cfg.task.kwargs)
     task.prepare()
     torch.manual_seed(cfg.seed)
@@ -82,6 +88,7 @@ def build_engine(
         inbox=inbox,
         takes_changes=takes_changes,
         hands_over=hands_over,
+        evaluator=evaluator(cfg) if evaluator is not None else None,
     )
 
 

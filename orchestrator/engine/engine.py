@@ -22,6 +22,7 @@ from orchestrator.config import RunConfig
 from orchestrator.engine.admission import Admission, Verdict
 from orchestrator.engine.checkpoints import load_checkpoint, run_folder
 from orchestrator.engine.commands import Answer, Command, Inbox
+from orchestrator.engine.evaluation import Evaluator
 from orchestrator.engine.fleet import Fleet
 from orchestrator.engine.inflight import POLL_S, InFlight
 from orchestrator.engine.island_states import IslandStates
@@ -69,6 +70,7 @@ class RoundEngine:
         inbox: Inbox | None = None,
         takes_changes: bool = True,
         hands_over: bool = False,
+        evaluator: Evaluator | None = None,
     ) -> None:
         """Continues from the checkpoint of `run_id` in `cfg.checkpoint_dir`/`run_id` if there is one.
         `init_from` describes the weights the model was loaded with (`start_from`); `warm`
@@ -77,7 +79,8 @@ class RoundEngine:
         `inbox`: the run's operator commands (shared by its phases); a phase that does not
         `takes_changes` (the warm start) honours pause and stop and leaves settings and
         membership changes for the next; one that `hands_over` (the warm start again) leaves
-        its islands running when it finishes, for the next phase's pool to take over."""
+        its islands running when it finishes, for the next phase's pool to take over.
+        `evaluator`: where the global model is evaluated (default: in this process)."""
         self.cfg, self.task, self.model, self.flat, self.outer = cfg, task, model, flat, outer
         self.pacing: Pacing = policies.pacing
         self.admission: Admission = policies.admission
@@ -127,6 +130,7 @@ class RoundEngine:
             on_record=on_record,
             quorum=self.quorum,
             states=self.states,
+            evaluator=evaluator,
         )
         self.events, self.recorder, self.disk = self.outputs.events, self.outputs.recorder, self.outputs.disk
         if self.resumed:
@@ -202,7 +206,7 @@ class RoundEngine:
         self._boundary()
         with self.stats.loop.timed(Part.DISPATCH):
             self._dispatch()
-        if self.stats.initial_eval is None:  # off the critical path: the islands train meanwhile
+        if not self.outputs.initial_asked:  # off the critical path: the islands train meanwhile
             self._initial_eval()
         self._write_due()
         if not self.flights:  # nothing out, nothing waiting to close
@@ -267,7 +271,7 @@ class RoundEngine:
         stopped = self.inbox.stopping.is_set()
         if stopped:
             if not self.inbox.aborting.is_set():
-                self.stats.last_eval = self.outputs.evaluate()
+                self.outputs.evaluate(self.run.version)
             if self.cfg.checkpoint.every_rounds:
                 self.outputs.checkpoint(self.run.version, self.rounds_done, self.capture)
             self.events.add(Event.STOPPED, version=self.run.version, rounds_done=self.rounds_done)
@@ -304,7 +308,7 @@ class RoundEngine:
         nothing changes the global model before the first outer step, which comes later
         (`Outputs.first_evaluation`: a warm start's final one when it is of this model)."""
         t0 = time.perf_counter()
-        self.stats.initial_eval = self.stats.last_eval = self.outputs.first_evaluation(self.warm)
+        self.outputs.first_evaluation(self.warm, self.run.version)
         self.startup.first_eval_s = time.perf_counter() - t0
 
     def _dispatch(self) -> None:
@@ -408,6 +412,7 @@ class RoundEngine:
         with self.stats.loop.timed(Part.RECORD):
             for rnd in self.due:
                 self.outputs.record(rnd, self.run.version, self._clock(), self.phase, self.capture)
+            self.outputs.collect(wait=False)  # records whose evaluation came back since
         self.due.clear()
 
     @property

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import shutil
 import socket
 from collections.abc import Callable
@@ -23,6 +22,7 @@ import torch
 from orchestrator.config import RunConfig
 from orchestrator.engine.checkpoints import run_folder, save_checkpoint
 from orchestrator.engine.commands import Inbox
+from orchestrator.engine.evaluation import Evaluation, Evaluator, LocalEvaluator
 from orchestrator.engine.island_states import IslandStates
 from orchestrator.engine.loop_time import Part
 from orchestrator.engine.membership import IslandStats, Membership
@@ -33,7 +33,7 @@ from orchestrator.engine.stats import RunStats
 from orchestrator.engine.threads import spare_cores, step_threads, torch_threads
 from orchestrator.engine.types import Event, RunPhase
 from orchestrator.engine.warm_start import WarmStart
-from workers.tasks.task import ExportableTask, MetricTask, Task, export_pretrained
+from workers.tasks.task import ExportableTask, Task, export_pretrained
 from workers.wire.flat import FlatParams
 from workers.wire.handoff import params_digest
 
@@ -60,12 +60,17 @@ class Outputs:
         states: IslandStates,
         on_record: OnRecord | None = None,
         quorum: QuorumRule | None = None,
+        evaluator: Evaluator | None = None,
     ) -> None:
         self.quorum = quorum  # the quorum pacing's live settings, shown in the status
         self.cfg, self.run_id, self.task, self.model, self.flat, self.outer = cfg, run_id, task, model, flat, outer
         self.members, self.stats, self.inbox, self.on_record = members, stats, inbox, on_record
         self.states = states
-        self.eval_batches = list(task.eval_batches())
+        self.evaluator = evaluator or LocalEvaluator(task=task, model=model, threads=self.eval_threads)
+        self.evaluated: dict[int, Evaluation] = {}  # version -> its evaluation, the last few
+        self.initial_version: int | None = None  # the version whose evaluation is the run's initial one
+        self.waiting: list[tuple[dict[str, Any], int | None]] = []  # records not written yet, their evaluation
+        self.phase = RunPhase.STARTING  # as of the last record
         self.eval_metrics: dict[str, float] | None = None  # the task's own, at the latest evaluation
         self.disk = DiskFaults()
         self.checkpoint_owed = False  # a checkpoint the disk refused: retried at the next record
@@ -80,30 +85,59 @@ class Outputs:
         self.islands_view: dict[str, dict[str, Any]] = {}  # what /v1/islands serves (`refresh_islands`)
         self._islands_seen: tuple[Any, ...] | None = None
 
-    def evaluate(self) -> float:
-        with self.stats.loop.timed(Part.EVALUATE):
-            return self._evaluate()
+    # -- evaluation (`engine/evaluation.py`: the evaluator decides where it runs) ------------------
+    def evaluate(self, version: int) -> float | None:
+        """Evaluate `version` now and wait for it (a stopped run's last evaluation)."""
+        self._submit(version)
+        self.collect(wait=True)
+        found = self.evaluated.get(version)
+        return found.loss if found is not None else None
 
-    def _evaluate(self) -> float:
-        self.outer.copy_to(self.flat.data)
-        self.model.eval()
-        with torch_threads(self.eval_threads()), torch.no_grad():
-            losses = [float(self.task.loss(self.model, b)) for b in self.eval_batches]
-            if isinstance(self.task, MetricTask):
-                self.eval_metrics = self._metrics(self.task)
-        return sum(losses) / len(losses)
-
-    def first_evaluation(self, warm: WarmStart | None) -> float:
-        """The evaluation of the version a run starts from. Starting from a warm start's
-        final model, bit for bit, the warm start's final evaluation is that evaluation
-        (the same model, the same task's batches): it is taken, not run again beside the
-        islands' first work."""
+    def first_evaluation(self, warm: WarmStart | None, version: int) -> None:
+        """The evaluation of the version a run starts from, asked for (its result sets
+        `stats.initial_eval` when it comes back). Starting from a warm start's final model,
+        bit for bit, the warm start's final evaluation is that evaluation (the same model,
+        the same task's batches): it is taken, not run again beside the islands' first work."""
         known = warm.evaluated(self.outer.params()) if warm is not None else None
-        return known if known is not None else self.evaluate()
+        if known is not None:
+            self.stats.initial_eval = self.stats.last_eval = known
+            return
+        self.initial_version = version
+        self._submit(version)
+        self.collect(wait=False)
 
-    def _islands_here(self) -> int:
-        host = socket.gethostname()
-        return sum(1 for s in self.members.islands.values() if s.state.alive and s.node.split(":")[0] == host)
+    @property
+    def initial_asked(self) -> bool:
+        return self.stats.initial_eval is not None or self.initial_version is not None
+
+    def _submit(self, version: int) -> None:
+        with self.stats.loop.timed(Part.EVALUATE):
+            self.outer.copy_to(self.flat.data)
+            self.evaluator.submit(version=version, params=self.flat.data)
+
+    def collect(self, *, wait: bool) -> None:
+        """Take the evaluations that came back (with `wait`, every one asked for) and write
+        the records they complete, in round order."""
+        for e in self.evaluator.results(wait=wait):  # waiting for an evaluation elsewhere is not this process's work
+            self._arrived(e)
+        while self.waiting and (self.waiting[0][1] is None or self.waiting[0][1] in self.evaluated):
+            entry, version = self.waiting.pop(0)
+            if version is not None:
+                found = self.evaluated[version]
+                entry["eval_loss"], entry["eval_metrics"] = found.loss, found.metrics
+            self._write(entry)
+
+    def _arrived(self, e: Evaluation) -> None:
+        if e.error is not None:
+            log.warning("the evaluation of version %d is lost (%s); its round is recorded without it", e.version, e.error)
+        self.evaluated[e.version] = e
+        for old in [v for v in self.evaluated if v < e.version - 16]:  # a bounded memory of the last few
+            del self.evaluated[old]
+        if e.loss is None:
+            return
+        if e.version == self.initial_version and self.stats.initial_eval is None:
+            self.stats.initial_eval = e.loss
+        self.stats.last_eval, self.eval_metrics = e.loss, e.metrics
 
     def eval_threads(self) -> int:
         """`coordinator.eval_threads`, or the cores this process may run on less those its
@@ -115,21 +149,15 @@ class Outputs:
         here = self._islands_here()
         return max(step_threads(cfg, here), spare_cores(cfg, here))
 
+    def _islands_here(self) -> int:
+        host = socket.gethostname()
+        return sum(1 for s in self.members.islands.values() if s.state.alive and s.node.split(":")[0] == host)
+
     def step_threads(self, islands_wait: bool = False) -> int:
         """The outer step's torch threads now (`step_threads`): with the cores the islands
         alive on this host reserve left out, unless every island waits for this step
         (`islands_wait`, a barrier's), whose cores are then idle."""
         return step_threads(self.cfg, 0 if islands_wait else self._islands_here())
-
-    def _metrics(self, task: MetricTask) -> dict[str, float] | None:
-        """The task's own metrics, kept to finite numbers by name; a task whose hook raises
-        is logged and the run goes on without them this time."""
-        try:
-            found = task.eval_metrics(self.model, self.eval_batches)
-            return {str(k): float(v) for k, v in found.items() if math.isfinite(float(v))}
-        except Exception:
-            log.exception("the task's eval_metrics failed; this evaluation records the loss only")
-            return None
 
     def snapshot_export(self, rnd: int) -> None:
         """Every `export.every_rounds`, the global model in its ecosystem's format under
@@ -147,18 +175,29 @@ class Outputs:
                 shutil.rmtree(old, ignore_errors=True)
 
     def record(self, rnd: int, version: int, clock_s: float, phase: RunPhase, capture: Callable[[], dict]) -> None:
-        """Evaluate if due, append one record to metrics.jsonl, checkpoint if due (or owed)."""
+        """Round `rnd`'s record: its evaluation asked for if due, the record written once the
+        evaluation is back (records stay in round order); a checkpoint if due (or owed),
+        after the records before it are written, so a resumed run's records and state agree."""
         cfg = self.cfg
-        eval_loss = self.evaluate() if rnd % cfg.eval_every == 0 or rnd == cfg.rounds else None
-        entry = self.stats.record(rnd, cfg, version, eval_loss, self.outer.lr(), self.members)
+        due = rnd % cfg.eval_every == 0 or rnd == cfg.rounds
+        entry = self.stats.record(rnd, cfg, version, None, self.outer.lr(), self.members)
         entry["clock_seconds"] = clock_s
-        entry["eval_metrics"] = self.eval_metrics if eval_loss is not None else None
-        self.recorder.record(entry)
+        entry["eval_metrics"] = None
+        self.waiting.append((entry, version if due else None))
+        if due:
+            self._submit(version)
         self.snapshot_export(rnd)
+        self.phase = phase
         every = cfg.checkpoint.every_rounds
-        if every and (rnd % every == 0 or rnd == cfg.rounds or self.checkpoint_owed):
+        checkpoint = every and (rnd % every == 0 or rnd == cfg.rounds or self.checkpoint_owed)
+        self.collect(wait=bool(checkpoint))
+        if checkpoint:
             self.checkpoint(version, rnd, capture)
         self.update_snapshot(phase, version)
+
+    def _write(self, entry: dict[str, Any]) -> None:
+        self.recorder.record(entry)
+        self.update_snapshot(self.phase, entry["version"])
         if self.on_record is not None:
             self.on_record(self.status(), self.members.summary(), entry)
 
@@ -174,6 +213,8 @@ class Outputs:
     def summarise(self, phase: RunPhase, version: int, extra: dict[str, Any], ledger: Any) -> dict[str, Any]:
         """The run's summary (also `summary.json`), the final model and, for a task of
         another ecosystem, its export."""
+        self.collect(wait=True)  # every record written, the initial and last evaluations known
+        self.evaluator.close()
         self.outer.copy_to(self.flat.data)
         out = self.recorder.out
         summary = self.stats.summary(phase, self.cfg, version, self.members, ledger, self.outer.numel, out)

@@ -47,6 +47,7 @@ class Coordinator:
         import torch
 
         from orchestrator.engine.build import PhasedRun
+        from orchestrator.runtime.evaluator import start_evaluator
         from orchestrator.runtime.slices import start_slices
 
         if log_level is not None:  # the driver's -v/-q, for this process's log file too
@@ -67,6 +68,7 @@ class Coordinator:
             self._pool,
             slices=lambda c, params, bounds: start_slices(c, params, bounds, run_id),
             on_record=self._publish_metrics,
+            evaluator=lambda c: start_evaluator(c, run_id),
         )
 
     def _pool(self, cfg: RunConfig, _phase_id: str) -> RayIslandPool:

@@ -25,6 +25,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from workers.data.encoders import HFEncoder
 from workers.data.manifest import DataError
+from workers.tasks.chunked_loss import causal_lm_eval_loss
 from workers.tasks.task import Batch
 from workers.tasks.text_data import (
     Documents,
@@ -71,6 +72,10 @@ class HFTaskConfig(TextDataConfig):
     )
     vocab_size: int = Field(2048, ge=259, description="size of the trained tokenizer (when one is trained)")
     activation_checkpointing: bool = Field(False, description="recompute activations in backward (less memory)")
+    eval_rows: int = Field(4, ge=1, description="rows evaluated per forward (bounds evaluation's activations)")
+    eval_loss_tokens: int = Field(
+        1024, ge=1, description="positions whose logits exist at once when the evaluation loss is computed"
+    )
 
     @model_validator(mode="after")
     def _check_model(self) -> HFTaskConfig:
@@ -211,6 +216,11 @@ class HFCausalLMTask:
         return model
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        """The mean next-token loss. Without autograd (evaluation) it is computed in bounded
+        memory, `eval_rows` rows and `eval_loss_tokens` positions of logits at a time
+        (`workers/tasks/chunked_loss.py`); training's backward needs the logits whole."""
+        if not torch.is_grad_enabled():
+            return causal_lm_eval_loss(model, batch, rows=self.cfg.eval_rows, tokens=self.cfg.eval_loss_tokens)
         x, y = batch
         logits = model(input_ids=x).logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
