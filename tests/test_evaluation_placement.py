@@ -124,8 +124,16 @@ def test_the_hf_eval_loss_is_the_whole_batch_loss_in_chunks():
         got = causal_lm_eval_loss(model, (x, y), rows=rows, tokens=tokens)
         assert float(got) == pytest.approx(float(whole), rel=1e-6, abs=1e-6)
     capped = AutoModelForCausalLM.from_config(
-        AutoConfig.for_model("gemma2", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=8),
+        AutoConfig.for_model(
+            "gemma2",
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+        ),
         dtype=torch.float32,
     ).eval()
     assert not splits_head(capped)  # soft-capped logits: through the model's own forward, rows at a time
@@ -147,8 +155,13 @@ def test_an_evaluation_actor_evaluates_every_round_and_gives_the_coordinators_nu
     from workers.tasks.lm_task import make_task
 
     cfg = tiny_lm_config(
-        tmp_path / "out", corpus_cache, "islands.count=2", "rounds=3", "inner_steps=5",
-        "evaluation.where=actor", "evaluation.cpus=0",
+        tmp_path / "out",
+        corpus_cache,
+        "islands.count=2",
+        "rounds=3",
+        "inner_steps=5",
+        "evaluation.where=actor",
+        "evaluation.cpus=0",
     )
     summary = run(cfg, show_progress=False)
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]

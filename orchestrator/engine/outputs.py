@@ -30,7 +30,7 @@ from orchestrator.engine.outer_step import Outer
 from orchestrator.engine.quorum import QuorumRule
 from orchestrator.engine.records import DiskFaults, EventLog, Recorder
 from orchestrator.engine.stats import RunStats
-from orchestrator.engine.threads import spare_cores, step_threads, torch_threads
+from orchestrator.engine.threads import spare_cores, step_threads
 from orchestrator.engine.types import Event, RunPhase
 from orchestrator.engine.warm_start import WarmStart
 from workers.tasks.task import ExportableTask, Task, export_pretrained
@@ -129,7 +129,9 @@ class Outputs:
 
     def _arrived(self, e: Evaluation) -> None:
         if e.error is not None:
-            log.warning("the evaluation of version %d is lost (%s); its round is recorded without it", e.version, e.error)
+            log.warning(
+                "the evaluation of version %d is lost (%s); its round is recorded without it", e.version, e.error
+            )
         self.evaluated[e.version] = e
         for old in [v for v in self.evaluated if v < e.version - 16]:  # a bounded memory of the last few
             del self.evaluated[old]
