@@ -73,7 +73,7 @@ class RayEvaluator:
     def __init__(self, cfg: RunConfig, run_id: str) -> None:
         e = cfg.evaluation
         self.timeout_s = e.timeout_s
-        self.actor = (
+        self.actor: Any = (
             ray.remote(EvaluationWorker)
             .options(
                 name=f"archipelago-{run_id}-evaluator-{time.time_ns() % 10**9}",
