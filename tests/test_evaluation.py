@@ -4,13 +4,12 @@ that its islands there do not reserve (a KubeRay head's spare cores), or
 
 from __future__ import annotations
 
-import os
 import socket
 
 import torch
 
 from orchestrator.engine import engine as engine_module
-from orchestrator.engine.threads import step_threads
+from orchestrator.engine.threads import step_threads, usable_cores
 from tests.engine_scenarios import drive, scenario_cfg
 from tests.helpers import in_process_engine
 
@@ -20,7 +19,7 @@ def test_evaluations_take_the_cores_no_island_on_this_host_reserves(tmp_path, mo
     engine, _ = in_process_engine(cfg)
     drive(engine)
     outputs = engine.outputs
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     assert outputs.eval_threads() == cores  # in-process islands are on no host of their own
     host = socket.gethostname()
     for stats in list(engine.members.islands.values())[:2]:
@@ -41,7 +40,7 @@ def test_evaluations_take_the_cores_no_island_on_this_host_reserves(tmp_path, mo
 def test_outer_steps_take_the_spare_cores_and_put_the_count_back(tmp_path, monkeypatch):
     cfg = scenario_cfg(tmp_path, "diloco", "islands.cpus=1", "rounds=2")
     engine, _ = in_process_engine(cfg)
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     seen: list[tuple[int, int]] = []
     take_step = engine_module.take_step
 
@@ -85,3 +84,25 @@ def test_only_a_barrier_s_islands_wait_for_its_step(tmp_path):
         ("streaming", ("streaming.tau=0",)): True,
         ("streaming", ("streaming.tau=1",)): False,
     }
+
+
+def test_threads_follow_the_cgroup_cpu_quota_of_a_pod(tmp_path):
+    """A Kubernetes CPU limit is a cgroup quota: `sched_getaffinity` still lists every host
+    core, so the thread count is capped by the quota (v2 `cpu.max`, or v1's pair)."""
+    from orchestrator.engine.threads import cgroup_cpus, usable_cores
+
+    cores = usable_cores()
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpus(v2) == 1.5 and usable_cores(v2) == min(cores, 2)
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpus(v2) is None and usable_cores(v2) == cores
+    v1 = tmp_path / "v1" / "cpu"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("100000")
+    (v1 / "cpu.cfs_period_us").write_text("100000")
+    assert cgroup_cpus(v1.parent) == 1.0 and usable_cores(v1.parent) == 1
+    (v1 / "cpu.cfs_quota_us").write_text("-1")
+    assert cgroup_cpus(v1.parent) is None
+    assert cgroup_cpus(tmp_path / "none") is None

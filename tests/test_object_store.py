@@ -137,3 +137,24 @@ def test_a_bucket_that_cannot_be_written_is_refused_before_any_compute(tmp_path,
     cfg = load_config(None, [f"out_dir={tmp_path}", "checkpoint.path=s3://no-such-bucket/runs"])
     with pytest.raises(ConfigError, match=r"checkpoint\.path: s3://no-such-bucket/runs is not writable"):
         check_folders(cfg)
+
+
+def test_a_checkpoint_streamed_to_s3_loads_back_and_one_that_fails_mid_upload_leaves_nothing(s3):
+    import torch
+
+    from orchestrator.engine.checkpoints import save_checkpoint
+
+    folder = f"s3://{BUCKET}/streamed"
+    state = {"run_id": "r", "params": torch.randn(300_000), "momentum": torch.randn(300_000), "version": 4}
+    save_checkpoint(folder, state)
+    loaded = load_checkpoint(folder)
+    assert loaded is not None and torch.equal(loaded["params"], state["params"]) and loaded["version"] == 4
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("the coordinator died mid-write")
+
+    with pytest.raises(RuntimeError, match="mid-write"):
+        save_checkpoint(folder, {**state, "version": 5, "z": Unpicklable()})
+    assert _objects(s3, "streamed/") == ["state-000001.pt", "state-000001.pt.sha256"]
+    assert load_checkpoint(folder)["version"] == 4

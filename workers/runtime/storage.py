@@ -15,8 +15,9 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import fsspec
 
@@ -103,6 +104,40 @@ class Folder:
             durable_write(Path(self.path) / name, data)
         else:
             self.fs.pipe_file(self._key(name), data)
+
+    def local_path(self, name: str) -> Path | None:
+        """The local file `name` (None in an object store), for readers that stream it."""
+        return None if self.remote else Path(self.path) / name
+
+    @contextlib.contextmanager
+    def open_write(self, name: str) -> Iterator[IO[bytes]]:
+        """A file to stream `name` into, as atomic as `write` without holding the content in
+        memory: locally a unique temporary file, fsynced and renamed into place when the
+        block ends; in an object store an upload that completes only when the block ends
+        (a multipart upload is aborted if it raises). A block that raises leaves nothing."""
+        if self.remote:
+            f = self.fs.open(self._key(name), "wb")
+            try:
+                yield f
+            except BaseException:
+                if hasattr(f, "discard"):  # fsspec's buffered files: abort instead of committing a part
+                    f.discard()
+                raise
+            f.close()
+            return
+        folder = Path(self.path)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / name
+        tmp = path.with_name(f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            with open(tmp, "wb") as out:
+                yield out
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        _fsync_dir(folder)
 
     def delete(self, name: str) -> None:
         if not self.remote:
