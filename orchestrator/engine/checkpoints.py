@@ -103,7 +103,7 @@ def save_checkpoint(location: Location, state: dict[str, Any], keep: int = 3) ->
     # between the two) is never trusted, and loading falls back to the checkpoint before it.
     with folder.open_write(name) as f:
         hashing = _Hashing(f)
-        torch.save(state, hashing)
+        torch.save(state, hashing)  # type: ignore[arg-type]  # a write-only stream is all torch.save needs
     folder.write(_digest(name), hashing.sha256.hexdigest().encode())
     for _, old in [(0, name), *saved][keep:]:
         folder.delete(old)
