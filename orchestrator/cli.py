@@ -1,4 +1,4 @@
-"""`archipelago` command line: run, config show/docs, serve, export, bench, data prepare.
+"""`archipelago` command line: run, plan, config show/docs, serve, export, bench, data prepare.
 
 What a command produces (the config YAML, the reference page, the final summary, the
 progress line) goes to stdout; everything else is logged (`orchestrator.logs`), to stderr,
@@ -121,6 +121,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prep.add_argument("--split", default="train", help="split of an hf: source")
     prep.add_argument("--data-files", help="data_files of an hf: local builder (hf:json, hf:parquet)")
+    plan = sub.add_parser(
+        "plan",
+        parents=[common],
+        help="each process's peak memory and each link's bytes, checked against the cluster (exit 2: does not fit)",
+    )
+    plan.add_argument("config_file", nargs="?", help="YAML run config (or --config)")
+    _config_args(plan)
+    plan.add_argument(
+        "--cluster",
+        help="KubeRay manifest (RayCluster or RayJob) to check against, or 'ray' for the running cluster "
+        "($RAY_ADDRESS); default: this machine",
+    )
+    plan.add_argument(
+        "--accelerator-memory",
+        metavar="QUANTITY",
+        help="memory of one GPU (e.g. 80Gi) where the manifest's worker group does not state it",
+    )
+    plan.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
+    plan.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="also run each process once at the config's shapes on this machine's CPU and set its measured "
+        "peak beside the plan's (exit 2 if one is more than 25%% away)",
+    )
     bench = sub.add_parser(
         "bench", parents=[common], help="run a benchmark scenario; writes DIR/<scenario>.json, .png, .md"
     )
@@ -158,6 +182,61 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     sys.stdout.write(f"{result.summary}\nresults: {Path(args.out) / args.scenario}.json, .png, .md\n")
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from orchestrator.plan.cluster import ClusterError, from_manifest, from_ray, quantity, this_machine
+    from orchestrator.plan.planner import plan_run
+    from workers.tasks.hf_task import PlanInputError
+
+    if args.config_file and args.config:
+        log.error("give the config once: as the argument or with --config")
+        return 2
+    try:
+        cfg = load_config(args.config_file or args.config, list(args.overrides))
+    except ConfigError as err:
+        log.error("invalid config: %s", err)
+        return 2
+    try:
+        accel = quantity(args.accelerator_memory) if args.accelerator_memory else None
+        if args.cluster == "ray":
+            import ray
+
+            ray.init(address=cfg.ray.address or "auto", log_to_driver=False)
+            cluster = from_ray()
+        elif args.cluster:
+            cluster = from_manifest(args.cluster)
+        else:
+            cluster = this_machine(accel)
+        if accel is not None:
+            cluster = dataclasses.replace(
+                cluster,
+                workers=tuple(
+                    k if k.accelerator_memory else dataclasses.replace(k, accelerator_memory=accel)
+                    for k in cluster.workers
+                ),
+            )
+        plan = plan_run(cfg, cluster)
+    except (ClusterError, PlanInputError, OSError) as err:
+        log.error("cannot plan: %s", err)
+        return 2
+    sys.stdout.write("\n".join(plan.lines()) + "\n")
+    report = plan.as_dict()
+    rehearsed_ok = True
+    if args.rehearse:
+        from orchestrator.plan.rehearse import TOLERANCE, rehearse
+
+        rehearsed = rehearse(cfg)
+        sys.stdout.write("rehearsal on this machine's CPU (no Ray):\n")
+        sys.stdout.write("".join(f"  {r.line()}\n" for r in rehearsed))
+        rehearsed_ok = all(abs(r.ratio - 1) <= TOLERANCE for r in rehearsed)
+        report["rehearsal"] = [{**dataclasses.asdict(r), "ratio": r.ratio} for r in rehearsed]
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0 if plan.fits and rehearsed_ok else 2
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -241,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(args)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "plan":
+        return _plan(args)
     if args.command == "export":
         return _export(args)
     if args.command == "config" and args.config_command == "docs":

@@ -51,7 +51,7 @@ def build_engine(
     task.prepare()
     torch.manual_seed(cfg.seed)
     model = task.build_model()
-    flat = FlatParams(model)
+    flat = FlatParams(model, grads=False)  # the coordinator never holds a gradient
     warm: WarmStart | None = None
     initial = None
     if cfg.warm_steps:

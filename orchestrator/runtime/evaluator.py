@@ -48,7 +48,7 @@ class EvaluationWorker:
         self.task = load_task(cfg.task.factory, cfg.task.kwargs)
         torch.manual_seed(cfg.seed)
         self.model = self.task.build_model().to(self.device)
-        self.flat = FlatParams(self.model)
+        self.flat = FlatParams(self.model, grads=False)
         self.batches = [tuple(t.to(self.device) for t in b) for b in self.task.eval_batches()]
 
     def evaluate(self, params: np.ndarray) -> tuple[float, dict[str, float] | None, float]:

@@ -26,7 +26,7 @@ from pydantic import ConfigDict, Field, model_validator
 from workers.data.encoders import HFEncoder
 from workers.data.manifest import DataError
 from workers.tasks.chunked_loss import causal_lm_eval_loss
-from workers.tasks.task import Batch
+from workers.tasks.task import Batch, token_batch
 from workers.tasks.text_data import (
     Documents,
     document_order,
@@ -195,25 +195,84 @@ class HFCausalLMTask:
 
     # -- model -----------------------------------------------------------------------------
     def build_model(self) -> torch.nn.Module:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         c = self.cfg
         if c.model:
             model = AutoModelForCausalLM.from_pretrained(c.model, dtype=torch.float32)
         else:
-            arch = dict(PRESETS[c.preset] if c.preset else c.architecture or {})
-            model_type = arch.pop("model_type")
-            arch.setdefault("vocab_size", len(self.tokenizer))
-            arch.setdefault("max_position_embeddings", c.context)
-            arch.setdefault("eos_token_id", self.eos)
-            arch.setdefault("bos_token_id", self.tokenizer.bos_token_id)
-            arch.setdefault("pad_token_id", self.tokenizer.pad_token_id)
-            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **arch), dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(self._architecture(tokens=True), dtype=torch.float32)
         if c.activation_checkpointing:  # transformers' newer name first, the older one before it existed
             enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
             enable()
         model.config.use_cache = False
         return model
+
+    def _architecture(self, *, tokens: bool, vocab: int | None = None) -> Any:
+        """The transformers config of a model from `model_config`/`preset`; `tokens`: with
+        the tokenizer's special token ids (the tokenizer is then loaded), else only what
+        the shapes need. The vocabulary: `model_config.vocab_size`, `vocab`, or the tokenizer's."""
+        from transformers import AutoConfig
+
+        c = self.cfg
+        arch = dict(PRESETS[c.preset] if c.preset else c.architecture or {})
+        model_type = arch.pop("model_type")
+        if "vocab_size" not in arch:
+            arch["vocab_size"] = vocab if vocab is not None else len(self.tokenizer)
+        arch.setdefault("max_position_embeddings", c.context)
+        if tokens:
+            arch.setdefault("eos_token_id", self.eos)
+            arch.setdefault("bos_token_id", self.tokenizer.bos_token_id)
+            arch.setdefault("pad_token_id", self.tokenizer.pad_token_id)
+        return AutoConfig.for_model(model_type, **arch)
+
+    # -- planning (`PlannableTask`) ---------------------------------------------------------------
+    def plan_vocab(self) -> int:
+        """The vocabulary size without downloading: `model_config.vocab_size`, a named
+        tokenizer's from the local cache, or the trained tokenizer's (cached, or its target
+        size `vocab_size` when training it would read a stream). Raises `PlanInputError`."""
+        from transformers import AutoConfig, AutoTokenizer
+
+        c = self.cfg
+        if c.architecture and "vocab_size" in c.architecture:
+            return int(c.architecture["vocab_size"])
+        try:
+            if c.model:
+                return int(AutoConfig.from_pretrained(c.model, local_files_only=True).vocab_size)
+            if c.tokenizer:
+                return len(AutoTokenizer.from_pretrained(c.tokenizer, local_files_only=True))
+        except (OSError, ValueError) as err:
+            raise PlanInputError(
+                f"task.kwargs: the vocabulary of {c.model or c.tokenizer!r} is not in the local cache and the config "
+                "does not state it: add task.kwargs.model_config.vocab_size, or download it once"
+            ) from err
+        return c.vocab_size if self.corpus.streamed else len(self.tokenizer)
+
+    def plan_model(self) -> torch.nn.Module:
+        """The architecture without downloading anything (`plan_vocab`), or a named
+        model's config from the local cache."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        c = self.cfg
+        if c.model:
+            try:
+                config = AutoConfig.from_pretrained(c.model, local_files_only=True)
+            except (OSError, ValueError) as err:
+                raise PlanInputError(f"task.kwargs.model: {c.model!r}'s config is not in the local cache") from err
+        else:
+            config = self._architecture(tokens=False, vocab=self.plan_vocab())
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if c.activation_checkpointing:
+            enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
+            enable()
+        model.config.use_cache = False
+        return model
+
+    def plan_batch(self, rows: int) -> Batch:
+        return token_batch(rows, self.cfg.context, self.plan_vocab())
+
+    def eval_rows(self) -> int:
+        return min(self.cfg.eval_rows, self.cfg.batch_size)
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         """The mean next-token loss. Without autograd (evaluation) it is computed in bounded
@@ -236,6 +295,10 @@ class HFCausalLMTask:
         hf_logging.disable_progress_bar()  # a bar per shard written is noise in run logs
         model.save_pretrained(out_dir)
         self.tokenizer.save_pretrained(out_dir)
+
+
+class PlanInputError(ValueError):
+    """What a plan needs to shape the model is neither in the config nor cached locally."""
 
 
 def _prepared_tokenizer(corpus: Path) -> Any:

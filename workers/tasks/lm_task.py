@@ -20,7 +20,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from workers.data.encoders import ByteEncoder
-from workers.tasks.task import Batch
+from workers.tasks.task import Batch, token_batch
 from workers.tasks.text_data import (
     document_order,
     encode,
@@ -102,6 +102,16 @@ class LanguageModelTask:
 
         c = self.cfg
         return GPT(GPTConfig(context=c.context, d_model=c.d_model, n_layers=c.n_layers, n_heads=c.n_heads))
+
+    # -- planning (`PlannableTask`): a byte-level model needs no data to be shaped --------------
+    def plan_model(self) -> GPT:
+        return self.build_model()
+
+    def plan_batch(self, rows: int) -> Batch:
+        return token_batch(rows, self.cfg.context, 256)
+
+    def eval_rows(self) -> int:
+        return self.cfg.batch_size
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         import torch.nn.functional as F

@@ -85,6 +85,31 @@ class MetricTask(Protocol):
 
 
 @runtime_checkable
+class PlannableTask(Protocol):
+    """A task whose model and batches can be shaped without reading data or downloading
+    anything: `archipelago plan` builds the model under fake tensors (no memory, no weights)
+    and runs an inner step and an evaluation on batches of the real shapes, to know each
+    process's peak before launch. A task without these is planned from `build_model` and
+    its first training batch."""
+
+    def plan_model(self) -> nn.Module:
+        """The model `build_model` builds, from its architecture alone (its weights unused)."""
+
+    def plan_batch(self, rows: int) -> Batch:
+        """A batch of `rows` rows with the shapes and dtypes `train_batches` yields."""
+
+    def eval_rows(self) -> int:
+        """How many rows one forward of the evaluation takes (bounds its activations)."""
+
+
+def token_batch(rows: int, context: int, vocab: int) -> Batch:
+    """A language model's batch shape: (inputs, next-token labels), int64 ids below `vocab`."""
+    import torch
+
+    return torch.randint(0, vocab, (rows, context)), torch.randint(0, vocab, (rows, context))
+
+
+@runtime_checkable
 class ExportableTask(Protocol):
     """A task whose model can be written in its ecosystem's own format (the Hugging Face
     task: `save_pretrained` with safetensors and the tokenizer)."""

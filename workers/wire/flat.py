@@ -40,9 +40,12 @@ def as_tensor(values: np.ndarray | torch.Tensor) -> torch.Tensor:
 
 class FlatParams:
     """Rebinds every parameter of `model` to a slice of one flat buffer, and every grad to
-    a slice of a second flat buffer. Build it after moving the model to its device."""
+    a slice of a second flat buffer. Build it after moving the model to its device.
+    `grads=False` (a model that is only evaluated or stepped from outside: the coordinator,
+    the evaluation actor): no gradient buffer, which would hold as many bytes as the
+    parameters for nothing (0.43 GiB at 114 M parameters, on the head)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, grads: bool = True) -> None:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
@@ -52,14 +55,15 @@ class FlatParams:
         device = params[0].device
         self.numel = sum(p.numel() for p in params)
         self.data = torch.empty(self.numel, dtype=params[0].dtype, device=device)
-        self.grad = torch.zeros_like(self.data)
+        self.grad = torch.zeros_like(self.data) if grads else torch.empty(0, dtype=self.data.dtype, device=device)
         offset = 0
         with torch.no_grad():
             for p in params:
                 n = p.numel()
                 self.data[offset : offset + n].copy_(p.reshape(-1))
                 p.data = self.data[offset : offset + n].view_as(p)
-                p.grad = self.grad[offset : offset + n].view_as(p)
+                if grads:
+                    p.grad = self.grad[offset : offset + n].view_as(p)
                 offset += n
 
     def load(self, values: np.ndarray | torch.Tensor) -> None:
@@ -89,10 +93,11 @@ class FlatParams:
         return owned
 
     def clip_grad(self, max_norm: float) -> None:
-        """Scale the gradient to norm `max_norm` if it is longer (one pass over one buffer)."""
-        norm = float(self.grad.norm())
-        if norm > max_norm:
-            self.grad.mul_(max_norm / norm)
+        """Scale the gradient to norm `max_norm` if it is longer: the norm stays on the
+        device (no host sync per step: on a GPU `float(norm)` stalled the step's queue), and
+        the scale is 1 when it is not longer."""
+        norm = self.grad.norm()
+        self.grad.mul_(torch.clamp(max_norm / norm, max=1.0))
 
     def numpy(self) -> np.ndarray:
         """A host copy of the parameters (a copy: the result must not alias live weights)."""

@@ -1,0 +1,181 @@
+"""The cluster a plan is checked against: what each kind of node offers.
+
+Three sources: KubeRay manifests (a `RayCluster`, or a `RayJob`'s `rayClusterSpec`): each
+group's container memory limit, CPUs and GPUs, and the accelerator memory the worker
+group states in the annotation `archipelago.io/accelerator-memory` (a manifest cannot
+know which GPU a node has); a running Ray cluster (its nodes' resources); or this
+machine, where a local run puts every process on one host and they share its memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ACCELERATOR_MEMORY = "archipelago.io/accelerator-memory"
+_UNITS = {
+    "": 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+}
+
+
+class ClusterError(ValueError):
+    """The cluster description cannot be read (a manifest without the fields a plan needs)."""
+
+
+def quantity(text: str | int | float) -> int:
+    """A Kubernetes quantity in bytes ("16Gi", "512Mi", "32G", "1000000")."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kMGT]i?)?\s*", str(text))
+    if not m:
+        raise ClusterError(f"{text!r} is not a Kubernetes memory quantity")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodeKind:
+    name: str
+    memory: int | None  # bytes its processes may hold (a container's limit), None: unknown
+    cpus: float
+    gpus: float
+    accelerator_memory: int | None = None  # per GPU
+    hosts_islands: bool = True  # a KubeRay head with num-cpus 0 runs no island
+    count: int = 1  # how many such nodes (at most)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Cluster:
+    source: str
+    head: NodeKind
+    workers: tuple[NodeKind, ...]
+
+    @property
+    def single_host(self) -> bool:
+        """Every process on one machine: their memory adds up there."""
+        return not self.workers
+
+    def island_node(self, gpus: float) -> NodeKind | None:
+        """The kind of node an island (`gpus` per worker) is placed on: a worker kind with
+        the GPUs, or the head on one host; None when no node kind can host it."""
+        kinds = [*self.workers, self.head] if self.workers else [self.head]
+        for kind in kinds:
+            if kind.hosts_islands and kind.gpus >= gpus and (gpus or kind.cpus):
+                return kind
+        return None
+
+
+def _container(template: dict[str, Any]) -> dict[str, Any]:
+    containers = (template.get("spec") or {}).get("containers") or []
+    if not containers:
+        raise ClusterError("a group's pod template has no container")
+    return containers[0]
+
+
+def _kind(name: str, group: dict[str, Any], count: int) -> NodeKind:
+    template = group.get("template") or {}
+    resources = _container(template).get("resources") or {}
+    limits = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
+    params = group.get("rayStartParams") or {}
+    cpus = float(params.get("num-cpus", quantity_cpus(limits.get("cpu", 0))))
+    gpus = float(params.get("num-gpus", limits.get("nvidia.com/gpu", 0)))
+    annotations = (template.get("metadata") or {}).get("annotations") or {}
+    accel = annotations.get(ACCELERATOR_MEMORY)
+    return NodeKind(
+        name=name,
+        memory=quantity(limits["memory"]) if "memory" in limits else None,
+        cpus=cpus,
+        gpus=gpus,
+        accelerator_memory=quantity(accel) if accel else None,
+        hosts_islands=cpus > 0 or gpus > 0,
+        count=count,
+    )
+
+
+def quantity_cpus(text: str | int | float) -> float:
+    s = str(text)
+    return float(s[:-1]) / 1000 if s.endswith("m") else float(s)
+
+
+def from_manifest(path: str | Path) -> Cluster:
+    """The cluster a `RayCluster` or `RayJob` manifest describes (its first document of either kind)."""
+    for doc in yaml.safe_load_all(Path(path).read_text()):
+        if not isinstance(doc, dict) or doc.get("kind") not in ("RayCluster", "RayJob"):
+            continue
+        spec = doc.get("spec") or {}
+        if doc["kind"] == "RayJob":
+            spec = spec.get("rayClusterSpec") or {}
+        head = spec.get("headGroupSpec")
+        if not head:
+            raise ClusterError(f"{path}: no headGroupSpec")
+        workers = tuple(
+            _kind(g.get("groupName", "workers"), g, int(g.get("maxReplicas", g.get("replicas", 1))))
+            for g in spec.get("workerGroupSpecs") or []
+        )
+        return Cluster(source=str(path), head=_kind("head", head, 1), workers=workers)
+    raise ClusterError(f"{path} holds no RayCluster or RayJob")
+
+
+def from_ray() -> Cluster:
+    """The running Ray cluster this process is connected to (`ray.init` first): the head
+    node and each other node as a kind of its own."""
+    import ray
+
+    kinds = []
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        r = node.get("Resources", {})
+        kinds.append(
+            NodeKind(
+                name=node.get("NodeManagerAddress", "node"),
+                memory=int(r["memory"]) if "memory" in r else None,
+                cpus=float(r.get("CPU", 0)),
+                gpus=float(r.get("GPU", 0)),
+                hosts_islands=bool(r.get("CPU", 0) or r.get("GPU", 0)),
+            )
+        )
+    if not kinds:
+        raise ClusterError("the Ray cluster has no live node")
+    head, *rest = kinds
+    return Cluster(source="ray", head=head, workers=tuple(rest))
+
+
+def this_machine(accelerator_memory: int | None = None) -> Cluster:
+    """This host: its physical memory (or its cgroup's limit), its cores, its GPUs."""
+    from orchestrator.engine.threads import usable_cores
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            memory = min(memory, int(limit))
+    except (OSError, ValueError):
+        pass
+    gpus = 0.0
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpus = float(torch.cuda.device_count())
+            accelerator_memory = accelerator_memory or torch.cuda.get_device_properties(0).total_memory
+    except ImportError:
+        pass
+    node = NodeKind(
+        name="this machine",
+        memory=memory,
+        cpus=float(usable_cores()),
+        gpus=gpus,
+        accelerator_memory=accelerator_memory,
+    )
+    return Cluster(source="this machine", head=node, workers=())

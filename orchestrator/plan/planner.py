@@ -1,0 +1,361 @@
+"""`archipelago plan`: what every process of a run needs, and whether the cluster has it.
+
+Before anything starts, the plan gives each process its peak memory — the coordinator
+(parameters, outer optimizer state, the one-pass step's spares, the checkpoint's copy,
+the object store's published versions and arriving pseudo-gradients, its evaluation if
+it evaluates), each coordinator slice, each island worker (on its accelerator and on its
+host), the evaluation actor — and the bytes each island's link carries per round and per
+run. The model's own part is measured by torch at the real shapes without allocating it
+(`measure.py`); the rest is counted from the config. Then it checks every process against
+the node it will run on (`cluster.py`) and names what does not fit, by how much.
+
+It also refuses a layout that works on one host but not on a cluster: a data-parallel
+warm start (or `mode: ddp`) sends every island's gradient through the coordinator every
+step, which on a cluster whose head hosts no island is a parameter server on one CPU pod.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from orchestrator.config import Mode, RunConfig, WarmStartMode
+from orchestrator.config_operations import EvalPlace
+from orchestrator.plan.cluster import Cluster, NodeKind
+from orchestrator.plan.measure import ModelMemory
+from workers.wire.spec import Sharding
+
+GIB = 2**30
+# What Ray's core worker adds to a process that holds torch and the task (measured: 0.05
+# GiB on this machine's kind, an actor against a plain interpreter importing the same);
+# CUDA's context adds about 0.5 GiB of host memory on a GPU node.
+RAY_WORKER_BYTES = int(0.1 * GIB)
+CUDA_CONTEXT_BYTES = int(0.5 * GIB)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Need:
+    """One process's peak on one kind of memory, by part."""
+
+    process: str  # "coordinator", "island worker", "coordinator slice", "evaluator"
+    memory: str  # "host" or "accelerator"
+    node: str  # where it runs
+    parts: dict[str, int]
+    available: int | None  # what that node offers this process (None: unknown, not checked)
+    count: int = 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.available is None else self.total <= self.available
+
+    def line(self) -> str:
+        who = f"{self.process}{f' x{self.count}' if self.count > 1 else ''}"
+        where = f"{self.memory} of {self.node}"
+        have = f"{self.available / GIB:.2f} GiB" if self.available is not None else "unknown"
+        verdict = {True: "fits", False: "DOES NOT FIT", None: "not checked"}[self.fits]
+        parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.parts.items() if v)
+        return f"{who:<24} {where:<28} needs {self.total / GIB:7.2f} GiB of {have:<11} {verdict:<13} ({parts})"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Link:
+    up_bytes: int  # one island's pseudo-gradient per round
+    down_bytes: int  # the parameters it receives per round
+    seconds: float  # both ways, at the configured link
+    run_bytes: int  # every island, every round
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    cluster: str
+    model: ModelMemory
+    needs: tuple[Need, ...]
+    link: Link
+    refusals: tuple[str, ...]  # layouts refused whatever the memory
+
+    @property
+    def problems(self) -> list[str]:
+        out = list(self.refusals)
+        for n in self.needs:
+            if n.fits is False and n.available is not None:
+                out.append(
+                    f"{n.process} needs {n.total / GIB:.2f} GiB of {n.memory} memory on {n.node}, which has "
+                    f"{n.available / GIB:.2f} GiB ({(n.total - n.available) / GIB:.2f} GiB over)"
+                )
+        return out
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def lines(self) -> list[str]:
+        m = self.model
+        out = [
+            f"model: {m.params:,} parameters; an inner step at {m.train_rows} rows per micro-batch, an evaluation "
+            f"forward at {m.eval_rows} rows (measured with fake tensors in {m.measure_s:.1f} s); cluster: {self.cluster}",
+            *(n.line() for n in self.needs),
+            f"link per island per round: up {self.link.up_bytes / 1e6:,.1f} MB, down {self.link.down_bytes / 1e6:,.1f} "
+            f"MB{f', {self.link.seconds:.2f} s at the configured link' if self.link.seconds else ''}; "
+            f"the run: {self.link.run_bytes / 1e9:,.2f} GB",
+        ]
+        out += [f"refused: {p}" for p in self.problems]
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "cluster": self.cluster,
+            "fits": self.fits,
+            "problems": self.problems,
+            "model": dataclasses.asdict(self.model),
+            "processes": [{**dataclasses.asdict(n), "total": n.total, "fits": n.fits} for n in self.needs],
+            "link": dataclasses.asdict(self.link),
+        }
+
+
+def payload_bytes_per_value(cfg: RunConfig) -> float:
+    """Bytes a pseudo-gradient takes per parameter under `compression.codec`: a sample
+    of 64 codec chunks encoded by the islands' own codec (bytes are linear in the size)."""
+    from workers.wire.compress import encode
+    from workers.wire.spec import payload_nbytes
+
+    n = 64 * cfg.compression.chunk
+    sample = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    return payload_nbytes(encode(sample, cfg.compression.codec, cfg.compression.chunk)) / n
+
+
+def _outer_state_values(cfg: RunConfig) -> int:
+    """fp32 values per parameter of the outer optimizer's state."""
+    o = cfg.outer
+    if o.optimizer == "adam":
+        return 2
+    if o.optimizer == "sparseloco":
+        return 0
+    return 1 if o.momentum > 0 else 0
+
+
+def _one_pass(cfg: RunConfig) -> bool:
+    """The coordinator's one-pass step (two spare buffers) serves the SGD-family outer rules."""
+    return cfg.outer.optimizer in ("nesterov", "sgd")
+
+
+def _coordinator(
+    cfg: RunConfig, m: ModelMemory, up: float, head: NodeKind, eval_batch_bytes: int, ray: int
+) -> list[Need]:
+    n4 = 4 * m.params
+    k = cfg.islands.count
+    lag = 1 if cfg.mode == Mode.OVERLAP else 0
+    s = cfg.coordinator.shards
+    parts = {
+        "process": m.process + ray,
+        "parameters": n4,
+        "published": n4 * (1 + lag) if ray else 0,  # in the object store (shared memory of the node)
+        "arriving": int(k * up * m.params) if s == 1 else 0,
+        "checkpoint copy": n4,
+    }
+    if s == 1:
+        parts["outer state"] = n4 * _outer_state_values(cfg)
+        parts["one-pass spares" if _one_pass(cfg) else "mean buffer"] = n4 * (2 if _one_pass(cfg) else 1)
+    if cfg.tracks_copy:
+        parts["downlink copy"] = n4
+    if cfg.evaluation.where == EvalPlace.COORDINATOR:
+        parts["evaluation"] = max(0, m.eval_peak - n4) + eval_batch_bytes
+    if cfg.mode == Mode.DDP or (cfg.warm_steps and cfg.warm_start.mode == WarmStartMode.DDP):
+        parts["data-parallel step"] = 2 * n4 + k * n4  # AdamW's moments, and every island's gradient
+    needs = [Need(process="coordinator", memory="host", node=head.name, parts=parts, available=head.memory)]
+    if s > 1:
+        per = n4 // s
+        slice_parts = {"process": m.process + ray, "parameters": per, "outer state": per * _outer_state_values(cfg)}
+        slice_parts["one-pass spares" if _one_pass(cfg) else "mean buffer"] = per * (2 if _one_pass(cfg) else 1)
+        slice_parts["arriving"] = int(k * up * m.params / s)
+        needs.append(
+            Need(
+                process="coordinator slice", memory="host", node="any node", parts=slice_parts, available=None, count=s
+            )
+        )
+    return needs
+
+
+def _island(cfg: RunConfig, m: ModelMemory, up: float, node: NodeKind, ray: int) -> list[Need]:
+    n4 = 4 * m.params
+    w = cfg.islands.workers
+    opt = m.train_parts["optimizer_state"]
+    if w > 1:  # the optimizer state (zero1), or everything (fsdp), is sharded over the workers
+        opt = opt // w
+    device = {
+        "parameters": n4 if not (w > 1 and cfg.islands.sharding == Sharding.FSDP) else n4 // w,
+        "gradients": m.train_parts["gradients"],
+        "optimizer state": opt,
+        "activations": m.train_parts["activations_and_temporaries"],
+        "round start copy": n4,
+        "pseudo-gradient": n4,
+    }
+    if cfg.tracks_copy:
+        device["published copy"] = n4
+    if cfg.compression.error_feedback:
+        device["error feedback"] = n4
+    host = {
+        "process": m.process + ray,
+        "torch runtime": m.runtime,
+        "data": m.data,
+        "received": n4,
+        "sent": int(up * m.params),
+    }
+    on_gpu = cfg.islands.gpus > 0
+    per_node = max(1, int(node.gpus // cfg.islands.gpus)) if on_gpu and node.gpus else 1
+    host_available = node.memory // per_node if node.memory is not None else None
+    if not on_gpu:
+        return [
+            Need(
+                process="island worker",
+                memory="host",
+                node=node.name,
+                parts={**host, **device},
+                available=host_available,
+                count=cfg.islands.count * w,
+            )
+        ]
+    host["cuda context"] = CUDA_CONTEXT_BYTES
+    return [
+        Need(
+            process="island worker",
+            memory="accelerator",
+            node=node.name,
+            parts=device,
+            available=node.accelerator_memory,
+            count=cfg.islands.count * w,
+        ),
+        Need(
+            process="island worker",
+            memory="host",
+            node=node.name,
+            parts=host,
+            available=host_available,
+            count=cfg.islands.count * w,
+        ),
+    ]
+
+
+def _evaluator(cfg: RunConfig, m: ModelMemory, cluster: Cluster, eval_batch_bytes: int, ray: int) -> list[Need]:
+    e = cfg.evaluation
+    node = cluster.island_node(e.gpus) if not cluster.single_host else cluster.head
+    name = node.name if node is not None else "no node"
+    n4 = 4 * m.params
+    host = {"process": m.process + ray, "received": n4}
+    device = {"evaluation": m.eval_peak, "eval batches": eval_batch_bytes}
+    if e.gpus <= 0:
+        return [
+            Need(
+                process="evaluator",
+                memory="host",
+                node=name,
+                parts={**host, **device},
+                available=node.memory if node else None,
+            )
+        ]
+    host["cuda context"] = CUDA_CONTEXT_BYTES
+    return [
+        Need(
+            process="evaluator",
+            memory="accelerator",
+            node=name,
+            parts=device,
+            available=node.accelerator_memory if node else None,
+        ),
+        Need(process="evaluator", memory="host", node=name, parts=host, available=node.memory if node else None),
+    ]
+
+
+def _on_one_host(needs: list[Need], node: NodeKind) -> list[Need]:
+    """A local run: every process's host memory is the one machine's."""
+    host = [n for n in needs if n.memory == "host"]
+    total: dict[str, int] = {}
+    for n in host:
+        label = n.process if n.count == 1 else f"{n.process} x{n.count}"
+        total[label] = n.total * n.count
+    rest = [dataclasses.replace(n, available=None) if n.memory == "host" else n for n in needs]
+    return [*rest, Need(process="all processes", memory="host", node=node.name, parts=total, available=node.memory)]
+
+
+def _refusals(cfg: RunConfig, cluster: Cluster, m: ModelMemory) -> list[str]:
+    out = []
+    ddp = "mode ddp" if cfg.mode == Mode.DDP else "warm_start.mode ddp" if cfg.warm_steps else None
+    if cfg.warm_steps and cfg.warm_start.mode != WarmStartMode.DDP and cfg.mode != Mode.DDP:
+        ddp = None
+    if ddp and not cluster.single_host and not cluster.head.hosts_islands:
+        gb = cfg.islands.count * 4 * m.params / 1e9
+        out.append(
+            f"{ddp} sends every island's full gradient through the coordinator on the head every step "
+            f"({gb:.2f} GB a step in, as much out): a parameter server on one CPU pod. Use warm_start.mode "
+            "average (Local SGD: bytes / warm_start.inner_steps) on a cluster; ddp is a single-host baseline"
+        )
+    if cfg.islands.gpus > 0 and cluster.island_node(cfg.islands.gpus) is None:
+        out.append(f"islands.gpus = {cfg.islands.gpus:g}: no node of {cluster.source} offers that many GPUs")
+    if cfg.evaluation.where == EvalPlace.ACTOR and cluster.island_node(cfg.evaluation.gpus) is None:
+        out.append(f"evaluation.gpus = {cfg.evaluation.gpus:g}: no node of {cluster.source} can host the evaluator")
+    node = cluster.island_node(cfg.islands.gpus) if cfg.islands.gpus > 0 else None
+    if node is not None and node.gpus and not cluster.single_host:
+        wanted = cfg.islands.count * cfg.islands.workers * cfg.islands.gpus
+        if cfg.evaluation.where == EvalPlace.ACTOR:
+            wanted += cfg.evaluation.gpus
+        offered = node.gpus * node.count
+        if wanted > offered:
+            out.append(
+                f"the islands (and the evaluator) ask for {wanted:g} GPUs; the {node.name} group offers at most "
+                f"{offered:g} ({node.count} nodes of {node.gpus:g})"
+            )
+    return out
+
+
+def make_plan(cfg: RunConfig, model: ModelMemory, cluster: Cluster, *, under_ray: bool = True) -> Plan:
+    """The plan of `cfg` on `cluster`, from the model's measured memory; `under_ray`: the
+    processes are Ray's (the object store, the core worker), not plain interpreters (a rehearsal)."""
+    up = payload_bytes_per_value(cfg)
+    eval_batch_bytes = model.eval_set
+    ray = RAY_WORKER_BYTES if under_ray else 0
+    needs = _coordinator(cfg, model, up, cluster.head, eval_batch_bytes, ray)
+    island_node = cluster.island_node(cfg.islands.gpus) or cluster.head
+    needs += _island(cfg, model, up, island_node, ray)
+    if cfg.evaluation.where == EvalPlace.ACTOR:
+        needs += _evaluator(cfg, model, cluster, eval_batch_bytes, ray)
+    if cluster.single_host:
+        needs = _on_one_host(needs, cluster.head)
+    down = 4 * model.params
+    up_bytes = int(up * model.params)
+    link = Link(
+        up_bytes=up_bytes,
+        down_bytes=down,
+        seconds=cfg.link.seconds(up_bytes) + cfg.link.seconds(down),
+        run_bytes=cfg.islands.count * cfg.rounds * (up_bytes + down),
+    )
+    return Plan(
+        cluster=cluster.source,
+        model=model,
+        needs=tuple(needs),
+        link=link,
+        refusals=tuple(_refusals(cfg, cluster, model)),
+    )
+
+
+def plan_run(
+    cfg: RunConfig,
+    cluster: Cluster | None = None,
+    *,
+    cluster_path: str | Path | None = None,
+    under_ray: bool = True,
+) -> Plan:
+    """Measure `cfg`'s model and plan it on `cluster`, the manifest at `cluster_path`, or this machine."""
+    from orchestrator.plan.cluster import from_manifest, this_machine
+    from orchestrator.plan.measure import measure
+    from workers.tasks.task import load_task
+
+    if cluster is None:
+        cluster = from_manifest(cluster_path) if cluster_path is not None else this_machine()
+    task = load_task(cfg.task.factory, cfg.task.kwargs)
+    return make_plan(cfg, measure(cfg, task), cluster, under_ray=under_ray)

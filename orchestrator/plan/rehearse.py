@@ -1,0 +1,166 @@
+"""A rehearsal: every process of a run, once, at the config's real shapes, each in a
+fresh process whose peak memory is read back and set beside the plan's.
+
+On the CPU of the machine it runs on (CI's included): an island worker builds its model
+and trains one round of `inner_steps` inner steps through the island's own code; the
+coordinator builds the model, takes one outer step on `islands.count` pseudo-gradients
+through the production outer step and admission, evaluates (when it is the one that
+evaluates) and writes a checkpoint; the evaluation actor's body evaluates once. The plan
+of the same config on this machine, without Ray's processes, gives each its expected
+peak; a process more than `tolerance` away from it fails the rehearsal. What the
+rehearsal proves is that the plan's method holds for this model at these shapes; the
+plan of the real cluster (`archipelago plan --cluster`) uses the same numbers.
+
+Run with `archipelago plan --rehearse CONFIG`; a config's data and tokenizer can be
+replaced by local stand-ins with `--set` (the shapes are what matters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from orchestrator.config import RunConfig
+from orchestrator.config_operations import EvalPlace
+
+GIB = 2**30
+TOLERANCE = 0.25  # a process's measured peak within 25 % of the plan's
+ROLES = ("island", "coordinator", "evaluator")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rehearsed:
+    role: str
+    planned: int  # bytes: the plan's peak for this process on this machine
+    measured: int  # bytes: the process's peak resident memory
+    seconds: float
+
+    @property
+    def ratio(self) -> float:
+        return self.measured / self.planned
+
+    def line(self) -> str:
+        return (
+            f"{self.role:<12} planned {self.planned / GIB:6.2f} GiB  measured {self.measured / GIB:6.2f} GiB  "
+            f"({self.ratio:.2f}x)  in {self.seconds:.1f} s"
+        )
+
+
+def _peak() -> int:
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _island(cfg: RunConfig) -> None:
+    from orchestrator.engine.specs import island_spec
+    from workers.runtime.island import Island
+
+    island = Island(island_spec(cfg, 0))
+    params = island.flat.numpy()
+    island.run(island.order(0, cfg.inner_steps), params)
+
+
+def _coordinator(cfg: RunConfig) -> None:
+    import numpy as np
+    import torch
+
+    from orchestrator.engine.checkpoints import save_checkpoint
+    from orchestrator.engine.evaluation import LocalEvaluator
+    from orchestrator.engine.outer_step import LocalOuter
+    from orchestrator.engine.policies import build_policies, outer_rule
+    from orchestrator.engine.types import Contribution
+    from workers.tasks.task import load_task
+    from workers.wire.flat import FlatParams
+
+    task = load_task(cfg.task.factory, cfg.task.kwargs)
+    task.prepare()
+    torch.manual_seed(cfg.seed)
+    model = task.build_model()
+    flat = FlatParams(model, grads=False)
+    outer = LocalOuter(flat.data, outer_rule(cfg))
+    admission = build_policies(cfg, flat.numel).admission
+    rng = np.random.default_rng(0)
+    arriving = [
+        Contribution(island=i, version=0, delta=(rng.standard_normal(flat.numel, dtype=np.float32) * 1e-3), weight=1.0)
+        for i in range(cfg.islands.count)
+    ]
+    key, facts = outer.inspect(arriving)
+    verdicts = [admission.judge(c, f, 0, 0) for c, f in zip(arriving, facts)]
+    outer.apply(key, {c.island: c.weight for c, v in zip(arriving, verdicts) if v.admitted})
+    del arriving, facts
+    if cfg.evaluation.where == EvalPlace.COORDINATOR:
+        outer.copy_to(flat.data)
+        LocalEvaluator(task=task, model=model, threads=torch.get_num_threads).submit(version=1, params=flat.data)
+    with tempfile.TemporaryDirectory() as folder:
+        state = {"run_id": "rehearsal", "params": flat.data.detach().clone(), "outer": outer.state_dict()}
+        save_checkpoint(folder, state)
+
+
+def _evaluator(cfg: RunConfig) -> None:
+    from orchestrator.runtime.evaluator import EvaluationWorker
+
+    worker = EvaluationWorker(cfg)
+    worker.evaluate(worker.flat.numpy())
+
+
+def _main(role: str) -> None:
+    cfg = RunConfig.model_validate_json(sys.stdin.read())
+    t0 = time.perf_counter()
+    {"island": _island, "coordinator": _coordinator, "evaluator": _evaluator}[role](cfg)
+    sys.stdout.write(json.dumps({"role": role, "peak": _peak(), "seconds": time.perf_counter() - t0}) + "\n")
+
+
+def on_cpu(cfg: RunConfig) -> RunConfig:
+    """The config as rehearsed here: islands and the evaluator on this machine's CPU, one
+    thread each beside the others."""
+    return cfg.model_copy(
+        update={
+            "islands": cfg.islands.model_copy(update={"gpus": 0.0, "workers": 1}),
+            "evaluation": cfg.evaluation.model_copy(update={"gpus": 0.0}),
+        }
+    )
+
+
+def rehearse_role(cfg: RunConfig, role: str, timeout_s: float = 1800) -> dict[str, Any]:
+    """One process of the run, in a fresh interpreter: its peak and its seconds."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator.plan.rehearse", role],
+        input=cfg.model_dump_json(),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the rehearsal's {role} failed:\n{done.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def rehearse(cfg: RunConfig) -> list[Rehearsed]:
+    """Each of the run's processes rehearsed beside its plan on this machine (no Ray)."""
+    from orchestrator.plan.cluster import this_machine
+    from orchestrator.plan.planner import plan_run
+
+    cfg = on_cpu(cfg)
+    plan = plan_run(cfg, this_machine(), under_ray=False)
+    planned = {n.process: n.total for n in plan.needs if n.memory == "host"}
+    roles = ["island", "coordinator"] + (["evaluator"] if cfg.evaluation.where == EvalPlace.ACTOR else [])
+    out = []
+    for role in roles:
+        got = rehearse_role(cfg, role)
+        key = {"island": "island worker"}.get(role, role)
+        out.append(Rehearsed(role=role, planned=planned[key], measured=got["peak"], seconds=got["seconds"]))
+    return out
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])
