@@ -189,7 +189,7 @@ def _plan(args: argparse.Namespace) -> int:
     import json
 
     from orchestrator.plan.cluster import ClusterError, from_manifest, from_ray, quantity, this_machine
-    from orchestrator.plan.planner import plan_run
+    from orchestrator.plan.planner import on_cpu, plan_run
     from workers.tasks.hf_task import PlanInputError
 
     if args.config_file and args.config:
@@ -219,6 +219,9 @@ def _plan(args: argparse.Namespace) -> int:
                     for k in cluster.workers
                 ),
             )
+        if not args.cluster and not cluster.head.gpus and (cfg.islands.gpus or cfg.evaluation.gpus):
+            log.info("this machine has no GPU: its islands and evaluator are planned on its CPU, as they would run")
+            cfg = on_cpu(cfg)
         plan = plan_run(cfg, cluster)
     except (ClusterError, PlanInputError, OSError) as err:
         log.error("cannot plan: %s", err)
@@ -379,12 +382,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         log.error("invalid config: %s", err)
         return 2
+    from orchestrator.plan.preflight import PlanRefused
     from workers.data.manifest import DataError
 
     try:
         summary = run(cfg, run_id=run_id, show_progress=level <= logging.INFO, started_at=process_started_at())
     except DataError as err:  # refused before any training: nothing was lost
         log.error("data refused: %s", err)
+        return 2
+    except PlanRefused as err:  # refused before anything started
+        log.error("the run does not fit (archipelago plan shows why; preflight: false skips the check): %s", err)
         return 2
     except RunFailed as err:
         log.error("run failed: %s", err)

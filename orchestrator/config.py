@@ -242,6 +242,11 @@ class RunConfig(Strict):
         description="once an island's speed is measured, its deadline is this many times the time its work "
         "should take, at least round_timeout_s and at most the bound above (null: the bound only)",
     )
+    preflight: bool = Field(
+        True,
+        description="check the run's plan (`archipelago plan`: each process's memory against its node) before "
+        "starting anything, and refuse what cannot fit (exit 2)",
+    )
     out_dir: str = Field("runs/latest", description="outputs: config, metrics, events, summary, final model")
     init_from: str | None = Field(
         None,

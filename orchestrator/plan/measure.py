@@ -18,7 +18,6 @@ same tensors; SDPA picks a flash kernel on both, linear in the context).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
@@ -32,26 +31,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from orchestrator.config import RunConfig
+from orchestrator.plan.memory import ModelMemory
 from workers.tasks.task import Batch, PlannableTask, Task
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelMemory:
-    """Peaks in bytes, each of one process's tensors (no interpreter, no Ray)."""
-
-    params: int  # parameters (numel)
-    process: int  # the measuring process's resident bytes before it measured: interpreter, torch, the task
-    runtime: int  # what torch's first real backward and optimizer step add (autograd engine, thread pools)
-    data: int  # what reading the first training batch adds to a process (a local corpus loaded; 0: streamed)
-    train_rows: int  # rows of a micro-batch
-    train_peak: int  # an island worker's inner step: params, grads, optimizer state, activations
-    train_parts: dict[str, int]  # its parts at the peak (MemTracker's categories)
-    eval_rows: int  # rows one evaluation forward takes
-    eval_peak: int  # an evaluation forward: params and activations (no autograd)
-    eval_set: int  # the evaluation's batches, held by whoever evaluates
-    measure_s: float  # how long the measurement took
 
 
 def _model(task: Task) -> torch.nn.Module:

@@ -25,7 +25,7 @@ import numpy as np
 from orchestrator.config import Mode, RunConfig, WarmStartMode
 from orchestrator.config_operations import EvalPlace
 from orchestrator.plan.cluster import Cluster, NodeKind
-from orchestrator.plan.measure import ModelMemory
+from orchestrator.plan.memory import ModelMemory
 from workers.wire.spec import Sharding
 
 GIB = 2**30
@@ -46,10 +46,14 @@ class Need:
     parts: dict[str, int]
     available: int | None  # what that node offers this process (None: unknown, not checked)
     count: int = 1
+    # parts alive one at a time, never together (the coordinator's arriving pseudo-gradients
+    # are freed by its step, before it evaluates or copies its state for a checkpoint)
+    one_at_a_time: tuple[str, ...] = ()
 
     @property
     def total(self) -> int:
-        return sum(self.parts.values())
+        alone = [v for k, v in self.parts.items() if k in self.one_at_a_time]
+        return sum(v for k, v in self.parts.items() if k not in self.one_at_a_time) + max(alone, default=0)
 
     @property
     def fits(self) -> bool | None:
@@ -60,7 +64,9 @@ class Need:
         where = f"{self.memory} of {self.node}"
         have = f"{self.available / GIB:.2f} GiB" if self.available is not None else "unknown"
         verdict = {True: "fits", False: "DOES NOT FIT", None: "not checked"}[self.fits]
-        parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.parts.items() if v)
+        parts = ", ".join(
+            f"{k}{' (one of)' if k in self.one_at_a_time else ''} {v / GIB:.2f}" for k, v in self.parts.items() if v
+        )
         return f"{who:<24} {where:<28} needs {self.total / GIB:7.2f} GiB of {have:<11} {verdict:<13} ({parts})"
 
 
@@ -168,7 +174,16 @@ def _coordinator(
         parts["evaluation"] = max(0, m.eval_peak - n4) + eval_batch_bytes
     if cfg.mode == Mode.DDP or (cfg.warm_steps and cfg.warm_start.mode == WarmStartMode.DDP):
         parts["data-parallel step"] = 2 * n4 + k * n4  # AdamW's moments, and every island's gradient
-    needs = [Need(process="coordinator", memory="host", node=head.name, parts=parts, available=head.memory)]
+    needs = [
+        Need(
+            process="coordinator",
+            memory="host",
+            node=head.name,
+            parts=parts,
+            available=head.memory,
+            one_at_a_time=("arriving", "checkpoint copy", "evaluation"),
+        )
+    ]
     if s > 1:
         per = n4 // s
         slice_parts = {"process": m.process + ray, "parameters": per, "outer state": per * _outer_state_values(cfg)}
@@ -311,6 +326,18 @@ def _refusals(cfg: RunConfig, cluster: Cluster, m: ModelMemory) -> list[str]:
                 f"{offered:g} ({node.count} nodes of {node.gpus:g})"
             )
     return out
+
+
+def on_cpu(cfg: RunConfig) -> RunConfig:
+    """The config with its islands and evaluator on the CPU: what runs on a machine
+    without CUDA (a private Ray instance is given the GPUs they ask for, and they train on
+    its CPU), and what a rehearsal measures."""
+    return cfg.model_copy(
+        update={
+            "islands": cfg.islands.model_copy(update={"gpus": 0.0, "workers": 1}),
+            "evaluation": cfg.evaluation.model_copy(update={"gpus": 0.0}),
+        }
+    )
 
 
 def make_plan(cfg: RunConfig, model: ModelMemory, cluster: Cluster, *, under_ray: bool = True) -> Plan:

@@ -116,17 +116,6 @@ def _main(role: str) -> None:
     sys.stdout.write(json.dumps({"role": role, "peak": _peak(), "seconds": time.perf_counter() - t0}) + "\n")
 
 
-def on_cpu(cfg: RunConfig) -> RunConfig:
-    """The config as rehearsed here: islands and the evaluator on this machine's CPU, one
-    thread each beside the others."""
-    return cfg.model_copy(
-        update={
-            "islands": cfg.islands.model_copy(update={"gpus": 0.0, "workers": 1}),
-            "evaluation": cfg.evaluation.model_copy(update={"gpus": 0.0}),
-        }
-    )
-
-
 def rehearse_role(cfg: RunConfig, role: str, timeout_s: float = 1800) -> dict[str, Any]:
     """One process of the run, in a fresh interpreter: its peak and its seconds."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
@@ -148,7 +137,7 @@ def rehearse_role(cfg: RunConfig, role: str, timeout_s: float = 1800) -> dict[st
 def rehearse(cfg: RunConfig) -> list[Rehearsed]:
     """Each of the run's processes rehearsed beside its plan on this machine (no Ray)."""
     from orchestrator.plan.cluster import this_machine
-    from orchestrator.plan.planner import plan_run
+    from orchestrator.plan.planner import on_cpu, plan_run
 
     cfg = on_cpu(cfg)
     plan = plan_run(cfg, this_machine(), under_ray=False)

@@ -22,6 +22,7 @@ from orchestrator.engine.commands import Stop
 from orchestrator.engine.records import RUN_ID
 from orchestrator.engine.types import RunFailed
 from orchestrator.engine.warm_start import check_warm_start, pending, warm_run_id
+from orchestrator.plan.preflight import preflight
 from orchestrator.runtime.control_plane import ControlPlane, api_token
 from orchestrator.runtime.coordinator import Coordinator
 from orchestrator.runtime.island_actors import prestart_islands, release_islands
@@ -163,6 +164,15 @@ def run(
     t0 = time.time()
     started = init_ray(cfg)
     command["ray_s"] = time.time() - t0
+    if cfg.preflight:
+        t0 = time.time()
+        try:
+            preflight(cfg, on_ray_cluster=bool(cfg.ray.address or os.environ.get("RAY_ADDRESS")))
+        except BaseException:
+            if started:
+                ray.shutdown()
+            raise
+        command["plan_s"] = time.time() - t0
     printer = ProgressPrinter() if show_progress else None
     coordinator = None
     control_plane = ControlPlane(cfg, run_id, token)

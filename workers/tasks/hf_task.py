@@ -217,7 +217,7 @@ class HFCausalLMTask:
         c = self.cfg
         arch = dict(PRESETS[c.preset] if c.preset else c.architecture or {})
         model_type = arch.pop("model_type")
-        if "vocab_size" not in arch:
+        if arch.get("vocab_size") is None:
             arch["vocab_size"] = vocab if vocab is not None else len(self.tokenizer)
         arch.setdefault("max_position_embeddings", c.context)
         if tokens:
@@ -234,7 +234,7 @@ class HFCausalLMTask:
         from transformers import AutoConfig, AutoTokenizer
 
         c = self.cfg
-        if c.architecture and "vocab_size" in c.architecture:
+        if c.architecture and c.architecture.get("vocab_size") is not None:
             return int(c.architecture["vocab_size"])
         try:
             if c.model:

@@ -1,0 +1,24 @@
+"""A model's memory as a plan reads it: what `measure.py` finds (importing torch) and
+what the planner and the run's preflight read (not importing it: the command starts Ray
+and its actors without torch, `bench startup`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelMemory:
+    """Peaks in bytes, each of one process's tensors (no interpreter, no Ray)."""
+
+    params: int  # parameters (numel)
+    process: int  # the measuring process's resident bytes before it measured: interpreter, torch, the task
+    runtime: int  # what torch's first real backward and optimizer step add (autograd engine, thread pools)
+    data: int  # what reading the first training batch adds to a process (a local corpus loaded; 0: streamed)
+    train_rows: int  # rows of a micro-batch
+    train_peak: int  # an island worker's inner step: params, grads, optimizer state, activations
+    train_parts: dict[str, int]  # its parts at the peak (MemTracker's categories)
+    eval_rows: int  # rows one evaluation forward takes
+    eval_peak: int  # an evaluation forward: params and activations (no autograd)
+    eval_set: int  # the evaluation's batches, held by whoever evaluates
+    measure_s: float  # how long the measurement took

@@ -1,0 +1,167 @@
+"""`archipelago plan`: each process's peak and each link's bytes, checked against the
+cluster a run ships for, offline; every shipped config planned against its cluster and
+rehearsed at its real shapes on this CPU, each process's measured peak within 25 % of
+the plan's (`orchestrator/plan/rehearse.py`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from orchestrator.cli import main
+from orchestrator.plan.cluster import ClusterError, from_manifest, quantity
+
+REPO = Path(__file__).resolve().parents[1]
+LLAMA = str(REPO / "k8s" / "hf-llama-config.yaml")
+CLUSTER = str(REPO / "k8s" / "raycluster.yaml")
+
+
+def _plan(capsys, tmp_path, *argv: str) -> tuple[int, list[str], dict]:
+    """Exit status, stdout's lines (then stderr's) and the JSON report of `archipelago plan`."""
+    out = tmp_path / "plan.json"
+    code = main(["plan", *argv, "--json", str(out)])
+    printed = capsys.readouterr()
+    lines = printed.out.splitlines() + printed.err.splitlines()
+    return code, lines, json.loads(out.read_text()) if out.exists() else {}
+
+
+def test_quantities_and_manifests_read_as_kubernetes_does():
+    assert quantity("16Gi") == 16 * 2**30 and quantity("512Mi") == 512 * 2**20 and quantity("32G") == 32 * 10**9
+    with pytest.raises(ClusterError):
+        quantity("lots")
+    a, b = from_manifest(CLUSTER), from_manifest(REPO / "k8s" / "rayjob.yaml")
+    assert a.head == b.head and a.workers == b.workers  # the RayJob carries the same cluster
+    assert a.head.memory == 16 * 2**30 and not a.head.hosts_islands  # num-cpus 0: no island on the head
+    (gpu,) = a.workers
+    assert gpu.gpus == 1 and gpu.memory == 32 * 2**30 and gpu.accelerator_memory == 80 * 2**30 and gpu.count == 8
+
+
+def test_the_flagship_config_fits_the_cluster_it_ships_for(capsys, tmp_path):
+    code, lines, report = _plan(capsys, tmp_path, "--cluster", CLUSTER, LLAMA)
+    assert code == 0, lines
+    processes = {(p["process"], p["memory"]) for p in report["processes"]}
+    assert processes == {
+        ("coordinator", "host"),
+        ("island worker", "accelerator"),
+        ("island worker", "host"),
+        ("evaluator", "accelerator"),
+        ("evaluator", "host"),
+    }
+    assert len([line for line in lines if "needs" in line]) == len(report["processes"])  # one line per process
+    assert report["model"]["params"] == 114_114_048  # 120 M Llama, GPT-2's vocabulary
+    coordinator = next(p for p in report["processes"] if p["process"] == "coordinator")
+    assert "evaluation" not in coordinator["parts"]  # the head only records the result
+    evaluator = next(p for p in report["processes"] if p == p and p["process"] == "evaluator")
+    assert evaluator["total"] < 4 * 2**30  # 64 x 1024 tokens, 50,257-token vocabulary, in bounded memory
+
+
+def test_the_flagship_config_as_it_shipped_is_refused_naming_why(capsys, tmp_path):
+    """As it shipped: a data-parallel warm start through the CPU head, and the coordinator
+    evaluating a whole 64-row batch's logits at once (what its loss did before it was
+    chunked), which the plan refuses naming the head's memory."""
+    code, _, report = _plan(
+        capsys,
+        tmp_path,
+        "--cluster",
+        CLUSTER,
+        LLAMA,
+        "--set",
+        "warm_start.mode=ddp",
+        "--set",
+        "evaluation.where=coordinator",
+        "--set",
+        "task.kwargs.eval_rows=64",
+        "--set",
+        "task.kwargs.eval_loss_tokens=65536",
+    )
+    assert code == 2
+    problems = report["problems"]
+    assert any("warm_start.mode ddp" in p and "coordinator" in p for p in problems), problems
+    assert any(p.startswith("coordinator needs") and "on head, which has 16.00 GiB" in p for p in problems), problems
+
+
+def test_a_vocabulary_neither_stated_nor_cached_is_asked_for(capsys, tmp_path):
+    code, lines, _ = _plan(capsys, tmp_path, LLAMA, "--set", "task.kwargs.model_config.vocab_size=null")
+    assert code == 2
+    assert any("cannot plan" in line and "model_config.vocab_size" in line for line in lines), lines
+
+
+def test_a_gpu_island_that_does_not_fit_its_accelerator_is_refused_by_how_much(capsys, tmp_path):
+    code, _, report = _plan(
+        capsys,
+        tmp_path,
+        "--cluster",
+        CLUSTER,
+        LLAMA,
+        "--set",
+        "inner.micro_batches=1",
+        "--set",
+        "task.kwargs.batch_size=256",
+    )
+    assert code == 2
+    (problem,) = [p for p in report["problems"] if p.startswith("island worker")]
+    assert "accelerator memory on gpu, which has 80.00 GiB" in problem and "GiB over" in problem
+
+
+@pytest.mark.parametrize(
+    "name,argv,cluster",
+    [
+        ("default", [], None),
+        (
+            "tiny-llama",
+            ["--set", "task.factory=workers.tasks.hf_task:make_task", "--set", "task.kwargs.preset=tiny-llama"],
+            None,
+        ),
+        ("run-config", [str(REPO / "k8s" / "run-config.yaml")], CLUSTER),
+        # the real 120 M architecture, vocabulary and context; C4 and GPT-2's tokenizer replaced by
+        # the stdlib corpus and a trained tokenizer (ids below the vocabulary); fp32 on this CPU
+        (
+            "llama-120m",
+            [
+                LLAMA,
+                "--set",
+                "task.kwargs.source=stdlib",
+                "--set",
+                "task.kwargs.tokenizer=null",
+                "--set",
+                "task.kwargs.batch_size=1",
+                "--set",
+                "inner.micro_batches=1",
+                "--set",
+                "task.kwargs.eval_batches=1",
+                "--set",
+                "inner.precision=fp32",
+                "--set",
+                "islands.threads=2",
+                "--set",
+                "evaluation.cpus=2",
+            ],
+            CLUSTER,
+        ),
+    ],
+)
+def test_every_shipped_config_is_planned_and_rehearsed_at_its_shapes(
+    capsys, tmp_path, corpus_cache, name, argv, cluster
+):
+    common = [
+        "--set",
+        f"task.kwargs.cache_dir={corpus_cache}",
+        "--set",
+        "inner_steps=2",
+        "--set",
+        "rounds=1",
+        "--set",
+        "warm_start.steps=0",
+    ]
+    if cluster is not None:  # it fits the cluster it ships for
+        code, lines, _ = _plan(capsys, tmp_path, "--cluster", cluster, *argv, *common)
+        assert code == 0, lines
+    code, lines, report = _plan(capsys, tmp_path, "--rehearse", *argv, *common)
+    rehearsed = {r["role"]: r for r in report["rehearsal"]}
+    assert {"island", "coordinator"} <= set(rehearsed), lines
+    for role, r in rehearsed.items():
+        assert 0.75 <= r["ratio"] <= 1.25, (name, role, r)
+    if cluster is None:  # a config for this machine fits it (one for a cluster is checked against that)
+        assert code == 0, lines
