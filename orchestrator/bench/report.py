@@ -77,7 +77,25 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "ray": ray.__version__,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": measured_commit(),
     }
+
+
+def measured_commit() -> str | None:
+    """The commit a report measured (with "+dirty" when the tree had changes), None outside a checkout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
 
 
 def styles(panels: list[Panel]) -> dict[str, dict[str, Any]]:
@@ -177,9 +195,11 @@ def write_result(result: BenchResult, out: Path) -> None:
     }
     (out / f"{result.scenario}.json").write_text(json.dumps(payload, indent=2))
     _plot(result, out / f"{result.scenario}.png")
+    at_commit = f" at commit {machine['commit']}" if machine.get("commit") else ""
     machine_line = (
         f"Machine: {machine['cpus']} CPUs ({machine['processor']}), {machine['platform']}, "
         f"torch {machine['torch']}, ray {machine['ray']}; run {machine['date']}"
+        f"{at_commit}"
         f"{', --quick' if result.quick else ''}."
     )
     (out / f"{result.scenario}.md").write_text(

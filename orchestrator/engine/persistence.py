@@ -45,14 +45,17 @@ class Engine(Protocol):
 
 
 def capture(engine: Engine) -> dict[str, Any]:
-    """Everything a restarted coordinator needs (tensors and plain values only)."""
+    """Everything a restarted coordinator needs (tensors and plain values only). Tensors
+    are the live ones, not copies: a capture is streamed to its file at once, before the
+    engine changes anything (`save_checkpoint`), so the head holds the state once, not
+    twice, while it checkpoints."""
     engine.outer.copy_to(engine.flat.data)
     uncommitted = sum(f.result.steps for f in engine.flights.values() if f.result is not None)
     return {
         "run_id": engine.run_id,
         "branch": engine.cfg.checkpoint.resume_from,  # resumed from a chosen checkpoint: its number
         "config": engine.cfg.model_dump(mode="json"),
-        "params": engine.flat.data.detach().clone(),
+        "params": engine.flat.data.detach(),
         "version": engine.run.version,
         "outer": engine.outer.state_dict(),
         "admission": engine.admission.state_dict(),

@@ -1,7 +1,7 @@
 """`archipelago plan`: what every process of a run needs, and whether the cluster has it.
 
 Before anything starts, the plan gives each process its peak memory — the coordinator
-(parameters, outer optimizer state, the one-pass step's spares, the checkpoint's copy,
+(parameters, outer optimizer state, the one-pass step's spares,
 the object store's published versions and arriving pseudo-gradients, its evaluation if
 it evaluates), each coordinator slice, each island worker (on its accelerator and on its
 host), the evaluation actor — and the bytes each island's link carries per round and per
@@ -47,7 +47,7 @@ class Need:
     available: int | None  # what that node offers this process (None: unknown, not checked)
     count: int = 1
     # parts alive one at a time, never together (the coordinator's arriving pseudo-gradients
-    # are freed by its step, before it evaluates or copies its state for a checkpoint)
+    # are freed by its step, before it evaluates)
     one_at_a_time: tuple[str, ...] = ()
 
     @property
@@ -163,7 +163,6 @@ def _coordinator(
         "parameters": n4,
         "published": n4 * (1 + lag) if ray else 0,  # in the object store (shared memory of the node)
         "arriving": int(k * up * m.params) if s == 1 else 0,
-        "checkpoint copy": n4,
     }
     if s == 1:
         parts["outer state"] = n4 * _outer_state_values(cfg)
@@ -181,7 +180,7 @@ def _coordinator(
             node=head.name,
             parts=parts,
             available=head.memory,
-            one_at_a_time=("arriving", "checkpoint copy", "evaluation"),
+            one_at_a_time=("arriving", "evaluation"),
         )
     ]
     if s > 1:

@@ -98,7 +98,8 @@ def _coordinator(cfg: RunConfig) -> None:
         outer.copy_to(flat.data)
         LocalEvaluator(task=task, model=model, threads=torch.get_num_threads).submit(version=1, params=flat.data)
     with tempfile.TemporaryDirectory() as folder:
-        state = {"run_id": "rehearsal", "params": flat.data.detach().clone(), "outer": outer.state_dict()}
+        outer.copy_to(flat.data)
+        state = {"run_id": "rehearsal", "params": flat.data.detach(), "outer": outer.state_dict()}
         save_checkpoint(folder, state)
 
 
