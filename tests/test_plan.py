@@ -165,3 +165,56 @@ def test_every_shipped_config_is_planned_and_rehearsed_at_its_shapes(
         assert 0.75 <= r["ratio"] <= 1.25, (name, role, r)
     if cluster is None:  # a config for this machine fits it (one for a cluster is checked against that)
         assert code == 0, lines
+
+
+@pytest.mark.ray
+def test_a_run_that_cannot_fit_this_machine_is_refused_before_anything_starts(capsys, tmp_path, corpus_cache):
+    """A 13 B-parameter GPT on this machine: `archipelago run` exits 2 naming what does not
+    fit, and no actor was started (the model was measured under fake tensors, never built)."""
+    import ray
+
+    ray.shutdown()  # the command starts its own private instance
+    code = main(
+        [
+            "run",
+            "--set",
+            f"task.kwargs.cache_dir={corpus_cache}",
+            "--set",
+            "task.kwargs.d_model=8192",
+            "--set",
+            "task.kwargs.n_layers=16",
+            "--set",
+            "task.kwargs.n_heads=64",
+            "--set",
+            "warm_start.steps=0",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "does not fit" in err and "host memory on this machine" in err and "GiB over" in err, err
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+    assert not ray.is_initialized()
+
+
+def test_a_cached_measurement_plans_without_importing_torch(tmp_path, corpus_cache):
+    """The run's preflight reads a config's measurement from the cache: the command's
+    start-up imports no torch for it (`bench startup`)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import os, sys
+os.environ["ARCHIPELAGO_CACHE"] = {str(tmp_path)!r}
+from orchestrator.config_load import load_config
+from orchestrator.plan.preflight import preflight
+cfg = load_config(None, ["task.kwargs.cache_dir={corpus_cache}"])
+preflight(cfg, on_ray_cluster=False)
+print("torch" in sys.modules)
+"""
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert first.stdout.split() == ["True"], first.stderr[-2000:]  # measured (and cached)
+    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert again.stdout.split() == ["False"], again.stderr[-2000:]
+    assert len(list((tmp_path / "plans").glob("*.json"))) == 1

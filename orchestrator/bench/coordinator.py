@@ -153,9 +153,11 @@ def _run_probe(numel: int) -> dict[str, Any]:
 
 
 def _fit(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Least-squares line of seconds per round on parameters, S = 1, from 10 M parameters up."""
-    pts = [(r["params"], r["seconds_per_round"]) for r in rows if r["slices"] == 1 and r["params"] >= 10_000_000]
-    if len(pts) < 2:
+    """Least-squares line of a slice's seconds per round on the parameters it steps (N / S),
+    from 10 M up: every row whose share is that large is a point (a line through two points
+    would fit by construction, so fewer than three is no fit)."""
+    pts = [(r["params"] / r["slices"], r["seconds_per_round"]) for r in rows if r["params"] / r["slices"] >= 10_000_000]
+    if len(pts) < 3:
         return {}
     n = len(pts)
     mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
@@ -201,7 +203,7 @@ def coordinator(quick: bool, work: Path) -> BenchResult:
     s1 = [r for r in rows if r["slices"] == 1]
     checks = {
         "linear_from_10m": {
-            "target": "seconds per round linear in parameters from 10 M up (max residual of the fit <= 15 %)",
+            "target": "seconds per round linear in the parameters a slice steps, from 10 M up (fit's max residual <= 15 %)",
             "measured": fit.get("max_relative_residual"),
             "met": bool(fit) and fit["max_relative_residual"] <= 0.15,
         },
@@ -252,8 +254,9 @@ def coordinator(quick: bool, work: Path) -> BenchResult:
         else "Every size ran."
     )
     fit_line = (
-        f"Fit, S = 1 from 10 M up: {fit['seconds_per_million_params'] * 1e3:.3f} ms per million parameters "
-        f"+ {fit['intercept_seconds'] * 1e3:.2f} ms, max residual {100 * fit['max_relative_residual']:.1f} %."
+        f"Fit of a slice's seconds per round on the parameters it steps (N / S), the {fit.get('points', 0)} rows "
+        f"from 10 M up: {fit['seconds_per_million_params'] * 1e3:.3f} ms per million parameters "
+        f"{fit['intercept_seconds'] * 1e3:+.2f} ms, max residual {100 * fit['max_relative_residual']:.1f} %."
         if fit
         else "Too few sizes for a fit."
     )
