@@ -201,7 +201,7 @@ def coordinator(quick: bool, work: Path) -> BenchResult:
             )
     fit = _fit(rows)
     s1 = [r for r in rows if r["slices"] == 1]
-    checks = {
+    checks: dict[str, dict[str, Any]] = {
         "linear_from_10m": {
             "target": "seconds per round linear in the parameters a slice steps, from 10 M up (fit's max residual <= 15 %)",
             "measured": fit.get("max_relative_residual"),
