@@ -181,26 +181,28 @@ class Island:
         """The part of an island's batch this worker computes (all of it on one worker)."""
         return batch
 
-    def _forward_backward(self, batch: Any) -> tuple[float, int]:
+    def _forward_backward(self, batch: Any) -> tuple[torch.Tensor, int]:
         """One inner step's gradient of the island's batch (a group overrides this)."""
         return self._local_pass(batch)
 
-    def _local_pass(self, batch: Any) -> tuple[float, int]:
+    def _local_pass(self, batch: Any) -> tuple[torch.Tensor, int]:
         """Forward and backward of `batch` in this process, in `inner.micro_batches` equal
         parts whose gradients accumulate (each weighted by its share of the batch's tokens,
-        so the gradient is the whole batch's), under bf16 autocast if asked: loss and weight."""
+        so the gradient is the whole batch's), under bf16 autocast if asked: loss and weight.
+        The loss stays a tensor on the device (float64): reading it every step would make
+        the host wait for the device; the round reads the sum once, at its end."""
         batch = to_device(batch, self.device)
         self.flat.zero_grad()
         parts = self.spec.inner.micro_batches
         weight = self.task.batch_weight(batch)
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for i in range(parts):
             part = split_batch(batch, i, parts, "inner.micro_batches") if parts > 1 else batch
             share = self.task.batch_weight(part) / weight
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
                 loss = self.task.loss(self.forward_model, part)
             (loss * share).backward()
-            total += float(loss.detach()) * share
+            total += loss.detach().double() * share
         return total, weight
 
     def _clip(self) -> None:
@@ -304,7 +306,7 @@ class Island:
             payload=payload,
             weight=tally.weight,
             steps=order.steps,
-            mean_loss=tally.losses / max(1, tally.steps),
+            mean_loss=float(tally.losses) / max(1, tally.steps),  # the round's one read of its losses
             compute_s=compute_s,
             finished_at=time.time(),
             positions=tally.positions,
@@ -329,7 +331,7 @@ class Island:
             tally.trained(shard, loss, weight)
             started = time.perf_counter()
 
-    def _inner_step(self, batch: Any, started: float | None = None) -> tuple[float, int]:
+    def _inner_step(self, batch: Any, started: float | None = None) -> tuple[torch.Tensor, int]:
         """One inner step; a simulated slowdown stretches it from `started` (default: now)."""
         started = time.perf_counter() if started is None else started
         loss, weight = self._forward_backward(batch)

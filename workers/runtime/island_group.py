@@ -98,7 +98,7 @@ class GroupIsland(Island):
         return self.spec.sharding == Sharding.FSDP and self.world > 1
 
     # -- one data-parallel inner step -----------------------------------------------------
-    def _forward_backward(self, batch: Batch) -> tuple[float, int]:
+    def _forward_backward(self, batch: Batch) -> tuple[torch.Tensor, int]:
         if self.world == 1:
             return super()._forward_backward(batch)
         weight = self.task.batch_weight(batch)  # the island's whole batch
@@ -107,9 +107,9 @@ class GroupIsland(Island):
             assert isinstance(self.flat, FlatParams)
             dist.all_reduce(self.flat.grad)
             self.flat.grad.div_(self.world)
-        mean_loss = torch.tensor([loss], device=self.device)
+        mean_loss = loss.reshape(1).clone()  # on the device: no host read per step
         dist.all_reduce(mean_loss)
-        return float(mean_loss) / self.world, weight
+        return mean_loss[0] / self.world, weight
 
     def _worker_share(self, batch: Batch) -> Batch:
         return split_batch(batch, self.rank, self.world, "islands.workers") if self.world > 1 else batch

@@ -53,7 +53,7 @@ class Tally:
 
     positions: dict[int, int]
     shard_tokens: dict[int, int]
-    losses: float = 0.0
+    losses: Any = 0.0  # a float, or a device tensor summed without reading it back per step
     steps: int = 0
 
     @property
@@ -64,7 +64,7 @@ class Tally:
         self.positions[shard] += 1
         self.shard_tokens[shard] += weight
 
-    def trained(self, shard: int, loss: float, weight: int) -> None:
+    def trained(self, shard: int, loss: Any, weight: int) -> None:
         self.read(shard, weight)
-        self.losses += loss
+        self.losses = self.losses + loss
         self.steps += 1
