@@ -83,13 +83,30 @@ def test_unknown_scenario_is_a_clear_error(capsys):
     assert "unknown scenario" in capsys.readouterr().err
 
 
-def test_the_gpu_check_refuses_a_machine_without_cuda(capsys, tmp_path):
+def test_the_gpu_check_writes_its_cpu_rows_and_says_what_it_did_not_measure(tmp_path, monkeypatch):
+    """`bench gpu` without CUDA: the island-vs-bare-loop ratio on the CPU and the coordinator
+    on this host, measured; the CUDA ratio, the runs and the 124 M MFU null, said not
+    measured (here on a tiny GPT and the coordinator's smallest size, to keep the test short)."""
     import torch
 
+    from orchestrator.bench import bareloop, coordinator
+
     if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: `archipelago bench gpu` runs here")
-    assert main(["bench", "gpu", "--out", str(tmp_path)]) == 2
-    assert "needs a CUDA device" in capsys.readouterr().err
+        pytest.skip("this machine has CUDA: `archipelago bench gpu` measures it for real")
+    monkeypatch.setattr(
+        bareloop, "GPT_25M", ["task.kwargs.d_model=32", "task.kwargs.n_layers=1", "task.kwargs.n_heads=2"]
+    )
+    monkeypatch.setattr(bareloop, "CPU_BATCH", ["task.kwargs.context=32", "task.kwargs.batch_size=4"])
+    monkeypatch.setattr(coordinator, "SIZES", (1_000_000,))
+    monkeypatch.setattr(coordinator, "SLICES", (1,))
+    assert main(["bench", "gpu", "--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    ratio = report["island_vs_bare_loop"]
+    assert isinstance(ratio["cpu"], float) and 0.3 < ratio["cpu"] < 3 and ratio["cuda"] is None
+    assert report["mfu_124m"] is None and report["methods"] == {}
+    assert [r["params"] for r in report["coordinator_rows"]] == [1_000_000]
+    assert report["machine"]["commit"]
+    assert "not measured" in (tmp_path / "gpu.md").read_text()
 
 
 def test_every_gpu_check_row_is_a_valid_config():
@@ -97,7 +114,7 @@ def test_every_gpu_check_row_is_a_valid_config():
     from workers.tasks.task import load_task
 
     base, table = methods(quick=False, gpus=2)
-    assert set(table) == {"gpt_4x0.25gpu", "llama_4x0.25gpu", "llama_1x2workers"}
+    assert set(table) == {"gpt2_124m_1gpu", "gpt_4x0.25gpu", "llama_4x0.25gpu", "llama_1x2workers"}
     for _, overrides in table.values():
         cfg = load_config(None, [*base, *overrides])
         assert cfg.inner.precision.value == "bf16"

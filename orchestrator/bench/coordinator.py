@@ -172,8 +172,9 @@ def _fit(rows: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def coordinator(quick: bool, work: Path) -> BenchResult:
-    sizes = SIZES[:3] if quick else SIZES
+def measure_rows(sizes: tuple[int, ...]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every (size, S) of `sizes` x `SLICES` that fits this machine, each in a fresh process;
+    and the ones that do not fit."""
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     for params in sizes:
@@ -199,6 +200,11 @@ def coordinator(quick: bool, work: Path) -> BenchResult:
                     "threads": got["threads"],
                 }
             )
+    return rows, skipped
+
+
+def coordinator(quick: bool, work: Path) -> BenchResult:
+    rows, skipped = measure_rows(SIZES[:3] if quick else SIZES)
     fit = _fit(rows)
     s1 = [r for r in rows if r["slices"] == 1]
     checks: dict[str, dict[str, Any]] = {

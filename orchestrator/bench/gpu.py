@@ -1,8 +1,15 @@
-"""GPU check: the default GPT task and the Hugging Face task (a Llama from config with the
-trained tokenizer) train on CUDA in bf16 — four islands sharing one device through
-fractional GPUs, and one island of two workers where there are two GPUs — with tokens per
-second and model FLOPs utilisation (MFU) for each. It refuses to run without CUDA: a CPU
-figure would not answer the question."""
+"""`bench gpu`: everything a GPU day should measure, in one command, written at once.
+
+On any machine: an island's round against a bare torch loop on this machine's CPU
+(`bareloop.py`, the 25.6 M GPT) and the coordinator's outer step at 1 M to 100 M
+parameters on this host (`coordinator.py`). With CUDA, besides: the same island-vs-bare-loop
+ratio on the GPU (bf16, compiled), and runs of the default GPT and the Hugging Face task on
+CUDA in bf16 — a 124 M GPT-2 (GPT-2 small's shape) as one island on the GPU, the 25.6 M GPT
+and a ~100 M Llama as four islands sharing it through fractional GPUs, one island of two
+workers where there are two GPUs — with tokens per second and model FLOPs utilisation (MFU)
+against the device's measured bf16 peak. Without CUDA the GPU rows are reported as not
+measured (null in the JSON), never as a CPU figure standing in for them. Start-up has its
+own scenario, `bench startup`."""
 
 from __future__ import annotations
 
@@ -11,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.report import BenchResult, ScenarioUnavailable, md_table
+from orchestrator.bench.report import BenchResult, Panel, md_table
 from orchestrator.bench.runner import Table, one_ray, run_methods
 from orchestrator.config_load import load_config
 from workers.tasks.task import load_task
@@ -26,6 +33,13 @@ GPT = [
     "task.kwargs.n_heads=8",
     "task.kwargs.context=512",
     "task.kwargs.batch_size=32",
+]
+GPT2_124M = [
+    "task.factory=workers.tasks.hf_task:make_task",
+    "task.kwargs.model_config={model_type: gpt2, vocab_size: 50257}",  # GPT-2 small: 12 x 768, 1,024 positions
+    "task.kwargs.context=1024",
+    "task.kwargs.batch_size=16",
+    "inner.compile=true",
 ]
 LLAMA = [
     "task.factory=workers.tasks.hf_task:make_task",
@@ -65,6 +79,7 @@ def methods(quick: bool, gpus: int) -> tuple[list[str], Table]:
     of two workers (FSDP2) where there are two GPUs."""
     rounds, steps = (2, 20) if quick else (4, 50)
     table: Table = {
+        "gpt2_124m_1gpu": ("GPT-2 small (124 M), 1 island on 1 GPU", [*GPT2_124M, "islands.count=1", "islands.gpus=1"]),
         "gpt_4x0.25gpu": ("default GPT, 4 islands on 1 GPU", [*GPT, "islands.count=4", "islands.gpus=0.25"]),
         "llama_4x0.25gpu": ("HF Llama, 4 islands on 1 GPU", [*LLAMA, "islands.count=4", "islands.gpus=0.25"]),
     }
@@ -76,16 +91,8 @@ def methods(quick: bool, gpus: int) -> tuple[list[str], Table]:
     return [*COMMON, f"rounds={rounds}", f"inner_steps={steps}"], table
 
 
-def gpu(quick: bool, work: Path) -> BenchResult:
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ScenarioUnavailable(
-            "bench gpu needs a CUDA device and none is visible (torch.cuda.is_available() is False)"
-        )
-    gpus = torch.cuda.device_count()
+def _cuda_rows(quick: bool, work: Path, gpus: int, peak: float) -> dict[str, dict[str, Any]]:
     base, table = methods(quick, gpus)
-    peak = peak_bf16_flops()
     with one_ray(8):
         summaries = run_methods(base, table, work)
     rows: dict[str, dict[str, Any]] = {}
@@ -104,27 +111,94 @@ def gpu(quick: bool, work: Path) -> BenchResult:
             "initial_eval_loss": s["initial_eval_loss"],
             "train_seconds": s["train_seconds"],
         }
-    device = torch.cuda.get_device_name(0)
-    table_md = md_table(
-        ["run", "params", "tokens/s", "MFU", "eval loss (start → end)"],
+    return rows
+
+
+def gpu(quick: bool, work: Path) -> BenchResult:
+    import torch
+
+    from orchestrator.bench import bareloop
+    from orchestrator.bench.coordinator import SIZES, measure_rows
+
+    cuda = torch.cuda.is_available()
+    steps, alternations = (10, 3) if quick else (50, 5)
+    ratios = {"cpu": bareloop.compare([*bareloop.GPT_25M, *bareloop.CPU_BATCH, "islands.gpus=0"], steps, alternations)}
+    coordinator_rows, _ = measure_rows(SIZES[:3])
+    rows: dict[str, dict[str, Any]] = {}
+    extra: dict[str, Any] = {"device": None, "gpus": 0, "peak_bf16_flops": None}
+    if cuda:
+        ratios["cuda"] = bareloop.compare(
+            [*bareloop.GPT_25M, *bareloop.CUDA_BATCH, "islands.gpus=1"], steps, alternations
+        )
+        gpus = torch.cuda.device_count()
+        peak = peak_bf16_flops()
+        rows = _cuda_rows(quick, work, gpus, peak)
+        extra = {"device": torch.cuda.get_device_name(0), "gpus": gpus, "peak_bf16_flops": peak}
+    mfu_124m = rows["gpt2_124m_1gpu"]["mfu"] if "gpt2_124m_1gpu" in rows else None
+    extra.update(
+        island_vs_bare_loop={"cpu": ratios["cpu"]["ratio"], "cuda": ratios["cuda"]["ratio"] if cuda else None},
+        island_vs_bare_loop_runs=ratios,
+        mfu_124m=mfu_124m,
+        coordinator_rows=coordinator_rows,
+    )
+    ratio_md = md_table(
+        ["device", "island round / bare loop (median of alternations)", "each"],
+        [[k, f"{r['ratio']:.3f}", ", ".join(f"{x:.3f}" for x in r["ratios"])] for k, r in ratios.items()]
+        + ([] if cuda else [["cuda", "not measured (no CUDA device)", "-"]]),
+    )
+    coordinator_md = md_table(
+        ["params", "S", "s / round", "x memcpy", "peak / slice", "checkpoint"],
         [
             [
-                k,
-                f"{r['params'] / 1e6:.1f} M",
-                f"{r['tokens_per_s']:,.0f}",
-                f"{100 * r['mfu']:.1f}%",
-                f"{r['initial_eval_loss']:.3f} → {r['final_eval_loss']:.3f}",
+                f"{r['params'] / 1e6:,.0f} M",
+                str(r["slices"]),
+                f"{r['seconds_per_round']:.4f}",
+                f"{r['vs_memcpy']:.2f}",
+                f"{r['peak_mb']:,.0f} MB",
+                f"{r['checkpoint_seconds']:.2f} s",
             ]
-            for k, r in rows.items()
+            for r in coordinator_rows
         ],
     )
-    best = max(rows.values(), key=lambda r: r["mfu"])
+    runs_md = (
+        md_table(
+            ["run", "params", "tokens/s", "MFU", "eval loss (start → end)"],
+            [
+                [
+                    k,
+                    f"{r['params'] / 1e6:.1f} M",
+                    f"{r['tokens_per_s']:,.0f}",
+                    f"{100 * r['mfu']:.1f}%",
+                    f"{r['initial_eval_loss']:.3f} → {r['final_eval_loss']:.3f}",
+                ]
+                for k, r in rows.items()
+            ],
+        )
+        if rows
+        else "Runs on CUDA (MFU, the 124 M GPT-2 among them): not measured (no CUDA device)."
+    )
+    device = (
+        f"{extra['device']} x{extra['gpus']}; measured bf16 matmul peak {extra['peak_bf16_flops'] / 1e12:.0f} TFLOP/s (MFU is against it)"
+        if cuda
+        else "no CUDA device"
+    )
+    mfu_text = f"{100 * mfu_124m:.1f}%" if mfu_124m is not None else "not measured"
     return BenchResult(
         scenario="gpu",
         quick=quick,
         methods=rows,
-        summary=f"gpu: {device} x{gpus}, best MFU {100 * best['mfu']:.1f}% ({best['description']})",
-        markdown=f"Device: {device} ×{gpus}; measured bf16 matmul peak {peak / 1e12:.0f} TFLOP/s (MFU is against it).\n\n"
-        + table_md,
-        extra={"device": device, "gpus": gpus, "peak_bf16_flops": peak},
+        summary=f"gpu: {device.split(';')[0]}; island / bare loop cpu {ratios['cpu']['ratio']:.3f}"
+        + (f", cuda {ratios['cuda']['ratio']:.3f}" if cuda else ", cuda not measured")
+        + f"; MFU 124 M {mfu_text}",
+        markdown=f"Device: {device}.\n\n### Island against a bare torch loop\n\n{ratio_md}\n\n"
+        f"### Runs on the GPU\n\n{runs_md}\n\n### The coordinator on this host\n\n{coordinator_md}\n",
+        panels=[
+            Panel(
+                x_label="alternation",
+                y_label="island round / bare loop",
+                curves={k: [(i + 1, x) for i, x in enumerate(r["ratios"])] for k, r in ratios.items()},
+                references={"target 1.03": 1.03},
+            )
+        ],
+        extra=extra,
     )

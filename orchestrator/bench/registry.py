@@ -1,7 +1,7 @@
 """The benchmark registry. A scenario is a function `(quick, work_dir) -> BenchResult`;
 the entry point writes `<scenario>.json`, `.png` and `.md` and prints a one-line summary.
 Scenarios: quality, hetero, goodput, overlap, streaming, datapath, startup, warmstart, data,
-compression, gpu (needs CUDA), coordinator, bareloop."""
+compression, gpu (its CUDA rows need a GPU), coordinator, bareloop."""
 
 from __future__ import annotations
 
