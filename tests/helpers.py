@@ -22,9 +22,14 @@ from workers.runtime.island import Island
 # tests of one phase leave the warm start out (its own tests are in test_warm_start.py)
 NO_WARM = "warm_start.steps=0"
 
+# tests of other mechanisms leave the preflight out (its own tests are in test_plan.py): it
+# measures each distinct config once, seconds apiece in a suite of many small configs
+NO_PREFLIGHT = "preflight=false"
+
 # a GPT small enough for a Ray test to train a few rounds in seconds
 TINY_LM = [
     NO_WARM,
+    NO_PREFLIGHT,
     "task.kwargs.d_model=32",
     "task.kwargs.n_layers=1",
     "task.kwargs.n_heads=2",
@@ -38,6 +43,7 @@ TINY_LM = [
 
 # a tiny Llama from config (the [hf] extra) that two islands train in seconds
 TINY_LLAMA = [
+    NO_PREFLIGHT,
     "task.factory=workers.tasks.hf_task:make_task",
     "task.kwargs.preset=tiny-llama",
     "task.kwargs.context=32",

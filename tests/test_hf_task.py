@@ -156,7 +156,8 @@ def test_the_shipped_llama_config_validates_and_builds_a_model_of_about_100m_par
     kwargs = HFTaskConfig(**cfg.task.kwargs)
     assert kwargs.source == "hf" and cfg.inner.precision.value == "bf16" and cfg.islands.gpus == 1
     arch = dict(kwargs.architecture or {})
-    conf = AutoConfig.for_model(arch.pop("model_type"), vocab_size=50257, **arch)  # GPT-2's tokenizer
+    assert arch["vocab_size"] == 50257  # GPT-2's tokenizer's, stated so the plan needs no download
+    conf = AutoConfig.for_model(arch.pop("model_type"), **arch)
     with torch.device("meta"):  # the shape only: no memory, no download
         model = AutoModelForCausalLM.from_config(conf)
     assert 100e6 <= sum(p.numel() for p in model.parameters()) <= 150e6

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -162,15 +163,13 @@ def this_machine(accelerator_memory: int | None = None) -> Cluster:
             memory = min(memory, int(limit))
     except (OSError, ValueError):
         pass
-    gpus = 0.0
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            gpus = float(torch.cuda.device_count())
-            accelerator_memory = accelerator_memory or torch.cuda.get_device_properties(0).total_memory
-    except ImportError:
-        pass
+    # GPUs without importing torch (the run's preflight must not: `bench startup`): the
+    # NVIDIA driver lists them; their memory is read from torch only where it is loaded
+    listed = Path("/proc/driver/nvidia/gpus")
+    gpus = float(len(list(listed.iterdir()))) if listed.is_dir() else 0.0
+    torch = sys.modules.get("torch")
+    if gpus and accelerator_memory is None and torch is not None and torch.cuda.is_available():
+        accelerator_memory = torch.cuda.get_device_properties(0).total_memory
     node = NodeKind(
         name="this machine",
         memory=memory,

@@ -130,6 +130,67 @@ def _data_bytes(task: Task, cfg: RunConfig) -> int:
     return max(0, resident_bytes() - before)
 
 
+def _baseline() -> dict[str, int]:
+    """In a fresh interpreter (`python -m orchestrator.plan.measure`, the config on stdin):
+    what a worker holds before any tensor of the run — the interpreter with torch and the
+    task's libraries (building the model under fake tensors imports them) — then what
+    torch's first backward and a local corpus add."""
+    import sys
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from workers.tasks.task import load_task
+
+    cfg = RunConfig.model_validate_json(sys.stdin.read())
+    task = load_task(cfg.task.factory, cfg.task.kwargs)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        _model(task)
+    process = resident_bytes()
+    runtime = _runtime_bytes()
+    outer = _outer_bytes(cfg)
+    return {"process": process, "runtime": runtime, "outer": outer, "data": _data_bytes(task, cfg)}
+
+
+def _outer_bytes(cfg: RunConfig) -> int:
+    """What the coordinator's first outer step adds whatever the model (the one-pass
+    kernel's compilation: numba's LLVM), measured on a small vector."""
+    import numpy as np
+
+    from orchestrator.engine.outer_step import LocalOuter
+    from orchestrator.engine.policies import outer_rule
+    from orchestrator.engine.types import Contribution
+
+    before = resident_bytes()
+    outer = LocalOuter(torch.zeros(1 << 16), outer_rule(cfg))
+    parts = [Contribution(island=i, version=0, delta=np.ones(1 << 16, np.float32), weight=1.0) for i in range(2)]
+    key, _ = outer.inspect(parts)
+    outer.apply(key, {c.island: c.weight for c in parts})
+    return max(0, resident_bytes() - before)
+
+
+def _fresh_process(cfg: RunConfig) -> tuple[int, int, int, int]:
+    """`_baseline` measured in a fresh interpreter: the process planning may hold far more
+    (a test runner, a notebook) than the run's workers will."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator.plan.measure"],
+        input=cfg.model_dump_json(),
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"measuring a fresh worker process failed:\n{done.stderr[-3000:]}")
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    return int(got["process"]), int(got["runtime"]), int(got["outer"]), int(got["data"])
+
+
 def micro_rows(cfg: RunConfig, task: Task) -> int:
     """Rows of one island worker's micro-batch: the batch split over micro-batches and workers."""
     batch_rows = getattr(getattr(task, "cfg", None), "batch_size", None)  # the text tasks' setting
@@ -147,8 +208,6 @@ def measure(cfg: RunConfig, task: Task) -> ModelMemory:
     from workers.wire.spec import Precision
 
     t0 = time.perf_counter()
-    runtime = _runtime_bytes()
-    data = _data_bytes(task, cfg)
     rows = micro_rows(cfg, task)
     batch_rows = rows * cfg.inner.micro_batches * cfg.islands.workers
     eval_batches = getattr(getattr(task, "cfg", None), "eval_batches", 1)
@@ -156,7 +215,6 @@ def measure(cfg: RunConfig, task: Task) -> ModelMemory:
     bf16 = cfg.inner.precision == Precision.BF16
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = _model(task)
-        process = resident_bytes()  # the task's libraries imported (building the fake model did), no tensor yet
         flat = FlatParams(model)
         params = flat.numel
         optimizer, _ = build_inner(cfg.inner, inner_params(cfg.inner, model, flat), 10, 0, 0, muon_params(model))
@@ -197,10 +255,12 @@ def measure(cfg: RunConfig, task: Task) -> ModelMemory:
         eval_batch = _batch(task, eval_rows, cfg.seed)
         with evaluating, torch.no_grad():
             task.loss(model, eval_batch)
+    process, runtime, outer, data = _fresh_process(cfg)  # after the model shaped here (a missing vocabulary is named)
     return ModelMemory(
         params=params,
         process=process,
         runtime=runtime,
+        outer_runtime=outer,
         data=data,
         train_rows=rows,
         train_peak=training.peak,
@@ -210,3 +270,10 @@ def measure(cfg: RunConfig, task: Task) -> ModelMemory:
         eval_set=eval_set,
         measure_s=time.perf_counter() - t0,
     )
+
+
+if __name__ == "__main__":
+    import json as _json
+    import sys as _sys
+
+    _sys.stdout.write(_json.dumps(_baseline()) + "\n")

@@ -160,6 +160,7 @@ def _coordinator(
     s = cfg.coordinator.shards
     parts = {
         "process": m.process + ray,
+        "outer step runtime": m.outer_runtime,
         "parameters": n4,
         "published": n4 * (1 + lag) if ray else 0,  # in the object store (shared memory of the node)
         "arriving": int(k * up * m.params) if s == 1 else 0,
@@ -171,6 +172,7 @@ def _coordinator(
         parts["downlink copy"] = n4
     if cfg.evaluation.where == EvalPlace.COORDINATOR:
         parts["evaluation"] = max(0, m.eval_peak - n4) + eval_batch_bytes
+        parts["data"] = m.data  # the corpus its evaluation batches are read from
     if cfg.mode == Mode.DDP or (cfg.warm_steps and cfg.warm_start.mode == WarmStartMode.DDP):
         parts["data-parallel step"] = 2 * n4 + k * n4  # AdamW's moments, and every island's gradient
     needs = [

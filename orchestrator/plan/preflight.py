@@ -26,7 +26,7 @@ from orchestrator.plan.planner import Plan, make_plan, on_cpu
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # the measurement's fields; a cached one of another format is measured again
 
 
 class PlanRefused(RuntimeError):
