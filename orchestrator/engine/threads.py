@@ -10,8 +10,6 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
-
 from orchestrator.config import RunConfig
 
 
@@ -59,6 +57,8 @@ def step_threads(cfg: RunConfig, islands_here: int) -> int:
 @contextlib.contextmanager
 def torch_threads(n: int) -> Iterator[None]:
     """Run the block on `n` torch threads, then put the process's count back."""
+    import torch  # here, not at the top: `usable_cores` serves the run's torch-free preflight
+
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from orchestrator.config import RunConfig
@@ -54,6 +55,14 @@ class Rehearsed:
 
 
 def _peak() -> int:
+    """This process's peak resident memory: VmHWM, which starts afresh at exec (getrusage's
+    ru_maxrss does not: it keeps the forking parent's, a test runner's 2 GiB)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
