@@ -114,6 +114,16 @@ def compare(overrides: list[str], steps: int, alternations: int) -> dict[str, An
     }
 
 
+def ratio_panel(rows: dict[str, dict[str, Any]]) -> Panel:
+    """Each alternation's island round over the bare loop, per device, against the target."""
+    return Panel(
+        x_label="alternation",
+        y_label="island round / bare loop",
+        curves={k: [(i + 1, x) for i, x in enumerate(r["ratios"])] for k, r in rows.items()},
+        references={"target 1.03": 1.03},
+    )
+
+
 def bareloop(quick: bool, work: Path) -> BenchResult:
     import torch
 
@@ -142,13 +152,6 @@ def bareloop(quick: bool, work: Path) -> BenchResult:
         methods=rows,
         summary="bareloop: island / bare loop " + ", ".join(f"{k} {r['ratio']:.3f}" for k, r in rows.items()),
         markdown=f"Alternately in one process, after a warm-up round each; target <= 1.03.{cuda}\n\n{table}",
-        panels=[
-            Panel(
-                x_label="alternation",
-                y_label="island round / bare loop",
-                curves={k: [(i + 1, x) for i, x in enumerate(r["ratios"])] for k, r in rows.items()},
-                references={"target 1.03": 1.03},
-            )
-        ],
+        panels=[ratio_panel(rows)],
         extra={"island_vs_bare_loop": {"cpu": rows["cpu"]["ratio"], "cuda": rows.get("cuda", {}).get("ratio")}},
     )

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.bench.report import BenchResult, Panel, md_table
+from orchestrator.plan.fresh import run_fresh
 
 SIZES = (1_000_000, 10_000_000, 100_000_000, 1_000_000_000)
 SLICES = (1, 2, 4)
@@ -138,18 +138,7 @@ def _fits(numel: int, islands: int) -> bool:
 
 
 def _run_probe(numel: int) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(
-        [sys.executable, "-m", "orchestrator.bench.coordinator", str(numel), str(ISLANDS), str(ROUNDS)],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"the coordinator probe of {numel:,} parameters failed:\n{done.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return run_fresh("orchestrator.bench.coordinator", str(numel), str(ISLANDS), str(ROUNDS))
 
 
 def _fit(rows: list[dict[str, Any]]) -> dict[str, float]:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.report import BenchResult, Panel, md_table
+from orchestrator.bench.report import BenchResult, md_table
 from orchestrator.bench.runner import Table, one_ray, run_methods
 from orchestrator.config_load import load_config
 from workers.tasks.task import load_task
@@ -192,13 +192,6 @@ def gpu(quick: bool, work: Path) -> BenchResult:
         + f"; MFU 124 M {mfu_text}",
         markdown=f"Device: {device}.\n\n### Island against a bare torch loop\n\n{ratio_md}\n\n"
         f"### Runs on the GPU\n\n{runs_md}\n\n### The coordinator on this host\n\n{coordinator_md}\n",
-        panels=[
-            Panel(
-                x_label="alternation",
-                y_label="island round / bare loop",
-                curves={k: [(i + 1, x) for i, x in enumerate(r["ratios"])] for k, r in ratios.items()},
-                references={"target 1.03": 1.03},
-            )
-        ],
+        panels=[bareloop.ratio_panel(ratios)],
         extra=extra,
     )

@@ -127,14 +127,14 @@ def from_manifest(path: str | Path) -> Cluster:
     raise ClusterError(f"{path} holds no RayCluster or RayJob")
 
 
-def from_ray() -> Cluster:
-    """The running Ray cluster this process is connected to (`ray.init` first): the head
-    node and each other node as a kind of its own."""
+def ray_nodes(*, leave_out: str | None = None) -> list[NodeKind]:
+    """The live nodes of the Ray cluster this process is connected to, each a kind of its
+    own, by their Ray resources (`leave_out`: a node id not to list)."""
     import ray
 
     kinds = []
     for node in ray.nodes():
-        if not node.get("Alive"):
+        if not node.get("Alive") or node.get("NodeID") == leave_out:
             continue
         r = node.get("Resources", {})
         kinds.append(
@@ -146,6 +146,13 @@ def from_ray() -> Cluster:
                 hosts_islands=bool(r.get("CPU", 0) or r.get("GPU", 0)),
             )
         )
+    return kinds
+
+
+def from_ray() -> Cluster:
+    """The running Ray cluster this process is connected to (`ray.init` first): the head
+    node and each other node as a kind of its own."""
+    kinds = ray_nodes()
     if not kinds:
         raise ClusterError("the Ray cluster has no live node")
     head, *rest = kinds

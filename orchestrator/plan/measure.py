@@ -169,26 +169,24 @@ def _outer_bytes(cfg: RunConfig) -> int:
 
 
 def _fresh_process(cfg: RunConfig) -> tuple[int, int, int, int]:
-    """`_baseline` measured in a fresh interpreter: the process planning may hold far more
-    (a test runner, a notebook) than the run's workers will."""
-    import json
-    import os
-    import subprocess
-    import sys
+    """`_baseline`, measured in a fresh interpreter (`plan/fresh.py`)."""
+    from orchestrator.plan.fresh import run_fresh
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(
-        [sys.executable, "-m", "orchestrator.plan.measure"],
-        input=cfg.model_dump_json(),
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"measuring a fresh worker process failed:\n{done.stderr[-3000:]}")
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = run_fresh("orchestrator.plan.measure", stdin=cfg.model_dump_json())
     return int(got["process"]), int(got["runtime"]), int(got["outer"]), int(got["data"])
+
+
+def uplink_bytes_per_value(cfg: RunConfig) -> float:
+    """Bytes a pseudo-gradient takes per parameter under `compression.codec`: a sample
+    of 64 codec chunks encoded by the islands' own codec (bytes are linear in the size)."""
+    import numpy as np
+
+    from workers.wire.compress import encode
+    from workers.wire.spec import payload_nbytes
+
+    n = 64 * cfg.compression.chunk
+    sample = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    return payload_nbytes(encode(sample, cfg.compression.codec, cfg.compression.chunk)) / n
 
 
 def micro_rows(cfg: RunConfig, task: Task) -> int:
@@ -261,6 +259,7 @@ def measure(cfg: RunConfig, task: Task) -> ModelMemory:
         process=process,
         runtime=runtime,
         outer_runtime=outer,
+        uplink_bytes_per_value=uplink_bytes_per_value(cfg),
         data=data,
         train_rows=rows,
         train_peak=training.peak,

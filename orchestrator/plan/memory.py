@@ -15,10 +15,11 @@ class ModelMemory:
     process: int  # the measuring process's resident bytes before it measured: interpreter, torch, the task
     runtime: int  # what torch's first real backward and optimizer step add (autograd engine, thread pools)
     outer_runtime: int  # what the coordinator's first outer step adds (the one-pass kernel's compilation)
+    uplink_bytes_per_value: float  # a pseudo-gradient's bytes per parameter under the run's codec
     data: int  # what reading the first training batch adds to a process (a local corpus loaded; 0: streamed)
     train_rows: int  # rows of a micro-batch
     train_peak: int  # an island worker's inner step: params, grads, optimizer state, activations
-    train_parts: dict[str, int]  # its parts at the peak (MemTracker's categories)
+    train_parts: dict[str, int]  # its parts at the peak: parameters, gradients, optimizer state, activations
     eval_rows: int  # rows one evaluation forward takes
     eval_peak: int  # an evaluation forward: params and activations (no autograd)
     eval_set: int  # the evaluation's batches, held by whoever evaluates

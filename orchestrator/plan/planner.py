@@ -20,8 +20,6 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from orchestrator.config import Mode, RunConfig, WarmStartMode
 from orchestrator.config_operations import EvalPlace
 from orchestrator.plan.cluster import Cluster, NodeKind
@@ -123,17 +121,6 @@ class Plan:
             "processes": [{**dataclasses.asdict(n), "total": n.total, "fits": n.fits} for n in self.needs],
             "link": dataclasses.asdict(self.link),
         }
-
-
-def payload_bytes_per_value(cfg: RunConfig) -> float:
-    """Bytes a pseudo-gradient takes per parameter under `compression.codec`: a sample
-    of 64 codec chunks encoded by the islands' own codec (bytes are linear in the size)."""
-    from workers.wire.compress import encode
-    from workers.wire.spec import payload_nbytes
-
-    n = 64 * cfg.compression.chunk
-    sample = np.random.default_rng(0).standard_normal(n).astype(np.float32)
-    return payload_nbytes(encode(sample, cfg.compression.codec, cfg.compression.chunk)) / n
 
 
 def _outer_state_values(cfg: RunConfig) -> int:
@@ -344,7 +331,7 @@ def on_cpu(cfg: RunConfig) -> RunConfig:
 def make_plan(cfg: RunConfig, model: ModelMemory, cluster: Cluster, *, under_ray: bool = True) -> Plan:
     """The plan of `cfg` on `cluster`, from the model's measured memory; `under_ray`: the
     processes are Ray's (the object store, the core worker), not plain interpreters (a rehearsal)."""
-    up = payload_bytes_per_value(cfg)
+    up = model.uplink_bytes_per_value
     eval_batch_bytes = model.eval_set
     ray = RAY_WORKER_BYTES if under_ray else 0
     needs = _coordinator(cfg, model, up, cluster.head, eval_batch_bytes, ray)

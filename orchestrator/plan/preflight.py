@@ -20,13 +20,13 @@ import os
 from pathlib import Path
 
 from orchestrator.config import RunConfig
-from orchestrator.plan.cluster import Cluster, this_machine
+from orchestrator.plan.cluster import Cluster, ray_nodes, this_machine
 from orchestrator.plan.memory import ModelMemory
 from orchestrator.plan.planner import Plan, make_plan, on_cpu
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # the measurement's fields; a cached one of another format is measured again
+FORMAT = 3  # the measurement's fields; a cached one of another format is measured again
 
 
 class PlanRefused(RuntimeError):
@@ -49,6 +49,7 @@ def _key(cfg: RunConfig) -> str:
         "torch": torch_version,
         "task": cfg.task.model_dump(mode="json"),
         "inner": cfg.inner.model_dump(mode="json"),
+        "compression": cfg.compression.model_dump(mode="json"),
         "workers": cfg.islands.workers,
         "shards": cfg.num_shards,
         "seed": cfg.seed,
@@ -84,23 +85,7 @@ def run_cluster(on_ray_cluster: bool) -> Cluster:
         return here
     import ray
 
-    from orchestrator.plan.cluster import NodeKind
-
-    me = ray.get_runtime_context().get_node_id()
-    others = []
-    for node in ray.nodes():
-        r = node.get("Resources", {})
-        if not node.get("Alive") or node.get("NodeID") == me:
-            continue
-        others.append(
-            NodeKind(
-                name=node.get("NodeManagerAddress", "node"),
-                memory=int(r["memory"]) if "memory" in r else None,
-                cpus=float(r.get("CPU", 0)),
-                gpus=float(r.get("GPU", 0)),
-                hosts_islands=bool(r.get("CPU", 0) or r.get("GPU", 0)),
-            )
-        )
+    others = ray_nodes(leave_out=ray.get_runtime_context().get_node_id())
     head = dataclasses.replace(here.head, name="this node (the driver's)")
     return Cluster(source="the Ray cluster", head=head, workers=tuple(others))
 

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,10 +28,10 @@ from typing import Any
 
 from orchestrator.config import RunConfig
 from orchestrator.config_operations import EvalPlace
+from orchestrator.plan.fresh import run_fresh
 
 GIB = 2**30
 TOLERANCE = 0.25  # a process's measured peak within 25 % of the plan's
-ROLES = ("island", "coordinator", "evaluator")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,20 +126,7 @@ def _main(role: str) -> None:
 
 def rehearse_role(cfg: RunConfig, role: str, timeout_s: float = 1800) -> dict[str, Any]:
     """One process of the run, in a fresh interpreter: its peak and its seconds."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(
-        [sys.executable, "-m", "orchestrator.plan.rehearse", role],
-        input=cfg.model_dump_json(),
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env=env,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"the rehearsal's {role} failed:\n{done.stderr[-4000:]}")
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return run_fresh("orchestrator.plan.rehearse", role, stdin=cfg.model_dump_json(), timeout_s=timeout_s)
 
 
 def rehearse(cfg: RunConfig) -> list[Rehearsed]:

@@ -59,12 +59,6 @@ class EvaluationWorker:
         loss, metrics = evaluate_model(self.task, self.model, self.batches, device=self.device, bf16=self.bf16)
         return loss, metrics, time.perf_counter() - t0
 
-    def peak_bytes(self) -> int:
-        """This process's peak resident memory (the plan's check against it)."""
-        import resource
-
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
 
 class RayEvaluator:
     """`Evaluator` over one `EvaluationWorker` actor, owned by the coordinator (it goes

@@ -202,7 +202,11 @@ class HFCausalLMTask:
             model = AutoModelForCausalLM.from_pretrained(c.model, dtype=torch.float32)
         else:
             model = AutoModelForCausalLM.from_config(self._architecture(tokens=True), dtype=torch.float32)
-        if c.activation_checkpointing:  # transformers' newer name first, the older one before it existed
+        return self._configured(model)
+
+    def _configured(self, model: Any) -> Any:
+        """The run's settings on a built model: activation checkpointing, no KV cache."""
+        if self.cfg.activation_checkpointing:  # transformers' newer name first, the older one before it existed
             enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
             enable()
         model.config.use_cache = False
@@ -261,12 +265,7 @@ class HFCausalLMTask:
                 raise PlanInputError(f"task.kwargs.model: {c.model!r}'s config is not in the local cache") from err
         else:
             config = self._architecture(tokens=False, vocab=self.plan_vocab())
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        if c.activation_checkpointing:
-            enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
-            enable()
-        model.config.use_cache = False
-        return model
+        return self._configured(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
 
     def plan_batch(self, rows: int) -> Batch:
         return token_batch(rows, self.cfg.context, self.plan_vocab())
