@@ -5,6 +5,9 @@
   for tests marked `ray`, so a hung Ray test fails in minutes instead of hanging CI.
 - A test that starts Ray must be marked `ray`: `-m "not ray"` is the contributors' fast loop
   and must stay free of Ray (checked after every unmarked test).
+- Ray tests of other mechanisms run without the preflight plan, as `preflight: false` runs:
+  it measures each distinct model once (seconds apiece, most of them a fresh interpreter),
+  and the suite runs dozens of distinct toy configs. Its own tests are marked `preflight`.
 - The suite's wall time is printed at the end.
 """
 
@@ -49,6 +52,12 @@ def pytest_runtest_call(item: pytest.Item):
 
 def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.write_line(f"suite wall time: {time.monotonic() - _STARTED:.1f} s")
+
+
+@pytest.fixture(autouse=True)
+def _preflight_only_where_tested(request, monkeypatch):
+    if request.node.get_closest_marker("ray") and not request.node.get_closest_marker("preflight"):
+        monkeypatch.setattr("orchestrator.runtime.driver.preflight", lambda cfg, *, on_ray_cluster: None)
 
 
 _SHARED_RAY: dict[str, str] = {}  # the GCS address of the local instance `ray_local` started

@@ -171,6 +171,7 @@ def test_every_shipped_config_is_planned_and_rehearsed_at_its_shapes(
 
 
 @pytest.mark.ray
+@pytest.mark.preflight
 def test_a_run_that_cannot_fit_this_machine_is_refused_before_anything_starts(capsys, tmp_path, corpus_cache):
     """A 13 B-parameter GPT on this machine: `archipelago run` exits 2 naming what does not
     fit, and no actor was started (the model was measured under fake tensors, never built)."""

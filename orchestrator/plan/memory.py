@@ -24,3 +24,4 @@ class ModelMemory:
     eval_peak: int  # an evaluation forward: params and activations (no autograd)
     eval_set: int  # the evaluation's batches, held by whoever evaluates
     measure_s: float  # how long the measurement took
+    cached: bool = False  # read from the cache of an earlier measurement of the same shapes (`plan/preflight.py`)

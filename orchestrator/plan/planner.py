@@ -101,9 +101,10 @@ class Plan:
 
     def lines(self) -> list[str]:
         m = self.model
+        cached = ", cached" if m.cached else ""
         out = [
             f"model: {m.params:,} parameters; an inner step at {m.train_rows} rows per micro-batch, an evaluation "
-            f"forward at {m.eval_rows} rows (measured with fake tensors in {m.measure_s:.1f} s); cluster: {self.cluster}",
+            f"forward at {m.eval_rows} rows (measured with fake tensors in {m.measure_s:.1f} s{cached}); cluster: {self.cluster}",
             *(n.line() for n in self.needs),
             f"link per island per round: up {self.link.up_bytes / 1e6:,.1f} MB, down {self.link.down_bytes / 1e6:,.1f} "
             f"MB{f', {self.link.seconds:.2f} s at the configured link' if self.link.seconds else ''}; "
@@ -365,12 +366,11 @@ def plan_run(
     cluster_path: str | Path | None = None,
     under_ray: bool = True,
 ) -> Plan:
-    """Measure `cfg`'s model and plan it on `cluster`, the manifest at `cluster_path`, or this machine."""
+    """Measure `cfg`'s model (or read an earlier measurement of the same shapes) and plan it
+    on `cluster`, the manifest at `cluster_path`, or this machine."""
+    from orchestrator.plan.cache import model_memory
     from orchestrator.plan.cluster import from_manifest, this_machine
-    from orchestrator.plan.measure import measure
-    from workers.tasks.task import load_task
 
     if cluster is None:
         cluster = from_manifest(cluster_path) if cluster_path is not None else this_machine()
-    task = load_task(cfg.task.factory, cfg.task.kwargs)
-    return make_plan(cfg, measure(cfg, task), cluster, under_ray=under_ray)
+    return make_plan(cfg, model_memory(cfg), cluster, under_ray=under_ray)

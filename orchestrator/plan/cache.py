@@ -1,0 +1,77 @@
+"""The plan's measurement of a model, cached on disk per shape.
+
+The measurement (`measure.py`) depends only on the task, the inner loop's memory-shaping
+settings, the codec and torch's version, so it is cached under that key: the first plan
+or run of a config pays seconds (torch imported, fake tensors, a fresh interpreter's
+baseline), every later one with the same shapes reads a file and imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+from pathlib import Path
+
+from orchestrator.config import RunConfig
+from orchestrator.plan.memory import ModelMemory
+
+log = logging.getLogger(__name__)
+
+FORMAT = 3  # the measurement's fields; a cached one of another format is measured again
+
+
+def _cache_dir() -> Path:
+    from workers.tasks.corpus import default_cache_dir
+
+    return default_cache_dir() / "plans"
+
+
+# what the measurement depends on: the model and its batch (the task), the inner loop's
+# memory-shaping settings, the codec, the island's workers and the corpus's shards. Learning
+# rates, schedules and the seed change no tensor's size: a run that tunes them plans from
+# the cache instead of paying the measurement again.
+# (`momentum`: SGD keeps a buffer only with it.)
+_INNER_SHAPES = ("optimizer", "momentum", "precision", "micro_batches", "compile")
+
+
+def _key(cfg: RunConfig) -> str:
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = "?"
+    shape = {
+        "format": FORMAT,
+        "torch": torch_version,
+        "task": cfg.task.model_dump(mode="json"),
+        "inner": {k: getattr(cfg.inner, k) for k in _INNER_SHAPES},
+        "clipped": cfg.inner.grad_clip is not None,
+        "compression": cfg.compression.model_dump(mode="json"),
+        "workers": cfg.islands.workers,
+        "shards": cfg.num_shards,
+    }
+    return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def model_memory(cfg: RunConfig) -> ModelMemory:
+    """The model's measurement for `cfg`, from the cache or measured (and cached)."""
+    path = _cache_dir() / f"{_key(cfg)}.json"
+    try:
+        return dataclasses.replace(ModelMemory(**json.loads(path.read_text())), cached=True)
+    except (OSError, ValueError, TypeError):
+        pass
+    from orchestrator.plan.measure import measure
+    from workers.tasks.task import load_task
+
+    found = measure(cfg, load_task(cfg.task.factory, cfg.task.kwargs))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(found)))
+        os.replace(tmp, path)
+    except OSError as err:  # a read-only home: measured again next time
+        log.debug("plan cache not written: %s", err)
+    return found
