@@ -372,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         run_id = resume_id(cfg) if resume else args.run_id
+        if run_id is not None:
+            cfg = cfg.for_run(run_id)  # `--run-id`: its own folder, where its checkpoints are
         if resume or (run_id is not None and check_resumable(cfg, run_id)):
             log.info("continuing run %s from its checkpoint in %s", run_id, cfg.checkpoint_dir)
         if resume:

@@ -202,6 +202,9 @@ class CoordinatorConfig(Strict):
     )
 
 
+RUN_PLACEHOLDER = "{run_id}"  # in `out_dir`: the run's own folder
+
+
 class RunConfig(Strict):
     """One training run. `mode: diloco` is synchronous DiLoCo; `mode: ddp` is the
     data-parallel baseline (gradients averaged every step, one AdamW using `inner`);
@@ -247,7 +250,12 @@ class RunConfig(Strict):
         description="check the run's plan (`archipelago plan`: each process's memory against its node) before "
         "starting anything, and refuse what cannot fit (exit 2)",
     )
-    out_dir: str = Field("runs/latest", description="outputs: config, metrics, events, summary, final model")
+    out_dir: str = Field(
+        f"runs/{RUN_PLACEHOLDER}",
+        description=f"outputs: config, metrics, events, summary, final model. `{RUN_PLACEHOLDER}` is replaced by the run's "
+        "id, so each run has its own folder; a folder `latest` beside it then points at the newest "
+        "(`--resume runs/latest`)",
+    )
     init_from: str | None = Field(
         None,
         description="start from these weights instead of the seed's initialisation: a final.pt, or a "
@@ -291,6 +299,20 @@ class RunConfig(Strict):
         if w.path is not None and not Path(w.path).is_dir():
             raise ValueError(f"warm_start.path: no such folder: {w.path}")
         return self
+
+    @field_validator("out_dir")
+    @classmethod
+    def _one_placeholder(cls, out_dir: str) -> str:
+        rest = out_dir.replace(RUN_PLACEHOLDER, "")
+        if "{" in rest or "}" in rest:
+            raise ValueError(f"braces other than {RUN_PLACEHOLDER} (the run's id) in {out_dir!r}")
+        return out_dir
+
+    def for_run(self, run_id: str) -> RunConfig:
+        """This config with `out_dir`'s `{run_id}` replaced by `run_id` (unchanged without one)."""
+        if RUN_PLACEHOLDER not in self.out_dir:
+            return self
+        return self.model_copy(update={"out_dir": self.out_dir.replace(RUN_PLACEHOLDER, run_id)})
 
     @field_validator("init_from")
     @classmethod

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from orchestrator.config import RunConfig
+from orchestrator.config import RUN_PLACEHOLDER, RunConfig
 from workers.runtime.storage import Folder, is_url
 from workers.tasks.task import TaskError, load_task
 
@@ -131,6 +131,8 @@ def check_folders(cfg: RunConfig) -> None:
     folders = [("out_dir", cfg.out_dir)]
     if cfg.checkpoint.every_rounds or cfg.checkpoint.path:
         folders.append(("checkpoint.path", cfg.checkpoint_dir))
+    # a run's own folder is named once its id is known: the folder above it is checked
+    folders = [(f, d.split(RUN_PLACEHOLDER)[0].rstrip("/") or "." if RUN_PLACEHOLDER in d else d) for f, d in folders]
     for field, folder in folders:
         if is_url(folder):
             _probe_store(field, folder)

@@ -1,7 +1,7 @@
 """Coordinator checkpoints that a restart can trust, on storage others may write to.
 
 Each run checkpoints into its own subfolder, `<checkpoint.path>/<run id>/`, so runs
-pointed at one folder (a fixed path on a shared volume, a rerun into `runs/latest`)
+pointed at one folder (a fixed path on a shared volume, reruns into one fixed `--out`)
 never number, prune or load each other's files: a new run starts fresh beside the
 others, and each resumes its own.
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.config import RunConfig
+from orchestrator.config import RUN_PLACEHOLDER, RunConfig
 from orchestrator.config_load import dump_config
 from orchestrator.config_operations import RecordsConfig
 from orchestrator.engine.logfiles import read_lines, restart, rewind, rotate
@@ -90,6 +90,29 @@ class Backlog:
 
 
 RUN_ID = "run_id"  # in a run's out_dir: the id its checkpoints are kept under
+LATEST = "latest"  # beside the runs' own folders: a link to the newest
+
+
+def link_latest(out_dir: str, run_id: str) -> None:
+    """Point `latest` beside the runs' own folders at this run's (`runs/latest` ->
+    `<run id>`), replaced atomically, so `--resume runs/latest` and a reader of
+    `runs/latest/metrics.jsonl` find the newest run while every run keeps its own records.
+    Only for an `out_dir` ending in its `{run_id}` on a local disk; a `latest` that is a real
+    folder (written by a version before per-run folders) is left as it is."""
+    parent, last = out_dir.rsplit("/", 1) if "/" in out_dir else (".", out_dir)
+    if last != RUN_PLACEHOLDER or "://" in out_dir:
+        return
+    link = Path(parent) / LATEST
+    if link.exists() and not link.is_symlink():
+        log.info("%s is a folder, not a link: left as it is (runs now go to %s/<run id>)", link, parent)
+        return
+    try:
+        tmp = Path(parent) / f".{LATEST}-{run_id}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(run_id, target_is_directory=True)
+        tmp.replace(link)
+    except OSError as err:  # a filesystem without links: the run's own folder is all there is
+        log.info("could not point %s at %s: %s", link, run_id, err)
 
 
 class Recorder:

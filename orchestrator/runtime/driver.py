@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from orchestrator.config import RunConfig
 from orchestrator.engine.checkpoints import CheckpointError, load_checkpoint, run_folder, runs_in
 from orchestrator.engine.commands import Stop
-from orchestrator.engine.records import RUN_ID
+from orchestrator.engine.records import RUN_ID, link_latest
 from orchestrator.engine.types import RunFailed
 from orchestrator.engine.warm_start import check_warm_start, pending, warm_run_id
 from orchestrator.plan.preflight import preflight
@@ -158,6 +158,10 @@ def run(
     load_task(cfg.task.factory, cfg.task.kwargs).prepare()  # build data caches once, before any actor
     new_run = run_id is None
     run_id = run_id or uuid.uuid4().hex[:12]
+    template, cfg = cfg.out_dir, cfg.for_run(run_id)  # each run its own folder (`out_dir`'s `{run_id}`)
+    if template != cfg.out_dir:
+        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+        link_latest(template, run_id)
     if cfg.warm_steps and not pending(cfg, run_id):
         check_warm_start(cfg)  # one to reuse, or this run's finished one: it must fit
     command = {"before_ray_s": time.time() - started_at}
