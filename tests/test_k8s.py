@@ -4,8 +4,11 @@ rejected), and checked against the code: entry point, ports, secret and env name
 from __future__ import annotations
 
 import copy
+import functools
+import gzip
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 
@@ -15,10 +18,10 @@ from orchestrator.config_load import load_config
 from orchestrator.runtime.driver import RAY_SYSTEM_CONFIG
 from tests.conftest import REPO
 
-jsonschema = pytest.importorskip("jsonschema")
-CRDS = REPO.parent / "shared" / "kuberay"
+CRDS = REPO / "tests" / "kuberay"  # KubeRay v1.7.0's CRDs, as released (gzipped; its LICENSE beside them)
 K8S = REPO / "k8s"
-needs_crds = pytest.mark.skipif(not CRDS.is_dir(), reason=f"KubeRay CRD schemas not found at {CRDS}")
+CHECKPOINTS = "/mnt/archipelago/checkpoints"  # the shipped configs' checkpoint.path, on the shared volume
+LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: the CRDs are 2.3 MB of YAML
 
 
 def strict(schema):
@@ -43,8 +46,9 @@ def strict(schema):
     return schema
 
 
+@functools.cache
 def crd_schema(name: str):
-    crd = yaml.safe_load((CRDS / name).read_text())
+    crd = yaml.load(gzip.decompress((CRDS / f"{name}.gz").read_bytes()), Loader=LOADER)
     version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
     return strict(version["schema"]["openAPIV3Schema"])
 
@@ -53,15 +57,13 @@ def manifest(name: str):
     return yaml.safe_load((K8S / name).read_text())
 
 
-@needs_crds
 @pytest.mark.parametrize(
-    "file, crd", [("raycluster.yaml", "ray.io_rayclusters.yaml"), ("rayjob.yaml", "ray.io_rayjobs.yaml")]
+    "file, crd", [("raycluster.yaml", "ray.io_rayclusters.yaml"), ("job/rayjob.yaml", "ray.io_rayjobs.yaml")]
 )
 def test_manifests_validate_against_the_crds(file, crd):
     jsonschema.validate(manifest(file), crd_schema(crd))
 
 
-@needs_crds
 def test_unknown_fields_are_caught():
     bad = manifest("raycluster.yaml")
     bad["spec"]["workerGroupSpecs"][0]["maxReplica"] = 3  # typo of maxReplicas
@@ -81,7 +83,7 @@ SECRET = "archipelago-api-token"  # created with `kubectl create secret` (docs/d
 
 
 def test_manifests_match_the_code():
-    cluster, job = manifest("raycluster.yaml")["spec"], manifest("rayjob.yaml")["spec"]
+    cluster, job = manifest("raycluster.yaml")["spec"], manifest("job/rayjob.yaml")["spec"]
     run_cfg = load_config(K8S / "run-config.yaml")
     for spec in (cluster, job["rayClusterSpec"]):
         head = _head(spec)
@@ -141,7 +143,7 @@ def test_runtime_env_ships_the_package_dependencies():
 
 def _pods() -> dict[str, dict]:
     """Every pod template the manifests ship, by where it is."""
-    cluster, job = manifest("raycluster.yaml")["spec"], manifest("rayjob.yaml")["spec"]
+    cluster, job = manifest("raycluster.yaml")["spec"], manifest("job/rayjob.yaml")["spec"]
     pods = {}
     for name, spec in (("raycluster", cluster), ("rayjob", job["rayClusterSpec"])):
         pods[f"{name} head"] = spec["headGroupSpec"]["template"]
@@ -152,7 +154,7 @@ def _pods() -> dict[str, dict]:
 
 
 def test_the_rayjob_runs_the_same_cluster_as_the_raycluster():
-    assert manifest("rayjob.yaml")["spec"]["rayClusterSpec"] == manifest("raycluster.yaml")["spec"]
+    assert manifest("job/rayjob.yaml")["spec"]["rayClusterSpec"] == manifest("raycluster.yaml")["spec"]
 
 
 def test_a_retried_rayjob_continues_its_run():
@@ -160,10 +162,10 @@ def test_a_retried_rayjob_continues_its_run():
     makes it continue the run from the shared volume's checkpoints."""
     from orchestrator.cli import build_parser
 
-    job = manifest("rayjob.yaml")["spec"]
+    job = manifest("job/rayjob.yaml")["spec"]
     assert job["backoffLimit"] >= 1
     args = build_parser().parse_args(job["entrypoint"].split()[1:])
-    assert args.command == "run" and args.run_id == manifest("rayjob.yaml")["metadata"]["name"]
+    assert args.command == "run" and args.run_id == manifest("job/rayjob.yaml")["metadata"]["name"]
     run_config = manifest("run-config.yaml")
     assert run_config["checkpoint"]["path"].startswith("/mnt/archipelago/")  # on the shared volume
 
@@ -189,9 +191,14 @@ def test_every_pod_runs_unprivileged_as_the_images_user_with_resources():
                 mode = volume["secret"]["defaultMode"]
                 assert (mode & 0o040 and context.get("fsGroup") == context["runAsGroup"]) or mode & 0o004, where
         mounts = [m for c in spec["containers"] for m in c.get("volumeMounts", [])]
-        if "head" not in where:  # islands only read the shared volume
-            assert all(m.get("readOnly") for m in mounts), where
-    for spec in (manifest("raycluster.yaml")["spec"], manifest("rayjob.yaml")["spec"]["rayClusterSpec"]):
+        if (
+            "head" not in where and "submitter" not in where
+        ):  # islands read the shared volume and write only their state under checkpoint.path
+            writable = [m for m in mounts if not m.get("readOnly")]
+            assert [(m["mountPath"], m["subPath"]) for m in writable] == [(CHECKPOINTS, "checkpoints")], where
+            for config in ("run-config.yaml", "hf-llama-config.yaml"):  # islands/ lies under it
+                assert f"{manifest(config)['checkpoint']['path']}/".startswith(f"{CHECKPOINTS}/"), config
+    for spec in (manifest("raycluster.yaml")["spec"], manifest("job/rayjob.yaml")["spec"]["rayClusterSpec"]):
         assert spec["authOptions"] == {"mode": "token"}  # Ray's job server and GCS need Ray's token too
 
 
@@ -205,8 +212,15 @@ def test_a_network_policy_admits_only_the_runs_pods_and_metrics_scrapes():
     assert rules[0] == {"from": [{"podSelector": {"matchLabels": label}}]}  # the run's own pods
     opened = {p["port"] for rule in rules[1:] for p in rule["ports"]}
     assert opened == {8265, ApiConfig().port, 8080}  # job server, control plane, metrics: nothing else
-    everywhere = [r for r in rules[1:] if r["from"] == [{"namespaceSelector": {}}]]
-    assert [p["port"] for r in everywhere for p in r["ports"]] == [8080]
+    assert rules[1]["from"] == [{"podSelector": {}}]  # this namespace's pods
+    sources = [(src, {p["port"] for p in rule["ports"]}) for rule in rules[2:] for src in rule["from"]]
+    for src, _ in sources:  # from another namespace: only the KubeRay operator, only Prometheus
+        assert src.get("podSelector") or src["namespaceSelector"].get("matchLabels"), src
+    operator = [ports for src, ports in sources if src.get("podSelector")]
+    assert operator == [{8265}]  # it polls a RayJob's status on the job server (KubeRay's e2e does the same)
+    (src,) = [s for s, _ in sources if not s.get("podSelector")]
+    assert src["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
+    assert [ports for s, ports in sources if s is src] == [{8080}]
 
 
 def test_the_pod_monitor_scrapes_the_metrics_port_of_every_pod_of_the_run():
@@ -237,3 +251,85 @@ def test_no_token_value_is_tracked_or_shipped():
     assert "k8s/secret.yaml" in (REPO / ".gitignore").read_text().split()
     deploy = (REPO / "docs" / "deploy.md").read_text()
     assert f"kubectl create secret generic {SECRET}" in deploy and "sed -i" not in deploy
+
+
+def _rendered(folder: Path) -> list[dict]:
+    """The resources a kustomization lists, with its components' `images:` applied the way
+    kustomize's image transformer does (every `image` of a `containers` or `initContainers`
+    entry, in any kind, CRDs included, whose name matches)."""
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    images = {}
+    for component in kustomization.get("components", []):
+        found = yaml.safe_load((folder / component / "kustomization.yaml").read_text())
+        assert found["kind"] == "Component"
+        images.update({i["name"]: i for i in found.get("images", [])})
+    docs = [yaml.safe_load((folder / r).read_text()) for r in kustomization["resources"]]
+
+    def walk(node):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in ("containers", "initContainers"):
+                    for c in value:
+                        name = c["image"].split("@")[0].rsplit(":", 1)[0]
+                        if name in images:
+                            i = images[name]
+                            ref = i.get("newName", name)
+                            c["image"] = f"{ref}@{i['digest']}" if "digest" in i else f"{ref}:{i['newTag']}"
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(docs)
+    return docs
+
+
+def _images(node) -> list[str]:
+    if isinstance(node, dict):
+        return [c["image"] for k, v in node.items() if k in ("containers", "initContainers") for c in v] + [
+            i for v in node.values() for i in _images(v)
+        ]
+    return [i for v in node for i in _images(v)] if isinstance(node, list) else []
+
+
+@pytest.mark.parametrize("folder", ["", "job"])
+def test_the_image_is_set_once_and_immutable_in_what_each_kustomization_renders(folder):
+    docs = _rendered(K8S / folder)
+    images = _images(docs)
+    assert images and len(set(images)) == 1, images  # head, workers, submitter: one image, one place
+    (image,) = set(images)
+    name, _, tag = image.rpartition(":")
+    assert "@sha256:" in image or (name and tag and tag != "latest"), image
+    for path in [*K8S.glob("*.yaml"), *K8S.glob("job/*.yaml")]:  # no manifest names a tag of its own
+        assert "archipelago:latest" not in path.read_text(), path
+
+
+def test_the_alert_rules_load_and_watch_series_the_run_exports():
+    """Each rule is well formed and its expression parses as PromQL (Prometheus's own
+    grammar, `promql-parser`), and reads only series the run exports through Ray's metrics
+    agent (`ray_` + our names)."""
+    import re
+
+    import promql_parser
+
+    from orchestrator.engine.views import HISTOGRAMS, ISLAND_METRICS, ISLAND_STATE, RUN_METRICS
+
+    exported = {f"ray_{m.name}" for m in [*RUN_METRICS, *ISLAND_METRICS, *HISTOGRAMS, ISLAND_STATE]}
+    rule = manifest("prometheusrule.yaml")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["kind"] == "PrometheusRule"
+    assert "prometheusrule.yaml" not in manifest("kustomization.yaml")["resources"]  # needs the operator's CRDs
+    alerts = [r for g in rule["spec"]["groups"] for r in g["rules"]]
+    names = {r["alert"] for r in alerts}
+    assert names == {
+        "ArchipelagoIslandStale",
+        "ArchipelagoIslandSilent",
+        "ArchipelagoIslandsBelowTarget",
+        "ArchipelagoRoundStalled",
+    }
+    for r in alerts:
+        assert set(r) <= {"alert", "expr", "for", "labels", "annotations"} and r["annotations"]["summary"]
+        assert re.fullmatch(r"\d+[smh]", r["for"]) and r["labels"]["severity"] in ("warning", "critical")
+        expr = r["expr"]
+        promql_parser.parse(expr)  # raises on a syntax error, as promtool would
+        series = set(re.findall(r"\bray_archipelago_\w+", expr))
+        assert series and series <= exported, (r["alert"], series - exported)

@@ -31,7 +31,7 @@ def test_quantities_and_manifests_read_as_kubernetes_does():
     assert quantity("16Gi") == 16 * 2**30 and quantity("512Mi") == 512 * 2**20 and quantity("32G") == 32 * 10**9
     with pytest.raises(ClusterError):
         quantity("lots")
-    a, b = from_manifest(CLUSTER), from_manifest(REPO / "k8s" / "rayjob.yaml")
+    a, b = from_manifest(CLUSTER), from_manifest(REPO / "k8s" / "job" / "rayjob.yaml")
     assert a.head == b.head and a.workers == b.workers  # the RayJob carries the same cluster
     assert a.head.memory == 16 * 2**30 and not a.head.hosts_islands  # num-cpus 0: no island on the head
     (gpu,) = a.workers
