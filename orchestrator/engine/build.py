@@ -45,6 +45,7 @@ def build_engine(
     split over slices reached through `slices` (in process by default); `evaluation.where:
     actor` evaluates through the evaluator `evaluator` starts (a Ray actor). `inbox`,
     `takes_changes` and `hands_over`: see `RoundEngine`."""
+    cfg = cfg.for_run(run_id)  # an `out_dir` with `{run_id}`: this run's own folder (the driver's runs come resolved)
     if cfg.evaluation.where != EvalPlace.COORDINATOR and evaluator is None:
         raise RunFailed(f"evaluation.where: {cfg.evaluation.where.value} needs a coordinator on Ray (archipelago run)")
     task = load_task(cfg.task.factory, cfg.task.kwargs)

@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from orchestrator.config import RunConfig
+from orchestrator.plan.fresh import Fresh
 from orchestrator.plan.memory import ModelMemory
 from workers.tasks.task import Batch, PlannableTask, Task
 
@@ -168,12 +169,10 @@ def _outer_bytes(cfg: RunConfig) -> int:
     return max(0, resident_bytes() - before)
 
 
-def _fresh_process(cfg: RunConfig) -> tuple[int, int, int, int]:
-    """`_baseline`, measured in a fresh interpreter (`plan/fresh.py`)."""
-    from orchestrator.plan.fresh import run_fresh
-
-    got = run_fresh("orchestrator.plan.measure", stdin=cfg.model_dump_json())
-    return int(got["process"]), int(got["runtime"]), int(got["outer"]), int(got["data"])
+def _start_baseline(cfg: RunConfig) -> Fresh:
+    """`_baseline`, started in a fresh interpreter (`plan/fresh.py`); it runs while this
+    process measures the model under fake tensors."""
+    return Fresh("orchestrator.plan.measure", stdin=cfg.model_dump_json())
 
 
 def uplink_bytes_per_value(cfg: RunConfig) -> float:
@@ -201,74 +200,86 @@ def measure(cfg: RunConfig, task: Task) -> ModelMemory:
     """The model's memory at `cfg`'s shapes (see the module's docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    t0 = time.perf_counter()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = _model(task)  # first: a missing vocabulary is named before anything starts
+        baseline = _start_baseline(cfg)
+        try:
+            found = _under_fake_tensors(cfg, task, model)
+        except BaseException:
+            baseline.cancel()
+            raise
+    got = baseline.result()
+    return ModelMemory(
+        **found,
+        process=int(got["process"]),
+        runtime=int(got["runtime"]),
+        outer_runtime=int(got["outer"]),
+        data=int(got["data"]),
+        uplink_bytes_per_value=uplink_bytes_per_value(cfg),
+        measure_s=time.perf_counter() - t0,
+    )
+
+
+def _under_fake_tensors(cfg: RunConfig, task: Task, model: torch.nn.Module) -> dict[str, Any]:
+    """`measure`'s tensors (inside its FakeTensorMode): an inner step's peak and parts, an
+    evaluation forward's peak, the evaluation set."""
     from workers.runtime.optim import build_inner, inner_params, muon_params
     from workers.wire.flat import FlatParams
     from workers.wire.spec import Precision
 
-    t0 = time.perf_counter()
     rows = micro_rows(cfg, task)
     batch_rows = rows * cfg.inner.micro_batches * cfg.islands.workers
     eval_batches = getattr(getattr(task, "cfg", None), "eval_batches", 1)
     eval_rows = task.eval_rows() if isinstance(task, PlannableTask) else rows
     bf16 = cfg.inner.precision == Precision.BF16
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model = _model(task)
-        flat = FlatParams(model)
-        params = flat.numel
-        optimizer, _ = build_inner(cfg.inner, inner_params(cfg.inner, model, flat), 10, 0, 0, muon_params(model))
-        batch = _batch(task, rows, cfg.seed)
+    flat = FlatParams(model)
+    params = flat.numel
+    optimizer, _ = build_inner(cfg.inner, inner_params(cfg.inner, model, flat), 10, 0, 0, muon_params(model))
+    batch = _batch(task, rows, cfg.seed)
 
-        def step() -> None:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss = task.loss(model, batch)
-            loss.backward()
-            if cfg.inner.grad_clip is not None:
-                flat.clip_grad(cfg.inner.grad_clip)
-            optimizer.step()
-            flat.zero_grad()
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = task.loss(model, batch)
+        loss.backward()
+        if cfg.inner.grad_clip is not None:
+            flat.clip_grad(cfg.inner.grad_clip)
+        optimizer.step()
+        flat.zero_grad()
 
-        step()  # creates the optimizer state an island keeps across rounds; the next step is measured
-        training = LiveBytes()
-        training.add(_state_tensors(model, optimizer, flat))
-        held = training.now
-        with training:
-            step()
-        optimizer_state = sum(
-            v.untyped_storage().nbytes()
-            for state in optimizer.state.values()
-            for v in state.values()
-            if isinstance(v, torch.Tensor) and v.numel() > 1
-        )
-        train_parts = {
+    step()  # creates the optimizer state an island keeps across rounds; the next step is measured
+    training = LiveBytes()
+    training.add(_state_tensors(model, optimizer, flat))
+    held = training.now
+    with training:
+        step()
+    optimizer_state = sum(
+        v.untyped_storage().nbytes()
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.numel() > 1
+    )
+    whole = _batch(task, batch_rows, cfg.seed)
+    model.eval()
+    evaluating = LiveBytes()
+    evaluating.add([flat.data, *model.buffers()])
+    eval_batch = _batch(task, eval_rows, cfg.seed)
+    with evaluating, torch.no_grad():
+        task.loss(model, eval_batch)
+    return {
+        "params": params,
+        "train_rows": rows,
+        "train_peak": training.peak,
+        "train_parts": {
             "parameters": 4 * params,
             "gradients": 4 * params,
             "optimizer_state": optimizer_state,
             "activations_and_temporaries": training.peak - held,
-        }
-        whole = _batch(task, batch_rows, cfg.seed)
-        eval_set = int(eval_batches) * sum(t.untyped_storage().nbytes() for t in whole)
-        model.eval()
-        evaluating = LiveBytes()
-        evaluating.add([flat.data, *model.buffers()])
-        eval_batch = _batch(task, eval_rows, cfg.seed)
-        with evaluating, torch.no_grad():
-            task.loss(model, eval_batch)
-    process, runtime, outer, data = _fresh_process(cfg)  # after the model shaped here (a missing vocabulary is named)
-    return ModelMemory(
-        params=params,
-        process=process,
-        runtime=runtime,
-        outer_runtime=outer,
-        uplink_bytes_per_value=uplink_bytes_per_value(cfg),
-        data=data,
-        train_rows=rows,
-        train_peak=training.peak,
-        train_parts=train_parts,
-        eval_rows=eval_rows,
-        eval_peak=evaluating.peak,
-        eval_set=eval_set,
-        measure_s=time.perf_counter() - t0,
-    )
+        },
+        "eval_rows": eval_rows,
+        "eval_peak": evaluating.peak,
+        "eval_set": int(eval_batches) * sum(t.untyped_storage().nbytes() for t in whole),
+    }
 
 
 if __name__ == "__main__":

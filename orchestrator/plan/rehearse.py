@@ -24,11 +24,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from orchestrator.config import RunConfig
 from orchestrator.config_operations import EvalPlace
-from orchestrator.plan.fresh import run_fresh
+from orchestrator.plan.fresh import Fresh
 
 GIB = 2**30
 TOLERANCE = 0.25  # a process's measured peak within 25 % of the plan's
@@ -124,9 +123,10 @@ def _main(role: str) -> None:
     sys.stdout.write(json.dumps({"role": role, "peak": _peak(), "seconds": time.perf_counter() - t0}) + "\n")
 
 
-def rehearse_role(cfg: RunConfig, role: str, timeout_s: float = 1800) -> dict[str, Any]:
-    """One process of the run, in a fresh interpreter: its peak and its seconds."""
-    return run_fresh("orchestrator.plan.rehearse", role, stdin=cfg.model_dump_json(), timeout_s=timeout_s)
+def rehearse_role(cfg: RunConfig, role: str, timeout_s: float = 1800) -> Fresh:
+    """One process of the run, started in a fresh interpreter; its answer is its peak and
+    its seconds."""
+    return Fresh("orchestrator.plan.rehearse", role, stdin=cfg.model_dump_json(), timeout_s=timeout_s)
 
 
 def rehearse(cfg: RunConfig) -> list[Rehearsed]:
@@ -138,11 +138,17 @@ def rehearse(cfg: RunConfig) -> list[Rehearsed]:
     plan = plan_run(cfg, this_machine(), under_ray=False)
     planned = {n.process: n.total for n in plan.needs if n.memory == "host"}
     roles = ["island", "coordinator"] + (["evaluator"] if cfg.evaluation.where == EvalPlace.ACTOR else [])
+    # side by side, as they run: each peak is its own process's; the seconds include the sharing
+    started = [rehearse_role(cfg, role) for role in roles]
     out = []
-    for role in roles:
-        got = rehearse_role(cfg, role)
-        key = {"island": "island worker"}.get(role, role)
-        out.append(Rehearsed(role=role, planned=planned[key], measured=got["peak"], seconds=got["seconds"]))
+    try:
+        for role, process in zip(roles, started):
+            got = process.result()
+            key = {"island": "island worker"}.get(role, role)
+            out.append(Rehearsed(role=role, planned=planned[key], measured=got["peak"], seconds=got["seconds"]))
+    finally:
+        for process in started:  # the others, when one failed
+            process.cancel()
     return out
 
 
