@@ -21,7 +21,7 @@ from api import prometheus
 from api.auth import TokenSource
 from api.guard import bearer_guard
 from api.handle import HandleError, RunHandle
-from api.limits import MAX_BODY, FrontDoor
+from api.limits import MAX_BODY, FrontDoor, RateLimit
 from api.schemas import Accepted, Target
 from api.schemas import AddIslands as AddIslandsBody
 from orchestrator.engine.commands import (
@@ -97,11 +97,14 @@ def create_app(
     public_reads: bool = False,
     max_body: int = MAX_BODY,
     loopback: bool = False,
+    read_token: TokenSource | None = None,
+    rate: RateLimit | None = None,
 ) -> FastAPI:
     """The app over `handle`. Mutations need `token` (a `TokenSource` follows a token file
     as it is rotated); so do reads unless `public_reads` (or no token is configured, which
     `check_exposure` allows on loopback only). `loopback`: it is served on loopback, so it
-    answers loopback Host names only."""
+    answers loopback Host names only. `read_token`: a second token that passes for reads
+    only (dashboards, scrapers); `rate`: each client's request rate (429 beyond)."""
     source = token if isinstance(token, TokenSource) else TokenSource(token)
     app = FastAPI(
         title="Archipelago control plane",
@@ -110,8 +113,9 @@ def create_app(
         default_response_class=FiniteJSONResponse,
     )
     auth = [Depends(bearer_guard(source))]
-    reads = [] if public_reads or source.current() is None else [Depends(bearer_guard(source, "reads"))]
-    app.add_middleware(FrontDoor, token=source, max_body=max_body, loopback=loopback)
+    open_reads = public_reads or source.current() is None
+    reads = [] if open_reads else [Depends(bearer_guard(source, "reads", read_token))]
+    app.add_middleware(FrontDoor, token=source, max_body=max_body, loopback=loopback, reader=read_token, rate=rate)
     page, policy = _dashboard()
 
     @app.exception_handler(HandleError)

@@ -87,6 +87,27 @@ def configured_source(token: str | None) -> TokenSource:
     return TokenSource(token, os.environ.get("ARCHIPELAGO_API_TOKEN_FILE") if token is not None else None)
 
 
+def configured_read_source() -> TokenSource | None:
+    """The read-only token, for dashboards and scrapers (every read, no mutation), from a
+    file named by $ARCHIPELAGO_API_READ_TOKEN_FILE (followed as it is rotated) or from
+    $ARCHIPELAGO_API_READ_TOKEN; None when neither is set. Held to the operator token's
+    rules (no placeholder, long enough); raises `ExposureError` otherwise."""
+    path = os.environ.get("ARCHIPELAGO_API_READ_TOKEN_FILE")
+    if path:
+        try:
+            token: str | None = Path(path).read_text().strip() or None
+        except (OSError, UnicodeDecodeError) as err:
+            raise ExposureError(f"ARCHIPELAGO_API_READ_TOKEN_FILE={path} cannot be read: {err}") from err
+    else:
+        token = os.environ.get("ARCHIPELAGO_API_READ_TOKEN") or None
+    if token is None:
+        return None
+    check_exposure("0.0.0.0", token)
+    if token == configured_token():
+        raise ExposureError("the read-only token is the operator token: give readers a token of their own")
+    return TokenSource(token, path or None)
+
+
 def is_loopback(host: str) -> bool:
     if host in LOOPBACK_NAMES:
         return True
@@ -113,14 +134,19 @@ def check_exposure(host: str, token: str | None) -> None:
         )
 
 
-def token_status(header: bytes, expected: bytes | None, what: str = "mutations") -> tuple[int, str] | None:
+def token_status(
+    header: bytes, expected: bytes | None, what: str = "mutations", reader: bytes | None = None
+) -> tuple[int, str] | None:
     """(status, reason) refusing a request with this raw `Authorization` header, or None.
-    On bytes, in constant time: any bytes a client sends are compared as they came (a str
-    comparison would raise on non-ASCII: a 500)."""
+    `reader`: the read-only token, accepted too (for reads). On bytes, in constant time: any
+    bytes a client sends are compared as they came (a str comparison would raise on
+    non-ASCII: a 500)."""
     if expected is None:
         return 403, f"{what} are disabled: no API token is configured (ARCHIPELAGO_API_TOKEN_FILE)"
     if header[:7].lower() != b"bearer ":
         return 401, "missing bearer token"
-    if not hmac.compare_digest(header[7:].strip(), expected):
-        return 403, "wrong token"
-    return None
+    sent = header[7:].strip()
+    operator = hmac.compare_digest(sent, expected)
+    if not operator and reader is not None and hmac.compare_digest(sent, reader):
+        return None if what == "reads" else (403, "the read-only token cannot change the run")
+    return None if operator else (403, "wrong token")

@@ -15,13 +15,15 @@ from api.auth import TokenSource, token_status
 _bearer = HTTPBearer(auto_error=False, description="the run's API token (ARCHIPELAGO_API_TOKEN_FILE)")
 
 
-def bearer_guard(token: TokenSource, what: str = "mutations"):
-    """A FastAPI dependency: 401 without credentials, 403 with wrong ones."""
+def bearer_guard(token: TokenSource, what: str = "mutations", reader: TokenSource | None = None):
+    """A FastAPI dependency: 401 without credentials, 403 with wrong ones (the read-only
+    token `reader` passes for reads only)."""
 
     def check(request: Request, _scheme: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
         # `_scheme` puts the bearer scheme in the OpenAPI document; the check reads the raw
         # header. The server decodes header bytes as latin-1: encoding back gives the bytes sent
-        refused = token_status(request.headers.get("authorization", "").encode("latin-1"), token.current(), what)
+        sent = request.headers.get("authorization", "").encode("latin-1")
+        refused = token_status(sent, token.current(), what, reader.current() if reader is not None else None)
         if refused is not None:
             status, reason = refused
             raise HTTPException(status, reason, headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)

@@ -3,6 +3,11 @@ most `max_body` bytes (413 beyond, whatever Content-Length claims), and a mutati
 request without the right token is answered before its body is read at all, so an
 unauthenticated client can make the server neither buffer nor parse anything.
 
+Each client (by address) gets `RateLimit`'s token bucket: past its rate, a request is
+answered 429 with `Retry-After` before anything else is done for it, so one client polling
+too hard (a dashboard left in a loop, a scraper misconfigured) cannot starve the others or
+the run's own thread of the snapshot lock.
+
 It also gives every request one reading: a request with two `Authorization` headers is
 refused (a front door reading the last and a route reading the first would disagree on
 who is asking); a server listening on loopback answers only requests addressed to a
@@ -13,6 +18,9 @@ cache it."""
 from __future__ import annotations
 
 import json
+import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 from api.auth import TokenSource, is_loopback, token_status
@@ -27,6 +35,36 @@ SECURITY_HEADERS = [
 ]
 
 
+class RateLimit:
+    """A token bucket per client: `per_s` requests a second on average, `burst` at once.
+    At most `MAX_CLIENTS` buckets are held, the least recently seen client's forgotten
+    first (it comes back with a full bucket), so the table stays bounded whoever connects."""
+
+    MAX_CLIENTS = 4096
+
+    def __init__(self, per_s: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        if per_s <= 0 or burst < 1:
+            raise ValueError(f"a rate limit needs per_s > 0 and burst >= 1, not {per_s}, {burst}")
+        self.per_s, self.burst, self.clock = per_s, burst, clock
+        self.buckets: dict[str, tuple[float, float]] = {}  # client -> (tokens, when), least recent first
+
+    def wait_s(self, client: str) -> float:
+        """0 when `client` may go now (a token is taken), else the seconds until it may."""
+        now = self.clock()
+        tokens, when = self.buckets.pop(client, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - when) * self.per_s)
+        wait = 0.0 if tokens >= 1 else (1 - tokens) / self.per_s
+        self.buckets[client] = (tokens - 1 if wait == 0 else tokens, now)
+        if len(self.buckets) > self.MAX_CLIENTS:
+            del self.buckets[next(iter(self.buckets))]
+        return wait
+
+
+def rate_limit(per_s: float, burst: int) -> RateLimit | None:
+    """`api.rate_per_s` and `api.rate_burst` as the front door applies them (0: no limit)."""
+    return RateLimit(per_s, burst) if per_s > 0 else None
+
+
 def host_name(header: bytes) -> str:
     """The name in a Host header, without its port (`[::1]:8600` → `::1`)."""
     text = header.decode("latin-1").strip().lower()
@@ -36,15 +74,33 @@ def host_name(header: bytes) -> str:
 
 
 class FrontDoor:
-    def __init__(self, app: Any, token: TokenSource, max_body: int = MAX_BODY, loopback: bool = False) -> None:
-        """`loopback`: the server listens on loopback only, so only loopback Host names are answered."""
+    def __init__(
+        self,
+        app: Any,
+        token: TokenSource,
+        max_body: int = MAX_BODY,
+        loopback: bool = False,
+        reader: TokenSource | None = None,
+        rate: RateLimit | None = None,
+    ) -> None:
+        """`loopback`: the server listens on loopback only, so only loopback Host names are
+        answered; `reader`: the read-only token (refused for mutations, with that reason);
+        `rate`: the per-client limit (None: none)."""
         self.app, self.token, self.max_body, self.loopback = app, token, max_body, loopback
+        self.reader, self.rate = reader, rate
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         send = _secured(send, head=scope["method"] == "HEAD")
+        if self.rate is not None:
+            client = scope.get("client")
+            wait = self.rate.wait_s(client[0] if client else "")
+            if wait > 0:
+                retry = str(max(1, math.ceil(wait))).encode()
+                await _answer(send, 429, "too many requests from this client", [(b"retry-after", retry)])
+                return
         raw = scope.get("headers") or []
         headers = dict(raw)
         if sum(1 for name, _ in raw if name == b"authorization") > 1:
@@ -56,7 +112,8 @@ class FrontDoor:
         if scope["method"] == "HEAD":
             scope = {**scope, "method": "GET"}
         if scope["method"] in MUTATING:
-            refused = token_status(headers.get(b"authorization", b""), self.token.current())
+            reader = self.reader.current() if self.reader is not None else None
+            refused = token_status(headers.get(b"authorization", b""), self.token.current(), reader=reader)
             if refused is not None:
                 await _answer(send, *refused)
                 return
@@ -101,9 +158,9 @@ def _secured(send: Any, head: bool) -> Any:
     return wrapped
 
 
-async def _answer(send: Any, status: int, detail: str) -> None:
+async def _answer(send: Any, status: int, detail: str, extra: list[tuple[bytes, bytes]] | None = None) -> None:
     body = json.dumps({"detail": detail}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(extra or [])]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
     await send({"type": "http.response.start", "status": status, "headers": headers})

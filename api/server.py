@@ -13,6 +13,7 @@ import uvicorn
 from api.app import create_app
 from api.auth import TokenSource, check_exposure, is_loopback
 from api.handle import RayRunHandle
+from api.limits import RateLimit
 
 
 def server_config(app: Any, host: str, port: int, tls: tuple[str, str] | None = None) -> uvicorn.Config:
@@ -32,13 +33,17 @@ class ControlPlane:
         token: TokenSource | None = None,
         public_reads: bool = False,
         tls: tuple[str, str] | None = None,
+        read_token: TokenSource | None = None,
+        rate: RateLimit | None = None,
     ) -> None:
         """`token`: the configured token, followed in its file (rotation); `tls`:
-        (certificate, key) PEM files to serve HTTPS with."""
+        (certificate, key) PEM files to serve HTTPS with; `read_token`, `rate`: see `create_app`."""
         token = token or TokenSource()
         current = token.current()
         check_exposure(host, current.decode("utf-8") if current is not None else None)
-        app = create_app(RayRunHandle(run_id), token, public_reads, loopback=is_loopback(host))
+        app = create_app(
+            RayRunHandle(run_id), token, public_reads, loopback=is_loopback(host), read_token=read_token, rate=rate
+        )
         self.server = uvicorn.Server(server_config(app, host, port, tls))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

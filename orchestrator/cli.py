@@ -247,9 +247,18 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api.app import create_app
-    from api.auth import ExposureError, check_exposure, configured_source, configured_token, is_loopback
+    from api.auth import (
+        ExposureError,
+        check_exposure,
+        configured_read_source,
+        configured_source,
+        configured_token,
+        is_loopback,
+    )
     from api.handle import RayRunHandle, find_run
+    from api.limits import rate_limit
     from api.server import server_config
+    from orchestrator.config_operations import ApiConfig
 
     if (args.tls_cert is None) != (args.tls_key is None):
         log.error("--tls-cert and --tls-key go together")
@@ -257,6 +266,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         token = configured_token()
         check_exposure(args.host, token)
+        read_token = configured_read_source()
     except ExposureError as err:
         log.error("control plane refused: %s", err)
         return 2
@@ -274,6 +284,8 @@ def _serve(args: argparse.Namespace) -> int:
         configured_source(token),
         args.public_reads,
         loopback=is_loopback(args.host),
+        read_token=read_token,
+        rate=rate_limit(ApiConfig().rate_per_s, ApiConfig().rate_burst),
     )
     uvicorn.Server(server_config(app, args.host, args.port, tls)).run()
     return 0

@@ -156,6 +156,13 @@ class ApiConfig(Strict):
     )
     tls_cert: str | None = Field(None, description="PEM certificate file: serve HTTPS (with tls_key)")
     tls_key: str | None = Field(None, description="PEM private key file of tls_cert")
+    rate_per_s: float = Field(
+        50.0,
+        ge=0,
+        description="requests a second each client (by address) may make on average; beyond, 429 with "
+        "Retry-After (0: no limit). The dashboard makes about 2",
+    )
+    rate_burst: int = Field(100, ge=1, description="requests a client may make at once before rate_per_s applies")
 
     @model_validator(mode="after")
     def _tls(self) -> ApiConfig:

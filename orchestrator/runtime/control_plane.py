@@ -46,7 +46,8 @@ class ControlPlane:
     def start(self) -> None:
         if not self.cfg.api.enabled:
             return
-        from api.auth import configured_source
+        from api.auth import ExposureError, configured_read_source, configured_source
+        from api.limits import rate_limit
         from api.server import ControlPlane as Server
 
         api = self.cfg.api
@@ -58,7 +59,11 @@ class ControlPlane:
                 configured_source(self.token),
                 api.public_reads,
                 (api.tls_cert, api.tls_key) if api.tls_cert and api.tls_key else None,
+                read_token=configured_read_source(),
+                rate=rate_limit(api.rate_per_s, api.rate_burst),
             )
+        except ExposureError as err:
+            raise RunFailed(f"control plane refused: {err}") from err
         except (RuntimeError, OSError, ValueError) as err:
             raise RunFailed(f"the control plane did not start: {err}") from err
         log.info("control plane: %s  (dashboard at /, API at /v1, docs at /docs)", self.server.address())
