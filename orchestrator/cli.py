@@ -148,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench", parents=[common], help="run a benchmark scenario; writes DIR/<scenario>.json, .png, .md"
     )
-    bench.add_argument("scenario", help="quality (more plug into orchestrator/bench/registry.py)")
+    from orchestrator.bench.registry import available
+
+    bench.add_argument("scenario", help=f"one of: {', '.join(available())} (orchestrator/bench/registry.py)")
     bench.add_argument("--quick", action="store_true", help="smaller budget (minutes)")
     bench.add_argument("--out", default="bench-out", help="output folder")
     bench.add_argument("--docs", help="also write the report into this folder and rebuild its benchmarks.md")
@@ -160,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _bench(args: argparse.Namespace) -> int:
     from orchestrator.bench.registry import available, run_bench
-    from orchestrator.bench.report import ScenarioUnavailable
+    from orchestrator.bench.report import ScenarioUnavailable, measured_commit
 
     if args.scenario not in available():
         log.error("unknown scenario %r; available: %s", args.scenario, ", ".join(available()))
@@ -176,6 +178,7 @@ def _bench(args: argparse.Namespace) -> int:
             return 2
         return 0
     try:
+        measured_commit()  # the commit whose code runs, read before it runs
         result = run_bench(args.scenario, args.quick, Path(args.out), Path(args.docs) if args.docs else None)
     except ScenarioUnavailable as err:
         log.error("%s", err)

@@ -4,6 +4,7 @@ and the `docs/benchmarks.md` index assembled from every scenario report in a fol
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import operator
 import os
@@ -77,12 +78,15 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "ray": ray.__version__,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": measured_commit(),
+        **measured_commit(),
     }
 
 
-def measured_commit() -> str | None:
-    """The commit a report measured (with "+dirty" when the tree had changes), None outside a checkout."""
+@functools.cache
+def measured_commit() -> dict[str, Any]:
+    """The commit a report measured and whether the tree was clean (tracked files unchanged):
+    read once, when the command starts (`archipelago bench` asks first), so a commit made
+    while a long bench runs is not the one its report names. Nulls outside a checkout."""
     import subprocess
 
     root = Path(__file__).resolve().parents[2]
@@ -98,8 +102,8 @@ def measured_commit() -> str | None:
             check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+dirty" if dirty else "")
+        return {"commit": None, "clean": None}
+    return {"commit": head, "clean": not dirty}
 
 
 def styles(panels: list[Panel]) -> dict[str, dict[str, Any]]:
@@ -199,7 +203,8 @@ def write_result(result: BenchResult, out: Path) -> None:
     }
     (out / f"{result.scenario}.json").write_text(json.dumps(payload, indent=2))
     _plot(result, out / f"{result.scenario}.png")
-    at_commit = f" at commit {machine['commit']}" if machine.get("commit") else ""
+    clean = "" if machine.get("clean", True) else " with uncommitted changes"
+    at_commit = f" at commit {machine['commit']}{clean}" if machine.get("commit") else ""
     machine_line = (
         f"Machine: {machine['cpus']} CPUs ({machine['processor']}), {machine['platform']}, "
         f"torch {machine['torch']}, ray {machine['ray']}; run {machine['date']}"
