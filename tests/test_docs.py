@@ -131,6 +131,17 @@ def test_the_readmes_figures_are_the_benchmarks_json():
     assert f"eval loss {row['final_eval_loss']:.2f}," in readme and f"-> {row['final_eval_loss']:.4f} |" in readme
 
 
+def test_the_quality_reports_token_figure_is_its_json():
+    """The 4-island rows' token count in the quality report (and the index quoting it) is
+    the JSON's: the generator once quoted the first row, a 1-island baseline's."""
+    quality = json.loads((DOCS / "quality.json").read_text())["methods"]
+    four = {m["tokens"] for name, m in quality.items() if name.startswith(("ddp_k", "diloco_k4"))}
+    assert len(four) == 1
+    for page in ("quality.md", "benchmarks.md"):
+        quoted = re.search(r"\(([\d,]+) tokens for the 4-island rows\)", (DOCS / page).read_text())
+        assert quoted is not None and int(quoted.group(1).replace(",", "")) in four, page
+
+
 def test_operations_lists_exactly_the_control_planes_routes():
     from api.app import create_app
     from tests.fake_handle import FakeRun

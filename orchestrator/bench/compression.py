@@ -167,12 +167,7 @@ def _compression(quick: bool, work: Path) -> BenchResult:
             "target": DILOCO_RATIO_TARGET,
             "ok": d["bytes_communicated"] >= DILOCO_RATIO_TARGET * s["bytes_communicated"],
         },
-        "sparse_bootstrap_is_zero": {
-            "value": float(s["bytes_bootstrap"]),
-            "target": 0.0,
-            "ok": s["bytes_bootstrap"] == 0,
-        },
-    }
+    }  # no check of `bytes_bootstrap`: the rows build version 0 on every island, so it is 0 by construction
     m = methods["sparse_muon"]
     summary = (
         f"compression: sparse {s['final_eval_loss']:.4f} vs diloco {d['final_eval_loss']:.4f} "

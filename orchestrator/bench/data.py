@@ -224,12 +224,8 @@ def data(quick: bool, work: Path) -> BenchResult:
             "ok": methods[large]["island_rss_mb"] <= RSS_TOLERANCE * methods[small]["island_rss_mb"],
         },
     }
-    if not quick:  # --quick's corpus is smaller on purpose: no size check that it could only pass
-        checks["corpus_of_at_least_200M_tokens"] = {
-            "value": float(head["tokens"]),
-            "target": 200e6,
-            "ok": head["tokens"] >= 200_000_000,
-        }
+    # no check of the corpus's size: the bench generates the size it is given, so such a check
+    # could only pass; the size is a fact of the report (`methods[...]["tokens"]`)
     curves = {
         f"{source}: {what}": [
             (methods[f"{source}_{c // 1_000_000}M"]["tokens"] / 1e6, methods[f"{source}_{c // 1_000_000}M"][key])

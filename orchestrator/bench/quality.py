@@ -254,7 +254,7 @@ def _markdown(
     text = (
         f"Default task (stdlib bytes), GPT d=64, 2 layers, context 64, batch 16 per island, 64 eval batches. "
         f"Per seed one warm start ({WARM} data-parallel steps, 4 islands) continued by every method for "
-        f"{steps} more inner steps per island ({next(iter(r.values()))['tokens']:,} tokens for the 4-island rows); "
+        f"{steps} more inner steps per island ({max(m['tokens'] for m in r.values()):,} tokens for the 4-island rows); "
         f"eval loss in nats per byte.\n\n" + md_table(header, rows)
     )
     if sweep:
