@@ -376,3 +376,48 @@ def test_what_the_coordinator_keeps_per_version_and_per_island_stays_bounded(tmp
     last = json.loads((Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()[-1])
     dead = {i for i, s in engine.summary["islands"].items() if s["state"] == "dead"}
     assert dead == {"1"} and not dead & set(last["inner_steps"]) and len(last["inner_steps"]) == 3
+
+
+@pytest.mark.parametrize("mode", ["async", "quorum"])
+def test_a_close_that_completes_several_rounds_records_and_checkpoints_each(tmp_path, mode):
+    """H lowered mid-run (as the REST chaos run did) makes the next close cover more than one
+    round of the token budget. The arrival pacings returned only the last round it
+    completed: its records skipped rounds (28 of 30 under churn) and, on a multiple of
+    `every_rounds`, their checkpoints."""
+    cfg = scenario_cfg(tmp_path, mode)
+    summary = run_scenario(cfg, at={2: lambda e: e.submit(UpdateSettings(settings=SettingsUpdate(inner_steps=1)))})
+    records = [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == list(range(1, cfg.rounds + 1))  # each round once, in order
+    checkpointed = [e["round"] for e in events(cfg.out_dir) if e["kind"] == Event.CHECKPOINT.value]
+    assert checkpointed == list(range(1, cfg.rounds + 1))  # every_rounds = 1: every one due is taken
+    assert summary["rounds_done"] == cfg.rounds
+
+
+@pytest.mark.parametrize("mode", ["diloco", "async", "quorum", "overlap", "streaming"])
+def test_a_paused_run_takes_no_outer_step_until_it_resumes(tmp_path, mode):
+    """Paused in an asynchronous mode, results already out used to be stepped: the run went
+    from version 3 to 4 with its status saying paused. They now wait for the resume."""
+    from orchestrator.engine.commands import Resume
+    from orchestrator.engine.types import RunPhase
+
+    cfg = scenario_cfg(tmp_path, mode)
+    engine, _ = in_process_engine(cfg)
+    engine.start()
+    while engine.rounds_done < 2:
+        assert engine.step()
+    assert engine.submit(Pause()) == Ack(detail={"action": "pause"})
+    versions, steps = set(), 0
+    while steps < 400 and (engine.phase != RunPhase.PAUSED or engine.in_flight):  # until what was out is back
+        assert engine.step()
+        steps += 1
+        if engine.phase == RunPhase.PAUSED:
+            versions.add(engine.run.version)
+    for _ in range(20):  # and stays paused
+        assert engine.step()
+        versions.add(engine.run.version)
+    assert engine.phase == RunPhase.PAUSED and engine.status()["paused"] and len(versions) == 1, versions
+    assert engine.submit(Resume()) == Ack(detail={"action": "resume"})
+    while engine.step():
+        pass
+    assert engine.summary["rounds_done"] == cfg.rounds and engine.summary["state"] == "finished"
+    check_exactly_once(cfg, engine.summary)

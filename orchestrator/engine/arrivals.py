@@ -58,13 +58,16 @@ class TokenBudget:
     def wake(self, run: RunState, in_flight: list[Flight]) -> float | None:
         return None
 
-    def closed(self, run: RunState, close: Close) -> int | None:
+    def closed(self, run: RunState, close: Close) -> list[int]:
+        """Every round whose islands × H steps came back with this close: an arrival of
+        more steps than a round's (DyLU's long work, churn) completes several, and each is
+        recorded (and checkpointed when due) — returning only the last once skipped the
+        others' records and checkpoints."""
         per_round = self.k * run.inner_steps
-        due = min(run.completed_steps // per_round, run.rounds)
-        if due > self.recorded or (self.done(run) and self.recorded < run.rounds):
-            self.recorded = run.rounds if self.done(run) else due
-            return self.recorded
-        return None
+        due = run.rounds if self.done(run) else min(run.completed_steps // per_round, run.rounds)
+        completed = list(range(self.recorded + 1, due + 1))
+        self.recorded = max(self.recorded, due)
+        return completed
 
     def between_rounds(self, in_flight: list[Flight]) -> bool:
         return True

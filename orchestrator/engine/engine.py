@@ -221,7 +221,8 @@ class RoundEngine:
         self._handle(events)
         self.inflight.expire()
         self.run.now = self.pool.now()
-        while (close := self.pacing.next_close(self.run, self.inflight.in_flight())) is not None:
+        # paused: results that come back wait for the resume (no outer step while the status says paused)
+        while self.phase != RunPhase.PAUSED and (close := self.pacing.next_close(self.run, self.in_flight)) is not None:
             # a record describes the model its step produced: written before another step
             # changes it (two rounds can close at once, e.g. after a round lost all its work)
             self._write_due()
@@ -266,9 +267,12 @@ class RoundEngine:
     def _finish(self) -> None:
         """End the run: work still out is given back to the ledger (trained again on
         resume); a stopped run is evaluated and checkpointed where it stands."""
+        stopped = self.inbox.stopping.is_set()
+        if not stopped:  # the budget is spent: every round is complete, those no close covered too
+            last = max(self.due, default=self.rounds_done)  # (H lowered mid-run in an async mode)
+            self.due.extend(range(last + 1, self.run.rounds + 1))
         self._write_due()  # a step taken is recorded, so the checkpoint's version and rounds agree
         self.inflight.abandon("the run ended before its outer step")
-        stopped = self.inbox.stopping.is_set()
         if stopped:
             if not self.inbox.aborting.is_set():
                 self.outputs.evaluate(self.run.version)
@@ -373,9 +377,7 @@ class RoundEngine:
         for flight, verdict in zip(flights, verdicts):
             staleness = close.ages.get(flight.work.island, verdict.staleness) if close.ages else verdict.staleness
             self.inflight.settle(flight, verdict, staleness)
-        due = self.pacing.closed(self.run, close)
-        if due is not None:
-            self.due.append(due)
+        self.due.extend(self.pacing.closed(self.run, close))
 
     def _halt(self, seconds: float, reason: str) -> None:
         """Stop-the-world recovery (`elastic.on_failure: restart`): every island's work,
@@ -414,6 +416,10 @@ class RoundEngine:
                 self.outputs.record(rnd, self.run.version, self._clock(), self.phase, self.capture)
             self.outputs.collect(wait=False)  # records whose evaluation came back since
         self.due.clear()
+
+    @property
+    def in_flight(self) -> list[Flight]:
+        return self.inflight.in_flight()
 
     @property
     def flights(self) -> dict[int, Flight]:

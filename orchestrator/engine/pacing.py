@@ -127,7 +127,10 @@ class Pacing(Protocol):
     def wake(self, run: RunState, in_flight: list[Flight]) -> float | None:
         """When (the pool's clock) a step may close with nothing arriving, or None."""
 
-    def closed(self, run: RunState, close: Close) -> int | None: ...
+    def closed(self, run: RunState, close: Close) -> list[int]:
+        """The rounds this close completes, in order, each to be recorded once (a close
+        can complete several, or none)."""
+
     def between_rounds(self, in_flight: list[Flight]) -> bool: ...
     def done(self, run: RunState) -> bool: ...
     def resume(self, run: RunState) -> None:
@@ -182,8 +185,8 @@ class Barrier:
     def wake(self, run: RunState, in_flight: list[Flight]) -> float | None:
         return None if not self.out or in_flight else _crossing(self.open, run.now)
 
-    def closed(self, run: RunState, close: Close) -> int | None:
-        return run.closes // self.per_record if run.closes % self.per_record == 0 else None
+    def closed(self, run: RunState, close: Close) -> list[int]:
+        return [run.closes // self.per_record] if run.closes % self.per_record == 0 else []
 
     def between_rounds(self, in_flight: list[Flight]) -> bool:
         return not self.out
@@ -287,8 +290,8 @@ class OneRoundLag:
             return None
         return _crossing(self.arrivals.get(t, []), run.now)
 
-    def closed(self, run: RunState, close: Close) -> int | None:
-        return close.round
+    def closed(self, run: RunState, close: Close) -> list[int]:
+        return [close.round]
 
     def between_rounds(self, in_flight: list[Flight]) -> bool:
         return True
@@ -352,9 +355,8 @@ class FragmentSchedule:
     def wake(self, run: RunState, in_flight: list[Flight]) -> float | None:
         return self.inner.wake(self._view(run), in_flight)
 
-    def closed(self, run: RunState, close: Close) -> int | None:
-        segment = self.inner.closed(self._view(run), close)
-        return segment // self.p if segment is not None and segment % self.p == 0 else None
+    def closed(self, run: RunState, close: Close) -> list[int]:
+        return [segment // self.p for segment in self.inner.closed(self._view(run), close) if segment % self.p == 0]
 
     def between_rounds(self, in_flight: list[Flight]) -> bool:
         return self.inner.between_rounds(in_flight)

@@ -221,7 +221,7 @@ class Quorum(TokenBudget):
             self.pending.append(_close(run.closes + 1 + n, group, factors, fragment, ages))
         return self.pending.pop(0)
 
-    def closed(self, run: RunState, close: Close) -> int | None:
+    def closed(self, run: RunState, close: Close) -> list[int]:
         if close.fragment is not None:
             self.stepped[close.fragment].append(run.version)
         return super().closed(run, close)
