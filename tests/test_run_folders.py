@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import main
 from orchestrator.config_load import ConfigError, check_folders, load_config
 from orchestrator.engine.logfiles import read_lines
 from orchestrator.engine.records import link_latest
@@ -44,27 +43,25 @@ def test_latest_follows_the_newest_run_and_never_replaces_a_real_folder(tmp_path
 
 
 @pytest.mark.ray
-def test_two_runs_with_default_settings_keep_both_runs_records(tmp_path, monkeypatch, corpus_cache):
-    import ray
+def test_two_runs_with_default_settings_keep_both_runs_records(ray_local, tmp_path, monkeypatch, corpus_cache):
+    from orchestrator.runtime.driver import resume_id, run
 
-    ray.shutdown()  # each command starts its own private instance
     monkeypatch.chdir(tmp_path)
     sets = [*TINY_LM, f"task.kwargs.cache_dir={corpus_cache}", "rounds=2", "inner_steps=3", "islands.count=2"]
-    argv = ["-q", "run", *(a for s in sets for a in ("--set", s)), "--set", "ray.num_cpus=2"]
+    cfg = load_config(None, sets)
+    assert cfg.out_dir == "runs/{run_id}"  # the default
     ids = []
     for _ in range(2):
-        assert main(argv) == 0
+        summary = run(cfg, show_progress=False)
         ids.append(os.readlink(tmp_path / "runs" / "latest"))
+        assert Path(summary["out_dir"]).resolve() == (tmp_path / "runs" / ids[-1]).resolve()
     assert ids[0] != ids[1]
     for run_id in ids:
         folder = Path("runs") / run_id
         assert (folder / "run_id").read_text().strip() == run_id
         records = [json.loads(line) for line in read_lines(folder / "metrics.jsonl")]
         assert [r["round"] for r in records] == [1, 2]
-        summary = json.loads((folder / "summary.json").read_text())
-        assert summary["outer_steps"] == 2 and Path(summary["out_dir"]).resolve() == folder.resolve()
+        assert json.loads((folder / "summary.json").read_text())["outer_steps"] == 2
         assert list((folder / "checkpoint").iterdir()) == [folder / "checkpoint" / run_id]
-    # the newest run is the one `--resume runs/latest` continues: finished, nothing left to train
-    assert main([*argv[:-2], "--resume", "runs/latest"]) == 0
-    assert len(read_lines(Path("runs") / ids[1] / "metrics.jsonl")) == 2
-    assert len(read_lines(Path("runs") / ids[0] / "metrics.jsonl")) == 2
+    # `--resume runs/latest` (the command puts it in out_dir) continues the newer run
+    assert resume_id(load_config(None, [*sets, "out_dir=runs/latest"])) == ids[1]

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from orchestrator.config import RunConfig
+from orchestrator.config import RUN_PLACEHOLDER, RunConfig
 from orchestrator.engine.checkpoints import CheckpointError, load_checkpoint, run_folder, runs_in
 from orchestrator.engine.commands import Stop
 from orchestrator.engine.records import RUN_ID, link_latest
@@ -29,7 +29,7 @@ from orchestrator.runtime.island_actors import prestart_islands, release_islands
 from orchestrator.runtime.names import NAMESPACE, coordinator_name
 from orchestrator.runtime.progress import ProgressPrinter
 from orchestrator.runtime.signals import StopRequest, stop_on_signals
-from workers.runtime.storage import durable_write
+from workers.runtime.storage import durable_write, is_url
 from workers.tasks.task import load_task
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,11 @@ def run(
     new_run = run_id is None
     run_id = run_id or uuid.uuid4().hex[:12]
     template, cfg = cfg.out_dir, cfg.for_run(run_id)  # each run its own folder (`out_dir`'s `{run_id}`)
-    if template != cfg.out_dir:
+    if not is_url(cfg.out_dir) and not Path(cfg.out_dir).is_absolute():
+        # the coordinator (on this node) writes it from a Ray worker's working directory: the
+        # folder is this command's, named whole
+        cfg = cfg.model_copy(update={"out_dir": str(Path(cfg.out_dir).resolve())})
+    if template != cfg.out_dir and RUN_PLACEHOLDER in template:
         Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
         link_latest(template, run_id)
     if cfg.warm_steps and not pending(cfg, run_id):
