@@ -24,25 +24,27 @@ CHECKPOINTS = "/mnt/archipelago/checkpoints"  # the shipped configs' checkpoint.
 LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: the CRDs are 2.3 MB of YAML
 
 
+def dicts(node):
+    """Every mapping in a YAML tree, parents before children (each one's children listed
+    before it is handed out, so the caller may add keys to it)."""
+    if isinstance(node, dict):
+        children = list(node.values())
+        yield node
+    elif isinstance(node, list):
+        children = node
+    else:
+        return
+    for child in children:
+        yield from dicts(child)
+
+
 def strict(schema):
     """Reject unknown fields wherever the schema lists properties and does not preserve unknown fields."""
     schema = copy.deepcopy(schema)
-
-    def walk(node):
-        if isinstance(node, dict):
-            if (
-                "properties" in node
-                and "additionalProperties" not in node
-                and not node.get("x-kubernetes-preserve-unknown-fields")
-            ):
-                node["additionalProperties"] = False
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(schema)
+    for node in dicts(schema):
+        preserved = node.get("x-kubernetes-preserve-unknown-fields")
+        if "properties" in node and "additionalProperties" not in node and not preserved:
+            node["additionalProperties"] = False
     return schema
 
 
@@ -265,31 +267,22 @@ def _rendered(folder: Path) -> list[dict]:
         images.update({i["name"]: i for i in found.get("images", [])})
     docs = [yaml.safe_load((folder / r).read_text()) for r in kustomization["resources"]]
 
-    def walk(node):
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key in ("containers", "initContainers"):
-                    for c in value:
-                        name = c["image"].split("@")[0].rsplit(":", 1)[0]
-                        if name in images:
-                            i = images[name]
-                            ref = i.get("newName", name)
-                            c["image"] = f"{ref}@{i['digest']}" if "digest" in i else f"{ref}:{i['newTag']}"
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(docs)
+    for node in dicts(docs):
+        for c in _containers(node):
+            name = c["image"].split("@")[0].rsplit(":", 1)[0]
+            if name in images:
+                i = images[name]
+                ref = i.get("newName", name)
+                c["image"] = f"{ref}@{i['digest']}" if "digest" in i else f"{ref}:{i['newTag']}"
     return docs
 
 
-def _images(node) -> list[str]:
-    if isinstance(node, dict):
-        return [c["image"] for k, v in node.items() if k in ("containers", "initContainers") for c in v] + [
-            i for v in node.values() for i in _images(v)
-        ]
-    return [i for v in node for i in _images(v)] if isinstance(node, list) else []
+def _containers(node: dict) -> list[dict]:
+    return [*node.get("containers", []), *node.get("initContainers", [])]
+
+
+def _images(tree) -> list[str]:
+    return [c["image"] for node in dicts(tree) for c in _containers(node)]
 
 
 @pytest.mark.parametrize("folder", ["", "job"])

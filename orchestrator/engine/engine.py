@@ -215,7 +215,7 @@ class RoundEngine:
                 return False
             self.fleet.check_progress(self.phase == RunPhase.PAUSED, bool(self.inflight.overdue))
         self.run.now = self.pool.now()
-        wake = self.pacing.wake(self.run, self.inflight.in_flight())
+        wake = self.pacing.wake(self.run, self.in_flight)
         with self.stats.loop.timed(Part.WAIT):
             events = self.pool.poll(self.inflight.timeout(wake), wake=wake)
         self._handle(events)
