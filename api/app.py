@@ -9,6 +9,7 @@ import base64
 import hashlib
 import json
 import math
+import time
 from importlib import resources
 from typing import Annotated, Any
 
@@ -38,6 +39,7 @@ from orchestrator.engine.commands import (
     UpdateSettings,
 )
 from orchestrator.engine.views import EventRecord, IslandView, RoundRecord, RunStatus
+from orchestrator.engine.watch import watched
 
 # the HTTP status of each refusal reason
 REFUSAL_STATUS = {
@@ -151,10 +153,13 @@ def create_app(
         "/v1/islands",
         dependencies=reads,
         response_model=list[IslandView],
-        summary="Islands with state, node, staleness, tokens, H, rejections",
+        summary="Islands with state, node, staleness, tokens, H, rejections, and how long each has been silent",
     )
     def islands() -> list[dict[str, Any]]:
-        return [{"id": int(i), **s} for i, s in sorted(handle.islands().items(), key=lambda kv: int(kv[0]))]
+        now = time.time()
+        return [
+            watched({"id": int(i), **s}, now) for i, s in sorted(handle.islands().items(), key=lambda kv: int(kv[0]))
+        ]
 
     @app.get(
         "/v1/events",

@@ -8,6 +8,7 @@ while it lives. Islands that left the run (drained, dead, quarantined) have no s
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +24,7 @@ from prometheus_client.exposition import generate_latest
 from orchestrator.engine import views
 from orchestrator.engine.types import IslandState
 from orchestrator.engine.views import HISTOGRAMS, ISLAND_METRICS, ISLAND_STATE, RUN_METRICS, MetricKind, current
+from orchestrator.engine.watch import watched
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -41,7 +43,8 @@ class RunCollector:
     engine keeps the values, nothing is accumulated here)."""
 
     def __init__(self, status: dict[str, Any], islands: dict[str, dict[str, Any]]) -> None:
-        self.status, self.islands = status, current(islands)
+        now = time.time()
+        self.status, self.islands = status, {i: watched(s, now) for i, s in current(islands).items()}
         self.run = str(status.get("run_id", ""))
 
     def collect(self) -> Iterator[Metric]:

@@ -50,6 +50,8 @@ class FakeRun:
         self.stopped = False
         self.settings: dict[str, Any] = {"inner_steps": 50, "outer_lr": 0.7}
         self.round = 3
+        self.joined: dict[str, int] = {}  # island -> its first round in the history (absent: from the start)
+        self.left: dict[str, int] = {}  # island -> its last round in the history (absent: still there)
         self.log: list[dict[str, Any]] = []
         self.isl = {
             str(i): {
@@ -65,6 +67,9 @@ class FakeRun:
                 "last_train_loss": 2.5 + i / 10,
                 "bytes_sent": 4096,
                 "compute_s": 12.5,
+                "merge": "training",
+                "last_progress": time.time() - 1.0,
+                "last_contribution": time.time() - 3.0,
             }
             for i in range(islands)
         }
@@ -103,7 +108,20 @@ class FakeRun:
         return self.log[since : since + limit]
 
     def history(self, since: int, limit: int) -> list[dict[str, Any]]:
-        return [{"round": r, "eval_loss": 5.0 - r * 0.5} for r in range(since + 1, min(self.round, since + limit) + 1)]
+        return [self.record(r) for r in range(since + 1, min(self.round, since + limit) + 1)]
+
+    def record(self, rnd: int) -> dict[str, Any]:
+        """Round `rnd`'s record: every island present then sent a result `(rnd + i) % 3`
+        versions behind and computed `2 - i / 2` s of its 2.5 s round."""
+        present = [i for i in self.isl if rnd >= self.joined.get(i, 0) and rnd <= self.left.get(i, rnd)]
+        return {
+            "round": rnd,
+            "eval_loss": 5.0 - rnd * 0.5,
+            "round_seconds": 2.5,
+            "island_staleness": {i: (rnd + int(i)) % 3 for i in present},
+            "island_compute_seconds": {i: rnd * (2.0 - int(i) / 2) for i in present},
+            "island_idle_fraction": {i: 1 - (2.0 - int(i) / 2) / 2.5 for i in present},
+        }
 
     def submit(self, command: Command) -> Answer:
         """The inbox's answer; what it accepted is applied at once (a real run applies it at

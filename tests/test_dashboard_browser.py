@@ -1,11 +1,13 @@
-"""The dashboard page in a real headless Chromium: it renders the islands table, the loss
-chart and one staleness series per island, and refreshes by itself."""
+"""The dashboard page in a real headless Chromium: it renders the islands table, the loss,
+staleness and compute charts from the server's history, marks a stuck island and the
+islands that left, shows the event feed, and refreshes by itself."""
 
 from __future__ import annotations
 
 import re
 import shutil
 import subprocess
+import time
 
 import pytest
 
@@ -28,9 +30,18 @@ FLAGS = [
 ]
 
 
-def _chromium(url: str, tmp_path, *extra: str) -> str:
+def _chromium(url: str, tmp_path, *extra: str, virtual_ms: int = 6000) -> str:
+    """What Chromium printed after `virtual_ms` of the page's (virtual) time: the page
+    polls every 2,000 ms, so under that it had only its first load."""
     out = subprocess.run(
-        [CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=6000", *extra, url],
+        [
+            CHROMIUM,
+            *FLAGS,
+            f"--user-data-dir={tmp_path / 'profile'}",
+            f"--virtual-time-budget={virtual_ms}",
+            *extra,
+            url,
+        ],
         check=False,
         capture_output=True,
         text=True,
@@ -39,25 +50,68 @@ def _chromium(url: str, tmp_path, *extra: str) -> str:
     return out.stdout
 
 
+def _series(dom: str, chart: str) -> dict[str, str]:
+    """The paths of one chart's series: {series: its `d`}."""
+    svg = dom[dom.index(f'id="{chart}"') :]
+    svg = svg[: svg.index("</svg>")]
+    return dict(re.findall(r'class="series" data-series="([^"]+)" d="([^"]+)"', svg))
+
+
 def test_dashboard_renders_live_data(tmp_path):
     run = FakeRun(islands=3)
     with serving(create_app(run, None)) as url:
         dom = _chromium(url + "/", tmp_path, "--dump-dom")
-        _chromium(url + "/", tmp_path, f"--screenshot={tmp_path / 'dashboard.png'}", "--window-size=1100,800")
+        _chromium(url + "/", tmp_path, f"--screenshot={tmp_path / 'dashboard.png'}", "--window-size=1400,1000")
     assert "mode diloco" in dom and "round 3/10" in dom and "eval loss 2.2500" in dom
-    assert sorted(re.findall(r'data-island="(\d+)"', dom)) == ["0", "1", "2"]
-    assert len(re.findall(r'class="series" data-series="eval"', dom)) == 1
-    staleness_series = re.findall(r'class="series" data-series="(\d+)"', dom)
-    assert sorted(set(staleness_series)) == ["0", "1", "2"]
+    assert sorted(re.findall(r'<tr data-island="(\d+)"', dom)) == ["0", "1", "2"]
+    assert list(_series(dom, "loss")) == ["eval"]
+    assert sorted(_series(dom, "staleness")) == ["0", "1", "2"]
     # the script ran under the page's Content-Security-Policy (pinned by hash), legend included
-    assert re.findall(r'<span class="(c\d)">■ island', dom) == ["c0", "c1", "c2"]
-    # the page refreshed several times within the virtual time budget: the staleness paths have several points
-    path = re.search(r'data-series="2" d="([^"]+)"', dom).group(1)
-    assert path.count("L") >= 2
+    assert re.findall(r'<span class="present" data-island="(\d+)">', dom) == ["0", "1", "2"]
+    for label in ("eval loss", "versions behind", "seconds computing", "round"):  # labelled axes
+        assert re.search(f'<text class="axis"[^>]*>{label}</text>', dom), label
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
     artifacts = REPO / "test-artifacts"  # kept for people and CI logs to look at
     artifacts.mkdir(exist_ok=True)
     shutil.copy(tmp_path / "dashboard.png", artifacts / "dashboard.png")
+
+
+def test_a_reload_shows_the_runs_history_a_stuck_island_and_the_departed_within_one_poll(tmp_path):
+    """The page opened fresh (a new browser profile) on a run at round 12, given less
+    virtual time than one poll: the history comes from the server's records, not from
+    what an earlier tab sampled; island 2 has had work out for 10 minutes with no news
+    (its round of work is 50 steps at 8 steps/s: stuck after 5 × 6.25 s = 31 s); island 3
+    died at round 6 and is marked as gone, its history kept; the event feed shows why."""
+    run = FakeRun(islands=4)
+    run.round = 12
+    now = time.time()
+    run.isl["2"].update(steps_per_s=8.0, inner_steps=50, last_progress=now - 600, last_contribution=now - 620)
+    run.isl["3"].update(state="dead", merge="training", last_progress=now - 400, error="node lost")
+    run.left["3"] = 6
+    run.log += [
+        {"time": now - 620, "kind": "late", "island": 2, "deadline_s": 9.5},
+        {"time": now - 400, "kind": "crash", "island": 3, "reason": "node lost"},
+    ]
+    with serving(create_app(run, None)) as url:
+        dom = _chromium(url + "/", tmp_path, "--dump-dom", virtual_ms=1500)
+        _chromium(url + "/", tmp_path, f"--screenshot={tmp_path / 'stuck.png'}", "--window-size=1400,1100")
+    staleness, compute = _series(dom, "staleness"), _series(dom, "compute")
+    # the whole history at the first poll: 12 rounds for the islands still there, 6 for island 3
+    assert {i: d.count("L") + 1 for i, d in staleness.items()} == {"0": 12, "1": 12, "2": 12, "3": 6}
+    assert {i: d.count("L") + 1 for i, d in compute.items()} == {"0": 11, "1": 11, "2": 11, "3": 5}
+    # each island's colour is its own, the same on every load: a hue from its id
+    strokes = dict(re.findall(r'data-series="(\d)" d="[^"]+" fill="none" stroke="([^"]+)"', dom))
+    assert len(set(strokes.values())) == 4 and strokes["1"] == "hsl(137.508, 65%, 42%)"
+    row = re.search(r'<tr data-island="2" class="([^"]*)">(.*?)</tr>', dom, re.S)
+    assert row.group(1) == "stuck" and "STUCK: no news for 10 min" in row.group(2)
+    assert re.search(r'<div class="stuck" data-island="2">island 2 \(node-a:cpu\) is stuck', dom)
+    assert re.search(r'<tr data-island="3" class="gone">', dom)  # dead: no longer working, never "stuck"
+    assert re.search(r'<tr data-island="[01]" class="stuck"', dom) is None
+    assert re.findall(r'<span class="(present|departed)" data-island="3">', dom) == ["departed"]
+    assert "island 3 (left)" in dom
+    assert re.findall(r'<tr data-event="(\w+)">', dom) == ["crash", "late"]  # newest first
+    assert "reason=node lost" in dom
+    shutil.copy(tmp_path / "stuck.png", REPO / "test-artifacts" / "dashboard-stuck.png")
 
 
 def test_text_from_the_run_is_shown_as_text_never_as_markup(tmp_path):
@@ -81,4 +135,4 @@ def test_a_control_plane_with_a_token_asks_for_it_and_shows_the_run_with_it(tmp_
         without = _chromium(url + "/", tmp_path, "--dump-dom")
         with_token = _chromium(f"{url}/#token={token}", tmp_path, "--dump-dom")
     assert "needs the API token" in without and 'data-island="0"' not in without
-    assert "mode diloco" in with_token and sorted(re.findall(r'data-island="(\d+)"', with_token)) == ["0", "1"]
+    assert "mode diloco" in with_token and sorted(re.findall(r'<tr data-island="(\d+)"', with_token)) == ["0", "1"]

@@ -316,6 +316,7 @@ def test_the_alert_rules_load_and_watch_series_the_run_exports():
     assert names == {
         "ArchipelagoIslandStale",
         "ArchipelagoIslandSilent",
+        "ArchipelagoIslandStuck",
         "ArchipelagoIslandsBelowTarget",
         "ArchipelagoRoundStalled",
     }

@@ -13,6 +13,7 @@ fleet what it needs of it through `forget`: work of a released island is lost.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -313,7 +314,7 @@ class Fleet:
         known = self.members.islands.get(event.island)
         if known is not None:  # re-placed after a coordinator restart: keeps its statistics
             self.members.pending.pop(event.island, None)
-            known.state, known.node = IslandState.TRAINING, event.node
+            known.state, known.node, known.last_progress = IslandState.TRAINING, event.node, time.time()
             restored = {} if event.restored is None else {"inner_state": "restored" if event.restored else "lost"}
             self.events.add(Event.JOIN, event.island, node=event.node, version=self.run.version, **restored)
             return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -106,7 +107,7 @@ class InFlight:
         )
         if delivery.params_digest is not None:
             order = seal(order, delivery.params_digest)
-        stats.inner_steps, stats.merge = work.steps, Merge.TRAINING
+        stats.inner_steps, stats.merge, stats.last_progress = work.steps, Merge.TRAINING, time.time()
         allowed = self.cfg.deadline_s(work.steps, self.speeds.speeds.get(work.island))
         deadline = self.pool.now() + delivery.delay_s + allowed
         received = 0 if delivery.bootstrap else delivery.nbytes
@@ -122,6 +123,9 @@ class InFlight:
         return max(0.0, min(POLL_S, min(due) - self.pool.now()))
 
     def arrived(self, ticket: int, island: int, result: RoundResult) -> None:
+        stats = self.members.islands.get(island)
+        if stats is not None:  # whatever becomes of the result, the island is not hung
+            stats.last_progress = time.time()
         flight = self.flights.get(ticket)
         if flight is None or flight.result is not None:  # an overdue result: discarded, the island trains again
             if self.overdue.pop(ticket, None) is not None and self.members.islands[island].state == IslandState.LATE:

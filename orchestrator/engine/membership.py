@@ -9,6 +9,7 @@ its work and is released, `drained`, `dead` and `quarantined` are released for g
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -36,6 +37,9 @@ class IslandStats:
     error: str | None = None
     joined_version: int = 0  # global version when it joined (0: from the start)
     last_contribution: float | None = None  # wall-clock time of its last applied update
+    # wall-clock time of its latest news: placed, given work, a result back (taken, late or
+    # refused). A hung island's stops moving: the dashboard and the alert rules watch it.
+    last_progress: float | None = None
     inner_steps: int = 0  # H of its latest round (DyLU changes it in async mode)
     steps_per_s: float = 0.0  # measured (smoothed) inner steps per second
     staleness_last: int = 0
@@ -136,7 +140,11 @@ class Membership:
         with self._lock:
             self.pending.pop(index, None)
             self.islands[index] = IslandStats(
-                index=index, state=IslandState.TRAINING, node=node, joined_version=joined_version
+                index=index,
+                state=IslandState.TRAINING,
+                node=node,
+                joined_version=joined_version,
+                last_progress=time.time(),
             )
 
     def next_index(self) -> int:

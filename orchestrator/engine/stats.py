@@ -42,6 +42,7 @@ class Window:
         self.rejected: dict[str, str] = {}
         self.dropped: set[int] = set()
         self.staleness: list[int] = []
+        self.island_staleness: dict[int, int] = {}  # the most versions each island's results were behind
         self.losses: dict[int, list[float]] = {}
         self.extra: dict[str, Any] = {}
 
@@ -106,6 +107,7 @@ class RunStats:
             self._fragment(r, verdict, staleness)
         w = self.window
         w.staleness.append(staleness)
+        w.island_staleness[r.island] = max(staleness, w.island_staleness.get(r.island, 0))
         w.losses.setdefault(r.island, []).append(r.mean_loss)
         if verdict.admitted:
             self.useful_compute_s += r.compute_s
@@ -143,6 +145,7 @@ class RunStats:
             "dropped": sorted(w.dropped),
             "staleness": max(w.staleness, default=0),
             "staleness_updates": w.staleness,
+            "island_staleness": {str(i): s for i, s in sorted(w.island_staleness.items())},
             # live islands only: a line per round must not grow with every island ever seen
             "inner_steps": {str(i): s.inner_steps for i, s in islands.items() if s.state.alive},
             **w.extra,

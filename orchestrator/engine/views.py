@@ -80,6 +80,14 @@ class IslandView(_View):
     error: str | None = None
     joined_version: int = 0
     last_contribution: float | None = None
+    last_progress: float | None = None  # its latest news: placed, given work, a result back
+    # set by the exporters when they answer (`engine/watch.py`): whether it has work out,
+    # seconds since its news and its last update, and whether that silence is a hang
+    working: bool = False
+    progress_age_s: float | None = None
+    contribution_age_s: float | None = None
+    stuck_after_s: float | None = None
+    stuck: bool = False
     inner_steps: int = 0
     steps_per_s: float = 0.0
     staleness_last: int = 0
@@ -112,6 +120,7 @@ class RoundRecord(_View):
     dropped: list[int] = []
     staleness: int = 0
     staleness_updates: list[int] = []
+    island_staleness: dict[str, int] = {}  # per island that sent results: the most versions they were behind
     inner_steps: dict[str, int] = {}
     gap_penalty: float | None = None  # overlap with an adaptive penalty: CO2's Λ of the step
     tokens: int = 0
@@ -251,6 +260,19 @@ ISLAND_METRICS = [  # labelled run_id and island only: an island's state is `ISL
         "Unix time of the island's last applied update",
         G,
     ),
+    Metric(
+        "archipelago_island_last_progress_timestamp_seconds",
+        "last_progress",
+        "Unix time of the island's latest news: placed, given work, a result back",
+        G,
+    ),
+    Metric(
+        "archipelago_island_stuck_after_seconds",
+        "stuck_after_s",
+        "Silence after which the island counts as stuck (engine/watch.py)",
+        G,
+    ),
+    Metric("archipelago_island_working", "working", "1 while the island has work out, else 0", G),
 ]
 # a state set: one series per state, 1 for the island's state, so no series changes a label
 ISLAND_STATE = Metric("archipelago_island_state", "state", "1 for the island's current state, else 0", G)

@@ -7,6 +7,7 @@ state is a state set, not a label of its series."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from ray.util.metrics import Counter, Gauge, Histogram
@@ -14,6 +15,7 @@ from ray.util.metrics import Counter, Gauge, Histogram
 from orchestrator.engine.distributions import ROUND_SECONDS, STALENESS
 from orchestrator.engine.types import IslandState
 from orchestrator.engine.views import HISTOGRAMS, ISLAND_METRICS, ISLAND_STATE, RUN_METRICS, Metric, MetricKind, current
+from orchestrator.engine.watch import watched
 
 
 def _instrument(metric: Metric, tags: tuple[str, ...]) -> Gauge | Counter:
@@ -51,8 +53,10 @@ class RayMetrics:
         self.round_time.observe(record["round_seconds"], tags=tags)
         for staleness in record["staleness_updates"]:
             self.staleness.observe(staleness, tags=tags)
-        for island, stats in current(islands).items():  # a gone island's series are no longer
+        now = time.time()
+        for island, view in current(islands).items():  # a gone island's series are no longer
             # re-reported, and Ray's metrics agent ages them out
+            stats = watched(view, now)
             for metric, instrument in self.island.values():
                 self._set(metric, instrument, stats.get(metric.key), island)
             for state in IslandState:
