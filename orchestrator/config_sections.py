@@ -10,7 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from workers.wire.spec import CODEC_NAMES, CodecSpecError, parse_codec
+from workers.wire.codecs import CODECS
+from workers.wire.spec import CodecSpecError, parse_codec
 
 
 class Strict(BaseModel):
@@ -161,8 +162,9 @@ class CompressionConfig(Strict):
 
     codec: str = Field(
         "none",
-        description=f"one of {sorted(CODEC_NAMES)}: fp32, bf16 (2x fewer bytes), int8, int4 or int2 with one fp32 "
-        "scale per chunk (about 4x, 8x, 16x); or a chain topk:K+<codec>: in each chunk only the fraction K of "
+        description="one of "
+        + ", ".join(f"{c.name} ({c.about})" for c in CODECS.values())
+        + ", the quantised ones with one fp32 scale per chunk; or a chain topk:K+<codec>: in each chunk only the fraction K of "
         "largest magnitudes, their positions (2 bytes each) and values in that codec (SparseLoCo: topk:0.02+int2 "
         "with error_feedback); decoded and accumulated in fp32",
     )

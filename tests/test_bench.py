@@ -185,7 +185,7 @@ def test_streaming_rows_are_the_issue_s_and_share_one_token_budget():
     configs = {n: load_config(None, [*BASE, *common(3, 0, Path(".")), *ov]) for n, (_, ov) in table.items()}
     assert len({run_tokens(c) for c in configs.values()}) == 1  # every method sees the same tokens
     s4 = configs["streaming_p4_fp4"]
-    assert s4.streaming.fragments == 4 and s4.compression.codec == s4.compression.downlink == "int4"
+    assert s4.streaming.fragments == 4 and s4.compression.codec == s4.compression.downlink == "fp4"
     assert s4.outer.lr == 1.0 and configs["diloco"].outer.lr == configs["diloco_int8"].outer.lr == 0.7
     assert configs["diloco_int8"].compression.downlink == "int8" and configs["overlap_eager"].overlap.eager
     assert configs["ddp_k"].link.bandwidth_gbps is None and s4.inner_steps == H and s4.islands.count == K

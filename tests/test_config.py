@@ -97,11 +97,19 @@ def test_the_config_validates_without_the_island_runtime_or_torch():
     assert out.strip() == "[]"
 
 
-def test_the_codec_names_the_config_accepts_are_the_registered_codecs():
-    from workers.wire.compress import CODECS
-    from workers.wire.spec import CODEC_NAMES
+def test_every_registered_codec_is_accepted_by_name_and_described():
+    """A codec registered in `workers/wire/codecs/` needs nothing else to be usable: the
+    config accepts its name in both directions and its documentation lists it."""
+    from orchestrator.config import RunConfig
+    from workers.wire.codecs import CODECS
 
-    assert tuple(CODECS) == CODEC_NAMES
+    for name, codec in CODECS.items():
+        cfg = RunConfig(compression={"codec": name, "downlink": name})
+        assert cfg.compression.codec == cfg.compression.downlink == name
+        assert (
+            f"{name} ({codec.about})"
+            in RunConfig.model_fields["compression"].annotation.model_fields["codec"].description
+        )
 
 
 def test_exponent_floats_are_numbers_in_files_and_overrides(tmp_path):

@@ -4,13 +4,14 @@ the same grid on seed 0; the headline rows on 3 seeds), without a simulated link
 are the measure here, not wall time.
 
 Rows: `diloco` (fp32 both ways, Nesterov), `streaming_p4_fp4` (Streaming DiLoCo, 4
-fragments, int4 both ways), `sparse` (the same fragments, SparseLoCo's compression both
+fragments, FP4 (E2M1) both ways), `sparse` (the same fragments, SparseLoCo's compression both
 ways: top-k 2 % of every 512 values, 2-bit values, error feedback with decay 0.95, the
 `sparseloco` outer rule), `sparse_muon` (`sparse` with the Muon inner optimizer) and
 `ddp_k` (data-parallel, for its bytes); and ablations of `sparse` (seed 0), one change each,
 for where its loss goes. Every row's islands load the warm start from
 storage instead of downloading it (`islands.build_version0`), so `bytes_bootstrap` is 0
-and `bytes_communicated` counts everything that crossed a link.
+and `bytes_communicated` counts everything that crossed a link; the ratios at the shipped
+default, where each island first downloads the model in fp32, are reported beside them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 from orchestrator.bench.quality_rows import MODEL, widened
 from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
 from orchestrator.bench.runner import one_ray
-from orchestrator.bench.streaming import H, K, warm_runs, warm_starts
+from orchestrator.bench.streaming import H, K, shipped_default_ratios, warm_runs, warm_starts
 
 SEEDS = (0, 1, 2)
 HEADLINE = ("diloco", "sparse")
@@ -48,8 +49,8 @@ def rows() -> dict[str, tuple[str, list[str]]]:
     return {
         "diloco": ("DiLoCo, fp32 both ways, Nesterov", ["mode=diloco"]),
         "streaming_p4_fp4": (
-            "Streaming DiLoCo P=4, int4 both ways, Nesterov",
-            [*streaming, "compression.codec=int4", "compression.downlink=int4"],
+            "Streaming DiLoCo P=4, FP4 (E2M1) both ways, Nesterov",
+            [*streaming, "compression.codec=fp4", "compression.downlink=fp4"],
         ),
         "sparse": (f"P=4, {SPARSE_CODEC} both ways, error feedback 0.95, SparseLoCo outer step", sparse),
         "sparse_muon": ("`sparse` with the Muon inner optimizer", [*sparse, "inner.optimizer=muon"]),
@@ -183,7 +184,15 @@ def _compression(quick: bool, work: Path) -> BenchResult:
         summary=summary,
         markdown=_markdown(methods, checks),
         panels=[Panel(x_label="tokens", curves=curves, zoom_from=0.0)],
-        extra={"checks": checks, "h": H, "islands": K, "rounds": rounds, "seeds": list(seeds)},
+        extra={
+            "checks": checks,
+            "h": H,
+            "islands": K,
+            "rounds": rounds,
+            "seeds": list(seeds),
+            # DiLoCo's bytes ÷ each row's with the k fp32 first downloads of the shipped default added
+            "bytes_vs_diloco_at_shipped_default": shipped_default_ratios(methods, _download(methods)),
+        },
     )
 
 
@@ -197,16 +206,32 @@ def _row(desc: str, runs: list[dict[str, Any]], lr: float | None, sweep: dict[st
         "bytes_communicated": head["bytes_communicated"],
         "bytes_bootstrap": head["bytes_bootstrap"],
         "peak_exchange_bytes": head.get("peak_exchange_bytes"),
+        "num_params": head["num_params"],
         "outer_lr": lr,
         "outer_lr_sweep": sweep,
         "wall_seconds": statistics.median(r["wall_seconds"] for r in runs),
     }
 
 
+def _download(methods: dict[str, dict[str, Any]]) -> int:
+    """The bytes of the shipped default's first downloads: every island the model in fp32."""
+    return K * 4 * methods["diloco"]["num_params"]
+
+
 def _markdown(methods: dict[str, dict[str, Any]], checks: dict[str, dict[str, Any]]) -> str:
     base = methods["diloco"]["bytes_communicated"]
+    download = _download(methods)
     table = md_table(
-        ["row", "final eval loss (mean)", "seeds", "outer lr", "bytes (all)", "bootstrap", "vs diloco fp32 bytes"],
+        [
+            "row",
+            "final eval loss (mean)",
+            "seeds",
+            "outer lr",
+            "bytes (all)",
+            "bootstrap",
+            "vs diloco fp32 bytes",
+            "at the shipped default",
+        ],
         [
             [
                 f"`{name}`",
@@ -216,6 +241,7 @@ def _markdown(methods: dict[str, dict[str, Any]], checks: dict[str, dict[str, An
                 f"{m['bytes_communicated'] / 1e6:,.2f} MB",
                 f"{m['bytes_bootstrap']:,}",
                 _versus(base, m["bytes_communicated"]),
+                _versus(base + download, m["bytes_communicated"] + download),
             ]
             for name, m in methods.items()
         ],
@@ -224,7 +250,10 @@ def _markdown(methods: dict[str, dict[str, Any]], checks: dict[str, dict[str, An
         f"2 islands, H = {H}, continuing one warm start per seed; each row's outer lr is the best of "
         f"{list(OUTER_LRS)} on seed 0, widened (+0.3 past the top, halved past the bottom) while an edge is the best "
         "(the sweeps are in the JSON); `diloco` and `sparse` on 3 seeds. "
-        "Islands load the warm start from storage and check its hash, so nothing is downloaded at the start.\n\n"
+        "Islands load the warm start from storage and check its hash, so nothing is downloaded at the start. "
+        f"At the shipped default (`islands.build_version0: false`) each island first downloads the model in fp32, "
+        f"{download / 1e6:.2f} MB in all, the same in every row: the last column counts it, and its share "
+        "shrinks as a run gets longer.\n\n"
         f"{table}\n\n{checks_table(checks)}"
     )
 

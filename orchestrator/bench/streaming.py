@@ -4,7 +4,7 @@ on which one full-model exchange (fp32 parameters down + pseudo-gradient up) tak
 round of compute (as in `overlap`).
 
 Rows: `diloco` (fp32 both ways), `streaming_p2`, `streaming_p4` (fp32), `streaming_p4_fp4`
-(4-bit both ways), `diloco_int8` (int8 both ways), `overlap` (CO2) and `overlap_eager`
+(FP4, E2M1 with one scale per 512 values, both ways), `diloco_int8` (int8 both ways), `overlap` (CO2) and `overlap_eager`
 (CO2 with eager updates), `compute_only` (the `streaming_p4_fp4` run with no link),
 `ddp_k` (data-parallel, for its bytes), and the peer `torchft_streaming_p4` when torchft
 is installed. The headline rows (`diloco`, `streaming_p4_fp4`, `compute_only`) run
@@ -45,7 +45,7 @@ OUTER_LRS = (0.7, 1.0, 1.3)  # the headline rows each run at their best (seed 0)
 # 4 blocks: 4 equal fragments; islands load version 0 (the warm start) from storage and check
 # its hash instead of downloading it, as the peer's replicas load it from disk
 BASE = [*MODEL, "task.kwargs.n_layers=4", f"ray.num_cpus={K}", "islands.build_version0=true"]
-FP4 = ["compression.codec=int4", "compression.downlink=int4"]  # chunk 512 (the default): one scale per 512
+FP4 = ["compression.codec=fp4", "compression.downlink=fp4"]  # E2M1; chunk 512 (the default): one scale per 512
 INT8 = ["compression.codec=int8", "compression.downlink=int8"]
 TIMED = "streaming_p4_no_link_eval_at_end"  # the peer's work, timed as the peer is
 WALL_REPEATS = 3  # pairs of (peer, ours) on that work, alternated
@@ -67,7 +67,7 @@ def methods(link: list[str], lr_diloco: float, lr_streaming: float) -> dict[str,
         "streaming_p2": ("Streaming DiLoCo P=2, tau 10, fp32", [*fragmented(2), *s, *link]),
         "streaming_p4": ("Streaming DiLoCo P=4, tau 5, fp32", [*fragmented(4), *s, *link]),
         "streaming_p4_fp4": (
-            f"Streaming DiLoCo P=4, tau 5, 4-bit (int4) both ways, outer lr {lr_streaming}",
+            f"Streaming DiLoCo P=4, tau 5, FP4 (E2M1) both ways, outer lr {lr_streaming}",
             [*fragmented(4), *FP4, *s, *link],
         ),
         "diloco_int8": ("DiLoCo, int8 both ways", ["mode=diloco", *INT8, *d, *link]),

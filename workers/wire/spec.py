@@ -1,8 +1,8 @@
 """The island's part of the run config: its inner optimizer, how a group of workers
-shares its state, and the names of the pseudo-gradient codecs. Part of the contract the
+shares its state, and the pseudo-gradient codecs it may name. Part of the contract the
 coordinator hands an island (`IslandSpec`), so the run config can validate it without
 importing the island runtime (or torch): `import orchestrator.config` stays light. The
-codecs' payload type is here too, so the wire's messages name it without the codecs."""
+codecs' registry is torch-free at import, so this reads its names and payload type."""
 
 from __future__ import annotations
 
@@ -10,15 +10,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-# the value codecs `wire/compress.py` registers (a test keeps the two in step)
-CODEC_NAMES = ("none", "bf16", "int8", "int4", "int2")
-QUANT_BITS = {"int8": 8, "int4": 4, "int2": 2}
+from workers.wire.codecs import CODECS, Payload
 
-
-Payload = dict[str, np.ndarray]  # what a codec puts on the wire (`wire/compress.py`)
+CODEC_NAMES = tuple(CODECS)  # the value codecs of the registry (`wire/codecs/`)
 
 
 def payload_nbytes(payload: Payload) -> int:
@@ -44,8 +40,9 @@ class CodecChain:
 
 
 def parse_codec(spec: str) -> CodecChain:
-    """`none`, `bf16`, `int8`, `int4`, `int2` (also `int:B` for B bits), or `topk:K+<value
-    codec>` with K in (0, 1]; raises `CodecSpecError` naming what is wrong."""
+    """A registered value codec (`none`, `bf16`, `int8`, `int4`, `int2`, `fp4`; also `int:B`
+    for B bits), or `topk:K+<value codec>` with K in (0, 1]; raises `CodecSpecError`
+    naming what is wrong."""
     parts = [p.strip() for p in spec.split("+")]
     topk = None
     if len(parts) == 2 and parts[0].startswith("topk"):

@@ -1,0 +1,87 @@
+"""What a value codec is: one row of the registry (`codecs/__init__.py`) that names it,
+says how its payload looks on the wire, and encodes and decodes it. Everything that
+handles payloads — the decoder, the payload check, the top-k chain, the config's names —
+reads the row, so a new codec is its module and its row, nothing else."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+Payload = dict[str, np.ndarray]  # what a codec puts on the wire: crosses Ray's object store zero-copy
+
+CHUNKED = {"n", "scale", "chunk"}  # the arrays of a codec with one fp32 scale per chunk of values
+
+
+@dataclass(frozen=True)
+class Codec:
+    name: str  # as the config names it (`compression.codec`)
+    key: str  # the payload's array of values: how a payload names its codec
+    bits: int  # bits per value on the wire, scales aside
+    encode: Callable[[np.ndarray, int], Payload]  # (fp32 values, chunk) -> payload
+    decode: Callable[[Payload], np.ndarray]  # payload -> fp32 values
+    dtypes: tuple[str, ...]  # what the `key` array may be
+    per_element: int = 1  # values packed into each element of `key` (two nibbles a byte: 2)
+    chunked: bool = False  # one fp32 scale per `chunk` values, with `n`, `scale`, `chunk` arrays
+    about: str = ""  # one line for the config's documentation
+
+    @property
+    def layout(self) -> dict[str, tuple[str, ...]]:
+        """Every array of the payload and the dtypes it may have."""
+        if not self.chunked:
+            return {self.key: self.dtypes}
+        extra = {"scale": ("float32",), "chunk": ("int32",)}
+        if self.per_element > 1:
+            extra["n"] = ("int64",)
+        return {self.key: self.dtypes, **extra}
+
+    def values(self, payload: Payload) -> int:
+        """How many values `payload` holds (-1: its arrays disagree)."""
+        if self.per_element == 1:
+            return int(payload[self.key].size)
+        n = int(payload["n"][0]) if payload["n"].size == 1 else -1
+        return n if n >= 0 and -(-n // self.per_element) == payload[self.key].size else -1
+
+
+def blocks(x: np.ndarray, chunk: int) -> np.ndarray:
+    """`x` as fp32 rows of `chunk` values, the last one zero-padded."""
+    pad = (-x.size) % chunk
+    flat = x.astype(np.float32, copy=False)
+    return (np.concatenate([flat, np.zeros(pad, np.float32)]) if pad else flat).reshape(-1, chunk)
+
+
+def chunk_scales(blocks: np.ndarray, top: float) -> np.ndarray:
+    """One fp32 scale per row that maps the row's largest magnitude to `top` (1 for a row
+    of zeros, so nothing divides by zero)."""
+    scale = np.abs(blocks).max(axis=1) / top
+    scale[scale == 0] = 1.0
+    return scale.astype(np.float32)
+
+
+def scaled(values: np.ndarray, scale: np.ndarray, chunk: int) -> np.ndarray:
+    """Per-chunk `values` times their chunk's scale, as fp32."""
+    n = values.size
+    out = np.zeros(scale.size * chunk, dtype=np.float32)
+    out[:n] = values
+    return (out.reshape(-1, chunk) * scale[:, None]).reshape(-1)[:n]
+
+
+def pack_nibbles(u: np.ndarray, fill: int) -> np.ndarray:
+    """4-bit codes, two per byte (low nibble first); an odd count ends with `fill`."""
+    if u.size % 2:
+        u = np.append(u, np.uint8(fill))
+    return u[0::2] | (u[1::2] << 4)
+
+
+def unpack_nibbles(packed: np.ndarray, n: int) -> np.ndarray:
+    """The first `n` 4-bit codes of `packed`, as uint8."""
+    u = np.empty(packed.size * 2, dtype=np.uint8)
+    u[0::2] = packed & 0x0F
+    u[1::2] = packed >> 4
+    return u[:n]
+
+
+def chunked_payload(key: str, values: np.ndarray, n: int, scale: np.ndarray, chunk: int) -> Payload:
+    return {key: values, "n": np.array([n], np.int64), "scale": scale, "chunk": np.array([chunk], np.int32)}
