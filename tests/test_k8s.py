@@ -6,6 +6,9 @@ from __future__ import annotations
 import copy
 import functools
 import gzip
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -82,6 +85,7 @@ def _head_volumes(spec: dict) -> list[dict]:
 
 
 SECRET = "archipelago-api-token"  # created with `kubectl create secret` (docs/deploy.md), never a tracked file
+HF_SECRET = "archipelago-hf-token"  # the Hub token, optional: likewise created by hand
 
 
 def test_manifests_match_the_code():
@@ -97,7 +101,7 @@ def test_manifests_match_the_code():
         assert "ARCHIPELAGO_API_TOKEN" not in env
         mounts = {m["name"]: m["mountPath"] for m in head["volumeMounts"]}
         secrets = {v["name"]: v["secret"]["secretName"] for v in _head_volumes(spec) if "secret" in v}
-        assert secrets == {SECRET: SECRET}
+        assert secrets == {SECRET: SECRET, "hf-token": HF_SECRET}
         assert mounts["archipelago-api-token"] == str(token_file.parent) and token_file.name == "token"
         assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) >= 30  # the final checkpoint of a stopped job
         # every node's Ray frees objects as often as the Ray a run starts on one machine does
@@ -121,6 +125,37 @@ def test_manifests_match_the_code():
     assert entry[:2] == ["archipelago", "run"] and entry[entry.index("--config") + 1] == "/app/k8s/run-config.yaml"
     dockerfile = (K8S / "Dockerfile").read_text()
     assert "WORKDIR /app" in dockerfile and "rayproject/ray:2.60.0" in dockerfile
+
+
+def _ray_pods(spec: dict) -> list[tuple[dict, dict]]:
+    """(container, pod spec) of the head and each worker group."""
+    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    return [(g["template"]["spec"]["containers"][0], g["template"]["spec"]) for g in groups]
+
+
+@pytest.mark.parametrize("file", ["raycluster.yaml", "job/rayjob.yaml"])
+def test_every_ray_pod_has_a_writable_hugging_face_cache_and_the_optional_hub_token(file):
+    """The Llama example streams C4 and loads GPT-2's tokenizer on every node: each pod
+    gets a writable cache of its own (the shared volume is read-only on islands) and the
+    Hub token as a file from an optional Secret (public models need none; gated ones read
+    it), at paths huggingface_hub itself reads from these variables."""
+    spec = manifest(file)["spec"]
+    spec = spec.get("rayClusterSpec", spec)
+    for container, pod in _ray_pods(spec):
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        cache = mounts[env["HF_HOME"]]
+        assert not cache.get("readOnly") and "emptyDir" in volumes[cache["name"]]
+        token = Path(env["HF_TOKEN_PATH"])
+        secret = volumes[mounts[str(token.parent)]["name"]]["secret"]
+        assert secret["secretName"] == HF_SECRET and secret["optional"] is True and token.name == "token"
+        assert "HF_TOKEN" not in env  # a file, not a value every Ray worker process inherits
+    probe = "from huggingface_hub import constants as c; print(c.HF_HOME, c.HF_TOKEN_PATH, c.HF_HUB_CACHE)"
+    env = {**os.environ, "HF_HOME": "/var/cache/huggingface", "HF_TOKEN_PATH": "/etc/archipelago/hf/token"}
+    env.pop("HF_HUB_CACHE", None)
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["/var/cache/huggingface", "/etc/archipelago/hf/token", "/var/cache/huggingface/hub"]
 
 
 def test_kustomization_lists_files_that_exist():
@@ -196,7 +231,8 @@ def test_every_pod_runs_unprivileged_as_the_images_user_with_resources():
         if (
             "head" not in where and "submitter" not in where
         ):  # islands read the shared volume and write only their state under checkpoint.path
-            writable = [m for m in mounts if not m.get("readOnly")]
+            local = {v["name"] for v in spec.get("volumes", []) if "emptyDir" in v}  # the pod's own scratch
+            writable = [m for m in mounts if not m.get("readOnly") and m["name"] not in local]
             assert [(m["mountPath"], m["subPath"]) for m in writable] == [(CHECKPOINTS, "checkpoints")], where
             for config in ("run-config.yaml", "hf-llama-config.yaml"):  # islands/ lies under it
                 assert f"{manifest(config)['checkpoint']['path']}/".startswith(f"{CHECKPOINTS}/"), config
