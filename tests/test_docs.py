@@ -142,6 +142,60 @@ def test_the_quality_reports_token_figure_is_its_json():
         assert quoted is not None and int(quoted.group(1).replace(",", "")) in four, page
 
 
+# Figures the findings quote from a report: (page, a pattern with one group per figure,
+# the report's JSON, the key path of each figure, a scale, the decimals quoted). A rerun
+# that changes a figure fails here until the page says what its JSON says.
+Figure = tuple[str, str, str, list[tuple[str, ...]], float, int]
+FIGURES: list[Figure] = [
+    (
+        "benchmark-findings.md",
+        r"S = 2 and 4 in the published run: ([\d.]+) and ([\d.]+) GB/s",
+        "datapath.json",
+        [("methods", "coordinator_s2", "gbps"), ("methods", "coordinator_s4", "gbps")],
+        1,
+        1,
+    ),
+    (
+        "benchmark-findings.md",
+        r"default H in the published run: ([\d.]+) %\s+\(S = 1;.*?and ([\d.]+) % \(S = 2",
+        "datapath.json",
+        [("methods", "sync_s1", "overhead_fraction"), ("methods", "sync_s2", "overhead_fraction")],
+        100,
+        1,
+    ),
+    (
+        "benchmark-findings.md",
+        r"`sync`\s+([\d.]+)× compute-only, \*\*`overlap` ([\d.]+)× \(≤ 1.05×, met\)\*\*, \*\*`overlap_eager` ([\d.]+)×",
+        "overlap.json",
+        [("methods", m, "wall_vs_compute_only_long") for m in ("sync", "overlap", "overlap_eager")],
+        1,
+        3,
+    ),
+    (
+        "benchmark-findings.md",
+        r"`sync` \(Nesterov, lr 1.0\) \*\*([\d.]+)\*\*; `overlap` \(momentum\s+0.5, adaptive gap penalty, clip 1, "
+        r"best lr 0.7\) ([\d.]+) .*?`overlap_eager`\s+\(lr 1.0\) ([\d.]+)",
+        "overlap.json",
+        [("methods", m, "final_eval_loss") for m in ("sync", "overlap", "overlap_eager")],
+        1,
+        4,
+    ),
+]
+
+
+@pytest.mark.parametrize("figure", FIGURES, ids=lambda f: f"{f[0]}:{f[2]}:{f[3][0][1]}")
+def test_the_findings_figures_are_their_json(figure: Figure):
+    page, pattern, report, paths, scale, decimals = figure
+    quoted = re.search(pattern, (DOCS / page).read_text(), re.S)
+    assert quoted is not None, f"{page} no longer quotes {pattern!r}"
+    data = json.loads((DOCS / report).read_text())
+    for text, path in zip(quoted.groups(), paths):
+        value = data
+        for key in path:
+            value = value[key]
+        assert float(text) == round(value * scale, decimals), (page, path, text, value)
+
+
 def test_operations_lists_exactly_the_control_planes_routes():
     from api.app import create_app
     from tests.fake_handle import FakeRun
