@@ -67,6 +67,33 @@ def test_heavy_dependencies_are_ranges_so_an_images_own_build_is_kept():
         assert "==" not in spec and ">=" in spec and "<" in spec, spec
 
 
+def test_the_constraints_pin_every_requirement_inside_its_range_and_ci_and_the_image_use_them():
+    """k8s/constraints.txt is the exact set CI and the image install: every dependency of
+    the core and of the test extra (and the extras it names) is pinned there, at a version
+    its range in pyproject.toml admits, so the pins and the ranges cannot drift apart."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    lines = (REPO / "k8s" / "constraints.txt").read_text().splitlines()
+    pins = dict(line.lower().replace("_", "-").split("==") for line in lines if line and not line.startswith("#"))
+    extras = PROJECT["optional-dependencies"]
+    wanted, todo = list(PROJECT["dependencies"]), ["test"]
+    while todo:
+        for requirement in extras[todo.pop()]:
+            req = Requirement(requirement)
+            if req.name == PROJECT["name"]:
+                todo.extend(req.extras)
+            else:
+                wanted.append(requirement)
+    for requirement in wanted:
+        req = Requirement(requirement)
+        name = req.name.lower().replace("_", "-")
+        assert name in pins, f"{name} is not pinned in k8s/constraints.txt"
+        assert req.specifier.contains(Version(pins[name]), prereleases=True), (requirement, pins[name])
+    assert "-c k8s/constraints.txt" in (REPO / ".ci" / "run").read_text()
+    assert "-c /app/k8s/constraints.txt" in (REPO / "k8s" / "Dockerfile").read_text()
+
+
 def _regex(pattern: str) -> re.Pattern[str]:
     """A .dockerignore pattern as Docker reads it: `**/` any folders, `*` and `?` within
     one path element."""
