@@ -157,6 +157,24 @@ def test_nan_updates_are_rejected_then_the_island_is_quarantined(tmp_path):
     assert len(rejections) == 2 and all(e["reason"].startswith("non-finite") for e in rejections)
 
 
+@pytest.mark.parametrize("mode", ["diloco", "overlap", "async", "streaming", "quorum", "streaming_quorum"])
+def test_a_quarantine_under_restart_keeps_the_results_its_close_applied(tmp_path, mode):
+    """Island 0's second update is NaN, and one bad update quarantines it; the failure
+    policy restarts the run (every piece of work not yet stepped is given up). Before: the
+    verdict reached the fleet in the middle of settling its close, so the restart gave up
+    the results that close had just applied (their batches rolled back and trained again)
+    and settling the next one raised KeyError. Now the verdicts are handed over once the
+    close is settled: every batch is trained once, every round is recorded once."""
+    cfg = scenario_cfg(
+        tmp_path, mode, "robust.quarantine_after=1", "elastic.on_failure=restart", "robust.norm_ratio=null"
+    )
+    summary = run_scenario(cfg, [Fault(FaultKind.NAN, 0, order=2)])  # checks every batch was trained once
+    assert summary["islands"]["0"]["state"] == "quarantined" and summary["rounds_done"] == 6
+    assert [e["kind"] for e in events(cfg.out_dir)].count("restart") == 1
+    rounds = [json.loads(line)["round"] for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert rounds == list(range(1, 7))
+
+
 def test_nan_update_on_a_sliced_coordinator_leaves_the_model_finite(tmp_path):
     cfg = scenario_cfg(tmp_path, "overlap", "coordinator.shards=2", "compression.chunk=16")
     summary = run_scenario(cfg, [Fault(FaultKind.NAN, 0, order=3)])

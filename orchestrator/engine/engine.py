@@ -24,7 +24,7 @@ from orchestrator.engine.checkpoints import load_checkpoint, run_folder
 from orchestrator.engine.commands import Answer, Command, Inbox
 from orchestrator.engine.evaluation import Evaluator
 from orchestrator.engine.fleet import Fleet
-from orchestrator.engine.inflight import POLL_S, InFlight
+from orchestrator.engine.inflight import POLL_S, InFlight, Verdicts
 from orchestrator.engine.island_states import IslandStates
 from orchestrator.engine.ledger import DataLedger
 from orchestrator.engine.loop_time import Part
@@ -374,10 +374,18 @@ class RoundEngine:
             with self.stats.loop.timed(Part.PUBLISH):
                 self.publisher.publish(self.run.version, due)
         self.run.closes += 1
-        for flight, verdict in zip(flights, verdicts):
-            staleness = close.ages.get(flight.work.island, verdict.staleness) if close.ages else verdict.staleness
-            self.inflight.settle(flight, verdict, staleness)
+        settled = Verdicts(
+            [
+                self.inflight.settle(
+                    flight,
+                    verdict,
+                    close.ages.get(flight.work.island, verdict.staleness) if close.ages else verdict.staleness,
+                )
+                for flight, verdict in zip(flights, verdicts)
+            ]
+        )
         self.due.extend(self.pacing.closed(self.run, close))
+        settled.hand_to(self._judged)
 
     def _halt(self, seconds: float, reason: str) -> None:
         """Stop-the-world recovery (`elastic.on_failure: restart`): every island's work,

@@ -10,6 +10,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from orchestrator.config import RunConfig
@@ -35,6 +36,21 @@ class Judged(Protocol):
     """Hears each verdict on a result (towards quarantine), with what the event should say."""
 
     def __call__(self, island: int, verdict: Verdict, **detail: Any) -> None: ...
+
+
+@dataclass(frozen=True)
+class Verdicts:
+    """What one close decided about each island's result, handed to the fleet only once
+    every result of the close is settled: a verdict can quarantine an island, and under
+    `elastic.on_failure: restart` a failure gives up every piece of work not yet stepped.
+    Handed over mid-close, it gave up results the step had already applied (their batches
+    trained twice) and the close then settled a flight that no longer existed."""
+
+    judged: list[tuple[int, Verdict, int]]  # (island, verdict, the version its result was trained on)
+
+    def hand_to(self, judged: Judged) -> None:
+        for island, verdict, version in self.judged:
+            judged(island, verdict, version=version)
 
 
 class InFlight:
@@ -226,9 +242,11 @@ class InFlight:
             island=r.island, version=r.version, delta=r.payload, weight=weight, steps=r.steps, fragment=fragment
         )
 
-    def settle(self, flight: Flight, verdict: Verdict, staleness: int) -> None:
+    def settle(self, flight: Flight, verdict: Verdict, staleness: int) -> tuple[int, Verdict, int]:
         """A result its outer step has judged: committed to the ledger (trained), or given
-        back if it was refused and its batches can still be retrained; counted either way."""
+        back if it was refused and its batches can still be retrained; counted either way.
+        Returns the verdict for the fleet, which hears it once the close is settled
+        (`Verdicts`)."""
         r = flight.result
         assert r is not None
         refused = not verdict.admitted and verdict.decision != Decision.DROP
@@ -245,7 +263,7 @@ class InFlight:
         stats.steps_per_s = self.speeds.speeds.get(r.island, 0.0)
         if verdict.admitted:
             stats.merge = Merge.LATE if staleness > 0 else Merge.MERGED
-        self.judged(r.island, verdict, version=r.version)
+        return r.island, verdict, r.version
 
     def give_back(self, flight: Flight, verdict: Verdict) -> None:
         """A rejected update never touched the model, so its batches go back to the ledger
