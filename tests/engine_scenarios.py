@@ -1,10 +1,11 @@
 """The engine scenarios' shared parts: a small config over the recording quadratic task,
-driving an engine with actions at given rounds, and the exactly-once check every scenario
-ends with."""
+driving an engine with actions at given rounds, and the checks every scenario ends with:
+each batch trained exactly once, each round recorded once, each due checkpoint taken."""
 
 from __future__ import annotations
 
 import itertools
+import json
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -88,10 +89,29 @@ def check_exactly_once(cfg: RunConfig, summary: dict[str, Any], lost: Counter | 
     assert sum(tokens) == summary["tokens"] == listed + summary["retired_islands"]["tokens"]
 
 
+def check_rounds_recorded(cfg: RunConfig, summary: dict[str, Any]) -> None:
+    """Every round from 1 to the last has exactly one record, and every checkpoint due
+    (each `checkpoint.every_rounds`-th round) was taken, whatever a close covered."""
+    out = Path(cfg.out_dir)
+    rounds = [json.loads(line)["round"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rounds == list(range(1, summary["rounds_done"] + 1)), rounds
+    every = cfg.checkpoint.every_rounds
+    taken = [
+        e["round"]
+        for e in map(json.loads, (out / "events.jsonl").read_text().splitlines())
+        if e["kind"] == "checkpoint"
+    ]
+    due = set(range(every, summary["rounds_done"] + 1, every))
+    assert due <= set(taken), sorted(due - set(taken))
+
+
 def run_scenario(
     cfg: RunConfig, faults: list[Fault] | None = None, at: dict[int, Action] | None = None, **pool: Any
 ) -> dict[str, Any]:
+    """Drive an in-process engine through `faults` and `at`; then check the run's data was
+    trained exactly once and its rounds recorded and checkpointed as due."""
     engine, _ = in_process_engine(cfg, faults, **pool)
     drive(engine, at)
     check_exactly_once(cfg, engine.summary)
+    check_rounds_recorded(cfg, engine.summary)
     return engine.summary
