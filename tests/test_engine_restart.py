@@ -22,7 +22,9 @@ from orchestrator.engine.commands import (
     AddIslands,
     Drain,
     SetTarget,
+    SettingsUpdate,
     Stop,
+    UpdateSettings,
 )
 from orchestrator.engine.pool import Fault, FaultKind, InProcessPool
 from orchestrator.engine.types import IslandState, RunFailed
@@ -50,6 +52,29 @@ def test_a_coordinator_restart_resumes_from_its_checkpoint(tmp_path, mode):
     assert any(e["kind"] == "reattach" for e in events(cfg.out_dir)) and any(
         e["kind"] == "restart" for e in events(cfg.out_dir)
     )
+
+
+@pytest.mark.parametrize("mode", ["diloco", "async", "quorum", "streaming"])
+def test_settings_changed_mid_run_survive_a_coordinator_restart(tmp_path, mode):
+    """H, the outer lr and the quorum rule's settings changed after round 1; the coordinator
+    dies after round 3 and a new one starts from the config file as it was (a fresh copy,
+    as a restarted actor reads it). Before: the outer lr came back with the optimizer's
+    state, but H reverted to the config's: the change lived in the validated config object,
+    which a restart reads anew."""
+    cfg = scenario_cfg(tmp_path, mode, "rounds=8", "checkpoint.every_rounds=2", "elastic.placement_timeout_s=5")
+    as_filed = cfg.model_copy(deep=True)
+    quorum = {"quorum": 2, "grace_k": 1.5} if mode == "quorum" else {}
+    change = UpdateSettings(settings=SettingsUpdate(inner_steps=8, outer_lr=0.3, **quorum))
+    first, pool = in_process_engine(cfg, run_id="settings")
+    drive(first, at={1: lambda e: e.submit(change)}, until=3)
+    pool.coordinator_lost()
+    second = build_engine(as_filed, pool, run_id="settings")
+    status = second.status()
+    assert second.resumed and second.rounds_done == 2
+    assert (status["inner_steps"], status["outer_lr"]) == (8, 0.3) and as_filed.inner_steps == 4
+    assert {k: status[k] for k in quorum} == quorum
+    drive(second)
+    assert second.summary["inner_steps"] == 8 and second.summary["rounds_done"] == 8
 
 
 def test_a_graceful_stop_finishes_the_round_and_checkpoints(tmp_path):

@@ -130,6 +130,7 @@ class RoundEngine:
             on_record=on_record,
             quorum=self.quorum,
             states=self.states,
+            run=self.run,
             evaluator=evaluator,
         )
         self.events, self.recorder, self.disk = self.outputs.events, self.outputs.recorder, self.outputs.disk

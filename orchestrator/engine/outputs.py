@@ -27,6 +27,7 @@ from orchestrator.engine.island_states import IslandStates
 from orchestrator.engine.loop_time import Part
 from orchestrator.engine.membership import IslandStats, Membership
 from orchestrator.engine.outer_step import Outer
+from orchestrator.engine.pacing import RunState
 from orchestrator.engine.quorum import QuorumRule
 from orchestrator.engine.records import DiskFaults, EventLog, Recorder
 from orchestrator.engine.stats import RunStats
@@ -58,6 +59,7 @@ class Outputs:
         inbox: Inbox,
         resumed: bool,
         states: IslandStates,
+        run: RunState,
         on_record: OnRecord | None = None,
         quorum: QuorumRule | None = None,
         evaluator: Evaluator | None = None,
@@ -65,7 +67,7 @@ class Outputs:
         self.quorum = quorum  # the quorum pacing's live settings, shown in the status
         self.cfg, self.run_id, self.task, self.model, self.flat, self.outer = cfg, run_id, task, model, flat, outer
         self.members, self.stats, self.inbox, self.on_record = members, stats, inbox, on_record
-        self.states = states
+        self.states, self.run = states, run  # the run's live settings (H) are its state's, not the config's
         self.evaluator = evaluator or LocalEvaluator(task=task, model=model, threads=self.eval_threads)
         self.evaluated: dict[int, Evaluation] = {}  # version -> its evaluation, the last few
         self.initial_version: int | None = None  # the version whose evaluation is the run's initial one
@@ -219,7 +221,9 @@ class Outputs:
         self.evaluator.close()
         self.outer.copy_to(self.flat.data)
         out = self.recorder.out
-        summary = self.stats.summary(phase, self.cfg, version, self.members, ledger, self.outer.numel, out)
+        summary = self.stats.summary(
+            phase, self.cfg, version, self.members, ledger, self.outer.numel, out, self.run.inner_steps
+        )
         summary.update(extra)
         summary["eval_metrics"] = self.eval_metrics
         summary["final_params_digest"] = params_digest(self.outer.params())  # what a warm start's fork checks
@@ -262,7 +266,7 @@ class Outputs:
             "run_id": self.run_id,
             "target_islands": self.members.target,
             "pending_islands": sorted(self.members.pending),
-            "inner_steps": self.cfg.inner_steps,
+            "inner_steps": self.run.inner_steps,
             "outer_lr": self.outer.lr(),
             "paused": self.inbox.paused.is_set(),
             "stopping": self.inbox.stopping.is_set(),

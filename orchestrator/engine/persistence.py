@@ -11,12 +11,14 @@ from typing import Any, Protocol
 
 from orchestrator.config import RunConfig
 from orchestrator.engine.admission import Admission
+from orchestrator.engine.commands import SettingsUpdate
 from orchestrator.engine.island_states import IslandStates
 from orchestrator.engine.ledger import DataLedger
 from orchestrator.engine.membership import IslandStats, Membership, Retired
 from orchestrator.engine.outer_step import Outer
 from orchestrator.engine.pacing import Flight, Pacing, RunState
 from orchestrator.engine.publisher import Publisher
+from orchestrator.engine.quorum import QuorumRule
 from orchestrator.engine.stats import RunStats
 from orchestrator.engine.types import IslandState, Merge, RunFailed
 from workers.wire.flat import FlatParams
@@ -39,6 +41,7 @@ class Engine(Protocol):
     pacing: Pacing
     publisher: Publisher
     states: IslandStates
+    quorum: QuorumRule | None
 
     @property
     def flights(self) -> dict[int, Flight]: ...
@@ -73,6 +76,12 @@ def capture(engine: Engine) -> dict[str, Any]:
         "completed_steps": engine.run.completed_steps - uncommitted,
         "counters": engine.stats.state(),
         "target": engine.members.target,
+        # what an operator changed mid-run (H, the quorum rule's settings; the outer lr is
+        # in the outer optimizer's state): the restarted coordinator's config has the old values
+        "settings": {
+            "inner_steps": engine.run.inner_steps,
+            "quorum": dataclasses.asdict(engine.quorum) if engine.quorum is not None else None,
+        },
         "island_states": engine.states.kept(engine.members),  # every inner-state file a kept checkpoint names
     }
 
@@ -107,4 +116,8 @@ def restore(engine: Engine, state: dict[str, Any]) -> None:
     engine.stats.load(state["counters"])
     engine.members.target = state["target"]
     engine.states.load(state.get("island_states", []))  # absent from a checkpoint older than it
+    settings = state.get("settings", {})  # absent from a checkpoint older than it
+    run.inner_steps = settings.get("inner_steps", run.inner_steps)
+    if engine.quorum is not None and settings.get("quorum"):
+        engine.quorum.apply(SettingsUpdate(**settings["quorum"]))
     engine.pacing.resume(run)

@@ -52,8 +52,8 @@ class OperatorRequests:
         return phase
 
     def apply(self, update: SettingsUpdate) -> None:
-        if update.inner_steps is not None:
-            self.cfg.inner_steps = self.run.inner_steps = update.inner_steps
+        if update.inner_steps is not None:  # the run's state, checkpointed: the config stays as validated
+            self.run.inner_steps = update.inner_steps
         if update.outer_lr is not None:
             self.outer.set_lr(update.outer_lr)
         if self.quorum is not None:

@@ -207,7 +207,9 @@ class RunStats:
         ledger: DataLedger,
         numel: int,
         out: Path,
+        inner_steps: int,
     ) -> dict[str, Any]:
+        """`summary.json`; `inner_steps`: the run's H as it ended (an operator may change it)."""
         now = time.perf_counter()
         islands = members.summary()
         train_s = now - self.t_train
@@ -221,7 +223,7 @@ class RunStats:
             "state": phase.value,
             "rounds": cfg.rounds,
             "rounds_done": self.rounds_done,
-            "inner_steps": cfg.inner_steps,
+            "inner_steps": inner_steps,
             "initial_eval_loss": self.initial_eval,
             "final_eval_loss": self.last_eval,
             "tokens": self.tokens,
