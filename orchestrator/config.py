@@ -333,8 +333,7 @@ class RunConfig(Strict):
         if self.tracks_copy:
             self._check_tracked_copy()
         a = self.asynchronous
-        if a.quorum is not None and a.quorum > self.islands.count:
-            raise ValueError(f"asynchronous.quorum = {a.quorum} is above islands.count = {self.islands.count}")
+        a.check_quorum(a.quorum, self.islands.count)
         if self.inner.optimizer == "muon" and (self.mode == Mode.DDP or self.islands.workers > 1):
             raise ValueError(
                 "inner.optimizer muon needs whole matrices on one worker: a DiLoCo-family mode and islands.workers = 1"
@@ -346,8 +345,7 @@ class RunConfig(Strict):
             )
         if self.diloco.dylu and self.mode != Mode.DILOCO:
             raise ValueError("diloco.dylu applies to mode diloco only")
-        if a.c > 1.0 / (a.delay or self.islands.count):
-            raise ValueError(f"asynchronous.c must be at most 1/N = {1 / (a.delay or self.islands.count):g}")
+        a.check_c(self.islands.count)
         return self
 
     def _check_tracked_copy(self) -> None:
@@ -362,8 +360,7 @@ class RunConfig(Strict):
             raise ValueError(f"{what} needs islands.sharding = zero1 (an FSDP island holds no whole copy)")
         p = self.streaming.fragments
         if self.mode == Mode.STREAMING:
-            if self.inner_steps % p:
-                raise ValueError(f"inner_steps = {self.inner_steps} must be a multiple of streaming.fragments = {p}")
+            self.streaming.check_inner_steps(self.inner_steps)
             segment = self.inner_steps // p
             if self.streaming.tau is not None and self.streaming.tau >= segment:
                 raise ValueError(

@@ -8,7 +8,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from workers.wire.codecs import CODECS
 from workers.wire.spec import CodecSpecError, parse_codec
@@ -77,11 +77,18 @@ class AsyncConfig(Strict):
         description="past max_staleness: reject, or scale by 1/(1 + staleness - max_staleness)",
     )
 
-    @model_validator(mode="after")
-    def _check(self) -> AsyncConfig:
-        if self.delay is not None and self.c > 1.0 / self.delay:
-            raise ValueError(f"c must be at most 1/delay = {1 / self.delay:g}")
-        return self
+    def check_c(self, islands: int) -> None:
+        """Delayed Nesterov's momentum fraction between updates may not exceed 1/N (N: `delay`,
+        else the islands): the rule, once for the config file and the algorithm's callers."""
+        n = self.delay or islands
+        if self.c > 1.0 / n:
+            raise ValueError(f"asynchronous.c must be at most 1/N = {1 / n:g}")
+
+    @staticmethod
+    def check_quorum(quorum: int | None, islands: int) -> None:
+        """A quorum no larger than the islands there are (at launch, or the run's target)."""
+        if quorum is not None and quorum > islands:
+            raise ValueError(f"asynchronous.quorum = {quorum} is above the run's {islands} islands")
 
 
 class DilocoConfig(Strict):
@@ -155,6 +162,13 @@ class StreamingConfig(Strict):
         description="merge of a received fragment: local <- alpha x local + (1 - alpha) x global (0: replace, "
         "as DiLoCo does; the paper uses 0.5 with overlap, 0 measured better here: see docs/modes.md)",
     )
+
+    def check_inner_steps(self, inner_steps: int) -> None:
+        """H must be a whole number of segments (at launch, and when an operator changes it)."""
+        if inner_steps % self.fragments:
+            raise ValueError(
+                f"inner_steps = {inner_steps} must be a multiple of streaming.fragments = {self.fragments}"
+            )
 
 
 class CompressionConfig(Strict):

@@ -92,17 +92,15 @@ def check_settings(cfg: RunConfig, update: SettingsUpdate, islands: int) -> None
     """Refuse (ValueError: a 422 from the control plane) a settings change the mode
     cannot take: streaming's H must stay a whole number of segments; the quorum rule's
     settings need that rule, and a quorum no more than the `islands` the run targets."""
-    p = cfg.streaming.fragments
-    if cfg.mode == Mode.STREAMING and update.inner_steps is not None and update.inner_steps % p:
-        raise ValueError(f"inner_steps = {update.inner_steps} must be a multiple of streaming.fragments = {p}")
+    if cfg.mode == Mode.STREAMING and update.inner_steps is not None:
+        cfg.streaming.check_inner_steps(update.inner_steps)
     asked = [k for k in ("quorum", "grace_cap", "grace_k", "age_power") if getattr(update, k) is not None]
     if asked and not runs_quorum(cfg):
         raise ValueError(
             f"{', '.join(asked)}: needs mode async with asynchronous.rule = quorum, "
             "or mode streaming with streaming.pacing = quorum"
         )
-    if update.quorum is not None and update.quorum > islands:
-        raise ValueError(f"quorum = {update.quorum} is above the run's {islands} islands")
+    cfg.asynchronous.check_quorum(update.quorum, islands)
 
 
 def runs_quorum(cfg: RunConfig) -> bool:
