@@ -69,9 +69,9 @@ def test_dn_with_c0_equals_sync_nesterov_every_n_arrivals():
 def test_dn_rejects_bad_parameters():
     with pytest.raises(ValueError, match="1/N"):
         DelayedNesterov([torch.nn.Parameter(torch.zeros(1))], 0.7, 0.9, delay=2, c=0.6)
-    with pytest.raises(ValueError, match="c must be at most 1/N = 0.25"):
+    with pytest.raises(ValueError, match=r"c must be at most 1/N = 0\.25"):
         AsyncConfig(delay=4, c=0.5).check_c(islands=8)  # N is the delay when given
-    with pytest.raises(ValueError, match="c must be at most 1/N = 0.5"):
+    with pytest.raises(ValueError, match=r"c must be at most 1/N = 0\.5"):
         AsyncConfig(c=0.6).check_c(islands=2)  # else the islands
     from orchestrator.config import RunConfig
 

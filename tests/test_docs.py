@@ -173,6 +173,41 @@ FIGURES: list[Figure] = [
     ),
     (
         "benchmark-findings.md",
+        r"ends at \*\*([\d.]+) \(3 seeds\) against `diloco`'s ([\d.]+):",
+        "compression.json",
+        [("methods", "sparse", "final_eval_loss"), ("methods", "diloco", "final_eval_loss")],
+        1,
+        4,
+    ),
+    (
+        "benchmark-findings.md",
+        r"`sparse` moves ([\d.]+)× fewer bytes than `diloco`, not ([\d.]+)×",
+        "compression.json",
+        [
+            ("bytes_vs_diloco_at_shipped_default", "sparse"),
+            ("checks", "sparse_50x_fewer_bytes_than_diloco_fp32", "value"),
+        ],
+        1,
+        1,
+    ),
+    (
+        "benchmark-findings.md",
+        r"`streaming_p4_fp4` ([\d.]+) at [\d.]+× fewer bytes",
+        "compression.json",
+        [("methods", "streaming_p4_fp4", "final_eval_loss")],
+        1,
+        4,
+    ),
+    (
+        "benchmark-findings.md",
+        r"`streaming_p4_fp4` [\d.]+ at [\d.]+× fewer bytes \(([\d.]+)× at the\s+shipped default",
+        "compression.json",
+        [("bytes_vs_diloco_at_shipped_default", "streaming_p4_fp4")],
+        1,
+        1,
+    ),
+    (
+        "benchmark-findings.md",
         r"`sync` \(Nesterov, lr 1.0\) \*\*([\d.]+)\*\*; `overlap` \(momentum\s+0.5, adaptive gap penalty, clip 1, "
         r"best lr 0.7\) ([\d.]+) .*?`overlap_eager`\s+\(lr 1.0\) ([\d.]+)",
         "overlap.json",
