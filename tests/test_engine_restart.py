@@ -77,6 +77,17 @@ def test_settings_changed_mid_run_survive_a_coordinator_restart(tmp_path, mode):
     assert second.summary["inner_steps"] == 8 and second.summary["rounds_done"] == 8
 
 
+def test_a_resume_with_a_new_h_in_its_config_takes_the_configs(tmp_path):
+    """The checkpoint's settings are an operator's changes to the same config: a resume
+    whose config file sets another H (a deliberate change) runs with the file's."""
+    cfg = scenario_cfg(tmp_path, "diloco", "rounds=8", "checkpoint.every_rounds=2", "elastic.placement_timeout_s=5")
+    first, pool = in_process_engine(cfg, run_id="newh")
+    drive(first, until=3)
+    pool.coordinator_lost()
+    second = build_engine(cfg.model_copy(update={"inner_steps": 8}), pool, run_id="newh")
+    assert second.resumed and second.status()["inner_steps"] == 8
+
+
 def test_a_graceful_stop_finishes_the_round_and_checkpoints(tmp_path):
     cfg = scenario_cfg(tmp_path, "overlap")
     summary = run_scenario(cfg, at={2: lambda e: e.submit(Stop())})

@@ -116,8 +116,13 @@ def restore(engine: Engine, state: dict[str, Any]) -> None:
     engine.stats.load(state["counters"])
     engine.members.target = state["target"]
     engine.states.load(state.get("island_states", []))  # absent from a checkpoint older than it
+    # an operator's mid-run change survives a restart of the same config; a config that
+    # changes the setting itself (a resume with a new file) wins over the checkpoint's
     settings = state.get("settings", {})  # absent from a checkpoint older than it
-    run.inner_steps = settings.get("inner_steps", run.inner_steps)
+    if "inner_steps" in settings and saved.get("inner_steps") == cfg.inner_steps:
+        run.inner_steps = settings["inner_steps"]
     if engine.quorum is not None and settings.get("quorum"):
-        engine.quorum.apply(SettingsUpdate(**settings["quorum"]))
+        was = saved.get("asynchronous", {})
+        kept = {k: v for k, v in settings["quorum"].items() if was.get(k) == getattr(cfg.asynchronous, k)}
+        engine.quorum.apply(SettingsUpdate(**kept))
     engine.pacing.resume(run)
