@@ -23,7 +23,7 @@ from typing import Any
 from orchestrator.bench.quality_rows import MODEL, widened
 from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
 from orchestrator.bench.runner import one_ray
-from orchestrator.bench.streaming import H, K, shipped_default_ratios, warm_runs, warm_starts
+from orchestrator.bench.streaming import H, K, first_downloads, shipped_default_ratios, warm_runs, warm_starts
 
 SEEDS = (0, 1, 2)
 HEADLINE = ("diloco", "sparse")
@@ -191,7 +191,7 @@ def _compression(quick: bool, work: Path) -> BenchResult:
             "rounds": rounds,
             "seeds": list(seeds),
             # DiLoCo's bytes ÷ each row's with the k fp32 first downloads of the shipped default added
-            "bytes_vs_diloco_at_shipped_default": shipped_default_ratios(methods, _download(methods)),
+            "bytes_vs_diloco_at_shipped_default": shipped_default_ratios(methods, first_downloads(methods)),
         },
     )
 
@@ -213,14 +213,9 @@ def _row(desc: str, runs: list[dict[str, Any]], lr: float | None, sweep: dict[st
     }
 
 
-def _download(methods: dict[str, dict[str, Any]]) -> int:
-    """The bytes of the shipped default's first downloads: every island the model in fp32."""
-    return K * 4 * methods["diloco"]["num_params"]
-
-
 def _markdown(methods: dict[str, dict[str, Any]], checks: dict[str, dict[str, Any]]) -> str:
     base = methods["diloco"]["bytes_communicated"]
-    download = _download(methods)
+    download = first_downloads(methods)
     table = md_table(
         [
             "row",

@@ -203,9 +203,7 @@ def _streaming(quick: bool, work: Path) -> BenchResult:
             "round_breakdown": breakdown,
             "no_link_wall_vs_torchft_runs": ratios,  # ours ÷ the peer's, each pair run back to back
             # DiLoCo's bytes ÷ each row's with the k fp32 first downloads of the shipped default added
-            "bytes_vs_diloco_at_shipped_default": shipped_default_ratios(
-                results, K * 4 * results["diloco"]["num_params"]
-            ),
+            "bytes_vs_diloco_at_shipped_default": shipped_default_ratios(results, first_downloads(results)),
         },
     )
 
@@ -261,6 +259,11 @@ def _peer(rounds: int, warm: dict[int, Path], seeds: tuple[int, ...], lr: float)
         "wall_seconds": peer["train_seconds"],
         "wall_seconds_runs": [peer["train_seconds"]],
     }
+
+
+def first_downloads(r: dict[str, dict[str, Any]]) -> int:
+    """The bytes of the shipped default's first downloads: each of the K islands the model in fp32."""
+    return K * 4 * r["diloco"]["num_params"]
 
 
 def shipped_default_ratios(r: dict[str, dict[str, Any]], download: int) -> dict[str, float]:
@@ -362,7 +365,7 @@ def _markdown(
         "wall s",
         "vs compute-only",
     ]
-    download = K * 4 * d["num_params"]  # the k fp32 first downloads of the shipped default
+    download = first_downloads(r)  # the k fp32 first downloads of the shipped default
     shipped = shipped_default_ratios(r, download)
     context = (
         f"\n\nEvery row's islands load version 0 (the warm start) from storage and check its hash "
