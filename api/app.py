@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Callable
 from importlib import resources
 from typing import Annotated, Any
 
@@ -54,6 +55,7 @@ PAGE = MAX_PAGE = (
 )
 Since = Annotated[int, Query(ge=0, description="cursor: the last round seen (history) or events seen (events)")]
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE, description="page size")]
+Route = Callable[..., Any]
 
 
 def _finite(value: Any) -> Any:
@@ -131,29 +133,26 @@ def create_app(
         errors = jsonable_encoder(err.errors(), custom_encoder={bytes: lambda b: b.decode("utf-8", "replace")})
         return FiniteJSONResponse({"detail": errors}, status_code=422)
 
-    @app.get(
-        "/v1/run",
-        dependencies=reads,
-        response_model=RunStatus,
-        summary="Run status: phase, mode, version, tokens, eval loss, rounds, islands, state",
-    )
+    def view_route(path: str, model: Any, summary: str) -> Callable[[Route], Route]:
+        """A read of the run: open to the read token (or to all, with public reads), typed by `model`."""
+        return app.get(path, dependencies=reads, response_model=model, summary=summary)
+
+    @view_route("/v1/run", RunStatus, "Run status: phase, mode, version, tokens, eval loss, rounds, islands, state")
     def run_status() -> dict[str, Any]:
         return handle.status()
 
-    @app.get(
+    @view_route(
         "/v1/run/history",
-        dependencies=reads,
-        response_model=list[RoundRecord],
-        summary="Per-round records (metrics.jsonl) after round `since`, at most `limit` (page on with the last round)",
+        list[RoundRecord],
+        "Per-round records (metrics.jsonl) after round `since`, at most `limit` (page on with the last round)",
     )
     def run_history(since: Since = 0, limit: Limit = PAGE) -> list[dict[str, Any]]:
         return handle.history(since, limit)
 
-    @app.get(
+    @view_route(
         "/v1/islands",
-        dependencies=reads,
-        response_model=list[IslandView],
-        summary="Islands with state, node, staleness, tokens, H, rejections, and how long each has been silent",
+        list[IslandView],
+        "Islands with state, node, staleness, tokens, H, rejections, and how long each has been silent",
     )
     def islands() -> list[dict[str, Any]]:
         now = time.time()
@@ -161,14 +160,17 @@ def create_app(
             watched({"id": int(i), **s}, now) for i, s in sorted(handle.islands().items(), key=lambda kv: int(kv[0]))
         ]
 
-    @app.get(
+    @view_route(
         "/v1/events",
-        dependencies=reads,
-        response_model=list[EventRecord],
-        summary="The run's event log from index `since` on, at most `limit` (page on with since + count)",
+        list[EventRecord],
+        "The run's event log from index `since` on, at most `limit` (page on with since + count)",
     )
     def events(since: Since = 0, limit: Limit = PAGE) -> list[dict[str, Any]]:
         return handle.events(since, limit)
+
+    def command_route(method: str, path: str, summary: str) -> Callable[[Route], Route]:
+        """A route that puts a command to the run: authenticated, answered 202 `Accepted`."""
+        return getattr(app, method)(path, status_code=202, dependencies=auth, response_model=Accepted, summary=summary)
 
     def answer(command: Command) -> Accepted:
         """Put `command` to the run: its acknowledgement is a 202, its refusal a 4xx from
@@ -178,42 +180,24 @@ def create_app(
             raise HandleError(REFUSAL_STATUS[reply.reason], reply.message)
         return Accepted(detail=reply.detail)
 
-    @app.post(
-        "/v1/islands",
-        status_code=202,
-        dependencies=auth,
-        response_model=Accepted,
-        summary="Add islands (asks the autoscaler for their nodes; they join as resources appear)",
+    @command_route(
+        "post", "/v1/islands", "Add islands (asks the autoscaler for their nodes; they join as resources appear)"
     )
     def add_islands(body: AddIslandsBody) -> Accepted:
         return answer(AddIslands(count=body.count))
 
-    @app.put(
-        "/v1/islands/target",
-        status_code=202,
-        dependencies=auth,
-        response_model=Accepted,
-        summary="Set the island count (idempotent; bounded by elastic.min/max_islands)",
-    )
+    @command_route("put", "/v1/islands/target", "Set the island count (idempotent; bounded by elastic.min/max_islands)")
     def set_target(body: Target) -> Accepted:
         return answer(SetTarget(islands=body.target))
 
-    @app.delete(
-        "/v1/islands/{island}",
-        status_code=202,
-        dependencies=auth,
-        response_model=Accepted,
-        summary="Drain one island: it finishes its round, then its resources are released",
+    @command_route(
+        "delete", "/v1/islands/{island}", "Drain one island: it finishes its round, then its resources are released"
     )
     def drain(island: int = Path(..., ge=0)) -> Accepted:
         return answer(Drain(island=island))
 
-    @app.post(
-        "/v1/run/{action}",
-        status_code=202,
-        dependencies=auth,
-        response_model=Accepted,
-        summary="pause, resume or stop (stop: finish the round, checkpoint, write outputs)",
+    @command_route(
+        "post", "/v1/run/{action}", "pause, resume or stop (stop: finish the round, checkpoint, write outputs)"
     )
     def control(action: str) -> Accepted:
         command = RUN_ACTIONS.get(action)
@@ -221,13 +205,7 @@ def create_app(
             raise HTTPException(404, f"unknown action {action!r}; use one of {sorted(RUN_ACTIONS)}")
         return answer(command)
 
-    @app.patch(
-        "/v1/run/settings",
-        status_code=202,
-        dependencies=auth,
-        response_model=Accepted,
-        summary="Change H and the outer lr at the next round boundary",
-    )
+    @command_route("patch", "/v1/run/settings", "Change H and the outer lr at the next round boundary")
     def settings(body: SettingsUpdate) -> Accepted:
         return answer(UpdateSettings(settings=body))
 

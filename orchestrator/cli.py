@@ -10,12 +10,34 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
+from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 from orchestrator.config_load import ConfigError, check_folders, check_task_spec, dump_config, load_config
 from orchestrator.logs import configure, level_for
 
 log = logging.getLogger(__name__)
+
+# Subcommands other packages add (`bench`): an entry point of this group names a function
+# that adds its parser and returns the handler. The command finds them, never imports them,
+# so nothing in the product depends on the benchmarks (tests/test_architecture.py).
+COMMANDS = "archipelago.commands"
+Register = Callable[[Any, argparse.ArgumentParser], Callable[[argparse.Namespace], int]]
+HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {}
+
+
+def _registered() -> dict[str, Register]:
+    """The installed packages' subcommands, by name (an entry point that fails to load is
+    logged and skipped: the rest of the command still works)."""
+    found: dict[str, Register] = {}
+    for point in entry_points(group=COMMANDS):
+        try:
+            found[point.name] = point.load()
+        except Exception as err:  # a broken plugin must not take `archipelago run` down with it
+            log.warning("the %s subcommand %r could not be loaded: %s", COMMANDS, point.name, err)
+    return found
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -145,46 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run each process once at the config's shapes on this machine's CPU and set its measured "
         "peak beside the plan's (exit 2 if one is more than 25%% away)",
     )
-    bench = sub.add_parser(
-        "bench", parents=[common], help="run a benchmark scenario; writes DIR/<scenario>.json, .png, .md"
-    )
-    from orchestrator.bench.registry import available
-
-    bench.add_argument("scenario", help=f"one of: {', '.join(available())} (orchestrator/bench/registry.py)")
-    bench.add_argument("--quick", action="store_true", help="smaller budget (minutes)")
-    bench.add_argument("--out", default="bench-out", help="output folder")
-    bench.add_argument("--docs", help="also write the report into this folder and rebuild its benchmarks.md")
-    bench.add_argument(
-        "--replot", action="store_true", help="only draw DIR/<scenario>.png again from DIR/<scenario>.json (no run)"
-    )
+    for name, command in _registered().items():
+        HANDLERS[name] = command(sub, common)
     return parser
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from orchestrator.bench.registry import available, run_bench
-    from orchestrator.bench.report import ScenarioUnavailable, measured_commit
-
-    if args.scenario not in available():
-        log.error("unknown scenario %r; available: %s", args.scenario, ", ".join(available()))
-        return 2
-    if args.replot:
-        from orchestrator.bench.report import replot, require_plotting
-
-        try:
-            require_plotting()
-            sys.stdout.write(f"{replot(Path(args.out) / f'{args.scenario}.json')}\n")
-        except (ScenarioUnavailable, OSError, ValueError) as err:
-            log.error("cannot replot %s: %s", args.scenario, err)
-            return 2
-        return 0
-    try:
-        measured_commit()  # the commit whose code runs, read before it runs
-        result = run_bench(args.scenario, args.quick, Path(args.out), Path(args.docs) if args.docs else None)
-    except ScenarioUnavailable as err:
-        log.error("%s", err)
-        return 2
-    sys.stdout.write(f"{result.summary}\nresults: {Path(args.out) / args.scenario}.json, .png, .md\n")
-    return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -334,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = level_for(getattr(args, "verbose", 0), getattr(args, "quiet", 0))
     configure(level)
-    if args.command == "bench":
-        return _bench(args)
+    if args.command in HANDLERS:
+        return HANDLERS[args.command](args)
     if args.command == "serve":
         return _serve(args)
     if args.command == "plan":

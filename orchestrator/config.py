@@ -23,6 +23,7 @@ from orchestrator.config_sections import (
     CompressionConfig,
     DilocoConfig,
     OuterConfig,
+    OuterOptimizer,
     OverlapConfig,
     StreamingConfig,
     Strict,
@@ -32,7 +33,7 @@ from workers.wire.spec import InnerConfig, Sharding
 
 
 class Mode(str, Enum):
-    """How rounds are paced and which outer rule steps (chosen once, in `engine/policies.py`)."""
+    """How rounds are paced and which outer rule steps (`engine/pacings.py`, `engine/outer_rules.py`)."""
 
     DILOCO = "diloco"  # barrier rounds, one outer step per round
     DDP = "ddp"  # barrier per batch: the data-parallel baseline
@@ -118,45 +119,69 @@ class IslandsConfig(Strict):
     cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per island worker")
     gpus: float = Field(0.0, ge=0, description="Ray GPUs per island worker; CUDA is used when > 0 and available")
     threads: int | None = Field(None, ge=1, description="torch threads per island (default: cpus, at least 1)")
-    links: list[LinkConfig] | None = Field(
-        None,
-        description="SIMULATION: one link per initial island; joiners and replacements use the run's `link`",
+
+
+class SimulationConfig(Strict):
+    """SIMULATION: a fleet on one machine — slower islands, slow links and a virtual clock —
+    so modes can be compared under the conditions of a real one. The islands really train;
+    only time is simulated (`orchestrator/runtime/simulated.py` on Ray, the in-process pool
+    of tests and benches). A run without this section is not simulated in any way."""
+
+    link: LinkConfig = Field(
+        default_factory=LinkConfig, description="every island's link to the coordinator (both directions)"
     )
-    simulated_slowdown: list[float] | None = Field(
+    links: list[LinkConfig] | None = Field(
+        None, description="one link per initial island instead; joiners and replacements use `link`"
+    )
+    slowdown: list[float] | None = Field(
         None,
-        description="SIMULATION: one factor >= 1 per initial island stretching every inner step (2 = half speed); "
+        description="one factor >= 1 per initial island stretching every inner step (2 = half speed); "
         "joiners and replacements run at 1",
     )
-
     virtual_step_s: float | None = Field(
         None,
         gt=0,
-        description="SIMULATION: a virtual clock. Island i's inner step takes virtual_step_s x its "
-        "simulated_slowdown simulated seconds and nothing sleeps; results are taken in the order of their "
-        "simulated finish times and the run's clock (deadlines, links, clock_seconds) is simulated, while "
-        "the islands really train; so measured speeds are exact on a contended machine",
+        description="a virtual clock: island i's inner step takes virtual_step_s x its slowdown simulated "
+        "seconds and nothing sleeps; results are taken in the order of their simulated finish times and the "
+        "run's clock (deadlines, links, clock_seconds) is simulated, while the islands really train; so "
+        "measured speeds are exact on a contended machine",
     )
 
-    @model_validator(mode="after")
-    def _check(self) -> IslandsConfig:
-        s = self.simulated_slowdown
-        if s is not None:
-            if len(s) != self.count:
-                raise ValueError(f"simulated_slowdown has {len(s)} entries for {self.count} islands")
-            if any(f < 1 for f in s):
-                raise ValueError("simulated_slowdown factors must be >= 1")
-        if self.links is not None and len(self.links) != self.count:
-            raise ValueError(f"links has {len(self.links)} entries for {self.count} islands")
-        return self
+    @field_validator("slowdown")
+    @classmethod
+    def _factors(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and any(f < 1 for f in v):
+            raise ValueError("slowdown factors must be >= 1")
+        return v
 
-    def slowdown(self, index: int) -> float:
+    def check_islands(self, count: int) -> None:
+        """One entry per initial island in each per-island list."""
+        for name, entries in (("slowdown", self.slowdown), ("links", self.links)):
+            if entries is not None and len(entries) != count:
+                raise ValueError(f"simulation.{name} has {len(entries)} entries for {count} islands (islands.count)")
+
+    @property
+    def slows(self) -> bool:
+        """Whether islands on the real clock stretch their steps or wait for their downloads."""
+        return self.virtual_step_s is None and (bool(self.slowdown) or self.delays)
+
+    @property
+    def delays(self) -> bool:
+        """Whether any link takes time."""
+        return any(link.seconds(1) > 0 for link in [self.link, *(self.links or [])])
+
+    def slowdown_of(self, index: int) -> float:
         """Island `index`'s factor; islands past the list (joiners, replacements) run at full speed."""
-        s = self.simulated_slowdown
+        s = self.slowdown
         return s[index] if s and index < len(s) else 1.0
 
     def virtual_seconds(self, index: int, steps: int) -> float:
         """Simulated seconds of `steps` inner steps of island `index` under the virtual clock."""
-        return steps * (self.virtual_step_s or 0.0) * self.slowdown(index)
+        return steps * (self.virtual_step_s or 0.0) * self.slowdown_of(index)
+
+    def link_of(self, index: int) -> LinkConfig:
+        """Island `index`'s link; islands past `links` (joiners, replacements) use `link`."""
+        return self.links[index] if self.links and index < len(self.links) else self.link
 
 
 class TaskSpec(Strict):
@@ -270,7 +295,6 @@ class RunConfig(Strict):
     overlap: OverlapConfig = Field(default_factory=OverlapConfig)
     streaming: StreamingConfig = Field(default_factory=StreamingConfig)
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
-    link: LinkConfig = Field(default_factory=LinkConfig)
     robust: RobustConfig = Field(default_factory=RobustConfig)
     coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
@@ -283,6 +307,7 @@ class RunConfig(Strict):
     task: TaskSpec = Field(default_factory=TaskSpec)
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    simulation: SimulationConfig = Field(default_factory=SimulationConfig)
 
     @model_validator(mode="after")
     def _warm_steps(self) -> RunConfig:
@@ -338,7 +363,7 @@ class RunConfig(Strict):
             raise ValueError(
                 "inner.optimizer muon needs whole matrices on one worker: a DiLoCo-family mode and islands.workers = 1"
             )
-        if self.outer.optimizer == "sparseloco" and not self.compression.error_feedback:
+        if self.outer.optimizer == OuterOptimizer.SPARSELOCO and not self.compression.error_feedback:
             raise ValueError(
                 "outer.optimizer sparseloco steps without momentum: it needs compression.error_feedback = true "
                 "(and a lossy compression.codec such as topk:0.02+int2)"
@@ -346,6 +371,7 @@ class RunConfig(Strict):
         if self.diloco.dylu and self.mode != Mode.DILOCO:
             raise ValueError("diloco.dylu applies to mode diloco only")
         a.check_c(self.islands.count)
+        self.simulation.check_islands(self.islands.count)
         return self
 
     def _check_tracked_copy(self) -> None:
@@ -386,11 +412,6 @@ class RunConfig(Strict):
     @property
     def num_shards(self) -> int:
         return self.data_shards or 4 * self.islands.count
-
-    def island_link(self, index: int) -> LinkConfig:
-        """Island `index`'s link; islands past `islands.links` (joiners, replacements) use `link`."""
-        links = self.islands.links
-        return links[index] if links and index < len(links) else self.link
 
     def deadline_s(self, steps: int, steps_per_s: float | None = None) -> float:
         """How long work of `steps` inner steps may take before its island is late: the

@@ -42,11 +42,26 @@ def _type(annotation: Any) -> str:
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
         return " \\| ".join(f"`{m.value}`" for m in annotation)
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return f"[{_section_name(annotation)}](#{_anchor(_section_name(annotation))})"
+        name = _section_name(annotation)
+        return (
+            f"`{name}` (as `{_inlined()[annotation]}`)" if annotation in _inlined() else f"[{name}](#{_anchor(name)})"
+        )
     if origin in (list, tuple, dict):
         parts = ", ".join("…" if a is Ellipsis else _type(a) for a in args)
         return f"{origin.__name__}[{parts}]"
     return getattr(annotation, "__name__", str(annotation))
+
+
+def _inlined() -> dict[type[BaseModel], str]:
+    """Models that are a field of a section, with that field's dotted name: their fields
+    are rows of the section's table (`simulation.link.preset`), not a heading to link to."""
+    return {
+        f.annotation: f"{section}.{name}"
+        for section, s in RunConfig.model_fields.items()
+        if isinstance(s.annotation, type) and issubclass(s.annotation, BaseModel)
+        for name, f in s.annotation.model_fields.items()
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)
+    }
 
 
 def _section_name(model: type[BaseModel]) -> str:
@@ -84,8 +99,11 @@ def _rows(prefix: str, model: type[BaseModel]) -> tuple[list[str], list[tuple[st
     rows, sections = [], []
     for name, field in model.model_fields.items():
         annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel) and model is RunConfig:
-            sections.append((name, annotation))
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            if model is RunConfig:  # a section of its own
+                sections.append((name, annotation))
+            else:  # a model inside a section: its fields, dotted (`simulation.link.preset`)
+                rows += _rows(f"{prefix}{name}.", annotation)[0]
             continue
         default = "required" if field.is_required() else _value(field.get_default(call_default_factory=True))
         description = (field.description or "").replace("|", "\\|").replace("\n", " ")

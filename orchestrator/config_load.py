@@ -3,6 +3,7 @@ the field and the reason (and the task's own kwargs validated up front too)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -14,6 +15,8 @@ from pydantic import ValidationError
 from orchestrator.config import RUN_PLACEHOLDER, RunConfig
 from workers.runtime.storage import Folder, is_url
 from workers.tasks.task import TaskError, load_task
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -85,7 +88,7 @@ def load_config(
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping, not {type(loaded).__name__}")
         data = loaded or {}
-    data = apply_overrides(data, overrides or [])
+    data = _moved(apply_overrides(data, overrides or []))
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as err:
@@ -93,6 +96,34 @@ def load_config(
     if check_task:
         check_task_spec(cfg)
     return cfg
+
+
+# settings that moved, so a config written for an earlier release still loads
+MOVED = {
+    ("islands", "simulated_slowdown"): ("simulation", "slowdown"),
+    ("islands", "virtual_step_s"): ("simulation", "virtual_step_s"),
+    ("islands", "links"): ("simulation", "links"),
+    ("link",): ("simulation", "link"),
+}
+
+
+def _moved(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with each moved setting at its new place (a warning names both); one given
+    at both places is an error naming them."""
+    for old, new in MOVED.items():
+        *parents, leaf = old
+        holder: dict[str, Any] = data
+        for key in parents:
+            inner = holder.get(key)
+            holder = inner if isinstance(inner, dict) else {}
+        if leaf not in holder:
+            continue
+        section = data.setdefault(new[0], {})
+        if not isinstance(section, dict) or new[1] in section:
+            raise ConfigError(f"{'.'.join(old)} moved to {'.'.join(new)}: give it once, at {'.'.join(new)}")
+        section[new[1]] = holder.pop(leaf)
+        log.warning("%s is now %s (read from the old name)", ".".join(old), ".".join(new))
+    return data
 
 
 def check_task_spec(cfg: RunConfig) -> None:

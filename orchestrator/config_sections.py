@@ -18,11 +18,20 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class OuterOptimizer(str, Enum):
+    """The outer optimizers of the `outer` section (`engine/outer_rules.py` has their rows)."""
+
+    NESTEROV = "nesterov"
+    SGD = "sgd"
+    ADAM = "adam"
+    SPARSELOCO = "sparseloco"
+
+
 class OuterConfig(Strict):
     """Outer optimizer stepped on the token-weighted mean pseudo-gradient (docs/algorithms.md)."""
 
-    optimizer: Literal["nesterov", "sgd", "adam", "sparseloco"] = Field(
-        "nesterov",
+    optimizer: OuterOptimizer = Field(
+        OuterOptimizer.NESTEROV,
         description="nesterov (torch SGD's Nesterov update, in place); sgd with lr 1 and momentum 0 is plain "
         "parameter averaging (FedAvg); adam; sparseloco (SparseLoCo: a plain step on the mean of what the islands "
         "sent, their error-feedback buffers taking momentum's place; needs compression.error_feedback)",

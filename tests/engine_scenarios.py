@@ -14,7 +14,7 @@ from typing import Any
 from orchestrator.config import RunConfig
 from orchestrator.config_load import load_config
 from orchestrator.engine.engine import RoundEngine
-from orchestrator.engine.pool import Fault
+from orchestrator.testing.pool import Fault
 from tests.helpers import assert_trained_once, in_process_engine
 
 CENTERS = "[[1.0,0.0],[-0.5,2.0],[0.5,0.5],[2.0,-1.0]]"

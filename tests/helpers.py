@@ -15,7 +15,7 @@ from orchestrator.config import RunConfig
 from orchestrator.engine.build import build_engine
 from orchestrator.engine.engine import RoundEngine
 from orchestrator.engine.logfiles import read_lines
-from orchestrator.engine.pool import Fault, InProcessPool
+from orchestrator.testing.pool import Fault, InProcessPool
 from tests.toy_tasks import READS
 from workers.runtime.island import Island
 

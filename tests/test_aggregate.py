@@ -10,8 +10,8 @@ from orchestrator.algorithms.robust import NormGuard
 from orchestrator.config import RobustConfig
 from orchestrator.config_sections import OuterConfig
 from orchestrator.engine.admission import Admission, ExactVersion
-from orchestrator.engine.outer_step import LocalOuter, OuterRule, OuterStep, take_step
-from orchestrator.engine.policies import outer_optimizer
+from orchestrator.engine.outer_rules import optimizer_rule
+from orchestrator.engine.outer_step import LocalOuter, OuterStep, take_step
 from orchestrator.engine.types import Contribution
 
 
@@ -20,7 +20,7 @@ class _Harness:
 
     def __init__(self, drop_prob: float = 0.0) -> None:
         self.param = torch.ones(3, dtype=torch.float32)
-        self.outer = LocalOuter(self.param, OuterRule(lambda p: (outer_optimizer(OuterConfig(), p), None)))
+        self.outer = LocalOuter(self.param, optimizer_rule(OuterConfig()))
         self.admission = Admission(3, NormGuard(RobustConfig()), ExactVersion(), 3, drop_prob, seed=1)
         self.version = 0
 
@@ -120,7 +120,7 @@ def test_a_mean_taken_while_screening_steps_exactly_as_one_taken_after_it(one_pa
 
     def stepped(arrivals: list[int], poisoned: int | None = None) -> torch.Tensor:
         param = torch.ones(n)
-        outer = LocalOuter(param, OuterRule(lambda p: (outer_optimizer(OuterConfig(), p), None)))
+        outer = LocalOuter(param, optimizer_rule(OuterConfig()))
         assert (outer.one_pass is not None) == one_pass
         admission = Admission(n, NormGuard(RobustConfig()), ExactVersion(), 3, 0.0, seed=1)
         batch = [
@@ -134,7 +134,7 @@ def test_a_mean_taken_while_screening_steps_exactly_as_one_taken_after_it(one_pa
 
     def reference(islands: list[int]) -> torch.Tensor:
         param = torch.ones(n)
-        step = OuterStep(param, OuterRule(lambda p: (outer_optimizer(OuterConfig(), p), None)))
+        step = OuterStep(param, optimizer_rule(OuterConfig()))
         step.apply([(deltas[i], weights[i]) for i in islands])
         return param
 

@@ -8,8 +8,8 @@ import torch
 
 from orchestrator.config import RunConfig
 from orchestrator.config_sections import OuterConfig
-from orchestrator.engine.outer_step import OuterRule, OuterStep
-from orchestrator.engine.policies import outer_optimizer
+from orchestrator.engine.outer_rules import optimizer_rule
+from orchestrator.engine.outer_step import OuterStep
 from tests.helpers import in_process_run
 
 TOL = 1e-6
@@ -17,7 +17,7 @@ CENTERS = [[1.0, 0.0], [-0.5, 2.0]]
 
 
 def _step(theta0, outer: OuterConfig) -> OuterStep:
-    return OuterStep(torch.tensor(theta0, dtype=torch.float64), OuterRule(lambda p: (outer_optimizer(outer, p), None)))
+    return OuterStep(torch.tensor(theta0, dtype=torch.float64), optimizer_rule(outer))
 
 
 def _g(g, w=1.0):

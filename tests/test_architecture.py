@@ -124,7 +124,7 @@ def test_the_pure_layers_reach_neither_ray_nor_fastapi_even_transitively():
         if name.startswith(PURE):
             reach = _reach(name) | {name}
             bad = {m for r in reach for m in IMPORTS[r] if m.split(".")[0] in ("ray", "fastapi", "uvicorn")}
-            layers = {r for r in reach if r.startswith(("orchestrator.runtime", "orchestrator.bench", "api"))}
+            layers = {r for r in reach if r.startswith(("orchestrator.runtime", *NOT_PRODUCT, "api"))}
             if bad or layers:
                 offenders[name] = sorted(bad | layers)
     assert not offenders, offenders
@@ -133,6 +133,38 @@ def test_the_pure_layers_reach_neither_ray_nor_fastapi_even_transitively():
 def test_the_reach_check_follows_imports_through_other_modules():
     assert "orchestrator.engine.types" in _reach("orchestrator.engine.engine")  # via admission, fleet, ...
     assert "orchestrator.engine.engine" not in _reach("orchestrator.engine.types")
+
+
+NOT_PRODUCT = ("orchestrator.bench", "orchestrator.testing")
+
+
+def test_nothing_in_the_product_imports_the_benchmarks_or_the_testing_package():
+    """The benchmarks and the in-process pool, its faults and chaos are layers above the
+    product: the command finds `bench` through its entry point, tests and benches import
+    `testing`, and the product runs (and installs) without either."""
+    offenders = {
+        name: sorted(m for m in IMPORTS[name] if m.startswith(NOT_PRODUCT))
+        for name in MODULES
+        if not name.startswith(NOT_PRODUCT)
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+    assert any(m.startswith("orchestrator.testing") for m in IMPORTS["orchestrator.bench.goodput"])
+
+
+def test_the_island_and_the_ray_pool_hold_no_simulation_branch():
+    """Simulated speeds, links and clocks are subclasses the `simulation:` section selects
+    (`workers/runtime/simulated.py`, `orchestrator/runtime/simulated.py`)."""
+    for name in ("workers.runtime.island", "workers.runtime.island_group", "orchestrator.runtime.island_pool"):
+        text = MODULES[name].read_text().lower()
+        assert not [w for w in ("simulat", "virtual", "slowdown", "start_delay") if w in text], name
+
+
+def test_bench_is_a_registered_subcommand():
+    from importlib.metadata import entry_points
+
+    from orchestrator.cli import COMMANDS
+
+    assert [p.value for p in entry_points(group=COMMANDS, name="bench")] == ["orchestrator.bench.command:register"]
 
 
 def test_the_package_reports_through_logging_not_print():

@@ -14,8 +14,8 @@ from orchestrator.algorithms.robust import NormGuard
 from orchestrator.config import RobustConfig
 from orchestrator.config_sections import AsyncConfig, OuterConfig
 from orchestrator.engine.admission import Admission, BoundedStaleness
-from orchestrator.engine.outer_step import LocalOuter, OuterRule, take_step
-from orchestrator.engine.policies import outer_optimizer
+from orchestrator.engine.outer_rules import optimizer_rule
+from orchestrator.engine.outer_step import LocalOuter, take_step
 from orchestrator.engine.types import Contribution
 
 
@@ -113,7 +113,7 @@ class _Async:
         self.param = torch.zeros(2, dtype=torch.float64)
         self.outer = LocalOuter(
             self.param,
-            OuterRule(lambda p: (outer_optimizer(OuterConfig(lr=1.0, momentum=0.0, optimizer="sgd"), p), None)),
+            optimizer_rule(OuterConfig(lr=1.0, momentum=0.0, optimizer="sgd")),
         )
         self.guard = NormGuard(RobustConfig(min_history=1))
         self.admission = Admission(2, self.guard, BoundedStaleness(a.max_staleness, a.stale_policy == "downweight"), 3)

@@ -24,7 +24,7 @@ def _cfg(tmp_path, *extra):
             "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]",
             "task.kwargs.batch_s=0.01",
             "islands.count=3",
-            "islands.simulated_slowdown=[1,1,4]",
+            "simulation.slowdown=[1,1,4]",
             "inner.optimizer=sgd",
             "inner.lr=0.1",
             "inner.warmup_steps=0",
@@ -39,11 +39,11 @@ def _cfg(tmp_path, *extra):
 
 
 def test_a_virtual_clock_gives_exact_speeds_and_arrivals_in_simulated_order(ray_local, tmp_path):
-    """With `islands.virtual_step_s` the islands really train on Ray but nothing sleeps:
+    """With `simulation.virtual_step_s` the islands really train on Ray but nothing sleeps:
     each result counts at its simulated finish (steps x 0.5 s x slowdown), so the speeds
     DyLU sees are exactly 2, 2 and 0.5 steps/s on this contended machine, the slow
     island works a quarter of H, and the run's clock is simulated."""
-    summary = run(_cfg(tmp_path, "islands.virtual_step_s=0.5", "inner_steps=8"), show_progress=False)
+    summary = run(_cfg(tmp_path, "simulation.virtual_step_s=0.5", "inner_steps=8"), show_progress=False)
     isl = summary["islands"]
     assert [isl[i]["steps_per_s"] for i in ("0", "1", "2")] == pytest.approx([2.0, 2.0, 0.5])
     assert [isl[i]["inner_steps"] for i in ("0", "1", "2")] == [8, 8, 2]

@@ -170,7 +170,7 @@ def test_streaming_rows_are_the_issue_s_and_share_one_token_budget():
 
     from orchestrator.bench.streaming import BASE, H, K, common, methods
 
-    table = methods(["link.bandwidth_gbps=0.01", "link.latency_ms=0"], 0.7, 1.0)
+    table = methods(["simulation.link.bandwidth_gbps=0.01", "simulation.link.latency_ms=0"], 0.7, 1.0)
     assert set(table) | {"compute_only"} == {
         "diloco",
         "streaming_p2",
@@ -188,7 +188,7 @@ def test_streaming_rows_are_the_issue_s_and_share_one_token_budget():
     assert s4.streaming.fragments == 4 and s4.compression.codec == s4.compression.downlink == "fp4"
     assert s4.outer.lr == 1.0 and configs["diloco"].outer.lr == configs["diloco_int8"].outer.lr == 0.7
     assert configs["diloco_int8"].compression.downlink == "int8" and configs["overlap_eager"].overlap.eager
-    assert configs["ddp_k"].link.bandwidth_gbps is None and s4.inner_steps == H and s4.islands.count == K
+    assert configs["ddp_k"].simulation.link.bandwidth_gbps is None and s4.inner_steps == H and s4.islands.count == K
     assert all(c.islands.build_version0 for c in configs.values())  # loaded from storage, as the peer's replicas
 
 
@@ -208,7 +208,7 @@ def test_an_earlier_run_of_another_config_is_removed_not_resumed(tmp_path):
     fresh(cfg.model_copy(update={"rounds": 3}))
     assert not out.exists()
     fresh(cfg)  # nothing there: nothing to do
-    simulated = cfg.model_copy(update={"islands": cfg.islands.model_copy(update={"virtual_step_s": 0.5})})
+    simulated = cfg.model_copy(update={"simulation": cfg.simulation.model_copy(update={"virtual_step_s": 0.5})})
     (out / "checkpoint").mkdir(parents=True)
     (out / "config.yaml").write_text(dump_config(simulated))
     fresh(simulated)  # the same config, but its resumed clock would restart at zero
@@ -240,7 +240,7 @@ def test_overlap_rows_tune_every_method_on_one_grid_over_a_link_that_leaves_slac
             assert c.mode.value == "overlap" and c.overlap.lr == lr and c.overlap.momentum > 0
             assert c.overlap.penalty == "adaptive" and c.overlap.clip is not None
         assert eager.overlap.eager and not co2.overlap.eager
-        assert sync.link.bandwidth_gbps == co2.link.bandwidth_gbps == pytest.approx(bw, rel=1e-5)
+        assert sync.simulation.link.bandwidth_gbps == co2.simulation.link.bandwidth_gbps == pytest.approx(bw, rel=1e-5)
 
 
 def test_a_benchmark_without_matplotlib_is_refused_before_any_run(tmp_path, monkeypatch, capsys):

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from orchestrator.bench.runner import run_in_process
 from orchestrator.config_load import load_config
 from orchestrator.engine.loop_time import LoopClock, Part
+from orchestrator.testing.runner import run_in_process
 from tests.helpers import toy_quadratic
 
 
@@ -35,7 +35,7 @@ def test_every_round_records_its_coordinator_seconds_and_the_summary_their_total
         None,
         [
             *toy_quadratic(2, 0.0, "data_shards=2"),
-            "islands.virtual_step_s=0.01",
+            "simulation.virtual_step_s=0.01",
             "rounds=4",
             "inner_steps=3",
             f"task.kwargs.fault_dir={tmp_path}",

@@ -26,8 +26,8 @@ from orchestrator.engine.commands import (
     SettingsUpdate,
     UpdateSettings,
 )
-from orchestrator.engine.pool import Fault, FaultKind
 from orchestrator.engine.types import Event, RunFailed
+from orchestrator.testing.pool import Fault, FaultKind
 from tests.engine_scenarios import check_exactly_once, drive, run_scenario, scenario_cfg
 from tests.helpers import events, in_process_engine
 
@@ -43,7 +43,7 @@ def test_no_fault_every_mode_trains_each_batch_once(tmp_path, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_islands_of_different_speeds_every_batch_once(tmp_path, mode):
-    cfg = scenario_cfg(tmp_path, mode, "islands.simulated_slowdown=[1.0,1.5,3.0]")
+    cfg = scenario_cfg(tmp_path, mode, "simulation.slowdown=[1.0,1.5,3.0]")
     summary = run_scenario(cfg)
     assert summary["rounds_done"] == 6 and summary["final_eval_loss"] < summary["initial_eval_loss"]
     if mode == "overlap":  # every island that did round t-1 is in round t: none is left out by timing
@@ -137,7 +137,7 @@ def test_rejected_updates_give_their_batches_back_and_take_no_step(tmp_path):
 @pytest.mark.parametrize("mode", MODES)
 def test_every_mode_measures_island_speed(tmp_path, mode):
     """Before: in diloco (and ddp, overlap) every island's steps_per_s was 0.0."""
-    cfg = scenario_cfg(tmp_path, mode, "islands.simulated_slowdown=[1.0,2.0,4.0]")
+    cfg = scenario_cfg(tmp_path, mode, "simulation.slowdown=[1.0,2.0,4.0]")
     summary = run_scenario(cfg)
     speeds = [summary["islands"][str(i)]["steps_per_s"] for i in range(3)]
     assert speeds == pytest.approx([1.0, 0.5, 0.25], rel=0.01)
@@ -207,7 +207,7 @@ def test_an_island_without_a_free_shard_never_holds_a_round_open(tmp_path, mode)
     assert summary["rounds_done"] == 8 and len(summary["islands"]) == 5
 
 
-@pytest.mark.parametrize("sim", ["islands.simulated_slowdown=[1.0,2.0,3.0]", "islands.links=[{},{},{preset: wan-1g}]"])
+@pytest.mark.parametrize("sim", ["simulation.slowdown=[1.0,2.0,3.0]", "simulation.links=[{},{},{preset: wan-1g}]"])
 def test_simulated_speeds_and_links_survive_joins_and_replacements(tmp_path, sim):
     """Per-island simulation lists cover the initial islands; a joiner or a replacement (an
     index past the list) used to crash the run with IndexError."""
@@ -345,7 +345,7 @@ def test_every_record_carries_the_version_its_round_produced(tmp_path):
     slow island that dies closes together with the next one, already delivered): before,
     both were recorded with the later version, and a checkpoint written then paired
     rounds with the wrong version."""
-    cfg = scenario_cfg(tmp_path, "overlap", "rounds=8", "islands.simulated_slowdown=[1.0,1.0,3.0]")
+    cfg = scenario_cfg(tmp_path, "overlap", "rounds=8", "simulation.slowdown=[1.0,1.0,3.0]")
     # the slow island dies in round 3 while the others already delivered round 4
     summary = run_scenario(cfg, [Fault(FaultKind.CRASH, 2, order=3)])
     records = [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -356,7 +356,7 @@ def test_every_record_carries_the_version_its_round_produced(tmp_path):
 def test_dylu_sizes_a_slow_islands_first_work_from_its_known_speed(tmp_path):
     """No cold start at full H: a new island's speed is known (virtual clock) or probed
     (Ray: `Island.probe`) when it joins, so the slow island's first work is already short."""
-    cfg = scenario_cfg(tmp_path, "async", "inner_steps=8", "islands.simulated_slowdown=[1.0,1.0,4.0]")
+    cfg = scenario_cfg(tmp_path, "async", "inner_steps=8", "simulation.slowdown=[1.0,1.0,4.0]")
     engine, pool = in_process_engine(cfg)
     drive(engine, until=1)
     first = {}
@@ -375,7 +375,7 @@ def test_an_upload_crossing_its_link_holds_only_the_step_that_merges_it(tmp_path
     lagged round paid it too: 32 s). Synchronous rounds pay the whole exchange, 6 × (4 + 2)
     s, and an asynchronous island, which restarts from the step that merges its own
     update, waits for that step and its download."""
-    cfg = scenario_cfg(tmp_path, mode, "link.latency_ms=1000")
+    cfg = scenario_cfg(tmp_path, mode, "simulation.link.latency_ms=1000")
     summary = run_scenario(cfg)
     compute = cfg.rounds * cfg.inner_steps  # 1 s per inner step on the in-process pool
     expected = {"overlap": compute + 4, "diloco": compute + cfg.rounds * 2, "async": compute + cfg.rounds * 2}

@@ -16,8 +16,8 @@ import pytest
 
 from orchestrator.engine import records
 from orchestrator.engine.checkpoints import load_checkpoint
-from orchestrator.engine.pool import Fault, FaultKind
 from orchestrator.engine.types import RunFailed
+from orchestrator.testing.pool import Fault, FaultKind
 from tests.engine_scenarios import check_exactly_once, drive, run_scenario, scenario_cfg
 from tests.helpers import events, in_process_engine
 from workers.runtime import storage
@@ -62,8 +62,8 @@ def test_a_slice_that_does_not_decode_is_reported_unfit_by_its_slice():
     """Under Ray a slice's part stays in the island's object store until the slice fetches it:
     the slice checks it (the engine cannot) and reports it unfit instead of raising."""
     from orchestrator.config import RunConfig
+    from orchestrator.engine.outer_rules import outer_rule
     from orchestrator.engine.outer_slices import OuterSlice
-    from orchestrator.engine.policies import outer_rule
 
     part = OuterSlice(outer_rule(RunConfig()), (0, 4), np.zeros(4, np.float32))
     good = {"raw": np.ones(4, np.float32)}

@@ -26,8 +26,8 @@ from orchestrator.engine.commands import (
     Stop,
     UpdateSettings,
 )
-from orchestrator.engine.pool import Fault, FaultKind, InProcessPool
 from orchestrator.engine.types import IslandState, RunFailed
+from orchestrator.testing.pool import Fault, FaultKind, InProcessPool
 from tests.engine_scenarios import Action, check_exactly_once, drive, run_scenario, scenario_cfg
 from tests.helpers import events, in_process_engine
 
@@ -199,7 +199,7 @@ def test_a_drained_island_stays_drained_across_a_restart(tmp_path, mode):
 
 
 def test_a_draining_island_goes_on_draining_across_a_restart(tmp_path):
-    slow = "islands.simulated_slowdown=[1.0,10.0,1.0]"  # island 1's round is still out at the crash
+    slow = "simulation.slowdown=[1.0,10.0,1.0]"  # island 1's round is still out at the crash
     _, first, second = _restart_after(
         tmp_path, "async", lambda e: e.submit(Drain(island=1)), 3, slow, "round_timeout_s=100"
     )

@@ -14,7 +14,7 @@ import torch
 from orchestrator.algorithms.aggregate import WeightedMean, sqnorm
 from orchestrator.algorithms.fused_step import SGDRule, mean_step
 from orchestrator.algorithms.outer import FlatSGD
-from orchestrator.engine.outer_step import LocalOuter, OuterRule
+from orchestrator.engine.outer_step import Commit, LocalOuter, OuterRule
 from tests.engine_scenarios import drive, scenario_cfg
 from tests.helpers import in_process_engine
 
@@ -89,7 +89,7 @@ def test_the_outer_alternates_buffers_and_keeps_the_models_copy_and_a_checkpoint
         return FlatSGD([p], lr=0.7, momentum=0.9, nesterov=True), None
 
     flat = torch.ones(n)
-    outer = LocalOuter(flat, OuterRule(rule))
+    outer = LocalOuter(flat, OuterRule(rule, one_pass=True))
     ref_param = torch.nn.Parameter(torch.ones(n))
     reference = FlatSGD([ref_param], lr=0.7, momentum=0.9, nesterov=True)
     from orchestrator.engine.types import Contribution
@@ -97,11 +97,11 @@ def test_the_outer_alternates_buffers_and_keeps_the_models_copy_and_a_checkpoint
     # (the pacing's scale the pass took, the scale of the step admission asks for)
     for version, (paced, scale) in enumerate([(1.0, 1.0), (1.0, 1.0), (1.0, 0.5), (0.25, 0.25)]):
         deltas = [rng.normal(0, 1e-2, n).astype(np.float32) for _ in range(2)]
-        key, _ = outer.inspect(
+        proposal = outer.propose(
             [Contribution(island=i, version=version, delta=d, weight=1.0) for i, d in enumerate(deltas)], paced
         )
         before = outer.steps[0].param.data_ptr()
-        outer.apply(key, {0: 1.0, 1: 1.0}, scale=scale)
+        outer.commit(proposal, Commit(weights={0: 1.0, 1: 1.0}, scale=scale))
         assert (outer.steps[0].param.data_ptr() != before) == (paced == scale)  # committed: the buffers swapped
         ref_param.grad = WeightedMean(n, torch.float32).fill([(d, 1.0) for d in deltas])
         ref_param.grad.mul_(scale)
@@ -148,7 +148,7 @@ def test_a_run_through_faults_and_a_restart_is_bitwise_the_mean_then_step_run(tm
     parameters, bit for bit, and the same verdicts as with the one pass switched off."""
     from orchestrator.engine.build import build_engine
     from orchestrator.engine.outer_step import OuterStep
-    from orchestrator.engine.pool import Fault, FaultKind
+    from orchestrator.testing.pool import Fault, FaultKind
 
     faults = [
         Fault(FaultKind.NAN, 2, order=2),

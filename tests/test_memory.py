@@ -10,9 +10,9 @@ import random
 
 from orchestrator.config_load import load_config
 from orchestrator.engine.membership import RETAINED
-from orchestrator.engine.pool import Fault, FaultKind
 from orchestrator.engine.records import HISTORY, Recorder
 from orchestrator.engine.types import IslandState
+from orchestrator.testing.pool import Fault, FaultKind
 from tests.helpers import in_process_engine
 
 ISLANDS, ROUNDS = 64, 10_000

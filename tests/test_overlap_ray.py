@@ -13,7 +13,9 @@ from tests.helpers import toy_quadratic
 pytestmark = pytest.mark.ray
 
 # 2 parameters of float64 = 16 bytes: a 0.2 s latency dominates every transfer
-BASE = toy_quadratic(2, 0.05, "rounds=5", "inner_steps=10", "link.latency_ms=200", "link.bandwidth_gbps=100")
+BASE = toy_quadratic(
+    2, 0.05, "rounds=5", "inner_steps=10", "simulation.link.latency_ms=200", "simulation.link.bandwidth_gbps=100"
+)
 
 
 def _run(tmp_path, name, *extra):

@@ -23,7 +23,7 @@ from orchestrator.engine.commands import (
     Stop,
     UpdateSettings,
 )
-from orchestrator.engine.pool import InProcessPool
+from orchestrator.testing.pool import InProcessPool
 from tests.helpers import events
 from tests.test_warm_start import _cfg
 

@@ -19,11 +19,11 @@ from orchestrator.config_load import load_config
 from orchestrator.config_sections import OuterConfig
 from orchestrator.engine.commands import Answer, Command, Refused, SettingsUpdate, UpdateSettings
 from orchestrator.engine.engine import RoundEngine
-from orchestrator.engine.outer_step import OuterRule, OuterStep
+from orchestrator.engine.outer_rules import optimizer_rule
+from orchestrator.engine.outer_step import OuterStep
 from orchestrator.engine.pacing import Close
-from orchestrator.engine.policies import outer_optimizer
-from orchestrator.engine.pool import Fault, FaultKind
 from orchestrator.engine.quorum import QuorumRule, age_factor, final_shares, grace_window
+from orchestrator.testing.pool import Fault, FaultKind
 from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
 from tests.helpers import in_process_engine
 from tests.http_server import serving
@@ -75,7 +75,7 @@ def test_age_discount_and_the_merge_reference_vector():
     assert mean.fill(parts).numpy() == pytest.approx([0.4, 1.2], abs=1e-12)
     theta = torch.tensor([1.0, 1.0], dtype=torch.float64)
     cfg = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
-    step = OuterStep(theta, OuterRule(lambda p: (outer_optimizer(cfg, p), None)))
+    step = OuterStep(theta, optimizer_rule(cfg))
     step.apply([(np.array([1.0, 0.0]), 10.0), (np.array([0.0, 2.0]), 15.0)])
     assert theta.numpy() == pytest.approx([1 - 0.7 * 1.9 * 0.4, 1 - 0.7 * 1.9 * 1.2], abs=1e-12)
 
@@ -118,7 +118,7 @@ def test_fragments_on_a_quorum_step_each_fragment_on_its_own_results_aged_by_its
         "rounds=8",
         "asynchronous.dylu=false",
         "asynchronous.quorum=2",
-        "islands.simulated_slowdown=[1.0,1.0,4.0]",
+        "simulation.slowdown=[1.0,1.0,4.0]",
     )
     engine, pool = in_process_engine(cfg)
     closes = _watch(engine)
@@ -156,7 +156,7 @@ def test_fragments_sent_early_wait_for_the_window_from_when_they_are_in_hand(tmp
     from the crossing, it had closed before the others' results, alike, were in hand).
     And τ is time: a segment a quarter as long sends its Δ a quarter as many steps early."""
     cfg = scenario_cfg(
-        tmp_path, "streaming_quorum", "inner_steps=8", "streaming.tau=2", "islands.simulated_slowdown=[1.0,1.0,4.5]"
+        tmp_path, "streaming_quorum", "inner_steps=8", "streaming.tau=2", "simulation.slowdown=[1.0,1.0,4.5]"
     )
     engine, pool = in_process_engine(cfg)
     closes = _watch(engine)
@@ -180,7 +180,7 @@ def test_a_hung_island_holds_no_step_and_is_replaced(tmp_path):
 
 
 def test_sync_dylu_is_a_barrier_whose_h_follows_speed(tmp_path):
-    cfg = scenario_cfg(tmp_path, "sync_dylu", "islands.simulated_slowdown=[1.0,1.0,4.0]")
+    cfg = scenario_cfg(tmp_path, "sync_dylu", "simulation.slowdown=[1.0,1.0,4.0]")
     engine, pool = in_process_engine(cfg)
     closes = _watch(engine)
     drive(engine)
@@ -273,7 +273,7 @@ def test_delayed_nesterov_accumulates_arrivals_by_their_tokens(tmp_path):
     """Token-weighted DN (`asynchronous.token_weighted`, the default): with DyLU's H of 8, 8
     and 2 steps, each arrival's update is scaled by its H over their mean (6), so N arrivals
     fill the momentum buffer by the tokens behind them; false gives the paper's equal weights."""
-    slow = "islands.simulated_slowdown=[1.0,1.0,4.0]"
+    slow = "simulation.slowdown=[1.0,1.0,4.0]"
     for weighted, expected in ((True, {0: 8 / 6, 1: 8 / 6, 2: 2 / 6}), (False, {0: 1.0, 1: 1.0, 2: 1.0})):
         cfg = scenario_cfg(tmp_path, "async", "inner_steps=8", slow, f"asynchronous.token_weighted={weighted}")
         engine, _ = in_process_engine(cfg)

@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.bench.runner import run_in_process
 from orchestrator.config_load import load_config
+from orchestrator.testing.runner import run_in_process
 from tests.helpers import tiny_lm_config, toy_quadratic
 
-VIRTUAL = ["islands.virtual_step_s=0.01"]  # the in-process pool's clock: simulated seconds per step
+VIRTUAL = ["simulation.virtual_step_s=0.01"]  # the in-process pool's clock: simulated seconds per step
 QUADRATIC = [*toy_quadratic(3, 0.0, "data_shards=3"), *VIRTUAL]
 # three islands, the third four times slower, six steps a round (asynchronous, per arrival)
 SLOW_THIRD = [
     "mode=async",
     "asynchronous.rule=delayed_nesterov",
-    "islands.simulated_slowdown=[1,1,4]",
+    "simulation.slowdown=[1,1,4]",
     "rounds=6",
     "inner_steps=6",
 ]

@@ -109,7 +109,7 @@ def test_a_bad_codec_chain_exits_2_naming_the_field(codec, message, capsys):
 
 
 def test_sparseloco_needs_error_feedback_and_steps_without_momentum():
-    from orchestrator.engine.policies import outer_optimizer
+    from orchestrator.engine.outer_rules import outer_optimizer
 
     with pytest.raises(ConfigError, match="error_feedback"):
         load_config(None, ["outer.optimizer=sparseloco", "compression.codec=topk:0.02+int2"])
@@ -197,7 +197,7 @@ def test_islands_that_build_version0_download_nothing_and_one_that_differs_downl
 
 def test_islands_forking_from_a_warm_start_load_it_from_storage_instead_of_downloading(tmp_path):
     from orchestrator.engine.build import PhasedRun
-    from orchestrator.engine.pool import InProcessPool
+    from orchestrator.testing.pool import InProcessPool
     from tests.helpers import events
 
     def run(name: str, *extra: str):

@@ -13,8 +13,8 @@ from torch import nn
 
 from orchestrator.config import RunConfig
 from orchestrator.config_load import apply_overrides
-from orchestrator.engine.pool import Fault, FaultKind
 from orchestrator.engine.specs import island_spec
+from orchestrator.testing.pool import Fault, FaultKind
 from tests.helpers import NO_WARM, TINY_LM, in_process_engine
 from tests.toy_tasks import SplitPoint
 from workers.runtime.island import Island
@@ -117,8 +117,8 @@ def test_tau_steps_hide_a_fragment_exchange_on_the_run_s_clock(tau, hidden):
         "streaming.fragments=2",
         "inner_steps=8",
         f"streaming.tau={tau}",
-        "link.latency_ms=1500",
-        "link.bandwidth_gbps=1000",
+        "simulation.link.latency_ms=1500",
+        "simulation.link.bandwidth_gbps=1000",
     )
     engine, _ = in_process_engine(cfg)
     summary = engine.execute()
@@ -148,7 +148,7 @@ QUORUM_FRAGMENTS = ["mode=streaming", "streaming.pacing=quorum", "asynchronous.q
 
 @pytest.mark.parametrize(
     "mode",
-    [["mode=streaming"], ["mode=diloco"], ["mode=overlap"], [*QUORUM_FRAGMENTS, "islands.simulated_slowdown=[1,3]"]],
+    [["mode=streaming"], ["mode=diloco"], ["mode=overlap"], [*QUORUM_FRAGMENTS, "simulation.slowdown=[1,3]"]],
     ids=["streaming", "diloco", "overlap", "streaming_quorum"],
 )
 def test_islands_hold_exactly_the_coordinators_published_copy_under_a_lossy_downlink(mode):

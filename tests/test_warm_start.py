@@ -18,9 +18,9 @@ from orchestrator.config_load import ConfigError, load_config
 from orchestrator.engine.build import PhasedRun
 from orchestrator.engine.commands import Stop
 from orchestrator.engine.outputs import Outputs
-from orchestrator.engine.pool import Fault, FaultKind, InProcessPool
 from orchestrator.engine.types import RunFailed
 from orchestrator.engine.warm_start import warm_config
+from orchestrator.testing.pool import Fault, FaultKind, InProcessPool
 from tests.helpers import assert_trained_once, events
 from workers.runtime.optim import lr_factor
 

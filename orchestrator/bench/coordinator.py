@@ -56,14 +56,13 @@ def _warm_up(cfg: Any, islands: int) -> None:
     import numpy as np
     import torch
 
-    from orchestrator.engine.outer_step import LocalOuter
-    from orchestrator.engine.policies import outer_rule
+    from orchestrator.engine.outer_rules import outer_rule
+    from orchestrator.engine.outer_step import Commit, LocalOuter
     from orchestrator.engine.types import Contribution
 
     outer = LocalOuter(torch.zeros(1 << 16), outer_rule(cfg))
     parts = [Contribution(island=i, version=0, delta=np.ones(1 << 16, np.float32), weight=1.0) for i in range(islands)]
-    key, _ = outer.inspect(parts)
-    outer.apply(key, {c.island: c.weight for c in parts})
+    outer.commit(outer.propose(parts), Commit(weights={c.island: c.weight for c in parts}))
 
 
 def probe(numel: int, islands: int, rounds: int) -> dict[str, Any]:
@@ -74,8 +73,9 @@ def probe(numel: int, islands: int, rounds: int) -> dict[str, Any]:
     from orchestrator.bench.datapath_probes import memcpy_gbps
     from orchestrator.config_load import load_config
     from orchestrator.engine.checkpoints import save_checkpoint
-    from orchestrator.engine.outer_step import LocalOuter
-    from orchestrator.engine.policies import build_policies, outer_rule
+    from orchestrator.engine.outer_rules import outer_rule
+    from orchestrator.engine.outer_step import Commit, LocalOuter
+    from orchestrator.engine.policies import build_policies
     from orchestrator.engine.threads import usable_cores
     from orchestrator.engine.types import Contribution
 
@@ -95,9 +95,11 @@ def probe(numel: int, islands: int, rounds: int) -> dict[str, Any]:
     for version in range(rounds + 1):  # the first builds the momentum and the spares
         contributions = [Contribution(island=i, version=version, delta=d, weight=1.0) for i, d in enumerate(arriving)]
         t0 = time.perf_counter()
-        key, facts = outer.inspect(contributions)
-        verdicts = [admission.judge(c, f, version, version) for c, f in zip(contributions, facts)]
-        outer.apply(key, {c.island: c.weight for c, v in zip(contributions, verdicts) if v.admitted})
+        proposal = outer.propose(contributions)
+        verdicts = [admission.judge(c, f, version, version) for c, f in zip(contributions, proposal.facts)]
+        outer.commit(
+            proposal, Commit(weights={c.island: c.weight for c, v in zip(contributions, verdicts) if v.admitted})
+        )
         if version:
             times.append(time.perf_counter() - t0)
     peak = _status_kb("VmHWM") * 1024 - before

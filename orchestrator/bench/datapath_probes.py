@@ -17,9 +17,10 @@ import torch
 
 from orchestrator.config import RunConfig
 from orchestrator.config_load import load_config
+from orchestrator.engine.outer_rules import outer_rule
 from orchestrator.engine.outer_slices import SlicedOuter
-from orchestrator.engine.outer_step import LocalOuter, Outer
-from orchestrator.engine.policies import build_policies, outer_rule
+from orchestrator.engine.outer_step import Commit, LocalOuter, Outer
+from orchestrator.engine.policies import build_policies
 from orchestrator.engine.threads import step_threads
 from orchestrator.engine.types import Contribution
 from orchestrator.runtime.slices import start_slices
@@ -137,10 +138,12 @@ class _Aggregator:
 
     def _step(self, deltas: list[tuple[int, Any, int]], t0: float) -> float:
         contributions = [Contribution(island=i, version=self.version, delta=d, weight=w) for i, d, w in deltas]
-        key, facts = self.outer.inspect(contributions)
-        verdicts = [self.admission.judge(c, f, self.version, self.version) for c, f in zip(contributions, facts)]
+        proposal = self.outer.propose(contributions)
+        verdicts = [
+            self.admission.judge(c, f, self.version, self.version) for c, f in zip(contributions, proposal.facts)
+        ]
         assert all(v.admitted for v in verdicts), verdicts
-        self.outer.apply(key, {c.island: c.weight for c in contributions})
+        self.outer.commit(proposal, Commit(weights={c.island: c.weight for c in contributions}))
         self.version += 1
         return time.perf_counter() - t0
 

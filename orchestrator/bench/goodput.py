@@ -3,7 +3,7 @@
 The in-process island pool (the real engine, policies and islands; islands take turns in
 this process on a virtual clock — the only way to run 32 islands on two cores; a Ray
 fleet of this size is not simulated here) with failures drawn in time
-(`engine/chaos.py`): exponential gaps averaging two rounds' worth of simulated time
+(`orchestrator/testing/chaos.py`): exponential gaps averaging two rounds' worth of simulated time
 somewhere in the fleet, a third hangs, a third 4× slow-downs of the work in flight, a
 third crashes; a crashed or hung island is replaced after `JOIN_S` (its rejoin). Rows:
 
@@ -32,8 +32,8 @@ from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_cur
 from orchestrator.bench.runner import finished, fresh
 from orchestrator.config_load import load_config
 from orchestrator.engine.build import PhasedRun
-from orchestrator.engine.chaos import mttf_schedule
-from orchestrator.engine.pool import InProcessPool
+from orchestrator.testing.chaos import mttf_schedule
+from orchestrator.testing.pool import InProcessPool
 
 SIZES = (16, 32)
 SPEEDS = (1.0, 1.0, 0.75, 0.5)  # repeated over the fleet
@@ -74,8 +74,8 @@ def overrides(name: str, islands: int, rounds: int, seed: int, work: Path) -> li
     return [
         *MODEL,
         f"islands.count={islands}",
-        f"islands.simulated_slowdown=[{slowdown}]",
-        f"islands.virtual_step_s={STEP_S}",
+        f"simulation.slowdown=[{slowdown}]",
+        f"simulation.virtual_step_s={STEP_S}",
         f"inner_steps={H}",
         f"rounds={rounds}",
         f"seed={seed}",

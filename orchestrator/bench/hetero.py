@@ -90,8 +90,8 @@ def row(name: str, lr: float, seed: int, rounds: int, fleet: str, warm: Path | N
     extra = ROWS[name][1] if name in ROWS else [*ROWS[ABLATIONS[name][1]][1], *ABLATIONS[name][2]]
     out = [
         f"islands.count={K}",
-        f"islands.simulated_slowdown=[{slowdown}]",
-        f"islands.virtual_step_s={STEP_S}",
+        f"simulation.slowdown=[{slowdown}]",
+        f"simulation.virtual_step_s={STEP_S}",
         f"inner_steps={H}",
         f"rounds={rounds}",
         f"seed={seed}",
@@ -119,7 +119,7 @@ def time_to_reach(curve: list[tuple[float, float]], target: float) -> float | No
 def hetero(quick: bool, work: Path) -> BenchResult:
     rounds = 6 if quick else 16
     lrs, seeds = ((DEFAULT_LR,), (0,)) if quick else (LRS, SEEDS)
-    base = [*MODEL, f"islands.count={K}", f"inner_steps={H}", f"rounds={rounds}", f"islands.virtual_step_s={STEP_S}"]
+    base = [*MODEL, f"islands.count={K}", f"inner_steps={H}", f"rounds={rounds}", f"simulation.virtual_step_s={STEP_S}"]
     warm = {s: train_warm_start(base, s, WARM, work / f"warm@s{s}", in_process=True) for s in seeds}
 
     def run(table: Table) -> dict[str, dict[str, Any]]:

@@ -77,7 +77,7 @@ def _base(rounds: int, warm: Path, seed: int) -> list[str]:
 
 
 def link(bandwidth_gbps: float) -> list[str]:
-    return [f"link.bandwidth_gbps={bandwidth_gbps:.6g}", "link.latency_ms=0"]
+    return [f"simulation.link.bandwidth_gbps={bandwidth_gbps:.6g}", "simulation.link.latency_ms=0"]
 
 
 def steady_compute_seconds(run_dir: Path) -> float:

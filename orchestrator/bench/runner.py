@@ -15,10 +15,9 @@ import ray
 
 from orchestrator.config import RunConfig
 from orchestrator.config_load import dump_config, load_config
-from orchestrator.engine.build import PhasedRun
-from orchestrator.engine.pool import InProcessPool
 from orchestrator.engine.warm_start import MARKER, mark_finished, warm_config, warm_dir, warm_run_id
 from orchestrator.runtime.driver import init_ray, run
+from orchestrator.testing.runner import run_in_process
 
 log = logging.getLogger(__name__)
 
@@ -77,28 +76,17 @@ def fresh(cfg: RunConfig) -> None:
     """Remove what an earlier run of another config left in `cfg.out_dir`: its checkpoint
     would otherwise be resumed as this run's (a finished one ends at once, its clock at
     zero). An interrupted run of exactly `cfg` is kept, and resumes — unless its clock is
-    simulated (`islands.virtual_step_s`): a resumed pool's clock starts again at zero, and
+    simulated (`simulation.virtual_step_s`): a resumed pool's clock starts again at zero, and
     the run's loss-against-time curve would fold back, so such a run starts over."""
     out = Path(cfg.out_dir)
     try:
         same = same_config(out, cfg)
     except OSError:
         return
-    if not same or cfg.islands.virtual_step_s is not None:
+    if not same or cfg.simulation.virtual_step_s is not None:
         why = "of another config" if not same else "on a simulated clock, interrupted,"
         log.info("  %-26s an earlier run %s is removed", out.name, why)
         shutil.rmtree(out)
-
-
-def run_in_process(cfg: RunConfig, run_id: str = "bench") -> dict[str, Any]:
-    """`cfg` run to the end on the in-process island pool: the same engine, policies and
-    island code as under Ray, with the islands as objects of this process taking turns
-    and the virtual clock (`islands.virtual_step_s`) for time — what a scenario of many
-    simulated islands on two cores can afford. Its summary."""
-    step_s = cfg.islands.virtual_step_s
-    if step_s is None:
-        raise ValueError("an in-process run needs islands.virtual_step_s (its clock is simulated)")
-    return PhasedRun(cfg, run_id, lambda c, _rid: InProcessPool(c, step_s=step_s)).execute()
 
 
 def run_methods(base: list[str], table: Table, work: Path, in_process: bool = False) -> dict[str, dict[str, Any]]:

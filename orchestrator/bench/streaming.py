@@ -133,7 +133,7 @@ def _streaming(quick: bool, work: Path) -> BenchResult:
     compute_per_round = calibration["compute_seconds"] / rounds
     params_bytes = calibration["num_params"] * 4
     bandwidth = 2 * params_bytes * 8 / (compute_per_round * 1e9)
-    link = [f"link.bandwidth_gbps={bandwidth:.6g}", "link.latency_ms=0"]
+    link = [f"simulation.link.bandwidth_gbps={bandwidth:.6g}", "simulation.link.latency_ms=0"]
     sweep = {
         "diloco": _tune("diloco", ["mode=diloco", *link], rounds, warm, work),
         "streaming_p4_fp4": _tune("streaming_p4_fp4", [*fragmented(4), *FP4, *link], rounds, warm, work),

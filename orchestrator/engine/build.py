@@ -18,10 +18,11 @@ from orchestrator.engine.checkpoints import load_initial_weights
 from orchestrator.engine.commands import Inbox
 from orchestrator.engine.engine import RoundEngine
 from orchestrator.engine.evaluation import Evaluator
+from orchestrator.engine.outer_rules import outer_rule
 from orchestrator.engine.outer_slices import LocalSlices, SliceCalls, SlicedOuter
 from orchestrator.engine.outer_step import LocalOuter, Outer
 from orchestrator.engine.outputs import OnRecord
-from orchestrator.engine.policies import build_policies, outer_rule, run_inbox
+from orchestrator.engine.policies import build_policies, run_inbox
 from orchestrator.engine.pool import IslandPool
 from orchestrator.engine.types import Phase, RunFailed, RunPhase
 from orchestrator.engine.warm_start import WarmStart, first_phase, load_warm_start, mark_finished

@@ -408,7 +408,7 @@ class RoundEngine:
     # -- records, evaluation, checkpoints -----------------------------------------------------------
     def _clock(self) -> float:
         """Seconds on the pool's clock since training began here: real time, or simulated
-        time under a virtual clock (`islands.virtual_step_s`, and the in-process pool)."""
+        time under a virtual clock (`simulation.virtual_step_s`, and the in-process pool)."""
         return self.pool.now() - self.clock0
 
     @property

@@ -18,6 +18,7 @@ from collections import deque
 from orchestrator.config import Mode, RunConfig
 from orchestrator.engine.checkpoints import run_folder
 from orchestrator.engine.membership import IslandStats, Membership
+from orchestrator.engine.pacings import pacing_of
 from orchestrator.engine.records import DiskFaults
 from workers.runtime.storage import Folder
 from workers.wire.messages import SavedState, WorkKind
@@ -35,17 +36,6 @@ def state_folder(cfg: RunConfig, run_id: str) -> str | None:
     return str(run_folder(cfg.checkpoint_dir, run_id) / FOLDER)
 
 
-def rounds_ahead(mode: Mode, schedulable: int) -> int:
-    """How many rounds after it is handed out a piece of work can be stepped: the round it
-    belongs to in barrier modes, one more under CO2's lag, and about a turn of every
-    island under per-arrival steps."""
-    if mode in (Mode.DILOCO, Mode.STREAMING, Mode.DDP):
-        return 1
-    if mode == Mode.OVERLAP:
-        return 2
-    return schedulable + 1
-
-
 def save_due(cfg: RunConfig, kind: WorkKind, rounds_done: int, schedulable: int) -> bool:
     """Whether work handed out now should come back with its island's inner state: its
     result may be the last one a checkpoint sees from that island."""
@@ -53,7 +43,7 @@ def save_due(cfg: RunConfig, kind: WorkKind, rounds_done: int, schedulable: int)
     if kind != WorkKind.TRAIN or not every:
         return False
     due = min((rounds_done // every + 1) * every, cfg.rounds)
-    return due - rounds_done <= rounds_ahead(cfg.mode, schedulable)
+    return due - rounds_done <= pacing_of(cfg).rounds_ahead(schedulable)
 
 
 class IslandStates:

@@ -20,7 +20,7 @@ import torch
 from orchestrator.algorithms.aggregate import all_finite, sqnorm
 from orchestrator.algorithms.outer import adaptive_gap
 from orchestrator.engine.admission import Facts
-from orchestrator.engine.outer_step import OuterRule, OuterStep, as_tensor
+from orchestrator.engine.outer_step import Commit, OuterRule, OuterStep, Proposal, as_tensor
 from orchestrator.engine.types import Contribution
 from workers.wire.compress import PayloadError, check_payload, decode
 
@@ -166,7 +166,7 @@ class SlicedOuter:
     def _slices(self) -> Sequence[Any]:
         return self.calls.slices
 
-    def inspect(self, contributions: list[Contribution], scale: float = 1.0) -> tuple[int, list[Facts]]:
+    def propose(self, contributions: list[Contribution], scale: float = 1.0) -> Proposal:
         key = next(self._keys)
         weights = {c.island: c.weight for c in contributions}
         stats = self.calls.gather(
@@ -179,18 +179,12 @@ class SlicedOuter:
         for j in range(len(contributions)):
             parts = [stats[k][j] for k in range(len(self.bounds))]
             facts.append(Facts(sum(p.size for p in parts), all(p.finite for p in parts), sum(p.sqnorm for p in parts)))
-        return key, facts
+        return Proposal(key=key, facts=facts)
 
-    def apply(
-        self,
-        key: int,
-        weights: dict[int, float],
-        scale: float = 1.0,
-        anchor: int | None = None,
-        fragment: int | None = None,
-    ) -> float | None:
-        if fragment is not None:  # refused by the config too: the published copy lives on the coordinator
+    def commit(self, proposal: Proposal, decision: Commit) -> float | None:
+        if decision.fragment is not None:  # refused by the config too: the published copy lives on the coordinator
             raise ValueError("coordinator slices do not take fragment steps")
+        key, weights, scale, anchor = proposal.key, decision.weights, decision.scale, decision.anchor
         gap = None
         if weights and anchor is not None:
             terms = self.calls.gather([s.gap_terms(key, weights, anchor) for s in self._slices])
@@ -200,8 +194,8 @@ class SlicedOuter:
                 )
         return self.calls.gather([s.close(key, weights, scale, anchor, gap) for s in self._slices])[0]
 
-    def discard(self, key: int) -> None:
-        self.calls.gather([s.discard(key) for s in self._slices])
+    def discard(self, proposal: Proposal) -> None:
+        self.calls.gather([s.discard(proposal.key) for s in self._slices])
 
     def anchor(self, version: int, keep_from: int) -> None:
         self.calls.gather([s.anchor(version, keep_from) for s in self._slices])

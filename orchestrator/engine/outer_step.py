@@ -2,11 +2,13 @@
 split over S coordinator slices that each own a contiguous part of the vector and of the
 outer optimizer state (`SlicedOuter`, the ZeRO idea applied to the outer step).
 
-Both do the same two things per update: `inspect` turns the islands' payloads into the
-`Facts` admission needs (a sliced coordinator sums its slices' squared norms, so no
-process but the slice's ever holds a whole pseudo-gradient), then `apply` averages the
-admitted updates with their token weights into one preallocated buffer, sets it as the
-flat parameter's `.grad` and steps the outer rule. Every outer rule is elementwise apart
+Both take a step as a proposal: `propose` turns the islands' payloads into the `Facts`
+admission needs (a sliced coordinator sums its slices' squared norms, so no process but
+the slice's ever holds a whole pseudo-gradient), then admission decides and the engine
+either `commit`s the admitted updates — averaged with their token weights into one
+preallocated buffer, set as the flat parameter's `.grad`, stepped by the outer rule — or
+`discard`s the proposal. The one-pass kernel (`OnePass`) sits behind that interface: it
+computes the step while proposing, and a commit of exactly what it assumed keeps it. Every outer rule is elementwise apart
 from norms, so S slices compute what one coordinator does (tested bit for bit).
 """
 
@@ -24,7 +26,6 @@ import torch
 
 from orchestrator.algorithms.aggregate import WeightedMean, all_finite, sqnorm
 from orchestrator.algorithms.fused_step import SGDRule, mean_step
-from orchestrator.algorithms.outer import CO2Outer, FlatSGD
 from orchestrator.engine.admission import Admission, Facts, Verdict
 from orchestrator.engine.types import Contribution, Decision
 from workers.wire.compress import decode
@@ -35,11 +36,14 @@ Scheduler = torch.optim.lr_scheduler.LRScheduler
 
 @dataclass(frozen=True)
 class OuterRule:
-    """How to build the outer optimizer over a flat parameter (chosen in `policies.py`)."""
+    """How to build the outer optimizer over a flat parameter (a row of `outer_rules.py`)."""
 
     build: Callable[[torch.nn.Parameter], tuple[torch.optim.Optimizer, Scheduler | None]]
     grad_clip: float | None = None  # clip the mean's norm first (the ddp baseline, like its inner steps)
-    anchored: bool = False  # CO2: the rule needs the parameters each round started from
+    # CO2: the rule needs the parameters each round started from, and its step takes them
+    # (`step(anchor=, gap=)`, its Λ read back as `last_gap`)
+    anchored: bool = False
+    one_pass: bool = False  # `FlatSGD`'s step, which the fused kernel computes with the mean
 
 
 def as_tensor(x: np.ndarray) -> torch.Tensor:
@@ -55,14 +59,14 @@ class OuterStep:
     def __init__(self, flat: torch.Tensor, rule: OuterRule) -> None:
         self.param = torch.nn.Parameter(flat, requires_grad=True)  # shares storage
         self.optimizer, self.scheduler = rule.build(self.param)
-        self.grad_clip, self.anchored = rule.grad_clip, rule.anchored
+        self.grad_clip, self.anchored, self.fusable = rule.grad_clip, rule.anchored, rule.one_pass
         self.mean = WeightedMean(flat.numel(), flat.dtype)
         self.anchors: dict[int, torch.Tensor] = {0: flat.detach().clone()} if rule.anchored else {}
 
     def gap_terms(self, parts: list[tuple[np.ndarray, float]], anchor: int) -> tuple[float, float, float] | None:
         """(‖x − x_s‖², ‖Δ̄‖², λ) over this buffer when the rule's Λ is adaptive (a sliced
         coordinator sums the norms over its slices), else None."""
-        if not isinstance(self.optimizer, CO2Outer) or self.optimizer.param_groups[0]["penalty"] != "adaptive":
+        if not self.anchored or self.optimizer.param_groups[0]["penalty"] != "adaptive":
             return None
         moved = float(torch.sum((self.param.detach() - self.anchors[anchor]) ** 2))
         mean_sq = float(torch.sum(self.mean.fill(parts) ** 2))  # the preallocated buffer; `apply` refills it
@@ -85,11 +89,11 @@ class OuterStep:
             if norm > self.grad_clip:
                 grad.mul_(self.grad_clip / norm)
         self.param.grad = grad
-        if isinstance(self.optimizer, CO2Outer):
+        if self.anchored:
             if anchor is None:
-                raise ValueError("a CO2 step needs the version its round started from (anchor)")
-            self.optimizer.step(anchor=self.anchors[anchor], gap=gap)
-            gap = self.optimizer.last_gap
+                raise ValueError("an anchored (CO2) step needs the version its round started from (anchor)")
+            self.optimizer.step(anchor=self.anchors[anchor], gap=gap)  # type: ignore[call-overload]
+            gap = self.optimizer.last_gap  # type: ignore[attr-defined]
         else:
             self.optimizer.step()
         if self.scheduler is not None:
@@ -118,7 +122,7 @@ class OuterStep:
         (no clipping, no anchors), over float32 parameters in host memory (the kernel's;
         float64 is the reference vectors' precision, and they take the usual step)."""
         if (
-            isinstance(self.optimizer, FlatSGD)
+            self.fusable
             and self.grad_clip is None
             and not self.anchored
             and self.param.dtype == torch.float32
@@ -192,21 +196,37 @@ class OnePass:
         return True
 
 
+@dataclass(frozen=True, kw_only=True)
+class Proposal:
+    """A step proposed from some contributions: the facts admission judges them by, and
+    the key the outer step knows its decoded updates (and any step taken ahead) by."""
+
+    key: int
+    facts: list[Facts]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Commit:
+    """What admission decided for a proposal: the admitted islands' token weights, the
+    pacing's scale, the version the round started from (CO2's anchor) and the fragment
+    (streaming) the step updates."""
+
+    weights: dict[int, float]
+    scale: float = 1.0
+    anchor: int | None = None
+    fragment: int | None = None
+
+
 class Outer(Protocol):
     """The engine's view of the outer step, whole or sliced."""
 
     numel: int
 
-    def inspect(self, contributions: list[Contribution], scale: float = 1.0) -> tuple[int, list[Facts]]: ...
-    def apply(
-        self,
-        key: int,
-        weights: dict[int, float],
-        scale: float = 1.0,
-        anchor: int | None = None,
-        fragment: int | None = None,
-    ) -> float | None: ...
-    def discard(self, key: int) -> None: ...
+    def propose(self, contributions: list[Contribution], scale: float = 1.0) -> Proposal: ...
+    def commit(self, proposal: Proposal, decision: Commit) -> float | None:
+        """Take the step; CO2's Λ, if the rule has one."""
+
+    def discard(self, proposal: Proposal) -> None: ...
     def anchor(self, version: int, keep_from: int) -> None: ...
     def params(self) -> Any: ...
     def copy_to(self, flat: torch.Tensor) -> None: ...
@@ -242,12 +262,12 @@ class LocalOuter:
     def _size(self, fragment: int | None) -> int:
         return self.numel if fragment is None or self.fragments is None else self.fragments.size(fragment)
 
-    def inspect(self, contributions: list[Contribution], scale: float = 1.0) -> tuple[int, list[Facts]]:
+    def propose(self, contributions: list[Contribution], scale: float = 1.0) -> Proposal:
         """The facts of each update. Unfragmented, with every update of the right shape,
         the mean of all of them is taken in the same pass (`WeightedMean.fill`), and with
         `one_pass` the step on it (× the pacing's `scale`) too (`OnePass.fill`):
-        admission nearly always admits every update, and `apply` then uses what the pass
-        made without reading the updates again (`filled`); otherwise `apply` averages the
+        admission nearly always admits every update, and `commit` then uses what the pass
+        made without reading the updates again (`filled`); otherwise `commit` averages the
         admitted ones itself."""
         key = next(self._keys)
         decoded = [
@@ -269,16 +289,11 @@ class LocalOuter:
             sqs = [by_island[i] for i, _, _ in decoded]
         else:
             sqs = [sqnorm(d) if ok else math.nan for ok, (_, d, _) in zip(fits, decoded)]
-        return key, [Facts(d.size, ok and all_finite(d, q), q) for ok, q, (_, d, _) in zip(fits, sqs, decoded)]
+        facts = [Facts(d.size, ok and all_finite(d, q), q) for ok, q, (_, d, _) in zip(fits, sqs, decoded)]
+        return Proposal(key=key, facts=facts)
 
-    def apply(
-        self,
-        key: int,
-        weights: dict[int, float],
-        scale: float = 1.0,
-        anchor: int | None = None,
-        fragment: int | None = None,
-    ) -> float | None:
+    def commit(self, proposal: Proposal, decision: Commit) -> float | None:
+        key, weights, scale, anchor = proposal.key, decision.weights, decision.scale, decision.anchor
         parts = [(d, weights[i]) for i, d, _ in self.pending.pop(key) if i in weights]  # island order
         if self.fragments is None:
             filled, self.filled = self.filled == (key, weights), None
@@ -286,16 +301,16 @@ class LocalOuter:
                 return None
             # the mean filled while screening, or the admitted ones from the state a pass only read
             return self.steps[0].apply(None if filled else parts, scale, anchor)
-        if fragment is None:
+        if decision.fragment is None:
             raise ValueError("a fragmented outer step needs the fragment it updates")
-        step = self.steps[fragment]
+        step = self.steps[decision.fragment]
         gap = step.apply(parts, scale, anchor)
         with torch.no_grad():
-            self.flat[self.fragments.positions(fragment)] = step.param.detach()
+            self.flat[self.fragments.positions(decision.fragment)] = step.param.detach()
         return gap
 
-    def discard(self, key: int) -> None:
-        self.pending.pop(key, None)
+    def discard(self, proposal: Proposal) -> None:
+        self.pending.pop(proposal.key, None)
         self.filled = None
 
     def anchor(self, version: int, keep_from: int) -> None:
@@ -372,15 +387,15 @@ def take_step(
     """One outer step: the facts of each update, admission's verdicts (against `expected`,
     or bounded staleness against `current`), then the weighted mean of the admitted ones
     through the outer rule, × `scale` (the pacing's). Nothing rejected ever touches the parameters."""
-    key, facts = outer.inspect(contributions, scale)
+    proposal = outer.propose(contributions, scale)
     verdicts = [
         admission.judge(c, f, expected if expected is not None else current, current)
-        for c, f in zip(contributions, facts)
+        for c, f in zip(contributions, proposal.facts)
     ]
     weights = {c.island: c.weight for c, v in zip(contributions, verdicts) if v.admitted}
     if not weights:
-        outer.discard(key)
+        outer.discard(proposal)
         return StepOutcome(verdicts, [c.island for c in contributions], False)
     scale *= min(v.scale for v in verdicts if v.admitted)
-    gap = outer.apply(key, weights, scale, anchor, fragment)
+    gap = outer.commit(proposal, Commit(weights=weights, scale=scale, anchor=anchor, fragment=fragment))
     return StepOutcome(verdicts, [c.island for c in contributions], True, gap)

@@ -161,7 +161,7 @@ class Publisher:
         if nbytes:  # a new global (or its changes) to download over its link
             now = self.pool.now()
             ready = self.published_at.get(work.version, now)
-            delay = max(0.0, ready + self.cfg.island_link(work.island).seconds(nbytes) - now)
+            delay = max(0.0, ready + self.cfg.simulation.link_of(work.island).seconds(nbytes) - now)
         digest = self.digests.get(work.version) if params is not None else None
         return Delivery(
             params=params,

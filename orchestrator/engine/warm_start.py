@@ -91,11 +91,11 @@ def warm_config(cfg: RunConfig) -> RunConfig:
     data["mode"] = Mode.DILOCO.value
     data["outer"].update(optimizer="sgd", lr=1.0, momentum=0.0)
     if mode == WarmStartMode.SINGLE:
-        islands = data["islands"]
-        islands["count"] = 1
-        for key in ("simulated_slowdown", "links"):
-            if islands[key] is not None:
-                islands[key] = islands[key][:1]
+        data["islands"]["count"] = 1
+        simulation = data["simulation"]
+        for key in ("slowdown", "links"):
+            if simulation[key] is not None:
+                simulation[key] = simulation[key][:1]
         data["elastic"]["min_islands"] = 1
     return RunConfig.model_validate(data)
 

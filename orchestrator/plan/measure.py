@@ -157,15 +157,14 @@ def _outer_bytes(cfg: RunConfig) -> int:
     kernel's compilation: numba's LLVM), measured on a small vector."""
     import numpy as np
 
-    from orchestrator.engine.outer_step import LocalOuter
-    from orchestrator.engine.policies import outer_rule
+    from orchestrator.engine.outer_rules import outer_rule
+    from orchestrator.engine.outer_step import Commit, LocalOuter
     from orchestrator.engine.types import Contribution
 
     before = resident_bytes()
     outer = LocalOuter(torch.zeros(1 << 16), outer_rule(cfg))
     parts = [Contribution(island=i, version=0, delta=np.ones(1 << 16, np.float32), weight=1.0) for i in range(2)]
-    key, _ = outer.inspect(parts)
-    outer.apply(key, {c.island: c.weight for c in parts})
+    outer.commit(outer.propose(parts), Commit(weights={c.island: c.weight for c in parts}))
     return max(0, resident_bytes() - before)
 
 

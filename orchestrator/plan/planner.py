@@ -22,6 +22,7 @@ from typing import Any
 
 from orchestrator.config import Mode, RunConfig, WarmStartMode
 from orchestrator.config_operations import EvalPlace
+from orchestrator.engine.outer_rules import rule_of
 from orchestrator.plan.cluster import Cluster, NodeKind
 from orchestrator.plan.memory import ModelMemory
 from workers.wire.spec import Sharding
@@ -124,26 +125,13 @@ class Plan:
         }
 
 
-def _outer_state_values(cfg: RunConfig) -> int:
-    """fp32 values per parameter of the outer optimizer's state."""
-    o = cfg.outer
-    if o.optimizer == "adam":
-        return 2
-    if o.optimizer == "sparseloco":
-        return 0
-    return 1 if o.momentum > 0 else 0
-
-
-def _one_pass(cfg: RunConfig) -> bool:
-    """The coordinator's one-pass step (two spare buffers) serves the SGD-family outer rules."""
-    return cfg.outer.optimizer in ("nesterov", "sgd")
-
-
 def _coordinator(
     cfg: RunConfig, m: ModelMemory, up: float, head: NodeKind, eval_batch_bytes: int, ray: int
 ) -> list[Need]:
     n4 = 4 * m.params
     k = cfg.islands.count
+    rule = rule_of(cfg)
+    spare = "one-pass spares" if rule.one_pass else "mean buffer"
     lag = 1 if cfg.mode == Mode.OVERLAP else 0
     s = cfg.coordinator.shards
     parts = {
@@ -154,15 +142,17 @@ def _coordinator(
         "arriving": int(k * up * m.params) if s == 1 else 0,
     }
     if s == 1:
-        parts["outer state"] = n4 * _outer_state_values(cfg)
-        parts["one-pass spares" if _one_pass(cfg) else "mean buffer"] = n4 * (2 if _one_pass(cfg) else 1)
+        parts["outer state"] = n4 * rule.state_values(cfg)
+        parts[spare] = n4 * (2 if rule.one_pass else 1)
     if cfg.tracks_copy:
         parts["downlink copy"] = n4
     if cfg.evaluation.where == EvalPlace.COORDINATOR:
         parts["evaluation"] = max(0, m.eval_peak - n4) + eval_batch_bytes
         parts["data"] = m.data  # the corpus its evaluation batches are read from
-    if cfg.mode == Mode.DDP or (cfg.warm_steps and cfg.warm_start.mode == WarmStartMode.DDP):
-        parts["data-parallel step"] = 2 * n4 + k * n4  # AdamW's moments, and every island's gradient
+    if cfg.mode == Mode.DDP:  # every island's gradient (the AdamW moments are the outer state)
+        parts["data-parallel step"] = k * n4
+    elif cfg.warm_steps and cfg.warm_start.mode == WarmStartMode.DDP:  # the warm phase's AdamW and gradients
+        parts["data-parallel step"] = 2 * n4 + k * n4
     needs = [
         Need(
             process="coordinator",
@@ -175,8 +165,8 @@ def _coordinator(
     ]
     if s > 1:
         per = n4 // s
-        slice_parts = {"process": m.process + ray, "parameters": per, "outer state": per * _outer_state_values(cfg)}
-        slice_parts["one-pass spares" if _one_pass(cfg) else "mean buffer"] = per * (2 if _one_pass(cfg) else 1)
+        slice_parts = {"process": m.process + ray, "parameters": per, "outer state": per * rule.state_values(cfg)}
+        slice_parts[spare] = per * (2 if rule.one_pass else 1)
         slice_parts["arriving"] = int(k * up * m.params / s)
         needs.append(
             Need(
@@ -347,7 +337,7 @@ def make_plan(cfg: RunConfig, model: ModelMemory, cluster: Cluster, *, under_ray
     link = Link(
         up_bytes=up_bytes,
         down_bytes=down,
-        seconds=cfg.link.seconds(up_bytes) + cfg.link.seconds(down),
+        seconds=cfg.simulation.link.seconds(up_bytes) + cfg.simulation.link.seconds(down),
         run_bytes=cfg.islands.count * cfg.rounds * (up_bytes + down),
     )
     return Plan(

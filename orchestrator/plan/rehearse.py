@@ -78,8 +78,9 @@ def _coordinator(cfg: RunConfig) -> None:
 
     from orchestrator.engine.checkpoints import save_checkpoint
     from orchestrator.engine.evaluation import LocalEvaluator
-    from orchestrator.engine.outer_step import LocalOuter
-    from orchestrator.engine.policies import build_policies, outer_rule
+    from orchestrator.engine.outer_rules import outer_rule
+    from orchestrator.engine.outer_step import Commit, LocalOuter
+    from orchestrator.engine.policies import build_policies
     from orchestrator.engine.types import Contribution
     from workers.tasks.task import load_task
     from workers.wire.flat import FlatParams
@@ -96,10 +97,10 @@ def _coordinator(cfg: RunConfig) -> None:
         Contribution(island=i, version=0, delta=(rng.standard_normal(flat.numel, dtype=np.float32) * 1e-3), weight=1.0)
         for i in range(cfg.islands.count)
     ]
-    key, facts = outer.inspect(arriving)
-    verdicts = [admission.judge(c, f, 0, 0) for c, f in zip(arriving, facts)]
-    outer.apply(key, {c.island: c.weight for c, v in zip(arriving, verdicts) if v.admitted})
-    del arriving, facts
+    proposal = outer.propose(arriving)
+    verdicts = [admission.judge(c, f, 0, 0) for c, f in zip(arriving, proposal.facts)]
+    outer.commit(proposal, Commit(weights={c.island: c.weight for c, v in zip(arriving, verdicts) if v.admitted}))
+    del arriving, proposal
     if cfg.evaluation.where == EvalPlace.COORDINATOR:
         outer.copy_to(flat.data)
         LocalEvaluator(task=task, model=model, threads=torch.get_num_threads).submit(version=1, params=flat.data)

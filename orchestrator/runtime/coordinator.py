@@ -75,9 +75,9 @@ class Coordinator:
         """A phase's pool. Every phase's islands watch this actor (they release themselves
         once it is gone) and are named by the run, not the phase: the main phase takes the
         warm start's over, and finds them by those names after a restart."""
-        from orchestrator.runtime.island_pool import RayIslandPool
+        from orchestrator.runtime.simulated import pool_class
 
-        pool = RayIslandPool(cfg, self.run_id, coordinator_name(self.run_id))
+        pool = pool_class(cfg)(cfg, self.run_id, coordinator_name(self.run_id))
         pool.adopt_started(self._prestarted)
         self._prestarted = 0
         return pool

@@ -52,10 +52,6 @@ class RayIslandPool:
     def __init__(self, cfg: RunConfig, run_id: str, coordinator: str | None = None) -> None:
         """`coordinator`: the actor name islands watch (default: `run_id`'s coordinator)."""
         self.cfg, self.run_id, self.coordinator = cfg, run_id, coordinator
-        # the virtual clock (`islands.virtual_step_s`): simulated now, and each work's simulated finish
-        self.virtual = cfg.islands.virtual_step_s is not None
-        self.vt = 0.0
-        self.finish: dict[Any, float] = {}
         self.handles: dict[int, IslandHandle] = {}
         self.placing: dict[int, _Placing] = {}
         self.work: dict[Any, tuple[int, int]] = {}  # object ref -> (ticket, island)
@@ -64,13 +60,10 @@ class RayIslandPool:
         self.adopted: dict[int, IslandHandle] = {}  # started before this pool asked for them (`adopt`)
 
     def now(self) -> float:
-        return self.vt if self.virtual else time.time()
+        return time.time()
 
     def sleep_until(self, t: float) -> None:
-        if self.virtual:
-            self.vt = max(self.vt, t)
-        else:
-            time.sleep(max(0.0, t - time.time()))
+        time.sleep(max(0.0, t - time.time()))
 
     def request(
         self, island: int, start_step: int, *, state_folder: str | None = None, restore: SavedState | None = None
@@ -114,7 +107,6 @@ class RayIslandPool:
     def release(self, island: int) -> None:
         for ref in [r for r, (_, i) in self.work.items() if i == island]:
             del self.work[ref]
-            self.finish.pop(ref, None)
         handle = self.handles.pop(island, None)
         if handle is not None:
             try:
@@ -144,68 +136,40 @@ class RayIslandPool:
         resolves before the call) instead of carrying a pickled copy per island."""
         return ray.put(change)
 
-    def dispatch(self, order: WorkOrder, params: Any, changes: tuple[Any, ...] = ()) -> None:
+    def dispatch(self, order: WorkOrder, params: Any, changes: tuple[Any, ...] = ()) -> Any:
+        """Its object reference, as well."""
         handle = self.handles.get(order.island)
         if handle is None:
             raise KeyError(f"island {order.island} is not placed")
-        if self.virtual:  # the link delay is simulated time too: nothing waits for it
-            ref = handle.actor.run.remote(dataclasses.replace(order, start_delay_s=0.0), params, *changes)
-            self.finish[ref] = (
-                self.vt + order.start_delay_s + self.cfg.islands.virtual_seconds(order.island, order.steps)
-            )
-        else:
-            ref = handle.actor.run.remote(order, params, *changes)
+        ref = handle.actor.run.remote(order, params, *changes)
         self.work[ref] = (order.ticket, order.island)
+        return ref
 
     def poll(self, timeout: float, wake: float | None = None) -> list[PoolEvent]:
         events: list[PoolEvent] = self._placements()
-        if self.virtual:
-            return events + self._next_in_simulated_order(0 if events else timeout, wake)
-        refs = list(self.work)
-        if refs:
-            ready, _ = ray.wait(refs, num_returns=1, timeout=0 if events else timeout)
-            if ready:
-                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            for ref in ready:
-                ticket, island = self.work.pop(ref)
-                events.append(self._fetch(ref, ticket, island))
-        elif not events:
-            time.sleep(timeout if not self.placing else min(timeout, 0.05))
-        return events
+        return events + self._results(0 if events else timeout, wake)
 
-    def _next_in_simulated_order(self, timeout: float, wake: float | None) -> list[PoolEvent]:
-        """The work that finishes first on the virtual clock, once it has really finished
-        (work due later waits its turn even if it is done); the clock moves to its finish,
-        or to `wake` if that comes first (a step due on time, with nothing arriving)."""
-        ref = min(self.work, key=lambda r: self.finish[r]) if self.work else None
-        if wake is not None and (ref is None or self.finish[ref] > wake):
-            self.vt = max(self.vt, wake)
+    def _results(self, timeout: float, wake: float | None) -> list[PoolEvent]:
+        """Every result that is in, waiting up to `timeout` for the first (`wake`, a step
+        due at that time, needs no reminder here: `timeout` ends before it)."""
+        refs = list(self.work)
+        if not refs:
+            self._idle(timeout)
             return []
-        if ref is None:
-            time.sleep(timeout if not self.placing else min(timeout, 0.05))
-            return []
-        if not ray.wait([ref], timeout=timeout)[0]:
-            return []
-        ticket, island = self.work.pop(ref)
-        at = self.finish.pop(ref)
-        self.vt = max(self.vt, at)
-        event = self._fetch(ref, ticket, island)
-        if isinstance(event, Done):
-            r = event.result
-            compute = self.cfg.islands.virtual_seconds(island, r.steps)
-            tail = self.cfg.islands.virtual_seconds(island, r.tail_steps)
-            event = Done(
-                ticket=ticket,
-                island=island,
-                result=dataclasses.replace(r, finished_at=at, compute_s=compute, tail_s=tail),
-            )
-        return [event]
+        ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+        if ready:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return [self._fetch(ref, *self.work.pop(ref)) for ref in ready]
+
+    def _idle(self, timeout: float) -> None:
+        """No work out: wait, looking at placements more often while some are pending."""
+        time.sleep(timeout if not self.placing else min(timeout, 0.05))
 
     def _fetch(self, ref: Any, ticket: int, island: int) -> PoolEvent:
         """The result of `ref`, or the island's failure: any Ray error fetching it (the actor
         died, its code raised, the object was lost or its owner died between `ray.wait` and
-        here) is that island's, never the run's. Under the real clock the result is stamped
-        with the coordinator's arrival time: an island's clock is never trusted."""
+        here) is that island's, never the run's. The result is stamped with the
+        coordinator's arrival time: an island's clock is never trusted."""
         try:
             result = ray.get(ref)
         except ray.exceptions.RayActorError as err:
@@ -219,7 +183,7 @@ class RayIslandPool:
         return Done(
             ticket=ticket,
             island=island,
-            result=result if self.virtual else dataclasses.replace(result, finished_at=time.time()),
+            result=dataclasses.replace(result, finished_at=self.now()),
         )
 
     def _placements(self) -> list[PoolEvent]:
@@ -245,22 +209,22 @@ class RayIslandPool:
                     events.append(JoinFailed(island=i, reason=str(err).strip().splitlines()[-1]))
                     continue
                 self.handles[i] = p.handle
-                speed = 1.0 / self.cfg.islands.virtual_seconds(i, 1) if self.virtual else info.get("steps_per_s")
-                node = f"{info['host']}:{info['device']}"
-                restored = info.get("inner_state_restored")
-                startup = info.get("startup")
                 events.append(
                     Joined(
                         island=i,
-                        node=node,
-                        steps_per_s=speed,
-                        restored=restored,
-                        startup=startup,
+                        node=f"{info['host']}:{info['device']}",
+                        steps_per_s=self._speed(i, info),
+                        restored=info.get("inner_state_restored"),
+                        startup=info.get("startup"),
                         built_sha256=info.get("built_sha256"),
                         adopted=p.adopted,
                     )
                 )
         return events
+
+    def _speed(self, island: int, info: dict[str, Any]) -> float | None:
+        """A new island's steps per second: what it probed, if it did."""
+        return info.get("steps_per_s")
 
     def hand_over(self, keep: set[int]) -> dict[int, Any]:
         """Only single-worker islands carry over: an island of N workers is a process group

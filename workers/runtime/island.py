@@ -162,8 +162,7 @@ class Island:
 
     def probe(self, steps: int = 2) -> float | None:
         """Inner steps per second, measured once on an eval batch before any work (this
-        worker's forward and backward, no update, no collective; a simulated slowdown
-        counted), so the coordinator can size a new island's first H to its speed. It is a
+        worker's forward and backward, no update, no collective), so the coordinator can size a new island's first H to its speed. It is a
         prior: the first measured round replaces it (it does not see data loading)."""
         if self.probed_steps_per_s is None:
             started = time.perf_counter()
@@ -173,7 +172,7 @@ class Island:
             for _ in range(steps):
                 self._local_pass(batch)
             self.flat.zero_grad()
-            self.probed_steps_per_s = steps / ((time.perf_counter() - t0) * self.spec.slowdown)
+            self.probed_steps_per_s = steps / (time.perf_counter() - t0)
             self.startup["probe_s"] = time.perf_counter() - started
         return self.probed_steps_per_s
 
@@ -228,14 +227,13 @@ class Island:
         steps before its end answers at that point and trains the τ steps after it has
         answered (`order_steps.py`), so its exchange really overlaps them. The result reports the
         whole order (every batch is read before it leaves); the next order, or `reset`,
-        waits for the tail first. The in-process pool keeps them inline: its clock
-        simulates the overlap, and the numbers are the same either way."""
-        called = time.perf_counter()
+        waits for the tail first. Without `detach_tail` the tail is trained before the
+        answer; the numbers are the same either way."""
         self.settle()
         self.superseded.clear()
         self.running = True
         try:
-            return self._run(order, params, detach_tail, called)
+            return self._run(order, params, detach_tail)
         finally:
             self.running = False
 
@@ -246,12 +244,9 @@ class Island:
         if tail is not None:
             tail.wait()
 
-    def _run(self, order: WorkOrder, params: np.ndarray, detach_tail: bool, called: float) -> RoundResult:
+    def _run(self, order: WorkOrder, params: np.ndarray, detach_tail: bool) -> RoundResult:
         if order.handoff_sha256 is not None:  # before anything of it is used
             verify(order, params)
-        delay = order.start_delay_s - (time.perf_counter() - called)  # the download went on beside a tail
-        if delay > 0:
-            time.sleep(delay)
         if order.schedule_step is not None:
             self._seek_schedule(order.schedule_step)
         t0 = time.perf_counter()
@@ -321,26 +316,20 @@ class Island:
         )
 
     def _train(self, batches: Iterable[tuple[int, Any]], tally: Tally) -> None:
-        """Inner steps on `batches`, each counted in `tally`; a step's time includes
-        reading its batch (what a simulated slowdown stretches)."""
-        started = time.perf_counter()
+        """Inner steps on `batches`, each counted in `tally`."""
         for shard, batch in batches:
             if self.superseded.is_set():
                 raise Superseded(f"island {self.spec.index}: its coordinator restarted; round given up")
-            loss, weight = self._inner_step(batch, started)
+            loss, weight = self._inner_step(batch)
             tally.trained(shard, loss, weight)
-            started = time.perf_counter()
 
-    def _inner_step(self, batch: Any, started: float | None = None) -> tuple[torch.Tensor, int]:
-        """One inner step; a simulated slowdown stretches it from `started` (default: now)."""
-        started = time.perf_counter() if started is None else started
+    def _inner_step(self, batch: Any) -> tuple[torch.Tensor, int]:
+        """One inner step."""
         loss, weight = self._forward_backward(batch)
         self._clip()
         self._step()
         self.scheduler.step()
         self.inner_steps_done += 1
-        if self.spec.slowdown > 1 and self.spec.sleeps:
-            time.sleep((self.spec.slowdown - 1) * (time.perf_counter() - started))
         return loss, weight
 
     def _sync(self, order: WorkOrder, params: Any) -> torch.Tensor | None:

@@ -1,0 +1,53 @@
+"""`archipelago bench`: registered through the `archipelago.commands` entry point
+(pyproject.toml), so the command line finds it without importing it."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from orchestrator.bench.registry import available, run_bench
+from orchestrator.bench.report import ScenarioUnavailable, measured_commit, replot, require_plotting
+
+log = logging.getLogger(__name__)
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    """Adds `bench` to the command's subparsers; its handler."""
+    bench = sub.add_parser(
+        "bench", parents=[common], help="run a benchmark scenario; writes DIR/<scenario>.json, .png, .md"
+    )
+    bench.add_argument("scenario", help=f"one of: {', '.join(available())} (orchestrator/bench/registry.py)")
+    bench.add_argument("--quick", action="store_true", help="smaller budget (minutes)")
+    bench.add_argument("--out", default="bench-out", help="output folder")
+    bench.add_argument("--docs", help="also write the report into this folder and rebuild its benchmarks.md")
+    bench.add_argument(
+        "--replot", action="store_true", help="only draw DIR/<scenario>.png again from DIR/<scenario>.json (no run)"
+    )
+    return bench_command
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    if args.scenario not in available():
+        log.error("unknown scenario %r; available: %s", args.scenario, ", ".join(available()))
+        return 2
+    if args.replot:
+        try:
+            require_plotting()
+            sys.stdout.write(f"{replot(Path(args.out) / f'{args.scenario}.json')}\n")
+        except (ScenarioUnavailable, OSError, ValueError) as err:
+            log.error("cannot replot %s: %s", args.scenario, err)
+            return 2
+        return 0
+    try:
+        measured_commit()  # the commit whose code runs, read before it runs
+        result = run_bench(args.scenario, args.quick, Path(args.out), Path(args.docs) if args.docs else None)
+    except ScenarioUnavailable as err:
+        log.error("%s", err)
+        return 2
+    sys.stdout.write(f"{result.summary}\nresults: {Path(args.out) / args.scenario}.json, .png, .md\n")
+    return 0

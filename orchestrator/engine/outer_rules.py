@@ -1,0 +1,156 @@
+"""The outer rules, one registry row each: what the coordinator steps on the islands'
+mean pseudo-gradient. A row says how to build its optimizer over the flat parameter,
+how many values per parameter its state holds (the planner's figure) and whether the
+one-pass kernel computes its step (`algorithms/fused_step.py`: `FlatSGD`'s rule only).
+Which row a run uses is `rule_of(cfg)`: the mode's own rule where it has one, else
+`outer.optimizer`.
+
+Adding a rule is one module (its torch optimizer, in `algorithms/`) and one row here;
+nothing else names it. The builders import torch when they run: the command reads this
+module without it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from orchestrator.config import Mode, RunConfig
+from orchestrator.config_sections import AsyncRule, OuterConfig, OuterOptimizer
+
+if TYPE_CHECKING:
+    import torch
+
+    from orchestrator.engine.outer_step import OuterRule
+
+
+class RuleKind(str, Enum):
+    NESTEROV = OuterOptimizer.NESTEROV.value
+    SGD = OuterOptimizer.SGD.value
+    ADAM = OuterOptimizer.ADAM.value
+    SPARSELOCO = OuterOptimizer.SPARSELOCO.value
+    DELAYED_NESTEROV = "delayed_nesterov"  # mode async, asynchronous.rule delayed_nesterov
+    CO2 = "co2"  # mode overlap
+    DDP_ADAMW = "ddp_adamw"  # mode ddp: the islands' inner AdamW and schedule, on the mean gradient
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuleRow:
+    """One outer rule: either an optimizer of the `outer` section alone (`optimizer`), or a
+    mode's own rule built from more of the config (`build`)."""
+
+    kind: RuleKind
+    state_values: Callable[[RunConfig], int]  # fp32 values per parameter of its optimizer's state
+    optimizer: Callable[[OuterConfig, torch.nn.Parameter], torch.optim.Optimizer] | None = None
+    build: Callable[[RunConfig], OuterRule] | None = None
+    one_pass: bool = False  # `FlatSGD`'s step: the fused kernel computes it with the mean
+
+    def rule(self, cfg: RunConfig) -> OuterRule:
+        return self.build(cfg) if self.build is not None else optimizer_rule(cfg.outer)
+
+
+def _nesterov(o: OuterConfig, p: torch.nn.Parameter) -> torch.optim.Optimizer:
+    from orchestrator.algorithms.outer import FlatSGD
+
+    return FlatSGD([p], lr=o.lr, momentum=o.momentum, nesterov=o.momentum > 0)
+
+
+def _sgd(o: OuterConfig, p: torch.nn.Parameter) -> torch.optim.Optimizer:
+    from orchestrator.algorithms.outer import FlatSGD
+
+    return FlatSGD([p], lr=o.lr, momentum=o.momentum)
+
+
+def _sparseloco(o: OuterConfig, p: torch.nn.Parameter) -> torch.optim.Optimizer:
+    """A plain step: the islands' error feedback is the momentum."""
+    from orchestrator.algorithms.outer import FlatSGD
+
+    return FlatSGD([p], lr=o.lr)
+
+
+def _adam(o: OuterConfig, p: torch.nn.Parameter) -> torch.optim.Optimizer:
+    from workers.runtime.optim import Adam
+
+    return Adam([p], lr=o.lr, betas=o.betas)
+
+
+def _delayed_nesterov(cfg: RunConfig) -> OuterRule:
+    from orchestrator.algorithms.outer import DelayedNesterov
+    from orchestrator.engine.outer_step import OuterRule
+
+    o, a = cfg.outer, cfg.asynchronous
+    return OuterRule(lambda p: (DelayedNesterov([p], o.lr, o.momentum, a.delay or cfg.islands.count, a.c), None))
+
+
+def _co2(cfg: RunConfig) -> OuterRule:
+    from orchestrator.algorithms.outer import CO2Outer
+    from orchestrator.engine.outer_step import OuterRule
+
+    o = cfg.overlap
+    return OuterRule(
+        lambda p: (CO2Outer([p], o.lr, o.momentum, o.clip, o.penalty, o.penalty_p, o.penalty_lambda), None),
+        anchored=True,
+    )
+
+
+def _ddp_adamw(cfg: RunConfig) -> OuterRule:
+    from orchestrator.engine.outer_step import OuterRule
+    from workers.runtime.optim import build_inner
+
+    # after a warm start its fresh AdamW continues the schedule and re-warms like an island's
+    rewarm = cfg.elastic.join_rewarmup_steps if cfg.warm_steps else 0
+    return OuterRule(
+        lambda p: build_inner(cfg.inner, [p], cfg.schedule_steps, cfg.warm_steps, rewarm),
+        grad_clip=cfg.inner.grad_clip,
+    )
+
+
+def _momentum_values(cfg: RunConfig) -> int:
+    return 1 if cfg.outer.momentum > 0 else 0
+
+
+RULES: dict[RuleKind, RuleRow] = {
+    row.kind: row
+    for row in (
+        RuleRow(kind=RuleKind.NESTEROV, optimizer=_nesterov, state_values=_momentum_values, one_pass=True),
+        RuleRow(kind=RuleKind.SGD, optimizer=_sgd, state_values=_momentum_values, one_pass=True),
+        RuleRow(kind=RuleKind.SPARSELOCO, optimizer=_sparseloco, state_values=lambda _: 0, one_pass=True),
+        RuleRow(kind=RuleKind.ADAM, optimizer=_adam, state_values=lambda _: 2),
+        RuleRow(kind=RuleKind.DELAYED_NESTEROV, build=_delayed_nesterov, state_values=lambda _: 2),
+        RuleRow(kind=RuleKind.CO2, build=_co2, state_values=lambda _: 1),
+        RuleRow(kind=RuleKind.DDP_ADAMW, build=_ddp_adamw, state_values=lambda _: 2),
+    )
+}
+
+
+def rule_of(cfg: RunConfig) -> RuleRow:
+    """The outer rule a run of `cfg` steps."""
+    if cfg.mode == Mode.DDP:
+        return RULES[RuleKind.DDP_ADAMW]
+    if cfg.mode == Mode.OVERLAP:
+        return RULES[RuleKind.CO2]
+    if cfg.mode == Mode.ASYNC and cfg.asynchronous.rule == AsyncRule.DELAYED_NESTEROV:
+        return RULES[RuleKind.DELAYED_NESTEROV]
+    return RULES[RuleKind(cfg.outer.optimizer.value)]
+
+
+def outer_rule(cfg: RunConfig) -> OuterRule:
+    """How to build the outer optimizer of a run of `cfg` (also built by each coordinator slice)."""
+    return rule_of(cfg).rule(cfg)
+
+
+def optimizer_rule(outer: OuterConfig) -> OuterRule:
+    """The rule of the `outer` section alone (`outer.optimizer` and its settings)."""
+    from orchestrator.engine.outer_step import OuterRule
+
+    row = RULES[RuleKind(outer.optimizer.value)]
+    return OuterRule(lambda p: (outer_optimizer(outer, p), None), one_pass=row.one_pass)
+
+
+def outer_optimizer(outer: OuterConfig, param: torch.nn.Parameter) -> torch.optim.Optimizer:
+    """`outer.optimizer`'s optimizer over `param`."""
+    build = RULES[RuleKind(outer.optimizer.value)].optimizer
+    if build is None:
+        raise ValueError(f"outer rule {outer.optimizer.value} is a mode's own, not an optimizer of `outer`")
+    return build(outer, param)

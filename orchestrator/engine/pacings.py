@@ -1,0 +1,168 @@
+"""The pacings, one registry row each: when the coordinator takes an outer step and what
+it hands out meanwhile. A row builds its `Pacing` and declares what the rest of the run
+needs to know of it: how many rounds after it is handed out a piece of work can be
+stepped (when an island's inner state must come back for a checkpoint), which staleness
+rule admission applies, which settings it takes mid-run, and whether an island's first
+work is sized by its speed (then islands probe their speed before joining). Which row a
+run uses is `pacing_of(cfg)`.
+
+| row               | config                                   | pacing                                   | staleness  |
+| ----------------- | ---------------------------------------- | ---------------------------------------- | ---------- |
+| `barrier`         | `mode: diloco`                           | `Barrier`                                | exact      |
+| `dylu_barrier`    | `mode: diloco`, `diloco.dylu`            | `Quorum` of every island, H per speed    | bounded    |
+| `gradients`       | `mode: ddp`                              | `Barrier` of gradients, H steps a record | exact      |
+| `per_arrival`     | `mode: async`, rule naive / delayed_nesterov | `PerArrival` (DyLU budget)           | bounded    |
+| `quorum`          | `mode: async` (rule quorum)              | `Quorum` + grace window                  | bounded    |
+| `one_round_lag`   | `mode: overlap`                          | `OneRoundLag` (CO2)                      | exact (lagged) |
+| `fragments`       | `mode: streaming`                        | `FragmentSchedule` over a `Barrier`      | exact      |
+| `fragment_quorum` | `mode: streaming`, `streaming.pacing: quorum` | `Quorum` over segments              | bounded    |
+
+Adding a pacing is one module (its `Pacing`) and one row here. Torch-free: the command
+reads `sizes_by_speed` for the islands' specs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from orchestrator.algorithms.dylu import SpeedTracker
+from orchestrator.config import Mode, RunConfig
+from orchestrator.config_sections import AsyncRule, StreamingPacing
+from orchestrator.engine.admission import BoundedStaleness, ExactVersion, StalenessRule
+from orchestrator.engine.arrivals import PerArrival
+from orchestrator.engine.pacing import Barrier, FragmentSchedule, OneRoundLag, Pacing
+from orchestrator.engine.quorum import Quorum, QuorumRule
+from workers.wire.messages import WorkKind
+
+
+class PacingKind(str, Enum):
+    BARRIER = "barrier"
+    DYLU_BARRIER = "dylu_barrier"
+    GRADIENTS = "gradients"
+    PER_ARRIVAL = "per_arrival"
+    QUORUM = "quorum"
+    ONE_ROUND_LAG = "one_round_lag"
+    FRAGMENTS = "fragments"
+    FRAGMENT_QUORUM = "fragment_quorum"
+
+
+QUORUM_SETTINGS = frozenset({"quorum", "grace_cap", "grace_k", "age_power"})  # the quorum rule's, live
+ALL = 1 << 30  # a quorum of every live island
+
+
+@dataclass(frozen=True, kw_only=True)
+class PacingRow:
+    kind: PacingKind
+    build: Callable[[RunConfig, SpeedTracker, QuorumRule | None], Pacing]  # (the run's tracker and rule)
+    rounds_ahead: Callable[[int], int]  # schedulable islands -> rounds between handing work out and its step
+    bounded_staleness: bool = False  # admission: results of older versions within `asynchronous.max_staleness`
+    quorum: Callable[[RunConfig], QuorumRule] | None = None  # its quorum rule (the engine applies changes to it)
+    live: frozenset[str] = frozenset()  # the settings it takes mid-run besides everyone's (H, the outer lr)
+    sizes_by_speed: Callable[[RunConfig], bool] = lambda _: False  # an island's first work sized by its speed
+
+    def staleness(self, cfg: RunConfig) -> StalenessRule:
+        a = cfg.asynchronous
+        return (
+            BoundedStaleness(a.max_staleness, a.stale_policy == "downweight")
+            if self.bounded_staleness
+            else ExactVersion()
+        )
+
+
+def _settings_rule(cfg: RunConfig) -> QuorumRule:
+    a = cfg.asynchronous
+    return QuorumRule(quorum=a.quorum, grace_cap=a.grace_cap, grace_k=a.grace_k, age_power=a.age_power)
+
+
+def _quorum(cfg: RunConfig, speeds: SpeedTracker, rule: QuorumRule | None, dylu: bool, fragments: bool) -> Pacing:
+    assert rule is not None  # the row declares one
+    p, tau = (cfg.streaming.fragments, cfg.streaming_tau) if fragments else (0, 0)
+    return Quorum(rule, dylu, speeds, cfg.islands.count, cfg.warm_steps, p, tau)
+
+
+def _one(_: int) -> int:
+    return 1
+
+
+def _a_turn(schedulable: int) -> int:
+    """About a turn of every island: steps come per arrival."""
+    return schedulable + 1
+
+
+def _quorum_row(kind: PacingKind, *, fragments: bool, rounds_ahead: Callable[[int], int]) -> PacingRow:
+    """The quorum rule with its live settings (`asynchronous.*`), over whole rounds or over
+    streaming's fragments."""
+    return PacingRow(
+        kind=kind,
+        build=lambda cfg, speeds, rule: _quorum(cfg, speeds, rule, cfg.asynchronous.dylu, fragments),
+        rounds_ahead=rounds_ahead,
+        bounded_staleness=True,
+        quorum=_settings_rule,
+        live=QUORUM_SETTINGS,
+        sizes_by_speed=lambda cfg: cfg.asynchronous.dylu,
+    )
+
+
+PACINGS: dict[PacingKind, PacingRow] = {
+    row.kind: row
+    for row in (
+        PacingRow(
+            kind=PacingKind.BARRIER,
+            build=lambda cfg, speeds, rule: Barrier(WorkKind.TRAIN, steps_per_record=1),
+            rounds_ahead=_one,
+        ),
+        PacingRow(
+            kind=PacingKind.DYLU_BARRIER,
+            build=lambda cfg, speeds, rule: _quorum(cfg, speeds, rule, True, False),
+            rounds_ahead=_one,
+            bounded_staleness=True,
+            quorum=lambda _: QuorumRule(quorum=ALL, grace_cap=math.inf, grace_k=0.0, age_power=0.0),
+            sizes_by_speed=lambda _: True,
+        ),
+        PacingRow(
+            kind=PacingKind.GRADIENTS,
+            build=lambda cfg, speeds, rule: Barrier(WorkKind.GRADIENT, steps_per_record=cfg.inner_steps),
+            rounds_ahead=_one,
+        ),
+        PacingRow(
+            kind=PacingKind.PER_ARRIVAL,
+            build=lambda cfg, speeds, rule: PerArrival(
+                cfg.asynchronous.dylu, speeds, cfg.islands.count, cfg.warm_steps, cfg.asynchronous.token_weighted
+            ),
+            rounds_ahead=_a_turn,
+            bounded_staleness=True,
+            sizes_by_speed=lambda cfg: cfg.asynchronous.dylu,
+        ),
+        _quorum_row(PacingKind.QUORUM, fragments=False, rounds_ahead=_a_turn),
+        PacingRow(
+            kind=PacingKind.ONE_ROUND_LAG,
+            build=lambda cfg, speeds, rule: OneRoundLag(eager=cfg.overlap.eager),
+            rounds_ahead=lambda _: 2,
+        ),
+        PacingRow(
+            kind=PacingKind.FRAGMENTS,
+            build=lambda cfg, speeds, rule: FragmentSchedule(
+                Barrier(WorkKind.TRAIN, steps_per_record=1), cfg.streaming.fragments, cfg.streaming_tau
+            ),
+            rounds_ahead=_one,
+        ),
+        _quorum_row(PacingKind.FRAGMENT_QUORUM, fragments=True, rounds_ahead=_one),
+    )
+}
+
+
+def pacing_of(cfg: RunConfig) -> PacingRow:
+    """The pacing a run of `cfg` uses."""
+    if cfg.mode == Mode.DDP:
+        return PACINGS[PacingKind.GRADIENTS]
+    if cfg.mode == Mode.OVERLAP:
+        return PACINGS[PacingKind.ONE_ROUND_LAG]
+    if cfg.mode == Mode.STREAMING:
+        quorum = cfg.streaming.pacing == StreamingPacing.QUORUM
+        return PACINGS[PacingKind.FRAGMENT_QUORUM if quorum else PacingKind.FRAGMENTS]
+    if cfg.mode == Mode.ASYNC:
+        quorum = cfg.asynchronous.rule == AsyncRule.QUORUM
+        return PACINGS[PacingKind.QUORUM if quorum else PacingKind.PER_ARRIVAL]
+    return PACINGS[PacingKind.DYLU_BARRIER if cfg.diloco.dylu else PacingKind.BARRIER]

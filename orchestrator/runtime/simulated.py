@@ -1,0 +1,82 @@
+"""SIMULATION on Ray: the islands really train as actors, but time is a virtual clock
+(`simulation.virtual_step_s`), so a fleet's speeds and links are measured exactly on a
+contended machine. The Ray pool knows nothing of it: this subclass keeps the clock, and
+the coordinator builds it when the config asks (`pool_class`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ray
+
+from orchestrator.config import RunConfig
+from orchestrator.engine.pool import Done, PoolEvent
+from orchestrator.runtime.island_pool import RayIslandPool
+from workers.wire.messages import WorkOrder
+
+
+class VirtualClockPool(RayIslandPool):
+    """Island i's inner step takes `virtual_step_s × slowdown[i]` simulated seconds and a
+    download its link's; results are taken in the order of their simulated finish, once
+    they have really finished (work due later waits its turn even if it is done), and the
+    clock moves to each finish. Nothing sleeps for simulated time."""
+
+    def __init__(self, cfg: RunConfig, run_id: str, coordinator: str | None = None) -> None:
+        super().__init__(cfg, run_id, coordinator)
+        self.vt = 0.0
+        self.finish: dict[Any, float] = {}  # object ref -> its simulated finish
+
+    def now(self) -> float:
+        return self.vt
+
+    def sleep_until(self, t: float) -> None:
+        self.vt = max(self.vt, t)
+
+    def dispatch(self, order: WorkOrder, params: Any, changes: tuple[Any, ...] = ()) -> Any:
+        """The link's delay is simulated time too: the island does not wait for it."""
+        ref = super().dispatch(dataclasses.replace(order, start_delay_s=0.0), params, changes)
+        sim = self.cfg.simulation
+        self.finish[ref] = self.vt + order.start_delay_s + sim.virtual_seconds(order.island, order.steps)
+        return ref
+
+    def release(self, island: int) -> None:
+        for ref in [r for r, (_, i) in self.work.items() if i == island]:
+            self.finish.pop(ref, None)
+        super().release(island)
+
+    def _results(self, timeout: float, wake: float | None) -> list[PoolEvent]:
+        """The work that finishes first on the virtual clock; the clock moves to its
+        finish, or to `wake` if that comes first (a step due on time, with nothing arriving)."""
+        ref = min(self.work, key=lambda r: self.finish[r]) if self.work else None
+        if wake is not None and (ref is None or self.finish[ref] > wake):
+            self.vt = max(self.vt, wake)
+            return []
+        if ref is None:
+            self._idle(timeout)
+            return []
+        if not ray.wait([ref], timeout=timeout)[0]:
+            return []
+        ticket, island = self.work.pop(ref)
+        at = self.finish.pop(ref)
+        self.vt = max(self.vt, at)
+        event = self._fetch(ref, ticket, island)
+        if isinstance(event, Done):
+            r, sim = event.result, self.cfg.simulation
+            timed = dataclasses.replace(
+                r,
+                finished_at=at,
+                compute_s=sim.virtual_seconds(island, r.steps),
+                tail_s=sim.virtual_seconds(island, r.tail_steps),
+            )
+            event = Done(ticket=ticket, island=island, result=timed)
+        return [event]
+
+    def _speed(self, island: int, info: dict[str, Any]) -> float | None:
+        """Known exactly on the virtual clock."""
+        return 1.0 / self.cfg.simulation.virtual_seconds(island, 1)
+
+
+def pool_class(cfg: RunConfig) -> type[RayIslandPool]:
+    """The island pool a run's config asks for."""
+    return VirtualClockPool if cfg.simulation.virtual_step_s is not None else RayIslandPool

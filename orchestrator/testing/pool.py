@@ -1,0 +1,278 @@
+"""The island pool of tests and benchmarks: islands as plain `Island` objects of this
+process on a virtual clock (compute and simulated links advance it, nothing sleeps),
+with faults injected by work order (`Fault`) or in time (`chaos.TimedFault`) — so the
+engine's behaviour under crashes, late and NaN islands, joins, drains and restarts is
+tested in seconds, and a bench runs many simulated islands on two cores."""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from orchestrator.config import RunConfig
+from orchestrator.engine.pool import Done, Failed, Joined, PoolEvent
+from orchestrator.engine.specs import island_spec
+from orchestrator.testing.chaos import Strike, TimedFault
+from workers.runtime.island import Island
+from workers.wire.messages import SavedState, Sliced, WorkOrder
+from workers.wire.sync import Change
+
+DISPATCH_LOG = 4096  # orders the in-process pool remembers
+
+
+class FaultKind(str, Enum):
+    CRASH = "crash"  # the island dies during its n-th work order
+    LATE = "late"  # its n-th work order takes `seconds` longer
+    HANG = "hang"  # its n-th work order never returns
+    NAN = "nan"  # its n-th pseudo-gradient is NaN
+    RAISE = "raise"  # its code raises during its n-th work order
+    MISREPORT = "misreport"  # its n-th result claims tokens on a shard it was not given
+    MALFORMED = "malformed"  # its n-th result carries `payload` instead of its pseudo-gradient
+    CLOCK = "clock"  # its n-th result says it finished at `seconds` on its own clock
+    CORRUPT = "corrupt"  # its n-th work order's full parameters arrive with one byte flipped
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: FaultKind
+    island: int
+    order: int  # 1-based count of the work orders this island was given
+    seconds: float = 0.0
+    payload: Any = None
+
+
+@dataclass(order=True)
+class _Pending:
+    at: float
+    seq: int
+    event: Any = field(compare=False)
+
+
+class InProcessPool:
+    """Islands as plain `Island` objects; work runs when dispatched, and its result is
+    delivered at virtual time `now + steps × step_s × slowdown (+ injected delay)`."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        step_s: float = 1.0,
+        faults: list[Fault] | None = None,
+        join_s: float = 0.0,
+        unplaceable: set[int] | None = None,
+        chaos: list[TimedFault] | None = None,
+        chaos_seed: int = 0,
+    ) -> None:
+        """`faults` strike an island's n-th work order; `chaos` strikes in time, each
+        fault whichever island (drawn with `chaos_seed`) is working when it comes."""
+        self.cfg, self.step_s, self.join_s = cfg, step_s, join_s
+        self.chaos = sorted(chaos or [], key=lambda f: f.at)
+        self.rng = np.random.default_rng(chaos_seed)
+        self.slow: dict[int, tuple[float, float]] = {}  # island -> (factor, until)
+        self.faults = list(faults or [])
+        self.unplaceable = set(unplaceable or ())  # islands whose placement never succeeds
+        self.islands: dict[int, Island] = {}
+        self.dead: set[int] = set()
+        self.orders: dict[int, int] = {}
+        self.t = 0.0
+        self._seq = itertools.count()
+        self._queue: list[_Pending] = []
+        # the newest orders, for tests that inspect them (bounded: a long run's would grow)
+        self.dispatched: deque[WorkOrder] = deque(maxlen=DISPATCH_LOG)
+        self.demanded: list[int] = []
+        self.adopted: dict[int, Island] = {}
+
+    def _at(self, t: float, event: Any) -> None:
+        heapq.heappush(self._queue, _Pending(t, next(self._seq), event))
+
+    def _fault(self, island: int, n: int) -> Fault | None:
+        return next((f for f in self.faults if f.island == island and f.order == n), None)
+
+    # -- the protocol ----------------------------------------------------------------
+    def now(self) -> float:
+        return self.t
+
+    def sleep_until(self, t: float) -> None:
+        self.t = max(self.t, t)
+
+    def request(
+        self, island: int, start_step: int, *, state_folder: str | None = None, restore: SavedState | None = None
+    ) -> None:
+        if island in self.islands:  # as Ray refuses a second placement group of one name
+            raise ValueError(f"island {island} already exists")
+        if island in self.unplaceable:
+            return
+        spec = island_spec(self.cfg, island, start_step, state_folder=state_folder, restore=restore)
+        adopted = self.adopted.pop(island, None)
+        if adopted is not None:
+            adopted.reset(spec)
+        self.islands[island] = adopted or Island(spec)
+        self._at(
+            self.t + self.join_s,
+            Joined(
+                island=island,
+                node=f"inprocess:{island}",
+                steps_per_s=self._known_speed(island),
+                restored=self.islands[island].restored,
+                startup=dict(self.islands[island].startup),
+                built_sha256=self.islands[island].built_sha256,
+                adopted=adopted is not None,
+            ),
+        )
+
+    def _known_speed(self, island: int) -> float:
+        """Steps per second of a new island: known exactly on the virtual clock."""
+        return 1.0 / (self.step_s * self.cfg.simulation.slowdown_of(island))
+
+    def reattach(self, island: int) -> str | None:
+        return f"inprocess:{island}" if island in self.islands and island not in self.dead else None
+
+    def survivors(self) -> list[int]:
+        return sorted(i for i in self.islands if i not in self.dead)
+
+    def sweep(self, keep: set[int]) -> None:
+        for i in [i for i in self.islands if i not in keep]:
+            self.release(i)
+
+    def cancel(self, island: int) -> None:
+        self.release(island)
+
+    def release(self, island: int) -> None:
+        self.islands.pop(island, None)
+        self._queue = [p for p in self._queue if getattr(p.event, "island", None) != island]
+        heapq.heapify(self._queue)
+
+    def demand(self, islands: int) -> None:
+        self.demanded.append(islands)
+
+    def publish(self, version: int, params: Any) -> np.ndarray:
+        """A copy, as `ray.put` makes one (the engine publishes each version once)."""
+        return np.concatenate(params) if isinstance(params, list) else np.array(params)
+
+    def share(self, change: Change) -> Change:
+        return change
+
+    def dispatch(self, order: WorkOrder, params: Any, changes: tuple[Any, ...] = ()) -> None:
+        if changes:
+            order = dataclasses.replace(order, changes=changes)
+        i = order.island
+        self.dispatched.append(order)
+        if i in self.dead or i not in self.islands:
+            self._at(self.t, Failed(ticket=order.ticket, island=i, reason="actor died: island is gone"))
+            return
+        n = self.orders[i] = self.orders.get(i, 0) + 1
+        fault = self._fault(i, n)
+        island = self.islands[i]
+        factor, until = self.slow.get(i, (1.0, 0.0))
+        step = self.step_s * self.cfg.simulation.slowdown_of(i) * (factor if self.t < until else 1.0)
+        duration = order.start_delay_s + order.steps * step
+        if fault is not None and fault.kind == FaultKind.CORRUPT and params is not None:
+            params = np.array(params)
+            raw = params.view(np.uint8)
+            raw[len(raw) // 2] ^= 0xFF
+        try:
+            result = island.run(dataclasses.replace(order, start_delay_s=0.0), params)  # what it read, it read
+        except Exception as err:  # an island's exception is its failure, as Ray reports it, never the run's
+            self._at(self.t, Failed(ticket=order.ticket, island=i, reason=f"raised: {type(err).__name__}: {err}"))
+            return
+        if fault is not None and fault.kind == FaultKind.CRASH:
+            self.dead.add(i)
+            self._at(self.t + duration / 2, Failed(ticket=order.ticket, island=i, reason="actor died: injected crash"))
+            return
+        if fault is not None and fault.kind == FaultKind.RAISE:
+            self._at(
+                self.t + duration / 2, Failed(ticket=order.ticket, island=i, reason="raised: RuntimeError: injected")
+            )
+            return
+        if fault is not None and fault.kind == FaultKind.NAN:
+            delta = result.delta()
+            result = dataclasses.replace(result, payload=_nan_like(result.payload, delta))
+        if fault is not None and fault.kind == FaultKind.MISREPORT:
+            tokens = {**result.shard_tokens, self.cfg.num_shards + 7: 1000}
+            result = dataclasses.replace(result, shard_tokens=tokens, weight=sum(tokens.values()))
+        if fault is not None and fault.kind == FaultKind.MALFORMED:
+            result = dataclasses.replace(result, payload=fault.payload)
+        if fault is not None and fault.kind == FaultKind.HANG:
+            return
+        if fault is not None and fault.kind == FaultKind.LATE:
+            duration += fault.seconds
+        compute = order.steps * step  # virtual, so DyLU sees the simulated speeds
+        timed = dataclasses.replace(
+            result, finished_at=self.t + duration, compute_s=compute, tail_s=result.tail_steps * step
+        )
+        if fault is not None and fault.kind == FaultKind.CLOCK:
+            timed = dataclasses.replace(timed, finished_at=fault.seconds)
+        self._at(self.t + duration, Done(ticket=order.ticket, island=i, result=timed))
+
+    def poll(self, timeout: float, wake: float | None = None) -> list[PoolEvent]:
+        while self.chaos and self.chaos[0].at <= min(self._queue[0].at if self._queue else math.inf, self.t + timeout):
+            self._strike(self.chaos.pop(0))
+        if not self._queue or self._queue[0].at > self.t + timeout:
+            self.t += timeout
+            return []
+        first = heapq.heappop(self._queue)
+        self.t = max(self.t, first.at)
+        events = [first.event]
+        while self._queue and self._queue[0].at <= self.t:
+            events.append(heapq.heappop(self._queue).event)
+        return events
+
+    def _strike(self, fault: TimedFault) -> None:
+        """`fault` hits one island with work due (none working: it passes harmlessly)."""
+        working = [p for p in self._queue if isinstance(p.event, Done)]
+        if not working:
+            return
+        hit = working[int(self.rng.integers(len(working)))]
+        at, i = max(fault.at, self.t), hit.event.island
+        self._queue.remove(hit)
+        if fault.kind == Strike.CRASH:
+            self.dead.add(i)
+            self._queue.append(
+                _Pending(
+                    at, next(self._seq), Failed(ticket=hit.event.ticket, island=i, reason="actor died: injected crash")
+                )
+            )
+        elif fault.kind == Strike.SLOW:
+            self.slow[i] = (fault.factor, at + fault.lasts)
+            r = hit.event.result
+            due = at + (hit.at - at) * fault.factor
+            slowed = dataclasses.replace(r, finished_at=due, compute_s=r.compute_s + (due - hit.at))
+            self._queue.append(_Pending(due, next(self._seq), Done(ticket=hit.event.ticket, island=i, result=slowed)))
+        heapq.heapify(self._queue)  # a hang: its result is gone, it never answers
+
+    def hand_over(self, keep: set[int]) -> dict[int, Any]:
+        out = {i: self.islands[i] for i in keep if i in self.islands and i not in self.dead}
+        for i in list(self.islands):
+            self.release(i)
+        return out
+
+    def adopt(self, islands: dict[int, Any]) -> None:
+        self.adopted.update(islands)
+
+    def close(self) -> None:
+        self.islands.clear()
+        self.adopted.clear()
+        self._queue.clear()
+
+    def coordinator_lost(self) -> None:
+        """The coordinator process died: the results of its calls die with it (as Ray's
+        object references do); the islands live on for the next coordinator."""
+        self._queue = [p for p in self._queue if not isinstance(p.event, (Done, Failed))]
+        heapq.heapify(self._queue)
+
+
+def _nan_like(payload: Any, delta: Any) -> Any:
+    """A payload of the same codec and layout, all NaN."""
+    from workers.wire.compress import encode
+
+    if isinstance(payload, Sliced):
+        nan = ({k: np.full_like(v, np.nan) if v.dtype.kind == "f" else v for k, v in p.items()} for p in payload.parts)
+        return Sliced(parts=tuple(nan))
+    return encode(np.full_like(delta, np.nan), "none")

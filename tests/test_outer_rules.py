@@ -1,0 +1,51 @@
+"""The outer rules' registry: one row per rule, each row's declarations true of the
+optimizer it builds (the planner's state figure, the one-pass flag), and each mode's rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orchestrator.algorithms.outer import FlatSGD
+from orchestrator.config_load import load_config
+from orchestrator.config_sections import OuterOptimizer
+from orchestrator.engine.outer_rules import RULES, RuleKind, rule_of
+from orchestrator.engine.outer_step import OuterStep
+
+SETS = {
+    RuleKind.NESTEROV: ["mode=diloco"],
+    RuleKind.SGD: ["mode=diloco", "outer.optimizer=sgd"],
+    RuleKind.ADAM: ["mode=diloco", "outer.optimizer=adam"],
+    RuleKind.SPARSELOCO: [
+        "mode=diloco",
+        "outer.optimizer=sparseloco",
+        "compression.error_feedback=true",
+        "compression.codec=topk:0.02+int2",
+    ],
+    RuleKind.DELAYED_NESTEROV: ["mode=async", "asynchronous.rule=delayed_nesterov", "asynchronous.c=0.25"],
+    RuleKind.CO2: ["mode=overlap"],
+    RuleKind.DDP_ADAMW: ["mode=ddp", "warm_start.steps=0"],
+}
+
+
+def test_every_rule_has_one_row_and_every_outer_optimizer_is_a_rule():
+    assert set(RULES) == set(RuleKind) == set(SETS)
+    assert {k.value for k in OuterOptimizer} <= {k.value for k in RuleKind}
+    for row in RULES.values():
+        assert (row.optimizer is None) != (row.build is None), row.kind
+
+
+@pytest.mark.parametrize("kind", list(RuleKind))
+def test_a_rows_declarations_hold_for_the_optimizer_it_builds(kind):
+    """After one step, the optimizer's state holds `state_values` tensors of the
+    parameter's size, and the row is one-pass exactly when its step is `FlatSGD`'s."""
+    cfg = load_config(None, [*SETS[kind], "islands.count=4", "warm_start.steps=0"])
+    row = rule_of(cfg)
+    assert row.kind == kind
+    step = OuterStep(torch.zeros(64), row.rule(cfg))
+    step.apply([(torch.randn(64).numpy(), 1.0)], anchor=0)
+    state = step.optimizer.state[step.param]
+    sized = [v for v in state.values() if isinstance(v, torch.Tensor) and v.numel() == 64]
+    assert len(sized) == row.state_values(cfg)
+    assert row.one_pass == isinstance(step.optimizer, FlatSGD)
+    assert (step.one_pass() is not None) == (row.one_pass and step.grad_clip is None and not step.anchored)
