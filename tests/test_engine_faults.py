@@ -16,7 +16,8 @@ import pytest
 
 from orchestrator.engine import records
 from orchestrator.engine.checkpoints import load_checkpoint
-from orchestrator.engine.types import RunFailed
+from orchestrator.engine.outcomes import Halt, Lost, Place, Release
+from orchestrator.engine.types import IslandState, RunFailed, RunPhase
 from orchestrator.testing.pool import Fault, FaultKind
 from tests.engine_scenarios import check_exactly_once, drive, run_scenario, scenario_cfg
 from tests.helpers import events, in_process_engine
@@ -255,3 +256,25 @@ def test_an_export_that_fails_at_the_end_loses_neither_final_pt_nor_the_summary(
     assert summary["state"] == "finished" and "export" not in summary
     assert summary["export_error"] == "ValueError: this model cannot be saved in that format"
     assert (Path(cfg.out_dir) / "final.pt").exists()
+
+
+def test_a_step_reports_the_chain_a_crash_sets_off_under_the_restart_policy(tmp_path):
+    """`step()` returns what it carried out, in order: the island lost, its release (its
+    work given up), the halt, and its replacement placed while the fleet stands still —
+    the chain the collaborators once ran through callbacks into the engine."""
+    cfg = scenario_cfg(tmp_path, "diloco", "elastic.on_failure=restart", "elastic.restart_s=7")
+    engine, _ = in_process_engine(cfg, [Fault(FaultKind.CRASH, island=1, order=2)])
+    engine.start()
+    transitions = []
+    while transition := engine.step():
+        transitions.append(transition)
+    chains = [t.outcomes for t in transitions if any(isinstance(o, Lost) for o in t.outcomes)]
+    assert len(chains) == 1
+    kinds = [type(o) for o in chains[0]]
+    assert kinds[:3] == [Lost, Release, Halt] and Place in kinds[3:], kinds
+    lost, release, halt = chains[0][:3]
+    assert lost.island == release.island == 1 and release.state == IslandState.DEAD and halt.seconds == 7
+    place = next(o for o in chains[0] if isinstance(o, Place))
+    assert place.island not in (0, 1, 2)  # a new index: the dead island's is never reused
+    assert transitions[0].before == RunPhase.STARTING and transitions[-1].after == RunPhase.TRAINING
+    assert not transition and transition.after == RunPhase.FINISHED

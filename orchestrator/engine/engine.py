@@ -14,21 +14,23 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.admission import Admission, Verdict
+from orchestrator.engine.admission import Admission
 from orchestrator.engine.checkpoints import load_checkpoint, run_folder
 from orchestrator.engine.commands import Answer, Command, Inbox
 from orchestrator.engine.evaluation import Evaluator
 from orchestrator.engine.fleet import Fleet
-from orchestrator.engine.inflight import POLL_S, InFlight, Verdicts
+from orchestrator.engine.inflight import POLL_S, InFlight
 from orchestrator.engine.island_states import IslandStates
 from orchestrator.engine.ledger import DataLedger
 from orchestrator.engine.loop_time import Part
 from orchestrator.engine.membership import Membership
+from orchestrator.engine.outcomes import Halt, Judged, Lost, Outcome, Place, Release, StartDrain, Transition
 from orchestrator.engine.outer_slices import SlicedOuter
 from orchestrator.engine.outer_step import Outer, take_step
 from orchestrator.engine.outputs import OnRecord, Outputs
@@ -94,6 +96,7 @@ class RoundEngine:
         self.phase = RunPhase.STARTING
         self.speeds = policies.speeds  # measured inner steps per second, every mode
         self.due: list[int] = []  # recorded rounds due, written after the next dispatch
+        self.applied: list[Outcome] = []  # what this step carried out (`_apply`)
         self.stats = RunStats()
         self.init_from = init_from
         self.warm = warm
@@ -150,8 +153,6 @@ class RoundEngine:
             events=self.events,
             sizes=Sizes(outer.numel, fragments, slices),
             states=self.states,
-            judged=self._judged,
-            fail=self._fail,
         )
         self.fleet = Fleet(
             cfg=cfg,
@@ -163,8 +164,6 @@ class RoundEngine:
             disk=self.disk,
             states=self.states,
             admission=self.admission,
-            forget=self.inflight.forget,
-            halt=self._halt,
         )
         self.requests = OperatorRequests(
             cfg=cfg,
@@ -188,8 +187,14 @@ class RoundEngine:
         """An operator's command, validated now, applied by the engine at its own pace."""
         return self.inbox.submit(command)
 
-    def step(self) -> bool:
-        """One transition; False once the run has ended."""
+    def step(self) -> Transition:
+        """One transition: the phase before and after it and what was carried out on the
+        way (`outcomes.py`); false once the run has ended."""
+        before, self.applied = self.phase, []
+        running = self._step()
+        return Transition(before=before, after=self.phase, outcomes=tuple(self.applied), running=running)
+
+    def _step(self) -> bool:
         if self.phase in (RunPhase.FINISHED, RunPhase.STOPPED, RunPhase.FAILED):
             return False
         self.requests.heard_stop()
@@ -220,7 +225,7 @@ class RoundEngine:
         with self.stats.loop.timed(Part.WAIT):
             events = self.pool.poll(self.inflight.timeout(wake), wake=wake)
         self._handle(events)
-        self.inflight.expire()
+        self._apply(self.inflight.expire())
         self.run.now = self.pool.now()
         # paused: results that come back wait for the resume (no outer step while the status says paused)
         while self.phase != RunPhase.PAUSED and (close := self.pacing.next_close(self.run, self.in_flight)) is not None:
@@ -305,7 +310,14 @@ class RoundEngine:
         if self.pacing.between_rounds(list(self.flights.values())):
             self.phase = self.requests.between_rounds(self.phase)
             self.outputs.snapshot["state"] = self.phase.value
-        self.fleet.apply(self.inbox if self.takes_changes else None, self.inflight.busy(), self.inflight.held())
+        busy, held = self.inflight.busy(), self.inflight.held()
+        self._scale(self.inbox if self.takes_changes else None, busy)
+        self.members.prune(held)  # long-released islands folded into the totals (none with work to judge)
+
+    def _scale(self, inbox: Inbox | None, busy: set[int]) -> None:
+        """The operator's membership commands, then the scaling policy's decisions."""
+        self.fleet.take_requests(inbox)
+        self._apply(self.fleet.scaling.decide(self.members, busy))
 
     # -- work out -------------------------------------------------------------------------------
     def _initial_eval(self) -> None:
@@ -338,12 +350,12 @@ class RoundEngine:
                 self.fleet.join_failed(event)
             elif isinstance(event, Done):
                 self.startup.stepped(event.result.started_at)
-                self.inflight.arrived(event.ticket, event.island, event.result)
+                self._apply(self.inflight.arrived(event.ticket, event.island, event.result))
             elif isinstance(event, Failed):
                 if event.ticket in self.flights and self.flights[event.ticket].result is None:
                     self.inflight.lose(event.ticket, event.reason)
                 self.inflight.overdue.pop(event.ticket, None)
-                self.fleet.fail(event.island, event.reason)
+                self._apply([Lost(island=event.island, reason=event.reason)])
 
     # -- the outer step ------------------------------------------------------------------------------
     def _close(self, close: Close) -> None:
@@ -375,18 +387,38 @@ class RoundEngine:
             with self.stats.loop.timed(Part.PUBLISH):
                 self.publisher.publish(self.run.version, due)
         self.run.closes += 1
-        settled = Verdicts(
-            [
-                self.inflight.settle(
-                    flight,
-                    verdict,
-                    close.ages.get(flight.work.island, verdict.staleness) if close.ages else verdict.staleness,
-                )
-                for flight, verdict in zip(flights, verdicts)
-            ]
-        )
+        judged = [
+            self.inflight.settle(
+                flight,
+                verdict,
+                close.ages.get(flight.work.island, verdict.staleness) if close.ages else verdict.staleness,
+            )
+            for flight, verdict in zip(flights, verdicts)
+        ]
         self.due.extend(self.pacing.closed(self.run, close))
-        settled.hand_to(self._judged)
+        self._apply(judged)  # once every result of the close is settled (`InFlight.settle`)
+
+    def _apply(self, outcomes: Iterable[Outcome]) -> None:
+        """Carry out what the collaborators decided, in order, each outcome's consequences
+        before the next outcome (a verdict that quarantines an island releases it, which
+        gives up its work, before the next verdict is counted); `step()` reports them."""
+        for outcome in outcomes:
+            self.applied.append(outcome)
+            match outcome:
+                case Judged():
+                    self._apply(self.fleet.judged(outcome))
+                case Lost():
+                    self._apply(self.fleet.fail(outcome))
+                case Release(island=island, state=state, reason=reason):
+                    self.inflight.forget(island, state)
+                    self.fleet.released(island, state, reason)
+                case Place(island=island):
+                    self.fleet.place(island)
+                case StartDrain(island=island):
+                    self.fleet.start_drain(island)
+                case Halt(seconds=seconds, reason=reason):
+                    self._scale(None, set())  # the failed island's replacement is placed while all stand still
+                    self._halt(seconds, reason)
 
     def _halt(self, seconds: float, reason: str) -> None:
         """Stop-the-world recovery (`elastic.on_failure: restart`): every island's work,
@@ -398,12 +430,6 @@ class RoundEngine:
         self.events.add(Event.RESTART, version=self.run.version, reason=reason, halt_s=seconds)
         self.pool.sleep_until(self.pool.now() + seconds)
         self._handle(self.pool.poll(0.0))  # replacements that joined while it stood still train at once
-
-    def _fail(self, island: int, reason: str) -> None:
-        self.fleet.fail(island, reason)
-
-    def _judged(self, island: int, verdict: Verdict, **detail: Any) -> None:
-        self.fleet.judged(island, verdict, **detail)
 
     # -- records, evaluation, checkpoints -----------------------------------------------------------
     def _clock(self) -> float:

@@ -6,51 +6,31 @@ What to do is decided by two small policies that return decisions and touch noth
 `ScalingPolicy` (keep the live islands at the target: which to place, which to drain,
 which drained ones to release) and `FailurePolicy` (an island that died, hung or is
 quarantined: release it, and replace it or lower the target). `Fleet` carries the
-decisions out through the island pool and logs each as an event. The engine tells the
-fleet what it needs of it through `forget`: work of a released island is lost.
+decisions out through the island pool and logs each as an event; what needs more than
+the fleet (a release gives up the island's work in flight, a restart halts everyone)
+it returns as outcomes (`outcomes.py`) for the engine to apply.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from orchestrator.config import RunConfig
 from orchestrator.config_operations import OnFailure
-from orchestrator.engine.admission import Admission, Verdict
+from orchestrator.engine.admission import Admission
 from orchestrator.engine.checkpoints import load_intent, run_folder, save_intent
 from orchestrator.engine.commands import Drain, Inbox, SetTarget
 from orchestrator.engine.island_states import IslandStates
 from orchestrator.engine.membership import Membership
+from orchestrator.engine.outcomes import FleetDecision, Halt, Judged, Lost, Outcome, Place, Release, StartDrain
 from orchestrator.engine.pacing import RunState
 from orchestrator.engine.pool import IslandPool, Joined, JoinFailed
 from orchestrator.engine.records import DiskFaults, EventLog
 from orchestrator.engine.types import Decision, Event, IslandState, RunFailed
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Place:
-    island: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class StartDrain:
-    island: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class Release:
-    island: int
-    state: IslandState
-    reason: str | None = None
-
-
-FleetDecision = Place | StartDrain | Release
 
 
 class ScalingPolicy:
@@ -112,16 +92,13 @@ class Fleet:
         disk: DiskFaults,
         states: IslandStates,
         admission: Admission,
-        forget: Callable[[int, IslandState], None],
-        halt: Callable[[float, str], None],
     ) -> None:
         """`states`: where islands keep their inner state, and what an island placed again
         continues from; `admission`: counts each island's bad updates in a row (towards
-        quarantine); `forget`: give up an island's work; `halt`: give up every island's
-        work and stand still (a restart after a failure)."""
+        quarantine)."""
         self.cfg, self.run_id, self.pool, self.members, self.run = cfg, run_id, pool, members, run
         self.states, self.admission = states, admission
-        self.events, self.disk, self.forget, self.halt = events, disk, forget, halt
+        self.events, self.disk = events, disk
         self.scaling = ScalingPolicy(abandon=cfg.elastic.drain == "abandon")
         restart = cfg.elastic.restart_s if cfg.elastic.on_failure == OnFailure.RESTART else None
         self.failures = FailurePolicy(cfg.elastic.replace_dead, restart)
@@ -206,11 +183,10 @@ class Fleet:
             self._intent = intent
 
     # -- between rounds ----------------------------------------------------------------------
-    def apply(self, inbox: Inbox | None, busy: set[int], held: set[int] | None = None) -> None:
+    def take_requests(self, inbox: Inbox | None) -> None:
         """Apply the operator's accepted target and drain commands (from `inbox`, when this
-        phase takes them), then carry out the scaling policy's decisions; with `held` (the
-        islands whose work is still to be judged) long-released islands are folded into
-        the membership's totals."""
+        phase takes them); tell the pool what the run wants; give up joins past their time.
+        The scaling policy's decisions follow (`ScalingPolicy.decide`, applied by the engine)."""
         m = self.members
         for command in inbox.take_membership() if inbox is not None else []:
             if isinstance(command, SetTarget):
@@ -222,15 +198,6 @@ class Fleet:
             inbox.settle(m.target)
         self.demand()
         self.expire_joins()
-        for decision in self.scaling.decide(m, busy):
-            if isinstance(decision, StartDrain):
-                self.start_drain(decision.island)
-            elif isinstance(decision, Place):
-                self.place(decision.island)
-            else:
-                self.release(decision.island, decision.state, decision.reason)
-        if held is not None:
-            m.prune(held)
 
     def demand(self) -> None:
         """Tell the pool (on KubeRay: the autoscaler) how many islands the run wants."""
@@ -267,39 +234,42 @@ class Fleet:
         self.events.add(Event.DRAIN, island, policy=self.cfg.elastic.drain)
         return True
 
-    def release(self, island: int, state: IslandState, reason: str | None = None) -> None:
-        """Release an island for good; its work still out is lost (and retrained by the next
-        owner of its shards), its results already in still count."""
-        self.forget(island, state)
+    def released(self, island: int, state: IslandState, reason: str | None = None) -> None:
+        """An island released for good (`Release`: the engine gave up its work first)."""
         self.members.mark(island, state, reason)
         self.pool.release(island)
         self.events.add(Event.RELEASED, island, state=state.value)
 
-    def fail(self, island: int, reason: str, state: IslandState = IslandState.DEAD) -> None:
-        """An island died, raised, hung or is quarantined: as the failure policy decides."""
+    def fail(self, lost: Lost) -> list[Outcome]:
+        """An island died, raised, hung or is quarantined: as the failure policy decides —
+        its release, and under a restart policy the halt in which its replacement is placed."""
+        island = lost.island
         stats = self.members.islands.get(island)
-        retire = self.failures.decide(stats.state, state) if stats is not None else None
+        retire = self.failures.decide(stats.state, lost.state) if stats is not None else None
         if retire is None:
-            return
+            return []
         if retire.state == IslandState.DRAINED:
-            self.release(island, IslandState.DRAINED)
-            return
+            return [Release(island=island, state=IslandState.DRAINED)]
         if not retire.replace:
             self.members.target = max(0, self.members.target - 1)
-        self.events.add(Event.CRASH if state == IslandState.DEAD else Event.QUARANTINED, island, reason=reason)
-        self.release(island, retire.state, reason)
-        if retire.halt_s is not None:  # its replacement is placed while the fleet stands still
-            self.apply(None, set())
-            self.halt(retire.halt_s, f"island {island} failed ({reason})")
+        crash = Event.CRASH if lost.state == IslandState.DEAD else Event.QUARANTINED
+        self.events.add(crash, island, reason=lost.reason)
+        out: list[Outcome] = [Release(island=island, state=retire.state, reason=lost.reason)]
+        if retire.halt_s is not None:
+            out.append(Halt(seconds=retire.halt_s, reason=f"island {island} failed ({lost.reason})"))
+        return out
 
-    def judged(self, island: int, verdict: Verdict, **detail: Any) -> None:
+    def judged(self, judged: Judged) -> list[Outcome]:
         """A verdict on an island's result: a rejection is logged; an island is quarantined
         at its `quarantine_after`-th bad update in a row."""
+        island, verdict = judged.island, judged.verdict
         if not verdict.admitted and verdict.decision != Decision.DROP:
+            detail = {} if judged.version is None else {"version": judged.version}
             self.events.add(Event.REJECTION, island, reason=verdict.why, **detail)
         if self.admission.record(island, verdict):
             reason = f"quarantined after {self.admission.quarantine_after} bad updates in a row"
-            self.fail(island, reason, IslandState.QUARANTINED)
+            return [Lost(island=island, reason=reason, state=IslandState.QUARANTINED)]
+        return []
 
     # -- the pool's news ---------------------------------------------------------------------
     def joined(self, event: Joined, starting: bool, built: bool | None = None) -> float | None:

@@ -9,15 +9,14 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Iterator
 
 from orchestrator.config import RunConfig
 from orchestrator.engine.admission import Verdict
 from orchestrator.engine.island_states import IslandStates, save_due
 from orchestrator.engine.ledger import DataLedger
 from orchestrator.engine.membership import Membership
+from orchestrator.engine.outcomes import Judged, Lost, Outcome
 from orchestrator.engine.pacing import Flight, Pacing, RunState, Work
 from orchestrator.engine.policies import SpeedTracker
 from orchestrator.engine.pool import IslandPool
@@ -30,27 +29,6 @@ from workers.wire.handoff import seal
 from workers.wire.messages import RoundResult, WorkOrder
 
 POLL_S = 0.2  # the longest the engine waits on the pool: a stop-now is seen within it
-
-
-class Judged(Protocol):
-    """Hears each verdict on a result (towards quarantine), with what the event should say."""
-
-    def __call__(self, island: int, verdict: Verdict, **detail: Any) -> None: ...
-
-
-@dataclass(frozen=True)
-class Verdicts:
-    """What one close decided about each island's result, handed to the fleet only once
-    every result of the close is settled: a verdict can quarantine an island, and under
-    `elastic.on_failure: restart` a failure gives up every piece of work not yet stepped.
-    Handed over mid-close, it gave up results the step had already applied (their batches
-    trained twice) and the close then settled a flight that no longer existed."""
-
-    judged: list[tuple[int, Verdict, int]]  # (island, verdict, the version its result was trained on)
-
-    def hand_to(self, judged: Judged) -> None:
-        for island, verdict, version in self.judged:
-            judged(island, verdict, version=version)
 
 
 class InFlight:
@@ -69,14 +47,12 @@ class InFlight:
         events: EventLog,
         sizes: Sizes,
         states: IslandStates,
-        judged: Judged,
-        fail: Callable[[int, str], None],
     ) -> None:
-        """`states`: the islands' inner states a checkpoint names; `judged`: a refused
-        result's verdict, towards quarantine; `fail`: a hung island."""
+        """`states`: the islands' inner states a checkpoint names. What needs the fleet (a
+        refused result's verdict, a hung island) is returned as outcomes (`outcomes.py`)."""
         self.cfg, self.pool, self.ledger, self.pacing, self.run = cfg, pool, ledger, pacing, run
         self.members, self.stats, self.speeds, self.publisher = members, stats, speeds, publisher
-        self.events, self.sizes, self.judged, self.fail = events, sizes, judged, fail
+        self.events, self.sizes = events, sizes
         self.states = states
         self.flights: dict[int, Flight] = {}  # handed out; arrived results wait here until their step closes
         self.overdue: dict[int, tuple[int, float]] = {}  # ticket -> (island, deadline), abandoned past it
@@ -138,7 +114,8 @@ class InFlight:
             return POLL_S
         return max(0.0, min(POLL_S, min(due) - self.pool.now()))
 
-    def arrived(self, ticket: int, island: int, result: RoundResult) -> None:
+    def arrived(self, ticket: int, island: int, result: RoundResult) -> list[Outcome]:
+        """Take a result back; a refused one's verdict, for the fleet."""
         stats = self.members.islands.get(island)
         if stats is not None:  # whatever becomes of the result, the island is not hung
             stats.last_progress = time.time()
@@ -146,19 +123,17 @@ class InFlight:
         if flight is None or flight.result is not None:  # an overdue result: discarded, the island trains again
             if self.overdue.pop(ticket, None) is not None and self.members.islands[island].state == IslandState.LATE:
                 self.members.mark(island, IslandState.TRAINING)
-            return
+            return []
         malformed = screen(result, flight.work, self.sizes)
         if malformed is not None:
-            self.refuse(ticket, island, malformed, Reason.MALFORMED)
-            return
+            return [self.refuse(ticket, island, malformed, Reason.MALFORMED)]
         problem = self.ledger.check(ticket, result.positions, result.shard_tokens, result.stream_states)
         if problem is None and result.weight != sum(result.shard_tokens.values()):
             problem = (
                 f"weight {result.weight} is not the {sum(result.shard_tokens.values())} tokens it reports per shard"
             )
         if problem is not None:
-            self.refuse(ticket, island, problem, Reason.SHARDS)
-            return
+            return [self.refuse(ticket, island, problem, Reason.SHARDS)]
         self.speeds.observe(island, result.steps, result.compute_s)
         self.stats.exchange(flight.received + result.nbytes)
         flight.result = result
@@ -173,15 +148,16 @@ class InFlight:
         self.run.completed_steps += result.steps
         self.members.islands[island].merge = Merge.WAITING
         self.pacing.arrived(flight)
+        return []
 
-    def refuse(self, ticket: int, island: int, problem: str, reason: Reason) -> None:
+    def refuse(self, ticket: int, island: int, problem: str, reason: Reason) -> Judged:
         """A result that cannot be decoded, or whose report of what it read and trained does
         not match its work order: refused before the outer step sees it (its batches go back
         to the ledger) and counted towards quarantine like any faulty update."""
         verdict = Verdict(Decision.REJECT, reason, problem)
         self.lose(ticket, f"rejected ({verdict.why})")
         self.members.islands[island].rejections += 1
-        self.judged(island, verdict)
+        return Judged(island=island, verdict=verdict)
 
     def lose(self, ticket: int, reason: str) -> None:
         flight = self.flights.pop(ticket)
@@ -199,12 +175,14 @@ class InFlight:
                 self.run.completed_steps -= result.steps
             self.lose(ticket, reason)
 
-    def expire(self) -> None:
+    def expire(self) -> Iterator[Lost]:
         """Work past its deadline is given up (its round closes without it; its batches go
         back to the ledger) and its island is late: it gets work again once the overdue
         result arrives. One whose result has not come `elastic.late_grace_s` later is hung:
         it is released, and replaced like a dead island, so it never holds its resources
-        (or the run) for good."""
+        (or the run) for good. Hung islands are yielded one at a time, each applied before
+        the next is looked at: a release, or a halt in which results come in, can settle
+        another island's overdue work."""
         now = self.pool.now()
         for flight in self.in_flight():
             ticket = flight.ticket
@@ -219,7 +197,7 @@ class InFlight:
         grace = self.cfg.elastic.late_grace_s
         for ticket, (i, deadline) in list(self.overdue.items()):
             if ticket in self.overdue and now - deadline > grace:
-                self.fail(i, f"hung: no result {grace:g}s past its deadline (elastic.late_grace_s)")
+                yield Lost(island=i, reason=f"hung: no result {grace:g}s past its deadline (elastic.late_grace_s)")
 
     def forget(self, island: int, state: IslandState) -> None:
         """An island is released for good (the fleet's call): its work still out is lost
@@ -242,11 +220,14 @@ class InFlight:
             island=r.island, version=r.version, delta=r.payload, weight=weight, steps=r.steps, fragment=fragment
         )
 
-    def settle(self, flight: Flight, verdict: Verdict, staleness: int) -> tuple[int, Verdict, int]:
+    def settle(self, flight: Flight, verdict: Verdict, staleness: int) -> Judged:
         """A result its outer step has judged: committed to the ledger (trained), or given
         back if it was refused and its batches can still be retrained; counted either way.
-        Returns the verdict for the fleet, which hears it once the close is settled
-        (`Verdicts`)."""
+        Returns the verdict for the fleet, which must hear it only once every result of the
+        close is settled: a verdict can quarantine an island, and under
+        `elastic.on_failure: restart` a failure gives up every piece of work not yet
+        stepped. Heard mid-close, it gave up results the step had already applied (their
+        batches trained twice) and the close then settled a flight that no longer existed."""
         r = flight.result
         assert r is not None
         refused = not verdict.admitted and verdict.decision != Decision.DROP
@@ -263,7 +244,7 @@ class InFlight:
         stats.steps_per_s = self.speeds.speeds.get(r.island, 0.0)
         if verdict.admitted:
             stats.merge = Merge.LATE if staleness > 0 else Merge.MERGED
-        return r.island, verdict, r.version
+        return Judged(island=r.island, verdict=verdict, version=r.version)
 
     def give_back(self, flight: Flight, verdict: Verdict) -> None:
         """A rejected update never touched the model, so its batches go back to the ledger
