@@ -39,8 +39,8 @@ from orchestrator.engine.commands import (
     Stop,
     UpdateSettings,
 )
-from orchestrator.engine.views import EventRecord, IslandView, RoundRecord, RunStatus
-from orchestrator.engine.watch import watched
+from orchestrator.engine.fleet.watch import watched
+from orchestrator.engine.outputs.views import EventRecord, IslandView, RoundRecord, RunStatus
 
 # the HTTP status of each refusal reason
 REFUSAL_STATUS = {

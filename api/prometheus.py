@@ -21,10 +21,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import generate_latest
 
-from orchestrator.engine import views
+from orchestrator.engine.fleet.watch import watched
+from orchestrator.engine.outputs import views
+from orchestrator.engine.outputs.views import HISTOGRAMS, ISLAND_METRICS, ISLAND_STATE, RUN_METRICS, MetricKind, current
 from orchestrator.engine.types import IslandState
-from orchestrator.engine.views import HISTOGRAMS, ISLAND_METRICS, ISLAND_STATE, RUN_METRICS, MetricKind, current
-from orchestrator.engine.watch import watched
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

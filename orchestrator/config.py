@@ -33,7 +33,7 @@ from workers.wire.spec import InnerConfig, Sharding
 
 
 class Mode(str, Enum):
-    """How rounds are paced and which outer rule steps (`engine/pacings.py`, `engine/outer_rules.py`)."""
+    """How rounds are paced and which outer rule steps (`engine/pacing/registry.py`, `engine/step/rules.py`)."""
 
     DILOCO = "diloco"  # barrier rounds, one outer step per round
     DDP = "ddp"  # barrier per batch: the data-parallel baseline
@@ -83,7 +83,7 @@ class WarmStartConfig(Strict):
 
 
 class RobustConfig(Strict):
-    """Admission checks beyond shape, weight and finiteness (`engine/admission.py`)."""
+    """Admission checks beyond shape, weight and finiteness (`engine/step/admission.py`)."""
 
     norm_ratio: float | None = Field(
         10.0, gt=1, description="reject if ‖Δ‖ > ratio × median of recent norms; null disables"

@@ -19,7 +19,7 @@ class Strict(BaseModel):
 
 
 class OuterOptimizer(str, Enum):
-    """The outer optimizers of the `outer` section (`engine/outer_rules.py` has their rows)."""
+    """The outer optimizers of the `outer` section (`engine/step/rules.py` has their rows)."""
 
     NESTEROV = "nesterov"
     SGD = "sgd"

@@ -25,7 +25,7 @@ from orchestrator.engine.commands import (
     Stop,
     UpdateSettings,
 )
-from orchestrator.engine.membership import IslandStats, Membership
+from orchestrator.engine.fleet.membership import IslandStats, Membership
 from orchestrator.engine.types import Event, IslandState
 
 # the event a real run logs when it takes each command

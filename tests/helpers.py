@@ -14,7 +14,7 @@ import torch
 from orchestrator.config import RunConfig
 from orchestrator.engine.build import build_engine
 from orchestrator.engine.engine import RoundEngine
-from orchestrator.engine.logfiles import read_lines
+from orchestrator.engine.outputs.logfiles import read_lines
 from orchestrator.testing.pool import Fault, InProcessPool
 from tests.toy_tasks import READS
 from workers.runtime.island import Island

@@ -9,9 +9,9 @@ import torch
 from orchestrator.algorithms.robust import NormGuard
 from orchestrator.config import RobustConfig
 from orchestrator.config_sections import OuterConfig
-from orchestrator.engine.admission import Admission, ExactVersion
-from orchestrator.engine.outer_rules import optimizer_rule
-from orchestrator.engine.outer_step import LocalOuter, OuterStep, take_step
+from orchestrator.engine.step.admission import Admission, ExactVersion
+from orchestrator.engine.step.outer import LocalOuter, OuterStep, take_step
+from orchestrator.engine.step.rules import optimizer_rule
 from orchestrator.engine.types import Contribution
 
 

@@ -8,8 +8,8 @@ import torch
 
 from orchestrator.config import RunConfig
 from orchestrator.config_sections import OuterConfig
-from orchestrator.engine.outer_rules import optimizer_rule
-from orchestrator.engine.outer_step import OuterStep
+from orchestrator.engine.step.outer import OuterStep
+from orchestrator.engine.step.rules import optimizer_rule
 from tests.helpers import in_process_run
 
 TOL = 1e-6

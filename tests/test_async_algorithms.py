@@ -13,9 +13,9 @@ from orchestrator.algorithms.outer import DelayedNesterov
 from orchestrator.algorithms.robust import NormGuard
 from orchestrator.config import RobustConfig
 from orchestrator.config_sections import AsyncConfig, OuterConfig
-from orchestrator.engine.admission import Admission, BoundedStaleness
-from orchestrator.engine.outer_rules import optimizer_rule
-from orchestrator.engine.outer_step import LocalOuter, take_step
+from orchestrator.engine.step.admission import Admission, BoundedStaleness
+from orchestrator.engine.step.outer import LocalOuter, take_step
+from orchestrator.engine.step.rules import optimizer_rule
 from orchestrator.engine.types import Contribution
 
 

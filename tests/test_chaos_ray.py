@@ -19,7 +19,7 @@ import pytest
 import ray
 
 from orchestrator.config_load import load_config
-from orchestrator.engine.checkpoints import one_run
+from orchestrator.engine.outputs.checkpoints import one_run
 from orchestrator.runtime.driver import run
 from orchestrator.runtime.names import NAMESPACE, coordinator_name, island_name
 from orchestrator.testing.runner import run_in_process

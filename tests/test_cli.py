@@ -13,7 +13,7 @@ import pytest
 
 from orchestrator.cli import build_parser, main
 from orchestrator.config_operations import RecordsConfig
-from orchestrator.engine.records import EventLog
+from orchestrator.engine.outputs.records import EventLog
 from orchestrator.engine.types import Event
 from orchestrator.logs import PACKAGES, configure, level_for
 

@@ -84,9 +84,9 @@ def test_one_round_lag_applies_each_round_one_round_late():
     """The overlap pacing's versions and the CO2 step with anchors, through the production classes."""
     from orchestrator.config import RunConfig
     from orchestrator.config_sections import OverlapConfig
-    from orchestrator.engine.outer_rules import outer_rule
-    from orchestrator.engine.outer_step import OuterStep
-    from orchestrator.engine.pacing import start_version
+    from orchestrator.engine.pacing.base import start_version
+    from orchestrator.engine.step.outer import OuterStep
+    from orchestrator.engine.step.rules import outer_rule
 
     # one synchronous round, then the lag: round 2 waits for v1, round 3 starts from v1 too
     assert [start_version(t) for t in (1, 2, 3, 4, 5)] == [0, 1, 1, 2, 3]

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.engine import records
-from orchestrator.engine.checkpoints import load_checkpoint
 from orchestrator.engine.outcomes import Halt, Lost, Place, Release
+from orchestrator.engine.outputs import records
+from orchestrator.engine.outputs.checkpoints import load_checkpoint
 from orchestrator.engine.types import IslandState, RunFailed, RunPhase
 from orchestrator.testing.pool import Fault, FaultKind
 from tests.engine_scenarios import check_exactly_once, drive, run_scenario, scenario_cfg
@@ -63,8 +63,8 @@ def test_a_slice_that_does_not_decode_is_reported_unfit_by_its_slice():
     """Under Ray a slice's part stays in the island's object store until the slice fetches it:
     the slice checks it (the engine cannot) and reports it unfit instead of raising."""
     from orchestrator.config import RunConfig
-    from orchestrator.engine.outer_rules import outer_rule
-    from orchestrator.engine.outer_slices import OuterSlice
+    from orchestrator.engine.step.rules import outer_rule
+    from orchestrator.engine.step.slices import OuterSlice
 
     part = OuterSlice(outer_rule(RunConfig()), (0, 4), np.zeros(4, np.float32))
     good = {"raw": np.ones(4, np.float32)}

@@ -15,9 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.engine import membership
 from orchestrator.engine.build import build_engine
-from orchestrator.engine.checkpoints import load_checkpoint
 from orchestrator.engine.commands import (
     AddIslands,
     Drain,
@@ -26,6 +24,8 @@ from orchestrator.engine.commands import (
     Stop,
     UpdateSettings,
 )
+from orchestrator.engine.fleet import membership
+from orchestrator.engine.outputs.checkpoints import load_checkpoint
 from orchestrator.engine.types import IslandState, RunFailed
 from orchestrator.testing.pool import Fault, FaultKind, InProcessPool
 from tests.engine_scenarios import Action, check_exactly_once, drive, run_scenario, scenario_cfg
@@ -137,7 +137,7 @@ def test_a_planted_checkpoint_cannot_run_code(tmp_path):
     import io
     import pickle
 
-    from orchestrator.engine.checkpoints import CheckpointError, load_checkpoint
+    from orchestrator.engine.outputs.checkpoints import CheckpointError, load_checkpoint
 
     marker = tmp_path / "pwned"
 

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from orchestrator.engine.evaluation import Evaluation
+from orchestrator.engine.outputs.evaluation import Evaluation
 from tests.engine_scenarios import drive, scenario_cfg
 from tests.helpers import in_process_engine
 
@@ -149,7 +149,7 @@ def test_an_evaluation_actor_evaluates_every_round_and_gives_the_coordinators_nu
     """`evaluation.where: actor` on real Ray: every round's record has its loss, the run's
     initial and final losses are the evaluations of its models (the final one of
     final.pt, recomputed here), and the coordinator never evaluated."""
-    from orchestrator.engine.evaluation import evaluate_model
+    from orchestrator.engine.outputs.evaluation import evaluate_model
     from orchestrator.runtime.driver import run
     from tests.helpers import tiny_lm_config
     from workers.tasks.lm_task import make_task

@@ -14,7 +14,7 @@ import torch
 from orchestrator.algorithms.aggregate import WeightedMean, sqnorm
 from orchestrator.algorithms.fused_step import SGDRule, mean_step
 from orchestrator.algorithms.outer import FlatSGD
-from orchestrator.engine.outer_step import Commit, LocalOuter, OuterRule
+from orchestrator.engine.step.outer import Commit, LocalOuter, OuterRule
 from tests.engine_scenarios import drive, scenario_cfg
 from tests.helpers import in_process_engine
 
@@ -147,7 +147,7 @@ def test_a_run_through_faults_and_a_restart_is_bitwise_the_mean_then_step_run(tm
     from its checkpoint (written from wherever the one pass left the parameters). Same
     parameters, bit for bit, and the same verdicts as with the one pass switched off."""
     from orchestrator.engine.build import build_engine
-    from orchestrator.engine.outer_step import OuterStep
+    from orchestrator.engine.step.outer import OuterStep
     from orchestrator.testing.pool import Fault, FaultKind
 
     faults = [

@@ -1,5 +1,5 @@
 """Islands' inner state across a resume (`workers/runtime/inner_state.py`,
-`engine/island_states.py`): the flat arrays give back an optimizer that steps exactly as
+`engine/fleet/island_states.py`): the flat arrays give back an optimizer that steps exactly as
 the original would; a state file that is gone or altered costs that island its moments,
 never the run; the coordinator asks for states only before checkpoints; and every
 mode's resumed islands continue from the moments the checkpoint named."""
@@ -15,8 +15,8 @@ import torch
 
 from orchestrator.config_load import load_config
 from orchestrator.engine.build import build_engine
-from orchestrator.engine.checkpoints import load_checkpoint
-from orchestrator.engine.island_states import FOLDER, save_due
+from orchestrator.engine.fleet.island_states import FOLDER, save_due
+from orchestrator.engine.outputs.checkpoints import load_checkpoint
 from orchestrator.testing.pool import InProcessPool
 from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
 from tests.helpers import events, in_process_engine

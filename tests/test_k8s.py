@@ -341,7 +341,7 @@ def test_the_alert_rules_load_and_watch_series_the_run_exports():
 
     import promql_parser
 
-    from orchestrator.engine.views import HISTOGRAMS, ISLAND_METRICS, ISLAND_STATE, RUN_METRICS
+    from orchestrator.engine.outputs.views import HISTOGRAMS, ISLAND_METRICS, ISLAND_STATE, RUN_METRICS
 
     exported = {f"ray_{m.name}" for m in [*RUN_METRICS, *ISLAND_METRICS, *HISTOGRAMS, ISLAND_STATE]}
     rule = manifest("prometheusrule.yaml")

@@ -11,9 +11,9 @@ from pathlib import Path
 from orchestrator.config_load import load_config
 from orchestrator.config_operations import RecordsConfig
 from orchestrator.engine.build import build_engine
-from orchestrator.engine.checkpoints import load_checkpoint
-from orchestrator.engine.logfiles import read_lines, segments
-from orchestrator.engine.records import EventLog, Recorder
+from orchestrator.engine.outputs.checkpoints import load_checkpoint
+from orchestrator.engine.outputs.logfiles import read_lines, segments
+from orchestrator.engine.outputs.records import EventLog, Recorder
 from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
 from tests.helpers import in_process_engine
 

@@ -9,8 +9,8 @@ import os
 import random
 
 from orchestrator.config_load import load_config
-from orchestrator.engine.membership import RETAINED
-from orchestrator.engine.records import HISTORY, Recorder
+from orchestrator.engine.fleet.membership import RETAINED
+from orchestrator.engine.outputs.records import HISTORY, Recorder
 from orchestrator.engine.types import IslandState
 from orchestrator.testing.pool import Fault, FaultKind
 from tests.helpers import in_process_engine

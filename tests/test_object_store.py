@@ -13,7 +13,7 @@ import pytest
 
 from orchestrator.config_load import ConfigError, check_folders, load_config
 from orchestrator.engine.build import build_engine
-from orchestrator.engine.checkpoints import load_checkpoint, run_folder, runs_in
+from orchestrator.engine.outputs.checkpoints import load_checkpoint, run_folder, runs_in
 from orchestrator.testing.pool import InProcessPool
 from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
 from tests.helpers import in_process_engine
@@ -142,7 +142,7 @@ def test_a_bucket_that_cannot_be_written_is_refused_before_any_compute(tmp_path,
 def test_a_checkpoint_streamed_to_s3_loads_back_and_one_that_fails_mid_upload_leaves_nothing(s3):
     import torch
 
-    from orchestrator.engine.checkpoints import save_checkpoint
+    from orchestrator.engine.outputs.checkpoints import save_checkpoint
 
     folder = f"s3://{BUCKET}/streamed"
     state = {"run_id": "r", "params": torch.randn(300_000), "momentum": torch.randn(300_000), "version": 4}

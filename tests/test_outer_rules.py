@@ -9,8 +9,8 @@ import torch
 from orchestrator.algorithms.outer import FlatSGD
 from orchestrator.config_load import load_config
 from orchestrator.config_sections import OuterOptimizer
-from orchestrator.engine.outer_rules import RULES, RuleKind, rule_of
-from orchestrator.engine.outer_step import OuterStep
+from orchestrator.engine.step.outer import OuterStep
+from orchestrator.engine.step.rules import RULES, RuleKind, rule_of
 
 SETS = {
     RuleKind.NESTEROV: ["mode=diloco"],

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.config_load import load_config
-from orchestrator.engine.admission import BoundedStaleness, ExactVersion
-from orchestrator.engine.arrivals import PerArrival
 from orchestrator.engine.commands import SettingsUpdate
-from orchestrator.engine.pacing import Barrier, FragmentSchedule, OneRoundLag
-from orchestrator.engine.pacings import PACINGS, QUORUM_SETTINGS, PacingKind, pacing_of
+from orchestrator.engine.pacing.arrivals import PerArrival
+from orchestrator.engine.pacing.base import Barrier, FragmentSchedule, OneRoundLag
+from orchestrator.engine.pacing.quorum import Quorum
+from orchestrator.engine.pacing.registry import PACINGS, QUORUM_SETTINGS, PacingKind, pacing_of
 from orchestrator.engine.policies import build_policies, check_settings
-from orchestrator.engine.quorum import Quorum
+from orchestrator.engine.step.admission import BoundedStaleness, ExactVersion
 
 SETS = {
     PacingKind.BARRIER: (["mode=diloco"], Barrier),

@@ -12,8 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api.prometheus import render
 from orchestrator.engine.commands import AddIslands, Drain
+from orchestrator.engine.outputs.views import HISTOGRAMS, ISLAND_METRICS, ISLAND_STATE, RUN_METRICS
 from orchestrator.engine.types import IslandState
-from orchestrator.engine.views import HISTOGRAMS, ISLAND_METRICS, ISLAND_STATE, RUN_METRICS
 from orchestrator.testing.pool import Fault, FaultKind
 from tests.engine_scenarios import drive, scenario_cfg
 from tests.helpers import in_process_engine

@@ -19,10 +19,10 @@ from orchestrator.config_load import load_config
 from orchestrator.config_sections import OuterConfig
 from orchestrator.engine.commands import Answer, Command, Refused, SettingsUpdate, UpdateSettings
 from orchestrator.engine.engine import RoundEngine
-from orchestrator.engine.outer_rules import optimizer_rule
-from orchestrator.engine.outer_step import OuterStep
-from orchestrator.engine.pacing import Close
-from orchestrator.engine.quorum import QuorumRule, age_factor, final_shares, grace_window
+from orchestrator.engine.pacing.base import Close
+from orchestrator.engine.pacing.quorum import QuorumRule, age_factor, final_shares, grace_window
+from orchestrator.engine.step.outer import OuterStep
+from orchestrator.engine.step.rules import optimizer_rule
 from orchestrator.testing.pool import Fault, FaultKind
 from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
 from tests.helpers import in_process_engine
@@ -246,9 +246,9 @@ def test_quorum_and_grace_change_over_rest_at_the_next_step(tmp_path, mode):
 
 
 def test_mode_async_alone_runs_the_quorum_rule_and_delayed_nesterov_stays_selectable():
-    from orchestrator.engine.arrivals import PerArrival
+    from orchestrator.engine.pacing.arrivals import PerArrival
+    from orchestrator.engine.pacing.quorum import Quorum
     from orchestrator.engine.policies import build_policies
-    from orchestrator.engine.quorum import Quorum
 
     cfg = load_config(None, ["mode=async"])
     assert cfg.asynchronous == type(cfg.asynchronous)() and cfg.asynchronous.rule.value == "quorum"

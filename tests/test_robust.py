@@ -10,7 +10,7 @@ import pytest
 from orchestrator.algorithms.robust import NormGuard
 from orchestrator.config import RobustConfig
 from orchestrator.config_load import load_config
-from orchestrator.engine.admission import Admission, ExactVersion, Verdict
+from orchestrator.engine.step.admission import Admission, ExactVersion, Verdict
 from orchestrator.engine.types import Decision, Reason
 from orchestrator.runtime.driver import run
 
@@ -30,7 +30,7 @@ def _admission(**robust) -> Admission:
 
 
 def _judge(a: Admission, delta, weight: float = 64.0, steps: int = 4, island: int = 0) -> Verdict:
-    from orchestrator.engine.admission import Facts
+    from orchestrator.engine.step.admission import Facts
     from orchestrator.engine.types import Contribution
 
     d = np.asarray(delta, dtype=np.float32)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config_load import ConfigError, check_folders, load_config
-from orchestrator.engine.logfiles import read_lines
-from orchestrator.engine.records import link_latest
+from orchestrator.engine.outputs.logfiles import read_lines
+from orchestrator.engine.outputs.records import link_latest
 from tests.helpers import TINY_LM
 
 

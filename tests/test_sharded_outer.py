@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from orchestrator.config_load import load_config
-from orchestrator.engine.outer_rules import outer_rule
-from orchestrator.engine.outer_slices import LocalSlices, SlicedOuter
-from orchestrator.engine.outer_step import LocalOuter, take_step
-from orchestrator.engine.pacing import start_version
+from orchestrator.engine.pacing.base import start_version
 from orchestrator.engine.policies import build_policies
+from orchestrator.engine.step.outer import LocalOuter, take_step
+from orchestrator.engine.step.rules import outer_rule
+from orchestrator.engine.step.slices import LocalSlices, SlicedOuter
 from orchestrator.engine.types import Contribution
 from workers.wire.compress import decode, encode
 from workers.wire.flat import slice_bounds

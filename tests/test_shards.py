@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.engine.ledger import DataLedger, assign
 from orchestrator.engine.types import LedgerError
+from orchestrator.engine.work.ledger import DataLedger, assign
 from workers.wire.messages import batch_counts
 
 

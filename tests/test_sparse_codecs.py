@@ -109,7 +109,7 @@ def test_a_bad_codec_chain_exits_2_naming_the_field(codec, message, capsys):
 
 
 def test_sparseloco_needs_error_feedback_and_steps_without_momentum():
-    from orchestrator.engine.outer_rules import outer_optimizer
+    from orchestrator.engine.step.rules import outer_optimizer
 
     with pytest.raises(ConfigError, match="error_feedback"):
         load_config(None, ["outer.optimizer=sparseloco", "compression.codec=topk:0.02+int2"])

@@ -17,7 +17,7 @@ from orchestrator.config import RunConfig
 from orchestrator.config_load import ConfigError, load_config
 from orchestrator.engine.build import PhasedRun
 from orchestrator.engine.commands import Stop
-from orchestrator.engine.outputs import Outputs
+from orchestrator.engine.outputs.outputs import Outputs
 from orchestrator.engine.types import RunFailed
 from orchestrator.engine.warm_start import warm_config
 from orchestrator.testing.pool import Fault, FaultKind, InProcessPool

@@ -1,4 +1,4 @@
-"""When an island counts as stuck (`orchestrator/engine/watch.py`), and that the engine keeps
+"""When an island counts as stuck (`orchestrator/engine/fleet/watch.py`), and that the engine keeps
 the times the rule reads: a hung island's news stops, a working island's keeps moving."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from orchestrator.engine.watch import STUCK_FLOOR_S, UNMEASURED_WORK_S, stuck_after_s, watched
+from orchestrator.engine.fleet.watch import STUCK_FLOOR_S, UNMEASURED_WORK_S, stuck_after_s, watched
 from orchestrator.testing.pool import Fault, FaultKind
 from tests.engine_scenarios import drive, scenario_cfg
 from tests.helpers import in_process_engine

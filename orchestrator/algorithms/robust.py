@@ -1,7 +1,7 @@
 """The statistical checks of robust aggregation: reject a pseudo-gradient whose norm, or
 whose token weight per inner step, is far outside the recent distribution of admitted ones.
 
-Pure logic (numpy only); admission (`engine/admission.py`) calls it after the shape,
+Pure logic (numpy only); admission (`engine/step/admission.py`) calls it after the shape,
 weight and finiteness checks, and feeds it only the norms of updates it admits. The
 threshold is relative to the median of recently admitted norms, which follows the
 natural decay of pseudo-gradients over training.

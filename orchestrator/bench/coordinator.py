@@ -56,8 +56,8 @@ def _warm_up(cfg: Any, islands: int) -> None:
     import numpy as np
     import torch
 
-    from orchestrator.engine.outer_rules import outer_rule
-    from orchestrator.engine.outer_step import Commit, LocalOuter
+    from orchestrator.engine.step.outer import Commit, LocalOuter
+    from orchestrator.engine.step.rules import outer_rule
     from orchestrator.engine.types import Contribution
 
     outer = LocalOuter(torch.zeros(1 << 16), outer_rule(cfg))
@@ -72,10 +72,10 @@ def probe(numel: int, islands: int, rounds: int) -> dict[str, Any]:
 
     from orchestrator.bench.datapath_probes import memcpy_gbps
     from orchestrator.config_load import load_config
-    from orchestrator.engine.checkpoints import save_checkpoint
-    from orchestrator.engine.outer_rules import outer_rule
-    from orchestrator.engine.outer_step import Commit, LocalOuter
+    from orchestrator.engine.outputs.checkpoints import save_checkpoint
     from orchestrator.engine.policies import build_policies
+    from orchestrator.engine.step.outer import Commit, LocalOuter
+    from orchestrator.engine.step.rules import outer_rule
     from orchestrator.engine.threads import usable_cores
     from orchestrator.engine.types import Contribution
 

@@ -53,7 +53,7 @@ import ray
 from orchestrator.bench.datapath_probes import coordinator_gbps, gloo_allreduce_gbps, memcpy_gbps
 from orchestrator.bench.report import BenchResult, Panel, checks_table, md_table, targets_met
 from orchestrator.bench.runner import run_methods
-from orchestrator.engine.logfiles import read_lines
+from orchestrator.engine.outputs.logfiles import read_lines
 from orchestrator.runtime.driver import RAY_SYSTEM_CONFIG
 
 GAP_S = 1.0  # between paced rounds: less than one default round's compute on this machine

@@ -17,10 +17,10 @@ import torch
 
 from orchestrator.config import RunConfig
 from orchestrator.config_load import load_config
-from orchestrator.engine.outer_rules import outer_rule
-from orchestrator.engine.outer_slices import SlicedOuter
-from orchestrator.engine.outer_step import Commit, LocalOuter, Outer
 from orchestrator.engine.policies import build_policies
+from orchestrator.engine.step.outer import Commit, LocalOuter, Outer
+from orchestrator.engine.step.rules import outer_rule
+from orchestrator.engine.step.slices import SlicedOuter
 from orchestrator.engine.threads import step_threads
 from orchestrator.engine.types import Contribution
 from orchestrator.runtime.slices import start_slices

@@ -35,8 +35,8 @@ from orchestrator.bench.overhead import lower_bound
 from orchestrator.bench.runner import continue_warm
 from orchestrator.config import Mode, RunConfig
 from orchestrator.config_load import load_config
-from orchestrator.engine.ledger import assign
 from orchestrator.engine.warm_start import load_warm_start
+from orchestrator.engine.work.ledger import assign
 from workers.runtime.optim import build_inner
 from workers.tasks.task import load_task
 from workers.wire.flat import FlatParams

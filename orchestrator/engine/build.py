@@ -14,16 +14,16 @@ import torch
 
 from orchestrator.config import Mode, RunConfig
 from orchestrator.config_operations import EvalPlace
-from orchestrator.engine.checkpoints import load_initial_weights
 from orchestrator.engine.commands import Inbox
 from orchestrator.engine.engine import RoundEngine
-from orchestrator.engine.evaluation import Evaluator
-from orchestrator.engine.outer_rules import outer_rule
-from orchestrator.engine.outer_slices import LocalSlices, SliceCalls, SlicedOuter
-from orchestrator.engine.outer_step import LocalOuter, Outer
-from orchestrator.engine.outputs import OnRecord
+from orchestrator.engine.outputs.checkpoints import load_initial_weights
+from orchestrator.engine.outputs.evaluation import Evaluator
+from orchestrator.engine.outputs.outputs import OnRecord
 from orchestrator.engine.policies import build_policies, run_inbox
 from orchestrator.engine.pool import IslandPool
+from orchestrator.engine.step.outer import LocalOuter, Outer
+from orchestrator.engine.step.rules import outer_rule
+from orchestrator.engine.step.slices import LocalSlices, SliceCalls, SlicedOuter
 from orchestrator.engine.types import Phase, RunFailed, RunPhase
 from orchestrator.engine.warm_start import WarmStart, first_phase, load_warm_start, mark_finished
 from workers.tasks.task import load_task

@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.engine.membership import JOINING, Membership
+from orchestrator.engine.fleet.membership import JOINING, Membership
 from orchestrator.engine.types import IslandState
 
 

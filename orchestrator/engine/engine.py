@@ -20,32 +20,32 @@ from typing import Any
 import torch
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.admission import Admission
-from orchestrator.engine.checkpoints import load_checkpoint, run_folder
 from orchestrator.engine.commands import Answer, Command, Inbox
-from orchestrator.engine.evaluation import Evaluator
-from orchestrator.engine.fleet import Fleet
-from orchestrator.engine.inflight import POLL_S, InFlight
-from orchestrator.engine.island_states import IslandStates
-from orchestrator.engine.ledger import DataLedger
-from orchestrator.engine.loop_time import Part
-from orchestrator.engine.membership import Membership
+from orchestrator.engine.fleet.fleet import Fleet
+from orchestrator.engine.fleet.island_states import IslandStates
+from orchestrator.engine.fleet.membership import Membership
 from orchestrator.engine.outcomes import Halt, Judged, Lost, Outcome, Place, Release, StartDrain, Transition
-from orchestrator.engine.outer_slices import SlicedOuter
-from orchestrator.engine.outer_step import Outer, take_step
-from orchestrator.engine.outputs import OnRecord, Outputs
-from orchestrator.engine.pacing import Close, Flight, Pacing, RunState
-from orchestrator.engine.persistence import capture, restore
+from orchestrator.engine.outputs.checkpoints import load_checkpoint, run_folder
+from orchestrator.engine.outputs.evaluation import Evaluator
+from orchestrator.engine.outputs.loop_time import Part
+from orchestrator.engine.outputs.outputs import OnRecord, Outputs
+from orchestrator.engine.outputs.persistence import capture, restore
+from orchestrator.engine.outputs.startup import Startup
+from orchestrator.engine.outputs.stats import RunStats
+from orchestrator.engine.pacing.base import Close, Flight, Pacing, RunState
 from orchestrator.engine.policies import Policies, run_inbox
 from orchestrator.engine.pool import Done, Failed, IslandPool, Joined, JoinFailed, PoolEvent
-from orchestrator.engine.publisher import Publisher
 from orchestrator.engine.requests import OperatorRequests
-from orchestrator.engine.screen import Sizes
-from orchestrator.engine.startup import Startup
-from orchestrator.engine.stats import RunStats
+from orchestrator.engine.step.admission import Admission
+from orchestrator.engine.step.outer import Outer, take_step
+from orchestrator.engine.step.screen import Sizes
+from orchestrator.engine.step.slices import SlicedOuter
 from orchestrator.engine.threads import torch_threads
 from orchestrator.engine.types import Event, RunFailed, RunPhase, SliceLost
 from orchestrator.engine.warm_start import WarmStart, version0_digest
+from orchestrator.engine.work.inflight import POLL_S, InFlight
+from orchestrator.engine.work.ledger import DataLedger
+from orchestrator.engine.work.publisher import Publisher
 from workers.tasks.task import Task
 from workers.wire.flat import FlatParams
 from workers.wire.fragments import Fragments
@@ -442,7 +442,7 @@ class RoundEngine:
         return self.stats.rounds_done
 
     def capture(self) -> dict[str, Any]:
-        """The checkpoint of this engine's committed state (`engine/persistence.py`)."""
+        """The checkpoint of this engine's committed state (`engine/outputs/persistence.py`)."""
         return capture(self)
 
     def _write_due(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.engine.admission import Verdict
+from orchestrator.engine.step.admission import Verdict
 from orchestrator.engine.types import IslandState, RunPhase
 
 

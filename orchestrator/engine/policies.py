@@ -1,5 +1,5 @@
 """The run's policies, chosen from its config once: the pacing and the staleness rule of
-admission (a row of `pacings.py`), the outer rule (a row of `outer_rules.py`), and the
+admission (a row of `pacing/registry.py`), the outer rule (a row of `step/rules.py`), and the
 inbox with the settings the pacing takes mid-run. Everything downstream (engine, outer
 step, coordinator slices, runtime) works with whatever is chosen here.
 
@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 from orchestrator.algorithms.dylu import SpeedTracker
 from orchestrator.algorithms.robust import NormGuard
 from orchestrator.config import Mode, RunConfig
-from orchestrator.engine.admission import Admission
 from orchestrator.engine.commands import Inbox, SettingsUpdate
-from orchestrator.engine.pacing import Pacing
-from orchestrator.engine.pacings import QUORUM_SETTINGS, pacing_of
-from orchestrator.engine.quorum import QuorumRule
+from orchestrator.engine.pacing.base import Pacing
+from orchestrator.engine.pacing.quorum import QuorumRule
+from orchestrator.engine.pacing.registry import QUORUM_SETTINGS, pacing_of
+from orchestrator.engine.step.admission import Admission
 
 if TYPE_CHECKING:
     from workers.wire.fragments import Fragments
@@ -69,7 +69,7 @@ class Policies:
 
 
 def build_policies(cfg: RunConfig, numel: int, fragments: Fragments | None = None) -> Policies:
-    """The run's pacing (its registry row, `pacings.py`), admission with the row's
+    """The run's pacing (its registry row, `pacing/registry.py`), admission with the row's
     staleness rule, and the speed tracker they share."""
     row = pacing_of(cfg)
     speeds = SpeedTracker(cfg.asynchronous.speed_smoothing)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from orchestrator.config import RunConfig
 from orchestrator.engine.commands import Inbox, SettingsUpdate
-from orchestrator.engine.outer_step import Outer
-from orchestrator.engine.pacing import RunState
-from orchestrator.engine.quorum import QuorumRule
-from orchestrator.engine.records import EventLog
+from orchestrator.engine.outputs.records import EventLog
+from orchestrator.engine.pacing.base import RunState
+from orchestrator.engine.pacing.quorum import QuorumRule
+from orchestrator.engine.step.outer import Outer
 from orchestrator.engine.types import Event, RunPhase
 
 

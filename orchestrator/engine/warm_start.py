@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from orchestrator.config import Mode, RunConfig, WarmStartMode
-from orchestrator.engine.checkpoints import newest_valid, run_folder
+from orchestrator.engine.outputs.checkpoints import newest_valid, run_folder
 from orchestrator.engine.types import RunFailed
 from workers.runtime.storage import durable_write
 from workers.wire.handoff import params_digest, params_sha256

@@ -157,8 +157,8 @@ def _outer_bytes(cfg: RunConfig) -> int:
     kernel's compilation: numba's LLVM), measured on a small vector."""
     import numpy as np
 
-    from orchestrator.engine.outer_rules import outer_rule
-    from orchestrator.engine.outer_step import Commit, LocalOuter
+    from orchestrator.engine.step.outer import Commit, LocalOuter
+    from orchestrator.engine.step.rules import outer_rule
     from orchestrator.engine.types import Contribution
 
     before = resident_bytes()

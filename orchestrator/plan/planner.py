@@ -22,7 +22,7 @@ from typing import Any
 
 from orchestrator.config import Mode, RunConfig, WarmStartMode
 from orchestrator.config_operations import EvalPlace
-from orchestrator.engine.outer_rules import rule_of
+from orchestrator.engine.step.rules import rule_of
 from orchestrator.plan.cluster import Cluster, NodeKind
 from orchestrator.plan.memory import ModelMemory
 from workers.wire.spec import Sharding

@@ -76,11 +76,11 @@ def _coordinator(cfg: RunConfig) -> None:
     import numpy as np
     import torch
 
-    from orchestrator.engine.checkpoints import save_checkpoint
-    from orchestrator.engine.evaluation import LocalEvaluator
-    from orchestrator.engine.outer_rules import outer_rule
-    from orchestrator.engine.outer_step import Commit, LocalOuter
+    from orchestrator.engine.outputs.checkpoints import save_checkpoint
+    from orchestrator.engine.outputs.evaluation import LocalEvaluator
     from orchestrator.engine.policies import build_policies
+    from orchestrator.engine.step.outer import Commit, LocalOuter
+    from orchestrator.engine.step.rules import outer_rule
     from orchestrator.engine.types import Contribution
     from workers.tasks.task import load_task
     from workers.wire.flat import FlatParams

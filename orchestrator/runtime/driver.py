@@ -17,9 +17,9 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.config import RUN_PLACEHOLDER, RunConfig
-from orchestrator.engine.checkpoints import CheckpointError, load_checkpoint, run_folder, runs_in
 from orchestrator.engine.commands import Stop
-from orchestrator.engine.records import RUN_ID, link_latest
+from orchestrator.engine.outputs.checkpoints import CheckpointError, load_checkpoint, run_folder, runs_in
+from orchestrator.engine.outputs.records import RUN_ID, link_latest
 from orchestrator.engine.types import RunFailed
 from orchestrator.engine.warm_start import check_warm_start, pending, warm_run_id
 from orchestrator.plan.preflight import preflight

@@ -24,7 +24,7 @@ import numpy as np
 import ray
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.evaluation import Evaluation
+from orchestrator.engine.outputs.evaluation import Evaluation
 from orchestrator.runtime.names import NAMESPACE
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class EvaluationWorker:
         self.batches = [tuple(t.to(self.device) for t in b) for b in self.task.eval_batches()]
 
     def evaluate(self, params: np.ndarray) -> tuple[float, dict[str, float] | None, float]:
-        from orchestrator.engine.evaluation import evaluate_model
+        from orchestrator.engine.outputs.evaluation import evaluate_model
 
         t0 = time.perf_counter()
         self.flat.load(params)

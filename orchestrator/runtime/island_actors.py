@@ -25,7 +25,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.island_states import state_folder
+from orchestrator.engine.fleet.island_states import state_folder
 from orchestrator.engine.specs import island_spec
 from orchestrator.engine.warm_start import first_phase
 from orchestrator.runtime.names import NAMESPACE, coordinator_name, island_name

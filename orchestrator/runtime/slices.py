@@ -12,8 +12,8 @@ import numpy as np
 import ray
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.outer_rules import outer_rule
-from orchestrator.engine.outer_slices import OuterSlice, SliceStats
+from orchestrator.engine.step.rules import outer_rule
+from orchestrator.engine.step.slices import OuterSlice, SliceStats
 from orchestrator.engine.types import SliceLost
 from orchestrator.runtime.names import NAMESPACE, slice_name
 

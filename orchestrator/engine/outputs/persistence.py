@@ -2,7 +2,7 @@
 
 Only committed work is captured — results waiting for their outer step and work in
 flight are redone by a restarted coordinator — so nothing is lost or counted twice. The
-file format and its integrity are `engine/checkpoints.py`'s."""
+file format and its integrity are `engine/outputs/checkpoints.py`'s."""
 
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ import dataclasses
 from typing import Any, Protocol
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.admission import Admission
 from orchestrator.engine.commands import SettingsUpdate
-from orchestrator.engine.island_states import IslandStates
-from orchestrator.engine.ledger import DataLedger
-from orchestrator.engine.membership import IslandStats, Membership, Retired
-from orchestrator.engine.outer_step import Outer
-from orchestrator.engine.pacing import Flight, Pacing, RunState
-from orchestrator.engine.publisher import Publisher
-from orchestrator.engine.quorum import QuorumRule
-from orchestrator.engine.stats import RunStats
+from orchestrator.engine.fleet.island_states import IslandStates
+from orchestrator.engine.fleet.membership import IslandStats, Membership, Retired
+from orchestrator.engine.outputs.stats import RunStats
+from orchestrator.engine.pacing.base import Flight, Pacing, RunState
+from orchestrator.engine.pacing.quorum import QuorumRule
+from orchestrator.engine.step.admission import Admission
+from orchestrator.engine.step.outer import Outer
 from orchestrator.engine.types import IslandState, Merge, RunFailed
+from orchestrator.engine.work.ledger import DataLedger
+from orchestrator.engine.work.publisher import Publisher
 from workers.wire.flat import FlatParams
 
 RESUMABLE = ("mode", "data_shards")  # settings a checkpoint must share with the run resuming it

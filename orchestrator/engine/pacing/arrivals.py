@@ -1,11 +1,11 @@
 """The asynchronous pacings' shared part and the per-arrival pacing of Delayed Nesterov
 and naive async (`mode: async`); the quorum pacing builds on the same budget
-(`engine/quorum.py`)."""
+(`engine/pacing/quorum.py`)."""
 
 from __future__ import annotations
 
 from orchestrator.algorithms.dylu import SpeedTracker
-from orchestrator.engine.pacing import Close, Flight, RunState, Work
+from orchestrator.engine.pacing.base import Close, Flight, RunState, Work
 
 
 class TokenBudget:

@@ -6,8 +6,8 @@ outer step. The engine asks; a pacing only keeps its own bookkeeping over `RunSt
 - `PerArrival` (async, Delayed Nesterov / naive): an island gets new work from the newest
   version as soon as it delivers; every arrival is its own outer step. H per island from
   its measured speed (DyLU); the token budget equals the synchronous run's
-  (`TokenBudget`; both in `engine/arrivals.py`).
-- `Quorum` (async, `asynchronous.rule: quorum`; `engine/quorum.py`): a step fires once a quorum has
+  (`TokenBudget`; both in `engine/pacing/arrivals.py`).
+- `Quorum` (async, `asynchronous.rule: quorum`; `engine/pacing/quorum.py`): a step fires once a quorum has
   arrived and an adaptive grace window has passed, merging what arrived token-weighted
   and discounted by age; a straggler's result merges into a later step.
 - `OneRoundLag` (overlap, CO2): an island that delivers round t starts round t+1 at once,
@@ -25,7 +25,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
-from orchestrator.engine.membership import Membership
+from orchestrator.engine.fleet.membership import Membership
 from workers.wire.messages import RoundResult, WorkKind
 
 

@@ -22,7 +22,7 @@ from orchestrator.config_sections import AsyncRule, OuterConfig, OuterOptimizer
 if TYPE_CHECKING:
     import torch
 
-    from orchestrator.engine.outer_step import OuterRule
+    from orchestrator.engine.step.outer import OuterRule
 
 
 class RuleKind(str, Enum):
@@ -77,7 +77,7 @@ def _adam(o: OuterConfig, p: torch.nn.Parameter) -> torch.optim.Optimizer:
 
 def _delayed_nesterov(cfg: RunConfig) -> OuterRule:
     from orchestrator.algorithms.outer import DelayedNesterov
-    from orchestrator.engine.outer_step import OuterRule
+    from orchestrator.engine.step.outer import OuterRule
 
     o, a = cfg.outer, cfg.asynchronous
     return OuterRule(lambda p: (DelayedNesterov([p], o.lr, o.momentum, a.delay or cfg.islands.count, a.c), None))
@@ -85,7 +85,7 @@ def _delayed_nesterov(cfg: RunConfig) -> OuterRule:
 
 def _co2(cfg: RunConfig) -> OuterRule:
     from orchestrator.algorithms.outer import CO2Outer
-    from orchestrator.engine.outer_step import OuterRule
+    from orchestrator.engine.step.outer import OuterRule
 
     o = cfg.overlap
     return OuterRule(
@@ -95,7 +95,7 @@ def _co2(cfg: RunConfig) -> OuterRule:
 
 
 def _ddp_adamw(cfg: RunConfig) -> OuterRule:
-    from orchestrator.engine.outer_step import OuterRule
+    from orchestrator.engine.step.outer import OuterRule
     from workers.runtime.optim import build_inner
 
     # after a warm start its fresh AdamW continues the schedule and re-warms like an island's
@@ -142,7 +142,7 @@ def outer_rule(cfg: RunConfig) -> OuterRule:
 
 def optimizer_rule(outer: OuterConfig) -> OuterRule:
     """The rule of the `outer` section alone (`outer.optimizer` and its settings)."""
-    from orchestrator.engine.outer_step import OuterRule
+    from orchestrator.engine.step.outer import OuterRule
 
     row = RULES[RuleKind(outer.optimizer.value)]
     return OuterRule(lambda p: (outer_optimizer(outer, p), None), one_pass=row.one_pass)

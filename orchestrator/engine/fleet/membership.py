@@ -1,6 +1,6 @@
 """Who is in the run: per-island bookkeeping (state, contributions, tokens, bytes,
 staleness), the target island count and joins still being placed. Pure logic: the fleet
-(`engine/fleet.py`) changes it, the island pool does the placing.
+(`engine/fleet/fleet.py`) changes it, the island pool does the placing.
 
 States are `IslandState` (see `engine/types.py`): `training` gets work, `late` gets work
 again once its overdue result arrives (and is discarded), `draining` finishes or abandons
@@ -47,7 +47,7 @@ class IslandStats:
     staleness_total: int = 0
     submissions: int = 0
     merge: Merge | None = None  # where its latest work stands against the outer step
-    inner_state: str | None = None  # the file of its inner state a checkpoint names (`engine/island_states.py`)
+    inner_state: str | None = None  # the file of its inner state a checkpoint names (`engine/fleet/island_states.py`)
     inner_state_sha256: str | None = None
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT), repr=False)
 

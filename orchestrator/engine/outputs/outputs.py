@@ -20,17 +20,17 @@ from typing import Any
 import torch
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.checkpoints import run_folder, save_checkpoint
 from orchestrator.engine.commands import Inbox
-from orchestrator.engine.evaluation import Evaluation, Evaluator, LocalEvaluator
-from orchestrator.engine.island_states import IslandStates
-from orchestrator.engine.loop_time import Part
-from orchestrator.engine.membership import IslandStats, Membership
-from orchestrator.engine.outer_step import Outer
-from orchestrator.engine.pacing import RunState
-from orchestrator.engine.quorum import QuorumRule
-from orchestrator.engine.records import DiskFaults, EventLog, Recorder
-from orchestrator.engine.stats import RunStats
+from orchestrator.engine.fleet.island_states import IslandStates
+from orchestrator.engine.fleet.membership import IslandStats, Membership
+from orchestrator.engine.outputs.checkpoints import run_folder, save_checkpoint
+from orchestrator.engine.outputs.evaluation import Evaluation, Evaluator, LocalEvaluator
+from orchestrator.engine.outputs.loop_time import Part
+from orchestrator.engine.outputs.records import DiskFaults, EventLog, Recorder
+from orchestrator.engine.outputs.stats import RunStats
+from orchestrator.engine.pacing.base import RunState
+from orchestrator.engine.pacing.quorum import QuorumRule
+from orchestrator.engine.step.outer import Outer
 from orchestrator.engine.threads import spare_cores, step_threads
 from orchestrator.engine.types import Event, RunPhase
 from orchestrator.engine.warm_start import WarmStart
@@ -87,7 +87,7 @@ class Outputs:
         self.islands_view: dict[str, dict[str, Any]] = {}  # what /v1/islands serves (`refresh_islands`)
         self._islands_seen: tuple[Any, ...] | None = None
 
-    # -- evaluation (`engine/evaluation.py`: the evaluator decides where it runs) ------------------
+    # -- evaluation (`engine/outputs/evaluation.py`: the evaluator decides where it runs) ------------------
     def evaluate(self, version: int) -> float | None:
         """Evaluate `version` now and wait for it (a stopped run's last evaluation)."""
         self._submit(version)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from orchestrator.engine.pacing import Work
+from orchestrator.engine.pacing.base import Work
 from workers.wire.compress import PayloadError, check_payload
 from workers.wire.fragments import Fragments
 from workers.wire.messages import RoundResult, Sliced

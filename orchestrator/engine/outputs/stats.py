@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.admission import Verdict
-from orchestrator.engine.distributions import ROUND_SECONDS, STALENESS, Distribution
-from orchestrator.engine.ledger import DataLedger
-from orchestrator.engine.loop_time import LoopClock
-from orchestrator.engine.membership import IslandStats, Membership
+from orchestrator.engine.fleet.membership import IslandStats, Membership
+from orchestrator.engine.outputs.distributions import ROUND_SECONDS, STALENESS, Distribution
+from orchestrator.engine.outputs.loop_time import LoopClock
+from orchestrator.engine.step.admission import Verdict
 from orchestrator.engine.types import Decision, IslandState, RunPhase
+from orchestrator.engine.work.ledger import DataLedger
 from workers.wire.messages import RoundResult
 
 COUNTERS = (

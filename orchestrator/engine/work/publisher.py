@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.downlink import Downlink
-from orchestrator.engine.outer_step import Outer
-from orchestrator.engine.pacing import Work
+from orchestrator.engine.pacing.base import Work
 from orchestrator.engine.pool import IslandPool
+from orchestrator.engine.step.outer import Outer
+from orchestrator.engine.work.downlink import Downlink
 from workers.wire.flat import as_tensor
 from workers.wire.fragments import Fragments
 from workers.wire.handoff import params_digest

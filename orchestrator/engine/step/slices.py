@@ -19,8 +19,8 @@ import torch
 
 from orchestrator.algorithms.aggregate import all_finite, sqnorm
 from orchestrator.algorithms.outer import adaptive_gap
-from orchestrator.engine.admission import Facts
-from orchestrator.engine.outer_step import Commit, OuterRule, OuterStep, Proposal, as_tensor
+from orchestrator.engine.step.admission import Facts
+from orchestrator.engine.step.outer import Commit, OuterRule, OuterStep, Proposal, as_tensor
 from orchestrator.engine.types import Contribution
 from workers.wire.compress import PayloadError, check_payload, decode
 

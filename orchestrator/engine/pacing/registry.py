@@ -30,10 +30,10 @@ from enum import Enum
 from orchestrator.algorithms.dylu import SpeedTracker
 from orchestrator.config import Mode, RunConfig
 from orchestrator.config_sections import AsyncRule, StreamingPacing
-from orchestrator.engine.admission import BoundedStaleness, ExactVersion, StalenessRule
-from orchestrator.engine.arrivals import PerArrival
-from orchestrator.engine.pacing import Barrier, FragmentSchedule, OneRoundLag, Pacing
-from orchestrator.engine.quorum import Quorum, QuorumRule
+from orchestrator.engine.pacing.arrivals import PerArrival
+from orchestrator.engine.pacing.base import Barrier, FragmentSchedule, OneRoundLag, Pacing
+from orchestrator.engine.pacing.quorum import Quorum, QuorumRule
+from orchestrator.engine.step.admission import BoundedStaleness, ExactVersion, StalenessRule
 from workers.wire.messages import WorkKind
 
 

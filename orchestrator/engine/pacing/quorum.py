@@ -39,9 +39,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from orchestrator.algorithms.dylu import SpeedTracker
-from orchestrator.engine.arrivals import TokenBudget
 from orchestrator.engine.commands import SettingsUpdate
-from orchestrator.engine.pacing import Close, Flight, RunState, Work
+from orchestrator.engine.pacing.arrivals import TokenBudget
+from orchestrator.engine.pacing.base import Close, Flight, RunState, Work
 
 OFFSETS = 32  # arrival offsets remembered for the window (recent fleet behaviour only)
 MIN_OFFSETS = 4  # fewer than this: the window is the cap (no spread to read yet)

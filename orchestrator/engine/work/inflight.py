@@ -12,19 +12,19 @@ import time
 from collections.abc import Iterator
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.admission import Verdict
-from orchestrator.engine.island_states import IslandStates, save_due
-from orchestrator.engine.ledger import DataLedger
-from orchestrator.engine.membership import Membership
+from orchestrator.engine.fleet.island_states import IslandStates, save_due
+from orchestrator.engine.fleet.membership import Membership
 from orchestrator.engine.outcomes import Judged, Lost, Outcome
-from orchestrator.engine.pacing import Flight, Pacing, RunState, Work
+from orchestrator.engine.outputs.records import EventLog
+from orchestrator.engine.outputs.stats import RunStats
+from orchestrator.engine.pacing.base import Flight, Pacing, RunState, Work
 from orchestrator.engine.policies import SpeedTracker
 from orchestrator.engine.pool import IslandPool
-from orchestrator.engine.publisher import Publisher
-from orchestrator.engine.records import EventLog
-from orchestrator.engine.screen import Sizes, screen
-from orchestrator.engine.stats import RunStats
+from orchestrator.engine.step.admission import Verdict
+from orchestrator.engine.step.screen import Sizes, screen
 from orchestrator.engine.types import Contribution, Decision, Event, IslandState, Merge, Reason
+from orchestrator.engine.work.ledger import DataLedger
+from orchestrator.engine.work.publisher import Publisher
 from workers.wire.handoff import seal
 from workers.wire.messages import RoundResult, WorkOrder
 

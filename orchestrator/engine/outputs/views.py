@@ -81,7 +81,7 @@ class IslandView(_View):
     joined_version: int = 0
     last_contribution: float | None = None
     last_progress: float | None = None  # its latest news: placed, given work, a result back
-    # set by the exporters when they answer (`engine/watch.py`): whether it has work out,
+    # set by the exporters when they answer (`engine/fleet/watch.py`): whether it has work out,
     # seconds since its news and its last update, and whether that silence is a hang
     working: bool = False
     progress_age_s: float | None = None
@@ -206,7 +206,7 @@ class Summary(_View):
     final_params_digest: str | None = None  # XXH3-128 of the final global parameters (None: sliced on Ray)
     export: str | None = None
     eval_metrics: dict[str, float] | None = None  # the task's own metrics at the final evaluation
-    # where start-up went (`engine/startup.py`): seconds per part, epoch times of the first steps
+    # where start-up went (`engine/outputs/startup.py`): seconds per part, epoch times of the first steps
     startup: dict[str, Any] | None = None
     startup_seconds: float | None = None  # the command's start to the first inner step (set by the driver)
     first_outer_step_seconds: float | None = None
@@ -269,7 +269,7 @@ ISLAND_METRICS = [  # labelled run_id and island only: an island's state is `ISL
     Metric(
         "archipelago_island_stuck_after_seconds",
         "stuck_after_s",
-        "Silence after which the island counts as stuck (engine/watch.py)",
+        "Silence after which the island counts as stuck (engine/fleet/watch.py)",
         G,
     ),
     Metric("archipelago_island_working", "working", "1 while the island has work out, else 0", G),

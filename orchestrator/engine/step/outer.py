@@ -26,7 +26,7 @@ import torch
 
 from orchestrator.algorithms.aggregate import WeightedMean, all_finite, sqnorm
 from orchestrator.algorithms.fused_step import SGDRule, mean_step
-from orchestrator.engine.admission import Admission, Facts, Verdict
+from orchestrator.engine.step.admission import Admission, Facts, Verdict
 from orchestrator.engine.types import Contribution, Decision
 from workers.wire.compress import decode
 from workers.wire.fragments import Fragments
@@ -36,7 +36,7 @@ Scheduler = torch.optim.lr_scheduler.LRScheduler
 
 @dataclass(frozen=True)
 class OuterRule:
-    """How to build the outer optimizer over a flat parameter (a row of `outer_rules.py`)."""
+    """How to build the outer optimizer over a flat parameter (a row of `step/rules.py`)."""
 
     build: Callable[[torch.nn.Parameter], tuple[torch.optim.Optimizer, Scheduler | None]]
     grad_clip: float | None = None  # clip the mean's norm first (the ddp baseline, like its inner steps)

@@ -19,15 +19,15 @@ from dataclasses import dataclass
 
 from orchestrator.config import RunConfig
 from orchestrator.config_operations import OnFailure
-from orchestrator.engine.admission import Admission
-from orchestrator.engine.checkpoints import load_intent, run_folder, save_intent
 from orchestrator.engine.commands import Drain, Inbox, SetTarget
-from orchestrator.engine.island_states import IslandStates
-from orchestrator.engine.membership import Membership
+from orchestrator.engine.fleet.island_states import IslandStates
+from orchestrator.engine.fleet.membership import Membership
 from orchestrator.engine.outcomes import FleetDecision, Halt, Judged, Lost, Outcome, Place, Release, StartDrain
-from orchestrator.engine.pacing import RunState
+from orchestrator.engine.outputs.checkpoints import load_intent, run_folder, save_intent
+from orchestrator.engine.outputs.records import DiskFaults, EventLog
+from orchestrator.engine.pacing.base import RunState
 from orchestrator.engine.pool import IslandPool, Joined, JoinFailed
-from orchestrator.engine.records import DiskFaults, EventLog
+from orchestrator.engine.step.admission import Admission
 from orchestrator.engine.types import Decision, Event, IslandState, RunFailed
 
 log = logging.getLogger(__name__)

@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections import deque
 
 from orchestrator.config import Mode, RunConfig
-from orchestrator.engine.checkpoints import run_folder
-from orchestrator.engine.membership import IslandStats, Membership
-from orchestrator.engine.pacings import pacing_of
-from orchestrator.engine.records import DiskFaults
+from orchestrator.engine.fleet.membership import IslandStats, Membership
+from orchestrator.engine.outputs.checkpoints import run_folder
+from orchestrator.engine.outputs.records import DiskFaults
+from orchestrator.engine.pacing.registry import pacing_of
 from workers.runtime.storage import Folder
 from workers.wire.messages import SavedState, WorkKind
 

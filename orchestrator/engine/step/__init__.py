@@ -1,0 +1,1 @@
+"""The outer step: the outer rules' registry, the step over the whole vector or over coordinator slices, proposed then committed or discarded, and admission with the screen every result passes first."""
