@@ -360,3 +360,33 @@ def test_compression_rows_are_the_issue_s_and_valid_configs(tmp_path):
         changed["sparse_nesterov"].outer.optimizer == "nesterov"
         and changed["sparse_nesterov"].compression.feedback_decay == 1.0
     )
+
+
+def _report(out, name: str, **machine) -> None:
+    result = BenchResult(name, True, {"a": {"final_eval_loss": 1.0}}, f"{name}: ok", "| x |\n| - |", [])
+    write_result(result, out)
+    data = json.loads((out / f"{name}.json").read_text())
+    data["machine"].update(machine)
+    (out / f"{name}.json").write_text(json.dumps(data))
+
+
+def test_a_bench_writes_to_out_only_and_publish_copies_clean_reports_into_the_docs(tmp_path, capsys):
+    """`bench <scenario>` has no way to write into docs/; `bench publish` copies reports
+    that name a commit measured from a clean tree, all or none, and rebuilds the index."""
+    from orchestrator.bench.registry import publish
+    from orchestrator.cli import main
+
+    out, docs = tmp_path / "out", tmp_path / "docs"
+    _report(out, "startup", commit="a" * 40, clean=True)
+    _report(out, "data", commit="b" * 40, clean=False)
+    with pytest.raises(ValueError, match=r"data: measured at bbbbbbbbbbbb with uncommitted changes"):
+        publish(out, docs)
+    assert not docs.exists()  # nothing copied when one report is refused
+    assert main(["bench", "publish", "startup", "--out", str(out), "--docs", str(docs)]) == 0
+    assert sorted(p.name for p in docs.iterdir()) == ["benchmarks.md", "startup.json", "startup.md", "startup.png"]
+    assert "## startup" in (docs / "benchmarks.md").read_text()
+    assert publish(out, docs, ["data"], dirty_ok=True) == ["data"]
+    _report(out, "hetero", commit=None, clean=None)
+    assert main(["bench", "publish", "hetero", "--out", str(out), "--docs", str(docs)]) == 2
+    assert "hetero: the report names no commit" in capsys.readouterr().err
+    assert main(["bench", "startup", "extra"]) == 2  # only publish takes several

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.registry import available, run_bench
+from orchestrator.bench.registry import available, publish, run_bench
 from orchestrator.bench.report import ScenarioUnavailable, measured_commit, replot, require_plotting
 
 log = logging.getLogger(__name__)
@@ -19,12 +19,21 @@ log = logging.getLogger(__name__)
 def register(sub: Any, common: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     """Adds `bench` to the command's subparsers; its handler."""
     bench = sub.add_parser(
-        "bench", parents=[common], help="run a benchmark scenario; writes DIR/<scenario>.json, .png, .md"
+        "bench",
+        parents=[common],
+        help="run a benchmark scenario (writes DIR/<scenario>.json, .png, .md); `bench publish` copies "
+        "reports into the documentation",
     )
-    bench.add_argument("scenario", help=f"one of: {', '.join(available())} (orchestrator/bench/registry.py)")
+    bench.add_argument(
+        "scenario", help=f"one of: {', '.join(available())} (orchestrator/bench/registry.py); or publish"
+    )
+    bench.add_argument("reports", nargs="*", metavar="SCENARIO", help="publish: these reports (default: all in DIR)")
     bench.add_argument("--quick", action="store_true", help="smaller budget (minutes)")
-    bench.add_argument("--out", default="bench-out", help="output folder")
-    bench.add_argument("--docs", help="also write the report into this folder and rebuild its benchmarks.md")
+    bench.add_argument("--out", default="bench-out", help="output folder (publish: where the reports are)")
+    bench.add_argument("--docs", default="docs", help="publish: the documentation folder (default: docs)")
+    bench.add_argument(
+        "--dirty-ok", action="store_true", help="publish: also reports measured with uncommitted changes"
+    )
     bench.add_argument(
         "--replot", action="store_true", help="only draw DIR/<scenario>.png again from DIR/<scenario>.json (no run)"
     )
@@ -32,6 +41,17 @@ def register(sub: Any, common: argparse.ArgumentParser) -> Callable[[argparse.Na
 
 
 def bench_command(args: argparse.Namespace) -> int:
+    if args.scenario == "publish":
+        try:
+            published = publish(Path(args.out), Path(args.docs), args.reports or None, dirty_ok=args.dirty_ok)
+        except (ScenarioUnavailable, OSError, ValueError) as err:
+            log.error("cannot publish: %s", err)
+            return 2
+        sys.stdout.write(f"published {', '.join(published)} into {args.docs} (and its benchmarks.md)\n")
+        return 0
+    if args.reports:
+        log.error("only `bench publish` takes more than one scenario")
+        return 2
     if args.scenario not in available():
         log.error("unknown scenario %r; available: %s", args.scenario, ", ".join(available()))
         return 2
@@ -45,7 +65,7 @@ def bench_command(args: argparse.Namespace) -> int:
         return 0
     try:
         measured_commit()  # the commit whose code runs, read before it runs
-        result = run_bench(args.scenario, args.quick, Path(args.out), Path(args.docs) if args.docs else None)
+        result = run_bench(args.scenario, args.quick, Path(args.out))
     except ScenarioUnavailable as err:
         log.error("%s", err)
         return 2
