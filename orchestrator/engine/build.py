@@ -16,19 +16,31 @@ from orchestrator.config import Mode, RunConfig
 from orchestrator.config_operations import EvalPlace
 from orchestrator.engine.commands import Inbox
 from orchestrator.engine.engine import RoundEngine
-from orchestrator.engine.outputs.checkpoints import load_initial_weights
+from orchestrator.engine.fleet.fleet import Fleet
+from orchestrator.engine.fleet.island_states import IslandStates
+from orchestrator.engine.fleet.membership import Membership
+from orchestrator.engine.outputs.checkpoints import load_checkpoint, load_initial_weights, run_folder
 from orchestrator.engine.outputs.evaluation import Evaluator
-from orchestrator.engine.outputs.outputs import OnRecord
+from orchestrator.engine.outputs.outputs import OnRecord, Outputs
+from orchestrator.engine.outputs.persistence import RunCore, restore
+from orchestrator.engine.outputs.startup import Startup
+from orchestrator.engine.outputs.stats import RunStats
+from orchestrator.engine.pacing.base import RunState
 from orchestrator.engine.policies import build_policies, run_inbox
 from orchestrator.engine.pool import IslandPool
+from orchestrator.engine.requests import OperatorRequests
 from orchestrator.engine.step.outer import LocalOuter, Outer
 from orchestrator.engine.step.rules import outer_rule
+from orchestrator.engine.step.screen import Sizes
 from orchestrator.engine.step.slices import LocalSlices, SliceCalls, SlicedOuter
-from orchestrator.engine.types import Phase, RunFailed, RunPhase
-from orchestrator.engine.warm_start import WarmStart, first_phase, load_warm_start, mark_finished
-from workers.tasks.task import load_task
+from orchestrator.engine.types import Event, Phase, RunFailed, RunPhase
+from orchestrator.engine.warm_start import WarmStart, first_phase, load_warm_start, mark_finished, version0_digest
+from orchestrator.engine.work.inflight import InFlight
+from orchestrator.engine.work.ledger import DataLedger
+from orchestrator.engine.work.publisher import Publisher
+from workers.tasks.task import Task, load_task
 from workers.wire.flat import FlatParams, slice_bounds
-from workers.wire.fragments import FragmentedTask, fragment_model
+from workers.wire.fragments import FragmentedTask, Fragments, fragment_model
 
 
 def build_engine(
@@ -73,24 +85,154 @@ def build_engine(
         outer = SlicedOuter(flat.data, bounds, calls)
     else:
         outer = LocalOuter(flat.data, outer_rule(cfg), fragments)
-    policies = build_policies(cfg, flat.numel, fragments)
-    return RoundEngine(
+    return assemble(
         cfg=cfg,
+        run_id=run_id,
         task=task,
         model=model,
         flat=flat,
         outer=outer,
-        policies=policies,
         pool=pool,
-        run_id=run_id,
+        fragments=fragments,
         on_record=on_record,
         init_from=initial,
         warm=warm,
-        fragments=fragments,
-        inbox=inbox,
+        inbox=inbox or run_inbox(cfg),
         takes_changes=takes_changes,
         hands_over=hands_over,
         evaluator=evaluator(cfg) if evaluator is not None else None,
+    )
+
+
+def assemble(
+    *,
+    cfg: RunConfig,
+    run_id: str,
+    task: Task,
+    model: torch.nn.Module,
+    flat: FlatParams,
+    outer: Outer,
+    pool: IslandPool,
+    fragments: Fragments | None,
+    on_record: OnRecord | None,
+    init_from: dict[str, str] | None,
+    warm: WarmStart | None,
+    inbox: Inbox,
+    takes_changes: bool,
+    hands_over: bool,
+    evaluator: Evaluator | None,
+) -> RoundEngine:
+    """The engine's parts, wired: the run's state (continued from its newest checkpoint
+    if it has one, or from the warm start's data positions), its outputs, the work in
+    flight, the fleet and the operator's requests."""
+    policies = build_policies(cfg, flat.numel, fragments)
+    members = Membership(cfg.islands.count)
+    run = RunState(cfg.rounds, cfg.inner_steps, members)
+    ledger = DataLedger(cfg.num_shards)
+    stats = RunStats()
+    publisher = Publisher(cfg=cfg, pool=pool, outer=outer, flat=flat.data, fragments=fragments, lag=policies.pacing.lag)
+    states = IslandStates(cfg, run_id)
+    checkpoints = run_folder(cfg.checkpoint_dir, run_id)
+    state = load_checkpoint(checkpoints, cfg.checkpoint.resume_from) if cfg.checkpoint.every_rounds else None
+    if state is not None and state["run_id"] != run_id:  # a folder copied or renamed by hand
+        raise RunFailed(f"{checkpoints} holds the checkpoints of run {state['run_id']}, not of {run_id}")
+    core = RunCore(
+        cfg=cfg,
+        run_id=run_id,
+        flat=flat,
+        outer=outer,
+        admission=policies.admission,
+        members=members,
+        ledger=ledger,
+        run=run,
+        stats=stats,
+        pacing=policies.pacing,
+        publisher=publisher,
+        states=states,
+        quorum=policies.quorum,
+    )
+    if state is not None:
+        restore(core, state)
+    elif warm is not None:  # the data the warm start trained is not trained again
+        ledger.load({**warm.ledger, "tokens": [0] * cfg.num_shards})
+    if state is None and init_from is None:  # version 0 is the seed's model, or the warm start's
+        publisher.version0 = version0_digest(cfg, flat.data.detach().cpu().numpy())
+    outputs = Outputs(
+        cfg=cfg,
+        run_id=run_id,
+        task=task,
+        model=model,
+        flat=flat,
+        outer=outer,
+        members=members,
+        stats=stats,
+        inbox=inbox,
+        resumed=state is not None,
+        on_record=on_record,
+        quorum=policies.quorum,
+        states=states,
+        run=run,
+        evaluator=evaluator,
+    )
+    events = outputs.events
+    if state is not None:
+        events.add(Event.RESTART, version=run.version, rounds_done=stats.rounds_done)
+    slices = tuple(outer.bounds) if isinstance(outer, SlicedOuter) else None
+    inflight = InFlight(
+        cfg=cfg,
+        pool=pool,
+        ledger=ledger,
+        pacing=policies.pacing,
+        run=run,
+        members=members,
+        stats=stats,
+        speeds=policies.speeds,
+        publisher=publisher,
+        events=events,
+        sizes=Sizes(outer.numel, fragments, slices),
+        states=states,
+    )
+    fleet = Fleet(
+        cfg=cfg,
+        run_id=run_id,
+        pool=pool,
+        members=members,
+        run=run,
+        events=events,
+        disk=outputs.disk,
+        states=states,
+        admission=policies.admission,
+    )
+    requests = OperatorRequests(
+        cfg=cfg,
+        inbox=inbox,
+        run=run,
+        outer=outer,
+        quorum=policies.quorum,
+        events=events,
+        takes_changes=takes_changes,
+    )
+    if takes_changes:
+        inbox.members = members
+        inbox.settle(members.target)
+    return RoundEngine(
+        **vars(core),  # the parts a checkpoint restored, as they are
+        task=task,
+        model=model,
+        pool=pool,
+        inbox=inbox,
+        speeds=policies.speeds,
+        startup=Startup(),
+        outputs=outputs,
+        inflight=inflight,
+        fleet=fleet,
+        requests=requests,
+        checkpoints=checkpoints,
+        resumed=state is not None,
+        init_from=init_from,
+        warm=warm,
+        takes_changes=takes_changes,
+        hands_over=hands_over,
     )
 
 

@@ -15,168 +15,72 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from orchestrator.config import RunConfig
+from orchestrator.algorithms.dylu import SpeedTracker
 from orchestrator.engine.commands import Answer, Command, Inbox
 from orchestrator.engine.fleet.fleet import Fleet
-from orchestrator.engine.fleet.island_states import IslandStates
-from orchestrator.engine.fleet.membership import Membership
 from orchestrator.engine.outcomes import Halt, Judged, Lost, Outcome, Place, Release, StartDrain, Transition
-from orchestrator.engine.outputs.checkpoints import load_checkpoint, run_folder
-from orchestrator.engine.outputs.evaluation import Evaluator
 from orchestrator.engine.outputs.loop_time import Part
-from orchestrator.engine.outputs.outputs import OnRecord, Outputs
-from orchestrator.engine.outputs.persistence import capture, restore
+from orchestrator.engine.outputs.outputs import Outputs
+from orchestrator.engine.outputs.persistence import RunCore, capture
 from orchestrator.engine.outputs.startup import Startup
-from orchestrator.engine.outputs.stats import RunStats
-from orchestrator.engine.pacing.base import Close, Flight, Pacing, RunState
-from orchestrator.engine.policies import Policies, run_inbox
+from orchestrator.engine.pacing.base import Close, Flight
 from orchestrator.engine.pool import Done, Failed, IslandPool, Joined, JoinFailed, PoolEvent
 from orchestrator.engine.requests import OperatorRequests
-from orchestrator.engine.step.admission import Admission
-from orchestrator.engine.step.outer import Outer, take_step
-from orchestrator.engine.step.screen import Sizes
-from orchestrator.engine.step.slices import SlicedOuter
+from orchestrator.engine.step.outer import take_step
 from orchestrator.engine.threads import torch_threads
 from orchestrator.engine.types import Event, RunFailed, RunPhase, SliceLost
-from orchestrator.engine.warm_start import WarmStart, version0_digest
+from orchestrator.engine.warm_start import WarmStart
 from orchestrator.engine.work.inflight import POLL_S, InFlight
-from orchestrator.engine.work.ledger import DataLedger
-from orchestrator.engine.work.publisher import Publisher
+from workers.runtime.storage import Folder
 from workers.tasks.task import Task
-from workers.wire.flat import FlatParams
-from workers.wire.fragments import Fragments
 
 log = logging.getLogger(__name__)
 
 
-class RoundEngine:
-    def __init__(
-        self,
-        *,
-        cfg: RunConfig,
-        task: Task,
-        model: torch.nn.Module,
-        flat: FlatParams,
-        outer: Outer,
-        policies: Policies,
-        pool: IslandPool,
-        run_id: str = "local",
-        on_record: OnRecord | None = None,
-        init_from: dict[str, str] | None = None,
-        warm: WarmStart | None = None,
-        fragments: Fragments | None = None,
-        inbox: Inbox | None = None,
-        takes_changes: bool = True,
-        hands_over: bool = False,
-        evaluator: Evaluator | None = None,
-    ) -> None:
-        """Continues from the checkpoint of `run_id` in `cfg.checkpoint_dir`/`run_id` if there is one.
-        `init_from` describes the weights the model was loaded with (`start_from`); `warm`
-        is the warm start the model was loaded from, whose data positions the run continues;
-        `fragments` are streaming's (the outer step and the published copy work by fragment).
-        `inbox`: the run's operator commands (shared by its phases); a phase that does not
-        `takes_changes` (the warm start) honours pause and stop and leaves settings and
-        membership changes for the next; one that `hands_over` (the warm start again) leaves
-        its islands running when it finishes, for the next phase's pool to take over.
-        `evaluator`: where the global model is evaluated (default: in this process)."""
-        self.cfg, self.task, self.model, self.flat, self.outer = cfg, task, model, flat, outer
-        self.pacing: Pacing = policies.pacing
-        self.admission: Admission = policies.admission
-        self.quorum = policies.quorum  # the quorum pacing's live settings (None: another pacing)
-        self.pool, self.run_id = pool, run_id
-        self.members = Membership(cfg.islands.count)
-        self.run = RunState(cfg.rounds, cfg.inner_steps, self.members)
-        self.ledger = DataLedger(cfg.num_shards)
-        self.inbox = inbox or run_inbox(cfg)
-        self.takes_changes, self.hands_over = takes_changes, hands_over
+@dataclass(kw_only=True, eq=False)
+class EngineParts(RunCore):
+    """Everything a round engine works with beyond what its checkpoints hold (`RunCore`),
+    built and wired by `build.assemble`, the run's one composition root (the coordinator
+    actor and the tests build through it). `inbox`: the run's operator commands (shared by its phases); a phase that does not
+    `takes_changes` (the warm start) honours pause and stop and leaves settings and
+    membership changes for the next; one that `hands_over` (the warm start again) leaves
+    its islands running when it finishes, for the next phase's pool to take over."""
+
+    task: Task
+    model: torch.nn.Module
+    pool: IslandPool
+    inbox: Inbox
+    speeds: SpeedTracker  # measured inner steps per second, every mode
+    startup: Startup
+    outputs: Outputs
+    inflight: InFlight
+    fleet: Fleet
+    requests: OperatorRequests
+    checkpoints: Folder  # this run's checkpoint folder (local or object storage)
+    resumed: bool  # continued from one of its checkpoints
+    init_from: dict[str, str] | None = None  # the weights the model was loaded with (`build.start_from`)
+    warm: WarmStart | None = None  # the warm start the model was loaded from; the run continues its data
+    takes_changes: bool = True
+    hands_over: bool = False
+
+
+@dataclass(kw_only=True, eq=False, repr=False)
+class RoundEngine(EngineParts):
+    """The state machine over its parts; its own state is the phase, the records due, what
+    the current step carried out and the summary once it has ended."""
+
+    def __post_init__(self) -> None:
+        self.events, self.recorder, self.disk = self.outputs.events, self.outputs.recorder, self.outputs.disk
         self.phase = RunPhase.STARTING
-        self.speeds = policies.speeds  # measured inner steps per second, every mode
         self.due: list[int] = []  # recorded rounds due, written after the next dispatch
         self.applied: list[Outcome] = []  # what this step carried out (`_apply`)
-        self.stats = RunStats()
-        self.init_from = init_from
-        self.warm = warm
         self.clock0 = 0.0  # the pool's clock when training began (`_clock`)
         self.summary: dict[str, Any] = {}
-        self.publisher = Publisher(
-            cfg=cfg, pool=pool, outer=outer, flat=flat.data, fragments=fragments, lag=self.pacing.lag
-        )
-        self.states = IslandStates(cfg, run_id)
-        self.startup = Startup()
-        self.checkpoints = run_folder(cfg.checkpoint_dir, run_id)
-        every = cfg.checkpoint.every_rounds
-        state = load_checkpoint(self.checkpoints, cfg.checkpoint.resume_from) if every else None
-        if state is not None and state["run_id"] != run_id:  # a folder copied or renamed by hand
-            raise RunFailed(f"{self.checkpoints} holds the checkpoints of run {state['run_id']}, not of {run_id}")
-        self.resumed = state is not None
-        if state is not None:
-            restore(self, state)
-        elif warm is not None:  # the data the warm start trained is not trained again
-            self.ledger.load({**warm.ledger, "tokens": [0] * cfg.num_shards})
-        if state is None and init_from is None:  # version 0 is the seed's model, or the warm start's
-            self.publisher.version0 = version0_digest(cfg, flat.data.detach().cpu().numpy())
-        self.outputs = Outputs(
-            cfg=cfg,
-            run_id=run_id,
-            task=task,
-            model=model,
-            flat=flat,
-            outer=outer,
-            members=self.members,
-            stats=self.stats,
-            inbox=self.inbox,
-            resumed=self.resumed,
-            on_record=on_record,
-            quorum=self.quorum,
-            states=self.states,
-            run=self.run,
-            evaluator=evaluator,
-        )
-        self.events, self.recorder, self.disk = self.outputs.events, self.outputs.recorder, self.outputs.disk
-        if self.resumed:
-            self.events.add(Event.RESTART, version=self.run.version, rounds_done=self.rounds_done)
-        slices = tuple(outer.bounds) if isinstance(outer, SlicedOuter) else None
-        self.inflight = InFlight(
-            cfg=cfg,
-            pool=pool,
-            ledger=self.ledger,
-            pacing=self.pacing,
-            run=self.run,
-            members=self.members,
-            stats=self.stats,
-            speeds=self.speeds,
-            publisher=self.publisher,
-            events=self.events,
-            sizes=Sizes(outer.numel, fragments, slices),
-            states=self.states,
-        )
-        self.fleet = Fleet(
-            cfg=cfg,
-            run_id=run_id,
-            pool=pool,
-            members=self.members,
-            run=self.run,
-            events=self.events,
-            disk=self.disk,
-            states=self.states,
-            admission=self.admission,
-        )
-        self.requests = OperatorRequests(
-            cfg=cfg,
-            inbox=self.inbox,
-            run=self.run,
-            outer=outer,
-            quorum=self.quorum,
-            events=self.events,
-            takes_changes=takes_changes,
-        )
-        if takes_changes:
-            self.inbox.members = self.members
-            self.inbox.settle(self.members.target)
 
     # -- the state machine -----------------------------------------------------------------
     def start(self) -> None:
@@ -443,7 +347,7 @@ class RoundEngine:
 
     def capture(self) -> dict[str, Any]:
         """The checkpoint of this engine's committed state (`engine/outputs/persistence.py`)."""
-        return capture(self)
+        return capture(self, self.flights)
 
     def _write_due(self) -> None:
         with self.stats.loop.timed(Part.RECORD):

@@ -7,7 +7,8 @@ file format and its integrity are `engine/outputs/checkpoints.py`'s."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 from orchestrator.config import RunConfig
 from orchestrator.engine.commands import SettingsUpdate
@@ -26,8 +27,10 @@ from workers.wire.flat import FlatParams
 RESUMABLE = ("mode", "data_shards")  # settings a checkpoint must share with the run resuming it
 
 
-class Engine(Protocol):
-    """The parts of a round engine a checkpoint captures and restores."""
+@dataclass(kw_only=True, eq=False)
+class RunCore:
+    """The parts of a round engine a checkpoint captures and restores (a `RoundEngine` is
+    one; `build.assemble` restores into them before the rest of the engine is built)."""
 
     cfg: RunConfig
     run_id: str
@@ -41,19 +44,17 @@ class Engine(Protocol):
     pacing: Pacing
     publisher: Publisher
     states: IslandStates
-    quorum: QuorumRule | None
-
-    @property
-    def flights(self) -> dict[int, Flight]: ...
+    quorum: QuorumRule | None  # the quorum pacing's live settings (None: another pacing)
 
 
-def capture(engine: Engine) -> dict[str, Any]:
+def capture(engine: RunCore, flights: dict[int, Flight]) -> dict[str, Any]:
     """Everything a restarted coordinator needs (tensors and plain values only). Tensors
     are the live ones, not copies: a capture is streamed to its file at once, before the
     engine changes anything (`save_checkpoint`), so the head holds the state once, not
-    twice, while it checkpoints."""
+    twice, while it checkpoints. `flights`: the work out and waiting, not captured (its
+    results' steps are taken off the completed ones)."""
     engine.outer.copy_to(engine.flat.data)
-    uncommitted = sum(f.result.steps for f in engine.flights.values() if f.result is not None)
+    uncommitted = sum(f.result.steps for f in flights.values() if f.result is not None)
     return {
         "run_id": engine.run_id,
         "branch": engine.cfg.checkpoint.resume_from,  # resumed from a chosen checkpoint: its number
@@ -86,7 +87,7 @@ def capture(engine: Engine) -> dict[str, Any]:
     }
 
 
-def restore(engine: Engine, state: dict[str, Any]) -> None:
+def restore(engine: RunCore, state: dict[str, Any]) -> None:
     """Put a captured state back into a freshly built engine of the same run."""
     saved, cfg = state["config"], engine.cfg
     for key in RESUMABLE:
