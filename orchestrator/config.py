@@ -23,6 +23,7 @@ from orchestrator.config_sections import (
     CompressionConfig,
     DilocoConfig,
     OuterConfig,
+    OuterMerge,
     OuterOptimizer,
     OverlapConfig,
     StreamingConfig,
@@ -367,6 +368,11 @@ class RunConfig(Strict):
             raise ValueError(
                 "outer.optimizer sparseloco steps without momentum: it needs compression.error_feedback = true "
                 "(and a lossy compression.codec such as topk:0.02+int2)"
+            )
+        if self.outer.merge != OuterMerge.MEAN and (self.mode == Mode.DDP or self.coordinator.shards > 1):
+            raise ValueError(
+                f"outer.merge {self.outer.merge.value} needs a DiLoCo-family mode on one coordinator "
+                "(coordinator.shards = 1: each island's norm and the merged direction span every slice)"
             )
         if self.diloco.dylu and self.mode != Mode.DILOCO:
             raise ValueError("diloco.dylu applies to mode diloco only")

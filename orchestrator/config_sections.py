@@ -27,6 +27,13 @@ class OuterOptimizer(str, Enum):
     SPARSELOCO = "sparseloco"
 
 
+class OuterMerge(str, Enum):
+    """How the admitted pseudo-gradients become the one the outer optimizer steps on."""
+
+    MEAN = "mean"  # token-weighted mean (DiLoCo)
+    RADIAL_DIRECTIONAL = "radial_directional"  # mean norm x mean direction (Decoupled DiLoCo)
+
+
 class OuterConfig(Strict):
     """Outer optimizer stepped on the token-weighted mean pseudo-gradient (docs/algorithms.md)."""
 
@@ -40,6 +47,13 @@ class OuterConfig(Strict):
     momentum: float = Field(0.9, ge=0, lt=1, description="nesterov/sgd momentum")
     betas: tuple[float, float] = Field((0.9, 0.999), description="adam betas")
     drop_prob: float = Field(0.0, ge=0, lt=1, description="drop each pseudo-gradient with this probability (ablation)")
+    merge: OuterMerge = Field(
+        OuterMerge.MEAN,
+        description="mean (the token-weighted mean of the pseudo-gradients) or radial_directional (Decoupled "
+        "DiLoCo's Radial-Directional Averaging: the token-weighted mean of their norms times the direction of the "
+        "token-weighted mean of their unit vectors, so updates that disagree do not shrink the step); not with "
+        "coordinator.shards > 1 or mode ddp",
+    )
 
 
 class AsyncRule(str, Enum):

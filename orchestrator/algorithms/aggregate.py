@@ -76,3 +76,22 @@ class WeightedMean:
                     out.add_(piece.to(dtype), alpha=w)
             out.div_(total)
         return self.sum
+
+    def radial_directional(self, parts: Sequence[tuple[np.ndarray, float]]) -> torch.Tensor:
+        """Radial-Directional Averaging (Decoupled DiLoCo, arXiv 2604.21428): r̄ · û with
+        r̄ = Σ w_i ‖Δ_i‖ / Σ w_i and û the unit vector along Σ w_i Δ_i/‖Δ_i‖ — the norms
+        and the directions averaged apart, so pseudo-gradients that point different ways
+        do not shrink the step as their mean does. Two reads of each Δ_i: its norm must be
+        known before its direction is weighted. A zero Δ_i adds to the mean norm only;
+        with no direction at all the result is zero."""
+        norms = [math.sqrt(sqnorm(np.asarray(d, dtype=np.float64))) for d, _ in parts]
+        total = sum(w for _, w in parts)
+        if total <= 0:
+            raise ValueError("no contributions to average")
+        radius = sum(w * r for (_, w), r in zip(parts, norms)) / total
+        units = [(d, w / r) for (d, w), r in zip(parts, norms) if r > 0]
+        if not units:
+            return self.sum.zero_()
+        direction = self.fill(units)  # along Σ w_i Δ_i/‖Δ_i‖ (its own total divides it)
+        length = float(direction.norm())
+        return direction.mul_(radius / length) if length > 0 else direction.zero_()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -26,12 +26,20 @@ import torch
 
 from orchestrator.algorithms.aggregate import WeightedMean, all_finite, sqnorm
 from orchestrator.algorithms.fused_step import SGDRule, mean_step
+from orchestrator.config_sections import OuterMerge
 from orchestrator.engine.step.admission import Admission, Facts, Verdict
 from orchestrator.engine.types import Contribution, Decision
 from workers.wire.compress import decode
 from workers.wire.fragments import Fragments
 
 Scheduler = torch.optim.lr_scheduler.LRScheduler
+
+
+# how the admitted updates become the one the rule steps on (`outer.merge`)
+MERGES: dict[OuterMerge, Callable[[WeightedMean, Sequence[tuple[np.ndarray, float]]], torch.Tensor]] = {
+    OuterMerge.MEAN: WeightedMean.fill,
+    OuterMerge.RADIAL_DIRECTIONAL: WeightedMean.radial_directional,
+}
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,7 @@ class OuterRule:
     # (`step(anchor=, gap=)`, its Λ read back as `last_gap`)
     anchored: bool = False
     one_pass: bool = False  # `FlatSGD`'s step, which the fused kernel computes with the mean
+    merge: OuterMerge = OuterMerge.MEAN  # how the admitted updates become the one stepped on (`MERGES`)
 
 
 def as_tensor(x: np.ndarray) -> torch.Tensor:
@@ -59,7 +68,11 @@ class OuterStep:
     def __init__(self, flat: torch.Tensor, rule: OuterRule) -> None:
         self.param = torch.nn.Parameter(flat, requires_grad=True)  # shares storage
         self.optimizer, self.scheduler = rule.build(self.param)
-        self.grad_clip, self.anchored, self.fusable = rule.grad_clip, rule.anchored, rule.one_pass
+        self.grad_clip, self.anchored = rule.grad_clip, rule.anchored
+        # the one-pass kernel and the mean taken while screening compute the plain mean only
+        self.prefills = rule.merge == OuterMerge.MEAN
+        self.fusable = rule.one_pass and self.prefills
+        self.merge = MERGES[rule.merge]
         self.mean = WeightedMean(flat.numel(), flat.dtype)
         self.anchors: dict[int, torch.Tensor] = {0: flat.detach().clone()} if rule.anchored else {}
 
@@ -69,7 +82,7 @@ class OuterStep:
         if not self.anchored or self.optimizer.param_groups[0]["penalty"] != "adaptive":
             return None
         moved = float(torch.sum((self.param.detach() - self.anchors[anchor]) ** 2))
-        mean_sq = float(torch.sum(self.mean.fill(parts) ** 2))  # the preallocated buffer; `apply` refills it
+        mean_sq = float(torch.sum(self.merge(self.mean, parts) ** 2))  # the preallocated buffer; `apply` refills it
         return moved, mean_sq, float(self.optimizer.param_groups[0]["lam"])
 
     def apply(
@@ -79,9 +92,9 @@ class OuterStep:
         anchor: int | None = None,
         gap: float | None = None,
     ) -> float | None:
-        """Step the rule on the weighted mean of `parts` (× `scale`; None: the mean buffer
-        already holds it, filled while screening); returns CO2's Λ."""
-        grad = self.mean.fill(parts) if parts is not None else self.mean.sum
+        """Step the rule on the merge of `parts` (× `scale`; None: the mean buffer already
+        holds it, filled while screening); returns CO2's Λ."""
+        grad = self.merge(self.mean, parts) if parts is not None else self.mean.sum
         if scale != 1.0:
             grad.mul_(scale)
         if self.grad_clip is not None:
@@ -278,7 +291,8 @@ class LocalOuter:
         ordered = self.pending[key] = sorted(decoded, key=lambda part: part[0])
         fits = [d.shape == (self._size(c.fragment),) for c, (_, d, _) in zip(contributions, decoded)]
         self.filled = None
-        if self.fragments is None and all(fits) and decoded and all(w > 0 for _, _, w in decoded):
+        prefill = self.fragments is None and self.steps[0].prefills
+        if prefill and all(fits) and decoded and all(w > 0 for _, _, w in decoded):
             if self.one_pass is not None:
                 by_island = self.one_pass.fill(key, ordered, scale)
             else:

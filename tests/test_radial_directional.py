@@ -1,0 +1,75 @@
+"""Radial-Directional Averaging (`outer.merge: radial_directional`, Decoupled DiLoCo):
+vector R1 of docs/algorithms.md in float64, its properties, the outer step taking it (and
+not the one-pass mean), a whole run with it in two modes, and the configs it refuses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from orchestrator.algorithms.aggregate import WeightedMean
+from orchestrator.config_load import ConfigError, load_config
+from orchestrator.config_sections import OuterConfig, OuterMerge
+from orchestrator.engine.step.outer import Commit, LocalOuter
+from orchestrator.engine.step.rules import optimizer_rule
+from orchestrator.engine.types import Contribution
+from tests.engine_scenarios import run_scenario, scenario_cfg
+
+F64 = np.float64
+
+
+def rda(parts: list[tuple[list[float], float]]) -> np.ndarray:
+    merge = WeightedMean(len(parts[0][0]), torch.float64)
+    return merge.radial_directional([(np.array(d, F64), w) for d, w in parts]).numpy().copy()
+
+
+def test_vector_r1():
+    """docs/algorithms.md, R1: norms 3 and 4 average to 3.5 along the diagonal; with token
+    weights 3 and 1, the mean norm is 3.25 along (0.75, 0.25) normalised."""
+    np.testing.assert_allclose(rda([([3, 0], 1), ([0, 4], 1)]), [3.5 / np.sqrt(2)] * 2, atol=1e-12)
+    u = np.array([0.75, 0.25]) / np.linalg.norm([0.75, 0.25])
+    np.testing.assert_allclose(rda([([3, 0], 3), ([0, 4], 1)]), 3.25 * u, atol=1e-12)
+    np.testing.assert_allclose(rda([([3, 0], 3), ([0, 4], 1)]), [3.0832207, 1.0277402], atol=1e-6)
+
+
+def test_its_properties_against_the_mean():
+    """Aligned updates: the weighted mean. Opposed ones cancel to zero. A zero update adds
+    to the mean norm only. Scaling every update scales the result; the norm of the result
+    is the weighted mean of the norms whenever there is a direction."""
+    rng = np.random.default_rng(0)
+    d = rng.normal(size=6)
+    np.testing.assert_allclose(rda([(list(2 * d), 1), (list(d), 3)]), (2 * d + 3 * d) / 4, atol=1e-12)
+    np.testing.assert_allclose(rda([([1, 0], 1), ([-1, 0], 1)]), [0, 0])
+    np.testing.assert_allclose(rda([([0, 0], 1), ([3, 4], 1)]), [1.5, 2.0], atol=1e-12)
+    a, b = rng.normal(size=5), rng.normal(size=5)
+    np.testing.assert_allclose(rda([(list(7 * a), 2), (list(7 * b), 1)]), 7 * rda([(list(a), 2), (list(b), 1)]))
+    out = rda([(list(a), 2), (list(b), 1)])
+    assert np.linalg.norm(out) == pytest.approx((2 * np.linalg.norm(a) + np.linalg.norm(b)) / 3)
+    assert np.linalg.norm(out) > np.linalg.norm((2 * a + b) / 3)  # the mean shrinks what disagrees
+
+
+def test_the_outer_step_takes_the_merge_and_not_the_one_pass_mean():
+    """SGD with lr 1 and no momentum applies the merged update whole: θ − RDA(Δ)."""
+    outer = LocalOuter(
+        torch.zeros(2), optimizer_rule(OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0, merge="radial_directional"))
+    )
+    assert outer.one_pass is None and not outer.steps[0].prefills
+    deltas = [np.array([3, 0], np.float32), np.array([0, 4], np.float32)]
+    proposal = outer.propose([Contribution(island=i, version=0, delta=d, weight=1.0) for i, d in enumerate(deltas)])
+    assert [f.sqnorm for f in proposal.facts] == [9.0, 16.0]
+    outer.commit(proposal, Commit(weights={0: 1.0, 1: 1.0}))
+    np.testing.assert_allclose(outer.params(), [-3.5 / np.sqrt(2)] * 2, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["diloco", "streaming"])
+def test_a_run_merging_radially_trains_each_batch_once(tmp_path, mode):
+    summary = run_scenario(scenario_cfg(tmp_path, mode, "outer.merge=radial_directional"))
+    assert summary["state"] == "finished" and summary["final_eval_loss"] < summary["initial_eval_loss"]
+
+
+@pytest.mark.parametrize("sets", [["coordinator.shards=2"], ["mode=ddp", "warm_start.steps=0"]])
+def test_it_is_refused_where_it_cannot_be_taken(sets):
+    with pytest.raises(ConfigError, match=r"outer.merge radial_directional needs a DiLoCo-family mode"):
+        load_config(None, ["outer.merge=radial_directional", *sets])
+    assert load_config(None, sets).outer.merge == OuterMerge.MEAN
