@@ -150,6 +150,37 @@ class Membership:
     def next_index(self) -> int:
         return max([*self.islands, *self.pending, self.retired.last_index]) + 1
 
+    # -- a checkpoint's part ------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """The islands (plain values), the released ones' totals and the target."""
+        return {
+            "members": {
+                i: {
+                    **asdict(s),
+                    "state": s.state.value,
+                    "merge": s.merge.value if s.merge is not None else None,
+                    "recent": list(s.recent),
+                }
+                for i, s in self.islands.items()
+            },
+            "retired": asdict(self.retired),
+            "target": self.target,
+        }
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Back from `state` (a checkpoint older than a field gives it its default)."""
+        for i, saved in state["members"].items():
+            fields = dict(saved)
+            recent = fields.pop("recent", [])
+            merge = fields.get("merge")
+            stats = IslandStats(
+                **{**fields, "state": IslandState(fields["state"]), "merge": Merge(merge) if merge else None}
+            )
+            stats.recent.extend(recent)
+            self.islands[int(i)] = stats
+        self.retired = Retired(**state.get("retired", {}))
+        self.target = state["target"]
+
     def prune(self, held: set[int]) -> None:
         """Fold all but the newest `RETAINED` released islands into `retired`; islands in
         `held` (work of theirs still waiting to be judged) stay listed."""

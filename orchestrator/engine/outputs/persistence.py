@@ -13,13 +13,13 @@ from typing import Any
 from orchestrator.config import RunConfig
 from orchestrator.engine.commands import SettingsUpdate
 from orchestrator.engine.fleet.island_states import IslandStates
-from orchestrator.engine.fleet.membership import IslandStats, Membership, Retired
+from orchestrator.engine.fleet.membership import Membership
 from orchestrator.engine.outputs.stats import RunStats
 from orchestrator.engine.pacing.base import Flight, Pacing, RunState
 from orchestrator.engine.pacing.quorum import QuorumRule
 from orchestrator.engine.step.admission import Admission
 from orchestrator.engine.step.outer import Outer
-from orchestrator.engine.types import IslandState, Merge, RunFailed
+from orchestrator.engine.types import RunFailed
 from orchestrator.engine.work.ledger import DataLedger
 from orchestrator.engine.work.publisher import Publisher
 from workers.wire.flat import FlatParams
@@ -63,20 +63,10 @@ def capture(engine: RunCore, flights: dict[int, Flight]) -> dict[str, Any]:
         "version": engine.run.version,
         "outer": engine.outer.state_dict(),
         "admission": engine.admission.state_dict(),
-        "members": {
-            i: {
-                **dataclasses.asdict(s),
-                "state": s.state.value,
-                "merge": s.merge.value if s.merge is not None else None,
-                "recent": list(s.recent),
-            }
-            for i, s in engine.members.islands.items()
-        },
-        "retired": dataclasses.asdict(engine.members.retired),
+        **engine.members.state(),  # members, retired, target
         "ledger": engine.ledger.state(),
         "completed_steps": engine.run.completed_steps - uncommitted,
         "counters": engine.stats.state(),
-        "target": engine.members.target,
         # what an operator changed mid-run (H, the quorum rule's settings; the outer lr is
         # in the outer optimizer's state): the restarted coordinator's config has the old values
         "settings": {
@@ -102,20 +92,10 @@ def restore(engine: RunCore, state: dict[str, Any]) -> None:
     run.version = run.base = run.closes = state["version"]
     engine.outer.load_state_dict(state["outer"], state["version"])
     engine.admission.load_state_dict(state["admission"])
-    for i, saved_stats in state["members"].items():
-        fields = dict(saved_stats)
-        recent = fields.pop("recent", [])
-        merge = fields.get("merge")  # absent from a checkpoint older than the field
-        stats = IslandStats(
-            **{**fields, "state": IslandState(fields["state"]), "merge": Merge(merge) if merge else None}
-        )
-        stats.recent.extend(recent)
-        engine.members.islands[int(i)] = stats
-    engine.members.retired = Retired(**state.get("retired", {}))  # absent from a checkpoint older than it
+    engine.members.load(state)
     engine.ledger.load(state["ledger"])
     run.completed_steps = state["completed_steps"]
     engine.stats.load(state["counters"])
-    engine.members.target = state["target"]
     engine.states.load(state.get("island_states", []))  # absent from a checkpoint older than it
     # an operator's mid-run change survives a restart of the same config; a config that
     # changes the setting itself (a resume with a new file) wins over the checkpoint's
