@@ -158,20 +158,12 @@ def assemble(
     if state is None and init_from is None:  # version 0 is the seed's model, or the warm start's
         publisher.version0 = version0_digest(cfg, flat.data.detach().cpu().numpy())
     outputs = Outputs(
-        cfg=cfg,
-        run_id=run_id,
+        core=core,
         task=task,
         model=model,
-        flat=flat,
-        outer=outer,
-        members=members,
-        stats=stats,
         inbox=inbox,
         resumed=state is not None,
         on_record=on_record,
-        quorum=policies.quorum,
-        states=states,
-        run=run,
         evaluator=evaluator,
     )
     events = outputs.events
@@ -179,39 +171,10 @@ def assemble(
         events.add(Event.RESTART, version=run.version, rounds_done=stats.rounds_done)
     slices = tuple(outer.bounds) if isinstance(outer, SlicedOuter) else None
     inflight = InFlight(
-        cfg=cfg,
-        pool=pool,
-        ledger=ledger,
-        pacing=policies.pacing,
-        run=run,
-        members=members,
-        stats=stats,
-        speeds=policies.speeds,
-        publisher=publisher,
-        events=events,
-        sizes=Sizes(outer.numel, fragments, slices),
-        states=states,
+        core=core, pool=pool, speeds=policies.speeds, events=events, sizes=Sizes(outer.numel, fragments, slices)
     )
-    fleet = Fleet(
-        cfg=cfg,
-        run_id=run_id,
-        pool=pool,
-        members=members,
-        run=run,
-        events=events,
-        disk=outputs.disk,
-        states=states,
-        admission=policies.admission,
-    )
-    requests = OperatorRequests(
-        cfg=cfg,
-        inbox=inbox,
-        run=run,
-        outer=outer,
-        quorum=policies.quorum,
-        events=events,
-        takes_changes=takes_changes,
-    )
+    fleet = Fleet(core=core, pool=pool, events=events, disk=outputs.disk)
+    requests = OperatorRequests(core=core, inbox=inbox, events=events, takes_changes=takes_changes)
     if takes_changes:
         inbox.members = members
         inbox.settle(members.target)

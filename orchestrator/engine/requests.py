@@ -4,12 +4,9 @@ next; the engine applies it. Membership requests are the fleet's (`fleet.py`).""
 
 from __future__ import annotations
 
-from orchestrator.config import RunConfig
 from orchestrator.engine.commands import Inbox, SettingsUpdate
+from orchestrator.engine.outputs.persistence import RunCore
 from orchestrator.engine.outputs.records import EventLog
-from orchestrator.engine.pacing.base import RunState
-from orchestrator.engine.pacing.quorum import QuorumRule
-from orchestrator.engine.step.outer import Outer
 from orchestrator.engine.types import Event, RunPhase
 
 
@@ -17,17 +14,15 @@ class OperatorRequests:
     def __init__(
         self,
         *,
-        cfg: RunConfig,
+        core: RunCore,
         inbox: Inbox,
-        run: RunState,
-        outer: Outer,
-        quorum: QuorumRule | None,
         events: EventLog,
         takes_changes: bool,
     ) -> None:
-        """`takes_changes`: False in a phase that honours pause and stop only (the warm start
-        leaves settings for the run that follows it)."""
-        self.cfg, self.inbox, self.run, self.outer, self.quorum = cfg, inbox, run, outer, quorum
+        """`core`: the run's state, which the settings change (H, the outer lr, the quorum
+        rule's); `takes_changes`: False in a phase that honours pause and stop only (the
+        warm start leaves settings for the run that follows it)."""
+        self.cfg, self.inbox, self.run, self.outer, self.quorum = core.cfg, inbox, core.run, core.outer, core.quorum
         self.events, self.takes_changes = events, takes_changes
         self.stop_seen = False
 

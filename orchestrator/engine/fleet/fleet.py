@@ -17,17 +17,14 @@ import logging
 import time
 from dataclasses import dataclass
 
-from orchestrator.config import RunConfig
 from orchestrator.config_operations import OnFailure
 from orchestrator.engine.commands import Drain, Inbox, SetTarget
-from orchestrator.engine.fleet.island_states import IslandStates
 from orchestrator.engine.fleet.membership import Membership
 from orchestrator.engine.outcomes import FleetDecision, Halt, Judged, Lost, Outcome, Place, Release, StartDrain
 from orchestrator.engine.outputs.checkpoints import load_intent, run_folder, save_intent
+from orchestrator.engine.outputs.persistence import RunCore
 from orchestrator.engine.outputs.records import DiskFaults, EventLog
-from orchestrator.engine.pacing.base import RunState
 from orchestrator.engine.pool import IslandPool, Joined, JoinFailed
-from orchestrator.engine.step.admission import Admission
 from orchestrator.engine.types import Decision, Event, IslandState, RunFailed
 
 log = logging.getLogger(__name__)
@@ -83,21 +80,17 @@ class Fleet:
     def __init__(
         self,
         *,
-        cfg: RunConfig,
-        run_id: str,
+        core: RunCore,
         pool: IslandPool,
-        members: Membership,
-        run: RunState,
         events: EventLog,
         disk: DiskFaults,
-        states: IslandStates,
-        admission: Admission,
     ) -> None:
-        """`states`: where islands keep their inner state, and what an island placed again
-        continues from; `admission`: counts each island's bad updates in a row (towards
-        quarantine)."""
-        self.cfg, self.run_id, self.pool, self.members, self.run = cfg, run_id, pool, members, run
-        self.states, self.admission = states, admission
+        """`core`: the run's state — where islands keep their inner state and what an
+        island placed again continues from; admission, which counts each island's bad
+        updates in a row (towards quarantine)."""
+        cfg = core.cfg
+        self.cfg, self.run_id, self.pool, self.members, self.run = cfg, core.run_id, pool, core.members, core.run
+        self.states, self.admission = core.states, core.admission
         self.events, self.disk = events, disk
         self.scaling = ScalingPolicy(abandon=cfg.elastic.drain == "abandon")
         restart = cfg.elastic.restart_s if cfg.elastic.on_failure == OnFailure.RESTART else None

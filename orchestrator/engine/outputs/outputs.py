@@ -19,23 +19,17 @@ from typing import Any
 
 import torch
 
-from orchestrator.config import RunConfig
 from orchestrator.engine.commands import Inbox
-from orchestrator.engine.fleet.island_states import IslandStates
-from orchestrator.engine.fleet.membership import IslandStats, Membership
+from orchestrator.engine.fleet.membership import IslandStats
 from orchestrator.engine.outputs.checkpoints import run_folder, save_checkpoint
 from orchestrator.engine.outputs.evaluation import Evaluation, Evaluator, LocalEvaluator
 from orchestrator.engine.outputs.loop_time import Part
+from orchestrator.engine.outputs.persistence import RunCore
 from orchestrator.engine.outputs.records import DiskFaults, EventLog, Recorder
-from orchestrator.engine.outputs.stats import RunStats
-from orchestrator.engine.pacing.base import RunState
-from orchestrator.engine.pacing.quorum import QuorumRule
-from orchestrator.engine.step.outer import Outer
 from orchestrator.engine.threads import spare_cores, step_threads
 from orchestrator.engine.types import Event, RunPhase
 from orchestrator.engine.warm_start import WarmStart
 from workers.tasks.task import ExportableTask, Task, export_pretrained
-from workers.wire.flat import FlatParams
 from workers.wire.handoff import params_digest
 
 log = logging.getLogger(__name__)
@@ -48,26 +42,28 @@ class Outputs:
     def __init__(
         self,
         *,
-        cfg: RunConfig,
-        run_id: str,
+        core: RunCore,
         task: Task,
         model: torch.nn.Module,
-        flat: FlatParams,
-        outer: Outer,
-        members: Membership,
-        stats: RunStats,
         inbox: Inbox,
         resumed: bool,
-        states: IslandStates,
-        run: RunState,
         on_record: OnRecord | None = None,
-        quorum: QuorumRule | None = None,
         evaluator: Evaluator | None = None,
     ) -> None:
-        self.quorum = quorum  # the quorum pacing's live settings, shown in the status
-        self.cfg, self.run_id, self.task, self.model, self.flat, self.outer = cfg, run_id, task, model, flat, outer
-        self.members, self.stats, self.inbox, self.on_record = members, stats, inbox, on_record
-        self.states, self.run = states, run  # the run's live settings (H) are its state's, not the config's
+        """`core`: the run's state (its live settings, H and the quorum rule's, are there,
+        not in the config)."""
+        cfg, run_id, stats = core.cfg, core.run_id, core.stats
+        self.quorum = core.quorum  # the quorum pacing's live settings, shown in the status
+        self.cfg, self.run_id, self.task, self.model, self.flat, self.outer = (
+            cfg,
+            run_id,
+            task,
+            model,
+            core.flat,
+            core.outer,
+        )
+        self.members, self.stats, self.inbox, self.on_record = core.members, stats, inbox, on_record
+        self.states, self.run = core.states, core.run
         self.evaluator = evaluator or LocalEvaluator(task=task, model=model, threads=self.eval_threads)
         self.evaluated: dict[int, Evaluation] = {}  # version -> its evaluation, the last few
         self.initial_version: int | None = None  # the version whose evaluation is the run's initial one

@@ -11,20 +11,16 @@ import math
 import time
 from collections.abc import Iterator
 
-from orchestrator.config import RunConfig
-from orchestrator.engine.fleet.island_states import IslandStates, save_due
-from orchestrator.engine.fleet.membership import Membership
+from orchestrator.engine.fleet.island_states import save_due
 from orchestrator.engine.outcomes import Judged, Lost, Outcome
+from orchestrator.engine.outputs.persistence import RunCore
 from orchestrator.engine.outputs.records import EventLog
-from orchestrator.engine.outputs.stats import RunStats
-from orchestrator.engine.pacing.base import Flight, Pacing, RunState, Work
+from orchestrator.engine.pacing.base import Flight, Work
 from orchestrator.engine.policies import SpeedTracker
 from orchestrator.engine.pool import IslandPool
 from orchestrator.engine.step.admission import Verdict
 from orchestrator.engine.step.screen import Sizes, screen
 from orchestrator.engine.types import Contribution, Decision, Event, IslandState, Merge, Reason
-from orchestrator.engine.work.ledger import DataLedger
-from orchestrator.engine.work.publisher import Publisher
 from workers.wire.handoff import seal
 from workers.wire.messages import RoundResult, WorkOrder
 
@@ -35,25 +31,18 @@ class InFlight:
     def __init__(
         self,
         *,
-        cfg: RunConfig,
+        core: RunCore,
         pool: IslandPool,
-        ledger: DataLedger,
-        pacing: Pacing,
-        run: RunState,
-        members: Membership,
-        stats: RunStats,
         speeds: SpeedTracker,
-        publisher: Publisher,
         events: EventLog,
         sizes: Sizes,
-        states: IslandStates,
     ) -> None:
-        """`states`: the islands' inner states a checkpoint names. What needs the fleet (a
-        refused result's verdict, a hung island) is returned as outcomes (`outcomes.py`)."""
-        self.cfg, self.pool, self.ledger, self.pacing, self.run = cfg, pool, ledger, pacing, run
-        self.members, self.stats, self.speeds, self.publisher = members, stats, speeds, publisher
-        self.events, self.sizes = events, sizes
-        self.states = states
+        """`core`: the run's state (its ledger, pacing, membership, the islands' inner
+        states a checkpoint names). What needs the fleet (a refused result's verdict, a
+        hung island) is returned as outcomes (`outcomes.py`)."""
+        self.cfg, self.pool, self.ledger, self.pacing, self.run = core.cfg, pool, core.ledger, core.pacing, core.run
+        self.members, self.stats, self.speeds, self.publisher = core.members, core.stats, speeds, core.publisher
+        self.events, self.sizes, self.states = events, sizes, core.states
         self.flights: dict[int, Flight] = {}  # handed out; arrived results wait here until their step closes
         self.overdue: dict[int, tuple[int, float]] = {}  # ticket -> (island, deadline), abandoned past it
         self.tickets = itertools.count()
