@@ -141,6 +141,29 @@ class ElasticConfig(Strict):
         description="an island whose work is past its deadline is waited for this long more, then released "
         "as hung and replaced (its work is retrained by the next owner of its shards)",
     )
+    hang_after_steps: float | None = Field(
+        None,
+        gt=0,
+        description="heartbeats: an island whose inner steps stop advancing for this many of its expected step "
+        "times (from its measured speed; at least hang_floor_s) is hung at once — its work given back, it is "
+        "released and replaced — instead of at its deadline and late_grace_s; a slow island keeps advancing and "
+        "keeps its work. null: only deadlines",
+    )
+    progress_every_s: float = Field(
+        5.0, gt=0, description="heartbeats: how often an island's progress is read (beside its round, never behind it)"
+    )
+    hang_floor_s: float = Field(
+        60.0,
+        gt=0,
+        description="heartbeats: the shortest stall that counts as a hang (a first step compiling, a download)",
+    )
+
+    def stall_limit_s(self, steps_per_s: float | None) -> float | None:
+        """How long an island's progress may stall before it is hung (None: no heartbeats,
+        or its speed is not known yet)."""
+        if self.hang_after_steps is None or not steps_per_s:
+            return None
+        return max(self.hang_after_steps / steps_per_s, self.hang_floor_s, 2 * self.progress_every_s)
 
 
 class ApiConfig(Strict):

@@ -50,7 +50,16 @@ class Failed:
     reason: str
 
 
-PoolEvent = Joined | JoinFailed | Done | Failed
+@dataclass(frozen=True, kw_only=True)
+class Progress:
+    """A heartbeat (`elastic.hang_after_steps`): the inner steps `island` has done so far,
+    read beside its round."""
+
+    island: int
+    steps: int
+
+
+PoolEvent = Joined | JoinFailed | Done | Failed | Progress
 
 
 class IslandPool(Protocol):

@@ -17,7 +17,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.pool import Done, Failed, Joined, JoinFailed, PoolEvent
+from orchestrator.engine.pool import Done, Failed, Joined, JoinFailed, PoolEvent, Progress
 from orchestrator.engine.specs import island_spec
 from orchestrator.runtime.island_actors import (
     IslandHandle,
@@ -58,6 +58,8 @@ class RayIslandPool:
         self.published: tuple[int, Any] | None = None
         self.demanded: int | None = None
         self.adopted: dict[int, IslandHandle] = {}  # started before this pool asked for them (`adopt`)
+        self.probes: dict[Any, int] = {}  # heartbeats asked and not yet answered: object ref -> island
+        self.probed_at = 0.0
 
     def now(self) -> float:
         return time.time()
@@ -107,6 +109,8 @@ class RayIslandPool:
     def release(self, island: int) -> None:
         for ref in [r for r, (_, i) in self.work.items() if i == island]:
             del self.work[ref]
+        for ref in [r for r, i in self.probes.items() if i == island]:
+            del self.probes[ref]
         handle = self.handles.pop(island, None)
         if handle is not None:
             try:
@@ -146,7 +150,7 @@ class RayIslandPool:
         return ref
 
     def poll(self, timeout: float, wake: float | None = None) -> list[PoolEvent]:
-        events: list[PoolEvent] = self._placements()
+        events: list[PoolEvent] = self._placements() + self._heartbeats()
         return events + self._results(0 if events else timeout, wake)
 
     def _results(self, timeout: float, wake: float | None) -> list[PoolEvent]:
@@ -160,6 +164,35 @@ class RayIslandPool:
         if ready:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         return [self._fetch(ref, *self.work.pop(ref)) for ref in ready]
+
+    def _heartbeats(self) -> list[PoolEvent]:
+        """With `elastic.hang_after_steps`: every `progress_every_s`, each island with work
+        out is asked its step count through `identity`, which its actor answers in its
+        `control` group beside the round (never behind it); the answers that are in. An
+        island that does not answer is not reported: its stall is the engine's to judge,
+        and its death comes as its result's failure."""
+        elastic = self.cfg.elastic
+        if elastic.hang_after_steps is None:
+            return []
+        events: list[PoolEvent] = []
+        if self.probes:
+            ready, _ = ray.wait(list(self.probes), num_returns=len(self.probes), timeout=0)
+            for ref in ready:
+                island = self.probes.pop(ref)
+                try:
+                    info = ray.get(ref)
+                except ray.exceptions.RayError:
+                    continue
+                events.append(Progress(island=island, steps=int(info["inner_steps_done"])))
+        now = time.time()
+        if now - self.probed_at >= elastic.progress_every_s:
+            self.probed_at = now
+            asked = set(self.probes.values())
+            for island in sorted({i for _, i in self.work.values()} - asked):
+                handle = self.handles.get(island)
+                if handle is not None:
+                    self.probes[handle.actor.identity.remote()] = island
+        return events
 
     def _idle(self, timeout: float) -> None:
         """No work out: wait, looking at placements more often while some are pending."""

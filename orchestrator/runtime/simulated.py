@@ -72,6 +72,10 @@ class VirtualClockPool(RayIslandPool):
             event = Done(ticket=ticket, island=island, result=timed)
         return [event]
 
+    def _heartbeats(self) -> list[PoolEvent]:
+        """None: an island's real steps say nothing of the simulated clock's time."""
+        return []
+
     def _speed(self, island: int, info: dict[str, Any]) -> float | None:
         """Known exactly on the virtual clock."""
         return 1.0 / self.cfg.simulation.virtual_seconds(island, 1)

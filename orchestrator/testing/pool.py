@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.pool import Done, Failed, Joined, PoolEvent
+from orchestrator.engine.pool import Done, Failed, Joined, PoolEvent, Progress
 from orchestrator.engine.specs import island_spec
 from orchestrator.testing.chaos import Strike, TimedFault
 from workers.runtime.island import Island
@@ -88,6 +88,7 @@ class InProcessPool:
         self.dispatched: deque[WorkOrder] = deque(maxlen=DISPATCH_LOG)
         self.demanded: list[int] = []
         self.adopted: dict[int, Island] = {}
+        self.steps_done: dict[int, int] = {}  # heartbeats: each island's inner steps in all
 
     def _at(self, t: float, event: Any) -> None:
         heapq.heappush(self._queue, _Pending(t, next(self._seq), event))
@@ -182,6 +183,8 @@ class InProcessPool:
         except Exception as err:  # an island's exception is its failure, as Ray reports it, never the run's
             self._at(self.t, Failed(ticket=order.ticket, island=i, reason=f"raised: {type(err).__name__}: {err}"))
             return
+        stops = duration / 2 if fault is not None and fault.kind in (FaultKind.CRASH, FaultKind.HANG) else None
+        self._heartbeats(i, order, duration + (fault.seconds if fault and fault.kind == FaultKind.LATE else 0.0), stops)
         if fault is not None and fault.kind == FaultKind.CRASH:
             self.dead.add(i)
             self._at(self.t + duration / 2, Failed(ticket=order.ticket, island=i, reason="actor died: injected crash"))
@@ -211,6 +214,26 @@ class InProcessPool:
             timed = dataclasses.replace(timed, finished_at=fault.seconds)
         self._at(self.t + duration, Done(ticket=order.ticket, island=i, result=timed))
 
+    def _heartbeats(self, island: int, order: WorkOrder, duration: float, stops: float | None) -> None:
+        """With `elastic.hang_after_steps`, the island's step count every `progress_every_s`
+        while it works: its steps spread evenly over its compute (a late island's over its
+        longer time), none while it downloads, and none after `stops` (a hang or a crash
+        halfway: its heartbeats end there)."""
+        elastic = self.cfg.elastic
+        if elastic.hang_after_steps is None:
+            return
+        base, delay = self.steps_done.get(island, 0), order.start_delay_s
+        end = duration if stops is None else stops
+        compute = max(duration - delay, 1e-12)
+        k = 1
+        while (t := k * elastic.progress_every_s) < end:
+            done = min(order.steps, int(order.steps * max(0.0, t - delay) / compute))
+            self._at(self.t + t, Progress(island=island, steps=base + done))
+            k += 1
+        self.steps_done[island] = base + (
+            order.steps if stops is None else int(order.steps * max(0.0, end - delay) / compute)
+        )
+
     def poll(self, timeout: float, wake: float | None = None) -> list[PoolEvent]:
         while self.chaos and self.chaos[0].at <= min(self._queue[0].at if self._queue else math.inf, self.t + timeout):
             self._strike(self.chaos.pop(0))
@@ -232,6 +255,10 @@ class InProcessPool:
         hit = working[int(self.rng.integers(len(working)))]
         at, i = max(fault.at, self.t), hit.event.island
         self._queue.remove(hit)
+        if fault.kind != Strike.SLOW:  # a crashed or hung island's heartbeats end with it
+            self._queue = [
+                p for p in self._queue if not (isinstance(p.event, Progress) and p.event.island == i and p.at > at)
+            ]
         if fault.kind == Strike.CRASH:
             self.dead.add(i)
             self._queue.append(

@@ -69,6 +69,8 @@ class Flight:
     delivered_at: float = 0.0  # when its pseudo-gradient crossed the link (streaming: τ steps before the end)
     received_at: float = 0.0  # when the coordinator had the result in hand (the pool's clock)
     received: int = 0  # bytes its island received for it (a first, full download not counted)
+    progress_at: float = 0.0  # heartbeats: when its island's steps last advanced (the pool's clock)
+    steps_seen: int | None = None  # ... the step count its island reported then (None: no report yet)
 
     @property
     def usable_at(self) -> float:

@@ -45,6 +45,7 @@ class InFlight:
         self.events, self.sizes, self.states = events, sizes, core.states
         self.flights: dict[int, Flight] = {}  # handed out; arrived results wait here until their step closes
         self.overdue: dict[int, tuple[int, float]] = {}  # ticket -> (island, deadline), abandoned past it
+        self.reported: dict[int, int] = {}  # heartbeats: each island's inner steps in all, as last reported
         self.tickets = itertools.count()
 
     def in_flight(self) -> list[Flight]:
@@ -92,7 +93,14 @@ class InFlight:
         allowed = self.cfg.deadline_s(work.steps, self.speeds.speeds.get(work.island))
         deadline = self.pool.now() + delivery.delay_s + allowed
         received = 0 if delivery.bootstrap else delivery.nbytes
-        self.flights[ticket] = Flight(ticket, work, deadline, sent_at=self.pool.now(), received=received)
+        self.flights[ticket] = Flight(
+            ticket,
+            work,
+            deadline,
+            sent_at=self.pool.now(),
+            received=received,
+            progress_at=self.pool.now() + delivery.delay_s,
+        )
         self.pool.dispatch(order, delivery.params, delivery.changes)
 
     def timeout(self, wake: float | None = None) -> float:
@@ -138,6 +146,22 @@ class InFlight:
         self.members.islands[island].merge = Merge.WAITING
         self.pacing.arrived(flight)
         return []
+
+    def progressed(self, island: int, steps: int) -> None:
+        """A heartbeat: `island` has done `steps` inner steps in all. Its work out has
+        progressed if the count moved past what it reported before (`steps_seen`, or its
+        last report during earlier work)."""
+        stats = self.members.islands.get(island)
+        if stats is not None:
+            stats.last_progress = time.time()
+        before = self.reported.get(island)
+        self.reported[island] = steps
+        for flight in self.in_flight():
+            if flight.work.island == island:
+                seen = flight.steps_seen if flight.steps_seen is not None else before
+                if seen is not None and steps > seen:
+                    flight.progress_at = self.pool.now()
+                flight.steps_seen = steps
 
     def refuse(self, ticket: int, island: int, problem: str, reason: Reason) -> Judged:
         """A result that cannot be decoded, or whose report of what it read and trained does
@@ -187,6 +211,13 @@ class InFlight:
         for ticket, (i, deadline) in list(self.overdue.items()):
             if ticket in self.overdue and now - deadline > grace:
                 yield Lost(island=i, reason=f"hung: no result {grace:g}s past its deadline (elastic.late_grace_s)")
+        for flight in self.in_flight():  # heartbeats: a stall, long before any deadline
+            i = flight.work.island
+            limit = self.cfg.elastic.stall_limit_s(self.speeds.speeds.get(i))
+            if limit is not None and flight.ticket in self.flights and now - flight.progress_at > limit:
+                yield Lost(
+                    island=i, reason=f"hung: no progress for {now - flight.progress_at:.0f}s (elastic.hang_after_steps)"
+                )
 
     def forget(self, island: int, state: IslandState) -> None:
         """An island is released for good (the fleet's call): its work still out is lost
@@ -196,6 +227,7 @@ class InFlight:
         self.publisher.forget(island)
         for t in [t for t, (i, _) in self.overdue.items() if i == island]:
             del self.overdue[t]
+        self.reported.pop(island, None)
 
     def contribution(self, r: RoundResult, fragment: int | None, factors: dict[int, float] | None) -> Contribution:
         """What an arrived result gives its outer step: its tokens, times its pacing's

@@ -1,0 +1,90 @@
+"""Heartbeats (`elastic.hang_after_steps`): an island whose inner steps stop advancing is
+hung within a few of its step times, not at its deadline and grace; a slow or late island
+keeps advancing and keeps its work; each batch is still trained once, in every mode. On
+the in-process pool's clock, and on Ray with a real hang (an island stuck in its data)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from orchestrator.config_load import load_config
+from orchestrator.runtime.driver import run
+from orchestrator.testing.pool import Fault, FaultKind
+from tests.engine_scenarios import check_exactly_once, check_rounds_recorded, drive, run_scenario, scenario_cfg
+from tests.helpers import events, in_process_engine, toy_quadratic
+
+# 1 simulated s per inner step, a heartbeat every ½ s: hung after 3 steps without one
+BEATS = ("elastic.hang_after_steps=3", "elastic.progress_every_s=0.5", "elastic.hang_floor_s=1")
+MODES = ["diloco", "async", "overlap", "streaming", "quorum", "streaming_quorum"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_hung_island_is_noticed_by_its_stalled_steps_and_replaced_long_before_its_deadline(tmp_path, mode):
+    """Its deadline is 20 simulated s after its work went out, then 100 s of grace; the
+    stall is seen 3 step times after its last step, so no deadline ever passes."""
+    cfg = scenario_cfg(tmp_path, mode, "rounds=8", *BEATS)
+    summary = run_scenario(cfg, [Fault(FaultKind.HANG, 0, order=2)])  # exactly once, every round recorded
+    isl = summary["islands"]
+    assert isl["0"]["state"] == "dead" and isl["0"]["error"] == "hung: no progress for 3s (elastic.hang_after_steps)"
+    assert isl["3"]["state"] == "training" and isl["3"]["rounds_contributed"] >= 1
+    assert not any(e["kind"] == "late" for e in events(cfg.out_dir))
+
+
+def test_a_barrier_round_waits_a_stall_not_a_deadline(tmp_path):
+    """Synchronous DiLoCo waits for every island: without heartbeats the hung island's
+    round lasts its whole deadline (20 s), with them about 3 s past its last step."""
+    slow = run_scenario(scenario_cfg(tmp_path, "diloco", "rounds=8"), [Fault(FaultKind.HANG, 0, order=2)])
+    fast = run_scenario(scenario_cfg(tmp_path, "diloco", "rounds=8", *BEATS), [Fault(FaultKind.HANG, 0, order=2)])
+    assert fast["clock_seconds"] <= slow["clock_seconds"] - 15, (fast["clock_seconds"], slow["clock_seconds"])
+
+
+@pytest.mark.parametrize("mode", ["diloco", "async", "quorum"])
+def test_a_slow_or_late_island_keeps_advancing_and_keeps_its_work(tmp_path, mode):
+    """A quarter-speed island's steps come 4 s apart, within its own limit (3 of its step
+    times); a late one's are spread over its longer time: neither is hung."""
+    cfg = scenario_cfg(tmp_path, mode, "simulation.slowdown=[1.0,1.0,4.0]", *BEATS)
+    engine, _ = in_process_engine(cfg, [Fault(FaultKind.LATE, 1, order=2, seconds=6.0)])
+    drive(engine)
+    check_exactly_once(cfg, engine.summary)
+    check_rounds_recorded(cfg, engine.summary)
+    assert all(s["state"] == "training" for s in engine.summary["islands"].values())
+    assert not any(e["kind"] == "crash" for e in events(cfg.out_dir))
+
+
+def test_without_heartbeats_nothing_is_reported_and_the_deadline_decides(tmp_path):
+    cfg = scenario_cfg(tmp_path, "diloco")
+    engine, pool = in_process_engine(cfg, [Fault(FaultKind.HANG, 0, order=2)])
+    drive(engine)
+    assert engine.summary["islands"]["0"]["state"] == "late" and not pool.steps_done
+
+
+@pytest.mark.ray
+def test_a_real_hang_on_ray_is_noticed_in_seconds(ray_local, tmp_path):
+    """Island 2's process sleeps in its data for an hour (its round deadline is 10 min):
+    its actor still answers its heartbeats, with a step count that stops moving, so it is
+    released and replaced in seconds and the run finishes."""
+    sets = toy_quadratic(3, 0.02, "data_shards=3", f"task.kwargs.fault_dir={tmp_path}", f"out_dir={tmp_path / 'out'}")
+    cfg = load_config(
+        None,
+        [
+            *sets,
+            "rounds=4",
+            "inner_steps=10",
+            "round_timeout_s=600",
+            "task.kwargs.stall_island=2",
+            "task.kwargs.stall_s=3600",
+            "elastic.hang_after_steps=10",
+            "elastic.progress_every_s=0.5",
+            "elastic.hang_floor_s=3",
+        ],
+    )
+    t0 = time.perf_counter()
+    summary = run(cfg, show_progress=False)
+    assert time.perf_counter() - t0 < 90
+    islands = summary["islands"]
+    assert islands["2"]["state"] == "dead" and islands["2"]["error"].startswith("hung: no progress"), islands["2"]
+    assert summary["rounds_done"] == 4 and islands["3"]["rounds_contributed"] >= 1
+    shards = summary["shards"]
+    assert sum(shards["position"]) == summary["tokens"]  # every batch read was trained, once
