@@ -158,12 +158,13 @@ class ElasticConfig(Strict):
         description="heartbeats: the shortest stall that counts as a hang (a first step compiling, a download)",
     )
 
-    def stall_limit_s(self, steps_per_s: float | None) -> float | None:
-        """How long an island's progress may stall before it is hung (None: no heartbeats,
-        or its speed is not known yet)."""
-        if self.hang_after_steps is None or not steps_per_s:
+    def stall_limit_s(self, steps_per_s: float | None, hang_after_steps: float | None) -> float | None:
+        """How long an island's progress may stall before it is hung, at `hang_after_steps`
+        (the run's live value of the setting; None: no heartbeats) of its step times (None
+        too while its speed is not known)."""
+        if hang_after_steps is None or not steps_per_s:
             return None
-        return max(self.hang_after_steps / steps_per_s, self.hang_floor_s, 2 * self.progress_every_s)
+        return max(hang_after_steps / steps_per_s, self.hang_floor_s, 2 * self.progress_every_s)
 
 
 class ApiConfig(Strict):

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from orchestrator.config_load import load_config
+from orchestrator.engine.commands import Refused, SettingsUpdate, UpdateSettings
 from orchestrator.runtime.driver import run
 from orchestrator.testing.pool import Fault, FaultKind
 from tests.engine_scenarios import check_exactly_once, check_rounds_recorded, drive, run_scenario, scenario_cfg
@@ -88,3 +89,19 @@ def test_a_real_hang_on_ray_is_noticed_in_seconds(ray_local, tmp_path):
     assert summary["rounds_done"] == 4 and islands["3"]["rounds_contributed"] >= 1
     shards = summary["shards"]
     assert sum(shards["position"]) == summary["tokens"]  # every batch read was trained, once
+
+
+def test_the_threshold_is_live_kept_by_a_checkpoint_and_heartbeats_are_not_turned_on_mid_run(tmp_path):
+    """At k = 1000 the hung island would wait for its deadline; lowered to 3 after round 1
+    (`PATCH /v1/run/settings`), it is hung by its stall. The value is the run's state: the
+    status shows it and a checkpoint keeps it. A run without heartbeats refuses it."""
+    cfg = scenario_cfg(tmp_path, "diloco", "rounds=8", *BEATS, "elastic.hang_after_steps=1000")
+    at = {1: lambda e: e.submit(UpdateSettings(settings=SettingsUpdate(hang_after_steps=3)))}
+    engine, _ = in_process_engine(cfg, [Fault(FaultKind.HANG, 0, order=3)])
+    drive(engine, at)
+    check_exactly_once(cfg, engine.summary)
+    assert engine.summary["islands"]["0"]["error"] == "hung: no progress for 3s (elastic.hang_after_steps)"
+    assert engine.status()["hang_after_steps"] == 3 and engine.capture()["settings"]["hang_after_steps"] == 3
+    off, _ = in_process_engine(scenario_cfg(tmp_path, "diloco"))
+    refused = off.submit(UpdateSettings(settings=SettingsUpdate(hang_after_steps=3)))
+    assert isinstance(refused, Refused) and "has no heartbeats" in refused.message

@@ -127,7 +127,7 @@ def assemble(
     flight, the fleet and the operator's requests."""
     policies = build_policies(cfg, flat.numel, fragments)
     members = Membership(cfg.islands.count)
-    run = RunState(cfg.rounds, cfg.inner_steps, members)
+    run = RunState(cfg.rounds, cfg.inner_steps, members, hang_after_steps=cfg.elastic.hang_after_steps)
     ledger = DataLedger(cfg.num_shards)
     stats = RunStats()
     publisher = Publisher(cfg=cfg, pool=pool, outer=outer, flat=flat.data, fragments=fragments, lag=policies.pacing.lag)

@@ -35,6 +35,9 @@ class SettingsUpdate(BaseModel):
     grace_cap: float | None = Field(None, ge=0, le=100, description="async quorum rule: window cap, x a round")
     grace_k: float | None = Field(None, ge=0, le=100, description="async quorum rule: window = median + k x MAD")
     age_power: float | None = Field(None, ge=0, le=100, description="async quorum rule: weight x (1 + age)^-power")
+    hang_after_steps: float | None = Field(
+        None, gt=0, le=1_000_000, description="heartbeats: hung after this many step times without progress"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -39,6 +39,11 @@ def check_settings(cfg: RunConfig, update: SettingsUpdate, islands: int) -> None
             f"{', '.join(asked)}: needs mode async with asynchronous.rule = quorum, "
             "or mode streaming with streaming.pacing = quorum"
         )
+    if update.hang_after_steps is not None and cfg.elastic.hang_after_steps is None:
+        raise ValueError(
+            "hang_after_steps: the run has no heartbeats (elastic.hang_after_steps: null in its config); "
+            "it can change their threshold, not turn them on"
+        )
     cfg.asynchronous.check_quorum(update.quorum, islands)
 
 

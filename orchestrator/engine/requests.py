@@ -49,6 +49,8 @@ class OperatorRequests:
     def apply(self, update: SettingsUpdate) -> None:
         if update.inner_steps is not None:  # the run's state, checkpointed: the config stays as validated
             self.run.inner_steps = update.inner_steps
+        if update.hang_after_steps is not None:
+            self.run.hang_after_steps = update.hang_after_steps
         if update.outer_lr is not None:
             self.outer.set_lr(update.outer_lr)
         if self.quorum is not None:

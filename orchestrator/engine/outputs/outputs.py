@@ -264,6 +264,7 @@ class Outputs:
             "pending_islands": sorted(self.members.pending),
             "inner_steps": self.run.inner_steps,
             "outer_lr": self.outer.lr(),
+            "hang_after_steps": self.run.hang_after_steps,
             "paused": self.inbox.paused.is_set(),
             "stopping": self.inbox.stopping.is_set(),
             "disk_errors": self.disk.count,

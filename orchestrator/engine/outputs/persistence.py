@@ -71,6 +71,7 @@ def capture(engine: RunCore, flights: dict[int, Flight]) -> dict[str, Any]:
         # in the outer optimizer's state): the restarted coordinator's config has the old values
         "settings": {
             "inner_steps": engine.run.inner_steps,
+            "hang_after_steps": engine.run.hang_after_steps,
             "quorum": dataclasses.asdict(engine.quorum) if engine.quorum is not None else None,
         },
         "island_states": engine.states.kept(engine.members),  # every inner-state file a kept checkpoint names
@@ -102,6 +103,13 @@ def restore(engine: RunCore, state: dict[str, Any]) -> None:
     settings = state.get("settings", {})  # absent from a checkpoint older than it
     if "inner_steps" in settings and saved.get("inner_steps") == cfg.inner_steps:
         run.inner_steps = settings["inner_steps"]
+    on = cfg.elastic.hang_after_steps is not None
+    if (
+        on
+        and settings.get("hang_after_steps")
+        and saved.get("elastic", {}).get("hang_after_steps") == cfg.elastic.hang_after_steps
+    ):
+        run.hang_after_steps = settings["hang_after_steps"]
     if engine.quorum is not None and settings.get("quorum"):
         was = saved.get("asynchronous", {})
         kept = {k: v for k, v in settings["quorum"].items() if was.get(k) == getattr(cfg.asynchronous, k)}

@@ -40,6 +40,7 @@ class RunStatus(_View):
     pending_islands: list[int] = []
     inner_steps: int | None = None
     outer_lr: float | None = None
+    hang_after_steps: float | None = None  # heartbeats' live threshold (null: none)
     quorum: int | None = None  # async quorum rule: its live settings (absent under other rules)
     grace_cap: float | None = None
     grace_k: float | None = None

@@ -42,6 +42,7 @@ class RunState:
     closes: int = 0  # outer steps closed (applied or not)
     stopping: bool = False  # no new work: finish what is in flight
     now: float = 0.0  # the pool's clock when the engine last asked (a pacing may close on time)
+    hang_after_steps: float | None = None  # heartbeats' live setting (`elastic.hang_after_steps`)
 
 
 @dataclass(frozen=True)

@@ -213,7 +213,7 @@ class InFlight:
                 yield Lost(island=i, reason=f"hung: no result {grace:g}s past its deadline (elastic.late_grace_s)")
         for flight in self.in_flight():  # heartbeats: a stall, long before any deadline
             i = flight.work.island
-            limit = self.cfg.elastic.stall_limit_s(self.speeds.speeds.get(i))
+            limit = self.cfg.elastic.stall_limit_s(self.speeds.speeds.get(i), self.run.hang_after_steps)
             if limit is not None and flight.ticket in self.flights and now - flight.progress_at > limit:
                 yield Lost(
                     island=i, reason=f"hung: no progress for {now - flight.progress_at:.0f}s (elastic.hang_after_steps)"
