@@ -150,10 +150,9 @@ class InFlight:
     def progressed(self, island: int, steps: int) -> None:
         """A heartbeat: `island` has done `steps` inner steps in all. Its work out has
         progressed if the count moved past what it reported before (`steps_seen`, or its
-        last report during earlier work)."""
-        stats = self.members.islands.get(island)
-        if stats is not None:
-            stats.last_progress = time.time()
+        last report during earlier work); only then is it the island's news
+        (`last_progress`): a hung island answering with a count that no longer moves is
+        silent to the dashboard's stuck rule too."""
         before = self.reported.get(island)
         self.reported[island] = steps
         for flight in self.in_flight():
@@ -161,6 +160,8 @@ class InFlight:
                 seen = flight.steps_seen if flight.steps_seen is not None else before
                 if seen is not None and steps > seen:
                     flight.progress_at = self.pool.now()
+                    if (stats := self.members.islands.get(island)) is not None:
+                        stats.last_progress = time.time()
                 flight.steps_seen = steps
 
     def refuse(self, ticket: int, island: int, problem: str, reason: Reason) -> Judged:
