@@ -155,16 +155,19 @@ class ElasticConfig(Strict):
     hang_floor_s: float = Field(
         60.0,
         gt=0,
-        description="heartbeats: the shortest stall that counts as a hang (a first step compiling, a download)",
+        description="heartbeats: the shortest stall that counts as a hang (a first step compiling, a download); "
+        "the whole limit while an island's speed is not known yet",
     )
 
     def stall_limit_s(self, steps_per_s: float | None, hang_after_steps: float | None) -> float | None:
-        """How long an island's progress may stall before it is hung, at `hang_after_steps`
-        (the run's live value of the setting; None: no heartbeats) of its step times (None
-        too while its speed is not known)."""
-        if hang_after_steps is None or not steps_per_s:
+        """How long an island's progress may stall before it is hung: `hang_after_steps` (the
+        run's live value of the setting; None: no heartbeats) of its step times, never less
+        than `hang_floor_s` — which is all there is while its speed is not known (an island
+        that hangs in its first round never reports one)."""
+        if hang_after_steps is None:
             return None
-        return max(hang_after_steps / steps_per_s, self.hang_floor_s, 2 * self.progress_every_s)
+        floor = max(self.hang_floor_s, 2 * self.progress_every_s)
+        return max(hang_after_steps / steps_per_s, floor) if steps_per_s else floor
 
 
 class ApiConfig(Strict):
