@@ -42,9 +42,13 @@ def test_a_virtual_clock_gives_exact_speeds_and_arrivals_in_simulated_order(ray_
     """With `simulation.virtual_step_s` the islands really train on Ray but nothing sleeps:
     each result counts at its simulated finish (steps x 0.5 s x slowdown), so the speeds
     DyLU sees are exactly 2, 2 and 0.5 steps/s on this contended machine, the slow
-    island works a quarter of H, and the run's clock is simulated."""
-    summary = run(_cfg(tmp_path, "simulation.virtual_step_s=0.5", "inner_steps=8"), show_progress=False)
+    island works a quarter of H, and the run's clock is simulated; heartbeats count the
+    simulated steps, so none is taken for a hang."""
+    beats = ("elastic.hang_after_steps=2", "elastic.progress_every_s=0.2", "elastic.hang_floor_s=0.5")
+    summary = run(_cfg(tmp_path, "simulation.virtual_step_s=0.5", "inner_steps=8", *beats), show_progress=False)
     isl = summary["islands"]
+    # heartbeats on the simulated clock: a jump of the clock to the next finish is no stall
+    assert all(isl[i]["state"] == "training" for i in ("0", "1", "2")), isl
     assert [isl[i]["steps_per_s"] for i in ("0", "1", "2")] == pytest.approx([2.0, 2.0, 0.5])
     assert [isl[i]["inner_steps"] for i in ("0", "1", "2")] == [8, 8, 2]
     # 6 rounds x 3 islands x 8 steps of budget, at 2 + 2 + 0.5 steps per simulated second

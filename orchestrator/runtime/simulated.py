@@ -11,7 +11,7 @@ from typing import Any
 import ray
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.pool import Done, PoolEvent
+from orchestrator.engine.pool import Done, PoolEvent, Progress
 from orchestrator.runtime.island_pool import RayIslandPool
 from workers.wire.messages import WorkOrder
 
@@ -26,6 +26,8 @@ class VirtualClockPool(RayIslandPool):
         super().__init__(cfg, run_id, coordinator)
         self.vt = 0.0
         self.finish: dict[Any, float] = {}  # object ref -> its simulated finish
+        self.begun: dict[Any, float] = {}  # object ref -> when its steps begin (after its download)
+        self.counted: dict[int, int] = {}  # heartbeats: each island's steps of finished work
 
     def now(self) -> float:
         return self.vt
@@ -37,12 +39,15 @@ class VirtualClockPool(RayIslandPool):
         """The link's delay is simulated time too: the island does not wait for it."""
         ref = super().dispatch(dataclasses.replace(order, start_delay_s=0.0), params, changes)
         sim = self.cfg.simulation
-        self.finish[ref] = self.vt + order.start_delay_s + sim.virtual_seconds(order.island, order.steps)
+        self.begun[ref] = self.vt + order.start_delay_s
+        self.finish[ref] = self.begun[ref] + sim.virtual_seconds(order.island, order.steps)
         return ref
 
     def release(self, island: int) -> None:
         for ref in [r for r, (_, i) in self.work.items() if i == island]:
             self.finish.pop(ref, None)
+            self.begun.pop(ref, None)
+        self.counted.pop(island, None)
         super().release(island)
 
     def _results(self, timeout: float, wake: float | None) -> list[PoolEvent]:
@@ -59,6 +64,7 @@ class VirtualClockPool(RayIslandPool):
             return []
         ticket, island = self.work.pop(ref)
         at = self.finish.pop(ref)
+        self.begun.pop(ref, None)
         self.vt = max(self.vt, at)
         event = self._fetch(ref, ticket, island)
         if isinstance(event, Done):
@@ -70,10 +76,26 @@ class VirtualClockPool(RayIslandPool):
                 tail_s=sim.virtual_seconds(island, r.tail_steps),
             )
             event = Done(ticket=ticket, island=island, result=timed)
+            self.counted[island] = self.counted.get(island, 0) + r.steps
         return [event]
 
+    def poll(self, timeout: float, wake: float | None = None) -> list[PoolEvent]:
+        """With heartbeats (`elastic.hang_after_steps`), each working island's steps as the
+        simulated clock has them once it has moved: its steps are simulated time, so a jump
+        of the clock to the next finish is never a stall."""
+        events = super().poll(timeout, wake)
+        if self.cfg.elastic.hang_after_steps is None:
+            return events
+        beats: list[PoolEvent] = []
+        for ref, (_, island) in self.work.items():
+            step = self.cfg.simulation.virtual_seconds(island, 1)
+            done = int(max(0.0, self.vt - self.begun[ref]) / step) if step > 0 else 0
+            beats.append(Progress(island=island, steps=self.counted.get(island, 0) + done))
+        return events + beats
+
     def _heartbeats(self) -> list[PoolEvent]:
-        """None: an island's real steps say nothing of the simulated clock's time."""
+        """None read from the islands: their real steps say nothing of simulated time
+        (`poll` reports the simulated ones)."""
         return []
 
     def _speed(self, island: int, info: dict[str, Any]) -> float | None:

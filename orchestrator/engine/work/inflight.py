@@ -150,15 +150,15 @@ class InFlight:
     def progressed(self, island: int, steps: int) -> None:
         """A heartbeat: `island` has done `steps` inner steps in all. Its work out has
         progressed if the count moved past what it reported before (`steps_seen`, or its
-        last report during earlier work); only then is it the island's news
+        last report during earlier work, or 0); only then is it the island's news
         (`last_progress`): a hung island answering with a count that no longer moves is
         silent to the dashboard's stuck rule too."""
-        before = self.reported.get(island)
+        before = self.reported.get(island, 0)  # a first report: any step at all is progress
         self.reported[island] = steps
         for flight in self.in_flight():
             if flight.work.island == island:
                 seen = flight.steps_seen if flight.steps_seen is not None else before
-                if seen is not None and steps > seen:
+                if steps > seen:
                     flight.progress_at = self.pool.now()
                     if (stats := self.members.islands.get(island)) is not None:
                         stats.last_progress = time.time()
