@@ -84,7 +84,7 @@ class WeightedMean:
         do not shrink the step as their mean does. Two reads of each Δ_i: its norm must be
         known before its direction is weighted. A zero Δ_i adds to the mean norm only;
         with no direction at all the result is zero."""
-        norms = [math.sqrt(sqnorm(np.asarray(d, dtype=np.float64))) for d, _ in parts]
+        norms = [math.sqrt(sqnorm(np.asarray(d))) for d, _ in parts]
         total = sum(w for _, w in parts)
         if total <= 0:
             raise ValueError("no contributions to average")

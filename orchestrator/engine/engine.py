@@ -46,10 +46,11 @@ log = logging.getLogger(__name__)
 class EngineParts(RunCore):
     """Everything a round engine works with beyond what its checkpoints hold (`RunCore`),
     built and wired by `build.assemble`, the run's one composition root (the coordinator
-    actor and the tests build through it). `inbox`: the run's operator commands (shared by its phases); a phase that does not
-    `takes_changes` (the warm start) honours pause and stop and leaves settings and
-    membership changes for the next; one that `hands_over` (the warm start again) leaves
-    its islands running when it finishes, for the next phase's pool to take over."""
+    actor and the tests build through it). `inbox`: the run's operator commands (shared
+    by its phases); a phase that does not `takes_changes` (the warm start) honours pause
+    and stop and leaves settings and membership changes for the next; one that
+    `hands_over` (the warm start again) leaves its islands running when it finishes, for
+    the next phase's pool to take over."""
 
     task: Task
     model: torch.nn.Module
@@ -221,7 +222,7 @@ class RoundEngine(EngineParts):
     def _scale(self, inbox: Inbox | None, busy: set[int]) -> None:
         """The operator's membership commands, then the scaling policy's decisions."""
         self.fleet.take_requests(inbox)
-        self._apply(self.fleet.scaling.decide(self.members, busy))
+        self._apply(self.fleet.decide(busy))
 
     # -- work out -------------------------------------------------------------------------------
     def _initial_eval(self) -> None:

@@ -150,8 +150,9 @@ class RayIslandPool:
         return ref
 
     def poll(self, timeout: float, wake: float | None = None) -> list[PoolEvent]:
-        events: list[PoolEvent] = self._placements() + self._heartbeats()
-        return events + self._results(0 if events else timeout, wake)
+        events: list[PoolEvent] = self._placements()
+        events += self._results(0 if events else timeout, wake)
+        return events + self._heartbeats()  # after the results: a clock they moved is the one reported on
 
     def _results(self, timeout: float, wake: float | None) -> list[PoolEvent]:
         """Every result that is in, waiting up to `timeout` for the first (`wake`, a step

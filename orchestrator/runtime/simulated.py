@@ -79,24 +79,18 @@ class VirtualClockPool(RayIslandPool):
             self.counted[island] = self.counted.get(island, 0) + r.steps
         return [event]
 
-    def poll(self, timeout: float, wake: float | None = None) -> list[PoolEvent]:
-        """With heartbeats (`elastic.hang_after_steps`), each working island's steps as the
-        simulated clock has them once it has moved: its steps are simulated time, so a jump
-        of the clock to the next finish is never a stall."""
-        events = super().poll(timeout, wake)
+    def _heartbeats(self) -> list[PoolEvent]:
+        """With `elastic.hang_after_steps`, each working island's steps as the simulated
+        clock has them, after the results moved it (the islands' real steps say nothing of
+        simulated time): a jump of the clock to the next finish is never a stall."""
         if self.cfg.elastic.hang_after_steps is None:
-            return events
+            return []
         beats: list[PoolEvent] = []
         for ref, (_, island) in self.work.items():
             step = self.cfg.simulation.virtual_seconds(island, 1)
             done = int(max(0.0, self.vt - self.begun[ref]) / step) if step > 0 else 0
             beats.append(Progress(island=island, steps=self.counted.get(island, 0) + done))
-        return events + beats
-
-    def _heartbeats(self) -> list[PoolEvent]:
-        """None read from the islands: their real steps say nothing of simulated time
-        (`poll` reports the simulated ones)."""
-        return []
+        return beats
 
     def _speed(self, island: int, info: dict[str, Any]) -> float | None:
         """Known exactly on the virtual clock."""

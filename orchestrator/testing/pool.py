@@ -183,8 +183,10 @@ class InProcessPool:
         except Exception as err:  # an island's exception is its failure, as Ray reports it, never the run's
             self._at(self.t, Failed(ticket=order.ticket, island=i, reason=f"raised: {type(err).__name__}: {err}"))
             return
+        if fault is not None and fault.kind == FaultKind.LATE:
+            duration += fault.seconds
         stops = duration / 2 if fault is not None and fault.kind in (FaultKind.CRASH, FaultKind.HANG) else None
-        self._heartbeats(i, order, duration + (fault.seconds if fault and fault.kind == FaultKind.LATE else 0.0), stops)
+        self._heartbeats(i, order, duration, stops)
         if fault is not None and fault.kind == FaultKind.CRASH:
             self.dead.add(i)
             self._at(self.t + duration / 2, Failed(ticket=order.ticket, island=i, reason="actor died: injected crash"))
@@ -204,8 +206,6 @@ class InProcessPool:
             result = dataclasses.replace(result, payload=fault.payload)
         if fault is not None and fault.kind == FaultKind.HANG:
             return
-        if fault is not None and fault.kind == FaultKind.LATE:
-            duration += fault.seconds
         compute = order.steps * step  # virtual, so DyLU sees the simulated speeds
         timed = dataclasses.replace(
             result, finished_at=self.t + duration, compute_s=compute, tail_s=result.tail_steps * step

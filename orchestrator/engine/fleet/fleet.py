@@ -179,7 +179,7 @@ class Fleet:
     def take_requests(self, inbox: Inbox | None) -> None:
         """Apply the operator's accepted target and drain commands (from `inbox`, when this
         phase takes them); tell the pool what the run wants; give up joins past their time.
-        The scaling policy's decisions follow (`ScalingPolicy.decide`, applied by the engine)."""
+        The scaling policy's decisions follow (`decide`, applied by the engine)."""
         m = self.members
         for command in inbox.take_membership() if inbox is not None else []:
             if isinstance(command, SetTarget):
@@ -191,6 +191,11 @@ class Fleet:
             inbox.settle(m.target)
         self.demand()
         self.expire_joins()
+
+    def decide(self, busy: set[int]) -> list[FleetDecision]:
+        """The scaling policy's decisions for the membership as it stands (`busy`: islands
+        with work out), for the engine to apply."""
+        return self.scaling.decide(self.members, busy)
 
     def demand(self) -> None:
         """Tell the pool (on KubeRay: the autoscaler) how many islands the run wants."""

@@ -103,10 +103,9 @@ def restore(engine: RunCore, state: dict[str, Any]) -> None:
     settings = state.get("settings", {})  # absent from a checkpoint older than it
     if "inner_steps" in settings and saved.get("inner_steps") == cfg.inner_steps:
         run.inner_steps = settings["inner_steps"]
-    on = cfg.elastic.hang_after_steps is not None
+    # (a live threshold exists only where the config had heartbeats: the same config has them)
     if (
-        on
-        and settings.get("hang_after_steps")
+        settings.get("hang_after_steps")
         and saved.get("elastic", {}).get("hang_after_steps") == cfg.elastic.hang_after_steps
     ):
         run.hang_after_steps = settings["hang_after_steps"]

@@ -11,12 +11,12 @@ import math
 import time
 from collections.abc import Iterator
 
+from orchestrator.algorithms.dylu import SpeedTracker
 from orchestrator.engine.fleet.island_states import save_due
 from orchestrator.engine.outcomes import Judged, Lost, Outcome
 from orchestrator.engine.outputs.persistence import RunCore
 from orchestrator.engine.outputs.records import EventLog
 from orchestrator.engine.pacing.base import Flight, Work
-from orchestrator.engine.policies import SpeedTracker
 from orchestrator.engine.pool import IslandPool
 from orchestrator.engine.step.admission import Verdict
 from orchestrator.engine.step.screen import Sizes, screen
