@@ -134,6 +134,13 @@ class SimulationConfig(Strict):
     links: list[LinkConfig] | None = Field(
         None, description="one link per initial island instead; joiners and replacements use `link`"
     )
+    nominal_params: int | None = Field(
+        None,
+        ge=1,
+        description="price every transfer on the links as if the model had this many parameters (its bytes "
+        "scaled by nominal / actual, so a codec's ratio holds): a small model trains while its exchanges cost "
+        "what a large one's would. The byte counts stay the bytes that moved",
+    )
     slowdown: list[float] | None = Field(
         None,
         description="one factor >= 1 per initial island stretching every inner step (2 = half speed); "

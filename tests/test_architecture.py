@@ -148,7 +148,7 @@ def test_nothing_in_the_product_imports_the_benchmarks_or_the_testing_package():
         if not name.startswith(NOT_PRODUCT)
     }
     assert {k: v for k, v in offenders.items() if v} == {}
-    assert any(m.startswith("orchestrator.testing") for m in IMPORTS["orchestrator.bench.goodput"])
+    assert any(m.startswith("orchestrator.testing") for m in IMPORTS["orchestrator.bench.fleet"])
 
 
 def test_the_island_and_the_ray_pool_hold_no_simulation_branch():

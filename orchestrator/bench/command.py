@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from orchestrator.bench import fleet_spec
 from orchestrator.bench.registry import available, publish, run_bench
 from orchestrator.bench.report import ScenarioUnavailable, measured_commit, replot, require_plotting
 
@@ -37,6 +38,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> Callable[[argparse.Na
     bench.add_argument(
         "--replot", action="store_true", help="only draw DIR/<scenario>.png again from DIR/<scenario>.json (no run)"
     )
+    fleet_spec.add_arguments(bench)
     return bench_command
 
 
@@ -63,9 +65,19 @@ def bench_command(args: argparse.Namespace) -> int:
             log.error("cannot replot %s: %s", args.scenario, err)
             return 2
         return 0
+    options: dict[str, Any] = {}
+    if fleet_spec.given(args):
+        if args.scenario != "fleet":
+            log.error("%s describe the fleet of `bench fleet` only", ", ".join(fleet_spec.given(args)))
+            return 2
+        try:
+            options["spec"] = fleet_spec.spec_of(args)
+        except ValueError as err:
+            log.error("bench fleet: %s", err)
+            return 2
     try:
         measured_commit()  # the commit whose code runs, read before it runs
-        result = run_bench(args.scenario, args.quick, Path(args.out))
+        result = run_bench(args.scenario, args.quick, Path(args.out), **options)
     except ScenarioUnavailable as err:
         log.error("%s", err)
         return 2

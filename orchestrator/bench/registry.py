@@ -1,6 +1,6 @@
 """The benchmark registry. A scenario is a function `(quick, work_dir) -> BenchResult`;
 the entry point writes `<scenario>.json`, `.png` and `.md` and prints a one-line summary.
-Scenarios: quality, hetero, goodput, overlap, streaming, datapath, startup, warmstart, data,
+Scenarios: quality, hetero, fleet, overlap, streaming, datapath, startup, warmstart, data,
 compression, gpu (its CUDA rows need a GPU), coordinator, bareloop."""
 
 from __future__ import annotations
@@ -10,17 +10,18 @@ import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from orchestrator.bench.report import BenchResult, require_plotting, write_docs_index, write_result
 
-Scenario = Callable[[bool, Path], BenchResult]
+Scenario = Callable[..., BenchResult]  # (quick, work_dir, **options)
 # name -> "module:function"; imported when run, so a scenario never imports the registry
 SCENARIOS: dict[str, str] = {
     name: f"orchestrator.bench.{name}:{name}"
     for name in (
         "quality",
         "hetero",
-        "goodput",
+        "fleet",
         "overlap",
         "streaming",
         "datapath",
@@ -47,12 +48,13 @@ def load(name: str) -> Scenario:
     return fn
 
 
-def run_bench(name: str, quick: bool, out: Path) -> BenchResult:
-    """Run scenario `name`; its report goes to `out` only (`publish` puts it in the docs)."""
+def run_bench(name: str, quick: bool, out: Path, **options: Any) -> BenchResult:
+    """Run scenario `name` (with its `options`: `fleet`'s spec); its report goes to `out`
+    only (`publish` puts it in the docs)."""
     require_plotting()  # before the runs: a report without its plot would cost them all
     scenario = load(name)
     out.mkdir(parents=True, exist_ok=True)
-    result = scenario(quick, out / f"{name}-runs")
+    result = scenario(quick, out / f"{name}-runs", **options)
     write_result(result, out)
     return result
 

@@ -49,6 +49,18 @@ class Fault:
     payload: Any = None
 
 
+@dataclass
+class Losses:
+    """Island-seconds a fleet lost, by cause, as the pool saw them (`bench fleet`'s
+    breakdown of where the time went)."""
+
+    struck: dict[Strike, float] = field(default_factory=lambda: dict.fromkeys(Strike, 0.0))  # work destroyed
+    strikes: dict[Strike, int] = field(default_factory=lambda: dict.fromkeys(Strike, 0))  # that hit an island
+    undetected: float = 0.0  # a hung island's time from its hang until the engine let it go
+    placement: float = 0.0  # islands placed after the start (replacements): `join_s` each
+    halted: float = 0.0  # seconds the whole fleet stood still (stop-the-world restarts)
+
+
 @dataclass(order=True)
 class _Pending:
     at: float
@@ -89,6 +101,10 @@ class InProcessPool:
         self.demanded: list[int] = []
         self.adopted: dict[int, Island] = {}
         self.steps_done: dict[int, int] = {}  # heartbeats: each island's inner steps in all
+        self.losses = Losses()
+        self.started: dict[int, float] = {}  # ticket -> when its compute began (what a strike destroys)
+        self.hung: dict[int, float] = {}  # island -> when it hung
+        self.doomed: dict[int, float] = {}  # island -> when it is gone (a preemption's notice ran out)
 
     def _at(self, t: float, event: Any) -> None:
         heapq.heappush(self._queue, _Pending(t, next(self._seq), event))
@@ -101,6 +117,7 @@ class InProcessPool:
         return self.t
 
     def sleep_until(self, t: float) -> None:
+        self.losses.halted += max(0.0, t - self.t)
         self.t = max(self.t, t)
 
     def request(
@@ -112,6 +129,8 @@ class InProcessPool:
             return
         spec = island_spec(self.cfg, island, start_step, state_folder=state_folder, restore=restore)
         adopted = self.adopted.pop(island, None)
+        if self.t > 0:
+            self.losses.placement += self.join_s
         if adopted is not None:
             adopted.reset(spec)
         self.islands[island] = adopted or Island(spec)
@@ -147,6 +166,9 @@ class InProcessPool:
 
     def release(self, island: int) -> None:
         self.islands.pop(island, None)
+        self.doomed.pop(island, None)
+        if island in self.hung:
+            self.losses.undetected += self.t - self.hung.pop(island)
         self._queue = [p for p in self._queue if getattr(p.event, "island", None) != island]
         heapq.heapify(self._queue)
 
@@ -165,6 +187,8 @@ class InProcessPool:
             order = dataclasses.replace(order, changes=changes)
         i = order.island
         self.dispatched.append(order)
+        if self.doomed.get(i, math.inf) <= self.t:
+            self.dead.add(i)
         if i in self.dead or i not in self.islands:
             self._at(self.t, Failed(ticket=order.ticket, island=i, reason="actor died: island is gone"))
             return
@@ -186,6 +210,14 @@ class InProcessPool:
         if fault is not None and fault.kind == FaultKind.LATE:
             duration += fault.seconds
         stops = duration / 2 if fault is not None and fault.kind in (FaultKind.CRASH, FaultKind.HANG) else None
+        self.started[order.ticket] = self.t + order.start_delay_s
+        gone = self.doomed.get(i, math.inf) - self.t
+        if gone < duration and stops is None:  # preempted before it finishes: what it did is lost
+            self._heartbeats(i, order, duration, gone)
+            self.dead.add(i)
+            self.losses.struck[Strike.PREEMPT] += max(0.0, gone - order.start_delay_s)
+            self._at(self.t + gone, Failed(ticket=order.ticket, island=i, reason="actor died: preempted"))
+            return
         self._heartbeats(i, order, duration, stops)
         if fault is not None and fault.kind == FaultKind.CRASH:
             self.dead.add(i)
@@ -245,6 +277,9 @@ class InProcessPool:
         events = [first.event]
         while self._queue and self._queue[0].at <= self.t:
             events.append(heapq.heappop(self._queue).event)
+        for e in events:
+            if isinstance(e, (Done, Failed)):
+                self.started.pop(e.ticket, None)
         return events
 
     def _strike(self, fault: TimedFault) -> None:
@@ -254,11 +289,16 @@ class InProcessPool:
             return
         hit = working[int(self.rng.integers(len(working)))]
         at, i = max(fault.at, self.t), hit.event.island
+        self.losses.strikes[fault.kind] += 1
+        if fault.kind == Strike.PREEMPT:
+            self._preempt(hit, at + fault.notice)
+            return
         self._queue.remove(hit)
         if fault.kind != Strike.SLOW:  # a crashed or hung island's heartbeats end with it
-            self._queue = [
-                p for p in self._queue if not (isinstance(p.event, Progress) and p.event.island == i and p.at > at)
-            ]
+            self._silence(i, at)
+            self.losses.struck[fault.kind] += max(0.0, at - self.started.pop(hit.event.ticket, at))
+        if fault.kind == Strike.HANG:
+            self.hung[i] = at
         if fault.kind == Strike.CRASH:
             self.dead.add(i)
             self._queue.append(
@@ -271,8 +311,33 @@ class InProcessPool:
             r = hit.event.result
             due = at + (hit.at - at) * fault.factor
             slowed = dataclasses.replace(r, finished_at=due, compute_s=r.compute_s + (due - hit.at))
+            for p in self._queue:  # its heartbeats slow down with it
+                if isinstance(p.event, Progress) and p.event.island == i and p.at > at:
+                    p.at = at + (p.at - at) * fault.factor
             self._queue.append(_Pending(due, next(self._seq), Done(ticket=hit.event.ticket, island=i, result=slowed)))
         heapq.heapify(self._queue)  # a hang: its result is gone, it never answers
+
+    def _silence(self, island: int, after: float) -> None:
+        """`island`'s heartbeats end at `after` (it crashed, hung or is gone)."""
+        self._queue = [
+            p for p in self._queue if not (isinstance(p.event, Progress) and p.event.island == island and p.at > after)
+        ]
+
+    def _preempt(self, hit: _Pending, gone: float) -> None:
+        """A preemption notice for the island of `hit`: it is gone at `gone`. Work due before
+        then is delivered; work due after fails then, and so does any it is given later."""
+        i = hit.event.island
+        self.doomed[i] = gone
+        if hit.at <= gone:
+            return
+        self._queue.remove(hit)
+        self._silence(i, gone)
+        self.dead.add(i)
+        self.losses.struck[Strike.PREEMPT] += max(0.0, gone - self.started.pop(hit.event.ticket, gone))
+        self._queue.append(
+            _Pending(gone, next(self._seq), Failed(ticket=hit.event.ticket, island=i, reason="actor died: preempted"))
+        )
+        heapq.heapify(self._queue)
 
     def hand_over(self, keep: set[int]) -> dict[int, Any]:
         out = {i: self.islands[i] for i in keep if i in self.islands and i not in self.dead}
@@ -284,6 +349,8 @@ class InProcessPool:
         self.adopted.update(islands)
 
     def close(self) -> None:
+        for island in list(self.hung):  # hung to the end of the run
+            self.losses.undetected += self.t - self.hung.pop(island)
         self.islands.clear()
         self.adopted.clear()
         self._queue.clear()

@@ -31,11 +31,30 @@ class LinkConfig(BaseModel):
     bandwidth_gbps: float | None = Field(None, gt=0, description="overrides the preset's bandwidth")
     latency_ms: float | None = Field(None, ge=0, description="overrides the preset's latency")
 
-    def seconds(self, nbytes: int) -> float:
+    @property
+    def gbps(self) -> float:
+        """Bandwidth in Gbit/s (infinite: `none`)."""
+        return self.bandwidth_gbps if self.bandwidth_gbps is not None else PRESETS[self.preset][0]
+
+    @property
+    def latency_s(self) -> float:
+        return (self.latency_ms if self.latency_ms is not None else PRESETS[self.preset][1]) / 1000.0
+
+    def seconds(self, nbytes: float) -> float:
         """Simulated time to move `nbytes` over this link."""
-        bw, lat = PRESETS[self.preset]
-        bw = self.bandwidth_gbps if self.bandwidth_gbps is not None else bw
-        lat = self.latency_ms if self.latency_ms is not None else lat
-        if bw == float("inf") and lat == 0:
+        if self.gbps == float("inf") and self.latency_s == 0:
             return 0.0
-        return lat / 1000.0 + nbytes * 8 / (bw * 1e9)
+        return self.latency_s + nbytes * 8 / (self.gbps * 1e9)
+
+
+def ring_allreduce_s(links: list[LinkConfig], nbytes: float) -> float:
+    """Simulated time of a ring all-reduce of `nbytes` over islands joined by `links`: each
+    of the 2 (k - 1) hops moves 1/k of the bytes, paced by the slowest link and paying the
+    worst latency (reduce-scatter, then all-gather)."""
+    k = len(links)
+    if k < 2:
+        return 0.0
+    gbps, latency = min(link.gbps for link in links), max(link.latency_s for link in links)
+    if gbps == float("inf") and latency == 0:
+        return 0.0
+    return 2 * (k - 1) * (latency + nbytes / k * 8 / (gbps * 1e9))

@@ -140,7 +140,7 @@ class InFlight:
         finished = min(result.finished_at, now) if math.isfinite(result.finished_at) else now
         # a pseudo-gradient taken τ steps before the end (streaming) was on its link meanwhile
         sent_at = finished - min(result.tail_s, result.compute_s)
-        flight.delivered_at = sent_at + self.cfg.simulation.link_of(island).seconds(result.nbytes)
+        flight.delivered_at = sent_at + self.publisher.links.upload_s(island, result.nbytes, self.members.schedulable())
         flight.received_at = now
         self.run.completed_steps += result.steps
         self.members.islands[island].merge = Merge.WAITING

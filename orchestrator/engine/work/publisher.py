@@ -27,6 +27,7 @@ from orchestrator.engine.pacing.base import Work
 from orchestrator.engine.pool import IslandPool
 from orchestrator.engine.step.outer import Outer
 from orchestrator.engine.work.downlink import Downlink
+from orchestrator.engine.work.links import LinkPrices
 from workers.wire.flat import as_tensor
 from workers.wire.fragments import Fragments
 from workers.wire.handoff import params_digest
@@ -59,6 +60,7 @@ class Publisher:
     ) -> None:
         """`lag`: how many versions behind the newest the pacing may start work (its `lag`)."""
         self.cfg, self.pool, self.outer, self.flat = cfg, pool, outer, flat
+        self.links = LinkPrices.of(cfg, outer.numel)  # the simulated links' prices, both ways
         self.refs: dict[int, Any] = {}  # version -> published parameters
         self.published_at: dict[int, float] = {}
         self.digests: dict[int, str | None] = {}  # version -> digest of what was published (hand-offs)
@@ -161,7 +163,7 @@ class Publisher:
         if nbytes:  # a new global (or its changes) to download over its link
             now = self.pool.now()
             ready = self.published_at.get(work.version, now)
-            delay = max(0.0, ready + self.cfg.simulation.link_of(work.island).seconds(nbytes) - now)
+            delay = max(0.0, ready + self.links.download_s(work.island, nbytes, bootstrap=bootstrap) - now)
         digest = self.digests.get(work.version) if params is not None else None
         return Delivery(
             params=params,

@@ -1,0 +1,140 @@
+"""The fleet `archipelago bench fleet` simulates, as the user describes it on the command
+line (`--islands 16,64 --speeds 1,0.5 --mttf 1800 --mix hang=1,crash=1 --link-gbps 10
+--nominal-params 1e9 --rows quorum,sync_dylu --seeds 3`): the defaults give the published
+report. Kept apart from the scenario so the command line reads it without importing the
+engine."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from orchestrator.testing.chaos import Strike, parse_mix
+
+# name -> (what it is, its overrides); every DiLoCo-family row's outer lr comes from LR_GRID
+ROWS: dict[str, tuple[str, list[str]]] = {
+    "ddp": ("data-parallel: a ring all-reduce of the gradient over the links every step", ["mode=ddp"]),
+    "restart_from_checkpoint": (
+        "synchronous DiLoCo; every failure stops every island and resumes from the last outer step after "
+        "a restart (Ray Train's elastic restarts)",
+        ["mode=diloco", "elastic.on_failure=restart"],
+    ),
+    "sync": ("synchronous DiLoCo: every round waits for its slowest island", ["mode=diloco"]),
+    "sync_dylu": (
+        "synchronous DiLoCo with Dynamic Local Updates (steps sized by speed)",
+        ["mode=diloco", "diloco.dylu=true"],
+    ),
+    "quorum": (
+        "mode async, quorum rule (DyLU, ⌈k/2⌉ islands, adaptive grace)",
+        ["mode=async", "asynchronous.rule=quorum"],
+    ),
+    "dn_dylu": (
+        "mode async, Delayed Nesterov + DyLU, token-weighted",
+        ["mode=async", "asynchronous.rule=delayed_nesterov", "asynchronous.dylu=true"],
+    ),
+    "streaming_quorum": (
+        "Streaming DiLoCo, fragments stepped by quorum",
+        ["mode=streaming", "streaming.pacing=quorum"],
+    ),
+}
+HEADLINE = ("restart_from_checkpoint", "sync_dylu", "quorum", "ddp")  # the rows the targets compare
+
+
+@dataclass(frozen=True, kw_only=True)
+class FleetSpec:
+    islands: tuple[int, ...] = (16, 32, 64)
+    speeds: tuple[float, ...] = (1.0, 1.0, 0.75, 0.5)  # repeated over the fleet
+    mttf_s: float = 1800.0  # per island, simulated
+    mix: str = "hang=1,crash=1,slow=1,preempt=1"
+    link_gbps: float = 100.0
+    latency_ms: float = 30.0
+    nominal_params: int = 1_000_000_000
+    rows: tuple[str, ...] = tuple(ROWS)
+    seeds: int = 3
+    rounds: int = 12  # the token budget: this many synchronous rounds' worth
+    inner_steps: int = 20
+    step_s: float = 1.0  # simulated seconds of an inner step at speed 1
+    join_s: float = 30.0  # a replacement's placement and start
+    restart_s: float = 60.0  # restart_from_checkpoint: the fleet stands still this long per failure
+    hang_after_steps: int = 5  # heartbeats: hung after this many expected steps without progress
+    lr_grid: tuple[float, ...] = (0.5, 0.7, 1.0)
+    jobs: int = 1  # runs side by side, each in a process of its own
+
+    def __post_init__(self) -> None:
+        unknown = [r for r in self.rows if r not in ROWS]
+        if unknown:
+            raise ValueError(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+        if not self.islands or min(self.islands) < 1 or not self.speeds or min(self.speeds) <= 0:
+            raise ValueError("need islands >= 1 and speeds > 0")
+        if self.seeds < 1 or self.rounds < 1 or self.mttf_s <= 0 or self.link_gbps <= 0:
+            raise ValueError("need seeds, rounds >= 1 and mttf, link-gbps > 0")
+        self.strikes()  # the mix parses
+
+    def strikes(self) -> dict[Strike, float]:
+        return parse_mix(self.mix)
+
+    @property
+    def round_s(self) -> float:
+        """A synchronous round: the slowest island's H steps."""
+        return self.inner_steps * self.step_s / min(self.speeds)
+
+    def quick(self) -> FleetSpec:
+        """A few minutes' version (`--quick`): one small fleet, one seed, a short budget."""
+        return replace(self, islands=(min(self.islands),), seeds=1, rounds=min(self.rounds, 4), lr_grid=(0.7,))
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _mix(text: str) -> str:
+    parse_mix(text)
+    return text
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+# flag -> (field, parser, help)
+FLAGS: dict[str, tuple[str, Any, str]] = {
+    "--islands": ("islands", _ints, "fleet sizes, e.g. 16,32,64"),
+    "--speeds": ("speeds", _floats, "relative island speeds, repeated over the fleet, e.g. 1,1,0.75,0.5"),
+    "--mttf": ("mttf_s", float, "mean simulated seconds between failures of one island"),
+    "--mix": ("mix", _mix, "failure kinds by weight, e.g. hang=1,crash=1,slow=1,preempt=1"),
+    "--link-gbps": ("link_gbps", float, "every island's link to the coordinator, Gbit/s"),
+    "--latency-ms": ("latency_ms", float, "its latency"),
+    "--nominal-params": ("nominal_params", lambda t: int(float(t)), "model size the links price, e.g. 1e9"),
+    "--rows": ("rows", lambda t: tuple(x for x in t.split(",") if x), f"methods among {','.join(ROWS)}"),
+    "--seeds": ("seeds", int, "seeds per fleet size"),
+    "--rounds": ("rounds", int, "token budget in synchronous rounds"),
+    "--step-s": ("step_s", float, "simulated seconds of an inner step at speed 1"),
+    "--jobs": ("jobs", int, "runs side by side, a process each (changes the wall time only)"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("bench fleet: the fleet to simulate (defaults: the published report)")
+    defaults = {f.name: f.default for f in fields(FleetSpec)}
+    for flag, (name, _, text) in FLAGS.items():
+        group.add_argument(flag, dest=f"fleet_{name}", default=None, help=f"{text} (default {defaults[name]})")
+
+
+def given(args: argparse.Namespace) -> list[str]:
+    """The fleet flags given on the command line."""
+    return [flag for flag, (name, _, _) in FLAGS.items() if getattr(args, f"fleet_{name}", None) is not None]
+
+
+def spec_of(args: argparse.Namespace) -> FleetSpec:
+    """The fleet the command line describes; ValueError naming the flag that is wrong."""
+    values: dict[str, Any] = {}
+    for flag, (name, parse, _) in FLAGS.items():
+        text = getattr(args, f"fleet_{name}", None)
+        if text is None:
+            continue
+        try:
+            values[name] = parse(text)
+        except ValueError as err:
+            raise ValueError(f"{flag} {text!r}: {err}") from None
+    return FleetSpec(**values)
