@@ -205,3 +205,16 @@ def test_bench_fleet_end_to_end_on_a_small_fleet(tmp_path):
         out / "fleet-runs",
     )
     assert math.isclose(sum(breakdown(again, 4).values()), 1.0)
+
+
+def test_a_hang_ends_for_the_account_when_a_restart_gives_its_work_up(tmp_path):
+    """Under stop-the-world restarts a crash gives every island's work up, the hung one's
+    too, and the hung island trains again: its undetected time ends there, not at the run's
+    end."""
+    cfg = scenario_cfg(tmp_path, "diloco", "elastic.on_failure=restart", "elastic.restart_s=5")
+    chaos = [TimedFault(at=2.0, kind=Strike.HANG), TimedFault(at=3.0, kind=Strike.CRASH)]
+    engine, pool = in_process_engine(cfg, step_s=1.0, chaos=chaos, chaos_seed=1)
+    drive(engine)
+    check_exactly_once(cfg, engine.summary)
+    assert pool.losses.strikes[Strike.HANG] == pool.losses.strikes[Strike.CRASH] == 1
+    assert not pool.hung and 0 < pool.losses.undetected <= 10, (pool.losses, engine.summary["clock_seconds"])

@@ -56,7 +56,7 @@ class Losses:
 
     struck: dict[Strike, float] = field(default_factory=lambda: dict.fromkeys(Strike, 0.0))  # work destroyed
     strikes: dict[Strike, int] = field(default_factory=lambda: dict.fromkeys(Strike, 0))  # that hit an island
-    undetected: float = 0.0  # a hung island's time from its hang until the engine let it go
+    undetected: float = 0.0  # a hung island's time from its hang until the engine let it or its work go
     placement: float = 0.0  # islands placed after the start (replacements): `join_s` each
     halted: float = 0.0  # seconds the whole fleet stood still (stop-the-world restarts)
 
@@ -187,6 +187,8 @@ class InProcessPool:
             order = dataclasses.replace(order, changes=changes)
         i = order.island
         self.dispatched.append(order)
+        if i in self.hung:  # the engine gave its hung work up (a restart) and trusts it again
+            self.losses.undetected += self.t - self.hung.pop(i)
         if self.doomed.get(i, math.inf) <= self.t:
             self.dead.add(i)
         if i in self.dead or i not in self.islands:
