@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.fleet_spec import HEADLINE, ROWS, FleetSpec
+from orchestrator.bench.fleet_spec import ABLATION_OF, HEADLINE, ROWS, FleetSpec
 from orchestrator.bench.hetero import time_to_reach
 from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
 from orchestrator.bench.runner import finished, fresh
@@ -201,7 +201,7 @@ def tune(spec: FleetSpec, work: Path) -> tuple[dict[str, float], dict[str, dict[
     """Each DiLoCo-family row's outer lr from the shared grid: the lowest final loss on seed 0
     of the smallest fleet, with failures. The grid's rows (the shipped default among them)."""
     k = min(spec.islands)
-    tuned = [r for r in spec.rows if r != "ddp"]
+    tuned = [r for r in spec.rows if r != "ddp" and r not in ABLATION_OF]
     runs = run_all(spec, work, [Key(r, k, 0, lr) for r in tuned for lr in spec.lr_grid])
     grid = {
         f"{key.row}@lr{key.lr:g}": {
@@ -215,7 +215,8 @@ def tune(spec: FleetSpec, work: Path) -> tuple[dict[str, float], dict[str, dict[
     for r in tuned:
         finals = {lr: grid[f"{r}@lr{lr:g}"]["final_eval_loss"] for lr in spec.lr_grid}
         best[r] = min(finals, key=finals.__getitem__)
-    return {**best, **({"ddp": 0.0} if "ddp" in spec.rows else {})}, grid
+    borrowed = {r: best.get(ABLATION_OF[r], DEFAULT_LR) for r in spec.rows if r in ABLATION_OF}
+    return {**best, **borrowed, **({"ddp": 0.0} if "ddp" in spec.rows else {})}, grid
 
 
 def fleet(quick: bool, work: Path, spec: FleetSpec | None = None) -> BenchResult:

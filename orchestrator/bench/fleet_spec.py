@@ -37,7 +37,12 @@ ROWS: dict[str, tuple[str, list[str]]] = {
         "Streaming DiLoCo, fragments stepped by quorum",
         ["mode=streaming", "streaming.pacing=quorum"],
     ),
+    "quorum_no_heartbeats": (
+        "ablation: `quorum` with hangs found by deadlines only (no heartbeats), at quorum's lr",
+        ["mode=async", "asynchronous.rule=quorum", "elastic.hang_after_steps=null"],
+    ),
 }
+ABLATION_OF = {"quorum_no_heartbeats": "quorum"}  # rows run at another row's tuned lr
 HEADLINE = ("restart_from_checkpoint", "sync_dylu", "quorum", "ddp")  # the rows the targets compare
 
 
