@@ -41,8 +41,13 @@ ROWS: dict[str, tuple[str, list[str]]] = {
         "ablation: `quorum` with hangs found by deadlines only (no heartbeats), at quorum's lr",
         ["mode=async", "asynchronous.rule=quorum", "elastic.hang_after_steps=null"],
     ),
+    "quorum_radial": (
+        "ablation: `quorum` merging by Radial-Directional Averaging (norms and directions averaged apart) "
+        "instead of the token-weighted mean, at quorum's lr",
+        ["mode=async", "asynchronous.rule=quorum", "outer.merge=radial_directional"],
+    ),
 }
-ABLATION_OF = {"quorum_no_heartbeats": "quorum"}  # rows run at another row's tuned lr
+ABLATION_OF = {"quorum_no_heartbeats": "quorum", "quorum_radial": "quorum"}  # rows at another row's tuned lr
 HEADLINE = ("restart_from_checkpoint", "sync_dylu", "quorum", "ddp")  # the rows the targets compare
 
 
