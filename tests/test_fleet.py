@@ -180,7 +180,10 @@ def test_bench_fleet_end_to_end_on_a_small_fleet(tmp_path):
     ]
     assert main([*argv, "--out", str(out)]) == 0
     report = json.loads((out / "fleet.json").read_text())
-    assert set(report["methods"]) == {"sync@4", "quorum@4"}
+    assert set(report["methods"]) == {"sync_4", "quorum_4"}  # <row>_<islands>, for checks from outside
+    for m in report["methods"].values():
+        assert {"islands", "goodput", "sim_seconds_to_target", "final_eval_loss", "seeds", "lost_seconds"} <= set(m)
+        assert m["islands"] == 4 and m["seeds"] == [0] and m["lost_seconds"]["replacement_start"] >= 0
     reference = run_one(
         FleetSpec(islands=(4,), rows=("sync",), rounds=3, mttf_s=150, seeds=1, lr_grid=(0.7,)),
         "sync",

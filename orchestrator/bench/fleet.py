@@ -235,14 +235,14 @@ def fleet(quick: bool, work: Path, spec: FleetSpec | None = None) -> BenchResult
         curves: dict[str, list[tuple[float, float]]] = {}
         for row in spec.rows:
             mine = [runs[Key(row, k, s, best[row])] for s in seeds_of(spec, row)]
-            results[f"{row}@{k}"] = _row(row, k, best[row], mine, reference)
+            results[f"{row}_{k}"] = _row(row, k, best[row], mine, reference)
             curves[row] = mine[0].curve
         curves["sync, no failures (target)"] = reference[0].curve
         panels.append(Panel(f"{k} islands, seed 0: eval loss against simulated seconds", curves))
     checks = _checks(spec, results)
     summary = "fleet: " + "; ".join(
         f"{k} islands: "
-        + ", ".join(f"{r} goodput {results[f'{r}@{k}']['goodput']:.2f}" for r in spec.rows if r in HEADLINE)
+        + ", ".join(f"{r} goodput {results[f'{r}_{k}']['goodput']:.2f}" for r in spec.rows if r in HEADLINE)
         for k in spec.islands
     )
     return BenchResult(
@@ -261,6 +261,7 @@ def _row(row: str, k: int, lr: float, runs: list[FleetRun], reference: dict[int,
     reach = [time_to_reach(r.curve, t) for r, t in zip(runs, targets)]
     at_equal = [_loss_at(r.curve, reference[s].seconds) for s, r in enumerate(runs)]
     parts = [breakdown(r, k) for r in runs]
+    have = [k * r.seconds for r in runs]
     return {
         "description": ROWS[row][0],
         "overrides": ROWS[row][1],
@@ -277,7 +278,9 @@ def _row(row: str, k: int, lr: float, runs: list[FleetRun], reference: dict[int,
         "sim_seconds_seeds": [r.seconds for r in runs],
         "tokens": _mean([r.summary["tokens"] for r in runs]),
         "strikes": _mean([sum(r.losses["strikes"].values()) for r in runs]),
+        "seeds": list(range(len(runs))),
         "lost": {key: _mean([p[key] for p in parts]) for key in parts[0] if key != "useful"},
+        "lost_seconds": {key: _mean([p[key] * h for p, h in zip(parts, have)]) for key in parts[0] if key != "useful"},
     }
 
 
@@ -296,13 +299,13 @@ def _time_or_bound(m: dict[str, Any]) -> tuple[float, bool]:
 def _checks(spec: FleetSpec, results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     checks: dict[str, dict[str, Any]] = {}
     for k, floor in GOODPUT_TARGETS.items():
-        if f"quorum@{k}" in results:
-            g = results[f"quorum@{k}"]["goodput"]
+        if f"quorum_{k}" in results:
+            g = results[f"quorum_{k}"]["goodput"]
             checks[f"quorum_goodput_ge_{floor}_at_{k}"] = {"value": g, "ok": g >= floor}
     for k in (16, 64):
-        q = results.get(f"quorum@{k}")
+        q = results.get(f"quorum_{k}")
         for other, ratio in TIME_TARGETS.items():
-            m = results.get(f"{other}@{k}")
+            m = results.get(f"{other}_{k}")
             if q is None or m is None:
                 continue
             t, exact = _time_or_bound(m)
@@ -343,7 +346,7 @@ def _markdown(
     reg = regime(spec)
     rows = [
         [
-            f"`{name.split('@')[0]}`",
+            f"`{name.rsplit('_', 1)[0]}`",
             str(m["islands"]),
             "—" if m["outer_lr"] is None else f"{m['outer_lr']:g}",
             f"{m['goodput']:.3f} ({', '.join(f'{g:.2f}' for g in m['goodput_seeds'])})",
@@ -370,7 +373,8 @@ def _markdown(
     ]
     keys = list(next(iter(r.values()))["lost"])
     lost = [
-        [f"`{name.split('@')[0]}`", str(m["islands"])] + [f"{m['lost'][x]:.3f}" for x in keys] for name, m in r.items()
+        [f"`{name.rsplit('_', 1)[0]}`", str(m["islands"])] + [f"{m['lost'][x]:.3f}" for x in keys]
+        for name, m in r.items()
     ]
     tuning = md_table(
         ["row@lr", "final loss", "simulated s", "goodput"],
