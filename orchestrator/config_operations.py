@@ -142,32 +142,39 @@ class ElasticConfig(Strict):
         "as hung and replaced (its work is retrained by the next owner of its shards)",
     )
     hang_after_steps: float | None = Field(
-        None,
+        5.0,
         gt=0,
-        description="heartbeats: an island whose inner steps stop advancing for this many of its expected step "
-        "times (from its measured speed; at least hang_floor_s) is hung at once — its work given back, it is "
-        "released and replaced — instead of at its deadline and late_grace_s; a slow island keeps advancing and "
-        "keeps its work. null: only deadlines",
+        description="heartbeats: an island whose inner steps stop advancing, between the first and the last step "
+        "of its work, for this many of its expected step times (from its measured speed; at least 3 x "
+        "progress_every_s) is hung at once — its work given back, it is released and replaced — instead of at its "
+        "deadline and late_grace_s; a slow island keeps advancing and keeps its work. null: only deadlines",
     )
     progress_every_s: float = Field(
-        5.0, gt=0, description="heartbeats: how often an island's progress is read (beside its round, never behind it)"
+        2.0, gt=0, description="heartbeats: how often an island's progress is read (beside its round, never behind it)"
     )
     hang_floor_s: float = Field(
         60.0,
         gt=0,
-        description="heartbeats: the shortest stall that counts as a hang (a first step compiling, a download); "
-        "the whole limit while an island's speed is not known yet",
+        description="heartbeats: the limit before an island's first step of a work (its download, a first step "
+        "compiling) and after its last (its pseudo-gradient, a state saved), and while its speed is not known",
     )
 
-    def stall_limit_s(self, steps_per_s: float | None, hang_after_steps: float | None) -> float | None:
-        """How long an island's progress may stall before it is hung: `hang_after_steps` (the
-        run's live value of the setting; None: no heartbeats) of its step times, never less
-        than `hang_floor_s` — which is all there is while its speed is not known (an island
-        that hangs in its first round never reports one)."""
+    def stall_limit_s(
+        self, steps_per_s: float | None, hang_after_steps: float | None, *, stepping: bool
+    ) -> float | None:
+        """How long an island's progress may stall before it is hung: while it is `stepping`
+        (it has reported a step of its work and not yet its last), `hang_after_steps` (the
+        run's live value; None: no heartbeats) of its step times, at least three reads of its
+        progress — a hang in its data or a collective is seen in seconds; otherwise at least
+        `hang_floor_s` too, which covers what may take long without a step (a download, a
+        first step compiling, a state saved after the last) and an island whose speed is not
+        known yet (one that hangs in its first round never reports one)."""
         if hang_after_steps is None:
             return None
-        floor = max(self.hang_floor_s, 2 * self.progress_every_s)
-        return max(hang_after_steps / steps_per_s, floor) if steps_per_s else floor
+        steps = max(hang_after_steps / steps_per_s, 3 * self.progress_every_s) if steps_per_s else None
+        if stepping and steps is not None:
+            return steps
+        return max(steps or 0.0, self.hang_floor_s, 3 * self.progress_every_s)
 
 
 class ApiConfig(Strict):

@@ -31,7 +31,10 @@ VARIANTS = {
 }
 
 
-def scenario_cfg(tmp_path: Path, mode: str, *extra: str) -> RunConfig:
+def scenario_cfg(tmp_path: Path, mode: str, *extra: str, heartbeats: bool = False) -> RunConfig:
+    """A scenario's config. Its faults' timings (a work 21 s late, a hang) are written for
+    deadlines: heartbeats (on by default in the product, `elastic.hang_after_steps`) are off
+    unless asked for (`test_heartbeats.py`, with the shipped settings)."""
     key = f"r{next(_keys)}"
     chosen = VARIANTS.get(mode, [f"mode={mode}"])
     return load_config(
@@ -56,6 +59,7 @@ def scenario_cfg(tmp_path: Path, mode: str, *extra: str) -> RunConfig:
             "robust.weight_ratio=null",  # the recording task's batches weigh 1 to 12 tokens on purpose
             "checkpoint.every_rounds=1",
             "elastic.placement_timeout_s=100",
+            *([] if heartbeats else ["elastic.hang_after_steps=null"]),
             f"out_dir={tmp_path / key}",
             # streaming: two fragments, over a point with one layer per coordinate
             *(["task.kwargs.split=true", "streaming.fragments=2"] if mode.startswith("streaming") else []),

@@ -257,7 +257,7 @@ class RoundEngine(EngineParts):
                 self.startup.stepped(event.result.started_at)
                 self._apply(self.inflight.arrived(event.ticket, event.island, event.result))
             elif isinstance(event, Progress):
-                self.inflight.progressed(event.island, event.steps)
+                self.inflight.progressed(event.island, event.steps, event.work_steps, event.at)
             elif isinstance(event, Failed):
                 if event.ticket in self.flights and self.flights[event.ticket].result is None:
                     self.inflight.lose(event.ticket, event.reason)

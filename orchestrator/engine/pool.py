@@ -57,6 +57,8 @@ class Progress:
 
     island: int
     steps: int
+    work_steps: int | None = None  # of the work it is on (or last finished); None: not known
+    at: float | None = None  # when the count was taken, on the pool's clock (None: as it is delivered)
 
 
 PoolEvent = Joined | JoinFailed | Done | Failed | Progress

@@ -58,7 +58,7 @@ class RayIslandPool:
         self.published: tuple[int, Any] | None = None
         self.demanded: int | None = None
         self.adopted: dict[int, IslandHandle] = {}  # started before this pool asked for them (`adopt`)
-        self.probes: dict[Any, int] = {}  # heartbeats asked and not yet answered: object ref -> island
+        self.probes: dict[Any, tuple[int, float]] = {}  # heartbeats asked, not yet answered: ref -> (island, asked at)
         self.probed_at = 0.0
 
     def now(self) -> float:
@@ -109,7 +109,7 @@ class RayIslandPool:
     def release(self, island: int) -> None:
         for ref in [r for r, (_, i) in self.work.items() if i == island]:
             del self.work[ref]
-        for ref in [r for r, i in self.probes.items() if i == island]:
+        for ref in [r for r, (i, _) in self.probes.items() if i == island]:
             del self.probes[ref]
         handle = self.handles.pop(island, None)
         if handle is not None:
@@ -179,20 +179,28 @@ class RayIslandPool:
         if self.probes:
             ready, _ = ray.wait(list(self.probes), num_returns=len(self.probes), timeout=0)
             for ref in ready:
-                island = self.probes.pop(ref)
+                island, asked_at = self.probes.pop(ref)
                 try:
                     info = ray.get(ref)
                 except ray.exceptions.RayError:
                     continue
-                events.append(Progress(island=island, steps=int(info["inner_steps_done"])))
+                work = info.get("work_steps_done")
+                events.append(
+                    Progress(
+                        island=island,
+                        steps=int(info["inner_steps_done"]),
+                        work_steps=None if work is None else int(work),
+                        at=asked_at,  # its count is no older than the question
+                    )
+                )
         now = time.time()
         if now - self.probed_at >= elastic.progress_every_s:
             self.probed_at = now
-            asked = set(self.probes.values())
+            asked = {i for i, _ in self.probes.values()}
             for island in sorted({i for _, i in self.work.values()} - asked):
                 handle = self.handles.get(island)
                 if handle is not None:
-                    self.probes[handle.actor.identity.remote()] = island
+                    self.probes[handle.actor.identity.remote()] = (island, self.now())
         return events
 
     def _idle(self, timeout: float) -> None:

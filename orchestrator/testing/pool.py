@@ -61,6 +61,16 @@ class Losses:
     halted: float = 0.0  # seconds the whole fleet stood still (stop-the-world restarts)
 
 
+@dataclass(frozen=True)
+class _Frozen:
+    """A hung island's next heartbeat: alive, answering in its control thread, with a count
+    that no longer moves (as a process stuck in its data or a collective answers on Ray)."""
+
+    island: int
+    steps: int
+    work_steps: int
+
+
 @dataclass(order=True)
 class _Pending:
     at: float
@@ -105,6 +115,7 @@ class InProcessPool:
         self.started: dict[int, float] = {}  # ticket -> when its compute began (what a strike destroys)
         self.hung: dict[int, float] = {}  # island -> when it hung
         self.doomed: dict[int, float] = {}  # island -> when it is gone (a preemption's notice ran out)
+        self.beats: dict[int, Progress] = {}  # island -> its newest heartbeat delivered
 
     def _at(self, t: float, event: Any) -> None:
         heapq.heappush(self._queue, _Pending(t, next(self._seq), event))
@@ -189,6 +200,9 @@ class InProcessPool:
         self.dispatched.append(order)
         if i in self.hung:  # the engine gave its hung work up (a restart) and trusts it again
             self.losses.undetected += self.t - self.hung.pop(i)
+        if any(isinstance(p.event, _Frozen) and p.event.island == i for p in self._queue):  # it works again
+            self._queue = [p for p in self._queue if not (isinstance(p.event, _Frozen) and p.event.island == i)]
+            heapq.heapify(self._queue)
         if self.doomed.get(i, math.inf) <= self.t:
             self.dead.add(i)
         if i in self.dead or i not in self.islands:
@@ -221,6 +235,8 @@ class InProcessPool:
             self._at(self.t + gone, Failed(ticket=order.ticket, island=i, reason="actor died: preempted"))
             return
         self._heartbeats(i, order, duration, stops)
+        if fault is not None and fault.kind == FaultKind.HANG:
+            self._freeze(i, self.t + duration / 2, order.steps // 2)
         if fault is not None and fault.kind == FaultKind.CRASH:
             self.dead.add(i)
             self._at(self.t + duration / 2, Failed(ticket=order.ticket, island=i, reason="actor died: injected crash"))
@@ -262,7 +278,7 @@ class InProcessPool:
         k = 1
         while (t := k * elastic.progress_every_s) < end:
             done = min(order.steps, int(order.steps * max(0.0, t - delay) / compute))
-            self._at(self.t + t, Progress(island=island, steps=base + done))
+            self._at(self.t + t, Progress(island=island, steps=base + done, work_steps=done, at=self.t + t))
             k += 1
         self.steps_done[island] = base + (
             order.steps if stops is None else int(order.steps * max(0.0, end - delay) / compute)
@@ -279,7 +295,10 @@ class InProcessPool:
         events = [first.event]
         while self._queue and self._queue[0].at <= self.t:
             events.append(heapq.heappop(self._queue).event)
+        events = [self._beat(e) if isinstance(e, _Frozen) else e for e in events]
         for e in events:
+            if isinstance(e, Progress):
+                self.beats[e.island] = e
             if isinstance(e, (Done, Failed)):
                 self.started.pop(e.ticket, None)
         return events
@@ -298,6 +317,8 @@ class InProcessPool:
         self._queue.remove(hit)
         if fault.kind != Strike.SLOW:  # a crashed or hung island's heartbeats end with it
             self._silence(i, at)
+            if fault.kind == Strike.HANG and (last := self.beats.get(i)) is not None:
+                self._freeze(i, at, last.work_steps or 0, last.steps)
             self.losses.struck[fault.kind] += max(0.0, at - self.started.pop(hit.event.ticket, at))
         if fault.kind == Strike.HANG:
             self.hung[i] = at
@@ -316,8 +337,22 @@ class InProcessPool:
             for p in self._queue:  # its heartbeats slow down with it
                 if isinstance(p.event, Progress) and p.event.island == i and p.at > at:
                     p.at = at + (p.at - at) * fault.factor
+                    p.event = dataclasses.replace(p.event, at=p.at)
             self._queue.append(_Pending(due, next(self._seq), Done(ticket=hit.event.ticket, island=i, result=slowed)))
         heapq.heapify(self._queue)  # a hang: its result is gone, it never answers
+
+    def _freeze(self, island: int, at: float, work_steps: int, steps: int | None = None) -> None:
+        """From `at`, `island` answers its heartbeats with a count stuck at `steps` (default:
+        what its hung work had done) until it is released."""
+        if self.cfg.elastic.hang_after_steps is None:
+            return
+        steps = self.steps_done.get(island, 0) if steps is None else steps
+        self._at(at, _Frozen(island=island, steps=steps, work_steps=work_steps))
+
+    def _beat(self, frozen: _Frozen) -> Progress:
+        """A hung island's heartbeat now, and its next one `progress_every_s` later."""
+        self._at(self.t + self.cfg.elastic.progress_every_s, frozen)
+        return Progress(island=frozen.island, steps=frozen.steps, work_steps=frozen.work_steps, at=self.t)
 
     def _silence(self, island: int, after: float) -> None:
         """`island`'s heartbeats end at `after` (it crashed, hung or is gone)."""

@@ -72,6 +72,14 @@ class Flight:
     received: int = 0  # bytes its island received for it (a first, full download not counted)
     progress_at: float = 0.0  # heartbeats: when its island's steps last advanced (the pool's clock)
     steps_seen: int | None = None  # ... the step count its island reported then (None: no report yet)
+    work_steps: int | None = None  # ... the steps of its current work it reported (None: not known)
+    heard_at: float = 0.0  # ... when the newest count it reported was taken
+
+    @property
+    def stepping(self) -> bool:
+        """Between the first and the last step of its work, as its heartbeats tell (a report
+        read before it began this work speaks of the one before: all its steps, so not)."""
+        return self.work_steps is not None and 0 < self.work_steps < self.work.steps
 
     @property
     def usable_at(self) -> float:

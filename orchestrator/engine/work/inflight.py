@@ -147,22 +147,25 @@ class InFlight:
         self.pacing.arrived(flight)
         return []
 
-    def progressed(self, island: int, steps: int) -> None:
-        """A heartbeat: `island` has done `steps` inner steps in all. Its work out has
+    def progressed(self, island: int, steps: int, work_steps: int | None = None, at: float | None = None) -> None:
+        """A heartbeat: `island` has done `steps` inner steps in all, `work_steps` of the work
+        it is on (whether it is between steps: `Flight.stepping`), counted at `at` (the pool's
+        clock; None: now). Its work out has
         progressed if the count moved past what it reported before (`steps_seen`, or its
         last report during earlier work, or 0); only then is it the island's news
         (`last_progress`): a hung island answering with a count that no longer moves is
         silent to the dashboard's stuck rule too."""
         before = self.reported.get(island, 0)  # a first report: any step at all is progress
+        at = self.pool.now() if at is None else at
         self.reported[island] = steps
         for flight in self.in_flight():
             if flight.work.island == island:
                 seen = flight.steps_seen if flight.steps_seen is not None else before
                 if steps > seen:
-                    flight.progress_at = self.pool.now()
+                    flight.progress_at = max(flight.progress_at, at)
                     if (stats := self.members.islands.get(island)) is not None:
                         stats.last_progress = time.time()
-                flight.steps_seen = steps
+                flight.steps_seen, flight.work_steps, flight.heard_at = steps, work_steps, max(flight.heard_at, at)
 
     def refuse(self, ticket: int, island: int, problem: str, reason: Reason) -> Judged:
         """A result that cannot be decoded, or whose report of what it read and trained does
@@ -214,8 +217,15 @@ class InFlight:
                 yield Lost(island=i, reason=f"hung: no result {grace:g}s past its deadline (elastic.late_grace_s)")
         for flight in self.in_flight():  # heartbeats: a stall, long before any deadline
             i = flight.work.island
-            limit = self.cfg.elastic.stall_limit_s(self.speeds.speeds.get(i), self.run.hang_after_steps)
-            if limit is not None and flight.ticket in self.flights and now - flight.progress_at > limit:
+            speed, k = self.speeds.speeds.get(i), self.run.hang_after_steps
+            limit = self.cfg.elastic.stall_limit_s(speed, k, stepping=flight.stepping)
+            if limit is None or flight.ticket not in self.flights:
+                continue
+            # a count taken past the limit that has not moved; or silence past the floor (a
+            # frozen process answers nothing): a coordinator that was busy reads old answers
+            # late, and those are not a stall
+            silence = self.cfg.elastic.stall_limit_s(speed, k, stepping=False) or limit
+            if flight.heard_at - flight.progress_at > limit or now - flight.progress_at > max(limit, silence):
                 yield Lost(
                     island=i, reason=f"hung: no progress for {now - flight.progress_at:.0f}s (elastic.hang_after_steps)"
                 )
