@@ -149,6 +149,22 @@ Figure = tuple[str, str, str, list[tuple[str, ...]], float, int]
 FIGURES: list[Figure] = [
     (
         "benchmark-findings.md",
+        r"\*\*goodput\*\*: `quorum` ([\d.]+) / ([\d.]+), `sync_dylu` ([\d.]+) / ([\d.]+), `ddp` ([\d.]+) / ([\d.]+),",
+        "fleet.json",
+        [("methods", f"{row}_{k}", "goodput") for row in ("quorum", "sync_dylu", "ddp") for k in (16, 64)],
+        1,
+        3,
+    ),
+    (
+        "benchmark-findings.md",
+        r"`quorum`\s+(\d+) / (\d+) simulated s, `sync_dylu` (\d+) / (\d+), `ddp` (\d+) / (\d+),",
+        "fleet.json",
+        [("methods", f"{row}_{k}", "sim_seconds_to_target") for row in ("quorum", "sync_dylu", "ddp") for k in (16, 64)],
+        1,
+        0,
+    ),
+    (
+        "benchmark-findings.md",
         r"S = 2 and 4 in the published run: ([\d.]+) and ([\d.]+) GB/s",
         "datapath.json",
         [("methods", "coordinator_s2", "gbps"), ("methods", "coordinator_s4", "gbps")],
