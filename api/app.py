@@ -31,6 +31,7 @@ from orchestrator.engine.commands import (
     Command,
     Drain,
     Pause,
+    Preempt,
     Refusal,
     Refused,
     Resume,
@@ -195,6 +196,15 @@ def create_app(
     )
     def drain(island: int = Path(..., ge=0)) -> Accepted:
         return answer(Drain(island=island))
+
+    @command_route(
+        "post",
+        "/v1/islands/{island}/preempt",
+        "A preemption notice (a scheduler that knows first): the island gets no new work and its replacement "
+        "is placed now; the target stays",
+    )
+    def preempt(island: int = Path(..., ge=0)) -> Accepted:
+        return answer(Preempt(island=island))
 
     @command_route(
         "post", "/v1/run/{action}", "pause, resume or stop (stop: finish the round, checkpoint, write outputs)"

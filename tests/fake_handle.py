@@ -19,6 +19,7 @@ from orchestrator.engine.commands import (
     Drain,
     Inbox,
     Pause,
+    Preempt,
     Resume,
     SetTarget,
     SettingsUpdate,
@@ -33,6 +34,7 @@ LOGGED_AS = {
     SetTarget: Event.TARGET,
     AddIslands: Event.TARGET,
     Drain: Event.DRAIN,
+    Preempt: Event.PREEMPTING,
     Pause: Event.PAUSED,
     Resume: Event.RESUMED,
     Stop: Event.STOP_REQUESTED,
@@ -130,7 +132,7 @@ class FakeRun:
         if isinstance(reply, Ack):
             self.log.append({"time": time.time(), "kind": LOGGED_AS[type(command)].value, **reply.detail})
             for change in self.inbox.take_membership():
-                if isinstance(change, Drain):
+                if isinstance(change, (Drain, Preempt)):
                     self.members.islands[change.island].state = IslandState.DRAINING
                     self.isl[str(change.island)]["state"] = "draining"
             update: SettingsUpdate | None = self.inbox.take_settings()

@@ -48,6 +48,8 @@ def test_scaling_is_idempotent_and_bounded(api):
         ("put", "/v1/islands/target", {}, 422),
         ("delete", "/v1/islands/42", None, 404),
         ("delete", "/v1/islands/-1", None, 422),
+        ("post", "/v1/islands/42/preempt", None, 404),
+        ("post", "/v1/islands/x/preempt", None, 422),
         ("post", "/v1/run/explode", None, 404),
         ("patch", "/v1/run/settings", {}, 422),
         ("patch", "/v1/run/settings", {"inner_steps": 0}, 422),
@@ -72,6 +74,10 @@ def test_controls_and_settings(api):
     r = client.patch("/v1/run/settings", json={"inner_steps": 100}, headers=AUTH)
     assert r.status_code == 202 and run.settings["inner_steps"] == 100
     assert client.delete("/v1/islands/1", headers=AUTH).status_code == 202 and run.isl["1"]["state"] == "draining"
+    target = run.target
+    r = client.post("/v1/islands/2/preempt", headers=AUTH)
+    assert r.status_code == 202 and run.isl["2"]["state"] == "draining" and run.target == target  # it is replaced
+    assert client.post("/v1/islands/2/preempt", headers=AUTH).status_code == 409  # already leaving
     assert client.post("/v1/run/stop", headers=AUTH).status_code == 202 and run.stopped
 
 

@@ -159,7 +159,11 @@ FIGURES: list[Figure] = [
         "benchmark-findings.md",
         r"`quorum`\s+(\d+) / (\d+) simulated s, `sync_dylu` (\d+) / (\d+), `ddp` (\d+) / (\d+),",
         "fleet.json",
-        [("methods", f"{row}_{k}", "sim_seconds_to_target") for row in ("quorum", "sync_dylu", "ddp") for k in (16, 64)],
+        [
+            ("methods", f"{row}_{k}", "sim_seconds_to_target")
+            for row in ("quorum", "sync_dylu", "ddp")
+            for k in (16, 64)
+        ],
         1,
         0,
     ),

@@ -103,10 +103,11 @@ def test_a_mix_that_means_nothing_is_refused(text):
 
 
 @pytest.mark.parametrize("mode", ["diloco", "quorum"])
-def test_a_preempted_island_delivers_what_it_finishes_within_its_notice_and_then_is_gone(tmp_path, mode):
-    """Its work runs from 1 s to 5 s, notice at 2 s: with 2 s of notice that work is lost at
-    4 s; with 6 s it is delivered and the next is lost when the notice runs out (8 s). A replacement takes over; each
-    batch is still trained once and every round recorded."""
+def test_a_preemption_notice_drains_the_island_and_places_its_replacement_at_once(tmp_path, mode):
+    """Its work runs from 1 s to 5 s, notice at 2 s: its replacement is requested then, not
+    after it is gone. With 2 s of notice its work is lost at 4 s; with 6 s it is delivered
+    and the island leaves, drained, with nothing lost. Each batch is trained once and every
+    round recorded."""
     for notice in (2.0, 6.0):
         cfg = scenario_cfg(tmp_path, mode, "rounds=6")
         engine, pool = in_process_engine(
@@ -115,12 +116,16 @@ def test_a_preempted_island_delivers_what_it_finishes_within_its_notice_and_then
         drive(engine)
         check_exactly_once(cfg, engine.summary)
         check_rounds_recorded(cfg, engine.summary)
-        crashes = [e for e in events(cfg.out_dir) if e["kind"] == "crash"]
-        assert [e["reason"] for e in crashes] == ["actor died: preempted"], crashes
-        assert pool.losses.strikes[Strike.PREEMPT] == 1 and pool.losses.struck[Strike.PREEMPT] > 0
-        assert pool.losses.placement == 1.0  # its replacement's start
-        dead = [i for i, s in engine.summary["islands"].items() if s["state"] == "dead"]
-        assert len(dead) == 1
+        log = [e for e in events(cfg.out_dir) if e["kind"] in ("preempting", "requested", "lost", "released")]
+        notice_at = next(n for n, e in enumerate(log) if e["kind"] == "preempting")
+        gone = log[notice_at]["island"]
+        assert log[notice_at + 1]["kind"] == "requested" and log[notice_at + 1]["island"] == 3  # at once
+        assert log[notice_at]["notice_s"] == pytest.approx(notice)
+        lost = [e for e in log if e["kind"] == "lost" and e["island"] == gone]
+        assert len(lost) == (1 if notice == 2.0 else 0), log
+        assert engine.summary["islands"][str(gone)]["state"] == "drained"
+        assert not [e for e in events(cfg.out_dir) if e["kind"] == "crash"]
+        assert pool.losses.strikes[Strike.PREEMPT] == 1 and (pool.losses.struck[Strike.PREEMPT] > 0) == (notice == 2.0)
 
 
 def test_the_pool_counts_a_hung_islands_time_until_the_engine_lets_it_go(tmp_path):
@@ -221,3 +226,20 @@ def test_a_hang_ends_for_the_account_when_a_restart_gives_its_work_up(tmp_path):
     check_exactly_once(cfg, engine.summary)
     assert pool.losses.strikes[Strike.HANG] == pool.losses.strikes[Strike.CRASH] == 1
     assert not pool.hung and 0 < pool.losses.undetected <= 10, (pool.losses, engine.summary["clock_seconds"])
+
+
+@pytest.mark.parametrize("mode", ["diloco", "sync_dylu", "overlap", "async", "quorum", "streaming", "streaming_quorum"])
+def test_preemptions_with_notice_crashes_and_hangs_keep_every_batch_trained_once_in_every_mode(tmp_path, mode):
+    chaos = [
+        TimedFault(at=2.5, kind=Strike.PREEMPT, notice=3.0),
+        TimedFault(at=6.5, kind=Strike.CRASH),
+        TimedFault(at=9.5, kind=Strike.PREEMPT, notice=0.5),
+        TimedFault(at=13.5, kind=Strike.HANG),
+    ]
+    cfg = scenario_cfg(tmp_path, mode, "rounds=8")
+    engine, pool = in_process_engine(cfg, step_s=1.0, chaos=chaos, chaos_seed=3, join_s=1.0)
+    drive(engine)
+    check_exactly_once(cfg, engine.summary)
+    check_rounds_recorded(cfg, engine.summary)
+    assert pool.losses.strikes[Strike.PREEMPT] == 2
+    assert len([e for e in events(cfg.out_dir) if e["kind"] == "preempting"]) == 2

@@ -56,6 +56,15 @@ class Drain:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Preempt:
+    """`island` is about to be taken away (its node drained or reclaimed; a scheduler that
+    knows first): it is given no new work and its replacement is placed now, while it
+    finishes what it has — the target stays."""
+
+    island: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class Pause:
     pass
 
@@ -75,7 +84,7 @@ class UpdateSettings:
     settings: SettingsUpdate
 
 
-Command = SetTarget | AddIslands | Drain | Pause | Resume | Stop | UpdateSettings
+Command = SetTarget | AddIslands | Drain | Preempt | Pause | Resume | Stop | UpdateSettings
 
 
 class Refusal(str, Enum):
@@ -120,7 +129,7 @@ class Inbox:
         self.ended = False  # the whole run has ended: nothing more is taken
         self.members: Membership | None = None  # the phase that takes membership changes (None: warm start)
         self._settings: SettingsUpdate | None = None
-        self._membership: list[SetTarget | Drain] = []
+        self._membership: list[SetTarget | Drain | Preempt] = []
 
     def submit(self, command: Command) -> Answer:
         with self._lock:
@@ -135,6 +144,8 @@ class Inbox:
                     return self._target(self.requested + k)
                 case Drain(island=i):
                     return self._drain(i)
+                case Preempt(island=i):
+                    return self._preempt(i)
                 case Pause():
                     self.paused.set()
                     return Ack(detail={"action": "pause"})
@@ -161,16 +172,31 @@ class Inbox:
         self._membership.append(SetTarget(islands=n))
         return Ack(detail={"target": n})
 
-    def _drain(self, island: int) -> Answer:
-        """Ask `island` to leave (not replaced: the target drops by one); one still joining
-        is cancelled instead."""
+    def _leaving(self, island: int, what: str) -> Refused | None:
+        """Why `island` cannot be asked to leave now, or None."""
         if self.members is None:
-            return Refused(reason=Refusal.NOT_NOW, message="the run is in its warm start: drain islands after it")
+            return Refused(reason=Refusal.NOT_NOW, message=f"the run is in its warm start: {what} islands after it")
         standing = self.members.standing(island)
         if standing is None:
             return Refused(reason=Refusal.UNKNOWN_ISLAND, message=f"no island {island}")
         if standing not in (JOINING, IslandState.TRAINING.value, IslandState.LATE.value):
             return Refused(reason=Refusal.NOT_NOW, message=f"island {island} is {standing}, not training")
+        return None
+
+    def _preempt(self, island: int) -> Answer:
+        """`island` is leaving and is replaced (the target stays)."""
+        refused = self._leaving(island, "preempt")
+        if refused is not None:
+            return refused
+        self._membership.append(Preempt(island=island))
+        return Ack(detail={"preempting": island})
+
+    def _drain(self, island: int) -> Answer:
+        """Ask `island` to leave (not replaced: the target drops by one); one still joining
+        is cancelled instead."""
+        refused = self._leaving(island, "drain")
+        if refused is not None:
+            return refused
         if self.requested - 1 < self.min_islands:
             return Refused(
                 reason=Refusal.OUT_OF_BOUNDS,
@@ -200,7 +226,7 @@ class Inbox:
             update, self._settings = self._settings, None
         return update
 
-    def take_membership(self) -> list[SetTarget | Drain]:
+    def take_membership(self) -> list[SetTarget | Drain | Preempt]:
         with self._lock:
             taken, self._membership = self._membership, []
         return taken

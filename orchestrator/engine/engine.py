@@ -29,7 +29,7 @@ from orchestrator.engine.outputs.outputs import Outputs
 from orchestrator.engine.outputs.persistence import RunCore, capture
 from orchestrator.engine.outputs.startup import Startup
 from orchestrator.engine.pacing.base import Close, Flight
-from orchestrator.engine.pool import Done, Failed, IslandPool, Joined, JoinFailed, PoolEvent, Progress
+from orchestrator.engine.pool import Done, Failed, IslandPool, Joined, JoinFailed, PoolEvent, Preempting, Progress
 from orchestrator.engine.requests import OperatorRequests
 from orchestrator.engine.step.outer import take_step
 from orchestrator.engine.threads import torch_threads
@@ -256,6 +256,8 @@ class RoundEngine(EngineParts):
             elif isinstance(event, Done):
                 self.startup.stepped(event.result.started_at)
                 self._apply(self.inflight.arrived(event.ticket, event.island, event.result))
+            elif isinstance(event, Preempting):
+                self.fleet.preempting(event.island, event.notice_s)
             elif isinstance(event, Progress):
                 self.inflight.progressed(event.island, event.steps, event.work_steps, event.at)
             elif isinstance(event, Failed):

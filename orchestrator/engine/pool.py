@@ -61,7 +61,16 @@ class Progress:
     at: float | None = None  # when the count was taken, on the pool's clock (None: as it is delivered)
 
 
-PoolEvent = Joined | JoinFailed | Done | Failed | Progress
+@dataclass(frozen=True, kw_only=True)
+class Preempting:
+    """A notice: `island` will be taken away in about `notice_s` (its node drained or
+    reclaimed); it may still deliver the work it has if that finishes first."""
+
+    island: int
+    notice_s: float | None = None
+
+
+PoolEvent = Joined | JoinFailed | Done | Failed | Progress | Preempting
 
 
 class IslandPool(Protocol):

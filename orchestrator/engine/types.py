@@ -71,6 +71,7 @@ class Event(str, Enum):
     RESOURCES_REQUESTED = "resources_requested"
     TARGET = "target"
     DRAIN = "drain"
+    PREEMPTING = "preempting"
     RELEASED = "released"
     CRASH = "crash"
     QUARANTINED = "quarantined"

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.pool import Done, Failed, Joined, PoolEvent, Progress
+from orchestrator.engine.pool import Done, Failed, Joined, PoolEvent, Preempting, Progress
 from orchestrator.engine.specs import island_spec
 from orchestrator.testing.chaos import Strike, TimedFault
 from workers.runtime.island import Island
@@ -365,6 +365,7 @@ class InProcessPool:
         then is delivered; work due after fails then, and so does any it is given later."""
         i = hit.event.island
         self.doomed[i] = gone
+        self._at(self.t, Preempting(island=i, notice_s=gone - self.t))  # the notice, now
         if hit.at <= gone:
             return
         self._queue.remove(hit)

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from orchestrator.config_operations import OnFailure
-from orchestrator.engine.commands import Drain, Inbox, SetTarget
+from orchestrator.engine.commands import Drain, Inbox, Preempt, SetTarget
 from orchestrator.engine.fleet.membership import Membership
 from orchestrator.engine.outcomes import FleetDecision, Halt, Judged, Lost, Outcome, Place, Release, StartDrain
 from orchestrator.engine.outputs.checkpoints import load_intent, run_folder, save_intent
@@ -187,6 +187,8 @@ class Fleet:
                 self.events.add(Event.TARGET, None, target=command.islands)
             elif isinstance(command, Drain) and self.start_drain(command.island):
                 m.target = max(0, m.target - 1)  # a drained island is not replaced
+            elif isinstance(command, Preempt):
+                self.preempting(command.island)
         if inbox is not None:
             inbox.settle(m.target)
         self.demand()
@@ -231,6 +233,14 @@ class Fleet:
         self.members.mark(island, IslandState.DRAINING)
         self.events.add(Event.DRAIN, island, policy=self.cfg.elastic.drain)
         return True
+
+    def preempting(self, island: int, notice_s: float | None = None) -> None:
+        """`island` will be taken away (`notice_s` from now, when known): it drains — no new
+        work, released once what it has is in, or lost if it is gone first — and, the target
+        unchanged, the scaling policy places its replacement now rather than after it is
+        gone."""
+        if self.start_drain(island):
+            self.events.add(Event.PREEMPTING, island, notice_s=notice_s)
 
     def released(self, island: int, state: IslandState, reason: str | None = None) -> None:
         """An island released for good (`Release`: the engine gave up its work first)."""
