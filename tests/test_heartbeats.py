@@ -138,3 +138,22 @@ def test_the_threshold_is_live_kept_by_a_checkpoint_and_heartbeats_are_not_turne
     off, _ = in_process_engine(scenario_cfg(tmp_path, "diloco"))
     refused = off.submit(UpdateSettings(settings=SettingsUpdate(hang_after_steps=3)))
     assert isinstance(refused, Refused) and "has no heartbeats" in refused.message
+
+
+def test_a_count_read_before_the_island_began_its_work_says_nothing_of_that_work(tmp_path):
+    """An answer about the work before (its ticket, its step count) while the new work's
+    parameters are still on their way: the island is not between steps of the new work, so
+    the floor, not 5 step times, is its limit — a large download is not a hang."""
+    from orchestrator.engine.pool import Progress
+
+    cfg = scenario_cfg(tmp_path, "diloco", "inner_steps=8", heartbeats=True)
+    engine, _ = in_process_engine(cfg, step_s=1.0)
+    engine.start()
+    while not engine.inflight.in_flight():
+        engine.step()
+    flight = engine.inflight.in_flight()[0]
+    island = flight.work.island
+    engine.inflight.progressed(Progress(island=island, steps=20, work_steps=3, ticket=flight.ticket - 100, at=0.0))
+    assert flight.work_steps is None and not flight.stepping
+    engine.inflight.progressed(Progress(island=island, steps=21, work_steps=3, ticket=flight.ticket, at=0.0))
+    assert flight.work_steps == 3 and flight.stepping

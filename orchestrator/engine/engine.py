@@ -259,7 +259,7 @@ class RoundEngine(EngineParts):
             elif isinstance(event, Preempting):
                 self.fleet.preempting(event.island, event.notice_s)
             elif isinstance(event, Progress):
-                self.inflight.progressed(event.island, event.steps, event.work_steps, event.at)
+                self.inflight.progressed(event)
             elif isinstance(event, Failed):
                 if event.ticket in self.flights and self.flights[event.ticket].result is None:
                     self.inflight.lose(event.ticket, event.reason)

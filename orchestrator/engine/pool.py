@@ -58,6 +58,7 @@ class Progress:
     island: int
     steps: int
     work_steps: int | None = None  # of the work it is on (or last finished); None: not known
+    ticket: int | None = None  # ... that work's ticket (a count of another work says nothing of this one)
     at: float | None = None  # when the count was taken, on the pool's clock (None: as it is delivered)
 
 

@@ -184,12 +184,13 @@ class RayIslandPool:
                     info = ray.get(ref)
                 except ray.exceptions.RayError:
                     continue
-                work = info.get("work_steps_done")
+                work, ticket = info.get("work_steps_done"), info.get("work_ticket")
                 events.append(
                     Progress(
                         island=island,
                         steps=int(info["inner_steps_done"]),
                         work_steps=None if work is None else int(work),
+                        ticket=None if ticket is None else int(ticket),
                         at=asked_at,  # its count is no older than the question
                     )
                 )

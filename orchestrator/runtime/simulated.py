@@ -86,10 +86,14 @@ class VirtualClockPool(RayIslandPool):
         if self.cfg.elastic.hang_after_steps is None:
             return []
         beats: list[PoolEvent] = []
-        for ref, (_, island) in self.work.items():
+        for ref, (ticket, island) in self.work.items():
             step = self.cfg.simulation.virtual_seconds(island, 1)
             done = int(max(0.0, self.vt - self.begun[ref]) / step) if step > 0 else 0
-            beats.append(Progress(island=island, steps=self.counted.get(island, 0) + done, work_steps=done, at=self.vt))
+            beats.append(
+                Progress(
+                    island=island, steps=self.counted.get(island, 0) + done, work_steps=done, ticket=ticket, at=self.vt
+                )
+            )
         return beats
 
     def _speed(self, island: int, info: dict[str, Any]) -> float | None:

@@ -69,6 +69,7 @@ class _Frozen:
     island: int
     steps: int
     work_steps: int
+    ticket: int
 
 
 @dataclass(order=True)
@@ -236,7 +237,7 @@ class InProcessPool:
             return
         self._heartbeats(i, order, duration, stops)
         if fault is not None and fault.kind == FaultKind.HANG:
-            self._freeze(i, self.t + duration / 2, order.steps // 2)
+            self._freeze(i, self.t + duration / 2, order.ticket, order.steps // 2)
         if fault is not None and fault.kind == FaultKind.CRASH:
             self.dead.add(i)
             self._at(self.t + duration / 2, Failed(ticket=order.ticket, island=i, reason="actor died: injected crash"))
@@ -278,7 +279,10 @@ class InProcessPool:
         k = 1
         while (t := k * elastic.progress_every_s) < end:
             done = min(order.steps, int(order.steps * max(0.0, t - delay) / compute))
-            self._at(self.t + t, Progress(island=island, steps=base + done, work_steps=done, at=self.t + t))
+            self._at(
+                self.t + t,
+                Progress(island=island, steps=base + done, work_steps=done, ticket=order.ticket, at=self.t + t),
+            )
             k += 1
         self.steps_done[island] = base + (
             order.steps if stops is None else int(order.steps * max(0.0, end - delay) / compute)
@@ -318,7 +322,7 @@ class InProcessPool:
         if fault.kind != Strike.SLOW:  # a crashed or hung island's heartbeats end with it
             self._silence(i, at)
             if fault.kind == Strike.HANG and (last := self.beats.get(i)) is not None:
-                self._freeze(i, at, last.work_steps or 0, last.steps)
+                self._freeze(i, at, hit.event.ticket, last.work_steps or 0, last.steps)
             self.losses.struck[fault.kind] += max(0.0, at - self.started.pop(hit.event.ticket, at))
         if fault.kind == Strike.HANG:
             self.hung[i] = at
@@ -341,18 +345,20 @@ class InProcessPool:
             self._queue.append(_Pending(due, next(self._seq), Done(ticket=hit.event.ticket, island=i, result=slowed)))
         heapq.heapify(self._queue)  # a hang: its result is gone, it never answers
 
-    def _freeze(self, island: int, at: float, work_steps: int, steps: int | None = None) -> None:
+    def _freeze(self, island: int, at: float, ticket: int, work_steps: int, steps: int | None = None) -> None:
         """From `at`, `island` answers its heartbeats with a count stuck at `steps` (default:
         what its hung work had done) until it is released."""
         if self.cfg.elastic.hang_after_steps is None:
             return
         steps = self.steps_done.get(island, 0) if steps is None else steps
-        self._at(at, _Frozen(island=island, steps=steps, work_steps=work_steps))
+        self._at(at, _Frozen(island=island, steps=steps, work_steps=work_steps, ticket=ticket))
 
     def _beat(self, frozen: _Frozen) -> Progress:
         """A hung island's heartbeat now, and its next one `progress_every_s` later."""
         self._at(self.t + self.cfg.elastic.progress_every_s, frozen)
-        return Progress(island=frozen.island, steps=frozen.steps, work_steps=frozen.work_steps, at=self.t)
+        return Progress(
+            island=frozen.island, steps=frozen.steps, work_steps=frozen.work_steps, ticket=frozen.ticket, at=self.t
+        )
 
     def _silence(self, island: int, after: float) -> None:
         """`island`'s heartbeats end at `after` (it crashed, hung or is gone)."""

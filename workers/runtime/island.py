@@ -80,6 +80,7 @@ class Island:
         self.last_delta: torch.Tensor | None = None  # eager updates: the island's own last Δ
         self.inner_steps_done = 0  # over the island's life: a restarted coordinator's test that it kept its state
         self.work_begun_at = 0  # inner_steps_done when its current work began (heartbeats: its steps of that work)
+        self.work_ticket: int | None = None  # ... and that work's ticket (a count is read against its own work)
         self.running = False
         self.tail: Tail | None = None  # a streaming order's τ steps, training after its result left
         self.superseded = threading.Event()  # the work in flight was given by a coordinator that is gone
@@ -140,6 +141,7 @@ class Island:
             "numel": self.flat.numel,
             "inner_steps_done": self.inner_steps_done,
             "work_steps_done": self.inner_steps_done - self.work_begun_at,
+            "work_ticket": self.work_ticket,
             "optimizer_state": len(self.optimizer.state),
             "inner_state_restored": self.restored,
             "startup": dict(self.startup),
@@ -247,7 +249,7 @@ class Island:
             tail.wait()
 
     def _run(self, order: WorkOrder, params: np.ndarray, detach_tail: bool) -> RoundResult:
-        self.work_begun_at = self.inner_steps_done
+        self.work_begun_at, self.work_ticket = self.inner_steps_done, order.ticket
         if order.handoff_sha256 is not None:  # before anything of it is used
             verify(order, params)
         if order.schedule_step is not None:

@@ -17,7 +17,7 @@ from orchestrator.engine.outcomes import Judged, Lost, Outcome
 from orchestrator.engine.outputs.persistence import RunCore
 from orchestrator.engine.outputs.records import EventLog
 from orchestrator.engine.pacing.base import Flight, Work
-from orchestrator.engine.pool import IslandPool
+from orchestrator.engine.pool import IslandPool, Progress
 from orchestrator.engine.step.admission import Verdict
 from orchestrator.engine.step.screen import Sizes, screen
 from orchestrator.engine.types import Contribution, Decision, Event, IslandState, Merge, Reason
@@ -147,16 +147,18 @@ class InFlight:
         self.pacing.arrived(flight)
         return []
 
-    def progressed(self, island: int, steps: int, work_steps: int | None = None, at: float | None = None) -> None:
+    def progressed(self, event: Progress) -> None:
         """A heartbeat: `island` has done `steps` inner steps in all, `work_steps` of the work
-        it is on (whether it is between steps: `Flight.stepping`), counted at `at` (the pool's
-        clock; None: now). Its work out has
+        `ticket` it is on (whether that work is between steps: `Flight.stepping`; a count of
+        another work, read before this one began, says nothing of it), counted at `at` (the
+        pool's clock; None: now). Its work out has
         progressed if the count moved past what it reported before (`steps_seen`, or its
         last report during earlier work, or 0); only then is it the island's news
         (`last_progress`): a hung island answering with a count that no longer moves is
         silent to the dashboard's stuck rule too."""
+        island, steps = event.island, event.steps
         before = self.reported.get(island, 0)  # a first report: any step at all is progress
-        at = self.pool.now() if at is None else at
+        at = self.pool.now() if event.at is None else event.at
         self.reported[island] = steps
         for flight in self.in_flight():
             if flight.work.island == island:
@@ -165,7 +167,8 @@ class InFlight:
                     flight.progress_at = max(flight.progress_at, at)
                     if (stats := self.members.islands.get(island)) is not None:
                         stats.last_progress = time.time()
-                flight.steps_seen, flight.work_steps, flight.heard_at = steps, work_steps, max(flight.heard_at, at)
+                flight.steps_seen, flight.heard_at = steps, max(flight.heard_at, at)
+                flight.work_steps = event.work_steps if event.ticket == flight.ticket else None
 
     def refuse(self, ticket: int, island: int, problem: str, reason: Reason) -> Judged:
         """A result that cannot be decoded, or whose report of what it read and trained does
