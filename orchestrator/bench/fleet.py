@@ -131,12 +131,7 @@ def run_one(spec: FleetSpec, row: str, islands: int, seed: int, lr: float, work:
 def _losses(pools: list[InProcessPool]) -> dict[str, Any]:
     total = Losses()
     for p in pools:
-        for k in Strike:
-            total.struck[k] += p.losses.struck[k]
-            total.strikes[k] += p.losses.strikes[k]
-        total.undetected += p.losses.undetected
-        total.placement += p.losses.placement
-        total.halted += p.losses.halted
+        total += p.losses
     return asdict(total)
 
 
@@ -156,10 +151,6 @@ def breakdown(run: FleetRun, islands: int) -> dict[str, float]:
     fractions = {k: v / have for k, v in parts.items()}
     fractions["waiting"] = 1.0 - sum(fractions.values())
     return fractions
-
-
-def _mean(xs: list[float]) -> float:
-    return statistics.mean(xs)
 
 
 def _reach_mean(xs: list[float | None]) -> float | None:
@@ -267,20 +258,22 @@ def _row(row: str, k: int, lr: float, runs: list[FleetRun], reference: dict[int,
         "overrides": ROWS[row][1],
         "islands": k,
         "outer_lr": None if row == "ddp" else lr,
-        "goodput": _mean([p["useful"] for p in parts]),
+        "goodput": statistics.mean([p["useful"] for p in parts]),
         "goodput_seeds": [p["useful"] for p in parts],
         "sim_seconds_to_target": _reach_mean(reach),
         "sim_seconds_to_target_seeds": reach,
         "target_loss_seeds": targets,
-        "loss_at_reference_end": _mean(at_equal),
-        "final_eval_loss": _mean([r.summary["final_eval_loss"] for r in runs]),
-        "sim_seconds": _mean([r.seconds for r in runs]),
+        "loss_at_reference_end": statistics.mean(at_equal),
+        "final_eval_loss": statistics.mean([r.summary["final_eval_loss"] for r in runs]),
+        "sim_seconds": statistics.mean([r.seconds for r in runs]),
         "sim_seconds_seeds": [r.seconds for r in runs],
-        "tokens": _mean([r.summary["tokens"] for r in runs]),
-        "strikes": _mean([sum(r.losses["strikes"].values()) for r in runs]),
+        "tokens": statistics.mean([r.summary["tokens"] for r in runs]),
+        "strikes": statistics.mean([sum(r.losses["strikes"].values()) for r in runs]),
         "seeds": list(range(len(runs))),
-        "lost": {key: _mean([p[key] for p in parts]) for key in parts[0] if key != "useful"},
-        "lost_seconds": {key: _mean([p[key] * h for p, h in zip(parts, have)]) for key in parts[0] if key != "useful"},
+        "lost": {key: statistics.mean([p[key] for p in parts]) for key in parts[0] if key != "useful"},
+        "lost_seconds": {
+            key: statistics.mean([p[key] * h for p, h in zip(parts, have)]) for key in parts[0] if key != "useful"
+        },
     }
 
 

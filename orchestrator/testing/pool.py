@@ -60,6 +60,16 @@ class Losses:
     placement: float = 0.0  # islands placed after the start (replacements): `join_s` each
     halted: float = 0.0  # seconds the whole fleet stood still (stop-the-world restarts)
 
+    def __iadd__(self, other: Losses) -> Losses:
+        """Another pool's account added (a run of two phases has a pool each)."""
+        for k in Strike:
+            self.struck[k] += other.struck[k]
+            self.strikes[k] += other.strikes[k]
+        self.undetected += other.undetected
+        self.placement += other.placement
+        self.halted += other.halted
+        return self
+
 
 @dataclass(frozen=True)
 class _Frozen:
@@ -179,8 +189,7 @@ class InProcessPool:
     def release(self, island: int) -> None:
         self.islands.pop(island, None)
         self.doomed.pop(island, None)
-        if island in self.hung:
-            self.losses.undetected += self.t - self.hung.pop(island)
+        self._unhang(island)
         self._queue = [p for p in self._queue if getattr(p.event, "island", None) != island]
         heapq.heapify(self._queue)
 
@@ -199,11 +208,7 @@ class InProcessPool:
             order = dataclasses.replace(order, changes=changes)
         i = order.island
         self.dispatched.append(order)
-        if i in self.hung:  # the engine gave its hung work up (a restart) and trusts it again
-            self.losses.undetected += self.t - self.hung.pop(i)
-        if any(isinstance(p.event, _Frozen) and p.event.island == i for p in self._queue):  # it works again
-            self._queue = [p for p in self._queue if not (isinstance(p.event, _Frozen) and p.event.island == i)]
-            heapq.heapify(self._queue)
+        self._unhang(i)  # given work again: the engine gave its hung work up (a restart) and trusts it
         if self.doomed.get(i, math.inf) <= self.t:
             self.dead.add(i)
         if i in self.dead or i not in self.islands:
@@ -231,9 +236,7 @@ class InProcessPool:
         gone = self.doomed.get(i, math.inf) - self.t
         if gone < duration and stops is None:  # preempted before it finishes: what it did is lost
             self._heartbeats(i, order, duration, gone)
-            self.dead.add(i)
-            self.losses.struck[Strike.PREEMPT] += max(0.0, gone - order.start_delay_s)
-            self._at(self.t + gone, Failed(ticket=order.ticket, island=i, reason="actor died: preempted"))
+            self._taken(i, order.ticket, self.t + gone)
             return
         self._heartbeats(i, order, duration, stops)
         if fault is not None and fault.kind == FaultKind.HANG:
@@ -360,11 +363,19 @@ class InProcessPool:
             island=frozen.island, steps=frozen.steps, work_steps=frozen.work_steps, ticket=frozen.ticket, at=self.t
         )
 
-    def _silence(self, island: int, after: float) -> None:
-        """`island`'s heartbeats end at `after` (it crashed, hung or is gone)."""
-        self._queue = [
-            p for p in self._queue if not (isinstance(p.event, Progress) and p.event.island == island and p.at > after)
-        ]
+    def _silence(self, island: int, after: float, kind: type[Progress | _Frozen] = Progress) -> None:
+        """`island`'s heartbeats (of `kind`: a hung island's frozen ones) end at `after`."""
+        kept = [p for p in self._queue if not (isinstance(p.event, kind) and p.event.island == island and p.at > after)]
+        if len(kept) < len(self._queue):
+            self._queue = kept
+            heapq.heapify(self._queue)
+
+    def _unhang(self, island: int) -> None:
+        """`island`'s hang ends for the account (released, trusted with work again, the run
+        over): its undetected time stops, and so do its frozen heartbeats."""
+        if island in self.hung:
+            self.losses.undetected += self.t - self.hung.pop(island)
+        self._silence(island, -math.inf, _Frozen)
 
     def _preempt(self, hit: _Pending, gone: float) -> None:
         """A preemption notice for the island of `hit`: it is gone at `gone`. Work due before
@@ -376,12 +387,13 @@ class InProcessPool:
             return
         self._queue.remove(hit)
         self._silence(i, gone)
-        self.dead.add(i)
-        self.losses.struck[Strike.PREEMPT] += max(0.0, gone - self.started.pop(hit.event.ticket, gone))
-        self._queue.append(
-            _Pending(gone, next(self._seq), Failed(ticket=hit.event.ticket, island=i, reason="actor died: preempted"))
-        )
-        heapq.heapify(self._queue)
+        self._taken(i, hit.event.ticket, gone)
+
+    def _taken(self, island: int, ticket: int, gone: float) -> None:
+        """A preempted `island` is gone at `gone` with its work `ticket`: what it computed is lost."""
+        self.dead.add(island)
+        self.losses.struck[Strike.PREEMPT] += max(0.0, gone - self.started.pop(ticket, gone))
+        self._at(gone, Failed(ticket=ticket, island=island, reason="actor died: preempted"))
 
     def hand_over(self, keep: set[int]) -> dict[int, Any]:
         out = {i: self.islands[i] for i in keep if i in self.islands and i not in self.dead}
@@ -394,7 +406,7 @@ class InProcessPool:
 
     def close(self) -> None:
         for island in list(self.hung):  # hung to the end of the run
-            self.losses.undetected += self.t - self.hung.pop(island)
+            self._unhang(island)
         self.islands.clear()
         self.adopted.clear()
         self._queue.clear()
