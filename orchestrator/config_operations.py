@@ -116,6 +116,14 @@ class ElasticConfig(Strict):
     min_islands: int = Field(1, ge=1, description="scale-down floor")
     max_islands: int = Field(64, ge=1, description="scale-up ceiling")
     replace_dead: bool = Field(True, description="launch a replacement when an island dies (target kept)")
+    spares: int = Field(
+        0,
+        ge=0,
+        description="hot spares: islands placed and built beside the target that get no work; a failed, hung or "
+        "preempted island's place goes to one at once (it starts from the current version and the run's lr "
+        "schedule, not from a cold start) and a new spare is placed behind it. They hold their resources: "
+        "count them in what the cluster must have",
+    )
     on_failure: OnFailure = Field(
         OnFailure.CONTINUE,
         description="continue (the others train on; only the failed island's work is lost) or restart (every "

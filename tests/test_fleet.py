@@ -212,7 +212,7 @@ def test_bench_fleet_end_to_end_on_a_small_fleet(tmp_path):
         out / "fleet-runs",
     )
     # the same run asked for again (reused from its folder, or run again): the account the report shows
-    assert breakdown(again, 4)["useful"] == report["methods"]["sync_4"]["goodput"]
+    assert breakdown(again)["useful"] == report["methods"]["sync_4"]["goodput"]
     assert again.losses["strikes"] and sum(again.losses["strikes"].values()) == report["methods"]["sync_4"]["strikes"]
 
 

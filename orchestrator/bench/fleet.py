@@ -67,6 +67,7 @@ class FleetRun:
     summary: dict[str, Any]
     curve: list[tuple[float, float]]  # (simulated s, eval loss)
     losses: dict[str, Any]  # `Losses` as saved
+    slots: int  # islands the fleet pays for: the target and its hot spares
 
     @property
     def seconds(self) -> float:
@@ -98,6 +99,7 @@ def overrides(spec: FleetSpec, row: str, islands: int, seed: int, lr: float, fol
         *limits,
         *ROWS[row][1],
         *([f"elastic.restart_s={spec.restart_s:g}"] if row == "restart_from_checkpoint" else []),
+        *([f"elastic.spares={spec.spares_of(islands)}"] if row == "quorum_spares" else []),
         *([] if row == "ddp" else [f"outer.lr={lr:g}"]),
         f"out_dir={folder}",
     ]
@@ -125,7 +127,8 @@ def run_one(spec: FleetSpec, row: str, islands: int, seed: int, lr: float, work:
 
         summary = PhasedRun(cfg, "bench", pool).execute()
         (out / LOSSES).write_text(json.dumps(_losses(pools)))
-    return FleetRun(summary, eval_curve(out, summary, "clock_seconds"), json.loads((out / LOSSES).read_text()))
+    losses = json.loads((out / LOSSES).read_text())
+    return FleetRun(summary, eval_curve(out, summary, "clock_seconds"), losses, islands + cfg.elastic.spares)
 
 
 def _losses(pools: list[InProcessPool]) -> dict[str, Any]:
@@ -135,18 +138,19 @@ def _losses(pools: list[InProcessPool]) -> dict[str, Any]:
     return asdict(total)
 
 
-def breakdown(run: FleetRun, islands: int) -> dict[str, float]:
-    """Fractions of the island-seconds the fleet had (islands × simulated seconds): useful
-    work, and where the rest went. `waiting` is what is left: islands idle at barriers and
-    on links, stragglers, results computed and discarded."""
-    have = islands * run.seconds
+def breakdown(run: FleetRun) -> dict[str, float]:
+    """Fractions of the island-seconds the fleet had (islands and hot spares × simulated
+    seconds: a spare is paid for): useful work, and where the rest went. `waiting` is what
+    is left: islands idle at barriers and on links, spares standing by, stragglers, results
+    computed and discarded."""
+    have = run.slots * run.seconds
     lost = run.losses
     parts = {
         "useful": run.summary["useful_compute_seconds"],
         **{f"lost_work_{k.value}": lost["struck"][k.value] for k in (Strike.CRASH, Strike.HANG, Strike.PREEMPT)},
         "hang_undetected": lost["undetected"],
         "replacement_start": lost["placement"],
-        "restarts": lost["halted"] * islands,
+        "restarts": lost["halted"] * run.slots,
     }
     fractions = {k: v / have for k, v in parts.items()}
     fractions["waiting"] = 1.0 - sum(fractions.values())
@@ -198,7 +202,7 @@ def tune(spec: FleetSpec, work: Path) -> tuple[dict[str, float], dict[str, dict[
         f"{key.row}@lr{key.lr:g}": {
             "final_eval_loss": run.summary["final_eval_loss"],
             "sim_seconds": run.seconds,
-            "goodput": breakdown(run, k)["useful"],
+            "goodput": breakdown(run)["useful"],
         }
         for key, run in runs.items()
     }
@@ -251,8 +255,8 @@ def _row(row: str, k: int, lr: float, runs: list[FleetRun], reference: dict[int,
     targets = [reference[s].summary["final_eval_loss"] for s in range(len(runs))]
     reach = [time_to_reach(r.curve, t) for r, t in zip(runs, targets)]
     at_equal = [_loss_at(r.curve, reference[s].seconds) for s, r in enumerate(runs)]
-    parts = [breakdown(r, k) for r in runs]
-    have = [k * r.seconds for r in runs]
+    parts = [breakdown(r) for r in runs]
+    have = [r.slots * r.seconds for r in runs]
     return {
         "description": ROWS[row][0],
         "overrides": ROWS[row][1],

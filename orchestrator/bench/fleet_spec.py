@@ -46,8 +46,17 @@ ROWS: dict[str, tuple[str, list[str]]] = {
         "instead of the token-weighted mean, at quorum's lr",
         ["mode=async", "asynchronous.rule=quorum", "outer.merge=radial_directional"],
     ),
+    "quorum_spares": (
+        "ablation: `quorum` with hot spares (`elastic.spares`, one per `--spare-every` islands, paid for in "
+        "goodput), at quorum's lr",
+        ["mode=async", "asynchronous.rule=quorum"],
+    ),
 }
-ABLATION_OF = {"quorum_no_heartbeats": "quorum", "quorum_radial": "quorum"}  # rows at another row's tuned lr
+ABLATION_OF = {
+    "quorum_no_heartbeats": "quorum",
+    "quorum_radial": "quorum",
+    "quorum_spares": "quorum",
+}  # rows at another row's tuned lr
 HEADLINE = ("restart_from_checkpoint", "sync_dylu", "quorum", "ddp")  # the rows the targets compare
 
 
@@ -68,6 +77,7 @@ class FleetSpec:
     join_s: float = 30.0  # a replacement's placement and start
     restart_s: float = 60.0  # restart_from_checkpoint: the fleet stands still this long per failure
     hang_after_steps: int = 5  # heartbeats: hung after this many expected steps without progress
+    spare_every: int = 16  # quorum_spares: one hot spare per this many islands (at least one)
     lr_grid: tuple[float, ...] = (0.5, 0.7, 1.0)
     jobs: int = 1  # runs side by side, each in a process of its own
 
@@ -77,8 +87,8 @@ class FleetSpec:
             raise ValueError(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
         if not self.islands or min(self.islands) < 1 or not self.speeds or min(self.speeds) <= 0:
             raise ValueError("need islands >= 1 and speeds > 0")
-        if self.seeds < 1 or self.rounds < 1 or self.mttf_s <= 0 or self.link_gbps <= 0:
-            raise ValueError("need seeds, rounds >= 1 and mttf, link-gbps > 0")
+        if self.seeds < 1 or self.rounds < 1 or self.spare_every < 1 or self.mttf_s <= 0 or self.link_gbps <= 0:
+            raise ValueError("need seeds, rounds, spare-every >= 1 and mttf, link-gbps > 0")
         self.strikes()  # the mix parses
 
     def strikes(self) -> dict[Strike, float]:
@@ -88,6 +98,10 @@ class FleetSpec:
     def round_s(self) -> float:
         """A synchronous round: the slowest island's H steps."""
         return self.inner_steps * self.step_s / min(self.speeds)
+
+    def spares_of(self, islands: int) -> int:
+        """`quorum_spares`' hot spares on a fleet of `islands`."""
+        return max(1, round(islands / self.spare_every))
 
     def quick(self) -> FleetSpec:
         """A few minutes' version (`--quick`): one small fleet, one seed, a short budget."""
@@ -120,6 +134,7 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--seeds": ("seeds", int, "seeds per fleet size"),
     "--rounds": ("rounds", int, "token budget in synchronous rounds"),
     "--step-s": ("step_s", float, "simulated seconds of an inner step at speed 1"),
+    "--spare-every": ("spare_every", int, "quorum_spares: one hot spare per this many islands"),
     "--jobs": ("jobs", int, "runs side by side, a process each (changes the wall time only)"),
 }
 

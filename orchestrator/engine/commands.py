@@ -172,20 +172,21 @@ class Inbox:
         self._membership.append(SetTarget(islands=n))
         return Ack(detail={"target": n})
 
-    def _leaving(self, island: int, what: str) -> Refused | None:
-        """Why `island` cannot be asked to leave now, or None."""
+    def _leaving(self, island: int, what: str, *also: IslandState) -> Refused | None:
+        """Why `island` cannot be asked to leave now (training, late, joining or one of
+        `also`), or None."""
         if self.members is None:
             return Refused(reason=Refusal.NOT_NOW, message=f"the run is in its warm start: {what} islands after it")
         standing = self.members.standing(island)
         if standing is None:
             return Refused(reason=Refusal.UNKNOWN_ISLAND, message=f"no island {island}")
-        if standing not in (JOINING, IslandState.TRAINING.value, IslandState.LATE.value):
+        if standing not in (JOINING, IslandState.TRAINING.value, IslandState.LATE.value, *(s.value for s in also)):
             return Refused(reason=Refusal.NOT_NOW, message=f"island {island} is {standing}, not training")
         return None
 
     def _preempt(self, island: int) -> Answer:
-        """`island` is leaving and is replaced (the target stays)."""
-        refused = self._leaving(island, "preempt")
+        """`island` is leaving and is replaced (the target stays); a hot spare too."""
+        refused = self._leaving(island, "preempt", IslandState.SPARE)
         if refused is not None:
             return refused
         self._membership.append(Preempt(island=island))

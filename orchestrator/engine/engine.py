@@ -23,7 +23,7 @@ import torch
 from orchestrator.algorithms.dylu import SpeedTracker
 from orchestrator.engine.commands import Answer, Command, Inbox
 from orchestrator.engine.fleet.fleet import Fleet
-from orchestrator.engine.outcomes import Halt, Judged, Lost, Outcome, Place, Release, StartDrain, Transition
+from orchestrator.engine.outcomes import Halt, Judged, Lost, Outcome, Place, Promote, Release, StartDrain, Transition
 from orchestrator.engine.outputs.loop_time import Part
 from orchestrator.engine.outputs.outputs import Outputs
 from orchestrator.engine.outputs.persistence import RunCore, capture
@@ -240,7 +240,7 @@ class RoundEngine(EngineParts):
         if not idle:
             return
         for work in self.pacing.plan(self.run, idle):
-            self.inflight.hand_out(work)
+            self.inflight.hand_out(self.fleet.first_work(work))
 
     # -- work back ------------------------------------------------------------------------------
     def _handle(self, events: list[PoolEvent]) -> None:
@@ -323,6 +323,8 @@ class RoundEngine(EngineParts):
                     self.fleet.released(island, state, reason)
                 case Place(island=island):
                     self.fleet.place(island)
+                case Promote(island=island):
+                    self.fleet.promote(island)
                 case StartDrain(island=island):
                     self.fleet.start_drain(island)
                 case Halt(seconds=seconds, reason=reason):

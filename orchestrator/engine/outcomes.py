@@ -21,6 +21,13 @@ class Place:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Promote:
+    """A hot spare takes a place in the target: it gets work from now on."""
+
+    island: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class StartDrain:
     """Let the island finish its round, then release it."""
 
@@ -64,8 +71,8 @@ class Halt:
     reason: str
 
 
-FleetDecision = Place | StartDrain | Release
-Outcome = Place | StartDrain | Release | Judged | Lost | Halt
+FleetDecision = Place | Promote | StartDrain | Release
+Outcome = Place | Promote | StartDrain | Release | Judged | Lost | Halt
 
 
 @dataclass(frozen=True, kw_only=True)

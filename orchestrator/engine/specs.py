@@ -23,9 +23,9 @@ def island_spec(
     restore: SavedState | None = None,
 ) -> IslandSpec:
     """What island `index` is built from (an island that starts past step 0 of the run's
-    inner schedule — a joiner, or any island after a warm start — re-warms its learning
-    rate while its fresh optimizer state settles; one that continues from its saved
-    state, `restore`, has no fresh state to settle)."""
+    inner schedule — a joiner, a promoted spare, or any island after a warm start —
+    re-warms its learning rate while its fresh optimizer state settles; one that
+    continues from its saved state, `restore`, has no fresh state to settle)."""
     return IslandSpec(
         index=index,
         num_islands=cfg.islands.count,
@@ -41,7 +41,8 @@ def island_spec(
         chunk=cfg.compression.chunk,
         num_shards=cfg.num_shards,
         start_step=start_step,
-        rewarmup_steps=cfg.elastic.join_rewarmup_steps if start_step and restore is None else 0,
+        # kept for an island placed at step 0 too: a spare promoted later starts past it
+        rewarmup_steps=cfg.elastic.join_rewarmup_steps if restore is None else 0,
         coordinator_shards=cfg.coordinator.shards,
         sharding=cfg.islands.sharding,
         error_feedback=cfg.compression.error_feedback,

@@ -13,12 +13,15 @@ from typing import Any
 
 
 class IslandState(str, Enum):
-    """`training` gets work; `late` missed a deadline (its result, when it comes, is
-    discarded, then it trains again); `draining` gets no new work and is released once
-    its round is in; `drained`, `dead` and `quarantined` are released for good."""
+    """`training` gets work; `spare` is placed and built but gets no work until a failed,
+    hung or preempted island's place is its (`elastic.spares`); `late` missed a deadline
+    (its result, when it comes, is discarded, then it trains again); `draining` gets no
+    new work and is released once its round is in; `drained`, `dead` and `quarantined`
+    are released for good."""
 
     STARTING = "starting"
     TRAINING = "training"
+    SPARE = "spare"
     LATE = "late"
     DRAINING = "draining"
     DRAINED = "drained"
@@ -27,7 +30,7 @@ class IslandState(str, Enum):
 
     @property
     def alive(self) -> bool:
-        return self in (IslandState.TRAINING, IslandState.LATE, IslandState.DRAINING)
+        return self in (IslandState.TRAINING, IslandState.SPARE, IslandState.LATE, IslandState.DRAINING)
 
     @property
     def gone(self) -> bool:
@@ -72,6 +75,7 @@ class Event(str, Enum):
     TARGET = "target"
     DRAIN = "drain"
     PREEMPTING = "preempting"
+    PROMOTED = "promoted"  # a spare took a failed island's place
     RELEASED = "released"
     CRASH = "crash"
     QUARANTINED = "quarantined"

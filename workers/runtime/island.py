@@ -20,7 +20,7 @@ import torch
 
 from workers.runtime import inner_state
 from workers.runtime.island_spec import IslandSpec
-from workers.runtime.optim import build_inner, inner_params, muon_params
+from workers.runtime.optim import build_inner, inner_params, inner_schedule, muon_params
 from workers.runtime.order_steps import Tail, Tally
 from workers.runtime.shard_streams import ShardStreams
 from workers.runtime.uplink import encode_update
@@ -68,6 +68,7 @@ class Island:
             spec.rewarmup_steps,
             muon_params(self.model),
         )
+        self.schedule_origin = spec.start_step  # the run's inner step the schedule's own step 0 stands for
         self.num_shards = spec.num_shards or spec.num_islands
         self.data = ShardStreams(self.task, self.num_shards, spec.seed)
         self.turn = 0  # round-robin offset when used without a coordinator
@@ -216,10 +217,20 @@ class Island:
         self.optimizer.step()
 
     def _seek_schedule(self, step: int) -> None:
-        """Put the lr schedule at `step` (the scheduler continues from there)."""
-        self.scheduler.last_epoch = step
+        """Put the lr schedule at the run's inner step `step` (the scheduler continues from
+        there). The schedule counts the island's own steps from where it was placed
+        (`start_step`); an island whose first work begins elsewhere — a hot spare promoted
+        long after it was placed, a joiner whose placement took a while — starts it again
+        from there, so its re-warmup ramps over its own first steps."""
+        if self.inner_steps_done == 0 and step != self.schedule_origin:
+            self.schedule_origin = step
+            self.scheduler = inner_schedule(
+                self.optimizer, self.spec.inner, self.spec.total_inner_steps, step, self.spec.rewarmup_steps
+            )
+        local = max(0, step - self.schedule_origin)
+        self.scheduler.last_epoch = local
         for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
-            group["lr"] = base * fn(step)
+            group["lr"] = base * fn(local)
 
     def run(self, order: WorkOrder, params: np.ndarray, *, detach_tail: bool = False) -> RoundResult:
         """Do one work order from the global `params`. `TRAIN` is DiLoCo's inner phase:

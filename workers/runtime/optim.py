@@ -86,11 +86,17 @@ def build_inner(
         opt = _MuonAdamW(cfg, params, muon or set())
     else:
         opt = SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return opt, inner_schedule(opt, cfg, total_steps, start_step, rewarmup)
+
+
+def inner_schedule(
+    opt: torch.optim.Optimizer, cfg: InnerConfig, total_steps: int, start_step: int = 0, rewarmup: int = 0
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The lr schedule of an island that starts at the run's inner step `start_step`,
+    counted in its own steps (a start past 0 re-warms over `rewarmup` of them)."""
     if start_step:
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: join_factor(s, start_step, cfg, total_steps, rewarmup))
-    else:
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg, total_steps))
-    return opt, sched
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: join_factor(s, start_step, cfg, total_steps, rewarmup))
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg, total_steps))
 
 
 class _MuonAdamW(torch.optim.Optimizer):

@@ -3,8 +3,8 @@ releasing, replacing and, after a coordinator restart, re-attaching — so the r
 only hands out work and takes it back.
 
 What to do is decided by two small policies that return decisions and touch nothing:
-`ScalingPolicy` (keep the live islands at the target: which to place, which to drain,
-which drained ones to release) and `FailurePolicy` (an island that died, hung or is
+`ScalingPolicy` (keep the live islands at the target and the hot spares behind them:
+which spare to promote, which to place, which to drain, which drained ones to release) and `FailurePolicy` (an island that died, hung or is
 quarantined: release it, and replace it or lower the target). `Fleet` carries the
 decisions out through the island pool and logs each as an event; what needs more than
 the fleet (a release gives up the island's work in flight, a restart halts everyone)
@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from orchestrator.config_operations import OnFailure
 from orchestrator.engine.commands import Drain, Inbox, Preempt, SetTarget
 from orchestrator.engine.fleet.membership import Membership
-from orchestrator.engine.outcomes import FleetDecision, Halt, Judged, Lost, Outcome, Place, Release, StartDrain
+from orchestrator.engine.outcomes import FleetDecision, Halt, Judged, Lost, Outcome, Place, Promote, Release, StartDrain
 from orchestrator.engine.outputs.checkpoints import load_intent, run_folder, save_intent
 from orchestrator.engine.outputs.persistence import RunCore
 from orchestrator.engine.outputs.records import DiskFaults, EventLog
+from orchestrator.engine.pacing.base import Work
 from orchestrator.engine.pool import IslandPool, Joined, JoinFailed
 from orchestrator.engine.types import Decision, Event, IslandState, RunFailed
 
@@ -31,19 +32,31 @@ log = logging.getLogger(__name__)
 
 
 class ScalingPolicy:
-    """Live islands (training or late) plus those being placed meet the target: a surplus
-    drains the highest indices, a shortfall places new ones; a draining island is released
+    """Live islands (training or late) meet the target, with `spares` hot spares behind
+    them: a place short in the target goes to a spare at once (lowest index first), and
+    the islands being placed make up what is still short, spares included (a placement
+    joins as whatever is short when it arrives: `Fleet.joined`). A surplus releases
+    spares first, then drains the highest live indices; a draining island is released
     once its round is in (at once with `elastic.drain: abandon`)."""
 
-    def __init__(self, abandon: bool) -> None:
-        self.abandon = abandon
+    def __init__(self, abandon: bool, spares: int) -> None:
+        self.abandon, self.spares = abandon, spares
 
     def decide(self, members: Membership, busy: set[int]) -> list[FleetDecision]:
-        live = members.live()
-        surplus = len(live) + len(members.pending) - members.target
-        decisions: list[FleetDecision] = [StartDrain(island=i) for i in sorted(live, reverse=True)[: max(0, surplus)]]
+        live, spares = members.live(), sorted(members.spares())
+        promoted = spares[: max(0, members.target - len(live))]
+        standing = spares[len(promoted) :]
+        live_short = max(0, members.target - len(live) - len(promoted))
+        spares_short = max(0, self.spares - len(standing))
+        # placements beyond what is short will train: a live island makes room for each
+        surplus = len(live) + len(promoted) + max(0, len(members.pending) - spares_short) - members.target
+        decisions: list[FleetDecision] = [Promote(island=i) for i in promoted]
+        dropped = sorted(standing, reverse=True)[: max(0, len(standing) - self.spares)]
+        decisions += [Release(island=i, state=IslandState.DRAINED) for i in dropped]
+        decisions += [StartDrain(island=i) for i in sorted(live, reverse=True)[: max(0, surplus)]]
         first = members.next_index()
-        decisions += [Place(island=first + k) for k in range(max(0, -surplus))]
+        placed = max(0, live_short + spares_short - len(members.pending))
+        decisions += [Place(island=first + k) for k in range(placed)]
         leaving = {d.island for d in decisions if isinstance(d, StartDrain)}
         decisions += [
             Release(island=i, state=IslandState.DRAINED)
@@ -68,11 +81,14 @@ class FailurePolicy:
         self.replace_dead, self.restart_s = replace_dead, restart_s
 
     def decide(self, state_now: IslandState, failure: IslandState) -> Retire | None:
-        """None for an island already gone; one that was draining just leaves as drained."""
+        """None for an island already gone; one that was draining just leaves as drained; a
+        spare held no work and no place in the target (another is placed behind it)."""
         if state_now.gone:
             return None
         if state_now == IslandState.DRAINING:
             return Retire(state=IslandState.DRAINED, replace=False)
+        if state_now == IslandState.SPARE:
+            return Retire(state=failure, replace=True)
         return Retire(state=failure, replace=self.replace_dead, halt_s=self.restart_s)
 
 
@@ -92,13 +108,15 @@ class Fleet:
         self.cfg, self.run_id, self.pool, self.members, self.run = cfg, core.run_id, pool, core.members, core.run
         self.states, self.admission = core.states, core.admission
         self.events, self.disk = events, disk
-        self.scaling = ScalingPolicy(abandon=cfg.elastic.drain == "abandon")
+        self.spares = cfg.elastic.spares
+        self.scaling = ScalingPolicy(abandon=cfg.elastic.drain == "abandon", spares=self.spares)
         restart = cfg.elastic.restart_s if cfg.elastic.on_failure == OnFailure.RESTART else None
         self.failures = FailurePolicy(cfg.elastic.replace_dead, restart)
         self._demanded: int | None = None
         self._intent: dict | None = None  # last membership intent written (`journal`)
         self._journalled_at = -1  # events.count when the intent was last looked at
         self.waiting_since: float | None = None  # since when no island could train
+        self._seek: dict[int, int] = {}  # promoted spares -> where their first work puts the lr schedule
 
     # -- start and restart -----------------------------------------------------------------
     def start(self, resumed: bool) -> None:
@@ -109,7 +127,7 @@ class Fleet:
             # a coordinator Ray restarted before its first checkpoint starts afresh: the islands
             # its predecessor placed are released by name, or their names would collide
             self.pool.sweep(set())
-            for i in range(self.members.target):
+            for i in range(self.members.target + self.spares):
                 self.place(i)
         self.demand()
 
@@ -200,11 +218,13 @@ class Fleet:
         return self.scaling.decide(self.members, busy)
 
     def demand(self) -> None:
-        """Tell the pool (on KubeRay: the autoscaler) how many islands the run wants."""
-        if self._demanded != self.members.target:
-            self._demanded = self.members.target
-            self.pool.demand(self.members.target)
-            self.events.add(Event.RESOURCES_REQUESTED, None, bundles=self.members.target)
+        """Tell the pool (on KubeRay: the autoscaler) how many islands the run wants, spares
+        included."""
+        wanted = self.members.target + self.spares
+        if self._demanded != wanted:
+            self._demanded = wanted
+            self.pool.demand(wanted)
+            self.events.add(Event.RESOURCES_REQUESTED, None, bundles=wanted)
 
     def expire_joins(self) -> None:
         now = self.pool.now()
@@ -214,21 +234,42 @@ class Fleet:
                 self.pool.cancel(i)
                 self.events.add(Event.JOIN_FAILED, i, reason="no resources within elastic.placement_timeout_s")
 
+    def schedule_step(self) -> int:
+        """Where the run's inner lr schedule stands: where an island starting now begins it."""
+        return self.cfg.warm_steps + self.run.completed_steps // max(1, len(self.members.live()))
+
     def place(self, index: int) -> None:
-        start = self.cfg.warm_steps + self.run.completed_steps // max(1, len(self.members.live()))
         self.members.pending[index] = self.pool.now()
         restore = self.states.restore_for(self.members.islands.get(index))
-        self.pool.request(index, start, state_folder=self.states.folder, restore=restore)
+        self.pool.request(index, self.schedule_step(), state_folder=self.states.folder, restore=restore)
         self.events.add(Event.REQUESTED, index)
 
-    def start_drain(self, island: int) -> bool:
-        """Start draining (or cancel a join); False if the island is already gone."""
+    def promote(self, island: int) -> None:
+        """A hot spare takes a place in the target: it trains from its next work, which puts
+        its lr schedule where the run's stands (it was built when it was placed) and weighs
+        its first contribution as a newcomer's."""
+        stats = self.members.islands[island]
+        self.members.mark(island, IslandState.TRAINING)
+        stats.joined_version, stats.last_progress = self.run.version, time.time()
+        self._seek[island] = self.schedule_step()
+        self.events.add(Event.PROMOTED, island, version=self.run.version)
+
+    def first_work(self, work: Work) -> Work:
+        """`work` as a just-promoted spare must have it: at the run's place in the lr
+        schedule (pacings that set it every time already do)."""
+        step = self._seek.pop(work.island, None)
+        return replace(work, schedule_step=step) if step is not None and work.schedule_step is None else work
+
+    def start_drain(self, island: int, *, spare: bool = False) -> bool:
+        """Start draining (or cancel a join); False if the island is already gone (or a hot
+        spare, unless `spare`: one being preempted leaves, and another is placed behind it)."""
         if self.members.pending.pop(island, None) is not None:
             self.pool.cancel(island)
             self.events.add(Event.JOIN_CANCELLED, island)
             return True
         stats = self.members.islands.get(island)
-        if stats is None or stats.state not in (IslandState.TRAINING, IslandState.LATE):
+        leaves = (IslandState.TRAINING, IslandState.LATE, *((IslandState.SPARE,) if spare else ()))
+        if stats is None or stats.state not in leaves:
             return False
         self.members.mark(island, IslandState.DRAINING)
         self.events.add(Event.DRAIN, island, policy=self.cfg.elastic.drain)
@@ -239,11 +280,12 @@ class Fleet:
         work, released once what it has is in, or lost if it is gone first — and, the target
         unchanged, the scaling policy places its replacement now rather than after it is
         gone."""
-        if self.start_drain(island):
+        if self.start_drain(island, spare=True):
             self.events.add(Event.PREEMPTING, island, notice_s=notice_s)
 
     def released(self, island: int, state: IslandState, reason: str | None = None) -> None:
         """An island released for good (`Release`: the engine gave up its work first)."""
+        self._seek.pop(island, None)
         self.members.mark(island, state, reason)
         self.pool.release(island)
         self.events.add(Event.RELEASED, island, state=state.value)
@@ -290,16 +332,29 @@ class Fleet:
             self.pool.release(event.island)  # cancelled meanwhile
             return None
         known = self.members.islands.get(event.island)
+        role = self._role()
         if known is not None:  # re-placed after a coordinator restart: keeps its statistics
             self.members.pending.pop(event.island, None)
-            known.state, known.node, known.last_progress = IslandState.TRAINING, event.node, time.time()
+            known.state, known.node, known.last_progress = role, event.node, time.time()
             restored = {} if event.restored is None else {"inner_state": "restored" if event.restored else "lost"}
             self.events.add(Event.JOIN, event.island, node=event.node, version=self.run.version, **restored)
             return None
-        self.members.add(event.island, event.node, joined_version=0 if starting else self.run.version)
+        self.members.add(event.island, event.node, joined_version=0 if starting else self.run.version, state=role)
         adopted = {"adopted": True} if event.adopted else {}
-        self.events.add(Event.JOIN, event.island, node=event.node, version=self.run.version, **version0, **adopted)
+        spare = {"spare": True} if role == IslandState.SPARE else {}
+        self.events.add(
+            Event.JOIN, event.island, node=event.node, version=self.run.version, **version0, **adopted, **spare
+        )
         return event.steps_per_s
+
+    def _role(self) -> IslandState:
+        """What an island joining now becomes: a place in the target while one is short,
+        else a hot spare while those are short (a surplus one trains, and the scaling
+        policy drains the surplus)."""
+        members = self.members
+        if len(members.live()) >= members.target and len(members.spares()) < self.spares:
+            return IslandState.SPARE
+        return IslandState.TRAINING
 
     def join_failed(self, event: JoinFailed) -> None:
         self.members.pending.pop(event.island, None)

@@ -136,12 +136,12 @@ class Membership:
             return JOINING if island in self.pending else None
 
     # -- the engine's side --------------------------------------------------------------
-    def add(self, index: int, node: str, joined_version: int = 0) -> None:
+    def add(self, index: int, node: str, joined_version: int = 0, state: IslandState = IslandState.TRAINING) -> None:
         with self._lock:
             self.pending.pop(index, None)
             self.islands[index] = IslandStats(
                 index=index,
-                state=IslandState.TRAINING,
+                state=state,
                 node=node,
                 joined_version=joined_version,
                 last_progress=time.time(),
@@ -197,6 +197,10 @@ class Membership:
     def live(self) -> list[int]:
         """Islands that count towards the target (draining ones are on their way out)."""
         return [i for i, s in self.islands.items() if s.state in (IslandState.TRAINING, IslandState.LATE)]
+
+    def spares(self) -> list[int]:
+        """Hot spares (`elastic.spares`): placed, built, given no work."""
+        return [i for i, s in self.islands.items() if s.state == IslandState.SPARE]
 
     def alive(self) -> list[int]:
         return [i for i, s in self.islands.items() if s.state.alive]
