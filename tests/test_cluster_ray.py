@@ -78,3 +78,47 @@ def test_node_loss_closes_the_round_and_a_new_node_brings_a_new_island(cluster, 
     (tmp_path / "figures.json").write_text(json.dumps(figures))
     print("elastic figures:", figures)
     assert figures["crash_detected_s"] < 15 and figures["crash_to_round_closed_s"] < 5
+
+
+def test_a_node_ray_drains_is_a_preemption_notice_its_island_leaves_and_is_replaced_at_once(cluster, tmp_path):
+    """A node drained for preemption with a 2-minute deadline (what the autoscaler, KubeRay
+    or `ray drain-node` tells Ray's GCS): within a few seconds its island gets the notice
+    and the deadline, its replacement is requested at once, the island is released as
+    drained once its work is in, and the replacement trains on a node added for it."""
+    from ray._raylet import GcsClient
+    from ray.core.generated import autoscaler_pb2
+
+    c, _ = cluster
+    cfg = load_config(
+        None,
+        toy_quadratic(3, 0.05, "inner_steps=4", "rounds=40", "round_timeout_s=30", f"out_dir={tmp_path / 'out'}"),
+    )
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id="drains")))
+    thread.start()
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
+        time.sleep(0.05)
+    node = _node_of("drains", 1)
+    reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+    t_drain = time.time()
+    accepted, why = GcsClient(address=c.address).drain_node(
+        node, reason, "spot reclaimed", int(t_drain * 1000) + 120_000
+    )
+    assert accepted, why
+    c.add_node(num_cpus=1)
+    thread.join(timeout=180)
+    summary = box["summary"]
+    events = [json.loads(line) for line in (tmp_path / "out" / "events.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["version"] for r in records] == list(range(1, 41))
+    kinds = [(e["kind"], e.get("island")) for e in events]
+    notice = next(e for e in events if e["kind"] == "preempting")
+    assert notice["island"] == 1 and 100 < notice["notice_s"] <= 120, notice
+    assert notice["time"] - t_drain < 5  # read every elastic.progress_every_s (2 s)
+    assert kinds[kinds.index(("preempting", 1)) + 1] == ("requested", 3), kinds  # at the notice
+    assert ("crash", 1) not in kinds and summary["islands"]["1"]["state"] == "drained"
+    assert summary["islands"]["3"]["rounds_contributed"] > 0
+    for n in c.list_all_nodes():  # the drained node goes, as its deadline would take it
+        if n.node_id == node:
+            c.remove_node(n, allow_graceful=False)

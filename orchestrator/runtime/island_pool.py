@@ -3,7 +3,9 @@ named placement groups and actors, work as actor calls, heard back through `ray.
 Placing never blocks the engine: a requested group is polled with the work in flight, and
 on an autoscaling cluster a pending group is what brings a node up. A coordinator that
 restarts re-attaches to its live islands by name; islands started before the pool asked
-for them (by the command, or in the warm start) are adopted."""
+for them (by the command, or in the warm start) are adopted. A node Ray is draining (the
+autoscaler or KubeRay reclaiming it, a spot instance's notice passed on with `ray
+drain-node`) is a preemption notice for the islands on it."""
 
 from __future__ import annotations
 
@@ -14,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.pool import Done, Failed, Joined, JoinFailed, PoolEvent, Progress
+from orchestrator.engine.pool import Done, Failed, Joined, JoinFailed, PoolEvent, Preempting, Progress
 from orchestrator.engine.specs import island_spec
 from orchestrator.runtime.island_actors import (
     IslandHandle,
@@ -60,6 +62,9 @@ class RayIslandPool:
         self.adopted: dict[int, IslandHandle] = {}  # started before this pool asked for them (`adopt`)
         self.probes: dict[Any, tuple[int, float]] = {}  # heartbeats asked, not yet answered: ref -> (island, asked at)
         self.probed_at = 0.0
+        self.drains_read_at = 0.0  # when Ray's draining nodes were last read
+        self.nodes: dict[int, set[str]] = {}  # island -> the Ray node ids its workers were placed on
+        self.noticed: set[int] = set()  # islands whose preemption notice was given
 
     def now(self) -> float:
         return time.time()
@@ -111,6 +116,8 @@ class RayIslandPool:
             del self.work[ref]
         for ref in [r for r, (i, _) in self.probes.items() if i == island]:
             del self.probes[ref]
+        self.nodes.pop(island, None)
+        self.noticed.discard(island)
         handle = self.handles.pop(island, None)
         if handle is not None:
             try:
@@ -152,7 +159,44 @@ class RayIslandPool:
     def poll(self, timeout: float, wake: float | None = None) -> list[PoolEvent]:
         events: list[PoolEvent] = self._placements()
         events += self._results(0 if events else timeout, wake)
-        return events + self._heartbeats()  # after the results: a clock they moved is the one reported on
+        # after the results: a clock they moved is the one reported on
+        return events + self._heartbeats() + self._drain_notices()
+
+    def _drain_notices(self) -> list[PoolEvent]:
+        """Every `elastic.progress_every_s`, the nodes Ray is draining (each with the time
+        it will be taken, if given): a `Preempting` notice, once, for each island with a
+        worker on one. Ray's list is read through its state API (`get_draining_nodes`, as
+        Ray Serve reads it; not a public API): a Ray without it gives no notices, and the
+        island's loss is then a crash."""
+        now = time.time()
+        if not self.handles or now - self.drains_read_at < self.cfg.elastic.progress_every_s:
+            return []
+        self.drains_read_at = now
+        try:
+            from ray._private.state import state
+
+            draining: dict[str, int] = state.get_draining_nodes()
+        except (AttributeError, ImportError, ray.exceptions.RayError) as err:
+            log.debug("Ray's draining nodes could not be read: %s", err)
+            return []
+        events: list[PoolEvent] = []
+        for island, handle in self.handles.items():
+            deadlines = [draining[n] for n in self._nodes_of(island, handle) if n in draining]
+            if deadlines and island not in self.noticed:
+                self.noticed.add(island)
+                deadline_ms = min((d for d in deadlines if d), default=0)  # 0: no deadline given
+                notice = max(0.0, deadline_ms / 1000 - now) if deadline_ms else None
+                log.warning("island %d: its node is being drained (taken in %s s)", island, notice)
+                events.append(Preempting(island=island, notice_s=notice))
+        return events
+
+    def _nodes_of(self, island: int, handle: IslandHandle) -> set[str]:
+        if island not in self.nodes:
+            try:
+                self.nodes[island] = set(placement_group_table(handle.group)["bundles_to_node_id"].values())
+            except (KeyError, ray.exceptions.RayError):
+                return set()
+        return self.nodes[island]
 
     def _results(self, timeout: float, wake: float | None) -> list[PoolEvent]:
         """Every result that is in, waiting up to `timeout` for the first (`wake`, a step
