@@ -8,9 +8,6 @@
 - Ray tests of other mechanisms run without the preflight plan, as `preflight: false` runs:
   it measures each distinct model once (seconds apiece, most of them a fresh interpreter),
   and the suite runs dozens of distinct toy configs. Its own tests are marked `preflight`.
-- Two test processes (pytest-xdist, `addopts`): the tests marked `ray` all go to one of
-  them (`xdist_group("ray")`), so two Ray instances never overlap — some tests stop every
-  Ray process on the machine — and the rest run beside them in the other.
 - The suite's wall time is printed at the end.
 """
 
@@ -34,10 +31,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     no_cuda = pytest.mark.skip(reason="no CUDA device here (torch.cuda.is_available() is False)")
     for item in items:
-        if item.get_closest_marker("ray"):
-            item.add_marker(pytest.mark.xdist_group("ray"))
-            if not item.get_closest_marker("timeout"):
-                item.add_marker(pytest.mark.timeout(RAY_TEST_TIMEOUT_S))
+        if item.get_closest_marker("ray") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(RAY_TEST_TIMEOUT_S))
         if item.get_closest_marker("cuda") and not torch.cuda.is_available():
             item.add_marker(no_cuda)
 
