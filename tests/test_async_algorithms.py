@@ -169,6 +169,8 @@ def test_island_schedule_can_follow_global_progress():
             "inner.optimizer=sgd",
             "inner.lr=1.0",
             "inner.min_lr_ratio=0.0",
+            # an island's first work past where it was placed re-warms (tests/test_spares.py); not this one's concern
+            "elastic.join_rewarmup_steps=0",
         ],
     )
     island = Island(island_spec(cfg, 0))
