@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -41,18 +42,27 @@ def _node_of(run_id: str, index: int) -> str:
     return placement_group_table(get_placement_group(island_name(run_id, index)))["bundles_to_node_id"][0]
 
 
-def test_node_loss_closes_the_round_and_a_new_node_brings_a_new_island(cluster, tmp_path):
-    c, workers = cluster
+def _started(tmp_path, run_id: str, rounds: int) -> tuple[threading.Thread, dict, Path]:
+    """A 3-island run of `rounds` going on a thread, once its third round is recorded:
+    the thread, the box its summary lands in, its metrics file."""
     cfg = load_config(
         None,
-        toy_quadratic(3, 0.05, "inner_steps=4", "rounds=70", "round_timeout_s=30", f"out_dir={tmp_path / 'out'}"),
+        toy_quadratic(
+            3, 0.05, "inner_steps=4", f"rounds={rounds}", "round_timeout_s=30", f"out_dir={tmp_path / 'out'}"
+        ),
     )
-    box = {}
-    thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id="nodes")))
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id=run_id)))
     thread.start()
     metrics = tmp_path / "out" / "metrics.jsonl"
-    while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
+    while thread.is_alive() and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
         time.sleep(0.05)
+    return thread, box, metrics
+
+
+def test_node_loss_closes_the_round_and_a_new_node_brings_a_new_island(cluster, tmp_path):
+    c, workers = cluster
+    thread, box, metrics = _started(tmp_path, "nodes", 70)
     victim = next(w for w in workers if w.node_id == _node_of("nodes", 1))
     t_remove = time.time()
     c.remove_node(victim, allow_graceful=False)
@@ -89,16 +99,7 @@ def test_a_node_ray_drains_is_a_preemption_notice_its_island_leaves_and_is_repla
     from ray.core.generated import autoscaler_pb2
 
     c, _ = cluster
-    cfg = load_config(
-        None,
-        toy_quadratic(3, 0.05, "inner_steps=4", "rounds=40", "round_timeout_s=30", f"out_dir={tmp_path / 'out'}"),
-    )
-    box = {}
-    thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id="drains")))
-    thread.start()
-    metrics = tmp_path / "out" / "metrics.jsonl"
-    while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
-        time.sleep(0.05)
+    thread, box, metrics = _started(tmp_path, "drains", 40)
     node = _node_of("drains", 1)
     reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
     t_drain = time.time()
