@@ -93,6 +93,30 @@ def test_dead_island_is_replaced_and_the_newcomer_contributes(ray_local, tmp_pat
     assert [r["version"] for r in _records(tmp_path, "replace")] == list(range(1, 41))
 
 
+def test_a_dead_islands_place_goes_to_a_hot_spare_kept_current_on_ray(ray_local, tmp_path):
+    """On real actors: a spare placed beside the target, kept current through the
+    compressed downlink while it stands by, takes the dead island's place at once (no
+    placement on the way) and trains; a new spare is requested behind it."""
+    cfg = _cfg(
+        tmp_path,
+        "spare",
+        "rounds=40",
+        "elastic.spares=1",
+        "compression.downlink=int8",
+        "task.kwargs.crash_island=2",
+        "task.kwargs.crash_after_batches=6",
+    )
+    summary = run(cfg, show_progress=False)
+    isl = summary["islands"]
+    assert isl["1"]["state"] == "dead" and isl["3"]["state"] == "training" and isl["3"]["rounds_contributed"] > 0
+    kinds = [(e["kind"], e.get("island")) for e in _events(tmp_path, "spare")]
+    assert ("join", 3) in kinds and kinds.index(("join", 3)) < kinds.index(("crash", 1)), kinds  # standing by
+    after = kinds[kinds.index(("crash", 1)) :]
+    assert after[:3] == [("crash", 1), ("released", 1), ("promoted", 3)] and after[3] == ("requested", 4), after
+    assert isl["3"]["bytes_received"] > 0 and sum(summary["shards"]["tokens"]) == summary["tokens"]
+    assert [r["version"] for r in _records(tmp_path, "spare")] == list(range(1, 41))
+
+
 @pytest.mark.parametrize("mode", ["diloco"])
 def test_seeded_chaos_completes_close_to_the_fault_free_run(ray_local, tmp_path, mode):
     """Real actors killed, drained and added. One mode here: what the engine does with them

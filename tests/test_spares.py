@@ -187,3 +187,38 @@ def test_an_island_starting_its_first_work_past_where_it_was_placed_takes_the_ru
     fresh = Island(island_spec(cfg, 0, 0))  # an island of the run's start is untouched
     fresh._seek_schedule(0)
     assert _lr(fresh) == pytest.approx(0.1) and not math.isclose(0.1, join_factor(0, 60, inner, total, 4))
+
+
+class _Downloads(InProcessPool):
+    """Remembers, per island, whether each work came with the whole parameters."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.whole: dict[int, list[bool]] = {}
+
+    def dispatch(self, order, params, changes=()) -> None:
+        self.whole.setdefault(order.island, []).append(params is not None)
+        super().dispatch(order, params, changes)
+
+
+@pytest.mark.parametrize("mode", ["diloco", "streaming"])
+def test_where_islands_follow_a_copy_a_spare_is_kept_current_and_downloads_only_changes_when_promoted(tmp_path, mode):
+    """With a compressed downlink (and in streaming) islands get changes, not versions: a
+    spare takes each version's change as it comes (counted in its bytes), so its first
+    work after a promotion carries no whole copy, and the run still trains each batch once
+    and reaches the loss of the same run without the spare."""
+    from orchestrator.engine.build import build_engine
+
+    finals = {}
+    for spares in (0, 1):
+        cfg = scenario_cfg(tmp_path, mode, "compression.downlink=int8", f"elastic.spares={spares}", "rounds=8")
+        pool = _Downloads(cfg, step_s=1.0, faults=[Fault(FaultKind.CRASH, 1, order=4)])
+        engine = build_engine(cfg, pool, "local")
+        drive(engine)
+        check_exactly_once(cfg, engine.summary)
+        finals[spares] = engine.summary["final_eval_loss"]
+        if spares:
+            assert [e["island"] for e in events(cfg.out_dir) if e["kind"] == "promoted"] == [3]
+            assert pool.whole[3] and not pool.whole[3][0], pool.whole  # its first work: changes only
+            assert engine.summary["islands"]["4"]["bytes_received"] > 0  # the new spare, kept current meanwhile
+    assert math.isfinite(finals[1]) and finals[1] <= finals[0] * 1.1 + 0.02, finals

@@ -295,6 +295,7 @@ class RoundEngine(EngineParts):
             self.outer.anchor(self.run.version, keep_from=max(self.run.base, self.run.version - 1))
             with self.stats.loop.timed(Part.PUBLISH):
                 self.publisher.publish(self.run.version, due)
+                self.inflight.refresh(self.members.spares(), self.run.version)
         self.run.closes += 1
         judged = [
             self.inflight.settle(

@@ -109,6 +109,11 @@ class IslandPool(Protocol):
         """Start `order` from `params` (as `publish` made them) and `changes` (as `share`
         made them), which the island takes as the order's own."""
 
+    def refresh(self, order: WorkOrder, params: Any, changes: tuple[Any, ...] = ()) -> None:
+        """An idle island (a hot spare) takes `order`'s version — `params` whole or
+        `changes` — as it would for work, and trains nothing (returns at once; a spare that
+        is gone is found when it is given work)."""
+
     def poll(self, timeout: float, wake: float | None = None) -> list[PoolEvent]:
         """Events that happened, waiting up to `timeout` seconds for the first one; a
         virtual clock with nothing due before `wake` moves to `wake` and returns none."""

@@ -156,6 +156,12 @@ class RayIslandPool:
         self.work[ref] = (order.ticket, order.island)
         return ref
 
+    def refresh(self, order: WorkOrder, params: Any, changes: tuple[Any, ...] = ()) -> None:
+        """Asked and not waited for: the actor takes it before any work given after it."""
+        handle = self.handles.get(order.island)
+        if handle is not None:
+            handle.actor.hold.remote(order, params, *changes)
+
     def poll(self, timeout: float, wake: float | None = None) -> list[PoolEvent]:
         events: list[PoolEvent] = self._placements()
         events += self._results(0 if events else timeout, wake)

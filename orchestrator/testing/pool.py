@@ -268,6 +268,12 @@ class InProcessPool:
             timed = dataclasses.replace(timed, finished_at=fault.seconds)
         self._at(self.t + duration, Done(ticket=order.ticket, island=i, result=timed))
 
+    def refresh(self, order: WorkOrder, params: Any, changes: tuple[Any, ...] = ()) -> None:
+        """At once (the spare is idle: its download delays nothing it does)."""
+        island = self.islands.get(order.island)
+        if island is not None and order.island not in self.dead:
+            island.hold(dataclasses.replace(order, changes=changes) if changes else order, params)
+
     def _heartbeats(self, island: int, order: WorkOrder, duration: float, stops: float | None) -> None:
         """With `elastic.hang_after_steps`, the island's step count every `progress_every_s`
         while it works: its steps spread evenly over its compute (a late island's over its

@@ -348,6 +348,17 @@ class Island:
         self.inner_steps_done += 1
         return loss, weight
 
+    def hold(self, order: WorkOrder, params: Any) -> None:
+        """A hot spare kept current: take `order`'s version (whole, or its changes) as a work
+        would, train nothing, and stand on it — its own parameters are that version, as a
+        new island's first work would start them (a streaming island continues from them)."""
+        if order.handoff_sha256 is not None:
+            verify(order, params)
+        self._sync(order, params)
+        if self.copy is not None:
+            with torch.no_grad():
+                self.flat.full().copy_(self.copy)
+
     def _sync(self, order: WorkOrder, params: Any) -> torch.Tensor | None:
         """Bring this island's copy of the global parameters to `order.version`: the full
         copy (`params`), or the changes since the version it holds. Returns what to start

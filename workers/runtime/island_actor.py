@@ -130,6 +130,12 @@ class IslandActor:
         refs = Sliced(parts=tuple(ray.put(p) for p in result.payload.parts))
         return dataclasses.replace(result, payload=refs, sent_bytes=result.nbytes)
 
+    def hold(self, order: WorkOrder, params: Any, *changes: Change) -> None:
+        """A hot spare kept current (`Island.hold`); `changes` resolved by Ray, as `run`'s."""
+        if changes:
+            order = dataclasses.replace(order, changes=changes)
+        self.island.hold(order, whole_params(params))
+
     # -- an island of several workers: rank 0 forms the group and drives the others ---------
     def form_group(self, followers: list[Any]) -> None:
         cast("GroupIsland", self.island).form_group(followers)

@@ -22,7 +22,7 @@ from orchestrator.engine.step.admission import Verdict
 from orchestrator.engine.step.screen import Sizes, screen
 from orchestrator.engine.types import Contribution, Decision, Event, IslandState, Merge, Reason
 from workers.wire.handoff import seal
-from workers.wire.messages import RoundResult, WorkOrder
+from workers.wire.messages import RoundResult, WorkKind, WorkOrder
 
 POLL_S = 0.2  # the longest the engine waits on the pool: a stop-now is seen within it
 
@@ -58,6 +58,24 @@ class InFlight:
     def held(self) -> set[int]:
         """Islands with work out, arrived and waiting for its step, or overdue."""
         return {f.work.island for f in self.flights.values()} | {i for i, _ in self.overdue.values()}
+
+    def refresh(self, spares: list[int], version: int) -> None:
+        """Hot spares kept current where islands follow a published copy through changes
+        (a compressed or streaming downlink): each takes the changes to `version` (the whole
+        copy the first time), counted in its bytes, so a promoted spare's first work
+        downloads only what came since. Where every work downloads its version whole, a
+        spare refreshed would download each version for nothing: it is not."""
+        if not self.cfg.tracks_copy:
+            return
+        for island in spares:
+            delivery = self.publisher.deliver(Work(island=island, round=0, version=version, steps=0))
+            if delivery.built:
+                continue
+            self.stats.download(self.members.islands[island], delivery.nbytes, delivery.bootstrap)
+            order = WorkOrder(island=island, ticket=-1, version=version, kind=WorkKind.TRAIN, steps=0, shards={})
+            if delivery.params_digest is not None:
+                order = seal(order, delivery.params_digest)
+            self.pool.refresh(order, delivery.params, delivery.changes)
 
     def hand_out(self, work: Work) -> None:
         ticket = next(self.tickets)
