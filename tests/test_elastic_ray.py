@@ -97,16 +97,9 @@ def test_a_dead_islands_place_goes_to_a_hot_spare_kept_current_on_ray(ray_local,
     """On real actors: a spare placed beside the target, kept current through the
     compressed downlink while it stands by, takes the dead island's place at once (no
     placement on the way) and trains; a new spare is requested behind it."""
-    cfg = _cfg(
-        tmp_path,
-        "spare",
-        "rounds=40",
-        "elastic.spares=1",
-        "compression.downlink=int8",
-        "task.kwargs.crash_island=2",
-        "task.kwargs.crash_after_batches=6",
-    )
-    summary = run(cfg, show_progress=False)
+    crash = ("task.kwargs.crash_island=2", "task.kwargs.crash_after_batches=6")  # island 1, as above
+    spares = _cfg(tmp_path, "spare", "rounds=40", "elastic.spares=1", "compression.downlink=int8", *crash)
+    summary = run(spares, show_progress=False)
     isl = summary["islands"]
     assert isl["1"]["state"] == "dead" and isl["3"]["state"] == "training" and isl["3"]["rounds_contributed"] > 0
     kinds = [(e["kind"], e.get("island")) for e in _events(tmp_path, "spare")]
