@@ -96,7 +96,9 @@ def test_dead_island_is_replaced_and_the_newcomer_contributes(ray_local, tmp_pat
 def test_a_dead_islands_place_goes_to_a_hot_spare_kept_current_on_ray(ray_local, tmp_path):
     """On real actors: a spare placed beside the target, kept current through the
     compressed downlink while it stands by, takes the dead island's place at once (no
-    placement on the way) and trains; a new spare is requested behind it."""
+    placement on the way) and trains; a new spare is requested behind it. (Its first work
+    carries only changes from the version it holds: had the actor not taken them while
+    standing by, that work would fail as changes to a copy it does not hold.)"""
     crash = ("task.kwargs.crash_island=2", "task.kwargs.crash_after_batches=6")  # island 1, as above
     spares = _cfg(tmp_path, "spare", "rounds=40", "elastic.spares=1", "compression.downlink=int8", *crash)
     summary = run(spares, show_progress=False)
