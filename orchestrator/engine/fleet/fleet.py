@@ -4,8 +4,9 @@ only hands out work and takes it back.
 
 What to do is decided by two small policies that return decisions and touch nothing:
 `ScalingPolicy` (keep the live islands at the target and the hot spares behind them:
-which spare to promote, which to place, which to drain, which drained ones to release) and `FailurePolicy` (an island that died, hung or is
-quarantined: release it, and replace it or lower the target). `Fleet` carries the
+which spare to promote, which to place, which to drain, which drained ones to release)
+and `FailurePolicy` (an island that died, hung or is quarantined: release it, and
+replace it or lower the target). `Fleet` carries the
 decisions out through the island pool and logs each as an event; what needs more than
 the fleet (a release gives up the island's work in flight, a restart halts everyone)
 it returns as outcomes (`outcomes.py`) for the engine to apply.
