@@ -45,6 +45,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,25 @@ def steady_overhead(run_dir: Path) -> float:
     return sum(fractions) / len(fractions)
 
 
-def datapath(quick: bool, work: Path) -> BenchResult:
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    """The probes of one `datapath` run, side by side on one Ray instance (each a
+    `coordinator_gbps` answer unless said otherwise)."""
+
+    islands: int
+    numel: int
+    memcpy: float  # GB/s
+    coord: dict[int, dict[str, float]]  # S -> back to back, the default's threads
+    threaded: dict[str, float]  # S = 1, `coordinator.threads: 1`
+    paced: dict[str, float]  # S = 1, rounds `GAP_S` apart, with the broadcast
+    paced_threaded: dict[str, float]  # ... and with one thread
+    gloo: dict[str, float]  # `gloo_allreduce_gbps`
+    vs_gloo: list[tuple[float, float]]  # gloo's time ÷ a round's, back to back and paced, per repetition
+
+
+def _measure(quick: bool) -> Measured:
+    """Every probe, on a Ray instance of its own (the repetitions interleaved: on shared
+    cores each measurement moves by 10-30 % from one to the next)."""
     islands, numel, reps = (2, 2_000_000, 3) if quick else (4, 8_000_000, 5)
     shard_counts = [1, 2] if quick else [1, 2, 4]
     if not ray.is_initialized():
@@ -93,6 +112,22 @@ def datapath(quick: bool, work: Path) -> BenchResult:
             vs_gloo.append((g / again["round_seconds"], g / again_paced["round_seconds"]))
     finally:
         ray.shutdown()
+    return Measured(
+        islands=islands,
+        numel=numel,
+        memcpy=memcpy,
+        coord=coord,
+        threaded=threaded,
+        paced=paced,
+        paced_threaded=paced_threaded,
+        gloo=gloo,
+        vs_gloo=vs_gloo,
+    )
+
+
+def _runs(quick: bool, work: Path) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
+    """Real sync DiLoCo runs at the default H with 1 and 2 coordinator shards: their
+    summaries and steady-state overheads."""
     rounds = 3 if quick else 6
     table = {
         f"sync_s{s}": (
@@ -108,58 +143,61 @@ def datapath(quick: bool, work: Path) -> BenchResult:
         for s in (1, 2)
     }
     summaries = run_methods([], table, work)
-    overhead = {name: steady_overhead(work / name) for name in table}
-    default, with_broadcast = coord[1]["gbps"], coord[1]["round_gbps"]
-    ratio, ratio_paced = (statistics.median(r[i] for r in vs_gloo) for i in (0, 1))
-    checks = {
+    return summaries, {name: steady_overhead(work / name) for name in table}
+
+
+def _checks(m: Measured, overhead: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """The issue's targets against memcpy and gloo (the ratios to gloo: medians of the
+    repetitions)."""
+    paced_gbps = m.paced["gbps"]
+    ratio, ratio_paced = (statistics.median(r[i] for r in m.vs_gloo) for i in (0, 1))
+    n = len(m.vs_gloo)
+    return {
         "coordinator_ge_0.7x_memcpy (default settings: S = 1)": {
-            "value": default / memcpy,
+            "value": m.coord[1]["gbps"] / m.memcpy,
             "target": 0.7,
-            "ok": default >= 0.7 * memcpy,
+            "ok": m.coord[1]["gbps"] >= 0.7 * m.memcpy,
         },
         "coordinator_ge_0.7x_memcpy (default settings, rounds paced as a run's)": {
-            "value": paced["gbps"] / memcpy,
+            "value": paced_gbps / m.memcpy,
             "target": 0.7,
-            "ok": paced["gbps"] >= 0.7 * memcpy,
+            "ok": paced_gbps >= 0.7 * m.memcpy,
         },
-        f"round_with_broadcast_ge_1.5x_gloo_allreduce (default settings; median of {len(vs_gloo)})": {
+        f"round_with_broadcast_ge_1.5x_gloo_allreduce (default settings; median of {n})": {
             "value": ratio,
             "target": 1.5,
             "ok": ratio >= 1.5,
         },
-        f"round_with_broadcast_ge_1.5x_gloo_allreduce (default settings, rounds paced as a run's; median of {len(vs_gloo)})": {
+        f"round_with_broadcast_ge_1.5x_gloo_allreduce (default settings, rounds paced as a run's; median of {n})": {
             "value": ratio_paced,
             "target": 1.5,
             "ok": ratio_paced >= 1.5,
         },
         "overhead_lt_5pct_default_h": {"value": overhead["sync_s1"], "ok": overhead["sync_s1"] < 0.05},
     }
-    methods = {
-        f"coordinator_s{s}": {
-            "gbps": c["gbps"],
-            "seconds_per_round": c["seconds"],
-            "page_faults_per_round": c["page_faults"],
-        }
-        for s, c in coord.items()
-    }
-    for name, c in (("coordinator_s1_paced", paced), ("coordinator_s1_1thread_paced", paced_threaded)):
-        methods[name] = {
-            "gbps": c["gbps"],
-            "seconds_per_round": c["seconds"],
-            "page_faults_per_round": c["page_faults"],
-        }
+
+
+def _probe_row(c: dict[str, float]) -> dict[str, float]:
+    return {"gbps": c["gbps"], "seconds_per_round": c["seconds"], "page_faults_per_round": c["page_faults"]}
+
+
+def _methods(
+    m: Measured, summaries: dict[str, dict[str, Any]], overhead: dict[str, float]
+) -> dict[str, dict[str, Any]]:
+    """One row per path measured and per run."""
+    methods: dict[str, dict[str, Any]] = {f"coordinator_s{s}": _probe_row(c) for s, c in m.coord.items()}
+    methods["coordinator_s1_paced"] = _probe_row(m.paced)
+    methods["coordinator_s1_1thread_paced"] = _probe_row(m.paced_threaded)
     methods["round_s1_with_broadcast_paced"] = {
-        "gbps": paced["round_gbps"],
-        "seconds_per_round": paced["round_seconds"],
+        "gbps": m.paced["round_gbps"],
+        "seconds_per_round": m.paced["round_seconds"],
     }
-    methods["coordinator_s1_mapped"] = {
-        "gbps": coord[1]["mapped_gbps"],
-        "seconds_per_round": coord[1]["mapped_seconds"],
-    }
-    methods["round_s1_with_broadcast"] = {"gbps": with_broadcast, "seconds_per_round": coord[1]["round_seconds"]}
-    methods["coordinator_s1_1thread"] = {"gbps": threaded["gbps"], "seconds_per_round": threaded["seconds"]}
-    methods["gloo_allreduce"] = {"gbps": gloo["gbps"], "seconds_per_round": gloo["seconds"]}
-    methods["memcpy"] = {"gbps": memcpy}
+    first = m.coord[1]
+    methods["coordinator_s1_mapped"] = {"gbps": first["mapped_gbps"], "seconds_per_round": first["mapped_seconds"]}
+    methods["round_s1_with_broadcast"] = {"gbps": first["round_gbps"], "seconds_per_round": first["round_seconds"]}
+    methods["coordinator_s1_1thread"] = {"gbps": m.threaded["gbps"], "seconds_per_round": m.threaded["seconds"]}
+    methods["gloo_allreduce"] = {"gbps": m.gloo["gbps"], "seconds_per_round": m.gloo["seconds"]}
+    methods["memcpy"] = {"gbps": m.memcpy}
     for name, s in summaries.items():
         methods[name] = {
             "overhead_fraction": overhead[name],
@@ -167,51 +205,66 @@ def datapath(quick: bool, work: Path) -> BenchResult:
             "train_seconds": s["train_seconds"],
             "idle_fraction_whole_run": s["idle_fraction"],
         }
-    per_s = ", ".join(f"S={s} {c['gbps']:.2f}" for s, c in coord.items()) + f", S=1 1 thread {threaded['gbps']:.2f}"
+    return methods
+
+
+def _extra(
+    m: Measured, overhead: dict[str, float], breakdown: dict[str, dict[str, float]], checks: dict[str, Any]
+) -> dict[str, Any]:
+    """The report's figures beyond the rows, under the keys `docs/datapath.json` has."""
+    coord, paced = m.coord, m.paced
+    return {
+        "coordinator_gbps": {str(s): c["gbps"] for s, c in coord.items()},
+        "coordinator_gbps_s1_1thread": m.threaded["gbps"],
+        "coordinator_gbps_s1_mapped": coord[1]["mapped_gbps"],
+        "coordinator_gbps_paced": {"1": paced["gbps"], "1_thread": m.paced_threaded["gbps"]},
+        "coordinator_page_faults_per_round_paced": paced["page_faults"],
+        "round_gbps_with_broadcast_paced": paced["round_gbps"],
+        "paced_gap_seconds": GAP_S,
+        "coordinator_page_faults_per_round": {str(s): c["page_faults"] for s, c in coord.items()},
+        "round_gbps_with_broadcast": coord[1]["round_gbps"],
+        "round_breakdown_seconds": breakdown,
+        # gloo's all-reduce time over the round's, back to back and paced: the first run
+        # (the rows above), then each repetition; the checks take the medians
+        "round_vs_gloo_repeats": [{"back_to_back": a, "paced": b} for a, b in m.vs_gloo],
+        "gloo_allreduce_gbps": m.gloo["gbps"],
+        "memcpy_gbps": m.memcpy,
+        "overhead_fraction": overhead["sync_s1"],
+        "overhead_fraction_by_shards": {"1": overhead["sync_s1"], "2": overhead["sync_s2"]},
+        "islands": m.islands,
+        "params": m.numel,
+        "checks": checks,
+    }
+
+
+def datapath(quick: bool, work: Path) -> BenchResult:
+    m = _measure(quick)
+    summaries, overhead = _runs(quick, work)
+    checks = _checks(m, overhead)
+    coord, gloo = m.coord, m.gloo
+    per_s = ", ".join(f"S={s} {c['gbps']:.2f}" for s, c in coord.items()) + f", S=1 1 thread {m.threaded['gbps']:.2f}"
     line = (
-        f"datapath: coordinator {per_s} GB/s; a round with its broadcast {with_broadcast:.2f} GB/s; "
-        f"gloo all-reduce {gloo['gbps']:.2f} GB/s; memcpy {memcpy:.2f} GB/s; overhead at default H "
+        f"datapath: coordinator {per_s} GB/s; a round with its broadcast {coord[1]['round_gbps']:.2f} GB/s; "
+        f"gloo all-reduce {gloo['gbps']:.2f} GB/s; memcpy {m.memcpy:.2f} GB/s; overhead at default H "
         f"{100 * overhead['sync_s1']:.1f}% (S=1), {100 * overhead['sync_s2']:.1f}% (S=2); {targets_met(checks)}"
     )
     scaling = {"coordinator": [(float(s), c["gbps"]) for s, c in coord.items()]}
-    references = {"memcpy": memcpy, "gloo all-reduce": gloo["gbps"]}
-    breakdown = {"back_to_back": _breakdown(coord[1]), "paced": _breakdown(paced)}
-    md = _markdown(islands, numel, coord, threaded, (paced, paced_threaded), gloo, memcpy, overhead, checks)
-    md += "\n\n" + _breakdown_markdown(breakdown, gloo["seconds"])
+    references = {"memcpy": m.memcpy, "gloo all-reduce": gloo["gbps"]}
+    breakdown = {"back_to_back": _breakdown(coord[1]), "paced": _breakdown(m.paced)}
+    md = _markdown(m, overhead, checks) + "\n\n" + _breakdown_markdown(breakdown, gloo["seconds"])
     md += (
         "\n\ngloo's all-reduce time ÷ a round's with its broadcast, back to back / paced, in each of "
-        f"{len(vs_gloo)} repetitions of the three, one after another (the checks take the medians): "
-        + ", ".join(f"{a:.2f} / {b:.2f}" for a, b in vs_gloo)
+        f"{len(m.vs_gloo)} repetitions of the three, one after another (the checks take the medians): "
+        + ", ".join(f"{a:.2f} / {b:.2f}" for a, b in m.vs_gloo)
     )
     return BenchResult(
         "datapath",
         quick,
-        methods,
+        _methods(m, summaries, overhead),
         line,
         md,
         [Panel("coordinator shards S", scaling, y_label="GB/s (1e9 bytes/s)", references=references)],
-        extra={
-            "coordinator_gbps": {str(s): c["gbps"] for s, c in coord.items()},
-            "coordinator_gbps_s1_1thread": threaded["gbps"],
-            "coordinator_gbps_s1_mapped": coord[1]["mapped_gbps"],
-            "coordinator_gbps_paced": {"1": paced["gbps"], "1_thread": paced_threaded["gbps"]},
-            "coordinator_page_faults_per_round_paced": paced["page_faults"],
-            "round_gbps_with_broadcast_paced": paced["round_gbps"],
-            "paced_gap_seconds": GAP_S,
-            "coordinator_page_faults_per_round": {str(s): c["page_faults"] for s, c in coord.items()},
-            "round_gbps_with_broadcast": with_broadcast,
-            "round_breakdown_seconds": breakdown,
-            # gloo's all-reduce time over the round's, back to back and paced: the first run
-            # (the rows above), then each repetition; the checks take the medians
-            "round_vs_gloo_repeats": [{"back_to_back": a, "paced": b} for a, b in vs_gloo],
-            "gloo_allreduce_gbps": gloo["gbps"],
-            "memcpy_gbps": memcpy,
-            "overhead_fraction": overhead["sync_s1"],
-            "overhead_fraction_by_shards": {"1": overhead["sync_s1"], "2": overhead["sync_s2"]},
-            "islands": islands,
-            "params": numel,
-            "checks": checks,
-        },
+        extra=_extra(m, overhead, breakdown, checks),
     )
 
 
@@ -252,73 +305,56 @@ def _threads(n: float) -> str:
     return f"{n:.0f} thread{'s' if n != 1 else ''} (the default here)"
 
 
-def _markdown(
-    islands: int,
-    numel: int,
-    coord: dict[int, dict[str, float]],
-    threaded: dict[str, float],
-    paced: tuple[dict[str, float], dict[str, float]],
-    gloo: dict[str, float],
-    memcpy: float,
-    overhead: dict[str, float],
-    checks: dict[str, dict[str, Any]],
-) -> str:
+def _markdown(m: Measured, overhead: dict[str, float], checks: dict[str, dict[str, Any]]) -> str:
+    islands, numel, coord, first, one, two = m.islands, m.numel, m.coord, m.coord[1], m.paced, m.paced_threaded
     mb = islands * numel * 4 / 1e6
+
+    def row(path: str, gbps: float, seconds: float | None, faults: float | None) -> list[str]:
+        ms = "–" if seconds is None else f"{1000 * seconds:.0f}"
+        return [path, f"{gbps:.2f}", ms, "–" if faults is None else f"{faults:.0f}"]
+
     rows = [
-        [
+        row(
             f"coordinator, S = {s}" + (f", {_threads(c['threads'])}" if s == 1 else ""),
-            f"{c['gbps']:.2f}",
-            f"{1000 * c['seconds']:.0f}",
-            f"{c['page_faults']:.0f}",
-        ]
+            c["gbps"],
+            c["seconds"],
+            c["page_faults"],
+        )
         for s, c in coord.items()
     ]
-    rows.append(
-        [
-            "coordinator, S = 1, `coordinator.threads: 1`",
-            f"{threaded['gbps']:.2f}",
-            f"{1000 * threaded['seconds']:.0f}",
-            f"{threaded['page_faults']:.0f}",
-        ]
-    )
-    rows.append(
-        [
-            "coordinator, S = 1, the same pseudo-gradients already in its memory (pages mapped)",
-            f"{coord[1]['mapped_gbps']:.2f}",
-            f"{1000 * coord[1]['mapped_seconds']:.0f}",
-            "0",
-        ]
-    )
-    first = coord[1]
-    rows.append(
-        [
-            "a round, S = 1, with the broadcast (publish, fetch, verify, load)",
-            f"{first['round_gbps']:.2f}",
-            f"{1000 * first['round_seconds']:.0f}",
-            "–",
-        ]
-    )
-    one, two = paced
     rows += [
-        [
-            f"coordinator, S = 1, {what}, rounds {GAP_S:g} s apart",
-            f"{c['gbps']:.2f}",
-            f"{1000 * c['seconds']:.0f}",
-            f"{c['page_faults']:.0f}",
-        ]
+        row(
+            "coordinator, S = 1, `coordinator.threads: 1`",
+            m.threaded["gbps"],
+            m.threaded["seconds"],
+            m.threaded["page_faults"],
+        ),
+        row(
+            "coordinator, S = 1, the same pseudo-gradients already in its memory (pages mapped)",
+            first["mapped_gbps"],
+            first["mapped_seconds"],
+            0,
+        ),
+        row(
+            "a round, S = 1, with the broadcast (publish, fetch, verify, load)",
+            first["round_gbps"],
+            first["round_seconds"],
+            None,
+        ),
+    ]
+    rows += [
+        row(f"coordinator, S = 1, {what}, rounds {GAP_S:g} s apart", c["gbps"], c["seconds"], c["page_faults"])
         for what, c in ((_threads(one["threads"]), one), ("`coordinator.threads: 1`", two))
     ]
-    rows.append(
-        [
-            f"a round, S = 1, with the broadcast, rounds {GAP_S:g} s apart",
-            f"{one['round_gbps']:.2f}",
-            f"{1000 * one['round_seconds']:.0f}",
-            "–",
-        ]
-    )
     rows += [
-        ["gloo all-reduce", f"{gloo['gbps']:.2f}", f"{1000 * gloo['seconds']:.0f}", "–"],
-        ["memcpy", f"{memcpy:.2f}", "–", "–"],
+        row(
+            f"a round, S = 1, with the broadcast, rounds {GAP_S:g} s apart",
+            one["round_gbps"],
+            one["round_seconds"],
+            None,
+        ),
+        row("gloo all-reduce", m.gloo["gbps"], m.gloo["seconds"], None),
+        row("memcpy", m.memcpy, None, None),
     ]
     over = md_table(["run", "steady-state overhead"], [[k, f"{100 * v:.2f}%"] for k, v in overhead.items()])
     return (
