@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -131,19 +132,13 @@ def hetero(quick: bool, work: Path) -> BenchResult:
     )
     best = {n: min(lrs, key=lambda lr, n=n: grid[f"{n}@lr{lr:g}"]["final_eval_loss"]) for n in ROWS}
     # 2. every method at its best lr over the seeds (at the default lr: seed 0, in the grid)
-    seeded: dict[str, dict[str, Any]] = {}
-    for tag, lr_of in (("best", best),):
-        table = {
-            f"{n}@lr{lr_of[n]:g}@s{s}": (d, row(n, lr_of[n], s, rounds, "mild", warm[s]))
-            for n, (d, _) in ROWS.items()
-            for s in seeds
-            if s
-        }
-        done = {
-            **{f"{n}@lr{lr_of[n]:g}@s0": grid[f"{n}@lr{lr_of[n]:g}"] for n in ROWS},
-            **(run(table) if table else {}),
-        }
-        seeded[tag] = done
+    others = {
+        f"{n}@lr{best[n]:g}@s{s}": (d, row(n, best[n], s, rounds, "mild", warm[s]))
+        for n, (d, _) in ROWS.items()
+        for s in seeds
+        if s
+    }
+    seeded = {**{f"{n}@lr{best[n]:g}@s0": grid[f"{n}@lr{best[n]:g}"] for n in ROWS}, **(run(others) if others else {})}
     # 3. the harsh fleet at each method's best lr, seed 0
     harsh = run({f"{n}@harsh": (d, row(n, best[n], 0, rounds, "harsh", warm[0])) for n, (d, _) in ROWS.items()})
     # 4. equal simulated time: each method given the simulated seconds sync took
@@ -169,7 +164,18 @@ def hetero(quick: bool, work: Path) -> BenchResult:
         if quick
         else run({n: (d, row(n, best[of], 0, rounds, "mild", warm[0])) for n, (d, of, _) in ABLATIONS.items()})
     )
-    return _report(quick, work, rounds, grid, best, seeded, harsh, equal, seeds, lrs, ablations)
+    runs = Runs(
+        rounds=rounds,
+        seeds=seeds,
+        lrs=lrs,
+        grid=grid,
+        best=best,
+        seeded=seeded,
+        harsh=harsh,
+        equal=equal,
+        ablations=ablations,
+    )
+    return _report(quick, work, runs)
 
 
 def _stats(summaries: list[dict[str, Any]]) -> tuple[float, list[float]]:
@@ -177,65 +183,69 @@ def _stats(summaries: list[dict[str, Any]]) -> tuple[float, list[float]]:
     return statistics.mean(losses), losses
 
 
-def _report(
-    quick: bool,
-    work: Path,
-    rounds: int,
-    grid: dict[str, dict[str, Any]],
-    best: dict[str, float],
-    seeded: dict[str, dict[str, dict[str, Any]]],
-    harsh: dict[str, dict[str, Any]],
-    equal: dict[str, dict[str, Any]],
-    seeds: tuple[int, ...],
-    lrs: tuple[float, ...],
-    ablations: dict[str, dict[str, Any]],
-) -> BenchResult:
-    def of(tag: str, n: str) -> list[dict[str, Any]]:
-        return [seeded[tag][f"{n}@lr{best[n]:g}@s{s}"] for s in seeds]
+@dataclass(frozen=True, kw_only=True)
+class Runs:
+    """Every run of `bench hetero`, by phase (each a name -> summary map)."""
 
-    name0 = {n: f"{n}@lr{best[n]:g}" for n in ROWS}
-    by_clock = {n: eval_curve(work / name0[n], grid[name0[n]], "clock_seconds") for n in ROWS}
-    by_tokens = {n: eval_curve(work / name0[n], grid[name0[n]], "tokens_total") for n in ROWS}
-    sync_final, _ = _stats(of("best", "sync"))
-    results: dict[str, dict[str, Any]] = {}
-    for n, (desc, _) in ROWS.items():
-        s0 = grid[name0[n]]
-        mean, losses = _stats(of("best", n))
-        reach = [
-            # seed 0 ran in the lr grid: its outputs are under the grid run's name
-            time_to_reach(eval_curve(work / key.removesuffix("@s0"), seeded["best"][key], "clock_seconds"), sync_final)
-            for key in (f"{n}@lr{best[n]:g}@s{s}" for s in seeds)
-        ]
-        results[n] = {
-            "description": desc,
-            "overrides": ROWS[n][1],
-            "best_outer_lr": best[n],
-            "lr_grid": {f"{lr:g}": grid[f"{n}@lr{lr:g}"]["final_eval_loss"] for lr in lrs},
-            "final_eval_loss": mean,
-            "final_eval_loss_seeds": losses,
-            "final_eval_loss_default_lr_seed0": grid[f"{n}@lr{DEFAULT_LR:g}"]["final_eval_loss"]
-            if DEFAULT_LR in lrs
-            else None,
-            "sim_seconds": s0["clock_seconds"],
-            # on the run given sync's simulated time (a run of sync's tokens may end before sync's loss)
-            "sim_seconds_to_sync_final_loss": time_to_reach(
-                eval_curve(work / f"{n}@time", equal[f"{n}@time"], "clock_seconds"), sync_final
-            )
-            if f"{n}@time" in equal
-            else (None if None in reach else statistics.mean(r for r in reach if r is not None)),
-            "sim_seconds_to_sync_final_loss_equal_tokens_seeds": reach,
-            "loss_at_sync_time": (equal[f"{n}@time"]["final_eval_loss"] if f"{n}@time" in equal else None)
-            if n != "sync"
-            else mean,
-            "harsh_final_eval_loss": harsh[f"{n}@harsh"]["final_eval_loss"],
-            "harsh_sim_seconds": harsh[f"{n}@harsh"]["clock_seconds"],
-            "tokens": s0["tokens"],
-            "outer_updates": s0["outer_steps"],
-            "staleness": s0["staleness"],
-        }
+    rounds: int
+    seeds: tuple[int, ...]
+    lrs: tuple[float, ...]
+    grid: dict[str, dict[str, Any]]  # `<row>@lr<lr>`: the lr grid, seed 0, mild fleet
+    best: dict[str, float]  # row -> its best lr in the grid
+    seeded: dict[str, dict[str, Any]]  # `<row>@lr<best>@s<seed>`: every seed at the best lr
+    harsh: dict[str, dict[str, Any]]  # `<row>@harsh`: the harsh fleet, seed 0
+    equal: dict[str, dict[str, Any]]  # `<row>@time`: given sync's simulated seconds (not quick)
+    ablations: dict[str, dict[str, Any]]
+
+    def of(self, n: str) -> list[dict[str, Any]]:
+        """Row `n`'s runs at its best lr, one per seed."""
+        return [self.seeded[f"{n}@lr{self.best[n]:g}@s{s}"] for s in self.seeds]
+
+
+def _result(n: str, runs: Runs, work: Path, sync_final: float) -> dict[str, Any]:
+    """Row `n`'s figures: its lr grid, its seeds' losses, when it reaches sync's final loss
+    (at equal tokens per seed; at sync's simulated time when that run exists), the harsh
+    fleet."""
+    grid, best, equal = runs.grid, runs.best, runs.equal
+    s0 = grid[f"{n}@lr{best[n]:g}"]
+    mean, losses = _stats(runs.of(n))
+    reach = [
+        # seed 0 ran in the lr grid: its outputs are under the grid run's name
+        time_to_reach(eval_curve(work / key.removesuffix("@s0"), runs.seeded[key], "clock_seconds"), sync_final)
+        for key in (f"{n}@lr{best[n]:g}@s{s}" for s in runs.seeds)
+    ]
+    timed = equal.get(f"{n}@time")
+    return {
+        "description": ROWS[n][0],
+        "overrides": ROWS[n][1],
+        "best_outer_lr": best[n],
+        "lr_grid": {f"{lr:g}": grid[f"{n}@lr{lr:g}"]["final_eval_loss"] for lr in runs.lrs},
+        "final_eval_loss": mean,
+        "final_eval_loss_seeds": losses,
+        "final_eval_loss_default_lr_seed0": grid[f"{n}@lr{DEFAULT_LR:g}"]["final_eval_loss"]
+        if DEFAULT_LR in runs.lrs
+        else None,
+        "sim_seconds": s0["clock_seconds"],
+        # on the run given sync's simulated time (a run of sync's tokens may end before sync's loss)
+        "sim_seconds_to_sync_final_loss": time_to_reach(
+            eval_curve(work / f"{n}@time", timed, "clock_seconds"), sync_final
+        )
+        if timed is not None
+        else (None if None in reach else statistics.mean(r for r in reach if r is not None)),
+        "sim_seconds_to_sync_final_loss_equal_tokens_seeds": reach,
+        "loss_at_sync_time": (timed["final_eval_loss"] if timed is not None else None) if n != "sync" else mean,
+        "harsh_final_eval_loss": runs.harsh[f"{n}@harsh"]["final_eval_loss"],
+        "harsh_sim_seconds": runs.harsh[f"{n}@harsh"]["clock_seconds"],
+        "tokens": s0["tokens"],
+        "outer_updates": s0["outer_steps"],
+        "staleness": s0["staleness"],
+    }
+
+
+def _checks(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     sync, q, dn = results["sync"], results["quorum"], results["dn_dylu"]
     reach_q = q["sim_seconds_to_sync_final_loss"]
-    checks = {
+    return {
         "quorum_sim_time_to_sync_loss_le_0.5x": {
             "value": reach_q / sync["sim_seconds"] if reach_q is not None else None,
             "ok": reach_q is not None and reach_q <= 0.5 * sync["sim_seconds"],
@@ -249,6 +259,18 @@ def _report(
             "ok": dn["final_eval_loss"] <= 1.01 * sync["final_eval_loss"],
         },
     }
+
+
+def _report(quick: bool, work: Path, runs: Runs) -> BenchResult:
+    grid, best = runs.grid, runs.best
+    name0 = {n: f"{n}@lr{best[n]:g}" for n in ROWS}
+    by_clock = {n: eval_curve(work / name0[n], grid[name0[n]], "clock_seconds") for n in ROWS}
+    by_tokens = {n: eval_curve(work / name0[n], grid[name0[n]], "tokens_total") for n in ROWS}
+    sync_final, _ = _stats(runs.of("sync"))
+    results = {n: _result(n, runs, work, sync_final) for n in ROWS}
+    checks = _checks(results)
+    sync, q, dn = results["sync"], results["quorum"], results["dn_dylu"]
+    reach_q = q["sim_seconds_to_sync_final_loss"]
     reach_txt = "never" if reach_q is None else f"{reach_q:.0f}s"
     line = (
         f"hetero: sync {sync['final_eval_loss']:.4f} in {sync['sim_seconds']:.0f} simulated s; quorum "
@@ -260,12 +282,12 @@ def _report(
         quick,
         results,
         line,
-        _markdown(results, checks, rounds, len(seeds)) + _ablation_table(ablations, grid, best),
+        _markdown(results, checks, runs.rounds, len(runs.seeds)) + _ablation_table(runs.ablations, grid, best),
         [Panel("simulated seconds (virtual clock)", by_clock), Panel("tokens", by_tokens)],
         extra={
             "ablations": {
                 n: {"of": ABLATIONS[n][1], "final_eval_loss": a["final_eval_loss"], "staleness": a["staleness"]}
-                for n, a in ablations.items()
+                for n, a in runs.ablations.items()
             },
             "checks": checks,
             "fleets": FLEETS,
