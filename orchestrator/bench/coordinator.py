@@ -72,7 +72,6 @@ def probe(numel: int, islands: int, rounds: int) -> dict[str, Any]:
 
     from orchestrator.bench.datapath_probes import memcpy_gbps
     from orchestrator.config_load import load_config
-    from orchestrator.engine.outputs.checkpoints import save_checkpoint
     from orchestrator.engine.policies import build_policies
     from orchestrator.engine.step.outer import Commit, LocalOuter
     from orchestrator.engine.step.rules import outer_rule
@@ -105,19 +104,7 @@ def probe(numel: int, islands: int, rounds: int) -> dict[str, Any]:
     peak = _status_kb("VmHWM") * 1024 - before
     del arriving, contributions
     outer.copy_to(flat)
-    state = {"run_id": "bench", "params": flat, "outer": outer.state_dict()}
-    state_bytes = sum(
-        t.untyped_storage().nbytes()
-        for t in [flat, *[v for s in outer.state_dict()["optimizer"]["state"].values() for v in s.values()]]
-        if isinstance(t, torch.Tensor) and t.numel() > 1
-    )
-    holding = _status_kb("VmRSS") * 1024
-    _reset_peak()
-    with tempfile.TemporaryDirectory(dir=os.environ.get("ARCHIPELAGO_BENCH_TMP")) as folder:
-        t0 = time.perf_counter()
-        save_checkpoint(folder, state)
-        checkpoint_s = time.perf_counter() - t0
-    checkpoint_extra = max(0, _status_kb("VmHWM") * 1024 - holding)
+    state_bytes, checkpoint_s, checkpoint_extra = _checkpoint(flat, outer)
     seconds = statistics.median(times)
     return {
         "numel": numel,
@@ -130,6 +117,28 @@ def probe(numel: int, islands: int, rounds: int) -> dict[str, Any]:
         "checkpoint_peak_bytes": state_bytes + checkpoint_extra,
         "threads": torch.get_num_threads(),
     }
+
+
+def _checkpoint(flat: Any, outer: Any) -> tuple[int, float, int]:
+    """The outer state's bytes (parameters and optimizer state), the seconds to write it
+    as a checkpoint, and the memory writing it added to the peak."""
+    import torch
+
+    from orchestrator.engine.outputs.checkpoints import save_checkpoint
+
+    state = {"run_id": "bench", "params": flat, "outer": outer.state_dict()}
+    state_bytes = sum(
+        t.untyped_storage().nbytes()
+        for t in [flat, *[v for s in outer.state_dict()["optimizer"]["state"].values() for v in s.values()]]
+        if isinstance(t, torch.Tensor) and t.numel() > 1
+    )
+    holding = _status_kb("VmRSS") * 1024
+    _reset_peak()
+    with tempfile.TemporaryDirectory(dir=os.environ.get("ARCHIPELAGO_BENCH_TMP")) as folder:
+        t0 = time.perf_counter()
+        save_checkpoint(folder, state)
+        seconds = time.perf_counter() - t0
+    return state_bytes, seconds, max(0, _status_kb("VmHWM") * 1024 - holding)
 
 
 def _fits(numel: int, islands: int) -> bool:
@@ -194,11 +203,9 @@ def measure_rows(sizes: tuple[int, ...]) -> tuple[list[dict[str, Any]], list[str
     return rows, skipped
 
 
-def coordinator(quick: bool, work: Path) -> BenchResult:
-    rows, skipped = measure_rows(SIZES[:3] if quick else SIZES)
-    fit = _fit(rows)
+def _checks(rows: list[dict[str, Any]], fit: dict[str, float]) -> dict[str, dict[str, Any]]:
     s1 = [r for r in rows if r["slices"] == 1]
-    checks: dict[str, dict[str, Any]] = {
+    return {
         "linear_from_10m": {
             "target": "seconds per round linear in the parameters a slice steps, from 10 M up (fit's max residual <= 15 %)",
             "measured": fit.get("max_relative_residual"),
@@ -220,6 +227,11 @@ def coordinator(quick: bool, work: Path) -> BenchResult:
             "met": all(r["checkpoint_peak_mb"] <= 1.2 * r["state_mb"] for r in rows),
         },
     }
+
+
+def _markdown(
+    rows: list[dict[str, Any]], fit: dict[str, float], skipped: list[str], checks: dict[str, dict[str, Any]]
+) -> str:
     table = md_table(
         ["params", "S", "s / round", "GB/s", "x memcpy", "peak / slice", "bound", "checkpoint", "ckpt peak / state"],
         [
@@ -257,7 +269,7 @@ def coordinator(quick: bool, work: Path) -> BenchResult:
         if fit
         else "Too few sizes for a fit."
     )
-    markdown = (
+    return (
         f"{ISLANDS} pseudo-gradients a round into the production outer step (Nesterov, one pass), one slice of N / S "
         "per fresh process; a round with S slices takes one slice's time (each slice on its own node: measured one "
         "at a time on this 2-core machine). GB/s counts the pseudo-gradients' bytes read; memcpy is the same "
@@ -265,6 +277,12 @@ def coordinator(quick: bool, work: Path) -> BenchResult:
         "step's temporaries, not the arriving pseudo-gradients. Checkpoint peak: the state plus what writing it "
         f"added.\n\n{table}\n\n{fit_line} {stops}\n\n{checks_md}"
     )
+
+
+def coordinator(quick: bool, work: Path) -> BenchResult:
+    rows, skipped = measure_rows(SIZES[:3] if quick else SIZES)
+    fit = _fit(rows)
+    checks = _checks(rows, fit)
     panels = [
         Panel(
             x_label="parameters",
@@ -282,7 +300,7 @@ def coordinator(quick: bool, work: Path) -> BenchResult:
         methods={f"{r['params']}_s{r['slices']}": r for r in rows},
         summary=f"coordinator: {len(rows)} rows to {max(r['params'] for r in rows) / 1e6:,.0f} M parameters, "
         f"{met}/{len(checks)} checks met",
-        markdown=markdown,
+        markdown=_markdown(rows, fit, skipped, checks),
         panels=panels,
         extra={"rows": rows, "fit": fit, "checks": checks, "not_run": skipped, "islands": ISLANDS},
     )
