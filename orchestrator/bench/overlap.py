@@ -155,18 +155,8 @@ def _overlap(quick: bool, work: Path) -> BenchResult:
     )
     tables.update(later)
     runs = {**compute, **grid, **run_methods(MODEL, later, work)}
-    # the first round (synchronous by design) and the last upload are hidden by nothing:
-    # ≈ 1.2 rounds' exchange on top of the compute, 10 % of a 12-round run; the lag's
-    # hiding is timed again over `LONG_ROUNDS`, where they weigh less
     long_rounds = rounds if quick else LONG_ROUNDS
-    timed = {"compute_only": ("", []), **{n: (d, [*link(bw), *o, _lr(n, best[n])]) for n, (d, o) in TUNED.items()}}
-    long = run_methods(
-        MODEL,
-        {f"{n}@long@s{s}": (d, [*_base(long_rounds, warm[s], s), *o]) for n, (d, o) in timed.items() for s in seeds},
-        work,
-    )
-    long_walls = {n: statistics.median(long[f"{n}@long@s{s}"]["train_seconds"] for s in seeds) for n in timed}
-    long_loss = {n: statistics.mean(long[f"{n}@long@s{s}"]["final_eval_loss"] for s in seeds) for n in timed}
+    long_walls, long_loss = _long(long_rounds, seeds, warm, bw, best, work)
     seeded = {"compute_only": [f"compute_only@s{s}" for s in seeds]}
     seeded.update({n: [f"{n}@lr{best[n]:g}" + (f"@s{s}" if s else "") for s in seeds] for n in TUNED})
     singles = {n: [n] for n in [*ABLATIONS, "overlap_default"]}
@@ -191,15 +181,40 @@ def _overlap(quick: bool, work: Path) -> BenchResult:
                 if name in long_walls
                 else {}
             ),
-            "compute_seconds": statistics.mean(x["compute_seconds"] for x in s),
-            "idle_fraction": statistics.mean(x["idle_fraction"] for x in s),
-            "final_eval_loss": statistics.mean(x["final_eval_loss"] for x in s),
-            "final_eval_loss_seeds": [x["final_eval_loss"] for x in s],
-            "bytes_sent": s[0]["bytes_sent"],
+            **_means(s),
         }
     for n in TUNED:
         results[n]["lr_grid"] = {f"{lr:g}": grid[f"{n}@lr{lr:g}"]["final_eval_loss"] for lr in LRS}
     return _report(quick, work, (rounds, long_rounds), results, runs, seeded, bw, compute_per_round)
+
+
+def _long(
+    rounds: int, seeds: tuple[int, ...], warm: dict[int, Path], bw: float, best: dict[str, float], work: Path
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Each tuned row and the compute alone over `rounds` (`LONG_ROUNDS`): median wall and
+    mean final loss over the seeds. The first round (synchronous by design) and the last
+    upload are hidden by nothing — about 1.2 rounds' exchange on top of the compute, 10 %
+    of a 12-round run — so the lag's hiding is timed again where they weigh less."""
+    timed = {"compute_only": ("", []), **{n: (d, [*link(bw), *o, _lr(n, best[n])]) for n, (d, o) in TUNED.items()}}
+    long = run_methods(
+        MODEL,
+        {f"{n}@long@s{s}": (d, [*_base(rounds, warm[s], s), *o]) for n, (d, o) in timed.items() for s in seeds},
+        work,
+    )
+    walls = {n: statistics.median(long[f"{n}@long@s{s}"]["train_seconds"] for s in seeds) for n in timed}
+    losses = {n: statistics.mean(long[f"{n}@long@s{s}"]["final_eval_loss"] for s in seeds) for n in timed}
+    return walls, losses
+
+
+def _means(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A row's figures over its seeds' runs."""
+    return {
+        "compute_seconds": statistics.mean(x["compute_seconds"] for x in runs),
+        "idle_fraction": statistics.mean(x["idle_fraction"] for x in runs),
+        "final_eval_loss": statistics.mean(x["final_eval_loss"] for x in runs),
+        "final_eval_loss_seeds": [x["final_eval_loss"] for x in runs],
+        "bytes_sent": runs[0]["bytes_sent"],
+    }
 
 
 def _report(
