@@ -128,11 +128,7 @@ def _streaming(quick: bool, work: Path) -> BenchResult:
     rounds = 3 if quick else 8
     seeds = (0,) if quick else SEEDS
     warm = warm_starts(BASE, rounds, seeds, work)
-    # the link: calibrated on the streaming run's compute with none
-    calibration = _run("calibration", "", [*fragmented(4), *FP4], rounds, warm, (0,), work)[0]
-    compute_per_round = calibration["compute_seconds"] / rounds
-    params_bytes = calibration["num_params"] * 4
-    bandwidth = 2 * params_bytes * 8 / (compute_per_round * 1e9)
+    bandwidth, compute_per_round = _calibrate(rounds, warm, work)
     link = [f"simulation.link.bandwidth_gbps={bandwidth:.6g}", "simulation.link.latency_ms=0"]
     sweep = {
         "diloco": _tune("diloco", ["mode=diloco", *link], rounds, warm, work),
@@ -151,22 +147,9 @@ def _streaming(quick: bool, work: Path) -> BenchResult:
         for name, (desc, overrides) in table.items()
     }
     results = {name: _result(table[name], summaries) for name, summaries in runs.items()}
-    breakdown, ratios = None, []
-    # the peer's work with no link, evaluating once at the end as the peer does: the walls
-    # compared, ours and the peer's alternated `WALL_REPEATS` times (one pair swings by ±5 %)
-    timed = [*fragmented(4), f"outer.lr={best['streaming_p4_fp4']}", f"eval_every={rounds}"]
-    pairs = []
-    for rep in range(1 if quick else WALL_REPEATS):
-        peer = _peer(rounds, warm, seeds[:1], best["streaming_p4_fp4"])
-        if peer is None:
-            break
-        folder = TIMED if rep == 0 else f"{TIMED}_r{rep}"
-        ours = _run(folder, "streaming_p4 with no link, evaluated at the end only", timed, rounds, warm, (0,), work)
-        pairs.append((round_breakdown(ours[0], peer, rounds), peer))
-    if pairs:
-        ratios = [b["archipelago"]["wall"] / b["peer"]["wall"] for b, _ in pairs]
-        median = sorted(range(len(pairs)), key=ratios.__getitem__)[len(pairs) // 2]
-        breakdown, results[PEER] = pairs[median]  # the pair of the median ratio
+    breakdown, peer, ratios = _against_peer(quick, rounds, warm, seeds, best["streaming_p4_fp4"], work)
+    if peer is not None:
+        results[PEER] = peer
     compute_only = results["compute_only"]["wall_seconds"]
     for r in results.values():
         r["wall_vs_compute_only"] = r["wall_seconds"] / compute_only
@@ -206,6 +189,38 @@ def _streaming(quick: bool, work: Path) -> BenchResult:
             "bytes_vs_diloco_at_shipped_default": shipped_default_ratios(results, first_downloads(results)),
         },
     )
+
+
+def _calibrate(rounds: int, warm: dict[int, Path], work: Path) -> tuple[float, float]:
+    """The link's bandwidth (Gb/s) and the compute's seconds per round, from the streaming
+    run with no link: a full exchange (down and up) takes one round's compute."""
+    calibration = _run("calibration", "", [*fragmented(4), *FP4], rounds, warm, (0,), work)[0]
+    compute_per_round = calibration["compute_seconds"] / rounds
+    params_bytes = calibration["num_params"] * 4
+    return 2 * params_bytes * 8 / (compute_per_round * 1e9), compute_per_round
+
+
+def _against_peer(
+    quick: bool, rounds: int, warm: dict[int, Path], seeds: tuple[int, ...], lr: float, work: Path
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None, list[float]]:
+    """The peer's work with no link, evaluating once at the end as the peer does: ours and
+    the peer's alternated `WALL_REPEATS` times (one pair swings by ±5 %). The round
+    breakdown and the peer's row of the pair of the median ratio, and every pair's ratio
+    (ours ÷ the peer's wall); none without the peer."""
+    timed = [*fragmented(4), f"outer.lr={lr}", f"eval_every={rounds}"]
+    pairs = []
+    for rep in range(1 if quick else WALL_REPEATS):
+        peer = _peer(rounds, warm, seeds[:1], lr)
+        if peer is None:
+            break
+        folder = TIMED if rep == 0 else f"{TIMED}_r{rep}"
+        ours = _run(folder, "streaming_p4 with no link, evaluated at the end only", timed, rounds, warm, (0,), work)
+        pairs.append((round_breakdown(ours[0], peer, rounds), peer))
+    if not pairs:
+        return None, None, []
+    ratios = [b["archipelago"]["wall"] / b["peer"]["wall"] for b, _ in pairs]
+    breakdown, peer = pairs[sorted(range(len(pairs)), key=ratios.__getitem__)[len(pairs) // 2]]
+    return breakdown, peer, ratios
 
 
 def _result(described: tuple[str, list[str]], summaries: list[dict[str, Any]]) -> dict[str, Any]:
