@@ -337,17 +337,9 @@ def _checks(r: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return checks
 
 
-def _markdown(
-    r: dict[str, dict[str, Any]],
-    checks: dict[str, dict[str, Any]],
-    rounds: int,
-    seeds: tuple[int, ...],
-    bandwidth: float,
-    compute: float,
-    sweep: dict[str, dict[float, float]],
-    breakdown: dict[str, dict[str, float]] | None,
-    ratios: list[float],
-) -> str:
+def _table(r: dict[str, dict[str, Any]]) -> str:
+    """One row per method: its loss over the seeds, its bytes against DiLoCo's, its wall."""
+
     def loss(m: dict[str, Any]) -> str:
         n = len(m["final_eval_loss_seeds"])
         return f"{m['final_eval_loss']:.4f}" + (f" ± {m['final_eval_loss_std']:.4f} ({n})" if n > 1 else "")
@@ -380,6 +372,17 @@ def _markdown(
         "wall s",
         "vs compute-only",
     ]
+    return md_table(header, rows)
+
+
+def _context(
+    r: dict[str, dict[str, Any]],
+    sweep: dict[str, dict[float, float]],
+    breakdown: dict[str, dict[str, float]] | None,
+    ratios: list[float],
+) -> str:
+    """What the table's bytes leave out (the first downloads), the lr grid, and the walls
+    beside the peer's."""
     download = first_downloads(r)  # the k fp32 first downloads of the shipped default
     shipped = shipped_default_ratios(r, download)
     context = (
@@ -404,6 +407,20 @@ def _markdown(
             f"pairs: {', '.join(f'{r:.3f}×' for r in ratios)}; the pair of the median, and the peer row "
             "above, is this one. Where a round's time goes:\n\n" + breakdown_table(breakdown, "torchft")
         )
+    return context
+
+
+def _markdown(
+    r: dict[str, dict[str, Any]],
+    checks: dict[str, dict[str, Any]],
+    rounds: int,
+    seeds: tuple[int, ...],
+    bandwidth: float,
+    compute: float,
+    sweep: dict[str, dict[float, float]],
+    breakdown: dict[str, dict[str, float]] | None,
+    ratios: list[float],
+) -> str:
     return (
         f"GPT d=64, 4 layers, context 64, batch 16 per island, {K} islands (no more than this machine's cores), "
         f"H = {H}, {rounds} rounds after a shared warm start ({WARM} data-parallel steps) per seed; headline rows "
@@ -411,8 +428,8 @@ def _markdown(
         f"(parameters down + pseudo-gradient up) takes one round of compute ({compute:.1f} s). Bytes per island "
         f"link, both directions (nothing downloaded at the start: below). Peak: the most "
         f"bytes one island moved for one piece of work (what it received for it plus what it sent).\n\n"
-        + md_table(header, rows)
-        + context
+        + _table(r)
+        + _context(r, sweep, breakdown, ratios)
         + "\n\n"
         + checks_table(checks)
     )
