@@ -141,6 +141,33 @@ def gpu(quick: bool, work: Path) -> BenchResult:
         mfu_124m=mfu_124m,
         coordinator_rows=coordinator_rows,
     )
+    device = (
+        f"{extra['device']} x{extra['gpus']}; measured bf16 matmul peak {extra['peak_bf16_flops'] / 1e12:.0f} TFLOP/s (MFU is against it)"
+        if cuda
+        else "no CUDA device"
+    )
+    mfu_text = f"{100 * mfu_124m:.1f}%" if mfu_124m is not None else "not measured"
+    return BenchResult(
+        scenario="gpu",
+        quick=quick,
+        methods=rows,
+        summary=f"gpu: {device.split(';')[0]}; island / bare loop cpu {ratios['cpu']['ratio']:.3f}"
+        + (f", cuda {ratios['cuda']['ratio']:.3f}" if cuda else ", cuda not measured")
+        + f"; MFU 124 M {mfu_text}",
+        markdown=_markdown(device, ratios, rows, coordinator_rows, cuda),
+        panels=[bareloop.ratio_panel(ratios)],
+        extra=extra,
+    )
+
+
+def _markdown(
+    device: str,
+    ratios: dict[str, dict[str, Any]],
+    rows: dict[str, dict[str, Any]],
+    coordinator_rows: list[dict[str, Any]],
+    cuda: bool,
+) -> str:
+    """The island against the bare loop, the runs on the GPU, and the coordinator on this host."""
     ratio_md = md_table(
         ["device", "island round / bare loop (median of alternations)", "each"],
         [[k, f"{r['ratio']:.3f}", ", ".join(f"{x:.3f}" for x in r["ratios"])] for k, r in ratios.items()]
@@ -177,21 +204,7 @@ def gpu(quick: bool, work: Path) -> BenchResult:
         if rows
         else "Runs on CUDA (MFU, the 124 M GPT-2 among them): not measured (no CUDA device)."
     )
-    device = (
-        f"{extra['device']} x{extra['gpus']}; measured bf16 matmul peak {extra['peak_bf16_flops'] / 1e12:.0f} TFLOP/s (MFU is against it)"
-        if cuda
-        else "no CUDA device"
-    )
-    mfu_text = f"{100 * mfu_124m:.1f}%" if mfu_124m is not None else "not measured"
-    return BenchResult(
-        scenario="gpu",
-        quick=quick,
-        methods=rows,
-        summary=f"gpu: {device.split(';')[0]}; island / bare loop cpu {ratios['cpu']['ratio']:.3f}"
-        + (f", cuda {ratios['cuda']['ratio']:.3f}" if cuda else ", cuda not measured")
-        + f"; MFU 124 M {mfu_text}",
-        markdown=f"Device: {device}.\n\n### Island against a bare torch loop\n\n{ratio_md}\n\n"
-        f"### Runs on the GPU\n\n{runs_md}\n\n### The coordinator on this host\n\n{coordinator_md}\n",
-        panels=[bareloop.ratio_panel(ratios)],
-        extra=extra,
+    return (
+        f"Device: {device}.\n\n### Island against a bare torch loop\n\n{ratio_md}\n\n"
+        f"### Runs on the GPU\n\n{runs_md}\n\n### The coordinator on this host\n\n{coordinator_md}\n"
     )
