@@ -189,8 +189,9 @@ def _probe(kind: str, location: Path) -> dict[str, Any]:
     return out
 
 
-def data(quick: bool, work: Path) -> BenchResult:
-    sizes = (20_000_000, 60_000_000) if quick else (50_000_000, 205_000_000)
+def _measure(sizes: tuple[int, ...], work: Path) -> dict[str, dict[str, Any]]:
+    """For each corpus size: a generated text, prepared once, and the island's reads of
+    the prepared corpus and of the text as Parquet."""
     methods: dict[str, dict[str, Any]] = {}
     for i, chars in enumerate(sizes):
         text = work / f"text-{chars // 1_000_000}M"
@@ -204,10 +205,14 @@ def data(quick: bool, work: Path) -> BenchResult:
             **_probe("parquet", text),
             "source": "parquet",
         }
-    small, large = (f"prepared_{c // 1_000_000}M" for c in sizes)
-    head = methods[large]
-    rss = {str(methods[k]["tokens"]): methods[k]["island_rss_mb"] for k in (small, large)}
-    checks = {
+    return methods
+
+
+def _checks(head: dict[str, Any], small: dict[str, Any], large: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Seeking, the loader's speed and the island's memory against their targets (no check
+    of the corpus's size: the bench generates the size it is given, so such a check could
+    only pass; the size is a fact of the report)."""
+    return {
         f"first_batch_at_90pct_within_{SEEK_RATIO_TARGET}x_of_start": {
             "value": head["first_batch_seconds_at_end"] / head["first_batch_seconds_at_start"],
             "target": SEEK_RATIO_TARGET,
@@ -219,29 +224,40 @@ def data(quick: bool, work: Path) -> BenchResult:
             "ok": head["loader_tokens_per_s"] >= LOADER_TARGET * head["train_tokens_per_s"],
         },
         f"island_rss_at_larger_corpus_within_{RSS_TOLERANCE}x": {
-            "value": methods[large]["island_rss_mb"] / methods[small]["island_rss_mb"],
+            "value": large["island_rss_mb"] / small["island_rss_mb"],
             "target": RSS_TOLERANCE,
-            "ok": methods[large]["island_rss_mb"] <= RSS_TOLERANCE * methods[small]["island_rss_mb"],
+            "ok": large["island_rss_mb"] <= RSS_TOLERANCE * small["island_rss_mb"],
         },
     }
-    # no check of the corpus's size: the bench generates the size it is given, so such a check
-    # could only pass; the size is a fact of the report (`methods[...]["tokens"]`)
-    curves = {
-        f"{source}: {what}": [
-            (methods[f"{source}_{c // 1_000_000}M"]["tokens"] / 1e6, methods[f"{source}_{c // 1_000_000}M"][key])
-            for c in sizes
-        ]
-        for source in ("prepared", "parquet")
-        for what, key in (("peak island RSS (MB)", "island_rss_mb"),)
-    }
+
+
+def _panels(methods: dict[str, dict[str, Any]], sizes: tuple[int, ...]) -> list[Panel]:
+    """The island's peak memory and its first batch, against the corpus's size."""
+
+    def curve(source: str, key: str) -> list[tuple[float, float]]:
+        rows = (methods[f"{source}_{c // 1_000_000}M"] for c in sizes)
+        return [(m["tokens"] / 1e6, m[key]) for m in rows]
+
+    sources = ("prepared", "parquet")
+    curves = {f"{source}: peak island RSS (MB)": curve(source, "island_rss_mb") for source in sources}
     firsts = {
-        f"{source}: first batch at {where}": [
-            (methods[f"{source}_{c // 1_000_000}M"]["tokens"] / 1e6, methods[f"{source}_{c // 1_000_000}M"][key])
-            for c in sizes
-        ]
-        for source in ("prepared", "parquet")
+        f"{source}: first batch at {where}": curve(source, key)
+        for source in sources
         for where, key in (("start", "first_batch_seconds_at_start"), ("90%", "first_batch_seconds_at_end"))
     }
+    return [
+        Panel(x_label="corpus (M tokens)", curves=curves, y_label="peak island RSS (MB)"),
+        Panel(x_label="corpus (M tokens)", curves=firsts, y_label="seconds to the first batch"),
+    ]
+
+
+def data(quick: bool, work: Path) -> BenchResult:
+    sizes = (20_000_000, 60_000_000) if quick else (50_000_000, 205_000_000)
+    methods = _measure(sizes, work)
+    small, large = (f"prepared_{c // 1_000_000}M" for c in sizes)
+    head = methods[large]
+    rss = {str(methods[k]["tokens"]): methods[k]["island_rss_mb"] for k in (small, large)}
+    checks = _checks(head, methods[small], methods[large])
     summary = (
         f"data: {head['tokens'] / 1e6:.0f}M tokens prepared at {head['prepare_tokens_per_s'] / 1e6:.1f}M tok/s; "
         f"first batch {head['first_batch_seconds_at_start'] * 1e3:.1f} ms at start, "
@@ -255,10 +271,7 @@ def data(quick: bool, work: Path) -> BenchResult:
         methods=methods,
         summary=summary,
         markdown=_markdown(methods, checks),
-        panels=[
-            Panel(x_label="corpus (M tokens)", curves=curves, y_label="peak island RSS (MB)"),
-            Panel(x_label="corpus (M tokens)", curves=firsts, y_label="seconds to the first batch"),
-        ],
+        panels=_panels(methods, sizes),
         extra={
             "checks": checks,
             "first_batch_seconds_at_start": head["first_batch_seconds_at_start"],
