@@ -333,14 +333,9 @@ def regime(spec: FleetSpec) -> dict[str, float]:
     return out
 
 
-def _markdown(
-    spec: FleetSpec,
-    r: dict[str, dict[str, Any]],
-    checks: dict[str, dict[str, Any]],
-    best: dict[str, float],
-    grid: dict[str, dict[str, Any]],
-) -> str:
-    reg = regime(spec)
+def _results_table(spec: FleetSpec, r: dict[str, dict[str, Any]]) -> str:
+    """One row per method and fleet size: goodput and time to the target (mean and each
+    seed), losses, simulated time, tokens, failures."""
     rows = [
         [
             f"`{name.rsplit('_', 1)[0]}`",
@@ -368,18 +363,37 @@ def _markdown(
         "tokens",
         "failures",
     ]
+    return md_table(header, rows)
+
+
+def _lost_table(r: dict[str, dict[str, Any]]) -> str:
+    """Where each row's island-seconds went, by cause."""
     keys = list(next(iter(r.values()))["lost"])
     lost = [
         [f"`{name.rsplit('_', 1)[0]}`", str(m["islands"])] + [f"{m['lost'][x]:.3f}" for x in keys]
         for name, m in r.items()
     ]
-    tuning = md_table(
+    return md_table(["method", "islands", *keys], lost)
+
+
+def _grid_table(grid: dict[str, dict[str, Any]]) -> str:
+    return md_table(
         ["row@lr", "final loss", "simulated s", "goodput"],
         [
             [f"`{n}`", f"{m['final_eval_loss']:.4f}", f"{m['sim_seconds']:.0f}", f"{m['goodput']:.3f}"]
             for n, m in grid.items()
         ],
     )
+
+
+def _markdown(
+    spec: FleetSpec,
+    r: dict[str, dict[str, Any]],
+    checks: dict[str, dict[str, Any]],
+    best: dict[str, float],
+    grid: dict[str, dict[str, Any]],
+) -> str:
+    reg = regime(spec)
     ddp = ", ".join(f"{reg[f'ddp_allreduce_steps_at_{k}']:.1f} steps' worth at {k}" for k in spec.islands)
     return (
         f"Islands of speeds {list(spec.speeds)} repeated; H = {spec.inner_steps}; {spec.step_s:g} simulated s per step "
@@ -392,14 +406,14 @@ def _markdown(
         f"of a {reg['round_s_at_speed_1']:g}-s round at speed 1; data-parallel's per-step ring all-reduce {ddp}. "
         "The in-process island pool on a virtual clock: real training of a small model, simulated time and links. "
         "The target: synchronous DiLoCo's final loss on the same tokens with no failures, per seed.\n\n"
-        + md_table(header, rows)
+        + _results_table(spec, r)
         + "\n\nWhere the island-seconds went (fractions of islands × simulated seconds, mean over seeds; `waiting` "
         "is the rest: barriers, links, stragglers, discarded results):\n\n"
-        + md_table(["method", "islands", *keys], lost)
+        + _lost_table(r)
         + "\n\n"
         + checks_table(checks)
         + f"\n\nOuter lr grid (seed 0, {min(spec.islands)} islands, with failures; best per row: "
         + ", ".join(f"{n} {lr:g}" for n, lr in best.items() if n != "ddp")
         + "):\n\n"
-        + tuning
+        + _grid_table(grid)
     )
