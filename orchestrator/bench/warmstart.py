@@ -67,6 +67,29 @@ def rows() -> Table:
     return table
 
 
+def _row(s: dict[str, Any], reach: dict[str, float | None], baselines: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A warm-started run's bytes (its warm start's and its own) against the fewest any
+    data-parallel baseline moved to reach its loss (`reach`: bytes per baseline, None where
+    it never did; then the most any moved, a lower bound on the ratio)."""
+    warm = s["warm_start"]
+    total = warm["bytes_communicated"] + s["bytes_communicated"]
+    best = fewest(reach)
+    ddp_bytes = reach[best] if best is not None else max(baselines[b]["bytes_communicated"] for b in reach)
+    return {
+        "final_eval_loss": s["final_eval_loss"],
+        "warm_start_final_eval_loss": warm["final_eval_loss"],
+        "bytes_warm_start": warm["bytes_communicated"],
+        "bytes_main": s["bytes_communicated"],
+        "bytes_communicated": total,
+        "train_seconds": warm["train_seconds"] + s["train_seconds"],
+        "ddp_bytes_to_reach": ddp_bytes,
+        "ddp_bytes_to_reach_by_lr": {baselines[b]["lr"]: x for b, x in reach.items()},
+        "ddp_reached": best is not None,
+        "ddp_best": best,
+        "bytes_ratio_vs_ddp_at_equal_loss": ddp_bytes / total,
+    }
+
+
 def warmstart(quick: bool, work: Path) -> BenchResult:
     base = [*(QUICK if quick else []), "api.enabled=false"]
     default = load_config(None, base)
@@ -89,25 +112,8 @@ def warmstart(quick: bool, work: Path) -> BenchResult:
         }
     for name in runs:
         s = summaries[name]
+        results[name] = _row(s, {b: time_to_reach(curves[b], s["final_eval_loss"]) for b in baselines}, results)
         warm = s["warm_start"]
-        total = warm["bytes_communicated"] + s["bytes_communicated"]
-        target = s["final_eval_loss"]
-        reach = {b: time_to_reach(curves[b], target) for b in baselines}
-        best = fewest(reach)
-        ddp_bytes = reach[best] if best is not None else max(results[b]["bytes_communicated"] for b in baselines)
-        results[name] = {
-            "final_eval_loss": target,
-            "warm_start_final_eval_loss": warm["final_eval_loss"],
-            "bytes_warm_start": warm["bytes_communicated"],
-            "bytes_main": s["bytes_communicated"],
-            "bytes_communicated": total,
-            "train_seconds": warm["train_seconds"] + s["train_seconds"],
-            "ddp_bytes_to_reach": ddp_bytes,
-            "ddp_bytes_to_reach_by_lr": {results[b]["lr"]: x for b, x in reach.items()},
-            "ddp_reached": best is not None,
-            "ddp_best": best,
-            "bytes_ratio_vs_ddp_at_equal_loss": ddp_bytes / total,
-        }
         warm_curve = _cumulative_bytes(work / name / "warm_start", {"initial_eval_loss": warm["initial_eval_loss"]})
         curves[name] = warm_curve + _cumulative_bytes(work / name, s, offset=warm["bytes_communicated"])[1:]
 
