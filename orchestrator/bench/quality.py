@@ -58,6 +58,16 @@ def quality(quick: bool, work: Path) -> BenchResult:
         return _quality(quick, work)
 
 
+def _curves(table: list[Method], warm: Path, record: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
+    """Seed 0's eval loss against tokens: the shared warm start, then each row after it."""
+    curves = {"warm start (ddp)": eval_curve(warm, record, "tokens_total")}
+    for m in table:
+        assert m.work is not None
+        points = eval_curve(m.work / f"{m.key}@s0", m.runs[0], "tokens_total")
+        curves[m.key] = [(x + record["tokens"], y) for x, y in points]
+    return curves
+
+
 def _quality(quick: bool, work: Path) -> BenchResult:
     steps = 600 if quick else 1200  # after the fork; divisible by every H, so all methods see the same tokens
     base = [*MODEL, f"islands.count={K}", "inner_steps=50", f"rounds={steps // 50}"]
@@ -85,11 +95,7 @@ def _quality(quick: bool, work: Path) -> BenchResult:
         r["loss_vs_ddp_pct"] = 100 * (r["final_eval_loss"] / ddp["final_eval_loss"] - 1)
         r["perplexity_per_byte"] = math.exp(r["final_eval_loss"])
     record = _warm_record(warm[0])
-    curves = {"warm start (ddp)": eval_curve(warm[0], record, "tokens_total")}
-    for m in table:
-        assert m.work is not None
-        points = eval_curve(m.work / f"{m.key}@s0", m.runs[0], "tokens_total")
-        curves[m.key] = [(x + record["tokens"], y) for x, y in points]
+    curves = _curves(table, warm[0], record)
     checks = _checks(results, quick)
     best = _best(results)
     head = results[best]
