@@ -27,6 +27,7 @@ from orchestrator.config_sections import (
     OuterOptimizer,
     OverlapConfig,
     StreamingConfig,
+    StreamingPacing,
     Strict,
 )
 from workers.wire.links import LinkConfig
@@ -238,12 +239,25 @@ class CoordinatorConfig(Strict):
 RUN_PLACEHOLDER = "{run_id}"  # in `out_dir`: the run's own folder
 
 
+_SPEEDS = frozenset({"speed_smoothing"})  # the speed tracker's (deadlines, DyLU): every mode's
+_STALENESS = frozenset({"max_staleness", "stale_policy"})  # admission of results of older versions
+_QUORUM = frozenset({"quorum", "grace_cap", "grace_k", "age_power", "dylu"})  # the quorum rule's
+_READ_BY = {
+    "asynchronous": "mode async; its quorum and staleness settings also by mode streaming with streaming.pacing "
+    "quorum, its staleness settings by diloco.dylu, speed_smoothing by every mode",
+    "diloco": "mode diloco",
+    "overlap": "mode overlap",
+    "streaming": "mode streaming",
+}
+
+
 class RunConfig(Strict):
     """One training run. `mode: diloco` is synchronous DiLoCo; `mode: ddp` is the
     data-parallel baseline (gradients averaged every step, one AdamW using `inner`);
     `mode: async` is asynchronous Local-SGD (settings in `asynchronous`); `mode: overlap`
     is CO2, communication hidden behind the next round's computation (settings in `overlap`);
-    `mode: streaming` is Streaming DiLoCo (settings in `streaming`)."""
+    `mode: streaming` is Streaming DiLoCo (settings in `streaming`). A mode section's setting
+    changed where the run's mode never reads it is refused, naming it (`settings_read`)."""
 
     mode: Mode = Field(
         Mode.DILOCO,
@@ -381,11 +395,46 @@ class RunConfig(Strict):
                 f"outer.merge {self.outer.merge.value} needs a DiLoCo-family mode on one coordinator "
                 "(coordinator.shards = 1: each island's norm and the merged direction span every slice)"
             )
-        if self.diloco.dylu and self.mode != Mode.DILOCO:
-            raise ValueError("diloco.dylu applies to mode diloco only")
+        self._check_read()
         a.check_c(self.islands.count)
         self.simulation.check_islands(self.islands.count)
         return self
+
+    def settings_read(self) -> dict[str, frozenset[str] | None]:
+        """The mode sections' settings a run of this config reads: section -> its fields
+        (None: all of them). Every mode's speed tracker reads `asynchronous.speed_smoothing`;
+        a barrier with DyLU admits late results by `asynchronous`'s staleness settings, and
+        streaming's quorum pacing is the quorum rule with its settings."""
+        reads: dict[str, frozenset[str] | None] = {"asynchronous": _SPEEDS}
+        if self.mode == Mode.DILOCO:
+            reads["diloco"] = None
+            if self.diloco.dylu:
+                reads["asynchronous"] = _SPEEDS | _STALENESS
+        elif self.mode == Mode.ASYNC:
+            reads["asynchronous"] = None
+        elif self.mode == Mode.OVERLAP:
+            reads["overlap"] = None
+        elif self.mode == Mode.STREAMING:
+            reads["streaming"] = None
+            if self.streaming.pacing == StreamingPacing.QUORUM:
+                reads["asynchronous"] = _SPEEDS | _STALENESS | _QUORUM
+        return reads
+
+    def _check_read(self) -> None:
+        """A mode section's setting changed from its default where this run never reads it is
+        refused, naming it: a quorum set for a synchronous run would otherwise be silently ignored."""
+        reads = self.settings_read()
+        for section, read_by in _READ_BY.items():
+            fields = reads.get(section, frozenset())
+            if fields is None:
+                continue
+            settings = getattr(self, section)
+            for name, field in type(settings).model_fields.items():
+                if name not in fields and getattr(settings, name) != field.default:
+                    raise ValueError(
+                        f"{section}.{name} is set, but a run of mode {self.mode.value} with these settings never "
+                        f"reads it ({section} is read by {read_by}): remove it or change the mode"
+                    )
 
     def _check_tracked_copy(self) -> None:
         what = "mode streaming" if self.mode == Mode.STREAMING else "compression.downlink"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -52,6 +53,39 @@ def test_cross_field_rules_are_reported():
         load_config(None, ["task.kwargs.d_model=130"])
     with pytest.raises(ConfigError, match="drop_prob"):
         load_config(None, ["mode=ddp", "outer.drop_prob=0.5"])
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["mode=diloco", "asynchronous.quorum=2"], "asynchronous.quorum"),  # a synchronous run has no quorum
+        (["mode=async", "diloco.dylu=true"], "diloco.dylu"),
+        (["mode=overlap", "streaming.fragments=2"], "streaming.fragments"),
+        (["mode=ddp", "overlap.eager=false"], "overlap.eager"),
+        (["mode=streaming", "inner_steps=48", "asynchronous.grace_k=1"], "asynchronous.grace_k"),
+        (["mode=diloco", "asynchronous.max_staleness=2"], "asynchronous.max_staleness"),  # read with dylu only
+        (["mode=async", "asynchronous.rule=quorum", "streaming.tau=2"], "streaming.tau"),
+    ],
+)
+def test_a_setting_the_mode_never_reads_is_refused_naming_it(overrides, field):
+    """A mode section's setting changed where the run's mode never reads it is an error
+    naming the field (it would otherwise be ignored without a word)."""
+    with pytest.raises(ConfigError, match=rf"{re.escape(field)} is set, but a run of mode"):
+        load_config(None, overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["mode=async", "asynchronous.quorum=2", "asynchronous.speed_smoothing=0.2"],
+        ["mode=diloco", "diloco.dylu=true", "asynchronous.max_staleness=2"],  # a DyLU barrier admits by staleness
+        ["mode=streaming", "inner_steps=48", "streaming.pacing=quorum", "asynchronous.quorum=2"],
+        ["mode=overlap", "overlap.eager=false", "asynchronous.speed_smoothing=0.2"],  # every mode's speed tracker
+        ["mode=ddp", "asynchronous.speed_smoothing=0.2"],
+    ],
+)
+def test_settings_the_mode_reads_are_accepted(overrides):
+    load_config(None, overrides)
 
 
 def test_bad_files(tmp_path):
