@@ -111,8 +111,7 @@ def test_a_run_with_two_worker_islands_and_two_coordinator_shards(ray_local, tmp
         "compression.chunk=1024",
         "rounds=3",
         "inner_steps=5",
-        "asynchronous.dylu=false",
-        "outer.lr=0.4" if mode == "async" else "outer.lr=0.7",
+        *(["asynchronous.dylu=false", "outer.lr=0.4"] if mode == "async" else ["outer.lr=0.7"]),
         f"out_dir={tmp_path / 'out'}",
     )
     summary = run(cfg, show_progress=False)
