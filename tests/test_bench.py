@@ -138,7 +138,8 @@ def test_a_finished_run_of_the_same_config_is_reused_and_no_other(tmp_path):
     from orchestrator.bench.runner import finished
     from orchestrator.config_load import dump_config
 
-    cfg = load_config(None, [*MODEL, "rounds=2", f"out_dir={tmp_path / 'a'}"])
+    streaming = ["mode=streaming", "inner_steps=48", "rounds=2"]  # its section's `pacing` plays a new setting
+    cfg = load_config(None, [*MODEL, *streaming, f"out_dir={tmp_path / 'a'}"])
     out = tmp_path / "a"
     out.mkdir()
     (out / "config.yaml").write_text(dump_config(cfg))
@@ -151,7 +152,7 @@ def test_a_finished_run_of_the_same_config_is_reused_and_no_other(tmp_path):
     assert "pacing: barrier" in written
     (out / "config.yaml").write_text(written.replace("  pacing: barrier\n", ""))
     assert finished(cfg) is not None
-    assert finished(load_config(None, [*MODEL, "rounds=2", "streaming.pacing=quorum", f"out_dir={out}"])) is None
+    assert finished(load_config(None, [*MODEL, *streaming, "streaming.pacing=quorum", f"out_dir={out}"])) is None
     (out / "config.yaml").write_text(written.replace("  pacing: barrier\n", "  pacing: barrier\n  gone: 1\n"))
     assert finished(cfg) is None  # a setting since removed: not the same run
     (out / "config.yaml").write_text(written)
@@ -199,7 +200,8 @@ def test_an_earlier_run_of_another_config_is_removed_not_resumed(tmp_path):
     from orchestrator.bench.runner import fresh
     from orchestrator.config_load import dump_config
 
-    cfg = load_config(None, [*MODEL, "rounds=2", f"out_dir={tmp_path / 'a'}"])
+    streaming = ["mode=streaming", "inner_steps=48", "rounds=2"]  # its section's `pacing` plays a new setting
+    cfg = load_config(None, [*MODEL, *streaming, f"out_dir={tmp_path / 'a'}"])
     out = tmp_path / "a"
     (out / "checkpoint").mkdir(parents=True)
     (out / "config.yaml").write_text(dump_config(cfg))
