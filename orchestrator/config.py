@@ -242,13 +242,7 @@ RUN_PLACEHOLDER = "{run_id}"  # in `out_dir`: the run's own folder
 _SPEEDS = frozenset({"speed_smoothing"})  # the speed tracker's (deadlines, DyLU): every mode's
 _STALENESS = frozenset({"max_staleness", "stale_policy"})  # admission of results of older versions
 _QUORUM = frozenset({"quorum", "grace_cap", "grace_k", "age_power", "dylu"})  # the quorum rule's
-_READ_BY = {
-    "asynchronous": "mode async; its quorum and staleness settings also by mode streaming with streaming.pacing "
-    "quorum, its staleness settings by diloco.dylu, speed_smoothing by every mode",
-    "diloco": "mode diloco",
-    "overlap": "mode overlap",
-    "streaming": "mode streaming",
-}
+MODE_SECTIONS = ("asynchronous", "diloco", "overlap", "streaming")  # each read by its mode (`settings_read`)
 
 
 class RunConfig(Strict):
@@ -424,16 +418,17 @@ class RunConfig(Strict):
         """A mode section's setting changed from its default where this run never reads it is
         refused, naming it: a quorum set for a synchronous run would otherwise be silently ignored."""
         reads = self.settings_read()
-        for section, read_by in _READ_BY.items():
+        for section in MODE_SECTIONS:
             fields = reads.get(section, frozenset())
             if fields is None:
                 continue
             settings = getattr(self, section)
             for name, field in type(settings).model_fields.items():
-                if name not in fields and getattr(settings, name) != field.default:
+                if name not in fields and getattr(settings, name) != field.get_default(call_default_factory=True):
+                    what = f"only {', '.join(sorted(fields))} of it" if fields else "none of it"
                     raise ValueError(
-                        f"{section}.{name} is set, but a run of mode {self.mode.value} with these settings never "
-                        f"reads it ({section} is read by {read_by}): remove it or change the mode"
+                        f"{section}.{name} is set, but a run of mode {self.mode.value} with these settings reads "
+                        f"{what}: remove it or change the mode"
                     )
 
     def _check_tracked_copy(self) -> None:
