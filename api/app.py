@@ -200,11 +200,15 @@ def create_app(
     @command_route(
         "post",
         "/v1/islands/{island}/preempt",
-        "A preemption notice (a scheduler that knows first): the island gets no new work and its replacement "
-        "is placed now; the target stays",
+        "A preemption notice (a scheduler that knows first): the island gets no new work, its replacement "
+        "is placed now (the target stays), and its work out sends what it has trained by the time the node "
+        "goes (notice_s from now; none given: after the step in progress)",
     )
-    def preempt(island: int = Path(..., ge=0)) -> Accepted:
-        return answer(Preempt(island=island))
+    def preempt(
+        island: int = Path(..., ge=0),
+        notice_s: float | None = Query(None, ge=0, description="seconds until the node is taken, if known"),
+    ) -> Accepted:
+        return answer(Preempt(island=island, notice_s=notice_s))
 
     @command_route(
         "post", "/v1/run/{action}", "pause, resume or stop (stop: finish the round, checkpoint, write outputs)"

@@ -136,6 +136,12 @@ class ElasticConfig(Strict):
     drain: Literal["finish", "abandon"] = Field(
         "finish", description="a draining island finishes its round, or drops it"
     )
+    partial_on_notice: bool = Field(
+        True,
+        description="a preemption notice stops the island's work before its first step that would not end in "
+        "time and sends what it trained, weighted by its tokens (the rest of its batches go to another island); "
+        "false: the work finishes if the node lasts, else it is lost. An island of several workers always does the latter",
+    )
     placement_timeout_s: float = Field(600.0, gt=0, description="give up on a requested island after this long")
     orphan_timeout_s: float = Field(
         60.0,

@@ -101,30 +101,43 @@ def test_a_mix_that_means_nothing_is_refused(text):
         parse_mix(text)
 
 
+@pytest.mark.parametrize("partial", [True, False])
 @pytest.mark.parametrize("mode", ["diloco", "quorum"])
-def test_a_preemption_notice_drains_the_island_and_places_its_replacement_at_once(tmp_path, mode):
-    """Its work runs from 1 s to 5 s, notice at 2 s: its replacement is requested then, not
-    after it is gone. With 2 s of notice its work is lost at 4 s; with 6 s it is delivered
-    and the island leaves, drained, with nothing lost. Each batch is trained once and every
-    round recorded."""
+def test_a_preemption_notice_drains_the_island_and_places_its_replacement_at_once(tmp_path, mode, partial):
+    """Its work runs from 1 s to 5 s (four 1-s steps), notice at 2 s: its replacement is
+    requested then, not after it is gone. With 2 s of notice the node is taken at 4 s: the
+    work stops after the three steps that end by then and sends them, its fourth batch
+    going back to the ledger (`elastic.partial_on_notice`) — or, without, all of it is lost
+    at 4 s. With 6 s it finishes, and the island leaves, drained, with nothing lost. Each
+    batch is trained once and every round recorded."""
     for notice in (2.0, 6.0):
-        cfg = scenario_cfg(tmp_path, mode, "rounds=6")
+        cfg = scenario_cfg(tmp_path, mode, "rounds=6", f"elastic.partial_on_notice={partial}")
         engine, pool = in_process_engine(
             cfg, step_s=1.0, chaos=[TimedFault(at=2.0, kind=Strike.PREEMPT, notice=notice)], join_s=1.0
         )
         drive(engine)
         check_exactly_once(cfg, engine.summary)
         check_rounds_recorded(cfg, engine.summary)
-        log = [e for e in events(cfg.out_dir) if e["kind"] in ("preempting", "requested", "lost", "released")]
+        log = [
+            e for e in events(cfg.out_dir) if e["kind"] in ("preempting", "requested", "lost", "released", "partial")
+        ]
         notice_at = next(n for n, e in enumerate(log) if e["kind"] == "preempting")
         gone = log[notice_at]["island"]
         assert log[notice_at + 1]["kind"] == "requested" and log[notice_at + 1]["island"] == 3  # at once
         assert log[notice_at]["notice_s"] == pytest.approx(notice)
         lost = [e for e in log if e["kind"] == "lost" and e["island"] == gone]
-        assert len(lost) == (1 if notice == 2.0 else 0), log
-        assert engine.summary["islands"][str(gone)]["state"] == "drained"
+        partials = [e for e in log if e["kind"] == "partial" and e["island"] == gone]
+        stopped = notice == 2.0 and partial
+        assert len(lost) == (1 if notice == 2.0 and not partial else 0), log
+        assert [(e["steps"], e["of"], sum(n for _, n in e["spans"].values())) for e in partials] == (
+            [(3, 4, 1)] if stopped else []
+        )
+        island = engine.summary["islands"][str(gone)]
+        assert island["state"] == "drained"
+        assert island["rounds_contributed"] == (1 if notice == 6.0 or stopped else 0)  # its one work, whole or in part
         assert not [e for e in events(cfg.out_dir) if e["kind"] == "crash"]
-        assert pool.losses.strikes[Strike.PREEMPT] == 1 and (pool.losses.struck[Strike.PREEMPT] > 0) == (notice == 2.0)
+        destroyed = pool.losses.struck[Strike.PREEMPT]
+        assert pool.losses.strikes[Strike.PREEMPT] == 1 and (destroyed > 0) == (notice == 2.0 and not partial)
 
 
 def test_the_pool_counts_a_hung_islands_time_until_the_engine_lets_it_go(tmp_path):

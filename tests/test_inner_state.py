@@ -114,8 +114,9 @@ def test_a_killed_run_resumes_with_every_islands_moments_and_a_lost_file_costs_o
 
     monkeypatch.setattr(Island, "run", run_and_remember)
     cfg = scenario_cfg(tmp_path, mode, "inner.optimizer=adamw", "inner.lr=0.01", "checkpoint.every_rounds=2")
-    first, _ = in_process_engine(cfg, run_id="kill")
+    first, killed = in_process_engine(cfg, run_id="kill")
     drive(first, until=4)
+    killed.close()  # its islands go with it (the work they had out read its batches before)
     checkpoint = load_checkpoint(Path(cfg.checkpoint_dir) / "kill")
     named = {int(i): m["inner_state"] for i, m in checkpoint["members"].items() if m["state"] == "training"}
     assert sorted(named) == [0, 1, 2]

@@ -87,8 +87,9 @@ def test_a_run_checkpointed_to_s3_is_killed_and_resumes_from_the_bucket_with_its
         tmp_path, "diloco", f"checkpoint.path={location}", "checkpoint.keep=2", "inner.optimizer=adamw", "inner.lr=0.01"
     )
     check_folders(cfg)
-    first, _ = in_process_engine(cfg, run_id="bucket")
+    first, killed = in_process_engine(cfg, run_id="bucket")
     drive(first, until=3)
+    killed.close()  # its islands go with it (the work they had out read its batches before)
     objects = _objects(s3, f"{tmp_path.name}/bucket/")
     assert [o for o in objects if not o.startswith("islands/")] == [
         "membership.json", "state-000002.pt", "state-000002.pt.sha256", "state-000003.pt", "state-000003.pt.sha256",

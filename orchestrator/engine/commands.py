@@ -12,6 +12,7 @@ warm start is honoured by the main phase (settings and membership changes wait f
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,9 +60,11 @@ class Drain:
 class Preempt:
     """`island` is about to be taken away (its node drained or reclaimed; a scheduler that
     knows first): it is given no new work and its replacement is placed now, while it
-    finishes what it has — the target stays."""
+    finishes what it has, or the part of it that ends within `notice_s` (None: unknown, it
+    stops after the step in progress; `elastic.partial_on_notice`) — the target stays."""
 
     island: int
+    notice_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,8 +147,8 @@ class Inbox:
                     return self._target(self.requested + k)
                 case Drain(island=i):
                     return self._drain(i)
-                case Preempt(island=i):
-                    return self._preempt(i)
+                case Preempt(island=i, notice_s=notice_s):
+                    return self._preempt(i, notice_s)
                 case Pause():
                     self.paused.set()
                     return Ack(detail={"action": "pause"})
@@ -184,12 +187,14 @@ class Inbox:
             return Refused(reason=Refusal.NOT_NOW, message=f"island {island} is {standing}, not training")
         return None
 
-    def _preempt(self, island: int) -> Answer:
+    def _preempt(self, island: int, notice_s: float | None) -> Answer:
         """`island` is leaving and is replaced (the target stays); a hot spare too."""
         refused = self._leaving(island, "preempt", IslandState.SPARE)
         if refused is not None:
             return refused
-        self._membership.append(Preempt(island=island))
+        if notice_s is not None and not (math.isfinite(notice_s) and notice_s >= 0):
+            return Refused(reason=Refusal.INVALID, message=f"notice_s {notice_s} is not a time from now")
+        self._membership.append(Preempt(island=island, notice_s=notice_s))
         return Ack(detail={"preempting": island})
 
     def _drain(self, island: int) -> Answer:

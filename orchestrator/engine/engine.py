@@ -23,7 +23,18 @@ import torch
 from orchestrator.algorithms.dylu import SpeedTracker
 from orchestrator.engine.commands import Answer, Command, Inbox
 from orchestrator.engine.fleet.fleet import Fleet
-from orchestrator.engine.outcomes import Halt, Judged, Lost, Outcome, Place, Promote, Release, StartDrain, Transition
+from orchestrator.engine.outcomes import (
+    Halt,
+    Judged,
+    Lost,
+    Outcome,
+    Place,
+    Promote,
+    Release,
+    StartDrain,
+    Stop,
+    Transition,
+)
 from orchestrator.engine.outputs.loop_time import Part
 from orchestrator.engine.outputs.outputs import Outputs
 from orchestrator.engine.outputs.persistence import RunCore, capture
@@ -221,7 +232,7 @@ class RoundEngine(EngineParts):
 
     def _scale(self, inbox: Inbox | None, busy: set[int]) -> None:
         """The operator's membership commands, then the scaling policy's decisions."""
-        self.fleet.take_requests(inbox)
+        self._apply(self.fleet.take_requests(inbox))
         self._apply(self.fleet.decide(busy))
 
     # -- work out -------------------------------------------------------------------------------
@@ -257,7 +268,7 @@ class RoundEngine(EngineParts):
                 self.startup.stepped(event.result.started_at)
                 self._apply(self.inflight.arrived(event.ticket, event.island, event.result))
             elif isinstance(event, Preempting):
-                self.fleet.preempting(event.island, event.notice_s)
+                self._apply(self.fleet.preempting(event.island, event.notice_s))
             elif isinstance(event, Progress):
                 self.inflight.progressed(event)
             elif isinstance(event, Failed):
@@ -328,6 +339,8 @@ class RoundEngine(EngineParts):
                     self.fleet.promote(island)
                 case StartDrain(island=island):
                     self.fleet.start_drain(island)
+                case Stop(island=island, notice_s=notice_s):
+                    self.inflight.stop(island, notice_s)
                 case Halt(seconds=seconds, reason=reason):
                     self._scale(None, set())  # the failed island's replacement is placed while all stand still
                     self._halt(seconds, reason)

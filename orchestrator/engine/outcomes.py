@@ -35,6 +35,16 @@ class StartDrain:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Stop:
+    """A preemption notice (`notice_s` before the island is taken, None: unknown): its work
+    out takes no step that would not end in time and sends what it has trained
+    (`elastic.partial_on_notice`)."""
+
+    island: int
+    notice_s: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Release:
     """Release the island for good: its work still out is lost (retrained by the next
     owner of its shards), its results already in still count."""
@@ -72,7 +82,7 @@ class Halt:
 
 
 FleetDecision = Place | Promote | StartDrain | Release
-Outcome = Place | Promote | StartDrain | Release | Judged | Lost | Halt
+Outcome = Place | Promote | StartDrain | Stop | Release | Judged | Lost | Halt
 
 
 @dataclass(frozen=True, kw_only=True)

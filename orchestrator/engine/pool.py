@@ -65,7 +65,8 @@ class Progress:
 @dataclass(frozen=True, kw_only=True)
 class Preempting:
     """A notice: `island` will be taken away in about `notice_s` (its node drained or
-    reclaimed); it may still deliver the work it has if that finishes first."""
+    reclaimed); it may still deliver the work it has if that finishes first, or the part of
+    it the engine lets it train (`IslandPool.stop`)."""
 
     island: int
     notice_s: float | None = None
@@ -108,6 +109,11 @@ class IslandPool(Protocol):
     def dispatch(self, order: WorkOrder, params: Any, changes: tuple[Any, ...] = ()) -> None:
         """Start `order` from `params` (as `publish` made them) and `changes` (as `share`
         made them), which the island takes as the order's own."""
+
+    def stop(self, island: int, ticket: int, within_s: float | None) -> None:
+        """A preemption notice for the work `ticket` on `island`: it takes no step that would
+        end more than `within_s` from now (None: none after the one in progress) and sends
+        what it has trained, as a result of fewer steps (none: it fails). Returns at once."""
 
     def refresh(self, order: WorkOrder, params: Any, changes: tuple[Any, ...] = ()) -> None:
         """An idle island (a hot spare) takes `order`'s version — `params` whole or

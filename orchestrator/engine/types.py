@@ -75,6 +75,7 @@ class Event(str, Enum):
     TARGET = "target"
     DRAIN = "drain"
     PREEMPTING = "preempting"
+    PARTIAL = "partial"  # a stopped work's prefix arrived: the rest of its batches went back to the ledger
     PROMOTED = "promoted"  # a spare took a failed island's place
     RELEASED = "released"
     CRASH = "crash"

@@ -156,6 +156,12 @@ class RayIslandPool:
         self.work[ref] = (order.ticket, order.island)
         return ref
 
+    def stop(self, island: int, ticket: int, within_s: float | None) -> None:
+        """Asked in the island's `control` group, beside its round, and not waited for."""
+        handle = self.handles.get(island)
+        if handle is not None:
+            handle.actor.stop.remote(ticket, within_s)
+
     def refresh(self, order: WorkOrder, params: Any, changes: tuple[Any, ...] = ()) -> None:
         """Asked and not waited for: the actor takes it before any work given after it."""
         handle = self.handles.get(order.island)

@@ -11,6 +11,7 @@ import heapq
 import itertools
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -82,6 +83,59 @@ class _Frozen:
     ticket: int
 
 
+@dataclass(frozen=True)
+class _Gone:
+    """A preempted island's node is taken: its work `ticket`, if still not delivered, is lost."""
+
+    island: int
+    ticket: int
+
+
+@dataclass(eq=False, kw_only=True)
+class _Work:
+    """A work order on its way. The island computes it when it is due — a real island's
+    result exists only then, and what happens meanwhile (a notice that stops it) shapes it;
+    an earlier order of the same island is computed first (`_complete`), as an actor runs
+    its calls in turn. `steps_at` and `ends_at` place its steps on the virtual clock."""
+
+    order: WorkOrder  # with its download already paid (`start_delay_s` 0)
+    params: Any
+    fault: Fault | None
+    step: float  # seconds per inner step at its dispatch
+    start: float  # when its first step begins (its download done)
+    due: float  # when its result is delivered
+    compute: float  # seconds of compute its result reports
+    seq: int  # dispatch order
+    slowed: tuple[float, float] | None = None  # (from when, factor): a slow-down that struck it
+    budget: int | None = None  # a notice stopped it after this many steps
+    outcome: Done | Failed | None = None  # computed ahead of its time, for a later order of its island
+
+    @property
+    def island(self) -> int:
+        return self.order.island
+
+    @property
+    def ticket(self) -> int:
+        return self.order.ticket
+
+    def _bend(self) -> tuple[float, float]:
+        """When its pace changed (a slow-down; never: its start) and the step time after."""
+        if self.slowed is None:
+            return self.start, self.step
+        return max(self.slowed[0], self.start), self.step * self.slowed[1]
+
+    def steps_at(self, t: float) -> float:
+        """Steps done by `t` (fractional: the one in progress in part)."""
+        bend, after = self._bend()
+        return max(0.0, (min(t, bend) - self.start) / self.step + max(0.0, t - bend) / after)
+
+    def ends_at(self, steps: int) -> float:
+        """When its `steps`-th step ends."""
+        bend, after = self._bend()
+        before = (bend - self.start) / self.step
+        return self.start + steps * self.step if steps <= before else bend + (steps - before) * after
+
+
 @dataclass(order=True)
 class _Pending:
     at: float
@@ -90,8 +144,9 @@ class _Pending:
 
 
 class InProcessPool:
-    """Islands as plain `Island` objects; work runs when dispatched, and its result is
-    delivered at virtual time `now + steps × step_s × slowdown (+ injected delay)`."""
+    """Islands as plain `Island` objects; work is computed when its result is due, at
+    virtual time `dispatch + steps × step_s × slowdown (+ injected delay)`, and delivered
+    then."""
 
     def __init__(
         self,
@@ -187,11 +242,10 @@ class InProcessPool:
         self.release(island)
 
     def release(self, island: int) -> None:
+        self._drop(lambda p: getattr(p.event, "island", None) == island)
         self.islands.pop(island, None)
         self.doomed.pop(island, None)
         self._unhang(island)
-        self._queue = [p for p in self._queue if getattr(p.event, "island", None) != island]
-        heapq.heapify(self._queue)
 
     def demand(self, islands: int) -> None:
         self.demanded.append(islands)
@@ -216,7 +270,6 @@ class InProcessPool:
             return
         n = self.orders[i] = self.orders.get(i, 0) + 1
         fault = self._fault(i, n)
-        island = self.islands[i]
         factor, until = self.slow.get(i, (1.0, 0.0))
         step = self.step_s * self.cfg.simulation.slowdown_of(i) * (factor if self.t < until else 1.0)
         duration = order.start_delay_s + order.steps * step
@@ -224,23 +277,35 @@ class InProcessPool:
             params = np.array(params)
             raw = params.view(np.uint8)
             raw[len(raw) // 2] ^= 0xFF
-        try:
-            result = island.run(dataclasses.replace(order, start_delay_s=0.0), params)  # what it read, it read
-        except Exception as err:  # an island's exception is its failure, as Ray reports it, never the run's
-            self._at(self.t, Failed(ticket=order.ticket, island=i, reason=f"raised: {type(err).__name__}: {err}"))
-            return
         if fault is not None and fault.kind == FaultKind.LATE:
             duration += fault.seconds
         stops = duration / 2 if fault is not None and fault.kind in (FaultKind.CRASH, FaultKind.HANG) else None
         self.started[order.ticket] = self.t + order.start_delay_s
+        work = _Work(
+            order=dataclasses.replace(order, start_delay_s=0.0),  # what it reads, it reads when it computes
+            params=params,
+            fault=fault,
+            step=step,
+            start=self.t + order.start_delay_s,
+            compute=order.steps * step,  # virtual, so DyLU sees the simulated speeds
+            due=self.t + duration,
+            seq=next(self._seq),
+        )
         gone = self.doomed.get(i, math.inf) - self.t
-        if gone < duration and stops is None:  # preempted before it finishes: what it did is lost
+        doomed = gone < duration and stops is None  # preempted before it finishes
+        never = doomed or (fault is not None and fault.kind in (FaultKind.HANG, FaultKind.CRASH, FaultKind.RAISE))
+        # a work that will never deliver is computed now, as one that fails later is (`_drop`)
+        if never and isinstance(self._complete(work), Failed):  # it raised before any fault could strike
+            self._at(self.t, work.outcome)
+            return
+        if doomed:
             self._heartbeats(i, order, duration, gone)
             self._taken(i, order.ticket, self.t + gone)
             return
         self._heartbeats(i, order, duration, stops)
-        if fault is not None and fault.kind == FaultKind.HANG:
+        if fault is not None and fault.kind == FaultKind.HANG:  # it never answers
             self._freeze(i, self.t + duration / 2, order.ticket, order.steps // 2)
+            return
         if fault is not None and fault.kind == FaultKind.CRASH:
             self.dead.add(i)
             self._at(self.t + duration / 2, Failed(ticket=order.ticket, island=i, reason="actor died: injected crash"))
@@ -250,23 +315,71 @@ class InProcessPool:
                 self.t + duration / 2, Failed(ticket=order.ticket, island=i, reason="raised: RuntimeError: injected")
             )
             return
+        self._at(work.due, work)
+
+    def _complete(self, work: _Work) -> Done | Failed:
+        """`work`'s result, computed now (its island's earlier orders still pending first)."""
+        if work.outcome is None:
+            earlier = [p.event for p in self._queue if isinstance(p.event, _Work) and p.event.island == work.island]
+            for w in sorted((w for w in earlier if w.seq < work.seq and w.outcome is None), key=lambda w: w.seq):
+                w.outcome = self._compute(w)
+            work.outcome = self._compute(work)
+        return work.outcome
+
+    def _compute(self, work: _Work) -> Done | Failed:
+        """Run `work` on its island: all its steps, or the `budget` a notice left it
+        (`Island.stop`, told the steps that fit on this clock)."""
+        i, order, fault = work.island, work.order, work.fault
+        island = self.islands[i]
+        if work.budget is not None:
+            island.stop(ticket=order.ticket, after_steps=work.budget)
+        try:
+            result = island.run(order, work.params)
+        except Exception as err:  # an island's exception is its failure, as Ray reports it, never the run's
+            return Failed(ticket=order.ticket, island=i, reason=f"raised: {type(err).__name__}: {err}")
         if fault is not None and fault.kind == FaultKind.NAN:
-            delta = result.delta()
-            result = dataclasses.replace(result, payload=_nan_like(result.payload, delta))
+            result = dataclasses.replace(result, payload=_nan_like(result.payload, result.delta()))
         if fault is not None and fault.kind == FaultKind.MISREPORT:
             tokens = {**result.shard_tokens, self.cfg.num_shards + 7: 1000}
             result = dataclasses.replace(result, shard_tokens=tokens, weight=sum(tokens.values()))
         if fault is not None and fault.kind == FaultKind.MALFORMED:
             result = dataclasses.replace(result, payload=fault.payload)
-        if fault is not None and fault.kind == FaultKind.HANG:
-            return
-        compute = order.steps * step  # virtual, so DyLU sees the simulated speeds
         timed = dataclasses.replace(
-            result, finished_at=self.t + duration, compute_s=compute, tail_s=result.tail_steps * step
+            result,
+            finished_at=fault.seconds if fault is not None and fault.kind == FaultKind.CLOCK else work.due,
+            compute_s=work.compute if work.budget is None else work.due - work.start,
+            tail_s=result.tail_steps * work.step,
         )
-        if fault is not None and fault.kind == FaultKind.CLOCK:
-            timed = dataclasses.replace(timed, finished_at=fault.seconds)
-        self._at(self.t + duration, Done(ticket=order.ticket, island=i, result=timed))
+        return Done(ticket=order.ticket, island=i, result=timed)
+
+    def stop(self, island: int, ticket: int, within_s: float | None) -> None:
+        """A notice for the pending work `ticket`: it keeps the steps begun by now and those
+        that end within `within_s`, short of its pseudo-gradient's send point (a streaming
+        order's later steps are its tail: not stopped); none begun and none fit: it fails
+        now, as an island raising `Stopped` does."""
+        pending = next((p for p in self._queue if isinstance(p.event, _Work) and p.event.ticket == ticket), None)
+        if pending is None:  # delivered, lost or never given
+            return
+        work: _Work = pending.event
+        order = work.order
+        sends = order.send_after if order.send_after and order.send_after < order.steps else order.steps
+        begun = math.ceil(work.steps_at(self.t) - 1e-9)
+        fits = 0 if within_s is None else math.floor(work.steps_at(self.t + within_s) + 1e-9)
+        keep = min(sends, max(begun, fits))
+        if keep >= sends:
+            return
+        self._queue.remove(pending)
+        if island in self.steps_done:  # its heartbeats' count: the steps it will not take
+            self.steps_done[island] -= order.steps - keep
+        if keep == 0:
+            self._silence(island, self.t)
+            reason = "raised: Stopped: a preemption notice came before its first step"
+            self._at(self.t, Failed(ticket=ticket, island=island, reason=reason))
+            return
+        work.budget, work.due = keep, work.ends_at(keep)
+        self._silence(island, work.due)
+        heapq.heapify(self._queue)
+        self._at(work.due, work)
 
     def refresh(self, order: WorkOrder, params: Any, changes: tuple[Any, ...] = ()) -> None:
         """At once (the spare is idle: its download delays nothing it does)."""
@@ -308,7 +421,7 @@ class InProcessPool:
         events = [first.event]
         while self._queue and self._queue[0].at <= self.t:
             events.append(heapq.heappop(self._queue).event)
-        events = [self._beat(e) if isinstance(e, _Frozen) else e for e in events]
+        events = [d for d in map(self._deliver, events) if d is not None]
         for e in events:
             if isinstance(e, Progress):
                 self.beats[e.island] = e
@@ -316,9 +429,20 @@ class InProcessPool:
                 self.started.pop(e.ticket, None)
         return events
 
+    def _deliver(self, event: Any) -> PoolEvent | None:
+        """What a queued entry is when it comes due: a work's result computed now, a hung
+        island's heartbeat, a preempted island's work lost (None: it was delivered first)."""
+        if isinstance(event, _Work):
+            return self._complete(event)
+        if isinstance(event, _Frozen):
+            return self._beat(event)
+        if isinstance(event, _Gone):
+            return self._gone(event)
+        return event
+
     def _strike(self, fault: TimedFault) -> None:
         """`fault` hits one island with work due (none working: it passes harmlessly)."""
-        working = [p for p in self._queue if isinstance(p.event, Done)]
+        working = [p for p in self._queue if isinstance(p.event, _Work)]
         if not working:
             return
         hit = working[int(self.rng.integers(len(working)))]
@@ -329,6 +453,7 @@ class InProcessPool:
             return
         self._queue.remove(hit)
         if fault.kind != Strike.SLOW:  # a crashed or hung island's heartbeats end with it
+            self._complete(hit.event)  # what it read before, it read
             self._silence(i, at)
             if fault.kind == Strike.HANG and (last := self.beats.get(i)) is not None:
                 self._freeze(i, at, hit.event.ticket, last.work_steps or 0, last.steps)
@@ -344,14 +469,14 @@ class InProcessPool:
             )
         elif fault.kind == Strike.SLOW:
             self.slow[i] = (fault.factor, at + fault.lasts)
-            r = hit.event.result
+            work: _Work = hit.event
             due = at + (hit.at - at) * fault.factor
-            slowed = dataclasses.replace(r, finished_at=due, compute_s=r.compute_s + (due - hit.at))
+            work.slowed, work.compute, work.due = (at, fault.factor), work.compute + (due - hit.at), due
             for p in self._queue:  # its heartbeats slow down with it
                 if isinstance(p.event, Progress) and p.event.island == i and p.at > at:
                     p.at = at + (p.at - at) * fault.factor
                     p.event = dataclasses.replace(p.event, at=p.at)
-            self._queue.append(_Pending(due, next(self._seq), Done(ticket=hit.event.ticket, island=i, result=slowed)))
+            self._queue.append(_Pending(due, next(self._seq), work))
         heapq.heapify(self._queue)  # a hang: its result is gone, it never answers
 
     def _freeze(self, island: int, at: float, ticket: int, work_steps: int, steps: int | None = None) -> None:
@@ -391,9 +516,21 @@ class InProcessPool:
         self._at(self.t, Preempting(island=i, notice_s=gone - self.t))  # the notice, now
         if hit.at <= gone:
             return
-        self._queue.remove(hit)
         self._silence(i, gone)
-        self._taken(i, hit.event.ticket, gone)
+        self._at(gone, _Gone(island=i, ticket=hit.event.ticket))
+
+    def _gone(self, gone: _Gone) -> Failed | None:
+        """A preempted island's node is taken now: its work still pending (not stopped in
+        time, `stop`) is lost with it."""
+        pending = next((p for p in self._queue if isinstance(p.event, _Work) and p.event.ticket == gone.ticket), None)
+        if pending is None:
+            return None
+        self._complete(pending.event)  # what it read before, it read
+        self._queue.remove(pending)
+        heapq.heapify(self._queue)
+        self.dead.add(gone.island)
+        self.losses.struck[Strike.PREEMPT] += max(0.0, self.t - self.started.pop(gone.ticket, self.t))
+        return Failed(ticket=gone.ticket, island=gone.island, reason="actor died: preempted")
 
     def _taken(self, island: int, ticket: int, gone: float) -> None:
         """A preempted `island` is gone at `gone` with its work `ticket`: what it computed is lost."""
@@ -413,6 +550,7 @@ class InProcessPool:
     def close(self) -> None:
         for island in list(self.hung):  # hung to the end of the run
             self._unhang(island)
+        self._drop(lambda p: True)
         self.islands.clear()
         self.adopted.clear()
         self._queue.clear()
@@ -420,7 +558,17 @@ class InProcessPool:
     def coordinator_lost(self) -> None:
         """The coordinator process died: the results of its calls die with it (as Ray's
         object references do); the islands live on for the next coordinator."""
-        self._queue = [p for p in self._queue if not isinstance(p.event, (Done, Failed))]
+        self._drop(lambda p: isinstance(p.event, (_Work, _Gone, Failed)))
+
+    def _drop(self, which: Callable[[_Pending], bool]) -> None:
+        """Take the queued entries `which` picks out of the queue. A work among them that
+        will now never deliver is computed first: an island whose result is lost (its
+        coordinator gone, it released, the run over) still read its batches and moved its
+        own state, and the batches a lost work's ledger entry gives back are the ones it read."""
+        for p in self._queue:
+            if which(p) and isinstance(p.event, _Work) and p.event.island in self.islands:
+                self._complete(p.event)
+        self._queue = [p for p in self._queue if not which(p)]
         heapq.heapify(self._queue)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterable
@@ -40,6 +41,11 @@ log = logging.getLogger(__name__)
 
 class Superseded(RuntimeError):
     """The work in flight was abandoned: the coordinator that handed it out is gone."""
+
+
+class Stopped(RuntimeError):
+    """A preemption notice stopped the work before its first step: it has nothing to send
+    (its batches go back to the ledger, as any lost work's)."""
 
 
 class Island:
@@ -85,6 +91,8 @@ class Island:
         self.running = False
         self.tail: Tail | None = None  # a streaming order's τ steps, training after its result left
         self.superseded = threading.Event()  # the work in flight was given by a coordinator that is gone
+        # a notice: (ticket, perf_counter time no step may end after, or the steps it may take)
+        self.stopping: tuple[int, float, int | None] | None = None
         self.restored = None  # placed to continue a saved inner state: whether it could
         if spec.restore_state is not None and spec.state_folder is not None:
             self.restored = inner_state.continue_from(
@@ -252,6 +260,17 @@ class Island:
         finally:
             self.running = False
 
+    def stop(self, *, ticket: int, within_s: float | None = None, after_steps: int | None = None) -> None:
+        """A preemption notice for work `ticket` (in progress, or not begun): it takes no
+        step that would end more than `within_s` from now (None: none after the one in
+        progress; a step is never cut short), or — told by a pool that keeps its own
+        clock which steps fit — none after its `after_steps`-th; and sends what it has trained: a
+        partial pseudo-gradient whose weight is the tokens it trained, the rest of its
+        batches left for the ledger to hand to another island. Called beside the work (the
+        actor's control group), so it is only a note the work reads before each step."""
+        by = -math.inf if within_s is None else time.perf_counter() + within_s
+        self.stopping = (ticket, by, after_steps)
+
     def settle(self) -> None:
         """Wait for a detached tail to finish training (raising what it raised): the model,
         the optimizer and the data streams are this thread's again."""
@@ -281,10 +300,12 @@ class Island:
             send = order.send_after if order.send_after and order.send_after < order.steps else order.steps
             batches = self.data.batches(order)
             stepping = time.perf_counter()
-            self._train(itertools.islice(batches, send), tally)
+            stopped = self._train(itertools.islice(batches, send), tally, stoppable=True) and tally.steps < send
+            if stopped and not tally.steps:
+                raise Stopped(f"island {self.spec.index}: a preemption notice came before its first step")
             t_sent = time.perf_counter()
             delta = self._delta(order.fragment)
-            tail_steps = order.steps - send
+            tail_steps = 0 if stopped else order.steps - send  # a stopped work has no tail: it is leaving
             detach = detach_tail and tail_steps > 0 and not order.save_state
             if tail_steps and not detach:  # Streaming DiLoCo's τ: Δ (a new tensor) stays as it was taken
                 self._train(batches, tally)
@@ -297,7 +318,7 @@ class Island:
                 for shard, batch in rest:
                     tally.read(shard, self.task.batch_weight(batch))
                 self.tail = Tail(self._inner_step, [batch for _, batch in rest])
-                pace = (t_sent - stepping) / send  # the tail's steps counted at the pace of those before
+                pace = (t_sent - stepping) / tally.steps  # the tail's steps counted at the pace of those before
             folder = self.spec.state_folder
             saved = (
                 inner_state.write(folder, self.spec.index, self.optimizer, self.feedback)
@@ -309,14 +330,14 @@ class Island:
             loss, weight = self._forward_backward(batch)
             tally.trained(shard, loss, weight)
             payload = encode_update(self.flat.full_grad().clone(), self.spec, self.feedback)
-            saved = None
+            saved, stopped = None, False
         compute_s = time.perf_counter() - t0 + pace * tail_steps
         return RoundResult(
             island=self.spec.index,
             version=order.version,
             payload=payload,
             weight=tally.weight,
-            steps=order.steps,
+            steps=tally.steps if stopped else order.steps,  # a stopped work: the prefix it trained
             mean_loss=float(tally.losses) / max(1, tally.steps),  # the round's one read of its losses
             compute_s=compute_s,
             finished_at=time.time(),
@@ -331,13 +352,35 @@ class Island:
             stream_states=self.data.states(order.shards),
         )
 
-    def _train(self, batches: Iterable[tuple[int, Any]], tally: Tally) -> None:
-        """Inner steps on `batches`, each counted in `tally`."""
-        for shard, batch in batches:
+    def _train(self, batches: Iterable[tuple[int, Any]], tally: Tally, *, stoppable: bool = False) -> bool:
+        """Inner steps on `batches`, each counted in `tally`; True if a notice stopped them
+        (`stop`: only where `stoppable`, before the pseudo-gradient is taken — after it, the
+        result must report every step of the order, so a streaming tail trains to its end).
+        Its batch is read only once a step is decided on, so a stopped work has read what
+        it trained and nothing more."""
+        began, stream = time.perf_counter(), iter(batches)
+        while not (stoppable and self._stop_due(tally.steps, began)):
+            item = next(stream, None)
+            if item is None:
+                return False
             if self.superseded.is_set():
                 raise Superseded(f"island {self.spec.index}: its coordinator restarted; round given up")
+            shard, batch = item
             loss, weight = self._inner_step(batch)
             tally.trained(shard, loss, weight)
+        return True
+
+    def _stop_due(self, steps: int, began: float) -> bool:
+        """Whether a notice for this work forbids its next step: one more step, at the pace
+        of those before it, would end past the notice's time (with no step taken yet, the
+        pace is unknown and only a notice with no time left stops it)."""
+        if self.stopping is None or self.stopping[0] != self.work_ticket:
+            return False
+        _, by, after_steps = self.stopping
+        if after_steps is not None:
+            return steps >= after_steps
+        now = time.perf_counter()
+        return now + ((now - began) / steps if steps else 0.0) > by
 
     def _inner_step(self, batch: Any) -> tuple[torch.Tensor, int]:
         """One inner step."""

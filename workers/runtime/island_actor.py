@@ -83,7 +83,8 @@ class IslandActor:
     """One island worker. Rounds run one at a time (Ray's default group); `attach` and
     `identity` run in the `control` group, beside a round in flight, so a restarted
     coordinator re-attaches at once instead of waiting behind a round that may last
-    minutes (and giving up on the island). `grouped`: a worker of an island of several
+    minutes (and giving up on the island); so does `stop`, a preemption notice the round
+    reads before its next step. `grouped`: a worker of an island of several
     (`islands.workers`), which rank 0 forms with `form_group`."""
 
     def __init__(self, spec: IslandSpec, grouped: bool = False) -> None:
@@ -105,6 +106,11 @@ class IslandActor:
     @ray.method(concurrency_group=CONTROL)
     def identity(self) -> dict[str, Any]:
         return self.island.identity()
+
+    @ray.method(concurrency_group=CONTROL)
+    def stop(self, ticket: int, within_s: float | None = None) -> None:
+        """A preemption notice for the work `ticket`, beside it (`Island.stop`)."""
+        self.island.stop(ticket=ticket, within_s=within_s)
 
     def describe(self) -> dict[str, Any]:
         return self.island.describe()

@@ -137,6 +137,12 @@ class GroupIsland(Island):
         ray.get(follow)
         return result
 
+    def stop(self, *, ticket: int, within_s: float | None = None, after_steps: int | None = None) -> None:
+        """Refused: every worker must stop at the same step, and only rank 0 hears the
+        notice (agreeing on it would cost a collective per step). An island of several
+        workers finishes its work or loses it; the coordinator never asks it to stop."""
+        raise NotImplementedError("an island of several workers cannot stop mid-work")
+
     def follow(self, order: WorkOrder, params: np.ndarray) -> None:
         """Ranks 1..N-1: the plain island step (their result is rank 0's, so nothing returns)."""
         Island.run(self, order, params)

@@ -21,7 +21,18 @@ from dataclasses import dataclass, replace
 from orchestrator.config_operations import OnFailure
 from orchestrator.engine.commands import Drain, Inbox, Preempt, SetTarget
 from orchestrator.engine.fleet.membership import Membership
-from orchestrator.engine.outcomes import FleetDecision, Halt, Judged, Lost, Outcome, Place, Promote, Release, StartDrain
+from orchestrator.engine.outcomes import (
+    FleetDecision,
+    Halt,
+    Judged,
+    Lost,
+    Outcome,
+    Place,
+    Promote,
+    Release,
+    StartDrain,
+    Stop,
+)
 from orchestrator.engine.outputs.checkpoints import load_intent, run_folder, save_intent
 from orchestrator.engine.outputs.persistence import RunCore
 from orchestrator.engine.outputs.records import DiskFaults, EventLog
@@ -195,11 +206,13 @@ class Fleet:
             self._intent = intent
 
     # -- between rounds ----------------------------------------------------------------------
-    def take_requests(self, inbox: Inbox | None) -> None:
+    def take_requests(self, inbox: Inbox | None) -> list[Outcome]:
         """Apply the operator's accepted target and drain commands (from `inbox`, when this
         phase takes them); tell the pool what the run wants; give up joins past their time.
-        The scaling policy's decisions follow (`decide`, applied by the engine)."""
+        Returns what a preemption notice asks of the engine (`preempting`); the scaling
+        policy's decisions follow (`decide`, applied by the engine)."""
         m = self.members
+        out: list[Outcome] = []
         for command in inbox.take_membership() if inbox is not None else []:
             if isinstance(command, SetTarget):
                 m.target = command.islands
@@ -207,11 +220,12 @@ class Fleet:
             elif isinstance(command, Drain) and self.start_drain(command.island):
                 m.target = max(0, m.target - 1)  # a drained island is not replaced
             elif isinstance(command, Preempt):
-                self.preempting(command.island)
+                out += self.preempting(command.island, command.notice_s)
         if inbox is not None:
             inbox.settle(m.target)
         self.demand()
         self.expire_joins()
+        return out
 
     def decide(self, busy: set[int]) -> list[FleetDecision]:
         """The scaling policy's decisions for the membership as it stands (`busy`: islands
@@ -276,13 +290,16 @@ class Fleet:
         self.events.add(Event.DRAIN, island, policy=self.cfg.elastic.drain)
         return True
 
-    def preempting(self, island: int, notice_s: float | None = None) -> None:
+    def preempting(self, island: int, notice_s: float | None = None) -> list[Outcome]:
         """`island` will be taken away (`notice_s` from now, when known): it drains — no new
         work, released once what it has is in, or lost if it is gone first — and, the target
         unchanged, the scaling policy places its replacement now rather than after it is
-        gone."""
-        if self.start_drain(island, spare=True):
-            self.events.add(Event.PREEMPTING, island, notice_s=notice_s)
+        gone. Its work out stops in time and sends what it has (`Stop`), unless
+        `elastic.partial_on_notice` is off."""
+        if not self.start_drain(island, spare=True):
+            return []
+        self.events.add(Event.PREEMPTING, island, notice_s=notice_s)
+        return [Stop(island=island, notice_s=notice_s)] if self.cfg.elastic.partial_on_notice else []
 
     def released(self, island: int, state: IslandState, reason: str | None = None) -> None:
         """An island released for good (`Release`: the engine gave up its work first)."""

@@ -55,6 +55,9 @@ class TokenBudget:
     def lost(self, flight: Flight) -> None:
         self.handed -= flight.work.steps  # a lost island's steps go back to the budget
 
+    def shortened(self, flight: Flight, steps: int) -> None:
+        self.handed -= flight.work.steps - steps  # the steps a stopped work did not take
+
     def wake(self, run: RunState, in_flight: list[Flight]) -> float | None:
         return None
 

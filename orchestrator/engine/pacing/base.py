@@ -74,6 +74,7 @@ class Flight:
     steps_seen: int | None = None  # ... the step count its island reported then (None: no report yet)
     work_steps: int | None = None  # ... the steps of its current work it reported (None: not known)
     heard_at: float = 0.0  # ... when the newest count it reported was taken
+    stopping: bool = False  # a preemption notice stopped it: its result may hold fewer steps (`InFlight.stop`)
 
     @property
     def stepping(self) -> bool:
@@ -134,6 +135,10 @@ class Pacing(Protocol):
     def cancel(self, work: Work) -> None: ...
     def arrived(self, flight: Flight) -> None: ...
     def lost(self, flight: Flight) -> None: ...
+    def shortened(self, flight: Flight, steps: int) -> None:
+        """A work a notice stopped came back with only its first `steps` steps (before
+        `arrived`): where the pacing hands out a budget of steps, the rest go back to it."""
+
     def next_close(self, run: RunState, in_flight: list[Flight]) -> Close | None: ...
     def wake(self, run: RunState, in_flight: list[Flight]) -> float | None:
         """When (the pool's clock) a step may close with nothing arriving, or None."""
@@ -182,6 +187,9 @@ class Barrier:
 
     def lost(self, flight: Flight) -> None:
         pass
+
+    def shortened(self, flight: Flight, steps: int) -> None:
+        pass  # a round counts works, not steps: a shorter one still closes it
 
     def next_close(self, run: RunState, in_flight: list[Flight]) -> Close | None:
         if not self.out or in_flight or _crossing(self.open, run.now) is not None:
@@ -273,6 +281,9 @@ class OneRoundLag:
         self.dispatched[flight.work.round] = self.dispatched.get(flight.work.round, 1) - 1
         self.next_round.pop(flight.work.island, None)
 
+    def shortened(self, flight: Flight, steps: int) -> None:
+        pass  # a round counts works, not steps: a shorter one still closes it
+
     def next_close(self, run: RunState, in_flight: list[Flight]) -> Close | None:
         """Round t = version + 1 closes once none of its work is out. A round whose every
         piece of work was lost closes empty (no step) once a later round has work, so the
@@ -356,6 +367,9 @@ class FragmentSchedule:
 
     def lost(self, flight: Flight) -> None:
         self.inner.lost(flight)
+
+    def shortened(self, flight: Flight, steps: int) -> None:
+        self.inner.shortened(flight, steps)
 
     def next_close(self, run: RunState, in_flight: list[Flight]) -> Close | None:
         close = self.inner.next_close(self._view(run), in_flight)

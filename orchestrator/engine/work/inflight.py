@@ -46,6 +46,7 @@ class InFlight:
         self.flights: dict[int, Flight] = {}  # handed out; arrived results wait here until their step closes
         self.overdue: dict[int, tuple[int, float]] = {}  # ticket -> (island, deadline), abandoned past it
         self.reported: dict[int, int] = {}  # heartbeats: each island's inner steps in all, as last reported
+        self.uplink: dict[int, int] = {}  # each island's last result's bytes (what a stopped work will send)
         self.tickets = itertools.count()
 
     def in_flight(self) -> list[Flight]:
@@ -142,6 +143,10 @@ class InFlight:
         malformed = screen(result, flight.work, self.sizes)
         if malformed is not None:
             return [self.refuse(ticket, island, malformed, Reason.MALFORMED)]
+        if isinstance(result.steps, int) and result.steps < flight.work.steps:
+            short = self._partial(flight, result.steps)
+            if short is not None:
+                return [self.refuse(ticket, island, short, Reason.SHARDS)]
         problem = self.ledger.check(ticket, result.positions, result.shard_tokens, result.stream_states)
         if problem is None and result.weight != sum(result.shard_tokens.values()):
             problem = (
@@ -150,6 +155,7 @@ class InFlight:
         if problem is not None:
             return [self.refuse(ticket, island, problem, Reason.SHARDS)]
         self.speeds.observe(island, result.steps, result.compute_s)
+        self.uplink[island] = result.nbytes
         self.stats.exchange(flight.received + result.nbytes)
         flight.result = result
         # Arrival is on the coordinator's clock: an island's own clock (a node running fast,
@@ -164,6 +170,40 @@ class InFlight:
         self.members.islands[island].merge = Merge.WAITING
         self.pacing.arrived(flight)
         return []
+
+    def stop(self, island: int, notice_s: float | None) -> None:
+        """A preemption notice: `island`'s work out takes no step that would not end in time
+        for its result to cross its link before the node is taken (`notice_s` less the
+        upload; unknown: no step after the one in progress) and sends what it has, a
+        partial pseudo-gradient weighted by the tokens it trained (`_partial`). An island of
+        several workers is not asked (its ranks would have to agree on the step): its work
+        finishes, or is lost with the node."""
+        if self.cfg.islands.workers > 1:
+            return
+        for flight in self.in_flight():
+            if flight.work.island == island and flight.work.kind == WorkKind.TRAIN:
+                flight.stopping = True
+                within = None
+                if notice_s is not None:
+                    nbytes = self.uplink.get(island, 4 * self.sizes.of(flight.work.fragment))
+                    within = max(0.0, notice_s - self.publisher.links.upload_s(island, nbytes, [island]))
+                self.pool.stop(island, flight.ticket, within)
+
+    def _partial(self, flight: Flight, steps: int) -> str | None:
+        """A result of fewer steps than its work: the prefix a notice stopped (`stop`). Its
+        reservation shrinks to the batches it trained and the rest go back to the ledger,
+        for the shard's next owner; None, or why it is refused (no notice asked for it)."""
+        if not flight.stopping:
+            return f"it trained {steps} of its {flight.work.steps} steps, and no notice stopped it"
+        back = self.ledger.shorten(flight.ticket, steps)
+        if back is None:
+            return f"its {steps} steps cannot be kept apart from the batches after them"
+        self.pacing.shortened(flight, steps)
+        spans = {s: list(span) for s, span in back.items()}
+        self.events.add(
+            Event.PARTIAL, flight.work.island, ticket=flight.ticket, steps=steps, of=flight.work.steps, spans=spans
+        )
+        return None
 
     def progressed(self, event: Progress) -> None:
         """A heartbeat: `island` has done `steps` inner steps in all, `work_steps` of the work

@@ -12,6 +12,9 @@ blocks are recomputed from the sorted ids of the islands that can train. The rul
   handed to another island meanwhile, even if the blocks moved (the same island may
   hold two reservations of it: in overlap mode round t waits for its close while
   round t+1 trains on the next batches);
+- a work stopped by a preemption notice sends the first k of its batches: its
+  reservation is `shorten`ed to them (what `batch_counts` gives k steps) and the rest go
+  back, as a lost work's would;
 - a result that arrives is `check`ed (the island read exactly what it was given); when
   the outer step consumes it (applied or dropped) it is `commit`ted and its tokens
   count as trained; work that is lost (island died, deadline missed, run stopped, or
@@ -138,6 +141,25 @@ class DataLedger:
     def resume_points(self, shards: dict[int, int]) -> dict[int, tuple[int, Any]]:
         """The saved stream states at or before each of `shards`' start positions."""
         return {s: self.streams[s] for s, at in shards.items() if s in self.streams and self.streams[s][0] <= at}
+
+    def shorten(self, ticket: int, steps: int) -> dict[int, tuple[int, int]] | None:
+        """A stopped work trained only its first `steps` steps: its reservation keeps their
+        batches and the rest go back (returned: shard -> (start, batches) given back). None
+        if it cannot shrink: not in flight, not its shards' newest reservation (a later one
+        continues from its end), or not shorter."""
+        reservation = self.flights.get(ticket)
+        total = sum(n for _, n in reservation.spans.values()) if reservation is not None else 0
+        if reservation is None or not 0 <= steps < total or not self.newest(ticket):
+            return None
+        kept = batch_counts(list(reservation.spans), reservation.turn, steps)
+        back = {s: (start + kept[s], n - kept[s]) for s, (start, n) in reservation.spans.items() if n > kept[s]}
+        for s, (start, _) in reservation.spans.items():
+            self.position[s] = start + kept[s]
+        if self.turns.get(reservation.island) == reservation.turn + total:  # its last: the round-robin goes on from k
+            self.turns[reservation.island] = reservation.turn + steps
+        spans = {s: (start, kept[s]) for s, (start, _) in reservation.spans.items()}
+        self.flights[ticket] = Reservation(reservation.island, spans, reservation.turn)
+        return back
 
     def newest(self, ticket: int) -> bool:
         """Whether no later reservation continues any of this one's shards (so it can be

@@ -1,0 +1,151 @@
+"""A preemption notice's partial contribution, part by part: the island stops before the
+step that would not end in time and sends what it trained; the ledger keeps that prefix
+of the reservation and gives the rest back; the engine merges it weighted by its tokens
+and refuses a short result no notice asked for. (The whole chain under a fleet's faults,
+in every mode: `test_fleet.py`; on Ray, a node drained: `test_cluster_ray.py`.)"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from orchestrator.engine.specs import island_spec
+from orchestrator.engine.work.ledger import DataLedger
+from orchestrator.testing.chaos import Strike, TimedFault
+from orchestrator.testing.pool import InProcessPool
+from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
+from tests.helpers import events, in_process_engine
+from tests.toy_tasks import READS
+from workers.runtime.island import Island, Stopped
+from workers.wire.messages import WorkKind, WorkOrder, batch_counts
+
+
+def _island(tmp_path, *extra: str) -> tuple[Island, str]:
+    cfg = scenario_cfg(tmp_path, "diloco", "islands.count=1", *extra)
+    return Island(island_spec(cfg, 0)), cfg.task.kwargs["record"]
+
+
+def _order(ticket: int, steps: int = 10) -> WorkOrder:
+    # three shards from position 0: step j reads shard (j % 3), as the ledger would hand them out
+    return WorkOrder(island=0, ticket=ticket, version=0, kind=WorkKind.TRAIN, steps=steps, shards={0: 0, 1: 0, 2: 0})
+
+
+def test_a_stopped_work_sends_the_prefix_it_trained_as_a_shorter_order_would(tmp_path):
+    stopped, record = _island(tmp_path)
+    params = np.zeros(2)
+    stopped.stop(ticket=7, after_steps=4)
+    result = stopped.run(_order(7), params)
+    assert result.steps == 4
+    assert result.positions == batch_counts([0, 1, 2], 0, 4) == {0: 2, 1: 1, 2: 1}  # read what it trained, no more
+    assert result.shard_tokens == {0: 2, 1: 2, 2: 3} and result.weight == 7  # a batch of shard s weighs s + 1
+    assert READS[record] == [(0, 0), (1, 0), (2, 0), (0, 1)]
+    whole, _ = _island(tmp_path)  # the same island, told to train four steps
+    expected = whole.run(_order(7, steps=4), params)
+    assert torch.equal(torch.as_tensor(result.delta()), torch.as_tensor(expected.delta()))
+    assert stopped.run(_order(8), params).steps == 10  # the note was for ticket 7: the next work is whole
+
+
+def test_a_notice_before_the_first_step_leaves_nothing_to_send(tmp_path):
+    island, record = _island(tmp_path)
+    island.stop(ticket=3)  # no time given: no step after the one in progress, and none is
+    with pytest.raises(Stopped):
+        island.run(_order(3), np.zeros(2))
+    assert READS.get(record, []) == []
+
+
+def test_a_notice_with_time_left_lets_the_steps_that_fit_run(tmp_path):
+    """Steps of about 50 ms, a notice of 0.12 s: the steps that end by then run (at least
+    the first, whose pace is unknown), the rest do not."""
+    island, _ = _island(tmp_path, "task.kwargs.batch_s=0.05")
+    island.stop(ticket=1, within_s=0.12)
+    result = island.run(_order(1), np.zeros(2))
+    assert 1 <= result.steps < 10, result.steps
+
+
+def test_the_ledger_keeps_a_stopped_works_prefix_and_gives_the_rest_back():
+    ledger = DataLedger(4)
+    r = ledger.reserve(1, 0, [0], steps=10)  # shards 0..3: 3, 3, 2, 2 batches
+    assert r.spans == {0: (0, 3), 1: (0, 3), 2: (0, 2), 3: (0, 2)}
+    back = ledger.shorten(1, 5)  # steps 0..4 read shards 0, 1, 2, 3, 0
+    assert back == {0: (2, 1), 1: (1, 2), 2: (1, 1), 3: (1, 1)}
+    assert ledger.position == [2, 1, 1, 1]
+    assert ledger.check(1, {0: 2, 1: 1, 2: 1, 3: 1}, {0: 2, 1: 2, 2: 3, 3: 4}) is None
+    ledger.commit(1, {0: 2, 1: 2, 2: 3, 3: 4})
+    # the island's next work goes on with the round-robin where the five steps left it
+    assert ledger.reserve(2, 0, [0], steps=3).spans == {0: (2, 0), 1: (1, 1), 2: (1, 1), 3: (1, 1)}
+
+
+def test_the_ledger_does_not_shorten_what_is_not_its_shards_newest_or_not_shorter():
+    ledger = DataLedger(1)
+    ledger.reserve(1, 0, [0], steps=4)
+    ledger.reserve(2, 0, [0], steps=4)  # overlap: the next round already continues shard 0
+    assert ledger.shorten(1, 2) is None and ledger.position == [8]
+    assert ledger.shorten(2, 4) is None and ledger.shorten(2, 5) is None and ledger.shorten(99, 1) is None
+    assert ledger.shorten(2, 0) == {0: (4, 4)} and ledger.position == [4]
+
+
+class _Unasked(InProcessPool):
+    """Island 0's first work is told to stop after one step by nobody the engine knows."""
+
+    def dispatch(self, order, params, changes=()):
+        if order.island == 0 and order.ticket == 0:
+            self.islands[0].stop(ticket=order.ticket, after_steps=1)
+        super().dispatch(order, params, changes)
+
+
+def test_a_short_result_no_notice_asked_for_is_refused_and_its_batches_retrained(tmp_path):
+    cfg = scenario_cfg(tmp_path, "diloco")
+    engine, _ = in_process_engine(cfg)
+    pool = _Unasked(cfg)
+    engine.pool = engine.inflight.pool = engine.fleet.pool = pool
+    drive(engine)
+    log = events(cfg.out_dir)
+    rejected = [e for e in log if e["kind"] == "rejection" and e["island"] == 0]
+    assert rejected and "no notice stopped it" in rejected[0]["reason"], rejected
+    assert not [e for e in log if e["kind"] == "partial"]
+    # its whole reservation went back (a lost work's), of which it had read the first batch only
+    (lost,) = [e for e in log if e["kind"] == "lost" and e["ticket"] == 0]
+    first = min(int(s) for s in lost["spans"])
+    unread = Counter({(int(s), start): -1 for s, (start, _) in lost["spans"].items() if int(s) != first})
+    check_exactly_once(cfg, engine.summary, unread)
+
+
+def test_a_partial_contribution_weighs_its_tokens(tmp_path):
+    """The stopped island's update enters the outer step with the tokens it trained: its
+    island's tokens in the summary are exactly its partial's."""
+    cfg = scenario_cfg(tmp_path, "quorum")
+    engine, _ = in_process_engine(cfg, step_s=1.0, chaos=[TimedFault(at=2.0, kind=Strike.PREEMPT, notice=1.5)])
+    drive(engine)
+    check_exactly_once(cfg, engine.summary)
+    (partial,) = [e for e in events(cfg.out_dir) if e["kind"] == "partial"]
+    assert (partial["steps"], partial["of"]) == (3, 4)  # steps end at 1, 2, 3 s; the node goes at 3.5 s
+    i = partial["island"]
+    island = engine.summary["islands"][str(i)]
+    assert island["rounds_contributed"] == 1
+    # island i holds shards 4i..4i+3 (12 shards, 3 islands), one batch each a round; a batch of shard s weighs s + 1
+    not_reached = [int(s) for s in partial["spans"]]
+    assert len(not_reached) == 1
+    assert island["tokens"] == sum(s + 1 for s in range(4 * i, 4 * i + 4)) - sum(s + 1 for s in not_reached)
+
+
+def test_a_schedulers_notice_with_its_time_stops_the_work_at_the_steps_that_fit(tmp_path):
+    """`POST /v1/islands/{id}/preempt?notice_s=2.5` as the engine takes it: the island's
+    round of four 1-s steps has just begun; the two steps that end within 2.5 s are sent,
+    the other two batches go back; a notice with a time that is not one is refused."""
+    from orchestrator.engine.commands import Preempt, Refusal
+
+    cfg = scenario_cfg(tmp_path, "diloco")
+    engine, _ = in_process_engine(cfg, step_s=1.0)
+
+    def notices(e):
+        assert e.submit(Preempt(island=1, notice_s=float("nan"))).reason == Refusal.INVALID
+        e.submit(Preempt(island=1, notice_s=2.5))
+
+    drive(engine, at={1: notices})
+    check_exactly_once(cfg, engine.summary)
+    (partial,) = [e for e in events(cfg.out_dir) if e["kind"] == "partial"]
+    assert (partial["island"], partial["steps"], partial["of"]) == (1, 2, 4), partial
+    assert engine.summary["islands"]["1"]["state"] == "drained"
