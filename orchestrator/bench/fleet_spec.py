@@ -51,11 +51,17 @@ ROWS: dict[str, tuple[str, list[str]]] = {
         "goodput), at quorum's lr",
         ["mode=async", "asynchronous.rule=quorum"],
     ),
+    "quorum_no_partial": (
+        "ablation: `quorum` whose preempted islands send nothing early (no partial pseudo-gradient at the "
+        "notice: a work that would not finish in time is lost), at quorum's lr",
+        ["mode=async", "asynchronous.rule=quorum", "elastic.partial_on_notice=false"],
+    ),
 }
 ABLATION_OF = {
     "quorum_no_heartbeats": "quorum",
     "quorum_radial": "quorum",
     "quorum_spares": "quorum",
+    "quorum_no_partial": "quorum",
 }  # rows at another row's tuned lr
 HEADLINE = ("restart_from_checkpoint", "sync_dylu", "quorum", "ddp")  # the rows the targets compare
 
