@@ -6,6 +6,7 @@ in every mode: `test_fleet.py`; on Ray, a node drained: `test_cluster_ray.py`.)"
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import numpy as np
@@ -149,3 +150,49 @@ def test_a_schedulers_notice_with_its_time_stops_the_work_at_the_steps_that_fit(
     (partial,) = [e for e in events(cfg.out_dir) if e["kind"] == "partial"]
     assert (partial["island"], partial["steps"], partial["of"]) == (1, 2, 4), partial
     assert engine.summary["islands"]["1"]["state"] == "drained"
+
+
+class _Calls:
+    """A Ray method's `.remote`, recording its calls (the pool's arithmetic is under test, not Ray)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def remote(self, *args):
+        self.calls.append(args)
+        return object()  # an object reference stands for the call
+
+
+class _Actor:
+    def __init__(self) -> None:
+        self.run, self.stop = _Calls(), _Calls()
+
+
+def test_the_virtual_clock_pool_counts_the_steps_that_fit_and_tells_the_island_the_count(tmp_path):
+    """On Ray's virtual clock the island's own clock runs at another pace: the pool counts
+    the steps that fit (1 s each here; the work begins after a 2-s download at 0) and tells
+    the island the count; the result is due when the last of them ends. A stop that leaves
+    every step to run, or that comes after a streaming order's send point, asks nothing."""
+    from orchestrator.config_load import load_config
+    from orchestrator.runtime.island_actors import IslandHandle
+    from orchestrator.runtime.simulated import VirtualClockPool
+
+    cfg = load_config(None, ["simulation.virtual_step_s=1", "islands.count=2", f"out_dir={tmp_path}"])
+    pool = VirtualClockPool(cfg, "run")
+    actor = _Actor()
+    pool.handles[1] = IslandHandle(index=1, actor=actor, group=None)
+    work = dataclasses.replace(_order(5, steps=10), island=1, start_delay_s=2.0)
+    ref = pool.dispatch(work, None)
+    assert pool.finish[ref] == 12.0
+    pool.vt = 4.5  # steps 1 and 2 done, the third in progress
+    pool.stop(1, 5, 3.0)  # the node goes at 7.5: steps 3, 4 and 5 end by then
+    assert actor.stop.calls == [(5, None, 5)] and pool.finish[ref] == 7.0
+    pool.stop(1, 5, 100.0)  # a later notice with room for every step: nothing to ask
+    streaming = dataclasses.replace(work, ticket=6, send_after=3)
+    pool.dispatch(streaming, None)  # begins at 6.5
+    pool.vt = 11.0  # 4.5 of its steps in: past its send point, its pseudo-gradient has left
+    pool.stop(1, 6, None)
+    assert len(actor.stop.calls) == 1
+    downloading = pool.dispatch(dataclasses.replace(streaming, ticket=7), None)  # begins at 13
+    pool.stop(1, 7, None)  # no step begun, no time given: none is taken (the island raises `Stopped`)
+    assert actor.stop.calls[-1] == (7, None, 0) and pool.finish[downloading] == 13.0

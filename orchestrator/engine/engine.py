@@ -32,7 +32,7 @@ from orchestrator.engine.outcomes import (
     Promote,
     Release,
     StartDrain,
-    Stop,
+    StopWork,
     Transition,
 )
 from orchestrator.engine.outputs.loop_time import Part
@@ -339,7 +339,7 @@ class RoundEngine(EngineParts):
                     self.fleet.promote(island)
                 case StartDrain(island=island):
                     self.fleet.start_drain(island)
-                case Stop(island=island, notice_s=notice_s):
+                case StopWork(island=island, notice_s=notice_s):
                     self.inflight.stop(island, notice_s)
                 case Halt(seconds=seconds, reason=reason):
                     self._scale(None, set())  # the failed island's replacement is placed while all stand still

@@ -35,7 +35,7 @@ class StartDrain:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Stop:
+class StopWork:
     """A preemption notice (`notice_s` before the island is taken, None: unknown): its work
     out takes no step that would not end in time and sends what it has trained
     (`elastic.partial_on_notice`)."""
@@ -82,7 +82,7 @@ class Halt:
 
 
 FleetDecision = Place | Promote | StartDrain | Release
-Outcome = Place | Promote | StartDrain | Stop | Release | Judged | Lost | Halt
+Outcome = Place | Promote | StartDrain | StopWork | Release | Judged | Lost | Halt
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,6 +6,7 @@ the coordinator builds it when the config asks (`pool_class`)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import ray
@@ -28,6 +29,7 @@ class VirtualClockPool(RayIslandPool):
         self.finish: dict[Any, float] = {}  # object ref -> its simulated finish
         self.begun: dict[Any, float] = {}  # object ref -> when its steps begin (after its download)
         self.counted: dict[int, int] = {}  # heartbeats: each island's steps of finished work
+        self.sends: dict[Any, int] = {}  # object ref -> the steps before its pseudo-gradient is taken
 
     def now(self) -> float:
         return self.vt
@@ -41,12 +43,33 @@ class VirtualClockPool(RayIslandPool):
         sim = self.cfg.simulation
         self.begun[ref] = self.vt + order.start_delay_s
         self.finish[ref] = self.begun[ref] + sim.virtual_seconds(order.island, order.steps)
+        self.sends[ref] = order.send_after if order.send_after and order.send_after < order.steps else order.steps
         return ref
+
+    def stop(self, island: int, ticket: int, within_s: float | None) -> None:
+        """On the virtual clock the steps that fit are counted here — those begun by now
+        and those that end within `within_s` — and the island is told the count (its own
+        clock runs at another pace); its result is due when the last of them ends. An
+        island already past the count in real time stops at its next step: its result
+        reports the steps it took."""
+        ref = next((r for r, (t, _) in self.work.items() if t == ticket), None)
+        handle = self.handles.get(island)
+        if ref is None or handle is None:
+            return
+        step = self.cfg.simulation.virtual_seconds(island, 1)
+        begun = math.ceil(max(0.0, self.vt - self.begun[ref]) / step - 1e-9)
+        fits = 0 if within_s is None else math.floor((self.vt + within_s - self.begun[ref]) / step + 1e-9)
+        keep = max(begun, fits)
+        if keep >= self.sends[ref]:
+            return
+        self.finish[ref] = self.begun[ref] + keep * step
+        handle.actor.stop.remote(ticket, None, keep)
 
     def release(self, island: int) -> None:
         for ref in [r for r, (_, i) in self.work.items() if i == island]:
             self.finish.pop(ref, None)
             self.begun.pop(ref, None)
+            self.sends.pop(ref, None)
         self.counted.pop(island, None)
         super().release(island)
 
@@ -65,6 +88,7 @@ class VirtualClockPool(RayIslandPool):
         ticket, island = self.work.pop(ref)
         at = self.finish.pop(ref)
         self.begun.pop(ref, None)
+        self.sends.pop(ref, None)
         self.vt = max(self.vt, at)
         event = self._fetch(ref, ticket, island)
         if isinstance(event, Done):

@@ -108,9 +108,9 @@ class IslandActor:
         return self.island.identity()
 
     @ray.method(concurrency_group=CONTROL)
-    def stop(self, ticket: int, within_s: float | None = None) -> None:
+    def stop(self, ticket: int, within_s: float | None = None, after_steps: int | None = None) -> None:
         """A preemption notice for the work `ticket`, beside it (`Island.stop`)."""
-        self.island.stop(ticket=ticket, within_s=within_s)
+        self.island.stop(ticket=ticket, within_s=within_s, after_steps=after_steps)
 
     def describe(self) -> dict[str, Any]:
         return self.island.describe()

@@ -31,7 +31,7 @@ from orchestrator.engine.outcomes import (
     Promote,
     Release,
     StartDrain,
-    Stop,
+    StopWork,
 )
 from orchestrator.engine.outputs.checkpoints import load_intent, run_folder, save_intent
 from orchestrator.engine.outputs.persistence import RunCore
@@ -294,12 +294,12 @@ class Fleet:
         """`island` will be taken away (`notice_s` from now, when known): it drains — no new
         work, released once what it has is in, or lost if it is gone first — and, the target
         unchanged, the scaling policy places its replacement now rather than after it is
-        gone. Its work out stops in time and sends what it has (`Stop`), unless
+        gone. Its work out stops in time and sends what it has (`StopWork`), unless
         `elastic.partial_on_notice` is off."""
         if not self.start_drain(island, spare=True):
             return []
         self.events.add(Event.PREEMPTING, island, notice_s=notice_s)
-        return [Stop(island=island, notice_s=notice_s)] if self.cfg.elastic.partial_on_notice else []
+        return [StopWork(island=island, notice_s=notice_s)] if self.cfg.elastic.partial_on_notice else []
 
     def released(self, island: int, state: IslandState, reason: str | None = None) -> None:
         """An island released for good (`Release`: the engine gave up its work first)."""
