@@ -143,7 +143,8 @@ class InFlight:
         malformed = screen(result, flight.work, self.sizes)
         if malformed is not None:
             return [self.refuse(ticket, island, malformed, Reason.MALFORMED)]
-        if isinstance(result.steps, int) and result.steps < flight.work.steps:
+        partial = result.steps < flight.work.steps  # (screened: an int of at least 1)
+        if partial:
             short = self._partial(flight, result.steps)
             if short is not None:
                 return [self.refuse(ticket, island, short, Reason.SHARDS)]
@@ -154,6 +155,8 @@ class InFlight:
             )
         if problem is not None:
             return [self.refuse(ticket, island, problem, Reason.SHARDS)]
+        if partial:  # checked: the untaken steps go back to the pacing's budget (a refused one's all go, as lost)
+            self.pacing.shortened(flight, result.steps)
         self.speeds.observe(island, result.steps, result.compute_s)
         self.uplink[island] = result.nbytes
         self.stats.exchange(flight.received + result.nbytes)
@@ -192,13 +195,13 @@ class InFlight:
     def _partial(self, flight: Flight, steps: int) -> str | None:
         """A result of fewer steps than its work: the prefix a notice stopped (`stop`). Its
         reservation shrinks to the batches it trained and the rest go back to the ledger,
-        for the shard's next owner; None, or why it is refused (no notice asked for it)."""
+        for the shard's next owner (before its report is checked against what it was
+        given); None, or why it is refused (no notice asked for it)."""
         if not flight.stopping:
             return f"it trained {steps} of its {flight.work.steps} steps, and no notice stopped it"
         back = self.ledger.shorten(flight.ticket, steps)
         if back is None:
             return f"its {steps} steps cannot be kept apart from the batches after them"
-        self.pacing.shortened(flight, steps)
         spans = {s: list(span) for s, span in back.items()}
         self.events.add(
             Event.PARTIAL, flight.work.island, ticket=flight.ticket, steps=steps, of=flight.work.steps, spans=spans
