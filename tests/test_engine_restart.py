@@ -17,13 +17,17 @@ import pytest
 
 from orchestrator.engine.build import build_engine
 from orchestrator.engine.commands import (
+    Ack,
     AddIslands,
     Drain,
+    Refusal,
+    Refused,
     SetTarget,
     SettingsUpdate,
     Stop,
     UpdateSettings,
 )
+from orchestrator.engine.fleet import fleet as fleet_module
 from orchestrator.engine.fleet import membership
 from orchestrator.engine.outputs.checkpoints import load_checkpoint
 from orchestrator.engine.types import IslandState, RunFailed
@@ -406,3 +410,52 @@ def test_long_released_islands_fold_into_totals_that_a_restart_keeps(tmp_path, m
     assert max(int(i) for i in summary["islands"]) == 2 + replaced  # 3 islands, then one index per replacement
     assert summary["retired_islands"]["islands"] > saved
     check_exactly_once(cfg, summary, lost)
+
+
+@pytest.mark.parametrize("mode", ["diloco", "async"])
+@pytest.mark.parametrize(
+    ("change", "target"),
+    [(AddIslands(count=1), 4), (Drain(island=1), 2), (SetTarget(islands=2), 2)],
+    ids=["add", "drain", "target"],
+)
+def test_a_change_accepted_just_before_the_coordinator_dies_holds(tmp_path, mode, change, target):
+    """Accepted (the API's 202) is durable: the coordinator may die before its engine takes
+    the command. Before, an add or a drain accepted in that window was lost with the
+    process (the chaos run saw the target come back one island too high)."""
+    cfg = scenario_cfg(tmp_path, mode, "rounds=6", "checkpoint.every_rounds=2", "elastic.placement_timeout_s=5")
+    first, pool = in_process_engine(cfg, run_id="window")
+    drive(first, until=2)
+    assert isinstance(first.submit(change), Ack)
+    pool.coordinator_lost()  # before the engine's next step
+    second = build_engine(cfg, pool, run_id="window")
+    drive(second)
+    assert second.members.target == target
+    if isinstance(change, Drain):
+        assert second.summary["islands"]["1"]["state"] == "drained"
+
+
+def test_a_change_that_cannot_be_made_durable_is_refused_and_a_second_drain_too(tmp_path, monkeypatch):
+    """No acknowledgement without the intent written: a full or read-only disk refuses the
+    change (409: nothing changed, retry) rather than accept one a restart would lose; an
+    island asked to leave twice before the engine took the first is refused the second time
+    (it would have lowered the target twice for one island)."""
+    cfg = scenario_cfg(tmp_path, "diloco", "rounds=4", "checkpoint.every_rounds=2")
+    engine, _ = in_process_engine(cfg, run_id="durable")
+    drive(engine, until=1)
+
+    def full(*_):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(fleet_module, "save_intent", full)
+        refused = engine.submit(AddIslands(count=1))
+        assert isinstance(refused, Refused) and refused.reason == Refusal.NOT_NOW
+        assert "membership intent" in refused.message and engine.inbox.requested == 3
+        assert engine.inbox.queued() == (None, set())
+    assert isinstance(engine.submit(Drain(island=1)), Ack)
+    second = engine.submit(Drain(island=1))
+    assert isinstance(second, Refused) and "already asked to leave" in second.message
+    intent = json.loads((Path(str(engine.checkpoints)) / "membership.json").read_text())
+    assert intent["target"] == 2 and intent["leaving"] == [1]
+    drive(engine)
+    assert engine.members.target == 2 and engine.summary["islands"]["1"]["state"] == "drained"

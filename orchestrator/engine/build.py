@@ -173,10 +173,11 @@ def assemble(
     inflight = InFlight(
         core=core, pool=pool, speeds=policies.speeds, events=events, sizes=Sizes(outer.numel, fragments, slices)
     )
-    fleet = Fleet(core=core, pool=pool, events=events, disk=outputs.disk)
+    fleet = Fleet(core=core, pool=pool, events=events, disk=outputs.disk, inbox=inbox if takes_changes else None)
     requests = OperatorRequests(core=core, inbox=inbox, events=events, takes_changes=takes_changes)
     if takes_changes:
         inbox.members = members
+        inbox.journal = fleet.journal
         inbox.settle(members.target)
     return RoundEngine(
         **vars(core),  # the parts a checkpoint restored, as they are

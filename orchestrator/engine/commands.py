@@ -118,12 +118,18 @@ class Inbox:
     """Accepted commands, waiting for the engine. Thread-safe: `submit` runs on any thread,
     `take_*` on the engine's. `requested` is the island target once every queued change is
     applied: commands read and move it under the lock, so two adds make +2, a target then
-    an add compose, and a drain below `min_islands` is refused when asked."""
+    an add compose, and a drain below `min_islands` is refused when asked.
+
+    An accepted change of membership is durable before it is acknowledged: `journal` (set
+    by the phase that takes membership changes; the fleet's membership intent) is written
+    under `lock` with the change queued, so a coordinator that dies before its engine takes
+    the command restarts with it. The engine writes the intent under the same lock, so the
+    two writers never put an older view over a newer one."""
 
     def __init__(
         self, *, target: int, min_islands: int, max_islands: int, check: Callable[[SettingsUpdate, int], None]
     ) -> None:
-        self._lock = threading.Lock()
+        self.lock = threading.RLock()  # reentrant: `journal` reads the queue under it
         self.min_islands, self.max_islands, self._check = min_islands, max_islands, check
         self.requested = target
         self.paused = threading.Event()
@@ -133,9 +139,10 @@ class Inbox:
         self.members: Membership | None = None  # the phase that takes membership changes (None: warm start)
         self._settings: SettingsUpdate | None = None
         self._membership: list[SetTarget | Drain | Preempt] = []
+        self.journal: Callable[[], bool] | None = None  # writes the membership intent; False if it could not
 
     def submit(self, command: Command) -> Answer:
-        with self._lock:
+        with self.lock:
             if self.ended:
                 return Refused(reason=Refusal.NOT_NOW, message="the run has ended")
             match command:
@@ -171,9 +178,7 @@ class Inbox:
                 message=f"target {n} is outside [elastic.min_islands, elastic.max_islands] = "
                 f"[{self.min_islands}, {self.max_islands}]",
             )
-        self.requested = n
-        self._membership.append(SetTarget(islands=n))
-        return Ack(detail={"target": n})
+        return self._queue(SetTarget(islands=n), n, {"target": n})
 
     def _leaving(self, island: int, what: str, *also: IslandState) -> Refused | None:
         """Why `island` cannot be asked to leave now (training, late, joining or one of
@@ -203,15 +208,31 @@ class Inbox:
         refused = self._leaving(island, "drain")
         if refused is not None:
             return refused
+        if Drain(island=island) in self._membership:
+            return Refused(reason=Refusal.NOT_NOW, message=f"island {island} is already asked to leave")
         if self.requested - 1 < self.min_islands:
             return Refused(
                 reason=Refusal.OUT_OF_BOUNDS,
                 message=f"draining island {island} would leave {self.requested - 1} islands, "
                 f"below elastic.min_islands = {self.min_islands}",
             )
-        self.requested -= 1
-        self._membership.append(Drain(island=island))
-        return Ack(detail={"draining": island})
+        return self._queue(Drain(island=island), self.requested - 1, {"draining": island})
+
+    def _queue(self, command: SetTarget | Drain, requested: int, detail: dict[str, Any]) -> Answer:
+        """Queue a change of the target, made durable first (`journal`): one that could not
+        be written is not accepted — nothing changed, the caller retries."""
+        before = self.requested
+        self.requested = requested
+        self._membership.append(command)
+        if self.journal is not None and not self.journal():
+            self._membership.pop()
+            self.requested = before
+            return Refused(
+                reason=Refusal.NOT_NOW,
+                message="the change could not be written to the membership intent (the run's disk errors say why); "
+                "nothing was changed: retry",
+            )
+        return Ack(detail=detail)
 
     def _update(self, update: SettingsUpdate) -> Answer:
         changes = update.model_dump(exclude_none=True)
@@ -228,18 +249,25 @@ class Inbox:
 
     # -- the engine's side ------------------------------------------------------------------
     def take_settings(self) -> SettingsUpdate | None:
-        with self._lock:
+        with self.lock:
             update, self._settings = self._settings, None
         return update
 
     def take_membership(self) -> list[SetTarget | Drain | Preempt]:
-        with self._lock:
+        with self.lock:
             taken, self._membership = self._membership, []
         return taken
 
+    def queued(self) -> tuple[int | None, set[int]]:
+        """What accepted changes the engine has not taken yet add to the membership: the
+        target they make (None: no change of target queued) and the islands they drain."""
+        with self.lock:
+            changes = [c for c in self._membership if isinstance(c, SetTarget | Drain)]
+            return (self.requested if changes else None), {c.island for c in changes if isinstance(c, Drain)}
+
     def settle(self, target: int) -> None:
         """After the engine applied the changes: with none queued, `requested` is the target
-        (a drain that found its island already gone did not lower it)."""
-        with self._lock:
+        (the engine's own changes, e.g. a failed island not replaced, are in it)."""
+        with self.lock:
             if not self._membership:
                 self.requested = target

@@ -227,12 +227,13 @@ class RoundEngine(EngineParts):
             self.phase = self.requests.between_rounds(self.phase)
             self.outputs.snapshot["state"] = self.phase.value
         busy, held = self.inflight.busy(), self.inflight.held()
-        self._scale(self.inbox if self.takes_changes else None, busy)
+        self._scale(busy)
         self.members.prune(held)  # long-released islands folded into the totals (none with work to judge)
 
-    def _scale(self, inbox: Inbox | None, busy: set[int]) -> None:
-        """The operator's membership commands, then the scaling policy's decisions."""
-        self._apply(self.fleet.take_requests(inbox))
+    def _scale(self, busy: set[int], *, commands: bool = True) -> None:
+        """The operator's membership commands (unless not `commands`), then the scaling
+        policy's decisions."""
+        self._apply(self.fleet.take_requests(commands=commands))
         self._apply(self.fleet.decide(busy))
 
     # -- work out -------------------------------------------------------------------------------
@@ -342,7 +343,9 @@ class RoundEngine(EngineParts):
                 case StopWork(island=island, notice_s=notice_s):
                     self.inflight.stop(island, notice_s)
                 case Halt(seconds=seconds, reason=reason):
-                    self._scale(None, set())  # the failed island's replacement is placed while all stand still
+                    self._scale(
+                        set(), commands=False
+                    )  # the failed island's replacement is placed while all stand still
                     self._halt(seconds, reason)
 
     def _halt(self, seconds: float, reason: str) -> None:

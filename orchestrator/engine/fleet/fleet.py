@@ -14,6 +14,7 @@ it returns as outcomes (`outcomes.py`) for the engine to apply.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -112,14 +113,16 @@ class Fleet:
         pool: IslandPool,
         events: EventLog,
         disk: DiskFaults,
+        inbox: Inbox | None,
     ) -> None:
         """`core`: the run's state — where islands keep their inner state and what an
         island placed again continues from; admission, which counts each island's bad
-        updates in a row (towards quarantine)."""
+        updates in a row (towards quarantine). `inbox`: the operator's commands, when this
+        phase takes membership changes (a warm start does not)."""
         cfg = core.cfg
         self.cfg, self.run_id, self.pool, self.members, self.run = cfg, core.run_id, pool, core.members, core.run
         self.states, self.admission = core.states, core.admission
-        self.events, self.disk = events, disk
+        self.events, self.disk, self.inbox = events, disk, inbox
         self.spares = cfg.elastic.spares
         self.scaling = ScalingPolicy(abandon=cfg.elastic.drain == "abandon", spares=self.spares)
         restart = cfg.elastic.restart_s if cfg.elastic.on_failure == OnFailure.RESTART else None
@@ -190,35 +193,51 @@ class Fleet:
             self.place(i)
         self.journal()
 
-    def journal(self) -> None:
+    def journal(self) -> bool:
         """Write the membership intent when it changed (see `_reattach`); every membership
-        change logs an event, so nothing is looked at in steps without one."""
-        if not self.cfg.checkpoint.every_rounds or self.events.count == self._journalled_at:
-            return
-        self._journalled_at = self.events.count
-        leaving = sorted(
-            i for i, s in self.members.islands.items() if s.state in (IslandState.DRAINING, IslandState.DRAINED)
-        )
-        intent = {"run_id": self.run_id, "target": self.members.target, "leaving": leaving}
-        if intent != self._intent and self.disk.attempt(
-            "the membership intent", lambda: save_intent(run_folder(self.cfg.checkpoint_dir, self.run_id), intent)
-        ):
+        change logs an event or is a command the inbox just accepted, so nothing is looked
+        at in steps without one. The intent is the members' target and leaving islands with
+        the inbox's accepted changes not yet taken on top, written under the inbox's lock
+        (`Inbox.journal` calls this from the caller's thread). False if it could not be
+        written."""
+        if not self.cfg.checkpoint.every_rounds:
+            return True
+        with self.inbox.lock if self.inbox is not None else contextlib.nullcontext():
+            queued_target, queued_drains = self.inbox.queued() if self.inbox is not None else (None, set())
+            if self.events.count == self._journalled_at and not queued_drains and queued_target is None:
+                return True
+            self._journalled_at = self.events.count
+            islands = list(self.members.islands.items())  # one read (the caller's thread may be another)
+            leaving = {i for i, s in islands if s.state in (IslandState.DRAINING, IslandState.DRAINED)}
+            target = self.members.target if queued_target is None else queued_target
+            intent = {"run_id": self.run_id, "target": target, "leaving": sorted(leaving | queued_drains)}
+            if intent == self._intent:
+                return True
+            folder = run_folder(self.cfg.checkpoint_dir, self.run_id)
+            if not self.disk.attempt("the membership intent", lambda: save_intent(folder, intent)):
+                return False
             self._intent = intent
+            return True
 
     # -- between rounds ----------------------------------------------------------------------
-    def take_requests(self, inbox: Inbox | None) -> list[Outcome]:
-        """Apply the operator's accepted target and drain commands (from `inbox`, when this
-        phase takes them); tell the pool what the run wants; give up joins past their time.
+    def take_requests(self, *, commands: bool = True) -> list[Outcome]:
+        """Apply the operator's accepted target and drain commands (from the inbox, when this
+        phase takes them and `commands`); tell the pool what the run wants; give up joins
+        past their time.
         Returns what a preemption notice asks of the engine (`preempting`); the scaling
         policy's decisions follow (`decide`, applied by the engine)."""
         m = self.members
         out: list[Outcome] = []
+        inbox = self.inbox if commands else None
         for command in inbox.take_membership() if inbox is not None else []:
             if isinstance(command, SetTarget):
                 m.target = command.islands
                 self.events.add(Event.TARGET, None, target=command.islands)
-            elif isinstance(command, Drain) and self.start_drain(command.island):
-                m.target = max(0, m.target - 1)  # a drained island is not replaced
+            elif isinstance(command, Drain):
+                # accepted (and journalled) as one island fewer: a drained island is not
+                # replaced, nor is one that failed between the command and now
+                self.start_drain(command.island)
+                m.target = max(0, m.target - 1)
             elif isinstance(command, Preempt):
                 out += self.preempting(command.island, command.notice_s)
         if inbox is not None:
