@@ -5,12 +5,14 @@ and the scenario end to end on a small fleet."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections import Counter
 
 import pytest
 
-from orchestrator.bench.fleet import breakdown, run_one
+from orchestrator.bench import fleet_spec
+from orchestrator.bench.fleet import breakdown, run_one, seeds_of
 from orchestrator.bench.fleet_spec import FleetSpec
 from orchestrator.cli import main
 from orchestrator.config_load import load_config
@@ -170,9 +172,16 @@ def test_the_fleet_is_described_on_the_command_line_and_a_wrong_flag_is_named(tm
     assert "unknown rows ['nope']" in capsys.readouterr().err
     assert main(["bench", "fleet", "--mix", "hang=x", "--out", str(tmp_path)]) == 2
     assert "--mix 'hang=x'" in capsys.readouterr().err
+    assert main(["bench", "fleet", "--notice", "15,5", "--out", str(tmp_path)]) == 2
+    assert "notice range LO,HI" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # refused before any run
     with pytest.raises(ValueError, match="speeds > 0"):
         FleetSpec(speeds=(1.0, 0.0))
+    parser = argparse.ArgumentParser()
+    fleet_spec.add_arguments(parser)
+    spec = fleet_spec.spec_of(parser.parse_args(["--notice", "5,15", "--ablation-seeds", "3", "--seeds", "2"]))
+    assert spec.notice_s == (5.0, 15.0) and seeds_of(spec, "quorum_no_partial") == range(2)
+    assert seeds_of(FleetSpec(), "quorum_no_partial") == range(1) and seeds_of(FleetSpec(), "quorum") == range(3)
 
 
 def test_bench_fleet_end_to_end_on_a_small_fleet(tmp_path):

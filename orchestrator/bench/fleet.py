@@ -115,7 +115,14 @@ def run_one(spec: FleetSpec, row: str, islands: int, seed: int, lr: float, work:
         fresh(cfg)
         horizon = 50 * spec.rounds * spec.round_s
         chaos = (
-            mttf_schedule(seed=seed, horizon_s=horizon, islands=islands, mttf_s=spec.mttf_s, mix=spec.strikes())
+            mttf_schedule(
+                seed=seed,
+                horizon_s=horizon,
+                islands=islands,
+                mttf_s=spec.mttf_s,
+                mix=spec.strikes(),
+                notice_s=spec.notice_s,
+            )
             if faults
             else []
         )
@@ -188,8 +195,9 @@ def run_all(spec: FleetSpec, work: Path, keys: list[Key]) -> dict[Key, FleetRun]
 
 
 def seeds_of(spec: FleetSpec, row: str) -> range:
-    """The headline rows run every seed; the others seed 0 (the budget of two cores)."""
-    return range(spec.seeds if row in HEADLINE else 1)
+    """The headline rows run every seed; the others `ablation_seeds` (by default seed 0
+    only: the budget of two cores)."""
+    return range(spec.seeds if row in HEADLINE else min(spec.seeds, spec.ablation_seeds))
 
 
 def tune(spec: FleetSpec, work: Path) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
@@ -237,7 +245,11 @@ def fleet(quick: bool, work: Path, spec: FleetSpec | None = None) -> BenchResult
     checks = _checks(spec, results)
     summary = "fleet: " + "; ".join(
         f"{k} islands: "
-        + ", ".join(f"{r} goodput {results[f'{r}_{k}']['goodput']:.2f}" for r in spec.rows if r in HEADLINE)
+        + ", ".join(
+            f"{r} goodput {results[f'{r}_{k}']['goodput']:.2f}"
+            for r in spec.rows
+            if r in HEADLINE or len(seeds_of(spec, r)) > 1
+        )
         for k in spec.islands
     )
     return BenchResult(
@@ -398,7 +410,8 @@ def _markdown(
     return (
         f"Islands of speeds {list(spec.speeds)} repeated; H = {spec.inner_steps}; {spec.step_s:g} simulated s per step "
         f"at speed 1 (a synchronous round: {spec.round_s:g} s); {spec.rounds} rounds' tokens per run; each island fails "
-        f"once per {spec.mttf_s:g} simulated s on average ({spec.mix}; slow-downs 4×, preemption notices 30–120 s), "
+        f"once per {spec.mttf_s:g} simulated s on average ({spec.mix}; slow-downs 4×, preemption notices "
+        f"{spec.notice_s[0]:g}–{spec.notice_s[1]:g} s), "
         f"replacements start {spec.join_s:g} s after; restart_from_checkpoint stands still {spec.restart_s:g} s per "
         f"failure; heartbeats: hung after {spec.hang_after_steps} expected steps without progress. Links "
         f"{spec.link_gbps:g} Gbit/s, {spec.latency_ms:g} ms, priced at {spec.nominal_params:.3g} parameters in fp32: "

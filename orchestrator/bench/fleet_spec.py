@@ -84,6 +84,8 @@ class FleetSpec:
     restart_s: float = 60.0  # restart_from_checkpoint: the fleet stands still this long per failure
     hang_after_steps: int = 5  # heartbeats: hung after this many expected steps without progress
     spare_every: int = 16  # quorum_spares: one hot spare per this many islands (at least one)
+    notice_s: tuple[float, float] = (30.0, 120.0)  # a preemption's notice, drawn uniformly from this range
+    ablation_seeds: int = 1  # seeds of the rows that are not headline rows (at most `seeds`)
     lr_grid: tuple[float, ...] = (0.5, 0.7, 1.0)
     jobs: int = 1  # runs side by side, each in a process of its own
 
@@ -95,6 +97,10 @@ class FleetSpec:
             raise ValueError("need islands >= 1 and speeds > 0")
         if self.seeds < 1 or self.rounds < 1 or self.spare_every < 1 or self.mttf_s <= 0 or self.link_gbps <= 0:
             raise ValueError("need seeds, rounds, spare-every >= 1 and mttf, link-gbps > 0")
+        if len(self.notice_s) != 2 or not 0 <= self.notice_s[0] <= self.notice_s[1]:
+            raise ValueError(f"need a notice range LO,HI with 0 <= LO <= HI, not {self.notice_s}")
+        if self.ablation_seeds < 1:
+            raise ValueError("need ablation-seeds >= 1")
         self.strikes()  # the mix parses
 
     def strikes(self) -> dict[Strike, float]:
@@ -141,6 +147,8 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--rounds": ("rounds", int, "token budget in synchronous rounds"),
     "--step-s": ("step_s", float, "simulated seconds of an inner step at speed 1"),
     "--spare-every": ("spare_every", int, "quorum_spares: one hot spare per this many islands"),
+    "--notice": ("notice_s", _floats, "a preemption's notice, LO,HI simulated seconds (drawn uniformly)"),
+    "--ablation-seeds": ("ablation_seeds", int, "seeds of the rows other than the headline ones"),
     "--jobs": ("jobs", int, "runs side by side, a process each (changes the wall time only)"),
 }
 
