@@ -11,62 +11,57 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from orchestrator.engine.types import IslandState, Merge
+from pydantic import PrivateAttr
+
+from orchestrator.engine.outputs.views import IslandRecord, IslandView
+from orchestrator.engine.types import IslandState
 
 RECENT = 16  # submissions kept for the "recent" staleness statistics
 RETAINED = 64  # released islands listed one by one; older ones are folded into `Retired`
 
 
-@dataclass
-class IslandStats:
+class IslandStats(IslandRecord):
+    """The engine's live record of one island (the engine's thread changes it)."""
+
     index: int
     state: IslandState = IslandState.STARTING
-    node: str = ""
-    rounds_contributed: int = 0
-    tokens: int = 0
-    compute_s: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    last_train_loss: float | None = None
-    rejections: int = 0
-    downweighted: int = 0  # stale submissions applied with a reduced weight (async)
-    late_results: int = 0
-    error: str | None = None
-    joined_version: int = 0  # global version when it joined (0: from the start)
-    last_contribution: float | None = None  # wall-clock time of its last applied update
-    # wall-clock time of its latest news: placed, given work, a result back (taken, late or
-    # refused). A hung island's stops moving: the dashboard and the alert rules watch it.
-    last_progress: float | None = None
-    inner_steps: int = 0  # H of its latest round (DyLU changes it in async mode)
-    steps_per_s: float = 0.0  # measured (smoothed) inner steps per second
-    staleness_last: int = 0
-    staleness_max: int = 0
-    staleness_total: int = 0
-    submissions: int = 0
-    merge: Merge | None = None  # where its latest work stands against the outer step
-    inner_state: str | None = None  # the file of its inner state a checkpoint names (`engine/fleet/island_states.py`)
-    inner_state_sha256: str | None = None
-    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT), repr=False)
+    _recent: deque[int] = PrivateAttr(default_factory=lambda: deque(maxlen=RECENT))  # its newest stalenesses
 
     def observe_staleness(self, staleness: int) -> None:
         self.staleness_last = staleness
         self.staleness_max = max(self.staleness_max, staleness)
         self.staleness_total += staleness
         self.submissions += 1
-        self.recent.append(staleness)
+        self._recent.append(staleness)
+
+    def view(self) -> IslandView:
+        """The island as the status, the control plane and the summary show it."""
+        recent = self._recent
+        return IslandView(
+            **dict(self),
+            staleness_mean=self.staleness_total / self.submissions if self.submissions else 0.0,
+            staleness_recent_max=max(recent, default=0),
+            staleness_recent_mean=sum(recent) / len(recent) if recent else 0.0,
+            tokens_per_s=self.tokens / self.compute_s if self.compute_s else 0.0,
+        )
 
     def as_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in asdict(self).items() if k != "recent"}
-        d["state"] = self.state.value
-        d["merge"] = self.merge.value if self.merge is not None else None
-        d["staleness_mean"] = self.staleness_total / self.submissions if self.submissions else 0.0
-        d["staleness_recent_max"] = max(self.recent, default=0)
-        d["staleness_recent_mean"] = sum(self.recent) / len(self.recent) if self.recent else 0.0
-        d["tokens_per_s"] = self.tokens / self.compute_s if self.compute_s else 0.0
-        return d
+        return self.view().model_dump(mode="json", exclude_unset=True)  # what the exporters add is theirs
+
+    def saved(self) -> dict[str, Any]:
+        """Plain values for a checkpoint."""
+        return {**self.model_dump(mode="json"), "recent": list(self._recent)}
+
+    @classmethod
+    def restored(cls, saved: dict[str, Any]) -> IslandStats:
+        fields = dict(saved)
+        recent = fields.pop("recent", [])
+        stats = cls.model_validate(fields)
+        stats._recent.extend(recent)
+        return stats
 
 
 @dataclass
@@ -154,15 +149,7 @@ class Membership:
     def state(self) -> dict[str, Any]:
         """The islands (plain values), the released ones' totals and the target."""
         return {
-            "members": {
-                i: {
-                    **asdict(s),
-                    "state": s.state.value,
-                    "merge": s.merge.value if s.merge is not None else None,
-                    "recent": list(s.recent),
-                }
-                for i, s in self.islands.items()
-            },
+            "members": {i: s.saved() for i, s in self.islands.items()},
             "retired": asdict(self.retired),
             "target": self.target,
         }
@@ -170,14 +157,7 @@ class Membership:
     def load(self, state: dict[str, Any]) -> None:
         """Back from `state` (a checkpoint older than a field gives it its default)."""
         for i, saved in state["members"].items():
-            fields = dict(saved)
-            recent = fields.pop("recent", [])
-            merge = fields.get("merge")
-            stats = IslandStats(
-                **{**fields, "state": IslandState(fields["state"]), "merge": Merge(merge) if merge else None}
-            )
-            stats.recent.extend(recent)
-            self.islands[int(i)] = stats
+            self.islands[int(i)] = IslandStats.restored(saved)
         self.retired = Retired(**state.get("retired", {}))
         self.target = state["target"]
 

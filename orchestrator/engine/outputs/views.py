@@ -61,14 +61,12 @@ class HistogramView(_View):
     sum: float
 
 
-class IslandView(_View):
-    """One island of `GET /v1/islands` (and of `summary.json`'s `islands`)."""
+class IslandRecord(_View):
+    """What the run keeps of an island, declared once: the engine's live record of it
+    (`IslandStats`, `engine/fleet/membership.py`) and every view of it (`IslandView`) are
+    this record, so a view is the engine's record validated where it is made."""
 
-    state: IslandState
-    id: int | None = None  # the control plane's list carries it
-    index: int | None = None
     node: str = ""
-    resources: dict[str, float] | None = None  # what the island holds (set by the coordinator actor)
     rounds_contributed: int = 0
     tokens: int = 0
     compute_s: float = 0.0
@@ -76,12 +74,33 @@ class IslandView(_View):
     bytes_received: int = 0
     last_train_loss: float | None = None
     rejections: int = 0
-    downweighted: int = 0
+    downweighted: int = 0  # stale submissions applied with a reduced weight (async)
     late_results: int = 0
     error: str | None = None
-    joined_version: int = 0
-    last_contribution: float | None = None
-    last_progress: float | None = None  # its latest news: placed, given work, a result back
+    joined_version: int = 0  # global version when it joined (0: from the start)
+    last_contribution: float | None = None  # wall-clock time of its last applied update
+    # wall-clock time of its latest news: placed, given work, a result back (taken, late or
+    # refused). A hung island's stops moving: the dashboard and the alert rules watch it.
+    last_progress: float | None = None
+    inner_steps: int = 0  # H of its latest round (DyLU changes it in async mode)
+    steps_per_s: float = 0.0  # measured (smoothed) inner steps per second
+    staleness_last: int = 0
+    staleness_max: int = 0
+    staleness_total: int = 0
+    submissions: int = 0
+    merge: Merge | None = None  # where its latest work stands against the outer step
+    inner_state: str | None = None  # its newest saved inner state (a resumed run's island continues from it)
+    inner_state_sha256: str | None = None
+
+
+class IslandView(IslandRecord):
+    """One island of `GET /v1/islands` (and of `summary.json`'s `islands`): its record and
+    what is derived from it."""
+
+    state: IslandState
+    id: int | None = None  # the control plane's list carries it
+    index: int | None = None
+    resources: dict[str, float] | None = None  # what the island holds (set by the coordinator actor)
     # set by the exporters when they answer (`engine/fleet/watch.py`): whether it has work out,
     # seconds since its news and its last update, and whether that silence is a hang
     working: bool = False
@@ -89,18 +108,9 @@ class IslandView(_View):
     contribution_age_s: float | None = None
     stuck_after_s: float | None = None
     stuck: bool = False
-    inner_steps: int = 0
-    steps_per_s: float = 0.0
-    staleness_last: int = 0
-    staleness_max: int = 0
-    staleness_total: int = 0
     staleness_mean: float = 0.0
     staleness_recent_max: int = 0
     staleness_recent_mean: float = 0.0
-    submissions: int = 0
-    merge: Merge | None = None
-    inner_state: str | None = None  # its newest saved inner state (a resumed run's island continues from it)
-    inner_state_sha256: str | None = None
     tokens_per_s: float = 0.0
     idle_fraction: float | None = None  # in the summary: the share of the run it was not computing
 
