@@ -459,3 +459,21 @@ def test_a_change_that_cannot_be_made_durable_is_refused_and_a_second_drain_too(
     assert intent["target"] == 2 and intent["leaving"] == [1]
     drive(engine)
     assert engine.members.target == 2 and engine.summary["islands"]["1"]["state"] == "drained"
+
+
+def test_a_drain_whose_island_failed_before_the_engine_took_it_still_lowers_the_target(tmp_path):
+    """The 202 said one island fewer: an island that dies between the drain's acceptance
+    and the engine taking it is not replaced (before, the drain found it gone and did
+    nothing, so a replacement came back in its place and the target stayed)."""
+    cfg = scenario_cfg(tmp_path, "diloco", "rounds=4", "checkpoint.every_rounds=2")
+    engine, _ = in_process_engine(cfg, run_id="gone")
+    answers = []
+
+    def drain_then_die(e):  # round 2 closed; round 3's work not handed out yet
+        answers.append(e.submit(Drain(island=1)))
+        e.fleet.released(1, IslandState.DEAD, "its node died")  # what the engine does with a crash
+
+    drive(engine, at={2: drain_then_die})
+    assert isinstance(answers[0], Ack)
+    assert engine.members.target == 2 and set(engine.summary["islands"]) == {"0", "1", "2"}
+    assert engine.summary["islands"]["1"]["state"] == "dead" and engine.summary["rounds_done"] == 4
