@@ -26,7 +26,7 @@ ROWS: dict[str, tuple[str, list[str]]] = {
         ["mode=diloco", "diloco.dylu=true"],
     ),
     "quorum": (
-        "mode async, quorum rule (DyLU, ⌈k/2⌉ islands, adaptive grace)",
+        "mode async, quorum rule (DyLU, ⌈k/2⌉ islands, adaptive grace, Radial-Directional Averaging)",
         ["mode=async", "asynchronous.rule=quorum"],
     ),
     "dn_dylu": (
@@ -41,10 +41,15 @@ ROWS: dict[str, tuple[str, list[str]]] = {
         "ablation: `quorum` with hangs found by deadlines only (no heartbeats), at quorum's lr",
         ["mode=async", "asynchronous.rule=quorum", "elastic.hang_after_steps=null"],
     ),
-    "quorum_radial": (
-        "ablation: `quorum` merging by Radial-Directional Averaging (norms and directions averaged apart) "
-        "instead of the token-weighted mean, at quorum's lr",
-        ["mode=async", "asynchronous.rule=quorum", "outer.merge=radial_directional"],
+    "quorum_mean": (
+        "ablation: `quorum` merging by the token-weighted mean instead of Radial-Directional Averaging (the "
+        "default in mode async), at quorum's lr",
+        ["mode=async", "asynchronous.rule=quorum", "outer.merge=mean"],
+    ),
+    "sync_dylu_radial": (
+        "ablation: `sync_dylu` merging by Radial-Directional Averaging, at sync_dylu's lr (the barrier given the "
+        "merge the async default took, so the two are compared at equal merges)",
+        ["mode=diloco", "diloco.dylu=true", "outer.merge=radial_directional"],
     ),
     "quorum_spares": (
         "ablation: `quorum` with hot spares (`elastic.spares`, one per `--spare-every` islands, paid for in "
@@ -59,7 +64,8 @@ ROWS: dict[str, tuple[str, list[str]]] = {
 }
 ABLATION_OF = {
     "quorum_no_heartbeats": "quorum",
-    "quorum_radial": "quorum",
+    "quorum_mean": "quorum",
+    "sync_dylu_radial": "sync_dylu",
     "quorum_spares": "quorum",
     "quorum_no_partial": "quorum",
 }  # rows at another row's tuned lr
