@@ -341,6 +341,17 @@ class RunConfig(Strict):
             raise ValueError(f"warm_start.path: no such folder: {w.path}")
         return self
 
+    @model_validator(mode="after")
+    def _merge(self) -> RunConfig:
+        """Resolve `outer.merge: null`: Radial-Directional Averaging where it won (mode async,
+        whose quorum merges islands of different speeds and ages) and can run (one
+        coordinator), the mean elsewhere."""
+        o = self.outer
+        if o.merge is None:
+            radial = self.mode == Mode.ASYNC and self.coordinator.shards == 1
+            o.merge = OuterMerge.RADIAL_DIRECTIONAL if radial else OuterMerge.MEAN
+        return self
+
     @field_validator("out_dir")
     @classmethod
     def _one_placeholder(cls, out_dir: str) -> str:
@@ -384,9 +395,9 @@ class RunConfig(Strict):
                 "outer.optimizer sparseloco steps without momentum: it needs compression.error_feedback = true "
                 "(and a lossy compression.codec such as topk:0.02+int2)"
             )
-        if self.outer.merge != OuterMerge.MEAN and (self.mode == Mode.DDP or self.coordinator.shards > 1):
+        if self.outer.merged != OuterMerge.MEAN and (self.mode == Mode.DDP or self.coordinator.shards > 1):
             raise ValueError(
-                f"outer.merge {self.outer.merge.value} needs a DiLoCo-family mode on one coordinator "
+                f"outer.merge {self.outer.merged.value} needs a DiLoCo-family mode on one coordinator "
                 "(coordinator.shards = 1: each island's norm and the merged direction span every slice)"
             )
         self._check_read()

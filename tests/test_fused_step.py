@@ -122,8 +122,11 @@ def test_the_outer_alternates_buffers_and_keeps_the_models_copy_and_a_checkpoint
 @pytest.mark.parametrize("mode", ["diloco", "quorum"])
 def test_every_step_of_a_clean_run_is_the_one_pass_one(tmp_path, monkeypatch, mode: str):
     """The pass is not wasted: with nothing refused, every outer step commits what it
-    computed, the quorum's pacing scale (its youngest result's factor) included."""
-    cfg = scenario_cfg(tmp_path, mode, "task.kwargs.dtype=float32")  # float64 takes the other path
+    computed, the quorum's pacing scale (its youngest result's factor) included. (The
+    one-pass kernel merges by the mean; mode async's default, Radial-Directional Averaging,
+    reads each update twice and takes the other path.)"""
+    # float64 takes the other path
+    cfg = scenario_cfg(tmp_path, mode, "task.kwargs.dtype=float32", "outer.merge=mean")
     engine, _ = in_process_engine(cfg)
     assert isinstance(engine.outer, LocalOuter) and engine.outer.one_pass is not None
     one_pass, commits = engine.outer.one_pass, []
@@ -161,7 +164,7 @@ def test_a_run_through_faults_and_a_restart_is_bitwise_the_mean_then_step_run(tm
     def run(one_pass: bool) -> tuple[torch.Tensor, dict]:
         if not one_pass:
             monkeypatch.setattr(OuterStep, "one_pass", lambda self: None)
-        cfg = scenario_cfg(tmp_path, mode, "task.kwargs.dtype=float32", "rounds=8")
+        cfg = scenario_cfg(tmp_path, mode, "task.kwargs.dtype=float32", "outer.merge=mean", "rounds=8")
         first, pool = in_process_engine(cfg, faults, run_id=f"r{one_pass}")
         assert (isinstance(first.outer, LocalOuter) and first.outer.one_pass is not None) == one_pass
         drive(first, until=5)

@@ -14,6 +14,7 @@ from orchestrator.config_sections import OuterConfig, OuterMerge
 from orchestrator.engine.step.outer import Commit, LocalOuter
 from orchestrator.engine.step.rules import optimizer_rule
 from orchestrator.engine.types import Contribution
+from orchestrator.engine.warm_start import warm_config
 from tests.engine_scenarios import run_scenario, scenario_cfg
 
 F64 = np.float64
@@ -73,3 +74,14 @@ def test_it_is_refused_where_it_cannot_be_taken(sets):
     with pytest.raises(ConfigError, match=r"outer.merge radial_directional needs a DiLoCo-family mode"):
         load_config(None, ["outer.merge=radial_directional", *sets])
     assert load_config(None, sets).outer.merge == OuterMerge.MEAN
+
+
+def test_mode_async_merges_radially_by_default_where_it_can():
+    """RDA won bench fleet's ablation on every seed at 16 and 64 islands: mode async takes it
+    unless asked otherwise or sliced; the other modes (and the warm start) keep the mean."""
+    assert load_config(None, ["mode=async"]).outer.merge == OuterMerge.RADIAL_DIRECTIONAL
+    assert load_config(None, ["mode=async", "outer.merge=mean"]).outer.merge == OuterMerge.MEAN
+    assert load_config(None, ["mode=async", "coordinator.shards=2"]).outer.merge == OuterMerge.MEAN
+    for mode in ("diloco", "overlap", "streaming"):
+        assert load_config(None, [f"mode={mode}", "inner_steps=48"]).outer.merge == OuterMerge.MEAN
+    assert warm_config(load_config(None, ["mode=async"])).outer.merge == OuterMerge.MEAN

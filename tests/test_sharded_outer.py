@@ -23,21 +23,25 @@ from workers.wire.messages import Sliced
 
 NUMEL, CHUNK = 5000, 256
 
+# mode async merges by Radial-Directional Averaging by default, which needs whole norms and
+# is refused with coordinator.shards > 1: these rules are compared at the mean they slice by
+MEAN = "outer.merge=mean"
 RULES = {
     "diloco nesterov": ["mode=diloco"],
     "diloco sgd": ["mode=diloco", "outer.optimizer=sgd"],
     "diloco adam": ["mode=diloco", "outer.optimizer=adam", "outer.lr=0.01"],
     "diloco drop": ["mode=diloco", "outer.drop_prob=0.3"],
-    "async delayed nesterov": ["mode=async", "asynchronous.rule=delayed_nesterov", "asynchronous.c=0.2"],
-    "async quorum": ["mode=async"],
-    "async naive": ["mode=async", "asynchronous.rule=naive"],
+    "async delayed nesterov": ["mode=async", MEAN, "asynchronous.rule=delayed_nesterov", "asynchronous.c=0.2"],
+    "async quorum": ["mode=async", MEAN],
+    "async naive": ["mode=async", MEAN, "asynchronous.rule=naive"],
     "async downweight": [
         "mode=async",
+        MEAN,
         "asynchronous.rule=delayed_nesterov",
         "asynchronous.max_staleness=1",
         "asynchronous.stale_policy=downweight",
     ],
-    "async reject": ["mode=async", "asynchronous.rule=delayed_nesterov", "asynchronous.max_staleness=1"],
+    "async reject": ["mode=async", MEAN, "asynchronous.rule=delayed_nesterov", "asynchronous.max_staleness=1"],
     "overlap constant": ["mode=overlap", "overlap.momentum=0.5", "overlap.penalty_p=2", "overlap.clip=0.05"],
     "overlap adaptive": ["mode=overlap", "overlap.momentum=0.5", "overlap.penalty=adaptive"],
 }

@@ -138,7 +138,7 @@ def rule_of(cfg: RunConfig) -> RuleRow:
 
 def outer_rule(cfg: RunConfig) -> OuterRule:
     """How to build the outer optimizer of a run of `cfg` (also built by each coordinator slice)."""
-    return dataclasses.replace(rule_of(cfg).rule(cfg), merge=cfg.outer.merge)
+    return dataclasses.replace(rule_of(cfg).rule(cfg), merge=cfg.outer.merged)
 
 
 def optimizer_rule(outer: OuterConfig) -> OuterRule:
@@ -146,7 +146,7 @@ def optimizer_rule(outer: OuterConfig) -> OuterRule:
     from orchestrator.engine.step.outer import OuterRule
 
     row = RULES[RuleKind(outer.optimizer.value)]
-    return OuterRule(lambda p: (outer_optimizer(outer, p), None), one_pass=row.one_pass, merge=outer.merge)
+    return OuterRule(lambda p: (outer_optimizer(outer, p), None), one_pass=row.one_pass, merge=outer.merged)
 
 
 def outer_optimizer(outer: OuterConfig, param: torch.nn.Parameter) -> torch.optim.Optimizer:
