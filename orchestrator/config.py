@@ -343,7 +343,7 @@ class RunConfig(Strict):
 
     @model_validator(mode="after")
     def _merge(self) -> RunConfig:
-        """Resolve `outer.merge: null`: Radial-Directional Averaging where it won (mode async,
+        """Resolve `outer.merge: null`: Radial-Directional Averaging where it won `bench fleet` (mode async,
         whose quorum merges islands of different speeds and ages) and can run (one
         coordinator), the mean elsewhere."""
         o = self.outer

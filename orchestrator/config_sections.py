@@ -53,8 +53,8 @@ class OuterConfig(Strict):
         "DiLoCo's Radial-Directional Averaging: the token-weighted mean of their norms times the direction of the "
         "token-weighted mean of their unit vectors, so updates that disagree do not shrink the step; its merge "
         "reads each one twice and has no one-pass kernel); not with coordinator.shards > 1 or mode ddp. null "
-        "(default): radial_directional in mode async on one coordinator (it ended lower on every seed of bench "
-        "fleet at 16 and 64 islands), mean elsewhere",
+        "(default): radial_directional in mode async on one coordinator (its final loss was lower than the "
+        "mean's in 11 of 12 bench fleet runs: 16 and 64 islands, 3 seeds, 2 outer lrs), mean elsewhere",
     )
 
     @property
