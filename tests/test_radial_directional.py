@@ -63,6 +63,28 @@ def test_the_outer_step_takes_the_merge_and_not_the_one_pass_mean():
     np.testing.assert_allclose(outer.params(), [-3.5 / np.sqrt(2)] * 2, rtol=1e-6)
 
 
+def test_the_step_takes_the_norms_the_screen_measured(monkeypatch):
+    """Each update is read once for its norm (while screening) and once for its direction:
+    the merge takes the screened norms instead of reading every update again."""
+    from orchestrator.algorithms import aggregate
+
+    outer = LocalOuter(
+        torch.zeros(2), optimizer_rule(OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0, merge="radial_directional"))
+    )
+    deltas = [np.array([3, 0], np.float32), np.array([0, 4], np.float32)]
+    proposal = outer.propose([Contribution(island=i, version=0, delta=d, weight=1.0) for i, d in enumerate(deltas)])
+    reads = []
+    original = aggregate.sqnorm
+    monkeypatch.setattr(aggregate, "sqnorm", lambda x: reads.append(x.size) or original(x))
+    outer.commit(proposal, Commit(weights={0: 1.0, 1: 1.0}))
+    assert reads == []  # the merge measured nothing again
+    np.testing.assert_allclose(outer.params(), [-3.5 / np.sqrt(2)] * 2, rtol=1e-6)
+    # and given norms, it takes them as they are: both 10, so the radius is 10 and the units
+    # [0.3, 0] and [0, 0.4] point along (0.6, 0.8)
+    out = WeightedMean(2, torch.float64).radial_directional([(d.astype(F64), 1.0) for d in deltas], [100.0, 100.0])
+    np.testing.assert_allclose(out.numpy(), [6.0, 8.0], rtol=1e-12)
+
+
 @pytest.mark.parametrize("mode", ["diloco", "streaming"])
 def test_a_run_merging_radially_trains_each_batch_once(tmp_path, mode):
     summary = run_scenario(scenario_cfg(tmp_path, mode, "outer.merge=radial_directional"))

@@ -77,14 +77,19 @@ class WeightedMean:
             out.div_(total)
         return self.sum
 
-    def radial_directional(self, parts: Sequence[tuple[np.ndarray, float]]) -> torch.Tensor:
+    def radial_directional(
+        self, parts: Sequence[tuple[np.ndarray, float]], sqnorms: Sequence[float] | None = None
+    ) -> torch.Tensor:
         """Radial-Directional Averaging (Decoupled DiLoCo, arXiv 2604.21428): r̄ · û with
         r̄ = Σ w_i ‖Δ_i‖ / Σ w_i and û the unit vector along Σ w_i Δ_i/‖Δ_i‖ — the norms
         and the directions averaged apart, so pseudo-gradients that point different ways
         do not shrink the step as their mean does. Two reads of each Δ_i: its norm must be
-        known before its direction is weighted. A zero Δ_i adds to the mean norm only;
-        with no direction at all the result is zero."""
-        norms = [math.sqrt(sqnorm(np.asarray(d))) for d, _ in parts]
+        known before its direction is weighted — one read when `sqnorms` (each Δ_i's squared
+        norm, as `sqnorm` gives it) is known already: the coordinator's screen measured it.
+        A zero Δ_i adds to the mean norm only; with no direction at all the result is zero."""
+        if sqnorms is None:
+            sqnorms = [sqnorm(np.asarray(d)) for d, _ in parts]
+        norms = [math.sqrt(q) for q in sqnorms]
         total = sum(w for _, w in parts)
         if total <= 0:
             raise ValueError("no contributions to average")

@@ -35,9 +35,11 @@ from workers.wire.fragments import Fragments
 Scheduler = torch.optim.lr_scheduler.LRScheduler
 
 
-# how the admitted updates become the one the rule steps on (`outer.merge`)
-MERGES: dict[OuterMerge, Callable[[WeightedMean, Sequence[tuple[np.ndarray, float]]], torch.Tensor]] = {
-    OuterMerge.MEAN: WeightedMean.fill,
+# how the admitted updates become the one the rule steps on (`outer.merge`), given the
+# updates' squared norms when the screen measured them (None: the merge measures what it needs)
+Merge = Callable[[WeightedMean, Sequence[tuple[np.ndarray, float]], Sequence[float] | None], torch.Tensor]
+MERGES: dict[OuterMerge, Merge] = {
+    OuterMerge.MEAN: lambda mean, parts, _sqnorms: mean.fill(parts),
     OuterMerge.RADIAL_DIRECTIONAL: WeightedMean.radial_directional,
 }
 
@@ -82,7 +84,9 @@ class OuterStep:
         if not self.anchored or self.optimizer.param_groups[0]["penalty"] != "adaptive":
             return None
         moved = float(torch.sum((self.param.detach() - self.anchors[anchor]) ** 2))
-        mean_sq = float(torch.sum(self.merge(self.mean, parts) ** 2))  # the preallocated buffer; `apply` refills it
+        mean_sq = float(
+            torch.sum(self.merge(self.mean, parts, None) ** 2)
+        )  # the preallocated buffer; `apply` refills it
         return moved, mean_sq, float(self.optimizer.param_groups[0]["lam"])
 
     def apply(
@@ -91,10 +95,11 @@ class OuterStep:
         scale: float = 1.0,
         anchor: int | None = None,
         gap: float | None = None,
+        sqnorms: Sequence[float] | None = None,
     ) -> float | None:
         """Step the rule on the merge of `parts` (× `scale`; None: the mean buffer already
-        holds it, filled while screening); returns CO2's Λ."""
-        grad = self.merge(self.mean, parts) if parts is not None else self.mean.sum
+        holds it, filled while screening; `sqnorms`: theirs, as screened); returns CO2's Λ."""
+        grad = self.merge(self.mean, parts, sqnorms) if parts is not None else self.mean.sum
         if scale != 1.0:
             grad.mul_(scale)
         if self.grad_clip is not None:
@@ -270,6 +275,7 @@ class LocalOuter:
             self.steps = [OuterStep(flat[fragments.positions(p)].clone(), rule) for p in range(fragments.count)]
         self._keys = itertools.count()
         self.pending: dict[int, list[tuple[int, np.ndarray, float]]] = {}
+        self.sqnorms: dict[int, dict[int, float]] = {}  # per proposal: each island's update's, as screened
         self.filled: tuple[int, dict[int, float]] | None = None  # the update whose mean the buffer holds
 
     def _size(self, fragment: int | None) -> int:
@@ -304,27 +310,32 @@ class LocalOuter:
         else:
             sqs = [sqnorm(d) if ok else math.nan for ok, (_, d, _) in zip(fits, decoded)]
         facts = [Facts(d.size, ok and all_finite(d, q), q) for ok, q, (_, d, _) in zip(fits, sqs, decoded)]
+        self.sqnorms[key] = {i: q for (i, _, _), q in zip(decoded, sqs)}
         return Proposal(key=key, facts=facts)
 
     def commit(self, proposal: Proposal, decision: Commit) -> float | None:
         key, weights, scale, anchor = proposal.key, decision.weights, decision.scale, decision.anchor
-        parts = [(d, weights[i]) for i, d, _ in self.pending.pop(key) if i in weights]  # island order
+        admitted = [(i, d) for i, d, _ in self.pending.pop(key) if i in weights]  # island order
+        parts = [(d, weights[i]) for i, d in admitted]
+        screened = self.sqnorms.pop(key)
+        sqnorms = [screened[i] for i, _ in admitted]  # the merge reads no update again for its norm
         if self.fragments is None:
             filled, self.filled = self.filled == (key, weights), None
             if self.one_pass is not None and self.one_pass.take(key, weights, scale):
                 return None
             # the mean filled while screening, or the admitted ones from the state a pass only read
-            return self.steps[0].apply(None if filled else parts, scale, anchor)
+            return self.steps[0].apply(None if filled else parts, scale, anchor, sqnorms=sqnorms)
         if decision.fragment is None:
             raise ValueError("a fragmented outer step needs the fragment it updates")
         step = self.steps[decision.fragment]
-        gap = step.apply(parts, scale, anchor)
+        gap = step.apply(parts, scale, anchor, sqnorms=sqnorms)
         with torch.no_grad():
             self.flat[self.fragments.positions(decision.fragment)] = step.param.detach()
         return gap
 
     def discard(self, proposal: Proposal) -> None:
         self.pending.pop(proposal.key, None)
+        self.sqnorms.pop(proposal.key, None)
         self.filled = None
 
     def anchor(self, version: int, keep_from: int) -> None:
