@@ -169,6 +169,46 @@ FIGURES: list[Figure] = [
     ),
     (
         "benchmark-findings.md",
+        r"Goodput ([\d.]+) against ([\d.]+) \(16\) and ([\d.]+) against ([\d.]+) \(64\)",
+        "experiments/fleet-spot.json",
+        [("methods", f"{row}_{k}", "goodput") for k in (16, 64) for row in ("quorum", "quorum_no_partial")],
+        1,
+        3,
+    ),
+    (
+        "benchmark-findings.md",
+        r"not the target sooner\*\* \((\d+) against (\d+) s at 16, (\d+) against (\d+) s at 64\)",
+        "experiments/fleet-spot.json",
+        [
+            ("methods", f"{row}_{k}", "sim_seconds_to_target")
+            for k in (16, 64)
+            for row in ("quorum", "quorum_no_partial")
+        ],
+        1,
+        0,
+    ),
+    (
+        "benchmark-findings.md",
+        r"`quorum` ([\d.]+) against `quorum_mean`'s ([\d.]+) \(16\)\s+and ([\d.]+) against ([\d.]+) \(64\)",
+        "experiments/fleet-rda-default.json",
+        [("methods", f"{row}_{k}", "final_eval_loss") for k in (16, 64) for row in ("quorum", "quorum_mean")],
+        1,
+        4,
+    ),
+    (
+        "benchmark-findings.md",
+        r"`sync_dylu_radial` (\d+) / (\d+) s against `sync_dylu`'s\s+(\d+) / (\d+)",
+        "experiments/fleet-rda-default.json",
+        [
+            ("methods", f"{row}_{k}", "sim_seconds_to_target")
+            for row in ("sync_dylu_radial", "sync_dylu")
+            for k in (16, 64)
+        ],
+        1,
+        0,
+    ),
+    (
+        "benchmark-findings.md",
         r"S = 2 and 4 in the published run: ([\d.]+) and ([\d.]+) GB/s",
         "datapath.json",
         [("methods", "coordinator_s2", "gbps"), ("methods", "coordinator_s4", "gbps")],
