@@ -343,9 +343,8 @@ class RoundEngine(EngineParts):
                 case StopWork(island=island, notice_s=notice_s):
                     self.inflight.stop(island, notice_s)
                 case Halt(seconds=seconds, reason=reason):
-                    self._scale(
-                        set(), commands=False
-                    )  # the failed island's replacement is placed while all stand still
+                    # the failed island's replacement is placed while all stand still
+                    self._scale(set(), commands=False)
                     self._halt(seconds, reason)
 
     def _halt(self, seconds: float, reason: str) -> None:

@@ -84,9 +84,8 @@ class OuterStep:
         if not self.anchored or self.optimizer.param_groups[0]["penalty"] != "adaptive":
             return None
         moved = float(torch.sum((self.param.detach() - self.anchors[anchor]) ** 2))
-        mean_sq = float(
-            torch.sum(self.merge(self.mean, parts, None) ** 2)
-        )  # the preallocated buffer; `apply` refills it
+        # the preallocated buffer; `apply` refills it
+        mean_sq = float(torch.sum(self.merge(self.mean, parts, None) ** 2))
         return moved, mean_sq, float(self.optimizer.param_groups[0]["lam"])
 
     def apply(
@@ -274,8 +273,8 @@ class LocalOuter:
         else:
             self.steps = [OuterStep(flat[fragments.positions(p)].clone(), rule) for p in range(fragments.count)]
         self._keys = itertools.count()
-        self.pending: dict[int, list[tuple[int, np.ndarray, float]]] = {}
-        self.sqnorms: dict[int, dict[int, float]] = {}  # per proposal: each island's update's, as screened
+        # per proposal, in island order: (island, update, weight, its squared norm as screened)
+        self.pending: dict[int, list[tuple[int, np.ndarray, float, float]]] = {}
         self.filled: tuple[int, dict[int, float]] | None = None  # the update whose mean the buffer holds
 
     def _size(self, fragment: int | None) -> int:
@@ -294,7 +293,7 @@ class LocalOuter:
         ]
         # kept in island order, not arrival order: float sums depend on their order, and the
         # same run must give the same model whichever island's result came first
-        ordered = self.pending[key] = sorted(decoded, key=lambda part: part[0])
+        ordered = sorted(decoded, key=lambda part: part[0])
         fits = [d.shape == (self._size(c.fragment),) for c, (_, d, _) in zip(contributions, decoded)]
         self.filled = None
         prefill = self.fragments is None and self.steps[0].prefills
@@ -310,15 +309,15 @@ class LocalOuter:
         else:
             sqs = [sqnorm(d) if ok else math.nan for ok, (_, d, _) in zip(fits, decoded)]
         facts = [Facts(d.size, ok and all_finite(d, q), q) for ok, q, (_, d, _) in zip(fits, sqs, decoded)]
-        self.sqnorms[key] = {i: q for (i, _, _), q in zip(decoded, sqs)}
+        screened = {i: q for (i, _, _), q in zip(decoded, sqs)}
+        self.pending[key] = [(i, d, w, screened[i]) for i, d, w in ordered]
         return Proposal(key=key, facts=facts)
 
     def commit(self, proposal: Proposal, decision: Commit) -> float | None:
         key, weights, scale, anchor = proposal.key, decision.weights, decision.scale, decision.anchor
-        admitted = [(i, d) for i, d, _ in self.pending.pop(key) if i in weights]  # island order
-        parts = [(d, weights[i]) for i, d in admitted]
-        screened = self.sqnorms.pop(key)
-        sqnorms = [screened[i] for i, _ in admitted]  # the merge reads no update again for its norm
+        admitted = [(i, d, q) for i, d, _, q in self.pending.pop(key) if i in weights]  # island order
+        parts = [(d, weights[i]) for i, d, _ in admitted]
+        sqnorms = [q for _, _, q in admitted]  # the merge reads no update again for its norm
         if self.fragments is None:
             filled, self.filled = self.filled == (key, weights), None
             if self.one_pass is not None and self.one_pass.take(key, weights, scale):
@@ -335,7 +334,6 @@ class LocalOuter:
 
     def discard(self, proposal: Proposal) -> None:
         self.pending.pop(proposal.key, None)
-        self.sqnorms.pop(proposal.key, None)
         self.filled = None
 
     def anchor(self, version: int, keep_from: int) -> None:
