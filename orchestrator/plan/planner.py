@@ -22,7 +22,7 @@ from typing import Any
 
 from orchestrator.config import Mode, RunConfig, WarmStartMode
 from orchestrator.config_operations import EvalPlace
-from orchestrator.engine.step.rules import rule_of
+from orchestrator.engine.step.rules import rule_of, takes_one_pass
 from orchestrator.plan.cluster import Cluster, NodeKind
 from orchestrator.plan.memory import ModelMemory
 from workers.wire.spec import Sharding
@@ -130,8 +130,8 @@ def _coordinator(
 ) -> list[Need]:
     n4 = 4 * m.params
     k = cfg.islands.count
-    rule = rule_of(cfg)
-    spare = "one-pass spares" if rule.one_pass else "mean buffer"
+    rule, fused = rule_of(cfg), takes_one_pass(cfg)
+    spare = "one-pass spares" if fused else "mean buffer"
     lag = 1 if cfg.mode == Mode.OVERLAP else 0
     s = cfg.coordinator.shards
     parts = {
@@ -143,7 +143,7 @@ def _coordinator(
     }
     if s == 1:
         parts["outer state"] = n4 * rule.state_values(cfg)
-        parts[spare] = n4 * (2 if rule.one_pass else 1)
+        parts[spare] = n4 * (2 if fused else 1)
     if cfg.tracks_copy:
         parts["downlink copy"] = n4
     if cfg.evaluation.where == EvalPlace.COORDINATOR:
@@ -166,7 +166,7 @@ def _coordinator(
     if s > 1:
         per = n4 // s
         slice_parts = {"process": m.process + ray, "parameters": per, "outer state": per * rule.state_values(cfg)}
-        slice_parts[spare] = per * (2 if rule.one_pass else 1)
+        slice_parts[spare] = per * (2 if fused else 1)
         slice_parts["arriving"] = int(k * up * m.params / s)
         needs.append(
             Need(

@@ -18,7 +18,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from orchestrator.config import Mode, RunConfig
-from orchestrator.config_sections import AsyncRule, OuterConfig, OuterOptimizer
+from orchestrator.config_sections import AsyncRule, OuterConfig, OuterMerge, OuterOptimizer
 
 if TYPE_CHECKING:
     import torch
@@ -134,6 +134,13 @@ def rule_of(cfg: RunConfig) -> RuleRow:
     if cfg.mode == Mode.ASYNC and cfg.asynchronous.rule == AsyncRule.DELAYED_NESTEROV:
         return RULES[RuleKind.DELAYED_NESTEROV]
     return RULES[RuleKind(cfg.outer.optimizer.value)]
+
+
+def takes_one_pass(cfg: RunConfig) -> bool:
+    """Whether the outer step of a run of `cfg` can be the one-pass kernel (`OuterStep.fusable`
+    of its built rule): the rule has one and the merge is the mean (RDA reads each update
+    twice). The plan sizes the coordinator's spare buffers by it without building the rule."""
+    return rule_of(cfg).one_pass and cfg.outer.merged == OuterMerge.MEAN
 
 
 def outer_rule(cfg: RunConfig) -> OuterRule:
