@@ -142,6 +142,13 @@ class ElasticConfig(Strict):
         "time and sends what it trained, weighted by its tokens (the rest of its batches go to another island); "
         "false: the work finishes if the node lasts, else it is lost. An island of several workers always does the latter",
     )
+    notice_margin_s: float = Field(
+        0.5,
+        ge=0,
+        description="on Ray: a noticed island's last step ends this long, plus its latest result's measured fetch "
+        "time, before its node's deadline — a node is torn down with what its object store holds, so the result "
+        "must be off it by then (the notice's and the result's own messages, the coordinator's next read)",
+    )
     placement_timeout_s: float = Field(600.0, gt=0, description="give up on a requested island after this long")
     orphan_timeout_s: float = Field(
         60.0,

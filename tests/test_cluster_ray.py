@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -42,14 +45,20 @@ def _node_of(run_id: str, index: int) -> str:
     return placement_group_table(get_placement_group(island_name(run_id, index)))["bundles_to_node_id"][0]
 
 
-def _started(tmp_path, run_id: str, rounds: int, *extra: str) -> tuple[threading.Thread, dict, Path]:
-    """A 3-island run of `rounds` (4 steps of 50 ms each, unless `extra` says otherwise)
-    going on a thread, once its third round is recorded: the thread, the box its summary
-    lands in, its metrics file."""
+def _started(tmp_path, run_id: str, rounds: int, *extra: str, islands: int = 3) -> tuple[threading.Thread, dict, Path]:
+    """A run of `islands` islands and `rounds` rounds (4 steps of 50 ms each, unless `extra`
+    says otherwise) going on a thread, once its third round is recorded: the thread, the box
+    its summary lands in, its metrics file."""
     cfg = load_config(
         None,
         toy_quadratic(
-            3, 0.05, "inner_steps=4", f"rounds={rounds}", "round_timeout_s=30", f"out_dir={tmp_path / 'out'}", *extra
+            islands,
+            0.05,
+            "inner_steps=4",
+            f"rounds={rounds}",
+            "round_timeout_s=30",
+            f"out_dir={tmp_path / 'out'}",
+            *extra,
         ),
     )
     box: dict = {}
@@ -131,3 +140,61 @@ def test_a_node_ray_drains_is_a_preemption_notice_its_island_sends_what_it_has_a
     for n in c.list_all_nodes():  # the drained node goes, as its deadline would take it
         if n.node_id == node:
             c.remove_node(n, allow_graceful=False)
+
+
+def test_a_sigterm_to_a_nodes_ray_start_is_a_preemption_notice_for_its_island(cluster, tmp_path):
+    """What a Kubernetes pod's deletion (a spot reclaim, a node drain, `kubectl delete pod`)
+    does to a Ray node: the kubelet sends SIGTERM to the container's first process, `ray
+    start --block`, which (Ray 2.60; `RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S`, set in
+    k8s/raycluster.yaml) marks its node as draining for preemption with that deadline before
+    it tears the node down. A node started so, SIGTERMed while its island is mid-round:
+    the island gets its notice with the deadline, sends the steps it trained, leaves
+    `drained` (not crashed), a replacement trains on a node added for it, every batch is
+    trained once, and the node's `ray start` ends once the island is gone, before its
+    deadline (the node is idle: nothing of the run's holds it)."""
+    c, _ = cluster
+    before = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    env = {**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "2.5"}
+    node_process = subprocess.Popen(
+        ["ray", "start", f"--address={c.address}", "--num-cpus=1", "--block"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.time() + 60
+        while not (added := {n["NodeID"] for n in ray.nodes() if n["Alive"]} - before) and time.time() < deadline:
+            time.sleep(0.2)
+        (node,) = added
+        # one island per node: the fourth lands on the node `ray start` brought
+        thread, box, metrics = _started(
+            tmp_path, "sigterm", 10, "inner_steps=40", "elastic.progress_every_s=0.5", islands=4
+        )
+        (island,) = [i for i in range(4) if _node_of("sigterm", i) == node]
+        ended: dict = {}
+        watch = threading.Thread(target=lambda: ended.update(code=node_process.wait(), at=time.time()))
+        t_term = time.time()
+        node_process.send_signal(signal.SIGTERM)
+        watch.start()
+        c.add_node(num_cpus=1)
+        thread.join(timeout=180)
+        watch.join(timeout=30)
+    finally:
+        if node_process.poll() is None:
+            node_process.kill()
+    summary = box["summary"]
+    events = [json.loads(line) for line in (tmp_path / "out" / "events.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    print("sigterm:", ended["at"] - t_term, [(e["time"] - t_term, e["kind"], e.get("island")) for e in events])
+    assert ended["code"] != 0 and ended["at"] - t_term < 6  # the drain's 2.5 s, then its teardown
+    assert [r["version"] for r in records] == list(range(1, 11))
+    kinds = [(e["kind"], e.get("island")) for e in events]
+    notice = next(e for e in events if e["kind"] == "preempting")
+    assert notice["island"] == island and 0 <= notice["notice_s"] <= 2.5, notice
+    assert notice["time"] - t_term < 1.5  # read every elastic.progress_every_s
+    (partial,) = [e for e in events if e["kind"] == "partial"]
+    assert partial["island"] == island and 0 < partial["steps"] < partial["of"] == 40, partial
+    assert ("lost", island) not in kinds and ("crash", island) not in kinds
+    assert summary["islands"][str(island)]["state"] == "drained"
+    assert summary["shards"]["tokens"] == summary["shards"]["position"]
+    assert summary["islands"]["4"]["rounds_contributed"] > 0

@@ -363,3 +363,19 @@ def test_the_alert_rules_load_and_watch_series_the_run_exports():
         promql_parser.parse(expr)  # raises on a syntax error, as promtool would
         series = set(re.findall(r"\bray_archipelago_\w+", expr))
         assert series and series <= exported, (r["alert"], series - exported)
+
+
+@pytest.mark.parametrize("file", ["raycluster.yaml", "job/rayjob.yaml"])
+def test_a_worker_pods_sigterm_drains_its_node_before_the_kubelet_kills_it(file):
+    """A worker pod's SIGTERM is its island's preemption notice only through Ray's drain
+    (`ray start` marks its node draining for RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S; tested
+    on a real node in tests/test_cluster_ray.py): set on every worker group, long enough for a
+    round's result to leave, and ended with time for Ray's teardown before the pod's grace
+    period runs out and the kubelet kills what is left."""
+    spec = manifest(file)["spec"]
+    spec = spec.get("rayClusterSpec", spec)
+    for group in spec["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        drain = float(env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"])
+        assert 10 <= drain <= pod["terminationGracePeriodSeconds"] - 5, (group["groupName"], drain)

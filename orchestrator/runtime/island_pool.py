@@ -65,6 +65,7 @@ class RayIslandPool:
         self.drains_read_at = 0.0  # when Ray's draining nodes were last read
         self.nodes: dict[int, set[str]] = {}  # island -> the Ray node ids its workers were placed on
         self.noticed: set[int] = set()  # islands whose preemption notice was given
+        self.fetched_s: dict[int, float] = {}  # island -> seconds its latest result took to fetch (`_fetch`)
 
     def now(self) -> float:
         return time.time()
@@ -118,6 +119,7 @@ class RayIslandPool:
             del self.probes[ref]
         self.nodes.pop(island, None)
         self.noticed.discard(island)
+        self.fetched_s.pop(island, None)
         handle = self.handles.pop(island, None)
         if handle is not None:
             try:
@@ -157,9 +159,16 @@ class RayIslandPool:
         return ref
 
     def stop(self, island: int, ticket: int, within_s: float | None) -> None:
-        """Asked in the island's `control` group, beside its round, and not waited for."""
+        """Asked in the island's `control` group, beside its round, and not waited for. A
+        node is torn down at its deadline with what its object store holds, so the result
+        must be off it before then: the island's last step ends this long before the time
+        the engine allows (which prices only the link), less the time its latest result
+        took to fetch (measured) and `elastic.notice_margin_s` for the rest of the way (the
+        notice and the result's own messages, the coordinator's next read)."""
         handle = self.handles.get(island)
         if handle is not None:
+            if within_s is not None:
+                within_s = max(0.0, within_s - self.fetched_s.get(island, 0.0) - self.cfg.elastic.notice_margin_s)
             handle.actor.stop.remote(ticket, within_s)
 
     def refresh(self, order: WorkOrder, params: Any, changes: tuple[Any, ...] = ()) -> None:
@@ -269,6 +278,7 @@ class RayIslandPool:
         died, its code raised, the object was lost or its owner died between `ray.wait` and
         here) is that island's, never the run's. The result is stamped with the
         coordinator's arrival time: an island's clock is never trusted."""
+        began = time.perf_counter()
         try:
             result = ray.get(ref)
         except ray.exceptions.RayActorError as err:
@@ -279,6 +289,7 @@ class RayIslandPool:
             return Failed(ticket=ticket, island=island, reason=f"result lost: {type(err).__name__}")
         if not isinstance(result, RoundResult):
             return Failed(ticket=ticket, island=island, reason=f"sent a {type(result).__name__}, not a round result")
+        self.fetched_s[island] = time.perf_counter() - began
         return Done(
             ticket=ticket,
             island=island,
