@@ -118,6 +118,7 @@ class FakeRun:
         present = [i for i in self.isl if rnd >= self.joined.get(i, 0) and rnd <= self.left.get(i, rnd)]
         return {
             "round": rnd,
+            "version": rnd,
             "eval_loss": 5.0 - rnd * 0.5,
             "round_seconds": 2.5,
             "island_staleness": {i: (rnd + int(i)) % 3 for i in present},

@@ -14,6 +14,7 @@ from orchestrator.engine.build import build_engine
 from orchestrator.engine.outputs.checkpoints import load_checkpoint
 from orchestrator.engine.outputs.logfiles import read_lines, segments
 from orchestrator.engine.outputs.records import EventLog, Recorder
+from orchestrator.engine.outputs.views import RoundRecord
 from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
 from tests.helpers import in_process_engine
 
@@ -31,7 +32,7 @@ def _rounds(path: Path) -> list[int]:
 
 def _write(recorder: Recorder, rounds: range) -> None:
     for r in rounds:
-        recorder.record({"round": r, "pad": "x" * 100})
+        recorder.record(RoundRecord(round=r, version=r, mode="x" * 100))
 
 
 def test_a_log_past_its_size_rotates_and_keeps_only_its_newest_files(tmp_path):

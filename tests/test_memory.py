@@ -11,6 +11,7 @@ import random
 from orchestrator.config_load import load_config
 from orchestrator.engine.fleet.membership import RETAINED
 from orchestrator.engine.outputs.records import HISTORY, Recorder
+from orchestrator.engine.outputs.views import RoundRecord
 from orchestrator.engine.types import IslandState
 from orchestrator.testing.pool import Fault, FaultKind
 from tests.helpers import in_process_engine
@@ -22,10 +23,10 @@ BOUND_MIB = 80  # docs/operations.md quotes this bound
 RUN_GROWTH_MIB, GROWTH_BOUND_MIB = 128, 96
 
 
-def _record(rnd: int, rng: random.Random) -> dict:
+def _record(rnd: int, rng: random.Random) -> RoundRecord:
     """A per-round record as the engine writes it at 64 islands (every per-island field)."""
     per_island = {str(i): rng.random() for i in range(ISLANDS)}
-    return {
+    return RoundRecord.model_validate({
         "round": rnd, "version": rnd, "mode": "diloco", "time": 1.0, "eval_loss": 2.0, "train_loss": 2.0,
         "island_train_loss": dict(per_island), "contributed": list(range(ISLANDS)), "rejected": {},
         "dropped": [], "staleness": 0, "staleness_updates": [0] * ISLANDS,
@@ -34,7 +35,7 @@ def _record(rnd: int, rng: random.Random) -> dict:
         "wall_seconds": float(rnd), "train_seconds": float(rnd), "tokens_per_s": 1.0, "lr": 0.7,
         "islands_alive": ISLANDS, "island_idle_fraction": dict(per_island),
         "island_compute_seconds": dict(per_island), "clock_seconds": float(rnd),
-    }  # fmt: skip
+    })  # fmt: skip
 
 
 def test_the_history_of_64_islands_over_10000_rounds_stays_under_its_bound(tmp_path):
@@ -53,7 +54,7 @@ def test_the_history_of_64_islands_over_10000_rounds_stays_under_its_bound(tmp_p
     print(f"history of {ISLANDS} islands x {ROUNDS} rounds: {held / 2**20:.1f} MiB")
     assert held < BOUND_MIB * 2**20
     page = recorder.page(ROUNDS - 3, 500)
-    assert [r["round"] for r in page] == [ROUNDS - 2, ROUNDS - 1, ROUNDS] and page[-1] == records[-1]
+    assert [r["round"] for r in page] == [ROUNDS - 2, ROUNDS - 1, ROUNDS] and page[-1] == records[-1].as_dict()
 
 
 RUN_ROUNDS = int(os.environ.get("ARCHIPELAGO_MEMORY_ROUNDS", "120"))  # docs/operations.md: 10,000

@@ -41,7 +41,7 @@ def tracked(tmp_path_factory):
     def feed(_status, islands, record):
         new = engine.events.since(seen[0])
         seen[0] += len(new)
-        records.append(record)
+        records.append(record.as_dict())
         tracking.record(record, islands, new)
 
     engine.outputs.on_record = feed

@@ -299,7 +299,7 @@ class RoundEngine(EngineParts):
             )
         verdicts = outcome.verdicts
         if outcome.gap is not None:
-            self.stats.window.extra["gap_penalty"] = outcome.gap
+            self.stats.window.gap_penalty = outcome.gap
         if outcome.stepped or close.advances:
             self.startup.outer()
             self.run.version += 1

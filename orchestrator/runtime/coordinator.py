@@ -31,6 +31,7 @@ from orchestrator.runtime.names import coordinator_name
 
 if TYPE_CHECKING:
     from orchestrator.engine.engine import RoundEngine
+    from orchestrator.engine.outputs.views import RoundRecord
     from orchestrator.runtime.island_pool import RayIslandPool
 
 log = logging.getLogger(__name__)
@@ -87,9 +88,7 @@ class Coordinator:
         """The phase running now (the warm start's engine, then the run's)."""
         return self.phases.engine
 
-    def _publish_metrics(
-        self, status: dict[str, Any], islands: dict[str, dict[str, Any]], record: dict[str, Any]
-    ) -> None:
+    def _publish_metrics(self, status: dict[str, Any], islands: dict[str, dict[str, Any]], record: RoundRecord) -> None:
         if self.metrics is not None:
             self.metrics.publish(status, islands, record)
         if self.tracking is not None and not self.phases.warming:

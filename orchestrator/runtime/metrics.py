@@ -21,6 +21,7 @@ from orchestrator.engine.outputs.views import (
     RUN_METRICS,
     Metric,
     MetricKind,
+    RoundRecord,
     current,
 )
 from orchestrator.engine.types import IslandState
@@ -54,12 +55,13 @@ class RayMetrics:
         else:
             instrument.set(float(value), tags=tags)
 
-    def publish(self, status: dict[str, Any], islands: dict[str, dict[str, Any]], record: dict[str, Any]) -> None:
+    def publish(self, status: dict[str, Any], islands: dict[str, dict[str, Any]], record: RoundRecord) -> None:
         tags = {"run_id": self.run_id}
         for metric, instrument in self.run.values():
             self._set(metric, instrument, status.get(metric.key), None)
-        self.round_time.observe(record["round_seconds"], tags=tags)
-        for staleness in record["staleness_updates"]:
+        if record.round_seconds is not None:
+            self.round_time.observe(record.round_seconds, tags=tags)
+        for staleness in record.staleness_updates:
             self.staleness.observe(staleness, tags=tags)
         now = time.time()
         for island, view in current(islands).items():  # a gone island's series are no longer

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from orchestrator.config import RunConfig
 from orchestrator.config_load import dump_config
 from orchestrator.config_operations import TrackingBackend
+from orchestrator.engine.outputs.views import RoundRecord
 from orchestrator.engine.types import IslandState
 
 log = logging.getLogger(__name__)
@@ -39,16 +40,17 @@ SCALARS = (
 RUN_TAG = "archipelago.run_id"
 
 
-def scalars(record: dict[str, Any], islands: dict[str, dict[str, Any]]) -> dict[str, float]:
+def scalars(record: RoundRecord, islands: dict[str, dict[str, Any]]) -> dict[str, float]:
     """The numbers one round gives the trackers: the run's, and each live island's staleness
     and train loss (`island/<i>/…`)."""
-    out = {k: float(record[k]) for k in SCALARS if isinstance(record.get(k), (int, float))}
-    out.update({f"eval/{name}": value for name, value in (record.get("eval_metrics") or {}).items()})
+    values = {k: getattr(record, k) for k in SCALARS}
+    out = {k: float(v) for k, v in values.items() if isinstance(v, (int, float))}
+    out.update({f"eval/{name}": value for name, value in (record.eval_metrics or {}).items()})
     for island, stats in islands.items():
         if IslandState(stats.get("state", "starting")).gone:
             continue
         out[f"island/{island}/staleness"] = float(stats.get("staleness_last", 0))
-        loss = record.get("island_train_loss", {}).get(island)
+        loss = record.island_train_loss.get(island)
         if loss is not None:
             out[f"island/{island}/train_loss"] = float(loss)
     return out
@@ -201,10 +203,10 @@ class Tracking:
                 log.exception("tracking: %s failed in %s and is dropped", type(tracker).__name__, what)
                 self.trackers.remove(tracker)
 
-    def record(self, record: dict[str, Any], islands: dict[str, dict[str, Any]], events: list[dict[str, Any]]) -> None:
+    def record(self, record: RoundRecord, islands: dict[str, dict[str, Any]], events: list[dict[str, Any]]) -> None:
         """One round of the main phase (a warm start's rounds are summed up in the summary:
         trackers want one increasing step)."""
-        step = int(record["round"])
+        step = record.round
         self._each("scalars", scalars(record, islands), step)
         self._each("events", events, step)
 

@@ -26,6 +26,7 @@ from orchestrator.engine.outputs.evaluation import Evaluation, Evaluator, LocalE
 from orchestrator.engine.outputs.loop_time import Part
 from orchestrator.engine.outputs.persistence import RunCore
 from orchestrator.engine.outputs.records import DiskFaults, EventLog, Recorder
+from orchestrator.engine.outputs.views import RoundRecord
 from orchestrator.engine.threads import spare_cores, step_threads
 from orchestrator.engine.types import Event, RunPhase
 from orchestrator.engine.warm_start import WarmStart
@@ -35,7 +36,7 @@ from workers.wire.handoff import params_digest
 log = logging.getLogger(__name__)
 
 
-OnRecord = Callable[[dict[str, Any], dict[str, dict[str, Any]], dict[str, Any]], None]  # status, islands, record
+OnRecord = Callable[[dict[str, Any], dict[str, dict[str, Any]], RoundRecord], None]  # status, islands, record
 
 
 class Outputs:
@@ -67,7 +68,7 @@ class Outputs:
         self.evaluator = evaluator or LocalEvaluator(task=task, model=model, threads=self.eval_threads)
         self.evaluated: dict[int, Evaluation] = {}  # version -> its evaluation, the last few
         self.initial_version: int | None = None  # the version whose evaluation is the run's initial one
-        self.waiting: list[tuple[dict[str, Any], int | None]] = []  # records not written yet, their evaluation
+        self.waiting: list[tuple[RoundRecord, int | None]] = []  # records not written yet, their evaluation
         self.phase = RunPhase.STARTING  # as of the last record
         self.eval_metrics: dict[str, float] | None = None  # the task's own, at the latest evaluation
         self.disk = DiskFaults()
@@ -122,7 +123,7 @@ class Outputs:
             entry, version = self.waiting.pop(0)
             if version is not None:
                 found = self.evaluated[version]
-                entry["eval_loss"], entry["eval_metrics"] = found.loss, found.metrics
+                entry.eval_loss, entry.eval_metrics = found.loss, found.metrics
             self._write(entry)
 
     def _arrived(self, e: Evaluation) -> None:
@@ -181,8 +182,7 @@ class Outputs:
         cfg = self.cfg
         due = rnd % cfg.eval_every == 0 or rnd == cfg.rounds
         entry = self.stats.record(rnd, cfg, version, None, self.outer.lr(), self.members)
-        entry["clock_seconds"] = clock_s
-        entry["eval_metrics"] = None
+        entry.clock_seconds, entry.eval_metrics = clock_s, None
         self.waiting.append((entry, version if due else None))
         if due:
             self._submit(version)
@@ -195,9 +195,9 @@ class Outputs:
             self.checkpoint(version, rnd, capture)
         self.update_snapshot(phase, version)
 
-    def _write(self, entry: dict[str, Any]) -> None:
+    def _write(self, entry: RoundRecord) -> None:
         self.recorder.record(entry)
-        self.update_snapshot(self.phase, entry["version"])
+        self.update_snapshot(self.phase, entry.version)
         if self.on_record is not None:
             self.on_record(self.status(), self.members.summary(), entry)
 
@@ -241,7 +241,7 @@ class Outputs:
 
     # -- what the control plane reads ------------------------------------------------------------
     def update_snapshot(self, phase: RunPhase, version: int) -> None:
-        last = self.recorder.last["round_seconds"] if self.recorder.last is not None else None
+        last = self.recorder.last.round_seconds if self.recorder.last is not None else None
         self.snapshot = self.stats.snapshot(phase, self.cfg, version, self.members, last)
 
     def refresh_islands(self) -> None:

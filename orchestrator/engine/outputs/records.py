@@ -22,6 +22,7 @@ from orchestrator.config import RUN_PLACEHOLDER, RunConfig
 from orchestrator.config_load import dump_config
 from orchestrator.config_operations import RecordsConfig
 from orchestrator.engine.outputs.logfiles import read_lines, restart, rewind, rotate
+from orchestrator.engine.outputs.views import RoundRecord
 from orchestrator.engine.types import Event
 from workers.runtime.storage import durable_write
 
@@ -145,15 +146,19 @@ class Recorder:
         # (round, the JSON line written): 2.4x less memory than the dicts at 64 islands
         # (157 MiB for 10,000 records), and a page parses only what it returns
         self.history: deque[tuple[int, str]] = deque(maxlen=HISTORY)
-        self.last: dict[str, Any] | None = None  # the newest record
+        self.last: RoundRecord | None = None  # the newest record
         if last_round is not None:
-            for line in read_lines(path):
-                self.last = json.loads(line)
-                self.history.append((self.last["round"], line))
+            lines = read_lines(path)
+            for line in lines:
+                self.history.append((json.loads(line)["round"], line))
+            if lines:  # written by this version or an older one: its known keys (an older one's others are its own)
+                known = {k: v for k, v in json.loads(lines[-1]).items() if k in RoundRecord.model_fields}
+                self.last = RoundRecord.model_validate(known)
 
-    def record(self, entry: dict[str, Any]) -> None:
-        line = json.dumps(entry)
-        self.history.append((entry["round"], line))
+    def record(self, entry: RoundRecord) -> None:
+        # json, not pydantic's serialiser: a NaN loss stays NaN, as every record before it wrote it
+        line = json.dumps(entry.as_dict())
+        self.history.append((entry.round, line))
         self.last = entry
         self._metrics.add(line + "\n")
 

@@ -13,6 +13,7 @@ from orchestrator.config import RunConfig
 from orchestrator.engine.fleet.membership import IslandStats, Membership
 from orchestrator.engine.outputs.distributions import ROUND_SECONDS, STALENESS, Distribution
 from orchestrator.engine.outputs.loop_time import LoopClock
+from orchestrator.engine.outputs.views import RoundRecord
 from orchestrator.engine.step.admission import Verdict
 from orchestrator.engine.types import Decision, IslandState, RunPhase
 from orchestrator.engine.work.ledger import DataLedger
@@ -44,7 +45,7 @@ class Window:
         self.staleness: list[int] = []
         self.island_staleness: dict[int, int] = {}  # the most versions each island's results were behind
         self.losses: dict[int, list[float]] = {}
-        self.extra: dict[str, Any] = {}
+        self.gap_penalty: float | None = None  # overlap with an adaptive penalty: CO2's Λ of its step
 
 
 class RunStats:
@@ -125,54 +126,57 @@ class RunStats:
 
     def record(
         self, rnd: int, cfg: RunConfig, version: int, eval_loss: float | None, lr: float, members: Membership
-    ) -> dict[str, Any]:
-        """The `metrics.jsonl` record of round `rnd`; starts the next window."""
+    ) -> RoundRecord:
+        """The `metrics.jsonl` record of round `rnd` (its evaluation and clock filled in by
+        the outputs); starts the next window."""
         w = self.window
         if eval_loss is not None:
             self.last_eval = eval_loss
         now = time.perf_counter()
         islands = members.islands
-        entry = {
-            "round": rnd,
-            "version": version,
-            "mode": cfg.mode.value,
-            "time": time.time(),
-            "eval_loss": eval_loss,
-            "train_loss": (sum(sum(v) / len(v) for v in w.losses.values()) / len(w.losses)) if w.losses else None,
-            "island_train_loss": {str(i): sum(v) / len(v) for i, v in sorted(w.losses.items())},
-            "contributed": sorted(w.contributed),
-            "rejected": w.rejected,
-            "dropped": sorted(w.dropped),
-            "staleness": max(w.staleness, default=0),
-            "staleness_updates": w.staleness,
-            "island_staleness": {str(i): s for i, s in sorted(w.island_staleness.items())},
+        extra = {} if w.gap_penalty is None else {"gap_penalty": w.gap_penalty}
+        seconds = now - w.t0
+        entry = RoundRecord(
+            round=rnd,
+            version=version,
+            mode=cfg.mode.value,
+            time=time.time(),
+            eval_loss=eval_loss,
+            train_loss=(sum(sum(v) / len(v) for v in w.losses.values()) / len(w.losses)) if w.losses else None,
+            island_train_loss={str(i): sum(v) / len(v) for i, v in sorted(w.losses.items())},
+            contributed=sorted(w.contributed),
+            rejected=w.rejected,
+            dropped=sorted(w.dropped),
+            staleness=max(w.staleness, default=0),
+            staleness_updates=w.staleness,
+            island_staleness={str(i): s for i, s in sorted(w.island_staleness.items())},
             # live islands only: a line per round must not grow with every island ever seen
-            "inner_steps": {str(i): s.inner_steps for i, s in islands.items() if s.state.alive},
-            **w.extra,
-            "tokens": self.tokens - w.tokens_before,
-            "tokens_total": self.tokens,
-            "tokens_applied_total": self.tokens_applied,
-            "bytes_sent": self.bytes_sent,
-            "bytes_received": self.bytes_received,
-            "round_seconds": now - w.t0,
-            "coordinator_seconds": self.loop.take_window(),
-            "wall_seconds": now - self.t0,
-            "train_seconds": now - self.t_train,
-            "tokens_per_s": self.tokens / max(1e-9, now - self.t_train),
-            "lr": lr,
-            "islands_alive": len(members.alive()),
-            "island_idle_fraction": {
+            inner_steps={str(i): s.inner_steps for i, s in islands.items() if s.state.alive},
+            **extra,
+            tokens=self.tokens - w.tokens_before,
+            tokens_total=self.tokens,
+            tokens_applied_total=self.tokens_applied,
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+            round_seconds=seconds,
+            coordinator_seconds=self.loop.take_window(),
+            wall_seconds=now - self.t0,
+            train_seconds=now - self.t_train,
+            tokens_per_s=self.tokens / max(1e-9, now - self.t_train),
+            lr=lr,
+            islands_alive=len(members.alive()),
+            island_idle_fraction={
                 str(i): max(0.0, 1 - st.compute_s / max(1e-9, now - self.t_train))
                 for i, st in islands.items()
                 if st.state in (IslandState.TRAINING, IslandState.LATE)
             },
-            "island_compute_seconds": {
+            island_compute_seconds={
                 str(i): st.compute_s
                 for i, st in islands.items()
                 if st.state in (IslandState.TRAINING, IslandState.LATE)
             },
-        }
-        self.round_time.observe(entry["round_seconds"])
+        )
+        self.round_time.observe(seconds)
         self.rounds_done = rnd
         self.window = Window(self.tokens)
         return entry

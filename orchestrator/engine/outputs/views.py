@@ -116,10 +116,13 @@ class IslandView(IslandRecord):
 
 
 class RoundRecord(_View):
-    """One line of `metrics.jsonl` (and of `GET /v1/run/history`)."""
+    """One line of `metrics.jsonl` (and of `GET /v1/run/history`): made by the engine's
+    accounting (`RunStats.record`), completed by its evaluation, written, and handed to the
+    exporters as this record; its keys are those set (a mode's own, such as `gap_penalty`,
+    only where it has them)."""
 
     round: int
-    version: int | None = None
+    version: int  # global version after the round's step
     mode: str | None = None
     time: float | None = None
     eval_loss: float | None = None
@@ -149,6 +152,10 @@ class RoundRecord(_View):
     island_idle_fraction: dict[str, float] = {}
     island_compute_seconds: dict[str, float] = {}  # so far: what a round's computation took is a difference
     clock_seconds: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The line's keys and values (those set), as `metrics.jsonl` holds them."""
+        return self.model_dump(exclude_unset=True)
 
 
 class EventRecord(BaseModel):
