@@ -19,15 +19,17 @@ from orchestrator.config_operations import (
     TrackingConfig,
 )
 from orchestrator.config_sections import (
+    SPEEDS,
     AsyncConfig,
     CompressionConfig,
     DilocoConfig,
+    ModeSection,
     OuterConfig,
     OuterMerge,
     OuterOptimizer,
     OverlapConfig,
+    Reads,
     StreamingConfig,
-    StreamingPacing,
     Strict,
 )
 from workers.wire.links import LinkConfig
@@ -239,10 +241,13 @@ class CoordinatorConfig(Strict):
 RUN_PLACEHOLDER = "{run_id}"  # in `out_dir`: the run's own folder
 
 
-_SPEEDS = frozenset({"speed_smoothing"})  # the speed tracker's (deadlines, DyLU): every mode's
-_STALENESS = frozenset({"max_staleness", "stale_policy"})  # admission of results of older versions
-_QUORUM = frozenset({"quorum", "grace_cap", "grace_k", "age_power", "dylu"})  # the quorum rule's
-MODE_SECTIONS = ("asynchronous", "diloco", "overlap", "streaming")  # each read by its mode (`settings_read`)
+# each mode's own section (`settings_read`); ddp has none
+MODE_SECTIONS = {
+    Mode.ASYNC: "asynchronous",
+    Mode.DILOCO: "diloco",
+    Mode.OVERLAP: "overlap",
+    Mode.STREAMING: "streaming",
+}
 
 
 class RunConfig(Strict):
@@ -405,31 +410,19 @@ class RunConfig(Strict):
         self.simulation.check_islands(self.islands.count)
         return self
 
-    def settings_read(self) -> dict[str, frozenset[str] | None]:
+    def settings_read(self) -> Reads:
         """The mode sections' settings a run of this config reads: section -> its fields
-        (None: all of them). Every mode's speed tracker reads `asynchronous.speed_smoothing`;
-        a barrier with DyLU admits late results by `asynchronous`'s staleness settings, and
-        streaming's quorum pacing is the quorum rule with its settings."""
-        reads: dict[str, frozenset[str] | None] = {"asynchronous": _SPEEDS}
-        if self.mode == Mode.DILOCO:
-            reads["diloco"] = None
-            if self.diloco.dylu:
-                reads["asynchronous"] = _SPEEDS | _STALENESS
-        elif self.mode == Mode.ASYNC:
-            reads["asynchronous"] = None
-        elif self.mode == Mode.OVERLAP:
-            reads["overlap"] = None
-        elif self.mode == Mode.STREAMING:
-            reads["streaming"] = None
-            if self.streaming.pacing == StreamingPacing.QUORUM:
-                reads["asynchronous"] = _SPEEDS | _STALENESS | _QUORUM
-        return reads
+        (None: all of them), as its mode's own section says (`ModeSection.reads`); ddp's
+        speed tracker reads `asynchronous.speed_smoothing` only."""
+        section = MODE_SECTIONS.get(self.mode)
+        own: ModeSection | None = None if section is None else getattr(self, section)
+        return {"asynchronous": SPEEDS} if own is None else own.reads()
 
     def _check_read(self) -> None:
         """A mode section's setting changed from its default where this run never reads it is
         refused, naming it: a quorum set for a synchronous run would otherwise be silently ignored."""
         reads = self.settings_read()
-        for section in MODE_SECTIONS:
+        for section in MODE_SECTIONS.values():
             fields = reads.get(section, frozenset())
             if fields is None:
                 continue

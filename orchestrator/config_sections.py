@@ -5,6 +5,7 @@ them; every section is strict, so a misspelt key is an error naming it."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from enum import Enum
 from typing import Literal
 
@@ -16,6 +17,23 @@ from workers.wire.spec import CodecSpecError, parse_codec
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# What a run reads of the mode sections: section -> its fields (None: all of them). Every
+# mode's speed tracker (deadlines, DyLU) reads `asynchronous.speed_smoothing`; a pacing that
+# admits late results reads its staleness settings, and the quorum rule its own.
+Reads = dict[str, frozenset[str] | None]
+SPEEDS = frozenset({"speed_smoothing"})
+STALENESS = frozenset({"max_staleness", "stale_policy"})
+QUORUM = frozenset({"quorum", "grace_cap", "grace_k", "age_power", "dylu"})
+
+
+class ModeSection(Strict, ABC):
+    """A mode's own section: it says what a run of its mode reads of every mode section, so
+    a setting the run would never read is refused (`RunConfig.settings_read`)."""
+
+    @abstractmethod
+    def reads(self) -> Reads: ...
 
 
 class OuterOptimizer(str, Enum):
@@ -70,7 +88,7 @@ class AsyncRule(str, Enum):
     NAIVE = "naive"  # the `outer` optimizer stepped on every arrival (over-accelerates)
 
 
-class AsyncConfig(Strict):
+class AsyncConfig(ModeSection):
     """`mode: async` settings (section `asynchronous`)."""
 
     rule: AsyncRule = Field(
@@ -108,6 +126,9 @@ class AsyncConfig(Strict):
         description="past max_staleness: reject, or scale by 1/(1 + staleness - max_staleness)",
     )
 
+    def reads(self) -> Reads:
+        return {"asynchronous": None}
+
     def check_c(self, islands: int) -> None:
         """Delayed Nesterov's momentum fraction between updates may not exceed 1/N (N: `delay`,
         else the islands): the rule, once for the config file and the algorithm's callers."""
@@ -122,7 +143,7 @@ class AsyncConfig(Strict):
             raise ValueError(f"asynchronous.quorum = {quorum} is above the run's {islands} islands")
 
 
-class DilocoConfig(Strict):
+class DilocoConfig(ModeSection):
     """`mode: diloco` settings (section `diloco`)."""
 
     dylu: bool = Field(
@@ -131,8 +152,12 @@ class DilocoConfig(Strict):
         "the islands of a round finish together and none waits for the slowest (sync_dylu)",
     )
 
+    def reads(self) -> Reads:
+        """With DyLU a barrier admits late results by `asynchronous`'s staleness settings."""
+        return {"diloco": None, "asynchronous": SPEEDS | STALENESS if self.dylu else SPEEDS}
 
-class OverlapConfig(Strict):
+
+class OverlapConfig(ModeSection):
     """`mode: overlap` (CO2) outer step. Defaults: the best CO2 of `bench overlap` (docs/benchmarks.md):
     alpha 1, beta 0.5, eager updates, no gap penalty, clip 1 (2.0054 against 2.0962 for the authors'
     <= 16-worker defaults, alpha 1 and beta 0, without eager updates, which needed alpha 0.7 here)."""
@@ -159,13 +184,16 @@ class OverlapConfig(Strict):
         "average still in flight (lr x Lambda, clipped like the momentum), instead of from the lagged version",
     )
 
+    def reads(self) -> Reads:
+        return {"overlap": None, "asynchronous": SPEEDS}
+
 
 class StreamingPacing(str, Enum):
     BARRIER = "barrier"  # every island's segment, then the fragment's step (Streaming DiLoCo)
     QUORUM = "quorum"  # the quorum rule per fragment (`asynchronous.*` settings; Decoupled DiLoCo's pacing)
 
 
-class StreamingConfig(Strict):
+class StreamingConfig(ModeSection):
     """`mode: streaming` (Streaming DiLoCo, Douillard et al. 2025): the model is cut into P
     fragments by layer; a round of H inner steps is P segments of H/P, and the segment
     that ends at step t sends fragment (t / (H/P) - 1) mod P, so each fragment is
@@ -193,6 +221,11 @@ class StreamingConfig(Strict):
         description="merge of a received fragment: local <- alpha x local + (1 - alpha) x global (0: replace, "
         "as DiLoCo does; the paper uses 0.5 with overlap, 0 measured better here: see docs/modes.md)",
     )
+
+    def reads(self) -> Reads:
+        """Streaming's quorum pacing is the quorum rule, with its settings."""
+        quorum = self.pacing == StreamingPacing.QUORUM
+        return {"streaming": None, "asynchronous": SPEEDS | STALENESS | QUORUM if quorum else SPEEDS}
 
     def check_inner_steps(self, inner_steps: int) -> None:
         """H must be a whole number of segments (at launch, and when an operator changes it)."""
