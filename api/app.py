@@ -166,7 +166,7 @@ def create_app(
         list[EventRecord],
         "The run's event log from index `since` on, at most `limit` (page on with since + count)",
     )
-    def events(since: Since = 0, limit: Limit = PAGE) -> list[dict[str, Any]]:
+    def events(since: Since = 0, limit: Limit = PAGE) -> list[EventRecord]:
         return handle.events(since, limit)
 
     def command_route(method: str, path: str, summary: str) -> Callable[[Route], Route]:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from orchestrator.engine.commands import Answer, Command
+from orchestrator.engine.outputs.views import EventRecord
 from orchestrator.runtime.names import NAMESPACE, coordinator_name, run_id_of_coordinator
 
 
@@ -26,7 +27,7 @@ class RunHandle(Protocol):
 
     def status(self) -> dict[str, Any]: ...
     def islands(self) -> dict[str, dict[str, Any]]: ...
-    def events(self, since: int, limit: int) -> list[dict[str, Any]]: ...
+    def events(self, since: int, limit: int) -> list[EventRecord]: ...
     def history(self, since: int, limit: int) -> list[dict[str, Any]]: ...
     def submit(self, command: Command) -> Answer: ...
 
@@ -92,7 +93,7 @@ class RayRunHandle:
                 raise HandleError(409, RESTARTING) from None
         return self.last[key]
 
-    def _since(self, call: Callable[[], Any]) -> list[dict[str, Any]]:
+    def _since(self, call: Callable[[], Any]) -> list[Any]:
         """A cursor read: nothing new during a restart (the reader asks again)."""
         try:
             return self._call(call)
@@ -111,7 +112,7 @@ class RayRunHandle:
     def islands(self) -> dict[str, dict[str, Any]]:
         return self._latest("islands", self.actor.islands.remote)
 
-    def events(self, since: int, limit: int) -> list[dict[str, Any]]:
+    def events(self, since: int, limit: int) -> list[EventRecord]:
         return self._since(lambda: self.actor.events_since.remote(since, limit))
 
     def history(self, since: int, limit: int) -> list[dict[str, Any]]:

@@ -253,12 +253,12 @@ def test_the_event_cursor_survives_trimming(tmp_path):
     log = EventLog(tmp_path / "events.jsonl", RecordsConfig(), keep=5)
     for i in range(12):
         log.add(Event.TARGET, target=i)
-    assert [e["target"] for e in log.since(10)] == [10, 11]  # was [] once more than `keep` existed
-    assert [e["target"] for e in log.since(0)] == [7, 8, 9, 10, 11]  # a reader far behind: what is kept
+    assert [e.as_dict()["target"] for e in log.since(10)] == [10, 11]  # was [] once more than `keep` existed
+    assert [e.as_dict()["target"] for e in log.since(0)] == [7, 8, 9, 10, 11]  # a reader far behind: what is kept
     assert log.since(12) == []
     resumed = EventLog(tmp_path / "events.jsonl", RecordsConfig(), keep=5, append=True)  # a restarted coordinator
     resumed.add(Event.RESTART)
-    assert resumed.count == 13 and [e["kind"] for e in resumed.since(12)] == ["restart"]
+    assert resumed.count == 13 and [e.kind for e in resumed.since(12)] == [Event.RESTART]
 
 
 def test_drain_abandon_gives_its_batches_to_the_next_owner(tmp_path):

@@ -31,7 +31,7 @@ from orchestrator.runtime.names import coordinator_name
 
 if TYPE_CHECKING:
     from orchestrator.engine.engine import RoundEngine
-    from orchestrator.engine.outputs.views import RoundRecord
+    from orchestrator.engine.outputs.views import EventRecord, RoundRecord
     from orchestrator.runtime.island_pool import RayIslandPool
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class Coordinator:
         resources = island_bundle(self.engine.cfg)
         return {i: {**s, "resources": resources} for i, s in self.engine.islands_view.items()}
 
-    def events_since(self, index: int = 0, limit: int | None = None) -> list[dict[str, Any]]:
+    def events_since(self, index: int = 0, limit: int | None = None) -> list[EventRecord]:
         return self.engine.events.since(index, limit)
 
     def history(self, since: int = 0, limit: int = 500) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from orchestrator.config import RunConfig
 from orchestrator.config_load import dump_config
 from orchestrator.config_operations import TrackingBackend
-from orchestrator.engine.outputs.views import RoundRecord
+from orchestrator.engine.outputs.views import EventRecord, RoundRecord
 from orchestrator.engine.types import IslandState
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 class Tracker(Protocol):
     def scalars(self, values: dict[str, float], step: int) -> None: ...
-    def events(self, events: list[dict[str, Any]], step: int) -> None: ...
+    def events(self, events: list[EventRecord], step: int) -> None: ...
     def finish(self, summary: dict[str, Any]) -> None: ...
 
 
@@ -85,9 +85,9 @@ class TensorBoardTracker:
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
-    def events(self, events: list[dict[str, Any]], step: int) -> None:
+    def events(self, events: list[EventRecord], step: int) -> None:
         if events:
-            self.writer.add_text("events", "\n\n".join(json.dumps(e) for e in events), step)
+            self.writer.add_text("events", "\n\n".join(json.dumps(e.as_dict()) for e in events), step)
 
     def finish(self, summary: dict[str, Any]) -> None:
         self.writer.add_text("summary", f"```json\n{json.dumps(summary, indent=2)}\n```")
@@ -130,8 +130,8 @@ class MlflowTracker:
         for start in range(0, len(metrics), 1000):
             self.client.log_batch(self.run, metrics=metrics[start : start + 1000])
 
-    def events(self, events: list[dict[str, Any]], step: int) -> None:
-        self.logged.extend(events)
+    def events(self, events: list[EventRecord], step: int) -> None:
+        self.logged.extend(e.as_dict() for e in events)
         if events:
             self.client.log_text(self.run, "".join(json.dumps(e) + "\n" for e in self.logged), "events.jsonl")
 
@@ -160,10 +160,9 @@ class WandbTracker:
     def scalars(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)
 
-    def events(self, events: list[dict[str, Any]], step: int) -> None:
+    def events(self, events: list[EventRecord], step: int) -> None:
         for e in events:
-            detail = {k: v for k, v in e.items() if k not in ("time", "kind", "island")}
-            self.logged.append([step, e["time"], e["kind"], e.get("island"), json.dumps(detail)])
+            self.logged.append([step, e.time, e.kind.value, e.island, json.dumps(e.model_extra)])
 
     def finish(self, summary: dict[str, Any]) -> None:
         columns: list[str | int] = ["round", "time", "kind", "island", "detail"]
@@ -203,7 +202,7 @@ class Tracking:
                 log.exception("tracking: %s failed in %s and is dropped", type(tracker).__name__, what)
                 self.trackers.remove(tracker)
 
-    def record(self, record: RoundRecord, islands: dict[str, dict[str, Any]], events: list[dict[str, Any]]) -> None:
+    def record(self, record: RoundRecord, islands: dict[str, dict[str, Any]], events: list[EventRecord]) -> None:
         """One round of the main phase (a warm start's rounds are summed up in the summary:
         trackers want one increasing step)."""
         step = record.round

@@ -22,7 +22,7 @@ from orchestrator.config import RUN_PLACEHOLDER, RunConfig
 from orchestrator.config_load import dump_config
 from orchestrator.config_operations import RecordsConfig
 from orchestrator.engine.outputs.logfiles import read_lines, restart, rewind, rotate
-from orchestrator.engine.outputs.views import RoundRecord
+from orchestrator.engine.outputs.views import EventRecord, RoundRecord
 from orchestrator.engine.types import Event
 from workers.runtime.storage import durable_write
 
@@ -200,11 +200,11 @@ class EventLog:
         if not append or not path.exists():
             restart(path)
         self._file = Backlog(path, faults or DiskFaults(), rotation)
-        self.recent: deque[dict[str, Any]] = deque(maxlen=keep)
+        self.recent: deque[EventRecord] = deque(maxlen=keep)
         self._lock = threading.Lock()
         self.count = len(read_lines(path))  # events logged (those still kept, after a restart)
 
-    def since(self, index: int, limit: int | None = None) -> list[dict[str, Any]]:
+    def since(self, index: int, limit: int | None = None) -> list[EventRecord]:
         """Events from absolute index `index` on, at most `limit` (a cursor: pass how many
         you have seen). Only the last `keep` are held in memory; a reader further behind
         gets those, and the whole log is in the file."""
@@ -213,9 +213,9 @@ class EventLog:
         start = max(0, index - first)
         return recent[start : None if limit is None else start + limit]
 
-    def add(self, kind: str, island: int | None = None, **detail: Any) -> dict[str, Any]:
-        event = {"time": time.time(), "kind": kind, "island": island, **detail}
-        self._file.add(json.dumps(event) + "\n")
+    def add(self, kind: Event, island: int | None = None, **detail: Any) -> EventRecord:
+        event = EventRecord(time=time.time(), kind=kind, island=island, **detail)
+        self._file.add(json.dumps(event.as_dict()) + "\n")
         with self._lock:
             self.recent.append(event)
             self.count += 1
@@ -223,5 +223,5 @@ class EventLog:
         if log.isEnabledFor(level):  # the message is built only when it is shown
             where = "" if island is None else f" island {island}"
             more = " ".join(f"{k}={v}" for k, v in detail.items())
-            log.log(level, "%s%s %s", Event(kind).value, where, more)
+            log.log(level, "%s%s %s", event.kind.value, where, more)
         return event

@@ -159,12 +159,18 @@ class RoundRecord(_View):
 
 
 class EventRecord(BaseModel):
-    """One line of `events.jsonl` (and of `GET /v1/events`): its details depend on its kind."""
+    """One line of `events.jsonl` (and of `GET /v1/events`): its details depend on its kind.
+    Made by the engine's event log (`EventLog.add`), served and handed to the trackers as this
+    record."""
 
     model_config = ConfigDict(extra="allow")
     time: float
     kind: Event
     island: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The line's keys and values: time, kind, island, then its details."""
+        return self.model_dump()
 
 
 class RetiredView(_View):
