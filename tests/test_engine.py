@@ -431,7 +431,7 @@ def test_a_paused_run_takes_no_outer_step_until_it_resumes(tmp_path, mode):
     for _ in range(20):  # and stays paused
         assert engine.step()
         versions.add(engine.run.version)
-    assert engine.phase == RunPhase.PAUSED and engine.status()["paused"] and len(versions) == 1, versions
+    assert engine.phase == RunPhase.PAUSED and engine.status().paused and len(versions) == 1, versions
     assert engine.submit(Resume()) == Ack(detail={"action": "resume"})
     while engine.step():
         pass

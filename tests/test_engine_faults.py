@@ -125,7 +125,7 @@ def test_a_disk_that_fills_mid_run_is_survived_and_checkpoints_resume(tmp_path, 
         disk.full = True
 
     def free(_engine) -> None:
-        assert engine.status()["disk_errors"] > 0 and "No space left" in engine.status()["last_disk_error"]
+        assert engine.status().disk_errors > 0 and "No space left" in str(engine.status().last_disk_error)
         assert engine.outputs.checkpoint_owed  # round 4's checkpoint could not be written
         disk.full = False
 
@@ -149,7 +149,7 @@ def test_a_disk_still_full_at_the_end_still_returns_the_summary(tmp_path, monkey
     engine, _ = in_process_engine(cfg)
     drive(engine, at={5: lambda _e: setattr(disk, "full", True)})
     assert engine.summary["state"] == "finished" and engine.summary["rounds_done"] == 6
-    assert not (Path(cfg.out_dir) / "summary.json").exists() and engine.status()["disk_errors"] >= 3
+    assert not (Path(cfg.out_dir) / "summary.json").exists() and engine.status().disk_errors >= 3
 
 
 def test_an_unforeseen_error_is_a_clean_run_failed_with_the_checkpoint_intact(tmp_path, monkeypatch):
@@ -167,7 +167,7 @@ def test_an_unforeseen_error_is_a_clean_run_failed_with_the_checkpoint_intact(tm
     monkeypatch.setattr(engine.pacing, "next_close", broken)
     with pytest.raises(RunFailed, match=r"round engine failed at version \d+: ZeroDivisionError: a bug"):
         engine.execute()
-    assert engine.status()["state"] == "failed"
+    assert engine.status().state == "failed"
     assert load_checkpoint(engine.checkpoints)["counters"]["rounds_done"] == 3
 
 

@@ -75,8 +75,8 @@ def test_settings_changed_mid_run_survive_a_coordinator_restart(tmp_path, mode):
     second = build_engine(as_filed, pool, run_id="settings")
     status = second.status()
     assert second.resumed and second.rounds_done == 2
-    assert (status["inner_steps"], status["outer_lr"]) == (8, 0.3) and as_filed.inner_steps == 4
-    assert {k: status[k] for k in quorum} == quorum
+    assert (status.inner_steps, status.outer_lr) == (8, 0.3) and as_filed.inner_steps == 4
+    assert {k: getattr(status, k) for k in quorum} == quorum
     drive(second)
     assert second.summary["inner_steps"] == 8 and second.summary["rounds_done"] == 8
 
@@ -89,7 +89,7 @@ def test_a_resume_with_a_new_h_in_its_config_takes_the_configs(tmp_path):
     drive(first, until=3)
     pool.coordinator_lost()
     second = build_engine(cfg.model_copy(update={"inner_steps": 8}), pool, run_id="newh")
-    assert second.resumed and second.status()["inner_steps"] == 8
+    assert second.resumed and second.status().inner_steps == 8
 
 
 def test_a_graceful_stop_finishes_the_round_and_checkpoints(tmp_path):

@@ -23,6 +23,7 @@ from orchestrator.engine.commands import (
     Stop,
     UpdateSettings,
 )
+from orchestrator.engine.outputs.views import RunStatus
 from orchestrator.testing.pool import InProcessPool
 from tests.helpers import events
 from tests.test_warm_start import _cfg
@@ -45,9 +46,9 @@ def _phased(cfg: RunConfig, run_id: str, fork: Fork, at_warm_end=None) -> Phased
     """A phased run; `at_warm_end(run)` is called once the warm phase recorded its last round."""
     box: dict[str, PhasedRun] = {}
 
-    def on_record(status: dict[str, Any], _islands: Any, _record: Any) -> None:
+    def on_record(status: RunStatus, _islands: Any, _record: Any) -> None:
         run = box.get("run")
-        if run is not None and run.warming and status["round"] == status["rounds"] and at_warm_end is not None:
+        if run is not None and run.warming and status.round == status.rounds and at_warm_end is not None:
             at_warm_end(run)
 
     box["run"] = run = PhasedRun(cfg, run_id, fork, on_record=on_record)
@@ -61,10 +62,10 @@ def test_a_pause_made_during_the_warm_start_holds_in_the_main_phase(tmp_path):
     thread = threading.Thread(target=lambda: box.update(summary=run.execute()))
     thread.start()
     deadline = time.time() + 60
-    while time.time() < deadline and not (run.status()["phase"] == "main" and run.status()["state"] == "paused"):
+    while time.time() < deadline and not (run.status().phase == "main" and run.status().state == "paused"):
         time.sleep(0.01)
     status = run.status()
-    assert status["phase"] == "main" and status["state"] == "paused" and status["round"] == 0
+    assert status.phase == "main" and status.state == "paused" and status.round == 0
     assert run.inbox.submit(Resume()) == Ack(detail={"action": "resume"})
     thread.join(timeout=60)
     assert box["summary"]["state"] == "finished" and box["summary"]["rounds_done"] == 6
@@ -100,14 +101,14 @@ def test_a_stop_arriving_while_the_main_engine_is_built_stops_the_run(tmp_path):
 
 def test_the_status_is_the_runs_and_never_finished_before_the_main_phase_ends(tmp_path):
     cfg = _cfg(tmp_path)
-    seen: list[dict[str, Any]] = []
+    seen: list[RunStatus] = []
     box: dict[str, PhasedRun] = {}
     run = box["run"] = PhasedRun(cfg, "status", Fork(at_fork=lambda: seen.append(box["run"].status())))
     warm = run.status()
     summary = run.execute()
-    assert warm["phase"] == "warm_start" and warm["run_id"] == "status"
+    assert warm.phase == "warm_start" and warm.run_id == "status"
     (at_fork,) = seen  # the warm phase has ended, the main engine is being built
-    assert at_fork["phase"] == "warm_start" and at_fork["run_id"] == "status" and at_fork["state"] == "starting"
+    assert at_fork.phase == "warm_start" and at_fork.run_id == "status" and at_fork.state == "starting"
     end = run.status()
-    assert summary["state"] == end["state"] == "finished" and end["phase"] == "main"
+    assert summary["state"] == end.state == "finished" and end.phase == "main"
     assert run.inbox.submit(Pause()).reason == Refusal.NOT_NOW  # type: ignore[union-attr]

@@ -12,7 +12,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api.prometheus import render
 from orchestrator.engine.commands import AddIslands, Drain
-from orchestrator.engine.outputs.views import HISTOGRAMS, ISLAND_METRICS, ISLAND_STATE, RUN_METRICS, RoundRecord
+from orchestrator.engine.outputs.views import (
+    HISTOGRAMS,
+    ISLAND_METRICS,
+    ISLAND_STATE,
+    RUN_METRICS,
+    RoundRecord,
+    RunStatus,
+)
 from orchestrator.engine.types import IslandState
 from orchestrator.testing.pool import Fault, FaultKind
 from tests.engine_scenarios import drive, scenario_cfg
@@ -26,9 +33,9 @@ def _scrapes(tmp_path) -> tuple[list[Any], list[dict[str, Any]], Any]:
     scrapes: list[Any] = []
     records: list[dict[str, Any]] = []
 
-    def scrape(status: dict[str, Any], islands: dict[str, dict[str, Any]], record: RoundRecord) -> None:
+    def scrape(status: RunStatus, islands: dict[str, dict[str, Any]], record: RoundRecord) -> None:
         records.append(record.as_dict())
-        scrapes.append(list(text_string_to_metric_families(render(status, islands).decode())))
+        scrapes.append(list(text_string_to_metric_families(render(status.as_dict(), islands).decode())))
 
     engine.outputs.on_record = scrape
     drive(engine, at={2: lambda e: e.submit(AddIslands(count=1)), 4: lambda e: e.submit(Drain(island=0))})

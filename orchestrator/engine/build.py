@@ -25,6 +25,7 @@ from orchestrator.engine.outputs.outputs import OnRecord, Outputs
 from orchestrator.engine.outputs.persistence import RunCore, restore
 from orchestrator.engine.outputs.startup import Startup
 from orchestrator.engine.outputs.stats import RunStats
+from orchestrator.engine.outputs.views import RunStatus
 from orchestrator.engine.pacing.base import RunState
 from orchestrator.engine.policies import build_policies, run_inbox
 from orchestrator.engine.pool import IslandPool
@@ -251,20 +252,18 @@ class PhasedRun:
     def phase(self) -> Phase:
         return Phase.WARM_START if self.warming else Phase.MAIN
 
-    def _of_run(self, view: dict[str, Any]) -> dict[str, Any]:
+    def _of_run(self, view: RunStatus) -> RunStatus:
         """A phase's view as the run's: the warm phase reports the run's id, rounds and
         settings, and its end is the main phase's start, not the run's end."""
         if not self.warming:
-            return {**view, "phase": Phase.MAIN.value}
-        state = view.get("state")
-        if state == RunPhase.FINISHED.value:
-            state = RunPhase.STARTING.value
-        return {**view, "state": state, "phase": Phase.WARM_START.value, "run_id": self.run_id}
+            return view.model_copy(update={"phase": Phase.MAIN})
+        state = RunPhase.STARTING if view.state == RunPhase.FINISHED else view.state
+        return view.model_copy(update={"state": state, "phase": Phase.WARM_START, "run_id": self.run_id})
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> RunStatus:
         return self._of_run(self.engine.status())
 
-    def progress(self) -> dict[str, Any]:
+    def progress(self) -> RunStatus:
         return self._of_run(self.engine.snapshot)
 
     @property

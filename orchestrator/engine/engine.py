@@ -39,6 +39,7 @@ from orchestrator.engine.outputs.loop_time import Part
 from orchestrator.engine.outputs.outputs import Outputs
 from orchestrator.engine.outputs.persistence import RunCore, capture
 from orchestrator.engine.outputs.startup import Startup
+from orchestrator.engine.outputs.views import RunStatus
 from orchestrator.engine.pacing.base import Close, Flight
 from orchestrator.engine.pool import Done, Failed, IslandPool, Joined, JoinFailed, PoolEvent, Preempting, Progress
 from orchestrator.engine.requests import OperatorRequests
@@ -167,7 +168,7 @@ class RoundEngine(EngineParts):
         except Exception as err:
             log.exception("the round engine failed")
             self.phase = RunPhase.FAILED
-            self.outputs.snapshot["state"] = self.phase.value
+            self.outputs.snapshot.state = self.phase
             raise RunFailed(
                 f"the round engine failed at version {self.run.version}: {type(err).__name__}: {err} "
                 f"(the last checkpoint in {self.checkpoints} is intact)"
@@ -225,7 +226,7 @@ class RoundEngine(EngineParts):
     def _boundary(self) -> None:
         if self.pacing.between_rounds(list(self.flights.values())):
             self.phase = self.requests.between_rounds(self.phase)
-            self.outputs.snapshot["state"] = self.phase.value
+            self.outputs.snapshot.state = self.phase
         busy, held = self.inflight.busy(), self.inflight.held()
         self._scale(busy)
         self.members.prune(held)  # long-released islands folded into the totals (none with work to judge)
@@ -390,12 +391,12 @@ class RoundEngine(EngineParts):
 
     # -- what the control plane reads ----------------------------------------------------------
     @property
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> RunStatus:
         return self.outputs.snapshot
 
     @property
     def islands_view(self) -> dict[str, dict[str, Any]]:
         return self.outputs.islands_view
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> RunStatus:
         return self.outputs.status()

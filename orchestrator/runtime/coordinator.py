@@ -31,7 +31,7 @@ from orchestrator.runtime.names import coordinator_name
 
 if TYPE_CHECKING:
     from orchestrator.engine.engine import RoundEngine
-    from orchestrator.engine.outputs.views import EventRecord, RoundRecord
+    from orchestrator.engine.outputs.views import EventRecord, RoundRecord, RunStatus
     from orchestrator.runtime.island_pool import RayIslandPool
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class Coordinator:
         """The phase running now (the warm start's engine, then the run's)."""
         return self.phases.engine
 
-    def _publish_metrics(self, status: dict[str, Any], islands: dict[str, dict[str, Any]], record: RoundRecord) -> None:
+    def _publish_metrics(self, status: RunStatus, islands: dict[str, dict[str, Any]], record: RoundRecord) -> None:
         if self.metrics is not None:
             self.metrics.publish(status, islands, record)
         if self.tracking is not None and not self.phases.warming:
@@ -123,10 +123,10 @@ class Coordinator:
 
     # -- what the control plane calls (other threads) ----------------------------------------
     def progress(self) -> dict[str, Any]:
-        return self.phases.progress()
+        return self.phases.progress().as_dict()
 
     def status(self) -> dict[str, Any]:
-        return self.phases.status()
+        return self.phases.status().as_dict()
 
     def islands(self) -> dict[str, dict[str, Any]]:
         resources = island_bundle(self.engine.cfg)

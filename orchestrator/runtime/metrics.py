@@ -22,6 +22,7 @@ from orchestrator.engine.outputs.views import (
     Metric,
     MetricKind,
     RoundRecord,
+    RunStatus,
     current,
 )
 from orchestrator.engine.types import IslandState
@@ -55,10 +56,10 @@ class RayMetrics:
         else:
             instrument.set(float(value), tags=tags)
 
-    def publish(self, status: dict[str, Any], islands: dict[str, dict[str, Any]], record: RoundRecord) -> None:
+    def publish(self, status: RunStatus, islands: dict[str, dict[str, Any]], record: RoundRecord) -> None:
         tags = {"run_id": self.run_id}
         for metric, instrument in self.run.values():
-            self._set(metric, instrument, status.get(metric.key), None)
+            self._set(metric, instrument, getattr(status, metric.key), None)
         if record.round_seconds is not None:
             self.round_time.observe(record.round_seconds, tags=tags)
         for staleness in record.staleness_updates:

@@ -26,7 +26,7 @@ from orchestrator.engine.outputs.evaluation import Evaluation, Evaluator, LocalE
 from orchestrator.engine.outputs.loop_time import Part
 from orchestrator.engine.outputs.persistence import RunCore
 from orchestrator.engine.outputs.records import DiskFaults, EventLog, Recorder
-from orchestrator.engine.outputs.views import RoundRecord
+from orchestrator.engine.outputs.views import RoundRecord, RunStatus
 from orchestrator.engine.threads import spare_cores, step_threads
 from orchestrator.engine.types import Event, RunPhase
 from orchestrator.engine.warm_start import WarmStart
@@ -36,7 +36,7 @@ from workers.wire.handoff import params_digest
 log = logging.getLogger(__name__)
 
 
-OnRecord = Callable[[dict[str, Any], dict[str, dict[str, Any]], RoundRecord], None]  # status, islands, record
+OnRecord = Callable[[RunStatus, dict[str, dict[str, Any]], RoundRecord], None]  # status, islands, record
 
 
 class Outputs:
@@ -76,11 +76,7 @@ class Outputs:
         last = stats.rounds_done if resumed else None
         self.recorder = Recorder(cfg.out_dir, cfg, last_round=last, faults=self.disk, run_id=run_id)
         self.events = EventLog(self.recorder.out / "events.jsonl", cfg.records, append=resumed, faults=self.disk)
-        self.snapshot: dict[str, Any] = {
-            "state": RunPhase.STARTING.value,
-            "round": stats.rounds_done,
-            "rounds": cfg.rounds,
-        }
+        self.snapshot = RunStatus(state=RunPhase.STARTING, round=stats.rounds_done, rounds=cfg.rounds)
         self.islands_view: dict[str, dict[str, Any]] = {}  # what /v1/islands serves (`refresh_islands`)
         self._islands_seen: tuple[Any, ...] | None = None
 
@@ -255,9 +251,9 @@ class Outputs:
             view[str(i)] = IslandStats(index=i).as_dict()
         self.islands_view = view
 
-    def status(self) -> dict[str, Any]:
-        return {
-            **self.snapshot,
+    def status(self) -> RunStatus:
+        """The snapshot and the run's live settings (a quorum rule's only under that rule)."""
+        settings = {
             "mode": self.cfg.mode.value,
             "run_id": self.run_id,
             "target_islands": self.members.target,
@@ -271,3 +267,4 @@ class Outputs:
             "last_disk_error": self.disk.last,
             **(dataclasses.asdict(self.quorum) if self.quorum is not None else {}),
         }
+        return self.snapshot.model_copy(update=settings)

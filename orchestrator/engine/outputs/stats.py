@@ -13,7 +13,7 @@ from orchestrator.config import RunConfig
 from orchestrator.engine.fleet.membership import IslandStats, Membership
 from orchestrator.engine.outputs.distributions import ROUND_SECONDS, STALENESS, Distribution
 from orchestrator.engine.outputs.loop_time import LoopClock
-from orchestrator.engine.outputs.views import RoundRecord
+from orchestrator.engine.outputs.views import RoundRecord, RunStatus
 from orchestrator.engine.step.admission import Verdict
 from orchestrator.engine.types import Decision, IslandState, RunPhase
 from orchestrator.engine.work.ledger import DataLedger
@@ -183,24 +183,25 @@ class RunStats:
 
     def snapshot(
         self, phase: RunPhase, cfg: RunConfig, version: int, members: Membership, round_seconds: float | None
-    ) -> dict[str, Any]:
-        """What the control plane and the progress line show."""
+    ) -> RunStatus:
+        """What the control plane and the progress line show (the run's settings are added by
+        the outputs, `Outputs.status`)."""
         now = time.perf_counter()
-        return {
-            "state": phase.value,
-            "round": self.rounds_done,
-            "rounds": cfg.rounds,
-            "version": version,
-            "eval_loss": self.last_eval,
-            "initial_eval_loss": self.initial_eval,
-            "tokens": self.tokens,
-            "tokens_per_s": self.tokens / max(1e-9, now - self.t_train),
-            "bytes_communicated": self.bytes_sent + self.bytes_received,
-            "islands_alive": len(members.alive()),
-            "wall_seconds": now - self.t0,
-            "round_seconds": round_seconds,
-            "histograms": {"round_seconds": self.round_time.view(), "staleness": self.staleness.view()},
-        }
+        return RunStatus(
+            state=phase,
+            round=self.rounds_done,
+            rounds=cfg.rounds,
+            version=version,
+            eval_loss=self.last_eval,
+            initial_eval_loss=self.initial_eval,
+            tokens=self.tokens,
+            tokens_per_s=self.tokens / max(1e-9, now - self.t_train),
+            bytes_communicated=self.bytes_sent + self.bytes_received,
+            islands_alive=len(members.alive()),
+            wall_seconds=now - self.t0,
+            round_seconds=round_seconds,
+            histograms={"round_seconds": self.round_time.view(), "staleness": self.staleness.view()},
+        )
 
     def summary(
         self,

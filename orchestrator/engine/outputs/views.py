@@ -52,6 +52,11 @@ class RunStatus(_View):
     coordinator: Literal["running", "restarting"] | None = None  # set by the Ray handle
     histograms: dict[str, HistogramView] = {}  # `HISTOGRAMS`' keys: round seconds, update staleness
 
+    def as_dict(self) -> dict[str, Any]:
+        """What crosses to the control plane and the progress line: plain values, the keys set
+        (a rule's own settings only under that rule; before training, what is known)."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
 
 class HistogramView(_View):
     """Observations per bucket (`counts` has one more entry than `bounds`: +Inf) and their sum."""
