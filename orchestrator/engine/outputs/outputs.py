@@ -26,7 +26,7 @@ from orchestrator.engine.outputs.evaluation import Evaluation, Evaluator, LocalE
 from orchestrator.engine.outputs.loop_time import Part
 from orchestrator.engine.outputs.persistence import RunCore
 from orchestrator.engine.outputs.records import DiskFaults, EventLog, Recorder
-from orchestrator.engine.outputs.views import RoundRecord, RunStatus
+from orchestrator.engine.outputs.views import RoundRecord, RunStatus, Summary
 from orchestrator.engine.threads import spare_cores, step_threads
 from orchestrator.engine.types import Event, RunPhase
 from orchestrator.engine.warm_start import WarmStart
@@ -213,13 +213,18 @@ class Outputs:
         self.evaluator.close()
         self.outer.copy_to(self.flat.data)
         out = self.recorder.out
-        summary = self.stats.summary(
+        built = self.stats.summary(
             phase, self.cfg, version, self.members, ledger, self.outer.numel, out, self.run.inner_steps
         )
-        summary.update(extra)
-        summary["eval_metrics"] = self.eval_metrics
-        summary["final_params_digest"] = params_digest(self.outer.params())  # what a warm start's fork checks
-        self.recorder.finish(summary, self.model)  # first: an export that fails loses neither
+        summary = Summary.model_validate(
+            {
+                **built,
+                **extra,
+                "eval_metrics": self.eval_metrics,
+                "final_params_digest": params_digest(self.outer.params()),  # what a warm start's fork checks
+            }
+        )
+        self.recorder.finish(summary.as_dict(), self.model)  # first: an export that fails loses neither
         if isinstance(self.task, ExportableTask):  # the model back in its ecosystem's format, too
             export = out / "export"
             try:
@@ -228,12 +233,12 @@ class Outputs:
                 )
             except Exception as err:  # the export's library refused it: the run's outputs stand
                 log.exception("the export to %s failed; final.pt and summary.json are written", export)
-                summary["export_error"] = f"{type(err).__name__}: {err}"
+                summary.export_error = f"{type(err).__name__}: {err}"
             else:
                 if exported:
-                    summary["export"] = str(export)
-            self.recorder.write_summary(summary)
-        return summary
+                    summary.export = str(export)
+            self.recorder.write_summary(summary.as_dict())
+        return summary.as_dict()
 
     # -- what the control plane reads ------------------------------------------------------------
     def update_snapshot(self, phase: RunPhase, version: int) -> None:

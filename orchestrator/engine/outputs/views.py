@@ -196,8 +196,17 @@ class RetiredView(_View):
     staleness_max: int
 
 
+class StalenessView(_View):
+    """Versions the run's judged updates were behind: their mean and the most."""
+
+    mean: float
+    max: int
+
+
 class Summary(_View):
-    """`summary.json`: the keys scripts and dashboards rely on."""
+    """`summary.json`: the keys scripts and dashboards rely on. Made by the engine at the
+    end of a phase (`Outputs.summarise`) as this record, then written and returned as plain
+    values (`as_dict`: the keys set; the driver adds its start-up figures)."""
 
     mode: str
     state: RunPhase
@@ -227,18 +236,22 @@ class Summary(_View):
     islands: dict[str, IslandView]  # the live islands and the newest released ones
     retired_islands: RetiredView | None = None  # the totals of released islands no longer listed
     shards: dict[str, list[int]]
-    staleness: dict[str, float]
+    staleness: StalenessView
     out_dir: str
     clock_seconds: float
     init_from: dict[str, str] | None
     warm_start: dict[str, Any] | None
     final_params_digest: str | None = None  # XXH3-128 of the final global parameters (None: sliced on Ray)
     export: str | None = None
+    export_error: str | None = None  # the export's library refused it (the run's own outputs stand)
     eval_metrics: dict[str, float] | None = None  # the task's own metrics at the final evaluation
     # where start-up went (`engine/outputs/startup.py`): seconds per part, epoch times of the first steps
     startup: dict[str, Any] | None = None
     startup_seconds: float | None = None  # the command's start to the first inner step (set by the driver)
     first_outer_step_seconds: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_unset=True)
 
 
 class MetricKind(str, Enum):
