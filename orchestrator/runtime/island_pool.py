@@ -162,7 +162,7 @@ class RayIslandPool:
         """Asked in the island's `control` group, beside its round, and not waited for. A
         node is torn down at its deadline with what its object store holds, so the result
         must be off it by then: the island's last step must end within the time the engine
-        allows (which prices only the simulated link) less the time its latest result took
+        allows (which prices only the link model) less the time its latest result took
         to fetch (measured) and `elastic.notice_margin_s` for the rest of the way (the
         notice's and the result's own messages, the coordinator's next read)."""
         handle = self.handles.get(island)
