@@ -55,6 +55,19 @@ def test_the_flagship_config_fits_the_cluster_it_ships_for(capsys, tmp_path):
     assert "evaluation" not in coordinator["parts"]  # the head only records the result
     evaluator = next(p for p in report["processes"] if p == p and p["process"] == "evaluator")
     assert evaluator["total"] < 4 * 2**30  # 64 x 1024 tokens, 50,257-token vocabulary, in bounded memory
+    # the worker pods' drain on a SIGTERM (k8s/raycluster.yaml): what a noticed island's result needs
+    preemption = report["preemption"]
+    assert preemption["drain_s"] == 25 and preemption["margin_s"] == 0.5
+    assert preemption["up_bytes"] == report["link"]["up_bytes"]
+    assert preemption["gbps"] == pytest.approx(report["link"]["up_bytes"] * 8 / 24.5 / 1e9)
+    assert any(line.startswith("preemption: a SIGTERM drains an island's node for 25 s") for line in lines), lines
+
+
+def test_a_cluster_that_does_not_say_how_its_nodes_drain_plans_no_preemption(capsys, tmp_path):
+    manifest = tmp_path / "cluster.yaml"
+    manifest.write_text(Path(CLUSTER).read_text().replace("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "UNRELATED"))
+    code, lines, report = _plan(capsys, tmp_path, "--cluster", str(manifest), LLAMA)
+    assert code == 0 and report["preemption"] is None and not [line for line in lines if "preemption" in line]
 
 
 def test_the_flagship_config_as_it_shipped_is_refused_naming_why(capsys, tmp_path):

@@ -53,6 +53,12 @@ class NodeKind:
     accelerator_memory: int | None = None  # per GPU
     hosts_islands: bool = True  # a KubeRay head with num-cpus 0 runs no island
     count: int = 1  # how many such nodes (at most)
+    # seconds a SIGTERM to its `ray start` drains the node before tearing it down (its island's
+    # preemption notice): RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S on its pods; None: not known
+    drain_s: float | None = None
+
+
+DRAIN_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,6 +98,7 @@ def _kind(name: str, group: dict[str, Any], count: int) -> NodeKind:
     gpus = float(params.get("num-gpus", limits.get("nvidia.com/gpu", 0)))
     annotations = (template.get("metadata") or {}).get("annotations") or {}
     accel = annotations.get(ACCELERATOR_MEMORY)
+    env = {e.get("name"): e.get("value") for e in _container(template).get("env") or []}
     return NodeKind(
         name=name,
         memory=quantity(limits["memory"]) if "memory" in limits else None,
@@ -100,6 +107,7 @@ def _kind(name: str, group: dict[str, Any], count: int) -> NodeKind:
         accelerator_memory=quantity(accel) if accel else None,
         hosts_islands=cpus > 0 or gpus > 0,
         count=count,
+        drain_s=float(env[DRAIN_ENV]) if env.get(DRAIN_ENV) is not None else None,
     )
 
 

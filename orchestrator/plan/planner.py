@@ -23,7 +23,7 @@ from typing import Any
 from orchestrator.config import Mode, RunConfig, WarmStartMode
 from orchestrator.config_operations import EvalPlace
 from orchestrator.engine.step.rules import rule_of, takes_one_pass
-from orchestrator.plan.cluster import Cluster, NodeKind
+from orchestrator.plan.cluster import DRAIN_ENV, Cluster, NodeKind
 from orchestrator.plan.memory import ModelMemory
 from workers.wire.spec import Sharding
 
@@ -78,12 +78,40 @@ class Link:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Preemption:
+    """What a noticed island has to send its result in: its node's drain on a SIGTERM, less
+    `elastic.notice_margin_s`; the bandwidth its pseudo-gradient then needs to leave in time."""
+
+    drain_s: float
+    margin_s: float
+    up_bytes: int
+
+    @property
+    def gbps(self) -> float | None:
+        """None: no time left at all (the island's work is lost with its node)."""
+        left = self.drain_s - self.margin_s
+        return self.up_bytes * 8 / left / 1e9 if left > 0 else None
+
+    def line(self) -> str:
+        fate = (
+            "cannot leave in time: no time is left"
+            if self.gbps is None
+            else f"leaves in time at {self.gbps:,.2f} Gbit/s or more"
+        )
+        return (
+            f"preemption: a SIGTERM drains an island's node for {self.drain_s:g} s ({DRAIN_ENV}); with "
+            f"{self.margin_s:g} s kept back (elastic.notice_margin_s), its {self.up_bytes / 1e6:,.1f} MB result {fate}"
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Plan:
     cluster: str
     model: ModelMemory
     needs: tuple[Need, ...]
     link: Link
     refusals: tuple[str, ...]  # layouts refused whatever the memory
+    preemption: Preemption | None = None  # where the cluster says how its nodes drain
 
     @property
     def problems(self) -> list[str]:
@@ -110,6 +138,7 @@ class Plan:
             f"link per island per round: up {self.link.up_bytes / 1e6:,.1f} MB, down {self.link.down_bytes / 1e6:,.1f} "
             f"MB{f', {self.link.seconds:.2f} s at the configured link' if self.link.seconds else ''}; "
             f"the run: {self.link.run_bytes / 1e9:,.2f} GB",
+            *([self.preemption.line()] if self.preemption is not None else []),
         ]
         out += [f"refused: {p}" for p in self.problems]
         return out
@@ -122,6 +151,9 @@ class Plan:
             "model": dataclasses.asdict(self.model),
             "processes": [{**dataclasses.asdict(n), "total": n.total, "fits": n.fits} for n in self.needs],
             "link": dataclasses.asdict(self.link),
+            "preemption": None
+            if self.preemption is None
+            else {**dataclasses.asdict(self.preemption), "gbps": self.preemption.gbps},
         }
 
 
@@ -340,12 +372,16 @@ def make_plan(cfg: RunConfig, model: ModelMemory, cluster: Cluster, *, under_ray
         seconds=cfg.simulation.link.seconds(up_bytes) + cfg.simulation.link.seconds(down),
         run_bytes=cfg.islands.count * cfg.rounds * (up_bytes + down),
     )
+    drain = island_node.drain_s
     return Plan(
         cluster=cluster.source,
         model=model,
         needs=tuple(needs),
         link=link,
         refusals=tuple(_refusals(cfg, cluster, model)),
+        preemption=None
+        if drain is None
+        else Preemption(drain_s=drain, margin_s=cfg.elastic.notice_margin_s, up_bytes=up_bytes),
     )
 
 
