@@ -5,13 +5,16 @@ the in-process pool's clock, and on Ray with a real hang (an island stuck in its
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
 
 from orchestrator.config_load import load_config
 from orchestrator.engine.commands import Refused, SettingsUpdate, UpdateSettings
+from orchestrator.engine.pool import Progress
 from orchestrator.runtime.driver import run
+from orchestrator.testing.chaos import Strike, TimedFault
 from orchestrator.testing.pool import Fault, FaultKind
 from tests.engine_scenarios import check_exactly_once, check_rounds_recorded, drive, run_scenario, scenario_cfg
 from tests.helpers import events, in_process_engine, toy_quadratic
@@ -52,6 +55,36 @@ def test_a_slow_or_late_island_keeps_advancing_and_keeps_its_work(tmp_path, mode
     check_rounds_recorded(cfg, engine.summary)
     assert all(s["state"] == "training" for s in engine.summary["islands"].values())
     assert not any(e["kind"] == "crash" for e in events(cfg.out_dir))
+
+
+def test_a_slow_down_in_the_middle_of_a_work_keeps_its_heartbeats_read_on_the_coordinators_clock(tmp_path):
+    """A 4× slow-down strikes one island 1.5 s into its 4-s work: its steps now come 4 s
+    apart, within its limit (5 step times), and its progress is still read every ½ s with a
+    count that follows its slower pace — the reads are the coordinator's, not the island's.
+    Read 2 s apart as the island slowed, its count stood still across two reads and it was
+    declared hung while it stepped."""
+    cfg = scenario_cfg(tmp_path, "diloco", "rounds=2", *BEATS, "elastic.hang_after_steps=5")
+    engine, pool = in_process_engine(cfg, step_s=1.0, chaos=[TimedFault(at=1.5, kind=Strike.SLOW, factor=4.0)])
+    reads: list[tuple[int, float, int]] = []
+    poll = pool.poll
+
+    def heard(timeout, wake=None):
+        events = poll(timeout, wake)
+        reads.extend((e.island, e.at, e.work_steps) for e in events if isinstance(e, Progress))
+        return events
+
+    pool.poll = heard
+    drive(engine)
+    check_exactly_once(cfg, engine.summary)
+    assert not any(e["kind"] == "crash" for e in events(cfg.out_dir))
+    # the slowed island's first work: its reads run on past the others' (4 s), every ½ s
+    (slowed,) = {i for i, at, _ in reads if 5.0 < at < 11.0}
+    times = [at for i, at, _ in reads if i == slowed and at < 11.5]
+    assert (
+        times[0] == 0.5 and times[-1] >= 11.0 and all(abs(b - a - 0.5) < 1e-9 for a, b in itertools.pairwise(times))
+    ), times
+    counts = [n for i, at, n in reads if i == slowed and at < 11.5]
+    assert counts == sorted(counts) and counts[-1] == 3, counts  # its fourth step ends as the work does
 
 
 def test_at_the_defaults_a_hang_between_steps_is_declared_within_10_simulated_seconds(tmp_path):

@@ -472,12 +472,31 @@ class InProcessPool:
             work: _Work = hit.event
             due = at + (hit.at - at) * fault.factor
             work.slowed, work.compute, work.due = (at, fault.factor), work.compute + (due - hit.at), due
-            for p in self._queue:  # its heartbeats slow down with it
-                if isinstance(p.event, Progress) and p.event.island == i and p.at > at:
-                    p.at = at + (p.at - at) * fault.factor
-                    p.event = dataclasses.replace(p.event, at=p.at)
+            self._repace(work, at)
             self._queue.append(_Pending(due, next(self._seq), work))
         heapq.heapify(self._queue)  # a hang: its result is gone, it never answers
+
+    def _repace(self, work: _Work, at: float) -> None:
+        """A slow-down struck `work` at `at`: its heartbeats after it are still read every
+        `progress_every_s` (the coordinator reads them on its own clock, not the island's),
+        and their counts follow its slower pace. Stretching the reads with the island once
+        put a 4x-slowed island's reads 4 s apart; its count then stood still across two of
+        them and it was declared hung, though it never stopped stepping."""
+        beats = [
+            p for p in self._queue if isinstance(p.event, Progress) and p.event.island == work.island and p.at > at
+        ]
+        if not beats:
+            return
+        first = min(beats, key=lambda p: p.at)
+        base = first.event.steps - (first.event.work_steps or 0)
+        gone = {id(b) for b in beats}
+        self._queue = [p for p in self._queue if id(p) not in gone]
+        t = first.at
+        while t < work.due:
+            done = min(work.order.steps, int(work.steps_at(t) + 1e-9))
+            beat = Progress(island=work.island, steps=base + done, work_steps=done, ticket=work.ticket, at=t)
+            self._queue.append(_Pending(t, next(self._seq), beat))
+            t += self.cfg.elastic.progress_every_s
 
     def _freeze(self, island: int, at: float, ticket: int, work_steps: int, steps: int | None = None) -> None:
         """From `at`, `island` answers its heartbeats with a count stuck at `steps` (default:
