@@ -149,6 +149,16 @@ class ElasticConfig(Strict):
         "time, before its node's deadline — a node is torn down with what its object store holds, so the result "
         "must be off it by then (the notice's and the result's own messages, the coordinator's next read)",
     )
+    tail_stop: float | None = Field(
+        2.0,
+        ge=1,
+        description="the budget's end (every step handed out, islands idle; modes that hand out a budget of steps: "
+        "async, diloco with dylu, streaming with quorum pacing): a work whose remaining steps, at the pace its "
+        "heartbeats report, would take more than this many times longer than stopping it and training them on the "
+        "idle islands (its step in progress, their round trip as last measured, their speeds) is stopped as a notice "
+        "stops it: what it trained is merged, the rest of its steps go to the idle islands. A slowed island no longer "
+        "holds the run's last step. Needs heartbeats (hang_after_steps). null: the last step waits for every work",
+    )
     placement_timeout_s: float = Field(600.0, gt=0, description="give up on a requested island after this long")
     orphan_timeout_s: float = Field(
         60.0,

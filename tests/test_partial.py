@@ -7,6 +7,7 @@ in every mode: `test_fleet.py`; on Ray, a node drained: `test_cluster_ray.py`.)"
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 
 import numpy as np
@@ -17,11 +18,14 @@ from orchestrator.engine.specs import island_spec
 from orchestrator.engine.work.ledger import DataLedger
 from orchestrator.testing.chaos import Strike, TimedFault
 from orchestrator.testing.pool import InProcessPool
-from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
+from tests.engine_scenarios import check_exactly_once, check_rounds_recorded, drive, scenario_cfg
 from tests.helpers import events, in_process_engine
 from tests.toy_tasks import READS
 from workers.runtime.island import Island, Stopped
 from workers.wire.messages import WorkKind, WorkOrder, batch_counts
+
+# 1 simulated s per inner step, a heartbeat every ½ s (`test_heartbeats.py`)
+BEATS = ("elastic.hang_after_steps=3", "elastic.progress_every_s=0.5", "elastic.hang_floor_s=1")
 
 
 def _island(tmp_path, *extra: str) -> tuple[Island, str]:
@@ -196,3 +200,41 @@ def test_the_virtual_clock_pool_counts_the_steps_that_fit_and_tells_the_island_t
     downloading = pool.dispatch(dataclasses.replace(streaming, ticket=7), None)  # begins at 13
     pool.stop(1, 7, None)  # no step begun, no time given: none is taken (the island raises `Stopped`)
     assert actor.stop.calls[-1] == (7, None, 0) and pool.finish[downloading] == 13.0
+
+
+def _slowed_island(tmp_path, *extra: str):
+    """Quorum pacing, three islands of 1-s steps, heartbeats every ½ s; once round 1 is
+    recorded, island 0 runs 4× slower from its next work on, the last (sized by its old speed: 4-s
+    steps, within its 8 step times, not hung)."""
+    cfg = scenario_cfg(tmp_path, "quorum", "rounds=3", *BEATS, "elastic.hang_after_steps=8", *extra)
+    engine, pool = in_process_engine(cfg, step_s=1.0)
+    drive(engine, at={1: lambda _: pool.slow.__setitem__(0, (4.0, math.inf))})
+    check_exactly_once(cfg, engine.summary)
+    check_rounds_recorded(cfg, engine.summary)
+    return cfg, engine.summary
+
+
+def test_at_the_budgets_end_a_straggler_is_stopped_and_its_rest_trained_by_the_idle_islands(tmp_path):
+    """Every step handed out, islands 1 and 2 idle: island 0's last work, at ¼ step/s, is
+    stopped after its step in progress (`straggler`, then its `partial`) and the idle
+    islands train the rest — the run ends sooner, each batch trained once. With
+    `elastic.tail_stop: null` the last step waits for it."""
+    cfg, summary = _slowed_island(tmp_path)
+    log = events(cfg.out_dir)
+    (straggler,) = [e for e in log if e["kind"] == "straggler"]
+    assert straggler["island"] == 0 and straggler["keep_s"] > 2 * straggler["instead_s"], straggler
+    (partial,) = [e for e in log if e["kind"] == "partial"]
+    assert partial["island"] == 0 and partial["ticket"] == straggler["ticket"] and partial["steps"] < partial["of"]
+    waited_cfg, waited = _slowed_island(tmp_path, "elastic.tail_stop=null")
+    assert not [e for e in events(waited_cfg.out_dir) if e["kind"] in ("straggler", "partial")]
+    assert summary["clock_seconds"] <= waited["clock_seconds"] - 4, (summary["clock_seconds"], waited["clock_seconds"])
+    # the same budget of steps, trained either way (the batches read differ: their shards weigh differently)
+    assert sum(summary["shards"]["position"]) == sum(waited["shards"]["position"]) == 3 * 3 * 4
+
+
+def test_a_work_about_to_end_is_left_to_end(tmp_path):
+    """Without a late island the fleet's last works end together: none is stopped."""
+    cfg = scenario_cfg(tmp_path, "quorum", "rounds=4", *BEATS)
+    engine, _ = in_process_engine(cfg, step_s=1.0)
+    drive(engine)
+    assert not [e for e in events(cfg.out_dir) if e["kind"] in ("straggler", "partial")]

@@ -38,7 +38,8 @@ class StartDrain:
 class StopWork:
     """A preemption notice (`notice_s` before the island is taken, None: unknown): its work
     out takes no step that would not end in time and sends what it has trained
-    (`elastic.partial_on_notice`)."""
+    (`elastic.partial_on_notice`); or a straggler at the budget's end, stopped after its
+    step in progress so that idle islands train its rest (`elastic.tail_stop`)."""
 
     island: int
     notice_s: float | None = None

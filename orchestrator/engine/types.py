@@ -76,6 +76,7 @@ class Event(str, Enum):
     DRAIN = "drain"
     PREEMPTING = "preempting"
     PARTIAL = "partial"  # a stopped work's prefix arrived: the rest of its batches went back to the ledger
+    STRAGGLER = "straggler"  # the budget's end: a work far behind the idle islands was stopped (`elastic.tail_stop`)
     PROMOTED = "promoted"  # a spare took a failed island's place
     RELEASED = "released"
     CRASH = "crash"

@@ -78,6 +78,9 @@ class TokenBudget:
     def done(self, run: RunState) -> bool:
         return run.completed_steps >= self.budget(run) and not self.queue
 
+    def spent(self, run: RunState) -> bool:
+        return self.left(run) <= 0 and not run.stopping
+
     def resume(self, run: RunState) -> None:
         self.handed = run.completed_steps
         self.recorded = min(run.completed_steps // (self.k * run.inner_steps), run.rounds)

@@ -66,6 +66,7 @@ class Flight:
     work: Work
     deadline: float
     sent_at: float = 0.0  # when it was handed out (the pool's clock)
+    began_at: float = 0.0  # when its first step could begin (its download done)
     result: RoundResult | None = None
     delivered_at: float = 0.0  # when its pseudo-gradient crossed the link (streaming: τ steps before the end)
     received_at: float = 0.0  # when the coordinator had the result in hand (the pool's clock)
@@ -149,6 +150,11 @@ class Pacing(Protocol):
 
     def between_rounds(self, in_flight: list[Flight]) -> bool: ...
     def done(self, run: RunState) -> bool: ...
+    def spent(self, run: RunState) -> bool:
+        """Every step of the run's budget is handed out: an idle island gets no more work,
+        and the steps a stopped work gives back (`shortened`) would go to the idle ones
+        (`elastic.tail_stop`). Never, for a pacing without a budget of steps."""
+
     def resume(self, run: RunState) -> None:
         """Continue from a checkpoint's `run` (versions, completed steps)."""
 
@@ -212,6 +218,9 @@ class Barrier:
 
     def done(self, run: RunState) -> bool:
         return run.closes >= run.rounds * self.per_record
+
+    def spent(self, run: RunState) -> bool:
+        return False  # a round's work is its islands': none hands steps to another
 
     def resume(self, run: RunState) -> None:
         pass
@@ -321,6 +330,9 @@ class OneRoundLag:
     def done(self, run: RunState) -> bool:
         return run.version >= run.rounds
 
+    def spent(self, run: RunState) -> bool:
+        return False
+
     def resume(self, run: RunState) -> None:
         pass  # the pipeline refills from `run.base`
 
@@ -388,6 +400,9 @@ class FragmentSchedule:
 
     def done(self, run: RunState) -> bool:
         return self.inner.done(self._view(run))
+
+    def spent(self, run: RunState) -> bool:
+        return self.inner.spent(self._view(run))
 
     def resume(self, run: RunState) -> None:
         self.inner.resume(self._view(run))

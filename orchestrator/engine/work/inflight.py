@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from orchestrator.algorithms.dylu import SpeedTracker
 from orchestrator.engine.fleet.island_states import save_due
-from orchestrator.engine.outcomes import Judged, Lost, Outcome
+from orchestrator.engine.outcomes import Judged, Lost, Outcome, StopWork
 from orchestrator.engine.outputs.persistence import RunCore
 from orchestrator.engine.outputs.records import EventLog
 from orchestrator.engine.pacing.base import Flight, Work
@@ -47,6 +47,7 @@ class InFlight:
         self.overdue: dict[int, tuple[int, float]] = {}  # ticket -> (island, deadline), abandoned past it
         self.reported: dict[int, int] = {}  # heartbeats: each island's inner steps in all, as last reported
         self.uplink: dict[int, int] = {}  # each island's last result's bytes (what a stopped work will send)
+        self.trip_s: dict[int, float] = {}  # each island's last work's time off its steps (download, upload, waits)
         self.tickets = itertools.count()
 
     def in_flight(self) -> list[Flight]:
@@ -117,6 +118,7 @@ class InFlight:
             work,
             deadline,
             sent_at=self.pool.now(),
+            began_at=self.pool.now() + delivery.delay_s,
             received=received,
             progress_at=self.pool.now() + delivery.delay_s,
         )
@@ -169,6 +171,7 @@ class InFlight:
         sent_at = finished - min(result.tail_s, result.compute_s)
         flight.delivered_at = sent_at + self.publisher.links.upload_s(island, result.nbytes, self.members.schedulable())
         flight.received_at = now
+        self.trip_s[island] = max(0.0, now - flight.sent_at - result.compute_s)
         self.run.completed_steps += result.steps
         self.members.islands[island].merge = Merge.WAITING
         self.pacing.arrived(flight)
@@ -191,6 +194,53 @@ class InFlight:
                     nbytes = self.uplink.get(island, 4 * self.sizes.of(flight.work.fragment))
                     within = max(0.0, notice_s - self.publisher.links.upload_s(island, nbytes, [island]))
                 self.pool.stop(island, flight.ticket, within)
+
+    def stragglers(self, schedulable: list[int], factor: float) -> list[StopWork]:
+        """The budget's end (every step handed out; `elastic.tail_stop`): the works to stop
+        so that the idle islands train the rest of their steps. A work's remaining steps, at
+        the pace its heartbeats report (steps since it began, the one in progress counted
+        half done), take `keep` from now. Stopped, it trains on to the end of its step in
+        progress, and the idle islands, at their measured speeds, train the rest of it and
+        of every work stopped before it (the furthest behind first), after a trip as long as
+        their last (`trip_s`: download, upload, waits): `instead`. Its own result goes up its
+        link either way. It is stopped when `keep` exceeds `factor` × `instead`: a work about
+        to end is left to end, and so is one the idle islands could not finish much sooner
+        (a few idle islands, many works out). Without heartbeats a work's pace is not
+        known, and nothing is stopped."""
+        if self.cfg.islands.workers > 1:  # its ranks would have to agree on the step (`stop`)
+            return []
+        held = self.held()
+        idle = [i for i in schedulable if i not in held]
+        rate = sum(self.speeds.speeds.get(i, 0.0) for i in idle)
+        if not rate:
+            return []
+        now = self.pool.now()
+        trips = sorted(self.trip_s.get(i, 0.0) for i in idle)
+        trip = trips[len(trips) // 2]
+        behind = []
+        for flight in self.in_flight():
+            done = flight.work_steps
+            if flight.stopping or flight.work.kind != WorkKind.TRAIN or not done or done >= flight.work.steps:
+                continue
+            pace = (done + 0.5) / max(flight.heard_at - flight.began_at, 1e-9)
+            left = flight.work.steps - done
+            behind.append((max(0.0, left / pace - (now - flight.heard_at)), 1.0 / pace, left, flight))
+        out, moved = [], 0
+        for keep, step_s, left, flight in sorted(behind, key=lambda b: -b[0]):
+            instead = step_s + trip + (moved + left) / rate
+            if keep <= factor * instead:
+                continue
+            moved += left
+            self.events.add(
+                Event.STRAGGLER,
+                flight.work.island,
+                ticket=flight.ticket,
+                steps_left=left,
+                keep_s=round(keep, 2),
+                instead_s=round(instead, 2),
+            )
+            out.append(StopWork(island=flight.work.island))
+        return out
 
     def _partial(self, flight: Flight, steps: int) -> str | None:
         """A result of fewer steps than its work: the prefix a notice stopped (`stop`). Its
