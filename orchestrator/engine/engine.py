@@ -251,7 +251,8 @@ class RoundEngine(EngineParts):
     def _dispatch(self) -> None:
         if self.phase != RunPhase.TRAINING:
             return
-        idle = [i for i in self.members.schedulable() if i not in self.inflight.busy()]
+        out = self.inflight.busy() | self.inflight.behind  # (stragglers stopped at the budget's end)
+        idle = [i for i in self.members.schedulable() if i not in out]
         if not idle:
             return
         for work in self.pacing.plan(self.run, idle):

@@ -48,6 +48,7 @@ class InFlight:
         self.reported: dict[int, int] = {}  # heartbeats: each island's inner steps in all, as last reported
         self.uplink: dict[int, int] = {}  # each island's last result's bytes (what a stopped work will send)
         self.trip_s: dict[int, float] = {}  # each island's last work's time off its steps (download, upload, waits)
+        self.behind: set[int] = set()  # islands stopped as stragglers at the budget's end: they train no more of it
         self.tickets = itertools.count()
 
     def in_flight(self) -> list[Flight]:
@@ -202,15 +203,17 @@ class InFlight:
         half done), take `keep` from now. Stopped, it trains on to the end of its step in
         progress, and the idle islands, at their measured speeds, train the rest of it and
         of every work stopped before it (the furthest behind first), after a trip as long as
-        their last (`trip_s`: download, upload, waits): `instead`. Its own result goes up its
+        their last (`trip_s`: download, upload, waits): `instead`. A stopped island gets no
+        more of the budget (`behind`): its speed, smoothed, would still claim a share. Its own result goes up its
         link either way. It is stopped when `keep` exceeds `factor` × `instead`: a work about
         to end is left to end, and so is one the idle islands could not finish much sooner
         (a few idle islands, many works out). Without heartbeats a work's pace is not
         known, and nothing is stopped."""
         if self.cfg.islands.workers > 1:  # its ranks would have to agree on the step (`stop`)
             return []
-        held = self.held()
-        idle = [i for i in schedulable if i not in held]
+        # training nothing: an island whose result waits for its step gets the rest after it
+        out_now = self.busy() | {i for i, _ in self.overdue.values()} | self.behind
+        idle = [i for i in schedulable if i not in out_now]
         rate = sum(self.speeds.speeds.get(i, 0.0) for i in idle)
         if not rate:
             return []
@@ -231,6 +234,7 @@ class InFlight:
             if keep <= factor * instead:
                 continue
             moved += left
+            self.behind.add(flight.work.island)
             self.events.add(
                 Event.STRAGGLER,
                 flight.work.island,
