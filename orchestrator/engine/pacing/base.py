@@ -66,7 +66,6 @@ class Flight:
     work: Work
     deadline: float
     sent_at: float = 0.0  # when it was handed out (the pool's clock)
-    began_at: float = 0.0  # when its first step could begin (its download done)
     result: RoundResult | None = None
     delivered_at: float = 0.0  # when its pseudo-gradient crossed the link (streaming: τ steps before the end)
     received_at: float = 0.0  # when the coordinator had the result in hand (the pool's clock)
@@ -75,6 +74,7 @@ class Flight:
     steps_seen: int | None = None  # ... the step count its island reported then (None: no report yet)
     work_steps: int | None = None  # ... the steps of its current work it reported (None: not known)
     heard_at: float = 0.0  # ... when the newest count it reported was taken
+    first_step: tuple[float, int] | None = None  # ... its first report of a step of this work: (when, steps)
     stopping: bool = False  # a preemption notice stopped it: its result may hold fewer steps (`InFlight.stop`)
 
     @property

@@ -119,7 +119,6 @@ class InFlight:
             work,
             deadline,
             sent_at=self.pool.now(),
-            began_at=self.pool.now() + delivery.delay_s,
             received=received,
             progress_at=self.pool.now() + delivery.delay_s,
         )
@@ -199,8 +198,10 @@ class InFlight:
     def stragglers(self, schedulable: list[int], factor: float) -> list[StopWork]:
         """The budget's end (every step handed out; `elastic.tail_stop`): the works to stop
         so that the idle islands train the rest of their steps. A work's remaining steps, at
-        the pace its heartbeats report (steps since it began, the one in progress counted
-        half done), take `keep` from now. Stopped, it trains on to the end of its step in
+        the pace its heartbeats report (steps between its first read with a step and its
+        latest: not from when it was handed out, which would count its download, a first
+        step compiling, as slowness; read as fast as the whole counts allow), take `keep`
+        from now. Stopped, it trains on to the end of its step in
         progress, and the idle islands, at their measured speeds, train the rest of it and
         of every work stopped before it (the furthest behind first), after a trip as long as
         their last (`trip_s`: download, upload, waits): `instead`. A stopped island gets no
@@ -222,12 +223,18 @@ class InFlight:
         trip = trips[len(trips) // 2]
         behind = []
         for flight in self.in_flight():
-            done = flight.work_steps
-            if flight.stopping or flight.work.kind != WorkKind.TRAIN or not done or done >= flight.work.steps:
+            done, first = flight.work_steps, flight.first_step
+            if flight.stopping or flight.work.kind != WorkKind.TRAIN or first is None or done is None:
                 continue
-            pace = (done + 0.5) / max(flight.heard_at - flight.began_at, 1e-9)
+            if not first[1] < done < flight.work.steps or flight.heard_at <= first[0]:
+                continue  # no pace yet (one read with steps), or all its steps taken
+            # counts are whole steps taken: between the two reads it took more than
+            # done − first − 1 steps and fewer than done − first + 1; each side is read at
+            # its least favourable to a stop
+            span, steps = flight.heard_at - first[0], done - first[1]
             left = flight.work.steps - done
-            behind.append((max(0.0, left / pace - (now - flight.heard_at)), 1.0 / pace, left, flight))
+            keep = max(0.0, left * span / (steps + 1) - (now - flight.heard_at))
+            behind.append((keep, span / steps, left, flight))
         out, moved = [], 0
         for keep, step_s, left, flight in sorted(behind, key=lambda b: -b[0]):
             instead = step_s + trip + (moved + left) / rate
@@ -284,6 +291,8 @@ class InFlight:
                         stats.last_progress = time.time()
                 flight.steps_seen, flight.heard_at = steps, max(flight.heard_at, at)
                 flight.work_steps = event.work_steps if event.ticket == flight.ticket else None
+                if flight.work_steps and flight.first_step is None:  # its pace is counted from here
+                    flight.first_step = (at, flight.work_steps)
 
     def refuse(self, ticket: int, island: int, problem: str, reason: Reason) -> Judged:
         """A result that cannot be decoded, or whose report of what it read and trained does
