@@ -152,8 +152,8 @@ class ElasticConfig(Strict):
     tail_stop: float | None = Field(
         2.0,
         ge=1,
-        description="the budget's end (every step handed out, islands idle; modes that hand out a budget of steps: "
-        "async, diloco with dylu, streaming with quorum pacing): a work whose remaining steps, at the pace its "
+        description="the budget's end (every step handed out, islands idle; pacings that hand out a budget of steps "
+        "and step on groups: async's quorum rule, diloco with dylu, streaming with quorum pacing): a work whose remaining steps, at the pace its "
         "heartbeats report, would take more than this many times longer than stopping it and training them on the "
         "idle islands (its step in progress, their round trip as last measured, their speeds) is stopped as a notice "
         "stops it: what it trained is merged, the rest of its steps go to the idle islands. A slowed island no longer "

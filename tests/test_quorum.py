@@ -19,8 +19,9 @@ from orchestrator.config_load import load_config
 from orchestrator.config_sections import OuterConfig
 from orchestrator.engine.commands import Answer, Command, Refused, SettingsUpdate, UpdateSettings
 from orchestrator.engine.engine import RoundEngine
+from orchestrator.engine.pacing.arrivals import final_shares
 from orchestrator.engine.pacing.base import Close
-from orchestrator.engine.pacing.quorum import QuorumRule, age_factor, final_shares, grace_window
+from orchestrator.engine.pacing.quorum import QuorumRule, age_factor, grace_window
 from orchestrator.engine.step.outer import OuterStep
 from orchestrator.engine.step.rules import optimizer_rule
 from orchestrator.testing.pool import Fault, FaultKind

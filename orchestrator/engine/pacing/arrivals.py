@@ -8,6 +8,23 @@ from orchestrator.algorithms.dylu import SpeedTracker
 from orchestrator.engine.pacing.base import Close, Flight, RunState, Work
 
 
+def final_shares(wanted: dict[int, int], left: int) -> dict[int, int]:
+    """The inner steps of islands starting together: what each `wanted`, or, when the
+    budget has less `left` than that, the rest shared in proportion (at least one step
+    each while any is left; the first islands take the rounding). Handing the whole rest
+    to the first island would end the run on one island's pseudo-gradient, stepped as if
+    it were a round's mean: with outer momentum that last step cost 2 % of eval loss in
+    `bench hetero`."""
+    total = sum(wanted.values())
+    if total <= left:
+        return wanted
+    shares = {i: max(1, h * left // total) for i, h in wanted.items()}
+    spare = left - sum(shares.values())
+    for i in list(shares)[: max(0, spare)]:
+        shares[i] += 1
+    return shares
+
+
 class TokenBudget:
     """What the asynchronous pacings share: the synchronous run's token budget (rounds ×
     islands × H inner steps) handed out as work of H_i steps (from the island's measured
@@ -45,6 +62,21 @@ class TokenBudget:
             return None
         self.handed += h
         return Work(island, run.closes + 1, run.version, h, schedule_step=self.offset + run.completed_steps // self.k)
+
+    def hand(self, run: RunState, idle: list[int], waiting: set[int]) -> list[Work]:
+        """Work for the `idle` islands but those whose result waits for its step (in the
+        queue, or in `waiting`): what each wants, or, once the budget has less left than
+        that, the rest shared among them (`final_shares`) — the steps a straggler stopped
+        at the budget's end gives back go to every idle island, not the first."""
+        waiting = waiting | {f.work.island for f in self.queue}
+        out = []
+        starting = [i for i in idle if i not in waiting]
+        for i, steps in final_shares({i: self.wanted(run, i) for i in starting}, self.left(run)).items():
+            work = self.work(run, i, steps)
+            if work is None:
+                break
+            out.append(work)
+        return out
 
     def cancel(self, work: Work) -> None:
         self.handed -= work.steps
@@ -101,18 +133,15 @@ class PerArrival(TokenBudget):
         self.token_weighted = token_weighted
 
     def plan(self, run: RunState, idle: list[int]) -> list[Work]:
-        if run.stopping:
-            return []
-        out = []
-        waiting = {f.work.island for f in self.queue}  # restarted from the step that merges it
-        for i in idle:
-            if i in waiting:
-                continue
-            work = self.work(run, i)
-            if work is None:
-                break
-            out.append(work)
-        return out
+        # an island whose result is queued restarts from the step that merges it
+        return [] if run.stopping else self.hand(run, idle, set())
+
+    def spent(self, run: RunState) -> bool:
+        """Never: a straggler stopped at the budget's end would send its prefix and the idle
+        islands their shares of its rest, each its own outer step, and Delayed Nesterov
+        stepped on those small late updates lost more than the seconds gained (`bench
+        fleet`, 16 islands, seed 0: 331 → 324 simulated s, final loss 2.9274 → 2.9903)."""
+        return False
 
     def next_close(self, run: RunState, in_flight: list[Flight]) -> Close | None:
         """A step per result, in the order they finish crossing their links."""

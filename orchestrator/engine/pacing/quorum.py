@@ -83,23 +83,6 @@ def grace_window(offsets: list[float], round_s: float, rule: QuorumRule) -> floa
     return min(cap, med + rule.grace_k * mad)
 
 
-def final_shares(wanted: dict[int, int], left: int) -> dict[int, int]:
-    """The inner steps of islands starting together: what each `wanted`, or, when the
-    budget has less `left` than that, the rest shared in proportion (at least one step
-    each while any is left; the first islands take the rounding). Handing the whole rest
-    to the first island would end the run on one island's pseudo-gradient, stepped as if
-    it were a round's mean: with outer momentum that last step cost 2 % of eval loss in
-    `bench hetero`."""
-    total = sum(wanted.values())
-    if total <= left:
-        return wanted
-    shares = {i: max(1, h * left // total) for i, h in wanted.items()}
-    spare = left - sum(shares.values())
-    for i in list(shares)[: max(0, spare)]:
-        shares[i] += 1
-    return shares
-
-
 def _close(
     number: int,
     flights: list[Flight],
@@ -148,15 +131,8 @@ class Quorum(TokenBudget):
         if run.stopping:
             return []
         # merged at the next step (or a pending fragment step of it), then restarted
-        waiting = {f.work.island for f in self.queue} | {f.work.island for c in self.pending for f in c.flights}
-        starting = [i for i in idle if i not in waiting]
-        out = []
-        for i, steps in final_shares({i: self.wanted(run, i) for i in starting}, self.left(run)).items():
-            work = self.work(run, i, steps)
-            if work is None:
-                break
-            out.append(self._segment(work, run.inner_steps // self.p) if self.p else work)
-        return out
+        waiting = {f.work.island for c in self.pending for f in c.flights}
+        return [self._segment(w, run.inner_steps // self.p) if self.p else w for w in self.hand(run, idle, waiting)]
 
     def _segment(self, work: Work, full: int) -> Work:
         """A segment sends the fleet's current fragment (`cursor`), so islands that start
