@@ -152,12 +152,13 @@ class ElasticConfig(Strict):
     tail_stop: float | None = Field(
         2.0,
         ge=1,
-        description="the budget's end (every step handed out, islands idle; pacings that hand out a budget of steps "
-        "and step on groups: async's quorum rule, diloco with dylu, streaming with quorum pacing): a work whose remaining steps, at the pace its "
-        "heartbeats report, would take more than this many times longer than stopping it and training them on the "
-        "idle islands (its step in progress, their round trip as last measured, their speeds) is stopped as a notice "
-        "stops it: what it trained is merged, the rest of its steps go to the idle islands. A slowed island no longer "
-        "holds the run's last step. Needs heartbeats (hang_after_steps). null: the last step waits for every work",
+        description="the budget's end (every step handed out, islands idle; pacings that hand out a budget of "
+        "steps and step on groups: async's quorum rule, diloco with dylu, streaming with quorum pacing): a work whose "
+        "remaining steps, at the pace its heartbeats report, would take more than this many times longer than "
+        "stopping it and training them on the idle islands (its step in progress, their round trip as last measured, "
+        "their speeds) is stopped as a notice stops it: what it trained is merged, the rest of its steps go to the "
+        "idle islands. A slowed island no longer holds the run's last step. Needs heartbeats (hang_after_steps). "
+        "null: the last step waits for every work",
     )
     placement_timeout_s: float = Field(600.0, gt=0, description="give up on a requested island after this long")
     orphan_timeout_s: float = Field(

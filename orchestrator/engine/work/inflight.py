@@ -201,15 +201,15 @@ class InFlight:
         the pace its heartbeats report (steps between its first read with a step and its
         latest: not from when it was handed out, which would count its download, a first
         step compiling, as slowness; read as fast as the whole counts allow), take `keep`
-        from now. Stopped, it trains on to the end of its step in
-        progress, and the idle islands, at their measured speeds, train the rest of it and
-        of every work stopped before it (the furthest behind first), after a trip as long as
-        their last (`trip_s`: download, upload, waits): `instead`. A stopped island gets no
-        more of the budget (`behind`): its speed, smoothed, would still claim a share. Its own result goes up its
-        link either way. It is stopped when `keep` exceeds `factor` × `instead`: a work about
-        to end is left to end, and so is one the idle islands could not finish much sooner
-        (a few idle islands, many works out). Without heartbeats a work's pace is not
-        known, and nothing is stopped."""
+        from now. Stopped, it trains on to the end of its step in progress, and the idle
+        islands, at their measured speeds, train the rest of it and of every work stopped
+        before it (the furthest behind first), after a trip as long as their last
+        (`trip_s`: download, upload, waits): `instead`. Its own result goes up its link
+        either way. It is stopped when `keep` exceeds `factor` × `instead`: a work about to
+        end is left to end, and so is one the idle islands could not finish much sooner (a
+        few idle islands, many works out). A stopped island gets no more of the budget
+        (`behind`): its speed, smoothed, would still claim a share. Without heartbeats a
+        work's pace is not known, and nothing is stopped."""
         if self.cfg.islands.workers > 1:  # its ranks would have to agree on the step (`stop`)
             return []
         # training nothing: an island whose result waits for its step gets the rest after it
@@ -221,7 +221,7 @@ class InFlight:
         now = self.pool.now()
         trips = sorted(self.trip_s.get(i, 0.0) for i in idle)
         trip = trips[len(trips) // 2]
-        behind = []
+        candidates = []
         for flight in self.in_flight():
             done, first = flight.work_steps, flight.first_step
             if flight.stopping or flight.work.kind != WorkKind.TRAIN or first is None or done is None:
@@ -234,9 +234,9 @@ class InFlight:
             span, steps = flight.heard_at - first[0], done - first[1]
             left = flight.work.steps - done
             keep = max(0.0, left * span / (steps + 1) - (now - flight.heard_at))
-            behind.append((keep, span / steps, left, flight))
+            candidates.append((keep, span / steps, left, flight))
         out, moved = [], 0
-        for keep, step_s, left, flight in sorted(behind, key=lambda b: -b[0]):
+        for keep, step_s, left, flight in sorted(candidates, key=lambda c: -c[0]):
             instead = step_s + trip + (moved + left) / rate
             if keep <= factor * instead:
                 continue
