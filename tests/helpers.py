@@ -3,6 +3,7 @@ engine (real `Island` objects through the in-process pool, no Ray)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 from collections import Counter
@@ -130,12 +131,20 @@ def run_until_records(cfg: RunConfig, run_id: str, records: int, timeout_s: floa
     return thread, box
 
 
+@functools.cache
+def _scratch() -> tempfile.TemporaryDirectory:
+    """The folder of runs given no `out_dir`, removed when the test process ends (they
+    held 2 MB apiece and every run of the suite left them in the system's temp folder);
+    made on first use, so processes that import this module and run nothing leave none."""
+    return tempfile.TemporaryDirectory(prefix="archipelago-tests-")
+
+
 def in_process_engine(
     cfg: RunConfig, faults: list[Fault] | None = None, run_id: str = "local", **pool: Any
 ) -> tuple[RoundEngine, InProcessPool]:
     """The engine over an in-process pool; `cfg.out_dir` defaults to a fresh temp folder."""
     if cfg.out_dir == RunConfig().out_dir:
-        cfg = cfg.model_copy(update={"out_dir": tempfile.mkdtemp(prefix="archipelago-test-")})
+        cfg = cfg.model_copy(update={"out_dir": tempfile.mkdtemp(prefix="run-", dir=_scratch().name)})
     p = InProcessPool(cfg, faults=faults, **pool)
     return build_engine(cfg, p, run_id), p
 
