@@ -90,6 +90,8 @@ _EXIT_STATUS: list[int] = []
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if _ray_up():
         sys.modules["ray"].shutdown()
+    if (helpers := sys.modules.get("tests.helpers")) is not None:
+        helpers.remove_scratch()  # before `os._exit` below skips its removal at exit
     _EXIT_STATUS.append(int(exitstatus))
 
 

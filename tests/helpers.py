@@ -139,6 +139,14 @@ def _scratch() -> tempfile.TemporaryDirectory:
     return tempfile.TemporaryDirectory(prefix="archipelago-tests-")
 
 
+def remove_scratch() -> None:
+    """Remove the runs' folder now, if one was made: the suite leaves through `os._exit`
+    once Ray was loaded (`conftest.py`), which skips the removal at exit."""
+    if _scratch.cache_info().currsize:
+        _scratch().cleanup()
+        _scratch.cache_clear()
+
+
 def in_process_engine(
     cfg: RunConfig, faults: list[Fault] | None = None, run_id: str = "local", **pool: Any
 ) -> tuple[RoundEngine, InProcessPool]:
