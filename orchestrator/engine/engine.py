@@ -251,8 +251,7 @@ class RoundEngine(EngineParts):
     def _dispatch(self) -> None:
         if self.phase != RunPhase.TRAINING:
             return
-        out = self.inflight.busy() | self.inflight.behind  # (stragglers stopped at the budget's end)
-        idle = [i for i in self.members.schedulable() if i not in out]
+        idle = self.inflight.free(self.members.schedulable())
         if not idle:
             return
         for work in self.pacing.plan(self.run, idle):

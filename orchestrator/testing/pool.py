@@ -489,8 +489,7 @@ class InProcessPool:
             return
         first = min(beats, key=lambda p: p.at)
         base = first.event.steps - (first.event.work_steps or 0)
-        gone = {id(b) for b in beats}
-        self._queue = [p for p in self._queue if id(p) not in gone]
+        self._silence(work.island, at)
         t = first.at
         while t < work.due:
             done = min(work.order.steps, int(work.steps_at(t) + 1e-9))

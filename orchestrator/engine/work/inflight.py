@@ -58,6 +58,13 @@ class InFlight:
     def busy(self) -> set[int]:
         return {f.work.island for f in self.in_flight()}
 
+    def free(self, schedulable: list[int]) -> list[int]:
+        """The `schedulable` islands training nothing that may be given work: not those
+        stopped as stragglers at the budget's end (`behind`). One whose result waits for
+        its step is free: the pacing hands it work once that step is taken."""
+        out = self.busy() | self.behind
+        return [i for i in schedulable if i not in out]
+
     def held(self) -> set[int]:
         """Islands with work out, arrived and waiting for its step, or overdue."""
         return {f.work.island for f in self.flights.values()} | {i for i, _ in self.overdue.values()}
@@ -212,9 +219,7 @@ class InFlight:
         work's pace is not known, and nothing is stopped."""
         if self.cfg.islands.workers > 1:  # its ranks would have to agree on the step (`stop`)
             return []
-        # training nothing: an island whose result waits for its step gets the rest after it
-        out_now = self.busy() | {i for i, _ in self.overdue.values()} | self.behind
-        idle = [i for i in schedulable if i not in out_now]
+        idle = self.free(schedulable)
         rate = sum(self.speeds.speeds.get(i, 0.0) for i in idle)
         if not rate:
             return []
