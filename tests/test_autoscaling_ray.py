@@ -15,7 +15,7 @@ from ray.cluster_utils import AutoscalingCluster
 
 from orchestrator.config_load import load_config
 from orchestrator.runtime.driver import run
-from tests.conftest import REPO
+from tests.conftest import importable_checkout
 from tests.http_server import free_port
 from tests.ray_processes import stop_ray
 
@@ -69,10 +69,11 @@ class FakeAutoscalingCluster(AutoscalingCluster):
 @pytest.fixture(scope="module")
 def autoscaling():
     ray.shutdown()
-    cluster = FakeAutoscalingCluster(head_resources={"CPU": 2}, worker_node_types={"gpu": GPU_NODE})
-    cluster.start()
-    ray.init("auto", log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
-    yield cluster
+    with importable_checkout():  # in the environment of every node the autoscaler starts
+        cluster = FakeAutoscalingCluster(head_resources={"CPU": 2}, worker_node_types={"gpu": GPU_NODE})
+        cluster.start()
+        ray.init("auto", log_to_driver=False)
+        yield cluster
     ray.shutdown()
     stop_ray()  # as `cluster.shutdown()` (`ray stop --force`) does, in a fraction of its 12 s
 

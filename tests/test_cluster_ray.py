@@ -18,7 +18,7 @@ from ray.util.placement_group import get_placement_group, placement_group_table
 from orchestrator.config_load import load_config
 from orchestrator.runtime.driver import run
 from orchestrator.runtime.names import island_name
-from tests.conftest import REPO
+from tests.conftest import importable_checkout
 from tests.helpers import toy_quadratic
 
 pytestmark = pytest.mark.ray
@@ -27,16 +27,17 @@ pytestmark = pytest.mark.ray
 @pytest.fixture(scope="module")
 def cluster():
     ray.shutdown()
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 0,
-            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4},
-        },
-    )
-    workers = [c.add_node(num_cpus=1) for _ in range(3)]
-    ray.init(address=c.address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
-    yield c, workers
+    with importable_checkout():  # in the environment of every node the tests add
+        c = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 0,
+                "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4},
+            },
+        )
+        workers = [c.add_node(num_cpus=1) for _ in range(3)]
+        ray.init(address=c.address, log_to_driver=False)
+        yield c, workers
     ray.shutdown()
     c.shutdown()
 

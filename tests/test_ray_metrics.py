@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.config_load import load_config
 from orchestrator.runtime.driver import run
-from tests.conftest import REPO
+from tests.conftest import importable_checkout
 from tests.helpers import toy_quadratic
 from tests.http_server import free_port
 
@@ -24,14 +24,14 @@ pytestmark = pytest.mark.ray
 def metrics_port():
     ray.shutdown()
     port = free_port()
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        _metrics_export_port=port,
-        _system_config={"metrics_report_interval_ms": 500},
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
-    )
+    with importable_checkout():
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            _metrics_export_port=port,
+            _system_config={"metrics_report_interval_ms": 500},
+        )
     yield port
     ray.shutdown()
 
