@@ -104,15 +104,10 @@ def importable_checkout() -> Iterator[None]:
     inherit, as `archipelago run` does, not a runtime env: the workers Ray starts ahead have
     none, so every actor of a run with one waited for a fresh worker (measured: a warm
     instance's 3-island run 6.6 -> 5.7 s, its first run 11.6 -> 5.4 s)."""
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), before] if p)
-    try:
+    from orchestrator.runtime.driver import on_pythonpath
+
+    with on_pythonpath(str(REPO)):
         yield
-    finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
 
 
 _EXIT_STATUS: list[int] = []

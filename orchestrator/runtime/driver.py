@@ -10,6 +10,8 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +71,7 @@ def init_ray(cfg: RunConfig) -> bool:
     # (measured: 4 actors importing torch ready in 3.4 s instead of 4.3 s). Having those
     # workers import torch ahead (`preload_python_modules`) saved 1.5 s in isolation but
     # nothing in `bench startup` on 2 cores (they compete with the coordinator's start).
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), before] if p)
-    try:
+    with on_pythonpath(os.getcwd()):
         ray.init(
             address="local",
             num_cpus=num_cpus,
@@ -80,12 +80,22 @@ def init_ray(cfg: RunConfig) -> bool:
             log_to_driver=True,
             _system_config=RAY_SYSTEM_CONFIG,
         )
+    return True
+
+
+@contextmanager
+def on_pythonpath(folder: str) -> Iterator[None]:
+    """`folder` first on PYTHONPATH while a Ray instance starts (its processes inherit it),
+    then PYTHONPATH as it was."""
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [folder, before] if p)
+    try:
+        yield
     finally:
         if before is None:
             del os.environ["PYTHONPATH"]
         else:
             os.environ["PYTHONPATH"] = before
-    return True
 
 
 def start_coordinator(cfg: RunConfig, run_id: str, prestarted: int = 0) -> Any:
