@@ -3,10 +3,16 @@ most `max_body` bytes (413 beyond, whatever Content-Length claims), and a mutati
 request without the right token is answered before its body is read at all, so an
 unauthenticated client can make the server neither buffer nor parse anything.
 
-Each client (by address) gets `RateLimit`'s token bucket: past its rate, a request is
-answered 429 with `Retry-After` before anything else is done for it, so one client polling
-too hard (a dashboard left in a loop, a scraper misconfigured) cannot starve the others or
-the run's own thread of the snapshot lock.
+Each client gets `RateLimit`'s token bucket: past its rate, a request is answered 429 with
+`Retry-After` before anything else is done for it, so one client polling too hard (a
+dashboard left in a loop, a scraper misconfigured) cannot starve the others or the run's
+own thread of the snapshot lock. A client is who it proves to be: the operator's token and
+the read-only token each have a bucket of their own, which nothing without that token can
+drain; only a request with neither is counted by its peer address. That address is the
+socket's, unless the server was told which proxies to trust (`api.trusted_proxies`):
+uvicorn would otherwise take `X-Forwarded-For` from any loopback peer — where `kubectl
+port-forward` traffic arrives — and any client could name itself a fresh address per
+request (never limited) or the operator's (draining its bucket).
 
 It also gives every request one reading: a request with two `Authorization` headers is
 refused (a front door reading the last and a route reading the first would disagree on
@@ -17,6 +23,7 @@ cache it."""
 
 from __future__ import annotations
 
+import hmac
 import json
 import math
 import time
@@ -85,7 +92,7 @@ class FrontDoor:
     ) -> None:
         """`loopback`: the server listens on loopback only, so only loopback Host names are
         answered; `reader`: the read-only token (refused for mutations, with that reason);
-        `rate`: the per-client limit (None: none)."""
+        `rate`: the limit per client (its token, else its address; None: none)."""
         self.app, self.token, self.max_body, self.loopback = app, token, max_body, loopback
         self.reader, self.rate = reader, rate
 
@@ -94,15 +101,14 @@ class FrontDoor:
             await self.app(scope, receive, send)
             return
         send = _secured(send, head=scope["method"] == "HEAD")
+        raw = scope.get("headers") or []
+        headers = dict(raw)
         if self.rate is not None:
-            client = scope.get("client")
-            wait = self.rate.wait_s(client[0] if client else "")
+            wait = self.rate.wait_s(self._who(headers.get(b"authorization", b""), scope.get("client")))
             if wait > 0:
                 retry = str(max(1, math.ceil(wait))).encode()
                 await _answer(send, 429, "too many requests from this client", [(b"retry-after", retry)])
                 return
-        raw = scope.get("headers") or []
-        headers = dict(raw)
         if sum(1 for name, _ in raw if name == b"authorization") > 1:
             await _answer(send, 400, "more than one Authorization header")
             return
@@ -141,6 +147,18 @@ class FrontDoor:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    def _who(self, authorization: bytes, client: tuple[str, int] | None) -> str:
+        """The bucket a request is counted in: `operator` or `reader` for a request carrying
+        that token (compared in constant time), else `peer:<address>`. A wrong token is
+        counted by address like no token, so guessing costs the guesser's own bucket."""
+        if authorization[:7].lower() == b"bearer ":
+            sent = authorization[7:].strip()
+            for name, source in (("operator", self.token), ("reader", self.reader)):
+                token = source.current() if source is not None else None
+                if token is not None and hmac.compare_digest(sent, token):
+                    return name
+        return f"peer:{client[0] if client else ''}"
 
 
 def _secured(send: Any, head: bool) -> Any:

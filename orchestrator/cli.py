@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--public-reads", action="store_true", help="serve reads without the token (mutations need it)")
     serve.add_argument("--tls-cert", help="PEM certificate: serve HTTPS (with --tls-key)")
     serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    serve.add_argument(
+        "--trusted-proxy",
+        action="append",
+        default=[],
+        help="an address or network whose X-Forwarded-For names the client (repeatable; default: none)",
+    )
     export = sub.add_parser(
         "export", parents=[common], help="write a finished run's model in its ecosystem's format (Hugging Face)"
     )
@@ -275,7 +281,7 @@ def _serve(args: argparse.Namespace) -> int:
         read_token=read_token,
         rate=rate_limit(ApiConfig().rate_per_s, ApiConfig().rate_burst),
     )
-    uvicorn.Server(server_config(app, args.host, args.port, tls)).run()
+    uvicorn.Server(server_config(app, args.host, args.port, tls, tuple(args.trusted_proxy))).run()
     return 0
 
 

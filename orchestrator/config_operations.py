@@ -5,11 +5,12 @@ every section is strict, so a misspelt key is an error naming it."""
 
 from __future__ import annotations
 
+import ipaddress
 from enum import Enum
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from orchestrator.config_sections import Strict
 
@@ -225,10 +226,27 @@ class ApiConfig(Strict):
     rate_per_s: float = Field(
         50.0,
         ge=0,
-        description="requests a second each client (by address) may make on average; beyond, 429 with "
-        "Retry-After (0: no limit). The dashboard makes about 2",
+        description="requests a second each client may make on average; beyond, 429 with Retry-After (0: no "
+        "limit). A client is the operator's token, the read-only token, or else its address, so no client "
+        "without a token can drain a token's bucket. The dashboard makes about 2",
     )
     rate_burst: int = Field(100, ge=1, description="requests a client may make at once before rate_per_s applies")
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        description="addresses or networks (10.0.0.0/8) of proxies whose X-Forwarded-For names the client (an "
+        "ingress in front of the API). None by default: the socket's peer is the client, since every "
+        "`kubectl port-forward` request arrives from loopback and its X-Forwarded-For would be the sender's choice",
+    )
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(f"{entry!r} is not an address or a network (10.0.0.0/8)") from None
+        return value
 
     @model_validator(mode="after")
     def _tls(self) -> ApiConfig:

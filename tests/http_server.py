@@ -17,13 +17,13 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(app, tls: tuple[str, str] | None = None):
+def serving(app, tls: tuple[str, str] | None = None, trusted_proxies: tuple[str, ...] = ()):
     """`app` on a free loopback port, as the control plane serves it (HTTPS with `tls`:
-    certificate and key files); yields its base URL."""
+    certificate and key files; `X-Forwarded-For` read from `trusted_proxies`); yields its base URL."""
     from api.server import server_config
 
     port = free_port()
-    server = uvicorn.Server(server_config(app, "127.0.0.1", port, tls))
+    server = uvicorn.Server(server_config(app, "127.0.0.1", port, tls, trusted_proxies))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 10

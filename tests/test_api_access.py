@@ -78,3 +78,63 @@ def test_a_client_past_its_rate_gets_429_with_retry_after():
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
         assert "too many" in r.json()["detail"] and r.headers["x-content-type-options"] == "nosniff"
         assert c.post("/v1/run/pause", headers=AUTH).status_code == 429  # mutations count too
+
+
+def test_spoofed_forwarded_addresses_from_loopback_are_limited_as_one_client():
+    """uvicorn trusts `X-Forwarded-For` from loopback unless told otherwise: 100 requests, each
+    claiming a new address, were each given a fresh bucket. Served as the control plane
+    serves it, they are one peer's (burst 3, then 429), like the same requests without it."""
+    app = create_app(FakeRun(), TOKEN, public_reads=True, rate=RateLimit(per_s=0.01, burst=3))
+    with serving(app) as url, httpx.Client(base_url=url) as c:
+        spoofed = [c.get("/v1/run", headers={"X-Forwarded-For": f"10.9.{i // 250}.{i % 250}"}) for i in range(100)]
+        assert [r.status_code for r in spoofed].count(200) == 3, [r.status_code for r in spoofed]
+    fresh = create_app(FakeRun(), TOKEN, public_reads=True, rate=RateLimit(per_s=0.01, burst=3))
+    with serving(fresh) as url, httpx.Client(base_url=url) as c:
+        plain = [c.get("/v1/run").status_code for _ in range(100)]
+    assert plain.count(200) == 3
+
+
+def test_no_unauthenticated_flood_locks_the_operator_or_the_reader_out():
+    """The flood claims to be loopback, sends no token or a wrong one, and empties its own
+    bucket; the operator's stop and the reader's status are still answered."""
+    run = FakeRun()
+    app = create_app(run, TOKEN, read_token=TokenSource(READER), rate=RateLimit(per_s=0.01, burst=3))
+    with serving(app) as url, httpx.Client(base_url=url) as c:
+        flood = [
+            c.get(
+                "/v1/run",
+                headers={
+                    "X-Forwarded-For": "127.0.0.1",
+                    **({"Authorization": "Bearer a-wrong-token-0123"} if i % 2 else {}),
+                },
+            )
+            for i in range(40)
+        ]
+        assert {r.status_code for r in flood[5:]} == {429}
+        assert c.get("/v1/run", headers=READ).status_code == 200
+        assert c.post("/v1/run/stop", headers=AUTH).status_code == 202
+        assert c.post("/v1/run/stop", headers={"X-Forwarded-For": "127.0.0.1"}).status_code == 429
+
+
+def test_a_configured_proxy_names_the_client_and_nobody_else_does():
+    """Behind an ingress (`api.trusted_proxies`), each forwarded client has its own bucket."""
+    from api.server import server_config
+    from tests.http_server import free_port
+
+    app = create_app(FakeRun(), TOKEN, public_reads=True, rate=RateLimit(per_s=0.01, burst=2))
+    config = server_config(app, "127.0.0.1", free_port(), trusted_proxies=("127.0.0.0/8",))
+    config.load()
+    assert config.proxy_headers and config.forwarded_allow_ips == ["127.0.0.0/8"]
+    assert not server_config(app, "127.0.0.1", 1).proxy_headers
+    with serving(app, trusted_proxies=("127.0.0.0/8",)) as url, httpx.Client(base_url=url) as c:
+        first = [c.get("/v1/run", headers={"X-Forwarded-For": "10.0.0.1"}).status_code for _ in range(3)]
+        other = [c.get("/v1/run", headers={"X-Forwarded-For": "10.0.0.2"}).status_code for _ in range(2)]
+    assert first == [200, 200, 429] and other == [200, 200]
+
+
+def test_trusted_proxies_must_be_addresses_or_networks():
+    from orchestrator.config import ApiConfig
+
+    assert ApiConfig(trusted_proxies=["10.0.0.0/8", "::1"]).trusted_proxies == ["10.0.0.0/8", "::1"]
+    with pytest.raises(ValueError, match="not an address or a network"):
+        ApiConfig(trusted_proxies=["ingress.local"])

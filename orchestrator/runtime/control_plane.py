@@ -61,6 +61,7 @@ class ControlPlane:
                 (api.tls_cert, api.tls_key) if api.tls_cert and api.tls_key else None,
                 read_token=configured_read_source(),
                 rate=rate_limit(api.rate_per_s, api.rate_burst),
+                trusted_proxies=tuple(api.trusted_proxies),
             )
         except ExposureError as err:
             raise RunFailed(f"control plane refused: {err}") from err
