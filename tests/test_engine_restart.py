@@ -477,3 +477,64 @@ def test_a_drain_whose_island_failed_before_the_engine_took_it_still_lowers_the_
     assert isinstance(answers[0], Ack)
     assert engine.members.target == 2 and set(engine.summary["islands"]) == {"0", "1", "2"}
     assert engine.summary["islands"]["1"]["state"] == "dead" and engine.summary["rounds_done"] == 4
+
+
+def _killed_mid_checkpoint(folder: Path) -> Path:
+    """A writer SIGKILLed while it streams a checkpoint into `folder`: a child process opens
+    the checkpoint's temporary file the way `save_checkpoint` does, writes 1 MiB and waits;
+    it is killed there. Returns the temporary file it left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from workers.runtime.storage import Folder\n"
+            f"with Folder({str(folder)!r}).open_write('state-000099.pt') as f:\n"
+            "    f.write(b'x' * (1 << 20)); f.flush(); print('writing', flush=True); time.sleep(600)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None and child.stdout.readline().strip() == "writing"
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait(timeout=30)
+    deadline = time.time() + 10
+    while not (left := list(folder.glob(".state-000099.pt.*.tmp"))) and time.time() < deadline:
+        time.sleep(0.05)
+    assert len(left) == 1 and left[0].stat().st_size == 1 << 20
+    return left[0]
+
+
+@pytest.mark.parametrize("mode", ["diloco", "async"])
+def test_a_run_killed_mid_append_and_mid_checkpoint_resumes_and_leaves_no_temporary_file(tmp_path, mode):
+    """A kill mid-append leaves a torn last line in `metrics.jsonl` and `events.jsonl`
+    (the resumed coordinator failed on it with `JSONDecodeError`); a kill mid-checkpoint a
+    state-sized temporary file nothing removed. The restart cuts the torn lines (every line
+    left parses, each round recorded once), removes the orphan, and finishes with
+    exactly-once data."""
+    cfg = scenario_cfg(tmp_path, mode)
+    first, pool = in_process_engine(cfg, run_id="torn")
+    drive(first, until=3)
+    saved = load_checkpoint(Path(cfg.checkpoint_dir) / "torn")["ledger"]["position"]
+    lost = Counter((s, i) for s, p in enumerate(first.ledger.position) for i in range(saved[s], p))
+    out = Path(cfg.out_dir)
+    for name in ("metrics.jsonl", "events.jsonl"):
+        with open(out / name, "ab") as f:
+            f.write(b'{"round": 4, "eval_loss": 2.1')  # the append the kill cut short
+    orphan = _killed_mid_checkpoint(Path(str(first.checkpoints)))
+    pool.coordinator_lost()
+    second = build_engine(cfg, pool, run_id="torn")
+    assert second.resumed and second.rounds_done == 3
+    assert not orphan.exists() and not list(Path(str(first.checkpoints)).glob("*.tmp"))
+    drive(second)
+    check_exactly_once(cfg, second.summary, lost)
+    rounds = [json.loads(line)["round"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rounds == sorted(set(rounds)) and rounds[-1] == second.summary["rounds_done"] == 6
+    assert all(json.loads(line) for line in (out / "events.jsonl").read_text().splitlines())
+    assert not list(Path(str(first.checkpoints)).glob("*.tmp"))

@@ -6,6 +6,7 @@ exactly the same engine."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,8 @@ from orchestrator.engine.work.publisher import Publisher
 from workers.tasks.task import Task, load_task
 from workers.wire.flat import FlatParams, slice_bounds
 from workers.wire.fragments import FragmentedTask, Fragments, fragment_model
+
+log = logging.getLogger(__name__)
 
 
 def build_engine(
@@ -134,6 +137,8 @@ def assemble(
     publisher = Publisher(cfg=cfg, pool=pool, outer=outer, flat=flat.data, fragments=fragments, lag=policies.pacing.lag)
     states = IslandStates(cfg, run_id)
     checkpoints = run_folder(cfg.checkpoint_dir, run_id)
+    if removed := checkpoints.sweep():  # this coordinator is the folder's only writer: the rest died writing
+        log.warning("removed %d temporary file(s) of an interrupted checkpoint in %s", len(removed), checkpoints)
     state = load_checkpoint(checkpoints, cfg.checkpoint.resume_from) if cfg.checkpoint.every_rounds else None
     if state is not None and state["run_id"] != run_id:  # a folder copied or renamed by hand
         raise RunFailed(f"{checkpoints} holds the checkpoints of run {state['run_id']}, not of {run_id}")

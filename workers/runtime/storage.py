@@ -13,7 +13,9 @@ endpoint come from the environment, as the SDKs read them (`AWS_ACCESS_KEY_ID`,
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,9 +32,19 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+READ_BLOCK = 4 << 20  # an object's reads: ranges of 4 MiB (16 MiB ranges peaked 30 MB higher)
+TEMPORARY = re.compile(r"^\..+\.\d+\.[0-9a-f]{8}\.tmp$")  # `_temporary`'s names
+
+
+def _temporary(path: Path) -> Path:
+    """A unique name beside `path` to write it under before the rename: its writer's pid and
+    a random part, so two writers (two runs, two processes) never share one."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+
+
 def durable_write(path: Path, data: bytes) -> None:
     """Write `data` to `path` atomically and durably (unique temp, fsync, rename, fsync dir)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = _temporary(path)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -42,6 +54,42 @@ def durable_write(path: Path, data: bytes) -> None:
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
+
+
+class _Ranged:
+    """An object's reading file whose `readinto` fills the caller's buffer range by range.
+    `torch.load` reads each tensor with one `readinto` of its whole size: fsspec's own
+    reads it into one `bytes` first, so a load from object storage peaked at the state plus
+    its largest tensor again (measured: 1.5x a 100 MB state; 1.1x like this)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+
+    def read(self, n: int = -1) -> bytes:
+        data: bytes = self.f.read(n)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        view, done = memoryview(buffer).cast("B"), 0
+        while done < len(view):
+            data = self.f.read(min(READ_BLOCK, len(view) - done))
+            if not data:
+                break
+            view[done : done + len(data)] = data
+            done += len(data)
+        return done
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return int(self.f.seek(offset, whence))
+
+    def tell(self) -> int:
+        return int(self.f.tell())
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
 
 
 def is_url(location: str | Path) -> bool:
@@ -97,6 +145,26 @@ class Folder:
         data: bytes = self.fs.cat_file(self._key(name))
         return data
 
+    @contextlib.contextmanager
+    def open_read(self, name: str) -> Iterator[IO[bytes]]:
+        """`name` to read as a seekable stream: a local file, or an object read in ranges of
+        `READ_BLOCK` as the reader asks for them, never held whole in memory beside what is
+        made of it (`_Ranged`)."""
+        if not self.remote:
+            with open(Path(self.path) / name, "rb") as f:
+                yield f
+            return
+        with self.fs.open(self._key(name), "rb", block_size=READ_BLOCK, cache_type="none") as f:
+            yield _Ranged(f)  # type: ignore[misc]  # the reading half of a binary file is all it offers
+
+    def sha256(self, name: str) -> str:
+        """The SHA-256 of `name`, read as a stream."""
+        digest = hashlib.sha256()
+        with self.open_read(name) as f:
+            while chunk := f.read(READ_BLOCK):
+                digest.update(chunk)
+        return digest.hexdigest()
+
     def write(self, name: str, data: bytes) -> None:
         """Atomically: a reader sees the old content or the new, never a part."""
         if not self.remote:
@@ -128,7 +196,7 @@ class Folder:
         folder = Path(self.path)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / name
-        tmp = path.with_name(f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        tmp = _temporary(path)
         try:
             with open(tmp, "wb") as out:
                 yield out
@@ -138,6 +206,20 @@ class Folder:
         finally:
             tmp.unlink(missing_ok=True)
         _fsync_dir(folder)
+
+    def sweep(self) -> list[str]:
+        """Remove the temporary files a writer killed mid-write left here (a SIGKILL or a
+        lost node skips the clean-up of `open_write` and `durable_write`: each crash during
+        a checkpoint left a state-sized orphan). Only for a folder whose writers are all gone
+        — its owner, starting. Object storage has none to remove (an upload not completed
+        is no object). Returns the names removed."""
+        if self.remote:
+            return []
+        folder = Path(self.path)
+        gone = [p for p in folder.iterdir() if p.is_file() and TEMPORARY.match(p.name)] if folder.is_dir() else []
+        for path in gone:
+            path.unlink(missing_ok=True)
+        return [p.name for p in gone]
 
     def delete(self, name: str) -> None:
         if not self.remote:

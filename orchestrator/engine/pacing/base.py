@@ -155,8 +155,9 @@ class Pacing(Protocol):
         and the steps a stopped work gives back (`shortened`) would go to the idle ones
         (`elastic.tail_stop`). Never, for a pacing without a budget of steps."""
 
-    def resume(self, run: RunState) -> None:
-        """Continue from a checkpoint's `run` (versions, completed steps)."""
+    def resume(self, run: RunState, recorded: int) -> None:
+        """Continue from a checkpoint's `run` (versions, completed steps), whose records
+        went up to round `recorded` (a round is never recorded twice)."""
 
     def restart(self, run: RunState) -> None:
         """Every island's work was given up (a stop-the-world restart): start the step
@@ -222,7 +223,7 @@ class Barrier:
     def spent(self, run: RunState) -> bool:
         return False  # a round's work is its islands': none hands steps to another
 
-    def resume(self, run: RunState) -> None:
+    def resume(self, run: RunState, recorded: int) -> None:
         pass
 
     def restart(self, run: RunState) -> None:
@@ -333,7 +334,7 @@ class OneRoundLag:
     def spent(self, run: RunState) -> bool:
         return False
 
-    def resume(self, run: RunState) -> None:
+    def resume(self, run: RunState, recorded: int) -> None:
         pass  # the pipeline refills from `run.base`
 
     def restart(self, run: RunState) -> None:
@@ -404,8 +405,8 @@ class FragmentSchedule:
     def spent(self, run: RunState) -> bool:
         return self.inner.spent(self._view(run))
 
-    def resume(self, run: RunState) -> None:
-        self.inner.resume(self._view(run))
+    def resume(self, run: RunState, recorded: int) -> None:
+        self.inner.resume(self._view(run), recorded)
 
     def restart(self, run: RunState) -> None:
         self.inner.restart(self._view(run))
