@@ -259,3 +259,33 @@ def test_a_work_about_to_end_is_left_to_end(tmp_path):
     engine, _ = in_process_engine(cfg, step_s=1.0)
     drive(engine)
     assert not [e for e in events(cfg.out_dir) if e["kind"] in ("straggler", "partial")]
+
+
+@pytest.mark.parametrize("mode", ["quorum", "sync_dylu"])
+def test_a_stopped_straggler_trains_the_rest_when_the_idle_islands_die_and_none_can_be_placed(tmp_path, mode):
+    """The islands meant to train a stopped straggler's rest die on that work and no
+    replacement can be placed: the straggler was kept out of the budget for good while the
+    fleet counted it as able to train, so the run spun (40,000 simulated seconds, its event
+    log growing). Now an island stopped as a straggler trains again once no other live island
+    can: the run ends (164 simulated s in quorum mode, 55 s without the failures) before the
+    straggler alone could have trained the whole budget, every batch trained once."""
+    from orchestrator.testing.pool import Fault, FaultKind
+
+    cfg = scenario_cfg(
+        tmp_path, mode, "rounds=3", "inner_steps=16", "round_timeout_s=100", *BEATS, "elastic.hang_after_steps=12"
+    )
+    limit = 3 * 3 * 16 * 8.0  # the whole budget trained by the straggler alone, at its slowed pace
+    engine, pool = in_process_engine(cfg, step_s=1.0)
+    drive(engine, at={1: lambda _: pool.slow.__setitem__(0, (8.0, math.inf))}, until=1)
+    struck = False
+    while engine.step():
+        if not struck and any(e.kind.value == "straggler" for e in engine.outputs.events.recent):
+            struck = True  # the rest's islands die on the work that follows; nothing new can be placed
+            pool.faults += [Fault(FaultKind.CRASH, i, pool.orders.get(i, 0) + 1) for i in (1, 2)]
+            pool.unplaceable |= set(range(3, 64))
+        assert pool.t <= limit, f"still running at {pool.t:.0f} simulated s"
+    assert struck and engine.summary["state"] == "finished"
+    check_exactly_once(cfg, engine.summary)
+    check_rounds_recorded(cfg, engine.summary)
+    log = events(cfg.out_dir)
+    assert {e["island"] for e in log if e["kind"] == "crash"} == {1, 2} and len(log) < 200

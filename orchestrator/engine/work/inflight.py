@@ -60,9 +60,14 @@ class InFlight:
 
     def free(self, schedulable: list[int]) -> list[int]:
         """The `schedulable` islands training nothing that may be given work: not those
-        stopped as stragglers at the budget's end (`behind`). One whose result waits for
-        its step is free: the pacing hands it work once that step is taken."""
-        out = self.busy() | self.behind
+        stopped as stragglers at the budget's end (`behind`) while another island can train
+        — once none can (the islands meant to train their rest died, none could be placed),
+        they train it, or the run would wait for good on islands the fleet counts as able to
+        train. One whose result waits for its step is free: the pacing hands it work once
+        that step is taken."""
+        out = self.busy()
+        if any(i not in self.behind for i in schedulable):
+            out |= self.behind
         return [i for i in schedulable if i not in out]
 
     def held(self) -> set[int]:
