@@ -183,7 +183,10 @@ class ElasticConfig(Strict):
         "deadline and late_grace_s; a slow island keeps advancing and keeps its work. null: only deadlines",
     )
     progress_every_s: float = Field(
-        2.0, gt=0, description="heartbeats: how often an island's progress is read (beside its round, never behind it)"
+        2.0,
+        gt=0,
+        description="heartbeats: how often each placed island's progress is read (beside its round, never behind "
+        "it; on Ray by a thread of the coordinator's own, so a coordinator busy evaluating or checkpointing still hears it)",
     )
     hang_floor_s: float = Field(
         60.0,

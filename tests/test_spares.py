@@ -97,7 +97,12 @@ def test_a_crash_a_hang_and_a_preemption_hand_their_places_to_spares_at_once_in_
     check_rounds_recorded(cfg, engine.summary)
     log = events(cfg.out_dir)
     promoted = [e["island"] for e in log if e["kind"] == "promoted"]
-    assert len(promoted) >= 2, [(e["kind"], e.get("island")) for e in log]
+    released = [e["island"] for e in log if e["kind"] == "released"]
+    # every island released (the preempted, the crashed, the hung once declared) handed its
+    # place to a spare; a hung island seen late first (the streaming modes: its deadline
+    # comes before the floor) keeps its place through the grace, past the run's end
+    assert len(promoted) == len(released) and len(released) in (2, 3), [(e["kind"], e.get("island")) for e in log]
+    assert len(released) == 3 or any(e["kind"] == "late" for e in log), [(e["kind"], e.get("island")) for e in log]
     assert sum(engine.summary["islands"][str(i)]["rounds_contributed"] for i in promoted) >= 1
     # no place waited for a placement: each promotion asked for a spare behind it, nothing more
     after = [e["kind"] for e in log[next(n for n, e in enumerate(log) if e["kind"] == "promoted") :]]
@@ -217,8 +222,11 @@ def test_where_islands_follow_a_copy_a_spare_is_kept_current_and_downloads_only_
         drive(engine)
         check_exactly_once(cfg, engine.summary)
         finals[spares] = engine.summary["final_eval_loss"]
+        initial = engine.summary["initial_eval_loss"]
         if spares:
             assert [e["island"] for e in events(cfg.out_dir) if e["kind"] == "promoted"] == [3]
             assert pool.whole[3] and not pool.whole[3][0], pool.whole  # its first work: changes only
             assert engine.summary["islands"]["4"]["bytes_received"] > 0  # the new spare, kept current meanwhile
-    assert math.isfinite(finals[1]) and finals[1] <= finals[0] * 1.1 + 0.02, finals
+    # at least 95% of the improvement the run without the spare made (measured: 1.09x in
+    # diloco, 1.05x in streaming: the spare's island trained on where the crashed one stopped)
+    assert math.isfinite(finals[1]) and initial - finals[1] >= 0.95 * (initial - finals[0]), (initial, finals)

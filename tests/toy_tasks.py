@@ -70,6 +70,7 @@ class QuadraticTask:
         nan_island: int | None = None,
         fault_dir: str | None = None,
         split: bool = False,
+        eval_stall_s: float = 0.0,
     ) -> None:
         self.dtype = getattr(torch, dtype)
         self.centers = torch.tensor(centers, dtype=self.dtype)
@@ -79,6 +80,7 @@ class QuadraticTask:
         self.nan_island = nan_island  # this island's data is NaN: its pseudo-gradients are NaN
         self.fault_dir = fault_dir
         self.split = split  # a model of one layer per coordinate (`SplitPoint`)
+        self.eval_stall_s = eval_stall_s  # reading the evaluation's batches takes this long (a busy coordinator)
 
     def prepare(self) -> None:
         pass
@@ -105,6 +107,7 @@ class QuadraticTask:
             yield (center * float("nan"),) if nan else (center,)
 
     def eval_batches(self) -> Sequence[tuple[torch.Tensor, ...]]:
+        time.sleep(self.eval_stall_s)
         return [(c.clone(),) for c in self.centers]
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:

@@ -100,9 +100,10 @@ class RoundEngine(EngineParts):
         """Ask for the islands (after a restart: re-attach to the live ones, re-place the rest)."""
         self.fleet.start(self.resumed)
 
-    def submit(self, command: Command) -> Answer:
-        """An operator's command, validated now, applied by the engine at its own pace."""
-        return self.inbox.submit(command)
+    def submit(self, command: Command, *, key: str | None = None) -> Answer:
+        """An operator's command, validated now, applied by the engine at its own pace
+        (`key`: its idempotency key, `Inbox.submit`)."""
+        return self.inbox.submit(command, key=key)
 
     def step(self) -> Transition:
         """One transition: the phase before and after it and what was carried out on the
@@ -276,9 +277,10 @@ class RoundEngine(EngineParts):
             elif isinstance(event, Progress):
                 self.inflight.progressed(event)
             elif isinstance(event, Failed):
-                if event.ticket in self.flights and self.flights[event.ticket].result is None:
-                    self.inflight.lose(event.ticket, event.reason)
-                self.inflight.overdue.pop(event.ticket, None)
+                if event.ticket is not None:
+                    if event.ticket in self.flights and self.flights[event.ticket].result is None:
+                        self.inflight.lose(event.ticket, event.reason)
+                    self.inflight.overdue.pop(event.ticket, None)
                 self._apply([Lost(island=event.island, reason=event.reason)])
 
     # -- the outer step ------------------------------------------------------------------------------

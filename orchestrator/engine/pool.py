@@ -43,9 +43,10 @@ class Done:
 
 @dataclass(frozen=True, kw_only=True)
 class Failed:
-    """The island died or its code raised while doing `ticket`."""
+    """The island died or its code raised while doing `ticket` (None: it had no work out
+    — a spare or an idle island whose heartbeat found it gone)."""
 
-    ticket: int
+    ticket: int | None
     island: int
     reason: str
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +20,9 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 
 from orchestrator.config import RunConfig
-from orchestrator.engine.pool import Done, Failed, Joined, JoinFailed, PoolEvent, Preempting, Progress
+from orchestrator.engine.pool import Done, Failed, Joined, JoinFailed, PoolEvent, Preempting
 from orchestrator.engine.specs import island_spec
+from orchestrator.runtime.heartbeats import Gone, Heartbeats
 from orchestrator.runtime.island_actors import (
     IslandHandle,
     find_island,
@@ -60,18 +62,24 @@ class RayIslandPool:
         self.published: tuple[int, Any] | None = None
         self.demanded: int | None = None
         self.adopted: dict[int, IslandHandle] = {}  # started before this pool asked for them (`adopt`)
-        self.probes: dict[Any, tuple[int, float]] = {}  # heartbeats asked, not yet answered: ref -> (island, asked at)
-        self.probed_at = 0.0
-        self.drains_read_at = 0.0  # when Ray's draining nodes were last read
+        self.heartbeats = self._listen()
+        self.drains_read_at = -math.inf  # when Ray's draining nodes were last read (on `now`'s clock)
         self.nodes: dict[int, set[str]] = {}  # island -> the Ray node ids its workers were placed on
         self.noticed: set[int] = set()  # islands whose preemption notice was given
         self.fetched_s: dict[int, float] = {}  # island -> seconds its latest result took to fetch (`_fetch`)
 
+    def _listen(self) -> Heartbeats | None:
+        """Heartbeats heard on a thread of their own (`heartbeats.py`), with
+        `elastic.hang_after_steps`."""
+        elastic = self.cfg.elastic
+        return Heartbeats(elastic.progress_every_s) if elastic.hang_after_steps is not None else None
+
     def now(self) -> float:
-        return time.time()
+        """Monotonic; with heartbeats, stopped while the coordinator could not listen."""
+        return self.heartbeats.clock.now() if self.heartbeats is not None else time.monotonic()
 
     def sleep_until(self, t: float) -> None:
-        time.sleep(max(0.0, t - time.time()))
+        time.sleep(max(0.0, t - self.now()))
 
     def request(
         self, island: int, start_step: int, *, state_folder: str | None = None, restore: SavedState | None = None
@@ -80,10 +88,10 @@ class RayIslandPool:
         adopted = self.adopted.pop(island, None)
         if adopted is not None:  # placed already: taken over in its process, it answers as `describe` does
             ready = adopted.actor.rejoin.remote(spec)
-            self.placing[island] = _Placing(island, adopted.group, None, time.time(), spec, adopted, ready, True)
+            self.placing[island] = _Placing(island, adopted.group, None, self.now(), spec, adopted, ready, True)
             return
         group = request_group(self.cfg, island, self.run_id)
-        self.placing[island] = _Placing(island, group, group.ready(), time.time(), spec)
+        self.placing[island] = _Placing(island, group, group.ready(), self.now(), spec)
 
     def reattach(self, island: int) -> str | None:
         handle = find_island(self.run_id, island)
@@ -94,7 +102,7 @@ class RayIslandPool:
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
             release_island(handle)
             return None
-        self.handles[island] = handle
+        self._placed(island, handle)
         return f"{info['host']}:{info['device']}"
 
     def survivors(self) -> list[int]:
@@ -115,8 +123,8 @@ class RayIslandPool:
     def release(self, island: int) -> None:
         for ref in [r for r, (_, i) in self.work.items() if i == island]:
             del self.work[ref]
-        for ref in [r for r, (i, _) in self.probes.items() if i == island]:
-            del self.probes[ref]
+        if self.heartbeats is not None:
+            self.heartbeats.forget(island)
         self.nodes.pop(island, None)
         self.noticed.discard(island)
         self.fetched_s.pop(island, None)
@@ -189,7 +197,7 @@ class RayIslandPool:
         worker on one. Ray's list is read through its state API (`get_draining_nodes`, as
         Ray Serve reads it; not a public API): a Ray without it gives no notices, and the
         island's loss is then a crash."""
-        now = time.time()
+        now = self.now()
         if not self.handles or now - self.drains_read_at < self.cfg.elastic.progress_every_s:
             return []
         self.drains_read_at = now
@@ -206,7 +214,7 @@ class RayIslandPool:
             if deadlines and island not in self.noticed:
                 self.noticed.add(island)
                 deadline_ms = min((d for d in deadlines if d), default=0)  # 0: no deadline given
-                notice = max(0.0, deadline_ms / 1000 - now) if deadline_ms else None
+                notice = max(0.0, deadline_ms / 1000 - time.time()) if deadline_ms else None
                 log.warning("island %d: its node is being drained (taken in %s s)", island, notice)
                 events.append(Preempting(island=island, notice_s=notice))
         return events
@@ -232,42 +240,23 @@ class RayIslandPool:
         return [self._fetch(ref, *self.work.pop(ref)) for ref in ready]
 
     def _heartbeats(self) -> list[PoolEvent]:
-        """With `elastic.hang_after_steps`: every `progress_every_s`, each island with work
-        out is asked its step count through `identity`, which its actor answers in its
-        `control` group beside the round (never behind it); the answers that are in. An
-        island that does not answer is not reported: its stall is the engine's to judge,
-        and its death comes as its result's failure."""
-        elastic = self.cfg.elastic
-        if elastic.hang_after_steps is None:
+        """What the heartbeats' thread heard since the last poll (`heartbeats.py`): each
+        island's step count, and the death of an island with no work out (a spare's, found
+        before it is promoted); an island with work out dies as its result's failure."""
+        if self.heartbeats is None:
             return []
         events: list[PoolEvent] = []
-        if self.probes:
-            ready, _ = ray.wait(list(self.probes), num_returns=len(self.probes), timeout=0)
-            for ref in ready:
-                island, asked_at = self.probes.pop(ref)
-                try:
-                    info = ray.get(ref)
-                except ray.exceptions.RayError:
-                    continue
-                work, ticket = info.get("work_steps_done"), info.get("work_ticket")
-                events.append(
-                    Progress(
-                        island=island,
-                        steps=int(info["inner_steps_done"]),
-                        work_steps=None if work is None else int(work),
-                        ticket=None if ticket is None else int(ticket),
-                        at=asked_at,  # its count is no older than the question
-                    )
-                )
-        now = time.time()
-        if now - self.probed_at >= elastic.progress_every_s:
-            self.probed_at = now
-            asked = {i for i, _ in self.probes.values()}
-            for island in sorted({i for _, i in self.work.values()} - asked):
-                handle = self.handles.get(island)
-                if handle is not None:
-                    self.probes[handle.actor.identity.remote()] = (island, self.now())
+        for heard in self.heartbeats.take():
+            if not isinstance(heard, Gone):
+                events.append(heard)
+            elif heard.island in self.handles and heard.island not in {i for _, i in self.work.values()}:
+                events.append(Failed(ticket=None, island=heard.island, reason=heard.reason))
         return events
+
+    def _placed(self, island: int, handle: IslandHandle) -> None:
+        self.handles[island] = handle
+        if self.heartbeats is not None:
+            self.heartbeats.watch(island, handle.actor)
 
     def _idle(self, timeout: float) -> None:
         """No work out: wait, looking at placements more often while some are pending."""
@@ -318,7 +307,7 @@ class RayIslandPool:
                     release_island(p.handle)
                     events.append(JoinFailed(island=i, reason=str(err).strip().splitlines()[-1]))
                     continue
-                self.handles[i] = p.handle
+                self._placed(i, p.handle)
                 events.append(
                     Joined(
                         island=i,
@@ -343,6 +332,8 @@ class RayIslandPool:
         for i in list(self.handles):
             if i in keep and self.cfg.islands.workers == 1:
                 out[i] = self.handles.pop(i)
+                if self.heartbeats is not None:
+                    self.heartbeats.forget(i)
             else:
                 self.release(i)
         return out
@@ -355,6 +346,8 @@ class RayIslandPool:
         self.adopt({i: h for i in range(count) if (h := find_island(self.run_id, i)) is not None})
 
     def close(self) -> None:
+        if self.heartbeats is not None:
+            self.heartbeats.close()
         for i in list(self.handles):
             self.release(i)
         for i in list(self.placing):

@@ -31,6 +31,10 @@ class VirtualClockPool(RayIslandPool):
         self.counted: dict[int, int] = {}  # heartbeats: each island's steps of finished work
         self.sends: dict[Any, int] = {}  # object ref -> the steps before its pseudo-gradient is taken
 
+    def _listen(self) -> None:
+        """No thread: heartbeats are read off the virtual clock (`_heartbeats`)."""
+        return None
+
     def now(self) -> float:
         return self.vt
 

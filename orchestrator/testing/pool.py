@@ -425,7 +425,7 @@ class InProcessPool:
         for e in events:
             if isinstance(e, Progress):
                 self.beats[e.island] = e
-            if isinstance(e, (Done, Failed)):
+            if isinstance(e, (Done, Failed)) and e.ticket is not None:
                 self.started.pop(e.ticket, None)
         return events
 
