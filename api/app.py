@@ -14,7 +14,7 @@ from collections.abc import Callable
 from importlib import resources
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
+from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
@@ -27,6 +27,7 @@ from api.limits import MAX_BODY, FrontDoor, RateLimit
 from api.schemas import Accepted, Target
 from api.schemas import AddIslands as AddIslandsBody
 from orchestrator.engine.commands import (
+    MAX_KEY_LENGTH,
     AddIslands,
     Command,
     Drain,
@@ -56,6 +57,16 @@ PAGE = MAX_PAGE = (
 )
 Since = Annotated[int, Query(ge=0, description="cursor: the last round seen (history) or events seen (events)")]
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE, description="page size")]
+Key = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        min_length=1,
+        max_length=MAX_KEY_LENGTH,
+        description="a key of the client's choosing: the run answers a key it accepted before with that first "
+        "answer and applies nothing again, so a command whose answer was lost can be sent again safely",
+    ),
+]
 Route = Callable[..., Any]
 
 
@@ -173,10 +184,11 @@ def create_app(
         """A route that puts a command to the run: authenticated, answered 202 `Accepted`."""
         return getattr(app, method)(path, status_code=202, dependencies=auth, response_model=Accepted, summary=summary)
 
-    def answer(command: Command) -> Accepted:
+    def answer(command: Command, key: str | None) -> Accepted:
         """Put `command` to the run: its acknowledgement is a 202, its refusal a 4xx from
-        the refusal's reason."""
-        reply = handle.submit(command)
+        the refusal's reason. `key`: the `Idempotency-Key` header (a key the run accepted
+        before gets that first answer, and nothing is applied again)."""
+        reply = handle.submit(command, key)
         if isinstance(reply, Refused):
             raise HandleError(REFUSAL_STATUS[reply.reason], reply.message)
         return Accepted(detail=reply.detail)
@@ -184,18 +196,18 @@ def create_app(
     @command_route(
         "post", "/v1/islands", "Add islands (asks the autoscaler for their nodes; they join as resources appear)"
     )
-    def add_islands(body: AddIslandsBody) -> Accepted:
-        return answer(AddIslands(count=body.count))
+    def add_islands(body: AddIslandsBody, key: Key = None) -> Accepted:
+        return answer(AddIslands(count=body.count), key)
 
     @command_route("put", "/v1/islands/target", "Set the island count (idempotent; bounded by elastic.min/max_islands)")
-    def set_target(body: Target) -> Accepted:
-        return answer(SetTarget(islands=body.target))
+    def set_target(body: Target, key: Key = None) -> Accepted:
+        return answer(SetTarget(islands=body.target), key)
 
     @command_route(
         "delete", "/v1/islands/{island}", "Drain one island: it finishes its round, then its resources are released"
     )
-    def drain(island: int = Path(..., ge=0)) -> Accepted:
-        return answer(Drain(island=island))
+    def drain(island: int = Path(..., ge=0), key: Key = None) -> Accepted:
+        return answer(Drain(island=island), key)
 
     @command_route(
         "post",
@@ -207,21 +219,22 @@ def create_app(
     def preempt(
         island: int = Path(..., ge=0),
         notice_s: float | None = Query(None, ge=0, description="seconds until the node is taken, if known"),
+        key: Key = None,
     ) -> Accepted:
-        return answer(Preempt(island=island, notice_s=notice_s))
+        return answer(Preempt(island=island, notice_s=notice_s), key)
 
     @command_route(
         "post", "/v1/run/{action}", "pause, resume or stop (stop: finish the round, checkpoint, write outputs)"
     )
-    def control(action: str) -> Accepted:
+    def control(action: str, key: Key = None) -> Accepted:
         command = RUN_ACTIONS.get(action)
         if command is None:
             raise HTTPException(404, f"unknown action {action!r}; use one of {sorted(RUN_ACTIONS)}")
-        return answer(command)
+        return answer(command, key)
 
     @command_route("patch", "/v1/run/settings", "Change H and the outer lr at the next round boundary")
-    def settings(body: SettingsUpdate) -> Accepted:
-        return answer(UpdateSettings(settings=body))
+    def settings(body: SettingsUpdate, key: Key = None) -> Accepted:
+        return answer(UpdateSettings(settings=body), key)
 
     @app.get("/metrics", dependencies=reads, response_class=PlainTextResponse, summary="Prometheus text format")
     def metrics() -> PlainTextResponse:

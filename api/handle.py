@@ -29,7 +29,8 @@ class RunHandle(Protocol):
     def islands(self) -> dict[str, dict[str, Any]]: ...
     def events(self, since: int, limit: int) -> list[EventRecord]: ...
     def history(self, since: int, limit: int) -> list[dict[str, Any]]: ...
-    def submit(self, command: Command) -> Answer: ...
+    def submit(self, command: Command, key: str | None = None) -> Answer:
+        """`key`: the client's idempotency key (a key accepted before gets its first answer)."""
 
 
 def find_run(run_id: str | None = None) -> str:
@@ -51,6 +52,10 @@ def find_run(run_id: str | None = None) -> str:
 
 
 RESTARTING = "the coordinator is starting or restarting; retry in a few seconds"
+UNKNOWN = (
+    "the coordinator did not answer ({why}): the command may or may not have been applied. Check GET /v1/run "
+    "and /v1/events, or send it again with the same Idempotency-Key header, which applies it at most once"
+)
 
 
 class Restarting(Exception):
@@ -61,9 +66,12 @@ class RayRunHandle:
     """Calls the coordinator actor `archipelago-<run_id>-coordinator`.
 
     While Ray restarts a coordinator that died (seconds), reads answer with the last answer
-    seen (the status says `"coordinator": "restarting"`; cursor reads return nothing new)
-    and mutations are refused with 409: the client is told to retry, nothing is lost, and
-    the API never answers 5xx for a fault the run is built to survive."""
+    seen (the status says `"coordinator": "restarting"`; cursor reads return nothing new).
+    A mutation not answered in time (the coordinator restarting, or busy: the command may
+    be waiting for the inbox's lock) is answered 409 saying its outcome is unknown — not
+    "nothing was changed", which a retried `AddIslands` then made false — with the way to
+    find out or retry safely (an idempotency key). The API never answers 5xx for a fault
+    the run is built to survive."""
 
     def __init__(self, run_id: str, timeout_s: float = 10.0) -> None:
         import ray
@@ -118,10 +126,8 @@ class RayRunHandle:
     def history(self, since: int, limit: int) -> list[dict[str, Any]]:
         return self._since(lambda: self.actor.history.remote(since, limit))
 
-    def submit(self, command: Command) -> Answer:
+    def submit(self, command: Command, key: str | None = None) -> Answer:
         try:
-            return self._call(lambda: self.actor.submit.remote(command))
+            return self._call(lambda: self.actor.submit.remote(command, key))
         except Restarting as err:
-            raise HandleError(
-                409, f"the coordinator is restarting ({err}); nothing was changed: retry in a few seconds"
-            ) from err
+            raise HandleError(409, UNKNOWN.format(why=err)) from err

@@ -126,10 +126,10 @@ class FakeRun:
             "island_idle_fraction": {i: 1 - (2.0 - int(i) / 2) / 2.5 for i in present},
         }
 
-    def submit(self, command: Command) -> Answer:
+    def submit(self, command: Command, key: str | None = None) -> Answer:
         """The inbox's answer; what it accepted is applied at once (a real run applies it at
         its next step or round boundary)."""
-        reply = self.inbox.submit(command)
+        reply = self.inbox.submit(command, key=key)
         if isinstance(reply, Ack):
             self.log.append({"time": time.time(), "kind": LOGGED_AS[type(command)].value, **reply.detail})
             for change in self.inbox.take_membership():

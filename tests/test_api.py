@@ -39,6 +39,25 @@ def test_scaling_is_idempotent_and_bounded(api):
     assert r.status_code == 422 and "outside" in r.json()["detail"] and run.target == 4
 
 
+def test_a_command_retried_with_its_idempotency_key_is_applied_once(api):
+    """A client that got no answer cannot know whether its `POST /v1/islands` was applied:
+    sent again with the same `Idempotency-Key`, it gets the first answer and the target
+    rises once; the key with another command is refused (422); a fresh key applies anew."""
+    client, run = api
+    key = {**AUTH, "Idempotency-Key": "add-one-3c9e"}
+    first = client.post("/v1/islands", json={"count": 1}, headers=key)
+    again = client.post("/v1/islands", json={"count": 1}, headers=key)
+    assert first.status_code == again.status_code == 202 and first.json() == again.json() and run.target == 4
+    other = client.put("/v1/islands/target", json={"target": 6}, headers=key)
+    assert other.status_code == 422 and "another command" in other.json()["detail"] and run.target == 4
+    fresh = client.post("/v1/islands", json={"count": 1}, headers={**AUTH, "Idempotency-Key": "add-one-77d0"})
+    assert fresh.status_code == 202 and run.target == 5
+    assert (
+        client.post("/v1/islands", json={"count": 1}, headers={**AUTH, "Idempotency-Key": "k" * 256}).status_code == 422
+    )
+    assert run.target == 5
+
+
 @pytest.mark.parametrize(
     "method, path, body, status",
     [

@@ -55,8 +55,12 @@ def test_control_plane_watches_and_scales_a_live_run(ray_local, tmp_path, monkey
     assert status["run_id"] == "apitest" and status["mode"] == "diloco" and status["target_islands"] == 2
     assert client.post("/v1/islands", json={"count": 1}, headers={"Authorization": ""}).status_code == 401
     assert client.get("/v1/islands", headers={"Authorization": ""}).status_code == 401
-    r = client.post("/v1/islands", json={"count": 1}, headers=AUTH)
+    keyed = {**AUTH, "Idempotency-Key": "add-one-a41c"}
+    r = client.post("/v1/islands", json={"count": 1}, headers=keyed)
     assert r.status_code == 202 and r.json()["detail"]["target"] == 3
+    retried = client.post("/v1/islands", json={"count": 1}, headers=keyed)  # an answer lost, sent again
+    assert retried.status_code == 202 and retried.json() == r.json()
+    assert client.get("/v1/run").json()["target_islands"] == 3  # raised once
     bad = client.put("/v1/islands/target", json={"target": 500}, headers=AUTH)
     assert bad.status_code == 422 and "outside" in bad.json()["detail"]
     while time.time() < deadline and len(client.get("/v1/islands").json()) < 3:

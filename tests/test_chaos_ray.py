@@ -1,10 +1,12 @@
 """Chaos over REST against a live run (seeded, bounded, loopback only), as an operator and an
 attacker would try it: adds, a drain, pause/resume and a settings change through the API,
 every mutating route hit with unauthenticated header variants and with malformed bodies, a
-background reader on every read route, island processes killed mid-round and the
-coordinator actor killed twice. The run must finish every round with exact token
-accounting and a loss within 2% of the fault-free run with the same seed, the API must
-never answer 5xx or accept an unauthenticated mutation, and no accepted add may be lost."""
+background reader on every read route (with the read-only token, five reads every 50 ms),
+island processes killed mid-round and the coordinator actor killed twice — with the
+shipped rate limit on. The run must finish every round with exact token accounting and a
+loss within 2% of the fault-free run with the same seed, the API must never answer 5xx or
+accept an unauthenticated mutation, the reader's flood must never limit the operator, and
+no accepted add may be lost or, retried with its idempotency key, applied twice."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import json
 import random
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -30,6 +33,8 @@ pytestmark = pytest.mark.ray
 
 TOKEN = "chaos-test-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+READER = "chaos-read-only-token-0123456789"
+READ = {"Authorization": f"Bearer {READER}"}
 ROUNDS = 30
 MUTATIONS = [
     ("POST", "/v1/islands", {"count": 1}),
@@ -62,8 +67,7 @@ MALFORMED = [
 
 
 def _cfg(tmp_path: Path, name: str, port: int | None = None, *extra: str):
-    # the chaos client polls five reads every 50 ms, past the per-client limit (tested on its own)
-    api = ["api.enabled=true", f"api.port={port}", "api.rate_per_s=0"] if port else []
+    api = ["api.enabled=true", f"api.port={port}"] if port else []  # the shipped rate limit
     return load_config(
         None,
         toy_quadratic(
@@ -91,17 +95,21 @@ class Client:
         self.statuses: list[tuple[str, int]] = []
         self.lock = threading.Lock()
 
-    def call(self, method: str, path: str, body=None, headers=None, content: bytes | None = None) -> httpx.Response:
+    def call(
+        self, method: str, path: str, body=None, headers=None, content: bytes | None = None, who: str = "operator"
+    ) -> httpx.Response:
         kwargs = {"content": content} if content is not None else {"json": body} if body is not None else {}
         r = self.http.request(method, path, headers=headers if headers is not None else AUTH, **kwargs)
         with self.lock:
-            self.statuses.append((f"{method} {path}", r.status_code))
+            self.statuses.append((f"{who} {method} {path}", r.status_code))
         return r
 
     def until_accepted(self, method: str, path: str, body=None, attempts: int = 60) -> httpx.Response:
-        """Retry while the coordinator restarts (409), as a client is told to."""
+        """Retry while the coordinator restarts (409: its outcome unknown), as a client is
+        told to: with one idempotency key for every attempt, so it is applied at most once."""
+        key = {**AUTH, "Idempotency-Key": uuid.uuid4().hex}
         for _ in range(attempts):
-            r = self.call(method, path, body)
+            r = self.call(method, path, body, headers=key)
             if r.status_code != 409:
                 return r
             time.sleep(0.5)
@@ -112,13 +120,13 @@ def _reader(client: Client, stop: threading.Event) -> None:
     cursor = 0
     while not stop.is_set():
         try:
-            client.call("GET", "/v1/run")
-            client.call("GET", "/v1/islands")
-            events = client.call("GET", f"/v1/events?since={cursor}")
+            client.call("GET", "/v1/run", headers=READ, who="reader")
+            client.call("GET", "/v1/islands", headers=READ, who="reader")
+            events = client.call("GET", f"/v1/events?since={cursor}", headers=READ, who="reader")
             if events.status_code == 200:
                 cursor += len(events.json())
-            client.call("GET", "/v1/run/history?since=0&limit=5")
-            client.call("GET", "/metrics")
+            client.call("GET", "/v1/run/history?since=0&limit=5", headers=READ, who="reader")
+            client.call("GET", "/metrics", headers=READ, who="reader")
         except httpx.TransportError:
             pass  # the server is gone: the run ended
         time.sleep(0.05)
@@ -149,6 +157,7 @@ def test_rest_chaos_with_killed_islands_and_coordinator(ray_local, tmp_path, mon
     cfg = _cfg(tmp_path, "chaos", port)
     box: dict = {}
     monkeypatch.setenv("ARCHIPELAGO_API_TOKEN", TOKEN)
+    monkeypatch.setenv("ARCHIPELAGO_API_READ_TOKEN", READER)
     thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id=run_id)))
     thread.start()
     client = Client(f"http://127.0.0.1:{port}")
@@ -172,9 +181,9 @@ def test_rest_chaos_with_killed_islands_and_coordinator(ray_local, tmp_path, mon
         if rnd >= 4 and "attack" not in done:
             done.add("attack")
             for method, path, body in MUTATIONS:
-                for headers in UNAUTHENTICATED:
+                for variant in UNAUTHENTICATED:
                     content = json.dumps(body).encode() if body is not None else b""
-                    r = client.call(method, path, headers=dict(headers) if headers else {}, content=content)
+                    r = client.call(method, path, headers=dict(variant), content=content, who="attacker")
                     unauthenticated.append(r.status_code)
             for body in rng.sample(MALFORMED, len(MALFORMED)):
                 method, path, _ = rng.choice([MUTATIONS[0], MUTATIONS[1], MUTATIONS[6]])
@@ -217,6 +226,9 @@ def test_rest_chaos_with_killed_islands_and_coordinator(ray_local, tmp_path, mon
     )
     assert len(done) == 9, done  # every planned fault and operation happened before the run ended
     assert not [s for s in client.statuses if s[1] >= 500], [s for s in client.statuses if s[1] >= 500][:10]
+    # the shipped limit on: whatever the reader's polling met is its own bucket's, never the operator's
+    limited = [s for s in client.statuses if s[1] == 429]
+    assert all(who.startswith("reader ") for who, _ in limited), limited[:10]
     assert len(unauthenticated) == len(MUTATIONS) * len(UNAUTHENTICATED)
     assert set(unauthenticated) <= {401, 403}, sorted(set(unauthenticated))
     assert all(400 <= s < 500 for s in malformed), sorted(set(malformed))

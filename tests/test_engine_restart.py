@@ -20,6 +20,7 @@ from orchestrator.engine.commands import (
     Ack,
     AddIslands,
     Drain,
+    Preempt,
     Refusal,
     Refused,
     SetTarget,
@@ -538,3 +539,26 @@ def test_a_run_killed_mid_append_and_mid_checkpoint_resumes_and_leaves_no_tempor
     assert rounds == sorted(set(rounds)) and rounds[-1] == second.summary["rounds_done"] == 6
     assert all(json.loads(line) for line in (out / "events.jsonl").read_text().splitlines())
     assert not list(Path(str(first.checkpoints)).glob("*.tmp"))
+
+
+def test_a_command_retried_with_its_key_across_a_restart_is_applied_once(tmp_path):
+    """A client whose `AddIslands` got no answer (the coordinator died) sends it again with
+    the same idempotency key: the key was journalled with the change, so the restarted
+    coordinator answers it with the first answer and the target rises once. A preemption
+    accepted and not yet taken is journalled too: after the restart its island is leaving."""
+    cfg = scenario_cfg(tmp_path, "diloco", "rounds=8", "checkpoint.every_rounds=2", "elastic.placement_timeout_s=5")
+    first, pool = in_process_engine(cfg, run_id="keys")
+    drive(first, until=2)
+    ack = first.submit(AddIslands(count=1), key="add-7f3a")
+    assert isinstance(ack, Ack) and ack.detail == {"target": 4}
+    assert first.submit(AddIslands(count=1), key="add-7f3a") == ack  # the same answer, nothing applied again
+    refused = first.submit(SetTarget(islands=5), key="add-7f3a")
+    assert isinstance(refused, Refused) and refused.reason == Refusal.INVALID and "another command" in refused.message
+    assert isinstance(first.submit(Preempt(island=1), key="preempt-1"), Ack)
+    pool.coordinator_lost()  # before the engine took either
+    second = build_engine(cfg, pool, run_id="keys")
+    second.start()
+    assert second.submit(AddIslands(count=1), key="add-7f3a") == ack
+    assert second.members.target == 4 and second.inbox.requested == 4
+    assert second.members.islands[1].state.value == "draining"  # the preemption survived the restart
+    assert isinstance(second.submit(AddIslands(count=1), key="add-other"), Ack) and second.inbox.requested == 5

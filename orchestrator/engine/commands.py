@@ -8,12 +8,21 @@ round in half.
 The inbox belongs to the run, not to a phase: a run with a warm start hands the same
 inbox to both phases, so a pause, a stop, a target or a settings change made during the
 warm start is honoured by the main phase (settings and membership changes wait for it).
+
+A command may come with an idempotency key (the control plane's `Idempotency-Key`): a
+client that got no answer (a timeout, a coordinator restarting) cannot know whether its
+command was applied, and retrying `AddIslands` blindly raised the target twice. The inbox
+answers a key it has accepted with the first answer and applies nothing; the keys of
+membership changes are journalled with them (`keyed`), so a restarted coordinator knows
+them too (`remember`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -113,6 +122,18 @@ class Refused:
 
 Answer = Ack | Refused
 
+KEPT_KEYS = 1024  # idempotency keys answered from memory: the newest, across every command
+JOURNALLED_KEYS = 64  # ... of membership changes, written with the membership intent
+MAX_KEY_LENGTH = 255
+
+
+def signature(command: Command) -> dict[str, Any]:
+    """What a command asks, as plain values: a key sent again with another command is an error."""
+    fields = {f.name: getattr(command, f.name) for f in dataclasses.fields(command)}
+    if isinstance(command, UpdateSettings):
+        fields = {"settings": command.settings.model_dump(exclude_none=True)}
+    return {"command": type(command).__name__, **fields}
+
 
 class Inbox:
     """Accepted commands, waiting for the engine. Thread-safe: `submit` runs on any thread,
@@ -140,35 +161,89 @@ class Inbox:
         self._settings: SettingsUpdate | None = None
         self._membership: list[SetTarget | Drain | Preempt] = []
         self.journal: Callable[[], bool] | None = None  # writes the membership intent; False if it could not
+        # idempotency key -> (the command's signature, its acknowledgement, journalled with membership)
+        self._keys: OrderedDict[str, tuple[dict[str, Any], Ack, bool]] = OrderedDict()
+        self._key: tuple[str, dict[str, Any]] | None = None  # the key of the command being taken, if any
 
-    def submit(self, command: Command) -> Answer:
+    def submit(self, command: Command, *, key: str | None = None) -> Answer:
+        """Validate and take `command`. With `key`: a key already accepted returns its first
+        answer and changes nothing (one sent with another command is refused); refusals are
+        not kept (nothing changed: the same key may try again)."""
         with self.lock:
-            if self.ended:
-                return Refused(reason=Refusal.NOT_NOW, message="the run has ended")
-            match command:
-                case SetTarget(islands=n):
-                    return self._target(n)
-                case AddIslands(count=k):
-                    if k < 1:
-                        return Refused(reason=Refusal.OUT_OF_BOUNDS, message=f"count {k} must be at least 1")
-                    return self._target(self.requested + k)
-                case Drain(island=i):
-                    return self._drain(i)
-                case Preempt(island=i, notice_s=notice_s):
-                    return self._preempt(i, notice_s)
-                case Pause():
-                    self.paused.set()
-                    return Ack(detail={"action": "pause"})
-                case Resume():
-                    self.paused.clear()
-                    return Ack(detail={"action": "resume"})
-                case Stop(now=now):
-                    if now:
-                        self.aborting.set()
-                    self.stopping.set()
-                    return Ack(detail={"action": "stop", "now": now})
-                case UpdateSettings(settings=update):
-                    return self._update(update)
+            if key is not None:
+                if not 0 < len(key) <= MAX_KEY_LENGTH:
+                    return Refused(
+                        reason=Refusal.INVALID, message=f"an idempotency key has 1 to {MAX_KEY_LENGTH} characters"
+                    )
+                seen = self._keys.get(key)
+                if seen is not None:
+                    if seen[0] != signature(command):
+                        return Refused(
+                            reason=Refusal.INVALID, message=f"idempotency key {key!r} was sent with another command"
+                        )
+                    return seen[1]
+                self._key = (key, signature(command))
+            try:
+                answer = self._take(command)
+            finally:
+                self._key = None
+            if key is not None and isinstance(answer, Ack) and key not in self._keys:
+                self._keep(key, signature(command), answer, journalled=False)
+            return answer
+
+    def _keep(self, key: str, sig: dict[str, Any], ack: Ack, *, journalled: bool) -> None:
+        self._keys[key] = (sig, ack, journalled)
+        while len(self._keys) > KEPT_KEYS:
+            self._keys.popitem(last=False)
+
+    def keyed(self) -> list[list[Any]]:
+        """The newest keys of membership changes, as [key, signature, detail]: what the
+        membership intent journals (called under `lock`)."""
+        kept = [[k, sig, ack.detail] for k, (sig, ack, journalled) in self._keys.items() if journalled]
+        return kept[-JOURNALLED_KEYS:]
+
+    def remember(self, keyed: Any) -> None:
+        """Keys journalled by the coordinator before a restart (`keyed`). From a file on a
+        writable volume: what is not a well-formed entry is skipped."""
+        with self.lock:
+            for entry in keyed if isinstance(keyed, list) else []:
+                if (
+                    isinstance(entry, list)
+                    and len(entry) == 3
+                    and isinstance(entry[0], str)
+                    and 0 < len(entry[0]) <= MAX_KEY_LENGTH
+                    and isinstance(entry[1], dict)
+                    and isinstance(entry[2], dict)
+                ):
+                    self._keep(entry[0], entry[1], Ack(detail=entry[2]), journalled=True)
+
+    def _take(self, command: Command) -> Answer:
+        if self.ended:
+            return Refused(reason=Refusal.NOT_NOW, message="the run has ended")
+        match command:
+            case SetTarget(islands=n):
+                return self._target(n)
+            case AddIslands(count=k):
+                if k < 1:
+                    return Refused(reason=Refusal.OUT_OF_BOUNDS, message=f"count {k} must be at least 1")
+                return self._target(self.requested + k)
+            case Drain(island=i):
+                return self._drain(i)
+            case Preempt(island=i, notice_s=notice_s):
+                return self._preempt(i, notice_s)
+            case Pause():
+                self.paused.set()
+                return Ack(detail={"action": "pause"})
+            case Resume():
+                self.paused.clear()
+                return Ack(detail={"action": "resume"})
+            case Stop(now=now):
+                if now:
+                    self.aborting.set()
+                self.stopping.set()
+                return Ack(detail={"action": "stop", "now": now})
+            case UpdateSettings(settings=update):
+                return self._update(update)
         raise TypeError(f"not a command: {command!r}")
 
     def _target(self, n: int) -> Answer:
@@ -199,8 +274,7 @@ class Inbox:
             return refused
         if notice_s is not None and not (math.isfinite(notice_s) and notice_s >= 0):
             return Refused(reason=Refusal.INVALID, message=f"notice_s {notice_s} is not a time from now")
-        self._membership.append(Preempt(island=island, notice_s=notice_s))
-        return Ack(detail={"preempting": island})
+        return self._queue(Preempt(island=island, notice_s=notice_s), self.requested, {"preempting": island})
 
     def _drain(self, island: int) -> Answer:
         """Ask `island` to leave (not replaced: the target drops by one); one still joining
@@ -218,21 +292,26 @@ class Inbox:
             )
         return self._queue(Drain(island=island), self.requested - 1, {"draining": island})
 
-    def _queue(self, command: SetTarget | Drain, requested: int, detail: dict[str, Any]) -> Answer:
-        """Queue a change of the target, made durable first (`journal`): one that could not
-        be written is not accepted — nothing changed, the caller retries."""
+    def _queue(self, command: SetTarget | Drain | Preempt, requested: int, detail: dict[str, Any]) -> Answer:
+        """Queue a change of membership, made durable first (`journal`), with its idempotency
+        key: one that could not be written is not accepted — nothing changed, the caller retries."""
         before = self.requested
         self.requested = requested
         self._membership.append(command)
+        ack, key = Ack(detail=detail), self._key
+        if key is not None:
+            self._keep(key[0], key[1], ack, journalled=True)
         if self.journal is not None and not self.journal():
             self._membership.pop()
             self.requested = before
+            if key is not None:
+                del self._keys[key[0]]
             return Refused(
                 reason=Refusal.NOT_NOW,
                 message="the change could not be written to the membership intent (the run's disk errors say why); "
                 "nothing was changed: retry",
             )
-        return Ack(detail=detail)
+        return ack
 
     def _update(self, update: SettingsUpdate) -> Answer:
         changes = update.model_dump(exclude_none=True)
@@ -260,10 +339,12 @@ class Inbox:
 
     def queued(self) -> tuple[int | None, set[int]]:
         """What accepted changes the engine has not taken yet add to the membership: the
-        target they make (None: no change of target queued) and the islands they drain."""
+        target they make (None: no change of target queued) and the islands they ask to
+        leave (drained, or preempted: a restart finds those leaving as it finds a drain)."""
         with self.lock:
             changes = [c for c in self._membership if isinstance(c, SetTarget | Drain)]
-            return (self.requested if changes else None), {c.island for c in changes if isinstance(c, Drain)}
+            leaving = {c.island for c in self._membership if isinstance(c, Drain | Preempt)}
+            return (self.requested if changes else None), leaving
 
     def settle(self, target: int) -> None:
         """After the engine applied the changes: with none queued, `requested` is the target

@@ -139,7 +139,8 @@ class Coordinator:
         """metrics.jsonl records after round `since`, at most `limit` (for charts)."""
         return self.engine.recorder.page(since, limit)
 
-    def submit(self, command: Command) -> Answer:
+    def submit(self, command: Command, key: str | None = None) -> Answer:
         """An operator's command: validated now, answered with an acknowledgement or a
-        refusal and its reason; the run applies it at its own pace, in whichever phase."""
-        return self.phases.inbox.submit(command)
+        refusal and its reason; the run applies it at its own pace, in whichever phase.
+        `key`: its idempotency key (a key accepted before gets its first answer)."""
+        return self.phases.inbox.submit(command, key=key)

@@ -153,6 +153,8 @@ class Fleet:
         goes on draining, a drained one stays drained, and whatever else of this run is
         left in the pool is released by name before any index is handed out again."""
         intent = load_intent(run_folder(self.cfg.checkpoint_dir, self.run_id), self.run_id) or {}
+        if self.inbox is not None:  # a client retrying a command whose answer the restart swallowed
+            self.inbox.remember(intent.get("keys", []))
         # the journal lives on a writable volume: its values are held to what the config allows
         # (a planted target of 1,000,000 asked for a million placement groups)
         leaving = {i for i in intent.get("leaving", []) if isinstance(i, int) and not isinstance(i, bool)}
@@ -166,6 +168,8 @@ class Fleet:
                     target,
                     self.members.target,
                 )
+        if self.inbox is not None:  # commands from now on count from the journalled target, not the checkpoint's
+            self.inbox.settle(self.members.target)
         known = set(self.members.islands)
         for i in self.pool.survivors():
             if i not in known and i not in leaving and (node := self.pool.reattach(i)) is not None:
@@ -197,20 +201,26 @@ class Fleet:
         """Write the membership intent when it changed (see `_reattach`); every membership
         change logs an event or is a command the inbox just accepted, so nothing is looked
         at in steps without one. The intent is the members' target and leaving islands with
-        the inbox's accepted changes not yet taken on top, written under the inbox's lock
+        the inbox's accepted changes not yet taken on top, and the idempotency keys of the
+        newest membership changes (`Inbox.keyed`), written under the inbox's lock
         (`Inbox.journal` calls this from the caller's thread). False if it could not be
         written."""
         if not self.cfg.checkpoint.every_rounds:
             return True
         with self.inbox.lock if self.inbox is not None else contextlib.nullcontext():
-            queued_target, queued_drains = self.inbox.queued() if self.inbox is not None else (None, set())
-            if self.events.count == self._journalled_at and not queued_drains and queued_target is None:
+            queued_target, queued_leaving = self.inbox.queued() if self.inbox is not None else (None, set())
+            if self.events.count == self._journalled_at and not queued_leaving and queued_target is None:
                 return True
             self._journalled_at = self.events.count
             islands = list(self.members.islands.items())  # one read (the caller's thread may be another)
             leaving = {i for i, s in islands if s.state in (IslandState.DRAINING, IslandState.DRAINED)}
             target = self.members.target if queued_target is None else queued_target
-            intent = {"run_id": self.run_id, "target": target, "leaving": sorted(leaving | queued_drains)}
+            intent = {
+                "run_id": self.run_id,
+                "target": target,
+                "leaving": sorted(leaving | queued_leaving),
+                "keys": self.inbox.keyed() if self.inbox is not None else [],
+            }
             if intent == self._intent:
                 return True
             folder = run_folder(self.cfg.checkpoint_dir, self.run_id)
