@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
@@ -168,6 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     plan.add_argument(
+        "--link-gbps",
+        type=_positive,
+        help="Gbit/s between the islands and the head, for the head's share of a round (default: the head "
+        "group's archipelago.io/link-gbps annotation, else 100)",
+    )
+    plan.add_argument(
+        "--step-s",
+        type=_positive,
+        default=1.0,
+        help="seconds an island's inner step takes, for the head's share of a round (default: 1)",
+    )
+    plan.add_argument(
         "--rehearse",
         action="store_true",
         help="also run each process once at the config's shapes on this machine's CPU and set its measured "
@@ -176,6 +189,17 @@ def build_parser() -> argparse.ArgumentParser:
     for name, command in _registered().items():
         HANDLERS[name] = command(sub, common)
     return parser
+
+
+def _positive(text: str) -> float:
+    """A finite number above 0 (a flag's value), or the flag's error (exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number above 0")
+    return value
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -216,7 +240,7 @@ def _plan(args: argparse.Namespace) -> int:
         if not args.cluster and not cluster.head.gpus and (cfg.islands.gpus or cfg.evaluation.gpus):
             log.info("this machine has no GPU: its islands and evaluator are planned on its CPU, as they would run")
             cfg = on_cpu(cfg)
-        plan = plan_run(cfg, cluster)
+        plan = plan_run(cfg, cluster, link_gbps=args.link_gbps, step_s=args.step_s)
     except (ClusterError, PlanInputError, OSError) as err:
         log.error("cannot plan: %s", err)
         return 2

@@ -5,6 +5,7 @@ the plan's (`orchestrator/plan/rehearse.py`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -235,3 +236,73 @@ print("torch" in sys.modules)
     again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert again.stdout.split() == ["False"], again.stderr[-2000:]
     assert len(list((tmp_path / "plans").glob("*.json"))) == 1
+
+
+def test_the_heads_share_of_a_round_is_priced_phase_by_phase_at_1b_parameters_and_16_islands():
+    """1 B parameters, 16 islands, H = 100 steps of 1 s, 100 Gbit/s, the flagship's other
+    settings (fp32 both ways, the mean merge, a checkpoint every 2 rounds): 64 GB in and 64
+    GB out through one card take 5.12 s each way; the step over 16 updates 4.8 s at the
+    measured rate; the checkpoint's 8 GB (parameters, momentum) 27.5 s every 2 rounds. The
+    share is over 0.10, and the plan names the fixes: a codec, or enough slices."""
+    from orchestrator.plan.head import CHECKPOINT_BYTES_PER_S, HeadLoad
+
+    load = HeadLoad(
+        params=10**9,
+        islands=16,
+        slices=1,
+        link_gbps=100,
+        step_s=1.0,
+        inner_steps=100,
+        up_bytes=4 * 10**9,
+        down_bytes=4 * 10**9,
+        merge="mean",
+        state_values=1,
+        checkpoint_every=2,
+    )
+    phases = load.phases
+    assert load.bytes_per_round == 128 * 10**9
+    assert phases["fan_in"] == pytest.approx(5.12) and phases["fan_out"] == pytest.approx(5.12)
+    assert phases["outer_step"] == pytest.approx(0.06 / 200e6 * 16e9)  # 8 x 25 M in 0.06 s, scaled
+    assert phases["checkpoint"] == pytest.approx(8e9 / CHECKPOINT_BYTES_PER_S / 2)
+    assert load.round_seconds == 100 and load.share == pytest.approx(sum(phases.values()) / 100)
+    codec, slices = load.to_fit()
+    assert "the bytes take 10.2 s of the 10.0-s budget" in codec and "coordinator.shards >= " in slices
+    shards = int(slices.split(">= ")[1].split(",")[0])
+    assert dataclasses.replace(load, slices=shards).share <= 0.10 < dataclasses.replace(load, slices=shards - 1).share
+    # a codec of 0.53 bytes a value both ways (int4's, with its scales): the bytes no longer dominate
+    small = dataclasses.replace(load, up_bytes=530_000_000, down_bytes=530_000_000)
+    (fix,) = small.to_fit()
+    assert fix.startswith("coordinator.shards >= ")
+    assert dataclasses.replace(load, inner_steps=1000).to_fit() == []  # H = 1,000: it fits as it is
+
+
+def test_the_plan_states_the_heads_share_at_the_link_and_step_given(capsys, tmp_path):
+    """`--link-gbps` and `--step-s` price the head's round; the manifest's head annotation
+    is the default link; the bytes are the link's per island times the islands."""
+    code, lines, report = _plan(capsys, tmp_path, "--cluster", CLUSTER, "--link-gbps", "10", "--step-s", "0.5", LLAMA)
+    assert code == 0, lines
+    head, link = report["head"], report["link"]
+    assert head["link_gbps"] == 10 and head["step_s"] == 0.5 and head["islands"] == 4
+    assert head["bytes_per_round"] == 4 * (link["up_bytes"] + link["down_bytes"])
+    assert head["phases"]["fan_in"] == pytest.approx(4 * link["up_bytes"] * 8 / 10e9)
+    assert head["round_seconds"] == 500 * 0.5 and head["share"] == pytest.approx(head["seconds_per_round"] / 250)
+    assert any(line.startswith("head: ") and "share" in line for line in lines), lines
+    with pytest.raises(SystemExit) as refused:  # a link of no speed is refused by the flag
+        main(["plan", "--link-gbps", "0", LLAMA])
+    assert refused.value.code == 2
+
+
+def test_a_head_link_annotation_that_is_not_a_speed_is_refused(tmp_path):
+    import yaml
+
+    bad = tmp_path / "cluster.yaml"
+    docs = list(yaml.safe_load_all(Path(CLUSTER).read_text()))
+    doc = next(d for d in docs if isinstance(d, dict) and d.get("kind") == "RayCluster")
+    template = doc["spec"]["headGroupSpec"]["template"]
+    template.setdefault("metadata", {}).setdefault("annotations", {})["archipelago.io/link-gbps"] = "fast"
+    bad.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ClusterError, match="link-gbps"):
+        from_manifest(bad)
+    template["metadata"]["annotations"]["archipelago.io/link-gbps"] = "25"
+    bad.write_text(yaml.safe_dump(doc))
+    assert from_manifest(bad).link_gbps == 25

@@ -10,6 +10,7 @@ machine, where a local run puts every process on one host and they share its mem
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -19,6 +20,7 @@ from typing import Any
 import yaml
 
 ACCELERATOR_MEMORY = "archipelago.io/accelerator-memory"
+LINK_GBPS = "archipelago.io/link-gbps"  # on the head group: its link to the islands, for the head's share
 _UNITS = {
     "": 1,
     "k": 10**3,
@@ -56,6 +58,7 @@ class NodeKind:
     # seconds a SIGTERM to its `ray start` drains the node before tearing it down (its island's
     # preemption notice): RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S on its pods; None: not known
     drain_s: float | None = None
+    link_gbps: float | None = None  # its network card, Gbit/s (the annotation `LINK_GBPS`); None: not stated
 
 
 DRAIN_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
@@ -66,6 +69,11 @@ class Cluster:
     source: str
     head: NodeKind
     workers: tuple[NodeKind, ...]
+
+    @property
+    def link_gbps(self) -> float | None:
+        """The head's link, as its manifest states it."""
+        return self.head.link_gbps
 
     @property
     def single_host(self) -> bool:
@@ -99,6 +107,13 @@ def _kind(name: str, group: dict[str, Any], count: int) -> NodeKind:
     annotations = (template.get("metadata") or {}).get("annotations") or {}
     accel = annotations.get(ACCELERATOR_MEMORY)
     env = {e.get("name"): e.get("value") for e in _container(template).get("env") or []}
+    link = annotations.get(LINK_GBPS)
+    try:
+        link_gbps = float(link) if link is not None else None
+    except ValueError:
+        raise ClusterError(f"{name}: the annotation {LINK_GBPS} = {link!r} is not a number of Gbit/s") from None
+    if link_gbps is not None and not (math.isfinite(link_gbps) and link_gbps > 0):
+        raise ClusterError(f"{name}: the annotation {LINK_GBPS} = {link!r} is not a positive number of Gbit/s")
     return NodeKind(
         name=name,
         memory=quantity(limits["memory"]) if "memory" in limits else None,
@@ -108,6 +123,7 @@ def _kind(name: str, group: dict[str, Any], count: int) -> NodeKind:
         hosts_islands=cpus > 0 or gpus > 0,
         count=count,
         drain_s=float(env[DRAIN_ENV]) if env.get(DRAIN_ENV) is not None else None,
+        link_gbps=link_gbps,
     )
 
 

@@ -32,7 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from orchestrator.config import RunConfig
 from orchestrator.plan.fresh import Fresh
-from orchestrator.plan.memory import ModelMemory
+from orchestrator.plan.memory import ModelMemory, uplink_bytes_per_value
 from workers.tasks.task import Batch, PlannableTask, Task
 
 log = logging.getLogger(__name__)
@@ -172,19 +172,6 @@ def _start_baseline(cfg: RunConfig) -> Fresh:
     """`_baseline`, started in a fresh interpreter (`plan/fresh.py`); it runs while this
     process measures the model under fake tensors."""
     return Fresh("orchestrator.plan.measure", stdin=cfg.model_dump_json())
-
-
-def uplink_bytes_per_value(cfg: RunConfig) -> float:
-    """Bytes a pseudo-gradient takes per parameter under `compression.codec`: a sample
-    of 64 codec chunks encoded by the islands' own codec (bytes are linear in the size)."""
-    import numpy as np
-
-    from workers.wire.compress import encode
-    from workers.wire.spec import payload_nbytes
-
-    n = 64 * cfg.compression.chunk
-    sample = np.random.default_rng(0).standard_normal(n).astype(np.float32)
-    return payload_nbytes(encode(sample, cfg.compression.codec, cfg.compression.chunk)) / n
 
 
 def micro_rows(cfg: RunConfig, task: Task) -> int:

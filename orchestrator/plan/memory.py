@@ -5,6 +5,10 @@ and its actors without torch, `bench startup`)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from orchestrator.config import RunConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -25,3 +29,28 @@ class ModelMemory:
     eval_set: int  # the evaluation's batches, held by whoever evaluates
     measure_s: float  # how long the measurement took
     cached: bool = False  # read from the cache of an earlier measurement of the same shapes (`plan/preflight.py`)
+
+
+def uplink_bytes_per_value(cfg: RunConfig) -> float:
+    """Bytes a pseudo-gradient takes per parameter under `compression.codec`."""
+    return codec_bytes_per_value(cfg.compression.codec, cfg.compression.chunk)
+
+
+def downlink_bytes_per_value(cfg: RunConfig) -> float:
+    """Bytes an island receives per parameter a round: the parameters in fp32, or their
+    change under `compression.downlink`."""
+    downlink = cfg.compression.downlink
+    return 4.0 if downlink == "none" else codec_bytes_per_value(downlink, cfg.compression.chunk)
+
+
+def codec_bytes_per_value(codec: str, chunk: int) -> float:
+    """Bytes per value under `codec`: a sample of 64 chunks encoded by the islands' own
+    codec (bytes are linear in the size)."""
+    import numpy as np
+
+    from workers.wire.compress import encode
+    from workers.wire.spec import payload_nbytes
+
+    n = 64 * chunk
+    sample = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    return payload_nbytes(encode(sample, codec, chunk)) / n

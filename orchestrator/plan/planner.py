@@ -24,7 +24,8 @@ from orchestrator.config import Mode, RunConfig, WarmStartMode
 from orchestrator.config_operations import EvalPlace
 from orchestrator.engine.step.rules import rule_of, takes_one_pass
 from orchestrator.plan.cluster import DRAIN_ENV, Cluster, NodeKind
-from orchestrator.plan.memory import ModelMemory
+from orchestrator.plan.head import DEFAULT_LINK_GBPS, DEFAULT_STEP_S, HeadLoad, head_load
+from orchestrator.plan.memory import ModelMemory, downlink_bytes_per_value
 from workers.wire.spec import Sharding
 
 GIB = 2**30
@@ -111,6 +112,7 @@ class Plan:
     needs: tuple[Need, ...]
     link: Link
     refusals: tuple[str, ...]  # layouts refused whatever the memory
+    head: HeadLoad
     preemption: Preemption | None = None  # where the cluster says how its nodes drain
 
     @property
@@ -138,6 +140,7 @@ class Plan:
             f"link per island per round: up {self.link.up_bytes / 1e6:,.1f} MB, down {self.link.down_bytes / 1e6:,.1f} "
             f"MB{f', {self.link.seconds:.2f} s at the configured link' if self.link.seconds else ''}; "
             f"the run: {self.link.run_bytes / 1e9:,.2f} GB",
+            *self.head.lines(),
             *([self.preemption.line()] if self.preemption is not None else []),
         ]
         out += [f"refused: {p}" for p in self.problems]
@@ -151,6 +154,7 @@ class Plan:
             "model": dataclasses.asdict(self.model),
             "processes": [{**dataclasses.asdict(n), "total": n.total, "fits": n.fits} for n in self.needs],
             "link": dataclasses.asdict(self.link),
+            "head": self.head.as_dict(),
             "preemption": None
             if self.preemption is None
             else {**dataclasses.asdict(self.preemption), "gbps": self.preemption.gbps},
@@ -351,9 +355,20 @@ def on_cpu(cfg: RunConfig) -> RunConfig:
     )
 
 
-def make_plan(cfg: RunConfig, model: ModelMemory, cluster: Cluster, *, under_ray: bool = True) -> Plan:
+def make_plan(
+    cfg: RunConfig,
+    model: ModelMemory,
+    cluster: Cluster,
+    *,
+    under_ray: bool = True,
+    link_gbps: float | None = None,
+    step_s: float = DEFAULT_STEP_S,
+) -> Plan:
     """The plan of `cfg` on `cluster`, from the model's measured memory; `under_ray`: the
-    processes are Ray's (the object store, the core worker), not plain interpreters (a rehearsal)."""
+    processes are Ray's (the object store, the core worker), not plain interpreters (a
+    rehearsal). The head's share of a round is priced at `link_gbps` between the islands
+    and the head (None: the cluster's annotation, else `DEFAULT_LINK_GBPS`) and inner steps
+    of `step_s`."""
     up = model.uplink_bytes_per_value
     eval_batch_bytes = model.eval_set
     ray = RAY_WORKER_BYTES if under_ray else 0
@@ -364,7 +379,7 @@ def make_plan(cfg: RunConfig, model: ModelMemory, cluster: Cluster, *, under_ray
         needs += _evaluator(cfg, model, cluster, eval_batch_bytes, ray)
     if cluster.single_host:
         needs = _on_one_host(needs, cluster.head)
-    down = 4 * model.params
+    down = int(downlink_bytes_per_value(cfg) * model.params)
     up_bytes = int(up * model.params)
     link = Link(
         up_bytes=up_bytes,
@@ -379,6 +394,14 @@ def make_plan(cfg: RunConfig, model: ModelMemory, cluster: Cluster, *, under_ray
         needs=tuple(needs),
         link=link,
         refusals=tuple(_refusals(cfg, cluster, model)),
+        head=head_load(
+            cfg,
+            model.params,
+            up_bytes,
+            down,
+            link_gbps=link_gbps or cluster.link_gbps or DEFAULT_LINK_GBPS,
+            step_s=step_s,
+        ),
         preemption=None
         if drain is None
         else Preemption(drain_s=drain, margin_s=cfg.elastic.notice_margin_s, up_bytes=up_bytes),
@@ -391,6 +414,8 @@ def plan_run(
     *,
     cluster_path: str | Path | None = None,
     under_ray: bool = True,
+    link_gbps: float | None = None,
+    step_s: float = DEFAULT_STEP_S,
 ) -> Plan:
     """Measure `cfg`'s model (or read an earlier measurement of the same shapes) and plan it
     on `cluster`, the manifest at `cluster_path`, or this machine."""
@@ -399,4 +424,4 @@ def plan_run(
 
     if cluster is None:
         cluster = from_manifest(cluster_path) if cluster_path is not None else this_machine()
-    return make_plan(cfg, model_memory(cfg), cluster, under_ray=under_ray)
+    return make_plan(cfg, model_memory(cfg), cluster, under_ray=under_ray, link_gbps=link_gbps, step_s=step_s)

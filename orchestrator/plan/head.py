@@ -1,0 +1,170 @@
+"""The head's share of a round: what the coordinator's node spends on each round, against
+what the islands spend computing it, before anything starts.
+
+At the users' scale the head is the bottleneck, not the islands: every island's
+pseudo-gradient comes in through the head's one network card and every island's parameters
+go out through it (1 B parameters on 16 islands in fp32: 64 GB in and 64 GB out a round),
+and between the two the coordinator steps on one CPU host. The plan prices each phase of a
+round at the head:
+
+- `fan_in` and `fan_out`: every island's bytes through the card, at `link_gbps`, one after
+  the other (in the synchronous modes the step needs every pseudo-gradient before it, and
+  the new parameters exist only after it);
+- `outer_step`: screening, merging (the mean, or RDA, which reads each pseudo-gradient
+  twice) and the outer optimizer over every island's update, at rates measured on a 2-core
+  CPU host (`bench coordinator`, `docs/benchmark-findings.md`), per parameter and island,
+  divided over the coordinator's slices;
+- `checkpoint`: the state streamed to storage at the rate measured there, spread over the
+  rounds between two checkpoints (it is written while the islands train the next round,
+  but it is the head's time all the same).
+
+Evaluation is not priced: on the head it reads the eval set at the task's own cost, which
+the plan does not know; `evaluation.where: actor` takes it off the head.
+
+`share` is the head's seconds over the islands' round (`H × step_s`): what fraction of the
+fleet's time the head adds, or hides only if it overlaps. The lines say what would bring
+it under `TARGET_SHARE`: a codec that shrinks the bytes, slices (on nodes of their own)
+that split the bytes and the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from orchestrator.config import RunConfig
+from orchestrator.config_sections import OuterMerge
+from orchestrator.engine.step.rules import rule_of
+
+TARGET_SHARE = 0.10
+DEFAULT_LINK_GBPS = 100.0
+DEFAULT_STEP_S = 1.0
+# measured on this project's 2-core CPU host (bench coordinator, docs/benchmark-findings.md):
+# an outer step over 8 x 25 M fp32 updates took 0.06 s by the mean, 0.19 s by RDA (its norm
+# while screening, its direction in the merge); a checkpoint streamed 800 MB in 2.75 s
+STEP_S_PER_VALUE = {"mean": 0.06 / (8 * 25e6), "radial": 0.19 / (8 * 25e6)}
+CHECKPOINT_BYTES_PER_S = 800e6 / 2.75
+RATES_SOURCE = "bench coordinator on a 2-core CPU host (docs/benchmark-findings.md), per parameter and island"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HeadLoad:
+    params: int
+    islands: int
+    slices: int
+    link_gbps: float
+    step_s: float
+    inner_steps: int
+    up_bytes: int  # one island's pseudo-gradient
+    down_bytes: int  # what one island receives
+    merge: str  # "mean" or "radial"
+    state_values: int  # the outer optimizer's values per parameter (Nesterov's momentum: 1)
+    checkpoint_every: int  # rounds (0: none)
+
+    @property
+    def bytes_per_round(self) -> int:
+        """Through the head's card, in and out."""
+        return self.islands * (self.up_bytes + self.down_bytes)
+
+    @property
+    def phases(self) -> dict[str, float]:
+        """Seconds a round, each phase at the head; with slices, each on a node of its own
+        (Ray spreads them), every phase splits over them: each slice's node takes its part
+        of every island's bytes and of the step."""
+        card = self.link_gbps * 1e9 / 8
+        state = 4 * self.params * (1 + self.state_values)  # parameters and outer state: what a checkpoint streams
+        return {
+            "fan_in": self.islands * self.up_bytes / card / self.slices,
+            "outer_step": STEP_S_PER_VALUE[self.merge] * self.params * self.islands / self.slices,
+            "fan_out": self.islands * self.down_bytes / card / self.slices,
+            "checkpoint": state / self.slices / CHECKPOINT_BYTES_PER_S / self.checkpoint_every
+            if self.checkpoint_every
+            else 0.0,
+        }
+
+    @property
+    def seconds_per_round(self) -> float:
+        return sum(self.phases.values())
+
+    @property
+    def round_seconds(self) -> float:
+        """The islands' compute per round, which the head's time is set against."""
+        return self.inner_steps * self.step_s
+
+    @property
+    def share(self) -> float:
+        return self.seconds_per_round / self.round_seconds
+
+    def to_fit(self) -> list[str]:
+        """What would bring the share under `TARGET_SHARE`, each on its own (none: it fits)."""
+        budget = TARGET_SHARE * self.round_seconds
+        if self.seconds_per_round <= budget:
+            return []
+        p = self.phases
+        bytes_s = p["fan_in"] + p["fan_out"]
+        out = []
+        if bytes_s > budget / 2:
+            out.append(
+                f"the bytes take {bytes_s:.1f} s of the {budget:.1f}-s budget: a codec both ways "
+                "(compression.codec and compression.downlink int4: about 0.53 bytes a value, not 4) or a faster link"
+            )
+        need = math.ceil(self.slices * self.seconds_per_round / budget)
+        radial = " with the mean merge (RDA needs whole norms: it is not sliced)" if self.merge == "radial" else ""
+        out.append(f"coordinator.shards >= {need}, each slice on a node of its own (Ray spreads them){radial}")
+        return out
+
+    def lines(self) -> list[str]:
+        p = self.phases
+        parts = ", ".join(f"{k} {v:.2f} s" for k, v in p.items())
+        verdict = "within" if self.share <= TARGET_SHARE else "OVER"
+        where = "its card" if self.slices == 1 else f"{self.slices} slices' cards"
+        out = [
+            f"head: {self.bytes_per_round / 1e9:,.2f} GB a round through {where} ({self.islands} islands, up "
+            f"{self.up_bytes / 1e6:,.1f} MB and down {self.down_bytes / 1e6:,.1f} MB each) at {self.link_gbps:g} Gbit/s; "
+            f"{self.seconds_per_round:.2f} s a round ({parts}) against the islands' {self.round_seconds:g} s "
+            f"(H {self.inner_steps} x {self.step_s:g} s): share {self.share:.3f}, {verdict} {TARGET_SHARE:.2f}",
+            f"head: the outer step and checkpoint priced at rates of {RATES_SOURCE}; evaluation not priced",
+        ]
+        out += [f"head: to fit, {fix}" for fix in self.to_fit()]
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "bytes_per_round": self.bytes_per_round,
+            "seconds_per_round": self.seconds_per_round,
+            "round_seconds": self.round_seconds,
+            "share": self.share,
+            "phases": self.phases,
+            "link_gbps": self.link_gbps,
+            "step_s": self.step_s,
+            "islands": self.islands,
+            "slices": self.slices,
+            "merge": self.merge,
+            "rates": {
+                "outer_step_s_per_value": STEP_S_PER_VALUE[self.merge],
+                "checkpoint_bytes_per_s": CHECKPOINT_BYTES_PER_S,
+                "source": RATES_SOURCE,
+            },
+            "to_fit": self.to_fit(),
+        }
+
+
+def head_load(
+    cfg: RunConfig, params: int, up_bytes: int, down_bytes: int, *, link_gbps: float, step_s: float
+) -> HeadLoad:
+    """The head's load for `cfg` at `params` parameters, each island sending `up_bytes` and
+    receiving `down_bytes` a round."""
+    return HeadLoad(
+        params=params,
+        islands=cfg.islands.count,
+        slices=cfg.coordinator.shards,
+        link_gbps=link_gbps,
+        step_s=step_s,
+        inner_steps=cfg.inner_steps,
+        up_bytes=up_bytes,
+        down_bytes=down_bytes,
+        merge="radial" if cfg.outer.merge == OuterMerge.RADIAL_DIRECTIONAL else "mean",
+        state_values=rule_of(cfg).state_values(cfg),
+        checkpoint_every=cfg.checkpoint.every_rounds,
+    )
