@@ -31,10 +31,10 @@ VARIANTS = {
 }
 
 
-def scenario_cfg(tmp_path: Path, mode: str, *extra: str, heartbeats: bool = False) -> RunConfig:
-    """A scenario's config. Its faults' timings (a work 21 s late, a hang) are written for
-    deadlines: heartbeats (on by default in the product, `elastic.hang_after_steps`) are off
-    unless asked for (`test_heartbeats.py`, with the shipped settings)."""
+def scenario_cfg(tmp_path: Path, mode: str, *extra: str, heartbeats: bool = True) -> RunConfig:
+    """A scenario's config, with heartbeats as shipped (`elastic.hang_after_steps`, and with
+    them the tail stop): the fault suite runs what ships. A test about deadlines alone (a
+    hung island found only at its deadline and grace) turns them off with `heartbeats=False`."""
     key = f"r{next(_keys)}"
     chosen = VARIANTS.get(mode, [f"mode={mode}"])
     return load_config(

@@ -39,7 +39,7 @@ def test_a_hung_island_is_noticed_by_its_stalled_steps_and_replaced_long_before_
 def test_a_barrier_round_waits_a_stall_not_a_deadline(tmp_path):
     """Synchronous DiLoCo waits for every island: without heartbeats the hung island's
     round lasts its whole deadline (20 s), with them 3 s past its last step (its frozen count read every ½ s)."""
-    slow = run_scenario(scenario_cfg(tmp_path, "diloco", "rounds=8"), [Fault(FaultKind.HANG, 0, order=2)])
+    slow = run_scenario(scenario_cfg(tmp_path, "diloco", "rounds=8", heartbeats=False), [Fault(FaultKind.HANG, 0, order=2)])
     fast = run_scenario(scenario_cfg(tmp_path, "diloco", "rounds=8", *BEATS), [Fault(FaultKind.HANG, 0, order=2)])
     assert fast["clock_seconds"] <= slow["clock_seconds"] - 14, (fast["clock_seconds"], slow["clock_seconds"])
 
@@ -120,7 +120,7 @@ def test_before_its_first_step_and_after_its_last_an_island_has_the_floor_not_it
 
 
 def test_without_heartbeats_nothing_is_reported_and_the_deadline_decides(tmp_path):
-    cfg = scenario_cfg(tmp_path, "diloco")
+    cfg = scenario_cfg(tmp_path, "diloco", heartbeats=False)
     engine, pool = in_process_engine(cfg, [Fault(FaultKind.HANG, 0, order=2)])
     drive(engine)
     assert engine.summary["islands"]["0"]["state"] == "late" and not pool.steps_done
@@ -170,7 +170,7 @@ def test_the_threshold_is_live_kept_by_a_checkpoint_and_heartbeats_are_not_turne
     check_exactly_once(cfg, engine.summary)
     assert engine.summary["islands"]["0"]["error"] == "hung: no progress for 3s (elastic.hang_after_steps)"
     assert engine.status().hang_after_steps == 3 and engine.capture()["settings"]["hang_after_steps"] == 3
-    off, _ = in_process_engine(scenario_cfg(tmp_path, "diloco"))
+    off, _ = in_process_engine(scenario_cfg(tmp_path, "diloco", heartbeats=False))
     refused = off.submit(UpdateSettings(settings=SettingsUpdate(hang_after_steps=3)))
     assert isinstance(refused, Refused) and "has no heartbeats" in refused.message
 

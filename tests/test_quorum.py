@@ -218,8 +218,8 @@ class _EngineHandle:
     def history(self, since: int, limit: int) -> list[dict[str, Any]]:
         return self.engine.recorder.page(since, limit)
 
-    def submit(self, command: Command) -> Answer:
-        return self.engine.submit(command)
+    def submit(self, command: Command, key: str | None = None) -> Answer:
+        return self.engine.submit(command, key=key)
 
 
 @pytest.mark.parametrize("mode", ["quorum", "streaming_quorum"])
