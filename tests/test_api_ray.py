@@ -43,56 +43,64 @@ def test_control_plane_watches_and_scales_a_live_run(ray_local, tmp_path, monkey
     thread.start()
     url = f"http://127.0.0.1:{port}"
     client = httpx.Client(base_url=url, timeout=10, headers=AUTH)  # reads need the token too
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if client.get("/v1/run").json().get("round", 0) >= 2:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    status = client.get("/v1/run").json()
-    assert status["run_id"] == "apitest" and status["mode"] == "diloco" and status["target_islands"] == 2
-    assert client.post("/v1/islands", json={"count": 1}, headers={"Authorization": ""}).status_code == 401
-    assert client.get("/v1/islands", headers={"Authorization": ""}).status_code == 401
-    keyed = {**AUTH, "Idempotency-Key": "add-one-a41c"}
-    r = client.post("/v1/islands", json={"count": 1}, headers=keyed)
-    assert r.status_code == 202 and r.json()["detail"]["target"] == 3
-    retried = client.post("/v1/islands", json={"count": 1}, headers=keyed)  # an answer lost, sent again
-    assert retried.status_code == 202 and retried.json() == r.json()
-    assert client.get("/v1/run").json()["target_islands"] == 3  # raised once
-    bad = client.put("/v1/islands/target", json={"target": 500}, headers=AUTH)
-    assert bad.status_code == 422 and "outside" in bad.json()["detail"]
-    while time.time() < deadline and len(client.get("/v1/islands").json()) < 3:
-        time.sleep(0.2)
-    assert {i["id"] for i in client.get("/v1/islands").json()} == {0, 1, 2}
-    scraped = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
-    assert {"run_id": "apitest", "island": "2"} in [s.labels for s in scraped["archipelago_island_staleness"].samples]
-    while time.time() < deadline and not client.get("/v1/islands").json()[2]["rounds_contributed"]:
-        time.sleep(0.2)
-    newcomer = client.get("/v1/islands").json()[2]
-    assert newcomer["rounds_contributed"] > 0 and newcomer["last_contribution"] > 0 and newcomer["tokens_per_s"] > 0, (
-        newcomer,
-        [e for e in client.get("/v1/events").json() if e["kind"] not in ("checkpoint",)][-20:],
-    )
-    assert client.post("/v1/islands", json={"count": "two"}, headers=AUTH).status_code == 422
-    assert client.delete("/v1/islands/0", headers=AUTH).status_code == 202
-    assert client.delete("/v1/islands/77", headers=AUTH).status_code == 404
-    while time.time() < deadline and client.get("/v1/islands").json()[0]["state"] != "drained":
-        time.sleep(0.2)
-    assert client.get("/v1/islands").json()[0]["state"] == "drained"
-    latencies = []
-    for _ in range(50):
-        t0 = time.perf_counter()
-        assert client.get("/v1/run").status_code == 200
-        latencies.append(time.perf_counter() - t0)
-    latencies.sort()
-    print(f"status latency under a run: p50 {latencies[25] * 1000:.1f} ms, p95 {latencies[47] * 1000:.1f} ms")
-    assert latencies[47] < 1.0
-    events = client.get("/v1/events").json()
-    assert any(e["kind"] == "join" and e["island"] == 2 for e in events)
-    assert [e["bundles"] for e in events if e["kind"] == "resources_requested"] == [2, 3, 2]  # drain lowers it
-    assert client.get("/v1/islands").json()[0]["resources"] == {"CPU": 0.5}
-    assert client.post("/v1/run/stop", headers=AUTH).status_code == 202
-    thread.join(timeout=60)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if client.get("/v1/run").json().get("round", 0) >= 2:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        status = client.get("/v1/run").json()
+        assert status["run_id"] == "apitest" and status["mode"] == "diloco" and status["target_islands"] == 2
+        assert client.post("/v1/islands", json={"count": 1}, headers={"Authorization": ""}).status_code == 401
+        assert client.get("/v1/islands", headers={"Authorization": ""}).status_code == 401
+        keyed = {**AUTH, "Idempotency-Key": "add-one-a41c"}
+        r = client.post("/v1/islands", json={"count": 1}, headers=keyed)
+        assert r.status_code == 202 and r.json()["detail"]["target"] == 3
+        retried = client.post("/v1/islands", json={"count": 1}, headers=keyed)  # an answer lost, sent again
+        assert retried.status_code == 202 and retried.json() == r.json()
+        bad = client.put("/v1/islands/target", json={"target": 500}, headers=AUTH)
+        assert bad.status_code == 422 and "outside" in bad.json()["detail"]
+        while time.time() < deadline and len(client.get("/v1/islands").json()) < 3:
+            time.sleep(0.2)
+        assert {i["id"] for i in client.get("/v1/islands").json()} == {0, 1, 2}
+        assert client.get("/v1/run").json()["target_islands"] == 3  # the retried add raised it once
+        scraped = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+        assert {"run_id": "apitest", "island": "2"} in [
+            s.labels for s in scraped["archipelago_island_staleness"].samples
+        ]
+        while time.time() < deadline and not client.get("/v1/islands").json()[2]["rounds_contributed"]:
+            time.sleep(0.2)
+        newcomer = client.get("/v1/islands").json()[2]
+        assert (
+            newcomer["rounds_contributed"] > 0 and newcomer["last_contribution"] > 0 and newcomer["tokens_per_s"] > 0
+        ), (
+            newcomer,
+            [e for e in client.get("/v1/events").json() if e["kind"] not in ("checkpoint",)][-20:],
+        )
+        assert client.post("/v1/islands", json={"count": "two"}, headers=AUTH).status_code == 422
+        assert client.delete("/v1/islands/0", headers=AUTH).status_code == 202
+        assert client.delete("/v1/islands/77", headers=AUTH).status_code == 404
+        while time.time() < deadline and client.get("/v1/islands").json()[0]["state"] != "drained":
+            time.sleep(0.2)
+        assert client.get("/v1/islands").json()[0]["state"] == "drained"
+        latencies = []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            assert client.get("/v1/run").status_code == 200
+            latencies.append(time.perf_counter() - t0)
+        latencies.sort()
+        print(f"status latency under a run: p50 {latencies[25] * 1000:.1f} ms, p95 {latencies[47] * 1000:.1f} ms")
+        assert latencies[47] < 1.0
+        events = client.get("/v1/events").json()
+        assert any(e["kind"] == "join" and e["island"] == 2 for e in events)
+        assert [e["bundles"] for e in events if e["kind"] == "resources_requested"] == [2, 3, 2]  # drain lowers it
+        assert client.get("/v1/islands").json()[0]["resources"] == {"CPU": 0.5}
+        assert client.post("/v1/run/stop", headers=AUTH).status_code == 202
+    finally:  # a failed check must not leave the run training beside the next tests
+        if thread.is_alive():
+            client.post("/v1/run/stop", headers=AUTH)
+        thread.join(timeout=60)
     assert box["summary"]["outer_steps"] < 3000

@@ -231,9 +231,9 @@ def test_bench_fleet_end_to_end_on_a_small_fleet(tmp_path):
         4,
         0,
         0.7,
-        out / "fleet-runs",
+        tmp_path / "again",
     )
-    # the same run asked for again (reused from its folder, or run again): the account the report shows
+    # the same run computed again in a folder of its own (not read back from the report's): the account the report shows
     assert breakdown(again)["useful"] == report["methods"]["sync_4"]["goodput"]
     assert again.losses["strikes"] and sum(again.losses["strikes"].values()) == report["methods"]["sync_4"]["strikes"]
 

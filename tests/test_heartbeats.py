@@ -150,7 +150,7 @@ def test_a_real_hang_on_ray_is_noticed_in_seconds(ray_local, tmp_path):
     )
     t0 = time.perf_counter()
     summary = run(cfg, show_progress=False)
-    assert time.perf_counter() - t0 < 90
+    assert time.perf_counter() - t0 < 140  # never its deadline and grace (150 s), however loaded the machine
     islands = summary["islands"]
     assert islands["2"]["state"] == "dead" and islands["2"]["error"].startswith("hung: no progress"), islands["2"]
     assert summary["rounds_done"] == 4
@@ -240,7 +240,7 @@ def test_a_sigstopped_island_answers_nothing_and_is_declared_hung_at_the_floor(r
     from orchestrator.runtime.island_actors import find_island
     from tests.helpers import run_until_records
 
-    cfg = _ray_beats(tmp_path, 0.1, "rounds=3")
+    cfg = _ray_beats(tmp_path, 0.1)
     thread, box = run_until_records(cfg, "sigstop", 1)
     handle = find_island("sigstop", 1)
     assert handle is not None
@@ -258,7 +258,7 @@ def test_a_sigstopped_island_answers_nothing_and_is_declared_hung_at_the_floor(r
     (crash,) = [e for e in events(cfg.out_dir) if e["kind"] == "crash"]
     assert crash["island"] == 1 and crash["reason"].startswith("hung: no progress"), crash
     assert 3 <= declared_s < 30, declared_s  # the 3-s floor, a few reads of slack on a loaded machine
-    assert summary["rounds_done"] == 3 and summary["islands"]["1"]["state"] == "dead"
+    assert summary["rounds_done"] == 2 and summary["islands"]["1"]["state"] == "dead"
     assert sum(summary["shards"]["position"]) == summary["tokens"]
 
 

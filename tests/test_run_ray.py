@@ -131,11 +131,11 @@ def test_a_stalled_island_is_left_behind_by_the_round_deadline(ray_local, tmp_pa
         "step_timeout_s=0",
         "elastic.replace_dead=false",
         "task.kwargs.stall_island=2",
-        "task.kwargs.stall_s=30",
+        "task.kwargs.stall_s=120",
     )
     t0 = time.perf_counter()
     summary = run(cfg, show_progress=False)
-    assert time.perf_counter() - t0 < 25
+    assert time.perf_counter() - t0 < 100  # never the stall's 120 s, however loaded the machine
     assert summary["islands"]["2"]["late_results"] >= 1
     assert summary["islands"]["0"]["rounds_contributed"] == 3
 
