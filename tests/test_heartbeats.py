@@ -39,7 +39,9 @@ def test_a_hung_island_is_noticed_by_its_stalled_steps_and_replaced_long_before_
 def test_a_barrier_round_waits_a_stall_not_a_deadline(tmp_path):
     """Synchronous DiLoCo waits for every island: without heartbeats the hung island's
     round lasts its whole deadline (20 s), with them 3 s past its last step (its frozen count read every ½ s)."""
-    slow = run_scenario(scenario_cfg(tmp_path, "diloco", "rounds=8", heartbeats=False), [Fault(FaultKind.HANG, 0, order=2)])
+    slow = run_scenario(
+        scenario_cfg(tmp_path, "diloco", "rounds=8", heartbeats=False), [Fault(FaultKind.HANG, 0, order=2)]
+    )
     fast = run_scenario(scenario_cfg(tmp_path, "diloco", "rounds=8", *BEATS), [Fault(FaultKind.HANG, 0, order=2)])
     assert fast["clock_seconds"] <= slow["clock_seconds"] - 14, (fast["clock_seconds"], slow["clock_seconds"])
 
