@@ -20,9 +20,11 @@ from orchestrator.engine.commands import (
     Ack,
     AddIslands,
     Drain,
+    Pause,
     Preempt,
     Refusal,
     Refused,
+    Resume,
     SetTarget,
     SettingsUpdate,
     Stop,
@@ -562,3 +564,32 @@ def test_a_command_retried_with_its_key_across_a_restart_is_applied_once(tmp_pat
     assert second.members.target == 4 and second.inbox.requested == 4
     assert second.members.islands[1].state.value == "draining"  # the preemption survived the restart
     assert isinstance(second.submit(AddIslands(count=1), key="add-other"), Ack) and second.inbox.requested == 5
+
+
+def test_settings_and_a_pause_accepted_before_a_crash_hold_after_the_restart(tmp_path):
+    """A 202 means the change survives the coordinator: a settings change and a pause the
+    engine had not taken yet when the coordinator died were lost (the REST chaos test's
+    settings change, acknowledged and then killed with the coordinator). They are journalled
+    with the membership intent and taken again by the restarted coordinator; a resume with
+    another config keeps the config's values."""
+    cfg = scenario_cfg(tmp_path, "diloco", "rounds=8", "checkpoint.every_rounds=2")
+    first, pool = in_process_engine(cfg, run_id="journal")
+    drive(first, until=2)
+    assert isinstance(first.submit(UpdateSettings(settings=SettingsUpdate(outer_lr=0.35, inner_steps=3))), Ack)
+    assert isinstance(first.submit(Pause()), Ack)
+    pool.coordinator_lost()  # before the engine took either
+    second = build_engine(cfg, pool, run_id="journal")
+    second.start()
+    assert second.inbox.paused.is_set()  # paused as the operator left it
+    second.submit(Resume())
+    drive(second, until=3)  # the next boundary: the journalled settings are taken
+    assert second.status().inner_steps == 3 and second.status().outer_lr == 0.35
+    drive(second)
+    assert second.summary["state"] == "finished"
+    pool.coordinator_lost()
+    other = scenario_cfg(tmp_path, "diloco", "rounds=10", "inner_steps=5", "checkpoint.every_rounds=2")
+    other = other.model_copy(update={"out_dir": cfg.out_dir, "checkpoint": cfg.checkpoint})
+    third = build_engine(other, pool, run_id="journal")  # `--resume` with another config
+    third.start()
+    third.step()
+    assert third.status().inner_steps == 5 and not third.inbox.paused.is_set()

@@ -20,6 +20,7 @@ them too (`remember`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import threading
 from collections import OrderedDict
@@ -32,6 +33,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.engine.fleet.membership import JOINING, Membership
 from orchestrator.engine.types import IslandState
+
+log = logging.getLogger(__name__)
 
 
 class SettingsUpdate(BaseModel):
@@ -159,6 +162,7 @@ class Inbox:
         self.ended = False  # the whole run has ended: nothing more is taken
         self.members: Membership | None = None  # the phase that takes membership changes (None: warm start)
         self._settings: SettingsUpdate | None = None
+        self.accepted: dict[str, Any] = {}  # every settings change accepted this run, merged (journalled)
         self._membership: list[SetTarget | Drain | Preempt] = []
         self.journal: Callable[[], bool] | None = None  # writes the membership intent; False if it could not
         # idempotency key -> (the command's signature, its acknowledgement, journalled with membership)
@@ -232,11 +236,9 @@ class Inbox:
             case Preempt(island=i, notice_s=notice_s):
                 return self._preempt(i, notice_s)
             case Pause():
-                self.paused.set()
-                return Ack(detail={"action": "pause"})
+                return self._pause(True)
             case Resume():
-                self.paused.clear()
-                return Ack(detail={"action": "resume"})
+                return self._pause(False)
             case Stop(now=now):
                 if now:
                     self.aborting.set()
@@ -301,17 +303,57 @@ class Inbox:
         ack, key = Ack(detail=detail), self._key
         if key is not None:
             self._keep(key[0], key[1], ack, journalled=True)
-        if self.journal is not None and not self.journal():
+        if not self._journalled():
             self._membership.pop()
             self.requested = before
             if key is not None:
                 del self._keys[key[0]]
-            return Refused(
-                reason=Refusal.NOT_NOW,
-                message="the change could not be written to the membership intent (the run's disk errors say why); "
-                "nothing was changed: retry",
-            )
+            return self._unwritten()
         return ack
+
+    def _pause(self, paused: bool) -> Answer:
+        """Pause or resume, journalled like a change of membership: a coordinator restarted
+        after the answer is paused as the operator left it."""
+        was = self.paused.is_set()
+        self.paused.set() if paused else self.paused.clear()
+        if not self._journalled():
+            self.paused.set() if was else self.paused.clear()
+            return self._unwritten()
+        return Ack(detail={"action": "pause" if paused else "resume"})
+
+    def _journalled(self) -> bool:
+        return self.journal is None or self.journal()
+
+    @staticmethod
+    def _unwritten() -> Refused:
+        return Refused(
+            reason=Refusal.NOT_NOW,
+            message="the change could not be written to the membership intent (the run's disk errors say why); "
+            "nothing was changed: retry",
+        )
+
+    def durable(self) -> dict[str, Any]:
+        """What the membership intent journals besides the membership (called under `lock`):
+        the settings accepted, merged, and whether the run is paused, so that a coordinator
+        restarted from an older checkpoint takes them again (`restore_accepted`)."""
+        return {"settings": dict(self.accepted), "paused": self.paused.is_set()}
+
+    def restore_accepted(self, intent: dict[str, Any]) -> None:
+        """After a restart: the settings and the pause the journal holds, taken again (the
+        settings validated as if sent now; what does not validate is logged and dropped,
+        like a file planted on the volume)."""
+        settings = intent.get("settings")
+        if isinstance(settings, dict) and settings:
+            try:
+                update = SettingsUpdate.model_validate(settings)
+            except ValueError as err:
+                log.warning("membership intent: its settings %s are not valid (%s); not taken", settings, err)
+            else:
+                answer = self.submit(UpdateSettings(settings=update))
+                if isinstance(answer, Refused):
+                    log.warning("membership intent: its settings %s were refused: %s", settings, answer.message)
+        if intent.get("paused") is True:
+            self.paused.set()
 
     def _update(self, update: SettingsUpdate) -> Answer:
         changes = update.model_dump(exclude_none=True)
@@ -323,7 +365,12 @@ class Inbox:
         except ValueError as err:
             return Refused(reason=Refusal.INVALID, message=str(err))
         merged = self._settings.model_dump(exclude_none=True) if self._settings else {}
+        before, accepted = self._settings, dict(self.accepted)
         self._settings = SettingsUpdate(**{**merged, **changes})
+        self.accepted.update(changes)
+        if not self._journalled():
+            self._settings, self.accepted = before, accepted
+            return self._unwritten()
         return Ack(detail=changes)
 
     # -- the engine's side ------------------------------------------------------------------

@@ -15,6 +15,7 @@ it returns as outcomes (`outcomes.py`) for the engine to apply.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -130,6 +131,8 @@ class Fleet:
         self._demanded: int | None = None
         self._intent: dict | None = None  # last membership intent written (`journal`)
         self._journalled_at = -1  # events.count when the intent was last looked at
+        self._durable: dict = {}  # the inbox's settings and pause as last journalled
+        self._config_sha = hashlib.sha256(self.cfg.model_dump_json().encode()).hexdigest()
         self.waiting_since: float | None = None  # since when no island could train
         self._seek: dict[int, int] = {}  # promoted spares -> where their first work puts the lr schedule
 
@@ -155,6 +158,8 @@ class Fleet:
         intent = load_intent(run_folder(self.cfg.checkpoint_dir, self.run_id), self.run_id) or {}
         if self.inbox is not None:  # a client retrying a command whose answer the restart swallowed
             self.inbox.remember(intent.get("keys", []))
+            if intent.get("config_sha256") == self._config_sha:  # a resume with another config: the config's win
+                self.inbox.restore_accepted(intent)  # settings and a pause accepted since the checkpoint
         # the journal lives on a writable volume: its values are held to what the config allows
         # (a planted target of 1,000,000 asked for a million placement groups)
         leaving = {i for i in intent.get("leaving", []) if isinstance(i, int) and not isinstance(i, bool)}
@@ -209,7 +214,13 @@ class Fleet:
             return True
         with self.inbox.lock if self.inbox is not None else contextlib.nullcontext():
             queued_target, queued_leaving = self.inbox.queued() if self.inbox is not None else (None, set())
-            if self.events.count == self._journalled_at and not queued_leaving and queued_target is None:
+            durable = self.inbox.durable() if self.inbox is not None else {}
+            if (
+                self.events.count == self._journalled_at
+                and not queued_leaving
+                and queued_target is None
+                and durable == self._durable
+            ):
                 return True
             self._journalled_at = self.events.count
             islands = list(self.members.islands.items())  # one read (the caller's thread may be another)
@@ -220,13 +231,15 @@ class Fleet:
                 "target": target,
                 "leaving": sorted(leaving | queued_leaving),
                 "keys": self.inbox.keyed() if self.inbox is not None else [],
+                **durable,
+                "config_sha256": self._config_sha,
             }
             if intent == self._intent:
                 return True
             folder = run_folder(self.cfg.checkpoint_dir, self.run_id)
             if not self.disk.attempt("the membership intent", lambda: save_intent(folder, intent)):
                 return False
-            self._intent = intent
+            self._intent, self._durable = intent, durable
             return True
 
     # -- between rounds ----------------------------------------------------------------------
