@@ -138,6 +138,13 @@ def signature(command: Command) -> dict[str, Any]:
     return {"command": type(command).__name__, **fields}
 
 
+def _switch(event: threading.Event, on: bool) -> None:
+    if on:
+        event.set()
+    else:
+        event.clear()
+
+
 class Inbox:
     """Accepted commands, waiting for the engine. Thread-safe: `submit` runs on any thread,
     `take_*` on the engine's. `requested` is the island target once every queued change is
@@ -174,25 +181,27 @@ class Inbox:
         answer and changes nothing (one sent with another command is refused); refusals are
         not kept (nothing changed: the same key may try again)."""
         with self.lock:
-            if key is not None:
-                if not 0 < len(key) <= MAX_KEY_LENGTH:
+            if key is None:
+                return self._take(command)
+            if not 0 < len(key) <= MAX_KEY_LENGTH:
+                return Refused(
+                    reason=Refusal.INVALID, message=f"an idempotency key has 1 to {MAX_KEY_LENGTH} characters"
+                )
+            sig = signature(command)
+            seen = self._keys.get(key)
+            if seen is not None:
+                if seen[0] != sig:
                     return Refused(
-                        reason=Refusal.INVALID, message=f"an idempotency key has 1 to {MAX_KEY_LENGTH} characters"
+                        reason=Refusal.INVALID, message=f"idempotency key {key!r} was sent with another command"
                     )
-                seen = self._keys.get(key)
-                if seen is not None:
-                    if seen[0] != signature(command):
-                        return Refused(
-                            reason=Refusal.INVALID, message=f"idempotency key {key!r} was sent with another command"
-                        )
-                    return seen[1]
-                self._key = (key, signature(command))
+                return seen[1]
+            self._key = (key, sig)  # a membership change journals it with itself (`_queue`)
             try:
                 answer = self._take(command)
             finally:
                 self._key = None
-            if key is not None and isinstance(answer, Ack) and key not in self._keys:
-                self._keep(key, signature(command), answer, journalled=False)
+            if isinstance(answer, Ack) and key not in self._keys:
+                self._keep(key, sig, answer, journalled=False)
             return answer
 
     def _keep(self, key: str, sig: dict[str, Any], ack: Ack, *, journalled: bool) -> None:
@@ -315,9 +324,9 @@ class Inbox:
         """Pause or resume, journalled like a change of membership: a coordinator restarted
         after the answer is paused as the operator left it."""
         was = self.paused.is_set()
-        self.paused.set() if paused else self.paused.clear()
+        _switch(self.paused, paused)
         if not self._journalled():
-            self.paused.set() if was else self.paused.clear()
+            _switch(self.paused, was)
             return self._unwritten()
         return Ack(detail={"action": "pause" if paused else "resume"})
 

@@ -246,10 +246,11 @@ class RayIslandPool:
         if self.heartbeats is None:
             return []
         events: list[PoolEvent] = []
+        working = {i for _, i in self.work.values()}
         for heard in self.heartbeats.take():
             if not isinstance(heard, Gone):
                 events.append(heard)
-            elif heard.island in self.handles and heard.island not in {i for _, i in self.work.values()}:
+            elif heard.island in self.handles and heard.island not in working:
                 events.append(Failed(ticket=None, island=heard.island, reason=heard.reason))
         return events
 

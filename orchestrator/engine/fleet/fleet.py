@@ -131,7 +131,6 @@ class Fleet:
         self._demanded: int | None = None
         self._intent: dict | None = None  # last membership intent written (`journal`)
         self._journalled_at = -1  # events.count when the intent was last looked at
-        self._durable: dict = {}  # the inbox's settings and pause as last journalled
         self._config_sha = hashlib.sha256(self.cfg.model_dump_json().encode()).hexdigest()
         self.waiting_since: float | None = None  # since when no island could train
         self._seek: dict[int, int] = {}  # promoted spares -> where their first work puts the lr schedule
@@ -156,10 +155,6 @@ class Fleet:
         goes on draining, a drained one stays drained, and whatever else of this run is
         left in the pool is released by name before any index is handed out again."""
         intent = load_intent(run_folder(self.cfg.checkpoint_dir, self.run_id), self.run_id) or {}
-        if self.inbox is not None:  # a client retrying a command whose answer the restart swallowed
-            self.inbox.remember(intent.get("keys", []))
-            if intent.get("config_sha256") == self._config_sha:  # a resume with another config: the config's win
-                self.inbox.restore_accepted(intent)  # settings and a pause accepted since the checkpoint
         # the journal lives on a writable volume: its values are held to what the config allows
         # (a planted target of 1,000,000 asked for a million placement groups)
         leaving = {i for i in intent.get("leaving", []) if isinstance(i, int) and not isinstance(i, bool)}
@@ -173,8 +168,11 @@ class Fleet:
                     target,
                     self.members.target,
                 )
-        if self.inbox is not None:  # commands from now on count from the journalled target, not the checkpoint's
-            self.inbox.settle(self.members.target)
+        if self.inbox is not None:
+            self.inbox.settle(self.members.target)  # commands count from the journalled target, not the checkpoint's
+            self.inbox.remember(intent.get("keys", []))  # a client retrying a command whose answer the restart lost
+            if intent.get("config_sha256") == self._config_sha:  # a resume with another config: the config's win
+                self.inbox.restore_accepted(intent)  # settings and a pause accepted since the checkpoint
         known = set(self.members.islands)
         for i in self.pool.survivors():
             if i not in known and i not in leaving and (node := self.pool.reattach(i)) is not None:
@@ -219,7 +217,7 @@ class Fleet:
                 self.events.count == self._journalled_at
                 and not queued_leaving
                 and queued_target is None
-                and durable == self._durable
+                and all(self._intent is not None and self._intent.get(k) == v for k, v in durable.items())
             ):
                 return True
             self._journalled_at = self.events.count
@@ -239,7 +237,7 @@ class Fleet:
             folder = run_folder(self.cfg.checkpoint_dir, self.run_id)
             if not self.disk.attempt("the membership intent", lambda: save_intent(folder, intent)):
                 return False
-            self._intent, self._durable = intent, durable
+            self._intent = intent
             return True
 
     # -- between rounds ----------------------------------------------------------------------
