@@ -32,7 +32,6 @@ from orchestrator.config_sections import (
     StreamingConfig,
     Strict,
 )
-from workers.wire.links import LinkConfig
 from workers.wire.spec import InnerConfig, Sharding
 
 
@@ -123,76 +122,6 @@ class IslandsConfig(Strict):
     cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per island worker")
     gpus: float = Field(0.0, ge=0, description="Ray GPUs per island worker; CUDA is used when > 0 and available")
     threads: int | None = Field(None, ge=1, description="torch threads per island (default: cpus, at least 1)")
-
-
-class SimulationConfig(Strict):
-    """SIMULATION: a fleet on one machine — slower islands, slow links and a virtual clock —
-    so modes can be compared under the conditions of a real one. The islands really train;
-    only time is simulated (`orchestrator/runtime/simulated.py` on Ray, the in-process pool
-    of tests and benches). A run without this section is not simulated in any way."""
-
-    link: LinkConfig = Field(
-        default_factory=LinkConfig, description="every island's link to the coordinator (both directions)"
-    )
-    links: list[LinkConfig] | None = Field(
-        None, description="one link per initial island instead; joiners and replacements use `link`"
-    )
-    nominal_params: int | None = Field(
-        None,
-        ge=1,
-        description="price every transfer on the links as if the model had this many parameters (its bytes "
-        "scaled by nominal / actual, so a codec's ratio holds): a small model trains while its exchanges cost "
-        "what a large one's would. The byte counts stay the bytes that moved",
-    )
-    slowdown: list[float] | None = Field(
-        None,
-        description="one factor >= 1 per initial island stretching every inner step (2 = half speed); "
-        "joiners and replacements run at 1",
-    )
-    virtual_step_s: float | None = Field(
-        None,
-        gt=0,
-        description="a virtual clock: island i's inner step takes virtual_step_s x its slowdown simulated "
-        "seconds and nothing sleeps; results are taken in the order of their simulated finish times and the "
-        "run's clock (deadlines, links, clock_seconds) is simulated, while the islands really train; so "
-        "measured speeds are exact on a contended machine",
-    )
-
-    @field_validator("slowdown")
-    @classmethod
-    def _factors(cls, v: list[float] | None) -> list[float] | None:
-        if v is not None and any(f < 1 for f in v):
-            raise ValueError("slowdown factors must be >= 1")
-        return v
-
-    def check_islands(self, count: int) -> None:
-        """One entry per initial island in each per-island list."""
-        for name, entries in (("slowdown", self.slowdown), ("links", self.links)):
-            if entries is not None and len(entries) != count:
-                raise ValueError(f"simulation.{name} has {len(entries)} entries for {count} islands (islands.count)")
-
-    @property
-    def slows(self) -> bool:
-        """Whether islands on the real clock stretch their steps or wait for their downloads."""
-        return self.virtual_step_s is None and (bool(self.slowdown) or self.delays)
-
-    @property
-    def delays(self) -> bool:
-        """Whether any link takes time."""
-        return any(link.seconds(1) > 0 for link in [self.link, *(self.links or [])])
-
-    def slowdown_of(self, index: int) -> float:
-        """Island `index`'s factor; islands past the list (joiners, replacements) run at full speed."""
-        s = self.slowdown
-        return s[index] if s and index < len(s) else 1.0
-
-    def virtual_seconds(self, index: int, steps: int) -> float:
-        """Simulated seconds of `steps` inner steps of island `index` under the virtual clock."""
-        return steps * (self.virtual_step_s or 0.0) * self.slowdown_of(index)
-
-    def link_of(self, index: int) -> LinkConfig:
-        """Island `index`'s link; islands past `links` (joiners, replacements) use `link`."""
-        return self.links[index] if self.links and index < len(self.links) else self.link
 
 
 class TaskSpec(Strict):
@@ -328,7 +257,6 @@ class RunConfig(Strict):
     task: TaskSpec = Field(default_factory=TaskSpec)
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
-    simulation: SimulationConfig = Field(default_factory=SimulationConfig)
 
     @model_validator(mode="after")
     def _warm_steps(self) -> RunConfig:
@@ -407,7 +335,6 @@ class RunConfig(Strict):
             )
         self._check_read()
         a.check_c(self.islands.count)
-        self.simulation.check_islands(self.islands.count)
         return self
 
     def settings_read(self) -> Reads:

@@ -40,7 +40,7 @@ def _yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # a SafeLoader: builds plain values only
 
 
-def _format(err: ValidationError, prefix: str = "") -> str:
+def format_error(err: ValidationError, prefix: str = "") -> str:
     lines = []
     for e in err.errors():
         where = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "") or "config"
@@ -77,6 +77,12 @@ def load_config(
     path: str | Path | None = None, overrides: list[str] | None = None, check_task: bool = True
 ) -> RunConfig:
     """Resolve the run config. Raises `ConfigError` and starts nothing if anything is wrong."""
+    return validate_config(read_config_data(path, overrides or []), check_task)
+
+
+def read_config_data(path: str | Path | None, overrides: list[str]) -> dict[str, Any]:
+    """The config file's mapping with `overrides` applied and moved settings at their
+    place, not validated yet."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -88,14 +94,26 @@ def load_config(
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping, not {type(loaded).__name__}")
         data = loaded or {}
-    data = _moved(apply_overrides(data, overrides or []))
+    return _moved(apply_overrides(data, overrides))
+
+
+def validate_config(data: dict[str, Any], check_task: bool = True) -> RunConfig:
+    """`data` as a run's config; ConfigError naming the field if it is not one."""
+    if SIMULATION in data:
+        raise ConfigError(
+            f"{SIMULATION}: a run's config has no simulation section: a simulated fleet runs with "
+            "`archipelago simulate` (or a bench), which read it beside the run's config"
+        )
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format(err)) from err
+        raise ConfigError(format_error(err)) from err
     if check_task:
         check_task_spec(cfg)
     return cfg
+
+
+SIMULATION = "simulation"  # read by `orchestrator.simulation.config`, refused here
 
 
 # settings that moved, so a config written for an earlier release still loads
@@ -133,7 +151,7 @@ def check_task_spec(cfg: RunConfig) -> None:
     except TaskError as err:
         cause = err.__cause__
         if isinstance(cause, ValidationError):
-            raise ConfigError(_format(cause, "task.kwargs")) from err
+            raise ConfigError(format_error(cause, "task.kwargs")) from err
         raise ConfigError(f"task.factory: {err}") from err
 
 

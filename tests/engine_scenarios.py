@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.config import RunConfig
-from orchestrator.config_load import load_config
 from orchestrator.engine.engine import RoundEngine
-from orchestrator.testing.pool import Fault
-from tests.helpers import assert_trained_once, in_process_engine
+from orchestrator.simulation.pool import Fault
+from tests.helpers import assert_trained_once, in_process_engine, load_scenario
 
 CENTERS = "[[1.0,0.0],[-0.5,2.0],[0.5,0.5],[2.0,-1.0]]"
 _keys = itertools.count()
@@ -37,8 +36,7 @@ def scenario_cfg(tmp_path: Path, mode: str, *extra: str, heartbeats: bool = True
     hung island found only at its deadline and grace) turns them off with `heartbeats=False`."""
     key = f"r{next(_keys)}"
     chosen = VARIANTS.get(mode, [f"mode={mode}"])
-    return load_config(
-        None,
+    return load_scenario(
         [
             "task.factory=tests.toy_tasks:make_recording",
             "warm_start.steps=0",

@@ -16,7 +16,9 @@ from orchestrator.config import RunConfig
 from orchestrator.engine.build import build_engine
 from orchestrator.engine.engine import RoundEngine
 from orchestrator.engine.outputs.logfiles import read_lines
-from orchestrator.testing.pool import Fault, InProcessPool
+from orchestrator.simulation.config import SimulationConfig, load_simulated
+from orchestrator.simulation.pool import Fault, InProcessPool
+from orchestrator.simulation.runner import run_in_process
 from tests.toy_tasks import READS
 from workers.runtime.island import Island
 
@@ -67,9 +69,7 @@ def fell_20_percent(summary: dict[str, Any]) -> None:
 
 def tiny_lm_config(out: str | Path, corpus_cache: str, *extra: str) -> RunConfig:
     """The tiny GPT on the session's cached corpus, writing to `out`, with `extra` overrides."""
-    from orchestrator.config_load import load_config
-
-    return load_config(None, [*TINY_LM, f"task.kwargs.cache_dir={corpus_cache}", f"out_dir={out}", *extra])
+    return load_scenario([*TINY_LM, f"task.kwargs.cache_dir={corpus_cache}", f"out_dir={out}", *extra])
 
 
 def events(folder: str | Path) -> list[dict[str, Any]]:
@@ -147,13 +147,37 @@ def remove_scratch() -> None:
         _scratch.cache_clear()
 
 
+# out_dir -> the fleet a test's config was loaded with (`load_scenario`): a test names its
+# fleet among its settings (`simulation.slowdown=[1,1,4]`), and the run's config has none
+FLEETS: dict[str, SimulationConfig] = {}
+
+
+def load_scenario(overrides: list[str]) -> RunConfig:
+    """The run's config of `overrides`, its `simulation.*` settings kept for its pool
+    (`in_process_engine`) under its `out_dir`."""
+    cfg, sim = load_simulated(None, overrides)
+    if cfg.out_dir == RunConfig().out_dir:  # a folder of its own, so its fleet is its own
+        cfg = cfg.model_copy(update={"out_dir": tempfile.mkdtemp(prefix="run-", dir=_scratch().name)})
+    FLEETS[cfg.out_dir] = sim
+    return cfg
+
+
+def run_simulated(cfg: RunConfig) -> dict[str, Any]:
+    """`cfg` run to the end in this process (the product's phases) on the fleet it was
+    loaded with; its summary."""
+    return run_in_process(cfg, FLEETS.get(cfg.out_dir) or SimulationConfig())
+
+
 def in_process_engine(
     cfg: RunConfig, faults: list[Fault] | None = None, run_id: str = "local", **pool: Any
 ) -> tuple[RoundEngine, InProcessPool]:
-    """The engine over an in-process pool; `cfg.out_dir` defaults to a fresh temp folder."""
+    """The engine over an in-process pool, on the fleet its config was loaded with
+    (`load_scenario`; none: speed 1, instant links); `cfg.out_dir` defaults to a fresh
+    temp folder."""
+    sim = FLEETS.get(cfg.out_dir)
     if cfg.out_dir == RunConfig().out_dir:
         cfg = cfg.model_copy(update={"out_dir": tempfile.mkdtemp(prefix="run-", dir=_scratch().name)})
-    p = InProcessPool(cfg, faults=faults, **pool)
+    p = InProcessPool(cfg, sim, faults=faults, **pool)
     return build_engine(cfg, p, run_id), p
 
 

@@ -135,7 +135,7 @@ def test_the_reach_check_follows_imports_through_other_modules():
     assert "orchestrator.engine.engine" not in _reach("orchestrator.engine.types")
 
 
-NOT_PRODUCT = ("orchestrator.bench", "orchestrator.testing")
+NOT_PRODUCT = ("orchestrator.bench", "orchestrator.simulation")
 
 
 def test_nothing_in_the_product_imports_the_benchmarks_or_the_testing_package():
@@ -148,7 +148,7 @@ def test_nothing_in_the_product_imports_the_benchmarks_or_the_testing_package():
         if not name.startswith(NOT_PRODUCT)
     }
     assert {k: v for k, v in offenders.items() if v} == {}
-    assert any(m.startswith("orchestrator.testing") for m in IMPORTS["orchestrator.bench.fleet"])
+    assert any(m.startswith("orchestrator.simulation") for m in IMPORTS["orchestrator.bench.fleet"])
 
 
 def test_the_island_and_the_ray_pool_hold_no_simulation_branch():

@@ -25,7 +25,7 @@ from orchestrator.config_load import load_config
 from orchestrator.engine.outputs.checkpoints import one_run
 from orchestrator.runtime.driver import run
 from orchestrator.runtime.names import NAMESPACE, coordinator_name, island_name
-from orchestrator.testing.runner import run_in_process
+from orchestrator.simulation.runner import run_in_process
 from tests.helpers import toy_quadratic
 from tests.http_server import free_port
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from orchestrator.algorithms.outer import CO2Outer
+from orchestrator.simulation.links import LinkConfig
 from workers.wire.compress import decode, encode
-from workers.wire.links import LinkConfig
 from workers.wire.spec import payload_nbytes
 
 TOL = 1e-6

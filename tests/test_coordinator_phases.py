@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.config_load import load_config
 from orchestrator.engine.outputs.loop_time import LoopClock, Part
-from orchestrator.testing.runner import run_in_process
+from orchestrator.simulation.runner import run_in_process
 from tests.helpers import toy_quadratic
 
 

@@ -17,7 +17,7 @@ from orchestrator.config_load import load_config
 from orchestrator.engine.commands import AddIslands, Drain
 from orchestrator.runtime.driver import run
 from orchestrator.runtime.names import NAMESPACE, island_name
-from orchestrator.testing.runner import run_in_process
+from orchestrator.simulation.runner import run_in_process
 
 pytestmark = pytest.mark.ray
 CENTERS = "[[1.0,0.0],[-0.5,2.0],[0.5,0.5],[2.0,1.0]]"

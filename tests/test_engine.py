@@ -27,7 +27,7 @@ from orchestrator.engine.commands import (
     UpdateSettings,
 )
 from orchestrator.engine.types import Event, RunFailed
-from orchestrator.testing.pool import Fault, FaultKind
+from orchestrator.simulation.pool import Fault, FaultKind
 from tests.engine_scenarios import check_exactly_once, drive, run_scenario, scenario_cfg
 from tests.helpers import events, in_process_engine
 

@@ -18,7 +18,7 @@ from orchestrator.engine.outcomes import Halt, Lost, Place, Release
 from orchestrator.engine.outputs import records
 from orchestrator.engine.outputs.checkpoints import load_checkpoint
 from orchestrator.engine.types import IslandState, RunFailed, RunPhase
-from orchestrator.testing.pool import Fault, FaultKind
+from orchestrator.simulation.pool import Fault, FaultKind
 from tests.engine_scenarios import check_exactly_once, drive, run_scenario, scenario_cfg
 from tests.helpers import events, in_process_engine
 from workers.runtime import storage

@@ -34,7 +34,7 @@ from orchestrator.engine.fleet import fleet as fleet_module
 from orchestrator.engine.fleet import membership
 from orchestrator.engine.outputs.checkpoints import load_checkpoint
 from orchestrator.engine.types import IslandState, RunFailed
-from orchestrator.testing.pool import Fault, FaultKind, InProcessPool
+from orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
 from tests.engine_scenarios import Action, check_exactly_once, drive, run_scenario, scenario_cfg
 from tests.helpers import events, in_process_engine
 

@@ -16,11 +16,14 @@ from orchestrator.bench.fleet import breakdown, run_one, seeds_of
 from orchestrator.bench.fleet_spec import FleetSpec
 from orchestrator.cli import main
 from orchestrator.config_load import load_config
-from orchestrator.engine.work.links import LinkPrices
-from orchestrator.testing.chaos import Strike, TimedFault, mttf_schedule, parse_mix
+from orchestrator.engine.build import build_engine
+from orchestrator.simulation.chaos import Strike, TimedFault, mttf_schedule, parse_mix
+from orchestrator.simulation.config import SimulationConfig
+from orchestrator.simulation.links import LinkConfig, allreduce_s, ring_allreduce_s, tree_allreduce_s
+from orchestrator.simulation.network import Network
+from orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
 from tests.engine_scenarios import check_exactly_once, check_rounds_recorded, drive, scenario_cfg
 from tests.helpers import events, in_process_engine
-from workers.wire.links import LinkConfig, ring_allreduce_s
 
 LINK = ("simulation.link.bandwidth_gbps=8", "simulation.link.latency_ms=10")  # 1 GB/s, 10 ms
 
@@ -33,18 +36,108 @@ def test_a_ring_all_reduce_moves_a_kth_of_the_bytes_over_2_k_minus_1_hops_paced_
     assert fast.seconds(1e9) == pytest.approx(1.010)
 
 
-def test_transfers_are_priced_at_the_nominal_size_and_data_parallel_pays_a_ring_not_the_coordinator():
-    diloco = LinkPrices.of(load_config(None, [*LINK, "simulation.nominal_params=1000"]), numel=10)
-    assert diloco.scale == 100 and not diloco.ring
-    assert diloco.download_s(0, 40, bootstrap=False) == pytest.approx(0.010 + 4000 * 8 / 8e9)
-    assert diloco.upload_s(0, 40, [0, 1, 2]) == pytest.approx(0.010 + 4000 * 8 / 8e9)
-    ddp = LinkPrices.of(load_config(None, ["mode=ddp", *LINK, "simulation.nominal_params=1000"]), numel=10)
-    assert ddp.download_s(0, 40, bootstrap=False) == 0.0  # every replica applies the step itself
-    assert ddp.download_s(0, 40, bootstrap=True) == pytest.approx(0.010 + 4000 * 8 / 8e9)  # its first copy
-    assert ddp.upload_s(0, 40, [0, 1, 2]) == pytest.approx(
-        ring_allreduce_s([LinkConfig(bandwidth_gbps=8, latency_ms=10)] * 3, 4000)
+def _network(*sets: str, numel: int = 10, **sim: object) -> Network:
+    cfg = load_config(None, list(sets))
+    return Network(cfg, SimulationConfig(link=FAST, nominal_params=1000, **sim), numel)
+
+
+FAST = LinkConfig(bandwidth_gbps=8, latency_ms=10)  # 1 GB/s, 10 ms
+
+
+def test_transfers_are_priced_at_the_nominal_size_and_data_parallel_pays_an_all_reduce_not_the_head():
+    diloco = _network()
+    assert diloco.scale == 100 and not diloco.ddp
+    assert diloco.download(0, 40, bootstrap=False, ready=5.0) == pytest.approx(5.0 + 0.010 + 4000 * 8 / 8e9)
+    up = diloco.upload_s(0, 40, islands=[0, 1, 2], sent=0.0, compute_s=1.0)
+    assert up == pytest.approx(0.010 + 4000 * 8 / 8e9)
+    ddp = _network("mode=ddp")
+    assert ddp.download(0, 40, bootstrap=False, ready=5.0) == 5.0  # every replica applies the step itself
+    assert ddp.download(0, 40, bootstrap=True, ready=5.0) == pytest.approx(5.0 + 0.010 + 4000 * 8 / 8e9)
+    assert ddp.upload_s(0, 40, islands=[0, 1, 2], sent=0.0, compute_s=1.0) == pytest.approx(
+        ring_allreduce_s([FAST] * 3, 4000)
     )
-    assert LinkPrices.of(load_config(None, list(LINK)), numel=10).scale == 1.0
+    assert Network(load_config(None, []), SimulationConfig(link=FAST), 10).scale == 1.0
+
+
+def test_the_heads_card_is_shared_so_many_islands_wait_on_each_other():
+    """16 pseudo-gradients of 4 GB (nominal) sent at once through a 100 Gbit/s card: the
+    card moves one at a time, 0.32 s each, so the last is in 5.12 s after they left — with
+    its own link alone every one would be in at 0.32 s. The versions out wait the same way;
+    the card is full duplex (in and out apart), and a quote books nothing."""
+    net = Network(
+        load_config(None, []),
+        SimulationConfig(link=LinkConfig(bandwidth_gbps=100), head_gbps=100, nominal_params=1_000_000_000),
+        1000,
+    )
+    assert net.upload_s(0, 4000, islands=[0], sent=0.0, compute_s=0.0, book=False) == pytest.approx(0.32)
+    ups = [net.upload_s(i, 4000, islands=list(range(16)), sent=0.0, compute_s=0.0) for i in range(16)]
+    assert ups == pytest.approx([0.32 * (i + 1) for i in range(16)])
+    downs = [net.download(i, 4000, bootstrap=False, ready=10.0) for i in range(16)]
+    assert downs == pytest.approx([10.0 + 0.32 * (i + 1) for i in range(16)])
+    assert net.seconds()["card_in"] == pytest.approx(16 * 0.32) == net.seconds()["card_out"]
+    sliced = Network(
+        load_config(None, ["coordinator.shards=4"]),
+        SimulationConfig(link=LinkConfig(bandwidth_gbps=100), head_gbps=100, nominal_params=1_000_000_000),
+        1000,
+    )
+    assert sliced.upload_s(0, 4000, islands=[0], sent=0.0, compute_s=0.0) == pytest.approx(0.32)  # its own link
+    assert sliced.upload_s(1, 4000, islands=[0], sent=0.0, compute_s=0.0) == pytest.approx(0.32)  # 4 cards: room
+
+
+def test_the_heads_step_is_priced_at_the_measured_rate_one_at_a_time():
+    """RDA over 8 updates of 1 B parameters at the rate measured on a CPU head (0.19 s per
+    8 x 25 M values): 7.6 s; a second step handed over while the first runs starts when it
+    ends; checkpoints every 5 rounds add a fifth of the state's write to a round's worth of
+    results; data-parallel's replicas step themselves (free), and so does an unpriced head."""
+    sim = SimulationConfig(nominal_params=1_000_000_000, price_head=True)
+    cfg = load_config(None, ["mode=async", "islands.count=8", "checkpoint.every_rounds=0"])
+    net = Network(cfg, sim, 1000)
+    assert net.merge == "radial"
+    assert net.stepped(at=10.0, merged=8, values=1000) == pytest.approx(17.6)
+    assert net.stepped(at=12.0, merged=8, values=1000) == pytest.approx(25.2)  # waits for the first
+    assert net.seconds()["step"] == pytest.approx(15.2)
+    mean = Network(load_config(None, ["mode=diloco", "islands.count=8", "checkpoint.every_rounds=5"]), sim, 1000)
+    state_s = 4 * 1e9 * 2 / (800e6 / 2.75)  # parameters and momentum, at the measured write rate
+    assert mean.step_s(8, 1000) == pytest.approx(0.06 / 25e6 * 1e9 + state_s / 5)
+    assert mean.step_s(4, 1000) == pytest.approx((0.06 / 25e6 * 1e9 + state_s / 5) / 2)  # half a round's results
+    assert Network(load_config(None, ["mode=ddp"]), sim, 1000).stepped(at=3.0, merged=8, values=1000) == 3.0
+    assert Network(cfg, SimulationConfig(nominal_params=10**9), 1000).stepped(at=3.0, merged=8, values=1000) == 3.0
+
+
+def test_data_parallels_all_reduce_hides_behind_backward_by_the_better_of_ring_and_tree():
+    """64 islands, 1 B fp32 gradients at 100 Gbit/s and 30 ms: the ring pays 126 latencies
+    (3.78 s of its 4.41), the tree 2 x 6; bucketed, two thirds of a 1-s step hide it; the
+    last bucket is never hidden."""
+    link = LinkConfig(bandwidth_gbps=100, latency_ms=30)
+    ring, tree = ring_allreduce_s([link] * 64, 4e9), tree_allreduce_s([link] * 64, 4e9)
+    assert ring == pytest.approx(2 * 63 * (0.03 + 4e9 / 64 * 8 / 1e11))
+    assert tree == pytest.approx(2 * 6 * 0.03 + 2 * 4e9 * 8 / 1e11) and tree < ring
+    sim = SimulationConfig(link=link, nominal_params=1_000_000_000, ddp_overlap=True)
+    net = Network(load_config(None, ["mode=ddp"]), sim, 1000)
+    islands = list(range(64))
+    last = allreduce_s([link] * 64, 25 * 2**20)  # the tree's 12 latencies: 0.36 s whatever the size
+    assert last == pytest.approx(0.36, abs=0.01)
+    assert net.upload_s(0, 4000, islands=islands, sent=0.0, compute_s=1.0) == pytest.approx(max(tree - 2 / 3, last))
+    assert net.upload_s(0, 4000, islands=islands, sent=0.0, compute_s=0.1) == pytest.approx(tree - 0.2 / 3)
+    assert net.upload_s(0, 4000, islands=islands, sent=0.0, compute_s=100.0) == pytest.approx(last)
+
+
+def test_a_replacement_runs_at_the_speed_of_the_node_it_replaces_and_speeds_are_measured_with_noise(tmp_path):
+    """Island 2 (half speed) crashes: its replacement, placed on the node it gave back,
+    runs at half speed too (`replacement_speed: replaced`; `full` would upgrade it); the
+    speeds the engine measures are off by the noise, the clock's are not."""
+    cfg = scenario_cfg(tmp_path, "diloco", "rounds=4")
+    sim = SimulationConfig(slowdown=[1, 1, 2], replacement_speed="replaced", speed_noise=0.2)
+    pool = InProcessPool(cfg, sim, step_s=1.0, faults=[Fault(FaultKind.CRASH, 2, order=2)], join_s=1.0)
+    engine = build_engine(cfg, pool)
+    drive(engine)
+    check_exactly_once(cfg, engine.summary)
+    assert pool.factors == {0: 1.0, 1: 1.0, 2: 2.0, 3: 2.0}
+    measured = [engine.summary["islands"][str(i)]["steps_per_s"] for i in (0, 1)]
+    assert all(0.5 < m < 2.0 for m in measured) and measured != [1.0, 1.0]
+    full = InProcessPool(cfg, SimulationConfig(slowdown=[1, 1, 2]), step_s=1.0)
+    full.freed.append(2.0)
+    assert full._node_factor(3) == 1.0 and full._node_factor(2) == 2.0
 
 
 @pytest.mark.parametrize("mode", ["diloco", "ddp"])
@@ -91,7 +184,7 @@ def test_failures_come_once_per_mttf_per_island_in_the_mix_asked_for():
     notices = [
         f.notice for f in mttf_schedule(seed=1, horizon_s=10_000, islands=8, mttf_s=100, mix=parse_mix("preempt=1"))
     ]
-    assert notices and all(30 <= n <= 120 for n in notices)
+    assert notices and all(30 <= n <= 120 for n in notices)  # mttf_schedule's default range
     assert mttf_schedule(seed=3, horizon_s=500, islands=4, mttf_s=50, mix=mix) == mttf_schedule(
         seed=3, horizon_s=500, islands=4, mttf_s=50, mix=mix
     )
@@ -203,19 +296,35 @@ def test_bench_fleet_end_to_end_on_a_small_fleet(tmp_path):
         "150",
         "--jobs",
         "2",
+        "--links",
+        "10,100",
+        "--link-rows",
+        "quorum",
     ]
     assert main([*argv, "--out", str(out)]) == 0
     report = json.loads((out / "fleet.json").read_text())
     assert set(report["methods"]) == {"sync_4", "quorum_4"}  # <row>_<islands>, for checks from outside
-    for m in report["methods"].values():
-        assert {"islands", "goodput", "sim_seconds_to_target", "final_eval_loss", "seeds", "lost_seconds"} <= set(m)
+    assert set(report["links"]) == {"10", "100"} and set(report["links"]["10"]["methods"]) == {"quorum_4"}
+    assert report["links"]["100"]["methods"] == report["methods"]
+    assert (
+        report["pricing"]["head_shared"]
+        and report["pricing"]["coordinator_priced"]
+        and report["pricing"]["ddp_overlap"]
+    )
+    for m in [*report["methods"].values(), *report["links"]["10"]["methods"].values()]:
+        keys = {"islands", "goodput", "goodput_dd", "head_seconds", "sim_seconds_to_target", "seeds", "lost_seconds"}
+        assert keys <= set(m)
         assert m["islands"] == 4 and m["seeds"] == [0] and m["lost_seconds"]["replacement_start"] >= 0
+        assert 0 < m["goodput_dd"] <= 1 and m["head_seconds"]["step"] > 0 and m["head_seconds"]["card_in"] > 0
+    slow, fast = report["links"]["10"]["methods"]["quorum_4"], report["methods"]["quorum_4"]
+    assert slow["head_seconds"]["card_in"] == pytest.approx(10 * fast["head_seconds"]["card_in"], rel=0.2)
     reference = run_one(
         FleetSpec(islands=(4,), rows=("sync",), rounds=3, mttf_s=150, seeds=1, lr_grid=(0.7,)),
         "sync",
         4,
         0,
         0.7,
+        100.0,
         out / "fleet-runs",
         faults=False,
     )
@@ -223,7 +332,7 @@ def test_bench_fleet_end_to_end_on_a_small_fleet(tmp_path):
         assert 0 < m["goodput"] <= 1 and m["lost"]["waiting"] >= -1e-6, (name, m)
         assert m["target_loss_seeds"] == [reference.summary["final_eval_loss"]]
         assert m["strikes"] >= 1  # 4 islands failing every 150 s over a run of minutes
-    assert report["regime"]["exchange_share_of_round"] == pytest.approx(2 * (0.03 + 4e9 * 8 / 100e9) / 20)
+    assert report["regime"]["100"]["exchange_share_of_round"] == pytest.approx(2 * (0.03 + 4e9 * 8 / 100e9) / 20)
     assert report["machine"]["commit"] and (out / "fleet.png").exists() and (out / "fleet.md").exists()
     again = run_one(
         FleetSpec(islands=(4,), rows=("sync",), rounds=3, mttf_s=150, seeds=1, lr_grid=(0.7,)),
@@ -231,6 +340,7 @@ def test_bench_fleet_end_to_end_on_a_small_fleet(tmp_path):
         4,
         0,
         0.7,
+        100.0,
         tmp_path / "again",
     )
     # the same run computed again in a folder of its own (not read back from the report's): the account the report shows

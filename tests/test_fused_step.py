@@ -151,7 +151,7 @@ def test_a_run_through_faults_and_a_restart_is_bitwise_the_mean_then_step_run(tm
     parameters, bit for bit, and the same verdicts as with the one pass switched off."""
     from orchestrator.engine.build import build_engine
     from orchestrator.engine.step.outer import OuterStep
-    from orchestrator.testing.pool import Fault, FaultKind
+    from orchestrator.simulation.pool import Fault, FaultKind
 
     faults = [
         Fault(FaultKind.NAN, 2, order=2),

@@ -11,7 +11,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from orchestrator.testing.pool import Fault, FaultKind
+from orchestrator.simulation.pool import Fault, FaultKind
 from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
 from tests.helpers import events, in_process_engine
 from workers.wire.handoff import HandOffMismatch, params_digest, seal, verify

@@ -14,8 +14,8 @@ from orchestrator.config_load import load_config
 from orchestrator.engine.commands import Refused, SettingsUpdate, UpdateSettings
 from orchestrator.engine.pool import Progress
 from orchestrator.runtime.driver import run
-from orchestrator.testing.chaos import Strike, TimedFault
-from orchestrator.testing.pool import Fault, FaultKind
+from orchestrator.simulation.chaos import Strike, TimedFault
+from orchestrator.simulation.pool import Fault, FaultKind
 from tests.engine_scenarios import check_exactly_once, check_rounds_recorded, drive, run_scenario, scenario_cfg
 from tests.helpers import events, in_process_engine, toy_quadratic
 

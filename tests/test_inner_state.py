@@ -17,7 +17,7 @@ from orchestrator.config_load import load_config
 from orchestrator.engine.build import build_engine
 from orchestrator.engine.fleet.island_states import FOLDER, save_due
 from orchestrator.engine.outputs.checkpoints import load_checkpoint
-from orchestrator.testing.pool import InProcessPool
+from orchestrator.simulation.pool import InProcessPool
 from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
 from tests.helpers import events, in_process_engine
 from workers.runtime import inner_state

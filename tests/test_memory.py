@@ -13,7 +13,7 @@ from orchestrator.engine.fleet.membership import RETAINED
 from orchestrator.engine.outputs.records import HISTORY, Recorder
 from orchestrator.engine.outputs.views import RoundRecord
 from orchestrator.engine.types import IslandState
-from orchestrator.testing.pool import Fault, FaultKind
+from orchestrator.simulation.pool import Fault, FaultKind
 from tests.helpers import in_process_engine
 
 ISLANDS, ROUNDS = 64, 10_000

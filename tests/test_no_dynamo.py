@@ -20,7 +20,7 @@ RUN = textwrap.dedent(
     import sys
     from orchestrator.config_load import load_config
     from orchestrator.engine.build import PhasedRun
-    from orchestrator.testing.pool import InProcessPool
+    from orchestrator.simulation.pool import InProcessPool
 
     # nothing called first: importing the modules that build optimizers applies it
     for i, sets in enumerate(sys.argv[2:]):

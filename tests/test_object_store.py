@@ -15,7 +15,7 @@ import pytest
 from orchestrator.config_load import ConfigError, check_folders, load_config
 from orchestrator.engine.build import build_engine
 from orchestrator.engine.outputs.checkpoints import load_checkpoint, run_folder, runs_in
-from orchestrator.testing.pool import InProcessPool
+from orchestrator.simulation.pool import InProcessPool
 from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
 from tests.helpers import in_process_engine
 from workers.runtime import inner_state

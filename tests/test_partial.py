@@ -16,8 +16,8 @@ import torch
 
 from orchestrator.engine.specs import island_spec
 from orchestrator.engine.work.ledger import DataLedger
-from orchestrator.testing.chaos import Strike, TimedFault
-from orchestrator.testing.pool import InProcessPool
+from orchestrator.simulation.chaos import Strike, TimedFault
+from orchestrator.simulation.pool import InProcessPool
 from tests.engine_scenarios import check_exactly_once, check_rounds_recorded, drive, scenario_cfg
 from tests.helpers import events, in_process_engine
 from tests.toy_tasks import READS
@@ -179,25 +179,32 @@ def test_the_virtual_clock_pool_counts_the_steps_that_fit_and_tells_the_island_t
     every step to run, or that comes after a streaming order's send point, asks nothing."""
     from orchestrator.config_load import load_config
     from orchestrator.runtime.island_actors import IslandHandle
-    from orchestrator.runtime.simulated import VirtualClockPool
+    from orchestrator.simulation.config import SimulationConfig
+    from orchestrator.simulation.ray_pool import VirtualClockPool
 
-    cfg = load_config(None, ["simulation.virtual_step_s=1", "islands.count=2", f"out_dir={tmp_path}"])
-    pool = VirtualClockPool(cfg, "run")
+    cfg = load_config(None, ["islands.count=2", f"out_dir={tmp_path}"])
+    pool = VirtualClockPool(cfg, "run", sim=SimulationConfig(virtual_step_s=1))
+    network = pool.transfers(10)
     actor = _Actor()
     pool.handles[1] = IslandHandle(index=1, actor=actor, group=None)
-    work = dataclasses.replace(_order(5, steps=10), island=1, start_delay_s=2.0)
-    ref = pool.dispatch(work, None)
+
+    def dispatch(order):  # its parameters arrive 2 s after it is handed out
+        network.arrivals[1] = pool.vt + 2.0
+        return pool.dispatch(order, None)
+
+    work = dataclasses.replace(_order(5, steps=10), island=1)
+    ref = dispatch(work)
     assert pool.finish[ref] == 12.0
     pool.vt = 4.5  # steps 1 and 2 done, the third in progress
     pool.stop(1, 5, 3.0)  # the node goes at 7.5: steps 3, 4 and 5 end by then
     assert actor.stop.calls == [(5, None, 5)] and pool.finish[ref] == 7.0
     pool.stop(1, 5, 100.0)  # a later notice with room for every step: nothing to ask
     streaming = dataclasses.replace(work, ticket=6, send_after=3)
-    pool.dispatch(streaming, None)  # begins at 6.5
+    dispatch(streaming)  # begins at 6.5
     pool.vt = 11.0  # 4.5 of its steps in: past its send point, its pseudo-gradient has left
     pool.stop(1, 6, None)
     assert len(actor.stop.calls) == 1
-    downloading = pool.dispatch(dataclasses.replace(streaming, ticket=7), None)  # begins at 13
+    downloading = dispatch(dataclasses.replace(streaming, ticket=7))  # begins at 13
     pool.stop(1, 7, None)  # no step begun, no time given: none is taken (the island raises `Stopped`)
     assert actor.stop.calls[-1] == (7, None, 0) and pool.finish[downloading] == 13.0
 
@@ -269,7 +276,7 @@ def test_a_stopped_straggler_trains_the_rest_when_the_idle_islands_die_and_none_
     log growing). Now an island stopped as a straggler trains again once no other live island
     can: the run ends (164 simulated s in quorum mode, 55 s without the failures) before the
     straggler alone could have trained the whole budget, every batch trained once."""
-    from orchestrator.testing.pool import Fault, FaultKind
+    from orchestrator.simulation.pool import Fault, FaultKind
 
     cfg = scenario_cfg(
         tmp_path, mode, "rounds=3", "inner_steps=16", "round_timeout_s=100", *BEATS, "elastic.hang_after_steps=12"

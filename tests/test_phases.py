@@ -24,7 +24,7 @@ from orchestrator.engine.commands import (
     UpdateSettings,
 )
 from orchestrator.engine.outputs.views import RunStatus
-from orchestrator.testing.pool import InProcessPool
+from orchestrator.simulation.pool import InProcessPool
 from tests.helpers import events
 from tests.test_warm_start import _cfg
 

@@ -22,7 +22,7 @@ from orchestrator.config_load import load_config
 from orchestrator.engine.build import PhasedRun, build_engine
 from orchestrator.engine.commands import AddIslands, Drain
 from orchestrator.engine.outputs.checkpoints import load_checkpoint
-from orchestrator.testing.pool import Fault, FaultKind, InProcessPool
+from orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
 from tests.engine_scenarios import drive
 from tests.helpers import assert_trained_once, events, in_process_engine
 from tests.toy_tasks import ROWS

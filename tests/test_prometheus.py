@@ -21,7 +21,7 @@ from orchestrator.engine.outputs.views import (
     RunStatus,
 )
 from orchestrator.engine.types import IslandState
-from orchestrator.testing.pool import Fault, FaultKind
+from orchestrator.simulation.pool import Fault, FaultKind
 from tests.engine_scenarios import drive, scenario_cfg
 from tests.helpers import in_process_engine
 

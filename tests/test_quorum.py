@@ -24,7 +24,7 @@ from orchestrator.engine.pacing.base import Close
 from orchestrator.engine.pacing.quorum import QuorumRule, age_factor, grace_window
 from orchestrator.engine.step.outer import OuterStep
 from orchestrator.engine.step.rules import optimizer_rule
-from orchestrator.testing.pool import Fault, FaultKind
+from orchestrator.simulation.pool import Fault, FaultKind
 from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
 from tests.helpers import in_process_engine
 from tests.http_server import serving

@@ -11,9 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config_load import load_config
-from orchestrator.testing.runner import run_in_process
-from tests.helpers import tiny_lm_config, toy_quadratic
+from tests.helpers import load_scenario, run_simulated, tiny_lm_config, toy_quadratic
 
 VIRTUAL = ["simulation.virtual_step_s=0.01"]  # the in-process pool's clock: simulated seconds per step
 QUADRATIC = [*toy_quadratic(3, 0.0, "data_shards=3"), *VIRTUAL]
@@ -28,8 +26,8 @@ SLOW_THIRD = [
 
 
 def _quadratic(tmp_path: Path, *extra: str) -> dict:
-    cfg = load_config(None, [*QUADRATIC, f"task.kwargs.fault_dir={tmp_path}", f"out_dir={tmp_path / 'out'}", *extra])
-    return run_in_process(cfg)
+    cfg = load_scenario([*QUADRATIC, f"task.kwargs.fault_dir={tmp_path}", f"out_dir={tmp_path / 'out'}", *extra])
+    return run_simulated(cfg)
 
 
 def test_async_fixed_h_fast_islands_submit_more_and_staleness_is_recorded(tmp_path):
@@ -90,7 +88,7 @@ def test_bytes_are_counted_the_same_way_in_diloco_and_ddp(tmp_path, corpus_cache
     sizes = {}
     for mode in ("diloco", "ddp"):
         extra = (f"mode={mode}", "islands.count=2", "rounds=2", "inner_steps=4", *VIRTUAL)
-        summary = run_in_process(tiny_lm_config(tmp_path / mode, corpus_cache, *extra))
+        summary = run_simulated(tiny_lm_config(tmp_path / mode, corpus_cache, *extra))
         sizes[mode] = summary
         assert summary["tokens"] == 2 * 2 * 4 * 8 * 32  # same token budget in both modes
     numel = sizes["diloco"]["num_params"]
@@ -102,7 +100,7 @@ def test_bytes_are_counted_the_same_way_in_diloco_and_ddp(tmp_path, corpus_cache
 def test_int8_compression_quarters_the_bytes_sent(tmp_path):
     base = [*toy_quadratic(2, 0.0, "rounds=5", "inner_steps=10", "task.kwargs.dtype=float32"), *VIRTUAL]
     plain, int8 = (
-        run_in_process(load_config(None, [*base, f"out_dir={tmp_path / name}", *extra]))
+        run_simulated(load_scenario([*base, f"out_dir={tmp_path / name}", *extra]))
         for name, extra in (("plain", []), ("int8", ["compression.codec=int8"]))
     )
     # 2 float32 values = 8 bytes; int8: 2 bytes + one 4-byte scale + 4-byte chunk size per result
@@ -118,7 +116,7 @@ def test_async_and_overlap_learn_on_three_coordinator_shards(tmp_path, corpus_ca
     # diverges whatever S is (arrival timing decides), which is not what this test is about
     stable = ["asynchronous.dylu=false", "outer.lr=0.4"] if mode == "async" else []
     sets = [f"mode={mode}", "islands.count=2", "rounds=4", "inner_steps=5", "compression.chunk=1024"]
-    summary = run_in_process(tiny_lm_config(tmp_path, corpus_cache, *sets, "coordinator.shards=3", *stable, *VIRTUAL))
+    summary = run_simulated(tiny_lm_config(tmp_path, corpus_cache, *sets, "coordinator.shards=3", *stable, *VIRTUAL))
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert summary["outer_steps"] >= 4
 
@@ -132,9 +130,9 @@ def test_a_bench_warm_start_is_continued_by_the_runs_that_name_it(tmp_path):
     base = [*QUADRATIC, f"task.kwargs.fault_dir={tmp_path}", "inner_steps=4", "rounds=2"]
     warm = train_warm_start(base, 0, 8, tmp_path / "warm", in_process=True)
     assert train_warm_start(base, 0, 8, tmp_path / "warm", in_process=True) == warm  # trained once, then reused
-    cfg = load_config(
-        None, [*base, "seed=0", "warm_start.steps=8", f"warm_start.path={warm}", f"out_dir={tmp_path / 'run'}"]
+    cfg = load_scenario(
+        [*base, "seed=0", "warm_start.steps=8", f"warm_start.path={warm}", f"out_dir={tmp_path / 'run'}"]
     )
-    summary = run_in_process(cfg)
+    summary = run_simulated(cfg)
     assert summary["state"] == "finished" and summary["warm_start"]["run_id"] == "bench-s0-warm"
     assert summary["initial_eval_loss"] == pytest.approx(summary["warm_start"]["final_eval_loss"])

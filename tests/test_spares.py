@@ -15,8 +15,8 @@ from orchestrator.engine.fleet.membership import Membership
 from orchestrator.engine.outcomes import Place, Promote, Release, StartDrain
 from orchestrator.engine.specs import island_spec
 from orchestrator.engine.types import IslandState
-from orchestrator.testing.chaos import Strike, TimedFault
-from orchestrator.testing.pool import Fault, FaultKind, InProcessPool
+from orchestrator.simulation.chaos import Strike, TimedFault
+from orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
 from tests.engine_scenarios import CENTERS, check_exactly_once, check_rounds_recorded, drive, scenario_cfg
 from tests.helpers import events, in_process_engine
 from workers.runtime.island import Island

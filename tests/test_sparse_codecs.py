@@ -197,7 +197,7 @@ def test_islands_that_build_version0_download_nothing_and_one_that_differs_downl
 
 def test_islands_forking_from_a_warm_start_load_it_from_storage_instead_of_downloading(tmp_path):
     from orchestrator.engine.build import PhasedRun
-    from orchestrator.testing.pool import InProcessPool
+    from orchestrator.simulation.pool import InProcessPool
     from tests.helpers import events
 
     def run(name: str, *extra: str):

@@ -8,14 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from pydantic import ValidationError
 from torch import nn
 
 from orchestrator.config import RunConfig
-from orchestrator.config_load import apply_overrides
+from orchestrator.config_load import ConfigError
 from orchestrator.engine.specs import island_spec
-from orchestrator.testing.pool import Fault, FaultKind
-from tests.helpers import NO_WARM, TINY_LM, in_process_engine
+from orchestrator.simulation.pool import Fault, FaultKind
+from tests.helpers import NO_WARM, TINY_LM, in_process_engine, load_scenario
 from tests.toy_tasks import SplitPoint
 from workers.runtime.island import Island
 from workers.wire.compress import encode
@@ -40,7 +39,7 @@ QUADRATIC = [
 
 
 def _cfg(*overrides: str, base: list[str] = QUADRATIC) -> RunConfig:
-    return RunConfig.model_validate(apply_overrides({}, [*base, *overrides]))
+    return load_scenario([*base, *overrides])
 
 
 def _gpt(*overrides: str) -> RunConfig:
@@ -317,7 +316,7 @@ def test_a_nan_fragment_is_rejected_and_its_fragment_untouched():
     ],
 )
 def test_config_errors_name_the_field(overrides, message):
-    with pytest.raises(ValidationError, match=message):
+    with pytest.raises(ConfigError, match=message):
         _cfg(*overrides)
 
 

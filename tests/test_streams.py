@@ -15,7 +15,7 @@ import pytest
 from orchestrator.config_load import load_config
 from orchestrator.engine.build import build_engine
 from orchestrator.engine.outputs.checkpoints import load_checkpoint
-from orchestrator.testing.pool import InProcessPool
+from orchestrator.simulation.pool import InProcessPool
 from tests.engine_scenarios import drive
 from tests.toy_tasks import ROWS, SEEN, make_counting_stream
 from workers.data.streams import shard_stream

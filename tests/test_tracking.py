@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.engine.commands import AddIslands, Drain
-from orchestrator.testing.pool import Fault, FaultKind
+from orchestrator.simulation.pool import Fault, FaultKind
 from tests.conftest import REPO
 from tests.engine_scenarios import drive, scenario_cfg
 from tests.helpers import in_process_engine

@@ -20,7 +20,7 @@ from orchestrator.engine.commands import Stop
 from orchestrator.engine.outputs.outputs import Outputs
 from orchestrator.engine.types import RunFailed
 from orchestrator.engine.warm_start import warm_config
-from orchestrator.testing.pool import Fault, FaultKind, InProcessPool
+from orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
 from tests.helpers import assert_trained_once, events
 from workers.runtime.optim import lr_factor
 

@@ -5,15 +5,21 @@ The in-process island pool (the real engine, policies and islands, really traini
 simulated on a virtual clock and islands taking turns in this process — the only way to
 run 64 islands on two cores; a Ray fleet of this size is not simulated here) with:
 
-- a link per island to the coordinator (`--link-gbps`, `--latency-ms`) pricing every
-  transfer as if the model had `--nominal-params` parameters (`simulation.nominal_params`),
-  so compute and communication keep the ratio of a large model's regime while a small model
-  trains; data-parallel's every step is a ring all-reduce over the same links
-  (`orchestrator/engine/work/links.py`);
+- the network of `orchestrator/simulation/network.py` at each link regime of `--links`
+  (Gbit/s, `--latency-ms`): each island's link to the head, and the head's one card shared
+  by every transfer in and out; every transfer priced as if the model had
+  `--nominal-params` parameters, so compute and communication keep the ratio of a large
+  model's regime while a small model trains; the coordinator's step (merge, outer optimizer,
+  checkpoint) charged at the rates measured on a CPU head, one step at a time; data-parallel
+  as PyTorch DDP runs it (bucketed all-reduce overlapped with backward, ring or tree,
+  whichever is faster), its lr tuned on a grid of the same size as the outer lr's;
+- measured speeds with a spread (`--speed-noise`): DyLU and the tail stop are not told the
+  truth; a replacement runs at the speed of the node it replaces;
 - speeds `--speeds` repeated over the fleet and a seeded failure schedule
-  (`orchestrator/testing/chaos.py`): each island fails once per `--mttf` simulated seconds on
+  (`orchestrator/simulation/chaos.py`): each island fails once per `--mttf` simulated seconds on
   average (64 islands see 4× the failures of 16), of the kinds in `--mix`; a crashed, hung
-  or preempted island is replaced after `join_s`; a preemption's notice is 30–120 s;
+  or preempted island is replaced after `join_s`; a preemption's notice is 5–120 s (some
+  shorter than a round, so partial contributions matter);
 - rows (`fleet_spec.ROWS`), each DiLoCo-family row at its best outer lr from one shared
   grid (seed 0, the smallest fleet, with failures; the shipped default 0.7 is in the grid and
   its figures are reported beside), 3 seeds each; every row gets heartbeats
@@ -22,7 +28,11 @@ run 64 islands on two cores; a Ray fleet of this size is not simulated here) wit
 Per row: simulated time to the target loss — fixed in advance as synchronous DiLoCo's final
 loss on the same tokens with no failures (same seed) —, the loss at that reference run's
 finishing time (equal simulated time), goodput (island-seconds whose work reached the model
-÷ island-seconds the fleet had), tokens trained, and where the lost island-seconds went.
+÷ island-seconds the fleet had), `goodput_dd` (Decoupled DiLoCo's: useful training time over
+wall time — the time the fleet's islands at their own speeds would need for the tokens that
+reached the model, with no failure, wait or transfer, over the run's wall time), the head's
+busy seconds (stepping, its card in and out), tokens trained, and where the lost
+island-seconds went. Every row runs at `REFERENCE_LINK`; `link_rows` at every link.
 """
 
 from __future__ import annotations
@@ -35,15 +45,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.fleet_spec import ABLATION_OF, HEADLINE, ROWS, FleetSpec
+from orchestrator.bench.fleet_spec import ABLATION_OF, HEADLINE, REFERENCE_LINK, ROWS, FleetSpec
 from orchestrator.bench.hetero import time_to_reach
 from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
-from orchestrator.bench.runner import finished, fresh
+from orchestrator.bench.runner import finished, fresh, record_simulation
+from orchestrator.config import RunConfig
 from orchestrator.config_load import load_config
 from orchestrator.engine.build import PhasedRun
-from orchestrator.testing.chaos import Strike, mttf_schedule
-from orchestrator.testing.pool import InProcessPool, Losses
-from workers.wire.links import LinkConfig, ring_allreduce_s
+from orchestrator.simulation.chaos import Strike, mttf_schedule
+from orchestrator.simulation.config import ReplacementSpeed, SimulationConfig
+from orchestrator.simulation.links import LinkConfig, allreduce_s, ring_allreduce_s
+from orchestrator.simulation.network import Network
+from orchestrator.simulation.pool import InProcessPool, Losses
 
 MODEL = [
     "task.kwargs.d_model=32",
@@ -54,28 +67,45 @@ MODEL = [
     "task.kwargs.eval_batches=16",
     "inner.warmup_steps=20",
     "warm_start.steps=0",
-    "checkpoint.every_rounds=0",
 ]
 DEFAULT_LR = 0.7  # the shipped outer lr (in the grid)
 LOSSES = "fleet-losses.json"  # beside a run's records: the pool's breakdown (a reused run keeps it)
 GOODPUT_TARGETS = {16: 0.93, 64: 0.90}
 TIME_TARGETS = {"sync_dylu": 0.7, "restart_from_checkpoint": 0.5}  # quorum's time to target ≤ this × theirs
+DDP_TARGET = (1.0, 0.5)  # at this link (Gbit/s), quorum's time to target ≤ this × ddp's
 
 
 @dataclass(frozen=True)
 class FleetRun:
     summary: dict[str, Any]
     curve: list[tuple[float, float]]  # (simulated s, eval loss)
-    losses: dict[str, Any]  # `Losses` as saved
+    losses: dict[str, Any]  # `Losses` as saved, and the head's busy seconds (`head`)
     slots: int  # islands the fleet pays for: the target and its hot spares
+    ideal_s: float  # the fleet's islands at their own speeds, training the tokens that reached the model
 
     @property
     def seconds(self) -> float:
         return float(self.summary["clock_seconds"])
 
 
+def fleet_of(spec: FleetSpec, islands: int, link: float) -> SimulationConfig:
+    """The simulated fleet: speeds repeated, each island's link and the head's card at
+    `link` Gbit/s, everything the network prices switched on."""
+    return SimulationConfig(
+        slowdown=[1 / spec.speeds[i % len(spec.speeds)] for i in range(islands)],
+        virtual_step_s=spec.step_s,
+        link=LinkConfig(bandwidth_gbps=link, latency_ms=spec.latency_ms),
+        nominal_params=spec.nominal_params,
+        head_gbps=link,
+        price_head=True,
+        ddp_overlap=True,
+        speed_noise=spec.speed_noise,
+        replacement_speed=ReplacementSpeed.REPLACED,
+    )
+
+
 def overrides(spec: FleetSpec, row: str, islands: int, seed: int, lr: float, folder: Path, faults: bool) -> list[str]:
-    slowdown = ",".join(f"{1 / spec.speeds[i % len(spec.speeds)]:g}" for i in range(islands))
+    """The run's settings (`lr`: the outer lr; data-parallel's: its factor on inner.lr)."""
     limits = [
         f"round_timeout_s={2 * spec.round_s:g}",
         "step_timeout_s=0",
@@ -88,11 +118,6 @@ def overrides(spec: FleetSpec, row: str, islands: int, seed: int, lr: float, fol
     return [
         *MODEL,
         f"islands.count={islands}",
-        f"simulation.slowdown=[{slowdown}]",
-        f"simulation.virtual_step_s={spec.step_s:g}",
-        f"simulation.link.bandwidth_gbps={spec.link_gbps:g}",
-        f"simulation.link.latency_ms={spec.latency_ms:g}",
-        f"simulation.nominal_params={spec.nominal_params}",
         f"inner_steps={spec.inner_steps}",
         f"rounds={spec.rounds}",
         f"seed={seed}",
@@ -100,19 +125,24 @@ def overrides(spec: FleetSpec, row: str, islands: int, seed: int, lr: float, fol
         *ROWS[row][1],
         *([f"elastic.restart_s={spec.restart_s:g}"] if row == "restart_from_checkpoint" else []),
         *([f"elastic.spares={spec.spares_of(islands)}"] if row == "quorum_spares" else []),
-        *([] if row == "ddp" else [f"outer.lr={lr:g}"]),
+        *([f"inner.lr={lr * RunConfig().inner.lr:g}"] if row == "ddp" else [f"outer.lr={lr:g}"]),
         f"out_dir={folder}",
     ]
 
 
-def run_one(spec: FleetSpec, row: str, islands: int, seed: int, lr: float, work: Path, faults: bool = True) -> FleetRun:
-    """One row on one fleet and seed (reused when it finished before with the same config)."""
-    tag = f"{row}@k{islands}@s{seed}@lr{lr:g}" + ("" if faults else "@nofaults")
+def run_one(
+    spec: FleetSpec, row: str, islands: int, seed: int, lr: float, link: float, work: Path, faults: bool = True
+) -> FleetRun:
+    """One row on one fleet, link and seed (reused when it finished before with the same
+    config and fleet)."""
+    tag = f"{row}@k{islands}@s{seed}@lr{lr:g}@g{link:g}" + ("" if faults else "@nofaults")
     cfg = load_config(None, overrides(spec, row, islands, seed, lr, work / tag, faults))
+    sim = fleet_of(spec, islands, link)
     out = Path(cfg.out_dir)
-    summary = finished(cfg)
+    summary = finished(cfg, sim)
     if summary is None or not (out / LOSSES).exists():
-        fresh(cfg)
+        fresh(cfg, sim)
+        record_simulation(cfg, sim)
         horizon = 50 * spec.rounds * spec.round_s
         chaos = (
             mttf_schedule(
@@ -129,20 +159,25 @@ def run_one(spec: FleetSpec, row: str, islands: int, seed: int, lr: float, work:
         pools: list[InProcessPool] = []
 
         def pool(c: Any, _rid: str) -> InProcessPool:
-            pools.append(InProcessPool(c, step_s=spec.step_s, chaos=chaos, chaos_seed=seed, join_s=spec.join_s))
+            pools.append(InProcessPool(c, sim, chaos=chaos, chaos_seed=seed, join_s=spec.join_s))
             return pools[-1]
 
         summary = PhasedRun(cfg, "bench", pool).execute()
         (out / LOSSES).write_text(json.dumps(_losses(pools)))
     losses = json.loads((out / LOSSES).read_text())
-    return FleetRun(summary, eval_curve(out, summary, "clock_seconds"), losses, islands + cfg.elastic.spares)
+    per_step = cfg.task.kwargs["batch_size"] * cfg.task.kwargs["context"]
+    fleet_rate = sum(1 / f for f in sim.slowdown or [1.0] * islands) / spec.step_s * per_step  # tokens a second
+    ideal = summary["tokens_applied"] / fleet_rate
+    return FleetRun(summary, eval_curve(out, summary, "clock_seconds"), losses, islands + cfg.elastic.spares, ideal)
 
 
 def _losses(pools: list[InProcessPool]) -> dict[str, Any]:
-    total = Losses()
+    total, head = Losses(), dict.fromkeys(("step", "card_in", "card_out"), 0.0)
     for p in pools:
         total += p.losses
-    return asdict(total)
+        for k, v in (p.network.seconds() if p.network is not None else {}).items():
+            head[k] += v
+    return {**asdict(total), "head": head}
 
 
 def breakdown(run: FleetRun) -> dict[str, float]:
@@ -174,12 +209,13 @@ def _seconds(x: float | None) -> str:
 
 @dataclass(frozen=True)
 class Key:
-    """One run: a row on a fleet of `islands`, a seed, an outer lr, with failures or not."""
+    """One run: a row on a fleet of `islands`, a seed, an lr, a link, with failures or not."""
 
     row: str
     islands: int
     seed: int
     lr: float
+    link: float = REFERENCE_LINK
     faults: bool = True
 
 
@@ -188,9 +224,9 @@ def run_all(spec: FleetSpec, work: Path, keys: list[Key]) -> dict[Key, FleetRun]
     virtual clock: how many run side by side changes no figure, only the wall time)."""
     todo = list(dict.fromkeys(keys))
     if spec.jobs <= 1:
-        return {k: run_one(spec, k.row, k.islands, k.seed, k.lr, work, k.faults) for k in todo}
+        return {k: run_one(spec, k.row, k.islands, k.seed, k.lr, k.link, work, k.faults) for k in todo}
     with ProcessPoolExecutor(max_workers=spec.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {k: pool.submit(run_one, spec, k.row, k.islands, k.seed, k.lr, work, k.faults) for k in todo}
+        futures = {k: pool.submit(run_one, spec, k.row, k.islands, k.seed, k.lr, k.link, work, k.faults) for k in todo}
         return {k: f.result() for k, f in futures.items()}
 
 
@@ -201,14 +237,16 @@ def seeds_of(spec: FleetSpec, row: str) -> range:
 
 
 def tune(spec: FleetSpec, work: Path) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
-    """Each DiLoCo-family row's outer lr from the shared grid: the lowest final loss on seed 0
-    of the smallest fleet, with failures. The grid's rows (the shipped default among them).
-    `sync` is tuned whether asked for or not: its tuned run, without failures, is every
-    row's target (before, a report without the `sync` row measured against `sync` at the
-    default lr, so its times could not be set beside the full report's)."""
+    """Each row's lr from its grid: the lowest final loss on seed 0 of the smallest fleet,
+    with failures, at `REFERENCE_LINK`. DiLoCo-family rows share the outer lr grid (the
+    shipped default among them); data-parallel has a grid of its own lr of the same kind
+    (factors on the shipped inner.lr: a k-times larger batch may want another lr). `sync` is
+    tuned whether asked for or not: its tuned run, without failures, is every row's target."""
     k = min(spec.islands)
-    tuned = list(dict.fromkeys(["sync", *(r for r in spec.rows if r != "ddp" and r not in ABLATION_OF)]))
-    runs = run_all(spec, work, [Key(r, k, 0, lr) for r in tuned for lr in spec.lr_grid])
+    rows = list(dict.fromkeys(r for link in spec.links for r in rows_at(spec, link)))
+    tuned = list(dict.fromkeys(["sync", *(r for r in rows if r not in ABLATION_OF)]))
+    grids = {r: spec.ddp_lr_grid if r == "ddp" else spec.lr_grid for r in tuned}
+    runs = run_all(spec, work, [Key(r, k, 0, lr) for r in tuned for lr in grids[r]])
     grid = {
         f"{key.row}@lr{key.lr:g}": {
             "final_eval_loss": run.summary["final_eval_loss"],
@@ -219,10 +257,16 @@ def tune(spec: FleetSpec, work: Path) -> tuple[dict[str, float], dict[str, dict[
     }
     best: dict[str, float] = {}
     for r in tuned:
-        finals = {lr: grid[f"{r}@lr{lr:g}"]["final_eval_loss"] for lr in spec.lr_grid}
+        finals = {lr: grid[f"{r}@lr{lr:g}"]["final_eval_loss"] for lr in grids[r]}
         best[r] = min(finals, key=finals.__getitem__)
-    borrowed = {r: best.get(ABLATION_OF[r], DEFAULT_LR) for r in spec.rows if r in ABLATION_OF}
-    return {**best, **borrowed, **({"ddp": 0.0} if "ddp" in spec.rows else {})}, grid
+    borrowed = {r: best.get(ABLATION_OF[r], DEFAULT_LR) for r in rows if r in ABLATION_OF}
+    return {**best, **borrowed}, grid
+
+
+def rows_at(spec: FleetSpec, link: float) -> list[str]:
+    """The rows run at `link`: every row at the reference, those of them in `link_rows`
+    elsewhere."""
+    return list(spec.rows) if link == REFERENCE_LINK else [r for r in spec.rows if r in spec.link_rows]
 
 
 def fleet(quick: bool, work: Path, spec: FleetSpec | None = None) -> BenchResult:
@@ -231,39 +275,73 @@ def fleet(quick: bool, work: Path, spec: FleetSpec | None = None) -> BenchResult
         spec = spec.quick()
     best, grid = tune(spec, work)
     ref_lr = best["sync"]
+    # the target is a loss, the same at every link: synchronous DiLoCo's without failures
     keys = [Key("sync", k, s, ref_lr, faults=False) for k in spec.islands for s in range(spec.seeds)]
-    keys += [Key(r, k, s, best[r]) for k in spec.islands for r in spec.rows for s in seeds_of(spec, r)]
+    keys += [
+        Key(r, k, s, best[r], link)
+        for link in spec.links
+        for k in spec.islands
+        for r in rows_at(spec, link)
+        for s in seeds_of(spec, r)
+    ]
     runs = run_all(spec, work, keys)
-    results: dict[str, dict[str, Any]] = {}
+    links: dict[str, dict[str, Any]] = {}
     panels: list[Panel] = []
-    for k in spec.islands:
-        reference = {s: runs[Key("sync", k, s, ref_lr, faults=False)] for s in range(spec.seeds)}
-        curves: dict[str, list[tuple[float, float]]] = {}
-        for row in spec.rows:
-            mine = [runs[Key(row, k, s, best[row])] for s in seeds_of(spec, row)]
-            results[f"{row}_{k}"] = _row(row, k, best[row], mine, reference)
-            curves[row] = mine[0].curve
-        curves["sync, no failures (target)"] = reference[0].curve
-        panels.append(Panel(f"{k} islands, seed 0: eval loss against simulated seconds", curves))
-    checks = _checks(spec, results)
+    for link in spec.links:
+        results: dict[str, dict[str, Any]] = {}
+        for k in spec.islands:
+            reference = {s: runs[Key("sync", k, s, ref_lr, faults=False)] for s in range(spec.seeds)}
+            curves: dict[str, list[tuple[float, float]]] = {}
+            for row in rows_at(spec, link):
+                mine = [runs[Key(row, k, s, best[row], link)] for s in seeds_of(spec, row)]
+                results[f"{row}_{k}"] = _row(row, k, best[row], mine, reference)
+                curves[row] = mine[0].curve
+            curves["sync, no failures (target)"] = reference[0].curve
+            panels.append(Panel(f"{link:g} Gbit/s, {k} islands, seed 0: eval loss against simulated seconds", curves))
+        links[f"{link:g}"] = {"methods": results, "crossover": _winners(results, spec.islands)}
+    results = links[f"{REFERENCE_LINK:g}"]["methods"]
+    checks = _checks(spec, links)
     summary = "fleet: " + "; ".join(
-        f"{k} islands: "
+        f"{g} Gbit/s, {k} islands: "
         + ", ".join(
-            f"{r} goodput {results[f'{r}_{k}']['goodput']:.2f}"
-            for r in spec.rows
-            if r in HEADLINE or len(seeds_of(spec, r)) > 1
+            f"{r} {_seconds(m['sim_seconds_to_target'])} s"
+            for r in HEADLINE
+            if (m := links[g]["methods"].get(f"{r}_{k}")) is not None
         )
+        for g in links
         for k in spec.islands
     )
+    pricing = Network(RunConfig(), fleet_of(spec, 1, REFERENCE_LINK), 1).pricing()
     return BenchResult(
         "fleet",
         quick,
         results,
         f"{summary}; {targets_met(checks)}",
-        _markdown(spec, results, checks, best, grid),
+        _markdown(spec, links, checks, best, grid),
         panels,
-        extra={"checks": checks, "spec": asdict(spec), "regime": regime(spec), "lr_grid": grid, "best_lr": best},
+        extra={
+            "checks": checks,
+            "spec": asdict(spec),
+            "regime": regime(spec),
+            "links": links,
+            "pricing": pricing,
+            "lr_grid": grid,
+            "best_lr": best,
+        },
     )
+
+
+def _winners(results: dict[str, dict[str, Any]], islands: tuple[int, ...]) -> dict[str, str | None]:
+    """At each fleet size, the row that reached the target first (None: none did)."""
+    out: dict[str, str | None] = {}
+    for k in islands:
+        reached = {
+            name.rsplit("_", 1)[0]: m["sim_seconds_to_target"]
+            for name, m in results.items()
+            if m["islands"] == k and m["sim_seconds_to_target"] is not None
+        }
+        out[str(k)] = min(reached, key=reached.__getitem__) if reached else None
+    return out
 
 
 def _row(row: str, k: int, lr: float, runs: list[FleetRun], reference: dict[int, FleetRun]) -> dict[str, Any]:
@@ -272,13 +350,19 @@ def _row(row: str, k: int, lr: float, runs: list[FleetRun], reference: dict[int,
     at_equal = [_loss_at(r.curve, reference[s].seconds) for s, r in enumerate(runs)]
     parts = [breakdown(r) for r in runs]
     have = [r.slots * r.seconds for r in runs]
+    head = {key: statistics.mean(r.losses["head"][key] for r in runs) for key in runs[0].losses["head"]}
     return {
         "description": ROWS[row][0],
         "overrides": ROWS[row][1],
         "islands": k,
         "outer_lr": None if row == "ddp" else lr,
+        "lr_factor": lr if row == "ddp" else None,
         "goodput": statistics.mean([p["useful"] for p in parts]),
         "goodput_seeds": [p["useful"] for p in parts],
+        "goodput_dd": statistics.mean([r.ideal_s / r.seconds for r in runs]),
+        "goodput_dd_seeds": [r.ideal_s / r.seconds for r in runs],
+        "head_seconds": head,
+        "head_share": max(head.values()) / statistics.mean([r.seconds for r in runs]),
         "sim_seconds_to_target": _reach_mean(reach),
         "sim_seconds_to_target_seeds": reach,
         "target_loss_seeds": targets,
@@ -308,56 +392,71 @@ def _time_or_bound(m: dict[str, Any]) -> tuple[float, bool]:
     return (reached, True) if reached is not None else (m["sim_seconds"], False)
 
 
-def _checks(spec: FleetSpec, results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _checks(spec: FleetSpec, links: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The targets: at the reference link, quorum's goodput and its time to target against
+    sync_dylu's and restart's; at `DDP_TARGET`'s link, against data-parallel's (a row that
+    never reached the target is bounded by its finishing time, and the check says so)."""
     checks: dict[str, dict[str, Any]] = {}
+    results = links[f"{REFERENCE_LINK:g}"]["methods"]
     for k, floor in GOODPUT_TARGETS.items():
         if f"quorum_{k}" in results:
             g = results[f"quorum_{k}"]["goodput"]
             checks[f"quorum_goodput_ge_{floor}_at_{k}"] = {"value": g, "ok": g >= floor}
-    for k in (16, 64):
-        q = results.get(f"quorum_{k}")
-        for other, ratio in TIME_TARGETS.items():
-            m = results.get(f"{other}_{k}")
+    ddp_link, ddp_ratio = DDP_TARGET
+    compared = [(REFERENCE_LINK, other, ratio) for other, ratio in TIME_TARGETS.items()]
+    compared.append((ddp_link, "ddp", ddp_ratio))
+    for link, other, ratio in compared:
+        at = links.get(f"{link:g}", {}).get("methods", {})
+        for k in (16, 64):
+            q, m = at.get(f"quorum_{k}"), at.get(f"{other}_{k}")
             if q is None or m is None:
                 continue
             t, exact = _time_or_bound(m)
             mine = q["sim_seconds_to_target"]
             value = None if mine is None else mine / t
             # quorum not reached: failed; theirs not reached: its finish bounds its time from below
-            ok = value is not None and value <= ratio
-            checks[f"quorum_time_le_{ratio}x_{other}_at_{k}"] = {
+            suffix = "" if link == REFERENCE_LINK else f"_at_{link:g}gbps"
+            checks[f"quorum_time_le_{ratio}x_{other}_at_{k}{suffix}"] = {
                 "value": value,
-                "ok": ok,
+                "ok": value is not None and value <= ratio,
                 "note": None if exact else f"{other} did not reach the target: its finishing time is the bound",
             }
     return checks
 
 
-def regime(spec: FleetSpec) -> dict[str, float]:
-    """What a transfer costs against compute at the nominal size (fp32 pseudo-gradients)."""
-    link = LinkConfig(bandwidth_gbps=spec.link_gbps, latency_ms=spec.latency_ms)
+def regime(spec: FleetSpec) -> dict[str, Any]:
+    """What a transfer costs against compute at the nominal size (fp32), per link: a DiLoCo
+    exchange alone, every island's through the head's card, and data-parallel's per-step
+    all-reduce (the better of ring and tree, before any overlap)."""
     nbytes = 4 * spec.nominal_params
     round_s = spec.inner_steps * spec.step_s
-    out = {
-        "exchange_s": 2 * link.seconds(nbytes),
-        "round_s_at_speed_1": round_s,
-        "exchange_share_of_round": 2 * link.seconds(nbytes) / round_s,
-    }
-    for k in spec.islands:
-        out[f"ddp_allreduce_steps_at_{k}"] = ring_allreduce_s([link] * k, nbytes) / spec.step_s
+    out: dict[str, Any] = {"round_s_at_speed_1": round_s}
+    for g in spec.links:
+        link = LinkConfig(bandwidth_gbps=g, latency_ms=spec.latency_ms)
+        at: dict[str, float] = {
+            "exchange_s": 2 * link.seconds(nbytes),
+            "exchange_share_of_round": 2 * link.seconds(nbytes) / round_s,
+        }
+        for k in spec.islands:
+            at[f"head_card_each_way_s_at_{k}"] = k * nbytes * 8 / (g * 1e9)
+            at[f"ddp_allreduce_steps_at_{k}"] = allreduce_s([link] * k, nbytes) / spec.step_s
+            at[f"ddp_ring_steps_at_{k}"] = ring_allreduce_s([link] * k, nbytes) / spec.step_s
+        out[f"{g:g}"] = at
     return out
 
 
 def _results_table(spec: FleetSpec, r: dict[str, dict[str, Any]]) -> str:
-    """One row per method and fleet size: goodput and time to the target (mean and each
-    seed), losses, simulated time, tokens, failures."""
+    """One row per method and fleet size: time to the target (mean and each seed), both
+    goodputs, the head's busiest share, losses, simulated time, tokens, failures."""
     rows = [
         [
             f"`{name.rsplit('_', 1)[0]}`",
             str(m["islands"]),
-            "—" if m["outer_lr"] is None else f"{m['outer_lr']:g}",
-            f"{m['goodput']:.3f} ({', '.join(f'{g:.2f}' for g in m['goodput_seeds'])})",
+            f"{m['outer_lr']:g}" if m["outer_lr"] is not None else f"{m['lr_factor']:g}x inner",
             f"{_seconds(m['sim_seconds_to_target'])} ({', '.join(_seconds(x) for x in m['sim_seconds_to_target_seeds'])})",
+            f"{m['goodput']:.3f} ({', '.join(f'{g:.2f}' for g in m['goodput_seeds'])})",
+            f"{m['goodput_dd']:.3f}",
+            f"{m['head_share']:.2f}",
             f"{m['loss_at_reference_end']:.4f}",
             f"{m['final_eval_loss']:.4f}",
             f"{m['sim_seconds']:.0f}",
@@ -369,9 +468,11 @@ def _results_table(spec: FleetSpec, r: dict[str, dict[str, Any]]) -> str:
     header = [
         "method",
         "islands",
-        "outer lr",
-        f"goodput, mean of {spec.seeds} (each)",
+        "lr",
         "simulated s to target (each)",
+        f"goodput, mean of {spec.seeds} (each)",
+        "goodput (Decoupled DiLoCo's)",
+        "head busiest share",
         "loss at the reference's end",
         "final loss",
         "simulated s",
@@ -403,33 +504,61 @@ def _grid_table(grid: dict[str, dict[str, Any]]) -> str:
 
 def _markdown(
     spec: FleetSpec,
-    r: dict[str, dict[str, Any]],
+    links: dict[str, dict[str, Any]],
     checks: dict[str, dict[str, Any]],
     best: dict[str, float],
     grid: dict[str, dict[str, Any]],
 ) -> str:
     reg = regime(spec)
-    ddp = ", ".join(f"{reg[f'ddp_allreduce_steps_at_{k}']:.1f} steps' worth at {k}" for k in spec.islands)
-    return (
-        f"Islands of speeds {list(spec.speeds)} repeated; H = {spec.inner_steps}; {spec.step_s:g} simulated s per step "
-        f"at speed 1 (a synchronous round: {spec.round_s:g} s); {spec.rounds} rounds' tokens per run; each island fails "
-        f"once per {spec.mttf_s:g} simulated s on average ({spec.mix}; slow-downs 4×, preemption notices "
-        f"{spec.notice_s[0]:g}–{spec.notice_s[1]:g} s), "
-        f"replacements start {spec.join_s:g} s after; restart_from_checkpoint stands still {spec.restart_s:g} s per "
-        f"failure; heartbeats: hung after {spec.hang_after_steps} expected steps without progress. Links "
-        f"{spec.link_gbps:g} Gbit/s, {spec.latency_ms:g} ms, priced at {spec.nominal_params:.3g} parameters in fp32: "
-        f"a DiLoCo exchange (down and up) takes {reg['exchange_s']:.2f} s, {100 * reg['exchange_share_of_round']:.1f} % "
-        f"of a {reg['round_s_at_speed_1']:g}-s round at speed 1; data-parallel's per-step ring all-reduce {ddp}. "
-        "The in-process island pool on a virtual clock: real training of a small model, simulated time and links. "
-        "The target: synchronous DiLoCo's final loss on the same tokens with no failures, per seed.\n\n"
-        + _results_table(spec, r)
-        + "\n\nWhere the island-seconds went (fractions of islands × simulated seconds, mean over seeds; `waiting` "
-        "is the rest: barriers, links, stragglers, discarded results):\n\n"
-        + _lost_table(r)
-        + "\n\n"
-        + checks_table(checks)
-        + f"\n\nOuter lr grid (seed 0, {min(spec.islands)} islands, with failures; best per row: "
-        + ", ".join(f"{n} {lr:g}" for n, lr in best.items() if n != "ddp")
-        + "):\n\n"
-        + _grid_table(grid)
-    )
+    lines = [
+        f"Islands of speeds {list(spec.speeds)} repeated (measured with a log-normal spread of {spec.speed_noise:g}; a "
+        f"replacement runs at the speed of the node it replaces); H = {spec.inner_steps}; {spec.step_s:g} simulated s "
+        f"per step at speed 1 (a synchronous round: {spec.round_s:g} s); {spec.rounds} rounds' tokens per run; each "
+        f"island fails once per {spec.mttf_s:g} simulated s on average ({spec.mix}; slow-downs 4x, preemption notices "
+        f"{spec.notice_s[0]:g}–{spec.notice_s[1]:g} s), replacements start {spec.join_s:g} s after; "
+        f"restart_from_checkpoint stands still {spec.restart_s:g} s per failure; heartbeats: hung after "
+        f"{spec.hang_after_steps} expected steps without progress.",
+        "",
+        f"Priced as a real run is limited, at {spec.nominal_params:.3g} parameters in fp32 "
+        "(`orchestrator/simulation/network.py`): every island's link and the head's one card (the same speed) shared by "
+        "every transfer in and out; the coordinator's step (merge, outer optimizer, the checkpoint's share) at the rates "
+        "measured on a CPU head, one at a time; data-parallel's all-reduce in buckets overlapped with backward, ring or "
+        "tree; evaluation off the head. The in-process island pool on a virtual clock: real training of a small model, "
+        "simulated time. The target: synchronous DiLoCo's final loss on the same tokens with no failures, per seed.",
+        "",
+    ]
+    for g, at in links.items():
+        r = reg[g]
+        cost = ", ".join(
+            f"{k} islands: the head's card {r[f'head_card_each_way_s_at_{k}']:.1f} s each way a round, data-parallel's "
+            f"all-reduce {r[f'ddp_allreduce_steps_at_{k}']:.2f} steps' worth a step before overlap"
+            for k in spec.islands
+        )
+        wins = ", ".join(f"{k} islands: {w or 'none reached the target'}" for k, w in at["crossover"].items())
+        lines += [
+            f"### {g} Gbit/s",
+            "",
+            f"One island's exchange (down and up) {r['exchange_s']:.2f} s ({100 * r['exchange_share_of_round']:.1f} % "
+            f"of a round at speed 1); {cost}. First to the target: {wins}.",
+            "",
+            _results_table(spec, at["methods"]),
+            "",
+        ]
+        if g == f"{REFERENCE_LINK:g}":
+            lines += [
+                "Where the island-seconds went (fractions of islands × simulated seconds, mean over seeds; `waiting` "
+                "is the rest: barriers, links, the head, stragglers, discarded results):",
+                "",
+                _lost_table(at["methods"]),
+                "",
+            ]
+    lines += [
+        checks_table(checks),
+        "",
+        f"lr grids (seed 0, {min(spec.islands)} islands, {REFERENCE_LINK:g} Gbit/s, with failures; best per row: "
+        + ", ".join(f"{n} {lr:g}" for n, lr in best.items())
+        + "; data-parallel's are factors on the shipped inner.lr):",
+        "",
+        _grid_table(grid),
+    ]
+    return "\n".join(lines)

@@ -1,5 +1,5 @@
 """The fleet `archipelago bench fleet` simulates, as the user describes it on the command
-line (`--islands 16,64 --speeds 1,0.5 --mttf 1800 --mix hang=1,crash=1 --link-gbps 10
+line (`--islands 16,64 --speeds 1,0.5 --mttf 1800 --mix hang=1,crash=1 --links 1,10,100
 --nominal-params 1e9 --rows quorum,sync_dylu --seeds 3`): the defaults give the published
 report. Kept apart from the scenario so the command line reads it without importing the
 engine."""
@@ -10,11 +10,15 @@ import argparse
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from orchestrator.testing.chaos import Strike, parse_mix
+from orchestrator.simulation.chaos import Strike, parse_mix
 
 # name -> (what it is, its overrides); every DiLoCo-family row's outer lr comes from LR_GRID
 ROWS: dict[str, tuple[str, list[str]]] = {
-    "ddp": ("data-parallel: a ring all-reduce of the gradient over the links every step", ["mode=ddp"]),
+    "ddp": (
+        "data-parallel as PyTorch DDP runs it: each step's gradient all-reduced among the islands in buckets "
+        "overlapped with backward (the better of a ring and a tree), its lr tuned on a grid of its own size",
+        ["mode=ddp"],
+    ),
     "restart_from_checkpoint": (
         "synchronous DiLoCo; every failure stops every island and resumes from the last outer step after "
         "a restart (Ray Train's elastic restarts)",
@@ -56,6 +60,11 @@ ROWS: dict[str, tuple[str, list[str]]] = {
         "goodput), at quorum's lr",
         ["mode=async", "asynchronous.rule=quorum"],
     ),
+    "quorum_int4": (
+        "`quorum` with int4 both ways (`compression.codec` and `compression.downlink`, error feedback as "
+        "shipped): the head's bytes cut about 7.5x, at quorum's lr",
+        ["mode=async", "asynchronous.rule=quorum", "compression.codec=int4", "compression.downlink=int4"],
+    ),
     "quorum_no_partial": (
         "ablation: `quorum` whose preempted islands send nothing early (no partial pseudo-gradient at the "
         "notice: a work that would not finish in time is lost), at quorum's lr",
@@ -68,8 +77,10 @@ ABLATION_OF = {
     "sync_dylu_radial": "sync_dylu",
     "quorum_spares": "quorum",
     "quorum_no_partial": "quorum",
+    "quorum_int4": "quorum",
 }  # rows at another row's tuned lr
 HEADLINE = ("restart_from_checkpoint", "sync_dylu", "quorum", "ddp")  # the rows the targets compare
+REFERENCE_LINK = 100.0  # Gbit/s: the regime every row runs in (the lr grid is tuned there); the others run `link_rows`
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,7 +89,8 @@ class FleetSpec:
     speeds: tuple[float, ...] = (1.0, 1.0, 0.75, 0.5)  # repeated over the fleet
     mttf_s: float = 1800.0  # per island, simulated
     mix: str = "hang=1,crash=1,slow=1,preempt=1"
-    link_gbps: float = 100.0
+    links: tuple[float, ...] = (1.0, 10.0, 100.0)  # Gbit/s between each island and the head, and the head's card
+    link_rows: tuple[str, ...] = (*HEADLINE, "quorum_int4")  # the rows run at the links other than REFERENCE_LINK
     latency_ms: float = 30.0
     nominal_params: int = 1_000_000_000
     rows: tuple[str, ...] = tuple(ROWS)
@@ -90,19 +102,23 @@ class FleetSpec:
     restart_s: float = 60.0  # restart_from_checkpoint: the fleet stands still this long per failure
     hang_after_steps: int = 5  # heartbeats: hung after this many expected steps without progress
     spare_every: int = 16  # quorum_spares: one hot spare per this many islands (at least one)
-    notice_s: tuple[float, float] = (30.0, 120.0)  # a preemption's notice, drawn uniformly from this range
+    notice_s: tuple[float, float] = (5.0, 120.0)  # a preemption's notice, drawn uniformly (some shorter than a round)
+    speed_noise: float = 0.1  # the spread of every speed the engine measures (log-normal, mean 1)
     ablation_seeds: int = 1  # seeds of the rows that are not headline rows (at most `seeds`)
     lr_grid: tuple[float, ...] = (0.5, 0.7, 1.0)
+    ddp_lr_grid: tuple[float, ...] = (0.5, 1.0, 2.0)  # data-parallel's lr, times the shipped inner.lr
     jobs: int = 1  # runs side by side, each in a process of its own
 
     def __post_init__(self) -> None:
-        unknown = [r for r in self.rows if r not in ROWS]
+        unknown = [r for r in (*self.rows, *self.link_rows) if r not in ROWS]
         if unknown:
             raise ValueError(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
         if not self.islands or min(self.islands) < 1 or not self.speeds or min(self.speeds) <= 0:
             raise ValueError("need islands >= 1 and speeds > 0")
-        if self.seeds < 1 or self.rounds < 1 or self.spare_every < 1 or self.mttf_s <= 0 or self.link_gbps <= 0:
-            raise ValueError("need seeds, rounds, spare-every >= 1 and mttf, link-gbps > 0")
+        if self.seeds < 1 or self.rounds < 1 or self.spare_every < 1 or self.mttf_s <= 0 or not self.links:
+            raise ValueError("need seeds, rounds, spare-every >= 1, mttf > 0 and at least one link")
+        if min(self.links) <= 0 or REFERENCE_LINK not in self.links:
+            raise ValueError(f"links are Gbit/s > 0 and include the reference {REFERENCE_LINK:g}, not {self.links}")
         if len(self.notice_s) != 2 or not 0 <= self.notice_s[0] <= self.notice_s[1]:
             raise ValueError(f"need a notice range LO,HI with 0 <= LO <= HI, not {self.notice_s}")
         if self.ablation_seeds < 1:
@@ -123,7 +139,14 @@ class FleetSpec:
 
     def quick(self) -> FleetSpec:
         """A few minutes' version (`--quick`): one small fleet, one seed, a short budget."""
-        return replace(self, islands=(min(self.islands),), seeds=1, rounds=min(self.rounds, 4), lr_grid=(0.7,))
+        return replace(
+            self,
+            islands=(min(self.islands),),
+            seeds=1,
+            rounds=min(self.rounds, 4),
+            lr_grid=(0.7,),
+            ddp_lr_grid=(1.0,),
+        )
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -145,7 +168,12 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--speeds": ("speeds", _floats, "relative island speeds, repeated over the fleet, e.g. 1,1,0.75,0.5"),
     "--mttf": ("mttf_s", float, "mean simulated seconds between failures of one island"),
     "--mix": ("mix", _mix, "failure kinds by weight, e.g. hang=1,crash=1,slow=1,preempt=1"),
-    "--link-gbps": ("link_gbps", float, "every island's link to the coordinator, Gbit/s"),
+    "--links": (
+        "links",
+        _floats,
+        f"link regimes, Gbit/s between each island and the head (and its card); with {REFERENCE_LINK:g}",
+    ),
+    "--link-rows": ("link_rows", lambda t: tuple(x for x in t.split(",") if x), "the rows run at the other links"),
     "--latency-ms": ("latency_ms", float, "its latency"),
     "--nominal-params": ("nominal_params", lambda t: int(float(t)), "model size the links price, e.g. 1e9"),
     "--rows": ("rows", lambda t: tuple(x for x in t.split(",") if x), f"methods among {','.join(ROWS)}"),
@@ -154,6 +182,7 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--step-s": ("step_s", float, "simulated seconds of an inner step at speed 1"),
     "--spare-every": ("spare_every", int, "quorum_spares: one hot spare per this many islands"),
     "--notice": ("notice_s", _floats, "a preemption's notice, LO,HI simulated seconds (drawn uniformly)"),
+    "--speed-noise": ("speed_noise", float, "spread of measured speeds (log-normal sigma)"),
     "--ablation-seeds": ("ablation_seeds", int, "seeds of the rows other than the headline ones"),
     "--jobs": ("jobs", int, "runs side by side, a process each (changes the wall time only)"),
 }

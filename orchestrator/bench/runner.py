@@ -14,10 +14,12 @@ from typing import Any
 import ray
 
 from orchestrator.config import RunConfig
-from orchestrator.config_load import dump_config, load_config
+from orchestrator.config_load import SIMULATION, dump_config, load_config
 from orchestrator.engine.warm_start import MARKER, mark_finished, warm_config, warm_dir, warm_run_id
 from orchestrator.runtime.driver import init_ray, run
-from orchestrator.testing.runner import run_in_process
+from orchestrator.simulation.config import SimulationConfig, load_simulated
+from orchestrator.simulation.ray_pool import run_simulated
+from orchestrator.simulation.runner import run_in_process
 
 log = logging.getLogger(__name__)
 
@@ -44,26 +46,44 @@ def one_ray(num_cpus: int) -> Iterator[None]:
             ray.shutdown()
 
 
-def same_config(out: Path, cfg: RunConfig) -> bool:
-    """Whether the run in `out` had `cfg`: its `config.yaml` read back equals it (a
-    setting added since, absent from the file, compares at its default, so a new option
-    whose default is the old behaviour does not invalidate earlier runs). Raises OSError
-    if `out` holds no config."""
+def same_config(out: Path, cfg: RunConfig, sim: SimulationConfig | None = None) -> bool:
+    """Whether the run in `out` had `cfg` (on the fleet `sim`): its `config.yaml` read back
+    equals it (a setting added since, absent from the file, compares at its default, so a
+    new option whose default is the old behaviour does not invalidate earlier runs), and its
+    `simulation.json` (`record_simulation`) says the same fleet. Raises OSError if `out`
+    holds no config."""
     text = (out / "config.yaml").read_text()
     try:
-        return text == dump_config(cfg) or load_config(out / "config.yaml", []) == cfg
+        same = text == dump_config(cfg) or load_config(out / "config.yaml", []) == cfg
     except ValueError:  # a setting since removed or renamed
+        return False
+    fleet = out / SIMULATION_FILE
+    if sim is None:
+        return same and not fleet.exists()
+    try:
+        return same and SimulationConfig.model_validate_json(fleet.read_text()) == sim
+    except (OSError, ValueError):
         return False
 
 
-def finished(cfg: RunConfig) -> dict[str, Any] | None:
+SIMULATION_FILE = "simulation.json"  # beside a simulated run's config: the fleet it ran on
+
+
+def record_simulation(cfg: RunConfig, sim: SimulationConfig) -> None:
+    """Write the fleet a simulated run of `cfg` runs on beside its config."""
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / SIMULATION_FILE).write_text(sim.model_dump_json(indent=2))
+
+
+def finished(cfg: RunConfig, sim: SimulationConfig | None = None) -> dict[str, Any] | None:
     """The summary of a finished run of exactly `cfg` in its `out_dir` (a scenario run
     again into the same folder, e.g. after it was interrupted, reuses it: runs are
     deterministic in everything but their seconds), else None."""
     out = Path(cfg.out_dir)
     try:
         summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
-        same = same_config(out, cfg)
+        same = same_config(out, cfg, sim)
     except (OSError, ValueError):
         return None
     if not same or summary.get("state") != "finished":
@@ -72,39 +92,49 @@ def finished(cfg: RunConfig) -> dict[str, Any] | None:
     return summary
 
 
-def fresh(cfg: RunConfig) -> None:
+def fresh(cfg: RunConfig, sim: SimulationConfig | None = None) -> None:
     """Remove what an earlier run of another config left in `cfg.out_dir`: its checkpoint
     would otherwise be resumed as this run's (a finished one ends at once, its clock at
-    zero). An interrupted run of exactly `cfg` is kept, and resumes — unless its clock is
-    simulated (`simulation.virtual_step_s`): a resumed pool's clock starts again at zero, and
-    the run's loss-against-time curve would fold back, so such a run starts over."""
+    zero). An interrupted run of exactly `cfg` is kept, and resumes — unless it is simulated
+    (`sim`): a resumed pool's clock starts again at zero, and the run's loss-against-time
+    curve would fold back, so such a run starts over."""
     out = Path(cfg.out_dir)
     try:
-        same = same_config(out, cfg)
+        same = same_config(out, cfg, sim)
     except OSError:
         return
-    if not same or cfg.simulation.virtual_step_s is not None:
+    if not same or sim is not None:
         why = "of another config" if not same else "on a simulated clock, interrupted,"
         log.info("  %-26s an earlier run %s is removed", out.name, why)
         shutil.rmtree(out)
 
 
+def simulated(overrides: list[str]) -> tuple[RunConfig, SimulationConfig | None]:
+    """A method's config and, if any of its settings are `simulation.*`, its fleet."""
+    cfg, sim = load_simulated(None, overrides)
+    return cfg, sim if any(o.startswith(f"{SIMULATION}.") for o in overrides) else None
+
+
 def run_methods(base: list[str], table: Table, work: Path, in_process: bool = False) -> dict[str, dict[str, Any]]:
     """The summary of every method's run (its outputs are in `work/<name>`), on Ray or,
-    with `in_process`, on the in-process pool (`run_in_process`)."""
+    with `in_process`, on the in-process pool (`run_in_process`); a method with
+    `simulation.*` settings on that fleet (on Ray: on the virtual clock)."""
     summaries: dict[str, dict[str, Any]] = {}
     started = False
     try:
         for name, (_, overrides) in table.items():
-            cfg = load_config(None, [*base, *overrides, f"out_dir={work / name}"])
-            summary = finished(cfg)
+            cfg, sim = simulated([*base, *overrides, f"out_dir={work / name}"])
+            summary = finished(cfg, sim)
             if summary is None:
-                fresh(cfg)
+                fresh(cfg, sim)
+                if sim is not None:
+                    record_simulation(cfg, sim)
             if summary is None and in_process:
-                summary = run_in_process(cfg)
+                summary = run_in_process(cfg, sim or SimulationConfig())
             elif summary is None:
                 started = init_ray(cfg) or started
-                summary = run(cfg, show_progress=False)
+                options: dict[str, Any] = {"show_progress": False}
+                summary = run(cfg, **options) if sim is None else run_simulated(cfg, sim, **options)
             summaries[name] = summary
             log.info(
                 "  %-26s final eval loss %.4f  %9.1f MB  %.0fs",
@@ -122,15 +152,15 @@ def run_methods(base: list[str], table: Table, work: Path, in_process: bool = Fa
 def train_warm_start(base: list[str], seed: int, steps: int, out: Path, in_process: bool = False) -> Path:
     """Train the warm start of the run `base` describes (the product's warm phase, alone)
     once, for every method of a scenario to continue (`warm_start.path`); its folder."""
-    cfg = load_config(
-        None, [*base, f"seed={seed}", f"warm_start.steps={steps}", f"warm_start.mode={WARM_MODE}", f"out_dir={out}"]
+    cfg, sim = simulated(
+        [*base, f"seed={seed}", f"warm_start.steps={steps}", f"warm_start.mode={WARM_MODE}", f"out_dir={out}"]
     )
     warm = warm_config(cfg)
     if (warm_dir(cfg) / MARKER).exists() and finished(warm) is not None:
         return warm_dir(cfg)
     run_id = f"bench-s{seed}"  # the marker names it: a run continuing this warm start reads its checkpoint folder
     if in_process:
-        summary = run_in_process(warm, warm_run_id(run_id))
+        summary = run_in_process(warm, sim or SimulationConfig(), warm_run_id(run_id))
     else:
         started = init_ray(warm)
         try:

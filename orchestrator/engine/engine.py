@@ -311,7 +311,9 @@ class RoundEngine(EngineParts):
             self.publisher.stepped(self.run.version, close.fragment)
             self.outer.anchor(self.run.version, keep_from=max(self.run.base, self.run.version - 1))
             with self.stats.loop.timed(Part.PUBLISH):
-                self.publisher.publish(self.run.version, due)
+                self.publisher.publish(
+                    self.run.version, due, merged=len(contributions), values=self.inflight.sizes.of(close.fragment)
+                )
                 self.inflight.refresh(self.members.spares(), self.run.version)
         self.run.closes += 1
         judged = [

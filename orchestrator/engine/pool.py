@@ -1,11 +1,13 @@
 """The island-pool seam: how the engine places islands, hands them work and hears back,
-without knowing whether they are Ray actors (`runtime/island_pool.py`) or objects in
-this process (`orchestrator.testing.pool.InProcessPool`, which tests and benchmarks use
-to inject faults and run many simulated islands in seconds).
+without knowing whether they are Ray actors (`runtime/island_pool.py`) or simulated ones
+(the `orchestrator.simulation` package beside the product: objects in this process, which
+tests and benchmarks use to inject faults and run many islands in seconds, or Ray actors on
+a virtual clock).
 
-The pool owns the clock too: real time under Ray, a virtual clock in process (compute
-and simulated links advance it, nothing sleeps), so deadlines and link delays mean the
-same in both.
+The pool owns the clock too, and what the clock charges (`transfers`): real time under
+Ray, where a transfer takes the time it takes and nothing is added; a virtual clock in a
+simulation, where compute and priced links advance it and nothing sleeps; so deadlines and
+link delays mean the same in both.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from orchestrator.engine.work.links import Transfers
 from workers.wire.messages import RoundResult, SavedState, WorkOrder
 from workers.wire.sync import Change
 
@@ -79,6 +82,11 @@ PoolEvent = Joined | JoinFailed | Done | Failed | Progress | Preempting
 class IslandPool(Protocol):
     def now(self) -> float: ...
     def sleep_until(self, t: float) -> None: ...
+    def transfers(self, numel: int) -> Transfers:
+        """What this pool's clock charges for moving a model of `numel` parameters and for
+        the coordinator's step (a real clock: nothing, `INSTANT`)."""
+        ...
+
     def request(
         self, island: int, start_step: int, *, state_folder: str | None = None, restore: SavedState | None = None
     ) -> None:

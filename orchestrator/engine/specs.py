@@ -35,8 +35,6 @@ def island_spec(
         inner=cfg.inner,
         total_inner_steps=cfg.schedule_steps,
         threads=cfg.island_threads,
-        simulated=cfg.simulation.slows,
-        slowdown=cfg.simulation.slowdown_of(index),
         codec=cfg.compression.codec,
         chunk=cfg.compression.chunk,
         num_shards=cfg.num_shards,

@@ -92,10 +92,6 @@ def warm_config(cfg: RunConfig) -> RunConfig:
     data["outer"].update(optimizer="sgd", lr=1.0, momentum=0.0)
     if mode == WarmStartMode.SINGLE:
         data["islands"]["count"] = 1
-        simulation = data["simulation"]
-        for key in ("slowdown", "links"):
-            if simulation[key] is not None:
-                simulation[key] = simulation[key][:1]
         data["elastic"]["min_islands"] = 1
     return RunConfig.model_validate(data)
 

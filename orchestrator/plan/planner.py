@@ -74,7 +74,7 @@ class Need:
 class Link:
     up_bytes: int  # one island's pseudo-gradient per round
     down_bytes: int  # the parameters it receives per round
-    seconds: float  # both ways, at the configured link
+    seconds: float  # both ways, at the link the head is priced at
     run_bytes: int  # every island, every round
 
 
@@ -138,7 +138,7 @@ class Plan:
             f"forward at {m.eval_rows} rows (measured with fake tensors in {m.measure_s:.1f} s{cached}); cluster: {self.cluster}",
             *(n.line() for n in self.needs),
             f"link per island per round: up {self.link.up_bytes / 1e6:,.1f} MB, down {self.link.down_bytes / 1e6:,.1f} "
-            f"MB{f', {self.link.seconds:.2f} s at the configured link' if self.link.seconds else ''}; "
+            f"MB, {self.link.seconds:.2f} s both ways at the head's link; "
             f"the run: {self.link.run_bytes / 1e9:,.2f} GB",
             *self.head.lines(),
             *([self.preemption.line()] if self.preemption is not None else []),
@@ -381,10 +381,11 @@ def make_plan(
         needs = _on_one_host(needs, cluster.head)
     down = int(downlink_bytes_per_value(cfg) * model.params)
     up_bytes = int(up * model.params)
+    gbps = link_gbps or cluster.link_gbps or DEFAULT_LINK_GBPS
     link = Link(
         up_bytes=up_bytes,
         down_bytes=down,
-        seconds=cfg.simulation.link.seconds(up_bytes) + cfg.simulation.link.seconds(down),
+        seconds=(up_bytes + down) * 8 / (gbps * 1e9),
         run_bytes=cfg.islands.count * cfg.rounds * (up_bytes + down),
     )
     drain = island_node.drain_s
@@ -399,7 +400,7 @@ def make_plan(
             model.params,
             up_bytes,
             down,
-            link_gbps=link_gbps or cluster.link_gbps or DEFAULT_LINK_GBPS,
+            link_gbps=gbps,
             step_s=step_s,
         ),
         preemption=None

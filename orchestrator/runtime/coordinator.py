@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -36,15 +37,25 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# what makes a phase's island pool: (config, run id, the coordinator's actor name) -> pool
+IslandPools = Callable[[RunConfig, str, "str | None"], "RayIslandPool"]
+
 
 class Coordinator:
     def __init__(
-        self, cfg: RunConfig, run_id: str = "local", log_level: int | None = None, prestarted: int = 0
+        self,
+        cfg: RunConfig,
+        run_id: str = "local",
+        log_level: int | None = None,
+        prestarted: int = 0,
+        pool: IslandPools | None = None,
     ) -> None:
         """`prestarted`: how many islands the command started for this run before this actor
         (`prestart_islands`); its first pool adopts them, in this process's first life only
         (a restarted coordinator re-attaches to its islands or replaces them, as after any
-        restart)."""
+        restart). `pool`: what makes each phase's pool (default `RayIslandPool`; a
+        simulation hands its own, on its clock)."""
+        self._pools = pool
         import torch
 
         from orchestrator.engine.build import PhasedRun
@@ -76,9 +87,9 @@ class Coordinator:
         """A phase's pool. Every phase's islands watch this actor (they release themselves
         once it is gone) and are named by the run, not the phase: the main phase takes the
         warm start's over, and finds them by those names after a restart."""
-        from orchestrator.runtime.simulated import pool_class
+        from orchestrator.runtime.island_pool import RayIslandPool
 
-        pool = pool_class(cfg)(cfg, self.run_id, coordinator_name(self.run_id))
+        pool = (self._pools or RayIslandPool)(cfg, self.run_id, coordinator_name(self.run_id))
         pool.adopt_started(self._prestarted)
         self._prestarted = 0
         return pool

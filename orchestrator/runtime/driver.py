@@ -26,7 +26,7 @@ from orchestrator.engine.types import RunFailed
 from orchestrator.engine.warm_start import check_warm_start, pending, warm_run_id
 from orchestrator.plan.preflight import preflight
 from orchestrator.runtime.control_plane import ControlPlane, api_token
-from orchestrator.runtime.coordinator import Coordinator
+from orchestrator.runtime.coordinator import Coordinator, IslandPools
 from orchestrator.runtime.island_actors import prestart_islands, release_islands
 from orchestrator.runtime.names import NAMESPACE, coordinator_name
 from orchestrator.runtime.progress import ProgressPrinter
@@ -98,8 +98,10 @@ def on_pythonpath(folder: str) -> Iterator[None]:
             os.environ["PYTHONPATH"] = before
 
 
-def start_coordinator(cfg: RunConfig, run_id: str, prestarted: int = 0) -> Any:
-    """The coordinator actor, pinned to this node so its outputs land where the user looks.
+def start_coordinator(cfg: RunConfig, run_id: str, prestarted: int = 0, pool: IslandPools | None = None) -> Any:
+    """The coordinator actor, pinned to this node so its outputs land where the user looks
+    (`pool`: its island pools' class, `RayIslandPool` by default — a simulation's runs on
+    its own clock).
     Ray restarts it up to `checkpoint.max_restarts` times; it then resumes from its
     checkpoint. The pin is hard: with a soft one Ray at times placed it on an island's node
     (seen in the multi-node test), where losing that node took the coordinator down too."""
@@ -116,7 +118,7 @@ def start_coordinator(cfg: RunConfig, run_id: str, prestarted: int = 0) -> Any:
             max_task_retries=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
-        .remote(cfg, run_id, _configured_level(), prestarted)
+        .remote(cfg, run_id, _configured_level(), prestarted, pool)
     )
 
 
@@ -158,11 +160,13 @@ def run(
     show_progress: bool = True,
     run_id: str | None = None,
     started_at: float | None = None,
+    pool: IslandPools | None = None,
 ) -> dict[str, Any]:
     """Train to the end; returns the summary (also in `out_dir/summary.json`). A coordinator
     that dies is restarted by Ray and continues from its last checkpoint; pass the `run_id`
     of an earlier run (with the same `checkpoint.path`) to resume it. `started_at`: when the
-    command started (default: now), what `startup_seconds` counts from."""
+    command started (default: now), what `startup_seconds` counts from. `pool`: the
+    coordinator's island pools (default: Ray's on the real clock)."""
     started_at = started_at or time.time()
     token = api_token(cfg)
     load_task(cfg.task.factory, cfg.task.kwargs).prepare()  # build data caches once, before any actor
@@ -199,7 +203,7 @@ def run(
             t0 = time.time()
             # a new run's islands start beside the coordinator, not after it (it adopts them)
             prestarted = prestart_islands(cfg, run_id) if new_run else 0
-            coordinator = start_coordinator(cfg, run_id, prestarted)
+            coordinator = start_coordinator(cfg, run_id, prestarted, pool)
             control_plane.start()  # while the coordinator starts: its handle resolves the coordinator's name
             ray.get(coordinator.progress.remote())  # up
             command["coordinator_s"] = time.time() - t0

@@ -22,6 +22,7 @@ from ray.util.placement_group import PlacementGroup, placement_group_table, remo
 from orchestrator.config import RunConfig
 from orchestrator.engine.pool import Done, Failed, Joined, JoinFailed, PoolEvent, Preempting
 from orchestrator.engine.specs import island_spec
+from orchestrator.engine.work.links import INSTANT, Transfers
 from orchestrator.runtime.heartbeats import Gone, Heartbeats
 from orchestrator.runtime.island_actors import (
     IslandHandle,
@@ -73,6 +74,10 @@ class RayIslandPool:
         `elastic.hang_after_steps`."""
         elastic = self.cfg.elastic
         return Heartbeats(elastic.progress_every_s) if elastic.hang_after_steps is not None else None
+
+    def transfers(self, numel: int) -> Transfers:
+        """A transfer takes the time it takes on the cluster: nothing is added."""
+        return INSTANT
 
     def now(self) -> float:
         """Monotonic; with heartbeats, stopped while the coordinator could not listen."""

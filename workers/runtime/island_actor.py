@@ -88,16 +88,14 @@ class IslandActor:
     (`islands.workers`), which rank 0 forms with `form_group`."""
 
     def __init__(self, spec: IslandSpec, grouped: bool = False) -> None:
-        from workers.runtime.simulated import simulated
-
         if grouped:
             from workers.runtime.island_group import GroupIsland
 
-            self.island: Island = simulated(GroupIsland, spec)(spec)
+            self.island: Island = GroupIsland(spec)
         else:
             from workers.runtime.island import Island
 
-            self.island = simulated(Island, spec)(spec)
+            self.island = Island(spec)
 
     @ray.method(concurrency_group=CONTROL)
     def attach(self) -> dict[str, Any]:

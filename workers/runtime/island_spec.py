@@ -26,8 +26,6 @@ class IslandSpec:
     total_inner_steps: int
     threads: int = 1
     device: str = "auto"
-    simulated: bool = False  # SIMULATION on the real clock: a slower island, slow downloads (`simulated.py`)
-    slowdown: float = 1.0  # ... each inner step takes this many times longer
     codec: str = "none"  # compression of what the island sends
     chunk: int = 4096
     num_shards: int = 0  # data shards of the run (0: one per island, island i owns shard i)

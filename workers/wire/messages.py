@@ -52,7 +52,6 @@ class WorkOrder:
     steps: int
     shards: dict[int, int]  # shard -> start position (batches already consumed)
     turn: int = 0  # round-robin offset over the shards
-    start_delay_s: float = 0.0  # SIMULATION: time to download the parameters over the island's link
     schedule_step: int | None = None  # move the inner lr schedule to the run's progress (async mode)
     fragment: int | None = None  # streaming: the fragment whose pseudo-gradient to send (None: all)
     changes: tuple[Change, ...] = ()  # the published copy's changes since the version the island holds

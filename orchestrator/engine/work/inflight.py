@@ -111,7 +111,6 @@ class InFlight:
             shards=reservation.starts,
             streams=self.ledger.resume_points(reservation.starts),
             turn=reservation.turn,
-            start_delay_s=delivery.delay_s,
             schedule_step=work.schedule_step,
             fragment=work.fragment,
             eager=work.eager,
@@ -181,7 +180,9 @@ class InFlight:
         finished = min(result.finished_at, now) if math.isfinite(result.finished_at) else now
         # a pseudo-gradient taken τ steps before the end (streaming) was on its link meanwhile
         sent_at = finished - min(result.tail_s, result.compute_s)
-        flight.delivered_at = sent_at + self.publisher.links.upload_s(island, result.nbytes, self.members.schedulable())
+        flight.delivered_at = sent_at + self.publisher.links.upload_s(
+            island, result.nbytes, islands=self.members.schedulable(), sent=sent_at, compute_s=result.compute_s
+        )
         flight.received_at = now
         self.trip_s[island] = max(0.0, now - flight.sent_at - result.compute_s)
         self.run.completed_steps += result.steps
@@ -204,7 +205,11 @@ class InFlight:
                 within = None
                 if notice_s is not None:
                     nbytes = self.uplink.get(island, 4 * self.sizes.of(flight.work.fragment))
-                    within = max(0.0, notice_s - self.publisher.links.upload_s(island, nbytes, [island]))
+                    now = self.pool.now()
+                    upload = self.publisher.links.upload_s(
+                        island, nbytes, islands=[island], sent=now, compute_s=0.0, book=False
+                    )
+                    within = max(0.0, notice_s - upload)
                 self.pool.stop(island, flight.ticket, within)
 
     def stragglers(self, schedulable: list[int], factor: float) -> list[StopWork]:

@@ -1,48 +1,50 @@
-"""SIMULATION: what a transfer costs on the islands' simulated links (`simulation:`).
+"""What moving bytes and the coordinator's own work cost on the run's clock: a seam.
 
-Two things make the price a fleet's rather than this machine's:
-- `simulation.nominal_params` prices every transfer as if the model had that many
-  parameters (its bytes scaled by nominal ÷ actual, so a codec's ratio holds): a small model
-  really trains while its exchanges cost what a 1 B model's would, keeping compute and
-  communication in the ratio of the regime being studied;
-- data-parallel training (`mode: ddp`) has no coordinator in its data path: each step's
-  gradient is a ring all-reduce over the islands' links (`ring_allreduce_s`), and every
-  replica applies the same step, so only an island's first download of the model crosses its
-  link. The DiLoCo family sends each pseudo-gradient up its island's link and the new
-  parameters (or their changes) down it.
-
-The engine's byte counts stay the bytes that really moved; only the clock is priced here.
+On a cluster a transfer takes the time it takes — an island waits for its download, a
+result is in the coordinator's hands when it arrives, the outer step ends when it ends — so
+the engine charges nothing for them (`INSTANT`, every real pool's). A simulated fleet runs
+on a virtual clock on which nothing takes time unless it is priced: its pool hands the
+engine a `Transfers` that prices the links, the head's network card and the coordinator's
+step (`IslandPool.transfers`; the pool owns the clock, and these are its costs), and the
+engine reads the prices here only: where a result counts as delivered (the pacings order
+arrivals by it), what fits in a preemption's notice, and when a new version is ready.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from orchestrator.config import Mode, RunConfig, SimulationConfig
-from workers.wire.links import ring_allreduce_s
+from typing import Protocol
 
 
-@dataclass(frozen=True)
-class LinkPrices:
-    sim: SimulationConfig
-    scale: float  # nominal parameters per real one (1 without `nominal_params`)
-    ring: bool  # data-parallel: each exchange is a ring all-reduce
+class Transfers(Protocol):
+    def download(self, island: int, nbytes: int, *, bootstrap: bool, ready: float) -> float:
+        """When `island` has the `nbytes` of parameters (or their changes) it is sent of a
+        version ready at `ready` (`bootstrap`: its first full copy), on the run's clock."""
 
-    @classmethod
-    def of(cls, cfg: RunConfig, numel: int) -> LinkPrices:
-        nominal = cfg.simulation.nominal_params
-        return cls(cfg.simulation, nominal / numel if nominal else 1.0, cfg.mode == Mode.DDP)
+    def upload_s(
+        self, island: int, nbytes: int, *, islands: list[int], sent: float, compute_s: float, book: bool = True
+    ) -> float:
+        """Seconds from `sent` until `island`'s result of `nbytes` is in the coordinator's
+        hands (`islands`: those training beside it; `compute_s`: the work's compute, which a
+        collective may overlap). `book`: the transfer happens (False: a quote only)."""
 
-    def download_s(self, island: int, nbytes: int, *, bootstrap: bool) -> float:
-        """Time for `island` to receive `nbytes` of parameters (data-parallel: only its first
-        copy; later versions it computes itself)."""
-        if self.ring and not bootstrap:
-            return 0.0
-        return self.sim.link_of(island).seconds(nbytes * self.scale)
+    def stepped(self, *, at: float, merged: int, values: int) -> float:
+        """When the version the coordinator steps at `at` from `merged` updates of `values`
+        parameters each is ready for the islands."""
 
-    def upload_s(self, island: int, nbytes: int, islands: list[int]) -> float:
-        """Time until `island`'s result of `nbytes` is in the coordinator's hands
-        (data-parallel: until the all-reduce over `islands`, the ones training, is done)."""
-        if self.ring:
-            return ring_allreduce_s([self.sim.link_of(i) for i in islands], nbytes * self.scale)
-        return self.sim.link_of(island).seconds(nbytes * self.scale)
+
+class Instant:
+    """Every transfer and step as the real clock has it: nothing is added."""
+
+    def download(self, island: int, nbytes: int, *, bootstrap: bool, ready: float) -> float:
+        return ready
+
+    def upload_s(
+        self, island: int, nbytes: int, *, islands: list[int], sent: float, compute_s: float, book: bool = True
+    ) -> float:
+        return 0.0
+
+    def stepped(self, *, at: float, merged: int, values: int) -> float:
+        return at
+
+
+INSTANT = Instant()

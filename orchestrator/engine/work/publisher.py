@@ -27,7 +27,7 @@ from orchestrator.engine.pacing.base import Work
 from orchestrator.engine.pool import IslandPool
 from orchestrator.engine.step.outer import Outer
 from orchestrator.engine.work.downlink import Downlink
-from orchestrator.engine.work.links import LinkPrices
+from orchestrator.engine.work.links import Transfers
 from workers.wire.flat import as_tensor
 from workers.wire.fragments import Fragments
 from workers.wire.handoff import params_digest
@@ -60,7 +60,7 @@ class Publisher:
     ) -> None:
         """`lag`: how many versions behind the newest the pacing may start work (its `lag`)."""
         self.cfg, self.pool, self.outer, self.flat = cfg, pool, outer, flat
-        self.links = LinkPrices.of(cfg, outer.numel)  # the simulated links' prices, both ways
+        self.links: Transfers = pool.transfers(outer.numel)  # what the pool's clock charges (real pools: nothing)
         self.refs: dict[int, Any] = {}  # version -> published parameters
         self.published_at: dict[int, float] = {}
         self.digests: dict[int, str | None] = {}  # version -> digest of what was published (hand-offs)
@@ -78,19 +78,23 @@ class Publisher:
             else None
         )
 
-    def publish(self, version: int, at: float | None = None) -> None:
+    def publish(self, version: int, at: float | None = None, *, merged: int = 0, values: int = 0) -> None:
         """Publish `version` once (islands fetch it from there); keep the `lag` before it
         and let older ones go at once (work already out holds its own reference), so the
-        object store can reuse their pages. `at`:
-        when it was ready on the run's clock, if earlier than now (streaming: its
-        pseudo-gradients left τ steps before their islands' work ended, so the step was due
-        before the results came back)."""
+        object store can reuse their pages. `at`: when its step could begin on the run's
+        clock, if earlier than now (streaming: its pseudo-gradients left τ steps before
+        their islands' work ended, so the step was due before the results came back); the
+        step itself, over `merged` updates of `values` parameters, takes what the pool's
+        clock charges for it (`Transfers.stepped`: nothing on a real one, where it took its
+        own time before this call)."""
         if self.downlink is not None and not self.lag:
             self.unput = version
         else:
             self._put(version)
         now = self.pool.now()
-        self.published_at.setdefault(version, now if at is None else min(at, now))
+        begun = now if at is None else min(at, now)
+        if version not in self.published_at:
+            self.published_at[version] = self.links.stepped(at=begun, merged=merged, values=values)
         for old in [old for old in self.refs if old < version - self.lag]:
             del self.refs[old]
             self.digests.pop(old, None)
@@ -163,7 +167,7 @@ class Publisher:
         if nbytes:  # a new global (or its changes) to download over its link
             now = self.pool.now()
             ready = self.published_at.get(work.version, now)
-            delay = max(0.0, ready + self.links.download_s(work.island, nbytes, bootstrap=bootstrap) - now)
+            delay = max(0.0, self.links.download(work.island, nbytes, bootstrap=bootstrap, ready=ready) - now)
         digest = self.digests.get(work.version) if params is not None else None
         return Delivery(
             params=params,

@@ -1,13 +1,13 @@
-"""SIMULATION of slow links between islands and the coordinator, for one machine.
+"""Simulated links between islands and the coordinator, and the collectives over them.
 
 A transfer of `n` bytes over a link takes `latency + n·8 / bandwidth`. Presets name
-typical links; `bandwidth_gbps` / `latency_ms` override them. The coordinator uses these
-times to delay when a transfer counts as delivered, in every mode, so sync, async and
-overlap can be compared under the same links.
+typical links; `bandwidth_gbps` / `latency_ms` override them. `network.py` prices every
+transfer of a simulated run with them.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -58,3 +58,22 @@ def ring_allreduce_s(links: list[LinkConfig], nbytes: float) -> float:
     if gbps == float("inf") and latency == 0:
         return 0.0
     return 2 * (k - 1) * (latency + nbytes / k * 8 / (gbps * 1e9))
+
+
+def tree_allreduce_s(links: list[LinkConfig], nbytes: float) -> float:
+    """Simulated time of a pipelined tree all-reduce (NCCL's double binary tree) of
+    `nbytes`: a reduce up and a broadcast down the tree, each paying log2(k) latencies, the
+    bytes streamed through once each way at the slowest link's bandwidth. Better than the
+    ring when latency dominates (many islands, small messages)."""
+    k = len(links)
+    if k < 2:
+        return 0.0
+    gbps, latency = min(link.gbps for link in links), max(link.latency_s for link in links)
+    if gbps == float("inf") and latency == 0:
+        return 0.0
+    return 2 * math.ceil(math.log2(k)) * latency + 2 * nbytes * 8 / (gbps * 1e9)
+
+
+def allreduce_s(links: list[LinkConfig], nbytes: float) -> float:
+    """The better of the ring and the tree, as NCCL picks by size and scale."""
+    return min(ring_allreduce_s(links, nbytes), tree_allreduce_s(links, nbytes))

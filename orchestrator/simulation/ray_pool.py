@@ -1,12 +1,14 @@
-"""SIMULATION on Ray: the islands really train as actors, but time is a virtual clock
-(`simulation.virtual_step_s`), so a fleet's speeds and links are measured exactly on a
-contended machine. The Ray pool knows nothing of it: this subclass keeps the clock, and
-the coordinator builds it when the config asks (`pool_class`)."""
+"""A simulated fleet on Ray: the islands really train as actors, but time is a virtual
+clock (`simulation.virtual_step_s`), so a fleet's speeds and links are measured exactly on
+a contended machine. The Ray pool knows nothing of it: this subclass keeps the clock, and
+the coordinator is handed it as its pool (`simulated_pool`, `run_simulated`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -14,6 +16,8 @@ import ray
 from orchestrator.config import RunConfig
 from orchestrator.engine.pool import Done, PoolEvent, Progress
 from orchestrator.runtime.island_pool import RayIslandPool
+from orchestrator.simulation.config import SimulationConfig
+from orchestrator.simulation.network import Network
 from workers.wire.messages import WorkOrder
 
 
@@ -23,8 +27,10 @@ class VirtualClockPool(RayIslandPool):
     they have really finished (work due later waits its turn even if it is done), and the
     clock moves to each finish. Nothing sleeps for simulated time."""
 
-    def __init__(self, cfg: RunConfig, run_id: str, coordinator: str | None = None) -> None:
+    def __init__(self, cfg: RunConfig, run_id: str, coordinator: str | None = None, *, sim: SimulationConfig) -> None:
         super().__init__(cfg, run_id, coordinator)
+        self.sim = sim
+        self.network: Network | None = None
         self.vt = 0.0
         self.finish: dict[Any, float] = {}  # object ref -> its simulated finish
         self.begun: dict[Any, float] = {}  # object ref -> when its steps begin (after its download)
@@ -38,15 +44,19 @@ class VirtualClockPool(RayIslandPool):
     def now(self) -> float:
         return self.vt
 
+    def transfers(self, numel: int) -> Network:
+        self.network = Network(self.cfg, self.sim, numel)
+        return self.network
+
     def sleep_until(self, t: float) -> None:
         self.vt = max(self.vt, t)
 
     def dispatch(self, order: WorkOrder, params: Any, changes: tuple[Any, ...] = ()) -> Any:
         """The link's delay is simulated time too: the island does not wait for it."""
-        ref = super().dispatch(dataclasses.replace(order, start_delay_s=0.0), params, changes)
-        sim = self.cfg.simulation
-        self.begun[ref] = self.vt + order.start_delay_s
-        self.finish[ref] = self.begun[ref] + sim.virtual_seconds(order.island, order.steps)
+        ref = super().dispatch(order, params, changes)
+        arrival = self.network.arrivals.pop(order.island, self.vt) if self.network is not None else self.vt
+        self.begun[ref] = max(self.vt, arrival)
+        self.finish[ref] = self.begun[ref] + self.sim.virtual_seconds(order.island, order.steps)
         self.sends[ref] = order.send_after if order.send_after and order.send_after < order.steps else order.steps
         return ref
 
@@ -60,7 +70,7 @@ class VirtualClockPool(RayIslandPool):
         handle = self.handles.get(island)
         if ref is None or handle is None:
             return
-        step = self.cfg.simulation.virtual_seconds(island, 1)
+        step = self.sim.virtual_seconds(island, 1)
         begun = math.ceil(max(0.0, self.vt - self.begun[ref]) / step - 1e-9)
         fits = 0 if within_s is None else math.floor((self.vt + within_s - self.begun[ref]) / step + 1e-9)
         keep = max(begun, fits)
@@ -96,7 +106,7 @@ class VirtualClockPool(RayIslandPool):
         self.vt = max(self.vt, at)
         event = self._fetch(ref, ticket, island)
         if isinstance(event, Done):
-            r, sim = event.result, self.cfg.simulation
+            r, sim = event.result, self.sim
             timed = dataclasses.replace(
                 r,
                 finished_at=at,
@@ -115,7 +125,7 @@ class VirtualClockPool(RayIslandPool):
             return []
         beats: list[PoolEvent] = []
         for ref, (ticket, island) in self.work.items():
-            step = self.cfg.simulation.virtual_seconds(island, 1)
+            step = self.sim.virtual_seconds(island, 1)
             done = int(max(0.0, self.vt - self.begun[ref]) / step) if step > 0 else 0
             beats.append(
                 Progress(
@@ -126,9 +136,18 @@ class VirtualClockPool(RayIslandPool):
 
     def _speed(self, island: int, info: dict[str, Any]) -> float | None:
         """Known exactly on the virtual clock."""
-        return 1.0 / self.cfg.simulation.virtual_seconds(island, 1)
+        return 1.0 / self.sim.virtual_seconds(island, 1)
 
 
-def pool_class(cfg: RunConfig) -> type[RayIslandPool]:
-    """The island pool a run's config asks for."""
-    return VirtualClockPool if cfg.simulation.virtual_step_s is not None else RayIslandPool
+def simulated_pool(sim: SimulationConfig) -> Callable[[RunConfig, str, str | None], RayIslandPool]:
+    """The coordinator's pool factory for a run on the fleet `sim` (picklable: the
+    coordinator is a Ray actor)."""
+    return functools.partial(VirtualClockPool, sim=sim)
+
+
+def run_simulated(cfg: RunConfig, sim: SimulationConfig, **options: Any) -> dict[str, Any]:
+    """`cfg` run to the end on Ray as `archipelago run` runs it, its islands on the fleet
+    `sim` (`driver.run`'s options); its summary."""
+    from orchestrator.runtime.driver import run
+
+    return run(cfg, pool=simulated_pool(sim), **options)

@@ -1,5 +1,6 @@
 """The island pool of tests and benchmarks: islands as plain `Island` objects of this
-process on a virtual clock (compute and simulated links advance it, nothing sleeps),
+process on a virtual clock (compute and the simulated network, `network.py`, advance it;
+nothing sleeps),
 with faults injected by work order (`Fault`) or in time (`chaos.TimedFault`) — so the
 engine's behaviour under crashes, late and NaN islands, joins, drains and restarts is
 tested in seconds, and a bench runs many simulated islands on two cores."""
@@ -21,7 +22,9 @@ import numpy as np
 from orchestrator.config import RunConfig
 from orchestrator.engine.pool import Done, Failed, Joined, PoolEvent, Preempting, Progress
 from orchestrator.engine.specs import island_spec
-from orchestrator.testing.chaos import Strike, TimedFault
+from orchestrator.simulation.chaos import Strike, TimedFault
+from orchestrator.simulation.config import ReplacementSpeed, SimulationConfig
+from orchestrator.simulation.network import Network
 from workers.runtime.island import Island
 from workers.wire.messages import SavedState, Sliced, WorkOrder
 from workers.wire.sync import Change
@@ -98,7 +101,7 @@ class _Work:
     an earlier order of the same island is computed first (`_complete`), as an actor runs
     its calls in turn. `steps_at` and `ends_at` place its steps on the virtual clock."""
 
-    order: WorkOrder  # with its download already paid (`start_delay_s` 0)
+    order: WorkOrder
     params: Any
     fault: Fault | None
     step: float  # seconds per inner step at its dispatch
@@ -145,22 +148,32 @@ class _Pending:
 
 class InProcessPool:
     """Islands as plain `Island` objects; work is computed when its result is due, at
-    virtual time `dispatch + steps × step_s × slowdown (+ injected delay)`, and delivered
+    virtual time `download + steps × step_s × slowdown (+ injected delay)`, and delivered
     then."""
 
     def __init__(
         self,
         cfg: RunConfig,
-        step_s: float = 1.0,
+        sim: SimulationConfig | None = None,
+        *,
+        step_s: float | None = None,
         faults: list[Fault] | None = None,
         join_s: float = 0.0,
         unplaceable: set[int] | None = None,
         chaos: list[TimedFault] | None = None,
         chaos_seed: int = 0,
     ) -> None:
-        """`faults` strike an island's n-th work order; `chaos` strikes in time, each
-        fault whichever island (drawn with `chaos_seed`) is working when it comes."""
-        self.cfg, self.step_s, self.join_s = cfg, step_s, join_s
+        """`sim`: the fleet (none: islands at speed 1 on instant links); `step_s`: seconds
+        of an inner step at speed 1 (default `sim.virtual_step_s`). `faults` strike an
+        island's n-th work order; `chaos` strikes in time, each fault whichever island (drawn
+        with `chaos_seed`) is working when it comes."""
+        self.cfg, self.join_s = cfg, join_s
+        self.sim = sim or SimulationConfig()
+        self.step_s = self.sim.virtual_step_s if step_s is None else step_s
+        self.network: Network | None = None  # made when the engine asks for it (`transfers`)
+        self.factors: dict[int, float] = {}  # island -> the slowdown of the node it was placed on
+        self.freed: deque[float] = deque()  # released islands' nodes' slowdowns, for replacements
+        self.noise = np.random.default_rng(chaos_seed + 7919)  # measured speeds' spread
         self.chaos = sorted(chaos or [], key=lambda f: f.at)
         self.rng = np.random.default_rng(chaos_seed)
         self.slow: dict[int, tuple[float, float]] = {}  # island -> (factor, until)
@@ -193,6 +206,10 @@ class InProcessPool:
     def now(self) -> float:
         return self.t
 
+    def transfers(self, numel: int) -> Network:
+        self.network = Network(self.cfg, self.sim, numel)
+        return self.network
+
     def sleep_until(self, t: float) -> None:
         self.losses.halted += max(0.0, t - self.t)
         self.t = max(self.t, t)
@@ -206,6 +223,7 @@ class InProcessPool:
             return
         spec = island_spec(self.cfg, island, start_step, state_folder=state_folder, restore=restore)
         adopted = self.adopted.pop(island, None)
+        self.factors[island] = self._node_factor(island)
         if self.t > 0:
             self.losses.placement += self.join_s
         if adopted is not None:
@@ -224,9 +242,28 @@ class InProcessPool:
             ),
         )
 
+    def _node_factor(self, island: int) -> float:
+        """The slowdown of the node `island` is placed on: its own for an initial island;
+        for one placed later, the node a released island gave back (`replacement_speed:
+        replaced`) or a full-speed one."""
+        if self.sim.slowdown and island < len(self.sim.slowdown):
+            return self.sim.slowdown_of(island)
+        if self.sim.replacement_speed == ReplacementSpeed.REPLACED and self.freed:
+            return self.freed.popleft()
+        return 1.0
+
+    def _factor(self, island: int) -> float:
+        return self.factors.get(island, 1.0)
+
+    def _measured(self, value: float) -> float:
+        """`value` as the island measures it: with `speed_noise`, off by a log-normal factor
+        of mean 1."""
+        sigma = self.sim.speed_noise
+        return value * math.exp(sigma * float(self.noise.standard_normal()) - sigma**2 / 2) if sigma else value
+
     def _known_speed(self, island: int) -> float:
-        """Steps per second of a new island: known exactly on the virtual clock."""
-        return 1.0 / (self.step_s * self.cfg.simulation.slowdown_of(island))
+        """Steps per second of a new island, as its probe measures them."""
+        return self._measured(1.0 / (self.step_s * self._factor(island)))
 
     def reattach(self, island: int) -> str | None:
         return f"inprocess:{island}" if island in self.islands and island not in self.dead else None
@@ -243,7 +280,8 @@ class InProcessPool:
 
     def release(self, island: int) -> None:
         self._drop(lambda p: getattr(p.event, "island", None) == island)
-        self.islands.pop(island, None)
+        if self.islands.pop(island, None) is not None and island in self.factors:
+            self.freed.append(self.factors[island])
         self.doomed.pop(island, None)
         self._unhang(island)
 
@@ -271,8 +309,9 @@ class InProcessPool:
         n = self.orders[i] = self.orders.get(i, 0) + 1
         fault = self._fault(i, n)
         factor, until = self.slow.get(i, (1.0, 0.0))
-        step = self.step_s * self.cfg.simulation.slowdown_of(i) * (factor if self.t < until else 1.0)
-        duration = order.start_delay_s + order.steps * step
+        step = self.step_s * self._factor(i) * (factor if self.t < until else 1.0)
+        delay = self._download_s(i)
+        duration = delay + order.steps * step
         if fault is not None and fault.kind == FaultKind.CORRUPT and params is not None:
             params = np.array(params)
             raw = params.view(np.uint8)
@@ -280,13 +319,13 @@ class InProcessPool:
         if fault is not None and fault.kind == FaultKind.LATE:
             duration += fault.seconds
         stops = duration / 2 if fault is not None and fault.kind in (FaultKind.CRASH, FaultKind.HANG) else None
-        self.started[order.ticket] = self.t + order.start_delay_s
+        self.started[order.ticket] = self.t + delay
         work = _Work(
-            order=dataclasses.replace(order, start_delay_s=0.0),  # what it reads, it reads when it computes
+            order=order,
             params=params,
             fault=fault,
             step=step,
-            start=self.t + order.start_delay_s,
+            start=self.t + delay,
             compute=order.steps * step,  # virtual, so DyLU sees the simulated speeds
             due=self.t + duration,
             seq=next(self._seq),
@@ -299,10 +338,10 @@ class InProcessPool:
             self._at(self.t, work.outcome)
             return
         if doomed:
-            self._heartbeats(i, order, duration, gone)
+            self._heartbeats(i, order, delay, duration, gone)
             self._taken(i, order.ticket, self.t + gone)
             return
-        self._heartbeats(i, order, duration, stops)
+        self._heartbeats(i, order, delay, duration, stops)
         if fault is not None and fault.kind == FaultKind.HANG:  # it never answers
             self._freeze(i, self.t + duration / 2, order.ticket, order.steps // 2)
             return
@@ -347,7 +386,7 @@ class InProcessPool:
         timed = dataclasses.replace(
             result,
             finished_at=fault.seconds if fault is not None and fault.kind == FaultKind.CLOCK else work.due,
-            compute_s=work.compute if work.budget is None else work.due - work.start,
+            compute_s=self._measured(work.compute if work.budget is None else work.due - work.start),
             tail_s=result.tail_steps * work.step,
         )
         return Done(ticket=order.ticket, island=i, result=timed)
@@ -387,7 +426,13 @@ class InProcessPool:
         if island is not None and order.island not in self.dead:
             island.hold(dataclasses.replace(order, changes=changes) if changes else order, params)
 
-    def _heartbeats(self, island: int, order: WorkOrder, duration: float, stops: float | None) -> None:
+    def _download_s(self, island: int) -> float:
+        """How long `island` waits for the parameters it was just sent (the network's
+        arrival, from now)."""
+        arrival = self.network.arrivals.pop(island, self.t) if self.network is not None else self.t
+        return max(0.0, arrival - self.t)
+
+    def _heartbeats(self, island: int, order: WorkOrder, delay: float, duration: float, stops: float | None) -> None:
         """With `elastic.hang_after_steps`, the island's step count every `progress_every_s`
         while it works: its steps spread evenly over its compute (a late island's over its
         longer time), none while it downloads, and none after `stops` (a hang or a crash
@@ -395,10 +440,12 @@ class InProcessPool:
         elastic = self.cfg.elastic
         if elastic.hang_after_steps is None:
             return
-        base, delay = self.steps_done.get(island, 0), order.start_delay_s
+        base = self.steps_done.get(island, 0)
         end = duration if stops is None else stops
         compute = max(duration - delay, 1e-12)
-        k = 1
+        # none read while it downloads (the engine expects progress only once its download
+        # is in): a long download over a slow link would queue thousands of still counts
+        k = max(1, math.floor(delay / elastic.progress_every_s))
         while (t := k * elastic.progress_every_s) < end:
             done = min(order.steps, int(order.steps * max(0.0, t - delay) / compute))
             self._at(

@@ -1,0 +1,130 @@
+"""The simulated fleet's settings, read beside a run's config, never inside it.
+
+`load_simulated` reads one config file and `--set` list as `archipelago run` does and takes
+the `simulation` section (or `simulation.*` settings) out before the run's config sees them:
+the product's `RunConfig` has no simulation field, and a config with one is refused by the
+product with a pointer here.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+
+from pydantic import Field, ValidationError, field_validator
+
+from orchestrator.config import RunConfig
+from orchestrator.config_load import SIMULATION, ConfigError, format_error, read_config_data, validate_config
+from orchestrator.config_sections import Strict
+from orchestrator.simulation.links import LinkConfig
+
+
+class ReplacementSpeed(str, Enum):
+    FULL = "full"
+    REPLACED = "replaced"
+
+
+class SimulationConfig(Strict):
+    """A fleet on one machine — slower islands, slow links, a shared head and a virtual
+    clock — so modes can be compared under the conditions of a real one. The islands really
+    train; only time is simulated, by the pools of this package. Not part of a run's config
+    (`RunConfig` has no such section): `archipelago simulate`, the benches and the tests read
+    it beside one (`load_simulated`)."""
+
+    link: LinkConfig = Field(
+        default_factory=LinkConfig, description="every island's link to the coordinator (both directions)"
+    )
+    links: list[LinkConfig] | None = Field(
+        None, description="one link per initial island instead; joiners and replacements use `link`"
+    )
+    nominal_params: int | None = Field(
+        None,
+        ge=1,
+        description="price every transfer on the links as if the model had this many parameters (its bytes "
+        "scaled by nominal / actual, so a codec's ratio holds): a small model trains while its exchanges cost "
+        "what a large one's would. The byte counts stay the bytes that moved",
+    )
+    slowdown: list[float] | None = Field(
+        None,
+        description="one factor >= 1 per initial island stretching every inner step (2 = half speed); "
+        "joiners and replacements run at 1",
+    )
+    virtual_step_s: float = Field(
+        1.0,
+        gt=0,
+        description="the virtual clock: island i's inner step takes virtual_step_s x its slowdown simulated "
+        "seconds and nothing sleeps; results are taken in the order of their simulated finish times and the "
+        "run's clock (deadlines, links, clock_seconds) is simulated, while the islands really train",
+    )
+    head_gbps: float | None = Field(
+        None,
+        gt=0,
+        description="the head's network card, shared by every transfer in and out of the coordinator (one card "
+        "per coordinator slice: each slice on a node of its own); null: each island's link is its own",
+    )
+    price_head: bool = Field(
+        False,
+        description="charge the coordinator's outer step (merge and outer optimizer) and its checkpoints at the "
+        "rates measured on a CPU head (`orchestrator/plan/head.py`), at nominal_params: the version is ready "
+        "only when the head is done, and the head does one thing at a time",
+    )
+    ddp_overlap: bool = Field(
+        False,
+        description="data-parallel as PyTorch DDP runs it: the gradient's bucketed all-reduce overlapped with "
+        "backward, by the better of a ring and a tree; false: a ring all-reduce after the step",
+    )
+    speed_noise: float = Field(
+        0.0,
+        ge=0,
+        description="the spread (sigma of a log-normal of mean 1) of every speed the engine measures: an "
+        "island's probe and each work's compute seconds; its true pace is unchanged",
+    )
+    replacement_speed: ReplacementSpeed = Field(
+        ReplacementSpeed.FULL,
+        description="full: an island placed after the start (a replacement, a joiner) runs at speed 1; "
+        "replaced: at the speed of the node the last released island had (the cluster gives its node back)",
+    )
+
+    @field_validator("slowdown")
+    @classmethod
+    def _factors(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and any(f < 1 for f in v):
+            raise ValueError("slowdown factors must be >= 1")
+        return v
+
+    def check_islands(self, count: int) -> None:
+        """One entry per initial island in each per-island list."""
+        for name, entries in (("slowdown", self.slowdown), ("links", self.links)):
+            if entries is not None and len(entries) != count:
+                raise ValueError(f"simulation.{name} has {len(entries)} entries for {count} islands (islands.count)")
+
+    def slowdown_of(self, index: int) -> float:
+        """Island `index`'s factor; islands past the list (joiners, replacements) run at full speed."""
+        s = self.slowdown
+        return s[index] if s and index < len(s) else 1.0
+
+    def virtual_seconds(self, index: int, steps: int) -> float:
+        """Simulated seconds of `steps` inner steps of island `index` under the virtual clock."""
+        return steps * self.virtual_step_s * self.slowdown_of(index)
+
+    def link_of(self, index: int) -> LinkConfig:
+        """Island `index`'s link; islands past `links` (joiners, replacements) use `link`."""
+        return self.links[index] if self.links and index < len(self.links) else self.link
+
+
+def load_simulated(
+    path: str | Path | None = None, overrides: list[str] | None = None, check_task: bool = True
+) -> tuple[RunConfig, SimulationConfig]:
+    """The run's config and its simulation from one file and `--set` list; ConfigError
+    naming the field if either is wrong."""
+    data = read_config_data(path, overrides or [])
+    raw = data.pop(SIMULATION, None) or {}
+    cfg = validate_config(data, check_task)
+    try:
+        sim = SimulationConfig.model_validate(raw)
+        sim.check_islands(cfg.islands.count)
+    except ValidationError as err:
+        raise ConfigError(format_error(err, SIMULATION)) from err
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    return cfg, sim

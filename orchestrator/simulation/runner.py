@@ -1,0 +1,19 @@
+"""A whole simulated run in this process: the product's phases (warm start, then the run)
+with the in-process pool for islands."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestrator.config import RunConfig
+from orchestrator.engine.build import PhasedRun
+from orchestrator.simulation.config import SimulationConfig
+from orchestrator.simulation.pool import InProcessPool
+
+
+def run_in_process(cfg: RunConfig, sim: SimulationConfig, run_id: str = "bench") -> dict[str, Any]:
+    """`cfg` run to the end on the in-process island pool on the fleet `sim`: the same
+    engine, policies and island code as under Ray, with the islands as objects of this
+    process taking turns and the virtual clock for time — what a scenario of many simulated
+    islands on two cores can afford. Its summary."""
+    return PhasedRun(cfg, run_id, lambda c, _rid: InProcessPool(c, sim)).execute()
