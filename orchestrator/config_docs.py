@@ -113,7 +113,9 @@ def _rows(prefix: str, model: type[BaseModel]) -> tuple[list[str], list[tuple[st
     return rows, sections
 
 
-def _table(prefix: str, model: type[BaseModel]) -> tuple[list[str], list[tuple[str, type[BaseModel]]]]:
+def field_table(prefix: str, model: type[BaseModel]) -> tuple[list[str], list[tuple[str, type[BaseModel]]]]:
+    """The markdown table of `model`'s fields, each dotted under `prefix`, and its sections
+    (`simulation.md` renders the simulated fleet's with it)."""
     rows, sections = _rows(prefix, model)
     head = ["| field | type | default | constraint | meaning |", "| --- | --- | --- | --- | --- |"]
     return head + rows, sections
@@ -141,11 +143,11 @@ def render() -> str:
         _doc(RunConfig),
         "",
     ]
-    table, sections = _table("", RunConfig)
+    table, sections = field_table("", RunConfig)
     out += [*table, ""]
     for name, model in sections:
         out += [f"## {name}", "", _doc(model), ""]
-        out += [*_table(f"{name}.", model)[0], ""]
+        out += [*field_table(f"{name}.", model)[0], ""]
     out += [
         "## Bundled tasks' `task.kwargs`",
         "",
@@ -156,12 +158,12 @@ def render() -> str:
     nested: dict[str, type[BaseModel]] = {}
     for factory, model in TASKS.items():
         out += [f"### `{factory}`", "", _doc(model), ""]
-        out += [*_table("task.kwargs.", model)[0], ""]
+        out += [*field_table("task.kwargs.", model)[0], ""]
         for name, field in model.model_fields.items():
             nested.update({f"task.kwargs.{name}[]": m for m in _models_in(field.annotation)})
     for prefix, model in nested.items():  # models the task tables link to, each once
         out += [f"### {model.__name__}", "", _doc(model), ""]
-        out += [*_table(f"{prefix}.", model)[0], ""]
+        out += [*field_table(f"{prefix}.", model)[0], ""]
     return "\n".join(out)
 
 

@@ -151,12 +151,26 @@ def test_nothing_in_the_product_imports_the_benchmarks_or_the_testing_package():
     assert any(m.startswith("orchestrator.simulation") for m in IMPORTS["orchestrator.bench.fleet"])
 
 
-def test_the_island_and_the_ray_pool_hold_no_simulation_branch():
-    """Simulated speeds, links and clocks are subclasses the `simulation:` section selects
-    (`workers/runtime/simulated.py`, `orchestrator/runtime/simulated.py`)."""
-    for name in ("workers.runtime.island", "workers.runtime.island_group", "orchestrator.runtime.island_pool"):
-        text = MODULES[name].read_text().lower()
-        assert not [w for w in ("simulat", "virtual", "slowdown", "start_delay") if w in text], name
+def test_the_runs_config_the_work_order_and_the_island_spec_carry_no_simulation():
+    """A simulated fleet is read beside a run's config (`orchestrator.simulation.config`) and
+    priced by the simulation's own pools: no model of the run's config refers to the
+    simulation's (its JSON schema names them), and neither the order an island is handed nor
+    the spec it is built from has a field only a simulation would set."""
+    import dataclasses
+
+    from orchestrator.config import RunConfig
+    from orchestrator.simulation.config import SimulationConfig
+    from orchestrator.simulation.links import LinkConfig
+    from workers.runtime.island_spec import IslandSpec
+    from workers.wire.messages import WorkOrder
+
+    defs = RunConfig.model_json_schema().get("$defs", {})
+    assert (
+        not {SimulationConfig.__name__, LinkConfig.__name__} & set(defs) and "simulation" not in RunConfig.model_fields
+    )
+    simulated = set(SimulationConfig.model_fields) | {"simulated", "start_delay_s"}
+    for cls in (WorkOrder, IslandSpec):
+        assert not simulated & {f.name for f in dataclasses.fields(cls)}, cls
 
 
 def test_bench_is_a_registered_subcommand():

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.config_load import load_config
-from orchestrator.runtime.driver import run
+from orchestrator.simulation.config import load_simulated
+from orchestrator.simulation.ray_pool import run_simulated
 
 pytestmark = pytest.mark.ray
 
 
 def _cfg(tmp_path, *extra):
-    return load_config(
+    return load_simulated(
         None,
         [
             "mode=async",
@@ -45,7 +45,8 @@ def test_a_virtual_clock_gives_exact_speeds_and_arrivals_in_simulated_order(ray_
     island works a quarter of H, and the run's clock is simulated; heartbeats count the
     simulated steps, so none is taken for a hang."""
     beats = ("elastic.hang_after_steps=2", "elastic.progress_every_s=0.2", "elastic.hang_floor_s=0.5")
-    summary = run(_cfg(tmp_path, "simulation.virtual_step_s=0.5", "inner_steps=8", *beats), show_progress=False)
+    cfg, sim = _cfg(tmp_path, "simulation.virtual_step_s=0.5", "inner_steps=8", *beats)
+    summary = run_simulated(cfg, sim, show_progress=False)
     isl = summary["islands"]
     # heartbeats on the simulated clock: a jump of the clock to the next finish is no stall
     assert all(isl[i]["state"] == "training" for i in ("0", "1", "2")), isl

@@ -13,6 +13,7 @@ from orchestrator.bench.registry import available
 from orchestrator.bench.report import BenchResult, Panel, draw, write_docs_index, write_result
 from orchestrator.cli import main
 from orchestrator.config_load import load_config
+from orchestrator.simulation.config import load_simulated
 from tests.helpers import run_tokens
 
 
@@ -127,7 +128,7 @@ def test_hetero_methods_share_one_budget_and_time_to_reach():
 
     table = hetero_methods(4)
     assert set(table) == {"sync", "sync_dylu", "naive_async", "dn_dylu", "quorum", "streaming_quorum"}
-    budgets = {name: run_tokens(load_config(None, [*MODEL, *ov])) for name, (_, ov) in table.items()}
+    budgets = {name: run_tokens(load_simulated(None, [*MODEL, *ov])[0]) for name, (_, ov) in table.items()}
     assert len(set(budgets.values())) == 1
     assert time_to_reach([(0, 5.0), (10, 3.0), (20, 1.0)], 2.0) == 15.0
     assert time_to_reach([(0, 5.0), (10, 3.0)], 2.0) is None
@@ -183,13 +184,14 @@ def test_streaming_rows_are_the_issue_s_and_share_one_token_budget():
         "ddp_k",
         "compute_only",
     }
-    configs = {n: load_config(None, [*BASE, *common(3, 0, Path(".")), *ov]) for n, (_, ov) in table.items()}
+    loaded = {n: load_simulated(None, [*BASE, *common(3, 0, Path(".")), *ov]) for n, (_, ov) in table.items()}
+    configs = {n: cfg for n, (cfg, _) in loaded.items()}
     assert len({run_tokens(c) for c in configs.values()}) == 1  # every method sees the same tokens
     s4 = configs["streaming_p4_fp4"]
     assert s4.streaming.fragments == 4 and s4.compression.codec == s4.compression.downlink == "fp4"
     assert s4.outer.lr == 1.0 and configs["diloco"].outer.lr == configs["diloco_int8"].outer.lr == 0.7
     assert configs["diloco_int8"].compression.downlink == "int8" and configs["overlap_eager"].overlap.eager
-    assert configs["ddp_k"].simulation.link.bandwidth_gbps is None and s4.inner_steps == H and s4.islands.count == K
+    assert loaded["ddp_k"][1].link.bandwidth_gbps is None and s4.inner_steps == H and s4.islands.count == K
     assert all(c.islands.build_version0 for c in configs.values())  # loaded from storage, as the peer's replicas
 
 
@@ -197,8 +199,9 @@ def test_an_earlier_run_of_another_config_is_removed_not_resumed(tmp_path):
     """Its checkpoint would be resumed as the new run's (a finished one ends at once with
     its clock at zero); an interrupted run of the same config is kept to resume, unless its
     clock is simulated."""
-    from orchestrator.bench.runner import fresh
+    from orchestrator.bench.runner import fresh, record_simulation, same_config
     from orchestrator.config_load import dump_config
+    from orchestrator.simulation.config import SimulationConfig
 
     streaming = ["mode=streaming", "inner_steps=48", "rounds=2"]  # its section's `pacing` plays a new setting
     cfg = load_config(None, [*MODEL, *streaming, f"out_dir={tmp_path / 'a'}"])
@@ -210,10 +213,12 @@ def test_an_earlier_run_of_another_config_is_removed_not_resumed(tmp_path):
     fresh(cfg.model_copy(update={"rounds": 3}))
     assert not out.exists()
     fresh(cfg)  # nothing there: nothing to do
-    simulated = cfg.model_copy(update={"simulation": cfg.simulation.model_copy(update={"virtual_step_s": 0.5})})
+    sim = SimulationConfig(virtual_step_s=0.5)
     (out / "checkpoint").mkdir(parents=True)
-    (out / "config.yaml").write_text(dump_config(simulated))
-    fresh(simulated)  # the same config, but its resumed clock would restart at zero
+    (out / "config.yaml").write_text(dump_config(cfg))
+    record_simulation(cfg, sim)
+    assert same_config(out, cfg, sim) and not same_config(out, cfg) and not same_config(out, cfg, SimulationConfig())
+    fresh(cfg, sim)  # the same config and fleet, but its resumed clock would restart at zero
     assert not out.exists()
 
 
@@ -233,7 +238,8 @@ def test_overlap_rows_tune_every_method_on_one_grid_over_a_link_that_leaves_slac
     bw = bandwidth_for(1_000_000, 2.0)
     assert 2 * 4e6 * 8 / (bw * 1e9) == pytest.approx(1.6)
     table = grid_table(12, Path("."), bw)
-    configs = {n: load_config(None, [*MODEL, *ov]) for n, (_, ov) in table.items()}
+    loaded = {n: load_simulated(None, [*MODEL, *ov]) for n, (_, ov) in table.items()}
+    configs = {n: cfg for n, (cfg, _) in loaded.items()}
     assert set(configs) == {f"{n}@lr{lr:g}" for n in TUNED for lr in LRS}
     for lr in LRS:
         sync, co2, eager = (configs[f"{n}@lr{lr:g}"] for n in ("sync", "overlap", "overlap_eager"))
@@ -242,7 +248,8 @@ def test_overlap_rows_tune_every_method_on_one_grid_over_a_link_that_leaves_slac
             assert c.mode.value == "overlap" and c.overlap.lr == lr and c.overlap.momentum > 0
             assert c.overlap.penalty == "adaptive" and c.overlap.clip is not None
         assert eager.overlap.eager and not co2.overlap.eager
-        assert sync.simulation.link.bandwidth_gbps == co2.simulation.link.bandwidth_gbps == pytest.approx(bw, rel=1e-5)
+        links = [loaded[f"{n}@lr{lr:g}"][1].link.bandwidth_gbps for n in ("sync", "overlap")]
+        assert links == pytest.approx([bw, bw], rel=1e-5)
 
 
 def test_a_benchmark_without_matplotlib_is_refused_before_any_run(tmp_path, monkeypatch, capsys):

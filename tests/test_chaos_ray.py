@@ -25,6 +25,7 @@ from orchestrator.config_load import load_config
 from orchestrator.engine.outputs.checkpoints import one_run
 from orchestrator.runtime.driver import run
 from orchestrator.runtime.names import NAMESPACE, coordinator_name, island_name
+from orchestrator.simulation.config import SimulationConfig
 from orchestrator.simulation.runner import run_in_process
 from tests.helpers import toy_quadratic
 from tests.http_server import free_port
@@ -150,7 +151,7 @@ def _kill_island(run_id: str, client: Client) -> int:
 def test_rest_chaos_with_killed_islands_and_coordinator(ray_local, tmp_path, monkeypatch):
     # the fault-free run of the same seed, in process (the same engine and islands, no sleeps)
     baseline = run_in_process(
-        _cfg(tmp_path, "baseline", None, "task.kwargs.batch_s=0", "simulation.virtual_step_s=0.01")
+        _cfg(tmp_path, "baseline", None, "task.kwargs.batch_s=0"), SimulationConfig(virtual_step_s=0.01)
     )
     rng = random.Random(7)
     port, run_id = free_port(), "chaos"

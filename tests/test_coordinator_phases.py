@@ -10,6 +10,7 @@ import pytest
 
 from orchestrator.config_load import load_config
 from orchestrator.engine.outputs.loop_time import LoopClock, Part
+from orchestrator.simulation.config import SimulationConfig
 from orchestrator.simulation.runner import run_in_process
 from tests.helpers import toy_quadratic
 
@@ -35,14 +36,13 @@ def test_every_round_records_its_coordinator_seconds_and_the_summary_their_total
         None,
         [
             *toy_quadratic(2, 0.0, "data_shards=2"),
-            "simulation.virtual_step_s=0.01",
             "rounds=4",
             "inner_steps=3",
             f"task.kwargs.fault_dir={tmp_path}",
             f"out_dir={tmp_path / 'out'}",
         ],
     )
-    summary = run_in_process(cfg)
+    summary = run_in_process(cfg, SimulationConfig(virtual_step_s=0.01))
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 4
     for r in records:

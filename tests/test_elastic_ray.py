@@ -17,6 +17,7 @@ from orchestrator.config_load import load_config
 from orchestrator.engine.commands import AddIslands, Drain
 from orchestrator.runtime.driver import run
 from orchestrator.runtime.names import NAMESPACE, island_name
+from orchestrator.simulation.config import SimulationConfig
 from orchestrator.simulation.runner import run_in_process
 
 pytestmark = pytest.mark.ray
@@ -117,8 +118,8 @@ def test_seeded_chaos_completes_close_to_the_fault_free_run(ray_local, tmp_path,
     """Real actors killed, drained and added. One mode here: what the engine does with them
     in every mode is checked in process (`test_engine_faults.py`, seeded chaos)."""
     # the fault-free run, in process (the same engine and islands, no sleeps)
-    clean_sets = (f"mode={mode}", "rounds=20", "task.kwargs.batch_s=0", "simulation.virtual_step_s=0.01")
-    clean = run_in_process(_cfg(tmp_path, f"clean-{mode}", *clean_sets))
+    clean_sets = (f"mode={mode}", "rounds=20", "task.kwargs.batch_s=0")
+    clean = run_in_process(_cfg(tmp_path, f"clean-{mode}", *clean_sets), SimulationConfig(virtual_step_s=0.01))
     rng = random.Random(1234)
     run_id = f"chaos{mode}"
     thread, box = _in_thread(_cfg(tmp_path, f"chaos-{mode}", f"mode={mode}", "rounds=20"), run_id)

@@ -1,29 +1,24 @@
-"""The `simulation:` section and what it selects: the moved settings still load, a real-
-clock island stretched by its subclass (never by `Island` itself), the virtual-clock pool
-chosen by the config."""
+"""The simulated fleet beside the run's config: read by `load_simulated` (its settings
+from before the section still load at their place), refused by the product's loader with a
+pointer, checked against the fleet; the virtual-clock Ray pool handed to the coordinator;
+`archipelago simulate` registered and refusing bad input with exit 2."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
-import numpy as np
 import pytest
 
+from orchestrator.cli import main
 from orchestrator.config_load import ConfigError, load_config
-from orchestrator.engine.specs import island_spec
-from orchestrator.runtime.island_pool import RayIslandPool
-from orchestrator.runtime.simulated import VirtualClockPool, pool_class
+from orchestrator.simulation.config import ReplacementSpeed, load_simulated
+from orchestrator.simulation.ray_pool import VirtualClockPool, simulated_pool
 from tests.helpers import toy_quadratic
-from workers.runtime import simulated as sim_island
-from workers.runtime.island import Island
-from workers.runtime.island_group import GroupIsland
-from workers.runtime.simulated import SimulatedIsland, simulated
 
 
 def test_settings_from_before_the_simulation_section_load_at_their_new_place(caplog):
     with caplog.at_level(logging.WARNING):
-        cfg = load_config(
+        cfg, sim = load_simulated(
             None,
             [
                 "islands.count=2",
@@ -33,12 +28,21 @@ def test_settings_from_before_the_simulation_section_load_at_their_new_place(cap
                 "link.latency_ms=7",
             ],
         )
-    sim = cfg.simulation
+    assert cfg.islands.count == 2 and not hasattr(cfg, "simulation")
     assert sim.slowdown == [1.0, 3.0] and sim.virtual_step_s == 0.5 and sim.link.latency_ms == 7
     assert sim.link_of(1).preset == "wan-1g" and sim.link_of(5).latency_ms == 7  # a joiner: the run's link
+    assert sim.replacement_speed == ReplacementSpeed.FULL and not sim.price_head and sim.head_gbps is None
     assert "islands.simulated_slowdown is now simulation.slowdown" in caplog.text
     with pytest.raises(ConfigError, match=r"islands.virtual_step_s moved to simulation.virtual_step_s"):
-        load_config(None, ["islands.virtual_step_s=1", "simulation.virtual_step_s=2"])
+        load_simulated(None, ["islands.virtual_step_s=1", "simulation.virtual_step_s=2"])
+
+
+def test_a_runs_config_has_no_simulation_and_says_where_it_went():
+    with pytest.raises(
+        ConfigError, match=r"simulation: a run's config has no simulation section.*archipelago simulate"
+    ):
+        load_config(None, ["simulation.slowdown=[1,2,3,4]"])
+    assert main(["run", "--set", "simulation.slowdown=[1,2,3,4]"]) == 2
 
 
 @pytest.mark.parametrize(
@@ -46,41 +50,41 @@ def test_settings_from_before_the_simulation_section_load_at_their_new_place(cap
     [
         (["islands.count=4", "simulation.slowdown=[1,2]"], r"simulation.slowdown has 2 entries for 4 islands"),
         (["islands.count=2", "simulation.links=[{}]"], r"simulation.links has 1 entries for 2 islands"),
-        (["simulation.slowdown=[1,1,1,0.5]"], r"slowdown factors must be >= 1"),
+        (["simulation.slowdown=[1,1,1,0.5]"], r"simulation.slowdown: .*slowdown factors must be >= 1"),
+        (["simulation.head_gbps=0"], r"simulation.head_gbps: .*greater than 0"),
+        (["simulation.replacement_speed=fast"], r"simulation.replacement_speed"),
     ],
 )
-def test_a_simulation_that_does_not_fit_the_fleet_is_refused(sets, message):
+def test_a_simulation_that_does_not_fit_the_fleet_is_refused_naming_the_field(sets, message, capsys):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, sets)
+        load_simulated(None, sets)
+    assert main(["simulate", *(a for s in sets for a in ("--set", s))]) == 2
+    assert "invalid config" in capsys.readouterr().err
 
 
-def test_only_a_simulated_real_clock_run_builds_simulated_islands():
-    plain = load_config(None, toy_quadratic(2, 0.0))
-    slow = load_config(None, toy_quadratic(2, 0.0, "simulation.slowdown=[1,3]"))
-    link = load_config(None, toy_quadratic(2, 0.0, "simulation.link.latency_ms=5"))
-    virtual = load_config(None, toy_quadratic(2, 0.0, "simulation.slowdown=[1,3]", "simulation.virtual_step_s=1"))
-    assert [island_spec(c, 1).simulated for c in (plain, slow, link, virtual)] == [False, True, True, False]
-    assert simulated(Island, island_spec(plain, 1)) is Island
-    cls = simulated(GroupIsland, island_spec(slow, 1))
-    assert issubclass(cls, SimulatedIsland) and issubclass(cls, GroupIsland) and cls.__mro__[1] is SimulatedIsland
-    assert [pool_class(c) for c in (plain, slow, virtual)] == [RayIslandPool, RayIslandPool, VirtualClockPool]
+def test_the_coordinator_is_handed_the_virtual_clock_pool_of_the_fleet():
+    _, sim = load_simulated(None, toy_quadratic(2, 0.0, "simulation.slowdown=[1,3]", "simulation.virtual_step_s=2"))
+    make = simulated_pool(sim)
+    assert make.func is VirtualClockPool and make.keywords == {"sim": sim}
+    assert sim.virtual_seconds(1, 4) == 24.0 and sim.virtual_seconds(7, 4) == 8.0  # a joiner at speed 1
 
 
-def test_a_simulated_island_sleeps_its_slowdown_per_step_and_its_download_first(monkeypatch):
-    """Each inner step is followed by (slowdown - 1) x its measured time asleep, the
-    order's link delay is slept before it starts, and the probe reports the slowed speed;
-    the same island class unsimulated sleeps nothing."""
-    cfg = load_config(None, toy_quadratic(2, 0.0, "simulation.slowdown=[1,3]", "rounds=2", "inner_steps=4"))
-    spec = island_spec(cfg, 1)
-    slept: list[float] = []
-    monkeypatch.setattr(sim_island.time, "sleep", slept.append)
-    island = simulated(Island, spec)(spec)
-    order = dataclasses.replace(island.order(0, 4), start_delay_s=30.0)
-    island.run(order, np.zeros(2))
-    assert len(slept) == 5 and 29.0 < slept[0] <= 30.0  # the download, then one per step
-    assert all(0 <= s < 1 for s in slept[1:])
-    speed = island.probe()
-    assert speed == pytest.approx(island.probed_steps_per_s / 3)
-    slept.clear()
-    Island(spec).run(island.order(0, 4), np.zeros(2))
-    assert slept == []
+def test_simulate_is_a_registered_subcommand():
+    from importlib.metadata import entry_points
+
+    from orchestrator.cli import COMMANDS
+
+    assert [p.value for p in entry_points(group=COMMANDS, name="simulate")] == [
+        "orchestrator.simulation.command:register"
+    ]
+
+
+def test_the_simulation_page_lists_every_setting_as_the_models_say():
+    from pathlib import Path
+
+    from orchestrator.simulation.config import reference
+
+    page = (Path(__file__).parent.parent / "docs" / "simulation.md").read_text()
+    assert reference() in page, (
+        "docs/simulation.md: regenerate its table with orchestrator.simulation.config.reference()"
+    )

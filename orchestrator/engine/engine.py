@@ -368,7 +368,7 @@ class RoundEngine(EngineParts):
     # -- records, evaluation, checkpoints -----------------------------------------------------------
     def _clock(self) -> float:
         """Seconds on the pool's clock since training began here: real time, or simulated
-        time under a virtual clock (`simulation.virtual_step_s`, and the in-process pool)."""
+        time on a simulated fleet's virtual clock (`orchestrator.simulation`)."""
         return self.pool.now() - self.clock0
 
     @property

@@ -128,3 +128,10 @@ def load_simulated(
     except ValueError as err:
         raise ConfigError(str(err)) from err
     return cfg, sim
+
+
+def reference() -> str:
+    """The settings' table of `docs/simulation.md` (a test compares it with the page)."""
+    from orchestrator.config_docs import field_table
+
+    return "\n".join(field_table(f"{SIMULATION}.", SimulationConfig)[0])

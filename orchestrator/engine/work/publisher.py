@@ -4,7 +4,8 @@ Each version is put in the pool once (`ray.put` under Ray); under a one-round la
 before is kept, as a round starts from it. What an island receives for its work is the
 full parameters of its version, or — in modes that track a published copy (a lossy or
 fragmented downlink) — only the changes since the version it holds. The bytes either way
-cross its (simulated) link, so its work starts that much later.
+cross its link, so its work starts that much later (on a simulated clock, when the pool's
+prices say it arrives: `Transfers.download`).
 
 Where islands follow the copy through changes, the full copy is put only when an island
 needs it (a joiner, a replacement, one whose changes are no longer kept), not every
