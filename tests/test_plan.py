@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -276,6 +277,25 @@ def test_the_heads_share_of_a_round_is_priced_phase_by_phase_at_1b_parameters_an
     assert dataclasses.replace(load, inner_steps=1000).to_fit() == []  # H = 1,000: it fits as it is
 
 
+def test_an_average_warm_start_through_the_head_is_priced_and_refused_once_the_head_sets_its_pace():
+    """1 B parameters on 16 islands, 2,000 warm steps of 1 s averaged every 25: 80 averages
+    of 64 GB in and out, 10.24 TB through the card. At 100 Gbit/s each average takes the
+    head 5.12 s in (the way out overlaps) and 4.8 s of mean: 794 s against 2,000 s of
+    compute, over the 0.10 target but the islands still set the pace; at 10 Gbit/s the head
+    would (share 2.4): refused, naming the ways out."""
+    from orchestrator.plan.head import WarmLoad
+
+    warm = WarmLoad(params=10**9, islands=16, slices=1, link_gbps=100, step_s=1.0, steps=2000, averages=80)
+    assert warm.bytes == 2 * 16 * 80 * 4 * 10**9
+    assert warm.seconds == pytest.approx(80 * (5.12 + 0.06 / 200e6 * 16e9))
+    assert warm.share == pytest.approx(warm.seconds / 2000) and warm.refusal() is None
+    assert "OVER 0.10" in warm.lines()[0] and "init_from" in warm.lines()[1]
+    slow = dataclasses.replace(warm, link_gbps=10)
+    assert slow.share == pytest.approx(80 * (51.2 + 4.8) / 2000)
+    assert "init_from" in slow.refusal() and "coordinator.shards" in slow.refusal()
+    assert dataclasses.replace(slow, slices=4).share == pytest.approx(slow.share / 4)
+
+
 def test_the_plan_states_the_heads_share_at_the_link_and_step_given(capsys, tmp_path):
     """`--link-gbps` and `--step-s` price the head's round; the manifest's head annotation
     is the default link; the bytes are the link's per island times the islands."""
@@ -287,6 +307,11 @@ def test_the_plan_states_the_heads_share_at_the_link_and_step_given(capsys, tmp_
     assert head["phases"]["fan_in"] == pytest.approx(4 * link["up_bytes"] * 8 / 10e9)
     assert head["round_seconds"] == 500 * 0.5 and head["share"] == pytest.approx(head["seconds_per_round"] / 250)
     assert any(line.startswith("head: ") and "share" in line for line in lines), lines
+    warm = report["warm_start"]  # the Llama's average warm start: 4 islands' parameters every 25 steps
+    assert warm["bytes"] == 2 * 4 * 4 * report["model"]["params"] * math.ceil(2000 / 25) and warm["share"] < 1
+    # over a link slow enough that the head would set the warm start's pace: refused, exit 2
+    code, lines, report = _plan(capsys, tmp_path, "--cluster", CLUSTER, "--link-gbps", "0.5", LLAMA)
+    assert code == 2 and any("the average warm start would keep the head busy" in p for p in report["problems"])
     with pytest.raises(SystemExit) as refused:  # a link of no speed is refused by the flag
         main(["plan", "--link-gbps", "0", LLAMA])
     assert refused.value.code == 2

@@ -64,7 +64,7 @@ def _orders(island: Island) -> list[tuple[WorkOrder, np.ndarray | None]]:
 
 
 def test_a_detached_tail_answers_at_the_send_point_and_ends_where_an_inline_one_does():
-    spec = dataclasses.replace(island_spec(CFG, 0), slowdown=8.0)  # steps long enough to see the tail run
+    spec = island_spec(CFG, 0)
     inline, detached = Island(spec), Island(spec)
     for order, params in _orders(inline):
         a = inline.run(order, params)
@@ -85,7 +85,7 @@ def test_a_detached_tail_answers_at_the_send_point_and_ends_where_an_inline_one_
 
 
 def test_a_tail_that_fails_fails_the_next_order_not_the_process():
-    spec = dataclasses.replace(island_spec(CFG, 0), slowdown=8.0)
+    spec = island_spec(CFG, 0)
     island = Island(spec)
     (first, params), (second, _), _ = _orders(island)
     island.run(first, params, detach_tail=True)

@@ -150,6 +150,78 @@ class HeadLoad:
         }
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WarmLoad:
+    """The `average` warm start through the head: every island's parameters in and the
+    average out every `warm_start.inner_steps` steps, in fp32 (the shared start is trained
+    exactly), against the islands' compute over the warm steps. At 1 B parameters on 16
+    islands that is 64 GB each way an average: the head, not the islands, sets the pace."""
+
+    params: int
+    islands: int
+    slices: int
+    link_gbps: float
+    step_s: float
+    steps: int
+    averages: int
+
+    @property
+    def bytes(self) -> int:
+        """Through the head's card, in and out, over the whole warm start."""
+        return 2 * self.islands * self.averages * 4 * self.params
+
+    @property
+    def seconds(self) -> float:
+        """The head's: each average's bytes in (the way out overlaps it on a full-duplex
+        card) and the mean over every island, split over the slices' cards and cores."""
+        card = self.link_gbps * 1e9 / 8
+        per = self.islands * 4 * self.params / card + STEP_S_PER_VALUE["mean"] * self.params * self.islands
+        return self.averages * per / self.slices
+
+    @property
+    def share(self) -> float:
+        return self.seconds / (self.steps * self.step_s)
+
+    def lines(self) -> list[str]:
+        verdict = "within" if self.share <= TARGET_SHARE else "OVER"
+        out = [
+            f"head: the average warm start moves {self.bytes / 1e12:,.2f} TB through the head ({self.averages} "
+            f"averages of {self.islands} islands' fp32 parameters): {self.seconds:,.0f} s of the head against the "
+            f"islands' {self.steps * self.step_s:,.0f} s of warm steps, share {self.share:.2f}, {verdict} "
+            f"{TARGET_SHARE:.2f}"
+        ]
+        if self.share > TARGET_SHARE:
+            out.append("head: to fit the warm start, start from a trained model (init_from) or average less often")
+        return out
+
+    def refusal(self) -> str | None:
+        if self.share <= 1.0:
+            return None
+        return (
+            f"the average warm start would keep the head busy {self.share:.1f}x as long as the islands compute "
+            f"({self.bytes / 1e12:,.2f} TB through its card): the head, not the islands, would set its pace. Start "
+            "from a trained model (init_from), average less often (warm_start.inner_steps), or give the head "
+            "slices on nodes of their own (coordinator.shards)"
+        )
+
+
+def warm_load(cfg: RunConfig, params: int, *, link_gbps: float, step_s: float) -> WarmLoad | None:
+    """The head's load of `cfg`'s warm start, if it averages through the head."""
+    from orchestrator.config import WarmStartMode
+
+    if not cfg.warm_steps or cfg.warm_start.mode != WarmStartMode.AVERAGE or cfg.islands.count < 2:
+        return None
+    return WarmLoad(
+        params=params,
+        islands=cfg.islands.count,
+        slices=cfg.coordinator.shards,
+        link_gbps=link_gbps,
+        step_s=step_s,
+        steps=cfg.warm_steps,
+        averages=math.ceil(cfg.warm_steps / cfg.warm_start.inner_steps),
+    )
+
+
 def head_load(
     cfg: RunConfig, params: int, up_bytes: int, down_bytes: int, *, link_gbps: float, step_s: float
 ) -> HeadLoad:

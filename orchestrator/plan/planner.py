@@ -24,7 +24,7 @@ from orchestrator.config import Mode, RunConfig, WarmStartMode
 from orchestrator.config_operations import EvalPlace
 from orchestrator.engine.step.rules import rule_of, takes_one_pass
 from orchestrator.plan.cluster import DRAIN_ENV, Cluster, NodeKind
-from orchestrator.plan.head import DEFAULT_LINK_GBPS, DEFAULT_STEP_S, HeadLoad, head_load
+from orchestrator.plan.head import DEFAULT_LINK_GBPS, DEFAULT_STEP_S, HeadLoad, WarmLoad, head_load, warm_load
 from orchestrator.plan.memory import ModelMemory, downlink_bytes_per_value
 from workers.wire.spec import Sharding
 
@@ -113,6 +113,7 @@ class Plan:
     link: Link
     refusals: tuple[str, ...]  # layouts refused whatever the memory
     head: HeadLoad
+    warm: WarmLoad | None = None  # an `average` warm start through the head
     preemption: Preemption | None = None  # where the cluster says how its nodes drain
 
     @property
@@ -141,6 +142,7 @@ class Plan:
             f"MB, {self.link.seconds:.2f} s both ways at the head's link; "
             f"the run: {self.link.run_bytes / 1e9:,.2f} GB",
             *self.head.lines(),
+            *(self.warm.lines() if self.warm is not None else []),
             *([self.preemption.line()] if self.preemption is not None else []),
         ]
         out += [f"refused: {p}" for p in self.problems]
@@ -155,6 +157,9 @@ class Plan:
             "processes": [{**dataclasses.asdict(n), "total": n.total, "fits": n.fits} for n in self.needs],
             "link": dataclasses.asdict(self.link),
             "head": self.head.as_dict(),
+            "warm_start": None
+            if self.warm is None
+            else {"bytes": self.warm.bytes, "seconds": self.warm.seconds, "share": self.warm.share},
             "preemption": None
             if self.preemption is None
             else {**dataclasses.asdict(self.preemption), "gbps": self.preemption.gbps},
@@ -389,12 +394,17 @@ def make_plan(
         run_bytes=cfg.islands.count * cfg.rounds * (up_bytes + down),
     )
     drain = island_node.drain_s
+    warm = warm_load(cfg, model.params, link_gbps=gbps, step_s=step_s)
+    refusals = _refusals(cfg, cluster, model)
+    if warm is not None and not cluster.single_host and (why := warm.refusal()) is not None:
+        refusals.append(why)
     return Plan(
         cluster=cluster.source,
         model=model,
         needs=tuple(needs),
         link=link,
-        refusals=tuple(_refusals(cfg, cluster, model)),
+        refusals=tuple(refusals),
+        warm=warm,
         head=head_load(
             cfg,
             model.params,
