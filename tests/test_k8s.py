@@ -379,3 +379,23 @@ def test_a_worker_pods_sigterm_drains_its_node_before_the_kubelet_kills_it(file)
         env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
         drain = float(env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"])
         assert 10 <= drain <= pod["terminationGracePeriodSeconds"] - 5, (group["groupName"], drain)
+
+
+@pytest.mark.parametrize("file", ["raycluster.yaml", "job/rayjob.yaml"])
+def test_every_ray_pods_object_store_is_sized_in_memory_backed_shared_memory(file):
+    """Without a memory-backed /dev/shm of its size, Ray's object store falls back to disk
+    and every version published and every pseudo-gradient pulled in goes at the disk's pace:
+    each pod states its store and mounts /dev/shm in memory at least that large, within the
+    pod's memory limit, with room left for the processes."""
+    from orchestrator.plan.cluster import quantity
+
+    spec = manifest(file)["spec"]
+    spec = spec.get("rayClusterSpec", spec)
+    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    for group, (container, pod) in zip(groups, _ray_pods(spec)):
+        store = int(group["rayStartParams"]["object-store-memory"])
+        shm = next(m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
+        volume = next(v for v in pod["volumes"] if v["name"] == shm["name"])["emptyDir"]
+        limit = quantity(container["resources"]["limits"]["memory"])
+        assert volume["medium"] == "Memory" and quantity(volume["sizeLimit"]) >= store
+        assert store <= 0.5 * limit, (store, limit)

@@ -331,3 +331,29 @@ def test_a_head_link_annotation_that_is_not_a_speed_is_refused(tmp_path):
     template["metadata"]["annotations"]["archipelago.io/link-gbps"] = "25"
     bad.write_text(yaml.safe_dump(doc))
     assert from_manifest(bad).link_gbps == 25
+
+
+def test_the_heads_object_store_is_checked_against_what_the_coordinator_keeps_in_it(capsys, tmp_path):
+    """The published version and every island's pseudo-gradient pulled in before a step
+    live in the head's Ray object store: the manifest's `object-store-memory` (else Ray's
+    30 % of the pod's memory) must hold them, or Ray spills them to disk. The Llama's 4
+    islands fit the shipped 6 GiB; a 1-GiB store is refused, exit 2."""
+    import yaml
+
+    code, lines, report = _plan(capsys, tmp_path, "--cluster", CLUSTER, LLAMA)
+    assert code == 0, lines
+    (objects,) = [p for p in report["processes"] if p["memory"] == "object store"]
+    params = report["model"]["params"]
+    assert objects["available"] == 6 * 2**30 and objects["parts"]["published"] == 4 * params
+    assert objects["parts"]["arriving"] == pytest.approx(4 * 4 * params, rel=0.01) and objects["fits"]
+    assert from_manifest(CLUSTER).head.object_store == 6 * 2**30
+    docs = list(yaml.safe_load_all(Path(CLUSTER).read_text()))
+    doc = next(d for d in docs if isinstance(d, dict) and d.get("kind") == "RayCluster")
+    doc["spec"]["headGroupSpec"]["rayStartParams"]["object-store-memory"] = str(2**30)
+    small = tmp_path / "small.yaml"
+    small.write_text(yaml.safe_dump(doc))
+    code, lines, report = _plan(capsys, tmp_path, "--cluster", str(small), LLAMA)
+    assert code == 2 and any(p.startswith("coordinator's objects needs") for p in report["problems"]), report
+    del doc["spec"]["headGroupSpec"]["rayStartParams"]["object-store-memory"]  # Ray's default share
+    small.write_text(yaml.safe_dump(doc))
+    assert from_manifest(small).head.object_store_bytes == int(0.3 * 16 * 2**30)

@@ -59,9 +59,19 @@ class NodeKind:
     # preemption notice): RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S on its pods; None: not known
     drain_s: float | None = None
     link_gbps: float | None = None  # its network card, Gbit/s (the annotation `LINK_GBPS`); None: not stated
+    object_store: int | None = None  # its Ray object store, bytes (`object-store-memory`); None: Ray's default
+
+    @property
+    def object_store_bytes(self) -> int | None:
+        """What its object store holds: as its `ray start` says, else Ray's default share of
+        the node's memory (None: neither known)."""
+        if self.object_store is not None:
+            return self.object_store
+        return int(RAY_OBJECT_STORE_SHARE * self.memory) if self.memory is not None else None
 
 
 DRAIN_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
+RAY_OBJECT_STORE_SHARE = 0.3  # Ray's object store without `object-store-memory`: this share of the node's memory
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -124,6 +134,7 @@ def _kind(name: str, group: dict[str, Any], count: int) -> NodeKind:
         count=count,
         drain_s=float(env[DRAIN_ENV]) if env.get(DRAIN_ENV) is not None else None,
         link_gbps=link_gbps,
+        object_store=int(params["object-store-memory"]) if params.get("object-store-memory") is not None else None,
     )
 
 

@@ -41,7 +41,7 @@ class Need:
     """One process's peak on one kind of memory, by part."""
 
     process: str  # "coordinator", "island worker", "coordinator slice", "evaluator"
-    memory: str  # "host" or "accelerator"
+    memory: str  # "host", "accelerator" or "object store" (Ray's, in the node's shared memory)
     node: str  # where it runs
     parts: dict[str, int]
     available: int | None  # what that node offers this process (None: unknown, not checked)
@@ -307,6 +307,25 @@ def _evaluator(cfg: RunConfig, m: ModelMemory, cluster: Cluster, eval_batch_byte
     ]
 
 
+def _head_objects(cfg: RunConfig, m: ModelMemory, up: float, head: NodeKind) -> Need:
+    """What the coordinator keeps in its node's Ray object store at once: the published
+    versions islands fetch, and every island's pseudo-gradient pulled in before a step (on
+    one coordinator; slices pull theirs to their own nodes). Past the store's size Ray spills
+    to disk and every transfer through the head slows to the disk's pace."""
+    n4 = 4 * m.params
+    lag = 1 if cfg.mode == Mode.OVERLAP else 0
+    parts = {"published": n4 * (1 + lag)}
+    if cfg.coordinator.shards == 1:
+        parts["arriving"] = int(cfg.islands.count * up * m.params)
+    return Need(
+        process="coordinator's objects",
+        memory="object store",
+        node=head.name,
+        parts=parts,
+        available=head.object_store_bytes,
+    )
+
+
 def _on_one_host(needs: list[Need], node: NodeKind) -> list[Need]:
     """A local run: every process's host memory is the one machine's."""
     host = [n for n in needs if n.memory == "host"]
@@ -384,6 +403,8 @@ def make_plan(
         needs += _evaluator(cfg, model, cluster, eval_batch_bytes, ray)
     if cluster.single_host:
         needs = _on_one_host(needs, cluster.head)
+    elif under_ray:
+        needs.append(_head_objects(cfg, model, up, cluster.head))
     down = int(downlink_bytes_per_value(cfg) * model.params)
     up_bytes = int(up * model.params)
     gbps = link_gbps or cluster.link_gbps or DEFAULT_LINK_GBPS
