@@ -244,7 +244,8 @@ def test_the_heads_share_of_a_round_is_priced_phase_by_phase_at_1b_parameters_an
     settings (fp32 both ways, the mean merge, a checkpoint every 2 rounds): 64 GB in and 64
     GB out through one card take 5.12 s each way; the step over 16 updates 4.8 s at the
     measured rate; the checkpoint's 8 GB (parameters, momentum) 27.5 s every 2 rounds. The
-    share is over 0.10, and the plan names the fixes: a codec, or enough slices."""
+    share is over 0.10, and the plan names the fixes: a codec, a rarer checkpoint (slices do
+    not split it: the head gathers their parts and writes it alone), then enough slices."""
     from orchestrator.plan.head import CHECKPOINT_BYTES_PER_S, HeadLoad
 
     load = HeadLoad(
@@ -266,12 +267,19 @@ def test_the_heads_share_of_a_round_is_priced_phase_by_phase_at_1b_parameters_an
     assert phases["outer_step"] == pytest.approx(0.06 / 200e6 * 16e9)  # 8 x 25 M in 0.06 s, scaled
     assert phases["checkpoint"] == pytest.approx(8e9 / CHECKPOINT_BYTES_PER_S / 2)
     assert load.round_seconds == 100 and load.share == pytest.approx(sum(phases.values()) / 100)
-    codec, slices = load.to_fit()
-    assert "the bytes take 10.2 s of the 10.0-s budget" in codec and "coordinator.shards >= " in slices
+    codec, checkpoint = load.to_fit()
+    assert "the bytes take 10.2 s of the 10.0-s budget" in codec
+    # one head writes the checkpoint whatever the slices: no number of them fits it
+    assert "the checkpoint alone takes 13.7 s" in checkpoint and "checkpoint.every_rounds >= 6" in checkpoint
+    sliced = dataclasses.replace(load, slices=4)
+    assert sliced.phases["checkpoint"] == pytest.approx((8e9 / CHECKPOINT_BYTES_PER_S + 8e9 / 12.5e9) / 2)
+    assert sliced.phases["fan_in"] == pytest.approx(5.12 / 4)
+    rare = dataclasses.replace(load, checkpoint_every=6)
+    (_, slices) = rare.to_fit()
     shards = int(slices.split(">= ")[1].split(",")[0])
-    assert dataclasses.replace(load, slices=shards).share <= 0.10 < dataclasses.replace(load, slices=shards - 1).share
+    assert dataclasses.replace(rare, slices=shards).share <= 0.10 < dataclasses.replace(rare, slices=shards - 1).share
     # a codec of 0.53 bytes a value both ways (int4's, with its scales): the bytes no longer dominate
-    small = dataclasses.replace(load, up_bytes=530_000_000, down_bytes=530_000_000)
+    small = dataclasses.replace(rare, up_bytes=530_000_000, down_bytes=530_000_000)
     (fix,) = small.to_fit()
     assert fix.startswith("coordinator.shards >= ")
     assert dataclasses.replace(load, inner_steps=1000).to_fit() == []  # H = 1,000: it fits as it is

@@ -16,7 +16,8 @@ round at the head:
   divided over the coordinator's slices;
 - `checkpoint`: the state streamed to storage at the rate measured there, spread over the
   rounds between two checkpoints (it is written while the islands train the next round,
-  but it is the head's time all the same).
+  but it is the head's time all the same). Slices do not split it: the coordinator gathers
+  every slice's part through its card and writes the one file itself.
 
 Evaluation is not priced: on the head it reads the eval set at the task's own cost, which
 the plan does not know; `evaluation.where: actor` takes it off the head.
@@ -70,15 +71,17 @@ class HeadLoad:
     @property
     def phases(self) -> dict[str, float]:
         """Seconds a round, each phase at the head; with slices, each on a node of its own
-        (Ray spreads them), every phase splits over them: each slice's node takes its part
-        of every island's bytes and of the step."""
+        (Ray spreads them), the bytes and the step split over them (each slice's node takes
+        its part of every island's bytes and of the step), the checkpoint does not: the
+        coordinator pulls every slice's part in through its card and writes it alone."""
         card = self.link_gbps * 1e9 / 8
         state = 4 * self.params * (1 + self.state_values)  # parameters and outer state: what a checkpoint streams
+        gather = state / card if self.slices > 1 else 0.0
         return {
             "fan_in": self.islands * self.up_bytes / card / self.slices,
             "outer_step": STEP_S_PER_VALUE[self.merge] * self.params * self.islands / self.slices,
             "fan_out": self.islands * self.down_bytes / card / self.slices,
-            "checkpoint": state / self.slices / CHECKPOINT_BYTES_PER_S / self.checkpoint_every
+            "checkpoint": (state / CHECKPOINT_BYTES_PER_S + gather) / self.checkpoint_every
             if self.checkpoint_every
             else 0.0,
         }
@@ -109,7 +112,16 @@ class HeadLoad:
                 f"the bytes take {bytes_s:.1f} s of the {budget:.1f}-s budget: a codec both ways "
                 "(compression.codec and compression.downlink int4: about 0.53 bytes a value, not 4) or a faster link"
             )
-        need = math.ceil(self.slices * self.seconds_per_round / budget)
+        fixed = p["checkpoint"]
+        split = self.slices * (p["fan_in"] + p["fan_out"] + p["outer_step"])
+        if fixed >= budget:
+            every = math.ceil(self.checkpoint_every * fixed / budget * 2)
+            out.append(
+                f"the checkpoint alone takes {fixed:.1f} s of the {budget:.1f}-s budget (one head writes it, slices "
+                f"or not): checkpoint.every_rounds >= {every}"
+            )
+            return out
+        need = max(self.slices + 1, math.ceil(split / (budget - fixed)))
         radial = " with the mean merge (RDA needs whole norms: it is not sliced)" if self.merge == "radial" else ""
         out.append(f"coordinator.shards >= {need}, each slice on a node of its own (Ray spreads them){radial}")
         return out
