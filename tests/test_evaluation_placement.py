@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
+from orchestrator.config_load import load_config
 from orchestrator.engine.outputs.evaluation import Evaluation
 from tests.engine_scenarios import drive, scenario_cfg
-from tests.helpers import in_process_engine
+from tests.helpers import in_process_engine, toy_quadratic
 
 
 class Lagging:
@@ -22,8 +24,12 @@ class Lagging:
     def __init__(self, inner, lag: int) -> None:
         self.inner, self.lag = inner, lag
         self.held: list[list] = []
+        self.published: dict[int, object] = {}  # version -> what the engine said was published
 
-    def submit(self, *, version, params):
+    def submit(self, *, version, params, published=None):
+        self.published[version] = None if published is None else np.array(published)
+        if published is not None:  # the published version is exactly what is evaluated
+            np.testing.assert_array_equal(np.asarray(published), params.detach().numpy())
         self.inner.submit(version=version, params=params)
         self.held.extend([e, self.lag] for e in self.inner.results(wait=True))
 
@@ -88,7 +94,7 @@ def test_a_lost_evaluation_records_its_round_without_a_loss(tmp_path):
         def __init__(self):
             self.out = []
 
-        def submit(self, *, version, params):
+        def submit(self, *, version, params, published=None):
             self.out.append(Evaluation(version=version, loss=None, error="the actor's node was lost"))
 
         def results(self, *, wait):
@@ -175,3 +181,19 @@ def test_an_evaluation_actor_evaluates_every_round_and_gives_the_coordinators_nu
     assert summary["final_eval_loss"] == pytest.approx(loss, rel=1e-5)
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert summary["coordinator_seconds"]["evaluate"] < 0.5  # submitting and collecting only
+
+
+@pytest.mark.parametrize(("downlink", "exact"), [("none", True), ("int8", False)])
+def test_an_evaluation_reads_the_published_version_where_it_is_the_outer_parameters(tmp_path, downlink, exact):
+    """An evaluation elsewhere reads the version the pool already published (no second
+    copy of the model through the head a round) — unless the published copy is a lossy
+    downlink's, which is not the model being evaluated."""
+    cfg = load_config(
+        None, [*toy_quadratic(2, 0.0, "rounds=3"), f"compression.downlink={downlink}", f"out_dir={tmp_path}"]
+    )
+    engine, _ = in_process_engine(cfg)
+    lagging = Lagging(engine.outputs.evaluator, lag=0)
+    engine.outputs.evaluator = lagging
+    engine.execute()
+    assert sorted(lagging.published) == [0, 1, 2, 3]
+    assert all((p is not None) == exact for p in lagging.published.values()), lagging.published

@@ -81,9 +81,13 @@ class RayEvaluator:
         )
         self.out: list[tuple[int, Any, float]] = []  # (version, answer, when submitted), in order
 
-    def submit(self, *, version: int, params: Any) -> None:
-        values = params.detach().cpu().numpy() if hasattr(params, "detach") else np.asarray(params)
-        self.out.append((version, self.actor.evaluate.remote(ray.put(values)), time.monotonic()))
+    def submit(self, *, version: int, params: Any, published: Any | None = None) -> None:
+        """The published version where it already is (Ray moves it to the evaluator's node
+        once, or not at all if it is there), else one put of `params`."""
+        if published is None:
+            values = params.detach().cpu().numpy() if hasattr(params, "detach") else np.asarray(params)
+            published = ray.put(values)
+        self.out.append((version, self.actor.evaluate.remote(published), time.monotonic()))
 
     def results(self, *, wait: bool) -> list[Evaluation]:
         done: list[Evaluation] = []

@@ -22,7 +22,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -42,8 +42,10 @@ class Evaluation:
 
 
 class Evaluator(Protocol):
-    def submit(self, *, version: int, params: torch.Tensor) -> None:
-        """Evaluate `version`, whose flat parameters are `params` (read before this returns)."""
+    def submit(self, *, version: int, params: torch.Tensor, published: Any | None = None) -> None:
+        """Evaluate `version`, whose flat parameters are `params` (read before this returns);
+        `published`: the same parameters as the pool published them, if it did (an evaluator
+        elsewhere reads them there rather than a copy of its own)."""
 
     def results(self, *, wait: bool) -> list[Evaluation]:
         """The evaluations finished since the last call, in submission order; with `wait`,
@@ -90,7 +92,7 @@ class LocalEvaluator:
             self._batches = list(self.task.eval_batches())
         return self._batches
 
-    def submit(self, *, version: int, params: torch.Tensor) -> None:
+    def submit(self, *, version: int, params: torch.Tensor, published: Any | None = None) -> None:
         t0 = time.perf_counter()
         with torch_threads(self.threads()):
             loss, metrics = evaluate_model(self.task, self.model, self.batches, device=params.device, bf16=False)

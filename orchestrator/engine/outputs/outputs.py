@@ -64,7 +64,7 @@ class Outputs:
             core.outer,
         )
         self.members, self.stats, self.inbox, self.on_record = core.members, stats, inbox, on_record
-        self.states, self.run = core.states, core.run
+        self.states, self.run, self.publisher = core.states, core.run, core.publisher
         self.evaluator = evaluator or LocalEvaluator(task=task, model=model, threads=self.eval_threads)
         self.evaluated: dict[int, Evaluation] = {}  # version -> its evaluation, the last few
         self.initial_version: int | None = None  # the version whose evaluation is the run's initial one
@@ -108,7 +108,7 @@ class Outputs:
     def _submit(self, version: int) -> None:
         with self.stats.loop.timed(Part.EVALUATE):
             self.outer.copy_to(self.flat.data)
-            self.evaluator.submit(version=version, params=self.flat.data)
+            self.evaluator.submit(version=version, params=self.flat.data, published=self.publisher.exact(version))
 
     def collect(self, *, wait: bool) -> None:
         """Take the evaluations that came back (with `wait`, every one asked for) and write

@@ -114,6 +114,14 @@ class Publisher:
         if self.unput == version:
             self.unput = None
 
+    def exact(self, version: int) -> Any | None:
+        """`version` as published, when that is exactly the outer parameters (no tracked
+        copy, which differs from them, and one coordinator, whose parameters are one
+        object): what an evaluation reads where it already is instead of another copy."""
+        if self.downlink is not None or isinstance(self.refs.get(version), list):
+            return None
+        return self.refs.get(version)
+
     def stepped(self, version: int, fragment: int | None) -> None:
         """The outer step made `version`: the published copy takes its change (the version
         it held, never put, is never needed again: work starts from the newest)."""
