@@ -41,7 +41,8 @@ def _registered() -> dict[str, Register]:
     return found
 
 
-def _config_args(p: argparse.ArgumentParser) -> None:
+def config_args(p: argparse.ArgumentParser) -> None:
+    """`--config FILE` and `--set KEY=VALUE`, as every command reading a run's config takes them."""
     p.add_argument("--config", help="YAML run config (see `archipelago config show`)")
     p.add_argument(
         "--set",
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_p = sub.add_parser(
         "run", parents=[common], help="train (default: sync DiLoCo, 4 CPU islands, small GPT on stdlib text)"
     )
-    _config_args(run_p)
+    config_args(run_p)
     run_p.add_argument("--out", help="output folder (overrides out_dir)")
     run_p.add_argument(
         "--init-from", metavar="CHECKPOINT", help="start from a final.pt or a checkpoint folder (sets init_from)"
@@ -91,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     cfg_p = sub.add_parser("config", parents=[common], help="configuration helpers")
     cfg_sub = cfg_p.add_subparsers(dest="config_command", required=True)
     show = cfg_sub.add_parser("show", parents=[common], help="print the resolved config as YAML")
-    _config_args(show)
+    config_args(show)
     docs = cfg_sub.add_parser(
         "docs", parents=[common], help="generate the configuration reference (docs/configuration.md) from the models"
     )
@@ -136,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument(
         "out", metavar="OUT", help="folder for the shards and manifest.json (empty, or a prepare to resume)"
     )
-    _config_args(prep)
+    config_args(prep)
     prep.add_argument("--text-column", default="text", help="the column or field holding the documents")
     prep.add_argument("--shard-tokens", type=int, default=1 << 25, help="tokens per shard file")
     prep.add_argument("--eval-every", type=int, default=200, help="hold out one document in this many for evaluation")
@@ -156,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="each process's peak memory and each link's bytes, checked against the cluster (exit 2: does not fit)",
     )
     plan.add_argument("config_file", nargs="?", help="YAML run config (or --config)")
-    _config_args(plan)
+    config_args(plan)
     plan.add_argument(
         "--cluster",
         help="KubeRay manifest (RayCluster or RayJob) to check against, or 'ray' for the running cluster "

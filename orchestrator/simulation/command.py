@@ -19,21 +19,15 @@ log = logging.getLogger(__name__)
 
 def register(sub: Any, common: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     """Adds `simulate` to the command's subparsers; its handler."""
+    from orchestrator.cli import config_args
+
     p = sub.add_parser(
         "simulate",
         parents=[common],
         help="train on a simulated fleet: the config's `simulation` section (speeds, links, the head's card) "
         "on a virtual clock",
     )
-    p.add_argument("--config", help="YAML run config, with a `simulation` section")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted override, e.g. --set simulation.slowdown=[1,1,2,4] (repeatable)",
-    )
+    config_args(p)  # the config file may hold a `simulation` section; `--set simulation.slowdown=[1,1,2,4]`
     p.add_argument("--out", help="output folder (overrides out_dir)")
     return simulate_command
 

@@ -47,16 +47,22 @@ class LinkConfig(BaseModel):
         return self.latency_s + nbytes * 8 / (self.gbps * 1e9)
 
 
+def _slowest(links: list[LinkConfig]) -> tuple[float, float] | None:
+    """The slowest bandwidth and the worst latency of `links`, which pace a collective over
+    them (None: fewer than two islands, or instant links: it costs nothing)."""
+    if len(links) < 2:
+        return None
+    gbps, latency = min(link.gbps for link in links), max(link.latency_s for link in links)
+    return None if gbps == float("inf") and latency == 0 else (gbps, latency)
+
+
 def ring_allreduce_s(links: list[LinkConfig], nbytes: float) -> float:
     """Simulated time of a ring all-reduce of `nbytes` over islands joined by `links`: each
     of the 2 (k - 1) hops moves 1/k of the bytes, paced by the slowest link and paying the
     worst latency (reduce-scatter, then all-gather)."""
-    k = len(links)
-    if k < 2:
+    if (pace := _slowest(links)) is None:
         return 0.0
-    gbps, latency = min(link.gbps for link in links), max(link.latency_s for link in links)
-    if gbps == float("inf") and latency == 0:
-        return 0.0
+    k, (gbps, latency) = len(links), pace
     return 2 * (k - 1) * (latency + nbytes / k * 8 / (gbps * 1e9))
 
 
@@ -65,13 +71,10 @@ def tree_allreduce_s(links: list[LinkConfig], nbytes: float) -> float:
     `nbytes`: a reduce up and a broadcast down the tree, each paying log2(k) latencies, the
     bytes streamed through once each way at the slowest link's bandwidth. Better than the
     ring when latency dominates (many islands, small messages)."""
-    k = len(links)
-    if k < 2:
+    if (pace := _slowest(links)) is None:
         return 0.0
-    gbps, latency = min(link.gbps for link in links), max(link.latency_s for link in links)
-    if gbps == float("inf") and latency == 0:
-        return 0.0
-    return 2 * math.ceil(math.log2(k)) * latency + 2 * nbytes * 8 / (gbps * 1e9)
+    gbps, latency = pace
+    return 2 * math.ceil(math.log2(len(links))) * latency + 2 * nbytes * 8 / (gbps * 1e9)
 
 
 def allreduce_s(links: list[LinkConfig], nbytes: float) -> float:
