@@ -388,15 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         sys.stdout.write(dump_config(cfg))
         return 0
-    from orchestrator.runtime.driver import (
-        ResumeRefused,
-        RunFailed,
-        check_resumable,
-        print_summary,
-        process_started_at,
-        resume_id,
-        run,
-    )
+    from orchestrator.runtime.driver import ResumeRefused, check_resumable, process_started_at, resume_id, run
 
     if resume and args.run_id:
         log.error("--resume continues the run its folder records: --run-id names another way, give one")
@@ -415,11 +407,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         log.error("invalid config: %s", err)
         return 2
+    return train(lambda: run(cfg, run_id=run_id, show_progress=level <= logging.INFO, started_at=process_started_at()))
+
+
+def train(runs: Callable[[], dict[str, Any]]) -> int:
+    """The exit status of a training command (`run`, `simulate`): 0 with its summary printed,
+    2 refused before anything started (its data, its plan), 1 failed."""
     from orchestrator.plan.preflight import PlanRefused
+    from orchestrator.runtime.driver import RunFailed, print_summary
     from workers.data.manifest import DataError
 
     try:
-        summary = run(cfg, run_id=run_id, show_progress=level <= logging.INFO, started_at=process_started_at())
+        summary = runs()
     except DataError as err:  # refused before any training: nothing was lost
         log.error("data refused: %s", err)
         return 2

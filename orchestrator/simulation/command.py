@@ -43,22 +43,9 @@ def simulate_command(args: argparse.Namespace) -> int:
     except ConfigError as err:
         log.error("invalid config: %s", err)
         return 2
-    from orchestrator.plan.preflight import PlanRefused
-    from orchestrator.runtime.driver import RunFailed, print_summary, process_started_at
+    from orchestrator.cli import train
+    from orchestrator.runtime.driver import process_started_at
     from orchestrator.simulation.ray_pool import run_simulated
 
-    try:
-        summary = run_simulated(
-            cfg,
-            sim,
-            show_progress=logging.getLogger("orchestrator").level <= logging.INFO,
-            started_at=process_started_at(),
-        )
-    except PlanRefused as err:
-        log.error("the run does not fit (archipelago plan shows why): %s", err)
-        return 2
-    except RunFailed as err:
-        log.error("run failed: %s", err)
-        return 1
-    print_summary(summary)
-    return 0
+    shown = logging.getLogger("orchestrator").level <= logging.INFO
+    return train(lambda: run_simulated(cfg, sim, show_progress=shown, started_at=process_started_at()))
