@@ -143,7 +143,7 @@ def run_one(
     if summary is None or not (out / LOSSES).exists():
         fresh(cfg, sim)
         record_simulation(cfg, sim)
-        horizon = 50 * spec.rounds * spec.round_s
+        horizon = spec.chaos_horizon_s
         chaos = (
             mttf_schedule(
                 seed=seed,
@@ -294,7 +294,7 @@ def fleet(quick: bool, work: Path, spec: FleetSpec | None = None) -> BenchResult
             curves: dict[str, list[tuple[float, float]]] = {}
             for row in rows_at(spec, link):
                 mine = [runs[Key(row, k, s, best[row], link)] for s in seeds_of(spec, row)]
-                results[f"{row}_{k}"] = _row(row, k, best[row], mine, reference)
+                results[f"{row}_{k}"] = _row(row, k, best[row], mine, reference, spec.chaos_horizon_s)
                 curves[row] = mine[0].curve
             curves["sync, no failures (target)"] = reference[0].curve
             panels.append(Panel(f"{link:g} Gbit/s, {k} islands, seed 0: eval loss against simulated seconds", curves))
@@ -344,7 +344,9 @@ def _winners(results: dict[str, dict[str, Any]], islands: tuple[int, ...]) -> di
     return out
 
 
-def _row(row: str, k: int, lr: float, runs: list[FleetRun], reference: dict[int, FleetRun]) -> dict[str, Any]:
+def _row(
+    row: str, k: int, lr: float, runs: list[FleetRun], reference: dict[int, FleetRun], horizon: float
+) -> dict[str, Any]:
     targets = [reference[s].summary["final_eval_loss"] for s in range(len(runs))]
     reach = [time_to_reach(r.curve, t) for r, t in zip(runs, targets)]
     at_equal = [_loss_at(r.curve, reference[s].seconds) for s, r in enumerate(runs)]
@@ -370,6 +372,8 @@ def _row(row: str, k: int, lr: float, runs: list[FleetRun], reference: dict[int,
         "final_eval_loss": statistics.mean([r.summary["final_eval_loss"] for r in runs]),
         "sim_seconds": statistics.mean([r.seconds for r in runs]),
         "sim_seconds_seeds": [r.seconds for r in runs],
+        # failures stop at the horizon: a run past it ran its rest without any (flattering it)
+        "seeds_past_failure_horizon": sum(r.seconds > horizon for r in runs),
         "tokens": statistics.mean([r.summary["tokens"] for r in runs]),
         "strikes": statistics.mean([sum(r.losses["strikes"].values()) for r in runs]),
         "seeds": list(range(len(runs))),
@@ -517,7 +521,9 @@ def _markdown(
         f"island fails once per {spec.mttf_s:g} simulated s on average ({spec.mix}; slow-downs 4x, preemption notices "
         f"{spec.notice_s[0]:g}–{spec.notice_s[1]:g} s), replacements start {spec.join_s:g} s after; "
         f"restart_from_checkpoint stands still {spec.restart_s:g} s per failure; heartbeats: hung after "
-        f"{spec.hang_after_steps} expected steps without progress.",
+        f"{spec.hang_after_steps} expected steps without progress. Failures are drawn up to "
+        f"{spec.chaos_horizon_s:,.0f} simulated s: a run lasting longer runs its rest without any, which flatters it "
+        "(`seeds_past_failure_horizon` says which rows did).",
         "",
         f"Priced as a real run is limited, at {spec.nominal_params:.3g} parameters in fp32 "
         "(`orchestrator/simulation/network.py`): every island's link and the head's one card (the same speed) shared by "

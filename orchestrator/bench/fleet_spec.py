@@ -133,6 +133,12 @@ class FleetSpec:
         """A synchronous round: the slowest island's H steps."""
         return self.inner_steps * self.step_s / min(self.speeds)
 
+    @property
+    def chaos_horizon_s(self) -> float:
+        """Failures are drawn up to this simulated time (50 synchronous rounds' worth per
+        round of budget): a run that lasts longer runs its rest without failures."""
+        return 50 * self.rounds * self.round_s
+
     def spares_of(self, islands: int) -> int:
         """`quorum_spares`' hot spares on a fleet of `islands`."""
         return max(1, round(islands / self.spare_every))
