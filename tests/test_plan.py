@@ -46,6 +46,7 @@ def test_the_flagship_config_fits_the_cluster_it_ships_for(capsys, tmp_path):
     processes = {(p["process"], p["memory"]) for p in report["processes"]}
     assert processes == {
         ("coordinator", "host"),
+        ("coordinator's objects", "object store"),  # the head's Ray object store, sized in the manifest
         ("island worker", "accelerator"),
         ("island worker", "host"),
         ("evaluator", "accelerator"),
