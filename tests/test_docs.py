@@ -149,8 +149,27 @@ Figure = tuple[str, str, str, list[tuple[str, ...]], float, int]
 FIGURES: list[Figure] = [
     (
         "benchmark-findings.md",
-        r"\*\*goodput\*\*: `quorum` ([\d.]+) / ([\d.]+), `sync_dylu` ([\d.]+) / ([\d.]+), `ddp` ([\d.]+) / ([\d.]+),",
+        r"\*\*100 Gbit/s\*\* `ddp` (\d+), `sync_dylu` (\d+), `quorum` (\d+), `quorum_int4` (\d+),",
         "fleet.json",
+        [
+            ("links", "100", "methods", f"{row}_16", "sim_seconds_to_target")
+            for row in ("ddp", "sync_dylu", "quorum", "quorum_int4")
+        ],
+        1,
+        0,
+    ),
+    (
+        "benchmark-findings.md",
+        r"Goodput at 100 Gbit/s: `quorum` ([\d.]+) \(0.945 when the\s+head was free\), `sync_dylu` ([\d.]+), `ddp` ([\d.]+)\.",
+        "fleet.json",
+        [("links", "100", "methods", f"{row}_16", "goodput") for row in ("quorum", "sync_dylu", "ddp")],
+        1,
+        2,
+    ),
+    (
+        "benchmark-findings.md",
+        r"\*\*goodput\*\*: `quorum` ([\d.]+) / ([\d.]+), `sync_dylu` ([\d.]+) / ([\d.]+), `ddp` ([\d.]+) / ([\d.]+),",
+        "experiments/fleet-unpriced.json",
         [("methods", f"{row}_{k}", "goodput") for row in ("quorum", "sync_dylu", "ddp") for k in (16, 64)],
         1,
         3,
@@ -158,7 +177,7 @@ FIGURES: list[Figure] = [
     (
         "benchmark-findings.md",
         r"`quorum`\s+(\d+) / (\d+) simulated s, `sync_dylu` (\d+) / (\d+), `ddp` (\d+) / (\d+),",
-        "fleet.json",
+        "experiments/fleet-unpriced.json",
         [
             ("methods", f"{row}_{k}", "sim_seconds_to_target")
             for row in ("quorum", "sync_dylu", "ddp")
