@@ -31,23 +31,23 @@ TASKS: dict[str, type[BaseModel]] = {
 }
 
 
-def _type(annotation: Any) -> str:
+def _type(annotation: Any, inlined: dict[type[BaseModel], str]) -> str:
+    """How a field's type reads in a table; `inlined`: models whose fields are rows of this
+    table under a dotted name (named, not linked)."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Literal:
         return " \\| ".join(f"`{a}`" for a in args)
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
-        text = " \\| ".join(_type(a) for a in inner)
+        text = " \\| ".join(_type(a, inlined) for a in inner)
         return f"{text} \\| null" if len(inner) < len(args) else text
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
         return " \\| ".join(f"`{m.value}`" for m in annotation)
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         name = _section_name(annotation)
-        return (
-            f"`{name}` (as `{_inlined()[annotation]}`)" if annotation in _inlined() else f"[{name}](#{_anchor(name)})"
-        )
+        return f"`{name}` (as `{inlined[annotation]}`)" if annotation in inlined else f"[{name}](#{_anchor(name)})"
     if origin in (list, tuple, dict):
-        parts = ", ".join("…" if a is Ellipsis else _type(a) for a in args)
+        parts = ", ".join("…" if a is Ellipsis else _type(a, inlined) for a in args)
         return f"{origin.__name__}[{parts}]"
     return getattr(annotation, "__name__", str(annotation))
 
@@ -97,6 +97,13 @@ def _constraints(field: FieldInfo) -> str:
 
 def _rows(prefix: str, model: type[BaseModel]) -> tuple[list[str], list[tuple[str, type[BaseModel]]]]:
     rows, sections = [], []
+    inlined = _inlined()
+    if model is not RunConfig:  # its own model fields are rows of its table too (`simulation.link`)
+        inlined |= {
+            f.annotation: f"{prefix}{name}"
+            for name, f in model.model_fields.items()
+            if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)
+        }
     for name, field in model.model_fields.items():
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
@@ -108,7 +115,7 @@ def _rows(prefix: str, model: type[BaseModel]) -> tuple[list[str], list[tuple[st
         default = "required" if field.is_required() else _value(field.get_default(call_default_factory=True))
         description = (field.description or "").replace("|", "\\|").replace("\n", " ")
         rows.append(
-            f"| `{prefix}{field.alias or name}` | {_type(annotation)} | {default} | {_constraints(field)} | {description} |"
+            f"| `{prefix}{field.alias or name}` | {_type(annotation, inlined)} | {default} | {_constraints(field)} | {description} |"
         )
     return rows, sections
 

@@ -34,7 +34,7 @@ import dataclasses
 import math
 from typing import Any
 
-from orchestrator.config import RunConfig
+from orchestrator.config import RunConfig, WarmStartMode
 from orchestrator.config_sections import OuterMerge
 from orchestrator.engine.step.rules import rule_of
 
@@ -219,8 +219,6 @@ class WarmLoad:
 
 def warm_load(cfg: RunConfig, params: int, *, link_gbps: float, step_s: float) -> WarmLoad | None:
     """The head's load of `cfg`'s warm start, if it averages through the head."""
-    from orchestrator.config import WarmStartMode
-
     if not cfg.warm_steps or cfg.warm_start.mode != WarmStartMode.AVERAGE or cfg.islands.count < 2:
         return None
     return WarmLoad(

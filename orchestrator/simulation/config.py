@@ -134,5 +134,4 @@ def reference() -> str:
     """The settings' table of `docs/simulation.md` (a test compares it with the page)."""
     from orchestrator.config_docs import field_table
 
-    table = "\n".join(field_table(f"{SIMULATION}.", SimulationConfig)[0])
-    return table.replace("[LinkConfig](#linkconfig)", f"`LinkConfig` (as `{SIMULATION}.link`)")
+    return "\n".join(field_table(f"{SIMULATION}.", SimulationConfig)[0])

@@ -120,6 +120,11 @@ class Network:
         self.head_free, self.head_busy = start + cost, self.head_busy + cost
         return self.head_free
 
+    def arrival(self, island: int, now: float) -> float:
+        """When the parameters `island` was last sent are in (now, if nothing is on its way),
+        taken once: the pool starts its work then."""
+        return max(now, self.arrivals.pop(island, now))
+
     # -- the head's prices -----------------------------------------------------------------
     def step_s(self, merged: int, values: int) -> float:
         """The head's seconds for a step over `merged` updates of `values` parameters: the

@@ -429,8 +429,7 @@ class InProcessPool:
     def _download_s(self, island: int) -> float:
         """How long `island` waits for the parameters it was just sent (the network's
         arrival, from now)."""
-        arrival = self.network.arrivals.pop(island, self.t) if self.network is not None else self.t
-        return max(0.0, arrival - self.t)
+        return self.network.arrival(island, self.t) - self.t if self.network is not None else 0.0
 
     def _heartbeats(self, island: int, order: WorkOrder, delay: float, duration: float, stops: float | None) -> None:
         """With `elastic.hang_after_steps`, the island's step count every `progress_every_s`

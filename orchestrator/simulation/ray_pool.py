@@ -54,8 +54,7 @@ class VirtualClockPool(RayIslandPool):
     def dispatch(self, order: WorkOrder, params: Any, changes: tuple[Any, ...] = ()) -> Any:
         """The link's delay is simulated time too: the island does not wait for it."""
         ref = super().dispatch(order, params, changes)
-        arrival = self.network.arrivals.pop(order.island, self.vt) if self.network is not None else self.vt
-        self.begun[ref] = max(self.vt, arrival)
+        self.begun[ref] = self.network.arrival(order.island, self.vt) if self.network is not None else self.vt
         self.finish[ref] = self.begun[ref] + self.sim.virtual_seconds(order.island, order.steps)
         self.sends[ref] = order.send_after if order.send_after and order.send_after < order.steps else order.steps
         return ref
