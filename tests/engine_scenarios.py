@@ -70,15 +70,19 @@ Action = Callable[[RoundEngine], None]
 
 
 def drive(engine: RoundEngine, at: dict[int, Action] | None = None, until: int | None = None) -> None:
-    """Step `engine`; once it has recorded round r, run `at[r]`; stop stepping after round `until`."""
+    """Step `engine`; once it has recorded round r, run `at[r]`; stop stepping after round `until`.
+    Before an action and at `until`, a checkpoint being written in the background is finished,
+    so what the test then reads (or a restarted engine loads) does not depend on a thread's pace."""
     done: set[int] = set()
     engine.start()
     while engine.step():
         for r, act in (at or {}).items():
             if r not in done and engine.rounds_done >= r:
                 done.add(r)
+                engine.outputs.finish_writing()
                 act(engine)
         if until is not None and engine.rounds_done >= until:
+            engine.outputs.finish_writing()
             return
 
 

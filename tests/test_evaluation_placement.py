@@ -69,18 +69,23 @@ def test_records_wait_for_their_evaluation_in_order_while_the_run_goes_on(tmp_pa
     assert summary["initial_eval_loss"] == reference.summary["initial_eval_loss"]
 
 
-def test_a_checkpoint_waits_for_the_records_before_it(tmp_path):
+def test_a_checkpoint_waits_for_the_records_before_it(tmp_path, monkeypatch):
+    """Captured only once the records through its round are on disk (their evaluations came
+    back), whether the next outer step's fence or a later poll finds them there."""
+    from orchestrator.engine import engine as engine_module
+
     cfg = scenario_cfg(tmp_path, "diloco", "rounds=4", "checkpoint.every_rounds=2")
     engine, _ = in_process_engine(cfg)
     engine.outputs.evaluator = Lagging(engine.outputs.evaluator, lag=50)
     seen = []
-    checkpoint = engine.outputs.checkpoint
+    capture = engine_module.capture
 
-    def spy(version, rnd, capture):
-        seen.append((rnd, len(_records(engine))))
-        checkpoint(version, rnd, capture)
+    def spy(core, flights):
+        state = capture(core, flights)
+        seen.append((state["counters"]["rounds_done"], len(_records(engine))))
+        return state
 
-    engine.outputs.checkpoint = spy
+    monkeypatch.setattr(engine_module, "capture", spy)
     drive(engine)
     assert seen == [(2, 2), (4, 4)]
     assert all(r["eval_loss"] is not None for r in _records(engine))

@@ -161,14 +161,17 @@ class RoundEngine(EngineParts):
     def execute(self) -> dict[str, Any]:
         """Run to the end; returns the summary (also written to `out_dir/summary.json`).
         An error nothing below foresaw ends the run as a `RunFailed` naming it, with the
-        last checkpoint as it was (a lost coordinator slice still restarts the coordinator)."""
+        last checkpoint as it was — one being written is finished first — (a lost
+        coordinator slice still restarts the coordinator)."""
         try:
             self.start()
             while self.step():
                 pass
         except (RunFailed, SliceLost):
+            self.outputs.finish_writing()
             raise
         except Exception as err:
+            self.outputs.finish_writing()
             log.exception("the round engine failed")
             self.phase = RunPhase.FAILED
             self.outputs.snapshot.state = self.phase
@@ -285,6 +288,7 @@ class RoundEngine(EngineParts):
 
     # -- the outer step ------------------------------------------------------------------------------
     def _close(self, close: Close) -> None:
+        self.outputs.fence()  # a checkpoint being written reads the state this step changes
         flights = close.flights  # every flight a pacing closes has its result
         results = [f.result for f in flights if f.result is not None]
         # a pacing closes once every result has crossed its (simulated) link, so `due` is

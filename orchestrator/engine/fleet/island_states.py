@@ -69,19 +69,21 @@ class IslandStates:
         `keep - 1` saved and the live members' (saved in the checkpoint: a resumed run must
         not delete what the checkpoints before its own still name)."""
         older = list(self.window)[1:] if len(self.window) == self.window.maxlen else list(self.window)
-        return sorted(set().union(*older, self._named(members)))
+        return sorted(set().union(*older, self.named(members)))
 
     @staticmethod
-    def _named(members: Membership) -> set[str]:
+    def named(members: Membership) -> set[str]:
+        """The states the live members continue from: what a checkpoint taken now names."""
         return {s.inner_state for s in members.islands.values() if s.inner_state is not None}
 
     def load(self, names: list[str]) -> None:
         self.window.append(set(names))
 
-    def checkpointed(self, members: Membership, disk: DiskFaults) -> None:
-        """A checkpoint was saved naming the live members' states: the superseded files no
-        kept checkpoint names are deleted."""
-        self.window.append(self._named(members))
+    def checkpointed(self, named: set[str], disk: DiskFaults) -> None:
+        """A checkpoint was saved naming `named` (the members' states when it was captured:
+        it is written in the background, and the members may have moved on by the time it
+        is on disk): the superseded files no kept checkpoint names are deleted."""
+        self.window.append(set(named))
         named = set().union(*self.window)
         for name in sorted(self.superseded - named):
             self._delete(name, disk)

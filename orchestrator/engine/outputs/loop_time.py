@@ -18,7 +18,8 @@ class Part(enum.Enum):
     PUBLISH = "publish"  # the new version made readable (object store, downlink changes)
     DISPATCH = "dispatch"  # work orders handed out
     EVALUATE = "evaluate"  # the global model's evaluation
-    RECORD = "record"  # per-round records, checkpoints, snapshots
+    RECORD = "record"  # per-round records, snapshots, a checkpoint's capture
+    CHECKPOINT = "checkpoint"  # waiting for a checkpoint: its records' evaluations, its write's end
 
 
 class LoopClock:

@@ -4,7 +4,11 @@ to decide its next transition.
 
 Every write goes through `DiskFaults`: a full or unwritable disk is logged, counted in
 the status and retried (a checkpoint the disk refused is owed to the next record), and
-never ends the run. The views are rebuilt on the engine's thread when something changed,
+never ends the run. A checkpoint is written off the engine's thread (`BackgroundSave`):
+it is captured once the records of the rounds it covers are written, streamed to its
+file while the islands train and the engine takes their results, and the engine's next
+outer step waits for it to end (`fence`), so the head never holds a second copy of the
+state and a slow write or evaluation delays a round only by what it takes beyond one. The views are rebuilt on the engine's thread when something changed,
 so the control plane's threads only ever read finished objects.
 """
 
@@ -21,7 +25,7 @@ import torch
 
 from orchestrator.engine.commands import Inbox
 from orchestrator.engine.fleet.membership import IslandStats
-from orchestrator.engine.outputs.checkpoints import run_folder, save_checkpoint
+from orchestrator.engine.outputs.checkpoints import BackgroundSave, run_folder
 from orchestrator.engine.outputs.evaluation import Evaluation, Evaluator, LocalEvaluator
 from orchestrator.engine.outputs.loop_time import Part
 from orchestrator.engine.outputs.persistence import RunCore
@@ -73,6 +77,10 @@ class Outputs:
         self.eval_metrics: dict[str, float] | None = None  # the task's own, at the latest evaluation
         self.disk = DiskFaults()
         self.checkpoint_owed = False  # a checkpoint the disk refused: retried at the next record
+        # a checkpoint due and not yet captured (its round's records wait for an evaluation):
+        # (version, round, the engine's capture); then the one being written, and what it names
+        self.wanted: tuple[int, int, Callable[[], dict]] | None = None
+        self.saving: tuple[BackgroundSave, int, int, set[str]] | None = None
         last = stats.rounds_done if resumed else None
         self.recorder = Recorder(cfg.out_dir, cfg, last_round=last, faults=self.disk, run_id=run_id)
         self.events = EventLog(self.recorder.out / "events.jsonl", cfg.records, append=resumed, faults=self.disk)
@@ -105,9 +113,15 @@ class Outputs:
     def initial_asked(self) -> bool:
         return self.stats.initial_eval is not None or self.initial_version is not None
 
+    def _current_flat(self) -> None:
+        """The model's flat buffer brought up to date with the outer step's parameters
+        (`Outer.copy_to`), once no checkpoint is reading it."""
+        self._settle()
+        self.outer.copy_to(self.flat.data)
+
     def _submit(self, version: int) -> None:
         with self.stats.loop.timed(Part.EVALUATE):
-            self.outer.copy_to(self.flat.data)
+            self._current_flat()
             self.evaluator.submit(version=version, params=self.flat.data, published=self.publisher.exact(version))
 
     def collect(self, *, wait: bool) -> None:
@@ -121,6 +135,8 @@ class Outputs:
                 found = self.evaluated[version]
                 entry.eval_loss, entry.eval_metrics = found.loss, found.metrics
             self._write(entry)
+        if self.wanted is not None and not any(entry.round <= self.wanted[1] for entry, _ in self.waiting):
+            self._begin_checkpoint()
 
     def _arrived(self, e: Evaluation) -> None:
         if e.error is not None:
@@ -163,7 +179,7 @@ class Outputs:
         every = self.cfg.export.every_rounds
         if not (every and rnd % every == 0 and isinstance(self.task, ExportableTask)):
             return
-        self.outer.copy_to(self.flat.data)
+        self._current_flat()
         folder = self.recorder.out / "snapshots"
         target = folder / f"round-{rnd:06d}"
         state = self.model.state_dict()
@@ -174,8 +190,11 @@ class Outputs:
     def record(self, rnd: int, version: int, clock_s: float, phase: RunPhase, capture: Callable[[], dict]) -> None:
         """Round `rnd`'s record: its evaluation asked for if due, the record written once the
         evaluation is back (records stay in round order); a checkpoint if due (or owed),
-        after the records before it are written, so a resumed run's records and state agree."""
+        captured once the records through this round are written, so a resumed run's records
+        and state agree (`collect`), and written in the background."""
         cfg = self.cfg
+        if self.wanted is not None:  # two rounds recorded at once: the first's checkpoint is of its state
+            self.fence()
         due = rnd % cfg.eval_every == 0 or rnd == cfg.rounds
         entry = self.stats.record(rnd, cfg, version, None, self.outer.lr(), self.members)
         entry.clock_seconds, entry.eval_metrics = clock_s, None
@@ -185,10 +204,9 @@ class Outputs:
         self.snapshot_export(rnd)
         self.phase = phase
         every = cfg.checkpoint.every_rounds
-        checkpoint = every and (rnd % every == 0 or rnd == cfg.rounds or self.checkpoint_owed)
-        self.collect(wait=bool(checkpoint))
-        if checkpoint:
-            self.checkpoint(version, rnd, capture)
+        if every and (rnd % every == 0 or rnd == cfg.rounds or self.checkpoint_owed):
+            self.wanted = (version, rnd, capture)
+        self.collect(wait=False)
         self.update_snapshot(phase, version)
 
     def _write(self, entry: RoundRecord) -> None:
@@ -198,20 +216,58 @@ class Outputs:
             self.on_record(self.status(), self.members.summary(), entry)
 
     def checkpoint(self, version: int, rnd: int, capture: Callable[[], dict]) -> None:
-        """Save, or owe the checkpoint to the next record if the disk refused it (the run goes
-        on from memory; the checkpoints before it stay intact)."""
-        folder, keep = run_folder(self.cfg.checkpoint_dir, self.run_id), self.cfg.checkpoint.keep
-        self.checkpoint_owed = not self.disk.attempt("a checkpoint", lambda: save_checkpoint(folder, capture(), keep))
+        """Checkpoint now and wait for it (a stopped run's)."""
+        self.wanted = (version, rnd, capture)
+        self.fence()
+
+    def fence(self) -> None:
+        """Before anything changes what a checkpoint holds (the engine's next outer step):
+        the checkpoint due is captured — the evaluations its records wait for are waited
+        for first — and the write in progress has ended."""
+        with self.stats.loop.timed(Part.CHECKPOINT):
+            if self.wanted is not None:
+                self.collect(wait=True)  # every record written: the checkpoint begins there
+            self._settle()
+
+    def finish_writing(self) -> None:
+        """The run ends on an error: the checkpoint being written is finished (its own
+        error logged, not raised over the run's); one not yet captured is not taken of a
+        state the error may have left half-changed."""
+        try:
+            self._settle()
+        except Exception:
+            log.exception("the checkpoint being written when the run failed could not be finished")
+
+    def _begin_checkpoint(self) -> None:
+        assert self.wanted is not None
+        (version, rnd, capture), self.wanted = self.wanted, None
+        self._settle()  # one write at a time: each prunes the folder the next numbers in
+        named = self.states.named(self.members)
+        folder = run_folder(self.cfg.checkpoint_dir, self.run_id)
+        self.saving = (BackgroundSave(folder, capture(), self.cfg.checkpoint.keep), version, rnd, named)
+
+    def _settle(self) -> None:
+        """Wait for the checkpoint being written, if one is; then count it: saved (an event,
+        the islands' superseded states deleted), or owed to the next record if the disk
+        refused it (the run goes on from memory; the checkpoints before it stay intact)."""
+        if self.saving is None:
+            return
+        save, version, rnd, named = self.saving
+        try:
+            self.checkpoint_owed = not self.disk.attempt("a checkpoint", save.result)
+        finally:
+            self.saving = None
         if not self.checkpoint_owed:
-            self.events.add(Event.CHECKPOINT, version=version, round=rnd)
-            self.states.checkpointed(self.members, self.disk)
+            self.events.add(Event.CHECKPOINT, version=version, round=rnd, seconds=round(save.seconds, 3))
+            self.states.checkpointed(named, self.disk)
 
     def summarise(self, phase: RunPhase, version: int, extra: dict[str, Any], ledger: Any) -> dict[str, Any]:
         """The run's summary (also `summary.json`), the final model and, for a task of
         another ecosystem, its export."""
-        self.collect(wait=True)  # every record written, the initial and last evaluations known
+        self.fence()  # every record written, the initial and last evaluations known, the checkpoint on disk
+        self.collect(wait=True)
         self.evaluator.close()
-        self.outer.copy_to(self.flat.data)
+        self._current_flat()
         out = self.recorder.out
         built = self.stats.summary(
             phase, self.cfg, version, self.members, ledger, self.outer.numel, out, self.run.inner_steps

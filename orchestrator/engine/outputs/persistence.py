@@ -49,33 +49,47 @@ class RunCore:
 
 def capture(engine: RunCore, flights: dict[int, Flight]) -> dict[str, Any]:
     """Everything a restarted coordinator needs (tensors and plain values only). Tensors
-    are the live ones, not copies: a capture is streamed to its file at once, before the
-    engine changes anything (`save_checkpoint`), so the head holds the state once, not
-    twice, while it checkpoints. `flights`: the work out and waiting, not captured (its
-    results' steps are taken off the completed ones)."""
+    are the live ones, not copies, so the head holds the state once, not twice, while it
+    checkpoints: the file is written on a thread of its own while the engine goes on, and
+    nothing changes those tensors before the write has ended (`Outputs.fence`, before the
+    next outer step). The plain values are copied here, on the engine's thread: the ledger
+    and the members change with every dispatch and arrival during the write. `flights`:
+    the work out and waiting, not captured (its results' steps are taken off the
+    completed ones)."""
     engine.outer.copy_to(engine.flat.data)
     uncommitted = sum(f.result.steps for f in flights.values() if f.result is not None)
-    return {
-        "run_id": engine.run_id,
-        "branch": engine.cfg.checkpoint.resume_from,  # resumed from a chosen checkpoint: its number
-        "config": engine.cfg.model_dump(mode="json"),
-        "params": engine.flat.data.detach(),
-        "version": engine.run.version,
-        "outer": engine.outer.state_dict(),
-        "admission": engine.admission.state_dict(),
-        **engine.members.state(),  # members, retired, target
-        "ledger": engine.ledger.state(),
-        "completed_steps": engine.run.completed_steps - uncommitted,
-        "counters": engine.stats.state(),
-        # what an operator changed mid-run (H, the quorum rule's settings; the outer lr is
-        # in the outer optimizer's state): the restarted coordinator's config has the old values
-        "settings": {
-            "inner_steps": engine.run.inner_steps,
-            "hang_after_steps": engine.run.hang_after_steps,
-            "quorum": dataclasses.asdict(engine.quorum) if engine.quorum is not None else None,
-        },
-        "island_states": engine.states.kept(engine.members),  # every inner-state file a kept checkpoint names
-    }
+    return _containers_copied(
+        {
+            "run_id": engine.run_id,
+            "branch": engine.cfg.checkpoint.resume_from,  # resumed from a chosen checkpoint: its number
+            "config": engine.cfg.model_dump(mode="json"),
+            "params": engine.flat.data.detach(),
+            "version": engine.run.version,
+            "outer": engine.outer.state_dict(),
+            "admission": engine.admission.state_dict(),
+            **engine.members.state(),  # members, retired, target
+            "ledger": engine.ledger.state(),
+            "completed_steps": engine.run.completed_steps - uncommitted,
+            "counters": engine.stats.state(),
+            # what an operator changed mid-run (H, the quorum rule's settings; the outer lr is
+            # in the outer optimizer's state): the restarted coordinator's config has the old values
+            "settings": {
+                "inner_steps": engine.run.inner_steps,
+                "hang_after_steps": engine.run.hang_after_steps,
+                "quorum": dataclasses.asdict(engine.quorum) if engine.quorum is not None else None,
+            },
+            "island_states": engine.states.kept(engine.members),  # every inner-state file a kept checkpoint names
+        }
+    )
+
+
+def _containers_copied(value: Any) -> Any:
+    """`value` with every dict, list and tuple in it copied, its tensors and scalars shared."""
+    if isinstance(value, dict):
+        return {k: _containers_copied(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_containers_copied(v) for v in value)
+    return value
 
 
 def restore(engine: RunCore, state: dict[str, Any]) -> None:
