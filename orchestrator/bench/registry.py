@@ -1,7 +1,7 @@
 """The benchmark registry. A scenario is a function `(quick, work_dir) -> BenchResult`;
 the entry point writes `<scenario>.json`, `.png` and `.md` and prints a one-line summary.
 Scenarios: quality, hetero, fleet, overlap, streaming, datapath, startup, warmstart, data,
-compression, gpu (its CUDA rows need a GPU), coordinator, bareloop."""
+compression, gpu (its CUDA rows need a GPU), coordinator, bareloop, head."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ SCENARIOS: dict[str, str] = {
         "gpu",
         "coordinator",
         "bareloop",
+        "head",
     )
 }
 
