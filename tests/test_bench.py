@@ -167,6 +167,33 @@ def test_a_finished_run_of_the_same_config_is_reused_and_no_other(tmp_path):
     assert finished(cfg) is None
 
 
+def test_a_simulated_run_priced_at_other_rates_is_not_reused(tmp_path, monkeypatch):
+    """The network's rates are code, not config: a finished simulated run is reused only if
+    it was charged what the network charges its config now — one recorded before the codecs'
+    decoding was priced still stands for fp32 both ways, not for int4."""
+    from orchestrator.bench.runner import PRICES_FILE, finished, record_simulation
+    from orchestrator.config_load import dump_config
+    from orchestrator.plan import head as head_prices
+    from orchestrator.simulation.config import SimulationConfig
+
+    sim = SimulationConfig(nominal_params=10**9, price_head=True)
+    for codec in ("none", "int4"):
+        out = tmp_path / codec
+        cfg = load_config(None, [*MODEL, f"compression.codec={codec}", f"out_dir={out}"])
+        out.mkdir()
+        (out / "config.yaml").write_text(dump_config(cfg))
+        record_simulation(cfg, sim)
+        (out / "summary.json").write_text(json.dumps({"state": "finished"}))
+        assert finished(cfg, sim) is not None
+        (out / PRICES_FILE).unlink()  # a run recorded before the prices were
+        assert (finished(cfg, sim) is not None) == (codec == "none")
+    out = tmp_path / "none"
+    cfg = load_config(None, [*MODEL, f"out_dir={out}"])
+    record_simulation(cfg, sim)
+    monkeypatch.setitem(head_prices.STEP_S_PER_VALUE, "mean", 2 * head_prices.STEP_S_PER_VALUE["mean"])
+    assert finished(cfg, sim) is None  # the step re-measured: every run charged the old rate is run again
+
+
 def test_streaming_rows_are_the_issue_s_and_share_one_token_budget():
     from pathlib import Path
 

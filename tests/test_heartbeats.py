@@ -46,6 +46,48 @@ def test_a_barrier_round_waits_a_stall_not_a_deadline(tmp_path):
     assert fast["clock_seconds"] <= slow["clock_seconds"] - 14, (fast["clock_seconds"], slow["clock_seconds"])
 
 
+class _Stalling:
+    """The coordinator's own evaluation (`LocalEvaluator`), which keeps the engine's thread
+    busy for `seconds` of the pool's clock when it evaluates `version`."""
+
+    def __init__(self, inner, pool, version: int, seconds: float) -> None:
+        self.inner, self.pool, self.version, self.seconds = inner, pool, version, seconds
+
+    def submit(self, *, version, params, published=None):
+        self.inner.submit(version=version, params=params, published=published)
+        if version == self.version:
+            self.pool.stall(self.seconds)
+
+    def results(self, *, wait):
+        return self.inner.results(wait=wait)
+
+    def close(self):
+        self.inner.close()
+
+
+@pytest.mark.parametrize("mode", ["diloco", "quorum"])
+def test_a_coordinator_busy_90_s_mid_round_at_the_shipped_settings_declares_no_island_hung(tmp_path, mode):
+    """The faults issue's case on the pool's clock: at the shipped settings (a read every
+    2 s, 5 step times, a 60-s floor), the engine's thread is blocked 90 s by round 1's
+    evaluation while the islands train round 2 (100 steps of 1 s); what they sent meanwhile
+    is taken with the time it was sent, so no island is hung, no step lost, each batch
+    trained once — while island 1, hung at its round 3, is still declared once its count
+    has stood still past the limit."""
+    cfg = scenario_cfg(tmp_path, mode, "rounds=4", "inner_steps=100", "round_timeout_s=1000")
+    assert (cfg.elastic.hang_after_steps, cfg.elastic.progress_every_s, cfg.elastic.hang_floor_s) == (5, 2.0, 60.0)
+    engine, pool = in_process_engine(cfg, [Fault(FaultKind.HANG, 1, order=3)])
+    engine.outputs.evaluator = _Stalling(engine.outputs.evaluator, pool, version=1, seconds=90.0)
+    drive(engine)
+    summary = engine.summary
+    check_exactly_once(cfg, summary)
+    log = events(cfg.out_dir)
+    (crash,) = [e for e in log if e["kind"] == "crash"]
+    assert crash["island"] == 1 and crash["reason"].startswith("hung: no progress for 8s"), crash
+    assert [e["island"] for e in log if e["kind"] in ("crash", "lost", "late")] == [1, 1], log  # its work only
+    assert {i for i, s in summary["islands"].items() if s["state"] == "training"} >= {"0", "2"}
+    assert summary["clock_seconds"] >= 90 + 3 * 100  # the stall was on the run's clock
+
+
 @pytest.mark.parametrize("mode", ["diloco", "async", "quorum"])
 def test_a_slow_or_late_island_keeps_advancing_and_keeps_its_work(tmp_path, mode):
     """A quarter-speed island's steps come 4 s apart, within its own limit (3 of its step

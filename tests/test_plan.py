@@ -259,6 +259,8 @@ def test_the_heads_share_of_a_round_is_priced_phase_by_phase_at_1b_parameters_an
         up_bytes=4 * 10**9,
         down_bytes=4 * 10**9,
         merge="mean",
+        uplink="none",
+        downlink="none",
         state_values=1,
         checkpoint_every=2,
     )
@@ -267,6 +269,7 @@ def test_the_heads_share_of_a_round_is_priced_phase_by_phase_at_1b_parameters_an
     assert phases["fan_in"] == pytest.approx(5.12) and phases["fan_out"] == pytest.approx(5.12)
     assert phases["outer_step"] == pytest.approx(0.06 / 200e6 * 16e9)  # 8 x 25 M in 0.06 s, scaled
     assert phases["checkpoint"] == pytest.approx(8e9 / CHECKPOINT_BYTES_PER_S / 2)
+    assert phases["codec"] == 0.0  # fp32 both ways: nothing to decode or encode
     assert load.round_seconds == 100 and load.share == pytest.approx(sum(phases.values()) / 100)
     codec, checkpoint = load.to_fit()
     assert "the bytes take 10.2 s of the 10.0-s budget" in codec
@@ -279,10 +282,13 @@ def test_the_heads_share_of_a_round_is_priced_phase_by_phase_at_1b_parameters_an
     (_, slices) = rare.to_fit()
     shards = int(slices.split(">= ")[1].split(",")[0])
     assert dataclasses.replace(rare, slices=shards).share <= 0.10 < dataclasses.replace(rare, slices=shards - 1).share
-    # a codec of 0.53 bytes a value both ways (int4's, with its scales): the bytes no longer dominate
-    small = dataclasses.replace(rare, up_bytes=530_000_000, down_bytes=530_000_000)
+    # int4 both ways (0.53 bytes a value, with its scales): the bytes no longer dominate, but the
+    # head decodes 16 updates (1.71 ns a value each) and encodes the downlink's change (3.35 ns)
+    # every step: 30.7 s, six times the fp32 mean's step — more slices than fp32 would need
+    small = dataclasses.replace(rare, up_bytes=530_000_000, down_bytes=530_000_000, uplink="int4", downlink="int4")
+    assert small.phases["codec"] == pytest.approx(16e9 * 1.71e-9 + 1e9 * 3.35e-9)
     (fix,) = small.to_fit()
-    assert fix.startswith("coordinator.shards >= ")
+    assert int(fix.split(">= ")[1].split(",")[0]) > shards
     assert dataclasses.replace(load, inner_steps=1000).to_fit() == []  # H = 1,000: it fits as it is
 
 

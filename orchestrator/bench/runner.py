@@ -18,6 +18,7 @@ from orchestrator.config_load import SIMULATION, dump_config, load_config
 from orchestrator.engine.warm_start import MARKER, mark_finished, warm_config, warm_dir, warm_run_id
 from orchestrator.runtime.driver import init_ray, run
 from orchestrator.simulation.config import SimulationConfig, load_simulated
+from orchestrator.simulation.network import Network
 from orchestrator.simulation.ray_pool import run_simulated
 from orchestrator.simulation.runner import run_in_process
 
@@ -61,19 +62,41 @@ def same_config(out: Path, cfg: RunConfig, sim: SimulationConfig | None = None) 
     if sim is None:
         return same and not fleet.exists()
     try:
-        return same and SimulationConfig.model_validate_json(fleet.read_text()) == sim
+        return same and SimulationConfig.model_validate_json(fleet.read_text()) == sim and _priced_alike(out, cfg, sim)
     except (OSError, ValueError):
         return False
 
 
 SIMULATION_FILE = "simulation.json"  # beside a simulated run's config: the fleet it ran on
+PRICES_FILE = "prices.json"  # ... and the rates its network charged (`Network.pricing`)
+# prices added since runs were first recorded: a run with no prices file was charged none of them
+PRICED_SINCE = ("decode_s_per_value_and_island", "encode_s_per_value")
+
+
+def prices(cfg: RunConfig, sim: SimulationConfig) -> dict[str, Any]:
+    """What the simulated network charges a run of `cfg` on `sim`, as its file holds it."""
+    loaded: dict[str, Any] = json.loads(json.dumps(Network(cfg, sim, 1).pricing()))
+    return loaded
+
+
+def _priced_alike(out: Path, cfg: RunConfig, sim: SimulationConfig) -> bool:
+    """Whether the run in `out` was charged what this code charges `cfg` now: the rates are
+    code, not config, and a run priced at others (a codec's decoding before it was priced)
+    is not this run."""
+    now = prices(cfg, sim)
+    try:
+        then = json.loads((out / PRICES_FILE).read_text())
+    except OSError:  # recorded before the prices were: charged nothing for what was priced since
+        then = {**now, **{k: 0.0 if now.get(k) is not None else None for k in PRICED_SINCE}}
+    return bool(then == now)
 
 
 def record_simulation(cfg: RunConfig, sim: SimulationConfig) -> None:
-    """Write the fleet a simulated run of `cfg` runs on beside its config."""
+    """Write the fleet a simulated run of `cfg` runs on, and the prices it is charged, beside its config."""
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / SIMULATION_FILE).write_text(sim.model_dump_json(indent=2))
+    (out / PRICES_FILE).write_text(json.dumps(prices(cfg, sim), indent=2))
 
 
 def finished(cfg: RunConfig, sim: SimulationConfig | None = None) -> dict[str, Any] | None:

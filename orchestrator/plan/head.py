@@ -14,6 +14,11 @@ round at the head:
   twice) and the outer optimizer over every island's update, at rates measured on a 2-core
   CPU host (`bench coordinator`, `docs/benchmark-findings.md`), per parameter and island,
   divided over the coordinator's slices;
+- `codec`: a compressed uplink's updates decoded on the head (each island's, per value) and
+  a lossy downlink's change encoded once a version, at the rates `bench head`'s
+  `codec_rates` measured on the same host (int4 both ways at 1 B parameters and 16 islands:
+  27 s of decoding and 3.4 s of encoding a step, against the fp32 mean's 4.8 s — the bytes a
+  codec saves on the card are paid for in the head's CPU);
 - `checkpoint`: the state streamed to storage at the rate measured there, spread over the
   rounds between two checkpoints (it is written while the islands train the next round,
   but it is the head's time all the same). Slices do not split it: the coordinator gathers
@@ -47,6 +52,37 @@ DEFAULT_STEP_S = 1.0
 STEP_S_PER_VALUE = {"mean": 0.06 / (8 * 25e6), "radial": 0.19 / (8 * 25e6)}
 CHECKPOINT_BYTES_PER_S = 800e6 / 2.75
 RATES_SOURCE = "bench coordinator on a 2-core CPU host (docs/benchmark-findings.md), per parameter and island"
+# seconds per value to decode one island's update on the head, and to encode the downlink's
+# change once a version, by value codec (`orchestrator/bench/head.py:codec_rates`, one thread,
+# the better of 3 on a 25 M vector, on the same host); a top-k chain (topk:K+codec) by TOPK
+TOPK = "topk"  # a top-k chain, measured as topk:0.1+int4
+_NS = 1e-9
+DECODE_S_PER_VALUE = {
+    "none": 0.0,
+    "bf16": 2.58 * _NS,
+    "int8": 1.21 * _NS,
+    "int4": 1.71 * _NS,
+    "int2": 2.94 * _NS,
+    "fp4": 3.53 * _NS,
+    TOPK: 6.33 * _NS,
+}
+ENCODE_S_PER_VALUE = {
+    "none": 0.0,
+    "bf16": 1.33 * _NS,
+    "int8": 2.90 * _NS,
+    "int4": 3.35 * _NS,
+    "int2": 4.52 * _NS,
+    "fp4": 20.7 * _NS,
+    TOPK: 16.31 * _NS,
+}
+
+
+def codec_s_per_value(table: dict[str, float], spec: str) -> float:
+    """Seconds per value of the codec `spec` (as `compression.codec` names it) by `table`."""
+    from workers.wire.spec import parse_codec
+
+    chain = parse_codec(spec)
+    return table[TOPK] if chain.topk is not None else table[chain.value]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,6 +96,8 @@ class HeadLoad:
     up_bytes: int  # one island's pseudo-gradient
     down_bytes: int  # what one island receives
     merge: str  # "mean" or "radial"
+    uplink: str  # compression.codec
+    downlink: str  # compression.downlink
     state_values: int  # the outer optimizer's values per parameter (Nesterov's momentum: 1)
     checkpoint_every: int  # rounds (0: none)
 
@@ -77,9 +115,12 @@ class HeadLoad:
         card = self.link_gbps * 1e9 / 8
         state = 4 * self.params * (1 + self.state_values)  # parameters and outer state: what a checkpoint streams
         gather = state / card if self.slices > 1 else 0.0
+        decode = codec_s_per_value(DECODE_S_PER_VALUE, self.uplink) * self.params * self.islands
+        encode = codec_s_per_value(ENCODE_S_PER_VALUE, self.downlink) * self.params
         return {
             "fan_in": self.islands * self.up_bytes / card / self.slices,
             "outer_step": STEP_S_PER_VALUE[self.merge] * self.params * self.islands / self.slices,
+            "codec": (decode + encode) / self.slices,
             "fan_out": self.islands * self.down_bytes / card / self.slices,
             "checkpoint": (state / CHECKPOINT_BYTES_PER_S + gather) / self.checkpoint_every
             if self.checkpoint_every
@@ -113,7 +154,7 @@ class HeadLoad:
                 "(compression.codec and compression.downlink int4: about 0.53 bytes a value, not 4) or a faster link"
             )
         fixed = p["checkpoint"]
-        split = self.slices * (p["fan_in"] + p["fan_out"] + p["outer_step"])
+        split = self.slices * (p["fan_in"] + p["fan_out"] + p["outer_step"] + p["codec"])
         if fixed >= budget:
             every = math.ceil(self.checkpoint_every * fixed / budget * 2)
             out.append(
@@ -136,7 +177,8 @@ class HeadLoad:
             f"{self.up_bytes / 1e6:,.1f} MB and down {self.down_bytes / 1e6:,.1f} MB each) at {self.link_gbps:g} Gbit/s; "
             f"{self.seconds_per_round:.2f} s a round ({parts}) against the islands' {self.round_seconds:g} s "
             f"(H {self.inner_steps} x {self.step_s:g} s): share {self.share:.3f}, {verdict} {TARGET_SHARE:.2f}",
-            f"head: the outer step and checkpoint priced at rates of {RATES_SOURCE}; evaluation not priced",
+            f"head: the outer step and checkpoint priced at rates of {RATES_SOURCE}, a codec's decoding and "
+            "encoding at bench head's codec_rates; evaluation not priced",
         ]
         out += [f"head: to fit, {fix}" for fix in self.to_fit()]
         return out
@@ -156,6 +198,8 @@ class HeadLoad:
             "rates": {
                 "outer_step_s_per_value": STEP_S_PER_VALUE[self.merge],
                 "checkpoint_bytes_per_s": CHECKPOINT_BYTES_PER_S,
+                "decode_s_per_value": codec_s_per_value(DECODE_S_PER_VALUE, self.uplink),
+                "encode_s_per_value": codec_s_per_value(ENCODE_S_PER_VALUE, self.downlink),
                 "source": RATES_SOURCE,
             },
             "to_fit": self.to_fit(),
@@ -247,6 +291,8 @@ def head_load(
         up_bytes=up_bytes,
         down_bytes=down_bytes,
         merge="radial" if cfg.outer.merged == OuterMerge.RADIAL_DIRECTIONAL else "mean",
+        uplink=cfg.compression.codec,
+        downlink=cfg.compression.downlink,
         state_values=rule_of(cfg).state_values(cfg),
         checkpoint_every=cfg.checkpoint.every_rounds,
     )

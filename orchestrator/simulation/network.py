@@ -9,7 +9,8 @@ What limits a real run, priced where the run meets it:
   version out goes through it one after the other (one card per coordinator slice, each on a
   node of its own), so 64 islands' 4 GB wait on each other rather than arriving together;
 - the coordinator's step (`simulation.price_head`): the merge (the mean, or RDA, which
-  reads each pseudo-gradient twice) and the outer optimizer over every merged update, and the
+  reads each pseudo-gradient twice) and the outer optimizer over every merged update, a
+  compressed uplink's updates decoded and a lossy downlink's change encoded, and the
   checkpoint spread over the rounds between two, at the rates measured on a CPU head
   (`orchestrator/plan/head.py`, the plan's own); the head does one step at a time and a
   version is ready for the islands only when its step is done;
@@ -31,7 +32,14 @@ from dataclasses import dataclass, field
 from orchestrator.config import Mode, RunConfig
 from orchestrator.config_sections import OuterMerge
 from orchestrator.engine.step.rules import rule_of
-from orchestrator.plan.head import CHECKPOINT_BYTES_PER_S, RATES_SOURCE, STEP_S_PER_VALUE
+from orchestrator.plan.head import (
+    CHECKPOINT_BYTES_PER_S,
+    DECODE_S_PER_VALUE,
+    ENCODE_S_PER_VALUE,
+    RATES_SOURCE,
+    STEP_S_PER_VALUE,
+    codec_s_per_value,
+)
 from orchestrator.simulation.config import SimulationConfig
 from orchestrator.simulation.links import allreduce_s, ring_allreduce_s
 
@@ -128,12 +136,15 @@ class Network:
     # -- the head's prices -----------------------------------------------------------------
     def step_s(self, merged: int, values: int) -> float:
         """The head's seconds for a step over `merged` updates of `values` parameters: the
-        merge and outer step at the measured rate, and the checkpoint's share (a round's
+        merge and outer step at the measured rate, the codecs' decoding and encoding, and the checkpoint's share (a round's
         worth of results carries 1/`every_rounds` of one), over the coordinator's slices."""
         if not self.sim.price_head or self.ddp or not merged:
             return 0.0
         nominal = values * self.scale
         step = STEP_S_PER_VALUE[self.merge] * nominal * merged
+        # a compressed uplink's updates decoded, a lossy downlink's change encoded once
+        step += codec_s_per_value(DECODE_S_PER_VALUE, self.cfg.compression.codec) * nominal * merged
+        step += codec_s_per_value(ENCODE_S_PER_VALUE, self.cfg.compression.downlink) * nominal
         every = self.cfg.checkpoint.every_rounds
         state = 4 * nominal * (1 + rule_of(self.cfg).state_values(self.cfg))
         checkpoint = state / CHECKPOINT_BYTES_PER_S / every * merged / self.cfg.islands.count if every else 0.0
@@ -157,6 +168,12 @@ class Network:
             "ddp_overlap": self.sim.ddp_overlap,
             "outer_step_s_per_value_and_island": dict(STEP_S_PER_VALUE) if self.sim.price_head else None,
             "checkpoint_bytes_per_s": CHECKPOINT_BYTES_PER_S if self.sim.price_head and every else None,
+            "decode_s_per_value_and_island": codec_s_per_value(DECODE_S_PER_VALUE, self.cfg.compression.codec)
+            if self.sim.price_head
+            else None,
+            "encode_s_per_value": codec_s_per_value(ENCODE_S_PER_VALUE, self.cfg.compression.downlink)
+            if self.sim.price_head
+            else None,
             "rates_source": RATES_SOURCE,
             "backward_share": BACKWARD_SHARE,
             "ddp_bucket_bytes": DDP_BUCKET_BYTES,

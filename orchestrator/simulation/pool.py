@@ -214,6 +214,13 @@ class InProcessPool:
         self.losses.halted += max(0.0, t - self.t)
         self.t = max(self.t, t)
 
+    def stall(self, seconds: float) -> None:
+        """The coordinator's thread is busy for `seconds` of this clock (an evaluation or a
+        write that slow): the islands go on, and what they send — results, heartbeats — waits
+        for the next poll with the time it was sent, as on Ray, where the coordinator's
+        listening thread hears the heartbeats meanwhile (`runtime/heartbeats.py`)."""
+        self.t += seconds
+
     def request(
         self, island: int, start_step: int, *, state_folder: str | None = None, restore: SavedState | None = None
     ) -> None:
