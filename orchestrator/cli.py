@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.config_load import ConfigError, check_folders, check_task_spec, dump_config, load_config
-from orchestrator.logs import configure, level_for
+from orchestrator.logs import LogFormat, configure, level_for
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,22 @@ def _verbosity() -> argparse.ArgumentParser:
     common.add_argument(
         "-q", "--quiet", action="count", default=argparse.SUPPRESS, help="warnings and errors only, no progress line"
     )
+    common.add_argument(
+        "--log-format",
+        choices=[f.value for f in LogFormat],
+        default=argparse.SUPPRESS,
+        help="text (time, level, message; the default) or json (one object a line, for a log collector)",
+    )
     return common
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("archipelago-diloco")
+    except PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="archipelago", description="Low-communication training across islands on Ray.", parents=[common]
     )
+    parser.add_argument("--version", action="version", version=f"archipelago {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     run_p = sub.add_parser(
         "run", parents=[common], help="train (default: sync DiLoCo, 4 CPU islands, small GPT on stdlib text)"
@@ -349,7 +365,7 @@ def _export(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = level_for(getattr(args, "verbose", 0), getattr(args, "quiet", 0))
-    configure(level)
+    configure(level, fmt=LogFormat(getattr(args, "log_format", LogFormat.TEXT.value)))
     if args.command in HANDLERS:
         return HANDLERS[args.command](args)
     if args.command == "serve":

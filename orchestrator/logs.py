@@ -1,21 +1,58 @@
 """Logging set-up: one handler for Archipelago's own loggers, installed once per process.
 
 Every module logs through `logging.getLogger(__name__)`; nothing here is global until a
-process opts in: the CLI calls `configure` with the level its `-v`/`-q` flags chose, and the
-coordinator actor calls it with the driver's level, so its messages land in Ray's log files
-for that actor (and in `ray job logs` through Ray's log forwarding). Used as a library,
-Archipelago adds no handler and the application's logging config decides.
+process opts in: the CLI calls `configure` with the level its `-v`/`-q` flags chose and the
+format `--log-format` chose, and the coordinator actor calls it with the driver's
+(`configured()`), so its messages land in Ray's log files for that actor (and in `ray job
+logs` through Ray's log forwarding) alike. Used as a library, Archipelago adds no handler
+and the application's logging config decides.
+
+Each line carries its time and level (a platform's log pipeline sorts and filters on both);
+`json` writes one object a line (`time` in ISO 8601 UTC, `level`, `logger`, `message`, and
+`exception` when there is one) for collectors that parse rather than grep.
 """
 
 from __future__ import annotations
 
+import enum
+import json
 import logging
 import sys
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import TextIO
 
 PACKAGES = ("orchestrator", "workers", "api")
-BRIEF = "archipelago: %(message)s"
+BRIEF = "%(asctime)s %(levelname)s archipelago: %(message)s"
 DETAILED = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class LogFormat(enum.Enum):
+    TEXT = "text"
+    JSON = "json"
+
+
+@dataclass(frozen=True)
+class LogSetup:
+    """What a process configured, for the processes it starts (the coordinator) to use too."""
+
+    level: int
+    format: LogFormat = LogFormat.TEXT
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {
+            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line)
 
 
 def level_for(verbose: int, quiet: int) -> int:
@@ -41,9 +78,21 @@ class _Handler(logging.StreamHandler):
         self._fixed = value if value is not sys.stderr else self._fixed
 
 
-def configure(level: int, stream: TextIO | None = None) -> None:
+_CONFIGURED: list[LogSetup] = []  # what `configure` last installed in this process
+
+
+def configured() -> LogSetup | None:
+    """The level and format this process configured; None when embedded as a library."""
+    return _CONFIGURED[-1] if _CONFIGURED else None
+
+
+def configure(level: int, stream: TextIO | None = None, fmt: LogFormat = LogFormat.TEXT) -> None:
     handler = _Handler(stream)
-    handler.setFormatter(logging.Formatter(DETAILED if level <= logging.DEBUG else BRIEF))
+    if fmt == LogFormat.JSON:
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter(DETAILED if level <= logging.DEBUG else BRIEF))
+    _CONFIGURED[:] = [LogSetup(level, fmt)]
     for name in PACKAGES:
         logger = logging.getLogger(name)
         for old in [h for h in logger.handlers if isinstance(h, _Handler)]:

@@ -4,10 +4,13 @@ process however often it is configured, membership faults logged as warnings."""
 from __future__ import annotations
 
 import io
+import json
 import logging
+import re
 import subprocess
 import sys
 import time
+from datetime import datetime
 
 import pytest
 
@@ -15,7 +18,7 @@ from orchestrator.cli import build_parser, main
 from orchestrator.config_operations import RecordsConfig
 from orchestrator.engine.outputs.records import EventLog
 from orchestrator.engine.types import Event
-from orchestrator.logs import PACKAGES, configure, level_for
+from orchestrator.logs import PACKAGES, LogFormat, LogSetup, configure, configured, level_for
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +47,7 @@ def test_one_handler_however_often_configured_and_it_follows_stderr(capsys):
     assert len(logging.getLogger("orchestrator").handlers) == 1
     logging.getLogger("orchestrator.runtime.driver").info("hello")
     logging.getLogger("workers.runtime.island").debug("not at INFO")
-    assert capsys.readouterr().err == "archipelago: hello\n"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO archipelago: hello\n", capsys.readouterr().err)
     configure(logging.DEBUG)
     logging.getLogger("api.app").debug("detail")
     err = capsys.readouterr().err
@@ -57,8 +60,34 @@ def test_membership_faults_are_warnings_and_routine_events_debug(tmp_path):
     events = EventLog(tmp_path / "events.jsonl", RecordsConfig())
     events.add(Event.JOIN, 1)
     events.add(Event.CRASH, 2, error="node lost")
-    assert stream.getvalue() == "archipelago: crash island 2 error=node lost\n"
+    assert stream.getvalue().endswith(" WARNING archipelago: crash island 2 error=node lost\n")
+    assert stream.getvalue().count("\n") == 1
     assert len((tmp_path / "events.jsonl").read_text().splitlines()) == 2  # the file has every event
+
+
+def test_json_logs_are_one_object_a_line_with_time_level_and_the_exception(capsys):
+    configure(logging.INFO, fmt=LogFormat.JSON)
+    log = logging.getLogger("orchestrator.runtime.driver")
+    log.info("hello %s", "there")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.exception("failed")
+    first, second = (json.loads(line) for line in capsys.readouterr().err.splitlines())
+    assert first["message"] == "hello there" and first["level"] == "INFO" and first["logger"] == log.name
+    assert datetime.fromisoformat(first["time"]).tzinfo is not None
+    assert second["level"] == "ERROR" and "ValueError: boom" in second["exception"]
+    assert configured() == LogSetup(logging.INFO, LogFormat.JSON)  # what the coordinator is handed
+    configure(logging.INFO)
+
+
+def test_the_version_and_the_log_format_flag(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and re.fullmatch(r"archipelago \d+\.\d+\.\d+\S*\n", capsys.readouterr().out)
+    assert build_parser().parse_args(["run", "--log-format", "json"]).log_format == "json"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--log-format", "xml"])
 
 
 def test_quiet_config_show_prints_only_the_yaml(capsys):

@@ -26,7 +26,7 @@ import ray
 from orchestrator.config import RunConfig
 from orchestrator.engine.commands import Answer, Command
 from orchestrator.engine.types import SliceLost
-from orchestrator.logs import configure
+from orchestrator.logs import LogSetup, configure
 from orchestrator.runtime.island_actors import island_bundle
 from orchestrator.runtime.names import coordinator_name
 
@@ -46,7 +46,7 @@ class Coordinator:
         self,
         cfg: RunConfig,
         run_id: str = "local",
-        log_level: int | None = None,
+        logs: LogSetup | None = None,
         prestarted: int = 0,
         pool: IslandPools | None = None,
     ) -> None:
@@ -62,8 +62,8 @@ class Coordinator:
         from orchestrator.runtime.evaluator import start_evaluator
         from orchestrator.runtime.slices import start_slices
 
-        if log_level is not None:  # the driver's -v/-q, for this process's log file too
-            configure(log_level)
+        if logs is not None:  # the driver's -v/-q and --log-format, for this process's log file too
+            configure(logs.level, fmt=logs.format)
         torch.set_num_threads(cfg.coordinator.threads or 1)  # the outer step takes its own (`step_threads`)
         self.cfg, self.run_id = cfg, run_id
         self.metrics: Any = None

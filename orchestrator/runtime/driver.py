@@ -24,6 +24,7 @@ from orchestrator.engine.outputs.checkpoints import CheckpointError, load_checkp
 from orchestrator.engine.outputs.records import RUN_ID, link_latest
 from orchestrator.engine.types import RunFailed
 from orchestrator.engine.warm_start import check_warm_start, pending, warm_run_id
+from orchestrator.logs import configured
 from orchestrator.plan.preflight import preflight
 from orchestrator.runtime.control_plane import ControlPlane, api_token
 from orchestrator.runtime.coordinator import Coordinator, IslandPools
@@ -118,15 +119,8 @@ def start_coordinator(cfg: RunConfig, run_id: str, prestarted: int = 0, pool: Is
             max_task_retries=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
-        .remote(cfg, run_id, _configured_level(), prestarted, pool)
+        .remote(cfg, run_id, configured(), prestarted, pool)
     )
-
-
-def _configured_level() -> int | None:
-    """The level the CLI configured for Archipelago's loggers, for the coordinator's process
-    to use too; None when embedded as a library (the application's logging decides)."""
-    level = logging.getLogger("orchestrator").level
-    return level or None
 
 
 def _poll(coordinator: Any, printer: ProgressPrinter | None) -> None:
