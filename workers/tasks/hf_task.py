@@ -25,7 +25,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from workers.data.encoders import HFEncoder
 from workers.data.manifest import DataError
-from workers.tasks.chunked_loss import causal_lm_eval_loss
+from workers.tasks.chunked_loss import causal_lm_eval_loss, causal_lm_train_loss
 from workers.tasks.task import Batch, token_batch
 from workers.tasks.text_data import (
     Documents,
@@ -75,6 +75,12 @@ class HFTaskConfig(TextDataConfig):
     eval_rows: int = Field(4, ge=1, description="rows evaluated per forward (bounds evaluation's activations)")
     eval_loss_tokens: int = Field(
         1024, ge=1, description="positions whose logits exist at once when the evaluation loss is computed"
+    )
+    train_loss_tokens: int | None = Field(
+        4096,
+        ge=1,
+        description="positions whose logits exist at once in training's loss, forward and backward (recomputed "
+        "in backward); null: the whole micro-batch's logits, as the model's own forward keeps them",
     )
 
     @model_validator(mode="after")
@@ -274,11 +280,14 @@ class HFCausalLMTask:
         return min(self.cfg.eval_rows, self.cfg.batch_size)
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-        """The mean next-token loss. Without autograd (evaluation) it is computed in bounded
-        memory, `eval_rows` rows and `eval_loss_tokens` positions of logits at a time
-        (`workers/tasks/chunked_loss.py`); training's backward needs the logits whole."""
+        """The mean next-token loss in bounded memory (`workers/tasks/chunked_loss.py`):
+        without autograd (evaluation) `eval_rows` rows and `eval_loss_tokens` positions of
+        logits at a time; in training `train_loss_tokens` positions of logits at a time,
+        forward and backward."""
         if not torch.is_grad_enabled():
             return causal_lm_eval_loss(model, batch, rows=self.cfg.eval_rows, tokens=self.cfg.eval_loss_tokens)
+        if self.cfg.train_loss_tokens is not None:
+            return causal_lm_train_loss(model, batch, tokens=self.cfg.train_loss_tokens)
         x, y = batch
         logits = model(input_ids=x).logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
