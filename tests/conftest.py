@@ -8,11 +8,6 @@
 - Ray tests of other mechanisms run without the preflight plan, as `preflight: false` runs:
   it measures each distinct model once (seconds apiece, most of them a fresh interpreter),
   and the suite runs dozens of distinct toy configs. Its own tests are marked `preflight`.
-- The suite runs in two processes (pytest-xdist, `-n 2 --dist loadgroup` in pyproject):
-  every Ray test, and every test marked `serial` (the plan's rehearsals, whose processes
-  take both cores), in one of them, one at a time and in the order below, as the suite ran
-  before; the other tests share both. On 2 cores the Ray tests mostly wait (for rounds, for
-  processes to start), which the other process fills.
 - The suite's wall time is printed at the end.
 """
 
@@ -50,8 +45,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("ray") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(RAY_TEST_TIMEOUT_S))
-        if item.get_closest_marker("ray") or item.get_closest_marker("serial"):
-            item.add_marker(pytest.mark.xdist_group("serial"))  # one worker, one at a time
         if item.get_closest_marker("cuda") and not torch.cuda.is_available():
             item.add_marker(no_cuda)
     items.sort(key=_ray_group)  # stable: each group keeps the files' order

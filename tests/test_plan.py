@@ -121,7 +121,6 @@ def test_a_gpu_island_that_does_not_fit_its_accelerator_is_refused_by_how_much(c
     assert "accelerator memory on gpu, which has 80.00 GiB" in problem and "GiB over" in problem
 
 
-@pytest.mark.serial  # its processes take both cores: beside the Ray tests, not beside other work
 @pytest.mark.timeout(600)  # the 120 M Llama's three processes, each built and run at its real shapes on 2 cores
 @pytest.mark.parametrize(
     "name,argv,cluster",
