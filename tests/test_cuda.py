@@ -40,6 +40,13 @@ def test_a_bf16_island_on_cuda_matches_fp32_on_cpu(corpus_cache, task):
     assert cos > 0.95, cos  # the same update, up to bf16 rounding
 
 
+def test_the_islands_adamw_on_cuda_is_the_fused_kernel_a_bare_loop_uses(corpus_cache):
+    cfg = load_config(None, [*TINY_LM, f"task.kwargs.cache_dir={corpus_cache}", "inner.precision=bf16"])
+    island, _ = _round(cfg, "cuda")
+    group = island.optimizer.param_groups[0]
+    assert group["fused"] is True and not group["foreach"]
+
+
 @pytest.mark.ray
 def test_islands_share_one_gpu_through_fractional_gpus(corpus_cache, tmp_path):
     import ray

@@ -96,3 +96,17 @@ def test_the_inner_optimizer_steps_one_flat_parameter_as_it_would_each_tensor(co
     per_tensor = each.run(each.order(0, 4), start).delta()
     assert np.abs(flat).max() > 1e-3  # it moved
     np.testing.assert_allclose(flat, per_tensor, rtol=0, atol=1e-6)
+
+
+def test_adamw_is_fused_on_cuda_and_foreach_elsewhere():
+    """On CUDA the island's AdamW is torch's fused kernel, as the bare loop's is (the ratio
+    `bench bareloop` reports then measures orchestration); on the CPU it stays `foreach`, so
+    the CPU's numbers do not move. The CUDA run itself: `tests/test_cuda.py`."""
+    from types import SimpleNamespace
+
+    from workers.runtime.optim import adamw_kernel
+
+    assert adamw_kernel([torch.nn.Parameter(torch.zeros(3))]) == {"foreach": True}
+    on_cuda = [SimpleNamespace(device=torch.device("cuda", i)) for i in range(2)]
+    assert adamw_kernel(on_cuda) == {"fused": True}  # type: ignore[arg-type]
+    assert adamw_kernel([*on_cuda, torch.nn.Parameter(torch.zeros(1))]) == {"foreach": True}  # type: ignore[list-item]
