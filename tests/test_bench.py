@@ -110,6 +110,16 @@ def test_the_gpu_check_writes_its_cpu_rows_and_says_what_it_did_not_measure(tmp_
     assert "not measured" in (tmp_path / "gpu.md").read_text()
 
 
+def test_mfu_is_against_the_datasheet_peak_of_the_device_named():
+    from orchestrator.bench.gpu import datasheet_bf16_flops
+
+    assert datasheet_bf16_flops("NVIDIA H200") == datasheet_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert datasheet_bf16_flops("NVIDIA H100 PCIe") == 756e12  # not the SXM part's
+    assert datasheet_bf16_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert datasheet_bf16_flops("NVIDIA L4") == 121e12 and datasheet_bf16_flops("NVIDIA L40S") == 362e12
+    assert datasheet_bf16_flops("Some New GPU") is None  # then the measured peak, said in the report
+
+
 def test_every_gpu_check_row_is_a_valid_config():
     from orchestrator.bench.gpu import methods
     from workers.tasks.task import load_task
