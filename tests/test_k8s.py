@@ -261,10 +261,35 @@ def test_a_network_policy_admits_only_the_runs_pods_and_metrics_scrapes():
     assert [ports for s, ports in sources if s is src] == [{8080}]
 
 
+def test_the_monitoring_kustomization_gives_both_objects_the_release_label_kube_prometheus_stack_selects_by():
+    """kube-prometheus-stack's Prometheus loads only PodMonitors and rules labelled with its
+    Helm release (`release: <name>`), silently ignoring the rest: rendered by kustomize itself
+    (kubectl's), both carry the label and the namespace set in one place, and the PodMonitor's
+    pod selector is still the run's alone."""
+    import shutil
+    import subprocess
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl here: its kustomize renders k8s/monitoring")
+    out = subprocess.run(
+        [kubectl, "kustomize", str(K8S / "monitoring")], capture_output=True, text=True, check=True
+    ).stdout
+    docs = {d["kind"]: d for d in yaml.safe_load_all(out)}
+    assert set(docs) == {"PodMonitor", "PrometheusRule"}
+    settings = manifest("monitoring/kustomization.yaml")
+    (pairs,) = [entry["pairs"] for entry in settings["labels"]]
+    assert pairs == {"release": "kube-prometheus-stack"}  # the chart's default release name
+    for doc in docs.values():
+        assert doc["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        assert doc["metadata"]["namespace"] == settings["namespace"]
+    assert docs["PodMonitor"]["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/part-of": "archipelago"}
+
+
 def test_the_pod_monitor_scrapes_the_metrics_port_of_every_pod_of_the_run():
-    monitor = manifest("podmonitor.yaml")
+    monitor = manifest("monitoring/podmonitor.yaml")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["kind"] == "PodMonitor"
-    assert "podmonitor.yaml" not in manifest("kustomization.yaml")["resources"]  # needs the operator's CRDs
+    assert "monitoring" not in manifest("kustomization.yaml")["resources"]  # needs the operator's CRDs
     selector = monitor["spec"]["selector"]["matchLabels"]
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     for where, pod in _pods().items():
@@ -344,9 +369,9 @@ def test_the_alert_rules_load_and_watch_series_the_run_exports():
     from orchestrator.engine.outputs.views import HISTOGRAMS, ISLAND_METRICS, ISLAND_STATE, RUN_METRICS
 
     exported = {f"ray_{m.name}" for m in [*RUN_METRICS, *ISLAND_METRICS, *HISTOGRAMS, ISLAND_STATE]}
-    rule = manifest("prometheusrule.yaml")
+    rule = manifest("monitoring/prometheusrule.yaml")
     assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["kind"] == "PrometheusRule"
-    assert "prometheusrule.yaml" not in manifest("kustomization.yaml")["resources"]  # needs the operator's CRDs
+    assert "monitoring" not in manifest("kustomization.yaml")["resources"]  # needs the operator's CRDs
     alerts = [r for g in rule["spec"]["groups"] for r in g["rules"]]
     names = {r["alert"] for r in alerts}
     assert names == {

@@ -6,7 +6,7 @@ dashboard should see it long before that, within one poll of opening the page.
 
 The rule: an island with work out and no news for `STUCK_ROUNDS` times its own round of
 work, and never less than `STUCK_FLOOR_S` (a fast island's round would make an evaluation
-look like a hang). The alert rule `ArchipelagoIslandStuck` (`k8s/prometheusrule.yaml`)
+look like a hang). The alert rule `ArchipelagoIslandStuck` (`k8s/monitoring/prometheusrule.yaml`)
 applies it in PromQL to the exported `working`, `last_progress` and `stuck_after_s`, since
 a hung synchronous run publishes nothing new through Ray's metrics."""
 
