@@ -261,6 +261,26 @@ def test_a_network_policy_admits_only_the_runs_pods_and_metrics_scrapes():
     assert [ports for s, ports in sources if s is src] == [{8080}]
 
 
+@pytest.mark.parametrize("folder", ["", "job"])
+def test_every_container_states_its_pull_policy_and_the_head_outlives_its_stop_wait(folder):
+    """Nodes pull an immutable image reference once (`IfNotPresent`, said on every container,
+    not left to the tag's default), and a head pod's grace outlasts the stop wait the manifests
+    give the driver's final checkpoint (`RAY_JOB_STOP_WAIT_TIME_S`): with Kubernetes' default
+    30 s the kubelet SIGKILLed the head halfway through it."""
+    docs = _rendered(K8S / folder)
+    containers = [c for node in dicts(docs) for c in _containers(node)]
+    assert containers and all(c.get("imagePullPolicy") == "IfNotPresent" for c in containers), containers
+    heads = [node for node in dicts(docs) if any(c.get("name") == "ray-head" for c in node.get("containers", []))]
+    assert heads
+    for pod in heads:
+        (head,) = [c for c in pod["containers"] if c["name"] == "ray-head"]
+        wait = int(next(e["value"] for e in head["env"] if e["name"] == "RAY_JOB_STOP_WAIT_TIME_S"))
+        assert pod.get("terminationGracePeriodSeconds", 30) >= wait + 20, (
+            wait,
+            pod.get("terminationGracePeriodSeconds"),
+        )
+
+
 def test_the_monitoring_kustomization_gives_both_objects_the_release_label_kube_prometheus_stack_selects_by():
     """kube-prometheus-stack's Prometheus loads only PodMonitors and rules labelled with its
     Helm release (`release: <name>`), silently ignoring the rest: rendered by kustomize itself
