@@ -45,14 +45,27 @@ def splits_head(model: Any) -> bool:
     return all(getattr(config, name, None) in (None, 1, 1.0) for name in _POSTPROCESSING)
 
 
-def _token_loss_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, tokens: int) -> torch.Tensor:
-    """The sum of the cross-entropy over every position, `tokens` positions of logits at a time."""
-    flat_h = hidden.reshape(-1, hidden.shape[-1])
-    flat_y = labels.reshape(-1)
+def _token_loss_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    tokens: int,
+    ignore_index: int = -100,
+    lse: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The sum (float64) of the cross-entropy over every position, `tokens` positions of
+    logits at a time, each position's log-sum-exp kept in `lse` if given (training's
+    backward reads it). The one chunked forward evaluation and training share."""
+    flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    w, b = weight.to(hidden.dtype), _in(bias, hidden)
     total = torch.zeros((), dtype=torch.float64, device=hidden.device)
     for start in range(0, flat_y.numel(), tokens):
-        logits = head(flat_h[start : start + tokens]).float()
-        total += F.cross_entropy(logits, flat_y[start : start + tokens], reduction="sum").double()
+        end = min(start + tokens, flat_y.numel())
+        logits = F.linear(flat_h[start:end], w, b).float()
+        if lse is not None:
+            lse[start:end] = torch.logsumexp(logits, dim=-1)
+        total += F.cross_entropy(logits, flat_y[start:end], reduction="sum", ignore_index=ignore_index).double()
     return total
 
 
@@ -77,15 +90,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         tokens: int,
         ignore_index: int,
     ) -> torch.Tensor:
-        flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-        w, b = weight.to(hidden.dtype), _in(bias, hidden)
+        flat_y = labels.reshape(-1)
         lse = torch.empty(flat_y.numel(), dtype=torch.float32, device=hidden.device)
-        total = torch.zeros((), dtype=torch.float64, device=hidden.device)
-        for start in range(0, flat_y.numel(), tokens):
-            end = min(start + tokens, flat_y.numel())
-            logits = F.linear(flat_h[start:end], w, b).float()
-            lse[start:end] = torch.logsumexp(logits, dim=-1)
-            total += F.cross_entropy(logits, flat_y[start:end], reduction="sum", ignore_index=ignore_index).double()
+        total = _token_loss_sum(hidden, weight, bias, labels, tokens, ignore_index, lse)
         # a tensor, never read on the host: no sync per step on a GPU, and a fake tensor
         # (the plan's measurement) has no value to read
         count = (flat_y != ignore_index).sum().clamp_min(1)
@@ -127,13 +134,14 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
 
 def causal_lm_train_loss(
-    model: Any, batch: tuple[torch.Tensor, ...], *, tokens: int, ignore_index: int = -100
+    model: Any, batch: tuple[torch.Tensor, ...], *, tokens: int | None, ignore_index: int = -100
 ) -> torch.Tensor:
     """The mean next-token loss of `model` on `batch` = (inputs, labels) with autograd, the
     output layer's logits `tokens` positions at a time forward and backward
-    (`ChunkedCrossEntropy`); a model that post-processes its logits through its own forward."""
+    (`ChunkedCrossEntropy`); with `tokens` None, or a model that post-processes its logits,
+    through the model's own forward, its logits whole."""
     x, y = batch
-    if not splits_head(model):
+    if tokens is None or not splits_head(model):
         logits = model(input_ids=x).logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), ignore_index=ignore_index)
     hidden = model.base_model(input_ids=x).last_hidden_state
@@ -153,7 +161,8 @@ def causal_lm_eval_loss(model: Any, batch: tuple[torch.Tensor, ...], *, rows: in
         xs, ys = x[start : start + rows], y[start : start + rows]
         if chunked:
             hidden = model.base_model(input_ids=xs).last_hidden_state
-            total += _token_loss_sum(hidden, model.get_output_embeddings(), ys, tokens)
+            head = model.get_output_embeddings()
+            total += _token_loss_sum(hidden, head.weight, head.bias, ys, tokens)
         else:
             logits = model(input_ids=xs).logits
             total += F.cross_entropy(

@@ -20,7 +20,6 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from pydantic import ConfigDict, Field, model_validator
 
 from workers.data.encoders import HFEncoder
@@ -286,11 +285,7 @@ class HFCausalLMTask:
         forward and backward."""
         if not torch.is_grad_enabled():
             return causal_lm_eval_loss(model, batch, rows=self.cfg.eval_rows, tokens=self.cfg.eval_loss_tokens)
-        if self.cfg.train_loss_tokens is not None:
-            return causal_lm_train_loss(model, batch, tokens=self.cfg.train_loss_tokens)
-        x, y = batch
-        logits = model(input_ids=x).logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+        return causal_lm_train_loss(model, batch, tokens=self.cfg.train_loss_tokens)
 
     def batch_weight(self, batch: Batch) -> int:
         return int(batch[1].numel())
