@@ -4,6 +4,8 @@ in a terminal against a running job. A plain class: `ray.remote(ControlPlane)` m
 
 from __future__ import annotations
 
+import errno
+import socket
 import threading
 import time
 from typing import Any
@@ -12,7 +14,7 @@ import uvicorn
 
 from api.app import create_app
 from api.auth import TokenSource, check_exposure, is_loopback
-from api.handle import RayRunHandle
+from api.handle import RunHandle
 from api.limits import RateLimit
 
 
@@ -40,10 +42,33 @@ def server_config(
     )
 
 
+def bind_first_free(host: str, port: int, ports: int = 1) -> socket.socket:
+    """A listening socket on the first of `port` … `port + ports - 1` that is free on
+    `host`. Bound here, then handed to uvicorn, so two runs starting at once on one node
+    cannot both pick a port that looked free: the loser's bind fails and it takes the next.
+    `OSError` naming the range when every port is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for candidate in range(port, port + ports):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: past TIME_WAIT
+        try:
+            sock.bind((host, candidate))
+        except OSError as err:
+            sock.close()
+            if err.errno == errno.EADDRINUSE:
+                continue
+            raise
+        sock.listen(2048)
+        sock.set_inheritable(True)
+        return sock
+    last = port + ports - 1
+    raise OSError(errno.EADDRINUSE, f"every port of {host}:{port}{f'-{last}' if ports > 1 else ''} is taken")
+
+
 class ControlPlane:
     def __init__(
         self,
-        run_id: str,
+        handle: RunHandle,
         host: str = "127.0.0.1",
         port: int = 8600,
         token: TokenSource | None = None,
@@ -52,24 +77,28 @@ class ControlPlane:
         read_token: TokenSource | None = None,
         rate: RateLimit | None = None,
         trusted_proxies: tuple[str, ...] = (),
+        ports: int = 1,
     ) -> None:
-        """`token`: the configured token, followed in its file (rotation); `tls`:
+        """`handle`: the run served (`RayRunHandle` of a running job); `token`: the configured token, followed in its file (rotation); `tls`:
         (certificate, key) PEM files to serve HTTPS with; `read_token`, `rate`: see
-        `create_app`; `trusted_proxies`: see `server_config`."""
+        `create_app`; `trusted_proxies`: see `server_config`; `ports`: how many ports from
+        `port` up it may take (`bind_first_free`)."""
         token = token or TokenSource()
         current = token.current()
         check_exposure(host, current.decode("utf-8") if current is not None else None)
-        app = create_app(
-            RayRunHandle(run_id), token, public_reads, loopback=is_loopback(host), read_token=read_token, rate=rate
-        )
+        app = create_app(handle, token, public_reads, loopback=is_loopback(host), read_token=read_token, rate=rate)
+        sock = bind_first_free(host, port, ports)
+        port = sock.getsockname()[1]
         self.server = uvicorn.Server(server_config(app, host, port, tls, trusted_proxies))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.time() + 15
         while not self.server.started and self.thread.is_alive() and time.time() < deadline:
             time.sleep(0.02)
         if not self.server.started:
-            raise RuntimeError(f"the control plane could not listen on {host}:{port}")
+            sock.close()
+            raise RuntimeError(f"the control plane could not serve on {host}:{port}")
+        self.port = port
         self.url = f"{'https' if tls else 'http'}://{host}:{port}"
 
     def address(self) -> str:

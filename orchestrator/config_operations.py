@@ -218,7 +218,15 @@ class ApiConfig(Strict):
 
     enabled: bool = Field(False, description="serve the REST API, /metrics and the dashboard with the run")
     host: str = Field("127.0.0.1", description="0.0.0.0 to expose it (on KubeRay: through the head Service)")
-    port: int = Field(8600, ge=1, le=65535, description="port of the control plane")
+    port: int = Field(8600, ge=1, le=65535, description="port of the control plane (the first one it tries)")
+    ports: int = Field(
+        1,
+        ge=1,
+        le=100,
+        description="how many ports from `port` up the control plane may take: it serves on the first free "
+        "one, so several runs on one Ray cluster each get their own (the run logs its address and writes "
+        "it to control-plane.url in its folder)",
+    )
     public_reads: bool = Field(
         False,
         description="serve reads (status, islands, events, history, metrics) without the token; mutations "

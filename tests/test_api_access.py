@@ -138,3 +138,31 @@ def test_trusted_proxies_must_be_addresses_or_networks():
     assert ApiConfig(trusted_proxies=["10.0.0.0/8", "::1"]).trusted_proxies == ["10.0.0.0/8", "::1"]
     with pytest.raises(ValueError, match="not an address or a network"):
         ApiConfig(trusted_proxies=["ingress.local"])
+
+
+def test_a_second_control_plane_on_the_node_takes_the_next_free_port_of_its_range():
+    """Two runs on one Ray cluster each serve a control plane on its head: the second finds
+    the first's port taken and serves on the next of `api.port … + api.ports` (bound before
+    uvicorn starts, so two starting at once cannot pick the same one); a range all taken is
+    an error naming it."""
+    import socket
+
+    from api.server import ControlPlane, bind_first_free
+    from tests.http_server import free_port
+
+    base = free_port()
+    token = TokenSource(TOKEN + "-long-enough")
+    first = ControlPlane(FakeRun(), "127.0.0.1", base, token, ports=3)
+    second = ControlPlane(FakeRun(), "127.0.0.1", base, token, ports=3)
+    try:
+        assert (first.port, second.port) == (base, base + 1)
+        for plane in (first, second):
+            page = httpx.get(plane.address() + "/", timeout=5)
+            assert page.status_code == 200 and "<html" in page.text.lower()
+        with socket.socket() as third:
+            third.bind(("127.0.0.1", base + 2))
+            with pytest.raises(OSError, match=f"every port of 127.0.0.1:{base}-{base + 2} is taken"):
+                bind_first_free("127.0.0.1", base, 3)
+    finally:
+        first.shutdown()
+        second.shutdown()

@@ -292,3 +292,70 @@ def _leftovers(env, gcs) -> dict:
 
 def _lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
+
+
+def _free_pair() -> int:
+    """A port whose next is free too (the two runs' control planes take one each)."""
+    import socket
+
+    while True:
+        base = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+        return base
+
+
+def test_two_runs_submitted_to_one_cluster_at_once_both_finish_each_with_its_own_control_plane(
+    cluster, tmp_path, corpus_cache
+):
+    """Both shipped configs give the control plane a range of ports (`api.ports`): two jobs
+    submitted together to one Ray cluster, with the same config, each serve on their own
+    port, written to their run's folder. Each is paused through its own control plane until
+    both are held at once (so both served together), checked to answer for its own run,
+    resumed, and both jobs finish with their own outputs."""
+    env, address = cluster
+    base = _free_pair()
+    runs = {name: (tmp_path / name, secrets.token_hex(16)) for name in ("archipelago-a", "archipelago-b")}
+    sets = ["islands.count=1", "rounds=3", "inner_steps=10", "api.ports=2"]
+    for name, (out, token) in runs.items():
+        _submit(env, address, name, out, corpus_cache, *sets, api_port=base, api_token=token)
+    clients: dict[str, httpx.Client] = {}
+    deadline = time.time() + 240
+    while len(clients) < len(runs) and time.time() < deadline:
+        for name, (out, token) in runs.items():
+            url_file = out / "control-plane.url"
+            if name in clients or not url_file.exists():
+                continue
+            client = httpx.Client(
+                base_url=url_file.read_text().strip(), headers={"Authorization": f"Bearer {token}"}, timeout=5
+            )
+            try:
+                if client.post("/v1/run/pause").status_code == 202:
+                    clients[name] = client
+            except httpx.HTTPError:
+                pass  # listening, not yet serving
+        for name in runs:
+            assert _status(env, address, name) in ("PENDING", "RUNNING"), _logs(env, address, name)[-3000:]
+        time.sleep(0.2)
+    assert set(clients) == set(runs), ({n: (o / "control-plane.url").exists() for n, (o, _) in runs.items()},)
+    ports = {name: int(str(client.base_url).rstrip("/").rsplit(":", 1)[1]) for name, client in clients.items()}
+    assert sorted(ports.values()) == [base, base + 1], ports
+    run_ids = set()
+    for client in clients.values():
+        status = client.get("/v1/run").json()
+        while not status.get("paused"):
+            time.sleep(0.2)
+            status = client.get("/v1/run").json()
+        run_ids.add(status["run_id"])
+    assert len(run_ids) == 2  # each control plane answers for its own run
+    for client in clients.values():
+        assert client.post("/v1/run/resume").status_code == 202
+    for name, (out, _) in runs.items():
+        assert _wait_status(env, address, name, {"SUCCEEDED", "FAILED", "STOPPED"}) == "SUCCEEDED", _logs(
+            env, address, name
+        )[-3000:]
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["state"] == "finished" and summary["outer_steps"] == 3

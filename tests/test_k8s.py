@@ -95,6 +95,10 @@ def test_manifests_match_the_code():
         head = _head(spec)
         ports = {p["name"]: p["containerPort"] for p in head["ports"]}
         assert ports["archipelago-api"] == run_cfg.api.port == ApiConfig().port
+        # every port a run on this cluster may serve on is the head's, so its Service forwards it
+        assert run_cfg.api.ports > 1 and set(range(run_cfg.api.port, run_cfg.api.port + run_cfg.api.ports)) <= set(
+            ports.values()
+        )
         assert ports["metrics"] == 8080  # Ray's metrics agent, where ray_archipelago_* are exported
         env = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef", e.get("value")) for e in head["env"]}
         token_file = Path(env["ARCHIPELAGO_API_TOKEN_FILE"])  # the Secret as a file, not an env value
@@ -248,8 +252,12 @@ def test_a_network_policy_admits_only_the_runs_pods_and_metrics_scrapes():
     assert label == {"app.kubernetes.io/part-of": "archipelago"}
     rules = policy["spec"]["ingress"]
     assert rules[0] == {"from": [{"podSelector": {"matchLabels": label}}]}  # the run's own pods
-    opened = {p["port"] for rule in rules[1:] for p in rule["ports"]}
-    assert opened == {8265, ApiConfig().port, 8080}  # job server, control plane, metrics: nothing else
+    opened = {
+        port for rule in rules[1:] for p in rule["ports"] for port in range(p["port"], p.get("endPort", p["port"]) + 1)
+    }
+    run_cfg = load_config(K8S / "run-config.yaml")
+    planes = set(range(run_cfg.api.port, run_cfg.api.port + run_cfg.api.ports))  # one per run on the cluster
+    assert opened == {8265, 8080, *planes}  # job server, control planes, metrics: nothing else
     assert rules[1]["from"] == [{"podSelector": {}}]  # this namespace's pods
     sources = [(src, {p["port"] for p in rule["ports"]}) for rule in rules[2:] for src in rule["from"]]
     for src, _ in sources:  # from another namespace: only the KubeRay operator, only Prometheus

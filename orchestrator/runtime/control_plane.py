@@ -12,12 +12,15 @@ ends with it. The token never leaves this process."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from orchestrator.config import RunConfig
 from orchestrator.engine.types import RunFailed
+from workers.runtime.storage import is_url
 
 log = logging.getLogger(__name__)
+URL_FILE = "control-plane.url"  # in the run's folder: the address this run's control plane serves on
 
 
 def api_token(cfg: RunConfig) -> str | None:
@@ -36,8 +39,10 @@ def api_token(cfg: RunConfig) -> str | None:
 
 
 class ControlPlane:
-    """`start` serves `cfg.api.host:port` (returns once it listens; a port it cannot take
-    fails the run before it trains), `close` stops it. Nothing when `api.enabled` is off."""
+    """`start` serves `cfg.api.host` on the first free port of `api.port` … `+ api.ports`
+    (returns once it listens; no port it can take fails the run before it trains), logs the
+    address and writes it to the run's folder (`URL_FILE`); `close` stops it. Nothing when
+    `api.enabled` is off."""
 
     def __init__(self, cfg: RunConfig, run_id: str, token: str | None) -> None:
         self.cfg, self.run_id, self.token = cfg, run_id, token
@@ -47,13 +52,14 @@ class ControlPlane:
         if not self.cfg.api.enabled:
             return
         from api.auth import ExposureError, configured_read_source, configured_source
+        from api.handle import RayRunHandle
         from api.limits import rate_limit
         from api.server import ControlPlane as Server
 
         api = self.cfg.api
         try:
             self.server = Server(
-                self.run_id,
+                RayRunHandle(self.run_id),
                 api.host,
                 api.port,
                 configured_source(self.token),
@@ -62,12 +68,18 @@ class ControlPlane:
                 read_token=configured_read_source(),
                 rate=rate_limit(api.rate_per_s, api.rate_burst),
                 trusted_proxies=tuple(api.trusted_proxies),
+                ports=api.ports,
             )
         except ExposureError as err:
             raise RunFailed(f"control plane refused: {err}") from err
         except (RuntimeError, OSError, ValueError) as err:
             raise RunFailed(f"the control plane did not start: {err}") from err
-        log.info("control plane: %s  (dashboard at /, API at /v1, docs at /docs)", self.server.address())
+        address = self.server.address()
+        log.info("control plane: %s  (dashboard at /, API at /v1, docs at /docs)", address)
+        if not is_url(self.cfg.out_dir):  # where a script or the next person finds it, beside the run's outputs
+            folder = Path(self.cfg.out_dir)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / URL_FILE).write_text(address + "\n")
 
     def close(self) -> None:
         if self.server is not None:
