@@ -85,12 +85,14 @@ def _head_volumes(spec: dict) -> list[dict]:
 
 
 SECRET = "archipelago-api-token"  # created with `kubectl create secret` (docs/deploy.md), never a tracked file
+READ_SECRET = "archipelago-api-read-token"  # the read-only token (dashboards, watchers), likewise
 HF_SECRET = "archipelago-hf-token"  # the Hub token, optional: likewise created by hand
+RUN_CONFIG_DIR = "/etc/archipelago/run"  # where the RayJob's head mounts the run's config (k8s/config)
 
 
 def test_manifests_match_the_code():
     cluster, job = manifest("raycluster.yaml")["spec"], manifest("job/rayjob.yaml")["spec"]
-    run_cfg = load_config(K8S / "run-config.yaml")
+    run_cfg = load_config(K8S / "config" / "run-config.yaml")
     for spec in (cluster, job["rayClusterSpec"]):
         head = _head(spec)
         ports = {p["name"]: p["containerPort"] for p in head["ports"]}
@@ -105,8 +107,12 @@ def test_manifests_match_the_code():
         assert "ARCHIPELAGO_API_TOKEN" not in env
         mounts = {m["name"]: m["mountPath"] for m in head["volumeMounts"]}
         secrets = {v["name"]: v["secret"]["secretName"] for v in _head_volumes(spec) if "secret" in v}
-        assert secrets == {SECRET: SECRET, "hf-token": HF_SECRET}
+        assert secrets == {SECRET: SECRET, READ_SECRET: READ_SECRET, "hf-token": HF_SECRET}
         assert mounts["archipelago-api-token"] == str(token_file.parent) and token_file.name == "token"
+        # the read-only token: a Secret of its own, as a file the control plane follows (api/auth.py)
+        read_file = Path(env["ARCHIPELAGO_API_READ_TOKEN_FILE"])
+        assert mounts[READ_SECRET] == str(read_file.parent) and read_file.name == "token"
+        assert "ARCHIPELAGO_API_READ_TOKEN" not in env and read_file.parent != token_file.parent
         assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) >= 30  # the final checkpoint of a stopped job
         # every node's Ray frees objects as often as the Ray a run starts on one machine does
         ray_pods = [head, *(g["template"]["spec"]["containers"][0] for g in spec["workerGroupSpecs"])]
@@ -126,7 +132,10 @@ def test_manifests_match_the_code():
     # a round of the shipped H may take several seconds per inner step before an island is late
     assert run_cfg.deadline_s(run_cfg.inner_steps) >= 5 * run_cfg.inner_steps
     entry = job["entrypoint"].split()
-    assert entry[:2] == ["archipelago", "run"] and entry[entry.index("--config") + 1] == "/app/k8s/run-config.yaml"
+    assert (
+        entry[:2] == ["archipelago", "run"]
+        and entry[entry.index("--config") + 1] == f"{RUN_CONFIG_DIR}/run-config.yaml"
+    )
     dockerfile = (K8S / "Dockerfile").read_text()
     assert "WORKDIR /app" in dockerfile and "rayproject/ray:2.60.0" in dockerfile
 
@@ -194,20 +203,65 @@ def _pods() -> dict[str, dict]:
     return pods
 
 
+def _without_run_config(spec: dict) -> dict:
+    """A cluster spec less the RayJob head's run-config volume and its mount."""
+    spec = copy.deepcopy(spec)
+    pod = spec["headGroupSpec"]["template"]["spec"]
+    pod["volumes"] = [v for v in pod["volumes"] if v["name"] != "run-config"]
+    head = pod["containers"][0]
+    head["volumeMounts"] = [m for m in head["volumeMounts"] if m["name"] != "run-config"]
+    return spec
+
+
 def test_the_rayjob_runs_the_same_cluster_as_the_raycluster():
-    assert manifest("job/rayjob.yaml")["spec"]["rayClusterSpec"] == manifest("raycluster.yaml")["spec"]
+    job = manifest("job/rayjob.yaml")["spec"]["rayClusterSpec"]
+    assert _without_run_config(job) == manifest("raycluster.yaml")["spec"]
 
 
-def test_a_retried_rayjob_continues_its_run():
-    """Each retry is a new cluster and a new submission: the entrypoint's `--run-id` is what
-    makes it continue the run from the shared volume's checkpoints."""
+def _kustomize(folder: Path) -> list[dict]:
+    import shutil
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl here: its kustomize renders the kustomizations")
+    out = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True, check=True).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_a_rayjob_reads_its_config_from_a_configmap_made_at_apply_and_names_its_run_after_itself():
+    """No image rebuild and no manifest edit per run (rendered by kustomize itself): the run's
+    config is a ConfigMap generated from k8s/config/run-config.yaml, named with its content's
+    hash, and the head mounts exactly that one where the entrypoint reads it; the run id is
+    the RayJob's name — the submitter Job KubeRay creates carries it, its pod exports it from
+    its own label, and the entrypoint (run by KubeRay in the submitter's shell) passes it as
+    `--run-id`. So each retry (a new cluster, a new submission) continues the same run from
+    the shared volume's checkpoints, and another RayJob name is another run."""
+    import shlex
+
     from orchestrator.cli import build_parser
 
-    job = manifest("job/rayjob.yaml")["spec"]
-    assert job["backoffLimit"] >= 1
-    args = build_parser().parse_args(job["entrypoint"].split()[1:])
-    assert args.command == "run" and args.run_id == manifest("job/rayjob.yaml")["metadata"]["name"]
-    run_config = manifest("run-config.yaml")
+    docs = {d["kind"]: d for d in _kustomize(K8S / "job")}
+    config_map, job = docs["ConfigMap"], docs["RayJob"]
+    assert config_map["metadata"]["name"].startswith("archipelago-run-config-")  # the content's hash
+    assert config_map["data"]["run-config.yaml"] == (K8S / "config" / "run-config.yaml").read_text()
+    head_pod = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    (volume,) = [v for v in head_pod["volumes"] if v["name"] == "run-config"]
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    mounts = {m["name"]: m["mountPath"] for m in head_pod["containers"][0]["volumeMounts"]}
+    assert mounts["run-config"] == RUN_CONFIG_DIR
+
+    assert job["spec"]["backoffLimit"] >= 1
+    (submitter,) = job["spec"]["submitterPodTemplate"]["spec"]["containers"]
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in submitter["env"] if "valueFrom" in e}
+    assert env["ARCHIPELAGO_RUN_ID"] == "metadata.labels['batch.kubernetes.io/job-name']"
+    words = shlex.split(job["spec"]["entrypoint"])
+    args = build_parser().parse_args(words[1:])
+    assert args.command == "run" and args.run_id == "$ARCHIPELAGO_RUN_ID"  # expanded by the submitter's shell
+    expanded = build_parser().parse_args(
+        shlex.split(job["spec"]["entrypoint"].replace("$ARCHIPELAGO_RUN_ID", "r1"))[1:]
+    )
+    assert expanded.run_id == "r1" and expanded.config == f"{RUN_CONFIG_DIR}/run-config.yaml"
+    run_config = manifest("config/run-config.yaml")
     assert run_config["checkpoint"]["path"].startswith("/mnt/archipelago/")  # on the shared volume
 
 
@@ -238,7 +292,7 @@ def test_every_pod_runs_unprivileged_as_the_images_user_with_resources():
             local = {v["name"] for v in spec.get("volumes", []) if "emptyDir" in v}  # the pod's own scratch
             writable = [m for m in mounts if not m.get("readOnly") and m["name"] not in local]
             assert [(m["mountPath"], m["subPath"]) for m in writable] == [(CHECKPOINTS, "checkpoints")], where
-            for config in ("run-config.yaml", "hf-llama-config.yaml"):  # islands/ lies under it
+            for config in ("config/run-config.yaml", "hf-llama-config.yaml"):  # islands/ lies under it
                 assert f"{manifest(config)['checkpoint']['path']}/".startswith(f"{CHECKPOINTS}/"), config
     for spec in (manifest("raycluster.yaml")["spec"], manifest("job/rayjob.yaml")["spec"]["rayClusterSpec"]):
         assert spec["authOptions"] == {"mode": "token"}  # Ray's job server and GCS need Ray's token too
@@ -255,7 +309,7 @@ def test_a_network_policy_admits_only_the_runs_pods_and_metrics_scrapes():
     opened = {
         port for rule in rules[1:] for p in rule["ports"] for port in range(p["port"], p.get("endPort", p["port"]) + 1)
     }
-    run_cfg = load_config(K8S / "run-config.yaml")
+    run_cfg = load_config(K8S / "config" / "run-config.yaml")
     planes = set(range(run_cfg.api.port, run_cfg.api.port + run_cfg.api.ports))  # one per run on the cluster
     assert opened == {8265, 8080, *planes}  # job server, control planes, metrics: nothing else
     assert rules[1]["from"] == [{"podSelector": {}}]  # this namespace's pods
@@ -342,6 +396,9 @@ def test_no_token_value_is_tracked_or_shipped():
     assert "k8s/secret.yaml" in (REPO / ".gitignore").read_text().split()
     deploy = (REPO / "docs" / "deploy.md").read_text()
     assert f"kubectl create secret generic {SECRET}" in deploy and "sed -i" not in deploy
+    assert f"kubectl create secret generic {READ_SECRET}" in deploy
+    # the guide opens the dashboard with the read-only token, never the operator's
+    assert f"secret {READ_SECRET} -o jsonpath" in deploy and '#token=$TOKEN"' not in deploy
 
 
 def _rendered(folder: Path) -> list[dict]:
