@@ -431,14 +431,36 @@ def _images(tree) -> list[str]:
     return [c["image"] for node in dicts(tree) for c in _containers(node)]
 
 
+def _pinned(image: str) -> bool:
+    """A digest, or a tag that is a commit (12 to 40 hex digits): what one build alone has.
+    A release or branch name (`0.1.0`, `main`, `latest`) is reused across builds."""
+    import re
+
+    if re.fullmatch(r"[^@\s]+@sha256:[0-9a-f]{64}", image):
+        return True
+    name, _, tag = image.rpartition(":")
+    return bool(name) and "/" not in tag and re.fullmatch(r"[0-9a-f]{12,40}", tag) is not None
+
+
+def test_only_a_digest_or_a_commit_pins_the_image():
+    assert _pinned("ghcr.io/o/archipelago@sha256:" + "a" * 64)
+    assert _pinned("ghcr.io/o/archipelago:dbe97d35c1c4")
+    assert _pinned("localhost:5000/archipelago:" + "0" * 40)
+    for reused in ("ghcr.io/o/archipelago:0.1.0", "ghcr.io/o/archipelago:latest", "ghcr.io/o/archipelago",
+                   "localhost:5000/archipelago", "ghcr.io/o/archipelago:main", "ghcr.io/o/archipelago@sha256:abc"):  # fmt: skip
+        assert not _pinned(reused), reused
+    script = (K8S / "image" / "build.sh").read_text()  # what sets it: the commit's tag, then its digest
+    assert "commit=$(git rev-parse HEAD)" in script and '"$repo:$commit"' in script and "RepoDigests" in script
+    assert "git status --porcelain" in script  # a build of uncommitted changes would carry the wrong name
+
+
 @pytest.mark.parametrize("folder", ["", "job"])
 def test_the_image_is_set_once_and_immutable_in_what_each_kustomization_renders(folder):
     docs = _rendered(K8S / folder)
     images = _images(docs)
     assert images and len(set(images)) == 1, images  # head, workers, submitter: one image, one place
     (image,) = set(images)
-    name, _, tag = image.rpartition(":")
-    assert "@sha256:" in image or (name and tag and tag != "latest"), image
+    assert _pinned(image), image
     for path in [*K8S.glob("*.yaml"), *K8S.glob("job/*.yaml")]:  # no manifest names a tag of its own
         assert "archipelago:latest" not in path.read_text(), path
 
@@ -509,3 +531,76 @@ def test_every_ray_pods_object_store_is_sized_in_memory_backed_shared_memory(fil
         limit = quantity(container["resources"]["limits"]["memory"])
         assert volume["medium"] == "Memory" and quantity(volume["sizeLimit"]) >= store
         assert store <= 0.5 * limit, (store, limit)
+
+
+# The machines each cloud component names, as their providers list them (vCPU, memory GiB,
+# GPUs, memory of one GPU in GiB): an independent record, not read from the components.
+MACHINES = {
+    "p5.4xlarge": (16, 256, 1, 80),  # AWS: 1 H100 80 GB
+    "a3-highgpu-1g": (26, 218, 1, 80),  # Google Cloud: 1 H100 80 GB, 234 GB = 218 GiB
+    "Standard_NC40ads_H100_v5": (40, 320, 1, 94),  # Azure: 1 H100 NVL 94 GB
+}
+# what a cloud's RWX class needs: (class, provisioner family, smallest share in GiB)
+STORAGE = {
+    "aws": ("efs-sc", 0),  # EFS: elastic, no minimum
+    "gcp": ("standard-rwx", 1024),  # Filestore basic: 1 TiB at least
+    "azure": ("azurefile-csi-premium", 100),  # Azure Files premium: 100 GiB at least
+}
+
+
+def _with_component(tmp_path: Path, folder: str, component: str) -> list[dict]:
+    """What `kubectl kustomize` renders for k8s/<folder> with the component added, as a user
+    adds it (a copy of k8s/, so the checkout is untouched)."""
+    import shutil
+
+    tree = tmp_path / "k8s"
+    shutil.copytree(K8S, tree)
+    path = tree / folder / "kustomization.yaml"
+    kustomization = yaml.safe_load(path.read_text())
+    prefix = "../" if folder else ""
+    kustomization["components"] = [*kustomization.get("components", []), f"{prefix}clouds/{component}"]
+    path.write_text(yaml.safe_dump(kustomization))
+    return _kustomize(tree / folder)
+
+
+@pytest.mark.parametrize("cloud", sorted(STORAGE))
+@pytest.mark.parametrize("folder", ["", "job"])
+def test_each_clouds_component_fits_its_named_machine_and_gives_the_volume_a_class_it_has(tmp_path, cloud, folder):
+    """Rendered by kustomize with the cloud's component: the GPU workers select a machine
+    that exists and ask for less than it has (a share left for the kubelet and daemon
+    sets), the accelerator memory the plan trusts is that machine's GPU's, the rest of the
+    pod (object store in /dev/shm, drain, tokens) still holds, and the shared volume asks a
+    ReadWriteMany class of that cloud for at least its smallest share."""
+    from orchestrator.plan.cluster import quantity
+
+    docs = _with_component(tmp_path, folder, cloud)
+    clusters = [d["spec"].get("rayClusterSpec", d["spec"]) for d in docs if d["kind"] in ("RayCluster", "RayJob")]
+    assert clusters
+    for spec in clusters:
+        (group,) = spec["workerGroupSpecs"]
+        pod = group["template"]["spec"]
+        selector = pod["nodeSelector"]
+        machine = selector["node.kubernetes.io/instance-type"]
+        cpus, memory_gib, gpus, gpu_gib = MACHINES[machine]
+        container = pod["containers"][0]
+        requests = container["resources"]["requests"]
+        assert requests == container["resources"]["limits"]  # Guaranteed, as in the base
+        assert quantity(requests["cpu"]) <= cpus - 1, (machine, requests)
+        assert quantity(requests["memory"]) <= 0.9 * memory_gib * 2**30, (machine, requests)
+        assert int(requests["nvidia.com/gpu"]) <= gpus
+        annotation = group["template"]["metadata"]["annotations"]["archipelago.io/accelerator-memory"]
+        assert quantity(annotation) == gpu_gib * 2**30, (machine, annotation)
+        store = int(group["rayStartParams"]["object-store-memory"])
+        assert store <= 0.5 * quantity(container["resources"]["limits"]["memory"])
+        head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
+        env = {e["name"] for e in head["env"]}
+        assert {"ARCHIPELAGO_API_TOKEN_FILE", "ARCHIPELAGO_API_READ_TOKEN_FILE"} <= env
+        assert any(t.get("key") == "nvidia.com/gpu" for t in pod["tolerations"])
+    claims = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    if folder == "":  # the long-lived cluster's kustomization carries the claim
+        (claim,) = claims
+        storage_class, smallest = STORAGE[cloud]
+        assert claim["spec"]["storageClassName"] == storage_class and claim["spec"]["accessModes"] == ["ReadWriteMany"]
+        assert quantity(claim["spec"]["resources"]["requests"]["storage"]) >= smallest * 2**30
+    images = _images(docs)
+    assert images and len(set(images)) == 1
