@@ -131,7 +131,11 @@ def test_a_gpu_island_that_does_not_fit_its_accelerator_is_refused_by_how_much(c
             ["--set", "task.factory=workers.tasks.hf_task:make_task", "--set", "task.kwargs.preset=tiny-llama"],
             None,
         ),
-        ("run-config", [str(REPO / "k8s" / "config" / "run-config.yaml")], CLUSTER),  # the default's model: planned only
+        (
+            "run-config",
+            [str(REPO / "k8s" / "config" / "run-config.yaml")],
+            CLUSTER,
+        ),  # the default's model: planned only
         # the real 120 M architecture, vocabulary and context; C4 and GPT-2's tokenizer replaced by
         # the stdlib corpus and a trained tokenizer (ids below the vocabulary); fp32 on this CPU
         (
