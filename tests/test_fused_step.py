@@ -182,3 +182,46 @@ def test_a_run_through_faults_and_a_restart_is_bitwise_the_mean_then_step_run(tm
         reference["islands"][i]["rejections"] for i in sorted(reference["islands"])
     ]
     assert sum(s["rejections"] for s in summary["islands"].values()) >= 2  # the NaNs were refused
+
+
+_WITHOUT_NUMBA = """
+import sys
+sys.modules["numba"] = None  # as if the `fast` extra were not installed: `import numba` fails
+from pathlib import Path
+from orchestrator.algorithms.fused_step import available
+from orchestrator.engine.step.rules import takes_one_pass
+from orchestrator.plan.cluster import this_machine
+from orchestrator.plan.planner import plan_run
+from tests.engine_scenarios import drive, scenario_cfg
+from tests.helpers import in_process_engine
+cfg = scenario_cfg(Path(sys.argv[1]), "diloco", "task.kwargs.dtype=float32", "outer.merge=mean")
+engine, _ = in_process_engine(cfg)
+drive(engine)
+needs = [n.parts for n in plan_run(cfg, this_machine(), under_ray=False).needs if n.process == "coordinator"]
+print(available(), takes_one_pass(cfg), engine.outer.one_pass is None, engine.summary["state"],
+      engine.summary["outer_steps"], any("mean buffer" in parts for parts in needs))
+"""
+
+
+def test_without_numba_the_coordinator_steps_mean_then_step_and_the_plan_sizes_that(tmp_path):
+    """numba is the `fast` extra, not a core dependency: in a process where it cannot be
+    imported, a run whose rule the one pass would take steps mean-then-step to the end (the
+    same numbers, tested above with the pass switched off), and the plan sizes the
+    coordinator's mean buffer instead of the pass's spares."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_NUMBA, str(tmp_path)],
+        check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    available, fused, plain, state, steps, mean_buffer = proc.stdout.split()[-6:]
+    assert (available, fused, plain, state, mean_buffer) == ("False", "False", "True", "finished", "True")
+    assert int(steps) > 0

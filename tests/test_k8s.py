@@ -188,7 +188,8 @@ def test_runtime_env_ships_the_package_dependencies():
     deps = tomllib.loads((K8S.parent / "pyproject.toml").read_text())["project"]["dependencies"]
     env = manifest("runtime-env.yaml")
     assert env["working_dir"] == "."
-    assert env["pip"]["packages"] == [d for d in deps if not d.startswith("ray")]
+    fast = tomllib.loads((K8S.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]["fast"]
+    assert env["pip"]["packages"] == [d for d in deps if not d.startswith("ray")] + fast  # the coordinator's kernel
 
 
 def _pods() -> dict[str, dict]:

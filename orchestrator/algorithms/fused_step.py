@@ -19,7 +19,11 @@ takes (`llvm.fma`), and no fast-math on the arithmetic that reaches the paramete
 the norms' sums may be reassociated (they are admission's, in float64).
 
 The kernel is generated per (K, rule) and compiled on first use in a process (about a
-second; numba compiles `exec`'d source but cannot cache it on disk)."""
+second; numba compiles `exec`'d source but cannot cache it on disk).
+
+numba is optional (the `fast` extra; the image and the test extra install it): without it
+`available()` is False and the coordinator takes the mean-then-step path, the same numbers
+bit for bit at about half this pass's rate, which matters only for large models."""
 
 from __future__ import annotations
 
@@ -30,6 +34,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+
+@functools.cache
+def available() -> bool:
+    """Whether numba (and its llvmlite) can be imported here, so the kernel can be built."""
+    try:
+        import llvmlite  # noqa: F401
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

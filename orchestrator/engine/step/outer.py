@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from orchestrator.algorithms import fused_step
 from orchestrator.algorithms.aggregate import WeightedMean, all_finite, sqnorm
 from orchestrator.algorithms.fused_step import SGDRule, mean_step
 from orchestrator.config_sections import OuterMerge
@@ -137,9 +138,11 @@ class OuterStep:
     def one_pass(self) -> OnePass | None:
         """The one-pass path for this rule, if it has one: `FlatSGD` on the mean as it is
         (no clipping, no anchors), over float32 parameters in host memory (the kernel's;
-        float64 is the reference vectors' precision, and they take the usual step)."""
+        float64 is the reference vectors' precision, and they take the usual step), where
+        numba is installed."""
         if (
             self.fusable
+            and fused_step.available()
             and self.grad_clip is None
             and not self.anchored
             and self.param.dtype == torch.float32

@@ -139,8 +139,11 @@ def rule_of(cfg: RunConfig) -> RuleRow:
 def takes_one_pass(cfg: RunConfig) -> bool:
     """Whether the outer step of a run of `cfg` can be the one-pass kernel (`OuterStep.fusable`
     of its built rule): the rule has one and the merge is the mean (RDA reads each update
-    twice). The plan sizes the coordinator's spare buffers by it without building the rule."""
-    return rule_of(cfg).one_pass and cfg.outer.merged == OuterMerge.MEAN
+    twice), and numba is installed. The plan sizes the coordinator's spare buffers by it
+    without building the rule."""
+    from orchestrator.algorithms.fused_step import available
+
+    return rule_of(cfg).one_pass and cfg.outer.merged == OuterMerge.MEAN and available()
 
 
 def outer_rule(cfg: RunConfig) -> OuterRule:
