@@ -49,7 +49,7 @@ def bind_first_free(host: str, port: int, ports: int = 1) -> socket.socket:
     `OSError` naming the range when every port is taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for candidate in range(port, port + ports):
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP named: asyncio sets TCP_NODELAY only then
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: past TIME_WAIT
         try:
             sock.bind((host, candidate))
@@ -59,7 +59,6 @@ def bind_first_free(host: str, port: int, ports: int = 1) -> socket.socket:
                 continue
             raise
         sock.listen(2048)
-        sock.set_inheritable(True)
         return sock
     last = port + ports - 1
     raise OSError(errno.EADDRINUSE, f"every port of {host}:{port}{f'-{last}' if ports > 1 else ''} is taken")

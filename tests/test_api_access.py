@@ -159,6 +159,12 @@ def test_a_second_control_plane_on_the_node_takes_the_next_free_port_of_its_rang
         for plane in (first, second):
             page = httpx.get(plane.address() + "/", timeout=5)
             assert page.status_code == 200 and "<html" in page.text.lower()
+        # a TCP socket by name: asyncio sets TCP_NODELAY on what it accepts only then, and
+        # without it every response waited out the client's delayed ACK (44 ms a request,
+        # against 2 ms; the REST chaos run outran its own requests)
+        probe = bind_first_free("127.0.0.1", free_port())
+        assert probe.proto == socket.IPPROTO_TCP
+        probe.close()
         with socket.socket() as third:
             third.bind(("127.0.0.1", base + 2))
             with pytest.raises(OSError, match=f"every port of 127.0.0.1:{base}-{base + 2} is taken"):
