@@ -19,14 +19,14 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 
-from api import prometheus
-from api.auth import TokenSource
-from api.guard import bearer_guard
-from api.handle import HandleError, RunHandle
-from api.limits import MAX_BODY, FrontDoor, RateLimit
-from api.schemas import Accepted, Target
-from api.schemas import AddIslands as AddIslandsBody
-from orchestrator.engine.commands import (
+from archipelago.api import prometheus
+from archipelago.api.auth import TokenSource
+from archipelago.api.guard import bearer_guard
+from archipelago.api.handle import HandleError, RunHandle
+from archipelago.api.limits import MAX_BODY, FrontDoor, RateLimit
+from archipelago.api.schemas import Accepted, Target
+from archipelago.api.schemas import AddIslands as AddIslandsBody
+from archipelago.orchestrator.engine.commands import (
     MAX_KEY_LENGTH,
     AddIslands,
     Command,
@@ -41,8 +41,8 @@ from orchestrator.engine.commands import (
     Stop,
     UpdateSettings,
 )
-from orchestrator.engine.fleet.watch import watched
-from orchestrator.engine.outputs.views import EventRecord, IslandView, RoundRecord, RunStatus
+from archipelago.orchestrator.engine.fleet.watch import watched
+from archipelago.orchestrator.engine.outputs.views import EventRecord, IslandView, RoundRecord, RunStatus
 
 # the HTTP status of each refusal reason
 REFUSAL_STATUS = {
@@ -94,7 +94,7 @@ def _dashboard() -> tuple[str, str]:
     """The dashboard page and its Content-Security-Policy: only the page's own inline script
     and style run (pinned by hash), it fetches from this origin only, submits no form and
     is framed by no other site."""
-    page = resources.files("api").joinpath("dashboard.html").read_text()
+    page = resources.files("archipelago.api").joinpath("dashboard.html").read_text()
 
     def pinned(tag: str) -> str:
         inline = page.split(f"<{tag}>", 1)[1].split(f"</{tag}>", 1)[0]

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from orchestrator.engine.commands import Answer, Command
-from orchestrator.engine.outputs.views import EventRecord
-from orchestrator.runtime.names import NAMESPACE, coordinator_name, run_id_of_coordinator
+from archipelago.orchestrator.engine.commands import Answer, Command
+from archipelago.orchestrator.engine.outputs.views import EventRecord
+from archipelago.orchestrator.runtime.names import NAMESPACE, coordinator_name, run_id_of_coordinator
 
 
 class HandleError(Exception):

@@ -21,10 +21,17 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import generate_latest
 
-from orchestrator.engine.fleet.watch import watched
-from orchestrator.engine.outputs import views
-from orchestrator.engine.outputs.views import HISTOGRAMS, ISLAND_METRICS, ISLAND_STATE, RUN_METRICS, MetricKind, current
-from orchestrator.engine.types import IslandState
+from archipelago.orchestrator.engine.fleet.watch import watched
+from archipelago.orchestrator.engine.outputs import views
+from archipelago.orchestrator.engine.outputs.views import (
+    HISTOGRAMS,
+    ISLAND_METRICS,
+    ISLAND_STATE,
+    RUN_METRICS,
+    MetricKind,
+    current,
+)
+from archipelago.orchestrator.engine.types import IslandState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import uvicorn
 
-from api.app import create_app
-from api.auth import TokenSource, check_exposure, is_loopback
-from api.handle import RunHandle
-from api.limits import RateLimit
+from archipelago.api.app import create_app
+from archipelago.api.auth import TokenSource, check_exposure, is_loopback
+from archipelago.api.handle import RunHandle
+from archipelago.api.limits import RateLimit
 
 
 def server_config(
@@ -49,7 +49,9 @@ def bind_first_free(host: str, port: int, ports: int = 1) -> socket.socket:
     `OSError` naming the range when every port is taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for candidate in range(port, port + ports):
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP named: asyncio sets TCP_NODELAY only then
+        sock = socket.socket(
+            family, socket.SOCK_STREAM, socket.IPPROTO_TCP
+        )  # TCP named: asyncio sets TCP_NODELAY only then
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: past TIME_WAIT
         try:
             sock.bind((host, candidate))

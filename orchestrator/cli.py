@@ -1,7 +1,7 @@
 """`archipelago` command line: run, plan, config show/docs, serve, export, bench, data prepare.
 
 What a command produces (the config YAML, the reference page, the final summary, the
-progress line) goes to stdout; everything else is logged (`orchestrator.logs`), to stderr,
+progress line) goes to stdout; everything else is logged (`archipelago.orchestrator.logs`), to stderr,
 at the level `-v`/`-q` choose.
 """
 
@@ -16,8 +16,8 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config_load import ConfigError, check_folders, check_task_spec, dump_config, load_config
-from orchestrator.logs import LogFormat, configure, level_for
+from archipelago.orchestrator.config_load import ConfigError, check_folders, check_task_spec, dump_config, load_config
+from archipelago.orchestrator.logs import LogFormat, configure, level_for
 
 log = logging.getLogger(__name__)
 
@@ -223,9 +223,9 @@ def _plan(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from orchestrator.plan.cluster import ClusterError, from_manifest, from_ray, quantity, this_machine
-    from orchestrator.plan.planner import on_cpu, plan_run
-    from workers.tasks.hf_task import PlanInputError
+    from archipelago.orchestrator.plan.cluster import ClusterError, from_manifest, from_ray, quantity, this_machine
+    from archipelago.orchestrator.plan.planner import on_cpu, plan_run
+    from archipelago.workers.tasks.hf_task import PlanInputError
 
     if args.config_file and args.config:
         log.error("give the config once: as the argument or with --config")
@@ -265,7 +265,7 @@ def _plan(args: argparse.Namespace) -> int:
     report = plan.as_dict()
     rehearsed_ok = True
     if args.rehearse:
-        from orchestrator.plan.rehearse import TOLERANCE, rehearse
+        from archipelago.orchestrator.plan.rehearse import TOLERANCE, rehearse
 
         rehearsed = rehearse(cfg)
         sys.stdout.write("rehearsal on this machine's CPU (no Ray):\n")
@@ -281,8 +281,8 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     import uvicorn
 
-    from api.app import create_app
-    from api.auth import (
+    from archipelago.api.app import create_app
+    from archipelago.api.auth import (
         ExposureError,
         check_exposure,
         configured_read_source,
@@ -290,10 +290,10 @@ def _serve(args: argparse.Namespace) -> int:
         configured_token,
         is_loopback,
     )
-    from api.handle import RayRunHandle, find_run
-    from api.limits import rate_limit
-    from api.server import server_config
-    from orchestrator.config_operations import ApiConfig
+    from archipelago.api.handle import RayRunHandle, find_run
+    from archipelago.api.limits import rate_limit
+    from archipelago.api.server import server_config
+    from archipelago.orchestrator.config_operations import ApiConfig
 
     if (args.tls_cert is None) != (args.tls_key is None):
         log.error("--tls-cert and --tls-key go together")
@@ -327,7 +327,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _config_docs(args: argparse.Namespace) -> int:
-    from orchestrator.config_docs import render
+    from archipelago.orchestrator.config_docs import render
 
     page = render()
     if args.out:
@@ -341,8 +341,8 @@ def _config_docs(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     import torch
 
-    from orchestrator.runtime.driver import ResumeRefused, resume_id
-    from workers.tasks.task import TaskError, export_pretrained, load_task
+    from archipelago.orchestrator.runtime.driver import ResumeRefused, resume_id
+    from archipelago.workers.tasks.task import TaskError, export_pretrained, load_task
 
     run_dir = Path(args.run_dir)
     try:
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config" and args.config_command == "docs":
         return _config_docs(args)
     if args.command == "data":
-        from orchestrator.data_cli import prepare_command
+        from archipelago.orchestrator.data_cli import prepare_command
 
         return prepare_command(args)
     overrides = list(args.overrides)
@@ -404,7 +404,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         sys.stdout.write(dump_config(cfg))
         return 0
-    from orchestrator.runtime.driver import ResumeRefused, check_resumable, process_started_at, resume_id, run
+    from archipelago.orchestrator.runtime.driver import (
+        ResumeRefused,
+        check_resumable,
+        process_started_at,
+        resume_id,
+        run,
+    )
 
     if resume and args.run_id:
         log.error("--resume continues the run its folder records: --run-id names another way, give one")
@@ -429,9 +435,9 @@ def main(argv: list[str] | None = None) -> int:
 def train(runs: Callable[[], dict[str, Any]]) -> int:
     """The exit status of a training command (`run`, `simulate`): 0 with its summary printed,
     2 refused before anything started (its data, its plan), 1 failed."""
-    from orchestrator.plan.preflight import PlanRefused
-    from orchestrator.runtime.driver import RunFailed, print_summary
-    from workers.data.manifest import DataError
+    from archipelago.orchestrator.plan.preflight import PlanRefused
+    from archipelago.orchestrator.runtime.driver import RunFailed, print_summary
+    from archipelago.workers.data.manifest import DataError
 
     try:
         summary = runs()

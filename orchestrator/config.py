@@ -3,13 +3,15 @@ mistake is reported by field name instead of surfacing minutes later inside an a
 
 from __future__ import annotations
 
+import logging
+import warnings
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from orchestrator.config_operations import (
+from archipelago.orchestrator.config_operations import (
     ApiConfig,
     CheckpointConfig,
     ElasticConfig,
@@ -18,7 +20,7 @@ from orchestrator.config_operations import (
     RecordsConfig,
     TrackingConfig,
 )
-from orchestrator.config_sections import (
+from archipelago.orchestrator.config_sections import (
     SPEEDS,
     AsyncConfig,
     CompressionConfig,
@@ -32,7 +34,11 @@ from orchestrator.config_sections import (
     StreamingConfig,
     Strict,
 )
-from workers.wire.spec import InnerConfig, Sharding
+from archipelago.workers.wire.spec import InnerConfig, Sharding
+
+log = logging.getLogger(__name__)
+# the package's top-level names before `archipelago` was its one import root
+LEGACY_ROOTS = ("orchestrator", "workers", "api")
 
 
 class Mode(str, Enum):
@@ -128,12 +134,31 @@ class TaskSpec(Strict):
     """The user's model and data: an import path `module:factory` and its keyword arguments."""
 
     factory: str = Field(
-        "workers.tasks.lm_task:make_task", description="`module:function` returning a Task, importable on every node"
+        "archipelago.workers.tasks.lm_task:make_task",
+        description="`module:function` returning a Task, importable on every node",
     )
     kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="keyword arguments of the factory, validated by the task before anything starts",
     )
+
+    @field_validator("factory")
+    @classmethod
+    def _one_import_root(cls, factory: str) -> str:
+        """A factory named by its module before the package had one import root
+        (`archipelago.workers.tasks.lm_task:make_task`) still loads, as `archipelago.<module>`, with a
+        warning that says what to write instead."""
+        if factory.split(".", 1)[0] in LEGACY_ROOTS:
+            moved = f"archipelago.{factory}"
+            warnings.warn(
+                f"task.factory {factory!r} names a module by its old top-level package; write {moved!r} "
+                "(the old name will stop working in a later release)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            log.warning("task.factory %r is deprecated: write %r", factory, moved)
+            return moved
+        return factory
 
 
 class RayConfig(Strict):

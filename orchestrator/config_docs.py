@@ -17,17 +17,17 @@ import annotated_types as at
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from orchestrator.config import RunConfig
-from workers.tasks.digits_task import DigitsConfig
-from workers.tasks.hf_task import HFTaskConfig
-from workers.tasks.lm_task import LMTaskConfig
+from archipelago.orchestrator.config import RunConfig
+from archipelago.workers.tasks.digits_task import DigitsConfig
+from archipelago.workers.tasks.hf_task import HFTaskConfig
+from archipelago.workers.tasks.lm_task import LMTaskConfig
 
 COMMAND = "archipelago config docs --out docs/configuration.md"
 # Bundled tasks whose `task.kwargs` are documented beside the run config.
 TASKS: dict[str, type[BaseModel]] = {
-    "workers.tasks.lm_task:make_task": LMTaskConfig,
-    "workers.tasks.hf_task:make_task": HFTaskConfig,
-    "workers.tasks.digits_task:make_task": DigitsConfig,
+    "archipelago.workers.tasks.lm_task:make_task": LMTaskConfig,
+    "archipelago.workers.tasks.hf_task:make_task": HFTaskConfig,
+    "archipelago.workers.tasks.digits_task:make_task": DigitsConfig,
 }
 
 

@@ -12,9 +12,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from orchestrator.config import RUN_PLACEHOLDER, RunConfig
-from workers.runtime.storage import Folder, is_url
-from workers.tasks.task import TaskError, load_task
+from archipelago.orchestrator.config import RUN_PLACEHOLDER, RunConfig
+from archipelago.workers.runtime.storage import Folder, is_url
+from archipelago.workers.tasks.task import TaskError, load_task
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def validate_config(data: dict[str, Any], check_task: bool = True) -> RunConfig:
     return cfg
 
 
-SIMULATION = "simulation"  # read by `orchestrator.simulation.config`, refused here
+SIMULATION = "simulation"  # read by `archipelago.orchestrator.simulation.config`, refused here
 
 
 # settings that moved, so a config written for an earlier release still loads

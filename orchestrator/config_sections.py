@@ -11,8 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from workers.wire.codecs import CODECS
-from workers.wire.spec import CodecSpecError, parse_codec
+from archipelago.workers.wire.codecs import CODECS
+from archipelago.workers.wire.spec import CodecSpecError, parse_codec
 
 
 class Strict(BaseModel):

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from orchestrator.config_load import ConfigError, load_config
+from archipelago.orchestrator.config_load import ConfigError, load_config
 
 log = logging.getLogger(__name__)
 
@@ -19,10 +19,10 @@ log = logging.getLogger(__name__)
 def prepare_command(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from workers.data.encoders import HFEncoder
-    from workers.data.manifest import DataError
-    from workers.data.prepare import PrepareOptions, prepare
-    from workers.tasks.task import load_task
+    from archipelago.workers.data.encoders import HFEncoder
+    from archipelago.workers.data.manifest import DataError
+    from archipelago.workers.data.prepare import PrepareOptions, prepare
+    from archipelago.workers.tasks.task import load_task
 
     if args.shard_tokens < 1024 or args.eval_every < 2:
         log.error("--shard-tokens must be at least 1024 and --eval-every at least 2")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TextIO
 
-PACKAGES = ("orchestrator", "workers", "api")
+PACKAGES = ("archipelago",)  # the one import root: every module's logger is under it
 BRIEF = "%(asctime)s %(levelname)s archipelago: %(message)s"
 DETAILED = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 

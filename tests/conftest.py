@@ -70,7 +70,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
 @pytest.fixture(autouse=True)
 def _preflight_only_where_tested(request, monkeypatch):
     if request.node.get_closest_marker("ray") and not request.node.get_closest_marker("preflight"):
-        monkeypatch.setattr("orchestrator.runtime.driver.preflight", lambda cfg, *, on_ray_cluster: None)
+        monkeypatch.setattr("archipelago.orchestrator.runtime.driver.preflight", lambda cfg, *, on_ray_cluster: None)
 
 
 _SHARED_RAY: dict[str, str] = {}  # the GCS address of the local instance `ray_local` started
@@ -104,7 +104,7 @@ def importable_checkout() -> Iterator[None]:
     inherit, as `archipelago run` does, not a runtime env: the workers Ray starts ahead have
     none, so every actor of a run with one waited for a fresh worker (measured: a warm
     instance's 3-island run 6.6 -> 5.7 s, its first run 11.6 -> 5.4 s)."""
-    from orchestrator.runtime.driver import on_pythonpath
+    from archipelago.orchestrator.runtime.driver import on_pythonpath
 
     with on_pythonpath(str(REPO)):
         yield
@@ -138,7 +138,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def corpus_cache(tmp_path_factory):
     """A private corpus cache, so tests never depend on (or disturb) the user's cache."""
     path = tmp_path_factory.mktemp("corpus-cache")
-    from workers.tasks.corpus import prepare_stdlib_corpus
+    from archipelago.workers.tasks.corpus import prepare_stdlib_corpus
 
     prepare_stdlib_corpus(path)
     return str(path)

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from orchestrator.engine.commands import (
+from archipelago.orchestrator.engine.commands import (
     Ack,
     AddIslands,
     Answer,
@@ -26,8 +26,8 @@ from orchestrator.engine.commands import (
     Stop,
     UpdateSettings,
 )
-from orchestrator.engine.fleet.membership import IslandStats, Membership
-from orchestrator.engine.types import Event, IslandState
+from archipelago.orchestrator.engine.fleet.membership import IslandStats, Membership
+from archipelago.orchestrator.engine.types import Event, IslandState
 
 # the event a real run logs when it takes each command
 LOGGED_AS = {
@@ -150,7 +150,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 @contextmanager
 def served(token: str | None = TOKEN) -> Iterator[tuple[httpx.Client, FakeRun]]:
     """A fake run behind the control plane over real HTTP, and a client of it."""
-    from api.app import create_app
+    from archipelago.api.app import create_app
     from tests.http_server import serving
 
     run = FakeRun()

@@ -12,15 +12,15 @@ from typing import Any
 
 import torch
 
-from orchestrator.config import RunConfig
-from orchestrator.engine.build import build_engine
-from orchestrator.engine.engine import RoundEngine
-from orchestrator.engine.outputs.logfiles import read_lines
-from orchestrator.simulation.config import SimulationConfig, load_simulated
-from orchestrator.simulation.pool import Fault, InProcessPool
-from orchestrator.simulation.runner import run_in_process
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.engine.build import build_engine
+from archipelago.orchestrator.engine.engine import RoundEngine
+from archipelago.orchestrator.engine.outputs.logfiles import read_lines
+from archipelago.orchestrator.simulation.config import SimulationConfig, load_simulated
+from archipelago.orchestrator.simulation.pool import Fault, InProcessPool
+from archipelago.orchestrator.simulation.runner import run_in_process
+from archipelago.workers.runtime.island import Island
 from tests.toy_tasks import READS
-from workers.runtime.island import Island
 
 # tests of one phase leave the warm start out (its own tests are in test_warm_start.py)
 NO_WARM = "warm_start.steps=0"
@@ -47,7 +47,7 @@ TINY_LM = [
 # a tiny Llama from config (the [hf] extra) that two islands train in seconds
 TINY_LLAMA = [
     NO_PREFLIGHT,
-    "task.factory=workers.tasks.hf_task:make_task",
+    "task.factory=archipelago.workers.tasks.hf_task:make_task",
     "task.kwargs.preset=tiny-llama",
     "task.kwargs.context=32",
     "task.kwargs.batch_size=16",
@@ -119,7 +119,7 @@ def run_until_records(cfg: RunConfig, run_id: str, records: int, timeout_s: floa
     import time
     from pathlib import Path
 
-    from orchestrator.runtime.driver import run
+    from archipelago.orchestrator.runtime.driver import run
 
     box: dict = {}
     thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id=run_id)))

@@ -20,7 +20,7 @@ def free_port() -> int:
 def serving(app, tls: tuple[str, str] | None = None, trusted_proxies: tuple[str, ...] = ()):
     """`app` on a free loopback port, as the control plane serves it (HTTPS with `tls`:
     certificate and key files; `X-Forwarded-For` read from `trusted_proxies`); yields its base URL."""
-    from api.server import server_config
+    from archipelago.api.server import server_config
 
     port = free_port()
     server = uvicorn.Server(server_config(app, "127.0.0.1", port, tls, trusted_proxies))

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.algorithms.robust import NormGuard
-from orchestrator.config import RobustConfig
-from orchestrator.config_sections import OuterConfig
-from orchestrator.engine.step.admission import Admission, ExactVersion
-from orchestrator.engine.step.outer import LocalOuter, OuterStep, take_step
-from orchestrator.engine.step.rules import optimizer_rule
-from orchestrator.engine.types import Contribution
+from archipelago.orchestrator.algorithms.robust import NormGuard
+from archipelago.orchestrator.config import RobustConfig
+from archipelago.orchestrator.config_sections import OuterConfig
+from archipelago.orchestrator.engine.step.admission import Admission, ExactVersion
+from archipelago.orchestrator.engine.step.outer import LocalOuter, OuterStep, take_step
+from archipelago.orchestrator.engine.step.rules import optimizer_rule
+from archipelago.orchestrator.engine.types import Contribution
 
 
 class _Harness:
@@ -69,7 +69,7 @@ def test_drop_prob_drops_about_half_and_dropped_rounds_do_not_step():
 
 
 def test_finiteness_from_the_norm_pass_and_its_overflow_fallback():
-    from orchestrator.algorithms.aggregate import all_finite, sqnorm
+    from archipelago.orchestrator.algorithms.aggregate import all_finite, sqnorm
 
     x = np.ones(10, dtype=np.float32)
     assert all_finite(x, sqnorm(x))
@@ -85,7 +85,7 @@ def test_finiteness_from_the_norm_pass_and_its_overflow_fallback():
 def test_the_blocked_mean_and_norms_are_the_whole_vector_ones(dtype):
     """`WeightedMean.fill` runs block by block (each update read once, norms from the same
     reads): its mean is bitwise the whole-vector ops' Σ wΔ / Σ w, its norms equal `sqnorm`'s."""
-    from orchestrator.algorithms.aggregate import CHUNK, WeightedMean, sqnorm
+    from archipelago.orchestrator.algorithms.aggregate import CHUNK, WeightedMean, sqnorm
 
     rng = np.random.default_rng(0)
     n = 3 * CHUNK + 77

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.config import RunConfig
-from orchestrator.config_sections import OuterConfig
-from orchestrator.engine.step.outer import OuterStep
-from orchestrator.engine.step.rules import optimizer_rule
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.config_sections import OuterConfig
+from archipelago.orchestrator.engine.step.outer import OuterStep
+from archipelago.orchestrator.engine.step.rules import optimizer_rule
 from tests.helpers import in_process_run
 
 TOL = 1e-6
@@ -99,8 +99,8 @@ def test_token_weighted_mean():
 def test_flat_sgd_is_bitwise_torch_sgd(momentum, nesterov, dtype):
     """The in-place outer SGD/Nesterov, block by block, computes exactly what
     `torch.optim.SGD` computes over the whole vector (a size of several blocks and a tail)."""
-    from orchestrator.algorithms.aggregate import CHUNK
-    from orchestrator.algorithms.outer import FlatSGD
+    from archipelago.orchestrator.algorithms.aggregate import CHUNK
+    from archipelago.orchestrator.algorithms.outer import FlatSGD
 
     gen, n = torch.Generator().manual_seed(0), 2 * CHUNK + 1001
     a = torch.nn.Parameter(torch.randn(n, dtype=dtype, generator=gen))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from api.app import create_app
+from archipelago.api.app import create_app
 from tests.fake_handle import AUTH, TOKEN, FakeRun
 from tests.http_server import serving
 
@@ -222,14 +222,14 @@ def test_released_islands_have_no_metric_series(api):
     ],
 )
 def test_an_exposed_control_plane_without_a_usable_token_is_refused(host, token, error):
-    from api.auth import ExposureError, check_exposure
+    from archipelago.api.auth import ExposureError, check_exposure
 
     with pytest.raises(ExposureError, match=error):
         check_exposure(host, token)
 
 
 def test_loopback_without_a_token_and_any_host_with_a_real_token_are_allowed():
-    from api.auth import check_exposure
+    from archipelago.api.auth import check_exposure
 
     for host in ("127.0.0.1", "::1", "localhost"):
         check_exposure(host, None)
@@ -239,7 +239,7 @@ def test_loopback_without_a_token_and_any_host_with_a_real_token_are_allowed():
 def test_a_token_file_that_cannot_be_read_is_an_exposure_error_naming_it(tmp_path, monkeypatch):
     """A Secret mounted root-only under a non-root Ray user raised a bare PermissionError,
     which the start-up did not catch as an exposure error."""
-    from api.auth import ExposureError, configured_token
+    from archipelago.api.auth import ExposureError, configured_token
 
     binary = tmp_path / "binary"
     binary.write_bytes(b"\xff\xfe token")

@@ -7,9 +7,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from api.app import create_app
-from api.auth import ExposureError, TokenSource, configured_read_source
-from api.limits import RateLimit
+from archipelago.api.app import create_app
+from archipelago.api.auth import ExposureError, TokenSource, configured_read_source
+from archipelago.api.limits import RateLimit
 from tests.fake_handle import AUTH, TOKEN, FakeRun
 from tests.http_server import serving
 
@@ -118,7 +118,7 @@ def test_no_unauthenticated_flood_locks_the_operator_or_the_reader_out():
 
 def test_a_configured_proxy_names_the_client_and_nobody_else_does():
     """Behind an ingress (`api.trusted_proxies`), each forwarded client has its own bucket."""
-    from api.server import server_config
+    from archipelago.api.server import server_config
     from tests.http_server import free_port
 
     app = create_app(FakeRun(), TOKEN, public_reads=True, rate=RateLimit(per_s=0.01, burst=2))
@@ -133,7 +133,7 @@ def test_a_configured_proxy_names_the_client_and_nobody_else_does():
 
 
 def test_trusted_proxies_must_be_addresses_or_networks():
-    from orchestrator.config import ApiConfig
+    from archipelago.orchestrator.config import ApiConfig
 
     assert ApiConfig(trusted_proxies=["10.0.0.0/8", "::1"]).trusted_proxies == ["10.0.0.0/8", "::1"]
     with pytest.raises(ValueError, match="not an address or a network"):
@@ -147,7 +147,7 @@ def test_a_second_control_plane_on_the_node_takes_the_next_free_port_of_its_rang
     an error naming it."""
     import socket
 
-    from api.server import ControlPlane, bind_first_free
+    from archipelago.api.server import ControlPlane, bind_first_free
     from tests.http_server import free_port
 
     base = free_port()

@@ -12,8 +12,8 @@ import ssl
 import httpx
 import pytest
 
-from api.app import create_app
-from api.limits import host_name
+from archipelago.api.app import create_app
+from archipelago.api.limits import host_name
 from tests.fake_handle import AUTH, TOKEN, FakeRun
 from tests.http_server import serving
 
@@ -139,12 +139,12 @@ def test_a_rotated_token_file_takes_effect_without_a_restart(tmp_path):
     previous one."""
     import logging
 
-    from api.auth import TokenSource
+    from archipelago.api.auth import TokenSource
 
     said: list[str] = []
     listener = logging.Handler(logging.WARNING)
     listener.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("api.auth").addHandler(listener)  # on the logger: whatever the CLI configured
+    logging.getLogger("archipelago.api.auth").addHandler(listener)  # on the logger: whatever the CLI configured
     first, second = "first-token-0123456789", "second-token-0123456789"
     token_file = tmp_path / "token"
     token_file.write_text(first + "\n")
@@ -162,7 +162,7 @@ def test_a_rotated_token_file_takes_effect_without_a_restart(tmp_path):
         assert httpx.get(f"{url}/v1/run", headers={"Authorization": f"Bearer {second}"}).status_code == 200
         token_file.write_text("change-me")
         assert pause_with(second) == 202 and pause_with("change-me") == 403
-    logging.getLogger("api.auth").removeHandler(listener)
+    logging.getLogger("archipelago.api.auth").removeHandler(listener)
     assert any("re-read" in m for m in said) and any("not usable" in m and "previous token stays" in m for m in said)
 
 
@@ -189,7 +189,7 @@ def test_the_control_plane_serves_https_with_a_certificate_and_its_key(tmp_path)
 
 
 def test_tls_settings_are_checked_before_anything_starts(tmp_path):
-    from orchestrator.config_load import ConfigError, load_config
+    from archipelago.orchestrator.config_load import ConfigError, load_config
 
     (tmp_path / "cert.pem").write_text("x")
     with pytest.raises(ConfigError, match=r"api\.tls_cert needs api\.tls_key"):

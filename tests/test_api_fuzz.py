@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 
-from api.app import create_app  # noqa: E402
+from archipelago.api.app import create_app  # noqa: E402
 from tests.fake_handle import FakeRun  # noqa: E402
 from tests.http_server import serving  # noqa: E402
 

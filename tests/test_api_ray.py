@@ -9,8 +9,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.config_load import load_config
-from orchestrator.runtime.driver import run
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.runtime.driver import run
 from tests.helpers import toy_quadratic
 from tests.http_server import free_port
 

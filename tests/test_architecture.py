@@ -10,7 +10,12 @@ from pathlib import Path
 from tests.conftest import REPO
 
 PACKAGES = ("orchestrator", "workers", "api")
-PURE = ("orchestrator.algorithms", "orchestrator.engine", "orchestrator.config", "orchestrator.config_load")
+PURE = (
+    "archipelago.orchestrator.algorithms",
+    "archipelago.orchestrator.engine",
+    "archipelago.orchestrator.config",
+    "archipelago.orchestrator.config_load",
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -18,7 +23,7 @@ def _modules() -> dict[str, Path]:
     for pkg in PACKAGES:
         for path in (REPO / pkg).rglob("*.py"):
             parts = path.relative_to(REPO).with_suffix("").parts
-            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+            out[".".join(("archipelago", *(parts[:-1] if parts[-1] == "__init__" else parts)))] = path
     return out
 
 
@@ -95,7 +100,7 @@ PRINTING = sorted(
 
 def test_no_import_cycle_among_the_projects_modules():
     graph = GRAPH
-    assert len(graph) > 30 and "orchestrator.engine.engine" in graph
+    assert len(graph) > 30 and "archipelago.orchestrator.engine.engine" in graph
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
 
 
@@ -124,18 +129,22 @@ def test_the_pure_layers_reach_neither_ray_nor_fastapi_even_transitively():
         if name.startswith(PURE):
             reach = _reach(name) | {name}
             bad = {m for r in reach for m in IMPORTS[r] if m.split(".")[0] in ("ray", "fastapi", "uvicorn")}
-            layers = {r for r in reach if r.startswith(("orchestrator.runtime", *NOT_PRODUCT, "api"))}
+            layers = {
+                r for r in reach if r.startswith(("archipelago.orchestrator.runtime", *NOT_PRODUCT, "archipelago.api"))
+            }
             if bad or layers:
                 offenders[name] = sorted(bad | layers)
     assert not offenders, offenders
 
 
 def test_the_reach_check_follows_imports_through_other_modules():
-    assert "orchestrator.engine.types" in _reach("orchestrator.engine.engine")  # via admission, fleet, ...
-    assert "orchestrator.engine.engine" not in _reach("orchestrator.engine.types")
+    assert "archipelago.orchestrator.engine.types" in _reach(
+        "archipelago.orchestrator.engine.engine"
+    )  # via admission, fleet, ...
+    assert "archipelago.orchestrator.engine.engine" not in _reach("archipelago.orchestrator.engine.types")
 
 
-NOT_PRODUCT = ("orchestrator.bench", "orchestrator.simulation")
+NOT_PRODUCT = ("archipelago.orchestrator.bench", "archipelago.orchestrator.simulation")
 
 
 def test_nothing_in_the_product_imports_the_benchmarks_or_the_testing_package():
@@ -148,21 +157,23 @@ def test_nothing_in_the_product_imports_the_benchmarks_or_the_testing_package():
         if not name.startswith(NOT_PRODUCT)
     }
     assert {k: v for k, v in offenders.items() if v} == {}
-    assert any(m.startswith("orchestrator.simulation") for m in IMPORTS["orchestrator.bench.fleet"])
+    assert any(
+        m.startswith("archipelago.orchestrator.simulation") for m in IMPORTS["archipelago.orchestrator.bench.fleet"]
+    )
 
 
 def test_the_runs_config_the_work_order_and_the_island_spec_carry_no_simulation():
-    """A simulated fleet is read beside a run's config (`orchestrator.simulation.config`) and
+    """A simulated fleet is read beside a run's config (`archipelago.orchestrator.simulation.config`) and
     priced by the simulation's own pools: no model of the run's config refers to the
     simulation's (its JSON schema names them), and neither the order an island is handed nor
     the spec it is built from has a field only a simulation would set."""
     import dataclasses
 
-    from orchestrator.config import RunConfig
-    from orchestrator.simulation.config import SimulationConfig
-    from orchestrator.simulation.links import LinkConfig
-    from workers.runtime.island_spec import IslandSpec
-    from workers.wire.messages import WorkOrder
+    from archipelago.orchestrator.config import RunConfig
+    from archipelago.orchestrator.simulation.config import SimulationConfig
+    from archipelago.orchestrator.simulation.links import LinkConfig
+    from archipelago.workers.runtime.island_spec import IslandSpec
+    from archipelago.workers.wire.messages import WorkOrder
 
     defs = RunConfig.model_json_schema().get("$defs", {})
     assert (
@@ -176,9 +187,11 @@ def test_the_runs_config_the_work_order_and_the_island_spec_carry_no_simulation(
 def test_bench_is_a_registered_subcommand():
     from importlib.metadata import entry_points
 
-    from orchestrator.cli import COMMANDS
+    from archipelago.orchestrator.cli import COMMANDS
 
-    assert [p.value for p in entry_points(group=COMMANDS, name="bench")] == ["orchestrator.bench.command:register"]
+    assert [p.value for p in entry_points(group=COMMANDS, name="bench")] == [
+        "archipelago.orchestrator.bench.command:register"
+    ]
 
 
 def test_the_package_reports_through_logging_not_print():

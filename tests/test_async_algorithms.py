@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.algorithms.dylu import SpeedTracker, dylu_steps
-from orchestrator.algorithms.outer import DelayedNesterov
-from orchestrator.algorithms.robust import NormGuard
-from orchestrator.config import RobustConfig
-from orchestrator.config_sections import AsyncConfig, OuterConfig
-from orchestrator.engine.step.admission import Admission, BoundedStaleness
-from orchestrator.engine.step.outer import LocalOuter, take_step
-from orchestrator.engine.step.rules import optimizer_rule
-from orchestrator.engine.types import Contribution
+from archipelago.orchestrator.algorithms.dylu import SpeedTracker, dylu_steps
+from archipelago.orchestrator.algorithms.outer import DelayedNesterov
+from archipelago.orchestrator.algorithms.robust import NormGuard
+from archipelago.orchestrator.config import RobustConfig
+from archipelago.orchestrator.config_sections import AsyncConfig, OuterConfig
+from archipelago.orchestrator.engine.step.admission import Admission, BoundedStaleness
+from archipelago.orchestrator.engine.step.outer import LocalOuter, take_step
+from archipelago.orchestrator.engine.step.rules import optimizer_rule
+from archipelago.orchestrator.engine.types import Contribution
 
 
 def _dn(theta: torch.Tensor, **kw) -> DelayedNesterov:
@@ -73,7 +73,7 @@ def test_dn_rejects_bad_parameters():
         AsyncConfig(delay=4, c=0.5).check_c(islands=8)  # N is the delay when given
     with pytest.raises(ValueError, match=r"c must be at most 1/N = 0\.5"):
         AsyncConfig(c=0.6).check_c(islands=2)  # else the islands
-    from orchestrator.config import RunConfig
+    from archipelago.orchestrator.config import RunConfig
 
     with pytest.raises(ValueError, match=r"asynchronous\.c must be at most 1/N = 0\.25"):
         RunConfig(mode="async", asynchronous={"delay": 4, "c": 0.5})  # the config file's check is the same rule
@@ -152,9 +152,9 @@ def test_staleness_downweight_and_bad_values():
 
 
 def test_island_schedule_can_follow_global_progress():
-    from orchestrator.config_load import load_config
-    from orchestrator.engine.specs import island_spec
-    from workers.runtime.island import Island
+    from archipelago.orchestrator.config_load import load_config
+    from archipelago.orchestrator.engine.specs import island_spec
+    from archipelago.workers.runtime.island import Island
 
     cfg = load_config(
         None,

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.simulation.config import load_simulated
-from orchestrator.simulation.ray_pool import run_simulated
+from archipelago.orchestrator.simulation.config import load_simulated
+from archipelago.orchestrator.simulation.ray_pool import run_simulated
 
 pytestmark = pytest.mark.ray
 

@@ -13,8 +13,8 @@ import pytest
 import ray
 from ray.cluster_utils import AutoscalingCluster
 
-from orchestrator.config_load import load_config
-from orchestrator.runtime.driver import run
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.runtime.driver import run
 from tests.conftest import importable_checkout
 from tests.http_server import free_port
 from tests.ray_processes import stop_ray

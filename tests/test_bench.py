@@ -8,12 +8,12 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from orchestrator.bench.quality_rows import MODEL
-from orchestrator.bench.registry import available
-from orchestrator.bench.report import BenchResult, Panel, draw, write_docs_index, write_result
-from orchestrator.cli import main
-from orchestrator.config_load import load_config
-from orchestrator.simulation.config import load_simulated
+from archipelago.orchestrator.bench.quality_rows import MODEL
+from archipelago.orchestrator.bench.registry import available
+from archipelago.orchestrator.bench.report import BenchResult, Panel, draw, write_docs_index, write_result
+from archipelago.orchestrator.cli import main
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.simulation.config import load_simulated
 from tests.helpers import run_tokens
 
 
@@ -68,7 +68,7 @@ def test_a_plot_gives_each_method_one_colour_across_panels_and_draws_references_
 
 
 def test_startup_rows_are_valid_configs_that_reach_an_outer_step_quickly():
-    from orchestrator.bench.startup import COUNTS, DEFAULT
+    from archipelago.orchestrator.bench.startup import COUNTS, DEFAULT
 
     default = load_config(None, DEFAULT)
     assert default.warm_steps > 0 and default.rounds == 1  # the default's fork is part of its start-up
@@ -90,7 +90,7 @@ def test_the_gpu_check_writes_its_cpu_rows_and_says_what_it_did_not_measure(tmp_
     measured (here on a tiny GPT and the coordinator's smallest size, to keep the test short)."""
     import torch
 
-    from orchestrator.bench import bareloop, coordinator
+    from archipelago.orchestrator.bench import bareloop, coordinator
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: `archipelago bench gpu` measures it for real")
@@ -111,7 +111,7 @@ def test_the_gpu_check_writes_its_cpu_rows_and_says_what_it_did_not_measure(tmp_
 
 
 def test_mfu_is_against_the_datasheet_peak_of_the_device_named():
-    from orchestrator.bench.gpu import datasheet_bf16_flops
+    from archipelago.orchestrator.bench.gpu import datasheet_bf16_flops
 
     assert datasheet_bf16_flops("NVIDIA H200") == datasheet_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert datasheet_bf16_flops("NVIDIA H100 PCIe") == 756e12  # not the SXM part's
@@ -121,8 +121,8 @@ def test_mfu_is_against_the_datasheet_peak_of_the_device_named():
 
 
 def test_every_gpu_check_row_is_a_valid_config():
-    from orchestrator.bench.gpu import methods
-    from workers.tasks.task import load_task
+    from archipelago.orchestrator.bench.gpu import methods
+    from archipelago.workers.tasks.task import load_task
 
     base, table = methods(quick=False, gpus=2)
     assert set(table) == {"gpt2_124m_1gpu", "gpt_4x0.25gpu", "llama_4x0.25gpu", "llama_1x2workers"}
@@ -133,8 +133,8 @@ def test_every_gpu_check_row_is_a_valid_config():
 
 
 def test_hetero_methods_share_one_budget_and_time_to_reach():
-    from orchestrator.bench.hetero import methods as hetero_methods
-    from orchestrator.bench.hetero import time_to_reach
+    from archipelago.orchestrator.bench.hetero import methods as hetero_methods
+    from archipelago.orchestrator.bench.hetero import time_to_reach
 
     table = hetero_methods(4)
     assert set(table) == {"sync", "sync_dylu", "naive_async", "dn_dylu", "quorum", "streaming_quorum"}
@@ -146,8 +146,8 @@ def test_hetero_methods_share_one_budget_and_time_to_reach():
 
 def test_a_finished_run_of_the_same_config_is_reused_and_no_other(tmp_path):
     """A scenario run again into its folder (after an interruption) reuses finished runs."""
-    from orchestrator.bench.runner import finished
-    from orchestrator.config_load import dump_config
+    from archipelago.orchestrator.bench.runner import finished
+    from archipelago.orchestrator.config_load import dump_config
 
     streaming = ["mode=streaming", "inner_steps=48", "rounds=2"]  # its section's `pacing` plays a new setting
     cfg = load_config(None, [*MODEL, *streaming, f"out_dir={tmp_path / 'a'}"])
@@ -171,7 +171,7 @@ def test_a_finished_run_of_the_same_config_is_reused_and_no_other(tmp_path):
     assert finished(cfg) is None
     # a run of this config that starts over an earlier run's outputs, and is interrupted
     (out / "summary.json").write_text(json.dumps({"state": "finished", "final_eval_loss": 1.5}))
-    from orchestrator.engine.outputs.records import Recorder
+    from archipelago.orchestrator.engine.outputs.records import Recorder
 
     Recorder(out, cfg)
     assert finished(cfg) is None
@@ -181,10 +181,10 @@ def test_a_simulated_run_priced_at_other_rates_is_not_reused(tmp_path, monkeypat
     """The network's rates are code, not config: a finished simulated run is reused only if
     it was charged what the network charges its config now — one recorded before the codecs'
     decoding was priced still stands for fp32 both ways, not for int4."""
-    from orchestrator.bench.runner import PRICES_FILE, finished, record_simulation
-    from orchestrator.config_load import dump_config
-    from orchestrator.plan import head as head_prices
-    from orchestrator.simulation.config import SimulationConfig
+    from archipelago.orchestrator.bench.runner import PRICES_FILE, finished, record_simulation
+    from archipelago.orchestrator.config_load import dump_config
+    from archipelago.orchestrator.plan import head as head_prices
+    from archipelago.orchestrator.simulation.config import SimulationConfig
 
     sim = SimulationConfig(nominal_params=10**9, price_head=True)
     for codec in ("none", "int4"):
@@ -207,7 +207,7 @@ def test_a_simulated_run_priced_at_other_rates_is_not_reused(tmp_path, monkeypat
 def test_streaming_rows_are_the_issue_s_and_share_one_token_budget():
     from pathlib import Path
 
-    from orchestrator.bench.streaming import BASE, H, K, common, methods
+    from archipelago.orchestrator.bench.streaming import BASE, H, K, common, methods
 
     table = methods(["simulation.link.bandwidth_gbps=0.01", "simulation.link.latency_ms=0"], 0.7, 1.0)
     assert set(table) | {"compute_only"} == {
@@ -236,9 +236,9 @@ def test_an_earlier_run_of_another_config_is_removed_not_resumed(tmp_path):
     """Its checkpoint would be resumed as the new run's (a finished one ends at once with
     its clock at zero); an interrupted run of the same config is kept to resume, unless its
     clock is simulated."""
-    from orchestrator.bench.runner import fresh, record_simulation, same_config
-    from orchestrator.config_load import dump_config
-    from orchestrator.simulation.config import SimulationConfig
+    from archipelago.orchestrator.bench.runner import fresh, record_simulation, same_config
+    from archipelago.orchestrator.config_load import dump_config
+    from archipelago.orchestrator.simulation.config import SimulationConfig
 
     streaming = ["mode=streaming", "inner_steps=48", "rounds=2"]  # its section's `pacing` plays a new setting
     cfg = load_config(None, [*MODEL, *streaming, f"out_dir={tmp_path / 'a'}"])
@@ -262,7 +262,7 @@ def test_an_earlier_run_of_another_config_is_removed_not_resumed(tmp_path):
 def test_overlap_rows_tune_every_method_on_one_grid_over_a_link_that_leaves_slack(tmp_path):
     from pathlib import Path
 
-    from orchestrator.bench.overlap import LRS, TUNED, bandwidth_for, grid_table, steady_compute_seconds
+    from archipelago.orchestrator.bench.overlap import LRS, TUNED, bandwidth_for, grid_table, steady_compute_seconds
 
     # the link: one fp32 exchange (down + up) of 1e6 parameters in 0.8 of 2 seconds, the
     # islands' median computation per round in compute-only (records carry it so far; the
@@ -292,7 +292,7 @@ def test_overlap_rows_tune_every_method_on_one_grid_over_a_link_that_leaves_slac
 def test_a_benchmark_without_matplotlib_is_refused_before_any_run(tmp_path, monkeypatch, capsys):
     import sys
 
-    from orchestrator.cli import main
+    from archipelago.orchestrator.cli import main
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the `bench` extra were not installed
     assert main(["bench", "overlap", "--quick", "--out", str(tmp_path)]) == 2
@@ -300,7 +300,7 @@ def test_a_benchmark_without_matplotlib_is_refused_before_any_run(tmp_path, monk
 
 
 def test_a_round_breakdown_leaves_the_final_evaluation_out_and_adds_up():
-    from orchestrator.bench.overhead import breakdown_table, round_breakdown
+    from archipelago.orchestrator.bench.overhead import breakdown_table, round_breakdown
 
     parts = {"wait": 28.0, "step": 0.8, "publish": 0.1, "dispatch": 0.2, "evaluate": 0.5, "record": 0.4}
     parts["evaluate"] = 0.8  # the start's evaluation (0.3 s, while the first work trains) and the final one
@@ -324,7 +324,7 @@ def test_a_round_breakdown_leaves_the_final_evaluation_out_and_adds_up():
 
 
 def test_the_peer_baseline_is_a_lower_bound_of_k_replicas_on_the_cores():
-    from orchestrator.bench.overhead import lower_bound
+    from archipelago.orchestrator.bench.overhead import lower_bound
 
     assert lower_bound(10.0, k=4, threads=1, cores=2) == 20.0  # 4 single-thread replicas on 2 cores
     assert lower_bound(10.0, k=2, threads=1, cores=2) == 10.0  # one core each: as fast as one alone
@@ -332,8 +332,8 @@ def test_the_peer_baseline_is_a_lower_bound_of_k_replicas_on_the_cores():
 
 
 def test_warmstart_rows_differ_only_in_the_warm_start_mode_and_the_fewest_bytes_baseline_wins(tmp_path):
-    from orchestrator.bench.warmstart import _cumulative_bytes, fewest, row_name, rows
-    from orchestrator.config import WarmStartMode
+    from archipelago.orchestrator.bench.warmstart import _cumulative_bytes, fewest, row_name, rows
+    from archipelago.orchestrator.config import WarmStartMode
 
     configs = {name: load_config(None, ov).model_dump(mode="json") for name, (_, ov) in rows().items()}
     assert {c["warm_start"].pop("mode") for c in configs.values()} == {m.value for m in WarmStartMode}
@@ -356,7 +356,7 @@ def test_warmstart_rows_differ_only_in_the_warm_start_mode_and_the_fewest_bytes_
 
 
 def test_data_rows_generate_prepare_and_read_a_corpus_by_position(tmp_path):
-    from orchestrator.bench.data import _prepared, _sets, generate, probe_island, probe_reads
+    from archipelago.orchestrator.bench.data import _prepared, _sets, generate, probe_island, probe_reads
 
     files = generate(tmp_path / "text", 2_000_000, seed=0)
     assert sum(len(t) for f in files for t in pq.read_table(f).column("text").to_pylist()) == 2_000_000
@@ -373,7 +373,7 @@ def test_data_rows_generate_prepare_and_read_a_corpus_by_position(tmp_path):
 
 
 def test_compression_rows_are_the_issue_s_and_valid_configs(tmp_path):
-    from orchestrator.bench.compression import BASE, OUTER_LRS, rows
+    from archipelago.orchestrator.bench.compression import BASE, OUTER_LRS, rows
 
     table = rows()
     assert set(table) == {"diloco", "streaming_p4_fp4", "sparse", "sparse_muon"}
@@ -388,7 +388,7 @@ def test_compression_rows_are_the_issue_s_and_valid_configs(tmp_path):
     assert sparse.streaming.fragments == 4
     muon = load_config(None, [*BASE, *table["sparse_muon"][1], "warm_start.steps=0", "inner_steps=100"])
     assert muon.inner.optimizer == "muon" and muon.compression == sparse.compression
-    from orchestrator.bench.compression import ablations
+    from archipelago.orchestrator.bench.compression import ablations
 
     changed = {  # each ablation changes one thing of `sparse`
         k: load_config(None, [*BASE, *o, "warm_start.steps=0", "inner_steps=100"])
@@ -419,8 +419,8 @@ def _report(out, name: str, **machine) -> None:
 def test_a_bench_writes_to_out_only_and_publish_copies_clean_reports_into_the_docs(tmp_path, capsys):
     """`bench <scenario>` has no way to write into docs/; `bench publish` copies reports
     that name a commit measured from a clean tree, all or none, and rebuilds the index."""
-    from orchestrator.bench.registry import publish
-    from orchestrator.cli import main
+    from archipelago.orchestrator.bench.registry import publish
+    from archipelago.orchestrator.cli import main
 
     out, docs = tmp_path / "out", tmp_path / "docs"
     _report(out, "startup", commit="a" * 40, clean=True)

@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from orchestrator.bench.head import QUICK_ROWS, ROWS, WARM_ROUNDS, head
-from orchestrator.bench.report import write_result
-from orchestrator.config_load import validate_config
+from archipelago.orchestrator.bench.head import QUICK_ROWS, ROWS, WARM_ROUNDS, head
+from archipelago.orchestrator.bench.report import write_result
+from archipelago.orchestrator.config_load import validate_config
 
 
 def test_every_row_is_a_valid_config_of_its_size(tmp_path):

@@ -4,8 +4,8 @@ best setting is at an edge is widened past it."""
 
 from __future__ import annotations
 
-from orchestrator.bench.quality_rows import DDP_LRS, MODEL, OUTER_LRS, ddp_row, h_row, methods
-from orchestrator.config_load import load_config
+from archipelago.orchestrator.bench.quality_rows import DDP_LRS, MODEL, OUTER_LRS, ddp_row, h_row, methods
+from archipelago.orchestrator.config_load import load_config
 from tests.helpers import run_tokens
 
 
@@ -40,7 +40,7 @@ def test_data_parallel_is_tuned_like_diloco_and_the_shipped_default_is_reported(
 
 
 def test_a_grid_whose_best_is_its_top_is_widened_until_it_is_not():
-    from orchestrator.bench.quality_rows import WIDEN, widened
+    from archipelago.orchestrator.bench.quality_rows import WIDEN, widened
 
     tried: list[float] = []
 
@@ -58,8 +58,8 @@ def test_a_grid_whose_best_is_its_top_is_widened_until_it_is_not():
 
 
 def test_diloco_s_inner_lr_is_tuned_like_data_parallel_s_and_the_tuned_row_can_be_the_best():
-    from orchestrator.bench.quality import _best
-    from orchestrator.bench.quality_rows import SHIPPED_INNER_LR, Method
+    from archipelago.orchestrator.bench.quality import _best
+    from archipelago.orchestrator.bench.quality_rows import SHIPPED_INNER_LR, Method
 
     assert load_config(None, [*MODEL]).inner.lr == SHIPPED_INNER_LR  # the rows' untuned inner lr is the product's
     h_rows = {h: h_row(1200, h, 1.0) for h in (25, 50, 100)}
@@ -71,7 +71,7 @@ def test_diloco_s_inner_lr_is_tuned_like_data_parallel_s_and_the_tuned_row_can_b
 
 
 def test_a_grid_whose_best_is_its_bottom_is_widened_below_it_when_asked():
-    from orchestrator.bench.quality_rows import widened
+    from archipelago.orchestrator.bench.quality_rows import widened
 
     tried = []
 

@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from orchestrator.engine import engine as engine_module
-from orchestrator.engine.outputs import checkpoints
+from archipelago.orchestrator.engine import engine as engine_module
+from archipelago.orchestrator.engine.outputs import checkpoints
 from tests.engine_scenarios import check_exactly_once, scenario_cfg
 from tests.helpers import events, in_process_engine
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.tasks.chunked_loss import ChunkedCrossEntropy, causal_lm_train_loss
+from archipelago.workers.tasks.chunked_loss import ChunkedCrossEntropy, causal_lm_train_loss
 
 
 def _whole(hidden, weight, bias, labels):

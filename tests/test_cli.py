@@ -14,11 +14,11 @@ from datetime import datetime
 
 import pytest
 
-from orchestrator.cli import build_parser, main
-from orchestrator.config_operations import RecordsConfig
-from orchestrator.engine.outputs.records import EventLog
-from orchestrator.engine.types import Event
-from orchestrator.logs import PACKAGES, LogFormat, LogSetup, configure, configured, level_for
+from archipelago.orchestrator.cli import build_parser, main
+from archipelago.orchestrator.config_operations import RecordsConfig
+from archipelago.orchestrator.engine.outputs.records import EventLog
+from archipelago.orchestrator.engine.types import Event
+from archipelago.orchestrator.logs import PACKAGES, LogFormat, LogSetup, configure, configured, level_for
 
 
 @pytest.fixture(autouse=True)
@@ -44,14 +44,14 @@ def test_verbosity_flags_set_the_level_before_or_after_the_subcommand():
 def test_one_handler_however_often_configured_and_it_follows_stderr(capsys):
     configure(logging.INFO)
     configure(logging.INFO)
-    assert len(logging.getLogger("orchestrator").handlers) == 1
-    logging.getLogger("orchestrator.runtime.driver").info("hello")
-    logging.getLogger("workers.runtime.island").debug("not at INFO")
+    assert len(logging.getLogger("archipelago").handlers) == 1
+    logging.getLogger("archipelago.orchestrator.runtime.driver").info("hello")
+    logging.getLogger("archipelago.workers.runtime.island").debug("not at INFO")
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO archipelago: hello\n", capsys.readouterr().err)
     configure(logging.DEBUG)
-    logging.getLogger("api.app").debug("detail")
+    logging.getLogger("archipelago.api.app").debug("detail")
     err = capsys.readouterr().err
-    assert " DEBUG api.app: detail" in err
+    assert " DEBUG archipelago.api.app: detail" in err
 
 
 def test_membership_faults_are_warnings_and_routine_events_debug(tmp_path):
@@ -67,7 +67,7 @@ def test_membership_faults_are_warnings_and_routine_events_debug(tmp_path):
 
 def test_json_logs_are_one_object_a_line_with_time_level_and_the_exception(capsys):
     configure(logging.INFO, fmt=LogFormat.JSON)
-    log = logging.getLogger("orchestrator.runtime.driver")
+    log = logging.getLogger("archipelago.orchestrator.runtime.driver")
     log.info("hello %s", "there")
     try:
         raise ValueError("boom")
@@ -97,7 +97,7 @@ def test_quiet_config_show_prints_only_the_yaml(capsys):
 
 
 def test_config_docs_writes_the_reference(tmp_path, capsys):
-    from orchestrator.config_docs import render
+    from archipelago.orchestrator.config_docs import render
 
     assert main(["config", "docs", "--out", str(tmp_path / "c.md")]) == 0
     assert (tmp_path / "c.md").read_text() == render()
@@ -116,7 +116,7 @@ def test_run_refuses_a_folder_it_cannot_write_before_anything_starts(tmp_path, c
     after that much training (a traceback ended the run)."""
     import time
 
-    import orchestrator.runtime.driver as driver
+    import archipelago.orchestrator.runtime.driver as driver
 
     def never(*_args, **_kwargs):
         raise AssertionError("the run was started")
@@ -142,7 +142,7 @@ def test_a_commands_start_is_read_to_the_tick_not_to_the_boot_times_second():
         [
             sys.executable,
             "-c",
-            "from orchestrator.runtime.driver import process_started_at; print(process_started_at())",
+            "from archipelago.orchestrator.runtime.driver import process_started_at; print(process_started_at())",
         ],
         capture_output=True,
         text=True,
@@ -157,7 +157,7 @@ def test_the_command_line_and_a_bad_config_do_not_import_torch():
     """`archipelago --help`, and a config error's exit 2, come without importing torch
     (0.8 s of the command's 1.3 s): the task contract the config check uses only names it."""
     code = (
-        "import sys; from orchestrator.cli import main; "
+        "import sys; from archipelago.orchestrator.cli import main; "
         "rc = main(['run', '--set', 'islands.count=-1']); print(rc, 'torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
@@ -173,12 +173,12 @@ def test_a_run_reaches_its_actors_without_importing_torch(corpus_cache, tmp_path
     code = """
 import sys
 import ray
-from orchestrator.config_load import load_config
-from orchestrator.engine.specs import island_spec
-from orchestrator.runtime.coordinator import Coordinator
-from orchestrator.runtime.driver import check_resumable
-from workers.runtime.island_actor import island_actor_class
-from workers.tasks.task import load_task
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.specs import island_spec
+from archipelago.orchestrator.runtime.coordinator import Coordinator
+from archipelago.orchestrator.runtime.driver import check_resumable
+from archipelago.workers.runtime.island_actor import island_actor_class
+from archipelago.workers.tasks.task import load_task
 
 cfg = load_config(None, ["out_dir=OUT", "checkpoint.path=OUT/ckpt", "task.kwargs.cache_dir=CACHE"])
 load_task(cfg.task.factory, cfg.task.kwargs).prepare()

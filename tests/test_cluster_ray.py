@@ -15,9 +15,9 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import get_placement_group, placement_group_table
 
-from orchestrator.config_load import load_config
-from orchestrator.runtime.driver import run
-from orchestrator.runtime.names import island_name
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.runtime.driver import run
+from archipelago.orchestrator.runtime.names import island_name
 from tests.conftest import importable_checkout
 from tests.helpers import toy_quadratic
 

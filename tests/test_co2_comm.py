@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.algorithms.outer import CO2Outer
-from orchestrator.simulation.links import LinkConfig
-from workers.wire.compress import decode, encode
-from workers.wire.spec import payload_nbytes
+from archipelago.orchestrator.algorithms.outer import CO2Outer
+from archipelago.orchestrator.simulation.links import LinkConfig
+from archipelago.workers.wire.compress import decode, encode
+from archipelago.workers.wire.spec import payload_nbytes
 
 TOL = 1e-6
 f64 = torch.float64
@@ -82,11 +82,11 @@ def test_link_times():
 
 def test_one_round_lag_applies_each_round_one_round_late():
     """The overlap pacing's versions and the CO2 step with anchors, through the production classes."""
-    from orchestrator.config import RunConfig
-    from orchestrator.config_sections import OverlapConfig
-    from orchestrator.engine.pacing.base import start_version
-    from orchestrator.engine.step.outer import OuterStep
-    from orchestrator.engine.step.rules import outer_rule
+    from archipelago.orchestrator.config import RunConfig
+    from archipelago.orchestrator.config_sections import OverlapConfig
+    from archipelago.orchestrator.engine.pacing.base import start_version
+    from archipelago.orchestrator.engine.step.outer import OuterStep
+    from archipelago.orchestrator.engine.step.rules import outer_rule
 
     # one synchronous round, then the lag: round 2 waits for v1, round 3 starts from v1 too
     assert [start_version(t) for t in (1, 2, 3, 4, 5)] == [0, 1, 1, 2, 3]
@@ -104,7 +104,7 @@ def test_one_round_lag_applies_each_round_one_round_late():
 
 
 def test_int4_pseudo_gradients_with_and_without_error_feedback_train_on_an_eighth_of_the_bytes(corpus_cache, tmp_path):
-    from orchestrator.config_load import load_config
+    from archipelago.orchestrator.config_load import load_config
     from tests.helpers import TINY_LM, in_process_run
 
     runs = {}
@@ -137,7 +137,7 @@ def test_int4_pseudo_gradients_with_and_without_error_feedback_train_on_an_eight
 
 
 def test_error_feedback_keeps_the_sum_of_what_was_sent_within_one_step():
-    from workers.wire.compress import ErrorFeedback
+    from archipelago.workers.wire.compress import ErrorFeedback
 
     rng = np.random.default_rng(0)
     deltas = [rng.normal(size=4096).astype(np.float32) * 0.01 + 0.002 for _ in range(50)]  # a consistent drift

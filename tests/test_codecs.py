@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from workers.wire.codecs import CODECS, codec_of
-from workers.wire.compress import PayloadError, check_payload, decode, encode
+from archipelago.workers.wire.codecs import CODECS, codec_of
+from archipelago.workers.wire.compress import PayloadError, check_payload, decode, encode
 
 
 def test_fp4_vector_e2m1_codes_ties_to_even_and_no_negative_zero():

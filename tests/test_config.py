@@ -9,15 +9,15 @@ import sys
 import pytest
 import yaml
 
-from orchestrator.cli import main
-from orchestrator.config_load import ConfigError, load_config
+from archipelago.orchestrator.cli import main
+from archipelago.orchestrator.config_load import ConfigError, load_config
 
 
 def test_defaults_are_sync_diloco_with_four_islands():
     cfg = load_config()
     assert cfg.mode == "diloco" and cfg.islands.count == 4
     assert (cfg.outer.optimizer, cfg.outer.lr, cfg.outer.momentum) == ("nesterov", 0.7, 0.9)
-    assert cfg.task.factory == "workers.tasks.lm_task:make_task"
+    assert cfg.task.factory == "archipelago.workers.tasks.lm_task:make_task"
 
 
 def test_yaml_and_overrides(tmp_path):
@@ -113,7 +113,7 @@ def test_cli_invalid_config_exits_2_and_starts_nothing(tmp_path, capsys):
 
 def test_config_show_round_trips(tmp_path):
     shown = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "config", "show", "--set", "rounds=7"],
+        [sys.executable, "-m", "archipelago.orchestrator.cli", "config", "show", "--set", "rounds=7"],
         capture_output=True,
         text=True,
         check=True,
@@ -126,7 +126,7 @@ def test_config_show_round_trips(tmp_path):
 def test_the_config_validates_without_the_island_runtime_or_torch():
     """The run config imports only the island's part of the contract (`workers/wire/spec.py`),
     so validating a config (the CLI's first step) does not pay for torch."""
-    probe = "import sys, orchestrator.config as c; c.RunConfig(); print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ray')))"
+    probe = "import sys, archipelago.orchestrator.config as c; c.RunConfig(); print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ray')))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -134,8 +134,8 @@ def test_the_config_validates_without_the_island_runtime_or_torch():
 def test_every_registered_codec_is_accepted_by_name_and_described():
     """A codec registered in `workers/wire/codecs/` needs nothing else to be usable: the
     config accepts its name in both directions and its documentation lists it."""
-    from orchestrator.config import RunConfig
-    from workers.wire.codecs import CODECS
+    from archipelago.orchestrator.config import RunConfig
+    from archipelago.workers.wire.codecs import CODECS
 
     for name, codec in CODECS.items():
         cfg = RunConfig(compression={"codec": name, "downlink": name})
@@ -149,7 +149,7 @@ def test_every_registered_codec_is_accepted_by_name_and_described():
 def test_exponent_floats_are_numbers_in_files_and_overrides(tmp_path):
     """PyYAML reads `1e4` as a string: typed fields coerced it, but a task's free-form kwargs
     (an architecture's `rope_theta: 1e4`) reached transformers as the text '1e4'."""
-    from orchestrator.config_load import parse_override
+    from archipelago.orchestrator.config_load import parse_override
 
     assert parse_override("task.kwargs.architecture.rope_theta=1e4")[1] == 10000.0
     assert parse_override("x=-2.5E-3")[1] == -0.0025 and parse_override("x=1e4x")[1] == "1e4x"

@@ -10,10 +10,10 @@ import pytest
 import ray
 from pydantic import ValidationError
 
-from orchestrator.config_load import load_config
-from orchestrator.engine.commands import Ack, Pause, Resume, SettingsUpdate, Stop, UpdateSettings
-from orchestrator.runtime.driver import run
-from orchestrator.runtime.names import NAMESPACE
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.commands import Ack, Pause, Resume, SettingsUpdate, Stop, UpdateSettings
+from archipelago.orchestrator.runtime.driver import run
+from archipelago.orchestrator.runtime.names import NAMESPACE
 from tests.helpers import toy_quadratic
 
 pytestmark = pytest.mark.ray

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from orchestrator.config_load import load_config
-from orchestrator.engine.outputs.loop_time import LoopClock, Part
-from orchestrator.simulation.config import SimulationConfig
-from orchestrator.simulation.runner import run_in_process
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.outputs.loop_time import LoopClock, Part
+from archipelago.orchestrator.simulation.config import SimulationConfig
+from archipelago.orchestrator.simulation.runner import run_in_process
 from tests.helpers import toy_quadratic
 
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.config_load import load_config
-from orchestrator.engine.specs import island_spec
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.specs import island_spec
+from archipelago.workers.runtime.island import Island
 from tests.helpers import TINY_LM
-from workers.runtime.island import Island
 
 pytestmark = pytest.mark.cuda
 
@@ -26,7 +26,11 @@ def _round(cfg, device: str) -> tuple[Island, np.ndarray]:
 
 @pytest.mark.parametrize("task", ["gpt", "llama"])
 def test_a_bf16_island_on_cuda_matches_fp32_on_cpu(corpus_cache, task):
-    extra = [] if task == "gpt" else ["task.factory=workers.tasks.hf_task:make_task", "task.kwargs.preset=tiny-llama"]
+    extra = (
+        []
+        if task == "gpt"
+        else ["task.factory=archipelago.workers.tasks.hf_task:make_task", "task.kwargs.preset=tiny-llama"]
+    )
     if task == "llama":
         pytest.importorskip("transformers")
     common = [*TINY_LM, f"task.kwargs.cache_dir={corpus_cache}", "islands.count=2", *extra]
@@ -51,7 +55,7 @@ def test_the_islands_adamw_on_cuda_is_the_fused_kernel_a_bare_loop_uses(corpus_c
 def test_islands_share_one_gpu_through_fractional_gpus(corpus_cache, tmp_path):
     import ray
 
-    from orchestrator.runtime.driver import run
+    from archipelago.orchestrator.runtime.driver import run
 
     ray.shutdown()
     cfg = load_config(

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from api.app import create_app
+from archipelago.api.app import create_app
 from tests.conftest import REPO
 from tests.fake_handle import FakeRun
 from tests.http_server import serving

@@ -12,10 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from archipelago.workers.tasks.corpus import prepare_stdlib_corpus, stdlib_files
+from archipelago.workers.tasks.lm_task import make_task
+from archipelago.workers.tasks.text_data import fixed_batches, island_part, read_parquet_texts, window_batches
 from tests.conftest import REPO
-from workers.tasks.corpus import prepare_stdlib_corpus, stdlib_files
-from workers.tasks.lm_task import make_task
-from workers.tasks.text_data import fixed_batches, island_part, read_parquet_texts, window_batches
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_prepare_is_cached(corpus):
     cache, done = corpus.eval[0].parent.parent, corpus.eval[0].parent / "DONE"
     built_at = done.stat().st_mtime_ns
     probe = (
-        "import sys; from pathlib import Path; import workers.tasks.corpus as c\n"
+        "import sys; from pathlib import Path; import archipelago.workers.tasks.corpus as c\n"
         "c.stdlib_files = None  # a walk of the stdlib would fail\n"
         f"files = c.prepare_stdlib_corpus(Path({str(cache)!r}))\n"
         "print(len(files.train), files.eval[0], 'datasets' in sys.modules)"
@@ -141,7 +141,7 @@ def test_default_model_trains_on_the_corpus(tmp_path):
 
 
 def test_a_source_without_its_text_column_or_files_is_refused_before_training(tmp_path):
-    from workers.data.manifest import DataError
+    from archipelago.workers.data.manifest import DataError
 
     pq.write_table(pa.table({"body": ["some text"] * 20}), tmp_path / "train.parquet")
     files = {"train_files": str(tmp_path / "train*.parquet"), "eval_files": str(tmp_path / "train*.parquet")}

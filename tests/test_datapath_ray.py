@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import ray
 
-from orchestrator.bench.datapath_probes import coordinator_gbps
-from orchestrator.config_load import load_config
-from orchestrator.runtime.driver import init_ray
+from archipelago.orchestrator.bench.datapath_probes import coordinator_gbps
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.runtime.driver import init_ray
 
 pytestmark = pytest.mark.ray
 

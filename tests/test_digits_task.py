@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.config_load import load_config
+from archipelago.orchestrator.config_load import load_config
+from archipelago.workers.wire.flat import FlatParams
 from tests.helpers import in_process_run
-from workers.wire.flat import FlatParams
 
 pytest.importorskip("sklearn", reason="the digits example needs the 'examples' extra (scikit-learn)")
 
@@ -20,7 +20,7 @@ def test_diloco_trains_digits_classifier(split):
     cfg = load_config(
         None,
         [
-            "task.factory=workers.tasks.digits_task:make_task",
+            "task.factory=archipelago.workers.tasks.digits_task:make_task",
             "warm_start.steps=0",
             f"task.kwargs.split={split}",
             "islands.count=3",

@@ -14,9 +14,9 @@ import typing
 import pytest
 from pydantic import BaseModel
 
-from orchestrator.config import RunConfig
-from orchestrator.config_docs import TASKS, render
-from orchestrator.config_load import ConfigError, load_config
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.config_docs import TASKS, render
+from archipelago.orchestrator.config_load import ConfigError, load_config
 from tests.conftest import REPO
 
 DOCS = REPO / "docs"
@@ -311,7 +311,7 @@ def test_the_findings_figures_are_their_json(figure: Figure):
 
 
 def test_operations_lists_exactly_the_control_planes_routes():
-    from api.app import create_app
+    from archipelago.api.app import create_app
     from tests.fake_handle import FakeRun
 
     app = create_app(FakeRun(), "token")
@@ -324,7 +324,7 @@ def test_operations_lists_exactly_the_control_planes_routes():
 
 
 def test_operations_names_every_event_kind():
-    from orchestrator.engine.types import Event
+    from archipelago.orchestrator.engine.types import Event
 
     text = (DOCS / "operations.md").read_text()
     assert not [e.value for e in Event if f"`{e.value}`" not in text]
@@ -340,8 +340,8 @@ def _example_task_module() -> types.ModuleType:
 
 
 def test_the_task_example_in_the_docs_trains(tmp_path, monkeypatch):
+    from archipelago.workers.tasks.task import Task, load_task
     from tests.helpers import in_process_engine
-    from workers.tasks.task import Task, load_task
 
     monkeypatch.setitem(sys.modules, "docs_task_example", _example_task_module())
     assert isinstance(load_task("docs_task_example:make_task", {"dim": 4}), Task)

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import ray
 
-from orchestrator.config_load import load_config
-from orchestrator.engine.commands import AddIslands, Drain
-from orchestrator.runtime.driver import run
-from orchestrator.runtime.names import NAMESPACE, island_name
-from orchestrator.simulation.config import SimulationConfig
-from orchestrator.simulation.runner import run_in_process
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.commands import AddIslands, Drain
+from archipelago.orchestrator.runtime.driver import run
+from archipelago.orchestrator.runtime.names import NAMESPACE, island_name
+from archipelago.orchestrator.simulation.config import SimulationConfig
+from archipelago.orchestrator.simulation.runner import run_in_process
 
 pytestmark = pytest.mark.ray
 CENTERS = "[[1.0,0.0],[-0.5,2.0],[0.5,0.5],[2.0,1.0]]"

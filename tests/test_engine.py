@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.config_operations import RecordsConfig
-from orchestrator.engine.commands import (
+from archipelago.orchestrator.config_operations import RecordsConfig
+from archipelago.orchestrator.engine.commands import (
     Ack,
     AddIslands,
     Drain,
@@ -26,8 +26,8 @@ from orchestrator.engine.commands import (
     SettingsUpdate,
     UpdateSettings,
 )
-from orchestrator.engine.types import Event, RunFailed
-from orchestrator.simulation.pool import Fault, FaultKind
+from archipelago.orchestrator.engine.types import Event, RunFailed
+from archipelago.orchestrator.simulation.pool import Fault, FaultKind
 from tests.engine_scenarios import check_exactly_once, drive, run_scenario, scenario_cfg
 from tests.helpers import events, in_process_engine
 
@@ -258,7 +258,7 @@ def test_operator_commands_compose_within_a_round(tmp_path):
 
 
 def test_the_event_cursor_survives_trimming(tmp_path):
-    from orchestrator.engine.outputs.records import EventLog
+    from archipelago.orchestrator.engine.outputs.records import EventLog
 
     log = EventLog(tmp_path / "events.jsonl", RecordsConfig(), keep=5)
     for i in range(12):
@@ -423,8 +423,8 @@ def test_a_close_that_completes_several_rounds_records_and_checkpoints_each(tmp_
 def test_a_paused_run_takes_no_outer_step_until_it_resumes(tmp_path, mode):
     """Paused in an asynchronous mode, results already out used to be stepped: the run went
     from version 3 to 4 with its status saying paused. They now wait for the resume."""
-    from orchestrator.engine.commands import Resume
-    from orchestrator.engine.types import RunPhase
+    from archipelago.orchestrator.engine.commands import Resume
+    from archipelago.orchestrator.engine.types import RunPhase
 
     cfg = scenario_cfg(tmp_path, mode)
     engine, _ = in_process_engine(cfg)

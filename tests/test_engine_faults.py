@@ -14,16 +14,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.engine.outcomes import Halt, Lost, Place, Release
-from orchestrator.engine.outputs import records
-from orchestrator.engine.outputs.checkpoints import load_checkpoint
-from orchestrator.engine.types import IslandState, RunFailed, RunPhase
-from orchestrator.simulation.pool import Fault, FaultKind
+from archipelago.orchestrator.engine.outcomes import Halt, Lost, Place, Release
+from archipelago.orchestrator.engine.outputs import records
+from archipelago.orchestrator.engine.outputs.checkpoints import load_checkpoint
+from archipelago.orchestrator.engine.types import IslandState, RunFailed, RunPhase
+from archipelago.orchestrator.simulation.pool import Fault, FaultKind
+from archipelago.workers.runtime import storage
+from archipelago.workers.wire.flat import slice_bounds
+from archipelago.workers.wire.messages import Sliced
 from tests.engine_scenarios import check_exactly_once, drive, run_scenario, scenario_cfg
 from tests.helpers import events, in_process_engine
-from workers.runtime import storage
-from workers.wire.flat import slice_bounds
-from workers.wire.messages import Sliced
 
 MALFORMED = {
     "unknown codec": {"zstd": np.zeros(2, np.float32)},
@@ -62,9 +62,9 @@ def test_a_2d_slice_on_a_sliced_coordinator_is_refused(tmp_path):
 def test_a_slice_that_does_not_decode_is_reported_unfit_by_its_slice():
     """Under Ray a slice's part stays in the island's object store until the slice fetches it:
     the slice checks it (the engine cannot) and reports it unfit instead of raising."""
-    from orchestrator.config import RunConfig
-    from orchestrator.engine.step.rules import outer_rule
-    from orchestrator.engine.step.slices import OuterSlice
+    from archipelago.orchestrator.config import RunConfig
+    from archipelago.orchestrator.engine.step.rules import outer_rule
+    from archipelago.orchestrator.engine.step.slices import OuterSlice
 
     part = OuterSlice(outer_rule(RunConfig()), (0, 4), np.zeros(4, np.float32))
     good = {"raw": np.ones(4, np.float32)}
@@ -173,7 +173,7 @@ def test_an_unforeseen_error_is_a_clean_run_failed_with_the_checkpoint_intact(tm
 
 @pytest.mark.parametrize("mode", ["diloco", "async", "streaming", "quorum", "streaming_quorum"])
 def test_a_restart_with_every_island_mid_round_at_long_h_keeps_them_all(tmp_path, mode):
-    from orchestrator.engine.build import build_engine
+    from archipelago.orchestrator.engine.build import build_engine
 
     cfg = scenario_cfg(tmp_path, mode, "inner_steps=40", "inner.optimizer=adamw", "round_timeout_s=100")
     first, pool = in_process_engine(cfg, run_id="busy")
@@ -199,7 +199,7 @@ def test_seeded_chaos_trains_each_batch_once_and_ends_close_to_the_clean_run(tmp
     one mode on real actors; the logic it checks is the engine's, checked here in all)."""
     import random
 
-    from orchestrator.engine.commands import AddIslands, Drain
+    from archipelago.orchestrator.engine.commands import AddIslands, Drain
 
     clean = run_scenario(scenario_cfg(tmp_path, mode, "rounds=12", "data_shards=6"))
     rng = random.Random(1234)

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.engine.build import build_engine
-from orchestrator.engine.commands import (
+from archipelago.orchestrator.engine.build import build_engine
+from archipelago.orchestrator.engine.commands import (
     Ack,
     AddIslands,
     Drain,
@@ -30,11 +30,11 @@ from orchestrator.engine.commands import (
     Stop,
     UpdateSettings,
 )
-from orchestrator.engine.fleet import fleet as fleet_module
-from orchestrator.engine.fleet import membership
-from orchestrator.engine.outputs.checkpoints import load_checkpoint
-from orchestrator.engine.types import IslandState, RunFailed
-from orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
+from archipelago.orchestrator.engine.fleet import fleet as fleet_module
+from archipelago.orchestrator.engine.fleet import membership
+from archipelago.orchestrator.engine.outputs.checkpoints import load_checkpoint
+from archipelago.orchestrator.engine.types import IslandState, RunFailed
+from archipelago.orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
 from tests.engine_scenarios import Action, check_exactly_once, drive, run_scenario, scenario_cfg
 from tests.helpers import events, in_process_engine
 
@@ -144,7 +144,7 @@ def test_a_planted_checkpoint_cannot_run_code(tmp_path):
     import io
     import pickle
 
-    from orchestrator.engine.outputs.checkpoints import CheckpointError, load_checkpoint
+    from archipelago.orchestrator.engine.outputs.checkpoints import CheckpointError, load_checkpoint
 
     marker = tmp_path / "pwned"
 
@@ -236,7 +236,7 @@ def test_a_run_starts_from_a_final_model_or_a_checkpoint_folder(tmp_path, source
 
 
 def test_init_from_refuses_what_does_not_fit(tmp_path):
-    from orchestrator.config_load import ConfigError
+    from archipelago.orchestrator.config_load import ConfigError
 
     with pytest.raises(ConfigError, match="init_from"):
         scenario_cfg(tmp_path, "diloco", f"init_from={tmp_path / 'missing.pt'}")
@@ -290,9 +290,9 @@ def test_two_runs_on_one_checkpoint_folder_keep_apart_and_each_resumes_its_own(t
 
 
 def test_resume_continues_the_run_its_outputs_name_and_refuses_a_guess(tmp_path):
-    from orchestrator.cli import main
-    from orchestrator.config_load import dump_config
-    from orchestrator.runtime.driver import ResumeRefused, resume_id
+    from archipelago.orchestrator.cli import main
+    from archipelago.orchestrator.config_load import dump_config
+    from archipelago.orchestrator.runtime.driver import ResumeRefused, resume_id
 
     shared = tmp_path / "shared"
     cfgs = {
@@ -331,8 +331,8 @@ def test_resume_continues_the_run_its_outputs_name_and_refuses_a_guess(tmp_path)
 def test_a_named_run_continues_its_checkpoints_the_way_a_retried_job_does(tmp_path):
     """`archipelago run --run-id ID` (a RayJob's entrypoint, retried after a failure):
     checkpoints of ID in checkpoint.path mean continue, none mean start under that id."""
-    from orchestrator.cli import main
-    from orchestrator.runtime.driver import ResumeRefused, check_resumable
+    from archipelago.orchestrator.cli import main
+    from archipelago.orchestrator.runtime.driver import ResumeRefused, check_resumable
 
     cfg = scenario_cfg(tmp_path, "diloco", "rounds=2")
     assert not check_resumable(cfg, "retried")  # first attempt: starts afresh
@@ -351,7 +351,7 @@ def test_a_named_run_continues_its_checkpoints_the_way_a_retried_job_does(tmp_pa
 def test_a_resume_from_a_chosen_checkpoint_continues_that_branch_through_restarts(tmp_path):
     """`--resume DIR@N`: from checkpoint N, not the newest; the later ones stay, the run's
     new checkpoints are tagged with N, so a coordinator restart continues the branch."""
-    from orchestrator.cli import main
+    from archipelago.orchestrator.cli import main
 
     cfg = scenario_cfg(tmp_path, "diloco", "checkpoint.keep=20")
     first, pool = in_process_engine(cfg, run_id="branching")
@@ -497,7 +497,7 @@ def _killed_mid_checkpoint(folder: Path) -> Path:
             sys.executable,
             "-c",
             "import sys, time\n"
-            "from workers.runtime.storage import Folder\n"
+            "from archipelago.workers.runtime.storage import Folder\n"
             f"with Folder({str(folder)!r}).open_write('state-000099.pt') as f:\n"
             "    f.write(b'x' * (1 << 20)); f.flush(); print('writing', flush=True); time.sleep(600)\n",
         ],

@@ -8,8 +8,8 @@ import socket
 
 import torch
 
-from orchestrator.engine import engine as engine_module
-from orchestrator.engine.threads import step_threads, usable_cores
+from archipelago.orchestrator.engine import engine as engine_module
+from archipelago.orchestrator.engine.threads import step_threads, usable_cores
 from tests.engine_scenarios import drive, scenario_cfg
 from tests.helpers import in_process_engine
 
@@ -89,7 +89,7 @@ def test_only_a_barrier_s_islands_wait_for_its_step(tmp_path):
 def test_threads_follow_the_cgroup_cpu_quota_of_a_pod(tmp_path):
     """A Kubernetes CPU limit is a cgroup quota: `sched_getaffinity` still lists every host
     core, so the thread count is capped by the quota (v2 `cpu.max`, or v1's pair)."""
-    from orchestrator.engine.threads import cgroup_cpus, usable_cores
+    from archipelago.orchestrator.engine.threads import cgroup_cpus, usable_cores
 
     cores = usable_cores()
     v2 = tmp_path / "v2"

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.config_load import load_config
-from orchestrator.engine.outputs.evaluation import Evaluation
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.outputs.evaluation import Evaluation
 from tests.engine_scenarios import drive, scenario_cfg
 from tests.helpers import in_process_engine, toy_quadratic
 
@@ -72,7 +72,7 @@ def test_records_wait_for_their_evaluation_in_order_while_the_run_goes_on(tmp_pa
 def test_a_checkpoint_waits_for_the_records_before_it(tmp_path, monkeypatch):
     """Captured only once the records through its round are on disk (their evaluations came
     back), whether the next outer step's fence or a later poll finds them there."""
-    from orchestrator.engine import engine as engine_module
+    from archipelago.orchestrator.engine import engine as engine_module
 
     cfg = scenario_cfg(tmp_path, "diloco", "rounds=4", "checkpoint.every_rounds=2")
     engine, _ = in_process_engine(cfg)
@@ -119,7 +119,7 @@ def test_the_hf_eval_loss_is_the_whole_batch_loss_in_chunks():
     pytest.importorskip("transformers")
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from workers.tasks.chunked_loss import causal_lm_eval_loss, splits_head
+    from archipelago.workers.tasks.chunked_loss import causal_lm_eval_loss, splits_head
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(
@@ -160,10 +160,10 @@ def test_an_evaluation_actor_evaluates_every_round_and_gives_the_coordinators_nu
     """`evaluation.where: actor` on real Ray: every round's record has its loss, the run's
     initial and final losses are the evaluations of its models (the final one of
     final.pt, recomputed here), and the coordinator never evaluated."""
-    from orchestrator.engine.outputs.evaluation import evaluate_model
-    from orchestrator.runtime.driver import run
+    from archipelago.orchestrator.engine.outputs.evaluation import evaluate_model
+    from archipelago.orchestrator.runtime.driver import run
+    from archipelago.workers.tasks.lm_task import make_task
     from tests.helpers import tiny_lm_config
-    from workers.tasks.lm_task import make_task
 
     cfg = tiny_lm_config(
         tmp_path / "out",

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from workers.wire.flat import FlatParams
+from archipelago.workers.wire.flat import FlatParams
 
 
 def test_parameters_and_grads_are_views_of_flat_buffers():

@@ -11,17 +11,17 @@ from collections import Counter
 
 import pytest
 
-from orchestrator.bench import fleet_spec
-from orchestrator.bench.fleet import breakdown, run_one, seeds_of
-from orchestrator.bench.fleet_spec import FleetSpec
-from orchestrator.cli import main
-from orchestrator.config_load import load_config
-from orchestrator.engine.build import build_engine
-from orchestrator.simulation.chaos import Strike, TimedFault, mttf_schedule, parse_mix
-from orchestrator.simulation.config import SimulationConfig
-from orchestrator.simulation.links import LinkConfig, allreduce_s, ring_allreduce_s, tree_allreduce_s
-from orchestrator.simulation.network import Network
-from orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
+from archipelago.orchestrator.bench import fleet_spec
+from archipelago.orchestrator.bench.fleet import breakdown, run_one, seeds_of
+from archipelago.orchestrator.bench.fleet_spec import FleetSpec
+from archipelago.orchestrator.cli import main
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.build import build_engine
+from archipelago.orchestrator.simulation.chaos import Strike, TimedFault, mttf_schedule, parse_mix
+from archipelago.orchestrator.simulation.config import SimulationConfig
+from archipelago.orchestrator.simulation.links import LinkConfig, allreduce_s, ring_allreduce_s, tree_allreduce_s
+from archipelago.orchestrator.simulation.network import Network
+from archipelago.orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
 from tests.engine_scenarios import check_exactly_once, check_rounds_recorded, drive, scenario_cfg
 from tests.helpers import events, in_process_engine
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.algorithms.aggregate import WeightedMean, sqnorm
-from orchestrator.algorithms.fused_step import SGDRule, mean_step
-from orchestrator.algorithms.outer import FlatSGD
-from orchestrator.engine.step.outer import Commit, LocalOuter, OuterRule
+from archipelago.orchestrator.algorithms.aggregate import WeightedMean, sqnorm
+from archipelago.orchestrator.algorithms.fused_step import SGDRule, mean_step
+from archipelago.orchestrator.algorithms.outer import FlatSGD
+from archipelago.orchestrator.engine.step.outer import Commit, LocalOuter, OuterRule
 from tests.engine_scenarios import drive, scenario_cfg
 from tests.helpers import in_process_engine
 
@@ -92,7 +92,7 @@ def test_the_outer_alternates_buffers_and_keeps_the_models_copy_and_a_checkpoint
     outer = LocalOuter(flat, OuterRule(rule, one_pass=True))
     ref_param = torch.nn.Parameter(torch.ones(n))
     reference = FlatSGD([ref_param], lr=0.7, momentum=0.9, nesterov=True)
-    from orchestrator.engine.types import Contribution
+    from archipelago.orchestrator.engine.types import Contribution
 
     # (the pacing's scale the pass took, the scale of the step admission asks for)
     for version, (paced, scale) in enumerate([(1.0, 1.0), (1.0, 1.0), (1.0, 0.5), (0.25, 0.25)]):
@@ -149,9 +149,9 @@ def test_a_run_through_faults_and_a_restart_is_bitwise_the_mean_then_step_run(tm
     dropped), a crash, a malformed result, a corrupted hand-off and a coordinator restart
     from its checkpoint (written from wherever the one pass left the parameters). Same
     parameters, bit for bit, and the same verdicts as with the one pass switched off."""
-    from orchestrator.engine.build import build_engine
-    from orchestrator.engine.step.outer import OuterStep
-    from orchestrator.simulation.pool import Fault, FaultKind
+    from archipelago.orchestrator.engine.build import build_engine
+    from archipelago.orchestrator.engine.step.outer import OuterStep
+    from archipelago.orchestrator.simulation.pool import Fault, FaultKind
 
     faults = [
         Fault(FaultKind.NAN, 2, order=2),
@@ -188,10 +188,10 @@ _WITHOUT_NUMBA = """
 import sys
 sys.modules["numba"] = None  # as if the `fast` extra were not installed: `import numba` fails
 from pathlib import Path
-from orchestrator.algorithms.fused_step import available
-from orchestrator.engine.step.rules import takes_one_pass
-from orchestrator.plan.cluster import this_machine
-from orchestrator.plan.planner import plan_run
+from archipelago.orchestrator.algorithms.fused_step import available
+from archipelago.orchestrator.engine.step.rules import takes_one_pass
+from archipelago.orchestrator.plan.cluster import this_machine
+from archipelago.orchestrator.plan.planner import plan_run
 from tests.engine_scenarios import drive, scenario_cfg
 from tests.helpers import in_process_engine
 cfg = scenario_cfg(Path(sys.argv[1]), "diloco", "task.kwargs.dtype=float32", "outer.merge=mean")

@@ -11,11 +11,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from orchestrator.simulation.pool import Fault, FaultKind
+from archipelago.orchestrator.simulation.pool import Fault, FaultKind
+from archipelago.workers.wire.handoff import HandOffMismatch, params_digest, seal, verify
+from archipelago.workers.wire.messages import WorkKind, WorkOrder
 from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
 from tests.helpers import events, in_process_engine
-from workers.wire.handoff import HandOffMismatch, params_digest, seal, verify
-from workers.wire.messages import WorkKind, WorkOrder
 
 
 def test_the_digest_covers_the_parameters_and_the_orders_place_in_the_run():

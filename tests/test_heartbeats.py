@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from orchestrator.config_load import load_config
-from orchestrator.engine.commands import Refused, SettingsUpdate, UpdateSettings
-from orchestrator.engine.pool import Progress
-from orchestrator.runtime.driver import run
-from orchestrator.simulation.chaos import Strike, TimedFault
-from orchestrator.simulation.pool import Fault, FaultKind
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.commands import Refused, SettingsUpdate, UpdateSettings
+from archipelago.orchestrator.engine.pool import Progress
+from archipelago.orchestrator.runtime.driver import run
+from archipelago.orchestrator.simulation.chaos import Strike, TimedFault
+from archipelago.orchestrator.simulation.pool import Fault, FaultKind
 from tests.engine_scenarios import check_exactly_once, check_rounds_recorded, drive, run_scenario, scenario_cfg
 from tests.helpers import events, in_process_engine, toy_quadratic
 
@@ -223,7 +223,7 @@ def test_a_count_read_before_the_island_began_its_work_says_nothing_of_that_work
     """An answer about the work before (its ticket, its step count) while the new work's
     parameters are still on their way: the island is not between steps of the new work, so
     the floor, not 5 step times, is its limit — a large download is not a hang."""
-    from orchestrator.engine.pool import Progress
+    from archipelago.orchestrator.engine.pool import Progress
 
     cfg = scenario_cfg(tmp_path, "diloco", "inner_steps=8", heartbeats=True)
     engine, _ = in_process_engine(cfg, step_s=1.0)
@@ -281,7 +281,7 @@ def test_a_sigstopped_island_answers_nothing_and_is_declared_hung_at_the_floor(r
     import os
     import signal
 
-    from orchestrator.runtime.island_actors import find_island
+    from archipelago.orchestrator.runtime.island_actors import find_island
     from tests.helpers import run_until_records
 
     cfg = _ray_beats(tmp_path, 0.1)
@@ -310,7 +310,7 @@ def test_a_dead_spare_is_found_by_its_heartbeat_and_replaced_before_it_is_needed
     """A hot spare has no work out, so nothing but a heartbeat can find it dead: it was found
     only when promoted (a chain of dead spares failed one promotion after another). Killed
     while standing by, it is declared dead within seconds and a new spare is placed behind."""
-    from orchestrator.runtime.island_actors import find_island
+    from archipelago.orchestrator.runtime.island_actors import find_island
     from tests.helpers import run_until_records
 
     cfg = _ray_beats(tmp_path, 0.1, "elastic.spares=1")

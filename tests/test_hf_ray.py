@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
-from orchestrator.config_load import load_config
-from orchestrator.runtime.driver import run
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.runtime.driver import run
 from tests.helpers import TINY_LLAMA, fell_20_percent
 
 pytestmark = pytest.mark.ray

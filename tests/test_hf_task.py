@@ -15,12 +15,12 @@ import torch
 
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
-from orchestrator.cli import main
-from orchestrator.config_load import dump_config, load_config
+from archipelago.orchestrator.cli import main
+from archipelago.orchestrator.config_load import dump_config, load_config
+from archipelago.workers.tasks.hf_task import HFTaskConfig, make_task
+from archipelago.workers.tasks.task import TaskError, export_pretrained, load_task
+from archipelago.workers.tasks.text_data import Documents, island_part
 from tests.helpers import TINY_LLAMA, fell_20_percent, in_process_run
-from workers.tasks.hf_task import HFTaskConfig, make_task
-from workers.tasks.task import TaskError, export_pretrained, load_task
-from workers.tasks.text_data import Documents, island_part
 
 TINY = {"preset": "tiny-llama", "context": 32, "batch_size": 8, "eval_batches": 2}
 
@@ -62,7 +62,7 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="model_type"):
         HFTaskConfig(model_config={"hidden_size": 64})
     with pytest.raises(TaskError, match="rejected its kwargs"):
-        load_task("workers.tasks.hf_task:make_task", {"preset": "tiny-llama", "context_length": 64})
+        load_task("archipelago.workers.tasks.hf_task:make_task", {"preset": "tiny-llama", "context_length": 64})
 
 
 def test_a_model_from_config_trains_and_exports_to_transformers_with_the_same_logits(task, corpus_cache, tmp_path):
@@ -94,7 +94,7 @@ def test_a_model_from_config_trains_and_exports_to_transformers_with_the_same_lo
 
 def _export_cli(run_dir, out_dir, *extra: str) -> subprocess.CompletedProcess:
     """`archipelago export RUN_DIR OUT_DIR` in a fresh process."""
-    cmd = [sys.executable, "-m", "orchestrator.cli", "export", str(run_dir), str(out_dir), *extra]
+    cmd = [sys.executable, "-m", "archipelago.orchestrator.cli", "export", str(run_dir), str(out_dir), *extra]
     return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
 
 
@@ -102,7 +102,7 @@ def test_a_run_with_the_hf_task_exports_at_the_end_and_the_cli_exports_again(cor
     cfg = load_config(
         None,
         [
-            "task.factory=workers.tasks.hf_task:make_task",
+            "task.factory=archipelago.workers.tasks.hf_task:make_task",
             "task.kwargs.preset=tiny-llama",
             "task.kwargs.context=32",
             "task.kwargs.batch_size=8",
@@ -130,9 +130,11 @@ def test_a_run_with_the_hf_task_exports_at_the_end_and_the_cli_exports_again(cor
     assert a == (tmp_path / "again" / "model.safetensors").read_bytes()
     # config.yaml is on a writable volume and names code to import: only what the checkpoint recorded
     config = tmp_path / "run" / "config.yaml"
-    config.write_text(config.read_text().replace("workers.tasks.hf_task:make_task", "tests.toy_tasks:make_recording"))
+    config.write_text(
+        config.read_text().replace("archipelago.workers.tasks.hf_task:make_task", "tests.toy_tasks:make_recording")
+    )
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "planted")]) == 2  # refused before any import
-    assert "trained with 'workers.tasks.hf_task:make_task'" in capsys.readouterr().err
+    assert "trained with 'archipelago.workers.tasks.hf_task:make_task'" in capsys.readouterr().err
     assert not (tmp_path / "planted").exists()
 
 
@@ -181,8 +183,8 @@ def test_a_tiny_llama_trains_in_async_mode_with_its_warm_start(corpus_cache, tmp
     """Asynchronous mode on the HF task, in process on the virtual clock (the Ray run of the
     same model is the sync one in test_hf_ray.py): the default warm start, then two islands'
     asynchronous updates, take the eval loss 20 % below the untrained model's."""
-    from orchestrator.simulation.config import SimulationConfig
-    from orchestrator.simulation.runner import run_in_process
+    from archipelago.orchestrator.simulation.config import SimulationConfig
+    from archipelago.orchestrator.simulation.runner import run_in_process
 
     sets = [*TINY_LLAMA, "mode=async", f"task.kwargs.cache_dir={corpus_cache}"]
     summary = run_in_process(load_config(None, [*sets, f"out_dir={tmp_path}"]), SimulationConfig(virtual_step_s=0.05))
@@ -194,12 +196,12 @@ def test_a_corpus_prepared_with_the_hf_tokenizer_carries_it_and_trains_the_task(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from workers.data.manifest import read_manifest
+    from archipelago.workers.data.manifest import read_manifest
 
     docs = [f"def f{i}(x):\n    return x * {i}  # document {i}\n" * 20 for i in range(200)]
     pq.write_table(pa.table({"text": docs}), tmp_path / "code.parquet")
     out = tmp_path / "prepared"
-    sets = ["task.factory=workers.tasks.hf_task:make_task", "task.kwargs.preset=tiny-llama"]
+    sets = ["task.factory=archipelago.workers.tasks.hf_task:make_task", "task.kwargs.preset=tiny-llama"]
     args = [a for s in [*sets, f"task.kwargs.cache_dir={corpus_cache}"] for a in ("--set", s)]
     prepare = [
         "-q",

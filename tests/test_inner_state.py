@@ -13,17 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.config_load import load_config
-from orchestrator.engine.build import build_engine
-from orchestrator.engine.fleet.island_states import FOLDER, save_due
-from orchestrator.engine.outputs.checkpoints import load_checkpoint
-from orchestrator.simulation.pool import InProcessPool
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.build import build_engine
+from archipelago.orchestrator.engine.fleet.island_states import FOLDER, save_due
+from archipelago.orchestrator.engine.outputs.checkpoints import load_checkpoint
+from archipelago.orchestrator.simulation.pool import InProcessPool
+from archipelago.workers.runtime import inner_state
+from archipelago.workers.runtime.inner_state import InnerStateError
+from archipelago.workers.runtime.island import Island
+from archipelago.workers.wire.messages import SavedState, WorkKind
 from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
 from tests.helpers import events, in_process_engine
-from workers.runtime import inner_state
-from workers.runtime.inner_state import InnerStateError
-from workers.runtime.island import Island
-from workers.wire.messages import SavedState, WorkKind
 
 
 def _trained(optimizer_cls, **kwargs) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -139,8 +139,8 @@ def test_a_killed_run_resumes_with_every_islands_moments_and_a_lost_file_costs_o
 
 
 def test_muon_beside_adamw_is_saved_group_by_group_and_steps_exactly_as_the_original():
-    from workers.runtime.optim import build_inner, muon_params
-    from workers.wire.spec import InnerConfig
+    from archipelago.workers.runtime.optim import build_inner, muon_params
+    from archipelago.workers.wire.spec import InnerConfig
 
     cfg = InnerConfig(optimizer="muon", warmup_steps=0)
 

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.config_load import load_config
-from orchestrator.engine.specs import island_spec
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.specs import island_spec
+from archipelago.workers.runtime.island import Island
+from archipelago.workers.runtime.optim import build_inner
+from archipelago.workers.tasks.task import split_batch
 from tests.helpers import TINY_LM, in_process_run
-from workers.runtime.island import Island
-from workers.runtime.optim import build_inner
-from workers.tasks.task import split_batch
 
 # the shared tiny GPT (later overrides win), on 2 islands with fewer eval batches and a shorter warmup
 TINY_GPT = [*TINY_LM, "task.kwargs.eval_batches=2", "islands.count=2", "inner.warmup_steps=2"]
@@ -63,7 +63,7 @@ def test_bf16_autocast_trains_within_2_percent_of_fp32(corpus_cache, tmp_path):
 
 
 def test_an_unknown_precision_names_the_field():
-    from orchestrator.config_load import ConfigError
+    from archipelago.orchestrator.config_load import ConfigError
 
     with pytest.raises(ConfigError, match=r"inner\.precision"):
         load_config(None, ["inner.precision=fp8"])
@@ -104,7 +104,7 @@ def test_adamw_is_fused_on_cuda_and_foreach_elsewhere():
     the CPU's numbers do not move. The CUDA run itself: `tests/test_cuda.py`."""
     from types import SimpleNamespace
 
-    from workers.runtime.optim import adamw_kernel
+    from archipelago.workers.runtime.optim import adamw_kernel
 
     assert adamw_kernel([torch.nn.Parameter(torch.zeros(3))]) == {"foreach": True}
     on_cuda = [SimpleNamespace(device=torch.device("cuda", i)) for i in range(2)]

@@ -9,14 +9,14 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator.config_load import load_config
-from orchestrator.engine.specs import island_spec
-from orchestrator.runtime.driver import run
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.specs import island_spec
+from archipelago.orchestrator.runtime.driver import run
+from archipelago.workers.runtime.island import Island
+from archipelago.workers.runtime.island_actor import island_actor_class
+from archipelago.workers.wire.compress import decode
+from archipelago.workers.wire.messages import WorkKind, WorkOrder
 from tests.helpers import TINY_LM
-from workers.runtime.island import Island
-from workers.runtime.island_actor import island_actor_class
-from workers.wire.compress import decode
-from workers.wire.messages import WorkKind, WorkOrder
 
 pytestmark = pytest.mark.ray
 

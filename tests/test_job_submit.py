@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from orchestrator.engine.outputs.checkpoints import load_checkpoint, one_run
+from archipelago.orchestrator.engine.outputs.checkpoints import load_checkpoint, one_run
 from tests.conftest import REPO
 from tests.helpers import TINY_LM
 from tests.http_server import free_port
@@ -111,7 +111,7 @@ def _submit(
         *overrides,
     ]
     ship = ["--runtime-env=k8s/runtime-env.yaml"] if runtime_env else [f"--working-dir={REPO}"]
-    entry = ["python", "-m", "orchestrator.cli"] if runtime_env else ["archipelago"]
+    entry = ["python", "-m", "archipelago.orchestrator.cli"] if runtime_env else ["archipelago"]
     if api_token:  # the driver's environment: what a Secret mounted into the head pod gives
         entry = ["env", f"ARCHIPELAGO_API_TOKEN={api_token}", *entry]
     cmd = [
@@ -240,7 +240,7 @@ def test_a_sigkilled_driver_leaves_no_island_holding_resources(cluster, tmp_path
     sets = [*TINY_LM, f"task.kwargs.cache_dir={corpus_cache}", "islands.count=2", "islands.cpus=1", "rounds=1000",
             "inner_steps=20", f"ray.address={gcs}", "elastic.orphan_timeout_s=3", f"out_dir={out}"]  # fmt: skip
     driver = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "-q", "run", *[a for s in sets for a in ("--set", s)]],
+        [sys.executable, "-m", "archipelago.orchestrator.cli", "-q", "run", *[a for s in sets for a in ("--set", s)]],
         env=env,
         cwd=REPO,
         stdout=subprocess.DEVNULL,

@@ -15,10 +15,10 @@ import jsonschema
 import pytest
 import yaml
 
-from api.auth import ExposureError, check_exposure
-from orchestrator.config import ApiConfig
-from orchestrator.config_load import load_config
-from orchestrator.runtime.driver import RAY_SYSTEM_CONFIG
+from archipelago.api.auth import ExposureError, check_exposure
+from archipelago.orchestrator.config import ApiConfig
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.runtime.driver import RAY_SYSTEM_CONFIG
 from tests.conftest import REPO
 
 CRDS = REPO / "tests" / "kuberay"  # KubeRay v1.7.0's CRDs, as released (gzipped; its LICENSE beside them)
@@ -192,6 +192,34 @@ def test_runtime_env_ships_the_package_dependencies():
     assert env["pip"]["packages"] == [d for d in deps if not d.startswith("ray")] + fast  # the coordinator's kernel
 
 
+def test_the_runtime_env_ships_the_package_under_its_import_name():
+    """A stock Ray image has no Archipelago installed: the uploaded working directory's
+    k8s/pythonpath, on PYTHONPATH relative to it, is the package under its one import root
+    (links to the three folders), found ahead of anything else, from the job's driver and
+    every worker alike (each runs in the working directory)."""
+    env = manifest("runtime-env.yaml")
+    view = REPO / env["env_vars"]["PYTHONPATH"]
+    for folder in ("orchestrator", "workers", "api"):
+        link = view / "archipelago" / folder
+        assert link.is_symlink() and link.resolve() == REPO / folder, link
+    found = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import archipelago.orchestrator.cli as m, archipelago.api.app as a; print(m.__file__, a.__file__)",
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": env["env_vars"]["PYTHONPATH"]},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert found == [
+        str(view / "archipelago" / "orchestrator" / "cli.py"),
+        str(view / "archipelago" / "api" / "app.py"),
+    ]
+
+
 def _pods() -> dict[str, dict]:
     """Every pod template the manifests ship, by where it is."""
     cluster, job = manifest("raycluster.yaml")["spec"], manifest("job/rayjob.yaml")["spec"]
@@ -239,7 +267,7 @@ def test_a_rayjob_reads_its_config_from_a_configmap_made_at_apply_and_names_its_
     the shared volume's checkpoints, and another RayJob name is another run."""
     import shlex
 
-    from orchestrator.cli import build_parser
+    from archipelago.orchestrator.cli import build_parser
 
     docs = {d["kind"]: d for d in _kustomize(K8S / "job")}
     config_map, job = docs["ConfigMap"], docs["RayJob"]
@@ -474,7 +502,7 @@ def test_the_alert_rules_load_and_watch_series_the_run_exports():
 
     import promql_parser
 
-    from orchestrator.engine.outputs.views import HISTOGRAMS, ISLAND_METRICS, ISLAND_STATE, RUN_METRICS
+    from archipelago.orchestrator.engine.outputs.views import HISTOGRAMS, ISLAND_METRICS, ISLAND_STATE, RUN_METRICS
 
     exported = {f"ray_{m.name}" for m in [*RUN_METRICS, *ISLAND_METRICS, *HISTOGRAMS, ISLAND_STATE]}
     rule = manifest("monitoring/prometheusrule.yaml")
@@ -520,7 +548,7 @@ def test_every_ray_pods_object_store_is_sized_in_memory_backed_shared_memory(fil
     and every version published and every pseudo-gradient pulled in goes at the disk's pace:
     each pod states its store and mounts /dev/shm in memory at least that large, within the
     pod's memory limit, with room left for the processes."""
-    from orchestrator.plan.cluster import quantity
+    from archipelago.orchestrator.plan.cluster import quantity
 
     spec = manifest(file)["spec"]
     spec = spec.get("rayClusterSpec", spec)
@@ -572,7 +600,7 @@ def test_each_clouds_component_fits_its_named_machine_and_gives_the_volume_a_cla
     sets), the accelerator memory the plan trusts is that machine's GPU's, the rest of the
     pod (object store in /dev/shm, drain, tokens) still holds, and the shared volume asks a
     ReadWriteMany class of that cloud for at least its smallest share."""
-    from orchestrator.plan.cluster import quantity
+    from archipelago.orchestrator.plan.cluster import quantity
 
     docs = _with_component(tmp_path, folder, cloud)
     clusters = [d["spec"].get("rayClusterSpec", d["spec"]) for d in docs if d["kind"] in ("RayCluster", "RayJob")]

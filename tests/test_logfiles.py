@@ -8,13 +8,13 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from orchestrator.config_load import load_config
-from orchestrator.config_operations import RecordsConfig
-from orchestrator.engine.build import build_engine
-from orchestrator.engine.outputs.checkpoints import load_checkpoint
-from orchestrator.engine.outputs.logfiles import read_lines, segments
-from orchestrator.engine.outputs.records import EventLog, Recorder
-from orchestrator.engine.outputs.views import RoundRecord
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.config_operations import RecordsConfig
+from archipelago.orchestrator.engine.build import build_engine
+from archipelago.orchestrator.engine.outputs.checkpoints import load_checkpoint
+from archipelago.orchestrator.engine.outputs.logfiles import read_lines, segments
+from archipelago.orchestrator.engine.outputs.records import EventLog, Recorder
+from archipelago.orchestrator.engine.outputs.views import RoundRecord
 from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
 from tests.helpers import in_process_engine
 

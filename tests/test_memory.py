@@ -8,12 +8,12 @@ from __future__ import annotations
 import os
 import random
 
-from orchestrator.config_load import load_config
-from orchestrator.engine.fleet.membership import RETAINED
-from orchestrator.engine.outputs.records import HISTORY, Recorder
-from orchestrator.engine.outputs.views import RoundRecord
-from orchestrator.engine.types import IslandState
-from orchestrator.simulation.pool import Fault, FaultKind
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.fleet.membership import RETAINED
+from archipelago.orchestrator.engine.outputs.records import HISTORY, Recorder
+from archipelago.orchestrator.engine.outputs.views import RoundRecord
+from archipelago.orchestrator.engine.types import IslandState
+from archipelago.orchestrator.simulation.pool import Fault, FaultKind
 from tests.helpers import in_process_engine
 
 ISLANDS, ROUNDS = 64, 10_000

@@ -11,16 +11,16 @@ import textwrap
 import pytest
 import torch
 
+from archipelago.workers.runtime.optim import SGD, Adam, AdamW
 from tests.conftest import REPO
 from tests.helpers import TINY_LM
-from workers.runtime.optim import SGD, Adam, AdamW
 
 RUN = textwrap.dedent(
     """
     import sys
-    from orchestrator.config_load import load_config
-    from orchestrator.engine.build import PhasedRun
-    from orchestrator.simulation.pool import InProcessPool
+    from archipelago.orchestrator.config_load import load_config
+    from archipelago.orchestrator.engine.build import PhasedRun
+    from archipelago.orchestrator.simulation.pool import InProcessPool
 
     # nothing called first: importing the modules that build optimizers applies it
     for i, sets in enumerate(sys.argv[2:]):

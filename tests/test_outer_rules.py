@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.algorithms.outer import FlatSGD
-from orchestrator.config_load import load_config
-from orchestrator.config_sections import OuterOptimizer
-from orchestrator.engine.step.outer import OuterStep
-from orchestrator.engine.step.rules import RULES, RuleKind, rule_of
+from archipelago.orchestrator.algorithms.outer import FlatSGD
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.config_sections import OuterOptimizer
+from archipelago.orchestrator.engine.step.outer import OuterStep
+from archipelago.orchestrator.engine.step.rules import RULES, RuleKind, rule_of
 
 SETS = {
     RuleKind.NESTEROV: ["mode=diloco"],

@@ -1,5 +1,5 @@
 """CO2 overlap over a simulated link, its islands real actors on a local Ray instance on
-the virtual clock (`orchestrator.simulation.ray_pool`)."""
+the virtual clock (`archipelago.orchestrator.simulation.ray_pool`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from orchestrator.simulation.config import load_simulated
-from orchestrator.simulation.ray_pool import run_simulated
+from archipelago.orchestrator.simulation.config import load_simulated
+from archipelago.orchestrator.simulation.ray_pool import run_simulated
 from tests.helpers import toy_quadratic
 
 pytestmark = pytest.mark.ray

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.config_load import load_config
-from orchestrator.engine.commands import SettingsUpdate
-from orchestrator.engine.pacing.arrivals import PerArrival
-from orchestrator.engine.pacing.base import Barrier, FragmentSchedule, OneRoundLag
-from orchestrator.engine.pacing.quorum import Quorum
-from orchestrator.engine.pacing.registry import PACINGS, QUORUM_SETTINGS, PacingKind, pacing_of
-from orchestrator.engine.policies import build_policies, check_settings
-from orchestrator.engine.step.admission import BoundedStaleness, ExactVersion
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.commands import SettingsUpdate
+from archipelago.orchestrator.engine.pacing.arrivals import PerArrival
+from archipelago.orchestrator.engine.pacing.base import Barrier, FragmentSchedule, OneRoundLag
+from archipelago.orchestrator.engine.pacing.quorum import Quorum
+from archipelago.orchestrator.engine.pacing.registry import PACINGS, QUORUM_SETTINGS, PacingKind, pacing_of
+from archipelago.orchestrator.engine.policies import build_policies, check_settings
+from archipelago.orchestrator.engine.step.admission import BoundedStaleness, ExactVersion
 
 SETS = {
     PacingKind.BARRIER: (["mode=diloco"], Barrier),

@@ -16,7 +16,7 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 REPO = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-PRODUCT = ("orchestrator", "workers", "api")
+PRODUCT = ("orchestrator", "workers", "api")  # the folders; imported as archipelago.<folder>
 
 
 def _name(requirement: str) -> str:
@@ -40,7 +40,7 @@ def test_every_third_party_import_is_declared():
         declared |= {_name(r) for r in extra}
     declared |= {"ray"}  # `ray[default,train]`
     providers = importlib.metadata.packages_distributions()
-    ours = set(PRODUCT) | {"tests"}
+    ours = {"archipelago", "tests"}
     missing = {}
     for package in PRODUCT:
         for path in (REPO / package).rglob("*.py"):
@@ -144,3 +144,56 @@ def test_the_image_context_leaves_secrets_tokens_venvs_and_runs_out():
         assert _ignored(path, patterns), path
     for path in ("orchestrator/cli.py", "k8s/raycluster.yaml", "pyproject.toml", "LICENSE", "README.md"):
         assert not _ignored(path, patterns), path
+
+
+def test_one_import_root_every_package_listed_and_the_wheel_installs_nothing_else(tmp_path):
+    """The distribution installs one top-level package, `archipelago` (the three folders as
+    archipelago.orchestrator, .workers, .api), never a generic `api` or `workers` that
+    collides with a user's own: the package list in pyproject.toml is every folder with an
+    `__init__.py`, and the wheel built from it holds nothing outside `archipelago/` but its
+    metadata, the dashboard included."""
+    import subprocess
+    import zipfile
+
+    listed = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    found = sorted(
+        "archipelago." + ".".join(init.parent.relative_to(REPO).parts)
+        for folder in PRODUCT
+        for init in (REPO / folder).rglob("__init__.py")
+    )
+    assert sorted(listed) == found
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (wheel,) = tmp_path.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"archipelago"}, tops
+    assert "archipelago/api/dashboard.html" in names and "archipelago/orchestrator/cli.py" in names
+    assert not any(n.startswith("archipelago/__init__") for n in names)  # a namespace: nothing to shadow
+    import archipelago.orchestrator.cli
+
+    assert archipelago.orchestrator.cli.__file__ == str(REPO / "orchestrator" / "cli.py")
+
+
+def test_a_task_factory_named_by_its_old_top_level_module_still_loads_with_a_warning():
+    from archipelago.orchestrator.config import TaskSpec
+
+    with pytest.warns(DeprecationWarning, match="archipelago.workers.tasks.lm_task:make_task"):
+        spec = TaskSpec(factory="workers.tasks.lm_task:make_task")
+    assert spec.factory == "archipelago.workers.tasks.lm_task:make_task"
+    assert TaskSpec(factory="tests.toy_tasks:make").factory == "tests.toy_tasks:make"  # not ours: untouched

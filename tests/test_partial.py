@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.engine.specs import island_spec
-from orchestrator.engine.work.ledger import DataLedger
-from orchestrator.simulation.chaos import Strike, TimedFault
-from orchestrator.simulation.pool import InProcessPool
+from archipelago.orchestrator.engine.specs import island_spec
+from archipelago.orchestrator.engine.work.ledger import DataLedger
+from archipelago.orchestrator.simulation.chaos import Strike, TimedFault
+from archipelago.orchestrator.simulation.pool import InProcessPool
+from archipelago.workers.runtime.island import Island, Stopped
+from archipelago.workers.wire.messages import WorkKind, WorkOrder, batch_counts
 from tests.engine_scenarios import check_exactly_once, check_rounds_recorded, drive, scenario_cfg
 from tests.helpers import events, in_process_engine
 from tests.toy_tasks import READS
-from workers.runtime.island import Island, Stopped
-from workers.wire.messages import WorkKind, WorkOrder, batch_counts
 
 # 1 simulated s per inner step, a heartbeat every ½ s (`test_heartbeats.py`)
 BEATS = ("elastic.hang_after_steps=3", "elastic.progress_every_s=0.5", "elastic.hang_floor_s=1")
@@ -140,7 +140,7 @@ def test_a_schedulers_notice_with_its_time_stops_the_work_at_the_steps_that_fit(
     """`POST /v1/islands/{id}/preempt?notice_s=2.5` as the engine takes it: the island's
     round of four 1-s steps has just begun; the two steps that end within 2.5 s are sent,
     the other two batches go back; a notice with a time that is not one is refused."""
-    from orchestrator.engine.commands import Preempt, Refusal
+    from archipelago.orchestrator.engine.commands import Preempt, Refusal
 
     cfg = scenario_cfg(tmp_path, "diloco")
     engine, _ = in_process_engine(cfg, step_s=1.0)
@@ -177,10 +177,10 @@ def test_the_virtual_clock_pool_counts_the_steps_that_fit_and_tells_the_island_t
     the steps that fit (1 s each here; the work begins after a 2-s download at 0) and tells
     the island the count; the result is due when the last of them ends. A stop that leaves
     every step to run, or that comes after a streaming order's send point, asks nothing."""
-    from orchestrator.config_load import load_config
-    from orchestrator.runtime.island_actors import IslandHandle
-    from orchestrator.simulation.config import SimulationConfig
-    from orchestrator.simulation.ray_pool import VirtualClockPool
+    from archipelago.orchestrator.config_load import load_config
+    from archipelago.orchestrator.runtime.island_actors import IslandHandle
+    from archipelago.orchestrator.simulation.config import SimulationConfig
+    from archipelago.orchestrator.simulation.ray_pool import VirtualClockPool
 
     cfg = load_config(None, ["islands.count=2", f"out_dir={tmp_path}"])
     pool = VirtualClockPool(cfg, "run", sim=SimulationConfig(virtual_step_s=1))
@@ -276,7 +276,7 @@ def test_a_stopped_straggler_trains_the_rest_when_the_idle_islands_die_and_none_
     log growing). Now an island stopped as a straggler trains again once no other live island
     can: the run ends (164 simulated s in quorum mode, 55 s without the failures) before the
     straggler alone could have trained the whole budget, every batch trained once."""
-    from orchestrator.simulation.pool import Fault, FaultKind
+    from archipelago.orchestrator.simulation.pool import Fault, FaultKind
 
     cfg = scenario_cfg(
         tmp_path, mode, "rounds=3", "inner_steps=16", "round_timeout_s=100", *BEATS, "elastic.hang_after_steps=12"

@@ -10,9 +10,9 @@ import threading
 import time
 from typing import Any
 
-from orchestrator.config import RunConfig
-from orchestrator.engine.build import PhasedRun
-from orchestrator.engine.commands import (
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.engine.build import PhasedRun
+from archipelago.orchestrator.engine.commands import (
     Ack,
     AddIslands,
     Drain,
@@ -23,8 +23,8 @@ from orchestrator.engine.commands import (
     Stop,
     UpdateSettings,
 )
-from orchestrator.engine.outputs.views import RunStatus
-from orchestrator.simulation.pool import InProcessPool
+from archipelago.orchestrator.engine.outputs.views import RunStatus
+from archipelago.orchestrator.simulation.pool import InProcessPool
 from tests.helpers import events
 from tests.test_warm_start import _cfg
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import main
-from orchestrator.plan.cluster import ClusterError, from_manifest, quantity
+from archipelago.orchestrator.cli import main
+from archipelago.orchestrator.plan.cluster import ClusterError, from_manifest, quantity
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA = str(REPO / "k8s" / "hf-llama-config.yaml")
@@ -128,7 +128,12 @@ def test_a_gpu_island_that_does_not_fit_its_accelerator_is_refused_by_how_much(c
         ("default", [], None),
         (
             "tiny-llama",
-            ["--set", "task.factory=workers.tasks.hf_task:make_task", "--set", "task.kwargs.preset=tiny-llama"],
+            [
+                "--set",
+                "task.factory=archipelago.workers.tasks.hf_task:make_task",
+                "--set",
+                "task.kwargs.preset=tiny-llama",
+            ],
             None,
         ),
         (
@@ -231,8 +236,8 @@ def test_a_cached_measurement_plans_without_importing_torch(tmp_path, corpus_cac
     code = f"""
 import os, sys
 os.environ["ARCHIPELAGO_CACHE"] = {str(tmp_path)!r}
-from orchestrator.config_load import load_config
-from orchestrator.plan.preflight import preflight
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.plan.preflight import preflight
 cfg = load_config(None, ["task.kwargs.cache_dir={corpus_cache}"])
 preflight(cfg, on_ray_cluster=False)
 print("torch" in sys.modules)
@@ -251,7 +256,7 @@ def test_the_heads_share_of_a_round_is_priced_phase_by_phase_at_1b_parameters_an
     measured rate; the checkpoint's 8 GB (parameters, momentum) 27.5 s every 2 rounds. The
     share is over 0.10, and the plan names the fixes: a codec, a rarer checkpoint (slices do
     not split it: the head gathers their parts and writes it alone), then enough slices."""
-    from orchestrator.plan.head import CHECKPOINT_BYTES_PER_S, HeadLoad
+    from archipelago.orchestrator.plan.head import CHECKPOINT_BYTES_PER_S, HeadLoad
 
     load = HeadLoad(
         params=10**9,
@@ -302,7 +307,7 @@ def test_an_average_warm_start_through_the_head_is_priced_and_refused_once_the_h
     head 5.12 s in (the way out overlaps) and 4.8 s of mean: 794 s against 2,000 s of
     compute, over the 0.10 target but the islands still set the pace; at 10 Gbit/s the head
     would (share 2.4): refused, naming the ways out."""
-    from orchestrator.plan.head import WarmLoad
+    from archipelago.orchestrator.plan.head import WarmLoad
 
     warm = WarmLoad(params=10**9, islands=16, slices=1, link_gbps=100, step_s=1.0, steps=2000, averages=80)
     assert warm.bytes == 2 * 16 * 80 * 4 * 10**9

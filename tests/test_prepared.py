@@ -11,12 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from orchestrator.cli import main
-from workers.data.encoders import ByteEncoder
-from workers.data.manifest import DataError, read_manifest
-from workers.data.order import MixSchedule, ShardWindows, feistel
-from workers.data.prepare import PrepareOptions, prepare
-from workers.tasks.lm_task import make_task
+from archipelago.orchestrator.cli import main
+from archipelago.workers.data.encoders import ByteEncoder
+from archipelago.workers.data.manifest import DataError, read_manifest
+from archipelago.workers.data.order import MixSchedule, ShardWindows, feistel
+from archipelago.workers.data.prepare import PrepareOptions, prepare
+from archipelago.workers.tasks.lm_task import make_task
 
 WORDS = np.array(list("abcdefghijklmnopqrstuvwxyz      \n"))
 
@@ -192,7 +192,7 @@ def _run(corpus, tmp_path, *extra):
 def test_a_run_refuses_bad_prepared_data_with_exit_2_before_ray(corpus, tmp_path, capsys, monkeypatch):
     import shutil
 
-    import orchestrator.runtime.driver as driver
+    import archipelago.orchestrator.runtime.driver as driver
 
     monkeypatch.setattr(driver, "init_ray", lambda cfg: pytest.fail("Ray started for refused data"))
     monkeypatch.setenv("ARCHIPELAGO_CACHE", str(tmp_path / "cache"))
@@ -221,7 +221,7 @@ def test_a_process_exits_cleanly_with_prefetching_iterators_dropped_or_alive(cor
     from tests.conftest import REPO
 
     code = (
-        "from workers.tasks.lm_task import make_task\n"
+        "from archipelago.workers.tasks.lm_task import make_task\n"
         f"t = make_task(source='prepared', prepared=[{{'path': {str(corpus)!r}}}], context=32, batch_size=4)\n"
         "kept = [t.train_batches(s % 5, 5, 0, s) for s in range(12)]\n"
         "for s in range(12): next(t.train_batches(s % 5, 5, 0, s))\n"
@@ -236,7 +236,7 @@ def test_a_process_exits_cleanly_with_prefetching_iterators_dropped_or_alive(cor
 def test_ray_tasks_prepare_the_same_corpus_and_a_ray_run_trains_on_it(
     ray_local, source, corpus, tmp_path, corpus_cache
 ):
-    from orchestrator.runtime.driver import run
+    from archipelago.orchestrator.runtime.driver import run
     from tests.helpers import tiny_lm_config
 
     out = tmp_path / "by-ray"

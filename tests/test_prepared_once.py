@@ -17,18 +17,18 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from orchestrator.config import RunConfig
-from orchestrator.config_load import load_config
-from orchestrator.engine.build import PhasedRun, build_engine
-from orchestrator.engine.commands import AddIslands, Drain
-from orchestrator.engine.outputs.checkpoints import load_checkpoint
-from orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.build import PhasedRun, build_engine
+from archipelago.orchestrator.engine.commands import AddIslands, Drain
+from archipelago.orchestrator.engine.outputs.checkpoints import load_checkpoint
+from archipelago.orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
+from archipelago.workers.data.encoders import ByteEncoder
+from archipelago.workers.data.prepare import PrepareOptions, prepare
+from archipelago.workers.tasks.lm_task import make_task
 from tests.engine_scenarios import drive
 from tests.helpers import assert_trained_once, events, in_process_engine
 from tests.toy_tasks import ROWS
-from workers.data.encoders import ByteEncoder
-from workers.data.prepare import PrepareOptions, prepare
-from workers.tasks.lm_task import make_task
 
 _keys = itertools.count()
 ROW_TOKENS = 2 * 16  # batch_size x context of the recording task

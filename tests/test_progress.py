@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.runtime.progress import Eta, format_progress
+from archipelago.orchestrator.runtime.progress import Eta, format_progress
 
 
 class Clock:

@@ -10,9 +10,9 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.prometheus import render
-from orchestrator.engine.commands import AddIslands, Drain
-from orchestrator.engine.outputs.views import (
+from archipelago.api.prometheus import render
+from archipelago.orchestrator.engine.commands import AddIslands, Drain
+from archipelago.orchestrator.engine.outputs.views import (
     HISTOGRAMS,
     ISLAND_METRICS,
     ISLAND_STATE,
@@ -20,8 +20,8 @@ from orchestrator.engine.outputs.views import (
     RoundRecord,
     RunStatus,
 )
-from orchestrator.engine.types import IslandState
-from orchestrator.simulation.pool import Fault, FaultKind
+from archipelago.orchestrator.engine.types import IslandState
+from archipelago.orchestrator.simulation.pool import Fault, FaultKind
 from tests.engine_scenarios import drive, scenario_cfg
 from tests.helpers import in_process_engine
 

@@ -13,18 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-from api.app import create_app
-from orchestrator.algorithms.aggregate import WeightedMean
-from orchestrator.config_load import load_config
-from orchestrator.config_sections import OuterConfig
-from orchestrator.engine.commands import Answer, Command, Refused, SettingsUpdate, UpdateSettings
-from orchestrator.engine.engine import RoundEngine
-from orchestrator.engine.pacing.arrivals import final_shares
-from orchestrator.engine.pacing.base import Close
-from orchestrator.engine.pacing.quorum import QuorumRule, age_factor, grace_window
-from orchestrator.engine.step.outer import OuterStep
-from orchestrator.engine.step.rules import optimizer_rule
-from orchestrator.simulation.pool import Fault, FaultKind
+from archipelago.api.app import create_app
+from archipelago.orchestrator.algorithms.aggregate import WeightedMean
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.config_sections import OuterConfig
+from archipelago.orchestrator.engine.commands import Answer, Command, Refused, SettingsUpdate, UpdateSettings
+from archipelago.orchestrator.engine.engine import RoundEngine
+from archipelago.orchestrator.engine.pacing.arrivals import final_shares
+from archipelago.orchestrator.engine.pacing.base import Close
+from archipelago.orchestrator.engine.pacing.quorum import QuorumRule, age_factor, grace_window
+from archipelago.orchestrator.engine.step.outer import OuterStep
+from archipelago.orchestrator.engine.step.rules import optimizer_rule
+from archipelago.orchestrator.simulation.pool import Fault, FaultKind
 from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
 from tests.helpers import in_process_engine
 from tests.http_server import serving
@@ -247,9 +247,9 @@ def test_quorum_and_grace_change_over_rest_at_the_next_step(tmp_path, mode):
 
 
 def test_mode_async_alone_runs_the_quorum_rule_and_delayed_nesterov_stays_selectable():
-    from orchestrator.engine.pacing.arrivals import PerArrival
-    from orchestrator.engine.pacing.quorum import Quorum
-    from orchestrator.engine.policies import build_policies
+    from archipelago.orchestrator.engine.pacing.arrivals import PerArrival
+    from archipelago.orchestrator.engine.pacing.quorum import Quorum
+    from archipelago.orchestrator.engine.policies import build_policies
 
     cfg = load_config(None, ["mode=async"])
     assert cfg.asynchronous == type(cfg.asynchronous)() and cfg.asynchronous.rule.value == "quorum"

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.algorithms.aggregate import WeightedMean
-from orchestrator.config_load import ConfigError, load_config
-from orchestrator.config_sections import OuterConfig, OuterMerge
-from orchestrator.engine.step.outer import Commit, LocalOuter
-from orchestrator.engine.step.rules import optimizer_rule
-from orchestrator.engine.types import Contribution
-from orchestrator.engine.warm_start import warm_config
+from archipelago.orchestrator.algorithms.aggregate import WeightedMean
+from archipelago.orchestrator.config_load import ConfigError, load_config
+from archipelago.orchestrator.config_sections import OuterConfig, OuterMerge
+from archipelago.orchestrator.engine.step.outer import Commit, LocalOuter
+from archipelago.orchestrator.engine.step.rules import optimizer_rule
+from archipelago.orchestrator.engine.types import Contribution
+from archipelago.orchestrator.engine.warm_start import warm_config
 from tests.engine_scenarios import run_scenario, scenario_cfg
 
 F64 = np.float64
@@ -66,7 +66,7 @@ def test_the_outer_step_takes_the_merge_and_not_the_one_pass_mean():
 def test_the_step_takes_the_norms_the_screen_measured(monkeypatch):
     """Each update is read once for its norm (while screening) and once for its direction:
     the merge takes the screened norms instead of reading every update again."""
-    from orchestrator.algorithms import aggregate
+    from archipelago.orchestrator.algorithms import aggregate
 
     outer = LocalOuter(
         torch.zeros(2), optimizer_rule(OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0, merge="radial_directional"))
@@ -113,9 +113,9 @@ def test_mode_async_merges_radially_by_default_where_it_can():
 def test_the_plan_sizes_the_coordinators_spare_buffers_by_the_merge(sets, spare, copies):
     """A run that merges radially never holds the one-pass kernel's two spare vectors, only
     the mean buffer: the plan counts what the coordinator will hold."""
-    from orchestrator.plan.cluster import this_machine
-    from orchestrator.plan.memory import ModelMemory
-    from orchestrator.plan.planner import make_plan
+    from archipelago.orchestrator.plan.cluster import this_machine
+    from archipelago.orchestrator.plan.memory import ModelMemory
+    from archipelago.orchestrator.plan.planner import make_plan
 
     cfg = load_config(None, ["warm_start.steps=0", *sets])
     model = ModelMemory(

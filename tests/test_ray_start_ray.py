@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import main
+from archipelago.orchestrator.cli import main
 from tests.helpers import toy_quadratic
 
 pytestmark = pytest.mark.ray

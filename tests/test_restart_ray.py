@@ -11,10 +11,10 @@ import time
 import pytest
 import ray
 
-from orchestrator.config_load import load_config
-from orchestrator.engine.commands import Ack, Stop
-from orchestrator.runtime.driver import run
-from orchestrator.runtime.names import NAMESPACE
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.commands import Ack, Stop
+from archipelago.orchestrator.runtime.driver import run
+from archipelago.orchestrator.runtime.names import NAMESPACE
 from tests.helpers import run_until_records, toy_quadratic
 
 pytestmark = pytest.mark.ray
@@ -47,7 +47,7 @@ STREAMING = ("task.kwargs.split=true", "mode=streaming", "streaming.fragments=2"
 @pytest.mark.parametrize(("mode", "steps_a_round"), [((), 1), (STREAMING, 2)], ids=["diloco", "streaming_tau"])
 def test_killed_coordinator_restarts_from_checkpoint_and_reattaches_islands(ray_local, tmp_path, mode, steps_a_round):
     cfg = _cfg(tmp_path, "rounds=10", *mode)
-    driver_log, messages = logging.getLogger("orchestrator.runtime.driver"), _Messages()
+    driver_log, messages = logging.getLogger("archipelago.orchestrator.runtime.driver"), _Messages()
     driver_log.addHandler(messages)  # on the logger itself: whatever the CLI tests configured before
     driver_log.setLevel(logging.WARNING)
     thread, box = run_until_records(cfg, "killtest", 3, timeout_s=60)
@@ -148,8 +148,8 @@ def test_a_result_lost_with_its_owner_is_that_islands_failure_not_the_runs(ray_l
     `OwnerDiedError` (an `ObjectLostError`) between `ray.wait` and `ray.get` ended the run."""
     import numpy as np
 
-    from orchestrator.engine.pool import Failed
-    from orchestrator.runtime.island_pool import RayIslandPool
+    from archipelago.orchestrator.engine.pool import Failed
+    from archipelago.orchestrator.runtime.island_pool import RayIslandPool
 
     @ray.remote(num_cpus=0)
     class Owner:

@@ -7,12 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from orchestrator.algorithms.robust import NormGuard
-from orchestrator.config import RobustConfig
-from orchestrator.config_load import load_config
-from orchestrator.engine.step.admission import Admission, ExactVersion, Verdict
-from orchestrator.engine.types import Decision, Reason
-from orchestrator.runtime.driver import run
+from archipelago.orchestrator.algorithms.robust import NormGuard
+from archipelago.orchestrator.config import RobustConfig
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.step.admission import Admission, ExactVersion, Verdict
+from archipelago.orchestrator.engine.types import Decision, Reason
+from archipelago.orchestrator.runtime.driver import run
 
 
 def test_norm_guard_rejects_outliers_after_history():
@@ -30,8 +30,8 @@ def _admission(**robust) -> Admission:
 
 
 def _judge(a: Admission, delta, weight: float = 64.0, steps: int = 4, island: int = 0) -> Verdict:
-    from orchestrator.engine.step.admission import Facts
-    from orchestrator.engine.types import Contribution
+    from archipelago.orchestrator.engine.step.admission import Facts
+    from archipelago.orchestrator.engine.types import Contribution
 
     d = np.asarray(delta, dtype=np.float32)
     return a.judge(

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config_load import ConfigError, check_folders, load_config
-from orchestrator.engine.outputs.logfiles import read_lines
-from orchestrator.engine.outputs.records import link_latest
+from archipelago.orchestrator.config_load import ConfigError, check_folders, load_config
+from archipelago.orchestrator.engine.outputs.logfiles import read_lines
+from archipelago.orchestrator.engine.outputs.records import link_latest
 from tests.helpers import TINY_LM
 
 
@@ -44,7 +44,7 @@ def test_latest_follows_the_newest_run_and_never_replaces_a_real_folder(tmp_path
 
 @pytest.mark.ray
 def test_two_runs_with_default_settings_keep_both_runs_records(ray_local, tmp_path, monkeypatch, corpus_cache):
-    from orchestrator.runtime.driver import resume_id, run
+    from archipelago.orchestrator.runtime.driver import resume_id, run
 
     monkeypatch.chdir(tmp_path)
     sets = [*TINY_LM, f"task.kwargs.cache_dir={corpus_cache}", "rounds=2", "inner_steps=3", "islands.count=2"]

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.config_load import load_config
-from orchestrator.runtime.driver import run
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.runtime.driver import run
+from archipelago.workers.tasks.lm_task import make_task
 from tests.helpers import events, tiny_lm_config, toy_quadratic
-from workers.tasks.lm_task import make_task
 
 pytestmark = pytest.mark.ray
 
@@ -62,7 +62,7 @@ def test_a_warm_started_run_forks_on_ray_and_continues_the_warm_starts_data(ray_
     islands, here one round of 8 steps), then the islands fork from it, each renewed in
     its own process: no batch of the warm start is read again, progress says which phase
     it is in, and the islands are gone from Ray when the run ends."""
-    from orchestrator.runtime.island_actors import run_islands
+    from archipelago.orchestrator.runtime.island_actors import run_islands
 
     cfg = _lm_cfg(tmp_path, corpus_cache, "islands.count=2", "rounds=2", "inner_steps=4", "warm_start.steps=8")
     called = time.time()

@@ -125,7 +125,7 @@ def test_a_bench_warm_start_is_continued_by_the_runs_that_name_it(tmp_path):
     """`train_warm_start` trains a scenario's shared warm start once; every run of the
     scenario then reads its checkpoint through the run id its marker records (a warm start
     checkpointed under another id fails every run that continues it)."""
-    from orchestrator.bench.runner import train_warm_start
+    from archipelago.orchestrator.bench.runner import train_warm_start
 
     base = [*QUADRATIC, f"task.kwargs.fault_dir={tmp_path}", "inner_steps=4", "rounds=2"]
     warm = train_warm_start(base, 0, 8, tmp_path / "warm", in_process=True)

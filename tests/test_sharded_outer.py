@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.config_load import load_config
-from orchestrator.engine.pacing.base import start_version
-from orchestrator.engine.policies import build_policies
-from orchestrator.engine.step.outer import LocalOuter, take_step
-from orchestrator.engine.step.rules import outer_rule
-from orchestrator.engine.step.slices import LocalSlices, SlicedOuter
-from orchestrator.engine.types import Contribution
-from workers.wire.compress import decode, encode
-from workers.wire.flat import slice_bounds
-from workers.wire.messages import Sliced
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.pacing.base import start_version
+from archipelago.orchestrator.engine.policies import build_policies
+from archipelago.orchestrator.engine.step.outer import LocalOuter, take_step
+from archipelago.orchestrator.engine.step.rules import outer_rule
+from archipelago.orchestrator.engine.step.slices import LocalSlices, SlicedOuter
+from archipelago.orchestrator.engine.types import Contribution
+from archipelago.workers.wire.compress import decode, encode
+from archipelago.workers.wire.flat import slice_bounds
+from archipelago.workers.wire.messages import Sliced
 
 NUMEL, CHUNK = 5000, 256
 

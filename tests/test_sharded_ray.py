@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from orchestrator.runtime.driver import run
+from archipelago.orchestrator.runtime.driver import run
 from tests.helpers import run_until_records, tiny_lm_config
 
 pytestmark = pytest.mark.ray
@@ -45,7 +45,7 @@ def test_two_shards_train_the_same_model_as_one(ray_local, tmp_path, corpus_cach
 def test_a_lost_shard_restarts_the_coordinator_from_its_checkpoint(ray_local, tmp_path, corpus_cache):
     import ray
 
-    from orchestrator.runtime.names import NAMESPACE
+    from archipelago.orchestrator.runtime.names import NAMESPACE
 
     cfg = _cfg(tmp_path, corpus_cache, "out", "coordinator.shards=2", "rounds=8")
     thread, box = run_until_records(cfg, "shardloss", 3)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.engine.types import LedgerError
-from orchestrator.engine.work.ledger import DataLedger, assign
-from workers.wire.messages import batch_counts
+from archipelago.orchestrator.engine.types import LedgerError
+from archipelago.orchestrator.engine.work.ledger import DataLedger, assign
+from archipelago.workers.wire.messages import batch_counts
 
 
 def test_assignment_is_contiguous_complete_and_deterministic():
@@ -69,9 +69,9 @@ def test_batch_counts_round_robin():
 
 
 def test_an_island_without_coordinator_takes_the_block_the_coordinator_would_assign():
-    from orchestrator.config_load import load_config
-    from orchestrator.engine.specs import island_spec
-    from workers.runtime.island import Island
+    from archipelago.orchestrator.config_load import load_config
+    from archipelago.orchestrator.engine.specs import island_spec
+    from archipelago.workers.runtime.island import Island
 
     for shards, islands in ((12, 3), (5, 3), (8, 2)):
         cfg = load_config(

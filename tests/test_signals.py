@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from orchestrator.runtime.signals import stop_on_signals
+from archipelago.orchestrator.runtime.signals import stop_on_signals
 
 
 def test_sigterm_is_turned_into_a_stop_request_and_handlers_restored():

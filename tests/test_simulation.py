@@ -9,10 +9,10 @@ import logging
 
 import pytest
 
-from orchestrator.cli import main
-from orchestrator.config_load import ConfigError, load_config
-from orchestrator.simulation.config import ReplacementSpeed, load_simulated
-from orchestrator.simulation.ray_pool import VirtualClockPool, simulated_pool
+from archipelago.orchestrator.cli import main
+from archipelago.orchestrator.config_load import ConfigError, load_config
+from archipelago.orchestrator.simulation.config import ReplacementSpeed, load_simulated
+from archipelago.orchestrator.simulation.ray_pool import VirtualClockPool, simulated_pool
 from tests.helpers import toy_quadratic
 
 
@@ -72,19 +72,19 @@ def test_the_coordinator_is_handed_the_virtual_clock_pool_of_the_fleet():
 def test_simulate_is_a_registered_subcommand():
     from importlib.metadata import entry_points
 
-    from orchestrator.cli import COMMANDS
+    from archipelago.orchestrator.cli import COMMANDS
 
     assert [p.value for p in entry_points(group=COMMANDS, name="simulate")] == [
-        "orchestrator.simulation.command:register"
+        "archipelago.orchestrator.simulation.command:register"
     ]
 
 
 def test_the_simulation_page_lists_every_setting_as_the_models_say():
     from pathlib import Path
 
-    from orchestrator.simulation.config import reference
+    from archipelago.orchestrator.simulation.config import reference
 
     page = (Path(__file__).parent.parent / "docs" / "simulation.md").read_text()
     assert reference() in page, (
-        "docs/simulation.md: regenerate its table with orchestrator.simulation.config.reference()"
+        "docs/simulation.md: regenerate its table with archipelago.orchestrator.simulation.config.reference()"
     )

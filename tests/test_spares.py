@@ -8,19 +8,19 @@ import math
 
 import pytest
 
-from orchestrator.config_load import load_config
-from orchestrator.engine.commands import Drain, Preempt, Refused
-from orchestrator.engine.fleet.fleet import FailurePolicy, Retire, ScalingPolicy
-from orchestrator.engine.fleet.membership import Membership
-from orchestrator.engine.outcomes import Place, Promote, Release, StartDrain
-from orchestrator.engine.specs import island_spec
-from orchestrator.engine.types import IslandState
-from orchestrator.simulation.chaos import Strike, TimedFault
-from orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.commands import Drain, Preempt, Refused
+from archipelago.orchestrator.engine.fleet.fleet import FailurePolicy, Retire, ScalingPolicy
+from archipelago.orchestrator.engine.fleet.membership import Membership
+from archipelago.orchestrator.engine.outcomes import Place, Promote, Release, StartDrain
+from archipelago.orchestrator.engine.specs import island_spec
+from archipelago.orchestrator.engine.types import IslandState
+from archipelago.orchestrator.simulation.chaos import Strike, TimedFault
+from archipelago.orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
+from archipelago.workers.runtime.island import Island
+from archipelago.workers.runtime.optim import join_factor
 from tests.engine_scenarios import CENTERS, check_exactly_once, check_rounds_recorded, drive, scenario_cfg
 from tests.helpers import events, in_process_engine
-from workers.runtime.island import Island
-from workers.runtime.optim import join_factor
 
 MODES = ["diloco", "sync_dylu", "overlap", "async", "quorum", "streaming", "streaming_quorum"]
 
@@ -71,7 +71,7 @@ class _Timed(InProcessPool):
 
 
 def _engine(cfg, **pool):
-    from orchestrator.engine.build import build_engine
+    from archipelago.orchestrator.engine.build import build_engine
 
     p = _Timed(cfg, **pool)
     return build_engine(cfg, p, "local"), p
@@ -212,7 +212,7 @@ def test_where_islands_follow_a_copy_a_spare_is_kept_current_and_downloads_only_
     spare takes each version's change as it comes (counted in its bytes), so its first
     work after a promotion carries no whole copy, and the run still trains each batch once
     and reaches the loss of the same run without the spare."""
-    from orchestrator.engine.build import build_engine
+    from archipelago.orchestrator.engine.build import build_engine
 
     finals = {}
     for spares in (0, 1):

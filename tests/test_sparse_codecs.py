@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.cli import main
-from orchestrator.config_load import ConfigError, load_config
-from workers.wire.compress import ErrorFeedback, check_payload, decode, encode
-from workers.wire.sparse import pack_indices, unpack_indices
-from workers.wire.spec import CodecSpecError, parse_codec, payload_nbytes
+from archipelago.orchestrator.cli import main
+from archipelago.orchestrator.config_load import ConfigError, load_config
+from archipelago.workers.wire.compress import ErrorFeedback, check_payload, decode, encode
+from archipelago.workers.wire.sparse import pack_indices, unpack_indices
+from archipelago.workers.wire.spec import CodecSpecError, parse_codec, payload_nbytes
 
 # vector S1 (docs/algorithms.md): chunks of 4, keep 2, values in 2 bits with one scale per chunk's 2
 CENTERS = "[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]"
@@ -59,7 +59,7 @@ def test_top_k_chains_keep_the_largest_values_in_far_fewer_bytes(codec, ratio):
 
 
 def test_a_malformed_top_k_payload_is_refused_with_a_reason():
-    from workers.wire.compress import PayloadError
+    from archipelago.workers.wire.compress import PayloadError
 
     p = encode(np.arange(100, dtype=np.float32), "topk:0.1+int4", chunk=16)
     with pytest.raises(PayloadError, match="not 200 values"):
@@ -109,7 +109,7 @@ def test_a_bad_codec_chain_exits_2_naming_the_field(codec, message, capsys):
 
 
 def test_sparseloco_needs_error_feedback_and_steps_without_momentum():
-    from orchestrator.engine.step.rules import outer_optimizer
+    from archipelago.orchestrator.engine.step.rules import outer_optimizer
 
     with pytest.raises(ConfigError, match="error_feedback"):
         load_config(None, ["outer.optimizer=sparseloco", "compression.codec=topk:0.02+int2"])
@@ -131,9 +131,9 @@ def test_sparseloco_needs_error_feedback_and_steps_without_momentum():
 
 
 def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
-    from workers.runtime.optim import build_inner, muon_params
-    from workers.tasks.lm_task import make_task
-    from workers.wire.spec import InnerConfig
+    from archipelago.workers.runtime.optim import build_inner, muon_params
+    from archipelago.workers.tasks.lm_task import make_task
+    from archipelago.workers.wire.spec import InnerConfig
 
     model = make_task(d_model=32, n_layers=2, n_heads=2, context=32).build_model()
     chosen = muon_params(model)
@@ -196,8 +196,8 @@ def test_islands_that_build_version0_download_nothing_and_one_that_differs_downl
 
 
 def test_islands_forking_from_a_warm_start_load_it_from_storage_instead_of_downloading(tmp_path):
-    from orchestrator.engine.build import PhasedRun
-    from orchestrator.simulation.pool import InProcessPool
+    from archipelago.orchestrator.engine.build import PhasedRun
+    from archipelago.orchestrator.simulation.pool import InProcessPool
     from tests.helpers import events
 
     def run(name: str, *extra: str):

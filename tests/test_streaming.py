@@ -10,17 +10,17 @@ import pytest
 import torch
 from torch import nn
 
-from orchestrator.config import RunConfig
-from orchestrator.config_load import ConfigError
-from orchestrator.engine.specs import island_spec
-from orchestrator.simulation.pool import Fault, FaultKind
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.config_load import ConfigError
+from archipelago.orchestrator.engine.specs import island_spec
+from archipelago.orchestrator.simulation.pool import Fault, FaultKind
+from archipelago.workers.runtime.island import Island
+from archipelago.workers.wire.compress import encode
+from archipelago.workers.wire.fragments import fragment_model
+from archipelago.workers.wire.messages import WorkKind, WorkOrder
+from archipelago.workers.wire.sync import Change, ChangeOutOfOrder
 from tests.helpers import NO_WARM, TINY_LM, in_process_engine, load_scenario
 from tests.toy_tasks import SplitPoint
-from workers.runtime.island import Island
-from workers.wire.compress import encode
-from workers.wire.fragments import fragment_model
-from workers.wire.messages import WorkKind, WorkOrder
-from workers.wire.sync import Change, ChangeOutOfOrder
 
 QUADRATIC = [
     "task.factory=tests.toy_tasks:make_quadratic",
@@ -345,8 +345,8 @@ def test_eager_overlap_starts_each_lagged_round_from_the_islands_own_update():
 
 
 def test_a_live_change_of_h_must_keep_whole_segments():
-    from orchestrator.engine.commands import SettingsUpdate
-    from orchestrator.engine.policies import check_settings
+    from archipelago.orchestrator.engine.commands import SettingsUpdate
+    from archipelago.orchestrator.engine.policies import check_settings
 
     cfg = _cfg("mode=streaming", "streaming.fragments=4", "inner_steps=8")
     with pytest.raises(ValueError, match=r"multiple of streaming\.fragments = 4"):

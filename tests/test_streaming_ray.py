@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.runtime.driver import run
+from archipelago.orchestrator.runtime.driver import run
 from tests.helpers import in_process_engine, tiny_lm_config
 
 pytestmark = pytest.mark.ray

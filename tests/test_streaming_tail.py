@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.config import RunConfig
-from orchestrator.config_load import apply_overrides
-from orchestrator.engine.specs import island_spec
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.config_load import apply_overrides
+from archipelago.orchestrator.engine.specs import island_spec
+from archipelago.workers.runtime.island import Island
+from archipelago.workers.wire.compress import decode, encode
+from archipelago.workers.wire.messages import WorkKind, WorkOrder
+from archipelago.workers.wire.sync import Change
 from tests.helpers import TINY_LM
-from workers.runtime.island import Island
-from workers.wire.compress import decode, encode
-from workers.wire.messages import WorkKind, WorkOrder
-from workers.wire.sync import Change
 
 CFG = RunConfig.model_validate(
     apply_overrides(

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.engine.commands import AddIslands, Drain
-from orchestrator.simulation.pool import Fault, FaultKind
+from archipelago.orchestrator.engine.commands import AddIslands, Drain
+from archipelago.orchestrator.simulation.pool import Fault, FaultKind
 from tests.conftest import REPO
 from tests.engine_scenarios import drive, scenario_cfg
 from tests.helpers import in_process_engine
@@ -28,7 +28,7 @@ def tracked(tmp_path_factory):
     pytest.importorskip("mlflow")
     pytest.importorskip("wandb")
     pytest.importorskip("tensorboard")
-    from orchestrator.runtime.tracking import Tracking
+    from archipelago.orchestrator.runtime.tracking import Tracking
 
     tmp_path = tmp_path_factory.mktemp("tracked")
     cfg = scenario_cfg(tmp_path, "diloco", "tracking.backends=[tensorboard,mlflow,wandb]", "tracking.project=tests")
@@ -142,8 +142,8 @@ def test_tracking_off_imports_none_of_the_libraries(tmp_path):
         f"out_dir={tmp_path / 'off'}",
     ]
     script = (
-        "import sys, json; from orchestrator.config_load import load_config; "
-        "from orchestrator.runtime import coordinator, driver; from orchestrator import cli; "
+        "import sys, json; from archipelago.orchestrator.config_load import load_config; "
+        "from archipelago.orchestrator.runtime import coordinator, driver; from orchestrator import cli; "
         "from tests.helpers import in_process_engine; "
         f"cfg = load_config(None, {json.dumps(overrides)}); assert cfg.tracking.backends == []; "
         "in_process_engine(cfg)[0].execute(); "

@@ -13,16 +13,16 @@ from typing import Any
 import pytest
 import torch
 
-from orchestrator.config import RunConfig
-from orchestrator.config_load import ConfigError, load_config
-from orchestrator.engine.build import PhasedRun
-from orchestrator.engine.commands import Stop
-from orchestrator.engine.outputs.outputs import Outputs
-from orchestrator.engine.types import RunFailed
-from orchestrator.engine.warm_start import warm_config
-from orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.config_load import ConfigError, load_config
+from archipelago.orchestrator.engine.build import PhasedRun
+from archipelago.orchestrator.engine.commands import Stop
+from archipelago.orchestrator.engine.outputs.outputs import Outputs
+from archipelago.orchestrator.engine.types import RunFailed
+from archipelago.orchestrator.engine.warm_start import warm_config
+from archipelago.orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
+from archipelago.workers.runtime.optim import lr_factor
 from tests.helpers import assert_trained_once, events
-from workers.runtime.optim import lr_factor
 
 _keys = itertools.count()
 
@@ -251,7 +251,7 @@ def test_warm_start_settings(tmp_path):
 
 def test_the_driver_refuses_a_warm_start_that_does_not_fit_before_ray_starts(tmp_path):
     """Not a coordinator failing in its constructor (and restarted by Ray) minutes later."""
-    from orchestrator.runtime.driver import run
+    from archipelago.orchestrator.runtime.driver import run
 
     cfg = _cfg(tmp_path)
     PhasedRun(cfg, "fits", Pools()).execute()

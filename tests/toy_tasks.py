@@ -171,7 +171,7 @@ class RecordingPrepared:
     scenario checks exactly-once against the real shards' data, read ahead on threads."""
 
     def __init__(self, record: str, path: str) -> None:
-        from workers.tasks.lm_task import make_task
+        from archipelago.workers.tasks.lm_task import make_task
 
         self.record = record
         self.task = make_task(
@@ -226,7 +226,7 @@ class CountingStream:
     an `id`: every item the source hands over is recorded (`SEEN`), and every batch."""
 
     def __init__(self, record: str, files: str) -> None:
-        from workers.tasks.lm_task import make_task
+        from archipelago.workers.tasks.lm_task import make_task
 
         self.record = record
         self.task = make_task(

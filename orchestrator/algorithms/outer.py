@@ -24,7 +24,7 @@ from collections.abc import Iterable
 
 import torch
 
-from orchestrator.algorithms.aggregate import blocks
+from archipelago.orchestrator.algorithms.aggregate import blocks
 
 Params = Iterable[torch.nn.Parameter]
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from orchestrator.config import RobustConfig
+    from archipelago.orchestrator.config import RobustConfig
 
 
 class NormGuard:

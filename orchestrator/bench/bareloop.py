@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.report import BenchResult, Panel, md_table
+from archipelago.orchestrator.bench.report import BenchResult, Panel, md_table
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,8 @@ def _bare_steps(task: Any, model: Any, cfg: Any, batches: Any, steps: int, devic
     """`steps` steps of the loop a user writes (its optimizer and schedule kept in `state`)."""
     import torch
 
-    from workers.runtime.optim import lr_factor
-    from workers.wire.spec import Precision
+    from archipelago.workers.runtime.optim import lr_factor
+    from archipelago.workers.wire.spec import Precision
 
     inner = cfg.inner
     if "optimizer" not in state:
@@ -75,10 +75,10 @@ def compare(overrides: list[str], steps: int, alternations: int) -> dict[str, An
     """The island's round against the bare loop, alternately in this process (see the module)."""
     import torch
 
-    from orchestrator.config_load import load_config
-    from orchestrator.engine.specs import island_spec
-    from workers.runtime.island import Island
-    from workers.tasks.task import load_task
+    from archipelago.orchestrator.config_load import load_config
+    from archipelago.orchestrator.engine.specs import island_spec
+    from archipelago.workers.runtime.island import Island
+    from archipelago.workers.tasks.task import load_task
 
     cfg = load_config(None, ["warm_start.steps=0", "islands.count=1", "rounds=1000", *overrides])
     task = load_task(cfg.task.factory, cfg.task.kwargs)

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench import fleet_spec
-from orchestrator.bench.registry import available, publish, run_bench
-from orchestrator.bench.report import ScenarioUnavailable, measured_commit, replot, require_plotting
+from archipelago.orchestrator.bench import fleet_spec
+from archipelago.orchestrator.bench.registry import available, publish, run_bench
+from archipelago.orchestrator.bench.report import ScenarioUnavailable, measured_commit, replot, require_plotting
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,17 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.quality_rows import MODEL, widened
-from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
-from orchestrator.bench.runner import one_ray
-from orchestrator.bench.streaming import H, K, first_downloads, shipped_default_ratios, warm_runs, warm_starts
+from archipelago.orchestrator.bench.quality_rows import MODEL, widened
+from archipelago.orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
+from archipelago.orchestrator.bench.runner import one_ray
+from archipelago.orchestrator.bench.streaming import (
+    H,
+    K,
+    first_downloads,
+    shipped_default_ratios,
+    warm_runs,
+    warm_starts,
+)
 
 SEEDS = (0, 1, 2)
 HEADLINE = ("diloco", "sparse")

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.report import BenchResult, Panel, md_table
-from orchestrator.plan.fresh import run_fresh
+from archipelago.orchestrator.bench.report import BenchResult, Panel, md_table
+from archipelago.orchestrator.plan.fresh import run_fresh
 
 SIZES = (1_000_000, 10_000_000, 100_000_000, 1_000_000_000)
 SLICES = (1, 2, 4)
@@ -56,9 +56,9 @@ def _warm_up(cfg: Any, islands: int) -> None:
     import numpy as np
     import torch
 
-    from orchestrator.engine.step.outer import Commit, LocalOuter
-    from orchestrator.engine.step.rules import outer_rule
-    from orchestrator.engine.types import Contribution
+    from archipelago.orchestrator.engine.step.outer import Commit, LocalOuter
+    from archipelago.orchestrator.engine.step.rules import outer_rule
+    from archipelago.orchestrator.engine.types import Contribution
 
     outer = LocalOuter(torch.zeros(1 << 16), outer_rule(cfg))
     parts = [Contribution(island=i, version=0, delta=np.ones(1 << 16, np.float32), weight=1.0) for i in range(islands)]
@@ -70,13 +70,13 @@ def probe(numel: int, islands: int, rounds: int) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from orchestrator.bench.datapath_probes import memcpy_gbps
-    from orchestrator.config_load import load_config
-    from orchestrator.engine.policies import build_policies
-    from orchestrator.engine.step.outer import Commit, LocalOuter
-    from orchestrator.engine.step.rules import outer_rule
-    from orchestrator.engine.threads import usable_cores
-    from orchestrator.engine.types import Contribution
+    from archipelago.orchestrator.bench.datapath_probes import memcpy_gbps
+    from archipelago.orchestrator.config_load import load_config
+    from archipelago.orchestrator.engine.policies import build_policies
+    from archipelago.orchestrator.engine.step.outer import Commit, LocalOuter
+    from archipelago.orchestrator.engine.step.rules import outer_rule
+    from archipelago.orchestrator.engine.threads import usable_cores
+    from archipelago.orchestrator.engine.types import Contribution
 
     torch.set_num_threads(usable_cores())  # a barrier's step: the islands wait, the node's cores step
     cfg = load_config(None, ["mode=diloco", f"islands.count={islands}", "warm_start.steps=0"])
@@ -124,7 +124,7 @@ def _checkpoint(flat: Any, outer: Any) -> tuple[int, float, int]:
     as a checkpoint, and the memory writing it added to the peak."""
     import torch
 
-    from orchestrator.engine.outputs.checkpoints import save_checkpoint
+    from archipelago.orchestrator.engine.outputs.checkpoints import save_checkpoint
 
     state = {"run_id": "bench", "params": flat, "outer": outer.state_dict()}
     state_bytes = sum(
@@ -149,7 +149,7 @@ def _fits(numel: int, islands: int) -> bool:
 
 
 def _run_probe(numel: int) -> dict[str, Any]:
-    return run_fresh("orchestrator.bench.coordinator", str(numel), str(ISLANDS), str(ROUNDS))
+    return run_fresh("archipelago.orchestrator.bench.coordinator", str(numel), str(ISLANDS), str(ROUNDS))
 
 
 def _fit(rows: list[dict[str, Any]]) -> dict[str, float]:

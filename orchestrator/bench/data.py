@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.bench.report import BenchResult, Panel, checks_table, md_table, targets_met
+from archipelago.orchestrator.bench.report import BenchResult, Panel, checks_table, md_table, targets_met
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,8 @@ def generate(folder: Path, chars: int, seed: int) -> list[Path]:
 
 def _prepared(text: Path, out: Path) -> dict[str, Any]:
     """Prepare `text` into `out` once (its timing kept beside it)."""
-    from workers.data.encoders import ByteEncoder
-    from workers.data.prepare import PrepareOptions, prepare
+    from archipelago.workers.data.encoders import ByteEncoder
+    from archipelago.workers.data.prepare import PrepareOptions, prepare
 
     stats = out.parent / f"{out.name}.json"
     if stats.exists() and (out / "manifest.json").exists():
@@ -99,7 +99,7 @@ def _sets(kind: str, location: Path) -> list[str]:
 
 
 def _config(kind: str, location: str) -> Any:
-    from orchestrator.config_load import load_config
+    from archipelago.orchestrator.config_load import load_config
 
     return load_config(None, ["warm_start.steps=0", *_sets(kind, Path(location))])
 
@@ -108,11 +108,11 @@ def _per_epoch(task: Any, kind: str, shards: int) -> int:
     """Batches in one epoch of data shard 0."""
     c = task.cfg
     if kind == "prepared":
-        from workers.data.order import ShardWindows
+        from archipelago.workers.data.order import ShardWindows
 
         corpus = task.corpus.prepared(task.encoder().identity)
         return ShardWindows(corpus.windows(0, "train"), 0, shards, iid=True).count // c.batch_size
-    from workers.tasks.text_data import island_part
+    from archipelago.workers.tasks.text_data import island_part
 
     return (len(island_part(task.packed(), 0, shards)) - 1) // c.context // c.batch_size
 
@@ -120,7 +120,7 @@ def _per_epoch(task: Any, kind: str, shards: int) -> int:
 def probe_reads(kind: str, location: str) -> dict[str, Any]:
     """In a fresh process: the first batch at the shard's start and at 90 % of its epoch,
     each from a new task (nothing opened, read or cached), and the loader's throughput."""
-    from workers.tasks.task import load_task
+    from archipelago.workers.tasks.task import load_task
 
     cfg = _config(kind, location)
     shards, seed = cfg.num_shards, cfg.seed
@@ -158,8 +158,8 @@ def probe_island(kind: str, location: str, steps: int = TRAIN_STEPS) -> dict[str
     import dataclasses
     import resource
 
-    from orchestrator.engine.specs import island_spec
-    from workers.runtime.island import Island
+    from archipelago.orchestrator.engine.specs import island_spec
+    from archipelago.workers.runtime.island import Island
 
     cfg = _config(kind, location)
     island = Island(island_spec(cfg, 0))
@@ -179,7 +179,7 @@ def _probe(kind: str, location: Path) -> dict[str, Any]:
     """Both probes, each in a process of its own."""
     out: dict[str, Any] = {}
     for name in ("probe_reads", "probe_island"):
-        code = f"import json, sys; from orchestrator.bench.data import {name}; print(json.dumps({name}(*sys.argv[1:])))"
+        code = f"import json, sys; from archipelago.orchestrator.bench.data import {name}; print(json.dumps({name}(*sys.argv[1:])))"
         proc = subprocess.run(
             [sys.executable, "-c", code, kind, str(location)], cwd=REPO, capture_output=True, text=True, check=False
         )

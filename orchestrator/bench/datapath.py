@@ -51,11 +51,11 @@ from typing import Any
 
 import ray
 
-from orchestrator.bench.datapath_probes import coordinator_gbps, gloo_allreduce_gbps, memcpy_gbps
-from orchestrator.bench.report import BenchResult, Panel, checks_table, md_table, targets_met
-from orchestrator.bench.runner import run_methods
-from orchestrator.engine.outputs.logfiles import read_lines
-from orchestrator.runtime.driver import RAY_SYSTEM_CONFIG
+from archipelago.orchestrator.bench.datapath_probes import coordinator_gbps, gloo_allreduce_gbps, memcpy_gbps
+from archipelago.orchestrator.bench.report import BenchResult, Panel, checks_table, md_table, targets_met
+from archipelago.orchestrator.bench.runner import run_methods
+from archipelago.orchestrator.engine.outputs.logfiles import read_lines
+from archipelago.orchestrator.runtime.driver import RAY_SYSTEM_CONFIG
 
 GAP_S = 1.0  # between paced rounds: less than one default round's compute on this machine
 REPEATS = 5  # interleaved repetitions of (round back to back, round paced, gloo): a run's ratios move by 10-30 %

@@ -15,20 +15,20 @@ import numpy as np
 import ray
 import torch
 
-from orchestrator.config import RunConfig
-from orchestrator.config_load import load_config
-from orchestrator.engine.policies import build_policies
-from orchestrator.engine.step.outer import Commit, LocalOuter, Outer
-from orchestrator.engine.step.rules import outer_rule
-from orchestrator.engine.step.slices import SlicedOuter
-from orchestrator.engine.threads import step_threads
-from orchestrator.engine.types import Contribution
-from orchestrator.runtime.slices import start_slices
-from workers.runtime.island_group import group_address
-from workers.wire.compress import encode
-from workers.wire.flat import slice_bounds
-from workers.wire.handoff import params_digest
-from workers.wire.messages import RoundResult, Sliced
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.policies import build_policies
+from archipelago.orchestrator.engine.step.outer import Commit, LocalOuter, Outer
+from archipelago.orchestrator.engine.step.rules import outer_rule
+from archipelago.orchestrator.engine.step.slices import SlicedOuter
+from archipelago.orchestrator.engine.threads import step_threads
+from archipelago.orchestrator.engine.types import Contribution
+from archipelago.orchestrator.runtime.slices import start_slices
+from archipelago.workers.runtime.island_group import group_address
+from archipelago.workers.wire.compress import encode
+from archipelago.workers.wire.flat import slice_bounds
+from archipelago.workers.wire.handoff import params_digest
+from archipelago.workers.wire.messages import RoundResult, Sliced
 
 
 class _Source:

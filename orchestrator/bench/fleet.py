@@ -45,18 +45,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.fleet_spec import ABLATION_OF, HEADLINE, REFERENCE_LINK, ROWS, FleetSpec
-from orchestrator.bench.hetero import time_to_reach
-from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
-from orchestrator.bench.runner import finished, fresh, record_simulation
-from orchestrator.config import RunConfig
-from orchestrator.config_load import load_config
-from orchestrator.engine.build import PhasedRun
-from orchestrator.simulation.chaos import Strike, mttf_schedule
-from orchestrator.simulation.config import ReplacementSpeed, SimulationConfig
-from orchestrator.simulation.links import LinkConfig, allreduce_s, ring_allreduce_s
-from orchestrator.simulation.network import Network
-from orchestrator.simulation.pool import InProcessPool, Losses
+from archipelago.orchestrator.bench.fleet_spec import ABLATION_OF, HEADLINE, REFERENCE_LINK, ROWS, FleetSpec
+from archipelago.orchestrator.bench.hetero import time_to_reach
+from archipelago.orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
+from archipelago.orchestrator.bench.runner import finished, fresh, record_simulation
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.build import PhasedRun
+from archipelago.orchestrator.simulation.chaos import Strike, mttf_schedule
+from archipelago.orchestrator.simulation.config import ReplacementSpeed, SimulationConfig
+from archipelago.orchestrator.simulation.links import LinkConfig, allreduce_s, ring_allreduce_s
+from archipelago.orchestrator.simulation.network import Network
+from archipelago.orchestrator.simulation.pool import InProcessPool, Losses
 
 MODEL = [
     "task.kwargs.d_model=32",

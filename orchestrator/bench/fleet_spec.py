@@ -10,7 +10,7 @@ import argparse
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from orchestrator.simulation.chaos import Strike, parse_mix
+from archipelago.orchestrator.simulation.chaos import Strike, parse_mix
 
 # name -> (what it is, its overrides); every DiLoCo-family row's outer lr comes from LR_GRID
 ROWS: dict[str, tuple[str, list[str]]] = {

@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.report import BenchResult, md_table
-from orchestrator.bench.runner import Table, one_ray, run_methods
-from orchestrator.config_load import load_config
-from workers.tasks.task import load_task
-from workers.wire.flat import FlatParams
+from archipelago.orchestrator.bench.report import BenchResult, md_table
+from archipelago.orchestrator.bench.runner import Table, one_ray, run_methods
+from archipelago.orchestrator.config_load import load_config
+from archipelago.workers.tasks.task import load_task
+from archipelago.workers.wire.flat import FlatParams
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +37,14 @@ GPT = [
     "task.kwargs.batch_size=32",
 ]
 GPT2_124M = [
-    "task.factory=workers.tasks.hf_task:make_task",
+    "task.factory=archipelago.workers.tasks.hf_task:make_task",
     "task.kwargs.model_config={model_type: gpt2, vocab_size: 50257}",  # GPT-2 small: 12 x 768, 1,024 positions
     "task.kwargs.context=1024",
     "task.kwargs.batch_size=16",
     "inner.compile=true",
 ]
 LLAMA = [
-    "task.factory=workers.tasks.hf_task:make_task",
+    "task.factory=archipelago.workers.tasks.hf_task:make_task",
     "task.kwargs.model_config={model_type: llama, hidden_size: 768, intermediate_size: 2048, num_hidden_layers: 12, "
     "num_attention_heads: 12, num_key_value_heads: 4, tie_word_embeddings: true}",
     "task.kwargs.context=1024",
@@ -139,8 +139,8 @@ def _cuda_rows(quick: bool, work: Path, gpus: int, peak: float, datasheet: float
 def gpu(quick: bool, work: Path) -> BenchResult:
     import torch
 
-    from orchestrator.bench import bareloop
-    from orchestrator.bench.coordinator import SIZES, measure_rows
+    from archipelago.orchestrator.bench import bareloop
+    from archipelago.orchestrator.bench.coordinator import SIZES, measure_rows
 
     cuda = torch.cuda.is_available()
     steps, alternations = (10, 3) if quick else (50, 5)

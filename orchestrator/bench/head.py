@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.report import BenchResult, Panel, checks_table, md_table, targets_met
+from archipelago.orchestrator.bench.report import BenchResult, Panel, checks_table, md_table, targets_met
 
 CHECKPOINT_EVERY = 2
 WARM_ROUNDS = 2
@@ -72,7 +72,7 @@ class Row:
             "mode": "diloco",
             "seed": 0,
             "task": {
-                "factory": "workers.tasks.hf_task:make_task",
+                "factory": "archipelago.workers.tasks.hf_task:make_task",
                 "kwargs": {
                     "source": "stdlib",
                     "cache_dir": str(out / "corpus"),
@@ -160,8 +160,8 @@ def codec_rates(numel: int = 25_000_000, repeats: int = 3) -> dict[str, dict[str
     import numpy as np
     import torch
 
-    from orchestrator.plan.head import TOPK
-    from workers.wire.compress import decode, encode
+    from archipelago.orchestrator.plan.head import TOPK
+    from archipelago.workers.wire.compress import decode, encode
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -268,9 +268,9 @@ def summarise(row: Row, measured: dict[str, Any], planned: dict[str, Any], param
 
 def run_row(row: Row, work: Path, link_gbps: float) -> dict[str, Any]:
     """One row's run on the cluster this process is connected to, and the plan beside it."""
-    from orchestrator.config_load import validate_config
-    from orchestrator.plan.planner import plan_run
-    from orchestrator.runtime.driver import run
+    from archipelago.orchestrator.config_load import validate_config
+    from archipelago.orchestrator.plan.planner import plan_run
+    from archipelago.orchestrator.runtime.driver import run
 
     out = work / row.name
     cfg = validate_config(row.config(out))
@@ -297,7 +297,7 @@ def _cluster(rows: tuple[Row, ...]) -> Any:
 def head(quick: bool, work: Path) -> BenchResult:
     import ray
 
-    from orchestrator.runtime.driver import on_pythonpath
+    from archipelago.orchestrator.runtime.driver import on_pythonpath
 
     rows = QUICK_ROWS if quick else ROWS
     work.mkdir(parents=True, exist_ok=True)

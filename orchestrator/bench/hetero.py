@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.quality_rows import MODEL
-from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
-from orchestrator.bench.runner import Table, continue_warm, run_methods, train_warm_start
+from archipelago.orchestrator.bench.quality_rows import MODEL
+from archipelago.orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
+from archipelago.orchestrator.bench.runner import Table, continue_warm, run_methods, train_warm_start
 
 K = 4
 FLEETS = {"mild": [1, 1, 0.5, 0.25], "harsh": [1, 0.5, 0.25, 0.125]}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from orchestrator.bench.report import md_table
+from archipelago.orchestrator.bench.report import md_table
 
 
 def lower_bound(one_alone_s: float, k: int, threads: int, cores: int) -> float:

@@ -31,15 +31,15 @@ from typing import Any
 import torch
 import torchft  # noqa: F401  (not installed: ImportError, and `quality` skips the peer row)
 
-from orchestrator.bench.overhead import lower_bound
-from orchestrator.bench.runner import continue_warm
-from orchestrator.config import Mode, RunConfig
-from orchestrator.config_load import load_config
-from orchestrator.engine.warm_start import load_warm_start
-from orchestrator.engine.work.ledger import assign
-from workers.runtime.optim import build_inner
-from workers.tasks.task import load_task
-from workers.wire.flat import FlatParams
+from archipelago.orchestrator.bench.overhead import lower_bound
+from archipelago.orchestrator.bench.runner import continue_warm
+from archipelago.orchestrator.config import Mode, RunConfig
+from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.warm_start import load_warm_start
+from archipelago.orchestrator.engine.work.ledger import assign
+from archipelago.workers.runtime.optim import build_inner
+from archipelago.workers.tasks.task import load_task
+from archipelago.workers.wire.flat import FlatParams
 
 log = logging.getLogger(__name__)
 

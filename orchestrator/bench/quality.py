@@ -21,7 +21,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.quality_rows import (
+from archipelago.orchestrator.bench.quality_rows import (
     DEFAULT_LR,
     H_VALUES,
     MODEL,
@@ -36,9 +36,9 @@ from orchestrator.bench.quality_rows import (
     tune_inner,
     tune_outer,
 )
-from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
-from orchestrator.bench.runner import one_ray, train_warm_start
-from orchestrator.engine.warm_start import finished_record
+from archipelago.orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
+from archipelago.orchestrator.bench.runner import one_ray, train_warm_start
+from archipelago.orchestrator.engine.warm_start import finished_record
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def _peer(h50: Method, warm: dict[int, Path], work: Path) -> tuple[dict[str, Any
     one more run evaluating only at the end, as the peer does, and its overhead); None,
     logged, when torchft is not installed."""
     try:
-        from orchestrator.bench.peer import torchft_diloco
+        from archipelago.orchestrator.bench.peer import torchft_diloco
     except ImportError as err:
         log.warning("peer row skipped: %s (pip install -e '.[peer]')", err)
         return None

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.runner import continue_warm, run_methods, train_warm_start
+from archipelago.orchestrator.bench.runner import continue_warm, run_methods, train_warm_start
 
 K = 4
 WARM = 400  # data-parallel steps shared by every method (a quarter of the full run, like the paper's 24k of 88k)

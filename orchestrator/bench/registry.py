@@ -12,12 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.report import BenchResult, require_plotting, write_docs_index, write_result
+from archipelago.orchestrator.bench.report import BenchResult, require_plotting, write_docs_index, write_result
 
 Scenario = Callable[..., BenchResult]  # (quick, work_dir, **options)
 # name -> "module:function"; imported when run, so a scenario never imports the registry
 SCENARIOS: dict[str, str] = {
-    name: f"orchestrator.bench.{name}:{name}"
+    name: f"archipelago.orchestrator.bench.{name}:{name}"
     for name in (
         "quality",
         "hetero",

@@ -1,5 +1,5 @@
 """`startup`: from the command to the first inner step (and to the first outer step), as a
-user meets it: each row is `python -m orchestrator.cli run` in a fresh process (its
+user meets it: each row is `python -m archipelago.orchestrator.cli run` in a fresh process (its
 imports counted), with its own private Ray (cold) or joining a Ray already running
 (`ray start --head`, warm), for the default config and for k = 1, 2, 4, 8 islands (none
 serves the control plane: `api.enabled` is off by default, and its start is measured
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.report import BenchResult, Panel, checks_table, md_table, targets_met
+from archipelago.orchestrator.bench.report import BenchResult, Panel, checks_table, md_table, targets_met
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout the runs import
 # first inner step within 8 s of the command with its own Ray, 5 s joining a running one
@@ -56,7 +56,7 @@ def _row(name: str, sets: list[str], work: Path, address: str | None) -> dict[st
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     if address:
         env["RAY_ADDRESS"] = address
-    args = [sys.executable, "-m", "orchestrator.cli", "-q", "run", "--out", str(out)]
+    args = [sys.executable, "-m", "archipelago.orchestrator.cli", "-q", "run", "--out", str(out)]
     for s in sets:
         args += ["--set", s]
     proc = subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=900, check=False)

@@ -29,10 +29,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.overhead import breakdown_table, round_breakdown
-from orchestrator.bench.quality_rows import MODEL
-from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
-from orchestrator.bench.runner import continue_warm, one_ray, run_methods, train_warm_start
+from archipelago.orchestrator.bench.overhead import breakdown_table, round_breakdown
+from archipelago.orchestrator.bench.quality_rows import MODEL
+from archipelago.orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
+from archipelago.orchestrator.bench.runner import continue_warm, one_ray, run_methods, train_warm_start
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ def _peer(rounds: int, warm: dict[int, Path], seeds: tuple[int, ...], lr: float)
     """torchft's Streaming DiLoCo with the `streaming_p4` settings; None, logged, when
     torchft is not installed."""
     try:
-        from orchestrator.bench.peer import torchft_diloco
+        from archipelago.orchestrator.bench.peer import torchft_diloco
     except ImportError as err:
         log.warning("peer row skipped: %s (pip install -e '.[peer]')", err)
         return None

@@ -21,11 +21,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from orchestrator.bench.hetero import time_to_reach
-from orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
-from orchestrator.bench.runner import Table, run_methods
-from orchestrator.config import WarmStartMode
-from orchestrator.config_load import load_config
+from archipelago.orchestrator.bench.hetero import time_to_reach
+from archipelago.orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
+from archipelago.orchestrator.bench.runner import Table, run_methods
+from archipelago.orchestrator.config import WarmStartMode
+from archipelago.orchestrator.config_load import load_config
 
 TARGET_RATIO = 20.0  # the issue's: total bytes >= 20x fewer than data-parallel at equal loss
 AVERAGE_H = (10, 25, 50)  # warm_start.inner_steps of mode average

@@ -13,36 +13,42 @@ from typing import Any
 
 import torch
 
-from orchestrator.config import Mode, RunConfig
-from orchestrator.config_operations import EvalPlace
-from orchestrator.engine.commands import Inbox
-from orchestrator.engine.engine import RoundEngine
-from orchestrator.engine.fleet.fleet import Fleet
-from orchestrator.engine.fleet.island_states import IslandStates
-from orchestrator.engine.fleet.membership import Membership
-from orchestrator.engine.outputs.checkpoints import load_checkpoint, load_initial_weights, run_folder
-from orchestrator.engine.outputs.evaluation import Evaluator
-from orchestrator.engine.outputs.outputs import OnRecord, Outputs
-from orchestrator.engine.outputs.persistence import RunCore, restore
-from orchestrator.engine.outputs.startup import Startup
-from orchestrator.engine.outputs.stats import RunStats
-from orchestrator.engine.outputs.views import RunStatus
-from orchestrator.engine.pacing.base import RunState
-from orchestrator.engine.policies import build_policies, run_inbox
-from orchestrator.engine.pool import IslandPool
-from orchestrator.engine.requests import OperatorRequests
-from orchestrator.engine.step.outer import LocalOuter, Outer
-from orchestrator.engine.step.rules import outer_rule
-from orchestrator.engine.step.screen import Sizes
-from orchestrator.engine.step.slices import LocalSlices, SliceCalls, SlicedOuter
-from orchestrator.engine.types import Event, Phase, RunFailed, RunPhase
-from orchestrator.engine.warm_start import WarmStart, first_phase, load_warm_start, mark_finished, version0_digest
-from orchestrator.engine.work.inflight import InFlight
-from orchestrator.engine.work.ledger import DataLedger
-from orchestrator.engine.work.publisher import Publisher
-from workers.tasks.task import Task, load_task
-from workers.wire.flat import FlatParams, slice_bounds
-from workers.wire.fragments import FragmentedTask, Fragments, fragment_model
+from archipelago.orchestrator.config import Mode, RunConfig
+from archipelago.orchestrator.config_operations import EvalPlace
+from archipelago.orchestrator.engine.commands import Inbox
+from archipelago.orchestrator.engine.engine import RoundEngine
+from archipelago.orchestrator.engine.fleet.fleet import Fleet
+from archipelago.orchestrator.engine.fleet.island_states import IslandStates
+from archipelago.orchestrator.engine.fleet.membership import Membership
+from archipelago.orchestrator.engine.outputs.checkpoints import load_checkpoint, load_initial_weights, run_folder
+from archipelago.orchestrator.engine.outputs.evaluation import Evaluator
+from archipelago.orchestrator.engine.outputs.outputs import OnRecord, Outputs
+from archipelago.orchestrator.engine.outputs.persistence import RunCore, restore
+from archipelago.orchestrator.engine.outputs.startup import Startup
+from archipelago.orchestrator.engine.outputs.stats import RunStats
+from archipelago.orchestrator.engine.outputs.views import RunStatus
+from archipelago.orchestrator.engine.pacing.base import RunState
+from archipelago.orchestrator.engine.policies import build_policies, run_inbox
+from archipelago.orchestrator.engine.pool import IslandPool
+from archipelago.orchestrator.engine.requests import OperatorRequests
+from archipelago.orchestrator.engine.step.outer import LocalOuter, Outer
+from archipelago.orchestrator.engine.step.rules import outer_rule
+from archipelago.orchestrator.engine.step.screen import Sizes
+from archipelago.orchestrator.engine.step.slices import LocalSlices, SliceCalls, SlicedOuter
+from archipelago.orchestrator.engine.types import Event, Phase, RunFailed, RunPhase
+from archipelago.orchestrator.engine.warm_start import (
+    WarmStart,
+    first_phase,
+    load_warm_start,
+    mark_finished,
+    version0_digest,
+)
+from archipelago.orchestrator.engine.work.inflight import InFlight
+from archipelago.orchestrator.engine.work.ledger import DataLedger
+from archipelago.orchestrator.engine.work.publisher import Publisher
+from archipelago.workers.tasks.task import Task, load_task
+from archipelago.workers.wire.flat import FlatParams, slice_bounds
+from archipelago.workers.wire.fragments import FragmentedTask, Fragments, fragment_model
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.engine.fleet.membership import JOINING, Membership
-from orchestrator.engine.types import IslandState
+from archipelago.orchestrator.engine.fleet.membership import JOINING, Membership
+from archipelago.orchestrator.engine.types import IslandState
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from orchestrator.algorithms.dylu import SpeedTracker
-from orchestrator.engine.commands import Answer, Command, Inbox
-from orchestrator.engine.fleet.fleet import Fleet
-from orchestrator.engine.outcomes import (
+from archipelago.orchestrator.algorithms.dylu import SpeedTracker
+from archipelago.orchestrator.engine.commands import Answer, Command, Inbox
+from archipelago.orchestrator.engine.fleet.fleet import Fleet
+from archipelago.orchestrator.engine.outcomes import (
     Halt,
     Judged,
     Lost,
@@ -35,21 +35,30 @@ from orchestrator.engine.outcomes import (
     StopWork,
     Transition,
 )
-from orchestrator.engine.outputs.loop_time import Part
-from orchestrator.engine.outputs.outputs import Outputs
-from orchestrator.engine.outputs.persistence import RunCore, capture
-from orchestrator.engine.outputs.startup import Startup
-from orchestrator.engine.outputs.views import RunStatus
-from orchestrator.engine.pacing.base import Close, Flight
-from orchestrator.engine.pool import Done, Failed, IslandPool, Joined, JoinFailed, PoolEvent, Preempting, Progress
-from orchestrator.engine.requests import OperatorRequests
-from orchestrator.engine.step.outer import take_step
-from orchestrator.engine.threads import torch_threads
-from orchestrator.engine.types import Event, RunFailed, RunPhase, SliceLost
-from orchestrator.engine.warm_start import WarmStart
-from orchestrator.engine.work.inflight import POLL_S, InFlight
-from workers.runtime.storage import Folder
-from workers.tasks.task import Task
+from archipelago.orchestrator.engine.outputs.loop_time import Part
+from archipelago.orchestrator.engine.outputs.outputs import Outputs
+from archipelago.orchestrator.engine.outputs.persistence import RunCore, capture
+from archipelago.orchestrator.engine.outputs.startup import Startup
+from archipelago.orchestrator.engine.outputs.views import RunStatus
+from archipelago.orchestrator.engine.pacing.base import Close, Flight
+from archipelago.orchestrator.engine.pool import (
+    Done,
+    Failed,
+    IslandPool,
+    Joined,
+    JoinFailed,
+    PoolEvent,
+    Preempting,
+    Progress,
+)
+from archipelago.orchestrator.engine.requests import OperatorRequests
+from archipelago.orchestrator.engine.step.outer import take_step
+from archipelago.orchestrator.engine.threads import torch_threads
+from archipelago.orchestrator.engine.types import Event, RunFailed, RunPhase, SliceLost
+from archipelago.orchestrator.engine.warm_start import WarmStart
+from archipelago.orchestrator.engine.work.inflight import POLL_S, InFlight
+from archipelago.workers.runtime.storage import Folder
+from archipelago.workers.tasks.task import Task
 
 log = logging.getLogger(__name__)
 
@@ -372,7 +381,7 @@ class RoundEngine(EngineParts):
     # -- records, evaluation, checkpoints -----------------------------------------------------------
     def _clock(self) -> float:
         """Seconds on the pool's clock since training began here: real time, or simulated
-        time on a simulated fleet's virtual clock (`orchestrator.simulation`)."""
+        time on a simulated fleet's virtual clock (`archipelago.orchestrator.simulation`)."""
         return self.pool.now() - self.clock0
 
     @property

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.engine.step.admission import Verdict
-from orchestrator.engine.types import IslandState, RunPhase
+from archipelago.orchestrator.engine.step.admission import Verdict
+from archipelago.orchestrator.engine.types import IslandState, RunPhase
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,17 +12,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from orchestrator.algorithms.dylu import SpeedTracker
-from orchestrator.algorithms.robust import NormGuard
-from orchestrator.config import Mode, RunConfig
-from orchestrator.engine.commands import Inbox, SettingsUpdate
-from orchestrator.engine.pacing.base import Pacing
-from orchestrator.engine.pacing.quorum import QuorumRule
-from orchestrator.engine.pacing.registry import QUORUM_SETTINGS, pacing_of
-from orchestrator.engine.step.admission import Admission
+from archipelago.orchestrator.algorithms.dylu import SpeedTracker
+from archipelago.orchestrator.algorithms.robust import NormGuard
+from archipelago.orchestrator.config import Mode, RunConfig
+from archipelago.orchestrator.engine.commands import Inbox, SettingsUpdate
+from archipelago.orchestrator.engine.pacing.base import Pacing
+from archipelago.orchestrator.engine.pacing.quorum import QuorumRule
+from archipelago.orchestrator.engine.pacing.registry import QUORUM_SETTINGS, pacing_of
+from archipelago.orchestrator.engine.step.admission import Admission
 
 if TYPE_CHECKING:
-    from workers.wire.fragments import Fragments
+    from archipelago.workers.wire.fragments import Fragments
 
 
 def check_settings(cfg: RunConfig, update: SettingsUpdate, islands: int) -> None:

@@ -1,6 +1,6 @@
 """The island-pool seam: how the engine places islands, hands them work and hears back,
 without knowing whether they are Ray actors (`runtime/island_pool.py`) or simulated ones
-(the `orchestrator.simulation` package beside the product: objects in this process, which
+(the `archipelago.orchestrator.simulation` package beside the product: objects in this process, which
 tests and benchmarks use to inject faults and run many islands in seconds, or Ray actors on
 a virtual clock).
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from orchestrator.engine.work.links import Transfers
-from workers.wire.messages import RoundResult, SavedState, WorkOrder
-from workers.wire.sync import Change
+from archipelago.orchestrator.engine.work.links import Transfers
+from archipelago.workers.wire.messages import RoundResult, SavedState, WorkOrder
+from archipelago.workers.wire.sync import Change
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,10 +4,10 @@ next; the engine applies it. Membership requests are the fleet's (`fleet.py`).""
 
 from __future__ import annotations
 
-from orchestrator.engine.commands import Inbox, SettingsUpdate
-from orchestrator.engine.outputs.persistence import RunCore
-from orchestrator.engine.outputs.records import EventLog
-from orchestrator.engine.types import Event, RunPhase
+from archipelago.orchestrator.engine.commands import Inbox, SettingsUpdate
+from archipelago.orchestrator.engine.outputs.persistence import RunCore
+from archipelago.orchestrator.engine.outputs.records import EventLog
+from archipelago.orchestrator.engine.types import Event, RunPhase
 
 
 class OperatorRequests:

@@ -7,11 +7,11 @@ adopt them."""
 
 from __future__ import annotations
 
-from orchestrator.config import Mode, RunConfig
-from orchestrator.engine.policies import sizes_first_work_by_speed
-from orchestrator.engine.warm_start import version0_file
-from workers.runtime.island_spec import IslandSpec
-from workers.wire.messages import SavedState
+from archipelago.orchestrator.config import Mode, RunConfig
+from archipelago.orchestrator.engine.policies import sizes_first_work_by_speed
+from archipelago.orchestrator.engine.warm_start import version0_file
+from archipelago.workers.runtime.island_spec import IslandSpec
+from archipelago.workers.wire.messages import SavedState
 
 
 def island_spec(

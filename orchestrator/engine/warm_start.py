@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from orchestrator.config import Mode, RunConfig, WarmStartMode
-from orchestrator.engine.outputs.checkpoints import newest_valid, run_folder
-from orchestrator.engine.types import RunFailed
-from workers.runtime.storage import durable_write
-from workers.wire.handoff import params_digest, params_sha256
+from archipelago.orchestrator.config import Mode, RunConfig, WarmStartMode
+from archipelago.orchestrator.engine.outputs.checkpoints import newest_valid, run_folder
+from archipelago.orchestrator.engine.types import RunFailed
+from archipelago.workers.runtime.storage import durable_write
+from archipelago.workers.wire.handoff import params_digest, params_sha256
 
 if TYPE_CHECKING:
     import torch

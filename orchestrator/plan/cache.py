@@ -16,8 +16,8 @@ import logging
 import os
 from pathlib import Path
 
-from orchestrator.config import RunConfig
-from orchestrator.plan.memory import ModelMemory
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.plan.memory import ModelMemory
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ FORMAT = 3  # the measurement's fields; a cached one of another format is measur
 
 
 def _cache_dir() -> Path:
-    from workers.tasks.corpus import default_cache_dir
+    from archipelago.workers.tasks.corpus import default_cache_dir
 
     return default_cache_dir() / "plans"
 
@@ -63,8 +63,8 @@ def model_memory(cfg: RunConfig) -> ModelMemory:
         return dataclasses.replace(ModelMemory(**json.loads(path.read_text())), cached=True)
     except (OSError, ValueError, TypeError):
         pass
-    from orchestrator.plan.measure import measure
-    from workers.tasks.task import load_task
+    from archipelago.orchestrator.plan.measure import measure
+    from archipelago.workers.tasks.task import load_task
 
     found = measure(cfg, load_task(cfg.task.factory, cfg.task.kwargs))
     try:

@@ -196,7 +196,7 @@ def from_ray() -> Cluster:
 
 def this_machine(accelerator_memory: int | None = None) -> Cluster:
     """This host: its physical memory (or its cgroup's limit), its cores, its GPUs."""
-    from orchestrator.engine.threads import usable_cores
+    from archipelago.orchestrator.engine.threads import usable_cores
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:

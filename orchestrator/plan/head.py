@@ -39,9 +39,9 @@ import dataclasses
 import math
 from typing import Any
 
-from orchestrator.config import RunConfig, WarmStartMode
-from orchestrator.config_sections import OuterMerge
-from orchestrator.engine.step.rules import rule_of
+from archipelago.orchestrator.config import RunConfig, WarmStartMode
+from archipelago.orchestrator.config_sections import OuterMerge
+from archipelago.orchestrator.engine.step.rules import rule_of
 
 TARGET_SHARE = 0.10
 DEFAULT_LINK_GBPS = 100.0
@@ -79,7 +79,7 @@ ENCODE_S_PER_VALUE = {
 
 def codec_s_per_value(table: dict[str, float], spec: str) -> float:
     """Seconds per value of the codec `spec` (as `compression.codec` names it) by `table`."""
-    from workers.wire.spec import parse_codec
+    from archipelago.workers.wire.spec import parse_codec
 
     chain = parse_codec(spec)
     return table[TOPK] if chain.topk is not None else table[chain.value]

@@ -30,10 +30,10 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from orchestrator.config import RunConfig
-from orchestrator.plan.fresh import Fresh
-from orchestrator.plan.memory import ModelMemory, uplink_bytes_per_value
-from workers.tasks.task import Batch, PlannableTask, Task
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.plan.fresh import Fresh
+from archipelago.orchestrator.plan.memory import ModelMemory, uplink_bytes_per_value
+from archipelago.workers.tasks.task import Batch, PlannableTask, Task
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def _data_bytes(task: Task, cfg: RunConfig) -> int:
 
 
 def _baseline() -> dict[str, int]:
-    """In a fresh interpreter (`python -m orchestrator.plan.measure`, the config on stdin):
+    """In a fresh interpreter (`python -m archipelago.orchestrator.plan.measure`, the config on stdin):
     what a worker holds before any tensor of the run — the interpreter with torch and the
     task's libraries (building the model under fake tensors imports them) — then what
     torch's first backward and a local corpus add."""
@@ -140,7 +140,7 @@ def _baseline() -> dict[str, int]:
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from workers.tasks.task import load_task
+    from archipelago.workers.tasks.task import load_task
 
     cfg = RunConfig.model_validate_json(sys.stdin.read())
     task = load_task(cfg.task.factory, cfg.task.kwargs)
@@ -157,9 +157,9 @@ def _outer_bytes(cfg: RunConfig) -> int:
     kernel's compilation: numba's LLVM), measured on a small vector."""
     import numpy as np
 
-    from orchestrator.engine.step.outer import Commit, LocalOuter
-    from orchestrator.engine.step.rules import outer_rule
-    from orchestrator.engine.types import Contribution
+    from archipelago.orchestrator.engine.step.outer import Commit, LocalOuter
+    from archipelago.orchestrator.engine.step.rules import outer_rule
+    from archipelago.orchestrator.engine.types import Contribution
 
     before = resident_bytes()
     outer = LocalOuter(torch.zeros(1 << 16), outer_rule(cfg))
@@ -171,7 +171,7 @@ def _outer_bytes(cfg: RunConfig) -> int:
 def _start_baseline(cfg: RunConfig) -> Fresh:
     """`_baseline`, started in a fresh interpreter (`plan/fresh.py`); it runs while this
     process measures the model under fake tensors."""
-    return Fresh("orchestrator.plan.measure", stdin=cfg.model_dump_json())
+    return Fresh("archipelago.orchestrator.plan.measure", stdin=cfg.model_dump_json())
 
 
 def micro_rows(cfg: RunConfig, task: Task) -> int:
@@ -210,9 +210,9 @@ def measure(cfg: RunConfig, task: Task) -> ModelMemory:
 def _under_fake_tensors(cfg: RunConfig, task: Task, model: torch.nn.Module) -> dict[str, Any]:
     """`measure`'s tensors (inside its FakeTensorMode): an inner step's peak and parts, an
     evaluation forward's peak, the evaluation set."""
-    from workers.runtime.optim import build_inner, inner_params, muon_params
-    from workers.wire.flat import FlatParams
-    from workers.wire.spec import Precision
+    from archipelago.workers.runtime.optim import build_inner, inner_params, muon_params
+    from archipelago.workers.wire.flat import FlatParams
+    from archipelago.workers.wire.spec import Precision
 
     rows = micro_rows(cfg, task)
     batch_rows = rows * cfg.inner.micro_batches * cfg.islands.workers

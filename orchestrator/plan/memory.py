@@ -8,7 +8,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from orchestrator.config import RunConfig
+    from archipelago.orchestrator.config import RunConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,8 +48,8 @@ def codec_bytes_per_value(codec: str, chunk: int) -> float:
     codec (bytes are linear in the size)."""
     import numpy as np
 
-    from workers.wire.compress import encode
-    from workers.wire.spec import payload_nbytes
+    from archipelago.workers.wire.compress import encode
+    from archipelago.workers.wire.spec import payload_nbytes
 
     n = 64 * chunk
     sample = np.random.default_rng(0).standard_normal(n).astype(np.float32)

@@ -20,13 +20,20 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config import Mode, RunConfig, WarmStartMode
-from orchestrator.config_operations import EvalPlace
-from orchestrator.engine.step.rules import rule_of, takes_one_pass
-from orchestrator.plan.cluster import DRAIN_ENV, Cluster, NodeKind
-from orchestrator.plan.head import DEFAULT_LINK_GBPS, DEFAULT_STEP_S, HeadLoad, WarmLoad, head_load, warm_load
-from orchestrator.plan.memory import ModelMemory, downlink_bytes_per_value
-from workers.wire.spec import Sharding
+from archipelago.orchestrator.config import Mode, RunConfig, WarmStartMode
+from archipelago.orchestrator.config_operations import EvalPlace
+from archipelago.orchestrator.engine.step.rules import rule_of, takes_one_pass
+from archipelago.orchestrator.plan.cluster import DRAIN_ENV, Cluster, NodeKind
+from archipelago.orchestrator.plan.head import (
+    DEFAULT_LINK_GBPS,
+    DEFAULT_STEP_S,
+    HeadLoad,
+    WarmLoad,
+    head_load,
+    warm_load,
+)
+from archipelago.orchestrator.plan.memory import ModelMemory, downlink_bytes_per_value
+from archipelago.workers.wire.spec import Sharding
 
 GIB = 2**30
 # What Ray's core worker adds to a process that holds torch and the task (measured: 0.05
@@ -451,8 +458,8 @@ def plan_run(
 ) -> Plan:
     """Measure `cfg`'s model (or read an earlier measurement of the same shapes) and plan it
     on `cluster`, the manifest at `cluster_path`, or this machine."""
-    from orchestrator.plan.cache import model_memory
-    from orchestrator.plan.cluster import from_manifest, this_machine
+    from archipelago.orchestrator.plan.cache import model_memory
+    from archipelago.orchestrator.plan.cluster import from_manifest, this_machine
 
     if cluster is None:
         cluster = from_manifest(cluster_path) if cluster_path is not None else this_machine()

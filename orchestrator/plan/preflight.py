@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from orchestrator.config import RunConfig
-from orchestrator.plan.cache import model_memory
-from orchestrator.plan.cluster import Cluster, ray_nodes, this_machine
-from orchestrator.plan.planner import Plan, make_plan, on_cpu
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.plan.cache import model_memory
+from archipelago.orchestrator.plan.cluster import Cluster, ray_nodes, this_machine
+from archipelago.orchestrator.plan.planner import Plan, make_plan, on_cpu
 
 log = logging.getLogger(__name__)
 

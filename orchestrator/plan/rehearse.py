@@ -25,9 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from orchestrator.config import RunConfig
-from orchestrator.config_operations import EvalPlace
-from orchestrator.plan.fresh import Fresh
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.config_operations import EvalPlace
+from archipelago.orchestrator.plan.fresh import Fresh
 
 GIB = 2**30
 TOLERANCE = 0.25  # a process's measured peak within 25 % of the plan's
@@ -64,8 +64,8 @@ def _peak() -> int:
 
 
 def _island(cfg: RunConfig) -> None:
-    from orchestrator.engine.specs import island_spec
-    from workers.runtime.island import Island
+    from archipelago.orchestrator.engine.specs import island_spec
+    from archipelago.workers.runtime.island import Island
 
     island = Island(island_spec(cfg, 0))
     params = island.flat.numpy()
@@ -76,14 +76,14 @@ def _coordinator(cfg: RunConfig) -> None:
     import numpy as np
     import torch
 
-    from orchestrator.engine.outputs.checkpoints import save_checkpoint
-    from orchestrator.engine.outputs.evaluation import LocalEvaluator
-    from orchestrator.engine.policies import build_policies
-    from orchestrator.engine.step.outer import Commit, LocalOuter
-    from orchestrator.engine.step.rules import outer_rule
-    from orchestrator.engine.types import Contribution
-    from workers.tasks.task import load_task
-    from workers.wire.flat import FlatParams
+    from archipelago.orchestrator.engine.outputs.checkpoints import save_checkpoint
+    from archipelago.orchestrator.engine.outputs.evaluation import LocalEvaluator
+    from archipelago.orchestrator.engine.policies import build_policies
+    from archipelago.orchestrator.engine.step.outer import Commit, LocalOuter
+    from archipelago.orchestrator.engine.step.rules import outer_rule
+    from archipelago.orchestrator.engine.types import Contribution
+    from archipelago.workers.tasks.task import load_task
+    from archipelago.workers.wire.flat import FlatParams
 
     task = load_task(cfg.task.factory, cfg.task.kwargs)
     task.prepare()
@@ -112,7 +112,7 @@ def _coordinator(cfg: RunConfig) -> None:
 
 
 def _evaluator(cfg: RunConfig) -> None:
-    from orchestrator.runtime.evaluator import EvaluationWorker
+    from archipelago.orchestrator.runtime.evaluator import EvaluationWorker
 
     worker = EvaluationWorker(cfg)
     worker.evaluate(worker.flat.numpy())
@@ -128,13 +128,13 @@ def _main(role: str) -> None:
 def rehearse_role(cfg: RunConfig, role: str, timeout_s: float = 1800) -> Fresh:
     """One process of the run, started in a fresh interpreter; its answer is its peak and
     its seconds."""
-    return Fresh("orchestrator.plan.rehearse", role, stdin=cfg.model_dump_json(), timeout_s=timeout_s)
+    return Fresh("archipelago.orchestrator.plan.rehearse", role, stdin=cfg.model_dump_json(), timeout_s=timeout_s)
 
 
 def rehearse(cfg: RunConfig) -> list[Rehearsed]:
     """Each of the run's processes rehearsed beside its plan on this machine (no Ray)."""
-    from orchestrator.plan.cluster import this_machine
-    from orchestrator.plan.planner import on_cpu, plan_run
+    from archipelago.orchestrator.plan.cluster import this_machine
+    from archipelago.orchestrator.plan.planner import on_cpu, plan_run
 
     cfg = on_cpu(cfg)
     plan = plan_run(cfg, this_machine(), under_ray=False)

@@ -15,9 +15,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config import RunConfig
-from orchestrator.engine.types import RunFailed
-from workers.runtime.storage import is_url
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.engine.types import RunFailed
+from archipelago.workers.runtime.storage import is_url
 
 log = logging.getLogger(__name__)
 URL_FILE = "control-plane.url"  # in the run's folder: the address this run's control plane serves on
@@ -28,7 +28,7 @@ def api_token(cfg: RunConfig) -> str | None:
     without a usable token is refused (api/auth.py)."""
     if not cfg.api.enabled:
         return None
-    from api.auth import ExposureError, check_exposure, configured_token
+    from archipelago.api.auth import ExposureError, check_exposure, configured_token
 
     try:
         token = configured_token()
@@ -51,10 +51,10 @@ class ControlPlane:
     def start(self) -> None:
         if not self.cfg.api.enabled:
             return
-        from api.auth import ExposureError, configured_read_source, configured_source
-        from api.handle import RayRunHandle
-        from api.limits import rate_limit
-        from api.server import ControlPlane as Server
+        from archipelago.api.auth import ExposureError, configured_read_source, configured_source
+        from archipelago.api.handle import RayRunHandle
+        from archipelago.api.limits import rate_limit
+        from archipelago.api.server import ControlPlane as Server
 
         api = self.cfg.api
         try:

@@ -23,17 +23,17 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from orchestrator.config import RunConfig
-from orchestrator.engine.commands import Answer, Command
-from orchestrator.engine.types import SliceLost
-from orchestrator.logs import LogSetup, configure
-from orchestrator.runtime.island_actors import island_bundle
-from orchestrator.runtime.names import coordinator_name
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.engine.commands import Answer, Command
+from archipelago.orchestrator.engine.types import SliceLost
+from archipelago.orchestrator.logs import LogSetup, configure
+from archipelago.orchestrator.runtime.island_actors import island_bundle
+from archipelago.orchestrator.runtime.names import coordinator_name
 
 if TYPE_CHECKING:
-    from orchestrator.engine.engine import RoundEngine
-    from orchestrator.engine.outputs.views import EventRecord, RoundRecord, RunStatus
-    from orchestrator.runtime.island_pool import RayIslandPool
+    from archipelago.orchestrator.engine.engine import RoundEngine
+    from archipelago.orchestrator.engine.outputs.views import EventRecord, RoundRecord, RunStatus
+    from archipelago.orchestrator.runtime.island_pool import RayIslandPool
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +58,9 @@ class Coordinator:
         self._pools = pool
         import torch
 
-        from orchestrator.engine.build import PhasedRun
-        from orchestrator.runtime.evaluator import start_evaluator
-        from orchestrator.runtime.slices import start_slices
+        from archipelago.orchestrator.engine.build import PhasedRun
+        from archipelago.orchestrator.runtime.evaluator import start_evaluator
+        from archipelago.orchestrator.runtime.slices import start_slices
 
         if logs is not None:  # the driver's -v/-q and --log-format, for this process's log file too
             configure(logs.level, fmt=logs.format)
@@ -87,7 +87,7 @@ class Coordinator:
         """A phase's pool. Every phase's islands watch this actor (they release themselves
         once it is gone) and are named by the run, not the phase: the main phase takes the
         warm start's over, and finds them by those names after a restart."""
-        from orchestrator.runtime.island_pool import RayIslandPool
+        from archipelago.orchestrator.runtime.island_pool import RayIslandPool
 
         pool = (self._pools or RayIslandPool)(cfg, self.run_id, coordinator_name(self.run_id))
         pool.adopt_started(self._prestarted)
@@ -111,11 +111,11 @@ class Coordinator:
             self.tracking.record(record, islands, new)
 
     def run(self) -> dict[str, Any]:
-        from orchestrator.runtime.metrics import RayMetrics
+        from archipelago.orchestrator.runtime.metrics import RayMetrics
 
         self.metrics = RayMetrics(self.run_id)  # inside the actor, where Ray is up
         if self.cfg.tracking.backends:
-            from orchestrator.runtime.tracking import Tracking
+            from archipelago.orchestrator.runtime.tracking import Tracking
 
             self.tracking = Tracking(self.cfg, self.run_id)
         try:

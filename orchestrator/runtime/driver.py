@@ -18,22 +18,22 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from orchestrator.config import RUN_PLACEHOLDER, RunConfig
-from orchestrator.engine.commands import Stop
-from orchestrator.engine.outputs.checkpoints import CheckpointError, load_checkpoint, run_folder, runs_in
-from orchestrator.engine.outputs.records import RUN_ID, link_latest
-from orchestrator.engine.types import RunFailed
-from orchestrator.engine.warm_start import check_warm_start, pending, warm_run_id
-from orchestrator.logs import configured
-from orchestrator.plan.preflight import preflight
-from orchestrator.runtime.control_plane import ControlPlane, api_token
-from orchestrator.runtime.coordinator import Coordinator, IslandPools
-from orchestrator.runtime.island_actors import prestart_islands, release_islands
-from orchestrator.runtime.names import NAMESPACE, coordinator_name
-from orchestrator.runtime.progress import ProgressPrinter
-from orchestrator.runtime.signals import StopRequest, stop_on_signals
-from workers.runtime.storage import durable_write, is_url
-from workers.tasks.task import load_task
+from archipelago.orchestrator.config import RUN_PLACEHOLDER, RunConfig
+from archipelago.orchestrator.engine.commands import Stop
+from archipelago.orchestrator.engine.outputs.checkpoints import CheckpointError, load_checkpoint, run_folder, runs_in
+from archipelago.orchestrator.engine.outputs.records import RUN_ID, link_latest
+from archipelago.orchestrator.engine.types import RunFailed
+from archipelago.orchestrator.engine.warm_start import check_warm_start, pending, warm_run_id
+from archipelago.orchestrator.logs import configured
+from archipelago.orchestrator.plan.preflight import preflight
+from archipelago.orchestrator.runtime.control_plane import ControlPlane, api_token
+from archipelago.orchestrator.runtime.coordinator import Coordinator, IslandPools
+from archipelago.orchestrator.runtime.island_actors import prestart_islands, release_islands
+from archipelago.orchestrator.runtime.names import NAMESPACE, coordinator_name
+from archipelago.orchestrator.runtime.progress import ProgressPrinter
+from archipelago.orchestrator.runtime.signals import StopRequest, stop_on_signals
+from archipelago.workers.runtime.storage import durable_write, is_url
+from archipelago.workers.tasks.task import load_task
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import ray
 
-from orchestrator.config import RunConfig
-from orchestrator.engine.outputs.evaluation import Evaluation
-from orchestrator.runtime.names import NAMESPACE
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.engine.outputs.evaluation import Evaluation
+from archipelago.orchestrator.runtime.names import NAMESPACE
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +37,9 @@ class EvaluationWorker:
     def __init__(self, cfg: RunConfig) -> None:
         import torch
 
-        from workers.tasks.task import load_task
-        from workers.wire.flat import FlatParams
-        from workers.wire.spec import Precision
+        from archipelago.workers.tasks.task import load_task
+        from archipelago.workers.wire.flat import FlatParams
+        from archipelago.workers.wire.spec import Precision
 
         threads = max(1, int(cfg.evaluation.cpus))
         torch.set_num_threads(threads)
@@ -52,7 +52,7 @@ class EvaluationWorker:
         self.batches = [tuple(t.to(self.device) for t in b) for b in self.task.eval_batches()]
 
     def evaluate(self, params: np.ndarray) -> tuple[float, dict[str, float] | None, float]:
-        from orchestrator.engine.outputs.evaluation import evaluate_model
+        from archipelago.orchestrator.engine.outputs.evaluation import evaluate_model
 
         t0 = time.perf_counter()
         self.flat.load(params)
@@ -116,6 +116,6 @@ class RayEvaluator:
 
 def start_evaluator(cfg: RunConfig, run_id: str) -> RayEvaluator | None:
     """The run's evaluator when it is an actor; None: the coordinator evaluates itself."""
-    from orchestrator.config_operations import EvalPlace
+    from archipelago.orchestrator.config_operations import EvalPlace
 
     return RayEvaluator(cfg, run_id) if cfg.evaluation.where == EvalPlace.ACTOR else None

@@ -24,13 +24,13 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator.config import RunConfig
-from orchestrator.engine.fleet.island_states import state_folder
-from orchestrator.engine.specs import island_spec
-from orchestrator.engine.warm_start import first_phase
-from orchestrator.runtime.names import NAMESPACE, coordinator_name, island_name
-from workers.runtime.island_actor import island_actor_class
-from workers.runtime.island_spec import IslandSpec
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.engine.fleet.island_states import state_folder
+from archipelago.orchestrator.engine.specs import island_spec
+from archipelago.orchestrator.engine.warm_start import first_phase
+from archipelago.orchestrator.runtime.names import NAMESPACE, coordinator_name, island_name
+from archipelago.workers.runtime.island_actor import island_actor_class
+from archipelago.workers.runtime.island_spec import IslandSpec
 
 
 @dataclass

@@ -19,12 +19,12 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 
-from orchestrator.config import RunConfig
-from orchestrator.engine.pool import Done, Failed, Joined, JoinFailed, PoolEvent, Preempting
-from orchestrator.engine.specs import island_spec
-from orchestrator.engine.work.links import INSTANT, Transfers
-from orchestrator.runtime.heartbeats import Gone, Heartbeats
-from orchestrator.runtime.island_actors import (
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.engine.pool import Done, Failed, Joined, JoinFailed, PoolEvent, Preempting
+from archipelago.orchestrator.engine.specs import island_spec
+from archipelago.orchestrator.engine.work.links import INSTANT, Transfers
+from archipelago.orchestrator.runtime.heartbeats import Gone, Heartbeats
+from archipelago.orchestrator.runtime.island_actors import (
     IslandHandle,
     find_island,
     island_bundle,
@@ -34,9 +34,9 @@ from orchestrator.runtime.island_actors import (
     run_islands,
     start_island,
 )
-from workers.runtime.island_spec import IslandSpec
-from workers.wire.messages import RoundResult, SavedState, WorkOrder
-from workers.wire.sync import Change
+from archipelago.workers.runtime.island_spec import IslandSpec
+from archipelago.workers.wire.messages import RoundResult, SavedState, WorkOrder
+from archipelago.workers.wire.sync import Change
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from typing import Any
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
-from orchestrator.engine.fleet.watch import watched
-from orchestrator.engine.outputs.distributions import ROUND_SECONDS, STALENESS
-from orchestrator.engine.outputs.views import (
+from archipelago.orchestrator.engine.fleet.watch import watched
+from archipelago.orchestrator.engine.outputs.distributions import ROUND_SECONDS, STALENESS
+from archipelago.orchestrator.engine.outputs.views import (
     HISTOGRAMS,
     ISLAND_METRICS,
     ISLAND_STATE,
@@ -25,7 +25,7 @@ from orchestrator.engine.outputs.views import (
     RunStatus,
     current,
 )
-from orchestrator.engine.types import IslandState
+from archipelago.orchestrator.engine.types import IslandState
 
 
 def _instrument(metric: Metric, tags: tuple[str, ...]) -> Gauge | Counter:

@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import ray
 
-from orchestrator.config import RunConfig
-from orchestrator.engine.step.rules import outer_rule
-from orchestrator.engine.step.slices import OuterSlice, SliceStats
-from orchestrator.engine.types import SliceLost
-from orchestrator.runtime.names import NAMESPACE, slice_name
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.engine.step.rules import outer_rule
+from archipelago.orchestrator.engine.step.slices import OuterSlice, SliceStats
+from archipelago.orchestrator.engine.types import SliceLost
+from archipelago.orchestrator.runtime.names import NAMESPACE, slice_name
 
 
 class RemoteOuterSlice(OuterSlice):

@@ -16,11 +16,11 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from orchestrator.config import RunConfig
-from orchestrator.config_load import dump_config
-from orchestrator.config_operations import TrackingBackend
-from orchestrator.engine.outputs.views import EventRecord, RoundRecord
-from orchestrator.engine.types import IslandState
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.config_load import dump_config
+from archipelago.orchestrator.config_operations import TrackingBackend
+from archipelago.orchestrator.engine.outputs.views import EventRecord, RoundRecord
+from archipelago.orchestrator.engine.types import IslandState
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,16 @@ from pathlib import Path
 
 from pydantic import Field, ValidationError, field_validator
 
-from orchestrator.config import RunConfig
-from orchestrator.config_load import SIMULATION, ConfigError, format_error, read_config_data, validate_config
-from orchestrator.config_sections import Strict
-from orchestrator.simulation.links import LinkConfig
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.config_load import (
+    SIMULATION,
+    ConfigError,
+    format_error,
+    read_config_data,
+    validate_config,
+)
+from archipelago.orchestrator.config_sections import Strict
+from archipelago.orchestrator.simulation.links import LinkConfig
 
 
 class ReplacementSpeed(str, Enum):
@@ -132,6 +138,6 @@ def load_simulated(
 
 def reference() -> str:
     """The settings' table of `docs/simulation.md` (a test compares it with the page)."""
-    from orchestrator.config_docs import field_table
+    from archipelago.orchestrator.config_docs import field_table
 
     return "\n".join(field_table(f"{SIMULATION}.", SimulationConfig)[0])

@@ -29,10 +29,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from orchestrator.config import Mode, RunConfig
-from orchestrator.config_sections import OuterMerge
-from orchestrator.engine.step.rules import rule_of
-from orchestrator.plan.head import (
+from archipelago.orchestrator.config import Mode, RunConfig
+from archipelago.orchestrator.config_sections import OuterMerge
+from archipelago.orchestrator.engine.step.rules import rule_of
+from archipelago.orchestrator.plan.head import (
     CHECKPOINT_BYTES_PER_S,
     DECODE_S_PER_VALUE,
     ENCODE_S_PER_VALUE,
@@ -40,8 +40,8 @@ from orchestrator.plan.head import (
     STEP_S_PER_VALUE,
     codec_s_per_value,
 )
-from orchestrator.simulation.config import SimulationConfig
-from orchestrator.simulation.links import allreduce_s, ring_allreduce_s
+from archipelago.orchestrator.simulation.config import SimulationConfig
+from archipelago.orchestrator.simulation.links import allreduce_s, ring_allreduce_s
 
 BACKWARD_SHARE = 2 / 3  # of a step's compute: what a bucketed all-reduce can hide behind
 DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket (bucket_cap_mb = 25): the last one is never hidden

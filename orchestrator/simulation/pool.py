@@ -19,15 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.config import RunConfig
-from orchestrator.engine.pool import Done, Failed, Joined, PoolEvent, Preempting, Progress
-from orchestrator.engine.specs import island_spec
-from orchestrator.simulation.chaos import Strike, TimedFault
-from orchestrator.simulation.config import ReplacementSpeed, SimulationConfig
-from orchestrator.simulation.network import Network
-from workers.runtime.island import Island
-from workers.wire.messages import SavedState, Sliced, WorkOrder
-from workers.wire.sync import Change
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.engine.pool import Done, Failed, Joined, PoolEvent, Preempting, Progress
+from archipelago.orchestrator.engine.specs import island_spec
+from archipelago.orchestrator.simulation.chaos import Strike, TimedFault
+from archipelago.orchestrator.simulation.config import ReplacementSpeed, SimulationConfig
+from archipelago.orchestrator.simulation.network import Network
+from archipelago.workers.runtime.island import Island
+from archipelago.workers.wire.messages import SavedState, Sliced, WorkOrder
+from archipelago.workers.wire.sync import Change
 
 DISPATCH_LOG = 4096  # orders the in-process pool remembers
 
@@ -645,7 +645,7 @@ class InProcessPool:
 
 def _nan_like(payload: Any, delta: Any) -> Any:
     """A payload of the same codec and layout, all NaN."""
-    from workers.wire.compress import encode
+    from archipelago.workers.wire.compress import encode
 
     if isinstance(payload, Sliced):
         nan = ({k: np.full_like(v, np.nan) if v.dtype.kind == "f" else v for k, v in p.items()} for p in payload.parts)

@@ -13,12 +13,12 @@ from typing import Any
 
 import ray
 
-from orchestrator.config import RunConfig
-from orchestrator.engine.pool import Done, PoolEvent, Progress
-from orchestrator.runtime.island_pool import RayIslandPool
-from orchestrator.simulation.config import SimulationConfig
-from orchestrator.simulation.network import Network
-from workers.wire.messages import WorkOrder
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.engine.pool import Done, PoolEvent, Progress
+from archipelago.orchestrator.runtime.island_pool import RayIslandPool
+from archipelago.orchestrator.simulation.config import SimulationConfig
+from archipelago.orchestrator.simulation.network import Network
+from archipelago.workers.wire.messages import WorkOrder
 
 
 class VirtualClockPool(RayIslandPool):
@@ -147,6 +147,6 @@ def simulated_pool(sim: SimulationConfig) -> Callable[[RunConfig, str, str | Non
 def run_simulated(cfg: RunConfig, sim: SimulationConfig, **options: Any) -> dict[str, Any]:
     """`cfg` run to the end on Ray as `archipelago run` runs it, its islands on the fleet
     `sim` (`driver.run`'s options); its summary."""
-    from orchestrator.runtime.driver import run
+    from archipelago.orchestrator.runtime.driver import run
 
     return run(cfg, pool=simulated_pool(sim), **options)

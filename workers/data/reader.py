@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from workers.data.manifest import DataError, Manifest, read_manifest
-from workers.data.order import MixSchedule, ShardWindows
-from workers.data.prefetch import Prefetch
-from workers.data.shards import TokenStore
-from workers.data.windows import as_batch
+from archipelago.workers.data.manifest import DataError, Manifest, read_manifest
+from archipelago.workers.data.order import MixSchedule, ShardWindows
+from archipelago.workers.data.prefetch import Prefetch
+from archipelago.workers.data.shards import TokenStore
+from archipelago.workers.data.windows import as_batch
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from workers.data.manifest import DataError, ShardEntry, SplitEntry
+from archipelago.workers.data.manifest import DataError, ShardEntry, SplitEntry
 
 HASH_BLOCK = 1 << 22
 

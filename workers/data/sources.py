@@ -18,7 +18,7 @@ from glob import glob
 from pathlib import Path
 from typing import Any
 
-from workers.data.manifest import DataError
+from archipelago.workers.data.manifest import DataError
 
 FILE_SUFFIXES = (".parquet", ".jsonl", ".json")
 DATASET_PIECES = 64  # a datasets dataset is cut into this many contiguous pieces at most
@@ -40,7 +40,7 @@ class Piece:
 def find_pieces(source: str, column: str, split: str = "train", data_files: str | None = None) -> list[Piece]:
     """The pieces of `source`, its text column checked to exist before any work."""
     if source == "stdlib":
-        from workers.tasks.corpus import prepare_stdlib_corpus
+        from archipelago.workers.tasks.corpus import prepare_stdlib_corpus
 
         stdlib = prepare_stdlib_corpus()
         return [Piece("parquet", str(f), "text") for f in [*stdlib.train, *stdlib.eval]]

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from workers.data.prefetch import Prefetch
-from workers.data.windows import as_batch
+from archipelago.workers.data.prefetch import Prefetch
+from archipelago.workers.data.windows import as_batch
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ import uuid
 import numpy as np
 import torch
 
-from workers.runtime.storage import Folder
-from workers.wire.compress import ErrorFeedback
-from workers.wire.messages import SavedState
+from archipelago.workers.runtime.storage import Folder
+from archipelago.workers.wire.compress import ErrorFeedback
+from archipelago.workers.wire.messages import SavedState
 
 log = logging.getLogger(__name__)
 

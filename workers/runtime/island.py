@@ -19,22 +19,22 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from workers.runtime import inner_state
-from workers.runtime.island_spec import IslandSpec
-from workers.runtime.optim import build_inner, inner_params, inner_schedule, muon_params
-from workers.runtime.order_steps import Tail, Tally
-from workers.runtime.shard_streams import ShardStreams
-from workers.runtime.uplink import encode_update
-from workers.runtime.version0 import version0
-from workers.tasks.task import load_task, split_batch, to_device
-from workers.wire.compress import ErrorFeedback
-from workers.wire.flat import FlatParams, ParamStore, as_tensor
-from workers.wire.fragments import FragmentedTask, fragment_model
-from workers.wire.fragments import positions as fragment_positions
-from workers.wire.handoff import verify
-from workers.wire.messages import RoundResult, WorkKind, WorkOrder
-from workers.wire.spec import Precision
-from workers.wire.sync import ChangeOutOfOrder, apply_change
+from archipelago.workers.runtime import inner_state
+from archipelago.workers.runtime.island_spec import IslandSpec
+from archipelago.workers.runtime.optim import build_inner, inner_params, inner_schedule, muon_params
+from archipelago.workers.runtime.order_steps import Tail, Tally
+from archipelago.workers.runtime.shard_streams import ShardStreams
+from archipelago.workers.runtime.uplink import encode_update
+from archipelago.workers.runtime.version0 import version0
+from archipelago.workers.tasks.task import load_task, split_batch, to_device
+from archipelago.workers.wire.compress import ErrorFeedback
+from archipelago.workers.wire.flat import FlatParams, ParamStore, as_tensor
+from archipelago.workers.wire.fragments import FragmentedTask, fragment_model
+from archipelago.workers.wire.fragments import positions as fragment_positions
+from archipelago.workers.wire.handoff import verify
+from archipelago.workers.wire.messages import RoundResult, WorkKind, WorkOrder
+from archipelago.workers.wire.spec import Precision
+from archipelago.workers.wire.sync import ChangeOutOfOrder, apply_change
 
 log = logging.getLogger(__name__)
 

@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import ray
 
-from workers.runtime.island_spec import IslandSpec
-from workers.wire.messages import RoundResult, Sliced, WorkOrder
+from archipelago.workers.runtime.island_spec import IslandSpec
+from archipelago.workers.wire.messages import RoundResult, Sliced, WorkOrder
 
 if TYPE_CHECKING:
-    from workers.runtime.island import Island
-    from workers.runtime.island_group import GroupIsland
-    from workers.wire.sync import Change
+    from archipelago.workers.runtime.island import Island
+    from archipelago.workers.runtime.island_group import GroupIsland
+    from archipelago.workers.wire.sync import Change
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +89,11 @@ class IslandActor:
 
     def __init__(self, spec: IslandSpec, grouped: bool = False) -> None:
         if grouped:
-            from workers.runtime.island_group import GroupIsland
+            from archipelago.workers.runtime.island_group import GroupIsland
 
             self.island: Island = GroupIsland(spec)
         else:
-            from workers.runtime.island import Island
+            from archipelago.workers.runtime.island import Island
 
             self.island = Island(spec)
 

@@ -30,14 +30,14 @@ import ray
 import torch
 import torch.distributed as dist
 
-from workers.runtime.fsdp import ShardedParams, shard_model
-from workers.runtime.island import Island
-from workers.runtime.island_spec import IslandSpec
-from workers.runtime.optim import build_inner
-from workers.tasks.task import Batch, split_batch
-from workers.wire.flat import FlatParams, slice_bounds
-from workers.wire.messages import RoundResult, WorkOrder
-from workers.wire.spec import Sharding
+from archipelago.workers.runtime.fsdp import ShardedParams, shard_model
+from archipelago.workers.runtime.island import Island
+from archipelago.workers.runtime.island_spec import IslandSpec
+from archipelago.workers.runtime.optim import build_inner
+from archipelago.workers.tasks.task import Batch, split_batch
+from archipelago.workers.wire.flat import FlatParams, slice_bounds
+from archipelago.workers.wire.messages import RoundResult, WorkOrder
+from archipelago.workers.wire.spec import Sharding
 
 
 def group_address() -> str:

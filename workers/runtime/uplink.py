@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from workers.runtime.island_spec import IslandSpec
-from workers.wire.compress import ErrorFeedback, decode, encode
-from workers.wire.flat import slice_bounds
-from workers.wire.messages import Sliced, Wire
+from archipelago.workers.runtime.island_spec import IslandSpec
+from archipelago.workers.wire.compress import ErrorFeedback, decode, encode
+from archipelago.workers.wire.flat import slice_bounds
+from archipelago.workers.wire.messages import Sliced, Wire
 
 
 def encode_update(

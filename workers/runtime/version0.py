@@ -10,8 +10,8 @@ import logging
 import numpy as np
 import torch
 
-from workers.runtime.island_spec import IslandSpec
-from workers.wire.handoff import params_sha256
+from archipelago.workers.runtime.island_spec import IslandSpec
+from archipelago.workers.wire.handoff import params_sha256
 
 log = logging.getLogger(__name__)
 

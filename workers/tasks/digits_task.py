@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from workers.tasks.task import Batch
+from archipelago.workers.tasks.task import Batch
 
 
 class DigitsConfig(BaseModel):
-    """Keyword arguments of `workers.tasks.digits_task:make_task` (needs the `examples` extra)."""
+    """Keyword arguments of `archipelago.workers.tasks.digits_task:make_task` (needs the `examples` extra)."""
 
     model_config = ConfigDict(extra="forbid")
     hidden: int = Field(64, ge=1, description="MLP hidden width")

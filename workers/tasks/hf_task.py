@@ -1,4 +1,4 @@
-"""A Hugging Face causal language model as an Archipelago task (`workers.tasks.hf_task:make_task`).
+"""A Hugging Face causal language model as an Archipelago task (`archipelago.workers.tasks.hf_task:make_task`).
 
 Any `AutoModelForCausalLM`: loaded by name or local path (`model`), or built from a config
 and initialised from scratch (`model_config: {model_type: llama, hidden_size: ...}`, or
@@ -22,19 +22,19 @@ import numpy as np
 import torch
 from pydantic import ConfigDict, Field, model_validator
 
-from workers.data.encoders import HFEncoder
-from workers.data.manifest import DataError
-from workers.tasks.chunked_loss import causal_lm_eval_loss, causal_lm_train_loss
-from workers.tasks.task import Batch, token_batch
-from workers.tasks.text_data import (
+from archipelago.workers.data.encoders import HFEncoder
+from archipelago.workers.data.manifest import DataError
+from archipelago.workers.tasks.chunked_loss import causal_lm_eval_loss, causal_lm_train_loss
+from archipelago.workers.tasks.task import Batch, token_batch
+from archipelago.workers.tasks.text_data import (
     Documents,
     document_order,
     fixed_batches,
     island_part,
     window_batches,
 )
-from workers.tasks.text_source import TextCorpus, TextDataConfig
-from workers.tasks.tokenizer import trained_tokenizer
+from archipelago.workers.tasks.text_source import TextCorpus, TextDataConfig
+from archipelago.workers.tasks.tokenizer import trained_tokenizer
 
 # A Llama small enough to train on a laptop CPU in minutes (~1 M parameters with the
 # 2,048-token trained tokenizer; the embedding is tied to the output layer).
@@ -53,7 +53,7 @@ TOKENS_FORMAT = 1
 
 
 class HFTaskConfig(TextDataConfig):
-    """Keyword arguments of `workers.tasks.hf_task:make_task` (validated; unknown keys rejected)."""
+    """Keyword arguments of `archipelago.workers.tasks.hf_task:make_task` (validated; unknown keys rejected)."""
 
     # `model` and the `model_config` alias are the names transformers users know; pydantic
     # reserves `model_config` for this class setting, so the field is `architecture`.
@@ -95,7 +95,7 @@ class HFTaskConfig(TextDataConfig):
 
 
 class HFCausalLMTask:
-    """Implements `workers.tasks.task.Task` (and `ExportableTask`) for a Hugging Face causal LM."""
+    """Implements `archipelago.workers.tasks.task.Task` (and `ExportableTask`) for a Hugging Face causal LM."""
 
     def __init__(self, cfg: HFTaskConfig) -> None:
         self.cfg = cfg
@@ -325,5 +325,5 @@ def _save_documents(docs: Documents, path: Path) -> None:
 
 
 def make_task(**kwargs: object) -> HFCausalLMTask:
-    """Factory named in config as `workers.tasks.hf_task:make_task`."""
+    """Factory named in config as `archipelago.workers.tasks.hf_task:make_task`."""
     return HFCausalLMTask(HFTaskConfig(**kwargs))

@@ -19,25 +19,25 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pydantic import Field, model_validator
 
-from workers.data.encoders import ByteEncoder
-from workers.tasks.task import Batch, token_batch
-from workers.tasks.text_data import (
+from archipelago.workers.data.encoders import ByteEncoder
+from archipelago.workers.tasks.task import Batch, token_batch
+from archipelago.workers.tasks.text_data import (
     document_order,
     encode,
     fixed_batches,
     island_part,
     window_batches,
 )
-from workers.tasks.text_source import TextCorpus, TextDataConfig
+from archipelago.workers.tasks.text_source import TextCorpus, TextDataConfig
 
 if TYPE_CHECKING:
     import torch
 
-    from workers.tasks.gpt import GPT
+    from archipelago.workers.tasks.gpt import GPT
 
 
 class LMTaskConfig(TextDataConfig):
-    """Keyword arguments of `workers.tasks.lm_task:make_task` (validated; unknown keys rejected)."""
+    """Keyword arguments of `archipelago.workers.tasks.lm_task:make_task` (validated; unknown keys rejected)."""
 
     context: int = Field(128, ge=8, le=4096, description="tokens (bytes) per sequence")
     d_model: int = Field(128, ge=8, description="GPT width")
@@ -52,7 +52,7 @@ class LMTaskConfig(TextDataConfig):
 
 
 class LanguageModelTask:
-    """Implements `workers.tasks.task.Task` for next-byte prediction."""
+    """Implements `archipelago.workers.tasks.task.Task` for next-byte prediction."""
 
     def __init__(self, cfg: LMTaskConfig) -> None:
         self.cfg = cfg
@@ -98,7 +98,7 @@ class LanguageModelTask:
 
     # -- model ------------------------------------------------------------------------
     def build_model(self) -> GPT:
-        from workers.tasks.gpt import GPT, GPTConfig
+        from archipelago.workers.tasks.gpt import GPT, GPTConfig
 
         c = self.cfg
         return GPT(GPTConfig(context=c.context, d_model=c.d_model, n_layers=c.n_layers, n_heads=c.n_heads))
@@ -130,5 +130,5 @@ def _encode(text: str) -> np.ndarray:
 
 
 def make_task(**kwargs: object) -> LanguageModelTask:
-    """Factory named in config as `workers.tasks.lm_task:make_task`."""
+    """Factory named in config as `archipelago.workers.tasks.lm_task:make_task`."""
     return LanguageModelTask(LMTaskConfig(**kwargs))

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any, Literal
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from workers.data.manifest import DataError
-from workers.data.streams import Encode, ReadAhead, StreamBatches, can_resume, shard_stream
-from workers.tasks.corpus import default_cache_dir, prepare_stdlib_corpus
-from workers.tasks.text_data import read_parquet_texts
+from archipelago.workers.data.manifest import DataError
+from archipelago.workers.data.streams import Encode, ReadAhead, StreamBatches, can_resume, shard_stream
+from archipelago.workers.tasks.corpus import default_cache_dir, prepare_stdlib_corpus
+from archipelago.workers.tasks.text_data import read_parquet_texts
 
 if TYPE_CHECKING:
-    from workers.data.reader import PreparedCorpus
+    from archipelago.workers.data.reader import PreparedCorpus
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class TextCorpus:
         """The prepared corpora, opened once per process and checked against `tokenizer`
         (the task's encoder identity)."""
         if self._prepared is None:
-            from workers.data.reader import PreparedCorpus, Source
+            from archipelago.workers.data.reader import PreparedCorpus, Source
 
             c = self.cfg
             sources = [Source(p.path, p.weight) for p in c.prepared]

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from workers.wire import sparse
-from workers.wire.codecs import CODECS, codec_of
-from workers.wire.spec import Payload, parse_codec
+from archipelago.workers.wire import sparse
+from archipelago.workers.wire.codecs import CODECS, codec_of
+from archipelago.workers.wire.spec import Payload, parse_codec
 
 
 class ErrorFeedback:

@@ -18,7 +18,7 @@ from torch import nn
 
 class ParamStore(Protocol):
     """What an island needs of its parameters, whether one flat buffer (`FlatParams`) or
-    shards across the island's workers (`workers.runtime.fsdp.ShardedParams`)."""
+    shards across the island's workers (`archipelago.workers.runtime.fsdp.ShardedParams`)."""
 
     numel: int
 

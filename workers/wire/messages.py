@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from workers.wire.spec import Payload, payload_nbytes
+from archipelago.workers.wire.spec import Payload, payload_nbytes
 
 if TYPE_CHECKING:
-    from workers.wire.sync import Change
+    from archipelago.workers.wire.sync import Change
 
 
 class WorkKind(str, Enum):
@@ -104,7 +104,7 @@ class RoundResult:
 
     def delta(self) -> Any:
         """Δ decoded to fp32, or its S slices as they came (each coordinator slice decodes its own)."""
-        from workers.wire.compress import decode  # here: the codecs import torch, the messages do not
+        from archipelago.workers.wire.compress import decode  # here: the codecs import torch, the messages do not
 
         return self.payload if isinstance(self.payload, Sliced) else decode(self.payload)
 

@@ -1,7 +1,7 @@
 """The island's part of the run config: its inner optimizer, how a group of workers
 shares its state, and the pseudo-gradient codecs it may name. Part of the contract the
 coordinator hands an island (`IslandSpec`), so the run config can validate it without
-importing the island runtime (or torch): `import orchestrator.config` stays light. The
+importing the island runtime (or torch): `import archipelago.orchestrator.config` stays light. The
 codecs' registry is torch-free at import, so this reads its names and payload type."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from workers.wire.codecs import CODECS, Payload
+from archipelago.workers.wire.codecs import CODECS, Payload
 
 CODEC_NAMES = tuple(CODECS)  # the value codecs of the registry (`wire/codecs/`)
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.wire.compress import decode
-from workers.wire.flat import as_tensor
-from workers.wire.spec import Payload, payload_nbytes
+from archipelago.workers.wire.compress import decode
+from archipelago.workers.wire.flat import as_tensor
+from archipelago.workers.wire.spec import Payload, payload_nbytes
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,10 +20,10 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
-from orchestrator.config_operations import OnFailure
-from orchestrator.engine.commands import Drain, Inbox, Preempt, SetTarget
-from orchestrator.engine.fleet.membership import Membership
-from orchestrator.engine.outcomes import (
+from archipelago.orchestrator.config_operations import OnFailure
+from archipelago.orchestrator.engine.commands import Drain, Inbox, Preempt, SetTarget
+from archipelago.orchestrator.engine.fleet.membership import Membership
+from archipelago.orchestrator.engine.outcomes import (
     FleetDecision,
     Halt,
     Judged,
@@ -35,12 +35,12 @@ from orchestrator.engine.outcomes import (
     StartDrain,
     StopWork,
 )
-from orchestrator.engine.outputs.checkpoints import load_intent, run_folder, save_intent
-from orchestrator.engine.outputs.persistence import RunCore
-from orchestrator.engine.outputs.records import DiskFaults, EventLog
-from orchestrator.engine.pacing.base import Work
-from orchestrator.engine.pool import IslandPool, Joined, JoinFailed
-from orchestrator.engine.types import Decision, Event, IslandState, RunFailed
+from archipelago.orchestrator.engine.outputs.checkpoints import load_intent, run_folder, save_intent
+from archipelago.orchestrator.engine.outputs.persistence import RunCore
+from archipelago.orchestrator.engine.outputs.records import DiskFaults, EventLog
+from archipelago.orchestrator.engine.pacing.base import Work
+from archipelago.orchestrator.engine.pool import IslandPool, Joined, JoinFailed
+from archipelago.orchestrator.engine.types import Decision, Event, IslandState, RunFailed
 
 log = logging.getLogger(__name__)
 

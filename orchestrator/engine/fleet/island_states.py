@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from collections import deque
 
-from orchestrator.config import Mode, RunConfig
-from orchestrator.engine.fleet.membership import IslandStats, Membership
-from orchestrator.engine.outputs.checkpoints import run_folder
-from orchestrator.engine.outputs.records import DiskFaults
-from orchestrator.engine.pacing.registry import pacing_of
-from workers.runtime.storage import Folder
-from workers.wire.messages import SavedState, WorkKind
+from archipelago.orchestrator.config import Mode, RunConfig
+from archipelago.orchestrator.engine.fleet.membership import IslandStats, Membership
+from archipelago.orchestrator.engine.outputs.checkpoints import run_folder
+from archipelago.orchestrator.engine.outputs.records import DiskFaults
+from archipelago.orchestrator.engine.pacing.registry import pacing_of
+from archipelago.workers.runtime.storage import Folder
+from archipelago.workers.wire.messages import SavedState, WorkKind
 
 FOLDER = "islands"  # beside the run's checkpoints
 

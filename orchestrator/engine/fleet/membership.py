@@ -16,8 +16,8 @@ from typing import Any
 
 from pydantic import PrivateAttr
 
-from orchestrator.engine.outputs.views import IslandRecord, IslandView
-from orchestrator.engine.types import IslandState
+from archipelago.orchestrator.engine.outputs.views import IslandRecord, IslandView
+from archipelago.orchestrator.engine.types import IslandState
 
 RECENT = 16  # submissions kept for the "recent" staleness statistics
 RETAINED = 64  # released islands listed one by one; older ones are folded into `Retired`

@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.engine.types import RunFailed
-from workers.runtime.storage import Folder
+from archipelago.orchestrator.engine.types import RunFailed
+from archipelago.workers.runtime.storage import Folder
 
 if TYPE_CHECKING:
     import torch

@@ -26,8 +26,8 @@ from typing import Any, Protocol
 
 import torch
 
-from orchestrator.engine.threads import torch_threads
-from workers.tasks.task import Batch, MetricTask, Task
+from archipelago.orchestrator.engine.threads import torch_threads
+from archipelago.workers.tasks.task import Batch, MetricTask, Task
 
 log = logging.getLogger(__name__)
 

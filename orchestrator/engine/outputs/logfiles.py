@@ -12,7 +12,7 @@ import logging
 import os
 from pathlib import Path
 
-from workers.runtime.storage import durable_write
+from archipelago.workers.runtime.storage import durable_write
 
 log = logging.getLogger(__name__)
 

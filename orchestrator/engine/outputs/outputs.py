@@ -23,19 +23,19 @@ from typing import Any
 
 import torch
 
-from orchestrator.engine.commands import Inbox
-from orchestrator.engine.fleet.membership import IslandStats
-from orchestrator.engine.outputs.checkpoints import BackgroundSave, run_folder
-from orchestrator.engine.outputs.evaluation import Evaluation, Evaluator, LocalEvaluator
-from orchestrator.engine.outputs.loop_time import Part
-from orchestrator.engine.outputs.persistence import RunCore
-from orchestrator.engine.outputs.records import DiskFaults, EventLog, Recorder
-from orchestrator.engine.outputs.views import RoundRecord, RunStatus, Summary
-from orchestrator.engine.threads import spare_cores, step_threads
-from orchestrator.engine.types import Event, RunPhase
-from orchestrator.engine.warm_start import WarmStart
-from workers.tasks.task import ExportableTask, Task, export_pretrained
-from workers.wire.handoff import params_digest
+from archipelago.orchestrator.engine.commands import Inbox
+from archipelago.orchestrator.engine.fleet.membership import IslandStats
+from archipelago.orchestrator.engine.outputs.checkpoints import BackgroundSave, run_folder
+from archipelago.orchestrator.engine.outputs.evaluation import Evaluation, Evaluator, LocalEvaluator
+from archipelago.orchestrator.engine.outputs.loop_time import Part
+from archipelago.orchestrator.engine.outputs.persistence import RunCore
+from archipelago.orchestrator.engine.outputs.records import DiskFaults, EventLog, Recorder
+from archipelago.orchestrator.engine.outputs.views import RoundRecord, RunStatus, Summary
+from archipelago.orchestrator.engine.threads import spare_cores, step_threads
+from archipelago.orchestrator.engine.types import Event, RunPhase
+from archipelago.orchestrator.engine.warm_start import WarmStart
+from archipelago.workers.tasks.task import ExportableTask, Task, export_pretrained
+from archipelago.workers.wire.handoff import params_digest
 
 log = logging.getLogger(__name__)
 

@@ -10,19 +10,19 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.config import RunConfig
-from orchestrator.engine.commands import SettingsUpdate
-from orchestrator.engine.fleet.island_states import IslandStates
-from orchestrator.engine.fleet.membership import Membership
-from orchestrator.engine.outputs.stats import RunStats
-from orchestrator.engine.pacing.base import Flight, Pacing, RunState
-from orchestrator.engine.pacing.quorum import QuorumRule
-from orchestrator.engine.step.admission import Admission
-from orchestrator.engine.step.outer import Outer
-from orchestrator.engine.types import RunFailed
-from orchestrator.engine.work.ledger import DataLedger
-from orchestrator.engine.work.publisher import Publisher
-from workers.wire.flat import FlatParams
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.engine.commands import SettingsUpdate
+from archipelago.orchestrator.engine.fleet.island_states import IslandStates
+from archipelago.orchestrator.engine.fleet.membership import Membership
+from archipelago.orchestrator.engine.outputs.stats import RunStats
+from archipelago.orchestrator.engine.pacing.base import Flight, Pacing, RunState
+from archipelago.orchestrator.engine.pacing.quorum import QuorumRule
+from archipelago.orchestrator.engine.step.admission import Admission
+from archipelago.orchestrator.engine.step.outer import Outer
+from archipelago.orchestrator.engine.types import RunFailed
+from archipelago.orchestrator.engine.work.ledger import DataLedger
+from archipelago.orchestrator.engine.work.publisher import Publisher
+from archipelago.workers.wire.flat import FlatParams
 
 RESUMABLE = ("mode", "data_shards")  # settings a checkpoint must share with the run resuming it
 

@@ -18,13 +18,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.config import RUN_PLACEHOLDER, RunConfig
-from orchestrator.config_load import dump_config
-from orchestrator.config_operations import RecordsConfig
-from orchestrator.engine.outputs.logfiles import mend, read_lines, restart, rewind, rotate
-from orchestrator.engine.outputs.views import EventRecord, RoundRecord
-from orchestrator.engine.types import Event
-from workers.runtime.storage import durable_write
+from archipelago.orchestrator.config import RUN_PLACEHOLDER, RunConfig
+from archipelago.orchestrator.config_load import dump_config
+from archipelago.orchestrator.config_operations import RecordsConfig
+from archipelago.orchestrator.engine.outputs.logfiles import mend, read_lines, restart, rewind, rotate
+from archipelago.orchestrator.engine.outputs.views import EventRecord, RoundRecord
+from archipelago.orchestrator.engine.types import Event
+from archipelago.workers.runtime.storage import durable_write
 
 if TYPE_CHECKING:
     import torch

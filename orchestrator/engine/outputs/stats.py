@@ -9,15 +9,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config import RunConfig
-from orchestrator.engine.fleet.membership import IslandStats, Membership
-from orchestrator.engine.outputs.distributions import ROUND_SECONDS, STALENESS, Distribution
-from orchestrator.engine.outputs.loop_time import LoopClock
-from orchestrator.engine.outputs.views import RoundRecord, RunStatus
-from orchestrator.engine.step.admission import Verdict
-from orchestrator.engine.types import Decision, IslandState, RunPhase
-from orchestrator.engine.work.ledger import DataLedger
-from workers.wire.messages import RoundResult
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.engine.fleet.membership import IslandStats, Membership
+from archipelago.orchestrator.engine.outputs.distributions import ROUND_SECONDS, STALENESS, Distribution
+from archipelago.orchestrator.engine.outputs.loop_time import LoopClock
+from archipelago.orchestrator.engine.outputs.views import RoundRecord, RunStatus
+from archipelago.orchestrator.engine.step.admission import Verdict
+from archipelago.orchestrator.engine.types import Decision, IslandState, RunPhase
+from archipelago.orchestrator.engine.work.ledger import DataLedger
+from archipelago.workers.wire.messages import RoundResult
 
 COUNTERS = (
     "tokens",

@@ -25,8 +25,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
-from orchestrator.engine.fleet.membership import Membership
-from workers.wire.messages import RoundResult, WorkKind
+from archipelago.orchestrator.engine.fleet.membership import Membership
+from archipelago.workers.wire.messages import RoundResult, WorkKind
 
 
 @dataclass

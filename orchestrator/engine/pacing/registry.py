@@ -27,14 +27,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from orchestrator.algorithms.dylu import SpeedTracker
-from orchestrator.config import Mode, RunConfig
-from orchestrator.config_sections import AsyncRule, StreamingPacing
-from orchestrator.engine.pacing.arrivals import PerArrival
-from orchestrator.engine.pacing.base import Barrier, FragmentSchedule, OneRoundLag, Pacing
-from orchestrator.engine.pacing.quorum import Quorum, QuorumRule
-from orchestrator.engine.step.admission import BoundedStaleness, ExactVersion, StalenessRule
-from workers.wire.messages import WorkKind
+from archipelago.orchestrator.algorithms.dylu import SpeedTracker
+from archipelago.orchestrator.config import Mode, RunConfig
+from archipelago.orchestrator.config_sections import AsyncRule, StreamingPacing
+from archipelago.orchestrator.engine.pacing.arrivals import PerArrival
+from archipelago.orchestrator.engine.pacing.base import Barrier, FragmentSchedule, OneRoundLag, Pacing
+from archipelago.orchestrator.engine.pacing.quorum import Quorum, QuorumRule
+from archipelago.orchestrator.engine.step.admission import BoundedStaleness, ExactVersion, StalenessRule
+from archipelago.workers.wire.messages import WorkKind
 
 
 class PacingKind(str, Enum):

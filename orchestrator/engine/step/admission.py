@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from orchestrator.algorithms.robust import NormGuard
-from orchestrator.engine.types import Contribution, Decision, Reason
+from archipelago.orchestrator.algorithms.robust import NormGuard
+from archipelago.orchestrator.engine.types import Contribution, Decision, Reason
 
 
 @dataclass(frozen=True)

@@ -24,14 +24,14 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from orchestrator.algorithms import fused_step
-from orchestrator.algorithms.aggregate import WeightedMean, all_finite, sqnorm
-from orchestrator.algorithms.fused_step import SGDRule, mean_step
-from orchestrator.config_sections import OuterMerge
-from orchestrator.engine.step.admission import Admission, Facts, Verdict
-from orchestrator.engine.types import Contribution, Decision
-from workers.wire.compress import decode
-from workers.wire.fragments import Fragments
+from archipelago.orchestrator.algorithms import fused_step
+from archipelago.orchestrator.algorithms.aggregate import WeightedMean, all_finite, sqnorm
+from archipelago.orchestrator.algorithms.fused_step import SGDRule, mean_step
+from archipelago.orchestrator.config_sections import OuterMerge
+from archipelago.orchestrator.engine.step.admission import Admission, Facts, Verdict
+from archipelago.orchestrator.engine.types import Contribution, Decision
+from archipelago.workers.wire.compress import decode
+from archipelago.workers.wire.fragments import Fragments
 
 Scheduler = torch.optim.lr_scheduler.LRScheduler
 

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from orchestrator.config import Mode, RunConfig
-from orchestrator.config_sections import AsyncRule, OuterConfig, OuterMerge, OuterOptimizer
+from archipelago.orchestrator.config import Mode, RunConfig
+from archipelago.orchestrator.config_sections import AsyncRule, OuterConfig, OuterMerge, OuterOptimizer
 
 if TYPE_CHECKING:
     import torch
 
-    from orchestrator.engine.step.outer import OuterRule
+    from archipelago.orchestrator.engine.step.outer import OuterRule
 
 
 class RuleKind(str, Enum):
@@ -52,41 +52,41 @@ class RuleRow:
 
 
 def _nesterov(o: OuterConfig, p: torch.nn.Parameter) -> torch.optim.Optimizer:
-    from orchestrator.algorithms.outer import FlatSGD
+    from archipelago.orchestrator.algorithms.outer import FlatSGD
 
     return FlatSGD([p], lr=o.lr, momentum=o.momentum, nesterov=o.momentum > 0)
 
 
 def _sgd(o: OuterConfig, p: torch.nn.Parameter) -> torch.optim.Optimizer:
-    from orchestrator.algorithms.outer import FlatSGD
+    from archipelago.orchestrator.algorithms.outer import FlatSGD
 
     return FlatSGD([p], lr=o.lr, momentum=o.momentum)
 
 
 def _sparseloco(o: OuterConfig, p: torch.nn.Parameter) -> torch.optim.Optimizer:
     """A plain step: the islands' error feedback is the momentum."""
-    from orchestrator.algorithms.outer import FlatSGD
+    from archipelago.orchestrator.algorithms.outer import FlatSGD
 
     return FlatSGD([p], lr=o.lr)
 
 
 def _adam(o: OuterConfig, p: torch.nn.Parameter) -> torch.optim.Optimizer:
-    from workers.runtime.optim import Adam
+    from archipelago.workers.runtime.optim import Adam
 
     return Adam([p], lr=o.lr, betas=o.betas)
 
 
 def _delayed_nesterov(cfg: RunConfig) -> OuterRule:
-    from orchestrator.algorithms.outer import DelayedNesterov
-    from orchestrator.engine.step.outer import OuterRule
+    from archipelago.orchestrator.algorithms.outer import DelayedNesterov
+    from archipelago.orchestrator.engine.step.outer import OuterRule
 
     o, a = cfg.outer, cfg.asynchronous
     return OuterRule(lambda p: (DelayedNesterov([p], o.lr, o.momentum, a.delay or cfg.islands.count, a.c), None))
 
 
 def _co2(cfg: RunConfig) -> OuterRule:
-    from orchestrator.algorithms.outer import CO2Outer
-    from orchestrator.engine.step.outer import OuterRule
+    from archipelago.orchestrator.algorithms.outer import CO2Outer
+    from archipelago.orchestrator.engine.step.outer import OuterRule
 
     o = cfg.overlap
     return OuterRule(
@@ -96,8 +96,8 @@ def _co2(cfg: RunConfig) -> OuterRule:
 
 
 def _ddp_adamw(cfg: RunConfig) -> OuterRule:
-    from orchestrator.engine.step.outer import OuterRule
-    from workers.runtime.optim import build_inner
+    from archipelago.orchestrator.engine.step.outer import OuterRule
+    from archipelago.workers.runtime.optim import build_inner
 
     # after a warm start its fresh AdamW continues the schedule and re-warms like an island's
     rewarm = cfg.elastic.join_rewarmup_steps if cfg.warm_steps else 0
@@ -141,7 +141,7 @@ def takes_one_pass(cfg: RunConfig) -> bool:
     of its built rule): the rule has one and the merge is the mean (RDA reads each update
     twice), and numba is installed. The plan sizes the coordinator's spare buffers by it
     without building the rule."""
-    from orchestrator.algorithms.fused_step import available
+    from archipelago.orchestrator.algorithms.fused_step import available
 
     return rule_of(cfg).one_pass and cfg.outer.merged == OuterMerge.MEAN and available()
 
@@ -153,7 +153,7 @@ def outer_rule(cfg: RunConfig) -> OuterRule:
 
 def optimizer_rule(outer: OuterConfig) -> OuterRule:
     """The rule of the `outer` section alone (`outer.optimizer` and its settings)."""
-    from orchestrator.engine.step.outer import OuterRule
+    from archipelago.orchestrator.engine.step.outer import OuterRule
 
     row = RULES[RuleKind(outer.optimizer.value)]
     return OuterRule(lambda p: (outer_optimizer(outer, p), None), one_pass=row.one_pass, merge=outer.merged)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from orchestrator.engine.pacing.base import Work
-from workers.wire.compress import PayloadError, check_payload
-from workers.wire.fragments import Fragments
-from workers.wire.messages import RoundResult, Sliced
+from archipelago.orchestrator.engine.pacing.base import Work
+from archipelago.workers.wire.compress import PayloadError, check_payload
+from archipelago.workers.wire.fragments import Fragments
+from archipelago.workers.wire.messages import RoundResult, Sliced
 
 
 @dataclass(frozen=True)

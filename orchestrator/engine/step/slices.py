@@ -17,12 +17,12 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from orchestrator.algorithms.aggregate import all_finite, sqnorm
-from orchestrator.algorithms.outer import adaptive_gap
-from orchestrator.engine.step.admission import Facts
-from orchestrator.engine.step.outer import Commit, OuterRule, OuterStep, Proposal, as_tensor
-from orchestrator.engine.types import Contribution
-from workers.wire.compress import PayloadError, check_payload, decode
+from archipelago.orchestrator.algorithms.aggregate import all_finite, sqnorm
+from archipelago.orchestrator.algorithms.outer import adaptive_gap
+from archipelago.orchestrator.engine.step.admission import Facts
+from archipelago.orchestrator.engine.step.outer import Commit, OuterRule, OuterStep, Proposal, as_tensor
+from archipelago.orchestrator.engine.types import Contribution
+from archipelago.workers.wire.compress import PayloadError, check_payload, decode
 
 
 @dataclass(frozen=True)

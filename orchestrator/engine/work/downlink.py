@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from workers.wire.compress import encode
-from workers.wire.fragments import Fragments, positions
-from workers.wire.sync import Change, apply_change
+from archipelago.workers.wire.compress import encode
+from archipelago.workers.wire.fragments import Fragments, positions
+from archipelago.workers.wire.sync import Change, apply_change
 
 
 class Downlink:

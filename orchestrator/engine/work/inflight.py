@@ -11,18 +11,18 @@ import math
 import time
 from collections.abc import Iterator
 
-from orchestrator.algorithms.dylu import SpeedTracker
-from orchestrator.engine.fleet.island_states import save_due
-from orchestrator.engine.outcomes import Judged, Lost, Outcome, StopWork
-from orchestrator.engine.outputs.persistence import RunCore
-from orchestrator.engine.outputs.records import EventLog
-from orchestrator.engine.pacing.base import Flight, Work
-from orchestrator.engine.pool import IslandPool, Progress
-from orchestrator.engine.step.admission import Verdict
-from orchestrator.engine.step.screen import Sizes, screen
-from orchestrator.engine.types import Contribution, Decision, Event, IslandState, Merge, Reason
-from workers.wire.handoff import seal
-from workers.wire.messages import RoundResult, WorkKind, WorkOrder
+from archipelago.orchestrator.algorithms.dylu import SpeedTracker
+from archipelago.orchestrator.engine.fleet.island_states import save_due
+from archipelago.orchestrator.engine.outcomes import Judged, Lost, Outcome, StopWork
+from archipelago.orchestrator.engine.outputs.persistence import RunCore
+from archipelago.orchestrator.engine.outputs.records import EventLog
+from archipelago.orchestrator.engine.pacing.base import Flight, Work
+from archipelago.orchestrator.engine.pool import IslandPool, Progress
+from archipelago.orchestrator.engine.step.admission import Verdict
+from archipelago.orchestrator.engine.step.screen import Sizes, screen
+from archipelago.orchestrator.engine.types import Contribution, Decision, Event, IslandState, Merge, Reason
+from archipelago.workers.wire.handoff import seal
+from archipelago.workers.wire.messages import RoundResult, WorkKind, WorkOrder
 
 POLL_S = 0.2  # the longest the engine waits on the pool: a stop-now is seen within it
 

@@ -7,7 +7,7 @@ contiguous blocks of shards (a non-iid split keeps each island on related data);
 blocks are recomputed from the sorted ids of the islands that can train. The rules:
 
 - a shard's position advances when its island is *given* the work (`reserve`), by
-  exactly the batches the work order will read (`workers.wire.messages.batch_counts`);
+  exactly the batches the work order will read (`archipelago.workers.wire.messages.batch_counts`);
 - a reserved shard belongs to that one island until the work resolves: it is never
   handed to another island meanwhile, even if the blocks moved (the same island may
   hold two reservations of it: in overlap mode round t waits for its close while
@@ -35,8 +35,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.engine.types import LedgerError
-from workers.wire.messages import batch_counts
+from archipelago.orchestrator.engine.types import LedgerError
+from archipelago.workers.wire.messages import batch_counts
 
 MAX_STREAM_STATE = 1 << 20  # bytes of JSON: a stream's state is a few numbers and a partial batch
 

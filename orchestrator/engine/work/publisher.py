@@ -23,16 +23,16 @@ from typing import Any
 
 import torch
 
-from orchestrator.config import RunConfig
-from orchestrator.engine.pacing.base import Work
-from orchestrator.engine.pool import IslandPool
-from orchestrator.engine.step.outer import Outer
-from orchestrator.engine.work.downlink import Downlink
-from orchestrator.engine.work.links import Transfers
-from workers.wire.flat import as_tensor
-from workers.wire.fragments import Fragments
-from workers.wire.handoff import params_digest
-from workers.wire.sync import Change
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.engine.pacing.base import Work
+from archipelago.orchestrator.engine.pool import IslandPool
+from archipelago.orchestrator.engine.step.outer import Outer
+from archipelago.orchestrator.engine.work.downlink import Downlink
+from archipelago.orchestrator.engine.work.links import Transfers
+from archipelago.workers.wire.flat import as_tensor
+from archipelago.workers.wire.fragments import Fragments
+from archipelago.workers.wire.handoff import params_digest
+from archipelago.workers.wire.sync import Change
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from workers.wire.codecs.base import (
+from archipelago.workers.wire.codecs.base import (
     Codec,
     Payload,
     blocks,

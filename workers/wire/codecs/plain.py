@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from workers.wire.codecs.base import Codec, Payload
+from archipelago.workers.wire.codecs.base import Codec, Payload
 
 
 def _none_encode(x: np.ndarray, chunk: int) -> Payload:
