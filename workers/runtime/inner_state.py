@@ -160,7 +160,7 @@ def write(
     """Save the island's state as it stands (after an order's last step: the state its
     result leaves the island in); a write that fails is logged and None returned (the
     state saved before stands)."""
-    residuals = {_name(k): f.residual for k, f in feedback.items() if f.residual is not None}
+    residuals = {_name(k): r for k, f in feedback.items() if (r := f.host()) is not None}
     try:
         return save(folder, island, capture(optimizer, residuals))
     except (OSError, InnerStateError) as err:

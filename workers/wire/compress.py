@@ -8,11 +8,16 @@ zero-copy; its bytes are what the link carries.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
 import numpy as np
 
 from archipelago.workers.wire import sparse
 from archipelago.workers.wire.codecs import CODECS, codec_of
 from archipelago.workers.wire.spec import Payload, parse_codec
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ErrorFeedback:
@@ -20,20 +25,46 @@ class ErrorFeedback:
     (error feedback, as in 1-bit SGD and EF-SGD): over rounds the coordinator receives the
     sum of the island's pseudo-gradients to within one quantisation step, instead of an
     error that grows with every round. With `decay` β < 1 the residual is β e + Δ
-    (SparseLoCo: the buffer then also plays outer momentum's part)."""
+    (SparseLoCo: the buffer then also plays outer momentum's part).
+
+    The residual lives where the values do: a numpy array on the host, a tensor on the
+    island's device (its codec runs there), moved once if the values move (a residual
+    restored from a saved state arrives as an array); `host()` is it as an array."""
 
     def __init__(self, decay: float = 1.0) -> None:
         self.decay = decay
-        self.residual: np.ndarray | None = None
+        self.residual: np.ndarray | torch.Tensor | None = None
 
-    def compensate(self, values: np.ndarray) -> np.ndarray:
+    def compensate(self, values: Values) -> Values:
         if self.residual is None:
             return values
-        return values + (self.residual if self.decay == 1.0 else self.decay * self.residual)
+        residual = self.residual = _like(self.residual, values)
+        added: Any = values + (residual if self.decay == 1.0 else self.decay * residual)
+        return cast(Values, added)
 
-    def sent(self, values: np.ndarray, decoded: np.ndarray) -> None:
+    def sent(self, values: Values, decoded: Values) -> None:
         """`values` (compensated) were encoded and decode to `decoded`."""
-        self.residual = values - decoded
+        self.residual = cast(Any, values) - decoded
+
+    def host(self) -> np.ndarray | None:
+        """The residual as a host array (what an island's saved state holds)."""
+        r = self.residual
+        return r if r is None or isinstance(r, np.ndarray) else r.detach().cpu().numpy()
+
+
+Values = TypeVar("Values", np.ndarray, "torch.Tensor")
+
+
+def _like(residual: np.ndarray | torch.Tensor, values: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
+    """`residual` where `values` are: the same kind, the same device (torch is imported only
+    when they are tensors: the coordinator's imports of this module stay torch-free)."""
+    if isinstance(values, np.ndarray):
+        return residual if isinstance(residual, np.ndarray) else residual.detach().cpu().numpy()
+    import torch
+
+    if isinstance(residual, np.ndarray):
+        residual = torch.from_numpy(np.ascontiguousarray(residual))
+    return residual.to(values.device)
 
 
 def encode(x: np.ndarray, codec: str = "none", chunk: int = 4096) -> Payload:

@@ -10,18 +10,30 @@ bit 3 (no negative zero is sent), two a byte, low nibble first."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from archipelago.workers.wire.codecs.base import (
     Codec,
     Payload,
+    Tensors,
     blocks,
+    blocks_t,
     chunk_scales,
+    chunk_scales_t,
     chunked_payload,
+    chunked_tensors,
     pack_nibbles,
+    pack_nibbles_t,
     scaled,
+    scaled_t,
     unpack_nibbles,
+    unpack_nibbles_t,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 # the midpoints between neighbouring magnitudes; where the tie goes up (to an even mantissa)
@@ -47,12 +59,34 @@ def _fp4_decode(p: Payload) -> np.ndarray:
     return scaled(_TABLE[unpack_nibbles(p["fp4"], int(p["n"][0]))], p["scale"], int(p["chunk"][0]))
 
 
+def _fp4_encode_t(x: torch.Tensor, chunk: int) -> Tensors:
+    """As `_fp4_encode`, over a tensor (torch.searchsorted with right=False is numpy's side="left")."""
+    import torch
+
+    rows = blocks_t(x, chunk)
+    scale = chunk_scales_t(rows, 6.0)
+    y = (rows / scale[:, None]).view(-1)[: x.numel()]
+    code = torch.searchsorted(torch.from_numpy(_BOUNDS).to(y.device), y.abs(), right=False).to(torch.uint8)
+    code |= ((y < 0) & (code > 0)).to(torch.uint8) << 3
+    return chunked_tensors("fp4", pack_nibbles_t(code, 0), x.numel(), scale, chunk)
+
+
+def _fp4_decode_t(p: Tensors) -> torch.Tensor:
+    import torch
+
+    table = torch.from_numpy(_TABLE).to(p["fp4"].device)
+    codes = unpack_nibbles_t(p["fp4"], int(p["n"][0]))
+    return scaled_t(table[codes.to(torch.int32)], p["scale"], int(p["chunk"][0]))
+
+
 FP4 = Codec(
     "fp4",
     "fp4",
     4,
     _fp4_encode,
     _fp4_decode,
+    _fp4_encode_t,
+    _fp4_decode_t,
     ("uint8",),
     per_element=2,
     chunked=True,
