@@ -1,6 +1,7 @@
 """Serving the control plane: uvicorn in a background thread of a long-lived process —
-a Ray actor started with the run (pinned to the driver's node), or `archipelago serve`
-in a terminal against a running job. A plain class: `ray.remote(ControlPlane)` makes the actor."""
+the run's driver (`orchestrator/runtime/control_plane.py`), or `archipelago serve` in a
+terminal against a running job — on the first free port of a range, so several runs on
+one Ray cluster each serve their own."""
 
 from __future__ import annotations
 
