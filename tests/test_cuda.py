@@ -51,6 +51,14 @@ def test_the_islands_adamw_on_cuda_is_the_fused_kernel_a_bare_loop_uses(corpus_c
     assert group["fused"] is True and not group["foreach"]
 
 
+def test_an_island_on_cuda_compiles_its_forward_by_default_and_one_on_the_cpu_does_not(corpus_cache):
+    cfg = load_config(None, [*TINY_LM, f"task.kwargs.cache_dir={corpus_cache}"])
+    assert cfg.inner.compile is None  # the default: decided by the device
+    on_gpu = Island(replace(island_spec(cfg, 0), device="cuda"))
+    on_cpu = Island(replace(island_spec(cfg, 0), device="cpu"))
+    assert on_gpu.forward_model is not on_gpu.model and on_cpu.forward_model is on_cpu.model
+
+
 @pytest.mark.ray
 def test_islands_share_one_gpu_through_fractional_gpus(corpus_cache, tmp_path):
     import ray

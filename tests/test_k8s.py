@@ -633,3 +633,25 @@ def test_each_clouds_component_fits_its_named_machine_and_gives_the_volume_a_cla
         assert quantity(claim["spec"]["resources"]["requests"]["storage"]) >= smallest * 2**30
     images = _images(docs)
     assert images and len(set(images)) == 1
+
+
+@pytest.mark.parametrize("file", ["raycluster.yaml", "job/rayjob.yaml"])
+def test_gpu_workers_keep_torch_compiles_caches_on_the_node(file):
+    """Islands compile their forward on CUDA by default (`inner.compile` null): Inductor's and
+    Triton's caches point into a node-local volume of the pod, writable by the image's user,
+    so a restarted or replacement island process on it does not compile again."""
+    from archipelago.workers.wire.spec import InnerConfig
+
+    assert InnerConfig().compile is None and InnerConfig().compiles_on("cuda") and not InnerConfig().compiles_on("cpu")
+    spec = manifest(file)["spec"]
+    spec = spec.get("rayClusterSpec", spec)
+    for group in spec["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        container = pod["containers"][0]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for variable in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+            path = Path(env[variable])
+            (mount,) = [m for m in mounts if path.is_relative_to(m)]
+            assert "emptyDir" in volumes[mounts[mount]], (variable, mount)

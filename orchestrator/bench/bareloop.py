@@ -53,7 +53,7 @@ def _bare_steps(task: Any, model: Any, cfg: Any, batches: Any, steps: int, devic
         total = cfg.schedule_steps
         state["optimizer"] = opt
         state["scheduler"] = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, inner, total))
-        state["forward"] = torch.compile(model) if inner.compile else model
+        state["forward"] = torch.compile(model) if inner.compiles_on(device.type) else model  # as the island decides
     opt, sched, forward = state["optimizer"], state["scheduler"], state["forward"]
     bf16 = inner.precision == Precision.BF16
     model.train()

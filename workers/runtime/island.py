@@ -63,7 +63,7 @@ class Island:
         flat = FlatParams(self.model)
         self.flat: ParamStore = flat
         # compiled for the forward passes only: the parameters stay the flat buffer's views
-        self.forward_model = cast(torch.nn.Module, torch.compile(self.model)) if spec.inner.compile else self.model
+        self.forward_model = cast(torch.nn.Module, torch.compile(self.model)) if spec.inner.compiles_on(self.device.type) else self.model
         self.bf16 = spec.inner.precision == Precision.BF16
         self.start = torch.empty_like(flat.data)
         self.optimizer, self.scheduler = build_inner(

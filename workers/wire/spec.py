@@ -118,4 +118,13 @@ class InnerConfig(BaseModel):
     micro_batches: int = Field(
         1, ge=1, description="gradient accumulation: each batch in this many equal parts (same step, less memory)"
     )
-    compile: bool = Field(False, description="torch.compile the model for the islands' forward passes")
+    compile: bool | None = Field(
+        None,
+        description="torch.compile the model for the islands' forward passes; null: where the island runs on "
+        "CUDA (compiled once a process; the manifests keep Inductor's cache on the node), not on the CPU, where "
+        "compiling costs more than it saves on the default's small model",
+    )
+
+    def compiles_on(self, device: str) -> bool:
+        """Whether an island on `device` (a torch device type) compiles its forward."""
+        return self.compile if self.compile is not None else device == "cuda"
