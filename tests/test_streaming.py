@@ -353,3 +353,19 @@ def test_a_live_change_of_h_must_keep_whole_segments():
         check_settings(cfg, SettingsUpdate(inner_steps=10), 3)
     check_settings(cfg, SettingsUpdate(inner_steps=12, outer_lr=0.5), 3)
     check_settings(_cfg("mode=diloco"), SettingsUpdate(inner_steps=10), 3)
+
+
+def test_a_full_version_is_copied_into_the_buffer_the_island_holds():
+    """Each full version (a joining island, a restart, one too far behind for changes) lands
+    in the copy the island already holds: no new buffer a version, and on a GPU one
+    host-to-device copy rather than a copy to the device and a second one there."""
+    cfg = _gpt("mode=diloco", "compression.downlink=int4")
+    island = Island(island_spec(cfg, 0))
+    first = island.flat.numpy().copy()
+    island.run(WorkOrder(island=0, ticket=0, version=0, kind=WorkKind.TRAIN, steps=1, shards={0: 0}), first)
+    held = island.copy.data_ptr()
+    second = first + np.float32(0.5)
+    second.setflags(write=False)  # as Ray's object store hands it over
+    island.run(WorkOrder(island=0, ticket=1, version=3, kind=WorkKind.TRAIN, steps=1, shards={0: 1}), second)
+    assert island.copy.data_ptr() == held and island.held == 3
+    assert np.array_equal(island.copy.numpy(), second)  # the version itself, not a view that moves

@@ -63,7 +63,9 @@ class Island:
         flat = FlatParams(self.model)
         self.flat: ParamStore = flat
         # compiled for the forward passes only: the parameters stay the flat buffer's views
-        self.forward_model = cast(torch.nn.Module, torch.compile(self.model)) if spec.inner.compiles_on(self.device.type) else self.model
+        self.forward_model = (
+            cast(torch.nn.Module, torch.compile(self.model)) if spec.inner.compiles_on(self.device.type) else self.model
+        )
         self.bf16 = spec.inner.precision == Precision.BF16
         self.start = torch.empty_like(flat.data)
         self.optimizer, self.scheduler = build_inner(
@@ -417,7 +419,12 @@ class Island:
             return as_tensor(params)
         full = params is not None
         if full:  # joining, after a coordinator restart, or too far behind for changes
-            self.copy = as_tensor(params).to(self.device, self.flat.full().dtype).clone()
+            # into the buffer it already holds: on a GPU one host-to-device copy, not a copy to
+            # the device and a second one there (`.to(...).clone()` made both, every full version)
+            source = as_tensor(params)
+            if self.copy is None or self.copy.numel() != source.numel():
+                self.copy = torch.empty(source.numel(), dtype=self.flat.full().dtype, device=self.device)
+            self.copy.copy_(source)
             self.held = order.version
         elif self.copy is None:
             raise ChangeOutOfOrder(f"changes to version {order.version} given to an island that holds no copy")

@@ -81,7 +81,11 @@ class GroupIsland(Island):
             shard_model(self.model, self.device.type, world)
             self.flat = ShardedParams(self.model, layout, rank, world)
             self.start = torch.empty(self.flat.numel)  # host memory: the device holds shards only
-            self.forward_model = cast(torch.nn.Module, torch.compile(self.model)) if spec.inner.compiles_on(self.device.type) else self.model
+            self.forward_model = (
+                cast(torch.nn.Module, torch.compile(self.model))
+                if spec.inner.compiles_on(self.device.type)
+                else self.model
+            )
             params: Any = self.model.parameters()
         else:
             assert isinstance(self.flat, FlatParams)
