@@ -11,12 +11,15 @@ crosses to the host (`none`: the values themselves); on the CPU, and for a top-k
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import torch
 
 from archipelago.workers.runtime.island_spec import IslandSpec
 from archipelago.workers.wire.codecs import CODECS
-from archipelago.workers.wire.codecs.base import Codec, Payload, to_payload
+from archipelago.workers.wire.codecs.base import to_payload
 from archipelago.workers.wire.compress import ErrorFeedback, decode, encode
 from archipelago.workers.wire.flat import slice_bounds
 from archipelago.workers.wire.messages import Sliced, Wire
@@ -43,30 +46,27 @@ def encode_update(
     n = x.numel()
     bounds = [(0, n)] if spec.coordinator_shards == 1 else slice_bounds(n, spec.coordinator_shards, spec.chunk)
     if on_device and chain.topk is None:
-        payloads = _there(x.detach(), CODECS[chain.value], spec.chunk, bounds, kept)
+        codec = CODECS[chain.value]
+        payloads = _encoded(x.detach(), bounds, kept, lambda v: codec.encode_tensor(v, spec.chunk), codec.decode_tensor)
+        payloads = [to_payload(p) for p in payloads]
     else:
-        payloads = _host(x.detach().cpu().numpy(), spec.codec, spec.chunk, bounds, kept)
+        payloads = _encoded(x.detach().cpu().numpy(), bounds, kept, lambda v: encode(v, spec.codec, spec.chunk), decode)
     return payloads[0] if spec.coordinator_shards == 1 else Sliced(parts=tuple(payloads))
 
 
-def _there(
-    values: torch.Tensor, codec: Codec, chunk: int, bounds: list[tuple[int, int]], kept: ErrorFeedback | None
-) -> list[Payload]:
-    """Encoded on the values' device; only the payloads come to the host."""
+def _encoded(
+    values: Any,
+    bounds: list[tuple[int, int]],
+    kept: ErrorFeedback | None,
+    encode_one: Callable[[Any], Any],
+    decode_one: Callable[[Any], Any],
+) -> list[Any]:
+    """`values` (an array on the host, a tensor on its device) encoded slice by slice after
+    the error feedback, which then keeps what the payloads lost, where the values are."""
     if kept is not None:
         values = kept.compensate(values)
-    encoded = [codec.encode_tensor(values[lo:hi], chunk) for lo, hi in bounds]
+    encoded = [encode_one(values[lo:hi]) for lo, hi in bounds]
     if kept is not None:
-        kept.sent(values, torch.cat([codec.decode_tensor(e) for e in encoded]))
-    return [to_payload(e) for e in encoded]
-
-
-def _host(
-    values: np.ndarray, codec: str, chunk: int, bounds: list[tuple[int, int]], kept: ErrorFeedback | None
-) -> list[Payload]:
-    if kept is not None:
-        values = kept.compensate(values)
-    payloads = [encode(values[lo:hi], codec, chunk) for lo, hi in bounds]
-    if kept is not None:
-        kept.sent(values, np.concatenate([decode(p) for p in payloads]))
-    return payloads
+        decoded = [decode_one(e) for e in encoded]
+        kept.sent(values, torch.cat(decoded) if isinstance(values, torch.Tensor) else np.concatenate(decoded))
+    return encoded
