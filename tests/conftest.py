@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import ray_apart
+
 REPO = Path(__file__).resolve().parents[1]
 RAY_TEST_TIMEOUT_S = 600
 os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
@@ -38,7 +40,7 @@ def _ray_group(item: pytest.Item) -> int:
     return 2 if "ray_local" in getattr(item, "fixturenames", ()) else 1
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
     no_cuda = pytest.mark.skip(reason="no CUDA device here (torch.cuda.is_available() is False)")
@@ -48,6 +50,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if item.get_closest_marker("cuda") and not torch.cuda.is_available():
             item.add_marker(no_cuda)
     items.sort(key=_ray_group)  # stable: each group keeps the files' order
+    ray_apart.check_against_markers(config.rootpath, items)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Ray tests on one worker, one after another (`tests/ray_apart.py`)."""
+    return ray_apart.make_scheduler(config, log)
 
 
 def _ray_up() -> bool:

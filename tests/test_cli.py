@@ -21,14 +21,23 @@ from archipelago.orchestrator.engine.types import Event
 from archipelago.orchestrator.logs import PACKAGES, LogFormat, LogSetup, configure, configured, level_for
 
 
-@pytest.fixture(autouse=True)
-def _restore_logging():
-    yield
-    for name in PACKAGES:  # leave the process as an embedding application would find it
+def _as_embedded() -> None:
+    """The package's loggers as an embedding application would find them: no handler, no
+    level, propagating. Before each test too: a test elsewhere that ran the command left
+    them configured, and pytest attaches its capture handlers to a logger that does not
+    propagate (which test ran before depends on how the suite is split among processes)."""
+    for name in PACKAGES:
         logger = logging.getLogger(name)
         logger.handlers.clear()
         logger.setLevel(logging.NOTSET)
         logger.propagate = True
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    _as_embedded()
+    yield
+    _as_embedded()
 
 
 def test_verbosity_flags_set_the_level_before_or_after_the_subcommand():

@@ -12,6 +12,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +32,7 @@ RAY = str(Path(sys.executable).with_name("ray"))
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     """A head node with 4 CPUs and 2 fake GPUs; yields (env, dashboard address)."""
     import ray
 
@@ -46,7 +47,9 @@ def cluster(tmp_path_factory):
     }
     env.pop("RAY_ADDRESS", None)
     gcs, dash = free_port(), free_port()
-    temp = tmp_path_factory.mktemp("ray")
+    # a short path: Ray's socket paths under it must fit a Unix socket's 107 bytes (a pytest
+    # folder does not once it is a worker's, `.../popen-gw0/ray0/session_<time>_<pid>/sockets/...`)
+    temp = tempfile.mkdtemp(prefix="ray-")
     try:
         subprocess.run(
             [
@@ -71,6 +74,7 @@ def cluster(tmp_path_factory):
         yield env, f"http://127.0.0.1:{dash}"
     finally:
         stop_ray()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _job(env, address, *args, timeout=120) -> subprocess.CompletedProcess:

@@ -122,6 +122,7 @@ def test_a_gpu_island_that_does_not_fit_its_accelerator_is_refused_by_how_much(c
 
 
 @pytest.mark.timeout(600)  # the 120 M Llama's three processes, each built and run at its real shapes on 2 cores
+@pytest.mark.alone  # fresh interpreters of several GiB each: never beside a Ray test
 @pytest.mark.parametrize(
     "name,argv,cluster",
     [
