@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from archipelago.orchestrator.config import Mode, RunConfig
+from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.config_operations import EvalPlace
 from archipelago.orchestrator.engine.commands import Inbox
 from archipelago.orchestrator.engine.engine import RoundEngine
@@ -46,6 +46,7 @@ from archipelago.orchestrator.engine.warm_start import (
 from archipelago.orchestrator.engine.work.inflight import InFlight
 from archipelago.orchestrator.engine.work.ledger import DataLedger
 from archipelago.orchestrator.engine.work.publisher import Publisher
+from archipelago.orchestrator.modes import mode_of
 from archipelago.workers.tasks.task import Task, load_task
 from archipelago.workers.wire.flat import FlatParams, slice_bounds
 from archipelago.workers.wire.fragments import FragmentedTask, Fragments, fragment_model
@@ -84,7 +85,7 @@ def build_engine(
     elif cfg.init_from:
         initial = start_from(Path(cfg.init_from), model, flat)
     fragments = None
-    if cfg.mode == Mode.STREAMING:  # the same fragments as every island computes from its model
+    if mode_of(cfg).fragments:  # the same fragments as every island computes from its model
         groups = task.layer_groups(model) if isinstance(task, FragmentedTask) else None
         fragments = fragment_model(model, cfg.streaming.fragments, groups)
     outer: Outer
