@@ -264,3 +264,47 @@ def test_the_mode_dispatch_check_finds_each_form():
         "x = {'ddp': 1}",
     ):
         assert not _mode_dispatch(ast.parse(source)), source
+
+
+ENGINE = "archipelago.orchestrator.engine"
+SHARED = (f"{ENGINE}.state", f"{ENGINE}.types")  # the floor every family stands on
+
+
+def _family(name: str) -> str | None:
+    """A module's family in the engine: its sub-package, or itself at the top level."""
+    return name[len(ENGINE) + 1 :].split(".")[0] if name.startswith(ENGINE + ".") else None
+
+
+def _family_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    return {
+        (a, b)
+        for name, imported in graph.items()
+        for target in imported
+        if (a := _family(name)) and (b := _family(target)) and a != b
+    }
+
+
+def test_no_two_families_of_the_engine_import_each_other_both_ways():
+    """Each family (fleet, work, pacing, step, outputs, commands, ...) imports the others one
+    way only: the run's shared state is a floor of its own (`engine/state/`) that every
+    family reads, so no family reaches into another's for it."""
+    edges = _family_edges(GRAPH)
+    both = sorted({tuple(sorted(e)) for e in edges if (e[1], e[0]) in edges})
+    assert not both, f"families that import each other both ways: {both}"
+
+
+def test_the_state_floor_imports_no_family_above_it():
+    above = {
+        (name, target)
+        for name, imported in GRAPH.items()
+        if name.startswith(SHARED)
+        for target in imported
+        if target.startswith(ENGINE + ".") and not target.startswith(SHARED)
+    }
+    assert not above, f"the state floor imports families above it: {sorted(above)}"
+
+
+def test_the_two_way_check_finds_a_pair():
+    graph = {f"{ENGINE}.fleet.fleet": {f"{ENGINE}.work.inflight"}, f"{ENGINE}.work.inflight": {f"{ENGINE}.fleet.x"}}
+    edges = _family_edges(graph)
+    assert ("fleet", "work") in edges and ("work", "fleet") in edges

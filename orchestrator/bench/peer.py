@@ -35,8 +35,8 @@ from archipelago.orchestrator.bench.overhead import lower_bound
 from archipelago.orchestrator.bench.runner import continue_warm
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.state.ledger import assign
 from archipelago.orchestrator.engine.warm_start import load_warm_start
-from archipelago.orchestrator.engine.work.ledger import assign
 from archipelago.orchestrator.modes import mode_of
 from archipelago.workers.runtime.optim import build_inner
 from archipelago.workers.tasks.task import load_task

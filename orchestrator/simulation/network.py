@@ -1,5 +1,5 @@
 """What a simulated fleet's clock charges for the run's transfers and for the head's own
-work: the `Transfers` the engine reads (`orchestrator/engine/work/links.py`), which the
+work: the `Transfers` the engine reads (`orchestrator/engine/links.py`), which the
 simulation's pools hand it.
 
 What limits a real run, priced where the run meets it:

@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections import deque
 
 from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.engine.fleet.membership import IslandStats, Membership
-from archipelago.orchestrator.engine.outputs.checkpoints import run_folder
-from archipelago.orchestrator.engine.outputs.records import DiskFaults
 from archipelago.orchestrator.engine.pacing.registry import pacing_of
+from archipelago.orchestrator.engine.state.checkpoints import run_folder
+from archipelago.orchestrator.engine.state.membership import IslandStats, Membership
+from archipelago.orchestrator.engine.state.records import DiskFaults
 from archipelago.orchestrator.modes import mode_of
 from archipelago.workers.runtime.storage import Folder
 from archipelago.workers.wire.messages import SavedState, WorkKind
