@@ -58,3 +58,28 @@ def test_streaming_refuses_an_h_that_breaks_its_segments_at_launch_and_when_chan
         load_config(None, ["mode=streaming", "inner_steps=16", "streaming.tau=5", "warm_start.steps=0"])
     diloco = load_config(None, ["warm_start.steps=0"])
     check_settings(diloco, SettingsUpdate(inner_steps=7), 4)  # no row but streaming's refuses an H
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+def test_config_show_by_mode_lists_the_mode_settings_such_a_run_reads_and_no_other(mode, capsys):
+    import yaml
+
+    from archipelago.orchestrator.cli import main
+
+    extra = ["--set", "inner_steps=48"] if MODES[mode].fragments else []
+    assert main(["config", "show", "--mode", mode.value, "--set", "warm_start.steps=0", *extra]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["mode"] == mode.value
+    cfg = load_config(None, [f"mode={mode.value}", "warm_start.steps=0", *extra[1:]])
+    reads = cfg.settings_read()
+    for row in MODES.values():
+        if row.section is None:
+            continue
+        fields = reads.get(row.section, frozenset())
+        if fields is None:  # a section the run reads whole
+            assert set(shown[row.section]) == set(type(getattr(cfg, row.section)).model_fields)
+        elif fields:
+            assert set(shown[row.section]) == fields, row.section
+        else:
+            assert row.section not in shown, row.section
+    assert shown["outer"] == cfg.outer.model_dump(mode="json")  # the rest as `config show` prints it
