@@ -42,7 +42,7 @@ from archipelago.orchestrator.engine.commands import (
     UpdateSettings,
 )
 from archipelago.orchestrator.engine.fleet.watch import watched
-from archipelago.orchestrator.engine.outputs.views import EventRecord, IslandView, RoundRecord, RunStatus
+from archipelago.orchestrator.engine.state.views import EventRecord, IslandView, RoundRecord, RunStatus
 
 # the HTTP status of each refusal reason
 REFUSAL_STATUS = {

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from archipelago.orchestrator.engine.commands import Answer, Command
-from archipelago.orchestrator.engine.outputs.views import EventRecord
+from archipelago.orchestrator.engine.state.views import EventRecord
 from archipelago.orchestrator.runtime.names import NAMESPACE, coordinator_name, run_id_of_coordinator
 
 

@@ -22,8 +22,8 @@ from prometheus_client.core import (
 from prometheus_client.exposition import generate_latest
 
 from archipelago.orchestrator.engine.fleet.watch import watched
-from archipelago.orchestrator.engine.outputs import views
-from archipelago.orchestrator.engine.outputs.views import (
+from archipelago.orchestrator.engine.state import views
+from archipelago.orchestrator.engine.state.views import (
     HISTOGRAMS,
     ISLAND_METRICS,
     ISLAND_STATE,

@@ -18,6 +18,7 @@ from typing import Any
 
 from archipelago.orchestrator.config_load import ConfigError, check_folders, check_task_spec, dump_config, load_config
 from archipelago.orchestrator.logs import LogFormat, configure, level_for
+from archipelago.orchestrator.modes import Mode
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     cfg_sub = cfg_p.add_subparsers(dest="config_command", required=True)
     show = cfg_sub.add_parser("show", parents=[common], help="print the resolved config as YAML")
     config_args(show)
+    show.add_argument(
+        "--mode",
+        choices=[m.value for m in Mode],
+        help="the config of a run of this mode, with only the mode settings such a run reads",
+    )
     docs = cfg_sub.add_parser(
         "docs", parents=[common], help="generate the configuration reference (docs/configuration.md) from the models"
     )
@@ -381,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return prepare_command(args)
     overrides = list(args.overrides)
+    if getattr(args, "mode", None):  # `config show --mode M`: the file's and --set's mode overridden
+        overrides.insert(0, f"mode={args.mode}")
     resume = getattr(args, "resume", None)
     if resume:  # the run's own resolved config, pointed at where it now lives
         folder, at, chosen = resume.rpartition("@")
@@ -402,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("invalid config: %s", err)
         return 2
     if args.command == "config":
-        sys.stdout.write(dump_config(cfg))
+        sys.stdout.write(dump_config(cfg, reads_only=bool(args.mode)))
         return 0
     from archipelago.orchestrator.runtime.driver import (
         ResumeRefused,

@@ -34,21 +34,12 @@ from archipelago.orchestrator.config_sections import (
     StreamingConfig,
     Strict,
 )
+from archipelago.orchestrator.modes import MODES, Mode, mode_of, modes_where
 from archipelago.workers.wire.spec import InnerConfig, Sharding
 
 log = logging.getLogger(__name__)
 # the package's top-level names before `archipelago` was its one import root
 LEGACY_ROOTS = ("orchestrator", "workers", "api")
-
-
-class Mode(str, Enum):
-    """How rounds are paced and which outer rule steps (`engine/pacing/registry.py`, `engine/step/rules.py`)."""
-
-    DILOCO = "diloco"  # barrier rounds, one outer step per round
-    DDP = "ddp"  # barrier per batch: the data-parallel baseline
-    ASYNC = "async"  # per-arrival: every pseudo-gradient applied when it lands (Delayed Nesterov)
-    OVERLAP = "overlap"  # one-round lag: CO2, the exchange of round t hidden behind round t+1
-    STREAMING = "streaming"  # Streaming DiLoCo: P fragments synchronised on a staggered schedule
 
 
 class WarmStartMode(str, Enum):
@@ -192,16 +183,8 @@ class CoordinatorConfig(Strict):
     )
 
 
+_FAMILY = modes_where(lambda m: m.pseudo_gradients)  # the DiLoCo family, for errors
 RUN_PLACEHOLDER = "{run_id}"  # in `out_dir`: the run's own folder
-
-
-# each mode's own section (`settings_read`); ddp has none
-MODE_SECTIONS = {
-    Mode.ASYNC: "asynchronous",
-    Mode.DILOCO: "diloco",
-    Mode.OVERLAP: "overlap",
-    Mode.STREAMING: "streaming",
-}
 
 
 class RunConfig(Strict):
@@ -288,12 +271,12 @@ class RunConfig(Strict):
         """Resolve `warm_start.steps: null` (auto) once, so every part of the run reads one number."""
         w = self.warm_start
         if w.steps is None:
-            scratch = self.init_from is None and self.mode != Mode.DDP
+            scratch = self.init_from is None and mode_of(self).pseudo_gradients
             w.steps = max(self.total_inner_steps // 4, self.inner.warmup_steps) if scratch else 0
-        if w.steps and self.mode == Mode.DDP and w.path is None:
+        if w.steps and not mode_of(self).pseudo_gradients and w.path is None:
             raise ValueError(
-                "warm_start.steps in mode ddp needs warm_start.path (it continues a finished warm start; "
-                "there is no fork to train one for)"
+                f"warm_start.steps in mode {self.mode.value} needs warm_start.path (it continues a finished warm "
+                "start; there is no fork to train one for)"
             )
         if w.path is not None and not Path(w.path).is_dir():
             raise ValueError(f"warm_start.path: no such folder: {w.path}")
@@ -301,13 +284,10 @@ class RunConfig(Strict):
 
     @model_validator(mode="after")
     def _merge(self) -> RunConfig:
-        """Resolve `outer.merge: null`: Radial-Directional Averaging where it won `bench fleet` (mode async,
-        whose quorum merges islands of different speeds and ages) and can run (one
-        coordinator), the mean elsewhere."""
-        o = self.outer
-        if o.merge is None:
-            radial = self.mode == Mode.ASYNC and self.coordinator.shards == 1
-            o.merge = OuterMerge.RADIAL_DIRECTIONAL if radial else OuterMerge.MEAN
+        """Resolve `outer.merge: null` as the mode's row says (RDA for mode async on one
+        coordinator, the mean elsewhere)."""
+        if self.outer.merge is None:
+            self.outer.merge = mode_of(self).merge(self)
         return self
 
     @field_validator("out_dir")
@@ -333,18 +313,19 @@ class RunConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
-        if self.mode != Mode.DILOCO and self.outer.drop_prob:
-            raise ValueError("outer.drop_prob applies to mode diloco only")
-        if self.mode == Mode.DDP and self.coordinator.shards > 1:
+        row = mode_of(self)
+        if not row.drops and self.outer.drop_prob:
+            raise ValueError(f"outer.drop_prob applies to mode {modes_where(lambda m: m.drops)} only")
+        if not row.pseudo_gradients and self.coordinator.shards > 1:
             raise ValueError(
-                "coordinator.shards > 1 needs a DiLoCo-family mode (diloco, async, overlap); "
-                "the ddp baseline steps on one coordinator"
+                f"coordinator.shards > 1 needs a DiLoCo-family mode ({_FAMILY}); "
+                f"mode {self.mode.value} steps on one coordinator"
             )
         if self.tracks_copy:
             self._check_tracked_copy()
         a = self.asynchronous
         a.check_quorum(a.quorum, self.islands.count)
-        if self.inner.optimizer == "muon" and (self.mode == Mode.DDP or self.islands.workers > 1):
+        if self.inner.optimizer == "muon" and (not row.pseudo_gradients or self.islands.workers > 1):
             raise ValueError(
                 "inner.optimizer muon needs whole matrices on one worker: a DiLoCo-family mode and islands.workers = 1"
             )
@@ -353,12 +334,13 @@ class RunConfig(Strict):
                 "outer.optimizer sparseloco steps without momentum: it needs compression.error_feedback = true "
                 "(and a lossy compression.codec such as topk:0.02+int2)"
             )
-        if self.outer.merged != OuterMerge.MEAN and (self.mode == Mode.DDP or self.coordinator.shards > 1):
+        if self.outer.merged != OuterMerge.MEAN and (not row.pseudo_gradients or self.coordinator.shards > 1):
             raise ValueError(
                 f"outer.merge {self.outer.merged.value} needs a DiLoCo-family mode on one coordinator "
                 "(coordinator.shards = 1: each island's norm and the merged direction span every slice)"
             )
         self._check_read()
+        row.check_inner_steps(self, self.inner_steps)
         a.check_c(self.islands.count)
         return self
 
@@ -366,7 +348,7 @@ class RunConfig(Strict):
         """The mode sections' settings a run of this config reads: section -> its fields
         (None: all of them), as its mode's own section says (`ModeSection.reads`); ddp's
         speed tracker reads `asynchronous.speed_smoothing` only."""
-        section = MODE_SECTIONS.get(self.mode)
+        section = mode_of(self).section
         own: ModeSection | None = None if section is None else getattr(self, section)
         return {"asynchronous": SPEEDS} if own is None else own.reads()
 
@@ -374,7 +356,7 @@ class RunConfig(Strict):
         """A mode section's setting changed from its default where this run never reads it is
         refused, naming it: a quorum set for a synchronous run would otherwise be silently ignored."""
         reads = self.settings_read()
-        for section in MODE_SECTIONS.values():
+        for section in (row.section for row in MODES.values() if row.section is not None):
             fields = reads.get(section, frozenset())
             if fields is None:
                 continue
@@ -388,24 +370,17 @@ class RunConfig(Strict):
                     )
 
     def _check_tracked_copy(self) -> None:
-        what = "mode streaming" if self.mode == Mode.STREAMING else "compression.downlink"
-        if self.mode == Mode.DDP:
+        row = mode_of(self)
+        what = f"mode {self.mode.value}" if row.tracks_copy else "compression.downlink"
+        if not row.pseudo_gradients:
             raise ValueError(
-                "compression.downlink needs a DiLoCo-family mode: the ddp baseline receives exact parameters"
+                f"compression.downlink needs a DiLoCo-family mode ({_FAMILY}): mode {self.mode.value} receives "
+                "exact parameters"
             )
         if self.coordinator.shards > 1:
             raise ValueError(f"{what} needs coordinator.shards = 1 (the published copy lives on the coordinator)")
         if self.islands.workers > 1 and self.islands.sharding == Sharding.FSDP:
             raise ValueError(f"{what} needs islands.sharding = zero1 (an FSDP island holds no whole copy)")
-        p = self.streaming.fragments
-        if self.mode == Mode.STREAMING:
-            self.streaming.check_inner_steps(self.inner_steps)
-            segment = self.inner_steps // p
-            if self.streaming.tau is not None and self.streaming.tau >= segment:
-                raise ValueError(
-                    f"streaming.tau = {self.streaming.tau} must be shorter than a segment (inner_steps / fragments "
-                    f"= {segment}): a fragment leaves after at least one step of its segment"
-                )
 
     @property
     def streaming_tau(self) -> int:
@@ -416,7 +391,7 @@ class RunConfig(Strict):
     @property
     def tracks_copy(self) -> bool:
         """Islands hold a copy of the published parameters that changes keep up to date."""
-        return self.mode == Mode.STREAMING or self.compression.downlink != "none"
+        return mode_of(self).tracks_copy or self.compression.downlink != "none"
 
     @property
     def checkpoint_dir(self) -> str:

@@ -13,6 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from archipelago.orchestrator.config import RUN_PLACEHOLDER, RunConfig
+from archipelago.orchestrator.modes import MODES
 from archipelago.workers.runtime.storage import Folder, is_url
 from archipelago.workers.tasks.task import TaskError, load_task
 
@@ -155,8 +156,21 @@ def check_task_spec(cfg: RunConfig) -> None:
         raise ConfigError(f"task.factory: {err}") from err
 
 
-def dump_config(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+def dump_config(cfg: RunConfig, *, reads_only: bool = False) -> str:
+    """The config as YAML; `reads_only`: with only the mode settings a run of its mode reads
+    (`RunConfig.settings_read`), each mode section cut to its fields the run reads or left out."""
+    data = cfg.model_dump(mode="json")
+    if reads_only:
+        reads = cfg.settings_read()
+        for section in (row.section for row in MODES.values() if row.section is not None):
+            fields = reads.get(section, frozenset())
+            if fields is not None:
+                kept = {k: v for k, v in data[section].items() if k in fields}
+                if kept:
+                    data[section] = kept
+                else:
+                    del data[section]
+    return yaml.safe_dump(data, sort_keys=False)
 
 
 def _probe_store(field: str, location: str) -> None:

@@ -26,7 +26,7 @@ from archipelago.orchestrator.engine.commands import (
     Stop,
     UpdateSettings,
 )
-from archipelago.orchestrator.engine.fleet.membership import IslandStats, Membership
+from archipelago.orchestrator.engine.state.membership import IslandStats, Membership
 from archipelago.orchestrator.engine.types import Event, IslandState
 
 # the event a real run logs when it takes each command

@@ -196,3 +196,115 @@ def test_bench_is_a_registered_subcommand():
 
 def test_the_package_reports_through_logging_not_print():
     assert not PRINTING, PRINTING
+
+
+MODE_REGISTRY = "archipelago.orchestrator.modes"
+MODE_NAMES = {"diloco", "ddp", "async", "overlap", "streaming"}
+
+
+def _mode_dispatch(tree: ast.AST) -> list[int]:
+    """Lines that ask which mode a run is in: a comparison with a `Mode` member or with a
+    mode's name, a table keyed by `Mode` members, a `match` on a `.mode`. (A mode's name
+    alone is also a section's or a benchmark row's: only compared with a `.mode` is it one.)"""
+
+    def member(node: ast.AST) -> bool:
+        return isinstance(node, ast.Attribute) and (
+            (isinstance(node.value, ast.Name) and node.value.id == "Mode") or member(node.value)
+        )
+
+    def names_a_mode(node: ast.AST) -> bool:
+        return member(node) or (isinstance(node, ast.Constant) and node.value in MODE_NAMES)
+
+    def reads_mode(node: ast.AST) -> bool:
+        return isinstance(node, ast.Attribute) and (node.attr == "mode" or reads_mode(node.value))
+
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            elements = [e for s in sides if isinstance(s, ast.Tuple | ast.List | ast.Set) for e in s.elts]
+            if any(member(s) for s in [*sides, *elements]) or (
+                any(reads_mode(s) for s in sides) and any(names_a_mode(s) for s in [*sides, *elements])
+            ):
+                lines.append(node.lineno)
+        table = isinstance(node, ast.Dict) and any(k is not None and member(k) for k in node.keys)
+        if table or (isinstance(node, ast.Match) and reads_mode(node.subject)):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_module_but_the_mode_registry_asks_which_mode_a_run_is_in():
+    """A mode is one row of `orchestrator/modes.py`; everything else reads the row's
+    capabilities (`mode_of(cfg).lag`, `.pseudo_gradients`, ...), so adding a mode never
+    means finding the places that compare its name."""
+    found = {
+        f"{name}:{line}"
+        for name, path in MODULES.items()
+        if name != MODE_REGISTRY
+        for line in _mode_dispatch(ast.parse(path.read_text()))
+    }
+    assert not found, f"dispatch on a mode's name outside {MODE_REGISTRY}: {sorted(found)}"
+
+
+def test_the_mode_dispatch_check_finds_each_form():
+    for source in (
+        "if cfg.mode == Mode.DDP: pass",
+        "x = cfg.mode != Mode.STREAMING",
+        "x = cfg.mode in (Mode.ASYNC, Mode.OVERLAP)",
+        "x = cfg.mode.value == 'ddp'",
+        "x = 'streaming' == self.cfg.mode",
+        "x = {Mode.ASYNC: 'asynchronous'}",
+        "match cfg.mode:\n    case _: pass",
+    ):
+        assert _mode_dispatch(ast.parse(source)), source
+    for source in (
+        "data['mode'] = Mode.DDP.value",
+        "x = cfg.warm_start.mode == WarmStartMode.DDP",
+        "x = a == 'ddp'",
+        "x = {'ddp': 1}",
+    ):
+        assert not _mode_dispatch(ast.parse(source)), source
+
+
+ENGINE = "archipelago.orchestrator.engine"
+SHARED = (f"{ENGINE}.state", f"{ENGINE}.types")  # the floor every family stands on
+
+
+def _family(name: str) -> str | None:
+    """A module's family in the engine: its sub-package, or itself at the top level."""
+    return name[len(ENGINE) + 1 :].split(".")[0] if name.startswith(ENGINE + ".") else None
+
+
+def _family_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    return {
+        (a, b)
+        for name, imported in graph.items()
+        for target in imported
+        if (a := _family(name)) and (b := _family(target)) and a != b
+    }
+
+
+def test_no_two_families_of_the_engine_import_each_other_both_ways():
+    """Each family (fleet, work, pacing, step, outputs, commands, ...) imports the others one
+    way only: the run's shared state is a floor of its own (`engine/state/`) that every
+    family reads, so no family reaches into another's for it."""
+    edges = _family_edges(GRAPH)
+    both = sorted({tuple(sorted(e)) for e in edges if (e[1], e[0]) in edges})
+    assert not both, f"families that import each other both ways: {both}"
+
+
+def test_the_state_floor_imports_no_family_above_it():
+    above = {
+        (name, target)
+        for name, imported in GRAPH.items()
+        if name.startswith(SHARED)
+        for target in imported
+        if target.startswith(ENGINE + ".") and not target.startswith(SHARED)
+    }
+    assert not above, f"the state floor imports families above it: {sorted(above)}"
+
+
+def test_the_two_way_check_finds_a_pair():
+    graph = {f"{ENGINE}.fleet.fleet": {f"{ENGINE}.work.inflight"}, f"{ENGINE}.work.inflight": {f"{ENGINE}.fleet.x"}}
+    edges = _family_edges(graph)
+    assert ("fleet", "work") in edges and ("work", "fleet") in edges

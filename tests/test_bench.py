@@ -171,7 +171,7 @@ def test_a_finished_run_of_the_same_config_is_reused_and_no_other(tmp_path):
     assert finished(cfg) is None
     # a run of this config that starts over an earlier run's outputs, and is interrupted
     (out / "summary.json").write_text(json.dumps({"state": "finished", "final_eval_loss": 1.5}))
-    from archipelago.orchestrator.engine.outputs.records import Recorder
+    from archipelago.orchestrator.engine.state.records import Recorder
 
     Recorder(out, cfg)
     assert finished(cfg) is None

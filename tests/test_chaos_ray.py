@@ -22,7 +22,7 @@ import pytest
 import ray
 
 from archipelago.orchestrator.config_load import load_config
-from archipelago.orchestrator.engine.outputs.checkpoints import one_run
+from archipelago.orchestrator.engine.state.checkpoints import one_run
 from archipelago.orchestrator.runtime.driver import run
 from archipelago.orchestrator.runtime.names import NAMESPACE, coordinator_name, island_name
 from archipelago.orchestrator.simulation.config import SimulationConfig

@@ -12,7 +12,7 @@ import time
 import torch
 
 from archipelago.orchestrator.engine import engine as engine_module
-from archipelago.orchestrator.engine.outputs import checkpoints
+from archipelago.orchestrator.engine.state import checkpoints
 from tests.engine_scenarios import check_exactly_once, scenario_cfg
 from tests.helpers import events, in_process_engine
 

@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
-from archipelago.orchestrator.engine.outputs.checkpoints import load_checkpoint, save_checkpoint
+from archipelago.orchestrator.engine.state.checkpoints import load_checkpoint, save_checkpoint
 
 _MEASURE = """
 import json, resource, sys, torch
-from archipelago.orchestrator.engine.outputs.checkpoints import save_checkpoint, load_checkpoint
+from archipelago.orchestrator.engine.state.checkpoints import save_checkpoint, load_checkpoint
 n = int(sys.argv[2])
 state = {"run_id": "r", "params": torch.randn(n), "momentum": torch.randn(n), "version": 1}
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -16,7 +16,7 @@ import pytest
 
 from archipelago.orchestrator.cli import build_parser, main
 from archipelago.orchestrator.config_operations import RecordsConfig
-from archipelago.orchestrator.engine.outputs.records import EventLog
+from archipelago.orchestrator.engine.state.records import EventLog
 from archipelago.orchestrator.engine.types import Event
 from archipelago.orchestrator.logs import PACKAGES, LogFormat, LogSetup, configure, configured, level_for
 

@@ -1,4 +1,4 @@
-"""Where the coordinator's time goes (`engine/outputs/loop_time.py`): exclusive seconds per part of the loop per
+"""Where the coordinator's time goes (`engine/state/loop_time.py`): exclusive seconds per part of the loop per
 recorded round and over the run."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 import pytest
 
 from archipelago.orchestrator.config_load import load_config
-from archipelago.orchestrator.engine.outputs.loop_time import LoopClock, Part
+from archipelago.orchestrator.engine.state.loop_time import LoopClock, Part
 from archipelago.orchestrator.simulation.config import SimulationConfig
 from archipelago.orchestrator.simulation.runner import run_in_process
 from tests.helpers import toy_quadratic

@@ -258,7 +258,7 @@ def test_operator_commands_compose_within_a_round(tmp_path):
 
 
 def test_the_event_cursor_survives_trimming(tmp_path):
-    from archipelago.orchestrator.engine.outputs.records import EventLog
+    from archipelago.orchestrator.engine.state.records import EventLog
 
     log = EventLog(tmp_path / "events.jsonl", RecordsConfig(), keep=5)
     for i in range(12):

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from archipelago.orchestrator.engine.outcomes import Halt, Lost, Place, Release
-from archipelago.orchestrator.engine.outputs import records
-from archipelago.orchestrator.engine.outputs.checkpoints import load_checkpoint
+from archipelago.orchestrator.engine.state import records
+from archipelago.orchestrator.engine.state.checkpoints import load_checkpoint
 from archipelago.orchestrator.engine.types import IslandState, RunFailed, RunPhase
 from archipelago.orchestrator.simulation.pool import Fault, FaultKind
 from archipelago.workers.runtime import storage

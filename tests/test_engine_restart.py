@@ -31,8 +31,8 @@ from archipelago.orchestrator.engine.commands import (
     UpdateSettings,
 )
 from archipelago.orchestrator.engine.fleet import fleet as fleet_module
-from archipelago.orchestrator.engine.fleet import membership
-from archipelago.orchestrator.engine.outputs.checkpoints import load_checkpoint
+from archipelago.orchestrator.engine.state import membership
+from archipelago.orchestrator.engine.state.checkpoints import load_checkpoint
 from archipelago.orchestrator.engine.types import IslandState, RunFailed
 from archipelago.orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
 from tests.engine_scenarios import Action, check_exactly_once, drive, run_scenario, scenario_cfg
@@ -144,7 +144,7 @@ def test_a_planted_checkpoint_cannot_run_code(tmp_path):
     import io
     import pickle
 
-    from archipelago.orchestrator.engine.outputs.checkpoints import CheckpointError, load_checkpoint
+    from archipelago.orchestrator.engine.state.checkpoints import CheckpointError, load_checkpoint
 
     marker = tmp_path / "pwned"
 

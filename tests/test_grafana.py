@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from archipelago.orchestrator.engine.outputs.views import HISTOGRAMS, ISLAND_METRICS, ISLAND_STATE, RUN_METRICS
+from archipelago.orchestrator.engine.state.views import HISTOGRAMS, ISLAND_METRICS, ISLAND_STATE, RUN_METRICS
 from tests.conftest import REPO
 
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import torch
 
-from archipelago.orchestrator.engine.outputs.checkpoints import load_checkpoint, one_run
+from archipelago.orchestrator.engine.state.checkpoints import load_checkpoint, one_run
 from tests.conftest import REPO
 from tests.helpers import TINY_LM
 from tests.http_server import free_port

@@ -502,7 +502,7 @@ def test_the_alert_rules_load_and_watch_series_the_run_exports():
 
     import promql_parser
 
-    from archipelago.orchestrator.engine.outputs.views import HISTOGRAMS, ISLAND_METRICS, ISLAND_STATE, RUN_METRICS
+    from archipelago.orchestrator.engine.state.views import HISTOGRAMS, ISLAND_METRICS, ISLAND_STATE, RUN_METRICS
 
     exported = {f"ray_{m.name}" for m in [*RUN_METRICS, *ISLAND_METRICS, *HISTOGRAMS, ISLAND_STATE]}
     rule = manifest("monitoring/prometheusrule.yaml")

@@ -11,10 +11,10 @@ from pathlib import Path
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.config_operations import RecordsConfig
 from archipelago.orchestrator.engine.build import build_engine
-from archipelago.orchestrator.engine.outputs.checkpoints import load_checkpoint
-from archipelago.orchestrator.engine.outputs.logfiles import read_lines, segments
-from archipelago.orchestrator.engine.outputs.records import EventLog, Recorder
-from archipelago.orchestrator.engine.outputs.views import RoundRecord
+from archipelago.orchestrator.engine.state.checkpoints import load_checkpoint
+from archipelago.orchestrator.engine.state.logfiles import read_lines, segments
+from archipelago.orchestrator.engine.state.records import EventLog, Recorder
+from archipelago.orchestrator.engine.state.views import RoundRecord
 from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
 from tests.helpers import in_process_engine
 

@@ -9,9 +9,9 @@ import os
 import random
 
 from archipelago.orchestrator.config_load import load_config
-from archipelago.orchestrator.engine.fleet.membership import RETAINED
-from archipelago.orchestrator.engine.outputs.records import HISTORY, Recorder
-from archipelago.orchestrator.engine.outputs.views import RoundRecord
+from archipelago.orchestrator.engine.state.membership import RETAINED
+from archipelago.orchestrator.engine.state.records import HISTORY, Recorder
+from archipelago.orchestrator.engine.state.views import RoundRecord
 from archipelago.orchestrator.engine.types import IslandState
 from archipelago.orchestrator.simulation.pool import Fault, FaultKind
 from tests.helpers import in_process_engine

@@ -14,7 +14,7 @@ import pytest
 
 from archipelago.orchestrator.config_load import ConfigError, check_folders, load_config
 from archipelago.orchestrator.engine.build import build_engine
-from archipelago.orchestrator.engine.outputs.checkpoints import load_checkpoint, run_folder, runs_in
+from archipelago.orchestrator.engine.state.checkpoints import load_checkpoint, run_folder, runs_in
 from archipelago.orchestrator.simulation.pool import InProcessPool
 from archipelago.workers.runtime import inner_state
 from archipelago.workers.runtime.island import Island
@@ -144,7 +144,7 @@ def test_a_bucket_that_cannot_be_written_is_refused_before_any_compute(tmp_path,
 def test_a_checkpoint_streamed_to_s3_loads_back_and_one_that_fails_mid_upload_leaves_nothing(s3):
     import torch
 
-    from archipelago.orchestrator.engine.outputs.checkpoints import save_checkpoint
+    from archipelago.orchestrator.engine.state.checkpoints import save_checkpoint
 
     folder = f"s3://{BUCKET}/streamed"
     state = {"run_id": "r", "params": torch.randn(300_000), "momentum": torch.randn(300_000), "version": 4}
@@ -165,7 +165,7 @@ def test_a_checkpoint_streamed_to_s3_loads_back_and_one_that_fails_mid_upload_le
 _LOAD_PEAK = """
 import json, sys
 import s3fs, torch
-from archipelago.orchestrator.engine.outputs.checkpoints import load_checkpoint
+from archipelago.orchestrator.engine.state.checkpoints import load_checkpoint
 
 def status(field):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field))
@@ -189,7 +189,7 @@ def test_a_checkpoint_loads_from_object_storage_streamed_within_1_2x_its_state(s
 
     import torch
 
-    from archipelago.orchestrator.engine.outputs.checkpoints import save_checkpoint
+    from archipelago.orchestrator.engine.state.checkpoints import save_checkpoint
 
     folder = f"s3://{BUCKET}/peak"
     n = 12_500_000  # 2 x 50 MB of state

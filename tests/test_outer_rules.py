@@ -10,7 +10,8 @@ from archipelago.orchestrator.algorithms.outer import FlatSGD
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.config_sections import OuterOptimizer
 from archipelago.orchestrator.engine.step.outer import OuterStep
-from archipelago.orchestrator.engine.step.rules import RULES, RuleKind, rule_of
+from archipelago.orchestrator.engine.step.rules import RULES, rule_of
+from archipelago.orchestrator.modes import RuleKind
 
 SETS = {
     RuleKind.NESTEROV: ["mode=diloco"],

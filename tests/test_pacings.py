@@ -10,9 +10,10 @@ from archipelago.orchestrator.engine.commands import SettingsUpdate
 from archipelago.orchestrator.engine.pacing.arrivals import PerArrival
 from archipelago.orchestrator.engine.pacing.base import Barrier, FragmentSchedule, OneRoundLag
 from archipelago.orchestrator.engine.pacing.quorum import Quorum
-from archipelago.orchestrator.engine.pacing.registry import PACINGS, QUORUM_SETTINGS, PacingKind, pacing_of
+from archipelago.orchestrator.engine.pacing.registry import PACINGS, QUORUM_SETTINGS, pacing_of
 from archipelago.orchestrator.engine.policies import build_policies, check_settings
 from archipelago.orchestrator.engine.step.admission import BoundedStaleness, ExactVersion
+from archipelago.orchestrator.modes import PacingKind
 
 SETS = {
     PacingKind.BARRIER: (["mode=diloco"], Barrier),

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from archipelago.orchestrator.engine.specs import island_spec
-from archipelago.orchestrator.engine.work.ledger import DataLedger
+from archipelago.orchestrator.engine.state.ledger import DataLedger
 from archipelago.orchestrator.simulation.chaos import Strike, TimedFault
 from archipelago.orchestrator.simulation.pool import InProcessPool
 from archipelago.workers.runtime.island import Island, Stopped

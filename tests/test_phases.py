@@ -23,7 +23,7 @@ from archipelago.orchestrator.engine.commands import (
     Stop,
     UpdateSettings,
 )
-from archipelago.orchestrator.engine.outputs.views import RunStatus
+from archipelago.orchestrator.engine.state.views import RunStatus
 from archipelago.orchestrator.simulation.pool import InProcessPool
 from tests.helpers import events
 from tests.test_warm_start import _cfg

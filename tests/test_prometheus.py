@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from archipelago.api.prometheus import render
 from archipelago.orchestrator.engine.commands import AddIslands, Drain
-from archipelago.orchestrator.engine.outputs.views import (
+from archipelago.orchestrator.engine.state.views import (
     HISTOGRAMS,
     ISLAND_METRICS,
     ISLAND_STATE,

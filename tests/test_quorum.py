@@ -20,8 +20,8 @@ from archipelago.orchestrator.config_sections import OuterConfig
 from archipelago.orchestrator.engine.commands import Answer, Command, Refused, SettingsUpdate, UpdateSettings
 from archipelago.orchestrator.engine.engine import RoundEngine
 from archipelago.orchestrator.engine.pacing.arrivals import final_shares
-from archipelago.orchestrator.engine.pacing.base import Close
 from archipelago.orchestrator.engine.pacing.quorum import QuorumRule, age_factor, grace_window
+from archipelago.orchestrator.engine.state.flights import Close
 from archipelago.orchestrator.engine.step.outer import OuterStep
 from archipelago.orchestrator.engine.step.rules import optimizer_rule
 from archipelago.orchestrator.simulation.pool import Fault, FaultKind

@@ -10,8 +10,8 @@ import pytest
 from archipelago.orchestrator.algorithms.robust import NormGuard
 from archipelago.orchestrator.config import RobustConfig
 from archipelago.orchestrator.config_load import load_config
-from archipelago.orchestrator.engine.step.admission import Admission, ExactVersion, Verdict
-from archipelago.orchestrator.engine.types import Decision, Reason
+from archipelago.orchestrator.engine.step.admission import Admission, ExactVersion
+from archipelago.orchestrator.engine.types import Decision, Reason, Verdict
 from archipelago.orchestrator.runtime.driver import run
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from archipelago.orchestrator.config_load import ConfigError, check_folders, load_config
-from archipelago.orchestrator.engine.outputs.logfiles import read_lines
-from archipelago.orchestrator.engine.outputs.records import link_latest
+from archipelago.orchestrator.engine.state.logfiles import read_lines
+from archipelago.orchestrator.engine.state.records import link_latest
 from tests.helpers import TINY_LM
 
 

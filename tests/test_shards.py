@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from archipelago.orchestrator.engine.state.ledger import DataLedger, assign
 from archipelago.orchestrator.engine.types import LedgerError
-from archipelago.orchestrator.engine.work.ledger import DataLedger, assign
 from archipelago.workers.wire.messages import batch_counts
 
 

@@ -11,9 +11,9 @@ import pytest
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.commands import Drain, Preempt, Refused
 from archipelago.orchestrator.engine.fleet.fleet import FailurePolicy, Retire, ScalingPolicy
-from archipelago.orchestrator.engine.fleet.membership import Membership
 from archipelago.orchestrator.engine.outcomes import Place, Promote, Release, StartDrain
 from archipelago.orchestrator.engine.specs import island_spec
+from archipelago.orchestrator.engine.state.membership import Membership
 from archipelago.orchestrator.engine.types import IslandState
 from archipelago.orchestrator.simulation.chaos import Strike, TimedFault
 from archipelago.orchestrator.simulation.pool import Fault, FaultKind, InProcessPool

@@ -14,7 +14,7 @@ import pytest
 
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.build import build_engine
-from archipelago.orchestrator.engine.outputs.checkpoints import load_checkpoint
+from archipelago.orchestrator.engine.state.checkpoints import load_checkpoint
 from archipelago.orchestrator.simulation.pool import InProcessPool
 from archipelago.workers.data.streams import shard_stream
 from tests.engine_scenarios import drive
@@ -102,7 +102,7 @@ def test_a_restarted_coordinator_resumes_each_stream_without_reading_before_its_
 
 
 def test_the_ledger_keeps_committed_stream_states_and_refuses_malformed_ones():
-    from archipelago.orchestrator.engine.work.ledger import DataLedger
+    from archipelago.orchestrator.engine.state.ledger import DataLedger
 
     ledger = DataLedger(2)
     r = ledger.reserve(1, island=0, islands=[0], steps=4)

@@ -13,7 +13,7 @@ import pytest
 
 from archipelago.orchestrator.engine.build import PhasedRun
 from archipelago.orchestrator.engine.commands import AddIslands, Drain
-from archipelago.orchestrator.engine.outputs.views import EventRecord, IslandView, RoundRecord, RunStatus, Summary
+from archipelago.orchestrator.engine.state.views import EventRecord, IslandView, RoundRecord, RunStatus, Summary
 from archipelago.orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
 from tests.engine_scenarios import drive, scenario_cfg
 from tests.helpers import in_process_engine

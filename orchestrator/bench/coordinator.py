@@ -124,7 +124,7 @@ def _checkpoint(flat: Any, outer: Any) -> tuple[int, float, int]:
     as a checkpoint, and the memory writing it added to the peak."""
     import torch
 
-    from archipelago.orchestrator.engine.outputs.checkpoints import save_checkpoint
+    from archipelago.orchestrator.engine.state.checkpoints import save_checkpoint
 
     state = {"run_id": "bench", "params": flat, "outer": outer.state_dict()}
     state_bytes = sum(

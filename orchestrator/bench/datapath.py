@@ -54,7 +54,7 @@ import ray
 from archipelago.orchestrator.bench.datapath_probes import coordinator_gbps, gloo_allreduce_gbps, memcpy_gbps
 from archipelago.orchestrator.bench.report import BenchResult, Panel, checks_table, md_table, targets_met
 from archipelago.orchestrator.bench.runner import run_methods
-from archipelago.orchestrator.engine.outputs.logfiles import read_lines
+from archipelago.orchestrator.engine.state.logfiles import read_lines
 from archipelago.orchestrator.runtime.driver import RAY_SYSTEM_CONFIG
 
 GAP_S = 1.0  # between paced rounds: less than one default round's compute on this machine

@@ -29,7 +29,7 @@ from typing import Any
 from archipelago.orchestrator.bench.quality_rows import MODEL
 from archipelago.orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
 from archipelago.orchestrator.bench.runner import Table, continue_warm, one_ray, run_methods, train_warm_start
-from archipelago.orchestrator.engine.outputs.logfiles import read_lines
+from archipelago.orchestrator.engine.state.logfiles import read_lines
 
 H = 50
 K = 2  # no more islands than this machine's cores: compute is not contended, so wall time means something

@@ -33,10 +33,11 @@ import torchft  # noqa: F401  (not installed: ImportError, and `quality` skips t
 
 from archipelago.orchestrator.bench.overhead import lower_bound
 from archipelago.orchestrator.bench.runner import continue_warm
-from archipelago.orchestrator.config import Mode, RunConfig
+from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.state.ledger import assign
 from archipelago.orchestrator.engine.warm_start import load_warm_start
-from archipelago.orchestrator.engine.work.ledger import assign
+from archipelago.orchestrator.modes import mode_of
 from archipelago.workers.runtime.optim import build_inner
 from archipelago.workers.tasks.task import load_task
 from archipelago.workers.wire.flat import FlatParams
@@ -71,7 +72,7 @@ def _replica(rank: int, k: int, cfg_json: str, lighthouse: str | None, out: Any)
     inner, schedule = build_inner(
         cfg.inner, model.parameters(), cfg.schedule_steps, cfg.warm_steps, cfg.elastic.join_rewarmup_steps
     )
-    fragments = _module_fragments(model, cfg.streaming.fragments) if cfg.mode == Mode.STREAMING else [model]
+    fragments = _module_fragments(model, cfg.streaming.fragments) if mode_of(cfg).fragments else [model]
     outers = [
         torch.optim.SGD(f.parameters(), lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=True) for f in fragments
     ]
@@ -195,7 +196,7 @@ def torchft_diloco(
     numel = FlatParams(load_task(cfg.task.factory, cfg.task.kwargs).build_model()).numel
     rounds = cfg.rounds
     what = "DiLoCo"
-    if cfg.mode == Mode.STREAMING:
+    if mode_of(cfg).fragments:
         p = cfg.streaming.fragments
         what = f"Streaming DiLoCo (P={p} module fragments, delay {cfg.streaming_tau}, alpha {cfg.streaming.alpha})"
     return {

@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from archipelago.orchestrator.engine.outputs.logfiles import read_lines
+from archipelago.orchestrator.engine.state.logfiles import read_lines
 
 INDEX_HEADER = """# Benchmarks
 

@@ -13,24 +13,25 @@ from typing import Any
 
 import torch
 
-from archipelago.orchestrator.config import Mode, RunConfig
-from archipelago.orchestrator.config_operations import EvalPlace
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.config_operations import EvalPlace, OnFailure
 from archipelago.orchestrator.engine.commands import Inbox
 from archipelago.orchestrator.engine.engine import RoundEngine
-from archipelago.orchestrator.engine.fleet.fleet import Fleet
+from archipelago.orchestrator.engine.fleet.fleet import FailurePolicy, Fleet, ScalingPolicy
 from archipelago.orchestrator.engine.fleet.island_states import IslandStates
-from archipelago.orchestrator.engine.fleet.membership import Membership
-from archipelago.orchestrator.engine.outputs.checkpoints import load_checkpoint, load_initial_weights, run_folder
 from archipelago.orchestrator.engine.outputs.evaluation import Evaluator
 from archipelago.orchestrator.engine.outputs.outputs import OnRecord, Outputs
 from archipelago.orchestrator.engine.outputs.persistence import RunCore, restore
 from archipelago.orchestrator.engine.outputs.startup import Startup
-from archipelago.orchestrator.engine.outputs.stats import RunStats
-from archipelago.orchestrator.engine.outputs.views import RunStatus
-from archipelago.orchestrator.engine.pacing.base import RunState
 from archipelago.orchestrator.engine.policies import build_policies, run_inbox
 from archipelago.orchestrator.engine.pool import IslandPool
 from archipelago.orchestrator.engine.requests import OperatorRequests
+from archipelago.orchestrator.engine.state.checkpoints import load_checkpoint, load_initial_weights, run_folder
+from archipelago.orchestrator.engine.state.flights import RunState
+from archipelago.orchestrator.engine.state.ledger import DataLedger
+from archipelago.orchestrator.engine.state.membership import Membership
+from archipelago.orchestrator.engine.state.stats import RunStats
+from archipelago.orchestrator.engine.state.views import RunStatus
 from archipelago.orchestrator.engine.step.outer import LocalOuter, Outer
 from archipelago.orchestrator.engine.step.rules import outer_rule
 from archipelago.orchestrator.engine.step.screen import Sizes
@@ -44,8 +45,8 @@ from archipelago.orchestrator.engine.warm_start import (
     version0_digest,
 )
 from archipelago.orchestrator.engine.work.inflight import InFlight
-from archipelago.orchestrator.engine.work.ledger import DataLedger
 from archipelago.orchestrator.engine.work.publisher import Publisher
+from archipelago.orchestrator.modes import mode_of
 from archipelago.workers.tasks.task import Task, load_task
 from archipelago.workers.wire.flat import FlatParams, slice_bounds
 from archipelago.workers.wire.fragments import FragmentedTask, Fragments, fragment_model
@@ -84,7 +85,7 @@ def build_engine(
     elif cfg.init_from:
         initial = start_from(Path(cfg.init_from), model, flat)
     fragments = None
-    if cfg.mode == Mode.STREAMING:  # the same fragments as every island computes from its model
+    if mode_of(cfg).fragments:  # the same fragments as every island computes from its model
         groups = task.layer_groups(model) if isinstance(task, FragmentedTask) else None
         fragments = fragment_model(model, cfg.streaming.fragments, groups)
     outer: Outer
@@ -183,9 +184,36 @@ def assemble(
         events.add(Event.RESTART, version=run.version, rounds_done=stats.rounds_done)
     slices = tuple(outer.bounds) if isinstance(outer, SlicedOuter) else None
     inflight = InFlight(
-        core=core, pool=pool, speeds=policies.speeds, events=events, sizes=Sizes(outer.numel, fragments, slices)
+        cfg=cfg,
+        pool=pool,
+        ledger=ledger,
+        pacing=policies.pacing,
+        run=run,
+        members=members,
+        stats=stats,
+        publisher=publisher,
+        states=states,
+        speeds=policies.speeds,
+        events=events,
+        sizes=Sizes(outer.numel, fragments, slices),
     )
-    fleet = Fleet(core=core, pool=pool, events=events, disk=outputs.disk, inbox=inbox if takes_changes else None)
+    elastic = cfg.elastic
+    fleet = Fleet(
+        cfg=cfg,
+        run_id=run_id,
+        pool=pool,
+        members=members,
+        run=run,
+        states=states,
+        admission=policies.admission,
+        events=events,
+        disk=outputs.disk,
+        inbox=inbox if takes_changes else None,
+        scaling=ScalingPolicy(abandon=elastic.drain == "abandon", spares=elastic.spares),
+        failures=FailurePolicy(
+            elastic.replace_dead, elastic.restart_s if elastic.on_failure == OnFailure.RESTART else None
+        ),
+    )
     requests = OperatorRequests(core=core, inbox=inbox, events=events, takes_changes=takes_changes)
     if takes_changes:
         inbox.members = members

@@ -31,7 +31,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from archipelago.orchestrator.engine.fleet.membership import JOINING, Membership
+from archipelago.orchestrator.engine.state.membership import JOINING, Membership
 from archipelago.orchestrator.engine.types import IslandState
 
 log = logging.getLogger(__name__)

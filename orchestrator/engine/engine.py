@@ -35,12 +35,9 @@ from archipelago.orchestrator.engine.outcomes import (
     StopWork,
     Transition,
 )
-from archipelago.orchestrator.engine.outputs.loop_time import Part
 from archipelago.orchestrator.engine.outputs.outputs import Outputs
 from archipelago.orchestrator.engine.outputs.persistence import RunCore, capture
 from archipelago.orchestrator.engine.outputs.startup import Startup
-from archipelago.orchestrator.engine.outputs.views import RunStatus
-from archipelago.orchestrator.engine.pacing.base import Close, Flight
 from archipelago.orchestrator.engine.pool import (
     Done,
     Failed,
@@ -52,6 +49,9 @@ from archipelago.orchestrator.engine.pool import (
     Progress,
 )
 from archipelago.orchestrator.engine.requests import OperatorRequests
+from archipelago.orchestrator.engine.state.flights import Close, Flight
+from archipelago.orchestrator.engine.state.loop_time import Part
+from archipelago.orchestrator.engine.state.views import RunStatus
 from archipelago.orchestrator.engine.step.outer import take_step
 from archipelago.orchestrator.engine.threads import torch_threads
 from archipelago.orchestrator.engine.types import Event, RunFailed, RunPhase, SliceLost

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from archipelago.orchestrator.engine.step.admission import Verdict
-from archipelago.orchestrator.engine.types import IslandState, RunPhase
+from archipelago.orchestrator.engine.types import IslandState, RunPhase, Verdict
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING
 
 from archipelago.orchestrator.algorithms.dylu import SpeedTracker
 from archipelago.orchestrator.algorithms.robust import NormGuard
-from archipelago.orchestrator.config import Mode, RunConfig
+from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.commands import Inbox, SettingsUpdate
 from archipelago.orchestrator.engine.pacing.base import Pacing
 from archipelago.orchestrator.engine.pacing.quorum import QuorumRule
 from archipelago.orchestrator.engine.pacing.registry import QUORUM_SETTINGS, pacing_of
 from archipelago.orchestrator.engine.step.admission import Admission
+from archipelago.orchestrator.modes import mode_of
 
 if TYPE_CHECKING:
     from archipelago.workers.wire.fragments import Fragments
@@ -30,8 +31,8 @@ def check_settings(cfg: RunConfig, update: SettingsUpdate, islands: int) -> None
     cannot take: streaming's H must stay a whole number of segments; the quorum rule's
     settings need a pacing that runs it, and a quorum no more than the `islands` the run
     targets."""
-    if cfg.mode == Mode.STREAMING and update.inner_steps is not None:
-        cfg.streaming.check_inner_steps(update.inner_steps)
+    if update.inner_steps is not None:
+        mode_of(cfg).check_inner_steps(cfg, update.inner_steps)
     row = pacing_of(cfg)
     asked = [k for k in sorted(QUORUM_SETTINGS) if getattr(update, k) is not None and k not in row.live]
     if asked:

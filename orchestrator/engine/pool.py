@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from archipelago.orchestrator.engine.work.links import Transfers
+from archipelago.orchestrator.engine.links import Transfers
 from archipelago.workers.wire.messages import RoundResult, SavedState, WorkOrder
 from archipelago.workers.wire.sync import Change
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from archipelago.orchestrator.engine.commands import Inbox, SettingsUpdate
 from archipelago.orchestrator.engine.outputs.persistence import RunCore
-from archipelago.orchestrator.engine.outputs.records import EventLog
+from archipelago.orchestrator.engine.state.records import EventLog
 from archipelago.orchestrator.engine.types import Event, RunPhase
 
 

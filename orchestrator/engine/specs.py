@@ -7,9 +7,10 @@ adopt them."""
 
 from __future__ import annotations
 
-from archipelago.orchestrator.config import Mode, RunConfig
+from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.policies import sizes_first_work_by_speed
 from archipelago.orchestrator.engine.warm_start import version0_file
+from archipelago.orchestrator.modes import mode_of
 from archipelago.workers.runtime.island_spec import IslandSpec
 from archipelago.workers.wire.messages import SavedState
 
@@ -46,7 +47,7 @@ def island_spec(
         error_feedback=cfg.compression.error_feedback,
         feedback_decay=cfg.compression.feedback_decay,
         tracks_copy=cfg.tracks_copy,
-        fragments=cfg.streaming.fragments if cfg.mode == Mode.STREAMING else 0,
+        fragments=cfg.streaming.fragments if mode_of(cfg).fragments else 0,
         merge_alpha=cfg.streaming.alpha,
         eager_step=cfg.overlap.lr / cfg.overlap.penalty_p if cfg.overlap.eager else 0.0,
         eager_clip=cfg.overlap.clip,

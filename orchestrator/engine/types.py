@@ -145,3 +145,22 @@ class SliceLost(RuntimeError):
 
 class LedgerError(RuntimeError):
     """The data ledger's exactly-once invariant would break (a bug, never a user error)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Admission's judgement of one update (`step/admission.py`), which the stats count."""
+
+    decision: Decision
+    reason: Reason | None = None
+    detail: str = ""
+    scale: float = 1.0
+    staleness: int = 0
+
+    @property
+    def admitted(self) -> bool:
+        return self.decision in (Decision.ACCEPT, Decision.DOWNWEIGHT)
+
+    @property
+    def why(self) -> str:
+        return f"{self.reason.value}: {self.detail}" if self.reason else ""

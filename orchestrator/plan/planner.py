@@ -20,9 +20,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from archipelago.orchestrator.config import Mode, RunConfig, WarmStartMode
+from archipelago.orchestrator.config import RunConfig, WarmStartMode
 from archipelago.orchestrator.config_operations import EvalPlace
 from archipelago.orchestrator.engine.step.rules import rule_of, takes_one_pass
+from archipelago.orchestrator.modes import mode_of
 from archipelago.orchestrator.plan.cluster import DRAIN_ENV, Cluster, NodeKind
 from archipelago.orchestrator.plan.head import (
     DEFAULT_LINK_GBPS,
@@ -180,7 +181,7 @@ def _coordinator(
     k = cfg.islands.count
     rule, fused = rule_of(cfg), takes_one_pass(cfg)
     spare = "one-pass spares" if fused else "mean buffer"
-    lag = 1 if cfg.mode == Mode.OVERLAP else 0
+    lag = mode_of(cfg).lag
     s = cfg.coordinator.shards
     parts = {
         "process": m.process + ray,
@@ -197,7 +198,7 @@ def _coordinator(
     if cfg.evaluation.where == EvalPlace.COORDINATOR:
         parts["evaluation"] = max(0, m.eval_peak - n4) + eval_batch_bytes
         parts["data"] = m.data  # the corpus its evaluation batches are read from
-    if cfg.mode == Mode.DDP:  # every island's gradient (the AdamW moments are the outer state)
+    if not mode_of(cfg).pseudo_gradients:  # every island's gradient (the AdamW moments are the outer state)
         parts["data-parallel step"] = k * n4
     elif cfg.warm_steps and cfg.warm_start.mode == WarmStartMode.DDP:  # the warm phase's AdamW and gradients
         parts["data-parallel step"] = 2 * n4 + k * n4
@@ -320,7 +321,7 @@ def _head_objects(cfg: RunConfig, m: ModelMemory, up: float, head: NodeKind) -> 
     one coordinator; slices pull theirs to their own nodes). Past the store's size Ray spills
     to disk and every transfer through the head slows to the disk's pace."""
     n4 = 4 * m.params
-    lag = 1 if cfg.mode == Mode.OVERLAP else 0
+    lag = mode_of(cfg).lag
     parts = {"published": n4 * (1 + lag)}
     if cfg.coordinator.shards == 1:
         parts["arriving"] = int(cfg.islands.count * up * m.params)
@@ -346,8 +347,9 @@ def _on_one_host(needs: list[Need], node: NodeKind) -> list[Need]:
 
 def _refusals(cfg: RunConfig, cluster: Cluster, m: ModelMemory) -> list[str]:
     out = []
-    ddp = "mode ddp" if cfg.mode == Mode.DDP else "warm_start.mode ddp" if cfg.warm_steps else None
-    if cfg.warm_steps and cfg.warm_start.mode != WarmStartMode.DDP and cfg.mode != Mode.DDP:
+    gradients = not mode_of(cfg).pseudo_gradients
+    ddp = f"mode {cfg.mode.value}" if gradients else "warm_start.mode ddp" if cfg.warm_steps else None
+    if cfg.warm_steps and cfg.warm_start.mode != WarmStartMode.DDP and not gradients:
         ddp = None
     if ddp and not cluster.single_host and not cluster.head.hosts_islands:
         gb = cfg.islands.count * 4 * m.params / 1e9

@@ -76,9 +76,9 @@ def _coordinator(cfg: RunConfig) -> None:
     import numpy as np
     import torch
 
-    from archipelago.orchestrator.engine.outputs.checkpoints import save_checkpoint
     from archipelago.orchestrator.engine.outputs.evaluation import LocalEvaluator
     from archipelago.orchestrator.engine.policies import build_policies
+    from archipelago.orchestrator.engine.state.checkpoints import save_checkpoint
     from archipelago.orchestrator.engine.step.outer import Commit, LocalOuter
     from archipelago.orchestrator.engine.step.rules import outer_rule
     from archipelago.orchestrator.engine.types import Contribution

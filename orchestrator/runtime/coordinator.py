@@ -32,7 +32,7 @@ from archipelago.orchestrator.runtime.names import coordinator_name
 
 if TYPE_CHECKING:
     from archipelago.orchestrator.engine.engine import RoundEngine
-    from archipelago.orchestrator.engine.outputs.views import EventRecord, RoundRecord, RunStatus
+    from archipelago.orchestrator.engine.state.views import EventRecord, RoundRecord, RunStatus
     from archipelago.orchestrator.runtime.island_pool import RayIslandPool
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from archipelago.orchestrator.config import RUN_PLACEHOLDER, RunConfig
 from archipelago.orchestrator.engine.commands import Stop
-from archipelago.orchestrator.engine.outputs.checkpoints import CheckpointError, load_checkpoint, run_folder, runs_in
-from archipelago.orchestrator.engine.outputs.records import RUN_ID, link_latest
+from archipelago.orchestrator.engine.state.checkpoints import CheckpointError, load_checkpoint, run_folder, runs_in
+from archipelago.orchestrator.engine.state.records import RUN_ID, link_latest
 from archipelago.orchestrator.engine.types import RunFailed
 from archipelago.orchestrator.engine.warm_start import check_warm_start, pending, warm_run_id
 from archipelago.orchestrator.logs import configured

@@ -20,9 +20,9 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 
 from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.engine.links import INSTANT, Transfers
 from archipelago.orchestrator.engine.pool import Done, Failed, Joined, JoinFailed, PoolEvent, Preempting
 from archipelago.orchestrator.engine.specs import island_spec
-from archipelago.orchestrator.engine.work.links import INSTANT, Transfers
 from archipelago.orchestrator.runtime.heartbeats import Gone, Heartbeats
 from archipelago.orchestrator.runtime.island_actors import (
     IslandHandle,

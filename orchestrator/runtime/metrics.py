@@ -1,7 +1,7 @@
 """The run's metrics through `ray.util.metrics`, so they reach Ray's Prometheus pipeline
 (exported with a `ray_` prefix by every node's metrics agent, port 8080 on KubeRay) and
 the Grafana dashboard in `k8s/`. Same names, kinds and meaning as the control plane's
-`/metrics` (`engine/outputs/views.py`): counters are Ray counters, fed the growth since the last
+`/metrics` (`engine/state/views.py`): counters are Ray counters, fed the growth since the last
 record; histograms observe each record's round time and update staleness; an island's
 state is a state set, not a label of its series."""
 
@@ -13,8 +13,8 @@ from typing import Any
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from archipelago.orchestrator.engine.fleet.watch import watched
-from archipelago.orchestrator.engine.outputs.distributions import ROUND_SECONDS, STALENESS
-from archipelago.orchestrator.engine.outputs.views import (
+from archipelago.orchestrator.engine.state.distributions import ROUND_SECONDS, STALENESS
+from archipelago.orchestrator.engine.state.views import (
     HISTOGRAMS,
     ISLAND_METRICS,
     ISLAND_STATE,

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.config_load import dump_config
 from archipelago.orchestrator.config_operations import TrackingBackend
-from archipelago.orchestrator.engine.outputs.views import EventRecord, RoundRecord
+from archipelago.orchestrator.engine.state.views import EventRecord, RoundRecord
 from archipelago.orchestrator.engine.types import IslandState
 
 log = logging.getLogger(__name__)

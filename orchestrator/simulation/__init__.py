@@ -10,5 +10,5 @@ the product with, and the product never imports (an architecture test says so).
 - `ray_pool`: the Ray island pool on the virtual clock (the islands are real actors).
 
 The product keeps two seams for it: the island pool protocol (`engine/pool.py`) and the
-`Transfers` a pool hands the engine (`engine/work/links.py`, free on a real clock).
+`Transfers` a pool hands the engine (`engine/links.py`, free on a real clock).
 """

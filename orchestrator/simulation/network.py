@@ -1,5 +1,5 @@
 """What a simulated fleet's clock charges for the run's transfers and for the head's own
-work: the `Transfers` the engine reads (`orchestrator/engine/work/links.py`), which the
+work: the `Transfers` the engine reads (`orchestrator/engine/links.py`), which the
 simulation's pools hand it.
 
 What limits a real run, priced where the run meets it:
@@ -29,9 +29,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from archipelago.orchestrator.config import Mode, RunConfig
+from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.config_sections import OuterMerge
 from archipelago.orchestrator.engine.step.rules import rule_of
+from archipelago.orchestrator.modes import mode_of
 from archipelago.orchestrator.plan.head import (
     CHECKPOINT_BYTES_PER_S,
     DECODE_S_PER_VALUE,
@@ -90,7 +91,7 @@ class Network:
 
     @property
     def ddp(self) -> bool:
-        return self.cfg.mode == Mode.DDP
+        return not mode_of(self.cfg).pseudo_gradients
 
     # -- Transfers -------------------------------------------------------------------------
     def download(self, island: int, nbytes: int, *, bootstrap: bool, ready: float) -> float:

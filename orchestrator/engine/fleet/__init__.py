@@ -1,1 +1,1 @@
-"""The fleet: every island's life from request to release, membership and its statistics, the islands' saved inner states, and when a silent island counts as stuck."""
+"""The fleet: every island's life from request to release, its scaling and failure policies, the islands' saved inner states, and when a silent island counts as stuck (the membership itself is the state floor's: `engine/state/membership.py`)."""

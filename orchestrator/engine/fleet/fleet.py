@@ -20,9 +20,9 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
-from archipelago.orchestrator.config_operations import OnFailure
+from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.commands import Drain, Inbox, Preempt, SetTarget
-from archipelago.orchestrator.engine.fleet.membership import Membership
+from archipelago.orchestrator.engine.fleet.island_states import IslandStates
 from archipelago.orchestrator.engine.outcomes import (
     FleetDecision,
     Halt,
@@ -35,11 +35,12 @@ from archipelago.orchestrator.engine.outcomes import (
     StartDrain,
     StopWork,
 )
-from archipelago.orchestrator.engine.outputs.checkpoints import load_intent, run_folder, save_intent
-from archipelago.orchestrator.engine.outputs.persistence import RunCore
-from archipelago.orchestrator.engine.outputs.records import DiskFaults, EventLog
-from archipelago.orchestrator.engine.pacing.base import Work
 from archipelago.orchestrator.engine.pool import IslandPool, Joined, JoinFailed
+from archipelago.orchestrator.engine.state.checkpoints import load_intent, run_folder, save_intent
+from archipelago.orchestrator.engine.state.flights import RunState, Work
+from archipelago.orchestrator.engine.state.membership import Membership
+from archipelago.orchestrator.engine.state.records import DiskFaults, EventLog
+from archipelago.orchestrator.engine.step.admission import Admission
 from archipelago.orchestrator.engine.types import Decision, Event, IslandState, RunFailed
 
 log = logging.getLogger(__name__)
@@ -110,24 +111,30 @@ class Fleet:
     def __init__(
         self,
         *,
-        core: RunCore,
+        cfg: RunConfig,
+        run_id: str,
         pool: IslandPool,
+        members: Membership,
+        run: RunState,
+        states: IslandStates,
+        admission: Admission,
         events: EventLog,
         disk: DiskFaults,
         inbox: Inbox | None,
+        scaling: ScalingPolicy,
+        failures: FailurePolicy,
     ) -> None:
-        """`core`: the run's state — where islands keep their inner state and what an
-        island placed again continues from; admission, which counts each island's bad
-        updates in a row (towards quarantine). `inbox`: the operator's commands, when this
-        phase takes membership changes (a warm start does not)."""
-        cfg = core.cfg
-        self.cfg, self.run_id, self.pool, self.members, self.run = cfg, core.run_id, pool, core.members, core.run
-        self.states, self.admission = core.states, core.admission
+        """The run's parts it reads and changes: its membership and state, where islands keep
+        their inner state and what an island placed again continues from (`states`);
+        admission, which counts each island's bad updates in a row (towards quarantine).
+        `inbox`: the operator's commands, when this phase takes membership changes (a warm
+        start does not). `scaling` and `failures`: the policies whose decisions it carries
+        out, built by the composition root (`build.assemble`) from the config."""
+        self.cfg, self.run_id, self.pool, self.members, self.run = cfg, run_id, pool, members, run
+        self.states, self.admission = states, admission
         self.events, self.disk, self.inbox = events, disk, inbox
         self.spares = cfg.elastic.spares
-        self.scaling = ScalingPolicy(abandon=cfg.elastic.drain == "abandon", spares=self.spares)
-        restart = cfg.elastic.restart_s if cfg.elastic.on_failure == OnFailure.RESTART else None
-        self.failures = FailurePolicy(cfg.elastic.replace_dead, restart)
+        self.scaling, self.failures = scaling, failures
         self._demanded: int | None = None
         self._intent: dict | None = None  # last membership intent written (`journal`)
         self._journalled_at = -1  # events.count when the intent was last looked at

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from collections import deque
 
-from archipelago.orchestrator.config import Mode, RunConfig
-from archipelago.orchestrator.engine.fleet.membership import IslandStats, Membership
-from archipelago.orchestrator.engine.outputs.checkpoints import run_folder
-from archipelago.orchestrator.engine.outputs.records import DiskFaults
+from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.pacing.registry import pacing_of
+from archipelago.orchestrator.engine.state.checkpoints import run_folder
+from archipelago.orchestrator.engine.state.membership import IslandStats, Membership
+from archipelago.orchestrator.engine.state.records import DiskFaults
+from archipelago.orchestrator.modes import mode_of
 from archipelago.workers.runtime.storage import Folder
 from archipelago.workers.wire.messages import SavedState, WorkKind
 
@@ -31,7 +32,7 @@ def state_folder(cfg: RunConfig, run_id: str) -> str | None:
     checkpoints, `checkpoint.island_state` off, ddp (its optimizer is the coordinator's),
     or islands of several workers (each holds a shard of the optimizer: not yet kept)."""
     keeps = cfg.checkpoint.every_rounds and cfg.checkpoint.island_state and cfg.islands.workers == 1
-    if not keeps or cfg.mode == Mode.DDP:
+    if not keeps or not mode_of(cfg).pseudo_gradients:
         return None
     return str(run_folder(cfg.checkpoint_dir, run_id) / FOLDER)
 

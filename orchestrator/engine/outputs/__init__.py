@@ -1,1 +1,1 @@
-"""What a run writes and shows: records, events and their rotation, checkpoints and what they capture, the typed views and metrics, the counters, and the evaluation of the global model."""
+"""What a run writes and shows: evaluation of the global model, the records and checkpoints written on their schedule (their files and formats are the state floor's: `engine/state/`), what a checkpoint captures of the engine, the summary and the views handed out."""

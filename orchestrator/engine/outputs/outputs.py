@@ -24,13 +24,13 @@ from typing import Any
 import torch
 
 from archipelago.orchestrator.engine.commands import Inbox
-from archipelago.orchestrator.engine.fleet.membership import IslandStats
-from archipelago.orchestrator.engine.outputs.checkpoints import BackgroundSave, run_folder
 from archipelago.orchestrator.engine.outputs.evaluation import Evaluation, Evaluator, LocalEvaluator
-from archipelago.orchestrator.engine.outputs.loop_time import Part
 from archipelago.orchestrator.engine.outputs.persistence import RunCore
-from archipelago.orchestrator.engine.outputs.records import DiskFaults, EventLog, Recorder
-from archipelago.orchestrator.engine.outputs.views import RoundRecord, RunStatus, Summary
+from archipelago.orchestrator.engine.state.checkpoints import BackgroundSave, run_folder
+from archipelago.orchestrator.engine.state.loop_time import Part
+from archipelago.orchestrator.engine.state.membership import IslandStats
+from archipelago.orchestrator.engine.state.records import DiskFaults, EventLog, Recorder
+from archipelago.orchestrator.engine.state.views import RoundRecord, RunStatus, Summary
 from archipelago.orchestrator.engine.threads import spare_cores, step_threads
 from archipelago.orchestrator.engine.types import Event, RunPhase
 from archipelago.orchestrator.engine.warm_start import WarmStart

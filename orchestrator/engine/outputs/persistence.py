@@ -2,7 +2,7 @@
 
 Only committed work is captured — results waiting for their outer step and work in
 flight are redone by a restarted coordinator — so nothing is lost or counted twice. The
-file format and its integrity are `engine/outputs/checkpoints.py`'s."""
+file format and its integrity are `engine/state/checkpoints.py`'s."""
 
 from __future__ import annotations
 
@@ -13,14 +13,15 @@ from typing import Any
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.commands import SettingsUpdate
 from archipelago.orchestrator.engine.fleet.island_states import IslandStates
-from archipelago.orchestrator.engine.fleet.membership import Membership
-from archipelago.orchestrator.engine.outputs.stats import RunStats
-from archipelago.orchestrator.engine.pacing.base import Flight, Pacing, RunState
+from archipelago.orchestrator.engine.pacing.base import Pacing
 from archipelago.orchestrator.engine.pacing.quorum import QuorumRule
+from archipelago.orchestrator.engine.state.flights import Flight, RunState
+from archipelago.orchestrator.engine.state.ledger import DataLedger
+from archipelago.orchestrator.engine.state.membership import Membership
+from archipelago.orchestrator.engine.state.stats import RunStats
 from archipelago.orchestrator.engine.step.admission import Admission
 from archipelago.orchestrator.engine.step.outer import Outer
 from archipelago.orchestrator.engine.types import RunFailed
-from archipelago.orchestrator.engine.work.ledger import DataLedger
 from archipelago.orchestrator.engine.work.publisher import Publisher
 from archipelago.workers.wire.flat import FlatParams
 

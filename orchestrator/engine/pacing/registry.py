@@ -4,7 +4,7 @@ needs to know of it: how many rounds after it is handed out a piece of work can 
 stepped (when an island's inner state must come back for a checkpoint), which staleness
 rule admission applies, which settings it takes mid-run, and whether an island's first
 work is sized by its speed (then islands probe their speed before joining). Which row a
-run uses is `pacing_of(cfg)`.
+run uses is `pacing_of(cfg)`: the kind its mode's row picks (`orchestrator/modes.py`).
 
 | row               | config                                   | pacing                                   | staleness  |
 | ----------------- | ---------------------------------------- | ---------------------------------------- | ---------- |
@@ -17,7 +17,8 @@ run uses is `pacing_of(cfg)`.
 | `fragments`       | `mode: streaming`                        | `FragmentSchedule` over a `Barrier`      | exact      |
 | `fragment_quorum` | `mode: streaming`, `streaming.pacing: quorum` | `Quorum` over segments              | bounded    |
 
-Adding a pacing is one module (its `Pacing`) and one row here. Torch-free: the command
+Adding a pacing is one module (its `Pacing`), one row here and its `PacingKind` member,
+picked by a mode's row. Torch-free: the command
 reads `sizes_by_speed` for the islands' specs."""
 
 from __future__ import annotations
@@ -25,28 +26,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 
 from archipelago.orchestrator.algorithms.dylu import SpeedTracker
-from archipelago.orchestrator.config import Mode, RunConfig
-from archipelago.orchestrator.config_sections import AsyncRule, StreamingPacing
+from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.pacing.arrivals import PerArrival
 from archipelago.orchestrator.engine.pacing.base import Barrier, FragmentSchedule, OneRoundLag, Pacing
 from archipelago.orchestrator.engine.pacing.quorum import Quorum, QuorumRule
 from archipelago.orchestrator.engine.step.admission import BoundedStaleness, ExactVersion, StalenessRule
+from archipelago.orchestrator.modes import PacingKind, mode_of
 from archipelago.workers.wire.messages import WorkKind
-
-
-class PacingKind(str, Enum):
-    BARRIER = "barrier"
-    DYLU_BARRIER = "dylu_barrier"
-    GRADIENTS = "gradients"
-    PER_ARRIVAL = "per_arrival"
-    QUORUM = "quorum"
-    ONE_ROUND_LAG = "one_round_lag"
-    FRAGMENTS = "fragments"
-    FRAGMENT_QUORUM = "fragment_quorum"
-
 
 QUORUM_SETTINGS = frozenset({"quorum", "grace_cap", "grace_k", "age_power"})  # the quorum rule's, live
 ALL = 1 << 30  # a quorum of every live island
@@ -155,14 +143,4 @@ PACINGS: dict[PacingKind, PacingRow] = {
 
 def pacing_of(cfg: RunConfig) -> PacingRow:
     """The pacing a run of `cfg` uses."""
-    if cfg.mode == Mode.DDP:
-        return PACINGS[PacingKind.GRADIENTS]
-    if cfg.mode == Mode.OVERLAP:
-        return PACINGS[PacingKind.ONE_ROUND_LAG]
-    if cfg.mode == Mode.STREAMING:
-        quorum = cfg.streaming.pacing == StreamingPacing.QUORUM
-        return PACINGS[PacingKind.FRAGMENT_QUORUM if quorum else PacingKind.FRAGMENTS]
-    if cfg.mode == Mode.ASYNC:
-        quorum = cfg.asynchronous.rule == AsyncRule.QUORUM
-        return PACINGS[PacingKind.QUORUM if quorum else PacingKind.PER_ARRIVAL]
-    return PACINGS[PacingKind.DYLU_BARRIER if cfg.diloco.dylu else PacingKind.BARRIER]
+    return PACINGS[mode_of(cfg).pacing(cfg)]

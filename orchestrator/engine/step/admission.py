@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from archipelago.orchestrator.algorithms.robust import NormGuard
-from archipelago.orchestrator.engine.types import Contribution, Decision, Reason
+from archipelago.orchestrator.engine.types import Contribution, Decision, Reason, Verdict
 
 
 @dataclass(frozen=True)
@@ -28,23 +28,6 @@ class Facts:
     size: int
     finite: bool
     sqnorm: float
-
-
-@dataclass(frozen=True)
-class Verdict:
-    decision: Decision
-    reason: Reason | None = None
-    detail: str = ""
-    scale: float = 1.0
-    staleness: int = 0
-
-    @property
-    def admitted(self) -> bool:
-        return self.decision in (Decision.ACCEPT, Decision.DOWNWEIGHT)
-
-    @property
-    def why(self) -> str:
-        return f"{self.reason.value}: {self.detail}" if self.reason else ""
 
 
 class StalenessRule(Protocol):

@@ -28,8 +28,8 @@ from archipelago.orchestrator.algorithms import fused_step
 from archipelago.orchestrator.algorithms.aggregate import WeightedMean, all_finite, sqnorm
 from archipelago.orchestrator.algorithms.fused_step import SGDRule, mean_step
 from archipelago.orchestrator.config_sections import OuterMerge
-from archipelago.orchestrator.engine.step.admission import Admission, Facts, Verdict
-from archipelago.orchestrator.engine.types import Contribution, Decision
+from archipelago.orchestrator.engine.step.admission import Admission, Facts
+from archipelago.orchestrator.engine.types import Contribution, Decision, Verdict
 from archipelago.workers.wire.compress import decode
 from archipelago.workers.wire.fragments import Fragments
 

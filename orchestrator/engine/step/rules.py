@@ -2,38 +2,28 @@
 mean pseudo-gradient. A row says how to build its optimizer over the flat parameter,
 how many values per parameter its state holds (the planner's figure) and whether the
 one-pass kernel computes its step (`algorithms/fused_step.py`: `FlatSGD`'s rule only).
-Which row a run uses is `rule_of(cfg)`: the mode's own rule where it has one, else
-`outer.optimizer`.
+Which row a run uses is `rule_of(cfg)`: the kind its mode's row picks
+(`orchestrator/modes.py`: the mode's own rule where it has one, else `outer.optimizer`).
 
-Adding a rule is one module (its torch optimizer, in `algorithms/`) and one row here;
-nothing else names it. The builders import torch when they run: the command reads this
-module without it."""
+Adding a rule is one module (its torch optimizer, in `algorithms/`), one row here and its
+`RuleKind` member (with an `OuterOptimizer` member if users choose it by `outer.optimizer`).
+The builders import torch when they run: the command reads this module without it."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING
 
-from archipelago.orchestrator.config import Mode, RunConfig
-from archipelago.orchestrator.config_sections import AsyncRule, OuterConfig, OuterMerge, OuterOptimizer
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.config_sections import OuterConfig, OuterMerge
+from archipelago.orchestrator.modes import RuleKind, mode_of
 
 if TYPE_CHECKING:
     import torch
 
     from archipelago.orchestrator.engine.step.outer import OuterRule
-
-
-class RuleKind(str, Enum):
-    NESTEROV = OuterOptimizer.NESTEROV.value
-    SGD = OuterOptimizer.SGD.value
-    ADAM = OuterOptimizer.ADAM.value
-    SPARSELOCO = OuterOptimizer.SPARSELOCO.value
-    DELAYED_NESTEROV = "delayed_nesterov"  # mode async, asynchronous.rule delayed_nesterov
-    CO2 = "co2"  # mode overlap
-    DDP_ADAMW = "ddp_adamw"  # mode ddp: the islands' inner AdamW and schedule, on the mean gradient
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,13 +117,7 @@ RULES: dict[RuleKind, RuleRow] = {
 
 def rule_of(cfg: RunConfig) -> RuleRow:
     """The outer rule a run of `cfg` steps."""
-    if cfg.mode == Mode.DDP:
-        return RULES[RuleKind.DDP_ADAMW]
-    if cfg.mode == Mode.OVERLAP:
-        return RULES[RuleKind.CO2]
-    if cfg.mode == Mode.ASYNC and cfg.asynchronous.rule == AsyncRule.DELAYED_NESTEROV:
-        return RULES[RuleKind.DELAYED_NESTEROV]
-    return RULES[RuleKind(cfg.outer.optimizer.value)]
+    return RULES[mode_of(cfg).rule(cfg)]
 
 
 def takes_one_pass(cfg: RunConfig) -> bool:

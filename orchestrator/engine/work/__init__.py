@@ -1,1 +1,1 @@
-"""Work in flight: handing it out (batches reserved in the data ledger, parameters or their changes published and delivered), taking it back and giving it up."""
+"""Work in flight: handing it out (batches reserved in the data ledger, parameters or their changes published and delivered), taking it back and giving it up. The ledger and the flights themselves are the state floor's (`engine/state/`)."""

@@ -12,15 +12,19 @@ import time
 from collections.abc import Iterator
 
 from archipelago.orchestrator.algorithms.dylu import SpeedTracker
-from archipelago.orchestrator.engine.fleet.island_states import save_due
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.engine.fleet.island_states import IslandStates, save_due
 from archipelago.orchestrator.engine.outcomes import Judged, Lost, Outcome, StopWork
-from archipelago.orchestrator.engine.outputs.persistence import RunCore
-from archipelago.orchestrator.engine.outputs.records import EventLog
-from archipelago.orchestrator.engine.pacing.base import Flight, Work
+from archipelago.orchestrator.engine.pacing.base import Pacing
 from archipelago.orchestrator.engine.pool import IslandPool, Progress
-from archipelago.orchestrator.engine.step.admission import Verdict
+from archipelago.orchestrator.engine.state.flights import Flight, RunState, Work
+from archipelago.orchestrator.engine.state.ledger import DataLedger
+from archipelago.orchestrator.engine.state.membership import Membership
+from archipelago.orchestrator.engine.state.records import EventLog
+from archipelago.orchestrator.engine.state.stats import RunStats
 from archipelago.orchestrator.engine.step.screen import Sizes, screen
-from archipelago.orchestrator.engine.types import Contribution, Decision, Event, IslandState, Merge, Reason
+from archipelago.orchestrator.engine.types import Contribution, Decision, Event, IslandState, Merge, Reason, Verdict
+from archipelago.orchestrator.engine.work.publisher import Publisher
 from archipelago.workers.wire.handoff import seal
 from archipelago.workers.wire.messages import RoundResult, WorkKind, WorkOrder
 
@@ -31,18 +35,25 @@ class InFlight:
     def __init__(
         self,
         *,
-        core: RunCore,
+        cfg: RunConfig,
         pool: IslandPool,
+        ledger: DataLedger,
+        pacing: Pacing,
+        run: RunState,
+        members: Membership,
+        stats: RunStats,
+        publisher: Publisher,
+        states: IslandStates,
         speeds: SpeedTracker,
         events: EventLog,
         sizes: Sizes,
     ) -> None:
-        """`core`: the run's state (its ledger, pacing, membership, the islands' inner
-        states a checkpoint names). What needs the fleet (a refused result's verdict, a
-        hung island) is returned as outcomes (`outcomes.py`)."""
-        self.cfg, self.pool, self.ledger, self.pacing, self.run = core.cfg, pool, core.ledger, core.pacing, core.run
-        self.members, self.stats, self.speeds, self.publisher = core.members, core.stats, speeds, core.publisher
-        self.events, self.sizes, self.states = events, sizes, core.states
+        """The run's parts it reads and changes: its ledger, pacing, membership and state, the
+        islands' inner states a checkpoint names. What needs the fleet (a refused result's
+        verdict, a hung island) is returned as outcomes (`outcomes.py`)."""
+        self.cfg, self.pool, self.ledger, self.pacing, self.run = cfg, pool, ledger, pacing, run
+        self.members, self.stats, self.speeds, self.publisher = members, stats, speeds, publisher
+        self.events, self.sizes, self.states = events, sizes, states
         self.flights: dict[int, Flight] = {}  # handed out; arrived results wait here until their step closes
         self.overdue: dict[int, tuple[int, float]] = {}  # ticket -> (island, deadline), abandoned past it
         self.reported: dict[int, int] = {}  # heartbeats: each island's inner steps in all, as last reported

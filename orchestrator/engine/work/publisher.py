@@ -24,11 +24,11 @@ from typing import Any
 import torch
 
 from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.engine.pacing.base import Work
+from archipelago.orchestrator.engine.links import Transfers
 from archipelago.orchestrator.engine.pool import IslandPool
+from archipelago.orchestrator.engine.state.flights import Work
 from archipelago.orchestrator.engine.step.outer import Outer
 from archipelago.orchestrator.engine.work.downlink import Downlink
-from archipelago.orchestrator.engine.work.links import Transfers
 from archipelago.workers.wire.flat import as_tensor
 from archipelago.workers.wire.fragments import Fragments
 from archipelago.workers.wire.handoff import params_digest

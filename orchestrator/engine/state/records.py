@@ -1,7 +1,7 @@
 """What a run leaves on disk: in `out_dir` the resolved config, `metrics.jsonl` (one record
 per round), `events.jsonl` (joins, drains, crashes, rejections, restarts…), `summary.json`
 (stable key names that scripts and dashboards rely on) and `final.pt`; in the checkpoint
-folder the coordinator's state (`engine/outputs/checkpoints.py`). Writes are atomic and durable
+folder the coordinator's state (`engine/state/checkpoints.py`). Writes are atomic and durable
 (`durable_write`), so a crash mid-write never leaves a torn file behind. On a cluster
 point `checkpoint.path` at shared storage so a coordinator restarted on another node
 finds it."""
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 from archipelago.orchestrator.config import RUN_PLACEHOLDER, RunConfig
 from archipelago.orchestrator.config_load import dump_config
 from archipelago.orchestrator.config_operations import RecordsConfig
-from archipelago.orchestrator.engine.outputs.logfiles import mend, read_lines, restart, rewind, rotate
-from archipelago.orchestrator.engine.outputs.views import EventRecord, RoundRecord
+from archipelago.orchestrator.engine.state.logfiles import mend, read_lines, restart, rewind, rotate
+from archipelago.orchestrator.engine.state.views import EventRecord, RoundRecord
 from archipelago.orchestrator.engine.types import Event
 from archipelago.workers.runtime.storage import durable_write
 
@@ -67,7 +67,7 @@ class DiskFaults:
 class Backlog:
     """Lines for an append-only log, written in order: those a failed write left behind go
     out first with the next line, so a disk that fills and frees loses none of them. The
-    log is rotated by size (`engine/outputs/logfiles.py`) before a write that finds it full."""
+    log is rotated by size (`engine/state/logfiles.py`) before a write that finds it full."""
 
     def __init__(self, path: Path, faults: DiskFaults, rotation: RecordsConfig) -> None:
         self.path, self.faults, self.rotation = path, faults, rotation

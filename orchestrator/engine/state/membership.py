@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import PrivateAttr
 
-from archipelago.orchestrator.engine.outputs.views import IslandRecord, IslandView
+from archipelago.orchestrator.engine.state.views import IslandRecord, IslandView
 from archipelago.orchestrator.engine.types import IslandState
 
 RECENT = 16  # submissions kept for the "recent" staleness statistics

@@ -68,7 +68,7 @@ class HistogramView(_View):
 
 class IslandRecord(_View):
     """What the run keeps of an island, declared once: the engine's live record of it
-    (`IslandStats`, `engine/fleet/membership.py`) and every view of it (`IslandView`) are
+    (`IslandStats`, `engine/state/membership.py`) and every view of it (`IslandView`) are
     this record, so a view is the engine's record validated where it is made."""
 
     node: str = ""

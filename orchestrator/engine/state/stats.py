@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.engine.fleet.membership import IslandStats, Membership
-from archipelago.orchestrator.engine.outputs.distributions import ROUND_SECONDS, STALENESS, Distribution
-from archipelago.orchestrator.engine.outputs.loop_time import LoopClock
-from archipelago.orchestrator.engine.outputs.views import RoundRecord, RunStatus
-from archipelago.orchestrator.engine.step.admission import Verdict
-from archipelago.orchestrator.engine.types import Decision, IslandState, RunPhase
-from archipelago.orchestrator.engine.work.ledger import DataLedger
+from archipelago.orchestrator.engine.state.distributions import ROUND_SECONDS, STALENESS, Distribution
+from archipelago.orchestrator.engine.state.ledger import DataLedger
+from archipelago.orchestrator.engine.state.loop_time import LoopClock
+from archipelago.orchestrator.engine.state.membership import IslandStats, Membership
+from archipelago.orchestrator.engine.state.views import RoundRecord, RunStatus
+from archipelago.orchestrator.engine.types import Decision, IslandState, RunPhase, Verdict
 from archipelago.workers.wire.messages import RoundResult
 
 COUNTERS = (
