@@ -77,17 +77,28 @@ def cluster():
         shutil.rmtree(temp, ignore_errors=True)
 
 
+NO_AGENT = "No available agent to submit job, please try again later"  # Ray's job server, agent still starting
+
+
 def _job(env, address, *args, timeout=120) -> subprocess.CompletedProcess:
+    """`ray job SUB ...`; a submission the job server answers with "try again later" (its
+    agent on the node not up yet: on 2 loaded cores it came 30 s after `ray start`) is
+    tried again, as Ray asks, for up to `timeout` in all."""
     sub, rest = args[0], list(args[1:])
-    return subprocess.run(
-        [RAY, "job", sub, f"--address={address}", *rest],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-    )
+    deadline = time.monotonic() + timeout
+    while True:
+        proc = subprocess.run(
+            [RAY, "job", sub, f"--address={address}", *rest],
+            check=False,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO,
+        )
+        if proc.returncode == 0 or NO_AGENT not in proc.stderr or time.monotonic() > deadline:
+            return proc
+        time.sleep(2.0)
 
 
 def _submit(
