@@ -1,7 +1,7 @@
 """Shared fixtures and guard rails.
 
-- Two processes (pytest-xdist `-n 2`, in pyproject's `addopts`): tests marked `ray` or
-  `alone` one after another on one of them, the rest on the other (`tests/ray_apart.py`).
+- With `-n 2` (pytest-xdist), two processes: tests marked `ray` or `alone` one after another
+  on one of them, the rest on the other (`tests/ray_apart.py`).
 - One local Ray instance shared across modules, started only when a test asks for it.
 - Per-test time limits (pytest-timeout): `timeout` in pyproject for unit tests, a longer one
   for tests marked `ray`, so a hung Ray test fails in minutes instead of hanging CI.

@@ -1,4 +1,4 @@
-"""The suite on two processes (pytest-xdist, `-n 2` in pyproject's `addopts`), with every
+"""The suite on two processes (pytest-xdist, `python -m pytest -n 2`), with every
 test marked `ray` or `alone` on one of them, one after another.
 
 Why: on 2 cores a serial suite leaves a core idle about 40 % of the time (measured with
