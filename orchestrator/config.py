@@ -34,7 +34,7 @@ from archipelago.orchestrator.config_sections import (
     StreamingConfig,
     Strict,
 )
-from archipelago.orchestrator.modes import MODES, Mode, mode_of, modes_where
+from archipelago.orchestrator.modes import SECTIONS, Mode, mode_of, modes_where
 from archipelago.workers.wire.spec import InnerConfig, Sharding
 
 log = logging.getLogger(__name__)
@@ -356,7 +356,7 @@ class RunConfig(Strict):
         """A mode section's setting changed from its default where this run never reads it is
         refused, naming it: a quorum set for a synchronous run would otherwise be silently ignored."""
         reads = self.settings_read()
-        for section in (row.section for row in MODES.values() if row.section is not None):
+        for section in SECTIONS:
             fields = reads.get(section, frozenset())
             if fields is None:
                 continue

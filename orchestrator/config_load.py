@@ -13,7 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from archipelago.orchestrator.config import RUN_PLACEHOLDER, RunConfig
-from archipelago.orchestrator.modes import MODES
+from archipelago.orchestrator.modes import SECTIONS
 from archipelago.workers.runtime.storage import Folder, is_url
 from archipelago.workers.tasks.task import TaskError, load_task
 
@@ -162,7 +162,7 @@ def dump_config(cfg: RunConfig, *, reads_only: bool = False) -> str:
     data = cfg.model_dump(mode="json")
     if reads_only:
         reads = cfg.settings_read()
-        for section in (row.section for row in MODES.values() if row.section is not None):
+        for section in SECTIONS:
             fields = reads.get(section, frozenset())
             if fields is not None:
                 kept = {k: v for k, v in data[section].items() if k in fields}

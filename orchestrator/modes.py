@@ -200,6 +200,9 @@ MODES: dict[Mode, ModeSpec] = {
 }
 
 
+SECTIONS = tuple(row.section for row in MODES.values() if row.section is not None)  # the mode sections
+
+
 def mode_of(cfg: RunSettings) -> ModeSpec:
     """The row of a run of `cfg`."""
     return MODES[cfg.mode]

@@ -15,7 +15,7 @@ How: xdist's own `--dist loadgroup` keys groups on item ids it rewrites, which p
 no longer reads (`Node.nodeid` is derived from `_id`), so the ids reach the scheduler
 unchanged and the group is lost. The scheduler here runs in the controlling process, which
 collects nothing; it reads which tests are marked `ray` or `alone` from the test files' source
-(`ray_tests`), and each worker checks that reading against the markers it collected
+(`serial_tests`), and each worker checks that reading against the markers it collected
 (`check_against_markers`), so a mark the reading misses fails the run instead of letting a
 Ray test run beside another."""
 
@@ -38,7 +38,7 @@ def _marks_ray(node: ast.expr) -> bool:
 
 
 @functools.cache
-def ray_tests(path: Path) -> frozenset[str] | None:
+def serial_tests(path: Path) -> frozenset[str] | None:
     """The top-level names (functions, classes) of a test file whose tests are marked `ray`
     or `alone`; None when the whole module is (`pytestmark`)."""
     tree = ast.parse(path.read_text())
@@ -55,15 +55,15 @@ def ray_tests(path: Path) -> frozenset[str] | None:
     return frozenset(names)
 
 
-def is_ray(rootdir: Path, nodeid: str) -> bool:
+def is_serial(rootdir: Path, nodeid: str) -> bool:
     file, _, rest = nodeid.partition("::")
-    marked = ray_tests(rootdir / file)
+    marked = serial_tests(rootdir / file)
     return marked is None or rest.split("::")[0].split("[")[0] in marked
 
 
 def check_against_markers(rootdir: Path, items: list[pytest.Item]) -> None:
     """Fail the collection where the source reading and the markers disagree."""
-    wrong = [i.nodeid for i in items if is_ray(rootdir, i.nodeid) != any(i.get_closest_marker(m) for m in MARKS)]
+    wrong = [i.nodeid for i in items if is_serial(rootdir, i.nodeid) != any(i.get_closest_marker(m) for m in MARKS)]
     if wrong:
         raise pytest.UsageError(
             "tests/ray_apart.py reads these tests' `ray` or `alone` marks wrongly (mark them with a decorator or "
@@ -80,6 +80,6 @@ def make_scheduler(config: pytest.Config, log):
 
     class RayApart(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return GROUP if is_ray(root, nodeid) else nodeid
+            return GROUP if is_serial(root, nodeid) else nodeid
 
     return RayApart(config, log)
