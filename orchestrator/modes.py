@@ -6,17 +6,19 @@ with a mode's name anywhere else). Torch-free and below the config, which valida
 these rows; the engine builds a pacing from `engine/pacing/registry.py`'s row of the kind
 chosen here, and an outer rule from `engine/step/rules.py`'s.
 
-| mode        | section        | pacing                                  | outer rule                          | besides |
-| ----------- | -------------- | --------------------------------------- | ----------------------------------- | ------- |
-| `diloco`    | `diloco`       | barrier (DyLU: a quorum of every island) | `outer.optimizer`                  | drops islands' updates (`outer.drop_prob`) |
-| `ddp`       | none           | gradients                               | the islands' AdamW on the mean gradient | no pseudo-gradients |
-| `async`     | `asynchronous` | per arrival, or the quorum rule          | `outer.optimizer` or Delayed Nesterov | merges by RDA on one coordinator |
-| `overlap`   | `overlap`      | one-round lag                            | CO2                                 | a result lags one version |
-| `streaming` | `streaming`    | fragments, or the quorum over segments   | `outer.optimizer`                   | fragments; islands track the published copy |
+| mode        | section        | pacing                                  | outer rule                          | islands' round | besides |
+| ----------- | -------------- | --------------------------------------- | ----------------------------------- | -------------- | ------- |
+| `diloco`    | `diloco`       | barrier (DyLU: a quorum of every island) | `outer.optimizer`                  | inner steps    | drops islands' updates (`outer.drop_prob`) |
+| `ddp`       | none           | gradients                               | the islands' AdamW on the mean gradient | a gradient | no pseudo-gradients |
+| `async`     | `asynchronous` | per arrival, or the quorum rule          | `outer.optimizer` or Delayed Nesterov | inner steps  | merges by RDA on one coordinator |
+| `overlap`   | `overlap`      | one-round lag                            | CO2                                 | inner steps, or eager | a result lags one version |
+| `streaming` | `streaming`    | fragments, or the quorum over segments   | `outer.optimizer`                   | fragments      | islands track the published copy |
 
 Adding a mode is its `Mode` member and one row here (and its section in
 `config_sections.py` if it has settings); a pacing or an outer rule it needs is one module
-plus one row of that registry, named by a member of `PacingKind` or `RuleKind` below."""
+plus one row of that registry, named by a member of `PacingKind` or `RuleKind` below; an
+island's round, one class and one row of `workers/runtime/rounds.py`, named by an
+`IslandRound`."""
 
 from __future__ import annotations
 
@@ -32,9 +34,11 @@ from archipelago.orchestrator.config_sections import (
     OuterConfig,
     OuterMerge,
     OuterOptimizer,
+    OverlapConfig,
     StreamingConfig,
     StreamingPacing,
 )
+from archipelago.workers.wire.spec import IslandRound
 
 
 class Mode(str, Enum):
@@ -91,6 +95,8 @@ class RunSettings(Protocol):
     @property
     def streaming(self) -> StreamingConfig: ...
     @property
+    def overlap(self) -> OverlapConfig: ...
+    @property
     def outer(self) -> OuterConfig: ...
     @property
     def coordinator(self) -> _Shards: ...
@@ -102,6 +108,10 @@ def _outer_optimizer(cfg: RunSettings) -> RuleKind:
 
 def _mean(_: RunSettings) -> OuterMerge:
     return OuterMerge.MEAN
+
+
+def _inner(_: RunSettings) -> IslandRound:
+    return IslandRound.INNER
 
 
 def _any_h(_: RunSettings, __: int) -> None:
@@ -118,6 +128,9 @@ class ModeSpec:
     section: str | None  # its own settings' section of the config (None: it has none)
     pacing: Callable[[RunSettings], PacingKind]
     rule: Callable[[RunSettings], RuleKind] = _outer_optimizer
+    island: Callable[[RunSettings], IslandRound] = (
+        _inner  # what its islands do with an order (`workers/runtime/rounds.py`)
+    )
     # islands train H inner steps and send Δ for an outer optimizer of the coordinator's own
     # (the DiLoCo family); without it they send one batch's gradient for the islands' own
     # optimizer, stepped on the coordinator: no warm-start fork, no slices, no merge other
@@ -178,6 +191,7 @@ MODES: dict[Mode, ModeSpec] = {
             section=None,
             pacing=lambda _: PacingKind.GRADIENTS,
             rule=lambda _: RuleKind.DDP_ADAMW,
+            island=lambda _: IslandRound.GRADIENT,
             pseudo_gradients=False,
         ),
         ModeSpec(mode=Mode.ASYNC, section="asynchronous", pacing=_async_pacing, rule=_async_rule, merge=_async_merge),
@@ -186,12 +200,14 @@ MODES: dict[Mode, ModeSpec] = {
             section="overlap",
             pacing=lambda _: PacingKind.ONE_ROUND_LAG,
             rule=lambda _: RuleKind.CO2,
+            island=lambda cfg: IslandRound.EAGER if cfg.overlap.eager else IslandRound.INNER,
             lag=1,
         ),
         ModeSpec(
             mode=Mode.STREAMING,
             section="streaming",
             pacing=_streaming_pacing,
+            island=lambda _: IslandRound.FRAGMENTS,
             tracks_copy=True,
             fragments=True,
             check_inner_steps=_streaming_h,

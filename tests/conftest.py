@@ -33,13 +33,19 @@ _STARTED = time.monotonic()
 
 
 def _ray_group(item: pytest.Item) -> int:
-    """Where a test runs in the suite: tests without Ray first, then those that bring their
-    own Ray (a cluster, `ray start`, a command's private instance), then every test that
-    shares `ray_local`, so that instance starts once instead of again after each module
-    that shut it down (seconds a start on 2 cores)."""
+    """Where a test runs in the suite: tests without Ray first, then every test that shares
+    `ray_local` (so that instance starts once instead of again after each module that shut
+    it down: seconds a start on 2 cores), then those that bring their own Ray (a cluster,
+    `ray start`, a command's private instance), then those marked `alone`. With `-n 2` the
+    last two run at the end of the serial worker's queue, once the other worker has run
+    out of Ray-free tests (about 370 s of them against about 600 s of Ray tests): Ray's job
+    agent, started by `ray start`, once missed its 120-s start beside the other worker's
+    load, and the shipped configs' rehearsal needs most of the machine's memory."""
+    if item.get_closest_marker("alone"):
+        return 3
     if not item.get_closest_marker("ray"):
         return 0
-    return 2 if "ray_local" in getattr(item, "fixturenames", ()) else 1
+    return 1 if "ray_local" in getattr(item, "fixturenames", ()) else 2
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -83,3 +83,26 @@ def test_config_show_by_mode_lists_the_mode_settings_such_a_run_reads_and_no_oth
         else:
             assert row.section not in shown, row.section
     assert shown["outer"] == cfg.outer.model_dump(mode="json")  # the rest as `config show` prints it
+
+
+@pytest.mark.parametrize(
+    ("overrides", "kind"),
+    [
+        (["mode=diloco"], "InnerSteps"),
+        (["mode=ddp", "warm_start.steps=0"], "GradientStep"),
+        (["mode=async"], "InnerSteps"),
+        (["mode=overlap", "overlap.eager=false"], "InnerSteps"),
+        (["mode=overlap", "overlap.eager=true"], "EagerSteps"),
+        (["mode=streaming", "inner_steps=48"], "FragmentSteps"),
+    ],
+)
+def test_each_row_gives_its_islands_their_round_and_every_round_has_a_strategy(overrides, kind):
+    """The island a run builds does what its mode's row says (through the spec the pool
+    hands out), and no `IslandRound` lacks a strategy."""
+    from archipelago.orchestrator.engine.specs import island_spec
+    from archipelago.workers.runtime.rounds import ROUNDS
+    from archipelago.workers.wire.spec import IslandRound
+
+    assert set(ROUNDS) == set(IslandRound)
+    spec = island_spec(load_config(None, overrides), 0)
+    assert ROUNDS[spec.round].__name__ == kind

@@ -18,7 +18,8 @@ from archipelago.orchestrator.engine.specs import island_spec
 from archipelago.orchestrator.engine.state.ledger import DataLedger
 from archipelago.orchestrator.simulation.chaos import Strike, TimedFault
 from archipelago.orchestrator.simulation.pool import InProcessPool
-from archipelago.workers.runtime.island import Island, Stopped
+from archipelago.workers.runtime.island import Island
+from archipelago.workers.runtime.rounds import Stopped
 from archipelago.workers.wire.messages import WorkKind, WorkOrder, batch_counts
 from tests.engine_scenarios import check_exactly_once, check_rounds_recorded, drive, scenario_cfg
 from tests.helpers import events, in_process_engine

@@ -15,6 +15,7 @@ from archipelago.orchestrator.config_load import ConfigError
 from archipelago.orchestrator.engine.specs import island_spec
 from archipelago.orchestrator.simulation.pool import Fault, FaultKind
 from archipelago.workers.runtime.island import Island
+from archipelago.workers.runtime.rounds import EagerSteps
 from archipelago.workers.wire.compress import encode
 from archipelago.workers.wire.fragments import fragment_model
 from archipelago.workers.wire.messages import WorkKind, WorkOrder
@@ -335,7 +336,8 @@ def test_eager_overlap_starts_each_lagged_round_from_the_islands_own_update():
     island = Island(island_spec(cfg, 0))
     params = island.flat.numpy()
     island.run(WorkOrder(island=0, ticket=0, version=0, kind=WorkKind.TRAIN, steps=3, shards={0: 0}), params)
-    own = island.last_delta.clone()
+    assert isinstance(island.rounds, EagerSteps) and island.rounds.last_delta is not None
+    own = island.rounds.last_delta.clone()
     island.run(
         WorkOrder(island=0, ticket=1, version=0, kind=WorkKind.TRAIN, steps=3, shards={0: 3}, eager=True), params
     )

@@ -93,7 +93,7 @@ def test_a_tail_that_fails_fails_the_next_order_not_the_process():
     def broken(batch):
         raise RuntimeError("device lost in the tail")
 
-    island._forward_backward = broken  # the tail's steps now fail
+    island.forward_backward = broken  # the tail's steps now fail
     with pytest.raises(RuntimeError, match="device lost in the tail"):
         island.run(second, None, detach_tail=True)
     assert island.tail is None  # waited for and reported once

@@ -46,6 +46,7 @@ from archipelago.orchestrator.engine.warm_start import (
 )
 from archipelago.orchestrator.engine.work.inflight import InFlight
 from archipelago.orchestrator.engine.work.publisher import Publisher
+from archipelago.orchestrator.engine.work.stragglers import HangRule, TailStop
 from archipelago.orchestrator.modes import mode_of
 from archipelago.workers.tasks.task import Task, load_task
 from archipelago.workers.wire.flat import FlatParams, slice_bounds
@@ -196,6 +197,8 @@ def assemble(
         speeds=policies.speeds,
         events=events,
         sizes=Sizes(outer.numel, fragments, slices),
+        hangs=HangRule(cfg.elastic),
+        tail_stop=TailStop(cfg.elastic.tail_stop) if cfg.elastic.tail_stop is not None else None,
     )
     elastic = cfg.elastic
     fleet = Fleet(

@@ -153,8 +153,8 @@ class RoundEngine(EngineParts):
             events = self.pool.poll(self.inflight.timeout(wake), wake=wake)
         self._handle(events)
         self._apply(self.inflight.expire())
-        if (factor := self.cfg.elastic.tail_stop) is not None and self.pacing.spent(self.run):
-            self._apply(self.inflight.stragglers(self.members.schedulable(), factor))
+        if self.pacing.spent(self.run):
+            self._apply(self.inflight.stragglers(self.members.schedulable()))
         self.run.now = self.pool.now()
         # paused: results that come back wait for the resume (no outer step while the status says paused)
         while self.phase != RunPhase.PAUSED and (close := self.pacing.next_close(self.run, self.in_flight)) is not None:

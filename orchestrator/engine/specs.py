@@ -46,6 +46,7 @@ def island_spec(
         sharding=cfg.islands.sharding,
         error_feedback=cfg.compression.error_feedback,
         feedback_decay=cfg.compression.feedback_decay,
+        round=mode_of(cfg).island(cfg),
         tracks_copy=cfg.tracks_copy,
         fragments=cfg.streaming.fragments if mode_of(cfg).fragments else 0,
         merge_alpha=cfg.streaming.alpha,

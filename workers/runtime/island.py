@@ -8,7 +8,6 @@ data position persist across rounds, as DiLoCo requires.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import threading
@@ -23,8 +22,8 @@ from archipelago.workers.runtime import inner_state
 from archipelago.workers.runtime.island_spec import IslandSpec
 from archipelago.workers.runtime.optim import build_inner, inner_params, inner_schedule, muon_params
 from archipelago.workers.runtime.order_steps import Tail, Tally
+from archipelago.workers.runtime.rounds import rounds_for
 from archipelago.workers.runtime.shard_streams import ShardStreams
-from archipelago.workers.runtime.uplink import encode_update
 from archipelago.workers.runtime.version0 import version0
 from archipelago.workers.tasks.task import load_task, split_batch, to_device
 from archipelago.workers.wire.compress import ErrorFeedback
@@ -32,7 +31,7 @@ from archipelago.workers.wire.flat import FlatParams, ParamStore, as_tensor
 from archipelago.workers.wire.fragments import FragmentedTask, fragment_model
 from archipelago.workers.wire.fragments import positions as fragment_positions
 from archipelago.workers.wire.handoff import verify
-from archipelago.workers.wire.messages import RoundResult, WorkKind, WorkOrder
+from archipelago.workers.wire.messages import RoundResult, SavedState, WorkKind, WorkOrder
 from archipelago.workers.wire.spec import Precision
 from archipelago.workers.wire.sync import ChangeOutOfOrder, apply_change
 
@@ -41,11 +40,6 @@ log = logging.getLogger(__name__)
 
 class Superseded(RuntimeError):
     """The work in flight was abandoned: the coordinator that handed it out is gone."""
-
-
-class Stopped(RuntimeError):
-    """A preemption notice stopped the work before its first step: it has nothing to send
-    (its batches go back to the ledger, as any lost work's)."""
 
 
 class Island:
@@ -86,7 +80,6 @@ class Island:
         self.fragments = fragment_model(self.model, spec.fragments, groups) if spec.fragments else None
         self.copy: torch.Tensor | None = None  # the published parameters as this island holds them
         self.held: int | None = None  # their version
-        self.last_delta: torch.Tensor | None = None  # eager updates: the island's own last Δ
         self.inner_steps_done = 0  # over the island's life: a restarted coordinator's test that it kept its state
         self.work_begun_at = 0  # inner_steps_done when its current work began (heartbeats: its steps of that work)
         self.work_ticket: int | None = None  # ... and that work's ticket (a count is read against its own work)
@@ -95,6 +88,7 @@ class Island:
         self.superseded = threading.Event()  # the work in flight was given by a coordinator that is gone
         # a notice: (ticket, perf_counter time no step may end after, or the steps it may take)
         self.stopping: tuple[int, float, int | None] | None = None
+        self.rounds = rounds_for(self)  # what it does with an order, by the mode's kind of round
         self.restored = None  # placed to continue a saved inner state: whether it could
         if spec.restore_state is not None and spec.state_folder is not None:
             self.restored = inner_state.continue_from(
@@ -195,7 +189,7 @@ class Island:
         """The part of an island's batch this worker computes (all of it on one worker)."""
         return batch
 
-    def _forward_backward(self, batch: Any) -> tuple[torch.Tensor, int]:
+    def forward_backward(self, batch: Any) -> tuple[torch.Tensor, int]:
         """One inner step's gradient of the island's batch (a group overrides this)."""
         return self._local_pass(batch)
 
@@ -287,74 +281,40 @@ class Island:
         if order.schedule_step is not None:
             self._seek_schedule(order.schedule_step)
         t0 = time.perf_counter()
-        src = self._sync(order, params)
-        if order.eager and self.last_delta is not None and src is not None:
-            src = self._eager(src, self.last_delta)
+        src = self.rounds.start(order, self._sync(order, params))
         if src is not None:
             self.flat.load(src)
         self.model.train()
         started_at = time.time()  # its first step begins: the parameters are in place
         tally = Tally(positions=dict(order.shards), shard_tokens=dict.fromkeys(order.shards, 0))
-        tail_steps, tail_s, pace = 0, 0.0, 0.0
-        if order.kind == WorkKind.TRAIN:
-            if order.fragment is None and src is not None:  # a fragment's Δ is taken from the copy instead
-                self.start.copy_(src)
-            send = order.send_after if order.send_after and order.send_after < order.steps else order.steps
-            batches = self.data.batches(order)
-            stepping = time.perf_counter()
-            stopped = self._train(itertools.islice(batches, send), tally, stoppable=True) and tally.steps < send
-            if stopped and not tally.steps:
-                raise Stopped(f"island {self.spec.index}: a preemption notice came before its first step")
-            t_sent = time.perf_counter()
-            delta = self._delta(order.fragment)
-            tail_steps = 0 if stopped else order.steps - send  # a stopped work has no tail: it is leaving
-            detach = detach_tail and tail_steps > 0 and not order.save_state
-            if tail_steps and not detach:  # Streaming DiLoCo's τ: Δ (a new tensor) stays as it was taken
-                self._train(batches, tally)
-                tail_s = time.perf_counter() - t_sent
-            if self.spec.eager_step:
-                self.last_delta = delta.clone()
-            payload = encode_update(delta, self.spec, self.feedback, order.fragment)
-            if detach:
-                rest = list(batches)  # read now: the result reports what the tail reads
-                for shard, batch in rest:
-                    tally.read(shard, self.task.batch_weight(batch))
-                self.tail = Tail(self._inner_step, [batch for _, batch in rest])
-                pace = (t_sent - stepping) / tally.steps  # the tail's steps counted at the pace of those before
-            folder = self.spec.state_folder
-            saved = (
-                inner_state.write(folder, self.spec.index, self.optimizer, self.feedback)
-                if folder and order.save_state
-                else None
-            )
-        else:
-            ((shard, batch),) = self.data.batches(order)
-            loss, weight = self._forward_backward(batch)
-            tally.trained(shard, loss, weight)
-            payload = encode_update(self.flat.full_grad().clone(), self.spec, self.feedback)
-            saved, stopped = None, False
-        compute_s = time.perf_counter() - t0 + pace * tail_steps
+        done = self.rounds.work(order, tally, detach_tail)
         return RoundResult(
             island=self.spec.index,
             version=order.version,
-            payload=payload,
+            payload=done.payload,
             weight=tally.weight,
-            steps=tally.steps if stopped else order.steps,  # a stopped work: the prefix it trained
+            steps=done.steps,
             mean_loss=float(tally.losses) / max(1, tally.steps),  # the round's one read of its losses
-            compute_s=compute_s,
+            compute_s=time.perf_counter() - t0 + done.tail_pace_s * done.tail_steps,
             finished_at=time.time(),
             positions=tally.positions,
             shard_tokens=tally.shard_tokens,
             ticket=order.ticket,
             fragment=order.fragment,
-            tail_steps=tail_steps,
-            tail_s=tail_s,
-            saved_state=saved,
+            tail_steps=done.tail_steps,
+            tail_s=done.tail_s,
+            saved_state=done.saved,
             started_at=started_at,
             stream_states=self.data.states(order.shards),
         )
 
-    def _train(self, batches: Iterable[tuple[int, Any]], tally: Tally, *, stoppable: bool = False) -> bool:
+    def save_state(self) -> SavedState | None:
+        """Write the inner state (optimizer, codec residuals) where the spec says, for a
+        checkpoint near; None where it names no folder."""
+        folder = self.spec.state_folder
+        return inner_state.write(folder, self.spec.index, self.optimizer, self.feedback) if folder else None
+
+    def train_on(self, batches: Iterable[tuple[int, Any]], tally: Tally, *, stoppable: bool = False) -> bool:
         """Inner steps on `batches`, each counted in `tally`; True if a notice stopped them
         (`stop`: only where `stoppable`, before the pseudo-gradient is taken — after it, the
         result must report every step of the order, so a streaming tail trains to its end).
@@ -368,7 +328,7 @@ class Island:
             if self.superseded.is_set():
                 raise Superseded(f"island {self.spec.index}: its coordinator restarted; round given up")
             shard, batch = item
-            loss, weight = self._inner_step(batch)
+            loss, weight = self.inner_step(batch)
             tally.trained(shard, loss, weight)
         return True
 
@@ -384,9 +344,9 @@ class Island:
         now = time.perf_counter()
         return now + ((now - began) / steps if steps else 0.0) > by
 
-    def _inner_step(self, batch: Any) -> tuple[torch.Tensor, int]:
+    def inner_step(self, batch: Any) -> tuple[torch.Tensor, int]:
         """One inner step."""
-        loss, weight = self._forward_backward(batch)
+        loss, weight = self.forward_backward(batch)
         self._clip()
         self._step()
         self.scheduler.step()
@@ -448,20 +408,3 @@ class Island:
         local = self.flat.full()  # the live buffer (an FSDP island, with no whole buffer, cannot stream)
         with torch.no_grad():
             local[positions] = torch.lerp(self.copy[positions], local[positions], self.spec.merge_alpha)
-
-    def _eager(self, src: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """Eager updates (Kale et al. 2025): the start of a round whose version lacks this
-        island's last update, moved by that update as CO2's outer step would move it were
-        it the average (lr × Λ, clipped): the island's Δ stands in for the mean in flight."""
-        step = delta.to(src.dtype) * self.spec.eager_step
-        if self.spec.eager_clip is not None:
-            step.clamp_(-self.spec.eager_clip * self.spec.eager_step, self.spec.eager_clip * self.spec.eager_step)
-        return src.to(self.device) - step
-
-    def _delta(self, fragment: int | None) -> torch.Tensor:
-        """Δ = θ_start − θ_end; for a fragment, its global copy minus its local values."""
-        if fragment is None:
-            return self.start - self.flat.full()
-        assert self.copy is not None and self.fragments is not None
-        positions = self.fragments.positions(fragment, self.device)
-        return self.copy[positions] - self.flat.full()[positions]

@@ -102,9 +102,9 @@ class GroupIsland(Island):
         return self.spec.sharding == Sharding.FSDP and self.world > 1
 
     # -- one data-parallel inner step -----------------------------------------------------
-    def _forward_backward(self, batch: Batch) -> tuple[torch.Tensor, int]:
+    def forward_backward(self, batch: Batch) -> tuple[torch.Tensor, int]:
         if self.world == 1:
-            return super()._forward_backward(batch)
+            return super().forward_backward(batch)
         weight = self.task.batch_weight(batch)  # the island's whole batch
         loss, _ = self._local_pass(self._worker_share(batch))
         if not self.sharded:  # FSDP2's backward reduce-scatters the mean gradient itself

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from archipelago.workers.wire.spec import InnerConfig, Sharding
+from archipelago.workers.wire.spec import InnerConfig, IslandRound, Sharding
 
 if TYPE_CHECKING:  # the wire's messages import torch; the command builds specs without it
     from archipelago.workers.wire.messages import SavedState
@@ -35,6 +35,7 @@ class IslandSpec:
     sharding: Sharding = Sharding.ZERO1
     error_feedback: bool = False  # keep what the codec rounds away for the next pseudo-gradient
     feedback_decay: float = 1.0  # ... as decay x residual + Δ (SparseLoCo's 0.95)
+    round: IslandRound = IslandRound.INNER  # what it does with a work order (its mode's, `rounds.py`)
     tracks_copy: bool = False  # hold the published parameters and follow their changes (`workers/wire/sync.py`)
     fragments: int = 0  # streaming: P fragments; the island trains on and merges fragment by fragment
     merge_alpha: float = 0.0  # streaming: local <- alpha x local + (1 - alpha) x received global fragment

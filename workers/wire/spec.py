@@ -74,6 +74,16 @@ class Sharding(str, Enum):
     FSDP = "fsdp"  # parameters, gradients and optimizer state are sharded (FSDP2)
 
 
+class IslandRound(str, Enum):
+    """What an island does with a work order, named by each mode's registry row
+    (`orchestrator/modes.py`); one strategy each in `workers/runtime/rounds.py`."""
+
+    GRADIENT = "gradient"  # one batch's gradient, no local update (ddp)
+    INNER = "inner"  # H inner steps, Δ of the whole model (diloco, async, overlap)
+    EAGER = "eager"  # as INNER, from the published parameters moved by its own last Δ (overlap.eager)
+    FRAGMENTS = "fragments"  # one fragment's Δ against its tracked copy (streaming)
+
+
 class Precision(str, Enum):
     FP32 = "fp32"
     BF16 = "bf16"  # autocast: bf16 matmuls, fp32 master weights, optimizer state and pseudo-gradients

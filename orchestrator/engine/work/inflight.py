@@ -25,6 +25,7 @@ from archipelago.orchestrator.engine.state.stats import RunStats
 from archipelago.orchestrator.engine.step.screen import Sizes, screen
 from archipelago.orchestrator.engine.types import Contribution, Decision, Event, IslandState, Merge, Reason, Verdict
 from archipelago.orchestrator.engine.work.publisher import Publisher
+from archipelago.orchestrator.engine.work.stragglers import HangRule, TailStop
 from archipelago.workers.wire.handoff import seal
 from archipelago.workers.wire.messages import RoundResult, WorkKind, WorkOrder
 
@@ -47,13 +48,17 @@ class InFlight:
         speeds: SpeedTracker,
         events: EventLog,
         sizes: Sizes,
+        hangs: HangRule,
+        tail_stop: TailStop | None,
     ) -> None:
         """The run's parts it reads and changes: its ledger, pacing, membership and state, the
-        islands' inner states a checkpoint names. What needs the fleet (a refused result's
+        islands' inner states a checkpoint names; the rules that find hung islands and
+        stragglers (`stragglers.py`, built by the composition root). What needs the fleet (a refused result's
         verdict, a hung island) is returned as outcomes (`outcomes.py`)."""
         self.cfg, self.pool, self.ledger, self.pacing, self.run = cfg, pool, ledger, pacing, run
         self.members, self.stats, self.speeds, self.publisher = members, stats, speeds, publisher
         self.events, self.sizes, self.states = events, sizes, states
+        self.hangs, self.tail_stop = hangs, tail_stop
         self.flights: dict[int, Flight] = {}  # handed out; arrived results wait here until their step closes
         self.overdue: dict[int, tuple[int, float]] = {}  # ticket -> (island, deadline), abandoned past it
         self.reported: dict[int, int] = {}  # heartbeats: each island's inner steps in all, as last reported
@@ -223,61 +228,33 @@ class InFlight:
                     within = max(0.0, notice_s - upload)
                 self.pool.stop(island, flight.ticket, within)
 
-    def stragglers(self, schedulable: list[int], factor: float) -> list[StopWork]:
-        """The budget's end (every step handed out; `elastic.tail_stop`): the works to stop
-        so that the idle islands train the rest of their steps. A work's remaining steps, at
-        the pace its heartbeats report (steps between its first read with a step and its
-        latest: not from when it was handed out, which would count its download, a first
-        step compiling, as slowness; read as fast as the whole counts allow), take `keep`
-        from now. Stopped, it trains on to the end of its step in progress, and the idle
-        islands, at their measured speeds, train the rest of it and of every work stopped
-        before it (the furthest behind first), after a trip as long as their last
-        (`trip_s`: download, upload, waits): `instead`. Its own result goes up its link
-        either way. It is stopped when `keep` exceeds `factor` × `instead`: a work about to
-        end is left to end, and so is one the idle islands could not finish much sooner (a
-        few idle islands, many works out). A stopped island gets no more of the budget
-        (`behind`): its speed, smoothed, would still claim a share. Without heartbeats a
-        work's pace is not known, and nothing is stopped."""
-        if self.cfg.islands.workers > 1:  # its ranks would have to agree on the step (`stop`)
+    def stragglers(self, schedulable: list[int]) -> list[StopWork]:
+        """The budget's end (every step handed out): the works the tail stop decides to stop
+        (`stragglers.TailStop`), so that the idle islands, at their measured speeds and
+        after a trip as long as their last (`trip_s`), train the rest of them. Its own result
+        goes up its link either way. A stopped island gets no more of the budget (`behind`):
+        its speed, smoothed, would still claim a share. Without heartbeats a work's pace is
+        not known, and nothing is stopped; nor is an island of several workers (its ranks
+        would have to agree on the step: `stop`)."""
+        if self.tail_stop is None or self.cfg.islands.workers > 1:
             return []
         idle = self.free(schedulable)
-        rate = sum(self.speeds.speeds.get(i, 0.0) for i in idle)
-        if not rate:
-            return []
-        now = self.pool.now()
         trips = sorted(self.trip_s.get(i, 0.0) for i in idle)
-        trip = trips[len(trips) // 2]
-        candidates = []
-        for flight in self.in_flight():
-            done, first = flight.work_steps, flight.first_step
-            if flight.stopping or flight.work.kind != WorkKind.TRAIN or first is None or done is None:
-                continue
-            if not first[1] < done < flight.work.steps or flight.heard_at <= first[0]:
-                continue  # no pace yet (one read with steps), or all its steps taken
-            # counts are whole steps taken: between the two reads it took more than
-            # done − first − 1 steps and fewer than done − first + 1; each side is read at
-            # its least favourable to a stop
-            span, steps = flight.heard_at - first[0], done - first[1]
-            left = flight.work.steps - done
-            keep = max(0.0, left * span / (steps + 1) - (now - flight.heard_at))
-            candidates.append((keep, span / steps, left, flight))
-        out, moved = [], 0
-        for keep, step_s, left, flight in sorted(candidates, key=lambda c: -c[0]):
-            instead = step_s + trip + (moved + left) / rate
-            if keep <= factor * instead:
-                continue
-            moved += left
-            self.behind.add(flight.work.island)
+        rate = sum(self.speeds.speeds.get(i, 0.0) for i in idle)
+        decided = self.tail_stop.decide(
+            self.in_flight(), rate, trips[len(trips) // 2] if trips else 0.0, self.pool.now()
+        )
+        for d in decided:
+            self.behind.add(d.flight.work.island)
             self.events.add(
                 Event.STRAGGLER,
-                flight.work.island,
-                ticket=flight.ticket,
-                steps_left=left,
-                keep_s=round(keep, 2),
-                instead_s=round(instead, 2),
+                d.flight.work.island,
+                ticket=d.flight.ticket,
+                steps_left=d.left,
+                keep_s=round(d.keep_s, 2),
+                instead_s=round(d.instead_s, 2),
             )
-            out.append(StopWork(island=flight.work.island))
-        return out
+        return [StopWork(island=d.flight.work.island) for d in decided]
 
     def _partial(self, flight: Flight, steps: int) -> str | None:
         """A result of fewer steps than its work: the prefix a notice stopped (`stop`). Its
@@ -364,24 +341,15 @@ class InFlight:
                     self.members.mark(i, IslandState.LATE)
                 self.members.islands[i].late_results += 1
                 self.events.add(Event.LATE, i, deadline_s=flight.deadline - flight.sent_at)
-        grace = self.cfg.elastic.late_grace_s
         for ticket, (i, deadline) in list(self.overdue.items()):
-            if ticket in self.overdue and now - deadline > grace:
-                yield Lost(island=i, reason=f"hung: no result {grace:g}s past its deadline (elastic.late_grace_s)")
+            if ticket in self.overdue and (why := self.hangs.overdue(now, deadline)) is not None:
+                yield Lost(island=i, reason=why)
         for flight in self.in_flight():  # heartbeats: a stall, long before any deadline
-            i = flight.work.island
-            speed, k = self.speeds.speeds.get(i), self.run.hang_after_steps
-            limit = self.cfg.elastic.stall_limit_s(speed, k, stepping=flight.stepping)
-            if limit is None or flight.ticket not in self.flights:
+            if flight.ticket not in self.flights:
                 continue
-            # a count taken past the limit that has not moved; or silence past the floor (a
-            # frozen process answers nothing): a coordinator that was busy reads old answers
-            # late, and those are not a stall
-            silence = self.cfg.elastic.stall_limit_s(speed, k, stepping=False) or limit
-            if flight.heard_at - flight.progress_at > limit or now - flight.progress_at > max(limit, silence):
-                yield Lost(
-                    island=i, reason=f"hung: no progress for {now - flight.progress_at:.0f}s (elastic.hang_after_steps)"
-                )
+            speed = self.speeds.speeds.get(flight.work.island)
+            if (why := self.hangs.stalled(flight, now, speed, self.run.hang_after_steps)) is not None:
+                yield Lost(island=flight.work.island, reason=why)
 
     def forget(self, island: int, state: IslandState) -> None:
         """An island is released for good (the fleet's call): its work still out is lost
