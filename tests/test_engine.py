@@ -447,3 +447,32 @@ def test_a_paused_run_takes_no_outer_step_until_it_resumes(tmp_path, mode):
         pass
     assert engine.summary["rounds_done"] == cfg.rounds and engine.summary["state"] == "finished"
     check_exactly_once(cfg, engine.summary)
+
+
+def test_the_phase_moves_only_by_its_machines_transitions_and_the_status_shows_each_move(tmp_path):
+    """One owner of the phase (`engine/state/lifecycle.py`): a move it has no row for is
+    an engine bug raised at once, not a status that says one thing while the engine does
+    another; every phase is reachable from the start; an ended run only fails."""
+    from archipelago.orchestrator.engine.state.lifecycle import NEXT, Lifecycle, PhaseError
+    from archipelago.orchestrator.engine.types import RunPhase
+
+    seen: list[RunPhase] = []
+    life = Lifecycle()
+    life.listen(seen.append)
+    for phase in (RunPhase.TRAINING, RunPhase.PAUSED, RunPhase.PAUSED, RunPhase.TRAINING, RunPhase.STOPPED):
+        life.to(phase)
+    assert seen == [RunPhase.TRAINING, RunPhase.PAUSED, RunPhase.TRAINING, RunPhase.STOPPED] and life.ended
+    with pytest.raises(PhaseError, match="from stopped to training"):
+        life.to(RunPhase.TRAINING)
+    reached, frontier = {RunPhase.STARTING}, [RunPhase.STARTING]
+    while frontier:
+        for nxt in NEXT[frontier.pop()] - reached:
+            reached.add(nxt)
+            frontier.append(nxt)
+    assert reached == set(RunPhase)
+
+    engine, _ = in_process_engine(scenario_cfg(tmp_path, "diloco", "rounds=2"))
+    moves = []
+    engine.lifecycle.listen(lambda p: moves.append((p, engine.status().state)))
+    engine.execute()
+    assert moves == [(RunPhase.TRAINING, RunPhase.TRAINING), (RunPhase.FINISHED, RunPhase.FINISHED)]

@@ -29,6 +29,7 @@ from archipelago.orchestrator.engine.requests import OperatorRequests
 from archipelago.orchestrator.engine.state.checkpoints import load_checkpoint, load_initial_weights, run_folder
 from archipelago.orchestrator.engine.state.flights import RunState
 from archipelago.orchestrator.engine.state.ledger import DataLedger
+from archipelago.orchestrator.engine.state.lifecycle import Lifecycle
 from archipelago.orchestrator.engine.state.membership import Membership
 from archipelago.orchestrator.engine.state.stats import RunStats
 from archipelago.orchestrator.engine.state.views import RunStatus
@@ -171,11 +172,13 @@ def assemble(
         ledger.load({**warm.ledger, "tokens": [0] * cfg.num_shards})
     if state is None and init_from is None:  # version 0 is the seed's model, or the warm start's
         publisher.version0 = version0_digest(cfg, flat.data.detach().cpu().numpy())
+    lifecycle = Lifecycle()
     outputs = Outputs(
         core=core,
         task=task,
         model=model,
         inbox=inbox,
+        lifecycle=lifecycle,
         resumed=state is not None,
         on_record=on_record,
         evaluator=evaluator,
@@ -230,6 +233,7 @@ def assemble(
         inbox=inbox,
         speeds=policies.speeds,
         startup=Startup(),
+        lifecycle=lifecycle,
         outputs=outputs,
         inflight=inflight,
         fleet=fleet,

@@ -50,6 +50,7 @@ from archipelago.orchestrator.engine.pool import (
 )
 from archipelago.orchestrator.engine.requests import OperatorRequests
 from archipelago.orchestrator.engine.state.flights import Close, Flight
+from archipelago.orchestrator.engine.state.lifecycle import Lifecycle
 from archipelago.orchestrator.engine.state.loop_time import Part
 from archipelago.orchestrator.engine.state.views import RunStatus
 from archipelago.orchestrator.engine.step.outer import take_step
@@ -79,6 +80,7 @@ class EngineParts(RunCore):
     inbox: Inbox
     speeds: SpeedTracker  # measured inner steps per second, every mode
     startup: Startup
+    lifecycle: Lifecycle  # the run's phase (`state/lifecycle.py`), which its outputs show
     outputs: Outputs
     inflight: InFlight
     fleet: Fleet
@@ -93,16 +95,20 @@ class EngineParts(RunCore):
 
 @dataclass(kw_only=True, eq=False, repr=False)
 class RoundEngine(EngineParts):
-    """The state machine over its parts; its own state is the phase, the records due, what
-    the current step carried out and the summary once it has ended."""
+    """The state machine over its parts: it moves the run's phase (`lifecycle`); its own
+    state is the records due, what the current step carried out and the summary once it
+    has ended."""
 
     def __post_init__(self) -> None:
         self.events, self.recorder, self.disk = self.outputs.events, self.outputs.recorder, self.outputs.disk
-        self.phase = RunPhase.STARTING
         self.due: list[int] = []  # recorded rounds due, written after the next dispatch
         self.applied: list[Outcome] = []  # what this step carried out (`_apply`)
         self.clock0 = 0.0  # the pool's clock when training began (`_clock`)
         self.summary: dict[str, Any] = {}
+
+    @property
+    def phase(self) -> RunPhase:
+        return self.lifecycle.now
 
     # -- the state machine -----------------------------------------------------------------
     def start(self) -> None:
@@ -122,7 +128,7 @@ class RoundEngine(EngineParts):
         return Transition(before=before, after=self.phase, outcomes=tuple(self.applied), running=running)
 
     def _step(self) -> bool:
-        if self.phase in (RunPhase.FINISHED, RunPhase.STOPPED, RunPhase.FAILED):
+        if self.lifecycle.ended:
             return False
         self.requests.heard_stop()
         if self.inbox.aborting.is_set():
@@ -182,8 +188,7 @@ class RoundEngine(EngineParts):
         except Exception as err:
             self.outputs.finish_writing()
             log.exception("the round engine failed")
-            self.phase = RunPhase.FAILED
-            self.outputs.snapshot.state = self.phase
+            self.lifecycle.to(RunPhase.FAILED)
             raise RunFailed(
                 f"the round engine failed at version {self.run.version}: {type(err).__name__}: {err} "
                 f"(the last checkpoint in {self.checkpoints} is intact)"
@@ -193,14 +198,14 @@ class RoundEngine(EngineParts):
     # -- phases ------------------------------------------------------------------------------
     def _begin(self) -> None:
         if not self.members.schedulable():
-            self.phase = RunPhase.FAILED
+            self.lifecycle.to(RunPhase.FAILED)
             raise self.fleet.no_island_left()
         self.stats.start_training()
         self.clock0 = self.pool.now()
         self.startup.began()
-        self.phase = RunPhase.TRAINING
+        self.lifecycle.to(RunPhase.TRAINING)
         self.publisher.publish(self.run.version)
-        self.outputs.update_snapshot(self.phase, self.run.version)
+        self.outputs.update_snapshot(self.run.version)
 
     def _finish(self) -> None:
         """End the run: work still out is given back to the ledger (trained again on
@@ -217,7 +222,7 @@ class RoundEngine(EngineParts):
             if self.cfg.checkpoint.every_rounds:
                 self.outputs.checkpoint(self.run.version, self.rounds_done, self.capture)
             self.events.add(Event.STOPPED, version=self.run.version, rounds_done=self.rounds_done)
-        self.phase = RunPhase.STOPPED if stopped else RunPhase.FINISHED
+        self.lifecycle.to(RunPhase.STOPPED if stopped else RunPhase.FINISHED)
         if self.takes_changes:  # the run's last phase: nothing more can be asked of it
             self.inbox.ended = True
         extra = {
@@ -226,8 +231,8 @@ class RoundEngine(EngineParts):
             "warm_start": self.warm.record if self.warm is not None else None,
             "startup": self.startup.as_dict(),
         }
-        self.summary = self.outputs.summarise(self.phase, self.run.version, extra, self.ledger)
-        self.outputs.update_snapshot(self.phase, self.run.version)
+        self.summary = self.outputs.summarise(self.run.version, extra, self.ledger)
+        self.outputs.update_snapshot(self.run.version)
         self.outputs.refresh_islands()
         self.states.sweep(self.disk)  # nothing is in flight: the states no checkpoint names go
         if not (self.hands_over and self.phase == RunPhase.FINISHED):
@@ -240,8 +245,7 @@ class RoundEngine(EngineParts):
     # -- operator requests, applied between rounds ------------------------------------------------
     def _boundary(self) -> None:
         if self.pacing.between_rounds(list(self.flights.values())):
-            self.phase = self.requests.between_rounds(self.phase)
-            self.outputs.snapshot.state = self.phase
+            self.lifecycle.to(self.requests.between_rounds(self.phase))
         busy, held = self.inflight.busy(), self.inflight.held()
         self._scale(busy)
         self.members.prune(held)  # long-released islands folded into the totals (none with work to judge)
@@ -395,7 +399,7 @@ class RoundEngine(EngineParts):
     def _write_due(self) -> None:
         with self.stats.loop.timed(Part.RECORD):
             for rnd in self.due:
-                self.outputs.record(rnd, self.run.version, self._clock(), self.phase, self.capture)
+                self.outputs.record(rnd, self.run.version, self._clock(), self.capture)
             self.outputs.collect(wait=False)  # records whose evaluation came back since
         self.due.clear()
 

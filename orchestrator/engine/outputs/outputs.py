@@ -27,6 +27,7 @@ from archipelago.orchestrator.engine.commands import Inbox
 from archipelago.orchestrator.engine.outputs.evaluation import Evaluation, Evaluator, LocalEvaluator
 from archipelago.orchestrator.engine.outputs.persistence import RunCore
 from archipelago.orchestrator.engine.state.checkpoints import BackgroundSave, run_folder
+from archipelago.orchestrator.engine.state.lifecycle import Lifecycle
 from archipelago.orchestrator.engine.state.loop_time import Part
 from archipelago.orchestrator.engine.state.membership import IslandStats
 from archipelago.orchestrator.engine.state.records import DiskFaults, EventLog, Recorder
@@ -51,12 +52,13 @@ class Outputs:
         task: Task,
         model: torch.nn.Module,
         inbox: Inbox,
+        lifecycle: Lifecycle,
         resumed: bool,
         on_record: OnRecord | None = None,
         evaluator: Evaluator | None = None,
     ) -> None:
         """`core`: the run's state (its live settings, H and the quorum rule's, are there,
-        not in the config)."""
+        not in the config); `lifecycle`: the run's phase, which the status shows."""
         cfg, run_id, stats = core.cfg, core.run_id, core.stats
         self.quorum = core.quorum  # the quorum pacing's live settings, shown in the status
         self.cfg, self.run_id, self.task, self.model, self.flat, self.outer = (
@@ -73,7 +75,7 @@ class Outputs:
         self.evaluated: dict[int, Evaluation] = {}  # version -> its evaluation, the last few
         self.initial_version: int | None = None  # the version whose evaluation is the run's initial one
         self.waiting: list[tuple[RoundRecord, int | None]] = []  # records not written yet, their evaluation
-        self.phase = RunPhase.STARTING  # as of the last record
+        self.lifecycle = lifecycle
         self.eval_metrics: dict[str, float] | None = None  # the task's own, at the latest evaluation
         self.disk = DiskFaults()
         self.checkpoint_owed = False  # a checkpoint the disk refused: retried at the next record
@@ -84,7 +86,8 @@ class Outputs:
         last = stats.rounds_done if resumed else None
         self.recorder = Recorder(cfg.out_dir, cfg, last_round=last, faults=self.disk, run_id=run_id)
         self.events = EventLog(self.recorder.out / "events.jsonl", cfg.records, append=resumed, faults=self.disk)
-        self.snapshot = RunStatus(state=RunPhase.STARTING, round=stats.rounds_done, rounds=cfg.rounds)
+        self.snapshot = RunStatus(state=lifecycle.now, round=stats.rounds_done, rounds=cfg.rounds)
+        lifecycle.listen(self._moved)
         self.islands_view: dict[str, dict[str, Any]] = {}  # what /v1/islands serves (`refresh_islands`)
         self._islands_seen: tuple[Any, ...] | None = None
 
@@ -187,7 +190,7 @@ class Outputs:
             for old in sorted(folder.glob("round-*"))[: -self.cfg.export.keep]:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def record(self, rnd: int, version: int, clock_s: float, phase: RunPhase, capture: Callable[[], dict]) -> None:
+    def record(self, rnd: int, version: int, clock_s: float, capture: Callable[[], dict]) -> None:
         """Round `rnd`'s record: its evaluation asked for if due, the record written once the
         evaluation is back (records stay in round order); a checkpoint if due (or owed),
         captured once the records through this round are written, so a resumed run's records
@@ -202,16 +205,15 @@ class Outputs:
         if due:
             self._submit(version)
         self.snapshot_export(rnd)
-        self.phase = phase
         every = cfg.checkpoint.every_rounds
         if every and (rnd % every == 0 or rnd == cfg.rounds or self.checkpoint_owed):
             self.wanted = (version, rnd, capture)
         self.collect(wait=False)
-        self.update_snapshot(phase, version)
+        self.update_snapshot(version)
 
     def _write(self, entry: RoundRecord) -> None:
         self.recorder.record(entry)
-        self.update_snapshot(self.phase, entry.version)
+        self.update_snapshot(entry.version)
         if self.on_record is not None:
             self.on_record(self.status(), self.members.summary(), entry)
 
@@ -261,7 +263,7 @@ class Outputs:
             self.events.add(Event.CHECKPOINT, version=version, round=rnd, seconds=round(save.seconds, 3))
             self.states.checkpointed(named, self.disk)
 
-    def summarise(self, phase: RunPhase, version: int, extra: dict[str, Any], ledger: Any) -> dict[str, Any]:
+    def summarise(self, version: int, extra: dict[str, Any], ledger: Any) -> dict[str, Any]:
         """The run's summary (also `summary.json`), the final model and, for a task of
         another ecosystem, its export."""
         self.fence()  # every record written, the initial and last evaluations known, the checkpoint on disk
@@ -270,7 +272,7 @@ class Outputs:
         self._current_flat()
         out = self.recorder.out
         built = self.stats.summary(
-            phase, self.cfg, version, self.members, ledger, self.outer.numel, out, self.run.inner_steps
+            self.lifecycle.now, self.cfg, version, self.members, ledger, self.outer.numel, out, self.run.inner_steps
         )
         summary = Summary.model_validate(
             {
@@ -297,9 +299,13 @@ class Outputs:
         return summary.as_dict()
 
     # -- what the control plane reads ------------------------------------------------------------
-    def update_snapshot(self, phase: RunPhase, version: int) -> None:
+    def update_snapshot(self, version: int) -> None:
         last = self.recorder.last.round_seconds if self.recorder.last is not None else None
-        self.snapshot = self.stats.snapshot(phase, self.cfg, version, self.members, last)
+        self.snapshot = self.stats.snapshot(self.lifecycle.now, self.cfg, version, self.members, last)
+
+    def _moved(self, phase: RunPhase) -> None:
+        """The run's phase moved: the status shows it at once (its figures at the next record)."""
+        self.snapshot.state = phase
 
     def refresh_islands(self) -> None:
         """Rebuild the view of the islands when something happened (an event or a record)."""
