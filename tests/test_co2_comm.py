@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from archipelago.orchestrator.algorithms.outer import CO2Outer
+from archipelago.orchestrator.algorithms.outer import AdaptiveGap, CO2Outer, ConstantGap
 from archipelago.orchestrator.simulation.links import LinkConfig
 from archipelago.workers.wire.compress import decode, encode
 from archipelago.workers.wire.spec import payload_nbytes
@@ -23,30 +23,42 @@ def _co2(x: torch.Tensor, **kw) -> tuple[CO2Outer, torch.nn.Parameter]:
 def test_vector_c1_constant_penalty_and_real_clipping():
     x = torch.tensor([1.0, -0.5, 0.2], dtype=f64)
     x_start = x.clone()
-    co2, p = _co2(x, lr=1.0, momentum=0.5, clip=0.05, penalty="constant", p=2.0)
+    co2, p = _co2(x, lr=1.0, momentum=0.5, clip=0.05)
     co2.state[p]["momentum"] = torch.tensor([0.02, -0.1, 0.0], dtype=f64)
     x_bar = torch.tensor([0.9, -0.3, 0.25], dtype=f64)
     p.grad = x_start - x_bar
-    co2.step(anchor=x_start)
-    assert co2.last_gap == 0.5
+    co2.param_groups[0]["gap"] = ConstantGap(p=2.0).gap(0.0, 0.0)
+    assert co2.param_groups[0]["gap"] == 0.5 and not ConstantGap.anchored
+    co2.step()
     np.testing.assert_allclose(co2.state[p]["momentum"].numpy(), [0.05, -0.05, -0.025], atol=TOL)
     np.testing.assert_allclose(x.numpy(), [0.95, -0.45, 0.225], atol=TOL)
 
 
 def test_vector_c1_momentum_before_clipping():
     x = torch.tensor([1.0, -0.5, 0.2], dtype=f64)
-    co2, p = _co2(x, lr=1.0, momentum=0.5, clip=None, penalty="constant", p=2.0)
+    co2, p = _co2(x, lr=1.0, momentum=0.5, clip=None)
     co2.state[p]["momentum"] = torch.tensor([0.02, -0.1, 0.0], dtype=f64)
     p.grad = torch.tensor([0.1, -0.2, -0.05], dtype=f64)
-    co2.step(anchor=x.clone())
+    co2.param_groups[0]["gap"] = ConstantGap(p=2.0).gap(0.0, 0.0)
+    co2.step()
     np.testing.assert_allclose(co2.state[p]["momentum"].numpy(), [0.06, -0.15, -0.025], atol=TOL)
 
 
 def test_vector_c2_adaptive_penalty():
     x_now = torch.tensor([0.97, -0.44, 0.21], dtype=f64)
-    co2, p = _co2(x_now, penalty="adaptive", lam=1.0)
-    gap = co2.gap_penalty(p, torch.tensor([0.1, -0.2, -0.05], dtype=f64), torch.tensor([1.0, -0.5, 0.2], dtype=f64))
+    delta, x_s = torch.tensor([0.1, -0.2, -0.05], dtype=f64), torch.tensor([1.0, -0.5, 0.2], dtype=f64)
+    moved, norm = float(torch.linalg.vector_norm(x_now - x_s)), float(torch.linalg.vector_norm(delta))
+    assert AdaptiveGap(lam=1.0).gap(moved, norm) == pytest.approx(0.7716019, abs=TOL) and AdaptiveGap.anchored
+    # through the outer step, which measures both norms over the buffer from the round's anchor
+    from archipelago.orchestrator.engine.step.outer import OuterRule, OuterStep
+
+    step = OuterStep(
+        x_s.clone(), OuterRule(lambda q: (CO2Outer([q], momentum=0.0, clip=None), None), penalty=AdaptiveGap())
+    )
+    step.param.data.copy_(x_now)
+    gap = step.apply([(delta.numpy(), 1.0)], anchor=0)
     assert gap == pytest.approx(0.7716019, abs=TOL)
+    np.testing.assert_allclose(step.param.detach().numpy(), (x_now - gap * delta).numpy(), atol=TOL)
 
 
 @pytest.mark.parametrize(
@@ -91,7 +103,7 @@ def test_one_round_lag_applies_each_round_one_round_late():
     # one synchronous round, then the lag: round 2 waits for v1, round 3 starts from v1 too
     assert [start_version(t) for t in (1, 2, 3, 4, 5)] == [0, 1, 1, 2, 3]
     assert [start_version(t, base=5) for t in (6, 7, 8, 9)] == [5, 6, 6, 7]
-    cfg = RunConfig(mode="overlap", overlap=OverlapConfig(lr=1.0, momentum=0.0, clip=None))
+    cfg = RunConfig(mode="overlap", overlap=OverlapConfig(lr=1.0, momentum=0.0, clip=None, penalty="adaptive"))
     step = OuterStep(torch.zeros(2, dtype=f64), outer_rule(cfg))
     d = lambda *v: np.asarray(v, dtype=np.float64)  # noqa: E731
     step.apply([(d(0.1, 0.0), 1.0), (d(0.3, 0.0), 1.0)], anchor=start_version(1))

@@ -14,13 +14,17 @@ whose `.grad` holds the aggregated pseudo-gradient. The maths and its sources ar
   each arrival applied with weight 1/N in between — Nesterov on every asynchronous
   arrival over-accelerates.
 - `CO2Outer` (Sun et al. 2024): heavy-ball momentum on a one-round-stale pseudo-gradient
-  with a staleness gap penalty Λ and element-wise momentum clipping between the momentum
-  update and the parameter step (the authors' code discards the clip; here it clips).
+  scaled by a staleness gap penalty Λ, and element-wise momentum clipping between the
+  momentum update and the parameter step (the authors' code discards the clip; here it
+  clips). Λ is a rule of its own (`ConstantGap`, `AdaptiveGap`): the outer step computes
+  it, over the whole vector even when the vector is split over coordinator slices.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -94,70 +98,65 @@ class DelayedNesterov(torch.optim.Optimizer):
                 state["t"] += 1
 
 
-def adaptive_gap(moved: float, delta_norm: float, lam: float, eps: float = 1e-8) -> float:
+@dataclass(frozen=True)
+class ConstantGap:
+    """CO2's staleness gap penalty as the released code has it: Λ = 1/p for every update."""
+
+    p: float = 1.0
+    anchored: ClassVar[bool] = False  # reads nothing of where a round started
+
+    def __post_init__(self) -> None:
+        if self.p < 1:
+            raise ValueError(f"penalty p must be >= 1, got {self.p}")
+
+    def gap(self, moved: float, delta_norm: float) -> float:
+        return 1.0 / self.p
+
+
+@dataclass(frozen=True)
+class AdaptiveGap:
     """Λ = 1 / (1 + λ‖x_n − x_s‖ / (‖Δ‖ + ε)): shrinks an update by how far the global
-    model moved while it was in flight (a sliced coordinator sums the squared norms)."""
-    return 1.0 / (1.0 + lam * moved / (delta_norm + eps))
+    model moved while it was in flight (a sliced coordinator sums the squared norms of
+    its slices first)."""
+
+    lam: float = 1.0
+    eps: float = 1e-8
+    anchored: ClassVar[bool] = True  # ‖x_n − x_s‖ needs the parameters each round started from
+
+    def gap(self, moved: float, delta_norm: float) -> float:
+        return 1.0 / (1.0 + self.lam * moved / (delta_norm + self.eps))
+
+
+GapPenalty = ConstantGap | AdaptiveGap
+
+
+def gap_penalty(kind: str, p: float, lam: float) -> GapPenalty:
+    """`overlap.penalty`'s rule."""
+    if kind not in ("constant", "adaptive"):
+        raise ValueError(f"penalty must be 'constant' or 'adaptive', got {kind!r}")
+    return ConstantGap(p) if kind == "constant" else AdaptiveGap(lam)
 
 
 class CO2Outer(torch.optim.Optimizer):
-    """`step(anchor=x_s)` applies `.grad` = Δ = x_s − x̄ from the round that started at
-    `x_s`; `gap` overrides Λ (computed over the whole vector when this is one slice).
-    Λ of the last step is kept in `last_gap`."""
+    """`step()` applies `.grad` = Δ = x_s − x̄ from a round that started at x_s, scaled by
+    the staleness gap penalty Λ its param group holds (`gap`, set before each step by
+    whoever computed it from the rule's `GapPenalty`, as a scheduler sets `lr`): heavy-ball
+    momentum, then the element-wise clip, then the step."""
 
-    def __init__(
-        self,
-        params: Params,
-        lr: float = 1.0,
-        momentum: float = 0.0,
-        clip: float | None = 1.0,
-        penalty: str = "constant",
-        p: float = 1.0,
-        lam: float = 1.0,
-        eps: float = 1e-8,
-    ) -> None:
-        if p < 1:
-            raise ValueError(f"penalty p must be >= 1, got {p}")
-        if penalty not in ("constant", "adaptive"):
-            raise ValueError(f"penalty must be 'constant' or 'adaptive', got {penalty!r}")
-        super().__init__(
-            params, {"lr": lr, "momentum": momentum, "clip": clip, "penalty": penalty, "p": p, "lam": lam, "eps": eps}
-        )
-        self.last_gap = 1.0
-
-    def gap_penalty(self, param: torch.Tensor, delta: torch.Tensor, anchor: torch.Tensor) -> float:
-        """Λ: `constant` = 1/p (the released code); `adaptive` = `adaptive_gap` of the norms."""
-        group = self.param_groups[0]
-        if group["penalty"] == "constant":
-            return 1.0 / group["p"]
-        return adaptive_gap(
-            float(torch.linalg.vector_norm(param.detach() - anchor)),
-            float(torch.linalg.vector_norm(delta)),
-            group["lam"],
-            group["eps"],
-        )
+    def __init__(self, params: Params, lr: float = 1.0, momentum: float = 0.0, clip: float | None = 1.0) -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum, "clip": clip, "gap": 1.0})
 
     @torch.no_grad()
-    def step(  # type: ignore[override]  # no closure: .grad is a pseudo-gradient
-        self,
-        closure: None = None,
-        *,
-        anchor: torch.Tensor | None = None,
-        gap: float | None = None,
-    ) -> None:
+    def step(self, closure: None = None) -> None:  # type: ignore[override]  # no closure: .grad is a pseudo-gradient
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if gap is None and anchor is None and group["penalty"] == "adaptive":
-                    raise ValueError("the adaptive gap penalty needs the round's anchor (x_s)")
-                lam = gap if gap is not None else self.gap_penalty(p, p.grad, anchor if anchor is not None else p)
                 state = self.state[p]
                 if "momentum" not in state:
                     state["momentum"] = torch.zeros_like(p)
                 m = state["momentum"]
-                m.mul_(group["momentum"]).add_(p.grad, alpha=lam)
+                m.mul_(group["momentum"]).add_(p.grad, alpha=group["gap"])
                 if group["clip"] is not None:
                     m.clamp_(-group["clip"], group["clip"])
                 p.sub_(m, alpha=group["lr"])
-                self.last_gap = lam

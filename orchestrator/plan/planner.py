@@ -190,8 +190,11 @@ def _coordinator(
         "published": n4 * (1 + lag) if ray else 0,  # in the object store (shared memory of the node)
         "arriving": int(k * up * m.params) if s == 1 else 0,
     }
+    anchors = (1 + lag) if rule.anchored(cfg) else 0  # the versions rounds in flight started from (CO2's Λ)
     if s == 1:
         parts["outer state"] = n4 * rule.state_values(cfg)
+        if anchors:
+            parts["round starts"] = n4 * anchors
         parts[spare] = n4 * (2 if fused else 1)
     if cfg.tracks_copy:
         parts["downlink copy"] = n4
@@ -216,6 +219,8 @@ def _coordinator(
         per = n4 // s
         slice_parts = {"process": m.process + ray, "parameters": per, "outer state": per * rule.state_values(cfg)}
         slice_parts[spare] = per * (2 if fused else 1)
+        if anchors:
+            slice_parts["round starts"] = per * anchors
         slice_parts["arriving"] = int(k * up * m.params / s)
         needs.append(
             Need(

@@ -43,8 +43,10 @@ class ActorSlice:
     def gap_terms(self, key: int, weights: dict[int, float], anchor: int) -> Any:
         return self.actor.gap_terms.remote(key, weights, anchor)
 
-    def close(self, key: int, weights: dict[int, float], scale: float, anchor: int | None, gap: float | None) -> Any:
-        return self.actor.close.remote(key, weights, scale, anchor, gap)
+    def close(
+        self, key: int, weights: dict[int, float], scale: float, anchor: int | None, norms: tuple[float, float] | None
+    ) -> Any:
+        return self.actor.close.remote(key, weights, scale, anchor, norms)
 
     def discard(self, key: int) -> Any:
         return self.actor.discard.remote(key)

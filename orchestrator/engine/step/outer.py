@@ -27,6 +27,7 @@ import torch
 from archipelago.orchestrator.algorithms import fused_step
 from archipelago.orchestrator.algorithms.aggregate import WeightedMean, all_finite, sqnorm
 from archipelago.orchestrator.algorithms.fused_step import SGDRule, mean_step
+from archipelago.orchestrator.algorithms.outer import GapPenalty
 from archipelago.orchestrator.config_sections import OuterMerge
 from archipelago.orchestrator.engine.step.admission import Admission, Facts
 from archipelago.orchestrator.engine.types import Contribution, Decision, Verdict
@@ -51,9 +52,9 @@ class OuterRule:
 
     build: Callable[[torch.nn.Parameter], tuple[torch.optim.Optimizer, Scheduler | None]]
     grad_clip: float | None = None  # clip the mean's norm first (the ddp baseline, like its inner steps)
-    # CO2: the rule needs the parameters each round started from, and its step takes them
-    # (`step(anchor=, gap=)`, its Λ read back as `last_gap`)
-    anchored: bool = False
+    # CO2's staleness gap penalty Λ, set in the optimizer's param group (`gap`) before each
+    # step; an anchored one reads the parameters each round started from, kept for it
+    penalty: GapPenalty | None = None
     one_pass: bool = False  # `FlatSGD`'s step, which the fused kernel computes with the mean
     merge: OuterMerge = OuterMerge.MEAN  # how the admitted updates become the one stepped on (`MERGES`)
 
@@ -71,34 +72,37 @@ class OuterStep:
     def __init__(self, flat: torch.Tensor, rule: OuterRule) -> None:
         self.param = torch.nn.Parameter(flat, requires_grad=True)  # shares storage
         self.optimizer, self.scheduler = rule.build(self.param)
-        self.grad_clip, self.anchored = rule.grad_clip, rule.anchored
+        self.grad_clip, self.penalty = rule.grad_clip, rule.penalty
+        self.anchored = rule.penalty is not None and rule.penalty.anchored
         # the one-pass kernel and the mean taken while screening compute the plain mean only
         self.prefills = rule.merge == OuterMerge.MEAN
         self.fusable = rule.one_pass and self.prefills
         self.merge = MERGES[rule.merge]
         self.mean = WeightedMean(flat.numel(), flat.dtype)
-        self.anchors: dict[int, torch.Tensor] = {0: flat.detach().clone()} if rule.anchored else {}
+        self.anchors: dict[int, torch.Tensor] = {0: flat.detach().clone()} if self.anchored else {}
 
-    def gap_terms(self, parts: list[tuple[np.ndarray, float]], anchor: int) -> tuple[float, float, float] | None:
-        """(‖x − x_s‖², ‖Δ̄‖², λ) over this buffer when the rule's Λ is adaptive (a sliced
-        coordinator sums the norms over its slices), else None."""
-        if not self.anchored or self.optimizer.param_groups[0]["penalty"] != "adaptive":
+    def gap_terms(self, parts: list[tuple[np.ndarray, float]], anchor: int) -> tuple[float, float] | None:
+        """(‖x − x_s‖², ‖Δ̄‖²) over this buffer when the rule's Λ reads them (a sliced
+        coordinator sums them over its slices), else None."""
+        if not self.anchored:
             return None
         moved = float(torch.sum((self.param.detach() - self.anchors[anchor]) ** 2))
         # the preallocated buffer; `apply` refills it
         mean_sq = float(torch.sum(self.merge(self.mean, parts, None) ** 2))
-        return moved, mean_sq, float(self.optimizer.param_groups[0]["lam"])
+        return moved, mean_sq
 
     def apply(
         self,
         parts: list[tuple[np.ndarray, float]] | None,
         scale: float = 1.0,
         anchor: int | None = None,
-        gap: float | None = None,
+        norms: tuple[float, float] | None = None,
         sqnorms: Sequence[float] | None = None,
     ) -> float | None:
         """Step the rule on the merge of `parts` (× `scale`; None: the mean buffer already
-        holds it, filled while screening; `sqnorms`: theirs, as screened); returns CO2's Λ."""
+        holds it, filled while screening; `sqnorms`: theirs, as screened); returns CO2's Λ.
+        `norms`: (‖x − x_s‖, ‖Δ̄‖) over the whole vector, for an anchored penalty when this
+        buffer is one slice of it (else measured here)."""
         grad = self.merge(self.mean, parts, sqnorms) if parts is not None else self.mean.sum
         if scale != 1.0:
             grad.mul_(scale)
@@ -107,13 +111,17 @@ class OuterStep:
             if norm > self.grad_clip:
                 grad.mul_(self.grad_clip / norm)
         self.param.grad = grad
-        if self.anchored:
-            if anchor is None:
-                raise ValueError("an anchored (CO2) step needs the version its round started from (anchor)")
-            self.optimizer.step(anchor=self.anchors[anchor], gap=gap)  # type: ignore[call-overload]
-            gap = self.optimizer.last_gap  # type: ignore[attr-defined]
-        else:
-            self.optimizer.step()
+        gap = None
+        if self.penalty is not None:
+            if norms is None and self.anchored:
+                if anchor is None:
+                    raise ValueError("an anchored gap penalty needs the version its round started from (anchor)")
+                moved = float(torch.linalg.vector_norm(self.param.detach() - self.anchors[anchor]))
+                norms = (moved, float(torch.linalg.vector_norm(grad)))
+            gap = self.penalty.gap(*(norms or (0.0, 0.0)))
+            for group in self.optimizer.param_groups:
+                group["gap"] = gap
+        self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         self.param.grad = None
@@ -144,7 +152,7 @@ class OuterStep:
             self.fusable
             and fused_step.available()
             and self.grad_clip is None
-            and not self.anchored
+            and self.penalty is None
             and self.param.dtype == torch.float32
             and self.param.device.type == "cpu"
         ):

@@ -36,6 +36,9 @@ class RuleRow:
     optimizer: Callable[[OuterConfig, torch.nn.Parameter], torch.optim.Optimizer] | None = None
     build: Callable[[RunConfig], OuterRule] | None = None
     one_pass: bool = False  # `FlatSGD`'s step: the fused kernel computes it with the mean
+    # whether its step reads the parameters each round in flight started from (CO2's adaptive
+    # Λ): the coordinator keeps a copy of each such version (the planner's "round starts")
+    anchored: Callable[[RunConfig], bool] = lambda _: False
 
     def rule(self, cfg: RunConfig) -> OuterRule:
         return self.build(cfg) if self.build is not None else optimizer_rule(cfg.outer)
@@ -75,14 +78,21 @@ def _delayed_nesterov(cfg: RunConfig) -> OuterRule:
 
 
 def _co2(cfg: RunConfig) -> OuterRule:
-    from archipelago.orchestrator.algorithms.outer import CO2Outer
+    from archipelago.orchestrator.algorithms.outer import CO2Outer, gap_penalty
     from archipelago.orchestrator.engine.step.outer import OuterRule
 
     o = cfg.overlap
     return OuterRule(
-        lambda p: (CO2Outer([p], o.lr, o.momentum, o.clip, o.penalty, o.penalty_p, o.penalty_lambda), None),
-        anchored=True,
+        lambda p: (CO2Outer([p], o.lr, o.momentum, o.clip), None),
+        penalty=gap_penalty(o.penalty, o.penalty_p, o.penalty_lambda),
     )
+
+
+def _co2_anchored(cfg: RunConfig) -> bool:
+    from archipelago.orchestrator.algorithms.outer import gap_penalty
+
+    o = cfg.overlap
+    return gap_penalty(o.penalty, o.penalty_p, o.penalty_lambda).anchored
 
 
 def _ddp_adamw(cfg: RunConfig) -> OuterRule:
@@ -109,7 +119,7 @@ RULES: dict[RuleKind, RuleRow] = {
         RuleRow(kind=RuleKind.SPARSELOCO, optimizer=_sparseloco, state_values=lambda _: 0, one_pass=True),
         RuleRow(kind=RuleKind.ADAM, optimizer=_adam, state_values=lambda _: 2),
         RuleRow(kind=RuleKind.DELAYED_NESTEROV, build=_delayed_nesterov, state_values=lambda _: 2),
-        RuleRow(kind=RuleKind.CO2, build=_co2, state_values=lambda _: 1),
+        RuleRow(kind=RuleKind.CO2, build=_co2, state_values=lambda _: 1, anchored=_co2_anchored),
         RuleRow(kind=RuleKind.DDP_ADAMW, build=_ddp_adamw, state_values=lambda _: 2),
     )
 }

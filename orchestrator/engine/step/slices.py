@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from archipelago.orchestrator.algorithms.aggregate import all_finite, sqnorm
-from archipelago.orchestrator.algorithms.outer import adaptive_gap
 from archipelago.orchestrator.engine.step.admission import Facts
 from archipelago.orchestrator.engine.step.outer import Commit, OuterRule, OuterStep, Proposal, as_tensor
 from archipelago.orchestrator.engine.types import Contribution
@@ -83,16 +82,18 @@ class OuterSlice:
         # in island order, not arrival order: float sums depend on their order (`LocalOuter`)
         return [(d, weights[i]) for i, d in sorted(parts, key=lambda part: part[0]) if i in weights]
 
-    def gap_terms(self, key: int, weights: dict[int, float], anchor: int) -> tuple[float, float, float] | None:
+    def gap_terms(self, key: int, weights: dict[int, float], anchor: int) -> tuple[float, float] | None:
         return self.step.gap_terms(self._parts(key, weights, keep=True), anchor)
 
     def close(
-        self, key: int, weights: dict[int, float], scale: float, anchor: int | None, gap: float | None
+        self, key: int, weights: dict[int, float], scale: float, anchor: int | None, norms: tuple[float, float] | None
     ) -> float | None:
+        """Step the admitted updates; `norms`: the anchored gap penalty's, over every slice
+        (each slice computes the same Λ from them)."""
         if self.one_pass is not None and self.one_pass.take(key, weights, scale):
             self.pending.pop(key)
             return None
-        return self.step.apply(self._parts(key, weights), scale, anchor, gap)  # from the state the pass only read
+        return self.step.apply(self._parts(key, weights), scale, anchor, norms)  # from the state the pass only read
 
     def discard(self, key: int) -> None:
         self.pending.pop(key, None)
@@ -185,14 +186,12 @@ class SlicedOuter:
         if decision.fragment is not None:  # refused by the config too: the published copy lives on the coordinator
             raise ValueError("coordinator slices do not take fragment steps")
         key, weights, scale, anchor = proposal.key, decision.weights, decision.scale, decision.anchor
-        gap = None
+        norms = None
         if weights and anchor is not None:
             terms = self.calls.gather([s.gap_terms(key, weights, anchor) for s in self._slices])
             if all(t is not None for t in terms):
-                gap = adaptive_gap(
-                    math.sqrt(sum(t[0] for t in terms)), math.sqrt(sum(t[1] for t in terms)), terms[0][2]
-                )
-        return self.calls.gather([s.close(key, weights, scale, anchor, gap) for s in self._slices])[0]
+                norms = (math.sqrt(sum(t[0] for t in terms)), math.sqrt(sum(t[1] for t in terms)))
+        return self.calls.gather([s.close(key, weights, scale, anchor, norms) for s in self._slices])[0]
 
     def discard(self, proposal: Proposal) -> None:
         self.calls.gather([s.discard(proposal.key) for s in self._slices])
