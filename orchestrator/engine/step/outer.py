@@ -226,11 +226,14 @@ class OnePass:
 
 @dataclass(frozen=True, kw_only=True)
 class Proposal:
-    """A step proposed from some contributions: the facts admission judges them by, and
-    the key the outer step knows its decoded updates (and any step taken ahead) by."""
+    """A step proposed from some contributions: the facts admission judges them by, its
+    decoded updates (on one coordinator: each island's Δ, weight and squared norm as
+    screened, in island order; a sliced coordinator's stay in the slices that pulled them),
+    and the key its outer step knows any work done ahead for it by (the mean, the step)."""
 
     key: int
     facts: list[Facts]
+    updates: tuple[tuple[int, np.ndarray, float, float], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -284,8 +287,6 @@ class LocalOuter:
         else:
             self.steps = [OuterStep(flat[fragments.positions(p)].clone(), rule) for p in range(fragments.count)]
         self._keys = itertools.count()
-        # per proposal, in island order: (island, update, weight, its squared norm as screened)
-        self.pending: dict[int, list[tuple[int, np.ndarray, float, float]]] = {}
         self.filled: tuple[int, dict[int, float]] | None = None  # the update whose mean the buffer holds
 
     def _size(self, fragment: int | None) -> int:
@@ -321,12 +322,11 @@ class LocalOuter:
             sqs = [sqnorm(d) if ok else math.nan for ok, (_, d, _) in zip(fits, decoded)]
         facts = [Facts(d.size, ok and all_finite(d, q), q) for ok, q, (_, d, _) in zip(fits, sqs, decoded)]
         screened = {i: q for (i, _, _), q in zip(decoded, sqs)}
-        self.pending[key] = [(i, d, w, screened[i]) for i, d, w in ordered]
-        return Proposal(key=key, facts=facts)
+        return Proposal(key=key, facts=facts, updates=tuple((i, d, w, screened[i]) for i, d, w in ordered))
 
     def commit(self, proposal: Proposal, decision: Commit) -> float | None:
         key, weights, scale, anchor = proposal.key, decision.weights, decision.scale, decision.anchor
-        admitted = [(i, d, q) for i, d, _, q in self.pending.pop(key) if i in weights]  # island order
+        admitted = [(i, d, q) for i, d, _, q in proposal.updates if i in weights]  # island order
         parts = [(d, weights[i]) for i, d, _ in admitted]
         sqnorms = [q for _, _, q in admitted]  # the merge reads no update again for its norm
         if self.fragments is None:
@@ -344,7 +344,6 @@ class LocalOuter:
         return gap
 
     def discard(self, proposal: Proposal) -> None:
-        self.pending.pop(proposal.key, None)
         self.filled = None
 
     def anchor(self, version: int, keep_from: int) -> None:
