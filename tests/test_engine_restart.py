@@ -32,7 +32,7 @@ from archipelago.orchestrator.engine.commands import (
 )
 from archipelago.orchestrator.engine.fleet import fleet as fleet_module
 from archipelago.orchestrator.engine.state import membership
-from archipelago.orchestrator.engine.state.checkpoints import load_checkpoint
+from archipelago.orchestrator.engine.state.checkpoints import load_checkpoint, save_checkpoint
 from archipelago.orchestrator.engine.types import IslandState, RunFailed
 from archipelago.orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
 from tests.engine_scenarios import Action, check_exactly_once, drive, run_scenario, scenario_cfg
@@ -593,3 +593,29 @@ def test_settings_and_a_pause_accepted_before_a_crash_hold_after_the_restart(tmp
     third.start()
     third.step()
     assert third.status().inner_steps == 5 and not third.inbox.paused.is_set()
+
+
+def test_a_checkpoint_in_the_earlier_layout_resumes_as_one_in_this_layout_does(tmp_path):
+    """Layout 1 (before each part of the engine was saved under its own key by its own
+    `state_dict()`) kept the membership's entries at the top level: a run resumes from it
+    with the same islands, target and data as from the layout it is rewritten from."""
+    cfg = scenario_cfg(tmp_path, "diloco")
+    first, pool = in_process_engine(cfg, run_id="layout")
+    first.submit(SetTarget(islands=2))
+    drive(first, until=3)
+    folder = Path(cfg.checkpoint_dir) / "layout"
+    state = load_checkpoint(folder)
+    assert state is not None and state["format"] == 2 and state["membership"]["target"] == 2
+    earlier = {k: v for k, v in state.items() if k not in ("format", "membership")} | state["membership"]
+    save_checkpoint(folder, earlier)  # the newest checkpoint, in layout 1
+    saved = state["ledger"]["position"]
+    lost = Counter((s, i) for s, p in enumerate(first.ledger.position) for i in range(saved[s], p))
+    pool.coordinator_lost()
+    second = build_engine(cfg, pool, run_id="layout")
+    assert second.resumed and second.rounds_done == 3 and second.members.target == 2
+    assert {i: s.state for i, s in second.members.islands.items()} == {
+        i: IslandState(m["state"]) for i, m in state["membership"]["members"].items()
+    }
+    drive(second)
+    check_exactly_once(cfg, second.summary, lost)
+    assert second.summary["rounds_done"] == 6

@@ -118,7 +118,9 @@ def test_a_killed_run_resumes_with_every_islands_moments_and_a_lost_file_costs_o
     drive(first, until=4)
     killed.close()  # its islands go with it (the work they had out read its batches before)
     checkpoint = load_checkpoint(Path(cfg.checkpoint_dir) / "kill")
-    named = {int(i): m["inner_state"] for i, m in checkpoint["members"].items() if m["state"] == "training"}
+    named = {
+        int(i): m["inner_state"] for i, m in checkpoint["membership"]["members"].items() if m["state"] == "training"
+    }
     assert sorted(named) == [0, 1, 2]
     (Path(cfg.checkpoint_dir) / "kill" / FOLDER / named[1]).unlink()
     saved = checkpoint["ledger"]["position"]

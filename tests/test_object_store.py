@@ -97,7 +97,7 @@ def test_a_run_checkpointed_to_s3_is_killed_and_resumes_from_the_bucket_with_its
     ]  # fmt: skip
     assert runs_in(location) == ["bucket"]
     checkpoint = load_checkpoint(run_folder(location, "bucket"))
-    named = {int(i): m["inner_state"] for i, m in checkpoint["members"].items()}
+    named = {int(i): m["inner_state"] for i, m in checkpoint["membership"]["members"].items()}
     assert sorted(named) == [0, 1, 2] and all(f"islands/{n}" in objects for n in named.values())
     saved = checkpoint["ledger"]["position"]
     lost = Counter((s, i) for s, p in enumerate(first.ledger.position) for i in range(saved[s], p))

@@ -53,12 +53,12 @@ def test_the_ledger_refuses_miscounts_and_checkpoints_committed_work_only():
     with pytest.raises(LedgerError):  # a ticket not in flight is the engine's bug, not the island's
         ledger.check(99, {}, {})
     ledger.reserve(2, 0, [0], steps=2)  # the next round, while round 1 waits for its close
-    state = ledger.state()
+    state = ledger.state_dict()
     assert state["position"] == [0, 0] and state["tokens"] == [0, 0]
     ledger.commit(1, {0: 20, 1: 20})
-    assert ledger.state()["position"] == [2, 2]
+    assert ledger.state_dict()["position"] == [2, 2]
     restored = DataLedger(1)
-    restored.load(ledger.state())
+    restored.load_state_dict(ledger.state_dict())
     assert restored.position == [2, 2] and restored.tokens == [20, 20]
 
 

@@ -116,5 +116,5 @@ def test_the_ledger_keeps_committed_stream_states_and_refuses_malformed_ones():
     ledger.reserve(2, island=0, islands=[0], steps=4)  # in flight: a checkpoint keeps committed work only
     assert ledger.resume_points({0: 2, 1: 2}) == {0: (2, {"items": 3})}
     again = DataLedger(2)
-    again.load(ledger.state())
+    again.load_state_dict(ledger.state_dict())
     assert again.position == [2, 2] and again.resume_points({0: 2}) == {0: (2, {"items": 3})}

@@ -169,7 +169,7 @@ def assemble(
     if state is not None:
         restore(core, state)
     elif warm is not None:  # the data the warm start trained is not trained again
-        ledger.load({**warm.ledger, "tokens": [0] * cfg.num_shards})
+        ledger.load_state_dict({**warm.ledger, "tokens": [0] * cfg.num_shards})
     if state is None and init_from is None:  # version 0 is the seed's model, or the warm start's
         publisher.version0 = version0_digest(cfg, flat.data.detach().cpu().numpy())
     lifecycle = Lifecycle()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.commands import SettingsUpdate
@@ -25,6 +25,7 @@ from archipelago.orchestrator.engine.types import RunFailed
 from archipelago.orchestrator.engine.work.publisher import Publisher
 from archipelago.workers.wire.flat import FlatParams
 
+FORMAT = 2  # the checkpoint's layout: 2, each part's `state_dict()` under its own key (`upgraded` reads 1)
 RESUMABLE = ("mode", "data_shards")  # settings a checkpoint must share with the run resuming it
 
 
@@ -61,17 +62,15 @@ def capture(engine: RunCore, flights: dict[int, Flight]) -> dict[str, Any]:
     uncommitted = sum(f.result.steps for f in flights.values() if f.result is not None)
     return _containers_copied(
         {
+            "format": FORMAT,
             "run_id": engine.run_id,
             "branch": engine.cfg.checkpoint.resume_from,  # resumed from a chosen checkpoint: its number
             "config": engine.cfg.model_dump(mode="json"),
             "params": engine.flat.data.detach(),
             "version": engine.run.version,
             "outer": engine.outer.state_dict(),
-            "admission": engine.admission.state_dict(),
-            **engine.members.state(),  # members, retired, target
-            "ledger": engine.ledger.state(),
+            **{name: part.state_dict() for name, part in _parts(engine).items()},
             "completed_steps": engine.run.completed_steps - uncommitted,
-            "counters": engine.stats.state(),
             # what an operator changed mid-run (H, the quorum rule's settings; the outer lr is
             # in the outer optimizer's state): the restarted coordinator's config has the old values
             "settings": {
@@ -84,6 +83,30 @@ def capture(engine: RunCore, flights: dict[int, Flight]) -> dict[str, Any]:
     )
 
 
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def _parts(engine: RunCore) -> dict[str, Stateful]:
+    """The parts saved as their own `state_dict()` under these keys (the outer step's needs
+    the version it resumes at, and the parameters and the run's own numbers are plain)."""
+    return {
+        "admission": engine.admission,
+        "membership": engine.members,
+        "ledger": engine.ledger,
+        "counters": engine.stats,
+    }
+
+
+def upgraded(state: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint in this release's layout: one written before `format` 2 kept the
+    membership's three entries at the top level."""
+    if state.get("format", 1) < 2:
+        state = {**state, "membership": {k: state[k] for k in ("members", "retired", "target") if k in state}}
+    return state
+
+
 def _containers_copied(value: Any) -> Any:
     """`value` with every dict, list and tuple in it copied, its tensors and scalars shared."""
     if isinstance(value, dict):
@@ -94,7 +117,9 @@ def _containers_copied(value: Any) -> Any:
 
 
 def restore(engine: RunCore, state: dict[str, Any]) -> None:
-    """Put a captured state back into a freshly built engine of the same run."""
+    """Put a captured state back into a freshly built engine of the same run (in this
+    release's layout or an older one: `upgraded`)."""
+    state = upgraded(state)
     saved, cfg = state["config"], engine.cfg
     for key in RESUMABLE:
         if saved.get(key) != cfg.model_dump(mode="json").get(key):
@@ -107,11 +132,9 @@ def restore(engine: RunCore, state: dict[str, Any]) -> None:
     run = engine.run
     run.version = run.base = run.closes = state["version"]
     engine.outer.load_state_dict(state["outer"], state["version"])
-    engine.admission.load_state_dict(state["admission"])
-    engine.members.load(state)
-    engine.ledger.load(state["ledger"])
+    for name, part in _parts(engine).items():
+        part.load_state_dict(state[name])
     run.completed_steps = state["completed_steps"]
-    engine.stats.load(state["counters"])
     engine.states.load(state.get("island_states", []))  # absent from a checkpoint older than it
     # an operator's mid-run change survives a restart of the same config; a config that
     # changes the setting itself (a resume with a new file) wins over the checkpoint's

@@ -181,7 +181,7 @@ class DataLedger:
             self.position[s] = start
         return reservation
 
-    def state(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps: committed work only (a restarted coordinator redoes the rest)."""
         position = list(self.position)
         for r in self.flights.values():
@@ -195,7 +195,7 @@ class DataLedger:
             "streams": {str(s): [at, st] for s, (at, st) in self.streams.items() if at <= position[s]},
         }
 
-    def load(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.shards, self.position, self.tokens = state["shards"], list(state["position"]), list(state["tokens"])
         self.turns = {int(i): int(t) for i, t in state.get("turns", {}).items()}
         self.streams = {int(s): (int(at), st) for s, (at, st) in state.get("streams", {}).items()}

@@ -146,7 +146,7 @@ class Membership:
         return max([*self.islands, *self.pending, self.retired.last_index]) + 1
 
     # -- a checkpoint's part ------------------------------------------------------------------
-    def state(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """The islands (plain values), the released ones' totals and the target."""
         return {
             "members": {i: s.saved() for i, s in self.islands.items()},
@@ -154,7 +154,7 @@ class Membership:
             "target": self.target,
         }
 
-    def load(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Back from `state` (a checkpoint older than a field gives it its default)."""
         for i, saved in state["members"].items():
             self.islands[int(i)] = IslandStats.restored(saved)

@@ -259,10 +259,10 @@ class RunStats:
             "out_dir": str(out.resolve()),
         }
 
-    def state(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {**{k: getattr(self, k) for k in COUNTERS}, "train_elapsed": time.perf_counter() - self.t_train}
 
-    def load(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         for k in COUNTERS:
             setattr(self, k, state.get(k, getattr(self, k)))  # a checkpoint older than a counter: from 0
         self.train_elapsed = state["train_elapsed"]
