@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -96,7 +97,12 @@ _SHARED_RAY: dict[str, str] = {}  # the GCS address of the local instance `ray_l
 def ray_local():
     """One local Ray instance shared by the tests that ask for it, across modules (starting
     Ray costs seconds each time). A module with its own cluster shuts Ray down first; the
-    next test that asks for this one starts it again. Shut down at the end of the session."""
+    next test that asks for this one starts it again. Shut down at the end of the session.
+
+    After each test, any run it left on the instance is ended (`_end_leftover_runs`): a
+    test that fails mid-run would otherwise leave its coordinator and islands holding the
+    instance's CPUs, and every Ray test after it waits for placements until its timeout
+    (seen once: a failed chaos test's run starved the next test for its whole 600 s)."""
     import ray
 
     ours = ray.is_initialized() and ray.get_runtime_context().gcs_address == _SHARED_RAY.get("address")
@@ -117,7 +123,26 @@ def ray_local():
                     raise
                 ray.shutdown()  # once more: on 2 loaded cores a start once took longer than Ray waits
         _SHARED_RAY["address"] = ray.get_runtime_context().gcs_address
-    return ray
+    yield ray
+    _end_leftover_runs(ray)
+
+
+def _end_leftover_runs(ray) -> None:
+    """Kill every run actor (coordinators, islands, slices) still named on the shared
+    instance, and remove its placement groups."""
+    from archipelago.orchestrator.runtime.names import NAMESPACE
+
+    if not ray.is_initialized() or ray.get_runtime_context().gcs_address != _SHARED_RAY.get("address"):
+        return  # the test shut the shared instance down, or replaced it: nothing of it is left
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == NAMESPACE:
+            with contextlib.suppress(ValueError):  # gone meanwhile
+                ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE), no_restart=True)
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    for pg_id, info in ray.util.placement_group_table().items():  # islands of several workers hold bundles
+        if info["state"] != "REMOVED":
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
 
 
 @contextmanager

@@ -173,52 +173,57 @@ def test_rest_chaos_with_killed_islands_and_coordinator(ray_local, tmp_path, mon
     unauthenticated: list[int] = []
     malformed: list[int] = []
     coordinator = ray.get_actor(coordinator_name(run_id), namespace=NAMESPACE)
-    while thread.is_alive() and time.time() < deadline + 240:
-        rnd = _round(client)
-        if rnd >= 3 and "add" not in done:
-            done.add("add")
-            r = client.until_accepted("POST", "/v1/islands", {"count": 1})
-            adds += r.status_code == 202
-        if rnd >= 4 and "attack" not in done:
-            done.add("attack")
-            for method, path, body in MUTATIONS:
-                for variant in UNAUTHENTICATED:
-                    content = json.dumps(body).encode() if body is not None else b""
-                    r = client.call(method, path, headers=dict(variant), content=content, who="attacker")
-                    unauthenticated.append(r.status_code)
-            for body in rng.sample(MALFORMED, len(MALFORMED)):
-                method, path, _ = rng.choice([MUTATIONS[0], MUTATIONS[1], MUTATIONS[6]])
-                headers = {**AUTH, "content-type": "application/json"}
-                malformed.append(client.call(method, path, headers=headers, content=body).status_code)
-        if rnd >= 5 and "kill island" not in done:
-            done.add("kill island")
-            _kill_island(run_id, client)
-        if rnd >= 7 and "kill coordinator 1" not in done:
-            done.add("kill coordinator 1")
-            ray.kill(coordinator, no_restart=False)
-        if rnd >= 11 and "pause" not in done:
-            done.add("pause")
-            assert client.until_accepted("POST", "/v1/run/pause").status_code == 202
-            time.sleep(1.0)
-            assert client.until_accepted("POST", "/v1/run/resume").status_code == 202
-        if rnd >= 13 and "settings" not in done:
-            done.add("settings")
-            assert client.until_accepted("PATCH", "/v1/run/settings", {"outer_lr": 0.7}).status_code == 202
-        if rnd >= 15 and "drain" not in done:
-            done.add("drain")
-            islands = client.call("GET", "/v1/islands").json()
-            victim = max(i["id"] for i in islands if i["state"] == "training")
-            drains += client.until_accepted("DELETE", f"/v1/islands/{victim}").status_code == 202
-        if rnd >= 17 and "kill coordinator 2" not in done:
-            done.add("kill coordinator 2")
-            ray.kill(coordinator, no_restart=False)
-            # the last fault is made while the run is held: after the restart its remaining
-            # rounds took a second or two, and once they ended before a poll saw round 20
-            assert client.until_accepted("POST", "/v1/run/pause").status_code == 202
-            done.add("kill island 2")
-            _kill_island(run_id, client)
-            assert client.until_accepted("POST", "/v1/run/resume").status_code == 202
-        time.sleep(0.1)
+    try:
+        while thread.is_alive() and time.time() < deadline + 240:
+            rnd = _round(client)
+            if rnd >= 3 and "add" not in done:
+                done.add("add")
+                r = client.until_accepted("POST", "/v1/islands", {"count": 1})
+                adds += r.status_code == 202
+            if rnd >= 4 and "attack" not in done:
+                done.add("attack")
+                for method, path, body in MUTATIONS:
+                    for variant in UNAUTHENTICATED:
+                        content = json.dumps(body).encode() if body is not None else b""
+                        r = client.call(method, path, headers=dict(variant), content=content, who="attacker")
+                        unauthenticated.append(r.status_code)
+                for body in rng.sample(MALFORMED, len(MALFORMED)):
+                    method, path, _ = rng.choice([MUTATIONS[0], MUTATIONS[1], MUTATIONS[6]])
+                    headers = {**AUTH, "content-type": "application/json"}
+                    malformed.append(client.call(method, path, headers=headers, content=body).status_code)
+            if rnd >= 5 and "kill island" not in done:
+                done.add("kill island")
+                _kill_island(run_id, client)
+            if rnd >= 7 and "kill coordinator 1" not in done:
+                done.add("kill coordinator 1")
+                ray.kill(coordinator, no_restart=False)
+            if rnd >= 11 and "pause" not in done:
+                done.add("pause")
+                assert client.until_accepted("POST", "/v1/run/pause").status_code == 202
+                time.sleep(1.0)
+                assert client.until_accepted("POST", "/v1/run/resume").status_code == 202
+            if rnd >= 13 and "settings" not in done:
+                done.add("settings")
+                assert client.until_accepted("PATCH", "/v1/run/settings", {"outer_lr": 0.7}).status_code == 202
+            if rnd >= 15 and "drain" not in done:
+                done.add("drain")
+                islands = client.call("GET", "/v1/islands").json()
+                victim = max(i["id"] for i in islands if i["state"] == "training")
+                drains += client.until_accepted("DELETE", f"/v1/islands/{victim}").status_code == 202
+            if rnd >= 17 and "kill coordinator 2" not in done:
+                done.add("kill coordinator 2")
+                ray.kill(coordinator, no_restart=False)
+                # the last fault is made while the run is held: after the restart its remaining
+                # rounds took a second or two, and once they ended before a poll saw round 20
+                assert client.until_accepted("POST", "/v1/run/pause").status_code == 202
+                done.add("kill island 2")
+                _kill_island(run_id, client)
+                assert client.until_accepted("POST", "/v1/run/resume").status_code == 202
+            time.sleep(0.1)
+    except BaseException:  # a step above failed: end the run it drives, never leave it holding Ray
+        client.call("POST", "/v1/run/stop")
+        thread.join(timeout=120)
+        raise
     thread.join(timeout=240)
     stop_reading.set()
     reader.join(timeout=30)

@@ -18,18 +18,43 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
+from archipelago.workers.runtime.island_spec import IslandSpec
 from archipelago.workers.runtime.order_steps import Tail, Tally
+from archipelago.workers.runtime.shard_streams import ShardStreams
 from archipelago.workers.runtime.uplink import encode_update
+from archipelago.workers.tasks.task import Task
+from archipelago.workers.wire.compress import ErrorFeedback
+from archipelago.workers.wire.flat import ParamStore
+from archipelago.workers.wire.fragments import Fragments
 from archipelago.workers.wire.messages import SavedState, Wire, WorkOrder
 from archipelago.workers.wire.spec import IslandRound
 
-if TYPE_CHECKING:
-    from archipelago.workers.runtime.island import Island
+
+class Island(Protocol):
+    """What a strategy uses of its island (`workers/runtime/island.py`): the training loop's
+    steps and the buffers a round starts from and is measured against."""
+
+    spec: IslandSpec
+    device: torch.device
+    task: Task
+    data: ShardStreams
+    flat: ParamStore
+    start: torch.Tensor  # the parameters the round started from
+    copy: torch.Tensor | None  # the published parameters as the island holds them (a tracked copy)
+    fragments: Fragments | None
+    feedback: dict[int | None, ErrorFeedback]
+    tail: Tail | None
+
+    def train_on(self, batches: Iterable[tuple[int, Any]], tally: Tally, *, stoppable: bool = False) -> bool: ...
+    def inner_step(self, batch: Any) -> tuple[torch.Tensor, int]: ...
+    def forward_backward(self, batch: Any) -> tuple[torch.Tensor, int]: ...
+    def save_state(self) -> SavedState | None: ...
 
 
 class Stopped(RuntimeError):
