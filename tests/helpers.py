@@ -203,3 +203,19 @@ def run_tokens(cfg: RunConfig) -> int:
     budget every row of a benchmark must share)."""
     per_step = cfg.task.kwargs["batch_size"] * cfg.task.kwargs["context"]
     return cfg.islands.count * cfg.rounds * cfg.inner_steps * per_step
+
+
+def coordinator_plan(cfg: RunConfig, params: int = 1000) -> Any:
+    """The plan's coordinator need for `cfg` with a model of `params` parameters and nothing
+    else measured (every other figure 0), on this machine: what the plan counts per
+    parameter, read without measuring a model."""
+    from archipelago.orchestrator.plan.cluster import this_machine
+    from archipelago.orchestrator.plan.memory import ModelMemory
+    from archipelago.orchestrator.plan.planner import make_plan
+
+    model = ModelMemory(
+        params=params, process=0, runtime=0, outer_runtime=0, uplink_bytes_per_value=4.0, data=0, train_rows=1,
+        train_peak=0, train_parts=dict.fromkeys(("optimizer_state", "gradients", "activations_and_temporaries"), 0),
+        eval_rows=1, eval_peak=0, eval_set=0, measure_s=0.0,
+    )  # fmt: skip
+    return next(n for n in make_plan(cfg, model, this_machine()).needs if n.process == "coordinator")

@@ -12,6 +12,7 @@ from archipelago.orchestrator.config_sections import OuterOptimizer
 from archipelago.orchestrator.engine.step.outer import OuterStep
 from archipelago.orchestrator.engine.step.rules import RULES, rule_of
 from archipelago.orchestrator.modes import RuleKind
+from tests.helpers import coordinator_plan
 
 SETS = {
     RuleKind.NESTEROV: ["mode=diloco"],
@@ -59,20 +60,11 @@ def test_co2_keeps_the_round_starts_only_for_a_penalty_that_reads_them_and_the_p
     """CO2's constant Λ (the default) reads nothing of where a round started: no copy of
     any version is kept for it; the adaptive Λ keeps the versions rounds in flight started
     from, and the plan counts them on the coordinator."""
-    from archipelago.orchestrator.plan.cluster import this_machine
-    from archipelago.orchestrator.plan.memory import ModelMemory
-    from archipelago.orchestrator.plan.planner import make_plan
-
     cfg = load_config(None, ["mode=overlap", f"overlap.penalty={penalty}", "warm_start.steps=0"])
     step = OuterStep(torch.zeros(64), rule_of(cfg).rule(cfg))
     for version in (1, 2, 3):
         step.apply([(torch.randn(64).numpy(), 1.0)], anchor=version - 1)
         step.anchor(version, keep_from=version - 1)
     assert sorted(step.anchors) == ([2, 3] if anchored else [])
-    model = ModelMemory(
-        params=1000, process=0, runtime=0, outer_runtime=0, uplink_bytes_per_value=4.0, data=0, train_rows=1,
-        train_peak=0, train_parts=dict.fromkeys(("optimizer_state", "gradients", "activations_and_temporaries"), 0),
-        eval_rows=1, eval_peak=0, eval_set=0, measure_s=0.0,
-    )  # fmt: skip
-    coordinator = next(n for n in make_plan(cfg, model, this_machine()).needs if n.process == "coordinator")
+    coordinator = coordinator_plan(cfg)
     assert coordinator.parts.get("round starts", 0) == (2 * 4 * 1000 if anchored else 0)

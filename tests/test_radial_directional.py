@@ -16,6 +16,7 @@ from archipelago.orchestrator.engine.step.rules import optimizer_rule
 from archipelago.orchestrator.engine.types import Contribution
 from archipelago.orchestrator.engine.warm_start import warm_config
 from tests.engine_scenarios import run_scenario, scenario_cfg
+from tests.helpers import coordinator_plan
 
 F64 = np.float64
 
@@ -113,15 +114,6 @@ def test_mode_async_merges_radially_by_default_where_it_can():
 def test_the_plan_sizes_the_coordinators_spare_buffers_by_the_merge(sets, spare, copies):
     """A run that merges radially never holds the one-pass kernel's two spare vectors, only
     the mean buffer: the plan counts what the coordinator will hold."""
-    from archipelago.orchestrator.plan.cluster import this_machine
-    from archipelago.orchestrator.plan.memory import ModelMemory
-    from archipelago.orchestrator.plan.planner import make_plan
-
     cfg = load_config(None, ["warm_start.steps=0", *sets])
-    model = ModelMemory(
-        params=1000, process=0, runtime=0, outer_runtime=0, uplink_bytes_per_value=4.0, data=0, train_rows=1,
-        train_peak=0, train_parts=dict.fromkeys(("optimizer_state", "gradients", "activations_and_temporaries"), 0),
-        eval_rows=1, eval_peak=0, eval_set=0, measure_s=0.0,
-    )  # fmt: skip
-    coordinator = next(n for n in make_plan(cfg, model, this_machine()).needs if n.process == "coordinator")
+    coordinator = coordinator_plan(cfg)
     assert coordinator.parts[spare] == copies * 4 * 1000
