@@ -142,8 +142,18 @@ def _round(client: Client) -> int:
 
 
 def _kill_island(run_id: str, client: Client) -> int:
-    islands = client.call("GET", "/v1/islands").json()
-    victim = max(i["id"] for i in islands if i["state"] == "training")
+    """Kill the highest-numbered training island's actor. Just after a coordinator restart
+    no island shows as training until the new coordinator has re-attached them (seen once:
+    an empty list, and the test failed): wait for one, within a minute."""
+    deadline = time.time() + 60
+    while True:
+        islands = client.call("GET", "/v1/islands").json()
+        training = [i["id"] for i in islands if i["state"] == "training"] if isinstance(islands, list) else []
+        if training or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert training, f"no island training a minute after asking: {islands}"
+    victim = max(training)
     ray.kill(ray.get_actor(island_name(run_id, victim), namespace=NAMESPACE), no_restart=True)
     return victim
 
