@@ -142,9 +142,16 @@ def _round(client: Client) -> int:
 
 
 def _kill_island(run_id: str, client: Client) -> int:
-    """Kill the highest-numbered training island's actor. Just after a coordinator restart
-    no island shows as training until the new coordinator has re-attached them (seen once:
-    an empty list, and the test failed): wait for one, within a minute."""
+    """Kill the highest-numbered training island's actor."""
+    victim = _last_training(client)
+    ray.kill(ray.get_actor(island_name(run_id, victim), namespace=NAMESPACE), no_restart=True)
+    return victim
+
+
+def _last_training(client: Client) -> int:
+    """The highest-numbered island training. Just after a coordinator restart no island
+    shows as training until the new coordinator has re-attached them (seen once: an empty
+    list, and the test failed): waited for, within a minute."""
     deadline = time.time() + 60
     while True:
         islands = client.call("GET", "/v1/islands").json()
@@ -153,9 +160,7 @@ def _kill_island(run_id: str, client: Client) -> int:
             break
         time.sleep(0.2)
     assert training, f"no island training a minute after asking: {islands}"
-    victim = max(training)
-    ray.kill(ray.get_actor(island_name(run_id, victim), namespace=NAMESPACE), no_restart=True)
-    return victim
+    return max(training)
 
 
 def test_rest_chaos_with_killed_islands_and_coordinator(ray_local, tmp_path, monkeypatch):
@@ -217,8 +222,7 @@ def test_rest_chaos_with_killed_islands_and_coordinator(ray_local, tmp_path, mon
                 assert client.until_accepted("PATCH", "/v1/run/settings", {"outer_lr": 0.7}).status_code == 202
             if rnd >= 15 and "drain" not in done:
                 done.add("drain")
-                islands = client.call("GET", "/v1/islands").json()
-                victim = max(i["id"] for i in islands if i["state"] == "training")
+                victim = _last_training(client)
                 drains += client.until_accepted("DELETE", f"/v1/islands/{victim}").status_code == 202
             if rnd >= 17 and "kill coordinator 2" not in done:
                 done.add("kill coordinator 2")
