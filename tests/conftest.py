@@ -1,6 +1,6 @@
 """Shared fixtures and guard rails.
 
-- With `-n 2` (pytest-xdist), two processes: tests marked `ray` or `alone` one after another
+- Two processes by default (pytest-xdist, `-n 2` in pyproject): tests marked `ray` or `alone` one after another
   on one of them, the rest on the other (`tests/ray_apart.py`).
 - One local Ray instance shared across modules, started only when a test asks for it.
 - Per-test time limits (pytest-timeout): `timeout` in pyproject for unit tests, a longer one
