@@ -268,26 +268,14 @@ class RunConfig(Strict):
 
     @model_validator(mode="after")
     def _warm_steps(self) -> RunConfig:
-        """Resolve `warm_start.steps: null` (auto) once, so every part of the run reads one number."""
         w = self.warm_start
-        if w.steps is None:
-            scratch = self.init_from is None and mode_of(self).pseudo_gradients
-            w.steps = max(self.total_inner_steps // 4, self.inner.warmup_steps) if scratch else 0
-        if w.steps and not mode_of(self).pseudo_gradients and w.path is None:
+        if self.warm_steps and not mode_of(self).pseudo_gradients and w.path is None:
             raise ValueError(
                 f"warm_start.steps in mode {self.mode.value} needs warm_start.path (it continues a finished warm "
                 "start; there is no fork to train one for)"
             )
         if w.path is not None and not Path(w.path).is_dir():
             raise ValueError(f"warm_start.path: no such folder: {w.path}")
-        return self
-
-    @model_validator(mode="after")
-    def _merge(self) -> RunConfig:
-        """Resolve `outer.merge: null` as the mode's row says (RDA for mode async on one
-        coordinator, the mean elsewhere)."""
-        if self.outer.merge is None:
-            self.outer.merge = mode_of(self).merge(self)
         return self
 
     @field_validator("out_dir")
@@ -334,9 +322,9 @@ class RunConfig(Strict):
                 "outer.optimizer sparseloco steps without momentum: it needs compression.error_feedback = true "
                 "(and a lossy compression.codec such as topk:0.02+int2)"
             )
-        if self.outer.merged != OuterMerge.MEAN and (not row.pseudo_gradients or self.coordinator.shards > 1):
+        if self.merge != OuterMerge.MEAN and (not row.pseudo_gradients or self.coordinator.shards > 1):
             raise ValueError(
-                f"outer.merge {self.outer.merged.value} needs a DiLoCo-family mode on one coordinator "
+                f"outer.merge {self.merge.value} needs a DiLoCo-family mode on one coordinator "
                 "(coordinator.shards = 1: each island's norm and the merged direction span every slice)"
             )
         self._check_read()
@@ -417,8 +405,20 @@ class RunConfig(Strict):
 
     @property
     def warm_steps(self) -> int:
-        """Inner steps trained before the fork (resolved: never null after validation)."""
-        return self.warm_start.steps or 0
+        """Inner steps trained before the fork: `warm_start.steps`, or where it is null (auto)
+        a quarter of the run's inner steps (at least the inner warmup) for a DiLoCo-family
+        run trained from scratch, none otherwise. Derived here, not written back into the
+        section, so a config dumped and loaded again says what its user set."""
+        if self.warm_start.steps is not None:
+            return self.warm_start.steps
+        scratch = self.init_from is None and mode_of(self).pseudo_gradients
+        return max(self.total_inner_steps // 4, self.inner.warmup_steps) if scratch else 0
+
+    @property
+    def merge(self) -> OuterMerge:
+        """`outer.merge`, or where it is null what the mode's row says (RDA for mode async on
+        one coordinator, the mean elsewhere)."""
+        return self.outer.merge if self.outer.merge is not None else mode_of(self).merge(self)
 
     @property
     def schedule_steps(self) -> int:

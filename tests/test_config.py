@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from archipelago.orchestrator.cli import main
+from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.config_load import ConfigError, load_config
 
 
@@ -158,3 +159,20 @@ def test_exponent_floats_are_numbers_in_files_and_overrides(tmp_path):
     cfg = load_config(path, [], check_task=False)
     assert cfg.outer.lr == 0.7 and cfg.task.kwargs["architecture"] == {"rope_theta": 10000.0}
     assert isinstance(cfg.task.kwargs["architecture"]["rope_theta"], float)
+
+
+def test_what_the_config_derives_it_keeps_out_of_the_sections_the_user_set():
+    """Auto values (`warm_start.steps: null`, `outer.merge: null`) are derived by the run's
+    config, not written back into their sections: the sections say what the user set, a
+    config dumped and loaded again is the same config, and the derived values follow a
+    change of what they derive from."""
+    from archipelago.orchestrator.config_sections import OuterMerge
+
+    cfg = load_config(None, ["mode=async", "rounds=8", "inner_steps=50"])
+    assert cfg.warm_start.steps is None and cfg.outer.merge is None
+    assert cfg.warm_steps == 100 and cfg.merge == OuterMerge.RADIAL_DIRECTIONAL
+    again = RunConfig.model_validate(cfg.model_dump(mode="json"))
+    assert again == cfg and again.warm_steps == 100
+    longer = cfg.model_copy(update={"rounds": 16})
+    assert longer.warm_steps == 200  # a quarter of the run, as the field says: not the value resolved before
+    assert load_config(None, ["mode=async", "coordinator.shards=2"]).merge == OuterMerge.MEAN

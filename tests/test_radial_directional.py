@@ -96,18 +96,18 @@ def test_a_run_merging_radially_trains_each_batch_once(tmp_path, mode):
 def test_it_is_refused_where_it_cannot_be_taken(sets):
     with pytest.raises(ConfigError, match=r"outer.merge radial_directional needs a DiLoCo-family mode"):
         load_config(None, ["outer.merge=radial_directional", *sets])
-    assert load_config(None, sets).outer.merge == OuterMerge.MEAN
+    assert load_config(None, sets).merge == OuterMerge.MEAN
 
 
 def test_mode_async_merges_radially_by_default_where_it_can():
     """RDA ended lower than the mean in 11 of 12 bench fleet runs: mode async takes it
     unless asked otherwise or sliced; the other modes (and the warm start) keep the mean."""
-    assert load_config(None, ["mode=async"]).outer.merge == OuterMerge.RADIAL_DIRECTIONAL
-    assert load_config(None, ["mode=async", "outer.merge=mean"]).outer.merge == OuterMerge.MEAN
-    assert load_config(None, ["mode=async", "coordinator.shards=2"]).outer.merge == OuterMerge.MEAN
+    assert load_config(None, ["mode=async"]).merge == OuterMerge.RADIAL_DIRECTIONAL
+    assert load_config(None, ["mode=async", "outer.merge=mean"]).merge == OuterMerge.MEAN
+    assert load_config(None, ["mode=async", "coordinator.shards=2"]).merge == OuterMerge.MEAN
     for mode in ("diloco", "overlap", "streaming"):
-        assert load_config(None, [f"mode={mode}", "inner_steps=48"]).outer.merge == OuterMerge.MEAN
-    assert warm_config(load_config(None, ["mode=async"])).outer.merge == OuterMerge.MEAN
+        assert load_config(None, [f"mode={mode}", "inner_steps=48"]).merge == OuterMerge.MEAN
+    assert warm_config(load_config(None, ["mode=async"])).merge == OuterMerge.MEAN
 
 
 @pytest.mark.parametrize(("sets", "spare", "copies"), [([], "one-pass spares", 2), (["mode=async"], "mean buffer", 1)])

@@ -290,7 +290,7 @@ def head_load(
         inner_steps=cfg.inner_steps,
         up_bytes=up_bytes,
         down_bytes=down_bytes,
-        merge="radial" if cfg.outer.merged == OuterMerge.RADIAL_DIRECTIONAL else "mean",
+        merge="radial" if cfg.merge == OuterMerge.RADIAL_DIRECTIONAL else "mean",
         uplink=cfg.compression.codec,
         downlink=cfg.compression.downlink,
         state_values=rule_of(cfg).state_values(cfg),

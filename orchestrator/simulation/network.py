@@ -153,7 +153,7 @@ class Network:
 
     @property
     def merge(self) -> str:
-        return "radial" if self.cfg.outer.merged == OuterMerge.RADIAL_DIRECTIONAL else "mean"
+        return "radial" if self.cfg.merge == OuterMerge.RADIAL_DIRECTIONAL else "mean"
 
     def seconds(self) -> dict[str, float]:
         """Where the head's time went: stepping, and its card moving bytes in and out."""

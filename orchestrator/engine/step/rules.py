@@ -137,12 +137,12 @@ def takes_one_pass(cfg: RunConfig) -> bool:
     without building the rule."""
     from archipelago.orchestrator.algorithms.fused_step import available
 
-    return rule_of(cfg).one_pass and cfg.outer.merged == OuterMerge.MEAN and available()
+    return rule_of(cfg).one_pass and cfg.merge == OuterMerge.MEAN and available()
 
 
 def outer_rule(cfg: RunConfig) -> OuterRule:
     """How to build the outer optimizer of a run of `cfg` (also built by each coordinator slice)."""
-    return dataclasses.replace(rule_of(cfg).rule(cfg), merge=cfg.outer.merged)
+    return dataclasses.replace(rule_of(cfg).rule(cfg), merge=cfg.merge)
 
 
 def optimizer_rule(outer: OuterConfig) -> OuterRule:
