@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -184,6 +185,22 @@ class CoordinatorConfig(Strict):
 
 
 _FAMILY = modes_where(lambda m: m.pseudo_gradients)  # the DiLoCo family, for errors
+# what only a run whose islands send pseudo-gradients for an outer optimizer of the
+# coordinator's own can do: (the setting, whether a config sets it, what the other modes do)
+_FAMILY_ONLY: tuple[tuple[str, Callable[[RunConfig], bool], str], ...] = (
+    ("coordinator.shards > 1", lambda c: c.coordinator.shards > 1, "steps on one coordinator"),
+    ("compression.downlink", lambda c: c.tracks_copy, "receives exact parameters"),
+    (
+        "outer.merge radial_directional",
+        lambda c: c.merge != OuterMerge.MEAN,
+        "averages gradients, which have no merge of their own",
+    ),
+    (
+        "inner.optimizer muon",
+        lambda c: c.inner.optimizer == "muon",
+        "steps the islands' optimizer on the coordinator, over the flat parameter (Muon needs whole matrices)",
+    ),
+)
 RUN_PLACEHOLDER = "{run_id}"  # in `out_dir`: the run's own folder
 
 
@@ -304,27 +321,24 @@ class RunConfig(Strict):
         row = mode_of(self)
         if not row.drops and self.outer.drop_prob:
             raise ValueError(f"outer.drop_prob applies to mode {modes_where(lambda m: m.drops)} only")
-        if not row.pseudo_gradients and self.coordinator.shards > 1:
-            raise ValueError(
-                f"coordinator.shards > 1 needs a DiLoCo-family mode ({_FAMILY}); "
-                f"mode {self.mode.value} steps on one coordinator"
-            )
+        if not row.pseudo_gradients:
+            for setting, is_set, why in _FAMILY_ONLY:
+                if is_set(self):
+                    raise ValueError(f"{setting} needs a DiLoCo-family mode ({_FAMILY}): mode {self.mode.value} {why}")
         if self.tracks_copy:
             self._check_tracked_copy()
         a = self.asynchronous
         a.check_quorum(a.quorum, self.islands.count)
-        if self.inner.optimizer == "muon" and (not row.pseudo_gradients or self.islands.workers > 1):
-            raise ValueError(
-                "inner.optimizer muon needs whole matrices on one worker: a DiLoCo-family mode and islands.workers = 1"
-            )
+        if self.inner.optimizer == "muon" and self.islands.workers > 1:
+            raise ValueError("inner.optimizer muon needs whole matrices on one worker: islands.workers = 1")
         if self.outer.optimizer == OuterOptimizer.SPARSELOCO and not self.compression.error_feedback:
             raise ValueError(
                 "outer.optimizer sparseloco steps without momentum: it needs compression.error_feedback = true "
                 "(and a lossy compression.codec such as topk:0.02+int2)"
             )
-        if self.merge != OuterMerge.MEAN and (not row.pseudo_gradients or self.coordinator.shards > 1):
+        if self.merge != OuterMerge.MEAN and self.coordinator.shards > 1:
             raise ValueError(
-                f"outer.merge {self.merge.value} needs a DiLoCo-family mode on one coordinator "
+                f"outer.merge {self.merge.value} needs one coordinator "
                 "(coordinator.shards = 1: each island's norm and the merged direction span every slice)"
             )
         self._check_read()
@@ -358,13 +372,7 @@ class RunConfig(Strict):
                     )
 
     def _check_tracked_copy(self) -> None:
-        row = mode_of(self)
-        what = f"mode {self.mode.value}" if row.tracks_copy else "compression.downlink"
-        if not row.pseudo_gradients:
-            raise ValueError(
-                f"compression.downlink needs a DiLoCo-family mode ({_FAMILY}): mode {self.mode.value} receives "
-                "exact parameters"
-            )
+        what = f"mode {self.mode.value}" if mode_of(self).tracks_copy else "compression.downlink"
         if self.coordinator.shards > 1:
             raise ValueError(f"{what} needs coordinator.shards = 1 (the published copy lives on the coordinator)")
         if self.islands.workers > 1 and self.islands.sharding == Sharding.FSDP:

@@ -33,6 +33,7 @@ def test_what_needs_pseudo_gradients_is_refused_where_a_row_has_none(mode):
         ("coordinator.shards=2", "coordinator.shards > 1 needs a DiLoCo-family mode"),
         ("compression.downlink=int8", "compression.downlink needs a DiLoCo-family mode"),
         ("outer.merge=radial_directional", "needs a DiLoCo-family mode"),
+        ("inner.optimizer=muon", "inner.optimizer muon needs a DiLoCo-family mode"),
     ):
         with pytest.raises(ConfigError, match=needs):
             load_config(None, [f"mode={mode.value}", "warm_start.steps=0", setting])

@@ -92,9 +92,12 @@ def test_a_run_merging_radially_trains_each_batch_once(tmp_path, mode):
     assert summary["state"] == "finished" and summary["final_eval_loss"] < summary["initial_eval_loss"]
 
 
-@pytest.mark.parametrize("sets", [["coordinator.shards=2"], ["mode=ddp", "warm_start.steps=0"]])
-def test_it_is_refused_where_it_cannot_be_taken(sets):
-    with pytest.raises(ConfigError, match=r"outer.merge radial_directional needs a DiLoCo-family mode"):
+@pytest.mark.parametrize(
+    ("sets", "needs"),
+    [(["coordinator.shards=2"], "one coordinator"), (["mode=ddp", "warm_start.steps=0"], "a DiLoCo-family mode")],
+)
+def test_it_is_refused_where_it_cannot_be_taken(sets, needs):
+    with pytest.raises(ConfigError, match=rf"outer.merge radial_directional needs {needs}"):
         load_config(None, ["outer.merge=radial_directional", *sets])
     assert load_config(None, sets).merge == OuterMerge.MEAN
 
