@@ -148,9 +148,9 @@ def test_a_second_control_plane_on_the_node_takes_the_next_free_port_of_its_rang
     import socket
 
     from archipelago.api.server import ControlPlane, bind_first_free
-    from tests.http_server import free_port
+    from tests.http_server import free_port, free_port_range
 
-    base = free_port()
+    base = free_port_range(3)
     token = TokenSource(TOKEN + "-long-enough")
     first = ControlPlane(FakeRun(), "127.0.0.1", base, token, ports=3)
     second = ControlPlane(FakeRun(), "127.0.0.1", base, token, ports=3)

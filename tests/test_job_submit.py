@@ -23,7 +23,7 @@ import torch
 from archipelago.orchestrator.engine.state.checkpoints import load_checkpoint, one_run
 from tests.conftest import REPO
 from tests.helpers import TINY_LM
-from tests.http_server import free_port
+from tests.http_server import free_port, free_port_range
 from tests.ray_processes import stop_ray
 
 pytestmark = pytest.mark.ray
@@ -309,20 +309,6 @@ def _lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-def _free_pair() -> int:
-    """A port whose next is free too (the two runs' control planes take one each)."""
-    import socket
-
-    while True:
-        base = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", base + 1))
-            except OSError:
-                continue
-        return base
-
-
 def test_two_runs_submitted_to_one_cluster_at_once_both_finish_each_with_its_own_control_plane(
     cluster, tmp_path, corpus_cache
 ):
@@ -332,7 +318,7 @@ def test_two_runs_submitted_to_one_cluster_at_once_both_finish_each_with_its_own
     both are held at once (so both served together), checked to answer for its own run,
     resumed, and both jobs finish with their own outputs."""
     env, address = cluster
-    base = _free_pair()
+    base = free_port_range(2)  # the two runs' control planes take one each
     runs = {name: (tmp_path / name, secrets.token_hex(16)) for name in ("archipelago-a", "archipelago-b")}
     sets = ["islands.count=1", "rounds=3", "inner_steps=10", "api.ports=2"]
     for name, (out, token) in runs.items():
