@@ -167,6 +167,14 @@ class CoordinatorConfig(Strict):
     optimizer state, and receives 1/S of every pseudo-gradient straight from the islands."""
 
     shards: int = Field(1, ge=1, le=256, description="coordinator shards S (1: the coordinator steps alone)")
+    slice_resource: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_.\-]*$",
+        description="a Ray custom resource each shard takes one unit of: on a cluster whose slice nodes offer one "
+        "each (the manifests' slices worker group: archipelago_slice), every shard runs on a node of its own, so "
+        "the islands' bytes in and the outer state split S ways over S network cards and memories, and the plan "
+        "checks each shard against that node; null: the shards are spread over whatever nodes there are",
+    )
     threads: int | None = Field(
         None,
         ge=1,
@@ -335,11 +343,6 @@ class RunConfig(Strict):
             raise ValueError(
                 "outer.optimizer sparseloco steps without momentum: it needs compression.error_feedback = true "
                 "(and a lossy compression.codec such as topk:0.02+int2)"
-            )
-        if self.merge != OuterMerge.MEAN and self.coordinator.shards > 1:
-            raise ValueError(
-                f"outer.merge {self.merge.value} needs one coordinator "
-                "(coordinator.shards = 1: each island's norm and the merged direction span every slice)"
             )
         self._check_read()
         row.check_inner_steps(self, self.inner_steps)

@@ -10,7 +10,7 @@ chosen here, and an outer rule from `engine/step/rules.py`'s.
 | ----------- | -------------- | --------------------------------------- | ----------------------------------- | -------------- | ------- |
 | `diloco`    | `diloco`       | barrier (DyLU: a quorum of every island) | `outer.optimizer`                  | inner steps    | drops islands' updates (`outer.drop_prob`) |
 | `ddp`       | none           | gradients                               | the islands' AdamW on the mean gradient | a gradient | no pseudo-gradients |
-| `async`     | `asynchronous` | per arrival, or the quorum rule          | `outer.optimizer` or Delayed Nesterov | inner steps  | merges by RDA on one coordinator |
+| `async`     | `asynchronous` | per arrival, or the quorum rule          | `outer.optimizer` or Delayed Nesterov | inner steps  | merges by RDA |
 | `overlap`   | `overlap`      | one-round lag                            | CO2                                 | inner steps, or eager | a result lags one version |
 | `streaming` | `streaming`    | fragments, or the quorum over segments   | `outer.optimizer`                   | fragments      | islands track the published copy |
 
@@ -157,11 +157,11 @@ def _async_rule(cfg: RunSettings) -> RuleKind:
     return RuleKind.DELAYED_NESTEROV if delayed else _outer_optimizer(cfg)
 
 
-def _async_merge(cfg: RunSettings) -> OuterMerge:
-    """Radial-Directional Averaging where it won `bench fleet` (the quorum merges islands of
-    different speeds and ages) and can run (one coordinator: each island's norm spans every
-    slice)."""
-    return OuterMerge.RADIAL_DIRECTIONAL if cfg.coordinator.shards == 1 else OuterMerge.MEAN
+def _async_merge(_cfg: RunSettings) -> OuterMerge:
+    """Radial-Directional Averaging, where it won `bench fleet` (the quorum merges islands
+    of different speeds and ages); on one coordinator or its slices alike (they sum each
+    island's norm exactly)."""
+    return OuterMerge.RADIAL_DIRECTIONAL
 
 
 def _streaming_pacing(cfg: RunSettings) -> PacingKind:

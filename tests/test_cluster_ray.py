@@ -166,3 +166,37 @@ def test_a_sigterm_to_a_nodes_ray_start_is_a_preemption_notice_for_its_island(cl
     assert summary["islands"][str(island)]["state"] == "drained"
     assert summary["shards"]["tokens"] == summary["shards"]["position"]
     assert summary["islands"]["4"]["rounds_contributed"] > 0
+
+
+def test_coordinator_slices_each_take_a_node_offering_the_slice_resource(cluster, tmp_path):
+    """`coordinator.slice_resource`: each slice actor lands on a node of its own among those
+    offering the resource (the manifests' slices group), none on the island nodes, and the
+    run trains as a sliced one does, with RDA across the slices (mode async's default)."""
+    from ray.util.state import list_actors
+
+    c, _ = cluster
+    slice_nodes = [c.add_node(num_cpus=0, resources={"archipelago_slice": 1}) for _ in range(2)]
+    try:
+        c.wait_for_nodes()
+        wanted = {n.node_id for n in slice_nodes}
+        thread, box, _ = _started(
+            tmp_path,
+            "slicenodes",
+            8,
+            "mode=async",
+            "coordinator.shards=2",
+            "coordinator.slice_resource=archipelago_slice",
+            "compression.chunk=16",
+            islands=2,
+        )
+        placed = {
+            a.node_id
+            for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+            if (a.name or "").startswith("archipelago-slicenodes-slice-")
+        }
+        thread.join(timeout=120)
+        assert box["summary"]["state"] == "finished" and box["summary"]["outer_steps"] >= 8
+        assert placed == wanted  # two slices, two nodes, both offering the resource
+    finally:
+        for node in slice_nodes:
+            c.remove_node(node)

@@ -140,9 +140,21 @@ def test_manifests_match_the_code():
     assert "WORKDIR /app" in dockerfile and "rayproject/ray:2.60.0" in dockerfile
 
 
-def _ray_pods(spec: dict) -> list[tuple[dict, dict]]:
-    """(container, pod spec) of the head and each worker group."""
-    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+SLICES = "slices"  # the coordinator slices' worker group
+
+
+def _island_groups(spec: dict) -> list[dict]:
+    """The worker groups islands run on (GPU nodes), not the coordinator slices' nodes."""
+    return [g for g in spec["workerGroupSpecs"] if g["groupName"] != SLICES]
+
+
+def _slice_group(spec: dict) -> dict:
+    return next(g for g in spec["workerGroupSpecs"] if g["groupName"] == SLICES)
+
+
+def _ray_pods(spec: dict, islands_only: bool = False) -> list[tuple[dict, dict]]:
+    """(container, pod spec) of the head and each worker group (or each islands' one)."""
+    groups = [spec["headGroupSpec"], *(_island_groups(spec) if islands_only else spec["workerGroupSpecs"])]
     return [(g["template"]["spec"]["containers"][0], g["template"]["spec"]) for g in groups]
 
 
@@ -154,7 +166,7 @@ def test_every_ray_pod_has_a_writable_hugging_face_cache_and_the_optional_hub_to
     it), at paths huggingface_hub itself reads from these variables."""
     spec = manifest(file)["spec"]
     spec = spec.get("rayClusterSpec", spec)
-    for container, pod in _ray_pods(spec):
+    for container, pod in _ray_pods(spec, islands_only=True):  # a slice reads no data
         env = {e["name"]: e.get("value") for e in container["env"]}
         mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
         volumes = {v["name"]: v for v in pod["volumes"]}
@@ -317,10 +329,11 @@ def test_every_pod_runs_unprivileged_as_the_images_user_with_resources():
         mounts = [m for c in spec["containers"] for m in c.get("volumeMounts", [])]
         if (
             "head" not in where and "submitter" not in where
-        ):  # islands read the shared volume and write only their state under checkpoint.path
+        ):  # islands read the shared volume and write only their state under checkpoint.path; slices, nothing
             local = {v["name"] for v in spec.get("volumes", []) if "emptyDir" in v}  # the pod's own scratch
             writable = [m for m in mounts if not m.get("readOnly") and m["name"] not in local]
-            assert [(m["mountPath"], m["subPath"]) for m in writable] == [(CHECKPOINTS, "checkpoints")], where
+            expected = [] if where.endswith(SLICES) else [(CHECKPOINTS, "checkpoints")]
+            assert [(m["mountPath"], m["subPath"]) for m in writable] == expected, where
             for config in ("config/run-config.yaml", "hf-llama-config.yaml"):  # islands/ lies under it
                 assert f"{manifest(config)['checkpoint']['path']}/".startswith(f"{CHECKPOINTS}/"), config
     for spec in (manifest("raycluster.yaml")["spec"], manifest("job/rayjob.yaml")["spec"]["rayClusterSpec"]):
@@ -535,7 +548,7 @@ def test_a_worker_pods_sigterm_drains_its_node_before_the_kubelet_kills_it(file)
     period runs out and the kubelet kills what is left."""
     spec = manifest(file)["spec"]
     spec = spec.get("rayClusterSpec", spec)
-    for group in spec["workerGroupSpecs"]:
+    for group in _island_groups(spec):  # a slice lost restarts the coordinator, drained or not
         pod = group["template"]["spec"]
         env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
         drain = float(env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"])
@@ -606,7 +619,7 @@ def test_each_clouds_component_fits_its_named_machine_and_gives_the_volume_a_cla
     clusters = [d["spec"].get("rayClusterSpec", d["spec"]) for d in docs if d["kind"] in ("RayCluster", "RayJob")]
     assert clusters
     for spec in clusters:
-        (group,) = spec["workerGroupSpecs"]
+        (group,) = _island_groups(spec)
         pod = group["template"]["spec"]
         selector = pod["nodeSelector"]
         machine = selector["node.kubernetes.io/instance-type"]
@@ -645,7 +658,7 @@ def test_gpu_workers_keep_torch_compiles_caches_on_the_node(file):
     assert InnerConfig().compile is None and InnerConfig().compiles_on("cuda") and not InnerConfig().compiles_on("cpu")
     spec = manifest(file)["spec"]
     spec = spec.get("rayClusterSpec", spec)
-    for group in spec["workerGroupSpecs"]:
+    for group in _island_groups(spec):
         pod = group["template"]["spec"]
         container = pod["containers"][0]
         env = {e["name"]: e.get("value") for e in container["env"]}

@@ -36,8 +36,11 @@ def test_quantities_and_manifests_read_as_kubernetes_does():
     a, b = from_manifest(CLUSTER), from_manifest(REPO / "k8s" / "job" / "rayjob.yaml")
     assert a.head == b.head and a.workers == b.workers  # the RayJob carries the same cluster
     assert a.head.memory == 16 * 2**30 and not a.head.hosts_islands  # num-cpus 0: no island on the head
-    (gpu,) = a.workers
+    gpu, slices = a.workers
     assert gpu.gpus == 1 and gpu.memory == 32 * 2**30 and gpu.accelerator_memory == 80 * 2**30 and gpu.count == 8
+    # the coordinator slices' nodes: one archipelago_slice each, no CPU for Ray to place an island on
+    assert slices.name == "slices" and slices.resources == {"archipelago_slice": 1.0} and slices.count == 8
+    assert not slices.hosts_islands and a.island_node(1) == gpu and a.offering("archipelago_slice") == slices
 
 
 def test_the_flagship_config_fits_the_cluster_it_ships_for(capsys, tmp_path):
@@ -64,6 +67,39 @@ def test_the_flagship_config_fits_the_cluster_it_ships_for(capsys, tmp_path):
     assert preemption["up_bytes"] == report["link"]["up_bytes"]
     assert preemption["gbps"] == pytest.approx(report["link"]["up_bytes"] * 8 / 24.5 / 1e9)
     assert any(line.startswith("preemption: a SIGTERM drains an island's node for 25 s") for line in lines), lines
+
+
+SCALED = [  # the flagship's Llama at 824 M parameters (hidden 2,048, 16 layers), 16 islands, H = 100
+    *("--set", "task.kwargs.model_config.hidden_size=2048"),
+    *("--set", "task.kwargs.model_config.intermediate_size=5632"),
+    *("--set", "task.kwargs.model_config.num_hidden_layers=16"),
+    *("--set", "task.kwargs.model_config.num_attention_heads=16"),
+    *("--set", "islands.count=16", "--set", "inner_steps=100"),
+]
+
+
+def test_coordinator_slices_on_nodes_of_their_own_are_each_checked_against_that_node(capsys, tmp_path):
+    """`coordinator.slice_resource`: each slice on a node of the group offering it, its memory
+    and its object store checked there (not "any node", unchecked); more slices than the
+    group has nodes, or a resource no node offers, refused naming the setting."""
+    sliced = [*SCALED, "--set", "coordinator.shards=4", "--set", "coordinator.slice_resource=archipelago_slice"]
+    _, _, report = _plan(capsys, tmp_path, "--cluster", CLUSTER, LLAMA, *sliced)
+    needs = {(p["process"], p["memory"]): p for p in report["processes"]}
+    host, store = needs["coordinator slice", "host"], needs["coordinator slice's objects", "object store"]
+    assert host["node"] == store["node"] == "slices" and host["count"] == 4
+    assert host["available"] == 64 * 2**30 and host["fits"] and store["available"] == 24 * 2**30 and store["fits"]
+    per = 4 * report["model"]["params"] // 4
+    assert host["parts"]["parameters"] == per and store["parts"]["arriving"] == host["parts"]["arriving"]
+    assert not any("slice" in p for p in report["problems"]), report["problems"]
+    code, _, report = _plan(capsys, tmp_path, "--cluster", CLUSTER, LLAMA, *sliced, "--set", "coordinator.shards=9")
+    assert code == 2 and any(
+        "coordinator.shards = 9" in p and "slices group offers at most 8" in p for p in report["problems"]
+    ), report["problems"]
+    code, _, report = _plan(capsys, tmp_path, LLAMA, *sliced)  # this machine offers no archipelago_slice
+    assert code == 2 and any(
+        p.startswith("coordinator.slice_resource = archipelago_slice: no node of this machine")
+        for p in report["problems"]
+    ), report["problems"]
 
 
 def test_a_cluster_that_does_not_say_how_its_nodes_drain_plans_no_preemption(capsys, tmp_path):

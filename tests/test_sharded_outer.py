@@ -23,9 +23,10 @@ from archipelago.workers.wire.messages import Sliced
 
 NUMEL, CHUNK = 5000, 256
 
-# mode async merges by Radial-Directional Averaging by default, which needs whole norms and
-# is refused with coordinator.shards > 1: these rules are compared at the mean they slice by
+# mode async merges by Radial-Directional Averaging by default, whose norms span every
+# slice (summed exactly across them); the rules are compared at the mean too
 MEAN = "outer.merge=mean"
+RDA = "outer.merge=radial_directional"
 RULES = {
     "diloco nesterov": ["mode=diloco"],
     "diloco sgd": ["mode=diloco", "outer.optimizer=sgd"],
@@ -44,6 +45,12 @@ RULES = {
     "async reject": ["mode=async", MEAN, "asynchronous.rule=delayed_nesterov", "asynchronous.max_staleness=1"],
     "overlap constant": ["mode=overlap", "overlap.momentum=0.5", "overlap.penalty_p=2", "overlap.clip=0.05"],
     "overlap adaptive": ["mode=overlap", "overlap.momentum=0.5", "overlap.penalty=adaptive"],
+    "async quorum rda": ["mode=async"],
+    "async delayed nesterov rda": ["mode=async", "asynchronous.rule=delayed_nesterov", "asynchronous.c=0.2"],
+    "diloco rda": ["mode=diloco", RDA],
+    "diloco adam rda": ["mode=diloco", RDA, "outer.optimizer=adam", "outer.lr=0.01"],
+    "overlap rda": ["mode=overlap", RDA, "overlap.momentum=0.5", "overlap.penalty_p=2"],
+    "overlap adaptive rda": ["mode=overlap", RDA, "overlap.momentum=0.5", "overlap.penalty=adaptive"],
 }
 
 
@@ -73,7 +80,9 @@ class _Side:
         rule = outer_rule(cfg)
         self.flat = flat
         self.outer = (
-            SlicedOuter(flat, bounds, LocalSlices(rule, flat.numpy(), bounds)) if bounds else LocalOuter(flat, rule)
+            SlicedOuter(flat, bounds, LocalSlices(rule, flat.numpy(), bounds), rule.merge)
+            if bounds
+            else LocalOuter(flat, rule)
         )
         self.admission = build_policies(cfg, NUMEL).admission
         self.version = 0
@@ -113,7 +122,7 @@ def test_sliced_outer_step_equals_one_coordinator(rule, shards):
                 )
             reasons += a.rejected.values()
         sliced.outer.copy_to(sliced.flat)
-        tol = 1e-12 if rule == "overlap adaptive" else 0.0  # Λ's norms are summed per slice
+        tol = 1e-12 if rule.startswith("overlap adaptive") else 0.0  # Λ's norms are summed per slice
         assert torch.allclose(sliced.flat, single.flat, rtol=0, atol=tol), rule
     assert sliced.version == single.version and sliced.outer.lr() == pytest.approx(single.outer.lr())
     assert any("non-finite" in r for r in reasons), reasons

@@ -1,5 +1,6 @@
 """The sharded coordinator in real Ray runs: S = 2 trains the same model as S = 1 (sync
-DiLoCo; round results may arrive in another order, so equal to float rounding), and a
+DiLoCo, merging by the mean or by RDA; round results may arrive in another order, so equal
+to float rounding), and a
 lost shard is rebuilt from the run's checkpoint (the path `--resume` takes too). The
 sliced outer step in async and overlap is checked in process (test_runs_in_process.py)."""
 
@@ -33,9 +34,11 @@ def _final(path):
     return torch.cat([t.reshape(-1) for t in torch.load(path, weights_only=True).values()])
 
 
-def test_two_shards_train_the_same_model_as_one(ray_local, tmp_path, corpus_cache):
-    one = run(_cfg(tmp_path, corpus_cache, "s1"), show_progress=False)
-    two = run(_cfg(tmp_path, corpus_cache, "s2", "coordinator.shards=2"), show_progress=False)
+@pytest.mark.parametrize("merge", ["mean", "radial_directional"])
+def test_two_shards_train_the_same_model_as_one(ray_local, tmp_path, corpus_cache, merge):
+    """With RDA the slice actors also take the direction and send their parts of its norm."""
+    one = run(_cfg(tmp_path, corpus_cache, "s1", f"outer.merge={merge}"), show_progress=False)
+    two = run(_cfg(tmp_path, corpus_cache, "s2", "coordinator.shards=2", f"outer.merge={merge}"), show_progress=False)
     assert two["outer_steps"] == one["outer_steps"] == 3
     assert two["bytes_communicated"] == one["bytes_communicated"]
     assert two["final_eval_loss"] == pytest.approx(one["final_eval_loss"], abs=1e-5)

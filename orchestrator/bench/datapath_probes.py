@@ -87,7 +87,8 @@ class _Aggregator:
         self.outer: Outer
         if cfg.coordinator.shards > 1:
             bounds = slice_bounds(numel, cfg.coordinator.shards, cfg.compression.chunk)
-            self.outer = SlicedOuter(flat, bounds, start_slices(cfg, flat.numpy(), bounds, "datapath"))
+            calls = start_slices(cfg, flat.numpy(), bounds, "datapath")
+            self.outer = SlicedOuter(flat, bounds, calls, outer_rule(cfg).merge)
         else:
             self.outer = LocalOuter(flat, outer_rule(cfg))
         self.admission = policies.admission

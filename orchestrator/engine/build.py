@@ -91,13 +91,14 @@ def build_engine(
         groups = task.layer_groups(model) if isinstance(task, FragmentedTask) else None
         fragments = fragment_model(model, cfg.streaming.fragments, groups)
     outer: Outer
+    rule = outer_rule(cfg)
     if cfg.coordinator.shards > 1:
         bounds = slice_bounds(flat.numel, cfg.coordinator.shards, cfg.compression.chunk)
         params = flat.data.detach().numpy()
-        calls = slices(cfg, params, bounds) if slices is not None else LocalSlices(outer_rule(cfg), params, bounds)
-        outer = SlicedOuter(flat.data, bounds, calls)
+        calls = slices(cfg, params, bounds) if slices is not None else LocalSlices(rule, params, bounds)
+        outer = SlicedOuter(flat.data, bounds, calls, rule.merge)
     else:
-        outer = LocalOuter(flat.data, outer_rule(cfg), fragments)
+        outer = LocalOuter(flat.data, rule, fragments)
     return assemble(
         cfg=cfg,
         run_id=run_id,

@@ -10,6 +10,7 @@ machine, where a local run puts every process on one host and they share its mem
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -60,6 +61,8 @@ class NodeKind:
     drain_s: float | None = None
     link_gbps: float | None = None  # its network card, Gbit/s (the annotation `LINK_GBPS`); None: not stated
     object_store: int | None = None  # its Ray object store, bytes (`object-store-memory`); None: Ray's default
+    # the Ray custom resources it offers (`ray start --resources`), e.g. a slice node's archipelago_slice
+    resources: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def object_store_bytes(self) -> int | None:
@@ -99,6 +102,33 @@ class Cluster:
                 return kind
         return None
 
+    def offering(self, resource: str) -> NodeKind | None:
+        """The kind of worker node that offers the custom `resource` (a slice node), if any."""
+        return next((kind for kind in self.workers if kind.resources.get(resource, 0) > 0), None)
+
+
+_RAY_BUILT_IN = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def custom_resources(text: str | dict[str, Any] | None) -> dict[str, float]:
+    """`rayStartParams.resources` as KubeRay takes it: a JSON object inside a quoted string
+    (`'"{\\"archipelago_slice\\": 1}"'`), or the object itself."""
+    if text is None:
+        return {}
+    if isinstance(text, dict):
+        found: Any = text
+    else:
+        raw = str(text).strip()
+        if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+            raw = raw[1:-1].replace('\\"', '"')
+        try:
+            found = json.loads(raw)
+        except json.JSONDecodeError:
+            raise ClusterError(f"rayStartParams.resources {text!r} is not a JSON object of resources") from None
+    if not isinstance(found, dict) or not all(isinstance(v, int | float) for v in found.values()):
+        raise ClusterError(f"rayStartParams.resources {text!r} is not a JSON object of resources")
+    return {str(k): float(v) for k, v in found.items()}
+
 
 def _container(template: dict[str, Any]) -> dict[str, Any]:
     containers = (template.get("spec") or {}).get("containers") or []
@@ -135,6 +165,7 @@ def _kind(name: str, group: dict[str, Any], count: int) -> NodeKind:
         drain_s=float(env[DRAIN_ENV]) if env.get(DRAIN_ENV) is not None else None,
         link_gbps=link_gbps,
         object_store=int(params["object-store-memory"]) if params.get("object-store-memory") is not None else None,
+        resources=custom_resources(params.get("resources")),
     )
 
 
@@ -179,6 +210,11 @@ def ray_nodes(*, leave_out: str | None = None) -> list[NodeKind]:
                 cpus=float(r.get("CPU", 0)),
                 gpus=float(r.get("GPU", 0)),
                 hosts_islands=bool(r.get("CPU", 0) or r.get("GPU", 0)),
+                resources={
+                    k: float(v)
+                    for k, v in r.items()
+                    if k not in _RAY_BUILT_IN and not k.startswith(("node:", "accelerator_type:"))
+                },
             )
         )
     return kinds

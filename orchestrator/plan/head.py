@@ -109,7 +109,7 @@ class HeadLoad:
     @property
     def phases(self) -> dict[str, float]:
         """Seconds a round, each phase at the head; with slices, each on a node of its own
-        (Ray spreads them), the bytes and the step split over them (each slice's node takes
+        (`coordinator.slice_resource`), the bytes and the step split over them (each slice's node takes
         its part of every island's bytes and of the step), the checkpoint does not: the
         coordinator pulls every slice's part in through its card and writes it alone."""
         card = self.link_gbps * 1e9 / 8
@@ -163,8 +163,10 @@ class HeadLoad:
             )
             return out
         need = max(self.slices + 1, math.ceil(split / (budget - fixed)))
-        radial = " with the mean merge (RDA needs whole norms: it is not sliced)" if self.merge == "radial" else ""
-        out.append(f"coordinator.shards >= {need}, each slice on a node of its own (Ray spreads them){radial}")
+        out.append(
+            f"coordinator.shards >= {need}, each slice on a node of its own (coordinator.slice_resource: "
+            "archipelago_slice, the manifests' slices group)"
+        )
         return out
 
     def lines(self) -> list[str]:

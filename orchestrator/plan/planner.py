@@ -175,10 +175,11 @@ class Plan:
 
 
 def _coordinator(
-    cfg: RunConfig, m: ModelMemory, up: float, head: NodeKind, eval_batch_bytes: int, ray: int
+    cfg: RunConfig, m: ModelMemory, up: float, cluster: Cluster, eval_batch_bytes: int, ray: int
 ) -> list[Need]:
     n4 = 4 * m.params
     k = cfg.islands.count
+    head = cluster.head
     rule, fused = rule_of(cfg), takes_one_pass(cfg)
     spare = "one-pass spares" if fused else "mean buffer"
     lag = mode_of(cfg).lag
@@ -222,12 +223,50 @@ def _coordinator(
         if anchors:
             slice_parts["round starts"] = per * anchors
         slice_parts["arriving"] = int(k * up * m.params / s)
+        node = cluster.offering(cfg.coordinator.slice_resource) if cfg.coordinator.slice_resource else None
         needs.append(
             Need(
-                process="coordinator slice", memory="host", node="any node", parts=slice_parts, available=None, count=s
+                process="coordinator slice",
+                memory="host",
+                node=node.name if node is not None else "any node",
+                parts=slice_parts,
+                available=node.memory if node is not None else None,
+                count=s,
             )
         )
+        if node is not None and ray:  # its part of every island's update, pulled into its node's store
+            needs.append(
+                Need(
+                    process="coordinator slice's objects",
+                    memory="object store",
+                    node=node.name,
+                    parts={"arriving": slice_parts["arriving"]},
+                    available=node.object_store_bytes,
+                    count=s,
+                )
+            )
     return needs
+
+
+def _slice_refusals(cfg: RunConfig, cluster: Cluster) -> list[str]:
+    """Slices that ask for nodes of their own (`coordinator.slice_resource`) need one node
+    offering that resource per slice."""
+    resource, s = cfg.coordinator.slice_resource, cfg.coordinator.shards
+    if resource is None or s == 1:
+        return []
+    node = cluster.offering(resource)
+    if node is None:
+        return [
+            f"coordinator.slice_resource = {resource}: no node of {cluster.source} offers it (a slice node's "
+            f"`ray start --resources`: the manifests' slices group); unset it to spread the slices over any nodes"
+        ]
+    offered = node.resources[resource] * node.count
+    if s > offered:
+        return [
+            f"coordinator.shards = {s} slices take one {resource} each; the {node.name} group offers at most "
+            f"{offered:g} ({node.count} nodes of {node.resources[resource]:g}): raise its maxReplicas or lower the shards"
+        ]
+    return []
 
 
 def _island(cfg: RunConfig, m: ModelMemory, up: float, node: NodeKind, ray: int) -> list[Need]:
@@ -410,7 +449,7 @@ def make_plan(
     up = model.uplink_bytes_per_value
     eval_batch_bytes = model.eval_set
     ray = RAY_WORKER_BYTES if under_ray else 0
-    needs = _coordinator(cfg, model, up, cluster.head, eval_batch_bytes, ray)
+    needs = _coordinator(cfg, model, up, cluster, eval_batch_bytes, ray)
     island_node = cluster.island_node(cfg.islands.gpus) or cluster.head
     needs += _island(cfg, model, up, island_node, ray)
     if cfg.evaluation.where == EvalPlace.ACTOR:
@@ -430,7 +469,7 @@ def make_plan(
     )
     drain = island_node.drain_s
     warm = warm_load(cfg, model.params, link_gbps=gbps, step_s=step_s)
-    refusals = _refusals(cfg, cluster, model)
+    refusals = [*_refusals(cfg, cluster, model), *_slice_refusals(cfg, cluster)]
     if warm is not None and not cluster.single_host and (why := warm.refusal()) is not None:
         refusals.append(why)
     return Plan(

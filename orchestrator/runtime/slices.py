@@ -40,13 +40,22 @@ class ActorSlice:
     def inspect(self, key: int, parts: list[tuple[int, Any]], weights: dict[int, float], scale: float = 1.0) -> Any:
         return self.actor.inspect.remote(key, parts, weights, scale)
 
-    def gap_terms(self, key: int, weights: dict[int, float], anchor: int) -> Any:
-        return self.actor.gap_terms.remote(key, weights, anchor)
+    def direct(self, key: int, along: dict[int, float]) -> Any:
+        return self.actor.direct.remote(key, along)
+
+    def gap_terms(self, key: int, weights: dict[int, float], anchor: int, factor: float | None = None) -> Any:
+        return self.actor.gap_terms.remote(key, weights, anchor, factor)
 
     def close(
-        self, key: int, weights: dict[int, float], scale: float, anchor: int | None, norms: tuple[float, float] | None
+        self,
+        key: int,
+        weights: dict[int, float],
+        scale: float,
+        anchor: int | None,
+        norms: tuple[float, float] | None,
+        factor: float | None = None,
     ) -> Any:
-        return self.actor.close.remote(key, weights, scale, anchor, norms)
+        return self.actor.close.remote(key, weights, scale, anchor, norms, factor)
 
     def discard(self, key: int) -> Any:
         return self.actor.discard.remote(key)
@@ -90,19 +99,23 @@ class RaySlices:
 
 
 def start_slices(cfg: RunConfig, params: np.ndarray, bounds: list[tuple[int, int]], run_id: str) -> RaySlices:
-    """S slice actors (SPREAD over nodes, no CPU reserved: their work is a few vector ops
-    per step) owned by the coordinator, so they go when it goes and a restarted coordinator
-    rebuilds them from its checkpoint. Named `archipelago-<run>-slice-<k>-<id>` (the id
-    differs per coordinator incarnation) so operators find them in `ray list actors`."""
+    """S slice actors (no CPU reserved: their work is a few vector ops per step) owned by
+    the coordinator, so they go when it goes and a restarted coordinator rebuilds them from
+    its checkpoint. Each takes a unit of `coordinator.slice_resource` where it is set (the
+    slice nodes offer one each: a node of its own per slice, the head's card and memory
+    spared), else Ray spreads them. Named `archipelago-<run>-slice-<k>-<id>` (the id differs
+    per coordinator incarnation) so operators find them in `ray list actors`."""
     incarnation = uuid.uuid4().hex[:6]
+    resource = cfg.coordinator.slice_resource
+    placement: dict[str, Any] = {"resources": {resource: 1}} if resource else {"scheduling_strategy": "SPREAD"}
     actors = [
         ray.remote(RemoteOuterSlice)
         .options(
             name=slice_name(run_id, k, incarnation),
             namespace=NAMESPACE,
             num_cpus=0,
-            scheduling_strategy="SPREAD",
             max_concurrency=1,
+            **placement,
         )
         .remote(cfg, b, params[b[0] : b[1]])
         for k, b in enumerate(bounds)

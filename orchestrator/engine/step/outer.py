@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from archipelago.orchestrator.algorithms import fused_step
-from archipelago.orchestrator.algorithms.aggregate import WeightedMean, all_finite, sqnorm
+from archipelago.orchestrator.algorithms.aggregate import WeightedMean, all_finite, exact_sqnorm, sqnorm
 from archipelago.orchestrator.algorithms.fused_step import SGDRule, mean_step
 from archipelago.orchestrator.algorithms.outer import GapPenalty
 from archipelago.orchestrator.config_sections import OuterMerge
@@ -38,11 +38,28 @@ Scheduler = torch.optim.lr_scheduler.LRScheduler
 
 
 # how the admitted updates become the one the rule steps on (`outer.merge`), given the
-# updates' squared norms when the screen measured them (None: the merge measures what it needs)
-Merge = Callable[[WeightedMean, Sequence[tuple[np.ndarray, float]], Sequence[float] | None], torch.Tensor]
-MERGES: dict[OuterMerge, Merge] = {
-    OuterMerge.MEAN: lambda mean, parts, _sqnorms: mean.fill(parts),
-    OuterMerge.RADIAL_DIRECTIONAL: WeightedMean.radial_directional,
+# updates' squared norms when the screen measured them (None: the merge measures what it
+# needs) and the rows its norms are summed over
+Merge = Callable[[WeightedMean, Sequence[tuple[np.ndarray, float]], Sequence[float] | None, int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class MergeRow:
+    """One `outer.merge`: how it combines the admitted updates, and what the rest of the
+    step reads of it."""
+
+    combine: Merge
+    # the screen's pass can take the merge with the norms (the weighted mean, which the
+    # one-pass kernel computes too)
+    prefills: bool
+    # it reads whole-vector norms, measured by `exact_sqnorm` so that coordinator slices
+    # sum them to the same bits (`SlicedOuter` exchanges them as scalars)
+    exact_norms: bool
+
+
+MERGES: dict[OuterMerge, MergeRow] = {
+    OuterMerge.MEAN: MergeRow(lambda mean, parts, _sq, _rows: mean.fill(parts), prefills=True, exact_norms=False),
+    OuterMerge.RADIAL_DIRECTIONAL: MergeRow(WeightedMean.radial_directional, prefills=False, exact_norms=True),
 }
 
 
@@ -57,6 +74,9 @@ class OuterRule:
     penalty: GapPenalty | None = None
     one_pass: bool = False  # `FlatSGD`'s step, which the fused kernel computes with the mean
     merge: OuterMerge = OuterMerge.MEAN  # how the admitted updates become the one stepped on (`MERGES`)
+    # values per row of a merge's exact norms: the run's compression.chunk (`outer_rule`), on
+    # which coordinator slices' bounds fall (512 is that setting's default)
+    norm_rows: int = 512
 
 
 def as_tensor(x: np.ndarray) -> torch.Tensor:
@@ -74,22 +94,32 @@ class OuterStep:
         self.optimizer, self.scheduler = rule.build(self.param)
         self.grad_clip, self.penalty = rule.grad_clip, rule.penalty
         self.anchored = rule.penalty is not None and rule.penalty.anchored
+        self.merge, self.norm_rows = MERGES[rule.merge], rule.norm_rows
         # the one-pass kernel and the mean taken while screening compute the plain mean only
-        self.prefills = rule.merge == OuterMerge.MEAN
+        self.prefills = self.merge.prefills
         self.fusable = rule.one_pass and self.prefills
-        self.merge = MERGES[rule.merge]
         self.mean = WeightedMean(flat.numel(), flat.dtype)
         self.anchors: dict[int, torch.Tensor] = {0: flat.detach().clone()} if self.anchored else {}
 
-    def gap_terms(self, parts: list[tuple[np.ndarray, float]], anchor: int) -> tuple[float, float] | None:
+    def measure(self, delta: np.ndarray) -> float:
+        """An update's squared norm as the screen takes it: exact over rows where the merge
+        reads it (`MergeRow.exact_norms`), else one BLAS pass."""
+        return float(exact_sqnorm(delta, self.norm_rows)) if self.merge.exact_norms else sqnorm(delta)
+
+    def combine(self, parts: Sequence[tuple[np.ndarray, float]], sqnorms: Sequence[float] | None) -> torch.Tensor:
+        """The merge of `parts` into the preallocated buffer."""
+        return self.merge.combine(self.mean, parts, sqnorms, self.norm_rows)
+
+    def gap_terms(self, parts: list[tuple[np.ndarray, float]] | None, anchor: int) -> tuple[float, float] | None:
         """(‖x − x_s‖², ‖Δ̄‖²) over this buffer when the rule's Λ reads them (a sliced
-        coordinator sums them over its slices), else None."""
+        coordinator sums them over its slices), else None. `parts` None: the buffer holds
+        the merge already (a merge across slices made it)."""
         if not self.anchored:
             return None
         moved = float(torch.sum((self.param.detach() - self.anchors[anchor]) ** 2))
         # the preallocated buffer; `apply` refills it
-        mean_sq = float(torch.sum(self.merge(self.mean, parts, None) ** 2))
-        return moved, mean_sq
+        merged = self.mean.sum if parts is None else self.combine(parts, None)
+        return moved, float(torch.sum(merged**2))
 
     def apply(
         self,
@@ -103,7 +133,7 @@ class OuterStep:
         holds it, filled while screening; `sqnorms`: theirs, as screened); returns CO2's Λ.
         `norms`: (‖x − x_s‖, ‖Δ̄‖) over the whole vector, for an anchored penalty when this
         buffer is one slice of it (else measured here)."""
-        grad = self.merge(self.mean, parts, sqnorms) if parts is not None else self.mean.sum
+        grad = self.combine(parts, sqnorms) if parts is not None else self.mean.sum
         if scale != 1.0:
             grad.mul_(scale)
         if self.grad_clip is not None:
@@ -234,6 +264,7 @@ class Proposal:
     key: int
     facts: list[Facts]
     updates: tuple[tuple[int, np.ndarray, float, float], ...] = ()
+    sqnorms: tuple[tuple[int, float], ...] = ()  # a sliced coordinator's: each island's, summed over its slices
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -319,7 +350,7 @@ class LocalOuter:
                 self.filled = (key, {i: w for i, _, w in ordered})
             sqs = [by_island[i] for i, _, _ in decoded]
         else:
-            sqs = [sqnorm(d) if ok else math.nan for ok, (_, d, _) in zip(fits, decoded)]
+            sqs = [self.steps[0].measure(d) if ok else math.nan for ok, (_, d, _) in zip(fits, decoded)]
         facts = [Facts(d.size, ok and all_finite(d, q), q) for ok, q, (_, d, _) in zip(fits, sqs, decoded)]
         screened = {i: q for (i, _, _), q in zip(decoded, sqs)}
         return Proposal(key=key, facts=facts, updates=tuple((i, d, w, screened[i]) for i, d, w in ordered))

@@ -142,7 +142,7 @@ def takes_one_pass(cfg: RunConfig) -> bool:
 
 def outer_rule(cfg: RunConfig) -> OuterRule:
     """How to build the outer optimizer of a run of `cfg` (also built by each coordinator slice)."""
-    return dataclasses.replace(rule_of(cfg).rule(cfg), merge=cfg.merge)
+    return dataclasses.replace(rule_of(cfg).rule(cfg), merge=cfg.merge, norm_rows=cfg.compression.chunk)
 
 
 def optimizer_rule(outer: OuterConfig) -> OuterRule:

@@ -4,7 +4,11 @@ outer optimizer state, pulls its part of every island's pseudo-gradient straight
 the island's object store, and reports a few numbers per update (size, finiteness,
 squared norm) for admission. No process but a slice ever holds a whole pseudo-gradient.
 Every outer rule is elementwise apart from norms, so S slices compute what one
-coordinator does (tested bit for bit)."""
+coordinator does (tested bit for bit). A merge that reads whole-vector norms (RDA) gets
+them as exact sums (`ExactSum`, a few scalars per update) that add up over the slices to
+the bits one coordinator measures: each island's norm from `inspect`, the merged
+direction's from `direct`; the coordinator turns them into one factor every slice scales
+its part by."""
 
 from __future__ import annotations
 
@@ -17,9 +21,17 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from archipelago.orchestrator.algorithms.aggregate import all_finite, sqnorm
+from archipelago.orchestrator.algorithms.aggregate import (
+    ExactSum,
+    all_finite,
+    exact_sqnorm,
+    radial_scale,
+    radial_terms,
+    sqnorm,
+)
+from archipelago.orchestrator.config_sections import OuterMerge
 from archipelago.orchestrator.engine.step.admission import Facts
-from archipelago.orchestrator.engine.step.outer import Commit, OuterRule, OuterStep, Proposal, as_tensor
+from archipelago.orchestrator.engine.step.outer import MERGES, Commit, OuterRule, OuterStep, Proposal, as_tensor
 from archipelago.orchestrator.engine.types import Contribution
 from archipelago.workers.wire.compress import PayloadError, check_payload, decode
 
@@ -29,6 +41,7 @@ class SliceStats:
     size: int
     finite: bool
     sqnorm: float
+    exact: ExactSum | None = None  # the slice's part of ‖Δ‖² where the merge reads whole norms
 
 
 class OuterSlice:
@@ -46,6 +59,9 @@ class OuterSlice:
         self.step = OuterStep(self.param, rule)
         self.one_pass = self.step.one_pass()
         self.pending: dict[int, list[tuple[int, np.ndarray]]] = {}
+        # the update whose merge the mean buffer holds: its direction (`direct`), then scaled
+        self.directed: int | None = None
+        self.merged: int | None = None
 
     def inspect(
         self, key: int, parts: list[tuple[int, Any]], weights: dict[int, float], scale: float = 1.0
@@ -64,32 +80,75 @@ class OuterSlice:
                 continue
             decoded.append((i, decode(p)))
         self.pending[key] = decoded
+        exact: dict[int, ExactSum] = {}
         if self.one_pass is not None and not unfit and decoded and all(weights[i] > 0 for i, _ in decoded):
             ordered = sorted(((i, d, weights[i]) for i, d in decoded), key=lambda part: part[0])  # as `_parts`
             sqs = self.one_pass.fill(key, ordered, scale)
+        elif self.step.merge.exact_norms:
+            exact = {i: exact_sqnorm(d, self.step.norm_rows) for i, d in decoded}
+            sqs = {i: float(e) for i, e in exact.items()}
         else:
             sqs = {i: sqnorm(d) for i, d in decoded}
         found = dict(decoded)
         return [
             SliceStats(0, False, math.nan)
             if i in unfit
-            else SliceStats(found[i].size, all_finite(found[i], sqs[i]), sqs[i])
+            else SliceStats(found[i].size, all_finite(found[i], sqs[i]), sqs[i], exact.get(i))
             for i, _ in parts
         ]
+
+    def direct(self, key: int, along: dict[int, float]) -> ExactSum:
+        """RDA's direction over this slice: the mean of the updates weighted by `along`
+        (w_i/‖Δ_i‖ from the whole norms; islands with 0 left out, in island order as one
+        coordinator takes them) into the buffer, and its part of the direction's ‖·‖²."""
+        units = [(d, along[i]) for i, d in sorted(self.pending[key], key=lambda part: part[0]) if along.get(i, 0.0) > 0]
+        self.directed, self.merged = key, None
+        if not units:
+            self.step.mean.sum.zero_()
+            return ExactSum()
+        return exact_sqnorm(self.step.mean.fill(units).numpy(), self.step.norm_rows)
+
+    def _scaled(self, key: int, factor: float) -> None:
+        """The buffer holds `key`'s merge: its direction × `factor` (once, whichever call
+        comes first)."""
+        if self.merged == key:
+            return
+        if self.directed != key:
+            raise ValueError(f"update {key}: no direction taken to scale")
+        self.step.mean.sum.mul_(factor)
+        self.directed, self.merged = None, key
 
     def _parts(self, key: int, weights: dict[int, float], keep: bool = False) -> list[tuple[np.ndarray, float]]:
         parts = self.pending[key] if keep else self.pending.pop(key)
         # in island order, not arrival order: float sums depend on their order (`LocalOuter`)
         return [(d, weights[i]) for i, d in sorted(parts, key=lambda part: part[0]) if i in weights]
 
-    def gap_terms(self, key: int, weights: dict[int, float], anchor: int) -> tuple[float, float] | None:
-        return self.step.gap_terms(self._parts(key, weights, keep=True), anchor)
+    def gap_terms(
+        self, key: int, weights: dict[int, float], anchor: int, factor: float | None = None
+    ) -> tuple[float, float] | None:
+        """This slice's parts of the anchored gap penalty's norms; `factor`: the merge across
+        slices' scale of the direction `direct` left (RDA), else the merge is taken here."""
+        if factor is None:
+            return self.step.gap_terms(self._parts(key, weights, keep=True), anchor)
+        self._scaled(key, factor)
+        return self.step.gap_terms(None, anchor)
 
     def close(
-        self, key: int, weights: dict[int, float], scale: float, anchor: int | None, norms: tuple[float, float] | None
+        self,
+        key: int,
+        weights: dict[int, float],
+        scale: float,
+        anchor: int | None,
+        norms: tuple[float, float] | None,
+        factor: float | None = None,
     ) -> float | None:
         """Step the admitted updates; `norms`: the anchored gap penalty's, over every slice
-        (each slice computes the same Λ from them)."""
+        (each slice computes the same Λ from them); `factor`: as for `gap_terms`."""
+        if factor is not None:
+            self._scaled(key, factor)
+            self.pending.pop(key)
+            self.merged = None
+            return self.step.apply(None, scale, anchor, norms)
         if self.one_pass is not None and self.one_pass.take(key, weights, scale):
             self.pending.pop(key)
             return None
@@ -97,6 +156,7 @@ class OuterSlice:
 
     def discard(self, key: int) -> None:
         self.pending.pop(key, None)
+        self.directed = self.merged = None
 
     def anchor(self, version: int, keep_from: int) -> None:
         self.step.anchor(version, keep_from)
@@ -157,9 +217,11 @@ class SlicedOuter:
     """Bytes never pass through here: each island sends its Δ as S slices and each slice
     pulls its own; the coordinator sees a few numbers per update."""
 
-    def __init__(self, flat: torch.Tensor, bounds: list[tuple[int, int]], calls: SliceCalls) -> None:
-        """`flat`: the coordinator's copy of the parameters (for evaluation and checkpoints)."""
+    def __init__(self, flat: torch.Tensor, bounds: list[tuple[int, int]], calls: SliceCalls, merge: OuterMerge) -> None:
+        """`flat`: the coordinator's copy of the parameters (for evaluation and checkpoints);
+        `merge`: the rule's (`outer_rule`), which every slice was built with."""
         self.flat, self.bounds, self.calls = flat, bounds, calls
+        self.exact_norms = MERGES[merge].exact_norms
         self.numel = flat.numel()
         self._keys = itertools.count()
 
@@ -179,19 +241,37 @@ class SlicedOuter:
         facts = []
         for j in range(len(contributions)):
             parts = [stats[k][j] for k in range(len(self.bounds))]
-            facts.append(Facts(sum(p.size for p in parts), all(p.finite for p in parts), sum(p.sqnorm for p in parts)))
-        return Proposal(key=key, facts=facts)
+            exact = [p.exact for p in parts]
+            whole = (
+                float(sum((e for e in exact if e is not None), ExactSum()))
+                if self.exact_norms and all(e is not None for e in exact)
+                else sum(p.sqnorm for p in parts)
+            )
+            facts.append(Facts(sum(p.size for p in parts), all(p.finite for p in parts), whole))
+        return Proposal(key=key, facts=facts, sqnorms=tuple((c.island, f.sqnorm) for c, f in zip(contributions, facts)))
 
     def commit(self, proposal: Proposal, decision: Commit) -> float | None:
         if decision.fragment is not None:  # refused by the config too: the published copy lives on the coordinator
             raise ValueError("coordinator slices do not take fragment steps")
         key, weights, scale, anchor = proposal.key, decision.weights, decision.scale, decision.anchor
+        factor = self._radial(proposal, weights) if self.exact_norms and weights else None
         norms = None
         if weights and anchor is not None:
-            terms = self.calls.gather([s.gap_terms(key, weights, anchor) for s in self._slices])
+            terms = self.calls.gather([s.gap_terms(key, weights, anchor, factor) for s in self._slices])
             if all(t is not None for t in terms):
                 norms = (math.sqrt(sum(t[0] for t in terms)), math.sqrt(sum(t[1] for t in terms)))
-        return self.calls.gather([s.close(key, weights, scale, anchor, norms) for s in self._slices])[0]
+        return self.calls.gather([s.close(key, weights, scale, anchor, norms, factor) for s in self._slices])[0]
+
+    def _radial(self, proposal: Proposal, weights: dict[int, float]) -> float:
+        """RDA across the slices: the mean norm and each update's weight along the direction
+        from the whole norms the proposal summed, the direction taken by every slice, its
+        length summed exactly from their parts; returns what the slices scale it by. The
+        same scalars, in the same order, as `WeightedMean.radial_directional` on one."""
+        screened = dict(proposal.sqnorms)
+        order = sorted(weights)  # island order, as one coordinator merges
+        radius, along = radial_terms([weights[i] for i in order], [screened[i] for i in order])
+        parts = self.calls.gather([s.direct(proposal.key, dict(zip(order, along))) for s in self._slices])
+        return radial_scale(radius, float(sum(parts, ExactSum())))
 
     def discard(self, proposal: Proposal) -> None:
         self.calls.gather([s.discard(proposal.key) for s in self._slices])
