@@ -22,17 +22,17 @@ def test_a_slow_checkpoint_write_holds_back_only_the_next_outer_step(tmp_path, m
     release, writing = threading.Event(), threading.Event()
     save = checkpoints.save_checkpoint
 
-    def held_save(location, state, keep=3):  # round 2's write takes as long as the test says
+    def held_save(location, state, keep=3, name=None):  # round 2's write takes as long as the test says
         if state["counters"]["rounds_done"] == 2:
             writing.set()
             assert release.wait(60), "the test never released the write"
-        return save(location, state, keep)
+        return save(location, state, keep, name)
 
     shared = []
     capture = engine_module.capture
 
-    def spy(core, flights):
-        state = capture(core, flights)
+    def spy(core, flights, location, name):
+        state = capture(core, flights, location, name)
         shared.append(state["params"].data_ptr() == core.flat.data.data_ptr())
         return state
 

@@ -329,11 +329,10 @@ def test_every_pod_runs_unprivileged_as_the_images_user_with_resources():
         mounts = [m for c in spec["containers"] for m in c.get("volumeMounts", [])]
         if (
             "head" not in where and "submitter" not in where
-        ):  # islands read the shared volume and write only their state under checkpoint.path; slices, nothing
+        ):  # islands read the shared volume and write only their state under checkpoint.path; slices their parts
             local = {v["name"] for v in spec.get("volumes", []) if "emptyDir" in v}  # the pod's own scratch
             writable = [m for m in mounts if not m.get("readOnly") and m["name"] not in local]
-            expected = [] if where.endswith(SLICES) else [(CHECKPOINTS, "checkpoints")]
-            assert [(m["mountPath"], m["subPath"]) for m in writable] == expected, where
+            assert [(m["mountPath"], m["subPath"]) for m in writable] == [(CHECKPOINTS, "checkpoints")], where
             for config in ("config/run-config.yaml", "hf-llama-config.yaml"):  # islands/ lies under it
                 assert f"{manifest(config)['checkpoint']['path']}/".startswith(f"{CHECKPOINTS}/"), config
     for spec in (manifest("raycluster.yaml")["spec"], manifest("job/rayjob.yaml")["spec"]["rayClusterSpec"]):

@@ -4,8 +4,10 @@ prediction of it (`orchestrator/plan/head.py`).
 Each row is one run of `archipelago run`'s code (`runtime.driver.run`) on a
 `ray.cluster_utils.Cluster` on this machine: the head node takes no work (the driver and
 the coordinator, pinned there, as on KubeRay), each island has a node of its own (one CPU),
-and a sliced coordinator's slices are spread by Ray. The model is a Llama built from its
-config (the Hugging Face task; this machine's Python source as text, a trained tokenizer)
+and each slice of a sliced coordinator a node of its own (no CPU, one `archipelago_slice`:
+the manifests' slices group), from which it also writes its part of each checkpoint. The
+model is a Llama built from its config (the Hugging Face task; this machine's Python
+source as text, a trained tokenizer)
 at the row's size, trained in `diloco` mode with a checkpoint every `CHECKPOINT_EVERY`
 rounds and an evaluation every round on the coordinator.
 
@@ -46,6 +48,7 @@ from typing import Any
 from archipelago.orchestrator.bench.report import BenchResult, Panel, checks_table, md_table, targets_met
 
 CHECKPOINT_EVERY = 2
+SLICE_RESOURCE = "archipelago_slice"  # what the manifests' slices group offers, one a node
 WARM_ROUNDS = 2
 PROBE_BYTES = 256 * 2**20
 GIB = 2**30
@@ -94,7 +97,10 @@ class Row:
             "inner": {"precision": "fp32", "micro_batches": 1},
             "warm_start": {"steps": 0},
             "islands": {"count": self.islands, "cpus": 1, "threads": 1},
-            "coordinator": {"shards": self.slices},
+            "coordinator": {
+                "shards": self.slices,
+                "slice_resource": SLICE_RESOURCE if self.slices > 1 else None,
+            },
             "compression": {"codec": self.codec, "downlink": self.codec},
             "inner_steps": self.inner_steps,
             "rounds": self.rounds,
@@ -282,15 +288,17 @@ def run_row(row: Row, work: Path, link_gbps: float) -> dict[str, Any]:
 
 
 def _cluster(rows: tuple[Row, ...]) -> Any:
-    """The head node (no CPUs: nothing but the driver and the coordinator runs there) and a
-    node of one CPU per island of the widest row, each with an object store large enough
-    for a round's objects."""
+    """The head node (no CPUs: nothing but the driver and the coordinator runs there), a
+    node of one CPU per island of the widest row and a slice node per slice of the most
+    sliced, each with an object store large enough for a round's objects."""
     from ray.cluster_utils import Cluster
 
     store = 2 * GIB
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": store})
     for _ in range(max(r.islands for r in rows)):
         cluster.add_node(num_cpus=1, object_store_memory=store)
+    for _ in range(max((r.slices for r in rows if r.slices > 1), default=0)):
+        cluster.add_node(num_cpus=0, resources={SLICE_RESOURCE: 1}, object_store_memory=store)
     return cluster
 
 

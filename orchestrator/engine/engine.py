@@ -49,6 +49,7 @@ from archipelago.orchestrator.engine.pool import (
     Progress,
 )
 from archipelago.orchestrator.engine.requests import OperatorRequests
+from archipelago.orchestrator.engine.state.checkpoints import Location
 from archipelago.orchestrator.engine.state.flights import Close, Flight
 from archipelago.orchestrator.engine.state.lifecycle import Lifecycle
 from archipelago.orchestrator.engine.state.loop_time import Part
@@ -392,9 +393,10 @@ class RoundEngine(EngineParts):
     def rounds_done(self) -> int:
         return self.stats.rounds_done
 
-    def capture(self) -> dict[str, Any]:
-        """The checkpoint of this engine's committed state (`engine/outputs/persistence.py`)."""
-        return capture(self, self.flights)
+    def capture(self, location: Location, name: str) -> dict[str, Any]:
+        """The checkpoint of this engine's committed state, to be written as `name` in
+        `location` (`engine/outputs/persistence.py`)."""
+        return capture(self, self.flights, location, name)
 
     def _write_due(self) -> None:
         with self.stats.loop.timed(Part.RECORD):

@@ -21,8 +21,8 @@ round at the head:
   codec saves on the card are paid for in the head's CPU);
 - `checkpoint`: the state streamed to storage at the rate measured there, spread over the
   rounds between two checkpoints (it is written while the islands train the next round,
-  but it is the head's time all the same). Slices do not split it: the coordinator gathers
-  every slice's part through its card and writes the one file itself.
+  but it is the head's time all the same). Slices split it: each writes its part of the
+  parameters and of the outer state from its own node, beside the coordinator's file.
 
 Evaluation is not priced: on the head it reads the eval set at the task's own cost, which
 the plan does not know; `evaluation.where: actor` takes it off the head.
@@ -30,7 +30,7 @@ the plan does not know; `evaluation.where: actor` takes it off the head.
 `share` is the head's seconds over the islands' round (`H × step_s`): what fraction of the
 fleet's time the head adds, or hides only if it overlaps. The lines say what would bring
 it under `TARGET_SHARE`: a codec that shrinks the bytes, slices (on nodes of their own)
-that split the bytes and the step.
+that split the bytes, the step and the checkpoint.
 """
 
 from __future__ import annotations
@@ -109,12 +109,12 @@ class HeadLoad:
     @property
     def phases(self) -> dict[str, float]:
         """Seconds a round, each phase at the head; with slices, each on a node of its own
-        (`coordinator.slice_resource`), the bytes and the step split over them (each slice's node takes
-        its part of every island's bytes and of the step), the checkpoint does not: the
-        coordinator pulls every slice's part in through its card and writes it alone."""
+        (`coordinator.slice_resource`), everything splits over them: each slice's node takes
+        its part of every island's bytes and of the step, and writes its part of the
+        checkpoint beside the coordinator's file (`engine/state/checkpoints.py`), all of
+        them at once."""
         card = self.link_gbps * 1e9 / 8
         state = 4 * self.params * (1 + self.state_values)  # parameters and outer state: what a checkpoint streams
-        gather = state / card if self.slices > 1 else 0.0
         decode = codec_s_per_value(DECODE_S_PER_VALUE, self.uplink) * self.params * self.islands
         encode = codec_s_per_value(ENCODE_S_PER_VALUE, self.downlink) * self.params
         return {
@@ -122,7 +122,7 @@ class HeadLoad:
             "outer_step": STEP_S_PER_VALUE[self.merge] * self.params * self.islands / self.slices,
             "codec": (decode + encode) / self.slices,
             "fan_out": self.islands * self.down_bytes / card / self.slices,
-            "checkpoint": (state / CHECKPOINT_BYTES_PER_S + gather) / self.checkpoint_every
+            "checkpoint": state / CHECKPOINT_BYTES_PER_S / self.slices / self.checkpoint_every
             if self.checkpoint_every
             else 0.0,
         }
@@ -153,19 +153,10 @@ class HeadLoad:
                 f"the bytes take {bytes_s:.1f} s of the {budget:.1f}-s budget: a codec both ways "
                 "(compression.codec and compression.downlink int4: about 0.53 bytes a value, not 4) or a faster link"
             )
-        fixed = p["checkpoint"]
-        split = self.slices * (p["fan_in"] + p["fan_out"] + p["outer_step"] + p["codec"])
-        if fixed >= budget:
-            every = math.ceil(self.checkpoint_every * fixed / budget * 2)
-            out.append(
-                f"the checkpoint alone takes {fixed:.1f} s of the {budget:.1f}-s budget (one head writes it, slices "
-                f"or not): checkpoint.every_rounds >= {every}"
-            )
-            return out
-        need = max(self.slices + 1, math.ceil(split / (budget - fixed)))
+        need = max(self.slices + 1, math.ceil(self.slices * self.seconds_per_round / budget))
         out.append(
             f"coordinator.shards >= {need}, each slice on a node of its own (coordinator.slice_resource: "
-            "archipelago_slice, the manifests' slices group)"
+            "archipelago_slice, the manifests' slices group), or a rarer checkpoint (checkpoint.every_rounds)"
         )
         return out
 

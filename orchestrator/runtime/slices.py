@@ -66,6 +66,9 @@ class ActorSlice:
     def state_dict(self) -> Any:
         return self.actor.state_dict.remote()
 
+    def save(self, location: str, name: str) -> Any:
+        return self.actor.save.remote(location, name)
+
     def load(self, params: np.ndarray, state: dict[str, Any], version: int) -> Any:
         return self.actor.load.remote(params, state, version)
 

@@ -26,7 +26,7 @@ import torch
 from archipelago.orchestrator.engine.commands import Inbox
 from archipelago.orchestrator.engine.outputs.evaluation import Evaluation, Evaluator, LocalEvaluator
 from archipelago.orchestrator.engine.outputs.persistence import RunCore
-from archipelago.orchestrator.engine.state.checkpoints import BackgroundSave, run_folder
+from archipelago.orchestrator.engine.state.checkpoints import BackgroundSave, Capture, next_name, run_folder
 from archipelago.orchestrator.engine.state.lifecycle import Lifecycle
 from archipelago.orchestrator.engine.state.loop_time import Part
 from archipelago.orchestrator.engine.state.membership import IslandStats
@@ -81,7 +81,7 @@ class Outputs:
         self.checkpoint_owed = False  # a checkpoint the disk refused: retried at the next record
         # a checkpoint due and not yet captured (its round's records wait for an evaluation):
         # (version, round, the engine's capture); then the one being written, and what it names
-        self.wanted: tuple[int, int, Callable[[], dict]] | None = None
+        self.wanted: tuple[int, int, Capture] | None = None
         self.saving: tuple[BackgroundSave, int, int, set[str]] | None = None
         last = stats.rounds_done if resumed else None
         self.recorder = Recorder(cfg.out_dir, cfg, last_round=last, faults=self.disk, run_id=run_id)
@@ -190,7 +190,7 @@ class Outputs:
             for old in sorted(folder.glob("round-*"))[: -self.cfg.export.keep]:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def record(self, rnd: int, version: int, clock_s: float, capture: Callable[[], dict]) -> None:
+    def record(self, rnd: int, version: int, clock_s: float, capture: Capture) -> None:
         """Round `rnd`'s record: its evaluation asked for if due, the record written once the
         evaluation is back (records stay in round order); a checkpoint if due (or owed),
         captured once the records through this round are written, so a resumed run's records
@@ -217,7 +217,7 @@ class Outputs:
         if self.on_record is not None:
             self.on_record(self.status(), self.members.summary(), entry)
 
-    def checkpoint(self, version: int, rnd: int, capture: Callable[[], dict]) -> None:
+    def checkpoint(self, version: int, rnd: int, capture: Capture) -> None:
         """Checkpoint now and wait for it (a stopped run's)."""
         self.wanted = (version, rnd, capture)
         self.fence()
@@ -246,7 +246,9 @@ class Outputs:
         self._settle()  # one write at a time: each prunes the folder the next numbers in
         named = self.states.named(self.members)
         folder = run_folder(self.cfg.checkpoint_dir, self.run_id)
-        self.saving = (BackgroundSave(folder, capture(), self.cfg.checkpoint.keep), version, rnd, named)
+        name = next_name(folder)  # the parts slices write beside it are named after it
+        save = BackgroundSave(folder, capture(folder, name), self.cfg.checkpoint.keep, name)
+        self.saving = (save, version, rnd, named)
 
     def _settle(self) -> None:
         """Wait for the checkpoint being written, if one is; then count it: saved (an event,

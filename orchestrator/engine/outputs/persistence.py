@@ -15,6 +15,7 @@ from archipelago.orchestrator.engine.commands import SettingsUpdate
 from archipelago.orchestrator.engine.fleet.island_states import IslandStates
 from archipelago.orchestrator.engine.pacing.base import Pacing
 from archipelago.orchestrator.engine.pacing.quorum import QuorumRule
+from archipelago.orchestrator.engine.state.checkpoints import PARTS, Location
 from archipelago.orchestrator.engine.state.flights import Flight, RunState
 from archipelago.orchestrator.engine.state.ledger import DataLedger
 from archipelago.orchestrator.engine.state.membership import Membership
@@ -49,7 +50,7 @@ class RunCore:
     quorum: QuorumRule | None  # the quorum pacing's live settings (None: another pacing)
 
 
-def capture(engine: RunCore, flights: dict[int, Flight]) -> dict[str, Any]:
+def capture(engine: RunCore, flights: dict[int, Flight], location: Location, name: str) -> dict[str, Any]:
     """Everything a restarted coordinator needs (tensors and plain values only). Tensors
     are the live ones, not copies, so the head holds the state once, not twice, while it
     checkpoints: the file is written on a thread of its own while the engine goes on, and
@@ -57,18 +58,27 @@ def capture(engine: RunCore, flights: dict[int, Flight]) -> dict[str, Any]:
     next outer step). The plain values are copied here, on the engine's thread: the ledger
     and the members change with every dispatch and arrival during the write. `flights`:
     the work out and waiting, not captured (its results' steps are taken off the
-    completed ones)."""
-    engine.outer.copy_to(engine.flat.data)
+    completed ones). `location` and `name`: where the checkpoint goes, for the parts an
+    outer step split over slices writes beside it from their own nodes (then neither its
+    parameters nor its state pass through the coordinator)."""
+    beside = engine.outer.save_beside(location, name)
+    if beside is None:
+        engine.outer.copy_to(engine.flat.data)
+        params, outer, parts = engine.flat.data.detach(), engine.outer.state_dict(), {}
+    else:
+        params, (outer, written) = None, beside
+        parts = {PARTS: written}
     uncommitted = sum(f.result.steps for f in flights.values() if f.result is not None)
     return _containers_copied(
         {
+            **parts,
             "format": FORMAT,
             "run_id": engine.run_id,
             "branch": engine.cfg.checkpoint.resume_from,  # resumed from a chosen checkpoint: its number
             "config": engine.cfg.model_dump(mode="json"),
-            "params": engine.flat.data.detach(),
+            "params": params,
             "version": engine.run.version,
-            "outer": engine.outer.state_dict(),
+            "outer": outer,
             **{name: part.state_dict() for name, part in _parts(engine).items()},
             "completed_steps": engine.run.completed_steps - uncommitted,
             # what an operator changed mid-run (H, the quorum rule's settings; the outer lr is

@@ -18,6 +18,15 @@ and a file whose digest is missing is never trusted. The newest `keep` are kept.
 back and takes the first whose checksum matches and that loads: one corrupt or truncated
 file costs the rounds since the one before it, not the run.
 
+A sliced coordinator's checkpoint is written S + 1 ways: each coordinator slice streams
+its part of the parameters and of the outer state from its own node into a part beside
+the checkpoint (`state-000012.pt.part-3`), and the coordinator's file holds the rest and
+each part's SHA-256. So the head never pulls the state in through its card to write it
+alone, and the write is split over S nodes. The coordinator's file is the commit: a part
+whose checkpoint never got its digest is never read, and is overwritten by the next
+checkpoint of that number or pruned with it. Loading joins the parts back (checked against
+the digests the checkpoint names), so whoever reads a checkpoint sees one state.
+
 torch is imported where tensors are read or written, not by this module: the command
 (`archipelago run`) finds and checks runs here before any actor starts, and importing
 torch there would add 0.8 s to its start-up (`bench startup`).
@@ -32,8 +41,9 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from archipelago.orchestrator.engine.types import RunFailed
 from archipelago.workers.runtime.storage import Folder
@@ -93,23 +103,68 @@ def _digest(name: str) -> str:
     return name + ".sha256"
 
 
-def save_checkpoint(location: Location, state: dict[str, Any], keep: int = 3) -> str:
-    """Write `state` as the newest checkpoint; keep the newest `keep`. Returns its name."""
-    folder = _folder(location)
-    saved = _saved(folder)
-    name = f"state-{(saved[0][0] + 1) if saved else 1:06d}.pt"
+PARTS = "parts"  # a checkpoint's key listing the parts written beside it (name, SHA-256, bounds)
+
+
+def part_name(checkpoint: str, k: int) -> str:
+    """The name of part `k` written beside checkpoint `checkpoint` (a coordinator slice's)."""
+    return f"{checkpoint}.part-{k}"
+
+
+def next_name(location: Location) -> str:
+    """The name the next checkpoint in `location` takes (one write at a time per run)."""
+    saved = _saved(_folder(location))
+    return f"state-{(saved[0][0] + 1) if saved else 1:06d}.pt"
+
+
+# the engine's state to checkpoint, given where and under which name it will be written
+Capture = Callable[[Location, str], dict[str, Any]]
+
+
+class Beside(Protocol):
+    """Parts of a checkpoint's state being written beside it by other processes: `written`
+    waits for them and returns each one's record (name, SHA-256, bounds), which the
+    checkpoint's own file then names. Resolved on the writing thread."""
+
+    def written(self) -> list[dict[str, Any]]: ...
+
+
+def _streamed(folder: Folder, name: str, state: dict[str, Any]) -> str:
+    """`state` streamed into `name`, hashed on the way (torch hands each tensor's bytes
+    over without a copy: the writer never holds the state twice); its SHA-256."""
     import torch
 
-    # streamed to its file, hashed on the way (torch hands each tensor's bytes over without a
-    # copy): the head never holds the state twice. The digest last: a file without one (a crash
-    # between the two) is never trusted, and loading falls back to the checkpoint before it.
     with folder.open_write(name) as f:
         hashing = _Hashing(f)
         torch.save(state, hashing)  # type: ignore[arg-type]  # a write-only stream is all torch.save needs
-    folder.write(_digest(name), hashing.sha256.hexdigest().encode())
+    return hashing.sha256.hexdigest()
+
+
+def save_part(location: Location, name: str, state: dict[str, Any]) -> str:
+    """Write one part beside a checkpoint (by a coordinator slice, from its node); its
+    SHA-256, which the checkpoint records."""
+    return _streamed(_folder(location), name, state)
+
+
+def save_checkpoint(location: Location, state: dict[str, Any], keep: int = 3, name: str | None = None) -> str:
+    """Write `state` as the newest checkpoint (as `name`, which `next_name` gave, where parts
+    are written beside it); keep the newest `keep`. A `Beside` under `PARTS` is waited for
+    first. Returns its name."""
+    folder = _folder(location)
+    saved = _saved(folder)
+    name = name or next_name(folder)
+    beside = state.get(PARTS)
+    if beside is not None and not isinstance(beside, list):
+        state = {**state, PARTS: beside.written()}
+    # the digest last: a file without one (a crash between the two) is never trusted, and
+    # loading falls back to the checkpoint before it
+    folder.write(_digest(name), _streamed(folder, name, state).encode())
     for _, old in [(0, name), *saved][keep:]:
         folder.delete(old)
         folder.delete(_digest(old))
+        for entry, _ in folder.entries():
+            if entry.startswith(f"{old}.part-"):
+                folder.delete(entry)
     return name
 
 
@@ -121,19 +176,19 @@ class BackgroundSave:
     has returned (`Outputs.fence`). Not a daemon thread: a coordinator that fails while
     a checkpoint is being written finishes writing it before the process exits."""
 
-    def __init__(self, location: Location, state: dict[str, Any], keep: int) -> None:
+    def __init__(self, location: Location, state: dict[str, Any], keep: int, name: str | None = None) -> None:
         self.seconds = 0.0  # the write's own, once it has ended
         self._name: str | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(
-            target=self._write, args=(location, state, keep), name="checkpoint-write", daemon=False
+            target=self._write, args=(location, state, keep, name), name="checkpoint-write", daemon=False
         )
         self._thread.start()
 
-    def _write(self, location: Location, state: dict[str, Any], keep: int) -> None:
+    def _write(self, location: Location, state: dict[str, Any], keep: int, name: str | None) -> None:
         t0 = time.perf_counter()
         try:
-            self._name = save_checkpoint(location, state, keep)
+            self._name = save_checkpoint(location, state, keep, name)
         except BaseException as err:  # handed to whoever waits for it, on their thread
             self._error = err
         finally:
@@ -192,7 +247,27 @@ def _load_one(folder: Folder, name: str) -> tuple[str, dict[str, Any]]:
         state = torch.load(f, weights_only=True)
     if not isinstance(state, dict) or "run_id" not in state:
         raise ValueError("not a coordinator checkpoint")
-    return expected, state
+    return expected, _joined(folder, state)
+
+
+def _joined(folder: Folder, state: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint with its parts read back into it: the parameters whole again and each
+    slice's outer state under `outer`, as one coordinator's checkpoint holds them. A part
+    whose digest is not the one the checkpoint recorded makes the checkpoint unusable."""
+    parts = state.pop(PARTS, None)
+    if not parts:
+        return state
+    import torch
+
+    loaded = []
+    for part in parts:
+        if folder.sha256(part["name"]) != part["sha256"]:
+            raise ValueError(f"part {part['name']}: checksum mismatch")
+        with folder.open_read(part["name"]) as f:
+            loaded.append(torch.load(f, weights_only=True))
+    state["params"] = torch.cat([p["params"] for p in loaded])
+    state["outer"] = {**state["outer"], "slices": [p["outer"] for p in loaded]}
+    return state
 
 
 def newest_valid(location: Location, branch: int | None = None) -> tuple[str, dict[str, Any]] | None:

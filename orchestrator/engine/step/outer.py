@@ -29,6 +29,7 @@ from archipelago.orchestrator.algorithms.aggregate import WeightedMean, all_fini
 from archipelago.orchestrator.algorithms.fused_step import SGDRule, mean_step
 from archipelago.orchestrator.algorithms.outer import GapPenalty
 from archipelago.orchestrator.config_sections import OuterMerge
+from archipelago.orchestrator.engine.state.checkpoints import Beside, Location
 from archipelago.orchestrator.engine.step.admission import Admission, Facts
 from archipelago.orchestrator.engine.types import Contribution, Decision, Verdict
 from archipelago.workers.wire.compress import decode
@@ -293,6 +294,11 @@ class Outer(Protocol):
     def params(self) -> Any: ...
     def copy_to(self, flat: torch.Tensor) -> None: ...
     def state_dict(self) -> dict[str, Any]: ...
+    def save_beside(self, location: Location, name: str) -> tuple[dict[str, Any], Beside] | None:
+        """Where parts of its state are written beside checkpoint `name` by processes of their
+        own (coordinator slices): what the checkpoint holds of it and the parts being
+        written; None: all of it goes in the checkpoint (`state_dict`)."""
+
     def load_state_dict(self, state: dict[str, Any], version: int) -> None: ...
     def set_lr(self, lr: float) -> None: ...
     def lr(self) -> float: ...
@@ -398,6 +404,9 @@ class LocalOuter:
         if self.fragments is None:
             return self.steps[0].state_dict()
         return {"fragments": [step.state_dict() for step in self.steps]}
+
+    def save_beside(self, location: Location, name: str) -> None:
+        return None  # the whole state is the coordinator's: it goes in its checkpoint
 
     def load_state_dict(self, state: dict[str, Any], version: int) -> None:
         """Resume at `version`, `flat` already loaded: each fragment's copy is gathered again."""

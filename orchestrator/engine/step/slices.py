@@ -30,6 +30,7 @@ from archipelago.orchestrator.algorithms.aggregate import (
     sqnorm,
 )
 from archipelago.orchestrator.config_sections import OuterMerge
+from archipelago.orchestrator.engine.state.checkpoints import Location, part_name, save_part
 from archipelago.orchestrator.engine.step.admission import Facts
 from archipelago.orchestrator.engine.step.outer import MERGES, Commit, OuterRule, OuterStep, Proposal, as_tensor
 from archipelago.orchestrator.engine.types import Contribution
@@ -173,10 +174,29 @@ class OuterSlice:
     def state_dict(self) -> dict[str, Any]:
         return self.step.state_dict()
 
+    def save(self, location: str, name: str) -> dict[str, Any]:
+        """This slice's parameters and outer state written from its own node as part `name`
+        beside a checkpoint in `location`; the record the checkpoint keeps of it. Calls
+        to a slice are taken one at a time, so the state it writes is the one the
+        checkpoint was captured at: the next step's calls wait for the write."""
+        state = {"params": self.step.param.detach(), "outer": self.step.state_dict(), "bounds": [self.lo, self.hi]}
+        return {"name": name, "sha256": save_part(location, name, state), "bounds": [self.lo, self.hi]}
+
     def load(self, params: np.ndarray, state: dict[str, Any], version: int) -> None:
         self.step.param.data = self.param
         self.param.copy_(torch.from_numpy(np.asarray(params)))
         self.step.load_state_dict(state, version)
+
+
+@dataclass(frozen=True)
+class _PartsWritten:
+    """The slices' parts of a checkpoint, being written (`checkpoints.Beside`)."""
+
+    calls: SliceCalls
+    answers: list[Any]
+
+    def written(self) -> list[dict[str, Any]]:
+        return list(self.calls.gather(self.answers))
 
 
 class SliceCalls(Protocol):
@@ -288,6 +308,14 @@ class SlicedOuter:
 
     def state_dict(self) -> dict[str, Any]:
         return {"slices": self.calls.gather([s.state_dict() for s in self._slices]), "bounds": self.bounds}
+
+    def save_beside(self, location: Location, name: str) -> tuple[dict[str, Any], _PartsWritten]:
+        """Each slice writes its parameters and outer state beside checkpoint `name` from its
+        own node (started now; `_PartsWritten.written` waits): what the checkpoint itself
+        holds of the outer step, and the parts to name in it."""
+        names = [part_name(name, k) for k in range(len(self.bounds))]
+        answers = [s.save(str(location), n) for s, n in zip(self._slices, names)]
+        return {"bounds": self.bounds}, _PartsWritten(self.calls, answers)
 
     def load_state_dict(self, state: dict[str, Any], version: int) -> None:
         """Restore every slice from the checkpoint (`flat` already holds its parameters)."""
