@@ -14,7 +14,11 @@ from tests.helpers import in_process_engine
 
 SLICES = 3
 # four islands' centers in 100 dimensions: 100 parameters, slices of 32, 32 and 36 (chunks of 16)
-CENTERS = "[" + ",".join("[" + ",".join(f"{((i * 7 + d * 3) % 11 - 5) / 4:g}" for d in range(100)) + "]" for i in range(4)) + "]"
+CENTERS = (
+    "["
+    + ",".join("[" + ",".join(f"{((i * 7 + d * 3) % 11 - 5) / 4:g}" for d in range(100)) + "]" for i in range(4))
+    + "]"
+)
 
 
 def _cfg(tmp_path, name, rounds, shards=SLICES):
