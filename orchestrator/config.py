@@ -327,8 +327,6 @@ class RunConfig(Strict):
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         row = mode_of(self)
-        if not row.drops and self.outer.drop_prob:
-            raise ValueError(f"outer.drop_prob applies to mode {modes_where(lambda m: m.drops)} only")
         if not row.pseudo_gradients:
             for setting, is_set, why in _FAMILY_ONLY:
                 if is_set(self):

@@ -117,18 +117,36 @@ def validate_config(data: dict[str, Any], check_task: bool = True) -> RunConfig:
 SIMULATION = "simulation"  # read by `archipelago.orchestrator.simulation.config`, refused here
 
 
-# settings that moved, so a config written for an earlier release still loads
+# settings that moved, so a config written for an earlier release still loads (those
+# moved into `simulation` are a bench's or a simulated fleet's: a run's config refuses them
+# there, pointing to `archipelago simulate`)
 MOVED = {
     ("islands", "simulated_slowdown"): ("simulation", "slowdown"),
     ("islands", "virtual_step_s"): ("simulation", "virtual_step_s"),
     ("islands", "links"): ("simulation", "links"),
     ("link",): ("simulation", "link"),
+    ("outer", "drop_prob"): ("simulation", "drop_prob"),
 }
+
+
+def _restart_baseline(data: dict[str, Any]) -> None:
+    """`elastic.on_failure` and `elastic.restart_s` (releases before 0.2): `restart` is the
+    checkpoint-restart baseline, now `simulation.restart_s`; `continue` is what every run does."""
+    elastic = data.get("elastic")
+    if not isinstance(elastic, dict) or not {"on_failure", "restart_s"} & elastic.keys():
+        return
+    on_failure, restart_s = elastic.pop("on_failure", "continue"), elastic.pop("restart_s", 30.0)
+    if on_failure == "restart":
+        data.setdefault("simulation", {})["restart_s"] = restart_s
+        log.warning("elastic.on_failure restart is now simulation.restart_s = %s (a bench's baseline)", restart_s)
+    else:
+        log.warning("elastic.on_failure and elastic.restart_s are gone: a failure never halts a run's fleet")
 
 
 def _moved(data: dict[str, Any]) -> dict[str, Any]:
     """`data` with each moved setting at its new place (a warning names both); one given
     at both places is an error naming them."""
+    _restart_baseline(data)
     for old, new in MOVED.items():
         *parents, leaf = old
         holder: dict[str, Any] = data

@@ -106,11 +106,6 @@ class TrackingConfig(Strict):
     )
 
 
-class OnFailure(str, Enum):
-    CONTINUE = "continue"
-    RESTART = "restart"
-
-
 class ElasticConfig(Strict):
     """Membership changes: target island count, replacement of dead islands, joins, drains."""
 
@@ -125,13 +120,6 @@ class ElasticConfig(Strict):
         "schedule, not from a cold start) and a new spare is placed behind it. They hold their resources: "
         "count them in what the cluster must have",
     )
-    on_failure: OnFailure = Field(
-        OnFailure.CONTINUE,
-        description="continue (the others train on; only the failed island's work is lost) or restart (every "
-        "failure stops every island's work, the run resumes from its last step after restart_s: the "
-        "stop-the-world recovery of a checkpoint-restart job, kept as a baseline)",
-    )
-    restart_s: float = Field(30.0, ge=0, description="on_failure restart: seconds the fleet stands still per failure")
     join_weight: float = Field(0.5, gt=0, le=1, description="weight factor of a newcomer's first contribution")
     join_rewarmup_steps: int = Field(20, ge=0, description="a newcomer ramps its lr up over this many steps")
     drain: Literal["finish", "abandon"] = Field(

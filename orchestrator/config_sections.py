@@ -64,7 +64,6 @@ class OuterConfig(Strict):
     lr: float = Field(0.7, gt=0, description="outer learning rate (DiLoCo paper: 0.7)")
     momentum: float = Field(0.9, ge=0, lt=1, description="nesterov/sgd momentum")
     betas: tuple[float, float] = Field((0.9, 0.999), description="adam betas")
-    drop_prob: float = Field(0.0, ge=0, lt=1, description="drop each pseudo-gradient with this probability (ablation)")
     merge: OuterMerge | None = Field(
         None,
         description="mean (the token-weighted mean of the pseudo-gradients) or radial_directional (Decoupled "

@@ -8,7 +8,7 @@ chosen here, and an outer rule from `engine/step/rules.py`'s.
 
 | mode        | section        | pacing                                  | outer rule                          | islands' round | besides |
 | ----------- | -------------- | --------------------------------------- | ----------------------------------- | -------------- | ------- |
-| `diloco`    | `diloco`       | barrier (DyLU: a quorum of every island) | `outer.optimizer`                  | inner steps    | drops islands' updates (`outer.drop_prob`) |
+| `diloco`    | `diloco`       | barrier (DyLU: a quorum of every island) | `outer.optimizer`                  | inner steps    | may drop islands' updates (a bench's `simulation.drop_prob`) |
 | `ddp`       | none           | gradients                               | the islands' AdamW on the mean gradient | a gradient | no pseudo-gradients |
 | `async`     | `asynchronous` | per arrival, or the quorum rule          | `outer.optimizer` or Delayed Nesterov | inner steps  | merges by RDA |
 | `overlap`   | `overlap`      | one-round lag                            | CO2                                 | inner steps, or eager | a result lags one version |
@@ -136,7 +136,7 @@ class ModeSpec:
     # optimizer, stepped on the coordinator: no warm-start fork, no slices, no merge other
     # than the mean, no compressed downlink, no inner state on the islands
     pseudo_gradients: bool = True
-    drops: bool = False  # the outer step may drop islands' updates (`outer.drop_prob`)
+    drops: bool = False  # the outer step may drop islands' updates (a bench's ablation: `simulation.drop_prob`)
     tracks_copy: bool = False  # islands always hold the published parameters (not only with a downlink codec)
     fragments: bool = False  # the model is synchronised fragment by fragment (`streaming.fragments`)
     lag: int = 0  # versions by which an island's start lags the version its result is applied to

@@ -178,7 +178,7 @@ def in_process_engine(
     if cfg.out_dir == RunConfig().out_dir:
         cfg = cfg.model_copy(update={"out_dir": tempfile.mkdtemp(prefix="run-", dir=_scratch().name)})
     p = InProcessPool(cfg, sim, faults=faults, **pool)
-    return build_engine(cfg, p, run_id), p
+    return build_engine(cfg, p, run_id, ablation=sim.ablation() if sim is not None else None), p
 
 
 def in_process_run(cfg: RunConfig) -> tuple[RoundEngine, list[Island], list[torch.Tensor]]:

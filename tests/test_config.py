@@ -52,8 +52,31 @@ def test_invalid_values_name_the_field(override, field):
 def test_cross_field_rules_are_reported():
     with pytest.raises(ConfigError, match="n_heads"):
         load_config(None, ["task.kwargs.d_model=130"])
-    with pytest.raises(ConfigError, match="drop_prob"):
-        load_config(None, ["mode=ddp", "outer.drop_prob=0.5"])
+    with pytest.raises(ConfigError, match="needs a DiLoCo-family mode"):
+        load_config(None, ["mode=ddp", "outer.merge=radial_directional", "warm_start.steps=0"])
+
+
+def test_a_benchmarks_knobs_are_not_a_runs_and_old_configs_say_where_they_went(caplog):
+    """`outer.drop_prob` and `elastic.on_failure: restart` (an ablation, the checkpoint-restart
+    baseline) are a simulated fleet's now: a run's config naming them is refused with a
+    pointer to `archipelago simulate`, after a warning that names where each went; the
+    simulated fleet reads them there."""
+    from archipelago.orchestrator.simulation.config import load_simulated
+
+    for old, new in (
+        (["outer.drop_prob=0.5"], "simulation.drop_prob"),
+        (["elastic.on_failure=restart", "elastic.restart_s=7"], "simulation.restart_s = 7"),
+    ):
+        caplog.clear()
+        with pytest.raises(ConfigError, match="archipelago simulate"):
+            load_config(None, old)
+        assert new in caplog.text
+    _, sim = load_simulated(None, ["elastic.on_failure=restart", "elastic.restart_s=7", "outer.drop_prob=0.5"])
+    assert sim.restart_s == 7 and sim.drop_prob == 0.5
+    _, sim = load_simulated(None, ["elastic.on_failure=continue"])
+    assert sim.restart_s is None
+    for gone in ("drop_prob", "on_failure", "restart_s"):
+        assert gone not in str(RunConfig.model_json_schema())
 
 
 @pytest.mark.parametrize(

@@ -175,9 +175,7 @@ def test_a_quarantine_under_restart_keeps_the_results_its_close_applied(tmp_path
     the results that close had just applied (their batches rolled back and trained again)
     and settling the next one raised KeyError. Now the verdicts are handed over once the
     close is settled: every batch is trained once, every round is recorded once."""
-    cfg = scenario_cfg(
-        tmp_path, mode, "robust.quarantine_after=1", "elastic.on_failure=restart", "robust.norm_ratio=null"
-    )
+    cfg = scenario_cfg(tmp_path, mode, "robust.quarantine_after=1", "simulation.restart_s=30", "robust.norm_ratio=null")
     summary = run_scenario(cfg, [Fault(FaultKind.NAN, 0, order=2)])  # checks every batch was trained once
     assert summary["islands"]["0"]["state"] == "quarantined" and summary["rounds_done"] == 6
     assert [e["kind"] for e in events(cfg.out_dir)].count("restart") == 1  # rounds: checked by run_scenario

@@ -225,11 +225,11 @@ def test_seeded_chaos_trains_each_batch_once_and_ends_close_to_the_clean_run(tmp
 
 @pytest.mark.parametrize("mode", ["diloco", "ddp", "async", "overlap", "streaming", "quorum", "streaming_quorum"])
 def test_restart_on_failure_gives_up_every_islands_work_and_stands_still(tmp_path, mode):
-    """`elastic.on_failure: restart` (the checkpoint-restart baseline): a crash costs every
+    """`simulation.restart_s` (the checkpoint-restart baseline): a crash costs every
     island's work in progress and `restart_s` of standing still; each batch is still
     trained exactly once and the run trains its full budget of batches."""
     clean = run_scenario(scenario_cfg(tmp_path, mode))
-    cfg = scenario_cfg(tmp_path, mode, "elastic.on_failure=restart", "elastic.restart_s=7")
+    cfg = scenario_cfg(tmp_path, mode, "simulation.restart_s=7")
     engine, _ = in_process_engine(cfg, [Fault(FaultKind.CRASH, island=1, order=2)])
     drive(engine)
     check_exactly_once(cfg, engine.summary)
@@ -263,7 +263,7 @@ def test_a_step_reports_the_chain_a_crash_sets_off_under_the_restart_policy(tmp_
     """`step()` returns what it carried out, in order: the island lost, its release (its
     work given up), the halt, and its replacement placed while the fleet stands still —
     the chain the collaborators once ran through callbacks into the engine."""
-    cfg = scenario_cfg(tmp_path, "diloco", "elastic.on_failure=restart", "elastic.restart_s=7")
+    cfg = scenario_cfg(tmp_path, "diloco", "simulation.restart_s=7")
     engine, _ = in_process_engine(cfg, [Fault(FaultKind.CRASH, island=1, order=2)])
     engine.start()
     transitions = []

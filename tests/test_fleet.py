@@ -352,7 +352,7 @@ def test_a_hang_ends_for_the_account_when_a_restart_gives_its_work_up(tmp_path):
     """Under stop-the-world restarts a crash gives every island's work up, the hung one's
     too, and the hung island trains again: its undetected time ends there, not at the run's
     end."""
-    cfg = scenario_cfg(tmp_path, "diloco", "elastic.on_failure=restart", "elastic.restart_s=5")
+    cfg = scenario_cfg(tmp_path, "diloco", "simulation.restart_s=5")
     chaos = [TimedFault(at=2.0, kind=Strike.HANG), TimedFault(at=3.0, kind=Strike.CRASH)]
     engine, pool = in_process_engine(cfg, step_s=1.0, chaos=chaos, chaos_seed=1)
     drive(engine)

@@ -40,7 +40,7 @@ def test_quantities_and_manifests_read_as_kubernetes_does():
     assert gpu.gpus == 1 and gpu.memory == 32 * 2**30 and gpu.accelerator_memory == 80 * 2**30 and gpu.count == 8
     # the coordinator slices' nodes: one archipelago_slice each, no CPU for Ray to place an island on
     assert slices.name == "slices" and slices.resources == {"archipelago_slice": 1.0} and slices.count == 8
-    assert not slices.hosts_islands and a.island_node(1) == gpu and a.offering("archipelago_slice") == slices
+    assert not slices.hosts_islands and a.island_node(1) == gpu and a.offering("archipelago_slice") == [slices]
 
 
 def test_the_flagship_config_fits_the_cluster_it_ships_for(capsys, tmp_path):
@@ -104,7 +104,7 @@ def test_coordinator_slices_on_nodes_of_their_own_are_each_checked_against_that_
     assert not any("slice" in p for p in report["problems"]), report["problems"]
     code, _, report = _plan(capsys, tmp_path, "--cluster", CLUSTER, LLAMA, *sliced, "--set", "coordinator.shards=9")
     assert code == 2 and any(
-        "coordinator.shards = 9" in p and "slices group offers at most 8" in p for p in report["problems"]
+        "coordinator.shards = 9" in p and "offers at most 8: slices (8 nodes of 1)" in p for p in report["problems"]
     ), report["problems"]
     code, _, report = _plan(capsys, tmp_path, LLAMA, *sliced)  # this machine offers no archipelago_slice
     assert code == 2 and any(

@@ -72,7 +72,7 @@ def test_staleness_policy_is_applied_and_counted(tmp_path, policy):
 
 
 def test_dropped_pseudo_gradients_are_trained_but_not_applied(tmp_path):
-    summary = _quadratic(tmp_path, "rounds=6", "inner_steps=2", "outer.drop_prob=0.5", "seed=3")
+    summary = _quadratic(tmp_path, "rounds=6", "inner_steps=2", "simulation.drop_prob=0.5", "seed=3")
     assert summary["tokens"] == 3 * 6 * 2
     assert 0 < summary["tokens_applied"] < summary["tokens"]
 

@@ -12,7 +12,7 @@ import torch
 
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.pacing.base import start_version
-from archipelago.orchestrator.engine.policies import build_policies
+from archipelago.orchestrator.engine.policies import Ablation, build_policies
 from archipelago.orchestrator.engine.step.outer import LocalOuter, take_step
 from archipelago.orchestrator.engine.step.rules import outer_rule
 from archipelago.orchestrator.engine.step.slices import LocalSlices, SlicedOuter
@@ -27,11 +27,12 @@ NUMEL, CHUNK = 5000, 256
 # slice (summed exactly across them); the rules are compared at the mean too
 MEAN = "outer.merge=mean"
 RDA = "outer.merge=radial_directional"
+DROPS = {"diloco drop": 0.3}  # a bench's ablation (`simulation.drop_prob`): the outer step drops updates
 RULES = {
     "diloco nesterov": ["mode=diloco"],
     "diloco sgd": ["mode=diloco", "outer.optimizer=sgd"],
     "diloco adam": ["mode=diloco", "outer.optimizer=adam", "outer.lr=0.01"],
-    "diloco drop": ["mode=diloco", "outer.drop_prob=0.3"],
+    "diloco drop": ["mode=diloco"],  # with DROPS' ablation
     "async delayed nesterov": ["mode=async", MEAN, "asynchronous.rule=delayed_nesterov", "asynchronous.c=0.2"],
     "async quorum": ["mode=async", MEAN],
     "async naive": ["mode=async", MEAN, "asynchronous.rule=naive"],
@@ -76,7 +77,7 @@ def _contributions(rng, version_of, rnd, bounds):
 class _Side:
     """One coordinator (whole or sliced) with its own admission, versioned as the engine does."""
 
-    def __init__(self, cfg, flat, bounds=None):
+    def __init__(self, cfg, flat, bounds=None, drop_prob=0.0):
         rule = outer_rule(cfg)
         self.flat = flat
         self.outer = (
@@ -84,7 +85,7 @@ class _Side:
             if bounds
             else LocalOuter(flat, rule)
         )
-        self.admission = build_policies(cfg, NUMEL).admission
+        self.admission = build_policies(cfg, NUMEL, ablation=Ablation(drop_prob=drop_prob)).admission
         self.version = 0
 
     def step(self, contributions, expected, anchor=None, advances=True):
@@ -101,7 +102,8 @@ def test_sliced_outer_step_equals_one_coordinator(rule, shards):
     cfg = _cfg(RULES[rule])
     init = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     bounds = slice_bounds(NUMEL, shards, CHUNK)
-    single, sliced = _Side(cfg, init.clone()), _Side(cfg, init.clone(), bounds)
+    drop = DROPS.get(rule, 0.0)
+    single, sliced = _Side(cfg, init.clone(), drop_prob=drop), _Side(cfg, init.clone(), bounds, drop_prob=drop)
     rng = np.random.default_rng(1)
     reasons: list[str] = []
     for rnd in range(1, 9):

@@ -148,7 +148,7 @@ def test_a_spare_can_be_preempted_but_not_drained(tmp_path):
 
 
 def test_a_restart_policy_with_a_spare_still_trains_each_batch_once(tmp_path):
-    cfg = scenario_cfg(tmp_path, "diloco", "elastic.spares=1", "elastic.on_failure=restart", "elastic.restart_s=5")
+    cfg = scenario_cfg(tmp_path, "diloco", "elastic.spares=1", "simulation.restart_s=5")
     engine, _ = in_process_engine(cfg, step_s=1.0, faults=[Fault(FaultKind.CRASH, 1, order=2)], join_s=3.0)
     drive(engine)
     check_exactly_once(cfg, engine.summary)

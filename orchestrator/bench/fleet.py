@@ -45,7 +45,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from archipelago.orchestrator.bench.fleet_spec import ABLATION_OF, HEADLINE, REFERENCE_LINK, ROWS, FleetSpec
+from archipelago.orchestrator.bench.fleet_spec import (
+    ABLATION_OF,
+    HEADLINE,
+    REFERENCE_LINK,
+    RESTART_ROW,
+    ROWS,
+    FleetSpec,
+)
 from archipelago.orchestrator.bench.hetero import time_to_reach
 from archipelago.orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
 from archipelago.orchestrator.bench.runner import finished, fresh, record_simulation
@@ -71,7 +78,7 @@ MODEL = [
 DEFAULT_LR = 0.7  # the shipped outer lr (in the grid)
 LOSSES = "fleet-losses.json"  # beside a run's records: the pool's breakdown (a reused run keeps it)
 GOODPUT_TARGETS = {16: 0.93, 64: 0.90}
-TIME_TARGETS = {"sync_dylu": 0.7, "restart_from_checkpoint": 0.5}  # quorum's time to target ≤ this × theirs
+TIME_TARGETS = {"sync_dylu": 0.7, RESTART_ROW: 0.5}  # quorum's time to target ≤ this × theirs
 DDP_TARGET = (1.0, 0.5)  # at this link (Gbit/s), quorum's time to target ≤ this × ddp's
 
 
@@ -123,7 +130,6 @@ def overrides(spec: FleetSpec, row: str, islands: int, seed: int, lr: float, fol
         f"seed={seed}",
         *limits,
         *ROWS[row][1],
-        *([f"elastic.restart_s={spec.restart_s:g}"] if row == "restart_from_checkpoint" else []),
         *([f"elastic.spares={spec.spares_of(islands)}"] if row == "quorum_spares" else []),
         *([f"inner.lr={lr * RunConfig().inner.lr:g}"] if row == "ddp" else [f"outer.lr={lr:g}"]),
         f"out_dir={folder}",
@@ -138,6 +144,8 @@ def run_one(
     tag = f"{row}@k{islands}@s{seed}@lr{lr:g}@g{link:g}" + ("" if faults else "@nofaults")
     cfg = load_config(None, overrides(spec, row, islands, seed, lr, work / tag, faults))
     sim = fleet_of(spec, islands, link)
+    if row == RESTART_ROW:  # the baseline: the fleet stands still at every failure
+        sim = sim.model_copy(update={"restart_s": spec.restart_s})
     out = Path(cfg.out_dir)
     summary = finished(cfg, sim)
     if summary is None or not (out / LOSSES).exists():
@@ -162,7 +170,7 @@ def run_one(
             pools.append(InProcessPool(c, sim, chaos=chaos, chaos_seed=seed, join_s=spec.join_s))
             return pools[-1]
 
-        summary = PhasedRun(cfg, "bench", pool).execute()
+        summary = PhasedRun(cfg, "bench", pool, ablation=sim.ablation()).execute()
         (out / LOSSES).write_text(json.dumps(_losses(pools)))
     losses = json.loads((out / LOSSES).read_text())
     per_step = cfg.task.kwargs["batch_size"] * cfg.task.kwargs["context"]

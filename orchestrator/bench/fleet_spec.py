@@ -12,6 +12,7 @@ from typing import Any
 
 from archipelago.orchestrator.simulation.chaos import Strike, parse_mix
 
+RESTART_ROW = "restart_from_checkpoint"  # the baseline run on a fleet that stands still at each failure
 # name -> (what it is, its overrides); every DiLoCo-family row's outer lr comes from LR_GRID
 ROWS: dict[str, tuple[str, list[str]]] = {
     "ddp": (
@@ -19,10 +20,10 @@ ROWS: dict[str, tuple[str, list[str]]] = {
         "overlapped with backward (the better of a ring and a tree), its lr tuned on a grid of its own size",
         ["mode=ddp"],
     ),
-    "restart_from_checkpoint": (
+    RESTART_ROW: (
         "synchronous DiLoCo; every failure stops every island and resumes from the last outer step after "
         "a restart (Ray Train's elastic restarts)",
-        ["mode=diloco", "elastic.on_failure=restart"],
+        ["mode=diloco"],  # on a fleet with simulation.restart_s (`fleet.run_one`)
     ),
     "sync": ("synchronous DiLoCo: every round waits for its slowest island", ["mode=diloco"]),
     "sync_dylu": (
@@ -79,7 +80,7 @@ ABLATION_OF = {
     "quorum_no_partial": "quorum",
     "quorum_int4": "quorum",
 }  # rows at another row's tuned lr
-HEADLINE = ("restart_from_checkpoint", "sync_dylu", "quorum", "ddp")  # the rows the targets compare
+HEADLINE = (RESTART_ROW, "sync_dylu", "quorum", "ddp")  # the rows the targets compare
 REFERENCE_LINK = 100.0  # Gbit/s: the regime every row runs in (the lr grid is tuned there); the others run `link_rows`
 
 

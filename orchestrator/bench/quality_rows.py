@@ -112,7 +112,7 @@ def methods(
             "non-iid islands (different packages; own warm start on that split)",
             [*best50, NON_IID],
         ),
-        Method("diloco_k4_h50_drop50", "50% of pseudo-gradients dropped", [*best50, "outer.drop_prob=0.5"]),
+        Method("diloco_k4_h50_drop50", "50% of pseudo-gradients dropped", [*best50, "simulation.drop_prob=0.5"]),
     ]
 
 

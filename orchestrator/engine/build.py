@@ -6,6 +6,7 @@ exactly the same engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.config_operations import EvalPlace, OnFailure
+from archipelago.orchestrator.config_operations import EvalPlace
 from archipelago.orchestrator.engine.commands import Inbox
 from archipelago.orchestrator.engine.engine import RoundEngine
 from archipelago.orchestrator.engine.fleet.fleet import FailurePolicy, Fleet, ScalingPolicy
@@ -23,7 +24,7 @@ from archipelago.orchestrator.engine.outputs.evaluation import Evaluator
 from archipelago.orchestrator.engine.outputs.outputs import OnRecord, Outputs
 from archipelago.orchestrator.engine.outputs.persistence import RunCore, restore
 from archipelago.orchestrator.engine.outputs.startup import Startup
-from archipelago.orchestrator.engine.policies import build_policies, run_inbox
+from archipelago.orchestrator.engine.policies import Ablation, build_policies, run_inbox
 from archipelago.orchestrator.engine.pool import IslandPool
 from archipelago.orchestrator.engine.requests import OperatorRequests
 from archipelago.orchestrator.engine.state.checkpoints import load_checkpoint, load_initial_weights, run_folder
@@ -66,11 +67,13 @@ def build_engine(
     takes_changes: bool = True,
     hands_over: bool = False,
     evaluator: Callable[[RunConfig], Evaluator | None] | None = None,
+    ablation: Ablation | None = None,
 ) -> RoundEngine:
     """The engine for `cfg` driving `pool`; with `coordinator.shards` > 1 the outer step is
     split over slices reached through `slices` (in process by default); `evaluation.where:
     actor` evaluates through the evaluator `evaluator` starts (a Ray actor). `inbox`,
-    `takes_changes` and `hands_over`: see `RoundEngine`."""
+    `takes_changes` and `hands_over`: see `RoundEngine`. `ablation`: a benchmark's change to
+    the run's decisions (`Ablation`; none in a run of the product)."""
     cfg = cfg.for_run(run_id)  # an `out_dir` with `{run_id}`: this run's own folder (the driver's runs come resolved)
     if cfg.evaluation.where != EvalPlace.COORDINATOR and evaluator is None:
         raise RunFailed(f"evaluation.where: {cfg.evaluation.where.value} needs a coordinator on Ray (archipelago run)")
@@ -115,6 +118,7 @@ def build_engine(
         takes_changes=takes_changes,
         hands_over=hands_over,
         evaluator=evaluator(cfg) if evaluator is not None else None,
+        ablation=ablation or Ablation(),
     )
 
 
@@ -135,11 +139,12 @@ def assemble(
     takes_changes: bool,
     hands_over: bool,
     evaluator: Evaluator | None,
+    ablation: Ablation,
 ) -> RoundEngine:
     """The engine's parts, wired: the run's state (continued from its newest checkpoint
     if it has one, or from the warm start's data positions), its outputs, the work in
     flight, the fleet and the operator's requests."""
-    policies = build_policies(cfg, flat.numel, fragments)
+    policies = build_policies(cfg, flat.numel, fragments, ablation)
     members = Membership(cfg.islands.count)
     run = RunState(cfg.rounds, cfg.inner_steps, members, hang_after_steps=cfg.elastic.hang_after_steps)
     ledger = DataLedger(cfg.num_shards)
@@ -217,9 +222,7 @@ def assemble(
         disk=outputs.disk,
         inbox=inbox if takes_changes else None,
         scaling=ScalingPolicy(abandon=elastic.drain == "abandon", spares=elastic.spares),
-        failures=FailurePolicy(
-            elastic.replace_dead, elastic.restart_s if elastic.on_failure == OnFailure.RESTART else None
-        ),
+        failures=FailurePolicy(elastic.replace_dead, ablation.restart_s),
     )
     requests = OperatorRequests(core=core, inbox=inbox, events=events, takes_changes=takes_changes)
     if takes_changes:
@@ -285,8 +288,10 @@ class PhasedRun:
         if warm is not None:
             self.warm_cfg, wid = warm
             pool = make_pool(self.warm_cfg, wid)
+            ablation = engine.get("ablation")  # the shared start is the plain average: it drops nothing
+            shared = {**engine, "ablation": dataclasses.replace(ablation, drop_prob=0.0) if ablation else None}
             self.engine = build_engine(
-                self.warm_cfg, pool, wid, inbox=self.inbox, takes_changes=False, hands_over=True, **engine
+                self.warm_cfg, pool, wid, inbox=self.inbox, takes_changes=False, hands_over=True, **shared
             )
         else:
             self.engine = self._main()

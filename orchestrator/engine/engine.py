@@ -373,7 +373,7 @@ class RoundEngine(EngineParts):
                     self._halt(seconds, reason)
 
     def _halt(self, seconds: float, reason: str) -> None:
-        """Stop-the-world recovery (`elastic.on_failure: restart`): every island's work,
+        """Stop-the-world recovery (a bench's checkpoint-restart baseline, `simulation.restart_s`): every island's work,
         out or arrived and not yet stepped, is given up (its batches go back to the
         ledger), and nothing trains for `seconds` — what a job restarted from its last
         checkpoint loses; the run goes on from its last outer step."""

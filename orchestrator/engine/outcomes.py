@@ -74,7 +74,7 @@ class Lost:
 
 @dataclass(frozen=True, kw_only=True)
 class Halt:
-    """Stop the world (`elastic.on_failure: restart`): every island's work not yet stepped
+    """Stop the world (a bench's checkpoint-restart baseline, `simulation.restart_s`): every island's work not yet stepped
     is given up, and nothing trains for `seconds`."""
 
     seconds: float

@@ -66,6 +66,21 @@ def run_inbox(cfg: RunConfig) -> Inbox:
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class Ablation:
+    """What a benchmark changes in a run's decisions and no run's config says: the seam the
+    simulator and `archipelago bench` use (`SimulationConfig.ablation`), handed to the
+    composition root (`build_engine`); `archipelago run` never sets it, so a run of the
+    product drops nothing and never stands its fleet still."""
+
+    # the outer step leaves out each update it admitted with this probability (the DiLoCo
+    # paper's dropped pseudo-gradients, as a `Decision.DROP`)
+    drop_prob: float = 0.0
+    # every island failure halts the whole fleet this long, its work not yet stepped given
+    # up: the checkpoint-restart baseline (Ray Train restarting a job), None: never
+    restart_s: float | None = None
+
+
 @dataclass(frozen=True)
 class Policies:
     pacing: Pacing
@@ -74,9 +89,11 @@ class Policies:
     quorum: QuorumRule | None = None  # the quorum pacing's live settings (the engine applies changes to it)
 
 
-def build_policies(cfg: RunConfig, numel: int, fragments: Fragments | None = None) -> Policies:
+def build_policies(
+    cfg: RunConfig, numel: int, fragments: Fragments | None = None, ablation: Ablation | None = None
+) -> Policies:
     """The run's pacing (its registry row, `pacing/registry.py`), admission with the row's
-    staleness rule, and the speed tracker they share."""
+    staleness rule (and a benchmark's drops, `ablation`), and the speed tracker they share."""
     row = pacing_of(cfg)
     speeds = SpeedTracker(cfg.asynchronous.speed_smoothing)
     rule = row.quorum(cfg) if row.quorum is not None else None
@@ -85,7 +102,7 @@ def build_policies(cfg: RunConfig, numel: int, fragments: Fragments | None = Non
         NormGuard(cfg.robust),
         row.staleness(cfg),
         cfg.robust.quarantine_after,
-        cfg.outer.drop_prob,
+        ablation.drop_prob if ablation is not None else 0.0,
         cfg.seed,
         [fragments.size(p) for p in range(fragments.count)] if fragments else None,
     )

@@ -41,7 +41,7 @@ class Decision(str, Enum):
     ACCEPT = "accept"
     DOWNWEIGHT = "downweight"  # applied with a reduced weight (too stale, `stale_policy: downweight`)
     REJECT = "reject"
-    DROP = "drop"  # accepted but left out on purpose (`outer.drop_prob` ablation)
+    DROP = "drop"  # accepted but left out on purpose (a bench's ablation: `simulation.drop_prob`)
 
 
 class Reason(str, Enum):

@@ -82,7 +82,7 @@ def warm_config(cfg: RunConfig) -> RunConfig:
     data["inner"]["schedule_steps"] = cfg.schedule_steps
     data["checkpoint"].update(every_rounds=max(1, cfg.checkpoint.every_rounds), path=str(out / "checkpoint"))
     data["coordinator"]["shards"] = 1
-    data["outer"].update(drop_prob=0.0, merge="mean")  # the shared start is the plain average
+    data["outer"]["merge"] = "mean"  # the shared start is the plain average
     data["compression"]["downlink"] = "none"  # the shared start is trained exactly
     if mode == WarmStartMode.DDP:
         data["mode"] = Mode.DDP.value

@@ -102,9 +102,9 @@ class Cluster:
                 return kind
         return None
 
-    def offering(self, resource: str) -> NodeKind | None:
-        """The kind of worker node that offers the custom `resource` (a slice node), if any."""
-        return next((kind for kind in self.workers if kind.resources.get(resource, 0) > 0), None)
+    def offering(self, resource: str) -> list[NodeKind]:
+        """The kinds of worker node that offer the custom `resource` (slice nodes)."""
+        return [kind for kind in self.workers if kind.resources.get(resource, 0) > 0]
 
 
 _RAY_BUILT_IN = ("CPU", "GPU", "memory", "object_store_memory")

@@ -223,7 +223,9 @@ def _coordinator(
         if anchors:
             slice_parts["round starts"] = per * anchors
         slice_parts["arriving"] = int(k * up * m.params / s)
-        node = cluster.offering(cfg.coordinator.slice_resource) if cfg.coordinator.slice_resource else None
+        offering = cluster.offering(cfg.coordinator.slice_resource) if cfg.coordinator.slice_resource else []
+        # where a slice may land: the least memory of the nodes offering its resource
+        node = min(offering, key=lambda k: k.memory or 0) if offering else None
         needs.append(
             Need(
                 process="coordinator slice",
@@ -254,17 +256,18 @@ def _slice_refusals(cfg: RunConfig, cluster: Cluster) -> list[str]:
     resource, s = cfg.coordinator.slice_resource, cfg.coordinator.shards
     if resource is None or s == 1:
         return []
-    node = cluster.offering(resource)
-    if node is None:
+    kinds = cluster.offering(resource)
+    if not kinds:
         return [
             f"coordinator.slice_resource = {resource}: no node of {cluster.source} offers it (a slice node's "
             f"`ray start --resources`: the manifests' slices group); unset it to spread the slices over any nodes"
         ]
-    offered = node.resources[resource] * node.count
+    offered = sum(kind.resources[resource] * kind.count for kind in kinds)
     if s > offered:
+        where = ", ".join(f"{k.name} ({k.count} nodes of {k.resources[resource]:g})" for k in kinds)
         return [
-            f"coordinator.shards = {s} slices take one {resource} each; the {node.name} group offers at most "
-            f"{offered:g} ({node.count} nodes of {node.resources[resource]:g}): raise its maxReplicas or lower the shards"
+            f"coordinator.shards = {s} slices take one {resource} each; the cluster offers at most {offered:g}: "
+            f"{where}: raise the slices group's maxReplicas or lower the shards"
         ]
     return []
 

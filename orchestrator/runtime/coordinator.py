@@ -32,6 +32,7 @@ from archipelago.orchestrator.runtime.names import coordinator_name
 
 if TYPE_CHECKING:
     from archipelago.orchestrator.engine.engine import RoundEngine
+    from archipelago.orchestrator.engine.policies import Ablation
     from archipelago.orchestrator.engine.state.views import EventRecord, RoundRecord, RunStatus
     from archipelago.orchestrator.runtime.island_pool import RayIslandPool
 
@@ -49,12 +50,14 @@ class Coordinator:
         logs: LogSetup | None = None,
         prestarted: int = 0,
         pool: IslandPools | None = None,
+        ablation: Ablation | None = None,
     ) -> None:
         """`prestarted`: how many islands the command started for this run before this actor
         (`prestart_islands`); its first pool adopts them, in this process's first life only
         (a restarted coordinator re-attaches to its islands or replaces them, as after any
         restart). `pool`: what makes each phase's pool (default `RayIslandPool`; a
-        simulation hands its own, on its clock)."""
+        simulation hands its own, on its clock). `ablation`: a benchmark's change to the
+        run's decisions (none for a run of the product)."""
         self._pools = pool
         import torch
 
@@ -81,6 +84,7 @@ class Coordinator:
             slices=lambda c, params, bounds: start_slices(c, params, bounds, run_id),
             on_record=self._publish_metrics,
             evaluator=lambda c: start_evaluator(c, run_id),
+            ablation=ablation,
         )
 
     def _pool(self, cfg: RunConfig, _phase_id: str) -> RayIslandPool:

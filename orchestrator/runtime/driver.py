@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -35,6 +35,9 @@ from archipelago.orchestrator.runtime.signals import StopRequest, stop_on_signal
 from archipelago.workers.runtime.storage import durable_write, is_url
 from archipelago.workers.tasks.task import load_task
 
+if TYPE_CHECKING:
+    from archipelago.orchestrator.engine.policies import Ablation
+
 log = logging.getLogger(__name__)
 
 # Ray frees the objects nobody references in batches, once a second by default. Rounds
@@ -45,6 +48,15 @@ log = logging.getLogger(__name__)
 # Ray instances Archipelago starts; a cluster's nodes take it from their environment
 # (`RAY_free_objects_period_milliseconds`, set in `k8s/`).
 RAY_SYSTEM_CONFIG = {"free_objects_period_milliseconds": 100}
+
+
+def _on_a_cluster(cfg: RunConfig, started: bool) -> bool:
+    """Whether the run goes onto a Ray cluster the plan must read node by node: one named
+    (`ray.address`, $RAY_ADDRESS), or one of several nodes this process had joined before
+    (`ray.cluster_utils`, a bench's) — not a private instance on this machine alone."""
+    if cfg.ray.address or os.environ.get("RAY_ADDRESS"):
+        return True
+    return not started and sum(1 for n in ray.nodes() if n.get("Alive")) > 1
 
 
 def init_ray(cfg: RunConfig) -> bool:
@@ -99,10 +111,16 @@ def on_pythonpath(folder: str) -> Iterator[None]:
             os.environ["PYTHONPATH"] = before
 
 
-def start_coordinator(cfg: RunConfig, run_id: str, prestarted: int = 0, pool: IslandPools | None = None) -> Any:
+def start_coordinator(
+    cfg: RunConfig,
+    run_id: str,
+    prestarted: int = 0,
+    pool: IslandPools | None = None,
+    ablation: Ablation | None = None,
+) -> Any:
     """The coordinator actor, pinned to this node so its outputs land where the user looks
     (`pool`: its island pools' class, `RayIslandPool` by default — a simulation's runs on
-    its own clock).
+    its own clock; `ablation`: a benchmark's, none for a run of the product).
     Ray restarts it up to `checkpoint.max_restarts` times; it then resumes from its
     checkpoint. The pin is hard: with a soft one Ray at times placed it on an island's node
     (seen in the multi-node test), where losing that node took the coordinator down too."""
@@ -119,7 +137,7 @@ def start_coordinator(cfg: RunConfig, run_id: str, prestarted: int = 0, pool: Is
             max_task_retries=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
-        .remote(cfg, run_id, configured(), prestarted, pool)
+        .remote(cfg, run_id, configured(), prestarted, pool, ablation)
     )
 
 
@@ -155,12 +173,14 @@ def run(
     run_id: str | None = None,
     started_at: float | None = None,
     pool: IslandPools | None = None,
+    ablation: Ablation | None = None,
 ) -> dict[str, Any]:
     """Train to the end; returns the summary (also in `out_dir/summary.json`). A coordinator
     that dies is restarted by Ray and continues from its last checkpoint; pass the `run_id`
     of an earlier run (with the same `checkpoint.path`) to resume it. `started_at`: when the
     command started (default: now), what `startup_seconds` counts from. `pool`: the
-    coordinator's island pools (default: Ray's on the real clock)."""
+    coordinator's island pools (default: Ray's on the real clock); `ablation`: what a
+    benchmark changes in the run's decisions (`engine.policies.Ablation`; none by default)."""
     started_at = started_at or time.time()
     token = api_token(cfg)
     load_task(cfg.task.factory, cfg.task.kwargs).prepare()  # build data caches once, before any actor
@@ -183,7 +203,7 @@ def run(
     if cfg.preflight:
         t0 = time.time()
         try:
-            preflight(cfg, on_ray_cluster=bool(cfg.ray.address or os.environ.get("RAY_ADDRESS")))
+            preflight(cfg, on_ray_cluster=_on_a_cluster(cfg, started))
         except BaseException:
             if started:
                 ray.shutdown()
@@ -197,7 +217,7 @@ def run(
             t0 = time.time()
             # a new run's islands start beside the coordinator, not after it (it adopts them)
             prestarted = prestart_islands(cfg, run_id) if new_run else 0
-            coordinator = start_coordinator(cfg, run_id, prestarted, pool)
+            coordinator = start_coordinator(cfg, run_id, prestarted, pool, ablation)
             control_plane.start()  # while the coordinator starts: its handle resolves the coordinator's name
             ray.get(coordinator.progress.remote())  # up
             command["coordinator_s"] = time.time() - t0

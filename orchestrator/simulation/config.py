@@ -22,6 +22,8 @@ from archipelago.orchestrator.config_load import (
     validate_config,
 )
 from archipelago.orchestrator.config_sections import Strict
+from archipelago.orchestrator.engine.policies import Ablation
+from archipelago.orchestrator.modes import mode_of, modes_where
 from archipelago.orchestrator.simulation.links import LinkConfig
 
 
@@ -85,6 +87,20 @@ class SimulationConfig(Strict):
         description="the spread (sigma of a log-normal of mean 1) of every speed the engine measures: an "
         "island's probe and each work's compute seconds; its true pace is unchanged",
     )
+    drop_prob: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="an ablation: the outer step leaves out each pseudo-gradient it admitted with this "
+        "probability (the DiLoCo paper's dropped updates); modes whose outer step may drop",
+    )
+    restart_s: float | None = Field(
+        None,
+        ge=0,
+        description="the checkpoint-restart baseline (a job restarted by Ray Train): every island failure "
+        "halts the whole fleet this long and gives up every island's work not yet stepped; null: the fleet "
+        "goes on as the product's does",
+    )
     replacement_speed: ReplacementSpeed = Field(
         ReplacementSpeed.FULL,
         description="full: an island placed after the start (a replacement, a joiner) runs at speed 1; "
@@ -97,6 +113,10 @@ class SimulationConfig(Strict):
         if v is not None and any(f < 1 for f in v):
             raise ValueError("slowdown factors must be >= 1")
         return v
+
+    def ablation(self) -> Ablation:
+        """What this fleet's run changes in the run's decisions (the engine's seam for it)."""
+        return Ablation(drop_prob=self.drop_prob, restart_s=self.restart_s)
 
     def check_islands(self, count: int) -> None:
         """One entry per initial island in each per-island list."""
@@ -129,6 +149,8 @@ def load_simulated(
     try:
         sim = SimulationConfig.model_validate(raw)
         sim.check_islands(cfg.islands.count)
+        if sim.drop_prob and not mode_of(cfg).drops:
+            raise ValueError(f"simulation.drop_prob applies to mode {modes_where(lambda m: m.drops)} only")
     except ValidationError as err:
         raise ConfigError(format_error(err, SIMULATION)) from err
     except ValueError as err:

@@ -149,4 +149,4 @@ def run_simulated(cfg: RunConfig, sim: SimulationConfig, **options: Any) -> dict
     `sim` (`driver.run`'s options); its summary."""
     from archipelago.orchestrator.runtime.driver import run
 
-    return run(cfg, pool=simulated_pool(sim), **options)
+    return run(cfg, pool=simulated_pool(sim), ablation=sim.ablation(), **options)

@@ -16,4 +16,4 @@ def run_in_process(cfg: RunConfig, sim: SimulationConfig, run_id: str = "bench")
     engine, policies and island code as under Ray, with the islands as objects of this
     process taking turns and the virtual clock for time — what a scenario of many simulated
     islands on two cores can afford. Its summary."""
-    return PhasedRun(cfg, run_id, lambda c, _rid: InProcessPool(c, sim)).execute()
+    return PhasedRun(cfg, run_id, lambda c, _rid: InProcessPool(c, sim), ablation=sim.ablation()).execute()

@@ -378,7 +378,7 @@ class InFlight:
         back if it was refused and its batches can still be retrained; counted either way.
         Returns the verdict for the fleet, which must hear it only once every result of the
         close is settled: a verdict can quarantine an island, and under
-        `elastic.on_failure: restart` a failure gives up every piece of work not yet
+        the checkpoint-restart baseline (`simulation.restart_s`) a failure gives up every piece of work not yet
         stepped. Heard mid-close, it gave up results the step had already applied (their
         batches trained twice) and the close then settled a flight that no longer existed."""
         r = flight.result
