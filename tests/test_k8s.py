@@ -352,16 +352,12 @@ def test_a_network_policy_admits_only_the_runs_pods_and_metrics_scrapes():
     }
     run_cfg = load_config(K8S / "config" / "run-config.yaml")
     planes = set(range(run_cfg.api.port, run_cfg.api.port + run_cfg.api.ports))  # one per run on the cluster
-    assert opened == {8265, 8080, *planes}  # job server, control planes, metrics: nothing else
+    assert opened == {8265, *planes}  # job server, control planes: nothing else (metrics: k8s/monitoring's)
     assert rules[1]["from"] == [{"podSelector": {}}]  # this namespace's pods
     sources = [(src, {p["port"] for p in rule["ports"]}) for rule in rules[2:] for src in rule["from"]]
-    for src, _ in sources:  # from another namespace: only the KubeRay operator, only Prometheus
-        assert src.get("podSelector") or src["namespaceSelector"].get("matchLabels"), src
-    operator = [ports for src, ports in sources if src.get("podSelector")]
-    assert operator == [{8265}]  # it polls a RayJob's status on the job server (KubeRay's e2e does the same)
-    (src,) = [s for s, _ in sources if not s.get("podSelector")]
-    assert src["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
-    assert [ports for s, ports in sources if s is src] == [{8080}]
+    # from another namespace: only the KubeRay operator, which polls a RayJob's status on the
+    # job server (KubeRay's e2e does the same)
+    assert [ports for src, ports in sources if src.get("podSelector")] == [{8265}] and len(sources) == 1
 
 
 @pytest.mark.parametrize("folder", ["", "job"])
@@ -399,14 +395,39 @@ def test_the_monitoring_kustomization_gives_both_objects_the_release_label_kube_
         [kubectl, "kustomize", str(K8S / "monitoring")], capture_output=True, text=True, check=True
     ).stdout
     docs = {d["kind"]: d for d in yaml.safe_load_all(out)}
-    assert set(docs) == {"PodMonitor", "PrometheusRule"}
+    assert set(docs) == {"PodMonitor", "PrometheusRule", "NetworkPolicy"}  # the settings' ConfigMap is local
     settings = manifest("monitoring/kustomization.yaml")
     (pairs,) = [entry["pairs"] for entry in settings["labels"]]
     assert pairs == {"release": "kube-prometheus-stack"}  # the chart's default release name
     for doc in docs.values():
         assert doc["metadata"]["labels"]["release"] == "kube-prometheus-stack"
         assert doc["metadata"]["namespace"] == settings["namespace"]
-    assert docs["PodMonitor"]["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/part-of": "archipelago"}
+    run = {"app.kubernetes.io/part-of": "archipelago"}
+    assert docs["PodMonitor"]["spec"]["selector"]["matchLabels"] == run
+    # Prometheus let in on the metrics port alone, from the namespace set once in the kustomization
+    policy = docs["NetworkPolicy"]["spec"]
+    (rule,) = policy["ingress"]
+    assert policy["podSelector"]["matchLabels"] == run and rule["ports"] == [{"protocol": "TCP", "port": 8080}]
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+
+
+def test_prometheus_is_admitted_from_the_namespace_the_monitoring_kustomization_names(tmp_path):
+    """The Prometheus namespace is one setting (`prometheus-settings`): changed there, the
+    NetworkPolicy rendered with the PodMonitor admits that namespace and no other."""
+    import shutil
+    import subprocess
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl here: its kustomize renders k8s/monitoring")
+    folder = tmp_path / "monitoring"
+    shutil.copytree(K8S / "monitoring", folder)
+    kust = folder / "kustomization.yaml"
+    kust.write_text(kust.read_text().replace("- namespace=monitoring", "- namespace=observability"))
+    out = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True, check=True).stdout
+    (policy,) = [d for d in yaml.safe_load_all(out) if d["kind"] == "NetworkPolicy"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}}}]
 
 
 def test_the_pod_monitor_scrapes_the_metrics_port_of_every_pod_of_the_run():

@@ -38,7 +38,7 @@ def test_every_third_party_import_is_declared():
     declared = {_name(r) for r in PROJECT["dependencies"]}
     for extra in PROJECT["optional-dependencies"].values():
         declared |= {_name(r) for r in extra}
-    declared |= {"ray"}  # `ray[default,train]`
+    declared |= {"ray"}  # `ray[default]`
     providers = importlib.metadata.packages_distributions()
     ours = {"archipelago", "tests"}
     missing = {}

@@ -425,7 +425,8 @@ def _markdown(
     return "\n\n".join(
         [
             f"A `ray.cluster_utils.Cluster` on this machine: the head node runs the driver and the "
-            f"coordinator only, each island has a node of one CPU. The link between nodes was probed at "
+            f"coordinator only, each island has a node of one CPU, each coordinator slice a slice node (no CPU, "
+            f"one `{SLICE_RESOURCE}`). The link between nodes was probed at "
             f"{link['down']:.1f} Gbit/s head to island and {link['up']:.1f} back (a 256 MB object through "
             f"Ray's object store; on one host that is loopback, not a network card) and the plan priced at "
             f"{link['gbps']:.1f}. The plan's round is the islands' measured compute plus its head phases "
