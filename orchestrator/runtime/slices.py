@@ -32,51 +32,16 @@ class RemoteOuterSlice(OuterSlice):
 
 
 class ActorSlice:
-    """A slice actor answering `OuterSlice`'s methods with futures (`RaySlices.gather` waits)."""
+    """A slice actor answering `OuterSlice`'s methods with futures (`RaySlices.gather`
+    waits): each method called here is the actor's of that name, sent with `.remote`."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
 
-    def inspect(self, key: int, parts: list[tuple[int, Any]], weights: dict[int, float], scale: float = 1.0) -> Any:
-        return self.actor.inspect.remote(key, parts, weights, scale)
-
-    def direct(self, key: int, along: dict[int, float]) -> Any:
-        return self.actor.direct.remote(key, along)
-
-    def gap_terms(self, key: int, weights: dict[int, float], anchor: int, factor: float | None = None) -> Any:
-        return self.actor.gap_terms.remote(key, weights, anchor, factor)
-
-    def close(
-        self,
-        key: int,
-        weights: dict[int, float],
-        scale: float,
-        anchor: int | None,
-        norms: tuple[float, float] | None,
-        factor: float | None = None,
-    ) -> Any:
-        return self.actor.close.remote(key, weights, scale, anchor, norms, factor)
-
-    def discard(self, key: int) -> Any:
-        return self.actor.discard.remote(key)
-
-    def anchor(self, version: int, keep_from: int) -> Any:
-        return self.actor.anchor.remote(version, keep_from)
-
-    def state_dict(self) -> Any:
-        return self.actor.state_dict.remote()
-
-    def save(self, location: str, name: str) -> Any:
-        return self.actor.save.remote(location, name)
-
-    def load(self, params: np.ndarray, state: dict[str, Any], version: int) -> Any:
-        return self.actor.load.remote(params, state, version)
-
-    def set_lr(self, lr: float) -> Any:
-        return self.actor.set_lr.remote(lr)
-
-    def lr(self) -> Any:
-        return self.actor.lr.remote()
+    def __getattr__(self, method: str) -> Any:
+        if method.startswith("_"):  # not a slice's method (copy, pickle and the like ask these)
+            raise AttributeError(method)
+        return getattr(self.actor, method).remote
 
 
 class RaySlices:
