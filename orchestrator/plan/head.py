@@ -204,11 +204,12 @@ class WarmLoad:
     """The `average` warm start through the head: every island's parameters in and the
     average out every `warm_start.inner_steps` steps, in fp32 (the shared start is trained
     exactly), against the islands' compute over the warm steps. At 1 B parameters on 16
-    islands that is 64 GB each way an average: the head, not the islands, sets the pace."""
+    islands that is 64 GB each way an average: the head, not the islands, sets the pace.
+    The warm phase averages on one coordinator whatever the run's slices
+    (`engine/warm_start.py`: `coordinator.shards` 1), so nothing here splits over them."""
 
     params: int
     islands: int
-    slices: int
     link_gbps: float
     step_s: float
     steps: int
@@ -222,10 +223,10 @@ class WarmLoad:
     @property
     def seconds(self) -> float:
         """The head's: each average's bytes in (the way out overlaps it on a full-duplex
-        card) and the mean over every island, split over the slices' cards and cores."""
+        card) and the mean over every island."""
         card = self.link_gbps * 1e9 / 8
         per = self.islands * 4 * self.params / card + STEP_S_PER_VALUE["mean"] * self.params * self.islands
-        return self.averages * per / self.slices
+        return self.averages * per
 
     @property
     def share(self) -> float:
@@ -249,8 +250,8 @@ class WarmLoad:
         return (
             f"the average warm start would keep the head busy {self.share:.1f}x as long as the islands compute "
             f"({self.bytes / 1e12:,.2f} TB through its card): the head, not the islands, would set its pace. Start "
-            "from a trained model (init_from), average less often (warm_start.inner_steps), or give the head "
-            "slices on nodes of their own (coordinator.shards)"
+            "from a trained model (init_from) or average less often (warm_start.inner_steps); the warm phase "
+            "averages on one coordinator, whatever coordinator.shards says"
         )
 
 
@@ -261,7 +262,6 @@ def warm_load(cfg: RunConfig, params: int, *, link_gbps: float, step_s: float) -
     return WarmLoad(
         params=params,
         islands=cfg.islands.count,
-        slices=cfg.coordinator.shards,
         link_gbps=link_gbps,
         step_s=step_s,
         steps=cfg.warm_steps,
