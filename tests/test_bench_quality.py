@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from archipelago.orchestrator.bench.quality_rows import DDP_LRS, MODEL, OUTER_LRS, ddp_row, h_row, methods
 from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.simulation.config import load_simulated
 from tests.helpers import run_tokens
 
 
@@ -14,7 +15,8 @@ def test_quality_methods_share_one_token_budget_and_the_required_keys():
     table = {m.key: m for m in methods(1200, False, h_rows)}
     required = {"single_1x", "single_4x", "ddp_k", "diloco_k4_h25", "diloco_k4_h50", "diloco_k4_h100", "fedavg_k4_h50"}
     assert required <= set(table)
-    budgets = {k: run_tokens(load_config(None, [*MODEL, *m.overrides])) for k, m in table.items()}
+    # a row may set its simulated fleet's settings (the dropped row's simulation.drop_prob)
+    budgets = {k: run_tokens(load_simulated(None, [*MODEL, *m.overrides])[0]) for k, m in table.items()}
     assert budgets["single_4x"] == budgets["ddp_k"] == 4 * budgets["single_1x"]
     assert len({v for k, v in budgets.items() if k != "single_1x"}) == 1, budgets
     assert load_config(None, [*MODEL, *table["ddp_k"].overrides]).mode == "ddp"

@@ -80,8 +80,8 @@ def test_a_checkpoint_waits_for_the_records_before_it(tmp_path, monkeypatch):
     seen = []
     capture = engine_module.capture
 
-    def spy(core, flights):
-        state = capture(core, flights)
+    def spy(core, flights, location, name):
+        state = capture(core, flights, location, name)
         seen.append((state["counters"]["rounds_done"], len(_records(engine))))
         return state
 
