@@ -213,7 +213,10 @@ def test_the_threshold_is_live_kept_by_a_checkpoint_and_heartbeats_are_not_turne
     drive(engine, at)
     check_exactly_once(cfg, engine.summary)
     assert engine.summary["islands"]["0"]["error"] == "hung: no progress for 3s (elastic.hang_after_steps)"
-    assert engine.status().hang_after_steps == 3 and engine.capture(engine.cfg.checkpoint_dir, "state-x.pt")["settings"]["hang_after_steps"] == 3
+    assert (
+        engine.status().hang_after_steps == 3
+        and engine.capture(engine.cfg.checkpoint_dir, "state-x.pt")["settings"]["hang_after_steps"] == 3
+    )
     off, _ = in_process_engine(scenario_cfg(tmp_path, "diloco", heartbeats=False))
     refused = off.submit(UpdateSettings(settings=SettingsUpdate(hang_after_steps=3)))
     assert isinstance(refused, Refused) and "has no heartbeats" in refused.message
