@@ -117,3 +117,23 @@ def test_flat_sgd_is_bitwise_torch_sgd(momentum, nesterov, dtype):
         assert torch.equal(a, b)
     if momentum:
         assert torch.equal(ours.state[a]["momentum_buffer"], stock.state[b]["momentum_buffer"])
+
+
+def test_the_outer_optimizers_are_built_without_importing_dynamo():
+    """torch guards `Optimizer.add_param_group` against dynamo and imports `torch._dynamo` on
+    its first call: 1.5 s of a coordinator's start before its first dispatch (`bench
+    startup`). The outer rules are built without it (in a fresh interpreter), their groups
+    as torch's `add_param_group` makes them, and torch's class stays guarded."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch
+from archipelago.orchestrator.algorithms.outer import CO2Outer, DelayedNesterov, FlatSGD
+p = torch.nn.Parameter(torch.zeros(3))
+made = [FlatSGD([p], lr=0.7, momentum=0.9, nesterov=True), DelayedNesterov([p], 0.7, 0.9, 4), CO2Outer([p], 0.5)]
+print("torch._dynamo" in sys.modules, [sorted(o.param_groups[0]) for o in made][0], any("add_param_group" in vars(o) for o in made))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False ['lr', 'momentum', 'nesterov', 'params'] False", out
+    assert hasattr(torch.optim.Optimizer.add_param_group, "__wrapped__")  # torch's guard, untouched
