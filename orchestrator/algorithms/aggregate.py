@@ -177,8 +177,16 @@ class WeightedMean:
         if sqnorms is None:
             sqnorms = [float(exact_sqnorm(np.asarray(d), unit)) for d, _ in parts]
         radius, along = radial_terms([w for _, w in parts], sqnorms)
-        units = [(d, u) for (d, _), u in zip(parts, along) if u > 0]
+        length_sq = self.direction([(d, u) for (d, _), u in zip(parts, along)], unit)
+        return self.sum.mul_(radial_scale(radius, float(length_sq)))
+
+    def direction(self, along: Sequence[tuple[np.ndarray, float]], unit: int) -> ExactSum:
+        """RDA's direction into the buffer: the mean of the updates weighted by their `along`
+        (w_i/‖Δ_i‖; a zero update's 0 leaves it out; its own total divides it), zero with no
+        update left; and its ‖·‖² as an `exact_sqnorm` over rows of `unit` values (a
+        coordinator slice's part of the whole direction's)."""
+        units = [(d, u) for d, u in along if u > 0]
         if not units:
-            return self.sum.zero_()
-        direction = self.fill(units)  # along Σ w_i Δ_i/‖Δ_i‖ (its own total divides it)
-        return direction.mul_(radial_scale(radius, float(exact_sqnorm(direction.numpy(), unit))))
+            self.sum.zero_()
+            return ExactSum()
+        return exact_sqnorm(self.fill(units).numpy(), unit)

@@ -153,16 +153,18 @@ def save_checkpoint(location: Location, state: dict[str, Any], keep: int = 3, na
     folder = _folder(location)
     saved = _saved(folder)
     name = name or next_name(folder)
-    beside = state.get(PARTS)
-    if beside is not None and not isinstance(beside, list):
+    beside: Beside | None = state.get(PARTS)
+    if beside is not None:
         state = {**state, PARTS: beside.written()}
     # the digest last: a file without one (a crash between the two) is never trusted, and
     # loading falls back to the checkpoint before it
     folder.write(_digest(name), _streamed(folder, name, state).encode())
-    for _, old in [(0, name), *saved][keep:]:
+    pruned = [old for _, old in [(0, name), *saved][keep:]]
+    entries = [entry for entry, _ in folder.entries()] if pruned else []
+    for old in pruned:
         folder.delete(old)
         folder.delete(_digest(old))
-        for entry, _ in folder.entries():
+        for entry in entries:
             if entry.startswith(f"{old}.part-"):
                 folder.delete(entry)
     return name

@@ -28,7 +28,7 @@ from archipelago.orchestrator.algorithms import fused_step
 from archipelago.orchestrator.algorithms.aggregate import WeightedMean, all_finite, exact_sqnorm, sqnorm
 from archipelago.orchestrator.algorithms.fused_step import SGDRule, mean_step
 from archipelago.orchestrator.algorithms.outer import GapPenalty
-from archipelago.orchestrator.config_sections import OuterMerge
+from archipelago.orchestrator.config_sections import CompressionConfig, OuterMerge
 from archipelago.orchestrator.engine.state.checkpoints import Beside, Location
 from archipelago.orchestrator.engine.step.admission import Admission, Facts
 from archipelago.orchestrator.engine.types import Contribution, Decision, Verdict
@@ -76,8 +76,8 @@ class OuterRule:
     one_pass: bool = False  # `FlatSGD`'s step, which the fused kernel computes with the mean
     merge: OuterMerge = OuterMerge.MEAN  # how the admitted updates become the one stepped on (`MERGES`)
     # values per row of a merge's exact norms: the run's compression.chunk (`outer_rule`), on
-    # which coordinator slices' bounds fall (512 is that setting's default)
-    norm_rows: int = 512
+    # which coordinator slices' bounds fall
+    norm_rows: int = CompressionConfig.model_fields["chunk"].default
 
 
 def as_tensor(x: np.ndarray) -> torch.Tensor:

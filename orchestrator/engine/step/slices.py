@@ -102,12 +102,9 @@ class OuterSlice:
         """RDA's direction over this slice: the mean of the updates weighted by `along`
         (w_i/‖Δ_i‖ from the whole norms; islands with 0 left out, in island order as one
         coordinator takes them) into the buffer, and its part of the direction's ‖·‖²."""
-        units = [(d, along[i]) for i, d in sorted(self.pending[key], key=lambda part: part[0]) if along.get(i, 0.0) > 0]
+        ordered = sorted(self.pending[key], key=lambda part: part[0])
         self.directed, self.merged = key, None
-        if not units:
-            self.step.mean.sum.zero_()
-            return ExactSum()
-        return exact_sqnorm(self.step.mean.fill(units).numpy(), self.step.norm_rows)
+        return self.step.mean.direction([(d, along.get(i, 0.0)) for i, d in ordered], self.step.norm_rows)
 
     def _scaled(self, key: int, factor: float) -> None:
         """The buffer holds `key`'s merge: its direction × `factor` (once, whichever call
