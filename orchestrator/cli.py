@@ -273,7 +273,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.rehearse:
         from archipelago.orchestrator.plan.rehearse import TOLERANCE, rehearse
 
-        rehearsed = rehearse(cfg)
+        rehearsed = rehearse(plan.config(cfg))
         sys.stdout.write("rehearsal on this machine's CPU (no Ray):\n")
         sys.stdout.write("".join(f"  {r.line()}\n" for r in rehearsed))
         rehearsed_ok = all(abs(r.ratio - 1) <= TOLERANCE for r in rehearsed)

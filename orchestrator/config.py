@@ -36,7 +36,7 @@ from archipelago.orchestrator.config_sections import (
     Strict,
 )
 from archipelago.orchestrator.modes import SECTIONS, Mode, mode_of, modes_where
-from archipelago.workers.wire.spec import InnerConfig, Sharding
+from archipelago.workers.wire.spec import AUTO_CODEC, InnerConfig, Sharding
 
 log = logging.getLogger(__name__)
 # the package's top-level names before `archipelago` was its one import root
@@ -342,6 +342,11 @@ class RunConfig(Strict):
                 "outer.optimizer sparseloco steps without momentum: it needs compression.error_feedback = true "
                 "(and a lossy compression.codec such as topk:0.02+int2)"
             )
+        if self.codecs_left_to_plan and not self.preflight:
+            raise ValueError(
+                "compression.codec or compression.downlink auto is chosen by the run's plan at launch: it needs "
+                "preflight = true (or name the codecs)"
+            )
         self._check_read()
         row.check_inner_steps(self, self.inner_steps)
         a.check_c(self.islands.count)
@@ -388,7 +393,13 @@ class RunConfig(Strict):
     @property
     def tracks_copy(self) -> bool:
         """Islands hold a copy of the published parameters that changes keep up to date."""
-        return mode_of(self).tracks_copy or self.compression.downlink != "none"
+        return mode_of(self).tracks_copy or self.compression.downlink not in ("none", AUTO_CODEC)
+
+    @property
+    def codecs_left_to_plan(self) -> bool:
+        """`compression.codec` or `.downlink` is `auto`: the run's plan picks it at launch
+        (`plan/head.py:choose_codecs`), and the run trains with what it picked."""
+        return AUTO_CODEC in (self.compression.codec, self.compression.downlink)
 
     @property
     def checkpoint_dir(self) -> str:

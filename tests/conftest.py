@@ -19,6 +19,7 @@ import contextlib
 import os
 import sys
 import time
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -87,7 +88,11 @@ def pytest_terminal_summary(terminalreporter) -> None:
 @pytest.fixture(autouse=True)
 def _preflight_only_where_tested(request, monkeypatch):
     if request.node.get_closest_marker("ray") and not request.node.get_closest_marker("preflight"):
-        monkeypatch.setattr("archipelago.orchestrator.runtime.driver.preflight", lambda cfg, *, on_ray_cluster: None)
+        # the run goes on as if its plan had fitted and had no codec to choose (`Plan.config`)
+        monkeypatch.setattr(
+            "archipelago.orchestrator.runtime.driver.preflight",
+            lambda cfg, *, on_ray_cluster: types.SimpleNamespace(config=lambda cfg: cfg),
+        )
 
 
 _SHARED_RAY: dict[str, str] = {}  # the GCS address of the local instance `ray_local` started

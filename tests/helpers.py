@@ -214,7 +214,7 @@ def coordinator_plan(cfg: RunConfig, params: int = 1000) -> Any:
     from archipelago.orchestrator.plan.planner import make_plan
 
     model = ModelMemory(
-        params=params, process=0, runtime=0, outer_runtime=0, uplink_bytes_per_value=4.0, data=0, train_rows=1,
+        params=params, process=0, runtime=0, outer_runtime=0, data=0, train_rows=1,
         train_peak=0, train_parts=dict.fromkeys(("optimizer_state", "gradients", "activations_and_temporaries"), 0),
         eval_rows=1, eval_peak=0, eval_set=0, measure_s=0.0,
     )  # fmt: skip

@@ -18,6 +18,7 @@ import yaml
 from archipelago.api.auth import ExposureError, check_exposure
 from archipelago.orchestrator.config import ApiConfig
 from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.plan.cluster import LINK_ENV, LINK_GBPS
 from archipelago.orchestrator.runtime.driver import RAY_SYSTEM_CONFIG
 from tests.conftest import REPO
 
@@ -114,10 +115,16 @@ def test_manifests_match_the_code():
         assert mounts[READ_SECRET] == str(read_file.parent) and read_file.name == "token"
         assert "ARCHIPELAGO_API_READ_TOKEN" not in env and read_file.parent != token_file.parent
         assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) >= 30  # the final checkpoint of a stopped job
+        # the head's stated link, which `plan --cluster` reads, reaches the run's own plan (and
+        # its choice of `compression: auto`) by the downward API, from the one annotation
+        (link,) = [e for e in head["env"] if e["name"] == LINK_ENV]
+        annotations = spec["headGroupSpec"]["template"]["metadata"]["annotations"]
+        assert link["valueFrom"]["fieldRef"]["fieldPath"] == f"metadata.annotations['{LINK_GBPS}']"
+        assert float(annotations[LINK_GBPS]) > 0
         # every node's Ray frees objects as often as the Ray a run starts on one machine does
         ray_pods = [head, *(g["template"]["spec"]["containers"][0] for g in spec["workerGroupSpecs"])]
         for container in ray_pods:
-            period = {e["name"]: e["value"] for e in container["env"]}["RAY_free_objects_period_milliseconds"]
+            period = {e["name"]: e.get("value") for e in container["env"]}["RAY_free_objects_period_milliseconds"]
             assert int(period) == RAY_SYSTEM_CONFIG["free_objects_period_milliseconds"]
         claims = {v["persistentVolumeClaim"]["claimName"] for v in _head_volumes(spec) if "persistentVolumeClaim" in v}
         assert claims == {manifest("storage.yaml")["metadata"]["name"]}

@@ -405,7 +405,8 @@ def test_the_heads_object_store_is_checked_against_what_the_coordinator_keeps_in
     """The published version and every island's pseudo-gradient pulled in before a step
     live in the head's Ray object store: the manifest's `object-store-memory` (else Ray's
     30 % of the pod's memory) must hold them, or Ray spills them to disk. The Llama's 4
-    islands fit the shipped 6 GiB; a 1-GiB store is refused, exit 2."""
+    islands (int8 pseudo-gradients: its codecs are `auto`, the head's link 10 Gbit/s) fit
+    the shipped 6 GiB; a 512-MiB store is refused, exit 2."""
     import yaml
 
     code, lines, report = _plan(capsys, tmp_path, "--cluster", CLUSTER, LLAMA)
@@ -413,11 +414,12 @@ def test_the_heads_object_store_is_checked_against_what_the_coordinator_keeps_in
     (objects,) = [p for p in report["processes"] if p["memory"] == "object store"]
     params = report["model"]["params"]
     assert objects["available"] == 6 * 2**30 and objects["parts"]["published"] == 4 * params
-    assert objects["parts"]["arriving"] == pytest.approx(4 * 4 * params, rel=0.01) and objects["fits"]
+    assert report["codecs"]["codec"] == "int8" and report["link"]["up_bytes"] == pytest.approx(params, rel=0.01)
+    assert objects["parts"]["arriving"] == pytest.approx(4 * report["link"]["up_bytes"], rel=0.01) and objects["fits"]
     assert from_manifest(CLUSTER).head.object_store == 6 * 2**30
     docs = list(yaml.safe_load_all(Path(CLUSTER).read_text()))
     doc = next(d for d in docs if isinstance(d, dict) and d.get("kind") == "RayCluster")
-    doc["spec"]["headGroupSpec"]["rayStartParams"]["object-store-memory"] = str(2**30)
+    doc["spec"]["headGroupSpec"]["rayStartParams"]["object-store-memory"] = str(2**29)
     small = tmp_path / "small.yaml"
     small.write_text(yaml.safe_dump(doc))
     code, lines, report = _plan(capsys, tmp_path, "--cluster", str(small), LLAMA)
@@ -425,3 +427,117 @@ def test_the_heads_object_store_is_checked_against_what_the_coordinator_keeps_in
     del doc["spec"]["headGroupSpec"]["rayStartParams"]["object-store-memory"]  # Ray's default share
     small.write_text(yaml.safe_dump(doc))
     assert from_manifest(small).head.object_store_bytes == int(0.3 * 16 * 2**30)
+
+
+def test_codecs_left_auto_are_chosen_by_the_heads_seconds_at_the_link(capsys, tmp_path):
+    """`compression.codec` and `.downlink: auto` on the flagship scaled to ≈ 1 B parameters,
+    16 islands, H = 100: the plan prices the head's round with each candidate and trains
+    with the cheaper. At 1 and 10 Gbit/s the card sets the pace and int8 both ways wins (a
+    quarter of the bytes, and their decoding costs less than the card saved); at 100 Gbit/s
+    decoding 16 updates costs the head more than the card saves, and fp32 stays. Everything
+    else is planned with the codecs chosen (the link's bytes, the share)."""
+    auto = [*SCALED, "--set", "compression.codec=auto", "--set", "compression.downlink=auto", "--step-s", "1"]
+    chosen = {}
+    for gbps in ("1", "10", "100"):
+        _, lines, report = _plan(capsys, tmp_path, "--cluster", CLUSTER, LLAMA, *auto, "--link-gbps", gbps)
+        codecs = report["codecs"]
+        chosen[gbps] = (codecs["codec"], codecs["downlink"])
+        assert set(codecs["seconds"]) == {"none/none", "int8/int8"} and codecs["link_gbps"] == float(gbps)
+        best = min(codecs["seconds"], key=codecs["seconds"].get)
+        assert best == f"{codecs['codec']}/{codecs['downlink']}"
+        assert report["head"]["seconds_per_round"] == pytest.approx(codecs["seconds"][best])
+        assert any(line.startswith(f"codecs: auto chose codec {codecs['codec']}") for line in lines), lines
+        per_value = report["link"]["up_bytes"] / report["model"]["params"]
+        assert per_value == (4.0 if codecs["codec"] == "none" else pytest.approx(1 + 4 / 512, rel=1e-3))
+    assert chosen == {"1": ("int8", "int8"), "10": ("int8", "int8"), "100": ("none", "none")}
+    # at 10 Gbit/s int8 takes the head's share from 1.18 to 0.65 (the step and the checkpoint stay)
+    exact = ["--set", "compression.codec=none", "--set", "compression.downlink=none"]
+    _, _, fp32 = _plan(
+        capsys, tmp_path, "--cluster", CLUSTER, LLAMA, *SCALED, *exact, "--step-s", "1", "--link-gbps", "10"
+    )
+    assert fp32["codecs"] is None
+    _, _, picked = _plan(capsys, tmp_path, "--cluster", CLUSTER, LLAMA, *auto, "--link-gbps", "10")
+    assert picked["head"]["share"] < 0.6 * fp32["head"]["share"]
+
+
+def test_auto_codecs_stay_exact_where_no_codec_was_measured_or_no_copy_is_held():
+    """Mode ddp's gradients stay exact (no codec was measured lossless on them); with
+    coordinator slices the islands hold no published copy, so the downlink stays exact
+    while the uplink may be int8; a codec the user named is kept."""
+    from archipelago.orchestrator.config_load import load_config
+    from archipelago.orchestrator.plan.head import choose_codecs
+
+    def choice(*sets: str) -> tuple[str, str]:
+        cfg = load_config(None, ["compression.codec=auto", "compression.downlink=auto", *sets])
+        picked = choose_codecs(cfg, 10**9, link_gbps=1.0, step_s=1.0)
+        assert picked is not None and "auto" not in (picked.apply(cfg).compression.codec, picked.downlink)
+        return picked.codec, picked.downlink
+
+    assert choice() == ("int8", "int8")
+    assert choice("mode=ddp", "warm_start.steps=0") == ("none", "none")
+    assert choice("coordinator.shards=2") == ("int8", "none")
+    cfg = load_config(None, ["compression.codec=int4", "compression.downlink=auto"])
+    picked = choose_codecs(cfg, 10**9, link_gbps=1.0, step_s=1.0)
+    assert picked is not None and (picked.codec, picked.downlink) == ("int4", "int8")
+    assert choose_codecs(load_config(None, []), 10**9, link_gbps=1.0, step_s=1.0) is None  # nothing left to it
+
+
+def test_auto_codecs_need_the_plan_and_no_codec_is_built_by_that_name(tmp_path):
+    from archipelago.orchestrator.config_load import ConfigError, load_config
+    from archipelago.workers.wire.spec import CodecSpecError, parse_codec
+
+    with pytest.raises(ConfigError, match="needs preflight = true"):
+        load_config(None, ["compression.codec=auto", "preflight=false"])
+    with pytest.raises(CodecSpecError, match="a choice the run's plan makes at launch"):
+        parse_codec("auto")
+    assert not load_config(None, ["compression.downlink=auto"]).tracks_copy  # until the plan says int8
+
+
+@pytest.mark.ray
+@pytest.mark.preflight
+def test_a_run_over_a_slow_stated_link_trains_with_the_codecs_its_plan_chose(tmp_path, corpus_cache, monkeypatch):
+    """The head's pod states its link (`ARCHIPELAGO_LINK_GBPS`, from the manifest's annotation):
+    over 10 Mbit/s the run's own plan picks int8 both ways for `auto`, the run trains with it
+    (the islands' bytes a quarter of fp32's) and its config.yaml records what it trained with;
+    an unreadable stated link is refused before anything starts (exit 2)."""
+    import ray
+
+    from tests.helpers import tiny_lm_config
+
+    ray.shutdown()
+    monkeypatch.setenv("ARCHIPELAGO_LINK_GBPS", "0.01")
+    out = tmp_path / "out"
+    cfg = tiny_lm_config(
+        out,
+        corpus_cache,
+        "preflight=true",
+        "compression.codec=auto",
+        "compression.downlink=auto",
+        "islands.count=2",
+        "ray.num_cpus=2",
+        "rounds=2",
+        "inner_steps=10",
+    )
+    from archipelago.orchestrator.runtime.driver import run
+
+    summary = run(cfg, show_progress=False)
+    recorded = (out / "config.yaml").read_text()
+    assert "codec: int8" in recorded and "downlink: int8" in recorded and "auto" not in recorded
+    params = summary["num_params"]
+    # 2 islands x 2 rounds sent ≈ 1 byte a value (fp32: 4); what they received past their first
+    # whole copy (`bytes_bootstrap`) are int8 changes of it
+    assert summary["bytes_sent"] < 1.1 * 4 * params
+    assert summary["bytes_received"] - summary["bytes_bootstrap"] < 1.1 * 4 * params
+    monkeypatch.setenv("ARCHIPELAGO_LINK_GBPS", "fast")
+    code = main(
+        [
+            "run",
+            "--set",
+            f"task.kwargs.cache_dir={corpus_cache}",
+            "--set",
+            "compression.codec=auto",
+            "--out",
+            str(tmp_path / "refused"),
+        ]
+    )
+    assert code == 2

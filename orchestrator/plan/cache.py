@@ -1,7 +1,7 @@
 """The plan's measurement of a model, cached on disk per shape.
 
 The measurement (`measure.py`) depends only on the task, the inner loop's memory-shaping
-settings, the codec and torch's version, so it is cached under that key: the first plan
+settings and torch's version, so it is cached under that key: the first plan
 or run of a config pays seconds (torch imported, fake tensors, a fresh interpreter's
 baseline), every later one with the same shapes reads a file and imports nothing heavy.
 """
@@ -21,7 +21,7 @@ from archipelago.orchestrator.plan.memory import ModelMemory
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3  # the measurement's fields; a cached one of another format is measured again
+FORMAT = 4  # the measurement's fields; a cached one of another format is measured again
 
 
 def _cache_dir() -> Path:
@@ -31,8 +31,9 @@ def _cache_dir() -> Path:
 
 
 # what the measurement depends on: the model and its batch (the task), the inner loop's
-# memory-shaping settings, the codec, the island's workers and the corpus's shards. Learning
-# rates, schedules and the seed change no tensor's size: a run that tunes them plans from
+# memory-shaping settings, the island's workers and the corpus's shards. Learning rates,
+# schedules, the seed and the codecs change no tensor the measurement takes (the planner
+# prices a codec's bytes and buffers itself): a run that tunes them plans from
 # the cache instead of paying the measurement again.
 # (`momentum`: SGD keeps a buffer only with it.)
 _INNER_SHAPES = ("optimizer", "momentum", "precision", "micro_batches", "compile")
@@ -49,7 +50,6 @@ def _key(cfg: RunConfig) -> str:
         "task": cfg.task.model_dump(mode="json"),
         "inner": {k: getattr(cfg.inner, k) for k in _INNER_SHAPES},
         "clipped": cfg.inner.grad_clip is not None,
-        "compression": cfg.compression.model_dump(mode="json"),
         "workers": cfg.islands.workers,
         "shards": cfg.num_shards,
     }

@@ -22,6 +22,9 @@ import yaml
 
 ACCELERATOR_MEMORY = "archipelago.io/accelerator-memory"
 LINK_GBPS = "archipelago.io/link-gbps"  # on the head group: its link to the islands, for the head's share
+# the same annotation inside the head's pod (the manifests set it by the downward API), so a
+# run's own plan prices the link its cluster states, and chooses `compression: auto` by it
+LINK_ENV = "ARCHIPELAGO_LINK_GBPS"
 _UNITS = {
     "": 1,
     "k": 10**3,
@@ -148,12 +151,6 @@ def _kind(name: str, group: dict[str, Any], count: int) -> NodeKind:
     accel = annotations.get(ACCELERATOR_MEMORY)
     env = {e.get("name"): e.get("value") for e in _container(template).get("env") or []}
     link = annotations.get(LINK_GBPS)
-    try:
-        link_gbps = float(link) if link is not None else None
-    except ValueError:
-        raise ClusterError(f"{name}: the annotation {LINK_GBPS} = {link!r} is not a number of Gbit/s") from None
-    if link_gbps is not None and not (math.isfinite(link_gbps) and link_gbps > 0):
-        raise ClusterError(f"{name}: the annotation {LINK_GBPS} = {link!r} is not a positive number of Gbit/s")
     return NodeKind(
         name=name,
         memory=quantity(limits["memory"]) if "memory" in limits else None,
@@ -163,7 +160,7 @@ def _kind(name: str, group: dict[str, Any], count: int) -> NodeKind:
         hosts_islands=cpus > 0 or gpus > 0,
         count=count,
         drain_s=float(env[DRAIN_ENV]) if env.get(DRAIN_ENV) is not None else None,
-        link_gbps=link_gbps,
+        link_gbps=_gbps(link, f"{name}: the annotation {LINK_GBPS}"),
         object_store=int(params["object-store-memory"]) if params.get("object-store-memory") is not None else None,
         resources=custom_resources(params.get("resources")),
     )
@@ -230,8 +227,20 @@ def from_ray() -> Cluster:
     return Cluster(source="ray", head=head, workers=tuple(rest))
 
 
+def _gbps(value: str | None, what: str) -> float | None:
+    """A link's stated Gbit/s (None: not stated); anything but a positive number is refused."""
+    try:
+        gbps = float(value) if value is not None else None
+    except ValueError:
+        raise ClusterError(f"{what} = {value!r} is not a number of Gbit/s") from None
+    if gbps is not None and not (math.isfinite(gbps) and gbps > 0):
+        raise ClusterError(f"{what} = {value!r} is not a positive number of Gbit/s")
+    return gbps
+
+
 def this_machine(accelerator_memory: int | None = None) -> Cluster:
-    """This host: its physical memory (or its cgroup's limit), its cores, its GPUs."""
+    """This host: its physical memory (or its cgroup's limit), its cores, its GPUs, and the
+    link to its islands where the environment states it (`LINK_ENV`: a head pod's)."""
     from archipelago.orchestrator.engine.threads import usable_cores
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -254,5 +263,6 @@ def this_machine(accelerator_memory: int | None = None) -> Cluster:
         cpus=float(usable_cores()),
         gpus=gpus,
         accelerator_memory=accelerator_memory,
+        link_gbps=_gbps(os.environ.get(LINK_ENV) or None, f"${LINK_ENV}"),
     )
     return Cluster(source="this machine", head=node, workers=())

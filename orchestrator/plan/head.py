@@ -42,6 +42,9 @@ from typing import Any
 from archipelago.orchestrator.config import RunConfig, WarmStartMode
 from archipelago.orchestrator.config_sections import OuterMerge
 from archipelago.orchestrator.engine.step.rules import rule_of
+from archipelago.orchestrator.modes import mode_of
+from archipelago.orchestrator.plan.memory import downlink_bytes_per_value, uplink_bytes_per_value
+from archipelago.workers.wire.spec import AUTO_CODEC, Sharding
 
 TARGET_SHARE = 0.10
 DEFAULT_LINK_GBPS = 100.0
@@ -150,8 +153,9 @@ class HeadLoad:
         out = []
         if bytes_s > budget / 2:
             out.append(
-                f"the bytes take {bytes_s:.1f} s of the {budget:.1f}-s budget: a codec both ways "
-                "(compression.codec and compression.downlink int4: about 0.53 bytes a value, not 4) or a faster link"
+                f"the bytes take {bytes_s:.1f} s of the {budget:.1f}-s budget: a codec both ways where the head "
+                "decodes faster than the card carries (compression.codec and compression.downlink auto: the plan "
+                "picks int8, about 1 byte a value, where it saves more than it costs) or a faster link"
             )
         need = max(self.slices + 1, math.ceil(self.slices * self.seconds_per_round / budget))
         out.append(
@@ -269,11 +273,8 @@ def warm_load(cfg: RunConfig, params: int, *, link_gbps: float, step_s: float) -
     )
 
 
-def head_load(
-    cfg: RunConfig, params: int, up_bytes: int, down_bytes: int, *, link_gbps: float, step_s: float
-) -> HeadLoad:
-    """The head's load for `cfg` at `params` parameters, each island sending `up_bytes` and
-    receiving `down_bytes` a round."""
+def head_load(cfg: RunConfig, params: int, *, link_gbps: float, step_s: float) -> HeadLoad:
+    """The head's load for `cfg` at `params` parameters, each island's bytes a round by its codecs."""
     return HeadLoad(
         params=params,
         islands=cfg.islands.count,
@@ -281,11 +282,75 @@ def head_load(
         link_gbps=link_gbps,
         step_s=step_s,
         inner_steps=cfg.inner_steps,
-        up_bytes=up_bytes,
-        down_bytes=down_bytes,
+        up_bytes=int(uplink_bytes_per_value(cfg) * params),
+        down_bytes=int(downlink_bytes_per_value(cfg) * params),
         merge="radial" if cfg.merge == OuterMerge.RADIAL_DIRECTIONAL else "mean",
         uplink=cfg.compression.codec,
         downlink=cfg.compression.downlink,
         state_values=rule_of(cfg).state_values(cfg),
         checkpoint_every=cfg.checkpoint.every_rounds,
+    )
+
+
+# what `compression.codec` and `.downlink: auto` choose between: exact, or int8 (a quarter of
+# fp32's bytes with its scales). int8 both ways: the default run's eval loss 1.8990 against
+# fp32's 1.8983 (64.4 MB exchanged, not 215.7), DiLoCo's in bench streaming 1.8401 against
+# 1.8525 (docs/operations.md). The lossier codecs are left to a user who measured them on
+# their model: int4 cost the bench's DiLoCo protocol 0.9 % of eval loss.
+AUTO_CANDIDATES = ("none", "int8")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CodecChoice:
+    """What `auto` resolved to, and why: the head's seconds a round under each candidate
+    pair, at the link the plan priced. A tie goes to the exact codec."""
+
+    codec: str
+    downlink: str
+    seconds: dict[str, float]  # "codec/downlink" -> the head's seconds a round
+    link_gbps: float
+
+    def apply(self, cfg: RunConfig) -> RunConfig:
+        """`cfg` with the chosen codecs in place of `auto` (what the run trains with and records)."""
+        return cfg.model_copy(
+            update={"compression": cfg.compression.model_copy(update={"codec": self.codec, "downlink": self.downlink})}
+        )
+
+    def lines(self) -> list[str]:
+        priced = ", ".join(f"{pair} {s:.2f} s" for pair, s in self.seconds.items())
+        return [
+            f"codecs: auto chose codec {self.codec}, downlink {self.downlink}: the head's seconds a round at "
+            f"{self.link_gbps:g} Gbit/s by codec/downlink: {priced}"
+        ]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"codec": self.codec, "downlink": self.downlink, "seconds": self.seconds, "link_gbps": self.link_gbps}
+
+
+def choose_codecs(cfg: RunConfig, params: int, *, link_gbps: float, step_s: float) -> CodecChoice | None:
+    """Resolve `compression.codec` / `.downlink: auto` (None: neither is auto): the pair of
+    `AUTO_CANDIDATES` that costs the head fewest seconds a round — the bytes a codec saves
+    on the card against the decoding and encoding it adds to the head's CPU. At 1 B
+    parameters and 16 islands that is int8 at 1 and 10 Gbit/s and exact fp32 at 100; at the
+    default run's size, exact. Gradients (mode ddp) stay exact: no codec was measured
+    lossless on them. The downlink's codec needs islands that hold the published copy (one
+    coordinator, zero1): elsewhere `auto` there is exact."""
+    c = cfg.compression
+    if not cfg.codecs_left_to_plan:
+        return None
+    family = mode_of(cfg).pseudo_gradients
+    holds_copy = family and cfg.coordinator.shards == 1
+    holds_copy = holds_copy and not (cfg.islands.workers > 1 and cfg.islands.sharding == Sharding.FSDP)
+    seconds: dict[tuple[str, str], float] = {}
+    for candidate in AUTO_CANDIDATES if family else AUTO_CANDIDATES[:1]:
+        up = candidate if c.codec == AUTO_CODEC else c.codec
+        down = (candidate if holds_copy else "none") if c.downlink == AUTO_CODEC else c.downlink
+        trial = CodecChoice(codec=up, downlink=down, seconds={}, link_gbps=link_gbps).apply(cfg)
+        seconds.setdefault((up, down), head_load(trial, params, link_gbps=link_gbps, step_s=step_s).seconds_per_round)
+    codec, downlink = min(seconds, key=lambda pair: seconds[pair])  # the first of equals: exact
+    return CodecChoice(
+        codec=codec,
+        downlink=downlink,
+        seconds={f"{up}/{down}": s for (up, down), s in seconds.items()},
+        link_gbps=link_gbps,
     )

@@ -32,7 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.plan.fresh import Fresh
-from archipelago.orchestrator.plan.memory import ModelMemory, uplink_bytes_per_value
+from archipelago.orchestrator.plan.memory import ModelMemory
 from archipelago.workers.tasks.task import Batch, PlannableTask, Task
 
 log = logging.getLogger(__name__)
@@ -202,7 +202,6 @@ def measure(cfg: RunConfig, task: Task) -> ModelMemory:
         runtime=int(got["runtime"]),
         outer_runtime=int(got["outer"]),
         data=int(got["data"]),
-        uplink_bytes_per_value=uplink_bytes_per_value(cfg),
         measure_s=time.perf_counter() - t0,
     )
 

@@ -19,7 +19,6 @@ class ModelMemory:
     process: int  # the measuring process's resident bytes before it measured: interpreter, torch, the task
     runtime: int  # what torch's first real backward and optimizer step add (autograd engine, thread pools)
     outer_runtime: int  # what the coordinator's first outer step adds (the one-pass kernel's compilation)
-    uplink_bytes_per_value: float  # a pseudo-gradient's bytes per parameter under the run's codec
     data: int  # what reading the first training batch adds to a process (a local corpus loaded; 0: streamed)
     train_rows: int  # rows of a micro-batch
     train_peak: int  # an island worker's inner step: params, grads, optimizer state, activations
@@ -33,7 +32,8 @@ class ModelMemory:
 
 def uplink_bytes_per_value(cfg: RunConfig) -> float:
     """Bytes a pseudo-gradient takes per parameter under `compression.codec`."""
-    return codec_bytes_per_value(cfg.compression.codec, cfg.compression.chunk)
+    codec = cfg.compression.codec
+    return 4.0 if codec == "none" else codec_bytes_per_value(codec, cfg.compression.chunk)
 
 
 def downlink_bytes_per_value(cfg: RunConfig) -> float:

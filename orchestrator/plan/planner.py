@@ -28,12 +28,14 @@ from archipelago.orchestrator.plan.cluster import DRAIN_ENV, Cluster, NodeKind
 from archipelago.orchestrator.plan.head import (
     DEFAULT_LINK_GBPS,
     DEFAULT_STEP_S,
+    CodecChoice,
     HeadLoad,
     WarmLoad,
+    choose_codecs,
     head_load,
     warm_load,
 )
-from archipelago.orchestrator.plan.memory import ModelMemory, downlink_bytes_per_value
+from archipelago.orchestrator.plan.memory import ModelMemory, downlink_bytes_per_value, uplink_bytes_per_value
 from archipelago.workers.wire.spec import Sharding
 
 GIB = 2**30
@@ -123,6 +125,7 @@ class Plan:
     head: HeadLoad
     warm: WarmLoad | None = None  # an `average` warm start through the head
     preemption: Preemption | None = None  # where the cluster says how its nodes drain
+    codecs: CodecChoice | None = None  # what `compression.*: auto` resolved to (the rest is planned with it)
 
     @property
     def problems(self) -> list[str]:
@@ -139,6 +142,10 @@ class Plan:
     def fits(self) -> bool:
         return not self.problems
 
+    def config(self, cfg: RunConfig) -> RunConfig:
+        """`cfg` as planned: with the codecs this plan chose where it left them `auto`."""
+        return cfg if self.codecs is None else self.codecs.apply(cfg)
+
     def lines(self) -> list[str]:
         m = self.model
         cached = ", cached" if m.cached else ""
@@ -149,6 +156,7 @@ class Plan:
             f"link per island per round: up {self.link.up_bytes / 1e6:,.1f} MB, down {self.link.down_bytes / 1e6:,.1f} "
             f"MB, {self.link.seconds:.2f} s both ways at the head's link; "
             f"the run: {self.link.run_bytes / 1e9:,.2f} GB",
+            *(self.codecs.lines() if self.codecs is not None else []),
             *self.head.lines(),
             *(self.warm.lines() if self.warm is not None else []),
             *([self.preemption.line()] if self.preemption is not None else []),
@@ -165,6 +173,7 @@ class Plan:
             "processes": [{**dataclasses.asdict(n), "total": n.total, "fits": n.fits} for n in self.needs],
             "link": dataclasses.asdict(self.link),
             "head": self.head.as_dict(),
+            "codecs": None if self.codecs is None else self.codecs.as_dict(),
             "warm_start": None
             if self.warm is None
             else {"bytes": self.warm.bytes, "seconds": self.warm.seconds, "share": self.warm.share},
@@ -448,8 +457,13 @@ def make_plan(
     processes are Ray's (the object store, the core worker), not plain interpreters (a
     rehearsal). The head's share of a round is priced at `link_gbps` between the islands
     and the head (None: the cluster's annotation, else `DEFAULT_LINK_GBPS`) and inner steps
-    of `step_s`."""
-    up = model.uplink_bytes_per_value
+    of `step_s`; codecs left `auto` are chosen at that price first (`Plan.codecs`), and
+    everything else is planned with them."""
+    gbps = link_gbps or cluster.link_gbps or DEFAULT_LINK_GBPS
+    codecs = choose_codecs(cfg, model.params, link_gbps=gbps, step_s=step_s)
+    if codecs is not None:
+        cfg = codecs.apply(cfg)
+    up = uplink_bytes_per_value(cfg)
     eval_batch_bytes = model.eval_set
     ray = RAY_WORKER_BYTES if under_ray else 0
     needs = _coordinator(cfg, model, up, cluster, eval_batch_bytes, ray)
@@ -463,7 +477,6 @@ def make_plan(
         needs.append(_head_objects(cfg, model, up, cluster.head))
     down = int(downlink_bytes_per_value(cfg) * model.params)
     up_bytes = int(up * model.params)
-    gbps = link_gbps or cluster.link_gbps or DEFAULT_LINK_GBPS
     link = Link(
         up_bytes=up_bytes,
         down_bytes=down,
@@ -482,14 +495,8 @@ def make_plan(
         link=link,
         refusals=tuple(refusals),
         warm=warm,
-        head=head_load(
-            cfg,
-            model.params,
-            up_bytes,
-            down,
-            link_gbps=gbps,
-            step_s=step_s,
-        ),
+        head=head_load(cfg, model.params, link_gbps=gbps, step_s=step_s),
+        codecs=codecs,
         preemption=None
         if drain is None
         else Preemption(drain_s=drain, margin_s=cfg.elastic.notice_margin_s, up_bytes=up_bytes),

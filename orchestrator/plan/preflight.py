@@ -14,7 +14,7 @@ import logging
 
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.plan.cache import model_memory
-from archipelago.orchestrator.plan.cluster import Cluster, ray_nodes, this_machine
+from archipelago.orchestrator.plan.cluster import Cluster, ClusterError, ray_nodes, this_machine
 from archipelago.orchestrator.plan.planner import Plan, make_plan, on_cpu
 
 log = logging.getLogger(__name__)
@@ -40,8 +40,12 @@ def preflight(cfg: RunConfig, *, on_ray_cluster: bool) -> Plan:
     """The run's plan; raises `PlanRefused` listing what does not fit. On a cluster, a
     process whose node is not up yet is logged as not checked, not refused. On a machine
     without CUDA the islands and the evaluator train on its CPU whatever GPUs they ask
-    for (the private Ray instance is given that many), and are planned there."""
-    cluster = run_cluster(on_ray_cluster)
+    for (the private Ray instance is given that many), and are planned there. Codecs
+    left `auto` are chosen by this plan (`Plan.codecs`): the run trains with them."""
+    try:
+        cluster = run_cluster(on_ray_cluster)
+    except ClusterError as err:  # the head's stated link ($ARCHIPELAGO_LINK_GBPS) unreadable
+        raise PlanRefused(str(err)) from None
     if not on_ray_cluster and not cluster.head.gpus:
         cfg = on_cpu(cfg)
     plan = make_plan(cfg, model_memory(cfg), cluster)
@@ -53,6 +57,8 @@ def preflight(cfg: RunConfig, *, on_ray_cluster: bool) -> Plan:
         problems = [p for p in problems if p not in waiting]
     for line in plan.lines():
         log.debug("plan: %s", line)
+    if plan.codecs is not None:
+        log.info("plan: %s", " ".join(plan.codecs.lines()))
     if problems:
         raise PlanRefused("; ".join(problems))
     return plan

@@ -132,12 +132,14 @@ def rehearse_role(cfg: RunConfig, role: str, timeout_s: float = 1800) -> Fresh:
 
 
 def rehearse(cfg: RunConfig) -> list[Rehearsed]:
-    """Each of the run's processes rehearsed beside its plan on this machine (no Ray)."""
+    """Each of the run's processes rehearsed beside its plan on this machine (no Ray), with
+    the codecs that plan chose where `cfg` left them `auto`."""
     from archipelago.orchestrator.plan.cluster import this_machine
     from archipelago.orchestrator.plan.planner import on_cpu, plan_run
 
     cfg = on_cpu(cfg)
     plan = plan_run(cfg, this_machine(), under_ray=False)
+    cfg = plan.config(cfg)
     planned = {n.process: n.total for n in plan.needs if n.memory == "host"}
     roles = ["island", "coordinator"] + (["evaluator"] if cfg.evaluation.where == EvalPlace.ACTOR else [])
     # side by side, as they run: each peak is its own process's; the seconds include the sharing

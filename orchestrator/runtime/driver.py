@@ -203,12 +203,13 @@ def run(
     if cfg.preflight:
         t0 = time.time()
         try:
-            preflight(cfg, on_ray_cluster=_on_a_cluster(cfg, started))
+            plan = preflight(cfg, on_ray_cluster=_on_a_cluster(cfg, started))
         except BaseException:
             if started:
                 ray.shutdown()
             raise
         command["plan_s"] = time.time() - t0
+        cfg = plan.config(cfg)  # codecs left `auto`, chosen: what every actor is built with and config.yaml records
     printer = ProgressPrinter() if show_progress else None
     coordinator = None
     control_plane = ControlPlane(cfg, run_id, token)

@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from archipelago.workers.wire.codecs import CODECS, Payload
 
 CODEC_NAMES = tuple(CODECS)  # the value codecs of the registry (`wire/codecs/`)
+# `compression.codec` / `compression.downlink: auto`: the run's plan picks the codec at launch
+# (`orchestrator/plan/head.py`), so no island or coordinator ever builds one by this name
+AUTO_CODEC = "auto"
 
 
 def payload_nbytes(payload: Payload) -> int:
@@ -43,6 +46,11 @@ def parse_codec(spec: str) -> CodecChain:
     """A registered value codec (`none`, `bf16`, `int8`, `int4`, `int2`, `fp4`; also `int:B`
     for B bits), or `topk:K+<value codec>` with K in (0, 1]; raises `CodecSpecError`
     naming what is wrong."""
+    if spec == AUTO_CODEC:
+        raise CodecSpecError(
+            f"{AUTO_CODEC!r} is not a codec but a choice the run's plan makes at launch (`archipelago run`, "
+            "`archipelago plan`): a config of codec auto is resolved before anything builds a codec"
+        )
     parts = [p.strip() for p in spec.split("+")]
     topk = None
     if len(parts) == 2 and parts[0].startswith("topk"):
