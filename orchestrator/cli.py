@@ -28,6 +28,11 @@ log = logging.getLogger(__name__)
 COMMANDS = "archipelago.commands"
 Register = Callable[[Any, argparse.ArgumentParser], Callable[[argparse.Namespace], int]]
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {}
+# the subcommands of this project's other distributions, and how to install each where it is not
+ELSEWHERE = {
+    "bench": "archipelago-diloco-bench: `pip install -e orchestrator/bench` in a checkout of the repository, "
+    "or `pip install 'archipelago-diloco[bench]'`",
+}
 
 
 def _registered() -> dict[str, Register]:
@@ -209,9 +214,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run each process once at the config's shapes on this machine's CPU and set its measured "
         "peak beside the plan's (exit 2 if one is more than 25%% away)",
     )
-    for name, command in _registered().items():
+    registered = _registered()
+    for name, command in registered.items():
         HANDLERS[name] = command(sub, common)
+    for name, where in ELSEWHERE.items():
+        if name not in registered:  # named, so the command says where it is instead of "invalid choice"
+            absent = sub.add_parser(name, parents=[common], help=f"not installed: {where.split(':')[0]}")
+            absent.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+            HANDLERS[name] = _not_installed(name, where)
     return parser
+
+
+def _not_installed(name: str, where: str) -> Callable[[argparse.Namespace], int]:
+    def handler(_: argparse.Namespace) -> int:
+        log.error("archipelago %s is not installed: it is the distribution %s", name, where)
+        return 2
+
+    return handler
 
 
 def _positive(text: str) -> float:

@@ -199,3 +199,16 @@ print("torch" in sys.modules)
     code = code.replace("OUT", str(tmp_path)).replace("CACHE", corpus_cache)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.stdout.split() == ["False"], out.stderr[-3000:]
+
+
+def test_bench_where_its_distribution_is_not_installed_says_what_to_install(monkeypatch, capsys):
+    """`archipelago bench` is its own distribution's subcommand: where no entry point adds
+    it, the command exits 2 naming the distribution and how to install it, whatever
+    arguments followed (not argparse's "invalid choice")."""
+    from archipelago.orchestrator import cli
+
+    monkeypatch.setattr(cli, "_registered", dict)
+    monkeypatch.setattr(cli, "HANDLERS", {})
+    assert cli.main(["bench", "fleet", "--quick", "--out", "somewhere"]) == 2
+    err = capsys.readouterr().err
+    assert "archipelago-diloco-bench" in err and "pip install -e orchestrator/bench" in err, err

@@ -108,7 +108,7 @@ def test_the_readme_is_short_and_gives_the_two_commands_ci_runs():
     readme = (REPO / "README.md").read_text()
     assert len(readme.encode()) <= 8 * 1024, f"README is {len(readme.encode())} bytes"
     assert "pip install -e . && archipelago run\n" in readme
-    test_command = "pip install -e '.[test]' && python -m pytest -q"
+    test_command = "pip install -e '.[test]' -e orchestrator/bench && python -m pytest -q"
     assert test_command in readme and test_command in (REPO / ".ci" / "run").read_text()
     # the maths is cited from the project's own docs/algorithms.md, never an outside document
     cited = "ALGORITHMS " + "§"

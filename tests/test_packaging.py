@@ -17,6 +17,8 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 REPO = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 PRODUCT = ("orchestrator", "workers", "api")  # the folders; imported as archipelago.<folder>
+BENCH = REPO / "orchestrator" / "bench"  # `archipelago bench`: a distribution of its own
+BENCH_PROJECT = tomllib.loads((BENCH / "pyproject.toml").read_text())
 
 
 def _name(requirement: str) -> str:
@@ -37,6 +39,10 @@ def test_every_third_party_import_is_declared():
     broke `archipelago data` on a fresh install)."""
     declared = {_name(r) for r in PROJECT["dependencies"]}
     for extra in PROJECT["optional-dependencies"].values():
+        declared |= {_name(r) for r in extra}
+    # the bench's folder: its own distribution's (orchestrator/bench/pyproject.toml)
+    declared |= {_name(r) for r in BENCH_PROJECT["project"]["dependencies"]}
+    for extra in BENCH_PROJECT["project"]["optional-dependencies"].values():
         declared |= {_name(r) for r in extra}
     declared |= {"ray"}  # `ray[default]`
     providers = importlib.metadata.packages_distributions()
@@ -69,15 +75,17 @@ def test_heavy_dependencies_are_ranges_so_an_images_own_build_is_kept():
 
 def test_the_constraints_pin_every_requirement_inside_its_range_and_ci_and_the_image_use_them():
     """k8s/constraints.txt is the exact set CI and the image install: every dependency of
-    the core and of the test extra (and the extras it names) is pinned there, at a version
-    its range in pyproject.toml admits, so the pins and the ranges cannot drift apart."""
+    the core and of the test extra (and the extras it names), and of the bench's
+    distribution CI installs beside it, is pinned there, at a version its range in
+    pyproject.toml admits, so the pins and the ranges cannot drift apart."""
     from packaging.requirements import Requirement
     from packaging.version import Version
 
     lines = (REPO / "k8s" / "constraints.txt").read_text().splitlines()
     pins = dict(line.lower().replace("_", "-").split("==") for line in lines if line and not line.startswith("#"))
     extras = PROJECT["optional-dependencies"]
-    wanted, todo = list(PROJECT["dependencies"]), ["test"]
+    bench = [r for r in BENCH_PROJECT["project"]["dependencies"] if Requirement(r).name != PROJECT["name"]]
+    wanted, todo = [*PROJECT["dependencies"], *bench], ["test"]
     while todo:
         for requirement in extras[todo.pop()]:
             req = Requirement(requirement)
@@ -150,8 +158,11 @@ def test_one_import_root_every_package_listed_and_the_wheel_installs_nothing_els
     """The distribution installs one top-level package, `archipelago` (the three folders as
     archipelago.orchestrator, .workers, .api), never a generic `api` or `workers` that
     collides with a user's own: the package list in pyproject.toml is every folder with an
-    `__init__.py`, and the wheel built from it holds nothing outside `archipelago/` but its
-    metadata, the dashboard included."""
+    `__init__.py` but the bench's, and the wheel built from it holds nothing outside
+    `archipelago/` but its metadata, the dashboard included, and no benchmark. The bench's
+    own wheel holds `archipelago/orchestrator/bench/` alone and registers the `bench`
+    subcommand."""
+    import shutil
     import subprocess
     import zipfile
 
@@ -160,31 +171,49 @@ def test_one_import_root_every_package_listed_and_the_wheel_installs_nothing_els
         "archipelago." + ".".join(init.parent.relative_to(REPO).parts)
         for folder in PRODUCT
         for init in (REPO / folder).rglob("__init__.py")
+        if not init.parent.is_relative_to(BENCH)
     )
     assert sorted(listed) == found
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp_path),
-            str(REPO),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    (wheel,) = tmp_path.glob("*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
+
+    def wheel(source: Path) -> list[str]:
+        out = tmp_path / source.name
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "--no-deps",
+                "--no-build-isolation",
+                "-q",
+                "-w",
+                str(out),
+                str(source),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
+        (built,) = out.glob("*.whl")
+        return zipfile.ZipFile(built).namelist()
+
+    names = wheel(REPO)
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"archipelago"}, tops
     assert "archipelago/api/dashboard.html" in names and "archipelago/orchestrator/cli.py" in names
     assert not any(n.startswith("archipelago/__init__") for n in names)  # a namespace: nothing to shadow
+    assert not any(n.startswith("archipelago/orchestrator/bench/") for n in names)  # the bench is not the product's
+    # built from a copy: pip builds in the source tree, and a build/ inside the bench's folder
+    # would sit inside the product's package folder
+    source = shutil.copytree(BENCH, tmp_path / "bench-source", ignore=shutil.ignore_patterns("build", "*.egg-info"))
+    bench = wheel(source)
+    files = [n for n in bench if ".dist-info/" not in n]
+    assert files and all(n.startswith("archipelago/orchestrator/bench/") and n.endswith(".py") for n in files), files
+    assert "archipelago/orchestrator/bench/command.py" in files and len(files) == len(list(BENCH.glob("*.py")))
+    assert BENCH_PROJECT["project"]["entry-points"]["archipelago.commands"] == {
+        "bench": "archipelago.orchestrator.bench.command:register"
+    }
+    assert PROJECT["optional-dependencies"]["bench"] == [f"{BENCH_PROJECT['project']['name']}=={PROJECT['version']}"]
     import archipelago.orchestrator.cli
 
     assert archipelago.orchestrator.cli.__file__ == str(REPO / "orchestrator" / "cli.py")

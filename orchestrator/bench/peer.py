@@ -1,5 +1,5 @@
-"""The peer row of `quality`: torchft's DiLoCo (`torchft.local_sgd.DiLoCo`, the `[peer]`
-extra) on the same task, data, hyperparameters and warm start as Archipelago's islands.
+"""The peer row of `quality`: torchft's DiLoCo (`torchft.local_sgd.DiLoCo`, the bench
+distribution's `[peer]` extra) on the same task, data, hyperparameters and warm start as Archipelago's islands.
 
 K replica groups (one process each, gloo, a torchft lighthouse in this process) start
 from the warm start's weights; replica r reads exactly the batches Archipelago's island r

@@ -162,7 +162,7 @@ def _peer(h50: Method, warm: dict[int, Path], work: Path) -> tuple[dict[str, Any
     try:
         from archipelago.orchestrator.bench.peer import torchft_diloco
     except ImportError as err:
-        log.warning("peer row skipped: %s (pip install -e '.[peer]')", err)
+        log.warning("peer row skipped: %s (pip install -e 'orchestrator/bench[peer]')", err)
         return None
     peer = torchft_diloco(MODEL, h50.overrides, K, warm, SEEDS, WARM)
     rounds = next(o for o in h50.overrides if o.startswith("rounds="))

@@ -48,12 +48,14 @@ class ScenarioUnavailable(RuntimeError):
 
 
 def require_plotting() -> None:
-    """Benchmarks write a plot with each report: matplotlib is the `bench` extra, not a
-    dependency of a training run."""
+    """Benchmarks write a plot with each report: matplotlib is a dependency of the bench's
+    distribution, not of a training run."""
     try:
         import matplotlib  # noqa: F401
     except ImportError as err:
-        raise ScenarioUnavailable("benchmark plots need matplotlib: pip install -e '.[bench]'") from err
+        raise ScenarioUnavailable(
+            "benchmark plots need matplotlib: pip install -e orchestrator/bench (it depends on it)"
+        ) from err
 
 
 @dataclass

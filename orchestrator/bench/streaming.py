@@ -260,7 +260,7 @@ def _peer(rounds: int, warm: dict[int, Path], seeds: tuple[int, ...], lr: float)
     try:
         from archipelago.orchestrator.bench.peer import torchft_diloco
     except ImportError as err:
-        log.warning("peer row skipped: %s (pip install -e '.[peer]')", err)
+        log.warning("peer row skipped: %s (pip install -e 'orchestrator/bench[peer]')", err)
         return None
     overrides = [f"islands.count={K}", f"inner_steps={H}", f"rounds={rounds}", *fragmented(4), f"outer.lr={lr}"]
     peer = torchft_diloco(BASE, overrides, K, warm, seeds, WARM)
