@@ -163,3 +163,17 @@ def reference() -> str:
     from archipelago.orchestrator.config_docs import field_table
 
     return "\n".join(field_table(f"{SIMULATION}.", SimulationConfig)[0])
+
+
+def planned_codecs(cfg: RunConfig, sim: SimulationConfig) -> RunConfig:
+    """`cfg` with codecs it leaves `auto` chosen as a run's plan chooses them
+    (`plan/head.py:choose_codecs`), at the simulated head's card (else an island's link) and
+    the nominal size (else the model's own, as the plan measures it)."""
+    if not cfg.codecs_left_to_plan:
+        return cfg
+    from archipelago.orchestrator.plan.cache import model_memory
+    from archipelago.orchestrator.plan.head import choose_codecs
+
+    params = sim.nominal_params or model_memory(cfg).params
+    choice = choose_codecs(cfg, params, link_gbps=sim.head_gbps or sim.link.gbps, step_s=sim.virtual_step_s)
+    return cfg if choice is None else choice.apply(cfg)

@@ -7,7 +7,7 @@ from typing import Any
 
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.build import PhasedRun
-from archipelago.orchestrator.simulation.config import SimulationConfig
+from archipelago.orchestrator.simulation.config import SimulationConfig, planned_codecs
 from archipelago.orchestrator.simulation.pool import InProcessPool
 
 
@@ -15,5 +15,8 @@ def run_in_process(cfg: RunConfig, sim: SimulationConfig, run_id: str = "bench")
     """`cfg` run to the end on the in-process island pool on the fleet `sim`: the same
     engine, policies and island code as under Ray, with the islands as objects of this
     process taking turns and the virtual clock for time — what a scenario of many simulated
-    islands on two cores can afford. Its summary."""
+    islands on two cores can afford. Its summary. Codecs left `auto` are chosen as a run's
+    plan chooses them, at the simulated head's card (else an island's link) and the nominal
+    size (else the model's own)."""
+    cfg = planned_codecs(cfg, sim)
     return PhasedRun(cfg, run_id, lambda c, _rid: InProcessPool(c, sim), ablation=sim.ablation()).execute()
