@@ -436,3 +436,15 @@ def test_a_bench_writes_to_out_only_and_publish_copies_clean_reports_into_the_do
     assert main(["bench", "publish", "hetero", "--out", str(out), "--docs", str(docs)]) == 2
     assert "hetero: the report names no commit" in capsys.readouterr().err
     assert main(["bench", "startup", "extra"]) == 2  # only publish takes several
+
+
+def test_a_wall_check_over_a_link_that_was_never_applied_is_not_met():
+    """The overlap and streaming walls are compared with compute-only's over a simulated
+    link; where the link cost the synchronous row nothing (a run on the virtual clock, whose
+    real wall holds no link: sync 0.98x compute-only), `<= 1.05x` would hold by construction.
+    The link check fails there and passes where the link delayed the exchange (1.64x)."""
+    from archipelago.orchestrator.bench.report import link_applied
+
+    name, free = link_applied(0.98, 0.8)
+    assert name.startswith("link_applied") and free == {"value": 0.98, "ok": False}
+    assert link_applied(1.64, 0.8)[1]["ok"] and not link_applied(1.45, 1.0)[1]["ok"]
