@@ -28,10 +28,12 @@ log = logging.getLogger(__name__)
 COMMANDS = "archipelago.commands"
 Register = Callable[[Any, argparse.ArgumentParser], Callable[[argparse.Namespace], int]]
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {}
-# the subcommands of this project's other distributions, and how to install each where it is not
+# the subcommands of this project's other distributions: (the distribution, how to install it)
 ELSEWHERE = {
-    "bench": "archipelago-diloco-bench: `pip install -e orchestrator/bench` in a checkout of the repository, "
-    "or `pip install 'archipelago-diloco[bench]'`",
+    "bench": (
+        "archipelago-diloco-bench",
+        "`pip install -e orchestrator/bench` in a checkout of the repository, or `pip install 'archipelago-diloco[bench]'`",
+    ),
 }
 
 
@@ -217,17 +219,17 @@ def build_parser() -> argparse.ArgumentParser:
     registered = _registered()
     for name, command in registered.items():
         HANDLERS[name] = command(sub, common)
-    for name, where in ELSEWHERE.items():
+    for name, (distribution, how) in ELSEWHERE.items():
         if name not in registered:  # named, so the command says where it is instead of "invalid choice"
-            absent = sub.add_parser(name, parents=[common], help=f"not installed: {where.split(':')[0]}")
+            absent = sub.add_parser(name, parents=[common], help=f"not installed: {distribution}")
             absent.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-            HANDLERS[name] = _not_installed(name, where)
+            HANDLERS[name] = _not_installed(name, distribution, how)
     return parser
 
 
-def _not_installed(name: str, where: str) -> Callable[[argparse.Namespace], int]:
+def _not_installed(name: str, distribution: str, how: str) -> Callable[[argparse.Namespace], int]:
     def handler(_: argparse.Namespace) -> int:
-        log.error("archipelago %s is not installed: it is the distribution %s", name, where)
+        log.error("archipelago %s is not installed: it is the distribution %s: %s", name, distribution, how)
         return 2
 
     return handler

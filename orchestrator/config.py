@@ -379,10 +379,17 @@ class RunConfig(Strict):
 
     def _check_tracked_copy(self) -> None:
         what = f"mode {self.mode.value}" if mode_of(self).tracks_copy else "compression.downlink"
+        if (needs := self.copy_needs()) is not None:
+            raise ValueError(f"{what} needs {needs}")
+
+    def copy_needs(self) -> str | None:
+        """What islands need to hold the published copy and that this config lacks (None:
+        they can hold it): the check of a tracked copy, and what `auto`'s downlink reads."""
         if self.coordinator.shards > 1:
-            raise ValueError(f"{what} needs coordinator.shards = 1 (the published copy lives on the coordinator)")
+            return "coordinator.shards = 1 (the published copy lives on the coordinator)"
         if self.islands.workers > 1 and self.islands.sharding == Sharding.FSDP:
-            raise ValueError(f"{what} needs islands.sharding = zero1 (an FSDP island holds no whole copy)")
+            return "islands.sharding = zero1 (an FSDP island holds no whole copy)"
+        return None
 
     @property
     def streaming_tau(self) -> int:

@@ -44,7 +44,7 @@ from archipelago.orchestrator.config_sections import OuterMerge
 from archipelago.orchestrator.engine.step.rules import rule_of
 from archipelago.orchestrator.modes import mode_of
 from archipelago.orchestrator.plan.memory import downlink_bytes_per_value, uplink_bytes_per_value
-from archipelago.workers.wire.spec import AUTO_CODEC, Sharding
+from archipelago.workers.wire.spec import AUTO_CODEC
 
 TARGET_SHARE = 0.10
 DEFAULT_LINK_GBPS = 100.0
@@ -292,6 +292,12 @@ def head_load(cfg: RunConfig, params: int, *, link_gbps: float, step_s: float) -
     )
 
 
+def _with_codecs(cfg: RunConfig, codec: str, downlink: str) -> RunConfig:
+    return cfg.model_copy(
+        update={"compression": cfg.compression.model_copy(update={"codec": codec, "downlink": downlink})}
+    )
+
+
 # what `compression.codec` and `.downlink: auto` choose between: exact, or int8 (a quarter of
 # fp32's bytes with its scales). int8 both ways: the default run's eval loss 1.8990 against
 # fp32's 1.8983 (64.4 MB exchanged, not 215.7), DiLoCo's in bench streaming 1.8401 against
@@ -312,9 +318,7 @@ class CodecChoice:
 
     def apply(self, cfg: RunConfig) -> RunConfig:
         """`cfg` with the chosen codecs in place of `auto` (what the run trains with and records)."""
-        return cfg.model_copy(
-            update={"compression": cfg.compression.model_copy(update={"codec": self.codec, "downlink": self.downlink})}
-        )
+        return _with_codecs(cfg, self.codec, self.downlink)
 
     def lines(self) -> list[str]:
         priced = ", ".join(f"{pair} {s:.2f} s" for pair, s in self.seconds.items())
@@ -335,17 +339,15 @@ def choose_codecs(cfg: RunConfig, params: int, *, link_gbps: float, step_s: floa
     default run's size, exact. Gradients (mode ddp) stay exact: no codec was measured
     lossless on them. The downlink's codec needs islands that hold the published copy (one
     coordinator, zero1): elsewhere `auto` there is exact."""
-    c = cfg.compression
     if not cfg.codecs_left_to_plan:
         return None
-    family = mode_of(cfg).pseudo_gradients
-    holds_copy = family and cfg.coordinator.shards == 1
-    holds_copy = holds_copy and not (cfg.islands.workers > 1 and cfg.islands.sharding == Sharding.FSDP)
+    c, family = cfg.compression, mode_of(cfg).pseudo_gradients
+    holds_copy = family and cfg.copy_needs() is None
     seconds: dict[tuple[str, str], float] = {}
     for candidate in AUTO_CANDIDATES if family else AUTO_CANDIDATES[:1]:
         up = candidate if c.codec == AUTO_CODEC else c.codec
         down = (candidate if holds_copy else "none") if c.downlink == AUTO_CODEC else c.downlink
-        trial = CodecChoice(codec=up, downlink=down, seconds={}, link_gbps=link_gbps).apply(cfg)
+        trial = _with_codecs(cfg, up, down)
         seconds.setdefault((up, down), head_load(trial, params, link_gbps=link_gbps, step_s=step_s).seconds_per_round)
     codec, downlink = min(seconds, key=lambda pair: seconds[pair])  # the first of equals: exact
     return CodecChoice(

@@ -5,6 +5,7 @@ and its actors without torch, `bench startup`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -32,20 +33,22 @@ class ModelMemory:
 
 def uplink_bytes_per_value(cfg: RunConfig) -> float:
     """Bytes a pseudo-gradient takes per parameter under `compression.codec`."""
-    codec = cfg.compression.codec
-    return 4.0 if codec == "none" else codec_bytes_per_value(codec, cfg.compression.chunk)
+    return codec_bytes_per_value(cfg.compression.codec, cfg.compression.chunk)
 
 
 def downlink_bytes_per_value(cfg: RunConfig) -> float:
     """Bytes an island receives per parameter a round: the parameters in fp32, or their
     change under `compression.downlink`."""
-    downlink = cfg.compression.downlink
-    return 4.0 if downlink == "none" else codec_bytes_per_value(downlink, cfg.compression.chunk)
+    return codec_bytes_per_value(cfg.compression.downlink, cfg.compression.chunk)
 
 
+@functools.cache
 def codec_bytes_per_value(codec: str, chunk: int) -> float:
-    """Bytes per value under `codec`: a sample of 64 chunks encoded by the islands' own
-    codec (bytes are linear in the size)."""
+    """Bytes per value under `codec`: 4 (fp32) for none, else a sample of 64 chunks encoded
+    by the islands' own codec (bytes are linear in the size), once per codec and chunk (a
+    plan prices several candidates, each both ways)."""
+    if codec == "none":
+        return 4.0
     import numpy as np
 
     from archipelago.workers.wire.compress import encode
