@@ -18,7 +18,7 @@ from typing import Any
 
 from archipelago.orchestrator.config_load import ConfigError, check_folders, check_task_spec, dump_config, load_config
 from archipelago.orchestrator.logs import LogFormat, configure, level_for
-from archipelago.orchestrator.modes import Mode
+from archipelago.orchestrator.mode_settings import Mode
 
 log = logging.getLogger(__name__)
 

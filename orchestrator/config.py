@@ -8,7 +8,7 @@ import warnings
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeAlias, Union
 
 from pydantic import Field, field_validator, model_validator
 
@@ -21,21 +21,16 @@ from archipelago.orchestrator.config_operations import (
     RecordsConfig,
     TrackingConfig,
 )
-from archipelago.orchestrator.config_sections import (
-    SPEEDS,
-    AsyncConfig,
-    CompressionConfig,
-    DilocoConfig,
-    ModeSection,
-    OuterConfig,
-    OuterMerge,
-    OuterOptimizer,
-    OverlapConfig,
-    Reads,
-    StreamingConfig,
-    Strict,
+from archipelago.orchestrator.config_sections import CompressionConfig, OuterConfig, OuterMerge, OuterOptimizer, Strict
+from archipelago.orchestrator.mode_settings import (
+    AsyncSettings,
+    DilocoSettings,
+    Mode,
+    ModeSettings,
+    QuorumSettings,
+    check_quorum,
 )
-from archipelago.orchestrator.modes import SECTIONS, Mode, mode_of, modes_where
+from archipelago.orchestrator.modes import MODES, SETTINGS, mode_of, modes_where, settings_if
 from archipelago.workers.wire.spec import AUTO_CODEC, InnerConfig, Sharding
 
 log = logging.getLogger(__name__)
@@ -212,18 +207,31 @@ _FAMILY_ONLY: tuple[tuple[str, Callable[[RunConfig], bool], str], ...] = (
 RUN_PLACEHOLDER = "{run_id}"  # in `out_dir`: the run's own folder
 
 
-class RunConfig(Strict):
-    """One training run. `mode: diloco` is synchronous DiLoCo; `mode: ddp` is the
-    data-parallel baseline (gradients averaged every step, one AdamW using `inner`);
-    `mode: async` is asynchronous Local-SGD (settings in `asynchronous`); `mode: overlap`
-    is CO2, communication hidden behind the next round's computation (settings in `overlap`);
-    `mode: streaming` is Streaming DiLoCo (settings in `streaming`). A mode section's setting
-    changed where the run's mode never reads it is refused, naming it (`settings_read`)."""
+def _choice() -> Any:
+    """The `mode` field's type: the rows' settings classes as a union discriminated by
+    `name` (pydantic picks the class, so a setting another mode has is an unknown key).
+    Built from the registry, so a new row's class is a member without an edit here; typed
+    as the classes' base for mypy, which reads each row's class through `settings_of`."""
+    return Annotated[Union[SETTINGS], Field(discriminator="name")]  # noqa: UP007 (a tuple of classes)
 
-    mode: Mode = Field(
-        Mode.DILOCO,
-        description="diloco (synchronous DiLoCo), ddp (data-parallel baseline: k islands = k x batch), "
-        "async (asynchronous Local-SGD), overlap (CO2) or streaming (Streaming DiLoCo)",
+
+if TYPE_CHECKING:
+    ModeChoice: TypeAlias = ModeSettings
+else:
+    ModeChoice = _choice()
+
+
+class RunConfig(Strict):
+    """One training run. `mode` holds the mode and its own settings: `diloco` is
+    synchronous DiLoCo; `ddp` the data-parallel baseline (gradients averaged every step, one
+    AdamW using `inner`); `async` asynchronous Local-SGD; `overlap` CO2, communication
+    hidden behind the next round's computation; `streaming` Streaming DiLoCo. `mode: async`
+    is short for `mode: {name: async}`, every setting of the mode at its default."""
+
+    mode: ModeChoice = Field(
+        default_factory=DilocoSettings,
+        description="the mode (`mode.name`: " + ", ".join(f"{m.value}" for m in MODES) + ") and its settings: "
+        "see the `mode` tables below, one per mode",
     )
     rounds: int = Field(8, ge=1, description="outer rounds (ddp: rounds x inner_steps optimizer steps)")
     inner_steps: int = Field(
@@ -247,6 +255,12 @@ class RunConfig(Strict):
         description="allowance per inner step in a work order's deadline, so the deadline scales with H "
         "(a PATCH of inner_steps or a large H never makes every island late)",
     )
+    speed_smoothing: float = Field(
+        0.5,
+        ge=0,
+        lt=1,
+        description="EMA factor of each island's measured steps/s (its deadline, DyLU's H, the quorum's window)",
+    )
     speed_timeout_factor: float | None = Field(
         3.0,
         gt=1,
@@ -269,34 +283,47 @@ class RunConfig(Strict):
         description="start from these weights instead of the seed's initialisation: a final.pt, or a "
         "checkpoint folder (its newest valid checkpoint); recorded in summary.json",
     )
-    # sections (each documented by its model's docstring in docs/configuration.md)
+    # sections (each documented by its model's docstring in docs/configuration.md), grouped
+    # by what a user sets (`config_docs.GROUPS`): the run, as the fields above
+    task: TaskSpec = Field(default_factory=TaskSpec)
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    # the islands: what each holds, how it trains, what it sends
     islands: IslandsConfig = Field(default_factory=IslandsConfig)
     inner: InnerConfig = Field(default_factory=InnerConfig)
-    outer: OuterConfig = Field(default_factory=OuterConfig)
-    asynchronous: AsyncConfig = Field(default_factory=AsyncConfig)
-    diloco: DilocoConfig = Field(default_factory=DilocoConfig)
-    overlap: OverlapConfig = Field(default_factory=OverlapConfig)
-    streaming: StreamingConfig = Field(default_factory=StreamingConfig)
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
-    robust: RobustConfig = Field(default_factory=RobustConfig)
+    # the mode's outer step (with `mode`, above)
+    outer: OuterConfig = Field(default_factory=OuterConfig)
     coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
+    robust: RobustConfig = Field(default_factory=RobustConfig)
+    # the fleet's elasticity
+    elastic: ElasticConfig = Field(default_factory=ElasticConfig)
+    # outputs
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     records: RecordsConfig = Field(default_factory=RecordsConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
-    elastic: ElasticConfig = Field(default_factory=ElasticConfig)
+    # the control plane
     api: ApiConfig = Field(default_factory=ApiConfig)
-    task: TaskSpec = Field(default_factory=TaskSpec)
-    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
-    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _by_name(cls, mode: Any) -> Any:
+        """`mode: async` is `mode: {name: async}`; settings without a name are the default
+        mode's (`mode.dylu: true` alone: DiLoCo with DyLU)."""
+        if isinstance(mode, str):
+            return {"name": mode}
+        if isinstance(mode, dict) and "name" not in mode:
+            return {"name": Mode.DILOCO.value, **mode}
+        return mode
 
     @model_validator(mode="after")
     def _warm_steps(self) -> RunConfig:
         w = self.warm_start
         if self.warm_steps and not mode_of(self).pseudo_gradients and w.path is None:
             raise ValueError(
-                f"warm_start.steps in mode {self.mode.value} needs warm_start.path (it continues a finished warm "
+                f"warm_start.steps in mode {self.mode.name.value} needs warm_start.path (it continues a finished warm "
                 "start; there is no fork to train one for)"
             )
         if w.path is not None and not Path(w.path).is_dir():
@@ -330,11 +357,13 @@ class RunConfig(Strict):
         if not row.pseudo_gradients:
             for setting, is_set, why in _FAMILY_ONLY:
                 if is_set(self):
-                    raise ValueError(f"{setting} needs a DiLoCo-family mode ({_FAMILY}): mode {self.mode.value} {why}")
+                    raise ValueError(
+                        f"{setting} needs a DiLoCo-family mode ({_FAMILY}): mode {self.mode.name.value} {why}"
+                    )
         if self.tracks_copy:
             self._check_tracked_copy()
-        a = self.asynchronous
-        a.check_quorum(a.quorum, self.islands.count)
+        if (q := settings_if(self, QuorumSettings)) is not None:
+            check_quorum(q.quorum, self.islands.count)
         if self.inner.optimizer == "muon" and self.islands.workers > 1:
             raise ValueError("inner.optimizer muon needs whole matrices on one worker: islands.workers = 1")
         if self.outer.optimizer == OuterOptimizer.SPARSELOCO and not self.compression.error_feedback:
@@ -347,38 +376,13 @@ class RunConfig(Strict):
                 "compression.codec or compression.downlink auto is chosen by the run's plan at launch: it needs "
                 "preflight = true (or name the codecs)"
             )
-        self._check_read()
         row.check_inner_steps(self, self.inner_steps)
-        a.check_c(self.islands.count)
+        if (a := settings_if(self, AsyncSettings)) is not None:
+            a.check_c(self.islands.count)
         return self
 
-    def settings_read(self) -> Reads:
-        """The mode sections' settings a run of this config reads: section -> its fields
-        (None: all of them), as its mode's own section says (`ModeSection.reads`); ddp's
-        speed tracker reads `asynchronous.speed_smoothing` only."""
-        section = mode_of(self).section
-        own: ModeSection | None = None if section is None else getattr(self, section)
-        return {"asynchronous": SPEEDS} if own is None else own.reads()
-
-    def _check_read(self) -> None:
-        """A mode section's setting changed from its default where this run never reads it is
-        refused, naming it: a quorum set for a synchronous run would otherwise be silently ignored."""
-        reads = self.settings_read()
-        for section in SECTIONS:
-            fields = reads.get(section, frozenset())
-            if fields is None:
-                continue
-            settings = getattr(self, section)
-            for name, field in type(settings).model_fields.items():
-                if name not in fields and getattr(settings, name) != field.get_default(call_default_factory=True):
-                    what = f"only {', '.join(sorted(fields))} of it" if fields else "none of it"
-                    raise ValueError(
-                        f"{section}.{name} is set, but a run of mode {self.mode.value} with these settings reads "
-                        f"{what}: remove it or change the mode"
-                    )
-
     def _check_tracked_copy(self) -> None:
-        what = f"mode {self.mode.value}" if mode_of(self).tracks_copy else "compression.downlink"
+        what = f"mode {self.mode.name.value}" if mode_of(self).tracks_copy else "compression.downlink"
         if (needs := self.copy_needs()) is not None:
             raise ValueError(f"{what} needs {needs}")
 
@@ -390,12 +394,6 @@ class RunConfig(Strict):
         if self.islands.workers > 1 and self.islands.sharding == Sharding.FSDP:
             return "islands.sharding = zero1 (an FSDP island holds no whole copy)"
         return None
-
-    @property
-    def streaming_tau(self) -> int:
-        """τ resolved: `streaming.tau`, or a fifth of a segment when null."""
-        tau = self.streaming.tau
-        return tau if tau is not None else self.inner_steps // self.streaming.fragments // 5
 
     @property
     def tracks_copy(self) -> bool:

@@ -24,6 +24,17 @@ from archipelago.workers.tasks.lm_task import LMTaskConfig
 
 COMMAND = "archipelago config docs --out docs/configuration.md"
 # Bundled tasks whose `task.kwargs` are documented beside the run config.
+# The sections by what a user sets, in the order a reader meets them; every section is in one
+# (the page is refused otherwise). The run's own fields come first in its group, in their table.
+RUN_GROUP = "The run"
+GROUPS: dict[str, tuple[str, ...]] = {
+    RUN_GROUP: ("task", "warm_start", "ray"),
+    "The islands": ("islands", "inner", "compression"),
+    "The mode and its outer step": ("mode", "outer", "coordinator", "robust"),
+    "The fleet's elasticity": ("elastic",),
+    "Outputs": ("evaluation", "checkpoint", "records", "tracking", "export"),
+    "The control plane": ("api",),
+}
 TASKS: dict[str, type[BaseModel]] = {
     "archipelago.workers.tasks.lm_task:make_task": LMTaskConfig,
     "archipelago.workers.tasks.hf_task:make_task": HFTaskConfig,
@@ -36,7 +47,7 @@ def _type(annotation: Any, inlined: dict[type[BaseModel], str]) -> str:
     table under a dotted name (named, not linked)."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Literal:
-        return " \\| ".join(f"`{a}`" for a in args)
+        return " \\| ".join(f"`{getattr(a, 'value', a)}`" for a in args)
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
         text = " \\| ".join(_type(a, inlined) for a in inner)
@@ -68,7 +79,22 @@ def _section_name(model: type[BaseModel]) -> str:
     for name, field in RunConfig.model_fields.items():
         if field.annotation is model:
             return name
+        if model in _members(field.annotation):
+            return _member_title(name, model)
     return model.__name__
+
+
+def _members(annotation: Any) -> list[type[BaseModel]]:
+    """The models of a union of models (the `mode` section's settings, one per mode)."""
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return []
+    return [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+
+
+def _member_title(section: str, model: type[BaseModel]) -> str:
+    """`mode: async`: the union's member by its discriminator's value."""
+    tag = model.model_fields["name"].get_default()
+    return f"{section}: {getattr(tag, 'value', tag)}"
 
 
 def _anchor(title: str) -> str:
@@ -106,6 +132,13 @@ def _rows(prefix: str, model: type[BaseModel]) -> tuple[list[str], list[tuple[st
         }
     for name, field in model.model_fields.items():
         annotation = field.annotation
+        if model is RunConfig and (members := _members(annotation)):  # a section of one model per mode
+            sections += [(_member_title(name, m), m) for m in members]
+            titles = [_member_title(name, m) for m in members]
+            kinds = " \\| ".join(f"[`{t.split(': ')[1]}`](#{_anchor(t)})" for t in titles)
+            tag = _value(field.get_default(call_default_factory=True).name)
+            rows.append(f"| `{name}` | {kinds} | {tag} |  | {field.description or ''} |")
+            continue
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             if model is RunConfig:  # a section of its own
                 sections.append((name, annotation))
@@ -146,16 +179,21 @@ def render() -> str:
         "keys and out-of-range values are errors that name the field (`outer.lr: Input should be greater",
         "than 0`); the run exits with status 2 and nothing starts. `null` in YAML is `None`.",
         "",
-        "## Run",
-        "",
-        _doc(RunConfig),
-        "",
     ]
     table, sections = field_table("", RunConfig)
-    out += [*table, ""]
+    by_section: dict[str, list[tuple[str, type[BaseModel]]]] = {}
     for name, model in sections:
-        out += [f"## {name}", "", _doc(model), ""]
-        out += [*field_table(f"{name}.", model)[0], ""]
+        by_section.setdefault(name.split(":")[0], []).append((name, model))
+    grouped = [s for names in GROUPS.values() for s in names]
+    if sorted(grouped) != sorted(by_section):
+        raise ValueError(f"GROUPS names {sorted(grouped)}, the config has {sorted(by_section)}")
+    for group, names in GROUPS.items():
+        out += [f"## {group}", ""]
+        if group == RUN_GROUP:  # the run's own fields first
+            out += [_doc(RunConfig), "", *table, ""]
+        for name, model in (entry for s in names for entry in by_section[s]):
+            out += [f"### {name}", "", _doc(model), ""]
+            out += [*field_table(f"{name.split(':')[0]}.", model)[0], ""]
     out += [
         "## Bundled tasks' `task.kwargs`",
         "",

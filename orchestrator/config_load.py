@@ -13,7 +13,8 @@ import yaml
 from pydantic import ValidationError
 
 from archipelago.orchestrator.config import RUN_PLACEHOLDER, RunConfig
-from archipelago.orchestrator.modes import SECTIONS
+from archipelago.orchestrator.mode_settings import Mode
+from archipelago.orchestrator.modes import MODES
 from archipelago.workers.runtime.storage import Folder, is_url
 from archipelago.workers.tasks.task import TaskError, load_task
 
@@ -44,9 +45,21 @@ def _yaml(text: str) -> Any:
 def format_error(err: ValidationError, prefix: str = "") -> str:
     lines = []
     for e in err.errors():
-        where = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "") or "config"
-        lines.append(f"{where}: {e['msg']}")
+        loc = list(e["loc"])
+        msg = e["msg"]
+        if loc[:1] == ["mode"] and len(loc) > 1 and loc[1] in MODE_NAMES:  # the union's member: said in words
+            mode = loc.pop(1)
+            if e["type"] == "extra_forbidden" and len(loc) == 2:
+                others = [m.value for m in Mode if loc[1] in MODES[m].settings.model_fields]
+                msg = f"not a setting of mode {mode}" + (f" (one of mode {', '.join(others)})" if others else "")
+        elif loc == ["mode"] and e["type"] == "union_tag_invalid":
+            msg = f"{e['ctx']['tag']!r} is not a mode: one of {', '.join(sorted(MODE_NAMES))}"
+        where = ".".join(str(p) for p in (prefix, *loc) if p != "") or "config"
+        lines.append(f"{where}: {msg}")
     return "; ".join(lines)
+
+
+MODE_NAMES = frozenset(m.value for m in Mode)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -62,15 +75,23 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """`overrides` set into `data`, in order. `mode` is a section with a shorthand: `mode=async`
+    sets its name (keeping settings set before it), `mode.quorum=3` after `mode: async` adds a
+    setting to that mode."""
     for item in overrides:
         path, value = parse_override(item)
         node = data
         for part in path[:-1]:
+            if part == "mode" and node is data and isinstance(node.get(part), str):
+                node[part] = {"name": node[part]}
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
                 raise ConfigError(f"{'.'.join(path)}: {part!r} is not a section")
             node = child
-        node[path[-1]] = value
+        if path == ["mode"] and isinstance(node.get("mode"), dict) and not isinstance(value, dict):
+            node["mode"]["name"] = value
+        else:
+            node[path[-1]] = value
     return data
 
 
@@ -95,7 +116,7 @@ def read_config_data(path: str | Path | None, overrides: list[str]) -> dict[str,
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping, not {type(loaded).__name__}")
         data = loaded or {}
-    return _moved(apply_overrides(data, overrides))
+    return upgraded(apply_overrides(data, overrides))
 
 
 def validate_config(data: dict[str, Any], check_task: bool = True) -> RunConfig:
@@ -143,9 +164,40 @@ def _restart_baseline(data: dict[str, Any]) -> None:
         log.warning("elastic.on_failure and elastic.restart_s are gone: a failure never halts a run's fleet")
 
 
-def _moved(data: dict[str, Any]) -> dict[str, Any]:
-    """`data` with each moved setting at its new place (a warning names both); one given
-    at both places is an error naming them."""
+# the mode sections before `mode` held its mode's settings (releases before 0.3): their
+# settings are the mode's now, but for the speeds' smoothing, which every mode reads
+MODE_SECTIONS = ("asynchronous", "diloco", "overlap", "streaming")
+RUN_WIDE = {"speed_smoothing"}
+
+
+def _mode_sections(data: dict[str, Any]) -> list[tuple[str, str]]:
+    """Each old mode section's settings moved into `mode` (`speed_smoothing` to the run's
+    top level); the old names it read, for one warning. A setting given at both places is
+    an error naming both; one the run's mode has not is refused by the mode's settings, as
+    the old check refused it."""
+    read: list[tuple[str, str]] = []
+    for section in MODE_SECTIONS:
+        if section not in data:
+            continue
+        old = data.pop(section)
+        if not isinstance(old, dict):
+            raise ConfigError(f"{section}: a section of settings, now the mode's own (`mode`)")
+        mode = data.get("mode", {"name": "diloco"})
+        mode = {"name": mode} if isinstance(mode, str) else mode
+        data["mode"] = mode
+        for key, value in old.items():
+            holder, new = (data, key) if key in RUN_WIDE else (mode, f"mode.{key}")
+            if key in holder:
+                raise ConfigError(f"{section}.{key} moved to {new}: give it once, at {new}")
+            holder[key] = value
+            read.append((f"{section}.{key}", new))
+    return read
+
+
+def upgraded(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with each moved setting at its new place (one warning names them); one given
+    at both places is an error naming them. A checkpoint's saved config is read through it
+    too."""
     _restart_baseline(data)
     for old, new in MOVED.items():
         *parents, leaf = old
@@ -160,6 +212,12 @@ def _moved(data: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"{'.'.join(old)} moved to {'.'.join(new)}: give it once, at {'.'.join(new)}")
         section[new[1]] = holder.pop(leaf)
         log.warning("%s is now %s (read from the old name)", ".".join(old), ".".join(new))
+    if read := _mode_sections(data):
+        log.warning(
+            "settings read from the mode sections, which are gone (a mode's settings are its `mode` section; the "
+            "old names will stop working in a later release): %s",
+            ", ".join(f"{old} as {new}" for old, new in read),
+        )
     return data
 
 
@@ -175,19 +233,12 @@ def check_task_spec(cfg: RunConfig) -> None:
 
 
 def dump_config(cfg: RunConfig, *, reads_only: bool = False) -> str:
-    """The config as YAML; `reads_only`: with only the mode settings a run of its mode reads
-    (`RunConfig.settings_read`), each mode section cut to its fields the run reads or left out."""
+    """The config as YAML; `reads_only`: its mode's settings cut to those a run of it reads
+    with these settings (`ModeSettings.unread`)."""
     data = cfg.model_dump(mode="json")
     if reads_only:
-        reads = cfg.settings_read()
-        for section in SECTIONS:
-            fields = reads.get(section, frozenset())
-            if fields is not None:
-                kept = {k: v for k, v in data[section].items() if k in fields}
-                if kept:
-                    data[section] = kept
-                else:
-                    del data[section]
+        unread, _ = cfg.mode.unread()
+        data["mode"] = {k: v for k, v in data["mode"].items() if k not in unread}
     return yaml.safe_dump(data, sort_keys=False)
 
 

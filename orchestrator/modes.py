@@ -1,54 +1,46 @@
 """The modes, one registry row each: what a run of each `mode` is made of. A row names the
-mode's own config section, picks its pacing and its outer rule from the run's settings,
-and declares what the rest of the run needs to know of it, so that no module outside the
-registries asks which mode it is in (`tests/test_architecture.py` fails on a comparison
-with a mode's name anywhere else). Torch-free and below the config, which validates by
-these rows; the engine builds a pacing from `engine/pacing/registry.py`'s row of the kind
-chosen here, and an outer rule from `engine/step/rules.py`'s.
+mode's settings class (`mode_settings.py`: the config's `mode` section is the union of the
+rows' classes), picks its pacing and its outer rule from the run's settings, and declares
+what the rest of the run needs to know of it, so that no module outside the registries
+asks which mode it is in (`tests/test_architecture.py` fails on a comparison with a mode's
+name, or a test of the mode settings' class, anywhere else). Torch-free and below the
+config, which validates by these rows; the engine builds a pacing from
+`engine/pacing/registry.py`'s row of the kind chosen here, and an outer rule from
+`engine/step/rules.py`'s.
 
-| mode        | section        | pacing                                  | outer rule                          | islands' round | besides |
-| ----------- | -------------- | --------------------------------------- | ----------------------------------- | -------------- | ------- |
-| `diloco`    | `diloco`       | barrier (DyLU: a quorum of every island) | `outer.optimizer`                  | inner steps    | may drop islands' updates (a bench's `simulation.drop_prob`) |
-| `ddp`       | none           | gradients                               | the islands' AdamW on the mean gradient | a gradient | no pseudo-gradients |
-| `async`     | `asynchronous` | per arrival, or the quorum rule          | `outer.optimizer` or Delayed Nesterov | inner steps  | merges by RDA |
-| `overlap`   | `overlap`      | one-round lag                            | CO2                                 | inner steps, or eager | a result lags one version |
-| `streaming` | `streaming`    | fragments, or the quorum over segments   | `outer.optimizer`                   | fragments      | islands track the published copy |
+| mode        | settings            | pacing                                  | outer rule                          | islands' round | besides |
+| ----------- | ------------------- | --------------------------------------- | ----------------------------------- | -------------- | ------- |
+| `diloco`    | `DilocoSettings`    | barrier (DyLU: a quorum of every island) | `outer.optimizer`                  | inner steps    | may drop islands' updates (a bench's `simulation.drop_prob`) |
+| `ddp`       | `DdpSettings`       | gradients                               | the islands' AdamW on the mean gradient | a gradient | no pseudo-gradients |
+| `async`     | `AsyncSettings`     | per arrival, or the quorum rule          | `outer.optimizer` or Delayed Nesterov | inner steps  | merges by RDA |
+| `overlap`   | `OverlapSettings`   | one-round lag                            | CO2                                 | inner steps, or eager | a result lags one version |
+| `streaming` | `StreamingSettings` | fragments, or the quorum over segments   | `outer.optimizer`                   | fragments      | islands track the published copy |
 
-Adding a mode is its `Mode` member and one row here (and its section in
-`config_sections.py` if it has settings); a pacing or an outer rule it needs is one module
-plus one row of that registry, named by a member of `PacingKind` or `RuleKind` below; an
-island's round, one class and one row of `workers/runtime/rounds.py`, named by an
-`IslandRound`."""
+Adding a mode is its `Mode` member, its settings class and one row here; a pacing or an
+outer rule it needs is one module plus one row of that registry, named by a member of
+`PacingKind` or `RuleKind` below; an island's round, one class and one row of
+`workers/runtime/rounds.py`, named by an `IslandRound`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
+from typing import Protocol, TypeVar
 
-from archipelago.orchestrator.config_sections import (
-    AsyncConfig,
+from archipelago.orchestrator.config_sections import OuterConfig, OuterMerge, OuterOptimizer
+from archipelago.orchestrator.mode_settings import (
     AsyncRule,
-    DilocoConfig,
-    OuterConfig,
-    OuterMerge,
-    OuterOptimizer,
-    OverlapConfig,
-    StreamingConfig,
+    AsyncSettings,
+    DdpSettings,
+    DilocoSettings,
+    Mode,
+    ModeSettings,
+    OverlapSettings,
     StreamingPacing,
+    StreamingSettings,
 )
 from archipelago.workers.wire.spec import IslandRound
-
-
-class Mode(str, Enum):
-    """How rounds are paced and which outer rule steps (one row of `MODES` each)."""
-
-    DILOCO = "diloco"  # barrier rounds, one outer step per round
-    DDP = "ddp"  # barrier per batch: the data-parallel baseline
-    ASYNC = "async"  # per-arrival: every pseudo-gradient applied when it lands (Delayed Nesterov)
-    OVERLAP = "overlap"  # one-round lag: CO2, the exchange of round t hidden behind round t+1
-    STREAMING = "streaming"  # Streaming DiLoCo: P fragments synchronised on a staggered schedule
 
 
 class PacingKind(str, Enum):
@@ -72,7 +64,7 @@ class RuleKind(str, Enum):
     SGD = OuterOptimizer.SGD.value
     ADAM = OuterOptimizer.ADAM.value
     SPARSELOCO = OuterOptimizer.SPARSELOCO.value
-    DELAYED_NESTEROV = "delayed_nesterov"  # mode async, asynchronous.rule delayed_nesterov
+    DELAYED_NESTEROV = "delayed_nesterov"  # mode async, mode.rule delayed_nesterov
     CO2 = "co2"  # mode overlap
     DDP_ADAMW = "ddp_adamw"  # mode ddp: the islands' inner AdamW and schedule, on the mean gradient
 
@@ -87,19 +79,34 @@ class RunSettings(Protocol):
     class, because the config validates by these rows and so sits above them."""
 
     @property
-    def mode(self) -> Mode: ...
-    @property
-    def diloco(self) -> DilocoConfig: ...
-    @property
-    def asynchronous(self) -> AsyncConfig: ...
-    @property
-    def streaming(self) -> StreamingConfig: ...
-    @property
-    def overlap(self) -> OverlapConfig: ...
+    def mode(self) -> ModeSettings: ...
     @property
     def outer(self) -> OuterConfig: ...
     @property
     def coordinator(self) -> _Shards: ...
+
+
+S = TypeVar("S", bound=ModeSettings)
+
+
+class NoSuchSettings(TypeError):
+    """A reader asked the run's mode for settings it has none of: a row names a pacing,
+    rule or capability its settings class does not carry."""
+
+
+def settings_of(cfg: RunSettings, kind: type[S]) -> S:
+    """The run's mode settings as `kind` (a settings class, or a mixin such as the quorum
+    rule's), for a reader that the rows only reach with such a mode."""
+    settings = cfg.mode
+    if not isinstance(settings, kind):
+        raise NoSuchSettings(f"mode {settings.name.value} has no {kind.__name__}")
+    return settings
+
+
+def settings_if(cfg: RunSettings, kind: type[S]) -> S | None:
+    """The run's mode settings as `kind`, or None where its mode has none of them."""
+    settings = cfg.mode
+    return settings if isinstance(settings, kind) else None
 
 
 def _outer_optimizer(cfg: RunSettings) -> RuleKind:
@@ -125,7 +132,7 @@ class ModeSpec:
     the config's checks by saying so here."""
 
     mode: Mode
-    section: str | None  # its own settings' section of the config (None: it has none)
+    settings: type[ModeSettings]  # its settings: its member of the config's `mode` union
     pacing: Callable[[RunSettings], PacingKind]
     rule: Callable[[RunSettings], RuleKind] = _outer_optimizer
     island: Callable[[RunSettings], IslandRound] = (
@@ -138,22 +145,22 @@ class ModeSpec:
     pseudo_gradients: bool = True
     drops: bool = False  # the outer step may drop islands' updates (a bench's ablation: `simulation.drop_prob`)
     tracks_copy: bool = False  # islands always hold the published parameters (not only with a downlink codec)
-    fragments: bool = False  # the model is synchronised fragment by fragment (`streaming.fragments`)
+    fragments: bool = False  # the model is synchronised fragment by fragment (`mode.fragments`)
     lag: int = 0  # versions by which an island's start lags the version its result is applied to
     merge: Callable[[RunSettings], OuterMerge] = _mean  # `outer.merge: null` resolved
     check_inner_steps: Callable[[RunSettings, int], None] = _any_h  # refuse an H (at launch, and when changed live)
 
 
 def _diloco_pacing(cfg: RunSettings) -> PacingKind:
-    return PacingKind.DYLU_BARRIER if cfg.diloco.dylu else PacingKind.BARRIER
+    return PacingKind.DYLU_BARRIER if settings_of(cfg, DilocoSettings).dylu else PacingKind.BARRIER
 
 
 def _async_pacing(cfg: RunSettings) -> PacingKind:
-    return PacingKind.QUORUM if cfg.asynchronous.rule == AsyncRule.QUORUM else PacingKind.PER_ARRIVAL
+    return PacingKind.QUORUM if settings_of(cfg, AsyncSettings).rule == AsyncRule.QUORUM else PacingKind.PER_ARRIVAL
 
 
 def _async_rule(cfg: RunSettings) -> RuleKind:
-    delayed = cfg.asynchronous.rule == AsyncRule.DELAYED_NESTEROV
+    delayed = settings_of(cfg, AsyncSettings).rule == AsyncRule.DELAYED_NESTEROV
     return RuleKind.DELAYED_NESTEROV if delayed else _outer_optimizer(cfg)
 
 
@@ -165,47 +172,38 @@ def _async_merge(_cfg: RunSettings) -> OuterMerge:
 
 
 def _streaming_pacing(cfg: RunSettings) -> PacingKind:
-    quorum = cfg.streaming.pacing == StreamingPacing.QUORUM
+    quorum = settings_of(cfg, StreamingSettings).pacing == StreamingPacing.QUORUM
     return PacingKind.FRAGMENT_QUORUM if quorum else PacingKind.FRAGMENTS
 
 
 def _streaming_h(cfg: RunSettings, inner_steps: int) -> None:
-    """H a whole number of segments, and τ shorter than one: a fragment leaves after at
-    least one step of its segment."""
-    s = cfg.streaming
-    s.check_inner_steps(inner_steps)
-    segment = inner_steps // s.fragments
-    if s.tau is not None and s.tau >= segment:
-        raise ValueError(
-            f"streaming.tau = {s.tau} must be shorter than a segment (inner_steps / fragments = {segment}): "
-            "a fragment leaves after at least one step of its segment"
-        )
+    settings_of(cfg, StreamingSettings).check_inner_steps(inner_steps)
 
 
 MODES: dict[Mode, ModeSpec] = {
     row.mode: row
     for row in (
-        ModeSpec(mode=Mode.DILOCO, section="diloco", pacing=_diloco_pacing, drops=True),
+        ModeSpec(mode=Mode.DILOCO, settings=DilocoSettings, pacing=_diloco_pacing, drops=True),
         ModeSpec(
             mode=Mode.DDP,
-            section=None,
+            settings=DdpSettings,
             pacing=lambda _: PacingKind.GRADIENTS,
             rule=lambda _: RuleKind.DDP_ADAMW,
             island=lambda _: IslandRound.GRADIENT,
             pseudo_gradients=False,
         ),
-        ModeSpec(mode=Mode.ASYNC, section="asynchronous", pacing=_async_pacing, rule=_async_rule, merge=_async_merge),
+        ModeSpec(mode=Mode.ASYNC, settings=AsyncSettings, pacing=_async_pacing, rule=_async_rule, merge=_async_merge),
         ModeSpec(
             mode=Mode.OVERLAP,
-            section="overlap",
+            settings=OverlapSettings,
             pacing=lambda _: PacingKind.ONE_ROUND_LAG,
             rule=lambda _: RuleKind.CO2,
-            island=lambda cfg: IslandRound.EAGER if cfg.overlap.eager else IslandRound.INNER,
+            island=lambda cfg: IslandRound.EAGER if settings_of(cfg, OverlapSettings).eager else IslandRound.INNER,
             lag=1,
         ),
         ModeSpec(
             mode=Mode.STREAMING,
-            section="streaming",
+            settings=StreamingSettings,
             pacing=_streaming_pacing,
             island=lambda _: IslandRound.FRAGMENTS,
             tracks_copy=True,
@@ -216,12 +214,12 @@ MODES: dict[Mode, ModeSpec] = {
 }
 
 
-SECTIONS = tuple(row.section for row in MODES.values() if row.section is not None)  # the mode sections
+SETTINGS = tuple(row.settings for row in MODES.values())  # the members of the config's `mode` union
 
 
 def mode_of(cfg: RunSettings) -> ModeSpec:
     """The row of a run of `cfg`."""
-    return MODES[cfg.mode]
+    return MODES[cfg.mode.name]
 
 
 def modes_where(has: Callable[[ModeSpec], bool]) -> str:

@@ -23,10 +23,10 @@ _keys = itertools.count()
 # scenario modes that are a mode plus settings: async's per-arrival Delayed Nesterov and its
 # quorum rule (the default), the quorum rule of streaming (per fragment), and sync + DyLU
 VARIANTS = {
-    "async": ["mode=async", "asynchronous.rule=delayed_nesterov"],
-    "quorum": ["mode=async", "asynchronous.rule=quorum"],
-    "streaming_quorum": ["mode=streaming", "streaming.pacing=quorum"],
-    "sync_dylu": ["mode=diloco", "diloco.dylu=true"],
+    "async": ["mode=async", "mode.rule=delayed_nesterov"],
+    "quorum": ["mode=async", "mode.rule=quorum"],
+    "streaming_quorum": ["mode=streaming", "mode.pacing=quorum"],
+    "sync_dylu": ["mode=diloco", "mode.dylu=true"],
 }
 
 
@@ -60,7 +60,7 @@ def scenario_cfg(tmp_path: Path, mode: str, *extra: str, heartbeats: bool = True
             *([] if heartbeats else ["elastic.hang_after_steps=null"]),
             f"out_dir={tmp_path / key}",
             # streaming: two fragments, over a point with one layer per coordinate
-            *(["task.kwargs.split=true", "streaming.fragments=2"] if mode.startswith("streaming") else []),
+            *(["task.kwargs.split=true", "mode.fragments=2"] if mode.startswith("streaming") else []),
             *extra,
         ],
     )

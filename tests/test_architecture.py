@@ -204,8 +204,10 @@ MODE_NAMES = {"diloco", "ddp", "async", "overlap", "streaming"}
 
 def _mode_dispatch(tree: ast.AST) -> list[int]:
     """Lines that ask which mode a run is in: a comparison with a `Mode` member or with a
-    mode's name, a table keyed by `Mode` members, a `match` on a `.mode`. (A mode's name
-    alone is also a section's or a benchmark row's: only compared with a `.mode` is it one.)"""
+    mode's name, a table keyed by `Mode` members, a `match` on a `.mode`, a test of the
+    class of a `.mode` (its settings: `isinstance(cfg.mode, AsyncSettings)`; the registry's
+    `settings_of` reads them for a row). (A mode's name alone is also a benchmark row's:
+    only compared with a `.mode` is it one.)"""
 
     def member(node: ast.AST) -> bool:
         return isinstance(node, ast.Attribute) and (
@@ -227,6 +229,13 @@ def _mode_dispatch(tree: ast.AST) -> list[int]:
                 any(reads_mode(s) for s in sides) and any(names_a_mode(s) for s in [*sides, *elements])
             ):
                 lines.append(node.lineno)
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("isinstance", "issubclass", "type")
+            and any(reads_mode(a) for a in node.args)
+        ):
+            lines.append(node.lineno)
         table = isinstance(node, ast.Dict) and any(k is not None and member(k) for k in node.keys)
         if table or (isinstance(node, ast.Match) and reads_mode(node.subject)):
             lines.append(node.lineno)
@@ -255,6 +264,9 @@ def test_the_mode_dispatch_check_finds_each_form():
         "x = 'streaming' == self.cfg.mode",
         "x = {Mode.ASYNC: 'asynchronous'}",
         "match cfg.mode:\n    case _: pass",
+        "x = isinstance(cfg.mode, AsyncSettings)",
+        "x = type(self.cfg.mode) is StreamingSettings",
+        "x = cfg.mode.name == 'ddp'",
     ):
         assert _mode_dispatch(ast.parse(source)), source
     for source in (

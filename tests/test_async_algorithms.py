@@ -12,11 +12,12 @@ from archipelago.orchestrator.algorithms.dylu import SpeedTracker, dylu_steps
 from archipelago.orchestrator.algorithms.outer import DelayedNesterov
 from archipelago.orchestrator.algorithms.robust import NormGuard
 from archipelago.orchestrator.config import RobustConfig
-from archipelago.orchestrator.config_sections import AsyncConfig, OuterConfig
+from archipelago.orchestrator.config_sections import OuterConfig
 from archipelago.orchestrator.engine.step.admission import Admission, BoundedStaleness
 from archipelago.orchestrator.engine.step.outer import LocalOuter, take_step
 from archipelago.orchestrator.engine.step.rules import optimizer_rule
 from archipelago.orchestrator.engine.types import Contribution
+from archipelago.orchestrator.mode_settings import AsyncSettings
 
 
 def _dn(theta: torch.Tensor, **kw) -> DelayedNesterov:
@@ -70,13 +71,13 @@ def test_dn_rejects_bad_parameters():
     with pytest.raises(ValueError, match="1/N"):
         DelayedNesterov([torch.nn.Parameter(torch.zeros(1))], 0.7, 0.9, delay=2, c=0.6)
     with pytest.raises(ValueError, match=r"c must be at most 1/N = 0\.25"):
-        AsyncConfig(delay=4, c=0.5).check_c(islands=8)  # N is the delay when given
+        AsyncSettings(delay=4, c=0.5).check_c(islands=8)  # N is the delay when given
     with pytest.raises(ValueError, match=r"c must be at most 1/N = 0\.5"):
-        AsyncConfig(c=0.6).check_c(islands=2)  # else the islands
+        AsyncSettings(c=0.6).check_c(islands=2)  # else the islands
     from archipelago.orchestrator.config import RunConfig
 
-    with pytest.raises(ValueError, match=r"asynchronous\.c must be at most 1/N = 0\.25"):
-        RunConfig(mode="async", asynchronous={"delay": 4, "c": 0.5})  # the config file's check is the same rule
+    with pytest.raises(ValueError, match=r"mode\.c must be at most 1/N = 0\.25"):
+        RunConfig(mode={"name": "async", "delay": 4, "c": 0.5})  # the config file's check is the same rule
 
 
 def test_vector_a2_dylu():
@@ -109,7 +110,7 @@ class _Async:
     """Per-arrival outer steps with bounded staleness, as the engine applies async arrivals."""
 
     def __init__(self, **cfg) -> None:
-        a = AsyncConfig(**cfg)
+        a = AsyncSettings(**cfg)
         self.param = torch.zeros(2, dtype=torch.float64)
         self.outer = LocalOuter(
             self.param,

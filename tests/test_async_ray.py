@@ -18,7 +18,7 @@ def _cfg(tmp_path, *extra):
         None,
         [
             "mode=async",
-            "asynchronous.rule=delayed_nesterov",
+            "mode.rule=delayed_nesterov",
             "task.factory=tests.toy_tasks:make_quadratic",
             "warm_start.steps=0",
             "task.kwargs.centers=[[1.0,0.0],[-0.5,2.0],[0.5,0.5]]",

@@ -163,7 +163,7 @@ def test_a_finished_run_of_the_same_config_is_reused_and_no_other(tmp_path):
     assert "pacing: barrier" in written
     (out / "config.yaml").write_text(written.replace("  pacing: barrier\n", ""))
     assert finished(cfg) is not None
-    assert finished(load_config(None, [*MODEL, *streaming, "streaming.pacing=quorum", f"out_dir={out}"])) is None
+    assert finished(load_config(None, [*MODEL, *streaming, "mode.pacing=quorum", f"out_dir={out}"])) is None
     (out / "config.yaml").write_text(written.replace("  pacing: barrier\n", "  pacing: barrier\n  gone: 1\n"))
     assert finished(cfg) is None  # a setting since removed: not the same run
     (out / "config.yaml").write_text(written)
@@ -225,9 +225,9 @@ def test_streaming_rows_are_the_issue_s_and_share_one_token_budget():
     configs = {n: cfg for n, (cfg, _) in loaded.items()}
     assert len({run_tokens(c) for c in configs.values()}) == 1  # every method sees the same tokens
     s4 = configs["streaming_p4_fp4"]
-    assert s4.streaming.fragments == 4 and s4.compression.codec == s4.compression.downlink == "fp4"
+    assert s4.mode.fragments == 4 and s4.compression.codec == s4.compression.downlink == "fp4"
     assert s4.outer.lr == 1.0 and configs["diloco"].outer.lr == configs["diloco_int8"].outer.lr == 0.7
-    assert configs["diloco_int8"].compression.downlink == "int8" and configs["overlap_eager"].overlap.eager
+    assert configs["diloco_int8"].compression.downlink == "int8" and configs["overlap_eager"].mode.eager
     assert loaded["ddp_k"][1].link.bandwidth_gbps is None and s4.inner_steps == H and s4.islands.count == K
     assert all(c.islands.build_version0 for c in configs.values())  # loaded from storage, as the peer's replicas
 
@@ -280,11 +280,11 @@ def test_overlap_rows_tune_every_method_on_one_grid_over_a_link_that_leaves_slac
     assert set(configs) == {f"{n}@lr{lr:g}" for n in TUNED for lr in LRS}
     for lr in LRS:
         sync, co2, eager = (configs[f"{n}@lr{lr:g}"] for n in ("sync", "overlap", "overlap_eager"))
-        assert sync.mode.value == "diloco" and sync.outer.optimizer == "nesterov" and sync.outer.lr == lr
+        assert sync.mode.name.value == "diloco" and sync.outer.optimizer == "nesterov" and sync.outer.lr == lr
         for c in (co2, eager):  # CO2 the paper's way: momentum kept stable by the penalty and the clip
-            assert c.mode.value == "overlap" and c.overlap.lr == lr and c.overlap.momentum > 0
-            assert c.overlap.penalty == "adaptive" and c.overlap.clip is not None
-        assert eager.overlap.eager and not co2.overlap.eager
+            assert c.mode.name.value == "overlap" and c.mode.lr == lr and c.mode.momentum > 0
+            assert c.mode.penalty == "adaptive" and c.mode.clip is not None
+        assert eager.mode.eager and not co2.mode.eager
         links = [loaded[f"{n}@lr{lr:g}"][1].link.bandwidth_gbps for n in ("sync", "overlap")]
         assert links == pytest.approx([bw, bw], rel=1e-5)
 
@@ -385,7 +385,7 @@ def test_compression_rows_are_the_issue_s_and_valid_configs(tmp_path):
     sparse = load_config(None, [*BASE, *table["sparse"][1], "warm_start.steps=0", "inner_steps=100"])
     assert sparse.compression.codec == sparse.compression.downlink == "topk:0.02+int2"
     assert sparse.compression.error_feedback and sparse.outer.optimizer == "sparseloco"
-    assert sparse.streaming.fragments == 4
+    assert sparse.mode.fragments == 4
     muon = load_config(None, [*BASE, *table["sparse_muon"][1], "warm_start.steps=0", "inner_steps=100"])
     assert muon.inner.optimizer == "muon" and muon.compression == sparse.compression
     from archipelago.orchestrator.bench.compression import ablations
@@ -396,7 +396,7 @@ def test_compression_rows_are_the_issue_s_and_valid_configs(tmp_path):
     }
     assert changed["sparse_fp32_downlink"].compression.downlink == "none"
     assert (
-        changed["sparse_unfragmented"].mode.value == "diloco"
+        changed["sparse_unfragmented"].mode.name.value == "diloco"
         and changed["sparse_unfragmented"].compression == sparse.compression
     )
     assert changed["sparse_topk10"].compression.codec == "topk:0.1+int2"

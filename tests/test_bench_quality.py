@@ -19,7 +19,7 @@ def test_quality_methods_share_one_token_budget_and_the_required_keys():
     budgets = {k: run_tokens(load_simulated(None, [*MODEL, *m.overrides])[0]) for k, m in table.items()}
     assert budgets["single_4x"] == budgets["ddp_k"] == 4 * budgets["single_1x"]
     assert len({v for k, v in budgets.items() if k != "single_1x"}) == 1, budgets
-    assert load_config(None, [*MODEL, *table["ddp_k"].overrides]).mode == "ddp"
+    assert load_config(None, [*MODEL, *table["ddp_k"].overrides]).mode.name == "ddp"
     # the headline rows run three seeds; quick keeps them and FedAvg
     assert all(table[k].seeds == (0, 1, 2) for k in ("ddp_k", "diloco_k4_h50", "fedavg_k4_h50"))
     quick = {m.key for m in methods(600, True, {50: h_row(600, 50, 0.7)})}
@@ -32,7 +32,7 @@ def test_data_parallel_is_tuned_like_diloco_and_the_shipped_default_is_reported(
     outer lr other than the shipped one, the shipped one is a row of its own (3 seeds)."""
     assert len(DDP_LRS) >= len(OUTER_LRS) >= 3 and 3e-3 in DDP_LRS
     tuned = load_config(None, [*MODEL, *ddp_row(1200, DDP_LRS[-1]).overrides])
-    assert tuned.mode == "ddp" and tuned.inner.lr == DDP_LRS[-1]
+    assert tuned.mode.name == "ddp" and tuned.inner.lr == DDP_LRS[-1]
     h_rows = {h: h_row(1200, h, 1.0) for h in (25, 50, 100)}
     table = {m.key: m for m in methods(1200, False, h_rows, ddp_row(1200, DDP_LRS[-1]))}
     assert table["ddp_k"].overrides[-1] == f"inner.lr={DDP_LRS[-1]}"

@@ -95,7 +95,6 @@ def test_link_times():
 def test_one_round_lag_applies_each_round_one_round_late():
     """The overlap pacing's versions and the CO2 step with anchors, through the production classes."""
     from archipelago.orchestrator.config import RunConfig
-    from archipelago.orchestrator.config_sections import OverlapConfig
     from archipelago.orchestrator.engine.pacing.base import start_version
     from archipelago.orchestrator.engine.step.outer import OuterStep
     from archipelago.orchestrator.engine.step.rules import outer_rule
@@ -103,7 +102,7 @@ def test_one_round_lag_applies_each_round_one_round_late():
     # one synchronous round, then the lag: round 2 waits for v1, round 3 starts from v1 too
     assert [start_version(t) for t in (1, 2, 3, 4, 5)] == [0, 1, 1, 2, 3]
     assert [start_version(t, base=5) for t in (6, 7, 8, 9)] == [5, 6, 6, 7]
-    cfg = RunConfig(mode="overlap", overlap=OverlapConfig(lr=1.0, momentum=0.0, clip=None, penalty="adaptive"))
+    cfg = RunConfig(mode={"name": "overlap", "lr": 1.0, "momentum": 0.0, "clip": None, "penalty": "adaptive"})
     step = OuterStep(torch.zeros(2, dtype=f64), outer_rule(cfg))
     d = lambda *v: np.asarray(v, dtype=np.float64)  # noqa: E731
     step.apply([(d(0.1, 0.0), 1.0), (d(0.3, 0.0), 1.0)], anchor=start_version(1))

@@ -16,7 +16,7 @@ from archipelago.orchestrator.config_load import ConfigError, load_config
 
 def test_defaults_are_sync_diloco_with_four_islands():
     cfg = load_config()
-    assert cfg.mode == "diloco" and cfg.islands.count == 4
+    assert cfg.mode.name == "diloco" and cfg.islands.count == 4
     assert (cfg.outer.optimizer, cfg.outer.lr, cfg.outer.momentum) == ("nesterov", 0.7, 0.9)
     assert cfg.task.factory == "archipelago.workers.tasks.lm_task:make_task"
 
@@ -80,32 +80,33 @@ def test_a_benchmarks_knobs_are_not_a_runs_and_old_configs_say_where_they_went(c
 
 
 @pytest.mark.parametrize(
-    "overrides, field",
+    "overrides, error",
     [
-        (["mode=diloco", "asynchronous.quorum=2"], "asynchronous.quorum"),  # a synchronous run has no quorum
-        (["mode=async", "diloco.dylu=true"], "diloco.dylu"),
-        (["mode=overlap", "streaming.fragments=2"], "streaming.fragments"),
-        (["mode=ddp", "overlap.eager=false"], "overlap.eager"),
-        (["mode=streaming", "inner_steps=48", "asynchronous.grace_k=1"], "asynchronous.grace_k"),
-        (["mode=diloco", "asynchronous.max_staleness=2"], "asynchronous.max_staleness"),  # read with dylu only
-        (["mode=async", "asynchronous.rule=quorum", "streaming.tau=2"], "streaming.tau"),
+        (["mode=diloco", "mode.quorum=2"], "mode.quorum: not a setting of mode diloco"),  # a synchronous run has none
+        (["mode=async", "mode.alpha=0.5"], "mode.alpha: not a setting of mode async (one of mode streaming)"),
+        (["mode=overlap", "mode.fragments=2"], "mode.fragments: not a setting of mode overlap"),
+        (["mode=ddp", "mode.eager=false"], "mode.eager: not a setting of mode ddp (one of mode overlap)"),
+        (["mode=async", "mode.rule=quorum", "mode.tau=2"], "mode.tau: not a setting of mode async"),
+        # a setting of the mode's that these settings do not read
+        (["mode=streaming", "inner_steps=48", "mode.grace_k=1"], "mode.grace_k is set, but a run of mode streaming"),
+        (["mode=diloco", "mode.max_staleness=2"], "mode.max_staleness is set, but a run of mode diloco"),
     ],
 )
-def test_a_setting_the_mode_never_reads_is_refused_naming_it(overrides, field):
-    """A mode section's setting changed where the run's mode never reads it is an error
+def test_a_setting_the_mode_never_reads_is_refused_naming_it(overrides, error):
+    """A setting the run's mode has not, or reads only with another setting, is an error
     naming the field (it would otherwise be ignored without a word)."""
-    with pytest.raises(ConfigError, match=rf"{re.escape(field)} is set, but a run of mode"):
+    with pytest.raises(ConfigError, match=re.escape(error)):
         load_config(None, overrides)
 
 
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["mode=async", "asynchronous.quorum=2", "asynchronous.speed_smoothing=0.2"],
-        ["mode=diloco", "diloco.dylu=true", "asynchronous.max_staleness=2"],  # a DyLU barrier admits by staleness
-        ["mode=streaming", "inner_steps=48", "streaming.pacing=quorum", "asynchronous.quorum=2"],
-        ["mode=overlap", "overlap.eager=false", "asynchronous.speed_smoothing=0.2"],  # every mode's speed tracker
-        ["mode=ddp", "asynchronous.speed_smoothing=0.2"],
+        ["mode=async", "mode.quorum=2", "speed_smoothing=0.2"],
+        ["mode=diloco", "mode.dylu=true", "mode.max_staleness=2"],  # a DyLU barrier admits by staleness
+        ["mode=streaming", "inner_steps=48", "mode.pacing=quorum", "mode.quorum=2"],
+        ["mode=overlap", "mode.eager=false", "speed_smoothing=0.2"],  # every mode's speed tracker
+        ["mode=ddp", "speed_smoothing=0.2"],
     ],
 )
 def test_settings_the_mode_reads_are_accepted(overrides):
@@ -190,7 +191,7 @@ def test_what_the_config_derives_it_keeps_out_of_the_sections_the_user_set():
     config dumped and loaded again is the same config, and the derived values follow a
     change of what they derive from."""
     from archipelago.orchestrator.config_sections import OuterMerge
-    from archipelago.orchestrator.modes import Mode
+    from archipelago.orchestrator.mode_settings import DilocoSettings
 
     cfg = load_config(None, ["mode=async", "rounds=8", "inner_steps=50"])
     assert cfg.warm_start.steps is None and cfg.outer.merge is None
@@ -199,4 +200,4 @@ def test_what_the_config_derives_it_keeps_out_of_the_sections_the_user_set():
     assert again == cfg and again.warm_steps == 100
     longer = cfg.model_copy(update={"rounds": 16})
     assert longer.warm_steps == 200  # a quarter of the run, as the field says: not the value resolved before
-    assert cfg.model_copy(update={"mode": Mode.DILOCO}).merge == OuterMerge.MEAN  # it follows the mode
+    assert cfg.model_copy(update={"mode": DilocoSettings()}).merge == OuterMerge.MEAN  # it follows the mode

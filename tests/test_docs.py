@@ -60,7 +60,8 @@ def test_every_config_field_says_what_it_means():
 def test_the_generated_page_shows_types_defaults_and_constraints():
     page = render()
     assert "| `inner_steps` | int | `50` | ≥ 1 |" in page
-    assert '| `mode` | `diloco` \\| `ddp` \\| `async` \\| `overlap` \\| `streaming` | `"diloco"` |' in page
+    assert "| `mode` | [`diloco`](#mode-diloco) \\| [`ddp`](#mode-ddp) \\| [`async`](#mode-async) \\|" in page
+    assert "| `mode.fragments` | int | `4` | ≥ 1, ≤ 64 |" in page.split("## mode: streaming")[1]
     assert "| `outer.momentum` | float | `0.9` | ≥ 0, < 1 |" in page
     assert "| `task.kwargs.context` | int | `128` | ≥ 8, ≤ 4096 |" in page
 

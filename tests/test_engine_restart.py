@@ -619,3 +619,26 @@ def test_a_checkpoint_in_the_earlier_layout_resumes_as_one_in_this_layout_does(t
     drive(second)
     check_exactly_once(cfg, second.summary, lost)
     assert second.summary["rounds_done"] == 6
+
+
+def test_a_checkpoint_whose_config_has_the_earlier_mode_sections_resumes_with_its_live_settings(tmp_path):
+    """A checkpoint written before the mode's settings moved into `mode` saved its config
+    with the mode as a name and its settings in `asynchronous`: a run resumes from it with
+    the same mode, and the quorum an operator changed mid-run holds, as from this layout."""
+    cfg = scenario_cfg(tmp_path, "quorum", "rounds=8", "checkpoint.every_rounds=2")
+    first, pool = in_process_engine(cfg, run_id="sections")
+    change = UpdateSettings(settings=SettingsUpdate(quorum=2, grace_k=1.5))
+    drive(first, at={1: lambda e: e.submit(change)}, until=3)
+    folder = Path(cfg.checkpoint_dir) / "sections"
+    state = load_checkpoint(folder)
+    assert state is not None and state["settings"]["quorum"]["quorum"] == 2
+    mode = dict(state["config"]["mode"])
+    earlier = {**state["config"], "mode": mode.pop("name"), "asynchronous": mode}
+    earlier["asynchronous"]["speed_smoothing"] = earlier.pop("speed_smoothing")
+    save_checkpoint(folder, {**state, "config": earlier})  # the newest checkpoint, its config as saved before
+    pool.coordinator_lost()
+    second = build_engine(cfg, pool, run_id="sections")
+    assert second.resumed and second.rounds_done == 2
+    assert second.quorum is not None and (second.quorum.quorum, second.quorum.grace_k) == (2, 1.5)
+    drive(second)
+    assert second.summary["rounds_done"] == 8

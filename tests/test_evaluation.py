@@ -71,8 +71,8 @@ def test_only_a_barrier_s_islands_wait_for_its_step(tmp_path):
         ("diloco", []),
         ("overlap", []),
         ("async", []),
-        ("streaming", ["streaming.tau=0"]),
-        ("streaming", ["streaming.tau=1"]),
+        ("streaming", ["mode.tau=0"]),
+        ("streaming", ["mode.tau=1"]),
     ]:
         cfg = scenario_cfg(tmp_path, mode, *extra)
         engine, _ = in_process_engine(cfg)
@@ -81,8 +81,8 @@ def test_only_a_barrier_s_islands_wait_for_its_step(tmp_path):
         ("diloco", ()): True,
         ("overlap", ()): False,
         ("async", ()): False,
-        ("streaming", ("streaming.tau=0",)): True,
-        ("streaming", ("streaming.tau=1",)): False,
+        ("streaming", ("mode.tau=0",)): True,
+        ("streaming", ("mode.tau=1",)): False,
     }
 
 

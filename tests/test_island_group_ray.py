@@ -67,7 +67,7 @@ def test_two_workers_equal_one_worker_on_the_double_batch(ray_local, corpus_cach
         "islands.workers=2",
         f"islands.sharding={sharding}",
         f"inner.optimizer={optimizer}",
-        "diloco.dylu=true",  # a pacing that sizes first work by speed: the islands are probed
+        "mode.dylu=true",  # a pacing that sizes first work by speed: the islands are probed
     )
     one = Island(island_spec(cfg, 0))
     params = one.flat.numpy()
@@ -111,7 +111,7 @@ def test_a_run_with_two_worker_islands_and_two_coordinator_shards(ray_local, tmp
         "compression.chunk=1024",
         "rounds=3",
         "inner_steps=5",
-        *(["asynchronous.dylu=false", "outer.lr=0.4"] if mode == "async" else ["outer.lr=0.7"]),
+        *(["mode.dylu=false", "outer.lr=0.4"] if mode == "async" else ["outer.lr=0.7"]),
         f"out_dir={tmp_path / 'out'}",
     )
     summary = run(cfg, show_progress=False)

@@ -24,7 +24,7 @@ SETS = {
         "compression.error_feedback=true",
         "compression.codec=topk:0.02+int2",
     ],
-    RuleKind.DELAYED_NESTEROV: ["mode=async", "asynchronous.rule=delayed_nesterov", "asynchronous.c=0.25"],
+    RuleKind.DELAYED_NESTEROV: ["mode=async", "mode.rule=delayed_nesterov", "mode.c=0.25"],
     RuleKind.CO2: ["mode=overlap"],
     RuleKind.DDP_ADAMW: ["mode=ddp", "warm_start.steps=0"],
 }
@@ -60,7 +60,7 @@ def test_co2_keeps_the_round_starts_only_for_a_penalty_that_reads_them_and_the_p
     """CO2's constant Λ (the default) reads nothing of where a round started: no copy of
     any version is kept for it; the adaptive Λ keeps the versions rounds in flight started
     from, and the plan counts them on the coordinator."""
-    cfg = load_config(None, ["mode=overlap", f"overlap.penalty={penalty}", "warm_start.steps=0"])
+    cfg = load_config(None, ["mode=overlap", f"mode.penalty={penalty}", "warm_start.steps=0"])
     step = OuterStep(torch.zeros(64), rule_of(cfg).rule(cfg))
     for version in (1, 2, 3):
         step.apply([(torch.randn(64).numpy(), 1.0)], anchor=version - 1)

@@ -17,13 +17,13 @@ from archipelago.orchestrator.modes import PacingKind
 
 SETS = {
     PacingKind.BARRIER: (["mode=diloco"], Barrier),
-    PacingKind.DYLU_BARRIER: (["mode=diloco", "diloco.dylu=true"], Quorum),
+    PacingKind.DYLU_BARRIER: (["mode=diloco", "mode.dylu=true"], Quorum),
     PacingKind.GRADIENTS: (["mode=ddp"], Barrier),
-    PacingKind.PER_ARRIVAL: (["mode=async", "asynchronous.rule=naive"], PerArrival),
+    PacingKind.PER_ARRIVAL: (["mode=async", "mode.rule=naive"], PerArrival),
     PacingKind.QUORUM: (["mode=async"], Quorum),
     PacingKind.ONE_ROUND_LAG: (["mode=overlap"], OneRoundLag),
     PacingKind.FRAGMENTS: (["mode=streaming", "inner_steps=48"], FragmentSchedule),
-    PacingKind.FRAGMENT_QUORUM: (["mode=streaming", "inner_steps=48", "streaming.pacing=quorum"], Quorum),
+    PacingKind.FRAGMENT_QUORUM: (["mode=streaming", "inner_steps=48", "mode.pacing=quorum"], Quorum),
 }
 
 

@@ -95,7 +95,7 @@ def _check(cfg: RunConfig, summary: dict[str, Any], lost: Counter | None = None,
 
 @pytest.mark.parametrize("mode", ["diloco", "async", "streaming"])
 def test_a_crash_and_a_join_and_a_drain_train_each_window_once(tmp_path, corpus, mode):
-    cfg = _cfg(tmp_path, corpus, mode, *(["streaming.fragments=2"] if mode == "streaming" else []))
+    cfg = _cfg(tmp_path, corpus, mode, *(["mode.fragments=2"] if mode == "streaming" else []))
     engine, _ = in_process_engine(cfg, [Fault(FaultKind.CRASH, 1, order=2)])
     drive(engine, {2: lambda e: e.submit(AddIslands(count=1)), 4: lambda e: e.submit(Drain(island=0))})
     summary = engine.summary

@@ -1,5 +1,5 @@
-"""Quorum pacing (`mode: async`, `asynchronous.rule: quorum`) and sync + DyLU
-(`diloco.dylu`): the window's arithmetic, that no straggler or hung island holds a step,
+"""Quorum pacing (`mode: async`, `mode.rule: quorum`) and sync + DyLU
+(`mode.dylu`): the window's arithmetic, that no straggler or hung island holds a step,
 that late results merge discounted by age, and that the rule's settings change live
 through the control plane (real HTTP into a real engine on the in-process pool)."""
 
@@ -117,8 +117,8 @@ def test_fragments_on_a_quorum_step_each_fragment_on_its_own_results_aged_by_its
         tmp_path,
         "streaming_quorum",
         "rounds=8",
-        "asynchronous.dylu=false",
-        "asynchronous.quorum=2",
+        "mode.dylu=false",
+        "mode.quorum=2",
         "simulation.slowdown=[1.0,1.0,4.0]",
     )
     engine, pool = in_process_engine(cfg)
@@ -156,9 +156,7 @@ def test_fragments_sent_early_wait_for_the_window_from_when_they_are_in_hand(tmp
     the coordinator has the quorum's results, not when they crossed the link (counted
     from the crossing, it had closed before the others' results, alike, were in hand).
     And τ is time: a segment a quarter as long sends its Δ a quarter as many steps early."""
-    cfg = scenario_cfg(
-        tmp_path, "streaming_quorum", "inner_steps=8", "streaming.tau=2", "simulation.slowdown=[1.0,1.0,4.5]"
-    )
+    cfg = scenario_cfg(tmp_path, "streaming_quorum", "inner_steps=8", "mode.tau=2", "simulation.slowdown=[1.0,1.0,4.5]")
     engine, pool = in_process_engine(cfg)
     closes = _watch(engine)
     drive(engine)
@@ -224,7 +222,7 @@ class _EngineHandle:
 
 @pytest.mark.parametrize("mode", ["quorum", "streaming_quorum"])
 def test_quorum_and_grace_change_over_rest_at_the_next_step(tmp_path, mode):
-    cfg = scenario_cfg(tmp_path, mode, "rounds=12", "asynchronous.quorum=1", "asynchronous.grace_cap=0")
+    cfg = scenario_cfg(tmp_path, mode, "rounds=12", "mode.quorum=1", "mode.grace_cap=0")
     engine, _ = in_process_engine(cfg, [Fault(FaultKind.LATE, island=2, order=3, seconds=3.0)])
     closes = _watch(engine)
     auth = {"Authorization": "Bearer t"}
@@ -252,9 +250,9 @@ def test_mode_async_alone_runs_the_quorum_rule_and_delayed_nesterov_stays_select
     from archipelago.orchestrator.engine.policies import build_policies
 
     cfg = load_config(None, ["mode=async"])
-    assert cfg.asynchronous == type(cfg.asynchronous)() and cfg.asynchronous.rule.value == "quorum"
+    assert cfg.mode == type(cfg.mode)() and cfg.mode.rule.value == "quorum"
     assert isinstance(build_policies(cfg, 4).pacing, Quorum)
-    dn = load_config(None, ["mode=async", "asynchronous.rule=delayed_nesterov"])
+    dn = load_config(None, ["mode=async", "mode.rule=delayed_nesterov"])
     assert isinstance(build_policies(dn, 4).pacing, PerArrival)
 
 
@@ -262,21 +260,21 @@ def test_quorum_settings_are_refused_for_another_rule(tmp_path):
     cfg = scenario_cfg(tmp_path, "diloco")
     engine, _ = in_process_engine(cfg)
     reply = engine.submit(UpdateSettings(settings=SettingsUpdate(quorum=2)))
-    assert isinstance(reply, Refused) and "asynchronous.rule = quorum" in reply.message
+    assert isinstance(reply, Refused) and "mode.rule = quorum" in reply.message
 
 
 def test_a_quorum_above_the_island_count_is_a_config_error_naming_the_field(tmp_path):
-    with pytest.raises(ValueError, match=r"asynchronous\.quorum"):
-        scenario_cfg(tmp_path, "quorum", "asynchronous.quorum=4")
+    with pytest.raises(ValueError, match=r"mode\.quorum"):
+        scenario_cfg(tmp_path, "quorum", "mode.quorum=4")
 
 
 def test_delayed_nesterov_accumulates_arrivals_by_their_tokens(tmp_path):
-    """Token-weighted DN (`asynchronous.token_weighted`, the default): with DyLU's H of 8, 8
+    """Token-weighted DN (`mode.token_weighted`, the default): with DyLU's H of 8, 8
     and 2 steps, each arrival's update is scaled by its H over their mean (6), so N arrivals
     fill the momentum buffer by the tokens behind them; false gives the paper's equal weights."""
     slow = "simulation.slowdown=[1.0,1.0,4.0]"
     for weighted, expected in ((True, {0: 8 / 6, 1: 8 / 6, 2: 2 / 6}), (False, {0: 1.0, 1: 1.0, 2: 1.0})):
-        cfg = scenario_cfg(tmp_path, "async", "inner_steps=8", slow, f"asynchronous.token_weighted={weighted}")
+        cfg = scenario_cfg(tmp_path, "async", "inner_steps=8", slow, f"mode.token_weighted={weighted}")
         engine, _ = in_process_engine(cfg)
         closes = _watch(engine)
         drive(engine, until=1)

@@ -41,7 +41,7 @@ class _Messages(logging.Handler):
 
 
 # streaming with τ: islands answer mid-segment and train on (`order_steps.py`) while the coordinator dies
-STREAMING = ("task.kwargs.split=true", "mode=streaming", "streaming.fragments=2", "streaming.tau=1", "inner_steps=4")
+STREAMING = ("task.kwargs.split=true", "mode=streaming", "mode.fragments=2", "mode.tau=1", "inner_steps=4")
 
 
 @pytest.mark.parametrize(("mode", "steps_a_round"), [((), 1), (STREAMING, 2)], ids=["diloco", "streaming_tau"])

@@ -18,7 +18,7 @@ QUADRATIC = [*toy_quadratic(3, 0.0, "data_shards=3"), *VIRTUAL]
 # three islands, the third four times slower, six steps a round (asynchronous, per arrival)
 SLOW_THIRD = [
     "mode=async",
-    "asynchronous.rule=delayed_nesterov",
+    "mode.rule=delayed_nesterov",
     "simulation.slowdown=[1,1,4]",
     "rounds=6",
     "inner_steps=6",
@@ -31,7 +31,7 @@ def _quadratic(tmp_path: Path, *extra: str) -> dict:
 
 
 def test_async_fixed_h_fast_islands_submit_more_and_staleness_is_recorded(tmp_path):
-    summary = _quadratic(tmp_path, *SLOW_THIRD, "asynchronous.dylu=false")
+    summary = _quadratic(tmp_path, *SLOW_THIRD, "mode.dylu=false")
     isl = summary["islands"]
     assert isl["0"]["submissions"] > 2 * isl["2"]["submissions"]
     assert isl["2"]["staleness_max"] >= 2 and summary["staleness"]["max"] >= 2
@@ -43,7 +43,7 @@ def test_async_fixed_h_fast_islands_submit_more_and_staleness_is_recorded(tmp_pa
 
 
 def test_dylu_gives_the_slow_island_fewer_steps(tmp_path):
-    summary = _quadratic(tmp_path, *SLOW_THIRD, "asynchronous.dylu=true")
+    summary = _quadratic(tmp_path, *SLOW_THIRD, "mode.dylu=true")
     isl = summary["islands"]
     mean_h = {i: s["tokens"] / s["submissions"] for i, s in isl.items()}  # one token per step here
     assert mean_h["2"] < mean_h["0"] / 2
@@ -56,9 +56,9 @@ def test_staleness_policy_is_applied_and_counted(tmp_path, policy):
     summary = _quadratic(
         tmp_path,
         *SLOW_THIRD,
-        "asynchronous.dylu=false",
-        "asynchronous.max_staleness=1",
-        f"asynchronous.stale_policy={policy}",
+        "mode.dylu=false",
+        "mode.max_staleness=1",
+        f"mode.stale_policy={policy}",
     )
     slow = summary["islands"]["2"]
     assert slow["staleness_max"] >= 2
@@ -114,7 +114,7 @@ def test_async_and_overlap_learn_on_three_coordinator_shards(tmp_path, corpus_ca
     diloco, are in test_sharded_ray.py)."""
     # fixed H and outer lr 0.4 in async: with DyLU, H = 5 and lr 0.7 this tiny model sometimes
     # diverges whatever S is (arrival timing decides), which is not what this test is about
-    stable = ["asynchronous.dylu=false", "outer.lr=0.4"] if mode == "async" else []
+    stable = ["mode.dylu=false", "outer.lr=0.4"] if mode == "async" else []
     sets = [f"mode={mode}", "islands.count=2", "rounds=4", "inner_steps=5", "compression.chunk=1024"]
     summary = run_simulated(tiny_lm_config(tmp_path, corpus_cache, *sets, "coordinator.shards=3", *stable, *VIRTUAL))
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]

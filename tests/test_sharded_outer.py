@@ -33,25 +33,25 @@ RULES = {
     "diloco sgd": ["mode=diloco", "outer.optimizer=sgd"],
     "diloco adam": ["mode=diloco", "outer.optimizer=adam", "outer.lr=0.01"],
     "diloco drop": ["mode=diloco"],  # with DROPS' ablation
-    "async delayed nesterov": ["mode=async", MEAN, "asynchronous.rule=delayed_nesterov", "asynchronous.c=0.2"],
+    "async delayed nesterov": ["mode=async", MEAN, "mode.rule=delayed_nesterov", "mode.c=0.2"],
     "async quorum": ["mode=async", MEAN],
-    "async naive": ["mode=async", MEAN, "asynchronous.rule=naive"],
+    "async naive": ["mode=async", MEAN, "mode.rule=naive"],
     "async downweight": [
         "mode=async",
         MEAN,
-        "asynchronous.rule=delayed_nesterov",
-        "asynchronous.max_staleness=1",
-        "asynchronous.stale_policy=downweight",
+        "mode.rule=delayed_nesterov",
+        "mode.max_staleness=1",
+        "mode.stale_policy=downweight",
     ],
-    "async reject": ["mode=async", MEAN, "asynchronous.rule=delayed_nesterov", "asynchronous.max_staleness=1"],
-    "overlap constant": ["mode=overlap", "overlap.momentum=0.5", "overlap.penalty_p=2", "overlap.clip=0.05"],
-    "overlap adaptive": ["mode=overlap", "overlap.momentum=0.5", "overlap.penalty=adaptive"],
+    "async reject": ["mode=async", MEAN, "mode.rule=delayed_nesterov", "mode.max_staleness=1"],
+    "overlap constant": ["mode=overlap", "mode.momentum=0.5", "mode.penalty_p=2", "mode.clip=0.05"],
+    "overlap adaptive": ["mode=overlap", "mode.momentum=0.5", "mode.penalty=adaptive"],
     "async quorum rda": ["mode=async"],
-    "async delayed nesterov rda": ["mode=async", "asynchronous.rule=delayed_nesterov", "asynchronous.c=0.2"],
+    "async delayed nesterov rda": ["mode=async", "mode.rule=delayed_nesterov", "mode.c=0.2"],
     "diloco rda": ["mode=diloco", RDA],
     "diloco adam rda": ["mode=diloco", RDA, "outer.optimizer=adam", "outer.lr=0.01"],
-    "overlap rda": ["mode=overlap", RDA, "overlap.momentum=0.5", "overlap.penalty_p=2"],
-    "overlap adaptive rda": ["mode=overlap", RDA, "overlap.momentum=0.5", "overlap.penalty=adaptive"],
+    "overlap rda": ["mode=overlap", RDA, "mode.momentum=0.5", "mode.penalty_p=2"],
+    "overlap adaptive rda": ["mode=overlap", RDA, "mode.momentum=0.5", "mode.penalty=adaptive"],
 }
 
 
@@ -107,18 +107,18 @@ def test_sliced_outer_step_equals_one_coordinator(rule, shards):
     rng = np.random.default_rng(1)
     reasons: list[str] = []
     for rnd in range(1, 9):
-        if cfg.mode == "async":  # arrivals from versions a few steps back, so staleness varies
+        if cfg.mode.name == "async":  # arrivals from versions a few steps back, so staleness varies
             for whole, part in _contributions(rng, lambda i: max(0, single.version - i), rnd, bounds):
                 a, b = single.step([whole], None, advances=False), sliced.step([part], None, advances=False)
                 assert a.verdicts == b.verdicts
                 reasons += a.rejected.values()
         else:
-            v = start_version(rnd) if cfg.mode == "overlap" else single.version
-            anchor = v if cfg.mode == "overlap" else None
+            v = start_version(rnd) if cfg.mode.name == "overlap" else single.version
+            anchor = v if cfg.mode.name == "overlap" else None
             pairs = _contributions(rng, lambda i, v=v: v, rnd, bounds)
             a, b = single.step([w for w, _ in pairs], v, anchor), sliced.step([p for _, p in pairs], v, anchor)
             assert (a.accepted, a.rejected, a.dropped) == (b.accepted, b.rejected, b.dropped)
-            if cfg.mode == "overlap":
+            if cfg.mode.name == "overlap":
                 assert (a.gap is None) == (b.gap is None) and (
                     a.gap is None or b.gap == pytest.approx(a.gap, rel=1e-12)
                 )

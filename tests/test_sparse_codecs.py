@@ -149,7 +149,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     "mode",
     [
         ["mode=diloco"],
-        ["mode=streaming", "streaming.fragments=2", "task.kwargs.split=true"],
+        ["mode=streaming", "mode.fragments=2", "task.kwargs.split=true"],
         ["compression.downlink=int4"],
     ],
 )

@@ -89,12 +89,12 @@ def _final(cfg: RunConfig) -> torch.Tensor:
 def test_one_fragment_without_overlap_or_merge_is_diloco_exactly():
     """P = 1, τ = 0, α = 0: one fragment replaced at every outer step is DiLoCo, to the bit."""
     diloco = _final(_cfg("mode=diloco"))
-    streaming = _final(_cfg("mode=streaming", "streaming.fragments=1", "streaming.tau=0", "streaming.alpha=0"))
+    streaming = _final(_cfg("mode=streaming", "mode.fragments=1", "mode.tau=0", "mode.alpha=0"))
     assert torch.equal(diloco, streaming)
 
 
 def test_the_schedule_staggers_fragments_and_each_is_stepped_every_round():
-    cfg = _cfg("mode=streaming", "streaming.fragments=2", "inner_steps=8", "streaming.tau=1")
+    cfg = _cfg("mode=streaming", "mode.fragments=2", "inner_steps=8", "mode.tau=1")
     engine, pool = in_process_engine(cfg)
     summary = engine.execute()
     # segment t sends fragment (t - 1) mod 2, H/P = 4 steps each, Δ taken τ = 1 step early
@@ -114,9 +114,9 @@ def test_tau_steps_hide_a_fragment_exchange_on_the_run_s_clock(tau, hidden):
     after the segment's first step and the merged fragment is back as it ends."""
     cfg = _cfg(
         "mode=streaming",
-        "streaming.fragments=2",
+        "mode.fragments=2",
         "inner_steps=8",
-        f"streaming.tau={tau}",
+        f"mode.tau={tau}",
         "simulation.link.latency_ms=1500",
         "simulation.link.bandwidth_gbps=1000",
     )
@@ -143,7 +143,7 @@ def _copies(engine) -> dict[int, torch.Tensor]:
     return copies
 
 
-QUORUM_FRAGMENTS = ["mode=streaming", "streaming.pacing=quorum", "asynchronous.quorum=1", "asynchronous.dylu=false"]
+QUORUM_FRAGMENTS = ["mode=streaming", "mode.pacing=quorum", "mode.quorum=1", "mode.dylu=false"]
 
 
 @pytest.mark.parametrize(
@@ -210,7 +210,7 @@ def test_each_change_is_shared_once_however_many_islands_take_it(monkeypatch):
 
 
 def test_an_island_refuses_a_change_it_already_applied_or_one_that_skips():
-    cfg = _gpt("mode=streaming", "compression.downlink=int8", "streaming.tau=0")
+    cfg = _gpt("mode=streaming", "compression.downlink=int8", "mode.tau=0")
     island = Island(island_spec(cfg, 0))
     params = island.flat.numpy()
     part = encode(np.full(island.fragments.size(0), 0.01, np.float32), "int8", 64)
@@ -292,7 +292,7 @@ def test_streaming_moves_a_fragment_at_a_time_and_4_bits_both_ways():
 
 
 def test_a_nan_fragment_is_rejected_and_its_fragment_untouched():
-    cfg = _cfg("mode=streaming", "streaming.fragments=2", "streaming.tau=0", "robust.quarantine_after=5")
+    cfg = _cfg("mode=streaming", "mode.fragments=2", "mode.tau=0", "robust.quarantine_after=5")
     engine, _ = in_process_engine(cfg, [Fault(FaultKind.NAN, i, order=3) for i in (0, 1)])
     engine.start()
     while engine.run.closes < 2:
@@ -309,8 +309,8 @@ def test_a_nan_fragment_is_rejected_and_its_fragment_untouched():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["mode=streaming", "inner_steps=10", "streaming.fragments=4"], "multiple of streaming.fragments"),
-        (["mode=streaming", "inner_steps=8", "streaming.fragments=4", "streaming.tau=2"], "shorter than a segment"),
+        (["mode=streaming", "inner_steps=10", "mode.fragments=4"], "multiple of mode.fragments"),
+        (["mode=streaming", "inner_steps=8", "mode.fragments=4", "mode.tau=2"], "shorter than a segment"),
         (["mode=streaming", "coordinator.shards=2"], "coordinator.shards = 1"),
         (["mode=ddp", "compression.downlink=int8"], "DiLoCo-family mode"),
         (["compression.downlink=int3"], r"(?s)compression\.downlink.*unknown codec .int3."),
@@ -325,7 +325,7 @@ def test_config_errors_name_the_field(overrides, message):
 
 
 def test_eager_overlap_starts_each_lagged_round_from_the_islands_own_update():
-    cfg = _gpt("mode=overlap", "overlap.eager=true", "overlap.clip=0.001", "rounds=4")
+    cfg = _gpt("mode=overlap", "mode.eager=true", "mode.clip=0.001", "rounds=4")
     engine, pool = in_process_engine(cfg)
     summary = engine.execute()
     # rounds 1 and 2 start from versions 0 and 1 (nothing in flight), rounds 3 and 4 lag
@@ -341,7 +341,7 @@ def test_eager_overlap_starts_each_lagged_round_from_the_islands_own_update():
     island.run(
         WorkOrder(island=0, ticket=1, version=0, kind=WorkKind.TRAIN, steps=3, shards={0: 3}, eager=True), params
     )
-    lr, clip = cfg.overlap.lr, cfg.overlap.clip
+    lr, clip = cfg.mode.lr, cfg.mode.clip
     expected = torch.from_numpy(params) - lr * own.clamp(-clip, clip)
     assert torch.allclose(island.start, expected, atol=1e-7) and (own.abs() > clip).any()
 
@@ -350,8 +350,8 @@ def test_a_live_change_of_h_must_keep_whole_segments():
     from archipelago.orchestrator.engine.commands import SettingsUpdate
     from archipelago.orchestrator.engine.policies import check_settings
 
-    cfg = _cfg("mode=streaming", "streaming.fragments=4", "inner_steps=8")
-    with pytest.raises(ValueError, match=r"multiple of streaming\.fragments = 4"):
+    cfg = _cfg("mode=streaming", "mode.fragments=4", "inner_steps=8")
+    with pytest.raises(ValueError, match=r"multiple of mode\.fragments = 4"):
         check_settings(cfg, SettingsUpdate(inner_steps=10), 3)
     check_settings(cfg, SettingsUpdate(inner_steps=12, outer_lr=0.5), 3)
     check_settings(_cfg("mode=diloco"), SettingsUpdate(inner_steps=10), 3)

@@ -21,7 +21,7 @@ def _cfg(tmp_path, corpus_cache, name, *extra):
         "rounds=3",
         "inner_steps=8",
         "mode=streaming",
-        "streaming.fragments=4",
+        "mode.fragments=4",
         "compression.codec=int4",
         "compression.downlink=int4",
         *extra,
@@ -46,7 +46,7 @@ def test_streaming_islands_answer_before_their_tau_steps_and_the_run_is_the_in_p
     """Segments of 4 steps with Δ taken after 2: on Ray each island answers at that point
     and trains the other 2 while the coordinator steps (`workers/runtime/order_steps.py`); in
     process it trains them first. The same steps in the same order: the same run."""
-    tail = ("streaming.fragments=2", "streaming.tau=2")
+    tail = ("mode.fragments=2", "mode.tau=2")
     summary = run(_cfg(tmp_path, corpus_cache, "ray", *tail), show_progress=False)
     engine, _ = in_process_engine(_cfg(tmp_path, corpus_cache, "local", *tail))
     local = engine.execute()

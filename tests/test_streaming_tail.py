@@ -29,8 +29,8 @@ CFG = RunConfig.model_validate(
             "rounds=3",
             "inner_steps=8",
             "mode=streaming",
-            "streaming.fragments=2",
-            "streaming.tau=2",
+            "mode.fragments=2",
+            "mode.tau=2",
             "compression.downlink=int8",
         ],
     )

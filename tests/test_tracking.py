@@ -76,7 +76,7 @@ def test_the_mlflow_run_has_params_metric_histories_events_and_the_summary(track
     client = MlflowClient(tracking_uri=(folder / "mlruns").resolve().as_uri())
     (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
     assert run.data.tags["archipelago.run_id"] == "tracked" and run.info.status == "FINISHED"
-    assert run.data.params["mode"] == '"diloco"' and run.data.params["inner_steps"] == "4"
+    assert run.data.params["mode.name"] == '"diloco"' and run.data.params["inner_steps"] == "4"
     history = client.get_metric_history(run.info.run_id, "eval_loss")
     assert [(m.step, m.value) for m in history] == [(r["round"], pytest.approx(r["eval_loss"])) for r in records]
     assert client.get_metric_history(run.info.run_id, "island.0.staleness")
@@ -126,7 +126,7 @@ def test_the_wandb_offline_run_holds_the_history_config_events_and_summary(track
             final.update({item.key: json.loads(item.value_json) for item in record.summary.update if item.key})
     losses = [(row["_step"], row["eval_loss"]) for row in rows if "eval_loss" in row]
     assert losses == [(r["round"], pytest.approx(r["eval_loss"])) for r in records]
-    assert config["mode"] == "diloco" and config["inner_steps"] == 4
+    assert config["mode"]["name"] == "diloco" and config["inner_steps"] == 4
     (table,) = (run_dir / "files" / "media" / "table").glob("events_*.table.json")  # the events, as a table
     logged = json.loads(table.read_text())
     assert logged["columns"][2] == "kind" and {"crash", "join", "drain"} <= {row[2] for row in logged["data"]}

@@ -90,7 +90,7 @@ def test_the_fork_continues_the_warm_starts_data_and_schedule(tmp_path, mode, wa
     cfg = _cfg(tmp_path, mode, f"warm_start.mode={warm}", "warm_start.inner_steps=2")
     pools = Pools()
     run = PhasedRun(cfg, "w", pools)
-    assert run.warming and run.engine.cfg.mode.value == ("ddp" if warm == "ddp" else "diloco")
+    assert run.warming and run.engine.cfg.mode.name.value == ("ddp" if warm == "ddp" else "diloco")
     # average: Local SGD, rounds of warm_start.inner_steps whose outer step is the plain mean
     h = 2 if warm == "average" else 4
     assert (run.engine.cfg.inner_steps, run.engine.cfg.rounds) == (h, 8 // h)

@@ -150,7 +150,7 @@ GapPenalty = ConstantGap | AdaptiveGap
 
 
 def gap_penalty(kind: str, p: float, lam: float) -> GapPenalty:
-    """`overlap.penalty`'s rule."""
+    """`mode.penalty`'s rule."""
     if kind not in ("constant", "adaptive"):
         raise ValueError(f"penalty must be 'constant' or 'adaptive', got {kind!r}")
     return ConstantGap(p) if kind == "constant" else AdaptiveGap(lam)

@@ -44,7 +44,7 @@ DILOCO_RATIO_TARGET = 50.0
 
 def rows() -> dict[str, tuple[str, list[str]]]:
     """Each row's description and overrides (its outer lr is added by the sweep)."""
-    streaming = ["mode=streaming", "streaming.fragments=4"]
+    streaming = ["mode=streaming", "mode.fragments=4"]
     sparse = [
         *streaming,
         f"compression.codec={SPARSE_CODEC}",

@@ -28,48 +28,48 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "sync": ("synchronous DiLoCo: every round waits for its slowest island", ["mode=diloco"]),
     "sync_dylu": (
         "synchronous DiLoCo with Dynamic Local Updates (steps sized by speed)",
-        ["mode=diloco", "diloco.dylu=true"],
+        ["mode=diloco", "mode.dylu=true"],
     ),
     "quorum": (
         "mode async, quorum rule (DyLU, ⌈k/2⌉ islands, adaptive grace, Radial-Directional Averaging)",
-        ["mode=async", "asynchronous.rule=quorum"],
+        ["mode=async", "mode.rule=quorum"],
     ),
     "dn_dylu": (
         "mode async, Delayed Nesterov + DyLU, token-weighted",
-        ["mode=async", "asynchronous.rule=delayed_nesterov", "asynchronous.dylu=true"],
+        ["mode=async", "mode.rule=delayed_nesterov", "mode.dylu=true"],
     ),
     "streaming_quorum": (
         "Streaming DiLoCo, fragments stepped by quorum",
-        ["mode=streaming", "streaming.pacing=quorum"],
+        ["mode=streaming", "mode.pacing=quorum"],
     ),
     "quorum_no_heartbeats": (
         "ablation: `quorum` with hangs found by deadlines only (no heartbeats), at quorum's lr",
-        ["mode=async", "asynchronous.rule=quorum", "elastic.hang_after_steps=null"],
+        ["mode=async", "mode.rule=quorum", "elastic.hang_after_steps=null"],
     ),
     "quorum_mean": (
         "ablation: `quorum` merging by the token-weighted mean instead of Radial-Directional Averaging (the "
         "default in mode async), at quorum's lr",
-        ["mode=async", "asynchronous.rule=quorum", "outer.merge=mean"],
+        ["mode=async", "mode.rule=quorum", "outer.merge=mean"],
     ),
     "sync_dylu_radial": (
         "ablation: `sync_dylu` merging by Radial-Directional Averaging, at sync_dylu's lr (the barrier given the "
         "merge the async default took, so the two are compared at equal merges)",
-        ["mode=diloco", "diloco.dylu=true", "outer.merge=radial_directional"],
+        ["mode=diloco", "mode.dylu=true", "outer.merge=radial_directional"],
     ),
     "quorum_spares": (
         "ablation: `quorum` with hot spares (`elastic.spares`, one per `--spare-every` islands, paid for in "
         "goodput), at quorum's lr",
-        ["mode=async", "asynchronous.rule=quorum"],
+        ["mode=async", "mode.rule=quorum"],
     ),
     "quorum_int4": (
         "`quorum` with int4 both ways (`compression.codec` and `compression.downlink`, error feedback as "
         "shipped): the head's bytes cut about 7.5x, at quorum's lr",
-        ["mode=async", "asynchronous.rule=quorum", "compression.codec=int4", "compression.downlink=int4"],
+        ["mode=async", "mode.rule=quorum", "compression.codec=int4", "compression.downlink=int4"],
     ),
     "quorum_no_partial": (
         "ablation: `quorum` whose preempted islands send nothing early (no partial pseudo-gradient at the "
         "notice: a work that would not finish in time is lost), at quorum's lr",
-        ["mode=async", "asynchronous.rule=quorum", "elastic.partial_on_notice=false"],
+        ["mode=async", "mode.rule=quorum", "elastic.partial_on_notice=false"],
     ),
 }
 ABLATION_OF = {

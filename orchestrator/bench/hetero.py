@@ -7,7 +7,7 @@ and the clock is simulated, so the speeds are exactly the ones asked for). Every
 continues one warm start per seed and trains the same token budget:
 
 - `sync`: synchronous DiLoCo, every round waits for the slowest island;
-- `sync_dylu`: a barrier round whose H per island follows its speed (`diloco.dylu`);
+- `sync_dylu`: a barrier round whose H per island follows its speed (`mode.dylu`);
 - `naive_async`: Nesterov stepped on every arrival, fixed H, outer lr ÷ k;
 - `dn_dylu`: Delayed Nesterov (N = k) with Dynamic Local Updates (Liu et al. 2024);
 - `quorum`: the quorum rule — a step once half the islands are in and the adaptive grace
@@ -43,43 +43,43 @@ LRS = (0.5, 0.7, 1.0, 1.4)
 SEEDS = (0, 1, 2)
 ROWS = {
     "sync": ("synchronous DiLoCo (Nesterov, β 0.9)", ["mode=diloco"]),
-    "sync_dylu": ("barrier round, H per island from its speed", ["mode=diloco", "diloco.dylu=true"]),
+    "sync_dylu": ("barrier round, H per island from its speed", ["mode=diloco", "mode.dylu=true"]),
     "naive_async": (
         "Nesterov on every arrival, fixed H, lr ÷ k",
-        ["mode=async", "asynchronous.rule=naive", "asynchronous.dylu=false"],
+        ["mode=async", "mode.rule=naive", "mode.dylu=false"],
     ),
     "dn_dylu": (
         "Delayed Nesterov N = k + Dynamic Local Updates",
-        ["mode=async", "asynchronous.rule=delayed_nesterov", "asynchronous.dylu=true"],
+        ["mode=async", "mode.rule=delayed_nesterov", "mode.dylu=true"],
     ),
     "quorum": (
         "quorum ⌈k/2⌉ + adaptive grace, token- and age-weighted, DyLU",
-        ["mode=async", "asynchronous.rule=quorum"],
+        ["mode=async", "mode.rule=quorum"],
     ),
     "streaming_quorum": (
         "the quorum rule per fragment: Streaming DiLoCo, P = 2, on the quorum (Decoupled DiLoCo's pacing)",
-        ["mode=streaming", "streaming.fragments=2", "streaming.pacing=quorum"],
+        ["mode=streaming", "mode.fragments=2", "mode.pacing=quorum"],
     ),
 }
 
 
 # ablations of the async rules, each at its row's best lr (seed 0, mild fleet): what each part buys
 ABLATIONS = {
-    "quorum_fixed_h": ("quorum without DyLU: fixed H, slow islands merge late", "quorum", ["asynchronous.dylu=false"]),
+    "quorum_fixed_h": ("quorum without DyLU: fixed H, slow islands merge late", "quorum", ["mode.dylu=false"]),
     "quorum_fixed_h_no_age": (
         "quorum, fixed H, stale results at full token weight (α = 0)",
         "quorum",
-        ["asynchronous.dylu=false", "asynchronous.age_power=0"],
+        ["mode.dylu=false", "mode.age_power=0"],
     ),
     "quorum_fixed_h_sqrt_age": (
         "quorum, fixed H, α = ½",
         "quorum",
-        ["asynchronous.dylu=false", "asynchronous.age_power=0.5"],
+        ["mode.dylu=false", "mode.age_power=0.5"],
     ),
     "dn_dylu_equal_weights": (
         "Delayed Nesterov + DyLU, arrivals weighed equally (the paper's)",
         "dn_dylu",
-        ["asynchronous.token_weighted=false"],
+        ["mode.token_weighted=false"],
     ),
 }
 

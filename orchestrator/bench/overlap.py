@@ -49,28 +49,28 @@ LONG_ROUNDS = 36  # the wall is timed again over this many rounds (see `_overlap
 MOMENTUM = 0.5  # CO2's beta: the released code's value for 17-64 workers; 0.9 diverged under the lag here
 CO2 = [
     "mode=overlap",
-    f"overlap.momentum={MOMENTUM}",
-    "overlap.clip=1.0",
-    "overlap.penalty=adaptive",
-    "overlap.eager=false",
+    f"mode.momentum={MOMENTUM}",
+    "mode.clip=1.0",
+    "mode.penalty=adaptive",
+    "mode.eager=false",
 ]
 TUNED = {
     "sync": ("synchronous DiLoCo over the slow link (Nesterov, beta 0.9)", ["mode=diloco"]),
     "overlap": (f"CO2: momentum {MOMENTUM}, adaptive gap penalty, clip 1", CO2),
-    "overlap_eager": ("CO2 as `overlap`, plus eager updates", [*CO2, "overlap.eager=true"]),
+    "overlap_eager": ("CO2 as `overlap`, plus eager updates", [*CO2, "mode.eager=true"]),
 }
 ABLATIONS = {
     "overlap_eager_no_penalty": (
         "overlap_eager without the gap penalty (Lambda = 1)",
-        [*CO2, "overlap.eager=true", "overlap.penalty=constant", "overlap.penalty_p=1"],
+        [*CO2, "mode.eager=true", "mode.penalty=constant", "mode.penalty_p=1"],
     ),
-    "overlap_eager_no_momentum": ("overlap_eager with beta 0", [*CO2, "overlap.eager=true", "overlap.momentum=0"]),
+    "overlap_eager_no_momentum": ("overlap_eager with beta 0", [*CO2, "mode.eager=true", "mode.momentum=0"]),
 }
 
 
 def _lr(name: str, lr: float) -> str:
     """The override of a row's outer lr (CO2's alpha lives in its own section)."""
-    return f"overlap.lr={lr:g}" if name.startswith("overlap") else f"outer.lr={lr:g}"
+    return f"mode.lr={lr:g}" if name.startswith("overlap") else f"outer.lr={lr:g}"
 
 
 def _base(rounds: int, warm: Path, seed: int) -> list[str]:

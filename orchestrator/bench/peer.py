@@ -37,7 +37,8 @@ from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.state.ledger import assign
 from archipelago.orchestrator.engine.warm_start import load_warm_start
-from archipelago.orchestrator.modes import mode_of
+from archipelago.orchestrator.mode_settings import StreamingSettings
+from archipelago.orchestrator.modes import settings_if
 from archipelago.workers.runtime.optim import build_inner
 from archipelago.workers.tasks.task import load_task
 from archipelago.workers.wire.flat import FlatParams
@@ -72,7 +73,8 @@ def _replica(rank: int, k: int, cfg_json: str, lighthouse: str | None, out: Any)
     inner, schedule = build_inner(
         cfg.inner, model.parameters(), cfg.schedule_steps, cfg.warm_steps, cfg.elastic.join_rewarmup_steps
     )
-    fragments = _module_fragments(model, cfg.streaming.fragments) if mode_of(cfg).fragments else [model]
+    stream = settings_if(cfg, StreamingSettings)
+    fragments = _module_fragments(model, stream.fragments) if stream is not None else [model]
     outers = [
         torch.optim.SGD(f.parameters(), lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=True) for f in fragments
     ]
@@ -102,8 +104,8 @@ def _replica(rank: int, k: int, cfg_json: str, lighthouse: str | None, out: Any)
             connect_timeout=timedelta(seconds=120),
         )
         streaming = {}
-        if len(fragments) > 1:  # our tau and alpha
-            streaming = {"fragment_sync_delay": cfg.streaming_tau, "fragment_update_alpha": cfg.streaming.alpha}
+        if stream is not None and len(fragments) > 1:  # our tau and alpha
+            streaming = {"fragment_sync_delay": stream.tau_of(cfg.inner_steps), "fragment_update_alpha": stream.alpha}
         diloco = DiLoCo(manager, fragments, inner, outers, sync_every=cfg.inner_steps, **streaming)
     model.train()
     t0 = time.perf_counter()
@@ -196,9 +198,9 @@ def torchft_diloco(
     numel = FlatParams(load_task(cfg.task.factory, cfg.task.kwargs).build_model()).numel
     rounds = cfg.rounds
     what = "DiLoCo"
-    if mode_of(cfg).fragments:
-        p = cfg.streaming.fragments
-        what = f"Streaming DiLoCo (P={p} module fragments, delay {cfg.streaming_tau}, alpha {cfg.streaming.alpha})"
+    if (frag := settings_if(cfg, StreamingSettings)) is not None:
+        tau = frag.tau_of(cfg.inner_steps)
+        what = f"Streaming DiLoCo (P={frag.fragments} module fragments, delay {tau}, alpha {frag.alpha})"
     return {
         "description": f"torchft {version('torchft')} {what} (local_sgd.DiLoCo, gloo all-reduce), same everything",
         "overrides": overrides,

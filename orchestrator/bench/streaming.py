@@ -58,12 +58,12 @@ INT8 = ["compression.codec=int8", "compression.downlink=int8"]
 TIMED = "streaming_p4_no_link_eval_at_end"  # the peer's work, timed as the peer is
 WALL_REPEATS = 3  # pairs of (peer, ours) on that work, alternated
 PEER = "torchft_streaming_p4"
-CO2 = ["mode=overlap", "overlap.lr=0.7", "overlap.momentum=0.0", "overlap.eager=false"]
+CO2 = ["mode=overlap", "mode.lr=0.7", "mode.momentum=0.0", "mode.eager=false"]
 
 
 def fragmented(p: int) -> list[str]:
     """Streaming with the product's defaults (tau a fifth of a segment, alpha 0)."""
-    return ["mode=streaming", f"streaming.fragments={p}"]
+    return ["mode=streaming", f"mode.fragments={p}"]
 
 
 def methods(link: list[str], lr_diloco: float, lr_streaming: float) -> dict[str, tuple[str, list[str]]]:
@@ -80,7 +80,7 @@ def methods(link: list[str], lr_diloco: float, lr_streaming: float) -> dict[str,
         ),
         "diloco_int8": ("DiLoCo, int8 both ways", ["mode=diloco", *INT8, *d, *link]),
         "overlap": ("CO2 overlap (alpha 0.7), one-round lag", [*CO2, *link]),
-        "overlap_eager": ("CO2 overlap with eager updates (Kale et al. 2025)", [*CO2, "overlap.eager=true", *link]),
+        "overlap_eager": ("CO2 overlap with eager updates (Kale et al. 2025)", [*CO2, "mode.eager=true", *link]),
         "ddp_k": ("data-parallel, 2 islands = 2x batch, every step (no link: its bytes)", ["mode=ddp"]),
     }
 

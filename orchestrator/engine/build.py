@@ -49,7 +49,8 @@ from archipelago.orchestrator.engine.warm_start import (
 from archipelago.orchestrator.engine.work.inflight import InFlight
 from archipelago.orchestrator.engine.work.publisher import Publisher
 from archipelago.orchestrator.engine.work.stragglers import HangRule, TailStop
-from archipelago.orchestrator.modes import mode_of
+from archipelago.orchestrator.mode_settings import StreamingSettings
+from archipelago.orchestrator.modes import mode_of, settings_of
 from archipelago.workers.tasks.task import Task, load_task
 from archipelago.workers.wire.flat import FlatParams, slice_bounds
 from archipelago.workers.wire.fragments import FragmentedTask, Fragments, fragment_model
@@ -92,7 +93,7 @@ def build_engine(
     fragments = None
     if mode_of(cfg).fragments:  # the same fragments as every island computes from its model
         groups = task.layer_groups(model) if isinstance(task, FragmentedTask) else None
-        fragments = fragment_model(model, cfg.streaming.fragments, groups)
+        fragments = fragment_model(model, settings_of(cfg, StreamingSettings).fragments, groups)
     outer: Outer
     rule = outer_rule(cfg)
     if cfg.coordinator.shards > 1:

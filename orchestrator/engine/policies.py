@@ -20,6 +20,7 @@ from archipelago.orchestrator.engine.pacing.base import Pacing
 from archipelago.orchestrator.engine.pacing.quorum import QuorumRule
 from archipelago.orchestrator.engine.pacing.registry import QUORUM_SETTINGS, pacing_of
 from archipelago.orchestrator.engine.step.admission import Admission
+from archipelago.orchestrator.mode_settings import check_quorum
 from archipelago.orchestrator.modes import mode_of
 
 if TYPE_CHECKING:
@@ -37,15 +38,14 @@ def check_settings(cfg: RunConfig, update: SettingsUpdate, islands: int) -> None
     asked = [k for k in sorted(QUORUM_SETTINGS) if getattr(update, k) is not None and k not in row.live]
     if asked:
         raise ValueError(
-            f"{', '.join(asked)}: needs mode async with asynchronous.rule = quorum, "
-            "or mode streaming with streaming.pacing = quorum"
+            f"{', '.join(asked)}: needs mode async with mode.rule = quorum, or mode streaming with mode.pacing = quorum"
         )
     if update.hang_after_steps is not None and cfg.elastic.hang_after_steps is None:
         raise ValueError(
             "hang_after_steps: the run has no heartbeats (elastic.hang_after_steps: null in its config); "
             "it can change their threshold, not turn them on"
         )
-    cfg.asynchronous.check_quorum(update.quorum, islands)
+    check_quorum(update.quorum, islands)
 
 
 def sizes_first_work_by_speed(cfg: RunConfig) -> bool:
@@ -95,7 +95,7 @@ def build_policies(
     """The run's pacing (its registry row, `pacing/registry.py`), admission with the row's
     staleness rule (and a benchmark's drops, `ablation`), and the speed tracker they share."""
     row = pacing_of(cfg)
-    speeds = SpeedTracker(cfg.asynchronous.speed_smoothing)
+    speeds = SpeedTracker(cfg.speed_smoothing)
     rule = row.quorum(cfg) if row.quorum is not None else None
     admission = Admission(
         numel,

@@ -10,7 +10,8 @@ from __future__ import annotations
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.policies import sizes_first_work_by_speed
 from archipelago.orchestrator.engine.warm_start import version0_file
-from archipelago.orchestrator.modes import mode_of
+from archipelago.orchestrator.mode_settings import OverlapSettings, StreamingSettings
+from archipelago.orchestrator.modes import mode_of, settings_if
 from archipelago.workers.runtime.island_spec import IslandSpec
 from archipelago.workers.wire.messages import SavedState
 
@@ -27,6 +28,7 @@ def island_spec(
     inner schedule — a joiner, a promoted spare, or any island after a warm start —
     re-warms its learning rate while its fresh optimizer state settles; one that
     continues from its saved state, `restore`, has no fresh state to settle)."""
+    stream, co2 = settings_if(cfg, StreamingSettings), settings_if(cfg, OverlapSettings)
     return IslandSpec(
         index=index,
         num_islands=cfg.islands.count,
@@ -48,10 +50,10 @@ def island_spec(
         feedback_decay=cfg.compression.feedback_decay,
         round=mode_of(cfg).island(cfg),
         tracks_copy=cfg.tracks_copy,
-        fragments=cfg.streaming.fragments if mode_of(cfg).fragments else 0,
-        merge_alpha=cfg.streaming.alpha,
-        eager_step=cfg.overlap.lr / cfg.overlap.penalty_p if cfg.overlap.eager else 0.0,
-        eager_clip=cfg.overlap.clip,
+        fragments=stream.fragments if stream is not None else 0,
+        merge_alpha=stream.alpha if stream is not None else 0.0,
+        eager_step=co2.lr / co2.penalty_p if co2 is not None and co2.eager else 0.0,
+        eager_clip=co2.clip if co2 is not None else None,
         state_folder=state_folder,
         restore_state=restore,
         probe=sizes_first_work_by_speed(cfg),

@@ -404,7 +404,7 @@ def _on_one_host(needs: list[Need], node: NodeKind) -> list[Need]:
 def _refusals(cfg: RunConfig, cluster: Cluster, m: ModelMemory) -> list[str]:
     out = []
     gradients = not mode_of(cfg).pseudo_gradients
-    ddp = f"mode {cfg.mode.value}" if gradients else "warm_start.mode ddp" if cfg.warm_steps else None
+    ddp = f"mode {cfg.mode.name.value}" if gradients else "warm_start.mode ddp" if cfg.warm_steps else None
     if cfg.warm_steps and cfg.warm_start.mode != WarmStartMode.DDP and not gradients:
         ddp = None
     if ddp and not cluster.single_host and not cluster.head.hosts_islands:

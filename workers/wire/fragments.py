@@ -111,7 +111,7 @@ def fragment_model(model: nn.Module, fragments: int, groups: list[list[str]] | N
     index = [np.sort(np.concatenate(part)) for part in parts]
     if not all(ix.size for ix in index):
         raise ValueError(
-            f"streaming.fragments = {fragments}, but the model's {numel} parameters fill only "
+            f"mode.fragments = {fragments}, but the model's {numel} parameters fill only "
             f"{sum(bool(ix.size) for ix in index)} fragments: use fewer fragments"
         )
     return Fragments(index, numel)

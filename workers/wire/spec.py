@@ -88,7 +88,7 @@ class IslandRound(str, Enum):
 
     GRADIENT = "gradient"  # one batch's gradient, no local update (ddp)
     INNER = "inner"  # H inner steps, Δ of the whole model (diloco, async, overlap)
-    EAGER = "eager"  # as INNER, from the published parameters moved by its own last Δ (overlap.eager)
+    EAGER = "eager"  # as INNER, from the published parameters moved by its own last Δ (mode.eager)
     FRAGMENTS = "fragments"  # one fragment's Δ against its tracked copy (streaming)
 
 

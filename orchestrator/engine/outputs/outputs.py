@@ -323,7 +323,7 @@ class Outputs:
     def status(self) -> RunStatus:
         """The snapshot and the run's live settings (a quorum rule's only under that rule)."""
         settings = {
-            "mode": self.cfg.mode.value,
+            "mode": self.cfg.mode.name.value,
             "run_id": self.run_id,
             "target_islands": self.members.target,
             "pending_islands": sorted(self.members.pending),

@@ -6,11 +6,13 @@ file format and its integrity are `engine/state/checkpoints.py`'s."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.config_load import upgraded as upgraded_config
 from archipelago.orchestrator.engine.commands import SettingsUpdate
 from archipelago.orchestrator.engine.fleet.island_states import IslandStates
 from archipelago.orchestrator.engine.pacing.base import Pacing
@@ -27,7 +29,14 @@ from archipelago.orchestrator.engine.work.publisher import Publisher
 from archipelago.workers.wire.flat import FlatParams
 
 FORMAT = 2  # the checkpoint's layout: 2, each part's `state_dict()` under its own key (`upgraded` reads 1)
-RESUMABLE = ("mode", "data_shards")  # settings a checkpoint must share with the run resuming it
+# settings a checkpoint must share with the run resuming it (as the config has them, dotted)
+RESUMABLE = ("mode.name", "data_shards")
+
+
+def _setting(data: dict[str, Any], dotted: str) -> Any:
+    for key in dotted.split("."):
+        data = data.get(key) if isinstance(data, dict) else None  # type: ignore[assignment]
+    return data
 
 
 @dataclass(kw_only=True, eq=False)
@@ -111,10 +120,12 @@ def _parts(engine: RunCore) -> dict[str, Stateful]:
 
 def upgraded(state: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint in this release's layout: one written before `format` 2 kept the
-    membership's three entries at the top level."""
+    membership's three entries at the top level; one written before the mode sections
+    moved into `mode` saved its config with them."""
     if state.get("format", 1) < 2:
         state = {**state, "membership": {k: state[k] for k in ("members", "retired", "target") if k in state}}
-    return state
+    # its config as this release writes one (the mode sections moved into `mode`)
+    return {**state, "config": upgraded_config(copy.deepcopy(state["config"]))}
 
 
 def _containers_copied(value: Any) -> Any:
@@ -131,11 +142,12 @@ def restore(engine: RunCore, state: dict[str, Any]) -> None:
     release's layout or an older one: `upgraded`)."""
     state = upgraded(state)
     saved, cfg = state["config"], engine.cfg
+    now = cfg.model_dump(mode="json")
     for key in RESUMABLE:
-        if saved.get(key) != cfg.model_dump(mode="json").get(key):
+        if _setting(saved, key) != _setting(now, key):
             raise RunFailed(
-                f"the checkpoint in {cfg.checkpoint_dir} is of a run with {key} = {saved.get(key)!r}, "
-                f"this run has {getattr(cfg, key)!r}: resume with the same config or another path"
+                f"the checkpoint in {cfg.checkpoint_dir} is of a run with {key} = {_setting(saved, key)!r}, "
+                f"this run has {_setting(now, key)!r}: resume with the same config or another path"
             )
     engine.flat.load(state["params"])
     engine.publisher.restored()
@@ -158,7 +170,7 @@ def restore(engine: RunCore, state: dict[str, Any]) -> None:
     ):
         run.hang_after_steps = settings["hang_after_steps"]
     if engine.quorum is not None and settings.get("quorum"):
-        was = saved.get("asynchronous", {})
-        kept = {k: v for k, v in settings["quorum"].items() if was.get(k) == getattr(cfg.asynchronous, k)}
+        was = saved["mode"]
+        kept = {k: v for k, v in settings["quorum"].items() if was.get(k) == now["mode"].get(k)}
         engine.quorum.apply(SettingsUpdate(**kept))
     engine.pacing.resume(run, engine.stats.rounds_done)

@@ -7,7 +7,7 @@ outer step. The engine asks; a pacing only keeps its own bookkeeping over `RunSt
   version as soon as it delivers; every arrival is its own outer step. H per island from
   its measured speed (DyLU); the token budget equals the synchronous run's
   (`TokenBudget`; both in `engine/pacing/arrivals.py`).
-- `Quorum` (async, `asynchronous.rule: quorum`; `engine/pacing/quorum.py`): a step fires once a quorum has
+- `Quorum` (async, `mode.rule: quorum`; `engine/pacing/quorum.py`): a step fires once a quorum has
   arrived and an adaptive grace window has passed, merging what arrived token-weighted
   and discounted by age; a straggler's result merges into a later step.
 - `OneRoundLag` (overlap, CO2): an island that delivers round t starts round t+1 at once,

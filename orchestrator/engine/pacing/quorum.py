@@ -1,8 +1,8 @@
-"""Quorum pacing (`mode: async`, `asynchronous.rule: quorum`): asynchronous training that
+"""Quorum pacing (`mode: async`, `mode.rule: quorum`): asynchronous training that
 never waits for the slowest island and never steps on one lonely update.
 
 Every island trains from the newest version for H_i inner steps (H_i from its measured
-speed when `asynchronous.dylu`, so the islands of one step finish at about the same
+speed when `mode.dylu`, so the islands of one step finish at about the same
 time). An outer step fires once `quorum` results are in and a grace window after that
 has passed; it merges everything that arrived, token-weighted and discounted by age.
 The islands that arrived restart at once from the new version; an island still training
@@ -19,7 +19,7 @@ unbounded cap this is a barrier round with Dynamic Local Updates (`sync_dylu`).
 The rule's settings are read at every step from a mutable `QuorumRule`, so a change made
 through the control plane takes effect at the next step.
 
-Per fragment (`mode: streaming`, `streaming.pacing: quorum`), as Decoupled DiLoCo
+Per fragment (`mode: streaming`, `mode.pacing: quorum`), as Decoupled DiLoCo
 synchronises: each work is a segment of H_i / P steps that sends one fragment `tau` steps
 before it ends: the fleet's current fragment, which moves on after each step from the one
 most of its results carried (islands starting together send the same fragment, and a late
@@ -49,7 +49,7 @@ MIN_OFFSETS = 4  # fewer than this: the window is the cap (no spread to read yet
 
 @dataclass
 class QuorumRule:
-    """The live-tunable settings (`asynchronous.*`); None quorum: half the live islands."""
+    """The live-tunable settings (`mode.*`); None quorum: half the live islands."""
 
     quorum: int | None
     grace_cap: float  # the window is at most this × the median duration of recent work

@@ -9,13 +9,13 @@ run uses is `pacing_of(cfg)`: the kind its mode's row picks (`orchestrator/modes
 | row               | config                                   | pacing                                   | staleness  |
 | ----------------- | ---------------------------------------- | ---------------------------------------- | ---------- |
 | `barrier`         | `mode: diloco`                           | `Barrier`                                | exact      |
-| `dylu_barrier`    | `mode: diloco`, `diloco.dylu`            | `Quorum` of every island, H per speed    | bounded    |
+| `dylu_barrier`    | `mode: diloco`, `mode.dylu`              | `Quorum` of every island, H per speed    | bounded    |
 | `gradients`       | `mode: ddp`                              | `Barrier` of gradients, H steps a record | exact      |
 | `per_arrival`     | `mode: async`, rule naive / delayed_nesterov | `PerArrival` (DyLU budget)           | bounded    |
 | `quorum`          | `mode: async` (rule quorum)              | `Quorum` + grace window                  | bounded    |
 | `one_round_lag`   | `mode: overlap`                          | `OneRoundLag` (CO2)                      | exact (lagged) |
 | `fragments`       | `mode: streaming`                        | `FragmentSchedule` over a `Barrier`      | exact      |
-| `fragment_quorum` | `mode: streaming`, `streaming.pacing: quorum` | `Quorum` over segments              | bounded    |
+| `fragment_quorum` | `mode: streaming`, `mode.pacing: quorum` | `Quorum` over segments                   | bounded    |
 
 Adding a pacing is one module (its `Pacing`), one row here and its `PacingKind` member,
 picked by a mode's row. Torch-free: the command
@@ -33,7 +33,14 @@ from archipelago.orchestrator.engine.pacing.arrivals import PerArrival
 from archipelago.orchestrator.engine.pacing.base import Barrier, FragmentSchedule, OneRoundLag, Pacing
 from archipelago.orchestrator.engine.pacing.quorum import Quorum, QuorumRule
 from archipelago.orchestrator.engine.step.admission import BoundedStaleness, ExactVersion, StalenessRule
-from archipelago.orchestrator.modes import PacingKind, mode_of
+from archipelago.orchestrator.mode_settings import (
+    AsyncSettings,
+    OverlapSettings,
+    QuorumSettings,
+    StalenessSettings,
+    StreamingSettings,
+)
+from archipelago.orchestrator.modes import PacingKind, mode_of, settings_of
 from archipelago.workers.wire.messages import WorkKind
 
 QUORUM_SETTINGS = frozenset({"quorum", "grace_cap", "grace_k", "age_power"})  # the quorum rule's, live
@@ -45,29 +52,38 @@ class PacingRow:
     kind: PacingKind
     build: Callable[[RunConfig, SpeedTracker, QuorumRule | None], Pacing]  # (the run's tracker and rule)
     rounds_ahead: Callable[[int], int]  # schedulable islands -> rounds between handing work out and its step
-    bounded_staleness: bool = False  # admission: results of older versions within `asynchronous.max_staleness`
+    bounded_staleness: bool = False  # admission: results of older versions within `mode.max_staleness`
     quorum: Callable[[RunConfig], QuorumRule] | None = None  # its quorum rule (the engine applies changes to it)
     live: frozenset[str] = frozenset()  # the settings it takes mid-run besides everyone's (H, the outer lr)
     sizes_by_speed: Callable[[RunConfig], bool] = lambda _: False  # an island's first work sized by its speed
 
     def staleness(self, cfg: RunConfig) -> StalenessRule:
-        a = cfg.asynchronous
-        return (
-            BoundedStaleness(a.max_staleness, a.stale_policy == "downweight")
-            if self.bounded_staleness
-            else ExactVersion()
-        )
+        if not self.bounded_staleness:
+            return ExactVersion()
+        a = settings_of(cfg, StalenessSettings)
+        return BoundedStaleness(a.max_staleness, a.stale_policy == "downweight")
 
 
 def _settings_rule(cfg: RunConfig) -> QuorumRule:
-    a = cfg.asynchronous
+    a = settings_of(cfg, QuorumSettings)
     return QuorumRule(quorum=a.quorum, grace_cap=a.grace_cap, grace_k=a.grace_k, age_power=a.age_power)
 
 
 def _quorum(cfg: RunConfig, speeds: SpeedTracker, rule: QuorumRule | None, dylu: bool, fragments: bool) -> Pacing:
     assert rule is not None  # the row declares one
-    p, tau = (cfg.streaming.fragments, cfg.streaming_tau) if fragments else (0, 0)
+    p, tau = _fragments(cfg) if fragments else (0, 0)
     return Quorum(rule, dylu, speeds, cfg.islands.count, cfg.warm_steps, p, tau)
+
+
+def _fragments(cfg: RunConfig) -> tuple[int, int]:
+    """Streaming's P and τ."""
+    s = settings_of(cfg, StreamingSettings)
+    return s.fragments, s.tau_of(cfg.inner_steps)
+
+
+def _per_arrival(cfg: RunConfig, speeds: SpeedTracker) -> Pacing:
+    a = settings_of(cfg, AsyncSettings)
+    return PerArrival(a.dylu, speeds, cfg.islands.count, cfg.warm_steps, a.token_weighted)
 
 
 def _one(_: int) -> int:
@@ -80,16 +96,16 @@ def _a_turn(schedulable: int) -> int:
 
 
 def _quorum_row(kind: PacingKind, *, fragments: bool, rounds_ahead: Callable[[int], int]) -> PacingRow:
-    """The quorum rule with its live settings (`asynchronous.*`), over whole rounds or over
+    """The quorum rule with its live settings (`mode.*`), over whole rounds or over
     streaming's fragments."""
     return PacingRow(
         kind=kind,
-        build=lambda cfg, speeds, rule: _quorum(cfg, speeds, rule, cfg.asynchronous.dylu, fragments),
+        build=lambda cfg, speeds, rule: _quorum(cfg, speeds, rule, settings_of(cfg, QuorumSettings).dylu, fragments),
         rounds_ahead=rounds_ahead,
         bounded_staleness=True,
         quorum=_settings_rule,
         live=QUORUM_SETTINGS,
-        sizes_by_speed=lambda cfg: cfg.asynchronous.dylu,
+        sizes_by_speed=lambda cfg: settings_of(cfg, QuorumSettings).dylu,
     )
 
 
@@ -116,23 +132,21 @@ PACINGS: dict[PacingKind, PacingRow] = {
         ),
         PacingRow(
             kind=PacingKind.PER_ARRIVAL,
-            build=lambda cfg, speeds, rule: PerArrival(
-                cfg.asynchronous.dylu, speeds, cfg.islands.count, cfg.warm_steps, cfg.asynchronous.token_weighted
-            ),
+            build=lambda cfg, speeds, rule: _per_arrival(cfg, speeds),
             rounds_ahead=_a_turn,
             bounded_staleness=True,
-            sizes_by_speed=lambda cfg: cfg.asynchronous.dylu,
+            sizes_by_speed=lambda cfg: settings_of(cfg, AsyncSettings).dylu,
         ),
         _quorum_row(PacingKind.QUORUM, fragments=False, rounds_ahead=_a_turn),
         PacingRow(
             kind=PacingKind.ONE_ROUND_LAG,
-            build=lambda cfg, speeds, rule: OneRoundLag(eager=cfg.overlap.eager),
+            build=lambda cfg, speeds, rule: OneRoundLag(eager=settings_of(cfg, OverlapSettings).eager),
             rounds_ahead=lambda _: 2,
         ),
         PacingRow(
             kind=PacingKind.FRAGMENTS,
             build=lambda cfg, speeds, rule: FragmentSchedule(
-                Barrier(WorkKind.TRAIN, steps_per_record=1), cfg.streaming.fragments, cfg.streaming_tau
+                Barrier(WorkKind.TRAIN, steps_per_record=1), *_fragments(cfg)
             ),
             rounds_ahead=_one,
         ),

@@ -138,7 +138,7 @@ class RunStats:
         entry = RoundRecord(
             round=rnd,
             version=version,
-            mode=cfg.mode.value,
+            mode=cfg.mode.name.value,
             time=time.time(),
             eval_loss=eval_loss,
             train_loss=(sum(sum(v) / len(v) for v in w.losses.values()) / len(w.losses)) if w.losses else None,
@@ -223,7 +223,7 @@ class RunStats:
         subs = sum(s["submissions"] for s in islands.values()) + retired.submissions
         alive = [s for s in islands.values() if s["state"] != IslandState.DEAD.value] or list(islands.values())
         return {
-            "mode": cfg.mode.value,
+            "mode": cfg.mode.name.value,
             "state": phase.value,
             "rounds": cfg.rounds,
             "rounds_done": self.rounds_done,

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.config_sections import OuterConfig, OuterMerge
-from archipelago.orchestrator.modes import RuleKind, mode_of
+from archipelago.orchestrator.mode_settings import AsyncSettings, OverlapSettings
+from archipelago.orchestrator.modes import RuleKind, mode_of, settings_of
 
 if TYPE_CHECKING:
     import torch
@@ -73,7 +74,7 @@ def _delayed_nesterov(cfg: RunConfig) -> OuterRule:
     from archipelago.orchestrator.algorithms.outer import DelayedNesterov
     from archipelago.orchestrator.engine.step.outer import OuterRule
 
-    o, a = cfg.outer, cfg.asynchronous
+    o, a = cfg.outer, settings_of(cfg, AsyncSettings)
     return OuterRule(lambda p: (DelayedNesterov([p], o.lr, o.momentum, a.delay or cfg.islands.count, a.c), None))
 
 
@@ -81,7 +82,7 @@ def _co2(cfg: RunConfig) -> OuterRule:
     from archipelago.orchestrator.algorithms.outer import CO2Outer, gap_penalty
     from archipelago.orchestrator.engine.step.outer import OuterRule
 
-    o = cfg.overlap
+    o = settings_of(cfg, OverlapSettings)
     return OuterRule(
         lambda p: (CO2Outer([p], o.lr, o.momentum, o.clip), None),
         penalty=gap_penalty(o.penalty, o.penalty_p, o.penalty_lambda),
@@ -91,7 +92,7 @@ def _co2(cfg: RunConfig) -> OuterRule:
 def _co2_anchored(cfg: RunConfig) -> bool:
     from archipelago.orchestrator.algorithms.outer import gap_penalty
 
-    o = cfg.overlap
+    o = settings_of(cfg, OverlapSettings)
     return gap_penalty(o.penalty, o.penalty_p, o.penalty_lambda).anchored
 
 

@@ -71,10 +71,10 @@ class Publisher:
         self.unput: int | None = None  # the version the copy holds, not put yet (put when an island needs it)
         self.shared: dict[int, Any] = {}  # version -> its change as the pool shared it (once, for every island)
         self.lag = lag  # work may start from versions this far back: those are put and kept
+        # changes kept: two turns of the fragments and four more (a whole model counts as four)
+        turn = fragments.count if fragments is not None else 4
         self.downlink = (
-            Downlink(
-                flat, cfg.compression.downlink, cfg.compression.chunk, fragments, keep=2 * cfg.streaming.fragments + 4
-            )
+            Downlink(flat, cfg.compression.downlink, cfg.compression.chunk, fragments, keep=2 * turn + 4)
             if cfg.tracks_copy
             else None
         )
