@@ -53,6 +53,10 @@ def test_a_runs_config_has_no_simulation_and_says_where_it_went():
         (["simulation.slowdown=[1,1,1,0.5]"], r"simulation.slowdown: .*slowdown factors must be >= 1"),
         (["simulation.head_gbps=0"], r"simulation.head_gbps: .*greater than 0"),
         (["simulation.replacement_speed=fast"], r"simulation.replacement_speed"),
+        (
+            ["simulation.clock=real", "islands.count=2", "simulation.slowdown=[1,2]"],
+            r"simulation: .*slowdown: a simulated pace needs clock virtual",
+        ),
     ],
 )
 def test_a_simulation_that_does_not_fit_the_fleet_is_refused_naming_the_field(sets, message, capsys):
@@ -67,6 +71,17 @@ def test_the_coordinator_is_handed_the_virtual_clock_pool_of_the_fleet():
     make = simulated_pool(sim)
     assert make.func is VirtualClockPool and make.keywords == {"sim": sim}
     assert sim.virtual_seconds(1, 4) == 24.0 and sim.virtual_seconds(7, 4) == 8.0  # a joiner at speed 1
+
+
+def test_on_the_real_clock_the_coordinator_is_handed_the_pool_that_waits_for_the_prices(tmp_path):
+    """`simulation.clock: real` runs on Ray only: the in-process pool's islands take turns."""
+    from archipelago.orchestrator.simulation.ray_pool import RealTimeLinkPool
+    from archipelago.orchestrator.simulation.runner import run_in_process
+
+    cfg, sim = load_simulated(None, toy_quadratic(2, 0.0, "simulation.clock=real", f"out_dir={tmp_path}"))
+    assert simulated_pool(sim).func is RealTimeLinkPool
+    with pytest.raises(ValueError, match="clock real runs on Ray"):
+        run_in_process(cfg, sim)
 
 
 def test_simulate_is_a_registered_subcommand():

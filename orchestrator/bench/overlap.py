@@ -36,7 +36,14 @@ from archipelago.orchestrator.bench.report import (
     md_table,
     targets_met,
 )
-from archipelago.orchestrator.bench.runner import Table, continue_warm, one_ray, run_methods, train_warm_start
+from archipelago.orchestrator.bench.runner import (
+    Table,
+    continue_warm,
+    one_ray,
+    real_link,
+    run_methods,
+    train_warm_start,
+)
 from archipelago.orchestrator.engine.state.logfiles import read_lines
 
 H = 50
@@ -84,10 +91,6 @@ def _base(rounds: int, warm: Path, seed: int) -> list[str]:
     ]
 
 
-def link(bandwidth_gbps: float) -> list[str]:
-    return [f"simulation.link.bandwidth_gbps={bandwidth_gbps:.6g}", "simulation.link.latency_ms=0"]
-
-
 def steady_compute_seconds(run_dir: Path) -> float:
     """The islands' own computation per round once a run is under way: the median over
     rounds of the mean over islands of what each computed in that round (the first rounds
@@ -113,7 +116,7 @@ def bandwidth_for(num_params: int, compute_per_round: float, fraction: float = L
 def grid_table(rounds: int, warm: Path, bandwidth_gbps: float) -> Table:
     """Every tuned row at every lr of the grid, seed 0, over the link."""
     return {
-        f"{n}@lr{lr:g}": (d, [*_base(rounds, warm, 0), *link(bandwidth_gbps), *o, _lr(n, lr)])
+        f"{n}@lr{lr:g}": (d, [*_base(rounds, warm, 0), *real_link(bandwidth_gbps), *o, _lr(n, lr)])
         for n, (d, o) in TUNED.items()
         for lr in LRS
     }
@@ -146,20 +149,20 @@ def _overlap(quick: bool, work: Path) -> BenchResult:
 
     best = {n: min(LRS, key=loss_at(n)) for n in TUNED}
     later: Table = {
-        f"{n}@lr{best[n]:g}@s{s}": (d, [*_base(rounds, warm[s], s), *link(bw), *o, _lr(n, best[n])])
+        f"{n}@lr{best[n]:g}@s{s}": (d, [*_base(rounds, warm[s], s), *real_link(bw), *o, _lr(n, best[n])])
         for n, (d, o) in TUNED.items()
         for s in seeds
         if s
     }
     later.update(
         {
-            n: (d, [*_base(rounds, warm[0], 0), *link(bw), *o, _lr(n, best["overlap_eager"])])
+            n: (d, [*_base(rounds, warm[0], 0), *real_link(bw), *o, _lr(n, best["overlap_eager"])])
             for n, (d, o) in ABLATIONS.items()
         }
     )
     later["overlap_default"] = (
         "mode=overlap at the shipped defaults",
-        [*_base(rounds, warm[0], 0), *link(bw), "mode=overlap"],
+        [*_base(rounds, warm[0], 0), *real_link(bw), "mode=overlap"],
     )
     tables.update(later)
     runs = {**compute, **grid, **run_methods(MODEL, later, work)}
@@ -203,7 +206,7 @@ def _long(
     mean final loss over the seeds. The first round (synchronous by design) and the last
     upload are hidden by nothing — about 1.2 rounds' exchange on top of the compute, 10 %
     of a 12-round run — so the lag's hiding is timed again where they weigh less."""
-    timed = {"compute_only": ("", []), **{n: (d, [*link(bw), *o, _lr(n, best[n])]) for n, (d, o) in TUNED.items()}}
+    timed = {"compute_only": ("", []), **{n: (d, [*real_link(bw), *o, _lr(n, best[n])]) for n, (d, o) in TUNED.items()}}
     long = run_methods(
         MODEL,
         {f"{n}@long@s{s}": (d, [*_base(rounds, warm[s], s), *o]) for n, (d, o) in timed.items() for s in seeds},

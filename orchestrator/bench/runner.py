@@ -35,6 +35,17 @@ def continue_warm(steps: int, folder: Path) -> list[str]:
     return [f"warm_start.steps={steps}", f"warm_start.path={folder}", f"warm_start.mode={WARM_MODE}"]
 
 
+def real_link(bandwidth_gbps: float) -> list[str]:
+    """A simulated link of `bandwidth_gbps` (no latency) waited for in real time
+    (`simulation.clock: real`): for rows whose walls are compared — on the virtual clock a
+    real wall holds no link."""
+    return [
+        f"simulation.link.bandwidth_gbps={bandwidth_gbps:.6g}",
+        "simulation.link.latency_ms=0",
+        "simulation.clock=real",
+    ]
+
+
 @contextmanager
 def one_ray(num_cpus: int) -> Iterator[None]:
     """One local Ray instance for a whole scenario: every run in it joins this one (a

@@ -40,7 +40,7 @@ from archipelago.orchestrator.bench.report import (
     md_table,
     targets_met,
 )
-from archipelago.orchestrator.bench.runner import continue_warm, one_ray, run_methods, train_warm_start
+from archipelago.orchestrator.bench.runner import continue_warm, one_ray, real_link, run_methods, train_warm_start
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def _streaming(quick: bool, work: Path) -> BenchResult:
     seeds = (0,) if quick else SEEDS
     warm = warm_starts(BASE, rounds, seeds, work)
     bandwidth, compute_per_round = _calibrate(rounds, warm, work)
-    link = [f"simulation.link.bandwidth_gbps={bandwidth:.6g}", "simulation.link.latency_ms=0"]
+    link = real_link(bandwidth)
     sweep = {
         "diloco": _tune("diloco", ["mode=diloco", *link], rounds, warm, work),
         "streaming_p4_fp4": _tune("streaming_p4_fp4", [*fragmented(4), *FP4, *link], rounds, warm, work),

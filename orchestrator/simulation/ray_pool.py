@@ -1,7 +1,11 @@
-"""A simulated fleet on Ray: the islands really train as actors, but time is a virtual
-clock (`simulation.virtual_step_s`), so a fleet's speeds and links are measured exactly on
-a contended machine. The Ray pool knows nothing of it: this subclass keeps the clock, and
-the coordinator is handed it as its pool (`simulated_pool`, `run_simulated`)."""
+"""A simulated fleet on Ray: the islands really train as actors, and the fleet's prices
+(its links, the head's card and step: `network.py`) are charged on one of two clocks
+(`simulation.clock`). On the virtual clock (`simulation.virtual_step_s`) nothing sleeps, so
+a fleet's speeds and links are measured exactly on a contended machine. On the real clock
+the islands train at their own pace and every price is waited for, so a run's wall time
+holds its links as a real fleet's does: what a benchmark of hidden communication (CO2,
+Streaming DiLoCo) times. The Ray pool knows nothing of either: a subclass keeps the clock,
+and the coordinator is handed it as its pool (`simulated_pool`, `run_simulated`)."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import ray
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.pool import Done, PoolEvent, Progress
 from archipelago.orchestrator.runtime.island_pool import RayIslandPool
-from archipelago.orchestrator.simulation.config import SimulationConfig
+from archipelago.orchestrator.simulation.config import Clock, SimulationConfig
 from archipelago.orchestrator.simulation.network import Network
 from archipelago.workers.wire.messages import WorkOrder
 
@@ -138,10 +142,72 @@ class VirtualClockPool(RayIslandPool):
         return 1.0 / self.sim.virtual_seconds(island, 1)
 
 
+class RealTimeLinkPool(RayIslandPool):
+    """The fleet's prices in real time: a work is handed to its island only once its
+    download is in (the actor call held until then, and with it any refresh asked after
+    it: an island takes its calls in order), and the engine waits for each result's upload
+    and each step's head time on the real clock (`Network` gives it `delivered_at` and
+    `published_at`, as on the virtual clock). Islands train at their own pace."""
+
+    def __init__(self, cfg: RunConfig, run_id: str, coordinator: str | None = None, *, sim: SimulationConfig) -> None:
+        super().__init__(cfg, run_id, coordinator)
+        self.sim = sim
+        self.network: Network | None = None
+        # island -> its calls held until their download is in, in the order they were asked:
+        # (when, the call: "run" a work or "hold" a refresh, its order, params, changes)
+        self.held: dict[int, list[tuple[float, str, WorkOrder, Any, tuple[Any, ...]]]] = {}
+
+    def transfers(self, numel: int) -> Network:
+        self.network = Network(self.cfg, self.sim, numel)
+        return self.network
+
+    def dispatch(self, order: WorkOrder, params: Any, changes: tuple[Any, ...] = ()) -> Any:
+        now = self.now()
+        at = self.network.arrival(order.island, now) if self.network is not None else now
+        if at <= now and not self.held.get(order.island):
+            return super().dispatch(order, params, changes)
+        self.held.setdefault(order.island, []).append((at, "run", order, params, changes))
+        return None
+
+    def refresh(self, order: WorkOrder, params: Any, changes: tuple[Any, ...] = ()) -> None:
+        if queue := self.held.get(order.island):
+            queue.append((queue[-1][0], "hold", order, params, changes))
+        else:
+            super().refresh(order, params, changes)
+
+    def stop(self, island: int, ticket: int, within_s: float | None) -> None:
+        """A work still on its way is handed over first, so the stop finds it."""
+        self._hand(island, until=math.inf)
+        super().stop(island, ticket, within_s)
+
+    def release(self, island: int) -> None:
+        self.held.pop(island, None)
+        super().release(island)
+
+    def poll(self, timeout: float, wake: float | None = None) -> list[PoolEvent]:
+        """Hands over the calls whose download is in, and waits no longer than the next."""
+        now = self.now()
+        for island in list(self.held):
+            self._hand(island, until=now)
+        due = min((q[0][0] for q in self.held.values() if q), default=math.inf)
+        return super().poll(max(0.0, min(timeout, due - now)), wake)
+
+    def _hand(self, island: int, *, until: float) -> None:
+        queue = self.held.get(island, [])
+        while queue and queue[0][0] <= until:
+            _, call, order, params, changes = queue.pop(0)
+            if call == "run":
+                super().dispatch(order, params, changes)
+            else:
+                super().refresh(order, params, changes)
+        if not queue:
+            self.held.pop(island, None)
+
+
 def simulated_pool(sim: SimulationConfig) -> Callable[[RunConfig, str, str | None], RayIslandPool]:
-    """The coordinator's pool factory for a run on the fleet `sim` (picklable: the
-    coordinator is a Ray actor)."""
-    return functools.partial(VirtualClockPool, sim=sim)
+    """The coordinator's pool factory for a run on the fleet `sim` on its clock (picklable:
+    the coordinator is a Ray actor)."""
+    return functools.partial(RealTimeLinkPool if sim.clock == Clock.REAL else VirtualClockPool, sim=sim)
 
 
 def run_simulated(cfg: RunConfig, sim: SimulationConfig, **options: Any) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from typing import Any
 
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.build import PhasedRun
-from archipelago.orchestrator.simulation.config import SimulationConfig, planned_codecs
+from archipelago.orchestrator.simulation.config import Clock, SimulationConfig, planned_codecs
 from archipelago.orchestrator.simulation.pool import InProcessPool
 
 
@@ -18,5 +18,7 @@ def run_in_process(cfg: RunConfig, sim: SimulationConfig, run_id: str = "bench")
     islands on two cores can afford. Its summary. Codecs left `auto` are chosen as a run's
     plan chooses them, at the simulated head's card (else an island's link) and the nominal
     size (else the model's own)."""
+    if sim.clock == Clock.REAL:
+        raise ValueError("simulation.clock real runs on Ray (run_simulated): the in-process pool's islands take turns")
     cfg = planned_codecs(cfg, sim)
     return PhasedRun(cfg, run_id, lambda c, _rid: InProcessPool(c, sim), ablation=sim.ablation()).execute()
