@@ -42,7 +42,12 @@ def _yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # a SafeLoader: builds plain values only
 
 
+MODE_NAMES = frozenset(m.value for m in Mode)
+
+
 def format_error(err: ValidationError, prefix: str = "") -> str:
+    """Each error as `where: what`; an error inside the `mode` union said as its mode's
+    (not pydantic's `mode.async.quorum`), with the modes that have a setting another has not."""
     lines = []
     for e in err.errors():
         loc = list(e["loc"])
@@ -57,9 +62,6 @@ def format_error(err: ValidationError, prefix: str = "") -> str:
         where = ".".join(str(p) for p in (prefix, *loc) if p != "") or "config"
         lines.append(f"{where}: {msg}")
     return "; ".join(lines)
-
-
-MODE_NAMES = frozenset(m.value for m in Mode)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
