@@ -245,11 +245,20 @@ FIGURES: list[Figure] = [
     ),
     (
         "benchmark-findings.md",
-        r"`sync`\s+([\d.]+)× compute-only, \*\*`overlap` ([\d.]+)× \(≤ 1.05×, met\)\*\*, \*\*`overlap_eager` ([\d.]+)×",
+        r"over 36 rounds `sync` \*\*([\d.]+)×\*\* compute-only.*?\*\*`overlap` ([\d.]+)×\*\* and\s+"
+        r"\*\*`overlap_eager` ([\d.]+)×\*\*",
         "overlap.json",
         [("methods", m, "wall_vs_compute_only_long") for m in ("sync", "overlap", "overlap_eager")],
         1,
         3,
+    ),
+    (
+        "benchmark-findings.md",
+        r"DiLoCo over the link \*\*([\d.]+)×\*\* compute-only.*?\*\*FP4 P=4\s+([\d.]+)×\*\*",
+        "streaming.json",
+        [("methods", m, "wall_vs_compute_only") for m in ("diloco", "streaming_p4_fp4")],
+        1,
+        2,
     ),
     (
         "benchmark-findings.md",
