@@ -23,7 +23,6 @@ from archipelago.workers.tasks.hf_task import HFTaskConfig
 from archipelago.workers.tasks.lm_task import LMTaskConfig
 
 COMMAND = "archipelago config docs --out docs/configuration.md"
-# Bundled tasks whose `task.kwargs` are documented beside the run config.
 # The sections by what a user sets, in the order a reader meets them; every section is in one
 # (the page is refused otherwise). The run's own fields come first in its group, in their table.
 RUN_GROUP = "The run"
@@ -35,6 +34,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Outputs": ("evaluation", "checkpoint", "records", "tracking", "export"),
     "The control plane": ("api",),
 }
+# Bundled tasks whose `task.kwargs` are documented beside the run config.
 TASKS: dict[str, type[BaseModel]] = {
     "archipelago.workers.tasks.lm_task:make_task": LMTaskConfig,
     "archipelago.workers.tasks.hf_task:make_task": HFTaskConfig,
@@ -91,10 +91,15 @@ def _members(annotation: Any) -> list[type[BaseModel]]:
     return [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
 
 
+def _tag(model: type[BaseModel]) -> str:
+    """A union member's discriminator value (`async`)."""
+    tag = model.model_fields["name"].get_default()
+    return str(getattr(tag, "value", tag))
+
+
 def _member_title(section: str, model: type[BaseModel]) -> str:
     """`mode: async`: the union's member by its discriminator's value."""
-    tag = model.model_fields["name"].get_default()
-    return f"{section}: {getattr(tag, 'value', tag)}"
+    return f"{section}: {_tag(model)}"
 
 
 def _anchor(title: str) -> str:
@@ -121,8 +126,13 @@ def _constraints(field: FieldInfo) -> str:
     return ", ".join(out)
 
 
-def _rows(prefix: str, model: type[BaseModel]) -> tuple[list[str], list[tuple[str, type[BaseModel]]]]:
-    rows, sections = [], []
+# a section of the run config: (its field, its heading, its model); one heading per mode for `mode`
+Section = tuple[str, str, type[BaseModel]]
+
+
+def _rows(prefix: str, model: type[BaseModel]) -> tuple[list[str], list[Section]]:
+    rows: list[str] = []
+    sections: list[Section] = []
     inlined = _inlined()
     if model is not RunConfig:  # its own model fields are rows of its table too (`simulation.link`)
         inlined |= {
@@ -133,15 +143,14 @@ def _rows(prefix: str, model: type[BaseModel]) -> tuple[list[str], list[tuple[st
     for name, field in model.model_fields.items():
         annotation = field.annotation
         if model is RunConfig and (members := _members(annotation)):  # a section of one model per mode
-            sections += [(_member_title(name, m), m) for m in members]
-            titles = [_member_title(name, m) for m in members]
-            kinds = " \\| ".join(f"[`{t.split(': ')[1]}`](#{_anchor(t)})" for t in titles)
+            sections += [(name, _member_title(name, m), m) for m in members]
+            kinds = " \\| ".join(f"[`{_tag(m)}`](#{_anchor(_member_title(name, m))})" for m in members)
             tag = _value(field.get_default(call_default_factory=True).name)
             rows.append(f"| `{name}` | {kinds} | {tag} |  | {field.description or ''} |")
             continue
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             if model is RunConfig:  # a section of its own
-                sections.append((name, annotation))
+                sections.append((name, name, annotation))
             else:  # a model inside a section: its fields, dotted (`simulation.link.preset`)
                 rows += _rows(f"{prefix}{name}.", annotation)[0]
             continue
@@ -153,7 +162,7 @@ def _rows(prefix: str, model: type[BaseModel]) -> tuple[list[str], list[tuple[st
     return rows, sections
 
 
-def field_table(prefix: str, model: type[BaseModel]) -> tuple[list[str], list[tuple[str, type[BaseModel]]]]:
+def field_table(prefix: str, model: type[BaseModel]) -> tuple[list[str], list[Section]]:
     """The markdown table of `model`'s fields, each dotted under `prefix`, and its sections
     (`simulation.md` renders the simulated fleet's with it)."""
     rows, sections = _rows(prefix, model)
@@ -181,9 +190,9 @@ def render() -> str:
         "",
     ]
     table, sections = field_table("", RunConfig)
-    by_section: dict[str, list[tuple[str, type[BaseModel]]]] = {}
-    for name, model in sections:
-        by_section.setdefault(name.split(":")[0], []).append((name, model))
+    by_section: dict[str, list[Section]] = {}
+    for section in sections:
+        by_section.setdefault(section[0], []).append(section)
     grouped = [s for names in GROUPS.values() for s in names]
     if sorted(grouped) != sorted(by_section):
         raise ValueError(f"GROUPS names {sorted(grouped)}, the config has {sorted(by_section)}")
@@ -191,9 +200,9 @@ def render() -> str:
         out += [f"## {group}", ""]
         if group == RUN_GROUP:  # the run's own fields first
             out += [_doc(RunConfig), "", *table, ""]
-        for name, model in (entry for s in names for entry in by_section[s]):
-            out += [f"### {name}", "", _doc(model), ""]
-            out += [*field_table(f"{name.split(':')[0]}.", model)[0], ""]
+        for key, heading, model in (entry for s in names for entry in by_section[s]):
+            out += [f"### {heading}", "", _doc(model), ""]
+            out += [*field_table(f"{key}.", model)[0], ""]
     out += [
         "## Bundled tasks' `task.kwargs`",
         "",

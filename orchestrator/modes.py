@@ -97,9 +97,9 @@ class NoSuchSettings(TypeError):
 def settings_of(cfg: RunSettings, kind: type[S]) -> S:
     """The run's mode settings as `kind` (a settings class, or a mixin such as the quorum
     rule's), for a reader that the rows only reach with such a mode."""
-    settings = cfg.mode
-    if not isinstance(settings, kind):
-        raise NoSuchSettings(f"mode {settings.name.value} has no {kind.__name__}")
+    settings = settings_if(cfg, kind)
+    if settings is None:
+        raise NoSuchSettings(f"mode {cfg.mode.name.value} has no {kind.__name__}")
     return settings
 
 

@@ -154,8 +154,8 @@ class RealTimeLinkPool(RayIslandPool):
         self.sim = sim
         self.network: Network | None = None
         # island -> its calls held until their download is in, in the order they were asked:
-        # (when, the call: "run" a work or "hold" a refresh, its order, params, changes)
-        self.held: dict[int, list[tuple[float, str, WorkOrder, Any, tuple[Any, ...]]]] = {}
+        # (when, the Ray pool's call — a work's dispatch or a refresh — with its arguments)
+        self.held: dict[int, list[tuple[float, Callable[[], Any]]]] = {}
 
     def transfers(self, numel: int) -> Network:
         self.network = Network(self.cfg, self.sim, numel)
@@ -166,12 +166,12 @@ class RealTimeLinkPool(RayIslandPool):
         at = self.network.arrival(order.island, now) if self.network is not None else now
         if at <= now and not self.held.get(order.island):
             return super().dispatch(order, params, changes)
-        self.held.setdefault(order.island, []).append((at, "run", order, params, changes))
+        self.held.setdefault(order.island, []).append((at, functools.partial(super().dispatch, order, params, changes)))
         return None
 
     def refresh(self, order: WorkOrder, params: Any, changes: tuple[Any, ...] = ()) -> None:
         if queue := self.held.get(order.island):
-            queue.append((queue[-1][0], "hold", order, params, changes))
+            queue.append((queue[-1][0], functools.partial(super().refresh, order, params, changes)))
         else:
             super().refresh(order, params, changes)
 
@@ -195,11 +195,7 @@ class RealTimeLinkPool(RayIslandPool):
     def _hand(self, island: int, *, until: float) -> None:
         queue = self.held.get(island, [])
         while queue and queue[0][0] <= until:
-            _, call, order, params, changes = queue.pop(0)
-            if call == "run":
-                super().dispatch(order, params, changes)
-            else:
-                super().refresh(order, params, changes)
+            queue.pop(0)[1]()
         if not queue:
             self.held.pop(island, None)
 
