@@ -189,7 +189,7 @@ def in_process_run(cfg: RunConfig) -> tuple[RoundEngine, list[Island], list[torc
     history: list[torch.Tensor] = []
 
     def record(*_: Any) -> None:
-        engine.outer.copy_to(engine.flat.data)  # one-pass steps may have left the parameters in a spare
+        engine.outer.copy_to(engine.flat.data)  # a sliced coordinator's parameters are in its slices
         history.append(engine.flat.data.clone())
         islands[:] = [pool.islands[i] for i in sorted(pool.islands)]
 

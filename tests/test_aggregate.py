@@ -103,33 +103,33 @@ def test_the_blocked_mean_and_norms_are_the_whole_vector_ones(dtype):
         WeightedMean(n, ttype).fill([])
 
 
-@pytest.mark.parametrize("one_pass", [True, False], ids=["one_pass", "mean_then_step"])
-def test_a_mean_taken_while_screening_steps_exactly_as_one_taken_after_it(one_pass: bool, monkeypatch):
-    """`LocalOuter.inspect` averages every update in the pass that screens them (with
-    `one_pass`, and steps on the mean in that pass too, into spare buffers); when all are
-    admitted `apply` uses what the pass made, else it averages the admitted ones again
-    from the untouched state. Both must give bitwise the model of averaging after
-    admission, in island order whatever the arrival order."""
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch_ops"])
+def test_a_mean_taken_while_screening_steps_exactly_as_one_taken_after_it(compiled: bool, monkeypatch):
+    """`LocalOuter.propose` averages every update in the pass that screens them; when all
+    are admitted `commit` steps on that mean, else it averages the admitted ones again
+    from the updates the proposal holds. Both must give bitwise the model of averaging
+    after admission, in island order whatever the arrival order — with numba's compiled
+    loops and with torch's ops."""
     rng = np.random.default_rng(1)
     n = 70_000
     deltas = {i: rng.normal(0, 1e-2, n).astype(np.float32) for i in range(3)}
     weights = {0: 2.0, 1: 3.0, 2: 1.0}
 
-    if not one_pass:  # the rule's one-pass path switched off: the mean, then the step
-        monkeypatch.setattr(OuterStep, "one_pass", lambda self: None)
+    if not compiled:
+        from archipelago.orchestrator.algorithms import fused_step
+
+        monkeypatch.setattr(fused_step, "available", lambda: False)
 
     def stepped(arrivals: list[int], poisoned: int | None = None) -> torch.Tensor:
         param = torch.ones(n)
         outer = LocalOuter(param, optimizer_rule(OuterConfig()))
-        assert (outer.one_pass is not None) == one_pass
         admission = Admission(n, NormGuard(RobustConfig()), ExactVersion(), 3, 0.0, seed=1)
         batch = [
             Contribution(island=i, version=0, delta=deltas[i] * (np.nan if i == poisoned else 1), weight=weights[i])
             for i in arrivals
         ]
         take_step(outer, admission, batch, 0, 0)
-        outer.copy_to(param)  # the model's buffer, where one-pass steps left the parameters in a spare
-        assert np.array_equal(outer.params(), param.numpy())
+        assert np.array_equal(outer.params(), param.numpy())  # stepped in the model's buffer
         return param
 
     def reference(islands: list[int]) -> torch.Tensor:

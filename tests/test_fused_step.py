@@ -1,7 +1,7 @@
-"""The coordinator's one-pass outer step (`fused_step.mean_step`, `OnePass`): bit for bit
-the weighted mean (`WeightedMean.fill`) followed by `FlatSGD`'s step, for every rule it
-takes, any number of updates and threads; the pass only reads the current state, so a
-refused update leaves it exact."""
+"""The coordinator's compiled hot path (`fused_step`): the weighted mean with each update's
+norm in one pass, and `FlatSGD`'s step in place — bit for bit the torch ops they stand for,
+for every rule, any number of updates and threads; the proposal's mean, taken while
+screening, is what a clean run steps on, and the parameters never leave the model's buffer."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from archipelago.orchestrator.algorithms import fused_step
 from archipelago.orchestrator.algorithms.aggregate import WeightedMean, sqnorm
-from archipelago.orchestrator.algorithms.fused_step import SGDRule, mean_step
 from archipelago.orchestrator.algorithms.outer import FlatSGD
-from archipelago.orchestrator.engine.step.outer import Commit, LocalOuter, OuterRule
+from archipelago.orchestrator.engine.step.outer import Commit, LocalOuter, OuterRule, OuterStep
+from archipelago.orchestrator.engine.types import Contribution
 from tests.engine_scenarios import drive, scenario_cfg
 from tests.helpers import in_process_engine
 
@@ -29,58 +30,60 @@ from tests.helpers import in_process_engine
         (2, 0.9, True, 3, 0.61),
     ],
 )
-def test_one_pass_is_bitwise_the_mean_then_flat_sgd(
-    k: int, momentum: float, nesterov: bool, threads: int, scale: float
+def test_the_compiled_mean_and_step_are_bitwise_the_torch_ops(
+    k: int, momentum: float, nesterov: bool, threads: int, scale: float, monkeypatch
 ):
     """Three steps (the first creates the momentum), with token weights that are not
     float32-exact after scaling, a pacing's scale or none, and a length that no thread
-    split divides evenly."""
-    torch.set_num_threads(1)
+    split divides evenly: the compiled mean and step against the same calls with numba
+    switched off."""
+    assert fused_step.available()
+    torch.set_num_threads(threads)
     rng = np.random.default_rng(k)
     n = 300_007
     p0 = rng.normal(size=n).astype(np.float32)
-    param = torch.nn.Parameter(torch.from_numpy(p0.copy()))
-    reference = FlatSGD([param], lr=0.7, momentum=momentum, nesterov=nesterov)
-    mean = WeightedMean(n, torch.float32)
-    p, b = p0.copy(), None
-    p_out, b_out = np.empty_like(p), (np.empty_like(p) if momentum else None)
-    for _ in range(3):
-        parts = [(rng.normal(0, 1e-3, n).astype(np.float32), float(rng.integers(100, 5000)) / 3) for _ in range(k)]
-        want_sq = [0.0] * k
-        param.grad = mean.fill(parts, want_sq)
-        if scale != 1.0:
-            param.grad.mul_(scale)  # as `OuterStep.apply` scales the mean
-        reference.step()
-        got_sq = mean_step(parts, SGDRule(0.7, momentum, nesterov), p, b, p_out, b_out, threads=threads, scale=scale)
-        p, p_out = p_out, p
-        if momentum:
-            b, b_out = b_out, (b if b is not None else np.empty_like(p))
-            assert np.array_equal(b, reference.state[param]["momentum_buffer"].numpy())
-        assert np.array_equal(p, param.detach().numpy())
-        assert got_sq == pytest.approx(want_sq, rel=1e-5)
+    params = [torch.nn.Parameter(torch.from_numpy(p0.copy())) for _ in range(2)]
+    optimizers = [FlatSGD([p], lr=0.7, momentum=momentum, nesterov=nesterov) for p in params]
+    means = [WeightedMean(n, torch.float32) for _ in range(2)]
+    try:
+        for _ in range(3):
+            parts = [(rng.normal(0, 1e-3, n).astype(np.float32), float(rng.integers(100, 5000)) / 3) for _ in range(k)]
+            sqs = []
+            for compiled, param, optimizer, mean in zip((True, False), params, optimizers, means):
+                with monkeypatch.context() as m:
+                    if not compiled:
+                        m.setattr(fused_step, "available", lambda: False)
+                    sq = [0.0] * k
+                    param.grad = mean.fill(parts, sq, scale)
+                    optimizer.step()
+                    sqs.append(sq)
+            assert np.array_equal(params[0].detach().numpy(), params[1].detach().numpy())
+            if momentum:
+                got, want = (o.state[p]["momentum_buffer"].numpy() for o, p in zip(optimizers, params))
+                assert np.array_equal(got, want)
+            assert sqs[0] == pytest.approx(sqs[1], rel=1e-5)
+    finally:
+        torch.set_num_threads(1)
 
 
-def test_a_non_finite_update_shows_in_its_norm_and_the_state_the_pass_read_is_untouched():
+def test_a_non_finite_update_shows_in_its_norm_and_a_mean_of_nothing_is_refused():
     n = 100_000
     rng = np.random.default_rng(0)
     bad = rng.normal(size=n).astype(np.float32)
     bad[77] = np.inf
     good = rng.normal(size=n).astype(np.float32)
-    p, b = rng.normal(size=n).astype(np.float32), rng.normal(size=n).astype(np.float32)
-    p_before, b_before = p.copy(), b.copy()
-    sq = mean_step([(good, 1.0), (bad, 1.0)], SGDRule(0.7, 0.9, True), p, b, np.empty_like(p), np.empty_like(b))
+    sq = fused_step.weighted_mean([(good, 1.0), (bad, 1.0)], np.empty(n, np.float32))
     assert sq[0] == pytest.approx(sqnorm(good), rel=1e-5) and not math.isfinite(sq[1])
-    assert np.array_equal(p, p_before) and np.array_equal(b, b_before)
     with pytest.raises(ValueError, match="no contributions"):
-        mean_step([(good, 0.0)], SGDRule(0.7, 0.9, True), p, b, np.empty_like(p), np.empty_like(b))
+        fused_step.weighted_mean([(good, 0.0)], np.empty(n, np.float32))
 
 
-def test_the_outer_alternates_buffers_and_keeps_the_models_copy_and_a_checkpoint_right():
-    """After one-pass steps the parameters may sit in the spare: `params()` reads them
-    where they are, `copy_to` brings the model's buffer up to date, a step at the scale
-    the pass took (the pacing's) is committed, one admission rescaled is taken from the
-    state the pass left alone, and loading a state puts the parameters back in the
-    model's buffer."""
+def test_the_proposals_mean_is_stepped_on_when_admitted_as_taken_and_the_parameters_stay_in_the_model():
+    """The mean the screening pass took is the one stepped on when admission asks for
+    exactly its weights and scale; a rescaled admission or one island refused averages
+    again from the updates the proposal holds; a proposal discarded leaves nothing behind.
+    Every step is in place in the model's buffer (no copy to make, no storage swapped), and
+    a state loaded back holds the same momentum."""
     torch.set_num_threads(1)
     n = 50_000
     rng = np.random.default_rng(3)
@@ -89,30 +92,37 @@ def test_the_outer_alternates_buffers_and_keeps_the_models_copy_and_a_checkpoint
         return FlatSGD([p], lr=0.7, momentum=0.9, nesterov=True), None
 
     flat = torch.ones(n)
-    outer = LocalOuter(flat, OuterRule(rule, one_pass=True))
+    outer = LocalOuter(flat, OuterRule(rule))
     ref_param = torch.nn.Parameter(torch.ones(n))
     reference = FlatSGD([ref_param], lr=0.7, momentum=0.9, nesterov=True)
-    from archipelago.orchestrator.engine.types import Contribution
+    prefilled = []
+    apply = OuterStep.apply
 
-    # (the pacing's scale the pass took, the scale of the step admission asks for)
-    for version, (paced, scale) in enumerate([(1.0, 1.0), (1.0, 1.0), (1.0, 0.5), (0.25, 0.25)]):
-        deltas = [rng.normal(0, 1e-2, n).astype(np.float32) for _ in range(2)]
-        proposal = outer.propose(
-            [Contribution(island=i, version=version, delta=d, weight=1.0) for i, d in enumerate(deltas)], paced
-        )
-        before = outer.steps[0].param.data_ptr()
-        outer.commit(proposal, Commit(weights={0: 1.0, 1: 1.0}, scale=scale))
-        assert (outer.steps[0].param.data_ptr() != before) == (paced == scale)  # committed: the buffers swapped
-        ref_param.grad = WeightedMean(n, torch.float32).fill([(d, 1.0) for d in deltas])
-        ref_param.grad.mul_(scale)
-        reference.step()
-        assert np.array_equal(outer.params(), ref_param.detach().numpy())
-    assert outer.steps[0].param.data_ptr() != flat.data_ptr()  # three commits: in the spare
-    outer.copy_to(flat)
-    assert torch.equal(flat, ref_param.detach())
+    def counted(self: OuterStep, parts, *args, **kwargs):  # type: ignore[no-untyped-def]
+        prefilled.append(parts is None)
+        return apply(self, parts, *args, **kwargs)
+
+    OuterStep.apply = counted  # type: ignore[method-assign]
+    try:
+        # (the pacing's scale the pass took, the scale admission asks for, the islands admitted)
+        steps = [(1.0, 1.0, {0, 1}), (1.0, 0.5, {0, 1}), (0.25, 0.25, {0, 1}), (1.0, 1.0, {1})]
+        for version, (paced, scale, admitted) in enumerate(steps):
+            deltas = [rng.normal(0, 1e-2, n).astype(np.float32) for _ in range(2)]
+            contributions = [Contribution(island=i, version=version, delta=d, weight=1.0) for i, d in enumerate(deltas)]
+            outer.discard(outer.propose(contributions, paced))  # a proposal dropped: nothing of it is kept
+            proposal = outer.propose(contributions, paced)
+            assert proposal.prefilled is not None and proposal.prefilled.scale == paced
+            outer.commit(proposal, Commit(weights={i: 1.0 for i in admitted}, scale=scale))
+            ref_param.grad = WeightedMean(n, torch.float32).fill([(deltas[i], 1.0) for i in sorted(admitted)])
+            ref_param.grad.mul_(scale)
+            reference.step()
+            assert outer.steps[0].param.data_ptr() == flat.data_ptr()
+            assert torch.equal(flat, ref_param.detach())
+    finally:
+        OuterStep.apply = apply  # type: ignore[method-assign]
+    assert prefilled == [True, False, True, False]
     state = outer.state_dict()
     outer.load_state_dict(state, version=4)
-    assert outer.steps[0].param.data_ptr() == flat.data_ptr()
     assert torch.equal(
         outer.steps[0].optimizer.state[outer.steps[0].param]["momentum_buffer"],
         reference.state[ref_param]["momentum_buffer"],
@@ -120,37 +130,32 @@ def test_the_outer_alternates_buffers_and_keeps_the_models_copy_and_a_checkpoint
 
 
 @pytest.mark.parametrize("mode", ["diloco", "quorum"])
-def test_every_step_of_a_clean_run_is_the_one_pass_one(tmp_path, monkeypatch, mode: str):
-    """The pass is not wasted: with nothing refused, every outer step commits what it
-    computed, the quorum's pacing scale (its youngest result's factor) included. (The
-    one-pass kernel merges by the mean; mode async's default, Radial-Directional Averaging,
-    reads each update twice and takes the other path.)"""
-    # float64 takes the other path
+def test_every_step_of_a_clean_run_steps_on_the_mean_taken_while_screening(tmp_path, monkeypatch, mode: str):
+    """The screening pass's mean is not wasted: with nothing refused, every outer step steps
+    on it, the quorum's pacing scale (its youngest result's factor) included. (Mode async's
+    default merge, Radial-Directional Averaging, reads each update twice and is left out.)"""
     cfg = scenario_cfg(tmp_path, mode, "task.kwargs.dtype=float32", "outer.merge=mean")
     engine, _ = in_process_engine(cfg)
-    assert isinstance(engine.outer, LocalOuter) and engine.outer.one_pass is not None
-    one_pass, commits = engine.outer.one_pass, []
-    take = one_pass.take
+    assert isinstance(engine.outer, LocalOuter)
+    prefilled: list[bool] = []
+    apply = OuterStep.apply
 
-    def counted(*args: object) -> bool:
-        taken = take(*args)  # type: ignore[arg-type]
-        commits.extend([1] if taken else [])
-        return taken
+    def counted(self: OuterStep, parts, *args, **kwargs):  # type: ignore[no-untyped-def]
+        prefilled.append(parts is None)
+        return apply(self, parts, *args, **kwargs)
 
-    monkeypatch.setattr(one_pass, "take", counted)
+    monkeypatch.setattr(OuterStep, "apply", counted)
     drive(engine)
-    assert engine.summary["outer_steps"] > 0 and len(commits) == engine.summary["outer_steps"]
+    assert engine.summary["outer_steps"] > 0 and prefilled == [True] * engine.summary["outer_steps"]
 
 
 @pytest.mark.parametrize("mode", ["diloco", "quorum"])
-def test_a_run_through_faults_and_a_restart_is_bitwise_the_mean_then_step_run(tmp_path, monkeypatch, mode: str):
-    """The engine's fault scenarios run in float64, which takes the mean-then-step path; in
-    float32 the one pass meets them all here: NaN updates refused (the pass's spares
-    dropped), a crash, a malformed result, a corrupted hand-off and a coordinator restart
-    from its checkpoint (written from wherever the one pass left the parameters). Same
-    parameters, bit for bit, and the same verdicts as with the one pass switched off."""
+def test_a_run_through_faults_and_a_restart_is_bitwise_the_torch_ops_run(tmp_path, monkeypatch, mode: str):
+    """The engine's fault scenarios run in float64, which takes torch's ops; in float32 the
+    compiled path meets them all here: NaN updates refused (the screening's mean dropped),
+    a crash, a malformed result, a corrupted hand-off and a coordinator restart from its
+    checkpoint. Same parameters, bit for bit, and the same verdicts as with numba off."""
     from archipelago.orchestrator.engine.build import build_engine
-    from archipelago.orchestrator.engine.step.outer import OuterStep
     from archipelago.orchestrator.simulation.pool import Fault, FaultKind
 
     faults = [
@@ -161,23 +166,22 @@ def test_a_run_through_faults_and_a_restart_is_bitwise_the_mean_then_step_run(tm
         Fault(FaultKind.CORRUPT, 2, order=5),
     ]
 
-    def run(one_pass: bool) -> tuple[torch.Tensor, dict]:
-        if not one_pass:
-            monkeypatch.setattr(OuterStep, "one_pass", lambda self: None)
-        cfg = scenario_cfg(tmp_path, mode, "task.kwargs.dtype=float32", "outer.merge=mean", "rounds=8")
-        first, pool = in_process_engine(cfg, faults, run_id=f"r{one_pass}")
-        assert (isinstance(first.outer, LocalOuter) and first.outer.one_pass is not None) == one_pass
-        drive(first, until=5)
-        pool.coordinator_lost()
-        second = build_engine(cfg, pool, run_id=f"r{one_pass}")
-        drive(second)
-        second.outer.copy_to(second.flat.data)
-        return second.flat.data.clone(), second.summary
+    def run(compiled: bool) -> tuple[torch.Tensor, dict]:
+        with monkeypatch.context() as m:
+            if not compiled:
+                m.setattr(fused_step, "available", lambda: False)
+            cfg = scenario_cfg(tmp_path, mode, "task.kwargs.dtype=float32", "outer.merge=mean", "rounds=8")
+            first, pool = in_process_engine(cfg, faults, run_id=f"r{compiled}")
+            drive(first, until=5)
+            pool.coordinator_lost()
+            second = build_engine(cfg, pool, run_id=f"r{compiled}")
+            drive(second)
+            return second.flat.data.clone(), second.summary
 
-    with_pass, summary = run(True)
-    without, reference = run(False)
+    compiled, summary = run(True)
+    plain, reference = run(False)
     assert summary["state"] == "finished" and summary["outer_steps"] == reference["outer_steps"]
-    assert torch.equal(with_pass, without)
+    assert torch.equal(compiled, plain)
     assert [summary["islands"][i]["rejections"] for i in sorted(summary["islands"])] == [
         reference["islands"][i]["rejections"] for i in sorted(reference["islands"])
     ]
@@ -189,7 +193,6 @@ import sys
 sys.modules["numba"] = None  # as if the `fast` extra were not installed: `import numba` fails
 from pathlib import Path
 from archipelago.orchestrator.algorithms.fused_step import available
-from archipelago.orchestrator.engine.step.rules import takes_one_pass
 from archipelago.orchestrator.plan.cluster import this_machine
 from archipelago.orchestrator.plan.planner import plan_run
 from tests.engine_scenarios import drive, scenario_cfg
@@ -198,16 +201,14 @@ cfg = scenario_cfg(Path(sys.argv[1]), "diloco", "task.kwargs.dtype=float32", "ou
 engine, _ = in_process_engine(cfg)
 drive(engine)
 needs = [n.parts for n in plan_run(cfg, this_machine(), under_ray=False).needs if n.process == "coordinator"]
-print(available(), takes_one_pass(cfg), engine.outer.one_pass is None, engine.summary["state"],
-      engine.summary["outer_steps"], any("mean buffer" in parts for parts in needs))
+print(available(), engine.summary["state"], engine.summary["outer_steps"], any("mean buffer" in p for p in needs))
 """
 
 
-def test_without_numba_the_coordinator_steps_mean_then_step_and_the_plan_sizes_that(tmp_path):
+def test_without_numba_the_coordinator_steps_with_torch_ops_and_the_plan_sizes_the_same(tmp_path):
     """numba is the `fast` extra, not a core dependency: in a process where it cannot be
-    imported, a run whose rule the one pass would take steps mean-then-step to the end (the
-    same numbers, tested above with the pass switched off), and the plan sizes the
-    coordinator's mean buffer instead of the pass's spares."""
+    imported, a run steps with torch's ops to the end (the same numbers, tested above), and
+    the plan sizes the coordinator's mean buffer as it does with numba."""
     import subprocess
     import sys
 
@@ -222,6 +223,6 @@ def test_without_numba_the_coordinator_steps_mean_then_step_and_the_plan_sizes_t
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    available, fused, plain, state, steps, mean_buffer = proc.stdout.split()[-6:]
-    assert (available, fused, plain, state, mean_buffer) == ("False", "False", "True", "finished", "True")
+    available, state, steps, mean_buffer = proc.stdout.split()[-4:]
+    assert (available, state, mean_buffer) == ("False", "finished", "True")
     assert int(steps) > 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from archipelago.orchestrator.algorithms.outer import FlatSGD
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.config_sections import OuterOptimizer
 from archipelago.orchestrator.engine.step.outer import OuterStep
@@ -40,7 +39,7 @@ def test_every_rule_has_one_row_and_every_outer_optimizer_is_a_rule():
 @pytest.mark.parametrize("kind", list(RuleKind))
 def test_a_rows_declarations_hold_for_the_optimizer_it_builds(kind):
     """After one step, the optimizer's state holds `state_values` tensors of the
-    parameter's size, and the row is one-pass exactly when its step is `FlatSGD`'s."""
+    parameter's size."""
     cfg = load_config(None, [*SETS[kind], "islands.count=4", "warm_start.steps=0"])
     row = rule_of(cfg)
     assert row.kind == kind
@@ -49,8 +48,6 @@ def test_a_rows_declarations_hold_for_the_optimizer_it_builds(kind):
     state = step.optimizer.state[step.param]
     sized = [v for v in state.values() if isinstance(v, torch.Tensor) and v.numel() == 64]
     assert len(sized) == row.state_values(cfg)
-    assert row.one_pass == isinstance(step.optimizer, FlatSGD)
-    assert (step.one_pass() is not None) == (row.one_pass and step.grad_clip is None and step.penalty is None)
     # the planner's "round starts" are kept exactly when the row says its step reads them
     assert row.anchored(cfg) == step.anchored == bool(step.anchors)
 

@@ -51,12 +51,12 @@ def test_its_properties_against_the_mean():
     assert np.linalg.norm(out) > np.linalg.norm((2 * a + b) / 3)  # the mean shrinks what disagrees
 
 
-def test_the_outer_step_takes_the_merge_and_not_the_one_pass_mean():
+def test_the_outer_step_takes_the_merge_and_not_the_mean_taken_while_screening():
     """SGD with lr 1 and no momentum applies the merged update whole: θ − RDA(Δ)."""
     outer = LocalOuter(
         torch.zeros(2), optimizer_rule(OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0, merge="radial_directional"))
     )
-    assert outer.one_pass is None and not outer.steps[0].prefills
+    assert not outer.steps[0].prefills
     deltas = [np.array([3, 0], np.float32), np.array([0, 4], np.float32)]
     proposal = outer.propose([Contribution(island=i, version=0, delta=d, weight=1.0) for i, d in enumerate(deltas)])
     assert [f.sqnorm for f in proposal.facts] == [9.0, 16.0]
@@ -133,10 +133,11 @@ def test_mode_async_merges_radially_by_default():
     assert warm_config(load_config(None, ["mode=async"])).merge == OuterMerge.MEAN
 
 
-@pytest.mark.parametrize(("sets", "spare", "copies"), [([], "one-pass spares", 2), (["mode=async"], "mean buffer", 1)])
-def test_the_plan_sizes_the_coordinators_spare_buffers_by_the_merge(sets, spare, copies):
-    """A run that merges radially never holds the one-pass kernel's two spare vectors, only
-    the mean buffer: the plan counts what the coordinator will hold."""
+@pytest.mark.parametrize("sets", [[], ["mode=async"]], ids=["mean", "radial_directional"])
+def test_the_plan_sizes_one_mean_buffer_beside_the_parameters_whatever_the_merge(sets):
+    """Either merge averages into one preallocated buffer and the step is taken in place:
+    the plan counts one vector for it, and no spare copies of the parameters."""
     cfg = load_config(None, ["warm_start.steps=0", *sets])
     coordinator = coordinator_plan(cfg)
-    assert coordinator.parts[spare] == copies * 4 * 1000
+    assert coordinator.parts["mean buffer"] == 4 * 1000
+    assert not [p for p in coordinator.parts if "spare" in p]

@@ -1,7 +1,7 @@
 """Token-weighted averaging of pseudo-gradients into one preallocated buffer, and the two
 numbers admission needs of a vector (its squared norm, whether it is finite), computed in
 the same pass over memory. The one aggregator of every pacing and of every coordinator
-slice. Pure numpy/torch."""
+slice. numpy/torch, and the compiled mean where numba is installed (`fused_step`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from archipelago.orchestrator.algorithms import fused_step
 
 
 def sqnorm(x: np.ndarray) -> float:
@@ -123,32 +125,47 @@ def blocks(n: int) -> Iterator[slice]:
 
 
 class WeightedMean:
-    """Σ w_i Δ_i / Σ w_i into one buffer, reused from step to step."""
+    """Σ w_i Δ_i / Σ w_i into one buffer, reused from step to step. `owner`: what the
+    buffer's contents were filled for (a proposal's prefill), so a step on it knows it
+    is still that mean."""
 
     def __init__(self, numel: int, dtype: torch.dtype) -> None:
         self.numel, self.dtype = numel, dtype
         self._sum: torch.Tensor | None = None
+        self.owner: object | None = None
 
     @property
     def sum(self) -> torch.Tensor:
-        """The buffer, allocated at its first use: a coordinator whose every step takes the
-        one pass (`OnePass`, which needs no mean) never holds it."""
+        """The buffer, allocated at its first use."""
         if self._sum is None:
             self._sum = torch.zeros(self.numel, dtype=self.dtype)
         return self._sum
 
-    def fill(self, parts: Sequence[tuple[np.ndarray, float]], sqnorms: list[float] | None = None) -> torch.Tensor:
-        """The weighted mean of `parts` (in their order: float sums depend on it), block by
-        block: each Δ_i is read once and the buffer written once. With `sqnorms` (one
+    def fill(
+        self,
+        parts: Sequence[tuple[np.ndarray, float]],
+        sqnorms: list[float] | None = None,
+        scale: float = 1.0,
+        owner: object | None = None,
+    ) -> torch.Tensor:
+        """The weighted mean of `parts` (in their order: float sums depend on it) × `scale`,
+        in one pass: each Δ_i is read once and the buffer written once. With `sqnorms` (one
         entry per part, filled in), each Δ_i's squared norm is summed from the same reads,
-        so screening an update costs no pass of its own."""
+        so screening an update costs no pass of its own. float32 with numba: the compiled
+        loop (`fused_step.weighted_mean`); otherwise torch ops block by block, the same bits."""
         total = sum(w for _, w in parts)
         if total <= 0:
             raise ValueError("no contributions to average")
+        self.owner = owner
         with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
             warnings.simplefilter("ignore", UserWarning)
             sources = [(torch.from_numpy(np.asarray(d)), w) for d, w in parts]
         dtype = self.sum.dtype
+        if dtype == torch.float32 and all(src.dtype == torch.float32 for src, _ in sources) and fused_step.available():
+            sq = fused_step.weighted_mean(parts, self.sum.numpy(), torch.get_num_threads(), scale)
+            if sqnorms is not None:
+                sqnorms[:] = [a + b for a, b in zip(sqnorms, sq)]
+            return self.sum
         for block in blocks(self.sum.numel()):
             out = self.sum[block]
             for i, (src, w) in enumerate(sources):
@@ -160,6 +177,8 @@ class WeightedMean:
                 else:
                     out.add_(piece.to(dtype), alpha=w)
             out.div_(total)
+            if scale != 1.0:
+                out.mul_(scale)
         return self.sum
 
     def radial_directional(

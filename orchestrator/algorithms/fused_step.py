@@ -1,29 +1,32 @@
-"""The coordinator's hot path in one pass per byte: the token-weighted mean of K
-pseudo-gradients, each one's ‖Δ_i‖² for admission, and an SGD / Nesterov outer step
-(`FlatSGD`'s arithmetic), element by element, compiled with numba.
+"""The coordinator's hot path, compiled with numba: the token-weighted mean of K
+pseudo-gradients with each one's ‖Δ_i‖² for admission (`weighted_mean`: one pass that
+reads every update once and writes the mean once), and `FlatSGD`'s SGD / Nesterov step in
+place (`sgd_step`: one pass over the mean, the parameters and the momentum).
 
-Why compiled: the same work as vectorised numpy/torch ops reads the K updates, writes the
-mean, then reads it, the momentum and the parameters again; at 4 updates of 8 M values
-that is about 0.47× memcpy on one core, where this loop, reading each byte once and
-writing the new parameters and momentum once, runs at about 0.85× (`bench datapath`).
+Why compiled: the same work as vectorised numpy/torch ops costs a temporary per op and a
+trip through memory per op; at 4 updates of 25 M values on one core the torch mean takes
+36 ms and its step 20 ms, these loops 29 ms for both.
 
-Why into separate output buffers: admission decides from the norms this same pass
-computes, so the step is taken before anyone knows whether it is wanted. Writing the
-result beside the current parameters and momentum (which the pass only reads) keeps a
-refused update exact to undo: the caller swaps the buffers only if every update was
-admitted as assumed, and otherwise steps the admitted ones from the untouched state.
+Why two passes and not one: a single loop could step while it averages, but admission
+decides from the norms that loop computes, so the step would be taken before anyone knows
+whether it is wanted, and would have to be written beside the parameters and momentum
+(two spare vectors) and swapped in. Averaging first and stepping in place after the
+decision measured no slower (0.91× that loop's seconds, 4 updates of 25 M values, one
+core: writing in place touches no fresh memory) and needs the mean buffer only, so the
+step stays a stock `optimizer.step()` on the parameter it was built over.
 
-Bit for bit what `WeightedMean.fill` and `FlatSGD.step` compute (tested): the same float32
-operations in the same order, with the fused multiply-adds torch's `add_(x, alpha=a)`
-takes (`llvm.fma`), and no fast-math on the arithmetic that reaches the parameters; only
-the norms' sums may be reassociated (they are admission's, in float64).
+Bit for bit what `WeightedMean.fill`'s torch path and `FlatSGD.step`'s compute (tested):
+the same float32 operations in the same order, with the fused multiply-adds torch's
+`add_(x, alpha=a)` takes (`llvm.fma`), and no fast-math on the arithmetic that reaches the
+parameters; only the norms' sums may be reassociated (they are admission's, in float64).
 
-The kernel is generated per (K, rule) and compiled on first use in a process (about a
-second; numba compiles `exec`'d source but cannot cache it on disk).
+The kernels are generated per K (the mean) and per rule (the step) and compiled on first
+use in a process (about a second; numba compiles `exec`'d source but cannot cache it on
+disk).
 
 numba is optional (the `fast` extra; the image and the test extra install it): without it
-`available()` is False and the coordinator takes the mean-then-step path, the same numbers
-bit for bit at about half this pass's rate, which matters only for large models."""
+`available()` is False and the same numbers are computed with torch ops, block by block,
+at about half the rate, which matters only for large models."""
 
 from __future__ import annotations
 
@@ -93,45 +96,61 @@ def _square_add() -> Any:
     return numba.njit(nogil=True, fastmath={"reassoc"})(square_add)
 
 
-def _source(k: int, momentum: bool, has_buffer: bool, nesterov: bool) -> str:
-    """The kernel for k updates: one loop over the elements, K float64 norm sums."""
+def _mean_source(k: int) -> str:
+    """The mean of k updates: one loop over the elements, K float64 norm sums."""
     xs = ", ".join(f"x{i}" for i in range(k))
     ws = ", ".join(f"w{i}" for i in range(k))
     lines = [
-        f"def kernel({xs}, {ws}, total, scale, lr, mom, p, b, p_out, b_out, sq):",
+        f"def kernel({xs}, {ws}, total, scale, out, sq):",
         *(f"    s{i} = 0.0" for i in range(k)),
-        "    for j in range(p.size):",
+        "    for j in range(out.size):",
         *(f"        a{i} = x{i}[j]" for i in range(k)),
         *(f"        s{i} = square_add(s{i}, a{i})" for i in range(k)),
         "        acc = a0 * w0",
         *(f"        acc = fma(a{i}, w{i}, acc)" for i in range(1, k)),
-        "        g = acc / total * scale",  # × 1 is exact: the unscaled step's numbers
+        "        out[j] = acc / total * scale",  # × 1 is exact: the unscaled mean's numbers
+        *(f"    sq[{i}] = s{i}" for i in range(k)),
     ]
-    if not momentum:
-        lines.append("        p_out[j] = fma(-lr, g, p[j])")
-    else:
-        lines.append("        bn = b[j] * mom + g" if has_buffer else "        bn = g")
-        lines.append("        b_out[j] = bn")
-        lines.append(
-            "        p_out[j] = fma(-lr, fma(mom, bn, g), p[j])"
-            if nesterov
-            else "        p_out[j] = fma(-lr, bn, p[j])"
-        )
-    lines += [f"    sq[{i}] = s{i}" for i in range(k)]
     return "\n".join(lines) + "\n"
 
 
-@functools.cache
-def kernel(k: int, momentum: bool, has_buffer: bool, nesterov: bool) -> Callable[..., None]:
-    """The compiled kernel (memoised per process). Only the norms' additions may be
-    reassociated (`_square_add`): every operation on the values is one IEEE float32
-    operation or fma, in the order written."""
+def _step_source(momentum: bool, has_buffer: bool, nesterov: bool) -> str:
+    """`FlatSGD`'s step on the mean `g`, in place: each element of the parameters (and the
+    momentum) read and written once; `b` is written even on the first step (`has_buffer`
+    False: it becomes the mean, as torch's clone of the gradient makes it)."""
+    lines = ["def kernel(g, lr, mom, p, b):", "    for j in range(p.size):", "        gj = g[j]"]
+    if not momentum:
+        lines.append("        p[j] = fma(-lr, gj, p[j])")
+    else:
+        lines.append("        bn = b[j] * mom + gj" if has_buffer else "        bn = gj")
+        lines.append("        b[j] = bn")
+        lines.append(
+            "        p[j] = fma(-lr, fma(mom, bn, gj), p[j])" if nesterov else "        p[j] = fma(-lr, bn, p[j])"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _compile(source: str, name: str) -> Callable[..., None]:
+    """Only the norms' additions may be reassociated (`_square_add`): every operation on
+    the values is one IEEE float32 operation or fma, in the order written."""
     import numba
 
     namespace: dict[str, Any] = {"np": np, "fma": _fma(), "square_add": _square_add()}
-    exec(compile(_source(k, momentum, has_buffer, nesterov), f"<fused_step k={k}>", "exec"), namespace)
+    exec(compile(source, f"<fused_step {name}>", "exec"), namespace)
     fn: Callable[..., None] = numba.njit(nogil=True)(namespace["kernel"])
     return fn
+
+
+@functools.cache
+def mean_kernel(k: int) -> Callable[..., None]:
+    """The compiled mean of k updates (memoised per process)."""
+    return _compile(_mean_source(k), f"mean k={k}")
+
+
+@functools.cache
+def step_kernel(momentum: bool, has_buffer: bool, nesterov: bool) -> Callable[..., None]:
+    """The compiled step of one rule (memoised per process)."""
+    return _compile(_step_source(momentum, has_buffer, nesterov), f"step m={momentum} b={has_buffer} n={nesterov}")
 
 
 @functools.cache
@@ -139,54 +158,48 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fused-step")
 
 
-def mean_step(
-    parts: Sequence[tuple[np.ndarray, float]],
-    rule: SGDRule,
-    p: np.ndarray,
-    b: np.ndarray | None,
-    p_out: np.ndarray,
-    b_out: np.ndarray | None,
-    threads: int = 1,
-    scale: float = 1.0,
+def _split(n: int, threads: int, run: Callable[[int, int], Any]) -> list[Any]:
+    """`run(lo, hi)` over contiguous ranges of whole cache lines, one per thread (the
+    kernels release the GIL); one range below 64 Ki elements."""
+    if threads <= 1 or n < 1 << 16:
+        return [run(0, n)]
+    per = -(-n // threads)
+    step = -(-per // 64) * 64
+    return list(_pool(threads).map(lambda r: run(*r), [(lo, min(lo + step, n)) for lo in range(0, n, step)]))
+
+
+def weighted_mean(
+    parts: Sequence[tuple[np.ndarray, float]], out: np.ndarray, threads: int = 1, scale: float = 1.0
 ) -> list[float]:
-    """p_out (and, with momentum, b_out) = one outer step from p (and momentum b; None:
-    its first step) on Σ w_i x_i / Σ w_i × `scale` (a pacing's) over `parts`; returns
-    each x_i's ‖x_i‖² (not finite if x_i is not). `threads` split the vector into
-    contiguous ranges, each its own pass (the kernel releases the GIL)."""
+    """`out` = Σ w_i x_i / Σ w_i × `scale` over `parts` (float32, in their order); returns
+    each x_i's ‖x_i‖² (not finite if x_i is not)."""
     total = sum(w for _, w in parts)
     if total <= 0:
         raise ValueError("no contributions to average")
-    momentum = rule.momentum != 0
-    if momentum and b_out is None:
-        raise ValueError("a step with momentum writes its momentum: b_out is needed")
-    fn = kernel(len(parts), momentum, b is not None, rule.nesterov)
+    fn = mean_kernel(len(parts))
     xs = [np.asarray(x) for x, _ in parts]
     ws = [np.float32(w) for _, w in parts]
     f32 = np.float32
-    n = p.size
-    dummy = p_out[:0]  # unused operands still need an array type
 
     def run(lo: int, hi: int) -> np.ndarray:
         sq = np.zeros(len(parts))
-        fn(
-            *(x[lo:hi] for x in xs),
-            *ws,
-            f32(total),
-            f32(scale),
-            f32(rule.lr),
-            f32(rule.momentum),
-            p[lo:hi],
-            b[lo:hi] if b is not None else dummy,
-            p_out[lo:hi],
-            b_out[lo:hi] if b_out is not None else dummy,
-            sq,
-        )
+        fn(*(x[lo:hi] for x in xs), *ws, f32(total), f32(scale), out[lo:hi], sq)
         return sq
 
-    if threads <= 1 or n < 1 << 16:
-        return [float(s) for s in run(0, n)]
-    per = -(-n // threads)
-    step = -(-per // 64) * 64  # whole cache lines per thread
-    ranges = [(lo, min(lo + step, n)) for lo in range(0, n, step)]
-    sums = list(_pool(threads).map(lambda r: run(*r), ranges))
-    return [float(s) for s in np.sum(sums, axis=0)]
+    return [float(s) for s in np.sum(_split(out.size, threads, run), axis=0)]
+
+
+def sgd_step(rule: SGDRule, g: np.ndarray, p: np.ndarray, b: np.ndarray | None, first: bool, threads: int = 1) -> None:
+    """One `FlatSGD` step on the mean `g`, in place in `p` (and the momentum `b`; `first`:
+    its first step, `b` is written, not read)."""
+    momentum = rule.momentum != 0
+    if momentum and b is None:
+        raise ValueError("a step with momentum writes its momentum: b is needed")
+    fn = step_kernel(momentum, not first, rule.nesterov)
+    f32 = np.float32
+    dummy = p[:0]  # an unused operand still needs an array type
+
+    def run(lo: int, hi: int) -> None:
+        fn(g[lo:hi], f32(rule.lr), f32(rule.momentum), p[lo:hi], b[lo:hi] if b is not None else dummy)
+
+    _split(p.size, threads, run)

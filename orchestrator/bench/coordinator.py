@@ -51,7 +51,7 @@ def _reset_peak() -> None:
 
 
 def _warm_up(cfg: Any, islands: int) -> None:
-    """One step on a small vector first: the one-pass kernel's compilation (numba's LLVM,
+    """One step on a small vector first: the compiled kernels (numba's LLVM,
     ~0.1 GB held for the process's life) is the process's, not the parameters', memory."""
     import numpy as np
     import torch
@@ -91,7 +91,7 @@ def probe(numel: int, islands: int, rounds: int) -> dict[str, Any]:
     outer = LocalOuter(flat, outer_rule(cfg))
     admission = build_policies(cfg, numel).admission
     times = []
-    for version in range(rounds + 1):  # the first builds the momentum and the spares
+    for version in range(rounds + 1):  # the first builds the momentum and the mean buffer
         contributions = [Contribution(island=i, version=version, delta=d, weight=1.0) for i, d in enumerate(arriving)]
         t0 = time.perf_counter()
         proposal = outer.propose(contributions)
@@ -143,9 +143,9 @@ def _checkpoint(flat: Any, outer: Any) -> tuple[int, float, int]:
 
 def _fits(numel: int, islands: int) -> bool:
     """Whether one slice of `numel` fits this machine: the arriving pseudo-gradients, the
-    parameters, momentum and two spares, and a margin."""
+    parameters, momentum and the mean buffer, and a margin."""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return (islands + 4.5) * 4 * numel + 2**30 < 0.8 * memory
+    return (islands + 3.5) * 4 * numel + 2**30 < 0.8 * memory
 
 
 def _run_probe(numel: int) -> dict[str, Any]:
@@ -257,7 +257,7 @@ def _markdown(
         ],
     )
     stops = (
-        f"Not run (one slice's pseudo-gradients, parameters, momentum and spares would not fit this machine's "
+        f"Not run (one slice's pseudo-gradients, parameters, momentum and mean would not fit this machine's "
         f"memory): {', '.join(skipped)}."
         if skipped
         else "Every size ran."
@@ -270,10 +270,10 @@ def _markdown(
         else "Too few sizes for a fit."
     )
     return (
-        f"{ISLANDS} pseudo-gradients a round into the production outer step (Nesterov, one pass), one slice of N / S "
+        f"{ISLANDS} pseudo-gradients a round into the production outer step (Nesterov: the mean with the norms in one pass, the step in place), one slice of N / S "
         "per fresh process; a round with S slices takes one slice's time (each slice on its own node: measured one "
         "at a time on this 2-core machine). GB/s counts the pseudo-gradients' bytes read; memcpy is the same "
-        "process's copy of one slice's vector. Peak per slice: parameters, momentum, the one pass's spares and the "
+        "process's copy of one slice's vector. Peak per slice: parameters, momentum, the mean buffer and the "
         "step's temporaries, not the arriving pseudo-gradients. Checkpoint peak: the state plus what writing it "
         f"added.\n\n{table}\n\n{fit_line} {stops}\n\n{checks_md}"
     )

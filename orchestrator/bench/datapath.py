@@ -4,7 +4,7 @@ in one run on one Ray instance:
 - `coordinator_gbps[S]`: K islands' pseudo-gradients (P fp32 values each) already in
   the islands' object stores; the time for the production servers (one coordinator, or S
   shard actors) to fetch them, screen them (finite, norm guard), average them and take
-  the outer Nesterov step, in one pass over the updates (`fused_step`). Bytes = K·P·4.
+  the outer Nesterov step, reading the updates once (`fused_step`). Bytes = K·P·4.
   The default's torch threads (the coordinator: `step_threads`; sync DiLoCo's islands all
   wait for its step, so it takes every core of the machine; a shard: one), plus S = 1
   with `coordinator.threads: 1` (one core, as before the step took the waiting islands'
@@ -269,7 +269,7 @@ def datapath(quick: bool, work: Path) -> BenchResult:
 
 
 BREAKDOWN = (
-    ("step", "the coordinator's step: fetch the results, screen them, mean and outer step (one pass)"),
+    ("step", "the coordinator's step: fetch the results, screen them, mean and outer step"),
     ("put", "publish: `ray.put` of the new parameters (one copy into the object store)"),
     ("digest", "publish: their digest (XXH3-128)"),
     ("islands", "the islands' calls, from the coordinator's call to the last island's return"),

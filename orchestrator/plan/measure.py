@@ -153,8 +153,8 @@ def _baseline() -> dict[str, int]:
 
 
 def _outer_bytes(cfg: RunConfig) -> int:
-    """What the coordinator's first outer step adds whatever the model (the one-pass
-    kernel's compilation: numba's LLVM), measured on a small vector."""
+    """What the coordinator's first outer step adds whatever the model (the compiled
+    mean and step kernels: numba's LLVM), measured on a small vector."""
     import numpy as np
 
     from archipelago.orchestrator.engine.step.outer import Commit, LocalOuter

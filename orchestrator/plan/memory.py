@@ -19,7 +19,7 @@ class ModelMemory:
     params: int  # parameters (numel)
     process: int  # the measuring process's resident bytes before it measured: interpreter, torch, the task
     runtime: int  # what torch's first real backward and optimizer step add (autograd engine, thread pools)
-    outer_runtime: int  # what the coordinator's first outer step adds (the one-pass kernel's compilation)
+    outer_runtime: int  # what the coordinator's first outer step adds (the compiled kernels)
     data: int  # what reading the first training batch adds to a process (a local corpus loaded; 0: streamed)
     train_rows: int  # rows of a micro-batch
     train_peak: int  # an island worker's inner step: params, grads, optimizer state, activations

@@ -1,7 +1,7 @@
 """`archipelago plan`: what every process of a run needs, and whether the cluster has it.
 
 Before anything starts, the plan gives each process its peak memory — the coordinator
-(parameters, outer optimizer state, the one-pass step's spares,
+(parameters, outer optimizer state, the mean buffer,
 the object store's published versions and arriving pseudo-gradients, its evaluation if
 it evaluates), each coordinator slice, each island worker (on its accelerator and on its
 host), the evaluation actor — and the bytes each island's link carries per round and per
@@ -22,7 +22,7 @@ from typing import Any
 
 from archipelago.orchestrator.config import RunConfig, WarmStartMode
 from archipelago.orchestrator.config_operations import EvalPlace
-from archipelago.orchestrator.engine.step.rules import rule_of, takes_one_pass
+from archipelago.orchestrator.engine.step.rules import rule_of
 from archipelago.orchestrator.modes import mode_of
 from archipelago.orchestrator.plan.cluster import DRAIN_ENV, Cluster, NodeKind
 from archipelago.orchestrator.plan.head import (
@@ -189,8 +189,7 @@ def _coordinator(
     n4 = 4 * m.params
     k = cfg.islands.count
     head = cluster.head
-    rule, fused = rule_of(cfg), takes_one_pass(cfg)
-    spare = "one-pass spares" if fused else "mean buffer"
+    rule = rule_of(cfg)
     lag = mode_of(cfg).lag
     s = cfg.coordinator.shards
     parts = {
@@ -205,7 +204,7 @@ def _coordinator(
         parts["outer state"] = n4 * rule.state_values(cfg)
         if anchors:
             parts["round starts"] = n4 * anchors
-        parts[spare] = n4 * (2 if fused else 1)
+        parts["mean buffer"] = n4
     if cfg.tracks_copy:
         parts["downlink copy"] = n4
     if cfg.evaluation.where == EvalPlace.COORDINATOR:
@@ -228,7 +227,7 @@ def _coordinator(
     if s > 1:
         per = n4 // s
         slice_parts = {"process": m.process + ray, "parameters": per, "outer state": per * rule.state_values(cfg)}
-        slice_parts[spare] = per * (2 if fused else 1)
+        slice_parts["mean buffer"] = per
         if anchors:
             slice_parts["round starts"] = per * anchors
         slice_parts["arriving"] = int(k * up * m.params / s)

@@ -6,10 +6,13 @@ Both take a step as a proposal: `propose` turns the islands' payloads into the `
 admission needs (a sliced coordinator sums its slices' squared norms, so no process but
 the slice's ever holds a whole pseudo-gradient), then admission decides and the engine
 either `commit`s the admitted updates — averaged with their token weights into one
-preallocated buffer, set as the flat parameter's `.grad`, stepped by the outer rule — or
-`discard`s the proposal. The one-pass kernel (`OnePass`) sits behind that interface: it
-computes the step while proposing, and a commit of exactly what it assumed keeps it. Every outer rule is elementwise apart
-from norms, so S slices compute what one coordinator does (tested bit for bit).
+preallocated buffer, set as the flat parameter's `.grad`, stepped by the outer rule's
+stock `optimizer.step()` in place — or `discard`s the proposal. The proposal holds what
+its screening made: the decoded updates and, when the merge is the plain mean, the mean
+of all of them taken in the same pass that measured their norms (`Prefill`), which a
+commit of exactly those weights steps on without reading the updates again. Every outer
+rule is elementwise apart from norms, so S slices compute what one coordinator does
+(tested bit for bit).
 """
 
 from __future__ import annotations
@@ -24,9 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from archipelago.orchestrator.algorithms import fused_step
 from archipelago.orchestrator.algorithms.aggregate import WeightedMean, all_finite, exact_sqnorm, sqnorm
-from archipelago.orchestrator.algorithms.fused_step import SGDRule, mean_step
 from archipelago.orchestrator.algorithms.outer import GapPenalty
 from archipelago.orchestrator.config_sections import CompressionConfig, OuterMerge
 from archipelago.orchestrator.engine.state.checkpoints import Beside, Location
@@ -50,8 +51,7 @@ class MergeRow:
     step reads of it."""
 
     combine: Merge
-    # the screen's pass can take the merge with the norms (the weighted mean, which the
-    # one-pass kernel computes too)
+    # the screen's pass can take the merge with the norms (the weighted mean)
     prefills: bool
     # it reads whole-vector norms, measured by `exact_sqnorm` so that coordinator slices
     # sum them to the same bits (`SlicedOuter` exchanges them as scalars)
@@ -73,7 +73,6 @@ class OuterRule:
     # CO2's staleness gap penalty Λ, set in the optimizer's param group (`gap`) before each
     # step; an anchored one reads the parameters each round started from, kept for it
     penalty: GapPenalty | None = None
-    one_pass: bool = False  # `FlatSGD`'s step, which the fused kernel computes with the mean
     merge: OuterMerge = OuterMerge.MEAN  # how the admitted updates become the one stepped on (`MERGES`)
     # values per row of a merge's exact norms: the run's compression.chunk (`outer_rule`), on
     # which coordinator slices' bounds fall
@@ -96,9 +95,7 @@ class OuterStep:
         self.grad_clip, self.penalty = rule.grad_clip, rule.penalty
         self.anchored = rule.penalty is not None and rule.penalty.anchored
         self.merge, self.norm_rows = MERGES[rule.merge], rule.norm_rows
-        # the one-pass kernel and the mean taken while screening compute the plain mean only
-        self.prefills = self.merge.prefills
-        self.fusable = rule.one_pass and self.prefills
+        self.prefills = self.merge.prefills  # the mean taken while screening is the plain mean only
         self.mean = WeightedMean(flat.numel(), flat.dtype)
         self.anchors: dict[int, torch.Tensor] = {0: flat.detach().clone()} if self.anchored else {}
 
@@ -156,6 +153,7 @@ class OuterStep:
         if self.scheduler is not None:
             self.scheduler.step()
         self.param.grad = None
+        self.mean.owner = None  # a step may have written into the buffer (torch's Nesterov does)
         return gap
 
     def anchor(self, version: int, keep_from: int) -> None:
@@ -174,22 +172,6 @@ class OuterStep:
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def one_pass(self) -> OnePass | None:
-        """The one-pass path for this rule, if it has one: `FlatSGD` on the mean as it is
-        (no clipping, no anchors), over float32 parameters in host memory (the kernel's;
-        float64 is the reference vectors' precision, and they take the usual step), where
-        numba is installed."""
-        if (
-            self.fusable
-            and fused_step.available()
-            and self.grad_clip is None
-            and self.penalty is None
-            and self.param.dtype == torch.float32
-            and self.param.device.type == "cpu"
-        ):
-            return OnePass(self)
-        return None
-
     def state_dict(self) -> dict[str, Any]:
         return {
             "optimizer": self.optimizer.state_dict(),
@@ -205,67 +187,30 @@ class OuterStep:
             self.anchors = {version: self.param.detach().clone()}
 
 
-class OnePass:
-    """`FlatSGD`'s step taken in the pass that reads the updates (`fused_step.mean_step`),
-    into spare buffers beside the parameters and momentum, which it only reads. `take`
-    makes the spares current (the `Parameter` and the optimizer's momentum point at them;
-    the old ones become the spares) if they hold the step asked for; a step admission
-    changed (an update refused, or downweighted: another scale) is never taken, and is
-    then stepped from the untouched state as usual."""
+@dataclass(frozen=True, kw_only=True)
+class Prefill:
+    """What a proposal's screening pass left in the mean buffer: the mean of every update
+    of proposal `key`, at these token `weights`, × the pacing's `scale`. The buffer names
+    the fill it holds (`WeightedMean.owner`), so a commit steps on it only while it is
+    still this one and admission asked for exactly these weights and this scale."""
 
-    def __init__(self, step: OuterStep) -> None:
-        self.step = step
-        self.spare_p = torch.empty_like(step.param.detach())
-        self.spare_b: torch.Tensor | None = None
-        self.filled: tuple[int, dict[int, float], float] | None = None  # (key, weights, scale) the spares hold
-
-    def fill(self, key: int, ordered: list[tuple[int, np.ndarray, float]], scale: float) -> dict[int, float]:
-        """The step on the weighted mean of `ordered` (island, Δ, weight, in island order)
-        × `scale` into the spares, for update `key`; each island's ‖Δ‖²."""
-        self.filled = (key, {i: w for i, _, w in ordered}, scale)
-        group = self.step.optimizer.param_groups[0]
-        rule = SGDRule(float(group["lr"]), float(group["momentum"]), bool(group["nesterov"]))
-        buffer = self.step.optimizer.state[self.step.param].get("momentum_buffer") if rule.momentum else None
-        if rule.momentum and self.spare_b is None:
-            self.spare_b = torch.empty_like(self.spare_p)
-        sq = mean_step(
-            [(d, w) for _, d, w in ordered],
-            rule,
-            self.step.param.detach().numpy(),
-            buffer.numpy() if buffer is not None else None,
-            self.spare_p.numpy(),
-            self.spare_b.numpy() if self.spare_b is not None else None,
-            threads=torch.get_num_threads(),
-            scale=scale,
-        )
-        return {i: q for (i, _, _), q in zip(ordered, sq)}
-
-    def take(self, key: int, weights: dict[int, float], scale: float) -> bool:
-        """Make the spares current if they hold the step of update `key` with `weights`
-        and `scale` (what admission asked for); False, with nothing changed, otherwise."""
-        filled, self.filled = self.filled == (key, weights, scale), None
-        if not filled:
-            return False
-        param, state = self.step.param, self.step.optimizer.state[self.step.param]
-        param.data, self.spare_p = self.spare_p, param.data
-        if self.spare_b is not None:
-            state["momentum_buffer"], self.spare_b = self.spare_b, state.get("momentum_buffer")
-        if self.step.scheduler is not None:
-            self.step.scheduler.step()
-        return True
+    key: int
+    weights: dict[int, float]
+    scale: float
 
 
 @dataclass(frozen=True, kw_only=True)
 class Proposal:
     """A step proposed from some contributions: the facts admission judges them by, its
     decoded updates (on one coordinator: each island's Δ, weight and squared norm as
-    screened, in island order; a sliced coordinator's stay in the slices that pulled them),
-    and the key its outer step knows any work done ahead for it by (the mean, the step)."""
+    screened, in island order; a sliced coordinator's stay in the slices that pulled them,
+    which know them by `key`), and the mean its screening took (`prefilled`, one coordinator's)."""
 
     key: int
     facts: list[Facts]
     updates: tuple[tuple[int, np.ndarray, float, float], ...] = ()
     sqnorms: tuple[tuple[int, float], ...] = ()  # a sliced coordinator's: each island's, summed over its slices
+    prefilled: Prefill | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -305,37 +250,29 @@ class Outer(Protocol):
 
 
 class LocalOuter:
-    """The whole vector on the coordinator, starting in `flat`, the coordinator model's
-    buffer. With streaming's `fragments`, each fragment has its own outer state over a
-    gathered copy of its positions, written back into `flat` after each of its steps (no
-    other step touches those positions). Unfragmented, with a rule that has one
-    (`OuterStep.one_pass`), the step is taken in the pass that reads the updates, into
-    spare buffers: the parameters then alternate between `flat` and a spare, and
-    `copy_to` brings `flat` up to date when the model is evaluated or saved (nothing
-    else reads it: publishing, and the published copy's changes, read `params()`)."""
+    """The whole vector on the coordinator, in `flat`, the coordinator model's buffer,
+    which the outer rule's parameter shares. With streaming's `fragments`, each fragment
+    has its own outer state over a gathered copy of its positions, written back into
+    `flat` after each of its steps (no other step touches those positions)."""
 
     def __init__(self, flat: torch.Tensor, rule: OuterRule, fragments: Fragments | None = None) -> None:
         self.flat, self.fragments = flat, fragments
         self.numel = flat.numel()
-        self.one_pass: OnePass | None = None
         if fragments is None:
             self.steps = [OuterStep(flat, rule)]
-            self.one_pass = self.steps[0].one_pass()
         else:
             self.steps = [OuterStep(flat[fragments.positions(p)].clone(), rule) for p in range(fragments.count)]
         self._keys = itertools.count()
-        self.filled: tuple[int, dict[int, float]] | None = None  # the update whose mean the buffer holds
 
     def _size(self, fragment: int | None) -> int:
         return self.numel if fragment is None or self.fragments is None else self.fragments.size(fragment)
 
     def propose(self, contributions: list[Contribution], scale: float = 1.0) -> Proposal:
-        """The facts of each update. Unfragmented, with every update of the right shape,
-        the mean of all of them is taken in the same pass (`WeightedMean.fill`), and with
-        `one_pass` the step on it (× the pacing's `scale`) too (`OnePass.fill`):
-        admission nearly always admits every update, and `commit` then uses what the pass
-        made without reading the updates again (`filled`); otherwise `commit` averages the
-        admitted ones itself."""
+        """The facts of each update. Unfragmented, with every update of the right shape and
+        a merge that is the plain mean, the mean of all of them (× the pacing's `scale`) is
+        taken in the same pass (`WeightedMean.fill`): admission nearly always admits every
+        update, and `commit` then steps on it without reading the updates again
+        (`Proposal.prefilled`); otherwise `commit` averages the admitted ones itself."""
         key = next(self._keys)
         decoded = [
             (c.island, c.delta if isinstance(c.delta, np.ndarray) else decode(c.delta), c.weight) for c in contributions
@@ -344,34 +281,32 @@ class LocalOuter:
         # same run must give the same model whichever island's result came first
         ordered = sorted(decoded, key=lambda part: part[0])
         fits = [d.shape == (self._size(c.fragment),) for c, (_, d, _) in zip(contributions, decoded)]
-        self.filled = None
-        prefill = self.fragments is None and self.steps[0].prefills
-        if prefill and all(fits) and decoded and all(w > 0 for _, _, w in decoded):
-            if self.one_pass is not None:
-                by_island = self.one_pass.fill(key, ordered, scale)
-            else:
-                sq = [0.0] * len(ordered)
-                self.steps[0].mean.fill([(d, w) for _, d, w in ordered], sq)
-                by_island = {i: q for (i, _, _), q in zip(ordered, sq)}
-                self.filled = (key, {i: w for i, _, w in ordered})
+        prefill = None
+        step = self.steps[0]
+        if self.fragments is None and step.prefills and all(fits) and decoded and all(w > 0 for _, _, w in decoded):
+            prefill = Prefill(key=key, weights={i: w for i, _, w in ordered}, scale=scale)
+            sq = [0.0] * len(ordered)
+            step.mean.fill([(d, w) for _, d, w in ordered], sq, scale, owner=prefill)
+            by_island = {i: q for (i, _, _), q in zip(ordered, sq)}
             sqs = [by_island[i] for i, _, _ in decoded]
         else:
-            sqs = [self.steps[0].measure(d) if ok else math.nan for ok, (_, d, _) in zip(fits, decoded)]
+            sqs = [step.measure(d) if ok else math.nan for ok, (_, d, _) in zip(fits, decoded)]
         facts = [Facts(d.size, ok and all_finite(d, q), q) for ok, q, (_, d, _) in zip(fits, sqs, decoded)]
         screened = {i: q for (i, _, _), q in zip(decoded, sqs)}
-        return Proposal(key=key, facts=facts, updates=tuple((i, d, w, screened[i]) for i, d, w in ordered))
+        updates = tuple((i, d, w, screened[i]) for i, d, w in ordered)
+        return Proposal(key=key, facts=facts, updates=updates, prefilled=prefill)
 
     def commit(self, proposal: Proposal, decision: Commit) -> float | None:
-        key, weights, scale, anchor = proposal.key, decision.weights, decision.scale, decision.anchor
+        weights, scale, anchor = decision.weights, decision.scale, decision.anchor
         admitted = [(i, d, q) for i, d, _, q in proposal.updates if i in weights]  # island order
         parts = [(d, weights[i]) for i, d, _ in admitted]
         sqnorms = [q for _, _, q in admitted]  # the merge reads no update again for its norm
         if self.fragments is None:
-            filled, self.filled = self.filled == (key, weights), None
-            if self.one_pass is not None and self.one_pass.take(key, weights, scale):
-                return None
-            # the mean filled while screening, or the admitted ones from the state a pass only read
-            return self.steps[0].apply(None if filled else parts, scale, anchor, sqnorms=sqnorms)
+            step = self.steps[0]
+            asked = Prefill(key=proposal.key, weights=weights, scale=scale)
+            if proposal.prefilled == asked and step.mean.owner == asked:  # the mean its screening took
+                return step.apply(None, 1.0, anchor)
+            return step.apply(parts, scale, anchor, sqnorms=sqnorms)
         if decision.fragment is None:
             raise ValueError("a fragmented outer step needs the fragment it updates")
         step = self.steps[decision.fragment]
@@ -381,7 +316,7 @@ class LocalOuter:
         return gap
 
     def discard(self, proposal: Proposal) -> None:
-        self.filled = None
+        return None  # nothing is kept for a proposal but what it holds
 
     def anchor(self, version: int, keep_from: int) -> None:
         for step in self.steps:
@@ -389,16 +324,10 @@ class LocalOuter:
 
     def params(self) -> np.ndarray:
         """A view of the parameters as numpy: publishing copies it (`ray.put`)."""
-        if self.fragments is None:
-            return self.steps[0].param.detach().numpy()
         return self.flat.detach().numpy()
 
     def copy_to(self, flat: torch.Tensor) -> None:
-        """Bring `flat` up to date: only after one-pass steps left the parameters in a spare."""
-        current = self.steps[0].param.detach()
-        if self.fragments is None and current.data_ptr() != flat.data_ptr():
-            with torch.no_grad():
-                flat.copy_(current)
+        return None  # `flat` is where every step leaves the parameters
 
     def state_dict(self) -> dict[str, Any]:
         if self.fragments is None:
@@ -411,7 +340,6 @@ class LocalOuter:
     def load_state_dict(self, state: dict[str, Any], version: int) -> None:
         """Resume at `version`, `flat` already loaded: each fragment's copy is gathered again."""
         if self.fragments is None:
-            self.steps[0].param.data = self.flat  # loaded there, wherever one-pass steps had left them
             self.steps[0].load_state_dict(state, version)
             return
         with torch.no_grad():

@@ -1,7 +1,6 @@
 """The outer rules, one registry row each: what the coordinator steps on the islands'
-mean pseudo-gradient. A row says how to build its optimizer over the flat parameter,
-how many values per parameter its state holds (the planner's figure) and whether the
-one-pass kernel computes its step (`algorithms/fused_step.py`: `FlatSGD`'s rule only).
+mean pseudo-gradient. A row says how to build its optimizer over the flat parameter and
+how many values per parameter its state holds (the planner's figure).
 Which row a run uses is `rule_of(cfg)`: the kind its mode's row picks
 (`orchestrator/modes.py`: the mode's own rule where it has one, else `outer.optimizer`).
 
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.config_sections import OuterConfig, OuterMerge
+from archipelago.orchestrator.config_sections import OuterConfig
 from archipelago.orchestrator.mode_settings import AsyncSettings, OverlapSettings
 from archipelago.orchestrator.modes import RuleKind, mode_of, settings_of
 
@@ -36,7 +35,6 @@ class RuleRow:
     state_values: Callable[[RunConfig], int]  # fp32 values per parameter of its optimizer's state
     optimizer: Callable[[OuterConfig, torch.nn.Parameter], torch.optim.Optimizer] | None = None
     build: Callable[[RunConfig], OuterRule] | None = None
-    one_pass: bool = False  # `FlatSGD`'s step: the fused kernel computes it with the mean
     # whether its step reads the parameters each round in flight started from (CO2's adaptive
     # Λ): the coordinator keeps a copy of each such version (the planner's "round starts")
     anchored: Callable[[RunConfig], bool] = lambda _: False
@@ -115,9 +113,9 @@ def _momentum_values(cfg: RunConfig) -> int:
 RULES: dict[RuleKind, RuleRow] = {
     row.kind: row
     for row in (
-        RuleRow(kind=RuleKind.NESTEROV, optimizer=_nesterov, state_values=_momentum_values, one_pass=True),
-        RuleRow(kind=RuleKind.SGD, optimizer=_sgd, state_values=_momentum_values, one_pass=True),
-        RuleRow(kind=RuleKind.SPARSELOCO, optimizer=_sparseloco, state_values=lambda _: 0, one_pass=True),
+        RuleRow(kind=RuleKind.NESTEROV, optimizer=_nesterov, state_values=_momentum_values),
+        RuleRow(kind=RuleKind.SGD, optimizer=_sgd, state_values=_momentum_values),
+        RuleRow(kind=RuleKind.SPARSELOCO, optimizer=_sparseloco, state_values=lambda _: 0),
         RuleRow(kind=RuleKind.ADAM, optimizer=_adam, state_values=lambda _: 2),
         RuleRow(kind=RuleKind.DELAYED_NESTEROV, build=_delayed_nesterov, state_values=lambda _: 2),
         RuleRow(kind=RuleKind.CO2, build=_co2, state_values=lambda _: 1, anchored=_co2_anchored),
@@ -131,16 +129,6 @@ def rule_of(cfg: RunConfig) -> RuleRow:
     return RULES[mode_of(cfg).rule(cfg)]
 
 
-def takes_one_pass(cfg: RunConfig) -> bool:
-    """Whether the outer step of a run of `cfg` can be the one-pass kernel (`OuterStep.fusable`
-    of its built rule): the rule has one and the merge is the mean (RDA reads each update
-    twice), and numba is installed. The plan sizes the coordinator's spare buffers by it
-    without building the rule."""
-    from archipelago.orchestrator.algorithms.fused_step import available
-
-    return rule_of(cfg).one_pass and cfg.merge == OuterMerge.MEAN and available()
-
-
 def outer_rule(cfg: RunConfig) -> OuterRule:
     """How to build the outer optimizer of a run of `cfg` (also built by each coordinator slice)."""
     return dataclasses.replace(rule_of(cfg).rule(cfg), merge=cfg.merge, norm_rows=cfg.compression.chunk)
@@ -150,8 +138,7 @@ def optimizer_rule(outer: OuterConfig) -> OuterRule:
     """The rule of the `outer` section alone (`outer.optimizer` and its settings)."""
     from archipelago.orchestrator.engine.step.outer import OuterRule
 
-    row = RULES[RuleKind(outer.optimizer.value)]
-    return OuterRule(lambda p: (outer_optimizer(outer, p), None), one_pass=row.one_pass, merge=outer.merged)
+    return OuterRule(lambda p: (outer_optimizer(outer, p), None), merge=outer.merged)
 
 
 def outer_optimizer(outer: OuterConfig, param: torch.nn.Parameter) -> torch.optim.Optimizer:

@@ -32,7 +32,15 @@ from archipelago.orchestrator.algorithms.aggregate import (
 from archipelago.orchestrator.config_sections import OuterMerge
 from archipelago.orchestrator.engine.state.checkpoints import Location, part_name, save_part
 from archipelago.orchestrator.engine.step.admission import Facts
-from archipelago.orchestrator.engine.step.outer import MERGES, Commit, OuterRule, OuterStep, Proposal, as_tensor
+from archipelago.orchestrator.engine.step.outer import (
+    MERGES,
+    Commit,
+    OuterRule,
+    OuterStep,
+    Prefill,
+    Proposal,
+    as_tensor,
+)
 from archipelago.orchestrator.engine.types import Contribution
 from archipelago.workers.wire.compress import PayloadError, check_payload, decode
 
@@ -48,17 +56,16 @@ class SliceStats:
 class OuterSlice:
     """One coordinator slice: a contiguous part [lo, hi) of the vector with its part of the
     outer state. An update takes two calls: `inspect` decodes the islands' slices and
-    returns their stats, then `close` averages and steps the admitted ones. With a rule
-    that has one, `inspect` takes the step in the pass that reads them, into spare buffers
-    (`OnePass`, as `LocalOuter` does), and `close` keeps it if it is the step admission
-    asked for."""
+    returns their stats, then `close` averages and steps the admitted ones. Where the
+    merge is the plain mean, `inspect` takes the mean of all of them in the pass that
+    measures them (as `LocalOuter` does), and `close` steps on it if admission admitted
+    exactly those weights at that scale."""
 
     def __init__(self, rule: OuterRule, bounds: tuple[int, int], params: np.ndarray, threads: int = 1) -> None:
         torch.set_num_threads(threads)
         self.lo, self.hi = bounds
         self.param = torch.from_numpy(np.array(params))  # a private copy
         self.step = OuterStep(self.param, rule)
-        self.one_pass = self.step.one_pass()
         self.pending: dict[int, list[tuple[int, np.ndarray]]] = {}
         # the update whose merge the mean buffer holds: its direction (`direct`), then scaled
         self.directed: int | None = None
@@ -82,9 +89,11 @@ class OuterSlice:
             decoded.append((i, decode(p)))
         self.pending[key] = decoded
         exact: dict[int, ExactSum] = {}
-        if self.one_pass is not None and not unfit and decoded and all(weights[i] > 0 for i, _ in decoded):
-            ordered = sorted(((i, d, weights[i]) for i, d in decoded), key=lambda part: part[0])  # as `_parts`
-            sqs = self.one_pass.fill(key, ordered, scale)
+        if self.step.prefills and not unfit and decoded and all(weights[i] > 0 for i, _ in decoded):
+            ordered = sorted(decoded, key=lambda part: part[0])  # as `_parts`
+            sq = [0.0] * len(ordered)
+            self.step.mean.fill([(d, weights[i]) for i, d in ordered], sq, scale, owner=self._fill(key, weights, scale))
+            sqs = {i: q for (i, _), q in zip(ordered, sq)}
         elif self.step.merge.exact_norms:
             exact = {i: exact_sqnorm(d, self.step.norm_rows) for i, d in decoded}
             sqs = {i: float(e) for i, e in exact.items()}
@@ -97,6 +106,14 @@ class OuterSlice:
             else SliceStats(found[i].size, all_finite(found[i], sqs[i]), sqs[i], exact.get(i))
             for i, _ in parts
         ]
+
+    @staticmethod
+    def _fill(key: int, weights: dict[int, float], scale: float) -> Prefill:
+        return Prefill(key=key, weights={i: weights[i] for i in sorted(weights)}, scale=scale)
+
+    def _holds(self, key: int, weights: dict[int, float], scale: float) -> bool:
+        """Whether the mean buffer holds update `key`'s mean at exactly these weights and scale."""
+        return self.step.mean.owner == self._fill(key, weights, scale)
 
     def direct(self, key: int, along: dict[int, float]) -> ExactSum:
         """RDA's direction over this slice: the mean of the updates weighted by `along`
@@ -122,12 +139,14 @@ class OuterSlice:
         return [(d, weights[i]) for i, d in sorted(parts, key=lambda part: part[0]) if i in weights]
 
     def gap_terms(
-        self, key: int, weights: dict[int, float], anchor: int, factor: float | None = None
+        self, key: int, weights: dict[int, float], anchor: int, scale: float, factor: float | None = None
     ) -> tuple[float, float] | None:
         """This slice's parts of the anchored gap penalty's norms; `factor`: the merge across
-        slices' scale of the direction `direct` left (RDA), else the merge is taken here."""
+        slices' scale of the direction `direct` left (RDA), else the merge is taken here
+        (or was, while inspecting)."""
         if factor is None:
-            return self.step.gap_terms(self._parts(key, weights, keep=True), anchor)
+            held = self._holds(key, weights, scale) and scale == 1.0  # the penalty reads the unscaled mean
+            return self.step.gap_terms(None if held else self._parts(key, weights, keep=True), anchor)
         self._scaled(key, factor)
         return self.step.gap_terms(None, anchor)
 
@@ -147,10 +166,10 @@ class OuterSlice:
             self.pending.pop(key)
             self.merged = None
             return self.step.apply(None, scale, anchor, norms)
-        if self.one_pass is not None and self.one_pass.take(key, weights, scale):
+        if self._holds(key, weights, scale):
             self.pending.pop(key)
-            return None
-        return self.step.apply(self._parts(key, weights), scale, anchor, norms)  # from the state the pass only read
+            return self.step.apply(None, 1.0, anchor, norms)
+        return self.step.apply(self._parts(key, weights), scale, anchor, norms)
 
     def discard(self, key: int) -> None:
         self.pending.pop(key, None)
@@ -160,7 +179,7 @@ class OuterSlice:
         self.step.anchor(version, keep_from)
 
     def params(self) -> np.ndarray:
-        return self.step.param.detach().numpy()  # where the last one-pass step left them
+        return self.param.numpy()
 
     def set_lr(self, lr: float) -> None:
         self.step.set_lr(lr)
@@ -180,7 +199,6 @@ class OuterSlice:
         return {"name": name, "sha256": save_part(location, name, state), "bounds": [self.lo, self.hi]}
 
     def load(self, params: np.ndarray, state: dict[str, Any], version: int) -> None:
-        self.step.param.data = self.param
         self.param.copy_(torch.from_numpy(np.asarray(params)))
         self.step.load_state_dict(state, version)
 
@@ -274,7 +292,7 @@ class SlicedOuter:
         factor = self._radial(proposal, weights) if self.exact_norms and weights else None
         norms = None
         if weights and anchor is not None:
-            terms = self.calls.gather([s.gap_terms(key, weights, anchor, factor) for s in self._slices])
+            terms = self.calls.gather([s.gap_terms(key, weights, anchor, scale, factor) for s in self._slices])
             if all(t is not None for t in terms):
                 norms = (math.sqrt(sum(t[0] for t in terms)), math.sqrt(sum(t[1] for t in terms)))
         return self.calls.gather([s.close(key, weights, scale, anchor, norms, factor) for s in self._slices])[0]

@@ -127,7 +127,7 @@ class Publisher:
         it held, never put, is never needed again: work starts from the newest)."""
         if self.downlink is not None:
             self.unput = None
-            params = as_tensor(self.outer.params())  # where the step left them (`LocalOuter`'s one pass: a spare)
+            params = as_tensor(self.outer.params())
             self.shared[version] = self.pool.share(self.downlink.step(version, params, fragment))
             for old in [v for v in self.shared if v not in self.downlink.changes]:
                 del self.shared[old]
