@@ -111,7 +111,7 @@ def test_one_round_lag_applies_each_round_one_round_late():
     step.apply([(d(0.0, 0.2), 1.0)], anchor=start_version(2))
     step.anchor(2, keep_from=1)
     np.testing.assert_allclose(step.param.detach().numpy(), [-0.2, -0.2])
-    assert set(step.anchors) == {1, 2}  # round 3 starts from v1, round 4 from v2
+    assert step.gap is not None and set(step.gap.anchors) == {1, 2}  # round 3 starts from v1, round 4 from v2
 
 
 def test_int4_pseudo_gradients_with_and_without_error_feedback_train_on_an_eighth_of_the_bytes(corpus_cache, tmp_path):

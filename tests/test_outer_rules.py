@@ -49,7 +49,8 @@ def test_a_rows_declarations_hold_for_the_optimizer_it_builds(kind):
     sized = [v for v in state.values() if isinstance(v, torch.Tensor) and v.numel() == 64]
     assert len(sized) == row.state_values(cfg)
     # the planner's "round starts" are kept exactly when the row says its step reads them
-    assert row.anchored(cfg) == step.anchored == bool(step.anchors)
+    kept = step.gap.anchors if step.gap is not None else {}
+    assert row.anchored(cfg) == (step.gap is not None and step.gap.anchored) == bool(kept)
 
 
 @pytest.mark.parametrize(("penalty", "anchored"), [("constant", False), ("adaptive", True)])
@@ -62,6 +63,6 @@ def test_co2_keeps_the_round_starts_only_for_a_penalty_that_reads_them_and_the_p
     for version in (1, 2, 3):
         step.apply([(torch.randn(64).numpy(), 1.0)], anchor=version - 1)
         step.anchor(version, keep_from=version - 1)
-    assert sorted(step.anchors) == ([2, 3] if anchored else [])
+    assert step.gap is not None and sorted(step.gap.anchors) == ([2, 3] if anchored else [])
     coordinator = coordinator_plan(cfg)
     assert coordinator.parts.get("round starts", 0) == (2 * 4 * 1000 if anchored else 0)

@@ -32,6 +32,7 @@ from archipelago.orchestrator.algorithms.outer import GapPenalty
 from archipelago.orchestrator.config_sections import CompressionConfig, OuterMerge
 from archipelago.orchestrator.engine.state.checkpoints import Beside, Location
 from archipelago.orchestrator.engine.step.admission import Admission, Facts
+from archipelago.orchestrator.engine.step.gap import Gap
 from archipelago.orchestrator.engine.types import Contribution, Decision, Verdict
 from archipelago.workers.wire.compress import decode
 from archipelago.workers.wire.fragments import Fragments
@@ -87,17 +88,16 @@ def as_tensor(x: np.ndarray) -> torch.Tensor:
 
 class OuterStep:
     """One buffer's outer state: the rule's optimizer over a flat `Parameter` that shares
-    `flat`'s storage, the mean buffer, and (CO2) the parameters of recent versions."""
+    `flat`'s storage, the mean buffer, and the rule's gap penalty (CO2's `Gap`), if any."""
 
     def __init__(self, flat: torch.Tensor, rule: OuterRule) -> None:
         self.param = torch.nn.Parameter(flat, requires_grad=True)  # shares storage
         self.optimizer, self.scheduler = rule.build(self.param)
-        self.grad_clip, self.penalty = rule.grad_clip, rule.penalty
-        self.anchored = rule.penalty is not None and rule.penalty.anchored
+        self.grad_clip = rule.grad_clip
+        self.gap = Gap(rule.penalty, self.param) if rule.penalty is not None else None
         self.merge, self.norm_rows = MERGES[rule.merge], rule.norm_rows
         self.prefills = self.merge.prefills  # the mean taken while screening is the plain mean only
         self.mean = WeightedMean(flat.numel(), flat.dtype)
-        self.anchors: dict[int, torch.Tensor] = {0: flat.detach().clone()} if self.anchored else {}
 
     def measure(self, delta: np.ndarray) -> float:
         """An update's squared norm as the screen takes it: exact over rows where the merge
@@ -112,12 +112,10 @@ class OuterStep:
         """(‖x − x_s‖², ‖Δ̄‖²) over this buffer when the rule's Λ reads them (a sliced
         coordinator sums them over its slices), else None. `parts` None: the buffer holds
         the merge already (a merge across slices made it)."""
-        if not self.anchored:
+        if self.gap is None or not self.gap.anchored:
             return None
-        moved = float(torch.sum((self.param.detach() - self.anchors[anchor]) ** 2))
         # the preallocated buffer; `apply` refills it
-        merged = self.mean.sum if parts is None else self.combine(parts, None)
-        return moved, float(torch.sum(merged**2))
+        return self.gap.terms(self.mean.sum if parts is None else self.combine(parts, None), anchor)
 
     def apply(
         self,
@@ -139,16 +137,7 @@ class OuterStep:
             if norm > self.grad_clip:
                 grad.mul_(self.grad_clip / norm)
         self.param.grad = grad
-        gap = None
-        if self.penalty is not None:
-            if norms is None and self.anchored:
-                if anchor is None:
-                    raise ValueError("an anchored gap penalty needs the version its round started from (anchor)")
-                moved = float(torch.linalg.vector_norm(self.param.detach() - self.anchors[anchor]))
-                norms = (moved, float(torch.linalg.vector_norm(grad)))
-            gap = self.penalty.gap(*(norms or (0.0, 0.0)))
-            for group in self.optimizer.param_groups:
-                group["gap"] = gap
+        gap = self.gap.set(self.optimizer, grad, anchor, norms) if self.gap is not None else None
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -158,10 +147,8 @@ class OuterStep:
 
     def anchor(self, version: int, keep_from: int) -> None:
         """Keep the parameters of `version` for the rounds that will start from it."""
-        if self.anchored:
-            self.anchors[version] = self.param.detach().clone()
-            for v in [v for v in self.anchors if v < keep_from]:
-                del self.anchors[v]
+        if self.gap is not None:
+            self.gap.keep(version, keep_from)
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -183,8 +170,8 @@ class OuterStep:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        if self.anchored:
-            self.anchors = {version: self.param.detach().clone()}
+        if self.gap is not None:
+            self.gap.reset(version)
 
 
 @dataclass(frozen=True, kw_only=True)
