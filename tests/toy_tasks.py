@@ -71,9 +71,11 @@ class QuadraticTask:
         fault_dir: str | None = None,
         split: bool = False,
         eval_stall_s: float = 0.0,
+        repeat: int = 1,
     ) -> None:
         self.dtype = getattr(torch, dtype)
-        self.centers = torch.tensor(centers, dtype=self.dtype)
+        # `repeat`: each center tiled that many times, a model of megabytes from a short config
+        self.centers = torch.tensor(centers, dtype=self.dtype).repeat(1, repeat)
         self.crash_island, self.crash_after = crash_island, crash_after_batches
         self.stall_island, self.stall_s = stall_island, stall_s
         self.batch_s = batch_s  # every batch costs this long, like real compute (for speed tests)
