@@ -157,15 +157,16 @@ class WeightedMean:
         if total <= 0:
             raise ValueError("no contributions to average")
         self.owner = owner
-        with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
-            warnings.simplefilter("ignore", UserWarning)
-            sources = [(torch.from_numpy(np.asarray(d)), w) for d, w in parts]
+        arrays = [np.asarray(d) for d, _ in parts]
         dtype = self.sum.dtype
-        if dtype == torch.float32 and all(src.dtype == torch.float32 for src, _ in sources) and fused_step.available():
+        if dtype == torch.float32 and all(a.dtype == np.float32 for a in arrays) and fused_step.available():
             sq = fused_step.weighted_mean(parts, self.sum.numpy(), torch.get_num_threads(), scale)
             if sqnorms is not None:
                 sqnorms[:] = [a + b for a, b in zip(sqnorms, sq)]
             return self.sum
+        with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
+            warnings.simplefilter("ignore", UserWarning)
+            sources = [(torch.from_numpy(a), w) for a, (_, w) in zip(arrays, parts)]
         for block in blocks(self.sum.numel()):
             out = self.sum[block]
             for i, (src, w) in enumerate(sources):

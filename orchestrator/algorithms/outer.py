@@ -64,15 +64,15 @@ class FlatSGD(CoordinatorOptimizer):
             for p in group["params"]:  # the one flat parameter
                 if p.grad is None:
                     continue
-                buf, first = None, False
+                buf, first, compiled = None, False, self._compiled(p)
                 if momentum:
                     state = self.state[p]
                     first = state.get("momentum_buffer") is None
                     if first:
-                        state["momentum_buffer"] = torch.empty_like(p.grad) if self._compiled(p) else p.grad.clone()
+                        state["momentum_buffer"] = torch.empty_like(p.grad) if compiled else p.grad.clone()
                     buf = state["momentum_buffer"]
                 flat, grad = p.detach(), p.grad.detach()
-                if self._compiled(p):  # one compiled loop, the same bits (`fused_step`)
+                if compiled:  # one compiled loop, the same bits (`fused_step`)
                     rule = fused_step.SGDRule(float(lr), float(momentum), bool(nesterov))
                     b = buf.numpy() if buf is not None else None
                     fused_step.sgd_step(rule, grad.numpy(), flat.numpy(), b, first, torch.get_num_threads())

@@ -291,7 +291,7 @@ class LocalOuter:
         if self.fragments is None:
             step = self.steps[0]
             asked = Prefill(key=proposal.key, weights=weights, scale=scale)
-            if proposal.prefilled == asked and step.mean.owner == asked:  # the mean its screening took
+            if proposal.prefilled == asked and step.mean.owner is proposal.prefilled:  # the mean its screening took
                 return step.apply(None, 1.0, anchor)
             return step.apply(parts, scale, anchor, sqnorms=sqnorms)
         if decision.fragment is None:

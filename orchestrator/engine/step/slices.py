@@ -109,7 +109,7 @@ class OuterSlice:
 
     @staticmethod
     def _fill(key: int, weights: dict[int, float], scale: float) -> Prefill:
-        return Prefill(key=key, weights={i: weights[i] for i in sorted(weights)}, scale=scale)
+        return Prefill(key=key, weights=dict(weights), scale=scale)
 
     def _holds(self, key: int, weights: dict[int, float], scale: float) -> bool:
         """Whether the mean buffer holds update `key`'s mean at exactly these weights and scale."""
