@@ -11,6 +11,7 @@ from archipelago.orchestrator.config_sections import OuterOptimizer
 from archipelago.orchestrator.engine.step.outer import OuterStep
 from archipelago.orchestrator.engine.step.rules import RULES, rule_of
 from archipelago.orchestrator.modes import RuleKind
+from archipelago.workers.runtime.optim import build_inner
 from tests.helpers import coordinator_plan
 
 SETS = {
@@ -66,3 +67,30 @@ def test_co2_keeps_the_round_starts_only_for_a_penalty_that_reads_them_and_the_p
     assert step.gap is not None and sorted(step.gap.anchors) == ([2, 3] if anchored else [])
     coordinator = coordinator_plan(cfg)
     assert coordinator.parts.get("round starts", 0) == (2 * 4 * 1000 if anchored else 0)
+
+
+@pytest.mark.parametrize("clip", [0.5, 100.0, None])
+def test_the_data_parallel_rule_clips_the_mean_gradient_as_its_inner_steps_do(clip):
+    """ddp's rule steps AdamW on the mean gradient scaled to norm `inner.grad_clip` when
+    it is longer (the clip is its optimizer's step pre-hook, not a branch of the generic
+    step): the parameters move as AdamW's on the gradient clipped by hand."""
+    cfg = load_config(
+        None, [*SETS[RuleKind.DDP_ADAMW], "islands.count=4", f"inner.grad_clip={clip if clip is not None else 'null'}"]
+    )
+    grad = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 3  # norm ≈ 24
+    step = OuterStep(torch.zeros(64), rule_of(cfg).rule(cfg))
+    step.apply([(grad.numpy(), 1.0)], anchor=0)
+
+    reference = torch.nn.Parameter(torch.zeros(64))
+    optimizer, _ = build_inner(cfg.inner, [reference], cfg.schedule_steps)
+    clipped = grad.clone()
+    if clip is not None and float(clipped.norm()) > clip:
+        clipped.mul_(clip / float(clipped.norm()))
+    reference.grad = clipped
+    optimizer.step()
+    assert torch.equal(step.param.detach(), reference.detach())
+    unclipped = torch.nn.Parameter(torch.zeros(64))
+    plain, _ = build_inner(cfg.inner, [unclipped], cfg.schedule_steps)
+    unclipped.grad = grad.clone()
+    plain.step()
+    assert torch.equal(step.param.detach(), unclipped.detach()) == (clip != 0.5)

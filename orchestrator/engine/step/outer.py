@@ -70,7 +70,6 @@ class OuterRule:
     """How to build the outer optimizer over a flat parameter (a row of `step/rules.py`)."""
 
     build: Callable[[torch.nn.Parameter], tuple[torch.optim.Optimizer, Scheduler | None]]
-    grad_clip: float | None = None  # clip the mean's norm first (the ddp baseline, like its inner steps)
     # CO2's staleness gap penalty Λ, set in the optimizer's param group (`gap`) before each
     # step; an anchored one reads the parameters each round started from, kept for it
     penalty: GapPenalty | None = None
@@ -93,7 +92,6 @@ class OuterStep:
     def __init__(self, flat: torch.Tensor, rule: OuterRule) -> None:
         self.param = torch.nn.Parameter(flat, requires_grad=True)  # shares storage
         self.optimizer, self.scheduler = rule.build(self.param)
-        self.grad_clip = rule.grad_clip
         self.gap = Gap(rule.penalty, self.param) if rule.penalty is not None else None
         self.merge, self.norm_rows = MERGES[rule.merge], rule.norm_rows
         self.prefills = self.merge.prefills  # the mean taken while screening is the plain mean only
@@ -132,10 +130,6 @@ class OuterStep:
         grad = self.combine(parts, sqnorms) if parts is not None else self.mean.sum
         if scale != 1.0:
             grad.mul_(scale)
-        if self.grad_clip is not None:
-            norm = float(grad.norm())
-            if norm > self.grad_clip:
-                grad.mul_(self.grad_clip / norm)
         self.param.grad = grad
         gap = self.gap.set(self.optimizer, grad, anchor, norms) if self.gap is not None else None
         self.optimizer.step()
