@@ -16,8 +16,9 @@ from ray.cluster_utils import Cluster
 from ray.util.placement_group import get_placement_group, placement_group_table
 
 from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.engine.commands import Stop
 from archipelago.orchestrator.runtime.driver import run
-from archipelago.orchestrator.runtime.names import island_name
+from archipelago.orchestrator.runtime.names import NAMESPACE, coordinator_name, island_name
 from tests.conftest import importable_checkout
 from tests.helpers import toy_quadratic
 
@@ -74,19 +75,29 @@ def _started(
 
 
 def test_node_loss_closes_the_round_and_a_new_node_brings_a_new_island(cluster, tmp_path):
+    """A node removed mid-run: its island's crash is noticed, the round closes without it,
+    and a node added brings a new island that contributes; the run is stopped (at its
+    round's end) once it has, so it lasts as long as this machine needs, no more."""
     c, workers = cluster
-    thread, box, metrics = _started(tmp_path, "nodes", 70)
+    thread, box, metrics = _started(tmp_path, "nodes", 1000)
     victim = next(w for w in workers if w.node_id == _node_of("nodes", 1))
     t_remove = time.time()
     c.remove_node(victim, allow_graceful=False)
     time.sleep(1.0)
     t_add = time.time()
     c.add_node(num_cpus=1)
-    thread.join(timeout=180)
+    deadline = time.time() + 150
+    while thread.is_alive() and time.time() < deadline:
+        if any(3 in json.loads(line)["contributed"] for line in metrics.read_text().splitlines()):
+            break
+        time.sleep(0.1)
+    ray.get(ray.get_actor(coordinator_name("nodes"), namespace=NAMESPACE).submit.remote(Stop()))
+    thread.join(timeout=60)
     summary = box["summary"]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     events = [json.loads(line) for line in (tmp_path / "out" / "events.jsonl").read_text().splitlines()]
-    assert [r["version"] for r in records] == list(range(1, 71))
+    assert summary["state"] == "stopped" and 3 < summary["rounds_done"] < 1000
+    assert [r["version"] for r in records] == list(range(1, summary["rounds_done"] + 1))
     crash = next(e for e in events if e["kind"] == "crash" and e["island"] == 1)
     closed = next(r for r in records if r["time"] > crash["time"])
     join = next(e for e in events if e["kind"] == "join" and e["island"] == 3)
