@@ -131,6 +131,26 @@ def run_until_records(cfg: RunConfig, run_id: str, records: int, timeout_s: floa
     return thread, box
 
 
+def stop_once_contributed(run_id: str, metrics: Path, island: int, thread, timeout_s: float = 150.0) -> None:
+    """Wait until `island` has contributed to a recorded round (or `timeout_s`), then stop
+    the run at its round's end and wait for it: a test that needs a newcomer to contribute
+    runs as many rounds as this machine needs for that, no more."""
+    import time
+
+    import ray
+
+    from archipelago.orchestrator.engine.commands import Stop
+    from archipelago.orchestrator.runtime.names import NAMESPACE, coordinator_name
+
+    deadline = time.time() + timeout_s
+    while thread.is_alive() and time.time() < deadline:
+        if metrics.exists() and any(island in json.loads(line)["contributed"] for line in read_lines(metrics)):
+            break
+        time.sleep(0.1)
+    ray.get(ray.get_actor(coordinator_name(run_id), namespace=NAMESPACE).submit.remote(Stop()))
+    thread.join(timeout=60)
+
+
 @functools.cache
 def _scratch() -> tempfile.TemporaryDirectory:
     """The folder of runs given no `out_dir`, removed when the test process ends (they

@@ -16,11 +16,10 @@ from ray.cluster_utils import Cluster
 from ray.util.placement_group import get_placement_group, placement_group_table
 
 from archipelago.orchestrator.config_load import load_config
-from archipelago.orchestrator.engine.commands import Stop
 from archipelago.orchestrator.runtime.driver import run
-from archipelago.orchestrator.runtime.names import NAMESPACE, coordinator_name, island_name
+from archipelago.orchestrator.runtime.names import island_name
 from tests.conftest import importable_checkout
-from tests.helpers import toy_quadratic
+from tests.helpers import stop_once_contributed, toy_quadratic
 
 pytestmark = pytest.mark.ray
 
@@ -86,13 +85,7 @@ def test_node_loss_closes_the_round_and_a_new_node_brings_a_new_island(cluster, 
     time.sleep(1.0)
     t_add = time.time()
     c.add_node(num_cpus=1)
-    deadline = time.time() + 150
-    while thread.is_alive() and time.time() < deadline:
-        if any(3 in json.loads(line)["contributed"] for line in metrics.read_text().splitlines()):
-            break
-        time.sleep(0.1)
-    ray.get(ray.get_actor(coordinator_name("nodes"), namespace=NAMESPACE).submit.remote(Stop()))
-    thread.join(timeout=60)
+    stop_once_contributed("nodes", metrics, 3, thread)
     summary = box["summary"]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     events = [json.loads(line) for line in (tmp_path / "out" / "events.jsonl").read_text().splitlines()]

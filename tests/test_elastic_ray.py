@@ -14,11 +14,12 @@ import pytest
 import ray
 
 from archipelago.orchestrator.config_load import load_config
-from archipelago.orchestrator.engine.commands import AddIslands, Drain, Stop
+from archipelago.orchestrator.engine.commands import AddIslands, Drain
 from archipelago.orchestrator.runtime.driver import run
 from archipelago.orchestrator.runtime.names import NAMESPACE, island_name
 from archipelago.orchestrator.simulation.config import SimulationConfig
 from archipelago.orchestrator.simulation.runner import run_in_process
+from tests.helpers import stop_once_contributed
 
 pytestmark = pytest.mark.ray
 CENTERS = "[[1.0,0.0],[-0.5,2.0],[0.5,0.5],[2.0,1.0]]"
@@ -86,14 +87,7 @@ def test_dead_island_is_replaced_and_the_newcomer_contributes(ray_local, tmp_pat
     no more."""
     crash = ("task.kwargs.crash_island=2", "task.kwargs.crash_after_batches=6")
     thread, box = _in_thread(_cfg(tmp_path, "replace", "rounds=200", *crash), "replace")
-    coordinator = _coordinator("replace")
-    metrics, deadline = tmp_path / "replace" / "metrics.jsonl", time.time() + 150
-    while time.time() < deadline and thread.is_alive():
-        if metrics.exists() and any(3 in r["contributed"] for r in _records(tmp_path, "replace")):
-            break
-        time.sleep(0.1)
-    ray.get(coordinator.submit.remote(Stop()))
-    thread.join(timeout=60)
+    stop_once_contributed("replace", tmp_path / "replace" / "metrics.jsonl", 3, thread)
     summary = box["summary"]
     assert summary["state"] == "stopped" and summary["rounds_done"] < 200
     isl = summary["islands"]

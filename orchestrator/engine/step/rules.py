@@ -101,6 +101,8 @@ def _ddp_adamw(cfg: RunConfig) -> OuterRule:
     # after a warm start its fresh AdamW continues the schedule and re-warms like an island's
     rewarm = cfg.elastic.join_rewarmup_steps if cfg.warm_steps else 0
 
+    from archipelago.orchestrator.algorithms.outer import clip_norm
+
     def build(p: torch.nn.Parameter) -> tuple[torch.optim.Optimizer, Scheduler]:
         optimizer, schedule = build_inner(cfg.inner, [p], cfg.schedule_steps, cfg.warm_steps, rewarm)
         if cfg.inner.grad_clip is not None:  # the mean gradient clipped, as its inner steps clip theirs
@@ -108,22 +110,6 @@ def _ddp_adamw(cfg: RunConfig) -> OuterRule:
         return optimizer, schedule
 
     return OuterRule(build)
-
-
-def clip_norm(param: torch.nn.Parameter, max_norm: float) -> Callable[..., None]:
-    """An optimizer step pre-hook that scales `param`'s gradient to norm `max_norm` when it
-    is longer: the data-parallel baseline's clip rides its stock optimizer, so the generic
-    outer step has no branch for one rule (and the clip is not in a checkpoint: it is
-    rebuilt with the rule)."""
-
-    def clip(_optimizer: torch.optim.Optimizer, _args: object, _kwargs: object) -> None:
-        grad = param.grad
-        assert grad is not None  # the outer step sets it before every step
-        norm = float(grad.norm())
-        if norm > max_norm:
-            grad.mul_(max_norm / norm)
-
-    return clip
 
 
 def _momentum_values(cfg: RunConfig) -> int:
