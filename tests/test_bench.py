@@ -84,30 +84,73 @@ def test_unknown_scenario_is_a_clear_error(capsys):
     assert "unknown scenario" in capsys.readouterr().err
 
 
-def test_the_gpu_check_writes_its_cpu_rows_and_says_what_it_did_not_measure(tmp_path, monkeypatch):
-    """`bench gpu` without CUDA: the island-vs-bare-loop ratio on the CPU and the coordinator
-    on this host, measured; the CUDA ratio, the runs and the 124 M MFU null, said not
-    measured (here on a tiny GPT and the coordinator's smallest size, to keep the test short)."""
+def test_the_gpu_check_without_cuda_runs_nothing_and_says_what_it_did_not_measure(tmp_path):
+    """`bench gpu` without CUDA: every part not measured and every GPU figure null (no CPU
+    figure stands in for one), the report written at once and naming its commit."""
     import torch
-
-    from archipelago.orchestrator.bench import bareloop, coordinator
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: `archipelago bench gpu` measures it for real")
-    monkeypatch.setattr(
-        bareloop, "GPT_25M", ["task.kwargs.d_model=32", "task.kwargs.n_layers=1", "task.kwargs.n_heads=2"]
-    )
-    monkeypatch.setattr(bareloop, "CPU_BATCH", ["task.kwargs.context=32", "task.kwargs.batch_size=4"])
-    monkeypatch.setattr(coordinator, "SIZES", (1_000_000,))
-    monkeypatch.setattr(coordinator, "SLICES", (1,))
     assert main(["bench", "gpu", "--quick", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "gpu.json").read_text())
-    ratio = report["island_vs_bare_loop"]
-    assert isinstance(ratio["cpu"], float) and 0.3 < ratio["cpu"] < 3 and ratio["cuda"] is None
-    assert report["mfu_124m"] is None and report["methods"] == {}
-    assert [r["params"] for r in report["coordinator_rows"]] == [1_000_000]
+    assert report["island_vs_bare_loop"] == {"cuda": None} and report["mfu_124m"] is None
+    assert report["methods"] == {} and report["peak_flops_datasheet"] is None
+    assert report["bench_seconds"] < 60 and report["plan_accelerator_check"] is None
+    assert set(report["parts"]) >= {"peak", "bareloop", "plan", "ray", "gpt2_124m_1gpu"}
+    assert all(p["seconds"] is None and p["status"].startswith("not measured") for p in report["parts"].values())
     assert len(report["machine"]["commit"]) == 40 and isinstance(report["machine"]["clean"], bool)
     assert "not measured" in (tmp_path / "gpu.md").read_text()
+
+
+def test_the_gpu_dry_run_plans_every_part_within_the_budget(capsys):
+    from archipelago.orchestrator.bench.gpu import TOTAL_BUDGET_S, plan_parts
+
+    assert main(["bench", "gpu", "--dry-run", "--out", "unused"]) == 0
+    out = capsys.readouterr().out
+    parts = plan_parts(quick=False, gpus=1, peak=989e12)
+    for part in parts:
+        assert part.name in out and 0 < part.expected_s <= part.budget_s, part
+    assert sum(p.expected_s for p in parts) <= TOTAL_BUDGET_S < sum(p.budget_s for p in parts) + 1
+    # a larger model's run is expected to take longer, and a slower device longer still
+    by = {p.name: p.expected_s for p in parts}
+    assert by["llama_4x0.2gpu"] > by["gpt_4x0.2gpu"]
+    slower = {p.name: p.expected_s for p in plan_parts(quick=False, gpus=1, peak=121e12)}
+    assert all(slower[k] > by[k] for k in ("bareloop", "gpt2_124m_1gpu", "gpt_4x0.2gpu"))
+    assert main(["bench", "fleet", "--dry-run", "--out", "unused"]) == 2  # gpu only
+
+
+def test_a_gpu_part_is_held_to_its_budget_and_the_total_and_a_failure_is_reported(monkeypatch):
+    from archipelago.orchestrator.bench import gpu
+
+    parts = gpu._Parts(
+        [
+            gpu.Part(name="ok", description="", budget_s=5.0, expected_s=1.0),
+            gpu.Part(name="broken", description="", budget_s=5.0, expected_s=1.0),
+            gpu.Part(name="too_long", description="", budget_s=1e6, expected_s=1e6),
+        ]
+    )
+    budgets = []
+    assert parts.run("ok", lambda budget: budgets.append(budget) or 7) == 7
+    assert parts.run("broken", lambda _: 1 / 0) is None
+    assert parts.run("too_long", lambda _: pytest.fail("a part past the total must not run")) is None
+    assert budgets == [5.0]
+    assert parts.outcomes["ok"]["status"] == "measured" and parts.outcomes["ok"]["seconds"] >= 0
+    assert parts.outcomes["broken"]["status"].startswith("failed: ZeroDivisionError")
+    assert parts.outcomes["too_long"]["status"].startswith("skipped") and parts.outcomes["too_long"]["seconds"] is None
+
+
+def test_the_steady_rate_leaves_out_the_first_round(tmp_path):
+    from archipelago.orchestrator.bench.gpu import steady_rate
+
+    records = [
+        {"round": 1, "tokens": 1000, "round_seconds": 10.0},  # compilation
+        {"round": 2, "tokens": 1000, "round_seconds": 1.0},
+        {"round": 3, "tokens": 1000, "round_seconds": 1.0},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert steady_rate(str(tmp_path)) == (1000.0, 2)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(records[0]) + "\n")
+    assert steady_rate(str(tmp_path)) == (None, 0)
 
 
 def test_mfu_is_against_the_datasheet_peak_of_the_device_named():
@@ -121,14 +164,16 @@ def test_mfu_is_against_the_datasheet_peak_of_the_device_named():
 
 
 def test_every_gpu_check_row_is_a_valid_config():
-    from archipelago.orchestrator.bench.gpu import methods
+    from archipelago.orchestrator.bench.gpu import base_overrides, rows
     from archipelago.workers.tasks.task import load_task
 
-    base, table = methods(quick=False, gpus=2)
-    assert set(table) == {"gpt2_124m_1gpu", "gpt_4x0.25gpu", "llama_4x0.25gpu", "llama_1x2workers"}
-    for _, overrides in table.values():
-        cfg = load_config(None, [*base, *overrides])
-        assert cfg.inner.precision.value == "bf16"
+    table = rows(quick=False, gpus=2)
+    assert set(table) == {"gpt2_124m_1gpu", "gpt_4x0.2gpu", "llama_4x0.2gpu", "llama_1x2workers"}
+    assert set(rows(quick=False, gpus=1)) == set(table) - {"llama_1x2workers"}
+    for row in table.values():
+        cfg = load_config(None, [*base_overrides(False), *row.overrides])
+        assert cfg.inner.precision.value == "bf16" and cfg.evaluation.where.value == "actor"
+        assert row.islands * cfg.islands.gpus * cfg.islands.workers + cfg.evaluation.gpus <= row.devices
         load_task(cfg.task.factory, cfg.task.kwargs)  # the task validates its kwargs (nothing downloads)
 
 

@@ -71,8 +71,16 @@ def _bare_steps(task: Any, model: Any, cfg: Any, batches: Any, steps: int, devic
         torch.cuda.synchronize()
 
 
-def compare(overrides: list[str], steps: int, alternations: int) -> dict[str, Any]:
-    """The island's round against the bare loop, alternately in this process (see the module)."""
+def sizes(quick: bool) -> tuple[int, int]:
+    """Inner steps a round and alternations."""
+    return (10, 3) if quick else (50, 5)
+
+
+def compare(overrides: list[str], steps: int, alternations: int, budget_s: float | None = None) -> dict[str, Any]:
+    """The island's round against the bare loop, alternately in this process (see the module);
+    alternations stop once `budget_s` is spent (one always runs). On CUDA, the island's peak
+    of allocated device memory over its first round (before the bare loop allocates
+    anything): what the plan's accelerator side is checked against."""
     import torch
 
     from archipelago.orchestrator.config_load import load_config
@@ -86,14 +94,23 @@ def compare(overrides: list[str], steps: int, alternations: int) -> dict[str, An
     island = Island(island_spec(cfg, 0))
     device = island.device
     params = island.flat.numpy()
+    t_start = time.perf_counter()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    island.run(island.order(0, 2), params)  # warm-up: allocations, compilation, the data's first read
+    island_peak = torch.cuda.max_memory_allocated(device) if cuda else None
     torch.manual_seed(cfg.seed)
     model = task.build_model().to(device)
     batches = iter(task.train_batches(0, cfg.num_shards, cfg.seed))
     state: dict[str, Any] = {}
-    island.run(island.order(0, 2), params)  # warm-up: allocations, compilation, the data's first read
     _bare_steps(task, model, cfg, batches, 2, device, state)
-    island_s, bare_s = [], []
+    island_s: list[float] = []
+    bare_s: list[float] = []
     for a in range(alternations):
+        if island_s and budget_s is not None and time.perf_counter() - t_start > budget_s:
+            log.warning("bareloop: budget of %.0f s spent after %d alternation(s)", budget_s, len(island_s))
+            break
         t0 = time.perf_counter()
         island.run(island.order(a + 1, steps), params)
         island_s.append(time.perf_counter() - t0)
@@ -105,12 +122,13 @@ def compare(overrides: list[str], steps: int, alternations: int) -> dict[str, An
         "device": str(device),
         "params": island.flat.numel,
         "steps": steps,
-        "alternations": alternations,
+        "alternations": len(island_s),
         "island_seconds": island_s,
         "bare_seconds": bare_s,
         "ratios": ratios,
         "ratio": statistics.median(ratios),
         "overrides": overrides,
+        "island_peak_bytes": island_peak,
     }
 
 
@@ -127,7 +145,7 @@ def ratio_panel(rows: dict[str, dict[str, Any]]) -> Panel:
 def bareloop(quick: bool, work: Path) -> BenchResult:
     import torch
 
-    steps, alternations = (10, 3) if quick else (50, 5)
+    steps, alternations = sizes(quick)
     rows = {"cpu": compare([*GPT_25M, *CPU_BATCH, "islands.gpus=0"], steps, alternations)}
     if torch.cuda.is_available():
         rows["cuda"] = compare([*GPT_25M, *CUDA_BATCH, "islands.gpus=1"], steps, alternations)

@@ -38,6 +38,11 @@ def register(sub: Any, common: argparse.ArgumentParser) -> Callable[[argparse.Na
     bench.add_argument(
         "--replot", action="store_true", help="only draw DIR/<scenario>.png again from DIR/<scenario>.json (no run)"
     )
+    bench.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="gpu only: print each part's expected seconds (from a model of its steps) and budget; run nothing",
+    )
     fleet_spec.add_arguments(bench)
     return bench_command
 
@@ -64,6 +69,14 @@ def bench_command(args: argparse.Namespace) -> int:
         except (ScenarioUnavailable, OSError, ValueError) as err:
             log.error("cannot replot %s: %s", args.scenario, err)
             return 2
+        return 0
+    if args.dry_run:
+        if args.scenario != "gpu":
+            log.error("--dry-run plans `bench gpu` only")
+            return 2
+        from archipelago.orchestrator.bench.gpu import dry_run
+
+        sys.stdout.write(f"{dry_run(args.quick)}\n")
         return 0
     options: dict[str, Any] = {}
     if fleet_spec.given(args):

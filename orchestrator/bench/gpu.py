@@ -1,34 +1,58 @@
-"""`bench gpu`: everything a GPU day should measure, in one command, written at once.
+"""`bench gpu`: everything a GPU day should measure, in one command that fits a short lease.
 
-On any machine: an island's round against a bare torch loop on this machine's CPU
-(`bareloop.py`, the 25.6 M GPT) and the coordinator's outer step at 1 M to 100 M
-parameters on this host (`coordinator.py`). With CUDA, besides: the same island-vs-bare-loop
-ratio on the GPU (bf16, compiled), and runs of the default GPT and the Hugging Face task on
-CUDA in bf16 — a 124 M GPT-2 (GPT-2 small's shape) as one island on the GPU, the 25.6 M GPT
-and a ~100 M Llama as four islands sharing it through fractional GPUs, one island of two
-workers where there are two GPUs — with tokens per second and model FLOPs utilisation (MFU)
-against the device's datasheet bf16 dense peak (the convention llm.c and the speedruns
-report against; 989 TFLOP/s for an H100 SXM or an H200), with the MFU against the bf16
-matmul peak measured on the device beside it (`mfu_measured_peak`). Without CUDA the GPU rows are reported as not
-measured (null in the JSON), never as a CPU figure standing in for them. Start-up has its
-own scenario, `bench startup`."""
+A GPU is lent for minutes, so the scenario is a list of parts, each with a time budget it
+is held to and an expected time from a model of its steps (`--dry-run` prints them without
+running anything), all inside `TOTAL_BUDGET_S`:
+- `peak`: the device's dense bf16 matmul rate, measured (MFU is reported against the
+  device's datasheet peak, the convention llm.c and the speedruns use — 989 TFLOP/s for an
+  H100 SXM or an H200 —, with the measured peak beside it);
+- `bareloop`: an island's round against the bare torch loop a user would write, on the GPU
+  (`bareloop.py`: the 25.6 M GPT, bf16, compiled, fused AdamW in both), alternately in one
+  process; and the island's measured peak of device memory against the plan's accelerator
+  side for the same config;
+- `runs`: the product on Ray — a 124 M GPT-2 (GPT-2 small's shape) as one island on the GPU
+  (the MFU row), the 25.6 M GPT and a ~77 M Llama as four islands sharing it through
+  fractional GPUs, one island of two FSDP2 workers where there are two GPUs — evaluated on
+  the GPU by an evaluation actor, with tokens/s over the rounds after the first (the first
+  holds compilation and the first evaluation; the whole run's rate is beside it).
+A run still going when its budget ends is stopped at its round's end (`Stop`), a part that
+would overrun the whole budget is skipped, and a part that fails is reported with its error
+while the others run: the report is always written. Without CUDA nothing is run and every
+GPU figure is null, said not measured — never a CPU figure standing in for it (the CPU's
+island-vs-bare-loop ratio is `bench bareloop`'s, the coordinator's `bench coordinator`'s).
+Start-up has its own scenario, `bench startup`."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
 import logging
+import statistics
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from archipelago.orchestrator.bench.report import BenchResult, md_table
-from archipelago.orchestrator.bench.runner import Table, one_ray, run_methods
 from archipelago.orchestrator.config_load import load_config
-from archipelago.workers.tasks.task import load_task
-from archipelago.workers.wire.flat import FlatParams
 
 log = logging.getLogger(__name__)
 
-COMMON = ["warm_start.steps=0", "inner.precision=bf16", "inner.warmup_steps=20", "inner.lr=1e-3", "eval_every=1000"]
+TOTAL_BUDGET_S = 480.0  # the whole scenario, Ray's start included
+
+COMMON = [
+    "warm_start.steps=0",
+    "inner.precision=bf16",
+    "inner.warmup_steps=20",
+    "inner.lr=1e-3",
+    "eval_every=1000",  # evaluated at the start and the end only: the rounds between are measured
+    "evaluation.where=actor",
+    "evaluation.gpus=0.2",  # beside the islands on the GPU they leave it
+    "evaluation.cpus=1",
+]
 GPT = [
     "task.kwargs.d_model=512",
     "task.kwargs.n_layers=8",
@@ -41,7 +65,6 @@ GPT2_124M = [
     "task.kwargs.model_config={model_type: gpt2, vocab_size: 50257}",  # GPT-2 small: 12 x 768, 1,024 positions
     "task.kwargs.context=1024",
     "task.kwargs.batch_size=16",
-    "inner.compile=true",
 ]
 LLAMA = [
     "task.factory=archipelago.workers.tasks.hf_task:make_task",
@@ -50,7 +73,6 @@ LLAMA = [
     "task.kwargs.context=1024",
     "task.kwargs.batch_size=16",
 ]
-
 
 # datasheet dense bf16 tensor-core FLOP/s (without sparsity), by a part of the device's name;
 # the first that matches (a PCIe H100 before the SXM one)
@@ -63,6 +85,16 @@ DATASHEET_BF16 = (
     ("L40S", 362e12),
     ("L4", 121e12),
 )
+ASSUMED_DEVICE = "NVIDIA H200"  # what `--dry-run` plans for on a machine without CUDA
+
+# The expected-time model (`--dry-run`; each part's measured seconds are reported beside it):
+# a step is 6 N FLOPs a token at ASSUMED_MFU of the datasheet peak, islands sharing a GPU take
+# their turns, and each process pays a fixed start and each compiled model a compilation.
+ASSUMED_MFU = 0.30
+RAY_START_S = 15.0  # Ray's local instance, once
+RUN_START_S = 25.0  # a run's coordinator, islands and evaluator started, its data prepared
+COMPILE_S = 45.0  # Inductor compiling one model's forward and backward (islands in parallel)
+EVAL_S = 5.0  # one evaluation of the eval set on the GPU
 
 
 def datasheet_bf16_flops(device_name: str) -> float | None:
@@ -72,7 +104,7 @@ def datasheet_bf16_flops(device_name: str) -> float | None:
 
 def peak_bf16_flops(size: int = 8192, repeats: int = 20) -> float:
     """The device's achievable dense bf16 matmul FLOP/s, measured (datasheet peaks are
-    rarely reached; MFU against what the device does here is the honest ratio)."""
+    rarely reached; MFU against it is reported beside the datasheet's)."""
     import torch
 
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
@@ -87,155 +119,433 @@ def peak_bf16_flops(size: int = 8192, repeats: int = 20) -> float:
     return 2 * size**3 * repeats / (time.perf_counter() - t0)
 
 
-def _params(overrides: list[str]) -> int:
-    cfg = load_config(None, [*COMMON, *overrides])
-    task = load_task(cfg.task.factory, cfg.task.kwargs)
-    task.prepare()
-    return FlatParams(task.build_model()).numel
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    """One run of the product on the GPU."""
+
+    description: str
+    overrides: list[str]
+    approx_params: int  # the model's, for the expected-time model (a run counts its own)
+    islands: int
+    devices: int  # GPUs the row's islands use
+    budget_s: float
+
+    @property
+    def tokens_per_step(self) -> int:
+        cfg = load_config(None, [*COMMON, *self.overrides])
+        kwargs = cfg.task.kwargs
+        return int(kwargs["batch_size"]) * int(kwargs["context"])
 
 
-def methods(quick: bool, gpus: int) -> tuple[list[str], Table]:
-    """The base overrides and the rows: fractional-GPU islands of each task, and an island
-    of two workers (FSDP2) where there are two GPUs."""
-    rounds, steps = (2, 20) if quick else (4, 50)
-    table: Table = {
-        "gpt2_124m_1gpu": ("GPT-2 small (124 M), 1 island on 1 GPU", [*GPT2_124M, "islands.count=1", "islands.gpus=1"]),
-        "gpt_4x0.25gpu": ("default GPT, 4 islands on 1 GPU", [*GPT, "islands.count=4", "islands.gpus=0.25"]),
-        "llama_4x0.25gpu": ("HF Llama, 4 islands on 1 GPU", [*LLAMA, "islands.count=4", "islands.gpus=0.25"]),
+@dataclass(frozen=True, kw_only=True)
+class Part:
+    """One part of the scenario: its budget and what the model expects it to take."""
+
+    name: str
+    description: str
+    budget_s: float
+    expected_s: float
+
+
+def _rounds(quick: bool) -> tuple[int, int]:
+    """Rounds and inner steps of each run: the first round is start-up, the rest are measured."""
+    return (3, 20) if quick else (5, 50)
+
+
+def rows(quick: bool, gpus: int) -> dict[str, Row]:
+    """The runs: fractional-GPU islands of each task, and an island of two workers (FSDP2)
+    where there are two GPUs (the evaluation actor takes the fifth of a GPU they leave)."""
+    table = {
+        "gpt2_124m_1gpu": Row(
+            description="GPT-2 small (124 M), 1 island on 1 GPU",
+            overrides=[*GPT2_124M, "islands.count=1", "islands.gpus=0.8"],
+            approx_params=124_439_808,
+            islands=1,
+            devices=1,
+            budget_s=130.0,
+        ),
+        "gpt_4x0.2gpu": Row(
+            description="default GPT (25.6 M), 4 islands sharing 1 GPU",
+            overrides=[*GPT, "islands.count=4", "islands.gpus=0.2"],
+            approx_params=25_613_312,
+            islands=4,
+            devices=1,
+            budget_s=100.0,
+        ),
+        "llama_4x0.2gpu": Row(
+            description="HF Llama (77 M), 4 islands sharing 1 GPU",
+            overrides=[*LLAMA, "islands.count=4", "islands.gpus=0.2"],
+            approx_params=77_089_536,
+            islands=4,
+            devices=1,
+            budget_s=110.0,
+        ),
     }
     if gpus >= 2:
-        table["llama_1x2workers"] = (
-            "HF Llama, 1 island of 2 FSDP2 workers (2 GPUs)",
-            [*LLAMA, "islands.count=1", "islands.workers=2", "islands.gpus=1", "islands.sharding=fsdp"],
+        table["llama_1x2workers"] = Row(
+            description="HF Llama, 1 island of 2 FSDP2 workers (2 GPUs)",
+            overrides=[*LLAMA, "islands.count=1", "islands.workers=2", "islands.gpus=0.9", "islands.sharding=fsdp"],
+            approx_params=77_089_536,
+            islands=1,
+            devices=2,
+            budget_s=90.0,
         )
-    return [*COMMON, f"rounds={rounds}", f"inner_steps={steps}"], table
+    return table
 
 
-def _cuda_rows(quick: bool, work: Path, gpus: int, peak: float, datasheet: float | None) -> dict[str, dict[str, Any]]:
-    base, table = methods(quick, gpus)
-    with one_ray(8):
-        summaries = run_methods(base, table, work)
-    rows: dict[str, dict[str, Any]] = {}
-    for name, (description, overrides) in table.items():
-        s = summaries[name]
-        numel = _params(overrides)
-        tokens_per_s = s["tokens"] / s["train_seconds"]
-        devices = 2 if "2workers" in name else 1
-        rows[name] = {
-            "description": description,
-            "params": numel,
-            "tokens_per_s": tokens_per_s,
-            # 6 N FLOPs per token (forward and backward), attention's share left out; against the
-            # datasheet's peak where the device is listed, else (said in the report) the measured one
-            "mfu": 6 * numel * tokens_per_s / ((datasheet or peak) * devices),
-            "mfu_measured_peak": 6 * numel * tokens_per_s / (peak * devices),
-            "final_eval_loss": s["final_eval_loss"],
-            "initial_eval_loss": s["initial_eval_loss"],
-            "train_seconds": s["train_seconds"],
-        }
-    return rows
+def base_overrides(quick: bool) -> list[str]:
+    rounds, steps = _rounds(quick)
+    return [*COMMON, f"rounds={rounds}", f"inner_steps={steps}"]
+
+
+def step_seconds(params: int, tokens: int, peak: float) -> float:
+    """The model's time of one inner step (forward and backward) of `tokens` tokens."""
+    return 6 * params * tokens / (peak * ASSUMED_MFU)
+
+
+def plan_parts(quick: bool, gpus: int, peak: float) -> list[Part]:
+    """Every part with its budget and expected time (see the module's model)."""
+    from archipelago.orchestrator.bench import bareloop
+
+    steps, alternations = bareloop.sizes(quick)
+    bare_tokens = 32 * 512  # bareloop.CUDA_BATCH
+    bare_steps = 2 * (2 + alternations * steps)  # warm-up and alternations, island and bare loop
+    parts = [
+        Part(name="peak", description="bf16 matmul peak", budget_s=15.0, expected_s=3.0),
+        Part(
+            name="bareloop",
+            description="island vs bare loop (25.6 M GPT) and the plan's accelerator side",
+            budget_s=120.0 if not quick else 90.0,
+            expected_s=2 * COMPILE_S + 10.0 + bare_steps * step_seconds(25_482_240, bare_tokens, peak),
+        ),
+        Part(
+            name="plan",
+            description="the plan's accelerator side for that island, measured under fake tensors",
+            budget_s=60.0,
+            expected_s=15.0,
+        ),
+        Part(name="ray", description="Ray's local instance", budget_s=30.0, expected_s=RAY_START_S),
+    ]
+    rounds, h = _rounds(quick)
+    for name, row in rows(quick, gpus).items():
+        train = rounds * h * row.islands * step_seconds(row.approx_params, row.tokens_per_step, peak) / row.devices
+        parts.append(
+            Part(
+                name=name,
+                description=row.description,
+                budget_s=row.budget_s,
+                expected_s=RUN_START_S + COMPILE_S + 2 * EVAL_S + train,
+            )
+        )
+    return parts
+
+
+def dry_run(quick: bool) -> str:
+    """Each part's budget and expected seconds on this machine's GPU (or, without one, on
+    `ASSUMED_DEVICE`), from the model, without running anything."""
+    import torch
+
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ASSUMED_DEVICE
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    peak = datasheet_bf16_flops(name) or 989e12
+    parts = plan_parts(quick, gpus, peak)
+    lines = [
+        f"bench gpu on {name} x{gpus}{'' if torch.cuda.is_available() else ' (assumed: no CUDA here)'}: "
+        f"steps at {100 * ASSUMED_MFU:.0f}% of {peak / 1e12:.0f} TFLOP/s, a run's start {RUN_START_S:.0f} s, "
+        f"a compilation {COMPILE_S:.0f} s, an evaluation {EVAL_S:.0f} s",
+        f"{'part':<18} {'expected':>9} {'budget':>8}  what",
+    ]
+    lines += [f"{p.name:<18} {p.expected_s:>8.0f}s {p.budget_s:>7.0f}s  {p.description}" for p in parts]
+    lines.append(
+        f"{'total':<18} {sum(p.expected_s for p in parts):>8.0f}s {TOTAL_BUDGET_S:>7.0f}s  "
+        "(a part that would overrun the total is skipped)"
+    )
+    return "\n".join(lines)
+
+
+class _Parts:
+    """Runs parts in order within their budgets and the total, recording each one's
+    outcome; a part that fails is recorded with its error and the rest still run."""
+
+    def __init__(self, plan: list[Part]) -> None:
+        self.plan = {p.name: p for p in plan}
+        self.t0 = time.perf_counter()
+        self.outcomes: dict[str, dict[str, Any]] = {}
+
+    def run(self, name: str, fn: Callable[[float], Any]) -> Any:
+        part = self.plan[name]
+        left = TOTAL_BUDGET_S - (time.perf_counter() - self.t0)
+        outcome: dict[str, Any] = {"budget_s": part.budget_s, "expected_s": part.expected_s, "seconds": None}
+        self.outcomes[name] = outcome
+        if part.expected_s > left:
+            outcome["status"] = f"skipped: {part.expected_s:.0f} s expected, {max(0.0, left):.0f} s of the total left"
+            log.warning("bench gpu: %s %s", name, outcome["status"])
+            return None
+        log.info("bench gpu: %s (budget %.0f s, expected %.0f s)", name, part.budget_s, part.expected_s)
+        t0 = time.perf_counter()
+        try:
+            value = fn(min(part.budget_s, left))
+            outcome["status"] = "measured"
+        except Exception as err:  # a part's failure is reported, and the others still run
+            log.exception("bench gpu: %s failed", name)
+            outcome["status"] = f"failed: {type(err).__name__}: {err}"
+            value = None
+        outcome["seconds"] = time.perf_counter() - t0
+        return value
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def _stop_after(budget_s: float) -> threading.Timer:
+    """A timer that stops the run going on when `budget_s` ends: at its round's end, and,
+    if it has not ended a minute later, at once (the summary and records are written
+    either way)."""
+    import ray
+
+    from archipelago.orchestrator.engine.commands import Stop
+    from archipelago.orchestrator.runtime.names import NAMESPACE, run_id_of_coordinator
+
+    def stop(now: bool) -> None:
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            if actor["namespace"] == NAMESPACE and run_id_of_coordinator(actor["name"]) is not None:
+                log.warning("bench gpu: the run's budget is spent; stopping it%s", " now" if now else "")
+                ray.get_actor(actor["name"], namespace=NAMESPACE).submit.remote(Stop(now=now))
+        if not now:
+            again = threading.Timer(60.0, stop, args=(True,))
+            again.daemon = True
+            again.start()
+
+    timer = threading.Timer(budget_s, stop, args=(False,))
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def steady_rate(out_dir: str) -> tuple[float | None, int]:
+    """Tokens per second over a run's rounds after its first (which holds compilation and
+    the first evaluation), from its records; None when it recorded fewer than two rounds.
+    Also the number of rounds it is over."""
+    from archipelago.orchestrator.engine.state.logfiles import read_lines
+
+    records = [json.loads(line) for line in read_lines(Path(out_dir) / "metrics.jsonl")]
+    later = [r for r in records if r.get("round", 0) > 1 and r.get("round_seconds")]
+    seconds = sum(r["round_seconds"] for r in later)
+    return (sum(r["tokens"] for r in later) / seconds if later and seconds else None), len(later)
+
+
+def _run_row(
+    name: str, row: Row, quick: bool, work: Path, peak: float, datasheet: float | None, budget_s: float
+) -> dict[str, Any]:
+    """One run of the product on the GPU, stopped when `budget_s` is spent; its rates and MFU."""
+    from archipelago.orchestrator.runtime.driver import run
+
+    cfg = load_config(None, [*base_overrides(quick), *row.overrides, f"out_dir={work / name}"])
+    timer = _stop_after(budget_s)
+    try:
+        s = run(cfg, show_progress=False)
+    finally:
+        timer.cancel()
+    steady, measured_rounds = steady_rate(s["out_dir"])
+    whole = s["tokens"] / s["train_seconds"]
+    rate = steady if steady is not None else whole
+    flops = 6 * s["num_params"] * rate
+    return {
+        "description": row.description,
+        "params": s["num_params"],
+        "state": s["state"],
+        "rounds_done": s["rounds_done"],
+        "tokens_per_s": rate,
+        "tokens_per_s_over": f"rounds 2-{s['rounds_done']}" if steady is not None else "the whole run (one round)",
+        "measured_rounds": measured_rounds,
+        "tokens_per_s_whole_run": whole,
+        # 6 N FLOPs per token (forward and backward), attention's share left out; against the
+        # datasheet's peak where the device is listed, else (said in the report) the measured one
+        "mfu": flops / ((datasheet or peak) * row.devices),
+        "mfu_measured_peak": flops / (peak * row.devices),
+        "final_eval_loss": s["final_eval_loss"],
+        "initial_eval_loss": s["initial_eval_loss"],
+        "train_seconds": s["train_seconds"],
+        "startup_seconds": s.get("startup_seconds"),
+    }
+
+
+def plan_check(overrides: list[str], measured_bytes: int) -> dict[str, Any]:
+    """The plan's accelerator memory for one island of `overrides` against its measured peak."""
+    from archipelago.orchestrator.plan.planner import plan_run
+
+    cfg = load_config(None, ["warm_start.steps=0", "islands.count=1", *overrides])
+    plan = plan_run(cfg)
+    need = next(n for n in plan.needs if n.process == "island worker" and n.memory == "accelerator")
+    planned = sum(need.parts.values())
+    return {
+        "planned_bytes": planned,
+        "planned_parts": need.parts,
+        "measured_peak_bytes": measured_bytes,
+        "planned_over_measured": planned / measured_bytes,
+    }
 
 
 def gpu(quick: bool, work: Path) -> BenchResult:
     import torch
 
     from archipelago.orchestrator.bench import bareloop
-    from archipelago.orchestrator.bench.coordinator import SIZES, measure_rows
+    from archipelago.orchestrator.bench.runner import one_ray
 
     cuda = torch.cuda.is_available()
-    steps, alternations = (10, 3) if quick else (50, 5)
-    ratios = {"cpu": bareloop.compare([*bareloop.GPT_25M, *bareloop.CPU_BATCH, "islands.gpus=0"], steps, alternations)}
-    coordinator_rows, _ = measure_rows(SIZES[:3])
-    rows: dict[str, dict[str, Any]] = {}
-    extra: dict[str, Any] = {"device": None, "gpus": 0, "peak_bf16_flops": None, "datasheet_bf16_flops": None}
+    name = torch.cuda.get_device_name(0) if cuda else None
+    gpus = torch.cuda.device_count() if cuda else 0
+    datasheet = datasheet_bf16_flops(name) if name else None
+    parts = _Parts(plan_parts(quick, max(1, gpus), datasheet or 989e12))
+    runs: dict[str, dict[str, Any]] = {}
+    ratio: dict[str, Any] | None = None
+    check: dict[str, Any] | None = None
+    peak: float | None = None
     if cuda:
-        ratios["cuda"] = bareloop.compare(
-            [*bareloop.GPT_25M, *bareloop.CUDA_BATCH, "islands.gpus=1"], steps, alternations
-        )
-        gpus = torch.cuda.device_count()
-        peak = peak_bf16_flops()
-        name = torch.cuda.get_device_name(0)
-        datasheet = datasheet_bf16_flops(name)
-        rows = _cuda_rows(quick, work, gpus, peak, datasheet)
-        extra = {"device": name, "gpus": gpus, "peak_bf16_flops": peak, "datasheet_bf16_flops": datasheet}
-    mfu_124m = rows["gpt2_124m_1gpu"]["mfu"] if "gpt2_124m_1gpu" in rows else None
-    extra.update(
-        island_vs_bare_loop={"cpu": ratios["cpu"]["ratio"], "cuda": ratios["cuda"]["ratio"] if cuda else None},
-        island_vs_bare_loop_runs=ratios,
-        mfu_124m=mfu_124m,
-        coordinator_rows=coordinator_rows,
-    )
-    device = (
-        f"{extra['device']} x{extra['gpus']}; "
-        + (
-            f"MFU against the datasheet's bf16 dense peak, {extra['datasheet_bf16_flops'] / 1e12:.0f} TFLOP/s"
-            if extra["datasheet_bf16_flops"]
-            else "not in the datasheet table: MFU against the measured peak"
-        )
-        + f"; measured bf16 matmul peak {extra['peak_bf16_flops'] / 1e12:.0f} TFLOP/s"
-        if cuda
-        else "no CUDA device"
-    )
+        peak = parts.run("peak", lambda _: peak_bf16_flops())
+        if peak is None:
+            peak = datasheet or 989e12  # the run rows still report against the datasheet
+        overrides = [*bareloop.GPT_25M, *bareloop.CUDA_BATCH, "islands.gpus=1"]
+        steps, alternations = bareloop.sizes(quick)
+        ratio = parts.run("bareloop", lambda budget: bareloop.compare(overrides, steps, alternations, budget))
+        if ratio is not None and ratio.get("island_peak_bytes"):
+            check = parts.run("plan", lambda _: plan_check(overrides, ratio["island_peak_bytes"]))
+        torch.cuda.empty_cache()
+        with contextlib.ExitStack() as ray_instance:
+            parts.run("ray", lambda _: ray_instance.enter_context(one_ray(16)))
+            for row_name, row in rows(quick, gpus).items():
+                result = parts.run(row_name, functools.partial(_run_row, row_name, row, quick, work, peak, datasheet))
+                if result is not None:
+                    runs[row_name] = result
+    else:
+        for p in parts.plan.values():
+            parts.outcomes[p.name] = {
+                "status": "not measured (no CUDA device)",
+                "seconds": None,
+                "budget_s": p.budget_s,
+                "expected_s": p.expected_s,
+            }
+    mfu_124m = runs["gpt2_124m_1gpu"]["mfu"] if "gpt2_124m_1gpu" in runs else None
+    extra: dict[str, Any] = {
+        "device": name,
+        "gpus": gpus,
+        "bench_seconds": parts.elapsed,
+        "total_budget_s": TOTAL_BUDGET_S,
+        "parts": parts.outcomes,
+        "peak_bf16_flops": peak if cuda else None,
+        "peak_flops_datasheet": datasheet,
+        "mfu_124m": mfu_124m,
+        "island_vs_bare_loop": {"cuda": ratio["ratio"] if ratio else None},
+        "island_vs_bare_loop_runs": {"cuda": ratio} if ratio else {},
+        "plan_accelerator_check": check,
+        "model": {
+            "assumed_mfu": ASSUMED_MFU,
+            "ray_start_s": RAY_START_S,
+            "run_start_s": RUN_START_S,
+            "compile_s": COMPILE_S,
+            "eval_s": EVAL_S,
+        },
+    }
     mfu_text = f"{100 * mfu_124m:.1f}%" if mfu_124m is not None else "not measured"
+    summary = (
+        f"gpu: {name or 'no CUDA device'}; island / bare loop cuda "
+        + (f"{ratio['ratio']:.3f}" if ratio else "not measured")
+        + f"; MFU 124 M {mfu_text}; {parts.elapsed:.0f} s"
+    )
+    from archipelago.orchestrator.bench.bareloop import ratio_panel
+
     return BenchResult(
         scenario="gpu",
         quick=quick,
-        methods=rows,
-        summary=f"gpu: {device.split(';')[0]}; island / bare loop cpu {ratios['cpu']['ratio']:.3f}"
-        + (f", cuda {ratios['cuda']['ratio']:.3f}" if cuda else ", cuda not measured")
-        + f"; MFU 124 M {mfu_text}",
-        markdown=_markdown(device, ratios, rows, coordinator_rows, cuda),
-        panels=[bareloop.ratio_panel(ratios)],
+        methods=runs,
+        summary=summary,
+        markdown=_markdown(extra, runs, ratio, check),
+        panels=[ratio_panel({"cuda": ratio})] if ratio else [],
         extra=extra,
     )
 
 
 def _markdown(
-    device: str,
-    ratios: dict[str, dict[str, Any]],
-    rows: dict[str, dict[str, Any]],
-    coordinator_rows: list[dict[str, Any]],
-    cuda: bool,
+    extra: dict[str, Any], runs: dict[str, dict[str, Any]], ratio: dict[str, Any] | None, check: dict[str, Any] | None
 ) -> str:
-    """The island against the bare loop, the runs on the GPU, and the coordinator on this host."""
-    ratio_md = md_table(
-        ["device", "island round / bare loop (median of alternations)", "each"],
-        [[k, f"{r['ratio']:.3f}", ", ".join(f"{x:.3f}" for x in r["ratios"])] for k, r in ratios.items()]
-        + ([] if cuda else [["cuda", "not measured (no CUDA device)", "-"]]),
-    )
-    coordinator_md = md_table(
-        ["params", "S", "s / round", "x memcpy", "peak / slice", "checkpoint"],
+    """The parts and their time, the island against the bare loop, the plan's check, the runs."""
+    if extra["device"] is None:
+        head = "Device: none (no CUDA device): every GPU figure below is not measured."
+    else:
+        datasheet = extra["peak_flops_datasheet"]
+        head = (
+            f"Device: {extra['device']} x{extra['gpus']}; MFU against "
+            + (
+                f"the datasheet's bf16 dense peak, {datasheet / 1e12:.0f} TFLOP/s"
+                if datasheet
+                else "the measured peak (the device is not in the datasheet table)"
+            )
+            + (
+                f"; measured bf16 matmul peak {extra['peak_bf16_flops'] / 1e12:.0f} TFLOP/s"
+                if extra["peak_bf16_flops"]
+                else ""
+            )
+            + f". The whole run: {extra['bench_seconds']:.0f} s of a {extra['total_budget_s']:.0f}-s budget."
+        )
+    parts_md = md_table(
+        ["part", "seconds", "expected", "budget", "outcome"],
         [
             [
-                f"{r['params'] / 1e6:,.0f} M",
-                str(r["slices"]),
-                f"{r['seconds_per_round']:.4f}",
-                f"{r['vs_memcpy']:.2f}",
-                f"{r['peak_mb']:,.0f} MB",
-                f"{r['checkpoint_seconds']:.2f} s",
+                k,
+                f"{o['seconds']:.0f}" if o.get("seconds") is not None else "-",
+                f"{o['expected_s']:.0f}" if o.get("expected_s") is not None else "-",
+                f"{o['budget_s']:.0f}" if o.get("budget_s") is not None else "-",
+                o["status"],
             ]
-            for r in coordinator_rows
+            for k, o in extra["parts"].items()
         ],
+    )
+    if ratio:
+        ratio_md = md_table(
+            ["device", "island round / bare loop (median)", "each", "island (median)", "bare loop (median)"],
+            [
+                [
+                    "cuda",
+                    f"{ratio['ratio']:.3f}",
+                    ", ".join(f"{x:.3f}" for x in ratio["ratios"]),
+                    f"{statistics.median(ratio['island_seconds']):.3f} s",
+                    f"{statistics.median(ratio['bare_seconds']):.3f} s",
+                ]
+            ],
+        )
+    else:
+        ratio_md = "Not measured."
+    check_md = (
+        f"The plan's accelerator memory for that island: {check['planned_bytes'] / 2**30:.2f} GiB planned, "
+        f"{check['measured_peak_bytes'] / 2**30:.2f} GiB measured (torch's peak allocated), "
+        f"planned / measured {check['planned_over_measured']:.2f}."
+        if check
+        else "The plan's accelerator side: not checked (no measured peak)."
     )
     runs_md = (
         md_table(
-            ["run", "params", "tokens/s", "MFU", "MFU (measured peak)", "eval loss (start → end)"],
+            ["run", "params", "rounds", "tokens/s (rounds 2+)", "whole run", "MFU", "MFU (measured peak)", "eval loss"],
             [
                 [
                     k,
                     f"{r['params'] / 1e6:.1f} M",
+                    f"{r['rounds_done']} ({r['state']})",
                     f"{r['tokens_per_s']:,.0f}",
+                    f"{r['tokens_per_s_whole_run']:,.0f}",
                     f"{100 * r['mfu']:.1f}%",
                     f"{100 * r['mfu_measured_peak']:.1f}%",
-                    f"{r['initial_eval_loss']:.3f} → {r['final_eval_loss']:.3f}",
+                    f"{r['initial_eval_loss']:.3f} → {r['final_eval_loss']:.3f}"
+                    if r["final_eval_loss"] is not None and r["initial_eval_loss"] is not None
+                    else "-",
                 ]
-                for k, r in rows.items()
+                for k, r in runs.items()
             ],
         )
-        if rows
-        else "Runs on CUDA (MFU, the 124 M GPT-2 among them): not measured (no CUDA device)."
+        if runs
+        else "Runs on CUDA (MFU, the 124 M GPT-2 among them): not measured."
     )
     return (
-        f"Device: {device}.\n\n### Island against a bare torch loop\n\n{ratio_md}\n\n"
-        f"### Runs on the GPU\n\n{runs_md}\n\n### The coordinator on this host\n\n{coordinator_md}\n"
+        f"{head}\n\n### Parts\n\n{parts_md}\n\n### Island against a bare torch loop\n\n{ratio_md}\n\n{check_md}\n\n"
+        f"### Runs on the GPU\n\n{runs_md}\n"
     )

@@ -85,6 +85,10 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+COMMIT_ENV = "ARCHIPELAGO_COMMIT"
+CLEAN_ENV = "ARCHIPELAGO_TREE_CLEAN"
+
+
 @functools.cache
 def measured_commit() -> dict[str, Any]:
     """The commit a report measured and whether the tree was clean (tracked files unchanged):
@@ -105,7 +109,11 @@ def measured_commit() -> dict[str, Any]:
             check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return {"commit": None, "clean": None}
+        # a copy without its .git (a tree sent to a lent GPU machine): the commit it was
+        # copied from, as the sender states it (`COMMIT_ENV`, and `CLEAN_ENV` = 1 for a
+        # tree with no uncommitted change), else nulls
+        commit = os.environ.get(COMMIT_ENV) or None
+        return {"commit": commit, "clean": os.environ.get(CLEAN_ENV) == "1" if commit else None}
     return {"commit": head, "clean": not dirty}
 
 
