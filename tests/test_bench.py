@@ -139,18 +139,31 @@ def test_a_gpu_part_is_held_to_its_budget_and_the_total_and_a_failure_is_reporte
     assert parts.outcomes["too_long"]["status"].startswith("skipped") and parts.outcomes["too_long"]["seconds"] is None
 
 
-def test_the_steady_rate_leaves_out_the_first_round(tmp_path):
-    from archipelago.orchestrator.bench.gpu import steady_rate
+def test_the_steady_rates_leave_out_the_first_round(tmp_path):
+    """Over the rounds after the first: the wall's rate, and the islands' own (the mean
+    island's seconds in each round, from the cumulative seconds the records hold)."""
+    from archipelago.orchestrator.bench.gpu import steady_rates
 
     records = [
-        {"round": 1, "tokens": 1000, "round_seconds": 10.0},  # compilation
-        {"round": 2, "tokens": 1000, "round_seconds": 1.0},
-        {"round": 3, "tokens": 1000, "round_seconds": 1.0},
+        {"round": 1, "tokens": 1000, "round_seconds": 10.0, "island_compute_seconds": {"0": 9.0, "1": 9.0}},
+        {"round": 2, "tokens": 1000, "round_seconds": 1.0, "island_compute_seconds": {"0": 9.5, "1": 9.5}},
+        {"round": 3, "tokens": 1000, "round_seconds": 1.0, "island_compute_seconds": {"0": 10.0, "1": 10.0}},
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert steady_rate(str(tmp_path)) == (1000.0, 2)
+    rates = steady_rates(str(tmp_path))
+    assert rates["tokens_per_s"] == 1000.0 and rates["island_tokens_per_s"] == 2000.0 and rates["rounds"] == 2
+    assert rates["island_round_seconds"] == [9.0, 0.5, 0.5] and rates["round_seconds"] == [10.0, 1.0, 1.0]
     (tmp_path / "metrics.jsonl").write_text(json.dumps(records[0]) + "\n")
-    assert steady_rate(str(tmp_path)) == (None, 0)
+    assert steady_rates(str(tmp_path))["tokens_per_s"] is None
+
+
+def test_gpu_parts_are_named_or_refused(tmp_path, capsys):
+    assert main(["bench", "gpu", "--parts", "bareloop,nope", "--out", str(tmp_path)]) == 2
+    assert "unknown: ['nope']" in capsys.readouterr().err
+    assert main(["bench", "fleet", "--parts", "bareloop", "--out", str(tmp_path)]) == 2
+    assert main(["bench", "gpu", "--quick", "--parts", "bareloop,gpt2_124m_1gpu", "--out", str(tmp_path)]) == 0
+    parts = json.loads((tmp_path / "gpu.json").read_text())["parts"]
+    assert parts["bareloop"]["status"].startswith("not measured")  # no CUDA here: nothing runs either way
 
 
 def test_mfu_is_against_the_datasheet_peak_of_the_device_named():

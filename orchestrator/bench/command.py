@@ -43,6 +43,11 @@ def register(sub: Any, common: argparse.ArgumentParser) -> Callable[[argparse.Na
         action="store_true",
         help="gpu only: print each part's expected seconds (from a model of its steps) and budget; run nothing",
     )
+    bench.add_argument(
+        "--parts",
+        default=None,
+        help="gpu only: run only these parts, comma-separated (see --dry-run), the others reported as not run",
+    )
     fleet_spec.add_arguments(bench)
     return bench_command
 
@@ -79,6 +84,15 @@ def bench_command(args: argparse.Namespace) -> int:
         sys.stdout.write(f"{dry_run(args.quick)}\n")
         return 0
     options: dict[str, Any] = {}
+    if args.parts is not None:
+        from archipelago.orchestrator.bench.gpu import part_names
+
+        wanted = tuple(p.strip() for p in args.parts.split(",") if p.strip())
+        unknown = sorted(set(wanted) - set(part_names()))
+        if args.scenario != "gpu" or unknown or not wanted:
+            log.error("--parts names parts of `bench gpu`: %s (unknown: %s)", ", ".join(part_names()), unknown)
+            return 2
+        options["parts_only"] = wanted
     if fleet_spec.given(args):
         if args.scenario != "fleet":
             log.error("%s describe the fleet of `bench fleet` only", ", ".join(fleet_spec.given(args)))

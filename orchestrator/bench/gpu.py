@@ -267,16 +267,23 @@ class _Parts:
     """Runs parts in order within their budgets and the total, recording each one's
     outcome; a part that fails is recorded with its error and the rest still run."""
 
-    def __init__(self, plan: list[Part]) -> None:
+    def __init__(self, plan: list[Part], only: tuple[str, ...] | None = None) -> None:
         self.plan = {p.name: p for p in plan}
+        self.only = only
         self.t0 = time.perf_counter()
         self.outcomes: dict[str, dict[str, Any]] = {}
+
+    def wanted(self, name: str) -> bool:
+        return self.only is None or name in self.only
 
     def run(self, name: str, fn: Callable[[float], Any]) -> Any:
         part = self.plan[name]
         left = TOTAL_BUDGET_S - (time.perf_counter() - self.t0)
         outcome: dict[str, Any] = {"budget_s": part.budget_s, "expected_s": part.expected_s, "seconds": None}
         self.outcomes[name] = outcome
+        if not self.wanted(name) and name != "ray":
+            outcome["status"] = "not run (--parts)"
+            return None
         if part.expected_s > left:
             outcome["status"] = f"skipped: {part.expected_s:.0f} s expected, {max(0.0, left):.0f} s of the total left"
             log.warning("bench gpu: %s %s", name, outcome["status"])
@@ -323,16 +330,35 @@ def _stop_after(budget_s: float) -> threading.Timer:
     return timer
 
 
-def steady_rate(out_dir: str) -> tuple[float | None, int]:
-    """Tokens per second over a run's rounds after its first (which holds compilation and
-    the first evaluation), from its records; None when it recorded fewer than two rounds.
-    Also the number of rounds it is over."""
+def steady_rates(out_dir: str) -> dict[str, Any]:
+    """A run's rates over its rounds after the first (which holds compilation and the first
+    evaluation), from its records: `tokens_per_s` over the rounds' wall (what a user gets:
+    the islands' exchange and the outer step included) and `island_tokens_per_s` over the
+    islands' own seconds in them (the round's work on the island: its parameters in, the
+    steps, Δ out; the mean island's, as islands sharing a GPU run at once); each round's
+    seconds beside them. The rates are None when fewer than two rounds were recorded."""
     from archipelago.orchestrator.engine.state.logfiles import read_lines
 
     records = [json.loads(line) for line in read_lines(Path(out_dir) / "metrics.jsonl")]
-    later = [r for r in records if r.get("round", 0) > 1 and r.get("round_seconds")]
-    seconds = sum(r["round_seconds"] for r in later)
-    return (sum(r["tokens"] for r in later) / seconds if later and seconds else None), len(later)
+    island_s: list[float] = []
+    before: dict[str, float] = {}
+    for r in records:
+        now = r.get("island_compute_seconds") or {}
+        spent = [v - before.get(k, 0.0) for k, v in now.items()]
+        island_s.append(sum(spent) / len(spent) if spent else 0.0)
+        before = {**before, **now}
+    later = [i for i, r in enumerate(records) if r.get("round", 0) > 1 and r.get("round_seconds")]
+    tokens = sum(records[i]["tokens"] for i in later)
+    wall = sum(records[i]["round_seconds"] for i in later)
+    computing = sum(island_s[i] for i in later)
+    return {
+        "tokens_per_s": tokens / wall if later and wall else None,
+        "island_tokens_per_s": tokens / computing if later and computing else None,
+        "rounds": len(later),
+        "round_seconds": [r.get("round_seconds") for r in records],
+        "island_round_seconds": island_s,
+        "coordinator_seconds": [r.get("coordinator_seconds") for r in records],
+    }
 
 
 def _run_row(
@@ -347,23 +373,27 @@ def _run_row(
         s = run(cfg, show_progress=False)
     finally:
         timer.cancel()
-    steady, measured_rounds = steady_rate(s["out_dir"])
+    rates = steady_rates(s["out_dir"])
     whole = s["tokens"] / s["train_seconds"]
-    rate = steady if steady is not None else whole
-    flops = 6 * s["num_params"] * rate
+    steady = rates["tokens_per_s"] is not None
+    rate = rates["tokens_per_s"] if steady else whole
+    island_rate = rates["island_tokens_per_s"]
+    peak_flops = (datasheet or peak) * row.devices
     return {
         "description": row.description,
         "params": s["num_params"],
         "state": s["state"],
         "rounds_done": s["rounds_done"],
         "tokens_per_s": rate,
-        "tokens_per_s_over": f"rounds 2-{s['rounds_done']}" if steady is not None else "the whole run (one round)",
-        "measured_rounds": measured_rounds,
+        "tokens_per_s_over": f"rounds 2-{s['rounds_done']}" if steady else "the whole run (one round)",
+        "island_tokens_per_s": island_rate,
         "tokens_per_s_whole_run": whole,
         # 6 N FLOPs per token (forward and backward), attention's share left out; against the
         # datasheet's peak where the device is listed, else (said in the report) the measured one
-        "mfu": flops / ((datasheet or peak) * row.devices),
-        "mfu_measured_peak": flops / (peak * row.devices),
+        "mfu": 6 * s["num_params"] * rate / peak_flops,
+        "mfu_island": 6 * s["num_params"] * island_rate / peak_flops if island_rate else None,
+        "mfu_measured_peak": 6 * s["num_params"] * rate / (peak * row.devices),
+        "per_round": {k: rates[k] for k in ("round_seconds", "island_round_seconds", "coordinator_seconds")},
         "final_eval_loss": s["final_eval_loss"],
         "initial_eval_loss": s["initial_eval_loss"],
         "train_seconds": s["train_seconds"],
@@ -387,7 +417,9 @@ def plan_check(overrides: list[str], measured_bytes: int) -> dict[str, Any]:
     }
 
 
-def gpu(quick: bool, work: Path) -> BenchResult:
+def gpu(quick: bool, work: Path, parts_only: tuple[str, ...] | None = None) -> BenchResult:
+    """The scenario; `parts_only`: run only these parts (`--parts`: what a short lease has
+    time for), the others reported as not run."""
     import torch
 
     from archipelago.orchestrator.bench import bareloop
@@ -397,7 +429,7 @@ def gpu(quick: bool, work: Path) -> BenchResult:
     name = torch.cuda.get_device_name(0) if cuda else None
     gpus = torch.cuda.device_count() if cuda else 0
     datasheet = datasheet_bf16_flops(name) if name else None
-    parts = _Parts(plan_parts(quick, max(1, gpus), datasheet or 989e12))
+    parts = _Parts(plan_parts(quick, max(1, gpus), datasheet or 989e12), parts_only)
     runs: dict[str, dict[str, Any]] = {}
     ratio: dict[str, Any] | None = None
     check: dict[str, Any] | None = None
@@ -412,9 +444,11 @@ def gpu(quick: bool, work: Path) -> BenchResult:
         if ratio is not None and ratio.get("island_peak_bytes"):
             check = parts.run("plan", lambda _: plan_check(overrides, ratio["island_peak_bytes"]))
         torch.cuda.empty_cache()
+        table = {k: r for k, r in rows(quick, gpus).items() if parts.wanted(k)}
         with contextlib.ExitStack() as ray_instance:
-            parts.run("ray", lambda _: ray_instance.enter_context(one_ray(16)))
-            for row_name, row in rows(quick, gpus).items():
+            if table:
+                parts.run("ray", lambda _: ray_instance.enter_context(one_ray(16)))
+            for row_name, row in table.items():
                 result = parts.run(row_name, functools.partial(_run_row, row_name, row, quick, work, peak, datasheet))
                 if result is not None:
                     runs[row_name] = result
@@ -427,6 +461,7 @@ def gpu(quick: bool, work: Path) -> BenchResult:
                 "expected_s": p.expected_s,
             }
     mfu_124m = runs["gpt2_124m_1gpu"]["mfu"] if "gpt2_124m_1gpu" in runs else None
+    mfu_124m_island = runs["gpt2_124m_1gpu"]["mfu_island"] if "gpt2_124m_1gpu" in runs else None
     extra: dict[str, Any] = {
         "device": name,
         "gpus": gpus,
@@ -435,7 +470,8 @@ def gpu(quick: bool, work: Path) -> BenchResult:
         "parts": parts.outcomes,
         "peak_bf16_flops": peak if cuda else None,
         "peak_flops_datasheet": datasheet,
-        "mfu_124m": mfu_124m,
+        "mfu_124m": mfu_124m,  # over the rounds' wall
+        "mfu_124m_island": mfu_124m_island,  # over the island's own seconds of its rounds
         "island_vs_bare_loop": {"cuda": ratio["ratio"] if ratio else None},
         "island_vs_bare_loop_runs": {"cuda": ratio} if ratio else {},
         "plan_accelerator_check": check,
@@ -525,7 +561,17 @@ def _markdown(
     )
     runs_md = (
         md_table(
-            ["run", "params", "rounds", "tokens/s (rounds 2+)", "whole run", "MFU", "MFU (measured peak)", "eval loss"],
+            [
+                "run",
+                "params",
+                "rounds",
+                "tokens/s (rounds 2+)",
+                "whole run",
+                "MFU",
+                "MFU (measured peak)",
+                "island's own tokens/s, MFU",
+                "eval loss",
+            ],
             [
                 [
                     k,
@@ -535,6 +581,7 @@ def _markdown(
                     f"{r['tokens_per_s_whole_run']:,.0f}",
                     f"{100 * r['mfu']:.1f}%",
                     f"{100 * r['mfu_measured_peak']:.1f}%",
+                    f"{r['island_tokens_per_s']:,.0f}, {100 * r['mfu_island']:.1f}%" if r["mfu_island"] else "-",
                     f"{r['initial_eval_loss']:.3f} → {r['final_eval_loss']:.3f}"
                     if r["final_eval_loss"] is not None and r["initial_eval_loss"] is not None
                     else "-",
@@ -549,3 +596,8 @@ def _markdown(
         f"{head}\n\n### Parts\n\n{parts_md}\n\n### Island against a bare torch loop\n\n{ratio_md}\n\n{check_md}\n\n"
         f"### Runs on the GPU\n\n{runs_md}\n"
     )
+
+
+def part_names() -> list[str]:
+    """Every part `--parts` may name (the two-GPU row's too)."""
+    return [p.name for p in plan_parts(quick=False, gpus=2, peak=989e12)]
