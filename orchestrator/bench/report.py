@@ -96,6 +96,10 @@ def measured_commit() -> dict[str, Any]:
     while a long bench runs is not the one its report names. Nulls outside a checkout."""
     import subprocess
 
+    if commit := os.environ.get(COMMIT_ENV):
+        # a copy sent elsewhere (a lent GPU machine) may carry no .git, or a stale one: the
+        # sender names the commit it copied, and `CLEAN_ENV` = 1 when it had no uncommitted change
+        return {"commit": commit, "clean": os.environ.get(CLEAN_ENV) == "1"}
     root = Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(
@@ -109,11 +113,7 @@ def measured_commit() -> dict[str, Any]:
             check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        # a copy without its .git (a tree sent to a lent GPU machine): the commit it was
-        # copied from, as the sender states it (`COMMIT_ENV`, and `CLEAN_ENV` = 1 for a
-        # tree with no uncommitted change), else nulls
-        commit = os.environ.get(COMMIT_ENV) or None
-        return {"commit": commit, "clean": os.environ.get(CLEAN_ENV) == "1" if commit else None}
+        return {"commit": None, "clean": None}
     return {"commit": head, "clean": not dirty}
 
 
