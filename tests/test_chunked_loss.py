@@ -105,3 +105,22 @@ def test_no_operation_allocates_the_whole_logits():
     logits_bytes = 4096 * 32_000 * 4
     assert whole >= logits_bytes  # the whole path allocates the logits in one piece
     assert chunked <= logits_bytes / 8, (chunked, whole)
+
+
+def test_under_bf16_autocast_the_chunked_gradients_are_the_whole_ones_to_bf16_rounding():
+    """The weight's gradient is taken in the hidden states' dtype (bf16: the tensor cores) and
+    summed in fp32, as the whole-logits path's is under autocast."""
+    torch.manual_seed(2)
+    hidden = torch.randn(4, 64, 32, requires_grad=True)
+    weight = torch.randn(257, 32, requires_grad=True)
+    labels = torch.randint(0, 257, (4, 64))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = hidden.to(torch.bfloat16)  # the body's output under autocast
+        want = _whole(h, weight, None, labels)
+        got = ChunkedCrossEntropy.apply(h, weight, None, labels, 50, -100)
+    wg, ww = torch.autograd.grad(want, [hidden, weight], retain_graph=True)
+    gg, gw = torch.autograd.grad(got, [hidden, weight])
+    assert float(got) == pytest.approx(float(want), rel=1e-2)
+    torch.testing.assert_close(gw, ww, rtol=5e-2, atol=5e-3)
+    torch.testing.assert_close(gg, wg, rtol=5e-2, atol=5e-3)
+    assert gw.dtype == torch.float32

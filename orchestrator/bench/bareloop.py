@@ -36,6 +36,7 @@ def _bare_steps(task: Any, model: Any, cfg: Any, batches: Any, steps: int, devic
     """`steps` steps of the loop a user writes (its optimizer and schedule kept in `state`)."""
     import torch
 
+    from archipelago.workers.runtime.compiling import compiled_forward
     from archipelago.workers.runtime.optim import lr_factor
     from archipelago.workers.wire.spec import Precision
 
@@ -53,7 +54,8 @@ def _bare_steps(task: Any, model: Any, cfg: Any, batches: Any, steps: int, devic
         total = cfg.schedule_steps
         state["optimizer"] = opt
         state["scheduler"] = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, inner, total))
-        state["forward"] = torch.compile(model) if inner.compiles_on(device.type) else model  # as the island decides
+        # as the island decides, and compiled as it compiles
+        state["forward"] = compiled_forward(model) if inner.compiles_on(device.type) else model
     opt, sched, forward = state["optimizer"], state["scheduler"], state["forward"]
     bf16 = inner.precision == Precision.BF16
     model.train()

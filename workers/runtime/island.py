@@ -13,12 +13,13 @@ import math
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
 
 from archipelago.workers.runtime import inner_state
+from archipelago.workers.runtime.compiling import compiled_forward
 from archipelago.workers.runtime.island_spec import IslandSpec
 from archipelago.workers.runtime.optim import build_inner, inner_params, inner_schedule, muon_params
 from archipelago.workers.runtime.order_steps import Tail, Tally
@@ -57,9 +58,7 @@ class Island:
         flat = FlatParams(self.model)
         self.flat: ParamStore = flat
         # compiled for the forward passes only: the parameters stay the flat buffer's views
-        self.forward_model = (
-            cast(torch.nn.Module, torch.compile(self.model)) if spec.inner.compiles_on(self.device.type) else self.model
-        )
+        self.forward_model = compiled_forward(self.model) if spec.inner.compiles_on(self.device.type) else self.model
         self.bf16 = spec.inner.precision == Precision.BF16
         self.start = torch.empty_like(flat.data)
         self.optimizer, self.scheduler = build_inner(

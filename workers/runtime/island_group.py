@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import socket
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import ray
 import torch
 import torch.distributed as dist
 
+from archipelago.workers.runtime.compiling import compiled_forward
 from archipelago.workers.runtime.fsdp import ShardedParams, shard_model
 from archipelago.workers.runtime.island import Island
 from archipelago.workers.runtime.island_spec import IslandSpec
@@ -82,9 +83,7 @@ class GroupIsland(Island):
             self.flat = ShardedParams(self.model, layout, rank, world)
             self.start = torch.empty(self.flat.numel)  # host memory: the device holds shards only
             self.forward_model = (
-                cast(torch.nn.Module, torch.compile(self.model))
-                if spec.inner.compiles_on(self.device.type)
-                else self.model
+                compiled_forward(self.model) if spec.inner.compiles_on(self.device.type) else self.model
             )
             params: Any = self.model.parameters()
         else:

@@ -120,7 +120,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             if grad_h is not None:
                 grad_h[start:end] = g.to(w.dtype) @ w
             if grad_w is not None:
-                grad_w += g.t() @ h.float()
+                # in the hidden states' dtype (bf16 under autocast: the tensor cores, as the
+                # whole-logits path's weight gradient under autocast), summed in fp32
+                grad_w += (g.to(h.dtype).t() @ h).float()
             if grad_b is not None:
                 grad_b += g.sum(0)
         return (
