@@ -452,6 +452,11 @@ def gpu(quick: bool, work: Path, parts_only: tuple[str, ...] | None = None) -> B
                 result = parts.run(row_name, functools.partial(_run_row, row_name, row, quick, work, peak, datasheet))
                 if result is not None:
                     runs[row_name] = result
+        for p in parts.plan.values():  # the rows `--parts` left out
+            parts.outcomes.setdefault(
+                p.name,
+                {"status": "not run (--parts)", "seconds": None, "budget_s": p.budget_s, "expected_s": p.expected_s},
+            )
     else:
         for p in parts.plan.values():
             parts.outcomes[p.name] = {
