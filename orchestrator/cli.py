@@ -216,6 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run each process once at the config's shapes on this machine's CPU and set its measured "
         "peak beside the plan's (exit 2 if one is more than 25%% away)",
     )
+    plan.add_argument(
+        "--rehearse-rows",
+        type=_two_row_counts,
+        default=None,
+        metavar="R1,R2",
+        help="with --rehearse: rehearse the island at micro-batches of R1 and R2 rows and read its peak at the "
+        "config's own micro-batch off the line through them (a GPU config's micro-batch, too large for this CPU)",
+    )
     registered = _registered()
     for name, command in registered.items():
         HANDLERS[name] = command(sub, common)
@@ -233,6 +241,17 @@ def _not_installed(name: str, distribution: str, how: str) -> Callable[[argparse
         return 2
 
     return handler
+
+
+def _two_row_counts(text: str) -> tuple[int, int]:
+    """Two different positive row counts, "R1,R2" (a flag's value), or the flag's error (exit 2)."""
+    try:
+        rows = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not two whole numbers, R1,R2") from None
+    if len(rows) != 2 or min(rows) < 1 or rows[0] == rows[1]:
+        raise argparse.ArgumentTypeError(f"{text!r} is not two different row counts above 0")
+    return rows[0], rows[1]
 
 
 def _positive(text: str) -> float:
@@ -291,10 +310,19 @@ def _plan(args: argparse.Namespace) -> int:
     sys.stdout.write("\n".join(plan.lines()) + "\n")
     report = plan.as_dict()
     rehearsed_ok = True
+    if args.rehearse_rows and not args.rehearse:
+        log.error("--rehearse-rows scales a rehearsal: give --rehearse with it")
+        return 2
     if args.rehearse:
-        from archipelago.orchestrator.plan.rehearse import TOLERANCE, rehearse
+        from archipelago.orchestrator.plan.rehearse import TOLERANCE, micro_batch_rows, rehearse
 
-        rehearsed = rehearse(plan.config(cfg))
+        if args.rehearse_rows:
+            try:
+                micro_batch_rows(cfg)
+            except ValueError as err:
+                log.error("--rehearse-rows: %s", err)
+                return 2
+        rehearsed = rehearse(plan.config(cfg), args.rehearse_rows)
         sys.stdout.write("rehearsal on this machine's CPU (no Ray):\n")
         sys.stdout.write("".join(f"  {r.line()}\n" for r in rehearsed))
         rehearsed_ok = all(abs(r.ratio - 1) <= TOLERANCE for r in rehearsed)

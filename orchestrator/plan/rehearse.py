@@ -37,18 +37,52 @@ TOLERANCE = 0.25  # a process's measured peak within 25 % of the plan's
 class Rehearsed:
     role: str
     planned: int  # bytes: the plan's peak for this process on this machine
-    measured: int  # bytes: the process's peak resident memory
+    measured: int  # bytes: the process's peak resident memory (or read off the line through `at_rows`)
     seconds: float
+    # an island rehearsed at smaller micro-batches: rows -> its measured peak, and the rows of
+    # the config's own micro-batch that `measured` is read off the line through them at
+    at_rows: dict[int, int] | None = None
+    rows: int | None = None
 
     @property
     def ratio(self) -> float:
         return self.measured / self.planned
 
     def line(self) -> str:
+        scaled = (
+            ""
+            if self.at_rows is None
+            else f"  (at {self.rows} rows a micro-batch, read off the line through "
+            + ", ".join(f"{r} rows {m / GIB:.2f} GiB" for r, m in self.at_rows.items())
+            + ")"
+        )
         return (
             f"{self.role:<12} planned {self.planned / GIB:6.2f} GiB  measured {self.measured / GIB:6.2f} GiB  "
-            f"({self.ratio:.2f}x)  in {self.seconds:.1f} s"
+            f"({self.ratio:.2f}x)  in {self.seconds:.1f} s{scaled}"
         )
+
+
+def micro_batch_rows(cfg: RunConfig) -> int:
+    """The rows of one of the config's micro-batches (its task's `batch_size` over
+    `inner.micro_batches`); ValueError for a task without a `batch_size`."""
+    rows = cfg.task.kwargs.get("batch_size")
+    if not isinstance(rows, int):
+        raise ValueError(f"{cfg.task.factory} takes no integer batch_size: its micro-batch cannot be scaled")
+    return rows // cfg.inner.micro_batches
+
+
+def at_rows(cfg: RunConfig, rows: int) -> RunConfig:
+    """`cfg` with one micro-batch of `rows` rows a step (everything else as it is)."""
+    task = cfg.task.model_copy(update={"kwargs": {**cfg.task.kwargs, "batch_size": rows}})
+    return cfg.model_copy(update={"task": task, "inner": cfg.inner.model_copy(update={"micro_batches": 1})})
+
+
+def on_the_line(peaks: dict[int, int], rows: int) -> int:
+    """The peak at `rows` rows on the line through two measured (rows, peak): a step's
+    activations grow with the rows of its micro-batch, everything else (parameters,
+    gradients, optimizer state, copies, the runtime) does not."""
+    (r1, m1), (r2, m2) = sorted(peaks.items())
+    return int(m1 + (m2 - m1) * (rows - r1) / (r2 - r1))
 
 
 def _peak() -> int:
@@ -131,9 +165,12 @@ def rehearse_role(cfg: RunConfig, role: str, timeout_s: float = 1800) -> Fresh:
     return Fresh("archipelago.orchestrator.plan.rehearse", role, stdin=cfg.model_dump_json(), timeout_s=timeout_s)
 
 
-def rehearse(cfg: RunConfig) -> list[Rehearsed]:
+def rehearse(cfg: RunConfig, scale_rows: tuple[int, int] | None = None) -> list[Rehearsed]:
     """Each of the run's processes rehearsed beside its plan on this machine (no Ray), with
-    the codecs that plan chose where `cfg` left them `auto`."""
+    the codecs that plan chose where `cfg` left them `auto`. `scale_rows`: a micro-batch
+    too large to train on this CPU (a GPU config's 16 rows of 1,024 tokens) — the island is
+    rehearsed at micro-batches of these two row counts instead, and its peak at the config's
+    own is read off the line through them (`on_the_line`)."""
     from archipelago.orchestrator.plan.cluster import this_machine
     from archipelago.orchestrator.plan.planner import on_cpu, plan_run
 
@@ -143,13 +180,34 @@ def rehearse(cfg: RunConfig) -> list[Rehearsed]:
     planned = {n.process: n.total for n in plan.needs if n.memory == "host"}
     roles = ["island", "coordinator"] + (["evaluator"] if cfg.evaluation.where == EvalPlace.ACTOR else [])
     # side by side, as they run: each peak is its own process's; the seconds include the sharing
-    started = [rehearse_role(cfg, role) for role in roles]
+    runs = [(role, cfg) for role in roles if not (role == "island" and scale_rows)]
+    runs += [("island", at_rows(cfg, r)) for r in scale_rows or ()]
+    started = [rehearse_role(c, role) for role, c in runs]
     out = []
+    scaled: dict[int, int] = {}
+    island_s = 0.0
     try:
-        for role, process in zip(roles, started):
+        for (role, c), process in zip(runs, started):
             got = process.result()
+            if role == "island" and scale_rows:
+                scaled[micro_batch_rows(c)] = got["peak"]
+                island_s = max(island_s, got["seconds"])
+                continue
             key = {"island": "island worker"}.get(role, role)
             out.append(Rehearsed(role=role, planned=planned[key], measured=got["peak"], seconds=got["seconds"]))
+        if scale_rows:
+            rows = micro_batch_rows(cfg)
+            out.insert(
+                0,
+                Rehearsed(
+                    role="island",
+                    planned=planned["island worker"],
+                    measured=on_the_line(scaled, rows),
+                    seconds=island_s,
+                    at_rows=scaled,
+                    rows=rows,
+                ),
+            )
     finally:
         for process in started:  # the others, when one failed
             process.cancel()
