@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from archipelago.orchestrator.cli import main
+from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.plan.cluster import ClusterError, from_manifest, quantity
 
 REPO = Path(__file__).resolve().parents[1]
@@ -549,3 +550,19 @@ def test_a_run_over_a_slow_stated_link_trains_with_the_codecs_its_plan_chose(tmp
         ]
     )
     assert code == 2
+
+
+def test_a_micro_batch_is_read_off_the_line_through_two_and_the_flag_is_checked(capsys, tmp_path):
+    from archipelago.orchestrator.plan.rehearse import at_rows, micro_batch_rows, on_the_line
+
+    assert on_the_line({4: 6 * 2**30, 6: 7 * 2**30}, 16) == 12 * 2**30
+    assert on_the_line({6: 7 * 2**30, 4: 6 * 2**30}, 4) == 6 * 2**30  # either order
+    cfg = load_config(LLAMA, [])
+    assert micro_batch_rows(cfg) == 16 and micro_batch_rows(at_rows(cfg, 4)) == 4
+    assert at_rows(cfg, 4).inner.micro_batches == 1 and at_rows(cfg, 4).inner.precision == cfg.inner.precision
+    code, lines, _ = _plan(capsys, tmp_path, "--rehearse-rows", "4,6", LLAMA)
+    assert code == 2 and any("give --rehearse with it" in line for line in lines)
+    for bad in ("4", "4,4", "0,2", "a,b"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["plan", "--rehearse", "--rehearse-rows", bad, LLAMA])
+        assert exit_.value.code == 2
