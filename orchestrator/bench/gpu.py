@@ -90,10 +90,12 @@ ASSUMED_DEVICE = "NVIDIA H200"  # what `--dry-run` plans for on a machine withou
 # The expected-time model (`--dry-run`; each part's measured seconds are reported beside it):
 # a step is 6 N FLOPs a token at ASSUMED_MFU of the datasheet peak, islands sharing a GPU take
 # their turns, and each process pays a fixed start and each compiled model a compilation.
+# The fixed costs are those of the H200 run of 2026-11-30 (docs/benchmark-findings.md), which
+# the first guesses (15, 25 and 45 s) had at 422 s against its measured 343.
 ASSUMED_MFU = 0.30
-RAY_START_S = 15.0  # Ray's local instance, once
-RUN_START_S = 25.0  # a run's coordinator, islands and evaluator started, its data prepared
-COMPILE_S = 45.0  # Inductor compiling one model's forward and backward (islands in parallel)
+RAY_START_S = 6.0  # Ray's local instance, once
+RUN_START_S = 40.0  # a run's actors started, its data and tokenizer prepared, its first evaluation
+COMPILE_S = 15.0  # Inductor compiling one model's block, forward and backward (islands in parallel)
 EVAL_S = 5.0  # one evaluation of the eval set on the GPU
 
 
