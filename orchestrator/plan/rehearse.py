@@ -147,9 +147,17 @@ def _coordinator(cfg: RunConfig) -> None:
 
 def _evaluator(cfg: RunConfig) -> None:
     from archipelago.orchestrator.runtime.evaluator import EvaluationWorker
+    from archipelago.workers.tasks.task import PlannableTask
 
     worker = EvaluationWorker(cfg)
+    held = worker.batches  # the whole evaluation set stays held, as in a run
+    if isinstance(worker.task, PlannableTask):
+        # a task that evaluates `eval_rows` rows a forward peaks in each forward alike: the
+        # first one's rows are evaluated, not the whole set (16 forwards of the flagship's)
+        rows = worker.task.eval_rows()
+        worker.batches = [tuple(t[:rows] for t in held[0])]
     worker.evaluate(worker.flat.numpy())
+    del held
 
 
 def _main(role: str) -> None:
