@@ -239,3 +239,16 @@ def coordinator_plan(cfg: RunConfig, params: int = 1000) -> Any:
         eval_rows=1, eval_peak=0, eval_set=0, measure_s=0.0,
     )  # fmt: skip
     return next(n for n in make_plan(cfg, model, this_machine()).needs if n.process == "coordinator")
+
+
+def is_compiled(forward) -> bool:
+    """Whether `forward` (what `workers/runtime/compiling.compiled_forward` returned, or a
+    plain model) runs compiled: a whole-model wrapper, or every repeated block compiled in place."""
+    import torch
+
+    from archipelago.workers.runtime.compiling import repeated_blocks
+
+    if isinstance(forward, torch._dynamo.eval_frame.OptimizedModule):
+        return True
+    blocks = repeated_blocks(forward)
+    return bool(blocks) and all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)

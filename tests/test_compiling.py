@@ -10,8 +10,9 @@ import torch
 from torch import nn
 from torch._dynamo.testing import CompileCounter
 
-from archipelago.workers.runtime.compiling import compiled_forward, is_compiled, repeated_blocks
+from archipelago.workers.runtime.compiling import compiled_forward, repeated_blocks
 from archipelago.workers.tasks.chunked_loss import causal_lm_train_loss
+from tests.helpers import is_compiled
 
 
 def _tiny_llama() -> nn.Module:

@@ -12,9 +12,8 @@ import torch
 
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.specs import island_spec
-from archipelago.workers.runtime.compiling import is_compiled
 from archipelago.workers.runtime.island import Island
-from tests.helpers import TINY_LM
+from tests.helpers import TINY_LM, is_compiled
 
 pytestmark = pytest.mark.cuda
 

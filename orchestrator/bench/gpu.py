@@ -28,6 +28,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import statistics
 import threading
 import time
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from archipelago.orchestrator.bench.report import BenchResult, md_table
+from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.config_load import load_config
 
 log = logging.getLogger(__name__)
@@ -121,22 +123,34 @@ def peak_bf16_flops(size: int = 8192, repeats: int = 20) -> float:
     return 2 * size**3 * repeats / (time.perf_counter() - t0)
 
 
+def tokens_per_step(cfg: RunConfig) -> int:
+    """Tokens in one inner step of `cfg`'s task (its batch's rows times its context)."""
+    return int(cfg.task.kwargs["batch_size"]) * int(cfg.task.kwargs["context"])
+
+
 @dataclass(frozen=True, kw_only=True)
 class Row:
-    """One run of the product on the GPU."""
+    """One run of the product on the GPU; its islands and GPUs are its config's."""
 
     description: str
     overrides: list[str]
     approx_params: int  # the model's, for the expected-time model (a run counts its own)
-    islands: int
-    devices: int  # GPUs the row's islands use
     budget_s: float
 
+    @functools.cached_property
+    def config(self) -> RunConfig:
+        return load_config(None, [*COMMON, *self.overrides])
+
     @property
-    def tokens_per_step(self) -> int:
-        cfg = load_config(None, [*COMMON, *self.overrides])
-        kwargs = cfg.task.kwargs
-        return int(kwargs["batch_size"]) * int(kwargs["context"])
+    def islands(self) -> int:
+        return self.config.islands.count
+
+    @property
+    def devices(self) -> int:
+        """The GPUs the row's islands use (the evaluation actor fits in what they leave), at
+        least the one the scenario runs on."""
+        i = self.config.islands
+        return max(1, math.ceil(round(i.count * i.workers * i.gpus, 6)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,24 +176,18 @@ def rows(quick: bool, gpus: int) -> dict[str, Row]:
             description="GPT-2 small (124 M), 1 island on 1 GPU",
             overrides=[*GPT2_124M, "islands.count=1", "islands.gpus=0.8"],
             approx_params=124_439_808,
-            islands=1,
-            devices=1,
             budget_s=130.0,
         ),
         "gpt_4x0.2gpu": Row(
             description="default GPT (25.6 M), 4 islands sharing 1 GPU",
             overrides=[*GPT, "islands.count=4", "islands.gpus=0.2"],
             approx_params=25_613_312,
-            islands=4,
-            devices=1,
             budget_s=100.0,
         ),
         "llama_4x0.2gpu": Row(
             description="HF Llama (77 M), 4 islands sharing 1 GPU",
             overrides=[*LLAMA, "islands.count=4", "islands.gpus=0.2"],
             approx_params=77_089_536,
-            islands=4,
-            devices=1,
             budget_s=110.0,
         ),
     }
@@ -188,8 +196,6 @@ def rows(quick: bool, gpus: int) -> dict[str, Row]:
             description="HF Llama, 1 island of 2 FSDP2 workers (2 GPUs)",
             overrides=[*LLAMA, "islands.count=1", "islands.workers=2", "islands.gpus=0.9", "islands.sharding=fsdp"],
             approx_params=77_089_536,
-            islands=1,
-            devices=2,
             budget_s=90.0,
         )
     return table
@@ -210,7 +216,7 @@ def plan_parts(quick: bool, gpus: int, peak: float) -> list[Part]:
     from archipelago.orchestrator.bench import bareloop
 
     steps, alternations = bareloop.sizes(quick)
-    bare_tokens = 32 * 512  # bareloop.CUDA_BATCH
+    bare_tokens = tokens_per_step(load_config(None, [*bareloop.GPT_25M, *bareloop.CUDA_BATCH]))
     bare_steps = 2 * (2 + alternations * steps)  # warm-up and alternations, island and bare loop
     parts = [
         Part(name="peak", description="bf16 matmul peak", budget_s=15.0, expected_s=3.0),
@@ -230,7 +236,9 @@ def plan_parts(quick: bool, gpus: int, peak: float) -> list[Part]:
     ]
     rounds, h = _rounds(quick)
     for name, row in rows(quick, gpus).items():
-        train = rounds * h * row.islands * step_seconds(row.approx_params, row.tokens_per_step, peak) / row.devices
+        train = (
+            rounds * h * row.islands * step_seconds(row.approx_params, tokens_per_step(row.config), peak) / row.devices
+        )
         parts.append(
             Part(
                 name=name,
@@ -307,29 +315,32 @@ class _Parts:
         return time.perf_counter() - self.t0
 
 
-def _stop_after(budget_s: float) -> threading.Timer:
-    """A timer that stops the run going on when `budget_s` ends: at its round's end, and,
-    if it has not ended a minute later, at once (the summary and records are written
-    either way)."""
-    import ray
+class _Deadline:
+    """Stops the run going on when `budget_s` ends: at its round's end, and, if it has not
+    ended a minute later, at once (its summary and records are written either way).
+    `cancel` once the run is over, so neither stop reaches the next run."""
 
-    from archipelago.orchestrator.engine.commands import Stop
-    from archipelago.orchestrator.runtime.names import NAMESPACE, run_id_of_coordinator
+    AGAIN_S = 60.0
 
-    def stop(now: bool) -> None:
-        for actor in ray.util.list_named_actors(all_namespaces=True):
-            if actor["namespace"] == NAMESPACE and run_id_of_coordinator(actor["name"]) is not None:
-                log.warning("bench gpu: the run's budget is spent; stopping it%s", " now" if now else "")
-                ray.get_actor(actor["name"], namespace=NAMESPACE).submit.remote(Stop(now=now))
-        if not now:
-            again = threading.Timer(60.0, stop, args=(True,))
-            again.daemon = True
-            again.start()
+    def __init__(self, budget_s: float) -> None:
+        self.over = threading.Event()
+        threading.Thread(target=self._watch, args=(budget_s,), daemon=True, name="bench-deadline").start()
 
-    timer = threading.Timer(budget_s, stop, args=(False,))
-    timer.daemon = True
-    timer.start()
-    return timer
+    def cancel(self) -> None:
+        self.over.set()
+
+    def _watch(self, budget_s: float) -> None:
+        from archipelago.api.handle import HandleError, RayRunHandle, find_run
+        from archipelago.orchestrator.engine.commands import Stop
+
+        for now, wait_s in ((False, budget_s), (True, self.AGAIN_S)):
+            if self.over.wait(wait_s):
+                return
+            log.warning("bench gpu: the run's budget is spent; stopping it%s", " now" if now else "")
+            try:
+                RayRunHandle(find_run()).submit(Stop(now=now))
+            except (LookupError, ValueError, HandleError) as err:  # not started yet, or already gone
+                log.warning("bench gpu: could not stop the run: %s", err)
 
 
 def steady_rates(out_dir: str) -> dict[str, Any]:
@@ -370,11 +381,11 @@ def _run_row(
     from archipelago.orchestrator.runtime.driver import run
 
     cfg = load_config(None, [*base_overrides(quick), *row.overrides, f"out_dir={work / name}"])
-    timer = _stop_after(budget_s)
+    deadline = _Deadline(budget_s)
     try:
         s = run(cfg, show_progress=False)
     finally:
-        timer.cancel()
+        deadline.cancel()
     rates = steady_rates(s["out_dir"])
     whole = s["tokens"] / s["train_seconds"]
     steady = rates["tokens_per_s"] is not None

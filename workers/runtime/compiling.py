@@ -45,11 +45,3 @@ def compiled_forward(model: nn.Module, *, backend: Any = "inductor") -> nn.Modul
     for block in blocks:
         block.compile(backend=backend)
     return model
-
-
-def is_compiled(forward: nn.Module) -> bool:
-    """Whether `forward` (what `compiled_forward` returned, or a plain model) runs compiled."""
-    if isinstance(forward, torch._dynamo.eval_frame.OptimizedModule):
-        return True
-    blocks = repeated_blocks(forward)
-    return bool(blocks) and all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
