@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from archipelago.workers.tasks.chunked_loss import ChunkedCrossEntropy, causal_lm_train_loss
 
@@ -107,20 +108,53 @@ def test_no_operation_allocates_the_whole_logits():
     assert chunked <= logits_bytes / 8, (chunked, whole)
 
 
-def test_under_bf16_autocast_the_chunked_gradients_are_the_whole_ones_to_bf16_rounding():
-    """The weight's gradient is taken in the hidden states' dtype (bf16: the tensor cores) and
-    summed in fp32, as the whole-logits path's is under autocast."""
+class _MatmulDtypes(TorchDispatchMode):
+    """The input dtypes of every matmul dispatched inside it, forward and backward alike."""
+
+    MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[torch.dtype, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.MATMULS:
+            self.seen.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_under_bf16_autocast_every_matmul_of_the_head_is_bf16_and_the_gradients_the_whole_ones(with_bias):
+    """A body ending in a norm returns fp32 hidden states under autocast (the norm runs in
+    fp32), and autograd runs a Function's backward outside autocast: the head's matmuls
+    still run in bf16 (the tensor cores), forward and backward, the weight's gradient summed
+    in fp32, and the gradients are the whole-logits path's under autocast to bf16 rounding."""
     torch.manual_seed(2)
     hidden = torch.randn(4, 64, 32, requires_grad=True)
     weight = torch.randn(257, 32, requires_grad=True)
+    bias = torch.randn(257, requires_grad=True) if with_bias else None
     labels = torch.randint(0, 257, (4, 64))
+    leaves = [hidden, weight] + ([bias] if with_bias else [])
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        h = hidden.to(torch.bfloat16)  # the body's output under autocast
-        want = _whole(h, weight, None, labels)
-        got = ChunkedCrossEntropy.apply(h, weight, None, labels, 50, -100)
-    wg, ww = torch.autograd.grad(want, [hidden, weight], retain_graph=True)
-    gg, gw = torch.autograd.grad(got, [hidden, weight])
+        want = _whole(hidden, weight, bias, labels)
+        with _MatmulDtypes() as forward:
+            got = ChunkedCrossEntropy.apply(hidden, weight, bias, labels, 50, -100)
+    wanted = torch.autograd.grad(want, leaves)
+    with _MatmulDtypes() as backward:
+        mine = torch.autograd.grad(got, leaves)
+    assert forward.seen and backward.seen
+    assert {d for dtypes in forward.seen + backward.seen for d in dtypes} == {torch.bfloat16}
     assert float(got) == pytest.approx(float(want), rel=1e-2)
-    torch.testing.assert_close(gw, ww, rtol=5e-2, atol=5e-3)
-    torch.testing.assert_close(gg, wg, rtol=5e-2, atol=5e-3)
-    assert gw.dtype == torch.float32
+    for a, b in zip(mine, wanted):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-3)
+
+
+def test_without_autocast_the_head_runs_in_the_hidden_states_dtype():
+    """fp32 in, fp32 matmuls: the fp32 path (the default run's precision) is not lowered."""
+    hidden = torch.randn(2, 8, 16, requires_grad=True)
+    weight = torch.randn(33, 16, requires_grad=True)
+    with _MatmulDtypes() as seen:
+        loss = ChunkedCrossEntropy.apply(hidden, weight, None, torch.randint(0, 33, (2, 8)), 5, -100)
+        torch.autograd.grad(loss, [hidden, weight])
+    assert seen.seen and {d for dtypes in seen.seen for d in dtypes} == {torch.float32}

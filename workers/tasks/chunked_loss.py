@@ -56,23 +56,39 @@ def _token_loss_sum(
 ) -> torch.Tensor:
     """The sum (float64) of the cross-entropy over every position, `tokens` positions of
     logits at a time, each position's log-sum-exp kept in `lse` if given (training's
-    backward reads it). The one chunked forward evaluation and training share."""
+    backward reads it). The one chunked forward evaluation and training share. A
+    position's loss is its log-sum-exp less its label's logit: one pass over the logits
+    for the log-sum-exp, where `cross_entropy` would take its own log-softmax besides."""
     flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    w, b = weight.to(hidden.dtype), _in(bias, hidden)
+    dtype = _matmul_dtype(hidden)
+    w, b = weight.to(dtype), _as(bias, dtype)
     total = torch.zeros((), dtype=torch.float64, device=hidden.device)
     for start in range(0, flat_y.numel(), tokens):
         end = min(start + tokens, flat_y.numel())
-        logits = F.linear(flat_h[start:end], w, b).float()
+        y = flat_y[start:end]
+        logits = F.linear(flat_h[start:end].to(dtype), w, b).float()
+        chunk_lse = torch.logsumexp(logits, dim=-1)
         if lse is not None:
-            lse[start:end] = torch.logsumexp(logits, dim=-1)
-        total += F.cross_entropy(logits, flat_y[start:end], reduction="sum", ignore_index=ignore_index).double()
+            lse[start:end] = chunk_lse
+        kept = y != ignore_index
+        picked = logits.gather(1, torch.where(kept, y, 0)[:, None]).squeeze(1)
+        total += ((chunk_lse - picked) * kept).sum().double()
     return total
 
 
-def _in(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
-    """`t` in `like`'s dtype: the hidden states' (bf16 under autocast) in forward and in
-    backward alike, where autocast no longer casts the output layer's fp32 weight."""
-    return None if t is None else t.to(like.dtype)
+def _matmul_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the output layer's matmuls run in: autocast's where it is on (bf16: the
+    tensor cores), else the hidden states'. Read in forward and kept for backward, which
+    autograd runs outside autocast; applied to the hidden states as well as the weight,
+    because a body that ends in a norm returns fp32 hidden states under autocast, and the
+    head's backward then ran three fp32 matmuls a chunk (the 124 M GPT-2 on an H200: the
+    head 70 % of a step's device time, its matmuls fp32)."""
+    kind = hidden.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
+
+
+def _as(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(dtype)
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
@@ -97,32 +113,32 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         # (the plan's measurement) has no value to read
         count = (flat_y != ignore_index).sum().clamp_min(1)
         ctx.save_for_backward(hidden, weight, bias, labels, lse, count)
-        ctx.tokens, ctx.ignore_index = tokens, ignore_index
+        ctx.tokens, ctx.ignore_index, ctx.dtype = tokens, ignore_index, _matmul_dtype(hidden)
         return (total / count).float()
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, labels, lse, count = ctx.saved_tensors
         flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-        w, b = weight.to(hidden.dtype), _in(bias, hidden)
+        w, b = weight.to(ctx.dtype), _as(bias, ctx.dtype)
         scale = grad_out.float() / count
         grad_h = torch.empty_like(flat_h) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
         for start in range(0, flat_y.numel(), ctx.tokens):
             end = min(start + ctx.tokens, flat_y.numel())
-            h, y = flat_h[start:end], flat_y[start:end]
+            h, y = flat_h[start:end].to(ctx.dtype), flat_y[start:end]
             # d loss / d logits = (softmax − one-hot) × scale, at labelled positions only
-            g = torch.exp(F.linear(h, w, b).float() - lse[start:end, None])
+            g = F.linear(h, w, b).float().sub_(lse[start:end, None]).exp_()
             kept = (y != ctx.ignore_index)[:, None]
             g.scatter_add_(1, torch.where(kept, y[:, None], 0), -kept.to(g.dtype))
             g *= kept * scale
+            # the matmuls in forward's dtype (bf16 under autocast), the weight's sum in fp32
+            g_low = g.to(ctx.dtype)
             if grad_h is not None:
-                grad_h[start:end] = g.to(w.dtype) @ w
+                grad_h[start:end] = g_low @ w
             if grad_w is not None:
-                # in the hidden states' dtype (bf16 under autocast: the tensor cores, as the
-                # whole-logits path's weight gradient under autocast), summed in fp32
-                grad_w += (g.to(h.dtype).t() @ h).float()
+                grad_w += (g_low.t() @ h).float()
             if grad_b is not None:
                 grad_b += g.sum(0)
         return (
