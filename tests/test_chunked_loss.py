@@ -109,17 +109,19 @@ def test_no_operation_allocates_the_whole_logits():
 
 
 class _MatmulDtypes(TorchDispatchMode):
-    """The input dtypes of every matmul dispatched inside it, forward and backward alike."""
+    """The input dtypes and shapes of every matmul dispatched inside it, forward and backward alike."""
 
     MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
 
     def __init__(self):
         super().__init__()
         self.seen: list[tuple[torch.dtype, ...]] = []
+        self.shapes: list[tuple[int, ...]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in self.MATMULS:
             self.seen.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+            self.shapes.append(tuple(n for a in args if isinstance(a, torch.Tensor) for n in a.shape))
         return func(*args, **(kwargs or {}))
 
 
@@ -128,7 +130,9 @@ def test_under_bf16_autocast_every_matmul_of_the_head_is_bf16_and_the_gradients_
     """A body ending in a norm returns fp32 hidden states under autocast (the norm runs in
     fp32), and autograd runs a Function's backward outside autocast: the head's matmuls
     still run in bf16 (the tensor cores), forward and backward, the weight's gradient summed
-    in fp32, and the gradients are the whole-logits path's under autocast to bf16 rounding."""
+    in fp32, and the gradients are the whole-logits path's under autocast to bf16 rounding.
+    The vocabulary (257) is padded to a multiple of 64 in every matmul, the tensor cores'
+    alignment, and the padding changes nothing."""
     torch.manual_seed(2)
     hidden = torch.randn(4, 64, 32, requires_grad=True)
     weight = torch.randn(257, 32, requires_grad=True)
@@ -144,6 +148,8 @@ def test_under_bf16_autocast_every_matmul_of_the_head_is_bf16_and_the_gradients_
         mine = torch.autograd.grad(got, leaves)
     assert forward.seen and backward.seen
     assert {d for dtypes in forward.seen + backward.seen for d in dtypes} == {torch.bfloat16}
+    # the head's rows padded from 257 to 320 (a multiple of 64): no matmul sees the odd width
+    assert all(320 in dims and 257 not in dims for dims in forward.shapes + backward.shapes)
     assert float(got) == pytest.approx(float(want), rel=1e-2)
     for a, b in zip(mine, wanted):
         assert a.dtype == torch.float32
@@ -151,10 +157,11 @@ def test_under_bf16_autocast_every_matmul_of_the_head_is_bf16_and_the_gradients_
 
 
 def test_without_autocast_the_head_runs_in_the_hidden_states_dtype():
-    """fp32 in, fp32 matmuls: the fp32 path (the default run's precision) is not lowered."""
+    """fp32 in, fp32 matmuls: the fp32 path (the default run's precision) is neither lowered nor padded."""
     hidden = torch.randn(2, 8, 16, requires_grad=True)
     weight = torch.randn(33, 16, requires_grad=True)
     with _MatmulDtypes() as seen:
         loss = ChunkedCrossEntropy.apply(hidden, weight, None, torch.randint(0, 33, (2, 8)), 5, -100)
         torch.autograd.grad(loss, [hidden, weight])
     assert seen.seen and {d for dtypes in seen.seen for d in dtypes} == {torch.float32}
+    assert all(33 in dims and 64 not in dims for dims in seen.shapes)  # nor padded: no tensor cores to align for

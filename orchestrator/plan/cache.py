@@ -1,7 +1,7 @@
 """The plan's measurement of a model, cached on disk per shape.
 
 The measurement (`measure.py`) depends only on the task, the inner loop's memory-shaping
-settings and torch's version, so it is cached under that key: the first plan
+settings and torch's and archipelago's versions, so it is cached under that key: the first plan
 or run of a config pays seconds (torch imported, fake tensors, a fresh interpreter's
 baseline), every later one with the same shapes reads a file and imports nothing heavy.
 """
@@ -21,7 +21,7 @@ from archipelago.orchestrator.plan.memory import ModelMemory
 
 log = logging.getLogger(__name__)
 
-FORMAT = 4  # the measurement's fields; a cached one of another format is measured again
+FORMAT = 5  # the measurement's fields and what it holds; a cached one of another format is measured again
 
 
 def _cache_dir() -> Path:
@@ -39,14 +39,18 @@ def _cache_dir() -> Path:
 _INNER_SHAPES = ("optimizer", "momentum", "precision", "micro_batches", "compile")
 
 
-def _key(cfg: RunConfig) -> str:
+def _version(dist: str) -> str:
     try:
-        torch_version = importlib.metadata.version("torch")
+        return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
-        torch_version = "?"
+        return "?"
+
+
+def _key(cfg: RunConfig) -> str:
     shape = {
         "format": FORMAT,
-        "torch": torch_version,
+        "torch": _version("torch"),
+        "archipelago": _version("archipelago"),  # an upgrade may change what a step holds
         "task": cfg.task.model_dump(mode="json"),
         "inner": {k: getattr(cfg.inner, k) for k in _INNER_SHAPES},
         "clipped": cfg.inner.grad_clip is not None,

@@ -56,23 +56,18 @@ def _token_loss_sum(
 ) -> torch.Tensor:
     """The sum (float64) of the cross-entropy over every position, `tokens` positions of
     logits at a time, each position's log-sum-exp kept in `lse` if given (training's
-    backward reads it). The one chunked forward evaluation and training share. A
-    position's loss is its log-sum-exp less its label's logit: one pass over the logits
-    for the log-sum-exp, where `cross_entropy` would take its own log-softmax besides."""
+    backward reads it). The one chunked forward evaluation and training share."""
     flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     dtype = _matmul_dtype(hidden)
-    w, b = weight.to(dtype), _as(bias, dtype)
+    w, b = _head(weight, bias, dtype)
+    vocab = weight.shape[0]
     total = torch.zeros((), dtype=torch.float64, device=hidden.device)
     for start in range(0, flat_y.numel(), tokens):
         end = min(start + tokens, flat_y.numel())
-        y = flat_y[start:end]
-        logits = F.linear(flat_h[start:end].to(dtype), w, b).float()
-        chunk_lse = torch.logsumexp(logits, dim=-1)
+        logits = F.linear(flat_h[start:end].to(dtype), w, b)[:, :vocab].float()
         if lse is not None:
-            lse[start:end] = chunk_lse
-        kept = y != ignore_index
-        picked = logits.gather(1, torch.where(kept, y, 0)[:, None]).squeeze(1)
-        total += ((chunk_lse - picked) * kept).sum().double()
+            lse[start:end] = torch.logsumexp(logits, dim=-1)
+        total += F.cross_entropy(logits, flat_y[start:end], reduction="sum", ignore_index=ignore_index).double()
     return total
 
 
@@ -87,8 +82,32 @@ def _matmul_dtype(hidden: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
 
 
-def _as(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if t is None else t.to(dtype)
+_ALIGN = 64
+
+
+def _head(
+    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output layer in `dtype`; in a 16-bit dtype its rows zero-padded to a multiple of
+    64. A vocabulary such as GPT-2's 50,257 makes the logits' rows an odd width, and cuBLAS
+    then leaves the tensor-core kernels it uses for aligned 16-bit shapes (on an H200 the
+    head's bf16 matmuls ran Ampere's CUTLASS kernels at ~95 TFLOP/s); the padded rows'
+    logits are sliced off and their gradients are zero, so nothing else changes. fp32 is
+    left unpadded: no tensor cores to align for, and the copies would cost memory."""
+    pad = -weight.shape[0] % _ALIGN if dtype.itemsize == 2 else 0
+    w = F.pad(weight.to(dtype), (0, 0, 0, pad)) if pad else weight.to(dtype)
+    b = None if bias is None else F.pad(bias.to(dtype), (0, pad)) if pad else bias.to(dtype)
+    return w, b
+
+
+def _widened(g: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """`g` in `dtype` with zero columns up to `width` (the padded head's rows)."""
+    if g.shape[1] == width:
+        return g.to(dtype)
+    out = g.new_empty((g.shape[0], width), dtype=dtype)
+    out[:, : g.shape[1]] = g
+    out[:, g.shape[1] :] = 0
+    return out
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
@@ -120,7 +139,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, labels, lse, count = ctx.saved_tensors
         flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-        w, b = weight.to(ctx.dtype), _as(bias, ctx.dtype)
+        w, b = _head(weight, bias, ctx.dtype)
+        vocab = weight.shape[0]
         scale = grad_out.float() / count
         grad_h = torch.empty_like(flat_h) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
@@ -129,16 +149,16 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             end = min(start + ctx.tokens, flat_y.numel())
             h, y = flat_h[start:end].to(ctx.dtype), flat_y[start:end]
             # d loss / d logits = (softmax − one-hot) × scale, at labelled positions only
-            g = F.linear(h, w, b).float().sub_(lse[start:end, None]).exp_()
+            g = F.linear(h, w, b)[:, :vocab].float().sub_(lse[start:end, None]).exp_()
             kept = (y != ctx.ignore_index)[:, None]
             g.scatter_add_(1, torch.where(kept, y[:, None], 0), -kept.to(g.dtype))
             g *= kept * scale
             # the matmuls in forward's dtype (bf16 under autocast), the weight's sum in fp32
-            g_low = g.to(ctx.dtype)
+            g_low = _widened(g, w.shape[0], ctx.dtype)
             if grad_h is not None:
                 grad_h[start:end] = g_low @ w
             if grad_w is not None:
-                grad_w += (g_low.t() @ h).float()
+                grad_w += (g_low.t() @ h)[:vocab].float()
             if grad_b is not None:
                 grad_b += g.sum(0)
         return (
