@@ -1,7 +1,8 @@
-"""The island compiles its model's repeated blocks in place, so every path through them runs
-compiled: the Hugging Face task's chunked training loss, which calls the model's body and
-not the model, ran uncompiled under a whole-model wrapper. Counted here with Dynamo's
-counting backend (nothing is code-generated)."""
+"""The island compiles a Hugging Face model's repeated blocks in place, so every path through
+them runs compiled: the task's chunked training loss, which calls the model's body and not
+the model, ran uncompiled under a whole-model wrapper. A model without a body of its own
+(the default GPT, whose loss calls it) is compiled whole: one graph, faster for a small
+model's step. Counted here with Dynamo's counting backend (nothing is code-generated)."""
 
 from __future__ import annotations
 
@@ -72,4 +73,19 @@ def test_a_model_without_repeated_blocks_is_compiled_whole():
     forward = compiled_forward(model, backend=counter)
     assert forward is not model and is_compiled(forward) and not is_compiled(model)
     forward(torch.randn(3, 4))
+    assert counter.frame_count == 1
+
+
+def test_the_default_gpt_whose_loss_calls_it_is_compiled_whole_in_one_graph():
+    """Its blocks repeat, but it has no body of its own: a wrapper, one frame for the model."""
+    from archipelago.workers.tasks.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(context=16, d_model=32, n_layers=4, n_heads=2))
+    assert len(repeated_blocks(model)) == 4
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    forward = compiled_forward(model, backend=counter)
+    assert forward is not model and is_compiled(forward)
+    assert not any(getattr(b, "_compiled_call_impl", None) for b in repeated_blocks(model))
+    forward(torch.randint(0, 256, (2, 16))).sum().backward()
     assert counter.frame_count == 1
