@@ -190,8 +190,11 @@ def test_a_gpu_island_that_does_not_fit_its_accelerator_is_refused_by_how_much(c
             [str(REPO / "k8s" / "config" / "run-config.yaml")],
             CLUSTER,
         ),  # the default's model: planned only
-        # the real 120 M architecture, vocabulary and context; C4 and GPT-2's tokenizer replaced by
-        # the stdlib corpus and a trained tokenizer (ids below the vocabulary); fp32 on this CPU
+        # the real 120 M architecture, vocabulary, context, precision (bf16) and micro-batch (16
+        # rows), rehearsed as they are; C4 and GPT-2's tokenizer replaced by the stdlib corpus and
+        # a trained tokenizer (ids below the vocabulary). One micro-batch of 16 rows a step
+        # instead of the shipped 4: the island's peak is one micro-batch's (gradients accumulate
+        # in place), and the evaluation set (a batch's rows) a quarter
         (
             "llama-120m",
             [
@@ -201,13 +204,11 @@ def test_a_gpu_island_that_does_not_fit_its_accelerator_is_refused_by_how_much(c
                 "--set",
                 "task.kwargs.tokenizer=null",
                 "--set",
-                "task.kwargs.batch_size=1",
+                "task.kwargs.batch_size=16",
                 "--set",
                 "inner.micro_batches=1",
                 "--set",
                 "task.kwargs.eval_batches=1",
-                "--set",
-                "inner.precision=fp32",
                 "--set",
                 "islands.threads=2",
                 "--set",
@@ -542,6 +543,26 @@ def test_a_run_over_a_slow_stated_link_trains_with_the_codecs_its_plan_chose(tmp
         ]
     )
     assert code == 2
+
+
+def test_the_rehearsals_processes_run_with_the_allocators_mmap_threshold_fixed(monkeypatch):
+    """Each rehearsed process gets `ALLOCATOR_ENV` added to its environment: with glibc's
+    adaptive threshold a peak depended on timing (the flagship's island 6.27 and 6.59 GiB at
+    the same 4 rows), with it fixed the same to the MB (docs/operations.md)."""
+    from archipelago.orchestrator.plan import rehearse
+    from archipelago.orchestrator.plan.fresh import Fresh
+
+    assert rehearse.ALLOCATOR_ENV == {"MALLOC_MMAP_THRESHOLD_": "131072"}
+    started: list[dict] = []
+
+    class Recorded(Fresh):
+        def __init__(self, module, *args, **kwargs):
+            started.append(kwargs["env"])
+            super().__init__("tests.env_probe", *rehearse.ALLOCATOR_ENV, env=kwargs["env"])
+
+    monkeypatch.setattr(rehearse, "Fresh", Recorded)  # the process started is a probe of its environment
+    got = rehearse.rehearse_role(load_config(None, []), "island").result()
+    assert started == [rehearse.ALLOCATOR_ENV] and got == rehearse.ALLOCATOR_ENV
 
 
 def test_a_micro_batch_is_read_off_the_line_through_two_and_the_flag_is_checked(capsys, tmp_path):

@@ -9,17 +9,25 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 
 class Fresh:
-    """`python -m module args` started in a fresh interpreter with this checkout importable
-    and `stdin` as its input; `result()` waits for its last line of output, as JSON. Started
+    """`python -m module args` started in a fresh interpreter with this checkout importable,
+    `env` added to this process's environment and `stdin` as its input; `result()` waits for its last line of output, as JSON. Started
     at once, so the caller can go on (the plan's baseline runs beside its fake-tensor
     measurement; the rehearsal's processes beside each other: most of each is a
     single-threaded import of torch)."""
 
-    def __init__(self, module: str, *args: str, stdin: str = "", timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        module: str,
+        *args: str,
+        stdin: str = "",
+        timeout_s: float | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
         self.what, self.stdin, self.timeout_s = f"python -m {module} {' '.join(args)}", stdin, timeout_s
         self.process = subprocess.Popen(
@@ -28,7 +36,7 @@ class Fresh:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, "PYTHONPATH": path},
+            env={**os.environ, **(env or {}), "PYTHONPATH": path},
         )
 
     def result(self) -> dict[str, Any]:
