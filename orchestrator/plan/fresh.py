@@ -15,10 +15,10 @@ from typing import Any
 
 class Fresh:
     """`python -m module args` started in a fresh interpreter with this checkout importable,
-    `env` added to this process's environment and `stdin` as its input; `result()` waits for its last line of output, as JSON. Started
-    at once, so the caller can go on (the plan's baseline runs beside its fake-tensor
-    measurement; the rehearsal's processes beside each other: most of each is a
-    single-threaded import of torch)."""
+    `env` added to this process's environment and `stdin` as its input; `result()` waits
+    for its last line of output, as JSON. Started at once, so the caller can go on (the
+    plan's baseline runs beside its fake-tensor measurement; the rehearsal's processes
+    beside each other: most of each is a single-threaded import of torch)."""
 
     def __init__(
         self,
