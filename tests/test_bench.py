@@ -14,7 +14,7 @@ from archipelago.orchestrator.bench.report import BenchResult, Panel, draw, writ
 from archipelago.orchestrator.cli import main
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.simulation.config import load_simulated
-from tests.helpers import run_tokens
+from tests.helpers import NO_WARM, run_tokens
 
 
 def test_report_files_and_docs_index(tmp_path):
@@ -117,6 +117,34 @@ def test_the_gpu_dry_run_plans_every_part_within_the_budget(capsys):
     slower = {p.name: p.expected_s for p in plan_parts(quick=False, gpus=1, peak=121e12)}
     assert all(slower[k] > by[k] for k in ("bareloop", "gpt2_124m_1gpu", "gpt_4x0.2gpu"))
     assert main(["bench", "fleet", "--dry-run", "--out", "unused"]) == 2  # gpu only
+
+
+def test_the_profile_part_names_where_an_islands_step_goes(corpus_cache):
+    """On the CPU (the scenario runs it on CUDA): a tiny Llama island's step, timed and
+    profiled through the island's own code; the chunked loss's head is found and its share
+    of the time is a part of the whole; the report's table lists the operations."""
+    from archipelago.orchestrator.bench.gpu_profile import profile_island, profile_md
+
+    got = profile_island(
+        [
+            NO_WARM,
+            "task.factory=archipelago.workers.tasks.hf_task:make_task",
+            "task.kwargs.preset=tiny-llama",
+            "task.kwargs.context=32",
+            "task.kwargs.batch_size=8",
+            "task.kwargs.train_loss_tokens=64",  # four chunks a step
+            f"task.kwargs.cache_dir={corpus_cache}",
+        ],
+        warmup=1,
+        steps=2,
+    )
+    assert got["device"] == "cpu" and got["steps"] == 2 and got["step_s"] > 0 and got["device_s_per_step"] > 0
+    assert 0 < got["head_share"] < 1, got
+    names = [t["name"] for t in got["top"]]
+    assert names and len(names) <= 12 and all(t["ms_per_step"] > 0 for t in got["top"])
+    text = profile_md(got)
+    assert "the loss's head" in text and names[0] in text
+    assert profile_md(None) == "Not profiled."
 
 
 def test_a_gpu_part_is_held_to_its_budget_and_the_total_and_a_failure_is_reported(monkeypatch):

@@ -10,6 +10,8 @@ running anything), all inside `TOTAL_BUDGET_S`:
   (`bareloop.py`: the 25.6 M GPT, bf16, compiled, fused AdamW in both), alternately in one
   process; and the island's measured peak of device memory against the plan's accelerator
   side for the same config;
+- `profile`: where a step of the 124 M GPT-2 island goes, by torch's profiler in process
+  (`gpu_profile.py`: wall and device time a step, the loss's head's share, the top operations);
 - `runs`: the product on Ray — a 124 M GPT-2 (GPT-2 small's shape) as one island on the GPU
   (the MFU row), the 25.6 M GPT and a ~77 M Llama as four islands sharing it through
   fractional GPUs, one island of two FSDP2 workers where there are two GPUs — evaluated on
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from archipelago.orchestrator.bench.gpu_profile import profile_island, profile_md
 from archipelago.orchestrator.bench.report import BenchResult, md_table
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.config_load import load_config
@@ -99,6 +102,7 @@ RAY_START_S = 6.0  # Ray's local instance, once
 RUN_START_S = 40.0  # a run's actors started, its data and tokenizer prepared, its first evaluation
 COMPILE_S = 15.0  # Inductor compiling one model's block, forward and backward (islands in parallel)
 EVAL_S = 5.0  # one evaluation of the eval set on the GPU
+PROFILE_STEPS = 10  # the `profile` part's steps, timed and then profiled
 
 
 def datasheet_bf16_flops(device_name: str) -> float | None:
@@ -231,6 +235,12 @@ def plan_parts(quick: bool, gpus: int, peak: float) -> list[Part]:
             description="the plan's accelerator side for that island, measured under fake tensors",
             budget_s=60.0,
             expected_s=15.0,
+        ),
+        Part(
+            name="profile",
+            description="where a step of the 124 M GPT-2 island goes (torch's profiler, in process)",
+            budget_s=60.0,
+            expected_s=COMPILE_S + 5.0 + (3 + 2 * PROFILE_STEPS) * step_seconds(124_439_808, 16 * 1024, peak),
         ),
         Part(name="ray", description="Ray's local instance", budget_s=30.0, expected_s=RAY_START_S),
     ]
@@ -447,6 +457,7 @@ def gpu(quick: bool, work: Path, parts_only: tuple[str, ...] | None = None) -> B
     ratio: dict[str, Any] | None = None
     check: dict[str, Any] | None = None
     peak: float | None = None
+    profiled: dict[str, Any] | None = None
     if cuda:
         peak = parts.run("peak", lambda _: peak_bf16_flops())
         if peak is None:
@@ -456,6 +467,11 @@ def gpu(quick: bool, work: Path, parts_only: tuple[str, ...] | None = None) -> B
         ratio = parts.run("bareloop", lambda budget: bareloop.compare(overrides, steps, alternations, budget))
         if ratio is not None and ratio.get("island_peak_bytes"):
             check = parts.run("plan", lambda _: plan_check(overrides, ratio["island_peak_bytes"]))
+        torch.cuda.empty_cache()
+        profiled = parts.run(
+            "profile",
+            lambda _: profile_island([*COMMON, *GPT2_124M, "islands.count=1", "islands.gpus=1"], steps=PROFILE_STEPS),
+        )
         torch.cuda.empty_cache()
         table = {k: r for k, r in rows(quick, gpus).items() if parts.wanted(k)}
         with contextlib.ExitStack() as ray_instance:
@@ -493,6 +509,7 @@ def gpu(quick: bool, work: Path, parts_only: tuple[str, ...] | None = None) -> B
         "island_vs_bare_loop": {"cuda": ratio["ratio"] if ratio else None},
         "island_vs_bare_loop_runs": {"cuda": ratio} if ratio else {},
         "plan_accelerator_check": check,
+        "profile_124m": profiled,
         "model": {
             "assumed_mfu": ASSUMED_MFU,
             "ray_start_s": RAY_START_S,
@@ -612,6 +629,7 @@ def _markdown(
     )
     return (
         f"{head}\n\n### Parts\n\n{parts_md}\n\n### Island against a bare torch loop\n\n{ratio_md}\n\n{check_md}\n\n"
+        f"### Where a step of the 124 M GPT-2 island goes\n\n{profile_md(extra['profile_124m'])}\n\n"
         f"### Runs on the GPU\n\n{runs_md}\n"
     )
 

@@ -1,0 +1,91 @@
+"""`bench gpu`'s `profile` part: where one island's training step goes, by torch's profiler.
+
+An MFU figure says how far a step is from the device's peak, not why. On the H200 the 124 M
+GPT-2 island's 6.9 % hid two causes that only a profile showed — the chunked loss's head
+running fp32 matmuls, then its bf16 matmuls on kernels for unaligned shapes — and a lease
+spent a call of its own on the profile each time. So the scenario profiles the MFU row's
+island in process (no Ray: the island's own code, compiled and warmed up first) and reports
+its step's wall and device seconds, the share of the device time the loss's head takes, and
+the operations that take most of it; the next lease starts from there.
+
+Runs on the CPU too (the CPU's own time stands for the device's), which is how it is tested;
+the scenario runs it on CUDA only."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+HEAD_OPS = ("ChunkedCrossEntropy", "ChunkedCrossEntropyBackward")  # the chunked loss's head, forward and back
+TOP = 12  # operations listed, by their own device time
+
+
+def profile_island(overrides: list[str], *, warmup: int = 3, steps: int = 10) -> dict[str, Any]:
+    """One island built from `overrides` (on CUDA when the config asks for a GPU and there is
+    one), `warmup` steps (compilation), `steps` timed, then `steps` under the profiler: its
+    seconds a step, its device seconds a step, the head's share of those and the top
+    operations by their own device time (ms a step)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from archipelago.orchestrator.config_load import load_config
+    from archipelago.orchestrator.engine.specs import island_spec
+    from archipelago.workers.runtime.island import Island
+
+    cfg = load_config(None, overrides)
+    island = Island(island_spec(cfg, 0))
+    cuda = island.device.type == "cuda"
+    params = island.flat.numpy()
+
+    def train(n: int) -> float:
+        t0 = time.perf_counter()
+        island.run(island.order(0, n), params)
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    train(warmup)
+    step_s = train(steps) / steps
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        train(steps)
+    events = prof.key_averages()
+
+    def own_us(e: Any) -> float:
+        return float(e.self_device_time_total if cuda else e.self_cpu_time_total)
+
+    def total_us(e: Any) -> float:
+        return float(e.device_time_total if cuda else e.cpu_time_total)
+
+    device_us = sum(own_us(e) for e in events)
+    head_us = sum(total_us(e) for e in events if e.key in HEAD_OPS)
+    top = sorted(events, key=own_us, reverse=True)[:TOP]
+    return {
+        "device": island.device.type,
+        "steps": steps,
+        "step_s": step_s,
+        "device_s_per_step": device_us / 1e6 / steps,
+        "head_share": head_us / device_us if device_us else None,
+        "top": [
+            {"name": e.key, "ms_per_step": own_us(e) / 1e3 / steps, "calls_per_step": e.count / steps} for e in top
+        ],
+    }
+
+
+def profile_md(profiled: dict[str, Any] | None) -> str:
+    """The profile as the report shows it: a line of totals and the top operations' table."""
+    from archipelago.orchestrator.bench.report import md_table
+
+    if not profiled:
+        return "Not profiled."
+    share = profiled["head_share"]
+    line = (
+        f"{profiled['step_s'] * 1e3:.1f} ms a step ({profiled['steps']} steps on {profiled['device']}), "
+        f"{profiled['device_s_per_step'] * 1e3:.1f} ms of it on the device; the loss's head "
+        + (f"{100 * share:.0f} % of the device time." if share is not None else "not seen.")
+    )
+    table = md_table(
+        ["operation (own time)", "ms a step", "calls a step"],
+        [[t["name"], f"{t['ms_per_step']:.2f}", f"{t['calls_per_step']:.0f}"] for t in profiled["top"]],
+    )
+    return f"{line}\n\n{table}"
