@@ -126,15 +126,18 @@ def test_the_profile_part_names_where_an_islands_step_goes(corpus_cache):
     from archipelago.orchestrator.bench.gpu_profile import profile_island, profile_md
 
     got = profile_island(
-        [
-            NO_WARM,
-            "task.factory=archipelago.workers.tasks.hf_task:make_task",
-            "task.kwargs.preset=tiny-llama",
-            "task.kwargs.context=32",
-            "task.kwargs.batch_size=8",
-            "task.kwargs.train_loss_tokens=64",  # four chunks a step
-            f"task.kwargs.cache_dir={corpus_cache}",
-        ],
+        load_config(
+            None,
+            [
+                NO_WARM,
+                "task.factory=archipelago.workers.tasks.hf_task:make_task",
+                "task.kwargs.preset=tiny-llama",
+                "task.kwargs.context=32",
+                "task.kwargs.batch_size=8",
+                "task.kwargs.train_loss_tokens=64",  # four chunks a step
+                f"task.kwargs.cache_dir={corpus_cache}",
+            ],
+        ),
         warmup=1,
         steps=2,
     )

@@ -103,6 +103,7 @@ RUN_START_S = 40.0  # a run's actors started, its data and tokenizer prepared, i
 COMPILE_S = 15.0  # Inductor compiling one model's block, forward and backward (islands in parallel)
 EVAL_S = 5.0  # one evaluation of the eval set on the GPU
 PROFILE_STEPS = 10  # the `profile` part's steps, timed and then profiled
+MFU_ROW = "gpt2_124m_1gpu"  # the run whose MFU is the headline, and whose island the profile part profiles
 
 
 def datasheet_bf16_flops(device_name: str) -> float | None:
@@ -176,7 +177,7 @@ def rows(quick: bool, gpus: int) -> dict[str, Row]:
     """The runs: fractional-GPU islands of each task, and an island of two workers (FSDP2)
     where there are two GPUs (the evaluation actor takes the fifth of a GPU they leave)."""
     table = {
-        "gpt2_124m_1gpu": Row(
+        MFU_ROW: Row(
             description="GPT-2 small (124 M), 1 island on 1 GPU",
             overrides=[*GPT2_124M, "islands.count=1", "islands.gpus=0.8"],
             approx_params=124_439_808,
@@ -222,6 +223,8 @@ def plan_parts(quick: bool, gpus: int, peak: float) -> list[Part]:
     steps, alternations = bareloop.sizes(quick)
     bare_tokens = tokens_per_step(load_config(None, [*bareloop.GPT_25M, *bareloop.CUDA_BATCH]))
     bare_steps = 2 * (2 + alternations * steps)  # warm-up and alternations, island and bare loop
+    table = rows(quick, gpus)
+    profiled = table[MFU_ROW]
     parts = [
         Part(name="peak", description="bf16 matmul peak", budget_s=15.0, expected_s=3.0),
         Part(
@@ -240,12 +243,14 @@ def plan_parts(quick: bool, gpus: int, peak: float) -> list[Part]:
             name="profile",
             description="where a step of the 124 M GPT-2 island goes (torch's profiler, in process)",
             budget_s=60.0,
-            expected_s=COMPILE_S + 5.0 + (3 + 2 * PROFILE_STEPS) * step_seconds(124_439_808, 16 * 1024, peak),
+            expected_s=COMPILE_S
+            + 5.0
+            + (3 + 2 * PROFILE_STEPS) * step_seconds(profiled.approx_params, tokens_per_step(profiled.config), peak),
         ),
         Part(name="ray", description="Ray's local instance", budget_s=30.0, expected_s=RAY_START_S),
     ]
     rounds, h = _rounds(quick)
-    for name, row in rows(quick, gpus).items():
+    for name, row in table.items():
         train = (
             rounds * h * row.islands * step_seconds(row.approx_params, tokens_per_step(row.config), peak) / row.devices
         )
@@ -469,8 +474,7 @@ def gpu(quick: bool, work: Path, parts_only: tuple[str, ...] | None = None) -> B
             check = parts.run("plan", lambda _: plan_check(overrides, ratio["island_peak_bytes"]))
         torch.cuda.empty_cache()
         profiled = parts.run(
-            "profile",
-            lambda _: profile_island([*COMMON, *GPT2_124M, "islands.count=1", "islands.gpus=1"], steps=PROFILE_STEPS),
+            "profile", lambda _: profile_island(rows(quick, gpus)[MFU_ROW].config, steps=PROFILE_STEPS)
         )
         torch.cuda.empty_cache()
         table = {k: r for k, r in rows(quick, gpus).items() if parts.wanted(k)}
@@ -494,8 +498,8 @@ def gpu(quick: bool, work: Path, parts_only: tuple[str, ...] | None = None) -> B
                 "budget_s": p.budget_s,
                 "expected_s": p.expected_s,
             }
-    mfu_124m = runs["gpt2_124m_1gpu"]["mfu"] if "gpt2_124m_1gpu" in runs else None
-    mfu_124m_island = runs["gpt2_124m_1gpu"]["mfu_island"] if "gpt2_124m_1gpu" in runs else None
+    mfu_124m = runs[MFU_ROW]["mfu"] if MFU_ROW in runs else None
+    mfu_124m_island = runs[MFU_ROW]["mfu_island"] if MFU_ROW in runs else None
     extra: dict[str, Any] = {
         "device": name,
         "gpus": gpus,

@@ -16,23 +16,23 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from archipelago.orchestrator.config import RunConfig
+
 HEAD_OPS = ("ChunkedCrossEntropy", "ChunkedCrossEntropyBackward")  # the chunked loss's head, forward and back
 TOP = 12  # operations listed, by their own device time
 
 
-def profile_island(overrides: list[str], *, warmup: int = 3, steps: int = 10) -> dict[str, Any]:
-    """One island built from `overrides` (on CUDA when the config asks for a GPU and there is
-    one), `warmup` steps (compilation), `steps` timed, then `steps` under the profiler: its
-    seconds a step, its device seconds a step, the head's share of those and the top
-    operations by their own device time (ms a step)."""
+def profile_island(cfg: RunConfig, *, warmup: int = 3, steps: int = 10) -> dict[str, Any]:
+    """`cfg`'s first island, built in this process (on CUDA where there is one): `warmup`
+    steps (compilation), `steps` timed, then `steps` under the profiler. Its seconds a step,
+    its device seconds a step, the head's share of those and the top operations by their own
+    device time (ms a step)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from archipelago.orchestrator.config_load import load_config
     from archipelago.orchestrator.engine.specs import island_spec
     from archipelago.workers.runtime.island import Island
 
-    cfg = load_config(None, overrides)
     island = Island(island_spec(cfg, 0))
     cuda = island.device.type == "cuda"
     params = island.flat.numpy()

@@ -64,7 +64,7 @@ def _token_loss_sum(
     total = torch.zeros((), dtype=torch.float64, device=hidden.device)
     for start in range(0, flat_y.numel(), tokens):
         end = min(start + tokens, flat_y.numel())
-        logits = F.linear(flat_h[start:end].to(dtype), w, b)[:, :vocab].float()
+        logits = _logits(flat_h[start:end].to(dtype), w, b, vocab)
         if lse is not None:
             lse[start:end] = torch.logsumexp(logits, dim=-1)
         total += F.cross_entropy(logits, flat_y[start:end], reduction="sum", ignore_index=ignore_index).double()
@@ -98,6 +98,11 @@ def _head(
     w = F.pad(weight.to(dtype), (0, 0, 0, pad)) if pad else weight.to(dtype)
     b = None if bias is None else F.pad(bias.to(dtype), (0, pad)) if pad else bias.to(dtype)
     return w, b
+
+
+def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, vocab: int) -> torch.Tensor:
+    """A chunk's logits in fp32 from the (padded) head, its first `vocab` columns."""
+    return F.linear(h, w, b)[:, :vocab].float()
 
 
 def _widened(g: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -149,7 +154,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             end = min(start + ctx.tokens, flat_y.numel())
             h, y = flat_h[start:end].to(ctx.dtype), flat_y[start:end]
             # d loss / d logits = (softmax − one-hot) × scale, at labelled positions only
-            g = F.linear(h, w, b)[:, :vocab].float().sub_(lse[start:end, None]).exp_()
+            g = _logits(h, w, b, vocab).sub_(lse[start:end, None]).exp_()
             kept = (y != ctx.ignore_index)[:, None]
             g.scatter_add_(1, torch.where(kept, y[:, None], 0), -kept.to(g.dtype))
             g *= kept * scale
