@@ -54,8 +54,10 @@ def test_two_islands_on_a_node_fetch_each_version_once(tmp_path):
             def watch() -> None:  # each island's node, read while the run holds its placement group
                 while not done.is_set() and len(placed) < 3:
                     for group in placement_group_table().values():
-                        if group["name"] in names and group["bundles_to_node_id"]:
-                            placed[names[group["name"]]] = group["bundles_to_node_id"][0]
+                        # a group still pending names its bundle's node as "": only a placed one counts
+                        node = group["bundles_to_node_id"].get(0, "") if group["name"] in names else ""
+                        if group["state"] == "CREATED" and node:
+                            placed[names[group["name"]]] = node
                     time.sleep(0.1)
 
             watcher = threading.Thread(target=watch)

@@ -227,9 +227,13 @@ class RayIslandPool:
     def _nodes_of(self, island: int, handle: IslandHandle) -> set[str]:
         if island not in self.nodes:
             try:
-                self.nodes[island] = set(placement_group_table(handle.group)["bundles_to_node_id"].values())
+                placed = placement_group_table(handle.group)["bundles_to_node_id"].values()
             except (KeyError, ray.exceptions.RayError):
                 return set()
+            nodes = {n for n in placed if n}  # a bundle being rescheduled names no node ("") yet
+            if not nodes:
+                return set()  # asked again next time, not remembered empty
+            self.nodes[island] = nodes
         return self.nodes[island]
 
     def _results(self, timeout: float, wake: float | None) -> list[PoolEvent]:
