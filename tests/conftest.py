@@ -1,8 +1,8 @@
 """Shared fixtures and guard rails.
 
-- Two processes by default (pytest-xdist, `-n 2` in pyproject): tests marked `ray` or `alone` one after another
-  on one of them, the rest on the other (`tests/ray_apart.py`).
-- One local Ray instance shared across modules, started only when a test asks for it.
+- Two processes by default (pytest-xdist, `-n 2` in pyproject), each test in its turn: which
+  test runs beside which is `tests/ray_apart.py`.
+- One local Ray instance per worker shared across modules, started only when a test asks for it.
 - Per-test time limits (pytest-timeout): `timeout` in pyproject for unit tests, a longer one
   for tests marked `ray`, so a hung Ray test fails in minutes instead of hanging CI.
 - A test that starts Ray must be marked `ray`: `-m "not ray"` is the contributors' fast loop
@@ -34,22 +34,6 @@ os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
 _STARTED = time.monotonic()
 
 
-def _ray_group(item: pytest.Item) -> int:
-    """Where a test runs in the suite: tests without Ray first, then every test that shares
-    `ray_local` (so that instance starts once instead of again after each module that shut
-    it down: seconds a start on 2 cores), then those that bring their own Ray (a cluster,
-    `ray start`, a command's private instance), then those marked `alone`. With `-n 2` the
-    last two run at the end of the serial worker's queue, once the other worker has run
-    out of Ray-free tests (about 370 s of them against about 600 s of Ray tests): Ray's job
-    agent, started by `ray start`, once missed its 120-s start beside the other worker's
-    load, and the shipped configs' rehearsal needs most of the machine's memory."""
-    if item.get_closest_marker("alone"):
-        return 3
-    if not item.get_closest_marker("ray"):
-        return 0
-    return 1 if "ray_local" in getattr(item, "fixturenames", ()) else 2
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
@@ -59,13 +43,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.timeout(RAY_TEST_TIMEOUT_S))
         if item.get_closest_marker("cuda") and not torch.cuda.is_available():
             item.add_marker(no_cuda)
-    items.sort(key=_ray_group)  # stable: each group keeps the files' order
+    items.sort(key=ray_apart.turn_of_item)  # stable: each turn keeps the files' order
     ray_apart.check_against_markers(config.rootpath, items)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """Ray tests on one worker, one after another (`tests/ray_apart.py`)."""
+    """Which test runs beside which (`tests/ray_apart.py`)."""
     return ray_apart.make_scheduler(config, log)
+
+
+_TURNS: list[ray_apart.Turns] = []  # this worker's, made at its first test
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Wait for the test's turn (`tests/ray_apart.py`) before any of its fixtures is set up:
+    a module's own Ray instance is a module-scoped fixture. The lock is a file in the folder
+    that holds each worker's own temporary folder (xdist's `_tmp_path_factory`, as xdist itself
+    reads it); none when the suite runs in one process."""
+    if not _TURNS:
+        shared = os.environ.get("PYTEST_XDIST_WORKER") is not None
+        folder = item.config._tmp_path_factory.getbasetemp().parent
+        _TURNS.append(ray_apart.Turns(folder / "ray-turns.lock" if shared else None))
+    _TURNS[0].take(ray_apart.turn_of_item(item), shut_shared=_shut_shared_ray)
+
+
+def _shut_shared_ray() -> None:
+    """This worker's `ray_local` instance shut down, where it is up."""
+    if _ray_up() and sys.modules["ray"].get_runtime_context().gcs_address == _SHARED_RAY.get("address"):
+        sys.modules["ray"].shutdown()
 
 
 def _ray_up() -> bool:
@@ -99,15 +105,18 @@ _SHARED_RAY: dict[str, str] = {}  # the GCS address of the local instance `ray_l
 
 
 @pytest.fixture
-def ray_local():
-    """One local Ray instance shared by the tests that ask for it, across modules (starting
-    Ray costs seconds each time). A module with its own cluster shuts Ray down first; the
-    next test that asks for this one starts it again. Shut down at the end of the session.
+def ray_local(request):
+    """One local Ray instance per worker, shared by the tests that ask for it, across modules
+    (starting Ray costs seconds each time). A module with its own cluster shuts Ray down
+    first; the next test that asks for this one starts it again. Shut down at the worker's
+    first test without Ray (`pytest_runtest_setup`), or at the end of the session.
 
     After each test, any run it left on the instance is ended (`_end_leftover_runs`): a
     test that fails mid-run would otherwise leave its coordinator and islands holding the
     instance's CPUs, and every Ray test after it waits for placements until its timeout
     (seen once: a failed chaos test's run starved the next test for its whole 600 s)."""
+    if not request.node.get_closest_marker("ray"):
+        pytest.fail(f"{request.node.nodeid} asks for `ray_local` but is not marked `ray`")
     import ray
 
     ours = ray.is_initialized() and ray.get_runtime_context().gcs_address == _SHARED_RAY.get("address")

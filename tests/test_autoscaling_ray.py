@@ -19,7 +19,7 @@ from tests.conftest import importable_checkout
 from tests.http_server import free_port
 from tests.ray_processes import stop_ray
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.quiet]  # the machine's own Ray processes (tests/ray_apart.py)
 GPU_NODE = {
     "resources": {"CPU": 1, "GPU": 1, "object_store_memory": 200 * 1024**2},
     "node_config": {},

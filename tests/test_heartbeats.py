@@ -260,6 +260,7 @@ def _ray_beats(tmp_path, batch_s: float, *extra: str):
     )
 
 
+@pytest.mark.ray
 def test_a_coordinator_busy_far_past_the_silence_limit_declares_no_island_hung(ray_local, tmp_path):
     """The coordinator's first evaluation (on the engine's thread, as `evaluation.where:
     coordinator` runs it) takes 6 s while the islands train their 8-s round: asked for
@@ -276,6 +277,7 @@ def test_a_coordinator_busy_far_past_the_silence_limit_declares_no_island_hung(r
     assert sum(shards["position"]) == summary["tokens"] == 3 * 2 * 40  # every step of every round, once
 
 
+@pytest.mark.ray
 def test_a_sigstopped_island_answers_nothing_and_is_declared_hung_at_the_floor(ray_local, tmp_path):
     """A frozen process (SIGSTOP: its heartbeats go unanswered, unlike an island stuck in its
     data, which answers with a count that stops) is hung once its silence passes the floor,
@@ -312,6 +314,7 @@ def test_a_sigstopped_island_answers_nothing_and_is_declared_hung_at_the_floor(r
     assert sum(summary["shards"]["position"]) == summary["tokens"]
 
 
+@pytest.mark.ray
 def test_a_dead_spare_is_found_by_its_heartbeat_and_replaced_before_it_is_needed(ray_local, tmp_path):
     """A hot spare has no work out, so nothing but a heartbeat can find it dead: it was found
     only when promoted (a chain of dead spares failed one promotion after another). Killed

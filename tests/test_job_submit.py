@@ -26,7 +26,7 @@ from tests.helpers import TINY_LM
 from tests.http_server import free_port, free_port_range
 from tests.ray_processes import stop_ray
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.quiet]  # the machine's own Ray processes (tests/ray_apart.py)
 
 RAY = str(Path(sys.executable).with_name("ray"))
 

@@ -47,6 +47,7 @@ def test_overlap_hides_the_link_that_sync_waits_for(ray_local, tmp_path):
     assert all(not r["rejected"] for r in records)
 
 
+@pytest.mark.quiet  # a wall-clock comparison: beside no other test (tests/ray_apart.py)
 def test_on_the_real_clock_the_wall_holds_the_link_and_overlap_hides_it(ray_local, tmp_path):
     """`simulation.clock: real`: the same fleet with its link waited for in real time, so a
     run's wall (what `bench overlap` and `bench streaming` compare) holds it. On the

@@ -13,7 +13,7 @@ import pytest
 from archipelago.orchestrator.cli import main
 from tests.helpers import toy_quadratic
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.quiet]  # the machine's own Ray processes (tests/ray_apart.py)
 
 ADDRESS_FILE = Path("/tmp/ray/ray_current_cluster")  # where Ray looks for "the" local cluster
 
