@@ -150,7 +150,7 @@ def test_under_bf16_autocast_every_matmul_of_the_head_is_bf16_and_the_gradients_
     assert {d for dtypes in forward.seen + backward.seen for d in dtypes} == {torch.bfloat16}
     # the head's rows padded from 257 to 320 (a multiple of 64): no matmul sees the odd width
     assert all(320 in dims and 257 not in dims for dims in forward.shapes + backward.shapes)
-    assert float(got) == pytest.approx(float(want), rel=1e-2)
+    assert got.item() == pytest.approx(want.item(), rel=1e-2)
     for a, b in zip(mine, wanted):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-3)

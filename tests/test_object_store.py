@@ -141,6 +141,7 @@ def test_a_bucket_that_cannot_be_written_is_refused_before_any_compute(tmp_path,
         check_folders(cfg)
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # the aborted upload closed, too
 def test_a_checkpoint_streamed_to_s3_loads_back_and_one_that_fails_mid_upload_leaves_nothing(s3):
     import torch
 

@@ -190,6 +190,9 @@ class Folder:
             except BaseException:
                 if hasattr(f, "discard"):  # fsspec's buffered files: abort instead of committing a part
                     f.discard()
+                    # s3fs's discard drops the buffer but leaves the file open: its finaliser's
+                    # close would then flush a buffer that is gone (an AttributeError at collection)
+                    f.closed = True
                 raise
             f.close()
             return
