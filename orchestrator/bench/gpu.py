@@ -473,11 +473,10 @@ def gpu(quick: bool, work: Path, parts_only: tuple[str, ...] | None = None) -> B
         if ratio is not None and ratio.get("island_peak_bytes"):
             check = parts.run("plan", lambda _: plan_check(overrides, ratio["island_peak_bytes"]))
         torch.cuda.empty_cache()
-        profiled = parts.run(
-            "profile", lambda _: profile_island(rows(quick, gpus)[MFU_ROW].config, steps=PROFILE_STEPS)
-        )
+        every_row = rows(quick, gpus)
+        profiled = parts.run("profile", lambda _: profile_island(every_row[MFU_ROW].config, steps=PROFILE_STEPS))
         torch.cuda.empty_cache()
-        table = {k: r for k, r in rows(quick, gpus).items() if parts.wanted(k)}
+        table = {k: r for k, r in every_row.items() if parts.wanted(k)}
         with contextlib.ExitStack() as ray_instance:
             if table:
                 parts.run("ray", lambda _: ray_instance.enter_context(one_ray(16)))
