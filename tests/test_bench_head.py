@@ -6,11 +6,20 @@ report names are measured, and every shipped row is a config the run accepts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from archipelago.orchestrator.bench.head import QUICK_ROWS, ROWS, WARM_ROUNDS, head
+from archipelago.orchestrator.bench.head import (
+    CHECKPOINT_ROW,
+    PLAIN_ROW,
+    QUICK_ROWS,
+    ROWS,
+    WARM_ROUNDS,
+    checkpoint_check,
+    head,
+)
 from archipelago.orchestrator.bench.report import write_result
 from archipelago.orchestrator.config_load import validate_config
 
@@ -19,7 +28,23 @@ def test_every_row_is_a_valid_config_of_its_size(tmp_path):
     for row in ROWS + QUICK_ROWS:
         cfg = validate_config(row.config(tmp_path / row.name))
         assert cfg.coordinator.shards == row.slices and cfg.compression.codec == cfg.compression.downlink == row.codec
-        assert cfg.checkpoint.every_rounds and cfg.rounds > WARM_ROUNDS + 2  # checkpoint rounds and plain ones
+        assert bool(cfg.checkpoint.every_rounds) == row.checkpoints and cfg.rounds > WARM_ROUNDS + 2
+    pair = {row.name: row for row in ROWS if row.name in (CHECKPOINT_ROW, PLAIN_ROW)}
+    assert pair[CHECKPOINT_ROW].checkpoints and not pair[PLAIN_ROW].checkpoints  # the same run but for that
+    assert dataclasses.replace(pair[PLAIN_ROW], name=CHECKPOINT_ROW, checkpoints=True) == pair[CHECKPOINT_ROW]
+
+
+def test_a_checkpoint_costs_what_it_adds_to_the_run_whichever_round_its_write_ends_in():
+    """A write that ends in the round after the one it began in makes the rounds it began
+    in look cheap (0.8× the others in a measured run): the cost is taken against the run
+    without checkpoints instead — here 0.5 s a round more, a checkpoint every 2 rounds, over
+    a 10-s round: 1.10×."""
+    methods = {CHECKPOINT_ROW: {"measured_seconds": 10.5}, PLAIN_ROW: {"measured_seconds": 10.0}}
+    ((name, check),) = checkpoint_check(methods).items()
+    assert check["value"] == pytest.approx(1.0 + 2 * 0.5 / 10.0) and check["ok"]
+    methods[CHECKPOINT_ROW]["measured_seconds"] = 10.6
+    assert not checkpoint_check(methods)[name]["ok"]
+    assert checkpoint_check({CHECKPOINT_ROW: methods[CHECKPOINT_ROW]}) == {}  # no pair (the quick rows): no check
 
 
 @pytest.mark.ray
@@ -38,8 +63,6 @@ def test_bench_head_measures_a_multi_node_round_beside_its_plan(tmp_path):
     assert row["measured_seconds"] > phases["compute"] and row["planned_seconds"] > phases["compute"]
     assert [r["round"] for r in row["rounds"]] == list(range(WARM_ROUNDS + 1, QUICK_ROWS[0].rounds + 1))
     assert 0 < report["link"]["gbps"] < 1000
-    assert report["machine"]["commit"] and "largest: a round with a checkpoint written <= 1.1x one without" in set(
-        report["checks"]
-    )
+    assert report["machine"]["commit"]
     rates = report["codec_rates"]
     assert rates["decode"]["int4"] > 0 and rates["encode"]["int4"] > rates["decode"]["int4"] / 10

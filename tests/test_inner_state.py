@@ -6,6 +6,8 @@ mode's resumed islands continue from the moments the checkpoint named."""
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -16,14 +18,16 @@ import torch
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.build import build_engine
 from archipelago.orchestrator.engine.fleet.island_states import FOLDER, save_due
+from archipelago.orchestrator.engine.specs import island_spec
 from archipelago.orchestrator.engine.state.checkpoints import load_checkpoint
 from archipelago.orchestrator.simulation.pool import InProcessPool
 from archipelago.workers.runtime import inner_state
 from archipelago.workers.runtime.inner_state import InnerStateError
 from archipelago.workers.runtime.island import Island
+from archipelago.workers.runtime.storage import digest_name
 from archipelago.workers.wire.messages import SavedState, WorkKind
 from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
-from tests.helpers import events, in_process_engine
+from tests.helpers import TINY_LM, events, in_process_engine
 
 
 def _trained(optimizer_cls, **kwargs) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -79,6 +83,54 @@ def test_a_state_file_is_checked_before_use(tmp_path):
     other = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
     with pytest.raises(InnerStateError, match="this model needs"):
         inner_state.restore(other, inner_state.capture(opt, {}))
+
+
+def test_a_state_is_trusted_only_with_its_digest(tmp_path):
+    """A state written off the round's path is named before its digest exists: the digest
+    written beside it, last, is what a record without one is checked against."""
+    _, opt = _trained(torch.optim.AdamW, lr=0.01)
+    saved = inner_state.save(str(tmp_path), 3, inner_state.capture(opt, {}))
+    named = SavedState(name=saved.name)  # as a result names it
+    assert (tmp_path / digest_name(saved.name)).read_text() == saved.sha256
+    assert sorted(inner_state.load(str(tmp_path), named)) == ["exp_avg", "exp_avg_sq", "scalar:step"]
+    data = bytearray((tmp_path / saved.name).read_bytes())
+    data[-40] ^= 1
+    (tmp_path / saved.name).write_bytes(bytes(data))
+    with pytest.raises(InnerStateError, match="SHA-256"):
+        inner_state.load(str(tmp_path), named)
+    (tmp_path / digest_name(saved.name)).unlink()  # a write that never ended
+    with pytest.raises(InnerStateError, match=r"\.sha256"):
+        inner_state.load(str(tmp_path), named)
+
+
+def test_the_result_leaves_before_its_state_is_written_and_the_file_holds_the_state_it_left(tmp_path, monkeypatch):
+    """The write is held until the island has trained its next work: the result came back
+    at once, without a file; the next work waited only for the snapshot; and the file,
+    once written, holds the moments the first work left, not the ones trained since."""
+    cfg = load_config(None, [*TINY_LM, "inner.optimizer=adamw", "inner.lr=0.01"])
+    island = Island(dataclasses.replace(island_spec(cfg, 0), state_folder=str(tmp_path)))
+    gate, save = threading.Event(), inner_state.save
+
+    def held(*args, **kwargs):
+        assert gate.wait(60)
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(inner_state, "save", held)
+    params = island.flat.full().detach().numpy().copy()
+    first = island.run(dataclasses.replace(island.order(0, 3), save_state=True), params)
+    left = _moments(island)
+    saved = first.saved_state
+    assert saved is not None and saved.sha256 is None and not (tmp_path / saved.name).exists()
+    island.run(island.order(0, 3), params)  # beside the held write
+    assert not (tmp_path / saved.name).exists()
+    moved = _moments(island)
+    gate.set()
+    island.written()
+    written = inner_state.load(str(tmp_path), saved)
+    assert sorted(written) == sorted(left)
+    for kind, values in left.items():
+        np.testing.assert_array_equal(written[kind], values)
+    assert not np.array_equal(moved["exp_avg"], left["exp_avg"])  # the snapshot, not a late read
 
 
 def test_states_are_asked_for_only_in_the_rounds_before_a_checkpoint():

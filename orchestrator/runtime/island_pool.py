@@ -40,6 +40,8 @@ from archipelago.workers.wire.sync import Change
 
 log = logging.getLogger(__name__)
 
+WRITES_WAIT_S = 300.0  # at most, for the islands' inner-state writes when a run ends (8 GB to a bucket: a minute)
+
 
 @dataclass
 class _Placing:
@@ -348,6 +350,15 @@ class RayIslandPool:
                 self.release(i)
         return out
 
+    def _await_writes(self) -> None:
+        """Let the islands end the inner-state writes the run's last checkpoint may name
+        before they are killed; bounded, so an island that cannot answer does not hold the
+        run's end (its state is then lost: a resume gives it fresh moments)."""
+        refs = [h.actor.written.remote() for h in self.handles.values()]
+        _, waiting = ray.wait(refs, num_returns=len(refs), timeout=WRITES_WAIT_S) if refs else ([], [])
+        if waiting:
+            log.warning("%d island(s) did not finish writing their inner state in %.0f s", len(waiting), WRITES_WAIT_S)
+
     def adopt(self, islands: dict[int, Any]) -> None:
         self.adopted.update(islands)
 
@@ -358,6 +369,7 @@ class RayIslandPool:
     def close(self) -> None:
         if self.heartbeats is not None:
             self.heartbeats.close()
+        self._await_writes()
         for i in list(self.handles):
             self.release(i)
         for i in list(self.placing):

@@ -622,6 +622,8 @@ class InProcessPool:
         for island in list(self.hung):  # hung to the end of the run
             self._unhang(island)
         self._drop(lambda p: True)
+        for each in self.islands.values():  # their inner states' writes end with them, as `RayIslandPool`'s
+            each.written()
         self.islands.clear()
         self.adopted.clear()
         self._queue.clear()

@@ -5,26 +5,41 @@ from zero.
 
 The island writes its own state next to the coordinator's checkpoints (a local folder or
 object storage): the state is twice the model, and sending it to the coordinator would
-cross the slow links DiLoCo exists to spare. The coordinator only keeps the name and
-SHA-256 of each island's newest state whose result it judged, in its checkpoint.
+cross the slow links DiLoCo exists to spare. The coordinator only keeps the name of each
+island's newest state whose result it judged, in its checkpoint.
+
+The write is off the round's critical path (`StateWrites`): the island takes a snapshot
+(one host copy of the state), its result leaves at once, and the file streams to storage
+on a thread of its own while the next round trains. Written inside the round, it held the
+whole fleet: at 100 M parameters on this machine's disk, 4.3 s of a 6.5-s round (a copy,
+`np.savez` into memory, the bytes copied out, written, then hashed: five passes and three
+copies of the state); at 1 B parameters, 8 GB to object storage. The file is streamed and
+hashed in one pass, and its SHA-256 is written beside it last (`….npz.sha256`, as the
+coordinator's checkpoints are), so a file whose write did not end is never trusted; an
+older checkpoint's record carries the digest itself, and is checked against it.
 
 The file is an `.npz` of flat arrays, one per kind of state (every parameter's tensor of
 that kind concatenated in parameter order, as `FlatParams` lays them out), read back with
 `allow_pickle=False`: a planted file cannot run code, and a file whose digest differs is
-refused before anything of it is used.
+refused before anything of it is used. A state that cannot be used — its write cut short
+by the island's end, deleted, altered — costs only that island's moments on a resume.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import logging
+import threading
+import time
 import uuid
+import zipfile
 
 import numpy as np
 import torch
 
-from archipelago.workers.runtime.storage import Folder
+from archipelago.workers.runtime.storage import Folder, HashingWriter, digest_name, yield_cpu
 from archipelago.workers.wire.compress import ErrorFeedback
 from archipelago.workers.wire.messages import SavedState
 
@@ -64,8 +79,20 @@ def _capture(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> di
         if all(v.dim() == 0 for v in values):
             arrays[SCALAR + kind] = np.array([float(v) for v in values], dtype=np.float64)
         else:
-            arrays[kind] = torch.cat([v.detach().reshape(-1) for v in values]).cpu().numpy()
+            arrays[kind] = _flat_on_host(values)
     return arrays
+
+
+def _flat_on_host(values: list[torch.Tensor]) -> np.ndarray:
+    """The tensors one after another in one new host array, each copied straight into its
+    place: no concatenation on the device (a state-sized buffer beside the state), one copy."""
+    dtype = functools.reduce(torch.promote_types, (v.dtype for v in values))
+    host = torch.empty(sum(v.numel() for v in values), dtype=dtype)
+    offset = 0
+    for v in values:
+        host[offset : offset + v.numel()].copy_(v.detach().reshape(-1))
+        offset += v.numel()
+    return host.numpy()
 
 
 def restore(optimizer: torch.optim.Optimizer, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -102,23 +129,41 @@ def _restore(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], key: 
             offset += n
 
 
-def save(folder: str, island: int, arrays: dict[str, np.ndarray]) -> SavedState:
-    """Write the arrays as a new file (never overwriting one a checkpoint may name)."""
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)  # type: ignore[arg-type]  # numpy's stub types `allow_pickle` among the names
-    data = buffer.getvalue()
-    name = f"island-{island:05d}-{uuid.uuid4().hex[:12]}.npz"
-    Folder(folder).write(name, data)
-    return SavedState(name=name, sha256=hashlib.sha256(data).hexdigest())
+def new_name(island: int) -> str:
+    """A new file's name (never one a checkpoint may already name)."""
+    return f"island-{island:05d}-{uuid.uuid4().hex[:12]}.npz"
+
+
+def save(folder: str, island: int, arrays: dict[str, np.ndarray], name: str | None = None) -> SavedState:
+    """Write the arrays as file `name` (a new one by default), streamed and hashed in one
+    pass, then its SHA-256 beside it."""
+    store, name = Folder(folder), name or new_name(island)
+    with store.open_write(name) as out:
+        hashing = HashingWriter(out)
+        # `np.savez`'s layout (read back by `np.load`), written through the hashing stream,
+        # which `np.savez` refuses (it takes a stream only if it can also be read); the
+        # stubs want a stream that closes too, which ZipFile never does to one it is given
+        zipped = zipfile.ZipFile(hashing, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True)  # type: ignore[call-overload]
+        with zipped as npz:
+            for key, values in arrays.items():
+                with npz.open(f"{key}.npy", "w", force_zip64=True) as entry:
+                    np.lib.format.write_array(entry, values, allow_pickle=False)
+    digest = hashing.sha256.hexdigest()
+    store.write(digest_name(name), digest.encode())
+    return SavedState(name=name, sha256=digest)
 
 
 def load(folder: str, saved: SavedState) -> dict[str, np.ndarray]:
+    """The arrays of a saved state, checked against the digest its record carries, else
+    the one written beside it (missing: the write never ended)."""
+    store = Folder(folder)
     try:
-        data = Folder(folder).read(saved.name)
+        data = store.read(saved.name)
+        expected = saved.sha256 or store.read(digest_name(saved.name)).decode().strip()
     except OSError as err:
         raise InnerStateError(f"{folder}/{saved.name}: {err}") from err
-    if hashlib.sha256(data).hexdigest() != saved.sha256:
-        raise InnerStateError(f"{folder}/{saved.name}: its SHA-256 is not the one its checkpoint recorded")
+    if hashlib.sha256(data).hexdigest() != expected:
+        raise InnerStateError(f"{folder}/{saved.name}: its SHA-256 is not the one recorded for it")
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as npz:
             return {key: npz[key] for key in npz.files}
@@ -154,15 +199,67 @@ def continue_from(
     return True
 
 
-def write(
-    folder: str, island: int, optimizer: torch.optim.Optimizer, feedback: dict[int | None, ErrorFeedback]
-) -> SavedState | None:
-    """Save the island's state as it stands (after an order's last step: the state its
-    result leaves the island in); a write that fails is logged and None returned (the
-    state saved before stands)."""
-    residuals = {_name(k): r for k, f in feedback.items() if (r := f.host()) is not None}
-    try:
-        return save(folder, island, capture(optimizer, residuals))
-    except (OSError, InnerStateError) as err:
-        log.warning("island %d could not save its inner state: %s", island, err)
-        return None
+class StateWrites:
+    """An island's inner-state writes, each on a thread of its own, so the result that
+    asked for the state leaves at once (see the module's docstring). The thread first takes
+    the snapshot (one host copy), which the island's next steps wait for (`taken`: a hot
+    path does not change a state being copied), then writes it at a lower CPU priority
+    beside them. One write at a time: a new one waits for the one before, so the host holds
+    one snapshot at most. Not a daemon thread: an island process that ends while a state
+    is being written finishes writing it first; a pool ending its islands waits for `wait`
+    (bounded) before it kills them."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._taken = threading.Event()
+        self._taken.set()
+
+    def start(
+        self, folder: str, island: int, optimizer: torch.optim.Optimizer, feedback: dict[int | None, ErrorFeedback]
+    ) -> SavedState:
+        """Save the island's state as it stands (after an order's last step: the state its
+        result leaves the island in); the file's name. A state that cannot be saved is
+        logged, and its file never written (a resume then gives the island fresh moments)."""
+        self.wait()
+        name, self._taken = new_name(island), threading.Event()
+        self._thread = threading.Thread(
+            target=self._save,
+            args=(folder, island, optimizer, feedback, name, self._taken),
+            name="inner-state-write",
+            daemon=False,
+        )
+        self._thread.start()
+        return SavedState(name=name)
+
+    @staticmethod
+    def _save(
+        folder: str,
+        island: int,
+        optimizer: torch.optim.Optimizer,
+        feedback: dict[int | None, ErrorFeedback],
+        name: str,
+        taken: threading.Event,
+    ) -> None:
+        t0 = time.perf_counter()
+        try:
+            try:
+                residuals = {_name(k): r for k, f in feedback.items() if (r := f.host()) is not None}
+                arrays = capture(optimizer, residuals)
+            finally:
+                taken.set()
+            yield_cpu()  # after the snapshot, which the next steps wait for
+            save(folder, island, arrays, name)
+        except Exception as err:  # of the state or of storage: the run goes on, a resume gives fresh moments
+            log.warning("island %d could not save its inner state %s: %s", island, name, err)
+            return
+        log.debug("island %d wrote its inner state %s in %.2f s", island, name, time.perf_counter() - t0)
+
+    def taken(self) -> None:
+        """Until the snapshot being taken (if any) is: the state is the island's again."""
+        self._taken.wait()
+
+    def wait(self) -> None:
+        """Until the write in progress (if any) has ended."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()

@@ -88,6 +88,7 @@ class Island:
         # a notice: (ticket, perf_counter time no step may end after, or the steps it may take)
         self.stopping: tuple[int, float, int | None] | None = None
         self.rounds = rounds_for(self)  # what it does with an order, by the mode's kind of round
+        self.state_writes = inner_state.StateWrites()  # its inner state, written off the rounds' path
         self.restored = None  # placed to continue a saved inner state: whether it could
         if spec.restore_state is not None and spec.state_folder is not None:
             self.restored = inner_state.continue_from(
@@ -107,6 +108,7 @@ class Island:
             self.settle()
         except Exception:  # the island is renewed whatever its last steps did
             log.warning("island %d: its last streaming tail failed before a reset", self.spec.index, exc_info=True)
+        self.written()
         self.data.close()
         self.__init__(spec)  # type: ignore[misc]
 
@@ -267,8 +269,10 @@ class Island:
         self.stopping = (ticket, by, after_steps)
 
     def settle(self) -> None:
-        """Wait for a detached tail to finish training (raising what it raised): the model,
-        the optimizer and the data streams are this thread's again."""
+        """Wait for a detached tail to finish training (raising what it raised) and for the
+        inner state's snapshot to be taken: the model, the optimizer, the residuals and the
+        data streams are this thread's again."""
+        self.state_writes.taken()
         tail, self.tail = self.tail, None
         if tail is not None:
             tail.wait()
@@ -308,10 +312,14 @@ class Island:
         )
 
     def save_state(self) -> SavedState | None:
-        """Write the inner state (optimizer, codec residuals) where the spec says, for a
-        checkpoint near; None where it names no folder."""
+        """Save the inner state (optimizer, codec residuals) where the spec says, for a
+        checkpoint near, beside the rounds that follow; None where it names no folder."""
         folder = self.spec.state_folder
-        return inner_state.write(folder, self.spec.index, self.optimizer, self.feedback) if folder else None
+        return self.state_writes.start(folder, self.spec.index, self.optimizer, self.feedback) if folder else None
+
+    def written(self) -> None:
+        """Wait for the inner state being written, if any (its pool is about to end it)."""
+        self.state_writes.wait()
 
     def train_on(self, batches: Iterable[tuple[int, Any]], tally: Tally, *, stoppable: bool = False) -> bool:
         """Inner steps on `batches`, each counted in `tally`; True if a notice stopped them

@@ -110,6 +110,12 @@ class IslandActor:
         """A preemption notice for the work `ticket`, beside it (`Island.stop`)."""
         self.island.stop(ticket=ticket, within_s=within_s, after_steps=after_steps)
 
+    @ray.method(concurrency_group=CONTROL)
+    def written(self) -> None:
+        """Once its inner state being written (if any) is on storage: asked before the
+        island is killed at the end of a run (beside a round that may be stuck)."""
+        self.island.written()
+
     def describe(self) -> dict[str, Any]:
         return self.island.describe()
 

@@ -16,6 +16,8 @@ import contextlib
 import hashlib
 import os
 import re
+import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,6 +56,42 @@ def durable_write(path: Path, data: bytes) -> None:
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
+
+
+DIGEST = ".sha256"  # the suffix of a file's SHA-256, written beside it once the file is whole
+
+
+def digest_name(name: str) -> str:
+    """Where the digest of file `name` is written (after it: a file without one was never finished)."""
+    return name + DIGEST
+
+
+BACKGROUND_NICE = 10  # how much lower a background write's thread runs than the work it goes beside
+
+
+def yield_cpu() -> None:
+    """Lower the calling thread's CPU priority (on Linux, where a nice value is per
+    thread): a checkpoint streamed to storage beside training or a coordinator's serving
+    then takes the cores they leave, not theirs. Elsewhere it does nothing (there the
+    call would renice the whole process)."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+
+
+class HashingWriter:
+    """A write-only stream that hashes (SHA-256) what passes through it on its way to
+    `out`: a file streamed by `Folder.open_write` gets its digest in the same pass."""
+
+    def __init__(self, out: IO[bytes]) -> None:
+        self.out, self.sha256 = out, hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        self.sha256.update(data)
+        return int(self.out.write(data))
+
+    def flush(self) -> None:
+        self.out.flush()
 
 
 class _Ranged:

@@ -47,9 +47,12 @@ class ErrorFeedback:
         self.residual = cast(Any, values) - decoded
 
     def host(self) -> np.ndarray | None:
-        """The residual as a host array (what an island's saved state holds)."""
+        """A copy of the residual on the host (what an island's saved state holds: it is
+        written while later rounds update the residual in place)."""
         r = self.residual
-        return r if r is None or isinstance(r, np.ndarray) else r.detach().cpu().numpy()
+        if r is None:
+            return None
+        return r.copy() if isinstance(r, np.ndarray) else r.detach().to("cpu", copy=True).numpy()
 
 
 Values = TypeVar("Values", np.ndarray, "torch.Tensor")

@@ -37,10 +37,11 @@ def batch_counts(shards: list[int], turn: int, steps: int) -> dict[int, int]:
 @dataclass(frozen=True, kw_only=True)
 class SavedState:
     """Where an island wrote its inner state (`workers/runtime/inner_state.py`), and what
-    the file's bytes hash to."""
+    the file's bytes hash to: None where the digest is beside the file instead (a state
+    written after its result left, which could not carry a digest not yet computed)."""
 
     name: str
-    sha256: str
+    sha256: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,8 +2,8 @@
 its state, which file each island continues from after a resume, and which files no kept
 checkpoint needs any more.
 
-Islands write their own state beside the checkpoints (`workers/runtime/inner_state.py`):
-the coordinator never moves it over the islands' links. It asks for it only in the
+Islands write their own state beside the checkpoints (`workers/runtime/inner_state.py`),
+each file with its digest beside it: the coordinator never moves it over the islands' links. It asks for it only in the
 rounds before a checkpoint (a state written every round would cost a model-sized write
 per island per round), and keeps, for each island, the newest state whose result it
 judged — that result's data is what the checkpoint's ledger counts as trained, so the
@@ -13,6 +13,7 @@ the newest `checkpoint.keep` checkpoints are kept, the rest deleted once superse
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 
 from archipelago.orchestrator.config import RunConfig
@@ -21,7 +22,7 @@ from archipelago.orchestrator.engine.state.checkpoints import run_folder
 from archipelago.orchestrator.engine.state.membership import IslandStats, Membership
 from archipelago.orchestrator.engine.state.records import DiskFaults
 from archipelago.orchestrator.modes import mode_of
-from archipelago.workers.runtime.storage import Folder
+from archipelago.workers.runtime.storage import DIGEST, Folder, digest_name
 from archipelago.workers.wire.messages import SavedState, WorkKind
 
 FOLDER = "islands"  # beside the run's checkpoints
@@ -61,7 +62,7 @@ class IslandStates:
 
     def restore_for(self, stats: IslandStats | None) -> SavedState | None:
         """The state an island placed again under its old index continues from."""
-        if self.folder is None or stats is None or stats.inner_state is None or stats.inner_state_sha256 is None:
+        if self.folder is None or stats is None or stats.inner_state is None:
             return None
         return SavedState(name=stats.inner_state, sha256=stats.inner_state_sha256)
 
@@ -100,11 +101,14 @@ class IslandStates:
         entries: list[tuple[str, bool]] = []
         disk.attempt("a listing of the islands' states", lambda: entries.extend(folder.entries()))
         for name, is_dir in entries:
-            if not is_dir and name.endswith(".npz") and name not in named:
-                self._delete(name, disk)
+            state = name.removesuffix(DIGEST)
+            if not is_dir and state.endswith(".npz") and state not in named:
+                self._delete(name, disk, beside=False)
         self.superseded.clear()
 
-    def _delete(self, name: str, disk: DiskFaults) -> None:
+    def _delete(self, name: str, disk: DiskFaults, *, beside: bool = True) -> None:
+        """Delete state file `name` and (`beside`) the digest written beside it."""
         if self.folder is not None:
             folder = Folder(self.folder)
-            disk.attempt(f"deleting {name}", lambda: folder.delete(name))
+            for each in [name, digest_name(name)] if beside else [name]:
+                disk.attempt(f"deleting {each}", functools.partial(folder.delete, each))

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from archipelago.orchestrator.engine.types import RunFailed
-from archipelago.workers.runtime.storage import Folder
+from archipelago.workers.runtime.storage import Folder, HashingWriter, digest_name, yield_cpu
 
 if TYPE_CHECKING:
     import torch
@@ -99,10 +99,6 @@ def _saved(folder: Folder) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-def _digest(name: str) -> str:
-    return name + ".sha256"
-
-
 PARTS = "parts"  # a checkpoint's key listing the parts written beside it (name, SHA-256, bounds)
 
 
@@ -135,7 +131,7 @@ def _streamed(folder: Folder, name: str, state: dict[str, Any]) -> str:
     import torch
 
     with folder.open_write(name) as f:
-        hashing = _Hashing(f)
+        hashing = HashingWriter(f)
         torch.save(state, hashing)  # type: ignore[arg-type]  # a write-only stream is all torch.save needs
     return hashing.sha256.hexdigest()
 
@@ -158,12 +154,12 @@ def save_checkpoint(location: Location, state: dict[str, Any], keep: int = 3, na
         state = {**state, PARTS: beside.written()}
     # the digest last: a file without one (a crash between the two) is never trusted, and
     # loading falls back to the checkpoint before it
-    folder.write(_digest(name), _streamed(folder, name, state).encode())
+    folder.write(digest_name(name), _streamed(folder, name, state).encode())
     pruned = [old for _, old in [(0, name), *saved][keep:]]
     entries = [entry for entry, _ in folder.entries()] if pruned else []
     for old in pruned:
         folder.delete(old)
-        folder.delete(_digest(old))
+        folder.delete(digest_name(old))
         for entry in entries:
             if entry.startswith(f"{old}.part-"):
                 folder.delete(entry)
@@ -188,6 +184,7 @@ class BackgroundSave:
         self._thread.start()
 
     def _write(self, location: Location, state: dict[str, Any], keep: int, name: str | None) -> None:
+        yield_cpu()
         t0 = time.perf_counter()
         try:
             self._name = save_checkpoint(location, state, keep, name)
@@ -206,20 +203,6 @@ class BackgroundSave:
             raise self._error
         assert self._name is not None
         return self._name
-
-
-class _Hashing:
-    """A write-only stream that hashes what passes through it on its way to `out`."""
-
-    def __init__(self, out: Any) -> None:
-        self.out, self.sha256 = out, hashlib.sha256()
-
-    def write(self, data: Any) -> int:
-        self.sha256.update(data)
-        return int(self.out.write(data))
-
-    def flush(self) -> None:
-        self.out.flush()
 
 
 class CheckpointError(RunFailed):
@@ -242,7 +225,7 @@ def _load_one(folder: Folder, name: str) -> tuple[str, dict[str, Any]]:
     then deserialized peaked at 3x a 100 MB state; now 1.1x, measured by the tests)."""
     import torch
 
-    expected = folder.read(_digest(name)).decode().strip()
+    expected = folder.read(digest_name(name)).decode().strip()
     if folder.sha256(name) != expected:
         raise ValueError("checksum mismatch")
     with folder.open_read(name) as f:
