@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import tracemalloc
 from collections import Counter
 from pathlib import Path
 
@@ -101,6 +102,22 @@ def test_a_state_is_trusted_only_with_its_digest(tmp_path):
     (tmp_path / digest_name(saved.name)).unlink()  # a write that never ended
     with pytest.raises(InnerStateError, match=r"\.sha256"):
         inner_state.load(str(tmp_path), named)
+
+
+def test_a_state_is_loaded_without_holding_it_twice(tmp_path):
+    """Hashed as a stream, then read array by array: the load's peak is the state's size,
+    not the file's bytes beside the arrays made of them (2× before)."""
+    arrays = {"exp_avg": np.ones(4_000_000, np.float32), "exp_avg_sq": np.full(4_000_000, 2.0, np.float32)}
+    saved = inner_state.save(str(tmp_path), 0, arrays)
+    state = sum(v.nbytes for v in arrays.values())
+    tracemalloc.start()
+    try:
+        loaded = inner_state.load(str(tmp_path), SavedState(name=saved.name))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert all(np.array_equal(loaded[k], arrays[k]) for k in arrays)
+    assert peak < 1.2 * state, (peak, state)
 
 
 def test_the_result_leaves_before_its_state_is_written_and_the_file_holds_the_state_it_left(tmp_path, monkeypatch):
