@@ -401,6 +401,14 @@ class RunConfig(Strict):
         return mode_of(self).tracks_copy or self.compression.downlink not in ("none", AUTO_CODEC)
 
     @property
+    def keeps_island_state(self) -> bool:
+        """Islands save their inner state for the checkpoints: not without checkpoints,
+        with `checkpoint.island_state` off, in ddp (its optimizer is the coordinator's), or
+        for islands of several workers (each holds a shard of the optimizer: not yet kept)."""
+        keeps = self.checkpoint.every_rounds and self.checkpoint.island_state and self.islands.workers == 1
+        return bool(keeps) and mode_of(self).pseudo_gradients
+
+    @property
     def codecs_left_to_plan(self) -> bool:
         """`compression.codec` or `.downlink` is `auto`: the run's plan picks it at launch
         (`plan/head.py:choose_codecs`), and the run trains with what it picked."""

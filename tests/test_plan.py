@@ -579,3 +579,19 @@ def test_a_micro_batch_is_read_off_the_line_through_two_and_the_flag_is_checked(
         with pytest.raises(SystemExit) as exit_:
             main(["plan", "--rehearse", "--rehearse-rows", bad, LLAMA])
         assert exit_.value.code == 2
+
+
+def test_an_islands_inner_state_snapshot_is_counted_where_its_run_keeps_it(capsys, tmp_path):
+    """An island saving its inner state holds a copy of it on the host while it is written
+    beside the next round (`inner_state.StateWrites`): the Llama's AdamW moments, twice its
+    parameters in fp32, on its GPU node's host; nothing where the run keeps no island state."""
+
+    def host_parts(*extra: str) -> tuple[dict, int]:
+        code, lines, report = _plan(capsys, tmp_path, "--cluster", CLUSTER, LLAMA, *extra)
+        assert code == 0, lines
+        (island,) = [p for p in report["processes"] if p["process"] == "island worker" and p["memory"] == "host"]
+        return island["parts"], report["model"]["params"]
+
+    parts, params = host_parts()
+    assert parts["inner state snapshot"] == pytest.approx(2 * 4 * params, rel=0.01)
+    assert "inner state snapshot" not in host_parts("--set", "checkpoint.island_state=false")[0]

@@ -305,6 +305,8 @@ def _island(cfg: RunConfig, m: ModelMemory, up: float, node: NodeKind, ray: int)
         "received": n4,
         "sent": int(up * m.params),
     }
+    if cfg.keeps_island_state:  # its copy, held on the host while it is written beside the next round
+        host["inner state snapshot"] = opt + (n4 if cfg.compression.error_feedback else 0)
     on_gpu = cfg.islands.gpus > 0
     per_node = max(1, int(node.gpus // cfg.islands.gpus)) if on_gpu and node.gpus else 1
     host_available = node.memory // per_node if node.memory is not None else None

@@ -197,6 +197,11 @@ def continue_from(
     return True
 
 
+def snapshot(optimizer: torch.optim.Optimizer, feedback: dict[int | None, ErrorFeedback]) -> dict[str, np.ndarray]:
+    """The island's whole inner state as host arrays of its own (what a save writes)."""
+    return capture(optimizer, {_name(k): r for k, f in feedback.items() if (r := f.host()) is not None})
+
+
 class StateWrites:
     """An island's inner-state writes, each on a thread of its own, so the result that
     asked for the state leaves at once (see the module's docstring). The thread first takes
@@ -241,8 +246,7 @@ class StateWrites:
         t0 = time.perf_counter()
         try:
             try:
-                residuals = {_name(k): r for k, f in feedback.items() if (r := f.host()) is not None}
-                arrays = capture(optimizer, residuals)
+                arrays = snapshot(optimizer, feedback)
             finally:
                 taken.set()
             yield_cpu()  # after the snapshot, which the next steps wait for

@@ -21,7 +21,6 @@ from archipelago.orchestrator.engine.pacing.registry import pacing_of
 from archipelago.orchestrator.engine.state.checkpoints import run_folder
 from archipelago.orchestrator.engine.state.membership import IslandStats, Membership
 from archipelago.orchestrator.engine.state.records import DiskFaults
-from archipelago.orchestrator.modes import mode_of
 from archipelago.workers.runtime.storage import DIGEST, Folder, digest_name
 from archipelago.workers.wire.messages import SavedState, WorkKind
 
@@ -29,13 +28,9 @@ FOLDER = "islands"  # beside the run's checkpoints
 
 
 def state_folder(cfg: RunConfig, run_id: str) -> str | None:
-    """Where the run's islands write their inner state; None when no state is kept: no
-    checkpoints, `checkpoint.island_state` off, ddp (its optimizer is the coordinator's),
-    or islands of several workers (each holds a shard of the optimizer: not yet kept)."""
-    keeps = cfg.checkpoint.every_rounds and cfg.checkpoint.island_state and cfg.islands.workers == 1
-    if not keeps or not mode_of(cfg).pseudo_gradients:
-        return None
-    return str(run_folder(cfg.checkpoint_dir, run_id) / FOLDER)
+    """Where the run's islands write their inner state; None when none is kept
+    (`RunConfig.keeps_island_state`)."""
+    return str(run_folder(cfg.checkpoint_dir, run_id) / FOLDER) if cfg.keeps_island_state else None
 
 
 def save_due(cfg: RunConfig, kind: WorkKind, rounds_done: int, schedulable: int) -> bool:
