@@ -2,8 +2,8 @@
 fresh process whose peak memory is read back and set beside the plan's.
 
 On the CPU of the machine it runs on (CI's included): an island worker builds its model
-and trains one round of `inner_steps` inner steps through the island's own code (and, in
-a run whose islands save their inner state, a second beside a snapshot of it); the
+and trains one round of `inner_steps` inner steps through the island's own code (in a
+run whose islands save their inner state, beside a snapshot of it); the
 coordinator builds the model, takes one outer step on `islands.count` pseudo-gradients
 through the production outer step and admission, evaluates (when it is the one that
 evaluates) and writes a checkpoint; the evaluation actor's body evaluates once. The plan
@@ -112,13 +112,15 @@ def _island(cfg: RunConfig) -> None:
 
     island = Island(island_spec(cfg, 0))
     params = island.flat.numpy()
-    island.run(island.order(0, cfg.inner_steps), params)
+    held = None
     if cfg.keeps_island_state:
-        # its inner state's snapshot held while the next round trains, as when its write
-        # (to a slow bucket) lasts that long: the peak the plan counts it in
+        # its inner state's snapshot held while a round trains, as when its write (to a slow
+        # bucket) lasts the next round: the state made first by a step on the zero gradients
+        # (the values are not what is measured; a second round would double the rehearsal)
+        island.optimizer.step()
         held = inner_state.snapshot(island.optimizer, island.feedback)
-        island.run(island.order(0, cfg.inner_steps), params)
-        del held
+    island.run(island.order(0, cfg.inner_steps), params)
+    del held
 
 
 def _coordinator(cfg: RunConfig) -> None:

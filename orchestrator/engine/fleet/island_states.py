@@ -3,10 +3,10 @@ its state, which file each island continues from after a resume, and which files
 checkpoint needs any more.
 
 Islands write their own state beside the checkpoints (`workers/runtime/inner_state.py`),
-each file with its digest beside it: the coordinator never moves it over the islands' links. It asks for it only in the
-rounds before a checkpoint (a state written every round would cost a model-sized write
-per island per round), and keeps, for each island, the newest state whose result it
-judged — that result's data is what the checkpoint's ledger counts as trained, so the
+each file with its digest beside it: the coordinator never moves it over the islands'
+links. It asks for it only in the rounds before a checkpoint (a state written every round
+would cost a model-sized write per island per round), and keeps, for each island, the
+newest state whose result it judged — that result's data is what the checkpoint's ledger counts as trained, so the
 moments and the ledger agree. A checkpoint records each island's file; the files named by
 the newest `checkpoint.keep` checkpoints are kept, the rest deleted once superseded.
 """
