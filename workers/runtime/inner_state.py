@@ -37,7 +37,7 @@ import zipfile
 import numpy as np
 import torch
 
-from archipelago.workers.runtime.storage import Folder, HashingWriter, digest_name, yield_cpu
+from archipelago.workers.runtime.storage import Folder, HashingWriter, yield_cpu
 from archipelago.workers.wire.compress import ErrorFeedback
 from archipelago.workers.wire.messages import SavedState
 
@@ -147,7 +147,7 @@ def save(folder: str, island: int, arrays: dict[str, np.ndarray], name: str | No
                 with npz.open(f"{key}.npy", "w", force_zip64=True) as entry:
                     np.lib.format.write_array(entry, values, allow_pickle=False)
     digest = hashing.sha256.hexdigest()
-    store.write(digest_name(name), digest.encode())
+    store.write_digest(name, digest)
     return SavedState(name=name, sha256=digest)
 
 
@@ -160,7 +160,7 @@ def load(folder: str, saved: SavedState) -> dict[str, np.ndarray]:
     Its files are never rewritten, so the two reads see the same bytes."""
     store = Folder(folder)
     try:
-        expected = saved.sha256 or store.read(digest_name(saved.name)).decode().strip()
+        expected = saved.sha256 or store.digest(saved.name)
         if store.sha256(saved.name) != expected:
             raise InnerStateError(f"{folder}/{saved.name}: its SHA-256 is not the one recorded for it")
         with store.open_read(saved.name) as f, np.load(f, allow_pickle=False) as npz:

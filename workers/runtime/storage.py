@@ -211,6 +211,15 @@ class Folder:
         else:
             self.fs.pipe_file(self._key(name), data)
 
+    def write_digest(self, name: str, sha256: str) -> None:
+        """Write the SHA-256 of file `name` beside it (`digest_name`), once `name` is whole."""
+        self.write(digest_name(name), sha256.encode())
+
+    def digest(self, name: str) -> str:
+        """The SHA-256 written beside file `name`; raises (an `OSError`) where there is none:
+        its write never ended, and the file is not to be trusted."""
+        return self.read(digest_name(name)).decode().strip()
+
     def local_path(self, name: str) -> Path | None:
         """The local file `name` (None in an object store), for readers that stream it."""
         return None if self.remote else Path(self.path) / name

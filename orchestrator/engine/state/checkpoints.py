@@ -154,7 +154,7 @@ def save_checkpoint(location: Location, state: dict[str, Any], keep: int = 3, na
         state = {**state, PARTS: beside.written()}
     # the digest last: a file without one (a crash between the two) is never trusted, and
     # loading falls back to the checkpoint before it
-    folder.write(digest_name(name), _streamed(folder, name, state).encode())
+    folder.write_digest(name, _streamed(folder, name, state))
     pruned = [old for _, old in [(0, name), *saved][keep:]]
     entries = [entry for entry, _ in folder.entries()] if pruned else []
     for old in pruned:
@@ -225,7 +225,7 @@ def _load_one(folder: Folder, name: str) -> tuple[str, dict[str, Any]]:
     then deserialized peaked at 3x a 100 MB state; now 1.1x, measured by the tests)."""
     import torch
 
-    expected = folder.read(digest_name(name)).decode().strip()
+    expected = folder.digest(name)
     if folder.sha256(name) != expected:
         raise ValueError("checksum mismatch")
     with folder.open_read(name) as f:
