@@ -275,6 +275,38 @@ def test_the_fleet_is_described_on_the_command_line_and_a_wrong_flag_is_named(tm
     spec = fleet_spec.spec_of(parser.parse_args(["--notice", "5,15", "--ablation-seeds", "3", "--seeds", "2"]))
     assert spec.notice_s == (5.0, 15.0) and seeds_of(spec, "quorum_no_partial") == range(2)
     assert seeds_of(FleetSpec(), "quorum_no_partial") == range(1) and seeds_of(FleetSpec(), "quorum") == range(3)
+    assert seeds_of(FleetSpec(), "quorum_sliced") == range(3)  # run at every link: every seed, as a headline row
+
+
+def test_the_sliced_row_runs_the_head_its_plan_asks_for(tmp_path):
+    """`quorum_sliced`: the fewest coordinator slices that bring the head's share under 0.10
+    at the nominal 1 B parameters, at most one per island, with the codecs `auto` picks for
+    them. At 1 Gbit/s no number fits 16 islands' H = 20 (one per island, int8 up, the
+    downlink exact as slices need); at 100 Gbit/s 54 of 64 do (53 would not); the run trains
+    with them, and its card time splits over them."""
+    from archipelago.orchestrator.bench.fleet import fleet_of, overrides, planned_head
+    from archipelago.orchestrator.plan.head import head_load
+
+    spec = FleetSpec()
+
+    def planned(link: float, islands: int):
+        cfg = load_config(None, overrides(spec, "quorum_sliced", islands, 0, 0.7, tmp_path / "x", True))
+        return planned_head(cfg, fleet_of(spec, islands, link), most=islands)
+
+    slow = planned(1.0, 16)
+    assert (slow.coordinator.shards, slow.compression.codec, slow.compression.downlink) == (16, "int8", "none")
+    wide = planned(100.0, 64)
+    assert (wide.coordinator.shards, wide.compression.codec) == (54, "none")
+    fewer = wide.model_copy(update={"coordinator": wide.coordinator.model_copy(update={"shards": 53})})
+    share = [head_load(c, 10**9, link_gbps=100.0, step_s=1.0).share for c in (wide, fewer)]
+    assert share[0] <= 0.10 < share[1]
+    small = FleetSpec(islands=(4,), rows=("quorum", "quorum_sliced"), rounds=2, mttf_s=1e9, seeds=1, lr_grid=(0.7,))
+    one, sliced = (run_one(small, row, 4, 0, 0.7, 10.0, tmp_path / "runs", faults=False) for row in small.rows)
+    assert one.head == {"slices": 1, "codec": "none", "downlink": "none"}
+    assert sliced.head == {"slices": 4, "codec": "int8", "downlink": "none"}
+    assert sliced.summary["tokens"] == one.summary["tokens"]
+    # int8 in (about a quarter of fp32's bytes) over 4 cards: the head's card takes far less time
+    assert sliced.losses["head"]["card_in"] < one.losses["head"]["card_in"] / 8
 
 
 def test_bench_fleet_end_to_end_on_a_small_fleet(tmp_path):

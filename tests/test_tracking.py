@@ -9,6 +9,7 @@ import json
 import struct
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -112,9 +113,10 @@ def _wandb_records(path: Path):
 def test_the_wandb_offline_run_holds_the_history_config_events_and_summary(tracked):
     folder, records, summary = tracked
     (run_dir,) = (folder / "wandb").glob("offline-run-*-tracked")
-    rows, config, final = [], {}, {}
+    rows, config, final, kinds = [], {}, {}, Counter()
     for record in _wandb_records(next(run_dir.glob("*.wandb"))):
         kind = record.WhichOneof("record_type")
+        kinds[kind] += 1
         if kind == "history":
             rows.append(
                 {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
@@ -125,7 +127,8 @@ def test_the_wandb_offline_run_holds_the_history_config_events_and_summary(track
         elif kind == "summary":
             final.update({item.key: json.loads(item.value_json) for item in record.summary.update if item.key})
     losses = [(row["_step"], row["eval_loss"]) for row in rows if "eval_loss" in row]
-    assert losses == [(r["round"], pytest.approx(r["eval_loss"])) for r in records]
+    assert kinds["exit"] == 1, f"the file is read before W&B ended it: {dict(kinds)}"
+    assert losses == [(r["round"], pytest.approx(r["eval_loss"])) for r in records], dict(kinds)
     assert config["mode"]["name"] == "diloco" and config["inner_steps"] == 4
     (table,) = (run_dir / "files" / "media" / "table").glob("events_*.table.json")  # the events, as a table
     logged = json.loads(table.read_text())

@@ -51,6 +51,7 @@ from archipelago.orchestrator.bench.fleet_spec import (
     REFERENCE_LINK,
     RESTART_ROW,
     ROWS,
+    SLICED_ROW,
     FleetSpec,
 )
 from archipelago.orchestrator.bench.hetero import time_to_reach
@@ -59,8 +60,9 @@ from archipelago.orchestrator.bench.runner import finished, fresh, record_simula
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.build import PhasedRun
+from archipelago.orchestrator.plan.head import TARGET_SHARE, head_load
 from archipelago.orchestrator.simulation.chaos import Strike, mttf_schedule
-from archipelago.orchestrator.simulation.config import ReplacementSpeed, SimulationConfig
+from archipelago.orchestrator.simulation.config import ReplacementSpeed, SimulationConfig, planned_codecs
 from archipelago.orchestrator.simulation.links import LinkConfig, allreduce_s, ring_allreduce_s
 from archipelago.orchestrator.simulation.network import Network
 from archipelago.orchestrator.simulation.pool import InProcessPool, Losses
@@ -89,6 +91,7 @@ class FleetRun:
     losses: dict[str, Any]  # `Losses` as saved, and the head's busy seconds (`head`)
     slots: int  # islands the fleet pays for: the target and its hot spares
     ideal_s: float  # the fleet's islands at their own speeds, training the tokens that reached the model
+    head: dict[str, Any]  # the head it ran with: slices and codecs
 
     @property
     def seconds(self) -> float:
@@ -144,6 +147,7 @@ def run_one(
     tag = f"{row}@k{islands}@s{seed}@lr{lr:g}@g{link:g}" + ("" if faults else "@nofaults")
     cfg = load_config(None, overrides(spec, row, islands, seed, lr, work / tag, faults))
     sim = fleet_of(spec, islands, link)
+    cfg = planned_head(cfg, sim, most=islands) if row == SLICED_ROW else planned_codecs(cfg, sim)
     if row == RESTART_ROW:  # the baseline: the fleet stands still at every failure
         sim = sim.model_copy(update={"restart_s": spec.restart_s})
     out = Path(cfg.out_dir)
@@ -176,7 +180,29 @@ def run_one(
     per_step = cfg.task.kwargs["batch_size"] * cfg.task.kwargs["context"]
     fleet_rate = sum(1 / f for f in sim.slowdown or [1.0] * islands) / spec.step_s * per_step  # tokens a second
     ideal = summary["tokens_applied"] / fleet_rate
-    return FleetRun(summary, eval_curve(out, summary, "clock_seconds"), losses, islands + cfg.elastic.spares, ideal)
+    head = {"slices": cfg.coordinator.shards, "codec": cfg.compression.codec, "downlink": cfg.compression.downlink}
+    return FleetRun(
+        summary, eval_curve(out, summary, "clock_seconds"), losses, islands + cfg.elastic.spares, ideal, head
+    )
+
+
+def planned_head(cfg: RunConfig, sim: SimulationConfig, *, most: int) -> RunConfig:
+    """`cfg` with the head its plan asks for on the simulated fleet (`plan/head.py`): the
+    fewest coordinator slices, each on a node of its own (a card of the link's speed and a
+    CPU of its own), that bring the head's share of a round under `TARGET_SHARE` at the
+    nominal size, at most `most` (then `most`: the least share there is), with the codecs
+    `auto` picks for that many slices (`planned_codecs`: slices need an exact downlink)."""
+    shards = cfg.coordinator
+    for slices in range(1, most + 1):
+        trial = planned_codecs(
+            cfg.model_copy(update={"coordinator": shards.model_copy(update={"shards": slices})}), sim
+        )
+        load = head_load(
+            trial, sim.nominal_params or 0, link_gbps=sim.head_gbps or sim.link.gbps, step_s=sim.virtual_step_s
+        )
+        if load.share <= TARGET_SHARE:
+            break
+    return trial
 
 
 def _losses(pools: list[InProcessPool]) -> dict[str, Any]:
@@ -239,9 +265,10 @@ def run_all(spec: FleetSpec, work: Path, keys: list[Key]) -> dict[Key, FleetRun]
 
 
 def seeds_of(spec: FleetSpec, row: str) -> range:
-    """The headline rows run every seed; the others `ablation_seeds` (by default seed 0
-    only: the budget of two cores)."""
-    return range(spec.seeds if row in HEADLINE else min(spec.seeds, spec.ablation_seeds))
+    """The headline rows and those run at every link run every seed; the others
+    `ablation_seeds` (by default seed 0 only: the budget of two cores)."""
+    every = row in HEADLINE or row in spec.link_rows
+    return range(spec.seeds if every else min(spec.seeds, spec.ablation_seeds))
 
 
 def tune(spec: FleetSpec, work: Path) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
@@ -364,6 +391,7 @@ def _row(
     return {
         "description": ROWS[row][0],
         "overrides": ROWS[row][1],
+        "head": runs[0].head,
         "islands": k,
         "outer_lr": None if row == "ddp" else lr,
         "lr_factor": lr if row == "ddp" else None,
@@ -406,7 +434,8 @@ def _time_or_bound(m: dict[str, Any]) -> tuple[float, bool]:
 
 def _checks(spec: FleetSpec, links: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The targets: at the reference link, quorum's goodput and its time to target against
-    sync_dylu's and restart's; at `DDP_TARGET`'s link, against data-parallel's (a row that
+    sync_dylu's and restart's; at `DDP_TARGET`'s link, quorum's as shipped (one head) and
+    with the head its plan asks for (`SLICED_ROW`), each against data-parallel's (a row that
     never reached the target is bounded by its finishing time, and the check says so)."""
     checks: dict[str, dict[str, Any]] = {}
     results = links[f"{REFERENCE_LINK:g}"]["methods"]
@@ -415,12 +444,12 @@ def _checks(spec: FleetSpec, links: dict[str, dict[str, Any]]) -> dict[str, dict
             g = results[f"quorum_{k}"]["goodput"]
             checks[f"quorum_goodput_ge_{floor}_at_{k}"] = {"value": g, "ok": g >= floor}
     ddp_link, ddp_ratio = DDP_TARGET
-    compared = [(REFERENCE_LINK, other, ratio) for other, ratio in TIME_TARGETS.items()]
-    compared.append((ddp_link, "ddp", ddp_ratio))
-    for link, other, ratio in compared:
+    compared = [(REFERENCE_LINK, "quorum", other, ratio) for other, ratio in TIME_TARGETS.items()]
+    compared += [(ddp_link, mine, "ddp", ddp_ratio) for mine in ("quorum", SLICED_ROW)]
+    for link, row, other, ratio in compared:
         at = links.get(f"{link:g}", {}).get("methods", {})
         for k in (16, 64):
-            q, m = at.get(f"quorum_{k}"), at.get(f"{other}_{k}")
+            q, m = at.get(f"{row}_{k}"), at.get(f"{other}_{k}")
             if q is None or m is None:
                 continue
             t, exact = _time_or_bound(m)
@@ -428,7 +457,7 @@ def _checks(spec: FleetSpec, links: dict[str, dict[str, Any]]) -> dict[str, dict
             value = None if mine is None else mine / t
             # quorum not reached: failed; theirs not reached: its finish bounds its time from below
             suffix = "" if link == REFERENCE_LINK else f"_at_{link:g}gbps"
-            checks[f"quorum_time_le_{ratio}x_{other}_at_{k}{suffix}"] = {
+            checks[f"{row}_time_le_{ratio}x_{other}_at_{k}{suffix}"] = {
                 "value": value,
                 "ok": value is not None and value <= ratio,
                 "note": None if exact else f"{other} did not reach the target: its finishing time is the bound",
@@ -464,6 +493,7 @@ def _results_table(spec: FleetSpec, r: dict[str, dict[str, Any]]) -> str:
         [
             f"`{name.rsplit('_', 1)[0]}`",
             str(m["islands"]),
+            _head(m["head"]),
             f"{m['outer_lr']:g}" if m["outer_lr"] is not None else f"{m['lr_factor']:g}x inner",
             f"{_seconds(m['sim_seconds_to_target'])} ({', '.join(_seconds(x) for x in m['sim_seconds_to_target_seeds'])})",
             f"{m['goodput']:.3f} ({', '.join(f'{g:.2f}' for g in m['goodput_seeds'])})",
@@ -480,6 +510,7 @@ def _results_table(spec: FleetSpec, r: dict[str, dict[str, Any]]) -> str:
     header = [
         "method",
         "islands",
+        "head: slices, codecs up/down",
         "lr",
         "simulated s to target (each)",
         f"goodput, mean of {spec.seeds} (each)",
@@ -492,6 +523,10 @@ def _results_table(spec: FleetSpec, r: dict[str, dict[str, Any]]) -> str:
         "failures",
     ]
     return md_table(header, rows)
+
+
+def _head(head: dict[str, Any]) -> str:
+    return f"{head['slices']}, {head['codec']}/{head['downlink']}"
 
 
 def _lost_table(r: dict[str, dict[str, Any]]) -> str:
@@ -535,7 +570,9 @@ def _markdown(
         "",
         f"Priced as a real run is limited, at {spec.nominal_params:.3g} parameters in fp32 "
         "(`orchestrator/simulation/network.py`): every island's link and the head's one card (the same speed) shared by "
-        "every transfer in and out; the coordinator's step (merge, outer optimizer, the checkpoint's share) at the rates "
+        "every transfer in and out (a coordinator slice on a node of its own has a card of its own: `quorum_sliced` "
+        "runs the slices its plan asks for); the coordinator's step (merge, outer optimizer, the checkpoint's share) "
+        "at the rates "
         "measured on a CPU head, one at a time; data-parallel's all-reduce in buckets overlapped with backward, ring or "
         "tree; evaluation off the head. The in-process island pool on a virtual clock: real training of a small model, "
         "simulated time. The target: synchronous DiLoCo's final loss on the same tokens with no failures, per seed.",

@@ -13,6 +13,7 @@ from typing import Any
 from archipelago.orchestrator.simulation.chaos import Strike, parse_mix
 
 RESTART_ROW = "restart_from_checkpoint"  # the baseline run on a fleet that stands still at each failure
+SLICED_ROW = "quorum_sliced"  # quorum with its head sized by the plan (`fleet.planned_head`)
 # name -> (what it is, its overrides); every DiLoCo-family row's outer lr comes from LR_GRID
 ROWS: dict[str, tuple[str, list[str]]] = {
     "ddp": (
@@ -66,6 +67,13 @@ ROWS: dict[str, tuple[str, list[str]]] = {
         "shipped): the head's bytes cut about 7.5x, at quorum's lr",
         ["mode=async", "mode.rule=quorum", "compression.codec=int4", "compression.downlink=int4"],
     ),
+    SLICED_ROW: (
+        "`quorum` with the head its plan asks for on this fleet: the fewest coordinator slices, each on a node "
+        "of its own (a card and a CPU of its own), that bring the head's share of a round under 0.10, at most "
+        "one per island, and the codecs `auto` picks for them (int8 where its bytes save more than its "
+        "decoding costs; the downlink exact, as slices need), at quorum's lr",
+        ["mode=async", "mode.rule=quorum", "compression.codec=auto", "compression.downlink=auto"],
+    ),
     "quorum_no_partial": (
         "ablation: `quorum` whose preempted islands send nothing early (no partial pseudo-gradient at the "
         "notice: a work that would not finish in time is lost), at quorum's lr",
@@ -79,6 +87,7 @@ ABLATION_OF = {
     "quorum_spares": "quorum",
     "quorum_no_partial": "quorum",
     "quorum_int4": "quorum",
+    SLICED_ROW: "quorum",  # slices compute what one coordinator does, bit for bit: only the timing differs
 }  # rows at another row's tuned lr
 HEADLINE = (RESTART_ROW, "sync_dylu", "quorum", "ddp")  # the rows the targets compare
 REFERENCE_LINK = 100.0  # Gbit/s: the regime every row runs in (the lr grid is tuned there); the others run `link_rows`
@@ -91,7 +100,11 @@ class FleetSpec:
     mttf_s: float = 1800.0  # per island, simulated
     mix: str = "hang=1,crash=1,slow=1,preempt=1"
     links: tuple[float, ...] = (1.0, 10.0, 100.0)  # Gbit/s between each island and the head, and the head's card
-    link_rows: tuple[str, ...] = (*HEADLINE, "quorum_int4")  # the rows run at the links other than REFERENCE_LINK
+    link_rows: tuple[str, ...] = (
+        *HEADLINE,
+        "quorum_int4",
+        SLICED_ROW,
+    )  # the rows run at the links other than REFERENCE_LINK
     latency_ms: float = 30.0
     nominal_params: int = 1_000_000_000
     rows: tuple[str, ...] = tuple(ROWS)
@@ -105,7 +118,7 @@ class FleetSpec:
     spare_every: int = 16  # quorum_spares: one hot spare per this many islands (at least one)
     notice_s: tuple[float, float] = (5.0, 120.0)  # a preemption's notice, drawn uniformly (some shorter than a round)
     speed_noise: float = 0.1  # the spread of every speed the engine measures (log-normal, mean 1)
-    ablation_seeds: int = 1  # seeds of the rows that are not headline rows (at most `seeds`)
+    ablation_seeds: int = 1  # seeds of the rows neither headline nor in `link_rows` (at most `seeds`)
     lr_grid: tuple[float, ...] = (0.5, 0.7, 1.0)
     ddp_lr_grid: tuple[float, ...] = (0.5, 1.0, 2.0)  # data-parallel's lr, times the shipped inner.lr
     jobs: int = 1  # runs side by side, each in a process of its own
@@ -190,7 +203,7 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--spare-every": ("spare_every", int, "quorum_spares: one hot spare per this many islands"),
     "--notice": ("notice_s", _floats, "a preemption's notice, LO,HI simulated seconds (drawn uniformly)"),
     "--speed-noise": ("speed_noise", float, "spread of measured speeds (log-normal sigma)"),
-    "--ablation-seeds": ("ablation_seeds", int, "seeds of the rows other than the headline ones"),
+    "--ablation-seeds": ("ablation_seeds", int, "seeds of the rows neither headline nor run at every link"),
     "--jobs": ("jobs", int, "runs side by side, a process each (changes the wall time only)"),
 }
 
