@@ -346,6 +346,14 @@ def test_the_heads_share_of_a_round_is_priced_phase_by_phase_at_1b_parameters_an
     (fix,) = small.to_fit()
     assert int(fix.split(">= ")[1].split(",")[0]) > shards
     assert dataclasses.replace(load, inner_steps=1000).to_fit() == []  # H = 1,000: it fits as it is
+    # slices keep no copy for a lossy downlink to change: the slices that fit are counted
+    # with the parameters sent exact, and the line says so; a mode that steps on one
+    # coordinator (streaming's tracked copy) is told no slices at all
+    lossy = dataclasses.replace(load, down_bytes=1_030_000_000, downlink="int8")
+    (_, fix) = lossy.to_fit()
+    assert fix.startswith(f"coordinator.shards >= {shards},") and "compression.downlink none" in fix
+    (_, fix) = dataclasses.replace(load, sliceable=False).to_fit()
+    assert "coordinator.shards" not in fix and "no slices" in fix
 
 
 def test_an_average_warm_start_through_the_head_is_priced_and_refused_once_the_head_sets_its_pace():

@@ -103,6 +103,9 @@ class HeadLoad:
     downlink: str  # compression.downlink
     state_values: int  # the outer optimizer's values per parameter (Nesterov's momentum: 1)
     checkpoint_every: int  # rounds (0: none)
+    sliceable: bool = (
+        True  # the mode's outer step can be split over slices (a DiLoCo-family mode without a tracked copy)
+    )
 
     @property
     def bytes_per_round(self) -> int:
@@ -157,10 +160,22 @@ class HeadLoad:
                 "decodes faster than the card carries (compression.codec and compression.downlink auto: the plan "
                 "picks int8, about 1 byte a value, where it saves more than it costs) or a faster link"
             )
-        need = max(self.slices + 1, math.ceil(self.slices * self.seconds_per_round / budget))
+        if not self.sliceable:
+            out.append(
+                "a rarer checkpoint (checkpoint.every_rounds) or a longer round (inner_steps): this mode steps on "
+                "one coordinator (no slices)"
+            )
+            return out
+        # slices keep no copy for a lossy downlink to change: they send the parameters exact
+        exact = (
+            self if self.downlink == "none" else dataclasses.replace(self, down_bytes=4 * self.params, downlink="none")
+        )
+        need = max(self.slices + 1, math.ceil(self.slices * exact.seconds_per_round / budget))
         out.append(
             f"coordinator.shards >= {need}, each slice on a node of its own (coordinator.slice_resource: "
-            "archipelago_slice, the manifests' slices group), or a rarer checkpoint (checkpoint.every_rounds)"
+            "archipelago_slice, the manifests' slices group)"
+            + ("" if exact is self else ", with compression.downlink none (slices keep no copy for it to change)")
+            + ", or a rarer checkpoint (checkpoint.every_rounds)"
         )
         return out
 
@@ -289,6 +304,7 @@ def head_load(cfg: RunConfig, params: int, *, link_gbps: float, step_s: float) -
         downlink=cfg.compression.downlink,
         state_values=rule_of(cfg).state_values(cfg),
         checkpoint_every=cfg.checkpoint.every_rounds,
+        sliceable=mode_of(cfg).pseudo_gradients and not mode_of(cfg).tracks_copy,
     )
 
 
