@@ -278,6 +278,17 @@ def test_the_fleet_is_described_on_the_command_line_and_a_wrong_flag_is_named(tm
     assert seeds_of(FleetSpec(), "quorum_sliced") == range(3)  # run at every link: every seed, as a headline row
 
 
+def test_a_best_lr_at_its_grids_edge_is_named():
+    """A row tuned to the lowest or highest lr of its grid might do better on a wider one:
+    the report names it. Rows that borrow another's lr, and grids of one value, are not tuned."""
+    from archipelago.orchestrator.bench.fleet import at_grid_edge
+
+    spec = FleetSpec()
+    best = {"sync": 0.35, "quorum": 0.7, "ddp": 4.0, "quorum_sliced": 1.0, "sync_dylu": 0.5}
+    assert at_grid_edge(spec, best) == ["sync", "ddp"]
+    assert at_grid_edge(spec.quick(), {"sync": 0.7, "ddp": 1.0}) == []
+
+
 def test_the_sliced_row_runs_the_head_its_plan_asks_for(tmp_path):
     """`quorum_sliced`: the fewest coordinator slices that bring the head's share under 0.10
     at the nominal 1 B parameters, at most one per island, with the codecs `auto` picks for

@@ -298,6 +298,17 @@ def tune(spec: FleetSpec, work: Path) -> tuple[dict[str, float], dict[str, dict[
     return {**best, **borrowed}, grid
 
 
+def at_grid_edge(spec: FleetSpec, best: dict[str, float]) -> list[str]:
+    """The tuned rows whose best lr is the lowest or highest of their grid: a wider grid
+    might do better still, so a comparison with them may flatter the others."""
+    out = []
+    for row, lr in best.items():
+        grid = spec.ddp_lr_grid if row == "ddp" else spec.lr_grid
+        if row not in ABLATION_OF and len(grid) > 1 and lr in (min(grid), max(grid)):
+            out.append(row)
+    return out
+
+
 def rows_at(spec: FleetSpec, link: float) -> list[str]:
     """The rows run at `link`: every row at the reference, those of them in `link_rows`
     elsewhere."""
@@ -309,6 +320,7 @@ def fleet(quick: bool, work: Path, spec: FleetSpec | None = None) -> BenchResult
     if quick:
         spec = spec.quick()
     best, grid = tune(spec, work)
+    edges = at_grid_edge(spec, best)
     ref_lr = best["sync"]
     # the target is a loss, the same at every link: synchronous DiLoCo's without failures
     keys = [Key("sync", k, s, ref_lr, faults=False) for k in spec.islands for s in range(spec.seeds)]
@@ -352,7 +364,7 @@ def fleet(quick: bool, work: Path, spec: FleetSpec | None = None) -> BenchResult
         quick,
         results,
         f"{summary}; {targets_met(checks)}",
-        _markdown(spec, links, checks, best, grid),
+        _markdown(spec, links, checks, best, grid, edges),
         panels,
         extra={
             "checks": checks,
@@ -362,6 +374,7 @@ def fleet(quick: bool, work: Path, spec: FleetSpec | None = None) -> BenchResult
             "pricing": pricing,
             "lr_grid": grid,
             "best_lr": best,
+            "best_lr_at_grid_edge": edges,
         },
     )
 
@@ -555,6 +568,7 @@ def _markdown(
     checks: dict[str, dict[str, Any]],
     best: dict[str, float],
     grid: dict[str, dict[str, Any]],
+    edges: list[str],
 ) -> str:
     reg = regime(spec)
     lines = [
@@ -608,7 +622,13 @@ def _markdown(
         "",
         f"lr grids (seed 0, {min(spec.islands)} islands, {REFERENCE_LINK:g} Gbit/s, with failures; best per row: "
         + ", ".join(f"{n} {lr:g}" for n, lr in best.items())
-        + "; data-parallel's are factors on the shipped inner.lr):",
+        + "; data-parallel's are factors on the shipped inner.lr; "
+        + (
+            f"at its grid's edge, so a wider grid might do better: {', '.join(edges)}"
+            if edges
+            else "none at its grid's edge"
+        )
+        + "):",
         "",
         _grid_table(grid),
     ]
