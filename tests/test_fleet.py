@@ -284,7 +284,7 @@ def test_a_best_lr_at_its_grids_edge_is_named():
     from archipelago.orchestrator.bench.fleet import at_grid_edge
 
     spec = FleetSpec()
-    best = {"sync": 0.35, "quorum": 0.7, "ddp": 4.0, "quorum_sliced": 1.0, "sync_dylu": 0.5}
+    best = {"sync": 0.25, "quorum": 0.7, "ddp": 8.0, "quorum_sliced": 1.0, "sync_dylu": 0.5}
     assert at_grid_edge(spec, best) == ["sync", "ddp"]
     assert at_grid_edge(spec.quick(), {"sync": 0.7, "ddp": 1.0}) == []
 

@@ -119,10 +119,10 @@ class FleetSpec:
     notice_s: tuple[float, float] = (5.0, 120.0)  # a preemption's notice, drawn uniformly (some shorter than a round)
     speed_noise: float = 0.1  # the spread of every speed the engine measures (log-normal, mean 1)
     ablation_seeds: int = 1  # seeds of the rows neither headline nor in `link_rows` (at most `seeds`)
-    # each brackets its rows' best (sync's 0.5 and data-parallel's 2x were at the edges of
-    # three-value grids): the same size for every row
-    lr_grid: tuple[float, ...] = (0.35, 0.5, 0.7, 1.0)
-    ddp_lr_grid: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)  # data-parallel's lr, times the shipped inner.lr
+    # each brackets its rows' best, the same size for every row: on three values sync's 0.5
+    # and data-parallel's 2x sat at their edges, on four restart's 0.35 and ddp's 4x
+    lr_grid: tuple[float, ...] = (0.25, 0.35, 0.5, 0.7, 1.0)
+    ddp_lr_grid: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0)  # data-parallel's lr, times the shipped inner.lr
     jobs: int = 1  # runs side by side, each in a process of its own
 
     def __post_init__(self) -> None:
