@@ -130,6 +130,13 @@ def test_the_readmes_figures_are_the_benchmarks_json():
     assert int(moved.group(1)) == int(row["bytes_communicated"] / 1e6)
     assert int(moved.group(2)) == int(row["bytes_ratio_vs_ddp_at_equal_loss"])
     assert f"eval loss {row['final_eval_loss']:.2f}," in readme and f"-> {row['final_eval_loss']:.4f} |" in readme
+    checks = json.loads((REPO / "docs" / "fleet.json").read_text())["checks"]
+    ratios = re.search(
+        r"in ([\d.]+)× data-parallel's time with the slices\s+`plan` asks for \(([\d.]+)× on one", readme
+    )
+    assert ratios is not None
+    assert float(ratios.group(1)) == round(checks["quorum_sliced_time_le_0.5x_ddp_at_16_at_1gbps"]["value"], 2)
+    assert float(ratios.group(2)) == round(checks["quorum_time_le_0.5x_ddp_at_16_at_1gbps"]["value"], 2)
 
 
 def test_the_quality_reports_token_figure_is_its_json():
@@ -150,8 +157,52 @@ Figure = tuple[str, str, str, list[tuple[str, ...]], float, int]
 FIGURES: list[Figure] = [
     (
         "benchmark-findings.md",
-        r"\*\*100 Gbit/s\*\* `ddp` (\d+), `sync_dylu` (\d+), `quorum` (\d+), `quorum_int4` (\d+),",
+        r"`quorum_sliced` \d+ against `ddp`'s [\d,]+ \(\*\*([\d.]+)×: ≤ 0\.5× met",
         "fleet.json",
+        [("checks", "quorum_sliced_time_le_0.5x_ddp_at_16_at_1gbps", "value")],
+        1,
+        2,
+    ),
+    (
+        "benchmark-findings.md",
+        r"`quorum_sliced` \d+ against `ddp`'s [\d,]+ \(\*\*([\d.]+)×\*\*\)",
+        "experiments/fleet-64.json",
+        [("checks", "quorum_sliced_time_le_0.5x_ddp_at_64_at_1gbps", "value")],
+        1,
+        3,
+    ),
+    (
+        "benchmark-findings.md",
+        r"At \*\*10 Gbit/s\*\* `quorum_sliced`\s+(\d+) against `ddp`'s (\d+)",
+        "fleet.json",
+        [("links", "10", "methods", f"{row}_16", "sim_seconds_to_target") for row in ("quorum_sliced", "ddp")],
+        1,
+        0,
+    ),
+    (
+        "benchmark-findings.md",
+        r"still wins: (\d+) against (\d+) at 16 islands, (\d+) against (\d+) at 64",
+        "experiments/fleet-64.json",
+        [
+            ("links", "100", "methods", f"{row}_{k}", "sim_seconds_to_target")
+            for k in (16, 64)
+            for row in ("ddp", "quorum_sliced")
+        ],
+        1,
+        0,
+    ),
+    (
+        "benchmark-findings.md",
+        r"goodput at 100 Gbit/s ([\d.]+)\s+\(16 islands\) and ([\d.]+) \(64\) against `quorum`'s ([\d.]+) and ([\d.]+)",
+        "experiments/fleet-64.json",
+        [("links", "100", "methods", f"{row}_{k}", "goodput") for row in ("quorum_sliced", "quorum") for k in (16, 64)],
+        1,
+        2,
+    ),
+    (
+        "benchmark-findings.md",
+        r"\*\*100 Gbit/s\*\* `ddp` (\d+), `sync_dylu` (\d+), `quorum` (\d+), `quorum_int4` (\d+),",
+        "experiments/fleet-3grid.json",
         [
             ("links", "100", "methods", f"{row}_16", "sim_seconds_to_target")
             for row in ("ddp", "sync_dylu", "quorum", "quorum_int4")
@@ -162,7 +213,7 @@ FIGURES: list[Figure] = [
     (
         "benchmark-findings.md",
         r"Goodput at 100 Gbit/s: `quorum` ([\d.]+) \(0.945 when the\s+head was free\), `sync_dylu` ([\d.]+), `ddp` ([\d.]+)\.",
-        "fleet.json",
+        "experiments/fleet-3grid.json",
         [("links", "100", "methods", f"{row}_16", "goodput") for row in ("quorum", "sync_dylu", "ddp")],
         1,
         2,
