@@ -157,11 +157,14 @@ class RayConfig(Strict):
     )
 
 
+MAX_SHARDS = 256  # coordinator slices a config may ask for
+
+
 class CoordinatorConfig(Strict):
     """The outer step over S shards: each owns 1/S of the parameters and of the outer
     optimizer state, and receives 1/S of every pseudo-gradient straight from the islands."""
 
-    shards: int = Field(1, ge=1, le=256, description="coordinator shards S (1: the coordinator steps alone)")
+    shards: int = Field(1, ge=1, le=MAX_SHARDS, description="coordinator shards S (1: the coordinator steps alone)")
     slice_resource: str | None = Field(
         None,
         pattern=r"^[A-Za-z_][A-Za-z0-9_.\-]*$",

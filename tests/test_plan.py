@@ -354,6 +354,9 @@ def test_the_heads_share_of_a_round_is_priced_phase_by_phase_at_1b_parameters_an
     assert fix.startswith(f"coordinator.shards >= {shards},") and "compression.downlink none" in fix
     (_, fix) = dataclasses.replace(load, sliceable=False).to_fit()
     assert "coordinator.shards" not in fix and "no slices" in fix
+    # 1 Gbit/s, H = 20: even the most slices a config takes leave the head over its share
+    (_, fix) = dataclasses.replace(load, link_gbps=1, inner_steps=20).to_fit()
+    assert fix.startswith("no number of slices fits: it would take ") and "256" in fix
 
 
 def test_an_average_warm_start_through_the_head_is_priced_and_refused_once_the_head_sets_its_pace():

@@ -39,7 +39,7 @@ import dataclasses
 import math
 from typing import Any
 
-from archipelago.orchestrator.config import RunConfig, WarmStartMode
+from archipelago.orchestrator.config import MAX_SHARDS, RunConfig, WarmStartMode
 from archipelago.orchestrator.config_sections import OuterMerge
 from archipelago.orchestrator.engine.step.rules import rule_of
 from archipelago.orchestrator.modes import mode_of
@@ -171,6 +171,13 @@ class HeadLoad:
             self if self.downlink == "none" else dataclasses.replace(self, down_bytes=4 * self.params, downlink="none")
         )
         need = max(self.slices + 1, math.ceil(self.slices * exact.seconds_per_round / budget))
+        if need > MAX_SHARDS:
+            most = dataclasses.replace(exact, slices=MAX_SHARDS)
+            out.append(
+                f"no number of slices fits: it would take {need}, and {MAX_SHARDS} (the most coordinator.shards "
+                f"takes) leave a share of {most.share:.2f}; a longer round (inner_steps) or a faster link"
+            )
+            return out
         out.append(
             f"coordinator.shards >= {need}, each slice on a node of its own (coordinator.slice_resource: "
             "archipelago_slice, the manifests' slices group)"
