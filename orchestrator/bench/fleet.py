@@ -192,10 +192,10 @@ def planned_head(cfg: RunConfig, sim: SimulationConfig, *, most: int) -> RunConf
     CPU of its own), that bring the head's share of a round under `TARGET_SHARE` at the
     nominal size, at most `most` (then `most`: the least share there is), with the codecs
     `auto` picks for that many slices (`planned_codecs`: slices need an exact downlink)."""
-    shards = cfg.coordinator
+    coordinator = cfg.coordinator
     for slices in range(1, most + 1):
         trial = planned_codecs(
-            cfg.model_copy(update={"coordinator": shards.model_copy(update={"shards": slices})}), sim
+            cfg.model_copy(update={"coordinator": coordinator.model_copy(update={"shards": slices})}), sim
         )
         load = head_load(
             trial, sim.nominal_params or 0, link_gbps=sim.head_gbps or sim.link.gbps, step_s=sim.virtual_step_s
@@ -280,7 +280,7 @@ def tune(spec: FleetSpec, work: Path) -> tuple[dict[str, float], dict[str, dict[
     k = min(spec.islands)
     rows = list(dict.fromkeys(r for link in spec.links for r in rows_at(spec, link)))
     tuned = list(dict.fromkeys(["sync", *(r for r in rows if r not in ABLATION_OF)]))
-    grids = {r: spec.ddp_lr_grid if r == "ddp" else spec.lr_grid for r in tuned}
+    grids = {r: spec.grid_of(r) for r in tuned}
     runs = run_all(spec, work, [Key(r, k, 0, lr) for r in tuned for lr in grids[r]])
     grid = {
         f"{key.row}@lr{key.lr:g}": {
@@ -303,7 +303,7 @@ def at_grid_edge(spec: FleetSpec, best: dict[str, float]) -> list[str]:
     might do better still, so a comparison with them may flatter the others."""
     out = []
     for row, lr in best.items():
-        grid = spec.ddp_lr_grid if row == "ddp" else spec.lr_grid
+        grid = spec.grid_of(row)
         if row not in ABLATION_OF and len(grid) > 1 and lr in (min(grid), max(grid)):
             out.append(row)
     return out

@@ -155,6 +155,10 @@ class FleetSpec:
         round of budget): a run that lasts longer runs its rest without failures."""
         return 50 * self.rounds * self.round_s
 
+    def grid_of(self, row: str) -> tuple[float, ...]:
+        """The lr grid `row` is tuned on: data-parallel's factors on its inner lr, or the outer lr's."""
+        return self.ddp_lr_grid if row == "ddp" else self.lr_grid
+
     def spares_of(self, islands: int) -> int:
         """`quorum_spares`' hot spares on a fleet of `islands`."""
         return max(1, round(islands / self.spare_every))
