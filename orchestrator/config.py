@@ -8,7 +8,7 @@ import warnings
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeAlias, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias, Union
 
 from pydantic import Field, field_validator, model_validator
 
@@ -158,13 +158,21 @@ class RayConfig(Strict):
 
 
 MAX_SHARDS = 256  # coordinator slices a config may ask for
+AUTO_SHARDS = "auto"  # coordinator.shards: the run's plan chooses how many (plan/head.py:choose_slices)
 
 
 class CoordinatorConfig(Strict):
     """The outer step over S shards: each owns 1/S of the parameters and of the outer
     optimizer state, and receives 1/S of every pseudo-gradient straight from the islands."""
 
-    shards: int = Field(1, ge=1, le=MAX_SHARDS, description="coordinator shards S (1: the coordinator steps alone)")
+    shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)] | Literal["auto"] = Field(
+        1,
+        description="coordinator shards S (1: the coordinator steps alone); auto: the run's plan picks the fewest "
+        "that bring the head's share of a round under 0.10 at the head's stated link, at most the nodes the "
+        "cluster offers coordinator.slice_resource on (a manifest's slices group at its maxReplicas, or the nodes up, "
+        "or what the head states: $ARCHIPELAGO_SLICE_NODES from the manifests' archipelago.io/slice-nodes), 1 where "
+        "it offers none or the mode steps on one coordinator (needs slice_resource and preflight)",
+    )
     slice_resource: str | None = Field(
         None,
         pattern=r"^[A-Za-z_][A-Za-z0-9_.\-]*$",
@@ -189,12 +197,27 @@ class CoordinatorConfig(Strict):
         "islands there do not reserve, at least the outer step's)",
     )
 
+    @property
+    def sliced(self) -> bool:
+        """More than one shard asked for by number (`auto` is 1 wherever slices cannot be)."""
+        return self.shards not in (1, AUTO_SHARDS)
+
+    @property
+    def slices(self) -> int:
+        """The shards the run steps on: `shards`, once the run's plan has chosen where it
+        was left `auto` (`plan/head.py:choose_slices`)."""
+        if isinstance(self.shards, str):  # AUTO_SHARDS
+            raise ValueError(
+                "coordinator.shards auto is chosen by the run's plan at launch (Plan.config): nothing steps on it before"
+            )
+        return self.shards
+
 
 _FAMILY = modes_where(lambda m: m.pseudo_gradients)  # the DiLoCo family, for errors
 # what only a run whose islands send pseudo-gradients for an outer optimizer of the
 # coordinator's own can do: (the setting, whether a config sets it, what the other modes do)
 _FAMILY_ONLY: tuple[tuple[str, Callable[[RunConfig], bool], str], ...] = (
-    ("coordinator.shards > 1", lambda c: c.coordinator.shards > 1, "steps on one coordinator"),
+    ("coordinator.shards > 1", lambda c: c.coordinator.sliced, "steps on one coordinator"),
     ("compression.downlink", lambda c: c.tracks_copy, "receives exact parameters"),
     (
         "outer.merge radial_directional",
@@ -379,6 +402,17 @@ class RunConfig(Strict):
                 "compression.codec or compression.downlink auto is chosen by the run's plan at launch: it needs "
                 "preflight = true (or name the codecs)"
             )
+        if self.coordinator.shards == AUTO_SHARDS:
+            if not self.preflight:
+                raise ValueError(
+                    "coordinator.shards auto is chosen by the run's plan at launch: it needs preflight = true (or "
+                    "name the shards)"
+                )
+            if self.coordinator.slice_resource is None:
+                raise ValueError(
+                    "coordinator.shards auto places each slice on a node of its own, counted by the resource its "
+                    "nodes offer: set coordinator.slice_resource (archipelago_slice on the manifests' slices group)"
+                )
         row.check_inner_steps(self, self.inner_steps)
         if (a := settings_if(self, AsyncSettings)) is not None:
             a.check_c(self.islands.count)
@@ -392,7 +426,7 @@ class RunConfig(Strict):
     def copy_needs(self) -> str | None:
         """What islands need to hold the published copy and that this config lacks (None:
         they can hold it): the check of a tracked copy, and what `auto`'s downlink reads."""
-        if self.coordinator.shards > 1:
+        if self.coordinator.sliced:
             return "coordinator.shards = 1 (the published copy lives on the coordinator)"
         if self.islands.workers > 1 and self.islands.sharding == Sharding.FSDP:
             return "islands.sharding = zero1 (an FSDP island holds no whole copy)"

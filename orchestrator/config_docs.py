@@ -46,6 +46,8 @@ def _type(annotation: Any, inlined: dict[type[BaseModel], str]) -> str:
     """How a field's type reads in a table; `inlined`: models whose fields are rows of this
     table under a dotted name (named, not linked)."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:  # a union member with bounds of its own (`_constraints` reads them)
+        return _type(args[0], inlined)
     if origin is typing.Literal:
         return " \\| ".join(f"`{getattr(a, 'value', a)}`" for a in args)
     if origin in (typing.Union, types.UnionType):
@@ -117,7 +119,12 @@ def _value(value: Any) -> str:
 def _constraints(field: FieldInfo) -> str:
     bounds = {at.Ge: ("≥", "ge"), at.Gt: (">", "gt"), at.Le: ("≤", "le"), at.Lt: ("<", "lt")}
     out = []
-    for meta in field.metadata:
+    metadata = list(field.metadata)
+    for member in typing.get_args(field.annotation):  # `int` bounded inside `int | Literal["auto"]`
+        if typing.get_origin(member) is typing.Annotated:
+            for meta in member.__metadata__:
+                metadata += meta.metadata if isinstance(meta, FieldInfo) else [meta]
+    for meta in metadata:
         for kind, (symbol, attr) in bounds.items():
             if isinstance(meta, kind):
                 out.append(f"{symbol} {getattr(meta, attr)}")

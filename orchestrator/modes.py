@@ -69,11 +69,6 @@ class RuleKind(str, Enum):
     DDP_ADAMW = "ddp_adamw"  # mode ddp: the islands' inner AdamW and schedule, on the mean gradient
 
 
-class _Shards(Protocol):
-    @property
-    def shards(self) -> int: ...
-
-
 class RunSettings(Protocol):
     """What a row reads of a run's config. `RunConfig` is one; a protocol rather than the
     class, because the config validates by these rows and so sits above them."""
@@ -82,8 +77,6 @@ class RunSettings(Protocol):
     def mode(self) -> ModeSettings: ...
     @property
     def outer(self) -> OuterConfig: ...
-    @property
-    def coordinator(self) -> _Shards: ...
 
 
 S = TypeVar("S", bound=ModeSettings)

@@ -176,23 +176,36 @@ def test_a_sigterm_to_a_nodes_ray_start_is_a_preemption_notice_for_its_island(cl
     assert summary["islands"]["4"]["rounds_contributed"] > 0
 
 
-def test_coordinator_slices_each_take_a_node_offering_the_slice_resource(cluster, tmp_path):
-    """`coordinator.slice_resource`: each slice actor lands on a node of its own among those
-    offering the resource (the manifests' slices group), none on the island nodes, and the
-    run trains as a sliced one does, with RDA across the slices (mode async's default)."""
+@pytest.mark.preflight
+def test_coordinator_slices_left_auto_take_the_slice_nodes_the_head_states(cluster, tmp_path, monkeypatch):
+    """`coordinator.shards: auto` with `coordinator.slice_resource`: the run's plan counts
+    the slice nodes up, or those the head states its slices group may have
+    (`ARCHIPELAGO_SLICE_NODES`, from the manifests' annotation: a group scaled to zero has
+    none up); on a head whose link is too slow for one coordinator it takes every slice
+    node offered, each slice actor lands on a node of its own among those offering the
+    resource, none on the island nodes, and the run trains as a sliced one does, with RDA
+    across the slices (mode async's default), and records what it chose."""
     from ray.util.state import list_actors
 
+    from archipelago.orchestrator.plan.cluster import LINK_ENV, SLICES_ENV
+    from archipelago.orchestrator.plan.preflight import run_cluster
+
     c, _ = cluster
+    monkeypatch.setenv(SLICES_ENV, "3")  # none up yet: the group's most, as the head states it
+    assert run_cluster(on_ray_cluster=True).offered("archipelago_slice") == 3
+    monkeypatch.setenv(SLICES_ENV, "2")
     slice_nodes = [c.add_node(num_cpus=0, resources={"archipelago_slice": 1}) for _ in range(2)]
+    monkeypatch.setenv(LINK_ENV, "1e-9")  # the head's stated link: one coordinator's share is far over
     try:
         c.wait_for_nodes()
+        assert run_cluster(on_ray_cluster=True).offered("archipelago_slice") == 2
         wanted = {n.node_id for n in slice_nodes}
         thread, box, _ = _started(
             tmp_path,
             "slicenodes",
             8,
             "mode=async",
-            "coordinator.shards=2",
+            "coordinator.shards=auto",
             "coordinator.slice_resource=archipelago_slice",
             "compression.chunk=16",
             islands=2,
@@ -205,6 +218,7 @@ def test_coordinator_slices_each_take_a_node_offering_the_slice_resource(cluster
         thread.join(timeout=120)
         assert box["summary"]["state"] == "finished" and box["summary"]["outer_steps"] >= 8
         assert placed == wanted  # two slices, two nodes, both offering the resource
+        assert load_config(tmp_path / "out" / "config.yaml", []).coordinator.shards == 2
     finally:
         for node in slice_nodes:
             c.remove_node(node)

@@ -295,14 +295,16 @@ def test_the_sliced_row_runs_the_head_its_plan_asks_for(tmp_path):
     them. At 1 Gbit/s no number fits 16 islands' H = 20 (one per island, int8 up, the
     downlink exact as slices need); at 100 Gbit/s 54 of 64 do (53 would not); the run trains
     with them, and its card time splits over them."""
-    from archipelago.orchestrator.bench.fleet import fleet_of, overrides, planned_head
+    from archipelago.orchestrator.bench.fleet import fleet_of, overrides
     from archipelago.orchestrator.plan.head import head_load
+    from archipelago.orchestrator.simulation.config import planned_head
 
     spec = FleetSpec()
 
     def planned(link: float, islands: int):
         cfg = load_config(None, overrides(spec, "quorum_sliced", islands, 0, 0.7, tmp_path / "x", True))
-        return planned_head(cfg, fleet_of(spec, islands, link), most=islands)
+        assert cfg.coordinator.shards == "auto"  # the product's own choice, given one slice node per island
+        return planned_head(cfg, fleet_of(spec, islands, link), slice_nodes=islands)
 
     slow = planned(1.0, 16)
     assert (slow.coordinator.shards, slow.compression.codec, slow.compression.downlink) == (16, "int8", "none")

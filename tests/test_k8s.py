@@ -18,7 +18,7 @@ import yaml
 from archipelago.api.auth import ExposureError, check_exposure
 from archipelago.orchestrator.config import ApiConfig
 from archipelago.orchestrator.config_load import load_config
-from archipelago.orchestrator.plan.cluster import LINK_ENV, LINK_GBPS
+from archipelago.orchestrator.plan.cluster import LINK_ENV, LINK_GBPS, SLICE_NODES, SLICES_ENV
 from archipelago.orchestrator.runtime.driver import RAY_SYSTEM_CONFIG
 from tests.conftest import REPO
 
@@ -121,6 +121,12 @@ def test_manifests_match_the_code():
         annotations = spec["headGroupSpec"]["template"]["metadata"]["annotations"]
         assert link["valueFrom"]["fieldRef"]["fieldPath"] == f"metadata.annotations['{LINK_GBPS}']"
         assert float(annotations[LINK_GBPS]) > 0
+        # and the slice nodes it states, which `coordinator.shards: auto` counts while the slices
+        # group is scaled to zero: the group's maxReplicas (`plan --cluster` refuses them unequal)
+        (stated,) = [e for e in head["env"] if e["name"] == SLICES_ENV]
+        assert stated["valueFrom"]["fieldRef"]["fieldPath"] == f"metadata.annotations['{SLICE_NODES}']"
+        (slices,) = [g for g in spec["workerGroupSpecs"] if g["groupName"] == "slices"]
+        assert int(annotations[SLICE_NODES]) == slices["maxReplicas"] > 1
         # every node's Ray frees objects as often as the Ray a run starts on one machine does
         ray_pods = [head, *(g["template"]["spec"]["containers"][0] for g in spec["workerGroupSpecs"])]
         for container in ray_pods:

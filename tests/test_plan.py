@@ -11,9 +11,10 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 
 from archipelago.orchestrator.cli import main
-from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.config_load import dump_config, load_config
 from archipelago.orchestrator.plan.cluster import ClusterError, from_manifest, quantity
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,10 +84,12 @@ def test_coordinator_slices_on_nodes_of_their_own_are_each_checked_against_that_
     """`coordinator.slice_resource`: each slice on a node of the group offering it, its memory
     and its object store checked there (not "any node", unchecked); more slices than the
     group has nodes, or a resource no node offers, refused naming the setting. At ≈ 1 B
-    parameters, 16 islands, H = 100 of 1 s at 100 Gbit/s, the head's share as shipped (one
-    coordinator) is over 0.10 and the plan names the slices that fit it; with them it fits."""
+    parameters, 16 islands, H = 100 of 1 s at 100 Gbit/s, one coordinator's share is over
+    0.10 and the plan names the slices that fit it; with them it fits, and that is what the
+    flagship as shipped (`coordinator.shards: auto`) runs with on the cluster it ships for."""
     link = ["--link-gbps", "100", "--step-s", "1"]
-    _, lines, report = _plan(capsys, tmp_path, "--cluster", CLUSTER, LLAMA, *SCALED, *link)
+    one = [*SCALED, "--set", "coordinator.shards=1"]
+    _, lines, report = _plan(capsys, tmp_path, "--cluster", CLUSTER, LLAMA, *one, *link)
     assert report["model"]["params"] == 975_409_152 and report["head"]["share"] > 0.10
     (fix,) = [f for f in report["head"]["to_fit"] if f.startswith("coordinator.shards >= ")]
     need = int(fix.split(">= ")[1].split(",")[0])
@@ -94,6 +97,9 @@ def test_coordinator_slices_on_nodes_of_their_own_are_each_checked_against_that_
     sliced = [*SCALED, "--set", f"coordinator.shards={need}", "--set", "coordinator.slice_resource=archipelago_slice"]
     _, _, fits = _plan(capsys, tmp_path, "--cluster", CLUSTER, LLAMA, *sliced, *link)
     assert fits["head"]["share"] <= 0.10 and fits["head"]["to_fit"] == []
+    _, lines, shipped = _plan(capsys, tmp_path, "--cluster", CLUSTER, LLAMA, *SCALED, *link)
+    assert shipped["slices"]["shards"] == shipped["head"]["slices"] == need and shipped["head"] == fits["head"]
+    assert any(line.startswith(f"slices: auto chose coordinator.shards {need}, the fewest") for line in lines)
     sliced = [*SCALED, "--set", "coordinator.shards=4", "--set", "coordinator.slice_resource=archipelago_slice"]
     _, _, report = _plan(capsys, tmp_path, "--cluster", CLUSTER, LLAMA, *sliced)
     needs = {(p["process"], p["memory"]): p for p in report["processes"]}
@@ -449,7 +455,8 @@ def test_codecs_left_auto_are_chosen_by_the_heads_seconds_at_the_link(capsys, tm
     quarter of the bytes, and their decoding costs less than the card saved); at 100 Gbit/s
     decoding 16 updates costs the head more than the card saves, and fp32 stays. Everything
     else is planned with the codecs chosen (the link's bytes, the share)."""
-    auto = [*SCALED, "--set", "compression.codec=auto", "--set", "compression.downlink=auto", "--step-s", "1"]
+    one = ["--set", "coordinator.shards=1"]  # one coordinator: its islands hold the copy a lossy downlink changes
+    auto = [*SCALED, *one, "--set", "compression.codec=auto", "--set", "compression.downlink=auto", "--step-s", "1"]
     chosen = {}
     for gbps in ("1", "10", "100"):
         _, lines, report = _plan(capsys, tmp_path, "--cluster", CLUSTER, LLAMA, *auto, "--link-gbps", gbps)
@@ -466,7 +473,7 @@ def test_codecs_left_auto_are_chosen_by_the_heads_seconds_at_the_link(capsys, tm
     # at 10 Gbit/s int8 takes the head's share from 1.18 to 0.65 (the step and the checkpoint stay)
     exact = ["--set", "compression.codec=none", "--set", "compression.downlink=none"]
     _, _, fp32 = _plan(
-        capsys, tmp_path, "--cluster", CLUSTER, LLAMA, *SCALED, *exact, "--step-s", "1", "--link-gbps", "10"
+        capsys, tmp_path, "--cluster", CLUSTER, LLAMA, *SCALED, *one, *exact, "--step-s", "1", "--link-gbps", "10"
     )
     assert fp32["codecs"] is None
     _, _, picked = _plan(capsys, tmp_path, "--cluster", CLUSTER, LLAMA, *auto, "--link-gbps", "10")
@@ -504,6 +511,66 @@ def test_auto_codecs_need_the_plan_and_no_codec_is_built_by_that_name(tmp_path):
     with pytest.raises(CodecSpecError, match="a choice the run's plan makes at launch"):
         parse_codec("auto")
     assert not load_config(None, ["compression.downlink=auto"]).tracks_copy  # until the plan says int8
+
+
+def test_slices_left_auto_are_the_fewest_that_fit_of_the_slice_nodes_offered(capsys, tmp_path):
+    """`coordinator.shards: auto` (the flagship as shipped) at ≈ 1 B parameters, 16 islands,
+    H = 100 of 1 s at 100 Gbit/s: on a cluster whose slices group has 2 nodes at most, both
+    (no count fits, and more cards are less share); on this machine, which offers no slice
+    node, one coordinator, its share over and the line saying what it would take; in a mode
+    that steps on one coordinator, or with a lossy downlink named, one coordinator untried.
+    Left auto, it needs a slice resource to count nodes by and the plan to choose it; nothing
+    steps on it before the plan has."""
+    from archipelago.orchestrator.config_load import ConfigError
+
+    link = ["--link-gbps", "100", "--step-s", "1"]
+    doc = yaml.safe_load(Path(CLUSTER).read_text())
+    (group,) = [g for g in doc["spec"]["workerGroupSpecs"] if g["groupName"] == "slices"]
+    group["maxReplicas"] = 2
+    two = tmp_path / "two-slices.yaml"
+    two.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ClusterError, match=r"the head states 8 slice nodes .* keep the annotation equal"):
+        from_manifest(two)  # the head's annotation must follow the group's maxReplicas
+    doc["spec"]["headGroupSpec"]["template"]["metadata"]["annotations"]["archipelago.io/slice-nodes"] = "2"
+    two.write_text(yaml.safe_dump(doc))
+    _, lines, report = _plan(capsys, tmp_path, "--cluster", str(two), LLAMA, *SCALED, *link)
+    assert report["slices"]["shards"] == report["head"]["slices"] == 2 and report["slices"]["offered"] == 2
+    assert report["head"]["share"] > 0.10 and report["slices"]["shares"]["2"] == pytest.approx(report["head"]["share"])
+    assert any("none is within a share of 0.10, so all 2" in line for line in lines), lines
+    _, lines, here = _plan(capsys, tmp_path, LLAMA, *SCALED, *link)
+    assert here["slices"]["shards"] == 1 and "offers 0 nodes of archipelago_slice" in here["slices"]["why"]
+    assert here["head"]["share"] > 0.10 and any(f.startswith("coordinator.shards >= 3") for f in here["head"]["to_fit"])
+    for untried, why in (
+        ("mode=streaming", "steps on one coordinator"),
+        ("compression.downlink=int8", "changes a copy"),
+    ):
+        _, _, one = _plan(capsys, tmp_path, "--cluster", CLUSTER, LLAMA, *SCALED, *link, "--set", untried)
+        assert one["slices"]["shards"] == 1 and why in one["slices"]["why"], one["slices"]
+    with pytest.raises(
+        ConfigError, match=r"coordinator.shards auto places each slice .* set coordinator.slice_resource"
+    ):
+        load_config(None, ["coordinator.shards=auto"])
+    with pytest.raises(ConfigError, match=r"coordinator.shards auto is chosen by the run's plan .* preflight = true"):
+        load_config(None, ["coordinator.shards=auto", "coordinator.slice_resource=s", "preflight=false"])
+    cfg = load_config(None, ["coordinator.shards=auto", "coordinator.slice_resource=s"])
+    with pytest.raises(ValueError, match="chosen by the run's plan at launch"):
+        _ = cfg.coordinator.slices
+
+
+def test_a_continued_run_keeps_the_slices_its_first_launch_chose(tmp_path):
+    """A checkpoint's outer state is split by the slices it was written with: continuing
+    the run, `auto` takes the number its first launch recorded in config.yaml, not a new
+    choice on a cluster that may have changed."""
+    from archipelago.orchestrator.runtime.driver import resumed_slices
+
+    cfg = load_config(None, ["coordinator.shards=auto", "coordinator.slice_resource=s", f"out_dir={tmp_path}"])
+    assert resumed_slices(cfg) is cfg  # nothing recorded yet: the plan chooses
+    (tmp_path / "config.yaml").write_text(
+        dump_config(cfg.model_copy(update={"coordinator": cfg.coordinator.model_copy(update={"shards": 3})}))
+    )
+    assert resumed_slices(cfg).coordinator.slices == 3
+    named = load_config(None, ["coordinator.shards=2", f"out_dir={tmp_path}"])
+    assert resumed_slices(named) is named  # a number the user gave is theirs
 
 
 @pytest.mark.ray

@@ -109,14 +109,14 @@ def test_codecs_left_auto_are_chosen_for_the_simulated_links_not_this_machines()
     """A simulated run picks `auto`'s codecs as the run's plan would on the fleet it
     simulates: over a 1-Gbit/s head card at 1 B nominal parameters int8 both ways, with no
     link at all (instant transfers) exact fp32; a config that names its codecs is kept."""
-    from archipelago.orchestrator.simulation.config import planned_codecs
+    from archipelago.orchestrator.simulation.config import planned_head
 
     auto = ["compression.codec=auto", "compression.downlink=auto"]
     cfg, sim = load_simulated(None, [*auto, "simulation.head_gbps=1", "simulation.nominal_params=1000000000"])
-    slow = planned_codecs(cfg, sim).compression
+    slow = planned_head(cfg, sim).compression
     assert (slow.codec, slow.downlink) == ("int8", "int8")
     cfg, sim = load_simulated(None, [*auto, "simulation.nominal_params=1000000000"])
-    free = planned_codecs(cfg, sim).compression
+    free = planned_head(cfg, sim).compression
     assert (free.codec, free.downlink) == ("none", "none")
     cfg, sim = load_simulated(None, ["compression.codec=int4", "simulation.head_gbps=1"])
-    assert planned_codecs(cfg, sim) is cfg
+    assert planned_head(cfg, sim) is cfg

@@ -85,8 +85,8 @@ class _Aggregator:
         torch.set_num_threads(step_threads(cfg, 0 if policies.pacing.islands_wait else cfg.islands.count))
         flat = torch.zeros(numel)
         self.outer: Outer
-        if cfg.coordinator.shards > 1:
-            bounds = slice_bounds(numel, cfg.coordinator.shards, cfg.compression.chunk)
+        if cfg.coordinator.slices > 1:
+            bounds = slice_bounds(numel, cfg.coordinator.slices, cfg.compression.chunk)
             calls = start_slices(cfg, flat.numpy(), bounds, "datapath")
             self.outer = SlicedOuter(flat, bounds, calls, outer_rule(cfg).merge)
         else:

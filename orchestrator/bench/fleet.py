@@ -60,9 +60,8 @@ from archipelago.orchestrator.bench.runner import finished, fresh, record_simula
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.build import PhasedRun
-from archipelago.orchestrator.plan.head import TARGET_SHARE, head_load
 from archipelago.orchestrator.simulation.chaos import Strike, mttf_schedule
-from archipelago.orchestrator.simulation.config import ReplacementSpeed, SimulationConfig, planned_codecs
+from archipelago.orchestrator.simulation.config import ReplacementSpeed, SimulationConfig, planned_head
 from archipelago.orchestrator.simulation.links import LinkConfig, allreduce_s, ring_allreduce_s
 from archipelago.orchestrator.simulation.network import Network
 from archipelago.orchestrator.simulation.pool import InProcessPool, Losses
@@ -147,7 +146,7 @@ def run_one(
     tag = f"{row}@k{islands}@s{seed}@lr{lr:g}@g{link:g}" + ("" if faults else "@nofaults")
     cfg = load_config(None, overrides(spec, row, islands, seed, lr, work / tag, faults))
     sim = fleet_of(spec, islands, link)
-    cfg = planned_head(cfg, sim, most=islands) if row == SLICED_ROW else planned_codecs(cfg, sim)
+    cfg = planned_head(cfg, sim, slice_nodes=islands)  # quorum_sliced: one slice node per island at most
     if row == RESTART_ROW:  # the baseline: the fleet stands still at every failure
         sim = sim.model_copy(update={"restart_s": spec.restart_s})
     out = Path(cfg.out_dir)
@@ -180,29 +179,10 @@ def run_one(
     per_step = cfg.task.kwargs["batch_size"] * cfg.task.kwargs["context"]
     fleet_rate = sum(1 / f for f in sim.slowdown or [1.0] * islands) / spec.step_s * per_step  # tokens a second
     ideal = summary["tokens_applied"] / fleet_rate
-    head = {"slices": cfg.coordinator.shards, "codec": cfg.compression.codec, "downlink": cfg.compression.downlink}
+    head = {"slices": cfg.coordinator.slices, "codec": cfg.compression.codec, "downlink": cfg.compression.downlink}
     return FleetRun(
         summary, eval_curve(out, summary, "clock_seconds"), losses, islands + cfg.elastic.spares, ideal, head
     )
-
-
-def planned_head(cfg: RunConfig, sim: SimulationConfig, *, most: int) -> RunConfig:
-    """`cfg` with the head its plan asks for on the simulated fleet (`plan/head.py`): the
-    fewest coordinator slices, each on a node of its own (a card of the link's speed and a
-    CPU of its own), that bring the head's share of a round under `TARGET_SHARE` at the
-    nominal size, at most `most` (then `most`: the least share there is), with the codecs
-    `auto` picks for that many slices (`planned_codecs`: slices need an exact downlink)."""
-    coordinator = cfg.coordinator
-    for slices in range(1, most + 1):
-        trial = planned_codecs(
-            cfg.model_copy(update={"coordinator": coordinator.model_copy(update={"shards": slices})}), sim
-        )
-        load = head_load(
-            trial, sim.nominal_params or 0, link_gbps=sim.head_gbps or sim.link.gbps, step_s=sim.virtual_step_s
-        )
-        if load.share <= TARGET_SHARE:
-            break
-    return trial
 
 
 def _losses(pools: list[InProcessPool]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Any
 from archipelago.orchestrator.simulation.chaos import Strike, parse_mix
 
 RESTART_ROW = "restart_from_checkpoint"  # the baseline run on a fleet that stands still at each failure
-SLICED_ROW = "quorum_sliced"  # quorum with its head sized by the plan (`fleet.planned_head`)
+SLICED_ROW = "quorum_sliced"  # quorum with coordinator.shards auto: its head sized by the plan
 # name -> (what it is, its overrides); every DiLoCo-family row's outer lr comes from LR_GRID
 ROWS: dict[str, tuple[str, list[str]]] = {
     "ddp": (
@@ -68,11 +68,19 @@ ROWS: dict[str, tuple[str, list[str]]] = {
         ["mode=async", "mode.rule=quorum", "compression.codec=int4", "compression.downlink=int4"],
     ),
     SLICED_ROW: (
-        "`quorum` with the head its plan asks for on this fleet: the fewest coordinator slices, each on a node "
-        "of its own (a card and a CPU of its own), that bring the head's share of a round under 0.10, at most "
-        "one per island, and the codecs `auto` picks for them (int8 where its bytes save more than its "
+        "`quorum` with the head its plan asks for on this fleet (`coordinator.shards: auto`, as the shipped "
+        "cluster configs): the fewest coordinator slices, each on a node of its own (a card and a CPU of its "
+        "own), that bring the head's share of a round under 0.10, given one slice node per island, and the "
+        "codecs `auto` picks for them (int8 where its bytes save more than its "
         "decoding costs; the downlink exact, as slices need), at quorum's lr",
-        ["mode=async", "mode.rule=quorum", "compression.codec=auto", "compression.downlink=auto"],
+        [
+            "mode=async",
+            "mode.rule=quorum",
+            "compression.codec=auto",
+            "compression.downlink=auto",
+            "coordinator.shards=auto",
+            "coordinator.slice_resource=archipelago_slice",
+        ],
     ),
     "quorum_no_partial": (
         "ablation: `quorum` whose preempted islands send nothing early (no partial pseudo-gradient at the "

@@ -96,8 +96,8 @@ def build_engine(
         fragments = fragment_model(model, settings_of(cfg, StreamingSettings).fragments, groups)
     outer: Outer
     rule = outer_rule(cfg)
-    if cfg.coordinator.shards > 1:
-        bounds = slice_bounds(flat.numel, cfg.coordinator.shards, cfg.compression.chunk)
+    if cfg.coordinator.slices > 1:
+        bounds = slice_bounds(flat.numel, cfg.coordinator.slices, cfg.compression.chunk)
         params = flat.data.detach().numpy()
         calls = slices(cfg, params, bounds) if slices is not None else LocalSlices(rule, params, bounds)
         outer = SlicedOuter(flat.data, bounds, calls, rule.merge)

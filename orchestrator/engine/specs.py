@@ -44,7 +44,7 @@ def island_spec(
         start_step=start_step,
         # kept for an island placed at step 0 too: a spare promoted later starts past it
         rewarmup_steps=cfg.elastic.join_rewarmup_steps if restore is None else 0,
-        coordinator_shards=cfg.coordinator.shards,
+        coordinator_shards=cfg.coordinator.slices,
         sharding=cfg.islands.sharding,
         error_feedback=cfg.compression.error_feedback,
         feedback_decay=cfg.compression.feedback_decay,

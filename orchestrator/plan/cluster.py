@@ -25,6 +25,12 @@ LINK_GBPS = "archipelago.io/link-gbps"  # on the head group: its link to the isl
 # the same annotation inside the head's pod (the manifests set it by the downward API), so a
 # run's own plan prices the link its cluster states, and chooses `compression: auto` by it
 LINK_ENV = "ARCHIPELAGO_LINK_GBPS"
+# on the head group: the most nodes its slices group may have (its maxReplicas), so a run's
+# plan counts the coordinator slices it may ask the autoscaler for while that group is
+# scaled to zero (Ray's autoscaler does not tell a running cluster what it may scale to);
+# inside the head's pod by the downward API as `SLICES_ENV`
+SLICE_NODES = "archipelago.io/slice-nodes"
+SLICES_ENV = "ARCHIPELAGO_SLICE_NODES"
 _UNITS = {
     "": 1,
     "k": 10**3,
@@ -66,6 +72,8 @@ class NodeKind:
     object_store: int | None = None  # its Ray object store, bytes (`object-store-memory`); None: Ray's default
     # the Ray custom resources it offers (`ray start --resources`), e.g. a slice node's archipelago_slice
     resources: dict[str, float] = dataclasses.field(default_factory=dict)
+    # a head's statement of the slice nodes its cluster may bring up (the annotation `SLICE_NODES`)
+    slice_nodes: int | None = None
 
     @property
     def object_store_bytes(self) -> int | None:
@@ -108,6 +116,13 @@ class Cluster:
     def offering(self, resource: str) -> list[NodeKind]:
         """The kinds of worker node that offer the custom `resource` (slice nodes)."""
         return [kind for kind in self.workers if kind.resources.get(resource, 0) > 0]
+
+    def offered(self, resource: str) -> int:
+        """How many units of the custom `resource` (one a slice) the cluster may offer: its
+        worker groups' at their most nodes, or the nodes up, or what the head states of
+        its slices group when more (a group scaled to zero has no node up to count)."""
+        nodes = int(sum(kind.resources[resource] * kind.count for kind in self.offering(resource)))
+        return max(nodes, self.head.slice_nodes or 0)
 
 
 _RAY_BUILT_IN = ("CPU", "GPU", "memory", "object_store_memory")
@@ -161,6 +176,7 @@ def _kind(name: str, group: dict[str, Any], count: int) -> NodeKind:
         count=count,
         drain_s=float(env[DRAIN_ENV]) if env.get(DRAIN_ENV) is not None else None,
         link_gbps=_gbps(link, f"{name}: the annotation {LINK_GBPS}"),
+        slice_nodes=_count(annotations.get(SLICE_NODES), f"{name}: the annotation {SLICE_NODES}"),
         object_store=int(params["object-store-memory"]) if params.get("object-store-memory") is not None else None,
         resources=custom_resources(params.get("resources")),
     )
@@ -186,7 +202,17 @@ def from_manifest(path: str | Path) -> Cluster:
             _kind(g.get("groupName", "workers"), g, int(g.get("maxReplicas", g.get("replicas", 1))))
             for g in spec.get("workerGroupSpecs") or []
         )
-        return Cluster(source=str(path), head=_kind("head", head, 1), workers=workers)
+        cluster = Cluster(source=str(path), head=_kind("head", head, 1), workers=workers)
+        stated = cluster.head.slice_nodes
+        groups = {
+            r: int(sum(k.resources[r] * k.count for k in cluster.offering(r))) for w in workers for r in w.resources
+        }
+        if stated is not None and stated not in groups.values():
+            raise ClusterError(
+                f"{path}: the head states {stated} slice nodes ({SLICE_NODES}), but the groups offering a custom "
+                f"resource may have {groups or 'none'}: keep the annotation equal to the slices group's maxReplicas"
+            )
+        return cluster
     raise ClusterError(f"{path} holds no RayCluster or RayJob")
 
 
@@ -227,6 +253,15 @@ def from_ray() -> Cluster:
     return Cluster(source="ray", head=head, workers=tuple(rest))
 
 
+def _count(value: str | None, what: str) -> int | None:
+    """A stated number of nodes (None: not stated); anything but a whole number ≥ 0 is refused."""
+    if value is None:
+        return None
+    if not str(value).strip().isdigit():
+        raise ClusterError(f"{what} = {value!r} is not a number of nodes")
+    return int(value)
+
+
 def _gbps(value: str | None, what: str) -> float | None:
     """A link's stated Gbit/s (None: not stated); anything but a positive number is refused."""
     try:
@@ -240,7 +275,8 @@ def _gbps(value: str | None, what: str) -> float | None:
 
 def this_machine(accelerator_memory: int | None = None) -> Cluster:
     """This host: its physical memory (or its cgroup's limit), its cores, its GPUs, and the
-    link to its islands where the environment states it (`LINK_ENV`: a head pod's)."""
+    link to its islands and its cluster's slice nodes where the environment states them
+    (`LINK_ENV`, `SLICES_ENV`: a head pod's)."""
     from archipelago.orchestrator.engine.threads import usable_cores
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -264,5 +300,6 @@ def this_machine(accelerator_memory: int | None = None) -> Cluster:
         gpus=gpus,
         accelerator_memory=accelerator_memory,
         link_gbps=_gbps(os.environ.get(LINK_ENV) or None, f"${LINK_ENV}"),
+        slice_nodes=_count(os.environ.get(SLICES_ENV) or None, f"${SLICES_ENV}"),
     )
     return Cluster(source="this machine", head=node, workers=())

@@ -39,7 +39,7 @@ import dataclasses
 import math
 from typing import Any
 
-from archipelago.orchestrator.config import MAX_SHARDS, RunConfig, WarmStartMode
+from archipelago.orchestrator.config import AUTO_SHARDS, MAX_SHARDS, RunConfig, WarmStartMode
 from archipelago.orchestrator.config_sections import OuterMerge
 from archipelago.orchestrator.engine.step.rules import rule_of
 from archipelago.orchestrator.modes import mode_of
@@ -300,7 +300,7 @@ def head_load(cfg: RunConfig, params: int, *, link_gbps: float, step_s: float) -
     return HeadLoad(
         params=params,
         islands=cfg.islands.count,
-        slices=cfg.coordinator.shards,
+        slices=cfg.coordinator.slices,
         link_gbps=link_gbps,
         step_s=step_s,
         inner_steps=cfg.inner_steps,
@@ -379,3 +379,74 @@ def choose_codecs(cfg: RunConfig, params: int, *, link_gbps: float, step_s: floa
         seconds={f"{up}/{down}": s for (up, down), s in seconds.items()},
         link_gbps=link_gbps,
     )
+
+
+def _with_shards(cfg: RunConfig, shards: int) -> RunConfig:
+    return cfg.model_copy(update={"coordinator": cfg.coordinator.model_copy(update={"shards": shards})})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SliceChoice:
+    """What `coordinator.shards: auto` resolved to, and why: the head's share of a round by
+    the number of slices tried (each priced with the codecs `auto` picks for it), up to the
+    nodes the cluster offers slices on. `why`: the reason it is one coordinator untried."""
+
+    shards: int
+    offered: int  # nodes offering coordinator.slice_resource (a slices group's most)
+    shares: dict[int, float]  # slices -> the head's share of a round
+    why: str | None = None
+
+    def apply(self, cfg: RunConfig) -> RunConfig:
+        """`cfg` with the chosen shards in place of `auto`."""
+        return _with_shards(cfg, self.shards)
+
+    def lines(self) -> list[str]:
+        chose = f"slices: auto chose coordinator.shards {self.shards}"
+        if self.why is not None:
+            return [f"{chose}: {self.why}"]
+        offered = f"the cluster offers {self.offered} slice nodes"
+        if self.shards == 1:
+            return [
+                f"{chose}: one coordinator's share of a round is {self.shares[1]:.3f}, within {TARGET_SHARE:.2f} ({offered})"
+            ]
+        tried = ", ".join(f"{s} {share:.3f}" for s, share in self.shares.items())
+        verdict = (
+            f"the fewest within a share of {TARGET_SHARE:.2f}"
+            if self.shares[self.shards] <= TARGET_SHARE
+            else f"none is within a share of {TARGET_SHARE:.2f}, so all {self.shards}"
+        )
+        return [f"{chose}, {verdict} ({offered}; the head's share by slices: {tried})"]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"shards": self.shards, "offered": self.offered, "shares": self.shares, "why": self.why}
+
+
+def choose_slices(cfg: RunConfig, params: int, *, link_gbps: float, step_s: float, offered: int) -> SliceChoice | None:
+    """Resolve `coordinator.shards: auto` (None: it is a number): the fewest slices, each on
+    one of the `offered` nodes, that bring the head's share of a round within
+    `TARGET_SHARE`, each count priced with the codecs `auto` would pick for it (slices keep
+    no copy for a lossy downlink to change); all of them when none does, since every slice
+    takes the islands' bytes through a card of its own. One coordinator where the mode steps
+    on one (streaming's tracked copy, data-parallel), where a lossy downlink was named, or
+    where the cluster offers fewer than two slice nodes: the head's lines then say what
+    it would take."""
+    if cfg.coordinator.shards != AUTO_SHARDS:
+        return None
+    row = mode_of(cfg)
+    resource = cfg.coordinator.slice_resource
+    why = None
+    if not row.pseudo_gradients or row.tracks_copy:
+        why = f"mode {cfg.mode.name.value} steps on one coordinator"
+    elif cfg.compression.downlink not in ("none", AUTO_CODEC):
+        why = f"compression.downlink {cfg.compression.downlink} changes a copy of one coordinator's parameters"
+    elif offered < 2:
+        why = f"the cluster offers {offered} node{'s' if offered != 1 else ''} of {resource} (the manifests' slices group)"
+    shares: dict[int, float] = {}
+    for slices in range(1, 2 if why else min(offered, MAX_SHARDS) + 1):
+        trial = _with_shards(cfg, slices)
+        codecs = choose_codecs(trial, params, link_gbps=link_gbps, step_s=step_s)
+        load = head_load(codecs.apply(trial) if codecs else trial, params, link_gbps=link_gbps, step_s=step_s)
+        shares[slices] = load.share
+        if load.share <= TARGET_SHARE:
+            break
+    return SliceChoice(shards=max(shares), offered=offered, shares=shares, why=why)

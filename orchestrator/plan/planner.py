@@ -30,8 +30,10 @@ from archipelago.orchestrator.plan.head import (
     DEFAULT_STEP_S,
     CodecChoice,
     HeadLoad,
+    SliceChoice,
     WarmLoad,
     choose_codecs,
+    choose_slices,
     head_load,
     warm_load,
 )
@@ -126,6 +128,7 @@ class Plan:
     warm: WarmLoad | None = None  # an `average` warm start through the head
     preemption: Preemption | None = None  # where the cluster says how its nodes drain
     codecs: CodecChoice | None = None  # what `compression.*: auto` resolved to (the rest is planned with it)
+    slices: SliceChoice | None = None  # what `coordinator.shards: auto` resolved to (the codecs chosen for it)
 
     @property
     def problems(self) -> list[str]:
@@ -143,8 +146,11 @@ class Plan:
         return not self.problems
 
     def config(self, cfg: RunConfig) -> RunConfig:
-        """`cfg` as planned: with the codecs this plan chose where it left them `auto`."""
-        return cfg if self.codecs is None else self.codecs.apply(cfg)
+        """`cfg` as planned: with the slices and codecs this plan chose where it left them `auto`."""
+        for choice in (self.slices, self.codecs):
+            if choice is not None:
+                cfg = choice.apply(cfg)
+        return cfg
 
     def lines(self) -> list[str]:
         m = self.model
@@ -156,6 +162,7 @@ class Plan:
             f"link per island per round: up {self.link.up_bytes / 1e6:,.1f} MB, down {self.link.down_bytes / 1e6:,.1f} "
             f"MB, {self.link.seconds:.2f} s both ways at the head's link; "
             f"the run: {self.link.run_bytes / 1e9:,.2f} GB",
+            *(self.slices.lines() if self.slices is not None else []),
             *(self.codecs.lines() if self.codecs is not None else []),
             *self.head.lines(),
             *(self.warm.lines() if self.warm is not None else []),
@@ -174,6 +181,7 @@ class Plan:
             "link": dataclasses.asdict(self.link),
             "head": self.head.as_dict(),
             "codecs": None if self.codecs is None else self.codecs.as_dict(),
+            "slices": None if self.slices is None else self.slices.as_dict(),
             "warm_start": None
             if self.warm is None
             else {"bytes": self.warm.bytes, "seconds": self.warm.seconds, "share": self.warm.share},
@@ -191,7 +199,7 @@ def _coordinator(
     head = cluster.head
     rule = rule_of(cfg)
     lag = mode_of(cfg).lag
-    s = cfg.coordinator.shards
+    s = cfg.coordinator.slices
     parts = {
         "process": m.process + ray,
         "outer step runtime": m.outer_runtime,
@@ -261,7 +269,7 @@ def _coordinator(
 def _slice_refusals(cfg: RunConfig, cluster: Cluster) -> list[str]:
     """Slices that ask for nodes of their own (`coordinator.slice_resource`) need one node
     offering that resource per slice."""
-    resource, s = cfg.coordinator.slice_resource, cfg.coordinator.shards
+    resource, s = cfg.coordinator.slice_resource, cfg.coordinator.slices
     if resource is None or s == 1:
         return []
     kinds = cluster.offering(resource)
@@ -270,11 +278,11 @@ def _slice_refusals(cfg: RunConfig, cluster: Cluster) -> list[str]:
             f"coordinator.slice_resource = {resource}: no node of {cluster.source} offers it (a slice node's "
             f"`ray start --resources`: the manifests' slices group); unset it to spread the slices over any nodes"
         ]
-    offered = sum(kind.resources[resource] * kind.count for kind in kinds)
+    offered = cluster.offered(resource)
     if s > offered:
         where = ", ".join(f"{k.name} ({k.count} nodes of {k.resources[resource]:g})" for k in kinds)
         return [
-            f"coordinator.shards = {s} slices take one {resource} each; the cluster offers at most {offered:g}: "
+            f"coordinator.shards = {s} slices take one {resource} each; the cluster offers at most {offered}: "
             f"{where}: raise the slices group's maxReplicas or lower the shards"
         ]
     return []
@@ -380,7 +388,7 @@ def _head_objects(cfg: RunConfig, m: ModelMemory, up: float, head: NodeKind) -> 
     n4 = 4 * m.params
     lag = mode_of(cfg).lag
     parts = {"published": n4 * (1 + lag)}
-    if cfg.coordinator.shards == 1:
+    if cfg.coordinator.slices == 1:
         parts["arriving"] = int(cfg.islands.count * up * m.params)
     return Need(
         process="coordinator's objects",
@@ -458,9 +466,15 @@ def make_plan(
     processes are Ray's (the object store, the core worker), not plain interpreters (a
     rehearsal). The head's share of a round is priced at `link_gbps` between the islands
     and the head (None: the cluster's annotation, else `DEFAULT_LINK_GBPS`) and inner steps
-    of `step_s`; codecs left `auto` are chosen at that price first (`Plan.codecs`), and
-    everything else is planned with them."""
+    of `step_s`; slices and codecs left `auto` are chosen at that price first (`Plan.slices`,
+    `Plan.codecs`: the slices up to the nodes the cluster offers them on), and everything
+    else is planned with them."""
     gbps = link_gbps or cluster.link_gbps or DEFAULT_LINK_GBPS
+    resource = cfg.coordinator.slice_resource
+    offered = cluster.offered(resource) if resource is not None else 0
+    slices = choose_slices(cfg, model.params, link_gbps=gbps, step_s=step_s, offered=offered)
+    if slices is not None:
+        cfg = slices.apply(cfg)
     codecs = choose_codecs(cfg, model.params, link_gbps=gbps, step_s=step_s)
     if codecs is not None:
         cfg = codecs.apply(cfg)
@@ -498,6 +512,7 @@ def make_plan(
         warm=warm,
         head=head_load(cfg, model.params, link_gbps=gbps, step_s=step_s),
         codecs=codecs,
+        slices=slices,
         preemption=None
         if drain is None
         else Preemption(drain_s=drain, margin_s=cfg.elastic.notice_margin_s, up_bytes=up_bytes),

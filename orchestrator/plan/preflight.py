@@ -40,11 +40,14 @@ def preflight(cfg: RunConfig, *, on_ray_cluster: bool) -> Plan:
     """The run's plan; raises `PlanRefused` listing what does not fit. On a cluster, a
     process whose node is not up yet is logged as not checked, not refused. On a machine
     without CUDA the islands and the evaluator train on its CPU whatever GPUs they ask
-    for (the private Ray instance is given that many), and are planned there. Codecs
-    left `auto` are chosen by this plan (`Plan.codecs`): the run trains with them."""
+    for (the private Ray instance is given that many), and are planned there. Slices
+    and codecs left `auto` are chosen by this plan (`Plan.slices`, `Plan.codecs`; the
+    slices up to the slice nodes up or stated by the head): the run trains with them."""
     try:
         cluster = run_cluster(on_ray_cluster)
-    except ClusterError as err:  # the head's stated link ($ARCHIPELAGO_LINK_GBPS) unreadable
+    except (
+        ClusterError
+    ) as err:  # the head's stated link or slice nodes ($ARCHIPELAGO_LINK_GBPS, ..._SLICE_NODES) unreadable
         raise PlanRefused(str(err)) from None
     if not on_ray_cluster and not cluster.head.gpus:
         cfg = on_cpu(cfg)
@@ -57,8 +60,9 @@ def preflight(cfg: RunConfig, *, on_ray_cluster: bool) -> Plan:
         problems = [p for p in problems if p not in waiting]
     for line in plan.lines():
         log.debug("plan: %s", line)
-    if plan.codecs is not None:
-        log.info("plan: %s", " ".join(plan.codecs.lines()))
+    for choice in (plan.slices, plan.codecs):
+        if choice is not None:
+            log.info("plan: %s", " ".join(choice.lines()))
     if problems:
         raise PlanRefused("; ".join(problems))
     return plan

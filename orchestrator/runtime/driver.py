@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray
+import yaml
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from archipelago.orchestrator.config import RUN_PLACEHOLDER, RunConfig
+from archipelago.orchestrator.config import AUTO_SHARDS, RUN_PLACEHOLDER, RunConfig
 from archipelago.orchestrator.engine.commands import Stop
 from archipelago.orchestrator.engine.state.checkpoints import CheckpointError, load_checkpoint, run_folder, runs_in
 from archipelago.orchestrator.engine.state.records import RUN_ID, link_latest
@@ -200,6 +201,8 @@ def run(
     t0 = time.time()
     started = init_ray(cfg)
     command["ray_s"] = time.time() - t0
+    if not new_run:
+        cfg = resumed_slices(cfg)
     if cfg.preflight:
         t0 = time.time()
         try:
@@ -209,7 +212,9 @@ def run(
                 ray.shutdown()
             raise
         command["plan_s"] = time.time() - t0
-        cfg = plan.config(cfg)  # codecs left `auto`, chosen: what every actor is built with and config.yaml records
+        cfg = plan.config(
+            cfg
+        )  # slices and codecs left `auto`, chosen: what every actor is built with and config.yaml records
     printer = ProgressPrinter() if show_progress else None
     coordinator = None
     control_plane = ControlPlane(cfg, run_id, token)
@@ -235,6 +240,21 @@ def run(
             release_islands(warm_run_id(run_id))
             if started:
                 ray.shutdown()
+
+
+def resumed_slices(cfg: RunConfig) -> RunConfig:
+    """A continued run steps on the slices it was checkpointed with (a checkpoint's outer
+    state is split by them): `coordinator.shards: auto` takes the number its first launch
+    chose, from the `config.yaml` that launch wrote, rather than choosing again on a cluster
+    that may have changed since."""
+    recorded = Path(cfg.out_dir) / "config.yaml"
+    if cfg.coordinator.shards != AUTO_SHARDS or not recorded.is_file():
+        return cfg
+    shards = (yaml.safe_load(recorded.read_text()).get("coordinator") or {}).get("shards")
+    if not isinstance(shards, int):
+        return cfg
+    log.info("coordinator.shards auto: %d, as this run was checkpointed with (%s)", shards, recorded)
+    return cfg.model_copy(update={"coordinator": cfg.coordinator.model_copy(update={"shards": shards})})
 
 
 def record_startup(

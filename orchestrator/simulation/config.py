@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.config import AUTO_SHARDS, RunConfig
 from archipelago.orchestrator.config_load import (
     SIMULATION,
     ConfigError,
@@ -189,15 +189,21 @@ def reference() -> str:
     return "\n".join(field_table(f"{SIMULATION}.", SimulationConfig)[0])
 
 
-def planned_codecs(cfg: RunConfig, sim: SimulationConfig) -> RunConfig:
-    """`cfg` with codecs it leaves `auto` chosen as a run's plan chooses them
-    (`plan/head.py:choose_codecs`), at the simulated head's card (else an island's link) and
-    the nominal size (else the model's own, as the plan measures it)."""
-    if not cfg.codecs_left_to_plan:
+def planned_head(cfg: RunConfig, sim: SimulationConfig, *, slice_nodes: int = 0) -> RunConfig:
+    """`cfg` with the slices and codecs it leaves `auto` chosen as a run's plan chooses them
+    (`plan/head.py:choose_slices`, `choose_codecs`), at the simulated head's card (else an
+    island's link) and the nominal size (else the model's own, as the plan measures it),
+    on a fleet with `slice_nodes` nodes for coordinator slices (each a card of the link's
+    speed and a CPU of its own)."""
+    if not cfg.codecs_left_to_plan and cfg.coordinator.shards != AUTO_SHARDS:
         return cfg
     from archipelago.orchestrator.plan.cache import model_memory
-    from archipelago.orchestrator.plan.head import choose_codecs
+    from archipelago.orchestrator.plan.head import choose_codecs, choose_slices
 
     params = sim.nominal_params or model_memory(cfg).params
-    choice = choose_codecs(cfg, params, link_gbps=sim.head_gbps or sim.link.gbps, step_s=sim.virtual_step_s)
-    return cfg if choice is None else choice.apply(cfg)
+    at = {"link_gbps": sim.head_gbps or sim.link.gbps, "step_s": sim.virtual_step_s}
+    slices = choose_slices(cfg, params, offered=slice_nodes, **at)
+    if slices is not None:
+        cfg = slices.apply(cfg)
+    codecs = choose_codecs(cfg, params, **at)
+    return cfg if codecs is None else codecs.apply(cfg)

@@ -80,7 +80,7 @@ class Network:
     arrivals: dict[int, float] = field(default_factory=dict)  # island -> when its newest download is in
 
     def __post_init__(self) -> None:
-        cards = self.cfg.coordinator.shards
+        cards = self.cfg.coordinator.slices
         rate = math.inf if self.sim.head_gbps is None else self.sim.head_gbps * 1e9 / 8 * cards
         self.card_in, self.card_out = Card(rate), Card(rate)
 
@@ -149,7 +149,7 @@ class Network:
         every = self.cfg.checkpoint.every_rounds
         state = 4 * nominal * (1 + rule_of(self.cfg).state_values(self.cfg))
         checkpoint = state / CHECKPOINT_BYTES_PER_S / every * merged / self.cfg.islands.count if every else 0.0
-        return (step + checkpoint) / self.cfg.coordinator.shards
+        return (step + checkpoint) / self.cfg.coordinator.slices
 
     @property
     def merge(self) -> str:

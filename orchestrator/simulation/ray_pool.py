@@ -209,8 +209,8 @@ def simulated_pool(sim: SimulationConfig) -> Callable[[RunConfig, str, str | Non
 def run_simulated(cfg: RunConfig, sim: SimulationConfig, **options: Any) -> dict[str, Any]:
     """`cfg` run to the end on Ray as `archipelago run` runs it, its islands on the fleet
     `sim` (`driver.run`'s options); its summary. Codecs left `auto` are chosen for the
-    simulated fleet's links (`planned_codecs`), not this machine's."""
+    simulated fleet's links (`planned_head`), not this machine's."""
     from archipelago.orchestrator.runtime.driver import run
-    from archipelago.orchestrator.simulation.config import planned_codecs
+    from archipelago.orchestrator.simulation.config import planned_head
 
-    return run(planned_codecs(cfg, sim), pool=simulated_pool(sim), ablation=sim.ablation(), **options)
+    return run(planned_head(cfg, sim), pool=simulated_pool(sim), ablation=sim.ablation(), **options)

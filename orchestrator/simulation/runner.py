@@ -7,7 +7,7 @@ from typing import Any
 
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.build import PhasedRun
-from archipelago.orchestrator.simulation.config import Clock, SimulationConfig, planned_codecs
+from archipelago.orchestrator.simulation.config import Clock, SimulationConfig, planned_head
 from archipelago.orchestrator.simulation.pool import InProcessPool
 
 
@@ -20,5 +20,5 @@ def run_in_process(cfg: RunConfig, sim: SimulationConfig, run_id: str = "bench")
     size (else the model's own)."""
     if sim.clock == Clock.REAL:
         raise ValueError("simulation.clock real runs on Ray (run_simulated): the in-process pool's islands take turns")
-    cfg = planned_codecs(cfg, sim)
+    cfg = planned_head(cfg, sim)
     return PhasedRun(cfg, run_id, lambda c, _rid: InProcessPool(c, sim), ablation=sim.ablation()).execute()
