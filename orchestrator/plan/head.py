@@ -413,7 +413,8 @@ class SliceChoice:
         verdict = (
             f"the fewest within a share of {TARGET_SHARE:.2f}"
             if self.shares[self.shards] <= TARGET_SHARE
-            else f"none is within a share of {TARGET_SHARE:.2f}, so all {self.shards}"
+            else f"none is within a share of {TARGET_SHARE:.2f}, so all {self.shards} (for more, raise the slices "
+            "group's maxReplicas and the head's archipelago.io/slice-nodes with it)"
         )
         return [f"{chose}, {verdict} ({offered}; the head's share by slices: {tried})"]
 
