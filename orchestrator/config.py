@@ -426,8 +426,8 @@ class RunConfig(Strict):
     def copy_needs(self) -> str | None:
         """What islands need to hold the published copy and that this config lacks (None:
         they can hold it): the check of a tracked copy, and what `auto`'s downlink reads."""
-        if self.coordinator.sliced:
-            return "coordinator.shards = 1 (the published copy lives on the coordinator)"
+        if self.coordinator.sliced and mode_of(self).fragments:
+            return "coordinator.shards = 1 (fragments step on one coordinator)"
         if self.islands.workers > 1 and self.islands.sharding == Sharding.FSDP:
             return "islands.sharding = zero1 (an FSDP island holds no whole copy)"
         return None

@@ -292,9 +292,9 @@ def test_a_best_lr_at_its_grids_edge_is_named():
 def test_the_sliced_row_runs_the_head_its_plan_asks_for(tmp_path):
     """`quorum_sliced`: the fewest coordinator slices that bring the head's share under 0.10
     at the nominal 1 B parameters, at most one per island, with the codecs `auto` picks for
-    them. At 1 Gbit/s no number fits 16 islands' H = 20 (one per island, int8 up, the
-    downlink exact as slices need); at 100 Gbit/s 54 of 64 do (53 would not); the run trains
-    with them, and its card time splits over them."""
+    them. At 1 Gbit/s no number fits 16 islands' H = 20 (one per island, int8 both ways,
+    each slice keeping its part of the islands' copy); at 100 Gbit/s 54 of 64 do (53 would
+    not); the run trains with them, and its card time splits over them."""
     from archipelago.orchestrator.bench.fleet import fleet_of, overrides
     from archipelago.orchestrator.plan.head import head_load
     from archipelago.orchestrator.simulation.config import planned_head
@@ -307,7 +307,7 @@ def test_the_sliced_row_runs_the_head_its_plan_asks_for(tmp_path):
         return planned_head(cfg, fleet_of(spec, islands, link), slice_nodes=islands)
 
     slow = planned(1.0, 16)
-    assert (slow.coordinator.shards, slow.compression.codec, slow.compression.downlink) == (16, "int8", "none")
+    assert (slow.coordinator.shards, slow.compression.codec, slow.compression.downlink) == (16, "int8", "int8")
     wide = planned(100.0, 64)
     assert (wide.coordinator.shards, wide.compression.codec) == (54, "none")
     fewer = wide.model_copy(update={"coordinator": wide.coordinator.model_copy(update={"shards": 53})})
@@ -316,10 +316,12 @@ def test_the_sliced_row_runs_the_head_its_plan_asks_for(tmp_path):
     small = FleetSpec(islands=(4,), rows=("quorum", "quorum_sliced"), rounds=2, mttf_s=1e9, seeds=1, lr_grid=(0.7,))
     one, sliced = (run_one(small, row, 4, 0, 0.7, 10.0, tmp_path / "runs", faults=False) for row in small.rows)
     assert one.head == {"slices": 1, "codec": "none", "downlink": "none"}
-    assert sliced.head == {"slices": 4, "codec": "int8", "downlink": "none"}
+    assert sliced.head == {"slices": 4, "codec": "int8", "downlink": "int8"}
     assert sliced.summary["tokens"] == one.summary["tokens"]
-    # int8 in (about a quarter of fp32's bytes) over 4 cards: the head's card takes far less time
+    # int8 both ways (about a quarter of fp32's bytes) over 4 cards: the head's card takes far
+    # less time (out, the islands' first copies are whole fp32 either way)
     assert sliced.losses["head"]["card_in"] < one.losses["head"]["card_in"] / 8
+    assert sliced.losses["head"]["card_out"] < one.losses["head"]["card_out"] / 6
 
 
 def test_bench_fleet_end_to_end_on_a_small_fleet(tmp_path):

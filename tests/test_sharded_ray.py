@@ -45,6 +45,21 @@ def test_two_shards_train_the_same_model_as_one(ray_local, tmp_path, corpus_cach
     assert torch.allclose(_final(tmp_path / "s2" / "final.pt"), _final(tmp_path / "s1" / "final.pt"), atol=1e-6)
 
 
+def test_a_lossy_downlink_through_two_slices_trains_one_coordinators_model(ray_local, tmp_path, corpus_cache):
+    """Each slice actor keeps its part of the islands' int8 copy and puts its part's change
+    in its own node's object store; islands fetch both parts (Ray resolves them as the
+    order's arguments) and train the model one coordinator's int8 downlink trains. The
+    bytes differ only by each part's framing (a 4-byte chunk size, once a version)."""
+    one = run(_cfg(tmp_path, corpus_cache, "d1", "compression.downlink=int8"), show_progress=False)
+    two = run(
+        _cfg(tmp_path, corpus_cache, "d2", "coordinator.shards=2", "compression.downlink=int8"), show_progress=False
+    )
+    assert two["outer_steps"] == one["outer_steps"] == 3
+    assert 0 < two["bytes_communicated"] - one["bytes_communicated"] <= 4 * 2 * 3  # 2 islands, 3 versions
+    assert two["final_eval_loss"] == pytest.approx(one["final_eval_loss"], abs=1e-5)
+    assert torch.allclose(_final(tmp_path / "d2" / "final.pt"), _final(tmp_path / "d1" / "final.pt"), atol=1e-6)
+
+
 def test_a_lost_shard_restarts_the_coordinator_from_its_checkpoint(ray_local, tmp_path, corpus_cache):
     import ray
 

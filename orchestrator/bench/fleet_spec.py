@@ -71,8 +71,8 @@ ROWS: dict[str, tuple[str, list[str]]] = {
         "`quorum` with the head its plan asks for on this fleet (`coordinator.shards: auto`, as the shipped "
         "cluster configs): the fewest coordinator slices, each on a node of its own (a card and a CPU of its "
         "own), that bring the head's share of a round under 0.10, given one slice node per island, and the "
-        "codecs `auto` picks for them (int8 where its bytes save more than its "
-        "decoding costs; the downlink exact, as slices need), at quorum's lr",
+        "codecs `auto` picks for them (int8 both ways where its bytes save more than its coding costs, each "
+        "slice keeping its part of the islands' copy), at quorum's lr",
         [
             "mode=async",
             "mode.rule=quorum",

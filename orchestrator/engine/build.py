@@ -37,7 +37,7 @@ from archipelago.orchestrator.engine.state.views import RunStatus
 from archipelago.orchestrator.engine.step.outer import LocalOuter, Outer
 from archipelago.orchestrator.engine.step.rules import outer_rule
 from archipelago.orchestrator.engine.step.screen import Sizes
-from archipelago.orchestrator.engine.step.slices import LocalSlices, SliceCalls, SlicedOuter
+from archipelago.orchestrator.engine.step.slices import LocalSlices, SliceCalls, SlicedOuter, copy_kept
 from archipelago.orchestrator.engine.types import Event, Phase, RunFailed, RunPhase
 from archipelago.orchestrator.engine.warm_start import (
     WarmStart,
@@ -99,7 +99,7 @@ def build_engine(
     if cfg.coordinator.slices > 1:
         bounds = slice_bounds(flat.numel, cfg.coordinator.slices, cfg.compression.chunk)
         params = flat.data.detach().numpy()
-        calls = slices(cfg, params, bounds) if slices is not None else LocalSlices(rule, params, bounds)
+        calls = slices(cfg, params, bounds) if slices is not None else LocalSlices(rule, params, bounds, copy_kept(cfg))
         outer = SlicedOuter(flat.data, bounds, calls, rule.merge)
     else:
         outer = LocalOuter(flat.data, rule, fragments)

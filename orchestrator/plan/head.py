@@ -166,13 +166,9 @@ class HeadLoad:
                 "one coordinator (no slices)"
             )
             return out
-        # slices keep no copy for a lossy downlink to change: they send the parameters exact
-        exact = (
-            self if self.downlink == "none" else dataclasses.replace(self, down_bytes=4 * self.params, downlink="none")
-        )
-        need = max(self.slices + 1, math.ceil(self.slices * exact.seconds_per_round / budget))
+        need = max(self.slices + 1, math.ceil(self.slices * self.seconds_per_round / budget))
         if need > MAX_SHARDS:
-            most = dataclasses.replace(exact, slices=MAX_SHARDS)
+            most = dataclasses.replace(self, slices=MAX_SHARDS)
             out.append(
                 f"no number of slices fits: it would take {need}, and {MAX_SHARDS} (the most coordinator.shards "
                 f"takes) leave a share of {most.share:.2f}; a longer round (inner_steps) or a faster link"
@@ -180,9 +176,7 @@ class HeadLoad:
             return out
         out.append(
             f"coordinator.shards >= {need}, each slice on a node of its own (coordinator.slice_resource: "
-            "archipelago_slice, the manifests' slices group)"
-            + ("" if exact is self else ", with compression.downlink none (slices keep no copy for it to change)")
-            + ", or a rarer checkpoint (checkpoint.every_rounds)"
+            "archipelago_slice, the manifests' slices group), or a rarer checkpoint (checkpoint.every_rounds)"
         )
         return out
 
@@ -425,12 +419,11 @@ class SliceChoice:
 def choose_slices(cfg: RunConfig, params: int, *, link_gbps: float, step_s: float, offered: int) -> SliceChoice | None:
     """Resolve `coordinator.shards: auto` (None: it is a number): the fewest slices, each on
     one of the `offered` nodes, that bring the head's share of a round within
-    `TARGET_SHARE`, each count priced with the codecs `auto` would pick for it (slices keep
-    no copy for a lossy downlink to change); all of them when none does, since every slice
-    takes the islands' bytes through a card of its own. One coordinator where the mode steps
-    on one (streaming's tracked copy, data-parallel), where a lossy downlink was named, or
-    where the cluster offers fewer than two slice nodes: the head's lines then say what
-    it would take."""
+    `TARGET_SHARE`, each count priced with the codecs `auto` would pick for it; all of them
+    when none does, since every slice takes the islands' bytes through a card of its own.
+    One coordinator where the mode steps on one (streaming's fragments, data-parallel) or
+    where the cluster offers fewer than two slice nodes: the head's lines then say what it
+    would take."""
     if cfg.coordinator.shards != AUTO_SHARDS:
         return None
     row = mode_of(cfg)
@@ -438,8 +431,6 @@ def choose_slices(cfg: RunConfig, params: int, *, link_gbps: float, step_s: floa
     why = None
     if not row.pseudo_gradients or row.tracks_copy:
         why = f"mode {cfg.mode.name.value} steps on one coordinator"
-    elif cfg.compression.downlink not in ("none", AUTO_CODEC):
-        why = f"compression.downlink {cfg.compression.downlink} changes a copy of one coordinator's parameters"
     elif offered < 2:
         why = f"the cluster offers {offered} node{'s' if offered != 1 else ''} of {resource} (the manifests' slices group)"
     shares: dict[int, float] = {}

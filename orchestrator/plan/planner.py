@@ -213,7 +213,7 @@ def _coordinator(
         if anchors:
             parts["round starts"] = n4 * anchors
         parts["mean buffer"] = n4
-    if cfg.tracks_copy:
+    if cfg.tracks_copy and s == 1:  # slices keep a part each
         parts["downlink copy"] = n4
     if cfg.evaluation.where == EvalPlace.COORDINATOR:
         parts["evaluation"] = max(0, m.eval_peak - n4) + eval_batch_bytes
@@ -239,6 +239,8 @@ def _coordinator(
         if anchors:
             slice_parts["round starts"] = per * anchors
         slice_parts["arriving"] = int(k * up * m.params / s)
+        if cfg.tracks_copy:
+            slice_parts["downlink copy"] = per
         offering = cluster.offering(cfg.coordinator.slice_resource) if cfg.coordinator.slice_resource else []
         # where a slice may land: the least memory of the nodes offering its resource
         node = min(offering, key=lambda k: k.memory or 0) if offering else None

@@ -13,14 +13,14 @@ import ray
 
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.step.rules import outer_rule
-from archipelago.orchestrator.engine.step.slices import OuterSlice, SliceStats
+from archipelago.orchestrator.engine.step.slices import OuterSlice, SliceStats, copy_kept
 from archipelago.orchestrator.engine.types import SliceLost
 from archipelago.orchestrator.runtime.names import NAMESPACE, slice_name
 
 
 class RemoteOuterSlice(OuterSlice):
     def __init__(self, cfg: RunConfig, bounds: tuple[int, int], params: np.ndarray) -> None:
-        super().__init__(outer_rule(cfg), bounds, params, cfg.coordinator.threads or 1)
+        super().__init__(outer_rule(cfg), bounds, params, cfg.coordinator.threads or 1, copy_kept(cfg))
 
     def inspect(
         self, key: int, parts: list[tuple[int, Any]], weights: dict[int, float], scale: float = 1.0
@@ -61,6 +61,12 @@ class RaySlices:
 
     def params(self) -> list[Any]:
         return [a.params.remote() for a in self.actors]
+
+    def changes(self, version: int) -> list[Any]:
+        return [a.change.remote(version) for a in self.actors]
+
+    def copies(self) -> list[Any]:
+        return [a.copy.remote() for a in self.actors]
 
     def fetch(self, slices: list[Any]) -> list[np.ndarray]:
         return self.gather(slices)

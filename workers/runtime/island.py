@@ -8,6 +8,7 @@ data position persist across rounds, as DiLoCo requires.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -34,7 +35,7 @@ from archipelago.workers.wire.fragments import positions as fragment_positions
 from archipelago.workers.wire.handoff import verify
 from archipelago.workers.wire.messages import RoundResult, SavedState, WorkKind, WorkOrder
 from archipelago.workers.wire.spec import Precision
-from archipelago.workers.wire.sync import ChangeOutOfOrder, apply_change
+from archipelago.workers.wire.sync import ChangeOutOfOrder, apply_change, whole_version
 
 log = logging.getLogger(__name__)
 
@@ -397,14 +398,18 @@ class Island:
             raise ChangeOutOfOrder(f"changes to version {order.version} given to an island that holds no copy")
         else:
             copy = self.copy
-            for change in order.changes:
-                if self.held is None or change.version != self.held + 1:
-                    raise ChangeOutOfOrder(f"change to version {change.version} given to a copy of {self.held}")
-                positions = fragment_positions(self.fragments, change.fragment, self.device)
-                apply_change(copy, change, positions)
-                self.held = change.version
-                if self.fragments is not None:
-                    self._merge(positions)
+            for version, parts in itertools.groupby(order.changes, key=lambda change: change.version):
+                if self.held is None or version != self.held + 1:
+                    raise ChangeOutOfOrder(f"change to version {version} given to a copy of {self.held}")
+                for change in whole_version(list(parts), copy.numel()):
+                    if change.span is not None:  # a coordinator slice's part
+                        positions: Any = slice(*change.span)
+                    else:
+                        positions = fragment_positions(self.fragments, change.fragment, self.device)
+                    apply_change(copy, change, positions)
+                    if self.fragments is not None:
+                        self._merge(positions)
+                self.held = version
         if self.held != order.version:
             raise ChangeOutOfOrder(f"work from version {order.version} given to a copy of {self.held}")
         return self.copy if self.fragments is None or full else None

@@ -29,6 +29,9 @@ class Change:
     fragment: int | None  # None: the whole vector
     payload: Payload
     absolute: bool  # the payload holds the new values, not a difference
+    # a coordinator slice's part [lo, hi) of the vector: each slice sends its part's change,
+    # and a version is all of them (None: the whole vector, or a fragment)
+    span: tuple[int, int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -48,3 +51,18 @@ def apply_change(copy: torch.Tensor, change: Change, positions: torch.Tensor | s
         copy[positions] = values
     else:
         copy[positions] += values
+
+
+def whole_version(parts: list[Change], numel: int) -> list[Change]:
+    """One version's change: a whole one, or every coordinator slice's part of it, which
+    together must cover the vector once (a part missing would leave a stretch of the copy
+    a version behind, silently)."""
+    spans = sorted(c.span for c in parts if c.span is not None)
+    if not spans:
+        if len(parts) != 1:
+            raise ChangeOutOfOrder(f"{len(parts)} changes to version {parts[0].version}")
+        return parts
+    covered = [lo for lo, _ in spans] == [0, *(hi for _, hi in spans[:-1])] and spans[-1][1] == numel
+    if len(spans) != len(parts) or not covered:
+        raise ChangeOutOfOrder(f"the slices' parts of version {parts[0].version} cover {spans} of {numel} values")
+    return parts

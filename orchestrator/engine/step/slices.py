@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -29,9 +29,11 @@ from archipelago.orchestrator.algorithms.aggregate import (
     radial_terms,
     sqnorm,
 )
+from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.config_sections import OuterMerge
 from archipelago.orchestrator.engine.state.checkpoints import Location, part_name, save_part
 from archipelago.orchestrator.engine.step.admission import Facts
+from archipelago.orchestrator.engine.step.downlink import Downlink
 from archipelago.orchestrator.engine.step.outer import (
     MERGES,
     Commit,
@@ -43,6 +45,7 @@ from archipelago.orchestrator.engine.step.outer import (
 )
 from archipelago.orchestrator.engine.types import Contribution
 from archipelago.workers.wire.compress import PayloadError, check_payload, decode
+from archipelago.workers.wire.sync import Change
 
 
 @dataclass(frozen=True)
@@ -61,11 +64,24 @@ class OuterSlice:
     measures them (as `LocalOuter` does), and `close` steps on it if admission admitted
     exactly those weights at that scale."""
 
-    def __init__(self, rule: OuterRule, bounds: tuple[int, int], params: np.ndarray, threads: int = 1) -> None:
+    def __init__(
+        self,
+        rule: OuterRule,
+        bounds: tuple[int, int],
+        params: np.ndarray,
+        threads: int = 1,
+        downlink: tuple[str, int] | None = None,
+    ) -> None:
+        """`downlink`: (codec, chunk) where islands hold a published copy that changes keep
+        up to date (`compression.downlink`): this slice keeps its part of it."""
         torch.set_num_threads(threads)
         self.lo, self.hi = bounds
         self.param = torch.from_numpy(np.array(params))  # a private copy
         self.step = OuterStep(self.param, rule)
+        # its part of the copy; the change it made last leaves as this call's answer (an
+        # object in its node's store under Ray), so none is kept here
+        self.downlink = Downlink(self.param, *downlink, None, keep=1) if downlink is not None else None
+        self.sent = 0  # the bytes of the change it made last
         self.pending: dict[int, list[tuple[int, np.ndarray]]] = {}
         # the update whose merge the mean buffer holds: its direction (`direct`), then scaled
         self.directed: int | None = None
@@ -181,6 +197,27 @@ class OuterSlice:
     def params(self) -> np.ndarray:
         return self.param.numpy()
 
+    def change(self, version: int) -> Change:
+        """Its part's change of the published copy to `version` (after the step that made
+        it), encoded here on its own node; islands apply it at its span."""
+        assert self.downlink is not None, "a slice keeps a part of the copy only where islands hold one"
+        change = self.downlink.step(version, self, None)
+        self.sent = change.nbytes
+        return replace(change, span=(self.lo, self.hi))
+
+    def change_nbytes(self) -> int:
+        return self.sent
+
+    def copy(self) -> np.ndarray:
+        """Its part of the published copy, as a joining island takes it whole."""
+        assert self.downlink is not None
+        return self.downlink.copy.numpy()
+
+    def reset_copy(self) -> None:
+        """After a restore: its part of the copy is its parameters."""
+        if self.downlink is not None:
+            self.downlink.reset(self.param)
+
     def set_lr(self, lr: float) -> None:
         self.step.set_lr(lr)
 
@@ -201,6 +238,13 @@ class OuterSlice:
     def load(self, params: np.ndarray, state: dict[str, Any], version: int) -> None:
         self.param.copy_(torch.from_numpy(np.asarray(params)))
         self.step.load_state_dict(state, version)
+        self.reset_copy()
+
+
+def copy_kept(cfg: RunConfig) -> tuple[str, int] | None:
+    """What each slice keeps of the published copy islands hold: (codec, chunk) of
+    `compression.downlink` where they hold one, else nothing."""
+    return (cfg.compression.downlink, cfg.compression.chunk) if cfg.tracks_copy else None
 
 
 @dataclass(frozen=True)
@@ -229,20 +273,41 @@ class SliceCalls(Protocol):
         """Each slice's parameters (a reference an island can fetch, under Ray)."""
         ...
 
+    def changes(self, version: int) -> list[Any]:
+        """Each slice's change of its part of the published copy to `version` (a
+        reference an island can fetch, under Ray: the change stays on the slice's node)."""
+        ...
+
+    def copies(self) -> list[Any]:
+        """Each slice's part of the published copy (references, under Ray)."""
+        ...
+
     def fetch(self, slices: list[Any]) -> list[np.ndarray]: ...
 
 
 class LocalSlices:
     """`SliceCalls` over in-process slices (tests, and the engine without Ray)."""
 
-    def __init__(self, rule: OuterRule, params: np.ndarray, bounds: list[tuple[int, int]]) -> None:
-        self.slices = [OuterSlice(rule, b, params[b[0] : b[1]]) for b in bounds]
+    def __init__(
+        self,
+        rule: OuterRule,
+        params: np.ndarray,
+        bounds: list[tuple[int, int]],
+        downlink: tuple[str, int] | None = None,
+    ) -> None:
+        self.slices = [OuterSlice(rule, b, params[b[0] : b[1]], downlink=downlink) for b in bounds]
 
     def gather(self, answers: list[Any]) -> list[Any]:
         return answers
 
     def params(self) -> list[np.ndarray]:
         return [s.params().copy() for s in self.slices]
+
+    def changes(self, version: int) -> list[Change]:
+        return [s.change(version) for s in self.slices]
+
+    def copies(self) -> list[np.ndarray]:
+        return [s.copy().copy() for s in self.slices]
 
     def fetch(self, slices: list[np.ndarray]) -> list[np.ndarray]:
         return slices
@@ -348,3 +413,19 @@ class SlicedOuter:
 
     def lr(self) -> float:
         return float(self.calls.gather([s.lr() for s in self._slices])[0])
+
+    # the published copy, where islands hold one (`downlink.SlicedDownlink`): each slice its part
+    def change_parts(self, version: int) -> tuple[list[Any], int]:
+        """Each slice's change to `version`, as islands fetch them, and their bytes."""
+        parts = self.calls.changes(version)
+        return parts, sum(self.calls.gather([s.change_nbytes() for s in self._slices]))
+
+    def copy_parts(self) -> list[Any]:
+        return self.calls.copies()
+
+    def copy_nbytes(self) -> int:
+        """The whole copy's bytes, as an island takes it (the parameters' dtype)."""
+        return self.numel * self.flat.element_size()
+
+    def reset_copies(self) -> None:
+        self.calls.gather([s.reset_copy() for s in self._slices])

@@ -27,12 +27,11 @@ from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.links import Transfers
 from archipelago.orchestrator.engine.pool import IslandPool
 from archipelago.orchestrator.engine.state.flights import Work
+from archipelago.orchestrator.engine.step.downlink import Downlink, SlicedDownlink
 from archipelago.orchestrator.engine.step.outer import Outer
-from archipelago.orchestrator.engine.work.downlink import Downlink
-from archipelago.workers.wire.flat import as_tensor
+from archipelago.orchestrator.engine.step.slices import SlicedOuter
 from archipelago.workers.wire.fragments import Fragments
 from archipelago.workers.wire.handoff import params_digest
-from archipelago.workers.wire.sync import Change
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,15 +68,18 @@ class Publisher:
         self.version0: str | None = None  # digest of version 0 when islands can build it (`islands.build_version0`)
         self.built: set[int] = set()  # islands that hold the version 0 they built
         self.unput: int | None = None  # the version the copy holds, not put yet (put when an island needs it)
-        self.shared: dict[int, Any] = {}  # version -> its change as the pool shared it (once, for every island)
+        # version -> its change as the pool shared it (once, for every island): one, or a part a slice
+        self.shared: dict[int, list[Any]] = {}
         self.lag = lag  # work may start from versions this far back: those are put and kept
         # changes kept: two turns of the fragments and four more (a whole model counts as four)
         turn = fragments.count if fragments is not None else 4
-        self.downlink = (
-            Downlink(flat, cfg.compression.downlink, cfg.compression.chunk, fragments, keep=2 * turn + 4)
-            if cfg.tracks_copy
-            else None
-        )
+        self.downlink: Downlink | SlicedDownlink | None = None
+        if cfg.tracks_copy:  # coordinator slices keep their parts of the copy, one coordinator all of it
+            self.downlink = (
+                SlicedDownlink(outer, keep=2 * turn + 4)
+                if isinstance(outer, SlicedOuter)
+                else Downlink(flat, cfg.compression.downlink, cfg.compression.chunk, fragments, keep=2 * turn + 4)
+            )
 
     def publish(self, version: int, at: float | None = None, *, merged: int = 0, values: int = 0) -> None:
         """Publish `version` once (islands fetch it from there); keep the `lag` before it
@@ -108,7 +110,7 @@ class Publisher:
     def _put(self, version: int) -> None:
         """Put `version` in the pool with its digest: the copy islands hold (or the outer
         parameters, where islands take the full parameters every version)."""
-        params = self.downlink.copy.numpy() if self.downlink is not None else self.outer.params()
+        params = self.downlink.published() if self.downlink is not None else self.outer.params()
         self.refs[version] = self.pool.publish(version, params)
         self.digests[version] = params_digest(params)
         if self.unput == version:
@@ -127,8 +129,7 @@ class Publisher:
         it held, never put, is never needed again: work starts from the newest)."""
         if self.downlink is not None:
             self.unput = None
-            params = as_tensor(self.outer.params())
-            self.shared[version] = self.pool.share(self.downlink.step(version, params, fragment))
+            self.shared[version] = self.downlink.advance(version, self.outer, fragment, self.pool)
             for old in [v for v in self.shared if v not in self.downlink.changes]:
                 del self.shared[old]
 
@@ -160,7 +161,7 @@ class Publisher:
         held = self.held.get(work.island)
         self.held[work.island] = work.version
         params: Any = None
-        changes: list[Change] = []
+        changes: list[Any] = []
         if self.downlink is None:  # the full parameters of each new version
             params, bootstrap = self.refs[work.version], held is None
             nbytes = 0 if held == work.version else self.outer.numel * self.flat.element_size()
@@ -181,7 +182,7 @@ class Publisher:
         return Delivery(
             params=params,
             params_digest=digest,
-            changes=tuple(self.shared[c.version] for c in changes),
+            changes=tuple(part for c in changes for part in self.shared[c.version]),
             nbytes=nbytes,
             bootstrap=bootstrap,
             delay_s=delay,
