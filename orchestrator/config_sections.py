@@ -80,7 +80,8 @@ class CompressionConfig(Strict):
         description="codec of what islands receive: none sends the new parameters (a fragment of them in mode "
         "streaming); a lossy codec sends the change of the copy islands hold, and the coordinator applies the "
         "same decoded change to its published copy, so islands and coordinator never drift; auto: as for codec, "
-        "int8 only where islands can hold that copy (one coordinator, zero1)",
+        "int8 only where islands can hold that copy (not FSDP islands); coordinator slices each keep their part "
+        "of it",
     )
     chunk: int = Field(
         512,
