@@ -354,8 +354,9 @@ def choose_codecs(cfg: RunConfig, params: int, *, link_gbps: float, step_s: floa
     on the card against the decoding and encoding it adds to the head's CPU. At 1 B
     parameters and 16 islands that is int8 at 1 and 10 Gbit/s and exact fp32 at 100; at the
     default run's size, exact. Gradients (mode ddp) stay exact: no codec was measured
-    lossless on them. The downlink's codec needs islands that hold the published copy (one
-    coordinator, zero1): elsewhere `auto` there is exact."""
+    lossless on them. The downlink's codec needs islands that hold the published copy
+    (whole islands or zero1 groups, under one coordinator or its slices, which keep a part
+    each): for FSDP islands `auto` there is exact."""
     if not cfg.codecs_left_to_plan:
         return None
     c, family = cfg.compression, mode_of(cfg).pseudo_gradients
