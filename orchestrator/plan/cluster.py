@@ -117,12 +117,16 @@ class Cluster:
         """The kinds of worker node that offer the custom `resource` (slice nodes)."""
         return [kind for kind in self.workers if kind.resources.get(resource, 0) > 0]
 
+    def in_groups(self, resource: str) -> int:
+        """Units of the custom `resource` its worker kinds offer: a group's at its most
+        nodes (a manifest), or the nodes up (a running cluster)."""
+        return int(sum(kind.resources[resource] * kind.count for kind in self.offering(resource)))
+
     def offered(self, resource: str) -> int:
         """How many units of the custom `resource` (one a slice) the cluster may offer: its
-        worker groups' at their most nodes, or the nodes up, or what the head states of
-        its slices group when more (a group scaled to zero has no node up to count)."""
-        nodes = int(sum(kind.resources[resource] * kind.count for kind in self.offering(resource)))
-        return max(nodes, self.head.slice_nodes or 0)
+        groups', or what the head states of its slices group when more (a group scaled to
+        zero has no node up to count)."""
+        return max(self.in_groups(resource), self.head.slice_nodes or 0)
 
 
 _RAY_BUILT_IN = ("CPU", "GPU", "memory", "object_store_memory")
@@ -204,9 +208,7 @@ def from_manifest(path: str | Path) -> Cluster:
         )
         cluster = Cluster(source=str(path), head=_kind("head", head, 1), workers=workers)
         stated = cluster.head.slice_nodes
-        groups = {
-            r: int(sum(k.resources[r] * k.count for k in cluster.offering(r))) for w in workers for r in w.resources
-        }
+        groups = {r: cluster.in_groups(r) for w in workers for r in w.resources}
         if stated is not None and stated not in groups.values():
             raise ClusterError(
                 f"{path}: the head states {stated} slice nodes ({SLICE_NODES}), but the groups offering a custom "

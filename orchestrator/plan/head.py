@@ -376,7 +376,8 @@ def choose_codecs(cfg: RunConfig, params: int, *, link_gbps: float, step_s: floa
     )
 
 
-def _with_shards(cfg: RunConfig, shards: int) -> RunConfig:
+def with_shards(cfg: RunConfig, shards: int) -> RunConfig:
+    """`cfg` stepping on `shards` coordinator slices."""
     return cfg.model_copy(update={"coordinator": cfg.coordinator.model_copy(update={"shards": shards})})
 
 
@@ -393,7 +394,7 @@ class SliceChoice:
 
     def apply(self, cfg: RunConfig) -> RunConfig:
         """`cfg` with the chosen shards in place of `auto`."""
-        return _with_shards(cfg, self.shards)
+        return with_shards(cfg, self.shards)
 
     def lines(self) -> list[str]:
         chose = f"slices: auto chose coordinator.shards {self.shards}"
@@ -436,10 +437,21 @@ def choose_slices(cfg: RunConfig, params: int, *, link_gbps: float, step_s: floa
         why = f"the cluster offers {offered} node{'s' if offered != 1 else ''} of {resource} (the manifests' slices group)"
     shares: dict[int, float] = {}
     for slices in range(1, 2 if why else min(offered, MAX_SHARDS) + 1):
-        trial = _with_shards(cfg, slices)
+        trial = with_shards(cfg, slices)
         codecs = choose_codecs(trial, params, link_gbps=link_gbps, step_s=step_s)
         load = head_load(codecs.apply(trial) if codecs else trial, params, link_gbps=link_gbps, step_s=step_s)
         shares[slices] = load.share
         if load.share <= TARGET_SHARE:
             break
     return SliceChoice(shards=max(shares), offered=offered, shares=shares, why=why)
+
+
+def choose_head(
+    cfg: RunConfig, params: int, *, link_gbps: float, step_s: float, offered: int
+) -> tuple[SliceChoice | None, CodecChoice | None]:
+    """What a plan resolves of the head `cfg` leaves `auto`: the slices first (each count
+    priced with the codecs it would take), then the codecs for the slices chosen."""
+    slices = choose_slices(cfg, params, link_gbps=link_gbps, step_s=step_s, offered=offered)
+    if slices is not None:
+        cfg = slices.apply(cfg)
+    return slices, choose_codecs(cfg, params, link_gbps=link_gbps, step_s=step_s)

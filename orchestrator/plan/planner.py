@@ -32,8 +32,7 @@ from archipelago.orchestrator.plan.head import (
     HeadLoad,
     SliceChoice,
     WarmLoad,
-    choose_codecs,
-    choose_slices,
+    choose_head,
     head_load,
     warm_load,
 )
@@ -474,12 +473,10 @@ def make_plan(
     gbps = link_gbps or cluster.link_gbps or DEFAULT_LINK_GBPS
     resource = cfg.coordinator.slice_resource
     offered = cluster.offered(resource) if resource is not None else 0
-    slices = choose_slices(cfg, model.params, link_gbps=gbps, step_s=step_s, offered=offered)
-    if slices is not None:
-        cfg = slices.apply(cfg)
-    codecs = choose_codecs(cfg, model.params, link_gbps=gbps, step_s=step_s)
-    if codecs is not None:
-        cfg = codecs.apply(cfg)
+    slices, codecs = choose_head(cfg, model.params, link_gbps=gbps, step_s=step_s, offered=offered)
+    for choice in (slices, codecs):
+        if choice is not None:
+            cfg = choice.apply(cfg)
     up = uplink_bytes_per_value(cfg)
     eval_batch_bytes = model.eval_set
     ray = RAY_WORKER_BYTES if under_ray else 0

@@ -26,6 +26,7 @@ from archipelago.orchestrator.engine.state.records import RUN_ID, link_latest
 from archipelago.orchestrator.engine.types import RunFailed
 from archipelago.orchestrator.engine.warm_start import check_warm_start, pending, warm_run_id
 from archipelago.orchestrator.logs import configured
+from archipelago.orchestrator.plan.head import with_shards
 from archipelago.orchestrator.plan.preflight import preflight
 from archipelago.orchestrator.runtime.control_plane import ControlPlane, api_token
 from archipelago.orchestrator.runtime.coordinator import Coordinator, IslandPools
@@ -212,9 +213,8 @@ def run(
                 ray.shutdown()
             raise
         command["plan_s"] = time.time() - t0
-        cfg = plan.config(
-            cfg
-        )  # slices and codecs left `auto`, chosen: what every actor is built with and config.yaml records
+        # slices and codecs left `auto`, chosen: what every actor is built with and config.yaml records
+        cfg = plan.config(cfg)
     printer = ProgressPrinter() if show_progress else None
     coordinator = None
     control_plane = ControlPlane(cfg, run_id, token)
@@ -254,7 +254,7 @@ def resumed_slices(cfg: RunConfig) -> RunConfig:
     if not isinstance(shards, int):
         return cfg
     log.info("coordinator.shards auto: %d, as this run was checkpointed with (%s)", shards, recorded)
-    return cfg.model_copy(update={"coordinator": cfg.coordinator.model_copy(update={"shards": shards})})
+    return with_shards(cfg, shards)
 
 
 def record_startup(

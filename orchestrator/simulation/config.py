@@ -191,19 +191,18 @@ def reference() -> str:
 
 def planned_head(cfg: RunConfig, sim: SimulationConfig, *, slice_nodes: int = 0) -> RunConfig:
     """`cfg` with the slices and codecs it leaves `auto` chosen as a run's plan chooses them
-    (`plan/head.py:choose_slices`, `choose_codecs`), at the simulated head's card (else an
+    (`plan/head.py:choose_head`), at the simulated head's card (else an
     island's link) and the nominal size (else the model's own, as the plan measures it),
     on a fleet with `slice_nodes` nodes for coordinator slices (each a card of the link's
     speed and a CPU of its own)."""
     if not cfg.codecs_left_to_plan and cfg.coordinator.shards != AUTO_SHARDS:
         return cfg
     from archipelago.orchestrator.plan.cache import model_memory
-    from archipelago.orchestrator.plan.head import choose_codecs, choose_slices
+    from archipelago.orchestrator.plan.head import choose_head
 
     params = sim.nominal_params or model_memory(cfg).params
-    at = {"link_gbps": sim.head_gbps or sim.link.gbps, "step_s": sim.virtual_step_s}
-    slices = choose_slices(cfg, params, offered=slice_nodes, **at)
-    if slices is not None:
-        cfg = slices.apply(cfg)
-    codecs = choose_codecs(cfg, params, **at)
-    return cfg if codecs is None else codecs.apply(cfg)
+    gbps = sim.head_gbps or sim.link.gbps
+    for choice in choose_head(cfg, params, link_gbps=gbps, step_s=sim.virtual_step_s, offered=slice_nodes):
+        if choice is not None:
+            cfg = choice.apply(cfg)
+    return cfg

@@ -39,6 +39,12 @@ class Shares(Protocol):
     def share(self, change: Change) -> Any: ...
 
 
+def _keep_last(changes: dict[int, Any], version: int, keep: int) -> None:
+    """Forget the changes `keep` or more versions before `version`."""
+    for old in [v for v in changes if v <= version - keep]:
+        del changes[old]
+
+
 def _route(changes: dict[int, Any], held: int | None, version: int, full_nbytes: int) -> list[Any] | None:
     """The changes from `held` to `version`, or None when the island needs the full copy
     (it holds nothing or a later version, a change is no longer kept, or the changes
@@ -86,8 +92,7 @@ class Downlink:
             )
         apply_change(self.copy, change, where)
         self.changes[version] = change
-        for old in [v for v in self.changes if v <= version - self.keep]:
-            del self.changes[old]
+        _keep_last(self.changes, version, self.keep)
         return change
 
     def advance(self, version: int, outer: HasParams, fragment: int | None, pool: Shares) -> list[Any]:
@@ -144,8 +149,7 @@ class SlicedDownlink:
         parts, nbytes = self.slices.change_parts(version)
         change = PartedChange(version=version, parts=parts, nbytes=nbytes)
         self.changes[version] = change
-        for old in [v for v in self.changes if v <= version - self.keep]:
-            del self.changes[old]
+        _keep_last(self.changes, version, self.keep)
         return change
 
     def advance(self, version: int, outer: HasParams, fragment: int | None, pool: Shares) -> list[Any]:
