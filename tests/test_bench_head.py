@@ -53,6 +53,10 @@ def test_bench_head_measures_a_multi_node_round_beside_its_plan(tmp_path):
     write_result(result, tmp_path)
     report = json.loads((tmp_path / "head.json").read_text())
     (row,) = report["methods"].values()
+    (asked,) = report["rows"]  # the row as asked for, beside what it measured and planned
+    for key in ("params", "islands", "slices", "codec", "phases", "measured_seconds", "planned_seconds", "head_bytes"):
+        assert asked[key] == row[key], key
+    assert asked["planned_head_bytes"] == row["planned_head_bytes"] and asked["rounds"] == QUICK_ROWS[0].rounds
     assert row["params"] > 500_000 and row["islands"] == 2
     # bytes: what the islands sent and received, per steady round, equal to the plan's
     assert abs(row["bytes_ratio"] - 1) <= 0.05, row

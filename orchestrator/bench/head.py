@@ -360,8 +360,16 @@ def head(quick: bool, work: Path) -> BenchResult:
         summary=f"head: {targets_met(checks)}; link {link['gbps']:.1f} Gbit/s (loopback through Ray's object manager)",
         markdown=_markdown(methods, link, checks, rates),
         panels=[_panel(methods)],
-        extra={"checks": checks, "link": link, "codec_rates": rates, "rows": [asdict(r) for r in rows]},
+        extra={"checks": checks, "link": link, "codec_rates": rates, "rows": _rows(rows, methods)},
     )
+
+
+def _rows(rows: tuple[Row, ...], methods: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row as it was asked for beside what it measured and what its plan said (`params`,
+    `phases`, `measured_seconds`, `planned_seconds`, `head_bytes`, `planned_head_bytes` …), one
+    object a row for a reader of the JSON; `rounds` is the count asked for, the rounds one by one
+    stay under `methods`."""
+    return [{**asdict(r), **{k: v for k, v in methods[r.name].items() if k != "rounds"}} for r in rows]
 
 
 def checkpoint_check(methods: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
