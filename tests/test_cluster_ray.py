@@ -184,7 +184,9 @@ def test_coordinator_slices_left_auto_take_the_slice_nodes_the_head_states(clust
     none up); on a head whose link is too slow for one coordinator it takes every slice
     node offered, each slice actor lands on a node of its own among those offering the
     resource, none on the island nodes, and the run trains as a sliced one does, with RDA
-    across the slices (mode async's default), and records what it chose."""
+    across the slices (mode async's default), and records what it chose. Its average warm
+    start steps on slices on those nodes too, and leaves them at the fork: the main phase's
+    slices could not be placed beside them (each node offers one)."""
     from ray.util.state import list_actors
 
     from archipelago.orchestrator.plan.cluster import LINK_ENV, SLICES_ENV
@@ -195,7 +197,9 @@ def test_coordinator_slices_left_auto_take_the_slice_nodes_the_head_states(clust
     assert run_cluster(on_ray_cluster=True).offered("archipelago_slice") == 3
     monkeypatch.setenv(SLICES_ENV, "2")
     slice_nodes = [c.add_node(num_cpus=0, resources={"archipelago_slice": 1}) for _ in range(2)]
-    monkeypatch.setenv(LINK_ENV, "1e-9")  # the head's stated link: one coordinator's share is far over
+    monkeypatch.setenv(
+        LINK_ENV, "1e-7"
+    )  # the head's stated link: one coordinator's share 0.64, two 0.32; the warm start 0.16 on two
     try:
         c.wait_for_nodes()
         assert run_cluster(on_ray_cluster=True).offered("archipelago_slice") == 2
@@ -208,6 +212,9 @@ def test_coordinator_slices_left_auto_take_the_slice_nodes_the_head_states(clust
             "coordinator.shards=auto",
             "coordinator.slice_resource=archipelago_slice",
             "compression.chunk=16",
+            "warm_start.steps=8",
+            "warm_start.mode=average",
+            "warm_start.inner_steps=4",
             islands=2,
         )
         placed = {
@@ -218,6 +225,15 @@ def test_coordinator_slices_left_auto_take_the_slice_nodes_the_head_states(clust
         thread.join(timeout=120)
         assert box["summary"]["state"] == "finished" and box["summary"]["outer_steps"] >= 8
         assert placed == wanted  # two slices, two nodes, both offering the resource
+        ended = [  # the warm phase's two slices, ended at the fork, not left for the collector
+            (a.death_cause or {}).get("actor_died_error_context", {}).get("reason")
+            for a in list_actors(filters=[("state", "=", "DEAD")], limit=1000, detail=True)
+            if (a.name or "").startswith("archipelago-slicenodes-slice-")
+        ]
+        assert ended.count("RAY_KILL") == 2 and "OUT_OF_SCOPE" not in ended, ended
+        assert box["summary"]["warm_start"]["steps"] == 8  # averaged on two slices, released at the fork
+        warm = load_config(tmp_path / "out" / "warm_start" / "config.yaml", [])
+        assert (warm.coordinator.shards, warm.coordinator.slice_resource) == (2, "archipelago_slice")
         assert load_config(tmp_path / "out" / "config.yaml", []).coordinator.shards == 2
     finally:
         for node in slice_nodes:

@@ -377,17 +377,21 @@ def test_an_average_warm_start_through_the_head_is_priced_and_refused_once_the_h
     of 64 GB in and out, 10.24 TB through the card. At 100 Gbit/s each average takes the
     head 5.12 s in (the way out overlaps) and 4.8 s of mean: 794 s against 2,000 s of
     compute, over the 0.10 target but the islands still set the pace; at 10 Gbit/s the head
-    would (share 2.4): refused, naming the ways out."""
+    would (share 2.2): refused, naming the ways out. On the run's 8 coordinator slices each
+    card and mean takes an eighth: 0.28, the islands set the pace again."""
     from archipelago.orchestrator.plan.head import WarmLoad
 
-    warm = WarmLoad(params=10**9, islands=16, link_gbps=100, step_s=1.0, steps=2000, averages=80)
+    warm = WarmLoad(params=10**9, islands=16, slices=1, link_gbps=100, step_s=1.0, steps=2000, averages=80)
     assert warm.bytes == 2 * 16 * 80 * 4 * 10**9
     assert warm.seconds == pytest.approx(80 * (5.12 + 0.06 / 200e6 * 16e9))
     assert warm.share == pytest.approx(warm.seconds / 2000) and warm.refusal() is None
-    assert "OVER 0.10" in warm.lines()[0] and "init_from" in warm.lines()[1]
+    assert "OVER 0.10" in warm.lines()[0] and "through the head" in warm.lines()[0] and "init_from" in warm.lines()[1]
     slow = dataclasses.replace(warm, link_gbps=10)
     assert slow.share == pytest.approx(80 * (51.2 + 4.8) / 2000)
-    assert "init_from" in slow.refusal() and "one coordinator" in slow.refusal()  # slices do not help it
+    assert "init_from" in slow.refusal() and "coordinator slices" in slow.refusal()
+    sliced = dataclasses.replace(slow, slices=8)
+    assert sliced.bytes == slow.bytes and sliced.share == pytest.approx(slow.share / 8) and sliced.refusal() is None
+    assert "through the 8 coordinator slices" in sliced.lines()[0]
 
 
 def test_the_plan_states_the_heads_share_at_the_link_and_step_given(capsys, tmp_path):

@@ -4,6 +4,7 @@ it continues, and which a restarted coordinator or another run does not train ag
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import re
@@ -107,6 +108,51 @@ def test_the_fork_continues_the_warm_starts_data_and_schedule(tmp_path, mode, wa
     spec = main_pool.released[0].spec
     assert (spec.start_step, spec.total_inner_steps) == (8, 32)
     assert warm_pool.cfg.schedule_steps == 32
+
+
+# a 40-value model, so 2 coordinator slices cut on 16-value chunks hold 16 and 24 values
+CENTERS = (
+    "[" + ",".join("[" + ",".join(f"{((i * 7 + j) % 5 - 2) / 2:g}" for j in range(40)) + "]" for i in range(3)) + "]"
+)
+
+
+def test_an_average_warm_start_steps_on_the_runs_slices_as_one_coordinator_would(tmp_path):
+    """At scale an average warm start must not pass through the head: it steps on the run's
+    coordinator slices (under Ray each on a slice node, its part of every island's bytes
+    there). A mean over parts is the whole mean, so the warm start and the run forked
+    from it end bit for bit as on one coordinator; at the fork the warm phase's slices are
+    released, so the main phase can place its own on those nodes."""
+    ends = {}
+    for slices in (1, 2):
+        cfg = _cfg(
+            tmp_path / f"s{slices}",
+            "diloco",
+            "warm_start.mode=average",
+            "warm_start.inner_steps=2",
+            "compression.chunk=16",
+            f"task.kwargs.centers={CENTERS}",
+            f"coordinator.shards={slices}",
+        )
+        run = PhasedRun(cfg, "w", Pools())
+        assert run.warming and run.engine.cfg.coordinator.slices == slices
+        released: list[bool] = []
+        if slices > 1:
+            calls = run.engine.outer.calls
+            calls.release = functools.partial(released.append, True)  # a spy on the real slices' release
+        summary = run.execute()
+        assert released == ([True] if slices > 1 else [])
+        _check_each_batch_once(cfg, summary)
+        ends[slices] = summary
+    one, two = ends[1], ends[2]
+    for key in ("final_eval_loss", "final_params_digest", "tokens"):
+        assert two["warm_start"][key] == one["warm_start"][key], key
+    assert two["final_eval_loss"] == one["final_eval_loss"] and two["final_params_digest"] == one["final_params_digest"]
+
+
+def test_a_data_parallel_warm_start_steps_on_one_coordinator(tmp_path):
+    cfg = _cfg(tmp_path, "diloco", "warm_start.mode=ddp", "compression.chunk=16", f"task.kwargs.centers={CENTERS}")
+    sliced = cfg.model_copy(update={"coordinator": cfg.coordinator.model_copy(update={"shards": 2})})
+    assert warm_config(sliced).coordinator.slices == 1
 
 
 class FreshPools(Pools):

@@ -335,6 +335,9 @@ class PhasedRun:
                 self.inbox.ended = True
                 return {**summary, "phase": Phase.WARM_START.value}
             mark_finished(self.cfg, self.run_id, summary)
+            # the warm phase's slices leave their nodes to the main phase's now, not when
+            # the collector drops their handles: each slice node offers one slice's resource
+            self.engine.outer.release()
             self.engine = self._main()
             # the warm start's islands go on as the main phase's, each renewed in its own
             # process (a new process importing torch and loading its task is most of a start)

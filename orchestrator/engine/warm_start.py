@@ -71,7 +71,10 @@ def warm_config(cfg: RunConfig) -> RunConfig:
     """The warm phase of `cfg`: `warm_steps` inner steps in rounds of `inner_steps` (of
     `warm_start.inner_steps` in mode average; one round when they do not divide), on the
     main run's data shards and seed, following the main run's learning-rate schedule from
-    its start, checkpointed at least at its end."""
+    its start, checkpointed at least at its end. An average steps on the run's coordinator
+    slices (a mean over parts is the whole mean, bit for bit: at 1 B parameters on 16
+    islands its 64 GB each way an average then pass through no one card); data-parallel
+    gradients on one coordinator, as mode ddp's."""
     steps, mode = cfg.warm_steps, cfg.warm_start.mode
     h = cfg.warm_start.inner_steps if mode == WarmStartMode.AVERAGE else cfg.inner_steps
     h = h if steps % h == 0 else steps
@@ -81,7 +84,8 @@ def warm_config(cfg: RunConfig) -> RunConfig:
     data["warm_start"] = {"steps": 0, "mode": mode.value, "path": None}
     data["inner"]["schedule_steps"] = cfg.schedule_steps
     data["checkpoint"].update(every_rounds=max(1, cfg.checkpoint.every_rounds), path=str(out / "checkpoint"))
-    data["coordinator"]["shards"] = 1
+    if mode == WarmStartMode.DDP:
+        data["coordinator"]["shards"] = 1
     data["outer"]["merge"] = "mean"  # the shared start is the plain average
     data["compression"]["downlink"] = "none"  # the shared start is trained exactly
     if mode == WarmStartMode.DDP:

@@ -221,15 +221,16 @@ class HeadLoad:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WarmLoad:
-    """The `average` warm start through the head: every island's parameters in and the
-    average out every `warm_start.inner_steps` steps, in fp32 (the shared start is trained
-    exactly), against the islands' compute over the warm steps. At 1 B parameters on 16
-    islands that is 64 GB each way an average: the head, not the islands, sets the pace.
-    The warm phase averages on one coordinator whatever the run's slices
-    (`engine/warm_start.py`: `coordinator.shards` 1), so nothing here splits over them."""
+    """The `average` warm start through the coordinator: every island's parameters in and
+    the average out every `warm_start.inner_steps` steps, in fp32 (the shared start is
+    trained exactly), against the islands' compute over the warm steps. At 1 B parameters
+    on 16 islands that is 64 GB each way an average: one head, not the islands, would set
+    the pace. The warm phase averages on the run's slices (`engine/warm_start.py`), each on
+    a node of its own with its own card: the busiest card carries 1/`slices` of it."""
 
     params: int
     islands: int
+    slices: int
     link_gbps: float
     step_s: float
     steps: int
@@ -237,15 +238,18 @@ class WarmLoad:
 
     @property
     def bytes(self) -> int:
-        """Through the head's card, in and out, over the whole warm start."""
+        """Through the coordinator's cards (the head's, or its slices'), in and out, over the
+        whole warm start."""
         return 2 * self.islands * self.averages * 4 * self.params
 
     @property
     def seconds(self) -> float:
-        """The head's: each average's bytes in (the way out overlaps it on a full-duplex
-        card) and the mean over every island."""
+        """The busiest coordinator's (a slice's: each takes its part of every island's
+        bytes and mean on its own node): each average's bytes in (the way out overlaps it
+        on a full-duplex card) and the mean over every island."""
         card = self.link_gbps * 1e9 / 8
-        per = self.islands * 4 * self.params / card + STEP_S_PER_VALUE["mean"] * self.params * self.islands
+        part = self.params / self.slices
+        per = self.islands * 4 * part / card + STEP_S_PER_VALUE["mean"] * part * self.islands
         return self.averages * per
 
     @property
@@ -254,14 +258,18 @@ class WarmLoad:
 
     def lines(self) -> list[str]:
         verdict = "within" if self.share <= TARGET_SHARE else "OVER"
+        through = "the head" if self.slices == 1 else f"the {self.slices} coordinator slices"
         out = [
-            f"head: the average warm start moves {self.bytes / 1e12:,.2f} TB through the head ({self.averages} "
-            f"averages of {self.islands} islands' fp32 parameters): {self.seconds:,.0f} s of the head against the "
+            f"head: the average warm start moves {self.bytes / 1e12:,.2f} TB through {through} ({self.averages} "
+            f"averages of {self.islands} islands' fp32 parameters): {self.seconds:,.0f} s of the busiest against the "
             f"islands' {self.steps * self.step_s:,.0f} s of warm steps, share {self.share:.2f}, {verdict} "
             f"{TARGET_SHARE:.2f}"
         ]
         if self.share > TARGET_SHARE:
-            out.append("head: to fit the warm start, start from a trained model (init_from) or average less often")
+            out.append(
+                "head: to fit the warm start, start from a trained model (init_from), average less often or "
+                "step on more coordinator slices"
+            )
         return out
 
     def refusal(self) -> str | None:
@@ -269,9 +277,10 @@ class WarmLoad:
             return None
         return (
             f"the average warm start would keep the head busy {self.share:.1f}x as long as the islands compute "
-            f"({self.bytes / 1e12:,.2f} TB through its card): the head, not the islands, would set its pace. Start "
-            "from a trained model (init_from) or average less often (warm_start.inner_steps); the warm phase "
-            "averages on one coordinator, whatever coordinator.shards says"
+            f"({self.bytes / 1e12:,.2f} TB through {self.slices} card{'s' if self.slices > 1 else ''}): the head, "
+            "not the islands, would set its pace. Start from a trained model (init_from), average less often "
+            "(warm_start.inner_steps) or step on more coordinator slices (coordinator.shards, each on a node of "
+            "its own)"
         )
 
 
@@ -282,6 +291,7 @@ def warm_load(cfg: RunConfig, params: int, *, link_gbps: float, step_s: float) -
     return WarmLoad(
         params=params,
         islands=cfg.islands.count,
+        slices=cfg.coordinator.slices,
         link_gbps=link_gbps,
         step_s=step_s,
         steps=cfg.warm_steps,

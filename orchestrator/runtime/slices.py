@@ -71,6 +71,10 @@ class RaySlices:
     def fetch(self, slices: list[Any]) -> list[np.ndarray]:
         return self.gather(slices)
 
+    def release(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+
 
 def start_slices(cfg: RunConfig, params: np.ndarray, bounds: list[tuple[int, int]], run_id: str) -> RaySlices:
     """S slice actors (no CPU reserved: their work is a few vector ops per step) owned by

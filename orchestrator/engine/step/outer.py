@@ -228,6 +228,9 @@ class Outer(Protocol):
     def load_state_dict(self, state: dict[str, Any], version: int) -> None: ...
     def set_lr(self, lr: float) -> None: ...
     def lr(self) -> float: ...
+    def release(self) -> None:
+        """End the processes it steps on (coordinator slices), so the phase after this one
+        can place its own where these were (a slice node offers one slice's resource)."""
 
 
 class LocalOuter:
@@ -309,6 +312,9 @@ class LocalOuter:
 
     def copy_to(self, flat: torch.Tensor) -> None:
         return None  # `flat` is where every step leaves the parameters
+
+    def release(self) -> None:
+        return None  # it steps in this process
 
     def state_dict(self) -> dict[str, Any]:
         if self.fragments is None:

@@ -284,6 +284,10 @@ class SliceCalls(Protocol):
 
     def fetch(self, slices: list[Any]) -> list[np.ndarray]: ...
 
+    def release(self) -> None:
+        """End the slices (their nodes free for another phase's)."""
+        ...
+
 
 class LocalSlices:
     """`SliceCalls` over in-process slices (tests, and the engine without Ray)."""
@@ -311,6 +315,9 @@ class LocalSlices:
 
     def fetch(self, slices: list[np.ndarray]) -> list[np.ndarray]:
         return slices
+
+    def release(self) -> None:
+        return None  # in this process: they go with their references
 
 
 class SlicedOuter:
@@ -429,3 +436,6 @@ class SlicedOuter:
 
     def reset_copies(self) -> None:
         self.calls.gather([s.reset_copy() for s in self._slices])
+
+    def release(self) -> None:
+        self.calls.release()
