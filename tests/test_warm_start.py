@@ -19,6 +19,7 @@ from archipelago.orchestrator.config_load import ConfigError, load_config
 from archipelago.orchestrator.engine.build import PhasedRun
 from archipelago.orchestrator.engine.commands import Stop
 from archipelago.orchestrator.engine.outputs.outputs import Outputs
+from archipelago.orchestrator.engine.step.slices import SlicedOuter
 from archipelago.orchestrator.engine.types import RunFailed
 from archipelago.orchestrator.engine.warm_start import warm_config
 from archipelago.orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
@@ -147,6 +148,36 @@ def test_an_average_warm_start_steps_on_the_runs_slices_as_one_coordinator_would
     for key in ("final_eval_loss", "final_params_digest", "tokens"):
         assert two["warm_start"][key] == one["warm_start"][key], key
     assert two["final_eval_loss"] == one["final_eval_loss"] and two["final_params_digest"] == one["final_params_digest"]
+
+
+def test_a_sliced_warm_start_stopped_midway_resumes_from_its_slices_parts(tmp_path):
+    """A warm start on slices checkpoints their parts beside it; a coordinator started
+    again resumes the warm phase from them, on slices again, each batch trained once over
+    both phases, and ends bit for bit where one coordinator stopped and resumed the same
+    way ends."""
+    ends = {}
+    for slices in (1, 2):
+        cfg = _cfg(
+            tmp_path / f"s{slices}",
+            "diloco",
+            "warm_start.mode=average",
+            "warm_start.inner_steps=2",
+            "compression.chunk=16",
+            f"task.kwargs.centers={CENTERS}",
+            f"coordinator.shards={slices}",
+        )
+        runs: list[PhasedRun] = []
+        # stopped once the warm phase's first round is recorded (at the end of the next)
+        runs.append(PhasedRun(cfg, "r", Pools(), on_record=lambda *_, held=runs: held[0].engine.submit(Stop())))
+        stopped = runs[0].execute()
+        assert stopped["phase"] == "warm_start" and stopped["state"] == "stopped" and 0 < stopped["rounds_done"] < 4
+        again = PhasedRun(cfg, "r", Pools())
+        assert again.warming and again.engine.resumed and isinstance(again.engine.outer, SlicedOuter) == (slices > 1)
+        ends[slices] = again.execute()
+        _check_each_batch_once(cfg, ends[slices])
+    one, two = ends[1], ends[2]
+    assert two["warm_start"]["final_params_digest"] == one["warm_start"]["final_params_digest"]
+    assert two["final_eval_loss"] == one["final_eval_loss"] and two["tokens"] == one["tokens"]
 
 
 def test_a_data_parallel_warm_start_steps_on_one_coordinator(tmp_path):
