@@ -190,21 +190,11 @@ class Plan:
         }
 
 
-def _arriving(cfg: RunConfig, up: float) -> float:
-    """Bytes a value of every island's update arrives in at the coordinator (or its
-    slices), the most over the run's phases: the codec's in the run, fp32 in an `average`
-    warm start (the shared start is trained exactly), which steps on the same slices."""
-    if cfg.warm_steps and cfg.warm_start.mode == WarmStartMode.AVERAGE and cfg.islands.count > 1:
-        return max(up, 4.0)
-    return up
-
-
 def _coordinator(
     cfg: RunConfig, m: ModelMemory, up: float, cluster: Cluster, eval_batch_bytes: int, ray: int
 ) -> list[Need]:
     n4 = 4 * m.params
     k = cfg.islands.count
-    per_value = _arriving(cfg, up)
     head = cluster.head
     rule = rule_of(cfg)
     lag = mode_of(cfg).lag
@@ -214,7 +204,7 @@ def _coordinator(
         "outer step runtime": m.outer_runtime,
         "parameters": n4,
         "published": n4 * (1 + lag) if ray else 0,  # in the object store (shared memory of the node)
-        "arriving": int(k * per_value * m.params) if s == 1 else 0,
+        "arriving": int(k * up * m.params) if s == 1 else 0,
     }
     anchors = (1 + lag) if rule.anchored(cfg) else 0  # the versions rounds in flight started from (CO2's Λ)
     if s == 1:
@@ -247,7 +237,7 @@ def _coordinator(
         slice_parts["mean buffer"] = per
         if anchors:
             slice_parts["round starts"] = per * anchors
-        slice_parts["arriving"] = int(k * per_value * m.params / s)
+        slice_parts["arriving"] = int(k * up * m.params / s)
         if cfg.tracks_copy:
             slice_parts["downlink copy"] = per
         offering = cluster.offering(cfg.coordinator.slice_resource) if cfg.coordinator.slice_resource else []
@@ -400,7 +390,7 @@ def _head_objects(cfg: RunConfig, m: ModelMemory, up: float, head: NodeKind) -> 
     lag = mode_of(cfg).lag
     parts = {"published": n4 * (1 + lag)}
     if cfg.coordinator.slices == 1:
-        parts["arriving"] = int(cfg.islands.count * _arriving(cfg, up) * m.params)
+        parts["arriving"] = int(cfg.islands.count * up * m.params)
     return Need(
         process="coordinator's objects",
         memory="object store",
