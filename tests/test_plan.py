@@ -379,9 +379,19 @@ def test_an_average_warm_start_through_the_head_is_priced_and_refused_once_the_h
     compute, over the 0.10 target but the islands still set the pace; at 10 Gbit/s the head
     would (share 2.2): refused, naming the ways out. On the run's 8 coordinator slices each
     card and mean takes an eighth: 0.28, the islands set the pace again."""
-    from archipelago.orchestrator.plan.head import WarmLoad
+    from archipelago.orchestrator.plan.head import DECODE_S_PER_VALUE, WarmLoad
 
-    warm = WarmLoad(params=10**9, islands=16, slices=1, link_gbps=100, step_s=1.0, steps=2000, averages=80)
+    warm = WarmLoad(
+        params=10**9,
+        islands=16,
+        slices=1,
+        uplink="none",
+        up_bytes=4 * 10**9,
+        link_gbps=100,
+        step_s=1.0,
+        steps=2000,
+        averages=80,
+    )
     assert warm.bytes == 2 * 16 * 80 * 4 * 10**9
     assert warm.seconds == pytest.approx(80 * (5.12 + 0.06 / 200e6 * 16e9))
     assert warm.share == pytest.approx(warm.seconds / 2000) and warm.refusal() is None
@@ -392,6 +402,12 @@ def test_an_average_warm_start_through_the_head_is_priced_and_refused_once_the_h
     sliced = dataclasses.replace(slow, slices=8)
     assert sliced.bytes == slow.bytes and sliced.share == pytest.approx(slow.share / 8) and sliced.refusal() is None
     assert "through the 8 coordinator slices" in sliced.lines()[0]
+    # islands sending int8 (the run's codec): a quarter of the bytes in, fp32 still out,
+    # which now sets the card's time; decoding 16 updates is added to the mean
+    int8 = dataclasses.replace(warm, uplink="int8", up_bytes=10**9 + 4 * 10**9 // 512)
+    assert int8.bytes == 16 * 80 * (int8.up_bytes + 4 * 10**9)
+    decode = DECODE_S_PER_VALUE["int8"] * 10**9 * 16
+    assert int8.seconds == pytest.approx(warm.seconds + 80 * decode) and "up in int8, down fp32" in int8.lines()[0]
 
 
 def test_the_plan_states_the_heads_share_at_the_link_and_step_given(capsys, tmp_path):
@@ -406,7 +422,8 @@ def test_the_plan_states_the_heads_share_at_the_link_and_step_given(capsys, tmp_
     assert head["round_seconds"] == 500 * 0.5 and head["share"] == pytest.approx(head["seconds_per_round"] / 250)
     assert any(line.startswith("head: ") and "share" in line for line in lines), lines
     warm = report["warm_start"]  # the Llama's average warm start: 4 islands' parameters every 25 steps
-    assert warm["bytes"] == 2 * 4 * 4 * report["model"]["params"] * math.ceil(2000 / 25) and warm["share"] < 1
+    params, averages = report["model"]["params"], math.ceil(2000 / 25)  # up in the run's codec, down in fp32
+    assert warm["bytes"] == 4 * averages * (report["link"]["up_bytes"] + 4 * params) and warm["share"] < 1
     # over a link slow enough that the head would set the warm start's pace: refused, exit 2
     code, lines, report = _plan(capsys, tmp_path, "--cluster", CLUSTER, "--link-gbps", "0.5", LLAMA)
     assert code == 2 and any("the average warm start would keep the head busy" in p for p in report["problems"])

@@ -84,12 +84,11 @@ def warm_config(cfg: RunConfig) -> RunConfig:
     data["warm_start"] = {"steps": 0, "mode": mode.value, "path": None}
     data["inner"]["schedule_steps"] = cfg.schedule_steps
     data["checkpoint"].update(every_rounds=max(1, cfg.checkpoint.every_rounds), path=str(out / "checkpoint"))
-    if mode == WarmStartMode.DDP:
-        data["coordinator"]["shards"] = 1
     data["outer"]["merge"] = "mean"  # the shared start is the plain average
     data["compression"]["downlink"] = "none"  # the shared start is trained exactly
     if mode == WarmStartMode.DDP:
         data["mode"] = Mode.DDP.value
+        data["coordinator"]["shards"] = 1  # gradients step on one coordinator, as mode ddp's do
         return RunConfig.model_validate(data)
     # outer SGD lr 1 without momentum applies the mean Δ whole: the islands' average (one
     # island: its own training), with nothing of DiLoCo's outer rule yet

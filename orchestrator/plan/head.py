@@ -221,16 +221,19 @@ class HeadLoad:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WarmLoad:
-    """The `average` warm start through the coordinator: every island's parameters in and
-    the average out every `warm_start.inner_steps` steps, in fp32 (the shared start is
-    trained exactly), against the islands' compute over the warm steps. At 1 B parameters
-    on 16 islands that is 64 GB each way an average: one head, not the islands, would set
-    the pace. The warm phase averages on the run's slices (`engine/warm_start.py`), each on
-    a node of its own with its own card: the busiest card carries 1/`slices` of it."""
+    """The `average` warm start through the coordinator: every island's update in (in the
+    run's `compression.codec`) and the average out in fp32 (`engine/warm_start.py`: islands
+    and coordinator hold the same parameters) every `warm_start.inner_steps` steps, against
+    the islands' compute over the warm steps. At 1 B parameters on 16 islands that is 64 GB
+    out an average: one head, not the islands, would set the pace. The warm phase averages
+    on the run's slices, each on a node of its own with its own card: the busiest card
+    carries 1/`slices` of it."""
 
     params: int
     islands: int
     slices: int
+    uplink: str  # compression.codec, which the warm phase's islands send in
+    up_bytes: int  # what one island sends an average
     link_gbps: float
     step_s: float
     steps: int
@@ -240,17 +243,19 @@ class WarmLoad:
     def bytes(self) -> int:
         """Through the coordinator's cards (the head's, or its slices'), in and out, over the
         whole warm start."""
-        return 2 * self.islands * self.averages * 4 * self.params
+        return self.islands * self.averages * (self.up_bytes + 4 * self.params)
 
     @property
     def seconds(self) -> float:
         """The busiest coordinator's (a slice's: each takes its part of every island's
-        bytes and mean on its own node): each average's bytes in (the way out overlaps it
-        on a full-duplex card) and the mean over every island."""
+        bytes, decoding and mean on its own node): each average's bytes in or out, whichever
+        is more (a full-duplex card carries both at once; out, fp32, unless a codec grows
+        the bytes), and decoding and averaging every island's update."""
         card = self.link_gbps * 1e9 / 8
         part = self.params / self.slices
-        per = self.islands * 4 * part / card + STEP_S_PER_VALUE["mean"] * part * self.islands
-        return self.averages * per
+        wire = self.islands * max(self.up_bytes, 4 * self.params) / self.slices / card
+        decode = codec_s_per_value(DECODE_S_PER_VALUE, self.uplink)
+        return self.averages * (wire + (STEP_S_PER_VALUE["mean"] + decode) * part * self.islands)
 
     @property
     def share(self) -> float:
@@ -259,9 +264,11 @@ class WarmLoad:
     def lines(self) -> list[str]:
         verdict = "within" if self.share <= TARGET_SHARE else "OVER"
         through = "the head" if self.slices == 1 else f"the {self.slices} coordinator slices"
+        up = "fp32" if self.uplink == "none" else self.uplink
         out = [
             f"head: the average warm start moves {self.bytes / 1e12:,.2f} TB through {through} ({self.averages} "
-            f"averages of {self.islands} islands' fp32 parameters): {self.seconds:,.0f} s of the busiest against the "
+            f"averages of {self.islands} islands, up in {up}, down fp32): {self.seconds:,.0f} s of the "
+            "busiest against the "
             f"islands' {self.steps * self.step_s:,.0f} s of warm steps, share {self.share:.2f}, {verdict} "
             f"{TARGET_SHARE:.2f}"
         ]
@@ -292,6 +299,8 @@ def warm_load(cfg: RunConfig, params: int, *, link_gbps: float, step_s: float) -
         params=params,
         islands=cfg.islands.count,
         slices=cfg.coordinator.slices,
+        uplink=cfg.compression.codec,
+        up_bytes=int(uplink_bytes_per_value(cfg) * params),
         link_gbps=link_gbps,
         step_s=step_s,
         steps=cfg.warm_steps,
