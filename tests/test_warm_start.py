@@ -117,6 +117,19 @@ CENTERS = (
 )
 
 
+def _sliced_warm_cfg(tmp_path: Path, slices: int) -> RunConfig:
+    """An average warm start of the 40-value model on `slices` coordinator slices."""
+    return _cfg(
+        tmp_path / f"s{slices}",
+        "diloco",
+        "warm_start.mode=average",
+        "warm_start.inner_steps=2",
+        "compression.chunk=16",
+        f"task.kwargs.centers={CENTERS}",
+        f"coordinator.shards={slices}",
+    )
+
+
 def test_an_average_warm_start_steps_on_the_runs_slices_as_one_coordinator_would(tmp_path):
     """At scale an average warm start must not pass through the head: it steps on the run's
     coordinator slices (under Ray each on a slice node, its part of every island's bytes
@@ -125,15 +138,7 @@ def test_an_average_warm_start_steps_on_the_runs_slices_as_one_coordinator_would
     released, so the main phase can place its own on those nodes."""
     ends = {}
     for slices in (1, 2):
-        cfg = _cfg(
-            tmp_path / f"s{slices}",
-            "diloco",
-            "warm_start.mode=average",
-            "warm_start.inner_steps=2",
-            "compression.chunk=16",
-            f"task.kwargs.centers={CENTERS}",
-            f"coordinator.shards={slices}",
-        )
+        cfg = _sliced_warm_cfg(tmp_path, slices)
         run = PhasedRun(cfg, "w", Pools())
         assert run.warming and run.engine.cfg.coordinator.slices == slices
         released: list[bool] = []
@@ -157,15 +162,7 @@ def test_a_sliced_warm_start_stopped_midway_resumes_from_its_slices_parts(tmp_pa
     way ends."""
     ends = {}
     for slices in (1, 2):
-        cfg = _cfg(
-            tmp_path / f"s{slices}",
-            "diloco",
-            "warm_start.mode=average",
-            "warm_start.inner_steps=2",
-            "compression.chunk=16",
-            f"task.kwargs.centers={CENTERS}",
-            f"coordinator.shards={slices}",
-        )
+        cfg = _sliced_warm_cfg(tmp_path, slices)
         runs: list[PhasedRun] = []
         # stopped once the warm phase's first round is recorded (at the end of the next)
         runs.append(PhasedRun(cfg, "r", Pools(), on_record=lambda *_, held=runs: held[0].engine.submit(Stop())))
