@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from archipelago.orchestrator.config import AUTO_SHARDS, RUN_PLACEHOLDER, RunConfig
 from archipelago.orchestrator.engine.commands import Stop
 from archipelago.orchestrator.engine.state.checkpoints import CheckpointError, load_checkpoint, run_folder, runs_in
-from archipelago.orchestrator.engine.state.records import RUN_ID, link_latest
+from archipelago.orchestrator.engine.state.records import CONFIG, RUN_ID, link_latest
 from archipelago.orchestrator.engine.types import RunFailed
 from archipelago.orchestrator.engine.warm_start import check_warm_start, pending, warm_run_id
 from archipelago.orchestrator.logs import configured
@@ -247,7 +247,7 @@ def resumed_slices(cfg: RunConfig) -> RunConfig:
     state is split by them): `coordinator.shards: auto` takes the number its first launch
     chose, from the `config.yaml` that launch wrote, rather than choosing again on a cluster
     that may have changed since."""
-    recorded = Path(cfg.out_dir) / "config.yaml"
+    recorded = Path(cfg.out_dir) / CONFIG
     if cfg.coordinator.shards != AUTO_SHARDS or not recorded.is_file():
         return cfg
     shards = (yaml.safe_load(recorded.read_text()).get("coordinator") or {}).get("shards")

@@ -62,8 +62,8 @@ class RaySlices:
     def params(self) -> list[Any]:
         return [a.params.remote() for a in self.actors]
 
-    def changes(self, version: int) -> list[Any]:
-        return [a.change.remote(version) for a in self.actors]
+    def changes(self, version: int) -> list[tuple[Any, Any]]:
+        return [tuple(a.change.options(num_returns=2).remote(version)) for a in self.actors]
 
     def copies(self) -> list[Any]:
         return [a.copy.remote() for a in self.actors]

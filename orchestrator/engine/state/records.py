@@ -91,6 +91,7 @@ class Backlog:
 
 
 RUN_ID = "run_id"  # in a run's out_dir: the id its checkpoints are kept under
+CONFIG = "config.yaml"  # in a run's out_dir: the config it ran with, `auto` settings as chosen
 LATEST = "latest"  # beside the runs' own folders: a link to the newest
 
 
@@ -133,7 +134,7 @@ class Recorder:
         # a summary says a run finished: one left by an earlier run in this folder would
         # pass for this one's if this one is interrupted (a benchmark would reuse it)
         (self.out / "summary.json").unlink(missing_ok=True)
-        durable_write(self.out / "config.yaml", dump_config(cfg).encode())
+        durable_write(self.out / CONFIG, dump_config(cfg).encode())
         durable_write(self.out / RUN_ID, run_id.encode())
         path = self.out / "metrics.jsonl"
         if last_round is None:

@@ -32,6 +32,7 @@ from archipelago.orchestrator.algorithms.outer import GapPenalty
 from archipelago.orchestrator.config_sections import CompressionConfig, OuterMerge
 from archipelago.orchestrator.engine.state.checkpoints import Beside, Location
 from archipelago.orchestrator.engine.step.admission import Admission, Facts
+from archipelago.orchestrator.engine.step.downlink import Downlink, SlicedDownlink
 from archipelago.orchestrator.engine.step.gap import Gap
 from archipelago.orchestrator.engine.types import Contribution, Decision, Verdict
 from archipelago.workers.wire.compress import decode
@@ -232,6 +233,10 @@ class Outer(Protocol):
         """End the processes it steps on (coordinator slices), so the phase after this one
         can place its own where these were (a slice node offers one slice's resource)."""
 
+    def downlink(self, codec: str, chunk: int, keep: int) -> Downlink | SlicedDownlink:
+        """The keeper of the copy islands hold (`compression.downlink`): one coordinator
+        keeps it whole, coordinator slices a part each; `keep` versions of changes."""
+
 
 class LocalOuter:
     """The whole vector on the coordinator, in `flat`, the coordinator model's buffer,
@@ -315,6 +320,9 @@ class LocalOuter:
 
     def release(self) -> None:
         return None  # it steps in this process
+
+    def downlink(self, codec: str, chunk: int, keep: int) -> Downlink:
+        return Downlink(self.flat, codec, chunk, self.fragments, keep)
 
     def state_dict(self) -> dict[str, Any]:
         if self.fragments is None:

@@ -33,7 +33,7 @@ from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.config_sections import OuterMerge
 from archipelago.orchestrator.engine.state.checkpoints import Location, part_name, save_part
 from archipelago.orchestrator.engine.step.admission import Facts
-from archipelago.orchestrator.engine.step.downlink import Downlink
+from archipelago.orchestrator.engine.step.downlink import Downlink, SlicedDownlink
 from archipelago.orchestrator.engine.step.outer import (
     MERGES,
     Commit,
@@ -81,7 +81,6 @@ class OuterSlice:
         # its part of the copy; the change it made last leaves as this call's answer (an
         # object in its node's store under Ray), so none is kept here
         self.downlink = Downlink(self.param, *downlink, None, keep=1) if downlink is not None else None
-        self.sent = 0  # the bytes of the change it made last
         self.pending: dict[int, list[tuple[int, np.ndarray]]] = {}
         # the update whose merge the mean buffer holds: its direction (`direct`), then scaled
         self.directed: int | None = None
@@ -197,16 +196,14 @@ class OuterSlice:
     def params(self) -> np.ndarray:
         return self.param.numpy()
 
-    def change(self, version: int) -> Change:
+    def change(self, version: int) -> tuple[Change, int]:
         """Its part's change of the published copy to `version` (after the step that made
-        it), encoded here on its own node; islands apply it at its span."""
+        it), encoded here on its own node, and its bytes; islands apply it at its span.
+        Under Ray the two are separate returns: the change stays in this node's store, the
+        coordinator fetches only the count."""
         assert self.downlink is not None, "a slice keeps a part of the copy only where islands hold one"
         change = self.downlink.step(version, self, None)
-        self.sent = change.nbytes
-        return replace(change, span=(self.lo, self.hi))
-
-    def change_nbytes(self) -> int:
-        return self.sent
+        return replace(change, span=(self.lo, self.hi)), change.nbytes
 
     def copy(self) -> np.ndarray:
         """Its part of the published copy, as a joining island takes it whole."""
@@ -273,9 +270,10 @@ class SliceCalls(Protocol):
         """Each slice's parameters (a reference an island can fetch, under Ray)."""
         ...
 
-    def changes(self, version: int) -> list[Any]:
+    def changes(self, version: int) -> list[tuple[Any, Any]]:
         """Each slice's change of its part of the published copy to `version` (a
-        reference an island can fetch, under Ray: the change stays on the slice's node)."""
+        reference an island can fetch, under Ray: the change stays on the slice's node)
+        and its bytes (a future of them, under Ray)."""
         ...
 
     def copies(self) -> list[Any]:
@@ -307,7 +305,7 @@ class LocalSlices:
     def params(self) -> list[np.ndarray]:
         return [s.params().copy() for s in self.slices]
 
-    def changes(self, version: int) -> list[Change]:
+    def changes(self, version: int) -> list[tuple[Change, int]]:
         return [s.change(version) for s in self.slices]
 
     def copies(self) -> list[np.ndarray]:
@@ -424,8 +422,8 @@ class SlicedOuter:
     # the published copy, where islands hold one (`downlink.SlicedDownlink`): each slice its part
     def change_parts(self, version: int) -> tuple[list[Any], int]:
         """Each slice's change to `version`, as islands fetch them, and their bytes."""
-        parts = self.calls.changes(version)
-        return parts, sum(self.calls.gather([s.change_nbytes() for s in self._slices]))
+        answers = self.calls.changes(version)
+        return [part for part, _ in answers], sum(self.calls.gather([nbytes for _, nbytes in answers]))
 
     def copy_parts(self) -> list[Any]:
         return self.calls.copies()
@@ -439,3 +437,6 @@ class SlicedOuter:
 
     def release(self) -> None:
         self.calls.release()
+
+    def downlink(self, codec: str, chunk: int, keep: int) -> SlicedDownlink:
+        return SlicedDownlink(self, keep)  # each slice encodes its part with the codec it was built with

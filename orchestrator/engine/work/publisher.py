@@ -29,7 +29,6 @@ from archipelago.orchestrator.engine.pool import IslandPool
 from archipelago.orchestrator.engine.state.flights import Work
 from archipelago.orchestrator.engine.step.downlink import Downlink, SlicedDownlink
 from archipelago.orchestrator.engine.step.outer import Outer
-from archipelago.orchestrator.engine.step.slices import SlicedOuter
 from archipelago.workers.wire.fragments import Fragments
 from archipelago.workers.wire.handoff import params_digest
 
@@ -73,13 +72,11 @@ class Publisher:
         self.lag = lag  # work may start from versions this far back: those are put and kept
         # changes kept: two turns of the fragments and four more (a whole model counts as four)
         turn = fragments.count if fragments is not None else 4
-        self.downlink: Downlink | SlicedDownlink | None = None
-        if cfg.tracks_copy:  # coordinator slices keep their parts of the copy, one coordinator all of it
-            self.downlink = (
-                SlicedDownlink(outer, keep=2 * turn + 4)
-                if isinstance(outer, SlicedOuter)
-                else Downlink(flat, cfg.compression.downlink, cfg.compression.chunk, fragments, keep=2 * turn + 4)
-            )
+        self.downlink: Downlink | SlicedDownlink | None = (
+            outer.downlink(cfg.compression.downlink, cfg.compression.chunk, keep=2 * turn + 4)
+            if cfg.tracks_copy
+            else None
+        )
 
     def publish(self, version: int, at: float | None = None, *, merged: int = 0, values: int = 0) -> None:
         """Publish `version` once (islands fetch it from there); keep the `lag` before it
