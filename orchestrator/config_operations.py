@@ -179,8 +179,9 @@ class ElasticConfig(Strict):
     hang_floor_s: float = Field(
         60.0,
         gt=0,
-        description="heartbeats: the limit before an island's first step of a work (its download, a first step "
-        "compiling) and after its last (its pseudo-gradient, a state saved), and while its speed is not known",
+        description="heartbeats: the limit of silence before an island's first step of a work (its download, a "
+        "first step compiling) and after its last (its pseudo-gradient, a state saved), and while its speed is not "
+        "known; bytes moving on its node's card are progress there, so a transfer longer than this is not a hang",
     )
 
     def stall_limit_s(

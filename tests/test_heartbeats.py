@@ -241,6 +241,31 @@ def test_a_count_read_before_the_island_began_its_work_says_nothing_of_that_work
     assert flight.work_steps == 3 and flight.stepping
 
 
+def test_bytes_moving_on_its_card_between_steps_are_progress_and_a_still_card_is_not(tmp_path):
+    """A download that lasts 60 s with the floor at 10 s: its card moves 1 MB/s, so its
+    work has progressed at every read and it is not hung; then the link is cut and only
+    Ray's own trickle (4 KB/s, under `MOVING_BYTES_PER_S`) moves: 10 s later it is hung."""
+    from archipelago.orchestrator.engine.pool import Progress
+
+    cfg = scenario_cfg(tmp_path, "diloco", "inner_steps=8", "elastic.hang_floor_s=10", heartbeats=True)
+    engine, _ = in_process_engine(cfg, step_s=1.0)
+    engine.start()
+    while not engine.inflight.in_flight():
+        engine.step()
+    flight = engine.inflight.in_flight()[0]
+    island, t0, hangs = flight.work.island, flight.progress_at, engine.inflight.hangs
+    for k in range(31):
+        engine.inflight.progressed(Progress(island=island, steps=0, at=t0 + 2 * k, card_bytes=2_000_000 * k))
+    assert not flight.stepping and flight.progress_at == t0 + 60
+    assert hangs.stalled(flight, t0 + 69, None, 3.0) is None
+    for k in range(1, 8):
+        engine.inflight.progressed(
+            Progress(island=island, steps=0, at=t0 + 60 + 2 * k, card_bytes=60_000_000 + 8_000 * k)
+        )
+    assert flight.progress_at == t0 + 60
+    assert hangs.stalled(flight, t0 + 71, None, 3.0) == "hung: no progress for 11s (elastic.hang_after_steps)"
+
+
 def _ray_beats(tmp_path, batch_s: float, *extra: str):
     """Three islands of the toy task on Ray, H = 40 batches of `batch_s`, heartbeats every ½ s
     with a 3-s floor: what the shipped defaults are (2 s, 60 s), scaled down."""

@@ -53,7 +53,7 @@ def _group_round(cfg, params, workers: int):
         ]
         actors[0].form_group.remote(actors[1:])
         info = ray.get(actors[0].describe.remote())
-        result = ray.get(actors[0].run.remote(_order(cfg), params))
+        result = ray.get(actors[0].run.remote(_order(cfg), params, []))
         return info, result
     finally:
         remove_placement_group(group)

@@ -55,6 +55,18 @@ class Failed:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Unreachable:
+    """The result of `island`'s work `ticket` could not be fetched because the island could
+    not be reached (Ray's `ActorUnavailableError`: a partition, a node's link down): the
+    work is lost, not the island, which stays and gets new work. Were it dead, its
+    heartbeat or its next work says so."""
+
+    ticket: int
+    island: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class Progress:
     """A heartbeat (`elastic.hang_after_steps`): the inner steps `island` has done so far,
     read beside its round."""
@@ -64,6 +76,7 @@ class Progress:
     work_steps: int | None = None  # of the work it is on (or last finished); None: not known
     ticket: int | None = None  # ... that work's ticket (a count of another work says nothing of this one)
     at: float | None = None  # when the count was taken, on the pool's clock (None: as it is delivered)
+    card_bytes: int | None = None  # bytes its node's card had moved then (a transfer is progress); None: unknown
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,7 +89,7 @@ class Preempting:
     notice_s: float | None = None
 
 
-PoolEvent = Joined | JoinFailed | Done | Failed | Progress | Preempting
+PoolEvent = Joined | JoinFailed | Done | Failed | Unreachable | Progress | Preempting
 
 
 class IslandPool(Protocol):

@@ -127,12 +127,14 @@ class Heartbeats:
             island, _, asked_at = self._probes.pop(ref)
             try:
                 info = ray.get(ref)
+            except ray.exceptions.ActorUnavailableError:
+                continue  # not reached (a partition): silence, which the hang rule judges, not a death
             except ray.exceptions.RayActorError as err:
                 heard.append(Gone(island=island, reason=f"actor died: {type(err).__name__} (found by its heartbeat)"))
                 continue
             except ray.exceptions.RayError:
                 continue
-            work, ticket = info.get("work_steps_done"), info.get("work_ticket")
+            work, ticket, card = info.get("work_steps_done"), info.get("work_ticket"), info.get("card_bytes")
             heard.append(
                 Progress(
                     island=island,
@@ -140,6 +142,7 @@ class Heartbeats:
                     work_steps=None if work is None else int(work),
                     ticket=None if ticket is None else int(ticket),
                     at=asked_at,  # its count is no older than the question
+                    card_bytes=None if card is None else int(card),
                 )
             )
         with self._lock:  # what was heard of an island since forgotten (released) is not its news

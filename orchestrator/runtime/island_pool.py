@@ -21,7 +21,7 @@ from ray.util.placement_group import PlacementGroup, placement_group_table, remo
 
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.links import INSTANT, Transfers
-from archipelago.orchestrator.engine.pool import Done, Failed, Joined, JoinFailed, PoolEvent, Preempting
+from archipelago.orchestrator.engine.pool import Done, Failed, Joined, JoinFailed, PoolEvent, Preempting, Unreachable
 from archipelago.orchestrator.engine.specs import island_spec
 from archipelago.orchestrator.runtime.heartbeats import Gone, Heartbeats
 from archipelago.orchestrator.runtime.island_actors import (
@@ -39,6 +39,14 @@ from archipelago.workers.wire.messages import RoundResult, SavedState, WorkOrder
 from archipelago.workers.wire.sync import Change
 
 log = logging.getLogger(__name__)
+
+
+def carried(params: Any) -> list[Any]:
+    """The global parameters' references as an island's call carries them: in a list, which
+    Ray does not resolve before the call, so the island fetches them in its round and
+    answers its heartbeats meanwhile (`island_actor.whole_params`)."""
+    return params if isinstance(params, list) else [params]
+
 
 WRITES_WAIT_S = 300.0  # at most, for the islands' inner-state writes when a run ends (8 GB to a bucket: a minute)
 
@@ -160,8 +168,8 @@ class RayIslandPool:
         return ray.put(params)
 
     def share(self, change: Change) -> Any:
-        """One `ray.put` per change: an order names it (a top-level argument, which Ray
-        resolves before the call) instead of carrying a pickled copy per island."""
+        """One `ray.put` per change: an order names it (fetched by the island in its round,
+        `carried`) instead of carrying a pickled copy per island."""
         return ray.put(change)
 
     def dispatch(self, order: WorkOrder, params: Any, changes: tuple[Any, ...] = ()) -> Any:
@@ -169,7 +177,7 @@ class RayIslandPool:
         handle = self.handles.get(order.island)
         if handle is None:
             raise KeyError(f"island {order.island} is not placed")
-        ref = handle.actor.run.remote(order, params, *changes)
+        ref = handle.actor.run.remote(order, carried(params), list(changes))
         self.work[ref] = (order.ticket, order.island)
         return ref
 
@@ -190,7 +198,7 @@ class RayIslandPool:
         """Asked and not waited for: the actor takes it before any work given after it."""
         handle = self.handles.get(order.island)
         if handle is not None:
-            handle.actor.hold.remote(order, params, *changes)
+            handle.actor.hold.remote(order, carried(params), list(changes))
 
     def poll(self, timeout: float, wake: float | None = None) -> list[PoolEvent]:
         events: list[PoolEvent] = self._placements()
@@ -277,11 +285,14 @@ class RayIslandPool:
     def _fetch(self, ref: Any, ticket: int, island: int) -> PoolEvent:
         """The result of `ref`, or the island's failure: any Ray error fetching it (the actor
         died, its code raised, the object was lost or its owner died between `ray.wait` and
-        here) is that island's, never the run's. The result is stamped with the
+        here) is that island's, never the run's; an island Ray could not reach (a partition:
+        seen on the testbed a few seconds into a 20-s link cut) lost its work, not its place. The result is stamped with the
         coordinator's arrival time: an island's clock is never trusted."""
         began = time.perf_counter()
         try:
             result = ray.get(ref)
+        except ray.exceptions.ActorUnavailableError as err:  # a partition: its work is lost, not it
+            return Unreachable(ticket=ticket, island=island, reason=f"unreachable: {type(err).__name__}")
         except ray.exceptions.RayActorError as err:
             return Failed(ticket=ticket, island=island, reason=f"actor died: {type(err).__name__}")
         except ray.exceptions.RayTaskError as err:

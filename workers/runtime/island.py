@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from archipelago.workers.runtime import inner_state
+from archipelago.workers.runtime.card import card_bytes
 from archipelago.workers.runtime.compiling import compiled_forward
 from archipelago.workers.runtime.island_spec import IslandSpec
 from archipelago.workers.runtime.optim import build_inner, inner_params, inner_schedule, muon_params
@@ -149,6 +150,7 @@ class Island:
             "inner_steps_done": self.inner_steps_done,
             "work_steps_done": self.inner_steps_done - self.work_begun_at,
             "work_ticket": self.work_ticket,
+            "card_bytes": card_bytes(),  # a transfer in progress is progress (card.py)
             "optimizer_state": len(self.optimizer.state),
             "inner_state_restored": self.restored,
             "startup": dict(self.startup),

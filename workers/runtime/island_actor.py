@@ -66,8 +66,23 @@ def _named_actor_exists(name: str, namespace: str) -> bool:
 
 
 def whole_params(params: Any) -> np.ndarray:
-    """The global parameters, from one array or from S shards' slices (fetched together)."""
-    return np.concatenate(ray.get(list(params))) if isinstance(params, list) else params
+    """The global parameters, fetched here, in the round: from one object or from S shards'
+    slices (fetched together), or an array already in hand. The pool passes references
+    inside a list, which Ray does not resolve before the call: Ray resolves a call's
+    top-level arguments before the actor runs it and, the actor's queue being in order,
+    before it answers any later call — a heartbeat's `identity` included. A download longer
+    than the hang floor then looked like silence (seen on the testbed at 2.5 Mbit/s: an
+    island released as hung while its bytes moved); fetched here, its heartbeats go on and
+    report its card's bytes (`card.py`)."""
+    if isinstance(params, list):
+        parts = ray.get(params)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return ray.get(params) if isinstance(params, ray.ObjectRef) else params
+
+
+def fetched(changes: list[Any]) -> tuple[Change, ...]:
+    """The order's downlink changes, fetched here (as `whole_params`, for the same reason)."""
+    return tuple(ray.get(changes)) if changes else ()
 
 
 CONTROL = "control"  # the concurrency group of calls answered while a round is in flight
@@ -128,22 +143,25 @@ class IslandActor:
     def rejoin(self, spec: IslandSpec) -> dict[str, Any]:
         return self.island.rejoin(spec)
 
-    def run(self, order: WorkOrder, params: Any, *changes: Change) -> RoundResult:
-        """`changes`: the order's downlink changes, each put once by the coordinator and
-        resolved by Ray before this call (the order itself travels without them). A
-        streaming order answers at its send point and trains its τ steps after (`order_steps.py`)."""
-        if changes:
-            order = dataclasses.replace(order, changes=changes)
+    def run(self, order: WorkOrder, params: Any, changes: list[Any]) -> RoundResult:
+        """`params`: references to the global parameters (`whole_params`); `changes`: to the
+        order's downlink changes, each put once by the coordinator (the order itself travels
+        without them); both fetched here. A streaming order answers at its send point and
+        trains its τ steps after (`order_steps.py`)."""
+        carried = fetched(changes)
+        if carried:
+            order = dataclasses.replace(order, changes=carried)
         result = self.island.run(order, whole_params(params), detach_tail=True)
         if not isinstance(result.payload, Sliced):
             return result
         refs = Sliced(parts=tuple(ray.put(p) for p in result.payload.parts))
         return dataclasses.replace(result, payload=refs, sent_bytes=result.nbytes)
 
-    def hold(self, order: WorkOrder, params: Any, *changes: Change) -> None:
-        """A hot spare kept current (`Island.hold`); `changes` resolved by Ray, as `run`'s."""
-        if changes:
-            order = dataclasses.replace(order, changes=changes)
+    def hold(self, order: WorkOrder, params: Any, changes: list[Any]) -> None:
+        """A hot spare kept current (`Island.hold`); its arguments fetched here, as `run`'s."""
+        carried = fetched(changes)
+        if carried:
+            order = dataclasses.replace(order, changes=carried)
         self.island.hold(order, whole_params(params))
 
     # -- an island of several workers: rank 0 forms the group and drives the others ---------

@@ -62,6 +62,7 @@ class InFlight:
         self.flights: dict[int, Flight] = {}  # handed out; arrived results wait here until their step closes
         self.overdue: dict[int, tuple[int, float]] = {}  # ticket -> (island, deadline), abandoned past it
         self.reported: dict[int, int] = {}  # heartbeats: each island's inner steps in all, as last reported
+        self.cards: dict[int, tuple[float, int]] = {}  # heartbeats: each island's card bytes, (when, bytes)
         self.uplink: dict[int, int] = {}  # each island's last result's bytes (what a stopped work will send)
         self.trip_s: dict[int, float] = {}  # each island's last work's time off its steps (download, upload, waits)
         self.behind: set[int] = set()  # islands stopped as stragglers at the budget's end: they train no more of it
@@ -278,17 +279,22 @@ class InFlight:
         another work, read before this one began, says nothing of it), counted at `at` (the
         pool's clock; None: now). Its work out has
         progressed if the count moved past what it reported before (`steps_seen`, or its
-        last report during earlier work, or 0); only then is it the island's news
+        last report during earlier work, or 0), or, while it is not stepping, if its card
+        moved bytes as a transfer does (`HangRule.moving`); only then is it the island's news
         (`last_progress`): a hung island answering with a count that no longer moves is
         silent to the dashboard's stuck rule too."""
         island, steps = event.island, event.steps
         before = self.reported.get(island, 0)  # a first report: any step at all is progress
         at = self.pool.now() if event.at is None else event.at
         self.reported[island] = steps
+        moving = self.hangs.moving(self.cards.get(island), at, event.card_bytes)
+        if event.card_bytes is not None:
+            self.cards[island] = (at, event.card_bytes)
         for flight in self.in_flight():
             if flight.work.island == island:
                 seen = flight.steps_seen if flight.steps_seen is not None else before
-                if steps > seen:
+                # between steps (its download, its upload) bytes moving on its card are progress
+                if steps > seen or (moving and not flight.stepping):
                     flight.progress_at = max(flight.progress_at, at)
                     if (stats := self.members.islands.get(island)) is not None:
                         stats.last_progress = time.time()
@@ -360,6 +366,7 @@ class InFlight:
         for t in [t for t, (i, _) in self.overdue.items() if i == island]:
             del self.overdue[t]
         self.reported.pop(island, None)
+        self.cards.pop(island, None)
 
     def contribution(self, r: RoundResult, fragment: int | None, factors: dict[int, float] | None) -> Contribution:
         """What an arrived result gives its outer step: its tokens, times its pacing's

@@ -66,9 +66,19 @@ class TailStop:
         return out
 
 
+# A card moving at least this many bytes a second carries a transfer. Ray's own traffic on an
+# idle island's node (GCS heartbeats, resource reports, metrics) measured on the testbed
+# (`archipelago testbed`): 6 KB/s out, under 1 KB/s in; this is 5x that, and a link slower
+# than it (256 kbit/s) cannot keep a Ray node joined anyway.
+MOVING_BYTES_PER_S = 32_768
+
+
 class HangRule:
     """When an island is hung: its overdue result `elastic.late_grace_s` past its deadline,
-    or — with heartbeats — its progress stalled past `elastic.stall_limit_s`."""
+    or — with heartbeats — its progress stalled past `elastic.stall_limit_s`. Progress is a
+    step taken, or, before its first step and after its last, bytes moving on its card: a
+    download or an upload longer than `elastic.hang_floor_s` is slow, not hung; a link cut
+    or a frozen process moves nothing, and is found as before."""
 
     def __init__(self, elastic: ElasticConfig) -> None:
         self.elastic = elastic
@@ -79,6 +89,14 @@ class HangRule:
         return (
             f"hung: no result {grace:g}s past its deadline (elastic.late_grace_s)" if now - deadline > grace else None
         )
+
+    @staticmethod
+    def moving(before: tuple[float, int] | None, at: float, card_bytes: int | None) -> bool:
+        """Whether an island's card, read `card_bytes` at `at`, moved a transfer's bytes since
+        `before` (when, bytes) — at least `MOVING_BYTES_PER_S` on average between the reads."""
+        if before is None or card_bytes is None or at <= before[0]:
+            return False
+        return card_bytes - before[1] >= MOVING_BYTES_PER_S * (at - before[0])
 
     def stalled(self, flight: Flight, now: float, speed: float | None, hang_after_steps: float | None) -> str | None:
         """Why the island of `flight` is hung (None: it is not): a count taken past the limit
