@@ -279,3 +279,34 @@ def test_a_step_reports_the_chain_a_crash_sets_off_under_the_restart_policy(tmp_
     assert place.island not in (0, 1, 2)  # a new index: the dead island's is never reused
     assert transitions[0].before == RunPhase.STARTING and transitions[-1].after == RunPhase.TRAINING
     assert not transition and transition.after == RunPhase.FINISHED
+
+
+@pytest.mark.parametrize("mode", ["diloco", "async"])
+def test_an_unreachable_islands_work_is_lost_and_the_island_kept(tmp_path, mode):
+    """Ray could not reach an island for its result (a partition: `ActorUnavailableError`):
+    that work's batches go back to the ledger and the island stays — neither crashed,
+    released nor replaced — and trains again; every batch is trained once."""
+    from archipelago.orchestrator.engine.pool import Unreachable
+
+    cfg = scenario_cfg(tmp_path, mode, "rounds=5")
+    engine, _ = in_process_engine(cfg)
+    cut: dict[str, int] = {}
+
+    def unreachable(engine) -> None:
+        while not engine.inflight.in_flight():
+            engine.step()
+        flight = engine.inflight.in_flight()[0]
+        cut.update(island=flight.work.island, ticket=flight.ticket)
+        engine._handle([Unreachable(ticket=flight.ticket, island=flight.work.island, reason="unreachable: test")])
+        assert flight.ticket not in engine.inflight.flights
+        assert engine.members.islands[flight.work.island].state == IslandState.TRAINING
+
+    drive(engine, {1: unreachable})
+    check_exactly_once(cfg, engine.summary)
+    island = cut["island"]
+    kinds = [(e["kind"], e["island"], e.get("reason")) for e in events(cfg.out_dir)]
+    assert ("lost", island, "unreachable: test") in kinds
+    assert not [k for k in kinds if k[0] == "crash"]
+    assert len([k for k in kinds if k[0] == "requested"]) == cfg.islands.count  # no replacement
+    records = [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert any(island in r["contributed"] for r in records if r["round"] > 2)  # it trained again

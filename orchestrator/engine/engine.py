@@ -47,6 +47,7 @@ from archipelago.orchestrator.engine.pool import (
     PoolEvent,
     Preempting,
     Progress,
+    Unreachable,
 )
 from archipelago.orchestrator.engine.requests import OperatorRequests
 from archipelago.orchestrator.engine.state.checkpoints import Location
@@ -293,6 +294,9 @@ class RoundEngine(EngineParts):
                 self._apply(self.fleet.preempting(event.island, event.notice_s))
             elif isinstance(event, Progress):
                 self.inflight.progressed(event)
+            elif isinstance(event, Unreachable):
+                if event.ticket in self.flights and self.flights[event.ticket].result is None:
+                    self.inflight.lose(event.ticket, event.reason)
             elif isinstance(event, Failed):
                 if event.ticket is not None:
                     if event.ticket in self.flights and self.flights[event.ticket].result is None:
