@@ -29,12 +29,11 @@ COMMANDS = "archipelago.commands"
 Register = Callable[[Any, argparse.ArgumentParser], Callable[[argparse.Namespace], int]]
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {}
 # the subcommands of this project's other distributions: (the distribution, how to install it)
-ELSEWHERE = {
-    "bench": (
-        "archipelago-diloco-bench",
-        "`pip install -e orchestrator/bench` in a checkout of the repository, or `pip install 'archipelago-diloco[bench]'`",
-    ),
-}
+_BENCH = (
+    "archipelago-diloco-bench",
+    "`pip install -e orchestrator/bench` in a checkout of the repository, or `pip install 'archipelago-diloco[bench]'`",
+)
+ELSEWHERE = {"bench": _BENCH, "testbed": _BENCH}
 
 
 def _registered() -> dict[str, Register]:

@@ -211,7 +211,8 @@ def test_one_import_root_every_package_listed_and_the_wheel_installs_nothing_els
     assert files and all(n.startswith("archipelago/orchestrator/bench/") and n.endswith(".py") for n in files), files
     assert "archipelago/orchestrator/bench/command.py" in files and len(files) == len(list(BENCH.glob("*.py")))
     assert BENCH_PROJECT["project"]["entry-points"]["archipelago.commands"] == {
-        "bench": "archipelago.orchestrator.bench.command:register"
+        "bench": "archipelago.orchestrator.bench.command:register",
+        "testbed": "archipelago.orchestrator.bench.testbed_command:register",
     }
     assert PROJECT["optional-dependencies"]["bench"] == [f"{BENCH_PROJECT['project']['name']}=={PROJECT['version']}"]
     import archipelago.orchestrator.cli

@@ -372,6 +372,36 @@ def test_the_heads_share_of_a_round_is_priced_phase_by_phase_at_1b_parameters_an
     assert fix.startswith("no number of slices fits: it would take ") and "256" in fix
 
 
+def test_the_plan_says_what_to_set_when_a_transfer_outlasts_rays_pull_retry_or_the_hang_floor():
+    """1 B parameters to 16 islands through a 10 Gbit/s head: 64 GB each way take 51 s — past
+    Ray's 10-s pull retry (the plan names the head's setting, sized from the transfer) and,
+    at a 30-s floor, past the hang floor. At 100 Gbit/s (5.1 s) it says nothing."""
+    from archipelago.orchestrator.plan.head import HeadLoad
+
+    load = HeadLoad(
+        params=10**9,
+        islands=16,
+        slices=1,
+        link_gbps=10,
+        step_s=1.0,
+        inner_steps=100,
+        up_bytes=4 * 10**9,
+        down_bytes=4 * 10**9,
+        merge="mean",
+        uplink="none",
+        downlink="none",
+        state_values=1,
+        checkpoint_every=0,
+        hang_floor_s=30.0,
+    )
+    retry, floor = load.slow_transfers()
+    assert "up to 51 s" in retry and "object_manager_pull_timeout_ms" in retry and "300000" in retry
+    assert "past elastic.hang_floor_s (30 s)" in floor
+    assert retry in load.lines() and floor in load.lines()
+    assert dataclasses.replace(load, link_gbps=100).slow_transfers() == []
+    assert dataclasses.replace(load, hang_floor_s=60.0).slow_transfers() == [retry]
+
+
 def test_an_average_warm_start_through_the_head_is_priced_and_refused_once_the_head_sets_its_pace():
     """1 B parameters on 16 islands, 2,000 warm steps of 1 s averaged every 25: 80 averages
     of 64 GB in and out, 10.24 TB through the card. At 100 Gbit/s each average takes the

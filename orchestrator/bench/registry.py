@@ -1,7 +1,7 @@
 """The benchmark registry. A scenario is a function `(quick, work_dir) -> BenchResult`;
 the entry point writes `<scenario>.json`, `.png` and `.md` and prints a one-line summary.
 Scenarios: quality, hetero, fleet, overlap, streaming, datapath, startup, warmstart, data,
-compression, gpu (its CUDA rows need a GPU), coordinator, bareloop, head."""
+compression, gpu (its CUDA rows need a GPU), coordinator, bareloop, head, testbed (root: network namespaces)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ SCENARIOS: dict[str, str] = {
         "coordinator",
         "bareloop",
         "head",
+        "testbed",
     )
 }
 

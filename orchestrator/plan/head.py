@@ -47,6 +47,9 @@ from archipelago.orchestrator.plan.memory import downlink_bytes_per_value, uplin
 from archipelago.workers.wire.spec import AUTO_CODEC
 
 TARGET_SHARE = 0.10
+# Ray re-requests a pull every object_manager_pull_timeout_ms (10 s as shipped) and the sender
+# pushes the object again: on a link where one transfer lasts longer, its bytes repeat.
+RAY_PULL_RETRY_S = 10.0
 DEFAULT_LINK_GBPS = 100.0
 DEFAULT_STEP_S = 1.0
 # measured on this project's 2-core CPU host (bench coordinator, docs/benchmark-findings.md):
@@ -103,6 +106,7 @@ class HeadLoad:
     downlink: str  # compression.downlink
     state_values: int  # the outer optimizer's values per parameter (Nesterov's momentum: 1)
     checkpoint_every: int  # rounds (0: none)
+    hang_floor_s: float = 60.0  # elastic.hang_floor_s: the silence an island's transfer is set against
     sliceable: bool = (
         True  # the mode's outer step can be split over slices (a DiLoCo-family mode without a tracked copy)
     )
@@ -194,6 +198,29 @@ class HeadLoad:
             "encoding at bench head's codec_rates; evaluation not priced",
         ]
         out += [f"head: to fit, {fix}" for fix in self.to_fit()]
+        out += self.slow_transfers()
+        return out
+
+    def slow_transfers(self) -> list[str]:
+        """What to set where one island's transfer through the head lasts longer than Ray's
+        pull retry or the hang floor (measured on the testbed, docs/testbed.md)."""
+        p = self.phases
+        longest = max(p["fan_in"], p["fan_out"])
+        out = []
+        if longest > RAY_PULL_RETRY_S:
+            out.append(
+                f"head: a transfer takes up to {longest:.0f} s (fan-in {p['fan_in']:.0f} s, fan-out "
+                f"{p['fan_out']:.0f} s), past Ray's pull retry ({RAY_PULL_RETRY_S:g} s), after which Ray pushes the "
+                "object again (on the testbed, 4x the bytes): start the head with "
+                '--system-config=\'{"object_manager_pull_timeout_ms": '
+                f"{int(max(300, 3 * longest) * 1000)}}}' (docs/testbed.md)"
+            )
+        if longest > self.hang_floor_s:
+            out.append(
+                f"head: a transfer takes up to {longest:.0f} s, past elastic.hang_floor_s ({self.hang_floor_s:g} s): "
+                "an island moving bytes is not hung, but one whose link stalls that long is; raise the floor "
+                "to leave a stalled transfer more time"
+            )
         return out
 
     def as_dict(self) -> dict[str, Any]:
@@ -324,6 +351,7 @@ def head_load(cfg: RunConfig, params: int, *, link_gbps: float, step_s: float) -
         downlink=cfg.compression.downlink,
         state_values=rule_of(cfg).state_values(cfg),
         checkpoint_every=cfg.checkpoint.every_rounds,
+        hang_floor_s=cfg.elastic.hang_floor_s,
         sliceable=mode_of(cfg).pseudo_gradients and not mode_of(cfg).tracks_copy,
     )
 

@@ -1,0 +1,93 @@
+"""The WAN testbed (`archipelago testbed`, orchestrator/bench/netlab*.py): Ray nodes in
+network namespaces joined by tc-shaped veth links, a real run on them, faults on timers.
+
+Root and network namespaces are needed (CI runs as root); where they are missing the
+testbed refuses with its reason, and so do these tests (skipped, saying why)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from archipelago.orchestrator.bench import netlab
+from archipelago.orchestrator.bench.netlab_scenario import Scenario, load
+
+pytestmark = [pytest.mark.ray, pytest.mark.quiet]  # `ray start` nodes, a wall clock (tests/ray_apart.py)
+
+
+@pytest.fixture(scope="module")
+def testbed_available() -> None:
+    try:
+        netlab.require()
+    except netlab.TestbedUnavailable as err:
+        pytest.skip(f"no testbed here: {err}")
+
+
+def _testbed(*args: str, timeout: float = 200) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "archipelago.orchestrator.cli", "testbed", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+SCENARIO = """
+head: {up_mbit: 1000, down_mbit: 1000}
+machines:
+  - {name: island0, role: island, cpus: 1, link: {up_mbit: 20, down_mbit: 20}}
+  - {name: island1, role: island, cpus: 1, link: {up_mbit: 100, down_mbit: 100}}
+run: [--set=islands.count=2, --set=rounds=6, --set=inner_steps=15, --set=warm_start.steps=0]
+faults:
+  - {kind: partition, machine: island0, after_round: 2, at_s: 0, for_s: 20}
+"""
+
+
+def test_a_run_on_shaped_links_survives_a_20s_partition_and_its_cards_carry_its_payload(testbed_available, tmp_path):
+    """Head and two island machines (20 and 100 Mbit/s), the shipped liveness settings;
+    after round 2 island0's link is down for 20 s. The run finishes every round, every batch
+    read is trained once, no island is declared hung (its silence is under the 60-s floor),
+    and the bytes that crossed the island machines' cards (the kernel's counters, TCP/IP
+    and Ray's own traffic included) are within 10 % of the payload the run counted."""
+    scenario = tmp_path / "scenario.yaml"
+    scenario.write_text(SCENARIO)
+    done = _testbed("run", str(scenario), f"--out={tmp_path / 'out'}", "--timeout=150")
+    report = json.loads((tmp_path / "out" / "testbed-run.json").read_text())
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = report["summary"]
+    assert summary["rounds_done"] == 6
+    (fault,) = report["faults"]
+    assert fault["kind"] == "partition" and fault["ended_s"] - fault["at_s"] >= 20
+    islands = list(summary["islands"].values())
+    assert not any((i.get("error") or "").startswith("hung") for i in islands), islands
+    assert sum(summary["shards"]["tokens"]) == summary["tokens"]  # every batch read was trained, once
+    payload = summary["bytes_communicated"]
+    card = sum(report["card_bytes"][m]["sent"] + report["card_bytes"][m]["received"] for m in ("island0", "island1"))
+    assert 0.9 <= card / payload <= 1.1, (card, payload)
+    assert not netlab._pids_in(f"{netlab.PREFIX}-head")  # torn down
+
+
+def test_a_scenario_that_is_not_one_is_refused_with_exit_2_naming_the_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("head: {up_mbit: 1000, down_mbit: 1000}\nmachines: []\n")
+    done = _testbed("run", str(bad))
+    assert done.returncode == 2 and "machines" in done.stderr
+    bad.write_text(SCENARIO.replace("machine: island0, after", "machine: island7, after"))
+    done = _testbed("run", str(bad))
+    assert done.returncode == 2 and "island7" in done.stderr
+    assert isinstance(load(Path(__file__).parents[1] / "docs" / "testbed" / "slow-download.yaml"), Scenario)
+
+
+def test_down_removes_what_a_killed_testbed_left(testbed_available):
+    """A namespace and a link of the testbed's, left as a SIGKILLed testbed leaves them
+    (a process inside included): `testbed down` finds them by their prefix."""
+    ns = f"{netlab.PREFIX}-left"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    subprocess.run(
+        ["ip", "link", "add", f"{netlab.PREFIX}9o", "type", "veth", "peer", "name", f"{netlab.PREFIX}9i"], check=True
+    )
+    sleeper = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "600"])
+    assert _testbed("down").returncode == 0
+    assert sleeper.wait(timeout=10) != 0
+    assert ns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert not [p for p in netlab.NET.iterdir() if p.name.startswith(netlab.PREFIX)]
