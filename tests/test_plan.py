@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -305,16 +306,12 @@ print("torch" in sys.modules)
     assert len(list((tmp_path / "plans").glob("*.json"))) == 1
 
 
-def test_the_heads_share_of_a_round_is_priced_phase_by_phase_at_1b_parameters_and_16_islands():
-    """1 B parameters, 16 islands, H = 100 steps of 1 s, 100 Gbit/s, the flagship's other
-    settings (fp32 both ways, the mean merge, a checkpoint every 2 rounds): 64 GB in and 64
-    GB out through one card take 5.12 s each way; the step over 16 updates 4.8 s at the
-    measured rate; the checkpoint's 8 GB (parameters, momentum) 27.5 s every 2 rounds. The
-    share is over 0.10, and the plan names the fixes: a codec, or enough slices (on nodes of
-    their own they split the bytes, the step and the checkpoint, each writing its part)."""
-    from archipelago.orchestrator.plan.head import CHECKPOINT_BYTES_PER_S, HeadLoad
+def flagship_head(**changes: Any) -> Any:
+    """The head of 1 B parameters, 16 islands, H = 100 steps of 1 s at 100 Gbit/s, fp32 both
+    ways, the mean merge and a checkpoint every 2 rounds; `changes` to any of them."""
+    from archipelago.orchestrator.plan.head import HeadLoad
 
-    load = HeadLoad(
+    fields: dict[str, Any] = dict(
         params=10**9,
         islands=16,
         slices=1,
@@ -329,6 +326,19 @@ def test_the_heads_share_of_a_round_is_priced_phase_by_phase_at_1b_parameters_an
         state_values=1,
         checkpoint_every=2,
     )
+    return HeadLoad(**(fields | changes))
+
+
+def test_the_heads_share_of_a_round_is_priced_phase_by_phase_at_1b_parameters_and_16_islands():
+    """1 B parameters, 16 islands, H = 100 steps of 1 s, 100 Gbit/s, the flagship's other
+    settings (fp32 both ways, the mean merge, a checkpoint every 2 rounds): 64 GB in and 64
+    GB out through one card take 5.12 s each way; the step over 16 updates 4.8 s at the
+    measured rate; the checkpoint's 8 GB (parameters, momentum) 27.5 s every 2 rounds. The
+    share is over 0.10, and the plan names the fixes: a codec, or enough slices (on nodes of
+    their own they split the bytes, the step and the checkpoint, each writing its part)."""
+    from archipelago.orchestrator.plan.head import CHECKPOINT_BYTES_PER_S
+
+    load = flagship_head()
     phases = load.phases
     assert load.bytes_per_round == 128 * 10**9
     assert phases["fan_in"] == pytest.approx(5.12) and phases["fan_out"] == pytest.approx(5.12)
@@ -357,7 +367,7 @@ def test_the_heads_share_of_a_round_is_priced_phase_by_phase_at_1b_parameters_an
     # too, so at 10 Gbit/s int8 down needs 9 slices where exact needs 13 (at 100 both 3: there
     # the encoding costs what the card saves); a mode that steps on one coordinator
     # (streaming's fragments) is told no slices at all
-    def need(head: HeadLoad) -> int:
+    def need(head: Any) -> int:
         (fix,) = [f for f in head.to_fit() if f.startswith("coordinator.shards >= ")]
         return int(fix.split(">= ")[1].split(",")[0])
 
@@ -376,24 +386,7 @@ def test_the_plan_says_what_to_set_when_a_transfer_outlasts_rays_pull_retry_or_t
     """1 B parameters to 16 islands through a 10 Gbit/s head: 64 GB each way take 51 s — past
     Ray's 10-s pull retry (the plan names the head's setting, sized from the transfer) and,
     at a 30-s floor, past the hang floor. At 100 Gbit/s (5.1 s) it says nothing."""
-    from archipelago.orchestrator.plan.head import HeadLoad
-
-    load = HeadLoad(
-        params=10**9,
-        islands=16,
-        slices=1,
-        link_gbps=10,
-        step_s=1.0,
-        inner_steps=100,
-        up_bytes=4 * 10**9,
-        down_bytes=4 * 10**9,
-        merge="mean",
-        uplink="none",
-        downlink="none",
-        state_values=1,
-        checkpoint_every=0,
-        hang_floor_s=30.0,
-    )
+    load = flagship_head(link_gbps=10, checkpoint_every=0, hang_floor_s=30.0)
     retry, floor = load.slow_transfers()
     assert "up to 51 s" in retry and "object_manager_pull_timeout_ms" in retry and "300000" in retry
     assert "past elastic.hang_floor_s (30 s)" in floor

@@ -58,7 +58,7 @@ DDP_WARM_STEPS, DDP_TIMED_STEPS = 3, 6
 TARGET = 2.6  # eval loss: what the default task's DiLoCo reaches in a few rounds of H = 50
 # Ray's object manager re-requests a pull every 10 s by default and the sender pushes the
 # object again: at 2.5 Mbit/s a 29-MB object took ~4x its bytes and its round missed its
-# deadline (measured, docs/testbed.md); the testbed's head sets what a slow link needs.
+# deadline (measured, docs/wan-testbed.md); the testbed's head sets what a slow link needs.
 SYSTEM_CONFIG = {"object_manager_pull_timeout_ms": 300_000}
 ROWS = {
     "ddp_fp32": "torch DDP, gloo, no hook (fp32 all-reduce)",
@@ -363,7 +363,7 @@ def _result(
             "params": params,
             "ratio_1gbps": slow,
             "faults": faults | {"pass": passed},
-            # `bench fleet` configured from these measurements, row by row: not built yet (docs/testbed.md)
+            # `bench fleet` configured from these measurements, row by row: not built yet (docs/wan-testbed.md)
             "calibration": None,
         },
     )

@@ -203,7 +203,7 @@ class HeadLoad:
 
     def slow_transfers(self) -> list[str]:
         """What to set where one island's transfer through the head lasts longer than Ray's
-        pull retry or the hang floor (measured on the testbed, docs/testbed.md)."""
+        pull retry or the hang floor (measured on the testbed, docs/wan-testbed.md)."""
         p = self.phases
         longest = max(p["fan_in"], p["fan_out"])
         out = []
@@ -213,7 +213,7 @@ class HeadLoad:
                 f"{p['fan_out']:.0f} s), past Ray's pull retry ({RAY_PULL_RETRY_S:g} s), after which Ray pushes the "
                 "object again (on the testbed, 4x the bytes): start the head with "
                 '--system-config=\'{"object_manager_pull_timeout_ms": '
-                f"{int(max(300, 3 * longest) * 1000)}}}' (docs/testbed.md)"
+                f"{int(max(300, 3 * longest) * 1000)}}}' (docs/wan-testbed.md)"
             )
         if longest > self.hang_floor_s:
             out.append(
