@@ -310,3 +310,23 @@ def test_an_unreachable_islands_work_is_lost_and_the_island_kept(tmp_path, mode)
     assert len([k for k in kinds if k[0] == "requested"]) == cfg.islands.count  # no replacement
     records = [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
     assert any(island in r["contributed"] for r in records if r["round"] > 2)  # it trained again
+
+
+def test_an_unreachable_late_island_trains_again_instead_of_waiting_to_be_hung(tmp_path):
+    """Its work was past its deadline (given up, the island `late`, waiting for a result
+    that an unreachable island will not deliver): the island is training again at once, not
+    released as hung `elastic.late_grace_s` later."""
+    from archipelago.orchestrator.engine.pool import Unreachable
+
+    cfg = scenario_cfg(tmp_path, "diloco", "rounds=3")
+    engine, _ = in_process_engine(cfg)
+    engine.start()
+    while not engine.inflight.in_flight():
+        engine.step()
+    flight = engine.inflight.in_flight()[0]
+    island, ticket = flight.work.island, flight.ticket
+    flight.deadline = engine.inflight.pool.now() - 1
+    list(engine.inflight.expire())
+    assert ticket in engine.inflight.overdue and engine.members.islands[island].state == IslandState.LATE
+    engine._handle([Unreachable(ticket=ticket, island=island, reason="unreachable: test")])
+    assert ticket not in engine.inflight.overdue and engine.members.islands[island].state == IslandState.TRAINING

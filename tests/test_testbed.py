@@ -46,8 +46,8 @@ faults:
 def test_a_run_on_shaped_links_survives_a_20s_partition_and_its_cards_carry_its_payload(testbed_available, tmp_path):
     """Head and two island machines (20 and 100 Mbit/s), the shipped liveness settings;
     after round 2 island0's link is down for 20 s. The run finishes every round, every batch
-    read is trained once, no island is declared hung (its silence is under the 60-s floor),
-    and the bytes that crossed the island machines' cards (the kernel's counters, TCP/IP
+    read is trained once, no island is lost or replaced (its silence is under the 60-s floor,
+    and Ray's "actor unavailable" loses its work, not it), and the bytes that crossed the island machines' cards (the kernel's counters, TCP/IP
     and Ray's own traffic included) are within 10 % of the payload the run counted."""
     scenario = tmp_path / "scenario.yaml"
     scenario.write_text(SCENARIO)
@@ -59,11 +59,14 @@ def test_a_run_on_shaped_links_survives_a_20s_partition_and_its_cards_carry_its_
     (fault,) = report["faults"]
     assert fault["kind"] == "partition" and fault["ended_s"] - fault["at_s"] >= 20
     islands = list(summary["islands"].values())
-    assert not any((i.get("error") or "").startswith("hung") for i in islands), islands
+    assert not any(i.get("error") for i in islands), islands
     assert sum(summary["shards"]["tokens"]) == summary["tokens"]  # every batch read was trained, once
     payload = summary["bytes_communicated"]
     card = sum(report["card_bytes"][m]["sent"] + report["card_bytes"][m]["received"] for m in ("island0", "island1"))
     assert 0.9 <= card / payload <= 1.1, (card, payload)
+    events = [json.loads(line) for line in (tmp_path / "out" / "run" / "events.jsonl").read_text().splitlines()]
+    kinds = [e["kind"] for e in events]
+    assert "crash" not in kinds and kinds.count("requested") == 2, kinds  # no island lost, none replaced
     assert not netlab._pids_in(f"{netlab.PREFIX}-head")  # torn down
 
 

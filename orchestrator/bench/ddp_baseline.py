@@ -1,7 +1,8 @@
 """The data-parallel training a user would really run on the testbed's links: torch DDP
-across the island machines (gloo on CPU, NCCL on GPU), stock bucketing and overlap, with
-a communication hook torch ships — none (fp32), fp16 or bf16 compression, PowerSGD — on
-the same task, data shards, inner optimizer and schedule as every archipelago row.
+across the island machines (gloo: the testbed is CPU machines), stock bucketing and
+overlap, with a communication hook torch ships — none (fp32), fp16 compression (gloo
+refuses bf16's hook: "requires CUDA 11+ and NCCL 2.10+"), PowerSGD — on the same task, data
+shards, inner optimizer and schedule as every archipelago row.
 
 `python -m archipelago.orchestrator.bench.ddp_baseline --rank R ...` is one rank; the
 testbed starts one per island machine (`testbed.py`), as `torchrun` would on each node.
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import time
 from enum import Enum
 from pathlib import Path
@@ -28,7 +28,6 @@ class Hook(str, Enum):
 
     FP32 = "fp32"  # no hook: the stock all-reduce of fp32 buckets
     FP16 = "fp16"  # fp16_compress_hook
-    BF16 = "bf16"  # bf16_compress_hook: NCCL only (gloo refuses it: "requires CUDA 11+ and NCCL 2.10+")
     POWERSGD = "powersgd"  # powerSGD_hook with error feedback
 
 
@@ -37,8 +36,6 @@ def register_hook(model: Any, hook: Hook, rank: int, start_iter: int) -> None:
 
     if hook == Hook.FP16:
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif hook == Hook.BF16:
-        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     elif hook == Hook.POWERSGD:
         state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=start_iter, random_seed=0
@@ -170,8 +167,6 @@ def arguments() -> argparse.ArgumentParser:
 def main() -> None:
     logging.basicConfig(level=logging.INFO)
     args = arguments().parse_args()
-    if args.hook == Hook.BF16.value and not os.environ.get("CUDA_VISIBLE_DEVICES"):
-        raise SystemExit("bf16_compress_hook needs NCCL (a GPU); on gloo use --hook fp16")
     report = train(args)
     if args.rank == 0:
         Path(args.out).write_text(json.dumps(report))

@@ -170,6 +170,10 @@ class Testbed:
                 in_machine(self.net.machines["head"], argv), stdout=out, stderr=subprocess.STDOUT, env=env
             )
 
+    def archipelago_run(self, out_dir: Path, *args: str) -> list[str]:
+        """`archipelago run` on this testbed's cluster, its outputs in `out_dir`."""
+        return ["archipelago", "run", f"--set=ray.address={self.address}", f"--set=out_dir={out_dir}", *args]
+
     def run(
         self,
         argv: list[str],
@@ -272,3 +276,18 @@ def _as_interrupt(signum: int, frame: object) -> None:
 
 def write_report(report: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+
+
+RESULT = "result.json"
+
+
+def kept(out: Path) -> dict[str, Any] | None:
+    """A run's result kept in `out` by an earlier `bench testbed` into the same folder (a
+    rerun after a stop continues where it stopped; a new `--out` measures everything again)."""
+    path = out / RESULT
+    return dict(json.loads(path.read_text())) if path.exists() else None
+
+
+def keep(out: Path, result: dict[str, Any]) -> dict[str, Any]:
+    (out / RESULT).write_text(json.dumps(result))
+    return result

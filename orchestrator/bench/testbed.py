@@ -23,7 +23,9 @@ Rows (the same task, data shards, inner AdamW and schedule, lr, batch per island
   the head with its Ray cluster on the machines, run in full on every regime; the time to
   target is the wall-clock seconds of the first round record at or below the target.
 
-Every row's time excludes its start-up (Ray's, the process group's), which is reported.
+Every row's time starts with the parameters' first distribution on the row's links —
+archipelago's islands' first download, DDP's rendezvous and rank 0's broadcast — and leaves
+out the processes' own start (Ray's nodes and driver; torch's import), reported apart.
 Per row: the bytes that crossed each card (the kernel's counters) beside the payload the
 row counted, and the head card's busy share (bytes through it ÷ its rate × the row's time).
 """
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
 import subprocess
 import sys
@@ -39,8 +42,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from archipelago.orchestrator.bench.ddp_baseline import Hook
 from archipelago.orchestrator.bench.netlab_cluster import Role, in_machine
-from archipelago.orchestrator.bench.netlab_scenario import Link, MachineSpec, Scenario, Testbed
+from archipelago.orchestrator.bench.netlab_scenario import Link, MachineSpec, Scenario, Testbed, keep, kept
 from archipelago.orchestrator.bench.report import BenchResult, Panel, md_table
 from archipelago.orchestrator.bench.testbed_faults import cases, run_case
 
@@ -68,6 +72,8 @@ ROWS = {
     "streaming_int4": "Streaming DiLoCo (4 fragments), int4 both ways",
     "async": "the shipped async default (quorum pacing, DyLU)",
 }
+DDP_ROWS = {"ddp_fp32": Hook.FP32, "ddp_bf16": Hook.FP16, "ddp_powersgd": Hook.POWERSGD}
+HOOKS = {Hook.FP32: "none", Hook.FP16: "fp16_compress_hook", Hook.POWERSGD: "powerSGD_hook"}
 ARCHIPELAGO = {
     "diloco": ["--set=mode=diloco"],
     "streaming_int4": [
@@ -90,15 +96,12 @@ def scenario(island_mbit: float, ray: bool) -> Scenario:
 def run_archipelago(row: str, island_mbit: float, seed: int, work: Path) -> dict[str, Any]:
     """One archipelago row on the testbed at `island_mbit`."""
     out = work / f"{row}-{island_mbit:g}mbit-s{seed}"
-    if (kept := _kept(out)) is not None:
-        return kept
+    if (earlier := kept(out)) is not None:
+        return earlier
     out.mkdir(parents=True, exist_ok=True)
     with Testbed(scenario(island_mbit, ray=True), out / "logs") as bed:
-        argv = [
-            "archipelago",
-            "run",
-            f"--set=ray.address={bed.address}",
-            f"--set=out_dir={out / 'run'}",
+        argv = bed.archipelago_run(
+            out / "run",
             f"--set=islands.count={ISLANDS}",
             f"--set=inner_steps={H}",
             f"--set=rounds={ROUNDS}",
@@ -106,7 +109,7 @@ def run_archipelago(row: str, island_mbit: float, seed: int, work: Path) -> dict
             f"--set=inner.lr={LR}",
             "--set=warm_start.steps=0",
             *ARCHIPELAGO[row],
-        ]
+        )
         metrics = out / "run" / "metrics.jsonl"
         report = bed.run(argv, out / "run.log", metrics, timeout_s=3600, enough=lambda: _reached(metrics))
     summary = json.loads((out / "run" / "summary.json").read_text())
@@ -117,12 +120,13 @@ def run_archipelago(row: str, island_mbit: float, seed: int, work: Path) -> dict
     # others): the last record's compute (cumulative) over every round's steps
     compute = sum(records[-1].get("island_compute_seconds", {}).values()) if records else 0.0
     steps = sum(sum(r["inner_steps"].values()) for r in records)
-    return _keep(
+    return keep(
         out,
         {
             "rc": report["rc"],
             "seconds_to_target": reached,
             "seconds": summary["wall_seconds"],
+            "run_seconds": report["seconds"],  # the command's, Ray's driver start included: the cards' window
             "startup_s": summary.get("startup_seconds"),
             "curve": curve,
             "card_bytes": report["card_bytes"],
@@ -132,18 +136,6 @@ def run_archipelago(row: str, island_mbit: float, seed: int, work: Path) -> dict
             "faults": report["faults"],
         },
     )
-
-
-def _kept(out: Path) -> dict[str, Any] | None:
-    """A run's result kept from an earlier `bench testbed` of the same code (a rerun after a
-    stop continues where it stopped; `--out` somewhere new measures everything again)."""
-    path = out / "result.json"
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def _keep(out: Path, result: dict[str, Any]) -> dict[str, Any]:
-    (out / "result.json").write_text(json.dumps(result))
-    return result
 
 
 def _reached(metrics: Path) -> bool:
@@ -162,11 +154,11 @@ def _reached(metrics: Path) -> bool:
     return False
 
 
-def run_ddp(hook: str, island_mbit: float, seed: int, steps: int, work: Path, to_target: bool) -> dict[str, Any]:
+def run_ddp(hook: Hook, island_mbit: float, seed: int, steps: int, work: Path, to_target: bool) -> dict[str, Any]:
     """DDP with `hook` over the island machines at `island_mbit` (no Ray on them)."""
-    out = work / f"ddp_{hook}-{island_mbit:g}mbit-s{seed}-{steps}"
-    if (kept := _kept(out)) is not None:
-        return kept
+    out = work / f"ddp_{hook.value}-{island_mbit:g}mbit-s{seed}-{steps}"
+    if (earlier := kept(out)) is not None:
+        return earlier
     out.mkdir(parents=True, exist_ok=True)
     with Testbed(scenario(island_mbit, ray=False), out / "logs") as bed:
         assert bed.net is not None
@@ -181,7 +173,7 @@ def run_ddp(hook: str, island_mbit: float, seed: int, steps: int, work: Path, to
                 f"--rank={rank}",
                 f"--world={ISLANDS}",
                 f"--master={machines[0].address}",
-                f"--hook={hook}",
+                f"--hook={hook.value}",
                 f"--powersgd-rank={POWERSGD_RANK}",
                 f"--powersgd-start={POWERSGD_START}",
                 f"--steps={steps}",
@@ -192,26 +184,44 @@ def run_ddp(hook: str, island_mbit: float, seed: int, steps: int, work: Path, to
                 f"--out={out / 'rank0.json'}",
                 *(["--stop-at-target"] if to_target else []),
             ]
-            env = {"GLOO_SOCKET_IFNAME": m.inner}
-            log_file = (out / f"rank{rank}.log").open("wb")
-            procs.append(
-                subprocess.Popen(in_machine(m, argv), stdout=log_file, stderr=subprocess.STDOUT, env=_env(env))
-            )
-        codes = [p.wait(timeout=7200) for p in procs]
+            with (out / f"rank{rank}.log").open("wb") as log_file:
+                env = os.environ | {"GLOO_SOCKET_IFNAME": m.inner}
+                procs.append(subprocess.Popen(in_machine(m, argv), stdout=log_file, stderr=subprocess.STDOUT, env=env))
+        codes = _wait_all(procs)
         seconds = time.monotonic() - t0
         after = bed.cards()
     if any(codes):
-        raise RuntimeError(f"DDP {hook} at {island_mbit:g} Mbit/s failed ({codes}); see {out}")
+        raise TestbedRunFailed(f"DDP {hook.value} at {island_mbit:g} Mbit/s ended {codes}; see {out}")
     result = json.loads((out / "rank0.json").read_text())
     result["card_bytes"] = {k: vars(after[k] - before[k]) for k in after}
     result["wall_s"] = seconds
-    return _keep(out, result)
+    return keep(out, result)
 
 
-def _env(extra: dict[str, str]) -> dict[str, str]:
-    import os
+class TestbedRunFailed(RuntimeError):
+    """A row's processes failed on the testbed: the report cannot be made without it."""
 
-    return os.environ | extra
+
+def _wait_all(procs: list[subprocess.Popen[bytes]], timeout_s: float = 7200) -> list[int]:
+    """Every rank's exit status; one that fails ends the others (blocked in a collective
+    with it, they would wait for good)."""
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            break
+        time.sleep(0.5)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    return [p.wait() for p in procs]
+
+
+def _params() -> int:
+    """The default task's GPT's parameters (built from its config, as every row's)."""
+    from archipelago.workers.tasks.task import load_task
+
+    model = load_task("archipelago.workers.tasks.lm_task:make_task", {}).build_model()
+    return sum(p.numel() for p in model.parameters())
 
 
 def island_rates(params: int, step_s: float) -> dict[str, float]:
@@ -225,33 +235,40 @@ def testbed(quick: bool, work: Path) -> BenchResult:
     # the step time S: the DiLoCo row on a fast link (its compute per step, every island beside the others)
     probe = run_archipelago("diloco", 1000.0, 0, work / "probe")
     step_s = float(probe["step_s"])
-    params = 842_496  # the default task's GPT (d 128, 4 layers, context 128, byte vocabulary)
+    fastest = min(RATIOS, key=lambda k: RATIOS[k])
+    reference = {}
+    for hook in Hook:  # steps to the target: at the fastest regime's links (the step count is the link's to none)
+        mbit = island_rates(_params(), step_s)[fastest]
+        reference[hook] = run_ddp(hook, mbit, 0, DDP_STEPS, work / "ddp-reference", to_target=True)
+    params = int(reference[Hook.FP32]["params"])
     rates = island_rates(params, step_s)
     regimes: dict[str, dict[str, Any]] = {}
-    fastest = min(rates, key=lambda k: RATIOS[k])
-    reference = {
-        hook: run_ddp(hook, rates[fastest], 0, DDP_STEPS, work / "ddp-reference", to_target=True)
-        for hook in ("fp32", "fp16", "powersgd")
-    }
     for name, mbit in rates.items():
         rows: dict[str, dict[str, Any]] = {}
         for row in ("diloco", "streaming_int4", "async"):
             runs = [run_archipelago(row, mbit, s, work / name) for s in seeds]
             rows[row] = _row(row, runs, mbit)
-        for row, hook in (("ddp_fp32", "fp32"), ("ddp_bf16", "fp16"), ("ddp_powersgd", "powersgd")):
-            plain = POWERSGD_START if hook == "powersgd" else 0  # PowerSGD's all-reduce steps before it compresses
+        for row, hook in DDP_ROWS.items():
+            plain = POWERSGD_START if hook == Hook.POWERSGD else 0  # PowerSGD's all-reduce steps before it compresses
             steps = plain + DDP_WARM_STEPS + DDP_TIMED_STEPS
             timed = run_ddp(hook, mbit, 0, steps, work / name, to_target=False)
             rows[row] = _ddp_row(row, reference[hook], timed, plain)
         regimes[name] = {"ratio": RATIOS[name], "island_mbit": round(mbit, 3), "rows": rows}
-    faults = {case.name: run_case(case, work / "faults") for case in cases(quick)}
+    faults = {case.name: run_case(case, work / "faults") for case in cases()}
     return _result(quick, regimes, step_s, params, seeds, faults)
 
 
 def _row(row: str, runs: list[dict[str, Any]], mbit: float) -> dict[str, Any]:
     reached = [r["seconds_to_target"] for r in runs]
     ok = [t for t in reached if t is not None]
-    head_bytes = [r["card_bytes"]["head"]["sent"] + r["card_bytes"]["head"]["received"] for r in runs]
+    # the head card's busy share: the bytes through it over its capacity both ways in the
+    # command's window (the window its counters were read over)
+    busy = [
+        (r["card_bytes"]["head"]["sent"] + r["card_bytes"]["head"]["received"])
+        * 8
+        / (mbit * ISLANDS * 1e6 * 2 * r["run_seconds"])
+        for r in runs
+    ]
     return {
         "description": ROWS[row],
         "method": "full run on the testbed; the first round record at or below the target",
@@ -259,7 +276,8 @@ def _row(row: str, runs: list[dict[str, Any]], mbit: float) -> dict[str, Any]:
         "seeds": {i: t for i, t in enumerate(reached)},
         "card_bytes": runs[0]["card_bytes"],
         "payload_bytes": runs[0]["payload_bytes"],
-        "head_busy_share": round(head_bytes[0] * 8 / (mbit * ISLANDS * 1e6 * 2 * runs[0]["seconds"]), 4),
+        "head_busy_share": round(statistics.mean(busy), 4),
+        "head_busy_share_seeds": [round(b, 4) for b in busy],
         "final_eval_loss": [r["final_eval_loss"] for r in runs],
         "curves": [r["curve"] for r in runs],
     }
@@ -274,13 +292,17 @@ def _ddp_row(row: str, reference: dict[str, Any], timed: dict[str, Any], plain: 
     plain_s = statistics.mean(times[DDP_WARM_STEPS:plain]) if plain > DDP_WARM_STEPS else step_s
     reached_step = next((s for _, s, loss in reference["curve"] if loss <= TARGET), None)
     seconds = None
-    if reached_step is not None:
-        seconds = min(reached_step, plain) * plain_s + max(0, reached_step - plain) * step_s
+    if reached_step is not None:  # its start on these links (rendezvous, rank 0's parameters broadcast)
+        # included, as archipelago's rows include their first download
+        seconds = timed["init_s"] + min(reached_step, plain) * plain_s + max(0, reached_step - plain) * step_s
     payload = sum(r["sent"] + r["received"] for k, r in timed["card_bytes"].items() if k != "head")
     per_step = payload / max(1, timed["steps"])
     return {
         "description": ROWS[row],
-        "method": "steps to target (a full run at the fastest regime) x seconds per step measured on these links",
+        "method": "start-up + steps to target (a full run at the fastest regime) x seconds per step, both "
+        "measured on these links",
+        "hook": HOOKS[DDP_ROWS[row]],
+        "init_s": timed["init_s"],
         "seconds_to_target": seconds,
         "steps_to_target": reached_step,
         "step_s": step_s,

@@ -26,7 +26,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from archipelago.orchestrator.bench import netlab
-from archipelago.orchestrator.bench.netlab_cluster import in_machine, ray_env
+from archipelago.orchestrator.bench.netlab import Machine, Rate
+from archipelago.orchestrator.bench.netlab_cluster import RAY_PORT, in_machine, ray_env
 from archipelago.orchestrator.bench.netlab_scenario import Testbed, load, write_report
 
 log = logging.getLogger(__name__)
@@ -78,8 +79,8 @@ def testbed_command(args: argparse.Namespace) -> int:
         return 0
     with Testbed(scenario, out / "logs") as bed:
         run_dir = out / "run"
-        argv = ["archipelago", "run", "--set", f"ray.address={bed.address}", "--set", f"out_dir={run_dir}"]
-        report = bed.run([*argv, *scenario.run], out / "run.log", run_dir / "metrics.jsonl", args.timeout)
+        argv = bed.archipelago_run(run_dir, *scenario.run)
+        report = bed.run(argv, out / "run.log", run_dir / "metrics.jsonl", args.timeout)
     summary = run_dir / "summary.json"
     report["summary"] = json.loads(summary.read_text()) if summary.exists() else None
     report["scenario"] = scenario.model_dump(mode="json")
@@ -96,8 +97,6 @@ def _exec(command: list[str]) -> int:
     if f"{netlab.PREFIX}-head" not in listed:
         log.error("no testbed is up (`archipelago testbed up SCENARIO` first)")
         return 2
-    from archipelago.orchestrator.bench.netlab import Machine, Rate
-
-    head = Machine(name="head", index=0, rate=Rate(0, 0))
-    env = ray_env() | {"RAY_ADDRESS": f"{head.address}:6379"}
+    head = Machine(name="head", index=0, rate=Rate(0, 0))  # the first machine: a scenario's head
+    env = ray_env() | {"RAY_ADDRESS": f"{head.address}:{RAY_PORT}"}
     return subprocess.run(in_machine(head, command), env=env, check=False).returncode

@@ -295,8 +295,7 @@ class RoundEngine(EngineParts):
             elif isinstance(event, Progress):
                 self.inflight.progressed(event)
             elif isinstance(event, Unreachable):
-                if event.ticket in self.flights and self.flights[event.ticket].result is None:
-                    self.inflight.lose(event.ticket, event.reason)
+                self.inflight.unreachable(event.ticket, event.island, event.reason)
             elif isinstance(event, Failed):
                 if event.ticket is not None:
                     if event.ticket in self.flights and self.flights[event.ticket].result is None:

@@ -292,6 +292,8 @@ class RayIslandPool:
         try:
             result = ray.get(ref)
         except ray.exceptions.ActorUnavailableError as err:  # a partition: its work is lost, not it
+            if (handle := self.handles.get(island)) is not None:  # its round ends at its next step, unwaited
+                handle.actor.stop.remote(ticket, 0.0)
             return Unreachable(ticket=ticket, island=island, reason=f"unreachable: {type(err).__name__}")
         except ray.exceptions.RayActorError as err:
             return Failed(ticket=ticket, island=island, reason=f"actor died: {type(err).__name__}")

@@ -1,9 +1,14 @@
 """The bytes this process's network card has moved, for the heartbeat's "a transfer is
-progress" rule: an island downloading its parameters (Ray resolving them before its round
-starts) or uploading its pseudo-gradient takes no step, and on a slow link that lasts
+progress" rule: an island fetching its parameters at its round's start or having its
+pseudo-gradient pulled after its last step takes no step, and on a slow link that lasts
 longer than any silence the hang rule allows (a 4 GB download through a 10 Gbit/s head
 shared by 16 islands takes ≈ 51 s). Its card's counters keep moving, and that is what the
-coordinator reads (`engine/work/inflight.py: InFlight.progressed`)."""
+coordinator reads (`engine/work/inflight.py: InFlight.progressed`).
+
+The counters are the network namespace's, so the node's: on a node of several islands (or
+one on the host's network, where bridges count bytes again) a neighbour's transfer keeps a
+hung island looking busy until the transfer ends or its deadline comes — the rule can only
+be late there, never early."""
 
 from __future__ import annotations
 

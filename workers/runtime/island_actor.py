@@ -77,7 +77,7 @@ def whole_params(params: Any) -> np.ndarray:
     if isinstance(params, list):
         parts = ray.get(params)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
-    return ray.get(params) if isinstance(params, ray.ObjectRef) else params
+    return params
 
 
 def fetched(changes: list[Any]) -> tuple[Change, ...]:

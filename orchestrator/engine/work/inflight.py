@@ -312,6 +312,16 @@ class InFlight:
         self.members.islands[island].rejections += 1
         return Judged(island=island, verdict=verdict)
 
+    def unreachable(self, ticket: int, island: int, reason: str) -> None:
+        """Ray could not reach `island` for the result of `ticket`: that work is lost (its
+        batches back to the ledger), the island is not. Past its deadline it was waiting as
+        late, for a result that will not come now: it trains again."""
+        flight = self.flights.get(ticket)
+        if flight is not None and flight.result is None:
+            self.lose(ticket, reason)
+        if self.overdue.pop(ticket, None) is not None and self.members.islands[island].state == IslandState.LATE:
+            self.members.mark(island, IslandState.TRAINING)
+
     def lose(self, ticket: int, reason: str) -> None:
         flight = self.flights.pop(ticket)
         reservation = self.ledger.rollback(ticket)
