@@ -19,6 +19,7 @@ the links and the bridge."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -34,6 +35,8 @@ PREFIX = "aptb"  # every namespace, link and bridge of the testbed starts with i
 BRIDGE = f"{PREFIX}-br"
 SUBNET = "10.77.0"  # machines are SUBNET.2 and up; the bridge is SUBNET.1
 NET = Path("/sys/class/net")
+# the testbed's own files: each node's private /tmp/ray (netlab_cluster.py), the Ray token, the lock
+STATE = Path("/var/tmp/aptb-nodes")
 
 
 class TestbedUnavailable(RuntimeError):
@@ -131,6 +134,13 @@ class Network:
 
     def __init__(self) -> None:
         require()
+        STATE.mkdir(parents=True, exist_ok=True)
+        self._lock = (STATE / "lock").open("w")
+        try:  # one testbed a host: the next one's sweep would take this one's machines
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as err:
+            self._lock.close()
+            raise TestbedUnavailable("another testbed is running on this host") from err
         sweep()
         _ip("link", "add", BRIDGE, "type", "bridge")
         _ip("addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
@@ -179,6 +189,7 @@ class Network:
 
     def close(self) -> None:
         sweep()
+        self._lock.close()  # and with it the lock
 
 
 def _pids_in(ns: str) -> list[int]:
@@ -194,6 +205,8 @@ def kill_namespace(ns: str, timeout_s: float = 10.0) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.05)
+    if pids:  # unkillable (in the kernel's uninterruptible sleep): said, as they outlive the namespace's name
+        log.warning("testbed: processes %s in %s did not end in %.0fs", pids, ns, timeout_s)
 
 
 def sweep() -> None:
@@ -207,5 +220,8 @@ def sweep() -> None:
     for link in NET.iterdir() if NET.exists() else ():
         if link.name.startswith(PREFIX):
             _ip("link", "del", link.name, check=False)
+    for folder in STATE.iterdir() if STATE.exists() else ():
+        if folder.is_dir():  # the nodes' /tmp/ray of the testbed before (Ray's logs of its sessions)
+            shutil.rmtree(folder, ignore_errors=True)
     if spaces:
         log.info("testbed: removed %s", ", ".join(spaces))

@@ -24,15 +24,14 @@ import time
 from enum import Enum
 from pathlib import Path
 
-from archipelago.orchestrator.bench.netlab import Machine, _pids_in, kill_namespace
+from archipelago.orchestrator.bench.netlab import STATE, Machine, _pids_in, kill_namespace
 
 log = logging.getLogger(__name__)
 
 RAY_PORT = 6379
-NODES = Path("/var/tmp/aptb-nodes")  # each node's private /tmp/ray (outside /tmp: it is bound over part of it)
-# What a testbed's Ray is told: the ports of a real cluster's nodes, no dashboard (nothing reads it,
-# and it costs the head a core at start), no usage report (no internet here), and Ray's own
-# health check as shipped unless the scenario says otherwise.
+NODES = STATE  # each node's private /tmp/ray in a folder of its own (outside /tmp: it is bound over part of it)
+# every testbed Ray process's environment: no usage report (no internet here), no warning about
+# the container's CPUs (the namespaces share the host's)
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}
 
 
