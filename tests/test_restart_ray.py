@@ -50,10 +50,14 @@ def test_killed_coordinator_restarts_from_checkpoint_and_reattaches_islands(ray_
     driver_log, messages = logging.getLogger("archipelago.orchestrator.runtime.driver"), _Messages()
     driver_log.addHandler(messages)  # on the logger itself: whatever the CLI tests configured before
     driver_log.setLevel(logging.WARNING)
-    thread, box = run_until_records(cfg, "killtest", 3, timeout_s=60)
+    try:  # the level and handler restored even when the run fails (the next test's logging is its own)
+        thread, box = run_until_records(cfg, "killtest", 3, timeout_s=60)
+        ray.kill(ray.get_actor("archipelago-killtest-coordinator", namespace=NAMESPACE), no_restart=False)
+        thread.join(timeout=120)
+    finally:
+        driver_log.removeHandler(messages)
+        driver_log.setLevel(logging.NOTSET)
     metrics = tmp_path / "out" / "metrics.jsonl"
-    ray.kill(ray.get_actor("archipelago-killtest-coordinator", namespace=NAMESPACE), no_restart=False)
-    thread.join(timeout=120)
     summary = box["summary"]
     assert summary["outer_steps"] == 10 * steps_a_round  # streaming: one outer step per fragment
     assert [r["round"] for r in _records(metrics)] == list(range(1, 11))  # no lost or doubled version
@@ -63,8 +67,6 @@ def test_killed_coordinator_restarts_from_checkpoint_and_reattaches_islands(ray_
     assert kinds.count("restart") == 1 and kinds.count("reattach") == 3
     restart = next(e for e in events if e["kind"] == "restart")
     assert restart["rounds_done"] >= 2
-    driver_log.removeHandler(messages)
-    driver_log.setLevel(logging.NOTSET)
     assert sum("coordinator died" in m for m in messages.messages) == 1
     assert all(s["state"] == "training" for s in summary["islands"].values())
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if "killtest-island" in a["name"]]

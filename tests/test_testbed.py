@@ -48,7 +48,8 @@ def test_a_run_on_shaped_links_survives_a_20s_partition_and_its_cards_carry_its_
     after round 2 island0's link is down for 20 s. The run finishes every round, every batch
     read is trained once, no island is lost or replaced (its silence is under the 60-s floor,
     and Ray's "actor unavailable" loses its work, not it), and the bytes that crossed the island machines' cards (the kernel's counters, TCP/IP
-    and Ray's own traffic included) are within 10 % of the payload the run counted."""
+    and Ray's own traffic included) are the payload the run counted and at most a quarter more
+    (overhead, and the bytes of the round the cut lost)."""
     scenario = tmp_path / "scenario.yaml"
     scenario.write_text(SCENARIO)
     done = _testbed("run", str(scenario), f"--out={tmp_path / 'out'}", "--timeout=150")
@@ -63,7 +64,10 @@ def test_a_run_on_shaped_links_survives_a_20s_partition_and_its_cards_carry_its_
     assert sum(summary["shards"]["tokens"]) == summary["tokens"]  # every batch read was trained, once
     payload = summary["bytes_communicated"]
     card = sum(report["card_bytes"][m]["sent"] + report["card_bytes"][m]["received"] for m in ("island0", "island1"))
-    assert 0.9 <= card / payload <= 1.1, (card, payload)
+    # the payload counts what the run used: a round the partition cut loses its upload, but
+    # the download it trained from and any bytes sent before the cut crossed the cards
+    # (measured: 1.085 when the cut fell between transfers, 1.18 when it fell in one)
+    assert 0.9 <= card / payload <= 1.25, (card, payload)
     events = [json.loads(line) for line in (tmp_path / "out" / "run" / "events.jsonl").read_text().splitlines()]
     kinds = [e["kind"] for e in events]
     assert "crash" not in kinds and kinds.count("requested") == 2, kinds  # no island lost, none replaced

@@ -69,7 +69,7 @@ ROWS = {
     "ddp_bf16": "torch DDP, gloo, fp16_compress_hook (gloo has no bf16 all-reduce)",
     "ddp_powersgd": f"torch DDP, gloo, powerSGD_hook rank {POWERSGD_RANK} (from step {POWERSGD_START})",
     "diloco": f"DiLoCo H={H}, fp32 both ways",
-    "streaming_int4": "Streaming DiLoCo (4 fragments), int4 both ways",
+    "streaming_int4": "Streaming DiLoCo (2 fragments: H = 50 splits into 2 segments, not the shipped 4), int4 both ways",
     "async": "the shipped async default (quorum pacing, DyLU)",
 }
 DDP_ROWS = {"ddp_fp32": Hook.FP32, "ddp_bf16": Hook.FP16, "ddp_powersgd": Hook.POWERSGD}
@@ -78,7 +78,7 @@ ARCHIPELAGO = {
     "diloco": ["--set=mode=diloco"],
     "streaming_int4": [
         "--set=mode=streaming",
-        "--set=mode.fragments=4",
+        "--set=mode.fragments=2",
         "--set=compression.codec=int4",
         "--set=compression.downlink=int4",
     ],

@@ -44,7 +44,10 @@ log = logging.getLogger(__name__)
 def carried(params: Any) -> list[Any]:
     """The global parameters' references as an island's call carries them: in a list, which
     Ray does not resolve before the call, so the island fetches them in its round and
-    answers its heartbeats meanwhile (`island_actor.whole_params`)."""
+    answers its heartbeats meanwhile (`island_actor.whole_params`). None (the changes
+    suffice): an empty list."""
+    if params is None:
+        return []
     return params if isinstance(params, list) else [params]
 
 

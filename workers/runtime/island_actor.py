@@ -65,7 +65,7 @@ def _named_actor_exists(name: str, namespace: str) -> bool:
     )
 
 
-def whole_params(params: Any) -> np.ndarray:
+def whole_params(params: Any) -> np.ndarray | None:
     """The global parameters, fetched here, in the round: from one object or from S shards'
     slices (fetched together), or an array already in hand. The pool passes references
     inside a list, which Ray does not resolve before the call: Ray resolves a call's
@@ -75,6 +75,8 @@ def whole_params(params: Any) -> np.ndarray:
     island released as hung while its bytes moved); fetched here, its heartbeats go on and
     report its card's bytes (`card.py`)."""
     if isinstance(params, list):
+        if not params:  # none sent: the order's changes suffice
+            return None
         parts = ray.get(params)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
     return params
