@@ -58,7 +58,11 @@ ROUNDS = 12  # the budget, and so the lr schedule's length; a row stops at the t
 DDP_STEPS = H * ROUNDS  # the same step budget (and so the same lr schedule) as the DiLoCo rows
 POWERSGD_RANK = 4
 POWERSGD_START = 10  # plain all-reduce steps before PowerSGD compresses (torch's advice: not the first)
-DDP_WARM_STEPS, DDP_TIMED_STEPS = 3, 6
+# the timing runs: an all-reduce at 1 Gbit/s-equivalent takes minutes (a step is its bytes
+# over the link), so one warm step and one timed; PowerSGD's from its earliest start (torch
+# wants 2 plain steps first), its plain steps timed in the same run
+DDP_WARM_STEPS, DDP_TIMED_STEPS = 1, 1
+TIMED_POWERSGD_START = 2
 TARGET = 2.6  # eval loss: what the default task's DiLoCo reaches in a few rounds of H = 50
 # Ray's object manager re-requests a pull every 10 s by default and the sender pushes the
 # object again: at 2.5 Mbit/s a 29-MB object took ~4x its bytes and its round missed its
@@ -154,7 +158,9 @@ def _reached(metrics: Path) -> bool:
     return False
 
 
-def run_ddp(hook: Hook, island_mbit: float, seed: int, steps: int, work: Path, to_target: bool) -> dict[str, Any]:
+def run_ddp(
+    hook: Hook, island_mbit: float, seed: int, steps: int, work: Path, to_target: bool, powersgd_start: int
+) -> dict[str, Any]:
     """DDP with `hook` over the island machines at `island_mbit` (no Ray on them)."""
     out = work / f"ddp_{hook.value}-{island_mbit:g}mbit-s{seed}-{steps}"
     if (earlier := kept(out)) is not None:
@@ -175,7 +181,7 @@ def run_ddp(hook: Hook, island_mbit: float, seed: int, steps: int, work: Path, t
                 f"--master={machines[0].address}",
                 f"--hook={hook.value}",
                 f"--powersgd-rank={POWERSGD_RANK}",
-                f"--powersgd-start={POWERSGD_START}",
+                f"--powersgd-start={powersgd_start}",
                 f"--steps={steps}",
                 f"--lr={LR}",
                 f"--seed={seed}",
@@ -239,7 +245,7 @@ def testbed(quick: bool, work: Path) -> BenchResult:
     reference = {}
     for hook in Hook:  # steps to the target: at the fastest regime's links (the step count is the link's to none)
         mbit = island_rates(_params(), step_s)[fastest]
-        reference[hook] = run_ddp(hook, mbit, 0, DDP_STEPS, work / "ddp-reference", to_target=True)
+        reference[hook] = run_ddp(hook, mbit, 0, DDP_STEPS, work / "ddp-reference", True, POWERSGD_START)
     params = int(reference[Hook.FP32]["params"])
     rates = island_rates(params, step_s)
     regimes: dict[str, dict[str, Any]] = {}
@@ -249,9 +255,9 @@ def testbed(quick: bool, work: Path) -> BenchResult:
             runs = [run_archipelago(row, mbit, s, work / name) for s in seeds]
             rows[row] = _row(row, runs, mbit)
         for row, hook in DDP_ROWS.items():
-            plain = POWERSGD_START if hook == Hook.POWERSGD else 0  # PowerSGD's all-reduce steps before it compresses
+            plain = TIMED_POWERSGD_START if hook == Hook.POWERSGD else 0  # its all-reduce steps before it compresses
             steps = plain + DDP_WARM_STEPS + DDP_TIMED_STEPS
-            timed = run_ddp(hook, mbit, 0, steps, work / name, to_target=False)
+            timed = run_ddp(hook, mbit, 0, steps, work / name, False, TIMED_POWERSGD_START)
             rows[row] = _ddp_row(row, reference[hook], timed, plain)
         regimes[name] = {"ratio": RATIOS[name], "island_mbit": round(mbit, 3), "rows": rows}
     faults = {case.name: run_case(case, work / "faults") for case in cases()}
@@ -285,16 +291,21 @@ def _row(row: str, runs: list[dict[str, Any]], mbit: float) -> dict[str, Any]:
 
 def _ddp_row(row: str, reference: dict[str, Any], timed: dict[str, Any], plain: int) -> dict[str, Any]:
     """A DDP row: its steps to the target (the reference run) at the seconds per step its
-    timed run took on these links; PowerSGD's first `plain` steps (a plain all-reduce) at
-    their own measured seconds."""
+    timed run took on these links. PowerSGD: the timed run's first `plain` steps are a plain
+    all-reduce (the timed one after the warm one gives their seconds); the reference run's
+    first `POWERSGD_START` steps are counted at those seconds, the rest at the compressed
+    step's."""
     times = timed["step_s"]
     step_s = statistics.mean(times[plain + DDP_WARM_STEPS :])
     plain_s = statistics.mean(times[DDP_WARM_STEPS:plain]) if plain > DDP_WARM_STEPS else step_s
+    uncompressed = POWERSGD_START if plain else 0
     reached_step = next((s for _, s, loss in reference["curve"] if loss <= TARGET), None)
     seconds = None
     if reached_step is not None:  # its start on these links (rendezvous, rank 0's parameters broadcast)
         # included, as archipelago's rows include their first download
-        seconds = timed["init_s"] + min(reached_step, plain) * plain_s + max(0, reached_step - plain) * step_s
+        seconds = (
+            timed["init_s"] + min(reached_step, uncompressed) * plain_s + max(0, reached_step - uncompressed) * step_s
+        )
     payload = sum(r["sent"] + r["received"] for k, r in timed["card_bytes"].items() if k != "head")
     per_step = payload / max(1, timed["steps"])
     return {
