@@ -5,7 +5,9 @@ checked in process (test_engine.py)."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import threading
 import time
 
@@ -14,7 +16,7 @@ import pytest
 import ray
 
 from archipelago.orchestrator.config_load import load_config
-from archipelago.orchestrator.engine.commands import AddIslands, Drain
+from archipelago.orchestrator.engine.commands import Ack, AddIslands, Drain
 from archipelago.orchestrator.runtime.driver import run
 from archipelago.orchestrator.runtime.names import NAMESPACE, island_name
 from archipelago.orchestrator.simulation.config import SimulationConfig
@@ -162,3 +164,40 @@ def test_seeded_chaos_completes_close_to_the_fault_free_run(ray_local, tmp_path,
     assert summary["final_eval_loss"] <= clean["final_eval_loss"] * 1.25 + 0.02, (actions, summary["final_eval_loss"])
     kinds = {e["kind"] for e in _events(tmp_path, f"chaos-{mode}")}
     assert kinds & {"crash", "drain", "join"}
+
+
+@pytest.mark.parametrize("leaving", ["drain", "sigkill"])
+def test_a_sliced_run_survives_an_island_leaving_after_its_result_and_before_the_close(ray_local, tmp_path, leaving):
+    """Before: islands `ray.put` their parts for the coordinator slices, so each island
+    owned them; a drained island (default `drain: finish`) was killed as soon as its result
+    was in, before the sync close, the slices pulled its parts at the close and got
+    `OwnerDiedError`: the run failed. The same for a process killed in that window. Parts
+    of ~0.8 MB (past Ray's 100-KiB inline limit: they stay in the island node's store),
+    island 2 slow (1.5 s a batch), island 0 leaves 1.5 s into round 2 with its result in:
+    the run finishes every round and every batch read is trained once."""
+    name = f"sliced-{leaving}"
+    cfg = _cfg(
+        tmp_path,
+        name,
+        "rounds=4",
+        "data_shards=3",
+        "coordinator.shards=2",
+        "task.kwargs.repeat=100000",
+        "task.kwargs.stall_island=2",
+        "task.kwargs.stall_s=1.5",
+    )
+    thread, box = _in_thread(cfg, name)
+    coordinator = _coordinator(name)
+    _wait_rounds(tmp_path, name, 1)
+    time.sleep(1.5)  # island 0's round-2 result is in; island 2 is still stalled
+    if leaving == "drain":
+        assert isinstance(ray.get(coordinator.submit.remote(Drain(island=0))), Ack)
+    else:
+        island = ray.get_actor(island_name(name, 0), namespace=NAMESPACE)
+        os.kill(ray.get(island.__ray_call__.remote(lambda _self: os.getpid())), signal.SIGKILL)
+    thread.join(timeout=120)
+    summary = box["summary"]
+    assert summary["state"] == "finished" and summary["rounds_done"] == 4, summary.get("state")
+    assert sum(summary["shards"]["tokens"]) == summary["tokens"]  # every batch read was trained, once
+    assert [r["version"] for r in _records(tmp_path, name)] == [1, 2, 3, 4]
+    assert summary["islands"]["0"]["state"] == ("drained" if leaving == "drain" else "dead")

@@ -9,11 +9,14 @@ from __future__ import annotations
 import errno
 import json
 import math
+import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from archipelago.orchestrator.engine.build import build_engine
 from archipelago.orchestrator.engine.outcomes import Halt, Lost, Place, Release
 from archipelago.orchestrator.engine.state import records
 from archipelago.orchestrator.engine.state.checkpoints import load_checkpoint
@@ -141,6 +144,60 @@ def test_a_disk_that_fills_mid_run_is_survived_and_checkpoints_resume(tmp_path, 
     assert len(lines) == 8
     assert len(events(cfg.out_dir)) == engine.events.count
     assert (Path(cfg.out_dir) / "summary.json").exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 256 KiB tmpfs: a full disk as the kernel makes one (an append takes what fits
+    in the file's last page, then ENOSPC). Root, as CI is; skipped elsewhere."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], check=True)
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _fill(disk: Path) -> Path:
+    """Take every free byte of `disk` (a page at a time, then byte by byte)."""
+    filler = disk / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        for size in (4096, 1):
+            try:
+                while True:
+                    f.write(b"x" * size)
+            except OSError as err:
+                assert err.errno == errno.ENOSPC
+    return filler
+
+
+def test_logs_on_a_real_disk_that_fills_mid_append_resume_with_every_line_whole(tmp_path, small_disk):
+    """Before: ENOSPC mid-append left a partial line, the backlog was appended after it and
+    `{"r{"round": 140, ...}` sat mid-file; `mend` trimmed only the tail, so the resume failed
+    with `JSONDecodeError`. Now a failed append is cut back to where it began: the disk fills
+    at round 2 and frees at round 4, the coordinator dies at round 5, and the resumed run
+    reads every line and records every round once."""
+    cfg = scenario_cfg(
+        tmp_path, "diloco", "rounds=8", f"out_dir={small_disk / 'out'}", f"checkpoint.path={tmp_path / 'ckpt'}"
+    )
+    first, pool = in_process_engine(cfg, run_id="full")
+    filled: list[Path] = []
+
+    def free(engine) -> None:
+        assert engine.status().disk_errors > 0 and "No space left" in str(engine.status().last_disk_error)
+        filled.pop().unlink()
+
+    drive(first, at={2: lambda _e: filled.append(_fill(small_disk)), 4: free}, until=5)
+    pool.coordinator_lost()
+    second = build_engine(cfg, pool, run_id="full")
+    assert second.resumed
+    drive(second)
+    assert second.summary["state"] == "finished"
+    out = small_disk / "out"
+    rounds = [json.loads(line)["round"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rounds == list(range(1, 9))
+    assert all(json.loads(line) for line in (out / "events.jsonl").read_text().splitlines())
 
 
 def test_a_disk_still_full_at_the_end_still_returns_the_summary(tmp_path, monkeypatch):

@@ -89,3 +89,17 @@ def test_a_run_restarted_after_its_logs_rotated_records_each_round_once(tmp_path
     assert len(segments(metrics)) > 2 and len(segments(Path(cfg.out_dir) / "events.jsonl")) > 2
     assert _rounds(metrics) == list(range(1, 9))
     check_exactly_once(cfg, second.summary, lost)  # reads the lost work from every events file
+
+
+def test_mend_keeps_every_whole_record_wherever_a_write_tore_the_log(tmp_path):
+    """A torn prefix with the next line glued to it (a full disk, a later append), a torn
+    line alone mid-file (in a rotated file too) and a torn tail: every whole record stays, in
+    order, and nothing else."""
+    from archipelago.orchestrator.engine.state.logfiles import mend
+
+    path = tmp_path / "metrics.jsonl"
+    (tmp_path / "metrics.jsonl.1").write_bytes(b'{"round": 1}\n{"rou\n{"round": 2}\n')
+    path.write_bytes(b'{"round": 3}\n{"r{"round": 4, "x": {"y": 1}}\n{"round": 5}\n{"round": 6, "eval')
+    assert mend(path) > 0
+    assert [json.loads(line)["round"] for line in read_lines(path)] == [1, 2, 3, 4, 5]
+    assert mend(path) == 0  # whole: left as it is

@@ -202,3 +202,67 @@ def test_a_checkpoint_loads_from_object_storage_streamed_within_1_2x_its_state(s
     # 1.2x the state, beside the S3 client's own buffers (~20 MB whatever the state's size;
     # read whole, the load took 3.1x: 303 MB)
     assert seen["load_kb"] < 1.2 * seen["state_kb"] + 24 * 1024, seen
+
+
+def test_an_s3_endpoint_down_for_20s_while_the_run_checkpoints_is_counted_and_the_run_resumes_after(
+    tmp_path, monkeypatch
+):
+    """Before: s3fs passes botocore's `EndpointConnectionError` through untranslated, the
+    writers caught `OSError` only, and the failed checkpoint ended the run. A real S3
+    endpoint of its own is stopped while the run checkpoints every round and started again
+    on the same port 20 s later: the run goes on, the failures are counted and named, a
+    checkpoint is written once it is back, and a coordinator lost after it resumes from it."""
+    import socket
+    import threading
+    import time
+
+    import s3fs
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    servers = [moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)]
+    servers[0].start()
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }.items():
+        monkeypatch.setenv(key, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}").create_bucket(Bucket="outage")
+    cfg = scenario_cfg(tmp_path, "diloco", "rounds=8", "checkpoint.path=s3://outage/runs")
+    first, pool = in_process_engine(cfg, run_id="outage")
+    back = threading.Event()
+
+    def outage(_engine) -> None:
+        servers[0].stop()
+
+        def restart() -> None:
+            time.sleep(20)
+            servers.append(moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port))
+            servers[-1].start()
+            back.set()
+
+        threading.Thread(target=restart, daemon=True).start()
+
+    def after(engine) -> None:
+        assert engine.status().disk_errors > 0 and "EndpointConnectionError" in str(engine.status().last_disk_error)
+        assert back.wait(60)  # the run went on meanwhile (its rounds took less than the outage)
+
+    try:
+        drive(first, at={2: outage, 4: after}, until=6)
+        state = load_checkpoint(run_folder(cfg.checkpoint_dir, "outage"))
+        assert state["counters"]["rounds_done"] == 6  # written after the endpoint came back
+        saved = state["ledger"]["position"]
+        lost = Counter((s, i) for s, p in enumerate(first.ledger.position) for i in range(saved[s], p))
+        pool.coordinator_lost()
+        second = build_engine(cfg, pool, run_id="outage")
+        assert second.resumed and second.rounds_done == 6
+        drive(second)
+        assert second.summary["state"] == "finished" and second.summary["rounds_done"] == 8
+        check_exactly_once(cfg, second.summary, lost)
+    finally:
+        servers[-1].stop()
+        s3fs.S3FileSystem.clear_instance_cache()

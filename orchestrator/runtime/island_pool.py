@@ -35,7 +35,7 @@ from archipelago.orchestrator.runtime.island_actors import (
     start_island,
 )
 from archipelago.workers.runtime.island_spec import IslandSpec
-from archipelago.workers.wire.messages import RoundResult, SavedState, WorkOrder
+from archipelago.workers.wire.messages import RoundResult, SavedState, Sliced, WorkOrder
 from archipelago.workers.wire.sync import Change
 
 log = logging.getLogger(__name__)
@@ -73,11 +73,13 @@ class RayIslandPool:
         self.handles: dict[int, IslandHandle] = {}
         self.placing: dict[int, _Placing] = {}
         self.work: dict[Any, tuple[int, int]] = {}  # object ref -> (ticket, island)
+        self.parts: dict[Any, list[Any]] = {}  # a sliced result's ref -> its parts' refs (owned here)
         self.published: tuple[int, Any] | None = None
         self.demanded: int | None = None
         self.adopted: dict[int, IslandHandle] = {}  # started before this pool asked for them (`adopt`)
         self.heartbeats = self._listen()
         self.drains_read_at = -math.inf  # when Ray's draining nodes were last read (on `now`'s clock)
+        self.drains_unread = False  # the last read of them failed (said once, at warning)
         self.nodes: dict[int, set[str]] = {}  # island -> the Ray node ids its workers were placed on
         self.noticed: set[int] = set()  # islands whose preemption notice was given
         self.fetched_s: dict[int, float] = {}  # island -> seconds its latest result took to fetch (`_fetch`)
@@ -141,6 +143,7 @@ class RayIslandPool:
     def release(self, island: int) -> None:
         for ref in [r for r, (_, i) in self.work.items() if i == island]:
             del self.work[ref]
+            self.parts.pop(ref, None)
         if self.heartbeats is not None:
             self.heartbeats.forget(island)
         self.nodes.pop(island, None)
@@ -180,7 +183,12 @@ class RayIslandPool:
         handle = self.handles.get(order.island)
         if handle is None:
             raise KeyError(f"island {order.island} is not placed")
-        ref = handle.actor.run.remote(order, carried(params), list(changes))
+        shards = self.cfg.coordinator.slices
+        if shards == 1:
+            ref = handle.actor.run.remote(order, carried(params), list(changes))
+        else:  # the parts as return values of their own, owned here (`IslandActor.run`)
+            ref, *parts = handle.actor.run.options(num_returns=1 + shards).remote(order, carried(params), list(changes))
+            self.parts[ref] = parts
         self.work[ref] = (order.ticket, order.island)
         return ref
 
@@ -224,8 +232,13 @@ class RayIslandPool:
 
             draining: dict[str, int] = state.get_draining_nodes()
         except (AttributeError, ImportError, ray.exceptions.RayError) as err:
-            log.debug("Ray's draining nodes could not be read: %s", err)
+            # said once at warning (preemption notices are off until it reads again), then quietly
+            (log.debug if self.drains_unread else log.warning)(
+                "Ray's draining nodes could not be read (%s): a drained island's loss is a crash until they can", err
+            )
+            self.drains_unread = True
             return []
+        self.drains_unread = False
         events: list[PoolEvent] = []
         for island, handle in self.handles.items():
             deadlines = [draining[n] for n in self._nodes_of(island, handle) if n in draining]
@@ -291,7 +304,7 @@ class RayIslandPool:
         here) is that island's, never the run's; an island Ray could not reach (a partition:
         seen on the testbed a few seconds into a 20-s link cut) lost its work, not its place. The result is stamped with the
         coordinator's arrival time: an island's clock is never trusted."""
-        began = time.perf_counter()
+        began, parts = time.perf_counter(), self.parts.pop(ref, None)
         try:
             result = ray.get(ref)
         except ray.exceptions.ActorUnavailableError as err:  # a partition: its work is lost, not it
@@ -306,6 +319,8 @@ class RayIslandPool:
             return Failed(ticket=ticket, island=island, reason=f"result lost: {type(err).__name__}")
         if not isinstance(result, RoundResult):
             return Failed(ticket=ticket, island=island, reason=f"sent a {type(result).__name__}, not a round result")
+        if parts is not None and isinstance(result.payload, Sliced):
+            result = dataclasses.replace(result, payload=Sliced(parts=tuple(parts)))
         self.fetched_s[island] = time.perf_counter() - began
         return Done(
             ticket=ticket,

@@ -154,10 +154,17 @@ class IslandActor:
         if carried:
             order = dataclasses.replace(order, changes=carried)
         result = self.island.run(order, whole_params(params), detach_tail=True)
-        if not isinstance(result.payload, Sliced):
+        shards = self.island.spec.coordinator_shards
+        if shards == 1:
             return result
-        refs = Sliced(parts=tuple(ray.put(p) for p in result.payload.parts))
-        return dataclasses.replace(result, payload=refs, sent_bytes=result.nbytes)
+        # sliced: the parts are this call's other return values (the pool asks for 1 + S),
+        # so their owner is the caller, not this process: a part an island put itself died
+        # with it, and a drain or a kill after its result ended the run at the close
+        # (`OwnerDiedError` in the slices). Returned, they outlive it on its node's store.
+        if not isinstance(result.payload, Sliced):  # no parts (a work stopped before its first step)
+            return (result, *([None] * shards))
+        head = dataclasses.replace(result, payload=Sliced(parts=()), sent_bytes=result.nbytes)
+        return (head, *result.payload.parts)
 
     def hold(self, order: WorkOrder, params: Any, changes: list[Any]) -> None:
         """A hot spare kept current (`Island.hold`); its arguments fetched here, as `run`'s."""

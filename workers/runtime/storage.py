@@ -130,6 +130,42 @@ class _Ranged:
         return True
 
 
+class UnsafeName(ValueError):
+    """A file name that is not one plain name inside its folder (a separator, `..`, an
+    absolute path): names read from a checkpoint or a record come from a writable volume,
+    and one like `../../victim` would have a folder's reads, writes and deletes reach
+    outside it."""
+
+
+def plain(name: str) -> str:
+    """`name`, checked to be one plain name (a file or folder directly inside its folder)."""
+    if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+        raise UnsafeName(f"{name!r} is not a plain file name")
+    return name
+
+
+# the packages whose errors are storage's though they are no `OSError`: s3fs passes botocore's
+# `EndpointConnectionError` through untranslated, gcsfs google-auth's and aiohttp's
+STORAGE_PACKAGES = frozenset(
+    {"botocore", "aiobotocore", "s3fs", "gcsfs", "google", "aiohttp", "fsspec", "adlfs", "azure"}
+)
+
+
+def is_storage_error(err: BaseException) -> bool:
+    """Whether `err` (or what it wraps: a Ray task's error, a `raise ... from`) is a storage
+    error: an `OSError`, or one defined by a storage backend (`STORAGE_PACKAGES`), told by
+    the module that defines it so that no backend is imported to ask."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) or any(
+            cls.__module__.split(".")[0] in STORAGE_PACKAGES for cls in type(err).__mro__
+        ):
+            return True
+        err = getattr(err, "cause", None) or err.__cause__  # a RayTaskError carries the task's as `cause`
+    return False
+
+
 def is_url(location: str | Path) -> bool:
     return "://" in str(location) and not str(location).startswith("file://")
 
@@ -148,7 +184,7 @@ class Folder:
             self.fs, self.path = fsspec.core.url_to_fs(self.location)
 
     def __truediv__(self, name: str) -> Folder:
-        return Folder(f"{self.location}/{name}")
+        return Folder(f"{self.location}/{plain(name)}")
 
     def __str__(self) -> str:
         return self.location
@@ -161,7 +197,10 @@ class Folder:
         return self.location.rsplit("/", 1)[-1]
 
     def _key(self, name: str) -> str:
-        return f"{self.path}/{name}"
+        return f"{self.path}/{plain(name)}"
+
+    def _local(self, name: str) -> Path:
+        return Path(self.path) / plain(name)
 
     def is_dir(self) -> bool:
         return self.fs.isdir(self.path) if self.remote else Path(self.path).is_dir()
@@ -179,7 +218,7 @@ class Folder:
 
     def read(self, name: str) -> bytes:
         if not self.remote:
-            return (Path(self.path) / name).read_bytes()
+            return self._local(name).read_bytes()
         data: bytes = self.fs.cat_file(self._key(name))
         return data
 
@@ -189,7 +228,7 @@ class Folder:
         `READ_BLOCK` as the reader asks for them, never held whole in memory beside what is
         made of it (`_Ranged`)."""
         if not self.remote:
-            with open(Path(self.path) / name, "rb") as f:
+            with open(self._local(name), "rb") as f:
                 yield f
             return
         with self.fs.open(self._key(name), "rb", block_size=READ_BLOCK, cache_type="none") as f:
@@ -207,7 +246,7 @@ class Folder:
         """Atomically: a reader sees the old content or the new, never a part."""
         if not self.remote:
             Path(self.path).mkdir(parents=True, exist_ok=True)
-            durable_write(Path(self.path) / name, data)
+            durable_write(self._local(name), data)
         else:
             self.fs.pipe_file(self._key(name), data)
 
@@ -222,7 +261,7 @@ class Folder:
 
     def local_path(self, name: str) -> Path | None:
         """The local file `name` (None in an object store), for readers that stream it."""
-        return None if self.remote else Path(self.path) / name
+        return None if self.remote else self._local(name)
 
     @contextlib.contextmanager
     def open_write(self, name: str) -> Iterator[IO[bytes]]:
@@ -243,9 +282,9 @@ class Folder:
                 raise
             f.close()
             return
-        folder = Path(self.path)
+        path = self._local(name)
+        folder = path.parent
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / name
         tmp = _temporary(path)
         try:
             with open(tmp, "wb") as out:
@@ -273,7 +312,7 @@ class Folder:
 
     def delete(self, name: str) -> None:
         if not self.remote:
-            (Path(self.path) / name).unlink(missing_ok=True)
+            self._local(name).unlink(missing_ok=True)
             return
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._key(name))
@@ -281,5 +320,5 @@ class Folder:
     def modified(self, name: str) -> float:
         """When `name` was last written (seconds since the epoch)."""
         if not self.remote:
-            return (Path(self.path) / name).stat().st_mtime
+            return self._local(name).stat().st_mtime
         return float(self.fs.modified(self._key(name)).timestamp())

@@ -14,6 +14,7 @@ the newest `checkpoint.keep` checkpoints are kept, the rest deleted once superse
 from __future__ import annotations
 
 import functools
+import logging
 from collections import deque
 
 from archipelago.orchestrator.config import RunConfig
@@ -24,6 +25,7 @@ from archipelago.orchestrator.engine.state.records import DiskFaults
 from archipelago.workers.runtime.storage import DIGEST, Folder, digest_name
 from archipelago.workers.wire.messages import SavedState, WorkKind
 
+log = logging.getLogger(__name__)
 FOLDER = "islands"  # beside the run's checkpoints
 
 
@@ -88,10 +90,14 @@ class IslandStates:
 
     def sweep(self, disk: DiskFaults) -> None:
         """The run ended: nothing is in flight, so every file no kept checkpoint names goes
-        (states written for work that was then lost, or by a coordinator before a restart)."""
+        (states written for work that was then lost, or by a coordinator before a restart),
+        and the temporary files of writes killed part-way (an island killed while it
+        streamed its state: at start it may still be writing, so they wait for the end)."""
         if self.folder is None:
             return
         folder = Folder(self.folder)
+        if removed := folder.sweep():
+            log.info("removed %d temporary file(s) of interrupted island-state writes", len(removed))
         named = set().union(*self.window)
         entries: list[tuple[str, bool]] = []
         disk.attempt("a listing of the islands' states", lambda: entries.extend(folder.entries()))

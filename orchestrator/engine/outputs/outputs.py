@@ -246,7 +246,11 @@ class Outputs:
         self._settle()  # one write at a time: each prunes the folder the next numbers in
         named = self.states.named(self.members)
         folder = run_folder(self.cfg.checkpoint_dir, self.run_id)
-        name = next_name(folder)  # the parts slices write beside it are named after it
+        names: list[str] = []  # the parts slices write beside it are named after it
+        if not self.disk.attempt("a listing of the checkpoints", lambda: names.append(next_name(folder))):
+            self.checkpoint_owed = True  # storage unreachable: taken at the next record instead
+            return
+        name = names[0]
         save = BackgroundSave(folder, capture(folder, name), self.cfg.checkpoint.keep, name)
         self.saving = (save, version, rnd, named)
 

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from archipelago.orchestrator.engine.types import RunFailed
-from archipelago.workers.runtime.storage import Folder, HashingWriter, digest_name, yield_cpu
+from archipelago.workers.runtime.storage import Folder, HashingWriter, UnsafeName, digest_name, plain, yield_cpu
 
 if TYPE_CHECKING:
     import torch
@@ -64,9 +64,10 @@ def _folder(location: Location) -> Folder:
 
 def run_folder(checkpoint_dir: Location, run_id: str) -> Folder:
     """Where run `run_id` keeps its checkpoints and membership intent."""
-    if not run_id or run_id in (".", "..") or "/" in run_id or "\\" in run_id:
-        raise ValueError(f"run id {run_id!r} cannot name a folder")
-    return _folder(checkpoint_dir) / run_id
+    try:
+        return _folder(checkpoint_dir) / run_id
+    except UnsafeName as err:
+        raise ValueError(f"run id {run_id!r} cannot name a folder") from err
 
 
 def runs_in(checkpoint_dir: Location) -> list[str]:
@@ -209,6 +210,33 @@ class CheckpointError(RunFailed):
     """Checkpoints exist but none of them is valid (the run does not silently start over)."""
 
 
+class UnsafeCheckpoint(CheckpointError):
+    """A checkpoint names a file outside its folder (`storage.plain`): written by whoever
+    could write the checkpoint volume, not by a run. The resume is refused outright, not
+    continued from the checkpoint before it: the volume is not to be trusted."""
+
+
+def named_files(state: dict[str, Any]) -> list[str]:
+    """Every file name a checkpoint holds: its parts, the islands' inner states it keeps
+    and each member's (`IslandStates`, `Membership`)."""
+    members = (state.get("membership") or state).get("members") or {}  # (top level before format 2)
+    return [
+        *(part.get("name") for part in state.get(PARTS) or []),
+        *state.get("island_states", []),
+        *(m.get("inner_state") for m in members.values() if isinstance(m, dict) and m.get("inner_state") is not None),
+    ]
+
+
+def _checked(name: str, state: dict[str, Any]) -> dict[str, Any]:
+    """`state`, refused (`UnsafeCheckpoint`) if any name it holds is not a plain name."""
+    for each in named_files(state):
+        try:
+            plain(each)
+        except UnsafeName as err:
+            raise UnsafeCheckpoint(f"checkpoint {name} names {each!r}, which is not a file in its folder") from err
+    return state
+
+
 def load_checkpoint(folder: Location, branch: int | None = None) -> dict[str, Any] | None:
     """The newest valid checkpoint in `folder`, None if there is none at all; raises
     `CheckpointError` when there are checkpoints and every one is corrupt. With `branch`
@@ -232,7 +260,7 @@ def _load_one(folder: Folder, name: str) -> tuple[str, dict[str, Any]]:
         state = torch.load(f, weights_only=True)
     if not isinstance(state, dict) or "run_id" not in state:
         raise ValueError("not a coordinator checkpoint")
-    return expected, _joined(folder, state)
+    return expected, _joined(folder, _checked(name, state))
 
 
 def _joined(folder: Folder, state: dict[str, Any]) -> dict[str, Any]:
@@ -266,6 +294,8 @@ def newest_valid(location: Location, branch: int | None = None) -> tuple[str, di
     for _, name in saved:
         try:
             return _load_one(folder, name)
+        except UnsafeCheckpoint:
+            raise
         except Exception as err:  # any defect of one file: fall back to the one before
             problems.append(f"{name}: {type(err).__name__}: {err}")
             log.warning(
@@ -282,6 +312,8 @@ def _on_branch(folder: Folder, saved: list[tuple[int, str]], branch: int) -> tup
             break
         try:
             found = _load_one(folder, name)
+        except UnsafeCheckpoint:
+            raise
         except Exception:  # a defective later file: the branch falls back, as any restart does
             continue
         if found[1].get("branch") == branch:
@@ -291,6 +323,8 @@ def _on_branch(folder: Folder, saved: list[tuple[int, str]], branch: int) -> tup
         raise CheckpointError(f"checkpoint.resume_from: {folder} has no checkpoint {branch}")
     try:
         return _load_one(folder, chosen[0])
+    except UnsafeCheckpoint:
+        raise
     except Exception as err:
         raise CheckpointError(f"checkpoint.resume_from: {folder}/{chosen[0]} is unusable ({err})") from err
 

@@ -40,30 +40,41 @@ def read_lines(path: Path) -> list[str]:
     return lines
 
 
-def mend(path: Path) -> int:
-    """Cut a torn end off the log: bytes after its last newline (an append killed mid-line)
-    and whole lines at its end that are not JSON (a line a full disk cut and a later append
-    ended). Only the newest file can end torn: a rotated one was renamed whole. A resumed
-    run appends after what is left, and a reader parses every line, so one torn line would
-    have failed every restart (`JSONDecodeError`). Returns the bytes cut (logged)."""
-    if not path.exists():
-        return 0
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    while end > 0:
-        start = data.rfind(b"\n", 0, end - 1) + 1
+def _record(line: bytes) -> bytes | None:
+    """The whole JSON record in `line`, or None. A line that does not parse may be a torn
+    append's prefix with the next whole line glued to it (a full disk cut the first write,
+    and a later one began where it ended: `{"r{"round": 140, ...}`): its record is the
+    longest suffix that starts an object and parses."""
+    for start in (i for i in range(len(line)) if line[i : i + 1] == b"{"):
         try:
-            json.loads(data[start:end])
-            break
+            if isinstance(json.loads(line[start:]), dict):
+                return line[start:]
         except ValueError:
-            end = start
-    if end == len(data):
-        return 0
-    durable_write(path, data[:end])
-    log.warning(
-        "%s ended with %d torn byte(s) (a write interrupted): cut back to its last whole line", path, len(data) - end
-    )
-    return len(data) - end
+            continue
+    return None
+
+
+def mend(path: Path) -> int:
+    """Repair the log wherever an append tore it, in every kept file: a line that is not
+    JSON keeps the whole record glued after a torn prefix (`_record`) or goes, and bytes
+    after the last newline are kept only if they are a whole record. A resumed run appends
+    after what is left and a reader parses every line, so one torn line would have failed
+    every restart (`JSONDecodeError`). Returns the bytes cut (logged)."""
+    cut = 0
+    for segment in segments(path):
+        if not segment.exists():
+            continue
+        data = segment.read_bytes()
+        lines = data.split(b"\n")
+        kept = [record for line in lines if line.strip() and (record := _record(line.strip())) is not None]
+        mended = b"".join(record + b"\n" for record in kept)
+        if mended == data:
+            continue
+        durable_write(segment, mended)
+        lost = len(data) - len(mended)
+        cut += max(lost, 0)
+        log.warning("%s was torn (a write interrupted): %d byte(s) cut, every whole record kept", segment, lost)
+    return cut
 
 
 def restart(path: Path) -> None:

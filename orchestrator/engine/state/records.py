@@ -8,9 +8,11 @@ finds it."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -24,7 +26,7 @@ from archipelago.orchestrator.config_operations import RecordsConfig
 from archipelago.orchestrator.engine.state.logfiles import mend, read_lines, restart, rewind, rotate
 from archipelago.orchestrator.engine.state.views import EventRecord, RoundRecord
 from archipelago.orchestrator.engine.types import Event
-from archipelago.workers.runtime.storage import durable_write
+from archipelago.workers.runtime.storage import durable_write, is_storage_error
 
 if TYPE_CHECKING:
     import torch
@@ -37,29 +39,47 @@ _WARN = frozenset({Event.CRASH, Event.QUARANTINED, Event.JOIN_FAILED, Event.LOST
 
 
 def append_lines(path: Path, lines: list[str]) -> None:
-    """Append whole lines to `path` in one write (the one seam every record and event goes through)."""
-    with open(path, "a") as f:
-        f.write("".join(lines))
+    """Append whole lines to `path` (the one seam every record and event goes through), or
+    none of them: a write that fails part-way (a full disk takes what fits) is cut back to
+    where it began, so the lines a `Backlog` writes again never follow a partial one."""
+    data = "".join(lines).encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        began = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, began)
+            raise
+    finally:
+        os.close(fd)
 
 
 class DiskFaults:
-    """The `OSError`s met writing a run's files (a full or unmounted disk, a read-only
-    volume). A run must not end because it could not write a record or a checkpoint: each
-    failure is logged and counted here (the status shows both), and what was not written is
-    written at the next chance (`Backlog`, the engine's owed checkpoint)."""
+    """The storage errors met writing a run's files (a full or unmounted disk, a read-only
+    volume, an object store that cannot be reached: `storage.is_storage_error`). A run must
+    not end because it could not write a record or a checkpoint: each failure is logged and
+    counted here (the status and `archipelago_disk_errors_total` show both), and what was
+    not written is written at the next chance (`Backlog`, the engine's owed checkpoint)."""
 
     def __init__(self) -> None:
         self.count = 0
         self.last: str | None = None
 
     def attempt(self, what: str, write: Callable[[], object]) -> bool:
-        """Run `write`; False, logged and counted, if it raised an `OSError`."""
+        """Run `write`; False, logged and counted, if it raised a storage error (any other
+        error is a bug and propagates)."""
         try:
             write()
-        except OSError as err:
+        except Exception as err:
+            if not is_storage_error(err):
+                raise
             self.count += 1
-            self.last = f"{what}: {err}"
-            log.error("could not write %s (%s); the run goes on and retries at the next boundary", what, err)
+            self.last = f"{what}: {type(err).__name__}: {err}"
+            log.error("could not write %s (%s); the run goes on and retries at the next boundary", what, self.last)
             return False
         return True
 
