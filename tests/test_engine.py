@@ -474,3 +474,23 @@ def test_the_phase_moves_only_by_its_machines_transitions_and_the_status_shows_e
     engine.lifecycle.listen(lambda p: moves.append((p, engine.status().state)))
     engine.execute()
     assert moves == [(RunPhase.TRAINING, RunPhase.TRAINING), (RunPhase.FINISHED, RunPhase.FINISHED)]
+
+
+def test_the_status_of_a_sliced_run_never_asks_a_slice(tmp_path):
+    """Before: every `GET /v1/run` read the outer lr from every slice, unbounded, behind a
+    slice's part save; three slow reads took the coordinator's three control threads and a
+    Stop went unanswered, and a dead slice turned reads into 500s. The status now serves the
+    lr the engine's own thread last read (each round) or set: a slice that would never
+    answer does not hold it."""
+    import threading
+
+    cfg = scenario_cfg(tmp_path, "diloco", "coordinator.shards=2", "compression.chunk=16", "outer.lr=0.7")
+    engine, _ = in_process_engine(cfg)
+    drive(engine, until=2)
+    never = threading.Event()
+    for part in engine.outer.calls.slices:
+        part.lr = lambda: never.wait(5)  # a slice that does not answer (for 5 s)
+    began = time.monotonic()
+    assert engine.status().outer_lr == pytest.approx(0.7) and time.monotonic() - began < 1.0
+    engine.outer.set_lr(0.3)  # as the engine's thread applies an accepted `UpdateSettings`
+    assert engine.status().outer_lr == pytest.approx(0.3)

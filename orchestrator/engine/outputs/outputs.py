@@ -332,7 +332,7 @@ class Outputs:
             "target_islands": self.members.target,
             "pending_islands": sorted(self.members.pending),
             "inner_steps": self.run.inner_steps,
-            "outer_lr": self.outer.lr(),
+            "outer_lr": self.outer.known_lr(),  # never a remote call: this is a control thread's read
             "hang_after_steps": self.run.hang_after_steps,
             "paused": self.inbox.paused.is_set(),
             "stopping": self.inbox.stopping.is_set(),

@@ -154,6 +154,9 @@ class OuterStep:
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def known_lr(self) -> float | None:
+        return self.lr()
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "optimizer": self.optimizer.state_dict(),
@@ -229,6 +232,10 @@ class Outer(Protocol):
     def load_state_dict(self, state: dict[str, Any], version: int) -> None: ...
     def set_lr(self, lr: float) -> None: ...
     def lr(self) -> float: ...
+    def known_lr(self) -> float | None:
+        """The lr as of the last outer step or setting, read without asking a remote slice:
+        what the status serves from a control thread (a slow slice never holds a read)."""
+
     def release(self) -> None:
         """End the processes it steps on (coordinator slices), so the phase after this one
         can place its own where these were (a slice node offers one slice's resource)."""
@@ -348,6 +355,9 @@ class LocalOuter:
 
     def lr(self) -> float:
         return self.steps[0].lr()
+
+    def known_lr(self) -> float | None:
+        return self.lr()
 
 
 @dataclass(frozen=True)

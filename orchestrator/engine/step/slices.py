@@ -329,6 +329,7 @@ class SlicedOuter:
         self.exact_norms = MERGES[merge].exact_norms
         self.numel = flat.numel()
         self._keys = itertools.count()
+        self._lr: float | None = None  # as last read from the slices (`known_lr`)
 
     @property
     def _slices(self) -> Sequence[Any]:
@@ -412,12 +413,19 @@ class SlicedOuter:
                 for s, (lo, hi), st in zip(self._slices, self.bounds, state["slices"])
             ]
         )
+        self.lr()  # the restored lr, known to the status before the first step
 
     def set_lr(self, lr: float) -> None:
         self.calls.gather([s.set_lr(lr) for s in self._slices])
+        self._lr = lr
 
     def lr(self) -> float:
-        return float(self.calls.gather([s.lr() for s in self._slices])[0])
+        """Read from the slices (the engine's thread, each round: a schedule moves it)."""
+        self._lr = float(self.calls.gather([s.lr() for s in self._slices])[0])
+        return self._lr
+
+    def known_lr(self) -> float | None:
+        return self._lr
 
     # the published copy, where islands hold one (`downlink.SlicedDownlink`): each slice its part
     def change_parts(self, version: int) -> tuple[list[Any], int]:
