@@ -58,6 +58,13 @@ class RaySlices:
             return ray.get(answers)
         except ray.exceptions.RayActorError as err:
             raise SliceLost(f"coordinator slice lost ({type(err).__name__})") from err
+        except ray.exceptions.RayTaskError as err:
+            # an island's part lost with its node between its result and the close (its owner,
+            # the coordinator, lives: `IslandActor.run`): the slices' round cannot close, and
+            # a restart from the last checkpoint is what recovers it, as for a lost slice
+            if isinstance(err.cause, ray.exceptions.ObjectLostError):
+                raise SliceLost(f"an island's part was lost ({type(err.cause).__name__})") from err
+            raise
 
     def params(self) -> list[Any]:
         return [a.params.remote() for a in self.actors]
