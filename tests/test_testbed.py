@@ -48,8 +48,8 @@ def test_a_run_on_shaped_links_survives_a_20s_partition_and_its_cards_carry_its_
     after round 2 island0's link is down for 20 s. The run finishes every round, every batch
     read is trained once, no island is lost or replaced (its silence is under the 60-s floor,
     and Ray's "actor unavailable" loses its work, not it), and the bytes that crossed the island machines' cards (the kernel's counters, TCP/IP
-    and Ray's own traffic included) are the payload the run counted and at most a quarter more
-    (overhead, and the bytes of the round the cut lost)."""
+    and Ray's own traffic included) of the island whose link stayed up are within 10 % of its
+    payload counters, and the cut island's at least its counters."""
     scenario = tmp_path / "scenario.yaml"
     scenario.write_text(SCENARIO)
     done = _testbed("run", str(scenario), f"--out={tmp_path / 'out'}", "--timeout=150")
@@ -62,15 +62,16 @@ def test_a_run_on_shaped_links_survives_a_20s_partition_and_its_cards_carry_its_
     islands = list(summary["islands"].values())
     assert not any(i.get("error") for i in islands), islands
     assert sum(summary["shards"]["tokens"]) == summary["tokens"]  # every batch read was trained, once
-    payload = summary["bytes_communicated"]
-    card = sum(report["card_bytes"][m]["sent"] + report["card_bytes"][m]["received"] for m in ("island0", "island1"))
-    # the payload counts what the run used: a round the partition cut loses its upload, but
-    # the download it trained from and any bytes sent before the cut crossed the cards
-    # (measured: 1.085 when the cut fell between transfers, 1.18 when it fell in one)
-    assert 0.9 <= card / payload <= 1.25, (card, payload)
     events = [json.loads(line) for line in (tmp_path / "out" / "run" / "events.jsonl").read_text().splitlines()]
     kinds = [e["kind"] for e in events]
     assert "crash" not in kinds and kinds.count("requested") == 2, kinds  # no island lost, none replaced
+    counted = {f"island{i}": s["bytes_sent"] + s["bytes_received"] for i, s in summary["islands"].items()}
+    card = {m: report["card_bytes"][m]["sent"] + report["card_bytes"][m]["received"] for m in counted}
+    # island1's link was never cut: its card carried its payload counters and TCP/IP's and
+    # Ray's own bytes (measured 1.03-1.07); island0's carried at least its counters (a round
+    # the cut lost is not counted, though its download and any bytes before the cut crossed)
+    assert 0.9 <= card["island1"] / counted["island1"] <= 1.1, (card, counted)
+    assert card["island0"] >= 0.9 * counted["island0"], (card, counted)
     assert not netlab._pids_in(f"{netlab.PREFIX}-head")  # torn down
 
 
