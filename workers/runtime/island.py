@@ -240,7 +240,7 @@ class Island:
         for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
             group["lr"] = base * fn(local)
 
-    def run(self, order: WorkOrder, params: np.ndarray, *, detach_tail: bool = False) -> RoundResult:
+    def run(self, order: WorkOrder, params: np.ndarray | None, *, detach_tail: bool = False) -> RoundResult:
         """Do one work order from the global `params`. `TRAIN` is DiLoCo's inner phase:
         `steps` inner steps, Δ = θ_start − θ_end back; `GRADIENT` is the ddp step: one
         batch's gradient at `params`, no local update. The inner optimizer state and the
@@ -280,7 +280,7 @@ class Island:
         if tail is not None:
             tail.wait()
 
-    def _run(self, order: WorkOrder, params: np.ndarray, detach_tail: bool) -> RoundResult:
+    def _run(self, order: WorkOrder, params: np.ndarray | None, detach_tail: bool) -> RoundResult:
         self.work_begun_at, self.work_ticket = self.inner_steps_done, order.ticket
         if order.handoff_sha256 is not None:  # before anything of it is used
             verify(order, params)

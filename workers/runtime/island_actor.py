@@ -145,7 +145,7 @@ class IslandActor:
     def rejoin(self, spec: IslandSpec) -> dict[str, Any]:
         return self.island.rejoin(spec)
 
-    def run(self, order: WorkOrder, params: Any, changes: list[Any]) -> RoundResult:
+    def run(self, order: WorkOrder, params: Any, changes: list[Any]) -> RoundResult | tuple[Any, ...]:
         """`params`: references to the global parameters (`whole_params`); `changes`: to the
         order's downlink changes, each put once by the coordinator (the order itself travels
         without them); both fetched here. A streaming order answers at its send point and

@@ -130,7 +130,7 @@ class GroupIsland(Island):
                 dist.broadcast(self.flat.data[lo:hi], src=r)
 
     # -- rounds: rank 0 drives the others ------------------------------------------------
-    def run(self, order: WorkOrder, params: np.ndarray, *, detach_tail: bool = False) -> RoundResult:
+    def run(self, order: WorkOrder, params: np.ndarray | None, *, detach_tail: bool = False) -> RoundResult:
         """Run the order on every worker at once (the collectives pair up); rank 0's result.
         A streaming tail is trained before answering (`detach_tail` is not taken): the
         workers' collectives pair up step by step, within each worker's one call."""

@@ -156,13 +156,14 @@ def is_storage_error(err: BaseException) -> bool:
     error: an `OSError`, or one defined by a storage backend (`STORAGE_PACKAGES`), told by
     the module that defines it so that no backend is imported to ask."""
     seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, OSError) or any(
-            cls.__module__.split(".")[0] in STORAGE_PACKAGES for cls in type(err).__mro__
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) or any(
+            c.__module__.split(".")[0] in STORAGE_PACKAGES for c in type(current).__mro__
         ):
             return True
-        err = getattr(err, "cause", None) or err.__cause__  # a RayTaskError carries the task's as `cause`
+        current = getattr(current, "cause", None) or current.__cause__  # a RayTaskError carries the task's as `cause`
     return False
 
 
