@@ -321,6 +321,7 @@ def _ddp_row(row: str, reference: dict[str, Any], timed: dict[str, Any], plain: 
         "card_bytes": timed["card_bytes"],
         "payload_bytes": None,  # DDP counts none of its own: its bytes are the cards'
         "card_bytes_per_step": per_step,
+        "timed_steps": timed["steps"],  # the steps `card_bytes` crossed the cards for (and its start)
         "head_busy_share": 0.0,  # DDP's ring runs among the islands
         "curves": [[(t, loss) for t, _, loss in reference["curve"]]],
     }
@@ -341,12 +342,20 @@ def _result(
         ratio = None if ddp is None or diloco is None else diloco / ddp
         verdicts[name] = ratio
         table = [
-            [k, _s(r["seconds_to_target"]), _b(r["card_bytes"]), _b(r["payload_bytes"]), f"{r['head_busy_share']:.2f}"]
+            [
+                k,
+                _s(r["seconds_to_target"]),
+                _b(r["card_bytes"]) + (f" ({r['timed_steps']} steps)" if "timed_steps" in r else ""),
+                _b(r["payload_bytes"]),
+                f"{r['head_busy_share']:.2f}",
+            ]
             for k, r in rows.items()
         ]
         lines.append(
             f"### {name}-equivalent: ratio {regime['ratio']}, islands at {regime['island_mbit']:.2f} Mbit/s\n\n"
-            + md_table(["row", "s to target", "card bytes (islands)", "payload bytes", "head busy"], table)
+            + md_table(
+                ["row", "s to target", "card bytes (islands; DDP: its timing run)", "payload bytes", "head busy"], table
+            )
             + f"\n\nbest DiLoCo-family / best DDP: {'-' if ratio is None else f'{ratio:.2f}x'}\n"
         )
         panels.append(
