@@ -137,6 +137,10 @@ def test_the_readmes_figures_are_the_benchmarks_json():
     assert ratios is not None
     assert float(ratios.group(1)) == round(checks["quorum_sliced_time_le_0.5x_ddp_at_16_at_1gbps"]["value"], 2)
     assert float(ratios.group(2)) == round(checks["quorum_time_le_0.5x_ddp_at_16_at_1gbps"]["value"], 2)
+    testbed = json.loads((REPO / "docs" / "testbed.json").read_text())
+    real = re.search(r"reaches eval loss ([\d.]+) in ([\d.]+)× the best DDP's time", readme)
+    assert real is not None
+    assert float(real.group(1)) == testbed["target"] and float(real.group(2)) == round(testbed["ratio_1gbps"], 2)
 
 
 def test_the_quality_reports_token_figure_is_its_json():
