@@ -154,7 +154,8 @@ def small_disk(tmp_path):
         pytest.skip("mounting a tmpfs needs root")
     disk = tmp_path / "disk"
     disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], check=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], check=False).returncode:
+        pytest.skip("this root may not mount a tmpfs (an unprivileged container)")
     yield disk
     subprocess.run(["umount", "-l", str(disk)], check=False)
 

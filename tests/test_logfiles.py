@@ -99,7 +99,9 @@ def test_mend_keeps_every_whole_record_wherever_a_write_tore_the_log(tmp_path):
 
     path = tmp_path / "metrics.jsonl"
     (tmp_path / "metrics.jsonl.1").write_bytes(b'{"round": 1}\n{"rou\n{"round": 2}\n')
-    path.write_bytes(b'{"round": 3}\n{"r{"round": 4, "x": {"y": 1}}\n{"round": 5}\n{"round": 6, "eval')
-    assert mend(path) > 0
-    assert [json.loads(line)["round"] for line in read_lines(path)] == [1, 2, 3, 4, 5]
-    assert mend(path) == 0  # whole: left as it is
+    path.write_bytes(
+        b'{"round": 3}\n{"r{"round": 4, "x": {"y": 1}}\n{"round": 5, "x": {"0": 1.2}\n{"round": 6}\n{"round": 7, "eval'
+    )
+    assert mend(path, "round") > 0  # round 5's line tore after a nested object: that object is no record
+    assert [json.loads(line)["round"] for line in read_lines(path)] == [1, 2, 3, 4, 6]
+    assert mend(path, "round") == 0  # whole: left as it is

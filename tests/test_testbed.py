@@ -53,8 +53,8 @@ def test_a_run_on_shaped_links_survives_a_20s_partition_and_its_cards_carry_its_
     scenario = tmp_path / "scenario.yaml"
     scenario.write_text(SCENARIO)
     done = _testbed("run", str(scenario), f"--out={tmp_path / 'out'}", "--timeout=150")
-    report = json.loads((tmp_path / "out" / "testbed-run.json").read_text())
     assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "testbed-run.json").read_text())
     summary = report["summary"]
     assert summary["rounds_done"] == 6
     (fault,) = report["faults"]

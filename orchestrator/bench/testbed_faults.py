@@ -168,17 +168,22 @@ class Poller:
                     status = reply.status
             except urllib.error.HTTPError as err:
                 status = err.code
-            except (urllib.error.URLError, OSError):
-                continue  # not serving yet (the run starting) or gone (it ended)
+            except (urllib.error.URLError, OSError):  # no answer (refused, or its 10 s passed): status 0
+                status = 0
             self.answers.append((round(began - t0, 2), status, round(time.monotonic() - began, 3)))
 
     def close(self) -> dict[str, Any]:
+        """The reads from the first answer to the last: before, the control plane was not
+        serving yet (the run starting); after, it was gone (the run ended). Between, a read
+        that got no answer is one, as slow as it waited."""
         self._stop.set()
         self._thread.join(timeout=15)
+        served = [i for i, a in enumerate(self.answers) if a[1] != 0]
+        answers = self.answers[served[0] : served[-1] + 1] if served else []
         return {
-            "reads": len(self.answers),
-            "slowest_s": max((a[2] for a in self.answers), default=None),
-            "not_ok": [a for a in self.answers if a[1] != 200],
+            "reads": len(answers),
+            "slowest_s": max((a[2] for a in answers), default=None),
+            "not_ok": [a for a in answers if a[1] != 200],
         }
 
 
@@ -218,6 +223,7 @@ def judge(
         "no_false_hang": not hung or (case.silent_past_floor and len(hung) <= case.losses),
         "api_within_2s": api["reads"] > 0 and (api["slowest_s"] or 0) <= ANSWER_S,
         "api_no_5xx": not [a for a in api["not_ok"] if a[1] >= 500],
+        "api_always_answered": not [a for a in api["not_ok"] if a[1] == 0],
     }
     return {
         "pass": all(checks.values()),

@@ -137,6 +137,15 @@ class UnsafeName(ValueError):
     outside it."""
 
 
+def is_plain(name: str) -> bool:
+    """Whether `name` is one plain name (`plain` would take it)."""
+    try:
+        plain(name)
+    except UnsafeName:
+        return False
+    return True
+
+
 def plain(name: str) -> str:
     """`name`, checked to be one plain name (a file or folder directly inside its folder)."""
     if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
@@ -163,7 +172,8 @@ def is_storage_error(err: BaseException) -> bool:
             c.__module__.split(".")[0] in STORAGE_PACKAGES for c in type(current).__mro__
         ):
             return True
-        current = getattr(current, "cause", None) or current.__cause__  # a RayTaskError carries the task's as `cause`
+        cause = getattr(current, "cause", None)  # a RayTaskError carries the task's as `cause`
+        current = cause if isinstance(cause, BaseException) else current.__cause__
     return False
 
 

@@ -14,7 +14,6 @@ the newest `checkpoint.keep` checkpoints are kept, the rest deleted once superse
 from __future__ import annotations
 
 import functools
-import logging
 from collections import deque
 
 from archipelago.orchestrator.config import RunConfig
@@ -22,10 +21,9 @@ from archipelago.orchestrator.engine.pacing.registry import pacing_of
 from archipelago.orchestrator.engine.state.checkpoints import run_folder
 from archipelago.orchestrator.engine.state.membership import IslandStats, Membership
 from archipelago.orchestrator.engine.state.records import DiskFaults
-from archipelago.workers.runtime.storage import DIGEST, Folder, digest_name
+from archipelago.workers.runtime.storage import DIGEST, Folder, digest_name, is_plain
 from archipelago.workers.wire.messages import SavedState, WorkKind
 
-log = logging.getLogger(__name__)
 FOLDER = "islands"  # beside the run's checkpoints
 
 
@@ -90,20 +88,16 @@ class IslandStates:
 
     def sweep(self, disk: DiskFaults) -> None:
         """The run ended: nothing is in flight, so every file no kept checkpoint names goes
-        (states written for work that was then lost, or by a coordinator before a restart),
-        and the temporary files of writes killed part-way (an island killed while it
-        streamed its state: at start it may still be writing, so they wait for the end)."""
+        (states written for work that was then lost, or by a coordinator before a restart)."""
         if self.folder is None:
             return
         folder = Folder(self.folder)
-        if removed := folder.sweep():
-            log.info("removed %d temporary file(s) of interrupted island-state writes", len(removed))
         named = set().union(*self.window)
         entries: list[tuple[str, bool]] = []
         disk.attempt("a listing of the islands' states", lambda: entries.extend(folder.entries()))
         for name, is_dir in entries:
             state = name.removesuffix(DIGEST)
-            if not is_dir and state.endswith(".npz") and state not in named:
+            if not is_dir and state.endswith(".npz") and state not in named and is_plain(name):
                 self._delete(name, disk, beside=False)
         self.superseded.clear()
 

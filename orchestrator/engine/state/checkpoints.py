@@ -46,7 +46,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from archipelago.orchestrator.engine.types import RunFailed
-from archipelago.workers.runtime.storage import Folder, HashingWriter, UnsafeName, digest_name, plain, yield_cpu
+from archipelago.workers.runtime.storage import (
+    Folder,
+    HashingWriter,
+    UnsafeName,
+    digest_name,
+    is_plain,
+    plain,
+    yield_cpu,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -75,8 +83,10 @@ def runs_in(checkpoint_dir: Location) -> list[str]:
     folder = _folder(checkpoint_dir)
     held = []
     for name, is_dir in folder.entries():
+        if not is_dir or not is_plain(name):  # a stray object's name (a backslash) is no run of ours
+            continue
         run = folder / name
-        if is_dir and (saved := _saved(run)):
+        if saved := _saved(run):
             held.append((run.modified(saved[0][1]), name))
     return [name for _, name in sorted(held, reverse=True)]
 

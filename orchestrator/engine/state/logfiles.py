@@ -40,23 +40,26 @@ def read_lines(path: Path) -> list[str]:
     return lines
 
 
-def _record(line: bytes) -> bytes | None:
-    """The whole JSON record in `line`, or None. A line that does not parse may be a torn
-    append's prefix with the next whole line glued to it (a full disk cut the first write,
-    and a later one began where it ended: `{"r{"round": 140, ...}`): its record is the
-    longest suffix that starts an object and parses."""
+def _record(line: bytes, key: str) -> bytes | None:
+    """The whole JSON record in `line` (an object holding `key`, which every record of its
+    log has), or None. A line that does not parse may be a torn append's prefix with the
+    next whole line glued to it (a full disk cut the first write, and a later one began
+    where it ended: `{"r{"round": 140, ...}`): its record is the longest suffix that starts
+    an object, parses and holds `key` (a nested object a tear left whole is not one)."""
     for start in (i for i in range(len(line)) if line[i : i + 1] == b"{"):
         try:
-            if isinstance(json.loads(line[start:]), dict):
-                return line[start:]
+            value = json.loads(line[start:])
         except ValueError:
             continue
+        if isinstance(value, dict) and key in value:
+            return line[start:]
     return None
 
 
-def mend(path: Path) -> int:
-    """Repair the log wherever an append tore it, in every kept file: a line that is not
-    JSON keeps the whole record glued after a torn prefix (`_record`) or goes, and bytes
+def mend(path: Path, key: str) -> int:
+    """Repair the log wherever an append tore it, in every kept file (`key`: the field every
+    record of the log holds): a line that is not a record keeps the whole record glued after
+    a torn prefix (`_record`) or goes, and bytes
     after the last newline are kept only if they are a whole record. A resumed run appends
     after what is left and a reader parses every line, so one torn line would have failed
     every restart (`JSONDecodeError`). Returns the bytes cut (logged)."""
@@ -66,7 +69,7 @@ def mend(path: Path) -> int:
             continue
         data = segment.read_bytes()
         lines = data.split(b"\n")
-        kept = [record for line in lines if line.strip() and (record := _record(line.strip())) is not None]
+        kept = [record for line in lines if line.strip() and (record := _record(line.strip(), key)) is not None]
         mended = b"".join(record + b"\n" for record in kept)
         if mended == data:
             continue

@@ -160,7 +160,7 @@ class Recorder:
         if last_round is None:
             restart(path)
         else:
-            mend(path)
+            mend(path, "round")
             rewind(path, last_round)
         self.faults = faults or DiskFaults()
         self._metrics = Backlog(path, self.faults, cfg.records)
@@ -222,7 +222,7 @@ class EventLog:
         if not append or not path.exists():
             restart(path)
         else:
-            mend(path)
+            mend(path, "kind")
         self._file = Backlog(path, faults or DiskFaults(), rotation)
         self.recent: deque[EventRecord] = deque(maxlen=keep)
         self._lock = threading.Lock()
