@@ -52,7 +52,6 @@ from archipelago.workers.runtime.storage import (
     UnsafeName,
     digest_name,
     is_plain,
-    plain,
     yield_cpu,
 )
 
@@ -239,11 +238,8 @@ def named_files(state: dict[str, Any]) -> list[str]:
 
 def _checked(name: str, state: dict[str, Any]) -> dict[str, Any]:
     """`state`, refused (`UnsafeCheckpoint`) if any name it holds is not a plain name."""
-    for each in named_files(state):
-        try:
-            plain(each)
-        except UnsafeName as err:
-            raise UnsafeCheckpoint(f"checkpoint {name} names {each!r}, which is not a file in its folder") from err
+    if unsafe := [each for each in named_files(state) if not is_plain(each)]:
+        raise UnsafeCheckpoint(f"checkpoint {name} names {unsafe[0]!r}, which is not a file in its folder")
     return state
 
 

@@ -59,10 +59,9 @@ def _record(line: bytes, key: str) -> bytes | None:
 def mend(path: Path, key: str) -> int:
     """Repair the log wherever an append tore it, in every kept file (`key`: the field every
     record of the log holds): a line that is not a record keeps the whole record glued after
-    a torn prefix (`_record`) or goes, and bytes
-    after the last newline are kept only if they are a whole record. A resumed run appends
-    after what is left and a reader parses every line, so one torn line would have failed
-    every restart (`JSONDecodeError`). Returns the bytes cut (logged)."""
+    a torn prefix (`_record`) or goes, a torn end included. A resumed run appends after what
+    is left and a reader parses every line, so one torn line would have failed every restart
+    (`JSONDecodeError`). Returns the bytes cut (logged)."""
     cut = 0
     for segment in segments(path):
         if not segment.exists():

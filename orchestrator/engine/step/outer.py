@@ -154,9 +154,6 @@ class OuterStep:
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def known_lr(self) -> float | None:
-        return self.lr()
-
     def state_dict(self) -> dict[str, Any]:
         return {
             "optimizer": self.optimizer.state_dict(),
