@@ -219,6 +219,17 @@ def test_a_submitted_run_is_steered_live_and_a_stopped_job_is_resumed_by_a_new_o
     assert torch.isfinite(state["params"]).all()
     print(f"ray job stop → job stopped in {stop_s:.1f}s at round {summary['rounds_done']}")
 
+    # what writers killed mid-write leave (an island streaming its inner state, the checkpoint's
+    # own): the new job's coordinator is their folders' only writer, and sweeps them before it starts
+    run_dir = Path(str(one_run(out / "checkpoint")))
+    debris = [
+        run_dir / "islands" / ".island-00000-0123456789ab.npz.4242.deadbeef.tmp",
+        run_dir / ".state.pt.4242.cafe0123.tmp",
+    ]
+    for orphan in debris:
+        orphan.parent.mkdir(exist_ok=True)
+        orphan.write_bytes(b"\0" * 4096)
+
     # usable: a new job resumes it and carries on from the next version to the end
     done = summary["rounds_done"]
     resume = ["submit", "--submission-id=archipelago-resume", f"--working-dir={REPO}", "--no-wait", "--",
@@ -234,6 +245,7 @@ def test_a_submitted_run_is_steered_live_and_a_stopped_job_is_resumed_by_a_new_o
     assert summary["state"] == "finished" and summary["outer_steps"] == done + 2
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert (out / "final.pt").exists() and load_checkpoint(one_run(out / "checkpoint"))["version"] == done + 2
+    assert not list((out / "checkpoint").rglob("*.tmp")), "debris of a write left under the checkpoint folder"
     # the new job's islands are new actors, yet each continued from its predecessor's inner state
     joins = [e for e in _records(out / "events.jsonl") if e["kind"] == "join" and "inner_state" in e]
     assert sorted(e["island"] for e in joins) == [0, 1] and {e["inner_state"] for e in joins} == {"restored"}

@@ -355,7 +355,7 @@ def test_every_pod_runs_unprivileged_as_the_images_user_with_resources():
 def test_a_network_policy_admits_only_the_runs_pods_and_metrics_scrapes():
     assert "networkpolicy.yaml" in manifest("kustomization.yaml")["resources"]
     policy = manifest("networkpolicy.yaml")
-    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
     label = policy["spec"]["podSelector"]["matchLabels"]
     assert label == {"app.kubernetes.io/part-of": "archipelago"}
     rules = policy["spec"]["ingress"]
@@ -368,9 +368,31 @@ def test_a_network_policy_admits_only_the_runs_pods_and_metrics_scrapes():
     assert opened == {8265, *planes}  # job server, control planes: nothing else (metrics: k8s/monitoring's)
     assert rules[1]["from"] == [{"podSelector": {}}]  # this namespace's pods
     sources = [(src, {p["port"] for p in rule["ports"]}) for rule in rules[2:] for src in rule["from"]]
-    # from another namespace: only the KubeRay operator, which polls a RayJob's status on the
-    # job server (KubeRay's e2e does the same)
-    assert [ports for src, ports in sources if src.get("podSelector")] == [{8265}] and len(sources) == 1
+    # from another namespace: only the KubeRay operator, from its own namespace (the one
+    # docs/deploy.md installs it in), which polls a RayJob's status on the job server
+    ((operator, ports),) = sources
+    assert ports == {8265} and operator["podSelector"] == {
+        "matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}
+    }
+    namespace = operator["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+    assert (
+        f"helm install kuberay-operator kuberay/kuberay-operator --version 1.7.0 --namespace {namespace}"
+        in (REPO / "docs" / "deploy.md").read_text()
+    )
+
+
+def test_the_runs_pods_reach_only_each_other_dns_and_https():
+    """Egress: a compromised island opens nothing in the cluster but the run and its DNS;
+    object storage, the Hub, trackers and the API server (the autoscaler's) on 443/6443."""
+    policy = manifest("networkpolicy.yaml")
+    own, dns, https = policy["spec"]["egress"]
+    assert own == {"to": [{"podSelector": policy["spec"]["podSelector"]}]}
+    ((to,),) = [dns["to"]]
+    assert to["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}}
+    assert to["podSelector"] == {"matchLabels": {"k8s-app": "kube-dns"}}
+    assert {(p["protocol"], p["port"]) for p in dns["ports"]} == {("UDP", 53), ("TCP", 53)}
+    assert "to" not in https and {(p["protocol"], p["port"]) for p in https["ports"]} == {("TCP", 443), ("TCP", 6443)}
+    assert not any("endPort" in p for rule in (dns, https) for p in rule["ports"])
 
 
 @pytest.mark.parametrize("folder", ["", "job"])

@@ -77,6 +77,8 @@ class Coordinator:
             warnings.simplefilter("ignore", DeprecationWarning)
             restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self._prestarted = 0 if restarted else prestarted
+        if not restarted:  # a restarted coordinator's islands live on, and may be writing
+            self._sweep_debris()
         self.phases = PhasedRun(
             cfg,
             run_id,
@@ -134,7 +136,25 @@ class Coordinator:
             log.error("%s; restarting the coordinator from its checkpoint", err)
             os._exit(1)
         finally:
-            self.engine.pool.close()
+            self.engine.pool.close()  # after the islands' writes were awaited, and they were released
+            self._sweep_debris()
+
+    def _sweep_debris(self) -> None:
+        """Remove the temporary files writers killed mid-write left anywhere under the run's
+        folder: the engine's start sweeps its own (the top folder), this the islands' too
+        (`islands/`: an island killed while it streams its inner state left a state-sized
+        orphan). Only where no writer of the run lives: before the first life's islands
+        start, and after the last's are released."""
+        from archipelago.orchestrator.engine.state.checkpoints import run_folder
+
+        folder = run_folder(self.cfg.checkpoint_dir, self.run_id)
+        try:
+            removed = folder.sweep(deep=True)
+        except OSError as err:  # a disk fault: the files stay, the run is not ended for them
+            log.warning("the temporary files under %s could not be swept: %s", folder, err)
+            return
+        if removed:
+            log.warning("removed %d temporary file(s) of interrupted writes under %s", len(removed), folder)
 
     # -- what the control plane calls (other threads) ----------------------------------------
     def progress(self) -> dict[str, Any]:

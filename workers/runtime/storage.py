@@ -307,19 +307,20 @@ class Folder:
             tmp.unlink(missing_ok=True)
         _fsync_dir(folder)
 
-    def sweep(self) -> list[str]:
+    def sweep(self, deep: bool = False) -> list[str]:
         """Remove the temporary files a writer killed mid-write left here (a SIGKILL or a
         lost node skips the clean-up of `open_write` and `durable_write`: each crash during
-        a checkpoint left a state-sized orphan). Only for a folder whose writers are all gone
-        — its owner, starting. Object storage has none to remove (an upload not completed
-        is no object). Returns the names removed."""
+        a checkpoint left a state-sized orphan), and in every folder below with `deep`.
+        Only for folders whose writers are all gone. Object storage has none to remove (an
+        upload not completed is no object). Returns the names removed, relative to here."""
         if self.remote:
             return []
         folder = Path(self.path)
-        gone = [p for p in folder.iterdir() if p.is_file() and TEMPORARY.match(p.name)] if folder.is_dir() else []
+        found = (folder.rglob if deep else folder.glob)("*.tmp") if folder.is_dir() else iter(())
+        gone = [p for p in found if TEMPORARY.match(p.name) and p.is_file() and not p.is_symlink()]
         for path in gone:
             path.unlink(missing_ok=True)
-        return [p.name for p in gone]
+        return [str(p.relative_to(folder)) for p in gone]
 
     def delete(self, name: str) -> None:
         if not self.remote:
