@@ -4,6 +4,8 @@ islands that left, shows the event feed, and refreshes by itself."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -129,10 +131,86 @@ def test_text_from_the_run_is_shown_as_text_never_as_markup(tmp_path):
     assert "pwned" not in dom[: dom.index("<body")]  # the title was never rewritten
 
 
-def test_a_control_plane_with_a_token_asks_for_it_and_shows_the_run_with_it(tmp_path):
+class DevTools:
+    """Chromium driven over the DevTools protocol on a pipe (`--remote-debugging-pipe`:
+    commands in on its fd 3, answers and events out on its fd 4, each message ended by a
+    NUL), so a test types and presses keys as a person does; no client library needed."""
+
+    def __init__(self, tmp_path) -> None:
+        into, self._to = os.pipe()  # what Chromium reads (its fd 3)
+        self._from, out = os.pipe()  # what it writes (its fd 4)
+
+        def fds() -> None:  # in the child, before exec: the pipes at the numbers Chromium reads
+            os.dup2(into, 3)
+            os.dup2(out, 4)
+
+        self.proc = subprocess.Popen(
+            [CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--remote-debugging-pipe", "about:blank"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=fds,
+            pass_fds=(3, 4),
+        )
+        os.close(into)
+        os.close(out)
+        self._buffer, self._id, self.session = b"", 0, None
+        target = self.call("Target.createTarget", url="about:blank")["targetId"]
+        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+
+    def call(self, method: str, **params) -> dict:
+        self._id += 1
+        message = {"id": self._id, "method": method, "params": params}
+        if self.session is not None:
+            message["sessionId"] = self.session
+        os.write(self._to, json.dumps(message).encode() + b"\0")
+        while True:  # events are skipped: the test asks for the page's state itself
+            while b"\0" not in self._buffer:
+                chunk = os.read(self._from, 1 << 16)
+                assert chunk, "Chromium closed its DevTools pipe"
+                self._buffer += chunk
+            raw, self._buffer = self._buffer.split(b"\0", 1)
+            answer = json.loads(raw)
+            if answer.get("id") == self._id:
+                assert "error" not in answer, answer
+                return answer["result"]
+
+    def js(self, expression: str):
+        return self.call("Runtime.evaluate", expression=expression, returnByValue=True)["result"].get("value")
+
+    def until(self, expression: str, timeout: float = 20):
+        deadline = time.monotonic() + timeout
+        while not (value := self.js(expression)):
+            assert time.monotonic() < deadline, f"never true: {expression}"
+            time.sleep(0.1)
+        return value
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+        os.close(self._to)
+        os.close(self._from)
+
+
+def test_a_control_plane_with_a_token_asks_for_it_and_shows_the_run_once_it_is_typed(tmp_path):
+    """The token is typed into the page's form, not carried by the URL: a link or a fragment
+    is kept in the browser's history, which outlives the tab. Before, `/#token=…` was read
+    (and the address bar cleared after the visit was recorded)."""
     token = "dashboard-token-0123456789"
     with serving(create_app(FakeRun(islands=2), token)) as url:
-        without = _chromium(url + "/", tmp_path, "--dump-dom")
-        with_token = _chromium(f"{url}/#token={token}", tmp_path, "--dump-dom")
-    assert "needs the API token" in without and 'data-island="0"' not in without
-    assert "mode diloco" in with_token and sorted(re.findall(r'<tr data-island="(\d+)"', with_token)) == ["0", "1"]
+        page = DevTools(tmp_path)
+        try:
+            page.call("Page.navigate", url=f"{url}/#token={token}")  # the old way: ignored now
+            page.until("!document.getElementById('login').hidden")
+            assert "needs the API token" in page.js("document.body.innerText")
+            assert page.js("document.querySelectorAll('tr[data-island]').length") == 0
+            page.js("document.getElementById('token').focus()")
+            page.call("Input.insertText", text=token)
+            for kind in ("keyDown", "keyUp"):  # Enter in the field submits the form
+                page.call("Input.dispatchKeyEvent", type=kind, key="Enter", code="Enter", windowsVirtualKeyCode=13,
+                          text="\r")  # fmt: skip
+            page.until("document.querySelectorAll('tr[data-island]').length === 2")
+            assert "mode diloco" in page.js("document.body.innerText")
+            assert page.js("document.getElementById('login').hidden")
+            assert page.js("sessionStorage.getItem('archipelago-token')") == token  # this tab's only
+        finally:
+            page.close()
