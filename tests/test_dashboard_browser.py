@@ -140,17 +140,15 @@ class DevTools:
         into, self._to = os.pipe()  # what Chromium reads (its fd 3)
         self._from, out = os.pipe()  # what it writes (its fd 4)
 
-        def fds() -> None:  # in the child, before exec: the pipes at the numbers Chromium reads
-            os.dup2(into, 3)
-            os.dup2(out, 4)
-
+        # the pipes put at the numbers Chromium reads by bash, which then becomes it (not
+        # a `preexec_fn`: unsafe beside the test server's threads)
         self.proc = subprocess.Popen(
-            [CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--remote-debugging-pipe", "about:blank"],
+            ["bash", "-c", f'exec "$@" 3<&{into} 4>&{out}', "chromium", CHROMIUM, *FLAGS,
+             f"--user-data-dir={tmp_path / 'profile'}", "--remote-debugging-pipe", "about:blank"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            preexec_fn=fds,
-            pass_fds=(3, 4),
-        )
+            pass_fds=(into, out),
+        )  # fmt: skip
         os.close(into)
         os.close(out)
         self._buffer, self._id, self.session = b"", 0, None
