@@ -104,3 +104,73 @@ def test_control_plane_watches_and_scales_a_live_run(ray_local, tmp_path, monkey
             client.post("/v1/run/stop", headers=AUTH)
         thread.join(timeout=60)
     assert box["summary"]["outer_steps"] < 3000
+
+
+def test_a_frozen_slice_holds_neither_reads_nor_a_stop(ray_local, tmp_path, monkeypatch):
+    """Before: every `GET /v1/run` asked each coordinator slice for the outer lr, with no
+    timeout, behind its part save; three such reads held the coordinator's control threads
+    and a Stop went unanswered. A slice frozen by SIGSTOP (the slowest a save can be: its
+    process answers nothing) while the run checkpoints every round: the engine waits on it,
+    reads are served from the published snapshot in under 2 s, a Stop is accepted (202); once
+    the slice runs again the run stops there, its last checkpoint written."""
+    import os
+    import signal
+
+    import ray
+
+    from archipelago.orchestrator.runtime.names import NAMESPACE
+
+    monkeypatch.setenv("ARCHIPELAGO_API_TOKEN", TOKEN)
+    port = free_port()
+    overrides = ["islands.cpus=0.5", "inner_steps=4", "rounds=3000", "coordinator.shards=2"]
+    cfg = load_config(
+        None,
+        toy_quadratic(2, 0.02, *overrides, "checkpoint.every_rounds=1", "api.enabled=true", f"api.port={port}",
+                      f"out_dir={tmp_path / 'out'}"),
+    )  # fmt: skip
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(summary=run(cfg, show_progress=False, run_id="frozen")))
+    thread.start()
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10, headers=AUTH)
+    pid = None
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if client.get("/v1/run").json().get("round", 0) >= 2:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        (frozen,) = [
+            a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "-frozen-slice-1-" in a["name"]
+        ]
+        actor = ray.get_actor(frozen, namespace=NAMESPACE)
+        pid = ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()))
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(3)  # the engine is now waiting on the slice (its round closes every ~0.2 s)
+        held = client.get("/v1/run").json()["round"]
+        took = []
+        for _ in range(5):  # more reads than the coordinator has control threads
+            t0 = time.perf_counter()
+            status = client.get("/v1/run")
+            took.append(time.perf_counter() - t0)
+            assert status.status_code == 200 and status.json()["run_id"] == "frozen"
+        assert client.get("/v1/islands").status_code == 200
+        t0 = time.perf_counter()
+        stop = client.post("/v1/run/stop", headers=AUTH)
+        took.append(time.perf_counter() - t0)
+        assert stop.status_code == 202, stop.text
+        assert max(took) < 2.0, took
+        assert client.get("/v1/run").json()["round"] == held  # the engine really was held
+        print(f"reads and a stop beside a frozen slice: slowest {max(took) * 1000:.0f} ms")
+        os.kill(pid, signal.SIGCONT)
+        pid = None
+        thread.join(timeout=120)
+        assert box["summary"]["state"] == "stopped" and held <= box["summary"]["rounds_done"] <= held + 2
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        if thread.is_alive():
+            client.post("/v1/run/stop", headers=AUTH)
+        thread.join(timeout=60)
