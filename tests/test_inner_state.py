@@ -234,3 +234,56 @@ def test_muon_beside_adamw_is_saved_group_by_group_and_steps_exactly_as_the_orig
     assert torch.equal(_step(model, opt), _step(twin, fresh))
     with pytest.raises(inner_state.InnerStateError, match="parameter groups"):
         inner_state.restore(build(twin), {"g7/exp_avg": np.zeros(3, np.float32)})
+
+
+def test_a_state_whose_write_never_ended_is_not_named_the_checkpoint_names_the_one_before(tmp_path, monkeypatch):
+    """Before: a checkpoint named each island's newest state as its result arrived, while
+    the file was still being written; island 1 killed mid-write (here: its writes after the
+    first fail, as a write cut short leaves them: no digest beside it) resumed with
+    fresh moments. The checkpoint now waits for the writes in progress and names, for an
+    island whose file is not on storage, its state before (kept, with its digest): the
+    resume restores island 1's moments of its first saved state. (Every later write of
+    island 1 fails here.)"""
+    written: dict[str, dict[str, np.ndarray]] = {}
+    run, save = Island.run, inner_state.save
+    saves, failed = Counter(), []
+
+    def run_and_remember(island: Island, order, params):
+        result = run(island, order, params)
+        if result.saved_state is not None:
+            written[result.saved_state.name] = _moments(island)
+        return result
+
+    def cut_short(folder, island, arrays, name=None):
+        saves[island] += 1
+        if island == 1 and saves[island] >= 2:
+            failed.append(name)
+            raise OSError("the island's node went down mid-write")
+        return save(folder, island, arrays, name)
+
+    monkeypatch.setattr(Island, "run", run_and_remember)
+    monkeypatch.setattr(inner_state, "save", cut_short)
+    cfg = scenario_cfg(tmp_path, "diloco", "inner.optimizer=adamw", "inner.lr=0.01", "checkpoint.every_rounds=2")
+    first, killed = in_process_engine(cfg, run_id="cut")
+    drive(first, until=6)
+    first.outputs.fence()  # the round-6 checkpoint on disk
+    killed.close()
+    checkpoint = load_checkpoint(Path(cfg.checkpoint_dir) / "cut")
+    assert checkpoint["counters"]["rounds_done"] == 6 and saves[1] >= 2
+    members = {int(i): m for i, m in checkpoint["membership"]["members"].items()}
+    named = {i: m["inner_state"] for i, m in members.items()}
+    folder = Path(cfg.checkpoint_dir) / "cut" / FOLDER
+    assert not any((folder / digest_name(name)).exists() for name in failed) and named[1] not in failed
+    assert (folder / named[1]).exists() and members[1]["inner_state_sha256"] is not None
+    assert named[1] in checkpoint["island_states"]  # kept: no sweep deletes it
+    pool = InProcessPool(cfg)
+    second = build_engine(cfg, pool, run_id="cut")
+    second.start()
+    for i in (0, 1, 2):
+        restored = _moments(pool.islands[i])
+        for kind, values in written[named[i]].items():
+            np.testing.assert_array_equal(restored[kind], values)
+    while second.step():
+        pass
+    joins = {e["island"]: e["inner_state"] for e in events(cfg.out_dir) if e["kind"] == "join" and "inner_state" in e}
+    assert joins == {0: "restored", 1: "restored", 2: "restored"}

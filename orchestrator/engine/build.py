@@ -187,6 +187,7 @@ def assemble(
         inbox=inbox,
         lifecycle=lifecycle,
         resumed=state is not None,
+        pool=pool,
         on_record=on_record,
         evaluator=evaluator,
     )

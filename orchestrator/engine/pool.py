@@ -12,6 +12,7 @@ link delays mean the same in both.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -112,6 +113,11 @@ class IslandPool(Protocol):
     def survivors(self) -> list[int]:
         """After a coordinator restart: the islands of this run still alive (or still being
         placed), known to the checkpoint or not."""
+
+    def writes_ending(self, islands: list[int]) -> Callable[[float], object]:
+        """A wait, for any thread, of at most its seconds, until the inner-state writes
+        `islands` have in progress now have ended (a checkpoint names an island's file only
+        once it is on storage: `IslandStates.confirm`). Asked on the engine's thread."""
 
     def sweep(self, keep: set[int]) -> None:
         """Release, by name, every island of this run not in `keep` (so none holds resources

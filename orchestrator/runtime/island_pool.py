@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -381,13 +382,21 @@ class RayIslandPool:
                 self.release(i)
         return out
 
+    def writes_ending(self, islands: list[int]) -> Callable[[float], list[Any]]:
+        """(`IslandPool.writes_ending`) The islands are asked now, in their `state` group;
+        the wait returns the answers still missing (an island gone answers at once)."""
+        refs = [self.handles[i].actor.written.remote() for i in islands if i in self.handles]
+
+        def wait(timeout_s: float) -> list[Any]:
+            return ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[1] if refs else []
+
+        return wait
+
     def _await_writes(self) -> None:
         """Let the islands end the inner-state writes the run's last checkpoint may name
         before they are killed; bounded, so an island that cannot answer does not hold the
         run's end (its state is then lost: a resume gives it fresh moments)."""
-        refs = [h.actor.written.remote() for h in self.handles.values()]
-        _, waiting = ray.wait(refs, num_returns=len(refs), timeout=WRITES_WAIT_S) if refs else ([], [])
-        if waiting:
+        if waiting := self.writes_ending(list(self.handles))(WRITES_WAIT_S):
             log.warning("%d island(s) did not finish writing their inner state in %.0f s", len(waiting), WRITES_WAIT_S)
 
     def adopt(self, islands: dict[int, Any]) -> None:

@@ -278,6 +278,16 @@ class InProcessPool:
     def survivors(self) -> list[int]:
         return sorted(i for i in self.islands if i not in self.dead)
 
+    def writes_ending(self, islands: list[int]) -> Callable[[float], None]:
+        """(`IslandPool.writes_ending`) The islands' own write threads, waited for in turn."""
+        live = [self.islands[i] for i in islands if i in self.islands and i not in self.dead]
+
+        def wait(_timeout_s: float) -> None:
+            for island in live:
+                island.written()
+
+        return wait
+
     def sweep(self, keep: set[int]) -> None:
         for i in [i for i in self.islands if i not in keep]:
             self.release(i)

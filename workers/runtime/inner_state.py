@@ -225,13 +225,14 @@ class StateWrites:
         logged, and its file never written (a resume then gives the island fresh moments)."""
         self.wait()
         name, self._taken = new_name(island), threading.Event()
-        self._thread = threading.Thread(
+        thread = threading.Thread(
             target=self._save,
             args=(folder, island, optimizer, feedback, name, self._taken),
             name="inner-state-write",
             daemon=False,
         )
-        self._thread.start()
+        thread.start()
+        self._thread = thread  # started: `ended`, on another thread, may join it from now on
         return SavedState(name=name)
 
     @staticmethod
@@ -263,5 +264,13 @@ class StateWrites:
     def wait(self) -> None:
         """Until the write in progress (if any) has ended."""
         thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+
+    def ended(self) -> None:
+        """Until the write in progress when asked (if any) has ended, for a caller beside the
+        island's own thread (which may start the next write meanwhile: this one is not
+        waited for, and the island's record of its writes is left to it)."""
+        thread = self._thread
         if thread is not None:
             thread.join()

@@ -321,8 +321,9 @@ class Island:
         return self.state_writes.start(folder, self.spec.index, self.optimizer, self.feedback) if folder else None
 
     def written(self) -> None:
-        """Wait for the inner state being written, if any (its pool is about to end it)."""
-        self.state_writes.wait()
+        """Wait for the inner state being written, if any: its pool is about to end the
+        island, or a checkpoint is to name the file (only once it is on storage)."""
+        self.state_writes.ended()
 
     def train_on(self, batches: Iterable[tuple[int, Any]], tally: Tally, *, stoppable: bool = False) -> bool:
         """Inner steps on `batches`, each counted in `tally`; True if a notice stopped them

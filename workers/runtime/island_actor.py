@@ -88,12 +88,13 @@ def fetched(changes: list[Any]) -> tuple[Change, ...]:
 
 
 CONTROL = "control"  # the concurrency group of calls answered while a round is in flight
+STATE = "state"  # the wait for an inner-state write: minutes at times, never in `control`'s way
 
 
 def island_actor_class() -> Any:
-    """`IslandActor` as a Ray actor class with its `control` concurrency group: Ray
-    refuses a class whose methods name a group the actor class does not declare."""
-    return ray.remote(concurrency_groups={CONTROL: 1})(IslandActor)  # type: ignore[call-overload]
+    """`IslandActor` as a Ray actor class with its concurrency groups: Ray refuses a class
+    whose methods name a group the actor class does not declare."""
+    return ray.remote(concurrency_groups={CONTROL: 1, STATE: 1})(IslandActor)  # type: ignore[call-overload]
 
 
 class IslandActor:
@@ -127,10 +128,12 @@ class IslandActor:
         """A preemption notice for the work `ticket`, beside it (`Island.stop`)."""
         self.island.stop(ticket=ticket, within_s=within_s, after_steps=after_steps)
 
-    @ray.method(concurrency_group=CONTROL)
+    @ray.method(concurrency_group=STATE)
     def written(self) -> None:
-        """Once its inner state being written (if any) is on storage: asked before the
-        island is killed at the end of a run (beside a round that may be stuck)."""
+        """Once its inner state being written (if any) has ended: asked before a checkpoint
+        names the file and before the island is killed at the end of a run (beside a round
+        that may be stuck, and in a group of its own: a preemption notice in `control` is
+        not held behind a write of minutes)."""
         self.island.written()
 
     def describe(self) -> dict[str, Any]:

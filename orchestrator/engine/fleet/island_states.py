@@ -7,24 +7,45 @@ each file with its digest beside it: the coordinator never moves it over the isl
 links. It asks for it only in the rounds before a checkpoint (a state written every round
 would cost a model-sized write per island per round), and keeps, for each island, the
 newest state whose result it judged — that result's data is what the checkpoint's ledger counts as trained, so the
-moments and the ledger agree. A checkpoint records each island's file; the files named by
-the newest `checkpoint.keep` checkpoints are kept, the rest deleted once superseded.
+moments and the ledger agree. A checkpoint records each island's file, only once it is on
+storage (`confirm`); the files named by the newest `checkpoint.keep` checkpoints are kept,
+the rest deleted once superseded.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.pacing.registry import pacing_of
 from archipelago.orchestrator.engine.state.checkpoints import run_folder
 from archipelago.orchestrator.engine.state.membership import IslandStats, Membership
 from archipelago.orchestrator.engine.state.records import DiskFaults
-from archipelago.workers.runtime.storage import DIGEST, Folder, digest_name, is_plain
+from archipelago.workers.runtime.storage import DIGEST, Folder, digest_name, is_plain, is_storage_error
 from archipelago.workers.wire.messages import SavedState, WorkKind
 
 FOLDER = "islands"  # beside the run's checkpoints
+Confirm = Callable[[dict[str, Any]], None]  # run on a checkpoint's thread before it is written
+
+log = logging.getLogger(__name__)
+
+
+def _stored(folder: Folder, name: str) -> tuple[bool, str | None]:
+    """Whether state `name` is on storage (its digest is written last), and its digest.
+    Where storage could not be asked, it is taken as there, digest unknown (the name kept,
+    as before: the checkpoint's own write meets the same fault and counts it)."""
+    try:
+        return True, folder.digest(name)
+    except FileNotFoundError:
+        return False, None
+    except Exception as err:
+        if not is_storage_error(err):
+            raise
+        return True, None
 
 
 def state_folder(cfg: RunConfig, run_id: str) -> str | None:
@@ -48,12 +69,70 @@ class IslandStates:
         self.folder = state_folder(cfg, run_id)
         self.window: deque[set[str]] = deque(maxlen=cfg.checkpoint.keep)  # names each kept checkpoint holds
         self.superseded: set[str] = set()  # names judged and replaced since: deleted once no checkpoint names them
+        self.before: dict[str, SavedState] = {}  # a state -> the one its island had before (`confirm`'s fallback)
 
     def settled(self, stats: IslandStats, saved: SavedState) -> None:
         """An island's result came with its state, and the result was judged."""
         if stats.inner_state is not None:
             self.superseded.add(stats.inner_state)
+            self.before.pop(stats.inner_state, None)  # one step back at most: one entry per island
+            self.before[saved.name] = SavedState(name=stats.inner_state, sha256=stats.inner_state_sha256)
         stats.inner_state, stats.inner_state_sha256 = saved.name, saved.sha256
+
+    def confirmation(self, members: Membership, ending: Callable[[float], object], wait_s: float) -> Confirm:
+        """What a checkpoint captured now runs on its own thread before it is written
+        (`confirm`), with what it needs taken here, on the engine's thread: each named
+        state's predecessor, and `ending`, the pool's wait for the writes in progress."""
+        fallbacks = {n: self.before[n] for n in self.named(members) if n in self.before}
+        return functools.partial(self.confirm, ending=ending, wait_s=wait_s, fallbacks=fallbacks)
+
+    def confirm(
+        self,
+        state: dict[str, Any],
+        *,
+        ending: Callable[[float], object],
+        wait_s: float,
+        fallbacks: dict[str, SavedState],
+    ) -> None:
+        """Name in checkpoint `state` only island states that are on storage. An island
+        streams its state beside the rounds that follow its result, so the checkpoint that
+        names it is captured while it is being written; written as it was, the checkpoint
+        named a file a kill of the island then left unwritten, and a resume gave the island
+        fresh moments. The writes in progress are waited for (at most `wait_s`: the run's
+        silence floor, so a stopped island cannot hold the checkpoint, and with it the
+        run, for longer); a state whose digest is then not beside it — the island died
+        writing, or its storage refused it — is replaced by the island's state before it
+        (its moments one checkpoint older), or by none. Its digest, read, goes into the
+        record: the resume checks the file against it."""
+        members = (state.get("membership") or {}).get("members") or {}
+        if self.folder is None or not any(m.get("inner_state") for m in members.values()):
+            return
+        ending(wait_s)
+        folder = Folder(self.folder)
+        for island, member in members.items():
+            name = member.get("inner_state")
+            if name is None:
+                continue
+            stored, digest = _stored(folder, name)
+            if stored:
+                member["inner_state_sha256"] = digest or member.get("inner_state_sha256")
+                continue
+            previous = fallbacks.get(name)
+            stored, digest = _stored(folder, previous.name) if previous is not None else (False, None)
+            if previous is None or not stored:
+                member["inner_state"] = member["inner_state_sha256"] = None
+                log.warning(
+                    "island %s's inner state %s was never written: the checkpoint names none for it", island, name
+                )
+                continue
+            member["inner_state"], member["inner_state_sha256"] = previous.name, digest or previous.sha256
+            state["island_states"] = sorted({*state.get("island_states", []), previous.name})
+            log.warning(
+                "island %s's inner state %s was never written: the checkpoint names its state before it, %s",
+                island,
+                name,
+                previous.name,
+            )
 
     def restore_for(self, stats: IslandStats | None) -> SavedState | None:
         """The state an island placed again under its old index continues from."""
@@ -72,6 +151,12 @@ class IslandStates:
     def named(members: Membership) -> set[str]:
         """The states the live members continue from: what a checkpoint taken now names."""
         return {s.inner_state for s in members.islands.values() if s.inner_state is not None}
+
+    @staticmethod
+    def named_in(state: dict[str, Any]) -> set[str]:
+        """The states checkpoint `state` names for its members (as `confirm` left them)."""
+        members = (state.get("membership") or {}).get("members") or {}
+        return {m["inner_state"] for m in members.values() if m.get("inner_state") is not None}
 
     def load(self, names: list[str]) -> None:
         self.window.append(set(names))

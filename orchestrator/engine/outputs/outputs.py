@@ -26,6 +26,7 @@ import torch
 from archipelago.orchestrator.engine.commands import Inbox
 from archipelago.orchestrator.engine.outputs.evaluation import Evaluation, Evaluator, LocalEvaluator
 from archipelago.orchestrator.engine.outputs.persistence import RunCore
+from archipelago.orchestrator.engine.pool import IslandPool
 from archipelago.orchestrator.engine.state.checkpoints import BackgroundSave, Capture, next_name, run_folder
 from archipelago.orchestrator.engine.state.lifecycle import Lifecycle
 from archipelago.orchestrator.engine.state.loop_time import Part
@@ -54,11 +55,13 @@ class Outputs:
         inbox: Inbox,
         lifecycle: Lifecycle,
         resumed: bool,
+        pool: IslandPool,
         on_record: OnRecord | None = None,
         evaluator: Evaluator | None = None,
     ) -> None:
         """`core`: the run's state (its live settings, H and the quorum rule's, are there,
-        not in the config); `lifecycle`: the run's phase, which the status shows."""
+        not in the config); `lifecycle`: the run's phase, which the status shows; `pool`:
+        the islands, whose inner-state writes a checkpoint waits for before naming them."""
         cfg, run_id, stats = core.cfg, core.run_id, core.stats
         self.quorum = core.quorum  # the quorum pacing's live settings, shown in the status
         self.cfg, self.run_id, self.task, self.model, self.flat, self.outer = (
@@ -70,6 +73,7 @@ class Outputs:
             core.outer,
         )
         self.members, self.stats, self.inbox, self.on_record = core.members, stats, inbox, on_record
+        self.pool = pool
         self.states, self.run, self.publisher = core.states, core.run, core.publisher
         self.evaluator = evaluator or LocalEvaluator(task=task, model=model, threads=self.eval_threads)
         self.evaluated: dict[int, Evaluation] = {}  # version -> its evaluation, the last few
@@ -82,7 +86,7 @@ class Outputs:
         # a checkpoint due and not yet captured (its round's records wait for an evaluation):
         # (version, round, the engine's capture); then the one being written, and what it names
         self.wanted: tuple[int, int, Capture] | None = None
-        self.saving: tuple[BackgroundSave, int, int, set[str]] | None = None
+        self.saving: tuple[BackgroundSave, int, int] | None = None
         last = stats.rounds_done if resumed else None
         self.recorder = Recorder(cfg.out_dir, cfg, last_round=last, faults=self.disk, run_id=run_id)
         self.events = EventLog(self.recorder.out / "events.jsonl", cfg.records, append=resumed, faults=self.disk)
@@ -244,15 +248,18 @@ class Outputs:
         assert self.wanted is not None
         (version, rnd, capture), self.wanted = self.wanted, None
         self._settle()  # one write at a time: each prunes the folder the next numbers in
-        named = self.states.named(self.members)
         folder = run_folder(self.cfg.checkpoint_dir, self.run_id)
         names: list[str] = []  # the parts slices write beside it are named after it
         if not self.disk.attempt("a listing of the checkpoints", lambda: names.append(next_name(folder))):
             self.checkpoint_owed = True  # storage unreachable: taken at the next record instead
             return
         name = names[0]
-        save = BackgroundSave(folder, capture(folder, name), self.cfg.checkpoint.keep, name)
-        self.saving = (save, version, rnd, named)
+        writing = [i for i, s in self.members.islands.items() if s.inner_state is not None and s.state.alive]
+        confirm = self.states.confirmation(
+            self.members, self.pool.writes_ending(writing), self.cfg.elastic.hang_floor_s
+        )
+        save = BackgroundSave(folder, capture(folder, name), self.cfg.checkpoint.keep, name, prepare=confirm)
+        self.saving = (save, version, rnd)
 
     def _settle(self) -> None:
         """Wait for the checkpoint being written, if one is; then count it: saved (an event,
@@ -260,14 +267,14 @@ class Outputs:
         refused it (the run goes on from memory; the checkpoints before it stay intact)."""
         if self.saving is None:
             return
-        save, version, rnd, named = self.saving
+        save, version, rnd = self.saving
         try:
             self.checkpoint_owed = not self.disk.attempt("a checkpoint", save.result)
         finally:
             self.saving = None
         if not self.checkpoint_owed:
             self.events.add(Event.CHECKPOINT, version=version, round=rnd, seconds=round(save.seconds, 3))
-            self.states.checkpointed(named, self.disk)
+            self.states.checkpointed(self.states.named_in(save.state), self.disk)
 
     def summarise(self, version: int, extra: dict[str, Any], ledger: Any) -> dict[str, Any]:
         """The run's summary (also `summary.json`), the final model and, for a task of

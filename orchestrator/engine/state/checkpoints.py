@@ -184,20 +184,35 @@ class BackgroundSave:
     has returned (`Outputs.fence`). Not a daemon thread: a coordinator that fails while
     a checkpoint is being written finishes writing it before the process exits."""
 
-    def __init__(self, location: Location, state: dict[str, Any], keep: int, name: str | None = None) -> None:
+    def __init__(
+        self,
+        location: Location,
+        state: dict[str, Any],
+        keep: int,
+        name: str | None = None,
+        prepare: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        """`prepare`: what changes `state` on this thread before it is written (the names of
+        the islands' states: `IslandStates.confirm`)."""
         self.seconds = 0.0  # the write's own, once it has ended
+        self.state = state
         self._name: str | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(
-            target=self._write, args=(location, state, keep, name), name="checkpoint-write", daemon=False
+            target=self._write, args=(location, keep, name, prepare), name="checkpoint-write", daemon=False
         )
         self._thread.start()
 
-    def _write(self, location: Location, state: dict[str, Any], keep: int, name: str | None) -> None:
+    def _write(
+        self, location: Location, keep: int, name: str | None, prepare: Callable[[dict[str, Any]], None] | None
+    ) -> None:
         yield_cpu()
         t0 = time.perf_counter()
         try:
-            self._name = save_checkpoint(location, state, keep, name)
+            if prepare is not None:
+                prepare(self.state)
+                t0 = time.perf_counter()  # the write's own seconds, not the wait for the islands'
+            self._name = save_checkpoint(location, self.state, keep, name)
         except BaseException as err:  # handed to whoever waits for it, on their thread
             self._error = err
         finally:
