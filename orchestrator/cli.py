@@ -16,7 +16,14 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from archipelago.orchestrator.config_load import ConfigError, check_folders, check_task_spec, dump_config, load_config
+from archipelago.orchestrator.config_load import (
+    ConfigError,
+    check_extras,
+    check_folders,
+    check_task_spec,
+    dump_config,
+    load_config,
+)
 from archipelago.orchestrator.logs import LogFormat, configure, level_for
 from archipelago.orchestrator.mode_settings import Mode
 
@@ -277,6 +284,7 @@ def _plan(args: argparse.Namespace) -> int:
         return 2
     try:
         cfg = load_config(args.config_file or args.config, list(args.overrides))
+        check_extras(cfg)
     except ConfigError as err:
         log.error("invalid config: %s", err)
         return 2
@@ -453,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         # a resumed run's task factory is built only once its checkpoint vouches for it
         cfg = load_config(config_file, overrides, check_task=not resume)
         if args.command == "run":
+            check_extras(cfg)
             check_folders(cfg)
     except ConfigError as err:
         log.error("invalid config: %s", err)

@@ -3,6 +3,7 @@ the field and the reason (and the task's own kwargs validated up front too)."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import re
@@ -13,6 +14,7 @@ import yaml
 from pydantic import ValidationError
 
 from archipelago.orchestrator.config import RUN_PLACEHOLDER, RunConfig
+from archipelago.orchestrator.config_operations import TrackingBackend
 from archipelago.orchestrator.mode_settings import Mode
 from archipelago.orchestrator.modes import MODES
 from archipelago.workers.runtime.storage import Folder, is_url
@@ -255,6 +257,56 @@ def _probe_store(field: str, location: str) -> None:
         raise ConfigError(f"{field}: {location} needs its storage package ({err}); the s3 extra has s3fs") from err
     except Exception as err:  # the SDK's errors vary by store: any means the run could not checkpoint
         raise ConfigError(f"{field}: {location} is not writable: {type(err).__name__}: {err}") from err
+
+
+# What a config can name that an optional extra provides: (the extra, the modules it brings
+# that the run imports). Checked by name (`importlib.util.find_spec`), nothing imported.
+HF_TASK = "archipelago.workers.tasks.hf_task"
+EXTRAS = {
+    "hf": ("transformers", "tokenizers", "safetensors"),
+    "s3": ("s3fs",),
+    "gcs": ("gcsfs",),
+}
+BACKEND_MODULES = {
+    TrackingBackend.TENSORBOARD: "tensorboard",
+    TrackingBackend.MLFLOW: "mlflow",
+    TrackingBackend.WANDB: "wandb",
+}
+STORES = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}  # a URL's scheme -> its extra
+
+
+def needed_extras(cfg: RunConfig) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(the field, the extra, its modules) for every optional extra `cfg` needs: the Hugging
+    Face task, an object-storage URL anywhere in it, each tracking back-end."""
+    needs: list[tuple[str, str, tuple[str, ...]]] = []
+    if cfg.task.factory.split(":")[0] == HF_TASK:
+        needs.append(("task.factory", "hf", EXTRAS["hf"]))
+
+    def urls(value: Any, field: str) -> None:
+        if isinstance(value, dict):
+            for key, each in value.items():
+                urls(each, f"{field}.{key}" if field else str(key))
+        elif isinstance(value, list):
+            for i, each in enumerate(value):
+                urls(each, f"{field}[{i}]")
+        elif isinstance(value, str) and (extra := STORES.get(value.partition("://")[0])) and "://" in value:
+            needs.append((field, extra, EXTRAS[extra]))
+
+    urls(cfg.model_dump(mode="json"), "")
+    needs += [(f"tracking.backends: {b.value}", "tracking", (BACKEND_MODULES[b],)) for b in cfg.tracking.backends]
+    return needs
+
+
+def check_extras(cfg: RunConfig) -> None:
+    """Refuse a config that needs an optional extra this environment lacks, naming the extra
+    to install (before: a traceback from deep in the plan or the run, exit 1, or a tracker
+    silently off)."""
+    for field, extra, modules in needed_extras(cfg):
+        if missing := [m for m in modules if importlib.util.find_spec(m) is None]:
+            raise ConfigError(
+                f"{field} needs the `{extra}` extra, which is not installed here ({', '.join(missing)} missing): "
+                f"pip install 'archipelago-diloco[{extra}]' (from a checkout: pip install -e '.[{extra}]')"
+            )
 
 
 def check_folders(cfg: RunConfig) -> None:

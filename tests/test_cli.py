@@ -15,10 +15,12 @@ from datetime import datetime
 import pytest
 
 from archipelago.orchestrator.cli import build_parser, main
+from archipelago.orchestrator.config_load import HF_TASK
 from archipelago.orchestrator.config_operations import RecordsConfig
 from archipelago.orchestrator.engine.state.records import EventLog
 from archipelago.orchestrator.engine.types import Event
 from archipelago.orchestrator.logs import PACKAGES, LogFormat, LogSetup, configure, configured, level_for
+from tests.conftest import REPO
 
 
 def _as_embedded() -> None:
@@ -212,3 +214,43 @@ def test_bench_where_its_distribution_is_not_installed_says_what_to_install(monk
     assert cli.main(["bench", "fleet", "--quick", "--out", "somewhere"]) == 2
     err = capsys.readouterr().err
     assert "archipelago-diloco-bench" in err and "pip install -e orchestrator/bench" in err, err
+
+
+_WITHOUT = """
+import sys
+for name in {blocked!r}:
+    sys.modules[name] = None  # not importable in this process, as where the extra is not installed
+from archipelago.orchestrator.cli import main
+sys.exit(main({argv!r}))
+"""
+
+
+@pytest.mark.parametrize(
+    "blocked,argv,extra",
+    [
+        (["transformers"], ["plan", "k8s/hf-llama-config.yaml"], "hf"),
+        (
+            ["transformers"],
+            ["run", "--set", f"task.factory={HF_TASK}:make_task", "--set", "task.kwargs.preset=tiny-llama"],
+            "hf",
+        ),
+        (["s3fs"], ["run", "--set", "checkpoint.path=s3://bucket/runs", "--set", "checkpoint.every_rounds=1"], "s3"),
+        (["gcsfs"], ["plan", "--set", "checkpoint.path=gs://bucket/runs"], "gcs"),
+        (["wandb"], ["plan", "--set", "tracking.backends=[tensorboard,wandb]"], "tracking"),
+    ],
+)
+def test_a_config_needing_an_extra_that_is_not_installed_exits_2_naming_it(blocked, argv, extra):
+    """Before: `plan` of the Hugging Face config without `[hf]` died in a traceback (exit 1),
+    an s3:// checkpoint was found out at the store's probe, a tracker was switched off with an
+    error line mid-run. Checked by name before anything starts, in `plan` and `run`."""
+    out = subprocess.run(
+        [sys.executable, "-c", _WITHOUT.format(blocked=blocked, argv=["-q", *argv])],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"needs the `{extra}` extra" in out.stderr and f"pip install 'archipelago-diloco[{extra}]'" in out.stderr
+    assert f"{blocked[0]} missing" in out.stderr and "Traceback" not in out.stderr

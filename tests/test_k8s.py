@@ -7,6 +7,7 @@ import copy
 import functools
 import gzip
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ import yaml
 
 from archipelago.api.auth import ExposureError, check_exposure
 from archipelago.orchestrator.config import ApiConfig
-from archipelago.orchestrator.config_load import load_config
+from archipelago.orchestrator.config_load import EXTRAS, load_config
 from archipelago.orchestrator.plan.cluster import LINK_ENV, LINK_GBPS, SLICE_NODES, SLICES_ENV
 from archipelago.orchestrator.runtime.driver import RAY_SYSTEM_CONFIG
 from tests.conftest import REPO
@@ -151,6 +152,14 @@ def test_manifests_match_the_code():
     )
     dockerfile = (K8S / "Dockerfile").read_text()
     assert "WORKDIR /app" in dockerfile and "rayproject/ray:2.60.0" in dockerfile
+
+
+def test_the_image_installs_every_extra_a_config_can_name():
+    """Before: `[hf,fast]` only, so an s3:// or gs:// checkpoint or a tracker could not even
+    import in the image. Every extra `check_extras` can ask for is installed, and `fast`."""
+    (install,) = [line for line in (K8S / "Dockerfile").read_text().splitlines() if line.startswith("RUN pip install")]
+    extras = set(re.search(r'"/app\[([^\]]+)\]"', install).group(1).split(","))
+    assert extras == {*EXTRAS, "tracking", "fast"}, extras
 
 
 SLICES = "slices"  # the coordinator slices' worker group
