@@ -732,3 +732,23 @@ def test_gpu_workers_keep_torch_compiles_caches_on_the_node(file):
             path = Path(env[variable])
             (mount,) = [m for m in mounts if path.is_relative_to(m)]
             assert "emptyDir" in volumes[mounts[mount]], (variable, mount)
+
+
+def test_the_head_is_protected_from_voluntary_disruption_on_both_paths():
+    """A drain or a consolidation that evicts the head ends the run: a PodDisruptionBudget of
+    `maxUnavailable: 0` selects the head pod (its template's labels and the node type KubeRay
+    gives it) and no island's, and the head tells Karpenter and the cluster autoscaler."""
+    docs = {d["kind"]: d for d in _kustomize(K8S)}
+    budget = docs["PodDisruptionBudget"]
+    assert budget["spec"]["maxUnavailable"] == 0
+    selector = budget["spec"]["selector"]["matchLabels"]
+    for spec in (manifest("raycluster.yaml")["spec"], manifest("job/rayjob.yaml")["spec"]["rayClusterSpec"]):
+        head = spec["headGroupSpec"]["template"]["metadata"]
+        assert selector.items() <= {**head["labels"], "ray.io/node-type": "head"}.items()
+        assert head["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
+        assert head["annotations"]["cluster-autoscaler.kubernetes.io/safe-to-evict"] == "false"
+        for group in spec["workerGroupSpecs"]:  # islands and slices stay evictable
+            labels = {**group["template"]["metadata"].get("labels", {}), "ray.io/node-type": "worker"}
+            assert not selector.items() <= labels.items(), group["groupName"]
+    deploy = (REPO / "docs" / "deploy.md").read_text()
+    assert "-f k8s/pdb.yaml && kubectl apply -k k8s/job/" in deploy  # the RayJob path applies it too
