@@ -64,6 +64,9 @@ def manifest(name: str):
     return yaml.safe_load((K8S / name).read_text())
 
 
+CRD_OF = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml"}
+
+
 @pytest.mark.parametrize(
     "file, crd", [("raycluster.yaml", "ray.io_rayclusters.yaml"), ("job/rayjob.yaml", "ray.io_rayjobs.yaml")]
 )
@@ -134,7 +137,7 @@ def test_manifests_match_the_code():
             period = {e["name"]: e.get("value") for e in container["env"]}["RAY_free_objects_period_milliseconds"]
             assert int(period) == RAY_SYSTEM_CONFIG["free_objects_period_milliseconds"]
         claims = {v["persistentVolumeClaim"]["claimName"] for v in _head_volumes(spec) if "persistentVolumeClaim" in v}
-        assert claims == {manifest("storage.yaml")["metadata"]["name"]}
+        assert claims == {manifest("shared/storage.yaml")["metadata"]["name"]}
         worker = spec["workerGroupSpecs"][0]
         limits = worker["template"]["spec"]["containers"][0]["resources"]["limits"]
         assert float(limits["nvidia.com/gpu"]) == run_cfg.islands.gpus * run_cfg.islands.workers  # one island per node
@@ -362,8 +365,9 @@ def test_every_pod_runs_unprivileged_as_the_images_user_with_resources():
 
 
 def test_a_network_policy_admits_only_the_runs_pods_and_metrics_scrapes():
-    assert "networkpolicy.yaml" in manifest("kustomization.yaml")["resources"]
-    policy = manifest("networkpolicy.yaml")
+    assert "shared" in manifest("kustomization.yaml")["resources"]
+    assert "networkpolicy.yaml" in manifest("shared/kustomization.yaml")["resources"]
+    policy = manifest("shared/networkpolicy.yaml")
     assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
     label = policy["spec"]["podSelector"]["matchLabels"]
     assert label == {"app.kubernetes.io/part-of": "archipelago"}
@@ -393,7 +397,7 @@ def test_a_network_policy_admits_only_the_runs_pods_and_metrics_scrapes():
 def test_the_runs_pods_reach_only_each_other_dns_and_https():
     """Egress: a compromised island opens nothing in the cluster but the run and its DNS;
     object storage, the Hub, trackers and the API server (the autoscaler's) on 443/6443."""
-    policy = manifest("networkpolicy.yaml")
+    policy = manifest("shared/networkpolicy.yaml")
     own, dns, https = policy["spec"]["egress"]
     assert own == {"to": [{"podSelector": policy["spec"]["podSelector"]}]}
     ((to,),) = [dns["to"]]
@@ -517,7 +521,11 @@ def _rendered(folder: Path) -> list[dict]:
         found = yaml.safe_load((folder / component / "kustomization.yaml").read_text())
         assert found["kind"] == "Component"
         images.update({i["name"]: i for i in found.get("images", [])})
-    docs = [yaml.safe_load((folder / r).read_text()) for r in kustomization["resources"]]
+    docs = []
+    for r in kustomization["resources"]:  # a folder is a kustomization of its own (k8s/shared)
+        inner = yaml.safe_load((folder / r / "kustomization.yaml").read_text()) if (folder / r).is_dir() else None
+        files = [folder / r / f for f in inner["resources"]] if inner else [folder / r]
+        docs += [yaml.safe_load(f.read_text()) for f in files]
 
     for node in dicts(docs):
         for c in _containers(node):
@@ -645,13 +653,27 @@ MACHINES = {
     "p5.4xlarge": (16, 256, 1, 80),  # AWS: 1 H100 80 GB
     "a3-highgpu-1g": (26, 218, 1, 80),  # Google Cloud: 1 H100 80 GB, 234 GB = 218 GiB
     "Standard_NC40ads_H100_v5": (40, 320, 1, 94),  # Azure: 1 H100 NVL 94 GB
+    # 24-GB cards report 23,028 MiB: the plan trusts 22 GiB of them
+    "g6.2xlarge": (8, 32, 1, 22),  # AWS: 1 L4 24 GB
+    "g5.2xlarge": (8, 32, 1, 22),  # AWS: 1 A10G 24 GB
+    "g2-standard-8": (8, 32, 1, 22),  # Google Cloud: 1 L4 24 GB
 }
+# what an 8-vCPU / 32-GiB node leaves a pod (the issue's bound: the kubelet's reserve and the
+# daemon sets taken): CPU and GiB
+SMALL_NODE_ALLOCATABLE = (7.5, 28)
 # what a cloud's RWX class needs: (class, provisioner family, smallest share in GiB)
 STORAGE = {
     "aws": ("efs-sc", 0),  # EFS: elastic, no minimum
     "gcp": ("standard-rwx", 1024),  # Filestore basic: 1 TiB at least
     "azure": ("azurefile-csi-premium", 100),  # Azure Files premium: 100 GiB at least
 }
+# each cloud's workload identity: the service account's annotation
+IDENTITY = {
+    "aws": "eks.amazonaws.com/role-arn",
+    "gcp": "iam.gke.io/gcp-service-account",
+    "azure": "azure.workload.identity/client-id",
+}
+COMPONENTS = ["aws", "aws/l4", "aws/a10g", "gcp", "gcp/l4", "azure"]
 
 
 def _with_component(tmp_path: Path, folder: str, component: str) -> list[dict]:
@@ -665,23 +687,31 @@ def _with_component(tmp_path: Path, folder: str, component: str) -> list[dict]:
     kustomization = yaml.safe_load(path.read_text())
     prefix = "../" if folder else ""
     kustomization["components"] = [*kustomization.get("components", []), f"{prefix}clouds/{component}"]
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(kustomization))
     return _kustomize(tree / folder)
 
 
-@pytest.mark.parametrize("cloud", sorted(STORAGE))
+@pytest.mark.parametrize("component", COMPONENTS)
 @pytest.mark.parametrize("folder", ["", "job"])
-def test_each_clouds_component_fits_its_named_machine_and_gives_the_volume_a_class_it_has(tmp_path, cloud, folder):
+def test_each_clouds_component_fits_its_named_machine_and_gives_the_volume_a_class_it_has(tmp_path, component, folder):
     """Rendered by kustomize with the cloud's component: the GPU workers select a machine
     that exists and ask for less than it has (a share left for the kubelet and daemon
-    sets), the accelerator memory the plan trusts is that machine's GPU's, the rest of the
-    pod (object store in /dev/shm, drain, tokens) still holds, and the shared volume asks a
-    ReadWriteMany class of that cloud for at least its smallest share."""
+    sets; an 8-vCPU node's pod within 7.5 CPU and 28 GiB), the accelerator memory the plan
+    trusts is that machine's GPU's, the rest of the pod (object store in /dev/shm, drain,
+    tokens) still holds, every pod runs as the service account the cloud's identity is
+    given to, and the result validates against KubeRay's CRDs. The claim and the account
+    come with the cluster (`k8s/`) or, on the RayJob path, from `k8s/shared/` with the same
+    component: a class of that cloud, asked for at least its smallest share."""
     from archipelago.orchestrator.plan.cluster import quantity
 
-    docs = _with_component(tmp_path, folder, cloud)
+    cloud = component.split("/")[0]
+    docs = _with_component(tmp_path, folder, component)
     clusters = [d["spec"].get("rayClusterSpec", d["spec"]) for d in docs if d["kind"] in ("RayCluster", "RayJob")]
     assert clusters
+    for doc in docs:
+        if doc["kind"] in CRD_OF:
+            jsonschema.validate(doc, crd_schema(CRD_OF[doc["kind"]]))
     for spec in clusters:
         (group,) = _island_groups(spec)
         pod = group["template"]["spec"]
@@ -693,6 +723,9 @@ def test_each_clouds_component_fits_its_named_machine_and_gives_the_volume_a_cla
         assert requests == container["resources"]["limits"]  # Guaranteed, as in the base
         assert quantity(requests["cpu"]) <= cpus - 1, (machine, requests)
         assert quantity(requests["memory"]) <= 0.9 * memory_gib * 2**30, (machine, requests)
+        if cpus == 8:
+            cpu, gib = SMALL_NODE_ALLOCATABLE
+            assert quantity(requests["cpu"]) <= cpu and quantity(requests["memory"]) <= gib * 2**30, requests
         assert int(requests["nvidia.com/gpu"]) <= gpus
         annotation = group["template"]["metadata"]["annotations"]["archipelago.io/accelerator-memory"]
         assert quantity(annotation) == gpu_gib * 2**30, (machine, annotation)
@@ -702,12 +735,17 @@ def test_each_clouds_component_fits_its_named_machine_and_gives_the_volume_a_cla
         env = {e["name"] for e in head["env"]}
         assert {"ARCHIPELAGO_API_TOKEN_FILE", "ARCHIPELAGO_API_READ_TOKEN_FILE"} <= env
         assert any(t.get("key") == "nvidia.com/gpu" for t in pod["tolerations"])
-    claims = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
-    if folder == "":  # the long-lived cluster's kustomization carries the claim
-        (claim,) = claims
-        storage_class, smallest = STORAGE[cloud]
-        assert claim["spec"]["storageClassName"] == storage_class and claim["spec"]["accessModes"] == ["ReadWriteMany"]
-        assert quantity(claim["spec"]["resources"]["requests"]["storage"]) >= smallest * 2**30
+        pods = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+        assert {g["template"]["spec"]["serviceAccountName"] for g in pods} == {"archipelago"}
+    shared = docs if folder == "" else _with_component(tmp_path / "shared", "shared", component)
+    (claim,) = [d for d in shared if d["kind"] == "PersistentVolumeClaim"]
+    storage_class, smallest = STORAGE[cloud]
+    assert claim["spec"]["storageClassName"] == storage_class and claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert quantity(claim["spec"]["resources"]["requests"]["storage"]) >= smallest * 2**30
+    (account,) = [d for d in shared if d["kind"] == "ServiceAccount"]
+    assert account["metadata"]["name"] == "archipelago" and account["metadata"]["annotations"][IDENTITY[cloud]]
+    if folder == "job":  # deleting a job's resources never deletes the claim
+        assert not [d for d in docs if d["kind"] in ("PersistentVolumeClaim", "ServiceAccount")]
     images = _images(docs)
     assert images and len(set(images)) == 1
 
@@ -751,4 +789,5 @@ def test_the_head_is_protected_from_voluntary_disruption_on_both_paths():
             labels = {**group["template"]["metadata"].get("labels", {}), "ray.io/node-type": "worker"}
             assert not selector.items() <= labels.items(), group["groupName"]
     deploy = (REPO / "docs" / "deploy.md").read_text()
-    assert "-f k8s/pdb.yaml && kubectl apply -k k8s/job/" in deploy  # the RayJob path applies it too
+    assert "kubectl apply -k k8s/shared/ &&\nkubectl apply -k k8s/job/" in deploy  # the RayJob path applies it too
+    assert "pdb.yaml" in manifest("shared/kustomization.yaml")["resources"]

@@ -40,7 +40,7 @@ def test_quantities_and_manifests_read_as_kubernetes_does():
     assert a.head == b.head and a.workers == b.workers  # the RayJob carries the same cluster
     assert a.head.memory == 16 * 2**30 and not a.head.hosts_islands  # num-cpus 0: no island on the head
     gpu, slices = a.workers
-    assert gpu.gpus == 1 and gpu.memory == 32 * 2**30 and gpu.accelerator_memory == 80 * 2**30 and gpu.count == 8
+    assert gpu.gpus == 1 and gpu.memory == 26 * 2**30 and gpu.accelerator_memory == 80 * 2**30 and gpu.count == 8
     # the coordinator slices' nodes: one archipelago_slice each, no CPU for Ray to place an island on
     assert slices.name == "slices" and slices.resources == {"archipelago_slice": 1.0} and slices.count == 8
     assert not slices.hosts_islands and a.island_node(1) == gpu and a.offering("archipelago_slice") == [slices]
