@@ -146,7 +146,7 @@ def test_a_frozen_slice_holds_neither_reads_nor_a_stop(ray_local, tmp_path, monk
             a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "-frozen-slice-1-" in a["name"]
         ]
         actor = ray.get_actor(frozen, namespace=NAMESPACE)
-        pid = ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()))
+        pid = ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=30)
         os.kill(pid, signal.SIGSTOP)
         time.sleep(3)  # the engine is now waiting on the slice (its round closes every ~0.2 s)
         held = client.get("/v1/run").json()["round"]

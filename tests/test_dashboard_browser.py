@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import shutil
 import subprocess
 import time
@@ -152,8 +153,12 @@ class DevTools:
         os.close(into)
         os.close(out)
         self._buffer, self._id, self.session = b"", 0, None
-        target = self.call("Target.createTarget", url="about:blank")["targetId"]
-        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        try:
+            target = self.call("Target.createTarget", url="about:blank")["targetId"]
+            self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        except BaseException:
+            self.close()
+            raise
 
     def call(self, method: str, **params) -> dict:
         self._id += 1
@@ -161,8 +166,11 @@ class DevTools:
         if self.session is not None:
             message["sessionId"] = self.session
         os.write(self._to, json.dumps(message).encode() + b"\0")
+        deadline = time.monotonic() + 30
         while True:  # events are skipped: the test asks for the page's state itself
             while b"\0" not in self._buffer:
+                ready, _, _ = select.select([self._from], [], [], max(0.0, deadline - time.monotonic()))
+                assert ready, f"Chromium did not answer {method} in 30 s"
                 chunk = os.read(self._from, 1 << 16)
                 assert chunk, "Chromium closed its DevTools pipe"
                 self._buffer += chunk

@@ -683,3 +683,30 @@ def test_a_checkpoint_whose_config_has_the_earlier_mode_sections_resumes_with_it
     assert second.quorum is not None and (second.quorum.quorum, second.quorum.grace_k) == (2, 1.5)
     drive(second)
     assert second.summary["rounds_done"] == 8
+
+
+def test_a_deep_sweep_removes_only_writers_temporaries_anywhere_below_and_never_through_a_link(tmp_path):
+    """`Folder.sweep(deep=True)` (the coordinator's, over the run's folder and `islands/`):
+    the temporaries `open_write` names, in the folder and below; not a file named otherwise,
+    not a link named like one, nothing behind a linked folder."""
+    from archipelago.workers.runtime.storage import Folder
+
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    (run / "islands").mkdir(parents=True)
+    outside.mkdir()
+    debris = [run / ".state-000003.pt.4242.cafe0123.tmp", run / "islands" / ".island-00001-ab.npz.77.deadbeef.tmp"]
+    kept = [
+        run / "islands" / "island-00001-ab.npz",
+        run / "notes.tmp",
+        run / ".x.tmp",
+        outside / ".v.npz.1.0123abcd.tmp",
+    ]
+    for path in [*debris, *kept]:
+        path.write_bytes(b"x")
+    (run / ".link.npz.5.0123abcd.tmp").symlink_to(outside / ".v.npz.1.0123abcd.tmp")
+    (run / "linked").symlink_to(outside, target_is_directory=True)
+    removed = Folder(str(run)).sweep(deep=True)
+    assert sorted(removed) == sorted(str(p.relative_to(run)) for p in debris)
+    assert not any(p.exists() for p in debris) and all(p.exists() for p in kept)
+    assert (run / ".link.npz.5.0123abcd.tmp").is_symlink()
+    assert Folder(str(run)).sweep() == []  # the shallow sweep (the engine's start) finds nothing left either

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import tracemalloc
 from collections import Counter
 from pathlib import Path
@@ -238,15 +239,16 @@ def test_muon_beside_adamw_is_saved_group_by_group_and_steps_exactly_as_the_orig
 
 def test_a_state_whose_write_never_ended_is_not_named_the_checkpoint_names_the_one_before(tmp_path, monkeypatch):
     """Before: a checkpoint named each island's newest state as its result arrived, while
-    the file was still being written; island 1 killed mid-write (here: its writes after the
-    first fail, as a write cut short leaves them: no digest beside it) resumed with
-    fresh moments. The checkpoint now waits for the writes in progress and names, for an
-    island whose file is not on storage, its state before (kept, with its digest): the
-    resume restores island 1's moments of its first saved state. (Every later write of
-    island 1 fails here.)"""
+    the file was still being written; island 1 killed mid-write (here: every write of it
+    after the first fails, as a write cut short leaves it: no digest beside it) resumed
+    with fresh moments. The checkpoint now waits for the writes in progress — island 0's
+    are slow (0.5 s each) and are named all the same, the same generation as island 2's —
+    and names, for an island whose file is not on storage, the newest of its states before
+    it that is (kept, with its digest): two failed writes back, island 1's first. The
+    resume restores every island's moments."""
     written: dict[str, dict[str, np.ndarray]] = {}
     run, save = Island.run, inner_state.save
-    saves, failed = Counter(), []
+    names: dict[int, list[str]] = {0: [], 1: [], 2: []}
 
     def run_and_remember(island: Island, order, params):
         result = run(island, order, params)
@@ -254,27 +256,35 @@ def test_a_state_whose_write_never_ended_is_not_named_the_checkpoint_names_the_o
             written[result.saved_state.name] = _moments(island)
         return result
 
-    def cut_short(folder, island, arrays, name=None):
-        saves[island] += 1
-        if island == 1 and saves[island] >= 2:
-            failed.append(name)
+    def slow_or_cut_short(folder, island, arrays, name=None):
+        names[island].append(name)
+        if island == 0:
+            time.sleep(0.5)
+        if island == 1 and len(names[1]) >= 2:
             raise OSError("the island's node went down mid-write")
         return save(folder, island, arrays, name)
 
     monkeypatch.setattr(Island, "run", run_and_remember)
-    monkeypatch.setattr(inner_state, "save", cut_short)
-    cfg = scenario_cfg(tmp_path, "diloco", "inner.optimizer=adamw", "inner.lr=0.01", "checkpoint.every_rounds=2")
+    monkeypatch.setattr(inner_state, "save", slow_or_cut_short)
+    cfg = scenario_cfg(
+        tmp_path, "diloco", "rounds=10", "inner.optimizer=adamw", "inner.lr=0.01", "checkpoint.every_rounds=2"
+    )
     first, killed = in_process_engine(cfg, run_id="cut")
-    drive(first, until=6)
-    first.outputs.fence()  # the round-6 checkpoint on disk
+    drive(first, until=8)
+    first.outputs.fence()  # the round-8 checkpoint on disk
     killed.close()
     checkpoint = load_checkpoint(Path(cfg.checkpoint_dir) / "cut")
-    assert checkpoint["counters"]["rounds_done"] == 6 and saves[1] >= 2
+    assert checkpoint["counters"]["rounds_done"] == 8
     members = {int(i): m for i, m in checkpoint["membership"]["members"].items()}
     named = {i: m["inner_state"] for i, m in members.items()}
     folder = Path(cfg.checkpoint_dir) / "cut" / FOLDER
-    assert not any((folder / digest_name(name)).exists() for name in failed) and named[1] not in failed
-    assert (folder / named[1]).exists() and members[1]["inner_state_sha256"] is not None
+    failed = names[1][1:]
+    assert not any((folder / digest_name(name)).exists() for name in failed)
+    generation = names[2].index(named[2])
+    assert generation >= 2 and names[1][generation] in failed and names[1][generation - 1] in failed
+    assert named[1] == names[1][0] and named[0] == names[0][generation]  # two back; the slow one waited for
+    for i in (0, 1, 2):
+        assert (folder / named[i]).exists() and members[i]["inner_state_sha256"] is not None
     assert named[1] in checkpoint["island_states"]  # kept: no sweep deletes it
     pool = InProcessPool(cfg)
     second = build_engine(cfg, pool, run_id="cut")

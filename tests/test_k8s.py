@@ -395,17 +395,19 @@ def test_a_network_policy_admits_only_the_runs_pods_and_metrics_scrapes():
 
 
 def test_the_runs_pods_reach_only_each_other_dns_and_https():
-    """Egress: a compromised island opens nothing in the cluster but the run and its DNS;
-    object storage, the Hub, trackers and the API server (the autoscaler's) on 443/6443."""
+    """Egress: a compromised island opens nothing in the cluster but the run and DNS on their
+    ports; the node's credential endpoints; object storage, the Hub, trackers and the API
+    server (the autoscaler's) on 443/6443."""
     policy = manifest("shared/networkpolicy.yaml")
-    own, dns, https = policy["spec"]["egress"]
+    own, dns, metadata, https = policy["spec"]["egress"]
     assert own == {"to": [{"podSelector": policy["spec"]["podSelector"]}]}
-    ((to,),) = [dns["to"]]
-    assert to["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}}
-    assert to["podSelector"] == {"matchLabels": {"k8s-app": "kube-dns"}}
-    assert {(p["protocol"], p["port"]) for p in dns["ports"]} == {("UDP", 53), ("TCP", 53)}
+    # DNS wherever it is served (CoreDNS, NodeLocal DNSCache's link-local address, Cloud DNS)
+    assert "to" not in dns and {(p["protocol"], p["port"]) for p in dns["ports"]} == {("UDP", 53), ("TCP", 53)}
+    # the node's credential endpoints (workload identity tokens), link-local only
+    assert metadata["to"] == [{"ipBlock": {"cidr": "169.254.0.0/16"}}]
+    assert {(p["protocol"], p["port"]) for p in metadata["ports"]} == {("TCP", 80), ("TCP", 988)}
     assert "to" not in https and {(p["protocol"], p["port"]) for p in https["ports"]} == {("TCP", 443), ("TCP", 6443)}
-    assert not any("endPort" in p for rule in (dns, https) for p in rule["ports"])
+    assert not any("endPort" in p for rule in (dns, metadata, https) for p in rule["ports"])
 
 
 @pytest.mark.parametrize("folder", ["", "job"])

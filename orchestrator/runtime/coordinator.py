@@ -143,8 +143,11 @@ class Coordinator:
         """Remove the temporary files writers killed mid-write left anywhere under the run's
         folder: the engine's start sweeps its own (the top folder), this the islands' too
         (`islands/`: an island killed while it streams its inner state left a state-sized
-        orphan). Only where no writer of the run lives: before the first life's islands
-        start, and after the last's are released."""
+        orphan). Where no writer the run still needs lives: before the first life's islands
+        start, and after the last's are released. (A new job resuming the run may adopt
+        islands of the one before that are still writing; a temporary of theirs removed
+        here only fails that write, which no checkpoint of this life names: the adopted
+        island keeps its moments in memory.)"""
         from archipelago.orchestrator.engine.state.checkpoints import run_folder
 
         folder = run_folder(self.cfg.checkpoint_dir, self.run_id)

@@ -11,6 +11,7 @@ import dataclasses
 import heapq
 import itertools
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -282,9 +283,10 @@ class InProcessPool:
         """(`IslandPool.writes_ending`) The islands' own write threads, waited for in turn."""
         live = [self.islands[i] for i in islands if i in self.islands and i not in self.dead]
 
-        def wait(_timeout_s: float) -> None:
+        def wait(timeout_s: float) -> None:
+            deadline = time.monotonic() + timeout_s  # the writes' own threads: real time
             for island in live:
-                island.written()
+                island.written(max(0.0, deadline - time.monotonic()))
 
         return wait
 

@@ -262,15 +262,17 @@ class StateWrites:
         self._taken.wait()
 
     def wait(self) -> None:
-        """Until the write in progress (if any) has ended."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
-
-    def ended(self) -> None:
-        """Until the write in progress when asked (if any) has ended, for a caller beside the
-        island's own thread (which may start the next write meanwhile: this one is not
-        waited for, and the island's record of its writes is left to it)."""
+        """Until the write in progress (if any) has ended. Cleared only once it has: an
+        `ended` beside it must see the write until then."""
         thread = self._thread
         if thread is not None:
             thread.join()
+            self._thread = None
+
+    def ended(self, timeout_s: float | None = None) -> None:
+        """Until the write in progress when asked (if any) has ended, or `timeout_s`, for a
+        caller beside the island's own thread (which may start the next write meanwhile:
+        that one is not waited for, and the island's record of its writes is left to it)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)

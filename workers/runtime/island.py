@@ -320,10 +320,10 @@ class Island:
         folder = self.spec.state_folder
         return self.state_writes.start(folder, self.spec.index, self.optimizer, self.feedback) if folder else None
 
-    def written(self) -> None:
-        """Wait for the inner state being written, if any: its pool is about to end the
-        island, or a checkpoint is to name the file (only once it is on storage)."""
-        self.state_writes.ended()
+    def written(self, timeout_s: float | None = None) -> None:
+        """Wait for the inner state being written, if any (at most `timeout_s`): its pool is
+        about to end the island, or a checkpoint is to name the file (only once on storage)."""
+        self.state_writes.ended(timeout_s)
 
     def train_on(self, batches: Iterable[tuple[int, Any]], tally: Tally, *, stoppable: bool = False) -> bool:
         """Inner steps on `batches`, each counted in `tally`; True if a notice stopped them

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +33,11 @@ FOLDER = "islands"  # beside the run's checkpoints
 Confirm = Callable[[dict[str, Any]], None]  # run on a checkpoint's thread before it is written
 
 log = logging.getLogger(__name__)
+
+
+def _members(state: dict[str, Any]) -> dict[Any, dict[str, Any]]:
+    """A checkpoint state's members, as `Membership.state_dict` wrote them."""
+    return (state.get("membership") or {}).get("members") or {}
 
 
 def _stored(folder: Folder, name: str) -> tuple[bool, str | None]:
@@ -69,22 +75,31 @@ class IslandStates:
         self.folder = state_folder(cfg, run_id)
         self.window: deque[set[str]] = deque(maxlen=cfg.checkpoint.keep)  # names each kept checkpoint holds
         self.superseded: set[str] = set()  # names judged and replaced since: deleted once no checkpoint names them
-        self.before: dict[str, SavedState] = {}  # a state -> the one its island had before (`confirm`'s fallback)
+        # a state -> the one its island had before: `confirm`'s fallbacks, a chain back to the
+        # newest state still on storage (pruned as files are deleted)
+        self.before: dict[str, SavedState] = {}
 
     def settled(self, stats: IslandStats, saved: SavedState) -> None:
         """An island's result came with its state, and the result was judged."""
         if stats.inner_state is not None:
             self.superseded.add(stats.inner_state)
-            self.before.pop(stats.inner_state, None)  # one step back at most: one entry per island
             self.before[saved.name] = SavedState(name=stats.inner_state, sha256=stats.inner_state_sha256)
         stats.inner_state, stats.inner_state_sha256 = saved.name, saved.sha256
 
     def confirmation(self, members: Membership, ending: Callable[[float], object], wait_s: float) -> Confirm:
         """What a checkpoint captured now runs on its own thread before it is written
         (`confirm`), with what it needs taken here, on the engine's thread: each named
-        state's predecessor, and `ending`, the pool's wait for the writes in progress."""
-        fallbacks = {n: self.before[n] for n in self.named(members) if n in self.before}
-        return functools.partial(self.confirm, ending=ending, wait_s=wait_s, fallbacks=fallbacks)
+        state's chain of predecessors, and `ending`, the pool's wait for the writes in
+        progress."""
+        chains: dict[str, list[SavedState]] = {}
+        for name in self.named(members):
+            chain: list[SavedState] = []
+            at = name
+            while (previous := self.before.get(at)) is not None and len(chain) < len(self.before):
+                chain.append(previous)
+                at = previous.name
+            chains[name] = chain
+        return functools.partial(self.confirm, ending=ending, wait_s=wait_s, chains=chains)
 
     def confirm(
         self,
@@ -92,7 +107,7 @@ class IslandStates:
         *,
         ending: Callable[[float], object],
         wait_s: float,
-        fallbacks: dict[str, SavedState],
+        chains: dict[str, list[SavedState]],
     ) -> None:
         """Name in checkpoint `state` only island states that are on storage. An island
         streams its state beside the rounds that follow its result, so the checkpoint that
@@ -100,39 +115,55 @@ class IslandStates:
         named a file a kill of the island then left unwritten, and a resume gave the island
         fresh moments. The writes in progress are waited for (at most `wait_s`: the run's
         silence floor, so a stopped island cannot hold the checkpoint, and with it the
-        run, for longer); a state whose digest is then not beside it — the island died
-        writing, or its storage refused it — is replaced by the island's state before it
-        (its moments one checkpoint older), or by none. Its digest, read, goes into the
-        record: the resume checks the file against it."""
-        members = (state.get("membership") or {}).get("members") or {}
+        run's next outer step, for longer); a state whose digest is then not beside it —
+        the island died writing, its storage refused it, or it is still writing — is
+        replaced by the newest of the island's states before it that is on storage (its
+        moments a checkpoint or more older), or by none. The digest read goes into the
+        record: the resume checks the file against it. A fault here keeps the name (as
+        before): the checkpoint is never lost for it."""
+        members = _members(state)
         if self.folder is None or not any(m.get("inner_state") for m in members.values()):
             return
-        ending(wait_s)
+        t0 = time.monotonic()
+        try:
+            ending(wait_s)
+        except Exception:
+            log.exception("the islands' state writes could not be waited for")
+        if (waited := time.monotonic() - t0) >= wait_s:
+            log.warning("the islands' state writes had not all ended after %.0f s: the checkpoint goes on", waited)
         folder = Folder(self.folder)
         for island, member in members.items():
             name = member.get("inner_state")
             if name is None:
                 continue
-            stored, digest = _stored(folder, name)
-            if stored:
-                member["inner_state_sha256"] = digest or member.get("inner_state_sha256")
+            try:
+                self._confirm_one(folder, state, island, member, [SavedState(name=name), *chains.get(name, [])])
+            except Exception:
+                log.exception("island %s's inner state %s could not be checked: the checkpoint names it", island, name)
+
+    @staticmethod
+    def _confirm_one(
+        folder: Folder, state: dict[str, Any], island: Any, member: dict[str, Any], candidates: list[SavedState]
+    ) -> None:
+        for at, candidate in enumerate(candidates):
+            stored, digest = _stored(folder, candidate.name)
+            if not stored:
                 continue
-            previous = fallbacks.get(name)
-            stored, digest = _stored(folder, previous.name) if previous is not None else (False, None)
-            if previous is None or not stored:
-                member["inner_state"] = member["inner_state_sha256"] = None
+            member["inner_state"] = candidate.name
+            member["inner_state_sha256"] = digest or candidate.sha256 or member.get("inner_state_sha256")
+            if at:
+                state["island_states"] = sorted({*state.get("island_states", []), candidate.name})
                 log.warning(
-                    "island %s's inner state %s was never written: the checkpoint names none for it", island, name
+                    "island %s's inner state %s is not on storage: the checkpoint names its state before it, %s",
+                    island,
+                    candidates[0].name,
+                    candidate.name,
                 )
-                continue
-            member["inner_state"], member["inner_state_sha256"] = previous.name, digest or previous.sha256
-            state["island_states"] = sorted({*state.get("island_states", []), previous.name})
-            log.warning(
-                "island %s's inner state %s was never written: the checkpoint names its state before it, %s",
-                island,
-                name,
-                previous.name,
-            )
+            return
+        member["inner_state"] = member["inner_state_sha256"] = None
+        log.warning(
+            "island %s's inner state %s is not on storage: the checkpoint names none", island, candidates[0].name
+        )
 
     def restore_for(self, stats: IslandStats | None) -> SavedState | None:
         """The state an island placed again under its old index continues from."""
@@ -155,8 +186,7 @@ class IslandStates:
     @staticmethod
     def named_in(state: dict[str, Any]) -> set[str]:
         """The states checkpoint `state` names for its members (as `confirm` left them)."""
-        members = (state.get("membership") or {}).get("members") or {}
-        return {m["inner_state"] for m in members.values() if m.get("inner_state") is not None}
+        return {m["inner_state"] for m in _members(state).values() if m.get("inner_state") is not None}
 
     def load(self, names: list[str]) -> None:
         self.window.append(set(names))
@@ -167,9 +197,11 @@ class IslandStates:
         is on disk): the superseded files no kept checkpoint names are deleted."""
         self.window.append(set(named))
         named = set().union(*self.window)
-        for name in sorted(self.superseded - named):
+        gone = self.superseded - named
+        for name in sorted(gone):
             self._delete(name, disk)
         self.superseded &= named
+        self.before = {k: v for k, v in self.before.items() if k not in gone and v.name not in gone}
 
     def sweep(self, disk: DiskFaults) -> None:
         """The run ended: nothing is in flight, so every file no kept checkpoint names goes
@@ -190,5 +222,6 @@ class IslandStates:
         """Delete state file `name` and (`beside`) the digest written beside it."""
         if self.folder is not None:
             folder = Folder(self.folder)
-            for each in [name, digest_name(name)] if beside else [name]:
+            # the digest first: a digest left by a failed delete would vouch for a file gone
+            for each in [digest_name(name), name] if beside else [name]:
                 disk.attempt(f"deleting {each}", functools.partial(folder.delete, each))
