@@ -16,6 +16,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+from archipelago.orchestrator import library
 from archipelago.orchestrator.config_load import (
     ConfigError,
     check_extras,
@@ -86,13 +87,16 @@ def _verbosity() -> argparse.ArgumentParser:
     return common
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+class _Version(argparse.Action):
+    """`--version`: the version and the commit it was built from, asked only when shown
+    (the commit may take a `git` call)."""
 
-    try:
-        return version("archipelago-diloco")
-    except PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
-        return "unknown (not installed)"
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="show the version and commit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        sys.stdout.write(f"archipelago {library.version()} (commit {library.commit()})\n")
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="archipelago", description="Low-communication training across islands on Ray.", parents=[common]
     )
-    parser.add_argument("--version", action="version", version=f"archipelago {_version()}")
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
     run_p = sub.add_parser(
         "run", parents=[common], help="train (default: sync DiLoCo, 4 CPU islands, small GPT on stdlib text)"
@@ -276,15 +280,13 @@ def _plan(args: argparse.Namespace) -> int:
     import json
 
     from archipelago.orchestrator.plan.cluster import ClusterError, from_manifest, from_ray, quantity, this_machine
-    from archipelago.orchestrator.plan.planner import on_cpu, plan_run
     from archipelago.workers.tasks.hf_task import PlanInputError
 
     if args.config_file and args.config:
         log.error("give the config once: as the argument or with --config")
         return 2
     try:
-        cfg = load_config(args.config_file or args.config, list(args.overrides))
-        check_extras(cfg)
+        cfg = library.config(args.config_file or args.config, *args.overrides)
     except ConfigError as err:
         log.error("invalid config: %s", err)
         return 2
@@ -307,10 +309,7 @@ def _plan(args: argparse.Namespace) -> int:
                     for k in cluster.workers
                 ),
             )
-        if not args.cluster and not cluster.head.gpus and (cfg.islands.gpus or cfg.evaluation.gpus):
-            log.info("this machine has no GPU: its islands and evaluator are planned on its CPU, as they would run")
-            cfg = on_cpu(cfg)
-        plan = plan_run(cfg, cluster, link_gbps=args.link_gbps, step_s=args.step_s)
+        plan = library.plan(cfg, cluster, link_gbps=args.link_gbps, step_s=args.step_s)
     except (ClusterError, PlanInputError, OSError) as err:
         log.error("cannot plan: %s", err)
         return 2
@@ -469,13 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         sys.stdout.write(dump_config(cfg, reads_only=bool(args.mode)))
         return 0
-    from archipelago.orchestrator.runtime.driver import (
-        ResumeRefused,
-        check_resumable,
-        process_started_at,
-        resume_id,
-        run,
-    )
+    from archipelago.orchestrator.runtime.driver import ResumeRefused, check_resumable, process_started_at, resume_id
 
     if resume and args.run_id:
         log.error("--resume continues the run its folder records: --run-id names another way, give one")
@@ -494,7 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         log.error("invalid config: %s", err)
         return 2
-    return train(lambda: run(cfg, run_id=run_id, show_progress=level <= logging.INFO, started_at=process_started_at()))
+    return train(
+        lambda: library.run(cfg, run_id=run_id, progress=level <= logging.INFO, started_at=process_started_at())
+    )
 
 
 def train(runs: Callable[[], dict[str, Any]]) -> int:

@@ -95,7 +95,9 @@ def test_json_logs_are_one_object_a_line_with_time_level_and_the_exception(capsy
 def test_the_version_and_the_log_format_flag(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
-    assert exit_.value.code == 0 and re.fullmatch(r"archipelago \d+\.\d+\.\d+\S*\n", capsys.readouterr().out)
+    assert exit_.value.code == 0 and re.fullmatch(
+        r"archipelago \d+\.\d+\.\d+\S* \(commit \S+\)\n", capsys.readouterr().out
+    )
     assert build_parser().parse_args(["run", "--log-format", "json"]).log_format == "json"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["run", "--log-format", "xml"])

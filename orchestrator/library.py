@@ -1,0 +1,123 @@
+"""The Python API: what the `archipelago` command does, as functions a program calls —
+build a run's config, plan it, train it, read its summary — for users who drive training
+from their own code (as Ray Train's users call `TorchTrainer.fit()`) rather than a shell.
+The command is a shell over the same functions (`cli.py`), so the two cannot drift.
+`import archipelago` gives them (`archipelago.config`, `.plan`, `.run`, `.summary`,
+`.__version__`), imported on first use: the import itself stays light.
+
+    import archipelago
+    cfg = archipelago.config(None, "rounds=4", "islands.count=2")
+    plan = archipelago.plan(cfg)          # raises PlanRefused where it does not fit
+    summary = archipelago.run(cfg)        # trains on Ray (a local instance if none is up)
+    print(summary["final_eval_loss"])
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import subprocess
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from archipelago.orchestrator.config import RunConfig
+from archipelago.orchestrator.config_load import ConfigError, check_extras, load_config
+
+if TYPE_CHECKING:
+    from archipelago.orchestrator.plan.cluster import Cluster
+    from archipelago.orchestrator.plan.planner import Plan
+
+log = logging.getLogger(__name__)
+DISTRIBUTION = "archipelago-diloco"
+__all__ = ["ConfigError", "RunConfig", "commit", "config", "plan", "run", "summary", "version"]
+
+
+def version() -> str:
+    """The installed distribution's version ("unknown" from a checkout on PYTHONPATH)."""
+    import archipelago
+
+    return str(archipelago.__version__)
+
+
+@functools.cache
+def commit() -> str:
+    """The commit this code is built from: the image's (`ARCHIPELAGO_COMMIT`, set by
+    k8s/image/build.sh), pip's record of a VCS install, or the checkout's own (git, with
+    `+dirty` when its files differ from it); "unknown" where none says."""
+    if stated := os.environ.get("ARCHIPELAGO_COMMIT"):
+        return stated
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        recorded = distribution(DISTRIBUTION).read_text("direct_url.json")
+        vcs = json.loads(recorded).get("vcs_info", {}) if recorded else {}
+        if vcs.get("commit_id"):
+            return str(vcs["commit_id"])[:12]
+    except (PackageNotFoundError, ValueError):
+        pass
+    source = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(source), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(source), "diff", "--quiet", "HEAD"], timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{head}+dirty" if dirty.returncode else head
+
+
+def config(file: str | Path | None = None, *overrides: str) -> RunConfig:
+    """A run's config: the YAML `file` (None: the embedded default), then each override
+    (`"outer.lr=0.5"`, as `--set` takes them). Raises `ConfigError` naming the field, and
+    where the config needs an optional extra that is not installed, which one."""
+    cfg = load_config(str(file) if file is not None else None, list(overrides))
+    check_extras(cfg)
+    return cfg
+
+
+def plan(
+    cfg: RunConfig,
+    cluster: Cluster | str | Path | None = None,
+    *,
+    link_gbps: float | None = None,
+    step_s: float | None = None,
+) -> Plan:
+    """Memory, bytes and time per process and per link of `cfg` on `cluster` (a `Cluster`,
+    a RayCluster or RayJob manifest's path, or None: this machine). On one host without a
+    GPU, a config asking for GPUs is planned on its CPU, as it would run there. `Plan.fits`
+    says whether it fits; `Plan.lines()` is what `archipelago plan` prints. Raises
+    `ClusterError` for a manifest it cannot read."""
+    from archipelago.orchestrator.plan.cluster import from_manifest, this_machine
+    from archipelago.orchestrator.plan.planner import DEFAULT_STEP_S, on_cpu, plan_run
+
+    if cluster is None:
+        cluster = this_machine()
+    elif isinstance(cluster, (str, Path)):
+        cluster = from_manifest(cluster)
+    if cluster.single_host and not cluster.head.gpus and (cfg.islands.gpus or cfg.evaluation.gpus):
+        log.info("no GPU on this host: its islands and evaluator are planned on its CPU, as they would run")
+        cfg = on_cpu(cfg)
+    return plan_run(cfg, cluster, link_gbps=link_gbps, step_s=step_s or DEFAULT_STEP_S)
+
+
+def run(
+    cfg: RunConfig, *, run_id: str | None = None, progress: bool = False, started_at: float | None = None
+) -> dict[str, Any]:
+    """Train `cfg` to the end on Ray (the instance `ray.address` names, else one started
+    here) and return its summary (also `summary.json` in its folder). `run_id`: an earlier
+    run's, to continue it from its checkpoints. Raises `PlanRefused` where the plan refuses
+    it before anything starts, `RunFailed` where it failed."""
+    from archipelago.orchestrator.runtime.driver import run as train
+
+    return train(cfg, run_id=run_id, show_progress=progress, started_at=started_at)
+
+
+def summary(folder: str | Path) -> dict[str, Any]:
+    """The summary of the run whose outputs are in `folder` (its `summary.json`)."""
+    return json.loads((Path(folder) / "summary.json").read_text())
