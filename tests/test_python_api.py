@@ -83,3 +83,12 @@ def test_a_run_is_trained_from_a_program_and_its_summary_read_back(ray_local, tm
     summary = archipelago.run(cfg, run_id="api")
     assert summary["state"] == "finished" and summary["rounds_done"] == 2
     assert archipelago.summary(out) == summary
+
+
+def test_the_image_states_the_commit_it_is_built_from():
+    """The image holds no .git (.dockerignore): build.sh passes the commit, the Dockerfile
+    sets it where `commit()` reads it first."""
+    build = (REPO / "k8s" / "image" / "build.sh").read_text()
+    dockerfile = (REPO / "k8s" / "Dockerfile").read_text()
+    assert '--build-arg "ARCHIPELAGO_COMMIT=${commit:0:12}"' in build
+    assert "ARG ARCHIPELAGO_COMMIT" in dockerfile and "ENV ARCHIPELAGO_COMMIT=$ARCHIPELAGO_COMMIT" in dockerfile

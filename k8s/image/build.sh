@@ -13,7 +13,7 @@ if [ -n "$(git status --porcelain --untracked-files=no)" ]; then
   exit 2
 fi
 commit=$(git rev-parse HEAD)
-docker build -f k8s/Dockerfile -t "$repo:$commit" .
+docker build -f k8s/Dockerfile --build-arg "ARCHIPELAGO_COMMIT=${commit:0:12}" -t "$repo:$commit" .
 docker push "$repo:$commit"
 pinned=$(docker inspect --format '{{index .RepoDigests 0}}' "$repo:$commit")  # <repo>@sha256:<digest>
 (cd k8s/image && kustomize edit set image "archipelago=$pinned")
