@@ -21,6 +21,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import generate_latest
 
+from archipelago.orchestrator import library
 from archipelago.orchestrator.engine.fleet.watch import watched
 from archipelago.orchestrator.engine.state import views
 from archipelago.orchestrator.engine.state.views import (
@@ -34,6 +35,7 @@ from archipelago.orchestrator.engine.state.views import (
 from archipelago.orchestrator.engine.types import IslandState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+BUILD_INFO = "archipelago_build_info"  # 1, labelled with the version and commit (Prometheus' `_info` idiom)
 
 
 def _number(value: Any) -> float | None:
@@ -55,6 +57,11 @@ class RunCollector:
         self.run = str(status.get("run_id", ""))
 
     def collect(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily(
+            BUILD_INFO, "The version and the commit of the code serving these metrics", labels=["version", "commit"]
+        )
+        info.add_metric([library.version(), library.commit()], 1.0)
+        yield info
         for metric in RUN_METRICS:
             family = _family(metric, ["run_id"])
             value = _number(self.status.get(metric.key))

@@ -107,7 +107,7 @@ def test_prometheus_text_format(api):
     from prometheus_client.parser import text_string_to_metric_families
 
     families = {f.name: f for f in text_string_to_metric_families(r.text)}
-    staleness = families["archipelago_island_staleness"]
+    staleness = families["archipelago_island_staleness_versions"]
     assert {s.labels["island"]: s.value for s in staleness.samples} == {"0": 0.0, "1": 1.0, "2": 2.0}
     assert families["archipelago_eval_loss"].samples[0].value == 2.25
     assert families["archipelago_tokens"].type == "counter"
@@ -209,7 +209,7 @@ def test_released_islands_have_no_metric_series(api):
     from prometheus_client.parser import text_string_to_metric_families
 
     families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics", headers=AUTH).text)}
-    assert {s.labels["island"] for s in families["archipelago_island_staleness"].samples} == {"0", "2"}
+    assert {s.labels["island"] for s in families["archipelago_island_staleness_versions"].samples} == {"0", "2"}
 
 
 @pytest.mark.parametrize(

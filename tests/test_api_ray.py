@@ -69,7 +69,7 @@ def test_control_plane_watches_and_scales_a_live_run(ray_local, tmp_path, monkey
         assert client.get("/v1/run").json()["target_islands"] == 3  # the retried add raised it once
         scraped = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
         assert {"run_id": "apitest", "island": "2"} in [
-            s.labels for s in scraped["archipelago_island_staleness"].samples
+            s.labels for s in scraped["archipelago_island_staleness_versions"].samples
         ]
         while time.time() < deadline and not client.get("/v1/islands").json()[2]["rounds_contributed"]:
             time.sleep(0.2)

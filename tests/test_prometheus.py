@@ -1,16 +1,19 @@
 """`/metrics` by the book, on what a real run produces (a crash, a join, a drain, a late
 island): it parses with `prometheus_client`'s own parser; every `_total` is a counter and
-every counter is a `_total`; round time and update staleness are histograms whose counts
+every counter is a `_total`, no gauge is named for a count, `archipelago_build_info` names
+the version and commit; round time and update staleness are histograms whose counts
 are the run's; island series carry `run_id` and `island` only, and the state set has a
 series per state, so no series changes a label value while it lives."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from archipelago.api.prometheus import render
+from archipelago.api.prometheus import BUILD_INFO, render
+from archipelago.orchestrator import library
 from archipelago.orchestrator.engine.commands import AddIslands, Drain
 from archipelago.orchestrator.engine.state.views import (
     HISTOGRAMS,
@@ -46,11 +49,15 @@ def test_metrics_parse_with_counters_histograms_and_stable_labels(tmp_path):
     scrapes, records, engine = _scrapes(tmp_path)
     kinds = {m.name.removesuffix("_total"): m.kind.value for m in RUN_METRICS + ISLAND_METRICS + HISTOGRAMS}
     for families in scrapes:
-        assert {f.name for f in families} == {*kinds, ISLAND_STATE.name}
+        assert {f.name for f in families} == {*kinds, ISLAND_STATE.name, BUILD_INFO}
         for family in families:
             assert family.type == kinds.get(family.name, "gauge")
             for sample in family.samples:
                 assert sample.name.endswith("_total") == (family.type == "counter"), sample.name
+            if family.type == "gauge":  # no gauge named for a count; a unit where there is one
+                assert not re.search(r"(?<!_per)_(count|round|rounds|steps)$", family.name), family.name
+    (info,) = {f.name: f for f in scrapes[-1]}[BUILD_INFO].samples  # Prometheus' `_info` idiom: 1, labelled
+    assert info.value == 1 and info.labels == {"version": library.version(), "commit": library.commit()}
     last = {f.name: f for f in scrapes[-1]}
     round_time = {s.name: s for s in last["archipelago_round_duration_seconds"].samples if "le" not in s.labels}
     assert round_time["archipelago_round_duration_seconds_count"].value == len(records)
@@ -67,6 +74,8 @@ def test_metrics_parse_with_counters_histograms_and_stable_labels(tmp_path):
         for family in families:
             by_island: dict[str, list[Any]] = {}
             for sample in family.samples:
+                if family.name == BUILD_INFO:
+                    continue
                 if "island" not in sample.labels:
                     assert set(sample.labels) <= {"run_id", "le"}
                 elif family.name == ISLAND_STATE.name:

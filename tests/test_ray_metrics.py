@@ -57,11 +57,11 @@ def test_island_staleness_is_exported_with_the_ray_prefix(metrics_port, tmp_path
     board.Reload()
     assert [e.step for e in board.Scalars("eval_loss")] == list(range(1, 31))
     deadline, text = time.time() + 30, ""
-    wanted = ("ray_archipelago_island_staleness{", "ray_archipelago_round_duration_seconds_bucket{")
+    wanted = ("ray_archipelago_island_staleness_versions{", "ray_archipelago_round_duration_seconds_bucket{")
     while time.time() < deadline and not all(w in text for w in wanted):
         time.sleep(0.5)
         text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
-    lines = [line for line in text.splitlines() if line.startswith("ray_archipelago_island_staleness{")]
+    lines = [line for line in text.splitlines() if line.startswith("ray_archipelago_island_staleness_versions{")]
     assert any('island="1"' in line and 'run_id="metricstest"' in line for line in lines), text[-2000:]
     families = {f.name: f for f in text_string_to_metric_families(text) if f.name.startswith("ray_archipelago")}
     assert families["ray_archipelago_tokens"].type == "counter"  # counters as counters, named _total

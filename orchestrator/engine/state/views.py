@@ -269,8 +269,8 @@ class Metric(NamedTuple):
 
 G, C, H = MetricKind.GAUGE, MetricKind.COUNTER, MetricKind.HISTOGRAM
 RUN_METRICS = [
-    Metric("archipelago_version", "version", "Global model version (outer steps applied)", G),
-    Metric("archipelago_round", "round", "Rounds completed", G),
+    Metric("archipelago_model_version", "version", "Global model version (outer steps applied)", G),
+    Metric("archipelago_rounds_completed_total", "round", "Rounds completed", C),
     Metric("archipelago_eval_loss", "eval_loss", "Latest eval loss of the global model", G),
     Metric("archipelago_tokens_total", "tokens", "Tokens trained by all islands", C),
     Metric("archipelago_bytes_total", "bytes_communicated", "Bytes sent plus received by all islands", C),
@@ -285,14 +285,14 @@ HISTOGRAMS = [
     Metric("archipelago_update_staleness_versions", "staleness", "Versions each judged update was behind", H),
 ]
 ISLAND_METRICS = [  # labelled run_id and island only: an island's state is `ISLAND_STATE`'s
-    Metric("archipelago_island_staleness", "staleness_last", "Staleness of the island's latest submission", G),
-    Metric("archipelago_island_staleness_max", "staleness_max", "Largest staleness of the island", G),
+    Metric("archipelago_island_staleness_versions", "staleness_last", "Versions behind of the island's latest submission", G),
+    Metric("archipelago_island_max_staleness_versions", "staleness_max", "Most versions behind of any of the island's submissions", G),
     Metric("archipelago_island_train_loss", "last_train_loss", "Island's latest mean train loss", G),
     Metric("archipelago_island_tokens_total", "tokens", "Tokens the island trained", C),
     Metric("archipelago_island_bytes_sent_total", "bytes_sent", "Bytes the island sent", C),
     Metric("archipelago_island_bytes_received_total", "bytes_received", "Bytes the island received", C),
     Metric("archipelago_island_rejections_total", "rejections", "Island submissions rejected", C),
-    Metric("archipelago_island_inner_steps", "inner_steps", "H of the island's latest round", G),
+    Metric("archipelago_island_inner_steps_per_round", "inner_steps", "H of the island's latest round", G),
     Metric("archipelago_island_steps_per_second", "steps_per_s", "Measured inner steps per second", G),
     Metric("archipelago_island_compute_seconds_total", "compute_s", "Seconds the island spent computing", C),
     Metric("archipelago_island_tokens_per_second", "tokens_per_s", "Island tokens per second of compute", G),
