@@ -21,7 +21,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import generate_latest
 
-from archipelago.orchestrator import library
+from archipelago.orchestrator import build_info
 from archipelago.orchestrator.engine.fleet.watch import watched
 from archipelago.orchestrator.engine.state import views
 from archipelago.orchestrator.engine.state.views import (
@@ -60,7 +60,7 @@ class RunCollector:
         info = GaugeMetricFamily(
             BUILD_INFO, "The version and the commit of the code serving these metrics", labels=["version", "commit"]
         )
-        info.add_metric([library.version(), library.commit()], 1.0)
+        info.add_metric([build_info.version(), build_info.commit()], 1.0)
         yield info
         for metric in RUN_METRICS:
             family = _family(metric, ["run_id"])

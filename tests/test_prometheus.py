@@ -13,7 +13,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from archipelago.api.prometheus import BUILD_INFO, render
-from archipelago.orchestrator import library
+from archipelago.orchestrator import build_info
 from archipelago.orchestrator.engine.commands import AddIslands, Drain
 from archipelago.orchestrator.engine.state.views import (
     HISTOGRAMS,
@@ -57,7 +57,7 @@ def test_metrics_parse_with_counters_histograms_and_stable_labels(tmp_path):
             if family.type == "gauge":  # no gauge named for a count; a unit where there is one
                 assert not re.search(r"(?<!_per)_(count|round|rounds|steps)$", family.name), family.name
     (info,) = {f.name: f for f in scrapes[-1]}[BUILD_INFO].samples  # Prometheus' `_info` idiom: 1, labelled
-    assert info.value == 1 and info.labels == {"version": library.version(), "commit": library.commit()}
+    assert info.value == 1 and info.labels == {"version": build_info.version(), "commit": build_info.commit()}
     last = {f.name: f for f in scrapes[-1]}
     round_time = {s.name: s for s in last["archipelago_round_duration_seconds"].samples if "le" not in s.labels}
     assert round_time["archipelago_round_duration_seconds_count"].value == len(records)

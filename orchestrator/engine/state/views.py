@@ -285,8 +285,18 @@ HISTOGRAMS = [
     Metric("archipelago_update_staleness_versions", "staleness", "Versions each judged update was behind", H),
 ]
 ISLAND_METRICS = [  # labelled run_id and island only: an island's state is `ISLAND_STATE`'s
-    Metric("archipelago_island_staleness_versions", "staleness_last", "Versions behind of the island's latest submission", G),
-    Metric("archipelago_island_max_staleness_versions", "staleness_max", "Most versions behind of any of the island's submissions", G),
+    Metric(
+        "archipelago_island_staleness_versions",
+        "staleness_last",
+        "Versions behind of the island's latest submission",
+        G,
+    ),
+    Metric(
+        "archipelago_island_max_staleness_versions",
+        "staleness_max",
+        "Most versions behind of any of the island's submissions",
+        G,
+    ),
     Metric("archipelago_island_train_loss", "last_train_loss", "Island's latest mean train loss", G),
     Metric("archipelago_island_tokens_total", "tokens", "Tokens the island trained", C),
     Metric("archipelago_island_bytes_sent_total", "bytes_sent", "Bytes the island sent", C),
