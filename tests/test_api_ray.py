@@ -19,6 +19,19 @@ TOKEN = "api-ray-test-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
+def _wait_for_round(client: httpx.Client, rounds: int, timeout_s: float = 120) -> float:
+    """Until the control plane serves and the run has done `rounds`; the deadline it kept."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            if client.get("/v1/run").json().get("round", 0) >= rounds:
+                break
+        except httpx.HTTPError:
+            pass  # not serving yet
+        time.sleep(0.2)
+    return deadline
+
+
 def test_control_plane_watches_and_scales_a_live_run(ray_local, tmp_path, monkeypatch):
     monkeypatch.setenv("ARCHIPELAGO_API_TOKEN", TOKEN)
     port = free_port()
@@ -44,14 +57,7 @@ def test_control_plane_watches_and_scales_a_live_run(ray_local, tmp_path, monkey
     url = f"http://127.0.0.1:{port}"
     client = httpx.Client(base_url=url, timeout=10, headers=AUTH)  # reads need the token too
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if client.get("/v1/run").json().get("round", 0) >= 2:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        deadline = _wait_for_round(client, 2)
         status = client.get("/v1/run").json()
         assert status["run_id"] == "apitest" and status["mode"] == "diloco" and status["target_islands"] == 2
         assert client.post("/v1/islands", json={"count": 1}, headers={"Authorization": ""}).status_code == 401
@@ -134,14 +140,7 @@ def test_a_frozen_slice_holds_neither_reads_nor_a_stop(ray_local, tmp_path, monk
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10, headers=AUTH)
     pid = None
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if client.get("/v1/run").json().get("round", 0) >= 2:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        _wait_for_round(client, 2)
         (frozen,) = [
             a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "-frozen-slice-1-" in a["name"]
         ]
