@@ -96,6 +96,9 @@ def configured_read_source() -> TokenSource | None:
     if path:
         try:
             token: str | None = Path(path).read_text().strip() or None
+        except FileNotFoundError:  # its Secret is optional (k8s/): none made, none mounted
+            log.info("no read-only token at %s: reads need the operator token", path)
+            return None
         except (OSError, UnicodeDecodeError) as err:
             raise ExposureError(f"ARCHIPELAGO_API_READ_TOKEN_FILE={path} cannot be read: {err}") from err
     else:

@@ -49,8 +49,9 @@ def test_a_read_only_token_must_be_usable_and_not_the_operators(monkeypatch, tmp
     with pytest.raises(ExposureError, match="operator token"):
         configured_read_source()
     path = tmp_path / "read-token"
-    path.write_text(READER + "\n")
     monkeypatch.setenv("ARCHIPELAGO_API_READ_TOKEN_FILE", str(path))
+    assert configured_read_source() is None  # its optional Secret not made: not mounted, no reader token
+    path.write_text(READER + "\n")
     source = configured_read_source()
     assert source is not None and source.current() == READER.encode()
 

@@ -117,6 +117,8 @@ def test_manifests_match_the_code():
         # the read-only token: a Secret of its own, as a file the control plane follows (api/auth.py)
         read_file = Path(env["ARCHIPELAGO_API_READ_TOKEN_FILE"])
         assert mounts[READ_SECRET] == str(read_file.parent) and read_file.name == "token"
+        # optional: a head whose read Secret was never made starts (readers then need the operator's)
+        assert {v["name"]: v["secret"].get("optional") for v in _head_volumes(spec) if "secret" in v}[READ_SECRET]
         assert "ARCHIPELAGO_API_READ_TOKEN" not in env and read_file.parent != token_file.parent
         assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) >= 30  # the final checkpoint of a stopped job
         # the head's stated link, which `plan --cluster` reads, reaches the run's own plan (and
