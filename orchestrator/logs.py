@@ -14,6 +14,7 @@ Each line carries its time and level (a platform's log pipeline sorts and filter
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import logging
@@ -22,7 +23,12 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TextIO
 
+from archipelago.workers.runtime.log_context import tag_records
+
 PACKAGES = ("archipelago",)  # the one import root: every module's logger is under it
+# in JSON mode, Ray's logger and the root (where Ray's JSON config writes, and any library's
+# record ends) write through ours too; their levels stay theirs
+RAY_LOGGERS = ("ray", "")
 BRIEF = "%(asctime)s %(levelname)s archipelago: %(message)s"
 DETAILED = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -34,25 +40,32 @@ class LogFormat(enum.Enum):
 
 @dataclass(frozen=True)
 class LogSetup:
-    """What a process configured, for the processes it starts (the coordinator) to use too."""
+    """What a process configured, for the processes it starts (the coordinator) to use too;
+    `run_id` once the run it serves is known (every JSON record carries it)."""
 
     level: int
     format: LogFormat = LogFormat.TEXT
+    run_id: str | None = None
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object a line."""
+    """One JSON object a line, with the run's id once this process knows it (`set_run`:
+    every record is tagged), and a record's `fields` (`extra={"fields": {...}}`: a
+    progress line's figures)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        line = {
+        line: dict[str, object] = {
             "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
             "level": record.levelname,
             "logger": record.name,
             "message": record.getMessage(),
         }
+        if (run_id := getattr(record, "run_id", None)) is not None:  # `tag_records`
+            line["run_id"] = run_id
+        line.update(getattr(record, "fields", None) or {})
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
-        return json.dumps(line)
+        return json.dumps(line, default=str)
 
 
 def level_for(verbose: int, quiet: int) -> int:
@@ -79,6 +92,7 @@ class _Handler(logging.StreamHandler):
 
 
 _CONFIGURED: list[LogSetup] = []  # what `configure` last installed in this process
+_RAY_HANDLERS: dict[str, list[logging.Handler]] = {}  # Ray's own, set aside in JSON mode
 
 
 def configured() -> LogSetup | None:
@@ -86,13 +100,40 @@ def configured() -> LogSetup | None:
     return _CONFIGURED[-1] if _CONFIGURED else None
 
 
-def configure(level: int, stream: TextIO | None = None, fmt: LogFormat = LogFormat.TEXT) -> None:
+def set_run(run_id: str) -> None:
+    """The run this process serves, known: JSON records carry its id from now on, and the
+    processes it starts are configured with it."""
+    if _CONFIGURED:
+        _CONFIGURED[-1] = dataclasses.replace(_CONFIGURED[-1], run_id=run_id)
+    tag_records(run_id)
+
+
+def reassert() -> None:
+    """Configure again as configured: after `ray.init`, whose logging config takes the root
+    and Ray's loggers (JSON mode: every line this process prints stays ours)."""
+    if _CONFIGURED:
+        setup = _CONFIGURED[-1]
+        configure(setup.level, fmt=setup.format, run_id=setup.run_id)
+
+
+def emits_json() -> bool:
+    """Whether this process writes its lines as JSON (`--log-format json`)."""
+    return bool(_CONFIGURED) and _CONFIGURED[-1].format == LogFormat.JSON
+
+
+def configure(
+    level: int, stream: TextIO | None = None, fmt: LogFormat = LogFormat.TEXT, run_id: str | None = None
+) -> None:
+    """`fmt` JSON: Ray's own loggers in this process write through the same handler (its
+    lines are the run's lines too)."""
     handler = _Handler(stream)
     if fmt == LogFormat.JSON:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter(DETAILED if level <= logging.DEBUG else BRIEF))
-    _CONFIGURED[:] = [LogSetup(level, fmt)]
+    _CONFIGURED[:] = [LogSetup(level, fmt, run_id)]
+    if run_id is not None:
+        tag_records(run_id)
     for name in PACKAGES:
         logger = logging.getLogger(name)
         for old in [h for h in logger.handlers if isinstance(h, _Handler)]:
@@ -100,3 +141,18 @@ def configure(level: int, stream: TextIO | None = None, fmt: LogFormat = LogForm
         logger.addHandler(handler)
         logger.setLevel(level)
         logger.propagate = False
+    for name in RAY_LOGGERS:  # Ray's handlers set aside while ours writes JSON, put back after
+        logger = logging.getLogger(name)
+        for old in [h for h in logger.handlers if isinstance(h, _Handler)]:
+            logger.removeHandler(old)
+        if fmt == LogFormat.JSON:
+            theirs = [h for h in logger.handlers if not isinstance(h, _Handler)]
+            _RAY_HANDLERS.setdefault(name, []).extend(theirs)
+            for h in theirs:
+                logger.removeHandler(h)
+            own = _Handler(stream)  # a handler of its own: Ray sets the formatter of those it finds
+            own.setFormatter(JsonFormatter())
+            logger.addHandler(own)
+        else:
+            for h in _RAY_HANDLERS.pop(name, []):
+                logger.addHandler(h)

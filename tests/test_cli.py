@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -256,3 +257,35 @@ def test_a_config_needing_an_extra_that_is_not_installed_exits_2_naming_it(block
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"needs the `{extra}` extra" in out.stderr and f"pip install 'archipelago-diloco[{extra}]'" in out.stderr
     assert f"{blocked[0]} missing" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.ray
+def test_with_json_logs_every_line_a_run_prints_is_one_object_with_its_run_id(tmp_path):
+    """`--log-format json` on a real run, with `-v`: before, the progress and result lines,
+    the coordinator's forwarded lines (prefixed by Ray) and Ray's own stayed text, and no
+    record named its run. Every line on stdout and stderr now parses, each with the run's id:
+    the driver's, the coordinator's (through Ray's forwarding, unprefixed), Ray's own, the
+    progress a record a round and the summary one object."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    sets = ["rounds=1", "inner_steps=2", "warm_start.steps=0", "islands.count=2", f"out_dir={tmp_path / 'out'}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "archipelago.orchestrator.cli", "-v", "--log-format", "json", "run"]
+        + [a for s in sets for a in ("--set", s)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]  # every line parses
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert {r.get("run_id") for r in records} == {(tmp_path / "out" / "run_id").read_text().strip()}
+    loggers = {r.get("logger") or r.get("filename") for r in records}
+    assert "archipelago.orchestrator.engine.state.records" in loggers  # the coordinator's process, forwarded
+    assert "worker.py" in loggers  # Ray's own ("Started a local Ray instance")
+    (result,) = [r for r in records if r.get("message") == "summary"]
+    assert result["summary"]["final_eval_loss"] == summary["final_eval_loss"]
+    assert [r["progress"]["round"] for r in records if "progress" in r][-1] == 1

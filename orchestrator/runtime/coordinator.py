@@ -66,7 +66,7 @@ class Coordinator:
         from archipelago.orchestrator.runtime.slices import start_slices
 
         if logs is not None:  # the driver's -v/-q and --log-format, for this process's log file too
-            configure(logs.level, fmt=logs.format)
+            configure(logs.level, fmt=logs.format, run_id=run_id)
         torch.set_num_threads(cfg.coordinator.threads or 1)  # the outer step takes its own (`step_threads`)
         self.cfg, self.run_id = cfg, run_id
         self.metrics: Any = None

@@ -25,7 +25,7 @@ from archipelago.orchestrator.engine.state.checkpoints import CheckpointError, l
 from archipelago.orchestrator.engine.state.records import CONFIG, RUN_ID, link_latest
 from archipelago.orchestrator.engine.types import RunFailed
 from archipelago.orchestrator.engine.warm_start import check_warm_start, pending, warm_run_id
-from archipelago.orchestrator.logs import configured
+from archipelago.orchestrator.logs import configured, emits_json, reassert, set_run
 from archipelago.orchestrator.plan.head import with_shards
 from archipelago.orchestrator.plan.preflight import preflight
 from archipelago.orchestrator.runtime.control_plane import ControlPlane, api_token
@@ -72,9 +72,13 @@ def init_ray(cfg: RunConfig) -> bool:
     always asked for by name."""
     if ray.is_initialized():
         return False
+    # `--log-format json`: Ray's workers write JSON too, and their lines reach this process
+    # without Ray's "(name pid=…)" prefix, so every line the run prints parses
+    structured = ray.LoggingConfig(encoding="JSON") if emits_json() else None
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True, logging_config=structured)
+        reassert()
         return True
     workers = cfg.islands.count * cfg.islands.workers
     needed = workers * cfg.islands.cpus
@@ -94,7 +98,9 @@ def init_ray(cfg: RunConfig) -> bool:
             include_dashboard=False,
             log_to_driver=True,
             _system_config=RAY_SYSTEM_CONFIG,
+            logging_config=structured,
         )
+    reassert()
     return True
 
 
@@ -188,6 +194,7 @@ def run(
     load_task(cfg.task.factory, cfg.task.kwargs).prepare()  # build data caches once, before any actor
     new_run = run_id is None
     run_id = run_id or uuid.uuid4().hex[:12]
+    set_run(run_id)  # every JSON line from here on, and the coordinator's, carries it
     template, cfg = cfg.out_dir, cfg.for_run(run_id)  # each run its own folder (`out_dir`'s `{run_id}`)
     if not is_url(cfg.out_dir) and not Path(cfg.out_dir).is_absolute():
         # the coordinator (on this node) writes it from a Ray worker's working directory: the
@@ -376,6 +383,11 @@ def check_resumable(cfg: RunConfig, run_id: str) -> bool:
 
 
 def print_summary(summary: dict[str, Any], stream=sys.stdout) -> None:
+    """The run's result in a few lines; with `--log-format json` one JSON object (the
+    summary whole) on the log's stream, as every other line the run prints."""
+    if emits_json():
+        log.info("summary", extra={"fields": {"summary": summary}})
+        return
     out = summary["out_dir"]
     warm = summary.get("warm_start")
     if warm:

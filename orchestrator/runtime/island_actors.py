@@ -10,6 +10,7 @@ its coordinator, which adopts them (`RayIslandPool.adopt`)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,7 @@ def start_island(
     """Start the island inside its (ready) placement group: one actor, or with
     `islands.workers` = N a group of N whose rank 0 is the actor the coordinator talks to
     (the others live and die with the group; `describe` answers once the group formed)."""
-    index = spec.index
+    index, spec = spec.index, dataclasses.replace(spec, run_id=run_id)
     cls = island_actor_class()
     grouped = cfg.islands.workers > 1
 

@@ -3,9 +3,14 @@ in logs such as `ray job logs`)."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from typing import Any, TextIO
+
+from archipelago.orchestrator.logs import emits_json
+
+log = logging.getLogger(__name__)
 
 
 def _bytes(n: float) -> str:
@@ -69,6 +74,11 @@ class ProgressPrinter:
         if p.get("state") == "starting":
             return
         line = format_progress(p, self.eta.update(p))
+        if emits_json():  # `--log-format json`: a record a round, its figures as fields
+            if (p.get("phase"), p.get("round")) != self.last:
+                log.info(line, extra={"fields": {"progress": p}})
+            self.last = (p.get("phase"), p.get("round", -1))
+            return
         if self.tty:
             self.stream.write("\r" + line)
             self.stream.flush()

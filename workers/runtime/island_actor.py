@@ -27,6 +27,7 @@ import numpy as np
 import ray
 
 from archipelago.workers.runtime.island_spec import IslandSpec
+from archipelago.workers.runtime.log_context import tag_records
 from archipelago.workers.wire.messages import RoundResult, Sliced, WorkOrder
 
 if TYPE_CHECKING:
@@ -106,6 +107,8 @@ class IslandActor:
     (`islands.workers`), which rank 0 forms with `form_group`."""
 
     def __init__(self, spec: IslandSpec, grouped: bool = False) -> None:
+        if spec.run_id is not None:
+            tag_records(spec.run_id)
         if grouped:
             from archipelago.workers.runtime.island_group import GroupIsland
 

@@ -43,6 +43,7 @@ class IslandSpec:
     eager_clip: float | None = None  # ... clipped elementwise like CO2's momentum
     state_folder: str | None = None  # where it writes its inner state when an order asks (None: never)
     restore_state: SavedState | None = None  # the inner state it continues from (a resumed run's island)
+    run_id: str | None = None  # the run it serves: its log records carry it (`log_context`)
     probe: bool = True  # measure its speed before any work (only a pacing that sizes first work by speed needs it)
     builds_version0: bool = False  # keep the parameters it built, to start from them instead of a download
     version0_file: str | None = None  # ... loaded from this file (a warm start's, on shared storage) instead
