@@ -1,7 +1,7 @@
 """Which code this is: the installed version and the commit it was built from, for
 `--version`, `archipelago.commit()` and `/metrics`' `archipelago_build_info`. A module of its
-own, importing nothing of the project but its root: the control plane and the library both
-read it."""
+own, importing nothing of the project: the package's root, the control plane and the
+library all read it."""
 
 from __future__ import annotations
 
@@ -14,11 +14,16 @@ from pathlib import Path
 DISTRIBUTION = "archipelago-diloco"
 
 
+@functools.cache
 def version() -> str:
     """The installed distribution's version ("unknown" from a checkout on PYTHONPATH)."""
-    import archipelago
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
 
-    return str(archipelago.__version__)
+    try:
+        return installed(DISTRIBUTION)
+    except PackageNotFoundError:
+        return "unknown"
 
 
 @functools.cache
@@ -37,8 +42,17 @@ def commit() -> str:
             return str(vcs["commit_id"])[:12]
     except (PackageNotFoundError, ValueError):
         pass
-    source = Path(__file__).resolve().parent
+    source = Path(__file__).resolve().parents[1]  # the checkout this file is in, if it is one
     try:
+        top = subprocess.run(
+            ["git", "-C", str(source), "rev-parse", "--show-toplevel"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+        if Path(top).resolve() != source:  # a wheel in a venv inside another project's checkout
+            return "unknown"
         head = subprocess.run(
             ["git", "-C", str(source), "rev-parse", "--short=12", "HEAD"],
             capture_output=True,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
@@ -279,7 +280,7 @@ def _plan(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from archipelago.orchestrator.plan.cluster import ClusterError, from_manifest, from_ray, quantity, this_machine
+    from archipelago.orchestrator.plan.cluster import ClusterError, from_manifest, from_ray, quantity
     from archipelago.workers.tasks.hf_task import PlanInputError
 
     if args.config_file and args.config:
@@ -292,6 +293,7 @@ def _plan(args: argparse.Namespace) -> int:
         return 2
     try:
         accel = quantity(args.accelerator_memory) if args.accelerator_memory else None
+        cluster = None  # this machine (`library.plan`)
         if args.cluster == "ray":
             import ray
 
@@ -299,9 +301,7 @@ def _plan(args: argparse.Namespace) -> int:
             cluster = from_ray()
         elif args.cluster:
             cluster = from_manifest(args.cluster)
-        else:
-            cluster = this_machine(accel)
-        if accel is not None:
+        if accel is not None and cluster is not None:
             cluster = dataclasses.replace(
                 cluster,
                 workers=tuple(
@@ -309,7 +309,7 @@ def _plan(args: argparse.Namespace) -> int:
                     for k in cluster.workers
                 ),
             )
-        plan = library.plan(cfg, cluster, link_gbps=args.link_gbps, step_s=args.step_s)
+        plan = library.plan(cfg, cluster, accelerator_memory=accel, link_gbps=args.link_gbps, step_s=args.step_s)
     except (ClusterError, PlanInputError, OSError) as err:
         log.error("cannot plan: %s", err)
         return 2
@@ -426,7 +426,11 @@ def _export(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = level_for(getattr(args, "verbose", 0), getattr(args, "quiet", 0))
-    configure(level, fmt=LogFormat(getattr(args, "log_format", LogFormat.TEXT.value)))
+    fmt = LogFormat(getattr(args, "log_format", LogFormat.TEXT.value))
+    configure(level, fmt=fmt)
+    if fmt == LogFormat.JSON:  # before Ray is imported: its de-duplicated and scheduler lines are text
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+        os.environ.setdefault("RAY_SCHEDULER_EVENTS", "0")
     if args.command in HANDLERS:
         return HANDLERS[args.command](args)
     if args.command == "serve":

@@ -7,7 +7,7 @@ The command is a shell over the same functions (`cli.py`), so the two cannot dri
 
     import archipelago
     cfg = archipelago.config(None, "rounds=4", "islands.count=2")
-    plan = archipelago.plan(cfg)          # raises PlanRefused where it does not fit
+    plan = archipelago.plan(cfg)          # plan.fits: whether it fits, plan.lines(): why
     summary = archipelago.run(cfg)        # trains on Ray (a local instance if none is up)
     print(summary["final_eval_loss"])
 """
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from archipelago.orchestrator.build_info import commit, version
 from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.config_load import ConfigError, check_extras, load_config
+from archipelago.orchestrator.config_load import ConfigError, check_extras, check_folders, load_config
 
 if TYPE_CHECKING:
     from archipelago.orchestrator.plan.cluster import Cluster
@@ -44,24 +44,26 @@ def plan(
     cfg: RunConfig,
     cluster: Cluster | str | Path | None = None,
     *,
+    accelerator_memory: int | None = None,
     link_gbps: float | None = None,
     step_s: float | None = None,
 ) -> Plan:
     """Memory, bytes and time per process and per link of `cfg` on `cluster` (a `Cluster`,
-    a RayCluster or RayJob manifest's path, or None: this machine). On one host without a
-    GPU, a config asking for GPUs is planned on its CPU, as it would run there. `Plan.fits`
-    says whether it fits; `Plan.lines()` is what `archipelago plan` prints. Raises
-    `ClusterError` for a manifest it cannot read."""
+    a RayCluster or RayJob manifest's path, or None: this machine, its GPUs' memory taken
+    as `accelerator_memory` where given, and a config asking for GPUs it lacks planned on
+    its CPU, as it would run here; `run`'s own plan does the same). `Plan.fits` says
+    whether it fits — a refusal is its answer, not an exception; `Plan.lines()` is what
+    `archipelago plan` prints. Raises `ClusterError` for a manifest it cannot read."""
     from archipelago.orchestrator.plan.cluster import from_manifest, this_machine
     from archipelago.orchestrator.plan.planner import DEFAULT_STEP_S, on_cpu, plan_run
 
     if cluster is None:
-        cluster = this_machine()
+        cluster = this_machine(accelerator_memory)
+        if not cluster.head.gpus and (cfg.islands.gpus or cfg.evaluation.gpus):
+            log.info("this machine has no GPU: its islands and evaluator are planned on its CPU, as they would run")
+            cfg = on_cpu(cfg)
     elif isinstance(cluster, (str, Path)):
         cluster = from_manifest(cluster)
-    if cluster.single_host and not cluster.head.gpus and (cfg.islands.gpus or cfg.evaluation.gpus):
-        log.info("no GPU on this host: its islands and evaluator are planned on its CPU, as they would run")
-        cfg = on_cpu(cfg)
     return plan_run(cfg, cluster, link_gbps=link_gbps, step_s=step_s or DEFAULT_STEP_S)
 
 
@@ -74,9 +76,13 @@ def run(
     it before anything starts, `RunFailed` where it failed."""
     from archipelago.orchestrator.runtime.driver import run as train
 
+    check_folders(cfg)  # as `archipelago run`: outputs and checkpoints writable before any compute
     return train(cfg, run_id=run_id, show_progress=progress, started_at=started_at)
 
 
 def summary(folder: str | Path) -> dict[str, Any]:
-    """The summary of the run whose outputs are in `folder` (its `summary.json`)."""
-    return json.loads((Path(folder) / "summary.json").read_text())
+    """The summary of the run whose outputs are in `folder`, a local one or on object
+    storage (its `summary.json`)."""
+    from archipelago.workers.runtime.storage import Folder
+
+    return json.loads(Folder(str(folder)).read("summary.json"))

@@ -23,12 +23,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TextIO
 
-from archipelago.workers.runtime.log_context import tag_records
+from archipelago.workers.runtime.log_context import RUN_ATTRIBUTE, tag_records
 
 PACKAGES = ("archipelago",)  # the one import root: every module's logger is under it
-# in JSON mode, Ray's logger and the root (where Ray's JSON config writes, and any library's
-# record ends) write through ours too; their levels stay theirs
-RAY_LOGGERS = ("ray", "")
 BRIEF = "%(asctime)s %(levelname)s archipelago: %(message)s"
 DETAILED = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -60,7 +57,7 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        if (run_id := getattr(record, "run_id", None)) is not None:  # `tag_records`
+        if (run_id := getattr(record, RUN_ATTRIBUTE, None)) is not None:  # `tag_records`
             line["run_id"] = run_id
         line.update(getattr(record, "fields", None) or {})
         if record.exc_info:
@@ -92,7 +89,6 @@ class _Handler(logging.StreamHandler):
 
 
 _CONFIGURED: list[LogSetup] = []  # what `configure` last installed in this process
-_RAY_HANDLERS: dict[str, list[logging.Handler]] = {}  # Ray's own, set aside in JSON mode
 
 
 def configured() -> LogSetup | None:
@@ -101,19 +97,21 @@ def configured() -> LogSetup | None:
 
 
 def set_run(run_id: str) -> None:
-    """The run this process serves, known: JSON records carry its id from now on, and the
-    processes it starts are configured with it."""
+    """The run this process serves, known: the processes it starts are configured with it,
+    and where this one writes JSON, every record carries it from now on (not otherwise: a
+    program embedding Archipelago keeps its records as they are)."""
     if _CONFIGURED:
         _CONFIGURED[-1] = dataclasses.replace(_CONFIGURED[-1], run_id=run_id)
-    tag_records(run_id)
+        if _CONFIGURED[-1].format == LogFormat.JSON:
+            tag_records(run_id)
 
 
-def reassert() -> None:
-    """Configure again as configured: after `ray.init`, whose logging config takes the root
-    and Ray's loggers (JSON mode: every line this process prints stays ours)."""
-    if _CONFIGURED:
-        setup = _CONFIGURED[-1]
-        configure(setup.level, fmt=setup.format, run_id=setup.run_id)
+def json_line(message: str, fields: dict[str, object], logger: str = "archipelago") -> str:
+    """A line of the same shape as the JSON log's, for what a command writes to stdout
+    whatever the level (the summary)."""
+    record = logging.LogRecord(logger, logging.INFO, __file__, 0, message, None, None)
+    record.fields = fields
+    return JsonFormatter().format(record)
 
 
 def emits_json() -> bool:
@@ -124,15 +122,14 @@ def emits_json() -> bool:
 def configure(
     level: int, stream: TextIO | None = None, fmt: LogFormat = LogFormat.TEXT, run_id: str | None = None
 ) -> None:
-    """`fmt` JSON: Ray's own loggers in this process write through the same handler (its
-    lines are the run's lines too)."""
+    """`run_id` (JSON): every record of this process carries it from now on."""
     handler = _Handler(stream)
     if fmt == LogFormat.JSON:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter(DETAILED if level <= logging.DEBUG else BRIEF))
     _CONFIGURED[:] = [LogSetup(level, fmt, run_id)]
-    if run_id is not None:
+    if run_id is not None and fmt == LogFormat.JSON:
         tag_records(run_id)
     for name in PACKAGES:
         logger = logging.getLogger(name)
@@ -141,18 +138,3 @@ def configure(
         logger.addHandler(handler)
         logger.setLevel(level)
         logger.propagate = False
-    for name in RAY_LOGGERS:  # Ray's handlers set aside while ours writes JSON, put back after
-        logger = logging.getLogger(name)
-        for old in [h for h in logger.handlers if isinstance(h, _Handler)]:
-            logger.removeHandler(old)
-        if fmt == LogFormat.JSON:
-            theirs = [h for h in logger.handlers if not isinstance(h, _Handler)]
-            _RAY_HANDLERS.setdefault(name, []).extend(theirs)
-            for h in theirs:
-                logger.removeHandler(h)
-            own = _Handler(stream)  # a handler of its own: Ray sets the formatter of those it finds
-            own.setFormatter(JsonFormatter())
-            logger.addHandler(own)
-        else:
-            for h in _RAY_HANDLERS.pop(name, []):
-                logger.addHandler(h)

@@ -741,6 +741,9 @@ def test_each_clouds_component_fits_its_named_machine_and_gives_the_volume_a_cla
         assert any(t.get("key") == "nvidia.com/gpu" for t in pod["tolerations"])
         pods = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
         assert {g["template"]["spec"]["serviceAccountName"] for g in pods} == {"archipelago"}
+        # the account's API token (KubeRay binds the autoscaler's Role to it) on the head alone
+        assert "automountServiceAccountToken" not in spec["headGroupSpec"]["template"]["spec"]
+        assert all(g["template"]["spec"]["automountServiceAccountToken"] is False for g in spec["workerGroupSpecs"])
     shared = docs if folder == "" else _with_component(tmp_path / "shared", "shared", component)
     (claim,) = [d for d in shared if d["kind"] == "PersistentVolumeClaim"]
     storage_class, smallest = STORAGE[cloud]

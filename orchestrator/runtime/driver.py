@@ -25,7 +25,7 @@ from archipelago.orchestrator.engine.state.checkpoints import CheckpointError, l
 from archipelago.orchestrator.engine.state.records import CONFIG, RUN_ID, link_latest
 from archipelago.orchestrator.engine.types import RunFailed
 from archipelago.orchestrator.engine.warm_start import check_warm_start, pending, warm_run_id
-from archipelago.orchestrator.logs import configured, emits_json, reassert, set_run
+from archipelago.orchestrator.logs import LogFormat, configured, emits_json, json_line, set_run
 from archipelago.orchestrator.plan.head import with_shards
 from archipelago.orchestrator.plan.preflight import preflight
 from archipelago.orchestrator.runtime.control_plane import ControlPlane, api_token
@@ -72,13 +72,18 @@ def init_ray(cfg: RunConfig) -> bool:
     always asked for by name."""
     if ray.is_initialized():
         return False
-    # `--log-format json`: Ray's workers write JSON too, and their lines reach this process
-    # without Ray's "(name pid=…)" prefix, so every line the run prints parses
-    structured = ray.LoggingConfig(encoding="JSON") if emits_json() else None
+    # `--log-format json`: Ray's workers write JSON too (at the command's level), and their
+    # lines reach this process without Ray's "(name pid=…)" prefix, so every line the run
+    # prints parses (the CLI turned off Ray's de-duplication, whose summaries are text)
+    setup = configured()
+    structured = (
+        ray.LoggingConfig(encoding="JSON", log_level=logging.getLevelName(setup.level))
+        if setup is not None and setup.format == LogFormat.JSON
+        else None
+    )
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=True, logging_config=structured)
-        reassert()
         return True
     workers = cfg.islands.count * cfg.islands.workers
     needed = workers * cfg.islands.cpus
@@ -100,7 +105,6 @@ def init_ray(cfg: RunConfig) -> bool:
             _system_config=RAY_SYSTEM_CONFIG,
             logging_config=structured,
         )
-    reassert()
     return True
 
 
@@ -385,8 +389,9 @@ def check_resumable(cfg: RunConfig, run_id: str) -> bool:
 def print_summary(summary: dict[str, Any], stream=sys.stdout) -> None:
     """The run's result in a few lines; with `--log-format json` one JSON object (the
     summary whole) on the log's stream, as every other line the run prints."""
-    if emits_json():
-        log.info("summary", extra={"fields": {"summary": summary}})
+    if emits_json():  # on stdout whatever the level, as the text form is
+        stream.write(json_line("summary", {"summary": summary}, "archipelago.summary") + "\n")
+        stream.flush()
         return
     out = summary["out_dir"]
     warm = summary.get("warm_start")

@@ -29,6 +29,7 @@ from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.fleet.island_states import state_folder
 from archipelago.orchestrator.engine.specs import island_spec
 from archipelago.orchestrator.engine.warm_start import first_phase
+from archipelago.orchestrator.logs import emits_json
 from archipelago.orchestrator.runtime.names import NAMESPACE, coordinator_name, island_name
 from archipelago.workers.runtime.island_actor import island_actor_class
 from archipelago.workers.runtime.island_spec import IslandSpec
@@ -72,7 +73,9 @@ def start_island(
     """Start the island inside its (ready) placement group: one actor, or with
     `islands.workers` = N a group of N whose rank 0 is the actor the coordinator talks to
     (the others live and die with the group; `describe` answers once the group formed)."""
-    index, spec = spec.index, dataclasses.replace(spec, run_id=run_id)
+    index = spec.index
+    if emits_json():  # its records then carry the run's id, as the coordinator's do
+        spec = dataclasses.replace(spec, run_id=run_id)
     cls = island_actor_class()
     grouped = cfg.islands.workers > 1
 

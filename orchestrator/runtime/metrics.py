@@ -50,6 +50,8 @@ class RayMetrics:
         tags = {"run_id": self.run_id} if island is None else {"run_id": self.run_id, "island": island}
         if isinstance(instrument, Counter):
             seen = self._counted.get((metric.key, island), 0.0)
+            if value < seen:  # counted afresh (the main phase's rounds after a warm start's): from 0
+                seen = self._counted[(metric.key, island)] = 0.0
             if value > seen:
                 instrument.inc(float(value) - seen, tags=tags)
                 self._counted[(metric.key, island)] = float(value)

@@ -9,18 +9,23 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+RUN_ATTRIBUTE = "run_id"  # what Ray's JSON formatter writes it as (every attribute a record has)
 _RUN: list[str] = []  # the run this process serves, once told
 
 
 def tag_records(run_id: str) -> None:
-    """From now on, every record made in this process carries `run_id` (installed once)."""
-    if not _RUN:
+    """From now on, every record made in this process carries `run_id` (the factory is
+    installed once, after the id is set: a record made meanwhile on another thread finds
+    it). Only where the process writes JSON lines for the run (the command's `--log-format
+    json`, its coordinator and islands): a program embedding Archipelago keeps its records."""
+    first = not _RUN
+    _RUN[:] = [run_id]
+    if first:
         make = logging.getLogRecordFactory()
 
         def tagged(*args: Any, **kwargs: Any) -> logging.LogRecord:
             record = make(*args, **kwargs)
-            record.run_id = _RUN[-1]
+            setattr(record, RUN_ATTRIBUTE, _RUN[-1])
             return record
 
         logging.setLogRecordFactory(tagged)
-    _RUN[:] = [run_id]

@@ -18,12 +18,7 @@ __all__ = ["__version__", *API]
 
 def __getattr__(name: str) -> Any:
     if name == "__version__":  # without the library's imports (pydantic's models)
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            return version("archipelago-diloco")
-        except PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
-            return "unknown"
+        return import_module("archipelago.orchestrator.build_info").version()
     if name in API:
         return getattr(import_module("archipelago.orchestrator.library"), name)
     raise AttributeError(f"module 'archipelago' has no attribute {name!r}")
