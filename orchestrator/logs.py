@@ -109,7 +109,7 @@ def set_run(run_id: str) -> None:
 def json_line(message: str, fields: dict[str, object], logger: str = "archipelago") -> str:
     """A line of the same shape as the JSON log's, for what a command writes to stdout
     whatever the level (the summary)."""
-    record = logging.LogRecord(logger, logging.INFO, __file__, 0, message, None, None)
+    record = logging.getLogRecordFactory()(logger, logging.INFO, __file__, 0, message, None, None)  # tagged
     record.fields = fields
     return JsonFormatter().format(record)
 

@@ -72,12 +72,13 @@ def init_ray(cfg: RunConfig) -> bool:
     always asked for by name."""
     if ray.is_initialized():
         return False
-    # `--log-format json`: Ray's workers write JSON too (at the command's level), and their
-    # lines reach this process without Ray's "(name pid=…)" prefix, so every line the run
-    # prints parses (the CLI turned off Ray's de-duplication, whose summaries are text)
+    # `--log-format json`: Ray's workers write JSON too, and their lines reach this process
+    # without Ray's "(name pid=…)" prefix, so every line the run prints parses (the CLI
+    # turned off Ray's de-duplication, whose summaries are text). At the command's level, but
+    # never Ray's own debug lines: a worker writes some as it starts, before it knows the run
     setup = configured()
     structured = (
-        ray.LoggingConfig(encoding="JSON", log_level=logging.getLevelName(setup.level))
+        ray.LoggingConfig(encoding="JSON", log_level=logging.getLevelName(max(setup.level, logging.INFO)))
         if setup is not None and setup.format == LogFormat.JSON
         else None
     )
