@@ -478,6 +478,29 @@ def test_a_change_accepted_just_before_the_coordinator_dies_holds(tmp_path, mode
         assert second.summary["islands"]["1"]["state"] == "drained"
 
 
+def test_a_command_sent_to_a_restarted_coordinator_before_it_reread_the_intent_waits_for_it(tmp_path):
+    """A drain accepted after the newest checkpoint, then the coordinator dies; the restarted
+    one is asked to pause before its fleet has read the membership intent. That pause used to
+    journal the checkpoint's older membership over the intent (target one higher, no island
+    leaving): the drain was lost and its island placed again (the REST chaos run, CI at ed1b1cb).
+    Now it is refused as not yet durable (409: retry), and once started the drain holds."""
+    cfg = scenario_cfg(tmp_path, "diloco", "rounds=6", "checkpoint.every_rounds=2", "elastic.placement_timeout_s=5")
+    first, pool = in_process_engine(cfg, run_id="reread")
+    drive(first, until=2)
+    assert isinstance(first.submit(Drain(island=1)), Ack)
+    pool.coordinator_lost()
+    second = build_engine(cfg, pool, run_id="reread")
+    early = second.submit(Pause())
+    assert isinstance(early, Refused) and early.reason == Refusal.NOT_NOW and "restarting" in early.message
+    intent = json.loads((Path(str(second.checkpoints)) / "membership.json").read_text())
+    assert intent["target"] == 2 and intent["leaving"] == [1]  # untouched
+    second.start()
+    assert isinstance(second.submit(Pause()), Ack) and isinstance(second.submit(Resume()), Ack)
+    drive(second)
+    assert second.members.target == 2 and second.summary["islands"]["1"]["state"] == "drained"
+    intent = json.loads((Path(str(second.checkpoints)) / "membership.json").read_text())
+    assert intent["target"] == 2 and intent["leaving"] == [1]
+
 def test_a_change_that_cannot_be_made_durable_is_refused_and_a_second_drain_too(tmp_path, monkeypatch):
     """No acknowledgement without the intent written: a full or read-only disk refuses the
     change (409: nothing changed, retry) rather than accept one a restart would lose; an

@@ -225,6 +225,7 @@ def assemble(
         inbox=inbox if takes_changes else None,
         scaling=ScalingPolicy(abandon=elastic.drain == "abandon", spares=elastic.spares),
         failures=FailurePolicy(elastic.replace_dead, ablation.restart_s),
+        resumed=state is not None,
     )
     requests = OperatorRequests(core=core, inbox=inbox, events=events, takes_changes=takes_changes)
     if takes_changes:

@@ -337,8 +337,8 @@ class Inbox:
     def _unwritten() -> Refused:
         return Refused(
             reason=Refusal.NOT_NOW,
-            message="the change could not be written to the membership intent (the run's disk errors say why); "
-            "nothing was changed: retry",
+            message="the change could not be written to the membership intent (the coordinator is restarting, "
+            "or the run's disk errors say why); nothing was changed: retry",
         )
 
     def durable(self) -> dict[str, Any]:

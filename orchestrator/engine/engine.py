@@ -115,7 +115,7 @@ class RoundEngine(EngineParts):
     # -- the state machine -----------------------------------------------------------------
     def start(self) -> None:
         """Ask for the islands (after a restart: re-attach to the live ones, re-place the rest)."""
-        self.fleet.start(self.resumed)
+        self.fleet.start()
 
     def submit(self, command: Command, *, key: str | None = None) -> Answer:
         """An operator's command, validated now, applied by the engine at its own pace

@@ -123,13 +123,15 @@ class Fleet:
         inbox: Inbox | None,
         scaling: ScalingPolicy,
         failures: FailurePolicy,
+        resumed: bool,
     ) -> None:
         """The run's parts it reads and changes: its membership and state, where islands keep
         their inner state and what an island placed again continues from (`states`);
         admission, which counts each island's bad updates in a row (towards quarantine).
         `inbox`: the operator's commands, when this phase takes membership changes (a warm
         start does not). `scaling` and `failures`: the policies whose decisions it carries
-        out, built by the composition root (`build.assemble`) from the config."""
+        out, built by the composition root (`build.assemble`) from the config. `resumed`: the
+        run continues from a checkpoint (`start` re-attaches)."""
         self.cfg, self.run_id, self.pool, self.members, self.run = cfg, run_id, pool, members, run
         self.states, self.admission = states, admission
         self.events, self.disk, self.inbox = events, disk, inbox
@@ -137,15 +139,19 @@ class Fleet:
         self.scaling, self.failures = scaling, failures
         self._demanded: int | None = None
         self._intent: dict | None = None  # last membership intent written (`journal`)
+        # the intent on storage is the truth until `start` has read it: a command journalled by
+        # a restarted coordinator before `_reattach` wrote the checkpoint's older membership over it
+        # (a drain accepted after that checkpoint was lost, and the drained island placed again)
+        self.resumed, self._intent_read = resumed, not resumed
         self._journalled_at = -1  # events.count when the intent was last looked at
         self._config_sha = hashlib.sha256(self.cfg.model_dump_json().encode()).hexdigest()
         self.waiting_since: float | None = None  # since when no island could train
         self._seek: dict[int, int] = {}  # promoted spares -> where their first work puts the lr schedule
 
     # -- start and restart -----------------------------------------------------------------
-    def start(self, resumed: bool) -> None:
+    def start(self) -> None:
         """Ask for the islands (after a restart: re-attach to the live ones, re-place the rest)."""
-        if resumed:
+        if self.resumed:
             self._reattach()
         else:
             # a coordinator Ray restarted before its first checkpoint starts afresh: the islands
@@ -178,8 +184,6 @@ class Fleet:
         if self.inbox is not None:
             self.inbox.settle(self.members.target)  # commands count from the journalled target, not the checkpoint's
             self.inbox.remember(intent.get("keys", []))  # a client retrying a command whose answer the restart lost
-            if intent.get("config_sha256") == self._config_sha:  # a resume with another config: the config's win
-                self.inbox.restore_accepted(intent)  # settings and a pause accepted since the checkpoint
         known = set(self.members.islands)
         for i in self.pool.survivors():
             if i not in known and i not in leaving and (node := self.pool.reattach(i)) is not None:
@@ -205,6 +209,10 @@ class Fleet:
         self.pool.sweep({i for i, s in self.members.islands.items() if s.state.alive})
         for i in replace:
             self.place(i)
+        self._intent_read = True  # the membership is the intent's now: commands may journal over it
+        # settings and a pause accepted since the checkpoint (a resume with another config: the config's win)
+        if self.inbox is not None and intent.get("config_sha256") == self._config_sha:
+            self.inbox.restore_accepted(intent)
         self.journal()
 
     def journal(self) -> bool:
@@ -214,9 +222,11 @@ class Fleet:
         the inbox's accepted changes not yet taken on top, and the idempotency keys of the
         newest membership changes (`Inbox.keyed`), written under the inbox's lock
         (`Inbox.journal` calls this from the caller's thread). False if it could not be
-        written."""
+        written, or not yet: a resumed run's `start` has not read the intent."""
         if not self.cfg.checkpoint.every_rounds:
             return True
+        if not self._intent_read:
+            return False
         with self.inbox.lock if self.inbox is not None else contextlib.nullcontext():
             queued_target, queued_leaving = self.inbox.queued() if self.inbox is not None else (None, set())
             durable = self.inbox.durable() if self.inbox is not None else {}
