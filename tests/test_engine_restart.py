@@ -501,6 +501,7 @@ def test_a_command_sent_to_a_restarted_coordinator_before_it_reread_the_intent_w
     intent = json.loads((Path(str(second.checkpoints)) / "membership.json").read_text())
     assert intent["target"] == 2 and intent["leaving"] == [1]
 
+
 def test_a_change_that_cannot_be_made_durable_is_refused_and_a_second_drain_too(tmp_path, monkeypatch):
     """No acknowledgement without the intent written: a full or read-only disk refuses the
     change (409: nothing changed, retry) rather than accept one a restart would lose; an
