@@ -1,11 +1,12 @@
 """Serving the control plane: uvicorn in a background thread of a long-lived process —
 the run's driver (`orchestrator/runtime/control_plane.py`), or `archipelago serve` in a
-terminal against a running job — on the first free port of a range, so several runs on
-one Ray cluster each serve their own."""
+terminal against a running job — on the first free port of a range (past it, a port the
+system picks), so any number of runs on one Ray cluster each serve their own."""
 
 from __future__ import annotations
 
 import errno
+import logging
 import socket
 import threading
 import time
@@ -17,6 +18,8 @@ from archipelago.api.app import create_app
 from archipelago.api.auth import TokenSource, check_exposure, is_loopback
 from archipelago.api.handle import RunHandle
 from archipelago.api.limits import RateLimit
+
+log = logging.getLogger(__name__)
 
 
 def server_config(
@@ -43,13 +46,15 @@ def server_config(
     )
 
 
-def bind_first_free(host: str, port: int, ports: int = 1) -> socket.socket:
+def bind_first_free(host: str, port: int, ports: int = 1, *, overflow: bool = False) -> socket.socket:
     """A listening socket on the first of `port` … `port + ports - 1` that is free on
     `host`. Bound here, then handed to uvicorn, so two runs starting at once on one node
     cannot both pick a port that looked free: the loser's bind fails and it takes the next.
-    `OSError` naming the range when every port is taken."""
+    When every port is taken: with `overflow`, a port the system picks (a run past the
+    range still serves, on an address it publishes); else `OSError` naming the range."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    for candidate in range(port, port + ports):
+    last = port + ports - 1
+    for candidate in [*range(port, last + 1), *([0] if overflow else [])]:
         sock = socket.socket(
             family, socket.SOCK_STREAM, socket.IPPROTO_TCP
         )  # TCP named: asyncio sets TCP_NODELAY only then
@@ -62,8 +67,12 @@ def bind_first_free(host: str, port: int, ports: int = 1) -> socket.socket:
                 continue
             raise
         sock.listen(2048)
+        if candidate == 0:
+            log.warning(
+                "every port of %s:%d-%d is taken (api.port, api.ports): serving on %d, which the system picked",
+                host, port, last, sock.getsockname()[1],
+            )  # fmt: skip
         return sock
-    last = port + ports - 1
     raise OSError(errno.EADDRINUSE, f"every port of {host}:{port}{f'-{last}' if ports > 1 else ''} is taken")
 
 
@@ -80,16 +89,17 @@ class ControlPlane:
         rate: RateLimit | None = None,
         trusted_proxies: tuple[str, ...] = (),
         ports: int = 1,
+        overflow: bool = False,
     ) -> None:
         """`handle`: the run served (`RayRunHandle` of a running job); `token`: the configured token, followed in its file (rotation); `tls`:
         (certificate, key) PEM files to serve HTTPS with; `read_token`, `rate`: see
         `create_app`; `trusted_proxies`: see `server_config`; `ports`: how many ports from
-        `port` up it may take (`bind_first_free`)."""
+        `port` up it may take, and `overflow` whether it serves past them (`bind_first_free`)."""
         token = token or TokenSource()
         current = token.current()
         check_exposure(host, current.decode("utf-8") if current is not None else None)
         app = create_app(handle, token, public_reads, loopback=is_loopback(host), read_token=read_token, rate=rate)
-        sock = bind_first_free(host, port, ports)
+        sock = bind_first_free(host, port, ports, overflow=overflow)
         port = sock.getsockname()[1]
         self.server = uvicorn.Server(server_config(app, host, port, tls, trusted_proxies))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -213,8 +213,8 @@ class ApiConfig(Strict):
         ge=1,
         le=100,
         description="how many ports from `port` up the control plane may take: it serves on the first free "
-        "one, so several runs on one Ray cluster each get their own (the run logs its address and writes "
-        "it to control-plane.url in its folder)",
+        "one, and past them on one the system picks, so any number of runs on one Ray cluster each get their "
+        "own (the run logs its address and writes it to control-plane.url in its folder)",
     )
     public_reads: bool = Field(
         False,

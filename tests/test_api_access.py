@@ -145,7 +145,7 @@ def test_a_second_control_plane_on_the_node_takes_the_next_free_port_of_its_rang
     """Two runs on one Ray cluster each serve a control plane on its head: the second finds
     the first's port taken and serves on the next of `api.port … + api.ports` (bound before
     uvicorn starts, so two starting at once cannot pick the same one); a range all taken is
-    an error naming it."""
+    an error naming it, or, for a run's own control plane, a port the system picks."""
     import socket
 
     from archipelago.api.server import ControlPlane, bind_first_free
@@ -170,6 +170,14 @@ def test_a_second_control_plane_on_the_node_takes_the_next_free_port_of_its_rang
             third.bind(("127.0.0.1", base + 2))
             with pytest.raises(OSError, match=f"every port of 127.0.0.1:{base}-{base + 2} is taken"):
                 bind_first_free("127.0.0.1", base, 3)
+            # a run's own control plane overflows: a port the system picks, outside the range
+            fourth = ControlPlane(FakeRun(), "127.0.0.1", base, token, ports=3, overflow=True)
+            try:
+                assert fourth.port not in range(base, base + 3)
+                page = httpx.get(fourth.address() + "/", timeout=5)
+                assert page.status_code == 200 and "<html" in page.text.lower()
+            finally:
+                fourth.shutdown()
     finally:
         first.shutdown()
         second.shutdown()

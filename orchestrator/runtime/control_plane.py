@@ -39,8 +39,9 @@ def api_token(cfg: RunConfig) -> str | None:
 
 
 class ControlPlane:
-    """`start` serves `cfg.api.host` on the first free port of `api.port` … `+ api.ports`
-    (returns once it listens; no port it can take fails the run before it trains), logs the
+    """`start` serves `cfg.api.host` on the first free port of `api.port` … `+ api.ports`,
+    past them on one the system picks, so any number of runs share a node (returns once it
+    listens; a control plane that cannot serve fails the run before it trains), logs the
     address and writes it to the run's folder (`URL_FILE`); `close` stops it. Nothing when
     `api.enabled` is off."""
 
@@ -69,6 +70,7 @@ class ControlPlane:
                 rate=rate_limit(api.rate_per_s, api.rate_burst),
                 trusted_proxies=tuple(api.trusted_proxies),
                 ports=api.ports,
+                overflow=True,  # a run past the range serves anyway, on the address it publishes
             )
         except ExposureError as err:
             raise RunFailed(f"control plane refused: {err}") from err
