@@ -681,8 +681,8 @@ COMPONENTS = ["aws", "aws/l4", "aws/a10g", "gcp", "gcp/l4", "azure"]
 
 
 def _with_component(tmp_path: Path, folder: str, component: str) -> list[dict]:
-    """What `kubectl kustomize` renders for k8s/<folder> with the component added, as a user
-    adds it (a copy of k8s/, so the checkout is untouched)."""
+    """What `kubectl kustomize` renders for k8s/<folder> with the component k8s/<component>
+    added, as a user adds it (a copy of k8s/, so the checkout is untouched)."""
     import shutil
 
     tree = tmp_path / "k8s"
@@ -690,7 +690,7 @@ def _with_component(tmp_path: Path, folder: str, component: str) -> list[dict]:
     path = tree / folder / "kustomization.yaml"
     kustomization = yaml.safe_load(path.read_text())
     prefix = "../" if folder else ""
-    kustomization["components"] = [*kustomization.get("components", []), f"{prefix}clouds/{component}"]
+    kustomization["components"] = [*kustomization.get("components", []), f"{prefix}{component}"]
     tmp_path.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(kustomization))
     return _kustomize(tree / folder)
@@ -710,7 +710,7 @@ def test_each_clouds_component_fits_its_named_machine_and_gives_the_volume_a_cla
     from archipelago.orchestrator.plan.cluster import quantity
 
     cloud = component.split("/")[0]
-    docs = _with_component(tmp_path, folder, component)
+    docs = _with_component(tmp_path, folder, f"clouds/{component}")
     clusters = [d["spec"].get("rayClusterSpec", d["spec"]) for d in docs if d["kind"] in ("RayCluster", "RayJob")]
     assert clusters
     for doc in docs:
@@ -744,7 +744,7 @@ def test_each_clouds_component_fits_its_named_machine_and_gives_the_volume_a_cla
         # the account's API token (KubeRay binds the autoscaler's Role to it) on the head alone
         assert "automountServiceAccountToken" not in spec["headGroupSpec"]["template"]["spec"]
         assert all(g["template"]["spec"]["automountServiceAccountToken"] is False for g in spec["workerGroupSpecs"])
-    shared = docs if folder == "" else _with_component(tmp_path / "shared", "shared", component)
+    shared = docs if folder == "" else _with_component(tmp_path / "shared", "shared", f"clouds/{component}")
     (claim,) = [d for d in shared if d["kind"] == "PersistentVolumeClaim"]
     storage_class, smallest = STORAGE[cloud]
     assert claim["spec"]["storageClassName"] == storage_class and claim["spec"]["accessModes"] == ["ReadWriteMany"]
@@ -798,3 +798,34 @@ def test_the_head_is_protected_from_voluntary_disruption_on_both_paths():
     deploy = (REPO / "docs" / "deploy.md").read_text()
     assert "kubectl apply -k k8s/shared/ &&\nkubectl apply -k k8s/job/" in deploy  # the RayJob path applies it too
     assert "pdb.yaml" in manifest("shared/kustomization.yaml")["resources"]
+
+
+@pytest.mark.parametrize("folder", ["", "job"])
+def test_the_gcs_fault_tolerance_component_points_the_head_at_redis_on_both_paths(tmp_path, folder):
+    """k8s/gcs-ft/: the cluster's GCS state in an external Redis (KubeRay's
+    `gcsFaultToleranceOptions`, validated against its CRD), the password from a Secret,
+    never a value; both worker groups wait 600 s for a head that comes back; the network
+    policy lets the pods reach Redis's port (on the RayJob path from k8s/shared/ with the
+    same component), and nothing else is opened."""
+    docs = _with_component(tmp_path, folder, "gcs-ft")
+    shared = docs if folder == "" else _with_component(tmp_path / "shared", "shared", "gcs-ft")
+    clusters = [d["spec"].get("rayClusterSpec", d["spec"]) for d in docs if d["kind"] in ("RayCluster", "RayJob")]
+    assert clusters
+    for doc in docs:
+        if doc["kind"] in CRD_OF:
+            jsonschema.validate(doc, crd_schema(CRD_OF[doc["kind"]]))
+    for spec in clusters:
+        options = spec["gcsFaultToleranceOptions"]
+        assert options["redisAddress"] == "archipelago-redis:6379"
+        assert options["redisPassword"] == {
+            "valueFrom": {"secretKeyRef": {"name": "archipelago-redis", "key": "password"}}
+        }
+        assert {g["groupName"] for g in spec["workerGroupSpecs"]} == {"gpu", "slices"}
+        for group in spec["workerGroupSpecs"]:
+            env = {e["name"]: e.get("value") for e in group["template"]["spec"]["containers"][0]["env"]}
+            assert env["RAY_gcs_rpc_server_reconnect_timeout_s"] == "600"
+    (policy,) = [d for d in shared if d["kind"] == "NetworkPolicy"]
+    (base,) = [d for d in _rendered(K8S / "shared") if d["kind"] == "NetworkPolicy"]
+    added = [rule for rule in policy["spec"]["egress"] if rule not in base["spec"]["egress"]]
+    assert added == [{"ports": [{"protocol": "TCP", "port": 6379}]}]
+    assert policy["spec"]["ingress"] == base["spec"]["ingress"]
