@@ -20,7 +20,7 @@ from archipelago.orchestrator.config_load import ConfigError, load_config
 from tests.conftest import REPO
 
 DOCS = REPO / "docs"
-PAGES = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
+PAGES = [REPO / "README.md", *sorted(DOCS.glob("*.md")), *sorted((DOCS / "findings").glob("*.md"))]
 
 
 def test_the_configuration_page_is_the_generated_one():
@@ -160,7 +160,7 @@ def test_the_quality_reports_token_figure_is_its_json():
 Figure = tuple[str, str, str, list[tuple[str, ...]], float, int]
 FIGURES: list[Figure] = [
     (
-        "benchmark-findings.md",
+        "findings/fleet.md",
         r"`quorum_sliced` \d+ against `ddp`'s [\d,]+ \(\*\*([\d.]+)×: ≤ 0\.5× met",
         "fleet.json",
         [("checks", "quorum_sliced_time_le_0.5x_ddp_at_16_at_1gbps", "value")],
@@ -168,7 +168,7 @@ FIGURES: list[Figure] = [
         2,
     ),
     (
-        "benchmark-findings.md",
+        "findings/fleet.md",
         r"`quorum_sliced` \d+ against `ddp`'s [\d,]+ \(\*\*([\d.]+)×\*\*\)",
         "experiments/fleet-64.json",
         [("checks", "quorum_sliced_time_le_0.5x_ddp_at_64_at_1gbps", "value")],
@@ -176,7 +176,7 @@ FIGURES: list[Figure] = [
         3,
     ),
     (
-        "benchmark-findings.md",
+        "findings/fleet.md",
         r"At \*\*10 Gbit/s\*\* `quorum_sliced`\s+(\d+) against `ddp`'s (\d+)",
         "fleet.json",
         [("links", "10", "methods", f"{row}_16", "sim_seconds_to_target") for row in ("quorum_sliced", "ddp")],
@@ -184,7 +184,7 @@ FIGURES: list[Figure] = [
         0,
     ),
     (
-        "benchmark-findings.md",
+        "findings/fleet.md",
         r"still wins: (\d+) against (\d+) at 16 islands, (\d+) against (\d+) at 64",
         "experiments/fleet-64.json",
         [
@@ -196,7 +196,7 @@ FIGURES: list[Figure] = [
         0,
     ),
     (
-        "benchmark-findings.md",
+        "findings/fleet.md",
         r"goodput at 100 Gbit/s ([\d.]+)\s+\(16 islands\) and ([\d.]+) \(64\) against `quorum`'s ([\d.]+) and ([\d.]+)",
         "experiments/fleet-64.json",
         [("links", "100", "methods", f"{row}_{k}", "goodput") for row in ("quorum_sliced", "quorum") for k in (16, 64)],
@@ -204,7 +204,7 @@ FIGURES: list[Figure] = [
         2,
     ),
     (
-        "benchmark-findings.md",
+        "findings/fleet.md",
         r"\*\*100 Gbit/s\*\* `ddp` (\d+), `sync_dylu` (\d+), `quorum` (\d+), `quorum_int4` (\d+),",
         "experiments/fleet-3grid.json",
         [
@@ -215,7 +215,7 @@ FIGURES: list[Figure] = [
         0,
     ),
     (
-        "benchmark-findings.md",
+        "findings/fleet.md",
         r"Goodput at 100 Gbit/s: `quorum` ([\d.]+) \(0.945 when the\s+head was free\), `sync_dylu` ([\d.]+), `ddp` ([\d.]+)\.",
         "experiments/fleet-3grid.json",
         [("links", "100", "methods", f"{row}_16", "goodput") for row in ("quorum", "sync_dylu", "ddp")],
@@ -223,7 +223,7 @@ FIGURES: list[Figure] = [
         2,
     ),
     (
-        "benchmark-findings.md",
+        "findings/fleet.md",
         r"\*\*goodput\*\*: `quorum` ([\d.]+) / ([\d.]+), `sync_dylu` ([\d.]+) / ([\d.]+), `ddp` ([\d.]+) / ([\d.]+),",
         "experiments/fleet-unpriced.json",
         [("methods", f"{row}_{k}", "goodput") for row in ("quorum", "sync_dylu", "ddp") for k in (16, 64)],
@@ -231,7 +231,7 @@ FIGURES: list[Figure] = [
         3,
     ),
     (
-        "benchmark-findings.md",
+        "findings/fleet.md",
         r"`quorum`\s+(\d+) / (\d+) simulated s, `sync_dylu` (\d+) / (\d+), `ddp` (\d+) / (\d+),",
         "experiments/fleet-unpriced.json",
         [
@@ -243,7 +243,7 @@ FIGURES: list[Figure] = [
         0,
     ),
     (
-        "benchmark-findings.md",
+        "findings/fleet.md",
         r"Goodput ([\d.]+) against ([\d.]+) \(16\) and ([\d.]+) against ([\d.]+) \(64\)",
         "experiments/fleet-spot.json",
         [("methods", f"{row}_{k}", "goodput") for k in (16, 64) for row in ("quorum", "quorum_no_partial")],
@@ -251,7 +251,7 @@ FIGURES: list[Figure] = [
         3,
     ),
     (
-        "benchmark-findings.md",
+        "findings/fleet.md",
         r"not the target sooner\*\* \((\d+) against (\d+) s at 16, (\d+) against (\d+) s at 64\)",
         "experiments/fleet-spot.json",
         [
@@ -263,7 +263,7 @@ FIGURES: list[Figure] = [
         0,
     ),
     (
-        "benchmark-findings.md",
+        "findings/fleet.md",
         r"`quorum` ([\d.]+) against `quorum_mean`'s ([\d.]+) \(16\)\s+and ([\d.]+) against ([\d.]+) \(64\)",
         "experiments/fleet-rda-default.json",
         [("methods", f"{row}_{k}", "final_eval_loss") for k in (16, 64) for row in ("quorum", "quorum_mean")],
@@ -271,7 +271,7 @@ FIGURES: list[Figure] = [
         4,
     ),
     (
-        "benchmark-findings.md",
+        "findings/fleet.md",
         r"`sync_dylu_radial` (\d+) / (\d+) s against `sync_dylu`'s\s+(\d+) / (\d+)",
         "experiments/fleet-rda-default.json",
         [
@@ -283,7 +283,7 @@ FIGURES: list[Figure] = [
         0,
     ),
     (
-        "benchmark-findings.md",
+        "findings/datapath.md",
         r"S = 2 and 4 in the published run: ([\d.]+) and ([\d.]+) GB/s",
         "datapath.json",
         [("methods", "coordinator_s2", "gbps"), ("methods", "coordinator_s4", "gbps")],
@@ -291,7 +291,7 @@ FIGURES: list[Figure] = [
         1,
     ),
     (
-        "benchmark-findings.md",
+        "findings/datapath.md",
         r"default H in the published run: ([\d.]+) %\s+\(S = 1;.*?and ([\d.]+) % \(S = 2",
         "datapath.json",
         [("methods", "sync_s1", "overhead_fraction"), ("methods", "sync_s2", "overhead_fraction")],
@@ -299,7 +299,7 @@ FIGURES: list[Figure] = [
         1,
     ),
     (
-        "benchmark-findings.md",
+        "findings/overlap.md",
         r"over 36 rounds `sync` \*\*([\d.]+)×\*\* compute-only.*?\*\*`overlap` ([\d.]+)×\*\* and\s+"
         r"\*\*`overlap_eager` ([\d.]+)×\*\*",
         "overlap.json",
@@ -308,7 +308,7 @@ FIGURES: list[Figure] = [
         3,
     ),
     (
-        "benchmark-findings.md",
+        "findings/streaming.md",
         r"DiLoCo over the link \*\*([\d.]+)×\*\* compute-only.*?\*\*FP4 P=4\s+([\d.]+)×\*\*",
         "streaming.json",
         [("methods", m, "wall_vs_compute_only") for m in ("diloco", "streaming_p4_fp4")],
@@ -316,7 +316,7 @@ FIGURES: list[Figure] = [
         2,
     ),
     (
-        "benchmark-findings.md",
+        "findings/compression.md",
         r"ends at \*\*([\d.]+) \(3 seeds\) against `diloco`'s ([\d.]+):",
         "compression.json",
         [("methods", "sparse", "final_eval_loss"), ("methods", "diloco", "final_eval_loss")],
@@ -324,7 +324,7 @@ FIGURES: list[Figure] = [
         4,
     ),
     (
-        "benchmark-findings.md",
+        "findings/compression.md",
         r"`sparse` moves ([\d.]+)× fewer bytes than `diloco`, not ([\d.]+)×",
         "compression.json",
         [
@@ -335,7 +335,7 @@ FIGURES: list[Figure] = [
         1,
     ),
     (
-        "benchmark-findings.md",
+        "findings/compression.md",
         r"`streaming_p4_fp4` ([\d.]+) at [\d.]+× fewer bytes",
         "compression.json",
         [("methods", "streaming_p4_fp4", "final_eval_loss")],
@@ -343,7 +343,7 @@ FIGURES: list[Figure] = [
         4,
     ),
     (
-        "benchmark-findings.md",
+        "findings/compression.md",
         r"`streaming_p4_fp4` [\d.]+ at [\d.]+× fewer bytes \(([\d.]+)× at the\s+shipped default",
         "compression.json",
         [("bytes_vs_diloco_at_shipped_default", "streaming_p4_fp4")],
@@ -351,7 +351,7 @@ FIGURES: list[Figure] = [
         1,
     ),
     (
-        "benchmark-findings.md",
+        "findings/overlap.md",
         r"`sync` \(Nesterov, lr 1.0\) \*\*([\d.]+)\*\*; `overlap` \(momentum\s+0.5, adaptive gap penalty, clip 1, "
         r"best lr 0.7\) ([\d.]+) .*?`overlap_eager`\s+\(lr 1.0\) ([\d.]+)",
         "overlap.json",

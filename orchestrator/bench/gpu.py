@@ -95,7 +95,7 @@ ASSUMED_DEVICE = "NVIDIA H200"  # what `--dry-run` plans for on a machine withou
 # The expected-time model (`--dry-run`; each part's measured seconds are reported beside it):
 # a step is 6 N FLOPs a token at ASSUMED_MFU of the datasheet peak, islands sharing a GPU take
 # their turns, and each process pays a fixed start and each compiled model a compilation.
-# The fixed costs are those of the H200 run of 2026-11-30 (docs/benchmark-findings.md), which
+# The fixed costs are those of the H200 run of 2026-11-30 (docs/findings/gpu.md), which
 # the first guesses (15, 25 and 45 s) had at 422 s against its measured 343.
 ASSUMED_MFU = 0.30
 RAY_START_S = 6.0  # Ray's local instance, once

@@ -3,7 +3,7 @@ user meets it: each row is `python -m archipelago.orchestrator.cli run` in a fre
 imports counted), with its own private Ray (cold) or joining a Ray already running
 (`ray start --head`, warm), for the default config and for k = 1, 2, 4, 8 islands (none
 serves the control plane: `api.enabled` is off by default, and its start is measured
-apart, in `docs/benchmark-findings.md`).
+apart, in `docs/findings/startup.md`).
 
 Where the seconds go comes from the run's own `summary.json` (`startup`): the command
 before Ray (interpreter, imports, config, data cache), Ray's start, the coordinator

@@ -12,7 +12,7 @@ round at the head:
   the new parameters exist only after it);
 - `outer_step`: screening, merging (the mean, or RDA, which reads each pseudo-gradient
   twice) and the outer optimizer over every island's update, at rates measured on a 2-core
-  CPU host (`bench coordinator`, `docs/benchmark-findings.md`), per parameter and island,
+  CPU host (`bench coordinator`, `docs/findings/fleet.md`), per parameter and island,
   divided over the coordinator's slices;
 - `codec`: a compressed uplink's updates decoded on the head (each island's, per value) and
   a lossy downlink's change encoded once a version, at the rates `bench head`'s
@@ -52,12 +52,12 @@ TARGET_SHARE = 0.10
 RAY_PULL_RETRY_S = 10.0
 DEFAULT_LINK_GBPS = 100.0
 DEFAULT_STEP_S = 1.0
-# measured on this project's 2-core CPU host (bench coordinator, docs/benchmark-findings.md):
+# measured on this project's 2-core CPU host (bench coordinator, docs/findings/fleet.md):
 # an outer step over 8 x 25 M fp32 updates took 0.06 s by the mean, 0.19 s by RDA (its norm
 # while screening, its direction in the merge); a checkpoint streamed 800 MB in 2.75 s
 STEP_S_PER_VALUE = {"mean": 0.06 / (8 * 25e6), "radial": 0.19 / (8 * 25e6)}
 CHECKPOINT_BYTES_PER_S = 800e6 / 2.75
-RATES_SOURCE = "bench coordinator on a 2-core CPU host (docs/benchmark-findings.md), per parameter and island"
+RATES_SOURCE = "bench coordinator on a 2-core CPU host (docs/findings/fleet.md), per parameter and island"
 # seconds per value to decode one island's update on the head, and to encode the downlink's
 # change once a version, by value codec (`orchestrator/bench/head.py:codec_rates`, one thread,
 # the better of 3 on a 25 M vector, on the same host); a top-k chain (topk:K+codec) by TOPK
