@@ -8,7 +8,7 @@ history, metrics) unless `api.public_reads` is set. Without a token, mutations a
 refused rather than left open, and the server refuses to listen on anything but
 loopback; a token known to be a placeholder (the `change-me` of a copied manifest) or
 too short to resist guessing is refused outright, so a deploy that forgot to set one
-fails at start instead of running open. See docs/operations.md, "Threat model".
+fails at start instead of running open. See docs/control-plane.md, "Threat model".
 """
 
 from __future__ import annotations

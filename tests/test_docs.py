@@ -1,7 +1,7 @@
 """The documentation cannot drift from the code: the configuration reference is regenerated
 and compared, every config field documents itself, every link and anchor resolves, the
-control-plane routes in operations.md are the app's OpenAPI routes, the task example in
-tasks.md runs, and the README keeps to its size and its two commands."""
+control-plane routes in control-plane.md are the app's OpenAPI routes, elasticity.md names every
+event kind, the task example in tasks.md runs, and the README keeps to its size and its two commands."""
 
 from __future__ import annotations
 
@@ -375,7 +375,7 @@ def test_the_findings_figures_are_their_json(figure: Figure):
         assert float(text) == round(value * scale, decimals), (page, path, text, value)
 
 
-def test_operations_lists_exactly_the_control_planes_routes():
+def test_the_control_plane_page_lists_exactly_the_apps_routes():
     from archipelago.api.app import create_app
     from tests.fake_handle import FakeRun
 
@@ -383,15 +383,15 @@ def test_operations_lists_exactly_the_control_planes_routes():
     routes = {f"{method.upper()} {path}" for path, ops in app.openapi()["paths"].items() for method in ops} | {
         "GET /"
     }  # the dashboard, left out of the schema on purpose
-    text = (DOCS / "operations.md").read_text()
+    text = (DOCS / "control-plane.md").read_text()
     documented = {m.group(1) for m in re.finditer(r"^\| `((?:GET|POST|PUT|PATCH|DELETE) /[^` ?]*)", text, re.M)}
     assert documented == routes, (sorted(routes - documented), sorted(documented - routes))
 
 
-def test_operations_names_every_event_kind():
+def test_the_elasticity_page_names_every_event_kind():
     from archipelago.orchestrator.engine.types import Event
 
-    text = (DOCS / "operations.md").read_text()
+    text = (DOCS / "elasticity.md").read_text()
     assert not [e.value for e in Event if f"`{e.value}`" not in text]
 
 

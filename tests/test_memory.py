@@ -17,7 +17,7 @@ from archipelago.orchestrator.simulation.pool import Fault, FaultKind
 from tests.helpers import in_process_engine
 
 ISLANDS, ROUNDS = 64, 10_000
-BOUND_MIB = 80  # docs/operations.md quotes this bound
+BOUND_MIB = 80  # docs/elasticity.md quotes this bound
 # growth of the process's resident memory over the run, and after round 50 (ditto); growth,
 # not the absolute figure, since the suite runs every test in one process
 RUN_GROWTH_MIB, GROWTH_BOUND_MIB = 128, 96
@@ -57,7 +57,7 @@ def test_the_history_of_64_islands_over_10000_rounds_stays_under_its_bound(tmp_p
     assert [r["round"] for r in page] == [ROUNDS - 2, ROUNDS - 1, ROUNDS] and page[-1] == records[-1].as_dict()
 
 
-RUN_ROUNDS = int(os.environ.get("ARCHIPELAGO_MEMORY_ROUNDS", "120"))  # docs/operations.md: 10,000
+RUN_ROUNDS = int(os.environ.get("ARCHIPELAGO_MEMORY_ROUNDS", "120"))  # docs/elasticity.md: 10,000
 CHURN = 40  # each island that replaces a dead one dies at its 40th work order
 
 
@@ -70,7 +70,7 @@ def test_a_64_island_run_with_churn_holds_its_coordinator_memory_bounded(tmp_pat
     """The whole engine, in process, at 64 islands with an island dying and replaced every
     ~40 rounds (tiny model, H = 1): the coordinator's state must not grow with rounds or with
     every island ever seen. CI runs 120 rounds; `ARCHIPELAGO_MEMORY_ROUNDS=10000` gives the
-    figure in docs/operations.md (resident memory of the process, islands included)."""
+    figure in docs/elasticity.md (resident memory of the process, islands included)."""
     cfg = load_config(
         None,
         [
