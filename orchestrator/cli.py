@@ -351,10 +351,10 @@ def _serve(args: argparse.Namespace) -> int:
         configured_token,
         is_loopback,
     )
-    from archipelago.api.handle import RayRunHandle, find_run
     from archipelago.api.limits import rate_limit
     from archipelago.api.server import server_config
     from archipelago.orchestrator.config_operations import ApiConfig
+    from archipelago.orchestrator.runtime.run_handle import RayRunHandle, find_run
 
     if (args.tls_cert is None) != (args.tls_key is None):
         log.error("--tls-cert and --tls-key go together")

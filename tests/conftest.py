@@ -200,7 +200,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def corpus_cache(tmp_path_factory):
     """A private corpus cache, so tests never depend on (or disturb) the user's cache."""
     path = tmp_path_factory.mktemp("corpus-cache")
-    from archipelago.workers.tasks.corpus import prepare_stdlib_corpus
+    from archipelago.workers.data.corpus import prepare_stdlib_corpus
 
     prepare_stdlib_corpus(path)
     return str(path)

@@ -320,3 +320,50 @@ def test_the_two_way_check_finds_a_pair():
     graph = {f"{ENGINE}.fleet.fleet": {f"{ENGINE}.work.inflight"}, f"{ENGINE}.work.inflight": {f"{ENGINE}.fleet.x"}}
     edges = _family_edges(graph)
     assert ("fleet", "work") in edges and ("work", "fleet") in edges
+
+
+LAB = ("archipelago.orchestrator.bench", "archipelago.orchestrator.simulation")
+
+
+def _top_family(name: str) -> str | None:
+    """A module's top-level family: `api`, or a sub-package of `orchestrator` or `workers`
+    (`orchestrator.plan`, `workers.data`, ...), the modules at their top level each their own.
+    The lab (bench, simulation) is no family of the product's."""
+    parts = name.split(".")
+    if name.startswith(LAB) or len(parts) < 2 or parts[0] != "archipelago":
+        return None
+    if parts[1] == "api":
+        return "api"
+    return ".".join(parts[1:3]) if len(parts) > 2 else parts[1]
+
+
+def _top_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    return {
+        (a, b)
+        for name, imported in graph.items()
+        for target in imported
+        if (a := _top_family(name)) and (b := _top_family(target)) and a != b
+    }
+
+
+def test_no_two_top_level_families_import_each_other_both_ways():
+    """The families above the engine import one way: the runtime plans (`runtime` → `plan`)
+    and serves the API (`runtime` → `api`) — the API speaks to a protocol, the runtime hands
+    it the Ray one (`runtime/run_handle.py`), and a rehearsal measures the evaluation actor's
+    Ray-free body (`engine/outputs/evaluation.py`); tasks read the data layer, which holds
+    the embedded corpus (`workers/data/corpus.py`) rather than reaching back into tasks.
+    Before: api↔runtime, plan↔runtime, data↔tasks."""
+    edges = _top_edges(GRAPH)
+    both = sorted({tuple(sorted(e)) for e in edges if (e[1], e[0]) in edges})
+    assert not both, f"top-level families that import each other both ways: {both}"
+
+
+def test_the_top_level_two_way_check_finds_a_pair():
+    graph = {
+        "archipelago.api.handle": {"archipelago.orchestrator.runtime.names"},
+        "archipelago.orchestrator.runtime.control_plane": {"archipelago.api.server"},
+        "archipelago.orchestrator.bench.gpu": {"archipelago.api.handle"},
+    }
+    edges = _top_edges(graph)
+    assert ("api", "orchestrator.runtime") in edges and ("orchestrator.runtime", "api") in edges
+    assert not any("bench" in a or "bench" in b for a, b in edges)

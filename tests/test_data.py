@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from archipelago.workers.tasks.corpus import prepare_stdlib_corpus, stdlib_files
+from archipelago.workers.data.corpus import prepare_stdlib_corpus, stdlib_files
 from archipelago.workers.tasks.lm_task import make_task
 from archipelago.workers.tasks.text_data import fixed_batches, island_part, read_parquet_texts, window_batches
 from tests.conftest import REPO
@@ -42,7 +42,7 @@ def test_prepare_is_cached(corpus):
     cache, done = corpus.eval[0].parent.parent, corpus.eval[0].parent / "DONE"
     built_at = done.stat().st_mtime_ns
     probe = (
-        "import sys; from pathlib import Path; import archipelago.workers.tasks.corpus as c\n"
+        "import sys; from pathlib import Path; import archipelago.workers.data.corpus as c\n"
         "c.stdlib_files = None  # a walk of the stdlib would fail\n"
         f"files = c.prepare_stdlib_corpus(Path({str(cache)!r}))\n"
         "print(len(files.train), files.eval[0], 'datasets' in sys.modules)"

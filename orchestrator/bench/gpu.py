@@ -345,8 +345,9 @@ class _Deadline:
         self.over.set()
 
     def _watch(self, budget_s: float) -> None:
-        from archipelago.api.handle import HandleError, RayRunHandle, find_run
+        from archipelago.api.handle import HandleError
         from archipelago.orchestrator.engine.commands import Stop
+        from archipelago.orchestrator.runtime.run_handle import RayRunHandle, find_run
 
         for now, wait_s in ((False, budget_s), (True, self.AGAIN_S)):
             if self.over.wait(wait_s):

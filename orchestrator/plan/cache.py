@@ -25,7 +25,7 @@ FORMAT = 5  # the measurement's fields and what it holds; a cached one of anothe
 
 
 def _cache_dir() -> Path:
-    from archipelago.workers.tasks.corpus import default_cache_dir
+    from archipelago.workers.data.corpus import default_cache_dir
 
     return default_cache_dir() / "plans"
 

@@ -163,7 +163,7 @@ def _coordinator(cfg: RunConfig) -> None:
 
 
 def _evaluator(cfg: RunConfig) -> None:
-    from archipelago.orchestrator.runtime.evaluator import EvaluationWorker
+    from archipelago.orchestrator.engine.outputs.evaluation import EvaluationWorker
     from archipelago.workers.tasks.task import PlannableTask
 
     worker = EvaluationWorker(cfg)

@@ -53,9 +53,9 @@ class ControlPlane:
         if not self.cfg.api.enabled:
             return
         from archipelago.api.auth import ExposureError, configured_read_source, configured_source
-        from archipelago.api.handle import RayRunHandle
         from archipelago.api.limits import rate_limit
         from archipelago.api.server import ControlPlane as Server
+        from archipelago.orchestrator.runtime.run_handle import RayRunHandle
 
         api = self.cfg.api
         try:

@@ -24,40 +24,10 @@ import numpy as np
 import ray
 
 from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.engine.outputs.evaluation import Evaluation
+from archipelago.orchestrator.engine.outputs.evaluation import Evaluation, EvaluationWorker
 from archipelago.orchestrator.runtime.names import NAMESPACE
 
 log = logging.getLogger(__name__)
-
-
-class EvaluationWorker:
-    """The actor's body: the task's model on this process's device, its eval batches
-    there once, and `evaluate` (flat parameters in, loss and metrics out)."""
-
-    def __init__(self, cfg: RunConfig) -> None:
-        import torch
-
-        from archipelago.workers.tasks.task import load_task
-        from archipelago.workers.wire.flat import FlatParams
-        from archipelago.workers.wire.spec import Precision
-
-        threads = max(1, int(cfg.evaluation.cpus))
-        torch.set_num_threads(threads)
-        self.device = torch.device("cuda" if cfg.evaluation.gpus > 0 and torch.cuda.is_available() else "cpu")
-        self.bf16 = cfg.inner.precision == Precision.BF16 and self.device.type == "cuda"
-        self.task = load_task(cfg.task.factory, cfg.task.kwargs)
-        torch.manual_seed(cfg.seed)
-        self.model = self.task.build_model().to(self.device)
-        self.flat = FlatParams(self.model, grads=False)
-        self.batches = [tuple(t.to(self.device) for t in b) for b in self.task.eval_batches()]
-
-    def evaluate(self, params: np.ndarray) -> tuple[float, dict[str, float] | None, float]:
-        from archipelago.orchestrator.engine.outputs.evaluation import evaluate_model
-
-        t0 = time.perf_counter()
-        self.flat.load(params)
-        loss, metrics = evaluate_model(self.task, self.model, self.batches, device=self.device, bf16=self.bf16)
-        return loss, metrics, time.perf_counter() - t0
 
 
 class RayEvaluator:

@@ -18,6 +18,7 @@ from glob import glob
 from pathlib import Path
 from typing import Any
 
+from archipelago.workers.data.corpus import prepare_stdlib_corpus
 from archipelago.workers.data.manifest import DataError
 
 FILE_SUFFIXES = (".parquet", ".jsonl", ".json")
@@ -40,8 +41,6 @@ class Piece:
 def find_pieces(source: str, column: str, split: str = "train", data_files: str | None = None) -> list[Piece]:
     """The pieces of `source`, its text column checked to exist before any work."""
     if source == "stdlib":
-        from archipelago.workers.tasks.corpus import prepare_stdlib_corpus
-
         stdlib = prepare_stdlib_corpus()
         return [Piece("parquet", str(f), "text") for f in [*stdlib.train, *stdlib.eval]]
     if source.startswith("hf:"):

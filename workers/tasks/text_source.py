@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from archipelago.workers.data.corpus import default_cache_dir, prepare_stdlib_corpus
 from archipelago.workers.data.manifest import DataError
 from archipelago.workers.data.streams import Encode, ReadAhead, StreamBatches, can_resume, shard_stream
-from archipelago.workers.tasks.corpus import default_cache_dir, prepare_stdlib_corpus
 from archipelago.workers.tasks.text_data import read_parquet_texts
 
 if TYPE_CHECKING:

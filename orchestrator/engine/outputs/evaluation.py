@@ -22,12 +22,19 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from archipelago.orchestrator.engine.threads import torch_threads
-from archipelago.workers.tasks.task import Batch, MetricTask, Task
+from archipelago.workers.tasks.task import Batch, MetricTask, Task, load_task
+from archipelago.workers.wire.flat import FlatParams
+from archipelago.workers.wire.spec import Precision
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from archipelago.orchestrator.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -104,3 +111,26 @@ class LocalEvaluator:
 
     def close(self) -> None:
         return None
+
+
+class EvaluationWorker:
+    """The evaluation actor's body (`orchestrator/runtime/evaluator.py`), Ray-free so that
+    `plan --rehearse` measures the same process: the task's model on this process's device,
+    its eval batches there once, and `evaluate` (flat parameters in, loss and metrics out)."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        threads = max(1, int(cfg.evaluation.cpus))
+        torch.set_num_threads(threads)
+        self.device = torch.device("cuda" if cfg.evaluation.gpus > 0 and torch.cuda.is_available() else "cpu")
+        self.bf16 = cfg.inner.precision == Precision.BF16 and self.device.type == "cuda"
+        self.task = load_task(cfg.task.factory, cfg.task.kwargs)
+        torch.manual_seed(cfg.seed)
+        self.model = self.task.build_model().to(self.device)
+        self.flat = FlatParams(self.model, grads=False)
+        self.batches = [tuple(t.to(self.device) for t in b) for b in self.task.eval_batches()]
+
+    def evaluate(self, params: np.ndarray) -> tuple[float, dict[str, float] | None, float]:
+        t0 = time.perf_counter()
+        self.flat.load(params)
+        loss, metrics = evaluate_model(self.task, self.model, self.batches, device=self.device, bf16=self.bf16)
+        return loss, metrics, time.perf_counter() - t0
