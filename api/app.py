@@ -14,7 +14,7 @@ from collections.abc import Callable
 from importlib import resources
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Path, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
@@ -107,47 +107,13 @@ def _dashboard() -> tuple[str, str]:
     return page, policy
 
 
-def create_app(
-    handle: RunHandle,
-    token: str | TokenSource | None,
-    public_reads: bool = False,
-    max_body: int = MAX_BODY,
-    loopback: bool = False,
-    read_token: TokenSource | None = None,
-    rate: RateLimit | None = None,
-) -> FastAPI:
-    """The app over `handle`. Mutations need `token` (a `TokenSource` follows a token file
-    as it is rotated); so do reads unless `public_reads` (or no token is configured, which
-    `check_exposure` allows on loopback only). `loopback`: it is served on loopback, so it
-    answers loopback Host names only. `read_token`: a second token that passes for reads
-    only (dashboards, scrapers); `rate`: each client's request rate (429 beyond)."""
-    source = token if isinstance(token, TokenSource) else TokenSource(token)
-    app = FastAPI(
-        title="Archipelago control plane",
-        version="1",
-        description="Watch a run, scale its islands, pause/resume/stop it, change settings at round boundaries.",
-        default_response_class=FiniteJSONResponse,
-    )
-    auth = [Depends(bearer_guard(source))]
-    open_reads = public_reads or source.current() is None
-    reads = [] if open_reads else [Depends(bearer_guard(source, "reads", read_token))]
-    app.add_middleware(FrontDoor, token=source, max_body=max_body, loopback=loopback, reader=read_token, rate=rate)
-    page, policy = _dashboard()
-
-    @app.exception_handler(HandleError)
-    async def _refused(_: Request, err: HandleError) -> JSONResponse:
-        return FiniteJSONResponse({"detail": err.message}, status_code=err.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
-        # a body that is not UTF-8 comes back in the error as bytes, which the default
-        # encoder fails to decode (a 500): decode what can be, replace the rest
-        errors = jsonable_encoder(err.errors(), custom_encoder={bytes: lambda b: b.decode("utf-8", "replace")})
-        return FiniteJSONResponse({"detail": errors}, status_code=422)
+def _views(handle: RunHandle) -> APIRouter:
+    """The run's reads, each typed by its view (the app opens them to the read token, or to
+    all with public reads)."""
+    router = APIRouter()
 
     def view_route(path: str, model: Any, summary: str) -> Callable[[Route], Route]:
-        """A read of the run: open to the read token (or to all, with public reads), typed by `model`."""
-        return app.get(path, dependencies=reads, response_model=model, summary=summary)
+        return router.get(path, response_model=model, summary=summary)
 
     @view_route("/v1/run", RunStatus, "Run status: phase, mode, version, tokens, eval loss, rounds, islands, state")
     def run_status() -> dict[str, Any]:
@@ -180,9 +146,16 @@ def create_app(
     def events(since: Since = 0, limit: Limit = PAGE) -> list[EventRecord]:
         return handle.events(since, limit)
 
+    return router
+
+
+def _commands(handle: RunHandle) -> APIRouter:
+    """The routes that put a command to the run, each answered 202 `Accepted` or a 4xx from
+    the refusal's reason (the app authenticates them with the token)."""
+    router = APIRouter()
+
     def command_route(method: str, path: str, summary: str) -> Callable[[Route], Route]:
-        """A route that puts a command to the run: authenticated, answered 202 `Accepted`."""
-        return getattr(app, method)(path, status_code=202, dependencies=auth, response_model=Accepted, summary=summary)
+        return getattr(router, method)(path, status_code=202, response_model=Accepted, summary=summary)
 
     def answer(command: Command, key: str | None) -> Accepted:
         """Put `command` to the run: its acknowledgement is a 202, its refusal a 4xx from
@@ -235,6 +208,50 @@ def create_app(
     @command_route("patch", "/v1/run/settings", "Change H and the outer lr at the next round boundary")
     def settings(body: SettingsUpdate, key: Key = None) -> Accepted:
         return answer(UpdateSettings(settings=body), key)
+
+    return router
+
+
+def create_app(
+    handle: RunHandle,
+    token: str | TokenSource | None,
+    public_reads: bool = False,
+    max_body: int = MAX_BODY,
+    loopback: bool = False,
+    read_token: TokenSource | None = None,
+    rate: RateLimit | None = None,
+) -> FastAPI:
+    """The app over `handle`. Mutations need `token` (a `TokenSource` follows a token file
+    as it is rotated); so do reads unless `public_reads` (or no token is configured, which
+    `check_exposure` allows on loopback only). `loopback`: it is served on loopback, so it
+    answers loopback Host names only. `read_token`: a second token that passes for reads
+    only (dashboards, scrapers); `rate`: each client's request rate (429 beyond)."""
+    source = token if isinstance(token, TokenSource) else TokenSource(token)
+    app = FastAPI(
+        title="Archipelago control plane",
+        version="1",
+        description="Watch a run, scale its islands, pause/resume/stop it, change settings at round boundaries.",
+        default_response_class=FiniteJSONResponse,
+    )
+    auth = [Depends(bearer_guard(source))]
+    open_reads = public_reads or source.current() is None
+    reads = [] if open_reads else [Depends(bearer_guard(source, "reads", read_token))]
+    app.add_middleware(FrontDoor, token=source, max_body=max_body, loopback=loopback, reader=read_token, rate=rate)
+    page, policy = _dashboard()
+
+    @app.exception_handler(HandleError)
+    async def _refused(_: Request, err: HandleError) -> JSONResponse:
+        return FiniteJSONResponse({"detail": err.message}, status_code=err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        # a body that is not UTF-8 comes back in the error as bytes, which the default
+        # encoder fails to decode (a 500): decode what can be, replace the rest
+        errors = jsonable_encoder(err.errors(), custom_encoder={bytes: lambda b: b.decode("utf-8", "replace")})
+        return FiniteJSONResponse({"detail": errors}, status_code=422)
+
+    app.include_router(_views(handle), dependencies=reads)
+    app.include_router(_commands(handle), dependencies=auth)
 
     @app.get("/metrics", dependencies=reads, response_class=PlainTextResponse, summary="Prometheus text format")
     def metrics() -> PlainTextResponse:
