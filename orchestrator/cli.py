@@ -101,12 +101,21 @@ class _Version(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line: the product's subcommands, then those other distributions register
+    (`bench`, `simulate`), or a stub that says where they are."""
     common = _verbosity()
     parser = argparse.ArgumentParser(
         prog="archipelago", description="Low-communication training across islands on Ray.", parents=[common]
     )
     parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_run_parser, _config_parser, _serve_parser, _export_parser, _data_parser, _plan_parser, _extensions):
+        add(sub, common)
+    return parser
+
+
+def _run_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    """`run`: train, or continue a run."""
     run_p = sub.add_parser(
         "run", parents=[common], help="train (default: sync DiLoCo, 4 CPU islands, small GPT on stdlib text)"
     )
@@ -124,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--run-id",
         help="name the run; if checkpoint.path holds checkpoints of that id, continue it (a retried job resumes)",
     )
+
+
+def _config_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    """`config show` and `config docs`."""
     cfg_p = sub.add_parser("config", parents=[common], help="configuration helpers")
     cfg_sub = cfg_p.add_subparsers(dest="config_command", required=True)
     show = cfg_sub.add_parser("show", parents=[common], help="print the resolved config as YAML")
@@ -137,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
         "docs", parents=[common], help="generate the configuration reference (docs/configuration.md) from the models"
     )
     docs.add_argument("--out", help="write it to this file (default: stdout)")
+
+
+def _serve_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    """`serve`: the control plane of a running job, from any machine that reaches its cluster."""
     serve = sub.add_parser("serve", parents=[common], help="serve the control plane (API + dashboard) of a running job")
     serve.add_argument("--run-id", help="the job's run id (default: the only running job)")
     serve.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS or auto)")
@@ -151,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="an address or network whose X-Forwarded-For names the client (repeatable; default: none)",
     )
+
+
+def _export_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    """`export`: a finished run's model in its ecosystem's format."""
     export = sub.add_parser(
         "export", parents=[common], help="write a finished run's model in its ecosystem's format (Hugging Face)"
     )
@@ -162,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="import the task factory RUN_DIR/config.yaml names even if no checkpoint of the run records it",
     )
+
+
+def _data_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    """`data prepare`: token shards a run reads by position."""
     data = sub.add_parser("data", parents=[common], help="data helpers")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     prep = data_sub.add_parser(
@@ -191,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prep.add_argument("--split", default="train", help="split of an hf: source")
     prep.add_argument("--data-files", help="data_files of an hf: local builder (hf:json, hf:parquet)")
+
+
+def _plan_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    """`plan`: memory, bytes and time per process and per link, checked before launch."""
     plan = sub.add_parser(
         "plan",
         parents=[common],
@@ -235,6 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --rehearse: rehearse the island at micro-batches of R1 and R2 rows and read its peak at the "
         "config's own micro-batch off the line through them (a GPU config's micro-batch, too large for this CPU)",
     )
+
+
+def _extensions(sub: Any, common: argparse.ArgumentParser) -> None:
+    """The subcommands other distributions register, found by entry point; one named but
+    not installed gets a stub saying what to install."""
     registered = _registered()
     for name, command in registered.items():
         HANDLERS[name] = command(sub, common)
@@ -243,7 +277,6 @@ def build_parser() -> argparse.ArgumentParser:
             absent = sub.add_parser(name, parents=[common], help=f"not installed: {distribution}")
             absent.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
             HANDLERS[name] = _not_installed(name, distribution, how)
-    return parser
 
 
 def _not_installed(name: str, distribution: str, how: str) -> Callable[[argparse.Namespace], int]:
