@@ -24,7 +24,7 @@ from archipelago.orchestrator.engine.outputs.evaluation import Evaluator
 from archipelago.orchestrator.engine.outputs.outputs import OnRecord, Outputs
 from archipelago.orchestrator.engine.outputs.persistence import RunCore, restore
 from archipelago.orchestrator.engine.outputs.startup import Startup
-from archipelago.orchestrator.engine.policies import Ablation, build_policies, run_inbox
+from archipelago.orchestrator.engine.policies import Ablation, Policies, build_policies, run_inbox
 from archipelago.orchestrator.engine.pool import IslandPool
 from archipelago.orchestrator.engine.requests import OperatorRequests
 from archipelago.orchestrator.engine.state.checkpoints import load_checkpoint, load_initial_weights, run_folder
@@ -32,6 +32,7 @@ from archipelago.orchestrator.engine.state.flights import RunState
 from archipelago.orchestrator.engine.state.ledger import DataLedger
 from archipelago.orchestrator.engine.state.lifecycle import Lifecycle
 from archipelago.orchestrator.engine.state.membership import Membership
+from archipelago.orchestrator.engine.state.records import EventLog
 from archipelago.orchestrator.engine.state.stats import RunStats
 from archipelago.orchestrator.engine.state.views import RunStatus
 from archipelago.orchestrator.engine.step.outer import LocalOuter, Outer
@@ -51,6 +52,7 @@ from archipelago.orchestrator.engine.work.publisher import Publisher
 from archipelago.orchestrator.engine.work.stragglers import HangRule, TailStop
 from archipelago.orchestrator.mode_settings import StreamingSettings
 from archipelago.orchestrator.modes import mode_of, settings_of
+from archipelago.workers.runtime.storage import Folder
 from archipelago.workers.tasks.task import Task, load_task
 from archipelago.workers.wire.flat import FlatParams, slice_bounds
 from archipelago.workers.wire.fragments import FragmentedTask, Fragments, fragment_model
@@ -146,6 +148,64 @@ def assemble(
     if it has one, or from the warm start's data positions), its outputs, the work in
     flight, the fleet and the operator's requests."""
     policies = build_policies(cfg, flat.numel, fragments, ablation)
+    core, state, checkpoints = _run_core(cfg, run_id, flat, outer, pool, fragments, policies, warm, init_from)
+    resumed = state is not None
+    lifecycle = Lifecycle()
+    outputs = Outputs(
+        core=core,
+        task=task,
+        model=model,
+        inbox=inbox,
+        lifecycle=lifecycle,
+        resumed=resumed,
+        pool=pool,
+        on_record=on_record,
+        evaluator=evaluator,
+    )
+    events = outputs.events
+    if resumed:
+        events.add(Event.RESTART, version=core.run.version, rounds_done=core.stats.rounds_done)
+    fleet = _fleet(core, pool, policies, events, outputs, inbox if takes_changes else None, ablation, resumed=resumed)
+    requests = OperatorRequests(core=core, inbox=inbox, events=events, takes_changes=takes_changes)
+    if takes_changes:
+        inbox.members = core.members
+        inbox.journal = fleet.journal
+        inbox.settle(core.members.target)
+    return RoundEngine(
+        **vars(core),  # the parts a checkpoint restored, as they are
+        task=task,
+        model=model,
+        pool=pool,
+        inbox=inbox,
+        speeds=policies.speeds,
+        startup=Startup(),
+        lifecycle=lifecycle,
+        outputs=outputs,
+        inflight=_inflight(core, pool, policies, events, fragments),
+        fleet=fleet,
+        requests=requests,
+        checkpoints=checkpoints,
+        resumed=resumed,
+        init_from=init_from,
+        warm=warm,
+        takes_changes=takes_changes,
+        hands_over=hands_over,
+    )
+
+
+def _run_core(
+    cfg: RunConfig,
+    run_id: str,
+    flat: FlatParams,
+    outer: Outer,
+    pool: IslandPool,
+    fragments: Fragments | None,
+    policies: Policies,
+    warm: WarmStart | None,
+    init_from: dict[str, str] | None,
+) -> tuple[RunCore, dict[str, Any] | None, Folder]:
+    """The run's state: continued from its newest checkpoint if it has one (returned with
+    the checkpoint and its folder), else from the warm start's data positions."""
     members = Membership(cfg.islands.count)
     run = RunState(cfg.rounds, cfg.inner_steps, members, hang_after_steps=cfg.elastic.hang_after_steps)
     ledger = DataLedger(cfg.num_shards)
@@ -179,78 +239,62 @@ def assemble(
         ledger.load_state_dict({**warm.ledger, "tokens": [0] * cfg.num_shards})
     if state is None and init_from is None:  # version 0 is the seed's model, or the warm start's
         publisher.version0 = version0_digest(cfg, flat.data.detach().cpu().numpy())
-    lifecycle = Lifecycle()
-    outputs = Outputs(
-        core=core,
-        task=task,
-        model=model,
-        inbox=inbox,
-        lifecycle=lifecycle,
-        resumed=state is not None,
-        pool=pool,
-        on_record=on_record,
-        evaluator=evaluator,
-    )
-    events = outputs.events
-    if state is not None:
-        events.add(Event.RESTART, version=run.version, rounds_done=stats.rounds_done)
+    return core, state, checkpoints
+
+
+def _inflight(
+    core: RunCore, pool: IslandPool, policies: Policies, events: EventLog, fragments: Fragments | None
+) -> InFlight:
+    """The work handed out and what comes back of it, with the hang rule and the tail stop
+    the config names."""
+    cfg, outer = core.cfg, core.outer
     slices = tuple(outer.bounds) if isinstance(outer, SlicedOuter) else None
-    inflight = InFlight(
+    return InFlight(
         cfg=cfg,
         pool=pool,
-        ledger=ledger,
+        ledger=core.ledger,
         pacing=policies.pacing,
-        run=run,
-        members=members,
-        stats=stats,
-        publisher=publisher,
-        states=states,
+        run=core.run,
+        members=core.members,
+        stats=core.stats,
+        publisher=core.publisher,
+        states=core.states,
         speeds=policies.speeds,
         events=events,
         sizes=Sizes(outer.numel, fragments, slices),
         hangs=HangRule(cfg.elastic),
         tail_stop=TailStop(cfg.elastic.tail_stop) if cfg.elastic.tail_stop is not None else None,
     )
-    elastic = cfg.elastic
-    fleet = Fleet(
+
+
+def _fleet(
+    core: RunCore,
+    pool: IslandPool,
+    policies: Policies,
+    events: EventLog,
+    outputs: Outputs,
+    inbox: Inbox | None,
+    ablation: Ablation,
+    *,
+    resumed: bool,
+) -> Fleet:
+    """The fleet with the scaling and failure policies the config names; `inbox`: the
+    operator's commands when this phase takes membership changes."""
+    cfg, elastic = core.cfg, core.cfg.elastic
+    return Fleet(
         cfg=cfg,
-        run_id=run_id,
+        run_id=core.run_id,
         pool=pool,
-        members=members,
-        run=run,
-        states=states,
+        members=core.members,
+        run=core.run,
+        states=core.states,
         admission=policies.admission,
         events=events,
         disk=outputs.disk,
-        inbox=inbox if takes_changes else None,
+        inbox=inbox,
         scaling=ScalingPolicy(abandon=elastic.drain == "abandon", spares=elastic.spares),
         failures=FailurePolicy(elastic.replace_dead, ablation.restart_s),
-        resumed=state is not None,
-    )
-    requests = OperatorRequests(core=core, inbox=inbox, events=events, takes_changes=takes_changes)
-    if takes_changes:
-        inbox.members = members
-        inbox.journal = fleet.journal
-        inbox.settle(members.target)
-    return RoundEngine(
-        **vars(core),  # the parts a checkpoint restored, as they are
-        task=task,
-        model=model,
-        pool=pool,
-        inbox=inbox,
-        speeds=policies.speeds,
-        startup=Startup(),
-        lifecycle=lifecycle,
-        outputs=outputs,
-        inflight=inflight,
-        fleet=fleet,
-        requests=requests,
-        checkpoints=checkpoints,
-        resumed=state is not None,
-        init_from=init_from,
-        warm=warm,
-        takes_changes=takes_changes,
-        hands_over=hands_over,
+        resumed=resumed,
     )
 
 
