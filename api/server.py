@@ -69,11 +69,15 @@ def bind_first_free(host: str, port: int, ports: int = 1, *, overflow: bool = Fa
         sock.listen(2048)
         if candidate == 0:
             log.warning(
-                "every port of %s:%d-%d is taken (api.port, api.ports): serving on %d, which the system picked",
-                host, port, last, sock.getsockname()[1],
+                "%s (api.port, api.ports): serving on %d, which the system picked",
+                _taken(host, port, last), sock.getsockname()[1],
             )  # fmt: skip
         return sock
-    raise OSError(errno.EADDRINUSE, f"every port of {host}:{port}{f'-{last}' if ports > 1 else ''} is taken")
+    raise OSError(errno.EADDRINUSE, _taken(host, port, last))
+
+
+def _taken(host: str, port: int, last: int) -> str:
+    return f"every port of {host}:{port}-{last} is taken" if last > port else f"{host}:{port} is taken"
 
 
 class ControlPlane:

@@ -800,32 +800,26 @@ def test_the_head_is_protected_from_voluntary_disruption_on_both_paths():
     assert "pdb.yaml" in manifest("shared/kustomization.yaml")["resources"]
 
 
-@pytest.mark.parametrize("folder", ["", "job"])
-def test_the_gcs_fault_tolerance_component_points_the_head_at_redis_on_both_paths(tmp_path, folder):
-    """k8s/gcs-ft/: the cluster's GCS state in an external Redis (KubeRay's
-    `gcsFaultToleranceOptions`, validated against its CRD), the password from a Secret,
-    never a value; both worker groups wait 600 s for a head that comes back; the network
-    policy lets the pods reach Redis's port (on the RayJob path from k8s/shared/ with the
-    same component), and nothing else is opened."""
-    docs = _with_component(tmp_path, folder, "gcs-ft")
-    shared = docs if folder == "" else _with_component(tmp_path / "shared", "shared", "gcs-ft")
-    clusters = [d["spec"].get("rayClusterSpec", d["spec"]) for d in docs if d["kind"] in ("RayCluster", "RayJob")]
-    assert clusters
-    for doc in docs:
-        if doc["kind"] in CRD_OF:
-            jsonschema.validate(doc, crd_schema(CRD_OF[doc["kind"]]))
-    for spec in clusters:
-        options = spec["gcsFaultToleranceOptions"]
-        assert options["redisAddress"] == "archipelago-redis:6379"
-        assert options["redisPassword"] == {
-            "valueFrom": {"secretKeyRef": {"name": "archipelago-redis", "key": "password"}}
-        }
-        assert {g["groupName"] for g in spec["workerGroupSpecs"]} == {"gpu", "slices"}
-        for group in spec["workerGroupSpecs"]:
-            env = {e["name"]: e.get("value") for e in group["template"]["spec"]["containers"][0]["env"]}
-            assert env["RAY_gcs_rpc_server_reconnect_timeout_s"] == "600"
-    (policy,) = [d for d in shared if d["kind"] == "NetworkPolicy"]
+def test_the_gcs_fault_tolerance_component_points_the_head_at_redis(tmp_path):
+    """k8s/gcs-ft/, on the RayCluster path: the cluster's GCS state in an external Redis
+    (KubeRay's `gcsFaultToleranceOptions`, validated against its CRD), the password from a
+    Secret, never a value; both worker groups wait 600 s for a head that comes back; the
+    network policy lets the pods reach Redis's port, and nothing else is opened. Not a
+    RayJob's: a job whose driver died is retried on a fresh cluster, which keeps nothing."""
+    docs = _with_component(tmp_path, "", "gcs-ft")
+    (cluster,) = [d for d in docs if d["kind"] == "RayCluster"]
+    jsonschema.validate(cluster, crd_schema(CRD_OF["RayCluster"]))
+    spec = cluster["spec"]
+    options = spec["gcsFaultToleranceOptions"]
+    assert options["redisAddress"] == "archipelago-redis:6379"
+    assert options["redisPassword"] == {"valueFrom": {"secretKeyRef": {"name": "archipelago-redis", "key": "password"}}}
+    assert {g["groupName"] for g in spec["workerGroupSpecs"]} == {"gpu", "slices"}
+    for group in spec["workerGroupSpecs"]:
+        env = {e["name"]: e.get("value") for e in group["template"]["spec"]["containers"][0]["env"]}
+        assert env["RAY_gcs_rpc_server_reconnect_timeout_s"] == "600"
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
     (base,) = [d for d in _rendered(K8S / "shared") if d["kind"] == "NetworkPolicy"]
     added = [rule for rule in policy["spec"]["egress"] if rule not in base["spec"]["egress"]]
     assert added == [{"ports": [{"protocol": "TCP", "port": 6379}]}]
     assert policy["spec"]["ingress"] == base["spec"]["ingress"]
+    assert "RayJob" not in (K8S / "gcs-ft" / "kustomization.yaml").read_text().split("apiVersion:")[1]

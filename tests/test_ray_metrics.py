@@ -72,28 +72,3 @@ def test_island_staleness_is_exported_with_the_ray_prefix(metrics_port, tmp_path
     states = [s for s in families["ray_archipelago_island_state"].samples if s.labels["run_id"] == "metricstest"]
     assert {s.labels["state"] for s in states if s.value == 1} == {"training"}
     assert "ray_archipelago_eval_loss" in families
-
-
-def test_a_counter_is_fed_its_growth_and_counted_afresh_when_the_run_restarts_its_count():
-    """Ray's counters only grow: each record feeds the growth since the last one. The main
-    phase counts its rounds from 0 after a warm start's 4: the counter then grows by the
-    new count, never by a negative step (which Ray refuses) or by nothing until the old
-    count is passed (the series stood still for four rounds). No Ray needed: `inc` recorded."""
-    from ray.util.metrics import Counter
-
-    from archipelago.orchestrator.engine.state.views import RUN_METRICS
-    from archipelago.orchestrator.runtime.metrics import RayMetrics
-
-    class Recorded(Counter):
-        def inc(self, value: float = 1.0, tags: dict | None = None) -> None:
-            self.fed = [*getattr(self, "fed", []), (value, tags)]
-
-    (rounds,) = [m for m in RUN_METRICS if m.key == "round"]
-    counter = Recorded(rounds.name, rounds.help, tag_keys=("run_id",))
-    metrics = RayMetrics.__new__(RayMetrics)  # its instruments are not needed: `_set` is given one
-    metrics.run_id, metrics._counted = "r", {}
-    for value in (1, 2, 4, 4, 1, 2, 3, 5):  # a warm start's 4 rounds, then the main phase's 1, 2, ...
-        metrics._set(rounds, counter, value, None)
-    assert [v for v, _ in counter.fed] == [1.0, 1.0, 2.0, 1.0, 1.0, 1.0, 2.0]
-    assert {t["run_id"] for _, t in counter.fed} == {"r"}
-    assert sum(v for v, _ in counter.fed) == 4 + 5  # both phases' rounds, once each

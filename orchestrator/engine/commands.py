@@ -351,6 +351,8 @@ class Inbox:
         """After a restart: the settings and the pause the journal holds, taken again (the
         settings validated as if sent now; what does not validate is logged and dropped,
         like a file planted on the volume)."""
+        if intent.get("paused") is True:  # first: the settings' journal below writes the pause with them
+            self.paused.set()
         settings = intent.get("settings")
         if isinstance(settings, dict) and settings:
             try:
@@ -361,8 +363,6 @@ class Inbox:
                 answer = self.submit(UpdateSettings(settings=update))
                 if isinstance(answer, Refused):
                     log.warning("membership intent: its settings %s were refused: %s", settings, answer.message)
-        if intent.get("paused") is True:
-            self.paused.set()
 
     def _update(self, update: SettingsUpdate) -> Answer:
         changes = update.model_dump(exclude_none=True)

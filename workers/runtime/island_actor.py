@@ -39,10 +39,24 @@ log = logging.getLogger(__name__)
 
 
 def _orphan_watch(coordinator: str, namespace: str, group: str, orphan_after_s: float, poll_s: float) -> None:
+    """Release the island once its coordinator's name has been gone `orphan_after_s`. A name
+    table that cannot be read (Ray's GCS down: a head restarting, with GCS fault tolerance)
+    says nothing either way: the watch goes on (before, the error ended its thread, and an
+    island outliving the outage was never released). Should the GCS not come back, the
+    node's raylet ends its workers at its own reconnect timeout."""
     missing_since: float | None = None
+    unreadable = False
     while True:
         time.sleep(poll_s)
-        if _named_actor_exists(coordinator, namespace):  # a restarting coordinator keeps its name
+        try:
+            present = _named_actor_exists(coordinator, namespace)
+        except Exception as err:  # Ray's errors for an unreachable GCS are several types
+            if not unreadable:
+                log.warning("Ray's actor names cannot be read (%s): still watching for %s", err, coordinator)
+            unreadable = True
+            continue
+        unreadable = False
+        if present:  # a restarting coordinator keeps its name
             missing_since = None
             continue
         missing_since = missing_since if missing_since is not None else time.monotonic()

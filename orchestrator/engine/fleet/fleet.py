@@ -209,11 +209,15 @@ class Fleet:
         self.pool.sweep({i for i, s in self.members.islands.items() if s.state.alive})
         for i in replace:
             self.place(i)
-        self._intent_read = True  # the membership is the intent's now: commands may journal over it
-        # settings and a pause accepted since the checkpoint (a resume with another config: the config's win)
-        if self.inbox is not None and intent.get("config_sha256") == self._config_sha:
-            self.inbox.restore_accepted(intent)
-        self.journal()
+        # the membership is the intent's now: commands may journal over it, once the settings and
+        # the pause accepted since the checkpoint are taken again (a resume with another config:
+        # the config's win) and journalled — under the inbox's lock, so that a command a client
+        # retries meanwhile comes after them, never under them
+        with self.inbox.lock if self.inbox is not None else contextlib.nullcontext():
+            self._intent_read = True
+            if self.inbox is not None and intent.get("config_sha256") == self._config_sha:
+                self.inbox.restore_accepted(intent)
+            self.journal()
 
     def journal(self) -> bool:
         """Write the membership intent when it changed (see `_reattach`); every membership
