@@ -42,7 +42,7 @@ _BENCH = (
     "archipelago-diloco-bench",
     "`pip install -e orchestrator/bench` in a checkout of the repository, or `pip install 'archipelago-diloco[bench]'`",
 )
-ELSEWHERE = {"bench": _BENCH, "testbed": _BENCH}
+ELSEWHERE = {"bench": _BENCH, "testbed": _BENCH, "simulate": _BENCH}
 
 
 def _registered() -> dict[str, Register]:
@@ -276,6 +276,7 @@ def _extensions(sub: Any, common: argparse.ArgumentParser) -> None:
         if name not in registered:  # named, so the command says where it is instead of "invalid choice"
             absent = sub.add_parser(name, parents=[common], help=f"not installed: {distribution}")
             absent.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+            absent.set_defaults(absent=True)  # whatever follows, options too, is not read (`main`)
             HANDLERS[name] = _not_installed(name, distribution, how)
 
 
@@ -457,7 +458,10 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "absent", False):
+        parser.parse_args(argv)  # argparse's own error for what no command takes (exit 2)
     level = level_for(getattr(args, "verbose", 0), getattr(args, "quiet", 0))
     fmt = LogFormat(getattr(args, "log_format", LogFormat.TEXT.value))
     configure(level, fmt=fmt)

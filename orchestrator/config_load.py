@@ -139,7 +139,7 @@ def validate_config(data: dict[str, Any], check_task: bool = True) -> RunConfig:
     return cfg
 
 
-SIMULATION = "simulation"  # read by `archipelago.orchestrator.simulation.config`, refused here
+SIMULATION = "simulation"  # read by `archipelago.orchestrator.bench.simulation.config`, refused here
 
 
 # settings that moved, so a config written for an earlier release still loads (those

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from archipelago.orchestrator.bench.simulation.pool import Fault
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.engine import RoundEngine
-from archipelago.orchestrator.simulation.pool import Fault
 from tests.helpers import assert_trained_once, in_process_engine, load_scenario
 
 CENTERS = "[[1.0,0.0],[-0.5,2.0],[0.5,0.5],[2.0,-1.0]]"

@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
+from archipelago.orchestrator.bench.simulation.config import SimulationConfig, load_simulated
+from archipelago.orchestrator.bench.simulation.pool import Fault, InProcessPool
+from archipelago.orchestrator.bench.simulation.runner import run_in_process
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.build import build_engine
 from archipelago.orchestrator.engine.engine import RoundEngine
 from archipelago.orchestrator.engine.state.logfiles import read_lines
-from archipelago.orchestrator.simulation.config import SimulationConfig, load_simulated
-from archipelago.orchestrator.simulation.pool import Fault, InProcessPool
-from archipelago.orchestrator.simulation.runner import run_in_process
 from archipelago.workers.runtime.island import Island
 from tests.toy_tasks import READS
 

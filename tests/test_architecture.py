@@ -144,7 +144,7 @@ def test_the_reach_check_follows_imports_through_other_modules():
     assert "archipelago.orchestrator.engine.engine" not in _reach("archipelago.orchestrator.engine.types")
 
 
-NOT_PRODUCT = ("archipelago.orchestrator.bench", "archipelago.orchestrator.simulation")
+NOT_PRODUCT = ("archipelago.orchestrator.bench", "archipelago.orchestrator.bench.simulation")
 
 
 def test_nothing_in_the_product_imports_the_benchmarks_or_the_testing_package():
@@ -158,20 +158,21 @@ def test_nothing_in_the_product_imports_the_benchmarks_or_the_testing_package():
     }
     assert {k: v for k, v in offenders.items() if v} == {}
     assert any(
-        m.startswith("archipelago.orchestrator.simulation") for m in IMPORTS["archipelago.orchestrator.bench.fleet"]
+        m.startswith("archipelago.orchestrator.bench.simulation")
+        for m in IMPORTS["archipelago.orchestrator.bench.fleet"]
     )
 
 
 def test_the_runs_config_the_work_order_and_the_island_spec_carry_no_simulation():
-    """A simulated fleet is read beside a run's config (`archipelago.orchestrator.simulation.config`) and
+    """A simulated fleet is read beside a run's config (`archipelago.orchestrator.bench.simulation.config`) and
     priced by the simulation's own pools: no model of the run's config refers to the
     simulation's (its JSON schema names them), and neither the order an island is handed nor
     the spec it is built from has a field only a simulation would set."""
     import dataclasses
 
+    from archipelago.orchestrator.bench.simulation.config import SimulationConfig
+    from archipelago.orchestrator.bench.simulation.links import LinkConfig
     from archipelago.orchestrator.config import RunConfig
-    from archipelago.orchestrator.simulation.config import SimulationConfig
-    from archipelago.orchestrator.simulation.links import LinkConfig
     from archipelago.workers.runtime.island_spec import IslandSpec
     from archipelago.workers.wire.messages import WorkOrder
 
@@ -322,7 +323,7 @@ def test_the_two_way_check_finds_a_pair():
     assert ("fleet", "work") in edges and ("work", "fleet") in edges
 
 
-LAB = ("archipelago.orchestrator.bench", "archipelago.orchestrator.simulation")
+LAB = ("archipelago.orchestrator.bench", "archipelago.orchestrator.bench.simulation")
 
 
 def _top_family(name: str) -> str | None:

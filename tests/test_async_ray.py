@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from archipelago.orchestrator.simulation.config import load_simulated
-from archipelago.orchestrator.simulation.ray_pool import run_simulated
+from archipelago.orchestrator.bench.simulation.config import load_simulated
+from archipelago.orchestrator.bench.simulation.ray_pool import run_simulated
 
 pytestmark = pytest.mark.ray
 

@@ -11,9 +11,9 @@ import pytest
 from archipelago.orchestrator.bench.quality_rows import MODEL
 from archipelago.orchestrator.bench.registry import available
 from archipelago.orchestrator.bench.report import BenchResult, Panel, draw, write_docs_index, write_result
+from archipelago.orchestrator.bench.simulation.config import load_simulated
 from archipelago.orchestrator.cli import main
 from archipelago.orchestrator.config_load import load_config
-from archipelago.orchestrator.simulation.config import load_simulated
 from tests.helpers import NO_WARM, run_tokens
 
 
@@ -271,9 +271,9 @@ def test_a_simulated_run_priced_at_other_rates_is_not_reused(tmp_path, monkeypat
     it was charged what the network charges its config now — one recorded before the codecs'
     decoding was priced still stands for fp32 both ways, not for int4."""
     from archipelago.orchestrator.bench.runner import PRICES_FILE, finished, record_simulation
+    from archipelago.orchestrator.bench.simulation.config import SimulationConfig
     from archipelago.orchestrator.config_load import dump_config
     from archipelago.orchestrator.plan import head as head_prices
-    from archipelago.orchestrator.simulation.config import SimulationConfig
 
     sim = SimulationConfig(nominal_params=10**9, price_head=True)
     for codec in ("none", "int4"):
@@ -326,8 +326,8 @@ def test_an_earlier_run_of_another_config_is_removed_not_resumed(tmp_path):
     its clock at zero); an interrupted run of the same config is kept to resume, unless its
     clock is simulated."""
     from archipelago.orchestrator.bench.runner import fresh, record_simulation, same_config
+    from archipelago.orchestrator.bench.simulation.config import SimulationConfig
     from archipelago.orchestrator.config_load import dump_config
-    from archipelago.orchestrator.simulation.config import SimulationConfig
 
     streaming = ["mode=streaming", "inner_steps=48", "rounds=2"]  # its section's `pacing` plays a new setting
     cfg = load_config(None, [*MODEL, *streaming, f"out_dir={tmp_path / 'a'}"])

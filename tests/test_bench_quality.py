@@ -5,8 +5,8 @@ best setting is at an edge is widened past it."""
 from __future__ import annotations
 
 from archipelago.orchestrator.bench.quality_rows import DDP_LRS, MODEL, OUTER_LRS, ddp_row, h_row, methods
+from archipelago.orchestrator.bench.simulation.config import load_simulated
 from archipelago.orchestrator.config_load import load_config
-from archipelago.orchestrator.simulation.config import load_simulated
 from tests.helpers import run_tokens
 
 

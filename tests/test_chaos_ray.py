@@ -21,12 +21,12 @@ import httpx
 import pytest
 import ray
 
+from archipelago.orchestrator.bench.simulation.config import SimulationConfig
+from archipelago.orchestrator.bench.simulation.runner import run_in_process
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.state.checkpoints import one_run
 from archipelago.orchestrator.runtime.driver import run
 from archipelago.orchestrator.runtime.names import NAMESPACE, coordinator_name, island_name
-from archipelago.orchestrator.simulation.config import SimulationConfig
-from archipelago.orchestrator.simulation.runner import run_in_process
 from tests.helpers import toy_quadratic
 from tests.http_server import free_port
 

@@ -206,15 +206,21 @@ print("torch" in sys.modules)
     assert out.stdout.split() == ["False"], out.stderr[-3000:]
 
 
-def test_bench_where_its_distribution_is_not_installed_says_what_to_install(monkeypatch, capsys):
-    """`archipelago bench` is its own distribution's subcommand: where no entry point adds
-    it, the command exits 2 naming the distribution and how to install it, whatever
-    arguments followed (not argparse's "invalid choice")."""
+@pytest.mark.parametrize(
+    "argv",
+    [["bench", "fleet", "--quick", "--out", "somewhere"], ["simulate", "--set", "mode=async"], ["testbed", "down"]],
+    ids=["bench", "simulate", "testbed"],
+)
+def test_the_labs_commands_where_its_distribution_is_not_installed_say_what_to_install(monkeypatch, capsys, argv):
+    """`archipelago bench`, `simulate` and `testbed` are the lab's subcommands (a
+    distribution of its own): where no entry point adds them, the command exits 2 naming
+    the distribution and how to install it, whatever arguments followed (not argparse's
+    "invalid choice")."""
     from archipelago.orchestrator import cli
 
     monkeypatch.setattr(cli, "_registered", dict)
     monkeypatch.setattr(cli, "HANDLERS", {})
-    assert cli.main(["bench", "fleet", "--quick", "--out", "somewhere"]) == 2
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "archipelago-diloco-bench" in err and "pip install -e orchestrator/bench" in err, err
 

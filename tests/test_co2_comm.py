@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from archipelago.orchestrator.algorithms.outer import AdaptiveGap, CO2Outer, ConstantGap
-from archipelago.orchestrator.simulation.links import LinkConfig
+from archipelago.orchestrator.bench.simulation.links import LinkConfig
 from archipelago.workers.wire.compress import decode, encode
 from archipelago.workers.wire.spec import payload_nbytes
 

@@ -61,7 +61,7 @@ def test_a_benchmarks_knobs_are_not_a_runs_and_old_configs_say_where_they_went(c
     baseline) are a simulated fleet's now: a run's config naming them is refused with a
     pointer to `archipelago simulate`, after a warning that names where each went; the
     simulated fleet reads them there."""
-    from archipelago.orchestrator.simulation.config import load_simulated
+    from archipelago.orchestrator.bench.simulation.config import load_simulated
 
     for old, new in (
         (["outer.drop_prob=0.5"], "simulation.drop_prob"),

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
+from archipelago.orchestrator.bench.simulation.config import SimulationConfig
+from archipelago.orchestrator.bench.simulation.runner import run_in_process
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.state.loop_time import LoopClock, Part
-from archipelago.orchestrator.simulation.config import SimulationConfig
-from archipelago.orchestrator.simulation.runner import run_in_process
 from tests.helpers import toy_quadratic
 
 

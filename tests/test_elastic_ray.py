@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import ray
 
+from archipelago.orchestrator.bench.simulation.config import SimulationConfig
+from archipelago.orchestrator.bench.simulation.runner import run_in_process
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.commands import Ack, AddIslands, Drain
 from archipelago.orchestrator.runtime.driver import run
 from archipelago.orchestrator.runtime.names import NAMESPACE, island_name
-from archipelago.orchestrator.simulation.config import SimulationConfig
-from archipelago.orchestrator.simulation.runner import run_in_process
 from tests.helpers import stop_once_contributed
 
 pytestmark = pytest.mark.ray

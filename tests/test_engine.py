@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from archipelago.orchestrator.bench.simulation.pool import Fault, FaultKind
 from archipelago.orchestrator.config_operations import RecordsConfig
 from archipelago.orchestrator.engine.commands import (
     Ack,
@@ -27,7 +28,6 @@ from archipelago.orchestrator.engine.commands import (
     UpdateSettings,
 )
 from archipelago.orchestrator.engine.types import Event, RunFailed
-from archipelago.orchestrator.simulation.pool import Fault, FaultKind
 from tests.engine_scenarios import check_exactly_once, drive, run_scenario, scenario_cfg
 from tests.helpers import events, in_process_engine
 

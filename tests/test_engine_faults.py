@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from archipelago.orchestrator.bench.simulation.pool import Fault, FaultKind
 from archipelago.orchestrator.engine.build import build_engine
 from archipelago.orchestrator.engine.outcomes import Halt, Lost, Place, Release
 from archipelago.orchestrator.engine.state import records
 from archipelago.orchestrator.engine.state.checkpoints import load_checkpoint
 from archipelago.orchestrator.engine.types import IslandState, RunFailed, RunPhase
-from archipelago.orchestrator.simulation.pool import Fault, FaultKind
 from archipelago.workers.runtime import storage
 from archipelago.workers.wire.flat import slice_bounds
 from archipelago.workers.wire.messages import Sliced

@@ -14,14 +14,14 @@ import pytest
 from archipelago.orchestrator.bench import fleet_spec
 from archipelago.orchestrator.bench.fleet import breakdown, run_one, seeds_of
 from archipelago.orchestrator.bench.fleet_spec import FleetSpec
+from archipelago.orchestrator.bench.simulation.chaos import Strike, TimedFault, mttf_schedule, parse_mix
+from archipelago.orchestrator.bench.simulation.config import SimulationConfig
+from archipelago.orchestrator.bench.simulation.links import LinkConfig, allreduce_s, ring_allreduce_s, tree_allreduce_s
+from archipelago.orchestrator.bench.simulation.network import Network
+from archipelago.orchestrator.bench.simulation.pool import Fault, FaultKind, InProcessPool
 from archipelago.orchestrator.cli import main
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.build import build_engine
-from archipelago.orchestrator.simulation.chaos import Strike, TimedFault, mttf_schedule, parse_mix
-from archipelago.orchestrator.simulation.config import SimulationConfig
-from archipelago.orchestrator.simulation.links import LinkConfig, allreduce_s, ring_allreduce_s, tree_allreduce_s
-from archipelago.orchestrator.simulation.network import Network
-from archipelago.orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
 from tests.engine_scenarios import check_exactly_once, check_rounds_recorded, drive, scenario_cfg
 from tests.helpers import events, in_process_engine
 
@@ -296,8 +296,8 @@ def test_the_sliced_row_runs_the_head_its_plan_asks_for(tmp_path):
     each slice keeping its part of the islands' copy); at 100 Gbit/s 54 of 64 do (53 would
     not); the run trains with them, and its card time splits over them."""
     from archipelago.orchestrator.bench.fleet import fleet_of, overrides
+    from archipelago.orchestrator.bench.simulation.config import planned_head
     from archipelago.orchestrator.plan.head import head_load
-    from archipelago.orchestrator.simulation.config import planned_head
 
     spec = FleetSpec()
 

@@ -155,8 +155,8 @@ def test_a_run_through_faults_and_a_restart_is_bitwise_the_torch_ops_run(tmp_pat
     compiled path meets them all here: NaN updates refused (the screening's mean dropped),
     a crash, a malformed result, a corrupted hand-off and a coordinator restart from its
     checkpoint. Same parameters, bit for bit, and the same verdicts as with numba off."""
+    from archipelago.orchestrator.bench.simulation.pool import Fault, FaultKind
     from archipelago.orchestrator.engine.build import build_engine
-    from archipelago.orchestrator.simulation.pool import Fault, FaultKind
 
     faults = [
         Fault(FaultKind.NAN, 2, order=2),

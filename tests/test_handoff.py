@@ -11,7 +11,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from archipelago.orchestrator.simulation.pool import Fault, FaultKind
+from archipelago.orchestrator.bench.simulation.pool import Fault, FaultKind
 from archipelago.workers.wire.handoff import HandOffMismatch, params_digest, seal, verify
 from archipelago.workers.wire.messages import WorkKind, WorkOrder
 from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg

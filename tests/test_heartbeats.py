@@ -10,12 +10,12 @@ import time
 
 import pytest
 
+from archipelago.orchestrator.bench.simulation.chaos import Strike, TimedFault
+from archipelago.orchestrator.bench.simulation.pool import Fault, FaultKind
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.commands import Refused, SettingsUpdate, UpdateSettings
 from archipelago.orchestrator.engine.pool import Progress
 from archipelago.orchestrator.runtime.driver import run
-from archipelago.orchestrator.simulation.chaos import Strike, TimedFault
-from archipelago.orchestrator.simulation.pool import Fault, FaultKind
 from tests.engine_scenarios import check_exactly_once, check_rounds_recorded, drive, run_scenario, scenario_cfg
 from tests.helpers import events, in_process_engine, toy_quadratic
 

@@ -183,8 +183,8 @@ def test_a_tiny_llama_trains_in_async_mode_with_its_warm_start(corpus_cache, tmp
     """Asynchronous mode on the HF task, in process on the virtual clock (the Ray run of the
     same model is the sync one in test_hf_ray.py): the default warm start, then two islands'
     asynchronous updates, take the eval loss 20 % below the untrained model's."""
-    from archipelago.orchestrator.simulation.config import SimulationConfig
-    from archipelago.orchestrator.simulation.runner import run_in_process
+    from archipelago.orchestrator.bench.simulation.config import SimulationConfig
+    from archipelago.orchestrator.bench.simulation.runner import run_in_process
 
     sets = [*TINY_LLAMA, "mode=async", f"task.kwargs.cache_dir={corpus_cache}"]
     summary = run_in_process(load_config(None, [*sets, f"out_dir={tmp_path}"]), SimulationConfig(virtual_step_s=0.05))

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
+from archipelago.orchestrator.bench.simulation.pool import InProcessPool
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.build import build_engine
 from archipelago.orchestrator.engine.fleet.island_states import FOLDER, save_due
 from archipelago.orchestrator.engine.specs import island_spec
 from archipelago.orchestrator.engine.state.checkpoints import load_checkpoint
-from archipelago.orchestrator.simulation.pool import InProcessPool
 from archipelago.workers.runtime import inner_state
 from archipelago.workers.runtime.inner_state import InnerStateError
 from archipelago.workers.runtime.island import Island

@@ -8,12 +8,12 @@ from __future__ import annotations
 import os
 import random
 
+from archipelago.orchestrator.bench.simulation.pool import Fault, FaultKind
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.state.membership import RETAINED
 from archipelago.orchestrator.engine.state.records import HISTORY, Recorder
 from archipelago.orchestrator.engine.state.views import RoundRecord
 from archipelago.orchestrator.engine.types import IslandState
-from archipelago.orchestrator.simulation.pool import Fault, FaultKind
 from tests.helpers import in_process_engine
 
 ISLANDS, ROUNDS = 64, 10_000

@@ -83,7 +83,7 @@ def test_what_needs_pseudo_gradients_is_refused_where_a_row_has_none(mode):
 @pytest.mark.parametrize("mode", [m for m in Mode if not MODES[m].drops])
 def test_dropping_updates_is_refused_where_a_row_does_not_drop(mode):
     extra = ["inner_steps=48"] if MODES[mode].fragments else []
-    from archipelago.orchestrator.simulation.config import load_simulated
+    from archipelago.orchestrator.bench.simulation.config import load_simulated
 
     with pytest.raises(ConfigError, match=r"simulation.drop_prob applies to mode diloco only"):
         load_simulated(None, [f"mode={mode.value}", "warm_start.steps=0", "simulation.drop_prob=0.1", *extra])

@@ -20,7 +20,7 @@ RUN = textwrap.dedent(
     import sys
     from archipelago.orchestrator.config_load import load_config
     from archipelago.orchestrator.engine.build import PhasedRun
-    from archipelago.orchestrator.simulation.pool import InProcessPool
+    from archipelago.orchestrator.bench.simulation.pool import InProcessPool
 
     # nothing called first: importing the modules that build optimizers applies it
     for i, sets in enumerate(sys.argv[2:]):

@@ -12,10 +12,10 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from archipelago.orchestrator.bench.simulation.pool import InProcessPool
 from archipelago.orchestrator.config_load import ConfigError, check_folders, load_config
 from archipelago.orchestrator.engine.build import build_engine
 from archipelago.orchestrator.engine.state.checkpoints import load_checkpoint, run_folder, runs_in
-from archipelago.orchestrator.simulation.pool import InProcessPool
 from archipelago.workers.runtime import inner_state
 from archipelago.workers.runtime.island import Island
 from archipelago.workers.runtime.storage import digest_name

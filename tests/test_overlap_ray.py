@@ -1,5 +1,5 @@
 """CO2 overlap over a simulated link, its islands real actors on a local Ray instance, on
-the virtual clock and on the real one (`archipelago.orchestrator.simulation.ray_pool`)."""
+the virtual clock and on the real one (`archipelago.orchestrator.bench.simulation.ray_pool`)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from archipelago.orchestrator.bench.simulation.config import load_simulated
+from archipelago.orchestrator.bench.simulation.ray_pool import run_simulated
 from archipelago.orchestrator.config_load import ConfigError
-from archipelago.orchestrator.simulation.config import load_simulated
-from archipelago.orchestrator.simulation.ray_pool import run_simulated
 from tests.helpers import toy_quadratic
 
 pytestmark = pytest.mark.ray

@@ -17,7 +17,7 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 REPO = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 PRODUCT = ("orchestrator", "workers", "api")  # the folders; imported as archipelago.<folder>
-BENCH = REPO / "orchestrator" / "bench"  # `archipelago bench`: a distribution of its own
+BENCH = REPO / "orchestrator" / "bench"  # the lab (`bench`, `simulate`, `testbed`): a distribution of its own
 BENCH_PROJECT = tomllib.loads((BENCH / "pyproject.toml").read_text())
 
 
@@ -171,16 +171,20 @@ def test_the_image_context_leaves_secrets_tokens_venvs_and_runs_out():
 def test_one_import_root_every_package_listed_and_the_wheel_installs_nothing_else(tmp_path):
     """The distribution installs one top-level package, `archipelago` (the three folders as
     archipelago.orchestrator, .workers, .api), never a generic `api` or `workers` that
-    collides with a user's own: the package list in pyproject.toml is every folder with an
-    `__init__.py` but the bench's, and the wheel built from it holds nothing outside
-    `archipelago/` but its metadata, the dashboard included, and no benchmark. The bench's
-    own wheel holds `archipelago/orchestrator/bench/` alone and registers the `bench`
-    subcommand."""
+    collides with a user's own: every folder of Python files is a package (`workers/data`
+    was not, and the wheel left it out: an installed, not editable, product failed at its
+    first task import), the package list in pyproject.toml is every one but the lab's, and the
+    wheel built from it holds nothing outside `archipelago/` but its metadata, the dashboard
+    included, no benchmark, simulator or testbed, and registers no subcommand. The lab's own
+    wheel holds `archipelago/orchestrator/bench/` (the simulator in it) alone and registers
+    `bench`, `testbed` and `simulate`."""
     import shutil
     import subprocess
     import zipfile
 
     listed = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    folders = {f.parent for folder in PRODUCT for f in (REPO / folder).rglob("*.py") if "__pycache__" not in f.parts}
+    assert not [f for f in folders if not (f / "__init__.py").exists()], "a folder of modules without __init__.py"
     found = sorted(
         "archipelago." + ".".join(init.parent.relative_to(REPO).parts)
         for folder in PRODUCT
@@ -219,18 +223,27 @@ def test_one_import_root_every_package_listed_and_the_wheel_installs_nothing_els
     assert [n for n in names if n.count("/") == 1 and not n.split("/")[0].endswith(".dist-info")] == [
         "archipelago/__init__.py"
     ]
-    assert not any(n.startswith("archipelago/orchestrator/bench/") for n in names)  # the bench is not the product's
+    assert not any(n.startswith("archipelago/orchestrator/bench/") for n in names)  # the lab is not the product's
+    assert not any("simulation" in n or "testbed" in n or "netlab" in n for n in names), names
+    assert "archipelago/workers/data/corpus.py" in names
+    (points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    assert (
+        "archipelago.commands" not in zipfile.ZipFile(next((tmp_path / REPO.name).glob("*.whl"))).read(points).decode()
+    )
     # built from a copy: pip builds in the source tree, and a build/ inside the bench's folder
     # would sit inside the product's package folder
     source = shutil.copytree(BENCH, tmp_path / "bench-source", ignore=shutil.ignore_patterns("build", "*.egg-info"))
     bench = wheel(source)
     files = [n for n in bench if ".dist-info/" not in n]
     assert files and all(n.startswith("archipelago/orchestrator/bench/") and n.endswith(".py") for n in files), files
-    assert "archipelago/orchestrator/bench/command.py" in files and len(files) == len(list(BENCH.glob("*.py")))
+    assert "archipelago/orchestrator/bench/command.py" in files and len(files) == len(list(BENCH.rglob("*.py")))
+    assert "archipelago/orchestrator/bench/simulation/pool.py" in files
     assert BENCH_PROJECT["project"]["entry-points"]["archipelago.commands"] == {
         "bench": "archipelago.orchestrator.bench.command:register",
         "testbed": "archipelago.orchestrator.bench.testbed_command:register",
+        "simulate": "archipelago.orchestrator.bench.simulation.command:register",
     }
+    assert "entry-points" not in PROJECT  # the product registers no subcommand of its own
     assert PROJECT["optional-dependencies"]["bench"] == [f"{BENCH_PROJECT['project']['name']}=={PROJECT['version']}"]
     import archipelago.orchestrator.cli
 

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from archipelago.orchestrator.bench.simulation.chaos import Strike, TimedFault
+from archipelago.orchestrator.bench.simulation.pool import InProcessPool
 from archipelago.orchestrator.engine.specs import island_spec
 from archipelago.orchestrator.engine.state.ledger import DataLedger
-from archipelago.orchestrator.simulation.chaos import Strike, TimedFault
-from archipelago.orchestrator.simulation.pool import InProcessPool
 from archipelago.workers.runtime.island import Island
 from archipelago.workers.runtime.rounds import Stopped
 from archipelago.workers.wire.messages import WorkKind, WorkOrder, batch_counts
@@ -178,10 +178,10 @@ def test_the_virtual_clock_pool_counts_the_steps_that_fit_and_tells_the_island_t
     the steps that fit (1 s each here; the work begins after a 2-s download at 0) and tells
     the island the count; the result is due when the last of them ends. A stop that leaves
     every step to run, or that comes after a streaming order's send point, asks nothing."""
+    from archipelago.orchestrator.bench.simulation.config import SimulationConfig
+    from archipelago.orchestrator.bench.simulation.ray_pool import VirtualClockPool
     from archipelago.orchestrator.config_load import load_config
     from archipelago.orchestrator.runtime.island_actors import IslandHandle
-    from archipelago.orchestrator.simulation.config import SimulationConfig
-    from archipelago.orchestrator.simulation.ray_pool import VirtualClockPool
 
     cfg = load_config(None, ["islands.count=2", f"out_dir={tmp_path}"])
     pool = VirtualClockPool(cfg, "run", sim=SimulationConfig(virtual_step_s=1))
@@ -277,7 +277,7 @@ def test_a_stopped_straggler_trains_the_rest_when_the_idle_islands_die_and_none_
     log growing). Now an island stopped as a straggler trains again once no other live island
     can: the run ends (164 simulated s in quorum mode, 55 s without the failures) before the
     straggler alone could have trained the whole budget, every batch trained once."""
-    from archipelago.orchestrator.simulation.pool import Fault, FaultKind
+    from archipelago.orchestrator.bench.simulation.pool import Fault, FaultKind
 
     cfg = scenario_cfg(
         tmp_path, mode, "rounds=3", "inner_steps=16", "round_timeout_s=100", *BEATS, "elastic.hang_after_steps=12"

@@ -10,6 +10,7 @@ import threading
 import time
 from typing import Any
 
+from archipelago.orchestrator.bench.simulation.pool import InProcessPool
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.build import PhasedRun
 from archipelago.orchestrator.engine.commands import (
@@ -24,7 +25,6 @@ from archipelago.orchestrator.engine.commands import (
     UpdateSettings,
 )
 from archipelago.orchestrator.engine.state.views import RunStatus
-from archipelago.orchestrator.simulation.pool import InProcessPool
 from tests.helpers import events
 from tests.test_warm_start import _cfg
 

@@ -17,12 +17,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from archipelago.orchestrator.bench.simulation.pool import Fault, FaultKind, InProcessPool
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.build import PhasedRun, build_engine
 from archipelago.orchestrator.engine.commands import AddIslands, Drain
 from archipelago.orchestrator.engine.state.checkpoints import load_checkpoint
-from archipelago.orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
 from archipelago.workers.data.encoders import ByteEncoder
 from archipelago.workers.data.prepare import PrepareOptions, prepare
 from archipelago.workers.tasks.lm_task import make_task

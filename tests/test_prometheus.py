@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from archipelago.api.prometheus import BUILD_INFO, render
 from archipelago.orchestrator import build_info
+from archipelago.orchestrator.bench.simulation.pool import Fault, FaultKind
 from archipelago.orchestrator.engine.commands import AddIslands, Drain
 from archipelago.orchestrator.engine.state.views import (
     HISTOGRAMS,
@@ -24,7 +25,6 @@ from archipelago.orchestrator.engine.state.views import (
     RunStatus,
 )
 from archipelago.orchestrator.engine.types import IslandState
-from archipelago.orchestrator.simulation.pool import Fault, FaultKind
 from tests.engine_scenarios import drive, scenario_cfg
 from tests.helpers import in_process_engine
 

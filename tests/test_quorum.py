@@ -15,6 +15,7 @@ import torch
 
 from archipelago.api.app import create_app
 from archipelago.orchestrator.algorithms.aggregate import WeightedMean
+from archipelago.orchestrator.bench.simulation.pool import Fault, FaultKind
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.config_sections import OuterConfig
 from archipelago.orchestrator.engine.commands import Answer, Command, Refused, SettingsUpdate, UpdateSettings
@@ -24,7 +25,6 @@ from archipelago.orchestrator.engine.pacing.quorum import QuorumRule, age_factor
 from archipelago.orchestrator.engine.state.flights import Close
 from archipelago.orchestrator.engine.step.outer import OuterStep
 from archipelago.orchestrator.engine.step.rules import optimizer_rule
-from archipelago.orchestrator.simulation.pool import Fault, FaultKind
 from tests.engine_scenarios import check_exactly_once, drive, scenario_cfg
 from tests.helpers import in_process_engine
 from tests.http_server import serving

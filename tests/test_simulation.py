@@ -9,10 +9,10 @@ import logging
 
 import pytest
 
+from archipelago.orchestrator.bench.simulation.config import ReplacementSpeed, load_simulated
+from archipelago.orchestrator.bench.simulation.ray_pool import VirtualClockPool, simulated_pool
 from archipelago.orchestrator.cli import main
 from archipelago.orchestrator.config_load import ConfigError, load_config
-from archipelago.orchestrator.simulation.config import ReplacementSpeed, load_simulated
-from archipelago.orchestrator.simulation.ray_pool import VirtualClockPool, simulated_pool
 from tests.helpers import toy_quadratic
 
 
@@ -75,8 +75,8 @@ def test_the_coordinator_is_handed_the_virtual_clock_pool_of_the_fleet():
 
 def test_on_the_real_clock_the_coordinator_is_handed_the_pool_that_waits_for_the_prices(tmp_path):
     """`simulation.clock: real` runs on Ray only: the in-process pool's islands take turns."""
-    from archipelago.orchestrator.simulation.ray_pool import RealTimeLinkPool
-    from archipelago.orchestrator.simulation.runner import run_in_process
+    from archipelago.orchestrator.bench.simulation.ray_pool import RealTimeLinkPool
+    from archipelago.orchestrator.bench.simulation.runner import run_in_process
 
     cfg, sim = load_simulated(None, toy_quadratic(2, 0.0, "simulation.clock=real", f"out_dir={tmp_path}"))
     assert simulated_pool(sim).func is RealTimeLinkPool
@@ -90,18 +90,18 @@ def test_simulate_is_a_registered_subcommand():
     from archipelago.orchestrator.cli import COMMANDS
 
     assert [p.value for p in entry_points(group=COMMANDS, name="simulate")] == [
-        "archipelago.orchestrator.simulation.command:register"
+        "archipelago.orchestrator.bench.simulation.command:register"
     ]
 
 
 def test_the_simulation_page_lists_every_setting_as_the_models_say():
     from pathlib import Path
 
-    from archipelago.orchestrator.simulation.config import reference
+    from archipelago.orchestrator.bench.simulation.config import reference
 
     page = (Path(__file__).parent.parent / "docs" / "simulation.md").read_text()
     assert reference() in page, (
-        "docs/simulation.md: regenerate its table with archipelago.orchestrator.simulation.config.reference()"
+        "docs/simulation.md: regenerate its table with archipelago.orchestrator.bench.simulation.config.reference()"
     )
 
 
@@ -109,7 +109,7 @@ def test_codecs_left_auto_are_chosen_for_the_simulated_links_not_this_machines()
     """A simulated run picks `auto`'s codecs as the run's plan would on the fleet it
     simulates: over a 1-Gbit/s head card at 1 B nominal parameters int8 both ways, with no
     link at all (instant transfers) exact fp32; a config that names its codecs is kept."""
-    from archipelago.orchestrator.simulation.config import planned_head
+    from archipelago.orchestrator.bench.simulation.config import planned_head
 
     auto = ["compression.codec=auto", "compression.downlink=auto"]
     cfg, sim = load_simulated(None, [*auto, "simulation.head_gbps=1", "simulation.nominal_params=1000000000"])

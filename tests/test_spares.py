@@ -8,6 +8,8 @@ import math
 
 import pytest
 
+from archipelago.orchestrator.bench.simulation.chaos import Strike, TimedFault
+from archipelago.orchestrator.bench.simulation.pool import Fault, FaultKind, InProcessPool
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.commands import Drain, Preempt, Refused
 from archipelago.orchestrator.engine.fleet.fleet import FailurePolicy, Retire, ScalingPolicy
@@ -15,8 +17,6 @@ from archipelago.orchestrator.engine.outcomes import Place, Promote, Release, St
 from archipelago.orchestrator.engine.specs import island_spec
 from archipelago.orchestrator.engine.state.membership import Membership
 from archipelago.orchestrator.engine.types import IslandState
-from archipelago.orchestrator.simulation.chaos import Strike, TimedFault
-from archipelago.orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
 from archipelago.workers.runtime.island import Island
 from archipelago.workers.runtime.optim import join_factor
 from tests.engine_scenarios import CENTERS, check_exactly_once, check_rounds_recorded, drive, scenario_cfg

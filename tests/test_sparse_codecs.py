@@ -196,8 +196,8 @@ def test_islands_that_build_version0_download_nothing_and_one_that_differs_downl
 
 
 def test_islands_forking_from_a_warm_start_load_it_from_storage_instead_of_downloading(tmp_path):
+    from archipelago.orchestrator.bench.simulation.pool import InProcessPool
     from archipelago.orchestrator.engine.build import PhasedRun
-    from archipelago.orchestrator.simulation.pool import InProcessPool
     from tests.helpers import events
 
     def run(name: str, *extra: str):

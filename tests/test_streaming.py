@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+from archipelago.orchestrator.bench.simulation.pool import Fault, FaultKind
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.config_load import ConfigError
 from archipelago.orchestrator.engine.specs import island_spec
-from archipelago.orchestrator.simulation.pool import Fault, FaultKind
 from archipelago.workers.runtime.island import Island
 from archipelago.workers.runtime.rounds import EagerSteps
 from archipelago.workers.wire.compress import encode

@@ -12,10 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from archipelago.orchestrator.bench.simulation.pool import InProcessPool
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.build import build_engine
 from archipelago.orchestrator.engine.state.checkpoints import load_checkpoint
-from archipelago.orchestrator.simulation.pool import InProcessPool
 from archipelago.workers.data.streams import shard_stream
 from tests.engine_scenarios import drive
 from tests.toy_tasks import ROWS, SEEN, make_counting_stream

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from archipelago.orchestrator.bench.simulation.pool import Fault, FaultKind
 from archipelago.orchestrator.engine.commands import AddIslands, Drain
-from archipelago.orchestrator.simulation.pool import Fault, FaultKind
 from tests.conftest import REPO
 from tests.engine_scenarios import drive, scenario_cfg
 from tests.helpers import in_process_engine

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
+from archipelago.orchestrator.bench.simulation.pool import Fault, FaultKind, InProcessPool
 from archipelago.orchestrator.engine.build import PhasedRun
 from archipelago.orchestrator.engine.commands import AddIslands, Drain
 from archipelago.orchestrator.engine.state.views import EventRecord, IslandView, RoundRecord, RunStatus, Summary
-from archipelago.orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
 from tests.engine_scenarios import drive, scenario_cfg
 from tests.helpers import in_process_engine
 from tests.test_warm_start import _cfg as warm_cfg

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from archipelago.orchestrator.bench.simulation.pool import Fault, FaultKind, InProcessPool
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.config_load import ConfigError, load_config
 from archipelago.orchestrator.engine.build import PhasedRun
@@ -22,7 +23,6 @@ from archipelago.orchestrator.engine.outputs.outputs import Outputs
 from archipelago.orchestrator.engine.step.slices import SlicedOuter
 from archipelago.orchestrator.engine.types import RunFailed
 from archipelago.orchestrator.engine.warm_start import warm_config
-from archipelago.orchestrator.simulation.pool import Fault, FaultKind, InProcessPool
 from archipelago.workers.runtime.optim import lr_factor
 from tests.helpers import assert_trained_once, events
 

@@ -7,8 +7,8 @@ import json
 import time
 from pathlib import Path
 
+from archipelago.orchestrator.bench.simulation.pool import Fault, FaultKind
 from archipelago.orchestrator.engine.fleet.watch import STUCK_FLOOR_S, UNMEASURED_WORK_S, stuck_after_s, watched
-from archipelago.orchestrator.simulation.pool import Fault, FaultKind
 from tests.engine_scenarios import drive, scenario_cfg
 from tests.helpers import in_process_engine
 

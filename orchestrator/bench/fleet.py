@@ -5,7 +5,7 @@ The in-process island pool (the real engine, policies and islands, really traini
 simulated on a virtual clock and islands taking turns in this process — the only way to
 run 64 islands on two cores; a Ray fleet of this size is not simulated here) with:
 
-- the network of `orchestrator/simulation/network.py` at each link regime of `--links`
+- the network of `orchestrator/bench/simulation/network.py` at each link regime of `--links`
   (Gbit/s, `--latency-ms`): each island's link to the head, and the head's one card shared
   by every transfer in and out; every transfer priced as if the model had
   `--nominal-params` parameters, so compute and communication keep the ratio of a large
@@ -16,7 +16,7 @@ run 64 islands on two cores; a Ray fleet of this size is not simulated here) wit
 - measured speeds with a spread (`--speed-noise`): DyLU and the tail stop are not told the
   truth; a replacement runs at the speed of the node it replaces;
 - speeds `--speeds` repeated over the fleet and a seeded failure schedule
-  (`orchestrator/simulation/chaos.py`): each island fails once per `--mttf` simulated seconds on
+  (`orchestrator/bench/simulation/chaos.py`): each island fails once per `--mttf` simulated seconds on
   average (64 islands see 4× the failures of 16), of the kinds in `--mix`; a crashed, hung
   or preempted island is replaced after `join_s`; a preemption's notice is 5–120 s (some
   shorter than a round, so partial contributions matter);
@@ -57,14 +57,14 @@ from archipelago.orchestrator.bench.fleet_spec import (
 from archipelago.orchestrator.bench.hetero import time_to_reach
 from archipelago.orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
 from archipelago.orchestrator.bench.runner import finished, fresh, record_simulation
+from archipelago.orchestrator.bench.simulation.chaos import Strike, mttf_schedule
+from archipelago.orchestrator.bench.simulation.config import ReplacementSpeed, SimulationConfig, planned_head
+from archipelago.orchestrator.bench.simulation.links import LinkConfig, allreduce_s, ring_allreduce_s
+from archipelago.orchestrator.bench.simulation.network import Network
+from archipelago.orchestrator.bench.simulation.pool import InProcessPool, Losses
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.build import PhasedRun
-from archipelago.orchestrator.simulation.chaos import Strike, mttf_schedule
-from archipelago.orchestrator.simulation.config import ReplacementSpeed, SimulationConfig, planned_head
-from archipelago.orchestrator.simulation.links import LinkConfig, allreduce_s, ring_allreduce_s
-from archipelago.orchestrator.simulation.network import Network
-from archipelago.orchestrator.simulation.pool import InProcessPool, Losses
 
 MODEL = [
     "task.kwargs.d_model=32",
@@ -566,7 +566,7 @@ def _markdown(
         "(`seeds_past_failure_horizon` says which rows did).",
         "",
         f"Priced as a real run is limited, at {spec.nominal_params:.3g} parameters in fp32 "
-        "(`orchestrator/simulation/network.py`): every island's link and the head's one card (the same speed) shared by "
+        "(`orchestrator/bench/simulation/network.py`): every island's link and the head's one card (the same speed) shared by "
         "every transfer in and out (a coordinator slice on a node of its own has a card of its own: `quorum_sliced` "
         "runs the slices its plan asks for); the coordinator's step (merge, outer optimizer, the checkpoint's share) "
         "at the rates "

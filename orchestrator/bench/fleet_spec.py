@@ -10,7 +10,7 @@ import argparse
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from archipelago.orchestrator.simulation.chaos import Strike, parse_mix
+from archipelago.orchestrator.bench.simulation.chaos import Strike, parse_mix
 
 RESTART_ROW = "restart_from_checkpoint"  # the baseline run on a fleet that stands still at each failure
 SLICED_ROW = "quorum_sliced"  # quorum with coordinator.shards auto: its head sized by the plan

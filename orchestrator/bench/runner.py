@@ -13,14 +13,14 @@ from typing import Any
 
 import ray
 
+from archipelago.orchestrator.bench.simulation.config import SimulationConfig, load_simulated
+from archipelago.orchestrator.bench.simulation.network import Network
+from archipelago.orchestrator.bench.simulation.ray_pool import run_simulated
+from archipelago.orchestrator.bench.simulation.runner import run_in_process
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.config_load import SIMULATION, dump_config, load_config
 from archipelago.orchestrator.engine.warm_start import MARKER, mark_finished, warm_config, warm_dir, warm_run_id
 from archipelago.orchestrator.runtime.driver import init_ray, run
-from archipelago.orchestrator.simulation.config import SimulationConfig, load_simulated
-from archipelago.orchestrator.simulation.network import Network
-from archipelago.orchestrator.simulation.ray_pool import run_simulated
-from archipelago.orchestrator.simulation.runner import run_in_process
 
 log = logging.getLogger(__name__)
 

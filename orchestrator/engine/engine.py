@@ -389,7 +389,7 @@ class RoundEngine(EngineParts):
     # -- records, evaluation, checkpoints -----------------------------------------------------------
     def _clock(self) -> float:
         """Seconds on the pool's clock since training began here: real time, or simulated
-        time on a simulated fleet's virtual clock (`archipelago.orchestrator.simulation`)."""
+        time on a simulated fleet's virtual clock (`archipelago.orchestrator.bench.simulation`)."""
         return self.pool.now() - self.clock0
 
     @property

@@ -1,6 +1,6 @@
 """The island-pool seam: how the engine places islands, hands them work and hears back,
 without knowing whether they are Ray actors (`runtime/island_pool.py`) or simulated ones
-(the `archipelago.orchestrator.simulation` package beside the product: objects in this process, which
+(the `archipelago.orchestrator.bench.simulation` package beside the product: objects in this process, which
 tests and benchmarks use to inject faults and run many islands in seconds, or Ray actors on
 a virtual clock).
 

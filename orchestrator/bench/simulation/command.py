@@ -33,8 +33,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> Callable[[argparse.Na
 
 
 def simulate_command(args: argparse.Namespace) -> int:
+    from archipelago.orchestrator.bench.simulation.config import load_simulated
     from archipelago.orchestrator.config_load import ConfigError, check_folders
-    from archipelago.orchestrator.simulation.config import load_simulated
 
     overrides = [*args.overrides, *([f"out_dir={args.out}"] if args.out else [])]
     try:
@@ -43,9 +43,9 @@ def simulate_command(args: argparse.Namespace) -> int:
     except ConfigError as err:
         log.error("invalid config: %s", err)
         return 2
+    from archipelago.orchestrator.bench.simulation.ray_pool import run_simulated
     from archipelago.orchestrator.cli import train
     from archipelago.orchestrator.runtime.driver import process_started_at
-    from archipelago.orchestrator.simulation.ray_pool import run_simulated
 
     shown = logging.getLogger("archipelago").level <= logging.INFO
     return train(lambda: run_simulated(cfg, sim, show_progress=shown, started_at=process_started_at()))

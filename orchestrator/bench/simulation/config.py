@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from archipelago.orchestrator.bench.simulation.links import LinkConfig
 from archipelago.orchestrator.config import AUTO_SHARDS, RunConfig
 from archipelago.orchestrator.config_load import (
     SIMULATION,
@@ -24,7 +25,6 @@ from archipelago.orchestrator.config_load import (
 from archipelago.orchestrator.config_sections import Strict
 from archipelago.orchestrator.engine.policies import Ablation
 from archipelago.orchestrator.modes import mode_of, modes_where
-from archipelago.orchestrator.simulation.links import LinkConfig
 
 
 class Clock(str, Enum):

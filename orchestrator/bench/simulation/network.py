@@ -29,6 +29,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from archipelago.orchestrator.bench.simulation.config import SimulationConfig
+from archipelago.orchestrator.bench.simulation.links import allreduce_s, ring_allreduce_s
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.config_sections import OuterMerge
 from archipelago.orchestrator.engine.step.rules import rule_of
@@ -41,8 +43,6 @@ from archipelago.orchestrator.plan.head import (
     STEP_S_PER_VALUE,
     codec_s_per_value,
 )
-from archipelago.orchestrator.simulation.config import SimulationConfig
-from archipelago.orchestrator.simulation.links import allreduce_s, ring_allreduce_s
 
 BACKWARD_SHARE = 2 / 3  # of a step's compute: what a bucketed all-reduce can hide behind
 DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket (bucket_cap_mb = 25): the last one is never hidden

@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
+from archipelago.orchestrator.bench.simulation.chaos import Strike, TimedFault
+from archipelago.orchestrator.bench.simulation.config import ReplacementSpeed, SimulationConfig
+from archipelago.orchestrator.bench.simulation.network import Network
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.pool import Done, Failed, Joined, PoolEvent, Preempting, Progress
 from archipelago.orchestrator.engine.specs import island_spec
-from archipelago.orchestrator.simulation.chaos import Strike, TimedFault
-from archipelago.orchestrator.simulation.config import ReplacementSpeed, SimulationConfig
-from archipelago.orchestrator.simulation.network import Network
 from archipelago.workers.runtime.island import Island
 from archipelago.workers.wire.messages import SavedState, Sliced, WorkOrder
 from archipelago.workers.wire.sync import Change

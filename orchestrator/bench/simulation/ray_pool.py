@@ -17,11 +17,11 @@ from typing import Any
 
 import ray
 
+from archipelago.orchestrator.bench.simulation.config import Clock, SimulationConfig
+from archipelago.orchestrator.bench.simulation.network import Network
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.pool import Done, PoolEvent, Progress
 from archipelago.orchestrator.runtime.island_pool import RayIslandPool
-from archipelago.orchestrator.simulation.config import Clock, SimulationConfig
-from archipelago.orchestrator.simulation.network import Network
 from archipelago.workers.wire.messages import WorkOrder
 
 
@@ -210,7 +210,7 @@ def run_simulated(cfg: RunConfig, sim: SimulationConfig, **options: Any) -> dict
     """`cfg` run to the end on Ray as `archipelago run` runs it, its islands on the fleet
     `sim` (`driver.run`'s options); its summary. Codecs left `auto` are chosen for the
     simulated fleet's links (`planned_head`), not this machine's."""
+    from archipelago.orchestrator.bench.simulation.config import planned_head
     from archipelago.orchestrator.runtime.driver import run
-    from archipelago.orchestrator.simulation.config import planned_head
 
     return run(planned_head(cfg, sim), pool=simulated_pool(sim), ablation=sim.ablation(), **options)

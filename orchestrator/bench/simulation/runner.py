@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from archipelago.orchestrator.bench.simulation.config import Clock, SimulationConfig, planned_head
+from archipelago.orchestrator.bench.simulation.pool import InProcessPool
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.build import PhasedRun
-from archipelago.orchestrator.simulation.config import Clock, SimulationConfig, planned_head
-from archipelago.orchestrator.simulation.pool import InProcessPool
 
 
 def run_in_process(cfg: RunConfig, sim: SimulationConfig, run_id: str = "bench") -> dict[str, Any]:
