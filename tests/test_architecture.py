@@ -5,6 +5,7 @@ engine and policies — import neither Ray nor FastAPI, so they run and are test
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -288,12 +289,13 @@ def _family(name: str) -> str | None:
     return name[len(ENGINE) + 1 :].split(".")[0] if name.startswith(ENGINE + ".") else None
 
 
-def _family_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+def _family_edges(graph: dict[str, set[str]], family: Callable[[str], str | None] = _family) -> set[tuple[str, str]]:
+    """The imports between `family`'s groups of modules, as (importer, imported)."""
     return {
         (a, b)
         for name, imported in graph.items()
         for target in imported
-        if (a := _family(name)) and (b := _family(target)) and a != b
+        if (a := family(name)) and (b := family(target)) and a != b
     }
 
 
@@ -338,15 +340,6 @@ def _top_family(name: str) -> str | None:
     return ".".join(parts[1:3]) if len(parts) > 2 else parts[1]
 
 
-def _top_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
-    return {
-        (a, b)
-        for name, imported in graph.items()
-        for target in imported
-        if (a := _top_family(name)) and (b := _top_family(target)) and a != b
-    }
-
-
 def test_no_two_top_level_families_import_each_other_both_ways():
     """The families above the engine import one way: the runtime plans (`runtime` → `plan`)
     and serves the API (`runtime` → `api`) — the API speaks to a protocol, the runtime hands
@@ -354,7 +347,7 @@ def test_no_two_top_level_families_import_each_other_both_ways():
     Ray-free body (`engine/outputs/evaluation.py`); tasks read the data layer, which holds
     the embedded corpus (`workers/data/corpus.py`) rather than reaching back into tasks.
     Before: api↔runtime, plan↔runtime, data↔tasks."""
-    edges = _top_edges(GRAPH)
+    edges = _family_edges(GRAPH, _top_family)
     both = sorted({tuple(sorted(e)) for e in edges if (e[1], e[0]) in edges})
     assert not both, f"top-level families that import each other both ways: {both}"
 
@@ -365,6 +358,6 @@ def test_the_top_level_two_way_check_finds_a_pair():
         "archipelago.orchestrator.runtime.control_plane": {"archipelago.api.server"},
         "archipelago.orchestrator.bench.gpu": {"archipelago.api.handle"},
     }
-    edges = _top_edges(graph)
+    edges = _family_edges(graph, _top_family)
     assert ("api", "orchestrator.runtime") in edges and ("orchestrator.runtime", "api") in edges
     assert not any("bench" in a or "bench" in b for a, b in edges)
