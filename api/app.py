@@ -19,13 +19,6 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 
-from archipelago.api import prometheus
-from archipelago.api.auth import TokenSource
-from archipelago.api.guard import bearer_guard
-from archipelago.api.handle import HandleError, RunHandle
-from archipelago.api.limits import MAX_BODY, FrontDoor, RateLimit
-from archipelago.api.schemas import Accepted, Target
-from archipelago.api.schemas import AddIslands as AddIslandsBody
 from archipelago.orchestrator.engine.commands import (
     MAX_KEY_LENGTH,
     AddIslands,
@@ -43,6 +36,14 @@ from archipelago.orchestrator.engine.commands import (
 )
 from archipelago.orchestrator.engine.fleet.watch import watched
 from archipelago.orchestrator.engine.state.views import EventRecord, IslandView, RoundRecord, RunStatus
+
+from . import prometheus
+from .auth import TokenSource
+from .guard import bearer_guard
+from .handle import HandleError, RunHandle
+from .limits import MAX_BODY, FrontDoor, RateLimit
+from .schemas import Accepted, Target
+from .schemas import AddIslands as AddIslandsBody
 
 # the HTTP status of each refusal reason
 REFUSAL_STATUS = {

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from archipelago.api.auth import TokenSource, token_status
+from .auth import TokenSource, token_status
 
 # auto_error=False: the missing-credentials answer is ours (401 with a reason); the scheme
 # still appears in the OpenAPI document, so clients and the docs page know to send it.

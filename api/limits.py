@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from archipelago.api.auth import TokenSource, is_loopback, token_status
+from .auth import TokenSource, is_loopback, token_status
 
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 MAX_BODY = 64 * 1024  # the largest valid body is a few dozen bytes

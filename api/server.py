@@ -14,10 +14,10 @@ from typing import Any
 
 import uvicorn
 
-from archipelago.api.app import create_app
-from archipelago.api.auth import TokenSource, check_exposure, is_loopback
-from archipelago.api.handle import RunHandle
-from archipelago.api.limits import RateLimit
+from .app import create_app
+from .auth import TokenSource, check_exposure, is_loopback
+from .handle import RunHandle
+from .limits import RateLimit
 
 log = logging.getLogger(__name__)
 

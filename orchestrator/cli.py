@@ -17,8 +17,8 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from archipelago.orchestrator import library
-from archipelago.orchestrator.config_load import (
+from . import library
+from .config_load import (
     ConfigError,
     check_extras,
     check_folders,
@@ -26,8 +26,8 @@ from archipelago.orchestrator.config_load import (
     dump_config,
     load_config,
 )
-from archipelago.orchestrator.logs import LogFormat, configure, level_for
-from archipelago.orchestrator.mode_settings import Mode
+from .logs import LogFormat, configure, level_for
+from .mode_settings import Mode
 
 log = logging.getLogger(__name__)
 
@@ -314,8 +314,9 @@ def _plan(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from archipelago.orchestrator.plan.cluster import ClusterError, from_manifest, from_ray, quantity
     from archipelago.workers.tasks.hf_task import PlanInputError
+
+    from .plan.cluster import ClusterError, from_manifest, from_ray, quantity
 
     if args.config_file and args.config:
         log.error("give the config once: as the argument or with --config")
@@ -354,7 +355,7 @@ def _plan(args: argparse.Namespace) -> int:
         log.error("--rehearse-rows scales a rehearsal: give --rehearse with it")
         return 2
     if args.rehearse:
-        from archipelago.orchestrator.plan.rehearse import TOLERANCE, micro_batch_rows, rehearse
+        from .plan.rehearse import TOLERANCE, micro_batch_rows, rehearse
 
         if args.rehearse_rows:
             try:
@@ -387,8 +388,9 @@ def _serve(args: argparse.Namespace) -> int:
     )
     from archipelago.api.limits import rate_limit
     from archipelago.api.server import server_config
-    from archipelago.orchestrator.config_operations import ApiConfig
-    from archipelago.orchestrator.runtime.run_handle import RayRunHandle, find_run
+
+    from .config_operations import ApiConfig
+    from .runtime.run_handle import RayRunHandle, find_run
 
     if (args.tls_cert is None) != (args.tls_key is None):
         log.error("--tls-cert and --tls-key go together")
@@ -422,7 +424,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _config_docs(args: argparse.Namespace) -> int:
-    from archipelago.orchestrator.config_docs import render
+    from .config_docs import render
 
     page = render()
     if args.out:
@@ -436,8 +438,9 @@ def _config_docs(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     import torch
 
-    from archipelago.orchestrator.runtime.driver import ResumeRefused, resume_id
     from archipelago.workers.tasks.task import TaskError, export_pretrained, load_task
+
+    from .runtime.driver import ResumeRefused, resume_id
 
     run_dir = Path(args.run_dir)
     try:
@@ -479,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config" and args.config_command == "docs":
         return _config_docs(args)
     if args.command == "data":
-        from archipelago.orchestrator.data_cli import prepare_command
+        from .data_cli import prepare_command
 
         return prepare_command(args)
     overrides = list(args.overrides)
@@ -509,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         sys.stdout.write(dump_config(cfg, reads_only=bool(args.mode)))
         return 0
-    from archipelago.orchestrator.runtime.driver import ResumeRefused, check_resumable, process_started_at, resume_id
+    from .runtime.driver import ResumeRefused, check_resumable, process_started_at, resume_id
 
     if resume and args.run_id:
         log.error("--resume continues the run its folder records: --run-id names another way, give one")
@@ -536,9 +539,10 @@ def main(argv: list[str] | None = None) -> int:
 def train(runs: Callable[[], dict[str, Any]]) -> int:
     """The exit status of a training command (`run`, `simulate`): 0 with its summary printed,
     2 refused before anything started (its data, its plan), 1 failed."""
-    from archipelago.orchestrator.plan.preflight import PlanRefused
-    from archipelago.orchestrator.runtime.driver import RunFailed, print_summary
     from archipelago.workers.data.manifest import DataError
+
+    from .plan.preflight import PlanRefused
+    from .runtime.driver import RunFailed, print_summary
 
     try:
         summary = runs()

@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from archipelago.orchestrator.config_operations import (
+from archipelago.workers.wire.spec import AUTO_CODEC, InnerConfig, Sharding
+
+from .config_operations import (
     ApiConfig,
     CheckpointConfig,
     ElasticConfig,
@@ -21,8 +23,8 @@ from archipelago.orchestrator.config_operations import (
     RecordsConfig,
     TrackingConfig,
 )
-from archipelago.orchestrator.config_sections import CompressionConfig, OuterConfig, OuterMerge, OuterOptimizer, Strict
-from archipelago.orchestrator.mode_settings import (
+from .config_sections import CompressionConfig, OuterConfig, OuterMerge, OuterOptimizer, Strict
+from .mode_settings import (
     AsyncSettings,
     DilocoSettings,
     Mode,
@@ -30,8 +32,7 @@ from archipelago.orchestrator.mode_settings import (
     QuorumSettings,
     check_quorum,
 )
-from archipelago.orchestrator.modes import MODES, SETTINGS, mode_of, modes_where, settings_if
-from archipelago.workers.wire.spec import AUTO_CODEC, InnerConfig, Sharding
+from .modes import MODES, SETTINGS, mode_of, modes_where, settings_if
 
 log = logging.getLogger(__name__)
 # the package's top-level names before `archipelago` was its one import root

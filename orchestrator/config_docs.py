@@ -17,10 +17,11 @@ import annotated_types as at
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from archipelago.orchestrator.config import RunConfig
 from archipelago.workers.tasks.digits_task import DigitsConfig
 from archipelago.workers.tasks.hf_task import HFTaskConfig
 from archipelago.workers.tasks.lm_task import LMTaskConfig
+
+from .config import RunConfig
 
 COMMAND = "archipelago config docs --out docs/configuration.md"
 # The sections by what a user sets, in the order a reader meets them; every section is in one

@@ -13,12 +13,13 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from archipelago.orchestrator.config import RUN_PLACEHOLDER, RunConfig
-from archipelago.orchestrator.config_operations import TrackingBackend
-from archipelago.orchestrator.mode_settings import Mode
-from archipelago.orchestrator.modes import MODES
 from archipelago.workers.runtime.storage import Folder, is_url
 from archipelago.workers.tasks.task import TaskError, load_task
+
+from .config import RUN_PLACEHOLDER, RunConfig
+from .config_operations import TrackingBackend
+from .mode_settings import Mode
+from .modes import MODES
 
 log = logging.getLogger(__name__)
 

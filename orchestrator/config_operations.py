@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from archipelago.orchestrator.config_sections import Strict
+from .config_sections import Strict
 
 
 class EvalPlace(str, Enum):

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from archipelago.orchestrator.config_load import ConfigError, load_config
+from .config_load import ConfigError, load_config
 
 log = logging.getLogger(__name__)
 

@@ -19,13 +19,13 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from archipelago.orchestrator.build_info import commit, version
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.config_load import ConfigError, check_extras, check_folders, load_config
+from .build_info import commit, version
+from .config import RunConfig
+from .config_load import ConfigError, check_extras, check_folders, load_config
 
 if TYPE_CHECKING:
-    from archipelago.orchestrator.plan.cluster import Cluster
-    from archipelago.orchestrator.plan.planner import Plan
+    from .plan.cluster import Cluster
+    from .plan.planner import Plan
 
 log = logging.getLogger(__name__)
 __all__ = ["ConfigError", "RunConfig", "commit", "config", "plan", "run", "summary", "version"]
@@ -54,8 +54,8 @@ def plan(
     its CPU, as it would run here; `run`'s own plan does the same). `Plan.fits` says
     whether it fits — a refusal is its answer, not an exception; `Plan.lines()` is what
     `archipelago plan` prints. Raises `ClusterError` for a manifest it cannot read."""
-    from archipelago.orchestrator.plan.cluster import from_manifest, this_machine
-    from archipelago.orchestrator.plan.planner import DEFAULT_STEP_S, on_cpu, plan_run
+    from .plan.cluster import from_manifest, this_machine
+    from .plan.planner import DEFAULT_STEP_S, on_cpu, plan_run
 
     if cluster is None:
         cluster = this_machine(accelerator_memory)
@@ -74,7 +74,7 @@ def run(
     here) and return its summary (also `summary.json` in its folder). `run_id`: an earlier
     run's, to continue it from its checkpoints. Raises `PlanRefused` where the plan refuses
     it before anything starts, `RunFailed` where it failed."""
-    from archipelago.orchestrator.runtime.driver import run as train
+    from .runtime.driver import run as train
 
     check_folders(cfg)  # as `archipelago run`: outputs and checkpoints writable before any compute
     return train(cfg, run_id=run_id, show_progress=progress, started_at=started_at)

@@ -24,7 +24,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from archipelago.orchestrator.config_sections import Strict
+from .config_sections import Strict
 
 
 class Mode(str, Enum):

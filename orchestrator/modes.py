@@ -28,8 +28,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol, TypeVar
 
-from archipelago.orchestrator.config_sections import OuterConfig, OuterMerge, OuterOptimizer
-from archipelago.orchestrator.mode_settings import (
+from archipelago.workers.wire.spec import IslandRound
+
+from .config_sections import OuterConfig, OuterMerge, OuterOptimizer
+from .mode_settings import (
     AsyncRule,
     AsyncSettings,
     DdpSettings,
@@ -40,7 +42,6 @@ from archipelago.orchestrator.mode_settings import (
     StreamingPacing,
     StreamingSettings,
 )
-from archipelago.workers.wire.spec import IslandRound
 
 
 class PacingKind(str, Enum):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from archipelago.orchestrator.algorithms import fused_step
+from . import fused_step
 
 
 def sqnorm(x: np.ndarray) -> float:

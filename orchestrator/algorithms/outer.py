@@ -29,8 +29,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from archipelago.orchestrator.algorithms import fused_step
-from archipelago.orchestrator.algorithms.aggregate import blocks
+from . import fused_step
+from .aggregate import blocks
 
 Params = Iterable[torch.nn.Parameter]
 

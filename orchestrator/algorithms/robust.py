@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from archipelago.orchestrator.config import RobustConfig
+    from ..config import RobustConfig
 
 
 class NormGuard:

@@ -14,48 +14,49 @@ from typing import Any
 
 import torch
 
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.config_operations import EvalPlace
-from archipelago.orchestrator.engine.commands import Inbox
-from archipelago.orchestrator.engine.engine import RoundEngine
-from archipelago.orchestrator.engine.fleet.fleet import FailurePolicy, Fleet, ScalingPolicy
-from archipelago.orchestrator.engine.fleet.island_states import IslandStates
-from archipelago.orchestrator.engine.outputs.evaluation import Evaluator
-from archipelago.orchestrator.engine.outputs.outputs import OnRecord, Outputs
-from archipelago.orchestrator.engine.outputs.persistence import RunCore, restore
-from archipelago.orchestrator.engine.outputs.startup import Startup
-from archipelago.orchestrator.engine.policies import Ablation, Policies, build_policies, run_inbox
-from archipelago.orchestrator.engine.pool import IslandPool
-from archipelago.orchestrator.engine.requests import OperatorRequests
-from archipelago.orchestrator.engine.state.checkpoints import load_checkpoint, load_initial_weights, run_folder
-from archipelago.orchestrator.engine.state.flights import RunState
-from archipelago.orchestrator.engine.state.ledger import DataLedger
-from archipelago.orchestrator.engine.state.lifecycle import Lifecycle
-from archipelago.orchestrator.engine.state.membership import Membership
-from archipelago.orchestrator.engine.state.records import EventLog
-from archipelago.orchestrator.engine.state.stats import RunStats
-from archipelago.orchestrator.engine.state.views import RunStatus
-from archipelago.orchestrator.engine.step.outer import LocalOuter, Outer
-from archipelago.orchestrator.engine.step.rules import outer_rule
-from archipelago.orchestrator.engine.step.screen import Sizes
-from archipelago.orchestrator.engine.step.slices import LocalSlices, SliceCalls, SlicedOuter, copy_kept
-from archipelago.orchestrator.engine.types import Event, Phase, RunFailed, RunPhase
-from archipelago.orchestrator.engine.warm_start import (
+from archipelago.workers.runtime.storage import Folder
+from archipelago.workers.tasks.task import Task, load_task
+from archipelago.workers.wire.flat import FlatParams, slice_bounds
+from archipelago.workers.wire.fragments import FragmentedTask, Fragments, fragment_model
+
+from ..config import RunConfig
+from ..config_operations import EvalPlace
+from ..mode_settings import StreamingSettings
+from ..modes import mode_of, settings_of
+from .commands import Inbox
+from .engine import RoundEngine
+from .fleet.fleet import FailurePolicy, Fleet, ScalingPolicy
+from .fleet.island_states import IslandStates
+from .outputs.evaluation import Evaluator
+from .outputs.outputs import OnRecord, Outputs
+from .outputs.persistence import RunCore, restore
+from .outputs.startup import Startup
+from .policies import Ablation, Policies, build_policies, run_inbox
+from .pool import IslandPool
+from .requests import OperatorRequests
+from .state.checkpoints import load_checkpoint, load_initial_weights, run_folder
+from .state.flights import RunState
+from .state.ledger import DataLedger
+from .state.lifecycle import Lifecycle
+from .state.membership import Membership
+from .state.records import EventLog
+from .state.stats import RunStats
+from .state.views import RunStatus
+from .step.outer import LocalOuter, Outer
+from .step.rules import outer_rule
+from .step.screen import Sizes
+from .step.slices import LocalSlices, SliceCalls, SlicedOuter, copy_kept
+from .types import Event, Phase, RunFailed, RunPhase
+from .warm_start import (
     WarmStart,
     first_phase,
     load_warm_start,
     mark_finished,
     version0_digest,
 )
-from archipelago.orchestrator.engine.work.inflight import InFlight
-from archipelago.orchestrator.engine.work.publisher import Publisher
-from archipelago.orchestrator.engine.work.stragglers import HangRule, TailStop
-from archipelago.orchestrator.mode_settings import StreamingSettings
-from archipelago.orchestrator.modes import mode_of, settings_of
-from archipelago.workers.runtime.storage import Folder
-from archipelago.workers.tasks.task import Task, load_task
-from archipelago.workers.wire.flat import FlatParams, slice_bounds
-from archipelago.workers.wire.fragments import FragmentedTask, Fragments, fragment_model
+from .work.inflight import InFlight
+from .work.publisher import Publisher
+from .work.stragglers import HangRule, TailStop
 
 log = logging.getLogger(__name__)
 

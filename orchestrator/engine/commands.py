@@ -31,8 +31,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from archipelago.orchestrator.engine.state.membership import JOINING, Membership
-from archipelago.orchestrator.engine.types import IslandState
+from .state.membership import JOINING, Membership
+from .types import IslandState
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,13 @@ from typing import Any
 
 import torch
 
-from archipelago.orchestrator.algorithms.dylu import SpeedTracker
-from archipelago.orchestrator.engine.commands import Answer, Command, Inbox
-from archipelago.orchestrator.engine.fleet.fleet import Fleet
-from archipelago.orchestrator.engine.outcomes import (
+from archipelago.workers.runtime.storage import Folder
+from archipelago.workers.tasks.task import Task
+
+from ..algorithms.dylu import SpeedTracker
+from .commands import Answer, Command, Inbox
+from .fleet.fleet import Fleet
+from .outcomes import (
     Halt,
     Judged,
     Lost,
@@ -35,10 +38,10 @@ from archipelago.orchestrator.engine.outcomes import (
     StopWork,
     Transition,
 )
-from archipelago.orchestrator.engine.outputs.outputs import Outputs
-from archipelago.orchestrator.engine.outputs.persistence import RunCore, capture
-from archipelago.orchestrator.engine.outputs.startup import Startup
-from archipelago.orchestrator.engine.pool import (
+from .outputs.outputs import Outputs
+from .outputs.persistence import RunCore, capture
+from .outputs.startup import Startup
+from .pool import (
     Done,
     Failed,
     IslandPool,
@@ -49,19 +52,17 @@ from archipelago.orchestrator.engine.pool import (
     Progress,
     Unreachable,
 )
-from archipelago.orchestrator.engine.requests import OperatorRequests
-from archipelago.orchestrator.engine.state.checkpoints import Location
-from archipelago.orchestrator.engine.state.flights import Close, Flight
-from archipelago.orchestrator.engine.state.lifecycle import Lifecycle
-from archipelago.orchestrator.engine.state.loop_time import Part
-from archipelago.orchestrator.engine.state.views import RunStatus
-from archipelago.orchestrator.engine.step.outer import take_step
-from archipelago.orchestrator.engine.threads import torch_threads
-from archipelago.orchestrator.engine.types import Event, RunFailed, RunPhase, SliceLost
-from archipelago.orchestrator.engine.warm_start import WarmStart
-from archipelago.orchestrator.engine.work.inflight import POLL_S, InFlight
-from archipelago.workers.runtime.storage import Folder
-from archipelago.workers.tasks.task import Task
+from .requests import OperatorRequests
+from .state.checkpoints import Location
+from .state.flights import Close, Flight
+from .state.lifecycle import Lifecycle
+from .state.loop_time import Part
+from .state.views import RunStatus
+from .step.outer import take_step
+from .threads import torch_threads
+from .types import Event, RunFailed, RunPhase, SliceLost
+from .warm_start import WarmStart
+from .work.inflight import POLL_S, InFlight
 
 log = logging.getLogger(__name__)
 

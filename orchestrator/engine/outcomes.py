@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from archipelago.orchestrator.engine.types import IslandState, RunPhase, Verdict
+from .types import IslandState, RunPhase, Verdict
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,16 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from archipelago.orchestrator.algorithms.dylu import SpeedTracker
-from archipelago.orchestrator.algorithms.robust import NormGuard
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.engine.commands import Inbox, SettingsUpdate
-from archipelago.orchestrator.engine.pacing.base import Pacing
-from archipelago.orchestrator.engine.pacing.quorum import QuorumRule
-from archipelago.orchestrator.engine.pacing.registry import QUORUM_SETTINGS, pacing_of
-from archipelago.orchestrator.engine.step.admission import Admission
-from archipelago.orchestrator.mode_settings import check_quorum
-from archipelago.orchestrator.modes import mode_of
+from ..algorithms.dylu import SpeedTracker
+from ..algorithms.robust import NormGuard
+from ..config import RunConfig
+from ..mode_settings import check_quorum
+from ..modes import mode_of
+from .commands import Inbox, SettingsUpdate
+from .pacing.base import Pacing
+from .pacing.quorum import QuorumRule
+from .pacing.registry import QUORUM_SETTINGS, pacing_of
+from .step.admission import Admission
 
 if TYPE_CHECKING:
     from archipelago.workers.wire.fragments import Fragments

@@ -16,9 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from archipelago.orchestrator.engine.links import Transfers
 from archipelago.workers.wire.messages import RoundResult, SavedState, WorkOrder
 from archipelago.workers.wire.sync import Change
+
+from .links import Transfers
 
 
 @dataclass(frozen=True, kw_only=True)

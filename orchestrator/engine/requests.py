@@ -4,10 +4,10 @@ next; the engine applies it. Membership requests are the fleet's (`fleet.py`).""
 
 from __future__ import annotations
 
-from archipelago.orchestrator.engine.commands import Inbox, SettingsUpdate
-from archipelago.orchestrator.engine.outputs.persistence import RunCore
-from archipelago.orchestrator.engine.state.records import EventLog
-from archipelago.orchestrator.engine.types import Event, RunPhase
+from .commands import Inbox, SettingsUpdate
+from .outputs.persistence import RunCore
+from .state.records import EventLog
+from .types import Event, RunPhase
 
 
 class OperatorRequests:

@@ -7,13 +7,14 @@ adopt them."""
 
 from __future__ import annotations
 
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.engine.policies import sizes_first_work_by_speed
-from archipelago.orchestrator.engine.warm_start import version0_file
-from archipelago.orchestrator.mode_settings import OverlapSettings, StreamingSettings
-from archipelago.orchestrator.modes import mode_of, settings_if
 from archipelago.workers.runtime.island_spec import IslandSpec
 from archipelago.workers.wire.messages import SavedState
+
+from ..config import RunConfig
+from ..mode_settings import OverlapSettings, StreamingSettings
+from ..modes import mode_of, settings_if
+from .policies import sizes_first_work_by_speed
+from .warm_start import version0_file
 
 
 def island_spec(

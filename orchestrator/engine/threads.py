@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from archipelago.orchestrator.config import RunConfig
+from ..config import RunConfig
 
 
 def cgroup_cpus(root: Path = Path("/sys/fs/cgroup")) -> float | None:

@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from archipelago.orchestrator.config import RunConfig, WarmStartMode
-from archipelago.orchestrator.engine.state.checkpoints import newest_valid, run_folder
-from archipelago.orchestrator.engine.types import RunFailed
-from archipelago.orchestrator.mode_settings import Mode
 from archipelago.workers.runtime.storage import durable_write
 from archipelago.workers.wire.handoff import params_digest, params_sha256
+
+from ..config import RunConfig, WarmStartMode
+from ..mode_settings import Mode
+from .state.checkpoints import newest_valid, run_folder
+from .types import RunFailed
 
 if TYPE_CHECKING:
     import torch

@@ -16,8 +16,8 @@ import logging
 import os
 from pathlib import Path
 
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.plan.memory import ModelMemory
+from ..config import RunConfig
+from .memory import ModelMemory
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,9 @@ def model_memory(cfg: RunConfig) -> ModelMemory:
         return dataclasses.replace(ModelMemory(**json.loads(path.read_text())), cached=True)
     except (OSError, ValueError, TypeError):
         pass
-    from archipelago.orchestrator.plan.measure import measure
     from archipelago.workers.tasks.task import load_task
+
+    from .measure import measure
 
     found = measure(cfg, load_task(cfg.task.factory, cfg.task.kwargs))
     try:

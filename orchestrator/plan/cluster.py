@@ -279,7 +279,7 @@ def this_machine(accelerator_memory: int | None = None) -> Cluster:
     """This host: its physical memory (or its cgroup's limit), its cores, its GPUs, and the
     link to its islands and its cluster's slice nodes where the environment states them
     (`LINK_ENV`, `SLICES_ENV`: a head pod's)."""
-    from archipelago.orchestrator.engine.threads import usable_cores
+    from ..engine.threads import usable_cores
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:

@@ -39,12 +39,13 @@ import dataclasses
 import math
 from typing import Any
 
-from archipelago.orchestrator.config import AUTO_SHARDS, MAX_SHARDS, RunConfig, WarmStartMode
-from archipelago.orchestrator.config_sections import OuterMerge
-from archipelago.orchestrator.engine.step.rules import rule_of
-from archipelago.orchestrator.modes import mode_of
-from archipelago.orchestrator.plan.memory import downlink_bytes_per_value, uplink_bytes_per_value
 from archipelago.workers.wire.spec import AUTO_CODEC
+
+from ..config import AUTO_SHARDS, MAX_SHARDS, RunConfig, WarmStartMode
+from ..config_sections import OuterMerge
+from ..engine.step.rules import rule_of
+from ..modes import mode_of
+from .memory import downlink_bytes_per_value, uplink_bytes_per_value
 
 TARGET_SHARE = 0.10
 # Ray re-requests a pull every object_manager_pull_timeout_ms (10 s as shipped) and the sender

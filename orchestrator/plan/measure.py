@@ -30,10 +30,11 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.plan.fresh import Fresh
-from archipelago.orchestrator.plan.memory import ModelMemory
 from archipelago.workers.tasks.task import Batch, PlannableTask, Task
+
+from ..config import RunConfig
+from .fresh import Fresh
+from .memory import ModelMemory
 
 log = logging.getLogger(__name__)
 
@@ -157,9 +158,9 @@ def _outer_bytes(cfg: RunConfig) -> int:
     mean and step kernels: numba's LLVM), measured on a small vector."""
     import numpy as np
 
-    from archipelago.orchestrator.engine.step.outer import Commit, LocalOuter
-    from archipelago.orchestrator.engine.step.rules import outer_rule
-    from archipelago.orchestrator.engine.types import Contribution
+    from ..engine.step.outer import Commit, LocalOuter
+    from ..engine.step.rules import outer_rule
+    from ..engine.types import Contribution
 
     before = resident_bytes()
     outer = LocalOuter(torch.zeros(1 << 16), outer_rule(cfg))

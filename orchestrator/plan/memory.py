@@ -9,7 +9,7 @@ import functools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from archipelago.orchestrator.config import RunConfig
+    from ..config import RunConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

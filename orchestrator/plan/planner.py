@@ -20,12 +20,14 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from archipelago.orchestrator.config import RunConfig, WarmStartMode
-from archipelago.orchestrator.config_operations import EvalPlace
-from archipelago.orchestrator.engine.step.rules import rule_of
-from archipelago.orchestrator.modes import mode_of
-from archipelago.orchestrator.plan.cluster import DRAIN_ENV, Cluster, NodeKind
-from archipelago.orchestrator.plan.head import (
+from archipelago.workers.wire.spec import Sharding
+
+from ..config import RunConfig, WarmStartMode
+from ..config_operations import EvalPlace
+from ..engine.step.rules import rule_of
+from ..modes import mode_of
+from .cluster import DRAIN_ENV, Cluster, NodeKind
+from .head import (
     DEFAULT_LINK_GBPS,
     DEFAULT_STEP_S,
     CodecChoice,
@@ -36,8 +38,7 @@ from archipelago.orchestrator.plan.head import (
     head_load,
     warm_load,
 )
-from archipelago.orchestrator.plan.memory import ModelMemory, downlink_bytes_per_value, uplink_bytes_per_value
-from archipelago.workers.wire.spec import Sharding
+from .memory import ModelMemory, downlink_bytes_per_value, uplink_bytes_per_value
 
 GIB = 2**30
 # What Ray's core worker adds to a process that holds torch and the task (measured: 0.05
@@ -529,8 +530,8 @@ def plan_run(
 ) -> Plan:
     """Measure `cfg`'s model (or read an earlier measurement of the same shapes) and plan it
     on `cluster`, the manifest at `cluster_path`, or this machine."""
-    from archipelago.orchestrator.plan.cache import model_memory
-    from archipelago.orchestrator.plan.cluster import from_manifest, this_machine
+    from .cache import model_memory
+    from .cluster import from_manifest, this_machine
 
     if cluster is None:
         cluster = from_manifest(cluster_path) if cluster_path is not None else this_machine()

@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.plan.cache import model_memory
-from archipelago.orchestrator.plan.cluster import Cluster, ClusterError, ray_nodes, this_machine
-from archipelago.orchestrator.plan.planner import Plan, make_plan, on_cpu
+from ..config import RunConfig
+from .cache import model_memory
+from .cluster import Cluster, ClusterError, ray_nodes, this_machine
+from .planner import Plan, make_plan, on_cpu
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.config_operations import EvalPlace
-from archipelago.orchestrator.plan.fresh import Fresh
+from ..config import RunConfig
+from ..config_operations import EvalPlace
+from .fresh import Fresh
 
 GIB = 2**30
 TOLERANCE = 0.25  # a process's measured peak within 25 % of the plan's
@@ -106,9 +106,10 @@ def _peak() -> int:
 
 
 def _island(cfg: RunConfig) -> None:
-    from archipelago.orchestrator.engine.specs import island_spec
     from archipelago.workers.runtime import inner_state
     from archipelago.workers.runtime.island import Island
+
+    from ..engine.specs import island_spec
 
     island = Island(island_spec(cfg, 0))
     params = island.flat.numpy()
@@ -127,14 +128,15 @@ def _coordinator(cfg: RunConfig) -> None:
     import numpy as np
     import torch
 
-    from archipelago.orchestrator.engine.outputs.evaluation import LocalEvaluator
-    from archipelago.orchestrator.engine.policies import build_policies
-    from archipelago.orchestrator.engine.state.checkpoints import save_checkpoint
-    from archipelago.orchestrator.engine.step.outer import Commit, LocalOuter
-    from archipelago.orchestrator.engine.step.rules import outer_rule
-    from archipelago.orchestrator.engine.types import Contribution
     from archipelago.workers.tasks.task import load_task
     from archipelago.workers.wire.flat import FlatParams
+
+    from ..engine.outputs.evaluation import LocalEvaluator
+    from ..engine.policies import build_policies
+    from ..engine.state.checkpoints import save_checkpoint
+    from ..engine.step.outer import Commit, LocalOuter
+    from ..engine.step.rules import outer_rule
+    from ..engine.types import Contribution
 
     task = load_task(cfg.task.factory, cfg.task.kwargs)
     task.prepare()
@@ -163,8 +165,9 @@ def _coordinator(cfg: RunConfig) -> None:
 
 
 def _evaluator(cfg: RunConfig) -> None:
-    from archipelago.orchestrator.engine.outputs.evaluation import EvaluationWorker
     from archipelago.workers.tasks.task import PlannableTask
+
+    from ..engine.outputs.evaluation import EvaluationWorker
 
     worker = EvaluationWorker(cfg)
     held = worker.batches  # the whole evaluation set stays held, as in a run
@@ -202,8 +205,8 @@ def rehearse(cfg: RunConfig, scale_rows: tuple[int, int] | None = None) -> list[
     too large to train on this CPU (a GPU config's 16 rows of 1,024 tokens) — the island is
     rehearsed at micro-batches of these two row counts instead, and its peak at the config's
     own is read off the line through them (`on_the_line`)."""
-    from archipelago.orchestrator.plan.cluster import this_machine
-    from archipelago.orchestrator.plan.planner import on_cpu, plan_run
+    from .cluster import this_machine
+    from .planner import on_cpu, plan_run
 
     cfg = on_cpu(cfg)
     plan = plan_run(cfg, this_machine(), under_ray=False)

@@ -15,9 +15,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.engine.types import RunFailed
 from archipelago.workers.runtime.storage import is_url
+
+from ..config import RunConfig
+from ..engine.types import RunFailed
 
 log = logging.getLogger(__name__)
 URL_FILE = "control-plane.url"  # in the run's folder: the address this run's control plane serves on
@@ -55,7 +56,8 @@ class ControlPlane:
         from archipelago.api.auth import ExposureError, configured_read_source, configured_source
         from archipelago.api.limits import rate_limit
         from archipelago.api.server import ControlPlane as Server
-        from archipelago.orchestrator.runtime.run_handle import RayRunHandle
+
+        from .run_handle import RayRunHandle
 
         api = self.cfg.api
         try:

@@ -23,18 +23,18 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.engine.commands import Answer, Command
-from archipelago.orchestrator.engine.types import SliceLost
-from archipelago.orchestrator.logs import LogSetup, configure
-from archipelago.orchestrator.runtime.island_actors import island_bundle
-from archipelago.orchestrator.runtime.names import coordinator_name
+from ..config import RunConfig
+from ..engine.commands import Answer, Command
+from ..engine.types import SliceLost
+from ..logs import LogSetup, configure
+from .island_actors import island_bundle
+from .names import coordinator_name
 
 if TYPE_CHECKING:
-    from archipelago.orchestrator.engine.engine import RoundEngine
-    from archipelago.orchestrator.engine.policies import Ablation
-    from archipelago.orchestrator.engine.state.views import EventRecord, RoundRecord, RunStatus
-    from archipelago.orchestrator.runtime.island_pool import RayIslandPool
+    from ..engine.engine import RoundEngine
+    from ..engine.policies import Ablation
+    from ..engine.state.views import EventRecord, RoundRecord, RunStatus
+    from .island_pool import RayIslandPool
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +61,9 @@ class Coordinator:
         self._pools = pool
         import torch
 
-        from archipelago.orchestrator.engine.build import PhasedRun
-        from archipelago.orchestrator.runtime.evaluator import start_evaluator
-        from archipelago.orchestrator.runtime.slices import start_slices
+        from ..engine.build import PhasedRun
+        from .evaluator import start_evaluator
+        from .slices import start_slices
 
         if logs is not None:  # the driver's -v/-q and --log-format, for this process's log file too
             configure(logs.level, fmt=logs.format, run_id=run_id)
@@ -93,7 +93,7 @@ class Coordinator:
         """A phase's pool. Every phase's islands watch this actor (they release themselves
         once it is gone) and are named by the run, not the phase: the main phase takes the
         warm start's over, and finds them by those names after a restart."""
-        from archipelago.orchestrator.runtime.island_pool import RayIslandPool
+        from .island_pool import RayIslandPool
 
         pool = (self._pools or RayIslandPool)(cfg, self.run_id, coordinator_name(self.run_id))
         pool.adopt_started(self._prestarted)
@@ -117,11 +117,11 @@ class Coordinator:
             self.tracking.record(record, islands, new)
 
     def run(self) -> dict[str, Any]:
-        from archipelago.orchestrator.runtime.metrics import RayMetrics
+        from .metrics import RayMetrics
 
         self.metrics = RayMetrics(self.run_id)  # inside the actor, where Ray is up
         if self.cfg.tracking.backends:
-            from archipelago.orchestrator.runtime.tracking import Tracking
+            from .tracking import Tracking
 
             self.tracking = Tracking(self.cfg, self.run_id)
         try:
@@ -148,7 +148,7 @@ class Coordinator:
         islands of the one before that are still writing; a temporary of theirs removed
         here only fails that write, which no checkpoint of this life names: the adopted
         island keeps its moments in memory.)"""
-        from archipelago.orchestrator.engine.state.checkpoints import run_folder
+        from ..engine.state.checkpoints import run_folder
 
         folder = run_folder(self.cfg.checkpoint_dir, self.run_id)
         try:

@@ -19,26 +19,27 @@ import ray
 import yaml
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from archipelago.orchestrator.config import AUTO_SHARDS, RUN_PLACEHOLDER, RunConfig
-from archipelago.orchestrator.engine.commands import Stop
-from archipelago.orchestrator.engine.state.checkpoints import CheckpointError, load_checkpoint, run_folder, runs_in
-from archipelago.orchestrator.engine.state.records import CONFIG, RUN_ID, link_latest
-from archipelago.orchestrator.engine.types import RunFailed
-from archipelago.orchestrator.engine.warm_start import check_warm_start, pending, warm_run_id
-from archipelago.orchestrator.logs import LogFormat, configured, emits_json, json_line, set_run
-from archipelago.orchestrator.plan.head import with_shards
-from archipelago.orchestrator.plan.preflight import preflight
-from archipelago.orchestrator.runtime.control_plane import ControlPlane, api_token
-from archipelago.orchestrator.runtime.coordinator import Coordinator, IslandPools
-from archipelago.orchestrator.runtime.island_actors import prestart_islands, release_islands
-from archipelago.orchestrator.runtime.names import NAMESPACE, coordinator_name
-from archipelago.orchestrator.runtime.progress import ProgressPrinter
-from archipelago.orchestrator.runtime.signals import StopRequest, stop_on_signals
 from archipelago.workers.runtime.storage import durable_write, is_url
 from archipelago.workers.tasks.task import load_task
 
+from ..config import AUTO_SHARDS, RUN_PLACEHOLDER, RunConfig
+from ..engine.commands import Stop
+from ..engine.state.checkpoints import CheckpointError, load_checkpoint, run_folder, runs_in
+from ..engine.state.records import CONFIG, RUN_ID, link_latest
+from ..engine.types import RunFailed
+from ..engine.warm_start import check_warm_start, pending, warm_run_id
+from ..logs import LogFormat, configured, emits_json, json_line, set_run
+from ..plan.head import with_shards
+from ..plan.preflight import preflight
+from .control_plane import ControlPlane, api_token
+from .coordinator import Coordinator, IslandPools
+from .island_actors import prestart_islands, release_islands
+from .names import NAMESPACE, coordinator_name
+from .progress import ProgressPrinter
+from .signals import StopRequest, stop_on_signals
+
 if TYPE_CHECKING:
-    from archipelago.orchestrator.engine.policies import Ablation
+    from ..engine.policies import Ablation
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import ray
 
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.engine.outputs.evaluation import Evaluation, EvaluationWorker
-from archipelago.orchestrator.runtime.names import NAMESPACE
+from ..config import RunConfig
+from ..engine.outputs.evaluation import Evaluation, EvaluationWorker
+from .names import NAMESPACE
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,6 @@ class RayEvaluator:
 
 def start_evaluator(cfg: RunConfig, run_id: str) -> RayEvaluator | None:
     """The run's evaluator when it is an actor; None: the coordinator evaluates itself."""
-    from archipelago.orchestrator.config_operations import EvalPlace
+    from ..config_operations import EvalPlace
 
     return RayEvaluator(cfg, run_id) if cfg.evaluation.where == EvalPlace.ACTOR else None

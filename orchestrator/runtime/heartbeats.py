@@ -31,7 +31,7 @@ from typing import Any
 
 import ray
 
-from archipelago.orchestrator.engine.pool import Progress
+from ..engine.pool import Progress
 
 log = logging.getLogger(__name__)
 

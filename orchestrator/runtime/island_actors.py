@@ -25,14 +25,15 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.engine.fleet.island_states import state_folder
-from archipelago.orchestrator.engine.specs import island_spec
-from archipelago.orchestrator.engine.warm_start import first_phase
-from archipelago.orchestrator.logs import emits_json
-from archipelago.orchestrator.runtime.names import NAMESPACE, coordinator_name, island_name
 from archipelago.workers.runtime.island_actor import island_actor_class
 from archipelago.workers.runtime.island_spec import IslandSpec
+
+from ..config import RunConfig
+from ..engine.fleet.island_states import state_folder
+from ..engine.specs import island_spec
+from ..engine.warm_start import first_phase
+from ..logs import emits_json
+from .names import NAMESPACE, coordinator_name, island_name
 
 
 @dataclass

@@ -20,12 +20,16 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.engine.links import INSTANT, Transfers
-from archipelago.orchestrator.engine.pool import Done, Failed, Joined, JoinFailed, PoolEvent, Preempting, Unreachable
-from archipelago.orchestrator.engine.specs import island_spec
-from archipelago.orchestrator.runtime.heartbeats import Gone, Heartbeats
-from archipelago.orchestrator.runtime.island_actors import (
+from archipelago.workers.runtime.island_spec import IslandSpec
+from archipelago.workers.wire.messages import RoundResult, SavedState, Sliced, WorkOrder
+from archipelago.workers.wire.sync import Change
+
+from ..config import RunConfig
+from ..engine.links import INSTANT, Transfers
+from ..engine.pool import Done, Failed, Joined, JoinFailed, PoolEvent, Preempting, Unreachable
+from ..engine.specs import island_spec
+from .heartbeats import Gone, Heartbeats
+from .island_actors import (
     IslandHandle,
     find_island,
     island_bundle,
@@ -35,9 +39,6 @@ from archipelago.orchestrator.runtime.island_actors import (
     run_islands,
     start_island,
 )
-from archipelago.workers.runtime.island_spec import IslandSpec
-from archipelago.workers.wire.messages import RoundResult, SavedState, Sliced, WorkOrder
-from archipelago.workers.wire.sync import Change
 
 log = logging.getLogger(__name__)
 

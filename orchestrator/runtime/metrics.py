@@ -12,9 +12,9 @@ from typing import Any
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
-from archipelago.orchestrator.engine.fleet.watch import watched
-from archipelago.orchestrator.engine.state.distributions import ROUND_SECONDS, STALENESS
-from archipelago.orchestrator.engine.state.views import (
+from ..engine.fleet.watch import watched
+from ..engine.state.distributions import ROUND_SECONDS, STALENESS
+from ..engine.state.views import (
     HISTOGRAMS,
     ISLAND_METRICS,
     ISLAND_STATE,
@@ -25,7 +25,7 @@ from archipelago.orchestrator.engine.state.views import (
     RunStatus,
     current,
 )
-from archipelago.orchestrator.engine.types import IslandState
+from ..engine.types import IslandState
 
 
 def _instrument(metric: Metric, tags: tuple[str, ...]) -> Gauge | Counter:

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from archipelago.orchestrator.logs import emits_json
+from ..logs import emits_json
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 from archipelago.api.handle import HandleError
-from archipelago.orchestrator.engine.commands import Answer, Command
-from archipelago.orchestrator.engine.state.views import EventRecord
-from archipelago.orchestrator.runtime.names import NAMESPACE, coordinator_name, run_id_of_coordinator
+
+from ..engine.commands import Answer, Command
+from ..engine.state.views import EventRecord
+from .names import NAMESPACE, coordinator_name, run_id_of_coordinator
 
 
 def find_run(run_id: str | None = None) -> str:

@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import ray
 
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.engine.step.rules import outer_rule
-from archipelago.orchestrator.engine.step.slices import OuterSlice, SliceStats, copy_kept
-from archipelago.orchestrator.engine.types import SliceLost
-from archipelago.orchestrator.runtime.names import NAMESPACE, slice_name
+from ..config import RunConfig
+from ..engine.step.rules import outer_rule
+from ..engine.step.slices import OuterSlice, SliceStats, copy_kept
+from ..engine.types import SliceLost
+from .names import NAMESPACE, slice_name
 
 
 class RemoteOuterSlice(OuterSlice):

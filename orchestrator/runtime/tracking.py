@@ -16,11 +16,11 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.config_load import dump_config
-from archipelago.orchestrator.config_operations import TrackingBackend
-from archipelago.orchestrator.engine.state.views import EventRecord, RoundRecord
-from archipelago.orchestrator.engine.types import IslandState
+from ..config import RunConfig
+from ..config_load import dump_config
+from ..config_operations import TrackingBackend
+from ..engine.state.views import EventRecord, RoundRecord
+from ..engine.types import IslandState
 
 log = logging.getLogger(__name__)
 

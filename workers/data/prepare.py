@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from archipelago.workers.data.encoders import Encoder
-from archipelago.workers.data.manifest import MANIFEST, DataError, Manifest, read_manifest, token_dtype
-from archipelago.workers.data.shards import SplitWriter
-from archipelago.workers.data.sources import Piece, find_pieces, read_piece
+from .encoders import Encoder
+from .manifest import MANIFEST, DataError, Manifest, read_manifest, token_dtype
+from .shards import SplitWriter
+from .sources import Piece, find_pieces, read_piece
 
 log = logging.getLogger(__name__)
 

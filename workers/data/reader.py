@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from archipelago.workers.data.manifest import DataError, Manifest, read_manifest
-from archipelago.workers.data.order import MixSchedule, ShardWindows
-from archipelago.workers.data.prefetch import Prefetch
-from archipelago.workers.data.shards import TokenStore
-from archipelago.workers.data.windows import as_batch
+from .manifest import DataError, Manifest, read_manifest
+from .order import MixSchedule, ShardWindows
+from .prefetch import Prefetch
+from .shards import TokenStore
+from .windows import as_batch
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

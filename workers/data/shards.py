@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from archipelago.workers.data.manifest import DataError, ShardEntry, SplitEntry
+from .manifest import DataError, ShardEntry, SplitEntry
 
 HASH_BLOCK = 1 << 22
 

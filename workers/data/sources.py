@@ -18,8 +18,8 @@ from glob import glob
 from pathlib import Path
 from typing import Any
 
-from archipelago.workers.data.corpus import prepare_stdlib_corpus
-from archipelago.workers.data.manifest import DataError
+from .corpus import prepare_stdlib_corpus
+from .manifest import DataError
 
 FILE_SUFFIXES = (".parquet", ".jsonl", ".json")
 DATASET_PIECES = 64  # a datasets dataset is cut into this many contiguous pieces at most

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from archipelago.workers.data.prefetch import Prefetch
-from archipelago.workers.data.windows import as_batch
+from .prefetch import Prefetch
+from .windows import as_batch
 
 log = logging.getLogger(__name__)
 

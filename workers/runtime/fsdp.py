@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from archipelago.workers.wire.flat import as_tensor
+from ..wire.flat import as_tensor
 
 
 def shard_model(model: nn.Module, device_type: str, world: int) -> None:

@@ -37,9 +37,9 @@ import zipfile
 import numpy as np
 import torch
 
-from archipelago.workers.runtime.storage import Folder, HashingWriter, yield_cpu
-from archipelago.workers.wire.compress import ErrorFeedback
-from archipelago.workers.wire.messages import SavedState
+from ..wire.compress import ErrorFeedback
+from ..wire.messages import SavedState
+from .storage import Folder, HashingWriter, yield_cpu
 
 log = logging.getLogger(__name__)
 

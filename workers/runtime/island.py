@@ -19,24 +19,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from archipelago.workers.runtime import inner_state
-from archipelago.workers.runtime.card import card_bytes
-from archipelago.workers.runtime.compiling import compiled_forward
-from archipelago.workers.runtime.island_spec import IslandSpec
-from archipelago.workers.runtime.optim import build_inner, inner_params, inner_schedule, muon_params
-from archipelago.workers.runtime.order_steps import Tail, Tally
-from archipelago.workers.runtime.rounds import rounds_for
-from archipelago.workers.runtime.shard_streams import ShardStreams
-from archipelago.workers.runtime.version0 import version0
-from archipelago.workers.tasks.task import load_task, split_batch, to_device
-from archipelago.workers.wire.compress import ErrorFeedback
-from archipelago.workers.wire.flat import FlatParams, ParamStore, as_tensor
-from archipelago.workers.wire.fragments import FragmentedTask, fragment_model
-from archipelago.workers.wire.fragments import positions as fragment_positions
-from archipelago.workers.wire.handoff import verify
-from archipelago.workers.wire.messages import RoundResult, SavedState, WorkKind, WorkOrder
-from archipelago.workers.wire.spec import Precision
-from archipelago.workers.wire.sync import ChangeOutOfOrder, apply_change, whole_version
+from ..tasks.task import load_task, split_batch, to_device
+from ..wire.compress import ErrorFeedback
+from ..wire.flat import FlatParams, ParamStore, as_tensor
+from ..wire.fragments import FragmentedTask, fragment_model
+from ..wire.fragments import positions as fragment_positions
+from ..wire.handoff import verify
+from ..wire.messages import RoundResult, SavedState, WorkKind, WorkOrder
+from ..wire.spec import Precision
+from ..wire.sync import ChangeOutOfOrder, apply_change, whole_version
+from . import inner_state
+from .card import card_bytes
+from .compiling import compiled_forward
+from .island_spec import IslandSpec
+from .optim import build_inner, inner_params, inner_schedule, muon_params
+from .order_steps import Tail, Tally
+from .rounds import rounds_for
+from .shard_streams import ShardStreams
+from .version0 import version0
 
 log = logging.getLogger(__name__)
 

@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import ray
 
-from archipelago.workers.runtime.island_spec import IslandSpec
-from archipelago.workers.runtime.log_context import tag_records
-from archipelago.workers.wire.messages import RoundResult, Sliced, WorkOrder
+from ..wire.messages import RoundResult, Sliced, WorkOrder
+from .island_spec import IslandSpec
+from .log_context import tag_records
 
 if TYPE_CHECKING:
-    from archipelago.workers.runtime.island import Island
-    from archipelago.workers.runtime.island_group import GroupIsland
-    from archipelago.workers.wire.sync import Change
+    from ..wire.sync import Change
+    from .island import Island
+    from .island_group import GroupIsland
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +124,11 @@ class IslandActor:
         if spec.run_id is not None:
             tag_records(spec.run_id)
         if grouped:
-            from archipelago.workers.runtime.island_group import GroupIsland
+            from .island_group import GroupIsland
 
             self.island: Island = GroupIsland(spec)
         else:
-            from archipelago.workers.runtime.island import Island
+            from .island import Island
 
             self.island = Island(spec)
 

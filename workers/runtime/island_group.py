@@ -30,15 +30,15 @@ import ray
 import torch
 import torch.distributed as dist
 
-from archipelago.workers.runtime.compiling import compiled_forward
-from archipelago.workers.runtime.fsdp import ShardedParams, shard_model
-from archipelago.workers.runtime.island import Island
-from archipelago.workers.runtime.island_spec import IslandSpec
-from archipelago.workers.runtime.optim import build_inner
-from archipelago.workers.tasks.task import Batch, split_batch
-from archipelago.workers.wire.flat import FlatParams, slice_bounds
-from archipelago.workers.wire.messages import RoundResult, WorkOrder
-from archipelago.workers.wire.spec import Sharding
+from ..tasks.task import Batch, split_batch
+from ..wire.flat import FlatParams, slice_bounds
+from ..wire.messages import RoundResult, WorkOrder
+from ..wire.spec import Sharding
+from .compiling import compiled_forward
+from .fsdp import ShardedParams, shard_model
+from .island import Island
+from .island_spec import IslandSpec
+from .optim import build_inner
 
 
 def group_address() -> str:

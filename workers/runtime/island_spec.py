@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from archipelago.workers.wire.spec import InnerConfig, IslandRound, Sharding
+from ..wire.spec import InnerConfig, IslandRound, Sharding
 
 if TYPE_CHECKING:  # the wire's messages import torch; the command builds specs without it
-    from archipelago.workers.wire.messages import SavedState
+    from ..wire.messages import SavedState
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from archipelago.workers.runtime.no_dynamo import plain_step
-from archipelago.workers.wire.spec import InnerConfig
+from ..wire.spec import InnerConfig
+from .no_dynamo import plain_step
 
 if TYPE_CHECKING:
-    from archipelago.workers.wire.flat import FlatParams
+    from ..wire.flat import FlatParams
 
 # torch's own optimizers, stepped without importing torch._dynamo (`no_dynamo.py`)
 AdamW = plain_step(torch.optim.AdamW)

@@ -24,16 +24,16 @@ from typing import Any, Protocol
 
 import torch
 
-from archipelago.workers.runtime.island_spec import IslandSpec
-from archipelago.workers.runtime.order_steps import Tail, Tally
-from archipelago.workers.runtime.shard_streams import ShardStreams
-from archipelago.workers.runtime.uplink import encode_update
-from archipelago.workers.tasks.task import Task
-from archipelago.workers.wire.compress import ErrorFeedback
-from archipelago.workers.wire.flat import ParamStore
-from archipelago.workers.wire.fragments import Fragments
-from archipelago.workers.wire.messages import SavedState, Wire, WorkOrder
-from archipelago.workers.wire.spec import IslandRound
+from ..tasks.task import Task
+from ..wire.compress import ErrorFeedback
+from ..wire.flat import ParamStore
+from ..wire.fragments import Fragments
+from ..wire.messages import SavedState, Wire, WorkOrder
+from ..wire.spec import IslandRound
+from .island_spec import IslandSpec
+from .order_steps import Tail, Tally
+from .shard_streams import ShardStreams
+from .uplink import encode_update
 
 
 class Island(Protocol):

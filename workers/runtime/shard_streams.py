@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from archipelago.workers.tasks.task import ResumableTask, Task
-from archipelago.workers.wire.messages import WorkOrder
+from ..tasks.task import ResumableTask, Task
+from ..wire.messages import WorkOrder
 
 
 class ShardStreams:

@@ -17,13 +17,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from archipelago.workers.runtime.island_spec import IslandSpec
-from archipelago.workers.wire.codecs import CODECS
-from archipelago.workers.wire.codecs.base import to_payload
-from archipelago.workers.wire.compress import ErrorFeedback, decode, encode
-from archipelago.workers.wire.flat import slice_bounds
-from archipelago.workers.wire.messages import Sliced, Wire
-from archipelago.workers.wire.spec import parse_codec
+from ..wire.codecs import CODECS
+from ..wire.codecs.base import to_payload
+from ..wire.compress import ErrorFeedback, decode, encode
+from ..wire.flat import slice_bounds
+from ..wire.messages import Sliced, Wire
+from ..wire.spec import parse_codec
+from .island_spec import IslandSpec
 
 
 def encode_update(

@@ -10,8 +10,8 @@ import logging
 import numpy as np
 import torch
 
-from archipelago.workers.runtime.island_spec import IslandSpec
-from archipelago.workers.wire.handoff import params_sha256
+from ..wire.handoff import params_sha256
+from .island_spec import IslandSpec
 
 log = logging.getLogger(__name__)
 

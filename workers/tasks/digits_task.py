@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from archipelago.workers.tasks.task import Batch
+from .task import Batch
 
 
 class DigitsConfig(BaseModel):

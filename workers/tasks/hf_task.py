@@ -22,19 +22,19 @@ import numpy as np
 import torch
 from pydantic import ConfigDict, Field, model_validator
 
-from archipelago.workers.data.encoders import HFEncoder
-from archipelago.workers.data.manifest import DataError
-from archipelago.workers.tasks.chunked_loss import causal_lm_eval_loss, causal_lm_train_loss
-from archipelago.workers.tasks.task import Batch, token_batch
-from archipelago.workers.tasks.text_data import (
+from ..data.encoders import HFEncoder
+from ..data.manifest import DataError
+from .chunked_loss import causal_lm_eval_loss, causal_lm_train_loss
+from .task import Batch, token_batch
+from .text_data import (
     Documents,
     document_order,
     fixed_batches,
     island_part,
     window_batches,
 )
-from archipelago.workers.tasks.text_source import TextCorpus, TextDataConfig
-from archipelago.workers.tasks.tokenizer import trained_tokenizer
+from .text_source import TextCorpus, TextDataConfig
+from .tokenizer import trained_tokenizer
 
 # A Llama small enough to train on a laptop CPU in minutes (~1 M parameters with the
 # 2,048-token trained tokenizer; the embedding is tied to the output layer).

@@ -19,21 +19,21 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pydantic import Field, model_validator
 
-from archipelago.workers.data.encoders import ByteEncoder
-from archipelago.workers.tasks.task import Batch, token_batch
-from archipelago.workers.tasks.text_data import (
+from ..data.encoders import ByteEncoder
+from .task import Batch, token_batch
+from .text_data import (
     document_order,
     encode,
     fixed_batches,
     island_part,
     window_batches,
 )
-from archipelago.workers.tasks.text_source import TextCorpus, TextDataConfig
+from .text_source import TextCorpus, TextDataConfig
 
 if TYPE_CHECKING:
     import torch
 
-    from archipelago.workers.tasks.gpt import GPT
+    from .gpt import GPT
 
 
 class LMTaskConfig(TextDataConfig):
@@ -98,7 +98,7 @@ class LanguageModelTask:
 
     # -- model ------------------------------------------------------------------------
     def build_model(self) -> GPT:
-        from archipelago.workers.tasks.gpt import GPT, GPTConfig
+        from .gpt import GPT, GPTConfig
 
         c = self.cfg
         return GPT(GPTConfig(context=c.context, d_model=c.d_model, n_layers=c.n_layers, n_heads=c.n_heads))

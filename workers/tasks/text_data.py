@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow.parquet as pq
 
-from archipelago.workers.data.windows import as_batch
+from ..data.windows import as_batch
 
 if TYPE_CHECKING:
     import torch

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any, Literal
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from archipelago.workers.data.corpus import default_cache_dir, prepare_stdlib_corpus
-from archipelago.workers.data.manifest import DataError
-from archipelago.workers.data.streams import Encode, ReadAhead, StreamBatches, can_resume, shard_stream
-from archipelago.workers.tasks.text_data import read_parquet_texts
+from ..data.corpus import default_cache_dir, prepare_stdlib_corpus
+from ..data.manifest import DataError
+from ..data.streams import Encode, ReadAhead, StreamBatches, can_resume, shard_stream
+from .text_data import read_parquet_texts
 
 if TYPE_CHECKING:
-    from archipelago.workers.data.reader import PreparedCorpus
+    from ..data.reader import PreparedCorpus
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class TextCorpus:
         """The prepared corpora, opened once per process and checked against `tokenizer`
         (the task's encoder identity)."""
         if self._prepared is None:
-            from archipelago.workers.data.reader import PreparedCorpus, Source
+            from ..data.reader import PreparedCorpus, Source
 
             c = self.cfg
             sources = [Source(p.path, p.weight) for p in c.prepared]

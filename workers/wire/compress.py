@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
-from archipelago.workers.wire import sparse
-from archipelago.workers.wire.codecs import CODECS, codec_of
-from archipelago.workers.wire.spec import Payload, parse_codec
+from . import sparse
+from .codecs import CODECS, codec_of
+from .spec import Payload, parse_codec
 
 if TYPE_CHECKING:
     import torch

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from archipelago.workers.wire.messages import WorkOrder
+from .messages import WorkOrder
 
 
 class HandOffMismatch(RuntimeError):

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from archipelago.workers.wire.spec import Payload, payload_nbytes
+from .spec import Payload, payload_nbytes
 
 if TYPE_CHECKING:
-    from archipelago.workers.wire.sync import Change
+    from .sync import Change
 
 
 class WorkKind(str, Enum):
@@ -105,7 +105,7 @@ class RoundResult:
 
     def delta(self) -> Any:
         """Δ decoded to fp32, or its S slices as they came (each coordinator slice decodes its own)."""
-        from archipelago.workers.wire.compress import decode  # here: the codecs import torch, the messages do not
+        from .compress import decode  # here: the codecs import torch, the messages do not
 
         return self.payload if isinstance(self.payload, Sliced) else decode(self.payload)
 

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from archipelago.workers.wire.codecs import CODECS, Payload
+from .codecs import CODECS, Payload
 
 CODEC_NAMES = tuple(CODECS)  # the value codecs of the registry (`wire/codecs/`)
 # `compression.codec` / `compression.downlink: auto`: the run's plan picks the codec at launch

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from archipelago.workers.wire.compress import decode
-from archipelago.workers.wire.flat import as_tensor
-from archipelago.workers.wire.spec import Payload, payload_nbytes
+from .compress import decode
+from .flat import as_tensor
+from .spec import Payload, payload_nbytes
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,10 +20,9 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.engine.commands import Drain, Inbox, Preempt, SetTarget
-from archipelago.orchestrator.engine.fleet.island_states import IslandStates
-from archipelago.orchestrator.engine.outcomes import (
+from ...config import RunConfig
+from ..commands import Drain, Inbox, Preempt, SetTarget
+from ..outcomes import (
     FleetDecision,
     Halt,
     Judged,
@@ -35,13 +34,14 @@ from archipelago.orchestrator.engine.outcomes import (
     StartDrain,
     StopWork,
 )
-from archipelago.orchestrator.engine.pool import IslandPool, Joined, JoinFailed
-from archipelago.orchestrator.engine.state.checkpoints import load_intent, run_folder, save_intent
-from archipelago.orchestrator.engine.state.flights import RunState, Work
-from archipelago.orchestrator.engine.state.membership import Membership
-from archipelago.orchestrator.engine.state.records import DiskFaults, EventLog
-from archipelago.orchestrator.engine.step.admission import Admission
-from archipelago.orchestrator.engine.types import Decision, Event, IslandState, RunFailed
+from ..pool import IslandPool, Joined, JoinFailed
+from ..state.checkpoints import load_intent, run_folder, save_intent
+from ..state.flights import RunState, Work
+from ..state.membership import Membership
+from ..state.records import DiskFaults, EventLog
+from ..step.admission import Admission
+from ..types import Decision, Event, IslandState, RunFailed
+from .island_states import IslandStates
 
 log = logging.getLogger(__name__)
 

@@ -21,13 +21,14 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.engine.pacing.registry import pacing_of
-from archipelago.orchestrator.engine.state.checkpoints import run_folder
-from archipelago.orchestrator.engine.state.membership import IslandStats, Membership
-from archipelago.orchestrator.engine.state.records import DiskFaults
 from archipelago.workers.runtime.storage import DIGEST, Folder, digest_name, is_plain, is_storage_error
 from archipelago.workers.wire.messages import SavedState, WorkKind
+
+from ...config import RunConfig
+from ..pacing.registry import pacing_of
+from ..state.checkpoints import run_folder
+from ..state.membership import IslandStats, Membership
+from ..state.records import DiskFaults
 
 FOLDER = "islands"  # beside the run's checkpoints
 Confirm = Callable[[dict[str, Any]], None]  # run on a checkpoint's thread before it is written

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from archipelago.orchestrator.engine.types import IslandState, Merge
+from ..types import IslandState, Merge
 
 STUCK_ROUNDS = 5
 STUCK_FLOOR_S = 30.0

@@ -26,15 +26,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from archipelago.orchestrator.engine.threads import torch_threads
 from archipelago.workers.tasks.task import Batch, MetricTask, Task, load_task
 from archipelago.workers.wire.flat import FlatParams
 from archipelago.workers.wire.spec import Precision
 
+from ..threads import torch_threads
+
 if TYPE_CHECKING:
     import numpy as np
 
-    from archipelago.orchestrator.config import RunConfig
+    from ...config import RunConfig
 
 log = logging.getLogger(__name__)
 

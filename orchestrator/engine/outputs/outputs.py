@@ -23,21 +23,22 @@ from typing import Any
 
 import torch
 
-from archipelago.orchestrator.engine.commands import Inbox
-from archipelago.orchestrator.engine.outputs.evaluation import Evaluation, Evaluator, LocalEvaluator
-from archipelago.orchestrator.engine.outputs.persistence import RunCore
-from archipelago.orchestrator.engine.pool import IslandPool
-from archipelago.orchestrator.engine.state.checkpoints import BackgroundSave, Capture, next_name, run_folder
-from archipelago.orchestrator.engine.state.lifecycle import Lifecycle
-from archipelago.orchestrator.engine.state.loop_time import Part
-from archipelago.orchestrator.engine.state.membership import IslandStats
-from archipelago.orchestrator.engine.state.records import DiskFaults, EventLog, Recorder
-from archipelago.orchestrator.engine.state.views import RoundRecord, RunStatus, Summary
-from archipelago.orchestrator.engine.threads import spare_cores, step_threads
-from archipelago.orchestrator.engine.types import Event, RunPhase
-from archipelago.orchestrator.engine.warm_start import WarmStart
 from archipelago.workers.tasks.task import ExportableTask, Task, export_pretrained
 from archipelago.workers.wire.handoff import params_digest
+
+from ..commands import Inbox
+from ..pool import IslandPool
+from ..state.checkpoints import BackgroundSave, Capture, next_name, run_folder
+from ..state.lifecycle import Lifecycle
+from ..state.loop_time import Part
+from ..state.membership import IslandStats
+from ..state.records import DiskFaults, EventLog, Recorder
+from ..state.views import RoundRecord, RunStatus, Summary
+from ..threads import spare_cores, step_threads
+from ..types import Event, RunPhase
+from ..warm_start import WarmStart
+from .evaluation import Evaluation, Evaluator, LocalEvaluator
+from .persistence import RunCore
 
 log = logging.getLogger(__name__)
 

@@ -11,22 +11,23 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.config_load import upgraded as upgraded_config
-from archipelago.orchestrator.engine.commands import SettingsUpdate
-from archipelago.orchestrator.engine.fleet.island_states import IslandStates
-from archipelago.orchestrator.engine.pacing.base import Pacing
-from archipelago.orchestrator.engine.pacing.quorum import QuorumRule
-from archipelago.orchestrator.engine.state.checkpoints import PARTS, Location
-from archipelago.orchestrator.engine.state.flights import Flight, RunState
-from archipelago.orchestrator.engine.state.ledger import DataLedger
-from archipelago.orchestrator.engine.state.membership import Membership
-from archipelago.orchestrator.engine.state.stats import RunStats
-from archipelago.orchestrator.engine.step.admission import Admission
-from archipelago.orchestrator.engine.step.outer import Outer
-from archipelago.orchestrator.engine.types import RunFailed
-from archipelago.orchestrator.engine.work.publisher import Publisher
 from archipelago.workers.wire.flat import FlatParams
+
+from ...config import RunConfig
+from ...config_load import upgraded as upgraded_config
+from ..commands import SettingsUpdate
+from ..fleet.island_states import IslandStates
+from ..pacing.base import Pacing
+from ..pacing.quorum import QuorumRule
+from ..state.checkpoints import PARTS, Location
+from ..state.flights import Flight, RunState
+from ..state.ledger import DataLedger
+from ..state.membership import Membership
+from ..state.stats import RunStats
+from ..step.admission import Admission
+from ..step.outer import Outer
+from ..types import RunFailed
+from ..work.publisher import Publisher
 
 FORMAT = 2  # the checkpoint's layout: 2, each part's `state_dict()` under its own key (`upgraded` reads 1)
 # settings a checkpoint must share with the run resuming it (as the config has them, dotted)

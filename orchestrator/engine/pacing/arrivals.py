@@ -4,8 +4,8 @@ and naive async (`mode: async`); the quorum pacing builds on the same budget
 
 from __future__ import annotations
 
-from archipelago.orchestrator.algorithms.dylu import SpeedTracker
-from archipelago.orchestrator.engine.state.flights import Close, Flight, RunState, Work
+from ...algorithms.dylu import SpeedTracker
+from ..state.flights import Close, Flight, RunState, Work
 
 
 def final_shares(wanted: dict[int, int], left: int) -> dict[int, int]:

@@ -24,8 +24,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
-from archipelago.orchestrator.engine.state.flights import Close, Flight, RunState, Work
 from archipelago.workers.wire.messages import WorkKind
+
+from ..state.flights import Close, Flight, RunState, Work
 
 
 def _islands(flights: list[Flight]) -> list[int]:

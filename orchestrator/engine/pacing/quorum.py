@@ -38,10 +38,10 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from archipelago.orchestrator.algorithms.dylu import SpeedTracker
-from archipelago.orchestrator.engine.commands import SettingsUpdate
-from archipelago.orchestrator.engine.pacing.arrivals import TokenBudget
-from archipelago.orchestrator.engine.state.flights import Close, Flight, RunState, Work
+from ...algorithms.dylu import SpeedTracker
+from ..commands import SettingsUpdate
+from ..state.flights import Close, Flight, RunState, Work
+from .arrivals import TokenBudget
 
 OFFSETS = 32  # arrival offsets remembered for the window (recent fleet behaviour only)
 MIN_OFFSETS = 4  # fewer than this: the window is the cap (no spread to read yet)

@@ -27,21 +27,22 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from archipelago.orchestrator.algorithms.dylu import SpeedTracker
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.engine.pacing.arrivals import PerArrival
-from archipelago.orchestrator.engine.pacing.base import Barrier, FragmentSchedule, OneRoundLag, Pacing
-from archipelago.orchestrator.engine.pacing.quorum import Quorum, QuorumRule
-from archipelago.orchestrator.engine.step.admission import BoundedStaleness, ExactVersion, StalenessRule
-from archipelago.orchestrator.mode_settings import (
+from archipelago.workers.wire.messages import WorkKind
+
+from ...algorithms.dylu import SpeedTracker
+from ...config import RunConfig
+from ...mode_settings import (
     AsyncSettings,
     OverlapSettings,
     QuorumSettings,
     StalenessSettings,
     StreamingSettings,
 )
-from archipelago.orchestrator.modes import PacingKind, mode_of, settings_of
-from archipelago.workers.wire.messages import WorkKind
+from ...modes import PacingKind, mode_of, settings_of
+from ..step.admission import BoundedStaleness, ExactVersion, StalenessRule
+from .arrivals import PerArrival
+from .base import Barrier, FragmentSchedule, OneRoundLag, Pacing
+from .quorum import Quorum, QuorumRule
 
 QUORUM_SETTINGS = frozenset({"quorum", "grace_cap", "grace_k", "age_power"})  # the quorum rule's, live
 ALL = 1 << 30  # a quorum of every live island

@@ -45,7 +45,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from archipelago.orchestrator.engine.types import RunFailed
 from archipelago.workers.runtime.storage import (
     Folder,
     HashingWriter,
@@ -54,6 +53,8 @@ from archipelago.workers.runtime.storage import (
     is_plain,
     yield_cpu,
 )
+
+from ..types import RunFailed
 
 if TYPE_CHECKING:
     import torch

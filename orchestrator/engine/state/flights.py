@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from archipelago.orchestrator.engine.state.membership import Membership
 from archipelago.workers.wire.messages import RoundResult, WorkKind
+
+from .membership import Membership
 
 
 @dataclass

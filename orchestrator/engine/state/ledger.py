@@ -35,8 +35,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from archipelago.orchestrator.engine.types import LedgerError
 from archipelago.workers.wire.messages import batch_counts
+
+from ..types import LedgerError
 
 MAX_STREAM_STATE = 1 << 20  # bytes of JSON: a stream's state is a few numbers and a partial batch
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from archipelago.orchestrator.engine.types import RunPhase
+from ..types import RunPhase
 
 ENDINGS = frozenset({RunPhase.FINISHED, RunPhase.STOPPED, RunPhase.FAILED})
 NEXT: dict[RunPhase, frozenset[RunPhase]] = {

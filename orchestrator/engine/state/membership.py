@@ -16,8 +16,8 @@ from typing import Any
 
 from pydantic import PrivateAttr
 
-from archipelago.orchestrator.engine.state.views import IslandRecord, IslandView
-from archipelago.orchestrator.engine.types import IslandState
+from ..types import IslandState
+from .views import IslandRecord, IslandView
 
 RECENT = 16  # submissions kept for the "recent" staleness statistics
 RETAINED = 64  # released islands listed one by one; older ones are folded into `Retired`

@@ -20,13 +20,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from archipelago.orchestrator.config import RUN_PLACEHOLDER, RunConfig
-from archipelago.orchestrator.config_load import dump_config
-from archipelago.orchestrator.config_operations import RecordsConfig
-from archipelago.orchestrator.engine.state.logfiles import mend, read_lines, restart, rewind, rotate
-from archipelago.orchestrator.engine.state.views import EventRecord, RoundRecord
-from archipelago.orchestrator.engine.types import Event
 from archipelago.workers.runtime.storage import durable_write, is_storage_error
+
+from ...config import RUN_PLACEHOLDER, RunConfig
+from ...config_load import dump_config
+from ...config_operations import RecordsConfig
+from ..types import Event
+from .logfiles import mend, read_lines, restart, rewind, rotate
+from .views import EventRecord, RoundRecord
 
 if TYPE_CHECKING:
     import torch

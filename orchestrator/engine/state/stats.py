@@ -9,14 +9,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.engine.state.distributions import ROUND_SECONDS, STALENESS, Distribution
-from archipelago.orchestrator.engine.state.ledger import DataLedger
-from archipelago.orchestrator.engine.state.loop_time import LoopClock
-from archipelago.orchestrator.engine.state.membership import IslandStats, Membership
-from archipelago.orchestrator.engine.state.views import RoundRecord, RunStatus
-from archipelago.orchestrator.engine.types import Decision, IslandState, RunPhase, Verdict
 from archipelago.workers.wire.messages import RoundResult
+
+from ...config import RunConfig
+from ..types import Decision, IslandState, RunPhase, Verdict
+from .distributions import ROUND_SECONDS, STALENESS, Distribution
+from .ledger import DataLedger
+from .loop_time import LoopClock
+from .membership import IslandStats, Membership
+from .views import RoundRecord, RunStatus
 
 COUNTERS = (
     "tokens",

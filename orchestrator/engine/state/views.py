@@ -11,7 +11,7 @@ from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
-from archipelago.orchestrator.engine.types import Event, IslandState, Merge, Phase, RunPhase
+from ..types import Event, IslandState, Merge, Phase, RunPhase
 
 
 class _View(BaseModel):

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from archipelago.orchestrator.algorithms.robust import NormGuard
-from archipelago.orchestrator.engine.types import Contribution, Decision, Reason, Verdict
+from ...algorithms.robust import NormGuard
+from ..types import Contribution, Decision, Reason, Verdict
 
 
 @dataclass(frozen=True)

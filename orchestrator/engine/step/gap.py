@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from archipelago.orchestrator.algorithms.outer import GapPenalty
+from ...algorithms.outer import GapPenalty
 
 
 class Gap:

@@ -27,16 +27,17 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from archipelago.orchestrator.algorithms.aggregate import WeightedMean, all_finite, exact_sqnorm, sqnorm
-from archipelago.orchestrator.algorithms.outer import GapPenalty
-from archipelago.orchestrator.config_sections import CompressionConfig, OuterMerge
-from archipelago.orchestrator.engine.state.checkpoints import Beside, Location
-from archipelago.orchestrator.engine.step.admission import Admission, Facts
-from archipelago.orchestrator.engine.step.downlink import Downlink, SlicedDownlink
-from archipelago.orchestrator.engine.step.gap import Gap
-from archipelago.orchestrator.engine.types import Contribution, Decision, Verdict
 from archipelago.workers.wire.compress import decode
 from archipelago.workers.wire.fragments import Fragments
+
+from ...algorithms.aggregate import WeightedMean, all_finite, exact_sqnorm, sqnorm
+from ...algorithms.outer import GapPenalty
+from ...config_sections import CompressionConfig, OuterMerge
+from ..state.checkpoints import Beside, Location
+from ..types import Contribution, Decision, Verdict
+from .admission import Admission, Facts
+from .downlink import Downlink, SlicedDownlink
+from .gap import Gap
 
 Scheduler = torch.optim.lr_scheduler.LRScheduler
 

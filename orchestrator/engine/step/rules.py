@@ -15,15 +15,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.config_sections import OuterConfig
-from archipelago.orchestrator.mode_settings import AsyncSettings, OverlapSettings
-from archipelago.orchestrator.modes import RuleKind, mode_of, settings_of
+from ...config import RunConfig
+from ...config_sections import OuterConfig
+from ...mode_settings import AsyncSettings, OverlapSettings
+from ...modes import RuleKind, mode_of, settings_of
 
 if TYPE_CHECKING:
     import torch
 
-    from archipelago.orchestrator.engine.step.outer import OuterRule, Scheduler
+    from .outer import OuterRule, Scheduler
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,20 +44,20 @@ class RuleRow:
 
 
 def _nesterov(o: OuterConfig, p: torch.nn.Parameter) -> torch.optim.Optimizer:
-    from archipelago.orchestrator.algorithms.outer import FlatSGD
+    from ...algorithms.outer import FlatSGD
 
     return FlatSGD([p], lr=o.lr, momentum=o.momentum, nesterov=o.momentum > 0)
 
 
 def _sgd(o: OuterConfig, p: torch.nn.Parameter) -> torch.optim.Optimizer:
-    from archipelago.orchestrator.algorithms.outer import FlatSGD
+    from ...algorithms.outer import FlatSGD
 
     return FlatSGD([p], lr=o.lr, momentum=o.momentum)
 
 
 def _sparseloco(o: OuterConfig, p: torch.nn.Parameter) -> torch.optim.Optimizer:
     """A plain step: the islands' error feedback is the momentum."""
-    from archipelago.orchestrator.algorithms.outer import FlatSGD
+    from ...algorithms.outer import FlatSGD
 
     return FlatSGD([p], lr=o.lr)
 
@@ -69,16 +69,16 @@ def _adam(o: OuterConfig, p: torch.nn.Parameter) -> torch.optim.Optimizer:
 
 
 def _delayed_nesterov(cfg: RunConfig) -> OuterRule:
-    from archipelago.orchestrator.algorithms.outer import DelayedNesterov
-    from archipelago.orchestrator.engine.step.outer import OuterRule
+    from ...algorithms.outer import DelayedNesterov
+    from .outer import OuterRule
 
     o, a = cfg.outer, settings_of(cfg, AsyncSettings)
     return OuterRule(lambda p: (DelayedNesterov([p], o.lr, o.momentum, a.delay or cfg.islands.count, a.c), None))
 
 
 def _co2(cfg: RunConfig) -> OuterRule:
-    from archipelago.orchestrator.algorithms.outer import CO2Outer, gap_penalty
-    from archipelago.orchestrator.engine.step.outer import OuterRule
+    from ...algorithms.outer import CO2Outer, gap_penalty
+    from .outer import OuterRule
 
     o = settings_of(cfg, OverlapSettings)
     return OuterRule(
@@ -88,20 +88,21 @@ def _co2(cfg: RunConfig) -> OuterRule:
 
 
 def _co2_anchored(cfg: RunConfig) -> bool:
-    from archipelago.orchestrator.algorithms.outer import gap_penalty
+    from ...algorithms.outer import gap_penalty
 
     o = settings_of(cfg, OverlapSettings)
     return gap_penalty(o.penalty, o.penalty_p, o.penalty_lambda).anchored
 
 
 def _ddp_adamw(cfg: RunConfig) -> OuterRule:
-    from archipelago.orchestrator.engine.step.outer import OuterRule
     from archipelago.workers.runtime.optim import build_inner
+
+    from .outer import OuterRule
 
     # after a warm start its fresh AdamW continues the schedule and re-warms like an island's
     rewarm = cfg.elastic.join_rewarmup_steps if cfg.warm_steps else 0
 
-    from archipelago.orchestrator.algorithms.outer import clip_norm
+    from ...algorithms.outer import clip_norm
 
     def build(p: torch.nn.Parameter) -> tuple[torch.optim.Optimizer, Scheduler]:
         optimizer, schedule = build_inner(cfg.inner, [p], cfg.schedule_steps, cfg.warm_steps, rewarm)
@@ -142,7 +143,7 @@ def outer_rule(cfg: RunConfig) -> OuterRule:
 
 def optimizer_rule(outer: OuterConfig) -> OuterRule:
     """The rule of the `outer` section alone (`outer.optimizer` and its settings)."""
-    from archipelago.orchestrator.engine.step.outer import OuterRule
+    from .outer import OuterRule
 
     return OuterRule(lambda p: (outer_optimizer(outer, p), None), merge=outer.merged)
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from archipelago.orchestrator.engine.state.flights import Work
 from archipelago.workers.wire.compress import PayloadError, check_payload
 from archipelago.workers.wire.fragments import Fragments
 from archipelago.workers.wire.messages import RoundResult, Sliced
+
+from ..state.flights import Work
 
 
 @dataclass(frozen=True)

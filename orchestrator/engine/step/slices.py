@@ -21,7 +21,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from archipelago.orchestrator.algorithms.aggregate import (
+from archipelago.workers.wire.compress import PayloadError, check_payload, decode
+from archipelago.workers.wire.sync import Change
+
+from ...algorithms.aggregate import (
     ExactSum,
     all_finite,
     exact_sqnorm,
@@ -29,12 +32,13 @@ from archipelago.orchestrator.algorithms.aggregate import (
     radial_terms,
     sqnorm,
 )
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.config_sections import OuterMerge
-from archipelago.orchestrator.engine.state.checkpoints import Location, part_name, save_part
-from archipelago.orchestrator.engine.step.admission import Facts
-from archipelago.orchestrator.engine.step.downlink import Downlink, SlicedDownlink
-from archipelago.orchestrator.engine.step.outer import (
+from ...config import RunConfig
+from ...config_sections import OuterMerge
+from ..state.checkpoints import Location, part_name, save_part
+from ..types import Contribution
+from .admission import Facts
+from .downlink import Downlink, SlicedDownlink
+from .outer import (
     MERGES,
     Commit,
     OuterRule,
@@ -43,9 +47,6 @@ from archipelago.orchestrator.engine.step.outer import (
     Proposal,
     as_tensor,
 )
-from archipelago.orchestrator.engine.types import Contribution
-from archipelago.workers.wire.compress import PayloadError, check_payload, decode
-from archipelago.workers.wire.sync import Change
 
 
 @dataclass(frozen=True)

@@ -11,23 +11,24 @@ import math
 import time
 from collections.abc import Iterator
 
-from archipelago.orchestrator.algorithms.dylu import SpeedTracker
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.engine.fleet.island_states import IslandStates, save_due
-from archipelago.orchestrator.engine.outcomes import Judged, Lost, Outcome, StopWork
-from archipelago.orchestrator.engine.pacing.base import Pacing
-from archipelago.orchestrator.engine.pool import IslandPool, Progress
-from archipelago.orchestrator.engine.state.flights import Flight, RunState, Work
-from archipelago.orchestrator.engine.state.ledger import DataLedger
-from archipelago.orchestrator.engine.state.membership import Membership
-from archipelago.orchestrator.engine.state.records import EventLog
-from archipelago.orchestrator.engine.state.stats import RunStats
-from archipelago.orchestrator.engine.step.screen import Sizes, screen
-from archipelago.orchestrator.engine.types import Contribution, Decision, Event, IslandState, Merge, Reason, Verdict
-from archipelago.orchestrator.engine.work.publisher import Publisher
-from archipelago.orchestrator.engine.work.stragglers import HangRule, TailStop
 from archipelago.workers.wire.handoff import seal
 from archipelago.workers.wire.messages import RoundResult, WorkKind, WorkOrder
+
+from ...algorithms.dylu import SpeedTracker
+from ...config import RunConfig
+from ..fleet.island_states import IslandStates, save_due
+from ..outcomes import Judged, Lost, Outcome, StopWork
+from ..pacing.base import Pacing
+from ..pool import IslandPool, Progress
+from ..state.flights import Flight, RunState, Work
+from ..state.ledger import DataLedger
+from ..state.membership import Membership
+from ..state.records import EventLog
+from ..state.stats import RunStats
+from ..step.screen import Sizes, screen
+from ..types import Contribution, Decision, Event, IslandState, Merge, Reason, Verdict
+from .publisher import Publisher
+from .stragglers import HangRule, TailStop
 
 POLL_S = 0.2  # the longest the engine waits on the pool: a stop-now is seen within it
 

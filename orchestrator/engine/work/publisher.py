@@ -23,14 +23,15 @@ from typing import Any
 
 import torch
 
-from archipelago.orchestrator.config import RunConfig
-from archipelago.orchestrator.engine.links import Transfers
-from archipelago.orchestrator.engine.pool import IslandPool
-from archipelago.orchestrator.engine.state.flights import Work
-from archipelago.orchestrator.engine.step.downlink import Downlink, SlicedDownlink
-from archipelago.orchestrator.engine.step.outer import Outer
 from archipelago.workers.wire.fragments import Fragments
 from archipelago.workers.wire.handoff import params_digest
+
+from ...config import RunConfig
+from ..links import Transfers
+from ..pool import IslandPool
+from ..state.flights import Work
+from ..step.downlink import Downlink, SlicedDownlink
+from ..step.outer import Outer
 
 
 @dataclass(frozen=True, kw_only=True)

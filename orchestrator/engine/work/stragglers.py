@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from archipelago.orchestrator.config_operations import ElasticConfig
-from archipelago.orchestrator.engine.state.flights import Flight
 from archipelago.workers.wire.messages import WorkKind
+
+from ...config_operations import ElasticConfig
+from ..state.flights import Flight
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,8 +5,8 @@ Torch-free at import (bf16 imports it when used), so the run config can list the
 
 from __future__ import annotations
 
-from archipelago.workers.wire.codecs import fp4, integer, plain
-from archipelago.workers.wire.codecs.base import Codec, Payload
+from . import fp4, integer, plain
+from .base import Codec, Payload
 
 CODECS: dict[str, Codec] = {
     c.name: c for c in (plain.NONE, plain.BF16, integer.INT8, integer.INT4, integer.INT2, fp4.FP4)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from archipelago.workers.wire.codecs.base import (
+from .base import (
     Codec,
     Payload,
     Tensors,

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from archipelago.workers.wire.codecs.base import Codec, Payload, Tensors
+from .base import Codec, Payload, Tensors
 
 if TYPE_CHECKING:
     import torch
