@@ -361,3 +361,31 @@ def test_the_top_level_two_way_check_finds_a_pair():
     edges = _family_edges(graph, _top_family)
     assert ("api", "orchestrator.runtime") in edges and ("orchestrator.runtime", "api") in edges
     assert not any("bench" in a or "bench" in b for a, b in edges)
+
+
+def test_imports_within_a_top_level_package_are_relative():
+    """Tools that read an import as a path (farm-studio, an IDE without the package
+    installed) resolve `from ..engine.types import X` but not `archipelago.orchestrator.…`,
+    whose folders are not under `archipelago/`: within `orchestrator/`, `workers/` and `api/`
+    the product imports relatively (docs/development.md); across them, and from the lab, by
+    name."""
+    absolute = []
+    for name, path in MODULES.items():
+        top = name.split(".")[1]
+        if name.startswith(LAB):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and not node.level
+                and (node.module or "").startswith(f"archipelago.{top}")
+                and not (node.module or "").startswith(LAB)
+            ):
+                absolute.append(f"{path.relative_to(REPO)}:{node.lineno}")
+            elif isinstance(node, ast.Import):
+                absolute += [
+                    f"{path.relative_to(REPO)}:{node.lineno}"
+                    for a in node.names
+                    if a.name.startswith(f"archipelago.{top}.") and not a.name.startswith(LAB)
+                ]
+    assert not absolute, f"imports by name within their own top-level package: {absolute[:10]}"
