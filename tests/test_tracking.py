@@ -9,6 +9,7 @@ import json
 import struct
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -110,11 +111,24 @@ def _wandb_records(path: Path):
             yield record
 
 
+def _exit_records(path: Path) -> int:
+    try:
+        return sum(record.WhichOneof("record_type") == "exit" for record in _wandb_records(path))
+    except Exception:  # a record being written: not ended yet
+        return 0
+
+
 def test_the_wandb_offline_run_holds_the_history_config_events_and_summary(tracked):
     folder, records, summary = tracked
     (run_dir,) = (folder / "wandb").glob("offline-run-*-tracked")
+    path = next(run_dir.glob("*.wandb"))
+    # `finish` returns once W&B's service has the run; on loaded cores its writer thread
+    # closed the file later (CI once read it with no record yet): waited for, within 60 s
+    deadline = time.monotonic() + 60
+    while _exit_records(path) == 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
     rows, config, final, kinds = [], {}, {}, Counter()
-    for record in _wandb_records(next(run_dir.glob("*.wandb"))):
+    for record in _wandb_records(path):
         kind = record.WhichOneof("record_type")
         kinds[kind] += 1
         if kind == "history":
