@@ -53,6 +53,7 @@ def test_transfers_are_priced_at_the_nominal_size_and_data_parallel_pays_an_all_
     ddp = _network("mode=ddp")
     assert ddp.download(0, 40, bootstrap=False, ready=5.0) == 5.0  # every replica applies the step itself
     assert ddp.download(0, 40, bootstrap=True, ready=5.0) == pytest.approx(5.0 + 0.010 + 4000 * 8 / 8e9)
+    assert ddp.card_out.busy == 0.0  # a newcomer's copy is broadcast from a peer, never through a head
     assert ddp.upload_s(0, 40, islands=[0, 1, 2], sent=0.0, compute_s=1.0) == pytest.approx(
         ring_allreduce_s([FAST] * 3, 4000)
     )
@@ -165,6 +166,43 @@ def test_a_runs_clock_pays_its_links_at_the_nominal_size(tmp_path, mode):
         expected = s["rounds_done"] * link.seconds(up) + (s["rounds_done"] - 1) * link.seconds(down)
         expected += link.seconds(s["bytes_bootstrap"] / islands * scale) if s["bytes_bootstrap"] else 0.0
     assert s["clock_seconds"] - bare == pytest.approx(expected, rel=0.02), (s["clock_seconds"], bare, expected)
+
+
+def test_a_strike_during_data_parallels_all_reduce_hits_an_island_and_the_group_restarts(tmp_path):
+    """On a slow link data-parallel spends most of a step in its all-reduce, where no island
+    computes: a strike there passed it by (the pool struck only working islands, so DDP saw
+    12 strikes where its failure rate gave about 138). With `strike_idle` (`bench fleet`'s)
+    it hits an island, found dead at its next order; under stop-the-world restarts (the
+    fleet's DDP rows: torchrun restarts the group) the fleet stands still for it, and every
+    batch is still trained once."""
+    # 1e9 parameters over 1 GB/s: each step's ring all-reduce among 3 islands takes about
+    # 5.4 s against 1 s of compute; 12.0 s falls in the first one (its work delivered at 10)
+    extra = (*LINK, "simulation.nominal_params=1000000000", "simulation.restart_s=30", "rounds=2")
+    chaos = [TimedFault(at=12.0, kind=Strike.CRASH)]
+    struck = {}
+    for idle in (False, True):
+        cfg = scenario_cfg(tmp_path, "ddp", *extra, f"simulation.strike_idle={str(idle).lower()}")
+        engine, pool = in_process_engine(cfg, step_s=1.0, chaos=list(chaos))
+        drive(engine)
+        check_exactly_once(cfg, engine.summary)
+        struck[idle] = (pool.losses.strikes[Strike.CRASH], pool.losses.halted, engine.summary["clock_seconds"])
+    assert struck[False][:2] == (0, 0.0), struck  # passed by: nobody was computing
+    assert struck[True][0] == 1 and struck[True][1] == pytest.approx(30.0), struck
+    assert struck[True][2] >= struck[False][2] + 30.0, struck
+
+
+def test_an_idle_islands_hang_makes_its_next_order_never_return_and_is_found_by_heartbeats(tmp_path):
+    """A hang that strikes an island between two works (waiting at synchronous DiLoCo's
+    barrier) costs nothing then: its next order never answers, its heartbeats stand still,
+    and it is declared hung, replaced, and every batch trained once."""
+    speeds = ("simulation.slowdown=[1.0, 1.0, 3.0]",)  # islands 0 and 1 wait 8 s a round for island 2
+    cfg = scenario_cfg(tmp_path, "diloco", *speeds, "rounds=4", "simulation.strike_idle=true")
+    engine, pool = in_process_engine(cfg, step_s=1.0, chaos=[TimedFault(at=6.0, kind=Strike.HANG)])
+    drive(engine)
+    check_exactly_once(cfg, engine.summary)
+    assert pool.losses.strikes[Strike.HANG] == 1 and pool.losses.undetected > 0, pool.losses
+    hung = [e for e in events(cfg.out_dir) if e["kind"] == "crash" and "hung" in e.get("reason", "")]
+    assert len(hung) == 1, events(cfg.out_dir)
 
 
 def run_scenario_clock(cfg) -> float:

@@ -17,9 +17,23 @@ SLICED_ROW = "quorum_sliced"  # quorum with coordinator.shards auto: its head si
 # name -> (what it is, its overrides); every DiLoCo-family row's outer lr comes from LR_GRID
 ROWS: dict[str, tuple[str, list[str]]] = {
     "ddp": (
-        "data-parallel as PyTorch DDP runs it: each step's gradient all-reduced among the islands in buckets "
-        "overlapped with backward (the better of a ring and a tree), its lr tuned on a grid of its own size",
+        "data-parallel as PyTorch DDP runs it under torchrun's elastic agent: each step's gradient all-reduced "
+        "among the islands in fp32 in buckets overlapped with backward (the better of a ring and a tree); a "
+        "failure anywhere, in an all-reduce too, stops every island for the restart time (the agent restarts "
+        "the group, which meets again: a re-rendezvous) and the step is taken again; a newcomer's copy is "
+        "broadcast from a peer; its lr tuned on a grid of its own size",
         ["mode=ddp"],
+    ),
+    "ddp_bf16": (
+        "`ddp` with torch's bf16 compression hook (`bf16_compress_hook`): gradients all-reduced in bf16, half "
+        "the bytes; its own lr grid",
+        ["mode=ddp", "compression.codec=bf16"],
+    ),
+    "ddp_int8": (
+        "`ddp` with gradients all-reduced in int8, one fp32 scale per 512 values: a quarter of the bytes, priced "
+        "as if int8 summed in flight (no all-reduce does: a ring re-quantises at each hop, so this flatters "
+        "data-parallel); the low-rank stand-in for PowerSGD (its rank not simulated); its own lr grid",
+        ["mode=ddp", "compression.codec=int8"],
     ),
     RESTART_ROW: (
         "synchronous DiLoCo; every failure stops every island and resumes from the last outer step after "
@@ -97,7 +111,8 @@ ABLATION_OF = {
     "quorum_int4": "quorum",
     SLICED_ROW: "quorum",  # slices compute what one coordinator does, bit for bit: only the timing differs
 }  # rows at another row's tuned lr
-HEADLINE = (RESTART_ROW, "sync_dylu", "quorum", "ddp")  # the rows the targets compare
+DDP_ROWS = ("ddp", "ddp_bf16", "ddp_int8")  # data-parallel with each of its compression hooks
+HEADLINE = (RESTART_ROW, "sync_dylu", "quorum", *DDP_ROWS)  # the rows the targets compare
 REFERENCE_LINK = 100.0  # Gbit/s: the regime every row runs in (the lr grid is tuned there); the others run `link_rows`
 
 
@@ -165,7 +180,7 @@ class FleetSpec:
 
     def grid_of(self, row: str) -> tuple[float, ...]:
         """The lr grid `row` is tuned on: data-parallel's factors on its inner lr, or the outer lr's."""
-        return self.ddp_lr_grid if row == "ddp" else self.lr_grid
+        return self.ddp_lr_grid if row in DDP_ROWS else self.lr_grid
 
     def spares_of(self, islands: int) -> int:
         """`quorum_spares`' hot spares on a fleet of `islands`."""

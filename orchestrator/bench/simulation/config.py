@@ -117,6 +117,12 @@ class SimulationConfig(Strict):
         "halts the whole fleet this long and gives up every island's work not yet stepped; null: the fleet "
         "goes on as the product's does",
     )
+    strike_idle: bool = Field(
+        False,
+        description="timed failures strike any island alive, working or not (a machine fails whether or not it "
+        "computes: one waiting at a barrier or in data-parallel's all-reduce too); false: only an island with "
+        "work due, a strike finding none passing harmlessly",
+    )
     replacement_speed: ReplacementSpeed = Field(
         ReplacementSpeed.FULL,
         description="full: an island placed after the start (a replacement, a joiner) runs at speed 1; "

@@ -15,7 +15,9 @@ What limits a real run, priced where the run meets it:
   (`orchestrator/plan/head.py`, the plan's own); the head does one step at a time and a
   version is ready for the islands only when its step is done;
 - data-parallel (`mode: ddp`) has no head in its data path: each step's gradient is an
-  all-reduce among the islands, and every replica steps itself. With `simulation.ddp_overlap`
+  all-reduce among the islands (in the run's codec: `compression.codec: bf16` is torch's
+  bf16 compression hook), every replica steps itself, and a newcomer's copy is broadcast
+  from a peer. With `simulation.ddp_overlap`
   it is PyTorch DDP's: buckets all-reduced while backward runs (backward is taken as two
   thirds of a step), by the better of a ring and a tree, so only what backward cannot hide
   and the last bucket are added to the step; without it, a ring all-reduce after the step.
@@ -96,12 +98,13 @@ class Network:
     # -- Transfers -------------------------------------------------------------------------
     def download(self, island: int, nbytes: int, *, bootstrap: bool, ready: float) -> float:
         """Data-parallel's replicas compute each version themselves: only an island's first
-        copy crosses its link. Otherwise the bytes leave through the head's card and arrive
-        over the island's link, whichever is slower."""
-        if self.ddp and not bootstrap:
-            arrival = ready
+        copy crosses its link, broadcast from a peer as DDP's constructor does (pipelined: the
+        bytes once at the island's link's rate; no head in its path). Otherwise the bytes
+        leave through the head's card and arrive over the island's link, whichever is slower."""
+        n = nbytes * self.scale
+        if self.ddp:
+            arrival = ready + self.sim.link_of(island).seconds(n) if bootstrap else ready
         else:
-            n = nbytes * self.scale
             arrival = max(ready + self.sim.link_of(island).seconds(n), self.card_out.done(ready, n, book=True))
         self.arrivals[island] = arrival
         return arrival

@@ -35,6 +35,7 @@ DISPATCH_LOG = 4096  # orders the in-process pool remembers
 
 class FaultKind(str, Enum):
     CRASH = "crash"  # the island dies during its n-th work order
+    DEAD = "dead"  # the island died before its n-th work order (idle): the order fails at once
     LATE = "late"  # its n-th work order takes `seconds` longer
     HANG = "hang"  # its n-th work order never returns
     NAN = "nan"  # its n-th pseudo-gradient is NaN
@@ -167,7 +168,11 @@ class InProcessPool:
         """`sim`: the fleet (none: islands at speed 1 on instant links); `step_s`: seconds
         of an inner step at speed 1 (default `sim.virtual_step_s`). `faults` strike an
         island's n-th work order; `chaos` strikes in time, each fault whichever island (drawn
-        with `chaos_seed`) is working when it comes."""
+        with `chaos_seed`) is working when it comes — or, with `sim.strike_idle`, whichever
+        island is alive, working or not: a machine fails whether or not it computes, and one
+        waiting at a barrier or in data-parallel's all-reduce is struck as often as one
+        stepping (`bench fleet`: without it, every strike during an all-reduce passed data-
+        parallel by, 12 where its failure rate gave about 138)."""
         self.cfg, self.join_s = cfg, join_s
         self.sim = sim or SimulationConfig()
         self.step_s = self.sim.virtual_step_s if step_s is None else step_s
@@ -196,12 +201,19 @@ class InProcessPool:
         self.hung: dict[int, float] = {}  # island -> when it hung
         self.doomed: dict[int, float] = {}  # island -> when it is gone (a preemption's notice ran out)
         self.beats: dict[int, Progress] = {}  # island -> its newest heartbeat delivered
+        self.next_fault: dict[int, FaultKind] = {}  # idle islands struck: how their next order ends
 
     def _at(self, t: float, event: Any) -> None:
         heapq.heappush(self._queue, _Pending(t, next(self._seq), event))
 
     def _fault(self, island: int, n: int) -> Fault | None:
-        return next((f for f in self.faults if f.island == island and f.order == n), None)
+        """The fault scripted for `island`'s `n`-th order, or what struck it idle."""
+        scripted = next((f for f in self.faults if f.island == island and f.order == n), None)
+        if scripted is not None or (kind := self.next_fault.pop(island, None)) is None:
+            return scripted
+        if kind == FaultKind.HANG:
+            self.hung[island] = self.t  # its hung time counts from the order it never answers
+        return Fault(kind, island, n)
 
     # -- the protocol ----------------------------------------------------------------
     def now(self) -> float:
@@ -302,6 +314,7 @@ class InProcessPool:
         if self.islands.pop(island, None) is not None and island in self.factors:
             self.freed.append(self.factors[island])
         self.doomed.pop(island, None)
+        self.next_fault.pop(island, None)
         self._unhang(island)
 
     def demand(self, islands: int) -> None:
@@ -338,6 +351,8 @@ class InProcessPool:
         if fault is not None and fault.kind == FaultKind.LATE:
             duration += fault.seconds
         stops = duration / 2 if fault is not None and fault.kind in (FaultKind.CRASH, FaultKind.HANG) else None
+        if fault is not None and fault.kind == FaultKind.DEAD:
+            stops = 0.0
         self.started[order.ticket] = self.t + delay
         work = _Work(
             order=order,
@@ -351,7 +366,9 @@ class InProcessPool:
         )
         gone = self.doomed.get(i, math.inf) - self.t
         doomed = gone < duration and stops is None  # preempted before it finishes
-        never = doomed or (fault is not None and fault.kind in (FaultKind.HANG, FaultKind.CRASH, FaultKind.RAISE))
+        never = doomed or (
+            fault is not None and fault.kind in (FaultKind.HANG, FaultKind.CRASH, FaultKind.DEAD, FaultKind.RAISE)
+        )
         # a work that will never deliver is computed now, as one that fails later is (`_drop`)
         if never and isinstance(self._complete(work), Failed):  # it raised before any fault could strike
             self._at(self.t, work.outcome)
@@ -364,9 +381,10 @@ class InProcessPool:
         if fault is not None and fault.kind == FaultKind.HANG:  # it never answers
             self._freeze(i, self.t + duration / 2, order.ticket, order.steps // 2)
             return
-        if fault is not None and fault.kind == FaultKind.CRASH:
+        if fault is not None and fault.kind in (FaultKind.CRASH, FaultKind.DEAD):
             self.dead.add(i)
-            self._at(self.t + duration / 2, Failed(ticket=order.ticket, island=i, reason="actor died: injected crash"))
+            at = self.t + (duration / 2 if fault.kind == FaultKind.CRASH else 0.0)
+            self._at(at, Failed(ticket=order.ticket, island=i, reason="actor died: injected crash"))
             return
         if fault is not None and fault.kind == FaultKind.RAISE:
             self._at(
@@ -506,11 +524,20 @@ class InProcessPool:
         return event
 
     def _strike(self, fault: TimedFault) -> None:
-        """`fault` hits one island with work due (none working: it passes harmlessly)."""
+        """`fault` hits one island with work due (none working: it passes harmlessly), or
+        with `sim.strike_idle` one of every island alive (`_strike_idle`)."""
         working = [p for p in self._queue if isinstance(p.event, _Work)]
-        if not working:
+        idle: list[int] = []
+        if self.sim.strike_idle:
+            busy = {p.event.island for p in working}
+            idle = [i for i in sorted(self.islands) if i not in busy and i not in self.dead and i not in self.doomed]
+        if not working and not idle:
             return
-        hit = working[int(self.rng.integers(len(working)))]
+        pick = int(self.rng.integers(len(working) + len(idle)))
+        if pick >= len(working):
+            self._strike_idle(fault, idle[pick - len(working)])
+            return
+        hit = working[pick]
         at, i = max(fault.at, self.t), hit.event.island
         self.losses.strikes[fault.kind] += 1
         if fault.kind == Strike.PREEMPT:
@@ -540,6 +567,22 @@ class InProcessPool:
             self._repace(work, at)
             self._queue.append(_Pending(due, next(self._seq), work))
         heapq.heapify(self._queue)  # a hang: its result is gone, it never answers
+
+    def _strike_idle(self, fault: TimedFault, island: int) -> None:
+        """`fault` hits `island` while it has no work: a crash fails its next order at once
+        (as Ray reports a dead actor then; the order's batches are read, as every lost work's
+        are here), a hang makes that order never return, a preemption's
+        notice comes now, a slow-down paces what it starts within `lasts`. Nothing it
+        computed is lost (it holds none); the cost is in what comes next."""
+        at = max(fault.at, self.t)
+        self.losses.strikes[fault.kind] += 1
+        if fault.kind in (Strike.CRASH, Strike.HANG):
+            self.next_fault[island] = FaultKind.DEAD if fault.kind == Strike.CRASH else FaultKind.HANG
+        elif fault.kind == Strike.PREEMPT:
+            self.doomed[island] = at + fault.notice
+            self._at(at, Preempting(island=island, notice_s=fault.notice))
+        else:
+            self.slow[island] = (fault.factor, at + fault.lasts)
 
     def _repace(self, work: _Work, at: float) -> None:
         """A slow-down struck `work` at `at`: its heartbeats after it are still read every
