@@ -46,6 +46,7 @@ from archipelago.orchestrator.bench.ddp_baseline import Hook
 from archipelago.orchestrator.bench.netlab_cluster import Role, in_machine
 from archipelago.orchestrator.bench.netlab_scenario import Link, MachineSpec, Scenario, Testbed, keep, kept
 from archipelago.orchestrator.bench.report import BenchResult, Panel, md_table
+from archipelago.orchestrator.bench.testbed_calibration import CALIBRATION_HEADING, calibrate, calibration_table
 from archipelago.orchestrator.bench.testbed_faults import cases, run_case
 
 log = logging.getLogger(__name__)
@@ -261,7 +262,8 @@ def testbed(quick: bool, work: Path) -> BenchResult:
             rows[row] = _ddp_row(row, reference[hook], timed, plain)
         regimes[name] = {"ratio": RATIOS[name], "island_mbit": round(mbit, 3), "rows": rows}
     faults = {case.name: run_case(case, work / "faults") for case in cases()}
-    return _result(quick, regimes, step_s, params, seeds, faults)
+    calibration = calibrate(regimes, step_s, TARGET, work / "calibration")
+    return _result(quick, regimes, step_s, params, seeds, faults, calibration)
 
 
 def _row(row: str, runs: list[dict[str, Any]], mbit: float) -> dict[str, Any]:
@@ -334,6 +336,7 @@ def _result(
     params: int,
     seeds: tuple[int, ...],
     faults: dict[str, dict[str, Any]],
+    calibration: dict[str, Any],
 ) -> BenchResult:
     lines, panels, verdicts = [], [], {}
     for name, regime in regimes.items():
@@ -390,6 +393,7 @@ def _result(
         + md_table(["scenario", "result", "s", "islands lost", "slowest API read (s)", "failed checks"], fault_rows)
     )
     summary += f"; faults {'pass' if passed else 'FAIL'}"
+    lines.append(f"{CALIBRATION_HEADING}\n\n{calibration_table(calibration)}")
     methods = {f"{n}/{k}": r for n, reg in regimes.items() for k, r in reg["rows"].items()}
     return BenchResult(
         scenario="testbed",
@@ -405,8 +409,7 @@ def _result(
             "params": params,
             "ratio_1gbps": slow,
             "faults": faults | {"pass": passed},
-            # `bench fleet` configured from these measurements, row by row: not built yet (docs/wan-testbed.md)
-            "calibration": None,
+            "calibration": calibration,
         },
     )
 
