@@ -110,17 +110,20 @@ def record_simulation(cfg: RunConfig, sim: SimulationConfig) -> None:
     (out / PRICES_FILE).write_text(json.dumps(prices(cfg, sim), indent=2))
 
 
-def finished(cfg: RunConfig, sim: SimulationConfig | None = None) -> dict[str, Any] | None:
-    """The summary of a finished run of exactly `cfg` in its `out_dir` (a scenario run
-    again into the same folder, e.g. after it was interrupted, reuses it: runs are
-    deterministic in everything but their seconds), else None."""
+def finished(
+    cfg: RunConfig, sim: SimulationConfig | None = None, ended: tuple[str, ...] = ("finished",)
+) -> dict[str, Any] | None:
+    """The summary of a run of exactly `cfg` in its `out_dir` that ended in one of the
+    states `ended` (a scenario run again into the same folder, e.g. after it was
+    interrupted, reuses it: runs are deterministic in everything but their seconds; a
+    scenario that stops its runs at a target also takes `stopped`), else None."""
     out = Path(cfg.out_dir)
     try:
         summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
         same = same_config(out, cfg, sim)
     except (OSError, ValueError):
         return None
-    if not same or summary.get("state") != "finished":
+    if not same or summary.get("state") not in ended:
         return None
     log.info("  %-26s reused (finished with the same config)", out.name)
     return summary

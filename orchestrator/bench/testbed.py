@@ -48,47 +48,33 @@ from archipelago.orchestrator.bench.netlab_scenario import Link, MachineSpec, Sc
 from archipelago.orchestrator.bench.report import BenchResult, Panel, md_table
 from archipelago.orchestrator.bench.testbed_calibration import CALIBRATION_HEADING, calibrate, calibration_table
 from archipelago.orchestrator.bench.testbed_faults import cases, run_case
+from archipelago.orchestrator.bench.testbed_workload import (
+    ARCHIPELAGO,
+    DDP_STEPS,
+    ISLANDS,
+    LR,
+    POWERSGD_RANK,
+    POWERSGD_START,
+    ROUNDS,
+    ROWS,
+    TARGET,
+    H,
+)
 
 log = logging.getLogger(__name__)
 
-ISLANDS = 4
 RATIOS = {"1gbps": 32.0, "10gbps": 3.2, "100gbps": 0.32}  # 1 B params in fp32 over the link ÷ a 1-s step
-LR = 3e-3  # the shipped inner AdamW lr, every row
-H = 50
-ROUNDS = 12  # the budget, and so the lr schedule's length; a row stops at the target
-DDP_STEPS = H * ROUNDS  # the same step budget (and so the same lr schedule) as the DiLoCo rows
-POWERSGD_RANK = 4
-POWERSGD_START = 10  # plain all-reduce steps before PowerSGD compresses (torch's advice: not the first)
 # the timing runs: an all-reduce at 1 Gbit/s-equivalent takes minutes (a step is its bytes
 # over the link), so one warm step and one timed; PowerSGD's from its earliest start (torch
 # wants 2 plain steps first), its plain steps timed in the same run
 DDP_WARM_STEPS, DDP_TIMED_STEPS = 1, 1
 TIMED_POWERSGD_START = 2
-TARGET = 2.6  # eval loss: what the default task's DiLoCo reaches in a few rounds of H = 50
 # Ray's object manager re-requests a pull every 10 s by default and the sender pushes the
 # object again: at 2.5 Mbit/s a 29-MB object took ~4x its bytes and its round missed its
 # deadline (measured, docs/wan-testbed.md); the testbed's head sets what a slow link needs.
 SYSTEM_CONFIG = {"object_manager_pull_timeout_ms": 300_000}
-ROWS = {
-    "ddp_fp32": "torch DDP, gloo, no hook (fp32 all-reduce)",
-    "ddp_bf16": "torch DDP, gloo, fp16_compress_hook (gloo has no bf16 all-reduce)",
-    "ddp_powersgd": f"torch DDP, gloo, powerSGD_hook rank {POWERSGD_RANK} (from step {POWERSGD_START})",
-    "diloco": f"DiLoCo H={H}, fp32 both ways",
-    "streaming_int4": "Streaming DiLoCo (2 fragments: H = 50 splits into 2 segments, not the shipped 4), int4 both ways",
-    "async": "the shipped async default (quorum pacing, DyLU)",
-}
 DDP_ROWS = {"ddp_fp32": Hook.FP32, "ddp_bf16": Hook.FP16, "ddp_powersgd": Hook.POWERSGD}
 HOOKS = {Hook.FP32: "none", Hook.FP16: "fp16_compress_hook", Hook.POWERSGD: "powerSGD_hook"}
-ARCHIPELAGO = {
-    "diloco": ["--set=mode=diloco"],
-    "streaming_int4": [
-        "--set=mode=streaming",
-        "--set=mode.fragments=2",
-        "--set=compression.codec=int4",
-        "--set=compression.downlink=int4",
-    ],
-    "async": ["--set=mode=async"],
-}
 
 
 def scenario(island_mbit: float, ray: bool) -> Scenario:

@@ -28,12 +28,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from archipelago.orchestrator.bench.hetero import time_to_reach
 from archipelago.orchestrator.bench.report import eval_curve, machine_info, md_table
 from archipelago.orchestrator.bench.runner import finished, fresh, record_simulation
 from archipelago.orchestrator.bench.simulation.config import SimulationConfig
 from archipelago.orchestrator.bench.simulation.links import LinkConfig
 from archipelago.orchestrator.bench.simulation.pool import InProcessPool
+from archipelago.orchestrator.bench.testbed_workload import ARCHIPELAGO, ISLANDS, LR, ROUNDS, H
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.build import build_engine
 from archipelago.orchestrator.engine.commands import Stop
@@ -43,27 +43,30 @@ log = logging.getLogger(__name__)
 
 TOLERANCE = (0.8, 1.25)  # simulated / measured time to target
 UNSIMULATED = {"ddp_powersgd": "the simulator has no PowerSGD (its low-rank factors and error feedback)"}
+DDP_CODECS = {"ddp_fp32": "none", "ddp_bf16": "bf16"}  # the testbed's fp16 hook: bf16's bytes
+
+
+class UnknownRow(ValueError):
+    """A testbed row the calibration has no simulated run for."""
 
 
 def settings(row: str, seed: int) -> list[str]:
-    """The simulated run of testbed row `row`: the testbed's workload (`testbed.py`) and the
-    row's mode; data-parallel's same 600 steps of one schedule recorded (evaluated) every
-    H // 2 steps, as the testbed's reference run evaluates."""
-    from archipelago.orchestrator.bench.testbed import ARCHIPELAGO, ISLANDS, LR, ROUNDS, H  # it imports this module
-
+    """The simulated run of testbed row `row`: the testbed's workload and the row's mode;
+    data-parallel's same 600 steps of one schedule recorded (evaluated) every H // 2 steps,
+    as the testbed's reference run evaluates."""
     common = [f"islands.count={ISLANDS}", f"seed={seed}", f"inner.lr={LR}", "warm_start.steps=0"]
     if row in ARCHIPELAGO:
         return [*common, f"inner_steps={H}", f"rounds={ROUNDS}", *(a.removeprefix("--set=") for a in ARCHIPELAGO[row])]
-    codec = {"ddp_fp32": "none", "ddp_bf16": "bf16"}[row]
-    return [*common, "mode=ddp", f"inner_steps={H // 2}", f"rounds={ROUNDS * 2}", f"compression.codec={codec}"]
+    if row not in DDP_CODECS:
+        raise UnknownRow(f"testbed row {row!r} has no simulated run (known: {[*ARCHIPELAGO, *DDP_CODECS]})")
+    ddp = ["mode=ddp", f"inner_steps={H // 2}", f"rounds={ROUNDS * 2}", f"compression.codec={DDP_CODECS[row]}"]
+    return [*common, *ddp]
 
 
 def fleet_of(island_mbit: float, step_s: float) -> SimulationConfig:
     """The testbed's machines as a simulated fleet: islands at `step_s` a step, each on a
     link of `island_mbit` both ways (no delay: the testbed has none), the head's card at
     `ISLANDS` times it, the head's step priced, DDP's all-reduce overlapped."""
-    from archipelago.orchestrator.bench.testbed import ISLANDS
-
     return SimulationConfig(
         virtual_step_s=step_s,
         link=LinkConfig(bandwidth_gbps=island_mbit / 1e3, latency_ms=0.0),
@@ -73,14 +76,21 @@ def fleet_of(island_mbit: float, step_s: float) -> SimulationConfig:
     )
 
 
+def first_at_or_below(curve: list[tuple[float, float]], target: float) -> float | None:
+    """The first record's time whose eval loss is at or below `target` (not the initial
+    evaluation's), as the testbed times its rows: not interpolated between records."""
+    return next((t for t, loss in curve[1:] if loss <= target), None)
+
+
 def simulate(row: str, island_mbit: float, step_s: float, target: float, work: Path, seed: int = 0) -> float | None:
     """Simulated seconds for testbed row `row` to reach eval loss `target` at `island_mbit`
     (None: not within the budget); the run stops at its first record at or below it, as the
-    testbed's does (a finished run of the same config in `work` is reused)."""
+    testbed's does (a run of the same config in `work` that finished or was so stopped is
+    reused)."""
     out = work / f"{row}-{island_mbit:g}mbit-s{seed}"
     cfg = load_config(None, [*settings(row, seed), f"out_dir={out}"])
     sim = fleet_of(island_mbit, step_s)
-    summary = finished(cfg, sim)
+    summary = finished(cfg, sim, ended=("finished", "stopped"))
     if summary is None:
         fresh(cfg, sim)
         record_simulation(cfg, sim)
@@ -93,12 +103,29 @@ def simulate(row: str, island_mbit: float, step_s: float, target: float, work: P
 
         engine = build_engine(cfg, InProcessPool(cfg, sim), "calibration", on_record=stop_at_target)
         summary = engine.execute()
-    return time_to_reach(eval_curve(out, summary, "clock_seconds"), target)
+    return first_at_or_below(eval_curve(out, summary, "clock_seconds"), target)
+
+
+def judge(measured: float | None, simulated: float | None) -> dict[str, Any]:
+    """One row's calibration: simulated ÷ measured against `TOLERANCE`; null, with the
+    reason, where either side never reached the target."""
+    if measured is None or simulated is None:
+        side = "the testbed's run" if measured is None else "the simulated run"
+        why = f"{side} did not reach the target within its budget"
+        return {"measured_s": measured, "simulated_s": simulated, "ratio": None, "ok": None, "why": why}
+    ratio = simulated / measured
+    return {
+        "measured_s": measured,
+        "simulated_s": simulated,
+        "ratio": ratio,
+        "ok": TOLERANCE[0] <= ratio <= TOLERANCE[1],
+    }
 
 
 def calibrate(regimes: dict[str, dict[str, Any]], step_s: float, target: float, work: Path) -> dict[str, Any]:
-    """Per regime and row: the testbed's measured seconds to `target`, the simulator's, and
-    their ratio against `TOLERANCE` (`regimes` as `bench testbed` reports them)."""
+    """Per regime and row: the testbed's measured seconds to `target`, the simulator's (the
+    mean over the seeds the testbed measured), and their ratio against `TOLERANCE`
+    (`regimes` as `bench testbed` reports them)."""
     out: dict[str, Any] = {}
     for name, regime in regimes.items():
         mbit = float(regime["island_mbit"])
@@ -114,10 +141,10 @@ def calibrate(regimes: dict[str, dict[str, Any]], step_s: float, target: float, 
                     "why": UNSIMULATED[row],
                 }
                 continue
-            simulated = simulate(row, mbit, step_s, target, work / name)
-            ratio = None if simulated is None or not real else simulated / real
-            ok = ratio is not None and TOLERANCE[0] <= ratio <= TOLERANCE[1]
-            rows[row] = {"measured_s": real, "simulated_s": simulated, "ratio": ratio, "ok": ok}
+            seeds = sorted(int(s) for s in measured["seeds"])
+            times = [simulate(row, mbit, step_s, target, work / name, seed) for seed in seeds]
+            simulated = None if None in times else sum(t for t in times if t is not None) / len(times)
+            rows[row] = judge(real, simulated)
             log.info("calibration %s %s: measured %s s, simulated %s s", name, row, real, simulated)
         out[name] = rows
     return {"tolerance": list(TOLERANCE), "regimes": out}
@@ -165,14 +192,25 @@ def main(argv: list[str] | None = None) -> int:
     args.report.write_text(json.dumps(report, indent=2) + "\n")
     markdown = args.report.with_suffix(".md")
     if markdown.exists():
-        text = markdown.read_text()
-        text = text.split(CALIBRATION_HEADING)[0].rstrip("\n")
-        markdown.write_text(f"{text}\n\n{CALIBRATION_HEADING}\n\n{describe(result)}\n\n{calibration_table(result)}\n")
+        section = f"{CALIBRATION_HEADING}\n\n{describe(result)}\n\n{calibration_table(result)}\n"
+        markdown.write_text(with_section(markdown.read_text(), section))
     sys.stdout.write(calibration_table(result) + "\n")
     return 0
 
 
 CALIBRATION_HEADING = "### The simulator calibrated on these rows"
+
+
+def with_section(page: str, section: str) -> str:
+    """`page` with its calibration section replaced by `section` (or `section` added after
+    its last section): what follows the old one — the next heading, the plot — is kept."""
+    before, found, after = page.partition(CALIBRATION_HEADING)
+    if not found:
+        head, image, tail = page.rpartition("\n![")
+        return f"{head.rstrip()}\n\n{section}\n![{tail}" if image else f"{page.rstrip()}\n\n{section}"
+    lines = after.split("\n")
+    rest = next((i for i, line in enumerate(lines[1:], 1) if line.startswith(("### ", "## ", "!["))), len(lines))
+    return f"{before}{section}\n" + "\n".join(lines[rest:])
 
 
 def describe(calibration: dict[str, Any]) -> str:
