@@ -20,8 +20,9 @@ ROWS: dict[str, tuple[str, list[str]]] = {
         "data-parallel as PyTorch DDP runs it under torchrun's elastic agent: each step's gradient all-reduced "
         "among the islands in fp32 in buckets overlapped with backward (the better of a ring and a tree); a "
         "failure anywhere, in an all-reduce too, stops every island for the restart time (the agent restarts "
-        "the group, which meets again: a re-rendezvous) and the step is taken again; a newcomer's copy is "
-        "broadcast from a peer; its lr tuned on a grid of its own size",
+        "the group, which meets again: a re-rendezvous; a crash inside an all-reduce is found at the next step, "
+        "whose predecessor is kept, and a preempted island leaves without a stop, both in DDP's favour); a "
+        "newcomer's copy is broadcast from a peer; its lr tuned on a grid of its own size",
         ["mode=ddp"],
     ),
     "ddp_bf16": (
@@ -32,7 +33,8 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "ddp_int8": (
         "`ddp` with gradients all-reduced in int8, one fp32 scale per 512 values: a quarter of the bytes, priced "
         "as if int8 summed in flight (no all-reduce does: a ring re-quantises at each hop, so this flatters "
-        "data-parallel); the low-rank stand-in for PowerSGD (its rank not simulated); its own lr grid",
+        "data-parallel); torch ships no int8 hook, and its low-rank one (PowerSGD, far fewer bytes) is not "
+        "simulated; its own lr grid",
         ["mode=ddp", "compression.codec=int8"],
     ),
     RESTART_ROW: (
@@ -136,7 +138,7 @@ class FleetSpec:
     inner_steps: int = 20
     step_s: float = 1.0  # simulated seconds of an inner step at speed 1
     join_s: float = 30.0  # a replacement's placement and start
-    restart_s: float = 60.0  # restart_from_checkpoint: the fleet stands still this long per failure
+    restart_s: float = 60.0  # restart_from_checkpoint and DDP: the fleet stands still this long per failure
     hang_after_steps: int = 5  # heartbeats: hung after this many expected steps without progress
     spare_every: int = 16  # quorum_spares: one hot spare per this many islands (at least one)
     notice_s: tuple[float, float] = (5.0, 120.0)  # a preemption's notice, drawn uniformly (some shorter than a round)

@@ -181,5 +181,6 @@ class Network:
             "rates_source": RATES_SOURCE,
             "backward_share": BACKWARD_SHARE,
             "ddp_bucket_bytes": DDP_BUCKET_BYTES,
+            "ddp_first_copy": "broadcast from a peer at its link's rate (no head in its path)",
             "evaluation": "off the head (evaluation.where: actor), not priced",
         }

@@ -36,6 +36,7 @@ DISPATCH_LOG = 4096  # orders the in-process pool remembers
 class FaultKind(str, Enum):
     CRASH = "crash"  # the island dies during its n-th work order
     DEAD = "dead"  # the island died before its n-th work order (idle): the order fails at once
+    HUNG = "hung"  # the island hung before its n-th work order (idle): it never answers, its count never moves
     LATE = "late"  # its n-th work order takes `seconds` longer
     HANG = "hang"  # its n-th work order never returns
     NAN = "nan"  # its n-th pseudo-gradient is NaN
@@ -207,13 +208,12 @@ class InProcessPool:
         heapq.heappush(self._queue, _Pending(t, next(self._seq), event))
 
     def _fault(self, island: int, n: int) -> Fault | None:
-        """The fault scripted for `island`'s `n`-th order, or what struck it idle."""
-        scripted = next((f for f in self.faults if f.island == island and f.order == n), None)
-        if scripted is not None or (kind := self.next_fault.pop(island, None)) is None:
-            return scripted
-        if kind == FaultKind.HANG:
+        """What struck `island` idle, else the fault scripted for its `n`-th order."""
+        if (kind := self.next_fault.pop(island, None)) is None:
+            return next((f for f in self.faults if f.island == island and f.order == n), None)
+        if kind == FaultKind.HUNG:
             self.hung[island] = self.t  # its hung time counts from the order it never answers
-        return Fault(kind, island, n)
+        return Fault(kind, island, n)  # a machine dead or hung runs no scripted fault
 
     # -- the protocol ----------------------------------------------------------------
     def now(self) -> float:
@@ -286,10 +286,10 @@ class InProcessPool:
         return self._measured(1.0 / (self.step_s * self._factor(island)))
 
     def reattach(self, island: int) -> str | None:
-        return f"inprocess:{island}" if island in self.islands and island not in self.dead else None
+        return f"inprocess:{island}" if self._alive(island) else None
 
     def survivors(self) -> list[int]:
-        return sorted(i for i in self.islands if i not in self.dead)
+        return sorted(i for i in self.islands if self._alive(i))
 
     def writes_ending(self, islands: list[int]) -> Callable[[float], None]:
         """(`IslandPool.writes_ending`) The islands' own write threads, waited for in turn."""
@@ -351,8 +351,8 @@ class InProcessPool:
         if fault is not None and fault.kind == FaultKind.LATE:
             duration += fault.seconds
         stops = duration / 2 if fault is not None and fault.kind in (FaultKind.CRASH, FaultKind.HANG) else None
-        if fault is not None and fault.kind == FaultKind.DEAD:
-            stops = 0.0
+        if fault is not None and fault.kind in (FaultKind.DEAD, FaultKind.HUNG):
+            stops = 0.0  # it never starts
         self.started[order.ticket] = self.t + delay
         work = _Work(
             order=order,
@@ -367,7 +367,8 @@ class InProcessPool:
         gone = self.doomed.get(i, math.inf) - self.t
         doomed = gone < duration and stops is None  # preempted before it finishes
         never = doomed or (
-            fault is not None and fault.kind in (FaultKind.HANG, FaultKind.CRASH, FaultKind.DEAD, FaultKind.RAISE)
+            fault is not None
+            and fault.kind in (FaultKind.HANG, FaultKind.HUNG, FaultKind.CRASH, FaultKind.DEAD, FaultKind.RAISE)
         )
         # a work that will never deliver is computed now, as one that fails later is (`_drop`)
         if never and isinstance(self._complete(work), Failed):  # it raised before any fault could strike
@@ -380,6 +381,9 @@ class InProcessPool:
         self._heartbeats(i, order, delay, duration, stops)
         if fault is not None and fault.kind == FaultKind.HANG:  # it never answers
             self._freeze(i, self.t + duration / 2, order.ticket, order.steps // 2)
+            return
+        if fault is not None and fault.kind == FaultKind.HUNG:  # hung before it began: its count stands from now
+            self._freeze(i, self.t, order.ticket, 0)
             return
         if fault is not None and fault.kind in (FaultKind.CRASH, FaultKind.DEAD):
             self.dead.add(i)
@@ -525,19 +529,23 @@ class InProcessPool:
 
     def _strike(self, fault: TimedFault) -> None:
         """`fault` hits one island with work due (none working: it passes harmlessly), or
-        with `sim.strike_idle` one of every island alive (`_strike_idle`)."""
+        with `sim.strike_idle` any island alive and not already failing, each as likely
+        (`_strike_idle` when it has no work)."""
         working = [p for p in self._queue if isinstance(p.event, _Work)]
-        idle: list[int] = []
         if self.sim.strike_idle:
-            busy = {p.event.island for p in working}
-            idle = [i for i in sorted(self.islands) if i not in busy and i not in self.dead and i not in self.doomed]
-        if not working and not idle:
-            return
-        pick = int(self.rng.integers(len(working) + len(idle)))
-        if pick >= len(working):
-            self._strike_idle(fault, idle[pick - len(working)])
-            return
-        hit = working[pick]
+            healthy = [i for i in sorted(self.islands) if self._healthy(i)]
+            if not healthy:
+                return
+            island = healthy[int(self.rng.integers(len(healthy)))]
+            its = [p for p in working if p.event.island == island]
+            if not its:
+                self._strike_idle(fault, island)
+                return
+            hit = min(its, key=lambda p: p.event.seq)  # the work it is on
+        else:
+            if not working:
+                return
+            hit = working[int(self.rng.integers(len(working)))]
         at, i = max(fault.at, self.t), hit.event.island
         self.losses.strikes[fault.kind] += 1
         if fault.kind == Strike.PREEMPT:
@@ -571,18 +579,26 @@ class InProcessPool:
     def _strike_idle(self, fault: TimedFault, island: int) -> None:
         """`fault` hits `island` while it has no work: a crash fails its next order at once
         (as Ray reports a dead actor then; the order's batches are read, as every lost work's
-        are here), a hang makes that order never return, a preemption's
-        notice comes now, a slow-down paces what it starts within `lasts`. Nothing it
+        are here), a hang makes that order never return and its count never move, a
+        preemption's notice comes now, a slow-down paces what it starts within `lasts`. Nothing it
         computed is lost (it holds none); the cost is in what comes next."""
         at = max(fault.at, self.t)
         self.losses.strikes[fault.kind] += 1
         if fault.kind in (Strike.CRASH, Strike.HANG):
-            self.next_fault[island] = FaultKind.DEAD if fault.kind == Strike.CRASH else FaultKind.HANG
+            self.next_fault[island] = FaultKind.DEAD if fault.kind == Strike.CRASH else FaultKind.HUNG
         elif fault.kind == Strike.PREEMPT:
             self.doomed[island] = at + fault.notice
             self._at(at, Preempting(island=island, notice_s=fault.notice))
-        else:
+        elif fault.kind == Strike.SLOW:  # with `lasts` 0 (`bench fleet`'s) nothing it starts is slowed
             self.slow[island] = (fault.factor, at + fault.lasts)
+
+    def _healthy(self, island: int) -> bool:
+        """Alive and not already failing: not dead, going, hung or struck idle."""
+        return not (island in self.dead or island in self.doomed or island in self.hung or island in self.next_fault)
+
+    def _alive(self, island: int) -> bool:
+        """Placed and not dead (a crash that struck it idle included: found at its next order)."""
+        return island in self.islands and island not in self.dead and self.next_fault.get(island) != FaultKind.DEAD
 
     def _repace(self, work: _Work, at: float) -> None:
         """A slow-down struck `work` at `at`: its heartbeats after it are still read every
@@ -665,7 +681,7 @@ class InProcessPool:
         self._at(gone, Failed(ticket=ticket, island=island, reason="actor died: preempted"))
 
     def hand_over(self, keep: set[int]) -> dict[int, Any]:
-        out = {i: self.islands[i] for i in keep if i in self.islands and i not in self.dead}
+        out = {i: self.islands[i] for i in keep if self._alive(i)}
         for i in list(self.islands):
             self.release(i)
         return out
