@@ -691,7 +691,8 @@ def test_the_rehearsals_processes_run_with_the_allocators_mmap_threshold_fixed(m
 
 
 def test_a_micro_batch_is_read_off_the_line_through_two_and_the_flag_is_checked(capsys, tmp_path):
-    from archipelago.orchestrator.plan.rehearse import at_rows, micro_batch_rows, on_the_line
+    from archipelago.orchestrator.plan.planner import at_rows, micro_batch_rows
+    from archipelago.orchestrator.plan.rehearse import on_the_line
 
     assert on_the_line({4: 6 * 2**30, 6: 7 * 2**30}, 16) == 12 * 2**30
     assert on_the_line({6: 7 * 2**30, 4: 6 * 2**30}, 4) == 6 * 2**30  # either order
@@ -720,3 +721,41 @@ def test_an_islands_inner_state_snapshot_is_counted_where_its_run_keeps_it(capsy
     parts, params = host_parts()
     assert parts["inner state snapshot"] == pytest.approx(2 * 4 * params, rel=0.01)
     assert "inner state snapshot" not in host_parts("--set", "checkpoint.island_state=false")[0]
+
+
+def test_the_plan_picks_the_rows_a_step_that_fill_an_islands_share_of_its_gpu(tmp_path):
+    """`bench gpu`'s 124 M island trains the rows a step the plan fits in its GPU (llm.c's
+    64 rows of 1,024 tokens on an 80-GB card, not a CPU config's 16): the largest power of two
+    whose planned accelerator peak is within `DEVICE_FILL` of the island's share, read off
+    one measurement (activations grow with the rows) and checked here against the plan
+    measured at the rows it chose; none fitting is a typed refusal."""
+    from archipelago.orchestrator.plan.cache import model_memory
+    from archipelago.orchestrator.plan.cluster import Cluster, NodeKind
+    from archipelago.orchestrator.plan.planner import (
+        DEVICE_FILL,
+        NothingFits,
+        at_rows,
+        island_accelerator_bytes,
+        make_plan,
+        rows_that_fill,
+    )
+
+    small = ["task.kwargs.d_model=64", "task.kwargs.n_layers=2", "task.kwargs.n_heads=2", "task.kwargs.context=128"]
+    cfg = load_config(
+        None, [*small, f"task.kwargs.cache_dir={tmp_path}", "islands.gpus=0.5", "task.kwargs.batch_size=8"]
+    )
+
+    def gpu(memory: int) -> Cluster:
+        node = NodeKind(name="gpu node", memory=64 * 2**30, cpus=8, gpus=1, accelerator_memory=memory)
+        return Cluster(source="a test's", head=node, workers=())
+
+    huge = rows_that_fill(cfg, gpu(2**40), most=64)
+    assert huge[0] == 64  # as many as asked for, where memory is no limit
+    rows, planned = rows_that_fill(cfg, gpu(int(huge[1] / 2 / DEVICE_FILL / 0.5)))  # half of 64 rows' peak
+    assert 8 <= rows < 64 and planned <= huge[1] / 2
+    measured = island_accelerator_bytes(make_plan(at_rows(cfg, rows), model_memory(at_rows(cfg, rows)), gpu(2**40)))
+    assert abs(planned / measured - 1) <= 0.05, (planned, measured)  # the line holds at the rows it chose
+    with pytest.raises(NothingFits):
+        rows_that_fill(cfg, gpu(2**20))
+    with pytest.raises(NothingFits, match="no accelerator"):
+        rows_that_fill(load_config(None, small), gpu(2**40))  # a CPU island

@@ -69,8 +69,8 @@ GPT2_124M = [
     "task.factory=archipelago.workers.tasks.hf_task:make_task",
     "task.kwargs.model_config={model_type: gpt2, vocab_size: 50257}",  # GPT-2 small: 12 x 768, 1,024 positions
     "task.kwargs.context=1024",
-    "task.kwargs.batch_size=16",
 ]
+GPT2_ROWS = 16  # the 124 M row's rows a step where the plan picks none (`--dry-run`, before `fill`)
 LLAMA = [
     "task.factory=archipelago.workers.tasks.hf_task:make_task",
     "task.kwargs.model_config={model_type: llama, hidden_size: 768, intermediate_size: 2048, num_hidden_layers: 12, "
@@ -173,13 +173,14 @@ def _rounds(quick: bool) -> tuple[int, int]:
     return (3, 20) if quick else (5, 50)
 
 
-def rows(quick: bool, gpus: int) -> dict[str, Row]:
+def rows(quick: bool, gpus: int, mfu_rows: int = GPT2_ROWS) -> dict[str, Row]:
     """The runs: fractional-GPU islands of each task, and an island of two workers (FSDP2)
-    where there are two GPUs (the evaluation actor takes the fifth of a GPU they leave)."""
+    where there are two GPUs (the evaluation actor takes the fifth of a GPU they leave);
+    the 124 M island at `mfu_rows` rows a step (one micro-batch: the `fill` part's choice)."""
     table = {
         MFU_ROW: Row(
-            description="GPT-2 small (124 M), 1 island on 1 GPU",
-            overrides=[*GPT2_124M, "islands.count=1", "islands.gpus=0.8"],
+            description=f"GPT-2 small (124 M), 1 island on 1 GPU, {mfu_rows} rows a step",
+            overrides=[*GPT2_124M, f"task.kwargs.batch_size={mfu_rows}", "islands.count=1", "islands.gpus=0.8"],
             approx_params=124_439_808,
             budget_s=130.0,
         ),
@@ -211,6 +212,27 @@ def base_overrides(quick: bool) -> list[str]:
     return [*COMMON, f"rounds={rounds}", f"inner_steps={steps}"]
 
 
+def fill_device(quick: bool, gpus: int) -> dict[str, Any]:
+    """The 124 M island's rows a step that fill this machine's GPU within the plan's
+    `DEVICE_FILL` (`plan.planner.rows_that_fill`), with what it planned them to hold."""
+    import torch
+
+    from archipelago.orchestrator.plan.cluster import this_machine
+    from archipelago.orchestrator.plan.planner import DEVICE_FILL, rows_that_fill
+
+    cfg = rows(quick, gpus)[MFU_ROW].config
+    device = torch.cuda.get_device_properties(0).total_memory
+    chosen, planned = rows_that_fill(cfg, this_machine(accelerator_memory=device))
+    return {
+        "rows": chosen,
+        "tokens_per_step": chosen * int(cfg.task.kwargs["context"]),
+        "planned_accelerator_bytes": planned,
+        "device_bytes": device,
+        "fill": DEVICE_FILL,
+        "island_share": cfg.islands.gpus,
+    }
+
+
 def step_seconds(params: int, tokens: int, peak: float) -> float:
     """The model's time of one inner step (forward and backward) of `tokens` tokens."""
     return 6 * params * tokens / (peak * ASSUMED_MFU)
@@ -238,6 +260,12 @@ def plan_parts(quick: bool, gpus: int, peak: float) -> list[Part]:
             description="the plan's accelerator side for that island, measured under fake tensors",
             budget_s=60.0,
             expected_s=15.0,
+        ),
+        Part(
+            name="fill",
+            description="the 124 M island's rows a step that fill the GPU, by the plan (fake tensors)",
+            budget_s=60.0,
+            expected_s=20.0,
         ),
         Part(
             name="profile",
@@ -464,6 +492,7 @@ def gpu(quick: bool, work: Path, parts_only: tuple[str, ...] | None = None) -> B
     check: dict[str, Any] | None = None
     peak: float | None = None
     profiled: dict[str, Any] | None = None
+    fill: dict[str, Any] | None = None
     if cuda:
         peak = parts.run("peak", lambda _: peak_bf16_flops())
         if peak is None:
@@ -474,7 +503,8 @@ def gpu(quick: bool, work: Path, parts_only: tuple[str, ...] | None = None) -> B
         if ratio is not None and ratio.get("island_peak_bytes"):
             check = parts.run("plan", lambda _: plan_check(overrides, ratio["island_peak_bytes"]))
         torch.cuda.empty_cache()
-        every_row = rows(quick, gpus)
+        fill = parts.run("fill", lambda _: fill_device(quick, gpus))
+        every_row = rows(quick, gpus, fill["rows"] if fill else GPT2_ROWS)
         profiled = parts.run("profile", lambda _: profile_island(every_row[MFU_ROW].config, steps=PROFILE_STEPS))
         torch.cuda.empty_cache()
         table = {k: r for k, r in every_row.items() if parts.wanted(k)}
@@ -513,6 +543,7 @@ def gpu(quick: bool, work: Path, parts_only: tuple[str, ...] | None = None) -> B
         "island_vs_bare_loop": {"cuda": ratio["ratio"] if ratio else None},
         "island_vs_bare_loop_runs": {"cuda": ratio} if ratio else {},
         "plan_accelerator_check": check,
+        "mfu_rows": fill,  # the 124 M island's rows a step and why (None: not planned, GPT2_ROWS used)
         "profile_124m": profiled,
         "model": {
             "assumed_mfu": ASSUMED_MFU,
@@ -598,6 +629,12 @@ def _markdown(
         if check
         else "The plan's accelerator side: not checked (no measured peak)."
     )
+    if (fill := extra["mfu_rows"]) is not None:
+        check_md += (
+            f" The 124 M island trains {fill['rows']} rows a step ({fill['tokens_per_step']:,} tokens), the most the "
+            f"plan fits in {fill['fill']:.0%} of its {fill['island_share']:g} of the GPU: "
+            f"{fill['planned_accelerator_bytes'] / 2**30:.1f} of {fill['device_bytes'] / 2**30:.1f} GiB planned."
+        )
     runs_md = (
         md_table(
             [

@@ -519,6 +519,64 @@ def make_plan(
     )
 
 
+def at_rows(cfg: RunConfig, rows: int) -> RunConfig:
+    """`cfg` with one micro-batch of `rows` rows a step (everything else as it is)."""
+    task = cfg.task.model_copy(update={"kwargs": {**cfg.task.kwargs, "batch_size": rows}})
+    return cfg.model_copy(update={"task": task, "inner": cfg.inner.model_copy(update={"micro_batches": 1})})
+
+
+DEVICE_FILL = (
+    0.85  # of an island's share of its GPU a step may plan to hold (the allocator's slack, kernels' workspaces)
+)
+
+
+class NothingFits(ValueError):
+    """Not even one row a step fits the island's share of its accelerator."""
+
+
+def micro_batch_rows(cfg: RunConfig) -> int:
+    """The rows of one of the config's micro-batches (its task's `batch_size` over
+    `inner.micro_batches`); ValueError for a task without a `batch_size`."""
+    rows = cfg.task.kwargs.get("batch_size")
+    if not isinstance(rows, int):
+        raise ValueError(f"{cfg.task.factory} takes no integer batch_size: its micro-batch cannot be scaled")
+    return rows // cfg.inner.micro_batches
+
+
+def island_accelerator_bytes(plan: Plan) -> int:
+    """The island worker's planned peak on its accelerator (ValueError: it has none)."""
+    need = next((n for n in plan.needs if n.process == "island worker" and n.memory == "accelerator"), None)
+    if need is None:
+        raise ValueError("the plan's island runs on no accelerator")
+    return need.total
+
+
+def rows_that_fill(cfg: RunConfig, cluster: Cluster, most: int = 512) -> tuple[int, int]:
+    """The rows a step (one micro-batch, a power of two up to `most`) whose island's planned
+    peak on its accelerator is the largest within `DEVICE_FILL` of its share of the GPU
+    (`islands.gpus` of its memory), and that peak in bytes: the tokens a step that keep a
+    GPU busy, as the best open loops size them (llm.c trains the 124 M GPT-2 at 64 rows of
+    1,024 tokens on an 80-GB card). One measurement under fake tensors, at the config's own
+    micro-batch: a step's activations and temporaries grow in proportion to its rows,
+    everything else the island holds does not (the line `plan --rehearse-rows` reads too).
+    `NothingFits` where one row does not."""
+    from .cache import model_memory
+
+    node = cluster.island_node(cfg.islands.gpus)
+    if node is None or node.accelerator_memory is None or cfg.islands.gpus <= 0:
+        raise NothingFits(f"{cluster.source} states no accelerator for an island of islands.gpus {cfg.islands.gpus}")
+    room = DEVICE_FILL * cfg.islands.gpus * node.accelerator_memory
+    measured_rows = micro_batch_rows(cfg)
+    at = at_rows(cfg, measured_rows)
+    model = model_memory(at)
+    fixed = island_accelerator_bytes(make_plan(at, model, cluster)) - model.train_parts["activations_and_temporaries"]
+    per_row = model.train_parts["activations_and_temporaries"] / measured_rows
+    fitting = [r for r in (2**k for k in range(most.bit_length())) if r <= most and fixed + per_row * r <= room]
+    if not fitting:
+        raise NothingFits(f"one row a step needs more than {room / GIB:.2f} GiB of the island's accelerator")
+    return fitting[-1], int(fixed + per_row * fitting[-1])
+
+
 def plan_run(
     cfg: RunConfig,
     cluster: Cluster | None = None,

@@ -29,6 +29,7 @@ from pathlib import Path
 from ..config import RunConfig
 from ..config_operations import EvalPlace
 from .fresh import Fresh
+from .planner import at_rows, micro_batch_rows
 
 GIB = 2**30
 TOLERANCE = 0.25  # a process's measured peak within 25 % of the plan's
@@ -68,21 +69,6 @@ class Rehearsed:
             f"{self.role:<12} planned {self.planned / GIB:6.2f} GiB  measured {self.measured / GIB:6.2f} GiB  "
             f"({self.ratio:.2f}x)  in {self.seconds:.1f} s{scaled}"
         )
-
-
-def micro_batch_rows(cfg: RunConfig) -> int:
-    """The rows of one of the config's micro-batches (its task's `batch_size` over
-    `inner.micro_batches`); ValueError for a task without a `batch_size`."""
-    rows = cfg.task.kwargs.get("batch_size")
-    if not isinstance(rows, int):
-        raise ValueError(f"{cfg.task.factory} takes no integer batch_size: its micro-batch cannot be scaled")
-    return rows // cfg.inner.micro_batches
-
-
-def at_rows(cfg: RunConfig, rows: int) -> RunConfig:
-    """`cfg` with one micro-batch of `rows` rows a step (everything else as it is)."""
-    task = cfg.task.model_copy(update={"kwargs": {**cfg.task.kwargs, "batch_size": rows}})
-    return cfg.model_copy(update={"task": task, "inner": cfg.inner.model_copy(update={"micro_batches": 1})})
 
 
 def on_the_line(peaks: dict[int, int], rows: int) -> int:
