@@ -132,11 +132,13 @@ def test_the_readmes_figures_are_the_benchmarks_json():
     assert f"eval loss {row['final_eval_loss']:.2f}," in readme and f"-> {row['final_eval_loss']:.4f} |" in readme
     checks = json.loads((REPO / "docs" / "fleet.json").read_text())["checks"]
     ratios = re.search(
-        r"in ([\d.]+)× data-parallel's time with the slices\s+`plan` asks for \(([\d.]+)× on one", readme
+        r"in ([\d.]+)× the fastest DDP's time \((\w+)\)\s+with the (\d+) slice nodes `plan` asks for \(([\d.]+)× on",
+        readme,
     )
     assert ratios is not None
-    assert float(ratios.group(1)) == round(checks["quorum_sliced_time_le_0.5x_ddp_at_16_at_1gbps"]["value"], 2)
-    assert float(ratios.group(2)) == round(checks["quorum_time_le_0.5x_ddp_at_16_at_1gbps"]["value"], 2)
+    sliced, one_head = (checks[f"{row}_time_le_0.5x_best_ddp_at_16_at_1gbps"] for row in ("quorum_sliced", "quorum"))
+    assert float(ratios.group(1)) == round(sliced["value"], 2) and float(ratios.group(4)) == round(one_head["value"], 2)
+    assert ratios.group(2) == sliced["versus"] and int(ratios.group(3)) == sliced["machines"]["quorum_sliced"]["cpu_nodes"] - 1
     testbed = json.loads((REPO / "docs" / "testbed.json").read_text())
     real = re.search(r"reaches eval loss ([\d.]+) in ([\d.]+)× the best DDP's time", readme)
     assert real is not None
@@ -161,8 +163,32 @@ Figure = tuple[str, str, str, list[tuple[str, ...]], float, int]
 FIGURES: list[Figure] = [
     (
         "findings/fleet.md",
-        r"`quorum_sliced` \d+ against `ddp`'s [\d,]+ \(\*\*([\d.]+)×: ≤ 0\.5× met",
+        r"`quorum_sliced` [\d,]+ \(\*\*([\d.]+)× the fastest DDP",
         "fleet.json",
+        [("checks", "quorum_sliced_time_le_0.5x_best_ddp_at_16_at_1gbps", "value")],
+        1,
+        2,
+    ),
+    (
+        "findings/fleet.md",
+        r"the fastest DDP is `ddp_int8` ([\d,]+) s \(`ddp_bf16` ([\d,]+), fp32 ([\d,]+)",
+        "fleet.json",
+        [("links", "1", "methods", f"{row}_16", "sim_seconds_to_target") for row in ("ddp_int8", "ddp_bf16", "ddp")],
+        1,
+        0,
+    ),
+    (
+        "findings/fleet.md",
+        r"At \*\*10 Gbit/s\*\* DDP wins: `ddp_int8` (\d+) against `quorum_sliced` (\d+)",
+        "fleet.json",
+        [("links", "10", "methods", f"{row}_16", "sim_seconds_to_target") for row in ("ddp_int8", "quorum_sliced")],
+        1,
+        0,
+    ),
+    (
+        "findings/fleet.md",
+        r"`quorum_sliced` \d+ against `ddp`'s [\d,]+ \(\*\*([\d.]+)×: ≤ 0\.5× met",
+        "experiments/fleet-ddp-unhooked.json",
         [("checks", "quorum_sliced_time_le_0.5x_ddp_at_16_at_1gbps", "value")],
         1,
         2,
@@ -178,7 +204,7 @@ FIGURES: list[Figure] = [
     (
         "findings/fleet.md",
         r"At \*\*10 Gbit/s\*\* `quorum_sliced`\s+(\d+) against `ddp`'s (\d+)",
-        "fleet.json",
+        "experiments/fleet-ddp-unhooked.json",
         [("links", "10", "methods", f"{row}_16", "sim_seconds_to_target") for row in ("quorum_sliced", "ddp")],
         1,
         0,
@@ -372,7 +398,7 @@ def test_the_findings_figures_are_their_json(figure: Figure):
         value = data
         for key in path:
             value = value[key]
-        assert float(text) == round(value * scale, decimals), (page, path, text, value)
+        assert float(text.replace(",", "")) == round(value * scale, decimals), (page, path, text, value)
 
 
 def test_the_control_plane_page_lists_exactly_the_apps_routes():
