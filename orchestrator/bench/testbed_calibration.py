@@ -158,7 +158,7 @@ def calibration_table(calibration: dict[str, Any]) -> str:
             regime,
             row,
             _s(c["measured_s"]),
-            _s(c["simulated_s"]),
+            "not simulated" if row in UNSIMULATED else _s(c["simulated_s"]),
             "-" if c["ratio"] is None else f"{c['ratio']:.2f}",
             c.get("why") or ("yes" if c["ok"] else "no"),
         ]
