@@ -726,9 +726,9 @@ def test_an_islands_inner_state_snapshot_is_counted_where_its_run_keeps_it(capsy
 def test_the_plan_picks_the_rows_a_step_that_fill_an_islands_share_of_its_gpu(tmp_path):
     """`bench gpu`'s 124 M island trains the rows a step the plan fits in its GPU (llm.c's
     64 rows of 1,024 tokens on an 80-GB card, not a CPU config's 16): the largest power of two
-    whose planned accelerator peak is within `DEVICE_FILL` of the island's share, read off
-    one measurement (activations grow with the rows) and checked here against the plan
-    measured at the rows it chose; none fitting is a typed refusal."""
+    whose planned accelerator peak is within `DEVICE_FILL` of the island's share, guessed off
+    one measurement (activations grow with the rows) and measured at the guess; none fitting
+    is a typed refusal."""
     from archipelago.orchestrator.plan.cache import model_memory
     from archipelago.orchestrator.plan.cluster import Cluster, NodeKind
     from archipelago.orchestrator.plan.planner import (
@@ -754,7 +754,7 @@ def test_the_plan_picks_the_rows_a_step_that_fill_an_islands_share_of_its_gpu(tm
     rows, planned = rows_that_fill(cfg, gpu(int(huge[1] / 2 / DEVICE_FILL / 0.5)))  # half of 64 rows' peak
     assert 8 <= rows < 64 and planned <= huge[1] / 2
     measured = island_accelerator_bytes(make_plan(at_rows(cfg, rows), model_memory(at_rows(cfg, rows)), gpu(2**40)))
-    assert abs(planned / measured - 1) <= 0.05, (planned, measured)  # the line holds at the rows it chose
+    assert planned == measured  # the rows it chose, measured: what it says they hold
     with pytest.raises(NothingFits):
         rows_that_fill(cfg, gpu(2**20))
     with pytest.raises(NothingFits, match="no accelerator"):

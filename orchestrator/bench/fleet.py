@@ -646,9 +646,12 @@ def _markdown(
         f"`{name}`: against `{c['versus']}` ("
         + "; ".join(f"{r} {m['islands']} islands + {m['cpu_nodes']} CPU nodes" for r, m in c["machines"].items())
         + ")"
+        + (f" — {c['note']}" if c.get("note") else "")
         for name, c in checks.items()
         if "versus" in c
     ]
+    if versus:
+        versus.append("only islands fail here: the head and its slices' nodes never do")
     lines += [
         checks_table(checks),
         "",

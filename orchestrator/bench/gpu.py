@@ -177,10 +177,19 @@ def rows(quick: bool, gpus: int, mfu_rows: int = GPT2_ROWS) -> dict[str, Row]:
     """The runs: fractional-GPU islands of each task, and an island of two workers (FSDP2)
     where there are two GPUs (the evaluation actor takes the fifth of a GPU they leave);
     the 124 M island at `mfu_rows` rows a step (one micro-batch: the `fill` part's choice)."""
+    _, h = _rounds(quick)
+    # at more rows, fewer steps a round: the run's tokens (and so its time in its budget) stay those at GPT2_ROWS
+    steps = max(5, h * GPT2_ROWS // mfu_rows)
     table = {
         MFU_ROW: Row(
             description=f"GPT-2 small (124 M), 1 island on 1 GPU, {mfu_rows} rows a step",
-            overrides=[*GPT2_124M, f"task.kwargs.batch_size={mfu_rows}", "islands.count=1", "islands.gpus=0.8"],
+            overrides=[
+                *GPT2_124M,
+                f"task.kwargs.batch_size={mfu_rows}",
+                f"inner_steps={steps}",
+                "islands.count=1",
+                "islands.gpus=0.8",
+            ],
             approx_params=124_439_808,
             budget_s=130.0,
         ),
@@ -238,14 +247,14 @@ def step_seconds(params: int, tokens: int, peak: float) -> float:
     return 6 * params * tokens / (peak * ASSUMED_MFU)
 
 
-def plan_parts(quick: bool, gpus: int, peak: float) -> list[Part]:
+def plan_parts(quick: bool, gpus: int, peak: float, mfu_rows: int = GPT2_ROWS) -> list[Part]:
     """Every part with its budget and expected time (see the module's model)."""
     from archipelago.orchestrator.bench import bareloop
 
     steps, alternations = bareloop.sizes(quick)
     bare_tokens = tokens_per_step(load_config(None, [*bareloop.GPT_25M, *bareloop.CUDA_BATCH]))
     bare_steps = 2 * (2 + alternations * steps)  # warm-up and alternations, island and bare loop
-    table = rows(quick, gpus)
+    table = rows(quick, gpus, mfu_rows)
     profiled = table[MFU_ROW]
     parts = [
         Part(name="peak", description="bf16 matmul peak", budget_s=15.0, expected_s=3.0),
@@ -279,9 +288,8 @@ def plan_parts(quick: bool, gpus: int, peak: float) -> list[Part]:
     ]
     rounds, h = _rounds(quick)
     for name, row in table.items():
-        train = (
-            rounds * h * row.islands * step_seconds(row.approx_params, tokens_per_step(row.config), peak) / row.devices
-        )
+        steps = rounds * (row.config.inner_steps if "inner_steps" in row.config.model_fields_set else h)
+        train = steps * row.islands * step_seconds(row.approx_params, tokens_per_step(row.config), peak) / row.devices
         parts.append(
             Part(
                 name=name,
@@ -504,7 +512,11 @@ def gpu(quick: bool, work: Path, parts_only: tuple[str, ...] | None = None) -> B
             check = parts.run("plan", lambda _: plan_check(overrides, ratio["island_peak_bytes"]))
         torch.cuda.empty_cache()
         fill = parts.run("fill", lambda _: fill_device(quick, gpus))
-        every_row = rows(quick, gpus, fill["rows"] if fill else GPT2_ROWS)
+        mfu_rows = fill["rows"] if fill else GPT2_ROWS
+        for part in plan_parts(quick, gpus, datasheet or 989e12, mfu_rows):  # what the chosen rows expect
+            if part.name in (MFU_ROW, "profile"):
+                parts.plan[part.name] = part
+        every_row = rows(quick, gpus, mfu_rows)
         profiled = parts.run("profile", lambda _: profile_island(every_row[MFU_ROW].config, steps=PROFILE_STEPS))
         torch.cuda.empty_cache()
         table = {k: r for k, r in every_row.items() if parts.wanted(k)}

@@ -553,28 +553,40 @@ def island_accelerator_bytes(plan: Plan) -> int:
 
 def rows_that_fill(cfg: RunConfig, cluster: Cluster, most: int = 512) -> tuple[int, int]:
     """The rows a step (one micro-batch, a power of two up to `most`) whose island's planned
-    peak on its accelerator is the largest within `DEVICE_FILL` of its share of the GPU
-    (`islands.gpus` of its memory), and that peak in bytes: the tokens a step that keep a
-    GPU busy, as the best open loops size them (llm.c trains the 124 M GPT-2 at 64 rows of
-    1,024 tokens on an 80-GB card). One measurement under fake tensors, at the config's own
-    micro-batch: a step's activations and temporaries grow in proportion to its rows,
-    everything else the island holds does not (the line `plan --rehearse-rows` reads too).
-    `NothingFits` where one row does not."""
+    peak on its accelerator is the largest within `DEVICE_FILL` of one worker's share of the
+    GPU (`islands.gpus`, at most one GPU, of its memory), and that peak in bytes: the tokens a
+    step that keep a GPU busy, as the best open loops size them (llm.c trains the 124 M GPT-2
+    at 64 rows of 1,024 tokens on an 80-GB card). Guessed from one fake-tensor measurement at
+    the config's own micro-batch, scaling its activations and temporaries with the rows (they
+    hold parts that do not scale, such as the chunked loss's logits: the guess is high above
+    the measured rows and may be low below them), then measured at the guess and halved
+    until the measurement fits. `NothingFits` where one row does not."""
     from .cache import model_memory
 
     node = cluster.island_node(cfg.islands.gpus)
-    if node is None or node.accelerator_memory is None or cfg.islands.gpus <= 0:
+    if cfg.islands.gpus <= 0:
+        raise NothingFits("the island trains on its CPU (islands.gpus 0): it has no accelerator to fill")
+    if node is None or node.accelerator_memory is None:
         raise NothingFits(f"{cluster.source} states no accelerator for an island of islands.gpus {cfg.islands.gpus}")
-    room = DEVICE_FILL * cfg.islands.gpus * node.accelerator_memory
+    room = DEVICE_FILL * min(cfg.islands.gpus, 1.0) * node.accelerator_memory
+
+    def planned(rows: int) -> tuple[int, ModelMemory]:
+        at = at_rows(cfg, rows)
+        model = model_memory(at)
+        return island_accelerator_bytes(make_plan(at, model, cluster)), model
+
     measured_rows = micro_batch_rows(cfg)
-    at = at_rows(cfg, measured_rows)
-    model = model_memory(at)
-    fixed = island_accelerator_bytes(make_plan(at, model, cluster)) - model.train_parts["activations_and_temporaries"]
-    per_row = model.train_parts["activations_and_temporaries"] / measured_rows
-    fitting = [r for r in (2**k for k in range(most.bit_length())) if r <= most and fixed + per_row * r <= room]
-    if not fitting:
-        raise NothingFits(f"one row a step needs more than {room / GIB:.2f} GiB of the island's accelerator")
-    return fitting[-1], int(fixed + per_row * fitting[-1])
+    peak, model = planned(measured_rows)
+    activations = model.train_parts["activations_and_temporaries"]
+    per_row = activations / max(1, measured_rows // cfg.islands.workers)
+    guess = [r for r in (2**k for k in range(most.bit_length())) if (peak - activations) + per_row * r <= room]
+    rows = guess[-1] if guess else 1
+    while rows >= 1:
+        peak = planned(rows)[0]
+        if peak <= room:
+            return rows, peak
+        rows //= 2
+    raise NothingFits(f"one row a step needs more than {room / GIB:.2f} GiB of the island's accelerator")
 
 
 def plan_run(

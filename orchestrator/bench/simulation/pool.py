@@ -293,7 +293,7 @@ class InProcessPool:
 
     def writes_ending(self, islands: list[int]) -> Callable[[float], None]:
         """(`IslandPool.writes_ending`) The islands' own write threads, waited for in turn."""
-        live = [self.islands[i] for i in islands if i in self.islands and i not in self.dead]
+        live = [self.islands[i] for i in islands if self._alive(i)]
 
         def wait(timeout_s: float) -> None:
             deadline = time.monotonic() + timeout_s  # the writes' own threads: real time
@@ -464,7 +464,7 @@ class InProcessPool:
     def refresh(self, order: WorkOrder, params: Any, changes: tuple[Any, ...] = ()) -> None:
         """At once (the spare is idle: its download delays nothing it does)."""
         island = self.islands.get(order.island)
-        if island is not None and order.island not in self.dead:
+        if island is not None and self._alive(order.island):
             island.hold(dataclasses.replace(order, changes=changes) if changes else order, params)
 
     def _download_s(self, island: int) -> float:
