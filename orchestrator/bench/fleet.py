@@ -56,7 +56,15 @@ from archipelago.orchestrator.bench.fleet_spec import (
     FleetSpec,
 )
 from archipelago.orchestrator.bench.hetero import time_to_reach
-from archipelago.orchestrator.bench.report import BenchResult, Panel, checks_table, eval_curve, md_table, targets_met
+from archipelago.orchestrator.bench.report import (
+    BenchResult,
+    Panel,
+    checks_table,
+    eval_curve,
+    md_table,
+    seconds_or_unreached,
+    targets_met,
+)
 from archipelago.orchestrator.bench.runner import finished, fresh, record_simulation
 from archipelago.orchestrator.bench.simulation.chaos import Strike, mttf_schedule
 from archipelago.orchestrator.bench.simulation.config import ReplacementSpeed, SimulationConfig, planned_head
@@ -238,10 +246,6 @@ def _reach_mean(xs: list[float | None]) -> float | None:
     return None if None in xs else statistics.mean(x for x in xs if x is not None)
 
 
-def _seconds(x: float | None) -> str:
-    return "not reached" if x is None else f"{x:.0f}"
-
-
 @dataclass(frozen=True)
 class Key:
     """One run: a row on a fleet of `islands`, a seed, an lr, a link, with failures or not."""
@@ -355,7 +359,7 @@ def fleet(quick: bool, work: Path, spec: FleetSpec | None = None) -> BenchResult
     summary = "fleet: " + "; ".join(
         f"{g} Gbit/s, {k} islands: "
         + ", ".join(
-            f"{r} {_seconds(m['sim_seconds_to_target'])} s"
+            f"{r} {seconds_or_unreached(m['sim_seconds_to_target'])} s"
             for r in HEADLINE
             if (m := links[g]["methods"].get(f"{r}_{k}")) is not None
         )
@@ -532,7 +536,7 @@ def _results_table(spec: FleetSpec, r: dict[str, dict[str, Any]]) -> str:
             f"{m['machines']['islands']} + {m['machines']['cpu_nodes']}",
             _head(m["head"]),
             f"{m['outer_lr']:g}" if m["outer_lr"] is not None else f"{m['lr_factor']:g}x inner",
-            f"{_seconds(m['sim_seconds_to_target'])} ({', '.join(_seconds(x) for x in m['sim_seconds_to_target_seeds'])})",
+            f"{seconds_or_unreached(m['sim_seconds_to_target'])} ({', '.join(seconds_or_unreached(x) for x in m['sim_seconds_to_target_seeds'])})",
             f"{m['goodput']:.3f} ({', '.join(f'{g:.2f}' for g in m['goodput_seeds'])})",
             f"{m['goodput_dd']:.3f}",
             f"{m['head_share']:.2f}",

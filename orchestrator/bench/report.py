@@ -261,6 +261,11 @@ def targets_met(checks: dict[str, dict[str, Any]]) -> str:
     return f"targets met {sum(c['ok'] for c in checks.values())}/{len(checks)}"
 
 
+def seconds_or_unreached(t: float | None) -> str:
+    """A time to a target as a table shows it: whole seconds, or "not reached"."""
+    return "not reached" if t is None else f"{t:.0f}"
+
+
 def eval_curve(
     run_dir: Path, summary: dict[str, Any], x_key: str | Callable[[dict[str, Any]], float], start: float = 0.0
 ) -> list[tuple[float, float]]:

@@ -45,7 +45,7 @@ from typing import Any
 from archipelago.orchestrator.bench.ddp_baseline import Hook
 from archipelago.orchestrator.bench.netlab_cluster import Role, in_machine
 from archipelago.orchestrator.bench.netlab_scenario import Link, MachineSpec, Scenario, Testbed, keep, kept
-from archipelago.orchestrator.bench.report import BenchResult, Panel, md_table
+from archipelago.orchestrator.bench.report import BenchResult, Panel, md_table, seconds_or_unreached
 from archipelago.orchestrator.bench.testbed_calibration import CALIBRATION_HEADING, calibrate, calibration_table
 from archipelago.orchestrator.bench.testbed_faults import cases, run_case
 from archipelago.orchestrator.bench.testbed_workload import (
@@ -333,7 +333,7 @@ def _result(
         table = [
             [
                 k,
-                _s(r["seconds_to_target"]),
+                seconds_or_unreached(r["seconds_to_target"]),
                 _b(r["card_bytes"]) + (f" ({r['timed_steps']} steps)" if "timed_steps" in r else ""),
                 _b(r["payload_bytes"]),
                 f"{r['head_busy_share']:.2f}",
@@ -405,10 +405,6 @@ def _best(rows: dict[str, dict[str, Any]], ddp: bool) -> float | None:
     times = [r["seconds_to_target"] for k, r in rows.items() if k.startswith("ddp") == ddp]
     reached = [t for t in times if t is not None]
     return min(reached) if reached else None
-
-
-def _s(t: float | None) -> str:
-    return "not reached" if t is None else f"{t:.0f}"
 
 
 def _b(card: Any) -> str:

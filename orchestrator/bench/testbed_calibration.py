@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from archipelago.orchestrator.bench.report import eval_curve, machine_info, md_table
+from archipelago.orchestrator.bench.report import eval_curve, machine_info, md_table, seconds_or_unreached
 from archipelago.orchestrator.bench.runner import finished, fresh, record_simulation
 from archipelago.orchestrator.bench.simulation.config import SimulationConfig
 from archipelago.orchestrator.bench.simulation.links import LinkConfig
@@ -157,8 +157,8 @@ def calibration_table(calibration: dict[str, Any]) -> str:
         [
             regime,
             row,
-            _s(c["measured_s"]),
-            "not simulated" if row in UNSIMULATED else _s(c["simulated_s"]),
+            seconds_or_unreached(c["measured_s"]),
+            "not simulated" if row in UNSIMULATED else seconds_or_unreached(c["simulated_s"]),
             "-" if c["ratio"] is None else f"{c['ratio']:.2f}",
             c.get("why") or ("yes" if c["ok"] else "no"),
         ]
@@ -166,10 +166,6 @@ def calibration_table(calibration: dict[str, Any]) -> str:
         for row, c in at.items()
     ]
     return md_table(["regime", "row", "measured s", "simulated s", "simulated / measured", f"in {lo}-{hi}"], rows)
-
-
-def _s(t: float | None) -> str:
-    return "not reached" if t is None else f"{t:.0f}"
 
 
 def main(argv: list[str] | None = None) -> int:
