@@ -124,7 +124,7 @@ def test_a_frozen_slice_holds_neither_reads_nor_a_stop(ray_local, tmp_path, monk
 
     import ray
 
-    from archipelago.orchestrator.runtime.names import NAMESPACE
+    from archipelago.orchestrator.runtime.names import NAMESPACE, coordinator_name
 
     monkeypatch.setenv("ARCHIPELAGO_API_TOKEN", TOKEN)
     port = free_port()
@@ -163,6 +163,22 @@ def test_a_frozen_slice_holds_neither_reads_nor_a_stop(ray_local, tmp_path, monk
         assert max(took) < 2.0, took
         assert client.get("/v1/run").json()["round"] == held  # the engine really was held
         print(f"reads and a stop beside a frozen slice: slowest {max(took) * 1000:.0f} ms")
+        # the coordinator itself frozen (as one still starting, or on a host too loaded to
+        # schedule it): before, a read waited 10 s for it; now the last answer, within 2 s
+        coordinator = ray.get_actor(coordinator_name("frozen"), namespace=NAMESPACE)
+        coordinator_pid = ray.get(coordinator.__ray_call__.remote(lambda _self: os.getpid()), timeout=30)
+        os.kill(coordinator_pid, signal.SIGSTOP)
+        try:
+            t0 = time.perf_counter()
+            status = client.get("/v1/run")
+            slow = time.perf_counter() - t0
+            islands = client.get("/v1/islands")
+            assert slow < 2.0 and time.perf_counter() - t0 < 4.0, slow
+            assert status.status_code == 200 and status.json()["coordinator"] == "slow", status.text
+            assert islands.status_code == 200 and client.get("/v1/events").json() == []
+        finally:
+            os.kill(coordinator_pid, signal.SIGCONT)
+        assert client.get("/v1/run").json()["coordinator"] == "running"
         os.kill(pid, signal.SIGCONT)
         pid = None
         thread.join(timeout=120)

@@ -1,10 +1,14 @@
-"""An island's inner step never waits on its device: nothing in it reads a tensor back to
-the host (`.item()`, `float()`, `bool()`, `.tolist()`, `.numpy()`, `.cpu()`). On a GPU each
-such read stalls the step until the queue drains; on this CPU there is no queue to stall,
-so the reads are counted where they are made, with a `TorchFunctionMode`, and compared
-between rounds of 1 and 4 inner steps of the default island: what a step adds is zero in
-the project's code. The round's own reads, once a round, are the documented ones
-(docs/architecture.md, "An island's host reads")."""
+"""An island's inner step never waits on its device. Two counts, on the default island:
+- below Python (`tests/host_syncs.py`: a `TorchDispatchMode`), every operation one inner
+  step dispatches that would make a GPU's host wait — a value read back (`.item()`,
+  `float()`, `bool()`), an output shaped by the values (`nonzero`, `masked_select`,
+  `unique`, a boolean index), a copy to the CPU — by the site that made it: only the
+  documented ones (`ALLOWED`);
+- at the project's calls (a `TorchFunctionMode`), every read of a tensor back to the host
+  (`.item()`, `float()`, `bool()`, `.tolist()`, `.numpy()`, `.cpu()`: the last three
+  dispatch nothing on a CPU), compared between rounds of 1 and 4 inner steps: what a step
+  adds is zero in the project's code. The round's own reads, once a round, are the
+  documented ones (docs/architecture.md, "An island's host reads")."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.specs import island_spec
 from archipelago.workers.runtime.island import Island
+from tests.host_syncs import ALLOWED, HostSyncs
 
 READS = {
     torch.Tensor.item,
@@ -57,6 +62,49 @@ def _ours(filename: str) -> bool:
     return any(p in parts for p in PROJECT) and "site-packages" not in parts and "tests" not in parts
 
 
+def _default_island(corpus_cache: str) -> Island:
+    cfg = load_config(None, [f"task.kwargs.cache_dir={corpus_cache}", "warm_start.steps=0"])
+    torch.manual_seed(cfg.seed)
+    return Island(island_spec(cfg, 0))
+
+
+def test_the_sync_counter_sees_each_kind_of_sync_by_its_site():
+    """What the island's test relies on: each kind is seen, inside torch's functions too,
+    and named by the line's function; work that never waits is not counted."""
+    x = torch.arange(-2.0, 3.0)
+
+    def reads() -> None:
+        x.sum().item()
+        float(x.max())
+        if x.min() < 0:  # bool()
+            x[x > 0]
+        torch.where(x > 0)  # nonzero
+        torch.unique(x)
+        x.repeat_interleave(torch.ones(5, dtype=torch.long))
+        torch.nn.utils.clip_grad_norm_([torch.nn.Parameter(x.clone())], 1.0, error_if_nonfinite=True)
+
+    with HostSyncs() as syncs:
+        (x * 2).softmax(0).cumsum(0)  # none of these waits
+        x.repeat_interleave(2)  # its output size is known
+        reads()
+    sites = {op for op, where in syncs.seen if where == "tests/test_host_syncs.py:reads"}
+    assert sites == {"aten._local_scalar_dense", "aten.index", "aten.nonzero", "aten._unique2", "aten.repeat_interleave"}
+    assert any("clip_grad" in where for _, where in syncs.seen)  # torch's own .item() in a library function
+    assert syncs.unexplained() == {k: n for k, n in syncs.seen.items()}
+
+
+def test_one_inner_step_of_the_default_island_makes_only_the_documented_host_syncs(corpus_cache):
+    island = _default_island(corpus_cache)
+    island.run(island.order(0, 1), island.flat.numpy())  # the optimizer's state built, as in any later round
+    shard = next(iter(island.order(1, 1).shards))
+    batch = next(iter(island.task.train_batches(shard, island.num_shards, island.spec.seed)))
+    with HostSyncs() as syncs:
+        island.inner_step(batch)
+    assert syncs.unexplained() == {}, syncs.seen
+    # foreach AdamW reads its host step counter twice a step for the island's one flat parameter
+    assert syncs.seen == {next(iter(ALLOWED)): 2}, syncs.seen
+
+
 def _reads(island: Island, steps: int) -> collections.Counter[tuple[str, str]]:
     params = island.flat.numpy()  # the published parameters, as the pool hands them in
     order = island.order(0, steps)
@@ -66,9 +114,7 @@ def _reads(island: Island, steps: int) -> collections.Counter[tuple[str, str]]:
 
 
 def test_an_inner_step_of_the_default_island_reads_nothing_back_to_the_host(corpus_cache):
-    cfg = load_config(None, [f"task.kwargs.cache_dir={corpus_cache}", "warm_start.steps=0"])
-    torch.manual_seed(cfg.seed)
-    island = Island(island_spec(cfg, 0))
+    island = _default_island(corpus_cache)
     _reads(island, 1)  # the first round builds the optimizer's state
     one, four = _reads(island, 1), _reads(island, 4)
     per_step = {k: four[k] - one.get(k, 0) for k in four if four[k] != one.get(k, 0)}

@@ -184,6 +184,7 @@ class Poller:
             "reads": len(answers),
             "slowest_s": max((a[2] for a in answers), default=None),
             "not_ok": [a for a in answers if a[1] != 200],
+            "slow": [a for a in answers if a[2] > ANSWER_S / 2],  # (when, status, seconds): where to look
         }
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from archipelago.api.handle import HandleError
 
 from ..engine.commands import Answer, Command
-from ..engine.state.views import EventRecord
+from ..engine.state.views import Coordinator, EventRecord
 from .names import NAMESPACE, coordinator_name, run_id_of_coordinator
 
 
@@ -38,65 +38,79 @@ UNKNOWN = (
     "the coordinator did not answer ({why}): the command may or may not have been applied. Check GET /v1/run "
     "and /v1/events, or send it again with the same Idempotency-Key header, which applies it at most once"
 )
+READ_S = 1.0  # a read's wait for the coordinator: the control plane answers a read within 2 s
 
 
-class Restarting(Exception):
-    """The coordinator did not answer: Ray is restarting it."""
+class Unanswered(Exception):
+    """The coordinator did not answer: Ray is restarting it, or it was slow."""
+
+    def __init__(self, state: Coordinator) -> None:
+        super().__init__(state.value)
+        self.state = state
 
 
 class RayRunHandle:
     """Calls the coordinator actor `archipelago-<run_id>-coordinator`.
 
-    While Ray restarts a coordinator that died (seconds), reads answer with the last answer
-    seen (the status says `"coordinator": "restarting"`; cursor reads return nothing new).
-    A mutation not answered in time (the coordinator restarting, or busy: the command may
-    be waiting for the inbox's lock) is answered 409 saying its outcome is unknown — not
+    A read waits `READ_S` at most, so the control plane answers a read within 2 s whatever
+    the coordinator is doing: an actor still starting (its process and imports take seconds
+    on a loaded node, and the control plane serves from the run's first moment), Ray
+    restarting one that died, or a host too loaded to schedule it. Unanswered, a read
+    answers with the last answer seen (the status says `"coordinator": "restarting"` or
+    `"slow"`; cursor reads return nothing new), or 409 "retry" where none was seen yet.
+    A mutation not answered in `timeout_s` (the coordinator restarting, or busy: the command
+    may be waiting for the inbox's lock) is answered 409 saying its outcome is unknown — not
     "nothing was changed", which a retried `AddIslands` then made false — with the way to
     find out or retry safely (an idempotency key). The API never answers 5xx for a fault
     the run is built to survive."""
 
-    def __init__(self, run_id: str, timeout_s: float = 10.0) -> None:
+    def __init__(self, run_id: str, timeout_s: float = 10.0, read_s: float = READ_S) -> None:
         import ray
 
         self.ray = ray
         self.actor = ray.get_actor(coordinator_name(run_id), namespace=NAMESPACE)
-        self.timeout_s = timeout_s
-        self.last: dict[str, Any] = {}  # method -> its last answer, for reads during a restart
+        self.timeout_s, self.read_s = timeout_s, read_s
+        self.last: dict[str, Any] = {}  # method -> its last answer, for reads the coordinator did not answer
 
-    def _call(self, call: Callable[[], Any]) -> Any:
+    def _call(self, call: Callable[[], Any], timeout_s: float) -> Any:
         """`ray.get` of the coordinator call `call` makes. A coordinator that raised is a
-        fault of ours (500, its last line); one restarting is `Restarting`."""
+        fault of ours (500, its last line); one that did not answer is `Unanswered`."""
         ray = self.ray
         try:
-            return ray.get(call(), timeout=self.timeout_s)
+            return ray.get(call(), timeout=timeout_s)
         except ray.exceptions.RayTaskError as err:
             raise HandleError(500, str(err).splitlines()[-1]) from err
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
-            raise Restarting(type(err).__name__) from err
+        except ray.exceptions.RayActorError as err:
+            raise Unanswered(Coordinator.RESTARTING) from err
+        except ray.exceptions.GetTimeoutError as err:
+            raise Unanswered(Coordinator.SLOW) from err
 
     def _latest(self, key: str, call: Callable[[], Any]) -> Any:
-        """A read that, during a restart, answers with the last answer seen."""
+        """A read that, unanswered, answers with the last answer seen."""
         try:
-            self.last[key] = self._call(call)
-        except Restarting:
+            self.last[key] = self._call(call, self.read_s)
+        except Unanswered:
             if key not in self.last:
                 raise HandleError(409, RESTARTING) from None
         return self.last[key]
 
     def _since(self, call: Callable[[], Any]) -> list[Any]:
-        """A cursor read: nothing new during a restart (the reader asks again)."""
+        """A cursor read: nothing new while unanswered (the reader asks again)."""
         try:
-            return self._call(call)
-        except Restarting:
+            return self._call(call, self.read_s)
+        except Unanswered:
             return []
 
     def status(self) -> dict[str, Any]:
         try:
-            self.last["status"] = {**self._call(self.actor.status.remote), "coordinator": "running"}
-        except Restarting:
+            self.last["status"] = {
+                **self._call(self.actor.status.remote, self.read_s),
+                "coordinator": Coordinator.RUNNING.value,
+            }
+        except Unanswered as err:
             if "status" not in self.last:
                 raise HandleError(409, RESTARTING) from None
-            return {**self.last["status"], "coordinator": "restarting"}
+            return {**self.last["status"], "coordinator": err.state.value}
         return self.last["status"]
 
     def islands(self) -> dict[str, dict[str, Any]]:
@@ -110,6 +124,6 @@ class RayRunHandle:
 
     def submit(self, command: Command, key: str | None = None) -> Answer:
         try:
-            return self._call(lambda: self.actor.submit.remote(command, key))
-        except Restarting as err:
+            return self._call(lambda: self.actor.submit.remote(command, key), self.timeout_s)
+        except Unanswered as err:
             raise HandleError(409, UNKNOWN.format(why=err)) from err

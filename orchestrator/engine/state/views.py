@@ -7,7 +7,7 @@ it reads."""
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
@@ -16,6 +16,15 @@ from ..types import Event, IslandState, Merge, Phase, RunPhase
 
 class _View(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class Coordinator(str, Enum):
+    """The coordinator as the Ray handle reports it in `RunStatus` (unanswered reads show the
+    last answer seen)."""
+
+    RUNNING = "running"
+    RESTARTING = "restarting"  # Ray is restarting it
+    SLOW = "slow"  # alive but it did not answer a read in time (starting, or a loaded host)
 
 
 class RunStatus(_View):
@@ -49,7 +58,7 @@ class RunStatus(_View):
     stopping: bool = False
     disk_errors: int = 0
     last_disk_error: str | None = None
-    coordinator: Literal["running", "restarting"] | None = None  # set by the Ray handle
+    coordinator: Coordinator | None = None  # set by the Ray handle
     histograms: dict[str, HistogramView] = {}  # `HISTOGRAMS`' keys: round seconds, update staleness
 
     def as_dict(self) -> dict[str, Any]:
