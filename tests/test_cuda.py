@@ -59,6 +59,33 @@ def test_an_island_on_cuda_compiles_its_forward_by_default_and_one_on_the_cpu_do
     assert is_compiled(on_gpu.forward_model) and not is_compiled(on_cpu.forward_model)
 
 
+def test_an_island_on_cuda_lands_its_parameters_through_one_pinned_buffer_kept_round_after_round(corpus_cache):
+    cfg = load_config(None, [*TINY_LM, f"task.kwargs.cache_dir={corpus_cache}", "inner.precision=bf16"])
+    torch.manual_seed(cfg.seed)
+    island = Island(replace(island_spec(cfg, 0), device="cuda"))
+    params = island.flat.numpy()
+    island.run(island.order(0, 2), params)
+    buffer = island.stage.buffer
+    assert buffer is not None and buffer.is_pinned() and island.start.is_cuda
+    assert torch.equal(island.start.cpu(), torch.from_numpy(params))  # what its Δ was taken against
+    moved = params + 1
+    island.run(island.order(1, 2), moved)
+    assert island.stage.buffer.data_ptr() == buffer.data_ptr()  # pinned once
+    assert torch.equal(island.start.cpu(), torch.from_numpy(moved))
+
+
+def test_the_pinned_stage_copies_exactly_in_pieces():
+    from archipelago.workers.runtime.staging import PinnedStage
+
+    stage = PinnedStage(piece=1000)
+    for n in (2500, 3000):  # a new size: a new buffer
+        source = torch.randn(n)
+        into = torch.empty(n, device="cuda")
+        stage.copy(source, into)
+        torch.cuda.current_stream().synchronize()
+        assert torch.equal(into.cpu(), source) and stage.buffer.numel() == n
+
+
 @pytest.mark.ray
 def test_islands_share_one_gpu_through_fractional_gpus(corpus_cache, tmp_path):
     import ray

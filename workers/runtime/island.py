@@ -36,6 +36,7 @@ from .optim import build_inner, inner_params, inner_schedule, muon_params
 from .order_steps import Tail, Tally
 from .rounds import rounds_for
 from .shard_streams import ShardStreams
+from .staging import PinnedStage, staged
 from .version0 import version0
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class Island:
         groups = self.task.layer_groups(self.model) if isinstance(self.task, FragmentedTask) else None
         self.fragments = fragment_model(self.model, spec.fragments, groups) if spec.fragments else None
         self.copy: torch.Tensor | None = None  # the published parameters as this island holds them
+        self.stage = PinnedStage()  # their way onto a GPU (`staging.py`; its buffer is allocated on first use)
         self.held: int | None = None  # their version
         self.inner_steps_done = 0  # over the island's life: a restarted coordinator's test that it kept its state
         self.work_begun_at = 0  # inner_steps_done when its current work began (heartbeats: its steps of that work)
@@ -287,7 +289,7 @@ class Island:
         if order.schedule_step is not None:
             self._seek_schedule(order.schedule_step)
         t0 = time.perf_counter()
-        src = self.rounds.start(order, self._sync(order, params))
+        src = self.rounds.start(order, self._landed(self._sync(order, params)))
         if src is not None:
             self.flat.load(src)
         self.model.train()
@@ -395,7 +397,7 @@ class Island:
             source = as_tensor(params)
             if self.copy is None or self.copy.numel() != source.numel():
                 self.copy = torch.empty(source.numel(), dtype=self.flat.full().dtype, device=self.device)
-            self.copy.copy_(source)
+            self._copy_in(source, self.copy)
             self.held = order.version
         elif self.copy is None:
             raise ChangeOutOfOrder(f"changes to version {order.version} given to an island that holds no copy")
@@ -416,6 +418,25 @@ class Island:
         if self.held != order.version:
             raise ChangeOutOfOrder(f"work from version {order.version} given to a copy of {self.held}")
         return self.copy if self.fragments is None or full else None
+
+    def _landed(self, src: torch.Tensor | None) -> torch.Tensor | None:
+        """What the round starts from, on the island's device: parameters `_sync` hands over
+        in host memory (the object store's array, as it arrived) land once in the round's
+        start buffer on a GPU, through the pinned stage, and the round then copies them on
+        the device; elsewhere (a CPU, or an island group whose start is kept on the host)
+        the round reads them where they are, as before."""
+        if src is None or src.device.type != "cpu" or not staged(self.start.device):
+            return src
+        return self._copy_in(src, self.start)
+
+    def _copy_in(self, source: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        """`into` ← `source` (host memory): onto a GPU through the pinned stage, without
+        holding the host until it has landed (`staging.py`); elsewhere one plain copy."""
+        if staged(into.device):
+            self.stage.copy(source, into)
+        else:
+            into.copy_(source)
+        return into
 
     def _merge(self, positions: Any) -> None:
         """Streaming DiLoCo's merge of a fragment that came back: α·local + (1 − α)·global."""

@@ -84,8 +84,9 @@ class InnerSteps:
         self.island = island
 
     def start(self, order: WorkOrder, src: torch.Tensor | None) -> torch.Tensor | None:
-        """The parameters the work starts from (None: the island continues from its own)."""
-        if src is not None:
+        """The parameters the work starts from (None: the island continues from its own),
+        kept in the island's `start`: on a GPU they have landed there already (`Island._landed`)."""
+        if src is not None and src is not self.island.start:
             self.island.start.copy_(src)
         return src
 
