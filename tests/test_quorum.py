@@ -301,3 +301,24 @@ def test_quorum_composes_with_compression_and_a_sliced_coordinator(tmp_path, ext
     assert late and summary["islands"]["2"]["staleness_max"] >= 2
     assert np.isfinite(engine.flat.data.numpy()).all()
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+
+
+def test_a_step_with_no_island_left_in_flight_waits_until_every_result_crossed_its_link(tmp_path):
+    """Before: when every island had arrived, the quorum fired at once (`now`, the last
+    island's compute end), so on a priced link no async step waited for the uploads —
+    a simulated async run looked an upload per round faster than DiLoCo on the same fleet
+    (calibrated on the testbed: simulated 108 s where the shaped links took 158 s). Each
+    step fires once all it merges has crossed its link, and on identical islands async's
+    steps fall at DiLoCo's times."""
+    link = ["simulation.link.bandwidth_gbps=0.0001", "simulation.link.latency_ms=0", "simulation.virtual_step_s=1"]
+    times = {}
+    for mode in ("quorum", "diloco"):
+        cfg = scenario_cfg(tmp_path, mode, "rounds=3", "mode.dylu=false", *link)
+        engine, _ = in_process_engine(cfg)
+        closes = _watch(engine)
+        drive(engine)
+        check_exactly_once(cfg, engine.summary)
+        assert all(t >= max(f.usable_at for f in c.flights) for t, c in closes)
+        assert all(max(f.usable_at for f in c.flights) > max(f.received_at for f in c.flights) for _, c in closes)
+        times[mode] = [t for t, _ in closes]
+    assert times["quorum"] == pytest.approx(times["diloco"])

@@ -156,8 +156,8 @@ class Quorum(TokenBudget):
         """When the open step may fire (None: no quorum yet, or a stop waiting for all)."""
         if not self.queue:
             return None
-        if not in_flight:  # nobody else can deliver: waiting would only idle the arrived
-            return run.now
+        if not in_flight:  # nobody else can deliver: waiting past the last usable would only idle the arrived
+            return max(run.now, max(f.usable_at for f in self.queue))
         needed = self.rule.needed(len(run.members.schedulable()))
         if len(self.queue) < needed or run.stopping:
             return None
