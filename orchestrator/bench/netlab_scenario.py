@@ -290,5 +290,10 @@ def kept(out: Path) -> dict[str, Any] | None:
 
 
 def keep(out: Path, result: dict[str, Any]) -> dict[str, Any]:
+    """`result` kept in `out`, stamped with the commit that measured it: a rerun into the
+    same folder reuses it, and its report says which commits its parts were measured at."""
+    from archipelago.orchestrator.bench.report import measured_commit
+
+    result = {**result, "measured_at": measured_commit()["commit"]}
     (out / RESULT).write_text(json.dumps(result))
     return result

@@ -73,6 +73,7 @@ TIMED_POWERSGD_START = 2
 # object again: at 2.5 Mbit/s a 29-MB object took ~4x its bytes and its round missed its
 # deadline (measured, docs/wan-testbed.md); the testbed's head sets what a slow link needs.
 SYSTEM_CONFIG = {"object_manager_pull_timeout_ms": 300_000}
+UNSTAMPED = "unstamped"  # a run kept before runs named the commit that measured them
 DDP_ROWS = {"ddp_fp32": Hook.FP32, "ddp_bf16": Hook.FP16, "ddp_powersgd": Hook.POWERSGD}
 HOOKS = {Hook.FP32: "none", Hook.FP16: "fp16_compress_hook", Hook.POWERSGD: "powerSGD_hook"}
 
@@ -274,6 +275,7 @@ def _row(row: str, runs: list[dict[str, Any]], mbit: float) -> dict[str, Any]:
         "head_busy_share_seeds": [round(b, 4) for b in busy],
         "final_eval_loss": [r["final_eval_loss"] for r in runs],
         "curves": [r["curve"] for r in runs],
+        "measured_at": sorted({r.get("measured_at") or UNSTAMPED for r in runs}),
     }
 
 
@@ -312,6 +314,7 @@ def _ddp_row(row: str, reference: dict[str, Any], timed: dict[str, Any], plain: 
         "timed_steps": timed["steps"],  # the steps `card_bytes` crossed the cards for (and its start)
         "head_busy_share": 0.0,  # DDP's ring runs among the islands
         "curves": [[(t, loss) for t, _, loss in reference["curve"]]],
+        "measured_at": sorted({r.get("measured_at") or UNSTAMPED for r in (reference, timed)}),
     }
 
 
@@ -358,9 +361,15 @@ def _result(
         f"testbed: at the 1 Gbit/s-equivalent regime the best DiLoCo-family row takes "
         f"{'-' if slow is None else f'{slow:.2f}x'} the best DDP variant's time to eval loss {TARGET}"
     )
+    # a rerun into the same folder keeps what was measured before: each part names its commit
+    measured_at = sorted(
+        {c for reg in regimes.values() for r in reg["rows"].values() for c in r["measured_at"]}
+        | {f.get("measured_at") or UNSTAMPED for f in faults.values()}
+    )
     header = (
         f"Step {step_s:.3f} s with {ISLANDS} islands on this machine's cores; the GPT has {params:,} parameters; "
-        f"seeds {list(seeds)}.\n\n"
+        f"seeds {list(seeds)}; its runs measured at {', '.join(measured_at)} (each row's and scenario's "
+        "`measured_at`).\n\n"
     )
     passed = all(f["pass"] for f in faults.values())
     fault_rows = [
@@ -395,6 +404,7 @@ def _result(
             "params": params,
             "ratio_1gbps": slow,
             "faults": faults | {"pass": passed},
+            "measured_at": measured_at,
             "calibration": calibration,
         },
     )
