@@ -332,6 +332,8 @@ def _island(cfg: RunConfig, m: ModelMemory, up: float, node: NodeKind, ray: int)
             )
         ]
     host["cuda context"] = CUDA_CONTEXT_BYTES
+    if cfg.tracks_copy or not (w > 1 and cfg.islands.sharding == Sharding.FSDP):  # an FSDP group starts on the host
+        host["pinned stage"] = n4  # the parameters' way onto the GPU (workers/runtime/staging.py)
     return [
         Need(
             process="island worker",
