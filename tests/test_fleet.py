@@ -490,3 +490,31 @@ def test_each_row_counts_its_machines_and_the_slow_link_checks_face_the_fastest_
     check = checks["quorum_time_le_0.5x_best_ddp_at_16_at_1gbps"]
     assert check["versus"] == "ddp_int8" and check["value"] == pytest.approx(0.4) and check["ok"]
     assert check["machines"] == {"quorum": head, "ddp_int8": gpu} and check["note"] == POWERSGD_NOTE
+
+
+def test_the_equal_machines_row_fits_the_data_parallel_rows_machines_and_keeps_their_tokens(tmp_path):
+    """`quorum_sliced_equal`: islands, head and slices together on the 16 machines the DDP
+    rows use, the island count the plan rates highest (islands over a round stretched by the
+    head's planned share), and the same token budget in more rounds. Every other count the
+    plan would allow is rated no higher; at 1 Gbit/s neither all 16 islands behind one head
+    nor one island behind 14 slices wins."""
+    from archipelago.orchestrator.bench.fleet import fleet_of, machines_of, overrides, within_machines
+    from archipelago.orchestrator.bench.fleet_spec import EQUAL_ROW
+    from archipelago.orchestrator.bench.simulation.config import planned_head
+    from archipelago.orchestrator.plan.head import head_load
+
+    spec = FleetSpec()
+
+    def settings(k: int, rounds: int) -> list[str]:
+        return overrides(spec, EQUAL_ROW, k, 0, 0.7, tmp_path / "x", True, rounds)
+
+    def rate(cfg) -> float:
+        return cfg.islands.count / (1 + head_load(cfg, spec.nominal_params, link_gbps=1.0, step_s=1.0).share)
+
+    cfg, sim = within_machines(spec, 16, 1.0, settings)
+    k = cfg.islands.count
+    assert machines_of(cfg, k)["total"] <= 16 and 1 < k < 15 and cfg.coordinator.slices > 1
+    assert k * cfg.rounds >= 16 * spec.rounds and len(sim.slowdown or []) == k
+    for other in (1, 4, 12, 15):
+        alt = planned_head(load_config(None, settings(other, 1)), fleet_of(spec, other, 1.0), slice_nodes=15 - other)
+        assert rate(alt) <= rate(cfg)

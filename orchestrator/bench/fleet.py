@@ -38,8 +38,10 @@ island-seconds went. Every row runs at `REFERENCE_LINK`; `link_rows` at every li
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
 import statistics
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,6 +50,7 @@ from typing import Any
 from archipelago.orchestrator.bench.fleet_spec import (
     ABLATION_OF,
     DDP_ROWS,
+    EQUAL_ROW,
     HEADLINE,
     REFERENCE_LINK,
     RESTART_ROW,
@@ -132,8 +135,11 @@ def fleet_of(spec: FleetSpec, islands: int, link: float) -> SimulationConfig:
     )
 
 
-def overrides(spec: FleetSpec, row: str, islands: int, seed: int, lr: float, folder: Path, faults: bool) -> list[str]:
-    """The run's settings (`lr`: the outer lr; data-parallel's: its factor on inner.lr)."""
+def overrides(
+    spec: FleetSpec, row: str, islands: int, seed: int, lr: float, folder: Path, faults: bool, rounds: int = 0
+) -> list[str]:
+    """The run's settings (`lr`: the outer lr; data-parallel's: its factor on inner.lr;
+    `rounds`: the token budget's rounds where not `spec.rounds`)."""
     limits = [
         f"round_timeout_s={2 * spec.round_s:g}",
         "step_timeout_s=0",
@@ -147,7 +153,7 @@ def overrides(spec: FleetSpec, row: str, islands: int, seed: int, lr: float, fol
         *MODEL,
         f"islands.count={islands}",
         f"inner_steps={spec.inner_steps}",
-        f"rounds={spec.rounds}",
+        f"rounds={rounds or spec.rounds}",
         f"seed={seed}",
         *limits,
         *ROWS[row][1],
@@ -163,9 +169,15 @@ def run_one(
     """One row on one fleet, link and seed (reused when it finished before with the same
     config and fleet)."""
     tag = f"{row}@k{islands}@s{seed}@lr{lr:g}@g{link:g}" + ("" if faults else "@nofaults")
-    cfg = load_config(None, overrides(spec, row, islands, seed, lr, work / tag, faults))
-    sim = fleet_of(spec, islands, link)
-    cfg = planned_head(cfg, sim, slice_nodes=islands)  # quorum_sliced: one slice node per island at most
+    if row == EQUAL_ROW:
+        cfg, sim = within_machines(
+            spec, islands, link, lambda k, r: overrides(spec, row, k, seed, lr, work / tag, faults, r)
+        )
+    else:
+        cfg = load_config(None, overrides(spec, row, islands, seed, lr, work / tag, faults))
+        sim = fleet_of(spec, islands, link)
+        cfg = planned_head(cfg, sim, slice_nodes=islands)  # quorum_sliced: one slice node per island at most
+    islands = cfg.islands.count
     if row == RESTART_ROW or row in DDP_ROWS:  # the fleet stands still at every failure (DDP: a re-rendezvous)
         sim = sim.model_copy(update={"restart_s": spec.restart_s})
     out = Path(cfg.out_dir)
@@ -203,6 +215,32 @@ def run_one(
     return FleetRun(
         summary, eval_curve(out, summary, "clock_seconds"), losses, slots, ideal, head, machines_of(cfg, slots)
     )
+
+
+def within_machines(
+    spec: FleetSpec, machines: int, link: float, settings: Callable[[int, int], list[str]]
+) -> tuple[RunConfig, SimulationConfig]:
+    """`EQUAL_ROW`'s run on `machines` machines in all: k islands and the head the plan
+    sizes for them on the machines left (`machines` − k − 1 offered slice nodes), the k
+    whose planned work a second is the most — k islands over a round stretched by the
+    head's planned share, k / (1 + share): neither the most islands (one head then takes
+    many rounds' time a round on a slow link) nor the fewest slices in the plan's share —
+    with the same token budget (more rounds of fewer islands). Chosen from the plan alone,
+    before any run. `settings(k, rounds)`: the run's overrides."""
+    from archipelago.orchestrator.plan.head import head_load
+
+    best: tuple[float, RunConfig, SimulationConfig] | None = None
+    for k in range(machines - 1, 0, -1):
+        sim = fleet_of(spec, k, link)
+        cfg = load_config(None, settings(k, math.ceil(spec.rounds * machines / k)))
+        cfg = planned_head(cfg, sim, slice_nodes=machines - 1 - k)
+        if machines_of(cfg, k)["total"] > machines:
+            continue
+        rate = k / (1 + head_load(cfg, spec.nominal_params, link_gbps=link, step_s=spec.step_s).share)
+        if best is None or rate > best[0]:
+            best = (rate, cfg, sim)
+    assert best is not None, "one island and its head fit any fleet of two machines or more"
+    return best[1], best[2]
 
 
 def machines_of(cfg: RunConfig, islands: int) -> dict[str, int]:
@@ -458,7 +496,8 @@ def _checks(spec: FleetSpec, links: dict[str, dict[str, Any]]) -> dict[str, dict
     """The targets: at the reference link, quorum's goodput and its time to target against
     sync_dylu's and restart's; at `DDP_TARGET`'s link, quorum's as shipped (one head) and
     with the head its plan asks for (`SLICED_ROW`), each against the fastest data-parallel
-    row of `DDP_ROWS` (fp32 or either compression hook), each check naming both rows'
+    row of `DDP_ROWS` (fp32 or either compression hook), and on the data-parallel rows'
+    machines (`EQUAL_ROW`), each check naming both rows'
     machines (a row that never reached the target is bounded by its finishing time, and the
     check says so)."""
     checks: dict[str, dict[str, Any]] = {}
@@ -471,7 +510,7 @@ def _checks(spec: FleetSpec, links: dict[str, dict[str, Any]]) -> dict[str, dict
     compared: list[tuple[float, str, tuple[str, ...], float]] = [
         (REFERENCE_LINK, "quorum", (other,), ratio) for other, ratio in TIME_TARGETS.items()
     ]
-    compared += [(ddp_link, mine, DDP_ROWS, ddp_ratio) for mine in ("quorum", SLICED_ROW)]
+    compared += [(ddp_link, mine, DDP_ROWS, ddp_ratio) for mine in ("quorum", SLICED_ROW, EQUAL_ROW)]
     for link, row, others, ratio in compared:
         at = links.get(f"{link:g}", {}).get("methods", {})
         for k in (16, 64):

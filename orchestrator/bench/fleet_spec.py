@@ -14,6 +14,7 @@ from archipelago.orchestrator.bench.simulation.chaos import Strike, parse_mix
 
 RESTART_ROW = "restart_from_checkpoint"  # the baseline run on a fleet that stands still at each failure
 SLICED_ROW = "quorum_sliced"  # quorum with coordinator.shards auto: its head sized by the plan
+EQUAL_ROW = "quorum_sliced_equal"  # SLICED_ROW on the machines data-parallel uses: islands + head + slices
 # name -> (what it is, its overrides); every DiLoCo-family row's outer lr comes from LR_GRID
 ROWS: dict[str, tuple[str, list[str]]] = {
     "ddp": (
@@ -98,6 +99,20 @@ ROWS: dict[str, tuple[str, list[str]]] = {
             "coordinator.slice_resource=archipelago_slice",
         ],
     ),
+    EQUAL_ROW: (
+        "`quorum_sliced` on as many machines as the data-parallel rows (their islands): islands and the head "
+        "the plan sizes for them on the machines left (its node and one per slice), as many islands as give "
+        "the most planned work a second (islands / (1 + the head's planned share of a round)); the same tokens "
+        "(more rounds of fewer islands), at quorum's lr",
+        [
+            "mode=async",
+            "mode.rule=quorum",
+            "compression.codec=auto",
+            "compression.downlink=auto",
+            "coordinator.shards=auto",
+            "coordinator.slice_resource=archipelago_slice",
+        ],
+    ),
     "quorum_no_partial": (
         "ablation: `quorum` whose preempted islands send nothing early (no partial pseudo-gradient at the "
         "notice: a work that would not finish in time is lost), at quorum's lr",
@@ -112,6 +127,7 @@ ABLATION_OF = {
     "quorum_no_partial": "quorum",
     "quorum_int4": "quorum",
     SLICED_ROW: "quorum",  # slices compute what one coordinator does, bit for bit: only the timing differs
+    EQUAL_ROW: "quorum",
 }  # rows at another row's tuned lr
 DDP_ROWS = ("ddp", "ddp_bf16", "ddp_int8")  # data-parallel with each of its compression hooks
 HEADLINE = (RESTART_ROW, "sync_dylu", "quorum", *DDP_ROWS)  # the rows the targets compare
@@ -129,6 +145,7 @@ class FleetSpec:
         *HEADLINE,
         "quorum_int4",
         SLICED_ROW,
+        EQUAL_ROW,
     )  # the rows run at the links other than REFERENCE_LINK
     latency_ms: float = 30.0
     nominal_params: int = 1_000_000_000
