@@ -195,6 +195,14 @@ def test_gpu_parts_are_named_or_refused(tmp_path, capsys):
     assert main(["bench", "gpu", "--quick", "--parts", "bareloop,gpt2_124m_1gpu", "--out", str(tmp_path)]) == 0
     parts = json.loads((tmp_path / "gpu.json").read_text())["parts"]
     assert parts["bareloop"]["status"].startswith("not measured")  # no CUDA here: nothing runs either way
+    # a device script's share of a lease: the whole budget, gpu's only
+    assert main(["bench", "gpu", "--quick", "--budget", "330", "--parts", "reference", "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "gpu.json").read_text())["total_budget_s"] == 330
+    assert main(["bench", "fleet", "--budget", "330", "--out", str(tmp_path)]) == 2
+    from archipelago.orchestrator.bench import gpu
+
+    short = gpu._Parts([gpu.Part(name="long", description="", budget_s=60.0, expected_s=40.0)], total_s=30.0)
+    assert short.run("long", lambda _: pytest.fail("past the --budget: skipped")) is None
 
 
 def test_mfu_is_against_the_datasheet_peak_of_the_device_named():

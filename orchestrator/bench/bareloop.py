@@ -7,8 +7,9 @@ encoding) and a bare torch loop on the same model, batch, optimizer settings, pr
 and compile setting (`AdamW(model.parameters())` foreach — fused on CUDA —,
 `clip_grad_norm_`, the same LR schedule, the task's own batches and loss), alternately,
 each after a warm-up round, `alternations` times. The ratio of each alternation is the
-island's round over the bare loop's H steps; the report gives their median. On CUDA the
-bare loop synchronises once at its end, as a round does when its Δ leaves the device.
+island's round over the bare loop's H steps; the report gives their median. The bare loop
+reads its summed loss once at its end (on CUDA its one wait for the device), as a round
+reads its losses once and its Δ leaves the device once.
 
 The model is the 25.6 M GPT (the default task at d = 512, 8 layers, context 512); on a
 CPU a batch of 1 × 256 tokens keeps a step near a second, which makes per-step overheads
@@ -17,13 +18,16 @@ weigh more than at a GPU's batch: the harsher test.
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from archipelago.orchestrator.bench.report import BenchResult, Panel, md_table
+from archipelago.orchestrator.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -32,45 +36,69 @@ CPU_BATCH = ["task.kwargs.context=256", "task.kwargs.batch_size=1", "islands.thr
 CUDA_BATCH = ["task.kwargs.context=512", "task.kwargs.batch_size=32", "inner.precision=bf16", "inner.compile=true"]
 
 
-def _bare_steps(task: Any, model: Any, cfg: Any, batches: Any, steps: int, device: Any, state: dict) -> None:
-    """`steps` steps of the loop a user writes (its optimizer and schedule kept in `state`)."""
-    import torch
+class BareLoop:
+    """The loop a user writes for the island's task, on its device: the task's model and
+    batches and loss, AdamW over the model's parameters with the island's settings and
+    kernel (`adamw_kernel`: fused on CUDA, foreach elsewhere), its lr schedule, clip and
+    precision (bf16 autocast over fp32 weights), its forward compiled as the island compiles
+    it (`compiled_forward`), each batch in `micro_batches` parts whose gradients accumulate,
+    each weighted by its share of the batch's tokens as the island weights them. Nothing is
+    read back per step: the losses are summed on the device and `train` hands the sum over,
+    for the caller to read once (on a GPU, the one wait for the device).
 
-    from archipelago.workers.runtime.compiling import compiled_forward
-    from archipelago.workers.runtime.optim import lr_factor
-    from archipelago.workers.wire.spec import Precision
+    `micro_loss` is what a subclass changes (the reference loop, `reference.py`, compiles
+    the whole loss); everything else the two loops share."""
 
-    inner = cfg.inner
-    if "optimizer" not in state:
-        fused = device.type == "cuda"
-        opt = torch.optim.AdamW(
-            model.parameters(),
-            lr=inner.lr,
-            betas=inner.betas,
-            weight_decay=inner.weight_decay,
-            foreach=not fused,
-            fused=fused,
+    def __init__(self, task: Any, model: Any, cfg: RunConfig, device: Any, micro_batches: int | None = None) -> None:
+        import torch
+
+        from archipelago.workers.runtime.optim import adamw_kernel, lr_factor
+        from archipelago.workers.wire.spec import Precision
+
+        self.task, self.model, self.device, self.inner = task, model, device, cfg.inner
+        self.micro_batches = micro_batches or cfg.inner.micro_batches
+        self.bf16 = cfg.inner.precision == Precision.BF16
+        params = list(model.parameters())
+        inner, total = cfg.inner, cfg.schedule_steps
+        self.optimizer = torch.optim.AdamW(
+            params, lr=inner.lr, betas=inner.betas, weight_decay=inner.weight_decay, **adamw_kernel(params)
         )
-        total = cfg.schedule_steps
-        state["optimizer"] = opt
-        state["scheduler"] = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, inner, total))
-        # as the island decides, and compiled as it compiles
-        state["forward"] = compiled_forward(model) if inner.compiles_on(device.type) else model
-    opt, sched, forward = state["optimizer"], state["scheduler"], state["forward"]
-    bf16 = inner.precision == Precision.BF16
-    model.train()
-    for _ in range(steps):
-        x, y = (t.to(device, non_blocking=True) for t in next(batches))
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = task.loss(forward, (x, y))
-        loss.backward()
-        if inner.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), inner.grad_clip, foreach=True)
-        opt.step()
-        sched.step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, inner, total))
+        self.loss = self.micro_loss()
+
+    def micro_loss(self) -> Callable[[Any], Any]:
+        """A micro-batch's loss: the task's, around the model's forward compiled as the
+        island compiles it (the loss itself runs eagerly around it, as on the island)."""
+        from archipelago.workers.runtime.compiling import compiled_forward
+
+        forward = compiled_forward(self.model) if self.inner.compiles_on(self.device.type) else self.model
+        return functools.partial(self.task.loss, forward)
+
+    def train(self, batches: Iterator[Any], steps: int) -> Any:
+        """`steps` steps on the next of `batches`; the sum of their losses, a float64 tensor on the device."""
+        import torch
+
+        from archipelago.workers.tasks.task import split_batch, to_device
+
+        parts = self.micro_batches
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.model.train()
+        for _ in range(steps):
+            batch = to_device(next(batches), self.device)
+            weight = self.task.batch_weight(batch)
+            self.optimizer.zero_grad(set_to_none=True)
+            for i in range(parts):
+                part = split_batch(batch, i, parts, "micro-batches") if parts > 1 else batch
+                share = self.task.batch_weight(part) / weight
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                    loss = self.loss(part)
+                (loss * share).backward()
+                total += loss.detach().double() * share
+            if self.inner.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner.grad_clip, foreach=True)
+            self.optimizer.step()
+            self.scheduler.step()
+        return total
 
 
 def sizes(quick: bool) -> tuple[int, int]:
@@ -103,10 +131,9 @@ def compare(overrides: list[str], steps: int, alternations: int, budget_s: float
     island.run(island.order(0, 2), params)  # warm-up: allocations, compilation, the data's first read
     island_peak = torch.cuda.max_memory_allocated(device) if cuda else None
     torch.manual_seed(cfg.seed)
-    model = task.build_model().to(device)
+    bare = BareLoop(task, task.build_model().to(device), cfg, device)
     batches = iter(task.train_batches(0, cfg.num_shards, cfg.seed))
-    state: dict[str, Any] = {}
-    _bare_steps(task, model, cfg, batches, 2, device, state)
+    float(bare.train(batches, 2))  # its warm-up, read as every run of it is: the one wait for the device
     island_s: list[float] = []
     bare_s: list[float] = []
     for a in range(alternations):
@@ -117,12 +144,13 @@ def compare(overrides: list[str], steps: int, alternations: int, budget_s: float
         island.run(island.order(a + 1, steps), params)
         island_s.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        _bare_steps(task, model, cfg, batches, steps, device, state)
+        float(bare.train(batches, steps))
         bare_s.append(time.perf_counter() - t0)
     ratios = [i / b for i, b in zip(island_s, bare_s)]
     return {
         "device": str(device),
         "params": island.flat.numel,
+        "tokens_per_step": int(cfg.task.kwargs["batch_size"]) * int(cfg.task.kwargs["context"]),
         "steps": steps,
         "alternations": len(island_s),
         "island_seconds": island_s,

@@ -48,6 +48,13 @@ def register(sub: Any, common: argparse.ArgumentParser) -> Callable[[argparse.Na
         default=None,
         help="gpu only: run only these parts, comma-separated (see --dry-run), the others reported as not run",
     )
+    bench.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="gpu only: the whole scenario's budget (default 480 s); a part that would overrun it is skipped",
+    )
     fleet_spec.add_arguments(bench)
     return bench_command
 
@@ -93,6 +100,11 @@ def bench_command(args: argparse.Namespace) -> int:
             log.error("--parts names parts of `bench gpu`: %s (unknown: %s)", ", ".join(part_names()), unknown)
             return 2
         options["parts_only"] = wanted
+    if args.budget is not None:
+        if args.scenario != "gpu" or args.budget <= 0:
+            log.error("--budget is `bench gpu`'s whole budget, in seconds above 0")
+            return 2
+        options["budget_s"] = args.budget
     if fleet_spec.given(args):
         if args.scenario != "fleet":
             log.error("%s describe the fleet of `bench fleet` only", ", ".join(fleet_spec.given(args)))

@@ -12,6 +12,10 @@ running anything), all inside `TOTAL_BUDGET_S`:
   side for the same config;
 - `profile`: where a step of the 124 M GPT-2 island goes, by torch's profiler in process
   (`gpu_profile.py`: wall and device time a step, the loss's head's share, the top operations);
+- `reference`: the same model and batch in the reference loop, trained the way the best open
+  loops train (`reference.py`: the whole loss compiled, micro-batches the plan sizes), its
+  tokens/s and MFU (`mfu_reference`) beside the island's and the bare loop's, and its top
+  kernels beside the island's;
 - `runs`: the product on Ray — a 124 M GPT-2 (GPT-2 small's shape) as one island on the GPU
   (the MFU row), the 25.6 M GPT and a ~77 M Llama as four islands sharing it through
   fractional GPUs, one island of two FSDP2 workers where there are two GPUs — evaluated on
@@ -40,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from archipelago.orchestrator.bench.gpu_profile import profile_island, profile_md
+from archipelago.orchestrator.bench.reference import reference_run
 from archipelago.orchestrator.bench.report import BenchResult, md_table
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.config_load import load_config
@@ -67,7 +72,10 @@ GPT = [
 ]
 GPT2_124M = [
     "task.factory=archipelago.workers.tasks.hf_task:make_task",
-    "task.kwargs.model_config={model_type: gpt2, vocab_size: 50257}",  # GPT-2 small: 12 x 768, 1,024 positions
+    # GPT-2 small: 12 x 768, 1,024 positions; pretrained without dropout, as llm.c and nanoGPT
+    # pretrain it (transformers' GPT-2 config has 0.1 in three places: kernels a step, and
+    # SDPA's slower path with dropout, for no gain in a few hundred steps)
+    "task.kwargs.model_config={model_type: gpt2, vocab_size: 50257, resid_pdrop: 0, embd_pdrop: 0, attn_pdrop: 0}",
     "task.kwargs.context=1024",
 ]
 GPT2_ROWS = 16  # the 124 M row's rows a step where the plan picks none (`--dry-run`, before `fill`)
@@ -102,8 +110,18 @@ RAY_START_S = 6.0  # Ray's local instance, once
 RUN_START_S = 40.0  # a run's actors started, its data and tokenizer prepared, its first evaluation
 COMPILE_S = 15.0  # Inductor compiling one model's block, forward and backward (islands in parallel)
 EVAL_S = 5.0  # one evaluation of the eval set on the GPU
-PROFILE_STEPS = 10  # the `profile` part's steps, timed and then profiled
+PROFILE_STEPS = 10  # the `profile` and `reference` parts' steps, timed and then profiled
+# Inductor compiling the reference loop's one graph, the 124 M model and its loss forward and
+# backward, its 12 blocks unrolled (where the island compiles one block): a guess, three of
+# the island's compilations, until a lease measures it (reported as the part's warm-up)
+REFERENCE_COMPILE_S = 3 * COMPILE_S
 MFU_ROW = "gpt2_124m_1gpu"  # the run whose MFU is the headline, and whose island the profile part profiles
+
+
+def mfu(params: int, tokens_per_s: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: 6 N FLOPs a token (forward and backward, attention's share
+    left out, as llm.c and the speedruns count) at `tokens_per_s`, over `peak_flops`."""
+    return 6 * params * tokens_per_s / peak_flops
 
 
 def datasheet_bf16_flops(device_name: str) -> float | None:
@@ -284,6 +302,14 @@ def plan_parts(quick: bool, gpus: int, peak: float, mfu_rows: int = GPT2_ROWS) -
             + 5.0
             + (3 + 2 * PROFILE_STEPS) * step_seconds(profiled.approx_params, tokens_per_step(profiled.config), peak),
         ),
+        Part(
+            name="reference",
+            description="the 124 M GPT-2's model and batch in the reference loop (reference.py), profiled",
+            budget_s=120.0,
+            expected_s=REFERENCE_COMPILE_S
+            + 5.0
+            + (3 + 2 * PROFILE_STEPS) * step_seconds(profiled.approx_params, tokens_per_step(profiled.config), peak),
+        ),
         Part(name="ray", description="Ray's local instance", budget_s=30.0, expected_s=RAY_START_S),
     ]
     rounds, h = _rounds(quick)
@@ -328,9 +354,10 @@ class _Parts:
     """Runs parts in order within their budgets and the total, recording each one's
     outcome; a part that fails is recorded with its error and the rest still run."""
 
-    def __init__(self, plan: list[Part], only: tuple[str, ...] | None = None) -> None:
+    def __init__(self, plan: list[Part], only: tuple[str, ...] | None = None, total_s: float = TOTAL_BUDGET_S) -> None:
         self.plan = {p.name: p for p in plan}
         self.only = only
+        self.total_s = total_s
         self.t0 = time.perf_counter()
         self.outcomes: dict[str, dict[str, Any]] = {}
 
@@ -339,7 +366,7 @@ class _Parts:
 
     def run(self, name: str, fn: Callable[[float], Any]) -> Any:
         part = self.plan[name]
-        left = TOTAL_BUDGET_S - (time.perf_counter() - self.t0)
+        left = self.total_s - (time.perf_counter() - self.t0)
         outcome: dict[str, Any] = {"budget_s": part.budget_s, "expected_s": part.expected_s, "seconds": None}
         self.outcomes[name] = outcome
         if not self.wanted(name) and name != "ray":
@@ -455,15 +482,68 @@ def _run_row(
         "tokens_per_s_whole_run": whole,
         # 6 N FLOPs per token (forward and backward), attention's share left out; against the
         # datasheet's peak where the device is listed, else (said in the report) the measured one
-        "mfu": 6 * s["num_params"] * rate / peak_flops,
-        "mfu_island": 6 * s["num_params"] * island_rate / peak_flops if island_rate else None,
-        "mfu_measured_peak": 6 * s["num_params"] * rate / (peak * row.devices),
+        "mfu": mfu(s["num_params"], rate, peak_flops),
+        "mfu_island": mfu(s["num_params"], island_rate, peak_flops) if island_rate else None,
+        "mfu_measured_peak": mfu(s["num_params"], rate, peak * row.devices),
         "per_round": {k: rates[k] for k in ("round_seconds", "island_round_seconds", "coordinator_seconds")},
         "final_eval_loss": s["final_eval_loss"],
         "initial_eval_loss": s["initial_eval_loss"],
         "train_seconds": s["train_seconds"],
         "startup_seconds": s.get("startup_seconds"),
     }
+
+
+REFERENCE_LOOP = "reference loop"
+
+
+def loop_rates(
+    ratio: dict[str, Any] | None,
+    profiled: dict[str, Any] | None,
+    reference: dict[str, Any] | None,
+    mfu_row: dict[str, Any] | None,
+    tokens_124m: int,
+    peak_flops: float,
+    measured_peak: float,
+) -> list[dict[str, Any]]:
+    """Every loop's tokens/s and MFU side by side, one row each where its part ran: on the
+    124 M GPT-2's model and batch the reference loop and the island in process (the
+    `reference` and `profile` parts: the same steps, timed alike) and the island on Ray (the
+    MFU row, over its rounds after the first); on the 25.6 M GPT the island's rounds and the
+    bare loop's steps (`bareloop`, alternately)."""
+    found: list[tuple[str, str, int, int, int, float]] = []  # loop, where, params, tokens a step, micro-batches, rate
+    if reference:
+        found.append(
+            (
+                REFERENCE_LOOP,
+                "in process",
+                reference["params"],
+                reference["tokens_per_step"],
+                reference["micro_batches"],
+                reference["tokens_per_s"],
+            )
+        )
+    if profiled:
+        rate = tokens_124m / profiled["step_s"]
+        found.append(("island", "in process (profile)", profiled["params"], tokens_124m, 1, rate))
+    if mfu_row:
+        found.append(("island", f"on Ray ({MFU_ROW})", mfu_row["params"], tokens_124m, 1, mfu_row["tokens_per_s"]))
+    if ratio:
+        for loop, key in (("island", "island_seconds"), ("bare loop", "bare_seconds")):
+            rate = ratio["tokens_per_step"] * ratio["steps"] / statistics.median(ratio[key])
+            found.append((loop, "in process (bareloop)", ratio["params"], ratio["tokens_per_step"], 1, rate))
+    return [
+        {
+            "loop": loop,
+            "where": where,
+            "params": params,
+            "tokens_per_step": tokens,
+            "micro_batches": micro_batches,
+            "tokens_per_s": rate,
+            "mfu": mfu(params, rate, peak_flops),
+            "mfu_measured_peak": mfu(params, rate, measured_peak),
+        }
+        for loop, where, params, tokens, micro_batches, rate in found
+    ]
 
 
 def plan_check(overrides: list[str], measured_bytes: int) -> dict[str, Any]:
@@ -482,9 +562,12 @@ def plan_check(overrides: list[str], measured_bytes: int) -> dict[str, Any]:
     }
 
 
-def gpu(quick: bool, work: Path, parts_only: tuple[str, ...] | None = None) -> BenchResult:
+def gpu(
+    quick: bool, work: Path, parts_only: tuple[str, ...] | None = None, budget_s: float = TOTAL_BUDGET_S
+) -> BenchResult:
     """The scenario; `parts_only`: run only these parts (`--parts`: what a short lease has
-    time for), the others reported as not run."""
+    time for), the others reported as not run; `budget_s`: the whole scenario's (`--budget`:
+    a device script's share of a lease), a part that would overrun it skipped."""
     import torch
 
     from archipelago.orchestrator.bench import bareloop
@@ -494,13 +577,15 @@ def gpu(quick: bool, work: Path, parts_only: tuple[str, ...] | None = None) -> B
     name = torch.cuda.get_device_name(0) if cuda else None
     gpus = torch.cuda.device_count() if cuda else 0
     datasheet = datasheet_bf16_flops(name) if name else None
-    parts = _Parts(plan_parts(quick, max(1, gpus), datasheet or 989e12), parts_only)
+    parts = _Parts(plan_parts(quick, max(1, gpus), datasheet or 989e12), parts_only, budget_s)
     runs: dict[str, dict[str, Any]] = {}
     ratio: dict[str, Any] | None = None
     check: dict[str, Any] | None = None
     peak: float | None = None
     profiled: dict[str, Any] | None = None
+    reference: dict[str, Any] | None = None
     fill: dict[str, Any] | None = None
+    loops: list[dict[str, Any]] = []
     if cuda:
         peak = parts.run("peak", lambda _: peak_bf16_flops())
         if peak is None:
@@ -514,10 +599,15 @@ def gpu(quick: bool, work: Path, parts_only: tuple[str, ...] | None = None) -> B
         fill = parts.run("fill", lambda _: fill_device(quick, gpus))
         mfu_rows = fill["rows"] if fill else GPT2_ROWS
         for part in plan_parts(quick, gpus, datasheet or 989e12, mfu_rows):  # what the chosen rows expect
-            if part.name in (MFU_ROW, "profile"):
+            if part.name in (MFU_ROW, "profile", "reference"):
                 parts.plan[part.name] = part
         every_row = rows(quick, gpus, mfu_rows)
         profiled = parts.run("profile", lambda _: profile_island(every_row[MFU_ROW].config, steps=PROFILE_STEPS))
+        torch.cuda.empty_cache()
+        reference = parts.run(
+            "reference",
+            lambda _: reference_run(every_row[MFU_ROW].config, micro_rows=mfu_rows, steps=PROFILE_STEPS),
+        )
         torch.cuda.empty_cache()
         table = {k: r for k, r in every_row.items() if parts.wanted(k)}
         with contextlib.ExitStack() as ray_instance:
@@ -527,6 +617,8 @@ def gpu(quick: bool, work: Path, parts_only: tuple[str, ...] | None = None) -> B
                 result = parts.run(row_name, functools.partial(_run_row, row_name, row, quick, work, peak, datasheet))
                 if result is not None:
                     runs[row_name] = result
+        tokens_124m = tokens_per_step(every_row[MFU_ROW].config)
+        loops = loop_rates(ratio, profiled, reference, runs.get(MFU_ROW), tokens_124m, datasheet or peak, peak)
         for p in parts.plan.values():  # the rows `--parts` left out
             parts.outcomes.setdefault(
                 p.name,
@@ -546,7 +638,7 @@ def gpu(quick: bool, work: Path, parts_only: tuple[str, ...] | None = None) -> B
         "device": name,
         "gpus": gpus,
         "bench_seconds": parts.elapsed,
-        "total_budget_s": TOTAL_BUDGET_S,
+        "total_budget_s": budget_s,
         "parts": parts.outcomes,
         "peak_bf16_flops": peak if cuda else None,
         "peak_flops_datasheet": datasheet,
@@ -557,19 +649,25 @@ def gpu(quick: bool, work: Path, parts_only: tuple[str, ...] | None = None) -> B
         "plan_accelerator_check": check,
         "mfu_rows": fill,  # the 124 M island's rows a step and why (None: not planned, GPT2_ROWS used)
         "profile_124m": profiled,
+        # the reference loop on the 124 M GPT-2's model and batch (reference.py), in process, and every loop's MFU
+        "mfu_reference": next((r["mfu"] for r in loops if r["loop"] == REFERENCE_LOOP), None),
+        "reference_124m": reference,
+        "loops": loops,
         "model": {
             "assumed_mfu": ASSUMED_MFU,
             "ray_start_s": RAY_START_S,
             "run_start_s": RUN_START_S,
             "compile_s": COMPILE_S,
+            "reference_compile_s": REFERENCE_COMPILE_S,
             "eval_s": EVAL_S,
         },
     }
     mfu_text = f"{100 * mfu_124m:.1f}%" if mfu_124m is not None else "not measured"
+    reference_text = f"{100 * extra['mfu_reference']:.1f}%" if extra["mfu_reference"] is not None else "not measured"
     summary = (
         f"gpu: {name or 'no CUDA device'}; island / bare loop cuda "
         + (f"{ratio['ratio']:.3f}" if ratio else "not measured")
-        + f"; MFU 124 M {mfu_text}; {parts.elapsed:.0f} s"
+        + f"; MFU 124 M {mfu_text}, its reference loop {reference_text}; {parts.elapsed:.0f} s"
     )
     from archipelago.orchestrator.bench.bareloop import ratio_panel
 
@@ -683,8 +781,39 @@ def _markdown(
     return (
         f"{head}\n\n### Parts\n\n{parts_md}\n\n### Island against a bare torch loop\n\n{ratio_md}\n\n{check_md}\n\n"
         f"### Where a step of the 124 M GPT-2 island goes\n\n{profile_md(extra['profile_124m'])}\n\n"
+        f"### The loops side by side, and the reference loop's step\n\n{_loops_md(extra)}\n\n"
         f"### Runs on the GPU\n\n{runs_md}\n"
     )
+
+
+def _loops_md(extra: dict[str, Any]) -> str:
+    """Every loop's rate and MFU, then where the reference loop's step goes."""
+    if not extra["loops"]:
+        return "Not measured."
+    table = md_table(
+        ["loop", "where", "model", "tokens a step (micro-batches)", "tokens/s", "MFU", "MFU (measured peak)"],
+        [
+            [
+                r["loop"],
+                r["where"],
+                f"{r['params'] / 1e6:.1f} M",
+                f"{r['tokens_per_step']:,} ({r['micro_batches']})",
+                f"{r['tokens_per_s']:,.0f}",
+                f"{100 * r['mfu']:.1f}%",
+                f"{100 * r['mfu_measured_peak']:.1f}%",
+            ]
+            for r in extra["loops"]
+        ],
+    )
+    reference = extra["reference_124m"]
+    if reference is None:
+        return f"{table}\n\nThe reference loop: not measured."
+    step = (
+        f"The reference loop ({'compiled whole' if reference['compiled'] else 'uncompiled'}; its warm-up, "
+        f"compilation included, {reference['profile']['warmup_s']:.0f} s; mean loss "
+        f"{reference['losses']['warmup']:.3f} over its warm-up, {reference['losses']['profiled']:.3f} at its end): "
+    )
+    return f"{table}\n\n{step}{profile_md(reference['profile'])}"
 
 
 def part_names() -> list[str]:
