@@ -205,6 +205,23 @@ def test_gpu_parts_are_named_or_refused(tmp_path, capsys):
     assert short.run("long", lambda _: pytest.fail("past the --budget: skipped")) is None
 
 
+def test_the_gpu_lease_script_runs_known_parts_expected_within_its_budget_and_six_minutes():
+    """orchestrator/bench/gpu_lease.sh, a lease's one call: every part it names exists, the
+    parts are expected within its budget on an H100 (the slower of the two lent kinds), and
+    the budget leaves a minute of its six for the tests and the summary after it."""
+    import re
+    from pathlib import Path
+
+    from archipelago.orchestrator.bench.gpu import part_names, plan_parts
+
+    script = (Path(__file__).parents[1] / "orchestrator/bench/gpu_lease.sh").read_text()
+    parts = re.search(r"^PARTS=(\S+)$", script, re.M).group(1).split(",")
+    budget = float(re.search(r"BUDGET_S=\$\{BUDGET_S:-(\d+)\}", script).group(1))
+    assert set(parts) <= set(part_names()) and {"reference", "gpt2_124m_1gpu", "bareloop"} <= set(parts)
+    expected = sum(p.expected_s for p in plan_parts(quick=False, gpus=1, peak=989e12) if p.name in parts)
+    assert expected <= budget <= 6 * 60 - 60, (expected, budget)
+
+
 def test_mfu_is_against_the_datasheet_peak_of_the_device_named():
     from archipelago.orchestrator.bench.gpu import datasheet_bf16_flops
 
