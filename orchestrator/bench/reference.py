@@ -39,8 +39,9 @@ from archipelago.orchestrator.config import RunConfig
 
 
 class ReferenceLoop(BareLoop):
-    """The bare loop with the whole micro-batch loss compiled (where `compiles`) and the batch
-    in micro-batches of `micro_rows` rows (see the module)."""
+    """The bare loop with the whole micro-batch loss compiled (where `compiles`, by `backend`:
+    Inductor, or what `torch.compile` takes) and the batch in micro-batches of `micro_rows`
+    rows (see the module)."""
 
     def __init__(
         self,
@@ -51,7 +52,7 @@ class ReferenceLoop(BareLoop):
         *,
         micro_rows: int,
         compiles: bool,
-        backend: str = "inductor",
+        backend: Any = "inductor",
     ) -> None:
         rows = int(cfg.task.kwargs["batch_size"])
         if micro_rows < 1 or rows % micro_rows:
@@ -72,7 +73,7 @@ def reference_run(
     *,
     micro_rows: int | None = None,
     compiles: bool | None = None,
-    backend: str = "inductor",
+    backend: Any = "inductor",
     warmup: int = 3,
     steps: int = 10,
 ) -> dict[str, Any]:
