@@ -157,7 +157,7 @@ class Quorum(TokenBudget):
         if not self.queue:
             return None
         if not in_flight:  # nobody else can deliver: waiting past the last usable would only idle the arrived
-            return max(run.now, max(f.usable_at for f in self.queue))
+            return max(run.now, *(f.usable_at for f in self.queue))
         needed = self.rule.needed(len(run.members.schedulable()))
         if len(self.queue) < needed or run.stopping:
             return None
