@@ -518,3 +518,28 @@ def test_the_equal_machines_row_fits_the_data_parallel_rows_machines_and_keeps_t
     for other in (1, 4, 12, 15):
         alt = planned_head(load_config(None, settings(other, 1)), fleet_of(spec, other, 1.0), slice_nodes=15 - other)
         assert rate(alt) <= rate(cfg)
+
+
+def test_the_heads_nodes_fail_too_and_each_failure_restarts_the_coordinator_from_its_checkpoint(tmp_path):
+    """Before, only islands failed in `bench fleet`: a row's head and its slices' nodes (17
+    CPU nodes for `quorum_sliced` at 16 islands) never did. Each CPU node now fails once per
+    MTTF as an island's machine does; the coordinator restarts from its checkpoint after the
+    restart time (as on Ray: a slice lost is `SliceLost`, the actor restarts), the islands
+    where they were. The run finishes with every batch trained once, its curve on one clock
+    (a restarted coordinator counts from its own start: without the shift the curve folded
+    back), and data-parallel, whose rendezvous lives on an island, has no head to lose."""
+    from archipelago.orchestrator.bench.fleet import head_schedule
+
+    spec = FleetSpec(islands=(4,), rows=("quorum",), rounds=6, mttf_s=150.0, seeds=1, lr_grid=(0.7,), mix="crash=1")
+    failures = head_schedule(spec, 0, 1)
+    run = run_one(spec, "quorum", 4, 0, 0.7, 10.0, tmp_path / "runs")
+    summary, lives = run.summary, run.losses["lives"]
+    assert summary["state"] == "finished" and summary["rounds_done"] == 6
+    assert sum(summary["shards"]["tokens"]) == summary["tokens"]
+    hit = [t for t in failures if t < run.seconds + lives[0][1]]
+    assert run.losses["head_failures"] == len(hit) == len(lives) - 1 >= 1
+    assert run.losses["halted"] == pytest.approx(spec.restart_s * len(hit))
+    assert lives[-1][1] >= hit[-1] + spec.restart_s  # the last coordinator began after the last restart
+    times = [t for t, _ in run.curve]
+    assert times == sorted(times) and run.seconds > lives[-1][1] - lives[0][1]
+    assert head_schedule(spec, 0, 17)[0] < failures[0]  # 17 nodes fail 17 times as often

@@ -37,6 +37,7 @@ island-seconds went. Every row runs at `REFERENCE_LINK`; `link_rows` at every li
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import multiprocessing
@@ -63,7 +64,6 @@ from archipelago.orchestrator.bench.report import (
     BenchResult,
     Panel,
     checks_table,
-    eval_curve,
     md_table,
     seconds_or_unreached,
     targets_met,
@@ -77,6 +77,8 @@ from archipelago.orchestrator.bench.simulation.pool import InProcessPool, Losses
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.build import PhasedRun
+from archipelago.orchestrator.engine.state.logfiles import read_lines
+from archipelago.orchestrator.engine.types import SliceLost
 from archipelago.orchestrator.modes import mode_of
 
 MODEL = [
@@ -90,6 +92,8 @@ MODEL = [
     "warm_start.steps=0",
 ]
 DEFAULT_LR = 0.7  # the shipped outer lr (in the grid)
+HEAD_SEED = 1_000_003  # the head's failures drawn apart from the islands'
+METRICS = "metrics.jsonl"
 LOSSES = "fleet-losses.json"  # beside a run's records: the pool's breakdown (a reused run keeps it)
 GOODPUT_TARGETS = {16: 0.93, 64: 0.90}
 TIME_TARGETS = {"sync_dylu": 0.7, RESTART_ROW: 0.5}  # quorum's time to target ≤ this × theirs
@@ -198,23 +202,55 @@ def run_one(
             if faults
             else []
         )
+        cpu_nodes = machines_of(cfg, islands + cfg.elastic.spares)["cpu_nodes"]
+        head_failures = head_schedule(spec, seed, cpu_nodes) if faults and cpu_nodes else []
         pools: list[InProcessPool] = []
 
         def pool(c: Any, _rid: str) -> InProcessPool:
-            pools.append(InProcessPool(c, sim, chaos=chaos, chaos_seed=seed, join_s=spec.join_s))
+            if not pools:  # a restarted coordinator finds the islands where they were
+                pools.append(
+                    InProcessPool(c, sim, chaos=chaos, chaos_seed=seed, join_s=spec.join_s, head_failures=head_failures)
+                )
             return pools[-1]
 
-        summary = PhasedRun(cfg, "bench", pool, ablation=sim.ablation()).execute()
-        (out / LOSSES).write_text(json.dumps(_losses(pools)))
+        summary = None
+        lives: list[tuple[int, float]] = []  # each coordinator's life: (records before it, its clock's origin)
+        while summary is None:
+            run = PhasedRun(cfg, "bench", pool, ablation=sim.ablation())
+            before = len(read_lines(out / METRICS))
+            try:
+                summary = run.execute()
+            except SliceLost:  # as on Ray: the coordinator's actor restarts and resumes from its checkpoint
+                pools[-1].coordinator_lost()
+                pools[-1].sleep_until(pools[-1].now() + spec.restart_s)
+            finally:
+                lives.append((before, run.engine.clock0))
+        (out / LOSSES).write_text(json.dumps({**_losses(pools), "lives": lives}))
     losses = json.loads((out / LOSSES).read_text())
+    curve, seconds = on_the_fleets_clock(out, summary, losses.get("lives", [(0, 0.0)]))
+    summary = {**summary, "clock_seconds": seconds}
     per_step = cfg.task.kwargs["batch_size"] * cfg.task.kwargs["context"]
     fleet_rate = sum(1 / f for f in sim.slowdown or [1.0] * islands) / spec.step_s * per_step  # tokens a second
     ideal = summary["tokens_applied"] / fleet_rate
     head = {"slices": cfg.coordinator.slices, "codec": cfg.compression.codec, "downlink": cfg.compression.downlink}
     slots = islands + cfg.elastic.spares
-    return FleetRun(
-        summary, eval_curve(out, summary, "clock_seconds"), losses, slots, ideal, head, machines_of(cfg, slots)
-    )
+    return FleetRun(summary, curve, losses, slots, ideal, head, machines_of(cfg, slots))
+
+
+def on_the_fleets_clock(
+    out: Path, summary: dict[str, Any], lives: list[tuple[int, float]]
+) -> tuple[list[tuple[float, float]], float]:
+    """A run's eval curve and its end on one clock from its first coordinator's start: each
+    coordinator life counts its records' seconds from its own start (a restarted one from
+    when it resumed), so a later life's are shifted by how much later it began."""
+    starts = [n for n, _ in lives]
+    points = [(0.0, float(summary["initial_eval_loss"]))]
+    for i, line in enumerate(read_lines(out / METRICS)):
+        rec = json.loads(line)
+        if rec["eval_loss"] is not None:
+            life = bisect.bisect_right(starts, i) - 1
+            points.append((lives[life][1] - lives[0][1] + rec["clock_seconds"], rec["eval_loss"]))
+    return points, lives[-1][1] - lives[0][1] + float(summary["clock_seconds"])
 
 
 def within_machines(
@@ -241,6 +277,18 @@ def within_machines(
             best = (rate, cfg, sim)
     assert best is not None, "one island and its head fit any fleet of two machines or more"
     return best[1], best[2]
+
+
+def head_schedule(spec: FleetSpec, seed: int, cpu_nodes: int) -> list[float]:
+    """When the head's `cpu_nodes` nodes (the coordinator's and each slice's) fail, each
+    once per `spec.mttf_s` as an island's machine does: a CPU node is a machine too. Each
+    failure costs a coordinator restart (`spec.restart_s`, the fleet idle) and the rounds
+    since its last checkpoint."""
+    crash = {Strike.CRASH: 1.0}
+    schedule = mttf_schedule(
+        seed=seed + HEAD_SEED, horizon_s=spec.chaos_horizon_s, islands=cpu_nodes, mttf_s=spec.mttf_s, mix=crash
+    )
+    return [f.at for f in schedule]
 
 
 def machines_of(cfg: RunConfig, islands: int) -> dict[str, int]:
@@ -472,6 +520,7 @@ def _row(
         "seeds_past_failure_horizon": sum(r.seconds > horizon for r in runs),
         "tokens": statistics.mean([r.summary["tokens"] for r in runs]),
         "strikes": statistics.mean([sum(r.losses["strikes"].values()) for r in runs]),
+        "head_failures": statistics.mean([r.losses.get("head_failures", 0) for r in runs]),  # coordinator restarts
         "seeds": list(range(len(runs))),
         "lost": {key: statistics.mean([p[key] for p in parts]) for key in parts[0] if key != "useful"},
         "lost_seconds": {
@@ -694,7 +743,10 @@ def _markdown(
         if "versus" in c
     ]
     if versus:
-        versus.append("only islands fail here: the head and its slices' nodes never do")
+        versus.append(
+            "the head's nodes fail as often as islands' (each a coordinator restart from its checkpoint); "
+            "data-parallel's rendezvous lives on an island"
+        )
     lines += [
         checks_table(checks),
         "",

@@ -26,6 +26,7 @@ from archipelago.orchestrator.bench.simulation.network import Network
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.engine.pool import Done, Failed, Joined, PoolEvent, Preempting, Progress
 from archipelago.orchestrator.engine.specs import island_spec
+from archipelago.orchestrator.engine.types import SliceLost
 from archipelago.workers.runtime.island import Island
 from archipelago.workers.wire.messages import SavedState, Sliced, WorkOrder
 from archipelago.workers.wire.sync import Change
@@ -66,6 +67,7 @@ class Losses:
     undetected: float = 0.0  # a hung island's time from its hang until the engine let it or its work go
     placement: float = 0.0  # islands placed after the start (replacements): `join_s` each
     halted: float = 0.0  # seconds the whole fleet stood still (stop-the-world restarts)
+    head_failures: int = 0  # the head's nodes (the coordinator's, its slices') that failed
 
     def __iadd__(self, other: Losses) -> Losses:
         """Another pool's account added (a run of two phases has a pool each)."""
@@ -75,6 +77,7 @@ class Losses:
         self.undetected += other.undetected
         self.placement += other.placement
         self.halted += other.halted
+        self.head_failures += other.head_failures
         return self
 
 
@@ -165,6 +168,7 @@ class InProcessPool:
         unplaceable: set[int] | None = None,
         chaos: list[TimedFault] | None = None,
         chaos_seed: int = 0,
+        head_failures: list[float] | None = None,
     ) -> None:
         """`sim`: the fleet (none: islands at speed 1 on instant links); `step_s`: seconds
         of an inner step at speed 1 (default `sim.virtual_step_s`). `faults` strike an
@@ -173,7 +177,10 @@ class InProcessPool:
         island is alive, working or not: a machine fails whether or not it computes, and one
         waiting at a barrier or in data-parallel's all-reduce is struck as often as one
         stepping (`bench fleet`: without it, every strike during an all-reduce passed data-
-        parallel by, 12 where its failure rate gave about 138)."""
+        parallel by, 12 where its failure rate gave about 138). `head_failures`: when a node
+        of the head fails — the coordinator's or a slice's, each taking the coordinator down
+        with its part of the global state (`SliceLost`, raised from `poll` at that time: a
+        new coordinator resumes from the checkpoint, with the islands where they were)."""
         self.cfg, self.join_s = cfg, join_s
         self.sim = sim or SimulationConfig()
         self.step_s = self.sim.virtual_step_s if step_s is None else step_s
@@ -182,6 +189,7 @@ class InProcessPool:
         self.freed: deque[float] = deque()  # released islands' nodes' slowdowns, for replacements
         self.noise = np.random.default_rng(chaos_seed + 7919)  # measured speeds' spread
         self.chaos = sorted(chaos or [], key=lambda f: f.at)
+        self.head_failures = sorted(head_failures or [])
         self.rng = np.random.default_rng(chaos_seed)
         self.slow: dict[int, tuple[float, float]] = {}  # island -> (factor, until)
         self.faults = list(faults or [])
@@ -498,8 +506,16 @@ class InProcessPool:
         )
 
     def poll(self, timeout: float, wake: float | None = None) -> list[PoolEvent]:
-        while self.chaos and self.chaos[0].at <= min(self._queue[0].at if self._queue else math.inf, self.t + timeout):
+        def until() -> float:  # the next thing to happen: an event, the timeout, a head node's failure
+            due = min(self._queue[0].at if self._queue else math.inf, self.t + timeout)
+            return min(due, self.head_failures[0]) if self.head_failures else due
+
+        while self.chaos and self.chaos[0].at <= until():
             self._strike(self.chaos.pop(0))
+        if self.head_failures and self.head_failures[0] <= until():
+            self.t = max(self.t, self.head_failures.pop(0))
+            self.losses.head_failures += 1
+            raise SliceLost(f"a node of the head failed at {self.t:.1f} s (simulated)")
         if not self._queue or self._queue[0].at > self.t + timeout:
             self.t += timeout
             return []
