@@ -166,7 +166,7 @@ FIGURES: list[Figure] = [
     (
         "findings/fleet.md",
         r"`quorum_sliced` [\d,]+ \(\*\*([\d.]+)× the fastest DDP",
-        "fleet.json",
+        "experiments/fleet-head-never-fails.json",
         [("checks", "quorum_sliced_time_le_0.5x_best_ddp_at_16_at_1gbps", "value")],
         1,
         2,
@@ -174,7 +174,7 @@ FIGURES: list[Figure] = [
     (
         "findings/fleet.md",
         r"the fastest DDP is `ddp_int8` ([\d,]+) s \(`ddp_bf16` ([\d,]+), fp32 ([\d,]+)",
-        "fleet.json",
+        "experiments/fleet-head-never-fails.json",
         [("links", "1", "methods", f"{row}_16", "sim_seconds_to_target") for row in ("ddp_int8", "ddp_bf16", "ddp")],
         1,
         0,
@@ -182,7 +182,7 @@ FIGURES: list[Figure] = [
     (
         "findings/fleet.md",
         r"At \*\*10 Gbit/s\*\* DDP wins: `ddp_int8` (\d+) against `quorum_sliced` (\d+)",
-        "fleet.json",
+        "experiments/fleet-head-never-fails.json",
         [("links", "10", "methods", f"{row}_16", "sim_seconds_to_target") for row in ("ddp_int8", "quorum_sliced")],
         1,
         0,
