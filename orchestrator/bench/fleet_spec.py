@@ -15,6 +15,14 @@ from archipelago.orchestrator.bench.simulation.chaos import Strike, parse_mix
 RESTART_ROW = "restart_from_checkpoint"  # the baseline run on a fleet that stands still at each failure
 SLICED_ROW = "quorum_sliced"  # quorum with coordinator.shards auto: its head sized by the plan
 EQUAL_ROW = "quorum_sliced_equal"  # SLICED_ROW on the machines data-parallel uses: islands + head + slices
+SLICED_SETTINGS = [  # the head its plan sizes: slices on nodes of their own, codecs `auto` picks
+    "mode=async",
+    "mode.rule=quorum",
+    "compression.codec=auto",
+    "compression.downlink=auto",
+    "coordinator.shards=auto",
+    "coordinator.slice_resource=archipelago_slice",
+]
 # name -> (what it is, its overrides); every DiLoCo-family row's outer lr comes from LR_GRID
 ROWS: dict[str, tuple[str, list[str]]] = {
     "ddp": (
@@ -90,28 +98,14 @@ ROWS: dict[str, tuple[str, list[str]]] = {
         "own), that bring the head's share of a round under 0.10, given one slice node per island, and the "
         "codecs `auto` picks for them (int8 both ways where its bytes save more than its coding costs, each "
         "slice keeping its part of the islands' copy), at quorum's lr",
-        [
-            "mode=async",
-            "mode.rule=quorum",
-            "compression.codec=auto",
-            "compression.downlink=auto",
-            "coordinator.shards=auto",
-            "coordinator.slice_resource=archipelago_slice",
-        ],
+        SLICED_SETTINGS,
     ),
     EQUAL_ROW: (
         "`quorum_sliced` on as many machines as the data-parallel rows (their islands): islands and the head "
         "the plan sizes for them on the machines left (its node and one per slice), as many islands as give "
         "the most planned work a second (islands / (1 + the head's planned share of a round)); the same tokens "
         "(more rounds of fewer islands), at quorum's lr",
-        [
-            "mode=async",
-            "mode.rule=quorum",
-            "compression.codec=auto",
-            "compression.downlink=auto",
-            "coordinator.shards=auto",
-            "coordinator.slice_resource=archipelago_slice",
-        ],
+        SLICED_SETTINGS,
     ),
     "quorum_no_partial": (
         "ablation: `quorum` whose preempted islands send nothing early (no partial pseudo-gradient at the "

@@ -274,6 +274,10 @@ def plan_parts(quick: bool, gpus: int, peak: float, mfu_rows: int = GPT2_ROWS) -
     bare_steps = 2 * (2 + alternations * steps)  # warm-up and alternations, island and bare loop
     table = rows(quick, gpus, mfu_rows)
     profiled = table[MFU_ROW]
+    # a profiled loop's run after its compile: warm steps and the profiled ones, at the row's size
+    profiled_s = 5.0 + (3 + 2 * PROFILE_STEPS) * step_seconds(
+        profiled.approx_params, tokens_per_step(profiled.config), peak
+    )
     parts = [
         Part(name="peak", description="bf16 matmul peak", budget_s=15.0, expected_s=3.0),
         Part(
@@ -298,17 +302,13 @@ def plan_parts(quick: bool, gpus: int, peak: float, mfu_rows: int = GPT2_ROWS) -
             name="profile",
             description="where a step of the 124 M GPT-2 island goes (torch's profiler, in process)",
             budget_s=60.0,
-            expected_s=COMPILE_S
-            + 5.0
-            + (3 + 2 * PROFILE_STEPS) * step_seconds(profiled.approx_params, tokens_per_step(profiled.config), peak),
+            expected_s=COMPILE_S + profiled_s,
         ),
         Part(
             name="reference",
             description="the 124 M GPT-2's model and batch in the reference loop (reference.py), profiled",
             budget_s=120.0,
-            expected_s=REFERENCE_COMPILE_S
-            + 5.0
-            + (3 + 2 * PROFILE_STEPS) * step_seconds(profiled.approx_params, tokens_per_step(profiled.config), peak),
+            expected_s=REFERENCE_COMPILE_S + profiled_s,
         ),
         Part(name="ray", description="Ray's local instance", budget_s=30.0, expected_s=RAY_START_S),
     ]
