@@ -322,3 +322,31 @@ def test_a_step_with_no_island_left_in_flight_waits_until_every_result_crossed_i
         assert all(max(f.usable_at for f in c.flights) > max(f.received_at for f in c.flights) for _, c in closes)
         times[mode] = [t for t, _ in closes]
     assert times["quorum"] == pytest.approx(times["diloco"])
+
+
+def test_a_step_merges_only_the_results_that_have_crossed_their_links(tmp_path):
+    """The quorum's window may close while another island's result is still on its link
+    (received, its upload not yet crossed on the simulated clock): before, that result was
+    merged with the rest, ahead of its arrival. Each step merges only what crossed by then;
+    the late one waits for the next step, and every batch is trained once."""
+    link = ["simulation.link.bandwidth_gbps=0.0001", "simulation.link.latency_ms=0", "simulation.virtual_step_s=1"]
+    cfg = scenario_cfg(
+        tmp_path,
+        "quorum",
+        "rounds=4",
+        "mode.quorum=1",
+        "mode.grace_cap=0.0",
+        "mode.dylu=false",
+        "islands.count=4",
+        # an upload takes 10 s: the third island's result is received while the first two's
+        # cross, and lands 2.4 s after theirs; the fourth is still computing then
+        "simulation.slowdown=[1.0,1.0,1.6,6.0]",
+        "simulation.nominal_params=16000",
+        *link,
+    )
+    engine, _ = in_process_engine(cfg)
+    closes = _watch(engine)
+    drive(engine)
+    check_exactly_once(cfg, engine.summary)
+    assert closes and all(f.usable_at <= t for t, c in closes for f in c.flights)
+    assert any(len(c.flights) < 3 for _, c in closes)  # a step went without the one still crossing

@@ -64,6 +64,7 @@ from archipelago.orchestrator.bench.report import (
     BenchResult,
     Panel,
     checks_table,
+    eval_curve,
     md_table,
     seconds_or_unreached,
     targets_met,
@@ -77,8 +78,8 @@ from archipelago.orchestrator.bench.simulation.pool import InProcessPool, Losses
 from archipelago.orchestrator.config import RunConfig
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.build import PhasedRun
-from archipelago.orchestrator.engine.state.logfiles import read_lines
-from archipelago.orchestrator.engine.types import SliceLost
+from archipelago.orchestrator.engine.types import RunPhase, SliceLost
+from archipelago.orchestrator.engine.warm_start import first_phase
 from archipelago.orchestrator.modes import mode_of
 
 MODEL = [
@@ -93,7 +94,6 @@ MODEL = [
 ]
 DEFAULT_LR = 0.7  # the shipped outer lr (in the grid)
 HEAD_SEED = 1_000_003  # the head's failures drawn apart from the islands'
-METRICS = "metrics.jsonl"
 LOSSES = "fleet-losses.json"  # beside a run's records: the pool's breakdown (a reused run keeps it)
 GOODPUT_TARGETS = {16: 0.93, 64: 0.90}
 TIME_TARGETS = {"sync_dylu": 0.7, RESTART_ROW: 0.5}  # quorum's time to target ≤ this × theirs
@@ -203,29 +203,16 @@ def run_one(
             else []
         )
         cpu_nodes = machines_of(cfg, islands + cfg.elastic.spares)["cpu_nodes"]
-        head_failures = head_schedule(spec, seed, cpu_nodes) if faults and cpu_nodes else []
-        pools: list[InProcessPool] = []
-
-        def pool(c: Any, _rid: str) -> InProcessPool:
-            if not pools:  # a restarted coordinator finds the islands where they were
-                pools.append(
-                    InProcessPool(c, sim, chaos=chaos, chaos_seed=seed, join_s=spec.join_s, head_failures=head_failures)
-                )
-            return pools[-1]
-
-        summary = None
-        lives: list[tuple[int, float]] = []  # each coordinator's life: (records before it, its clock's origin)
-        while summary is None:
-            run = PhasedRun(cfg, "bench", pool, ablation=sim.ablation())
-            before = len(read_lines(out / METRICS))
-            try:
-                summary = run.execute()
-            except SliceLost:  # as on Ray: the coordinator's actor restarts and resumes from its checkpoint
-                pools[-1].coordinator_lost()
-                pools[-1].sleep_until(pools[-1].now() + spec.restart_s)
-            finally:
-                lives.append((before, run.engine.clock0))
-        (out / LOSSES).write_text(json.dumps({**_losses(pools), "lives": lives}))
+        pool = InProcessPool(
+            cfg,
+            sim,
+            chaos=chaos,
+            chaos_seed=seed,
+            join_s=spec.join_s,
+            head_failures=head_schedule(spec, seed, cpu_nodes) if faults and cpu_nodes else [],
+        )
+        summary, lives = through_head_failures(cfg, sim, pool, spec.restart_s)
+        (out / LOSSES).write_text(json.dumps({**_losses([pool]), "lives": lives}))
     losses = json.loads((out / LOSSES).read_text())
     curve, seconds = on_the_fleets_clock(out, summary, losses.get("lives", [(0, 0.0)]))
     summary = {**summary, "clock_seconds": seconds}
@@ -237,20 +224,42 @@ def run_one(
     return FleetRun(summary, curve, losses, slots, ideal, head, machines_of(cfg, slots))
 
 
+def through_head_failures(
+    cfg: RunConfig, sim: SimulationConfig, pool: InProcessPool, restart_s: float
+) -> tuple[dict[str, Any], list[tuple[int, float]]]:
+    """Run `cfg` on `pool` to its end through the failures of its head's nodes: each is a
+    coordinator lost (`SliceLost`, as on Ray), down `restart_s` while the islands idle, and a
+    new one resumed from the checkpoint with the islands where they were. Returns the summary
+    and each coordinator's life: (the rounds it resumed from, its clock's origin — when it
+    began training, or when it failed if it never did)."""
+    assert first_phase(cfg, "bench") is None, "the fleet's runs have no warm phase: one pool serves every life"
+    lives: list[tuple[int, float]] = []
+    while True:
+        run = PhasedRun(cfg, "bench", lambda _cfg, _rid: pool, ablation=sim.ablation())
+        resumed = run.engine.rounds_done
+        try:
+            return run.execute(), [*lives, (resumed, run.engine.clock0)]
+        except SliceLost:
+            began = run.engine.lifecycle.now != RunPhase.STARTING
+            lives.append((resumed, run.engine.clock0 if began else pool.now()))
+            pool.coordinator_lost()
+            pool.head_down(restart_s)
+
+
 def on_the_fleets_clock(
     out: Path, summary: dict[str, Any], lives: list[tuple[int, float]]
 ) -> tuple[list[tuple[float, float]], float]:
     """A run's eval curve and its end on one clock from its first coordinator's start: each
-    coordinator life counts its records' seconds from its own start (a restarted one from
-    when it resumed), so a later life's are shifted by how much later it began."""
-    starts = [n for n, _ in lives]
-    points = [(0.0, float(summary["initial_eval_loss"]))]
-    for i, line in enumerate(read_lines(out / METRICS)):
-        rec = json.loads(line)
-        if rec["eval_loss"] is not None:
-            life = bisect.bisect_right(starts, i) - 1
-            points.append((lives[life][1] - lives[0][1] + rec["clock_seconds"], rec["eval_loss"]))
-    return points, lives[-1][1] - lives[0][1] + float(summary["clock_seconds"])
+    coordinator life counts its records' seconds from its own start, so a later life's are
+    shifted by how much later it began. A record of round r is the last life's that resumed
+    from a round before r (a resumed life rewrites the records after its checkpoint's round)."""
+    resumed = [r for r, _ in lives]
+
+    def shift(rec: dict[str, Any]) -> float:
+        life = bisect.bisect_left(resumed, rec["round"]) - 1
+        return lives[life][1] - lives[0][1] + float(rec["clock_seconds"])
+
+    return eval_curve(out, summary, shift), lives[-1][1] - lives[0][1] + float(summary["clock_seconds"])
 
 
 def within_machines(

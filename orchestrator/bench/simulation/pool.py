@@ -235,6 +235,13 @@ class InProcessPool:
         self.losses.halted += max(0.0, t - self.t)
         self.t = max(self.t, t)
 
+    def head_down(self, seconds: float) -> None:
+        """The coordinator restarting for `seconds` after its head failed: the fleet idles
+        (counted as halted), and a head node failing meanwhile fails a head already down
+        (the same restart)."""
+        self.sleep_until(self.t + seconds)
+        self.head_failures = [t for t in self.head_failures if t > self.t]
+
     def stall(self, seconds: float) -> None:
         """The coordinator's thread is busy for `seconds` of this clock (an evaluation or a
         write that slow): the islands go on, and what they send — results, heartbeats — waits

@@ -178,8 +178,11 @@ class Quorum(TokenBudget):
         at = self._ready_at(run, in_flight)
         if at is None or run.now < at:
             return None
-        flights = sorted(self.queue, key=lambda f: f.work.island)
-        self.queue, self.last_reached, self.reached_at = [], self.reached_at, None
+        # what the coordinator has in hand now: a result still crossing its (simulated) link
+        # waits for the next step, as it would on a cluster, where it is not received yet
+        flights = sorted((f for f in self.queue if f.usable_at <= run.now), key=lambda f: f.work.island)
+        self.queue = [f for f in self.queue if f.usable_at > run.now]
+        self.last_reached, self.reached_at = self.reached_at, None
         if not self.p:
             factors = {f.work.island: age_factor(run.version - f.work.version, self.rule.age_power) for f in flights}
             return _close(run.closes + 1, flights, factors)
