@@ -13,9 +13,9 @@ running anything), all inside `TOTAL_BUDGET_S`:
 - `profile`: where a step of the 124 M GPT-2 island goes, by torch's profiler in process
   (`gpu_profile.py`: wall and device time a step, the loss's head's share, the top operations);
 - `reference`: the same model and batch in the reference loop, trained the way the best open
-  loops train (`reference.py`: the whole loss compiled, micro-batches the plan sizes), its
-  tokens/s and MFU (`mfu_reference`) beside the island's and the bare loop's, and its top
-  kernels beside the island's;
+  loops train (`reference.py`: the whole loss compiled; the batch the island's, the rows the
+  plan fits in the GPU, in one micro-batch), its tokens/s and MFU (`mfu_reference`) beside
+  the island's and the bare loop's, and its top kernels beside the island's;
 - `runs`: the product on Ray — a 124 M GPT-2 (GPT-2 small's shape) as one island on the GPU
   (the MFU row), the 25.6 M GPT and a ~77 M Llama as four islands sharing it through
   fractional GPUs, one island of two FSDP2 workers where there are two GPUs — evaluated on
@@ -606,7 +606,8 @@ def gpu(
         torch.cuda.empty_cache()
         reference = parts.run(
             "reference",
-            lambda _: reference_run(every_row[MFU_ROW].config, micro_rows=mfu_rows, steps=PROFILE_STEPS),
+            # the island's batch, `mfu_rows` rows that fill the device, is one micro-batch: nothing accumulates
+            lambda _: reference_run(every_row[MFU_ROW].config, steps=PROFILE_STEPS),
         )
         torch.cuda.empty_cache()
         table = {k: r for k, r in every_row.items() if parts.wanted(k)}

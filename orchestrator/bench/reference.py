@@ -9,18 +9,22 @@ nanoGPT/nanochat and torchtitan train, tells how much of the gap is the loop's a
 the model's (transformers' GPT-2 rather than a hand-written one) or the device's.
 
 The reference loop is the bare loop (`BareLoop`: the same task, model, batches, AdamW and
-schedule, nothing read back per step) with what those loops do differently:
-- the whole micro-batch loss compiled as one graph (`torch.compile` of the task's loss
-  around the model, as nanoGPT compiles a model whose forward returns its loss), so the
-  chunked loss's head — its matmuls, log-sum-exp, softmax and gradient — is compiled and
-  fused with the model's last block, where the island compiles the model's blocks
-  (`workers/runtime/compiling.py`) and runs the head eagerly;
-- the batch in micro-batches of the rows the plan says fill the device
-  (`plan.planner.rows_that_fill`, `bench gpu`'s `fill` part), their gradients accumulated,
-  as llm.c sizes its micro-batch to the card and accumulates to its batch.
+schedule, nothing read back per step) with the one thing those loops do differently: the
+whole micro-batch loss compiled as one graph (`torch.compile` of the task's loss around the
+model, as nanoGPT compiles a model whose forward returns its loss), so the chunked loss's
+head — its matmuls, log-sum-exp, softmax and gradient — is compiled and fused with the
+model's last block, where the island compiles the model's blocks
+(`workers/runtime/compiling.py`) and runs the head eagerly.
 Shared with the island and the bare loop, as those loops have them: fused attention (the
 model's SDPA), bf16 autocast over fp32 master weights, fused AdamW on CUDA (one kernel a
-step), the loss summed on the device and read once.
+step), the loss summed on the device and read once, and the micro-batch sized to the
+device. In `bench gpu` the batch is the island's, the rows the plan says fill the device
+(`plan.planner.rows_that_fill`, its `fill` part), so a step is one micro-batch and nothing
+accumulates (`micro_batches` 1 in its report): llm.c sizes its micro-batch to the card the
+same way and accumulates to a 0.5 M-token batch, which would make the batch not the
+island's and only spread the optimizer's one fused kernel over more tokens. The loop still
+splits a batch into micro-batches of `micro_rows` rows, their gradients accumulated, for a
+batch larger than a device holds (checked on the CPU: the same steps as one batch).
 
 On a CPU the reference trains uncompiled unless told (`compile`): Inductor's C++ code
 generation takes about 30 s for even a two-layer model on the project's 2-core machine,
