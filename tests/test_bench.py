@@ -207,8 +207,10 @@ def test_gpu_parts_are_named_or_refused(tmp_path, capsys):
 
 def test_the_gpu_lease_script_runs_known_parts_expected_within_its_budget_and_six_minutes():
     """orchestrator/bench/gpu_lease.sh, a lease's one call: every part it names exists, the
-    parts are expected within its budget on an H100 (the slower of the two lent kinds), and
-    the budget leaves a minute of its six for the tests and the summary after it."""
+    parts are expected within its budget on an H100 (the slower of the two lent kinds), every
+    step that can take time runs under `timeout` with the limits the script sets, and those
+    limits add up: the whole script within six minutes even with the install at its limit,
+    and the bench's whole budget where no install was needed, all read from the script."""
     import re
     from pathlib import Path
 
@@ -216,10 +218,36 @@ def test_the_gpu_lease_script_runs_known_parts_expected_within_its_budget_and_si
 
     script = (Path(__file__).parents[1] / "orchestrator/bench/gpu_lease.sh").read_text()
     parts = re.search(r"^PARTS=(\S+)$", script, re.M).group(1).split(",")
-    budget = float(re.search(r"BUDGET_S=\$\{BUDGET_S:-(\d+)\}", script).group(1))
+    limits = {k: int(v) for k, v in re.findall(r"^([A-Z_]+_S)=(\d+)\b", script, re.M)}
+    limits["BUDGET_S"] = int(re.search(r"^BUDGET_S=\$\{BUDGET_S:-(\d+)\}$", script, re.M).group(1))
+    total, check, install, tests, summary, kill, grace, budget = (
+        limits[k] for k in ("TOTAL_S", "CHECK_S", "INSTALL_S", "TESTS_S", "SUMMARY_S", "KILL_S", "GRACE_S", "BUDGET_S")
+    )
     assert set(parts) <= set(part_names()) and {"reference", "gpt2_124m_1gpu", "bareloop"} <= set(parts)
     expected = sum(p.expected_s for p in plan_parts(quick=False, gpus=1, peak=989e12) if p.name in parts)
-    assert expected <= budget <= 6 * 60 - 60, (expected, budget)
+    assert expected <= budget and total <= 6 * 60, (expected, budget, total)
+
+    # every command that can take time runs `within` a limit (timeout's TERM, then KILL_S later)
+    assert re.search(r'^within\(\) \{ timeout -k "\$KILL_S" "\$@"; \}', script, re.M)
+    bare = [
+        line for line in script.splitlines() if re.match(r"\s*(?:if !\s*)?(?:python|archipelago|pytest|pip)\b", line)
+    ]
+    assert not bare, bare
+    within = re.findall(r'within "\$(\w+)" (\S+)', script)
+    steps = [("CHECK_S", "python"), ("INSTALL_S", "python"), ("INSTALL_S", "python"), ("bench_s", "archipelago")]
+    assert sorted(within) == sorted([*steps, ("TESTS_S", "python"), ("SUMMARY_S", "python")]), within
+    assert len(re.findall(r"^\s*check$", script, re.M)) == 2  # the check, and again after an install
+
+    # the bench's limit, as the script computes it from the seconds spent before it
+    formula = re.search(r"^bench_s=\$\(\((.+)\)\)$", script, re.M).group(1)
+
+    def bench_limit(spent: int) -> int:
+        return eval(formula, {}, {**limits, "SECONDS": spent, "started": 0})
+
+    worst = 2 * (check + kill) + install + kill  # checked, installed, checked again: each at its limit
+    assert worst + bench_limit(worst) + kill + tests + kill + summary + kill <= total, (worst, bench_limit(worst))
+    assert bench_limit(check + kill) - grace >= budget  # no install: the whole budget, and its grace
+    assert bench_limit(worst) - grace > 0  # an install at its limit still leaves the bench some time
 
 
 def test_mfu_is_against_the_datasheet_peak_of_the_device_named():
