@@ -18,6 +18,7 @@ device), which is why the function-level count in `test_host_syncs.py` is kept b
 from __future__ import annotations
 
 import collections
+import os
 import traceback
 from pathlib import Path
 from typing import Any
@@ -55,15 +56,29 @@ ALLOWED: dict[tuple[str, str], str] = {
 }
 
 
+TORCH_DIR = os.path.realpath(os.path.dirname(torch.__file__))  # torch's package, wherever it is installed
+LIBRARIES = ("site-packages", "dist-packages")  # the folders other libraries are installed in
+
+
+def site_path(filename: str) -> str:
+    """A file named as its site is: `torch/optim/optimizer.py` for torch's (its path below
+    torch's own package, wherever torch is installed: site- or dist-packages, a conda or a
+    source tree), `transformers/models/gpt2/modeling_gpt2.py` for another library's (its
+    path below site- or dist-packages), `runtime/island.py` for the project's (its folder
+    and file)."""
+    real = os.path.realpath(filename)
+    if real.startswith(TORCH_DIR + os.sep):
+        return "torch/" + Path(os.path.relpath(real, TORCH_DIR)).as_posix()
+    parts = Path(filename).parts
+    below = [i for i, part in enumerate(parts) if part in LIBRARIES]
+    return "/".join(parts[below[-1] + 1 :] if below else parts[-2:])
+
+
 def _site(stack: list[traceback.FrameSummary]) -> str:
     """Where an operation was made: the innermost frame that is not a wrapper's, as
-    `torch/optim/optimizer.py:_get_value` for a library's (its path below site-packages) and
-    `runtime/island.py:_run` for the project's (its folder and file)."""
+    `torch/optim/optimizer.py:_get_value` (its file by `site_path`, then its function)."""
     frame = next(f for f in reversed(stack) if not any(p in f.filename for p in PLUMBING))
-    path = frame.filename.split("site-packages/")[-1]
-    if path == frame.filename:
-        path = "/".join(Path(path).parts[-2:])
-    return f"{path}:{frame.name}"
+    return f"{site_path(frame.filename)}:{frame.name}"
 
 
 def _syncs(func: Any, args: tuple, kwargs: dict) -> bool:

@@ -293,7 +293,9 @@ class Island:
         if src is not None:
             self.flat.load(src)
         self.model.train()
-        started_at = time.time()  # its first step begins: the parameters are in place
+        # its first step is queued next: on a CPU the parameters are in place; on a GPU their copy
+        # is only queued (non_blocking, its last piece may be in flight); the step runs after it on the stream
+        started_at = time.time()
         tally = Tally(positions=dict(order.shards), shard_tokens=dict.fromkeys(order.shards, 0))
         done = self.rounds.work(order, tally, detach_tail)
         return RoundResult(
