@@ -292,8 +292,8 @@ def kept(out: Path) -> dict[str, Any] | None:
 def keep(out: Path, result: dict[str, Any]) -> dict[str, Any]:
     """`result` kept in `out`, stamped with the commit that measured it: a rerun into the
     same folder reuses it, and its report says which commits its parts were measured at."""
-    from archipelago.orchestrator.bench.report import measured_commit
+    from archipelago.orchestrator.bench.report import measured_commit  # the report module draws plots: imported late
 
-    result = {**result, "measured_at": measured_commit()["commit"]}
+    result = {**result, "measured_at": measured_commit()["commit"], "measured_clean": measured_commit()["clean"]}
     (out / RESULT).write_text(json.dumps(result))
     return result

@@ -28,7 +28,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from archipelago.orchestrator.bench.report import eval_curve, machine_info, md_table, seconds_or_unreached
+from archipelago.orchestrator.bench.report import (
+    eval_curve,
+    machine_info,
+    md_table,
+    measured_commit,
+    seconds_or_unreached,
+)
 from archipelago.orchestrator.bench.runner import finished, fresh, record_simulation
 from archipelago.orchestrator.bench.simulation.config import SimulationConfig
 from archipelago.orchestrator.bench.simulation.links import LinkConfig
@@ -42,6 +48,7 @@ from archipelago.orchestrator.engine.state.views import RoundRecord
 log = logging.getLogger(__name__)
 
 TOLERANCE = (0.8, 1.25)  # simulated / measured time to target
+SIMULATED_AT = "simulated-at"  # beside a simulated run: the commit that ran it
 UNSIMULATED = {"ddp_powersgd": "the simulator has no PowerSGD (its low-rank factors and error feedback)"}
 DDP_CODECS = {"ddp_fp32": "none", "ddp_bf16": "bf16"}  # the testbed's fp16 hook: bf16's bytes
 
@@ -94,6 +101,7 @@ def simulate(row: str, island_mbit: float, step_s: float, target: float, work: P
     if summary is None:
         fresh(cfg, sim)
         record_simulation(cfg, sim)
+        (out / SIMULATED_AT).write_text(str(measured_commit()["commit"]))
         engine = None
 
         def stop_at_target(_status: Any, _islands: Any, entry: RoundRecord) -> None:
@@ -104,6 +112,13 @@ def simulate(row: str, island_mbit: float, step_s: float, target: float, work: P
         engine = build_engine(cfg, InProcessPool(cfg, sim), "calibration", on_record=stop_at_target)
         summary = engine.execute()
     return first_at_or_below(eval_curve(out, summary, "clock_seconds"), target)
+
+
+def simulated_at(row: str, island_mbit: float, work: Path, seed: int = 0) -> str:
+    """The commit that simulated `row`'s run in `work` (a run kept from before runs named
+    theirs: "unstamped")."""
+    stamp = work / f"{row}-{island_mbit:g}mbit-s{seed}" / SIMULATED_AT
+    return stamp.read_text().strip() if stamp.exists() else "unstamped"
 
 
 def judge(measured: float | None, simulated: float | None) -> dict[str, Any]:
@@ -144,7 +159,10 @@ def calibrate(regimes: dict[str, dict[str, Any]], step_s: float, target: float, 
             seeds = sorted(int(s) for s in measured["seeds"])
             times = [simulate(row, mbit, step_s, target, work / name, seed) for seed in seeds]
             simulated = None if None in times else sum(t for t in times if t is not None) / len(times)
-            rows[row] = judge(real, simulated)
+            rows[row] = {
+                **judge(real, simulated),
+                "simulated_at": [simulated_at(row, mbit, work / name, s) for s in seeds],
+            }
             log.info("calibration %s %s: measured %s s, simulated %s s", name, row, real, simulated)
         out[name] = rows
     return {"tolerance": list(TOLERANCE), "regimes": out}
