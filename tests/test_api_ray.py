@@ -176,9 +176,16 @@ def test_a_frozen_slice_holds_neither_reads_nor_a_stop(ray_local, tmp_path, monk
             assert slow < 2.0 and time.perf_counter() - t0 < 4.0, slow
             assert status.status_code == 200 and status.json()["coordinator"] == "slow", status.text
             assert islands.status_code == 200 and client.get("/v1/events").json() == []
+            for _ in range(5):  # asked again and again while it is frozen: each within the wait, the last answer
+                t0 = time.perf_counter()
+                assert client.get("/v1/run").json()["coordinator"] == "slow"
+                assert time.perf_counter() - t0 < 2.0
         finally:
             os.kill(coordinator_pid, signal.SIGCONT)
-        assert client.get("/v1/run").json()["coordinator"] == "running"
+        deadline = time.time() + 30
+        while client.get("/v1/run").json()["coordinator"] != "running":
+            assert time.time() < deadline, "the coordinator's reads never answered again"
+            time.sleep(0.2)
         os.kill(pid, signal.SIGCONT)
         pid = None
         thread.join(timeout=120)

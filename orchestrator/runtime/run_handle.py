@@ -5,13 +5,13 @@ serve`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
 from typing import Any
 
 from archipelago.api.handle import HandleError
 
 from ..engine.commands import Answer, Command
-from ..engine.state.views import Coordinator, EventRecord
+from ..engine.state.views import CoordinatorState, EventRecord
 from .names import NAMESPACE, coordinator_name, run_id_of_coordinator
 
 
@@ -44,7 +44,7 @@ READ_S = 1.0  # a read's wait for the coordinator: the control plane answers a r
 class Unanswered(Exception):
     """The coordinator did not answer: Ray is restarting it, or it was slow."""
 
-    def __init__(self, state: Coordinator) -> None:
+    def __init__(self, state: CoordinatorState) -> None:
         super().__init__(state.value)
         self.state = state
 
@@ -71,42 +71,60 @@ class RayRunHandle:
         self.actor = ray.get_actor(coordinator_name(run_id), namespace=NAMESPACE)
         self.timeout_s, self.read_s = timeout_s, read_s
         self.last: dict[str, Any] = {}  # method -> its last answer, for reads the coordinator did not answer
+        # method -> (its arguments, its call still unanswered): a read asked again while the
+        # coordinator is slow waits on that call rather than queueing another on its threads
+        # (a 1-Hz poller of a frozen coordinator would otherwise pile calls up, and a command
+        # would wait behind them)
+        self.pending: dict[str, tuple[tuple[Any, ...], Any]] = {}
+        self.lock = threading.Lock()
 
-    def _call(self, call: Callable[[], Any], timeout_s: float) -> Any:
-        """`ray.get` of the coordinator call `call` makes. A coordinator that raised is a
-        fault of ours (500, its last line); one that did not answer is `Unanswered`."""
+    def _get(self, ref: Any, timeout_s: float) -> Any:
+        """`ray.get` of a coordinator call. A coordinator that raised is a fault of ours (500,
+        its last line); one that did not answer is `Unanswered`."""
         ray = self.ray
         try:
-            return ray.get(call(), timeout=timeout_s)
+            return ray.get(ref, timeout=timeout_s)
         except ray.exceptions.RayTaskError as err:
             raise HandleError(500, str(err).splitlines()[-1]) from err
         except ray.exceptions.RayActorError as err:
-            raise Unanswered(Coordinator.RESTARTING) from err
+            raise Unanswered(CoordinatorState.RESTARTING) from err
         except ray.exceptions.GetTimeoutError as err:
-            raise Unanswered(Coordinator.SLOW) from err
+            raise Unanswered(CoordinatorState.SLOW) from err
 
-    def _latest(self, key: str, call: Callable[[], Any]) -> Any:
+    def _read(self, method: str, *args: Any) -> Any:
+        """The coordinator's `method(*args)`, waiting `read_s` at most: the same read still
+        unanswered is waited on again, not called again."""
+        with self.lock:
+            asked, ref = self.pending.pop(method, ((), None))
+            if ref is None or asked != args:
+                ref = getattr(self.actor, method).remote(*args)
+        try:
+            return self._get(ref, self.read_s)
+        except Unanswered as err:
+            if err.state == CoordinatorState.SLOW:
+                with self.lock:
+                    self.pending[method] = (args, ref)
+            raise
+
+    def _latest(self, method: str, *args: Any) -> Any:
         """A read that, unanswered, answers with the last answer seen."""
         try:
-            self.last[key] = self._call(call, self.read_s)
+            self.last[method] = self._read(method, *args)
         except Unanswered:
-            if key not in self.last:
+            if method not in self.last:
                 raise HandleError(409, RESTARTING) from None
-        return self.last[key]
+        return self.last[method]
 
-    def _since(self, call: Callable[[], Any]) -> list[Any]:
+    def _since(self, method: str, *args: Any) -> list[Any]:
         """A cursor read: nothing new while unanswered (the reader asks again)."""
         try:
-            return self._call(call, self.read_s)
+            return list(self._read(method, *args))
         except Unanswered:
             return []
 
     def status(self) -> dict[str, Any]:
         try:
-            self.last["status"] = {
-                **self._call(self.actor.status.remote, self.read_s),
-                "coordinator": Coordinator.RUNNING.value,
-            }
+            self.last["status"] = {**self._read("status"), "coordinator": CoordinatorState.RUNNING.value}
         except Unanswered as err:
             if "status" not in self.last:
                 raise HandleError(409, RESTARTING) from None
@@ -114,16 +132,16 @@ class RayRunHandle:
         return self.last["status"]
 
     def islands(self) -> dict[str, dict[str, Any]]:
-        return self._latest("islands", self.actor.islands.remote)
+        return dict(self._latest("islands"))
 
     def events(self, since: int, limit: int) -> list[EventRecord]:
-        return self._since(lambda: self.actor.events_since.remote(since, limit))
+        return self._since("events_since", since, limit)
 
     def history(self, since: int, limit: int) -> list[dict[str, Any]]:
-        return self._since(lambda: self.actor.history.remote(since, limit))
+        return self._since("history", since, limit)
 
     def submit(self, command: Command, key: str | None = None) -> Answer:
         try:
-            return self._call(lambda: self.actor.submit.remote(command, key), self.timeout_s)
+            return self._get(self.actor.submit.remote(command, key), self.timeout_s)
         except Unanswered as err:
             raise HandleError(409, UNKNOWN.format(why=err)) from err

@@ -18,7 +18,7 @@ class _View(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class Coordinator(str, Enum):
+class CoordinatorState(str, Enum):
     """The coordinator as the Ray handle reports it in `RunStatus` (unanswered reads show the
     last answer seen)."""
 
@@ -58,7 +58,7 @@ class RunStatus(_View):
     stopping: bool = False
     disk_errors: int = 0
     last_disk_error: str | None = None
-    coordinator: Coordinator | None = None  # set by the Ray handle
+    coordinator: CoordinatorState | None = None  # set by the Ray handle
     histograms: dict[str, HistogramView] = {}  # `HISTOGRAMS`' keys: round seconds, update staleness
 
     def as_dict(self) -> dict[str, Any]:
