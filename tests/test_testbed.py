@@ -101,3 +101,17 @@ def test_down_removes_what_a_killed_testbed_left(testbed_available):
     assert sleeper.wait(timeout=10) != 0
     assert ns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert not [p for p in netlab.NET.iterdir() if p.name.startswith(netlab.PREFIX)]
+
+
+def test_a_control_plane_that_answers_only_with_its_last_answer_is_caught():
+    """The faults' 2-s check passes on any answer, and a stale one (the last answer seen, or a
+    409 while the coordinator starts) is one: a coordinator that never answered again would
+    pass it forever. The longest stretch of stale answers is measured and held to 30 s."""
+    from archipelago.orchestrator.bench.testbed_faults import STALE_S, staleness
+
+    fresh = [(float(t), 200, 0.01, True) for t in range(5)]
+    starting = [(0.0, 409, 1.0, False), (1.0, 409, 1.0, False), *fresh[2:]]
+    assert staleness(fresh) == (0, 0.0) and staleness(starting) == (2, 1.0)
+    gone = [*fresh, *((float(t), 200, 1.0, False) for t in range(5, 60))]
+    count, longest = staleness(gone)
+    assert count == 55 and longest == 54.0 > STALE_S

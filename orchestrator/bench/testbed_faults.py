@@ -1,7 +1,8 @@
 """Network faults as testbed scenarios, each run with the shipped defaults and real timing,
 each with its evidence and a pass: every round finishes, every batch read is trained once
 (the shards' tokens are the run's), the control plane answers every read within 2 s with
-no 5xx (polled from outside the head, as a user's client would), and the run's events say
+no 5xx (polled from outside the head, as a user's client would) and answers with the
+coordinator's own view again within 30 s of losing it, and the run's events say
 what happened (the losses and replacements each scenario expects, and no others).
 
 - `partition_10s`: an island's link down 10 s — nothing lost, no replacement.
@@ -44,6 +45,7 @@ from archipelago.orchestrator.bench.netlab_scenario import (
 
 API_PORT = 8600
 ANSWER_S = 2.0  # the control plane's answer, at most
+STALE_S = 30.0  # the longest the control plane may answer without the coordinator's own answer (a restart's)
 FAST = Link(up_mbit=100, down_mbit=100)
 RUN = ["--set=warm_start.steps=0", "--set=inner_steps=20", "--set=api.enabled=true", "--set=api.host=0.0.0.0"]
 
@@ -153,7 +155,7 @@ class Poller:
 
     def __init__(self, url: str, token: str) -> None:
         self.url, self.token = url, token
-        self.answers: list[tuple[float, int, float]] = []  # (when, status, seconds)
+        self.answers: list[tuple[float, int, float, bool]] = []  # (when, status, seconds, the coordinator current)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -163,14 +165,16 @@ class Poller:
         while not self._stop.wait(1.0):
             request = urllib.request.Request(self.url, headers={"Authorization": f"Bearer {self.token}"})
             began = time.monotonic()
+            current = False
             try:
                 with urllib.request.urlopen(request, timeout=10) as reply:
                     status = reply.status
+                    current = json.loads(reply.read()).get("coordinator") == "running"
             except urllib.error.HTTPError as err:
                 status = err.code
-            except (urllib.error.URLError, OSError):  # no answer (refused, or its 10 s passed): status 0
+            except (urllib.error.URLError, OSError, ValueError):  # no answer (refused, or its 10 s passed): status 0
                 status = 0
-            self.answers.append((round(began - t0, 2), status, round(time.monotonic() - began, 3)))
+            self.answers.append((round(began - t0, 2), status, round(time.monotonic() - began, 3), current))
 
     def close(self) -> dict[str, Any]:
         """The reads from the first answer to the last: before, the control plane was not
@@ -180,12 +184,29 @@ class Poller:
         self._thread.join(timeout=15)
         served = [i for i, a in enumerate(self.answers) if a[1] != 0]
         answers = self.answers[served[0] : served[-1] + 1] if served else []
+        stale, longest = staleness(answers)
         return {
             "reads": len(answers),
             "slowest_s": max((a[2] for a in answers), default=None),
             "not_ok": [a for a in answers if a[1] != 200],
-            "slow": [a for a in answers if a[2] > ANSWER_S / 2],  # (when, status, seconds): where to look
+            "slow": [a for a in answers if a[2] > ANSWER_S / 2],  # (when, status, seconds, current): where to look
+            "stale": stale,
+            "longest_stale_s": round(longest, 2),
         }
+
+
+def staleness(answers: list[tuple[float, int, float, bool]]) -> tuple[int, float]:
+    """Answers that were not the coordinator's own (the last one seen, or a 409), and the
+    longest stretch of them in seconds, from the first to the last of a run of them."""
+    stale, longest, since = 0, 0.0, None
+    for when, _, _, current in answers:
+        if current:
+            since = None
+            continue
+        stale += 1
+        since = when if since is None else since
+        longest = max(longest, when - since)
+    return stale, longest
 
 
 def run_case(case: Case, work: Path) -> dict[str, Any]:
@@ -225,6 +246,9 @@ def judge(
         "api_within_2s": api["reads"] > 0 and (api["slowest_s"] or 0) <= ANSWER_S,
         "api_no_5xx": not [a for a in api["not_ok"] if a[1] >= 500],
         "api_always_answered": not [a for a in api["not_ok"] if a[1] == 0],
+        # answered, but with the coordinator's own answer again within STALE_S: a coordinator
+        # that never answered again would pass the 2 s on its last answer forever
+        "api_current": api.get("longest_stale_s", 0.0) <= STALE_S,
     }
     return {
         "pass": all(checks.values()),
