@@ -372,21 +372,7 @@ def _result(
         "`measured_at`).\n\n"
     )
     passed = all(f["pass"] for f in faults.values())
-    fault_rows = [
-        [
-            name,
-            "pass" if f["pass"] else "FAIL",
-            f"{f['seconds']:.0f}",
-            str(f["losses"]),
-            str(f["api"]["slowest_s"]),
-            ", ".join(k for k, ok in f["checks"].items() if not ok) or "-",
-        ]
-        for name, f in faults.items()
-    ]
-    lines.append(
-        "### Network faults (shipped defaults, real timing)\n\n"
-        + md_table(["scenario", "result", "s", "islands lost", "slowest API read (s)", "failed checks"], fault_rows)
-    )
+    lines.append(_faults_table(faults))
     summary += f"; faults {'pass' if passed else 'FAIL'}"
     lines.append(f"{CALIBRATION_HEADING}\n\n{calibration_table(calibration)}")
     methods = {f"{n}/{k}": r for n, reg in regimes.items() for k, r in reg["rows"].items()}
@@ -407,6 +393,23 @@ def _result(
             "measured_at": measured_at,
             "calibration": calibration,
         },
+    )
+
+
+def _faults_table(faults: dict[str, dict[str, Any]]) -> str:
+    rows = [
+        [
+            name,
+            "pass" if f["pass"] else "FAIL",
+            f"{f['seconds']:.0f}",
+            str(f["losses"]),
+            str(f["api"]["slowest_s"]),
+            ", ".join(k for k, ok in f["checks"].items() if not ok) or "-",
+        ]
+        for name, f in faults.items()
+    ]
+    return "### Network faults (shipped defaults, real timing)\n\n" + md_table(
+        ["scenario", "result", "s", "islands lost", "slowest API read (s)", "failed checks"], rows
     )
 
 
