@@ -688,6 +688,24 @@ def _grid_table(grid: dict[str, dict[str, Any]]) -> str:
     )
 
 
+def _versus(checks: dict[str, dict[str, Any]]) -> list[str]:
+    """Each time check's rows and their machines, and who fails among them."""
+    versus = [
+        f"`{name}`: against `{c['versus']}` ("
+        + "; ".join(f"{r} {m['islands']} islands + {m['cpu_nodes']} CPU nodes" for r, m in c["machines"].items())
+        + ")"
+        + (f" — {c['note']}" if c.get("note") else "")
+        for name, c in checks.items()
+        if "versus" in c
+    ]
+    if versus:
+        versus.append(
+            "the head's nodes fail as often as islands' (each a coordinator restart from its checkpoint); "
+            "data-parallel's rendezvous lives on an island"
+        )
+    return versus
+
+
 def _markdown(
     spec: FleetSpec,
     links: dict[str, dict[str, Any]],
@@ -702,7 +720,9 @@ def _markdown(
         f"replacement runs at the speed of the node it replaces); H = {spec.inner_steps}; {spec.step_s:g} simulated s "
         f"per step at speed 1 (a synchronous round: {spec.round_s:g} s); {spec.rounds} rounds' tokens per run; each "
         f"island fails once per {spec.mttf_s:g} simulated s on average ({spec.mix}; slow-downs 4x, preemption notices "
-        f"{spec.notice_s[0]:g}–{spec.notice_s[1]:g} s), replacements start {spec.join_s:g} s after; "
+        f"{spec.notice_s[0]:g}–{spec.notice_s[1]:g} s), replacements start {spec.join_s:g} s after; each CPU node of "
+        f"a head (the coordinator's, each slice's) fails as often, each failure a coordinator restart from its last "
+        f"checkpoint (every {RunConfig().checkpoint.every_rounds} rounds, as shipped) after {spec.restart_s:g} s; "
         f"restart_from_checkpoint stands still {spec.restart_s:g} s per failure; heartbeats: hung after "
         f"{spec.hang_after_steps} expected steps without progress. Failures are drawn up to "
         f"{spec.chaos_horizon_s:,.0f} simulated s: a run lasting longer runs its rest without any, which flatters it "
@@ -743,19 +763,7 @@ def _markdown(
                 _lost_table(at["methods"]),
                 "",
             ]
-    versus = [
-        f"`{name}`: against `{c['versus']}` ("
-        + "; ".join(f"{r} {m['islands']} islands + {m['cpu_nodes']} CPU nodes" for r, m in c["machines"].items())
-        + ")"
-        + (f" — {c['note']}" if c.get("note") else "")
-        for name, c in checks.items()
-        if "versus" in c
-    ]
-    if versus:
-        versus.append(
-            "the head's nodes fail as often as islands' (each a coordinator restart from its checkpoint); "
-            "data-parallel's rendezvous lives on an island"
-        )
+    versus = _versus(checks)
     lines += [
         checks_table(checks),
         "",
