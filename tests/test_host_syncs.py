@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 from archipelago.orchestrator.config_load import load_config
 from archipelago.orchestrator.engine.specs import island_spec
 from archipelago.workers.runtime.island import Island
-from tests.host_syncs import ALLOWED, HostSyncs
+from tests.host_syncs import ALLOWED, LIBRARIES, HostSyncs, site_path
 
 READS = {
     torch.Tensor.item,
@@ -52,14 +52,14 @@ class HostReads(TorchFunctionMode):
             if ours and stack[-1] is ours[-1]:  # made in the project's code
                 where = f"{'/'.join(Path(ours[-1].filename).parts[-2:])}:{ours[-1].name}"
             else:  # made by torch (or a library) on its own
-                where = stack[-1].filename.split("site-packages/")[-1]
+                where = site_path(stack[-1].filename)
             self.seen[(func.__name__, where)] += 1
         return func(*args, **(kwargs or {}))
 
 
 def _ours(filename: str) -> bool:
     parts = Path(filename).parts
-    return any(p in parts for p in PROJECT) and "site-packages" not in parts and "tests" not in parts
+    return any(p in parts for p in PROJECT) and not any(p in parts for p in LIBRARIES) and "tests" not in parts
 
 
 def _default_island(corpus_cache: str) -> Island:
