@@ -41,7 +41,7 @@ from tests.helpers import events, in_process_engine
 MODES = ["diloco", "ddp", "async", "overlap", "streaming", "quorum", "streaming_quorum", "sync_dylu"]
 
 
-@pytest.mark.parametrize("mode", ["diloco", "overlap", "async", "streaming", "quorum", "streaming_quorum"])
+@pytest.mark.parametrize("mode", ["diloco", "overlap", "async", "streaming", "quorum", "streaming_quorum", "sync_dylu"])
 def test_a_coordinator_restart_resumes_from_its_checkpoint(tmp_path, mode):
     cfg = scenario_cfg(tmp_path, mode)
     first, pool = in_process_engine(cfg, run_id="restart")

@@ -15,7 +15,6 @@ from archipelago.workers.wire.flat import FlatParams
 
 from ...config import RunConfig
 from ...config_load import upgraded as upgraded_config
-from ..commands import SettingsUpdate
 from ..fleet.island_states import IslandStates
 from ..pacing.base import Pacing
 from ..pacing.quorum import QuorumRule
@@ -173,5 +172,5 @@ def restore(engine: RunCore, state: dict[str, Any]) -> None:
     if engine.quorum is not None and settings.get("quorum"):
         was = saved["mode"]
         kept = {k: v for k, v in settings["quorum"].items() if was.get(k) == now["mode"].get(k)}
-        engine.quorum.apply(SettingsUpdate(**kept))
+        engine.quorum.restore(kept)
     engine.pacing.resume(run, engine.stats.rounds_done)

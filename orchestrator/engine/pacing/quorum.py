@@ -36,13 +36,16 @@ import bisect
 import dataclasses
 import statistics
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ...algorithms.dylu import SpeedTracker
 from ..commands import SettingsUpdate
 from ..state.flights import Close, Flight, RunState, Work
 from .arrivals import TokenBudget
 
+RULE_SETTINGS = ("quorum", "grace_cap", "grace_k", "age_power")  # the rule's live settings
 OFFSETS = 32  # arrival offsets remembered for the window (recent fleet behaviour only)
 MIN_OFFSETS = 4  # fewer than this: the window is the cap (no spread to read yet)
 
@@ -58,8 +61,15 @@ class QuorumRule:
 
     def apply(self, update: SettingsUpdate) -> None:
         """Take the rule's settings an operator changed (from the next step on)."""
-        for name in ("quorum", "grace_cap", "grace_k", "age_power"):
-            if (value := getattr(update, name)) is not None:
+        self.restore({name: getattr(update, name) for name in RULE_SETTINGS})
+
+    def restore(self, settings: Mapping[str, Any]) -> None:
+        """Take the settings given (None: unchanged). A checkpoint's are the rule's own values
+        — a barrier's infinite grace among them — not an operator's input, so they are not
+        held to the API's bounds: read through `SettingsUpdate`, a `mode.dylu` run's
+        restarted coordinator was refused its own grace (inf > 100) and could not start."""
+        for name in RULE_SETTINGS:
+            if (value := settings.get(name)) is not None:
                 setattr(self, name, value)
 
     def needed(self, live: int) -> int:
