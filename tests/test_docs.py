@@ -132,15 +132,20 @@ def test_the_readmes_figures_are_the_benchmarks_json():
     assert f"eval loss {row['final_eval_loss']:.2f}," in readme and f"-> {row['final_eval_loss']:.4f} |" in readme
     checks = json.loads((REPO / "docs" / "fleet.json").read_text())["checks"]
     ratios = re.search(
-        r"in ([\d.]+)× the fastest simulated DDP's time \((\w+);\s+PowerSGD not simulated\) with (\d+) CPU nodes"
-        r" beside them that never fail \(([\d.]+)× on one head\)",
+        r"on DDP's (\d+) machines, (\d+) islands and a sliced head reach the target in ([\d.]+)× the fastest\s+"
+        r"simulated DDP's time \((\w+); PowerSGD not simulated\); a slice per island stalls on\s+"
+        r"failures \(([\d.]+)×\)",
         readme,
     )
     assert ratios is not None
-    sliced, one_head = (checks[f"{row}_time_le_0.5x_best_ddp_at_16_at_1gbps"] for row in ("quorum_sliced", "quorum"))
-    assert float(ratios.group(1)) == round(sliced["value"], 2) and float(ratios.group(4)) == round(one_head["value"], 2)
-    assert ratios.group(2) == sliced["versus"]
-    assert int(ratios.group(3)) == sliced["machines"]["quorum_sliced"]["cpu_nodes"]
+    equal, sliced = (
+        checks[f"{row}_time_le_0.5x_best_ddp_at_16_at_1gbps"] for row in ("quorum_sliced_equal", "quorum_sliced")
+    )
+    assert float(ratios.group(3)) == round(equal["value"], 2) and float(ratios.group(5)) == round(sliced["value"], 2)
+    assert ratios.group(4) == equal["versus"] == sliced["versus"]
+    machines = equal["machines"]
+    assert int(ratios.group(1)) == machines["quorum_sliced_equal"]["total"] == machines[equal["versus"]]["total"]
+    assert int(ratios.group(2)) == machines["quorum_sliced_equal"]["islands"]
     testbed = json.loads((REPO / "docs" / "testbed.json").read_text())
     real = re.search(r"reaches eval loss ([\d.]+) in ([\d.]+)× the best DDP's time", readme)
     assert real is not None
