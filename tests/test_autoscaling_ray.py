@@ -124,7 +124,8 @@ def test_add_gpu_islands_over_rest_and_scale_back_down(autoscaling, tmp_path, mo
             time.sleep(0.3)
         raise AssertionError(f"timed out waiting for {what}")
 
-    wait(lambda: client.get("/v1/run").json()["round"] >= 2, "the first island on an autoscaled GPU node")
+    # a 409 "retry" until the coordinator first answers (the control plane serves from the start)
+    wait(lambda: client.get("/v1/run").json().get("round", 0) >= 2, "the first island on an autoscaled GPU node")
     assert _gpu_nodes() == 1
     t_add = time.time()
     assert client.put("/v1/islands/target", json={"target": 2}).status_code == 202
