@@ -49,6 +49,15 @@ def _watch(engine: RoundEngine) -> list[tuple[float, Close]]:
     return closes
 
 
+def _driven(cfg: Any) -> tuple[RoundEngine, Any, list[tuple[float, Close]]]:
+    """`cfg` run to its end in process, every close watched, every batch checked trained once."""
+    engine, pool = in_process_engine(cfg)
+    closes = _watch(engine)
+    drive(engine)
+    check_exactly_once(cfg, engine.summary)
+    return engine, pool, closes
+
+
 def _merged_per_step(closes: list[tuple[float, Close]]) -> list[int]:
     """Results merged by each step, in time order (with fragments, a step is the fragment
     steps fired at one instant)."""
@@ -121,10 +130,7 @@ def test_fragments_on_a_quorum_step_each_fragment_on_its_own_results_aged_by_its
         "mode.quorum=2",
         "simulation.slowdown=[1.0,1.0,4.0]",
     )
-    engine, pool = in_process_engine(cfg)
-    closes = _watch(engine)
-    drive(engine)
-    check_exactly_once(cfg, engine.summary)
+    engine, pool, closes = _driven(cfg)
     assert {o.steps for o in pool.dispatched} == {2}  # segments of H / P = 4 / 2 steps
     stepped_to: dict[int, list[int]] = {0: [], 1: []}  # fragment -> versions its steps made
     aged, oldest = 0, 0
@@ -157,10 +163,7 @@ def test_fragments_sent_early_wait_for_the_window_from_when_they_are_in_hand(tmp
     from the crossing, it had closed before the others' results, alike, were in hand).
     And τ is time: a segment a quarter as long sends its Δ a quarter as many steps early."""
     cfg = scenario_cfg(tmp_path, "streaming_quorum", "inner_steps=8", "mode.tau=2", "simulation.slowdown=[1.0,1.0,4.5]")
-    engine, pool = in_process_engine(cfg)
-    closes = _watch(engine)
-    drive(engine)
-    check_exactly_once(cfg, engine.summary)
+    _, pool, closes = _driven(cfg)
     assert {(o.island, o.steps, o.send_after) for o in list(pool.dispatched)[:3]} == {(0, 4, 2), (1, 4, 2), (2, 1, 1)}
     assert all(len(c.flights) == 3 for _, c in closes[:-1])
 
@@ -180,10 +183,7 @@ def test_a_hung_island_holds_no_step_and_is_replaced(tmp_path):
 
 def test_sync_dylu_is_a_barrier_whose_h_follows_speed(tmp_path):
     cfg = scenario_cfg(tmp_path, "sync_dylu", "simulation.slowdown=[1.0,1.0,4.0]")
-    engine, pool = in_process_engine(cfg)
-    closes = _watch(engine)
-    drive(engine)
-    check_exactly_once(cfg, engine.summary)
+    engine, pool, closes = _driven(cfg)
     assert {o.island: o.steps for o in list(pool.dispatched)[:3]} == {0: 4, 1: 4, 2: 1}
     # every step, the last one too (the budget's rest shared, not one island's remainder)
     assert all(sorted(f.work.island for f in c.flights) == [0, 1, 2] for _, c in closes)
@@ -314,10 +314,7 @@ def test_a_step_with_no_island_left_in_flight_waits_until_every_result_crossed_i
     times = {}
     for mode in ("quorum", "diloco"):
         cfg = scenario_cfg(tmp_path, mode, "rounds=3", "mode.dylu=false", *link)
-        engine, _ = in_process_engine(cfg)
-        closes = _watch(engine)
-        drive(engine)
-        check_exactly_once(cfg, engine.summary)
+        *_, closes = _driven(cfg)
         assert all(t >= max(f.usable_at for f in c.flights) for t, c in closes)
         assert all(max(f.usable_at for f in c.flights) > max(f.received_at for f in c.flights) for _, c in closes)
         times[mode] = [t for t, _ in closes]
@@ -344,9 +341,6 @@ def test_a_step_merges_only_the_results_that_have_crossed_their_links(tmp_path):
         "simulation.nominal_params=16000",
         *link,
     )
-    engine, _ = in_process_engine(cfg)
-    closes = _watch(engine)
-    drive(engine)
-    check_exactly_once(cfg, engine.summary)
+    *_, closes = _driven(cfg)
     assert closes and all(f.usable_at <= t for t, c in closes for f in c.flights)
     assert any(len(c.flights) < 3 for _, c in closes)  # a step went without the one still crossing
